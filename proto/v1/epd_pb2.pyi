@@ -1,0 +1,406 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT8_E4M3: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    BOOL: _ClassVar[DType]
+    UINT8: _ClassVar[DType]
+
+class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_UNSPECIFIED: _ClassVar[Backend]
+    CPU: _ClassVar[Backend]
+    CUDA: _ClassVar[Backend]
+DTYPE_UNSPECIFIED: DType
+BFLOAT16: DType
+FLOAT16: DType
+FLOAT32: DType
+FLOAT8_E4M3: DType
+INT64: DType
+INT32: DType
+BOOL: DType
+UINT8: DType
+BACKEND_UNSPECIFIED: Backend
+CPU: Backend
+CUDA: Backend
+
+class TensorDesc(_message.Message):
+    __slots__ = ("region_id", "offset_bytes", "shape", "dtype", "strides")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STRIDES_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    offset_bytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    strides: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, region_id: _Optional[str] = ..., offset_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., strides: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetTopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineInfo(_message.Message):
+    __slots__ = ("index", "socket_path", "backend", "device_name", "device_uuid", "ready", "pid", "restarts")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    socket_path: str
+    backend: Backend
+    device_name: str
+    device_uuid: str
+    ready: bool
+    pid: int
+    restarts: int
+    def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+
+class GetTopologyResponse(_message.Message):
+    __slots__ = ("version", "node_name", "engines", "metrics_url")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    node_name: str
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    metrics_url: str
+    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+
+class GroupSpec(_message.Message):
+    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOPK_FIELD_NUMBER: _ClassVar[int]
+    X_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    num_topk: int
+    x_dtype: DType
+    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    spec: GroupSpec
+    rank: int
+    engine_index: int
+    session_id: str
+    timeout_seconds: float
+    def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RendezvousResponse(_message.Message):
+    __slots__ = ("group_id", "comm_path", "rank_engines", "nvshmem_uid", "heap_offset")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    COMM_PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_ENGINES_FIELD_NUMBER: _ClassVar[int]
+    NVSHMEM_UID_FIELD_NUMBER: _ClassVar[int]
+    HEAP_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    comm_path: str
+    rank_engines: _containers.RepeatedScalarFieldContainer[int]
+    nvshmem_uid: bytes
+    heap_offset: int
+    def __init__(self, group_id: _Optional[str] = ..., comm_path: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., nvshmem_uid: _Optional[bytes] = ..., heap_offset: _Optional[int] = ...) -> None: ...
+
+class ReleaseRankRequest(_message.Message):
+    __slots__ = ("group_id", "rank", "reason")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    rank: int
+    reason: str
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseRankResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("client_name", "pid")
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    client_name: str
+    pid: int
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("opened", "group_aborted")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    opened: SessionOpened
+    group_aborted: GroupAborted
+    def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., group_aborted: _Optional[_Union[GroupAborted, _Mapping]] = ...) -> None: ...
+
+class SessionOpened(_message.Message):
+    __slots__ = ("session_id", "counter_page_path", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_PAGE_PATH_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    counter_page_path: str
+    counter_page_bytes: int
+    backend: Backend
+    engine_index: int
+    device_ordinal: int
+    version: str
+    def __init__(self, session_id: _Optional[str] = ..., counter_page_path: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class GroupAborted(_message.Message):
+    __slots__ = ("group_id", "reason")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    reason: str
+    def __init__(self, group_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JoinGroupRequest(_message.Message):
+    __slots__ = ("session_id", "spec", "rank", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    spec: GroupSpec
+    rank: int
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class JoinGroupResponse(_message.Message):
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_path", "output_region_ipc", "output_region_bytes", "counter_slot")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_PATH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_IPC_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    rank: int
+    output_region_id: str
+    output_region_path: str
+    output_region_ipc: bytes
+    output_region_bytes: int
+    counter_slot: int
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_path: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ...) -> None: ...
+
+class LeaveGroupRequest(_message.Message):
+    __slots__ = ("session_id", "group_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ...) -> None: ...
+
+class LeaveGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("session_id", "shm_path", "cuda_ipc_handle", "size_bytes", "device_ordinal")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    shm_path: str
+    cuda_ipc_handle: bytes
+    size_bytes: int
+    device_ordinal: int
+    def __init__(self, session_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., device_ordinal: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionResponse(_message.Message):
+    __slots__ = ("region_id", "size_bytes")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    size_bytes: int
+    def __init__(self, region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("session_id", "region_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    region_id: str
+    def __init__(self, session_id: _Optional[str] = ..., region_id: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetDispatchLayoutRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "topk_idx")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    topk_idx: TensorDesc
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+
+class GetDispatchLayoutResponse(_message.Message):
+    __slots__ = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")
+    NUM_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    IS_TOKEN_IN_RANK_FIELD_NUMBER: _ClassVar[int]
+    num_tokens_per_rank: TensorDesc
+    num_tokens_per_expert: TensorDesc
+    is_token_in_rank: TensorDesc
+    def __init__(self, num_tokens_per_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+
+class DispatchRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    X_FIELD_NUMBER: _ClassVar[int]
+    X_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
+    TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    x: TensorDesc
+    x_scales: TensorDesc
+    topk_idx: TensorDesc
+    topk_weights: TensorDesc
+    expert_alignment: int
+    num_worst_tokens: int
+    cached_handle: int
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class DispatchResponse(_message.Message):
+    __slots__ = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "handle", "num_recv_tokens", "recv_src_idx", "rank_prefix_matrix", "counter_sequence")
+    RECV_X_FIELD_NUMBER: _ClassVar[int]
+    RECV_X_SCALES_FIELD_NUMBER: _ClassVar[int]
+    RECV_TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
+    RECV_TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECV_TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RECV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECV_SRC_IDX_FIELD_NUMBER: _ClassVar[int]
+    RANK_PREFIX_MATRIX_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    recv_x: TensorDesc
+    recv_x_scales: TensorDesc
+    recv_topk_idx: TensorDesc
+    recv_topk_weights: TensorDesc
+    num_recv_tokens_per_expert: _containers.RepeatedScalarFieldContainer[int]
+    handle: int
+    num_recv_tokens: int
+    recv_src_idx: TensorDesc
+    rank_prefix_matrix: TensorDesc
+    counter_sequence: int
+    def __init__(self, recv_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_recv_tokens_per_expert: _Optional[_Iterable[int]] = ..., handle: _Optional[int] = ..., num_recv_tokens: _Optional[int] = ..., recv_src_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., rank_prefix_matrix: _Optional[_Union[TensorDesc, _Mapping]] = ..., counter_sequence: _Optional[int] = ...) -> None: ...
+
+class CombineRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    X_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    BIAS_0_FIELD_NUMBER: _ClassVar[int]
+    BIAS_1_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    x: TensorDesc
+    handle: int
+    topk_weights: TensorDesc
+    bias_0: TensorDesc
+    bias_1: TensorDesc
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CombineResponse(_message.Message):
+    __slots__ = ("combined_x", "combined_topk_weights")
+    COMBINED_X_FIELD_NUMBER: _ClassVar[int]
+    COMBINED_TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    combined_x: TensorDesc
+    combined_topk_weights: TensorDesc
+    def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GroupStats(_message.Message):
+    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
+    DISPATCHES_FIELD_NUMBER: _ClassVar[int]
+    COMBINES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    name: str
+    rank: int
+    num_ranks: int
+    dispatches: int
+    combines: int
+    bytes_sent: int
+    bytes_received: int
+    aborted: bool
+    abort_reason: str
+    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("engine_index", "sessions", "groups", "regions", "region_bytes")
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    sessions: int
+    groups: _containers.RepeatedCompositeFieldContainer[GroupStats]
+    regions: int
+    region_bytes: int
+    def __init__(self, engine_index: _Optional[int] = ..., sessions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ...) -> None: ...
