@@ -1,0 +1,198 @@
+"""The interface between an engine and the device code that moves the data.
+
+An engine process owns exactly one `Backend`. The engine layer (sessions, groups, validation,
+handles, metrics) is backend-agnostic: it resolves tensor descriptors into arrays through
+`Region.view`, calls a `RankComm` for every collective, and turns the arrays it gets back into
+descriptors of the membership's output region. A backend therefore only implements:
+
+* regions: open client memory (a shared-memory file on the CPU backend, a CUDA IPC handle on the
+  CUDA backend) and make strided views of it;
+* counter pages: map a session's counter page so the notify step can publish receive counts;
+* rank communicators: one per (group, rank) held by this engine, implementing the DESIGN.md §6
+  collectives with deadlines and a group-wide abort word.
+
+Arrays are NumPy arrays on the CPU backend and CuPy arrays on the CUDA backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from epd.proto import dtypes
+
+Array = Any  # numpy.ndarray (cpu) or cupy.ndarray (cuda)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    name: str
+    num_ranks: int
+    num_experts: int
+    hidden: int
+    max_tokens_per_rank: int
+    num_topk: int
+    x_dtype: int  # epd.proto DType enum value
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.num_ranks
+
+    @property
+    def x_numpy_dtype(self) -> np.dtype:
+        return dtypes.to_numpy(self.x_dtype)
+
+    @property
+    def max_recv_tokens(self) -> int:
+        return self.num_ranks * self.max_tokens_per_rank
+
+
+@dataclass(frozen=True)
+class Membership:
+    """What the supervisor's rendezvous decided for one rank of a group."""
+
+    group_id: str
+    rank: int
+    rank_engines: tuple[int, ...]
+    comm_path: str = ""
+    nvshmem_uid: bytes = b""
+    heap_offset: int = 0
+
+
+@dataclass
+class DispatchArgs:
+    x: Array
+    x_scales: Array | None
+    topk_idx: Array | None  # None in cached mode
+    topk_weights: Array | None
+    expert_alignment: int = 1
+    num_worst_tokens: int = 0
+    cached: Any = None  # a handle state returned by an earlier dispatch of this RankComm
+
+
+@dataclass
+class DispatchOutputs:
+    recv_x: Array
+    recv_x_scales: Array | None
+    recv_topk_idx: Array | None  # None in cached mode
+    recv_topk_weights: Array | None
+    recv_src_idx: Array
+    rank_prefix_matrix: Array  # [R, R] int32, DeepEP's: rows from sources <= s received by d
+    num_recv_tokens: int
+    num_recv_tokens_per_expert: list[int]
+    handle: Any  # backend state needed by combine and cached dispatch
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class CombineArgs:
+    x: Array
+    handle: Any
+    topk_weights: Array | None = None
+    bias_0: Array | None = None
+    bias_1: Array | None = None
+
+
+@dataclass
+class CombineOutputs:
+    combined_x: Array
+    combined_topk_weights: Array | None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class LayoutOutputs:
+    num_tokens_per_rank: Array
+    num_tokens_per_expert: Array
+    is_token_in_rank: Array
+
+
+class Region(abc.ABC):
+    """Client memory opened in the engine. Bounds are checked by the engine before `view`."""
+
+    def __init__(self, region_id: str, size: int) -> None:
+        self.region_id = region_id
+        self.size = size
+
+    @abc.abstractmethod
+    def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+             strides: tuple[int, ...]) -> Array:
+        """A view (no copy) of `shape` elements at byte `offset`, strides in elements."""
+
+    def offset_of(self, array: Array) -> int:
+        """Byte offset of an array that lives in this region (engine-owned output regions)."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the mapping; called exactly once."""
+
+
+class CounterPage(abc.ABC):
+    """A session's counter page as the engine sees it."""
+
+    @abc.abstractmethod
+    def slot(self, index: int) -> Any:
+        """The slot handle a RankComm publishes counts through."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class RankComm(abc.ABC):
+    """One rank of one group, held by this engine. Calls come from one thread at a time (the
+    owning session's worker), in the same order on every rank of the group."""
+
+    spec: GroupSpec
+    membership: Membership
+    output_region: Region
+
+    @abc.abstractmethod
+    def layout(self, topk_idx: Array) -> LayoutOutputs: ...
+
+    @abc.abstractmethod
+    def dispatch(self, args: DispatchArgs, counter_slot: Any, sequence: int,
+                 deadline: float) -> DispatchOutputs:
+        """Run notify + dispatch. Publishes (sequence, counts) into counter_slot as soon as the
+        receive counts are known; raises Aborted / DeadlineExceeded on group failure."""
+
+    @abc.abstractmethod
+    def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs: ...
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """Mark the group failed for every rank; pending and later collectives raise Aborted."""
+
+    @abc.abstractmethod
+    def abort_reason(self) -> str | None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Backend(abc.ABC):
+    name: str  # "cpu" or "cuda"
+
+    @abc.abstractmethod
+    def device_info(self) -> dict[str, Any]:
+        """name, uuid, ordinal of the device this engine drives."""
+
+    @abc.abstractmethod
+    def open_region(self, region_id: str, *, shm_path: str = "", ipc_handle: bytes = b"",
+                    size: int, device_ordinal: int = 0) -> Region: ...
+
+    @abc.abstractmethod
+    def open_counter_page(self, path: str) -> CounterPage: ...
+
+    @abc.abstractmethod
+    def attach(self, spec: GroupSpec, membership: Membership, output_path: str) -> RankComm:
+        """Create this engine's communicator for one rank (after the rendezvous).
+        `output_path` names a file the backend may use for the output region (CPU backend)."""
+
+    def close(self) -> None:
+        """Release device state at engine exit."""
