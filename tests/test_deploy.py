@@ -1,0 +1,401 @@
+"""Static checks of the deployment files under deploy/ (no daemon, no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+YAML_FILES = sorted(DEPLOY.rglob("*.yaml"))
+JSON_FILES = sorted(DEPLOY.rglob("*.json"))
+ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
+DASHBOARD = DEPLOY / "grafana" / "epd-dashboard.json"
+UNIT = DEPLOY / "systemd" / "epd.service"
+ENV_FILE = DEPLOY / "systemd" / "epd.env"
+K8S = DEPLOY / "kubernetes"
+
+# Metrics the daemon exports (name -> type). Histograms also expose _bucket/_count/_sum.
+METRICS = {
+    "epd_dispatch_seconds": "histogram",
+    "epd_combine_seconds": "histogram",
+    "epd_layout_seconds": "histogram",
+    "epd_requests_total": "counter",
+    "epd_bytes_sent_total": "counter",
+    "epd_bytes_received_total": "counter",
+    "epd_recv_tokens_total": "counter",
+    "epd_expert_load_imbalance_ratio": "gauge",
+    "epd_collective_timeouts_total": "counter",
+    "epd_group_aborts_total": "counter",
+    "epd_sessions": "gauge",
+    "epd_groups": "gauge",
+    "epd_regions": "gauge",
+    "epd_region_bytes": "gauge",
+    "epd_engine_restarts_total": "counter",
+    "epd_engine_up": "gauge",
+    "epd_build_info": "gauge",
+}
+# Series Prometheus itself attaches to every target.
+PROMETHEUS_BUILTINS = {"up"}
+# Flags of `epd serve`; each one is also settable as EPD_<FLAG_UPPER_SNAKE>.
+SERVE_FLAGS = {
+    "backend",
+    "engines",
+    "socket-dir",
+    "metrics-host",
+    "metrics-port",
+    "config",
+    "log-level",
+    "timeout-seconds",
+}
+EPD_ENV_VARS = {"EPD_" + f.upper().replace("-", "_") for f in SERVE_FLAGS}
+NVSHMEM_ENV = {
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "NVSHMEM_REMOTE_TRANSPORT": "none",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+}
+
+PROMQL_WORDS = {"and", "or", "unless", "bool", "offset", "inf", "nan"}
+
+
+def known_series() -> set[str]:
+    names = set(PROMETHEUS_BUILTINS)
+    for name, kind in METRICS.items():
+        names.add(name)
+        if kind == "histogram":
+            names |= {f"{name}_bucket", f"{name}_count", f"{name}_sum"}
+    return names
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names referenced in a PromQL expression (good enough for these files)."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)  # string literals
+    s = re.sub(r"\{[^}]*\}", "", s)  # label matchers
+    s = re.sub(r"\[[^\]]*\]", "", s)  # range and subquery selectors
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)
+    names = set()
+    for m in re.finditer(r"(?<![\w$.])([A-Za-z_:][\w:]*)\b(\s*\()?", s):
+        if m.group(2) or m.group(1).lower() in PROMQL_WORDS:
+            continue  # a function call or a keyword
+        names.add(m.group(1))
+    return names
+
+
+def load_yaml_docs(path: Path) -> list:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def parse_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+            continue
+        assert current is not None, f"{path}: key outside a section: {line}"
+        key, sep, value = line.partition("=")
+        assert sep, f"{path}: not key=value: {line}"
+        current.append((key.strip(), value.strip()))
+    return sections
+
+
+def daemonset() -> dict:
+    docs = load_yaml_docs(K8S / "daemonset.yaml")
+    (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    return ds
+
+
+# ---------------------------------------------------------------- syntax
+
+
+def test_deploy_tree_has_expected_files():
+    for rel in [
+        "README.md",
+        "systemd/epd.service",
+        "systemd/epd.env",
+        "kubernetes/daemonset.yaml",
+        "kubernetes/service.yaml",
+        "kubernetes/servicemonitor.yaml",
+        "kubernetes/kustomization.yaml",
+        "prometheus/scrape.yaml",
+        "prometheus/alerts.yaml",
+        "grafana/epd-dashboard.json",
+    ]:
+        assert (DEPLOY / rel).is_file(), rel
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses(path):
+    assert load_yaml_docs(path), f"{path} is empty"
+
+
+@pytest.mark.parametrize("path", JSON_FILES, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_json_parses(path):
+    json.loads(path.read_text())
+
+
+def test_metric_name_parser():
+    expr = (
+        "histogram_quantile(0.99, sum by (group, le) (rate(epd_dispatch_seconds_bucket"
+        '{instance=~"$instance"}[$__rate_interval]))) > 0.005 and on (group) up == 0'
+    )
+    assert metric_names(expr) == {"epd_dispatch_seconds_bucket", "up"}
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    assert set(doc) == {"groups"}
+    rules = []
+    for group in doc["groups"]:
+        assert group["name"] and group["rules"]
+        rules += group["rules"]
+    return rules
+
+
+def test_alert_rules_structure():
+    rules = alert_rules()
+    seen = set()
+    for rule in rules:
+        assert "record" not in rule
+        name = rule["alert"]
+        assert name not in seen, f"duplicate alert {name}"
+        seen.add(name)
+        assert isinstance(rule["expr"], str) and rule["expr"].strip(), name
+        assert re.fullmatch(r"(\d+[smhdwy])+", str(rule["for"])), name
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, name
+        assert rule["annotations"]["summary"].strip(), name
+    wanted = {
+        "EngineDown",
+        "EngineRestarting",
+        "HighCollectiveTimeouts",
+        "GroupAborts",
+        "ExpertLoadImbalance",
+        "DispatchP99High",
+    }
+    assert wanted <= {n.removeprefix("Epd") for n in seen}
+
+
+def test_alert_thresholds():
+    rules = {r["alert"]: r for r in alert_rules()}
+    imbalance = rules["EpdExpertLoadImbalance"]
+    assert "epd_expert_load_imbalance_ratio" in imbalance["expr"]
+    assert re.search(r">\s*4\b", imbalance["expr"]) and imbalance["for"] == "10m"
+    p99 = rules["EpdDispatchP99High"]["expr"]
+    assert "histogram_quantile(0.99" in p99 and "epd_dispatch_seconds_bucket" in p99
+
+
+def test_alert_metrics_exist():
+    known = known_series()
+    for rule in alert_rules():
+        names = metric_names(rule["expr"])
+        assert names, rule["alert"]
+        assert names <= known, f"{rule['alert']}: unknown metrics {names - known}"
+
+
+def test_scrape_config():
+    doc = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+    assert doc["rule_files"] == ["alerts.yaml"]
+    jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
+    assert jobs["epd"]["static_configs"][0]["targets"] == ["127.0.0.1:9464"]
+
+
+PROMTOOL = shutil.which("promtool")
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+def test_promtool_check_rules():
+    subprocess.run([PROMTOOL, "check", "rules", str(ALERTS)], check=True)
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
+def test_promtool_check_config():
+    res = subprocess.run(
+        [PROMTOOL, "check", "config", str(DEPLOY / "prometheus" / "scrape.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    if res.returncode and "kubernetes_sd_configs not found" in res.stdout + res.stderr:
+        pytest.skip("this promtool build lacks Kubernetes service discovery (Debian)")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+# ---------------------------------------------------------------- Grafana
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def all_panels(panels: list[dict]) -> list[dict]:
+    out = []
+    for p in panels:
+        out.append(p)
+        out += all_panels(p.get("panels", []))
+    return out
+
+
+def test_dashboard_structure():
+    dash = dashboard()
+    assert dash["schemaVersion"] == 39
+    assert dash["uid"] and dash["title"]
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    panels = all_panels(dash["panels"])
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "duplicate panel ids"
+    for p in panels:
+        assert {"h", "w", "x", "y"} <= set(p["gridPos"]), p["title"]
+        if p["type"] == "row":
+            continue
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["datasource"]["uid"] == "${datasource}", p["title"]
+
+
+def test_dashboard_metrics_exist():
+    known = known_series()
+    dash = dashboard()
+    used = set()
+    for p in all_panels(dash["panels"]):
+        for t in p.get("targets", []):
+            names = metric_names(t["expr"])
+            assert names, p["title"]
+            assert names <= known, f"{p['title']}: unknown metrics {names - known}"
+            used |= names
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+),\s*\w+\)", v["definition"])
+            assert m and m.group(1) in known, v["name"]
+    # Every exported family appears on the dashboard (build_info via the $instance variable).
+    families = {re.sub(r"_(bucket|count|sum)$", "", n) for n in used} | {"epd_build_info"}
+    assert set(METRICS) <= families, f"not shown: {set(METRICS) - families}"
+
+
+# ---------------------------------------------------------------- systemd
+
+
+def test_systemd_unit():
+    unit = parse_unit(UNIT)
+    service = unit["Service"]
+    keys = dict(service)
+    env = {}
+    for k, v in service:
+        if k == "Environment":
+            for item in v.split():
+                name, _, value = item.strip('"').partition("=")
+                env[name] = value
+    for name, value in NVSHMEM_ENV.items():
+        assert env.get(name) == value, name
+    assert keys["Type"] == "simple"
+    assert keys["User"] == "epd" and keys["Group"] == "epd"
+    assert keys["RuntimeDirectory"] == "epd" and keys["RuntimeDirectoryMode"] == "0750"
+    assert keys["Restart"] == "on-failure"
+    assert keys["KillSignal"] == "SIGTERM"
+    assert int(keys["TimeoutStopSec"]) > 10  # longer than the default collective deadline
+    assert keys["ExecStart"].split()[1:] == ["serve"]
+    assert env["EPD_SOCKET_DIR"] == "/run/" + keys["RuntimeDirectory"]
+    assert keys.get("PrivateDevices", "no") == "no"  # the GPUs must stay visible
+    assert unit["Install"] == [("WantedBy", "multi-user.target")]
+
+
+def test_env_file_uses_known_flags():
+    names = set()
+    for raw in ENV_FILE.read_text().splitlines():
+        line = raw.strip().lstrip("#").strip()
+        m = re.fullmatch(r"(EPD_[A-Z_]+)=.*", line)
+        if m:
+            names.add(m.group(1))
+    assert names, "no EPD_ settings documented"
+    assert names <= EPD_ENV_VARS, names - EPD_ENV_VARS
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def test_kustomization_resources_exist():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kust["namespace"] == "epd"
+    for res in kust["resources"]:
+        assert (K8S / res).is_file(), res
+    assert {"daemonset.yaml", "service.yaml", "servicemonitor.yaml"} <= set(kust["resources"])
+
+
+def test_all_k8s_objects_in_namespace():
+    for path in K8S.glob("*.yaml"):
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in load_yaml_docs(path):
+            if doc["kind"] != "Namespace":
+                assert doc["metadata"]["namespace"] == "epd", f"{path.name}: {doc['kind']}"
+
+
+def test_daemonset():
+    ds = daemonset()
+    pod = ds["spec"]["template"]["spec"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pod["hostIPC"] is True
+    assert pod.get("hostNetwork", False) is False
+    assert pod["nodeSelector"] and pod["tolerations"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (c,) = pod["containers"]
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert not c["securityContext"].get("privileged", False)
+
+    env = {e["name"]: e for e in c["env"]}
+    for name, value in NVSHMEM_ENV.items():
+        assert env[name]["value"] == value, name
+    assert {n for n in env if n.startswith("EPD_")} <= EPD_ENV_VARS
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["metrics"] == int(env["EPD_METRICS_PORT"]["value"])
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert host_paths["socket-dir"] == "/run/epd" == env["EPD_SOCKET_DIR"]["value"]
+    assert host_paths["dev-shm"] == "/dev/shm"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["socket-dir"] == "/run/epd" and mounts["dev-shm"] == "/dev/shm"
+
+
+def test_service_and_servicemonitor_match_daemonset():
+    ds = daemonset()
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    (svc,) = load_yaml_docs(K8S / "service.yaml")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = svc["spec"]["ports"]
+    assert port["name"] == "metrics" and port["targetPort"] == "metrics"
+    (sm,) = load_yaml_docs(K8S / "servicemonitor.yaml")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
+
+
+KUBECTL = shutil.which("kubectl")
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed")
+def test_kustomize_builds():
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S)], capture_output=True, text=True, check=True
+    ).stdout
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
+    assert kinds == ["DaemonSet", "Namespace", "Service", "ServiceAccount", "ServiceMonitor"]
