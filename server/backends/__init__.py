@@ -1,0 +1,30 @@
+"""Backends: `cpu` (NumPy over shared memory) and `cuda` (CuPy kernels over NVLink)."""
+
+from __future__ import annotations
+
+from epd.server.backends.base import Backend
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def resolve_backend_name(name: str) -> str:
+    if name == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return name
+
+
+def make_backend(cfg, index: int) -> Backend:
+    name = resolve_backend_name(cfg.backend)
+    if name == "cpu":
+        from epd.server.backends.cpu import CpuBackend
+        return CpuBackend(index, allowed_dirs=(cfg.shm_dir, "/dev/shm", "/tmp"))
+    if name == "cuda":
+        from epd.server.backends.cuda import CudaBackend  # needs the [cuda] extra
+        return CudaBackend(cfg, index)
+    raise ValueError(f"unknown backend {name!r}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from epd.proto import dtypes
 
 Array = Any  # numpy.ndarray (cpu) or cupy.ndarray (cuda)
@@ -194,5 +195,5 @@ class Backend(abc.ABC):
         """Create this engine's communicator for one rank (after the rendezvous).
         `output_path` names a file the backend may use for the output region (CPU backend)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (optional hook)
         """Release device state at engine exit."""

@@ -1,0 +1,140 @@
+"""Daemon configuration: defaults < TOML file (--config) < environment (EPD_*) < flags.
+
+Every field of `Config` is a flag `--field-name`, an environment variable `EPD_FIELD_NAME` and a
+key `field_name` in the optional TOML file (top level or under `[epd]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "EPD_"
+
+
+@dataclass
+class Config:
+    backend: str = field(default="auto", metadata={
+        "help": "cpu, cuda, or auto (cuda when CuPy sees a GPU, else cpu)",
+        "choices": ("auto", "cpu", "cuda")})
+    engines: int = field(default=0, metadata={
+        "help": "engine processes; cpu backend: default 2; cuda: one per visible GPU"})
+    socket_dir: str = field(default="/run/epd", metadata={
+        "help": "folder for the unix sockets (node.sock, gpu<N>.sock), created 0750"})
+    shm_dir: str = field(default="/dev/shm", metadata={
+        "help": "folder for counter pages, output regions and group files"})
+    metrics_host: str = field(default="127.0.0.1", metadata={
+        "help": "address of the HTTP endpoint (/metrics, /healthz, /readyz)"})
+    metrics_port: int = field(default=9464, metadata={
+        "help": "port of the HTTP endpoint; 0 picks a free port"})
+    timeout_seconds: float = field(default=10.0, metadata={
+        "help": "default deadline of a collective and of a group rendezvous"})
+    max_sessions: int = field(default=256, metadata={"help": "sessions per engine"})
+    max_regions_per_session: int = field(default=4096, metadata={
+        "help": "registered regions per session"})
+    max_handles: int = field(default=64, metadata={
+        "help": "dispatch handles kept per membership (older ones expire)"})
+    per_expert_metrics: bool = field(default=False, metadata={
+        "help": "export per-expert receive counts (high cardinality)"})
+    restart_backoff_seconds: float = field(default=1.0, metadata={
+        "help": "delay before restarting a crashed engine"})
+    drain_seconds: float = field(default=15.0, metadata={
+        "help": "on SIGTERM, how long running collectives may take to finish"})
+    log_level: str = field(default="info", metadata={
+        "help": "debug, info, warning or error",
+        "choices": ("debug", "info", "warning", "error")})
+    num_sms: int = field(default=0, metadata={
+        "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default)"})
+    nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
+        "help": "cuda backend: symmetric heap per engine"})
+
+    @property
+    def socket_path(self) -> Path:
+        return Path(self.socket_dir)
+
+    def engine_socket(self, index: int) -> str:
+        return str(Path(self.socket_dir) / f"gpu{index}.sock")
+
+    @property
+    def node_socket(self) -> str:
+        return str(Path(self.socket_dir) / "node.sock")
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that hands this configuration to an engine process."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[ENV_PREFIX + f.name.upper()] = str(int(v) if isinstance(v, bool) else v)
+        return out
+
+
+def _convert(f: dataclasses.Field, raw: Any) -> Any:
+    kind = type(f.default)
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{f.name}: expected a boolean, got {raw!r}")
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{f.name}: expected {kind.__name__}, got {raw!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ValueError(f"{f.name}: {value!r} is not one of {list(choices)}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, default=os.environ.get(ENV_PREFIX + "CONFIG"),
+                        help="TOML file with any of the settings below (env: EPD_CONFIG)")
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        help_text = f"{f.metadata.get('help', '')} (default {f.default!r}; env {env})"
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag, type=str, default=None, help=help_text,
+                                metavar=f.name.upper())
+
+
+def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> Config:
+    """Merge the sources; raises ValueError with the offending setting named."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = getattr(ns, "config", None) if ns is not None else env.get(ENV_PREFIX + "CONFIG")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    if path:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+        data = data.get("epd", data)
+        unknown = set(data) - set(fields)
+        if unknown:
+            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        values.update(data)
+    for name in fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = raw
+    if ns is not None:
+        for name in fields:
+            raw = getattr(ns, name, None)
+            if raw is not None:
+                values[name] = raw
+    cfg = Config(**{k: _convert(fields[k], v) for k, v in values.items()})
+    if cfg.timeout_seconds <= 0:
+        raise ValueError("timeout_seconds must be positive")
+    if cfg.engines < 0:
+        raise ValueError("engines must be >= 0")
+    return cfg

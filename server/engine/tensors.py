@@ -1,0 +1,87 @@
+"""Tensor descriptors: validated against their region before any view is made.
+
+A descriptor names a region of the calling session, a byte offset, a shape, a dtype and strides
+in elements. The check is overflow-safe by construction (Python integers) and rejects negative
+strides, misaligned offsets and any element outside the region's real extent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from epd.proto import dtypes
+from epd.proto.v1 import epd_pb2
+from epd.server.backends.base import Array, Region
+from epd.server.errors import InvalidArgument, NotFound
+
+MAX_DIMS = 4
+
+
+def is_set(desc: epd_pb2.TensorDesc) -> bool:
+    return bool(desc.region_id)
+
+
+def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
+            ndim: int, dtype: int | Sequence[int] | None = None) -> Array:
+    """The array a descriptor names, or InvalidArgument/NotFound saying what is wrong."""
+    region = regions.get(desc.region_id)
+    if region is None:
+        raise NotFound(f"{what}: region {desc.region_id!r} is not registered by this session")
+    shape = tuple(int(s) for s in desc.shape)
+    if len(shape) != ndim:
+        raise InvalidArgument(f"{what}: expected {ndim} dimensions, got shape {list(shape)}")
+    if any(s < 0 for s in shape):
+        raise InvalidArgument(f"{what}: negative dimension in shape {list(shape)}")
+    allowed = (dtype,) if isinstance(dtype, int) else dtype
+    if allowed is not None and desc.dtype not in allowed:
+        names = [dtypes.name(d) for d in allowed]
+        raise InvalidArgument(f"{what}: dtype {dtypes.name(desc.dtype)} is not one of {names}")
+    try:
+        np_dtype = dtypes.to_numpy(desc.dtype)
+    except ValueError:
+        raise InvalidArgument(f"{what}: unknown dtype {desc.dtype}") from None
+    if desc.strides:
+        strides = tuple(int(s) for s in desc.strides)
+        if len(strides) != ndim:
+            raise InvalidArgument(f"{what}: {len(strides)} strides for {ndim} dimensions")
+        if any(s < 0 for s in strides):
+            raise InvalidArgument(f"{what}: negative strides {list(strides)} are not supported")
+    else:
+        strides = contiguous_strides(shape)
+    # The innermost dimension must be dense: kernels copy whole rows.
+    if ndim and shape[-1] > 1 and strides[-1] != 1:
+        raise InvalidArgument(f"{what}: the last dimension must be contiguous "
+                              f"(stride 1), got strides {list(strides)}")
+    item = np_dtype.itemsize
+    offset = int(desc.offset_bytes)
+    if offset % item:
+        raise InvalidArgument(f"{what}: offset {offset} is not a multiple of the element size "
+                              f"{item}")
+    if all(s > 0 for s in shape):
+        last = sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
+        end = offset + (last + 1) * item
+    else:
+        end = offset
+    if end > region.size:
+        raise InvalidArgument(f"{what}: bytes [{offset}, {end}) fall outside region "
+                              f"{desc.region_id!r} of {region.size} bytes")
+    return region.view(offset, shape, np_dtype, strides)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))
+
+
+def describe(array: Array, region: Region) -> epd_pb2.TensorDesc:
+    """Descriptor of an engine-owned output array that lives in `region`."""
+    dt = np.dtype(array.dtype)
+    return epd_pb2.TensorDesc(
+        region_id=region.region_id, offset_bytes=region.offset_of(array),
+        shape=list(array.shape), dtype=dtypes.from_numpy(dt),
+        strides=[s // dt.itemsize for s in array.strides])
