@@ -35,8 +35,8 @@ def slot_words(buf: memoryview | np.ndarray, slot: int) -> np.ndarray:
     return arr
 
 
-def publish(words: np.ndarray, sequence: int, num_recv_tokens: int, per_expert: list[int] | np.ndarray,
-            status: int = 0) -> None:
+def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
+            per_expert: list[int] | np.ndarray, status: int = 0) -> None:
     """Host-side writer (CPU backend). x86 stores are not reordered with other stores, and NumPy
     writes the payload before the sequence store below, so a reader that sees the new sequence
     sees the payload too."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+
 from epd.proto.v1 import epd_pb2
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

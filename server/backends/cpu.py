@@ -210,43 +210,38 @@ class _Handle:
 
 class _OutputArena:
     """Fixed sub-buffers of the membership's output region (valid until the next call of the
-    same kind on this membership)."""
+    same kind on this membership). Each is sized for its widest dtype and viewed per call, so
+    an FP8 dispatch and a bf16 dispatch share recv_x."""
 
     def __init__(self, region: ShmRegion, spec: GroupSpec) -> None:
-        r, t, h, k, e = (spec.num_ranks, spec.max_tokens_per_rank, spec.hidden, spec.num_topk,
-                         spec.num_experts)
-        n = spec.max_recv_tokens
-        xdt = spec.x_numpy_dtype
-        self.buffers: dict[str, np.ndarray] = {}
+        self._mm = region._mm
+        self.offsets: dict[str, int] = {}
         off = 0
-        for name, shape, dt in (("recv_x", (n, h), xdt),
-                                ("recv_x_scales", (n, max(h // dtypes.FP8_BLOCK, 1)), np.float32),
-                                ("recv_topk_idx", (n, k), np.int64),
-                                ("recv_topk_weights", (n, k), np.float32),
-                                ("recv_src_idx", (n,), np.int32),
-                                ("rank_prefix_matrix", (r, r), np.int32),
-                                ("num_tokens_per_rank", (r,), np.int32),
-                                ("num_tokens_per_expert", (e,), np.int32),
-                                ("is_token_in_rank", (t, r), np.bool_),
-                                ("combined_x", (t, h), xdt),
-                                ("combined_topk_weights", (t, k), np.float32)):
-            dt = np.dtype(dt)
-            count = int(np.prod(shape))
-            self.buffers[name] = np.ndarray(shape, dtype=dt, buffer=region._mm, offset=off)
-            off = _align(off + count * dt.itemsize)
+        for name, nbytes in self.sizes(spec):
+            self.offsets[name] = off
+            off = _align(off + nbytes)
         self.size = off
 
     @staticmethod
-    def bytes_for(spec: GroupSpec) -> int:
-        n, t, h, k = spec.max_recv_tokens, spec.max_tokens_per_rank, spec.hidden, spec.num_topk
-        r, e = spec.num_ranks, spec.num_experts
+    def sizes(spec: GroupSpec) -> list[tuple[str, int]]:
+        r, t, h, k, e = (spec.num_ranks, spec.max_tokens_per_rank, spec.hidden, spec.num_topk,
+                         spec.num_experts)
+        n = spec.max_recv_tokens
         item = spec.x_numpy_dtype.itemsize
-        sizes = [n * h * item, n * max(h // dtypes.FP8_BLOCK, 1) * 4, n * k * 8, n * k * 4, n * 4,
-                 r * r * 4, r * 4, e * 4, t * r, t * h * item, t * k * 4]
-        return sum(_align(s) for s in sizes)
+        return [("recv_x", n * h * item), ("recv_x_scales", n * max(h // dtypes.FP8_BLOCK, 1) * 4),
+                ("recv_topk_idx", n * k * 8), ("recv_topk_weights", n * k * 4),
+                ("recv_src_idx", n * 4), ("rank_prefix_matrix", r * r * 4),
+                ("num_tokens_per_rank", r * 4), ("num_tokens_per_expert", e * 4),
+                ("is_token_in_rank", t * r), ("combined_x", t * h * item),
+                ("combined_topk_weights", t * k * 4)]
 
-    def get(self, name: str, rows: int) -> np.ndarray:
-        return self.buffers[name][:rows]
+    @classmethod
+    def bytes_for(cls, spec: GroupSpec) -> int:
+        return sum(_align(n) for _, n in cls.sizes(spec))
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._mm,
+                          offset=self.offsets[name])
 
 
 def layout_of(topk_idx: np.ndarray, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -317,12 +312,14 @@ class CpuRankComm(RankComm):
         per_rank, per_expert, in_rank = layout_of(topk_idx, self.spec)
         t = topk_idx.shape[0]
         out = self._out
-        out.get("num_tokens_per_rank", self.spec.num_ranks)[:] = per_rank
-        out.get("num_tokens_per_expert", self.spec.num_experts)[:] = per_expert
-        out.get("is_token_in_rank", t)[:] = in_rank
-        return LayoutOutputs(out.get("num_tokens_per_rank", self.spec.num_ranks),
-                             out.get("num_tokens_per_expert", self.spec.num_experts),
-                             out.get("is_token_in_rank", t))
+        r, e = self.spec.num_ranks, self.spec.num_experts
+        res = LayoutOutputs(out.get("num_tokens_per_rank", (r,), np.int32),
+                            out.get("num_tokens_per_expert", (e,), np.int32),
+                            out.get("is_token_in_rank", (t, r), np.bool_))
+        res.num_tokens_per_rank[:] = per_rank
+        res.num_tokens_per_expert[:] = per_expert
+        res.is_token_in_rank[:] = in_rank
+        return res
 
     def dispatch(self, args: DispatchArgs, counter_slot: np.ndarray, sequence: int,
                  deadline: float) -> DispatchOutputs:
@@ -335,7 +332,8 @@ class CpuRankComm(RankComm):
         # Inputs into this rank's slot (the "send buffer").
         meta = self._meta(me)
         meta[0], meta[1] = t, int(has_scales)
-        self._slot_array(me, "x", (t, h), spec.x_numpy_dtype)[:] = args.x
+        xdt = args.x.dtype  # the group's dtype, or FP8 (carried as bytes)
+        self._slot_array(me, "x", (t, h), xdt)[:] = args.x
         if has_scales:
             sc = args.x_scales
             self._slot_array(me, "x_scales", sc.shape, np.float32)[:] = sc
@@ -389,11 +387,13 @@ class CpuRankComm(RankComm):
 
         # Data: pull the rows, block by block in source order.
         out = self._out
-        recv_x = out.get("recv_x", rows_out)
-        recv_scales = out.get("recv_x_scales", rows_out)[:, :args.x_scales.shape[1]] \
+        k = spec.num_topk
+        recv_x = out.get("recv_x", (rows_out, h), xdt)
+        recv_scales = out.get("recv_x_scales", (rows_out, args.x_scales.shape[1]), np.float32) \
             if has_scales else None
-        recv_idx = out.get("recv_topk_idx", rows_out) if cached is None else None
-        recv_w = out.get("recv_topk_weights", rows_out) if cached is None else None
+        recv_idx = out.get("recv_topk_idx", (rows_out, k), np.int64) if cached is None else None
+        recv_w = out.get("recv_topk_weights", (rows_out, k), np.float32) \
+            if cached is None else None
         bytes_received = 0
         pos = 0
         for s in range(r):
@@ -402,9 +402,9 @@ class CpuRankComm(RankComm):
             if n == 0:
                 continue
             ts = int(self._meta(s)[0])
-            xs = self._slot_array(s, "x", (ts, h), spec.x_numpy_dtype)
+            xs = self._slot_array(s, "x", (ts, h), xdt)
             np.take(xs, sel, axis=0, out=recv_x[pos:pos + n])
-            bytes_received += n * h * spec.x_numpy_dtype.itemsize
+            bytes_received += n * h * xdt.itemsize
             if recv_scales is not None:
                 ss = self._slot_array(s, "x_scales", (ts, recv_scales.shape[1]), np.float32)
                 recv_scales[pos:pos + n] = ss[sel]
@@ -424,16 +424,16 @@ class CpuRankComm(RankComm):
             if recv_idx is not None:
                 recv_idx[num_recv:] = -1
                 recv_w[num_recv:] = 0
-        src_idx_out = out.get("recv_src_idx", rows_out)
+        src_idx_out = out.get("recv_src_idx", (rows_out,), np.int32)
         src_idx_out[:num_recv] = recv_src_idx
         src_idx_out[num_recv:] = -1
-        prefix_out = out.get("rank_prefix_matrix", r)
+        prefix_out = out.get("rank_prefix_matrix", (r, r), np.int32)
         prefix_out[:] = np.cumsum(rank_prefix, axis=0)
         handle = _Handle(sequence=seq, is_token_in_rank=in_rank.copy(), num_tokens=t,
                          rank_prefix=rank_prefix, recv_src_rank=recv_src_rank,
                          recv_src_idx=recv_src_idx, num_recv_tokens=num_recv,
                          num_worst_tokens=args.num_worst_tokens)
-        bytes_sent = int(in_rank.sum()) * h * spec.x_numpy_dtype.itemsize
+        bytes_sent = int(in_rank.sum()) * h * xdt.itemsize
         return DispatchOutputs(
             recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
             recv_topk_weights=recv_w, recv_src_idx=src_idx_out, rank_prefix_matrix=prefix_out,
@@ -484,11 +484,11 @@ class CpuRankComm(RankComm):
                 yw = self._slot_array(d, "y_weights", (nd, k), np.float32)
                 acc_w[mine] += yw[start:start + len(mine)]
         self._arrive(seq, 2)
-        out_x = self._out.get("combined_x", t)
+        out_x = self._out.get("combined_x", (t, h), spec.x_numpy_dtype)
         out_x[:] = acc.astype(spec.x_numpy_dtype)
         out_w = None
         if acc_w is not None:
-            out_w = self._out.get("combined_topk_weights", t)[:, :k]
+            out_w = self._out.get("combined_topk_weights", (t, k), np.float32)
             out_w[:] = acc_w
         return CombineOutputs(out_x, out_w, bytes_sent=nr * h * spec.x_numpy_dtype.itemsize,
                               bytes_received=bytes_received)

@@ -50,6 +50,8 @@ from epd.server.errors import (
 log = logging.getLogger("epd.engine")
 MAX_TIMEOUT = 600.0
 INDEX_DTYPES = (epd_pb2.INT64,)
+# A group's x_dtype is its combine dtype; dispatch carries it or FP8 (e4m3 + float32 scales).
+GROUP_DTYPES = (epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32)
 
 
 def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
@@ -71,12 +73,10 @@ def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
                               f"{counter_page.MAX_LOCAL_EXPERTS}")
     if p.num_topk > p.num_experts:
         raise InvalidArgument(f"num_topk={p.num_topk} exceeds num_experts={p.num_experts}")
-    if p.x_dtype not in dtypes.PAYLOAD_DTYPES:
+    if p.x_dtype not in GROUP_DTYPES:
         raise InvalidArgument(f"x_dtype must be one of "
-                              f"{sorted(dtypes.name(d) for d in dtypes.PAYLOAD_DTYPES)}")
-    if p.x_dtype == epd_pb2.FLOAT8_E4M3 and p.hidden % dtypes.FP8_BLOCK:
-        raise InvalidArgument(f"FP8 groups need hidden % {dtypes.FP8_BLOCK} == 0, "
-                              f"got hidden={p.hidden}")
+                              f"{sorted(dtypes.name(d) for d in GROUP_DTYPES)} (the dtype of "
+                              f"combine; dispatch may also carry FP8 with scales)")
     return GroupSpec(p.name, p.num_ranks, p.num_experts, p.hidden, p.max_tokens_per_rank,
                      p.num_topk, p.x_dtype)
 
@@ -348,8 +348,9 @@ class Engine:
         spec = member.spec
         self._check_alive(member)
         regions = session.regions
-        fp8 = spec.x_dtype == epd_pb2.FLOAT8_E4M3
-        x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=spec.x_dtype)
+        x = tensors.resolve(req.x, regions, "x", ndim=2,
+                            dtype=(spec.x_dtype, epd_pb2.FLOAT8_E4M3))
+        fp8 = req.x.dtype == epd_pb2.FLOAT8_E4M3
         t = x.shape[0]
         if x.shape[1] != spec.hidden:
             raise InvalidArgument(f"x has hidden size {x.shape[1]}, the group's is {spec.hidden}")
@@ -358,6 +359,9 @@ class Engine:
                                   f"{spec.max_tokens_per_rank}")
         scales = None
         if fp8:
+            if spec.hidden % dtypes.FP8_BLOCK:
+                raise InvalidArgument(f"FP8 dispatch needs hidden % {dtypes.FP8_BLOCK} == 0, "
+                                      f"the group's hidden is {spec.hidden}")
             if not tensors.is_set(req.x_scales):
                 raise InvalidArgument("FP8 dispatch needs x_scales (float32 [T, hidden/128])")
             scales = tensors.resolve(req.x_scales, regions, "x_scales", ndim=2,
@@ -367,8 +371,8 @@ class Engine:
                 raise InvalidArgument(f"x_scales has shape {list(scales.shape)}, expected "
                                       f"{list(want)}")
         elif tensors.is_set(req.x_scales):
-            raise InvalidArgument(f"x_scales is only for FP8 groups; this group carries "
-                                  f"{dtypes.name(spec.x_dtype)}")
+            raise InvalidArgument(f"x_scales is only for FP8 payloads; x is "
+                                  f"{dtypes.name(req.x.dtype)}")
         if req.expert_alignment < 0 or req.num_worst_tokens < 0:
             raise InvalidArgument("expert_alignment and num_worst_tokens must be >= 0")
         if req.num_worst_tokens > spec.max_recv_tokens:
@@ -404,8 +408,11 @@ class Engine:
         try:
             out = await self._run(session, member.comm.dispatch, args, slot, sequence,
                                   time.monotonic() + timeout)
-        except DeadlineExceeded:
-            metrics.TIMEOUTS.labels(spec.name).inc()
+        except Exception as e:
+            if int(slot[counter_page.SEQ]) < sequence:  # keep the page in step with requests
+                counter_page.publish(slot, sequence, 0, [], status=1)
+            if isinstance(e, DeadlineExceeded):
+                metrics.TIMEOUTS.labels(spec.name).inc()
             raise
         metrics.DISPATCH_SECONDS.labels(spec.name, "grpc", self.backend.name).observe(
             time.perf_counter() - t0)
@@ -446,11 +453,7 @@ class Engine:
         if info is None:
             raise FailedPrecondition(self._unknown_handle(member, req.handle))
         regions = session.regions
-        combine_dtype = spec.x_dtype if spec.x_dtype != epd_pb2.FLOAT8_E4M3 else epd_pb2.BFLOAT16
-        if spec.x_dtype == epd_pb2.FLOAT8_E4M3:
-            raise FailedPrecondition("combine on an FP8 group: FP8 is a dispatch payload; "
-                                     "create the group with the dtype of the expert outputs "
-                                     "(e.g. bfloat16) and dispatch FP8 as x + x_scales")
+        combine_dtype = spec.x_dtype
         x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=combine_dtype)
         if x.shape != (info.rows_out, spec.hidden):
             raise InvalidArgument(f"combine x has shape {list(x.shape)}, expected "

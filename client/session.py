@@ -1,0 +1,375 @@
+"""The client API: a `Session` with one engine, and the `Group`s it joins.
+
+    with Session(socket_dir="/run/epd", engine=0) as s:
+        g = s.join("moe-layer", rank=0, num_ranks=2, num_experts=8, hidden=256,
+                   max_tokens_per_rank=128, num_topk=2)
+        out = g.dispatch(x, topk_idx, topk_weights)
+        y = expert(out.recv_x, out.recv_topk_idx)
+        combined, weights = g.combine(y, out.handle, topk_weights=out.recv_topk_weights)
+
+The session's gRPC stream is its lease: when this process exits, the engine frees everything
+the session held and aborts the groups it belonged to.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from epd.client import tensors as T
+from epd.client.errors import EpdError
+from epd.client.transport import GrpcTransport, Transport
+from epd.proto import counter_page, dtypes
+from epd.proto.v1 import epd_pb2
+
+DEFAULT_SOCKET_DIR = "/run/epd"
+RPC_MARGIN = 5.0  # the engine's own deadline fires first and names the missing rank
+
+
+def engine_socket(socket_dir: str | None = None, engine: int = 0) -> str:
+    folder = socket_dir or os.environ.get("EPD_SOCKET_DIR", DEFAULT_SOCKET_DIR)
+    return os.path.join(folder, f"gpu{engine}.sock")
+
+
+@dataclass
+class Handle:
+    """What a dispatch leaves for combine and cached dispatch (state stays in the engine)."""
+
+    group: Group
+    handle_id: int
+    num_tokens: int
+    num_recv_tokens: int
+    rows: int  # rows of recv_x (num_worst_tokens when set)
+
+
+@dataclass
+class DispatchResult:
+    recv_x: np.ndarray
+    recv_x_scales: np.ndarray | None
+    recv_topk_idx: np.ndarray | None
+    recv_topk_weights: np.ndarray | None
+    num_recv_tokens_per_expert: list[int]
+    handle: Handle
+    recv_src_idx: np.ndarray
+    rank_prefix_matrix: np.ndarray
+    num_recv_tokens: int
+
+
+class PendingDispatch:
+    """A dispatch in flight. `counts()` returns as soon as the engine's notify step has published
+    the receive counts in the counter page, before the data has arrived."""
+
+    def __init__(self, group: Group, future: Any, sequence: int, copy: bool, x_template: Any):
+        self._group, self._future, self._sequence = group, future, sequence
+        self._copy, self._template = copy, x_template
+
+    def counts(self, timeout: float = 10.0) -> tuple[int, list[int]]:
+        words = self._group._counter
+        got = counter_page.wait(words, self._sequence, timeout)
+        if got is None:
+            raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                           f"receive counts not published within {timeout} s")
+        if int(words[counter_page.STATUS]):
+            raise EpdError(grpc.StatusCode.ABORTED, "the dispatch failed before its counts "
+                           "were known; result() has the reason")
+        return got
+
+    def result(self) -> DispatchResult:
+        try:
+            resp = self._future.result()
+        finally:
+            self._group._session._busy = False
+        return self._group._dispatch_result(resp, self._copy, self._template)
+
+
+class Session:
+    def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,
+                 engine: int = 0, client_name: str = "", timeout: float = 30.0,
+                 transport: Transport | None = None) -> None:
+        self.endpoint = endpoint or engine_socket(socket_dir, engine)
+        self.timeout = timeout
+        self._transport = transport or GrpcTransport(self.endpoint)
+        self._stream = self._transport.open_stream(epd_pb2.OpenSessionRequest(
+            client_name=client_name or f"pid{os.getpid()}", pid=os.getpid()))
+        self._opened: epd_pb2.SessionOpened | None = None
+        self._lost: str | None = None
+        self._ready = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="epd-session", daemon=True)
+        self._watcher.start()
+        if not self._ready.wait(timeout) or self._opened is None:
+            self._stream.cancel()
+            raise EpdError(grpc.StatusCode.UNAVAILABLE,
+                           f"could not open a session on {self.endpoint}: "
+                           f"{self._lost or 'no answer'}")
+        o = self._opened
+        self.session_id = o.session_id
+        self.backend = "cuda" if o.backend == epd_pb2.CUDA else "cpu"
+        self.engine_index = o.engine_index
+        self.server_version = o.version
+        self._counter_file = T.ShmFile.open(o.counter_page_path, o.counter_page_bytes)
+        self._staging = T.Staging()
+        self._user_regions: list[T.ShmFile] = []
+        self._groups: dict[str, Group] = {}
+        self._busy = False
+        self._closed = False
+
+    # -- lease -------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        try:
+            for event in self._stream:
+                if event.HasField("opened"):
+                    self._opened = event.opened
+                    self._ready.set()
+            self._lost = "the engine ended the session"
+        except grpc.RpcError as e:
+            self._lost = f"{e.code().name}: {e.details()}"
+        finally:
+            self._ready.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._lost is None and not self._closed
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise EpdError(grpc.StatusCode.FAILED_PRECONDITION, "the session is closed")
+        if self._lost is not None:
+            raise EpdError(grpc.StatusCode.UNAVAILABLE, f"session lost: {self._lost}")
+        return self._transport.call(method, request, timeout or self.timeout)
+
+    # -- memory ------------------------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
+        """An array in a registered shared-memory region: passed to calls without a copy."""
+        dt = np.dtype(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        nbytes = max(int(np.prod(shape)) * dt.itemsize, 1)
+        f = T.ShmFile.create(nbytes)
+        f.region_id = self._register(f)
+        self._user_regions.append(f)
+        return f.view(0, shape, dt)
+
+    def _register(self, f: T.ShmFile) -> str:
+        resp = self._call("RegisterRegion", epd_pb2.RegisterRegionRequest(
+            session_id=self.session_id, shm_path=f.path, size_bytes=f.size))
+        return resp.region_id
+
+    def _grow_staging(self, nbytes: int) -> None:
+        old = self._staging.file
+        size = max(1 << 20, 1 << (2 * nbytes - 1).bit_length())
+        f = T.ShmFile.create(size)
+        f.region_id = self._register(f)
+        self._staging.file = f
+        self._staging.used = 0
+        if old is not None:
+            self._call("UnregisterRegion", epd_pb2.UnregisterRegionRequest(
+                session_id=self.session_id, region_id=old.region_id))
+            old.close(unlink=True)
+
+    def _descs(self, arrays: dict[str, Any]) -> dict[str, epd_pb2.TensorDesc]:
+        """Descriptors for a call's inputs: registered arrays as they are, others staged."""
+        out: dict[str, epd_pb2.TensorDesc] = {}
+        staged: dict[str, np.ndarray] = {}
+        for name, a in arrays.items():
+            if a is None:
+                continue
+            arr = T.to_numpy(a, name)
+            dtypes.from_numpy(arr.dtype)  # raises on an element type EPD does not carry
+            region = self._region_of(arr)
+            if region is not None:
+                out[name] = T.desc(region.region_id, arr.ctypes.data - region.base, arr)
+            else:
+                staged[name] = np.ascontiguousarray(arr)
+        total = sum(a.nbytes + 256 for a in staged.values())
+        self._staging.reset()
+        if staged and self._staging.need(total):
+            self._grow_staging(total)
+        for name, arr in staged.items():
+            off, dst = self._staging.put(arr)
+            out[name] = T.desc(self._staging.file.region_id, off, dst)
+        return out
+
+    def _region_of(self, arr: np.ndarray) -> T.ShmFile | None:
+        if arr.size == 0:
+            return None
+        lo = arr.ctypes.data
+        for f in self._user_regions:
+            if f.base <= lo < f.base + f.size:
+                return f
+        return None
+
+    # -- groups ------------------------------------------------------------------------------
+    def join(self, name: str, *, rank: int, num_ranks: int, num_experts: int, hidden: int,
+             max_tokens_per_rank: int, num_topk: int, dtype: str = "bfloat16",
+             timeout: float | None = None) -> Group:
+        """Join (and with the other ranks, form) a group; blocks until all ranks arrived."""
+        spec = epd_pb2.GroupSpec(name=name, num_ranks=num_ranks, num_experts=num_experts,
+                                 hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
+                                 num_topk=num_topk, x_dtype=dtypes.from_name(dtype))
+        wait = timeout if timeout is not None else self.timeout
+        resp = self._call("JoinGroup", epd_pb2.JoinGroupRequest(
+            session_id=self.session_id, spec=spec, rank=rank, timeout_seconds=wait),
+            wait + RPC_MARGIN)
+        g = Group(self, spec, resp)
+        self._groups[g.group_id] = g
+        return g
+
+    def stats(self) -> epd_pb2.GetStatsResponse:
+        return self._call("GetStats", epd_pb2.GetStatsRequest(session_id=self.session_id))
+
+    def close(self) -> None:
+        """End the lease: the engine leaves every group of this session and frees its memory."""
+        if self._closed:
+            return
+        self._closed = True
+        for g in list(self._groups.values()):
+            g._release()
+        self._stream.cancel()
+        self._watcher.join(timeout=5)
+        self._transport.close()
+        for f in [*self._user_regions, self._staging.file]:
+            if f is not None:
+                f.close(unlink=True)
+        self._counter_file.close(unlink=False)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Group:
+    """This process's rank of one group. Outputs are views into the engine's output region for
+    this rank unless copy=True (the default): a view stays valid until the next call of the
+    same kind (dispatch, combine, layout) on this group."""
+
+    def __init__(self, session: Session, spec: epd_pb2.GroupSpec,
+                 resp: epd_pb2.JoinGroupResponse) -> None:
+        self._session = session
+        self.spec = spec
+        self.name = spec.name
+        self.group_id = resp.group_id
+        self.rank = resp.rank
+        self.num_ranks = spec.num_ranks
+        self._out = T.ShmFile.open(resp.output_region_path, resp.output_region_bytes)
+        self._out.region_id = resp.output_region_id
+        self._counter = counter_page.slot_words(session._counter_file.mm, resp.counter_slot)
+        self._left = False
+
+    def _view(self, d: epd_pb2.TensorDesc, copy: bool) -> np.ndarray:
+        if d.region_id != self._out.region_id:
+            raise EpdError(grpc.StatusCode.INTERNAL, f"output in unknown region {d.region_id}")
+        arr = self._out.view(d.offset_bytes, tuple(d.shape), dtypes.to_numpy(d.dtype),
+                             tuple(d.strides))
+        return arr.copy() if copy else arr
+
+    def _timeout(self, timeout: float | None) -> float:
+        return timeout if timeout is not None else self._session.timeout
+
+    def get_dispatch_layout(self, topk_idx: Any, *, copy: bool = True):
+        """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+        is_token_in_rank [T, R] bool), as the caller's array type."""
+        d = self._session._descs({"topk_idx": topk_idx})
+        resp = self._session._call("GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
+            session_id=self._session.session_id, group_id=self.group_id, **d))
+        return tuple(T.like(self._view(x, copy), topk_idx) for x in
+                     (resp.num_tokens_per_rank, resp.num_tokens_per_expert,
+                      resp.is_token_in_rank))
+
+    def _dispatch_request(self, x, topk_idx, topk_weights, x_scales, expert_alignment,
+                          num_worst_tokens, handle, timeout):
+        if handle is not None and handle.group is not self:
+            raise EpdError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "the handle belongs to another group")
+        d = self._session._descs({"x": x, "x_scales": x_scales, "topk_idx": topk_idx,
+                                  "topk_weights": topk_weights})
+        t = self._timeout(timeout)
+        req = epd_pb2.DispatchRequest(
+            session_id=self._session.session_id, group_id=self.group_id,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+            cached_handle=handle.handle_id if handle is not None else 0, timeout_seconds=t,
+            **d)
+        return req, t + RPC_MARGIN
+
+    def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *,
+                 x_scales: Any = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 handle: Handle | None = None, timeout: float | None = None,
+                 copy: bool = True) -> DispatchResult:
+        """Send each token to the ranks holding its experts (DESIGN.md §6). With `handle`, the
+        cached mode: the routing of that earlier dispatch is reused and no counts travel."""
+        req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
+                                                  expert_alignment, num_worst_tokens, handle,
+                                                  timeout)
+        resp = self._session._call("Dispatch", req, rpc_timeout)
+        return self._dispatch_result(resp, copy, x)
+
+    def dispatch_async(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, *,
+                       x_scales: Any = None, expert_alignment: int = 1,
+                       num_worst_tokens: int = 0, handle: Handle | None = None,
+                       timeout: float | None = None, copy: bool = True) -> PendingDispatch:
+        """Start a dispatch; read the receive counts with `.counts()` while it runs."""
+        s = self._session
+        if s._busy:
+            raise EpdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "a dispatch of this session is still in flight")
+        req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
+                                                  expert_alignment, num_worst_tokens, handle,
+                                                  timeout)
+        # One dispatch in flight per session, and the engine publishes every dispatch it runs
+        # (failures too, with a status): ours is the first sequence after the current one.
+        expected = int(self._counter[counter_page.SEQ]) + 1
+        s._busy = True
+        fut = s._transport.call_async("Dispatch", req, rpc_timeout)
+        return PendingDispatch(self, fut, expected, copy, x)
+
+    def _dispatch_result(self, resp: epd_pb2.DispatchResponse, copy: bool,
+                         template: Any) -> DispatchResult:
+        v = self._view
+        def opt(d):
+            return (T.like(v(d, copy), template) if d.region_id else None)
+        recv_x = T.like(v(resp.recv_x, copy), template)
+        rows = recv_x.shape[0]
+        h = Handle(self, resp.handle, 0, resp.num_recv_tokens, rows)
+        return DispatchResult(
+            recv_x=recv_x, recv_x_scales=opt(resp.recv_x_scales),
+            recv_topk_idx=opt(resp.recv_topk_idx), recv_topk_weights=opt(resp.recv_topk_weights),
+            num_recv_tokens_per_expert=list(resp.num_recv_tokens_per_expert), handle=h,
+            recv_src_idx=T.like(v(resp.recv_src_idx, copy), template),
+            rank_prefix_matrix=T.like(v(resp.rank_prefix_matrix, copy), template),
+            num_recv_tokens=resp.num_recv_tokens)
+
+    def combine(self, x: Any, handle: Handle, topk_weights: Any = None, bias_0: Any = None,
+                bias_1: Any = None, *, timeout: float | None = None,
+                copy: bool = True) -> tuple[Any, Any]:
+        """Bring expert outputs back to their tokens and sum them in fp32 (DESIGN.md §6).
+        Returns (combined_x, combined_topk_weights or None)."""
+        if handle.group is not self:
+            raise EpdError(grpc.StatusCode.INVALID_ARGUMENT, "the handle belongs to another group")
+        d = self._session._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0,
+                                  "bias_1": bias_1})
+        t = self._timeout(timeout)
+        resp = self._session._call("Combine", epd_pb2.CombineRequest(
+            session_id=self._session.session_id, group_id=self.group_id,
+            handle=handle.handle_id, timeout_seconds=t, **d), t + RPC_MARGIN)
+        cx = T.like(self._view(resp.combined_x, copy), x)
+        cw = (T.like(self._view(resp.combined_topk_weights, copy), x)
+              if resp.combined_topk_weights.region_id else None)
+        return cx, cw
+
+    def leave(self) -> None:
+        """Leave the group. Its other ranks' later collectives fail with ABORTED."""
+        if self._left:
+            return
+        self._session._call("LeaveGroup", epd_pb2.LeaveGroupRequest(
+            session_id=self._session.session_id, group_id=self.group_id))
+        self._release()
+
+    def _release(self) -> None:
+        self._left = True
+        self._session._groups.pop(self.group_id, None)
+        self._out.close(unlink=False)

@@ -1,0 +1,161 @@
+"""The node's group registry: rendezvous of ranks into groups, and their teardown.
+
+Lives in the supervisor, the one process that sees every engine. A group forms when all
+`num_ranks` ranks have arrived with the same spec; the coordinator then decides, once and for all
+members, the shared resources (the communication file on the CPU backend, the heap offset on the
+CUDA backend). A group whose member went away is aborted: its remaining members fail with ABORTED,
+and the next rendezvous under the same name starts a fresh instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from epd.proto.v1 import epd_pb2
+from epd.server import metrics
+from epd.server.backends import cpu
+from epd.server.backends.base import GroupSpec
+from epd.server.engine.core import spec_from_proto
+from epd.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+
+log = logging.getLogger("epd.coordinator")
+
+
+@dataclass
+class GroupInstance:
+    group_id: str
+    spec: GroupSpec
+    spec_proto: epd_pb2.GroupSpec
+    members: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (engine, session)
+    formed: asyncio.Event = field(default_factory=asyncio.Event)
+    comm_path: str = ""
+    heap_offset: int = 0
+    aborted: str | None = None
+    released: set[int] = field(default_factory=set)
+
+
+class Coordinator:
+    def __init__(self, shm_dir: str, backend: str) -> None:
+        self.shm_dir = shm_dir
+        self.backend = backend
+        self.by_name: dict[str, GroupInstance] = {}
+        self.by_id: dict[str, GroupInstance] = {}
+        self.nvshmem_uid = b""
+        self._next_heap_offset = 0
+
+    async def rendezvous(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
+        spec = spec_from_proto(req.spec)
+        if not 0 <= req.rank < spec.num_ranks:
+            raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
+                                  f"{spec.num_ranks}")
+        g = self.by_name.get(spec.name)
+        if g is None or g.aborted is not None:
+            g = self._new_instance(spec, req.spec)
+        elif g.spec != spec:
+            raise FailedPrecondition(f"group {spec.name!r} exists with a different spec: "
+                                     f"{_spec_text(g.spec)}; this rank asked for "
+                                     f"{_spec_text(spec)}")
+        if req.rank in g.members:
+            raise FailedPrecondition(f"rank {req.rank} of group {spec.name!r} is already "
+                                     f"taken (by session {g.members[req.rank][1]})")
+        if g.formed.is_set():
+            raise FailedPrecondition(f"group {spec.name!r} is already formed")
+        g.members[req.rank] = (req.engine_index, req.session_id)
+        if len(g.members) == spec.num_ranks:
+            self._form(g)
+        try:
+            await asyncio.wait_for(g.formed.wait(), timeout=req.timeout_seconds or 10.0)
+        except TimeoutError:
+            missing = sorted(set(range(spec.num_ranks)) - set(g.members))
+            g.members.pop(req.rank, None)
+            self._drop_if_empty(g)
+            raise DeadlineExceeded(f"group {spec.name!r}: rank(s) {missing} did not join "
+                                   f"within {req.timeout_seconds:g} s") from None
+        except asyncio.CancelledError:  # the joining client went away
+            if not g.formed.is_set():
+                g.members.pop(req.rank, None)
+                self._drop_if_empty(g)
+            raise
+        if g.aborted is not None:
+            raise FailedPrecondition(f"group {spec.name!r} was aborted while forming: "
+                                     f"{g.aborted}")
+        return epd_pb2.RendezvousResponse(
+            group_id=g.group_id, comm_path=g.comm_path,
+            rank_engines=[g.members[r][0] for r in range(spec.num_ranks)],
+            nvshmem_uid=self.nvshmem_uid, heap_offset=g.heap_offset)
+
+    def _new_instance(self, spec: GroupSpec, proto: epd_pb2.GroupSpec) -> GroupInstance:
+        g = GroupInstance("g" + secrets.token_hex(6), spec, proto)
+        self.by_name[spec.name] = g
+        self.by_id[g.group_id] = g
+        return g
+
+    def _form(self, g: GroupInstance) -> None:
+        if self.backend == "cpu":
+            g.comm_path = os.path.join(self.shm_dir, f"epd-{g.group_id}.comm")
+            cpu.create_comm_file(g.comm_path, g.spec)
+        g.formed.set()
+        log.info("group %r (%s) formed: %d ranks on engines %s", g.spec.name, g.group_id,
+                 g.spec.num_ranks, [g.members[r][0] for r in range(g.spec.num_ranks)])
+
+    def release(self, group_id: str, rank: int, reason: str) -> None:
+        g = self.by_id.get(group_id)
+        if g is None:
+            return
+        if reason and g.aborted is None and len(g.released) < g.spec.num_ranks - 1:
+            self._abort(g, reason)
+        g.released.add(rank)
+        if len(g.released) >= len(g.members):
+            self._remove(g)
+
+    def engine_lost(self, engine: int) -> None:
+        """An engine died: every group with a rank there is aborted for its other members."""
+        for g in list(self.by_id.values()):
+            ranks = [r for r, (e, _) in g.members.items() if e == engine]
+            if not ranks:
+                continue
+            metrics.ABORTS.labels("engine_lost").inc()
+            self._abort(g, f"engine {engine} holding rank(s) {ranks} exited")
+            g.released.update(ranks)
+            if not g.formed.is_set():
+                for r in ranks:
+                    g.members.pop(r, None)
+            if len(g.released) >= len(g.members):
+                self._remove(g)
+
+    def _abort(self, g: GroupInstance, reason: str) -> None:
+        if g.aborted is not None:
+            return
+        g.aborted = reason
+        log.warning("group %r (%s) aborted: %s", g.spec.name, g.group_id, reason)
+        if g.comm_path:
+            cpu.abort_comm_file(g.comm_path, reason)
+
+    def _drop_if_empty(self, g: GroupInstance) -> None:
+        if not g.members and not g.formed.is_set():
+            self._remove(g)
+
+    def _remove(self, g: GroupInstance) -> None:
+        self.by_id.pop(g.group_id, None)
+        if self.by_name.get(g.spec.name) is g:
+            del self.by_name[g.spec.name]
+        if g.comm_path:
+            Path(g.comm_path).unlink(missing_ok=True)
+        log.info("group %r (%s) removed", g.spec.name, g.group_id)
+
+    def close(self) -> None:
+        for g in list(self.by_id.values()):
+            self._abort(g, "daemon shutting down")
+            self._remove(g)
+
+
+def _spec_text(s: GroupSpec) -> str:
+    return (f"num_ranks={s.num_ranks} num_experts={s.num_experts} hidden={s.hidden} "
+            f"max_tokens_per_rank={s.max_tokens_per_rank} num_topk={s.num_topk} "
+            f"x_dtype={s.x_dtype}")
+
