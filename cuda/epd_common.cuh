@@ -1,0 +1,164 @@
+// EPD intranode kernels: shared definitions.
+//
+// Header-free on purpose (no cuda_bf16.h / cuda_fp16.h): NVRTC as shipped with the CuPy wheels
+// may not find the toolkit headers, and we only need bit-level conversions.
+#pragma once
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Most ranks one group may span on one node (one bit each in a token's destination mask).
+#define EPD_MAX_RANKS 8
+
+// Control block at the start of every rank buffer (u64 words). The layout is mirrored by
+// server/backends/cuda_kernels.py (CTRL_* constants); keep them in step.
+#define CTRL_ABORT 0           // nonzero: the group was aborted (value = code)
+#define CTRL_ERR_CODE 1        // first error seen by this rank's kernels
+#define CTRL_ERR_RANK 2        // the rank that did not arrive (or -1)
+#define CTRL_ERR_PHASE 3       // which wait failed (PHASE_*)
+#define CTRL_ERR_SEQ 4         // sequence of the failed collective
+#define CTRL_TICKET 6          // last-block ticket of the data kernels (u32 in the low half)
+#define CTRL_NOTIFY_FLAG 8     // [R] notify payload from source s has arrived (value = seq)
+#define CTRL_DISPATCH_FLAG 16  // [R] source s finished its dispatch pushes
+#define CTRL_DISPATCH_ENTRY 24 // [R] source s entered a cached dispatch (buffer free barrier)
+#define CTRL_COMBINE_FLAG 32   // [R] source s finished its combine pushes
+#define CTRL_COMBINE_ENTRY 40  // [R] source s entered combine (buffer free barrier)
+#define CTRL_PAYLOAD_BYTES 512 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
+
+#define ERR_DEADLINE 1
+#define ERR_ABORTED 2
+#define ERR_WORST_OVERFLOW 3
+
+#define PHASE_NOTIFY 1
+#define PHASE_DISPATCH_ENTRY 2
+#define PHASE_DISPATCH_DONE 3
+#define PHASE_COMBINE_ENTRY 4
+#define PHASE_COMBINE_DONE 5
+
+// Counter-page slot words (proto/counter_page.py).
+#define SLOT_SEQ 0
+#define SLOT_NUM_RECV 1
+#define SLOT_NUM_EXPERTS 2
+#define SLOT_STATUS 3
+#define SLOT_ERR_RANK 4  // reserved word 4: the missing rank when STATUS != 0
+#define SLOT_HEADER 8
+
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 globaltimer() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ u64* ctrl_of(const u64* peers, int r) {
+    return reinterpret_cast<u64*>(peers[r]);
+}
+
+// Spin until flags[r] >= seq. Returns 0, or ERR_DEADLINE / ERR_ABORTED. Never traps: a trap
+// would poison the CUDA context that every client of the engine shares (DESIGN.md section 7).
+__device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word, u64 seq,
+                                         i64 timeout_ns) {
+    u64 start = globaltimer();
+    unsigned spins = 0;
+    while (ld_acquire_sys(flag) < seq) {
+        if (ld_acquire_sys(abort_word) != 0) return ERR_ABORTED;
+        if (((++spins) & 63) == 0) {
+            if ((i64)(globaltimer() - start) > timeout_ns) return ERR_DEADLINE;
+        }
+    }
+    return 0;
+}
+
+// Record the first error of this rank in its control block (host reads it after the stream).
+__device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int phase, u64 seq) {
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_ERR_CODE), 0ull,
+                  (unsigned long long)code) == 0ull) {
+        ctrl[CTRL_ERR_RANK] = (u64)(i64)rank;
+        ctrl[CTRL_ERR_PHASE] = (u64)phase;
+        ctrl[CTRL_ERR_SEQ] = seq;
+        __threadfence_system();
+    }
+}
+
+// Block-wide wait for flags[0..R) >= seq: threads r < R poll, the block agrees on the outcome.
+// Returns 0 or the error code; on error records it (missing rank = the lowest one).
+__device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u64 seq,
+                                              i64 timeout_ns, int phase) {
+    __shared__ int s_fail_rank;
+    __shared__ int s_fail_code;
+    if (threadIdx.x == 0) { s_fail_rank = EPD_MAX_RANKS; s_fail_code = 0; }
+    __syncthreads();
+    if ((int)threadIdx.x < R) {
+        int r = threadIdx.x;
+        int code = wait_flag(ctrl + flag_base + r, ctrl + CTRL_ABORT, seq, timeout_ns);
+        if (code) { atomicMin(&s_fail_rank, r); atomicMax(&s_fail_code, code); }
+    }
+    __syncthreads();
+    int code = s_fail_code;
+    if (code && threadIdx.x == 0) {
+        record_error(ctrl, code, code == ERR_ABORTED ? -1 : s_fail_rank, phase, seq);
+    }
+    __syncthreads();
+    return code;
+}
+
+// A failed or aborted group stops moving data: after an error the handle state may be
+// garbage (notify returned early), and writing through it could corrupt a peer's memory.
+__device__ __forceinline__ bool group_failed(const u64* ctrl) {
+    return *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE) != 0 ||
+           ld_acquire_sys(ctrl + CTRL_ABORT) != 0;
+}
+
+// --- element conversions (bit exact, round-to-nearest-even like ml_dtypes) ---------------------
+
+__device__ __forceinline__ float bf16_to_f32(unsigned short h) {
+    return __uint_as_float(((unsigned)h) << 16);
+}
+
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Element traits for the combine: storage word, lanes per 16-byte vector, conversions.
+struct Bf16 {
+    typedef unsigned short word;
+    static constexpr int kPerVec = 8;
+    __device__ static float to_f32(word w) { return bf16_to_f32(w); }
+    __device__ static word from_f32(float f) { return f32_to_bf16(f); }
+};
+struct F16 {
+    typedef unsigned short word;
+    static constexpr int kPerVec = 8;
+    __device__ static float to_f32(word w) { return f16_to_f32(w); }
+    __device__ static word from_f32(float f) { return f32_to_f16(f); }
+};
+struct F32 {
+    typedef unsigned word;
+    static constexpr int kPerVec = 4;
+    __device__ static float to_f32(word w) { return __uint_as_float(w); }
+    __device__ static word from_f32(float f) { return __float_as_uint(f); }
+};

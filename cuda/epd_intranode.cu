@@ -1,0 +1,615 @@
+// EPD intranode kernels: layout, notify, dispatch, combine (DESIGN.md section 6).
+//
+// Design (docs/GPU_NOTES.md says why): every rank's buffer is reachable by a plain pointer
+// (`peers[r]` = base of rank r's buffer; NVSHMEM peer pointers over NVLink, or offsets of one
+// heap when ranks share a GPU). Every buffer has the same layout, so a sub-buffer of rank r is
+// `peers[r] + off`. Data moves by PUSH straight into its final place:
+//   dispatch: source s writes each token row once per destination d, at row
+//             prefix[s-1][d] + pos[t][d] of d's receive buffer (the order of section 6);
+//   combine:  expert rank d writes each received row back into source s's staging buffer at
+//             send_off[s][d] + pos[t][d]; s then reduces rows in ascending d, in fp32.
+// Completion is a per-source flag (value = sequence) that the last block of a kernel raises in
+// every peer after a system fence; waits poll with a deadline and an abort word, never trap.
+#include "epd_common.cuh"
+
+// ------------------------------------------------------------------------------------------
+// layout: topk_idx [T, K] -> num_tokens_per_rank [R], num_tokens_per_expert [E],
+//         is_token_in_rank [T, R]. Outputs must be zeroed (counts are accumulated atomically).
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(256)
+epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
+           int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_expert,
+           bool* __restrict__ is_token_in_rank) {
+    extern __shared__ int s_expert[];  // [E]
+    __shared__ int s_rank[EPD_MAX_RANKS];
+    const int L = E / R;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) s_expert[i] = 0;
+    if (threadIdx.x < EPD_MAX_RANKS) s_rank[threadIdx.x] = 0;
+    __syncthreads();
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t < T) {
+        unsigned mask = 0;
+        for (int k = 0; k < K; ++k) {
+            i64 e = topk_idx[(i64)t * K + k];
+            if (e >= 0) {
+                mask |= 1u << (int)(e / L);
+                atomicAdd(&s_expert[e], 1);
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            if (d < R) {
+                bool in = (mask >> d) & 1u;
+                is_token_in_rank[(i64)t * R + d] = in;
+                if (in) atomicAdd(&s_rank[d], 1);
+            }
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < E; i += blockDim.x)
+        if (s_expert[i]) atomicAdd(&num_tokens_per_expert[i], s_expert[i]);
+    if (threadIdx.x < R && s_rank[threadIdx.x]) atomicAdd(&num_tokens_per_rank[threadIdx.x],
+                                                          s_rank[threadIdx.x]);
+}
+
+// ------------------------------------------------------------------------------------------
+// notify: one block. Counts this rank's tokens per destination rank and pairs per expert,
+// pushes (per-rank vector, the destination's local-expert counts) into every peer, raises the
+// peer's notify flag, waits for all R sources, publishes the receive counts to the mapped
+// counter slot (payload, system fence, sequence word), and then computes the per-destination
+// positions pos[t][d] that the data kernels need (overlapping the host's reaction to counts).
+//
+// recv_info (int32, own device memory): [0] num_recv, [1] status, [2] missing rank, [3] 0,
+// [4..4+L) per-local-expert counts rounded up to `alignment`.
+// ------------------------------------------------------------------------------------------
+#define NOTIFY_THREADS 1024
+#define DATA_THREADS 512  // block size of the data kernels (<=128 registers per thread)
+
+extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
+epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int rank,
+           const u64* __restrict__ peers, u64 seq, i64 timeout_ns, int alignment,
+           i64* counter_slot,                      // mapped host slot, or null
+           int* __restrict__ recv_info,            // [4 + L]
+           int* __restrict__ count_matrix,         // [R, R]: tokens s -> d
+           int* __restrict__ rank_prefix,          // [R, R]: rows from sources <= s on d
+           unsigned char* __restrict__ token_mask, // [T] bit d: token goes to rank d
+           int* __restrict__ pos,                  // [T, R]: row within (s -> d) block, or -1
+           int* num_tokens_per_rank,               // [R] or null (layout outputs, free here)
+           int* num_tokens_per_expert,             // [E] or null
+           bool* is_token_in_rank) {               // [T, R] or null
+    extern __shared__ int s_expert[];  // [E]
+    __shared__ int s_rank[EPD_MAX_RANKS];
+    __shared__ int s_warp[32][EPD_MAX_RANKS];
+    const int L = E / R;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    u64* my_ctrl = ctrl_of(peers, rank);
+
+    for (int i = tid; i < E; i += blockDim.x) s_expert[i] = 0;
+    __syncthreads();
+
+    // Phase A: each thread owns a contiguous chunk of tokens (so the positions are a scan).
+    const int chunk = (T + blockDim.x - 1) / blockDim.x;
+    const int t0 = min(T, tid * chunk), t1 = min(T, t0 + chunk);
+    int cnt[EPD_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] = 0;
+    for (int t = t0; t < t1; ++t) {
+        unsigned mask = 0;
+        for (int k = 0; k < K; ++k) {
+            i64 e = topk_idx[(i64)t * K + k];
+            if (e >= 0) {
+                mask |= 1u << (int)(e / L);
+                atomicAdd(&s_expert[e], 1);
+            }
+        }
+        token_mask[t] = (unsigned char)mask;
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] += (mask >> d) & 1u;
+    }
+    // Block exclusive scan of cnt[d] (warp shuffles, then warp totals).
+    int incl[EPD_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+        int v = cnt[d];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int n = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += n;
+        }
+        incl[d] = v;
+        if (lane == 31) s_warp[warp][d] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            int v = lane < nwarps ? s_warp[lane][d] : 0;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int n = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) v += n;
+            }
+            if (lane < nwarps) s_warp[lane][d] = v;  // inclusive over warps
+            if (lane == 31) s_rank[d] = v;           // block total
+        }
+    }
+    __syncthreads();
+    int off[EPD_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < EPD_MAX_RANKS; ++d)
+        off[d] = incl[d] - cnt[d] + (warp > 0 ? s_warp[warp - 1][d] : 0);
+
+    // Phase B: push [per-rank counts (R_MAX ints) | destination's L expert counts] to every
+    // peer's slot for this source, fence, then raise the flag.
+    const int stride = EPD_MAX_RANKS + L;
+    for (int i = tid; i < R * stride; i += blockDim.x) {
+        int r = i / stride, j = i % stride;
+        int v = j < EPD_MAX_RANKS ? (j < R ? s_rank[j] : 0) : s_expert[r * L + (j - EPD_MAX_RANKS)];
+        int* slot = reinterpret_cast<int*>(reinterpret_cast<char*>(ctrl_of(peers, r)) +
+                                           CTRL_PAYLOAD_BYTES) + rank * stride;
+        slot[j] = v;
+    }
+    if (num_tokens_per_rank != nullptr && tid < R) num_tokens_per_rank[tid] = s_rank[tid];
+    if (num_tokens_per_expert != nullptr)
+        for (int i = tid; i < E; i += blockDim.x) num_tokens_per_expert[i] = s_expert[i];
+    __threadfence_system();
+    __syncthreads();
+    if (tid < R) st_release_sys(ctrl_of(peers, tid) + CTRL_NOTIFY_FLAG + rank, seq);
+
+    // Phase C: wait for every source (deadline + abort word).
+    int code = block_wait_all(my_ctrl, CTRL_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
+    if (code) {
+        if (tid == 0) {
+            int missing = (int)(i64)my_ctrl[CTRL_ERR_RANK];
+            recv_info[0] = -1; recv_info[1] = code; recv_info[2] = missing;
+            if (counter_slot != nullptr) {
+                counter_slot[SLOT_STATUS] = code;
+                counter_slot[SLOT_ERR_RANK] = missing;
+                __threadfence_system();
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)seq;
+            }
+        }
+        return;
+    }
+
+    // Phase D: counts -> count matrix, prefix matrix, receive counts; publish to the host.
+    const volatile int* payload = reinterpret_cast<const volatile int*>(
+        reinterpret_cast<const char*>(my_ctrl) + CTRL_PAYLOAD_BYTES);
+    if (tid < R * R) {
+        int s = tid / R, d = tid % R;
+        count_matrix[tid] = payload[s * stride + d];
+        int acc = 0;
+        for (int q = 0; q <= s; ++q) acc += payload[q * stride + d];
+        rank_prefix[tid] = acc;
+    }
+    for (int l = tid; l < L; l += blockDim.x) {
+        int c = 0;
+        for (int s = 0; s < R; ++s) c += payload[s * stride + EPD_MAX_RANKS + l];
+        c = (c + alignment - 1) / alignment * alignment;
+        recv_info[4 + l] = c;
+        if (counter_slot != nullptr) counter_slot[SLOT_HEADER + l] = c;
+    }
+    if (tid == 0) {
+        int n = 0;
+        for (int s = 0; s < R; ++s) n += payload[s * stride + rank];
+        recv_info[0] = n; recv_info[1] = 0; recv_info[2] = -1; recv_info[3] = 0;
+        if (counter_slot != nullptr) {
+            counter_slot[SLOT_NUM_RECV] = n;
+            counter_slot[SLOT_NUM_EXPERTS] = L;
+            counter_slot[SLOT_STATUS] = 0;
+            counter_slot[SLOT_ERR_RANK] = -1;
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0 && counter_slot != nullptr)
+        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)seq;
+
+    // Phase E: positions (after the host already has its counts).
+    for (int t = t0; t < t1; ++t) {
+        unsigned mask = token_mask[t];
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            if (d < R) {
+                bool in = (mask >> d) & 1u;
+                pos[(i64)t * R + d] = in ? off[d]++ : -1;
+                if (is_token_in_rank != nullptr) is_token_in_rank[(i64)t * R + d] = in;
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Last-block completion: every block fences its pushes and takes a ticket; the last one
+// raises flag[rank] = seq in every peer. Returns true in the last block.
+// ------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool signal_done(const u64* peers, int R, int rank, int flag_base,
+                                            u64 seq) {
+    __shared__ bool s_last;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    __threadfence_system();  // every thread: its own pushes before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* ticket = reinterpret_cast<unsigned*>(my_ctrl + CTRL_TICKET);
+        unsigned prev = atomicAdd(ticket, 1u);
+        s_last = prev == gridDim.x - 1;
+        if (s_last) {
+            *ticket = 0;  // the next kernel on this stream starts after this one ends
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (s_last && (int)threadIdx.x < R)
+        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
+    return s_last;
+}
+
+// Entry barrier (cached dispatch, combine): every peer reached this collective, so its
+// destination buffer is no longer read by the previous one. Block 0 announces, all wait.
+__device__ __forceinline__ int entry_barrier(const u64* peers, int R, int rank, int flag_base,
+                                             u64 seq, i64 timeout_ns, int phase) {
+    if (blockIdx.x == 0 && (int)threadIdx.x < R)
+        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
+    return block_wait_all(ctrl_of(peers, rank), flag_base, R, seq, timeout_ns, phase);
+}
+
+// 16-byte copy of one row by one warp to up to R destinations (read once, store R times).
+__device__ __forceinline__ void warp_copy_row_multi(const char* __restrict__ src,
+                                                    char* const (&dst)[EPD_MAX_RANKS],
+                                                    unsigned mask, i64 nbytes, int lane) {
+    if ((nbytes & 15) == 0) {
+        const int4* s4 = reinterpret_cast<const int4*>(src);
+        const i64 n = nbytes >> 4;
+        constexpr int U = 4;
+        i64 i = lane;
+        for (; i + 32 * (U - 1) < n; i += 32 * U) {
+            int4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) v[u] = __ldg(s4 + i + 32 * u);
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+                if ((mask >> d) & 1u) {
+                    int4* d4 = reinterpret_cast<int4*>(dst[d]);
+#pragma unroll
+                    for (int u = 0; u < U; ++u) d4[i + 32 * u] = v[u];
+                }
+            }
+        }
+        for (; i < n; i += 32) {
+            int4 v = __ldg(s4 + i);
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d)
+                if ((mask >> d) & 1u) reinterpret_cast<int4*>(dst[d])[i] = v;
+        }
+    } else {
+        for (i64 i = lane; i < nbytes; i += 32) {
+            char v = src[i];
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d)
+                if ((mask >> d) & 1u) dst[d][i] = v;
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// dispatch: warp per source token; each token row is read once and stored into every
+// destination that holds one of its experts, at its final row. Metadata rows alongside.
+// Offsets (`off_*`) are byte offsets of the sub-buffers inside every rank buffer.
+// num_worst > 0: rows [num_recv, num_worst) of this rank's outputs are padding (zero x and
+// scales, topk_idx -1, weight 0, src -1).
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(DATA_THREADS)
+epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
+             const char* __restrict__ x_scales, i64 sc_row_bytes, i64 sc_stride_bytes,
+             const i64* __restrict__ topk_idx, const float* __restrict__ topk_weights,
+             int T, int K, int L, int R, int rank,
+             const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
+             const int* __restrict__ rank_prefix, const int* __restrict__ recv_info,
+             const u64* __restrict__ peers, i64 off_x, i64 off_scales, i64 off_idx, i64 off_w,
+             i64 off_src_idx, i64 off_src_rank, int num_worst, int with_meta, int with_scales,
+             int barrier, u64 seq, i64 timeout_ns) {
+    const int lane = threadIdx.x & 31;
+    const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int nwarps = (gridDim.x * blockDim.x) >> 5;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    if (group_failed(my_ctrl) || recv_info[1] != 0) return;
+
+    if (barrier && entry_barrier(peers, R, rank, CTRL_DISPATCH_ENTRY, seq, timeout_ns,
+                                 PHASE_DISPATCH_ENTRY))
+        return;
+
+    // Start row of this source's block on each destination.
+    int base[EPD_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < EPD_MAX_RANKS; ++d)
+        base[d] = (d < R && rank > 0) ? rank_prefix[(rank - 1) * R + d] : 0;
+
+    for (int t = gwarp; t < T; t += nwarps) {
+        const unsigned mask = token_mask[t];
+        if (mask == 0) continue;
+        int row[EPD_MAX_RANKS];
+        char* dst[EPD_MAX_RANKS];
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            row[d] = ((mask >> d) & 1u) ? base[d] + pos[(i64)t * R + d] : 0;
+            dst[d] = ((mask >> d) & 1u)
+                         ? reinterpret_cast<char*>(peers[d]) + off_x + (i64)row[d] * x_row_bytes
+                         : nullptr;
+        }
+        warp_copy_row_multi(x + (i64)t * x_stride_bytes, dst, mask, x_row_bytes, lane);
+        if (with_scales) {
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d)
+                dst[d] = ((mask >> d) & 1u) ? reinterpret_cast<char*>(peers[d]) + off_scales +
+                                                  (i64)row[d] * sc_row_bytes
+                                            : nullptr;
+            warp_copy_row_multi(x_scales + (i64)t * sc_stride_bytes, dst, mask, sc_row_bytes,
+                                lane);
+        }
+        // Metadata: lane k carries pair k; lane 31 the source index/rank.
+        i64 e = -1;
+        float w = 0.f;
+        if (with_meta && lane < K) {
+            e = topk_idx[(i64)t * K + lane];
+            w = topk_weights[(i64)t * K + lane];
+        }
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            if (!((mask >> d) & 1u)) continue;
+            char* pb = reinterpret_cast<char*>(peers[d]);
+            if (with_meta && lane < K) {
+                bool here = e >= (i64)d * L && e < (i64)(d + 1) * L;
+                reinterpret_cast<i64*>(pb + off_idx)[(i64)row[d] * K + lane] = here ? e - (i64)d * L : -1;
+                reinterpret_cast<float*>(pb + off_w)[(i64)row[d] * K + lane] = here ? w : 0.f;
+            }
+            if (lane == 31) {
+                reinterpret_cast<int*>(pb + off_src_idx)[row[d]] = t;
+                reinterpret_cast<int*>(pb + off_src_rank)[row[d]] = rank;
+            }
+        }
+    }
+
+    // Padding rows of this rank's own outputs (fixed-size mode).
+    if (num_worst > 0) {
+        const int n = recv_info[0];
+        if (n > num_worst) {
+            if (blockIdx.x == 0 && threadIdx.x == 0)
+                record_error(my_ctrl, ERR_WORST_OVERFLOW, -1, PHASE_DISPATCH_DONE, seq);
+        } else {
+            char* pb = reinterpret_cast<char*>(my_ctrl);
+            for (int r = n + gwarp; r < num_worst; r += nwarps) {
+                int4* d4 = reinterpret_cast<int4*>(pb + off_x + (i64)r * x_row_bytes);
+                if ((x_row_bytes & 15) == 0) {
+                    for (i64 i = lane; i < (x_row_bytes >> 4); i += 32) d4[i] = make_int4(0, 0, 0, 0);
+                } else {
+                    for (i64 i = lane; i < x_row_bytes; i += 32) pb[off_x + (i64)r * x_row_bytes + i] = 0;
+                }
+                if (with_scales)
+                    for (i64 i = lane; i < sc_row_bytes; i += 32) pb[off_scales + (i64)r * sc_row_bytes + i] = 0;
+                if (with_meta && lane < K) {
+                    reinterpret_cast<i64*>(pb + off_idx)[(i64)r * K + lane] = -1;
+                    reinterpret_cast<float*>(pb + off_w)[(i64)r * K + lane] = 0.f;
+                }
+                if (lane == 31) {
+                    reinterpret_cast<int*>(pb + off_src_idx)[r] = -1;
+                    reinterpret_cast<int*>(pb + off_src_rank)[r] = -1;
+                }
+            }
+        }
+    }
+
+    if (signal_done(peers, R, rank, CTRL_DISPATCH_FLAG, seq)) {
+        // The last block holds the kernel open until every source's rows have landed here, so
+        // the kernel's completion (and the stream's next event) means recv_* are complete.
+        block_wait_all(my_ctrl, CTRL_DISPATCH_FLAG, R, seq, timeout_ns, PHASE_DISPATCH_DONE);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// combine, step 1 (on the expert side d): push every received row that came from another
+// rank back into its source's staging buffer, at send_off[s][d] + (row - first row of s).
+// Rows that came from this rank itself stay where they are (step 2 reads y directly).
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(DATA_THREADS)
+epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes,
+                 const float* __restrict__ w, i64 w_stride, int K, int R, int rank,
+                 const int* __restrict__ recv_info, const int* __restrict__ count_matrix,
+                 const int* __restrict__ rank_prefix, const u64* __restrict__ peers,
+                 i64 off_stage_y, i64 off_stage_w, int barrier, u64 seq, i64 timeout_ns) {
+    const int lane = threadIdx.x & 31;
+    const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int nwarps = (gridDim.x * blockDim.x) >> 5;
+    if (group_failed(ctrl_of(peers, rank)) || recv_info[1] != 0) return;
+
+    if (barrier && entry_barrier(peers, R, rank, CTRL_COMBINE_ENTRY, seq, timeout_ns,
+                                 PHASE_COMBINE_ENTRY))
+        return;
+
+    const int n = recv_info[0];
+    int first[EPD_MAX_RANKS + 1];  // first row from source s on this rank
+    int dst_base[EPD_MAX_RANKS];   // send_off[s][rank]
+#pragma unroll
+    for (int s = 0; s < EPD_MAX_RANKS; ++s) {
+        first[s] = (s == 0 || s > R) ? 0 : rank_prefix[(s - 1) * R + rank];
+        int acc = 0;
+        if (s < R)
+            for (int d = 0; d < rank; ++d) acc += count_matrix[s * R + d];
+        dst_base[s] = acc;
+    }
+    for (int i = gwarp; i < n; i += nwarps) {
+        int s = 0;
+#pragma unroll
+        for (int q = 1; q < EPD_MAX_RANKS; ++q)
+            if (q < R && i >= rank_prefix[(q - 1) * R + rank]) s = q;
+        if (s == rank) continue;
+        int srow = 0;
+#pragma unroll
+        for (int q = 0; q < EPD_MAX_RANKS; ++q)
+            if (q == s) srow = dst_base[q] + i - first[q];
+        char* pb = reinterpret_cast<char*>(peers[s]);
+        char* dst[EPD_MAX_RANKS];
+#pragma unroll
+        for (int q = 0; q < EPD_MAX_RANKS; ++q) dst[q] = pb + off_stage_y + (i64)srow * y_row_bytes;
+        warp_copy_row_multi(y + (i64)i * y_stride_bytes, dst, 1u, y_row_bytes, lane);
+        if (w != nullptr && lane < K)
+            reinterpret_cast<float*>(pb + off_stage_w)[(i64)srow * K + lane] =
+                w[(i64)i * w_stride + lane];
+    }
+    signal_done(peers, R, rank, CTRL_COMBINE_FLAG, seq);
+}
+
+// ------------------------------------------------------------------------------------------
+// combine, step 2 (on the source side s): wait for every peer's pushes, then per token
+// acc = 0 + bias_0 + bias_1, += fp32(row from d) for d ascending, cast back (RNE).
+// Warp per token, 16-byte loads, U vectors per lane in flight.
+// ------------------------------------------------------------------------------------------
+template <typename Tr>
+__global__ void __launch_bounds__(DATA_THREADS)
+epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
+                   const typename Tr::word* __restrict__ y, i64 y_stride,
+                   const typename Tr::word* __restrict__ bias0, i64 b0_stride,
+                   const typename Tr::word* __restrict__ bias1, i64 b1_stride,
+                   float* __restrict__ out_w, const float* __restrict__ w, i64 w_stride,
+                   int T, int H, int K, int R, int rank,
+                   const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
+                   const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
+                   const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
+                   i64 timeout_ns) {
+    typedef typename Tr::word word;
+    constexpr int V = Tr::kPerVec;
+    constexpr int U = 2;
+    const int lane = threadIdx.x & 31;
+    const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int nwarps = (gridDim.x * blockDim.x) >> 5;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    if (group_failed(my_ctrl)) return;
+
+    if (block_wait_all(my_ctrl, CTRL_COMBINE_FLAG, R, seq, timeout_ns, PHASE_COMBINE_DONE))
+        return;
+
+    const char* stage_y = reinterpret_cast<const char*>(my_ctrl) + off_stage_y;
+    const float* stage_w = reinterpret_cast<const float*>(
+        reinterpret_cast<const char*>(my_ctrl) + off_stage_w);
+    int send_off[EPD_MAX_RANKS];  // row of the first (s=rank -> d) row in staging
+    {
+        int acc = 0;
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            send_off[d] = acc;
+            if (d < R) acc += count_matrix[rank * R + d];
+        }
+    }
+    const int self_first = rank > 0 ? rank_prefix[(rank - 1) * R + rank] : 0;
+    const int nvec = H / V;
+
+    for (int t = gwarp; t < T; t += nwarps) {
+        const unsigned mask = token_mask[t];
+        const int4* src[EPD_MAX_RANKS];
+        int srow[EPD_MAX_RANKS];
+#pragma unroll
+        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+            src[d] = nullptr;
+            srow[d] = 0;
+            if ((mask >> d) & 1u) {
+                int p = pos[(i64)t * R + d];
+                if (d == rank) {
+                    srow[d] = self_first + p;
+                    src[d] = reinterpret_cast<const int4*>(y + (i64)srow[d] * y_stride);
+                } else {
+                    srow[d] = send_off[d] + p;
+                    src[d] = reinterpret_cast<const int4*>(stage_y + (i64)srow[d] * H * sizeof(word));
+                }
+            }
+        }
+        for (int i0 = lane; i0 < nvec; i0 += 32 * U) {
+            float acc[U][V];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = i0 + 32 * u;
+#pragma unroll
+                for (int j = 0; j < V; ++j) acc[u][j] = 0.f;
+                if (i < nvec) {
+                    if (bias0 != nullptr) {
+                        int4 b = *reinterpret_cast<const int4*>(bias0 + (i64)t * b0_stride + (i64)i * V);
+                        const word* bw = reinterpret_cast<const word*>(&b);
+#pragma unroll
+                        for (int j = 0; j < V; ++j) acc[u][j] = acc[u][j] + Tr::to_f32(bw[j]);
+                    }
+                    if (bias1 != nullptr) {
+                        int4 b = *reinterpret_cast<const int4*>(bias1 + (i64)t * b1_stride + (i64)i * V);
+                        const word* bw = reinterpret_cast<const word*>(&b);
+#pragma unroll
+                        for (int j = 0; j < V; ++j) acc[u][j] = acc[u][j] + Tr::to_f32(bw[j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+                if ((mask >> d) & 1u) {
+                    int4 v[U];
+#pragma unroll
+                    for (int u = 0; u < U; ++u)  // plain loads: peers wrote these rows
+                        v[u] = i0 + 32 * u < nvec ? src[d][i0 + 32 * u] : make_int4(0, 0, 0, 0);
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const word* vw = reinterpret_cast<const word*>(&v[u]);
+#pragma unroll
+                        for (int j = 0; j < V; ++j) acc[u][j] = acc[u][j] + Tr::to_f32(vw[j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int i = i0 + 32 * u;
+                if (i < nvec) {
+                    int4 o;
+                    word* ow = reinterpret_cast<word*>(&o);
+#pragma unroll
+                    for (int j = 0; j < V; ++j) ow[j] = Tr::from_f32(acc[u][j]);
+                    *reinterpret_cast<int4*>(out + (i64)t * out_stride + (i64)i * V) = o;
+                }
+            }
+        }
+        if (out_w != nullptr && lane < K) {
+            float a = 0.f;
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d)
+                if ((mask >> d) & 1u)
+                    a = a + (d == rank ? w[(i64)srow[d] * w_stride + lane]
+                                       : stage_w[(i64)srow[d] * K + lane]);
+            out_w[(i64)t * K + lane] = a;
+        }
+    }
+}
+
+#ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions
+template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::word*, i64,
+    const Bf16::word*, i64, const Bf16::word*, i64, float*, const float*, i64, int, int, int,
+    int, int, const unsigned char*, const int*, const int*, const int*, const u64*, i64, i64,
+    u64, i64);
+#endif
+
+// ------------------------------------------------------------------------------------------
+// abort: raise the abort word of every rank of the group (launched on a side stream while the
+// group's own stream may be stuck in a wait).
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 code) {
+    int r = threadIdx.x;
+    if (r < R) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
+}
+
+// ------------------------------------------------------------------------------------------
+// NVLink ceiling probe: every thread stores 16-byte vectors of src into dst (a peer pointer).
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024)
+epd_copy16(const int4* __restrict__ src, int4* __restrict__ dst, i64 n16) {
+    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (; i + 3 * stride < n16; i += 4 * stride) {
+        int4 a = __ldg(src + i), b = __ldg(src + i + stride), c = __ldg(src + i + 2 * stride),
+             d = __ldg(src + i + 3 * stride);
+        dst[i] = a; dst[i + stride] = b; dst[i + 2 * stride] = c; dst[i + 3 * stride] = d;
+    }
+    for (; i < n16; i += stride) dst[i] = __ldg(src + i);
+}

@@ -1,0 +1,334 @@
+"""Compile and launch EPD's intranode CUDA kernels (cuda/epd_intranode.cu) on CuPy arrays.
+
+The engine-facing contract is small:
+
+* `RankBufferLayout.for_spec(spec)` says how many bytes of symmetric heap one group-rank needs
+  and at which offset each sub-buffer lives (identical on every rank, so a peer's sub-buffer is
+  `peer_base + offset`);
+* `Kernels` compiles the module once per process (NVRTC through `cupy.RawModule`; CuPy's disk
+  cache, `CUPY_CACHE_DIR`, makes a warm start skip the compile) and exposes one launch method
+  per kernel taking CuPy arrays, raw device pointers and a stream;
+* `DispatchHandle` holds the per-dispatch device state that combine and cached dispatch reuse.
+
+Kernels address peers through a device table of R buffer base pointers (`peers`), so several
+ranks on one GPU (different offsets of one heap) and one rank per GPU (NVSHMEM peer pointers)
+look the same to them. docs/GPU_NOTES.md describes the design.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:  # CuPy is optional: the CPU-only install imports this module for the layout helper.
+    import cupy as cp
+except ImportError:  # pragma: no cover - exercised on machines without CuPy
+    cp = None
+
+# Repository checkout (<root>/cuda) and installed package (epd/cuda) alike: next to server/.
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+
+MAX_RANKS = 8
+NOTIFY_THREADS = 1024
+DATA_THREADS = 512
+ALIGN = 256
+
+# Control-block words (cuda/epd_common.cuh).
+CTRL_ABORT, CTRL_ERR_CODE, CTRL_ERR_RANK, CTRL_ERR_PHASE, CTRL_ERR_SEQ = 0, 1, 2, 3, 4
+CTRL_PAYLOAD_BYTES = 512
+ERR_DEADLINE, ERR_ABORTED, ERR_WORST_OVERFLOW = 1, 2, 3
+ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
+               ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens"}
+PHASE_NAMES = {1: "notify", 2: "dispatch entry", 3: "dispatch completion", 4: "combine entry",
+               5: "combine completion"}
+FP8_BLOCK = 128
+
+
+def _align(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class RankBufferLayout:
+    """Byte offsets of the sub-buffers of one group-rank's buffer (the same on every rank)."""
+
+    num_ranks: int
+    num_local_experts: int
+    hidden: int
+    num_topk: int
+    max_recv: int        # rows a rank can receive: R * max_tokens_per_rank
+    x_itemsize: int      # dispatched payload element size
+    y_itemsize: int      # combine element size (bf16 when the payload is fp8)
+    with_scales: bool
+    offsets: dict[str, int] = field(default_factory=dict)
+    total_bytes: int = 0
+
+    @classmethod
+    def build(cls, *, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
+              max_tokens_per_rank: int, x_itemsize: int, y_itemsize: int,
+              with_scales: bool) -> RankBufferLayout:
+        if not 1 <= num_ranks <= MAX_RANKS:
+            raise ValueError(f"num_ranks must lie in [1, {MAX_RANKS}] for intranode kernels")
+        if num_experts % num_ranks:
+            raise ValueError("num_experts must be a multiple of num_ranks")
+        if not 1 <= num_topk <= 32:
+            raise ValueError("num_topk must lie in [1, 32]")
+        local = num_experts // num_ranks
+        max_recv = num_ranks * max_tokens_per_rank
+        scale_cols = hidden // FP8_BLOCK if with_scales else 0
+        sizes = [
+            ("ctrl", CTRL_PAYLOAD_BYTES + MAX_RANKS * (MAX_RANKS + local) * 4),
+            ("recv_x", max_recv * hidden * x_itemsize),
+            ("recv_x_scales", max_recv * scale_cols * 4),
+            ("recv_topk_idx", max_recv * num_topk * 8),
+            ("recv_topk_weights", max_recv * num_topk * 4),
+            ("recv_src_idx", max_recv * 4),
+            ("recv_src_rank", max_recv * 4),
+            ("stage_y", max_recv * hidden * y_itemsize),
+            ("stage_w", max_recv * num_topk * 4),
+        ]
+        offsets: dict[str, int] = {}
+        cur = 0
+        for name, size in sizes:
+            offsets[name] = cur
+            cur += _align(max(size, 16))
+        return cls(num_ranks, local, hidden, num_topk, max_recv, x_itemsize, y_itemsize,
+                   with_scales, offsets, cur)
+
+    @classmethod
+    def for_spec(cls, spec: Any) -> RankBufferLayout:
+        """Layout for a base.GroupSpec (fp8 payloads carry scales and combine in bf16)."""
+        xdt = spec.x_numpy_dtype
+        fp8 = xdt.itemsize == 1
+        return cls.build(num_ranks=spec.num_ranks, num_experts=spec.num_experts,
+                         hidden=spec.hidden, num_topk=spec.num_topk,
+                         max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=xdt.itemsize,
+                         y_itemsize=2 if fp8 else xdt.itemsize, with_scales=fp8)
+
+    def views(self, base_ptr: int, owner: Any, device_id: int, x_dtype: Any,
+              y_dtype: Any) -> dict[str, Any]:
+        """CuPy views of this rank's own sub-buffers (full capacity; slice to the counts)."""
+        def view(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape)) * dt.itemsize
+            mem = cp.cuda.UnownedMemory(base_ptr + self.offsets[name], max(n, 1), owner,
+                                        device_id)
+            return cp.ndarray(shape, dt, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+        n, k, h = self.max_recv, self.num_topk, self.hidden
+        out = {
+            "ctrl": view("ctrl", (CTRL_PAYLOAD_BYTES // 8,), np.uint64),
+            "recv_x": view("recv_x", (n, h), x_dtype),
+            "recv_topk_idx": view("recv_topk_idx", (n, k), np.int64),
+            "recv_topk_weights": view("recv_topk_weights", (n, k), np.float32),
+            "recv_src_idx": view("recv_src_idx", (n,), np.int32),
+            "recv_src_rank": view("recv_src_rank", (n,), np.int32),
+            "stage_y": view("stage_y", (n, h), y_dtype),
+        }
+        if self.with_scales:
+            out["recv_x_scales"] = view("recv_x_scales", (n, h // FP8_BLOCK), np.float32)
+        return out
+
+
+@dataclass
+class DispatchHandle:
+    """Device state of one dispatch, reused by combine and by cached dispatch."""
+
+    num_tokens: int
+    token_mask: Any      # [T] uint8, bit d: token goes to rank d
+    pos: Any             # [T, R] int32 row within the (this rank -> d) block, -1 if not sent
+    count_matrix: Any    # [R, R] int32 tokens s -> d
+    rank_prefix: Any     # [R, R] int32 rows from sources <= s on d (DeepEP rank_prefix_matrix)
+    recv_info: Any       # [4 + L] int32: num_recv, status, missing rank, 0, per-expert counts
+
+    @classmethod
+    def allocate(cls, num_tokens: int, num_ranks: int, num_local_experts: int
+                 ) -> DispatchHandle:
+        r = num_ranks
+        return cls(num_tokens, cp.empty(max(num_tokens, 1), cp.uint8),
+                   cp.empty((max(num_tokens, 1), r), cp.int32), cp.empty((r, r), cp.int32),
+                   cp.empty((r, r), cp.int32), cp.empty(4 + num_local_experts, cp.int32))
+
+
+def _source() -> str:
+    """The kernel source with its header inlined, so CuPy's cache key covers both."""
+    header = (CUDA_DIR / "epd_common.cuh").read_text()
+    body = (CUDA_DIR / "epd_intranode.cu").read_text()
+    return body.replace('#include "epd_common.cuh"', header)
+
+
+def _ptr(a: Any) -> np.uint64:
+    if a is None:
+        return np.uint64(0)
+    if isinstance(a, int | np.integer):
+        return np.uint64(a)
+    return np.uint64(a.data.ptr)
+
+
+def _stream_ptr(stream: Any) -> Any:
+    return stream if stream is not None else cp.cuda.get_current_stream()
+
+
+def _trait_for(dtype: Any) -> str:
+    dt = np.dtype(dtype)
+    if dt.itemsize == 4 and dt.kind == "f":
+        return "F32"
+    if dt == np.float16:
+        return "F16"
+    if dt.itemsize == 2:
+        return "Bf16"
+    raise ValueError(f"combine supports bf16, fp16 and fp32, got {dt}")
+
+
+class Kernels:
+    """The compiled module for the current device; one instance per process is enough."""
+
+    NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
+             "epd_copy16")
+    TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
+                 "epd_combine_reduce<F32>")
+
+    def __init__(self, extra_options: tuple[str, ...] = ()) -> None:
+        if cp is None:
+            raise RuntimeError("CuPy is not installed; the CUDA kernels need cupy-cuda13x")
+        self.module = cp.RawModule(code=_source(), options=("-std=c++17", *extra_options),
+                                   name_expressions=self.TEMPLATES)
+        self._fn: dict[str, Any] = {}
+
+    def fn(self, name: str) -> Any:
+        f = self._fn.get(name)
+        if f is None:
+            f = self.module.get_function(name)
+            self._fn[name] = f
+        return f
+
+    def compile_all(self) -> None:
+        for n in (*self.NAMES, *self.TEMPLATES):
+            self.fn(n)
+
+    # -- layout ----------------------------------------------------------------------------
+    def layout(self, topk_idx: Any, num_experts: int, num_ranks: int, *,
+               stream: Any = None) -> tuple[Any, Any, Any]:
+        t, k = topk_idx.shape
+        ntpr = cp.zeros(num_ranks, cp.int32)
+        ntpe = cp.zeros(num_experts, cp.int32)
+        itr = cp.empty((t, num_ranks), cp.bool_)
+        if t:
+            with _stream_ptr(stream):
+                self.fn("epd_layout")(((t + 255) // 256,), (256,),
+                                      (topk_idx, np.int32(t), np.int32(k), np.int32(num_experts),
+                                       np.int32(num_ranks), ntpr, ntpe, itr),
+                                      shared_mem=4 * num_experts)
+        return ntpr, ntpe, itr
+
+    # -- notify ----------------------------------------------------------------------------
+    def notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int, peers: Any,
+               seq: int, handle: DispatchHandle, *, timeout_ns: int, alignment: int = 1,
+               counter_slot_ptr: int = 0, layout_out: tuple[Any, Any, Any] | None = None,
+               stream: Any = None) -> None:
+        t, k = topk_idx.shape
+        ntpr, ntpe, itr = layout_out if layout_out is not None else (None, None, None)
+        with _stream_ptr(stream):
+            self.fn("epd_notify")(
+                (1,), (NOTIFY_THREADS,),
+                (topk_idx, np.int32(t), np.int32(k), np.int32(num_experts), np.int32(num_ranks),
+                 np.int32(rank), peers, np.uint64(seq), np.int64(timeout_ns),
+                 np.int32(alignment), np.uint64(counter_slot_ptr), handle.recv_info,
+                 handle.count_matrix, handle.rank_prefix, handle.token_mask, handle.pos,
+                 _ptr(ntpr), _ptr(ntpe), _ptr(itr)),
+                shared_mem=4 * num_experts)
+
+    # -- dispatch --------------------------------------------------------------------------
+    def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
+                 topk_weights: Any | None, layout: RankBufferLayout, rank: int, peers: Any,
+                 handle: DispatchHandle, seq: int, *, timeout_ns: int, num_sms: int = 24,
+                 num_worst_tokens: int = 0, barrier: bool = False, stream: Any = None) -> None:
+        t = handle.num_tokens
+        row_bytes = x.shape[1] * x.itemsize
+        sc_row = 0 if x_scales is None else x_scales.shape[1] * x_scales.itemsize
+        o = layout.offsets
+        k = layout.num_topk
+        with _stream_ptr(stream):
+            self.fn("epd_dispatch")(
+                (num_sms,), (DATA_THREADS,),
+                (x, np.int64(row_bytes), np.int64(x.strides[0]), _ptr(x_scales),
+                 np.int64(sc_row), np.int64(0 if x_scales is None else x_scales.strides[0]),
+                 _ptr(topk_idx), _ptr(topk_weights), np.int32(t), np.int32(k),
+                 np.int32(layout.num_local_experts), np.int32(layout.num_ranks), np.int32(rank),
+                 handle.token_mask, handle.pos, handle.rank_prefix, handle.recv_info, peers,
+                 np.int64(o["recv_x"]), np.int64(o["recv_x_scales"]),
+                 np.int64(o["recv_topk_idx"]), np.int64(o["recv_topk_weights"]),
+                 np.int64(o["recv_src_idx"]), np.int64(o["recv_src_rank"]),
+                 np.int32(num_worst_tokens), np.int32(topk_idx is not None),
+                 np.int32(x_scales is not None), np.int32(1 if barrier else 0), np.uint64(seq),
+                 np.int64(timeout_ns)))
+
+    # -- combine ---------------------------------------------------------------------------
+    def combine(self, y: Any, recv_topk_weights: Any | None, out: Any, out_weights: Any | None,
+                layout: RankBufferLayout, rank: int, peers: Any, own_base: int,
+                handle: DispatchHandle, seq: int, *, timeout_ns: int, bias_0: Any = None,
+                bias_1: Any = None, num_sms: int = 24, barrier: bool = True,
+                stream: Any = None) -> None:
+        """Push (expert side) then reduce (token side), both on `stream`."""
+        del own_base  # the kernels find their own buffer as peers[rank]
+        o = layout.offsets
+        k = layout.num_topk
+        h = y.shape[1]
+        r = layout.num_ranks
+        if (h * y.itemsize) % 16:
+            raise ValueError("combine needs hidden * itemsize to be a multiple of 16 bytes")
+        w_stride = 0 if recv_topk_weights is None else recv_topk_weights.strides[0] // 4
+        with _stream_ptr(stream):
+            self.fn("epd_combine_push")(
+                (num_sms,), (DATA_THREADS,),
+                (y, np.int64(h * y.itemsize), np.int64(y.strides[0]), _ptr(recv_topk_weights),
+                 np.int64(w_stride), np.int32(k), np.int32(r), np.int32(rank), handle.recv_info,
+                 handle.count_matrix, handle.rank_prefix, peers, np.int64(o["stage_y"]),
+                 np.int64(o["stage_w"]), np.int32(1 if barrier else 0), np.uint64(seq),
+                 np.int64(timeout_ns)))
+            isz = y.itemsize
+            self.fn(f"epd_combine_reduce<{_trait_for(y.dtype)}>")(
+                (num_sms,), (DATA_THREADS,),
+                (out, np.int64(out.strides[0] // isz), y, np.int64(y.strides[0] // isz),
+                 _ptr(bias_0), np.int64(0 if bias_0 is None else bias_0.strides[0] // isz),
+                 _ptr(bias_1), np.int64(0 if bias_1 is None else bias_1.strides[0] // isz),
+                 _ptr(out_weights), _ptr(recv_topk_weights), np.int64(w_stride),
+                 np.int32(handle.num_tokens), np.int32(h), np.int32(k), np.int32(r),
+                 np.int32(rank), handle.token_mask, handle.pos, handle.count_matrix,
+                 handle.rank_prefix, peers, np.int64(o["stage_y"]), np.int64(o["stage_w"]),
+                 np.uint64(seq), np.int64(timeout_ns)))
+
+    # -- control ---------------------------------------------------------------------------
+    def abort(self, peers: Any, num_ranks: int, code: int = ERR_ABORTED, *,
+              stream: Any = None) -> None:
+        with _stream_ptr(stream):
+            self.fn("epd_abort")((1,), (32,), (peers, np.int32(num_ranks), np.uint64(code)))
+
+    def copy16(self, src: Any, dst_ptr: int, nbytes: int, *, num_sms: int = 132,
+               stream: Any = None) -> None:
+        with _stream_ptr(stream):
+            self.fn("epd_copy16")((num_sms,), (1024,),
+                                  (src, np.uint64(dst_ptr), np.int64(nbytes // 16)))
+
+
+def read_error(ctrl_view: Any) -> tuple[int, int, str, int] | None:
+    """(code, missing rank, phase name, seq) from a rank's control block, or None if clean."""
+    words = cp.asnumpy(ctrl_view[:8]).astype(np.int64)
+    code = int(words[CTRL_ERR_CODE])
+    if code == 0:
+        return None
+    return (code, int(words[CTRL_ERR_RANK]), PHASE_NAMES.get(int(words[CTRL_ERR_PHASE]), "?"),
+            int(words[CTRL_ERR_SEQ]))
+
+
+@functools.cache
+def kernels_for_device(device_id: int) -> Kernels:
+    """Process-wide compiled module (CuPy compiles per device lazily and caches on disk)."""
+    os.environ.setdefault("CUPY_CACHE_DIR", str(Path.home() / ".cache" / "epd" / "cupy"))
+    with cp.cuda.Device(device_id):
+        return Kernels()

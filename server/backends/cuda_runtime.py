@@ -1,0 +1,195 @@
+"""Per-rank driver of the intranode kernels: sequence numbers, handles, output views, errors.
+
+`RankRunner` is what a CUDA `RankComm` wraps: it knows its rank's buffer base, the device
+table of peer buffer bases, the sequence counters that every rank advances in the same order,
+and it launches notify + dispatch and combine on its stream. `LocalGroup` drives all R ranks of
+a group from one process (ranks spread over the visible GPUs with peer access enabled, several
+ranks per GPU allowed): the GPU tests and the benchmark use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from epd.server.backends import cuda_kernels as ck
+
+cp = ck.cp
+
+DEFAULT_TIMEOUT_NS = 10_000_000_000
+
+
+@dataclass
+class DispatchResult:
+    handle: ck.DispatchHandle
+    num_worst_tokens: int
+    with_meta: bool
+
+
+class RankRunner:
+    def __init__(self, kernels: ck.Kernels, layout: ck.RankBufferLayout, rank: int,
+                 peer_bases: list[int], device_id: int, x_dtype: Any, y_dtype: Any,
+                 owner: Any = None) -> None:
+        self.k = kernels
+        self.layout = layout
+        self.rank = rank
+        self.device_id = device_id
+        self.x_dtype = np.dtype(x_dtype)
+        self.y_dtype = np.dtype(y_dtype)
+        with cp.cuda.Device(device_id):
+            self.peers = cp.asarray(np.array(peer_bases, dtype=np.uint64))
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self.side_stream = cp.cuda.Stream(non_blocking=True)
+        self.base = int(peer_bases[rank])
+        self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)
+        self.seq = {"notify": 0, "dispatch": 0, "combine": 0}
+
+    def reset_ctrl(self) -> None:
+        with cp.cuda.Device(self.device_id):
+            ctrl = ck.CTRL_PAYLOAD_BYTES + ck.MAX_RANKS * (ck.MAX_RANKS +
+                                                           self.layout.num_local_experts) * 4
+            cp.cuda.runtime.memset(self.base, 0, ctrl)
+
+    # -- collectives (asynchronous on self.stream) -----------------------------------------
+    def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
+                 topk_weights: Any | None, *, alignment: int = 1, num_worst_tokens: int = 0,
+                 cached: DispatchResult | None = None, counter_slot_ptr: int = 0,
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 24,
+                 layout_out: tuple[Any, Any, Any] | None = None) -> DispatchResult:
+        lay = self.layout
+        with cp.cuda.Device(self.device_id):
+            if cached is None:
+                handle = ck.DispatchHandle.allocate(x.shape[0], lay.num_ranks,
+                                                    lay.num_local_experts)
+                self.seq["notify"] += 1
+                self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
+                              self.rank, self.peers, self.seq["notify"], handle,
+                              timeout_ns=timeout_ns, alignment=alignment,
+                              counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
+                              stream=self.stream)
+            else:
+                handle = cached.handle
+            self.seq["dispatch"] += 1
+            self.k.dispatch(x, x_scales, topk_idx if cached is None else None,
+                            topk_weights if cached is None else None, lay, self.rank,
+                            self.peers, handle, self.seq["dispatch"], timeout_ns=timeout_ns,
+                            num_sms=num_sms, num_worst_tokens=num_worst_tokens,
+                            barrier=cached is not None, stream=self.stream)
+        return DispatchResult(handle, num_worst_tokens, cached is None)
+
+    def combine(self, y: Any, res: DispatchResult, out: Any, *, recv_topk_weights: Any = None,
+                out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
+                timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 24,
+                barrier: bool = True) -> None:
+        with cp.cuda.Device(self.device_id):
+            self.seq["combine"] += 1
+            self.k.combine(y, recv_topk_weights, out, out_weights, self.layout, self.rank,
+                           self.peers, self.base, res.handle, self.seq["combine"],
+                           timeout_ns=timeout_ns, bias_0=bias_0, bias_1=bias_1,
+                           num_sms=num_sms, barrier=barrier, stream=self.stream)
+
+    def abort(self, code: int = ck.ERR_ABORTED) -> None:
+        with cp.cuda.Device(self.device_id):
+            self.k.abort(self.peers, self.layout.num_ranks, code, stream=self.side_stream)
+
+    # -- results (host reads; call after the stream) ---------------------------------------
+    def recv_info(self, res: DispatchResult) -> tuple[int, list[int]]:
+        info = cp.asnumpy(res.handle.recv_info)
+        return int(info[0]), [int(v) for v in info[4:]]
+
+    def outputs(self, res: DispatchResult) -> dict[str, Any]:
+        n, per_expert = self.recv_info(res)
+        rows = res.num_worst_tokens if res.num_worst_tokens > 0 else n
+        v = self.views
+        out = {"num_recv": n, "per_expert": per_expert, "recv_x": v["recv_x"][:rows],
+               "recv_src_idx": v["recv_src_idx"][:rows],
+               "recv_src_rank": v["recv_src_rank"][:rows],
+               "rank_prefix": res.handle.rank_prefix}
+        if res.with_meta:
+            out["recv_topk_idx"] = v["recv_topk_idx"][:rows]
+            out["recv_topk_weights"] = v["recv_topk_weights"][:rows]
+        if "recv_x_scales" in v:
+            out["recv_x_scales"] = v["recv_x_scales"][:rows]
+        return out
+
+    def error(self) -> tuple[int, int, str, int] | None:
+        with cp.cuda.Device(self.device_id):
+            return ck.read_error(self.views["ctrl"])
+
+
+class MappedSlot:
+    """A mapped pinned host page (counter slots); with UVA its host pointer is device-usable."""
+
+    def __init__(self, nbytes: int = 4096) -> None:
+        flags = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped
+        self.ptr = cp.cuda.runtime.hostAlloc(nbytes, flags)
+        self.nbytes = nbytes
+        buf = (ctypes.c_char * nbytes).from_address(self.ptr)
+        self.words = np.frombuffer(buf, dtype=np.int64)
+        self.words[:] = 0
+
+    def close(self) -> None:
+        if self.ptr:
+            cp.cuda.runtime.freeHost(self.ptr)
+            self.ptr = 0
+
+
+def enable_peer_access(num_devices: int) -> None:
+    for a in range(num_devices):
+        with cp.cuda.Device(a):
+            for b in range(num_devices):
+                if a != b and cp.cuda.runtime.deviceCanAccessPeer(a, b):
+                    with contextlib.suppress(cp.cuda.runtime.CUDARuntimeError):
+                        cp.cuda.runtime.deviceEnablePeerAccess(b)  # may be enabled already
+
+
+class LocalGroup:
+    """All R ranks of one group in this process; rank r lives on GPU r * ndev // R."""
+
+    def __init__(self, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
+                 max_tokens_per_rank: int, x_dtype: Any, *, num_devices: int | None = None,
+                 y_dtype: Any = None) -> None:
+        ndev = num_devices or cp.cuda.runtime.getDeviceCount()
+        enable_peer_access(ndev)
+        x_dtype = np.dtype(x_dtype)
+        fp8 = x_dtype.itemsize == 1
+        y_dtype = np.dtype(y_dtype) if y_dtype is not None else (
+            np.dtype("uint16") if fp8 else x_dtype)
+        self.layout = ck.RankBufferLayout.build(
+            num_ranks=num_ranks, num_experts=num_experts, hidden=hidden, num_topk=num_topk,
+            max_tokens_per_rank=max_tokens_per_rank, x_itemsize=x_dtype.itemsize,
+            y_itemsize=y_dtype.itemsize, with_scales=fp8)
+        self.devices = [r * ndev // num_ranks for r in range(num_ranks)]
+        self.buffers = []
+        for r in range(num_ranks):
+            with cp.cuda.Device(self.devices[r]):
+                self.buffers.append(cp.zeros(self.layout.total_bytes, cp.uint8))
+        bases = [int(b.data.ptr) for b in self.buffers]
+        self.runners = []
+        for r in range(num_ranks):
+            kern = ck.kernels_for_device(self.devices[r])
+            self.runners.append(RankRunner(kern, self.layout, r, bases, self.devices[r],
+                                           x_dtype, y_dtype, owner=self.buffers[r]))
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.runners)
+
+    def poison(self, byte: int = 0xAB) -> None:
+        ctrl_end = self.layout.offsets["recv_x"]
+        for r, buf in enumerate(self.buffers):
+            with cp.cuda.Device(self.devices[r]):
+                buf[ctrl_end:].fill(byte)
+
+    def synchronize(self) -> None:
+        for r in self.runners:
+            r.stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+        self.runners.clear()
+        self.buffers.clear()

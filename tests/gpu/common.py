@@ -1,0 +1,149 @@
+"""Shared helpers of the GPU tests: run a normal dispatch/combine on a LocalGroup and compare
+every output bit-exactly with the NumPy reference (epd.server.reference)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from epd.proto.dtypes import BFLOAT16, FLOAT8_E4M3
+from epd.server import reference as ref
+
+TIMEOUT_NS = 5_000_000_000
+
+
+def raw(a: np.ndarray) -> np.ndarray:
+    """bf16/fp8 have no CuPy dtype: move their bits as uint16/uint8."""
+    if a.dtype == BFLOAT16:
+        return a.view(np.uint16)
+    if a.dtype == FLOAT8_E4M3:
+        return a.view(np.uint8)
+    return a
+
+
+def make_inputs(rng: np.random.Generator, num_tokens: list[int], num_experts: int,
+                num_topk: int, hidden: int, *, payload: str = "bf16", drop: float = 0.0,
+                hot_rank: int | None = None, hot_fraction: float = 0.0) -> dict[str, Any]:
+    r = len(num_tokens)
+    routes = [ref.random_routing(rng, t, num_experts, num_topk, drop_prob=drop,
+                                 hot_rank=hot_rank, hot_fraction=hot_fraction, num_ranks=r)
+              for t in num_tokens]
+    scales = None
+    if payload == "fp8":
+        qs = [ref.quantize_fp8(ref.random_x(rng, t, hidden, BFLOAT16)) for t in num_tokens]
+        xs = [q for q, _ in qs]
+        scales = [s for _, s in qs]
+    else:
+        dt = {"bf16": BFLOAT16, "f32": np.dtype(np.float32)}[payload]
+        xs = [ref.random_x(rng, t, hidden, dt) for t in num_tokens]
+    return {"xs": xs, "scales": scales, "idx": [i for i, _ in routes],
+            "w": [w for _, w in routes]}
+
+
+def run_dispatch(group: Any, inp: dict[str, Any], *, alignment: int = 1, worst: int = 0,
+                 cached: list[Any] | None = None, num_sms: int = 8,
+                 slots: list[Any] | None = None) -> list[Any]:
+    import cupy as cp
+
+    results = []
+    for r, runner in enumerate(group.runners):
+        with cp.cuda.Device(runner.device_id):
+            x = cp.asarray(raw(inp["xs"][r]))
+            sc = None if inp["scales"] is None else cp.asarray(inp["scales"][r])
+            idx = None if cached else cp.asarray(inp["idx"][r])
+            w = None if cached else cp.asarray(inp["w"][r])
+            results.append(runner.dispatch(
+                x, sc, idx, w, alignment=alignment, num_worst_tokens=worst,
+                cached=None if cached is None else cached[r], timeout_ns=TIMEOUT_NS,
+                num_sms=num_sms, counter_slot_ptr=0 if slots is None else slots[r].ptr))
+    group.synchronize()
+    for runner in group.runners:
+        assert runner.error() is None, runner.error()
+    return results
+
+
+def check_dispatch(group: Any, results: list[Any], expected: list[Any], *, worst: int = 0,
+                   meta: bool = True) -> list[dict[str, Any]]:
+    import cupy as cp
+
+    outs = []
+    for d, runner in enumerate(group.runners):
+        exp = ref.pad_to_worst(expected[d], worst) if worst else expected[d]
+        got = runner.outputs(results[d])
+        n = exp.recv_src_idx.shape[0] if not worst else int(expected[d].src_offsets[-1])
+        assert got["num_recv"] == n
+        assert got["per_expert"] == list(exp.num_recv_tokens_per_expert)
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_x"]), raw(exp.recv_x))
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_idx"]), exp.recv_src_idx)
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_rank"]), exp.recv_src_rank)
+        if meta:
+            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_idx"]), exp.recv_topk_idx)
+            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_weights"]).view(np.uint32),
+                                          exp.recv_topk_weights.view(np.uint32))
+        if exp.recv_x_scales is not None:
+            np.testing.assert_array_equal(cp.asnumpy(got["recv_x_scales"]).view(np.uint32),
+                                          exp.recv_x_scales.view(np.uint32))
+        prefix = np.cumsum(np.diff(expected[d].src_offsets))
+        np.testing.assert_array_equal(cp.asnumpy(got["rank_prefix"])[:, d], prefix)
+        outs.append(got)
+    return outs
+
+
+def run_and_check_combine(group: Any, rng: np.random.Generator, results: list[Any],
+                          expected: list[Any], num_tokens: list[int], hidden: int, *,
+                          worst: int = 0, bias: bool = False, num_sms: int = 8) -> None:
+    import cupy as cp
+
+    r_count = group.num_ranks
+    disp = [ref.pad_to_worst(e, worst) if worst else e for e in expected]
+    ys = [ref.random_x(rng, e.recv_x.shape[0], hidden, BFLOAT16) for e in disp]
+    b0 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
+    b1 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
+    want = ref.combine(ys, disp, num_tokens, recv_topk_weights=[e.recv_topk_weights for e in disp],
+                       bias_0=b0, bias_1=b1)
+    outs = []
+    for r, runner in enumerate(group.runners):
+        with cp.cuda.Device(runner.device_id):
+            y = cp.asarray(raw(ys[r]))
+            w = cp.asarray(disp[r].recv_topk_weights)
+            out = cp.full((num_tokens[r], hidden), 0xFFFF, cp.uint16)  # poison: NaN
+            out_w = cp.full((num_tokens[r], w.shape[1]), np.nan, cp.float32)
+            runner.combine(y, results[r], out, recv_topk_weights=w, out_weights=out_w,
+                           bias_0=None if b0 is None else cp.asarray(raw(b0[r])),
+                           bias_1=None if b1 is None else cp.asarray(raw(b1[r])),
+                           timeout_ns=TIMEOUT_NS, num_sms=num_sms)
+            outs.append((out, out_w))
+    group.synchronize()
+    for runner in group.runners:
+        assert runner.error() is None, runner.error()
+    for s in range(r_count):
+        np.testing.assert_array_equal(cp.asnumpy(outs[s][0]), raw(want[s][0]))
+        np.testing.assert_array_equal(cp.asnumpy(outs[s][1]).view(np.uint32),
+                                      want[s][1].view(np.uint32))
+
+
+def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_experts: int,
+              num_topk: int, hidden: int, *, payload: str = "bf16", alignment: int = 1,
+              worst: int = 0, cached: bool = False, bias: bool = False, num_sms: int = 8,
+              **routing: Any) -> list[Any]:
+    inp = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload,
+                      **routing)
+    expected = ref.dispatch(inp["xs"], inp["idx"], inp["w"], num_experts,
+                            x_scales=inp["scales"], expert_alignment=alignment)
+    group.poison()
+    results = run_dispatch(group, inp, alignment=alignment, worst=worst, num_sms=num_sms)
+    check_dispatch(group, results, expected, worst=worst)
+    if cached:
+        # Same routing, new payload: the cached handle must place the new rows identically.
+        fresh = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload)
+        inp2 = dict(inp, xs=fresh["xs"], scales=fresh["scales"])
+        expected2 = ref.dispatch(inp2["xs"], inp["idx"], inp["w"], num_experts,
+                                 x_scales=inp2["scales"], expert_alignment=alignment)
+        group.poison()
+        results2 = run_dispatch(group, inp2, worst=worst, cached=results, num_sms=num_sms)
+        check_dispatch(group, results2, expected2, worst=worst, meta=False)
+    if payload != "f32":
+        run_and_check_combine(group, rng, results, expected, num_tokens, hidden, worst=worst,
+                              bias=bias, num_sms=num_sms)
+    return results

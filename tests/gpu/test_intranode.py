@@ -1,0 +1,174 @@
+"""Intranode kernels on real GPUs vs the NumPy reference, one process driving every rank
+(ranks spread over the visible GPUs; several ranks per GPU when R > GPUs)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from .common import TIMEOUT_NS, make_inputs, roundtrip, run_dispatch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def rt():
+    from epd.server.backends import cuda_runtime
+
+    return cuda_runtime
+
+
+def group(rt, r: int, e: int, k: int, h: int, max_tokens: int, dtype=None, **kw):
+    from epd.proto.dtypes import BFLOAT16
+
+    return rt.LocalGroup(r, e, h, k, max_tokens, dtype if dtype is not None else BFLOAT16, **kw)
+
+
+def test_compile_all() -> None:
+    from epd.server.backends import cuda_kernels as ck
+
+    ck.kernels_for_device(0).compile_all()
+
+
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+@pytest.mark.parametrize("tokens", [0, 1, 7, 128])
+def test_small_token_counts(rt, num_ranks: int, tokens: int) -> None:
+    rng = np.random.default_rng(100 * num_ranks + tokens)
+    g = group(rt, num_ranks, 32, 2, 2048, 128)
+    roundtrip(g, rng, [tokens] * num_ranks, 32, 2, 2048, drop=0.1)
+
+
+@pytest.mark.parametrize(("num_ranks", "experts", "topk", "hidden"), [
+    (2, 256, 8, 7168), (2, 8, 1, 2048), (4, 64, 8, 2048), (8, 256, 8, 2048), (4, 16, 2, 7168),
+])
+def test_large(rt, num_ranks: int, experts: int, topk: int, hidden: int) -> None:
+    rng = np.random.default_rng(experts * topk + hidden + num_ranks)
+    tokens = [4096, 8192, 4096, 128, 0, 4096, 7, 1][:num_ranks]
+    g = group(rt, num_ranks, experts, topk, hidden, 8192)
+    roundtrip(g, rng, tokens, experts, topk, hidden, drop=0.05, bias=True, num_sms=16)
+
+
+def test_uneven_and_empty_receiver(rt) -> None:
+    # Rank 1's experts are never chosen: it receives nothing, others still combine.
+    from epd.server import reference as ref
+
+    rng = np.random.default_rng(7)
+    r, e, k, h = 4, 32, 2, 2048
+    g = group(rt, r, e, k, h, 512)
+    inp = make_inputs(rng, [300, 17, 0, 512], e, k, h)
+    for idx in inp["idx"]:
+        idx[(idx >= 8) & (idx < 16)] = -1
+    expected = ref.dispatch(inp["xs"], inp["idx"], inp["w"], e)
+    assert expected[1].recv_x.shape[0] == 0
+    from .common import check_dispatch, run_and_check_combine
+
+    g.poison()
+    res = run_dispatch(g, inp)
+    check_dispatch(g, res, expected)
+    run_and_check_combine(g, rng, res, expected, [300, 17, 0, 512], h, bias=True)
+
+
+def test_skewed_router(rt) -> None:
+    rng = np.random.default_rng(11)
+    g = group(rt, 2, 256, 8, 7168, 4096)
+    roundtrip(g, rng, [4096, 4096], 256, 8, 7168, hot_rank=0, hot_fraction=0.9, num_sms=24)
+
+
+@pytest.mark.parametrize("worst", [False, True])
+def test_cached_and_alignment(rt, worst: bool) -> None:
+    rng = np.random.default_rng(5 + worst)
+    r, tokens = 4, [128, 64, 200, 1]
+    g = group(rt, r, 64, 4, 2048, 256)
+    roundtrip(g, rng, tokens, 64, 4, 2048, alignment=128, cached=True,
+              worst=r * 256 if worst else 0, drop=0.2)
+
+
+def test_worst_tokens(rt) -> None:
+    rng = np.random.default_rng(9)
+    g = group(rt, 2, 16, 2, 2048, 128)
+    roundtrip(g, rng, [128, 7], 16, 2, 2048, worst=256, bias=True)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_fp8(rt, num_ranks: int) -> None:
+    from epd.proto.dtypes import FLOAT8_E4M3
+
+    rng = np.random.default_rng(13)
+    g = group(rt, num_ranks, 64, 8, 7168, 1024, dtype=FLOAT8_E4M3)
+    roundtrip(g, rng, [1024, 333, 0, 5][:num_ranks], 64, 8, 7168, payload="fp8", cached=True)
+
+
+def test_counter_slot(rt) -> None:
+    from epd.proto import counter_page
+    from epd.server import reference as ref
+
+    rng = np.random.default_rng(3)
+    r, e, k, h = 2, 16, 2, 2048
+    g = group(rt, r, e, k, h, 128)
+    inp = make_inputs(rng, [100, 50], e, k, h)
+    expected = ref.dispatch(inp["xs"], inp["idx"], inp["w"], e, expert_alignment=4)
+    slots = [rt.MappedSlot() for _ in range(r)]
+    try:
+        run_dispatch(g, inp, alignment=4, slots=slots)
+        for d in range(r):
+            got = counter_page.wait(slots[d].words, 1, 1.0)
+            assert got == (expected[d].recv_x.shape[0], expected[d].num_recv_tokens_per_expert)
+            assert slots[d].words[counter_page.STATUS] == 0
+    finally:
+        for s in slots:
+            s.close()
+
+
+def test_missing_rank_deadline_then_other_group_works(rt) -> None:
+    import cupy as cp
+
+    from epd.server.backends import cuda_kernels as ck
+
+    rng = np.random.default_rng(21)
+    r, e, k, h = 2, 16, 2, 2048
+    g = group(rt, r, e, k, h, 64)
+    inp = make_inputs(rng, [64, 64], e, k, h)
+    slot = rt.MappedSlot()
+    try:
+        runner = g.runners[0]  # rank 1 never arrives
+        with cp.cuda.Device(runner.device_id):
+            t0 = time.monotonic()
+            runner.dispatch(cp.asarray(inp["xs"][0].view(np.uint16)), None,
+                            cp.asarray(inp["idx"][0]), cp.asarray(inp["w"][0]),
+                            timeout_ns=200_000_000, counter_slot_ptr=slot.ptr)
+            runner.stream.synchronize()
+            elapsed = time.monotonic() - t0
+        err = runner.error()
+        assert err is not None and err[0] == ck.ERR_DEADLINE and err[1] == 1, err
+        assert err[2] == "notify"
+        assert slot.words[0] == 1 and slot.words[3] == ck.ERR_DEADLINE and slot.words[4] == 1
+        assert elapsed < 5.0
+    finally:
+        slot.close()
+    # A fresh group on the same devices still works (the context is not poisoned).
+    g2 = group(rt, r, e, k, h, 128)
+    roundtrip(g2, rng, [128, 3], e, k, h)
+
+
+def test_abort_releases_waiters(rt) -> None:
+    import cupy as cp
+
+    from epd.server.backends import cuda_kernels as ck
+
+    rng = np.random.default_rng(22)
+    g = group(rt, 2, 16, 2, 2048, 64)
+    inp = make_inputs(rng, [64, 64], 16, 2, 2048)
+    runner = g.runners[0]
+    with cp.cuda.Device(runner.device_id):
+        t0 = time.monotonic()
+        runner.dispatch(cp.asarray(inp["xs"][0].view(np.uint16)), None,
+                        cp.asarray(inp["idx"][0]), cp.asarray(inp["w"][0]),
+                        timeout_ns=TIMEOUT_NS * 4)
+        time.sleep(0.05)
+        runner.abort()
+        runner.stream.synchronize()
+        assert time.monotonic() - t0 < 5.0
+    err = runner.error()
+    assert err is not None and err[0] == ck.ERR_ABORTED, err
