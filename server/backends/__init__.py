@@ -13,9 +13,15 @@ def cuda_available() -> bool:
         return False
 
 
+def cuda_backend_present() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("epd.server.backends.cuda") is not None
+
+
 def resolve_backend_name(name: str) -> str:
+    """`auto` is cuda where a GPU, CuPy and the cuda engine are all present, else cpu."""
     if name == "auto":
-        return "cuda" if cuda_available() else "cpu"
+        return "cuda" if cuda_backend_present() and cuda_available() else "cpu"
     return name
 
 

@@ -1,0 +1,34 @@
+# Everything runs from a project-local virtual environment, created on first use.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test test-gpu lint proto bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@# torch is optional (DeepEP-style torch tensors); its tests skip without it.
+	$(BIN)/pip install -q 'torch==2.13.0' || echo "torch not installed: torch tests will be skipped"
+	touch $(STAMP)
+
+demo: $(STAMP)  ## daemon + 4 client processes doing dispatch/combine, verified
+	$(BIN)/epd demo
+
+test: $(STAMP)  ## the CPU test suite (what CI runs)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-gpu: $(STAMP)  ## GPU tests (on a machine with NVIDIA GPUs and the [cuda] extra)
+	$(BIN)/python -m pytest -q -m gpu tests/gpu
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+proto: $(STAMP)  ## regenerate proto/v1/*_pb2*.py after editing proto/v1/epd.proto
+	$(BIN)/python -m epd.proto.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
