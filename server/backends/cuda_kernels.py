@@ -189,7 +189,7 @@ class Kernels:
     """The compiled module for the current device; one instance per process is enough."""
 
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_copy16")
+             "epd_copy16", "epd_gate")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>")
 
@@ -215,15 +215,15 @@ class Kernels:
     def layout(self, topk_idx: Any, num_experts: int, num_ranks: int, *,
                stream: Any = None) -> tuple[Any, Any, Any]:
         t, k = topk_idx.shape
-        ntpr = cp.zeros(num_ranks, cp.int32)
-        ntpe = cp.zeros(num_experts, cp.int32)
-        itr = cp.empty((t, num_ranks), cp.bool_)
-        if t:
-            with _stream_ptr(stream):
+        with _stream_ptr(stream):  # the zeroing runs on the same stream as the kernel
+            ntpr = cp.zeros(num_ranks, cp.int32)
+            ntpe = cp.zeros(num_experts, cp.int32)
+            itr = cp.empty((t, num_ranks), cp.bool_)
+            if t:
                 self.fn("epd_layout")(((t + 255) // 256,), (256,),
-                                      (topk_idx, np.int32(t), np.int32(k), np.int32(num_experts),
-                                       np.int32(num_ranks), ntpr, ntpe, itr),
-                                      shared_mem=4 * num_experts)
+                                      (topk_idx, np.int32(t), np.int32(k),
+                                       np.int32(num_experts), np.int32(num_ranks), ntpr, ntpe,
+                                       itr), shared_mem=4 * num_experts)
         return ntpr, ntpe, itr
 
     # -- notify ----------------------------------------------------------------------------
@@ -314,6 +314,12 @@ class Kernels:
         with _stream_ptr(stream):
             self.fn("epd_copy16")((num_sms,), (1024,),
                                   (src, np.uint64(dst_ptr), np.int64(nbytes // 16)))
+
+
+    def gate(self, flag_ptr: int, *, timeout_ns: int = 10_000_000_000, stream: Any = None
+             ) -> None:
+        with _stream_ptr(stream):
+            self.fn("epd_gate")((1,), (1,), (np.uint64(flag_ptr), np.int64(timeout_ns)))
 
 
 def read_error(ctrl_view: Any) -> tuple[int, int, str, int] | None:

@@ -63,8 +63,9 @@ class RankRunner:
         lay = self.layout
         with cp.cuda.Device(self.device_id):
             if cached is None:
-                handle = ck.DispatchHandle.allocate(x.shape[0], lay.num_ranks,
-                                                    lay.num_local_experts)
+                with self.stream:
+                        handle = ck.DispatchHandle.allocate(x.shape[0], lay.num_ranks,
+                                                        lay.num_local_experts)
                 self.seq["notify"] += 1
                 self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
                               self.rank, self.peers, self.seq["notify"], handle,
@@ -168,6 +169,7 @@ class LocalGroup:
         for r in range(num_ranks):
             with cp.cuda.Device(self.devices[r]):
                 self.buffers.append(cp.zeros(self.layout.total_bytes, cp.uint8))
+                cp.cuda.Device(self.devices[r]).synchronize()
         bases = [int(b.data.ptr) for b in self.buffers]
         self.runners = []
         for r in range(num_ranks):
@@ -182,7 +184,7 @@ class LocalGroup:
     def poison(self, byte: int = 0xAB) -> None:
         ctrl_end = self.layout.offsets["recv_x"]
         for r, buf in enumerate(self.buffers):
-            with cp.cuda.Device(self.devices[r]):
+            with cp.cuda.Device(self.devices[r]), self.runners[r].stream:
                 buf[ctrl_end:].fill(byte)
 
     def synchronize(self) -> None:

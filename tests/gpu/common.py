@@ -22,6 +22,13 @@ def raw(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def ranks_of(group: Any) -> list[tuple[int, Any]]:
+    """(global rank, runner) pairs this process drives (all of them for a LocalGroup)."""
+    ids = getattr(group, "rank_ids", None)
+    return list(zip(ids if ids is not None else range(len(group.runners)), group.runners,
+                    strict=True))
+
+
 def make_inputs(rng: np.random.Generator, num_tokens: list[int], num_experts: int,
                 num_topk: int, hidden: int, *, payload: str = "bf16", drop: float = 0.0,
                 hot_rank: int | None = None, hot_fraction: float = 0.0) -> dict[str, Any]:
@@ -42,33 +49,33 @@ def make_inputs(rng: np.random.Generator, num_tokens: list[int], num_experts: in
 
 
 def run_dispatch(group: Any, inp: dict[str, Any], *, alignment: int = 1, worst: int = 0,
-                 cached: list[Any] | None = None, num_sms: int = 8,
-                 slots: list[Any] | None = None) -> list[Any]:
+                 cached: dict[int, Any] | None = None, num_sms: int = 8,
+                 slots: list[Any] | None = None) -> dict[int, Any]:
     import cupy as cp
 
-    results = []
-    for r, runner in enumerate(group.runners):
-        with cp.cuda.Device(runner.device_id):
+    results: dict[int, Any] = {}
+    for r, runner in ranks_of(group):
+        with cp.cuda.Device(runner.device_id), runner.stream:  # no null-stream syncs
             x = cp.asarray(raw(inp["xs"][r]))
             sc = None if inp["scales"] is None else cp.asarray(inp["scales"][r])
             idx = None if cached else cp.asarray(inp["idx"][r])
             w = None if cached else cp.asarray(inp["w"][r])
-            results.append(runner.dispatch(
+            results[r] = runner.dispatch(
                 x, sc, idx, w, alignment=alignment, num_worst_tokens=worst,
                 cached=None if cached is None else cached[r], timeout_ns=TIMEOUT_NS,
-                num_sms=num_sms, counter_slot_ptr=0 if slots is None else slots[r].ptr))
+                num_sms=num_sms, counter_slot_ptr=0 if slots is None else slots[r].ptr)
     group.synchronize()
     for runner in group.runners:
         assert runner.error() is None, runner.error()
     return results
 
 
-def check_dispatch(group: Any, results: list[Any], expected: list[Any], *, worst: int = 0,
+def check_dispatch(group: Any, results: dict[int, Any], expected: list[Any], *, worst: int = 0,
                    meta: bool = True) -> list[dict[str, Any]]:
     import cupy as cp
 
     outs = []
-    for d, runner in enumerate(group.runners):
+    for d, runner in ranks_of(group):
         exp = ref.pad_to_worst(expected[d], worst) if worst else expected[d]
         got = runner.outputs(results[d])
         n = exp.recv_src_idx.shape[0] if not worst else int(expected[d].src_offsets[-1])
@@ -90,21 +97,20 @@ def check_dispatch(group: Any, results: list[Any], expected: list[Any], *, worst
     return outs
 
 
-def run_and_check_combine(group: Any, rng: np.random.Generator, results: list[Any],
+def run_and_check_combine(group: Any, rng: np.random.Generator, results: dict[int, Any],
                           expected: list[Any], num_tokens: list[int], hidden: int, *,
                           worst: int = 0, bias: bool = False, num_sms: int = 8) -> None:
     import cupy as cp
 
-    r_count = group.num_ranks
     disp = [ref.pad_to_worst(e, worst) if worst else e for e in expected]
     ys = [ref.random_x(rng, e.recv_x.shape[0], hidden, BFLOAT16) for e in disp]
     b0 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
     b1 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
     want = ref.combine(ys, disp, num_tokens, recv_topk_weights=[e.recv_topk_weights for e in disp],
                        bias_0=b0, bias_1=b1)
-    outs = []
-    for r, runner in enumerate(group.runners):
-        with cp.cuda.Device(runner.device_id):
+    outs = {}
+    for r, runner in ranks_of(group):
+        with cp.cuda.Device(runner.device_id), runner.stream:
             y = cp.asarray(raw(ys[r]))
             w = cp.asarray(disp[r].recv_topk_weights)
             out = cp.full((num_tokens[r], hidden), 0xFFFF, cp.uint16)  # poison: NaN
@@ -113,11 +119,11 @@ def run_and_check_combine(group: Any, rng: np.random.Generator, results: list[An
                            bias_0=None if b0 is None else cp.asarray(raw(b0[r])),
                            bias_1=None if b1 is None else cp.asarray(raw(b1[r])),
                            timeout_ns=TIMEOUT_NS, num_sms=num_sms)
-            outs.append((out, out_w))
+            outs[r] = (out, out_w)
     group.synchronize()
     for runner in group.runners:
         assert runner.error() is None, runner.error()
-    for s in range(r_count):
+    for s in outs:
         np.testing.assert_array_equal(cp.asnumpy(outs[s][0]), raw(want[s][0]))
         np.testing.assert_array_equal(cp.asnumpy(outs[s][1]).view(np.uint32),
                                       want[s][1].view(np.uint32))
@@ -126,7 +132,7 @@ def run_and_check_combine(group: Any, rng: np.random.Generator, results: list[An
 def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_experts: int,
               num_topk: int, hidden: int, *, payload: str = "bf16", alignment: int = 1,
               worst: int = 0, cached: bool = False, bias: bool = False, num_sms: int = 8,
-              **routing: Any) -> list[Any]:
+              **routing: Any) -> dict[int, Any]:
     inp = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload,
                       **routing)
     expected = ref.dispatch(inp["xs"], inp["idx"], inp["w"], num_experts,

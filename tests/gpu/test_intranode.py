@@ -133,7 +133,7 @@ def test_missing_rank_deadline_then_other_group_works(rt) -> None:
     slot = rt.MappedSlot()
     try:
         runner = g.runners[0]  # rank 1 never arrives
-        with cp.cuda.Device(runner.device_id):
+        with cp.cuda.Device(runner.device_id), runner.stream:
             t0 = time.monotonic()
             runner.dispatch(cp.asarray(inp["xs"][0].view(np.uint16)), None,
                             cp.asarray(inp["idx"][0]), cp.asarray(inp["w"][0]),
@@ -161,7 +161,7 @@ def test_abort_releases_waiters(rt) -> None:
     g = group(rt, 2, 16, 2, 2048, 64)
     inp = make_inputs(rng, [64, 64], 16, 2, 2048)
     runner = g.runners[0]
-    with cp.cuda.Device(runner.device_id):
+    with cp.cuda.Device(runner.device_id), runner.stream:
         t0 = time.monotonic()
         runner.dispatch(cp.asarray(inp["xs"][0].view(np.uint16)), None,
                         cp.asarray(inp["idx"][0]), cp.asarray(inp["w"][0]),
@@ -172,3 +172,22 @@ def test_abort_releases_waiters(rt) -> None:
         assert time.monotonic() - t0 < 5.0
     err = runner.error()
     assert err is not None and err[0] == ck.ERR_ABORTED, err
+
+
+def test_layout_kernel_and_notify_layout(rt) -> None:
+    import cupy as cp
+
+    from epd.server import reference as ref
+    from epd.server.backends import cuda_kernels as ck
+
+    rng = np.random.default_rng(31)
+    for t, e, k, r in [(0, 8, 1, 2), (1000, 256, 8, 8), (4096, 64, 2, 4)]:
+        idx, _ = ref.random_routing(rng, t, e, k, drop_prob=0.1, num_ranks=r)
+        want = ref.get_dispatch_layout(idx, e, r)
+        kern = ck.kernels_for_device(0)
+        with cp.cuda.Device(0):
+            ntpr, ntpe, itr = kern.layout(cp.asarray(idx), e, r)
+            cp.cuda.Device(0).synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(ntpr), want.num_tokens_per_rank)
+        np.testing.assert_array_equal(cp.asnumpy(ntpe), want.num_tokens_per_expert)
+        np.testing.assert_array_equal(cp.asnumpy(itr), want.is_token_in_rank)

@@ -1,0 +1,122 @@
+"""One NVSHMEM PE of the multi-process GPU test (started by test_nvshmem.py).
+
+argv: pe npes uid_file ranks_per_pe. Every PE generates the whole workload from the same seeds,
+drives its own ranks (buffers at offsets of its symmetric heap, peers through
+nvshmem.core.get_peer_array) and checks them against the reference. Exit code 0 = all passed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+
+class PeGroup:
+    """The ranks of one group that this PE drives (the LocalGroup interface of common.py)."""
+
+    def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
+                 num_topk: int, max_tokens: int, stream) -> None:
+        import cupy as cp
+        import nvshmem.core as nc
+
+        from epd.proto.dtypes import BFLOAT16
+        from epd.server.backends import cuda_kernels as ck
+        from epd.server.backends import cuda_runtime as rt
+
+        r = npes * per_pe
+        self.num_ranks = r
+        self.layout = ck.RankBufferLayout.build(
+            num_ranks=r, num_experts=num_experts, hidden=hidden, num_topk=num_topk,
+            max_tokens_per_rank=max_tokens, x_itemsize=2, y_itemsize=2, with_scales=False)
+        size = self.layout.total_bytes
+        self.heap = nc.array((per_pe * size,), dtype="uint8")  # collective, same order on all
+        self.heap.fill(0)
+        bases = []
+        for g in range(r):
+            p, j = divmod(g, per_pe)
+            arr = self.heap if p == pe else nc.get_peer_array(self.heap, p)
+            bases.append(int(arr.data.ptr) + j * size)
+        self.rank_ids = [pe * per_pe + j for j in range(per_pe)]
+        kern = ck.kernels_for_device(pe)
+        self.runners = [rt.RankRunner(kern, self.layout, g, bases, pe, BFLOAT16, BFLOAT16,
+                                      owner=self.heap) for g in self.rank_ids]
+        self.size = size
+        cp.cuda.Device(pe).synchronize()
+        nc.barrier_all(stream=stream)  # every PE zeroed its control blocks
+        stream.synchronize()
+
+    def poison(self) -> None:
+        off = self.layout.offsets["recv_x"]
+        for j in range(len(self.runners)):
+            self.heap[j * self.size + off:(j + 1) * self.size].fill(0xAB)
+
+    def synchronize(self) -> None:
+        for r in self.runners:
+            r.stream.synchronize()
+
+    def close(self) -> None:
+        import nvshmem.core as nc
+
+        self.synchronize()
+        self.runners.clear()
+        nc.free_array(self.heap)
+
+
+def main() -> int:
+    pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    import cupy as cp
+    import nvshmem.core as nc
+    from cuda.core import Device
+
+    from tests.gpu.common import roundtrip
+
+    dev = Device(pe)
+    dev.set_current()
+    cp.cuda.Device(pe).use()
+    if pe == 0:
+        uid = nc.get_unique_id()
+        with open(uid_file + ".tmp", "wb") as f:
+            f.write(uid._data.tobytes())
+        os.rename(uid_file + ".tmp", uid_file)
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(uid_file):
+            if time.monotonic() > deadline:
+                raise TimeoutError("no NVSHMEM unique id from PE 0")
+            time.sleep(0.01)
+        uid = nc.get_unique_id(empty=True)
+        uid._data.view(np.uint8)[:] = np.frombuffer(Path(uid_file).read_bytes(), np.uint8)
+    nc.init(device=dev, uid=uid, rank=pe, nranks=npes, initializer_method="uid")
+    stream = cp.cuda.Stream(non_blocking=True)
+    failures = 0
+    cases = [  # (experts, topk, hidden, tokens per rank, extra)
+        (256, 8, 7168, 4096, {"bias": True, "drop": 0.05}),
+        (64, 2, 2048, 7, {"cached": True, "worst": 0}),
+        (32, 8, 2048, 128, {"worst": 1024, "hot_rank": 0, "hot_fraction": 0.9}),
+    ]
+    group = None
+    try:
+        for e, k, h, t, extra in cases:
+            group = PeGroup(pe, npes, per_pe, e, h, k, 4096, stream)
+            rng = np.random.default_rng(e + k + h + t)
+            tokens = [t if g % 3 else max(t // 2, 0) for g in range(group.num_ranks)]
+            try:
+                roundtrip(group, rng, tokens, e, k, h, num_sms=16, **extra)
+                print(f"PE {pe}: case E={e} K={k} H={h} T={t} {extra} ok", flush=True)
+            except Exception:
+                failures += 1
+                traceback.print_exc()
+            group.close()
+            group = None
+    finally:
+        nc.finalize()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

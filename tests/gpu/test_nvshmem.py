@@ -1,0 +1,50 @@
+"""Multi-process run: one NVSHMEM PE per GPU (UID bootstrap, no MPI), 1 and 2 ranks per PE."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import GPU_COUNT
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _has_nvshmem() -> bool:
+    try:
+        import nvshmem.core  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("ranks_per_pe", [1, 2])
+def test_nvshmem_multiprocess(tmp_path: Path, ranks_per_pe: int) -> None:
+    if GPU_COUNT < 2 or not _has_nvshmem():
+        pytest.skip("needs 2 GPUs and nvshmem4py")
+    env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
+               NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
+               PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = f"{ROOT}:{env.get('PYTHONPATH', '')}"
+    uid = tmp_path / "uid"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu.nvshmem_worker", str(pe), "2",
+                               str(uid), str(ranks_per_pe)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pe in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+    for pe, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        print(f"--- PE {pe} ---\n{out}")
+        assert p.returncode == 0, f"PE {pe} failed:\n{out[-4000:]}"
