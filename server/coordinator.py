@@ -21,7 +21,12 @@ from epd.server import metrics
 from epd.server.backends import cpu
 from epd.server.backends.base import GroupSpec
 from epd.server.engine.core import spec_from_proto
-from epd.server.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument
+from epd.server.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 
 log = logging.getLogger("epd.coordinator")
 
@@ -35,18 +40,19 @@ class GroupInstance:
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     comm_path: str = ""
     heap_offset: int = 0
+    heap_bytes: int = 0
     aborted: str | None = None
     released: set[int] = field(default_factory=set)
 
 
 class Coordinator:
-    def __init__(self, shm_dir: str, backend: str) -> None:
+    def __init__(self, shm_dir: str, backend: str, heap_bytes: int = 0) -> None:
         self.shm_dir = shm_dir
         self.backend = backend
         self.by_name: dict[str, GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
         self.nvshmem_uid = b""
-        self._next_heap_offset = 0
+        self.heap = HeapAllocator(heap_bytes)
 
     async def rendezvous(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
         spec = spec_from_proto(req.spec)
@@ -99,6 +105,18 @@ class Coordinator:
         if self.backend == "cpu":
             g.comm_path = os.path.join(self.shm_dir, f"epd-{g.group_id}.comm")
             cpu.create_comm_file(g.comm_path, g.spec)
+        else:
+            # Every engine sub-allocates the group's buffers at the same heap offset: one rank
+            # buffer per rank of the group, whichever engine holds it.
+            from epd.server.backends.cuda_kernels import RankBufferLayout
+            size = rank_buffer_layout(RankBufferLayout, g.spec).total_bytes * g.spec.num_ranks
+            offset = self.heap.alloc(size)
+            if offset is None:
+                g.aborted = (f"the symmetric heap has no room for {size} bytes "
+                             f"(raise --nvshmem-heap-bytes or lower max_tokens_per_rank)")
+                g.formed.set()
+                raise ResourceExhausted(f"group {g.spec.name!r}: {g.aborted}")
+            g.heap_offset, g.heap_bytes = offset, size
         g.formed.set()
         log.info("group %r (%s) formed: %d ranks on engines %s", g.spec.name, g.group_id,
                  g.spec.num_ranks, [g.members[r][0] for r in range(g.spec.num_ranks)])
@@ -146,6 +164,8 @@ class Coordinator:
             del self.by_name[g.spec.name]
         if g.comm_path:
             Path(g.comm_path).unlink(missing_ok=True)
+        if g.heap_bytes:
+            self.heap.free(g.heap_offset)
         log.info("group %r (%s) removed", g.spec.name, g.group_id)
 
     def close(self) -> None:
@@ -159,3 +179,40 @@ def _spec_text(s: GroupSpec) -> str:
             f"max_tokens_per_rank={s.max_tokens_per_rank} num_topk={s.num_topk} "
             f"x_dtype={s.x_dtype}")
 
+
+
+def rank_buffer_layout(layout_cls, spec: GroupSpec):
+    """The per-rank buffer layout of a group on the CUDA backend: recv_x sized for the group's
+    dtype (FP8 payloads are smaller), scales whenever FP8 dispatch is possible."""
+    from epd.proto import dtypes
+    item = spec.x_numpy_dtype.itemsize
+    return layout_cls.build(num_ranks=spec.num_ranks, num_experts=spec.num_experts,
+                            hidden=spec.hidden, num_topk=spec.num_topk,
+                            max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
+                            y_itemsize=item, with_scales=spec.hidden % dtypes.FP8_BLOCK == 0)
+
+
+class HeapAllocator:
+    """First-fit allocation of group buffers in the engines' symmetric heaps (256-byte aligned).
+    Decided here, once, so that every engine uses the same offsets."""
+
+    ALIGN = 256
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.used: dict[int, int] = {}  # offset -> bytes
+
+    def alloc(self, nbytes: int) -> int | None:
+        nbytes = -(-nbytes // self.ALIGN) * self.ALIGN
+        cur = 0
+        for off in sorted(self.used):
+            if off - cur >= nbytes:
+                break
+            cur = off + self.used[off]
+        if cur + nbytes > self.size:
+            return None
+        self.used[cur] = nbytes
+        return cur
+
+    def free(self, offset: int) -> None:
+        self.used.pop(offset, None)

@@ -66,6 +66,18 @@ class NodeService(epd_pb2_grpc.NodeServicer):
         self.sup.coordinator.release(request.group_id, request.rank, request.reason)
         return epd_pb2.ReleaseRankResponse()
 
+    async def GetBootstrap(self, request, context):
+        s = self.sup
+        if s.backend != "cuda":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "NVSHMEM bootstrap is only for the cuda backend")
+        if not 0 <= request.engine_index < len(s.engines):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"engine index {request.engine_index} out of range")
+        return epd_pb2.GetBootstrapResponse(
+            nvshmem_uid=s.coordinator.nvshmem_uid, pe=request.engine_index,
+            num_pes=len(s.engines), generation=s.generation)
+
 
 class Supervisor:
     def __init__(self, cfg: Config, backend: str, num_engines: int) -> None:
@@ -74,7 +86,9 @@ class Supervisor:
         self.cfg = cfg
         self.backend = backend
         self.engines = [EngineProc(i, cfg.engine_socket(i)) for i in range(num_engines)]
-        self.coordinator = Coordinator(cfg.shm_dir, backend)
+        self.coordinator = Coordinator(cfg.shm_dir, backend,
+                                       cfg.nvshmem_heap_bytes if backend == "cuda" else 0)
+        self.generation = 0
         self.metrics_url = ""
         self.device_names: dict[int, tuple[str, str]] = {}
         self.stopping = False
@@ -87,6 +101,13 @@ class Supervisor:
         if not_ready:
             return False, f"engines not ready: {not_ready}"
         return True, f"ready: {len(self.engines)} engine(s), backend {self.backend}"
+
+    def _new_nvshmem_world(self) -> None:
+        import nvshmem.core  # the [cuda] extra
+
+        uid = nvshmem.core.get_unique_id()
+        self.coordinator.nvshmem_uid = uid._data.tobytes()
+        self.generation += 1
 
     def _spawn(self, e: EngineProc) -> None:
         env = dict(os.environ)
@@ -122,16 +143,26 @@ class Supervisor:
                 if code is not None and not self.stopping:
                     log.error("engine %d (pid %d) exited with code %s; restarting in %.1f s",
                               e.index, e.proc.pid, code, self.cfg.restart_backoff_seconds)
-                    multiprocess.mark_process_dead(e.proc.pid)
-                    metrics.ENGINE_UP.labels(str(e.index)).set(0)
-                    e.ready = False
-                    self.coordinator.engine_lost(e.index)
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(e.socket_path)
+                    # On the cuda backend the engines form one NVSHMEM world, which cannot take
+                    # a new member: a crash rebuilds the whole world with a fresh unique id.
+                    lost = self.engines if self.backend == "cuda" else [e]
+                    for x in lost:
+                        if x is not e and x.proc is not None and x.proc.poll() is None:
+                            x.proc.kill()
+                            x.proc.wait()
+                        multiprocess.mark_process_dead(x.proc.pid)
+                        metrics.ENGINE_UP.labels(str(x.index)).set(0)
+                        x.ready = False
+                        self.coordinator.engine_lost(x.index)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(x.socket_path)
                     await asyncio.sleep(self.cfg.restart_backoff_seconds)
-                    e.restarts += 1
-                    metrics.ENGINE_RESTARTS.labels(str(e.index)).inc()
-                    self._spawn(e)
+                    if self.backend == "cuda":
+                        self._new_nvshmem_world()
+                    for x in lost:
+                        x.restarts += 1
+                        metrics.ENGINE_RESTARTS.labels(str(x.index)).inc()
+                        self._spawn(x)
                 elif not e.ready and await self._probe(e):
                     e.ready = True
                     metrics.ENGINE_UP.labels(str(e.index)).set(1)
@@ -164,6 +195,8 @@ class Supervisor:
         self.metrics_url = f"http://{host}:{port}/metrics"
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s", __version__,
                  self.backend, len(self.engines), cfg.socket_dir, self.metrics_url)
+        if self.backend == "cuda":
+            self._new_nvshmem_world()
         for e in self.engines:
             self._spawn(e)
 

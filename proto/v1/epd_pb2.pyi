@@ -133,6 +133,24 @@ class RendezvousResponse(_message.Message):
     heap_offset: int
     def __init__(self, group_id: _Optional[str] = ..., comm_path: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., nvshmem_uid: _Optional[bytes] = ..., heap_offset: _Optional[int] = ...) -> None: ...
 
+class GetBootstrapRequest(_message.Message):
+    __slots__ = ("engine_index",)
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
+
+class GetBootstrapResponse(_message.Message):
+    __slots__ = ("nvshmem_uid", "pe", "num_pes", "generation")
+    NVSHMEM_UID_FIELD_NUMBER: _ClassVar[int]
+    PE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    nvshmem_uid: bytes
+    pe: int
+    num_pes: int
+    generation: int
+    def __init__(self, nvshmem_uid: _Optional[bytes] = ..., pe: _Optional[int] = ..., num_pes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+
 class ReleaseRankRequest(_message.Message):
     __slots__ = ("group_id", "rank", "reason")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]

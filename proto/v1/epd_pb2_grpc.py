@@ -49,6 +49,11 @@ class NodeStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankResponse.FromString,
                 _registered_method=True)
+        self.GetBootstrap = channel.unary_unary(
+                '/epd.v1.Node/GetBootstrap',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetBootstrapRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetBootstrapResponse.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -73,6 +78,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBootstrap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +101,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.ReleaseRank,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankResponse.SerializeToString,
+            ),
+            'GetBootstrap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBootstrap,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetBootstrapRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetBootstrapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +189,33 @@ class Node:
             '/epd.v1.Node/ReleaseRank',
             epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBootstrap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Node/GetBootstrap',
+            epd_dot_proto_dot_v1_dot_epd__pb2.GetBootstrapRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.GetBootstrapResponse.FromString,
             options,
             channel_credentials,
             insecure,
