@@ -294,7 +294,6 @@ def main() -> int:
     for k, v in {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0",
                  "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}.items():
         os.environ[k] = v
-    sys.path.insert(0, str(ROOT))
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     res["epd"] = bench_epd(args)
     if not args.skip_nccl and res["epd"]["devices"] >= 2:

@@ -71,9 +71,8 @@ def main() -> int:
     pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     import cupy as cp
     import nvshmem.core as nc
+    from common import roundtrip  # this folder is on sys.path (run as a script)
     from cuda.core import Device
-
-    from tests.gpu.common import roundtrip
 
     dev = Device(pe)
     dev.set_current()

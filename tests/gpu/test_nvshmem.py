@@ -31,10 +31,11 @@ def test_nvshmem_multiprocess(tmp_path: Path, ranks_per_pe: int) -> None:
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
                NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
                PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = f"{ROOT}:{env.get('PYTHONPATH', '')}"
+    # Not the repository root on sys.path: its cuda/ folder would shadow the `cuda` package.
     uid = tmp_path / "uid"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu.nvshmem_worker", str(pe), "2",
-                               str(uid), str(ranks_per_pe)], cwd=ROOT, env=env,
+    worker = str(Path(__file__).with_name("nvshmem_worker.py"))
+    procs = [subprocess.Popen([sys.executable, worker, str(pe), "2", str(uid),
+                               str(ranks_per_pe)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pe in range(2)]
     outs = []
