@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/pkg/epd
 for d in server proto cuda client; do ln -sfn "$PWD/$d" /tmp/pkg/epd/$d; done
 # not $PWD: the checkout's cuda/ folder would shadow the `cuda` namespace package
-export PYTHONPATH=/tmp/pkg:/tmp/site:$PYTHONPATH
+export PYTHONPATH=/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # no empty entry (= cwd)
 {
   date -u; nvidia-smi; nvidia-smi topo -m
   python3 -c "import torch, cupy, numpy; import importlib.metadata as m; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'cuda-bindings', m.version('cuda-bindings'))"
