@@ -13,14 +13,14 @@ for d in server proto cuda client; do ln -sfn "$PWD/$d" /tmp/pkg/epd/$d; done
 export PYTHONPATH=/tmp/pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}  # no empty entry (= cwd)
 {
   date -u; nvidia-smi; nvidia-smi topo -m
-  python3 -c "import torch, cupy, numpy; import importlib.metadata as m; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'cuda-bindings', m.version('cuda-bindings'))"
+  python3 -P -c "import torch, cupy, numpy; import importlib.metadata as m; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'cuda-bindings', m.version('cuda-bindings'))"
 } > "$OUT/env.txt" 2>&1
 MODE=${1:-all}
 if [ "$MODE" != bench ]; then
-  timeout 300 python3 -m pytest -p no:cacheprovider tests/gpu -q -rfE --timeout 120 --durations=15 \
+  timeout 330 python3 -P -m pytest -p no:cacheprovider tests/gpu -q -rfE --timeout 120 --durations=15 \
       -o addopts="" 2>&1 | tee "$OUT/tests.txt" | tail -40
 fi
 if [ "$MODE" != tests ]; then
-  timeout 190 python3 benchmarks/bench_kernels.py --iters 20 --json "$OUT/bench.json" 2>&1 \
+  timeout 150 python3 -P benchmarks/bench_kernels.py --iters 20 --json "$OUT/bench.json" 2>&1 \
       | tee "$OUT/bench.txt" | tail -30
 fi

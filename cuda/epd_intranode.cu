@@ -478,7 +478,7 @@ epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
                    i64 timeout_ns) {
     typedef typename Tr::word word;
     constexpr int V = Tr::kPerVec;
-    constexpr int U = 2;
+    constexpr int U = 4;  // 16-byte vectors per lane in flight per source row
     const int lane = threadIdx.x & 31;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int nwarps = (gridDim.x * blockDim.x) >> 5;
