@@ -81,7 +81,7 @@ def check_dispatch(group: Any, results: dict[int, Any], expected: list[Any], *, 
         n = exp.recv_src_idx.shape[0] if not worst else int(expected[d].src_offsets[-1])
         assert got["num_recv"] == n
         assert got["per_expert"] == list(exp.num_recv_tokens_per_expert)
-        np.testing.assert_array_equal(cp.asnumpy(got["recv_x"]), raw(exp.recv_x))
+        np.testing.assert_array_equal(raw(cp.asnumpy(got["recv_x"])), raw(exp.recv_x))
         np.testing.assert_array_equal(cp.asnumpy(got["recv_src_idx"]), exp.recv_src_idx)
         np.testing.assert_array_equal(cp.asnumpy(got["recv_src_rank"]), exp.recv_src_rank)
         if meta:
