@@ -476,7 +476,7 @@ def run_cases(endpoints: list[str], cases: list[Case], rank: int) -> list[dict[s
             res["layout"] = [np.asarray(a) for a in g.get_dispatch_layout(inp["topk_idx"])]
             out = g.dispatch(inp["x"], inp["topk_idx"], inp["topk_weights"])
             outs.append((ep, c, g, res, inp, out))
-        for _ep, c, g, res, inp, out in reversed(outs):
+        for _ep, c, g, res, _inp, out in reversed(outs):
             for k in ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
                       "recv_src_idx", "rank_prefix_matrix"):
                 res[k] = getattr(out, k)
@@ -547,7 +547,8 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> dict[str, Any]:
         assert_exact(res["recv_src_idx"], d.recv_src_idx, f"{tag} recv_src_idx")
         assert_exact(res["rank_prefix_matrix"], want["prefix"], f"{tag} rank_prefix_matrix")
         n, per_expert = want["counts"][rank]
-        assert res["num_recv_tokens"] == n, f"{tag}: num_recv_tokens {res['num_recv_tokens']} != {n}"
+        assert res["num_recv_tokens"] == n, (
+            f"{tag}: num_recv_tokens {res['num_recv_tokens']} != {n}")
         assert res["num_recv_tokens_per_expert"] == per_expert, (
             f"{tag}: num_recv_tokens_per_expert {res['num_recv_tokens_per_expert']} != "
             f"{per_expert}")
@@ -593,3 +594,48 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.01) -> Any:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: not reached within {timeout} s")
         time.sleep(interval)
+
+
+def comm_abort_reason(shm_dir: str, group_id: str) -> str | None:
+    """The abort reason written in a group's communication file (None: not aborted/gone)."""
+    from epd.server.backends import cpu
+    path = os.path.join(shm_dir, f"epd-{group_id}.comm")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(cpu._ABORT_TEXT + cpu._ABORT_TEXT_MAX)
+    except FileNotFoundError:
+        return None
+    header = np.frombuffer(raw[:cpu._ABORT_TEXT + cpu._ABORT_TEXT_MAX // 8 * 8], np.int64)
+    return cpu.read_abort(header)
+
+
+def member(endpoint: str, case: Case, rank: int, timeout: float | None = 30.0) -> dict:
+    """Task: join the case's group, report the ids, then obey the test's commands:
+    "dispatch" (one dispatch; its status and duration are reported), "round" (a full
+    `case_round`, reported), "wait_lost" (until the session's stream ends), "done"."""
+    from epd.client import Session
+    from epd.client.errors import EpdError
+    kw = {} if timeout is None else {"timeout": timeout}
+    with Session(endpoint, client_name=f"member{rank}", **kw) as s:
+        g = join(s, case, rank)
+        report({"session_id": s.session_id, "group_id": g.group_id, "pid": os.getpid(),
+                "engine": s.engine_index})
+        while True:
+            cmd = command(timeout=300)
+            if cmd == "dispatch":
+                inp = case.inputs(rank)
+                t0 = time.monotonic()
+                try:
+                    g.dispatch(inp["x"], inp["topk_idx"], inp["topk_weights"])
+                    res = {"code": "OK", "details": ""}
+                except EpdError as e:
+                    res = {"code": e.code.name, "details": e.details}
+                res["elapsed"] = time.monotonic() - t0
+                report(res)
+            elif cmd == "round":
+                report(case_round(s, g, case, rank))
+            elif cmd == "wait_lost":
+                s._watcher.join(60)
+                report({"alive": s.alive})
+            elif cmd == "done":
+                return {"alive": s.alive}
