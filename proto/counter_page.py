@@ -10,7 +10,8 @@ Slot layout (little-endian, 8-byte words):
     word 1      num_recv_tokens (i64)
     word 2      num_local_experts (i64)
     word 3      status (i64): 0 ok, otherwise an error code (the RPC carries the message)
-    word 4..7   reserved
+    word 4      on error: the rank that did not arrive (-1 when unknown), written by the GPU
+    word 5..7   reserved
     word 8..    num_recv_tokens_per_expert[i] (i64), aligned as requested
 """
 
