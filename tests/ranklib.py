@@ -639,3 +639,25 @@ def member(endpoint: str, case: Case, rank: int, timeout: float | None = 30.0) -
                 report({"alive": s.alive})
             elif cmd == "done":
                 return {"alive": s.alive}
+
+
+def serve_rounds(endpoint: str, rank: int) -> int:
+    """Task: a persistent rank. Commands: a Case (join its group when it is a new one, leaving
+    the previous group, then one `case_round`, reported) or None (stop). Returns rounds run."""
+    from epd.client import Session
+    done = 0
+    with Session(endpoint, client_name=f"prop-rank{rank}", timeout=30) as s:
+        group = None
+        while True:
+            case = command(timeout=600)
+            if case is None:
+                return done
+            try:
+                if group is None or group.name != case.group:
+                    if group is not None:
+                        group.leave()
+                    group = join(s, case, rank)
+                report(case_round(s, group, case, rank))
+            except Exception as e:
+                report({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()})
+            done += 1

@@ -1,0 +1,116 @@
+"""Observability (DESIGN.md §8): the Prometheus series after real traffic, the HTTP health
+endpoints and gRPC health checking on the sockets."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from ranklib import Case, check_case, run_case
+
+from epd.client import Session
+from epd.client.errors import EpdError
+
+pytestmark = pytest.mark.slow
+CASE = Case(group="metrics-g", num_ranks=2, num_experts=4, hidden=128, num_topk=2,
+            tokens=(16, 24), seed=5)
+
+
+@pytest.fixture(scope="module")
+def traffic(daemon, rank_pool):
+    rank_pool.clear()
+    results = rank_pool.run_ok([(run_case, daemon.socket(r), CASE, r) for r in range(2)])
+    check_case(CASE, results)
+    with Session(daemon.socket(0), timeout=5) as s, pytest.raises(EpdError):
+        g = s.join("metrics-solo", rank=0, num_ranks=1, num_experts=2, hidden=128,
+                   max_tokens_per_rank=4, num_topk=1)
+        g.dispatch(np.zeros((4, 64), np.float32), np.zeros((4, 1), np.int64),
+                   np.ones((4, 1), np.float32))
+    return results
+
+
+def samples(daemon) -> dict[str, list]:
+    status, body = daemon.get("/metrics")
+    assert status == 200
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def value(ss, name, **labels) -> float:
+    got = [s.value for s in ss.get(name, []) if all(s.labels.get(k) == v
+                                                   for k, v in labels.items())]
+    assert got, f"no {name} sample with {labels}; have {[s.labels for s in ss.get(name, [])]}"
+    return sum(got)
+
+
+def test_latency_histograms(daemon, traffic):
+    ss = samples(daemon)
+    for kind in ("dispatch", "combine", "layout"):
+        n = value(ss, f"epd_{kind}_seconds_count", group="metrics-g", path="grpc",
+                  backend="cpu")
+        assert n == 2, (kind, n)  # one per rank
+        inf = value(ss, f"epd_{kind}_seconds_bucket", group="metrics-g", le="+Inf")
+        assert inf == n
+        assert 0 < value(ss, f"epd_{kind}_seconds_sum", group="metrics-g") < 60
+
+
+def test_request_counters_by_method_and_code(daemon, traffic):
+    ss = samples(daemon)
+    assert value(ss, "epd_requests_total", method="Dispatch", code="OK") >= 2
+    assert value(ss, "epd_requests_total", method="Combine", code="OK") >= 2
+    assert value(ss, "epd_requests_total", method="JoinGroup", code="OK") >= 3
+    assert value(ss, "epd_requests_total", method="Dispatch", code="INVALID_ARGUMENT") >= 1
+
+
+def test_bytes_and_tokens(daemon, traffic):
+    ss = samples(daemon)
+    recv = sum(r["num_recv_tokens"] for r in traffic)
+    assert value(ss, "epd_recv_tokens_total", group="metrics-g") == recv
+    # Dispatch sends each (token, destination) row once; combine sends every received row back.
+    row = CASE.hidden * 2
+    assert value(ss, "epd_bytes_sent_total", group="metrics-g") == 2 * recv * row
+    assert value(ss, "epd_bytes_received_total", group="metrics-g") == 2 * recv * row
+
+
+def test_gauges(daemon, traffic):
+    ss = samples(daemon)
+    for e in ("0", "1"):
+        assert value(ss, "epd_engine_up", engine=e) == 1
+        assert value(ss, "epd_sessions", engine=e) == 0  # all sessions closed
+    assert value(ss, "epd_build_info", backend="cpu") == 1
+    assert ss["epd_build_info"][0].labels["version"]
+    assert value(ss, "epd_expert_load_imbalance_ratio", group="metrics-g") >= 1.0
+
+
+def test_sessions_gauge_counts_open_sessions(daemon):
+    with Session(daemon.socket(1), timeout=5), Session(daemon.socket(1), timeout=5):
+        assert value(samples(daemon), "epd_sessions", engine="1") == 2
+
+
+def test_http_health(daemon):
+    assert daemon.get("/healthz") == (200, "ok\n")
+    status, text = daemon.get("/readyz")
+    assert status == 200 and "ready: 2 engine(s)" in text
+    assert daemon.get("/nope")[0] == 404
+
+
+@pytest.mark.parametrize("sock,service", [("node.sock", ""), ("gpu0.sock", ""),
+                                          ("gpu1.sock", ""), ("gpu0.sock", "epd.v1.Engine")])
+def test_grpc_health(daemon, sock, service):
+    with grpc.insecure_channel(f"unix://{daemon.socket_dir}/{sock}") as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_grpc_health_unknown_service(daemon):
+    with grpc.insecure_channel(f"unix://{daemon.socket(0)}") as ch, \
+            pytest.raises(grpc.RpcError) as ei:
+        health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
