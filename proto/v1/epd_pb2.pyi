@@ -284,14 +284,16 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDispatchLayoutRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "topk_idx")
+    __slots__ = ("session_id", "group_id", "topk_idx", "ready_event")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     topk_idx: TensorDesc
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class GetDispatchLayoutResponse(_message.Message):
     __slots__ = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")
@@ -304,7 +306,7 @@ class GetDispatchLayoutResponse(_message.Message):
     def __init__(self, num_tokens_per_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds")
+    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds", "ready_event")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -315,6 +317,7 @@ class DispatchRequest(_message.Message):
     NUM_WORST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_HANDLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -325,7 +328,8 @@ class DispatchRequest(_message.Message):
     num_worst_tokens: int
     cached_handle: int
     timeout_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
     __slots__ = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "handle", "num_recv_tokens", "recv_src_idx", "rank_prefix_matrix", "counter_sequence")
@@ -352,7 +356,7 @@ class DispatchResponse(_message.Message):
     def __init__(self, recv_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_recv_tokens_per_expert: _Optional[_Iterable[int]] = ..., handle: _Optional[int] = ..., num_recv_tokens: _Optional[int] = ..., recv_src_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., rank_prefix_matrix: _Optional[_Union[TensorDesc, _Mapping]] = ..., counter_sequence: _Optional[int] = ...) -> None: ...
 
 class CombineRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds")
+    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds", "ready_event")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +365,7 @@ class CombineRequest(_message.Message):
     BIAS_0_FIELD_NUMBER: _ClassVar[int]
     BIAS_1_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -369,7 +374,8 @@ class CombineRequest(_message.Message):
     bias_0: TensorDesc
     bias_1: TensorDesc
     timeout_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class CombineResponse(_message.Message):
     __slots__ = ("combined_x", "combined_topk_weights")

@@ -195,5 +195,20 @@ class Backend(abc.ABC):
         """Create this engine's communicator for one rank (after the rendezvous).
         `output_path` names a file the backend may use for the output region (CPU backend)."""
 
+    def to_host(self, array: Array) -> np.ndarray:
+        """A host copy of a (small) device array; identity on the CPU backend."""
+        return np.asarray(array)
+
+    def wait_event(self, cache: dict[bytes, Any], handle: bytes) -> None:
+        """Block the calling worker until the client's interprocess event has completed (its
+        inputs are ready). `cache` is per session: open each handle once."""
+        if handle:
+            from epd.server.errors import InvalidArgument
+            raise InvalidArgument(f"ready_event is for the cuda backend; this engine runs "
+                                  f"{self.name}")
+
+    def close_events(self, cache: dict[bytes, Any]) -> None:  # noqa: B027  (optional hook)
+        """Release a session's opened event handles."""
+
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release device state at engine exit."""

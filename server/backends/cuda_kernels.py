@@ -230,7 +230,9 @@ class Kernels:
     def notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int, peers: Any,
                seq: int, handle: DispatchHandle, *, timeout_ns: int, alignment: int = 1,
                counter_slot_ptr: int = 0, layout_out: tuple[Any, Any, Any] | None = None,
-               stream: Any = None) -> None:
+               stream: Any = None, counter_seq: int | None = None) -> None:
+        """`counter_seq` is the value published in the counter slot's sequence word (the
+        engine's dispatch sequence); it defaults to the notify sequence `seq`."""
         t, k = topk_idx.shape
         ntpr, ntpe, itr = layout_out if layout_out is not None else (None, None, None)
         with _stream_ptr(stream):
@@ -238,7 +240,8 @@ class Kernels:
                 (1,), (NOTIFY_THREADS,),
                 (topk_idx, np.int32(t), np.int32(k), np.int32(num_experts), np.int32(num_ranks),
                  np.int32(rank), peers, np.uint64(seq), np.int64(timeout_ns),
-                 np.int32(alignment), np.uint64(counter_slot_ptr), handle.recv_info,
+                 np.int32(alignment), np.uint64(counter_slot_ptr),
+                 np.uint64(seq if counter_seq is None else counter_seq), handle.recv_info,
                  handle.count_matrix, handle.rank_prefix, handle.token_mask, handle.pos,
                  _ptr(ntpr), _ptr(ntpe), _ptr(itr)),
                 shared_mem=4 * num_experts)

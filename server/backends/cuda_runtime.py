@@ -58,6 +58,7 @@ class RankRunner:
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
                  topk_weights: Any | None, *, alignment: int = 1, num_worst_tokens: int = 0,
                  cached: DispatchResult | None = None, counter_slot_ptr: int = 0,
+                 counter_seq: int | None = None,
                  timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 24,
                  layout_out: tuple[Any, Any, Any] | None = None) -> DispatchResult:
         lay = self.layout
@@ -71,7 +72,7 @@ class RankRunner:
                               self.rank, self.peers, self.seq["notify"], handle,
                               timeout_ns=timeout_ns, alignment=alignment,
                               counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
-                              stream=self.stream)
+                              stream=self.stream, counter_seq=counter_seq)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1

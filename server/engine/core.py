@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from epd.proto import counter_page, dtypes
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
@@ -127,6 +126,7 @@ class Session:
     free_slots: list[int] = field(default_factory=lambda: list(range(counter_page.NUM_SLOTS)))
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     teardown_done: bool = False
+    events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
 
     def describe(self) -> str:
         return f"session {self.session_id} ({self.client_name or 'client'}, pid {self.pid})"
@@ -211,6 +211,7 @@ class Engine:
             region.close()
         session.regions.clear()
         session.counter_page.close()
+        self.backend.close_events(session.events)
         self.sessions.pop(session.session_id, None)
         self._refresh_gauges()
         log.info("closed %s: %s", session.describe(), reason)
@@ -316,11 +317,18 @@ class Engine:
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
             raise InvalidArgument(f"topk_weights has shape {list(topk_weights.shape)}, expected "
                                   f"{list(topk_idx.shape)}")
-        if num_tokens:
+
+    def _in_worker(self, session: Session, ready_event: bytes, spec: GroupSpec, topk_idx,
+                   fn, *args):
+        """Runs on the session's worker: wait for the client's inputs, check the values that
+        need reading them (before the rank takes part in the collective), then run `fn`."""
+        self.backend.wait_event(session.events, ready_event)
+        if topk_idx is not None and topk_idx.shape[0]:
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= spec.num_experts:
                 raise InvalidArgument(f"topk_idx holds expert ids in [{lo}, {hi}]; valid ids are "
                                       f"-1 (none) and [0, {spec.num_experts})")
+        return fn(*args)
 
     async def get_dispatch_layout(self, session: Session,
                                   req: epd_pb2.GetDispatchLayoutRequest):
@@ -333,17 +341,19 @@ class Engine:
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
         self._check_routing(spec, idx, None, idx.shape[0])
         t0 = time.perf_counter()
-        out = await self._run(session, member.comm.layout, idx)
+        out = await self._run(session, self._in_worker, session, req.ready_event, spec, idx,
+                              member.comm.layout, idx)
         metrics.LAYOUT_SECONDS.labels(spec.name, "grpc", self.backend.name).observe(
             time.perf_counter() - t0)
-        per_expert = np.asarray(out.num_tokens_per_expert if self.backend.name == "cpu"
-                                else out.num_tokens_per_expert.get())
+        per_expert = self.backend.to_host(out.num_tokens_per_expert)
         if per_expert.size and per_expert.mean() > 0:
             metrics.LOAD_IMBALANCE.labels(spec.name).set(float(per_expert.max() /
                                                                per_expert.mean()))
         return member, out
 
     async def dispatch(self, session: Session, req: epd_pb2.DispatchRequest):
+        """Validate everything that needs no device read, then notify + dispatch on the
+        session's worker. Returns (member, outputs, handle id, counter sequence)."""
         member = self.member(session, req.group_id)
         spec = member.spec
         self._check_alive(member)
@@ -406,7 +416,8 @@ class Engine:
         slot = session.counter_page.slot(member.counter_slot)
         t0 = time.perf_counter()
         try:
-            out = await self._run(session, member.comm.dispatch, args, slot, sequence,
+            out = await self._run(session, self._in_worker, session, req.ready_event, spec, idx,
+                                  member.comm.dispatch, args, slot, sequence,
                                   time.monotonic() + timeout)
         except Exception as e:
             if int(slot[counter_page.SEQ]) < sequence:  # keep the page in step with requests
@@ -480,8 +491,8 @@ class Engine:
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
         t0 = time.perf_counter()
         try:
-            out = await self._run(session, member.comm.combine, args,
-                                  time.monotonic() + timeout)
+            out = await self._run(session, self._in_worker, session, req.ready_event, spec,
+                                  None, member.comm.combine, args, time.monotonic() + timeout)
         except DeadlineExceeded:
             metrics.TIMEOUTS.labels(spec.name).inc()
             raise

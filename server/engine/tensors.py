@@ -34,14 +34,14 @@ def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
         raise InvalidArgument(f"{what}: expected {ndim} dimensions, got shape {list(shape)}")
     if any(s < 0 for s in shape):
         raise InvalidArgument(f"{what}: negative dimension in shape {list(shape)}")
+    try:
+        np_dtype = dtypes.to_numpy(desc.dtype)
+    except ValueError:
+        raise InvalidArgument(f"{what}: unknown dtype enum {desc.dtype}") from None
     allowed = (dtype,) if isinstance(dtype, int) else dtype
     if allowed is not None and desc.dtype not in allowed:
         names = [dtypes.name(d) for d in allowed]
         raise InvalidArgument(f"{what}: dtype {dtypes.name(desc.dtype)} is not one of {names}")
-    try:
-        np_dtype = dtypes.to_numpy(desc.dtype)
-    except ValueError:
-        raise InvalidArgument(f"{what}: unknown dtype {desc.dtype}") from None
     if desc.strides:
         strides = tuple(int(s) for s in desc.strides)
         if len(strides) != ndim:
