@@ -69,6 +69,7 @@ extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
 epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int rank,
            const u64* __restrict__ peers, u64 seq, i64 timeout_ns, int alignment,
            i64* counter_slot,                      // mapped host slot, or null
+           u64 counter_seq,                        // value the slot's sequence word takes
            int* __restrict__ recv_info,            // [4 + L]
            int* __restrict__ count_matrix,         // [R, R]: tokens s -> d
            int* __restrict__ rank_prefix,          // [R, R]: rows from sources <= s on d
@@ -167,7 +168,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
                 counter_slot[SLOT_STATUS] = code;
                 counter_slot[SLOT_ERR_RANK] = missing;
                 __threadfence_system();
-                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)seq;
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
             }
         }
         return;
@@ -204,7 +205,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     __threadfence_system();
     __syncthreads();
     if (tid == 0 && counter_slot != nullptr)
-        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)seq;
+        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
 
     // Phase E: positions (after the host already has its counts).
     for (int t = t0; t < t1; ++t) {
