@@ -249,14 +249,14 @@ def test_dead_engine_files_removed(daemon_factory, ranks):
                 os.unlink(os.path.join(d.shm_dir, f))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: SIGTERM right after clients closed their sessions "
-                   "leaks their counter pages: Engine.drain skips sessions whose teardown is in "
-                   "progress (teardown_done) and the engine exits before that teardown unlinks "
-                   "epd-e<N>-<session>.counters")
 def _thread_round(session, c: Case, rank: int) -> dict:
     return ranklib.case_round(session, ranklib.join(session, c, rank), c, rank)
 
 
+@pytest.mark.xfail(strict=True, reason="BUG: SIGTERM right after clients closed their sessions "
+                   "leaks their counter pages: Engine.drain skips sessions whose teardown is in "
+                   "progress (teardown_done) and the engine exits before that teardown unlinks "
+                   "epd-e<N>-<session>.counters")
 def test_sigterm_right_after_close():
     """Clients (threads of this process) close their sessions and the daemon gets SIGTERM at
     once; twice, since it is a race."""

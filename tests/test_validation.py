@@ -298,7 +298,8 @@ RAW_BAD = {
     "strides rank": (lambda p, r: {"x": {"strides": [1]}}, INVALID, "1 strides for 2"),
     "negative dimension": (lambda p, r: {"x": {"shape": [-1, H]}}, INVALID,
                            "negative dimension"),
-    "unknown dtype": (lambda p, r: {"topk_weights": {"dtype": 99}}, INVALID, "topk_weights"),
+    "unknown dtype": (lambda p, r: {"topk_weights": {"dtype": 99}}, INVALID,
+                      "topk_weights: unknown dtype"),
     "fp8 routing weights": (lambda p, r: {"topk_weights": {"dtype": epd_pb2.FLOAT8_E4M3}},
                             INVALID, "topk_weights: dtype float8_e4m3"),
     "no routing": (lambda p, r: {"topk_idx": epd_pb2.TensorDesc()}, INVALID,
@@ -315,17 +316,7 @@ RAW_BAD = {
 }
 
 
-RAW_BUGS = {
-    "unknown dtype": "BUG: a TensorDesc with an unknown dtype enum (99) gets INTERNAL "
-                     "('Enum DType has no name defined for value 99') instead of "
-                     "INVALID_ARGUMENT: engine/tensors.resolve formats the dtype name before "
-                     "it checks that the enum is known",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=RAW_BUGS[n])) if n in RAW_BUGS
-    else n for n in RAW_BAD])
+@pytest.mark.parametrize("name", list(RAW_BAD))
 def test_raw_bad_dispatch(pair, name):
     make, code, text = RAW_BAD[name]
     req = raw_dispatch(pair)
