@@ -139,13 +139,13 @@ class Buffer:
         """(num_tokens_per_rank, num_tokens_per_rdma_rank=None, num_tokens_per_expert,
         is_token_in_rank, event)."""
         self._num_experts = num_experts
-        idx = T.to_numpy(topk_idx, "topk_idx")
+        idx_shape, _ = T.meta(topk_idx, "topk_idx")
         # Layout needs a group only for the engine round trip; any hidden size will do, so use
         # the one of the last dispatch group with this routing shape, or a small layout group.
         g = next((g for (h, k, d, e), g in self._groups.items()
-                  if k == idx.shape[1] and e == num_experts), None)
+                  if k == idx_shape[1] and e == num_experts), None)
         if g is None:
-            g = self._group(128, idx.shape[1], dtypes.BFLOAT16, num_experts)
+            g = self._group(128, idx_shape[1], dtypes.BFLOAT16, num_experts)
         per_rank, per_expert, in_rank = g.get_dispatch_layout(topk_idx)
         return per_rank, None, per_expert, in_rank, EventOverlap()
 
@@ -160,7 +160,7 @@ class Buffer:
         event); recv_x is a (fp8, scales) tuple when x was. Cached mode (handle given) returns
         (recv_x, None, None, None, None, event), as DeepEP does."""
         x, x_scales = x if isinstance(x, tuple) else (x, None)
-        xa = T.to_numpy(x, "x")
+        x_shape, x_dtype = T.meta(x, "x")
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights")
@@ -177,9 +177,9 @@ class Buffer:
         if num_experts is None:
             raise ValueError("pass num_tokens_per_expert (from get_dispatch_layout) so the "
                              "number of experts is known")
-        idx = T.to_numpy(topk_idx, "topk_idx")
-        combine_dtype = dtypes.BFLOAT16 if x_scales is not None else xa.dtype
-        g = self._group(xa.shape[1], idx.shape[1], combine_dtype, int(num_experts))
+        idx_shape, _ = T.meta(topk_idx, "topk_idx")
+        combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
+        g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
         out = g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
                          expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
         recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from epd.proto import counter_page, dtypes
 from epd.proto.v1 import epd_pb2
 
 DEFAULT_SOCKET_DIR = "/run/epd"
+MAX_DEVICE_REGIONS = 1024  # cached CUDA IPC registrations per session (oldest dropped)
 RPC_MARGIN = 5.0  # the engine's own deadline fires first and names the missing rank
 
 
@@ -110,10 +112,15 @@ class Session:
         self.session_id = o.session_id
         self.backend = "cuda" if o.backend == epd_pb2.CUDA else "cpu"
         self.engine_index = o.engine_index
+        self.device_ordinal = o.device_ordinal
         self.server_version = o.version
         self._counter_file = T.ShmFile.open(o.counter_page_path, o.counter_page_bytes)
         self._staging = T.Staging()
         self._user_regions: list[T.ShmFile] = []
+        # cuda backend: device allocations registered by IPC handle, the ready event, the heap
+        self._device_regions: OrderedDict[bytes, str] = OrderedDict()
+        self._ready: Any = None
+        self._heaps: dict[bytes, Any] = {}
         self._groups: dict[str, Group] = {}
         self._busy = False
         self._closed = False
@@ -170,8 +177,60 @@ class Session:
                 session_id=self.session_id, region_id=old.region_id))
             old.close(unlink=True)
 
-    def _descs(self, arrays: dict[str, Any]) -> dict[str, epd_pb2.TensorDesc]:
+    def _device_descs(self, arrays: dict[str, Any]) -> dict[str, Any]:
+        """cuda backend: device tensors by CUDA IPC region + offset, and the ready event."""
+        from epd.client import cuda_ipc
+
+        out: dict[str, Any] = {}
+        template = None
+        for name, a in arrays.items():
+            if a is None:
+                continue
+            if not cuda_ipc.is_device_array(a):
+                raise TypeError(f"{name}: the engine runs the cuda backend and takes CUDA "
+                                f"tensors (torch on 'cuda' or CuPy); got {type(a).__name__}")
+            v = cuda_ipc.describe_device(a, name)
+            template = template if template is not None else a
+            if any(v.shape):
+                base, size = cuda_ipc.allocation_of(v.ptr)
+            else:  # an empty tensor may have no allocation: any registered region will do
+                base, size = v.ptr, 0
+            handle = cuda_ipc.ipc_handle(base, v.device) if size else b""
+            rid = self._device_regions.get(handle) if handle else next(
+                iter(self._device_regions.values()), None)
+            if rid is None:
+                if not size:
+                    raise EpdError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"{name}: an empty tensor needs a registered allocation")
+                rid = self._call("RegisterRegion", epd_pb2.RegisterRegionRequest(
+                    session_id=self.session_id, cuda_ipc_handle=handle, size_bytes=size,
+                    device_ordinal=v.device)).region_id
+                self._device_regions[handle] = rid
+                if len(self._device_regions) > MAX_DEVICE_REGIONS:
+                    _, old = self._device_regions.popitem(last=False)
+                    self._call("UnregisterRegion", epd_pb2.UnregisterRegionRequest(
+                        session_id=self.session_id, region_id=old))
+            out[name] = epd_pb2.TensorDesc(region_id=rid, offset_bytes=v.ptr - base,
+                                           shape=list(v.shape), dtype=v.dtype,
+                                           strides=list(v.strides))
+        if template is not None:
+            if self._ready is None:
+                self._ready = cuda_ipc.ReadyEvent(cuda_ipc.describe_device(template, "").device)
+            out["ready_event"] = self._ready.record(template)
+        return out
+
+    def _heap(self, handle: bytes, size: int, device: int) -> Any:
+        from epd.client import cuda_ipc
+
+        heap = self._heaps.get(handle)
+        if heap is None:
+            heap = self._heaps[handle] = cuda_ipc.MappedHeap(handle, size, device)
+        return heap
+
+    def _descs(self, arrays: dict[str, Any]) -> dict[str, Any]:
         """Descriptors for a call's inputs: registered arrays as they are, others staged."""
+        if self.backend == "cuda":
+            return self._device_descs(arrays)
         out: dict[str, epd_pb2.TensorDesc] = {}
         staged: dict[str, np.ndarray] = {}
         for name, a in arrays.items():
@@ -231,6 +290,8 @@ class Session:
         self._stream.cancel()
         self._watcher.join(timeout=5)
         self._transport.close()
+        for heap in self._heaps.values():
+            heap.close()
         for f in [*self._user_regions, self._staging.file]:
             if f is not None:
                 f.close(unlink=True)
@@ -256,17 +317,26 @@ class Group:
         self.group_id = resp.group_id
         self.rank = resp.rank
         self.num_ranks = spec.num_ranks
-        self._out = T.ShmFile.open(resp.output_region_path, resp.output_region_bytes)
-        self._out.region_id = resp.output_region_id
+        self._out_region_id = resp.output_region_id
+        if session.backend == "cuda":
+            self._out = None
+            self._heap = session._heap(resp.output_region_ipc, resp.output_region_bytes,
+                                       session.device_ordinal)
+        else:
+            self._out = T.ShmFile.open(resp.output_region_path, resp.output_region_bytes)
+            self._out.region_id = resp.output_region_id
         self._counter = counter_page.slot_words(session._counter_file.mm, resp.counter_slot)
         self._left = False
 
-    def _view(self, d: epd_pb2.TensorDesc, copy: bool) -> np.ndarray:
-        if d.region_id != self._out.region_id:
+    def _view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any = None) -> Any:
+        """An output as the caller's array type (NumPy/torch CPU, or CuPy/torch CUDA)."""
+        if d.region_id != self._out_region_id:
             raise EpdError(grpc.StatusCode.INTERNAL, f"output in unknown region {d.region_id}")
+        if self._out is None:
+            return self._heap.view(d, copy, template)
         arr = self._out.view(d.offset_bytes, tuple(d.shape), dtypes.to_numpy(d.dtype),
                              tuple(d.strides))
-        return arr.copy() if copy else arr
+        return T.like(arr.copy() if copy else arr, template)
 
     def _timeout(self, timeout: float | None) -> float:
         return timeout if timeout is not None else self._session.timeout
@@ -277,7 +347,7 @@ class Group:
         d = self._session._descs({"topk_idx": topk_idx})
         resp = self._session._call("GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
             session_id=self._session.session_id, group_id=self.group_id, **d))
-        return tuple(T.like(self._view(x, copy), topk_idx) for x in
+        return tuple(self._view(x, copy, topk_idx) for x in
                      (resp.num_tokens_per_rank, resp.num_tokens_per_expert,
                       resp.is_token_in_rank))
 
@@ -330,17 +400,18 @@ class Group:
     def _dispatch_result(self, resp: epd_pb2.DispatchResponse, copy: bool,
                          template: Any) -> DispatchResult:
         v = self._view
+
         def opt(d):
-            return (T.like(v(d, copy), template) if d.region_id else None)
-        recv_x = T.like(v(resp.recv_x, copy), template)
+            return v(d, copy, template) if d.region_id else None
+        recv_x = v(resp.recv_x, copy, template)
         rows = recv_x.shape[0]
         h = Handle(self, resp.handle, 0, resp.num_recv_tokens, rows)
         return DispatchResult(
             recv_x=recv_x, recv_x_scales=opt(resp.recv_x_scales),
             recv_topk_idx=opt(resp.recv_topk_idx), recv_topk_weights=opt(resp.recv_topk_weights),
             num_recv_tokens_per_expert=list(resp.num_recv_tokens_per_expert), handle=h,
-            recv_src_idx=T.like(v(resp.recv_src_idx, copy), template),
-            rank_prefix_matrix=T.like(v(resp.rank_prefix_matrix, copy), template),
+            recv_src_idx=v(resp.recv_src_idx, copy, template),
+            rank_prefix_matrix=v(resp.rank_prefix_matrix, copy, template),
             num_recv_tokens=resp.num_recv_tokens)
 
     def combine(self, x: Any, handle: Handle, topk_weights: Any = None, bias_0: Any = None,
@@ -356,8 +427,8 @@ class Group:
         resp = self._session._call("Combine", epd_pb2.CombineRequest(
             session_id=self._session.session_id, group_id=self.group_id,
             handle=handle.handle_id, timeout_seconds=t, **d), t + RPC_MARGIN)
-        cx = T.like(self._view(resp.combined_x, copy), x)
-        cw = (T.like(self._view(resp.combined_topk_weights, copy), x)
+        cx = self._view(resp.combined_x, copy, x)
+        cw = (self._view(resp.combined_topk_weights, copy, x)
               if resp.combined_topk_weights.region_id else None)
         return cx, cw
 
@@ -372,4 +443,5 @@ class Group:
     def _release(self) -> None:
         self._left = True
         self._session._groups.pop(self.group_id, None)
-        self._out.close(unlink=False)
+        if self._out is not None:
+            self._out.close(unlink=False)

@@ -52,6 +52,17 @@ def to_numpy(x: Any, what: str) -> np.ndarray:
     raise TypeError(f"{what}: expected a NumPy array or torch tensor, got {type(x).__name__}")
 
 
+def meta(x: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and logical element type of a host or device array, without touching its data."""
+    from epd.client import cuda_ipc
+
+    if cuda_ipc.is_device_array(x):
+        v = cuda_ipc.describe_device(x, what)
+        return v.shape, dtypes.to_numpy(v.dtype)
+    arr = to_numpy(x, what)
+    return arr.shape, arr.dtype
+
+
 def like(arr: np.ndarray, template: Any) -> Any:
     """Return `arr` as the caller's array type (torch when the template was torch)."""
     if not is_torch(template):

@@ -108,8 +108,8 @@ class Coordinator:
         else:
             # Every engine sub-allocates the group's buffers at the same heap offset: one rank
             # buffer per rank of the group, whichever engine holds it.
-            from epd.server.backends.cuda_kernels import RankBufferLayout
-            size = rank_buffer_layout(RankBufferLayout, g.spec).total_bytes * g.spec.num_ranks
+            from epd.server.backends.cuda import membership_layout
+            size = membership_layout(g.spec).slot_bytes * g.spec.num_ranks
             offset = self.heap.alloc(size)
             if offset is None:
                 g.aborted = (f"the symmetric heap has no room for {size} bytes "

@@ -133,30 +133,52 @@ def expert_transform(recv_x: np.ndarray, recv_topk_idx: np.ndarray,
     return (recv_x.astype(np.float32) * factor[:, None].astype(np.float32)).astype(recv_x.dtype)
 
 
+def _device_movers(backend: str):
+    """(to_device, to_host) for a session's backend: identity on the CPU; CuPy on the GPU, with
+    bfloat16 carried as its uint16 bits (CuPy has no bfloat16)."""
+    if backend != "cuda":
+        return (lambda a: a), (lambda a, dtype=None: a)
+    import cupy as cp
+
+    def to_dev(a: np.ndarray):
+        return cp.asarray(a.view(np.uint16) if a.dtype == dtypes.BFLOAT16 else a)
+
+    def to_host(a, dtype=None) -> np.ndarray:
+        h = cp.asnumpy(a)
+        return h.view(dtype) if dtype is not None and h.dtype != dtype else h
+
+    return to_dev, to_host
+
+
 def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) -> None:
     from epd.client import Session
     try:
         x, idx, w = wl.inputs(rank)
+        x_np = x
         lx = wl.num_experts // wl.num_ranks
         with Session(socket, client_name=f"demo-rank{rank}") as s:
+            to_dev, to_host = _device_movers(s.backend)
+            x, idx, w = to_dev(x), to_dev(idx), to_dev(w)
             g = s.join("demo", rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
                        hidden=wl.hidden, max_tokens_per_rank=max(wl.tokens),
                        num_topk=wl.num_topk, dtype=wl.dtype)
             times: dict[str, list[float]] = {"layout": [], "dispatch": [], "combine": []}
-            for _ in range(iters):
+            for it in range(iters + 1):  # the first round warms up and is not timed
                 t0 = time.perf_counter()
                 g.get_dispatch_layout(idx)
                 t1 = time.perf_counter()
                 out = g.dispatch(x, idx, w)
                 t2 = time.perf_counter()
-                y = expert_transform(out.recv_x, out.recv_topk_idx, out.recv_topk_weights,
-                                     rank, lx)
+                y = to_dev(expert_transform(to_host(out.recv_x, x_np.dtype),
+                                            to_host(out.recv_topk_idx),
+                                            to_host(out.recv_topk_weights), rank, lx))
                 t3 = time.perf_counter()
                 cx, cw = g.combine(y, out.handle, topk_weights=out.recv_topk_weights)
                 t4 = time.perf_counter()
-                times["layout"].append(t1 - t0)
-                times["dispatch"].append(t2 - t1)
-                times["combine"].append(t4 - t3)
+                if it:
+                    times["layout"].append(t1 - t0)
+                    times["dispatch"].append(t2 - t1)
+                    times["combine"].append(t4 - t3)
             # Verify the last round against the reference, computed here from every rank's inputs.
             inputs = wl.all_inputs()
             disp = ref.dispatch([i[0] for i in inputs], [i[1] for i in inputs],
@@ -166,12 +188,13 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
             comb = ref.combine(ys, disp, wl.tokens,
                                recv_topk_weights=[d.recv_topk_weights for d in disp])
             mine = disp[rank]
-            ok = (np.array_equal(out.recv_x.view(np.uint16), mine.recv_x.view(np.uint16))
-                  and np.array_equal(out.recv_topk_idx, mine.recv_topk_idx)
-                  and np.array_equal(out.recv_topk_weights, mine.recv_topk_weights)
+            bits = (lambda a: to_host(a, x_np.dtype).view(np.uint16))  # noqa: E731
+            ok = (np.array_equal(bits(out.recv_x), mine.recv_x.view(np.uint16))
+                  and np.array_equal(to_host(out.recv_topk_idx), mine.recv_topk_idx)
+                  and np.array_equal(to_host(out.recv_topk_weights), mine.recv_topk_weights)
                   and out.num_recv_tokens_per_expert == mine.num_recv_tokens_per_expert
-                  and np.array_equal(cx.view(np.uint16), comb[rank][0].view(np.uint16))
-                  and np.array_equal(cw, comb[rank][1]))
+                  and np.array_equal(bits(cx), comb[rank][0].view(np.uint16))
+                  and np.array_equal(to_host(cw), comb[rank][1]))
             q.put({"rank": rank, "ok": bool(ok), "recv": int(out.num_recv_tokens),
                    "bytes": int(out.recv_x.nbytes),
                    "times": {k: float(np.median(v)) for k, v in times.items()}})

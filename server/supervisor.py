@@ -116,6 +116,12 @@ class Supervisor:
         # Never NVLink multicast: it can take a shared host's GPUs out of service.
         env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         env.setdefault("NCCL_NVLS_ENABLE", "0")
+        if self.backend == "cuda":
+            # One node: no IB probing, loopback bootstrap; a heap clients can map over CUDA IPC.
+            env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+            env.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
+            env.setdefault("NVSHMEM_DISABLE_CUDA_VMM", "1")
+            env.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.cfg.nvshmem_heap_bytes + (1 << 30)))
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
                                    "--index", str(e.index)], env=env)
         e.ready = False

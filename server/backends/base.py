@@ -195,6 +195,9 @@ class Backend(abc.ABC):
         """Create this engine's communicator for one rank (after the rendezvous).
         `output_path` names a file the backend may use for the output region (CPU backend)."""
 
+    def thread_init(self) -> None:  # noqa: B027  (optional hook)
+        """Run once on every session worker thread (the CUDA backend selects its device)."""
+
     def to_host(self, array: Array) -> np.ndarray:
         """A host copy of a (small) device array; identity on the CPU backend."""
         return np.asarray(array)

@@ -32,7 +32,9 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 
 
 async def serve(cfg: config_mod.Config, index: int) -> None:
-    backend = make_backend(cfg, index)
+    # The CUDA backend joins the node's NVSHMEM world here, which blocks until every engine
+    # arrives: keep it off the event loop.
+    backend = await asyncio.to_thread(make_backend, cfg, index)
     engine = Engine(cfg, index, backend)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     epd_pb2_grpc.add_EngineServicer_to_server(EngineService(engine), server)

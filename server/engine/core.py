@@ -192,7 +192,8 @@ class Engine:
         path = os.path.join(self.config.shm_dir, f"epd-e{self.index}-{sid}.counters")
         page = self.backend.open_counter_page(path)
         s = Session(sid, client_name[:64], pid, page, path,
-                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-s{sid[:6]}"))
+                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-s{sid[:6]}",
+                                       initializer=self.backend.thread_init))
         self.sessions[sid] = s
         self._refresh_gauges()
         log.info("opened %s", s.describe())

@@ -114,7 +114,7 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         m, out, handle, sequence = await self.engine.dispatch(s, request)
         r = m.comm.output_region
         resp = epd_pb2.DispatchResponse(
-            recv_x=tensors.describe(out.recv_x, r),
+            recv_x=tensors.describe(out.recv_x, r, request.x.dtype),
             recv_src_idx=tensors.describe(out.recv_src_idx, r),
             rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
             num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
@@ -131,7 +131,8 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         s = self.engine.session(request.session_id)
         m, out = await self.engine.combine(s, request)
         r = m.comm.output_region
-        resp = epd_pb2.CombineResponse(combined_x=tensors.describe(out.combined_x, r))
+        resp = epd_pb2.CombineResponse(
+            combined_x=tensors.describe(out.combined_x, r, m.spec.x_dtype))
         if out.combined_topk_weights is not None:
             resp.combined_topk_weights.CopyFrom(tensors.describe(out.combined_topk_weights, r))
         return resp

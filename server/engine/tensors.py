@@ -78,10 +78,11 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def describe(array: Array, region: Region) -> epd_pb2.TensorDesc:
-    """Descriptor of an engine-owned output array that lives in `region`."""
+def describe(array: Array, region: Region, dtype: int | None = None) -> epd_pb2.TensorDesc:
+    """Descriptor of an engine-owned output array that lives in `region`. `dtype` overrides the
+    array's own when it only holds the bits (bf16 / fp8 as uint16 / uint8 on the GPU)."""
     dt = np.dtype(array.dtype)
     return epd_pb2.TensorDesc(
         region_id=region.region_id, offset_bytes=region.offset_of(array),
-        shape=list(array.shape), dtype=dtypes.from_numpy(dt),
+        shape=list(array.shape), dtype=dtype if dtype is not None else dtypes.from_numpy(dt),
         strides=[s // dt.itemsize for s in array.strides])

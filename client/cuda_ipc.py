@@ -1,0 +1,174 @@
+"""Client side of the CUDA backend: device tensors as CUDA IPC regions, stream order by an
+interprocess event, and the engine's output heap mapped once.
+
+A device tensor (torch CUDA tensor or CuPy array) is described as (region, offset) where the
+region is its whole allocation (`cuMemGetAddressRange`), exported once with
+`cudaIpcGetMemHandle` and cached by its handle, so torch's caching allocator reusing a segment
+costs nothing. Before each call the client records one interprocess event on its current stream
+and sends its handle; the engine waits for it before reading the inputs, so the client never
+synchronises its stream. The engine answers once the outputs are complete.
+
+CuPy has no bfloat16 / float8 dtypes: a CuPy uint16 array is taken as bfloat16 bits and a uint8
+array as float8_e4m3 bits. Torch tensors carry their real dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from epd.proto import dtypes
+from epd.proto.v1 import epd_pb2
+
+
+def _torch():
+    try:
+        import torch
+        return torch
+    except ImportError:
+        return None
+
+
+def _cupy():
+    import cupy
+    return cupy
+
+
+def is_device_array(x: Any) -> bool:
+    t = _torch()
+    if t is not None and isinstance(x, t.Tensor):
+        return x.device.type == "cuda"
+    return hasattr(x, "__cuda_array_interface__")
+
+
+@dataclass
+class DeviceView:
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # elements
+    dtype: int  # wire enum
+    itemsize: int
+    device: int
+
+
+def describe_device(x: Any, what: str) -> DeviceView:
+    t = _torch()
+    if t is not None and isinstance(x, t.Tensor):
+        mapping = {t.bfloat16: epd_pb2.BFLOAT16, t.float16: epd_pb2.FLOAT16,
+                   t.float32: epd_pb2.FLOAT32, t.int64: epd_pb2.INT64, t.int32: epd_pb2.INT32,
+                   t.bool: epd_pb2.BOOL, t.uint8: epd_pb2.UINT8}
+        fp8 = getattr(t, "float8_e4m3fn", None)
+        if fp8 is not None:
+            mapping[fp8] = epd_pb2.FLOAT8_E4M3
+        if x.dtype not in mapping:
+            raise TypeError(f"{what}: torch dtype {x.dtype} is not carried by EPD")
+        return DeviceView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), mapping[x.dtype],
+                          x.element_size(), x.device.index)
+    cai = x.__cuda_array_interface__
+    dt = np.dtype(cai["typestr"])
+    if dt == np.uint16:
+        wire = epd_pb2.BFLOAT16
+    elif dt == np.uint8:
+        wire = epd_pb2.FLOAT8_E4M3
+    else:
+        wire = dtypes.from_numpy(dt)
+    strides = cai.get("strides")
+    shape = tuple(cai["shape"])
+    if strides is None:
+        st, acc = [], 1
+        for d in reversed(shape):
+            st.append(acc)
+            acc *= max(d, 1)
+        strides = tuple(reversed(st))
+    else:
+        strides = tuple(s // dt.itemsize for s in strides)
+    return DeviceView(int(cai["data"][0]), shape, strides, wire, dt.itemsize,
+                      int(x.device.id))
+
+
+def allocation_of(ptr: int) -> tuple[int, int]:
+    """(base, size) of the allocation holding `ptr`."""
+    from cuda.bindings import driver
+
+    err, base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ValueError(f"cuMemGetAddressRange({ptr:#x}) failed: {err}")
+    return int(base), int(size)
+
+
+def ipc_handle(base: int, device: int) -> bytes:
+    cp = _cupy()
+    with cp.cuda.Device(device):
+        try:
+            return bytes(cp.cuda.runtime.ipcGetMemHandle(base))
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise ValueError(
+                "this allocation cannot be shared over CUDA IPC (torch expandable segments? "
+                "unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF): " + str(e)) from None
+
+
+class ReadyEvent:
+    """One interprocess event per session, recorded on the caller's stream before each call."""
+
+    def __init__(self, device: int) -> None:
+        cp = _cupy()
+        self.device = device
+        with cp.cuda.Device(device):
+            self.event = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
+            self.handle = bytes(cp.cuda.runtime.ipcGetEventHandle(self.event.ptr))
+
+    def record(self, template: Any) -> bytes:
+        cp = _cupy()
+        t = _torch()
+        with cp.cuda.Device(self.device):
+            if t is not None and isinstance(template, t.Tensor):
+                stream_ptr = t.cuda.current_stream(self.device).cuda_stream
+            else:
+                stream_ptr = cp.cuda.get_current_stream().ptr
+            cp.cuda.runtime.eventRecord(self.event.ptr, stream_ptr)
+        return self.handle
+
+
+class MappedHeap:
+    """The engine's output heap opened in this process (once per session and handle)."""
+
+    def __init__(self, handle: bytes, size: int, device: int) -> None:
+        cp = _cupy()
+        self.device, self.size = device, size
+        with cp.cuda.Device(device):
+            self.ptr = cp.cuda.runtime.ipcOpenMemHandle(handle, 1)
+
+    def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any) -> Any:
+        cp = _cupy()
+        logical = dtypes.to_numpy(d.dtype)
+        storage = (np.dtype(np.uint16) if logical == dtypes.BFLOAT16 else
+                   np.dtype(np.uint8) if logical == dtypes.FLOAT8_E4M3 else logical)
+        shape = tuple(d.shape)
+        strides = tuple(s * storage.itemsize for s in d.strides)
+        extent = (1 + sum((n - 1) * s for n, s in zip(shape, d.strides, strict=True))
+                  if all(shape) else 0) * storage.itemsize
+        with cp.cuda.Device(self.device):
+            mem = cp.cuda.UnownedMemory(self.ptr + d.offset_bytes, max(extent, 1), self,
+                                        self.device)
+            arr = cp.ndarray(shape, storage, memptr=cp.cuda.MemoryPointer(mem, 0),
+                             strides=strides)
+            if copy:
+                arr = arr.copy()
+        t = _torch()
+        if t is not None and isinstance(template, t.Tensor):
+            out = t.from_dlpack(arr)
+            if logical == dtypes.BFLOAT16:
+                out = out.view(t.bfloat16)
+            elif logical == dtypes.FLOAT8_E4M3:
+                out = out.view(t.float8_e4m3fn)
+            return out
+        return arr
+
+    def close(self) -> None:
+        cp = _cupy()
+        if self.ptr:
+            with cp.cuda.Device(self.device):
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+            self.ptr = 0

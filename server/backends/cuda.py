@@ -1,0 +1,454 @@
+"""CUDA backend: the engine side of the intranode kernels (cuda/, cuda_kernels.py).
+
+One engine drives one GPU. At start it joins the node's NVSHMEM world (unique id from the
+supervisor's Node.GetBootstrap), allocates one symmetric heap and learns every peer's heap base
+(`nvshmem.core.get_peer_array`, NVLink peer pointers). A group's rank buffers live at the
+coordinator's heap offset, one slot per rank of the group, so a rank's buffer is
+`peer_base[engine of rank] + heap_offset + rank * slot_bytes` on every engine.
+
+Client tensors arrive as CUDA IPC allocations (opened once per region, extent checked with
+cuMemGetAddressRange, device checked). Outputs stay in the heap; clients map the heap once per
+session through its CUDA IPC handle, which needs NVSHMEM_DISABLE_CUDA_VMM=1 (the supervisor sets
+it). The session's counter page is registered as mapped pinned memory so notify writes the
+receive counts straight into the client-visible page.
+
+CuPy has no bfloat16 or float8 dtype: such arrays are handled as uint16 / uint8 bit patterns
+(the kernels move and round bits exactly); the engine keeps the logical dtype in descriptors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from epd.proto import counter_page, dtypes
+from epd.server.backends import cuda_kernels as ck
+from epd.server.backends.base import (
+    Backend,
+    CombineArgs,
+    CombineOutputs,
+    CounterPage,
+    DispatchArgs,
+    DispatchOutputs,
+    GroupSpec,
+    LayoutOutputs,
+    Membership,
+    RankComm,
+    Region,
+)
+from epd.server.errors import (
+    Aborted,
+    DeadlineExceeded,
+    EpdError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+
+log = logging.getLogger("epd.cuda")
+cp = ck.cp
+_ABORT_RANK_SHIFT = 8  # abort word = ((rank + 1) << 8) | ERR_ABORTED: peers learn who left
+
+
+def storage_dtype(dt: np.dtype) -> np.dtype:
+    """The CuPy dtype that holds a logical dtype's bits."""
+    dt = np.dtype(dt)
+    if dt == dtypes.BFLOAT16:
+        return np.dtype(np.uint16)
+    if dt == dtypes.FLOAT8_E4M3:
+        return np.dtype(np.uint8)
+    return dt
+
+
+@dataclass(frozen=True)
+class MembershipLayout:
+    kernel: ck.RankBufferLayout
+    extras: dict[str, int]  # byte offsets after the kernel buffers
+    slot_bytes: int
+
+
+def membership_layout(spec: GroupSpec) -> MembershipLayout:
+    """Per-rank heap slot: the kernels' buffers, then the outputs the engine hands back
+    (layout results, combine results, the prefix matrix)."""
+    from epd.server.coordinator import rank_buffer_layout
+
+    kernel = rank_buffer_layout(ck.RankBufferLayout, spec)
+    item = spec.x_numpy_dtype.itemsize
+    t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
+                     spec.num_experts)
+    off = kernel.total_bytes
+    extras = {}
+    for name, nbytes in (("combined_x", t * h * item), ("combined_w", t * k * 4),
+                         ("ntpr", r * 4), ("ntpe", e * 4), ("itr", t * r),
+                         ("prefix", r * r * 4)):
+        extras[name] = off
+        off += -(-max(nbytes, 16) // ck.ALIGN) * ck.ALIGN
+    return MembershipLayout(kernel, extras, off)
+
+
+class DeviceRegion(Region):
+    """Device memory at `ptr` (a client's IPC allocation, or the engine's heap)."""
+
+    def __init__(self, region_id: str, ptr: int, size: int, device: int, *,
+                 ipc_opened: bool, ipc_handle: bytes = b"") -> None:
+        super().__init__(region_id, size)
+        self.ptr, self.device = ptr, device
+        self.ipc_handle = ipc_handle
+        self._ipc_opened = ipc_opened
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,
+             strides: tuple[int, ...]) -> Any:
+        sd = storage_dtype(dtype)
+        extent = 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) \
+            if all(shape) else 0
+        mem = cp.cuda.UnownedMemory(self.ptr + offset, max(extent * sd.itemsize, 1), self,
+                                    self.device)
+        return cp.ndarray(shape, sd, memptr=cp.cuda.MemoryPointer(mem, 0),
+                          strides=tuple(s * sd.itemsize for s in strides))
+
+    def typed(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
+        dt = np.dtype(dtype)
+        strides, acc = [], 1
+        for d in reversed(shape):
+            strides.append(acc)
+            acc *= max(d, 1)
+        return self.view(offset, shape, dt, tuple(reversed(strides)))
+
+    def offset_of(self, array: Any) -> int:
+        return int(array.data.ptr) - self.ptr
+
+    def close(self) -> None:
+        if self._ipc_opened and self.ptr:
+            with cp.cuda.Device(self.device):
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+        self.ptr = 0
+
+
+class _Slot(np.ndarray):
+    """Host int64 words of a counter slot, with the device pointer the notify kernel writes."""
+
+    device_ptr: int = 0
+
+
+class MappedCounterPage(CounterPage):
+    def __init__(self, path: str, device: int) -> None:
+        from cuda.bindings import runtime as cudart
+
+        self.path = path
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.ftruncate(fd, counter_page.PAGE_BYTES)
+            self._mm = mmap.mmap(fd, counter_page.PAGE_BYTES)
+        finally:
+            os.close(fd)
+        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        with cp.cuda.Device(device):
+            flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
+            err, = cudart.cudaHostRegister(self._addr, counter_page.PAGE_BYTES, flags)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise Unavailable(f"cudaHostRegister of the counter page failed: {err}")
+            err, dptr = cudart.cudaHostGetDevicePointer(self._addr, 0)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise Unavailable(f"cudaHostGetDevicePointer failed: {err}")
+        self.device_ptr = int(dptr)
+        self._cudart = cudart
+
+    def slot(self, index: int) -> _Slot:
+        words = counter_page.slot_words(self._mm, index).view(_Slot)
+        words.device_ptr = self.device_ptr + index * counter_page.SLOT_BYTES
+        return words
+
+    def close(self) -> None:
+        if self._addr:
+            self._cudart.cudaHostUnregister(self._addr)  # before the unmap, never after
+            self._addr = 0
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        Path(self.path).unlink(missing_ok=True)
+
+
+@dataclass
+class _Handle:
+    result: Any  # cuda_runtime.DispatchResult
+    num_recv: int
+    num_tokens: int
+
+
+class CudaRankComm(RankComm):
+    def __init__(self, backend: CudaBackend, spec: GroupSpec, membership: Membership) -> None:
+        from epd.server.backends import cuda_runtime as rt
+
+        self.spec, self.membership, self.backend = spec, membership, backend
+        self.rank = membership.rank
+        self.layout = membership_layout(spec)
+        slot = self.layout.slot_bytes
+        base = membership.heap_offset
+        if base + spec.num_ranks * slot > backend.heap_bytes:
+            raise ResourceExhausted("group buffers do not fit in the symmetric heap")
+        peers = [backend.peer_bases[membership.rank_engines[r]] + base + r * slot
+                 for r in range(spec.num_ranks)]
+        self.slot_offset = base + self.rank * slot  # in this engine's heap
+        sd = storage_dtype(spec.x_numpy_dtype)
+        with cp.cuda.Device(backend.device):
+            self.runner = rt.RankRunner(backend.kernels, self.layout.kernel, self.rank, peers,
+                                        backend.device, sd, sd, owner=backend.heap)
+        self.output_region = backend.heap_region
+        self._reason: str | None = None
+
+    def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        return self.output_region.typed(self.slot_offset + self.layout.extras[name], shape, dtype)
+
+    def _timeout_ns(self, deadline: float) -> int:
+        return max(int((deadline - time.monotonic()) * 1e9), 1)
+
+    def _raise_if_failed(self) -> None:
+        err = self.runner.error()
+        if err is None:
+            return
+        code, missing, phase, seq = err
+        if code == ck.ERR_DEADLINE:
+            self.abort(f"rank {missing} did not arrive at {phase} #{seq} before the deadline")
+            raise DeadlineExceeded(f"group {self.spec.name!r}: rank(s) [{missing}] did not "
+                                   f"arrive at {phase} (collective #{seq}) before the deadline")
+        if code == ck.ERR_WORST_OVERFLOW:
+            raise ResourceExhausted("received more tokens than num_worst_tokens")
+        raise Aborted(f"group {self.spec.name!r} aborted: {self.abort_reason() or phase}")
+
+    def layout(self, topk_idx: Any) -> LayoutOutputs:
+        r, e, t = self.spec.num_ranks, self.spec.num_experts, topk_idx.shape[0]
+        out = LayoutOutputs(self._extra("ntpr", (r,), np.int32),
+                            self._extra("ntpe", (e,), np.int32),
+                            self._extra("itr", (t, r), np.bool_))
+        with cp.cuda.Device(self.backend.device), self.runner.stream as s:
+            ntpr, ntpe, itr = self.backend.kernels.layout(topk_idx, e, r, stream=s)
+            out.num_tokens_per_rank[...] = ntpr
+            out.num_tokens_per_expert[...] = ntpe
+            out.is_token_in_rank[...] = itr
+            s.synchronize()
+        return out
+
+    def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
+                 deadline: float) -> DispatchOutputs:
+        spec, runner = self.spec, self.runner
+        cached: _Handle | None = args.cached
+        fp8 = args.x.dtype == np.uint8 and spec.x_numpy_dtype.itemsize != 1
+        with cp.cuda.Device(self.backend.device):
+            res = runner.dispatch(
+                args.x, args.x_scales, args.topk_idx, args.topk_weights,
+                alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
+                cached=cached.result if cached else None,
+                counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
+                timeout_ns=self._timeout_ns(deadline), num_sms=self.backend.num_sms)
+            if cached is None:
+                # The host learns the counts from the mapped page while the GPU goes on.
+                got = counter_page.wait(counter_slot, sequence,
+                                        max(deadline - time.monotonic(), 0) + 1.0)
+                if got is None:
+                    self.abort("notify did not publish counts before the deadline")
+                    raise DeadlineExceeded(f"group {spec.name!r}: notify did not publish its "
+                                           f"counts before the deadline")
+                num_recv, per_expert = got
+            else:
+                num_recv, per_expert = cached.num_recv, []
+                counter_page.publish(counter_slot, sequence, num_recv, [])
+            runner.stream.synchronize()
+            self._raise_if_failed()
+            if counter_slot[counter_page.STATUS]:
+                raise Aborted(f"group {spec.name!r}: notify failed")
+            outs = runner.outputs(res)
+            rows = args.num_worst_tokens or num_recv
+            recv_x = outs["recv_x"]
+            if fp8:  # the same bytes, viewed as one byte per element
+                recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
+            prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
+            prefix[...] = outs["rank_prefix"].reshape(spec.num_ranks, spec.num_ranks)
+            runner.stream.synchronize()
+        item = args.x.dtype.itemsize
+        sent = int(args.x.shape[0]) * spec.hidden * item  # upper bound: rows sent per rank
+        return DispatchOutputs(
+            recv_x=recv_x, recv_x_scales=outs.get("recv_x_scales") if args.x_scales is not None
+            else None, recv_topk_idx=outs.get("recv_topk_idx"),
+            recv_topk_weights=outs.get("recv_topk_weights"), recv_src_idx=outs["recv_src_idx"],
+            rank_prefix_matrix=prefix, num_recv_tokens=num_recv,
+            num_recv_tokens_per_expert=per_expert,
+            handle=_Handle(res, num_recv, int(args.x.shape[0])), bytes_sent=sent,
+            bytes_received=num_recv * spec.hidden * item)
+
+    def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs:
+        spec, h = self.spec, args.handle
+        t, k = h.num_tokens, spec.num_topk
+        out = self._extra("combined_x", (t, spec.hidden), spec.x_numpy_dtype)
+        out_w = self._extra("combined_w", (t, k), np.float32) \
+            if args.topk_weights is not None else None
+        with cp.cuda.Device(self.backend.device):
+            self.runner.combine(args.x, h.result, out, recv_topk_weights=args.topk_weights,
+                                out_weights=out_w, bias_0=args.bias_0, bias_1=args.bias_1,
+                                timeout_ns=self._timeout_ns(deadline),
+                                num_sms=self.backend.num_sms)
+            self.runner.stream.synchronize()
+            self._raise_if_failed()
+        nbytes = h.num_recv * spec.hidden * spec.x_numpy_dtype.itemsize
+        return CombineOutputs(out, out_w, bytes_sent=nbytes, bytes_received=nbytes)
+
+    def abort(self, reason: str) -> None:
+        if self._reason is None:
+            self._reason = reason
+        code = ((self.rank + 1) << _ABORT_RANK_SHIFT) | ck.ERR_ABORTED
+        with cp.cuda.Device(self.backend.device):
+            self.runner.abort(code)
+            self.runner.side_stream.synchronize()
+
+    def abort_reason(self) -> str | None:
+        if self._reason is not None:
+            return self._reason
+        with cp.cuda.Device(self.backend.device):
+            word = int(cp.asnumpy(self.runner.views["ctrl"][:1])[0])
+        if word == 0:
+            return None
+        who = (word >> _ABORT_RANK_SHIFT) - 1
+        return (f"rank {who} left the group or failed" if who >= 0
+                else "the group was aborted")
+
+    def close(self) -> None:
+        with cp.cuda.Device(self.backend.device):
+            self.runner.stream.synchronize()
+            self.runner.reset_ctrl()  # the next group at this offset starts clean
+            cp.cuda.Device(self.backend.device).synchronize()
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, cfg: Any, index: int) -> None:
+        if cp is None:
+            raise RuntimeError("the cuda backend needs CuPy (pip install 'epd[cuda]')")
+        import nvshmem.core as nc
+        from cuda.core import Device
+
+        self.cfg, self.device, self._nc = cfg, index, nc
+        self.num_sms = cfg.num_sms or 24
+        boot = _bootstrap(cfg, index)
+        dev = Device(index)
+        dev.set_current()
+        cp.cuda.Device(index).use()
+        uid = nc.get_unique_id(empty=True)
+        uid._data.view(np.uint8)[:] = np.frombuffer(boot.nvshmem_uid, np.uint8)
+        nc.init(device=dev, uid=uid, rank=boot.pe, nranks=boot.num_pes,
+                initializer_method="uid")
+        self.heap_bytes = cfg.nvshmem_heap_bytes
+        self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
+        self.heap.fill(0)
+        stream = cp.cuda.Stream(non_blocking=True)
+        cp.cuda.Device(index).synchronize()
+        nc.barrier_all(stream=stream)
+        stream.synchronize()
+        base = int(self.heap.data.ptr)
+        self.peer_bases = [base if p == boot.pe else
+                           int(nc.get_peer_array(self.heap, p).data.ptr)
+                           for p in range(boot.num_pes)]
+        try:
+            ipc = cp.cuda.runtime.ipcGetMemHandle(base)
+        except cp.cuda.runtime.CUDARuntimeError as e:
+            raise RuntimeError("the symmetric heap cannot be exported over CUDA IPC; start the "
+                               "engines with NVSHMEM_DISABLE_CUDA_VMM=1") from e
+        self.heap_region = DeviceRegion(f"heap{index}", base, self.heap_bytes, index,
+                                        ipc_opened=False, ipc_handle=bytes(ipc))
+        self.kernels = ck.kernels_for_device(index)
+        self.kernels.compile_all()  # compile (or load from the disk cache) before serving
+        props = cp.cuda.runtime.getDeviceProperties(index)
+        self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        raw = props.get("uuid", b"")
+        self._uuid = "GPU-" + bytes(raw).hex() if raw else f"GPU{index}"
+        log.info("engine %d: NVSHMEM PE %d/%d, heap %.1f GiB, %s", index, boot.pe,
+                 boot.num_pes, self.heap_bytes / 2**30, self._name)
+
+    def thread_init(self) -> None:
+        cp.cuda.Device(self.device).use()
+
+    def device_info(self) -> dict[str, Any]:
+        return {"name": self._name, "uuid": self._uuid, "ordinal": self.device}
+
+    def open_region(self, region_id: str, *, shm_path: str = "", ipc_handle: bytes = b"",
+                    size: int, device_ordinal: int = 0) -> Region:
+        from cuda.bindings import driver
+
+        if not ipc_handle:
+            raise InvalidArgument("the cuda backend takes CUDA IPC handles (cuda_ipc_handle)")
+        if len(ipc_handle) != 64:
+            raise InvalidArgument(f"a CUDA IPC memory handle has 64 bytes, got {len(ipc_handle)}")
+        with cp.cuda.Device(self.device):
+            try:
+                ptr = cp.cuda.runtime.ipcOpenMemHandle(ipc_handle, 1)
+            except cp.cuda.runtime.CUDARuntimeError as e:
+                raise InvalidArgument(f"cannot open the CUDA IPC handle: {e}") from None
+            region = DeviceRegion(region_id, ptr, size, self.device, ipc_opened=True)
+            try:
+                attrs = cp.cuda.runtime.pointerGetAttributes(ptr)
+                if attrs.device != self.device:
+                    raise InvalidArgument(f"the region lives on GPU {attrs.device}; this engine "
+                                          f"serves GPU {self.device}")
+                err, _base, extent = driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr))
+                if err != driver.CUresult.CUDA_SUCCESS:
+                    raise InvalidArgument(f"cuMemGetAddressRange failed: {err}")
+                if size > int(extent):
+                    raise InvalidArgument(f"the region declares {size} bytes but its "
+                                          f"allocation has {int(extent)}")
+            except EpdError:
+                region.close()
+                raise
+        return region
+
+    def open_counter_page(self, path: str) -> CounterPage:
+        return MappedCounterPage(path, self.device)
+
+    def attach(self, spec: GroupSpec, membership: Membership, output_path: str) -> RankComm:
+        return CudaRankComm(self, spec, membership)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        with cp.cuda.Device(self.device):
+            return cp.asnumpy(array)
+
+    def wait_event(self, cache: dict[bytes, Any], handle: bytes) -> None:
+        if not handle:
+            return
+        ev = cache.get(handle)
+        with cp.cuda.Device(self.device):
+            if ev is None:
+                try:
+                    ev = cp.cuda.runtime.ipcOpenEventHandle(handle)
+                except cp.cuda.runtime.CUDARuntimeError as e:
+                    raise InvalidArgument(f"cannot open the ready_event handle: {e}") from None
+                cache[handle] = ev
+            cp.cuda.runtime.eventSynchronize(ev)
+
+    def close_events(self, cache: dict[bytes, Any]) -> None:
+        with cp.cuda.Device(self.device):
+            for ev in cache.values():
+                with contextlib.suppress(Exception):
+                    cp.cuda.runtime.eventDestroy(ev)
+        cache.clear()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            cp.cuda.Device(self.device).synchronize()
+            self._nc.free_array(self.heap)
+            self._nc.finalize()
+
+
+def _bootstrap(cfg: Any, index: int):
+    import grpc
+
+    from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+
+    with grpc.insecure_channel(f"unix://{cfg.node_socket}") as ch:
+        return epd_pb2_grpc.NodeStub(ch).GetBootstrap(
+            epd_pb2.GetBootstrapRequest(engine_index=index), timeout=30)
