@@ -133,12 +133,13 @@ def expert_transform(recv_x: np.ndarray, recv_topk_idx: np.ndarray,
     return (recv_x.astype(np.float32) * factor[:, None].astype(np.float32)).astype(recv_x.dtype)
 
 
-def _device_movers(backend: str):
+def _device_movers(backend: str, device: int = 0):
     """(to_device, to_host) for a session's backend: identity on the CPU; CuPy on the GPU, with
     bfloat16 carried as its uint16 bits (CuPy has no bfloat16)."""
     if backend != "cuda":
         return (lambda a: a), (lambda a, dtype=None: a)
     import cupy as cp
+    cp.cuda.Device(device).use()  # the engine's GPU: CUDA IPC regions must live there
 
     def to_dev(a: np.ndarray):
         return cp.asarray(a.view(np.uint16) if a.dtype == dtypes.BFLOAT16 else a)
@@ -157,7 +158,7 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
         x_np = x
         lx = wl.num_experts // wl.num_ranks
         with Session(socket, client_name=f"demo-rank{rank}") as s:
-            to_dev, to_host = _device_movers(s.backend)
+            to_dev, to_host = _device_movers(s.backend, s.device_ordinal)
             x, idx, w = to_dev(x), to_dev(idx), to_dev(w)
             g = s.join("demo", rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
                        hidden=wl.hidden, max_tokens_per_rank=max(wl.tokens),

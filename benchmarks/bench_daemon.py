@@ -1,0 +1,120 @@
+"""End to end through the daemon on the gRPC path: client processes (torch CUDA tensors) call
+layout, dispatch and combine on a `epd serve --backend cuda` daemon; client-observed medians,
+next to the engine-side time of the same calls (the daemon's own histograms).
+
+    python benchmarks/bench_daemon.py --json out.json     # on a machine with >= 2 GPUs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import re
+import time
+
+import numpy as np
+
+from epd.server.demo import Daemon, Workload
+
+CONFIGS = {"P": 4096, "D": 128}
+
+
+def _rank(rank: int, socket: str, wl: Workload, name: str, iters: int, q) -> None:
+    try:
+        import torch
+
+        from epd.client import Session
+        torch.cuda.set_device(rank)
+        x, idx, w = wl.inputs(rank)
+        tx = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).cuda()
+        tidx, tw = torch.from_numpy(idx).cuda(), torch.from_numpy(w).cuda()
+        with Session(socket, client_name=f"bench-{rank}", timeout=60) as s:
+            g = s.join(name, rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
+                       hidden=wl.hidden, max_tokens_per_rank=max(wl.tokens),
+                       num_topk=wl.num_topk)
+            times = {"layout": [], "dispatch": [], "dispatch_cached": [], "combine": [],
+                     "total": []}
+            for it in range(iters + 5):
+                t0 = time.perf_counter()
+                g.get_dispatch_layout(tidx, copy=False)
+                t1 = time.perf_counter()
+                out = g.dispatch(tx, tidx, tw, copy=False)
+                t2 = time.perf_counter()
+                g.combine(out.recv_x, out.handle, copy=False)
+                t3 = time.perf_counter()
+                g.dispatch(tx, handle=out.handle, copy=False)
+                t4 = time.perf_counter()
+                if it >= 5:
+                    times["layout"].append(t1 - t0)
+                    times["dispatch"].append(t2 - t1)
+                    times["combine"].append(t3 - t2)
+                    times["dispatch_cached"].append(t4 - t3)
+                    times["total"].append(t3 - t0)
+        q.put({"rank": rank, "median_us": {k: float(np.median(v) * 1e6)
+                                           for k, v in times.items()},
+               "p99_us": {k: float(np.percentile(v, 99) * 1e6) for k, v in times.items()},
+               "recv_rows": int(out.num_recv_tokens)})
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{e}\n{traceback.format_exc()}"})
+
+
+def _engine_means(metrics_text: str, group: str) -> dict[str, float]:
+    out = {}
+    for kind in ("layout", "dispatch", "combine"):
+        s = re.search(rf'epd_{kind}_seconds_sum{{[^}}]*group="{re.escape(group)}"[^}}]*}} (\S+)',
+                      metrics_text)
+        c = re.search(rf'epd_{kind}_seconds_count{{[^}}]*group="{re.escape(group)}"[^}}]*}} (\S+)',
+                      metrics_text)
+        if s and c and float(c.group(1)):
+            out[kind] = float(s.group(1)) / float(c.group(1)) * 1e6
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--num-sms", type=int, default=24)
+    ap.add_argument("--json", default="")
+    ns = ap.parse_args()
+    import cupy as cp
+    ngpu = cp.cuda.runtime.getDeviceCount()
+    ranks = min(ngpu, 8)
+    results = {}
+    with Daemon(backend="cuda", engines=ngpu, timeout_seconds=20,
+                extra=["--num-sms", str(ns.num_sms), "--nvshmem-heap-bytes", str(8 << 30)]) as d:
+        d.wait_ready(180)
+        for cfg, tokens in CONFIGS.items():
+            wl = Workload(ranks, [tokens] * ranks, 7168, 256, 8, seed=1, drop_prob=0.0)
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            name = f"bench-{cfg}"
+            procs = [ctx.Process(target=_rank, args=(r, d.socket(r), wl, name, ns.iters, q))
+                     for r in range(ranks)]
+            for p in procs:
+                p.start()
+            got = sorted((q.get(timeout=300) for _ in procs), key=lambda r: r["rank"])
+            for p in procs:
+                p.join(30)
+            engine = _engine_means(d.get("/metrics")[1], name)
+            results[cfg] = {"tokens_per_rank": tokens, "ranks": ranks, "clients": got,
+                            "engine_mean_us": engine}
+            r0 = got[0]
+            if "error" in r0:
+                print(f"{cfg}: ERROR {r0['error']}")
+                continue
+            m = r0["median_us"]
+            print(f"config {cfg} ({tokens} tok/rank, {ranks} ranks, {ns.num_sms} SMs): client "
+                  f"median layout {m['layout']:.0f} us, dispatch {m['dispatch']:.0f} us, "
+                  f"combine {m['combine']:.0f} us, cached dispatch {m['dispatch_cached']:.0f} "
+                  f"us, layout+dispatch+combine {m['total']:.0f} us; engine-side mean "
+                  + ", ".join(f"{k} {v:.0f} us" for k, v in engine.items()))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

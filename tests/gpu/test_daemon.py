@@ -1,0 +1,218 @@
+"""The CUDA engine inside the daemon: client processes with torch CUDA tensors, through gRPC,
+against the NumPy reference (exact), plus failure handling. One engine per visible GPU."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from epd.server import reference as ref
+from epd.server.demo import Daemon, Workload
+
+from .conftest import GPU_COUNT
+
+pytestmark = pytest.mark.gpu
+TIMEOUT = 4.0
+
+
+def _bits(t) -> np.ndarray:
+    """Host bit pattern of a torch tensor (bf16 -> uint16, fp8 -> uint8, others as is)."""
+    import torch
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def _to_torch(a: np.ndarray, device: int):
+    import torch
+
+    from epd.proto import dtypes
+    if a.dtype == dtypes.BFLOAT16:
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(device)
+    if a.dtype == dtypes.FLOAT8_E4M3:
+        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(device)
+    return torch.from_numpy(a.copy()).to(device)
+
+
+def _rank(rank: int, socket: str, device: int, wl: Workload, scenario: str, q) -> None:
+    try:
+        import torch
+
+        from epd.client import EpdError, Session
+        torch.cuda.set_device(device)
+        x, idx, w = wl.inputs(rank)
+        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+        res: dict = {"rank": rank}
+        with Session(socket, client_name=f"gpu-test-{rank}", timeout=30) as s:
+            res["backend"] = s.backend
+            g = s.join(f"gpu-{scenario}", rank=rank, num_ranks=wl.num_ranks,
+                       num_experts=wl.num_experts, hidden=wl.hidden,
+                       max_tokens_per_rank=max(max(wl.tokens), 1), num_topk=wl.num_topk,
+                       timeout=30)
+            if scenario == "missing" and rank == 1:
+                q.put(res)
+                time.sleep(TIMEOUT + 4)  # never dispatches
+                return
+            if scenario == "killed" and rank == 1:
+                q.put(res)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if scenario in ("missing", "killed"):
+                t0 = time.monotonic()
+                try:
+                    g.dispatch(tx, tidx, tw, timeout=TIMEOUT)
+                    res["error"] = "dispatch succeeded without its peer"
+                except EpdError as e:
+                    res["code"], res["msg"] = e.code.name, e.details
+                res["elapsed"] = time.monotonic() - t0
+                q.put(res)
+                return
+            # Warm up, poison the output views, then run on fresh inputs and compare.
+            out = g.dispatch(tx, tidx, tw, expert_alignment=4, copy=False)
+            out.recv_x.view(torch.int16).fill_(-1)
+            out.recv_topk_idx.fill_(77)
+            torch.cuda.synchronize()
+            per_rank, per_expert, in_rank = g.get_dispatch_layout(tidx)
+            out = g.dispatch(tx, tidx, tw, expert_alignment=4)
+            y = out.recv_x  # experts = identity, weights applied by combine's caller
+            bias = _to_torch(np.full(x.shape, 0.5, x.dtype), device)
+            cx, cw = g.combine(y, out.handle, topk_weights=out.recv_topk_weights, bias_0=bias)
+            cached = g.dispatch(tx, handle=out.handle)
+            res.update(per_rank=_bits(per_rank), per_expert=_bits(per_expert),
+                       in_rank=_bits(in_rank), recv_x=_bits(out.recv_x),
+                       recv_idx=_bits(out.recv_topk_idx), recv_w=_bits(out.recv_topk_weights),
+                       src_idx=_bits(out.recv_src_idx), counts=out.num_recv_tokens_per_expert,
+                       cx=_bits(cx), cw=_bits(cw), cached_x=_bits(cached.recv_x),
+                       out_type=type(cx).__module__)
+            if scenario == "full":
+                worst = g.dispatch(tx, tidx, tw, num_worst_tokens=wl.num_ranks * max(wl.tokens))
+                res["worst_idx"] = _bits(worst.recv_topk_idx)
+                res["worst_x"] = _bits(worst.recv_x)
+                xq, sc = ref.quantize_fp8(x)
+                f8 = g.dispatch(_to_torch(xq, device), tidx, tw,
+                                x_scales=_to_torch(sc, device))
+                res["fp8_x"], res["fp8_scales"] = _bits(f8.recv_x), _bits(f8.recv_x_scales)
+                # Bad input is rejected and changes nothing: the group still works after it.
+                try:
+                    g.dispatch(tx, tidx + wl.num_experts, tw)
+                    res["bad"] = "accepted"
+                except EpdError as e:
+                    res["bad"] = e.code.name
+                again = g.dispatch(tx, tidx, tw, expert_alignment=4)
+                res["again_x"] = _bits(again.recv_x)
+        q.put(res)
+    except Exception as e:  # report to the parent, never hang it
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+def _run(daemon: Daemon, wl: Workload, scenario: str, ranks_per_gpu: int = 1) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = []
+    for r in range(wl.num_ranks):
+        dev = (r // ranks_per_gpu) % GPU_COUNT
+        procs.append(ctx.Process(target=_rank, args=(r, daemon.socket(dev), dev, wl,
+                                                     scenario, q)))
+    for p in procs:
+        p.start()
+    out = []
+    try:
+        while len(out) < len(procs):
+            out.append(q.get(timeout=120))
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=TIMEOUT,
+               extra=["--nvshmem-heap-bytes", str(6 << 30)])
+    try:
+        d.wait_ready(180)
+    except Exception:
+        print(d.log())
+        d.stop()
+        raise
+    yield d
+    print(d.log()[-4000:])
+    assert d.stop() == 0
+
+
+def _check(wl: Workload, results: list[dict], full: bool) -> None:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    results = sorted(results, key=lambda r: r["rank"])
+    inputs = wl.all_inputs()
+    xs, idx, w = ([i[k] for i in inputs] for k in range(3))
+    disp = ref.dispatch(xs, idx, w, wl.num_experts, expert_alignment=4)
+    bias = [np.full(x.shape, 0.5, x.dtype) for x in xs]
+    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                       recv_topk_weights=[d.recv_topk_weights for d in disp], bias_0=bias)
+    for r, res in enumerate(results):
+        assert res["backend"] == "cuda"
+        lay = ref.get_dispatch_layout(idx[r], wl.num_experts, wl.num_ranks)
+        np.testing.assert_array_equal(res["per_rank"], lay.num_tokens_per_rank)
+        np.testing.assert_array_equal(res["per_expert"], lay.num_tokens_per_expert)
+        np.testing.assert_array_equal(res["in_rank"], lay.is_token_in_rank)
+        np.testing.assert_array_equal(res["recv_x"], disp[r].recv_x.view(np.uint16))
+        np.testing.assert_array_equal(res["recv_idx"], disp[r].recv_topk_idx)
+        np.testing.assert_array_equal(res["recv_w"], disp[r].recv_topk_weights)
+        np.testing.assert_array_equal(res["src_idx"], disp[r].recv_src_idx)
+        assert res["counts"] == disp[r].num_recv_tokens_per_expert
+        np.testing.assert_array_equal(res["cx"], comb[r][0].view(np.uint16))
+        np.testing.assert_array_equal(res["cw"], comb[r][1])
+        np.testing.assert_array_equal(res["cached_x"], disp[r].recv_x.view(np.uint16))
+        assert res["out_type"].startswith("torch")
+        if full:
+            n = len(disp[r].recv_src_idx)
+            worst = ref.pad_to_worst(disp[r], wl.num_ranks * max(wl.tokens))
+            np.testing.assert_array_equal(res["worst_idx"], worst.recv_topk_idx)
+            np.testing.assert_array_equal(res["worst_x"][:n], disp[r].recv_x.view(np.uint16))
+            q = [ref.quantize_fp8(x) for x in xs]
+            d8 = ref.dispatch([a for a, _ in q], idx, w, wl.num_experts,
+                              x_scales=[b for _, b in q])
+            np.testing.assert_array_equal(res["fp8_x"], d8[r].recv_x.view(np.uint8))
+            np.testing.assert_array_equal(res["fp8_scales"], d8[r].recv_x_scales)
+            assert res["bad"] == "INVALID_ARGUMENT"
+            np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
+
+
+@pytest.mark.parametrize("tokens,hidden,experts,topk", [
+    ([128, 77], 2048, 32, 4), ([0, 7], 2048, 8, 1), ([4096, 4096], 7168, 256, 8)])
+def test_daemon_roundtrip(daemon, tokens, hidden, experts, topk) -> None:
+    wl = Workload(2, tokens, hidden, experts, topk, seed=sum(tokens) + hidden, drop_prob=0.05)
+    full = tokens[0] == 128
+    _check(wl, _run(daemon, wl, "full" if full else f"rt{hidden}-{experts}"), full)
+
+
+def test_daemon_two_ranks_per_gpu(daemon) -> None:
+    wl = Workload(2 * GPU_COUNT, [64] * (2 * GPU_COUNT), 2048, 8 * GPU_COUNT, 2, seed=5)
+    _check(wl, _run(daemon, wl, "shared", ranks_per_gpu=2), False)
+
+
+@pytest.mark.parametrize("scenario,code", [("missing", "DEADLINE_EXCEEDED"),
+                                           ("killed", "ABORTED")])
+def test_daemon_failure(daemon, scenario: str, code: str) -> None:
+    wl = Workload(2, [64, 64], 2048, 16, 2, seed=9)
+    results = [r for r in _run(daemon, wl, scenario) if r["rank"] == 0 and "code" in r]
+    assert results, "rank 0 reported nothing"
+    r0 = results[0]
+    assert r0["code"] == code, r0
+    assert "rank" in r0["msg"] and "1" in r0["msg"], r0["msg"]
+    assert r0["elapsed"] < TIMEOUT + 1.5
+    assert daemon.get("/readyz")[0] == 200
+    # A fresh group works afterwards.
+    wl2 = Workload(2, [32, 16], 2048, 16, 2, seed=10)
+    _check(wl2, _run(daemon, wl2, f"after-{scenario}"), False)
