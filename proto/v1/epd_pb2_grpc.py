@@ -5,7 +5,7 @@ import warnings
 
 from epd.proto.v1 import epd_pb2 as epd_dot_proto_dot_v1_dot_epd__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
