@@ -119,7 +119,7 @@ class Session:
         self._user_regions: list[T.ShmFile] = []
         # cuda backend: device allocations registered by IPC handle, the ready event, the heap
         self._device_regions: OrderedDict[bytes, str] = OrderedDict()
-        self._ready: Any = None
+        self._ready_event: Any = None
         self._heaps: dict[bytes, Any] = {}
         self._groups: dict[str, Group] = {}
         self._busy = False
@@ -214,9 +214,10 @@ class Session:
                                            shape=list(v.shape), dtype=v.dtype,
                                            strides=list(v.strides))
         if template is not None:
-            if self._ready is None:
-                self._ready = cuda_ipc.ReadyEvent(cuda_ipc.describe_device(template, "").device)
-            out["ready_event"] = self._ready.record(template)
+            if self._ready_event is None:
+                self._ready_event = cuda_ipc.ReadyEvent(
+                    cuda_ipc.describe_device(template, "").device)
+            out["ready_event"] = self._ready_event.record(template)
         return out
 
     def _heap(self, handle: bytes, size: int, device: int) -> Any:

@@ -189,8 +189,8 @@ class CudaRankComm(RankComm):
 
         self.spec, self.membership, self.backend = spec, membership, backend
         self.rank = membership.rank
-        self.layout = membership_layout(spec)
-        slot = self.layout.slot_bytes
+        self.mlayout = membership_layout(spec)
+        slot = self.mlayout.slot_bytes
         base = membership.heap_offset
         if base + spec.num_ranks * slot > backend.heap_bytes:
             raise ResourceExhausted("group buffers do not fit in the symmetric heap")
@@ -199,13 +199,13 @@ class CudaRankComm(RankComm):
         self.slot_offset = base + self.rank * slot  # in this engine's heap
         sd = storage_dtype(spec.x_numpy_dtype)
         with cp.cuda.Device(backend.device):
-            self.runner = rt.RankRunner(backend.kernels, self.layout.kernel, self.rank, peers,
+            self.runner = rt.RankRunner(backend.kernels, self.mlayout.kernel, self.rank, peers,
                                         backend.device, sd, sd, owner=backend.heap)
         self.output_region = backend.heap_region
         self._reason: str | None = None
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        return self.output_region.typed(self.slot_offset + self.layout.extras[name], shape, dtype)
+        return self.output_region.typed(self.slot_offset + self.mlayout.extras[name], shape, dtype)
 
     def _timeout_ns(self, deadline: float) -> int:
         return max(int((deadline - time.monotonic()) * 1e9), 1)
@@ -270,7 +270,8 @@ class CudaRankComm(RankComm):
             if fp8:  # the same bytes, viewed as one byte per element
                 recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
             prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
-            prefix[...] = outs["rank_prefix"].reshape(spec.num_ranks, spec.num_ranks)
+            with runner.stream:  # never the legacy stream: it is not ordered with ours
+                prefix[...] = outs["rank_prefix"].reshape(spec.num_ranks, spec.num_ranks)
             runner.stream.synchronize()
         item = args.x.dtype.itemsize
         sent = int(args.x.shape[0]) * spec.hidden * item  # upper bound: rows sent per rank
@@ -322,7 +323,9 @@ class CudaRankComm(RankComm):
         with cp.cuda.Device(self.backend.device):
             self.runner.stream.synchronize()
             self.runner.reset_ctrl()  # the next group at this offset starts clean
-            cp.cuda.Device(self.backend.device).synchronize()
+            # Only the legacy stream the memset ran on: a device-wide sync would wait for
+            # other ranks' kernels, which may be spinning on this GPU.
+            cp.cuda.Stream.null.synchronize()
 
 
 class CudaBackend(Backend):
