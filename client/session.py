@@ -191,6 +191,14 @@ class Session:
                                 f"tensors (torch on 'cuda' or CuPy); got {type(a).__name__}")
             v = cuda_ipc.describe_device(a, name)
             template = template if template is not None else a
+            heap = next((h for h in self._heaps.values() if h.ptr <= v.ptr < h.ptr + h.size),
+                        None)
+            if heap is not None:  # an output of ours passed back in (combine(recv_x))
+                out[name] = epd_pb2.TensorDesc(region_id=heap.region_id,
+                                               offset_bytes=v.ptr - heap.ptr,
+                                               shape=list(v.shape), dtype=v.dtype,
+                                               strides=list(v.strides))
+                continue
             if any(v.shape):
                 base, size = cuda_ipc.allocation_of(v.ptr)
             else:  # an empty tensor may have no allocation: any registered region will do
@@ -323,6 +331,7 @@ class Group:
             self._out = None
             self._heap = session._heap(resp.output_region_ipc, resp.output_region_bytes,
                                        session.device_ordinal)
+            self._heap.region_id = resp.output_region_id
         else:
             self._out = T.ShmFile.open(resp.output_region_path, resp.output_region_bytes)
             self._out.region_id = resp.output_region_id

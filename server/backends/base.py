@@ -116,6 +116,10 @@ class LayoutOutputs:
 class Region(abc.ABC):
     """Client memory opened in the engine. Bounds are checked by the engine before `view`."""
 
+    # True for an engine-owned region that a session may also pass back as an input (the CUDA
+    # heap holding outputs): the session resolves it but never closes it.
+    borrowed: bool = False
+
     def __init__(self, region_id: str, size: int) -> None:
         self.region_id = region_id
         self.size = size

@@ -130,7 +130,7 @@ class DeviceRegion(Region):
         if self._ipc_opened and self.ptr:
             with cp.cuda.Device(self.device):
                 cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
-        self.ptr = 0
+            self.ptr = 0
 
 
 class _Slot(np.ndarray):
@@ -201,7 +201,7 @@ class CudaRankComm(RankComm):
         with cp.cuda.Device(backend.device):
             self.runner = rt.RankRunner(backend.kernels, self.mlayout.kernel, self.rank, peers,
                                         backend.device, sd, sd, owner=backend.heap)
-        self.output_region = backend.heap_region
+        self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
@@ -363,8 +363,15 @@ class CudaBackend(Backend):
         except cp.cuda.runtime.CUDARuntimeError as e:
             raise RuntimeError("the symmetric heap cannot be exported over CUDA IPC; start the "
                                "engines with NVSHMEM_DISABLE_CUDA_VMM=1") from e
-        self.heap_region = DeviceRegion(f"heap{index}", base, self.heap_bytes, index,
+        # The handle names the whole allocation NVSHMEM made, which a client maps from its
+        # start: output offsets are relative to that start, not to our array inside it.
+        from cuda.bindings import driver
+        err, alloc_base, alloc_size = driver.cuMemGetAddressRange(driver.CUdeviceptr(base))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemGetAddressRange on the heap failed: {err}")
+        self.heap_region = DeviceRegion(f"heap{index}", int(alloc_base), int(alloc_size), index,
                                         ipc_opened=False, ipc_handle=bytes(ipc))
+        self.heap_region.borrowed = True  # shared by all sessions; never closed by one
         self.kernels = ck.kernels_for_device(index)
         self.kernels.compile_all()  # compile (or load from the disk cache) before serving
         props = cp.cuda.runtime.getDeviceProperties(index)

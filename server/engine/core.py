@@ -209,7 +209,8 @@ class Engine:
             await self._drop_member(session, member, f"{session.describe()} {reason}")
         await asyncio.to_thread(session.worker.shutdown, wait=True)
         for region in session.regions.values():
-            region.close()
+            if not region.borrowed:
+                region.close()
         session.regions.clear()
         session.counter_page.close()
         self.backend.close_events(session.events)
@@ -266,6 +267,8 @@ class Engine:
             raise
         member = GroupMember(spec, membership, comm, session.free_slots.pop(0))
         session.members[member.group_id] = member
+        if comm.output_region.borrowed:  # outputs may come back as inputs (combine(recv_x))
+            session.regions.setdefault(comm.output_region.region_id, comm.output_region)
         if session.closed.is_set():  # the client vanished while we waited for its peers
             await self._drop_member(session, member, "closed during join")
             raise Aborted("session closed during join")
@@ -298,6 +301,9 @@ class Engine:
         return region
 
     def unregister_region(self, session: Session, region_id: str) -> None:
+        region = session.regions.get(region_id)
+        if region is not None and region.borrowed:
+            raise FailedPrecondition(f"region {region_id!r} belongs to the engine")
         region = session.regions.pop(region_id, None)
         if region is None:
             raise NotFound(f"region {region_id!r} is not registered by {session.describe()}")
