@@ -159,7 +159,9 @@ class RankPool:
                 self.results[tid] = Outcome(False, tb=f"rank worker {i} (pid {w.proc.pid}) "
                                                       f"died, exit code {w.proc.exitcode}")
 
-    def kill(self, i: int, sig: int = signal.SIGKILL) -> None:
+    def kill(self, i: int, sig: int = signal.SIGKILL, cleanup: bool = True) -> None:
+        """Kill worker i; with cleanup, also remove the client shm files it could not (see
+        test_faults.py::test_killed_client_leaves_no_shm_files)."""
         w = self.workers[i]
         if w is None:
             return
@@ -167,6 +169,10 @@ class RankPool:
             os.kill(w.proc.pid, sig)
         w.proc.join(10)
         self._dead(i)
+        if cleanup:
+            for f in client_files(w.proc.pid):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f)
 
     def _pump(self, timeout: float) -> None:
         live = {w.conn: i for i, w in enumerate(self.workers) if w is not None}

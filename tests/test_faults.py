@@ -133,7 +133,7 @@ def test_killed_client_leaves_no_shm_files(daemon, ranks):
     [ranks.event(r) for r in range(2)]
     pid = infos[1]["pid"]
     assert ranklib.client_files(pid), "the client had registered regions"
-    ranks.kill(1)
+    ranks.kill(1, cleanup=False)
     try:
         finish(ranks, tids, [0])
         wait_until(lambda: not session_files(daemon.shm_dir, infos[1]["session_id"]), 5,
