@@ -199,17 +199,20 @@ class Session:
                                                shape=list(v.shape), dtype=v.dtype,
                                                strides=list(v.strides))
                 continue
-            if any(v.shape):
-                base, size = cuda_ipc.allocation_of(v.ptr)
-            else:  # an empty tensor may have no allocation: any registered region will do
-                base, size = v.ptr, 0
-            handle = cuda_ipc.ipc_handle(base, v.device) if size else b""
-            rid = self._device_regions.get(handle) if handle else next(
-                iter(self._device_regions.values()), None)
+            if not (v.ptr and all(v.shape)):  # empty: no allocation; any region, offset 0
+                rid = next(iter(self._device_regions.values()), None) or next(
+                    (h.region_id for h in self._heaps.values()), None)
+                if rid is None:
+                    raise EpdError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"{name}: an empty tensor before any group was joined")
+                out[name] = epd_pb2.TensorDesc(region_id=rid, offset_bytes=0,
+                                               shape=list(v.shape), dtype=v.dtype,
+                                               strides=list(v.strides))
+                continue
+            base, size = cuda_ipc.allocation_of(v.ptr)
+            handle = cuda_ipc.ipc_handle(base, v.device)
+            rid = self._device_regions.get(handle)
             if rid is None:
-                if not size:
-                    raise EpdError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"{name}: an empty tensor needs a registered allocation")
                 rid = self._call("RegisterRegion", epd_pb2.RegisterRegionRequest(
                     session_id=self.session_id, cuda_ipc_handle=handle, size_bytes=size,
                     device_ordinal=v.device)).region_id
