@@ -38,6 +38,8 @@ class GroupInstance:
     spec_proto: epd_pb2.GroupSpec
     members: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (engine, session)
     formed: asyncio.Event = field(default_factory=asyncio.Event)
+    attached: set[int] = field(default_factory=set)
+    all_attached: asyncio.Event = field(default_factory=asyncio.Event)
     comm_path: str = ""
     heap_offset: int = 0
     heap_bytes: int = 0
@@ -55,6 +57,8 @@ class Coordinator:
         self.heap = HeapAllocator(heap_bytes)
 
     async def rendezvous(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
+        if req.attached:
+            return await self._attached(req)
         spec = spec_from_proto(req.spec)
         if not 0 <= req.rank < spec.num_ranks:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
@@ -94,6 +98,24 @@ class Coordinator:
             group_id=g.group_id, comm_path=g.comm_path,
             rank_engines=[g.members[r][0] for r in range(spec.num_ranks)],
             nvshmem_uid=self.nvshmem_uid, heap_offset=g.heap_offset)
+
+    async def _attached(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
+        g = self.by_id.get(req.group_id)
+        if g is None:
+            raise FailedPrecondition(f"group {req.group_id!r} is gone")
+        g.attached.add(req.rank)
+        if len(g.attached) == g.spec.num_ranks:
+            g.all_attached.set()
+        try:
+            await asyncio.wait_for(g.all_attached.wait(), timeout=req.timeout_seconds or 10.0)
+        except TimeoutError:
+            missing = sorted(set(range(g.spec.num_ranks)) - g.attached)
+            raise DeadlineExceeded(f"group {g.spec.name!r}: rank(s) {missing} did not attach "
+                                   f"within {req.timeout_seconds:g} s") from None
+        if g.aborted is not None:
+            raise FailedPrecondition(f"group {g.spec.name!r} was aborted while forming: "
+                                     f"{g.aborted}")
+        return epd_pb2.RendezvousResponse(group_id=g.group_id)
 
     def _new_instance(self, spec: GroupSpec, proto: epd_pb2.GroupSpec) -> GroupInstance:
         g = GroupInstance("g" + secrets.token_hex(6), spec, proto)
@@ -150,6 +172,7 @@ class Coordinator:
         if g.aborted is not None:
             return
         g.aborted = reason
+        g.all_attached.set()  # nobody waits for an attach that will not come
         log.warning("group %r (%s) aborted: %s", g.spec.name, g.group_id, reason)
         if g.comm_path:
             cpu.abort_comm_file(g.comm_path, reason)

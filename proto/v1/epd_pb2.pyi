@@ -106,18 +106,22 @@ class GroupSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds")
+    __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds", "attached", "group_id")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     spec: GroupSpec
     rank: int
     engine_index: int
     session_id: str
     timeout_seconds: float
-    def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    attached: bool
+    group_id: str
+    def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("group_id", "comm_path", "rank_engines", "nvshmem_uid", "heap_offset")

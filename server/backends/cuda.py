@@ -201,8 +201,13 @@ class CudaRankComm(RankComm):
         with cp.cuda.Device(backend.device):
             self.runner = rt.RankRunner(backend.kernels, self.mlayout.kernel, self.rank, peers,
                                         backend.device, sd, sd, owner=backend.heap)
+        # Clean control block before the attach barrier: a previous group at this offset may
+        # have left flags or an abort word behind.
+        self.runner.reset_ctrl()
+        cp.cuda.Stream.null.synchronize()
         self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None
+        self._written = False  # this rank already raised the group's abort word
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
         return self.output_region.typed(self.slot_offset + self.mlayout.extras[name], shape, dtype)
@@ -303,6 +308,9 @@ class CudaRankComm(RankComm):
     def abort(self, reason: str) -> None:
         if self._reason is None:
             self._reason = reason
+        if self.abort_reason() is not None and self._written:
+            return
+        self._written = True
         code = ((self.rank + 1) << _ABORT_RANK_SHIFT) | ck.ERR_ABORTED
         with cp.cuda.Device(self.backend.device):
             self.runner.abort(code)

@@ -267,6 +267,14 @@ class Engine:
             raise
         member = GroupMember(spec, membership, comm, session.free_slots.pop(0))
         session.members[member.group_id] = member
+        try:
+            await self._node().Rendezvous(epd_pb2.RendezvousRequest(
+                spec=req.spec, rank=req.rank, engine_index=self.index,
+                session_id=session.session_id, timeout_seconds=timeout, attached=True,
+                group_id=resp.group_id), timeout=timeout + 5)
+        except grpc.aio.AioRpcError as e:
+            await self._drop_member(session, member, f"attach barrier failed: {e.details()}")
+            raise EpdError(e.details() or "attach barrier failed", e.code()) from None
         if comm.output_region.borrowed:  # outputs may come back as inputs (combine(recv_x))
             session.regions.setdefault(comm.output_region.region_id, comm.output_region)
         if session.closed.is_set():  # the client vanished while we waited for its peers
