@@ -42,7 +42,7 @@ def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
     if allowed is not None and desc.dtype not in allowed:
         names = [dtypes.name(d) for d in allowed]
         raise InvalidArgument(f"{what}: dtype {dtypes.name(desc.dtype)} is not one of {names}")
-    if desc.strides:
+    if desc.strides and all(shape):  # an empty tensor's strides carry no meaning
         strides = tuple(int(s) for s in desc.strides)
         if len(strides) != ndim:
             raise InvalidArgument(f"{what}: {len(strides)} strides for {ndim} dimensions")
