@@ -210,7 +210,9 @@ class CudaRankComm(RankComm):
         self._written = False  # this rank already raised the group's abort word
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
-        return self.output_region.typed(self.slot_offset + self.mlayout.extras[name], shape, dtype)
+        # The output region starts at the IPC allocation, before our heap array: translate.
+        start = self.backend.heap_base - self.output_region.ptr + self.slot_offset
+        return self.output_region.typed(start + self.mlayout.extras[name], shape, dtype)
 
     def _timeout_ns(self, deadline: float) -> int:
         return max(int((deadline - time.monotonic()) * 1e9), 1)
@@ -362,7 +364,7 @@ class CudaBackend(Backend):
         cp.cuda.Device(index).synchronize()
         nc.barrier_all(stream=stream)
         stream.synchronize()
-        base = int(self.heap.data.ptr)
+        base = self.heap_base = int(self.heap.data.ptr)
         self.peer_bases = [base if p == boot.pe else
                            int(nc.get_peer_array(self.heap, p).data.ptr)
                            for p in range(boot.num_pes)]
