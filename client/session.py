@@ -13,6 +13,7 @@ the session held and aborts the groups it belonged to.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from epd.proto.v1 import epd_pb2
 DEFAULT_SOCKET_DIR = "/run/epd"
 MAX_DEVICE_REGIONS = 1024  # cached CUDA IPC registrations per session (oldest dropped)
 RPC_MARGIN = 5.0  # the engine's own deadline fires first and names the missing rank
+CONTROL_TIMEOUT = 30.0  # calls that wait for no peer (open, register, leave, stats)
 
 
 def engine_socket(socket_dir: str | None = None, engine: int = 0) -> str:
@@ -91,8 +93,10 @@ class PendingDispatch:
 
 class Session:
     def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,
-                 engine: int = 0, client_name: str = "", timeout: float = 30.0,
+                 engine: int = 0, client_name: str = "", timeout: float | None = None,
                  transport: Transport | None = None) -> None:
+        """`timeout`: deadline of joins and collectives in seconds; None takes the daemon's
+        (`--timeout-seconds`). Calls may pass their own."""
         self.endpoint = endpoint or engine_socket(socket_dir, engine)
         self.timeout = timeout
         self._transport = transport or GrpcTransport(self.endpoint)
@@ -103,7 +107,7 @@ class Session:
         self._ready = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="epd-session", daemon=True)
         self._watcher.start()
-        if not self._ready.wait(timeout) or self._opened is None:
+        if not self._ready.wait(CONTROL_TIMEOUT) or self._opened is None:
             self._stream.cancel()
             raise EpdError(grpc.StatusCode.UNAVAILABLE,
                            f"could not open a session on {self.endpoint}: "
@@ -114,6 +118,7 @@ class Session:
         self.engine_index = o.engine_index
         self.device_ordinal = o.device_ordinal
         self.server_version = o.version
+        self.default_timeout = o.default_timeout_seconds or 10.0
         self._counter_file = T.ShmFile.open(o.counter_page_path, o.counter_page_bytes)
         self._staging = T.Staging()
         self._user_regions: list[T.ShmFile] = []
@@ -147,7 +152,7 @@ class Session:
             raise EpdError(grpc.StatusCode.FAILED_PRECONDITION, "the session is closed")
         if self._lost is not None:
             raise EpdError(grpc.StatusCode.UNAVAILABLE, f"session lost: {self._lost}")
-        return self._transport.call(method, request, timeout or self.timeout)
+        return self._transport.call(method, request, timeout or CONTROL_TIMEOUT)
 
     # -- memory ------------------------------------------------------------------------------
     def empty(self, shape: tuple[int, ...] | int, dtype: Any) -> np.ndarray:
@@ -161,8 +166,14 @@ class Session:
         return f.view(0, shape, dt)
 
     def _register(self, f: T.ShmFile) -> str:
-        resp = self._call("RegisterRegion", epd_pb2.RegisterRegionRequest(
-            session_id=self.session_id, shm_path=f.path, size_bytes=f.size))
+        try:
+            resp = self._call("RegisterRegion", epd_pb2.RegisterRegionRequest(
+                session_id=self.session_id, shm_path=f.path, size_bytes=f.size))
+        finally:
+            # Both sides have it mapped now (or registration failed): the name can go, so no
+            # file outlives this process however it ends.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f.path)
         return resp.region_id
 
     def _grow_staging(self, nbytes: int) -> None:
@@ -281,13 +292,20 @@ class Session:
         spec = epd_pb2.GroupSpec(name=name, num_ranks=num_ranks, num_experts=num_experts,
                                  hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                                  num_topk=num_topk, x_dtype=dtypes.from_name(dtype))
-        wait = timeout if timeout is not None else self.timeout
+        wait = self._deadline(timeout)
         resp = self._call("JoinGroup", epd_pb2.JoinGroupRequest(
             session_id=self.session_id, spec=spec, rank=rank, timeout_seconds=wait),
             wait + RPC_MARGIN)
         g = Group(self, spec, resp)
         self._groups[g.group_id] = g
         return g
+
+    def _deadline(self, timeout: float | None) -> float:
+        """A call's deadline: its own, else the session's, else the daemon's default."""
+        for t in (timeout, self.timeout):
+            if t is not None:
+                return t
+        return self.default_timeout
 
     def stats(self) -> epd_pb2.GetStatsResponse:
         return self._call("GetStats", epd_pb2.GetStatsRequest(session_id=self.session_id))
@@ -352,7 +370,7 @@ class Group:
         return T.like(arr.copy() if copy else arr, template)
 
     def _timeout(self, timeout: float | None) -> float:
-        return timeout if timeout is not None else self._session.timeout
+        return self._session._deadline(timeout)
 
     def get_dispatch_layout(self, topk_idx: Any, *, copy: bool = True):
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,

@@ -141,6 +141,7 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         from epd.server import metrics
+        from epd.server.engine.core import sweep_engine_files
         while not self.stopping:
             for e in self.engines:
                 if e.proc is None:
@@ -160,6 +161,7 @@ class Supervisor:
                         metrics.ENGINE_UP.labels(str(x.index)).set(0)
                         x.ready = False
                         self.coordinator.engine_lost(x.index)
+                        sweep_engine_files(self.cfg.shm_dir, x.index)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(x.socket_path)
                     await asyncio.sleep(self.cfg.restart_backoff_seconds)

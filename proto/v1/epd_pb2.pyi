@@ -186,7 +186,7 @@ class SessionEvent(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., group_aborted: _Optional[_Union[GroupAborted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "counter_page_path", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version")
+    __slots__ = ("session_id", "counter_page_path", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version", "default_timeout_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTER_PAGE_PATH_FIELD_NUMBER: _ClassVar[int]
     COUNTER_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class SessionOpened(_message.Message):
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     counter_page_path: str
     counter_page_bytes: int
@@ -201,7 +202,8 @@ class SessionOpened(_message.Message):
     engine_index: int
     device_ordinal: int
     version: str
-    def __init__(self, session_id: _Optional[str] = ..., counter_page_path: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+    default_timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., counter_page_path: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ..., default_timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class GroupAborted(_message.Message):
     __slots__ = ("group_id", "reason")

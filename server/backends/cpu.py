@@ -108,14 +108,17 @@ def _header_words(mm: mmap.mmap | memoryview) -> np.ndarray:
     return np.frombuffer(mm, dtype=np.int64, count=_HEADER_BYTES // 8)
 
 
-def write_abort(header: np.ndarray, reason: str) -> None:
+ABORTED, TIMED_OUT = 1, 2  # values of the abort flag
+
+
+def write_abort(header: np.ndarray, reason: str, kind: int = ABORTED) -> None:
     """First writer wins: a group keeps the reason it first failed for."""
     if header[_ABORT_FLAG]:
         return
     raw = reason.encode()[:_ABORT_TEXT_MAX]
     header.view(np.uint8)[_ABORT_TEXT:_ABORT_TEXT + len(raw)] = np.frombuffer(raw, np.uint8)
     header[_ABORT_LEN] = len(raw)
-    header[_ABORT_FLAG] = 1
+    header[_ABORT_FLAG] = kind
 
 
 def read_abort(header: np.ndarray) -> str | None:
@@ -123,6 +126,10 @@ def read_abort(header: np.ndarray) -> str | None:
         return None
     n = int(header[_ABORT_LEN])
     return bytes(header.view(np.uint8)[_ABORT_TEXT:_ABORT_TEXT + n]).decode(errors="replace")
+
+
+def abort_kind(header: np.ndarray) -> int:
+    return int(header[_ABORT_FLAG])
 
 
 def abort_comm_file(path: str, reason: str) -> None:
@@ -287,14 +294,17 @@ class CpuRankComm(RankComm):
                 return
             reason = read_abort(self._header)
             if reason is not None:
+                # A missing rank is a deadline for every waiter, whoever noticed it first.
+                if abort_kind(self._header) == TIMED_OUT:
+                    raise DeadlineExceeded(f"group {self.spec.name!r}: {reason}")
                 raise Aborted(f"group {self.spec.name!r} aborted: {reason}")
             spins += 1
             if spins > 200:
                 if time.monotonic() > deadline:
                     missing = [int(r) for r in np.nonzero(self._arrivals < target)[0]]
                     reason = (f"rank(s) {missing} did not arrive at {what} "
-                              f"(collective #{target // 2}) before the deadline")
-                    write_abort(self._header, reason)
+                              f"(collective #{(target + 1) // 2}) before the deadline")
+                    write_abort(self._header, reason, TIMED_OUT)
                     raise DeadlineExceeded(f"group {self.spec.name!r}: {reason}")
                 time.sleep(20e-6 if spins < 5000 else 200e-6)
 

@@ -9,6 +9,7 @@ block the event loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -51,6 +52,24 @@ MAX_TIMEOUT = 600.0
 INDEX_DTYPES = (epd_pb2.INT64,)
 # A group's x_dtype is its combine dtype; dispatch carries it or FP8 (e4m3 + float32 scales).
 GROUP_DTYPES = (epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32)
+
+
+def engine_files_prefix(index: int) -> str:
+    """Every file an engine creates in the shm folder starts with this (counter pages, outputs)."""
+    return f"epd-e{index}-"
+
+
+def sweep_engine_files(shm_dir: str, index: int) -> int:
+    """Remove the files of an engine that stopped (or died); returns how many."""
+    n = 0
+    prefix = engine_files_prefix(index)
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shm_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_dir, name))
+                    n += 1
+    return n
 
 
 def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
@@ -189,7 +208,7 @@ class Engine:
             raise ResourceExhausted(f"engine {self.index} has {len(self.sessions)} sessions, "
                                     f"the maximum (--max-sessions)")
         sid = secrets.token_hex(8)
-        path = os.path.join(self.config.shm_dir, f"epd-e{self.index}-{sid}.counters")
+        path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}{sid}.counters")
         page = self.backend.open_counter_page(path)
         s = Session(sid, client_name[:64], pid, page, path,
                     ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-s{sid[:6]}",
@@ -257,8 +276,8 @@ class Engine:
             raise EpdError(e.details() or "rendezvous failed", e.code()) from None
         membership = Membership(resp.group_id, req.rank, tuple(resp.rank_engines),
                                 resp.comm_path, resp.nvshmem_uid, resp.heap_offset)
-        out_path = os.path.join(self.config.shm_dir,
-                                f"epd-e{self.index}-{session.session_id}-{resp.group_id}.out")
+        out_path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
+                                                     f"{session.session_id}-{resp.group_id}.out")
         try:
             comm = await self._run(session, self.backend.attach, spec, membership, out_path)
         except Exception as e:
@@ -530,6 +549,10 @@ class Engine:
             await asyncio.sleep(0.01)
         for s in list(self.sessions.values()):
             await self.close_session(s, "engine shutting down")
+        settle = time.monotonic() + 2.0
+        while self.sessions and time.monotonic() < settle:
+            await asyncio.sleep(0.01)  # teardowns already under way (streams that just ended)
+        sweep_engine_files(self.config.shm_dir, self.index)
         if self._node_channel is not None:
             await self._node_channel.close()
         self.backend.close()

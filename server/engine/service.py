@@ -61,7 +61,7 @@ class EngineService(epd_pb2_grpc.EngineServicer):
                 counter_page_bytes=counter_page.PAGE_BYTES,
                 backend=epd_pb2.CUDA if e.backend.name == "cuda" else epd_pb2.CPU,
                 engine_index=e.index, device_ordinal=int(info.get("ordinal", 0)),
-                version=__version__))
+                version=__version__, default_timeout_seconds=e.config.timeout_seconds))
             # The stream is the lease: it ends when the client closes it or its process dies.
             await session.closed.wait()
         finally:
