@@ -19,6 +19,7 @@ from ranklib import BF16, FP8, Case, case_round, check_case, join
 from epd.client import Session
 from epd.client.errors import EpdError
 from epd.client.session import Handle
+from epd.client.tensors import ShmFile
 from epd.proto import dtypes
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
@@ -358,11 +359,13 @@ def test_bad_region_registration(pair):
         session_id=s.session_id, shm_path="/etc/passwd", size_bytes=16), "RegisterRegion")
     expect(INVALID, "size_bytes must be positive", call, pair, epd_pb2.RegisterRegionRequest(
         session_id=s.session_id, shm_path=s._counter_file.path, size_bytes=0), "RegisterRegion")
-    buf = s.empty(64, np.uint8)
-    path = s._user_regions[-1].path
-    expect(INVALID, "fewer than the", call, pair, epd_pb2.RegisterRegionRequest(
-        session_id=s.session_id, shm_path=path, size_bytes=1 << 30), "RegisterRegion")
-    del buf
+    small = ShmFile.create(64)  # a real file, smaller than it claims to be
+    try:
+        expect(INVALID, "fewer than the", call, pair, epd_pb2.RegisterRegionRequest(
+            session_id=s.session_id, shm_path=small.path, size_bytes=1 << 30),
+            "RegisterRegion")
+    finally:
+        small.close(unlink=True)
     valid_round(pair)
 
 

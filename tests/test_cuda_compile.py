@@ -1,0 +1,32 @@
+"""The CUDA kernels compile for Hopper on a machine without a GPU (nvcc is enough), and every
+kernel the Python driver launches exists in the object code."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CUDA = Path(__file__).resolve().parents[1] / "cuda"
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+
+
+@needs_nvcc
+def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    obj = tmp_path / "k.o"
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-I{CUDA}", "-c",
+                           str(CUDA / "epd_intranode.cu"), "-o", str(obj)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()]
+    assert not warnings, warnings
+    if shutil.which("cuobjdump"):
+        names = subprocess.run(["cuobjdump", "-symbols", str(obj)], capture_output=True,
+                               text=True, timeout=60).stdout
+        from epd.server.backends.cuda_kernels import Kernels
+        for name in Kernels.NAMES:
+            assert re.search(rf"\b{name}\b", names), f"kernel {name} missing from the object"
