@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	@# torch is optional (DeepEP-style torch tensors); its tests skip without it.
 	$(BIN)/pip install -q 'torch==2.13.0' || echo "torch not installed: torch tests will be skipped"
+	@# On a machine with an NVIDIA GPU, the CUDA engine's stack too (the demo then runs on it).
+	if nvidia-smi -L >/dev/null 2>&1; then $(BIN)/pip install -q -e '.[cuda]' || \
+	    echo "the [cuda] extra did not install: the demo will use the CPU backend"; fi
 	touch $(STAMP)
 
 demo: $(STAMP)  ## daemon + 4 client processes doing dispatch/combine, verified

@@ -14,8 +14,10 @@ def cuda_available() -> bool:
 
 
 def cuda_backend_present() -> bool:
+    """The [cuda] extra is installed: CuPy, NVSHMEM's Python bindings and cuda-python."""
     import importlib.util
-    return importlib.util.find_spec("epd.server.backends.cuda") is not None
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("cupy", "nvshmem", "cuda.bindings"))
 
 
 def resolve_backend_name(name: str) -> str:
