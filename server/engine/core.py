@@ -352,20 +352,35 @@ class Engine:
             raise InvalidArgument(f"topk_weights has shape {list(topk_weights.shape)}, expected "
                                   f"{list(topk_idx.shape)}")
 
-    def _in_worker(self, session: Session, ready_event: bytes, spec: GroupSpec, topk_idx,
-                   fn, *args):
-        """Runs on the session's worker: wait for the client's inputs, check the values that
-        need reading them (before the rank takes part in the collective), then run `fn`."""
+    # Each data-plane operation is one synchronous function that runs on the session's worker
+    # (validation included), so every transport executes the same code: gRPC awaits it through
+    # `_run`, the shared-memory fast path submits it to the worker directly.
+    async def get_dispatch_layout(self, session: Session,
+                                  req: epd_pb2.GetDispatchLayoutRequest
+                                  ) -> epd_pb2.GetDispatchLayoutResponse:
+        return await self._run(session, self.layout_op, session, req, "grpc")
+
+    async def dispatch(self, session: Session,
+                       req: epd_pb2.DispatchRequest) -> epd_pb2.DispatchResponse:
+        return await self._run(session, self.dispatch_op, session, req, "grpc")
+
+    async def combine(self, session: Session,
+                      req: epd_pb2.CombineRequest) -> epd_pb2.CombineResponse:
+        return await self._run(session, self.combine_op, session, req, "grpc")
+
+    def _check_values(self, session: Session, ready_event: bytes, spec: GroupSpec,
+                      topk_idx) -> None:
+        """Wait for the client's inputs, then check what needs reading them (before the rank
+        takes part in the collective)."""
         self.backend.wait_event(session.events, ready_event)
         if topk_idx is not None and topk_idx.shape[0]:
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             if lo < -1 or hi >= spec.num_experts:
                 raise InvalidArgument(f"topk_idx holds expert ids in [{lo}, {hi}]; valid ids are "
                                       f"-1 (none) and [0, {spec.num_experts})")
-        return fn(*args)
 
-    async def get_dispatch_layout(self, session: Session,
-                                  req: epd_pb2.GetDispatchLayoutRequest):
+    def layout_op(self, session: Session, req: epd_pb2.GetDispatchLayoutRequest,
+                  path: str) -> epd_pb2.GetDispatchLayoutResponse:
         member = self.member(session, req.group_id)
         spec = member.spec
         idx = tensors.resolve(req.topk_idx, session.regions, "topk_idx", ndim=2,
@@ -375,19 +390,23 @@ class Engine:
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
         self._check_routing(spec, idx, None, idx.shape[0])
         t0 = time.perf_counter()
-        out = await self._run(session, self._in_worker, session, req.ready_event, spec, idx,
-                              member.comm.layout, idx)
-        metrics.LAYOUT_SECONDS.labels(spec.name, "grpc", self.backend.name).observe(
+        self._check_values(session, req.ready_event, spec, idx)
+        out = member.comm.layout(idx)
+        metrics.LAYOUT_SECONDS.labels(spec.name, path, self.backend.name).observe(
             time.perf_counter() - t0)
         per_expert = self.backend.to_host(out.num_tokens_per_expert)
         if per_expert.size and per_expert.mean() > 0:
             metrics.LOAD_IMBALANCE.labels(spec.name).set(float(per_expert.max() /
                                                                per_expert.mean()))
-        return member, out
+        r = member.comm.output_region
+        return epd_pb2.GetDispatchLayoutResponse(
+            num_tokens_per_rank=tensors.describe(out.num_tokens_per_rank, r),
+            num_tokens_per_expert=tensors.describe(out.num_tokens_per_expert, r),
+            is_token_in_rank=tensors.describe(out.is_token_in_rank, r))
 
-    async def dispatch(self, session: Session, req: epd_pb2.DispatchRequest):
-        """Validate everything that needs no device read, then notify + dispatch on the
-        session's worker. Returns (member, outputs, handle id, counter sequence)."""
+    def dispatch_op(self, session: Session, req: epd_pb2.DispatchRequest,
+                    path: str) -> epd_pb2.DispatchResponse:
+        """Validate (nothing changes on bad input), then notify + dispatch."""
         member = self.member(session, req.group_id)
         spec = member.spec
         self._check_alive(member)
@@ -450,16 +469,15 @@ class Engine:
         slot = session.counter_page.slot(member.counter_slot)
         t0 = time.perf_counter()
         try:
-            out = await self._run(session, self._in_worker, session, req.ready_event, spec, idx,
-                                  member.comm.dispatch, args, slot, sequence,
-                                  time.monotonic() + timeout)
+            self._check_values(session, req.ready_event, spec, idx)
+            out = member.comm.dispatch(args, slot, sequence, time.monotonic() + timeout)
         except Exception as e:
             if int(slot[counter_page.SEQ]) < sequence:  # keep the page in step with requests
                 counter_page.publish(slot, sequence, 0, [], status=1)
             if isinstance(e, DeadlineExceeded):
                 metrics.TIMEOUTS.labels(spec.name).inc()
             raise
-        metrics.DISPATCH_SECONDS.labels(spec.name, "grpc", self.backend.name).observe(
+        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
             time.perf_counter() - t0)
         rows_out = req.num_worst_tokens or out.num_recv_tokens
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_tokens,
@@ -475,7 +493,19 @@ class Engine:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(out.num_recv_tokens_per_expert):
                 metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(c)
-        return member, out, handle_id, sequence
+        r = member.comm.output_region
+        resp = epd_pb2.DispatchResponse(
+            recv_x=tensors.describe(out.recv_x, r, req.x.dtype),
+            recv_src_idx=tensors.describe(out.recv_src_idx, r),
+            rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
+            num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
+            handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence)
+        if out.recv_x_scales is not None:
+            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
+        if out.recv_topk_idx is not None:
+            resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
+            resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
+        return resp
 
     def _unknown_handle(self, member: GroupMember, handle: int) -> str:
         return (f"handle {handle} is not known to rank {member.rank} of group "
@@ -490,7 +520,8 @@ class Engine:
             member.handles.popitem(last=False)
         return hid
 
-    async def combine(self, session: Session, req: epd_pb2.CombineRequest):
+    def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
+                   path: str) -> epd_pb2.CombineResponse:
         member = self.member(session, req.group_id)
         spec = member.spec
         self._check_alive(member)
@@ -525,12 +556,12 @@ class Engine:
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
         t0 = time.perf_counter()
         try:
-            out = await self._run(session, self._in_worker, session, req.ready_event, spec,
-                                  None, member.comm.combine, args, time.monotonic() + timeout)
+            self._check_values(session, req.ready_event, spec, None)
+            out = member.comm.combine(args, time.monotonic() + timeout)
         except DeadlineExceeded:
             metrics.TIMEOUTS.labels(spec.name).inc()
             raise
-        metrics.COMBINE_SECONDS.labels(spec.name, "grpc", self.backend.name).observe(
+        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
             time.perf_counter() - t0)
         member.combines += 1
         member.bytes_sent += out.bytes_sent
@@ -538,7 +569,12 @@ class Engine:
         peer = "shm" if self.backend.name == "cpu" else "nvlink"
         metrics.BYTES_SENT.labels(spec.name, peer).inc(out.bytes_sent)
         metrics.BYTES_RECEIVED.labels(spec.name, peer).inc(out.bytes_received)
-        return member, out
+        r = member.comm.output_region
+        resp = epd_pb2.CombineResponse(
+            combined_x=tensors.describe(out.combined_x, r, spec.x_dtype))
+        if out.combined_topk_weights is not None:
+            resp.combined_topk_weights.CopyFrom(tensors.describe(out.combined_topk_weights, r))
+        return resp
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def drain(self, seconds: float) -> None:

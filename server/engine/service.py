@@ -11,7 +11,6 @@ import grpc
 from epd.proto import counter_page
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
 from epd.server import __version__, metrics
-from epd.server.engine import tensors
 from epd.server.engine.core import Engine
 from epd.server.errors import EpdError
 
@@ -101,41 +100,17 @@ class EngineService(epd_pb2_grpc.EngineServicer):
     @_unary
     async def GetDispatchLayout(self, request, context):
         s = self.engine.session(request.session_id)
-        m, out = await self.engine.get_dispatch_layout(s, request)
-        r = m.comm.output_region
-        return epd_pb2.GetDispatchLayoutResponse(
-            num_tokens_per_rank=tensors.describe(out.num_tokens_per_rank, r),
-            num_tokens_per_expert=tensors.describe(out.num_tokens_per_expert, r),
-            is_token_in_rank=tensors.describe(out.is_token_in_rank, r))
+        return await self.engine.get_dispatch_layout(s, request)
 
     @_unary
     async def Dispatch(self, request, context):
         s = self.engine.session(request.session_id)
-        m, out, handle, sequence = await self.engine.dispatch(s, request)
-        r = m.comm.output_region
-        resp = epd_pb2.DispatchResponse(
-            recv_x=tensors.describe(out.recv_x, r, request.x.dtype),
-            recv_src_idx=tensors.describe(out.recv_src_idx, r),
-            rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
-            num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
-            handle=handle, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence)
-        if out.recv_x_scales is not None:
-            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
-        if out.recv_topk_idx is not None:
-            resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
-            resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
-        return resp
+        return await self.engine.dispatch(s, request)
 
     @_unary
     async def Combine(self, request, context):
         s = self.engine.session(request.session_id)
-        m, out = await self.engine.combine(s, request)
-        r = m.comm.output_region
-        resp = epd_pb2.CombineResponse(
-            combined_x=tensors.describe(out.combined_x, r, m.spec.x_dtype))
-        if out.combined_topk_weights is not None:
-            resp.combined_topk_weights.CopyFrom(tensors.describe(out.combined_topk_weights, r))
-        return resp
+        return await self.engine.combine(s, request)
 
     @_unary
     async def GetStats(self, request, context):
