@@ -25,7 +25,7 @@ import numpy as np
 
 from epd.client import tensors as T
 from epd.client.errors import EpdError
-from epd.client.transport import GrpcTransport, Transport
+from epd.client.transport import FastPathTransport, GrpcTransport, Transport
 from epd.proto import counter_page, dtypes
 from epd.proto.v1 import epd_pb2
 
@@ -94,9 +94,11 @@ class PendingDispatch:
 class Session:
     def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,
                  engine: int = 0, client_name: str = "", timeout: float | None = None,
-                 transport: Transport | None = None) -> None:
+                 fast_path: bool | None = None, transport: Transport | None = None) -> None:
         """`timeout`: deadline of joins and collectives in seconds; None takes the daemon's
-        (`--timeout-seconds`). Calls may pass their own."""
+        (`--timeout-seconds`). Calls may pass their own. `fast_path`: use the same-host
+        shared-memory ring for data-plane calls when the engine offers it (default: yes, unless
+        EPD_FAST_PATH=0); otherwise, or if it is unavailable, gRPC."""
         self.endpoint = endpoint or engine_socket(socket_dir, engine)
         self.timeout = timeout
         self._transport = transport or GrpcTransport(self.endpoint)
@@ -120,6 +122,17 @@ class Session:
         self.server_version = o.version
         self.default_timeout = o.default_timeout_seconds or 10.0
         self._counter_file = T.ShmFile.open(o.counter_page_path, o.counter_page_bytes)
+        self.fast_path_error = ""
+        if fast_path is None:
+            fast_path = os.environ.get("EPD_FAST_PATH", "1") != "0"
+        if fast_path and isinstance(self._transport, GrpcTransport):
+            try:
+                fp = self._transport.call("OpenFastPath", epd_pb2.OpenFastPathRequest(
+                    session_id=self.session_id), CONTROL_TIMEOUT)
+                self._transport = FastPathTransport(self._transport, fp.ring_path, fp.slots,
+                                                    fp.slot_bytes, fp.spin_seconds)
+            except (EpdError, OSError, ValueError) as e:
+                self.fast_path_error = str(e)  # stay on gRPC, which carries everything
         self._staging = T.Staging()
         self._user_regions: list[T.ShmFile] = []
         # cuda backend: device allocations registered by IPC handle, the ready event, the heap
@@ -306,6 +319,16 @@ class Session:
             if t is not None:
                 return t
         return self.default_timeout
+
+    @property
+    def transport(self) -> str:
+        """'fastpath' or 'grpc': how data-plane calls travel now."""
+        t = self._transport
+        return "grpc" if getattr(t, "broken", None) else t.name
+
+    def ping(self) -> None:
+        """The empty operation: one round trip to the engine (measures the transport)."""
+        self._call("Ping", epd_pb2.PingRequest())
 
     def stats(self) -> epd_pb2.GetStatsResponse:
         return self._call("GetStats", epd_pb2.GetStatsRequest(session_id=self.session_id))

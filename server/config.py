@@ -48,6 +48,13 @@ class Config:
     log_level: str = field(default="info", metadata={
         "help": "debug, info, warning or error",
         "choices": ("debug", "info", "warning", "error")})
+    fast_path: bool = field(default=True, metadata={
+        "help": "offer clients the same-host shared-memory fast path"})
+    fast_path_spin_us: int = field(default=50, metadata={
+        "help": "fast path: microseconds the engine spins for the next request before it "
+                "sleeps (0 = always sleep; idle CPU is ~0 either way)"})
+    fast_path_slots: int = field(default=16, metadata={
+        "help": "fast path: requests in flight per session"})
     num_sms: int = field(default=0, metadata={
         "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={

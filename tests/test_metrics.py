@@ -51,7 +51,7 @@ def value(ss, name, **labels) -> float:
 def test_latency_histograms(daemon, traffic):
     ss = samples(daemon)
     for kind in ("dispatch", "combine", "layout"):
-        n = value(ss, f"epd_{kind}_seconds_count", group="metrics-g", path="grpc",
+        n = value(ss, f"epd_{kind}_seconds_count", group="metrics-g", path="fastpath",
                   backend="cpu")
         assert n == 2, (kind, n)  # one per rank
         inf = value(ss, f"epd_{kind}_seconds_bucket", group="metrics-g", le="+Inf")

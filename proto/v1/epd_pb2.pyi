@@ -391,6 +391,36 @@ class CombineResponse(_message.Message):
     combined_topk_weights: TensorDesc
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
+class OpenFastPathRequest(_message.Message):
+    __slots__ = ("session_id", "slots", "slot_bytes")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    slots: int
+    slot_bytes: int
+    def __init__(self, session_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
+
+class OpenFastPathResponse(_message.Message):
+    __slots__ = ("ring_path", "slots", "slot_bytes", "spin_seconds")
+    RING_PATH_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ring_path: str
+    slots: int
+    slot_bytes: int
+    spin_seconds: float
+    def __init__(self, ring_path: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., spin_seconds: _Optional[float] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -281,6 +281,16 @@ class EngineStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.OpenFastPath = channel.unary_unary(
+                '/epd.v1.Engine/OpenFastPath',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.OpenFastPathRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.OpenFastPathResponse.FromString,
+                _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/epd.v1.Engine/Ping',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -340,6 +350,19 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenFastPath(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ping(self, request, context):
+        """the empty operation (transport cost)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -387,6 +410,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetStatsRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'OpenFastPath': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenFastPath,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.OpenFastPathRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.OpenFastPathResponse.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -632,6 +665,60 @@ class Engine:
             '/epd.v1.Engine/GetStats',
             epd_dot_proto_dot_v1_dot_epd__pb2.GetStatsRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenFastPath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/OpenFastPath',
+            epd_dot_proto_dot_v1_dot_epd__pb2.OpenFastPathRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.OpenFastPathResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/Ping',
+            epd_dot_proto_dot_v1_dot_epd__pb2.PingRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.PingResponse.FromString,
             options,
             channel_credentials,
             insecure,

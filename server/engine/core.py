@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -146,6 +147,10 @@ class Session:
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     teardown_done: bool = False
     events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
+    # Held while an operation runs, whichever transport brought it (gRPC via the worker, or
+    # the fast-path thread): a session's operations never overlap.
+    op_lock: threading.Lock = field(default_factory=threading.Lock)
+    fast_path: Any = None
 
     def describe(self) -> str:
         return f"session {self.session_id} ({self.client_name or 'client'}, pid {self.pid})"
@@ -188,8 +193,12 @@ class Engine:
     async def _run(self, session: Session, fn, *args):
         loop = asyncio.get_running_loop()
         self._inflight += 1
+
+        def locked():
+            with session.op_lock:
+                return fn(*args)
         try:
-            return await loop.run_in_executor(session.worker, fn, *args)
+            return await loop.run_in_executor(session.worker, locked)
         finally:
             self._inflight -= 1
 
@@ -226,6 +235,8 @@ class Engine:
         session.closed.set()
         for member in list(session.members.values()):
             await self._drop_member(session, member, f"{session.describe()} {reason}")
+        if session.fast_path is not None:
+            await asyncio.to_thread(session.fast_path.stop)
         await asyncio.to_thread(session.worker.shutdown, wait=True)
         for region in session.regions.values():
             if not region.borrowed:
@@ -307,6 +318,47 @@ class Engine:
     async def leave_group(self, session: Session, group_id: str) -> None:
         member = self.member(session, group_id)
         await self._drop_member(session, member, "left the group")
+
+    # -- fast path ---------------------------------------------------------------------------
+    def open_fast_path(self, session: Session,
+                       req: epd_pb2.OpenFastPathRequest) -> epd_pb2.OpenFastPathResponse:
+        from epd.server.engine.fast_path import FastPathServer
+
+        if not self.config.fast_path:
+            raise FailedPrecondition("the fast path is disabled on this engine (--fast-path)")
+        if session.fast_path is not None:
+            raise FailedPrecondition(f"{session.describe()} already has a fast path")
+        slots = req.slots or self.config.fast_path_slots
+        slot_bytes = req.slot_bytes or 16384
+        if not 1 <= slots <= 1024 or not 4096 <= slot_bytes <= 1 << 20:
+            raise InvalidArgument("slots must lie in [1, 1024] and slot_bytes in "
+                                  "[4096, 1 MiB]")
+        path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
+                                                 f"{session.session_id}.ring")
+        spin = self.config.fast_path_spin_us * 1e-6
+        session.fast_path = FastPathServer(self, session, path, slots, slot_bytes, spin)
+        session.fast_path.start()
+        log.info("%s uses the fast path (%d slots of %d bytes)", session.describe(), slots,
+                 slot_bytes)
+        return epd_pb2.OpenFastPathResponse(ring_path=path, slots=slots, slot_bytes=slot_bytes,
+                                            spin_seconds=spin)
+
+    def stats(self, session: Session | None) -> epd_pb2.GetStatsResponse:
+        """Counters of one session's memberships (or of all sessions)."""
+        groups = []
+        sessions = [session] if session is not None else list(self.sessions.values())
+        for s in sessions:
+            for m in s.members.values():
+                reason = m.comm.abort_reason()
+                groups.append(epd_pb2.GroupStats(
+                    group_id=m.group_id, name=m.spec.name, rank=m.rank,
+                    num_ranks=m.spec.num_ranks, dispatches=m.dispatches, combines=m.combines,
+                    bytes_sent=m.bytes_sent, bytes_received=m.bytes_received,
+                    aborted=reason is not None, abort_reason=reason or ""))
+        regions = [r for s in sessions for r in s.regions.values() if not r.borrowed]
+        return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
+                                        groups=groups, regions=len(regions),
+                                        region_bytes=sum(r.size for r in regions))
 
     # -- regions -----------------------------------------------------------------------------
     async def register_region(self, session: Session,

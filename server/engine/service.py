@@ -114,19 +114,14 @@ class EngineService(epd_pb2_grpc.EngineServicer):
 
     @_unary
     async def GetStats(self, request, context):
-        e = self.engine
-        groups = []
-        sessions = [e.session(request.session_id)] if request.session_id else \
-            list(e.sessions.values())
-        for s in sessions:
-            for m in s.members.values():
-                reason = m.comm.abort_reason()
-                groups.append(epd_pb2.GroupStats(
-                    group_id=m.group_id, name=m.spec.name, rank=m.rank,
-                    num_ranks=m.spec.num_ranks, dispatches=m.dispatches, combines=m.combines,
-                    bytes_sent=m.bytes_sent, bytes_received=m.bytes_received,
-                    aborted=reason is not None, abort_reason=reason or ""))
-        regions = [r for s in sessions for r in s.regions.values()]
-        return epd_pb2.GetStatsResponse(engine_index=e.index, sessions=len(e.sessions),
-                                        groups=groups, regions=len(regions),
-                                        region_bytes=sum(r.size for r in regions))
+        s = self.engine.session(request.session_id) if request.session_id else None
+        return self.engine.stats(s)
+
+    @_unary
+    async def OpenFastPath(self, request, context):
+        s = self.engine.session(request.session_id)
+        return self.engine.open_fast_path(s, request)
+
+    @_unary
+    async def Ping(self, request, context):
+        return epd_pb2.PingResponse()

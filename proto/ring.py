@@ -1,0 +1,124 @@
+"""The same-host fast path: a request ring in shared memory, shared by the client (producer) and
+the engine (consumer) of one session.
+
+The messages are the gRPC protocol's own (serialised protobuf), so the fast path carries exactly
+the same operations, validation and errors; only the hop differs. Wake-ups use futexes on words
+of the shared file: both sides spin for a bounded time first, then sleep in FUTEX_WAIT with a
+timeout, so an idle engine costs no CPU and a busy one answers in microseconds.
+
+File layout (little-endian):
+    header (4096 bytes)
+        u32 doorbell         bumped by the client after each submission (the engine's futex)
+        u32 engine_waiting   1 while the engine sleeps on the doorbell
+        u32 closed           1 once either side gave up the ring
+    slot i at HEADER + i * slot_bytes
+        u64 seq              submission number of the request in the slot (1, 2, ...)
+        u32 state            FREE, SUBMITTED, DONE (the client's futex while it waits)
+        u32 method           METHODS index
+        u32 length           bytes of the request, then of the response
+        i32 status           gRPC status code of the response (0 = OK)
+        payload              request, replaced by the response (or an error message)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import platform
+import time
+
+import numpy as np
+
+HEADER = 4096
+SLOT_HEADER = 64
+FREE, SUBMITTED, DONE = 0, 1, 2
+# Word indices (u32) in the header and in a slot header.
+DOORBELL, ENGINE_WAITING, CLOSED = 0, 1, 2
+S_SEQ_LO, S_SEQ_HI, S_STATE, S_METHOD, S_LENGTH, S_STATUS = 0, 1, 2, 3, 4, 5
+
+# Operation ids carried in a slot; the names are the gRPC methods (Ping: the empty operation).
+METHODS = ("Ping", "GetDispatchLayout", "Dispatch", "Combine", "GetStats")
+METHOD_ID = {name: i for i, name in enumerate(METHODS)}
+
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(addr: int, expected: int, timeout: float) -> None:
+    """Sleep while the u32 at `addr` equals `expected`, at most `timeout` seconds (spurious
+    wake-ups are fine: callers re-check)."""
+    if _SYS_FUTEX is None:
+        time.sleep(min(timeout, 200e-6))
+        return
+    ts = _Timespec(int(timeout), int((timeout % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_uint32(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def futex_wake(addr: int) -> None:
+    if _SYS_FUTEX is not None:
+        _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 1 << 30, None, None, 0)
+
+
+class Ring:
+    """One mapping of a ring file (either side)."""
+
+    def __init__(self, path: str, slots: int, slot_bytes: int, *, create: bool) -> None:
+        self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
+        size = HEADER + slots * slot_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o660)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            elif os.fstat(fd).st_size < size:
+                raise ValueError(f"ring file {path} is smaller than {size} bytes")
+            self._mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self._mm)
+        self.base = ctypes.addressof(self._anchor)
+        self.header = np.frombuffer(self._mm, np.uint32, HEADER // 4)
+        self.capacity = slot_bytes - SLOT_HEADER
+
+    def slot(self, i: int) -> tuple[np.ndarray, memoryview, int]:
+        """(u32 header words, payload view, address of the state word) of slot i."""
+        off = HEADER + i * self.slot_bytes
+        words = np.frombuffer(self._mm, np.uint32, SLOT_HEADER // 4, off)
+        payload = memoryview(self._mm)[off + SLOT_HEADER:off + self.slot_bytes]
+        return words, payload, self.base + off + 4 * S_STATE
+
+    @property
+    def doorbell_addr(self) -> int:
+        return self.base + 4 * DOORBELL
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.header[CLOSED])
+
+    def close(self, *, unlink: bool) -> None:
+        self.header[CLOSED] = 1
+        futex_wake(self.doorbell_addr)
+        self.header = None  # type: ignore[assignment]
+        del self._anchor
+        with contextlib.suppress(BufferError):  # a slot view still held: goes with it
+            self._mm.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+
+def seq_of(words: np.ndarray) -> int:
+    return int(words[S_SEQ_LO]) | (int(words[S_SEQ_HI]) << 32)
+
+
+def set_seq(words: np.ndarray, seq: int) -> None:
+    words[S_SEQ_LO] = seq & 0xFFFFFFFF
+    words[S_SEQ_HI] = seq >> 32

@@ -1,0 +1,247 @@
+"""The same-host fast path (shared-memory request ring): same results as gRPC, wrap-around, a
+full ring, client death with requests queued, fallback, and an idle engine that sleeps."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from epd.client import EpdError, Session
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+from epd.server import reference as ref
+from epd.server.demo import Daemon, Workload
+
+pytestmark = pytest.mark.slow
+WL = Workload(2, [13, 9], 128, 8, 2, seed=21, drop_prob=0.1)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon(backend="cpu", engines=2, timeout_seconds=3,
+               extra=["--fast-path-slots", "4", "--fast-path-spin-us", "20"])
+    d.wait_ready(30)
+    yield d
+    assert d.stop() == 0
+
+
+def _round(s: Session, group: str, rank: int, wl: Workload, rounds: int = 1):
+    x, idx, w = wl.inputs(rank)
+    g = s.join(group, rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
+               hidden=wl.hidden, max_tokens_per_rank=max(wl.tokens), num_topk=wl.num_topk)
+    for _ in range(rounds):
+        out = g.dispatch(x, idx, w, expert_alignment=2)
+        cx, cw = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+    g.leave()
+    return out, cx, cw
+
+
+def _expected(wl: Workload):
+    ins = wl.all_inputs()
+    disp = ref.dispatch([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
+                        wl.num_experts, expert_alignment=2)
+    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    return disp, comb
+
+
+def _check(results, wl: Workload) -> None:
+    disp, comb = _expected(wl)
+    for r, (out, cx, cw) in enumerate(results):
+        np.testing.assert_array_equal(out.recv_x.view(np.uint16), disp[r].recv_x.view(np.uint16))
+        np.testing.assert_array_equal(out.recv_topk_idx, disp[r].recv_topk_idx)
+        assert out.num_recv_tokens_per_expert == disp[r].num_recv_tokens_per_expert
+        np.testing.assert_array_equal(cx.view(np.uint16), comb[r][0].view(np.uint16))
+        np.testing.assert_array_equal(cw, comb[r][1])
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_both_paths_give_the_reference(daemon, fast: bool) -> None:
+    sessions = [Session(daemon.socket(r), fast_path=fast) for r in range(2)]
+    try:
+        assert [s.transport for s in sessions] == ["fastpath" if fast else "grpc"] * 2
+        with ThreadPoolExecutor(2) as ex:
+            res = list(ex.map(lambda r: _round(sessions[r], f"paths-{fast}", r, WL),
+                              range(2)))
+        _check(res, WL)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_ring_wraps_around_many_times(daemon) -> None:
+    """4 slots, 40 rounds of 3 ring calls each: the ring wraps ~30 times, results stay exact."""
+    sessions = [Session(daemon.socket(r)) for r in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            res = list(ex.map(lambda r: _round(sessions[r], "wrap", r, WL, rounds=40),
+                              range(2)))
+        _check(res, WL)
+        (st,) = [g for g in sessions[0].stats().groups] or [None]
+        assert st is None  # the group was left
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_many_clients_on_one_engine(daemon) -> None:
+    wl = Workload(4, [5, 0, 11, 7], 128, 8, 2, seed=4, drop_prob=0.2)
+    sessions = [Session(daemon.socket(0)) for _ in range(4)]
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            res = list(ex.map(lambda r: _round(sessions[r], "many", r, wl, rounds=5),
+                              range(4)))
+        _check(res, wl)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_full_ring_is_resource_exhausted(daemon) -> None:
+    """A dispatch whose peer never comes holds the engine; the ring fills behind it and the
+    next call gets RESOURCE_EXHAUSTED instead of hanging. The session recovers afterwards."""
+    s = Session(daemon.socket(0))
+    peer = Session(daemon.socket(1))
+    try:
+        x, idx, w = WL.inputs(0)
+        with ThreadPoolExecutor(2) as ex:
+            jf = ex.submit(peer.join, "full", rank=1, num_ranks=2, num_experts=8, hidden=128,
+                           max_tokens_per_rank=16, num_topk=2)
+            g = s.join("full", rank=0, num_ranks=2, num_experts=8, hidden=128,
+                       max_tokens_per_rank=16, num_topk=2)
+            jf.result()
+        outcome: list[str] = []
+
+        def blocked_dispatch() -> None:
+            try:
+                g.dispatch(x, idx, w, timeout=2.5)
+                outcome.append("completed without its peer")
+            except EpdError as e:
+                outcome.append(e.code.name)
+
+        stuck = threading.Thread(target=blocked_dispatch)
+        stuck.start()
+        time.sleep(0.2)
+        pings = [s._transport._submit("Ping", b"", 10) for _ in range(3)]  # slots 2..4
+        with pytest.raises(EpdError) as ei:
+            s._transport.call("Ping", epd_pb2.PingRequest(), 0.5)  # slot 1 still busy
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ring full" in ei.value.details
+        stuck.join(10)
+        assert outcome == ["DEADLINE_EXCEEDED"]
+        for p in pings:
+            p.result()
+        s.ping()  # the ring works again
+        assert s.transport == "fastpath"
+    finally:
+        s.close()
+        peer.close()
+
+
+def _doomed(socket: str, q) -> None:
+    s = Session(socket)
+    s.join("doomed", rank=0, num_ranks=2, num_experts=8, hidden=128, max_tokens_per_rank=16,
+           num_topk=2, timeout=10)
+    x, idx, w = WL.inputs(0)
+    g = s._groups[next(iter(s._groups))]
+    d = s._descs({"x": x, "topk_idx": idx, "topk_weights": w})
+    req = epd_pb2.DispatchRequest(session_id=s.session_id, group_id=g.group_id,
+                                  timeout_seconds=30, **d)
+    s._transport._submit("Dispatch", req.SerializeToString(), 60)  # blocks on its peer
+    for _ in range(3):
+        s._transport._submit("Ping", b"", 60)  # queued behind it
+    q.put(os.getpid())
+    time.sleep(60)
+
+
+def test_client_death_with_requests_queued(daemon) -> None:
+    peer = Session(daemon.socket(1))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_doomed, args=(daemon.socket(0), q))
+    p.start()
+    try:
+        peer.join("doomed", rank=1, num_ranks=2, num_experts=8, hidden=128,
+                  max_tokens_per_rank=16, num_topk=2, timeout=10)
+        pid = q.get(timeout=30)
+        rings_before = [f for f in os.listdir(daemon_shm(daemon))
+                        if f.startswith("epd-e0-") and f.endswith(".ring")]
+        assert rings_before
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        p.join(10)
+        # The engine notices the broken lease, aborts the group and frees the ring at once,
+        # far sooner than the 30 s deadline of the queued dispatch.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and [
+                f for f in os.listdir(daemon_shm(daemon)) if f in rings_before]:
+            time.sleep(0.05)
+        assert not [f for f in os.listdir(daemon_shm(daemon)) if f in rings_before]
+        assert time.monotonic() - t0 < 10
+        assert daemon.get("/readyz")[0] == 200
+        with Session(daemon.socket(0)) as s:
+            s.ping()
+            assert s.transport == "fastpath"
+    finally:
+        if p.is_alive():
+            p.kill()
+        peer.close()
+
+
+def daemon_shm(d: Daemon) -> str:
+    return "/dev/shm"
+
+
+def test_fallback_when_the_engine_offers_none() -> None:
+    with Daemon(backend="cpu", engines=2, extra=["--no-fast-path"]) as d:
+        sessions = [Session(d.socket(r)) for r in range(2)]
+        try:
+            assert [s.transport for s in sessions] == ["grpc", "grpc"]
+            assert "disabled" in sessions[0].fast_path_error
+            with ThreadPoolExecutor(2) as ex:
+                res = list(ex.map(lambda r: _round(sessions[r], "fallback", r, WL), range(2)))
+            _check(res, WL)
+        finally:
+            for s in sessions:
+                s.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_engine_sleeps(daemon) -> None:
+    with grpc.insecure_channel(f"unix://{daemon.socket_dir}/node.sock") as ch:
+        topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(), timeout=5)
+    pid = topo.engines[0].pid
+    with Session(daemon.socket(0)) as s:
+        s.ping()
+        time.sleep(0.3)
+        c0, t0 = _cpu_seconds(pid), time.monotonic()
+        time.sleep(2.0)
+        used = (_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+        assert s.transport == "fastpath"
+    assert used < 0.05, f"idle engine used {used:.1%} of a core"
+
+
+def test_fast_path_metrics_are_labelled(daemon) -> None:
+    sessions = [Session(daemon.socket(r)) for r in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda r: _round(sessions[r], "metrics-fp", r, WL), range(2)))
+    finally:
+        for s in sessions:
+            s.close()
+    body = daemon.get("/metrics")[1]
+    assert 'epd_dispatch_seconds_count{backend="cpu",group="metrics-fp",path="fastpath"}' \
+        in body
+    assert 'epd_requests_total{code="OK",method="Dispatch"}' in body
