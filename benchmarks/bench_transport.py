@@ -1,0 +1,67 @@
+"""The daemon hop alone: round trips of the empty operation (Ping) on the fast path and on gRPC,
+and the CPU an idle engine burns while a fast-path session is open.
+
+    python benchmarks/bench_transport.py [--backend cpu] [--iters 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import grpc
+import numpy as np
+
+from epd.client import Session
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+from epd.server.demo import Daemon
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--json", default="")
+    ns = ap.parse_args()
+    out = {}
+    with Daemon(backend=ns.backend, engines=1) as d:
+        for fast in (True, False):
+            with Session(d.socket(0), fast_path=fast) as s:
+                n = ns.iters if fast else max(ns.iters // 10, 1000)
+                ts = np.empty(n)
+                for i in range(n):
+                    t0 = time.perf_counter()
+                    s.ping()
+                    ts[i] = time.perf_counter() - t0
+                ts = ts[n // 10:] * 1e6
+                out[s.transport] = {"p50_us": float(np.percentile(ts, 50)),
+                                    "p99_us": float(np.percentile(ts, 99)), "n": len(ts)}
+                print(f"{s.transport:9s} empty round trip: p50 {out[s.transport]['p50_us']:.1f}"
+                      f" us, p99 {out[s.transport]['p99_us']:.1f} us ({len(ts)} calls)")
+        with grpc.insecure_channel(f"unix://{d.socket_dir}/node.sock") as ch:
+            pid = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=5).engines[0].pid
+        with Session(d.socket(0)) as s:
+            s.ping()
+            time.sleep(0.5)
+            c0, t0 = _cpu_seconds(pid), time.monotonic()
+            time.sleep(3.0)
+            idle = (_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+        out["idle_engine_cpu_fraction"] = idle
+        print(f"idle engine with an open fast-path session: {idle:.2%} of one core")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
