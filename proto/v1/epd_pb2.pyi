@@ -391,6 +391,78 @@ class CombineResponse(_message.Message):
     combined_topk_weights: TensorDesc
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
+class LowLatencyDispatchRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    X_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
+    NUM_MAX_DISPATCH_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    USE_FP8_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SCALE_FIELD_NUMBER: _ClassVar[int]
+    USE_UE8M0_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOCAL_EXPERT_RECV_STATS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    x: TensorDesc
+    topk_idx: TensorDesc
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    use_fp8: bool
+    round_scale: bool
+    use_ue8m0: bool
+    cumulative_local_expert_recv_stats: TensorDesc
+    timeout_seconds: float
+    ready_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_max_dispatch_tokens_per_rank: _Optional[int] = ..., num_experts: _Optional[int] = ..., use_fp8: _Optional[bool] = ..., round_scale: _Optional[bool] = ..., use_ue8m0: _Optional[bool] = ..., cumulative_local_expert_recv_stats: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+
+class LowLatencyDispatchResponse(_message.Message):
+    __slots__ = ("recv_x", "recv_x_scales", "recv_count", "handle", "recv_src_rank", "recv_src_idx")
+    RECV_X_FIELD_NUMBER: _ClassVar[int]
+    RECV_X_SCALES_FIELD_NUMBER: _ClassVar[int]
+    RECV_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    RECV_SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    RECV_SRC_IDX_FIELD_NUMBER: _ClassVar[int]
+    recv_x: TensorDesc
+    recv_x_scales: TensorDesc
+    recv_count: TensorDesc
+    handle: int
+    recv_src_rank: TensorDesc
+    recv_src_idx: TensorDesc
+    def __init__(self, recv_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_count: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., recv_src_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_src_idx: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+
+class LowLatencyCombineRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "x", "topk_idx", "topk_weights", "handle", "out", "timeout_seconds", "ready_event")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    X_FIELD_NUMBER: _ClassVar[int]
+    TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
+    TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    x: TensorDesc
+    topk_idx: TensorDesc
+    topk_weights: TensorDesc
+    handle: int
+    out: TensorDesc
+    timeout_seconds: float
+    ready_event: bytes
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., out: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+
+class LowLatencyCombineResponse(_message.Message):
+    __slots__ = ("combined_x",)
+    COMBINED_X_FIELD_NUMBER: _ClassVar[int]
+    combined_x: TensorDesc
+    def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+
 class OpenFastPathRequest(_message.Message):
     __slots__ = ("session_id", "slots", "slot_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

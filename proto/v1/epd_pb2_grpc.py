@@ -291,6 +291,16 @@ class EngineStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingResponse.FromString,
                 _registered_method=True)
+        self.LowLatencyDispatch = channel.unary_unary(
+                '/epd.v1.Engine/LowLatencyDispatch',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyDispatchRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyDispatchResponse.FromString,
+                _registered_method=True)
+        self.LowLatencyCombine = channel.unary_unary(
+                '/epd.v1.Engine/LowLatencyCombine',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -363,6 +373,18 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LowLatencyDispatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LowLatencyCombine(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -420,6 +442,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.PingResponse.SerializeToString,
+            ),
+            'LowLatencyDispatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.LowLatencyDispatch,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyDispatchRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyDispatchResponse.SerializeToString,
+            ),
+            'LowLatencyCombine': grpc.unary_unary_rpc_method_handler(
+                    servicer.LowLatencyCombine,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -719,6 +751,60 @@ class Engine:
             '/epd.v1.Engine/Ping',
             epd_dot_proto_dot_v1_dot_epd__pb2.PingRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.PingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LowLatencyDispatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/LowLatencyDispatch',
+            epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyDispatchRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyDispatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LowLatencyCombine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/LowLatencyCombine',
+            epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineResponse.FromString,
             options,
             channel_credentials,
             insecure,
