@@ -83,7 +83,9 @@ def _response_types() -> dict[str, Any]:
     return {"Ping": epd_pb2.PingResponse,
             "GetDispatchLayout": epd_pb2.GetDispatchLayoutResponse,
             "Dispatch": epd_pb2.DispatchResponse, "Combine": epd_pb2.CombineResponse,
-            "GetStats": epd_pb2.GetStatsResponse}
+            "GetStats": epd_pb2.GetStatsResponse,
+            "LowLatencyDispatch": epd_pb2.LowLatencyDispatchResponse,
+            "LowLatencyCombine": epd_pb2.LowLatencyCombineResponse}
 
 
 class _RingCall:

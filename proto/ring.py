@@ -39,7 +39,9 @@ DOORBELL, ENGINE_WAITING, CLOSED = 0, 1, 2
 S_SEQ_LO, S_SEQ_HI, S_STATE, S_METHOD, S_LENGTH, S_STATUS = 0, 1, 2, 3, 4, 5
 
 # Operation ids carried in a slot; the names are the gRPC methods (Ping: the empty operation).
-METHODS = ("Ping", "GetDispatchLayout", "Dispatch", "Combine", "GetStats")
+# Append only: an id never changes meaning.
+METHODS = ("Ping", "GetDispatchLayout", "Dispatch", "Combine", "GetStats", "LowLatencyDispatch",
+           "LowLatencyCombine")
 METHOD_ID = {name: i for i, name in enumerate(METHODS)}
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())

@@ -113,6 +113,47 @@ class LayoutOutputs:
     is_token_in_rank: Array
 
 
+@dataclass
+class LowLatencyDispatchArgs:
+    """DeepEP low_latency_dispatch, validated by the engine (shapes, dtypes, ids, distinct
+    experts per token, T <= num_max_dispatch_tokens_per_rank <= max_tokens_per_rank)."""
+
+    x: Array  # [T, H] in the group's dtype
+    topk_idx: Array  # [T, K] int64
+    num_max_dispatch_tokens_per_rank: int
+    use_fp8: bool = False
+    round_scale: bool = False  # use_ue8m0 arrives here as round_scale=True
+
+
+@dataclass
+class LowLatencyDispatchOutputs:
+    recv_x: Array  # [L, R*num_max, H]: group dtype, or e4m3 with use_fp8
+    recv_x_scales: Array | None  # [L, R*num_max, H/128] float32 with use_fp8
+    recv_count: Array  # [L] int32
+    recv_src_rank: Array  # [L, R*num_max] int32, -1 beyond the count
+    recv_src_idx: Array  # [L, R*num_max] int32, -1 beyond the count
+    num_recv_rows: int  # sum of recv_count
+    handle: Any  # backend state needed by low_latency_combine
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+@dataclass
+class LowLatencyCombineArgs:
+    x: Array  # [L, R*num_max, H] in the group's dtype
+    topk_idx: Array  # [T, K] int64 (as dispatched; entries may be -1)
+    topk_weights: Array  # [T, K] float32
+    handle: Any
+    out: Array | None = None  # [T, H]: write the result here
+
+
+@dataclass
+class LowLatencyCombineOutputs:
+    combined_x: Array  # [T, H]
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
 class Region(abc.ABC):
     """Client memory opened in the engine. Bounds are checked by the engine before `view`."""
 
@@ -168,6 +209,26 @@ class RankComm(abc.ABC):
 
     @abc.abstractmethod
     def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs: ...
+
+    backend_name: str = "this"
+
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs,
+                             deadline: float) -> LowLatencyDispatchOutputs:
+        """DeepEP low-latency dispatch (DESIGN.md §6): per local expert, one row per (token, k)
+        pair routed to it. Raises FailedPrecondition on a backend without it (before taking
+        part, so the peers see a missing rank, never a half-done collective)."""
+        raise self._no_low_latency()
+
+    def low_latency_combine(self, args: LowLatencyCombineArgs,
+                            deadline: float) -> LowLatencyCombineOutputs:
+        """DeepEP low-latency combine: out[t] = sum_k w[t,k] * y[e_k][row of t], fp32 in k
+        order, skipping -1."""
+        raise self._no_low_latency()
+
+    def _no_low_latency(self) -> Exception:
+        from epd.server.errors import FailedPrecondition
+        return FailedPrecondition(f"low-latency mode is not implemented on the "
+                                  f"{self.backend_name} backend")
 
     @abc.abstractmethod
     def abort(self, reason: str) -> None:

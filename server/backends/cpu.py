@@ -38,6 +38,10 @@ from epd.server.backends.base import (
     DispatchOutputs,
     GroupSpec,
     LayoutOutputs,
+    LowLatencyCombineArgs,
+    LowLatencyCombineOutputs,
+    LowLatencyDispatchArgs,
+    LowLatencyDispatchOutputs,
     Membership,
     RankComm,
     Region,
@@ -51,6 +55,8 @@ _ABORT_TEXT = 64  # byte offset of the abort reason (utf-8)
 _ABORT_TEXT_MAX = 1024
 _ARRIVALS = 2048  # byte offset of the int64 arrival words, one per rank
 MAX_RANKS = 128
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_FP8_AMAX_MIN = 1e-4
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -67,6 +73,7 @@ class SlotLayout:
     topk_weights: int
     y: int
     y_weights: int
+    ll_y: int
     meta: int
     size: int
 
@@ -83,10 +90,33 @@ class SlotLayout:
                              ("topk_idx", t * k * 8),
                              ("topk_weights", t * k * 4),
                              ("y", n * h * item),
-                             ("y_weights", n * k * 4)):
+                             ("y_weights", n * k * 4),
+                             # low-latency combine: the valid rows of every local expert,
+                             # compacted; at most one row per (token, distinct expert) pair
+                             ("ll_y", ll_max_rows(spec) * h * item)):
             fields[name] = off
             off = _align(off + nbytes, PAGE)
         return cls(size=off, **fields)
+
+
+def ll_max_rows(spec: GroupSpec) -> int:
+    """Most rows one rank receives in low-latency dispatch: every token of every rank, once per
+    distinct local expert it picks."""
+    return spec.max_recv_tokens * min(spec.num_topk, spec.num_local_experts)
+
+
+def quantize_fp8(x: np.ndarray, round_scale: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token, per-128-channel e4m3 quantisation on the source (DESIGN.md §6, as
+    reference.quantize_fp8): amax in fp32 clamped to >= 1e-4, scale = amax / 448, rounded up to
+    a power of two with round_scale, q = x / scale."""
+    t, h = x.shape
+    blocks = x.astype(np.float32).reshape(t, h // dtypes.FP8_BLOCK, dtypes.FP8_BLOCK)
+    amax = np.maximum(np.abs(blocks).max(axis=2, initial=0.0), np.float32(_FP8_AMAX_MIN))
+    scale = (amax / np.float32(_FP8_MAX)).astype(np.float32)
+    if round_scale:
+        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
+    q = np.clip(blocks / scale[:, :, None], -_FP8_MAX, _FP8_MAX).astype(np.float32)
+    return q.reshape(t, h).astype(dtypes.FLOAT8_E4M3), scale
 
 
 def comm_file_bytes(spec: GroupSpec) -> int:
@@ -215,6 +245,19 @@ class _Handle:
     num_worst_tokens: int
 
 
+@dataclass
+class _LowLatencyHandle:
+    """What low-latency combine needs, as source and as destination of one LL dispatch."""
+
+    sequence: int  # the dispatch collective's number (the same on every rank)
+    num_tokens: int
+    num_max: int
+    topk_idx: np.ndarray  # [T, K] this rank's routing as dispatched
+    dest: np.ndarray  # [T, K] destination rank of each pair, -1 for none
+    row: np.ndarray  # [T, K] row of the pair in the destination's compacted combine input
+    recv_count: np.ndarray  # [L] rows this rank received per local expert
+
+
 class _OutputArena:
     """Fixed sub-buffers of the membership's output region (valid until the next call of the
     same kind on this membership). Each is sized for its widest dtype and viewed per call, so
@@ -233,6 +276,7 @@ class _OutputArena:
     def sizes(spec: GroupSpec) -> list[tuple[str, int]]:
         r, t, h, k, e = (spec.num_ranks, spec.max_tokens_per_rank, spec.hidden, spec.num_topk,
                          spec.num_experts)
+        lx = spec.num_local_experts
         n = spec.max_recv_tokens
         item = spec.x_numpy_dtype.itemsize
         return [("recv_x", n * h * item), ("recv_x_scales", n * max(h // dtypes.FP8_BLOCK, 1) * 4),
@@ -240,7 +284,12 @@ class _OutputArena:
                 ("recv_src_idx", n * 4), ("rank_prefix_matrix", r * r * 4),
                 ("num_tokens_per_rank", r * 4), ("num_tokens_per_expert", e * 4),
                 ("is_token_in_rank", t * r), ("combined_x", t * h * item),
-                ("combined_topk_weights", t * k * 4)]
+                ("combined_topk_weights", t * k * 4),
+                # low-latency mode: [L, R * max_tokens_per_rank] rows per buffer
+                ("ll_recv_x", lx * n * h * item),
+                ("ll_recv_x_scales", lx * n * max(h // dtypes.FP8_BLOCK, 1) * 4),
+                ("ll_recv_count", lx * 4), ("ll_recv_src_rank", lx * n * 4),
+                ("ll_recv_src_idx", lx * n * 4), ("ll_combined_x", t * h * item)]
 
     @classmethod
     def bytes_for(cls, spec: GroupSpec) -> int:
@@ -264,6 +313,8 @@ def layout_of(topk_idx: np.ndarray, spec: GroupSpec) -> tuple[np.ndarray, np.nda
 
 
 class CpuRankComm(RankComm):
+    backend_name = "cpu"
+
     def __init__(self, spec: GroupSpec, membership: Membership, output_path: str) -> None:
         self.spec = spec
         self.membership = membership
@@ -502,6 +553,174 @@ class CpuRankComm(RankComm):
             out_w[:] = acc_w
         return CombineOutputs(out_x, out_w, bytes_sent=nr * h * spec.x_numpy_dtype.itemsize,
                               bytes_received=bytes_received)
+
+    # -- low-latency mode -------------------------------------------------------------------
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs,
+                             deadline: float) -> LowLatencyDispatchOutputs:
+        spec, me = self.spec, self.rank
+        r, lx, h, k, ne = (spec.num_ranks, spec.num_local_experts, spec.hidden, spec.num_topk,
+                           spec.num_experts)
+        t, m, fp8 = args.x.shape[0], args.num_max_dispatch_tokens_per_rank, args.use_fp8
+        blocks = h // dtypes.FP8_BLOCK
+        # Quantise on the source, once per token (local work, before taking part).
+        if fp8:
+            payload, scales = quantize_fp8(np.asarray(args.x), args.round_scale)
+        else:
+            payload, scales = args.x, None
+        pdt = payload.dtype
+        seq = self._begin(deadline, "low-latency dispatch")
+        meta = self._meta(me)
+        meta[0], meta[1], meta[2] = t, int(fp8), m
+        self._slot_array(me, "x", (t, h), pdt)[:] = payload
+        if scales is not None:
+            self._slot_array(me, "x_scales", (t, blocks), np.float32)[:] = scales
+        self._slot_array(me, "topk_idx", (t, k), np.int64)[:] = args.topk_idx
+        self._sequence = seq
+        self._arrive(seq, 1)
+        self._wait_all(2 * seq - 1, "low-latency dispatch", deadline)
+
+        metas = [(int(self._meta(s)[0]), int(self._meta(s)[1]), int(self._meta(s)[2]))
+                 for s in range(r)]
+        odd = [s for s, (_, f, mm) in enumerate(metas) if (f, mm) != (int(fp8), m)]
+        if odd:  # every rank sees a disagreement, so every rank fails the same way
+            self._arrive(seq, 2)
+            raise InvalidArgument(
+                f"low-latency dispatch arguments differ across ranks: rank {me} passed "
+                f"num_max_dispatch_tokens_per_rank={m}, use_fp8={fp8}; rank(s) {odd} passed "
+                f"{[(metas[s][2], bool(metas[s][1])) for s in odd]}")
+        ts = [mt[0] for mt in metas]
+        idxs = [self._slot_array(s, "topk_idx", (ts[s], k), np.int64) for s in range(r)]
+        # counts[s, g]: tokens of source s routed to global expert g (distinct per token)
+        counts = np.zeros((r, ne), dtype=np.int64)
+        for s, idx in enumerate(idxs):
+            counts[s] = np.bincount(idx[idx >= 0], minlength=ne)[:ne]
+
+        # Receive: per local expert, rows ordered by source rank, then token.
+        rows_per_expert = r * m
+        out = self._out
+        recv_x = out.get("ll_recv_x", (lx, rows_per_expert, h), pdt)
+        recv_scales = (out.get("ll_recv_x_scales", (lx, rows_per_expert, blocks), np.float32)
+                       if fp8 else None)
+        src_rank = out.get("ll_recv_src_rank", (lx, rows_per_expert), np.int32)
+        src_idx = out.get("ll_recv_src_idx", (lx, rows_per_expert), np.int32)
+        lo = me * lx
+        fill = np.zeros(lx, dtype=np.int64)
+        row_bytes = h * pdt.itemsize + (blocks * 4 if fp8 else 0)
+        bytes_received = 0
+        for s, idx in enumerate(idxs):
+            tt, kk = np.nonzero((idx >= lo) & (idx < lo + lx))  # token-major order
+            if len(tt) == 0:
+                continue
+            e = idx[tt, kk] - lo
+            order = np.argsort(e, kind="stable")  # by expert; tokens stay ascending
+            tt, e = tt[order], e[order]
+            per = np.bincount(e, minlength=lx)
+            first = np.cumsum(per) - per
+            rows = fill[e] + (np.arange(len(e)) - first[e])
+            recv_x[e, rows] = self._slot_array(s, "x", (ts[s], h), pdt)[tt]
+            if recv_scales is not None:
+                recv_scales[e, rows] = self._slot_array(s, "x_scales", (ts[s], blocks),
+                                                        np.float32)[tt]
+            src_rank[e, rows] = s
+            src_idx[e, rows] = tt
+            fill += per
+            bytes_received += len(tt) * row_bytes
+        self._arrive(seq, 2)
+
+        for e in range(lx):  # rows beyond the count: zero payload, -1 source
+            c = int(fill[e])
+            recv_x[e, c:] = 0
+            if recv_scales is not None:
+                recv_scales[e, c:] = 0
+            src_rank[e, c:] = -1
+            src_idx[e, c:] = -1
+        recv_count = out.get("ll_recv_count", (lx,), np.int32)
+        recv_count[:] = fill
+
+        # As a source: where each of my (token, k) pairs sits in its destination's compacted
+        # combine input (destination's experts in order, each expert's rows as received).
+        mine = np.array(args.topk_idx, dtype=np.int64, copy=True)
+        total = counts.sum(axis=0).reshape(r, lx)
+        expert_off = (np.cumsum(total, axis=1) - total).reshape(ne)
+        before = (np.cumsum(counts, axis=0) - counts)[me]  # rows from sources < me
+        valid = mine >= 0
+        tt, kk = np.nonzero(valid)
+        g = mine[tt, kk]
+        order = np.argsort(g, kind="stable")
+        tt, kk, g = tt[order], kk[order], g[order]
+        per = np.bincount(g, minlength=ne)[:ne]
+        first = np.cumsum(per) - per
+        row = np.full((t, k), -1, dtype=np.int64)
+        row[tt, kk] = expert_off[g] + before[g] + (np.arange(len(g)) - first[g])
+        dest = np.where(valid, mine // lx, -1)
+        handle = _LowLatencyHandle(sequence=seq, num_tokens=t, num_max=m, topk_idx=mine,
+                                   dest=dest, row=row, recv_count=fill.copy())
+        return LowLatencyDispatchOutputs(
+            recv_x=recv_x, recv_x_scales=recv_scales, recv_count=recv_count,
+            recv_src_rank=src_rank, recv_src_idx=src_idx, num_recv_rows=int(fill.sum()),
+            handle=handle, bytes_sent=len(g) * row_bytes, bytes_received=bytes_received)
+
+    def low_latency_combine(self, args: LowLatencyCombineArgs,
+                            deadline: float) -> LowLatencyCombineOutputs:
+        spec, me = self.spec, self.rank
+        r, lx, h = spec.num_ranks, spec.num_local_experts, spec.hidden
+        handle: _LowLatencyHandle = args.handle
+        dt = spec.x_numpy_dtype
+        comb = np.asarray(args.topk_idx)
+        t, k = comb.shape
+        # Each entry names one of the token's dispatched experts, in any k position (checked
+        # before taking part: a bad entry changes nothing).
+        eq = (handle.topk_idx[:, None, :] == comb[:, :, None]) & (comb[:, :, None] >= 0)
+        missing = (comb >= 0) & ~eq.any(axis=2)
+        if missing.any():
+            tok, kk = (int(v) for v in np.argwhere(missing)[0])
+            raise InvalidArgument(f"topk_idx[{tok}, {kk}] = {int(comb[tok, kk])}: token {tok} "
+                                  f"was not dispatched to that expert by the dispatch of this "
+                                  f"handle")
+        which = eq.argmax(axis=2)
+        rows = np.take_along_axis(handle.row, which, axis=1)
+        dests = np.take_along_axis(handle.dest, which, axis=1)
+
+        seq = self._begin(deadline, "low-latency combine")
+        meta = self._meta(me)
+        meta[3] = handle.sequence
+        counts = handle.recv_count
+        y = self._slot_array(me, "ll_y", (int(counts.sum()), h), dt)
+        pos = 0
+        for e in range(lx):  # only the valid rows travel, compacted
+            c = int(counts[e])
+            y[pos:pos + c] = args.x[e, :c]
+            pos += c
+        self._sequence = seq
+        self._arrive(seq, 1)
+        self._wait_all(2 * seq - 1, "low-latency combine", deadline)
+        odd = [s for s in range(r) if int(self._meta(s)[3]) != handle.sequence]
+        if odd:
+            self._arrive(seq, 2)
+            raise InvalidArgument(f"low-latency combine handles differ across ranks: rank {me} "
+                                  f"combines the dispatch #{handle.sequence}, rank(s) {odd} "
+                                  f"another one")
+
+        acc = np.zeros((t, h), dtype=np.float32)
+        peers = [self._slot_array(d, "ll_y", (ll_max_rows(spec), h), dt) for d in range(r)]
+        bytes_received = 0
+        weights = np.asarray(args.topk_weights, dtype=np.float32)
+        for kk in range(k):  # k order, skipping -1, accumulated in fp32 (as the reference)
+            tokens = np.nonzero(comb[:, kk] >= 0)[0]
+            if len(tokens) == 0:
+                continue
+            d_of, r_of = dests[tokens, kk], rows[tokens, kk]
+            yk = np.empty((len(tokens), h), dtype=dt)
+            for d in np.unique(d_of):
+                sel = d_of == d
+                yk[sel] = peers[int(d)][r_of[sel]]
+            bytes_received += len(tokens) * h * dt.itemsize
+            acc[tokens] = acc[tokens] + weights[tokens, kk][:, None] * yk.astype(np.float32)
+        self._arrive(seq, 2)
+        out = args.out if args.out is not None else self._out.get("ll_combined_x", (t, h), dt)
+        out[...] = acc.astype(dt)
+        return LowLatencyCombineOutputs(out, bytes_sent=pos * h * dt.itemsize,
+                                        bytes_received=bytes_received)
 
     def abort(self, reason: str) -> None:
         write_abort(self._header, reason)

@@ -184,6 +184,8 @@ class _Handle:
 
 
 class CudaRankComm(RankComm):
+    backend_name = "cuda"  # no low-latency kernels yet: the RankComm defaults answer
+
     def __init__(self, backend: CudaBackend, spec: GroupSpec, membership: Membership) -> None:
         from epd.server.backends import cuda_runtime as rt
 

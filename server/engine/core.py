@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 
 from epd.proto import counter_page, dtypes
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
@@ -31,6 +32,8 @@ from epd.server.backends.base import (
     CounterPage,
     DispatchArgs,
     GroupSpec,
+    LowLatencyCombineArgs,
+    LowLatencyDispatchArgs,
     Membership,
     RankComm,
     Region,
@@ -100,12 +103,17 @@ def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
                      p.num_topk, p.x_dtype)
 
 
+NORMAL, LOW_LATENCY = "normal", "low-latency"  # HandleInfo.kind
+
+
 @dataclass
 class HandleInfo:
     backend_handle: Any
     num_tokens: int
     num_recv_tokens: int
     rows_out: int
+    kind: str = NORMAL  # which combine takes it
+    num_max: int = 0  # low-latency: num_max_dispatch_tokens_per_rank of the dispatch
 
 
 @dataclass
@@ -499,6 +507,7 @@ class Engine:
             cached = member.handles.get(req.cached_handle)
             if cached is None:
                 raise FailedPrecondition(self._unknown_handle(member, req.cached_handle))
+            self._check_kind(cached, req.cached_handle, NORMAL)
             if cached.num_tokens != t:
                 raise InvalidArgument(f"cached dispatch with {t} tokens, but handle "
                                       f"{req.cached_handle} was made for {cached.num_tokens}")
@@ -564,6 +573,14 @@ class Engine:
                 f"{member.spec.name!r}: it expired (the last {self.config.max_handles} "
                 f"dispatches are kept) or came from another group")
 
+    @staticmethod
+    def _check_kind(info: HandleInfo, handle: int, want: str) -> None:
+        if info.kind != want:
+            use = "LowLatencyCombine" if info.kind == LOW_LATENCY else "Combine (or a cached " \
+                                                                      "Dispatch)"
+            raise FailedPrecondition(f"handle {handle} comes from a {info.kind} dispatch; "
+                                     f"pass it to {use}")
+
     def _store_handle(self, member: GroupMember, info: HandleInfo) -> int:
         hid = member.next_handle
         member.next_handle += 1
@@ -580,6 +597,7 @@ class Engine:
         info = member.handles.get(req.handle)
         if info is None:
             raise FailedPrecondition(self._unknown_handle(member, req.handle))
+        self._check_kind(info, req.handle, NORMAL)
         regions = session.regions
         combine_dtype = spec.x_dtype
         x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=combine_dtype)
@@ -627,6 +645,161 @@ class Engine:
         if out.combined_topk_weights is not None:
             resp.combined_topk_weights.CopyFrom(tensors.describe(out.combined_topk_weights, r))
         return resp
+
+    # -- low-latency mode --------------------------------------------------------------------
+    async def low_latency_dispatch(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest
+                                   ) -> epd_pb2.LowLatencyDispatchResponse:
+        return await self._run(session, self.ll_dispatch_op, session, req, "grpc")
+
+    async def low_latency_combine(self, session: Session, req: epd_pb2.LowLatencyCombineRequest
+                                  ) -> epd_pb2.LowLatencyCombineResponse:
+        return await self._run(session, self.ll_combine_op, session, req, "grpc")
+
+    def _check_distinct(self, topk_idx) -> None:
+        """Low-latency mode sends one row per (token, expert): a token may not name an expert
+        twice."""
+        if not topk_idx.shape[0] or topk_idx.shape[1] < 2:
+            return
+        srt = np.sort(self.backend.to_host(topk_idx), axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if dup.any():
+            t, j = (int(v) for v in np.argwhere(dup)[0])
+            raise InvalidArgument(f"topk_idx[{t}] names expert {int(srt[t, j + 1])} twice; "
+                                  f"low-latency mode needs distinct experts per token")
+
+    def ll_dispatch_op(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest,
+                       path: str) -> epd_pb2.LowLatencyDispatchResponse:
+        """DeepEP low_latency_dispatch. Validate (nothing changes on bad input), then run."""
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        self._check_alive(member)
+        regions = session.regions
+        m = req.num_max_dispatch_tokens_per_rank
+        if m <= 0:
+            raise InvalidArgument(f"num_max_dispatch_tokens_per_rank must be positive, got {m}")
+        if m > spec.max_tokens_per_rank:
+            raise InvalidArgument(f"num_max_dispatch_tokens_per_rank={m} exceeds the group's "
+                                  f"max_tokens_per_rank={spec.max_tokens_per_rank} (its "
+                                  f"low-latency buffers are sized by it)")
+        if req.num_experts != spec.num_experts:
+            raise InvalidArgument(f"num_experts={req.num_experts} does not match the group's "
+                                  f"num_experts={spec.num_experts}")
+        x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=spec.x_dtype)
+        t = x.shape[0]
+        if x.shape[1] != spec.hidden:
+            raise InvalidArgument(f"x has hidden size {x.shape[1]}, the group's is {spec.hidden}")
+        if t > m:
+            raise InvalidArgument(f"{t} tokens exceed num_max_dispatch_tokens_per_rank={m}")
+        if req.use_fp8 and spec.hidden % dtypes.FP8_BLOCK:
+            raise InvalidArgument(f"FP8 dispatch needs hidden % {dtypes.FP8_BLOCK} == 0, the "
+                                  f"group's hidden is {spec.hidden}")
+        if (req.round_scale or req.use_ue8m0) and not req.use_fp8:
+            raise InvalidArgument("round_scale and use_ue8m0 shape FP8 scales; they need "
+                                  "use_fp8")
+        if not tensors.is_set(req.topk_idx):
+            raise InvalidArgument("low-latency dispatch needs topk_idx")
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        self._check_routing(spec, idx, None, t)
+        stats = None
+        if tensors.is_set(req.cumulative_local_expert_recv_stats):
+            stats = tensors.resolve(req.cumulative_local_expert_recv_stats, regions,
+                                    "cumulative_local_expert_recv_stats", ndim=1,
+                                    dtype=epd_pb2.INT32)
+            if stats.shape != (spec.num_local_experts,):
+                raise InvalidArgument(f"cumulative_local_expert_recv_stats has shape "
+                                      f"{list(stats.shape)}, expected "
+                                      f"[{spec.num_local_experts}] (local experts)")
+        timeout = self._timeout(req.timeout_seconds)
+        # use_ue8m0: power-of-two scales, i.e. round_scale (carried as float32 here).
+        args = LowLatencyDispatchArgs(x, idx, m, req.use_fp8, req.round_scale or req.use_ue8m0)
+        t0 = time.perf_counter()
+        try:
+            self._check_values(session, req.ready_event, spec, idx)
+            self._check_distinct(idx)
+            out = member.comm.low_latency_dispatch(args, time.monotonic() + timeout)
+        except DeadlineExceeded:
+            metrics.TIMEOUTS.labels(spec.name).inc()
+            raise
+        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        if stats is not None:
+            stats += out.recv_count
+        handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
+                                                          kind=LOW_LATENCY, num_max=m))
+        member.dispatches += 1
+        member.bytes_sent += out.bytes_sent
+        member.bytes_received += out.bytes_received
+        peer = "shm" if self.backend.name == "cpu" else "nvlink"
+        metrics.BYTES_SENT.labels(spec.name, peer).inc(out.bytes_sent)
+        metrics.BYTES_RECEIVED.labels(spec.name, peer).inc(out.bytes_received)
+        metrics.RECV_TOKENS.labels(spec.name).inc(out.num_recv_rows)
+        if self.config.per_expert_metrics and out.num_recv_rows:
+            base = member.rank * spec.num_local_experts
+            for i, c in enumerate(self.backend.to_host(out.recv_count)):
+                metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(int(c))
+        r = member.comm.output_region
+        resp = epd_pb2.LowLatencyDispatchResponse(
+            recv_x=tensors.describe(out.recv_x, r,
+                                    epd_pb2.FLOAT8_E4M3 if req.use_fp8 else spec.x_dtype),
+            recv_count=tensors.describe(out.recv_count, r), handle=handle_id,
+            recv_src_rank=tensors.describe(out.recv_src_rank, r),
+            recv_src_idx=tensors.describe(out.recv_src_idx, r))
+        if out.recv_x_scales is not None:
+            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
+        return resp
+
+    def ll_combine_op(self, session: Session, req: epd_pb2.LowLatencyCombineRequest,
+                      path: str) -> epd_pb2.LowLatencyCombineResponse:
+        """DeepEP low_latency_combine (weighted). Validate, then run."""
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        self._check_alive(member)
+        info = member.handles.get(req.handle)
+        if info is None:
+            raise FailedPrecondition(self._unknown_handle(member, req.handle))
+        self._check_kind(info, req.handle, LOW_LATENCY)
+        regions = session.regions
+        x = tensors.resolve(req.x, regions, "x", ndim=3, dtype=spec.x_dtype)
+        want = (spec.num_local_experts, spec.num_ranks * info.num_max, spec.hidden)
+        if x.shape != want:
+            raise InvalidArgument(f"low-latency combine x has shape {list(x.shape)}, expected "
+                                  f"{list(want)} ([local experts, num_ranks * "
+                                  f"num_max_dispatch_tokens_per_rank, hidden] of handle "
+                                  f"{req.handle})")
+        if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
+            raise InvalidArgument("low-latency combine needs topk_idx and topk_weights")
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
+                                  dtype=epd_pb2.FLOAT32)
+        self._check_routing(spec, idx, weights, info.num_tokens)
+        out = None
+        if tensors.is_set(req.out):
+            out = tensors.resolve(req.out, regions, "out", ndim=2, dtype=spec.x_dtype)
+            if out.shape != (info.num_tokens, spec.hidden):
+                raise InvalidArgument(f"out has shape {list(out.shape)}, expected "
+                                      f"[{info.num_tokens}, {spec.hidden}]")
+        timeout = self._timeout(req.timeout_seconds)
+        args = LowLatencyCombineArgs(x, idx, weights, info.backend_handle, out)
+        t0 = time.perf_counter()
+        try:
+            self._check_values(session, req.ready_event, spec, idx)
+            res = member.comm.low_latency_combine(args, time.monotonic() + timeout)
+        except DeadlineExceeded:
+            metrics.TIMEOUTS.labels(spec.name).inc()
+            raise
+        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        member.combines += 1
+        member.bytes_sent += res.bytes_sent
+        member.bytes_received += res.bytes_received
+        peer = "shm" if self.backend.name == "cpu" else "nvlink"
+        metrics.BYTES_SENT.labels(spec.name, peer).inc(res.bytes_sent)
+        metrics.BYTES_RECEIVED.labels(spec.name, peer).inc(res.bytes_received)
+        if out is not None:  # written in place: the caller's own tensor
+            return epd_pb2.LowLatencyCombineResponse(combined_x=req.out)
+        return epd_pb2.LowLatencyCombineResponse(
+            combined_x=tensors.describe(res.combined_x, member.comm.output_region,
+                                        spec.x_dtype))
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def drain(self, seconds: float) -> None:

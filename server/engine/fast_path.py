@@ -1,10 +1,10 @@
 """Engine side of the same-host fast path: one thread per session serving its request ring.
 
 The thread runs the same synchronous operations as the gRPC transport (Engine.layout_op,
-dispatch_op, combine_op, stats) under the session's operation lock, so the two transports give
-identical results, errors and metrics (labelled path="fastpath"). It spins for a bounded time
-after each request, then sleeps on the ring's doorbell futex; every wait has a timeout so a
-closed session ends the thread.
+dispatch_op, combine_op, ll_dispatch_op, ll_combine_op, stats) under the session's operation
+lock, so the two transports give identical results, errors and metrics (labelled
+path="fastpath"). It spins for a bounded time after each request, then sleeps on the ring's
+doorbell futex; every wait has a timeout so a closed session ends the thread.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from epd.server.errors import EpdError, PermissionDenied
 log = logging.getLogger("epd.engine")
 _REQUESTS = {"GetDispatchLayout": epd_pb2.GetDispatchLayoutRequest,
              "Dispatch": epd_pb2.DispatchRequest, "Combine": epd_pb2.CombineRequest,
-             "GetStats": epd_pb2.GetStatsRequest}
+             "GetStats": epd_pb2.GetStatsRequest,
+             "LowLatencyDispatch": epd_pb2.LowLatencyDispatchRequest,
+             "LowLatencyCombine": epd_pb2.LowLatencyCombineRequest}
 SLEEP_SLICE = 0.1  # longest futex sleep: how fast a closed session is noticed
 
 
@@ -34,7 +36,9 @@ class FastPathServer:
         self._stop = False
         self._ops = {"GetDispatchLayout": engine.layout_op, "Dispatch": engine.dispatch_op,
                      "Combine": engine.combine_op,
-                     "GetStats": lambda s, req, path: engine.stats(s)}
+                     "GetStats": lambda s, req, path: engine.stats(s),
+                     "LowLatencyDispatch": engine.ll_dispatch_op,
+                     "LowLatencyCombine": engine.ll_combine_op}
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"epd-fast-{session.session_id[:6]}")
 

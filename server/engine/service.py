@@ -113,6 +113,16 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         return await self.engine.combine(s, request)
 
     @_unary
+    async def LowLatencyDispatch(self, request, context):
+        s = self.engine.session(request.session_id)
+        return await self.engine.low_latency_dispatch(s, request)
+
+    @_unary
+    async def LowLatencyCombine(self, request, context):
+        s = self.engine.session(request.session_id)
+        return await self.engine.low_latency_combine(s, request)
+
+    @_unary
     async def GetStats(self, request, context):
         s = self.engine.session(request.session_id) if request.session_id else None
         return self.engine.stats(s)
