@@ -64,6 +64,28 @@ class DispatchResult:
     num_recv_tokens: int
 
 
+@dataclass
+class LowLatencyHandle:
+    """What a low-latency dispatch leaves for low-latency combine (state stays in the engine)."""
+
+    group: Group
+    handle_id: int
+    num_tokens: int
+    num_max_dispatch_tokens_per_rank: int
+    num_experts: int
+    hidden: int
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    recv_x: Any  # [L, R*num_max, H]: bf16, or e4m3 with use_fp8 (rows beyond recv_count zero)
+    recv_x_scales: Any | None  # [L, R*num_max, H/128] float32 with use_fp8
+    recv_count: Any  # [L] int32: valid rows per local expert
+    handle: LowLatencyHandle
+    recv_src_rank: Any  # [L, R*num_max] int32: source rank of each row (-1 beyond the count)
+    recv_src_idx: Any  # [L, R*num_max] int32: source token of each row (-1 beyond the count)
+
+
 class PendingDispatch:
     """A dispatch in flight. `counts()` returns as soon as the engine's notify step has published
     the receive counts in the counter page, before the data has arrived."""
@@ -134,6 +156,7 @@ class Session:
             except (EpdError, OSError, ValueError) as e:
                 self.fast_path_error = str(e)  # stay on gRPC, which carries everything
         self._staging = T.Staging()
+        self._staged: dict[str, np.ndarray] = {}  # the last call's staged copies, by name
         self._user_regions: list[T.ShmFile] = []
         # cuda backend: device allocations registered by IPC handle, the ready event, the heap
         self._device_regions: OrderedDict[bytes, str] = OrderedDict()
@@ -265,6 +288,7 @@ class Session:
 
     def _descs(self, arrays: dict[str, Any]) -> dict[str, Any]:
         """Descriptors for a call's inputs: registered arrays as they are, others staged."""
+        self._staged = {}
         if self.backend == "cuda":
             return self._device_descs(arrays)
         out: dict[str, epd_pb2.TensorDesc] = {}
@@ -286,7 +310,15 @@ class Session:
         for name, arr in staged.items():
             off, dst = self._staging.put(arr)
             out[name] = T.desc(self._staging.file.region_id, off, dst)
+            self._staged[name] = dst
         return out
+
+    def _write_back(self, name: str, user: Any) -> None:
+        """An input the engine updates in place (out=, cumulative stats): when it travelled as
+        a staged copy, copy the engine's result back into the caller's array."""
+        dst = self._staged.get(name)
+        if dst is not None:
+            T.to_numpy(user, name)[...] = dst
 
     def _region_of(self, arr: np.ndarray) -> T.ShmFile | None:
         if arr.size == 0:
@@ -485,6 +517,67 @@ class Group:
         cw = (self._view(resp.combined_topk_weights, copy, x)
               if resp.combined_topk_weights.region_id else None)
         return cx, cw
+
+    # -- low-latency mode (DeepEP low_latency_dispatch / low_latency_combine) ------------------
+    def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int,
+                             *, num_experts: int | None = None, use_fp8: bool = False,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             cumulative_local_expert_recv_stats: Any = None,
+                             timeout: float | None = None,
+                             copy: bool = True) -> LowLatencyDispatchResult:
+        """Send each (token, expert) pair to the rank of that expert; every rank receives
+        `[local experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` plus the counts
+        (DESIGN.md §6). `num_max_dispatch_tokens_per_rank` must be the same on every rank and
+        at most the group's max_tokens_per_rank; `num_experts` defaults to the group's.
+        With use_fp8 the tokens are quantised on the source (e4m3 + float32 scales per 128
+        channels); round_scale / use_ue8m0 make the scales powers of two (float32 here).
+        `cumulative_local_expert_recv_stats` (int32 [local experts]) gets recv_count added in
+        place. Views (copy=False) stay valid until the next low-latency dispatch."""
+        s = self._session
+        stats = cumulative_local_expert_recv_stats
+        d = s._descs({"x": x, "topk_idx": topk_idx,
+                      "cumulative_local_expert_recv_stats": stats})
+        t = self._timeout(timeout)
+        resp = s._call("LowLatencyDispatch", epd_pb2.LowLatencyDispatchRequest(
+            session_id=s.session_id, group_id=self.group_id,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=self.spec.num_experts if num_experts is None else num_experts,
+            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0, timeout_seconds=t,
+            **d), t + RPC_MARGIN)
+        if stats is not None:
+            s._write_back("cumulative_local_expert_recv_stats", stats)
+        v = self._view
+        shape, _ = T.meta(x, "x")
+        handle = LowLatencyHandle(self, resp.handle, shape[0], num_max_dispatch_tokens_per_rank,
+                                  self.spec.num_experts, self.spec.hidden)
+        return LowLatencyDispatchResult(
+            recv_x=v(resp.recv_x, copy, x),
+            recv_x_scales=v(resp.recv_x_scales, copy, x) if resp.recv_x_scales.region_id
+            else None,
+            recv_count=v(resp.recv_count, copy, x), handle=handle,
+            recv_src_rank=v(resp.recv_src_rank, copy, x),
+            recv_src_idx=v(resp.recv_src_idx, copy, x))
+
+    def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any,
+                            handle: LowLatencyHandle, *, out: Any = None,
+                            timeout: float | None = None, copy: bool = True) -> Any:
+        """Bring the expert outputs `x` ([local experts, num_ranks * num_max, hidden], rows as
+        dispatched) back and reduce them with the weights:
+        out[t] = sum_k w[t, k] * y[e_k][row of t], in fp32, k order, skipping -1. Returns
+        [T, hidden]; with `out=` the result is written into that array, which is returned."""
+        if not isinstance(handle, LowLatencyHandle) or handle.group is not self:
+            raise EpdError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "the handle is not a low-latency handle of this group")
+        s = self._session
+        d = s._descs({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "out": out})
+        t = self._timeout(timeout)
+        resp = s._call("LowLatencyCombine", epd_pb2.LowLatencyCombineRequest(
+            session_id=s.session_id, group_id=self.group_id, handle=handle.handle_id,
+            timeout_seconds=t, **d), t + RPC_MARGIN)
+        if out is not None:
+            s._write_back("out", out)
+            return out
+        return self._view(resp.combined_x, copy, x)
 
     def leave(self) -> None:
         """Leave the group. Its other ranks' later collectives fail with ABORTED."""
