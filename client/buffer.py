@@ -15,6 +15,19 @@ recomputed by the daemon from `topk_idx` (they are accepted for compatibility); 
 `previous_event`, `async_finish` and `allocate_on_comm_stream` are accepted and have no effect on
 the CPU backend; the handle is an opaque object rather than a tuple of tensors.
 
+Low-latency mode (`Buffer(..., low_latency_mode=True)`):
+
+    recv_x, recv_count, handle, event, hook = buf.low_latency_dispatch(
+        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True)
+    combined_x, event, hook = buf.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
+
+Calls return when their data has arrived, so `return_recv_hook=True` returns a hook that does
+nothing (it exists so code that calls it runs unchanged) and `async_finish` has no effect. FP8
+scales are float32 `[L, R*num_max, H/128]` in row-major order; `use_ue8m0` gives power-of-two
+float32 scales (it implies `round_scale`) rather than DeepEP's packed int32 UE8M0 words.
+`use_logfmt`, `zero_copy`, `dispatch_wait_recv_cost_stats` and `combine_wait_recv_cost_stats`
+are accepted and ignored: combine always carries exact bf16.
+
 The daemon group behind a Buffer is formed lazily at the first call, from the call's shapes
 (hidden, top-k, dtype, number of experts), so one Buffer serves several layer shapes.
 """
@@ -29,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from epd.client import tensors as T
-from epd.client.session import Group, Handle, Session
+from epd.client.session import Group, Handle, LowLatencyHandle, Session
 from epd.proto import dtypes
 
 
@@ -69,6 +82,31 @@ class BufferHandle:
     num_experts: int
 
 
+@dataclass
+class LowLatencyBufferHandle:
+    """The handle `low_latency_dispatch` returns; pass it to `low_latency_combine`."""
+
+    handle: LowLatencyHandle
+    template: Any = None  # the dispatch's x: combine buffers come back as its array type
+
+    @property
+    def num_max_dispatch_tokens_per_rank(self) -> int:
+        return self.handle.num_max_dispatch_tokens_per_rank
+
+    @property
+    def hidden(self) -> int:
+        return self.handle.hidden
+
+    @property
+    def num_experts(self) -> int:
+        return self.handle.num_experts
+
+
+def _no_op_hook() -> None:
+    """The receive hook: the call it came from has already received its data."""
+    return None
+
+
 class Buffer:
     num_sms: int = 20
 
@@ -80,15 +118,13 @@ class Buffer:
                  socket_dir: str | None = None, engine: int | None = None,
                  group_name: str = "deep_ep", max_tokens_per_rank: int = 4096,
                  timeout: float | None = None, session: Session | None = None) -> None:
-        if low_latency_mode:
-            raise NotImplementedError("low-latency mode is not available yet in EPD; use the "
-                                      "normal-mode dispatch/combine")
         if group is not None:
             rank, num_ranks = group.rank(), group.size()
         if rank is None or num_ranks is None:
             raise ValueError("Buffer needs a torch.distributed group, or rank= and num_ranks=")
         self.rank, self.group_size = int(rank), int(num_ranks)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.group_name = group_name
         self.max_tokens_per_rank = max_tokens_per_rank
@@ -104,6 +140,7 @@ class Buffer:
         self.session = session
         self._groups: dict[tuple, Group] = {}
         self._num_experts: int | None = None
+        self._combine_buffers: dict[tuple, Any] = {}
 
     # -- DeepEP's static helpers -------------------------------------------------------------
     @staticmethod
@@ -117,6 +154,14 @@ class Buffer:
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         return Config(Buffer.num_sms)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Accepted for compatibility (num_rdma_bytes is not used here): the bytes of one
+        rank's low-latency receive buffers, bf16 payload plus FP8 scales."""
+        rows = num_experts * num_max_dispatch_tokens_per_rank
+        return rows * (hidden * 2 + hidden // 128 * 4 + 8)
 
     # -- groups ------------------------------------------------------------------------------
     def _group(self, hidden: int, num_topk: int, dtype: np.dtype, num_experts: int) -> Group:
@@ -204,6 +249,65 @@ class Buffer:
         cx, cw = g.combine(x, handle.handle, topk_weights=topk_weights, bias_0=bias_0,
                            bias_1=bias_1)
         return cx, cw, EventOverlap()
+
+    # -- low-latency mode --------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Nothing to clean: the daemon's low-latency buffers need no zeroing between modes."""
+        return None
+
+    def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Any = None,
+                             dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """(recv_x, recv_count, handle, event, hook). recv_x is
+        `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` (bf16), or
+        with use_fp8 a tuple (e4m3 x, float32 scales `[..., hidden // 128]`); recv_count is
+        int32 `[num_local_experts]`; hook is a no-op callable when return_recv_hook is set
+        (the data has arrived when this returns), else None."""
+        x_shape, x_dtype = T.meta(x, "x")
+        idx_shape, _ = T.meta(topk_idx, "topk_idx")
+        if len(x_shape) != 2 or len(idx_shape) != 2:
+            raise ValueError(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
+                             f"{list(idx_shape)}")
+        g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts))
+        out = g.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts=int(num_experts),
+            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            timeout=self.timeout)
+        recv = (out.recv_x, out.recv_x_scales) if use_fp8 else out.recv_x
+        hook = _no_op_hook if return_recv_hook else None
+        return (recv, out.recv_count, LowLatencyBufferHandle(out.handle, x), EventOverlap(),
+                hook)
+
+    def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any,
+                            handle: LowLatencyBufferHandle, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Any = None,
+                            combine_wait_recv_cost_stats: Any = None):
+        """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
+        of each token's expert outputs; written into `out` (and returned) when given."""
+        g = handle.handle.group
+        cx = g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
+                                   timeout=self.timeout)
+        return cx, EventOverlap(), _no_op_hook if return_recv_hook else None
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Any:
+        """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer
+        to write expert outputs into; it lives in a region the daemon already maps, so passing
+        it to `low_latency_combine` costs no staging copy. One buffer per shape, reused."""
+        h = handle.handle
+        spec = h.group.spec
+        shape = (spec.num_experts // spec.num_ranks,
+                 spec.num_ranks * h.num_max_dispatch_tokens_per_rank, spec.hidden)
+        key = (h.group.group_id, shape)
+        buf = self._combine_buffers.get(key)
+        if buf is None:
+            buf = self._combine_buffers[key] = self.session.empty(
+                shape, dtypes.to_numpy(spec.x_dtype))
+        return T.like(buf, handle.template)
 
     def destroy(self) -> None:
         """Leave every group and close the session (idempotent)."""

@@ -1,0 +1,525 @@
+"""Low-latency (decode) mode on the CPU backend: DeepEP's low_latency_dispatch / _combine through a
+real daemon, ranks as threads with one Session each, compared with server/reference.py.
+
+Rows within a local expert may come in any order, so dispatch results are compared as sets keyed
+by (source rank, source token); combine results bit-exactly."""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from epd.client import EpdError, Session
+from epd.client.buffer import Buffer, EventOverlap
+from epd.proto import dtypes
+from epd.proto.v1 import epd_pb2
+from epd.server import reference as ref
+
+pytestmark = pytest.mark.slow
+BF16, FP8 = dtypes.BFLOAT16, dtypes.FLOAT8_E4M3
+R, E, K, H = 3, 12, 3, 256  # 4 local experts per rank
+MAX_T = 32  # the groups' max_tokens_per_rank
+_names = itertools.count()
+
+# use_fp8, round_scale, use_ue8m0
+MODES = {"bf16": (False, False, False), "fp8": (True, False, False),
+         "fp8-round": (True, True, False), "fp8-ue8m0": (True, False, True)}
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+def _workload(tokens: list[int], seed: int, *, drop_prob: float = 0.15,
+              experts: int = E, num_ranks: int = R):
+    rng = np.random.default_rng(seed)
+    xs = [ref.random_x(rng, t, H, BF16) for t in tokens]
+    routing = [ref.random_routing(rng, t, experts, K, drop_prob=drop_prob, num_ranks=num_ranks)
+               for t in tokens]
+    return xs, [r[0] for r in routing], [r[1] for r in routing]
+
+
+def _run(daemon, fn, *, num_ranks: int = R, fast: bool = True, experts: int = E,
+         max_tokens: int = MAX_T):
+    """Open one session per rank (engines round robin), join a fresh group, run
+    fn(rank, session, group) on every rank at once, return the results by rank."""
+    sessions = [Session(daemon.socket(r % daemon.engines), fast_path=fast)
+                for r in range(num_ranks)]
+    name = f"ll-{next(_names)}"
+    try:
+        assert {s.transport for s in sessions} == {"fastpath" if fast else "grpc"}
+
+        def rank(r: int):
+            g = sessions[r].join(name, rank=r, num_ranks=num_ranks, num_experts=experts,
+                                 hidden=H, max_tokens_per_rank=max_tokens, num_topk=K)
+            return fn(r, sessions[r], g)
+        with ThreadPoolExecutor(num_ranks) as ex:
+            return list(ex.map(rank, range(num_ranks)))
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def _dequant(recv_x, scales) -> np.ndarray:
+    """fp32 view of received rows (FP8 times its per-128-channel scale)."""
+    x = np.asarray(recv_x).astype(np.float32)
+    if scales is not None:
+        x = x * np.repeat(np.asarray(scales), dtypes.FP8_BLOCK, axis=-1)
+    return x
+
+
+def _expert(rank: int, recv_x, scales) -> np.ndarray:
+    """A per-row 'expert' (depends on the local expert and rank only): bf16 [L, rows, H]."""
+    x = _dequant(recv_x, scales)
+    factor = (np.arange(x.shape[0], dtype=np.float32) * 0.25 + 0.5 + rank)[:, None, None]
+    return (x * factor).astype(BF16)
+
+
+def _rows(recv_x, scales, src_rank, src_idx, count, e: int) -> dict:
+    """{(src_rank, src_idx): (payload bits, scales)} of the valid rows of local expert e."""
+    n = int(count[e])
+    bits = np.asarray(recv_x)[e, :n].view(np.uint8)
+    out = {}
+    for row in range(n):
+        key = (int(src_rank[e, row]), int(src_idx[e, row]))
+        assert key not in out, f"row {key} received twice by local expert {e}"
+        out[key] = (bits[row].tobytes(), None if scales is None else
+                    np.asarray(scales)[e, row].tobytes())
+    return out
+
+
+def _check_dispatch(got, want: ref.LowLatencyDispatch) -> None:
+    """One rank's low-latency dispatch against the reference, as sets per local expert."""
+    np.testing.assert_array_equal(got.recv_count, want.recv_count)
+    assert got.recv_count.dtype == np.int32
+    local = want.recv_count.shape[0]
+    fp8 = want.recv_x_scales is not None
+    assert got.recv_x.dtype == (FP8 if fp8 else BF16)
+    assert got.recv_x.shape == want.recv_x.shape
+    assert (got.recv_x_scales is not None) == fp8
+    for e in range(local):
+        assert _rows(got.recv_x, got.recv_x_scales, got.recv_src_rank, got.recv_src_idx,
+                     got.recv_count, e) == \
+            _rows(want.recv_x, want.recv_x_scales, want.recv_src_rank, want.recv_src_idx,
+                  want.recv_count, e)
+        n = int(want.recv_count[e])  # beyond the count: zero rows, source -1 (the reference's)
+        assert not np.asarray(got.recv_x)[e, n:].view(np.uint8).any()
+        assert (np.asarray(got.recv_src_rank)[e, n:] == -1).all()
+        assert (np.asarray(got.recv_src_idx)[e, n:] == -1).all()
+
+
+def _reference(xs, idx, w, num_max: int, mode: str, experts: int = E):
+    use_fp8, round_scale, ue8m0 = MODES[mode]
+    disp = ref.low_latency_dispatch(xs, idx, experts, num_max, use_fp8=use_fp8,
+                                    round_scale=round_scale or ue8m0)
+    ys = [_expert(d, dd.recv_x, dd.recv_x_scales) for d, dd in enumerate(disp)]
+    return disp, ref.low_latency_combine(ys, disp, idx, w, experts)
+
+
+def _bits(a) -> np.ndarray:
+    return np.asarray(a).view(np.uint16)
+
+
+# ------------------------------------------------------------------------------------------------
+# semantics
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fastpath", "grpc"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_reference(daemon, mode: str, fast: bool) -> None:
+    """bf16 and FP8 (plain, round_scale, ue8m0), -1 entries, a rank with zero tokens; two
+    rounds with different routing reuse the buffers."""
+    use_fp8, round_scale, ue8m0 = MODES[mode]
+    num_max = 24
+    rounds = [_workload([20, 0, 13], seed=1), _workload([7, 24, 1], seed=2)]
+
+    def fn(r, s, g):
+        got = []
+        for xs, idx, w in rounds:
+            out = g.low_latency_dispatch(xs[r], idx[r], num_max, use_fp8=use_fp8,
+                                         round_scale=round_scale, use_ue8m0=ue8m0)
+            y = _expert(r, out.recv_x, out.recv_x_scales)
+            got.append((out, g.low_latency_combine(y, idx[r], w[r], out.handle)))
+        return got
+
+    res = _run(daemon, fn, fast=fast)
+    for i, (xs, idx, w) in enumerate(rounds):
+        disp, comb = _reference(xs, idx, w, num_max, mode)
+        for r in range(R):
+            out, cx = res[r][i]
+            _check_dispatch(out, disp[r])
+            if ue8m0 or round_scale:  # power-of-two scales
+                sc = out.recv_x_scales[out.recv_src_rank >= 0]
+                np.testing.assert_array_equal(np.exp2(np.round(np.log2(sc))), sc)
+            assert cx.dtype == BF16 and cx.shape == (len(xs[r]), H)
+            np.testing.assert_array_equal(_bits(cx), _bits(comb[r]))
+
+
+def test_rank_receiving_nothing_and_no_routes(daemon) -> None:
+    """Rank 1's experts are never picked; rank 2 routes every token nowhere (-1)."""
+    rng = np.random.default_rng(5)
+    tokens = [9, 6, 4]
+    xs = [ref.random_x(rng, t, H, BF16) for t in tokens]
+    local = E // R
+    idx, w = [], []
+    for r, t in enumerate(tokens):
+        choice = np.full((t, K), -1, dtype=np.int64)
+        if r != 2:  # experts of ranks 0 and 2 only, distinct per token
+            pool = np.r_[0:local, 2 * local:3 * local]
+            for i in range(t):
+                choice[i] = rng.choice(pool, K, replace=False)
+        idx.append(choice)
+        w.append(np.where(choice >= 0, rng.random((t, K)), 0).astype(np.float32))
+
+    def fn(r, s, g):
+        out = g.low_latency_dispatch(xs[r], idx[r], 16)
+        return out, g.low_latency_combine(_expert(r, out.recv_x, None), idx[r], w[r],
+                                          out.handle)
+
+    res = _run(daemon, fn)
+    disp, comb = _reference(xs, idx, w, 16, "bf16")
+    assert not disp[1].recv_count.any()
+    for r in range(R):
+        _check_dispatch(res[r][0], disp[r])
+        np.testing.assert_array_equal(_bits(res[r][1]), _bits(comb[r]))
+    np.testing.assert_array_equal(_bits(res[2][1]), np.zeros((4, H), np.uint16))
+
+
+def test_mixed_with_normal_mode(daemon) -> None:
+    """Normal and low-latency collectives share the group's sequence: interleaved, all exact."""
+    xs, idx, w = _workload([11, 5, 8], seed=9)
+    disp_n = ref.dispatch(xs, idx, w, E)
+    comb_n = ref.combine([d.recv_x for d in disp_n], disp_n, [len(x) for x in xs])
+    disp_l, comb_l = _reference(xs, idx, w, 16, "fp8")
+
+    def fn(r, s, g):
+        out = []
+        for _ in range(2):
+            n = g.dispatch(xs[r], idx[r], w[r])
+            out.append(("n", n, g.combine(n.recv_x, n.handle)[0]))
+            ll = g.low_latency_dispatch(xs[r], idx[r], 16, use_fp8=True)
+            out.append(("l", ll, g.low_latency_combine(_expert(r, ll.recv_x, ll.recv_x_scales),
+                                                       idx[r], w[r], ll.handle)))
+        return out
+
+    for r, got in enumerate(_run(daemon, fn)):
+        for kind, d, cx in got:
+            if kind == "n":
+                np.testing.assert_array_equal(_bits(d.recv_x), _bits(disp_n[r].recv_x))
+                np.testing.assert_array_equal(_bits(cx), _bits(comb_n[r][0]))
+            else:
+                _check_dispatch(d, disp_l[r])
+                np.testing.assert_array_equal(_bits(cx), _bits(comb_l[r]))
+
+
+def test_cumulative_stats_and_out(daemon) -> None:
+    """cumulative_local_expert_recv_stats accumulates across calls (a staged NumPy array and one
+    in a registered region); out= writes into the caller's array (staged and registered)."""
+    xs, idx, w = _workload([10, 12, 3], seed=4)
+    disp, comb = _reference(xs, idx, w, 12, "bf16")
+
+    def fn(r, s, g):
+        local = E // R
+        staged = np.full(local, 5, dtype=np.int32)
+        registered = s.empty(local, np.int32)
+        registered[:] = 0
+        outs = []
+        for i in range(3):
+            stats = staged if i % 2 == 0 else registered
+            d = g.low_latency_dispatch(xs[r], idx[r], 12,
+                                       cumulative_local_expert_recv_stats=stats)
+            y = _expert(r, d.recv_x, None)
+            mine = np.zeros((len(xs[r]), H), dtype=BF16)
+            reg_out = s.empty((len(xs[r]), H), BF16)
+            a = g.low_latency_combine(y, idx[r], w[r], d.handle, out=mine)
+            b = g.low_latency_combine(y, idx[r], w[r], d.handle, out=reg_out)
+            c = g.low_latency_combine(y, idx[r], w[r], d.handle)
+            outs.append((a is mine, b is reg_out, mine.copy(), np.array(reg_out), c))
+        return staged.copy(), np.array(registered), outs
+
+    for r, (staged, registered, outs) in enumerate(_run(daemon, fn)):
+        np.testing.assert_array_equal(staged, 5 + 2 * disp[r].recv_count)
+        np.testing.assert_array_equal(registered, disp[r].recv_count)
+        for same_a, same_b, a, b, c in outs:
+            assert same_a and same_b
+            for arr in (a, b, c):
+                np.testing.assert_array_equal(_bits(arr), _bits(comb[r]))
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: precise codes, nothing changes, a corrected retry completes the collective
+# ------------------------------------------------------------------------------------------------
+
+def _code(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(EpdError) as ei:
+        fn()
+    return ei.value.code, str(ei.value)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fastpath", "grpc"])
+def test_bad_input(daemon, fast: bool) -> None:
+    xs, idx, w = _workload([6, 4, 5], seed=11)
+    disp, comb = _reference(xs, idx, w, 8, "bf16")
+    INV, PRE = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+
+    def fn(r, s, g):
+        stats = np.zeros(E // R, dtype=np.int32)
+        errors = []
+        if r == 0:  # rejected before the rank takes part: the peers just wait for it
+            x, i = xs[0], idx[0]
+            dup = i.copy()
+            dup[0, 1] = dup[0, 0] = 3
+            cases = {
+                "num_max above the group's": lambda: g.low_latency_dispatch(
+                    x, i, MAX_T + 1, cumulative_local_expert_recv_stats=stats),
+                "num_max zero": lambda: g.low_latency_dispatch(x, i, 0),
+                "tokens above num_max": lambda: g.low_latency_dispatch(
+                    x, i, 5, cumulative_local_expert_recv_stats=stats),
+                "wrong num_experts": lambda: g.low_latency_dispatch(x, i, 8, num_experts=E + 3),
+                "x float32": lambda: g.low_latency_dispatch(x.astype(np.float32), i, 8),
+                "topk_idx int32": lambda: g.low_latency_dispatch(x, i.astype(np.int32), 8),
+                "topk_idx wrong width": lambda: g.low_latency_dispatch(x, i[:, :2], 8),
+                "expert id out of range": lambda: g.low_latency_dispatch(
+                    x, np.where(i >= 0, i, E), 8),
+                "duplicate expert": lambda: g.low_latency_dispatch(x, dup, 8),
+                "round_scale without fp8": lambda: g.low_latency_dispatch(
+                    x, i, 8, round_scale=True),
+                "stats wrong shape": lambda: g.low_latency_dispatch(
+                    x, i, 8, cumulative_local_expert_recv_stats=np.zeros(E, np.int32)),
+                "stats wrong dtype": lambda: g.low_latency_dispatch(
+                    x, i, 8, cumulative_local_expert_recv_stats=np.zeros(E // R, np.int64)),
+            }
+            for what, call in cases.items():
+                errors.append((what, *_code(call)))
+        d = g.low_latency_dispatch(xs[r], idx[r], 8, cumulative_local_expert_recv_stats=stats)
+        y = _expert(r, d.recv_x, None)
+        if r == 0:
+            unknown = type(d.handle)(g, 999, d.handle.num_tokens, 8, E, H)
+            bad_idx = idx[0].copy()
+            bad_idx[0] = [e for e in range(E) if e not in idx[0][0]][:K]
+            cases = {
+                "unknown handle": lambda: g.low_latency_combine(y, idx[0], w[0], unknown),
+                "x wrong rows": lambda: g.low_latency_combine(y[:, :-1], idx[0], w[0],
+                                                              d.handle),
+                "combine x float32": lambda: g.low_latency_combine(
+                    y.astype(np.float32), idx[0], w[0], d.handle),
+                "weights wrong shape": lambda: g.low_latency_combine(y, idx[0], w[0][:-1],
+                                                                     d.handle),
+                "out wrong shape": lambda: g.low_latency_combine(
+                    y, idx[0], w[0], d.handle, out=np.zeros((1, H), BF16)),
+                "expert not dispatched": lambda: g.low_latency_combine(y, bad_idx, w[0],
+                                                                       d.handle),
+                "not found group": lambda: s._call(
+                    "LowLatencyCombine", epd_pb2.LowLatencyCombineRequest(
+                        session_id=s.session_id, group_id="nope", handle=d.handle.handle_id)),
+            }
+            for what, call in cases.items():
+                errors.append((what, *_code(call)))
+        cx = g.low_latency_combine(y, idx[r], w[r], d.handle)
+        # A normal handle to low-latency combine and back: FAILED_PRECONDITION.
+        n = g.dispatch(xs[r], idx[r], w[r])
+        if r == 0:
+            normal_as_ll = type(d.handle)(g, n.handle.handle_id, len(xs[0]), 8, E, H)
+            errors.append(("normal handle to ll combine",
+                           *_code(lambda: g.low_latency_combine(y, idx[0], w[0],
+                                                                normal_as_ll))))
+            ll_as_normal = type(n.handle)(g, d.handle.handle_id, 0, 0, n.handle.rows)
+            errors.append(("ll handle to combine",
+                           *_code(lambda: g.combine(n.recv_x, ll_as_normal))))
+            errors.append(("ll handle to cached dispatch",
+                           *_code(lambda: g.dispatch(xs[0], handle=ll_as_normal))))
+        g.combine(n.recv_x, n.handle)
+        return errors, stats, d, cx
+
+    res = _run(daemon, fn, fast=fast)
+    want = {
+        "num_max above the group's": (INV, "exceeds the group's max_tokens_per_rank=32"),
+        "num_max zero": (INV, "num_max_dispatch_tokens_per_rank must be positive"),
+        "tokens above num_max": (INV, "6 tokens exceed num_max_dispatch_tokens_per_rank=5"),
+        "wrong num_experts": (INV, "num_experts=15 does not match the group's num_experts=12"),
+        "x float32": (INV, "x: dtype float32 is not one of ['bfloat16']"),
+        "topk_idx int32": (INV, "topk_idx: dtype int32"),
+        "topk_idx wrong width": (INV, "topk_idx has shape [6, 2], expected [6, 3]"),
+        "expert id out of range": (INV, "valid ids are -1 (none) and [0, 12)"),
+        "duplicate expert": (INV, "topk_idx[0] names expert 3 twice"),
+        "round_scale without fp8": (INV, "they need use_fp8"),
+        "stats wrong shape": (INV, "expected [4] (local experts)"),
+        "stats wrong dtype": (INV, "cumulative_local_expert_recv_stats: dtype int64"),
+        "unknown handle": (PRE, "handle 999 is not known"),
+        "x wrong rows": (INV, "expected [4, 24, 256]"),
+        "combine x float32": (INV, "x: dtype float32 is not one of ['bfloat16']"),
+        "weights wrong shape": (INV, "topk_weights has shape [5, 3], expected [6, 3]"),
+        "out wrong shape": (INV, "out has shape [1, 256], expected [6, 256]"),
+        "expert not dispatched": (INV, "was not dispatched to that expert"),
+        "not found group": (grpc.StatusCode.NOT_FOUND, "group 'nope' is not joined"),
+        "normal handle to ll combine": (PRE, "comes from a normal dispatch; pass it to Combine"),
+        "ll handle to combine": (PRE, "comes from a low-latency dispatch; pass it to "
+                                      "LowLatencyCombine"),
+        "ll handle to cached dispatch": (PRE, "comes from a low-latency dispatch"),
+    }
+    errors = {what: (code, msg) for what, code, msg in res[0][0]}
+    assert set(errors) == set(want)
+    for what, (code, text) in want.items():
+        assert errors[what][0] == code, (what, errors[what])
+        assert text in errors[what][1], (what, errors[what][1])
+    # Nothing changed: the stats got exactly one dispatch's counts, the results are exact.
+    for r in range(R):
+        _, stats, d, cx = res[r]
+        np.testing.assert_array_equal(stats, disp[r].recv_count)
+        _check_dispatch(d, disp[r])
+        np.testing.assert_array_equal(_bits(cx), _bits(comb[r]))
+
+
+def test_arguments_that_differ_across_ranks(daemon) -> None:
+    """num_max_dispatch_tokens_per_rank / use_fp8 must agree: every rank gets INVALID_ARGUMENT
+    naming the disagreement, and the group stays usable."""
+    xs, idx, w = _workload([4, 4, 4], seed=3)
+    disp, comb = _reference(xs, idx, w, 8, "bf16")
+
+    def fn(r, s, g):
+        first = _code(lambda: g.low_latency_dispatch(xs[r], idx[r], 8 if r else 16))
+        second = _code(lambda: g.low_latency_dispatch(xs[r], idx[r], 8, use_fp8=r == 2))
+        d = g.low_latency_dispatch(xs[r], idx[r], 8)
+        return first, second, d, g.low_latency_combine(_expert(r, d.recv_x, None), idx[r],
+                                                       w[r], d.handle)
+
+    for r, (first, second, d, cx) in enumerate(_run(daemon, fn)):
+        for code, msg in (first, second):
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "arguments differ across ranks" in msg
+        _check_dispatch(d, disp[r])
+        np.testing.assert_array_equal(_bits(cx), _bits(comb[r]))
+
+
+# ------------------------------------------------------------------------------------------------
+# the DeepEP facade
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("use_torch", [False, True], ids=["numpy", "torch"])
+def test_deepep_low_latency_call_sequence(daemon, use_torch: bool) -> None:
+    torch = pytest.importorskip("torch") if use_torch else None
+    xs, idx, w = _workload([14, 9, 16], seed=17)
+    num_max = 16
+    disp, comb = _reference(xs, idx, w, num_max, "fp8")
+    disp_bf, comb_bf = _reference(xs, idx, w, num_max, "bf16")
+
+    def to_in(a):
+        if torch is None:
+            return a
+        if a.dtype == BF16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    def to_np(a):
+        if torch is None:
+            return np.asarray(a)
+        if a.dtype == torch.bfloat16:
+            return a.view(torch.int16).numpy().view(BF16)
+        if a.dtype == torch.float8_e4m3fn:
+            return a.view(torch.uint8).numpy().view(FP8)
+        return a.numpy()
+
+    def rank(r: int):
+        buf = Buffer(None, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=E // R,
+                     rank=r, num_ranks=R, endpoint=daemon.socket(r % daemon.engines),
+                     group_name=f"deepep-ll-{use_torch}", max_tokens_per_rank=MAX_T)
+        try:
+            assert Buffer.get_low_latency_rdma_size_hint(num_max, H, R, E) > 0
+            buf.clean_low_latency_buffer(num_max, H, E)
+            x, i, wt = to_in(xs[r]), to_in(idx[r]), to_in(w[r])
+            stats = to_in(np.zeros(E // R, dtype=np.int32))
+            (rx, rs), count, handle, event, hook = buf.low_latency_dispatch(
+                x, i, num_max, E, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+                async_finish=True, return_recv_hook=True)
+            assert isinstance(event, EventOverlap) and callable(hook)
+            event.current_stream_wait()
+            hook()
+            got = {"fp8": (to_np(rx), to_np(rs), to_np(count), handle)}
+            y = buf.get_next_low_latency_combine_buffer(handle)
+            assert type(y).__module__.startswith("torch" if torch else "numpy")
+            y[...] = to_in(_expert(r, to_np(rx), to_np(rs)))
+            out = to_in(np.zeros((len(xs[r]), H), dtype=BF16))
+            cx, event, hook = buf.low_latency_combine(y, i, wt, handle, zero_copy=True,
+                                                      out=out)
+            assert cx is out and hook is None and isinstance(event, EventOverlap)
+            got["fp8_combined"] = to_np(cx).copy()
+            # bf16 dispatch, no hook, a fresh output tensor
+            rx, count, handle, _, hook = buf.low_latency_dispatch(
+                x, i, num_max, E, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+            assert hook is None
+            cx, _, _ = buf.low_latency_combine(to_in(_expert(r, to_np(rx), None)), i, wt,
+                                               handle, return_recv_hook=True)
+            got["bf16"] = (to_np(rx), to_np(count), to_np(cx), to_np(stats).copy())
+            return got
+        finally:
+            buf.destroy()
+
+    with ThreadPoolExecutor(R) as ex:
+        res = list(ex.map(rank, range(R)))
+    for r, got in enumerate(res):
+        rx, rs, count, _ = got["fp8"]
+        np.testing.assert_array_equal(count, disp[r].recv_count)
+        assert rx.dtype == FP8 and rs.dtype == np.float32
+        assert rx.shape == (E // R, R * num_max, H) and rs.shape == (E // R, R * num_max, H // 128)
+        # compare as multisets of rows per expert (no source info in DeepEP's return values)
+        for e in range(E // R):
+            n = int(count[e])
+            mine = sorted(zip(rx[e, :n].view(np.uint8).tolist(), rs[e, :n].tolist(),
+                              strict=True))
+            want = sorted(zip(disp[r].recv_x[e, :n].view(np.uint8).tolist(),
+                              disp[r].recv_x_scales[e, :n].tolist(), strict=True))
+            assert mine == want
+        np.testing.assert_array_equal(_bits(got["fp8_combined"]), _bits(comb[r]))
+        rx, count, cx, stats = got["bf16"]
+        np.testing.assert_array_equal(count, disp_bf[r].recv_count)
+        assert rx.dtype == BF16
+        np.testing.assert_array_equal(_bits(cx), _bits(comb_bf[r]))
+        np.testing.assert_array_equal(stats, 2 * disp[r].recv_count)
+
+
+# ------------------------------------------------------------------------------------------------
+# metrics and backends without low-latency kernels
+# ------------------------------------------------------------------------------------------------
+
+def test_metrics(daemon) -> None:
+    """Low-latency ops count under their method names and time into the dispatch/combine
+    histograms with the usual labels (path grpc / fastpath)."""
+    xs, idx, w = _workload([3, 2, 4], seed=23)
+
+    def fn(r, s, g):
+        d = g.low_latency_dispatch(xs[r], idx[r], 4)
+        g.low_latency_combine(_expert(r, d.recv_x, None), idx[r], w[r], d.handle)
+        return g.name
+
+    names = {path: _run(daemon, fn, fast=path == "fastpath")[0] for path in ("fastpath", "grpc")}
+    status, text = daemon.get("/metrics")
+    assert status == 200
+    for method in ("LowLatencyDispatch", "LowLatencyCombine"):
+        assert f'epd_requests_total{{code="OK",method="{method}"}}' in text
+    for hist in ("epd_dispatch_seconds", "epd_combine_seconds"):
+        for path, name in names.items():  # one observation per rank, summed over engines
+            lines = [line for line in text.splitlines() if line.startswith(f"{hist}_count{{")
+                     and f'group="{name}"' in line and f'path="{path}"' in line]
+            assert len(lines) == 1 and float(lines[0].split()[-1]) == R, (hist, path, lines)
+
+
+def test_backend_without_low_latency_answers_failed_precondition() -> None:
+    """The RankComm defaults (what the CUDA backend uses until it has LL kernels)."""
+    from epd.server.backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs, RankComm
+    from epd.server.errors import FailedPrecondition
+
+    class NoLowLatency(RankComm):
+        backend_name = "cuda"
+        layout = dispatch = combine = abort = abort_reason = close = None
+
+    comm = NoLowLatency()
+    for call in (lambda: comm.low_latency_dispatch(LowLatencyDispatchArgs(None, None, 1), 0.0),
+                 lambda: comm.low_latency_combine(LowLatencyCombineArgs(None, None, None, None),
+                                                  0.0)):
+        with pytest.raises(FailedPrecondition,
+                           match="low-latency mode is not implemented on the cuda backend"):
+            call()
