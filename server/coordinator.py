@@ -20,7 +20,7 @@ from epd.proto.v1 import epd_pb2
 from epd.server import metrics
 from epd.server.backends import cpu
 from epd.server.backends.base import GroupSpec
-from epd.server.engine.core import spec_from_proto
+from epd.server.engine.state import spec_from_proto
 from epd.server.errors import (
     DeadlineExceeded,
     FailedPrecondition,

@@ -141,7 +141,7 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         from epd.server import metrics
-        from epd.server.engine.core import sweep_engine_files
+        from epd.server.engine.state import sweep_engine_files
         while not self.stopping:
             for e in self.engines:
                 if e.proc is None:

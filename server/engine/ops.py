@@ -1,0 +1,433 @@
+"""The data-plane operations: layout, dispatch and combine, normal and low-latency mode.
+
+Each is one synchronous function that runs on the session's worker (or the fast-path thread)
+under the session's operation lock: it validates (nothing changes on bad input), runs the rank's
+collective on the backend and returns the proto response. Every transport executes this code.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from epd.proto import counter_page, dtypes
+from epd.proto.v1 import epd_pb2
+from epd.server import metrics
+from epd.server.backends.base import (
+    CombineArgs,
+    DispatchArgs,
+    GroupSpec,
+    LowLatencyCombineArgs,
+    LowLatencyDispatchArgs,
+)
+from epd.server.engine import tensors
+from epd.server.engine.state import LOW_LATENCY, NORMAL, GroupMember, HandleInfo, Session
+from epd.server.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+)
+
+INDEX_DTYPES = (epd_pb2.INT64,)
+
+
+class DataPlane:
+    """Mixed into Engine: needs `config`, `backend`, `member()` and `_timeout()`."""
+
+    # -- collectives -------------------------------------------------------------------------
+    def _count_traffic(self, member: GroupMember, out) -> None:
+        """Per-membership counters and the byte metrics of one collective."""
+        member.bytes_sent += out.bytes_sent
+        member.bytes_received += out.bytes_received
+        peer = "shm" if self.backend.name == "cpu" else "nvlink"
+        metrics.BYTES_SENT.labels(member.spec.name, peer).inc(out.bytes_sent)
+        metrics.BYTES_RECEIVED.labels(member.spec.name, peer).inc(out.bytes_received)
+
+    def _check_alive(self, member: GroupMember) -> None:
+        reason = member.comm.abort_reason()
+        if reason is not None:
+            raise Aborted(f"group {member.spec.name!r} is aborted: {reason}")
+
+    def _check_routing(self, spec: GroupSpec, topk_idx, topk_weights, num_tokens: int) -> None:
+        if topk_idx.shape != (num_tokens, spec.num_topk):
+            raise InvalidArgument(f"topk_idx has shape {list(topk_idx.shape)}, expected "
+                                  f"[{num_tokens}, {spec.num_topk}]")
+        if topk_weights is not None and topk_weights.shape != topk_idx.shape:
+            raise InvalidArgument(f"topk_weights has shape {list(topk_weights.shape)}, expected "
+                                  f"{list(topk_idx.shape)}")
+
+    # Each data-plane operation is one synchronous function that runs on the session's worker
+    # (validation included), so every transport executes the same code: gRPC awaits it through
+    # `_run`, the shared-memory fast path submits it to the worker directly.
+    async def get_dispatch_layout(self, session: Session,
+                                  req: epd_pb2.GetDispatchLayoutRequest
+                                  ) -> epd_pb2.GetDispatchLayoutResponse:
+        return await self._run(session, self.layout_op, session, req, "grpc")
+
+    async def dispatch(self, session: Session,
+                       req: epd_pb2.DispatchRequest) -> epd_pb2.DispatchResponse:
+        return await self._run(session, self.dispatch_op, session, req, "grpc")
+
+    async def combine(self, session: Session,
+                      req: epd_pb2.CombineRequest) -> epd_pb2.CombineResponse:
+        return await self._run(session, self.combine_op, session, req, "grpc")
+
+    def _check_values(self, session: Session, ready_event: bytes, spec: GroupSpec,
+                      topk_idx) -> None:
+        """Wait for the client's inputs, then check what needs reading them (before the rank
+        takes part in the collective)."""
+        self.backend.wait_event(session.events, ready_event)
+        if topk_idx is not None and topk_idx.shape[0]:
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            if lo < -1 or hi >= spec.num_experts:
+                raise InvalidArgument(f"topk_idx holds expert ids in [{lo}, {hi}]; valid ids are "
+                                      f"-1 (none) and [0, {spec.num_experts})")
+
+    def layout_op(self, session: Session, req: epd_pb2.GetDispatchLayoutRequest,
+                  path: str) -> epd_pb2.GetDispatchLayoutResponse:
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        idx = tensors.resolve(req.topk_idx, session.regions, "topk_idx", ndim=2,
+                              dtype=INDEX_DTYPES)
+        if idx.shape[0] > spec.max_tokens_per_rank:
+            raise InvalidArgument(f"{idx.shape[0]} tokens exceed the group's "
+                                  f"max_tokens_per_rank={spec.max_tokens_per_rank}")
+        self._check_routing(spec, idx, None, idx.shape[0])
+        t0 = time.perf_counter()
+        self._check_values(session, req.ready_event, spec, idx)
+        out = member.comm.layout(idx)
+        metrics.LAYOUT_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        per_expert = self.backend.to_host(out.num_tokens_per_expert)
+        if per_expert.size and per_expert.mean() > 0:
+            metrics.LOAD_IMBALANCE.labels(spec.name).set(float(per_expert.max() /
+                                                               per_expert.mean()))
+        r = member.comm.output_region
+        return epd_pb2.GetDispatchLayoutResponse(
+            num_tokens_per_rank=tensors.describe(out.num_tokens_per_rank, r),
+            num_tokens_per_expert=tensors.describe(out.num_tokens_per_expert, r),
+            is_token_in_rank=tensors.describe(out.is_token_in_rank, r))
+
+    def dispatch_op(self, session: Session, req: epd_pb2.DispatchRequest,
+                    path: str) -> epd_pb2.DispatchResponse:
+        """Validate (nothing changes on bad input), then notify + dispatch."""
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        self._check_alive(member)
+        regions = session.regions
+        x = tensors.resolve(req.x, regions, "x", ndim=2,
+                            dtype=(spec.x_dtype, epd_pb2.FLOAT8_E4M3))
+        fp8 = req.x.dtype == epd_pb2.FLOAT8_E4M3
+        t = x.shape[0]
+        if x.shape[1] != spec.hidden:
+            raise InvalidArgument(f"x has hidden size {x.shape[1]}, the group's is {spec.hidden}")
+        if t > spec.max_tokens_per_rank:
+            raise InvalidArgument(f"{t} tokens exceed the group's max_tokens_per_rank="
+                                  f"{spec.max_tokens_per_rank}")
+        scales = None
+        if fp8:
+            if spec.hidden % dtypes.FP8_BLOCK:
+                raise InvalidArgument(f"FP8 dispatch needs hidden % {dtypes.FP8_BLOCK} == 0, "
+                                      f"the group's hidden is {spec.hidden}")
+            if not tensors.is_set(req.x_scales):
+                raise InvalidArgument("FP8 dispatch needs x_scales (float32 [T, hidden/128])")
+            scales = tensors.resolve(req.x_scales, regions, "x_scales", ndim=2,
+                                     dtype=epd_pb2.FLOAT32)
+            want = (t, spec.hidden // dtypes.FP8_BLOCK)
+            if scales.shape != want:
+                raise InvalidArgument(f"x_scales has shape {list(scales.shape)}, expected "
+                                      f"{list(want)}")
+        elif tensors.is_set(req.x_scales):
+            raise InvalidArgument(f"x_scales is only for FP8 payloads; x is "
+                                  f"{dtypes.name(req.x.dtype)}")
+        if req.expert_alignment < 0 or req.num_worst_tokens < 0:
+            raise InvalidArgument("expert_alignment and num_worst_tokens must be >= 0")
+        if req.num_worst_tokens > spec.max_recv_tokens:
+            raise InvalidArgument(f"num_worst_tokens={req.num_worst_tokens} exceeds "
+                                  f"num_ranks * max_tokens_per_rank={spec.max_recv_tokens}")
+        cached = None
+        idx = weights = None
+        if req.cached_handle:
+            cached = member.handles.get(req.cached_handle)
+            if cached is None:
+                raise FailedPrecondition(self._unknown_handle(member, req.cached_handle))
+            self._check_kind(cached, req.cached_handle, NORMAL)
+            if cached.num_tokens != t:
+                raise InvalidArgument(f"cached dispatch with {t} tokens, but handle "
+                                      f"{req.cached_handle} was made for {cached.num_tokens}")
+            if tensors.is_set(req.topk_idx) or tensors.is_set(req.topk_weights):
+                raise InvalidArgument("cached dispatch takes no topk_idx/topk_weights")
+        else:
+            if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
+                raise InvalidArgument("dispatch needs topk_idx and topk_weights "
+                                      "(or cached_handle)")
+            idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+            weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
+                                      dtype=epd_pb2.FLOAT32)
+            self._check_routing(spec, idx, weights, t)
+        timeout = self._timeout(req.timeout_seconds)
+        args = DispatchArgs(x, scales, idx, weights, max(req.expert_alignment, 1),
+                            req.num_worst_tokens,
+                            cached.backend_handle if cached is not None else None)
+        member.dispatch_sequence += 1
+        sequence = member.dispatch_sequence
+        slot = session.counter_page.slot(member.counter_slot)
+        t0 = time.perf_counter()
+        try:
+            self._check_values(session, req.ready_event, spec, idx)
+            out = member.comm.dispatch(args, slot, sequence, time.monotonic() + timeout)
+        except Exception as e:
+            if int(slot[counter_page.SEQ]) < sequence:  # keep the page in step with requests
+                counter_page.publish(slot, sequence, 0, [], status=1)
+            if isinstance(e, DeadlineExceeded):
+                metrics.TIMEOUTS.labels(spec.name).inc()
+            raise
+        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        rows_out = req.num_worst_tokens or out.num_recv_tokens
+        handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_tokens,
+                                                          rows_out))
+        member.dispatches += 1
+        self._count_traffic(member, out)
+        metrics.RECV_TOKENS.labels(spec.name).inc(out.num_recv_tokens)
+        if self.config.per_expert_metrics and out.num_recv_tokens_per_expert:
+            base = member.rank * spec.num_local_experts
+            for i, c in enumerate(out.num_recv_tokens_per_expert):
+                metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(c)
+        r = member.comm.output_region
+        resp = epd_pb2.DispatchResponse(
+            recv_x=tensors.describe(out.recv_x, r, req.x.dtype),
+            recv_src_idx=tensors.describe(out.recv_src_idx, r),
+            rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
+            num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
+            handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence)
+        if out.recv_x_scales is not None:
+            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
+        if out.recv_topk_idx is not None:
+            resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
+            resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
+        return resp
+
+    def _unknown_handle(self, member: GroupMember, handle: int) -> str:
+        return (f"handle {handle} is not known to rank {member.rank} of group "
+                f"{member.spec.name!r}: it expired (the last {self.config.max_handles} "
+                f"dispatches are kept) or came from another group")
+
+    @staticmethod
+    def _check_kind(info: HandleInfo, handle: int, want: str) -> None:
+        if info.kind != want:
+            use = "LowLatencyCombine" if info.kind == LOW_LATENCY else "Combine (or a cached " \
+                                                                      "Dispatch)"
+            raise FailedPrecondition(f"handle {handle} comes from a {info.kind} dispatch; "
+                                     f"pass it to {use}")
+
+    def _store_handle(self, member: GroupMember, info: HandleInfo) -> int:
+        hid = member.next_handle
+        member.next_handle += 1
+        member.handles[hid] = info
+        while len(member.handles) > self.config.max_handles:
+            member.handles.popitem(last=False)
+        return hid
+
+    def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
+                   path: str) -> epd_pb2.CombineResponse:
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        self._check_alive(member)
+        info = member.handles.get(req.handle)
+        if info is None:
+            raise FailedPrecondition(self._unknown_handle(member, req.handle))
+        self._check_kind(info, req.handle, NORMAL)
+        regions = session.regions
+        combine_dtype = spec.x_dtype
+        x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=combine_dtype)
+        if x.shape != (info.rows_out, spec.hidden):
+            raise InvalidArgument(f"combine x has shape {list(x.shape)}, expected "
+                                  f"[{info.rows_out}, {spec.hidden}] (rows received by the "
+                                  f"dispatch of handle {req.handle})")
+        weights = None
+        if tensors.is_set(req.topk_weights):
+            weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
+                                      dtype=epd_pb2.FLOAT32)
+            if weights.shape != (info.rows_out, spec.num_topk):
+                raise InvalidArgument(f"combine topk_weights has shape {list(weights.shape)}, "
+                                      f"expected [{info.rows_out}, {spec.num_topk}]")
+        biases = []
+        for name, desc in (("bias_0", req.bias_0), ("bias_1", req.bias_1)):
+            if not tensors.is_set(desc):
+                biases.append(None)
+                continue
+            b = tensors.resolve(desc, regions, name, ndim=2, dtype=combine_dtype)
+            if b.shape != (info.num_tokens, spec.hidden):
+                raise InvalidArgument(f"{name} has shape {list(b.shape)}, expected "
+                                      f"[{info.num_tokens}, {spec.hidden}]")
+            biases.append(b)
+        timeout = self._timeout(req.timeout_seconds)
+        args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
+        t0 = time.perf_counter()
+        try:
+            self._check_values(session, req.ready_event, spec, None)
+            out = member.comm.combine(args, time.monotonic() + timeout)
+        except DeadlineExceeded:
+            metrics.TIMEOUTS.labels(spec.name).inc()
+            raise
+        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        member.combines += 1
+        self._count_traffic(member, out)
+        r = member.comm.output_region
+        resp = epd_pb2.CombineResponse(
+            combined_x=tensors.describe(out.combined_x, r, spec.x_dtype))
+        if out.combined_topk_weights is not None:
+            resp.combined_topk_weights.CopyFrom(tensors.describe(out.combined_topk_weights, r))
+        return resp
+
+    # -- low-latency mode --------------------------------------------------------------------
+    async def low_latency_dispatch(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest
+                                   ) -> epd_pb2.LowLatencyDispatchResponse:
+        return await self._run(session, self.ll_dispatch_op, session, req, "grpc")
+
+    async def low_latency_combine(self, session: Session, req: epd_pb2.LowLatencyCombineRequest
+                                  ) -> epd_pb2.LowLatencyCombineResponse:
+        return await self._run(session, self.ll_combine_op, session, req, "grpc")
+
+    def _check_distinct(self, topk_idx) -> None:
+        """Low-latency mode sends one row per (token, expert): a token may not name an expert
+        twice."""
+        if not topk_idx.shape[0] or topk_idx.shape[1] < 2:
+            return
+        srt = np.sort(self.backend.to_host(topk_idx), axis=1)
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
+        if dup.any():
+            t, j = (int(v) for v in np.argwhere(dup)[0])
+            raise InvalidArgument(f"topk_idx[{t}] names expert {int(srt[t, j + 1])} twice; "
+                                  f"low-latency mode needs distinct experts per token")
+
+    def ll_dispatch_op(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest,
+                       path: str) -> epd_pb2.LowLatencyDispatchResponse:
+        """DeepEP low_latency_dispatch. Validate (nothing changes on bad input), then run."""
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        self._check_alive(member)
+        regions = session.regions
+        m = req.num_max_dispatch_tokens_per_rank
+        if m <= 0:
+            raise InvalidArgument(f"num_max_dispatch_tokens_per_rank must be positive, got {m}")
+        if m > spec.max_tokens_per_rank:
+            raise InvalidArgument(f"num_max_dispatch_tokens_per_rank={m} exceeds the group's "
+                                  f"max_tokens_per_rank={spec.max_tokens_per_rank} (its "
+                                  f"low-latency buffers are sized by it)")
+        if req.num_experts != spec.num_experts:
+            raise InvalidArgument(f"num_experts={req.num_experts} does not match the group's "
+                                  f"num_experts={spec.num_experts}")
+        x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=spec.x_dtype)
+        t = x.shape[0]
+        if x.shape[1] != spec.hidden:
+            raise InvalidArgument(f"x has hidden size {x.shape[1]}, the group's is {spec.hidden}")
+        if t > m:
+            raise InvalidArgument(f"{t} tokens exceed num_max_dispatch_tokens_per_rank={m}")
+        if req.use_fp8 and spec.hidden % dtypes.FP8_BLOCK:
+            raise InvalidArgument(f"FP8 dispatch needs hidden % {dtypes.FP8_BLOCK} == 0, the "
+                                  f"group's hidden is {spec.hidden}")
+        if (req.round_scale or req.use_ue8m0) and not req.use_fp8:
+            raise InvalidArgument("round_scale and use_ue8m0 shape FP8 scales; they need "
+                                  "use_fp8")
+        if not tensors.is_set(req.topk_idx):
+            raise InvalidArgument("low-latency dispatch needs topk_idx")
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        self._check_routing(spec, idx, None, t)
+        stats = None
+        if tensors.is_set(req.cumulative_local_expert_recv_stats):
+            stats = tensors.resolve(req.cumulative_local_expert_recv_stats, regions,
+                                    "cumulative_local_expert_recv_stats", ndim=1,
+                                    dtype=epd_pb2.INT32)
+            if stats.shape != (spec.num_local_experts,):
+                raise InvalidArgument(f"cumulative_local_expert_recv_stats has shape "
+                                      f"{list(stats.shape)}, expected "
+                                      f"[{spec.num_local_experts}] (local experts)")
+        timeout = self._timeout(req.timeout_seconds)
+        # use_ue8m0: power-of-two scales, i.e. round_scale (carried as float32 here).
+        args = LowLatencyDispatchArgs(x, idx, m, req.use_fp8, req.round_scale or req.use_ue8m0)
+        t0 = time.perf_counter()
+        try:
+            self._check_values(session, req.ready_event, spec, idx)
+            self._check_distinct(idx)
+            out = member.comm.low_latency_dispatch(args, time.monotonic() + timeout)
+        except DeadlineExceeded:
+            metrics.TIMEOUTS.labels(spec.name).inc()
+            raise
+        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        if stats is not None:
+            stats += out.recv_count
+        handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
+                                                          kind=LOW_LATENCY, num_max=m))
+        member.dispatches += 1
+        self._count_traffic(member, out)
+        metrics.RECV_TOKENS.labels(spec.name).inc(out.num_recv_rows)
+        if self.config.per_expert_metrics and out.num_recv_rows:
+            base = member.rank * spec.num_local_experts
+            for i, c in enumerate(self.backend.to_host(out.recv_count)):
+                metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(int(c))
+        r = member.comm.output_region
+        resp = epd_pb2.LowLatencyDispatchResponse(
+            recv_x=tensors.describe(out.recv_x, r,
+                                    epd_pb2.FLOAT8_E4M3 if req.use_fp8 else spec.x_dtype),
+            recv_count=tensors.describe(out.recv_count, r), handle=handle_id,
+            recv_src_rank=tensors.describe(out.recv_src_rank, r),
+            recv_src_idx=tensors.describe(out.recv_src_idx, r))
+        if out.recv_x_scales is not None:
+            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
+        return resp
+
+    def ll_combine_op(self, session: Session, req: epd_pb2.LowLatencyCombineRequest,
+                      path: str) -> epd_pb2.LowLatencyCombineResponse:
+        """DeepEP low_latency_combine (weighted). Validate, then run."""
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        self._check_alive(member)
+        info = member.handles.get(req.handle)
+        if info is None:
+            raise FailedPrecondition(self._unknown_handle(member, req.handle))
+        self._check_kind(info, req.handle, LOW_LATENCY)
+        regions = session.regions
+        x = tensors.resolve(req.x, regions, "x", ndim=3, dtype=spec.x_dtype)
+        want = (spec.num_local_experts, spec.num_ranks * info.num_max, spec.hidden)
+        if x.shape != want:
+            raise InvalidArgument(f"low-latency combine x has shape {list(x.shape)}, expected "
+                                  f"{list(want)} ([local experts, num_ranks * "
+                                  f"num_max_dispatch_tokens_per_rank, hidden] of handle "
+                                  f"{req.handle})")
+        if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
+            raise InvalidArgument("low-latency combine needs topk_idx and topk_weights")
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
+                                  dtype=epd_pb2.FLOAT32)
+        self._check_routing(spec, idx, weights, info.num_tokens)
+        out = None
+        if tensors.is_set(req.out):
+            out = tensors.resolve(req.out, regions, "out", ndim=2, dtype=spec.x_dtype)
+            if out.shape != (info.num_tokens, spec.hidden):
+                raise InvalidArgument(f"out has shape {list(out.shape)}, expected "
+                                      f"[{info.num_tokens}, {spec.hidden}]")
+        timeout = self._timeout(req.timeout_seconds)
+        args = LowLatencyCombineArgs(x, idx, weights, info.backend_handle, out)
+        t0 = time.perf_counter()
+        try:
+            self._check_values(session, req.ready_event, spec, idx)
+            res = member.comm.low_latency_combine(args, time.monotonic() + timeout)
+        except DeadlineExceeded:
+            metrics.TIMEOUTS.labels(spec.name).inc()
+            raise
+        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        member.combines += 1
+        self._count_traffic(member, res)
+        if out is not None:  # written in place: the caller's own tensor
+            return epd_pb2.LowLatencyCombineResponse(combined_x=req.out)
+        return epd_pb2.LowLatencyCombineResponse(
+            combined_x=tensors.describe(res.combined_x, member.comm.output_region,
+                                        spec.x_dtype))
+

@@ -1,0 +1,137 @@
+"""What an engine holds per session: its counter page, regions, group memberships and
+dispatch handles; and the validation of a group spec."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from epd.proto import counter_page, dtypes
+from epd.proto.v1 import epd_pb2
+from epd.server.backends.base import (
+    CounterPage,
+    GroupSpec,
+    Membership,
+    RankComm,
+    Region,
+)
+from epd.server.errors import (
+    InvalidArgument,
+)
+
+GROUP_DTYPES = (epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32)
+"""A group's x_dtype is its combine dtype; dispatch carries it or FP8 (e4m3 + float32 scales)."""
+
+
+def engine_files_prefix(index: int) -> str:
+    """Every file an engine creates in the shm folder starts with this (counter pages, outputs)."""
+    return f"epd-e{index}-"
+
+
+def sweep_engine_files(shm_dir: str, index: int) -> int:
+    """Remove the files of an engine that stopped (or died); returns how many."""
+    n = 0
+    prefix = engine_files_prefix(index)
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(shm_dir):
+            if name.startswith(prefix):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(shm_dir, name))
+                    n += 1
+    return n
+
+
+def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
+    """Validate a group spec; InvalidArgument names the first thing wrong."""
+    if not p.name or len(p.name) > 128:
+        raise InvalidArgument("group name must have 1 to 128 characters")
+    checks = (("num_ranks", p.num_ranks, 1, 128), ("num_experts", p.num_experts, 1, 1 << 16),
+              ("hidden", p.hidden, 1, 1 << 16), ("max_tokens_per_rank", p.max_tokens_per_rank,
+                                                  1, 1 << 20),
+              ("num_topk", p.num_topk, 1, 64))
+    for name, value, lo, hi in checks:
+        if not lo <= value <= hi:
+            raise InvalidArgument(f"{name}={value} is out of range [{lo}, {hi}]")
+    if p.num_experts % p.num_ranks:
+        raise InvalidArgument(f"num_experts={p.num_experts} is not a multiple of "
+                              f"num_ranks={p.num_ranks}")
+    if p.num_experts // p.num_ranks > counter_page.MAX_LOCAL_EXPERTS:
+        raise InvalidArgument(f"{p.num_experts // p.num_ranks} local experts exceed "
+                              f"{counter_page.MAX_LOCAL_EXPERTS}")
+    if p.num_topk > p.num_experts:
+        raise InvalidArgument(f"num_topk={p.num_topk} exceeds num_experts={p.num_experts}")
+    if p.x_dtype not in GROUP_DTYPES:
+        raise InvalidArgument(f"x_dtype must be one of "
+                              f"{sorted(dtypes.name(d) for d in GROUP_DTYPES)} (the dtype of "
+                              f"combine; dispatch may also carry FP8 with scales)")
+    return GroupSpec(p.name, p.num_ranks, p.num_experts, p.hidden, p.max_tokens_per_rank,
+                     p.num_topk, p.x_dtype)
+
+
+NORMAL, LOW_LATENCY = "normal", "low-latency"  # HandleInfo.kind
+
+
+@dataclass
+class HandleInfo:
+    backend_handle: Any
+    num_tokens: int
+    num_recv_tokens: int
+    rows_out: int
+    kind: str = NORMAL  # which combine takes it
+    num_max: int = 0  # low-latency: num_max_dispatch_tokens_per_rank of the dispatch
+
+
+@dataclass
+class GroupMember:
+    """One membership of a session: this engine's rank of one group."""
+
+    spec: GroupSpec
+    membership: Membership
+    comm: RankComm
+    counter_slot: int
+    handles: OrderedDict[int, HandleInfo] = field(default_factory=OrderedDict)
+    next_handle: int = 1
+    dispatch_sequence: int = 0
+    dispatches: int = 0
+    combines: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @property
+    def group_id(self) -> str:
+        return self.membership.group_id
+
+    @property
+    def rank(self) -> int:
+        return self.membership.rank
+
+
+@dataclass
+class Session:
+    session_id: str
+    client_name: str
+    pid: int
+    counter_page: CounterPage
+    counter_path: str
+    worker: ThreadPoolExecutor
+    regions: dict[str, Region] = field(default_factory=dict)
+    members: dict[str, GroupMember] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=lambda: list(range(counter_page.NUM_SLOTS)))
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    teardown_done: bool = False
+    events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
+    # Held while an operation runs, whichever transport brought it (gRPC via the worker, or
+    # the fast-path thread): a session's operations never overlap.
+    op_lock: threading.Lock = field(default_factory=threading.Lock)
+    fast_path: Any = None
+
+    def describe(self) -> str:
+        return f"session {self.session_id} ({self.client_name or 'client'}, pid {self.pid})"
+
+
