@@ -150,10 +150,7 @@ class DataPlane:
         cached = None
         idx = weights = None
         if req.cached_handle:
-            cached = member.handles.get(req.cached_handle)
-            if cached is None:
-                raise FailedPrecondition(self._unknown_handle(member, req.cached_handle))
-            self._check_kind(cached, req.cached_handle, NORMAL)
+            cached = self._handle(member, req.cached_handle, NORMAL)
             if cached.num_tokens != t:
                 raise InvalidArgument(f"cached dispatch with {t} tokens, but handle "
                                       f"{req.cached_handle} was made for {cached.num_tokens}")
@@ -223,6 +220,14 @@ class DataPlane:
             raise FailedPrecondition(f"handle {handle} comes from a {info.kind} dispatch; "
                                      f"pass it to {use}")
 
+    def _handle(self, member: GroupMember, handle: int, kind: str) -> HandleInfo:
+        """The stored handle, of the kind this operation takes (FailedPrecondition if not)."""
+        info = member.handles.get(handle)
+        if info is None:
+            raise FailedPrecondition(self._unknown_handle(member, handle))
+        self._check_kind(info, handle, kind)
+        return info
+
     def _store_handle(self, member: GroupMember, info: HandleInfo) -> int:
         hid = member.next_handle
         member.next_handle += 1
@@ -236,10 +241,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         spec = member.spec
         self._check_alive(member)
-        info = member.handles.get(req.handle)
-        if info is None:
-            raise FailedPrecondition(self._unknown_handle(member, req.handle))
-        self._check_kind(info, req.handle, NORMAL)
+        info = self._handle(member, req.handle, NORMAL)
         regions = session.regions
         combine_dtype = spec.x_dtype
         x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=combine_dtype)
@@ -388,10 +390,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         spec = member.spec
         self._check_alive(member)
-        info = member.handles.get(req.handle)
-        if info is None:
-            raise FailedPrecondition(self._unknown_handle(member, req.handle))
-        self._check_kind(info, req.handle, LOW_LATENCY)
+        info = self._handle(member, req.handle, LOW_LATENCY)
         regions = session.regions
         x = tensors.resolve(req.x, regions, "x", ndim=3, dtype=spec.x_dtype)
         want = (spec.num_local_experts, spec.num_ranks * info.num_max, spec.hidden)
