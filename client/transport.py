@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import abc
-import threading
-import time
 from typing import Any
 
 import grpc
 
 from epd.client.errors import EpdError
-from epd.proto import ring as R
 from epd.proto.v1 import epd_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
@@ -102,6 +99,7 @@ class _RingCall:
         self._done = False
 
     def done(self) -> bool:
+        from epd.proto import ring as R
         words, _, _ = self.t.ring.slot(self.slot)
         return self._done or int(words[R.S_STATE]) == R.DONE
 
@@ -122,6 +120,9 @@ class FastPathTransport(Transport):
 
     def __init__(self, inner: GrpcTransport, ring_path: str, slots: int, slot_bytes: int,
                  spin_seconds: float) -> None:
+        import threading
+
+        from epd.proto import ring as R
         self.inner = inner
         self.ring = R.Ring(ring_path, slots, slot_bytes, create=False)
         self.spin = spin_seconds
@@ -131,6 +132,9 @@ class FastPathTransport(Transport):
         self.broken: str | None = None
 
     def _submit(self, method: str, data: bytes, timeout: float) -> _RingCall:
+        import time
+
+        from epd.proto import ring as R
         deadline = time.monotonic() + timeout
         with self._lock:
             seq = self._next
@@ -155,6 +159,9 @@ class FastPathTransport(Transport):
         return _RingCall(self, method, slot, seq, deadline)
 
     def _finish(self, call: _RingCall) -> Any:
+        import time
+
+        from epd.proto import ring as R
         words, payload, state_addr = self.ring.slot(call.slot)
         spin_until = time.perf_counter() + self.spin
         while int(words[R.S_STATE]) != R.DONE:
@@ -168,10 +175,7 @@ class FastPathTransport(Transport):
                 # The engine still owns the slot: stop using the ring, keep the session.
                 self.broken = f"{call.method} did not complete on the fast path in time"
                 return EpdError(grpc.StatusCode.DEADLINE_EXCEEDED, self.broken)
-            words[R.S_WAITING] = 1
-            if int(words[R.S_STATE]) != R.DONE:  # re-check: the engine may just have answered
-                R.futex_wait(state_addr, R.SUBMITTED, min(left, 0.05))
-            words[R.S_WAITING] = 0
+            R.futex_wait(state_addr, R.SUBMITTED, min(left, 0.05))
         status = int(words[R.S_STATUS])
         n = int(words[R.S_LENGTH])
         data = bytes(payload[:n])
@@ -182,6 +186,7 @@ class FastPathTransport(Transport):
         return self._responses[call.method].FromString(data)
 
     def _use_ring(self, method: str, data: bytes) -> bool:
+        from epd.proto import ring as R
         return (self.broken is None and method in R.METHOD_ID
                 and len(data) <= self.ring.capacity)
 

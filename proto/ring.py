@@ -17,7 +17,6 @@ File layout (little-endian):
         u32 method           METHODS index
         u32 length           bytes of the request, then of the response
         i32 status           gRPC status code of the response (0 = OK)
-        u32 waiting          1 while the client sleeps on `state` (else no wake-up is sent)
         payload              request, replaced by the response (or an error message)
 """
 
@@ -37,7 +36,7 @@ SLOT_HEADER = 64
 FREE, SUBMITTED, DONE = 0, 1, 2
 # Word indices (u32) in the header and in a slot header.
 DOORBELL, ENGINE_WAITING, CLOSED = 0, 1, 2
-S_SEQ_LO, S_SEQ_HI, S_STATE, S_METHOD, S_LENGTH, S_STATUS, S_WAITING = 0, 1, 2, 3, 4, 5, 6
+S_SEQ_LO, S_SEQ_HI, S_STATE, S_METHOD, S_LENGTH, S_STATUS = 0, 1, 2, 3, 4, 5
 
 # Operation ids carried in a slot; the names are the gRPC methods (Ping: the empty operation).
 # Append only: an id never changes meaning.
@@ -90,17 +89,13 @@ class Ring:
         self.base = ctypes.addressof(self._anchor)
         self.header = np.frombuffer(self._mm, np.uint32, HEADER // 4)
         self.capacity = slot_bytes - SLOT_HEADER
-        # Views made once: building them costs microseconds, a round trip's budget.
-        self._slots = []
-        for i in range(slots):
-            off = HEADER + i * slot_bytes
-            self._slots.append((np.frombuffer(self._mm, np.uint32, SLOT_HEADER // 4, off),
-                                memoryview(self._mm)[off + SLOT_HEADER:off + slot_bytes],
-                                self.base + off + 4 * S_STATE))
 
     def slot(self, i: int) -> tuple[np.ndarray, memoryview, int]:
         """(u32 header words, payload view, address of the state word) of slot i."""
-        return self._slots[i]
+        off = HEADER + i * self.slot_bytes
+        words = np.frombuffer(self._mm, np.uint32, SLOT_HEADER // 4, off)
+        payload = memoryview(self._mm)[off + SLOT_HEADER:off + self.slot_bytes]
+        return words, payload, self.base + off + 4 * S_STATE
 
     @property
     def doorbell_addr(self) -> int:
@@ -114,9 +109,6 @@ class Ring:
         self.header[CLOSED] = 1
         futex_wake(self.doorbell_addr)
         self.header = None  # type: ignore[assignment]
-        for _, payload, _ in self._slots:
-            payload.release()
-        self._slots = []
         del self._anchor
         with contextlib.suppress(BufferError):  # a slot view still held: goes with it
             self._mm.close()

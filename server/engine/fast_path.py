@@ -92,8 +92,7 @@ class FastPathServer:
             words[R.S_LENGTH] = len(out)
             words[R.S_STATUS] = status
             words[R.S_STATE] = R.DONE
-            if words[R.S_WAITING]:  # a spinning client needs no system call
-                R.futex_wake(state_addr)
+            R.futex_wake(state_addr)
             seq += 1
 
     def _handle(self, method: str, data: bytes) -> tuple[int, bytes]:
