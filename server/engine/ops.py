@@ -37,6 +37,23 @@ class DataPlane:
     """Mixed into Engine: needs `config`, `backend`, `member()` and `_timeout()`."""
 
     # -- collectives -------------------------------------------------------------------------
+    def _timed(self, member: GroupMember, histogram, path: str, run, on_error=None):
+        """Run one collective: its latency into `histogram`, a deadline into the timeout
+        counter, its bytes into the traffic counters."""
+        t0 = time.perf_counter()
+        try:
+            out = run()
+        except Exception as e:
+            if on_error is not None:
+                on_error()
+            if isinstance(e, DeadlineExceeded):
+                metrics.TIMEOUTS.labels(member.spec.name).inc()
+            raise
+        histogram.labels(member.spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        self._count_traffic(member, out)
+        return out
+
     def _count_traffic(self, member: GroupMember, out) -> None:
         """Per-membership counters and the byte metrics of one collective."""
         member.bytes_sent += out.bytes_sent
@@ -171,23 +188,19 @@ class DataPlane:
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         slot = session.counter_page.slot(member.counter_slot)
-        t0 = time.perf_counter()
-        try:
+        def run():
             self._check_values(session, req.ready_event, spec, idx)
-            out = member.comm.dispatch(args, slot, sequence, time.monotonic() + timeout)
-        except Exception as e:
+            return member.comm.dispatch(args, slot, sequence, time.monotonic() + timeout)
+
+        def failed():
             if int(slot[counter_page.SEQ]) < sequence:  # keep the page in step with requests
                 counter_page.publish(slot, sequence, 0, [], status=1)
-            if isinstance(e, DeadlineExceeded):
-                metrics.TIMEOUTS.labels(spec.name).inc()
-            raise
-        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
-            time.perf_counter() - t0)
+
+        out = self._timed(member, metrics.DISPATCH_SECONDS, path, run, failed)
         rows_out = req.num_worst_tokens or out.num_recv_tokens
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_tokens,
                                                           rows_out))
         member.dispatches += 1
-        self._count_traffic(member, out)
         metrics.RECV_TOKENS.labels(spec.name).inc(out.num_recv_tokens)
         if self.config.per_expert_metrics and out.num_recv_tokens_per_expert:
             base = member.rank * spec.num_local_experts
@@ -268,17 +281,12 @@ class DataPlane:
             biases.append(b)
         timeout = self._timeout(req.timeout_seconds)
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
-        t0 = time.perf_counter()
-        try:
+        def run():
             self._check_values(session, req.ready_event, spec, None)
-            out = member.comm.combine(args, time.monotonic() + timeout)
-        except DeadlineExceeded:
-            metrics.TIMEOUTS.labels(spec.name).inc()
-            raise
-        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
-            time.perf_counter() - t0)
+            return member.comm.combine(args, time.monotonic() + timeout)
+
+        out = self._timed(member, metrics.COMBINE_SECONDS, path, run)
         member.combines += 1
-        self._count_traffic(member, out)
         r = member.comm.output_region
         resp = epd_pb2.CombineResponse(
             combined_x=tensors.describe(out.combined_x, r, spec.x_dtype))
@@ -352,22 +360,17 @@ class DataPlane:
         timeout = self._timeout(req.timeout_seconds)
         # use_ue8m0: power-of-two scales, i.e. round_scale (carried as float32 here).
         args = LowLatencyDispatchArgs(x, idx, m, req.use_fp8, req.round_scale or req.use_ue8m0)
-        t0 = time.perf_counter()
-        try:
+        def run():
             self._check_values(session, req.ready_event, spec, idx)
             self._check_distinct(idx)
-            out = member.comm.low_latency_dispatch(args, time.monotonic() + timeout)
-        except DeadlineExceeded:
-            metrics.TIMEOUTS.labels(spec.name).inc()
-            raise
-        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
-            time.perf_counter() - t0)
+            return member.comm.low_latency_dispatch(args, time.monotonic() + timeout)
+
+        out = self._timed(member, metrics.DISPATCH_SECONDS, path, run)
         if stats is not None:
             stats += out.recv_count
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
                                                           kind=LOW_LATENCY, num_max=m))
         member.dispatches += 1
-        self._count_traffic(member, out)
         metrics.RECV_TOKENS.labels(spec.name).inc(out.num_recv_rows)
         if self.config.per_expert_metrics and out.num_recv_rows:
             base = member.rank * spec.num_local_experts
@@ -413,17 +416,12 @@ class DataPlane:
                                       f"[{info.num_tokens}, {spec.hidden}]")
         timeout = self._timeout(req.timeout_seconds)
         args = LowLatencyCombineArgs(x, idx, weights, info.backend_handle, out)
-        t0 = time.perf_counter()
-        try:
+        def run():
             self._check_values(session, req.ready_event, spec, idx)
-            res = member.comm.low_latency_combine(args, time.monotonic() + timeout)
-        except DeadlineExceeded:
-            metrics.TIMEOUTS.labels(spec.name).inc()
-            raise
-        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
-            time.perf_counter() - t0)
+            return member.comm.low_latency_combine(args, time.monotonic() + timeout)
+
+        res = self._timed(member, metrics.COMBINE_SECONDS, path, run)
         member.combines += 1
-        self._count_traffic(member, res)
         if out is not None:  # written in place: the caller's own tensor
             return epd_pb2.LowLatencyCombineResponse(combined_x=req.out)
         return epd_pb2.LowLatencyCombineResponse(
