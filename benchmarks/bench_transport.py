@@ -8,21 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
-import grpc
 import numpy as np
 
 from epd.client import Session
-from epd.proto.v1 import epd_pb2, epd_pb2_grpc
 from epd.server.demo import Daemon
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -46,15 +37,10 @@ def main() -> int:
                                     "p99_us": float(np.percentile(ts, 99)), "n": len(ts)}
                 print(f"{s.transport:9s} empty round trip: p50 {out[s.transport]['p50_us']:.1f}"
                       f" us, p99 {out[s.transport]['p99_us']:.1f} us ({len(ts)} calls)")
-        with grpc.insecure_channel(f"unix://{d.socket_dir}/node.sock") as ch:
-            pid = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
-                                                         timeout=5).engines[0].pid
         with Session(d.socket(0)) as s:
             s.ping()
             time.sleep(0.5)
-            c0, t0 = _cpu_seconds(pid), time.monotonic()
-            time.sleep(3.0)
-            idle = (_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+            idle = d.engine_cpu_fraction(0, 3.0)
         out["idle_engine_cpu_fraction"] = idle
         print(f"idle engine with an open fast-path session: {idle:.2%} of one core")
     if ns.json:

@@ -69,6 +69,23 @@ class Daemon:
             time.sleep(0.1)
         raise TimeoutError(f"daemon not ready within {timeout} s:\n{self.log()}")
 
+    def engine_pid(self, index: int) -> int:
+        """The pid of engine `index`, from the supervisor's topology."""
+        import grpc
+
+        from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+        with grpc.insecure_channel(f"unix://{self.socket_dir}/node.sock") as ch:
+            topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=5)
+        return topo.engines[index].pid
+
+    def engine_cpu_fraction(self, index: int, seconds: float) -> float:
+        """Share of one core that engine `index` uses over the next `seconds`."""
+        pid = self.engine_pid(index)
+        c0, t0 = process_cpu_seconds(pid), time.monotonic()
+        time.sleep(seconds)
+        return (process_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
@@ -91,6 +108,13 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
