@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import re
 import time
 
@@ -35,6 +36,11 @@ def _rank(rank: int, socket: str, wl: Workload, name: str, iters: int, q) -> Non
                        num_topk=wl.num_topk)
             times = {"layout": [], "dispatch": [], "dispatch_cached": [], "combine": [],
                      "total": []}
+            prof = None
+            if os.environ.get("EPD_PROFILE_DIR"):  # where the client's host time goes
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
             for it in range(iters + 5):
                 t0 = time.perf_counter()
                 g.get_dispatch_layout(tidx, copy=False)
@@ -51,6 +57,10 @@ def _rank(rank: int, socket: str, wl: Workload, name: str, iters: int, q) -> Non
                     times["combine"].append(t3 - t2)
                     times["dispatch_cached"].append(t4 - t3)
                     times["total"].append(t3 - t0)
+            if prof is not None:
+                prof.disable()
+                prof.dump_stats(os.path.join(os.environ["EPD_PROFILE_DIR"],
+                                             f"client-{name}-{rank}.prof"))
         q.put({"rank": rank, "median_us": {k: float(np.median(v) * 1e6)
                                            for k, v in times.items()},
                "p99_us": {k: float(np.percentile(v, 99) * 1e6) for k, v in times.items()},

@@ -164,15 +164,22 @@ class Buffer:
         return rows * (hidden * 2 + hidden // 128 * 4 + 8)
 
     # -- groups ------------------------------------------------------------------------------
-    def _group(self, hidden: int, num_topk: int, dtype: np.dtype, num_experts: int) -> Group:
-        key = (hidden, num_topk, dtype.str, num_experts)
+    def _group(self, hidden: int, num_topk: int, dtype: np.dtype, num_experts: int,
+               low_latency_tokens: int = 0) -> Group:
+        """The daemon group of one shape. Low-latency calls get their own group whose buffers
+        are sized by num_max_dispatch_tokens_per_rank (as DeepEP sizes its RDMA buffer)."""
+        key = (hidden, num_topk, dtype.str, num_experts, low_latency_tokens)
         g = self._groups.get(key)
         if g is None:
             name = f"{self.group_name}/h{hidden}-k{num_topk}-{dtype.name}-e{num_experts}"
+            if low_latency_tokens:
+                name += f"-ll{low_latency_tokens}"
             g = self.session.join(name, rank=self.rank, num_ranks=self.group_size,
                                   num_experts=num_experts, hidden=hidden,
-                                  max_tokens_per_rank=self.max_tokens_per_rank,
+                                  max_tokens_per_rank=low_latency_tokens or
+                                  self.max_tokens_per_rank,
                                   num_topk=num_topk, dtype=dtypes.name(dtypes.from_numpy(dtype)),
+                                  low_latency_mode=bool(low_latency_tokens),
                                   timeout=self.timeout)
             self._groups[key] = g
         return g
@@ -271,7 +278,8 @@ class Buffer:
         if len(x_shape) != 2 or len(idx_shape) != 2:
             raise ValueError(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
                              f"{list(idx_shape)}")
-        g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts))
+        g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
+                        low_latency_tokens=int(num_max_dispatch_tokens_per_rank))
         out = g.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts=int(num_experts),
             use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,

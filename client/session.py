@@ -332,11 +332,14 @@ class Session:
     # -- groups ------------------------------------------------------------------------------
     def join(self, name: str, *, rank: int, num_ranks: int, num_experts: int, hidden: int,
              max_tokens_per_rank: int, num_topk: int, dtype: str = "bfloat16",
-             timeout: float | None = None) -> Group:
-        """Join (and with the other ranks, form) a group; blocks until all ranks arrived."""
+             low_latency_mode: bool = False, timeout: float | None = None) -> Group:
+        """Join (and with the other ranks, form) a group; blocks until all ranks arrived.
+        `low_latency_mode` reserves the low-latency buffers (sized by max_tokens_per_rank),
+        which the cuda backend needs for `low_latency_dispatch`."""
         spec = epd_pb2.GroupSpec(name=name, num_ranks=num_ranks, num_experts=num_experts,
                                  hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
-                                 num_topk=num_topk, x_dtype=dtypes.from_name(dtype))
+                                 num_topk=num_topk, x_dtype=dtypes.from_name(dtype),
+                                 low_latency_mode=low_latency_mode)
         wait = self._deadline(timeout)
         resp = self._call("JoinGroup", epd_pb2.JoinGroupRequest(
             session_id=self.session_id, spec=spec, rank=rank, timeout_seconds=wait),

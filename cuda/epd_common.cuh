@@ -23,17 +23,24 @@ typedef unsigned long long u64;
 #define CTRL_DISPATCH_ENTRY 24 // [R] source s entered a cached dispatch (buffer free barrier)
 #define CTRL_COMBINE_FLAG 32   // [R] source s finished its combine pushes
 #define CTRL_COMBINE_ENTRY 40  // [R] source s entered combine (buffer free barrier)
-#define CTRL_PAYLOAD_BYTES 512 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
+#define CTRL_LL_DISPATCH_FLAG 48 // [R] source s finished its low-latency dispatch pushes
+#define CTRL_LL_COMBINE_FLAG 56  // [R] source s finished its low-latency combine pushes
+#define CTRL_LL_READY_FLAG 64     // [R] destination d finished (published) its low-latency dispatch
+#define CTRL_LL_COMBINE_READY 72  // [R] source s finished reducing its low-latency combine
+#define CTRL_PAYLOAD_BYTES 1024 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
 
 #define ERR_DEADLINE 1
 #define ERR_ABORTED 2
 #define ERR_WORST_OVERFLOW 3
+#define ERR_BAD_INPUT 4  // an expert id out of range, or a combine entry never dispatched
 
 #define PHASE_NOTIFY 1
 #define PHASE_DISPATCH_ENTRY 2
 #define PHASE_DISPATCH_DONE 3
 #define PHASE_COMBINE_ENTRY 4
 #define PHASE_COMBINE_DONE 5
+#define PHASE_LL_DISPATCH 6
+#define PHASE_LL_COMBINE 7
 
 // Counter-page slot words (proto/counter_page.py).
 #define SLOT_SEQ 0
@@ -116,6 +123,40 @@ __device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u
 __device__ __forceinline__ bool group_failed(const u64* ctrl) {
     return *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE) != 0 ||
            ld_acquire_sys(ctrl + CTRL_ABORT) != 0;
+}
+
+// ------------------------------------------------------------------------------------------
+// Last-block completion: every block fences its pushes and takes a ticket; the last one
+// raises flag[rank] = seq in every peer. Returns true in the last block.
+// ------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool signal_done(const u64* peers, int R, int rank, int flag_base,
+                                            u64 seq) {
+    __shared__ bool s_last;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    __threadfence_system();  // every thread: its own pushes before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned* ticket = reinterpret_cast<unsigned*>(my_ctrl + CTRL_TICKET);
+        unsigned prev = atomicAdd(ticket, 1u);
+        s_last = prev == gridDim.x - 1;
+        if (s_last) {
+            *ticket = 0;  // the next kernel on this stream starts after this one ends
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    if (s_last && (int)threadIdx.x < R)
+        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
+    return s_last;
+}
+
+// Entry barrier (cached dispatch, combine): every peer reached this collective, so its
+// destination buffer is no longer read by the previous one. Block 0 announces, all wait.
+__device__ __forceinline__ int entry_barrier(const u64* peers, int R, int rank, int flag_base,
+                                             u64 seq, i64 timeout_ns, int phase) {
+    if (blockIdx.x == 0 && (int)threadIdx.x < R)
+        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
+    return block_wait_all(ctrl_of(peers, rank), flag_base, R, seq, timeout_ns, phase);
 }
 
 // --- element conversions (bit exact, round-to-nearest-even like ml_dtypes) ---------------------

@@ -221,40 +221,6 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     }
 }
 
-// ------------------------------------------------------------------------------------------
-// Last-block completion: every block fences its pushes and takes a ticket; the last one
-// raises flag[rank] = seq in every peer. Returns true in the last block.
-// ------------------------------------------------------------------------------------------
-__device__ __forceinline__ bool signal_done(const u64* peers, int R, int rank, int flag_base,
-                                            u64 seq) {
-    __shared__ bool s_last;
-    u64* my_ctrl = ctrl_of(peers, rank);
-    __threadfence_system();  // every thread: its own pushes before the ticket
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned* ticket = reinterpret_cast<unsigned*>(my_ctrl + CTRL_TICKET);
-        unsigned prev = atomicAdd(ticket, 1u);
-        s_last = prev == gridDim.x - 1;
-        if (s_last) {
-            *ticket = 0;  // the next kernel on this stream starts after this one ends
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
-    if (s_last && (int)threadIdx.x < R)
-        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
-    return s_last;
-}
-
-// Entry barrier (cached dispatch, combine): every peer reached this collective, so its
-// destination buffer is no longer read by the previous one. Block 0 announces, all wait.
-__device__ __forceinline__ int entry_barrier(const u64* peers, int R, int rank, int flag_base,
-                                             u64 seq, i64 timeout_ns, int phase) {
-    if (blockIdx.x == 0 && (int)threadIdx.x < R)
-        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
-    return block_wait_all(ctrl_of(peers, rank), flag_base, R, seq, timeout_ns, phase);
-}
-
 // 16-byte copy of one row by one warp to up to R destinations (read once, store R times).
 __device__ __forceinline__ void warp_copy_row_multi(const char* __restrict__ src,
                                                     char* const (&dst)[EPD_MAX_RANKS],

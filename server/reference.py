@@ -349,8 +349,10 @@ def quantize_fp8(x: np.ndarray, round_scale: bool = False) -> tuple[np.ndarray, 
     blocks = x.astype(np.float32).reshape(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
     amax = np.maximum(np.abs(blocks).max(axis=2, initial=0.0), np.float32(_FP8_AMAX_MIN))
     scale = (amax / np.float32(FP8_MAX)).astype(np.float32)
-    if round_scale:
-        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
+    if round_scale:  # 2**ceil(log2(scale)) from the bits: float32 log2 rounds near powers of 2
+        mant, expo = np.frexp(scale)  # scale = mant * 2**expo, mant in [0.5, 1)
+        scale = np.ldexp(np.float32(1.0), np.where(mant == 0.5, expo - 1, expo)
+                         ).astype(np.float32)
     q = np.clip(blocks / scale[:, :, None], -FP8_MAX, FP8_MAX).astype(np.float32)
     return q.reshape(num_tokens, hidden).astype(FLOAT8_E4M3), scale
 

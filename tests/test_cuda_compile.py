@@ -17,9 +17,13 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not i
 
 @needs_nvcc
 def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    # Exactly the text NVRTC compiles on the GPU machine: every kernel file, header inlined.
+    from epd.server.backends.cuda_kernels import _source
+
+    src = tmp_path / "epd_all.cu"
+    src.write_text(_source())
     obj = tmp_path / "k.o"
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", f"-I{CUDA}", "-c",
-                           str(CUDA / "epd_intranode.cu"), "-o", str(obj)],
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(obj)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     warnings = [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()]
@@ -28,5 +32,5 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
         names = subprocess.run(["cuobjdump", "-symbols", str(obj)], capture_output=True,
                                text=True, timeout=60).stdout
         from epd.server.backends.cuda_kernels import Kernels
-        for name in Kernels.NAMES:
+        for name in Kernels.NAMES:  # (templates are mangled; their compile is checked above)
             assert re.search(rf"\b{name}\b", names), f"kernel {name} missing from the object"

@@ -88,7 +88,7 @@ class GetTopologyResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
-    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype")
+    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class GroupSpec(_message.Message):
     MAX_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOPK_FIELD_NUMBER: _ClassVar[int]
     X_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOW_LATENCY_MODE_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_ranks: int
     num_experts: int
@@ -103,7 +104,8 @@ class GroupSpec(_message.Message):
     max_tokens_per_rank: int
     num_topk: int
     x_dtype: DType
-    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    low_latency_mode: bool
+    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ..., low_latency_mode: _Optional[bool] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds", "attached", "group_id")

@@ -36,6 +36,7 @@ class GroupSpec:
     max_tokens_per_rank: int
     num_topk: int
     x_dtype: int  # epd.proto DType enum value
+    low_latency_mode: bool = False  # reserve low-latency buffers (needed by the cuda backend)
 
     @property
     def num_local_experts(self) -> int:
@@ -152,6 +153,20 @@ class LowLatencyCombineOutputs:
     combined_x: Array  # [T, H]
     bytes_sent: int = 0
     bytes_received: int = 0
+
+
+def check_combine_routing(dispatched: np.ndarray, combine: np.ndarray) -> np.ndarray:
+    """Low-latency combine entries must each name one of the token's dispatched experts (any k
+    position, -1 allowed). Returns, per entry, the k position in the dispatch."""
+    from epd.server.errors import InvalidArgument
+    eq = (dispatched[:, None, :] == combine[:, :, None]) & (combine[:, :, None] >= 0)
+    missing = (combine >= 0) & ~eq.any(axis=2)
+    if missing.any():
+        tok, kk = (int(v) for v in np.argwhere(missing)[0])
+        raise InvalidArgument(f"topk_idx[{tok}, {kk}] = {int(combine[tok, kk])}: token {tok} "
+                              f"was not dispatched to that expert by the dispatch of this "
+                              f"handle")
+    return eq.argmax(axis=2)
 
 
 class Region(abc.ABC):

@@ -45,6 +45,7 @@ from epd.server.backends.base import (
     Membership,
     RankComm,
     Region,
+    check_combine_routing,
 )
 from epd.server.errors import Aborted, DeadlineExceeded, InvalidArgument
 
@@ -670,14 +671,7 @@ class CpuRankComm(RankComm):
         t, k = comb.shape
         # Each entry names one of the token's dispatched experts, in any k position (checked
         # before taking part: a bad entry changes nothing).
-        eq = (handle.topk_idx[:, None, :] == comb[:, :, None]) & (comb[:, :, None] >= 0)
-        missing = (comb >= 0) & ~eq.any(axis=2)
-        if missing.any():
-            tok, kk = (int(v) for v in np.argwhere(missing)[0])
-            raise InvalidArgument(f"topk_idx[{tok}, {kk}] = {int(comb[tok, kk])}: token {tok} "
-                                  f"was not dispatched to that expert by the dispatch of this "
-                                  f"handle")
-        which = eq.argmax(axis=2)
+        which = check_combine_routing(handle.topk_idx, comb)
         rows = np.take_along_axis(handle.row, which, axis=1)
         dests = np.take_along_axis(handle.dest, which, axis=1)
 

@@ -41,9 +41,14 @@ from epd.server.backends.base import (
     DispatchOutputs,
     GroupSpec,
     LayoutOutputs,
+    LowLatencyCombineArgs,
+    LowLatencyCombineOutputs,
+    LowLatencyDispatchArgs,
+    LowLatencyDispatchOutputs,
     Membership,
     RankComm,
     Region,
+    check_combine_routing,
 )
 from epd.server.errors import (
     Aborted,
@@ -74,6 +79,7 @@ class MembershipLayout:
     kernel: ck.RankBufferLayout
     extras: dict[str, int]  # byte offsets after the kernel buffers
     slot_bytes: int
+    low_latency: ck.LowLatencyLayout | None = None  # groups with low_latency_mode
 
 
 def membership_layout(spec: GroupSpec) -> MembershipLayout:
@@ -92,7 +98,11 @@ def membership_layout(spec: GroupSpec) -> MembershipLayout:
                          ("prefix", r * r * 4)):
         extras[name] = off
         off += -(-max(nbytes, 16) // ck.ALIGN) * ck.ALIGN
-    return MembershipLayout(kernel, extras, off)
+    if not spec.low_latency_mode:
+        return MembershipLayout(kernel, extras, off)
+    ll = ck.LowLatencyLayout.build(off, num_ranks=r, num_local_experts=spec.num_local_experts,
+                                   hidden=h, num_topk=k, max_tokens=t, itemsize=item)
+    return MembershipLayout(kernel, extras, ll.end, ll)
 
 
 class DeviceRegion(Region):
@@ -183,8 +193,16 @@ class _Handle:
     num_tokens: int
 
 
+@dataclass
+class _LowLatencyHandle:
+    sequence: int  # the runner's low-latency dispatch sequence
+    num_tokens: int
+    num_max: int
+    topk_idx: np.ndarray  # host copy: combine entries are checked against it
+
+
 class CudaRankComm(RankComm):
-    backend_name = "cuda"  # no low-latency kernels yet: the RankComm defaults answer
+    backend_name = "cuda"
 
     def __init__(self, backend: CudaBackend, spec: GroupSpec, membership: Membership) -> None:
         from epd.server.backends import cuda_runtime as rt
@@ -202,10 +220,13 @@ class CudaRankComm(RankComm):
         sd = storage_dtype(spec.x_numpy_dtype)
         with cp.cuda.Device(backend.device):
             self.runner = rt.RankRunner(backend.kernels, self.mlayout.kernel, self.rank, peers,
-                                        backend.device, sd, sd, owner=backend.heap)
+                                        backend.device, sd, sd, owner=backend.heap,
+                                        ll_layout=self.mlayout.low_latency)
         # Clean control block before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind.
         self.runner.reset_ctrl()
+        if self.mlayout.low_latency is not None:
+            self.runner.reset_low_latency()
         cp.cuda.Stream.null.synchronize()
         self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None
@@ -230,6 +251,11 @@ class CudaRankComm(RankComm):
                                    f"arrive at {phase} (collective #{seq}) before the deadline")
         if code == ck.ERR_WORST_OVERFLOW:
             raise ResourceExhausted("received more tokens than num_worst_tokens")
+        if code == ck.ERR_BAD_INPUT:
+            # Peers already exchanged data with this rank: the group cannot go on consistently.
+            self.abort(f"rank {self.rank} passed an invalid expert id to {phase} #{seq}")
+            raise InvalidArgument(f"an expert id in {phase} #{seq} was out of range or never "
+                                  f"dispatched; group {self.spec.name!r} is aborted")
         raise Aborted(f"group {self.spec.name!r} aborted: {self.abort_reason() or phase}")
 
     def layout(self, topk_idx: Any) -> LayoutOutputs:
@@ -308,6 +334,68 @@ class CudaRankComm(RankComm):
             self._raise_if_failed()
         nbytes = h.num_recv * spec.hidden * spec.x_numpy_dtype.itemsize
         return CombineOutputs(out, out_w, bytes_sent=nbytes, bytes_received=nbytes)
+
+    # -- low-latency mode --------------------------------------------------------------------
+    def _ll_layout(self) -> ck.LowLatencyLayout:
+        from epd.server.errors import FailedPrecondition
+        if self.mlayout.low_latency is None:
+            raise FailedPrecondition(f"group {self.spec.name!r} was created without "
+                                     f"low_latency_mode, so it has no low-latency buffers")
+        return self.mlayout.low_latency
+
+    def low_latency_dispatch(self, args: LowLatencyDispatchArgs,
+                             deadline: float) -> LowLatencyDispatchOutputs:
+        from epd.server.errors import FailedPrecondition
+        spec, runner = self.spec, self.runner
+        self._ll_layout()
+        if args.use_fp8 and spec.x_numpy_dtype != dtypes.BFLOAT16:
+            raise FailedPrecondition("FP8 low-latency dispatch quantises bf16 inputs; the "
+                                     f"group's dtype is {spec.x_numpy_dtype}")
+        m, t = args.num_max_dispatch_tokens_per_rank, int(args.x.shape[0])
+        with cp.cuda.Device(self.backend.device):
+            idx_host = cp.asnumpy(args.topk_idx)
+            seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
+                                     round_scale=args.round_scale,
+                                     timeout_ns=self._timeout_ns(deadline),
+                                     num_sms=self.backend.num_sms)
+            runner.stream.synchronize()
+            self._raise_if_failed()
+            outs = runner.ll_outputs(m, args.use_fp8)
+            counts = cp.asnumpy(outs["recv_count"])
+        row = spec.hidden * (1 if args.use_fp8 else spec.x_numpy_dtype.itemsize) + (
+            spec.hidden // dtypes.FP8_BLOCK * 4 if args.use_fp8 else 0)
+        n = int(counts.sum())
+        return LowLatencyDispatchOutputs(
+            recv_x=outs["recv_x"], recv_x_scales=outs.get("recv_x_scales"),
+            recv_count=outs["recv_count"], recv_src_rank=outs["recv_src_rank"],
+            recv_src_idx=outs["recv_src_idx"], num_recv_rows=n,
+            handle=_LowLatencyHandle(seq, t, m, idx_host),
+            bytes_sent=int((idx_host >= 0).sum()) * row, bytes_received=n * row)
+
+    def low_latency_combine(self, args: LowLatencyCombineArgs,
+                            deadline: float) -> LowLatencyCombineOutputs:
+        from epd.server.errors import FailedPrecondition
+        spec, runner = self.spec, self.runner
+        self._ll_layout()
+        h: _LowLatencyHandle = args.handle
+        if h.sequence != runner.seq["ll_dispatch"]:
+            raise FailedPrecondition(f"low-latency dispatch #{h.sequence} was overwritten by a "
+                                     f"later one (#{runner.seq['ll_dispatch']}); combine the "
+                                     f"latest dispatch")
+        with cp.cuda.Device(self.backend.device):
+            check_combine_routing(h.topk_idx, cp.asnumpy(args.topk_idx))
+            out = args.out
+            if out is None:
+                out = runner.ll_view("combined_x", (h.num_tokens, spec.hidden),
+                                     storage_dtype(spec.x_numpy_dtype))
+            weights = cp.ascontiguousarray(args.topk_weights)
+            runner.ll_combine(args.x, args.topk_idx, weights, out, h.num_max,
+                              timeout_ns=self._timeout_ns(deadline),
+                              num_sms=self.backend.num_sms)
+            runner.stream.synchronize()
+            self._raise_if_failed()
+        nbytes = int((h.topk_idx >= 0).sum()) * spec.hidden * spec.x_numpy_dtype.itemsize
+        return LowLatencyCombineOutputs(out, bytes_sent=nbytes, bytes_received=nbytes)
 
     def abort(self, reason: str) -> None:
         if self._reason is None:

@@ -40,12 +40,14 @@ ALIGN = 256
 
 # Control-block words (cuda/epd_common.cuh).
 CTRL_ABORT, CTRL_ERR_CODE, CTRL_ERR_RANK, CTRL_ERR_PHASE, CTRL_ERR_SEQ = 0, 1, 2, 3, 4
-CTRL_PAYLOAD_BYTES = 512
-ERR_DEADLINE, ERR_ABORTED, ERR_WORST_OVERFLOW = 1, 2, 3
+CTRL_PAYLOAD_BYTES = 1024
+ERR_DEADLINE, ERR_ABORTED, ERR_WORST_OVERFLOW, ERR_BAD_INPUT = 1, 2, 3, 4
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
-               ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens"}
+               ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
+               ERR_BAD_INPUT: "bad expert id"}
 PHASE_NAMES = {1: "notify", 2: "dispatch entry", 3: "dispatch completion", 4: "combine entry",
-               5: "combine completion"}
+               5: "combine completion", 6: "low-latency dispatch", 7: "low-latency combine"}
+LL_THREADS = 512
 FP8_BLOCK = 128
 
 
@@ -135,6 +137,40 @@ class RankBufferLayout:
         return out
 
 
+@dataclass(frozen=True)
+class LowLatencyLayout:
+    """Low-latency buffers of one group-rank (cuda/epd_low_latency.cu), at byte offsets from
+    the rank's buffer base, placed from `start`. Sized for `max_tokens` rows per source."""
+
+    num_ranks: int
+    num_local_experts: int
+    hidden: int
+    num_topk: int
+    max_tokens: int
+    itemsize: int
+    offsets: dict[str, int] = field(default_factory=dict)
+    end: int = 0
+
+    @classmethod
+    def build(cls, start: int, *, num_ranks: int, num_local_experts: int, hidden: int,
+              num_topk: int, max_tokens: int, itemsize: int) -> LowLatencyLayout:
+        r, lx, h, k, m = num_ranks, num_local_experts, hidden, num_topk, max_tokens
+        if lx > 1024:
+            raise ValueError("low-latency mode supports at most 1024 local experts per rank")
+        rows = lx * r * m
+        sizes = [("recv_x", rows * h * itemsize),  # FP8 calls use its first rows * h bytes
+                 ("scales", rows * max(h // FP8_BLOCK, 1) * 4),
+                 ("src_rank", rows * 4), ("src_idx", rows * 4), ("src_k", rows * 4),
+                 ("counters", 2 * lx * 4), ("recv_count", lx * 4),
+                 ("comb", m * k * h * itemsize), ("topk", m * k * 8),
+                 ("combined_x", m * h * itemsize)]
+        offsets, cur = {}, _align(start)
+        for name, size in sizes:
+            offsets[name] = cur
+            cur += _align(max(size, 16))
+        return cls(r, lx, h, k, m, itemsize, offsets, cur)
+
+
 @dataclass
 class DispatchHandle:
     """Device state of one dispatch, reused by combine and by cached dispatch."""
@@ -155,11 +191,15 @@ class DispatchHandle:
                    cp.empty((r, r), cp.int32), cp.empty(4 + num_local_experts, cp.int32))
 
 
+KERNEL_FILES = ("epd_intranode.cu", "epd_low_latency.cu")
+
+
 def _source() -> str:
-    """The kernel source with its header inlined, so CuPy's cache key covers both."""
-    header = (CUDA_DIR / "epd_common.cuh").read_text()
-    body = (CUDA_DIR / "epd_intranode.cu").read_text()
-    return body.replace('#include "epd_common.cuh"', header)
+    """The kernel sources with their header inlined once, so CuPy's cache key covers all."""
+    header = (CUDA_DIR / "epd_common.cuh").read_text().replace("#pragma once", "")
+    bodies = [(CUDA_DIR / f).read_text().replace('#include "epd_common.cuh"', "")
+              for f in KERNEL_FILES]
+    return header + "\n".join(bodies)
 
 
 def _ptr(a: Any) -> np.uint64:
@@ -189,9 +229,10 @@ class Kernels:
     """The compiled module for the current device; one instance per process is enough."""
 
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_copy16", "epd_gate")
+             "epd_copy16", "epd_gate", "epd_ll_dispatch", "epd_ll_combine_push")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
-                 "epd_combine_reduce<F32>")
+                 "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
+                 "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
 
     def __init__(self, extra_options: tuple[str, ...] = ()) -> None:
         if cp is None:
@@ -305,6 +346,53 @@ class Kernels:
                  np.int32(rank), handle.token_mask, handle.pos, handle.count_matrix,
                  handle.rank_prefix, peers, np.int64(o["stage_y"]), np.int64(o["stage_w"]),
                  np.uint64(seq), np.int64(timeout_ns)))
+
+    # -- low-latency mode --------------------------------------------------------------------
+    def ll_dispatch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int, peers: Any,
+                    m: int, seq: int, *, fp8: bool, round_scale: bool, timeout_ns: int,
+                    num_sms: int, stream: Any = None) -> None:
+        """x [T, H] (bf16 bits for FP8), topk_idx [T, K] int64; outputs stay in the buffers."""
+        t, k = topk_idx.shape
+        o = lay.offsets
+        row_bytes = x.shape[1] * x.itemsize
+        if row_bytes % 16:
+            raise ValueError("low-latency dispatch needs hidden * itemsize % 16 == 0")
+        with _stream_ptr(stream):
+            self.fn("epd_ll_dispatch")(
+                (num_sms,), (LL_THREADS,),
+                (x, np.int64(x.strides[0]), np.int64(row_bytes), topk_idx, np.int32(t),
+                 np.int32(k), np.int32(lay.num_local_experts), np.int32(lay.num_ranks),
+                 np.int32(rank), np.int32(lay.hidden), np.int32(m), np.int32(fp8),
+                 np.int32(round_scale), peers, np.int64(o["recv_x"]), np.int64(o["scales"]),
+                 np.int64(o["src_rank"]), np.int64(o["src_idx"]), np.int64(o["src_k"]),
+                 np.int64(o["counters"]), np.int64(o["recv_count"]), np.int64(o["topk"]),
+                 np.uint64(seq), np.int64(timeout_ns)))
+
+    def ll_combine(self, y: Any, topk_idx: Any, weights: Any, out: Any, lay: LowLatencyLayout,
+                   rank: int, peers: Any, m: int, seq: int, *, timeout_ns: int, num_sms: int,
+                   stream: Any = None) -> None:
+        """y [L, R*m, H] in the group dtype; out [T, H] (any row stride)."""
+        o = lay.offsets
+        t, k = topk_idx.shape
+        h = y.shape[2]
+        row_bytes = h * y.itemsize
+        if row_bytes % 16 or y.strides[2] != y.itemsize:
+            raise ValueError("low-latency combine needs contiguous rows of 16-byte multiples")
+        isz = y.itemsize
+        with _stream_ptr(stream):
+            self.fn("epd_ll_combine_push")(
+                (num_sms,), (LL_THREADS,),
+                (y, np.int64(y.strides[1]), np.int64(y.strides[0]), np.int64(row_bytes),
+                 np.int32(lay.num_local_experts), np.int32(lay.num_ranks), np.int32(rank),
+                 np.int32(m), np.int32(k), peers, np.int64(o["src_rank"]),
+                 np.int64(o["src_idx"]), np.int64(o["src_k"]), np.int64(o["recv_count"]),
+                 np.int64(o["comb"]), np.uint64(seq), np.int64(timeout_ns)))
+            self.fn(f"epd_ll_combine_reduce<{_trait_for(y.dtype)}>")(
+                (num_sms,), (LL_THREADS,),
+                (out, np.int64(out.strides[0] // isz), topk_idx, weights,
+                 np.int64(weights.strides[0] // 4), np.int32(t), np.int32(k), np.int32(h),
+                 np.int32(lay.num_ranks), np.int32(rank), peers, np.int64(o["comb"]),
+                 np.int64(o["topk"]), np.uint64(seq), np.int64(timeout_ns)))
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, peers: Any, num_ranks: int, code: int = ERR_ABORTED, *,

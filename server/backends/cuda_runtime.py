@@ -33,8 +33,9 @@ class DispatchResult:
 class RankRunner:
     def __init__(self, kernels: ck.Kernels, layout: ck.RankBufferLayout, rank: int,
                  peer_bases: list[int], device_id: int, x_dtype: Any, y_dtype: Any,
-                 owner: Any = None) -> None:
+                 owner: Any = None, ll_layout: ck.LowLatencyLayout | None = None) -> None:
         self.k = kernels
+        self.ll = ll_layout
         self.layout = layout
         self.rank = rank
         self.device_id = device_id
@@ -46,7 +47,7 @@ class RankRunner:
             self.side_stream = cp.cuda.Stream(non_blocking=True)
         self.base = int(peer_bases[rank])
         self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)
-        self.seq = {"notify": 0, "dispatch": 0, "combine": 0}
+        self.seq = {"notify": 0, "dispatch": 0, "combine": 0, "ll_dispatch": 0, "ll_combine": 0}
 
     def reset_ctrl(self) -> None:
         with cp.cuda.Device(self.device_id):
@@ -93,6 +94,54 @@ class RankRunner:
                            self.peers, self.base, res.handle, self.seq["combine"],
                            timeout_ns=timeout_ns, bias_0=bias_0, bias_1=bias_1,
                            num_sms=num_sms, barrier=barrier, stream=self.stream)
+
+    # -- low-latency mode (asynchronous on self.stream; outputs stay in the buffers) --------
+    def reset_low_latency(self) -> None:
+        """Zero the slot counters (a previous group at this offset may have left them)."""
+        o = self.ll.offsets
+        with cp.cuda.Device(self.device_id):
+            cp.cuda.runtime.memset(self.base + o["counters"], 0,
+                                   o["recv_count"] - o["counters"])
+
+    def ll_dispatch(self, x: Any, topk_idx: Any, m: int, *, fp8: bool = False,
+                    round_scale: bool = False, timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                    num_sms: int = 32) -> int:
+        """Launch; returns the sequence (the combine of this dispatch passes nothing back)."""
+        with cp.cuda.Device(self.device_id):
+            self.seq["ll_dispatch"] += 1
+            self.k.ll_dispatch(x, cp.ascontiguousarray(topk_idx), self.ll, self.rank,
+                               self.peers, m, self.seq["ll_dispatch"], fp8=fp8,
+                               round_scale=round_scale, timeout_ns=timeout_ns, num_sms=num_sms,
+                               stream=self.stream)
+        return self.seq["ll_dispatch"]
+
+    def ll_combine(self, y: Any, topk_idx: Any, weights: Any, out: Any, m: int, *,
+                   timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 32) -> None:
+        with cp.cuda.Device(self.device_id):
+            self.seq["ll_combine"] += 1
+            self.k.ll_combine(y, cp.ascontiguousarray(topk_idx), weights, out, self.ll,
+                              self.rank, self.peers, m, self.seq["ll_combine"],
+                              timeout_ns=timeout_ns, num_sms=num_sms, stream=self.stream)
+
+    def ll_view(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+        """A view of one low-latency buffer of this rank (see LowLatencyLayout)."""
+        dt = np.dtype(dtype)
+        n = max(int(np.prod(shape)) * dt.itemsize, 1)
+        mem = cp.cuda.UnownedMemory(self.base + self.ll.offsets[name], n, self, self.device_id)
+        return cp.ndarray(shape, dt, memptr=cp.cuda.MemoryPointer(mem, 0))
+
+    def ll_outputs(self, m: int, fp8: bool) -> dict[str, Any]:
+        lay = self.ll
+        lx, rows, h = lay.num_local_experts, lay.num_ranks * m, lay.hidden
+        out = {"recv_x": self.ll_view("recv_x", (lx, rows, h),
+                                      np.uint8 if fp8 else self.x_dtype),
+               "recv_count": self.ll_view("recv_count", (lx,), np.int32),
+               "recv_src_rank": self.ll_view("src_rank", (lx, rows), np.int32),
+               "recv_src_idx": self.ll_view("src_idx", (lx, rows), np.int32)}
+        if fp8:
+            out["recv_x_scales"] = self.ll_view("scales", (lx, rows, h // ck.FP8_BLOCK),
+                                                np.float32)
+        return out
 
     def abort(self, code: int = ck.ERR_ABORTED) -> None:
         with cp.cuda.Device(self.device_id):
@@ -154,7 +203,7 @@ class LocalGroup:
 
     def __init__(self, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
                  max_tokens_per_rank: int, x_dtype: Any, *, num_devices: int | None = None,
-                 y_dtype: Any = None) -> None:
+                 y_dtype: Any = None, low_latency: bool = False) -> None:
         ndev = num_devices or cp.cuda.runtime.getDeviceCount()
         enable_peer_access(ndev)
         x_dtype = np.dtype(x_dtype)
@@ -165,18 +214,24 @@ class LocalGroup:
             num_ranks=num_ranks, num_experts=num_experts, hidden=hidden, num_topk=num_topk,
             max_tokens_per_rank=max_tokens_per_rank, x_itemsize=x_dtype.itemsize,
             y_itemsize=y_dtype.itemsize, with_scales=fp8)
+        self.ll_layout = ck.LowLatencyLayout.build(
+            self.layout.total_bytes, num_ranks=num_ranks,
+            num_local_experts=num_experts // num_ranks, hidden=hidden, num_topk=num_topk,
+            max_tokens=max_tokens_per_rank, itemsize=x_dtype.itemsize) if low_latency else None
+        total = self.ll_layout.end if low_latency else self.layout.total_bytes
         self.devices = [r * ndev // num_ranks for r in range(num_ranks)]
         self.buffers = []
         for r in range(num_ranks):
             with cp.cuda.Device(self.devices[r]):
-                self.buffers.append(cp.zeros(self.layout.total_bytes, cp.uint8))
+                self.buffers.append(cp.zeros(total, cp.uint8))
                 cp.cuda.Device(self.devices[r]).synchronize()
         bases = [int(b.data.ptr) for b in self.buffers]
         self.runners = []
         for r in range(num_ranks):
             kern = ck.kernels_for_device(self.devices[r])
             self.runners.append(RankRunner(kern, self.layout, r, bases, self.devices[r],
-                                           x_dtype, y_dtype, owner=self.buffers[r]))
+                                           x_dtype, y_dtype, owner=self.buffers[r],
+                                           ll_layout=self.ll_layout))
 
     @property
     def num_ranks(self) -> int:
@@ -187,6 +242,10 @@ class LocalGroup:
         for r, buf in enumerate(self.buffers):
             with cp.cuda.Device(self.devices[r]), self.runners[r].stream:
                 buf[ctrl_end:].fill(byte)
+            if self.ll_layout is not None:  # the slot counters must start at zero
+                self.runners[r].stream.synchronize()
+                self.runners[r].reset_low_latency()
+                cp.cuda.Device(self.devices[r]).synchronize()
 
     def synchronize(self) -> None:
         for r in self.runners:

@@ -10,6 +10,7 @@ doorbell futex; every wait has a timeout so a closed session ends the thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -76,6 +77,21 @@ class FastPathServer:
 
     def _serve(self) -> None:
         self.engine.backend.thread_init()
+        # EPD_PROFILE_DIR: profile this thread (cProfile is per thread) for host-overhead work.
+        prof_dir = os.environ.get("EPD_PROFILE_DIR")
+        if not prof_dir:
+            return self._loop()
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            self._loop()
+        finally:
+            prof.disable()
+            prof.dump_stats(os.path.join(prof_dir, f"engine-{os.getpid()}-"
+                                                   f"{self.session.session_id[:8]}.prof"))
+
+    def _loop(self) -> None:
         seq = 1
         while self._running():
             words, payload, state_addr = self.ring.slot((seq - 1) % self.ring.slots)

@@ -71,7 +71,7 @@ def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
                               f"{sorted(dtypes.name(d) for d in GROUP_DTYPES)} (the dtype of "
                               f"combine; dispatch may also carry FP8 with scales)")
     return GroupSpec(p.name, p.num_ranks, p.num_experts, p.hidden, p.max_tokens_per_rank,
-                     p.num_topk, p.x_dtype)
+                     p.num_topk, p.x_dtype, p.low_latency_mode)
 
 
 NORMAL, LOW_LATENCY = "normal", "low-latency"  # HandleInfo.kind

@@ -218,3 +218,119 @@ def test_daemon_failure(daemon, scenario: str, code: str) -> None:
     # A fresh group works afterwards.
     wl2 = Workload(2, [32, 16], 2048, 16, 2, seed=10)
     _check(wl2, _run(daemon, wl2, f"after-{scenario}"), False)
+
+
+# -- low-latency mode through the daemon (client processes, the fast path by default) --------
+
+def _compact(out, lx: int) -> dict:
+    """The valid rows of a low-latency dispatch, expert by expert (the full buffers are
+    [L, R*m, H]: too large to ship), and whether every row beyond the count says -1."""
+    counts = out.recv_count.cpu().numpy()
+    res = {"counts": counts, "x": [], "scales": [], "src_rank": [], "src_idx": [],
+           "tails": True}
+    for le in range(lx):
+        c = int(counts[le])
+        res["x"].append(_bits(out.recv_x[le, :c]))
+        if out.recv_x_scales is not None:
+            res["scales"].append(_bits(out.recv_x_scales[le, :c]))
+        res["src_rank"].append(_bits(out.recv_src_rank[le, :c]))
+        res["src_idx"].append(_bits(out.recv_src_idx[le, :c]))
+        res["tails"] &= bool((out.recv_src_rank[le, c:] == -1).all()
+                             and (out.recv_src_idx[le, c:] == -1).all())
+    return res
+
+
+def _ll_rank(rank: int, socket: str, device: int, wl: Workload, m: int, q) -> None:
+    try:
+        import torch
+
+        from epd.client import EpdError, Session
+        torch.cuda.set_device(device)
+        x, idx, w = wl.inputs(rank)
+        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+        lx = wl.num_experts // wl.num_ranks
+        res: dict = {"rank": rank}
+        with Session(socket, client_name=f"gpu-ll-{rank}", timeout=30) as s:
+            g = s.join("gpu-ll", rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
+                       hidden=wl.hidden, max_tokens_per_rank=m, num_topk=wl.num_topk,
+                       low_latency_mode=True, timeout=30)
+            zeros = torch.zeros((lx, wl.num_ranks * m, wl.hidden), dtype=tx.dtype,
+                                device=device)
+            for name, fp8, rs in (("bf16", False, False), ("fp8", True, False),
+                                  ("fp8r", True, True)):
+                out = g.low_latency_dispatch(tx, tidx, m, use_fp8=fp8, round_scale=rs,
+                                             copy=False)
+                res[name] = _compact(out, lx)
+                # Views stay valid until this rank's combine: the peers' next dispatch cannot
+                # start before it (DeepEP's alternation), so read them first, then combine.
+                g.low_latency_combine(zeros, tidx, tw, out.handle)
+            # Identity experts: combine the bf16 rows as dispatched, into a poisoned `out`.
+            out = g.low_latency_dispatch(tx, tidx, m, copy=False)
+            dest = torch.full(tx.shape, float("nan"), dtype=tx.dtype, device=device)
+            g.low_latency_combine(out.recv_x, tidx, tw, out.handle, out=dest)
+            res["cx"] = _bits(dest)
+            try:  # bad input is rejected before the collective and changes nothing
+                g.low_latency_dispatch(tx, tidx + wl.num_experts, m)
+                res["bad"] = "accepted"
+            except EpdError as e:
+                res["bad"] = e.code.name
+            res["again"] = _compact(g.low_latency_dispatch(tx, tidx, m, copy=False), lx)
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+def _check_ll(exp, got: dict, lx: int) -> None:
+    np.testing.assert_array_equal(got["counts"], exp.recv_count)
+    assert got["tails"], "rows beyond recv_count must say -1"
+    for le in range(lx):
+        c = int(exp.recv_count[le])
+        keys = list(zip(got["src_rank"][le].tolist(), got["src_idx"][le].tolist(), strict=True))
+        want = {k: i for i, k in enumerate(zip(exp.recv_src_rank[le][:c].tolist(),
+                                               exp.recv_src_idx[le][:c].tolist(), strict=True))}
+        assert sorted(keys) == sorted(want), f"expert {le}: different (source, token) rows"
+        order = [want[k] for k in keys]
+        np.testing.assert_array_equal(got["x"][le], exp.recv_x[le][order].view(
+            np.uint8 if exp.recv_x_scales is not None else np.uint16))
+        if exp.recv_x_scales is not None:
+            np.testing.assert_array_equal(got["scales"][le], exp.recv_x_scales[le][order])
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_daemon_low_latency_decode_config(daemon) -> None:
+    """Config D (128 tokens/rank, hidden 7168, top-8 of 256) through the daemon: bf16, FP8,
+    FP8 with power-of-two scales, combine into `out=`, bad input rejected."""
+    m = 128
+    wl = Workload(2, [128, 101], 7168, 256, 8, seed=77, drop_prob=0.05)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_ll_rank, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT,
+                                                wl, m, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    inputs = wl.all_inputs()
+    xs, idx, w = ([i[k] for i in inputs] for k in range(3))
+    lx = wl.num_experts // 2
+    for name, fp8, rs in (("bf16", False, False), ("fp8", True, False), ("fp8r", True, True)):
+        exp = ref.low_latency_dispatch(xs, idx, wl.num_experts, m, use_fp8=fp8, round_scale=rs)
+        for r in range(2):
+            _check_ll(exp[r], results[r][name], lx)
+    exp = ref.low_latency_dispatch(xs, idx, wl.num_experts, m)
+    for r in range(2):
+        _check_ll(exp[r], results[r]["again"], lx)
+        assert results[r]["bad"] == "INVALID_ARGUMENT"
+        acc = np.zeros(xs[r].shape, np.float32)  # identity experts: y row of (r, t) = x[r][t]
+        for k in range(wl.num_topk):
+            sel = idx[r][:, k] >= 0
+            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
+        np.testing.assert_array_equal(results[r]["cx"], acc.astype(xs[r].dtype).view(np.uint16))

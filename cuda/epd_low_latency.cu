@@ -1,0 +1,331 @@
+// EPD low-latency (decode) kernels: DeepEP's low_latency_dispatch / low_latency_combine
+// semantics (DESIGN.md section 6) over NVLink peer pointers.
+//
+// Buffers (per rank, same offsets on every rank, sized for the group's max_tokens_per_rank M;
+// a call uses m <= M rows per source block):
+//   recv_x   [L][R*m][H]  payload rows, packed per local expert (order: arrival)
+//   scales   [L][R*m][H/128] float32 (FP8 calls)
+//   src_rank, src_idx, src_k [L][R*m] int32: who sent each row and which of its top-k it was
+//   counters [2][L] int32: slots reserved by the senders, by sequence parity
+//   recv_count [L] int32
+//   comb     [M][K][H]  combine rows coming back to this rank as a source, by (token, k)
+//   topk     [M][K] int64  this rank's dispatch topk_idx (combine finds k of each expert)
+//
+// Dispatch: one warp per (token, k) pair reserves a row in the destination expert with one
+// NVLink atomic, then writes the row (quantised to e4m3 on the way when FP8), its scales and
+// (rank, token, k). The last block raises this rank's flag in every peer, waits for every
+// source's flag, then publishes recv_count, clears the counters of this parity for the call
+// after next and marks the rows beyond the count with -1.
+// Combine: the expert side pushes each valid row back to (src_rank, token, k) of the source;
+// the source waits for every peer, then sums w[t,k] * y in fp32 in k order (no FMA, as NumPy).
+//
+// Why parity counters are safe: a source reuses parity p two calls later, after its own
+// previous call completed, which needed every destination's push of that call, issued after
+// the destination had cleared parity p (stream order + the release/acquire on the flags).
+#include "epd_common.cuh"
+
+#define LL_THREADS 512
+#define FULL_MASK 0xffffffffu
+
+// Block-uniform "go on?": the entry wait passed and the group has not failed. Thread 0 decides
+// (the error words may change under the block's feet; warps must not diverge on them).
+__device__ __forceinline__ bool block_go(const u64* ctrl, int wait_code) {
+    __shared__ int s_go;
+    if (threadIdx.x == 0) s_go = wait_code == 0 && !group_failed(ctrl);
+    __syncthreads();
+    return s_go != 0;
+}
+
+__device__ __forceinline__ float pow2_ceil(float s) {
+    // 2^ceil(log2(s)) for a positive normal float, exactly (bits, not log2f).
+    unsigned u = __float_as_uint(s);
+    unsigned e = (u >> 23) & 0xffu;
+    if (u & 0x7fffffu) e += 1u;
+    return __uint_as_float(e << 23);
+}
+
+__device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Quantise one bf16 row (H elements, H % 128 == 0) once and store it into every destination
+// row of the token: e4m3 + one float scale per 128 channels (amax clamped to 1e-4, scale =
+// amax / 448, optionally rounded up to a power of two, q = clip(x / scale, +-448), round to
+// nearest even). 16 threads per 128-channel block, 8 channels per thread; all threads of the
+// block call it (the shuffles need whole warps).
+__device__ __forceinline__ void block_quantize_scatter(const unsigned short* __restrict__ src,
+                                                       const u64* dst, const u64* dst_scales,
+                                                       int K, int H, int round_scale) {
+    const int nblocks = H / 128;
+    const int groups = blockDim.x >> 4;
+    const int sub = threadIdx.x & 15;
+    for (int b0 = 0; b0 < nblocks; b0 += groups) {
+        const int b = b0 + (threadIdx.x >> 4);
+        const bool active = b < nblocks;
+        float f[8];
+        float amax = 0.f;
+        if (active) {
+            int4 v = __ldg(reinterpret_cast<const int4*>(src + (i64)b * 128) + sub);
+            const unsigned short* w = reinterpret_cast<const unsigned short*>(&v);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                f[j] = bf16_to_f32(w[j]);
+                amax = fmaxf(amax, fabsf(f[j]));
+            }
+        }
+#pragma unroll
+        for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+        if (!active) continue;
+        amax = fmaxf(amax, 1e-4f);
+        float scale = __fdiv_rn(amax, 448.f);
+        if (round_scale) scale = pow2_ceil(scale);
+        unsigned short q[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float lo = fminf(fmaxf(__fdiv_rn(f[2 * j], scale), -448.f), 448.f);
+            float hi = fminf(fmaxf(__fdiv_rn(f[2 * j + 1], scale), -448.f), 448.f);
+            q[j] = f32x2_to_e4m3x2(lo, hi);
+        }
+        uint2 out;
+        out.x = (unsigned)q[0] | ((unsigned)q[1] << 16);
+        out.y = (unsigned)q[2] | ((unsigned)q[3] << 16);
+        for (int k = 0; k < K; ++k) {
+            if (dst[k] == 0) continue;
+            reinterpret_cast<uint2*>(dst[k] + (i64)b * 128)[sub] = out;
+            if (sub == 0) reinterpret_cast<float*>(dst_scales[k])[b] = scale;
+        }
+    }
+}
+
+__device__ __forceinline__ void warp_copy_row(const char* __restrict__ src, char* dst,
+                                              i64 nbytes, int lane) {
+    const int4* s4 = reinterpret_cast<const int4*>(src);
+    int4* d4 = reinterpret_cast<int4*>(dst);
+    const i64 n = nbytes >> 4;
+    i64 i = lane;
+    for (; i + 96 < n; i += 128) {
+        int4 a = __ldg(s4 + i), b = __ldg(s4 + i + 32), c = __ldg(s4 + i + 64),
+             d = __ldg(s4 + i + 96);
+        d4[i] = a; d4[i + 32] = b; d4[i + 64] = c; d4[i + 96] = d;
+    }
+    for (; i < n; i += 32) d4[i] = __ldg(s4 + i);
+}
+
+// ------------------------------------------------------------------------------------------
+// low-latency dispatch. x: [T, H] rows of `row_bytes` (16-byte multiple) at `x_stride` bytes.
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
+                const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
+                int m, int fp8, int round_scale, const u64* __restrict__ peers,
+                i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
+                i64 o_counters, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
+    const int par = (int)(seq & 1ull);
+    const int rows = R * m;  // rows per local expert in the output
+    const i64 out_row_bytes = fp8 ? (i64)H : row_bytes;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    char* my_base = reinterpret_cast<char*>(peers[rank]);
+    i64* my_topk = reinterpret_cast<i64*>(my_base + o_topk);
+    __shared__ u64 s_dst[32];     // destination row of each k (0: not sent)
+    __shared__ u64 s_scales[32];  // its scales row (FP8)
+
+    // Every destination has published the previous dispatch (its -1 fill must not land on
+    // this call's rows); normally already true, so this is one poll per peer.
+    if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_READY_FLAG, R, seq - 1, timeout_ns,
+                                         PHASE_LL_DISPATCH))) {
+        // One block per token: the K slot reservations go out together (one NVLink atomic
+        // round trip), then the row is read (and quantised) once and stored K times.
+        for (int t = blockIdx.x; t < T; t += gridDim.x) {
+            if ((int)threadIdx.x < K) {
+                const int k = threadIdx.x;
+                const i64 e = topk_idx[(i64)t * K + k];
+                my_topk[(i64)t * K + k] = e;
+                u64 dst = 0, dsc = 0;
+                if (e >= (i64)L * R) {
+                    record_error(my_ctrl, ERR_BAD_INPUT, -1, PHASE_LL_DISPATCH, seq);
+                } else if (e >= 0) {
+                    const int d = (int)(e / L), le = (int)(e - (i64)d * L);
+                    char* base = reinterpret_cast<char*>(peers[d]);
+                    const int p = atomicAdd(reinterpret_cast<int*>(base + o_counters) +
+                                            par * L + le, 1);
+                    const i64 row = (i64)le * rows + p;
+                    dst = reinterpret_cast<u64>(base + o_recv_x + row * out_row_bytes);
+                    dsc = reinterpret_cast<u64>(base + o_scales + row * (H / 128) * 4);
+                    reinterpret_cast<int*>(base + o_src_rank)[row] = rank;
+                    reinterpret_cast<int*>(base + o_src_idx)[row] = t;
+                    reinterpret_cast<int*>(base + o_src_k)[row] = k;
+                }
+                s_dst[k] = dst;
+                s_scales[k] = dsc;
+            }
+            __syncthreads();
+            const char* src = x + (i64)t * x_stride;
+            if (fp8) {
+                block_quantize_scatter(reinterpret_cast<const unsigned short*>(src), s_dst,
+                                       s_scales, K, H, round_scale);
+            } else {
+                const int4* s4 = reinterpret_cast<const int4*>(src);
+                const int nvec = (int)(row_bytes >> 4);
+                for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
+                    const int4 v = __ldg(s4 + i);
+                    for (int k = 0; k < K; ++k)
+                        if (s_dst[k]) reinterpret_cast<int4*>(s_dst[k])[i] = v;
+                }
+            }
+            __syncthreads();  // s_dst is rewritten for the next token
+        }
+    }
+    if (!signal_done(peers, R, rank, CTRL_LL_DISPATCH_FLAG, seq)) return;
+    // Last block: every source has pushed (or the wait fails with a recorded error).
+    if (block_wait_all(my_ctrl, CTRL_LL_DISPATCH_FLAG, R, seq, timeout_ns, PHASE_LL_DISPATCH))
+        return;
+    __shared__ int s_count[1024];
+    volatile int* counters = reinterpret_cast<volatile int*>(my_base + o_counters) + par * L;
+    int* recv_count = reinterpret_cast<int*>(my_base + o_recv_count);
+    for (int le = threadIdx.x; le < L; le += blockDim.x) {
+        const int c = counters[le];
+        recv_count[le] = c;
+        if (le < 1024) s_count[le] = c;
+        counters[le] = 0;
+    }
+    __syncthreads();
+    int* src_rank = reinterpret_cast<int*>(my_base + o_src_rank);
+    int* src_idx = reinterpret_cast<int*>(my_base + o_src_idx);
+    for (i64 i = threadIdx.x; i < (i64)L * rows; i += blockDim.x) {
+        const int le = (int)(i / rows), p = (int)(i - (i64)le * rows);
+        const int c = le < 1024 ? s_count[le] : recv_count[le];
+        if (p >= c) { src_rank[i] = -1; src_idx[i] = -1; }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if ((int)threadIdx.x < R)
+        st_release_sys(ctrl_of(peers, threadIdx.x) + CTRL_LL_READY_FLAG + rank, seq);
+}
+
+// ------------------------------------------------------------------------------------------
+// low-latency combine, expert side: push every valid row of y [L][R*m][H] (row stride
+// `y_stride` bytes, expert stride `y_expert_stride` bytes) back to its source's comb buffer.
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_stride,
+                    i64 row_bytes, int L, int R, int rank, int m, int K,
+                    const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
+                    i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int gw = blockIdx.x * warps + (threadIdx.x >> 5), nw = gridDim.x * warps;
+    const int rows = R * m;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    const char* my_base = reinterpret_cast<const char*>(peers[rank]);
+    const int* recv_count = reinterpret_cast<const int*>(my_base + o_recv_count);
+    const int* src_rank = reinterpret_cast<const int*>(my_base + o_src_rank);
+    const int* src_idx = reinterpret_cast<const int*>(my_base + o_src_idx);
+    const int* src_k = reinterpret_cast<const int*>(my_base + o_src_k);
+    // Every source has reduced the previous combine (its comb rows are free again).
+    __shared__ int s_cnt[1024];
+    for (int le = threadIdx.x; le < L; le += blockDim.x) s_cnt[le] = min(recv_count[le], rows);
+    if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_COMBINE_READY, R, seq - 1,
+                                         timeout_ns, PHASE_LL_COMBINE))) {
+        // Flat over every (expert, row) slot so all warps share the rows of all experts.
+        for (i64 i = gw; i < (i64)L * rows; i += nw) {
+            const int le = (int)(i / rows), p = (int)(i - (i64)le * rows);
+            if (p >= s_cnt[le]) continue;
+            const int s = src_rank[i], t = src_idx[i], k = src_k[i];
+            if (s < 0 || s >= R || t < 0 || t >= m || k < 0 || k >= K) continue;
+            char* dst = reinterpret_cast<char*>(peers[s]) + o_comb +
+                        ((i64)t * K + k) * row_bytes;
+            warp_copy_row(y + (i64)le * y_expert_stride + (i64)p * y_stride, dst, row_bytes,
+                          lane);
+        }
+    }
+    signal_done(peers, R, rank, CTRL_LL_COMBINE_FLAG, seq);
+}
+
+// ------------------------------------------------------------------------------------------
+// low-latency combine, source side: out[t] = sum over k (in order, skipping -1) of
+// w[t,k] * comb[t][k'] where k' is the dispatch position of expert topk_idx[t,k].
+// One warp per token; every block waits for every peer's push first.
+// ------------------------------------------------------------------------------------------
+template <typename Tr>
+__global__ void __launch_bounds__(LL_THREADS)
+epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
+                      const i64* __restrict__ topk_idx, const float* __restrict__ w,
+                      i64 w_stride, int T, int K, int H, int R, int rank,
+                      const u64* __restrict__ peers, i64 o_comb, i64 o_topk, u64 seq,
+                      i64 timeout_ns) {
+    typedef typename Tr::word word;
+    constexpr int V = Tr::kPerVec;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    if (!block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_COMBINE_FLAG, R, seq, timeout_ns,
+                                          PHASE_LL_COMBINE))) {
+        signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // (the group has failed)
+        return;
+    }
+    const char* my_base = reinterpret_cast<const char*>(peers[rank]);
+    const word* comb = reinterpret_cast<const word*>(my_base + o_comb);
+    const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk);
+    const int lane = threadIdx.x & 31;
+    const int warps = blockDim.x >> 5;
+    const int gw = blockIdx.x * warps + (threadIdx.x >> 5), nw = gridDim.x * warps;
+    const int nvec = H / V;
+    // Split each token's row into chunks so that all warps work when T is small (decode).
+    const int nch = max(1, min((nvec + 31) / 32, nw / max(T, 1)));
+    const int per = (nvec + nch - 1) / nch;
+    __shared__ int s_kd[LL_THREADS / 32][32];
+    __shared__ float s_w[LL_THREADS / 32][32];
+    int* kds = s_kd[threadIdx.x >> 5];
+    float* ws = s_w[threadIdx.x >> 5];
+    for (int item = gw; item < T * nch; item += nw) {
+        const int t = item / nch, c = item - t * nch;
+        const int i0 = c * per, i1 = min(nvec, i0 + per);
+        // Lane k < K: the dispatch position of this token's k-th combine expert, or -1.
+        if (lane < K) {
+            int kd = -1;
+            float wk = 0.f;
+            const i64 e = topk_idx[(i64)t * K + lane];
+            if (e >= 0) {
+                for (int j = 0; j < K; ++j)
+                    if (disp[(i64)t * K + j] == e) { kd = j; break; }
+                if (kd < 0) record_error(my_ctrl, ERR_BAD_INPUT, -1, PHASE_LL_COMBINE, seq);
+                wk = w[(i64)t * w_stride + lane];
+            }
+            kds[lane] = kd;
+            ws[lane] = wk;
+        }
+        __syncwarp();
+        for (int i = i0 + lane; i < i1; i += 32) {
+            float acc[V];
+#pragma unroll
+            for (int j = 0; j < V; ++j) acc[j] = 0.f;
+            for (int k = 0; k < K; ++k) {
+                const int kk = kds[k];
+                const float ww = ws[k];
+                if (kk < 0) continue;
+                int4 v = *reinterpret_cast<const int4*>(comb + ((i64)t * K + kk) * H +
+                                                        (i64)i * V);
+                const word* vw = reinterpret_cast<const word*>(&v);
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    acc[j] = __fadd_rn(acc[j], __fmul_rn(ww, Tr::to_f32(vw[j])));
+            }
+            int4 o;
+            word* ow = reinterpret_cast<word*>(&o);
+#pragma unroll
+            for (int j = 0; j < V; ++j) ow[j] = Tr::from_f32(acc[j]);
+            *reinterpret_cast<int4*>(out + (i64)t * out_stride + (i64)i * V) = o;
+        }
+        __syncwarp();  // the next token's lanes overwrite kds / ws
+    }
+    signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // comb rows free for the next
+}
+
+#ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions
+template __global__ void epd_ll_combine_reduce<Bf16>(Bf16::word*, i64, const i64*, const float*,
+    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);
+template __global__ void epd_ll_combine_reduce<F16>(F16::word*, i64, const i64*, const float*,
+    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);
+template __global__ void epd_ll_combine_reduce<F32>(F32::word*, i64, const i64*, const float*,
+    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);
+#endif

@@ -1,0 +1,143 @@
+"""Low-latency kernels (cuda/epd_low_latency.cu) on real GPUs vs the NumPy reference, one
+process driving every rank. Fresh random inputs each iteration, outputs poisoned before each
+run. Dispatch rows come back in arrival order, so they are compared as sets keyed by
+(source rank, source token) with bit-exact payloads and scales; combine is bit-exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epd.proto.dtypes import BFLOAT16
+from epd.server import reference as ref
+
+from .common import TIMEOUT_NS, raw
+
+pytestmark = pytest.mark.gpu
+
+
+def _group(r: int, e: int, k: int, h: int, m: int):
+    from epd.server.backends import cuda_runtime as rt
+
+    return rt.LocalGroup(r, e, h, k, m, BFLOAT16, low_latency=True)
+
+
+def _rows_by_source(src_rank: np.ndarray, src_idx: np.ndarray, count: int) -> dict:
+    keys = list(zip(src_rank[:count].tolist(), src_idx[:count].tolist(), strict=True))
+    assert len(set(keys)) == count, "a (source, token) pair arrived twice at one expert"
+    return {key: row for row, key in enumerate(keys)}
+
+
+def ll_roundtrip(g, rng: np.random.Generator, tokens: list[int], e: int, k: int, h: int, m: int,
+                 *, fp8: bool = False, round_scale: bool = False, drop: float = 0.0,
+                 combine_drop: float = 0.0, num_sms: int = 16) -> None:
+    import cupy as cp
+
+    r = len(tokens)
+    lx = e // r
+    routes = [ref.random_routing(rng, t, e, k, drop_prob=drop) for t in tokens]
+    idxs = [i for i, _ in routes]
+    ws = [w for _, w in routes]
+    xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
+    g.poison()
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(idxs[s]), m, fp8=fp8,
+                               round_scale=round_scale, timeout_ns=TIMEOUT_NS, num_sms=num_sms)
+    g.synchronize()
+    for runner in g.runners:
+        assert runner.error() is None, runner.error()
+    want = ref.low_latency_dispatch(xs, idxs, e, m, use_fp8=fp8, round_scale=round_scale)
+    got_disp = []
+    for d, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id):
+            out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8).items()}
+        exp = want[d]
+        np.testing.assert_array_equal(out["recv_count"], exp.recv_count)
+        for le in range(lx):
+            c = int(exp.recv_count[le])
+            got_rows = _rows_by_source(out["recv_src_rank"][le], out["recv_src_idx"][le], c)
+            exp_rows = _rows_by_source(exp.recv_src_rank[le], exp.recv_src_idx[le], c)
+            assert got_rows.keys() == exp_rows.keys()
+            order_got = [got_rows[key] for key in exp_rows]
+            order_exp = list(exp_rows.values())
+            np.testing.assert_array_equal(raw(out["recv_x"][le][order_got]),
+                                          raw(exp.recv_x[le][order_exp]))
+            if fp8:
+                np.testing.assert_array_equal(
+                    out["recv_x_scales"][le][order_got].view(np.uint32),
+                    exp.recv_x_scales[le][order_exp].view(np.uint32))
+            assert (out["recv_src_rank"][le][c:] == -1).all()
+            assert (out["recv_src_idx"][le][c:] == -1).all()
+        got_disp.append(ref.LowLatencyDispatch(None, None, out["recv_count"],
+                                               out["recv_src_rank"], out["recv_src_idx"]))
+
+    # Combine: fresh expert outputs in the valid rows, NaN beyond them (must never be read);
+    # some entries dropped only at combine time.
+    ys = []
+    for d in range(r):
+        y = np.full((lx, r * m, h), 0xFFFF, np.uint16).view(BFLOAT16)
+        for le in range(lx):
+            c = int(want[d].recv_count[le])
+            y[le, :c] = ref.random_x(rng, c, h, BFLOAT16) if c else y[le, :0]
+        ys.append(y)
+    comb_idx = []
+    for i in idxs:
+        c = i.copy()
+        c[rng.random(c.shape) < combine_drop] = -1
+        comb_idx.append(c)
+    cw = ws  # the router's weights
+    expected = ref.low_latency_combine(ys, got_disp, comb_idx, cw, e)
+    outs = []
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            out = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
+            runner.ll_combine(cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]),
+                              cp.asarray(cw[s]), out, m, timeout_ns=TIMEOUT_NS, num_sms=num_sms)
+            outs.append(out)
+    g.synchronize()
+    for runner in g.runners:
+        assert runner.error() is None, runner.error()
+    for s in range(r):
+        np.testing.assert_array_equal(cp.asnumpy(outs[s]), raw(expected[s]))
+
+
+@pytest.mark.parametrize("fp8,round_scale", [(False, False), (True, False), (True, True)])
+def test_decode_config(fp8: bool, round_scale: bool) -> None:
+    """Config D: 128 tokens/rank, hidden 7168, top-8 of 256 experts, two fresh rounds."""
+    rng = np.random.default_rng(11 + fp8 + 2 * round_scale)
+    g = _group(2, 256, 8, 7168, 128)
+    for _ in range(2):
+        ll_roundtrip(g, rng, [128, 128], 256, 8, 7168, 128, fp8=fp8, round_scale=round_scale)
+    g.close()
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_uneven_dropped_and_repeated(num_ranks: int) -> None:
+    """-1 entries at dispatch and at combine, fewer tokens than the maximum, an empty rank."""
+    rng = np.random.default_rng(40 + num_ranks)
+    g = _group(num_ranks, 32, 4, 2048, 24)
+    tokens = [24, 0, 7, 19][:num_ranks]
+    for i in range(4):
+        ll_roundtrip(g, rng, tokens, 32, 4, 2048, 24, fp8=bool(i % 2), drop=0.2,
+                     combine_drop=0.1, num_sms=4 + i)
+    g.close()
+
+
+def test_bad_expert_id_is_reported_not_fatal_to_the_gpu() -> None:
+    import cupy as cp
+
+    from epd.server.backends import cuda_kernels as ck
+
+    rng = np.random.default_rng(5)
+    g = _group(2, 16, 2, 256, 8)
+    xs = [ref.random_x(rng, 8, 256, BFLOAT16) for _ in range(2)]
+    bad = np.full((8, 2), 3, np.int64)
+    bad[:, 1] = 99  # out of range
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(bad), 8,
+                               timeout_ns=TIMEOUT_NS, num_sms=2)
+    g.synchronize()
+    assert g.runners[0].error()[0] == ck.ERR_BAD_INPUT
+    g.close()
