@@ -6,6 +6,10 @@ source benchmarks/gpu_daemon_run.sh none
 OUT=${OUT:-/tmp/out}
 PYTEST="python3 -P -m pytest -p no:cacheprovider -q -rfE -o addopts="
 STAGES=${STAGES:-kernels,daemon,bench,profile}
+if [[ $STAGES == *suite* ]]; then  # every GPU test (kernels, NVSHMEM, daemon)
+  timeout ${SUITE_TIMEOUT:-400} $PYTEST tests/gpu --timeout 200 --durations=12 2>&1 \
+      | tail -150 > "$OUT/gpu_suite.txt"; tail -30 "$OUT/gpu_suite.txt"
+fi
 if [[ $STAGES == *kernels* ]]; then
   timeout 170 $PYTEST tests/gpu/test_low_latency_kernels.py --timeout 120 2>&1 \
       | tee "$OUT/ll_kernels.txt" | tail -25

@@ -21,8 +21,11 @@ Low-latency mode (`Buffer(..., low_latency_mode=True)`):
         x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True)
     combined_x, event, hook = buf.low_latency_combine(expert_out, topk_idx, topk_weights, handle)
 
-Calls return when their data has arrived, so `return_recv_hook=True` returns a hook that does
-nothing (it exists so code that calls it runs unchanged) and `async_finish` has no effect. FP8
+On the cpu backend calls return when their data has arrived, so `return_recv_hook=True` returns
+a hook that does nothing and `async_finish` has no effect. On the cuda backend, a call made
+while the current stream captures a CUDA graph, or with `return_recv_hook=True`, is
+stream-ordered (client/stream_ops.py): it is armed once per set of tensors, triggered from the
+stream with stream memory operations, and the hook enqueues the wait for its data. FP8
 scales are float32 `[L, R*num_max, H/128]` in row-major order; `use_ue8m0` gives power-of-two
 float32 scales (it implies `round_scale`) rather than DeepEP's packed int32 UE8M0 words.
 `use_logfmt`, `zero_copy`, `dispatch_wait_recv_cost_stats` and `combine_wait_recv_cost_stats`
@@ -43,6 +46,7 @@ import numpy as np
 
 from epd.client import tensors as T
 from epd.client.session import Group, Handle, LowLatencyHandle, Session
+from epd.client.stream_ops import StreamOp
 from epd.proto import dtypes
 
 
@@ -102,6 +106,14 @@ class LowLatencyBufferHandle:
         return self.handle.num_experts
 
 
+def _ptr(a: Any) -> int:
+    """Device address of a tensor (0 for None): armed ops read their tensors by address."""
+    if a is None:
+        return 0
+    from epd.client import cuda_ipc
+    return cuda_ipc.describe_device(a, "tensor").ptr
+
+
 def _no_op_hook() -> None:
     """The receive hook: the call it came from has already received its data."""
     return None
@@ -141,6 +153,7 @@ class Buffer:
         self._groups: dict[tuple, Group] = {}
         self._num_experts: int | None = None
         self._combine_buffers: dict[tuple, Any] = {}
+        self._stream_ops: dict[tuple, StreamOp] = {}  # armed stream-ordered calls, by inputs
 
     # -- DeepEP's static helpers -------------------------------------------------------------
     @staticmethod
@@ -280,6 +293,21 @@ class Buffer:
                              f"{list(idx_shape)}")
         g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
                         low_latency_tokens=int(num_max_dispatch_tokens_per_rank))
+        if self._stream_ordered(g, x, return_recv_hook):
+            key = ("dispatch", g.group_id, _ptr(x), x_shape, _ptr(topk_idx), idx_shape,
+                   int(num_max_dispatch_tokens_per_rank), use_fp8, round_scale, use_ue8m0,
+                   _ptr(cumulative_local_expert_recv_stats))
+            op = self._stream_ops.get(key)
+            if op is None:
+                op = self._stream_ops[key] = g.arm_low_latency_dispatch(
+                    x, topk_idx, int(num_max_dispatch_tokens_per_rank), use_fp8=use_fp8,
+                    round_scale=round_scale, use_ue8m0=use_ue8m0,
+                    cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                    timeout=self.timeout)
+            hook = self._trigger(op, return_recv_hook)
+            res = op.result
+            recv = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
+            return recv, res.recv_count, LowLatencyBufferHandle(op, x), EventOverlap(), hook
         out = g.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts=int(num_experts),
             use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
@@ -298,9 +326,36 @@ class Buffer:
         """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
         of each token's expert outputs; written into `out` (and returned) when given."""
         g = handle.handle.group
+        if isinstance(handle.handle, StreamOp):  # a stream-ordered dispatch: so is its combine
+            key = ("combine", handle.handle.op_id, _ptr(x), _ptr(topk_idx), _ptr(topk_weights),
+                   _ptr(out))
+            op = self._stream_ops.get(key)
+            if op is None:
+                op = self._stream_ops[key] = g.arm_low_latency_combine(
+                    x, topk_idx, topk_weights, handle.handle, out=out, timeout=self.timeout)
+            hook = self._trigger(op, return_recv_hook)
+            return op.result, EventOverlap(), hook
         cx = g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
                                    timeout=self.timeout)
         return cx, EventOverlap(), _no_op_hook if return_recv_hook else None
+
+    # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
+    @staticmethod
+    def _stream_ordered(g: Group, x: Any, return_recv_hook: bool) -> bool:
+        """CUDA graphs being captured, or a receive hook asked for, take the stream-ordered
+        path (client/stream_ops.py): nothing waits on the host, the hook is the wait."""
+        if g._session.backend != "cuda":
+            return False
+        from epd.client import cuda_ipc
+        return return_recv_hook or cuda_ipc.is_capturing(x)
+
+    @staticmethod
+    def _trigger(op: StreamOp, return_recv_hook: bool):
+        op.signal()
+        if return_recv_hook:
+            return op.wait  # the receive half, on the stream current when it is called
+        op.wait()
+        return None
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Any:
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer

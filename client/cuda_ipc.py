@@ -172,3 +172,69 @@ class MappedHeap:
             with cp.cuda.Device(self.device):
                 cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
             self.ptr = 0
+
+
+def is_capturing(template: Any) -> bool:
+    """Whether the caller's current stream (for the template's array type) is capturing a
+    CUDA graph: host-side waits are impossible then."""
+    t = _torch()
+    if t is not None and isinstance(template, t.Tensor):
+        return bool(t.cuda.is_current_stream_capturing())
+    cp = _cupy()
+    return bool(cp.cuda.get_current_stream().is_capturing())
+
+
+def stream_handle(stream: Any, template: Any, device: int) -> int:
+    """The CUDA stream a call is ordered on: `stream` (torch/CuPy stream or raw handle), else
+    the caller's current stream for the template's array type."""
+    if stream is not None:
+        for attr in ("cuda_stream", "ptr"):
+            if hasattr(stream, attr):
+                return int(getattr(stream, attr))
+        return int(stream)
+    t = _torch()
+    if t is not None and isinstance(template, t.Tensor):
+        return int(t.cuda.current_stream(device).cuda_stream)
+    return int(_cupy().cuda.get_current_stream().ptr)
+
+
+class MappedPage:
+    """The session's counter page registered in this process's CUDA context, so this
+    process's streams can write and wait on its words (stream memory operations)."""
+
+    def __init__(self, addr: int, size: int, device: int) -> None:
+        from cuda.bindings import runtime as cudart
+
+        self._cudart, self.addr, self.device = cudart, addr, device
+        with _cupy().cuda.Device(device):
+            flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
+            err, = cudart.cudaHostRegister(addr, size, flags)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaHostRegister of the counter page failed: {err}")
+            err, dptr = cudart.cudaHostGetDevicePointer(addr, 0)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
+        self.device_ptr = int(dptr)
+
+    def close(self) -> None:
+        if self.addr:
+            self._cudart.cudaHostUnregister(self.addr)
+            self.addr = 0
+
+
+def stream_write(stream: int, addr: int, value: int) -> None:
+    from cuda.bindings import driver
+
+    err, = driver.cuStreamWriteValue32(driver.CUstream(stream), driver.CUdeviceptr(addr),
+                                       value, 0)  # CU_STREAM_WRITE_VALUE_DEFAULT: ordered
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamWriteValue32 failed: {err}")
+
+
+def stream_wait_geq(stream: int, addr: int, value: int) -> None:
+    from cuda.bindings import driver
+
+    err, = driver.cuStreamWaitValue32(driver.CUstream(stream), driver.CUdeviceptr(addr),
+                                      value, 0)  # CU_STREAM_WAIT_VALUE_GEQ (cyclic >=)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")

@@ -78,7 +78,8 @@ class LowLatencyHandle:
 
 @dataclass
 class LowLatencyDispatchResult:
-    recv_x: Any  # [L, R*num_max, H]: bf16, or e4m3 with use_fp8 (rows beyond recv_count zero)
+    recv_x: Any  # [L, R*num_max, H]: bf16, or e4m3 with use_fp8 (rows beyond recv_count:
+    # zero on the cpu backend, unspecified on cuda)
     recv_x_scales: Any | None  # [L, R*num_max, H/128] float32 with use_fp8
     recv_count: Any  # [L] int32: valid rows per local expert
     handle: LowLatencyHandle
@@ -165,6 +166,8 @@ class Session:
         self._groups: dict[str, Group] = {}
         self._busy = False
         self._closed = False
+        self._page_mapping: Any = None  # cuda: the counter page in this CUDA context
+        self._stream_ops: dict[int, Any] = {}  # armed stream-ordered calls (stream_ops.py)
 
     # -- lease -------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -178,6 +181,8 @@ class Session:
             self._lost = f"{e.code().name}: {e.details()}"
         finally:
             self._ready.set()
+            for op in list(self._stream_ops.values()):  # no stream may wait forever on them
+                op.release()
 
     @property
     def alive(self) -> bool:
@@ -224,7 +229,7 @@ class Session:
                 session_id=self.session_id, region_id=old.region_id))
             old.close(unlink=True)
 
-    def _device_descs(self, arrays: dict[str, Any]) -> dict[str, Any]:
+    def _device_descs(self, arrays: dict[str, Any], event: bool = True) -> dict[str, Any]:
         """cuda backend: device tensors by CUDA IPC region + offset, and the ready event."""
         from epd.client import cuda_ipc
 
@@ -271,7 +276,7 @@ class Session:
             out[name] = epd_pb2.TensorDesc(region_id=rid, offset_bytes=v.ptr - base,
                                            shape=list(v.shape), dtype=v.dtype,
                                            strides=list(v.strides))
-        if template is not None:
+        if template is not None and event:
             if self._ready_event is None:
                 self._ready_event = cuda_ipc.ReadyEvent(
                     cuda_ipc.describe_device(template, "").device)
@@ -373,6 +378,9 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        for op in list(self._stream_ops.values()):
+            op.release()
+        self._stream_ops.clear()
         for g in list(self._groups.values()):
             g._release()
         self._stream.cancel()
@@ -383,7 +391,18 @@ class Session:
         for f in [*self._user_regions, self._staging.file]:
             if f is not None:
                 f.close(unlink=True)
+        if self._page_mapping is not None:
+            self._page_mapping.close()  # before the unmap, never after
         self._counter_file.close(unlink=False)
+
+    def _mapped_page(self) -> Any:
+        from epd.client import cuda_ipc
+
+        if self._page_mapping is None:
+            self._page_mapping = cuda_ipc.MappedPage(self._counter_file.base,
+                                                     self._counter_file.size,
+                                                     self.device_ordinal)
+        return self._page_mapping
 
     def __enter__(self) -> Session:
         return self
@@ -581,6 +600,70 @@ class Group:
             s._write_back("out", out)
             return out
         return self._view(resp.combined_x, copy, x)
+
+    # -- stream-ordered (CUDA-graph capturable) low-latency calls: client/stream_ops.py ------
+    def _require_cuda(self) -> None:
+        if self._session.backend != "cuda":
+            raise EpdError(grpc.StatusCode.FAILED_PRECONDITION,
+                           "stream-ordered calls need the cuda backend")
+
+    def arm_low_latency_dispatch(self, x: Any, topk_idx: Any,
+                                 num_max_dispatch_tokens_per_rank: int, *,
+                                 use_fp8: bool = False, round_scale: bool = False,
+                                 use_ue8m0: bool = False,
+                                 cumulative_local_expert_recv_stats: Any = None,
+                                 timeout: float | None = None) -> Any:
+        """Arm a low-latency dispatch that reads `x` and `topk_idx` (fixed tensors) each time
+        it is launched from a CUDA stream; `op.result` holds the fixed output views
+        (recv_count etc. are valid after the stream passes `op.launch()`)."""
+        from epd.client.stream_ops import StreamOp
+
+        self._require_cuda()
+        s = self._session
+        d = s._device_descs({"x": x, "topk_idx": topk_idx,
+                             "cumulative_local_expert_recv_stats":
+                                 cumulative_local_expert_recv_stats}, event=False)
+        inner = epd_pb2.LowLatencyDispatchRequest(
+            session_id=s.session_id, group_id=self.group_id,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+            num_experts=self.spec.num_experts, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0, timeout_seconds=self._timeout(timeout), **d)
+        resp = s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
+            session_id=s.session_id, group_id=self.group_id, low_latency_dispatch=inner))
+        r = resp.low_latency_dispatch
+        result = LowLatencyDispatchResult(
+            recv_x=self._view(r.recv_x, False, x),
+            recv_x_scales=self._view(r.recv_x_scales, False, x) if r.recv_x_scales.region_id
+            else None,
+            recv_count=self._view(r.recv_count, False, x), handle=None,
+            recv_src_rank=self._view(r.recv_src_rank, False, x),
+            recv_src_idx=self._view(r.recv_src_idx, False, x))
+        op = StreamOp(self, resp.op_id, resp.counter_slot, "dispatch", result, x)
+        result.handle = op
+        s._stream_ops[op.op_id] = op
+        return op
+
+    def arm_low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any,
+                                dispatch_op: Any, *, out: Any = None,
+                                timeout: float | None = None) -> Any:
+        """Arm the combine of an armed dispatch: each launch brings back the expert outputs
+        in `x` for the dispatch's latest launch; `op.result` is `out` (or a fixed view)."""
+        from epd.client.stream_ops import StreamOp
+
+        self._require_cuda()
+        s = self._session
+        d = s._device_descs({"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights,
+                             "out": out}, event=False)
+        inner = epd_pb2.LowLatencyCombineRequest(
+            session_id=s.session_id, group_id=self.group_id,
+            timeout_seconds=self._timeout(timeout), **d)
+        resp = s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
+            session_id=s.session_id, group_id=self.group_id, low_latency_combine=inner,
+            dispatch_op=dispatch_op.op_id))
+        result = out if out is not None else self._view(resp.combined_x, False, x)
+        op = StreamOp(self, resp.op_id, resp.counter_slot, "combine", result, x)
+        s._stream_ops[op.op_id] = op
+        return op
 
     def leave(self) -> None:
         """Leave the group. Its other ranks' later collectives fail with ABORTED."""

@@ -321,6 +321,23 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
     signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // comb rows free for the next
 }
 
+// ------------------------------------------------------------------------------------------
+// Stream-ordered calls: after an armed operation's kernels, write its done word in the
+// session's counter page (mapped host memory the client's stream waits on): 1 when the rank's
+// kernels saw no error, else 2 | code << 8.
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int rank,
+                                           unsigned* done) {
+    if (threadIdx.x != 0) return;
+    const u64* ctrl = ctrl_of(peers, rank);
+    const u64 code = *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE);
+    const u64 aborted = ld_acquire_sys(ctrl + CTRL_ABORT);
+    const unsigned v = (code == 0 && aborted == 0) ? 1u
+                       : 2u | ((unsigned)(code ? code : ERR_ABORTED) << 8);
+    __threadfence_system();
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(done), "r"(v) : "memory");
+}
+
 #ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions
 template __global__ void epd_ll_combine_reduce<Bf16>(Bf16::word*, i64, const i64*, const float*,
     i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);

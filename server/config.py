@@ -53,6 +53,12 @@ class Config:
     fast_path_spin_us: int = field(default=50, metadata={
         "help": "fast path: microseconds the engine spins for the next request before it "
                 "sleeps (0 = always sleep; idle CPU is ~0 either way)"})
+    stream_op_spin_us: int = field(default=200, metadata={
+        "help": "stream-ordered calls: microseconds the engine polls armed doorbells without "
+                "sleeping after the last trigger (a GPU cannot wake a futex; then it polls "
+                "every stream_op_poll_us)"})
+    stream_op_poll_us: int = field(default=50, metadata={
+        "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
     fast_path_slots: int = field(default=16, metadata={
         "help": "fast path: requests in flight per session"})
     num_sms: int = field(default=0, metadata={

@@ -508,13 +508,13 @@ def test_metrics(daemon) -> None:
 
 
 def test_backend_without_low_latency_answers_failed_precondition() -> None:
-    """The RankComm defaults (what the CUDA backend uses until it has LL kernels)."""
+    """The RankComm defaults (a backend without low-latency kernels)."""
     from epd.server.backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs, RankComm
     from epd.server.errors import FailedPrecondition
 
     class NoLowLatency(RankComm):
         backend_name = "cuda"
-        layout = dispatch = combine = abort = abort_reason = close = None
+        layout = dispatch = combine = abort = abort_reason = close = None  # type: ignore
 
     comm = NoLowLatency()
     for call in (lambda: comm.low_latency_dispatch(LowLatencyDispatchArgs(None, None, 1), 0.0),
@@ -523,3 +523,36 @@ def test_backend_without_low_latency_answers_failed_precondition() -> None:
         with pytest.raises(FailedPrecondition,
                            match="low-latency mode is not implemented on the cuda backend"):
             call()
+
+
+
+def test_stream_ordered_calls_need_the_cuda_backend(daemon) -> None:
+    """Arming a stream-ordered call on the cpu backend is refused before anything changes: the
+    counter slot is not taken (64 refused arms later, joining still works), and disarming an
+    unknown op is NOT_FOUND. (The stream-ordered path itself runs on GPUs: tests/gpu.)"""
+    with Session(daemon.socket(0), timeout=10) as s:
+        g = s.join(f"arm-{next(_names)}", rank=0, num_ranks=1, num_experts=4, hidden=H,
+                   max_tokens_per_rank=8, num_topk=2)
+        x = np.zeros((4, H), BF16)
+        idx = np.tile(np.array([[0, 3]], np.int64), (4, 1))
+        d = s._descs({"x": x, "topk_idx": idx})
+        inner = epd_pb2.LowLatencyDispatchRequest(
+            session_id=s.session_id, group_id=g.group_id, num_max_dispatch_tokens_per_rank=8,
+            num_experts=4, **d)
+        for _ in range(70):
+            code, msg = _code(lambda: s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
+                session_id=s.session_id, group_id=g.group_id, low_latency_dispatch=inner)))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "need the cuda backend" in msg
+        code, msg = _code(lambda: s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
+            session_id=s.session_id, group_id=g.group_id)))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "needs" in msg
+        code, _ = _code(lambda: s._call("DisarmStreamOp", epd_pb2.DisarmStreamOpRequest(
+            session_id=s.session_id, op_id=12345)))
+        assert code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(EpdError, match="need the cuda backend"):
+            g.arm_low_latency_dispatch(x, idx, 8)
+        g2 = s.join(f"arm-{next(_names)}", rank=0, num_ranks=1, num_experts=4, hidden=H,
+                    max_tokens_per_rank=8, num_topk=2)
+        out = g2.low_latency_dispatch(x, idx, 8)
+        assert int(np.asarray(out.recv_count).sum()) == 4 * 2

@@ -465,6 +465,44 @@ class LowLatencyCombineResponse(_message.Message):
     combined_x: TensorDesc
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
+class ArmStreamOpRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch_op")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    LOW_LATENCY_COMBINE_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_OP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    low_latency_dispatch: LowLatencyDispatchRequest
+    low_latency_combine: LowLatencyCombineRequest
+    dispatch_op: int
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ...) -> None: ...
+
+class ArmStreamOpResponse(_message.Message):
+    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    COMBINED_X_FIELD_NUMBER: _ClassVar[int]
+    op_id: int
+    counter_slot: int
+    low_latency_dispatch: LowLatencyDispatchResponse
+    combined_x: TensorDesc
+    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+
+class DisarmStreamOpRequest(_message.Message):
+    __slots__ = ("session_id", "op_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    op_id: int
+    def __init__(self, session_id: _Optional[str] = ..., op_id: _Optional[int] = ...) -> None: ...
+
+class DisarmStreamOpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class OpenFastPathRequest(_message.Message):
     __slots__ = ("session_id", "slots", "slot_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

@@ -301,6 +301,16 @@ class EngineStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineResponse.FromString,
                 _registered_method=True)
+        self.ArmStreamOp = channel.unary_unary(
+                '/epd.v1.Engine/ArmStreamOp',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ArmStreamOpRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ArmStreamOpResponse.FromString,
+                _registered_method=True)
+        self.DisarmStreamOp = channel.unary_unary(
+                '/epd.v1.Engine/DisarmStreamOp',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -385,6 +395,18 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ArmStreamOp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DisarmStreamOp(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -452,6 +474,16 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.LowLatencyCombine,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineResponse.SerializeToString,
+            ),
+            'ArmStreamOp': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArmStreamOp,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ArmStreamOpRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ArmStreamOpResponse.SerializeToString,
+            ),
+            'DisarmStreamOp': grpc.unary_unary_rpc_method_handler(
+                    servicer.DisarmStreamOp,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -805,6 +837,60 @@ class Engine:
             '/epd.v1.Engine/LowLatencyCombine',
             epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.LowLatencyCombineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArmStreamOp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/ArmStreamOp',
+            epd_dot_proto_dot_v1_dot_epd__pb2.ArmStreamOpRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.ArmStreamOpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DisarmStreamOp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/DisarmStreamOp',
+            epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpResponse.FromString,
             options,
             channel_credentials,
             insecure,

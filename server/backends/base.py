@@ -240,6 +240,31 @@ class RankComm(abc.ABC):
         order, skipping -1."""
         raise self._no_low_latency()
 
+    # Stream-ordered low-latency calls (armed once, triggered from the client's CUDA stream):
+    # launch without any host synchronisation; a last kernel writes the op's done word.
+    def low_latency_outputs(self, num_max: int, use_fp8: bool) -> LowLatencyDispatchOutputs:
+        """The fixed output views of low-latency dispatch (counts not known: num_recv_rows 0)."""
+        raise self._no_stream_ops()
+
+    def low_latency_combine_view(self, num_tokens: int) -> Array:
+        """Where a stream-ordered combine without `out` writes its [T, H] result."""
+        raise self._no_stream_ops()
+
+    def launch_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Array | None,
+                                    done_ptr: int, timeout: float) -> Any:
+        """Launch dispatch (+ stats += recv_count) and the done write; returns the handle."""
+        raise self._no_stream_ops()
+
+    def launch_low_latency_combine(self, args: LowLatencyCombineArgs, done_ptr: int,
+                                   timeout: float) -> Array:
+        """Launch combine and the done write; returns the output view."""
+        raise self._no_stream_ops()
+
+    def _no_stream_ops(self) -> Exception:
+        from epd.server.errors import FailedPrecondition
+        return FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "
+                                  f"runs {self.backend_name}")
+
     def _no_low_latency(self) -> Exception:
         from epd.server.errors import FailedPrecondition
         return FailedPrecondition(f"low-latency mode is not implemented on the "

@@ -397,6 +397,56 @@ class CudaRankComm(RankComm):
         nbytes = int((h.topk_idx >= 0).sum()) * spec.hidden * spec.x_numpy_dtype.itemsize
         return LowLatencyCombineOutputs(out, bytes_sent=nbytes, bytes_received=nbytes)
 
+    # -- stream-ordered low-latency calls ------------------------------------------------------
+    def low_latency_outputs(self, num_max: int, use_fp8: bool) -> LowLatencyDispatchOutputs:
+        from epd.server.errors import FailedPrecondition
+        self._ll_layout()
+        if use_fp8 and self.spec.x_numpy_dtype != dtypes.BFLOAT16:
+            raise FailedPrecondition("FP8 low-latency dispatch quantises bf16 inputs; the "
+                                     f"group's dtype is {self.spec.x_numpy_dtype}")
+        outs = self.runner.ll_outputs(num_max, use_fp8)
+        return LowLatencyDispatchOutputs(
+            recv_x=outs["recv_x"], recv_x_scales=outs.get("recv_x_scales"),
+            recv_count=outs["recv_count"], recv_src_rank=outs["recv_src_rank"],
+            recv_src_idx=outs["recv_src_idx"], num_recv_rows=0, handle=None)
+
+    def launch_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Any,
+                                    done_ptr: int, timeout: float) -> _LowLatencyHandle:
+        # No host checks of the data here (the inputs are only ready once the client's stream
+        # got there): the kernel skips and reports out-of-range ids (the done word says so).
+        runner, m = self.runner, args.num_max_dispatch_tokens_per_rank
+        with cp.cuda.Device(self.backend.device):
+            seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
+                                     round_scale=args.round_scale,
+                                     timeout_ns=int(timeout * 1e9),
+                                     num_sms=self.backend.num_sms)
+            if stats is not None:
+                with runner.stream:
+                    stats += runner.ll_view("recv_count", (self.spec.num_local_experts,),
+                                            np.int32)
+            runner.k.stream_done(runner.peers, self.rank, done_ptr, stream=runner.stream)
+        return _LowLatencyHandle(seq, int(args.x.shape[0]), m, None)
+
+    def low_latency_combine_view(self, num_tokens: int) -> Any:
+        self._ll_layout()
+        return self.runner.ll_view("combined_x", (num_tokens, self.spec.hidden),
+                                   storage_dtype(self.spec.x_numpy_dtype))
+
+    def launch_low_latency_combine(self, args: LowLatencyCombineArgs, done_ptr: int,
+                                   timeout: float) -> Any:
+        from epd.server.errors import FailedPrecondition
+        runner, h = self.runner, args.handle
+        if h is None or h.sequence != runner.seq["ll_dispatch"]:
+            raise FailedPrecondition("the armed dispatch has not run since the last low-latency "
+                                     "dispatch of this rank (trigger them in order)")
+        with cp.cuda.Device(self.backend.device):
+            out = args.out if args.out is not None else self.low_latency_combine_view(
+                h.num_tokens)
+            runner.ll_combine(args.x, args.topk_idx, args.topk_weights, out, h.num_max,
+                              timeout_ns=int(timeout * 1e9), num_sms=self.backend.num_sms)
+            runner.k.stream_done(runner.peers, self.rank, done_ptr, stream=runner.stream)
+        return out
+
     def abort(self, reason: str) -> None:
         if self._reason is None:
             self._reason = reason

@@ -229,7 +229,7 @@ class Kernels:
     """The compiled module for the current device; one instance per process is enough."""
 
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_copy16", "epd_gate", "epd_ll_dispatch", "epd_ll_combine_push")
+             "epd_copy16", "epd_gate", "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
                  "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
@@ -393,6 +393,12 @@ class Kernels:
                  np.int64(weights.strides[0] // 4), np.int32(t), np.int32(k), np.int32(h),
                  np.int32(lay.num_ranks), np.int32(rank), peers, np.int64(o["comb"]),
                  np.int64(o["topk"]), np.uint64(seq), np.int64(timeout_ns)))
+
+    def stream_done(self, peers: Any, rank: int, done_ptr: int, *, stream: Any = None) -> None:
+        """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it."""
+        with _stream_ptr(stream):
+            self.fn("epd_stream_done")((1,), (32,), (peers, np.int32(rank),
+                                                      np.uint64(done_ptr)))
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, peers: Any, num_ranks: int, code: int = ERR_ABORTED, *,

@@ -58,6 +58,8 @@ class Engine(DataPlane):
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
         self._inflight = 0
+        from epd.server.engine.stream_ops import StreamOps
+        self.stream_ops = StreamOps(self)
 
     # -- plumbing ----------------------------------------------------------------------------
     def _node(self) -> epd_pb2_grpc.NodeStub:
@@ -125,6 +127,8 @@ class Engine(DataPlane):
             return
         session.teardown_done = True
         session.closed.set()
+        if session.stream_ops:  # release client streams waiting on them, before the groups
+            await asyncio.to_thread(self.stream_ops.release_session, session)
         for member in list(session.members.values()):
             await self._drop_member(session, member, f"{session.describe()} {reason}")
         if session.fast_path is not None:
@@ -142,6 +146,8 @@ class Engine(DataPlane):
 
     async def _drop_member(self, session: Session, member: GroupMember, reason: str) -> None:
         text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
+        if any(o.member is member for o in session.stream_ops.values()):
+            await asyncio.to_thread(self.stream_ops.release_member, session, member)
         if member.comm.abort_reason() is None:
             metrics.ABORTS.labels("member_left").inc()
         member.comm.abort(text)  # wakes that rank's own pending waits and every peer's
@@ -235,6 +241,14 @@ class Engine(DataPlane):
         return epd_pb2.OpenFastPathResponse(ring_path=path, slots=slots, slot_bytes=slot_bytes,
                                             spin_seconds=spin)
 
+    # -- stream-ordered calls -----------------------------------------------------------------
+    async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest
+                            ) -> epd_pb2.ArmStreamOpResponse:
+        return await self._run(session, self.stream_ops.arm, session, req)
+
+    async def disarm_stream_op(self, session: Session, op_id: int) -> None:
+        await asyncio.to_thread(self.stream_ops.disarm, session, op_id)
+
     def stats(self, session: Session | None) -> epd_pb2.GetStatsResponse:
         """Counters of one session's memberships (or of all sessions)."""
         groups = []
@@ -294,6 +308,7 @@ class Engine(DataPlane):
         settle = time.monotonic() + 2.0
         while self.sessions and time.monotonic() < settle:
             await asyncio.sleep(0.01)  # teardowns already under way (streams that just ended)
+        self.stream_ops.stop()
         sweep_engine_files(self.config.shm_dir, self.index)
         if self._node_channel is not None:
             await self._node_channel.close()

@@ -315,9 +315,11 @@ class DataPlane:
             raise InvalidArgument(f"topk_idx[{t}] names expert {int(srt[t, j + 1])} twice; "
                                   f"low-latency mode needs distinct experts per token")
 
-    def ll_dispatch_op(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest,
-                       path: str) -> epd_pb2.LowLatencyDispatchResponse:
-        """DeepEP low_latency_dispatch. Validate (nothing changes on bad input), then run."""
+    def ll_dispatch_args(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest
+                         ) -> tuple[GroupMember, LowLatencyDispatchArgs, object]:
+        """Validate a low-latency dispatch as far as the request itself allows (everything but
+        the values of topk_idx); returns the member, the backend args and the optional
+        cumulative stats tensor. Shared by the call and by stream-ordered arming."""
         member = self.member(session, req.group_id)
         spec = member.spec
         self._check_alive(member)
@@ -357,9 +359,18 @@ class DataPlane:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats has shape "
                                       f"{list(stats.shape)}, expected "
                                       f"[{spec.num_local_experts}] (local experts)")
-        timeout = self._timeout(req.timeout_seconds)
         # use_ue8m0: power-of-two scales, i.e. round_scale (carried as float32 here).
         args = LowLatencyDispatchArgs(x, idx, m, req.use_fp8, req.round_scale or req.use_ue8m0)
+        return member, args, stats
+
+    def ll_dispatch_op(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest,
+                       path: str) -> epd_pb2.LowLatencyDispatchResponse:
+        """DeepEP low_latency_dispatch. Validate (nothing changes on bad input), then run."""
+        member, args, stats = self.ll_dispatch_args(session, req)
+        spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
+            args.num_max_dispatch_tokens_per_rank
+        timeout = self._timeout(req.timeout_seconds)
+
         def run():
             self._check_values(session, req.ready_event, spec, idx)
             self._check_distinct(idx)
@@ -376,16 +387,34 @@ class DataPlane:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(self.backend.to_host(out.recv_count)):
                 metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(int(c))
-        r = member.comm.output_region
-        resp = epd_pb2.LowLatencyDispatchResponse(
-            recv_x=tensors.describe(out.recv_x, r,
-                                    epd_pb2.FLOAT8_E4M3 if req.use_fp8 else spec.x_dtype),
-            recv_count=tensors.describe(out.recv_count, r), handle=handle_id,
-            recv_src_rank=tensors.describe(out.recv_src_rank, r),
-            recv_src_idx=tensors.describe(out.recv_src_idx, r))
-        if out.recv_x_scales is not None:
-            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
-        return resp
+        return ll_dispatch_response(member, out, req.use_fp8, handle_id)
+
+    def ll_combine_args(self, session: Session, member: GroupMember,
+                        req: epd_pb2.LowLatencyCombineRequest, num_tokens: int, num_max: int,
+                        backend_handle) -> LowLatencyCombineArgs:
+        """Validate a low-latency combine of a dispatch of `num_tokens` tokens and
+        `num_max` rows per source block (all but the values of topk_idx)."""
+        spec = member.spec
+        regions = session.regions
+        x = tensors.resolve(req.x, regions, "x", ndim=3, dtype=spec.x_dtype)
+        want = (spec.num_local_experts, spec.num_ranks * num_max, spec.hidden)
+        if x.shape != want:
+            raise InvalidArgument(f"low-latency combine x has shape {list(x.shape)}, expected "
+                                  f"{list(want)} ([local experts, num_ranks * "
+                                  f"num_max_dispatch_tokens_per_rank, hidden] of the dispatch)")
+        if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
+            raise InvalidArgument("low-latency combine needs topk_idx and topk_weights")
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
+                                  dtype=epd_pb2.FLOAT32)
+        self._check_routing(spec, idx, weights, num_tokens)
+        out = None
+        if tensors.is_set(req.out):
+            out = tensors.resolve(req.out, regions, "out", ndim=2, dtype=spec.x_dtype)
+            if out.shape != (num_tokens, spec.hidden):
+                raise InvalidArgument(f"out has shape {list(out.shape)}, expected "
+                                      f"[{num_tokens}, {spec.hidden}]")
+        return LowLatencyCombineArgs(x, idx, weights, backend_handle, out)
 
     def ll_combine_op(self, session: Session, req: epd_pb2.LowLatencyCombineRequest,
                       path: str) -> epd_pb2.LowLatencyCombineResponse:
@@ -394,28 +423,11 @@ class DataPlane:
         spec = member.spec
         self._check_alive(member)
         info = self._handle(member, req.handle, LOW_LATENCY)
-        regions = session.regions
-        x = tensors.resolve(req.x, regions, "x", ndim=3, dtype=spec.x_dtype)
-        want = (spec.num_local_experts, spec.num_ranks * info.num_max, spec.hidden)
-        if x.shape != want:
-            raise InvalidArgument(f"low-latency combine x has shape {list(x.shape)}, expected "
-                                  f"{list(want)} ([local experts, num_ranks * "
-                                  f"num_max_dispatch_tokens_per_rank, hidden] of handle "
-                                  f"{req.handle})")
-        if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
-            raise InvalidArgument("low-latency combine needs topk_idx and topk_weights")
-        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
-        weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                  dtype=epd_pb2.FLOAT32)
-        self._check_routing(spec, idx, weights, info.num_tokens)
-        out = None
-        if tensors.is_set(req.out):
-            out = tensors.resolve(req.out, regions, "out", ndim=2, dtype=spec.x_dtype)
-            if out.shape != (info.num_tokens, spec.hidden):
-                raise InvalidArgument(f"out has shape {list(out.shape)}, expected "
-                                      f"[{info.num_tokens}, {spec.hidden}]")
+        args = self.ll_combine_args(session, member, req, info.num_tokens, info.num_max,
+                                    info.backend_handle)
+        idx, out = args.topk_idx, args.out
         timeout = self._timeout(req.timeout_seconds)
-        args = LowLatencyCombineArgs(x, idx, weights, info.backend_handle, out)
+
         def run():
             self._check_values(session, req.ready_event, spec, idx)
             return member.comm.low_latency_combine(args, time.monotonic() + timeout)
@@ -428,3 +440,16 @@ class DataPlane:
             combined_x=tensors.describe(res.combined_x, member.comm.output_region,
                                         spec.x_dtype))
 
+
+def ll_dispatch_response(member: GroupMember, out, use_fp8: bool,
+                         handle_id: int) -> epd_pb2.LowLatencyDispatchResponse:
+    """Describe low-latency dispatch outputs (views of the engine's output region)."""
+    spec, r = member.spec, member.comm.output_region
+    resp = epd_pb2.LowLatencyDispatchResponse(
+        recv_x=tensors.describe(out.recv_x, r, epd_pb2.FLOAT8_E4M3 if use_fp8 else spec.x_dtype),
+        recv_count=tensors.describe(out.recv_count, r), handle=handle_id,
+        recv_src_rank=tensors.describe(out.recv_src_rank, r),
+        recv_src_idx=tensors.describe(out.recv_src_idx, r))
+    if out.recv_x_scales is not None:
+        resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
+    return resp

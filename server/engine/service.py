@@ -135,3 +135,14 @@ class EngineService(epd_pb2_grpc.EngineServicer):
     @_unary
     async def Ping(self, request, context):
         return epd_pb2.PingResponse()
+
+    @_unary
+    async def ArmStreamOp(self, request, context):
+        s = self.engine.session(request.session_id)
+        return await self.engine.arm_stream_op(s, request)
+
+    @_unary
+    async def DisarmStreamOp(self, request, context):
+        s = self.engine.session(request.session_id)
+        await self.engine.disarm_stream_op(s, request.op_id)
+        return epd_pb2.DisarmStreamOpResponse()

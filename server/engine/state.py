@@ -130,6 +130,7 @@ class Session:
     # the fast-path thread): a session's operations never overlap.
     op_lock: threading.Lock = field(default_factory=threading.Lock)
     fast_path: Any = None
+    stream_ops: dict[int, Any] = field(default_factory=dict)  # armed ops (stream_ops.py)
 
     def describe(self) -> str:
         return f"session {self.session_id} ({self.client_name or 'client'}, pid {self.pid})"

@@ -334,3 +334,148 @@ def test_daemon_low_latency_decode_config(daemon) -> None:
             sel = idx[r][:, k] >= 0
             acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
         np.testing.assert_array_equal(results[r]["cx"], acc.astype(xs[r].dtype).view(np.uint16))
+
+
+# -- stream-ordered calls captured into a CUDA graph, replayed with fresh inputs --------------
+
+GRAPH = {"ranks": 2, "experts": 32, "topk": 4, "hidden": 2048, "m": 32, "iters": 100}
+
+
+def _graph_inputs(rank: int, it: int, tokens: int):
+    rng = np.random.default_rng([4242, it, rank])
+    idx, w = ref.random_routing(rng, tokens, GRAPH["experts"], GRAPH["topk"], drop_prob=0.1)
+    from epd.proto.dtypes import BFLOAT16
+    return ref.random_x(rng, tokens, GRAPH["hidden"], BFLOAT16), idx, w
+
+
+def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
+    """Capture dispatch + (unrelated work between the hook halves) + combine once, replay it
+    GRAPH['iters'] times with fresh inputs copied into the static tensors, check every replay
+    against the reference (dispatch rows as sets, combine bit-exact)."""
+    try:
+        import torch
+
+        from epd.client import Session
+        from epd.client.buffer import Buffer
+        torch.cuda.set_device(device)
+        r_count, e, k, h, m = (GRAPH[n] for n in ("ranks", "experts", "topk", "hidden", "m"))
+        lx = e // r_count
+        tokens = [m, m - 5]
+        t = tokens[rank]
+        sx = torch.empty((t, h), dtype=torch.bfloat16, device=device)
+        sidx = torch.empty((t, k), dtype=torch.int64, device=device)
+        sw = torch.empty((t, k), dtype=torch.float32, device=device)
+        dest = torch.empty((t, h), dtype=torch.bfloat16, device=device)
+        a = torch.randn(512, 512, device=device)
+
+        def fill(it: int) -> None:
+            x, idx, w = _graph_inputs(rank, it, t)
+            sx.copy_(_to_torch(x, device))
+            sidx.copy_(_to_torch(idx, device))
+            sw.copy_(_to_torch(w, device))
+            dest.view(torch.int16).fill_(-1)  # poison (NaN)
+
+        res: dict = {"rank": rank, "failures": []}
+        with Session(socket, client_name=f"gpu-graph-{rank}", timeout=30) as s:
+            stream = torch.cuda.Stream(device)
+            graph = torch.cuda.CUDAGraph()
+            fill(0)
+            torch.cuda.synchronize()
+            if facade:  # DeepEP's API: capture arms the calls (hook = the receive half)
+                buf = Buffer(rank=rank, num_ranks=r_count, session=s, low_latency_mode=True,
+                             group_name="gpu-graph-facade")
+                # Warm-up step outside the capture (as with any CUDA-graph user): it arms the
+                # stream-ordered calls, so the capture only records stream operations.
+                recv, count, handle, _, hook = buf.low_latency_dispatch(
+                    sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
+                hook()
+                buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, stream=stream):
+                    recv, count, handle, _, hook = buf.low_latency_dispatch(
+                        sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
+                    torch.mm(a, a)  # work overlapping the transfer
+                    hook()
+                    buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+                views = {"recv_x": recv, "recv_count": count}
+                ops = list(buf._stream_ops.values())
+                grp = next(iter(buf._groups.values()))
+            else:
+                grp = s.join("gpu-graph", rank=rank, num_ranks=r_count, num_experts=e,
+                             hidden=h, max_tokens_per_rank=m, num_topk=k,
+                             low_latency_mode=True, timeout=30)
+                dop = grp.arm_low_latency_dispatch(sx, sidx, m)
+                cop = grp.arm_low_latency_combine(dop.result.recv_x, sidx, sw, dop, out=dest)
+                with torch.cuda.graph(graph, stream=stream):
+                    dop.signal()
+                    torch.mm(a, a)
+                    dop.wait()
+                    cop.launch()
+                views = {"recv_x": dop.result.recv_x, "recv_count": dop.result.recv_count}
+                ops = [dop, cop]
+            views["src_rank"] = ops[0].result.recv_src_rank
+            views["src_idx"] = ops[0].result.recv_src_idx
+            t0 = time.perf_counter()
+            for it in range(GRAPH["iters"]):
+                if it:
+                    fill(it)
+                graph.replay()
+                torch.cuda.synchronize()
+                for op in ops:
+                    op.check()
+                inputs = [_graph_inputs(r, it, tokens[r]) for r in range(r_count)]
+                xs, idxs, ws = ([inp[j] for inp in inputs] for j in range(3))
+                exp = ref.low_latency_dispatch(xs, idxs, e, m)[rank]
+                got = {n: _bits(v) for n, v in views.items()}
+                acc = np.zeros((t, h), np.float32)
+                for kk in range(k):
+                    sel = idxs[rank][:, kk] >= 0
+                    acc[sel] = acc[sel] + ws[rank][sel, kk][:, None] * xs[rank][sel].astype(
+                        np.float32)
+                try:
+                    np.testing.assert_array_equal(got["recv_count"], exp.recv_count)
+                    for le in range(lx):
+                        c = int(exp.recv_count[le])
+                        want = {key: i for i, key in enumerate(zip(
+                            exp.recv_src_rank[le][:c].tolist(),
+                            exp.recv_src_idx[le][:c].tolist(), strict=True))}
+                        keys = list(zip(got["src_rank"][le][:c].tolist(),
+                                        got["src_idx"][le][:c].tolist(), strict=True))
+                        assert sorted(keys) == sorted(want), f"expert {le}"
+                        np.testing.assert_array_equal(
+                            got["recv_x"][le][:c], exp.recv_x[le][[want[kk] for kk in keys]]
+                            .view(np.uint16))
+                    np.testing.assert_array_equal(_bits(dest), acc.astype(xs[rank].dtype)
+                                                  .view(np.uint16))
+                except AssertionError as err:
+                    res["failures"].append(f"replay {it}: {str(err)[:300]}")
+            res["seconds"] = time.perf_counter() - t0
+            res["triggers"] = grp.name
+        q.put(res)
+    except Exception as err:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+@pytest.mark.parametrize("facade", [False, True], ids=["native", "deepep-buffer"])
+def test_daemon_low_latency_cuda_graph(daemon, facade: bool) -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_graph_rank, args=(r, daemon.socket(r % GPU_COUNT),
+                                                   r % GPU_COUNT, facade, q))
+             for r in range(GRAPH["ranks"])]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    for r in results:
+        assert not r["failures"], r["failures"][:3]
+        print(f"rank {r['rank']}: {GRAPH['iters']} replays checked in {r['seconds']:.1f} s")

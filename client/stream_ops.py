@@ -1,0 +1,101 @@
+"""Stream-ordered, CUDA-graph capturable low-latency calls (client side).
+
+An armed operation (`Group.arm_low_latency_dispatch` / `arm_low_latency_combine`) is validated
+by the engine once and has fixed inputs and outputs: the tensors given when arming are read at
+every trigger, and the outputs are the views returned then. `launch()` enqueues on the caller's
+CUDA stream, with stream memory operations on two words of the session's counter page:
+
+    write done = 0;  write request = 1;  wait until done >= 1
+
+The engine's poller sees the request, launches the kernels on its own stream, and its last
+kernel writes `done` (1 ok, 2 | code << 8 failed, 3 released: the session or engine went away).
+Nothing runs on the client's host, so the three operations can be captured into a CUDA graph
+and replayed. `signal()` and `wait()` are the two halves (DeepEP's `return_recv_hook`: the
+caller's stream can do other work in between).
+
+Contract: one trigger of an op in flight at a time (a replay's wait ends before the next
+replay's write); trigger dispatch and combine alternately, in the same order on every rank;
+inputs must be complete on the stream before `launch()` (stream order gives that), outputs are
+valid after it, until this rank's next combine (dispatch outputs) or next combine (its output).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import numpy as np
+
+from epd.client import cuda_ipc
+from epd.client.errors import EpdError
+from epd.proto import counter_page
+from epd.proto.v1 import epd_pb2
+
+REQUEST, DONE = 0, 1
+DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3
+
+
+class StreamOp:
+    def __init__(self, group: Any, op_id: int, slot: int, kind: str, result: Any,
+                 template: Any) -> None:
+        s = group._session
+        self.group, self.op_id, self.kind, self.result = group, op_id, kind, result
+        self._template = template
+        self._device = s.device_ordinal
+        self._words = counter_page.slot_words(s._counter_file.mm, slot).view(np.int32)
+        base = s._mapped_page().device_ptr + slot * counter_page.SLOT_BYTES
+        self._request, self._done = base + 4 * REQUEST, base + 4 * DONE
+        self.armed = True
+
+    def _stream(self, stream: Any) -> int:
+        if not self.armed:
+            raise EpdError(grpc.StatusCode.FAILED_PRECONDITION, f"stream op {self.op_id} was "
+                                                                f"disarmed")
+        return cuda_ipc.stream_handle(stream, self._template, self._device)
+
+    def signal(self, stream: Any = None) -> None:
+        """The send half: ask the engine to run the op once the stream gets here."""
+        h = self._stream(stream)
+        cuda_ipc.stream_write(h, self._done, 0)
+        cuda_ipc.stream_write(h, self._request, 1)
+
+    def wait(self, stream: Any = None) -> None:
+        """The receive half: later work on the stream waits for the op's outputs."""
+        cuda_ipc.stream_wait_geq(self._stream(stream), self._done, DONE_OK)
+
+    def launch(self, stream: Any = None) -> Any:
+        """signal() then wait(); returns the op's outputs (fixed views)."""
+        self.signal(stream)
+        self.wait(stream)
+        return self.result
+
+    def status(self) -> int:
+        """The done word as the host sees it now (0 while a trigger is in flight)."""
+        return int(self._words[DONE])
+
+    def check(self) -> None:
+        """Raise if the last completed trigger failed (call after synchronising the stream)."""
+        v = self.status()
+        if v == DONE_RELEASED:
+            raise EpdError(grpc.StatusCode.UNAVAILABLE, f"stream op {self.op_id}: the session "
+                                                        f"or engine went away")
+        if v & 0xFF == DONE_FAILED:
+            code = v >> 8
+            what = {1: "a peer did not arrive before the deadline", 2: "the group was aborted",
+                    4: "an expert id was out of range or never dispatched",
+                    255: "the engine could not launch it (see its log)"}.get(code, f"code {code}")
+            raise EpdError(grpc.StatusCode.ABORTED, f"stream op {self.op_id} ({self.kind}) "
+                                                    f"failed: {what}")
+
+    def release(self) -> None:
+        """Let any stream waiting on this op go on (session closing)."""
+        self._words[DONE] = DONE_RELEASED
+
+    def disarm(self) -> None:
+        if not self.armed:
+            return
+        s = self.group._session
+        s._call("DisarmStreamOp", epd_pb2.DisarmStreamOpRequest(session_id=s.session_id,
+                                                                op_id=self.op_id))
+        self.armed = False
+        s._stream_ops.pop(self.op_id, None)

@@ -1,0 +1,215 @@
+"""Stream-ordered (CUDA-graph capturable) low-latency calls, engine side.
+
+A client arms an operation once over gRPC (validated like the call itself, apart from the
+values of topk_idx, which are only ready when the client's stream gets there). Each armed op owns
+a slot of the session's counter page, which the client's CUDA context maps too; int32 word 0 is
+the request doorbell, word 1 the done word. The client's stream writes `done = 0`,
+`request = 1` and waits for `done >= 1` (stream memory operations, capturable). One poller
+thread per engine watches the doorbells of every armed op: it clears the doorbell, launches the
+op's kernels on the rank's stream without any host synchronisation, and a last kernel writes
+`done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
+`stream_op_spin_us` after the last trigger, then polls every `stream_op_poll_us`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from epd.proto import counter_page
+from epd.proto.v1 import epd_pb2
+from epd.server import metrics
+from epd.server.engine import tensors
+from epd.server.engine.ops import ll_dispatch_response
+from epd.server.engine.state import GroupMember, Session
+from epd.server.errors import EpdError, FailedPrecondition, NotFound, ResourceExhausted
+
+log = logging.getLogger("epd.engine")
+REQUEST, DONE = 0, 1  # int32 words of the op's counter slot
+DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3
+KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
+
+
+@dataclass
+class StreamOp:
+    op_id: int
+    kind: str
+    session: Session
+    member: GroupMember
+    args: Any  # LowLatencyDispatchArgs / LowLatencyCombineArgs (handle filled per trigger)
+    stats: Any  # dispatch: cumulative_local_expert_recv_stats or None
+    slot: int
+    words: np.ndarray  # int32 view of the slot (host)
+    done_ptr: int  # device address of the done word (engine context)
+    timeout: float
+    dispatch_op: StreamOp | None = None  # combine: whose result it brings back
+    handle: Any = None  # dispatch: the backend handle of the latest trigger
+    triggers: int = 0
+    failures: int = 0
+    last_error: str = ""
+    armed: bool = field(default=True)
+
+
+class StreamOps:
+    """Arming, disarming and the poller thread of one engine."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.ops: dict[int, StreamOp] = {}
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- arming (gRPC handlers, event loop thread) ------------------------------------------
+    def arm(self, session: Session, req: epd_pb2.ArmStreamOpRequest) -> epd_pb2.ArmStreamOpResponse:
+        e = self.engine
+        which = req.WhichOneof("op")
+        if which is None:
+            raise FailedPrecondition("ArmStreamOp needs low_latency_dispatch or "
+                                     "low_latency_combine")
+        if not session.free_slots:
+            raise ResourceExhausted(f"{session.describe()} has no free counter slot (at most "
+                                    f"{counter_page.NUM_SLOTS} groups and armed ops together)")
+        if which == "low_latency_dispatch":
+            inner = req.low_latency_dispatch
+            inner.group_id = inner.group_id or req.group_id
+            member, args, stats = e.ll_dispatch_args(session, inner)
+            outs = member.comm.low_latency_outputs(args.num_max_dispatch_tokens_per_rank,
+                                                   args.use_fp8)
+            kind, src, resp = KIND_DISPATCH, None, epd_pb2.ArmStreamOpResponse(
+                low_latency_dispatch=ll_dispatch_response(member, outs, args.use_fp8, 0))
+        else:
+            inner = req.low_latency_combine
+            inner.group_id = inner.group_id or req.group_id
+            src = session.stream_ops.get(req.dispatch_op)
+            if src is None or src.kind != KIND_DISPATCH:
+                raise NotFound(f"dispatch_op {req.dispatch_op} is not an armed low-latency "
+                               f"dispatch of {session.describe()}")
+            member = e.member(session, inner.group_id)
+            if member is not src.member:
+                raise FailedPrecondition("the combine and its dispatch_op belong to different "
+                                         "groups")
+            d = src.args
+            args = e.ll_combine_args(session, member, inner, int(d.x.shape[0]),
+                                     d.num_max_dispatch_tokens_per_rank, None)
+            kind, stats, resp = KIND_COMBINE, None, epd_pb2.ArmStreamOpResponse()
+            if args.out is not None:
+                resp.combined_x.CopyFrom(inner.out)
+            else:
+                view = member.comm.low_latency_combine_view(int(d.x.shape[0]))
+                resp.combined_x.CopyFrom(tensors.describe(view, member.comm.output_region,
+                                                          member.spec.x_dtype))
+        slot = session.free_slots.pop(0)
+        page = session.counter_page.slot(slot)
+        words = page.view(np.int32)
+        words[REQUEST] = 0
+        words[DONE] = DONE_OK
+        with self._lock:
+            op = StreamOp(self._next_id, kind, session, member, args, stats, slot, words,
+                          int(page.device_ptr) + 4 * DONE, e._timeout(inner.timeout_seconds),
+                          dispatch_op=src)
+            self._next_id += 1
+            self.ops[op.op_id] = op
+        session.stream_ops[op.op_id] = op
+        self._ensure_thread()
+        resp.op_id, resp.counter_slot = op.op_id, slot
+        log.info("%s armed %s op %d (slot %d)", session.describe(), kind, op.op_id, slot)
+        return resp
+
+    def disarm(self, session: Session, op_id: int) -> None:
+        op = session.stream_ops.get(op_id)
+        if op is None:
+            raise NotFound(f"stream op {op_id} is not armed by {session.describe()}")
+        if any(o.dispatch_op is op for o in session.stream_ops.values()):
+            raise FailedPrecondition(f"stream op {op_id} still has an armed combine; disarm "
+                                     f"that first")
+        self._remove(op)
+
+    def release_session(self, session: Session) -> None:
+        """The session is closing: release any stream waiting on its ops, free the slots."""
+        for op in list(session.stream_ops.values()):
+            op.words[DONE] = DONE_RELEASED
+            self._remove(op)
+
+    def release_member(self, session: Session, member: GroupMember) -> None:
+        """The member leaves its group: its ops go (combines first) and release their streams."""
+        ops = [o for o in session.stream_ops.values() if o.member is member]
+        for op in sorted(ops, key=lambda o: o.kind != KIND_COMBINE):
+            op.words[DONE] = DONE_RELEASED
+            self._remove(op)
+
+    def _remove(self, op: StreamOp) -> None:
+        with op.session.op_lock, self._lock:  # never while the poller launches it
+            op.armed = False
+            self.ops.pop(op.op_id, None)
+        op.session.stream_ops.pop(op.op_id, None)
+        op.session.free_slots.append(op.slot)
+
+    # -- the poller ---------------------------------------------------------------------------
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll, daemon=True,
+                                            name=f"epd-streamops-{self.engine.index}")
+            self._thread.start()
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _poll(self) -> None:
+        self.engine.backend.thread_init()
+        cfg = self.engine.config
+        spin, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
+        last = time.perf_counter()
+        while not self._stop:
+            ops = list(self.ops.values())
+            if not ops:  # nothing armed: sleep until an op is armed
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            fired = False
+            for op in ops:
+                if op.words[REQUEST] != 0:
+                    op.words[REQUEST] = 0
+                    self._fire(op)
+                    fired = True
+            now = time.perf_counter()
+            if fired:
+                last = now
+            elif now - last > spin:
+                time.sleep(period)
+
+    def _fire(self, op: StreamOp) -> None:
+        code = "OK"
+        try:
+            with op.session.op_lock:
+                if not op.armed:
+                    return
+                comm = op.member.comm
+                if op.kind == KIND_DISPATCH:
+                    op.handle = comm.launch_low_latency_dispatch(op.args, op.stats, op.done_ptr,
+                                                                 op.timeout)
+                    op.member.dispatches += 1
+                else:
+                    op.args.handle = op.dispatch_op.handle
+                    comm.launch_low_latency_combine(op.args, op.done_ptr, op.timeout)
+                    op.member.combines += 1
+                op.triggers += 1
+        except Exception as e:  # answer through the done word, keep polling
+            code = e.code.name if isinstance(e, EpdError) else "INTERNAL"
+            op.failures += 1
+            op.last_error = str(e)
+            op.words[DONE] = DONE_FAILED | (0xFF << 8)
+            log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
+        finally:
+            metrics.REQUESTS.labels(f"Stream{op.kind}", code).inc()
