@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -162,7 +163,7 @@ def bench_daemon(iters: int, num_sms: int) -> dict[str, Any]:
     from epd.server.demo import Daemon
 
     with Daemon(backend="cuda", engines=2, timeout_seconds=20,
-                extra=["--num-sms", str(num_sms), "--nvshmem-heap-bytes", str(4 << 30)]) as d:
+                extra=["--ll-num-sms", str(num_sms), "--nvshmem-heap-bytes", str(4 << 30)]) as d:
         d.wait_ready(180)
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -172,7 +173,15 @@ def bench_daemon(iters: int, num_sms: int) -> dict[str, Any]:
         got = sorted((q.get(timeout=300) for _ in procs), key=lambda r: r["rank"])
         for p in procs:
             p.join(30)
-        engine = bd._engine_means(d.get("/metrics")[1], "bench-ll")
+        text = d.get("/metrics")[1]
+        engine = bd._engine_means(text, "bench-ll")
+        for kind in ("LowLatencyDispatch", "LowLatencyCombine"):
+            sm = re.search(rf'epd_stream_op_launch_seconds_sum{{[^}}]*kind="{kind}"[^}}]*}} (\S+)',
+                           text)
+            ct = re.search(rf'epd_stream_op_launch_seconds_count{{[^}}]*kind="{kind}"[^}}]*}} '
+                           rf'(\S+)', text)
+            if sm and ct and float(ct.group(1)):
+                engine[f"stream_launch_{kind}"] = float(sm.group(1)) / float(ct.group(1)) * 1e6
     for r in got:
         if "error" in r:
             raise RuntimeError(r["error"])
@@ -193,7 +202,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--num-sms", type=int, default=32)
+    ap.add_argument("--num-sms", type=int, default=64, help="blocks of the LL kernels "
+                    "(the engine's --ll-num-sms default)")
     ap.add_argument("--json", default="")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,daemon,nccl")
     ns = ap.parse_args()

@@ -99,20 +99,6 @@ __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __r
     }
 }
 
-__device__ __forceinline__ void warp_copy_row(const char* __restrict__ src, char* dst,
-                                              i64 nbytes, int lane) {
-    const int4* s4 = reinterpret_cast<const int4*>(src);
-    int4* d4 = reinterpret_cast<int4*>(dst);
-    const i64 n = nbytes >> 4;
-    i64 i = lane;
-    for (; i + 96 < n; i += 128) {
-        int4 a = __ldg(s4 + i), b = __ldg(s4 + i + 32), c = __ldg(s4 + i + 64),
-             d = __ldg(s4 + i + 96);
-        d4[i] = a; d4[i + 32] = b; d4[i + 64] = c; d4[i + 96] = d;
-    }
-    for (; i < n; i += 32) d4[i] = __ldg(s4 + i);
-}
-
 // ------------------------------------------------------------------------------------------
 // low-latency dispatch. x: [T, H] rows of `row_bytes` (16-byte multiple) at `x_stride` bytes.
 // ------------------------------------------------------------------------------------------
@@ -213,9 +199,6 @@ epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_strid
                     i64 row_bytes, int L, int R, int rank, int m, int K,
                     const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
                     i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
-    const int lane = threadIdx.x & 31;
-    const int warps = blockDim.x >> 5;
-    const int gw = blockIdx.x * warps + (threadIdx.x >> 5), nw = gridDim.x * warps;
     const int rows = R * m;
     u64* my_ctrl = ctrl_of(peers, rank);
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
@@ -223,21 +206,36 @@ epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_strid
     const int* src_rank = reinterpret_cast<const int*>(my_base + o_src_rank);
     const int* src_idx = reinterpret_cast<const int*>(my_base + o_src_idx);
     const int* src_k = reinterpret_cast<const int*>(my_base + o_src_k);
+    // Exclusive prefix of the per-expert counts: valid row j lives in the expert whose range
+    // holds j. One block per row (like dispatch: a whole block's loads in flight per row).
+    __shared__ int s_pre[1025];
+    if (threadIdx.x == 0) {
+        int acc = 0;
+        for (int le = 0; le < L; ++le) {
+            s_pre[le] = acc;
+            acc += min(recv_count[le], rows);
+        }
+        s_pre[L] = acc;
+    }
     // Every source has reduced the previous combine (its comb rows are free again).
-    __shared__ int s_cnt[1024];
-    for (int le = threadIdx.x; le < L; le += blockDim.x) s_cnt[le] = min(recv_count[le], rows);
     if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_COMBINE_READY, R, seq - 1,
                                          timeout_ns, PHASE_LL_COMBINE))) {
-        // Flat over every (expert, row) slot so all warps share the rows of all experts.
-        for (i64 i = gw; i < (i64)L * rows; i += nw) {
-            const int le = (int)(i / rows), p = (int)(i - (i64)le * rows);
-            if (p >= s_cnt[le]) continue;
+        const int total = s_pre[L];
+        const int nvec = (int)(row_bytes >> 4);
+        for (int j = blockIdx.x; j < total; j += gridDim.x) {
+            int lo = 0, hi = L - 1;  // the last expert whose range starts at or before j
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) >> 1;
+                if (s_pre[mid] <= j) lo = mid; else hi = mid - 1;
+            }
+            const i64 i = (i64)lo * rows + (j - s_pre[lo]);
             const int s = src_rank[i], t = src_idx[i], k = src_k[i];
             if (s < 0 || s >= R || t < 0 || t >= m || k < 0 || k >= K) continue;
-            char* dst = reinterpret_cast<char*>(peers[s]) + o_comb +
-                        ((i64)t * K + k) * row_bytes;
-            warp_copy_row(y + (i64)le * y_expert_stride + (i64)p * y_stride, dst, row_bytes,
-                          lane);
+            const int4* src = reinterpret_cast<const int4*>(
+                y + (i64)lo * y_expert_stride + (i64)(j - s_pre[lo]) * y_stride);
+            int4* dst = reinterpret_cast<int4*>(reinterpret_cast<char*>(peers[s]) + o_comb +
+                                                ((i64)t * K + k) * row_bytes);
+            for (int v = threadIdx.x; v < nvec; v += blockDim.x) dst[v] = __ldg(src + v);
         }
     }
     signal_done(peers, R, rank, CTRL_LL_COMBINE_FLAG, seq);

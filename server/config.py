@@ -63,6 +63,9 @@ class Config:
         "help": "fast path: requests in flight per session"})
     num_sms: int = field(default=0, metadata={
         "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default)"})
+    ll_num_sms: int = field(default=64, metadata={
+        "help": "cuda backend: blocks of the low-latency kernels (latency-bound: more blocks, "
+                "more rows in flight; keep two ranks' worth under the GPU's SM count)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
 

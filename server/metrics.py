@@ -20,6 +20,10 @@ COMBINE_SECONDS = Histogram("epd_combine_seconds", "Combine latency inside the e
                             ["group", "path", "backend"], buckets=LATENCY_BUCKETS)
 LAYOUT_SECONDS = Histogram("epd_layout_seconds", "get_dispatch_layout latency",
                            ["group", "path", "backend"], buckets=LATENCY_BUCKETS)
+STREAM_OP_LAUNCH_SECONDS = Histogram(
+    "epd_stream_op_launch_seconds", "Stream-ordered calls: host time from seeing the doorbell "
+    "to the last kernel launched (the GPU time follows)", ["group", "kind"],
+    buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("epd_requests", "Engine requests by method and status code",
                    ["method", "code"])
 BYTES_SENT = Counter("epd_bytes_sent", "Payload bytes sent to other ranks",

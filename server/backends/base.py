@@ -124,6 +124,7 @@ class LowLatencyDispatchArgs:
     num_max_dispatch_tokens_per_rank: int
     use_fp8: bool = False
     round_scale: bool = False  # use_ue8m0 arrives here as round_scale=True
+    topk_idx_host: np.ndarray | None = None  # host copy (the engine's checks made one)
 
 
 @dataclass
@@ -146,6 +147,7 @@ class LowLatencyCombineArgs:
     topk_weights: Array  # [T, K] float32
     handle: Any
     out: Array | None = None  # [T, H]: write the result here
+    topk_idx_host: np.ndarray | None = None  # host copy (the engine's checks made one)
 
 
 @dataclass

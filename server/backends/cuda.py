@@ -353,11 +353,12 @@ class CudaRankComm(RankComm):
                                      f"group's dtype is {spec.x_numpy_dtype}")
         m, t = args.num_max_dispatch_tokens_per_rank, int(args.x.shape[0])
         with cp.cuda.Device(self.backend.device):
-            idx_host = cp.asnumpy(args.topk_idx)
+            idx_host = (args.topk_idx_host if args.topk_idx_host is not None
+                        else cp.asnumpy(args.topk_idx))
             seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
                                      round_scale=args.round_scale,
                                      timeout_ns=self._timeout_ns(deadline),
-                                     num_sms=self.backend.num_sms)
+                                     num_sms=self.backend.ll_num_sms)
             runner.stream.synchronize()
             self._raise_if_failed()
             outs = runner.ll_outputs(m, args.use_fp8)
@@ -383,7 +384,8 @@ class CudaRankComm(RankComm):
                                      f"later one (#{runner.seq['ll_dispatch']}); combine the "
                                      f"latest dispatch")
         with cp.cuda.Device(self.backend.device):
-            check_combine_routing(h.topk_idx, cp.asnumpy(args.topk_idx))
+            check_combine_routing(h.topk_idx, args.topk_idx_host if args.topk_idx_host is not None
+                                  else cp.asnumpy(args.topk_idx))
             out = args.out
             if out is None:
                 out = runner.ll_view("combined_x", (h.num_tokens, spec.hidden),
@@ -391,7 +393,7 @@ class CudaRankComm(RankComm):
             weights = cp.ascontiguousarray(args.topk_weights)
             runner.ll_combine(args.x, args.topk_idx, weights, out, h.num_max,
                               timeout_ns=self._timeout_ns(deadline),
-                              num_sms=self.backend.num_sms)
+                              num_sms=self.backend.ll_num_sms)
             runner.stream.synchronize()
             self._raise_if_failed()
         nbytes = int((h.topk_idx >= 0).sum()) * spec.hidden * spec.x_numpy_dtype.itemsize
@@ -419,7 +421,7 @@ class CudaRankComm(RankComm):
             seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
                                      round_scale=args.round_scale,
                                      timeout_ns=int(timeout * 1e9),
-                                     num_sms=self.backend.num_sms)
+                                     num_sms=self.backend.ll_num_sms)
             if stats is not None:
                 with runner.stream:
                     stats += runner.ll_view("recv_count", (self.spec.num_local_experts,),
@@ -443,7 +445,7 @@ class CudaRankComm(RankComm):
             out = args.out if args.out is not None else self.low_latency_combine_view(
                 h.num_tokens)
             runner.ll_combine(args.x, args.topk_idx, args.topk_weights, out, h.num_max,
-                              timeout_ns=int(timeout * 1e9), num_sms=self.backend.num_sms)
+                              timeout_ns=int(timeout * 1e9), num_sms=self.backend.ll_num_sms)
             runner.k.stream_done(runner.peers, self.rank, done_ptr, stream=runner.stream)
         return out
 
@@ -489,6 +491,7 @@ class CudaBackend(Backend):
 
         self.cfg, self.device, self._nc = cfg, index, nc
         self.num_sms = cfg.num_sms or 24
+        self.ll_num_sms = cfg.ll_num_sms or 64
         boot = _bootstrap(cfg, index)
         dev = Device(index)
         dev.set_current()

@@ -92,15 +92,20 @@ class DataPlane:
         return await self._run(session, self.combine_op, session, req, "grpc")
 
     def _check_values(self, session: Session, ready_event: bytes, spec: GroupSpec,
-                      topk_idx) -> None:
+                      topk_idx) -> np.ndarray | None:
         """Wait for the client's inputs, then check what needs reading them (before the rank
-        takes part in the collective)."""
+        takes part in the collective). Returns the host copy of topk_idx: one device-to-host
+        copy serves every check (each synchronisation costs more than the bytes)."""
         self.backend.wait_event(session.events, ready_event)
-        if topk_idx is not None and topk_idx.shape[0]:
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if topk_idx is None:
+            return None
+        host = self.backend.to_host(topk_idx)
+        if host.size:
+            lo, hi = int(host.min()), int(host.max())
             if lo < -1 or hi >= spec.num_experts:
                 raise InvalidArgument(f"topk_idx holds expert ids in [{lo}, {hi}]; valid ids are "
                                       f"-1 (none) and [0, {spec.num_experts})")
+        return host
 
     def layout_op(self, session: Session, req: epd_pb2.GetDispatchLayoutRequest,
                   path: str) -> epd_pb2.GetDispatchLayoutResponse:
@@ -308,7 +313,7 @@ class DataPlane:
         twice."""
         if not topk_idx.shape[0] or topk_idx.shape[1] < 2:
             return
-        srt = np.sort(self.backend.to_host(topk_idx), axis=1)
+        srt = np.sort(topk_idx, axis=1)  # (a host copy)
         dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)
         if dup.any():
             t, j = (int(v) for v in np.argwhere(dup)[0])
@@ -372,8 +377,8 @@ class DataPlane:
         timeout = self._timeout(req.timeout_seconds)
 
         def run():
-            self._check_values(session, req.ready_event, spec, idx)
-            self._check_distinct(idx)
+            args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
+            self._check_distinct(args.topk_idx_host)
             return member.comm.low_latency_dispatch(args, time.monotonic() + timeout)
 
         out = self._timed(member, metrics.DISPATCH_SECONDS, path, run)
@@ -429,7 +434,7 @@ class DataPlane:
         timeout = self._timeout(req.timeout_seconds)
 
         def run():
-            self._check_values(session, req.ready_event, spec, idx)
+            args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
             return member.comm.low_latency_combine(args, time.monotonic() + timeout)
 
         res = self._timed(member, metrics.COMBINE_SECONDS, path, run)

@@ -191,6 +191,7 @@ class StreamOps:
 
     def _fire(self, op: StreamOp) -> None:
         code = "OK"
+        t0 = time.perf_counter()
         try:
             with op.session.op_lock:
                 if not op.armed:
@@ -205,6 +206,8 @@ class StreamOps:
                     comm.launch_low_latency_combine(op.args, op.done_ptr, op.timeout)
                     op.member.combines += 1
                 op.triggers += 1
+            metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind).observe(
+                time.perf_counter() - t0)
         except Exception as e:  # answer through the done word, keep polling
             code = e.code.name if isinstance(e, EpdError) else "INTERNAL"
             op.failures += 1

@@ -367,6 +367,7 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
         sw = torch.empty((t, k), dtype=torch.float32, device=device)
         dest = torch.empty((t, h), dtype=torch.bfloat16, device=device)
         a = torch.randn(512, 512, device=device)
+        torch.mm(a, a)  # cuBLAS initialises outside the capture
 
         def fill(it: int) -> None:
             x, idx, w = _graph_inputs(rank, it, t)
@@ -391,13 +392,17 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                 hook()
                 buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
                 torch.cuda.synchronize()
+                dop = next(iter(buf._stream_ops.values()))
                 with torch.cuda.graph(graph, stream=stream):
                     recv, count, handle, _, hook = buf.low_latency_dispatch(
                         sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
                     torch.mm(a, a)  # work overlapping the transfer
                     hook()
+                    # Dispatch outputs are valid until this rank's combine: snapshot them.
+                    views = {"recv_x": recv.clone(), "recv_count": count.clone(),
+                             "src_rank": dop.result.recv_src_rank.clone(),
+                             "src_idx": dop.result.recv_src_idx.clone()}
                     buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
-                views = {"recv_x": recv, "recv_count": count}
                 ops = list(buf._stream_ops.values())
                 grp = next(iter(buf._groups.values()))
             else:
@@ -406,15 +411,16 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                              low_latency_mode=True, timeout=30)
                 dop = grp.arm_low_latency_dispatch(sx, sidx, m)
                 cop = grp.arm_low_latency_combine(dop.result.recv_x, sidx, sw, dop, out=dest)
+                res_d = dop.result
                 with torch.cuda.graph(graph, stream=stream):
                     dop.signal()
                     torch.mm(a, a)
                     dop.wait()
+                    views = {"recv_x": res_d.recv_x.clone(), "recv_count": res_d.recv_count
+                             .clone(), "src_rank": res_d.recv_src_rank.clone(),
+                             "src_idx": res_d.recv_src_idx.clone()}
                     cop.launch()
-                views = {"recv_x": dop.result.recv_x, "recv_count": dop.result.recv_count}
                 ops = [dop, cop]
-            views["src_rank"] = ops[0].result.recv_src_rank
-            views["src_idx"] = ops[0].result.recv_src_idx
             t0 = time.perf_counter()
             for it in range(GRAPH["iters"]):
                 if it:
