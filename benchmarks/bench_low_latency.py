@@ -15,6 +15,7 @@ Part 3: the NCCL all_to_all_single pipeline of benchmarks/bench_kernels.py at D,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -149,6 +150,17 @@ def _client(rank: int, socket: str, iters: int, q: Any) -> None:
                         times["host_wall"].append(t1 - t0)
                 res[("fp8" if fp8 else "bf16") + "_stream"] = {k: _stats(v)
                                                               for k, v in times.items()}
+                if not fp8:  # where the time goes: the host, not the stream, waits for done
+                    host = {"dispatch": [], "combine": []}
+                    for it in range(iters + 5):
+                        for name, op in (("dispatch", dop), ("combine", cop)):
+                            t0 = time.perf_counter()
+                            op.signal()
+                            while op.status() == 0:
+                                pass
+                            if it >= 5:
+                                host[name].append(time.perf_counter() - t0)
+                    res["bf16_stream_host_wait"] = {k: _stats(v) for k, v in host.items()}
                 cop.disarm()
                 dop.disarm()
         q.put(res)
@@ -186,16 +198,51 @@ def bench_daemon(iters: int, num_sms: int) -> dict[str, Any]:
         if "error" in r:
             raise RuntimeError(r["error"])
     res = {"clients": got, "engine_mean_us_all_calls": engine}
-    for key in ("bf16", "fp8", "bf16_stream", "fp8_stream"):
+    for key in ("bf16", "fp8", "bf16_stream", "fp8_stream", "bf16_stream_host_wait"):
         slow = {op: max(c[key][op]["median_us"] for c in got) for op in ("dispatch", "combine")}
         res[key] = slow
-        what = ("stream-ordered: stream reaches the call -> outputs ready on the stream"
-                if key.endswith("stream") else "client call to result returned")
+        what = {"bf16": "client call to result returned",
+                "bf16_stream_host_wait": "stream-ordered, the host polls done instead of the "
+                                         "stream"}.get(key.replace("fp8", "bf16"),
+                                                       "stream-ordered: stream reaches the call "
+                                                       "-> outputs ready on the stream")
         print(f"[daemon] {key}: {what}, slowest rank median: dispatch "
               f"{slow['dispatch']:.1f} us, combine {slow['combine']:.1f} us "
               f"(fast path: {[c['fast_path'] for c in got]})", flush=True)
     print(f"[daemon] engine-side mean over all calls: {engine}", flush=True)
     return res
+
+
+@contextlib.contextmanager
+def mps_server():
+    """A private MPS control daemon (its own pipe and log folders, so nothing else on the machine
+    uses it), stopped afterwards. Yields False where MPS is not installed."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        print("[mps] nvidia-cuda-mps-control not found: skipped", flush=True)
+        yield False
+        return
+    root = tempfile.mkdtemp(prefix="epd-mps-")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": f"{root}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{root}/log"}
+    for d in env.values():
+        os.makedirs(d)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    subprocess.run([exe, "-d"], check=True)
+    print(f"[mps] private MPS server in {root}", flush=True)
+    try:
+        yield True
+    finally:
+        subprocess.run([exe], input=b"quit\n", timeout=30)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main() -> int:
@@ -205,6 +252,9 @@ def main() -> int:
     ap.add_argument("--num-sms", type=int, default=64, help="blocks of the LL kernels "
                     "(the engine's --ll-num-sms default)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--mps", action="store_true", help="run the daemon part under a private "
+                    "CUDA MPS server (kernels of the engine and its clients run concurrently "
+                    "instead of time-sliced); skipped where nvidia-cuda-mps-control is missing")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: kernels,daemon,nccl")
     ns = ap.parse_args()
     for k, v in {"NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0",
@@ -217,7 +267,12 @@ def main() -> int:
     if "kernels" not in skip:
         res["kernels"] = bench_kernels(ns.iters, ns.warmup, ns.num_sms)
     if "daemon" not in skip:
-        res["daemon"] = bench_daemon(ns.iters, ns.num_sms)
+        if ns.mps:
+            with mps_server() as ok:
+                if ok:
+                    res["daemon_mps"] = bench_daemon(ns.iters, ns.num_sms)
+        else:
+            res["daemon"] = bench_daemon(ns.iters, ns.num_sms)
     if "nccl" not in skip:
         import bench_kernels as bk
         res["nccl_pipeline_us"] = bk.bench_nccl(argparse.Namespace(iters=ns.iters), 2)
