@@ -27,6 +27,16 @@
 #define LL_THREADS 512
 #define FULL_MASK 0xffffffffu
 
+// Bad input seen on the GPU (stream-ordered calls have no host check): record it here and abort
+// the group in every peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host
+// writes it), since the peers have already exchanged data with this rank.
+__device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank, int phase,
+                                               u64 seq) {
+    record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq);
+    const u64 code = ((u64)(rank + 1) << 8) | ERR_ABORTED;
+    for (int r = 0; r < R; ++r) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
+}
+
 // Block-uniform "go on?": the entry wait passed and the group has not failed. Thread 0 decides
 // (the error words may change under the block's feet; warps must not diverge on them).
 __device__ __forceinline__ bool block_go(const u64* ctrl, int wait_code) {
@@ -129,8 +139,8 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                 const i64 e = topk_idx[(i64)t * K + k];
                 my_topk[(i64)t * K + k] = e;
                 u64 dst = 0, dsc = 0;
-                if (e >= (i64)L * R) {
-                    record_error(my_ctrl, ERR_BAD_INPUT, -1, PHASE_LL_DISPATCH, seq);
+                if (e >= (i64)L * R || e < -1) {
+                    fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq);
                 } else if (e >= 0) {
                     const int d = (int)(e / L), le = (int)(e - (i64)d * L);
                     char* base = reinterpret_cast<char*>(peers[d]);
@@ -286,7 +296,7 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
             if (e >= 0) {
                 for (int j = 0; j < K; ++j)
                     if (disp[(i64)t * K + j] == e) { kd = j; break; }
-                if (kd < 0) record_error(my_ctrl, ERR_BAD_INPUT, -1, PHASE_LL_COMBINE, seq);
+                if (kd < 0) fail_bad_input(peers, R, rank, PHASE_LL_COMBINE, seq);
                 wk = w[(i64)t * w_stride + lane];
             }
             kds[lane] = kd;

@@ -456,7 +456,19 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                 except AssertionError as err:
                     res["failures"].append(f"replay {it}: {str(err)[:300]}")
             res["seconds"] = time.perf_counter() - t0
-            res["triggers"] = grp.name
+            if not facade:  # a bad expert id inside a replay: reported, the group aborted
+                from epd.client import EpdError
+                fill(GRAPH["iters"])
+                if rank == 0:
+                    sidx[0, 0] = e + 5
+                graph.replay()
+                torch.cuda.synchronize()  # never hangs: the kernels see the abort word
+                try:
+                    for op in ops:
+                        op.check()
+                    res["bad"] = "accepted"
+                except EpdError as err:
+                    res["bad"] = err.details
         q.put(res)
     except Exception as err:
         import traceback
@@ -485,3 +497,6 @@ def test_daemon_low_latency_cuda_graph(daemon, facade: bool) -> None:
     for r in results:
         assert not r["failures"], r["failures"][:3]
         print(f"rank {r['rank']}: {GRAPH['iters']} replays checked in {r['seconds']:.1f} s")
+    if not facade:
+        assert "out of range" in results[0]["bad"], results[0]["bad"]
+        assert "failed" in results[1]["bad"], results[1]["bad"]
