@@ -252,14 +252,18 @@ class RankComm(abc.ABC):
         """Where a stream-ordered combine without `out` writes its [T, H] result."""
         raise self._no_stream_ops()
 
-    def launch_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Array | None,
-                                    done_ptr: int, timeout: float) -> Any:
-        """Launch dispatch (+ stats += recv_count) and the done write; returns the handle."""
+    def prepare_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Array | None,
+                                     done_ptr: int, timeout: float) -> Any:
+        """Pack an armed dispatch's launches (dispatch, stats += recv_count, the done write)."""
         raise self._no_stream_ops()
 
-    def launch_low_latency_combine(self, args: LowLatencyCombineArgs, done_ptr: int,
-                                   timeout: float) -> Array:
-        """Launch combine and the done write; returns the output view."""
+    def prepare_low_latency_combine(self, args: LowLatencyCombineArgs, dispatch: Any,
+                                    done_ptr: int, timeout: float) -> Any:
+        """Pack an armed combine's launches; `dispatch` is its prepared dispatch."""
+        raise self._no_stream_ops()
+
+    def launch_prepared(self, prepared: Any) -> None:
+        """Launch a prepared op with the next sequence (no host synchronisation)."""
         raise self._no_stream_ops()
 
     def _no_stream_ops(self) -> Exception:

@@ -201,6 +201,27 @@ class _LowLatencyHandle:
     topk_idx: np.ndarray  # host copy: combine entries are checked against it
 
 
+@dataclass
+class _PreparedDispatch:
+    """An armed low-latency dispatch: launches packed once (cuda_kernels.Launch)."""
+
+    args: Any  # LowLatencyDispatchArgs (keeps the packed arrays alive)
+    launch: Any
+    done: Any
+    stats: Any
+    counts: Any  # recv_count view (for stats)
+    sequence: int = 0  # of the latest trigger
+
+
+@dataclass
+class _PreparedCombine:
+    args: Any
+    launches: tuple[Any, Any]
+    done: Any
+    dispatch: _PreparedDispatch
+    out: Any
+
+
 class CudaRankComm(RankComm):
     backend_name = "cuda"
 
@@ -412,42 +433,61 @@ class CudaRankComm(RankComm):
             recv_count=outs["recv_count"], recv_src_rank=outs["recv_src_rank"],
             recv_src_idx=outs["recv_src_idx"], num_recv_rows=0, handle=None)
 
-    def launch_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Any,
-                                    done_ptr: int, timeout: float) -> _LowLatencyHandle:
-        # No host checks of the data here (the inputs are only ready once the client's stream
-        # got there): the kernel skips and reports out-of-range ids (the done word says so).
-        runner, m = self.runner, args.num_max_dispatch_tokens_per_rank
-        with cp.cuda.Device(self.backend.device):
-            seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
-                                     round_scale=args.round_scale,
-                                     timeout_ns=int(timeout * 1e9),
-                                     num_sms=self.backend.ll_num_sms)
-            if stats is not None:
-                with runner.stream:
-                    stats += runner.ll_view("recv_count", (self.spec.num_local_experts,),
-                                            np.int32)
-            runner.k.stream_done(runner.peers, self.rank, done_ptr, stream=runner.stream)
-        return _LowLatencyHandle(seq, int(args.x.shape[0]), m, None)
-
     def low_latency_combine_view(self, num_tokens: int) -> Any:
         self._ll_layout()
         return self.runner.ll_view("combined_x", (num_tokens, self.spec.hidden),
                                    storage_dtype(self.spec.x_numpy_dtype))
 
-    def launch_low_latency_combine(self, args: LowLatencyCombineArgs, done_ptr: int,
-                                   timeout: float) -> Any:
+    def prepare_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Any,
+                                     done_ptr: int, timeout: float) -> _PreparedDispatch:
+        # No host checks of the data at trigger time (the inputs are only ready once the
+        # client's stream got there): the kernel skips out-of-range ids, reports them in the
+        # done word and aborts the group.
+        runner = self.runner
+        with cp.cuda.Device(self.backend.device):
+            try:
+                launch = runner.k.ll_dispatch_launch(
+                    args.x, args.topk_idx, runner.ll, self.rank, runner.peers,
+                    args.num_max_dispatch_tokens_per_rank, fp8=args.use_fp8,
+                    round_scale=args.round_scale, timeout_ns=int(timeout * 1e9),
+                    num_sms=self.backend.ll_num_sms)
+            except ValueError as e:
+                raise InvalidArgument(f"stream-ordered dispatch: {e}") from None
+            done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
+            counts = runner.ll_view("recv_count", (self.spec.num_local_experts,), np.int32)
+        return _PreparedDispatch(args, launch, done, stats, counts)
+
+    def prepare_low_latency_combine(self, args: LowLatencyCombineArgs, dispatch: Any,
+                                    done_ptr: int, timeout: float) -> _PreparedCombine:
+        runner, d = self.runner, dispatch.args
+        t, m = int(d.x.shape[0]), d.num_max_dispatch_tokens_per_rank
+        with cp.cuda.Device(self.backend.device):
+            out = args.out if args.out is not None else self.low_latency_combine_view(t)
+            try:
+                launches = runner.k.ll_combine_launches(
+                    args.x, args.topk_idx, args.topk_weights, out, runner.ll, self.rank,
+                    runner.peers, m, timeout_ns=int(timeout * 1e9),
+                    num_sms=self.backend.ll_num_sms)
+            except ValueError as e:
+                raise InvalidArgument(f"stream-ordered combine: {e}") from None
+            done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
+        return _PreparedCombine(args, launches, done, dispatch, out)
+
+    def launch_prepared(self, prepared: Any) -> None:
         from epd.server.errors import FailedPrecondition
-        runner, h = self.runner, args.handle
-        if h is None or h.sequence != runner.seq["ll_dispatch"]:
+        runner = self.runner
+        if isinstance(prepared, _PreparedDispatch):
+            prepared.sequence = runner.ll_dispatch_again(prepared.launch)
+            if prepared.stats is not None:
+                with runner.stream:
+                    prepared.stats += prepared.counts
+            prepared.done(runner.stream)
+            return
+        if prepared.dispatch.sequence != runner.seq["ll_dispatch"]:
             raise FailedPrecondition("the armed dispatch has not run since the last low-latency "
                                      "dispatch of this rank (trigger them in order)")
-        with cp.cuda.Device(self.backend.device):
-            out = args.out if args.out is not None else self.low_latency_combine_view(
-                h.num_tokens)
-            runner.ll_combine(args.x, args.topk_idx, args.topk_weights, out, h.num_max,
-                              timeout_ns=int(timeout * 1e9), num_sms=self.backend.ll_num_sms)
-            runner.k.stream_done(runner.peers, self.rank, done_ptr, stream=runner.stream)
-        return out
+        runner.ll_combine_again(prepared.launches)
+        prepared.done(runner.stream)
 
     def abort(self, reason: str) -> None:
         if self._reason is None:

@@ -17,6 +17,7 @@ look the same to them. docs/GPU_NOTES.md describes the design.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from dataclasses import dataclass, field
@@ -347,58 +348,59 @@ class Kernels:
                  handle.rank_prefix, peers, np.int64(o["stage_y"]), np.int64(o["stage_w"]),
                  np.uint64(seq), np.int64(timeout_ns)))
 
-    # -- low-latency mode --------------------------------------------------------------------
-    def ll_dispatch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int, peers: Any,
-                    m: int, seq: int, *, fp8: bool, round_scale: bool, timeout_ns: int,
-                    num_sms: int, stream: Any = None) -> None:
-        """x [T, H] (bf16 bits for FP8), topk_idx [T, K] int64; outputs stay in the buffers."""
+    # -- low-latency mode: packed launches (see `Launch`) ------------------------------------
+    def ll_dispatch_launch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int,
+                           peers: Any, m: int, *, fp8: bool, round_scale: bool,
+                           timeout_ns: int, num_sms: int) -> Launch:
+        """x [T, H] rows contiguous (bf16 bits for FP8), topk_idx [T, K] int64 contiguous.
+        The sequence argument is `Launch.set(LL_DISPATCH_SEQ, seq)` before each launch."""
         t, k = topk_idx.shape
         o = lay.offsets
         row_bytes = x.shape[1] * x.itemsize
-        if row_bytes % 16:
-            raise ValueError("low-latency dispatch needs hidden * itemsize % 16 == 0")
-        with _stream_ptr(stream):
-            self.fn("epd_ll_dispatch")(
-                (num_sms,), (LL_THREADS,),
-                (x, np.int64(x.strides[0]), np.int64(row_bytes), topk_idx, np.int32(t),
-                 np.int32(k), np.int32(lay.num_local_experts), np.int32(lay.num_ranks),
-                 np.int32(rank), np.int32(lay.hidden), np.int32(m), np.int32(fp8),
-                 np.int32(round_scale), peers, np.int64(o["recv_x"]), np.int64(o["scales"]),
-                 np.int64(o["src_rank"]), np.int64(o["src_idx"]), np.int64(o["src_k"]),
-                 np.int64(o["counters"]), np.int64(o["recv_count"]), np.int64(o["topk"]),
-                 np.uint64(seq), np.int64(timeout_ns)))
+        if row_bytes % 16 or x.strides[1] != x.itemsize or not topk_idx.flags.c_contiguous:
+            raise ValueError("low-latency dispatch needs contiguous rows of 16-byte multiples "
+                             "and a contiguous topk_idx")
+        return Launch(self.fn("epd_ll_dispatch"), num_sms, LL_THREADS, [
+            (_P, x.data.ptr), (_I64, x.strides[0]), (_I64, row_bytes), (_P, topk_idx.data.ptr),
+            (_I32, t), (_I32, k), (_I32, lay.num_local_experts), (_I32, lay.num_ranks),
+            (_I32, rank), (_I32, lay.hidden), (_I32, m), (_I32, int(fp8)),
+            (_I32, int(round_scale)), (_P, peers.data.ptr), (_I64, o["recv_x"]),
+            (_I64, o["scales"]), (_I64, o["src_rank"]), (_I64, o["src_idx"]),
+            (_I64, o["src_k"]), (_I64, o["counters"]), (_I64, o["recv_count"]),
+            (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns)])
 
-    def ll_combine(self, y: Any, topk_idx: Any, weights: Any, out: Any, lay: LowLatencyLayout,
-                   rank: int, peers: Any, m: int, seq: int, *, timeout_ns: int, num_sms: int,
-                   stream: Any = None) -> None:
-        """y [L, R*m, H] in the group dtype; out [T, H] (any row stride)."""
+    def ll_combine_launches(self, y: Any, topk_idx: Any, weights: Any, out: Any,
+                            lay: LowLatencyLayout, rank: int, peers: Any, m: int, *,
+                            timeout_ns: int, num_sms: int) -> tuple[Launch, Launch]:
+        """(push, reduce): y [L, R*m, H] in the group dtype, out [T, H] (any row stride);
+        set LL_PUSH_SEQ / LL_REDUCE_SEQ before each launch."""
         o = lay.offsets
         t, k = topk_idx.shape
         h = y.shape[2]
         row_bytes = h * y.itemsize
-        if row_bytes % 16 or y.strides[2] != y.itemsize:
-            raise ValueError("low-latency combine needs contiguous rows of 16-byte multiples")
         isz = y.itemsize
-        with _stream_ptr(stream):
-            self.fn("epd_ll_combine_push")(
-                (num_sms,), (LL_THREADS,),
-                (y, np.int64(y.strides[1]), np.int64(y.strides[0]), np.int64(row_bytes),
-                 np.int32(lay.num_local_experts), np.int32(lay.num_ranks), np.int32(rank),
-                 np.int32(m), np.int32(k), peers, np.int64(o["src_rank"]),
-                 np.int64(o["src_idx"]), np.int64(o["src_k"]), np.int64(o["recv_count"]),
-                 np.int64(o["comb"]), np.uint64(seq), np.int64(timeout_ns)))
-            self.fn(f"epd_ll_combine_reduce<{_trait_for(y.dtype)}>")(
-                (num_sms,), (LL_THREADS,),
-                (out, np.int64(out.strides[0] // isz), topk_idx, weights,
-                 np.int64(weights.strides[0] // 4), np.int32(t), np.int32(k), np.int32(h),
-                 np.int32(lay.num_ranks), np.int32(rank), peers, np.int64(o["comb"]),
-                 np.int64(o["topk"]), np.uint64(seq), np.int64(timeout_ns)))
+        if (row_bytes % 16 or y.strides[2] != isz or out.strides[1] != isz
+                or not topk_idx.flags.c_contiguous or weights.strides[1] != 4):
+            raise ValueError("low-latency combine needs contiguous rows of 16-byte multiples, "
+                             "a contiguous topk_idx and float32 weights with unit inner stride")
+        push = Launch(self.fn("epd_ll_combine_push"), num_sms, LL_THREADS, [
+            (_P, y.data.ptr), (_I64, y.strides[1]), (_I64, y.strides[0]), (_I64, row_bytes),
+            (_I32, lay.num_local_experts), (_I32, lay.num_ranks), (_I32, rank), (_I32, m),
+            (_I32, k), (_P, peers.data.ptr), (_I64, o["src_rank"]), (_I64, o["src_idx"]),
+            (_I64, o["src_k"]), (_I64, o["recv_count"]), (_I64, o["comb"]), (_U64, 0),
+            (_I64, timeout_ns)])
+        reduce = Launch(self.fn(f"epd_ll_combine_reduce<{_trait_for(y.dtype)}>"), num_sms,
+                        LL_THREADS, [
+            (_P, out.data.ptr), (_I64, out.strides[0] // isz), (_P, topk_idx.data.ptr),
+            (_P, weights.data.ptr), (_I64, weights.strides[0] // 4), (_I32, t), (_I32, k),
+            (_I32, h), (_I32, lay.num_ranks), (_I32, rank), (_P, peers.data.ptr),
+            (_I64, o["comb"]), (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns)])
+        return push, reduce
 
-    def stream_done(self, peers: Any, rank: int, done_ptr: int, *, stream: Any = None) -> None:
+    def stream_done_launch(self, peers: Any, rank: int, done_ptr: int) -> Launch:
         """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it."""
-        with _stream_ptr(stream):
-            self.fn("epd_stream_done")((1,), (32,), (peers, np.int32(rank),
-                                                      np.uint64(done_ptr)))
+        return Launch(self.fn("epd_stream_done"), 1, 32,
+                      [(_P, peers.data.ptr), (_I32, rank), (_P, done_ptr)])
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, peers: Any, num_ranks: int, code: int = ERR_ABORTED, *,
@@ -417,6 +419,32 @@ class Kernels:
              ) -> None:
         with _stream_ptr(stream):
             self.fn("epd_gate")((1,), (1,), (np.uint64(flag_ptr), np.int64(timeout_ns)))
+
+
+_P, _I64, _I32, _U64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64
+LL_DISPATCH_SEQ, LL_PUSH_SEQ, LL_REDUCE_SEQ = 22, 15, 13  # argument index of `seq`
+
+
+class Launch:
+    """One kernel launch with its arguments packed once: ctypes values plus the `void*` array
+    the driver reads. Repeating it changes a value in place (`set`) and costs one driver call,
+    where CuPy converts every argument on every call (~1 µs each; a low-latency launch has ~25).
+    The caller keeps the arrays whose addresses are packed alive."""
+
+    def __init__(self, fn: Any, grid: int, block: int, args: list[tuple[Any, int]]) -> None:
+        # cupy.RawModule.get_function gives a RawKernel; its `kernel` is the loaded function
+        self._fn = int(fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr)
+        self.grid, self.block = int(grid), int(block)
+        self._vals = [ctype(int(v)) for ctype, v in args]
+        self._argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(v) for v in self._vals))
+
+    def set(self, index: int, value: int) -> None:
+        self._vals[index].value = value
+
+    def __call__(self, stream: Any = None) -> None:
+        ptr = stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr
+        cp.cuda.driver.launchKernel(self._fn, self.grid, 1, 1, self.block, 1, 1, 0, ptr,
+                                    ctypes.addressof(self._argv), 0)
 
 
 def read_error(ctrl_view: Any) -> tuple[int, int, str, int] | None:

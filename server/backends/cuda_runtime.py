@@ -48,6 +48,7 @@ class RankRunner:
         self.base = int(peer_bases[rank])
         self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)
         self.seq = {"notify": 0, "dispatch": 0, "combine": 0, "ll_dispatch": 0, "ll_combine": 0}
+        self._keep: tuple = ()
 
     def reset_ctrl(self) -> None:
         with cp.cuda.Device(self.device_id):
@@ -105,23 +106,41 @@ class RankRunner:
 
     def ll_dispatch(self, x: Any, topk_idx: Any, m: int, *, fp8: bool = False,
                     round_scale: bool = False, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                    num_sms: int = 32) -> int:
+                    num_sms: int = 64) -> int:
         """Launch; returns the sequence (the combine of this dispatch passes nothing back)."""
         with cp.cuda.Device(self.device_id):
-            self.seq["ll_dispatch"] += 1
-            self.k.ll_dispatch(x, cp.ascontiguousarray(topk_idx), self.ll, self.rank,
-                               self.peers, m, self.seq["ll_dispatch"], fp8=fp8,
-                               round_scale=round_scale, timeout_ns=timeout_ns, num_sms=num_sms,
-                               stream=self.stream)
+            idx = cp.ascontiguousarray(topk_idx)
+            self._keep = (idx,)  # a copy must outlive the launch: kept until the next one
+            launch = self.k.ll_dispatch_launch(
+                x, idx, self.ll, self.rank, self.peers, m, fp8=fp8, round_scale=round_scale,
+                timeout_ns=timeout_ns, num_sms=num_sms)
+            return self.ll_dispatch_again(launch)
+
+    def ll_dispatch_again(self, launch: Any) -> int:
+        """Launch a packed low-latency dispatch (ll_dispatch_launch) with the next sequence."""
+        self.seq["ll_dispatch"] += 1
+        launch.set(ck.LL_DISPATCH_SEQ, self.seq["ll_dispatch"])
+        launch(self.stream)
         return self.seq["ll_dispatch"]
 
     def ll_combine(self, y: Any, topk_idx: Any, weights: Any, out: Any, m: int, *,
-                   timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 32) -> None:
+                   timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 64) -> None:
         with cp.cuda.Device(self.device_id):
-            self.seq["ll_combine"] += 1
-            self.k.ll_combine(y, cp.ascontiguousarray(topk_idx), weights, out, self.ll,
-                              self.rank, self.peers, m, self.seq["ll_combine"],
-                              timeout_ns=timeout_ns, num_sms=num_sms, stream=self.stream)
+            idx, w = cp.ascontiguousarray(topk_idx), cp.ascontiguousarray(weights)
+            self._keep = (idx, w)
+            launches = self.k.ll_combine_launches(
+                y, idx, w, out, self.ll, self.rank, self.peers, m, timeout_ns=timeout_ns,
+                num_sms=num_sms)
+            self.ll_combine_again(launches)
+
+    def ll_combine_again(self, launches: tuple[Any, Any]) -> None:
+        """Launch a packed low-latency combine (push, reduce) with the next sequence."""
+        self.seq["ll_combine"] += 1
+        push, reduce = launches
+        push.set(ck.LL_PUSH_SEQ, self.seq["ll_combine"])
+        reduce.set(ck.LL_REDUCE_SEQ, self.seq["ll_combine"])
+        push(self.stream)
+        reduce(self.stream)
 
     def ll_view(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
         """A view of one low-latency buffer of this rank (see LowLatencyLayout)."""

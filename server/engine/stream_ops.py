@@ -48,7 +48,7 @@ class StreamOp:
     done_ptr: int  # device address of the done word (engine context)
     timeout: float
     dispatch_op: StreamOp | None = None  # combine: whose result it brings back
-    handle: Any = None  # dispatch: the backend handle of the latest trigger
+    prepared: Any = None  # the backend's packed launches (prepared at arm time)
     triggers: int = 0
     failures: int = 0
     last_error: str = ""
@@ -106,15 +106,22 @@ class StreamOps:
                 view = member.comm.low_latency_combine_view(int(d.x.shape[0]))
                 resp.combined_x.CopyFrom(tensors.describe(view, member.comm.output_region,
                                                           member.spec.x_dtype))
-        slot = session.free_slots.pop(0)
+        slot = session.free_slots[0]
         page = session.counter_page.slot(slot)
+        done_ptr = int(page.device_ptr) + 4 * DONE
+        timeout = e._timeout(inner.timeout_seconds)
+        if kind == KIND_DISPATCH:
+            prepared = member.comm.prepare_low_latency_dispatch(args, stats, done_ptr, timeout)
+        else:
+            prepared = member.comm.prepare_low_latency_combine(args, src.prepared, done_ptr,
+                                                               timeout)
+        session.free_slots.pop(0)  # everything checked: now the slot is taken
         words = page.view(np.int32)
         words[REQUEST] = 0
         words[DONE] = DONE_OK
         with self._lock:
             op = StreamOp(self._next_id, kind, session, member, args, stats, slot, words,
-                          int(page.device_ptr) + 4 * DONE, e._timeout(inner.timeout_seconds),
-                          dispatch_op=src)
+                          done_ptr, timeout, dispatch_op=src, prepared=prepared)
             self._next_id += 1
             self.ops[op.op_id] = op
         session.stream_ops[op.op_id] = op
@@ -196,14 +203,10 @@ class StreamOps:
             with op.session.op_lock:
                 if not op.armed:
                     return
-                comm = op.member.comm
+                op.member.comm.launch_prepared(op.prepared)
                 if op.kind == KIND_DISPATCH:
-                    op.handle = comm.launch_low_latency_dispatch(op.args, op.stats, op.done_ptr,
-                                                                 op.timeout)
                     op.member.dispatches += 1
                 else:
-                    op.args.handle = op.dispatch_op.handle
-                    comm.launch_low_latency_combine(op.args, op.done_ptr, op.timeout)
                     op.member.combines += 1
                 op.triggers += 1
             metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind).observe(
