@@ -357,7 +357,9 @@ class Kernels:
         t, k = topk_idx.shape
         o = lay.offsets
         row_bytes = x.shape[1] * x.itemsize
-        if row_bytes % 16 or x.strides[1] != x.itemsize or not topk_idx.flags.c_contiguous:
+        # (strides of an empty array are whatever CuPy says: only a non-empty one is checked)
+        if row_bytes % 16 or (x.size and x.strides[1] != x.itemsize) or (
+                topk_idx.size and not topk_idx.flags.c_contiguous):
             raise ValueError("low-latency dispatch needs contiguous rows of 16-byte multiples "
                              "and a contiguous topk_idx")
         return Launch(self.fn("epd_ll_dispatch"), num_sms, LL_THREADS, [
@@ -379,8 +381,10 @@ class Kernels:
         h = y.shape[2]
         row_bytes = h * y.itemsize
         isz = y.itemsize
-        if (row_bytes % 16 or y.strides[2] != isz or out.strides[1] != isz
-                or not topk_idx.flags.c_contiguous or weights.strides[1] != 4):
+        if (row_bytes % 16 or (y.size and y.strides[2] != isz)
+                or (out.size and out.strides[1] != isz)
+                or (topk_idx.size and not topk_idx.flags.c_contiguous)
+                or (weights.size and weights.strides[1] != 4)):
             raise ValueError("low-latency combine needs contiguous rows of 16-byte multiples, "
                              "a contiguous topk_idx and float32 weights with unit inner stride")
         push = Launch(self.fn("epd_ll_combine_push"), num_sms, LL_THREADS, [
