@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import abc
+import threading
+import time
 from typing import Any
 
 import grpc
 
 from epd.client.errors import EpdError
+from epd.proto import ring as R
 from epd.proto.v1 import epd_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
@@ -99,7 +102,6 @@ class _RingCall:
         self._done = False
 
     def done(self) -> bool:
-        from epd.proto import ring as R
         words, _, _ = self.t.ring.slot(self.slot)
         return self._done or int(words[R.S_STATE]) == R.DONE
 
@@ -120,9 +122,6 @@ class FastPathTransport(Transport):
 
     def __init__(self, inner: GrpcTransport, ring_path: str, slots: int, slot_bytes: int,
                  spin_seconds: float) -> None:
-        import threading
-
-        from epd.proto import ring as R
         self.inner = inner
         self.ring = R.Ring(ring_path, slots, slot_bytes, create=False)
         self.spin = spin_seconds
@@ -132,9 +131,6 @@ class FastPathTransport(Transport):
         self.broken: str | None = None
 
     def _submit(self, method: str, data: bytes, timeout: float) -> _RingCall:
-        import time
-
-        from epd.proto import ring as R
         deadline = time.monotonic() + timeout
         with self._lock:
             seq = self._next
@@ -159,13 +155,11 @@ class FastPathTransport(Transport):
         return _RingCall(self, method, slot, seq, deadline)
 
     def _finish(self, call: _RingCall) -> Any:
-        import time
-
-        from epd.proto import ring as R
         words, payload, state_addr = self.ring.slot(call.slot)
+        header = self.ring.header
         spin_until = time.perf_counter() + self.spin
-        while int(words[R.S_STATE]) != R.DONE:
-            if self.ring.closed:
+        while words[R.S_STATE] != R.DONE:
+            if header[R.CLOSED]:
                 self.broken = "the engine closed the fast path"
                 return EpdError(grpc.StatusCode.UNAVAILABLE, self.broken)
             if time.perf_counter() < spin_until:
@@ -186,7 +180,6 @@ class FastPathTransport(Transport):
         return self._responses[call.method].FromString(data)
 
     def _use_ring(self, method: str, data: bytes) -> bool:
-        from epd.proto import ring as R
         return (self.broken is None and method in R.METHOD_ID
                 and len(data) <= self.ring.capacity)
 

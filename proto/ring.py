@@ -89,13 +89,20 @@ class Ring:
         self.base = ctypes.addressof(self._anchor)
         self.header = np.frombuffer(self._mm, np.uint32, HEADER // 4)
         self.capacity = slot_bytes - SLOT_HEADER
+        # Views made once: building them costs microseconds, a round trip's budget. They are
+        # never released explicitly: a view still in use when the ring closes keeps the
+        # mapping alive until it goes (close() tolerates that).
+        self._slots = [self._make_slot(i) for i in range(slots)]
 
-    def slot(self, i: int) -> tuple[np.ndarray, memoryview, int]:
-        """(u32 header words, payload view, address of the state word) of slot i."""
+    def _make_slot(self, i: int) -> tuple[np.ndarray, memoryview, int]:
         off = HEADER + i * self.slot_bytes
         words = np.frombuffer(self._mm, np.uint32, SLOT_HEADER // 4, off)
         payload = memoryview(self._mm)[off + SLOT_HEADER:off + self.slot_bytes]
         return words, payload, self.base + off + 4 * S_STATE
+
+    def slot(self, i: int) -> tuple[np.ndarray, memoryview, int]:
+        """(u32 header words, payload view, address of the state word) of slot i."""
+        return self._slots[i]
 
     @property
     def doorbell_addr(self) -> int:
@@ -108,7 +115,7 @@ class Ring:
     def close(self, *, unlink: bool) -> None:
         self.header[CLOSED] = 1
         futex_wake(self.doorbell_addr)
-        self.header = None  # type: ignore[assignment]
+        self._slots = []
         del self._anchor
         with contextlib.suppress(BufferError):  # a slot view still held: goes with it
             self._mm.close()

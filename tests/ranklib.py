@@ -57,6 +57,7 @@ class Outcome:
 
 
 _conn: mpc.Connection | None = None
+_task: int | None = None  # id of the task this worker runs (commands name it)
 
 
 def report(payload: Any) -> None:
@@ -66,19 +67,25 @@ def report(payload: Any) -> None:
 
 
 def command(timeout: float = 120.0) -> Any:
-    """From inside a task: wait for the test's next command (bounded)."""
+    """From inside a task: wait for the test's next command (bounded). Commands carry the task
+    id they were sent to; one left over from an earlier task of this worker is dropped."""
     assert _conn is not None
-    if not _conn.poll(timeout):
-        raise TimeoutError(f"no command from the test within {timeout} s")
-    msg = _conn.recv()
-    if msg[0] != "cmd":
-        raise RuntimeError(f"expected a command, got {msg[0]!r}")
-    return msg[1]
+    deadline = time.monotonic() + timeout
+    while True:
+        if not _conn.poll(max(deadline - time.monotonic(), 0)):
+            raise TimeoutError(f"no command from the test within {timeout} s")
+        msg = _conn.recv()
+        if msg[0] != "cmd":
+            raise RuntimeError(f"expected a command, got {msg[0]!r}")
+        if msg[1] == _task:
+            return msg[2]
 
 
 def _worker_main(conn: mpc.Connection) -> None:
-    global _conn
+    global _conn, _task
     _conn = conn
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # RankPool.dump_stacks
     from epd.client.errors import EpdError
 
     while True:
@@ -91,6 +98,7 @@ def _worker_main(conn: mpc.Connection) -> None:
         if msg[0] != "task":
             continue
         _, tid, fn, args, kwargs = msg
+        _task = tid
         t0 = time.monotonic()
         try:
             out = Outcome(True, fn(*args, **kwargs))
@@ -246,11 +254,25 @@ class RankPool:
                 return w.events.popleft()
             left = deadline - time.monotonic()
             if left <= 0:
+                self.dump_stacks(i)
                 raise TimeoutError(f"no event from rank worker {i} within {timeout} s")
             self._pump(min(left, 1.0))
 
+    def dump_stacks(self, i: int) -> None:
+        """Every thread's stack of a stuck worker, on its stderr (the test's captured output)."""
+        w = self.workers[i]
+        busy = [tid for tid, wi in self.pending.items() if wi == i]
+        print(f"rank worker {i}: pending tasks {busy}; finished results "
+              f"{ {t: o.describe() for t, o in self.results.items()} }", flush=True)
+        if w is not None and w.proc.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)
+
     def cmd(self, i: int, payload: Any) -> None:
-        self._ensure(i).conn.send(("cmd", payload))
+        """Send a command to the task running on worker i (dropped by any later task)."""
+        tid = next((t for t, wi in self.pending.items() if wi == i), None)
+        self._ensure(i).conn.send(("cmd", tid, payload))
 
     def kill_busy(self) -> None:
         for i in sorted(set(self.pending.values())):
