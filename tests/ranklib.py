@@ -554,6 +554,8 @@ def reference(case: Case) -> dict[str, Any]:
 
 def check_case(case: Case, results: list[dict[str, Any]]) -> dict[str, Any]:
     """Compare every rank's results with the reference, bit for bit. Returns the reference."""
+    errors = [f"rank {i}: {res['error']}" for i, res in enumerate(results) if "error" in res]
+    assert not errors, f"{case.group}: a round failed: {errors}"
     want = reference(case)
     assert [res["rank"] for res in results] == list(range(case.num_ranks))
     for rank, res in enumerate(results):
@@ -661,7 +663,10 @@ def member(endpoint: str, case: Case, rank: int, timeout: float | None = 30.0) -
                 res["elapsed"] = time.monotonic() - t0
                 report(res)
             elif cmd == "round":
-                report(case_round(s, g, case, rank))
+                try:
+                    report(case_round(s, g, case, rank))
+                except EpdError as e:  # say why at once (the test fails on it, not on a wait)
+                    report({"error": f"{e.code.name}: {e.details}"})
             elif cmd == "wait_lost":
                 s._watcher.join(60)
                 report({"alive": s.alive})
