@@ -75,17 +75,9 @@ class StreamOp:
 
     def check(self) -> None:
         """Raise if the last completed trigger failed (call after synchronising the stream)."""
-        v = self.status()
-        if v == DONE_RELEASED:
-            raise EpdError(grpc.StatusCode.UNAVAILABLE, f"stream op {self.op_id}: the session "
-                                                        f"or engine went away")
-        if v & 0xFF == DONE_FAILED:
-            code = v >> 8
-            what = {1: "a peer did not arrive before the deadline", 2: "the group was aborted",
-                    4: "an expert id was out of range or never dispatched",
-                    255: "the engine could not launch it (see its log)"}.get(code, f"code {code}")
-            raise EpdError(grpc.StatusCode.ABORTED, f"stream op {self.op_id} ({self.kind}) "
-                                                    f"failed: {what}")
+        err = done_error(self.status(), f"stream op {self.op_id} ({self.kind})")
+        if err is not None:
+            raise err
 
     def release(self) -> None:
         """Let any stream waiting on this op go on (session closing)."""
@@ -99,3 +91,16 @@ class StreamOp:
                                                                 op_id=self.op_id))
         self.armed = False
         s._stream_ops.pop(self.op_id, None)
+
+
+def done_error(value: int, what: str) -> EpdError | None:
+    """The error a done word reports (None: completed, or still in flight when 0)."""
+    if value == DONE_RELEASED:
+        return EpdError(grpc.StatusCode.UNAVAILABLE, f"{what}: the session or engine went away")
+    if value & 0xFF == DONE_FAILED:
+        code = value >> 8
+        reason = {1: "a peer did not arrive before the deadline", 2: "the group was aborted",
+                  4: "an expert id was out of range or never dispatched",
+                  255: "the engine could not launch it (see its log)"}.get(code, f"code {code}")
+        return EpdError(grpc.StatusCode.ABORTED, f"{what} failed: {reason}")
+    return None

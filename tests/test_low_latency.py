@@ -556,3 +556,25 @@ def test_stream_ordered_calls_need_the_cuda_backend(daemon) -> None:
                     max_tokens_per_rank=8, num_topk=2)
         out = g2.low_latency_dispatch(x, idx, 8)
         assert int(np.asarray(out.recv_count).sum()) == 4 * 2
+
+
+def test_stream_op_done_words() -> None:
+    """The done-word protocol shared by the engine (stream_ops.py, epd_stream_done) and the
+    client: values the GPU and the engine write, and the errors the client makes of them."""
+    from epd.client import stream_ops as C
+    from epd.server.backends import cuda_kernels as ck
+    from epd.server.engine import stream_ops as S
+
+    assert (C.REQUEST, C.DONE) == (S.REQUEST, S.DONE)
+    assert (C.DONE_OK, C.DONE_FAILED, C.DONE_RELEASED) == (S.DONE_OK, S.DONE_FAILED,
+                                                           S.DONE_RELEASED)
+    assert C.done_error(C.DONE_OK, "op") is None
+    assert C.done_error(0, "op") is None  # in flight
+    e = C.done_error(C.DONE_FAILED | (ck.ERR_BAD_INPUT << 8), "op 3")
+    assert e.code == grpc.StatusCode.ABORTED and "out of range" in e.details
+    e = C.done_error(C.DONE_FAILED | (ck.ERR_DEADLINE << 8), "op 3")
+    assert "deadline" in e.details
+    e = C.done_error(C.DONE_FAILED | (0xFF << 8), "op 3")
+    assert "could not launch" in e.details
+    e = C.done_error(C.DONE_RELEASED, "op 3")
+    assert e.code == grpc.StatusCode.UNAVAILABLE
