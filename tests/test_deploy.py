@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -9,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from epd.server.config import Config
 
 yaml = pytest.importorskip("yaml")
 
@@ -54,7 +57,8 @@ SERVE_FLAGS = {
     "log-level",
     "timeout-seconds",
 }
-EPD_ENV_VARS = {"EPD_" + f.upper().replace("-", "_") for f in SERVE_FLAGS}
+EPD_ENV_VARS = {"EPD_" + f.upper().replace("-", "_") for f in SERVE_FLAGS} | {
+    "EPD_" + f.name.upper() for f in dataclasses.fields(Config)}
 NVSHMEM_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
     "NVSHMEM_REMOTE_TRANSPORT": "none",
