@@ -546,7 +546,7 @@ def test_stream_ordered_calls_need_the_cuda_backend(daemon) -> None:
             assert "need the cuda backend" in msg
         code, msg = _code(lambda: s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
             session_id=s.session_id, group_id=g.group_id)))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "needs" in msg
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "needs" in msg
         code, _ = _code(lambda: s._call("DisarmStreamOp", epd_pb2.DisarmStreamOpRequest(
             session_id=s.session_id, op_id=12345)))
         assert code == grpc.StatusCode.NOT_FOUND

@@ -27,7 +27,13 @@ from epd.server import metrics
 from epd.server.engine import tensors
 from epd.server.engine.ops import ll_dispatch_response
 from epd.server.engine.state import GroupMember, Session
-from epd.server.errors import EpdError, FailedPrecondition, NotFound, ResourceExhausted
+from epd.server.errors import (
+    EpdError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 
 log = logging.getLogger("epd.engine")
 REQUEST, DONE = 0, 1  # int32 words of the op's counter slot
@@ -67,13 +73,13 @@ class StreamOps:
         self._stop = False
         self._thread: threading.Thread | None = None
 
-    # -- arming (gRPC handlers, event loop thread) ------------------------------------------
+    # -- arming (on the session's worker, under its operation lock) --------------------------
     def arm(self, session: Session, req: epd_pb2.ArmStreamOpRequest) -> epd_pb2.ArmStreamOpResponse:
         e = self.engine
         which = req.WhichOneof("op")
         if which is None:
-            raise FailedPrecondition("ArmStreamOp needs low_latency_dispatch or "
-                                     "low_latency_combine")
+            raise InvalidArgument("ArmStreamOp needs low_latency_dispatch or "
+                                  "low_latency_combine")
         if not session.free_slots:
             raise ResourceExhausted(f"{session.describe()} has no free counter slot (at most "
                                     f"{counter_page.NUM_SLOTS} groups and armed ops together)")
