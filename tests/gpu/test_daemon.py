@@ -222,6 +222,27 @@ def test_daemon_failure(daemon, scenario: str, code: str) -> None:
 
 # -- low-latency mode through the daemon (client processes, the fast path by default) --------
 
+def _spawn_ranks(daemon: Daemon, target, n: int, *args) -> list[dict]:
+    """Run target(rank, socket, device, *args, queue) for ranks 0..n-1 (rank r on GPU
+    r % GPU_COUNT) in spawned processes; their reports by rank, any reported error raised."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT,
+                                              *args, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return results
+
+
 def _compact(out, lx: int) -> dict:
     """The valid rows of a low-latency dispatch, expert by expert (the full buffers are
     [L, R*m, H]: too large to ship), and whether every row beyond the count says -1."""
@@ -303,21 +324,7 @@ def test_daemon_low_latency_decode_config(daemon) -> None:
     FP8 with power-of-two scales, combine into `out=`, bad input rejected."""
     m = 128
     wl = Workload(2, [128, 101], 7168, 256, 8, seed=77, drop_prob=0.05)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_ll_rank, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT,
-                                                wl, m, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
+    results = _spawn_ranks(daemon, _ll_rank, 2, wl, m)
     inputs = wl.all_inputs()
     xs, idx, w = ([i[k] for i in inputs] for k in range(3))
     lx = wl.num_experts // 2
@@ -478,22 +485,7 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
 @pytest.mark.parametrize("facade", [False, True], ids=["native", "deepep-buffer"])
 def test_daemon_low_latency_cuda_graph(daemon, facade: bool) -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_graph_rank, args=(r, daemon.socket(r % GPU_COUNT),
-                                                   r % GPU_COUNT, facade, q))
-             for r in range(GRAPH["ranks"])]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
+    results = _spawn_ranks(daemon, _graph_rank, GRAPH["ranks"], facade)
     for r in results:
         assert not r["failures"], r["failures"][:3]
         print(f"rank {r['rank']}: {GRAPH['iters']} replays checked in {r['seconds']:.1f} s")
