@@ -1,0 +1,80 @@
+"""Host-side contracts of the CUDA kernels, checked without a GPU: the low-latency buffer layout
+and the packed launches' argument positions against the kernel signatures in cuda/."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from pathlib import Path
+
+import pytest
+
+from epd.proto import dtypes
+from epd.server.backends import cuda_kernels as ck
+from epd.server.backends.base import GroupSpec
+
+SOURCE = ck._source()
+
+
+def _params(kernel: str) -> list[str]:
+    """The parameter declarations of a kernel in the compiled source."""
+    m = re.search(rf"\b{re.escape(kernel)}\s*\(([^)]*)\)\s*\{{", SOURCE)
+    assert m, f"{kernel} not found in the kernel source"
+    return [p.strip() for p in m.group(1).split(",")]
+
+
+@pytest.mark.parametrize(("kernel", "index", "count"), [
+    ("epd_ll_dispatch", ck.LL_DISPATCH_SEQ, 24),
+    ("epd_ll_combine_push", ck.LL_PUSH_SEQ, 17),
+    ("epd_ll_combine_reduce", ck.LL_REDUCE_SEQ, 15),
+])
+def test_packed_launch_sequence_argument(kernel: str, index: int, count: int) -> None:
+    """`Launch.set(index, seq)` must hit the kernel's `u64 seq`, and the launch builders in
+    cuda_kernels.py pack exactly as many arguments as the kernel takes."""
+    params = _params(kernel)
+    assert len(params) == count
+    assert params[index].split()[-1] == "seq" and params[index].startswith("u64")
+    builder, which = {"epd_ll_dispatch": ("ll_dispatch_launch", 0),
+                      "epd_ll_combine_push": ("ll_combine_launches", 0),
+                      "epd_ll_combine_reduce": ("ll_combine_launches", 1)}[kernel]
+    tree = ast.parse(Path(ck.__file__).read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == builder)
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id == "Launch"]
+    calls.sort(key=lambda n: n.lineno)
+    packed = calls[which].args[3]
+    assert isinstance(packed, ast.List) and len(packed.elts) == count, kernel
+    seq = packed.elts[index]
+    assert isinstance(seq, ast.Tuple) and ast.unparse(seq.elts[0]) == "_U64", kernel
+
+
+def test_low_latency_layout_is_aligned_and_disjoint() -> None:
+    lay = ck.LowLatencyLayout.build(1000, num_ranks=2, num_local_experts=128, hidden=7168,
+                                    num_topk=8, max_tokens=128, itemsize=2)
+    offs = sorted(lay.offsets.items(), key=lambda kv: kv[1])
+    assert offs[0][1] >= 1000
+    for (_, a), (_, b) in itertools.pairwise(offs):
+        assert a % ck.ALIGN == 0 and b > a
+    rows = 128 * 2 * 128
+    assert lay.offsets["scales"] - lay.offsets["recv_x"] >= rows * 7168 * 2
+    assert lay.end - lay.offsets["combined_x"] >= 128 * 7168 * 2
+    with pytest.raises(ValueError, match="1024 local experts"):
+        ck.LowLatencyLayout.build(0, num_ranks=1, num_local_experts=2048, hidden=128,
+                                  num_topk=1, max_tokens=1, itemsize=2)
+
+
+def test_low_latency_buffers_only_for_groups_that_ask() -> None:
+    """The reason low_latency_mode is opt-in: at prefill sizes the [L, R*M, H] buffers alone
+    would be ~15 GB per rank."""
+    from epd.server.backends.cuda import membership_layout
+
+    def spec(tokens: int, ll: bool) -> GroupSpec:
+        return GroupSpec("g", 2, 256, 7168, tokens, 8, dtypes.from_name("bfloat16"), ll)
+
+    assert membership_layout(spec(4096, False)).low_latency is None
+    small = membership_layout(spec(128, True))
+    assert small.low_latency is not None
+    assert small.slot_bytes > membership_layout(spec(128, False)).slot_bytes
+    assert small.slot_bytes < 1 << 30  # config D: fits a rank slot of the default heap
+    assert membership_layout(spec(4096, True)).slot_bytes > 14 << 30
