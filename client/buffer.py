@@ -284,8 +284,9 @@ class Buffer:
         """(recv_x, recv_count, handle, event, hook). recv_x is
         `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` (bf16), or
         with use_fp8 a tuple (e4m3 x, float32 scales `[..., hidden // 128]`); recv_count is
-        int32 `[num_local_experts]`; hook is a no-op callable when return_recv_hook is set
-        (the data has arrived when this returns), else None."""
+        int32 `[num_local_experts]`. With return_recv_hook, hook is the receive half: on the
+        cuda backend calling it makes the current stream wait for the data (stream-ordered
+        path); on the cpu backend the data has arrived already and it does nothing. Else None."""
         x_shape, x_dtype = T.meta(x, "x")
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(x_shape) != 2 or len(idx_shape) != 2:
