@@ -11,6 +11,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +24,10 @@ _ALIGN = 256
 
 
 def _torch():
-    try:
-        import torch
-        return torch
-    except ImportError:
-        return None
+    """torch if this process has imported it, else None. An object can only be a torch tensor
+    once torch is imported, so this never pays for the import (seconds) on behalf of a caller
+    that uses NumPy or CuPy only."""
+    return sys.modules.get("torch")
 
 
 def is_torch(x: Any) -> bool:
