@@ -3,8 +3,7 @@
 # engine-level kernels at P and D + NCCL, normal mode through the daemon (fast path), the
 # low-latency benchmark (kernels, daemon, NCCL), the same daemon part under a private MPS
 # server, and the empty-operation round trip on both paths.
-source benchmarks/gpu_daemon_run.sh none
-OUT=${OUT:-/tmp/out}
+source benchmarks/gpu_env.sh
 timeout 150 python3 -P benchmarks/bench_kernels.py --iters 20 --json "$OUT/bench_kernels.json" \
     2>&1 | grep -v Warning | tail -12
 timeout 100 python3 -P benchmarks/bench_daemon.py --iters 30 --json "$OUT/bench_daemon.json" \

@@ -2,8 +2,7 @@
 # One device call (2x H200) for low-latency mode: kernel tests, the daemon's low-latency test,
 # the low-latency benchmark (kernels, daemon, NCCL) and a profiled normal-mode daemon benchmark.
 # Every stage has its own timeout so that one stuck stage leaves time for the others.
-source benchmarks/gpu_daemon_run.sh none
-OUT=${OUT:-/tmp/out}
+source benchmarks/gpu_env.sh
 PYTEST="python3 -P -m pytest -p no:cacheprovider -q -rfE -o addopts="
 STAGES=${STAGES:-kernels,daemon,bench,profile}
 if [[ $STAGES == *suite* ]]; then  # every GPU test (kernels, NVSHMEM, daemon)

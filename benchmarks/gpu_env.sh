@@ -1,0 +1,17 @@
+# Sourced by the gpu_*_run.sh scripts on the device machine: environment, the carried wheels,
+# the package shim, versions into $OUT/env.txt.
+set -o pipefail
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo PYTHONUNBUFFERED=1
+export CUPY_CACHE_DIR=/tmp/cupy_cache
+export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/nvshmem4py*.whl .whl/grpcio_health_checking*.whl || exit 1
+mkdir -p /tmp/pkg/epd
+for d in server proto cuda client; do ln -sfn "$PWD/$d" /tmp/pkg/epd/$d; done
+# not $PWD: the checkout's cuda/ folder would shadow the `cuda` namespace package
+export PYTHONPATH=/tmp/pkg:/tmp/site
+{
+  date -u; nvidia-smi; nvidia-smi topo -m
+  python3 -P -c "import torch, cupy, numpy; import importlib.metadata as m; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'cuda-bindings', m.version('cuda-bindings'))"
+} > "$OUT/env.txt" 2>&1
