@@ -11,7 +11,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import re
 import time
 
 import numpy as np
@@ -70,16 +69,26 @@ def _rank(rank: int, socket: str, wl: Workload, name: str, iters: int, q) -> Non
         q.put({"rank": rank, "error": f"{e}\n{traceback.format_exc()}"})
 
 
+def histogram_mean_us(metrics_text: str, metric: str, **labels: str) -> float | None:
+    """Mean in microseconds of a Prometheus histogram over the samples matching `labels`
+    (None when it has none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if all(s.labels.get(k) == v for k, v in labels.items()):
+                if s.name == f"{metric}_sum":
+                    total += s.value
+                elif s.name == f"{metric}_count":
+                    count += s.value
+    return total / count * 1e6 if count else None
+
+
 def _engine_means(metrics_text: str, group: str) -> dict[str, float]:
-    out = {}
-    for kind in ("layout", "dispatch", "combine"):
-        s = re.search(rf'epd_{kind}_seconds_sum{{[^}}]*group="{re.escape(group)}"[^}}]*}} (\S+)',
-                      metrics_text)
-        c = re.search(rf'epd_{kind}_seconds_count{{[^}}]*group="{re.escape(group)}"[^}}]*}} (\S+)',
-                      metrics_text)
-        if s and c and float(c.group(1)):
-            out[kind] = float(s.group(1)) / float(c.group(1)) * 1e6
-    return out
+    means = {kind: histogram_mean_us(metrics_text, f"epd_{kind}_seconds", group=group)
+             for kind in ("layout", "dispatch", "combine")}
+    return {k: v for k, v in means.items() if v is not None}
 
 
 def main() -> int:

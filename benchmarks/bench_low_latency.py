@@ -19,7 +19,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -188,12 +187,9 @@ def bench_daemon(iters: int, num_sms: int) -> dict[str, Any]:
         text = d.get("/metrics")[1]
         engine = bd._engine_means(text, "bench-ll")
         for kind in ("LowLatencyDispatch", "LowLatencyCombine"):
-            sm = re.search(rf'epd_stream_op_launch_seconds_sum{{[^}}]*kind="{kind}"[^}}]*}} (\S+)',
-                           text)
-            ct = re.search(rf'epd_stream_op_launch_seconds_count{{[^}}]*kind="{kind}"[^}}]*}} '
-                           rf'(\S+)', text)
-            if sm and ct and float(ct.group(1)):
-                engine[f"stream_launch_{kind}"] = float(sm.group(1)) / float(ct.group(1)) * 1e6
+            mean = bd.histogram_mean_us(text, "epd_stream_op_launch_seconds", kind=kind)
+            if mean is not None:
+                engine[f"stream_launch_{kind}"] = mean
     for r in got:
         if "error" in r:
             raise RuntimeError(r["error"])
