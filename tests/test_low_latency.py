@@ -578,3 +578,37 @@ def test_stream_op_done_words() -> None:
     assert "could not launch" in e.details
     e = C.done_error(C.DONE_RELEASED, "op 3")
     assert e.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_stream_op_fire_and_release_bookkeeping() -> None:
+    """The engine side of a stream op around the backend (a stand-in comm records launches):
+    a trigger launches the prepared op under the session's lock, a launch failure answers
+    through the done word, and releasing the session frees the slot and lets waiters go."""
+    import threading
+    import types
+
+    from epd.server.engine import stream_ops as S
+
+    launched: list = []
+    comm = types.SimpleNamespace(launch_prepared=launched.append)
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="g"),
+                                   dispatches=0, combines=0)
+    session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
+                                    describe=lambda: "session")
+    words = np.zeros(8, np.int32)
+    op = S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared")
+    ops = S.StreamOps(types.SimpleNamespace(index=0))
+    ops._fire(op)
+    assert launched == ["prepared"] and member.dispatches == 1
+
+    def fail(_prepared) -> None:
+        raise RuntimeError("launch failed")
+    comm.launch_prepared = fail
+    ops._fire(op)
+    assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)
+    session.stream_ops[1] = ops.ops[1] = op
+    ops.release_session(session)
+    assert words[S.DONE] == S.DONE_RELEASED and not ops.ops and not session.stream_ops
+    assert session.free_slots == [3] and not op.armed
+    ops._fire(op)  # a trigger seen after the release launches nothing
+    assert launched == ["prepared"]

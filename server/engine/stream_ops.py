@@ -47,17 +47,11 @@ class StreamOp:
     kind: str
     session: Session
     member: GroupMember
-    args: Any  # LowLatencyDispatchArgs / LowLatencyCombineArgs (handle filled per trigger)
-    stats: Any  # dispatch: cumulative_local_expert_recv_stats or None
+    args: Any  # LowLatencyDispatchArgs / LowLatencyCombineArgs (a combine reads its dispatch's)
     slot: int
     words: np.ndarray  # int32 view of the slot (host)
-    done_ptr: int  # device address of the done word (engine context)
-    timeout: float
+    prepared: Any  # the backend's packed launches (prepared at arm time)
     dispatch_op: StreamOp | None = None  # combine: whose result it brings back
-    prepared: Any = None  # the backend's packed launches (prepared at arm time)
-    triggers: int = 0
-    failures: int = 0
-    last_error: str = ""
     armed: bool = field(default=True)
 
 
@@ -126,8 +120,8 @@ class StreamOps:
         words[REQUEST] = 0
         words[DONE] = DONE_OK
         with self._lock:
-            op = StreamOp(self._next_id, kind, session, member, args, stats, slot, words,
-                          done_ptr, timeout, dispatch_op=src, prepared=prepared)
+            op = StreamOp(self._next_id, kind, session, member, args, slot, words, prepared,
+                          dispatch_op=src)
             self._next_id += 1
             self.ops[op.op_id] = op
         session.stream_ops[op.op_id] = op
@@ -214,13 +208,10 @@ class StreamOps:
                     op.member.dispatches += 1
                 else:
                     op.member.combines += 1
-                op.triggers += 1
             metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind).observe(
                 time.perf_counter() - t0)
         except Exception as e:  # answer through the done word, keep polling
             code = e.code.name if isinstance(e, EpdError) else "INTERNAL"
-            op.failures += 1
-            op.last_error = str(e)
             op.words[DONE] = DONE_FAILED | (0xFF << 8)
             log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
