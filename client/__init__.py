@@ -3,9 +3,9 @@
 `Session` / `Group` is the native API; `Buffer` is the DeepEP-compatible facade.
 """
 
-from epd.client.buffer import Buffer, EventOverlap
-from epd.client.errors import EpdError
-from epd.client.session import DispatchResult, Group, Handle, PendingDispatch, Session
+from ..proto.errors import EpdError
+from .buffer import Buffer, EventOverlap
+from .session import DispatchResult, Group, Handle, PendingDispatch, Session
 
 __all__ = ["Buffer", "DispatchResult", "EpdError", "EventOverlap", "Group", "Handle",
            "PendingDispatch", "Session"]

@@ -2,7 +2,7 @@
 
 Code written for `deep_ep.Buffer` (normal mode) runs with an import change:
 
-    from epd.client import buffer as deep_ep       # instead of: import deep_ep
+    from . import buffer as deep_ep       # instead of: import deep_ep
     buf = deep_ep.Buffer(group, num_nvl_bytes)       # torch.distributed group: rank/size from it
     n_rank, n_rdma, n_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from epd.client import tensors as T
-from epd.client.session import Group, Handle, LowLatencyHandle, Session
-from epd.client.stream_ops import StreamOp
-from epd.proto import dtypes
+from ..proto import dtypes
+from . import tensors as T
+from .session import Group, Handle, LowLatencyHandle, Session
+from .stream_ops import StreamOp
 
 
 class EventOverlap:
@@ -110,7 +110,7 @@ def _ptr(a: Any) -> int:
     """Device address of a tensor (0 for None): armed ops read their tensors by address."""
     if a is None:
         return 0
-    from epd.client import cuda_ipc
+    from . import cuda_ipc
     return cuda_ipc.describe_device(a, "tensor").ptr
 
 
@@ -347,7 +347,7 @@ class Buffer:
         path (client/stream_ops.py): nothing waits on the host, the hook is the wait."""
         if g._session.backend != "cuda":
             return False
-        from epd.client import cuda_ipc
+        from . import cuda_ipc
         return return_recv_hook or cuda_ipc.is_capturing(x)
 
     @staticmethod

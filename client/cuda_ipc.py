@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from epd.proto import dtypes
-from epd.proto.v1 import epd_pb2
+from ..proto import dtypes
+from ..proto.v1 import epd_pb2
 
 
 def _torch():

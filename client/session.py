@@ -23,11 +23,11 @@ from typing import Any
 import grpc
 import numpy as np
 
-from epd.client import tensors as T
-from epd.client.errors import EpdError
-from epd.client.transport import FastPathTransport, GrpcTransport, Transport
-from epd.proto import counter_page, dtypes
-from epd.proto.v1 import epd_pb2
+from ..proto import counter_page, dtypes
+from ..proto.errors import EpdError
+from ..proto.v1 import epd_pb2
+from . import tensors as T
+from .transport import FastPathTransport, GrpcTransport, Transport
 
 DEFAULT_SOCKET_DIR = "/run/epd"
 MAX_DEVICE_REGIONS = 1024  # cached CUDA IPC registrations per session (oldest dropped)
@@ -231,7 +231,7 @@ class Session:
 
     def _device_descs(self, arrays: dict[str, Any], event: bool = True) -> dict[str, Any]:
         """cuda backend: device tensors by CUDA IPC region + offset, and the ready event."""
-        from epd.client import cuda_ipc
+        from . import cuda_ipc
 
         out: dict[str, Any] = {}
         template = None
@@ -284,7 +284,7 @@ class Session:
         return out
 
     def _heap(self, handle: bytes, size: int, device: int) -> Any:
-        from epd.client import cuda_ipc
+        from . import cuda_ipc
 
         heap = self._heaps.get(handle)
         if heap is None:
@@ -396,7 +396,7 @@ class Session:
         self._counter_file.close(unlink=False)
 
     def _mapped_page(self) -> Any:
-        from epd.client import cuda_ipc
+        from . import cuda_ipc
 
         if self._page_mapping is None:
             self._page_mapping = cuda_ipc.MappedPage(self._counter_file.base,
@@ -616,7 +616,7 @@ class Group:
         """Arm a low-latency dispatch that reads `x` and `topk_idx` (fixed tensors) each time
         it is launched from a CUDA stream; `op.result` holds the fixed output views
         (recv_count etc. are valid after the stream passes `op.launch()`)."""
-        from epd.client.stream_ops import StreamOp
+        from .stream_ops import StreamOp
 
         self._require_cuda()
         s = self._session
@@ -648,7 +648,7 @@ class Group:
                                 timeout: float | None = None) -> Any:
         """Arm the combine of an armed dispatch: each launch brings back the expert outputs
         in `x` for the dispatch's latest launch; `op.result` is `out` (or a fixed view)."""
-        from epd.client.stream_ops import StreamOp
+        from .stream_ops import StreamOp
 
         self._require_cuda()
         s = self._session

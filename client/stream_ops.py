@@ -26,10 +26,10 @@ from typing import Any
 import grpc
 import numpy as np
 
-from epd.client import cuda_ipc
-from epd.client.errors import EpdError
-from epd.proto import counter_page
-from epd.proto.v1 import epd_pb2
+from ..proto import counter_page
+from ..proto.errors import EpdError
+from ..proto.v1 import epd_pb2
+from . import cuda_ipc
 
 REQUEST, DONE = 0, 1
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from epd.proto import dtypes
-from epd.proto.v1 import epd_pb2
+from ..proto import dtypes
+from ..proto.v1 import epd_pb2
 
 _ALIGN = 256
 
@@ -54,7 +54,7 @@ def to_numpy(x: Any, what: str) -> np.ndarray:
 
 def meta(x: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and logical element type of a host or device array, without touching its data."""
-    from epd.client import cuda_ipc
+    from . import cuda_ipc
 
     if cuda_ipc.is_device_array(x):
         v = cuda_ipc.describe_device(x, what)

@@ -10,9 +10,9 @@ from typing import Any
 
 import grpc
 
-from epd.client.errors import EpdError
-from epd.proto import ring as R
-from epd.proto.v1 import epd_pb2_grpc
+from ..proto import ring as R
+from ..proto.errors import EpdError
+from ..proto.v1 import epd_pb2_grpc
 
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                    ("grpc.max_receive_message_length", 64 << 20),
@@ -82,7 +82,7 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _response_types() -> dict[str, Any]:
-    from epd.proto.v1 import epd_pb2
+    from ..proto.v1 import epd_pb2
     return {"Ping": epd_pb2.PingResponse,
             "GetDispatchLayout": epd_pb2.GetDispatchLayoutResponse,
             "Dispatch": epd_pb2.DispatchResponse, "Combine": epd_pb2.CombineResponse,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from epd.proto.v1 import epd_pb2
+from .v1 import epd_pb2
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

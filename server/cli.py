@@ -11,8 +11,8 @@ import argparse
 import logging
 import sys
 
-from epd.server import __version__
-from epd.server import config as config_mod
+from . import __version__
+from . import config as config_mod
 
 EPILOG = """\
 Settings come from (later wins): defaults, a TOML file (--config), EPD_* environment variables,
@@ -28,19 +28,19 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
-    from epd.server.supervisor import run
+    from .supervisor import run
     return run(cfg)
 
 
 def _demo(ns: argparse.Namespace) -> int:
-    from epd.server.demo import run_demo
+    from .demo import run_demo
     return run_demo(ns)
 
 
 def _topology(ns: argparse.Namespace) -> int:
     import grpc
 
-    from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+    from ..proto.v1 import epd_pb2, epd_pb2_grpc
     path = f"{ns.socket_dir}/node.sock"
     try:
         with grpc.insecure_channel(f"unix://{path}") as ch:

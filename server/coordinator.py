@@ -16,17 +16,17 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from epd.proto.v1 import epd_pb2
-from epd.server import metrics
-from epd.server.backends import cpu
-from epd.server.backends.base import GroupSpec
-from epd.server.engine.state import spec_from_proto
-from epd.server.errors import (
+from ..proto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
 )
+from ..proto.v1 import epd_pb2
+from . import metrics
+from .backends import cpu
+from .backends.base import GroupSpec
+from .engine.state import spec_from_proto
 
 log = logging.getLogger("epd.coordinator")
 
@@ -130,7 +130,7 @@ class Coordinator:
         else:
             # Every engine sub-allocates the group's buffers at the same heap offset: one rank
             # buffer per rank of the group, whichever engine holds it.
-            from epd.server.backends.cuda import membership_layout
+            from .backends.cuda import membership_layout
             size = membership_layout(g.spec).slot_bytes * g.spec.num_ranks
             offset = self.heap.alloc(size)
             if offset is None:
@@ -207,7 +207,7 @@ def _spec_text(s: GroupSpec) -> str:
 def rank_buffer_layout(layout_cls, spec: GroupSpec):
     """The per-rank buffer layout of a group on the CUDA backend: recv_x sized for the group's
     dtype (FP8 payloads are smaller), scales whenever FP8 dispatch is possible."""
-    from epd.proto import dtypes
+    from ..proto import dtypes
     item = spec.x_numpy_dtype.itemsize
     return layout_cls.build(num_ranks=spec.num_ranks, num_experts=spec.num_experts,
                             hidden=spec.hidden, num_topk=spec.num_topk,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epd.proto import dtypes
-from epd.server import reference as ref
+from ..proto import dtypes
+from . import reference as ref
 
 
 class Daemon:
@@ -73,7 +73,7 @@ class Daemon:
         """The pid of engine `index`, from the supervisor's topology."""
         import grpc
 
-        from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+        from ..proto.v1 import epd_pb2, epd_pb2_grpc
         with grpc.insecure_channel(f"unix://{self.socket_dir}/node.sock") as ch:
             topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
                                                          timeout=5)
@@ -176,7 +176,7 @@ def _device_movers(backend: str, device: int = 0):
 
 
 def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) -> None:
-    from epd.client import Session
+    from ..client import Session
     try:
         x, idx, w = wl.inputs(rank)
         x_np = x
@@ -228,7 +228,7 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    from epd.server.backends import resolve_backend_name
+    from .backends import resolve_backend_name
     backend = resolve_backend_name(ns.backend)
     engines = ns.engines
     if backend == "cuda":

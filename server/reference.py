@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from epd.proto.dtypes import BFLOAT16, FLOAT8_E4M3, FP8_BLOCK
+from ..proto.dtypes import BFLOAT16, FLOAT8_E4M3, FP8_BLOCK
 
 __all__ = [
     "FP8_MAX",

@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epd.proto.v1 import epd_pb2, epd_pb2_grpc
-from epd.server import __version__
-from epd.server.config import Config
-from epd.server.errors import EpdError
+from ..proto.errors import EpdError
+from ..proto.v1 import epd_pb2, epd_pb2_grpc
+from . import __version__
+from .config import Config
 
 log = logging.getLogger("epd.supervisor")
 
@@ -81,7 +81,7 @@ class NodeService(epd_pb2_grpc.NodeServicer):
 
 class Supervisor:
     def __init__(self, cfg: Config, backend: str, num_engines: int) -> None:
-        from epd.server.coordinator import Coordinator  # after PROMETHEUS_MULTIPROC_DIR is set
+        from .coordinator import Coordinator  # after PROMETHEUS_MULTIPROC_DIR is set
 
         self.cfg = cfg
         self.backend = backend
@@ -140,8 +140,8 @@ class Supervisor:
     async def _monitor(self) -> None:
         from prometheus_client import multiprocess
 
-        from epd.server import metrics
-        from epd.server.engine.state import sweep_engine_files
+        from . import metrics
+        from .engine.state import sweep_engine_files
         while not self.stopping:
             for e in self.engines:
                 if e.proc is None:
@@ -178,7 +178,7 @@ class Supervisor:
             await asyncio.sleep(0.1)
 
     async def run(self) -> int:
-        from epd.server import http, metrics
+        from . import http, metrics
 
         cfg = self.cfg
         sock_dir = Path(cfg.socket_dir)
@@ -266,7 +266,7 @@ def detect_engines(cfg: Config, backend: str) -> int:
 
 def run(cfg: Config) -> int:
     prepare_metrics_dir()
-    from epd.server.backends import resolve_backend_name
+    from .backends import resolve_backend_name
 
     backend = resolve_backend_name(cfg.backend)
     sup = Supervisor(cfg, backend, detect_engines(cfg, backend))

@@ -86,7 +86,7 @@ def _worker_main(conn: mpc.Connection) -> None:
     _conn = conn
     import faulthandler
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # RankPool.dump_stacks
-    from epd.client.errors import EpdError
+    from epd.proto.errors import EpdError
 
     while True:
         try:
@@ -644,7 +644,7 @@ def member(endpoint: str, case: Case, rank: int, timeout: float | None = 30.0) -
     "dispatch" (one dispatch; its status and duration are reported), "round" (a full
     `case_round`, reported), "wait_lost" (until the session's stream ends), "done"."""
     from epd.client import Session
-    from epd.client.errors import EpdError
+    from epd.proto.errors import EpdError
     kw = {} if timeout is None else {"timeout": timeout}
     with Session(endpoint, client_name=f"member{rank}", **kw) as s:
         g = join(s, case, rank)

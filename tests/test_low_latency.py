@@ -509,8 +509,8 @@ def test_metrics(daemon) -> None:
 
 def test_backend_without_low_latency_answers_failed_precondition() -> None:
     """The RankComm defaults (a backend without low-latency kernels)."""
+    from epd.proto.errors import FailedPrecondition
     from epd.server.backends.base import LowLatencyCombineArgs, LowLatencyDispatchArgs, RankComm
-    from epd.server.errors import FailedPrecondition
 
     class NoLowLatency(RankComm):
         backend_name = "cuda"

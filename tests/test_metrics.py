@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ranklib import Case, check_case, run_case
 
 from epd.client import Session
-from epd.client.errors import EpdError
+from epd.proto.errors import EpdError
 
 pytestmark = pytest.mark.slow
 CASE = Case(group="metrics-g", num_ranks=2, num_experts=4, hidden=128, num_topk=2,

@@ -17,10 +17,10 @@ import pytest
 from ranklib import BF16, FP8, Case, case_round, check_case, join
 
 from epd.client import Session
-from epd.client.errors import EpdError
 from epd.client.session import Handle
 from epd.client.tensors import ShmFile
 from epd.proto import dtypes
+from epd.proto.errors import EpdError
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
 

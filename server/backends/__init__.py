@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from epd.server.backends.base import Backend
+from .base import Backend
 
 
 def cuda_available() -> bool:
@@ -30,9 +30,9 @@ def resolve_backend_name(name: str) -> str:
 def make_backend(cfg, index: int) -> Backend:
     name = resolve_backend_name(cfg.backend)
     if name == "cpu":
-        from epd.server.backends.cpu import CpuBackend
+        from .cpu import CpuBackend
         return CpuBackend(index, allowed_dirs=(cfg.shm_dir, "/dev/shm", "/tmp"))
     if name == "cuda":
-        from epd.server.backends.cuda import CudaBackend  # needs the [cuda] extra
+        from .cuda import CudaBackend  # needs the [cuda] extra
         return CudaBackend(cfg, index)
     raise ValueError(f"unknown backend {name!r}")

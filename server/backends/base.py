@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from epd.proto import dtypes
+from ...proto import dtypes
 
 Array = Any  # numpy.ndarray (cpu) or cupy.ndarray (cuda)
 
@@ -160,7 +160,7 @@ class LowLatencyCombineOutputs:
 def check_combine_routing(dispatched: np.ndarray, combine: np.ndarray) -> np.ndarray:
     """Low-latency combine entries must each name one of the token's dispatched experts (any k
     position, -1 allowed). Returns, per entry, the k position in the dispatch."""
-    from epd.server.errors import InvalidArgument
+    from ...proto.errors import InvalidArgument
     eq = (dispatched[:, None, :] == combine[:, :, None]) & (combine[:, :, None] >= 0)
     missing = (combine >= 0) & ~eq.any(axis=2)
     if missing.any():
@@ -267,12 +267,12 @@ class RankComm(abc.ABC):
         raise self._no_stream_ops()
 
     def _no_stream_ops(self) -> Exception:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         return FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "
                                   f"runs {self.backend_name}")
 
     def _no_low_latency(self) -> Exception:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         return FailedPrecondition(f"low-latency mode is not implemented on the "
                                   f"{self.backend_name} backend")
 
@@ -317,7 +317,7 @@ class Backend(abc.ABC):
         """Block the calling worker until the client's interprocess event has completed (its
         inputs are ready). `cache` is per session: open each handle once."""
         if handle:
-            from epd.server.errors import InvalidArgument
+            from ...proto.errors import InvalidArgument
             raise InvalidArgument(f"ready_event is for the cuda backend; this engine runs "
                                   f"{self.name}")
 

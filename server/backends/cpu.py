@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from epd.proto import counter_page, dtypes
-from epd.server.backends.base import (
+from ...proto import counter_page, dtypes
+from ...proto.errors import Aborted, DeadlineExceeded, InvalidArgument
+from .base import (
     Array,
     Backend,
     CombineArgs,
@@ -47,7 +48,6 @@ from epd.server.backends.base import (
     Region,
     check_combine_routing,
 )
-from epd.server.errors import Aborted, DeadlineExceeded, InvalidArgument
 
 PAGE = 4096
 _HEADER_BYTES = 4 * PAGE

@@ -30,9 +30,17 @@ from typing import Any
 
 import numpy as np
 
-from epd.proto import counter_page, dtypes
-from epd.server.backends import cuda_kernels as ck
-from epd.server.backends.base import (
+from ...proto import counter_page, dtypes
+from ...proto.errors import (
+    Aborted,
+    DeadlineExceeded,
+    EpdError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from . import cuda_kernels as ck
+from .base import (
     Backend,
     CombineArgs,
     CombineOutputs,
@@ -49,14 +57,6 @@ from epd.server.backends.base import (
     RankComm,
     Region,
     check_combine_routing,
-)
-from epd.server.errors import (
-    Aborted,
-    DeadlineExceeded,
-    EpdError,
-    InvalidArgument,
-    ResourceExhausted,
-    Unavailable,
 )
 
 log = logging.getLogger("epd.cuda")
@@ -85,7 +85,7 @@ class MembershipLayout:
 def membership_layout(spec: GroupSpec) -> MembershipLayout:
     """Per-rank heap slot: the kernels' buffers, then the outputs the engine hands back
     (layout results, combine results, the prefix matrix)."""
-    from epd.server.coordinator import rank_buffer_layout
+    from ..coordinator import rank_buffer_layout
 
     kernel = rank_buffer_layout(ck.RankBufferLayout, spec)
     item = spec.x_numpy_dtype.itemsize
@@ -226,7 +226,7 @@ class CudaRankComm(RankComm):
     backend_name = "cuda"
 
     def __init__(self, backend: CudaBackend, spec: GroupSpec, membership: Membership) -> None:
-        from epd.server.backends import cuda_runtime as rt
+        from . import cuda_runtime as rt
 
         self.spec, self.membership, self.backend = spec, membership, backend
         self.rank = membership.rank
@@ -358,7 +358,7 @@ class CudaRankComm(RankComm):
 
     # -- low-latency mode --------------------------------------------------------------------
     def _ll_layout(self) -> ck.LowLatencyLayout:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         if self.mlayout.low_latency is None:
             raise FailedPrecondition(f"group {self.spec.name!r} was created without "
                                      f"low_latency_mode, so it has no low-latency buffers")
@@ -366,7 +366,7 @@ class CudaRankComm(RankComm):
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs,
                              deadline: float) -> LowLatencyDispatchOutputs:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         spec, runner = self.spec, self.runner
         self._ll_layout()
         if args.use_fp8 and spec.x_numpy_dtype != dtypes.BFLOAT16:
@@ -396,7 +396,7 @@ class CudaRankComm(RankComm):
 
     def low_latency_combine(self, args: LowLatencyCombineArgs,
                             deadline: float) -> LowLatencyCombineOutputs:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         spec, runner = self.spec, self.runner
         self._ll_layout()
         h: _LowLatencyHandle = args.handle
@@ -422,7 +422,7 @@ class CudaRankComm(RankComm):
 
     # -- stream-ordered low-latency calls ------------------------------------------------------
     def low_latency_outputs(self, num_max: int, use_fp8: bool) -> LowLatencyDispatchOutputs:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         self._ll_layout()
         if use_fp8 and self.spec.x_numpy_dtype != dtypes.BFLOAT16:
             raise FailedPrecondition("FP8 low-latency dispatch quantises bf16 inputs; the "
@@ -474,7 +474,7 @@ class CudaRankComm(RankComm):
         return _PreparedCombine(args, launches, done, dispatch, out)
 
     def launch_prepared(self, prepared: Any) -> None:
-        from epd.server.errors import FailedPrecondition
+        from ...proto.errors import FailedPrecondition
         runner = self.runner
         if isinstance(prepared, _PreparedDispatch):
             prepared.sequence = runner.ll_dispatch_again(prepared.launch)
@@ -650,7 +650,7 @@ class CudaBackend(Backend):
 def _bootstrap(cfg: Any, index: int):
     import grpc
 
-    from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+    from ...proto.v1 import epd_pb2, epd_pb2_grpc
 
     with grpc.insecure_channel(f"unix://{cfg.node_socket}") as ch:
         return epd_pb2_grpc.NodeStub(ch).GetBootstrap(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from epd.server.backends import cuda_kernels as ck
+from . import cuda_kernels as ck
 
 cp = ck.cp
 

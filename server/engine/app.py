@@ -17,12 +17,12 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from epd.proto.v1 import epd_pb2_grpc
-from epd.server import config as config_mod
-from epd.server import metrics
-from epd.server.backends import make_backend
-from epd.server.engine.core import Engine
-from epd.server.engine.service import EngineService
+from ...proto.v1 import epd_pb2_grpc
+from .. import config as config_mod
+from .. import metrics
+from ..backends import make_backend
+from .core import Engine
+from .service import EngineService
 
 log = logging.getLogger("epd.engine")
 SERVICE_NAME = "epd.v1.Engine"

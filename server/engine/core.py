@@ -17,24 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from epd.proto import counter_page
-from epd.proto.v1 import epd_pb2, epd_pb2_grpc
-from epd.server import metrics
-from epd.server.backends.base import (
-    Backend,
-    Membership,
-    Region,
-)
-from epd.server.config import Config
-from epd.server.engine.ops import DataPlane
-from epd.server.engine.state import (
-    GroupMember,
-    Session,
-    engine_files_prefix,
-    spec_from_proto,
-    sweep_engine_files,
-)
-from epd.server.errors import (
+from ...proto import counter_page
+from ...proto.errors import (
     Aborted,
     EpdError,
     FailedPrecondition,
@@ -42,6 +26,22 @@ from epd.server.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+)
+from ...proto.v1 import epd_pb2, epd_pb2_grpc
+from .. import metrics
+from ..backends.base import (
+    Backend,
+    Membership,
+    Region,
+)
+from ..config import Config
+from .ops import DataPlane
+from .state import (
+    GroupMember,
+    Session,
+    engine_files_prefix,
+    spec_from_proto,
+    sweep_engine_files,
 )
 
 log = logging.getLogger("epd.engine")
@@ -58,7 +58,7 @@ class Engine(DataPlane):
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
         self._inflight = 0
-        from epd.server.engine.stream_ops import StreamOps
+        from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
 
     # -- plumbing ----------------------------------------------------------------------------
@@ -182,7 +182,7 @@ class Engine(DataPlane):
                 spec=req.spec, rank=req.rank, engine_index=self.index,
                 session_id=session.session_id, timeout_seconds=timeout), timeout=timeout + 5)
         except grpc.aio.AioRpcError as e:
-            raise EpdError(e.details() or "rendezvous failed", e.code()) from None
+            raise EpdError(e.code(), e.details() or "rendezvous failed") from None
         membership = Membership(resp.group_id, req.rank, tuple(resp.rank_engines),
                                 resp.comm_path, resp.nvshmem_uid, resp.heap_offset)
         out_path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
@@ -202,7 +202,7 @@ class Engine(DataPlane):
                 group_id=resp.group_id), timeout=timeout + 5)
         except grpc.aio.AioRpcError as e:
             await self._drop_member(session, member, f"attach barrier failed: {e.details()}")
-            raise EpdError(e.details() or "attach barrier failed", e.code()) from None
+            raise EpdError(e.code(), e.details() or "attach barrier failed") from None
         if comm.output_region.borrowed:  # outputs may come back as inputs (combine(recv_x))
             session.regions.setdefault(comm.output_region.region_id, comm.output_region)
         if session.closed.is_set():  # the client vanished while we waited for its peers
@@ -220,7 +220,7 @@ class Engine(DataPlane):
     # -- fast path ---------------------------------------------------------------------------
     def open_fast_path(self, session: Session,
                        req: epd_pb2.OpenFastPathRequest) -> epd_pb2.OpenFastPathResponse:
-        from epd.server.engine.fast_path import FastPathServer
+        from .fast_path import FastPathServer
 
         if not self.config.fast_path:
             raise FailedPrecondition("the fast path is disabled on this engine (--fast-path)")

@@ -14,10 +14,10 @@ import os
 import threading
 import time
 
-from epd.proto import ring as R
-from epd.proto.v1 import epd_pb2
-from epd.server import metrics
-from epd.server.errors import EpdError, PermissionDenied
+from ...proto import ring as R
+from ...proto.errors import EpdError, PermissionDenied
+from ...proto.v1 import epd_pb2
+from .. import metrics
 
 log = logging.getLogger("epd.engine")
 _REQUESTS = {"GetDispatchLayout": epd_pb2.GetDispatchLayoutRequest,
@@ -132,7 +132,7 @@ class FastPathServer:
                 return 0, b""
             op = self._ops.get(method)
             if op is None:
-                raise EpdError(f"unknown fast-path operation {method!r}")
+                raise EpdError(None, f"unknown fast-path operation {method!r}")
             req = _REQUESTS[method].FromString(data)
             # The same lookup (and message) as gRPC; a ring only serves its own session.
             if self.engine.session(req.session_id) is not self.session:

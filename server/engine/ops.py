@@ -11,24 +11,24 @@ import time
 
 import numpy as np
 
-from epd.proto import counter_page, dtypes
-from epd.proto.v1 import epd_pb2
-from epd.server import metrics
-from epd.server.backends.base import (
+from ...proto import counter_page, dtypes
+from ...proto.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+)
+from ...proto.v1 import epd_pb2
+from .. import metrics
+from ..backends.base import (
     CombineArgs,
     DispatchArgs,
     GroupSpec,
     LowLatencyCombineArgs,
     LowLatencyDispatchArgs,
 )
-from epd.server.engine import tensors
-from epd.server.engine.state import LOW_LATENCY, NORMAL, GroupMember, HandleInfo, Session
-from epd.server.errors import (
-    Aborted,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-)
+from . import tensors
+from .state import LOW_LATENCY, NORMAL, GroupMember, HandleInfo, Session
 
 INDEX_DTYPES = (epd_pb2.INT64,)
 

@@ -8,11 +8,11 @@ import logging
 
 import grpc
 
-from epd.proto import counter_page
-from epd.proto.v1 import epd_pb2, epd_pb2_grpc
-from epd.server import __version__, metrics
-from epd.server.engine.core import Engine
-from epd.server.errors import EpdError
+from ...proto import counter_page
+from ...proto.errors import EpdError
+from ...proto.v1 import epd_pb2, epd_pb2_grpc
+from .. import __version__, metrics
+from .core import Engine
 
 log = logging.getLogger("epd.engine")
 

@@ -12,17 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from epd.proto import counter_page, dtypes
-from epd.proto.v1 import epd_pb2
-from epd.server.backends.base import (
+from ...proto import counter_page, dtypes
+from ...proto.errors import (
+    InvalidArgument,
+)
+from ...proto.v1 import epd_pb2
+from ..backends.base import (
     CounterPage,
     GroupSpec,
     Membership,
     RankComm,
     Region,
-)
-from epd.server.errors import (
-    InvalidArgument,
 )
 
 GROUP_DTYPES = (epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32)

@@ -21,19 +21,19 @@ from typing import Any
 
 import numpy as np
 
-from epd.proto import counter_page
-from epd.proto.v1 import epd_pb2
-from epd.server import metrics
-from epd.server.engine import tensors
-from epd.server.engine.ops import ll_dispatch_response
-from epd.server.engine.state import GroupMember, Session
-from epd.server.errors import (
+from ...proto import counter_page
+from ...proto.errors import (
     EpdError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
+from ...proto.v1 import epd_pb2
+from .. import metrics
+from . import tensors
+from .ops import ll_dispatch_response
+from .state import GroupMember, Session
 
 log = logging.getLogger("epd.engine")
 REQUEST, DONE = 0, 1  # int32 words of the op's counter slot

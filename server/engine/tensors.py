@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from epd.proto import dtypes
-from epd.proto.v1 import epd_pb2
-from epd.server.backends.base import Array, Region
-from epd.server.errors import InvalidArgument, NotFound
+from ...proto import dtypes
+from ...proto.errors import InvalidArgument, NotFound
+from ...proto.v1 import epd_pb2
+from ..backends.base import Array, Region
 
 MAX_DIMS = 4
 

@@ -1,0 +1,100 @@
+"""The one error type of EPD, shared by the daemon and its clients, and the one mapping between
+it and the wire: gRPC statuses on the gRPC transport, integer status words in a fast-path ring
+slot.
+
+Every layer of the daemon raises `EpdError` (or a subclass naming its code); the transports turn
+it into a status; the client turns the status back into the same `EpdError`. The argument order
+is the wire's, `(code, message)`, as in `grpc.ServicerContext.abort(code, details)`.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class EpdError(RuntimeError):
+    """A failed EPD call. `code` is the gRPC status (INVALID_ARGUMENT, ABORTED, ...), `message`
+    the daemon's words (also `details`, grpc's name for it)."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
+        if code is not None:
+            self.code = code
+        self.message = message
+        super().__init__(f"{self.code.name}: {message}")
+
+    @property
+    def details(self) -> str:
+        return self.message
+
+    @classmethod
+    def from_rpc(cls, err: grpc.RpcError) -> EpdError:
+        return error(err.code(), err.details() or "")
+
+
+class _Coded(EpdError):
+    """Subclasses fix the code: `InvalidArgument("message")`."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(None, message)
+
+
+class InvalidArgument(_Coded):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(_Coded):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(_Coded):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhausted(_Coded):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(_Coded):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(_Coded):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Aborted(_Coded):
+    code = grpc.StatusCode.ABORTED
+
+
+class PermissionDenied(_Coded):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Internal(_Coded):
+    code = grpc.StatusCode.INTERNAL
+
+
+_CLASSES: dict[grpc.StatusCode, type[_Coded]] = {
+    c.code: c for c in (InvalidArgument, FailedPrecondition, NotFound, ResourceExhausted,
+                        DeadlineExceeded, Unavailable, Aborted, PermissionDenied, Internal)}
+
+
+def error(code: grpc.StatusCode, message: str) -> EpdError:
+    """The EpdError for a status, as the subclass that names the code where there is one (so a
+    client can `except Aborted`)."""
+    cls = _CLASSES.get(code)
+    return cls(message) if cls is not None else EpdError(code, message)
+
+
+def status_value(code: grpc.StatusCode) -> int:
+    """The integer a ring slot carries for a status (0 = OK), gRPC's own numbering."""
+    return code.value[0]
+
+
+def from_status_value(value: int, message: str) -> EpdError:
+    """The error for a ring slot's status word (never 0)."""
+    return error(_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN), message)
