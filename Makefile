@@ -20,7 +20,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## daemon + 4 client processes doing dispatch/combine, verified
 	$(BIN)/epd demo
 
-test: $(STAMP)  ## the CPU test suite (what CI runs)
+# promtool checks deploy/prometheus/ in the tests: taken from Debian's prometheus package (the
+# binary only, unpacked into the venv; no service is installed). Best effort: without apt the
+# two promtool tests skip and say so.
+$(BIN)/promtool: | $(STAMP)
+	@command -v apt-get >/dev/null && tmp=$$(mktemp -d) && \
+	  { (cd $$tmp && apt-get download -q prometheus >/dev/null 2>&1) || \
+	    { apt-get update -qq >/dev/null 2>&1 && (cd $$tmp && apt-get download -q prometheus >/dev/null); }; } && \
+	  dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/x && cp $$tmp/x/usr/bin/promtool $(BIN)/promtool; \
+	  rm -rf $$tmp; test -x $(BIN)/promtool || echo "promtool not installed: its two tests will skip"
+
+test: $(STAMP) $(BIN)/promtool  ## the CPU test suite (what CI runs)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -215,7 +218,9 @@ def test_scrape_config():
     assert jobs["epd"]["static_configs"][0]["targets"] == ["127.0.0.1:9464"]
 
 
-PROMTOOL = shutil.which("promtool")
+# `make test` unpacks promtool into the venv beside the interpreter.
+PROMTOOL = (shutil.which("promtool")
+            or shutil.which("promtool", path=os.path.dirname(sys.executable)))
 
 
 @pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed")
@@ -231,7 +236,18 @@ def test_promtool_check_config():
         text=True,
     )
     if res.returncode and "kubernetes_sd_configs not found" in res.stdout + res.stderr:
-        pytest.skip("this promtool build lacks Kubernetes service discovery (Debian)")
+        # Debian's promtool is built without Kubernetes discovery: check every other job (and
+        # the rule file) from a copy without the Kubernetes job, which test_scrape_config and
+        # the ServiceMonitor test cover.
+        doc = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yaml").read_text())
+        doc["scrape_configs"] = [j for j in doc["scrape_configs"]
+                                 if "kubernetes_sd_configs" not in j]
+        doc["rule_files"] = [str(ALERTS)]
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "scrape.yaml"
+            path.write_text(yaml.safe_dump(doc))
+            res = subprocess.run([PROMTOOL, "check", "config", str(path)],
+                                 capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
 
 
