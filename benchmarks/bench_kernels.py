@@ -39,7 +39,8 @@ def bench_epd(args: argparse.Namespace) -> dict[str, Any]:
 
     from epd.proto.dtypes import BFLOAT16
     from epd.server import reference as ref
-    from epd.server.backends import cuda_runtime as rt
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+    import local_group as rt  # LocalGroup, MappedSlot: the daemon's layout, all ranks here
 
     ndev = cp.cuda.runtime.getDeviceCount()
     r_count = args.ranks or ndev
@@ -178,7 +179,6 @@ def bench_epd(args: argparse.Namespace) -> dict[str, Any]:
                 bufs.append((cp.ones(nbytes // 4, cp.int32), cp.zeros(nbytes // 4, cp.int32),
                              cp.cuda.Stream(non_blocking=True)))
                 cp.cuda.Device(dv).synchronize()
-        from epd.server.backends import cuda_kernels as ck
 
         res_t = []
         for it in range(8):
@@ -188,7 +188,7 @@ def bench_epd(args: argparse.Namespace) -> dict[str, Any]:
                 with cp.cuda.Device(dv):
                     src, _, s = bufs[dv]
                     dst = bufs[(dv + 1) % ndev][1]
-                    k = ck.kernels_for_device(dv)
+                    k = rt.bench_kernels_for_device(dv)
                     k.gate(gate.ptr, stream=s)
                     a, b = cp.cuda.Event(), cp.cuda.Event()
                     a.record(s)

@@ -39,7 +39,8 @@ def bench_kernels(iters: int, warmup: int, num_sms: int) -> dict[str, Any]:
 
     from epd.proto.dtypes import BFLOAT16
     from epd.server import reference as ref
-    from epd.server.backends import cuda_runtime as rt
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+    import local_group as rt  # LocalGroup, MappedSlot: the daemon's layout, all ranks here
 
     r_count = min(cp.cuda.runtime.getDeviceCount(), 8)
     g = rt.LocalGroup(r_count, E, H, K, M, BFLOAT16, low_latency=True)

@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import numpy as np
 
 from epd.client import Session
-from epd.server.demo import Daemon
+
+# The engine CPU measurement is a test helper (tests/daemon_harness.py), not part of `epd demo`.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from daemon_harness import HarnessDaemon
 
 
 def main() -> int:
@@ -23,7 +28,7 @@ def main() -> int:
     ap.add_argument("--json", default="")
     ns = ap.parse_args()
     out = {}
-    with Daemon(backend=ns.backend, engines=1) as d:
+    with HarnessDaemon(backend=ns.backend, engines=1) as d:
         for fast in (True, False):
             with Session(d.socket(0), fast_path=fast) as s:
                 n = ns.iters if fast else max(ns.iters // 10, 1000)

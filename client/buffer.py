@@ -2,7 +2,7 @@
 
 Code written for `deep_ep.Buffer` (normal mode) runs with an import change:
 
-    from . import buffer as deep_ep       # instead of: import deep_ep
+    from epd.client import buffer as deep_ep       # instead of: import deep_ep
     buf = deep_ep.Buffer(group, num_nvl_bytes)       # torch.distributed group: rank/size from it
     n_rank, n_rdma, n_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, num_experts)
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
@@ -13,7 +13,8 @@ Code written for `deep_ep.Buffer` (normal mode) runs with an import change:
 Differences, all documented in the README: the layout tensors passed to `dispatch` are
 recomputed by the daemon from `topk_idx` (they are accepted for compatibility); `config`,
 `previous_event`, `async_finish` and `allocate_on_comm_stream` are accepted and have no effect on
-the CPU backend; the handle is an opaque object rather than a tuple of tensors.
+the CPU backend; the handle is an opaque object rather than a tuple of tensors. Bad arguments
+raise `EpdError` with INVALID_ARGUMENT, as every EPD call does.
 
 Low-latency mode (`Buffer(..., low_latency_mode=True)`):
 
@@ -45,16 +46,31 @@ from typing import Any
 import numpy as np
 
 from ..proto import dtypes
+from ..proto.errors import InvalidArgument
 from . import tensors as T
 from .session import Group, Handle, LowLatencyHandle, Session
 from .stream_ops import StreamOp
+from .tensors import Array
+
+LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
+
+
+@dataclass(frozen=True)
+class _GroupKey:
+    """The shape a daemon group is formed for (a Buffer forms one per shape, lazily)."""
+
+    hidden: int
+    num_topk: int
+    dtype: str  # numpy dtype.str of the combine dtype
+    num_experts: int
+    low_latency_tokens: int  # num_max_dispatch_tokens_per_rank of a low-latency group, else 0
 
 
 class EventOverlap:
     """DeepEP's event wrapper. Calls here return when their results are ready, so waiting is a
     no-op; the object exists so that code using it runs unchanged."""
 
-    def __init__(self, event: Any = None) -> None:
+    def __init__(self, event: object = None) -> None:
         self.event = event
 
     def current_stream_wait(self) -> None:
@@ -90,8 +106,8 @@ class BufferHandle:
 class LowLatencyBufferHandle:
     """The handle `low_latency_dispatch` returns; pass it to `low_latency_combine`."""
 
-    handle: LowLatencyHandle
-    template: Any = None  # the dispatch's x: combine buffers come back as its array type
+    handle: LowLatencyHandle | StreamOp
+    template: Array = None  # the dispatch's x: combine buffers come back as its array type
 
     @property
     def num_max_dispatch_tokens_per_rank(self) -> int:
@@ -106,7 +122,7 @@ class LowLatencyBufferHandle:
         return self.handle.num_experts
 
 
-def _ptr(a: Any) -> int:
+def _ptr(a: Array) -> int:
     """Device address of a tensor (0 for None): armed ops read their tensors by address."""
     if a is None:
         return 0
@@ -122,7 +138,8 @@ def _no_op_hook() -> None:
 class Buffer:
     num_sms: int = 20
 
-    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+    def __init__(self, group: Any = None,  # a torch.distributed ProcessGroup
+                 num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
                  explicitly_destroy: bool = False, *, rank: int | None = None,
@@ -133,7 +150,8 @@ class Buffer:
         if group is not None:
             rank, num_ranks = group.rank(), group.size()
         if rank is None or num_ranks is None:
-            raise ValueError("Buffer needs a torch.distributed group, or rank= and num_ranks=")
+            raise InvalidArgument("Buffer needs a torch.distributed group, or rank= and "
+                                  "num_ranks=")
         self.rank, self.group_size = int(rank), int(num_ranks)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -150,9 +168,9 @@ class Buffer:
         else:
             self._owns_session = False
         self.session = session
-        self._groups: dict[tuple, Group] = {}
+        self._groups: dict[_GroupKey, Group] = {}
         self._num_experts: int | None = None
-        self._combine_buffers: dict[tuple, Any] = {}
+        self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         self._stream_ops: dict[tuple, StreamOp] = {}  # armed stream-ordered calls, by inputs
 
     # -- DeepEP's static helpers -------------------------------------------------------------
@@ -181,7 +199,7 @@ class Buffer:
                low_latency_tokens: int = 0) -> Group:
         """The daemon group of one shape. Low-latency calls get their own group whose buffers
         are sized by num_max_dispatch_tokens_per_rank (as DeepEP sizes its RDMA buffer)."""
-        key = (hidden, num_topk, dtype.str, num_experts, low_latency_tokens)
+        key = _GroupKey(hidden, num_topk, dtype.str, num_experts, low_latency_tokens)
         g = self._groups.get(key)
         if g is None:
             name = f"{self.group_name}/h{hidden}-k{num_topk}-{dtype.name}-e{num_experts}"
@@ -198,26 +216,30 @@ class Buffer:
         return g
 
     # -- the DeepEP API ----------------------------------------------------------------------
-    def get_dispatch_layout(self, topk_idx: Any, num_experts: int,
+    def get_dispatch_layout(self, topk_idx: Array, num_experts: int,
                             previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
         """(num_tokens_per_rank, num_tokens_per_rdma_rank=None, num_tokens_per_expert,
         is_token_in_rank, event)."""
         self._num_experts = num_experts
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
+        if len(idx_shape) != 2:
+            raise InvalidArgument(f"topk_idx must be 2-D, got shape {list(idx_shape)}")
         # Layout needs a group only for the engine round trip; any hidden size will do, so use
-        # the one of the last dispatch group with this routing shape, or a small layout group.
-        g = next((g for (h, k, d, e), g in self._groups.items()
-                  if k == idx_shape[1] and e == num_experts), None)
+        # the first normal-mode group with this routing shape, or a small layout group. Every
+        # rank makes the same calls, so every rank picks the same group.
+        g = next((g for key, g in self._groups.items()
+                  if key.num_topk == idx_shape[1] and key.num_experts == num_experts
+                  and not key.low_latency_tokens), None)
         if g is None:
-            g = self._group(128, idx_shape[1], dtypes.BFLOAT16, num_experts)
+            g = self._group(LAYOUT_GROUP_HIDDEN, idx_shape[1], dtypes.BFLOAT16, num_experts)
         per_rank, per_expert, in_rank = g.get_dispatch_layout(topk_idx)
         return per_rank, None, per_expert, in_rank, EventOverlap()
 
-    def dispatch(self, x: Any, handle: BufferHandle | None = None,
-                 num_tokens_per_rank: Any = None, num_tokens_per_rdma_rank: Any = None,
-                 is_token_in_rank: Any = None, num_tokens_per_expert: Any = None,
-                 topk_idx: Any = None, topk_weights: Any = None, expert_alignment: int = 1,
+    def dispatch(self, x: Array, handle: BufferHandle | None = None,
+                 num_tokens_per_rank: Array = None, num_tokens_per_rdma_rank: Array = None,
+                 is_token_in_rank: Array = None, num_tokens_per_expert: Array = None,
+                 topk_idx: Array = None, topk_weights: Array = None, expert_alignment: int = 1,
                  num_worst_tokens: int = 0, config: Config | None = None,
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
@@ -228,7 +250,8 @@ class Buffer:
         x_shape, x_dtype = T.meta(x, "x")
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx/topk_weights")
+                raise InvalidArgument("cached dispatch (handle given) takes no "
+                                      "topk_idx/topk_weights")
             g = handle.handle.group
             out = g.dispatch(x, x_scales=x_scales, handle=handle.handle,
                              expert_alignment=expert_alignment,
@@ -236,13 +259,17 @@ class Buffer:
             recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
             return recv, None, None, None, None, EventOverlap()
         if topk_idx is None or topk_weights is None:
-            raise ValueError("dispatch needs topk_idx and topk_weights (or a cached handle)")
+            raise InvalidArgument("dispatch needs topk_idx and topk_weights (or a cached "
+                                  "handle)")
         num_experts = (len(num_tokens_per_expert) if num_tokens_per_expert is not None
                        else self._num_experts)
         if num_experts is None:
-            raise ValueError("pass num_tokens_per_expert (from get_dispatch_layout) so the "
+            raise InvalidArgument("pass num_tokens_per_expert (from get_dispatch_layout) so the "
                              "number of experts is known")
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
+        if len(x_shape) != 2 or len(idx_shape) != 2:
+            raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
+                                  f"{list(idx_shape)}")
         combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
         g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
         out = g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
@@ -252,8 +279,8 @@ class Buffer:
         return (recv, out.recv_topk_idx, out.recv_topk_weights, counts,
                 BufferHandle(out.handle, int(num_experts)), EventOverlap())
 
-    def combine(self, x: Any, handle: BufferHandle, topk_weights: Any = None,
-                bias: Any = None, config: Config | None = None,
+    def combine(self, x: Array, handle: BufferHandle, topk_weights: Array = None,
+                bias: Array = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """(combined_x, combined_topk_weights, event)."""
@@ -261,7 +288,7 @@ class Buffer:
             bias_0 = bias_1 = None
         elif isinstance(bias, tuple):
             if len(bias) > 2:
-                raise ValueError("bias takes at most two tensors")
+                raise InvalidArgument("bias takes at most two tensors")
             bias_0, bias_1 = (*bias, None, None)[:2]
         else:
             bias_0, bias_1 = bias, None
@@ -276,9 +303,9 @@ class Buffer:
         """Nothing to clean: the daemon's low-latency buffers need no zeroing between modes."""
         return None
 
-    def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Any = None,
-                             dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
+    def low_latency_dispatch(self, x: Array, topk_idx: Array, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Array = None,
+                             dispatch_wait_recv_cost_stats: Array = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
                              async_finish: bool = False, return_recv_hook: bool = False):
         """(recv_x, recv_count, handle, event, hook). recv_x is
@@ -290,11 +317,11 @@ class Buffer:
         x_shape, x_dtype = T.meta(x, "x")
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(x_shape) != 2 or len(idx_shape) != 2:
-            raise ValueError(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
-                             f"{list(idx_shape)}")
+            raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
+                                  f"{list(idx_shape)}")
         g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
                         low_latency_tokens=int(num_max_dispatch_tokens_per_rank))
-        if self._stream_ordered(g, x, return_recv_hook):
+        if self._stream_ordered(x, return_recv_hook):
             key = ("dispatch", g.group_id, _ptr(x), x_shape, _ptr(topk_idx), idx_shape,
                    int(num_max_dispatch_tokens_per_rank), use_fp8, round_scale, use_ue8m0,
                    _ptr(cumulative_local_expert_recv_stats))
@@ -319,11 +346,11 @@ class Buffer:
         return (recv, out.recv_count, LowLatencyBufferHandle(out.handle, x), EventOverlap(),
                 hook)
 
-    def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any,
+    def low_latency_combine(self, x: Array, topk_idx: Array, topk_weights: Array,
                             handle: LowLatencyBufferHandle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Any = None,
-                            combine_wait_recv_cost_stats: Any = None):
+                            return_recv_hook: bool = False, out: Array = None,
+                            combine_wait_recv_cost_stats: Array = None):
         """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
         of each token's expert outputs; written into `out` (and returned) when given."""
         g = handle.handle.group
@@ -341,14 +368,12 @@ class Buffer:
         return cx, EventOverlap(), _no_op_hook if return_recv_hook else None
 
     # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
-    @staticmethod
-    def _stream_ordered(g: Group, x: Any, return_recv_hook: bool) -> bool:
+    def _stream_ordered(self, x: Array, return_recv_hook: bool) -> bool:
         """CUDA graphs being captured, or a receive hook asked for, take the stream-ordered
-        path (client/stream_ops.py): nothing waits on the host, the hook is the wait."""
-        if g._session.backend != "cuda":
-            return False
-        from . import cuda_ipc
-        return return_recv_hook or cuda_ipc.is_capturing(x)
+        path (client/stream_ops.py) where the session's memory has one (cuda): nothing waits
+        on the host, the hook is the wait."""
+        mem = self.session.memory
+        return mem.supports_stream_ops and (return_recv_hook or mem.is_capturing(x))
 
     @staticmethod
     def _trigger(op: StreamOp, return_recv_hook: bool):
@@ -358,7 +383,7 @@ class Buffer:
         op.wait()
         return None
 
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Any:
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer
         to write expert outputs into; it lives in a region the daemon already maps, so passing
         it to `low_latency_combine` costs no staging copy. One buffer per shape, reused."""
@@ -366,12 +391,12 @@ class Buffer:
         spec = h.group.spec
         shape = (spec.num_experts // spec.num_ranks,
                  spec.num_ranks * h.num_max_dispatch_tokens_per_rank, spec.hidden)
-        key = (h.group.group_id, shape)
+        key = (h.group.group_id, shape, T.is_torch(handle.template))
         buf = self._combine_buffers.get(key)
         if buf is None:
             buf = self._combine_buffers[key] = self.session.empty(
-                shape, dtypes.to_numpy(spec.x_dtype))
-        return T.like(buf, handle.template)
+                shape, dtypes.to_numpy(spec.x_dtype), like=handle.template)
+        return buf
 
     def destroy(self) -> None:
         """Leave every group and close the session (idempotent)."""

@@ -14,21 +14,17 @@ array as float8_e4m3 bits. Torch tensors carry their real dtype.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..proto import dtypes
+from ..proto.errors import InvalidArgument
 from ..proto.v1 import epd_pb2
+from .frameworks import torch_if_loaded as _torch
 
-
-def _torch():
-    """torch if this process has imported it, else None. An object can only be a torch tensor
-    once torch is imported, so this never pays for the import (seconds) on behalf of a caller
-    that uses NumPy or CuPy only."""
-    return sys.modules.get("torch")
+MAX_CACHED_VIEWS = 256  # output views kept per mapped heap (cleared when full)
 
 
 def _cupy():
@@ -63,7 +59,7 @@ def describe_device(x: Any, what: str) -> DeviceView:
         if fp8 is not None:
             mapping[fp8] = epd_pb2.FLOAT8_E4M3
         if x.dtype not in mapping:
-            raise TypeError(f"{what}: torch dtype {x.dtype} is not carried by EPD")
+            raise InvalidArgument(f"{what}: torch dtype {x.dtype} is not carried by EPD")
         return DeviceView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), mapping[x.dtype],
                           x.element_size(), x.device.index)
     cai = x.__cuda_array_interface__
@@ -73,7 +69,10 @@ def describe_device(x: Any, what: str) -> DeviceView:
     elif dt == np.uint8:
         wire = epd_pb2.FLOAT8_E4M3
     else:
-        wire = dtypes.from_numpy(dt)
+        try:
+            wire = dtypes.from_numpy(dt)
+        except ValueError as e:
+            raise InvalidArgument(f"{what}: {e}") from None
     strides = cai.get("strides")
     shape = tuple(cai["shape"])
     if strides is None:
@@ -94,7 +93,8 @@ def allocation_of(ptr: int) -> tuple[int, int]:
 
     err, base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr))
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise ValueError(f"cuMemGetAddressRange({ptr:#x}) failed: {err}")
+        raise InvalidArgument(f"the tensor at {ptr:#x} is not in a CUDA allocation "
+                              f"(cuMemGetAddressRange: {err})")
     return int(base), int(size)
 
 
@@ -104,7 +104,7 @@ def ipc_handle(base: int, device: int) -> bytes:
         try:
             return bytes(cp.cuda.runtime.ipcGetMemHandle(base))
         except cp.cuda.runtime.CUDARuntimeError as e:
-            raise ValueError(
+            raise InvalidArgument(
                 "this allocation cannot be shared over CUDA IPC (torch expandable segments? "
                 "unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF): " + str(e)) from None
 
@@ -153,7 +153,7 @@ class MappedHeap:
                 return v
         v = self._make_view(d, copy, template)
         if not copy:
-            if len(self._views) >= 256:
+            if len(self._views) >= MAX_CACHED_VIEWS:
                 self._views.clear()
             self._views[key] = v
         return v
@@ -161,8 +161,7 @@ class MappedHeap:
     def _make_view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any) -> Any:
         cp = _cupy()
         logical = dtypes.to_numpy(d.dtype)
-        storage = (np.dtype(np.uint16) if logical == dtypes.BFLOAT16 else
-                   np.dtype(np.uint8) if logical == dtypes.FLOAT8_E4M3 else logical)
+        storage = _storage(logical)
         shape = tuple(d.shape)
         strides = tuple(s * storage.itemsize for s in d.strides)
         extent = (1 + sum((n - 1) * s for n, s in zip(shape, d.strides, strict=True))
@@ -191,6 +190,48 @@ class MappedHeap:
             with cp.cuda.Device(self.device):
                 cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
             self.ptr = 0
+
+
+def device_empty(shape: tuple[int, ...], dtype: np.dtype, device: int, torch: bool) -> Any:
+    """An uninitialised device array: a torch CUDA tensor, or a CuPy array (bfloat16 / float8
+    as their uint16 / uint8 bits, as everywhere in this module)."""
+    storage = _storage(dtype)
+    if torch:
+        t = _torch()
+        logical = {dtypes.BFLOAT16: t.bfloat16, dtypes.FLOAT8_E4M3: t.float8_e4m3fn}.get(dtype)
+        if logical is None:
+            logical = t.from_numpy(np.empty(0, storage)).dtype
+        return t.empty(shape, dtype=logical, device=f"cuda:{device}")
+    cp = _cupy()
+    with cp.cuda.Device(device):
+        return cp.empty(shape, storage)
+
+
+def _storage(dtype: np.dtype) -> np.dtype:
+    """The dtype CuPy holds a logical dtype in (it has no bfloat16 / float8)."""
+    return (np.dtype(np.uint16) if dtype == dtypes.BFLOAT16 else
+            np.dtype(np.uint8) if dtype == dtypes.FLOAT8_E4M3 else np.dtype(dtype))
+
+
+def device_copy(a: np.ndarray, device: int) -> Any:
+    """A CuPy copy of a host array on `device` (bfloat16 / float8 as their bits)."""
+    cp = _cupy()
+    with cp.cuda.Device(device):
+        return cp.asarray(a.view(_storage(a.dtype)))
+
+
+def host_copy(a: Any, dtype: np.dtype | None = None) -> np.ndarray:
+    """A NumPy copy of a device array (torch or CuPy); `dtype` reinterprets CuPy's bits."""
+    t = _torch()
+    if t is not None and isinstance(a, t.Tensor):
+        logical = {t.bfloat16: dtypes.BFLOAT16, getattr(t, "float8_e4m3fn", None):
+                   dtypes.FLOAT8_E4M3}.get(a.dtype)
+        if logical is not None:
+            return a.view(t.int16 if logical == dtypes.BFLOAT16 else t.uint8).cpu().numpy().view(
+                logical)
+        return a.cpu().numpy()
+    h = _cupy().asnumpy(a)
+    return h.view(dtype) if dtype is not None and h.dtype != dtype else h
 
 
 def is_capturing(template: Any) -> bool:

@@ -21,36 +21,42 @@ valid after it, until this rank's next combine (dispatch outputs) or next combin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
-from ..proto import counter_page
-from ..proto.errors import EpdError
+from ..proto import abi, counter_page
+from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import cuda_ipc
+from .tensors import Array
 
-REQUEST, DONE = 0, 1
-DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3
+if TYPE_CHECKING:
+    from .session import Group
+
+REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE
+DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
 
 
 class StreamOp:
-    def __init__(self, group: Any, op_id: int, slot: int, kind: str, result: Any,
-                 template: Any) -> None:
+    def __init__(self, group: Group, op_id: int, slot: int, page_device_ptr: int, kind: str,
+                 result: Any, template: Array) -> None:
+        """`page_device_ptr`: the counter page as this process's streams address it (the
+        session's `memory.counter_page_device_ptr()`)."""
         s = group._session
         self.group, self.op_id, self.kind, self.result = group, op_id, kind, result
         self._template = template
         self._device = s.device_ordinal
+        assert s._counter_file is not None
         self._words = counter_page.slot_words(s._counter_file.mm, slot).view(np.int32)
-        base = s._mapped_page().device_ptr + slot * counter_page.SLOT_BYTES
+        base = page_device_ptr + slot * counter_page.SLOT_BYTES
         self._request, self._done = base + 4 * REQUEST, base + 4 * DONE
         self.armed = True
 
-    def _stream(self, stream: Any) -> int:
+    def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
         if not self.armed:
-            raise EpdError(grpc.StatusCode.FAILED_PRECONDITION, f"stream op {self.op_id} was "
-                                                                f"disarmed")
+            raise FailedPrecondition(f"stream op {self.op_id} was disarmed")
         return cuda_ipc.stream_handle(stream, self._template, self._device)
 
     def signal(self, stream: Any = None) -> None:

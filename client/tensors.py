@@ -1,8 +1,10 @@
-"""Client-side tensors: NumPy and torch (CPU) arrays in and out, and shared-memory regions.
+"""Client-side host tensors: NumPy and CPU torch arrays in and out (bf16 and fp8 included), and
+the shared-memory files and staging allocator the cpu backend's memory strategy
+(client/memory.py) is built from.
 
-On the CPU backend a tensor reaches the engine through a file in /dev/shm that both processes
-map. Arrays allocated with `Session.empty()` already live in a registered region and travel
-without a copy; any other array is copied once into the session's staging region.
+Errors: an array whose element type EPD does not carry, or a CUDA tensor given to a session on
+the cpu backend, raises `InvalidArgument`; an object that is no array at all raises `TypeError`
+(Python's convention for an argument of the wrong kind).
 """
 
 from __future__ import annotations
@@ -11,23 +13,23 @@ import contextlib
 import mmap
 import os
 import secrets
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..proto import dtypes
-from ..proto.v1 import epd_pb2
+from ..proto.errors import InvalidArgument
+from .frameworks import torch_if_loaded
 
-_ALIGN = 256
+# A caller's tensor: a NumPy array or torch tensor (CPU or CUDA) or a CuPy array. The client
+# accepts all of them and returns outputs of the caller's kind, so no narrower type applies.
+Array = Any
+
+STAGING_ALIGN = 256  # bytes: each staged tensor starts on this boundary
 
 
-def _torch():
-    """torch if this process has imported it, else None. An object can only be a torch tensor
-    once torch is imported, so this never pays for the import (seconds) on behalf of a caller
-    that uses NumPy or CuPy only."""
-    return sys.modules.get("torch")
+_torch = torch_if_loaded
 
 
 def is_torch(x: Any) -> bool:
@@ -35,24 +37,40 @@ def is_torch(x: Any) -> bool:
     return t is not None and isinstance(x, t.Tensor)
 
 
-def to_numpy(x: Any, what: str) -> np.ndarray:
+def to_numpy(x: Array, what: str) -> np.ndarray:
     """A NumPy view of a NumPy array or CPU torch tensor (bf16 and fp8 included)."""
     if isinstance(x, np.ndarray):
         return x
     if is_torch(x):
         torch = _torch()
         if x.device.type != "cpu":
-            raise TypeError(f"{what}: CUDA tensors travel by CUDA IPC and need the cuda "
-                            f"backend; this session's engine runs the cpu backend")
+            raise InvalidArgument(f"{what}: CUDA tensors travel by CUDA IPC and need the cuda "
+                                  f"backend; this session's engine runs the cpu backend")
         if x.dtype == torch.bfloat16:
             return x.detach().view(torch.int16).numpy().view(dtypes.BFLOAT16)
         if x.dtype == getattr(torch, "float8_e4m3fn", None):
             return x.detach().view(torch.uint8).numpy().view(dtypes.FLOAT8_E4M3)
         return x.detach().numpy()
+    if hasattr(x, "__cuda_array_interface__"):
+        raise InvalidArgument(f"{what}: CUDA arrays travel by CUDA IPC and need the cuda "
+                              f"backend; this session's engine runs the cpu backend")
     raise TypeError(f"{what}: expected a NumPy array or torch tensor, got {type(x).__name__}")
 
 
-def meta(x: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
+def wire_dtype(dtype: np.dtype, what: str) -> int:
+    """The wire enum of an element type; InvalidArgument for one EPD does not carry."""
+    try:
+        return dtypes.from_numpy(dtype)
+    except ValueError as e:
+        raise InvalidArgument(f"{what}: {e}") from None
+
+
+def element_strides(arr: np.ndarray) -> tuple[int, ...]:
+    """Strides in elements (the wire's unit), from NumPy's bytes."""
+    return tuple(s // arr.dtype.itemsize for s in arr.strides)
+
+
+def meta(x: Array, what: str) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and logical element type of a host or device array, without touching its data."""
     from . import cuda_ipc
 
@@ -63,7 +81,7 @@ def meta(x: Any, what: str) -> tuple[tuple[int, ...], np.dtype]:
     return arr.shape, arr.dtype
 
 
-def like(arr: np.ndarray, template: Any) -> Any:
+def like(arr: np.ndarray, template: Array) -> Array:
     """Return `arr` as the caller's array type (torch when the template was torch)."""
     if not is_torch(template):
         return arr
@@ -130,6 +148,15 @@ class Staging:
         self.file: ShmFile | None = None
         self.used = 0
 
+    @property
+    def region_id(self) -> str:
+        return self.file.region_id if self.file is not None else ""
+
+    @staticmethod
+    def footprint(arr: np.ndarray) -> int:
+        """Bytes `put(arr)` may take, alignment included."""
+        return arr.nbytes + STAGING_ALIGN
+
     def reset(self) -> None:
         self.used = 0
 
@@ -141,12 +168,5 @@ class Staging:
         off = self.used
         dst = self.file.view(off, arr.shape, arr.dtype)
         dst[...] = arr
-        self.used = (off + arr.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.used = (off + arr.nbytes + STAGING_ALIGN - 1) // STAGING_ALIGN * STAGING_ALIGN
         return off, dst
-
-
-def desc(region_id: str, offset: int, arr: np.ndarray) -> epd_pb2.TensorDesc:
-    item = arr.dtype.itemsize
-    return epd_pb2.TensorDesc(region_id=region_id, offset_bytes=offset, shape=list(arr.shape),
-                              dtype=dtypes.from_numpy(arr.dtype),
-                              strides=[s // item for s in arr.strides])

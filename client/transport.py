@@ -1,38 +1,66 @@
-"""How a client reaches its engine. gRPC is the contract; a same-host shared-memory fast path
-(a later transport) implements the same `Transport` calls with the same messages and errors."""
+"""How a client reaches its engine: the `Transport` interface and its two implementations.
+gRPC (`GrpcTransport`) carries every operation; the same-host fast path (`FastPathTransport`)
+carries the data-plane operations the registry marks for the ring (`proto/operations.py`)
+through the session's shared-memory ring, with the same messages, and hands everything else
+(and any message too large for a slot) to gRPC. Both raise the one `EpdError` (`proto/errors.py`)
+for a failed call."""
 
 from __future__ import annotations
 
 import abc
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
+from google.protobuf.message import Message
 
+from ..proto import operations
 from ..proto import ring as R
-from ..proto.errors import EpdError
-from ..proto.v1 import epd_pb2_grpc
+from ..proto.errors import EpdError, ResourceExhausted, Unavailable, from_status_value
+from ..proto.v1 import epd_pb2, epd_pb2_grpc
 
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
-                   ("grpc.max_receive_message_length", 64 << 20),
+MAX_MESSAGE_BYTES = 64 << 20  # gRPC messages, both directions
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0)]
+RING_FULL_POLL_SECONDS = 20e-6  # a full ring: how often to look for a freed slot
+FUTEX_WAIT_SECONDS = 0.05  # a waiting call wakes at least this often to check the ring
+
+
+class PendingCall(Protocol):
+    """A unary call in flight."""
+
+    def done(self) -> bool: ...
+
+    def result(self, timeout: float | None = None) -> Message:
+        """The response; raises EpdError."""
+        ...
+
+
+class SessionStream(Protocol):
+    """The session's lease stream: SessionEvents until it ends; `cancel()` ends it."""
+
+    def __iter__(self) -> Iterator[epd_pb2.SessionEvent]: ...
+
+    def cancel(self) -> bool: ...
 
 
 class Transport(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def call(self, method: str, request: Any, timeout: float) -> Any:
-        """Unary call; raises EpdError."""
+    def call(self, method: str, request: Message, timeout: float) -> Message:
+        """Unary call of the Engine operation `method`; raises EpdError."""
 
     @abc.abstractmethod
-    def call_async(self, method: str, request: Any, timeout: float) -> Any:
-        """Start a unary call; the returned object has .result() (raising EpdError)."""
+    def call_async(self, method: str, request: Message, timeout: float) -> PendingCall:
+        """Start a unary call."""
 
     @abc.abstractmethod
-    def open_stream(self, request: Any) -> Any:
-        """The session stream (an iterator of SessionEvent with .cancel())."""
+    def open_stream(self, request: epd_pb2.OpenSessionRequest) -> SessionStream:
+        """The session stream."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -45,7 +73,7 @@ class _Future:
     def done(self) -> bool:
         return self._fut.done()
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> Message:
         try:
             return self._fut.result(timeout=timeout)
         except grpc.RpcError as e:
@@ -62,55 +90,43 @@ class GrpcTransport(Transport):
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = epd_pb2_grpc.EngineStub(self.channel)
 
-    def call(self, method: str, request: Any, timeout: float) -> Any:
+    def call(self, method: str, request: Message, timeout: float) -> Message:
         try:
             return getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as e:
             raise EpdError.from_rpc(e) from None
 
-    def call_async(self, method: str, request: Any, timeout: float) -> _Future:
+    def call_async(self, method: str, request: Message, timeout: float) -> _Future:
         return _Future(getattr(self.stub, method).future(request, timeout=timeout))
 
-    def open_stream(self, request: Any) -> Any:
+    def open_stream(self, request: epd_pb2.OpenSessionRequest) -> SessionStream:
         return self.stub.OpenSession(request)
 
     def close(self) -> None:
         self.channel.close()
 
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def _response_types() -> dict[str, Any]:
-    from ..proto.v1 import epd_pb2
-    return {"Ping": epd_pb2.PingResponse,
-            "GetDispatchLayout": epd_pb2.GetDispatchLayoutResponse,
-            "Dispatch": epd_pb2.DispatchResponse, "Combine": epd_pb2.CombineResponse,
-            "GetStats": epd_pb2.GetStatsResponse,
-            "LowLatencyDispatch": epd_pb2.LowLatencyDispatchResponse,
-            "LowLatencyCombine": epd_pb2.LowLatencyCombineResponse}
-
-
 class _RingCall:
     """One submitted fast-path request; `result()` waits for its answer."""
 
-    def __init__(self, transport: FastPathTransport, method: str, slot: int, seq: int,
-                 deadline: float) -> None:
-        self.t, self.method, self.slot, self.seq, self.deadline = (transport, method, slot,
-                                                                   seq, deadline)
-        self._value: Any = None
+    def __init__(self, transport: FastPathTransport, op: operations.Operation, slot: int,
+                 seq: int, deadline: float) -> None:
+        self.t, self.op, self.slot, self.seq, self.deadline = (transport, op, slot, seq,
+                                                               deadline)
+        self._value: Message | EpdError | None = None
         self._done = False
 
     def done(self) -> bool:
         words, _, _ = self.t.ring.slot(self.slot)
         return self._done or int(words[R.S_STATE]) == R.DONE
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout: float | None = None) -> Message:
         if not self._done:
             self._value = self.t._finish(self)
             self._done = True
         if isinstance(self._value, EpdError):
             raise self._value
+        assert self._value is not None
         return self._value
 
 
@@ -127,10 +143,11 @@ class FastPathTransport(Transport):
         self.spin = spin_seconds
         self._lock = threading.Lock()
         self._next = 1
-        self._responses = _response_types()
         self.broken: str | None = None
 
     def _submit(self, method: str, data: bytes, timeout: float) -> _RingCall:
+        op = operations.get(method)
+        assert op.ring_id is not None, f"{method} does not travel on the ring"
         deadline = time.monotonic() + timeout
         with self._lock:
             seq = self._next
@@ -139,12 +156,12 @@ class FastPathTransport(Transport):
             while int(words[R.S_STATE]) != R.FREE:
                 # Every slot holds a call in flight: wait for the oldest to be consumed.
                 if time.monotonic() > deadline:
-                    raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"fast-path ring full ({self.ring.slots} calls in flight)")
-                time.sleep(20e-6)
+                    raise ResourceExhausted(
+                        f"fast-path ring full ({self.ring.slots} calls in flight)")
+                time.sleep(RING_FULL_POLL_SECONDS)
             self._next += 1
             payload[:len(data)] = data
-            words[R.S_METHOD] = R.METHOD_ID[method]
+            words[R.S_METHOD] = op.ring_id
             words[R.S_LENGTH] = len(data)
             words[R.S_STATUS] = 0
             R.set_seq(words, seq)
@@ -152,50 +169,51 @@ class FastPathTransport(Transport):
             self.ring.header[R.DOORBELL] += 1
             if self.ring.header[R.ENGINE_WAITING]:
                 R.futex_wake(self.ring.doorbell_addr)
-        return _RingCall(self, method, slot, seq, deadline)
+        return _RingCall(self, op, slot, seq, deadline)
 
-    def _finish(self, call: _RingCall) -> Any:
+    def _finish(self, call: _RingCall) -> Message | EpdError:
         words, payload, state_addr = self.ring.slot(call.slot)
         header = self.ring.header
         spin_until = time.perf_counter() + self.spin
         while words[R.S_STATE] != R.DONE:
             if header[R.CLOSED]:
                 self.broken = "the engine closed the fast path"
-                return EpdError(grpc.StatusCode.UNAVAILABLE, self.broken)
+                return Unavailable(self.broken)
             if time.perf_counter() < spin_until:
                 continue
             left = call.deadline - time.monotonic()
             if left <= 0:
                 # The engine still owns the slot: stop using the ring, keep the session.
-                self.broken = f"{call.method} did not complete on the fast path in time"
+                self.broken = f"{call.op.name} did not complete on the fast path in time"
                 return EpdError(grpc.StatusCode.DEADLINE_EXCEEDED, self.broken)
-            R.futex_wait(state_addr, R.SUBMITTED, min(left, 0.05))
+            R.futex_wait(state_addr, R.SUBMITTED, min(left, FUTEX_WAIT_SECONDS))
         status = int(words[R.S_STATUS])
         n = int(words[R.S_LENGTH])
         data = bytes(payload[:n])
         R.set_seq(words, 0)
         words[R.S_STATE] = R.FREE
         if status:
-            return EpdError(_CODES.get(status, grpc.StatusCode.UNKNOWN), data.decode())
-        return self._responses[call.method].FromString(data)
+            return from_status_value(status, data.decode())
+        return call.op.response.FromString(data)
 
     def _use_ring(self, method: str, data: bytes) -> bool:
-        return (self.broken is None and method in R.METHOD_ID
+        op = operations.OPERATIONS.get(method)
+        return (self.broken is None and op is not None and op.ring_id is not None
                 and len(data) <= self.ring.capacity)
 
-    def call(self, method: str, request: Any, timeout: float) -> Any:
+    def call(self, method: str, request: Message, timeout: float) -> Message:
         data = request.SerializeToString()
         if not self._use_ring(method, data):
             return self.inner.call(method, request, timeout)
         return self._submit(method, data, timeout).result()
 
-    def call_async(self, method: str, request: Any, timeout: float) -> Any:
+    def call_async(self, method: str, request: Message, timeout: float) -> PendingCall:
         data = request.SerializeToString()
         if not self._use_ring(method, data):
             return self.inner.call_async(method, request, timeout)
         return self._submit(method, data, timeout)
 
-    def open_stream(self, request: Any) -> Any:
+    def open_stream(self, request: epd_pb2.OpenSessionRequest) -> SessionStream:
         return self.inner.open_stream(request)
 
     def close(self) -> None:

@@ -10,8 +10,8 @@ typedef unsigned long long u64;
 // Most ranks one group may span on one node (one bit each in a token's destination mask).
 #define EPD_MAX_RANKS 8
 
-// Control block at the start of every rank buffer (u64 words). The layout is mirrored by
-// server/backends/cuda_kernels.py (CTRL_* constants); keep them in step.
+// Control block at the start of every rank buffer (u64 words). Every value of this header is
+// defined once in proto/abi.py; tests/test_abi.py fails when one here differs.
 #define CTRL_ABORT 0           // nonzero: the group was aborted (value = code)
 #define CTRL_ERR_CODE 1        // first error seen by this rank's kernels
 #define CTRL_ERR_RANK 2        // the rank that did not arrive (or -1)
@@ -33,6 +33,20 @@ typedef unsigned long long u64;
 #define ERR_ABORTED 2
 #define ERR_WORST_OVERFLOW 3
 #define ERR_BAD_INPUT 4  // an expert id out of range, or a combine entry never dispatched
+
+// Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
+#define ABORT_RANK_SHIFT 8
+
+// Stream-ordered calls: the done word is DONE_OK, or DONE_FAILED | code << DONE_CODE_SHIFT.
+#define DONE_OK 1u
+#define DONE_FAILED 2u
+#define DONE_CODE_SHIFT 8
+
+// FP8: one float32 scale per FP8_BLOCK channels; amax clamped to FP8_AMAX_MIN, scale =
+// amax / FP8_MAX.
+#define FP8_BLOCK 128
+#define FP8_MAX 448.f
+#define FP8_AMAX_MIN 1e-4f
 
 #define PHASE_NOTIFY 1
 #define PHASE_DISPATCH_ENTRY 2
@@ -71,7 +85,7 @@ __device__ __forceinline__ u64* ctrl_of(const u64* peers, int r) {
 }
 
 // Spin until flags[r] >= seq. Returns 0, or ERR_DEADLINE / ERR_ABORTED. Never traps: a trap
-// would poison the CUDA context that every client of the engine shares (DESIGN.md section 7).
+// would poison the CUDA context that every client of the engine shares (docs/DESIGN_NOTES.md).
 __device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word, u64 seq,
                                          i64 timeout_ns) {
     u64 start = globaltimer();

@@ -1,4 +1,4 @@
-// EPD intranode kernels: layout, notify, dispatch, combine (DESIGN.md section 6).
+// EPD intranode kernels: layout, notify, dispatch, combine (the semantics of server/reference.py).
 //
 // Design (docs/GPU_NOTES.md says why): every rank's buffer is reachable by a plain pointer
 // (`peers[r]` = base of rank r's buffer; NVSHMEM peer pointers over NVLink, or offsets of one
@@ -564,27 +564,4 @@ template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::
 extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 code) {
     int r = threadIdx.x;
     if (r < R) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
-}
-
-// ------------------------------------------------------------------------------------------
-// NVLink ceiling probe: every thread stores 16-byte vectors of src into dst (a peer pointer).
-// ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(1024)
-epd_copy16(const int4* __restrict__ src, int4* __restrict__ dst, i64 n16) {
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (; i + 3 * stride < n16; i += 4 * stride) {
-        int4 a = __ldg(src + i), b = __ldg(src + i + stride), c = __ldg(src + i + 2 * stride),
-             d = __ldg(src + i + 3 * stride);
-        dst[i] = a; dst[i + stride] = b; dst[i + 2 * stride] = c; dst[i + 3 * stride] = d;
-    }
-    for (; i < n16; i += stride) dst[i] = __ldg(src + i);
-}
-
-// Benchmark gate: hold a stream until the host raises a mapped word, so that the ranks' timed
-// work starts together regardless of host launch skew (bounded by a deadline).
-extern "C" __global__ void epd_gate(const volatile int* flag, i64 timeout_ns) {
-    u64 start = globaltimer();
-    while (*flag == 0)
-        if ((i64)(globaltimer() - start) > timeout_ns) break;
 }

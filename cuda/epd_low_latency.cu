@@ -1,5 +1,5 @@
 // EPD low-latency (decode) kernels: DeepEP's low_latency_dispatch / low_latency_combine
-// semantics (DESIGN.md section 6) over NVLink peer pointers.
+// semantics (the semantics of server/reference.py) over NVLink peer pointers.
 //
 // Buffers (per rank, same offsets on every rank, sized for the group's max_tokens_per_rank M;
 // a call uses m <= M rows per source block):
@@ -33,7 +33,7 @@
 __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank, int phase,
                                                u64 seq) {
     record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq);
-    const u64 code = ((u64)(rank + 1) << 8) | ERR_ABORTED;
+    const u64 code = ((u64)(rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED;
     for (int r = 0; r < R; ++r) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
 }
 
@@ -68,7 +68,7 @@ __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
 __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __restrict__ src,
                                                        const u64* dst, const u64* dst_scales,
                                                        int K, int H, int round_scale) {
-    const int nblocks = H / 128;
+    const int nblocks = H / FP8_BLOCK;
     const int groups = blockDim.x >> 4;
     const int sub = threadIdx.x & 15;
     for (int b0 = 0; b0 < nblocks; b0 += groups) {
@@ -77,7 +77,7 @@ __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __r
         float f[8];
         float amax = 0.f;
         if (active) {
-            int4 v = __ldg(reinterpret_cast<const int4*>(src + (i64)b * 128) + sub);
+            int4 v = __ldg(reinterpret_cast<const int4*>(src + (i64)b * FP8_BLOCK) + sub);
             const unsigned short* w = reinterpret_cast<const unsigned short*>(&v);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -88,14 +88,14 @@ __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __r
 #pragma unroll
         for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
         if (!active) continue;
-        amax = fmaxf(amax, 1e-4f);
-        float scale = __fdiv_rn(amax, 448.f);
+        amax = fmaxf(amax, FP8_AMAX_MIN);
+        float scale = __fdiv_rn(amax, FP8_MAX);
         if (round_scale) scale = pow2_ceil(scale);
         unsigned short q[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            float lo = fminf(fmaxf(__fdiv_rn(f[2 * j], scale), -448.f), 448.f);
-            float hi = fminf(fmaxf(__fdiv_rn(f[2 * j + 1], scale), -448.f), 448.f);
+            float lo = fminf(fmaxf(__fdiv_rn(f[2 * j], scale), -FP8_MAX), FP8_MAX);
+            float hi = fminf(fmaxf(__fdiv_rn(f[2 * j + 1], scale), -FP8_MAX), FP8_MAX);
             q[j] = f32x2_to_e4m3x2(lo, hi);
         }
         uint2 out;
@@ -103,7 +103,7 @@ __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __r
         out.y = (unsigned)q[2] | ((unsigned)q[3] << 16);
         for (int k = 0; k < K; ++k) {
             if (dst[k] == 0) continue;
-            reinterpret_cast<uint2*>(dst[k] + (i64)b * 128)[sub] = out;
+            reinterpret_cast<uint2*>(dst[k] + (i64)b * FP8_BLOCK)[sub] = out;
             if (sub == 0) reinterpret_cast<float*>(dst_scales[k])[b] = scale;
         }
     }
@@ -148,7 +148,7 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                                             par * L + le, 1);
                     const i64 row = (i64)le * rows + p;
                     dst = reinterpret_cast<u64>(base + o_recv_x + row * out_row_bytes);
-                    dsc = reinterpret_cast<u64>(base + o_scales + row * (H / 128) * 4);
+                    dsc = reinterpret_cast<u64>(base + o_scales + row * (H / FP8_BLOCK) * 4);
                     reinterpret_cast<int*>(base + o_src_rank)[row] = rank;
                     reinterpret_cast<int*>(base + o_src_idx)[row] = t;
                     reinterpret_cast<int*>(base + o_src_k)[row] = k;
@@ -340,8 +340,8 @@ extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int ra
     const u64* ctrl = ctrl_of(peers, rank);
     const u64 code = *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE);
     const u64 aborted = ld_acquire_sys(ctrl + CTRL_ABORT);
-    const unsigned v = (code == 0 && aborted == 0) ? 1u
-                       : 2u | ((unsigned)(code ? code : ERR_ABORTED) << 8);
+    const unsigned v = (code == 0 && aborted == 0) ? DONE_OK
+                       : DONE_FAILED | ((unsigned)(code ? code : ERR_ABORTED) << DONE_CODE_SHIFT);
     __threadfence_system();
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(done), "r"(v) : "memory");
 }

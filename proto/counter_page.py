@@ -21,13 +21,15 @@ import time
 
 import numpy as np
 
-SLOT_BYTES = 4096
-HEADER_WORDS = 8
-MAX_LOCAL_EXPERTS = SLOT_BYTES // 8 - HEADER_WORDS  # 504
-NUM_SLOTS = 64
-PAGE_BYTES = SLOT_BYTES * NUM_SLOTS
+from .abi import NUM_SLOTS, SLOT_BYTES
+from .abi import SLOT_HEADER as HEADER_WORDS
+from .abi import SLOT_NUM_EXPERTS as NUM_EXPERTS
+from .abi import SLOT_NUM_RECV as NUM_RECV
+from .abi import SLOT_SEQ as SEQ
+from .abi import SLOT_STATUS as STATUS
 
-SEQ, NUM_RECV, NUM_EXPERTS, STATUS = 0, 1, 2, 3
+MAX_LOCAL_EXPERTS = SLOT_BYTES // 8 - HEADER_WORDS  # 504
+PAGE_BYTES = SLOT_BYTES * NUM_SLOTS
 
 
 def slot_words(buf: memoryview | np.ndarray, slot: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .abi import FP8_BLOCK  # noqa: F401  (channels per FP8 scale, as DeepEP)
 from .v1 import epd_pb2
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -30,7 +31,6 @@ _FROM_NUMPY: dict[np.dtype, int] = {v: k for k, v in _TO_NUMPY.items()}
 # dtypes a dispatched payload (x) may have: DeepEP carries bf16, or fp8 with float32 scales.
 PAYLOAD_DTYPES = frozenset({epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32,
                             epd_pb2.FLOAT8_E4M3})
-FP8_BLOCK = 128  # channels per FP8 scale, as DeepEP
 
 
 def to_numpy(dtype: int) -> np.dtype:

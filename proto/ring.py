@@ -14,7 +14,7 @@ File layout (little-endian):
     slot i at HEADER + i * slot_bytes
         u64 seq              submission number of the request in the slot (1, 2, ...)
         u32 state            FREE, SUBMITTED, DONE (the client's futex while it waits)
-        u32 method           METHODS index
+        u32 method           ring id of the operation (operations.RING_METHODS)
         u32 length           bytes of the request, then of the response
         i32 status           gRPC status code of the response (0 = OK)
         payload              request, replaced by the response (or an error message)
@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from . import operations
+
 HEADER = 4096
 SLOT_HEADER = 64
 FREE, SUBMITTED, DONE = 0, 1, 2
@@ -38,10 +40,14 @@ FREE, SUBMITTED, DONE = 0, 1, 2
 DOORBELL, ENGINE_WAITING, CLOSED = 0, 1, 2
 S_SEQ_LO, S_SEQ_HI, S_STATE, S_METHOD, S_LENGTH, S_STATUS = 0, 1, 2, 3, 4, 5
 
-# Operation ids carried in a slot; the names are the gRPC methods (Ping: the empty operation).
-# Append only: an id never changes meaning.
-METHODS = ("Ping", "GetDispatchLayout", "Dispatch", "Combine", "GetStats", "LowLatencyDispatch",
-           "LowLatencyCombine")
+# Limits of a ring (the engine checks a client's request against them) and the default slot size.
+MAX_SLOTS = 1024
+MIN_SLOT_BYTES, MAX_SLOT_BYTES = 4096, 1 << 20
+DEFAULT_SLOT_BYTES = 16384
+
+# Operation ids carried in a slot: operations.RING_METHODS (the registry) is the table; these two
+# names remain as views of it for older importers. Use operations.BY_RING_ID / Operation.ring_id.
+METHODS = operations.RING_METHODS
 METHOD_ID = {name: i for i, name in enumerate(METHODS)}
 
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())

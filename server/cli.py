@@ -68,9 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     demo = sub.add_parser("demo", help="daemon + client processes doing real dispatch/combine")
-    demo.add_argument("--backend", default="auto", choices=("auto", "cpu", "cuda"))
+    from .backends import BACKEND_NAMES  # the one list of backend names
+    demo.add_argument("--backend", default="auto", choices=("auto", *BACKEND_NAMES))
     demo.add_argument("--ranks", type=int, default=4, help="client processes (EP ranks)")
-    demo.add_argument("--engines", type=int, default=2, help="engines (cpu backend)")
+    demo.add_argument("--engines", type=int, default=0,
+                      help="engines (default: 2 on the cpu backend, one per GPU on cuda)")
     demo.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     demo.add_argument("--hidden", type=int, default=1024)
     demo.add_argument("--experts", type=int, default=32)

@@ -61,6 +61,11 @@ class Config:
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
     fast_path_slots: int = field(default=16, metadata={
         "help": "fast path: requests in flight per session"})
+    fast_path_slot_bytes: int = field(default=16384, metadata={
+        "help": "fast path: bytes of a ring slot when the client asks for no size (a message "
+                "larger than a slot goes by gRPC)"})
+    max_timeout_seconds: float = field(default=600.0, metadata={
+        "help": "longest deadline a call may ask for (timeout_seconds of a request)"})
     num_sms: int = field(default=0, metadata={
         "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default)"})
     ll_num_sms: int = field(default=64, metadata={

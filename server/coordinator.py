@@ -1,31 +1,31 @@
 """The node's group registry: rendezvous of ranks into groups, and their teardown.
 
-Lives in the supervisor, the one process that sees every engine. A group forms when all
-`num_ranks` ranks have arrived with the same spec; the coordinator then decides, once and for all
-members, the shared resources (the communication file on the CPU backend, the heap offset on the
-CUDA backend). A group whose member went away is aborted: its remaining members fail with ABORTED,
-and the next rendezvous under the same name starts a fresh instance.
+Lives in the supervisor, the one process that sees every engine. Each rank's spec is checked
+against the backend's limits as it arrives (`GroupPlanner.validate_spec`). A group forms when all
+`num_ranks` ranks have arrived with the same spec; the backend's planner then decides, once and for
+all members, the shared resources (an opaque plan every engine of the group receives). A failure
+while forming is told to every waiting rank. A group whose member went away is aborted: its
+remaining members fail with ABORTED, and the next rendezvous under the same name starts a fresh
+instance.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..proto.errors import (
     DeadlineExceeded,
+    EpdError,
     FailedPrecondition,
+    Internal,
     InvalidArgument,
-    ResourceExhausted,
 )
 from ..proto.v1 import epd_pb2
 from . import metrics
-from .backends import cpu
-from .backends.base import GroupSpec
+from .backends.base import GroupPlanner, GroupSpec
 from .engine.state import spec_from_proto
 
 log = logging.getLogger("epd.coordinator")
@@ -40,21 +40,18 @@ class GroupInstance:
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     attached: set[int] = field(default_factory=set)
     all_attached: asyncio.Event = field(default_factory=asyncio.Event)
-    comm_path: str = ""
-    heap_offset: int = 0
-    heap_bytes: int = 0
+    plan: bytes = b""  # from the planner once formed
+    planned: bool = False
+    failure: EpdError | None = None  # forming failed: every waiting rank gets this
     aborted: str | None = None
     released: set[int] = field(default_factory=set)
 
 
 class Coordinator:
-    def __init__(self, shm_dir: str, backend: str, heap_bytes: int = 0) -> None:
-        self.shm_dir = shm_dir
-        self.backend = backend
+    def __init__(self, planner: GroupPlanner) -> None:
+        self.planner = planner
         self.by_name: dict[str, GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
-        self.nvshmem_uid = b""
-        self.heap = HeapAllocator(heap_bytes)
 
     async def rendezvous(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
         if req.attached:
@@ -63,6 +60,7 @@ class Coordinator:
         if not 0 <= req.rank < spec.num_ranks:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
                                   f"{spec.num_ranks}")
+        self.planner.validate_spec(spec)  # every rank learns at once, none waits for the rest
         g = self.by_name.get(spec.name)
         if g is None or g.aborted is not None:
             g = self._new_instance(spec, req.spec)
@@ -91,13 +89,14 @@ class Coordinator:
                 g.members.pop(req.rank, None)
                 self._drop_if_empty(g)
             raise
+        if g.failure is not None:
+            raise EpdError(g.failure.code, g.failure.message)
         if g.aborted is not None:
             raise FailedPrecondition(f"group {spec.name!r} was aborted while forming: "
                                      f"{g.aborted}")
         return epd_pb2.RendezvousResponse(
-            group_id=g.group_id, comm_path=g.comm_path,
-            rank_engines=[g.members[r][0] for r in range(spec.num_ranks)],
-            nvshmem_uid=self.nvshmem_uid, heap_offset=g.heap_offset)
+            group_id=g.group_id, plan=g.plan,
+            rank_engines=[g.members[r][0] for r in range(spec.num_ranks)])
 
     async def _attached(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
         g = self.by_id.get(req.group_id)
@@ -124,21 +123,18 @@ class Coordinator:
         return g
 
     def _form(self, g: GroupInstance) -> None:
-        if self.backend == "cpu":
-            g.comm_path = os.path.join(self.shm_dir, f"epd-{g.group_id}.comm")
-            cpu.create_comm_file(g.comm_path, g.spec)
-        else:
-            # Every engine sub-allocates the group's buffers at the same heap offset: one rank
-            # buffer per rank of the group, whichever engine holds it.
-            from .backends.cuda import membership_layout
-            size = membership_layout(g.spec).slot_bytes * g.spec.num_ranks
-            offset = self.heap.alloc(size)
-            if offset is None:
-                g.aborted = (f"the symmetric heap has no room for {size} bytes "
-                             f"(raise --nvshmem-heap-bytes or lower max_tokens_per_rank)")
-                g.formed.set()
-                raise ResourceExhausted(f"group {g.spec.name!r}: {g.aborted}")
-            g.heap_offset, g.heap_bytes = offset, size
+        try:
+            g.plan = self.planner.plan_group(g.group_id, g.spec)
+            g.planned = True
+        except Exception as e:  # every waiting rank is told, not just the last one
+            if not isinstance(e, EpdError):
+                log.exception("group %r (%s): planning failed", g.spec.name, g.group_id)
+                e = Internal(f"group {g.spec.name!r} could not be formed: {e}")
+            g.failure = e
+            g.aborted = e.message
+            g.formed.set()
+            self._remove(g)  # nothing was allocated; the next rendezvous starts afresh
+            return
         g.formed.set()
         log.info("group %r (%s) formed: %d ranks on engines %s", g.spec.name, g.group_id,
                  g.spec.num_ranks, [g.members[r][0] for r in range(g.spec.num_ranks)])
@@ -174,8 +170,8 @@ class Coordinator:
         g.aborted = reason
         g.all_attached.set()  # nobody waits for an attach that will not come
         log.warning("group %r (%s) aborted: %s", g.spec.name, g.group_id, reason)
-        if g.comm_path:
-            cpu.abort_comm_file(g.comm_path, reason)
+        if g.planned:
+            self.planner.abort_group(g.plan, reason)
 
     def _drop_if_empty(self, g: GroupInstance) -> None:
         if not g.members and not g.formed.is_set():
@@ -185,10 +181,9 @@ class Coordinator:
         self.by_id.pop(g.group_id, None)
         if self.by_name.get(g.spec.name) is g:
             del self.by_name[g.spec.name]
-        if g.comm_path:
-            Path(g.comm_path).unlink(missing_ok=True)
-        if g.heap_bytes:
-            self.heap.free(g.heap_offset)
+        if g.planned:
+            g.planned = False
+            self.planner.free_group(g.plan)
         log.info("group %r (%s) removed", g.spec.name, g.group_id)
 
     def close(self) -> None:
@@ -202,40 +197,3 @@ def _spec_text(s: GroupSpec) -> str:
             f"max_tokens_per_rank={s.max_tokens_per_rank} num_topk={s.num_topk} "
             f"x_dtype={s.x_dtype}")
 
-
-
-def rank_buffer_layout(layout_cls, spec: GroupSpec):
-    """The per-rank buffer layout of a group on the CUDA backend: recv_x sized for the group's
-    dtype (FP8 payloads are smaller), scales whenever FP8 dispatch is possible."""
-    from ..proto import dtypes
-    item = spec.x_numpy_dtype.itemsize
-    return layout_cls.build(num_ranks=spec.num_ranks, num_experts=spec.num_experts,
-                            hidden=spec.hidden, num_topk=spec.num_topk,
-                            max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
-                            y_itemsize=item, with_scales=spec.hidden % dtypes.FP8_BLOCK == 0)
-
-
-class HeapAllocator:
-    """First-fit allocation of group buffers in the engines' symmetric heaps (256-byte aligned).
-    Decided here, once, so that every engine uses the same offsets."""
-
-    ALIGN = 256
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.used: dict[int, int] = {}  # offset -> bytes
-
-    def alloc(self, nbytes: int) -> int | None:
-        nbytes = -(-nbytes // self.ALIGN) * self.ALIGN
-        cur = 0
-        for off in sorted(self.used):
-            if off - cur >= nbytes:
-                break
-            cur = off + self.used[off]
-        if cur + nbytes > self.size:
-            return None
-        self.used[cur] = nbytes
-        return cur
-
-    def free(self, offset: int) -> None:
-        self.used.pop(offset, None)

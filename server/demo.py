@@ -1,6 +1,7 @@
 """`epd demo`: a daemon and N client processes doing real dispatch/combine, checked against the
-reference. Also the building blocks the integration tests use: `Daemon` (a daemon subprocess
-with its own socket folder) and `rank_workload` (one rank's deterministic inputs)."""
+reference. Its parts are reused by the tests and benchmarks: `Daemon` (`epd serve` in a
+subprocess with its own socket folder), `Workload` (every rank's deterministic inputs) and
+`expert_transform` (the stand-in experts). Test-only helpers live in tests/daemon_harness.py."""
 
 from __future__ import annotations
 
@@ -69,23 +70,6 @@ class Daemon:
             time.sleep(0.1)
         raise TimeoutError(f"daemon not ready within {timeout} s:\n{self.log()}")
 
-    def engine_pid(self, index: int) -> int:
-        """The pid of engine `index`, from the supervisor's topology."""
-        import grpc
-
-        from ..proto.v1 import epd_pb2, epd_pb2_grpc
-        with grpc.insecure_channel(f"unix://{self.socket_dir}/node.sock") as ch:
-            topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
-                                                         timeout=5)
-        return topo.engines[index].pid
-
-    def engine_cpu_fraction(self, index: int, seconds: float) -> float:
-        """Share of one core that engine `index` uses over the next `seconds`."""
-        pid = self.engine_pid(index)
-        c0, t0 = process_cpu_seconds(pid), time.monotonic()
-        time.sleep(seconds)
-        return (process_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
-
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
@@ -108,13 +92,6 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _free_port() -> int:
@@ -157,24 +134,6 @@ def expert_transform(recv_x: np.ndarray, recv_topk_idx: np.ndarray,
     return (recv_x.astype(np.float32) * factor[:, None].astype(np.float32)).astype(recv_x.dtype)
 
 
-def _device_movers(backend: str, device: int = 0):
-    """(to_device, to_host) for a session's backend: identity on the CPU; CuPy on the GPU, with
-    bfloat16 carried as its uint16 bits (CuPy has no bfloat16)."""
-    if backend != "cuda":
-        return (lambda a: a), (lambda a, dtype=None: a)
-    import cupy as cp
-    cp.cuda.Device(device).use()  # the engine's GPU: CUDA IPC regions must live there
-
-    def to_dev(a: np.ndarray):
-        return cp.asarray(a.view(np.uint16) if a.dtype == dtypes.BFLOAT16 else a)
-
-    def to_host(a, dtype=None) -> np.ndarray:
-        h = cp.asnumpy(a)
-        return h.view(dtype) if dtype is not None and h.dtype != dtype else h
-
-    return to_dev, to_host
-
-
 def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) -> None:
     from ..client import Session
     try:
@@ -182,7 +141,9 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
         x_np = x
         lx = wl.num_experts // wl.num_ranks
         with Session(socket, client_name=f"demo-rank{rank}") as s:
-            to_dev, to_host = _device_movers(s.backend, s.device_ordinal)
+            # Inputs where the engine reads them (host memory, or the engine's GPU), and
+            # outputs back on the host, whichever memory the session's backend uses.
+            to_dev, to_host = s.memory.from_host, s.memory.to_host
             x, idx, w = to_dev(x), to_dev(idx), to_dev(w)
             g = s.join("demo", rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
                        hidden=wl.hidden, max_tokens_per_rank=max(wl.tokens),
@@ -228,12 +189,11 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    from .backends import resolve_backend_name
+    from .backends import make_planner, resolve_backend_name
+    from .config import Config
     backend = resolve_backend_name(ns.backend)
-    engines = ns.engines
-    if backend == "cuda":
-        import cupy
-        engines = cupy.cuda.runtime.getDeviceCount()
+    planner = make_planner(Config(backend=backend))
+    engines = ns.engines or planner.detect_engines()  # as `epd serve` decides
     wl = Workload(ns.ranks, [ns.tokens] * ns.ranks, ns.hidden, ns.experts, ns.topk, ns.seed)
     if ns.experts % ns.ranks:
         print(f"epd demo: --experts {ns.experts} must be a multiple of --ranks {ns.ranks}",

@@ -1,4 +1,5 @@
-"""Prometheus metrics (DESIGN.md §8). Base units, microsecond-scale latency buckets.
+"""Prometheus metrics (README.md, "Metrics and health"). Base units, microsecond-scale latency
+buckets.
 
 The supervisor and every engine are separate processes behind one scrape endpoint: the supervisor
 sets PROMETHEUS_MULTIPROC_DIR before any of them imports prometheus_client, so each process writes

@@ -1,4 +1,4 @@
-"""Executable specification of EPD's DeepEP-compatible semantics (DESIGN.md section 6).
+"""Executable specification of EPD's DeepEP-compatible semantics: what every backend computes.
 
 Plain NumPy, written for clarity rather than speed. Every backend (CPU, GPU) is tested against
 these functions, so they validate their inputs and follow the documented rules exactly:

@@ -24,6 +24,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
+from .backends.base import GroupPlanner
 from .config import Config
 
 log = logging.getLogger("epd.supervisor")
@@ -50,7 +51,7 @@ class NodeService(epd_pb2_grpc.NodeServicer):
             info = s.device_names.get(e.index, ("", ""))
             engines.append(epd_pb2.EngineInfo(
                 index=e.index, socket_path=e.socket_path,
-                backend=epd_pb2.CUDA if s.backend == "cuda" else epd_pb2.CPU,
+                backend=s.planner.proto_kind,
                 device_name=info[0], device_uuid=info[1], ready=e.ready,
                 pid=e.proc.pid if e.proc else 0, restarts=e.restarts))
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
@@ -68,27 +69,21 @@ class NodeService(epd_pb2_grpc.NodeServicer):
 
     async def GetBootstrap(self, request, context):
         s = self.sup
-        if s.backend != "cuda":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "NVSHMEM bootstrap is only for the cuda backend")
-        if not 0 <= request.engine_index < len(s.engines):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"engine index {request.engine_index} out of range")
-        return epd_pb2.GetBootstrapResponse(
-            nvshmem_uid=s.coordinator.nvshmem_uid, pe=request.engine_index,
-            num_pes=len(s.engines), generation=s.generation)
+        try:
+            return s.planner.bootstrap(request.engine_index, len(s.engines))
+        except EpdError as e:
+            await context.abort(e.code, e.message)
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, backend: str, num_engines: int) -> None:
+    def __init__(self, cfg: Config, planner: GroupPlanner, num_engines: int) -> None:
         from .coordinator import Coordinator  # after PROMETHEUS_MULTIPROC_DIR is set
 
         self.cfg = cfg
-        self.backend = backend
+        self.planner = planner
+        self.backend = planner.name  # for logs and metrics only
         self.engines = [EngineProc(i, cfg.engine_socket(i)) for i in range(num_engines)]
-        self.coordinator = Coordinator(cfg.shm_dir, backend,
-                                       cfg.nvshmem_heap_bytes if backend == "cuda" else 0)
-        self.generation = 0
+        self.coordinator = Coordinator(planner)
         self.metrics_url = ""
         self.device_names: dict[int, tuple[str, str]] = {}
         self.stopping = False
@@ -102,13 +97,6 @@ class Supervisor:
             return False, f"engines not ready: {not_ready}"
         return True, f"ready: {len(self.engines)} engine(s), backend {self.backend}"
 
-    def _new_nvshmem_world(self) -> None:
-        import nvshmem.core  # the [cuda] extra
-
-        uid = nvshmem.core.get_unique_id()
-        self.coordinator.nvshmem_uid = uid._data.tobytes()
-        self.generation += 1
-
     def _spawn(self, e: EngineProc) -> None:
         env = dict(os.environ)
         env.update(self.cfg.to_env())
@@ -116,12 +104,8 @@ class Supervisor:
         # Never NVLink multicast: it can take a shared host's GPUs out of service.
         env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         env.setdefault("NCCL_NVLS_ENABLE", "0")
-        if self.backend == "cuda":
-            # One node: no IB probing, loopback bootstrap; a heap clients can map over CUDA IPC.
-            env.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
-            env.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
-            env.setdefault("NVSHMEM_DISABLE_CUDA_VMM", "1")
-            env.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(self.cfg.nvshmem_heap_bytes + (1 << 30)))
+        for key, value in self.planner.engine_env().items():
+            env.setdefault(key, value)
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
                                    "--index", str(e.index)], env=env)
         e.ready = False
@@ -150,9 +134,9 @@ class Supervisor:
                 if code is not None and not self.stopping:
                     log.error("engine %d (pid %d) exited with code %s; restarting in %.1f s",
                               e.index, e.proc.pid, code, self.cfg.restart_backoff_seconds)
-                    # On the cuda backend the engines form one NVSHMEM world, which cannot take
-                    # a new member: a crash rebuilds the whole world with a fresh unique id.
-                    lost = self.engines if self.backend == "cuda" else [e]
+                    # A backend whose engines form one world that cannot take a new member
+                    # (cuda: NVSHMEM) rebuilds the whole world: every engine restarts.
+                    lost = self.engines if self.planner.restart_all_on_engine_loss else [e]
                     for x in lost:
                         if x is not e and x.proc is not None and x.proc.poll() is None:
                             x.proc.kill()
@@ -165,8 +149,8 @@ class Supervisor:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(x.socket_path)
                     await asyncio.sleep(self.cfg.restart_backoff_seconds)
-                    if self.backend == "cuda":
-                        self._new_nvshmem_world()
+                    if self.planner.restart_all_on_engine_loss:
+                        self.planner.new_world()
                     for x in lost:
                         x.restarts += 1
                         metrics.ENGINE_RESTARTS.labels(str(x.index)).inc()
@@ -203,8 +187,7 @@ class Supervisor:
         self.metrics_url = f"http://{host}:{port}/metrics"
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s", __version__,
                  self.backend, len(self.engines), cfg.socket_dir, self.metrics_url)
-        if self.backend == "cuda":
-            self._new_nvshmem_world()
+        self.planner.new_world()
         for e in self.engines:
             self._spawn(e)
 
@@ -255,21 +238,12 @@ def prepare_metrics_dir() -> str:
     return path
 
 
-def detect_engines(cfg: Config, backend: str) -> int:
-    if cfg.engines:
-        return cfg.engines
-    if backend == "cuda":
-        import cupy
-        return cupy.cuda.runtime.getDeviceCount()
-    return 2
-
-
 def run(cfg: Config) -> int:
     prepare_metrics_dir()
-    from .backends import resolve_backend_name
+    from .backends import make_planner
 
-    backend = resolve_backend_name(cfg.backend)
-    sup = Supervisor(cfg, backend, detect_engines(cfg, backend))
+    planner = make_planner(cfg)
+    sup = Supervisor(cfg, planner, cfg.engines or planner.detect_engines())
     try:
         import uvloop
         return uvloop.run(sup.run())

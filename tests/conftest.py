@@ -17,8 +17,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # ranklib, also for spawned rank processes
 
 import ranklib
-
-from epd.server.demo import Daemon
+from daemon_harness import HarnessDaemon
 
 DAEMON_TIMEOUT = 3.0  # the daemon's --timeout-seconds in the shared fixtures
 # Files a daemon and its clients create in their shm folder (DESIGN §4).
@@ -29,7 +28,7 @@ def daemon_files(shm_dir: str) -> list[str]:
     return sorted(f for p in DAEMON_SHM_PATTERNS for f in glob.glob(os.path.join(shm_dir, p)))
 
 
-class TestDaemon(Daemon):
+class TestDaemon(HarnessDaemon):
     """A Daemon whose shm files go to a private folder under /dev/shm, so that what it leaves
     behind can be told apart from other daemons running on the same machine."""
 

@@ -473,7 +473,7 @@ def case_round(session, group, case: Case, rank: int) -> dict[str, Any]:
         res["cached_recv_x"] = as_numpy(out2.recv_x)
         res["cached_recv_x_scales"] = as_numpy(out2.recv_x_scales)
         res["cached_num_recv_tokens"] = out2.num_recv_tokens
-    res["staging_used"] = session._staging.file is not None
+    res["staging_used"] = session.memory.staging.file is not None  # cpu backend (ShmMemory)
     res["session_id"] = session.session_id
     res["group_id"] = group.group_id
     return res

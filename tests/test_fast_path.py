@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
+from daemon_harness import HarnessDaemon as Daemon  # demo's Daemon + engine CPU measurement
 
 from epd.client import EpdError, Session
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
-from epd.server.demo import Daemon, Workload
+from epd.server.demo import Workload
 
 pytestmark = pytest.mark.slow
 WL = Workload(2, [13, 9], 128, 8, 2, seed=21, drop_prob=0.1)

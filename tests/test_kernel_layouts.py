@@ -67,7 +67,7 @@ def test_low_latency_layout_is_aligned_and_disjoint() -> None:
 def test_low_latency_buffers_only_for_groups_that_ask() -> None:
     """The reason low_latency_mode is opt-in: at prefill sizes the [L, R*M, H] buffers alone
     would be ~15 GB per rank."""
-    from epd.server.backends.cuda import membership_layout
+    from epd.server.backends.cuda_plan import membership_layout
 
     def spec(tokens: int, ll: bool) -> GroupSpec:
         return GroupSpec("g", 2, 256, 7168, tokens, 8, dtypes.from_name("bfloat16"), ll)

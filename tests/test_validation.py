@@ -444,8 +444,9 @@ def test_client_side_handle_of_another_group(pair):
 
 def test_unsupported_element_type_is_rejected_client_side(pair):
     x, idx, w = inputs()
-    with pytest.raises(ValueError, match="unsupported element type float64"):
+    with pytest.raises(EpdError, match="unsupported element type float64") as err:
         pair.groups[0].dispatch(x, idx, w.astype(np.float64))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     valid_round(pair)
 
 

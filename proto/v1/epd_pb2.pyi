@@ -126,18 +126,14 @@ class RendezvousRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("group_id", "comm_path", "rank_engines", "nvshmem_uid", "heap_offset")
+    __slots__ = ("group_id", "rank_engines", "plan")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
-    COMM_PATH_FIELD_NUMBER: _ClassVar[int]
     RANK_ENGINES_FIELD_NUMBER: _ClassVar[int]
-    NVSHMEM_UID_FIELD_NUMBER: _ClassVar[int]
-    HEAP_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     group_id: str
-    comm_path: str
     rank_engines: _containers.RepeatedScalarFieldContainer[int]
-    nvshmem_uid: bytes
-    heap_offset: int
-    def __init__(self, group_id: _Optional[str] = ..., comm_path: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., nvshmem_uid: _Optional[bytes] = ..., heap_offset: _Optional[int] = ...) -> None: ...
+    plan: bytes
+    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ...) -> None: ...
 
 class GetBootstrapRequest(_message.Message):
     __slots__ = ("engine_index",)

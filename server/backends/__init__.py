@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Backend
+from .base import Backend, GroupPlanner
 
 
 def cuda_available() -> bool:
@@ -20,19 +20,33 @@ def cuda_backend_present() -> bool:
                for m in ("cupy", "nvshmem", "cuda.bindings"))
 
 
+BACKEND_NAMES = ("cpu", "cuda")  # what `--backend` takes, besides "auto"
+
+
 def resolve_backend_name(name: str) -> str:
     """`auto` is cuda where a GPU, CuPy and the cuda engine are all present, else cpu."""
     if name == "auto":
         return "cuda" if cuda_backend_present() and cuda_available() else "cpu"
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; one of auto, {', '.join(BACKEND_NAMES)}")
     return name
 
 
+def make_planner(cfg) -> GroupPlanner:
+    """The node side of the configured backend (supervisor, coordinator): no device needed."""
+    name = resolve_backend_name(cfg.backend)
+    if name == "cpu":
+        from .cpu import CpuPlanner
+        return CpuPlanner(cfg.shm_dir)
+    from .cuda_plan import CudaPlanner
+    return CudaPlanner(cfg)
+
+
 def make_backend(cfg, index: int) -> Backend:
+    """The engine side of the configured backend, for engine `index`."""
     name = resolve_backend_name(cfg.backend)
     if name == "cpu":
         from .cpu import CpuBackend
         return CpuBackend(index, allowed_dirs=(cfg.shm_dir, "/dev/shm", "/tmp"))
-    if name == "cuda":
-        from .cuda import CudaBackend  # needs the [cuda] extra
-        return CudaBackend(cfg, index)
-    raise ValueError(f"unknown backend {name!r}")
+    from .cuda import CudaBackend  # needs the [cuda] extra
+    return CudaBackend(cfg, index)

@@ -8,8 +8,8 @@ descriptors of the membership's output region. A backend therefore only implemen
 * regions: open client memory (a shared-memory file on the CPU backend, a CUDA IPC handle on the
   CUDA backend) and make strided views of it;
 * counter pages: map a session's counter page so the notify step can publish receive counts;
-* rank communicators: one per (group, rank) held by this engine, implementing the DESIGN.md §6
-  collectives with deadlines and a group-wide abort word.
+* rank communicators: one per (group, rank) held by this engine, implementing the collectives
+  of server/reference.py with deadlines and a group-wide abort word.
 
 Arrays are NumPy arrays on the CPU backend and CuPy arrays on the CUDA backend.
 """
@@ -58,9 +58,57 @@ class Membership:
     group_id: str
     rank: int
     rank_engines: tuple[int, ...]
-    comm_path: str = ""
-    nvshmem_uid: bytes = b""
-    heap_offset: int = 0
+    plan: bytes = b""  # the group's shared resources, from the backend's GroupPlanner
+
+    @classmethod
+    def from_rendezvous(cls, rank: int, resp: Any) -> Membership:
+        """From a Node.Rendezvous answer (epd_pb2.RendezvousResponse)."""
+        return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan))
+
+
+class GroupPlanner(abc.ABC):
+    """The node-side half of a backend, used by the supervisor and its coordinator: device-free
+    (no CuPy, no GPU), chosen once by name (`backends.make_planner`). It says which group specs
+    the backend can run, plans a forming group's shared resources into an opaque `plan` that
+    travels to every engine of the group (`Membership.plan`), and gives the node-level hooks
+    (engine environment, bootstrap of a node-wide world, the engine-loss policy)."""
+
+    name: str
+    proto_kind: int  # epd_pb2.CPU / epd_pb2.CUDA
+    # An engine that exits takes every engine down with it (a world that cannot take a new
+    # member): the supervisor then restarts all engines after `new_world()`.
+    restart_all_on_engine_loss: bool = False
+
+    @abc.abstractmethod
+    def validate_spec(self, spec: GroupSpec) -> None:
+        """Raise InvalidArgument naming the backend limit the spec exceeds."""
+
+    @abc.abstractmethod
+    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
+        """Allocate a forming group's shared resources; raises an EpdError when it cannot."""
+
+    @abc.abstractmethod
+    def free_group(self, plan: bytes) -> None:
+        """The group is gone: release what plan_group allocated."""
+
+    def abort_group(self, plan: bytes, reason: str) -> None:  # noqa: B027  (optional hook)
+        """Tell the group's ranks it failed, where the backend's shared state can say so."""
+
+    def engine_env(self) -> dict[str, str]:
+        """Environment defaults for the engine processes."""
+        return {}
+
+    def new_world(self) -> None:  # noqa: B027  (optional hook)
+        """Before the engines (re)start: create the node-wide world they join, if any."""
+
+    def bootstrap(self, engine_index: int, num_engines: int) -> Any:
+        """The Node.GetBootstrap answer for an engine (epd_pb2.GetBootstrapResponse)."""
+        from ...proto.errors import FailedPrecondition
+        raise FailedPrecondition(f"bootstrap is not used by the {self.name} backend")
+
+    def detect_engines(self) -> int:
+        """Engine processes to start when the configuration does not say."""
+        return 2
 
 
 @dataclass
@@ -231,9 +279,9 @@ class RankComm(abc.ABC):
 
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs,
                              deadline: float) -> LowLatencyDispatchOutputs:
-        """DeepEP low-latency dispatch (DESIGN.md §6): per local expert, one row per (token, k)
-        pair routed to it. Raises FailedPrecondition on a backend without it (before taking
-        part, so the peers see a missing rank, never a half-done collective)."""
+        """DeepEP low-latency dispatch (as server/reference.py): per local expert, one row per
+        (token, k) pair routed to it. Raises FailedPrecondition on a backend without it (before
+        taking part, so the peers see a missing rank, never a half-done collective)."""
         raise self._no_low_latency()
 
     def low_latency_combine(self, args: LowLatencyCombineArgs,
@@ -289,6 +337,13 @@ class RankComm(abc.ABC):
 
 class Backend(abc.ABC):
     name: str  # "cpu" or "cuda"
+    proto_kind: int  # epd_pb2.CPU / epd_pb2.CUDA (the Backend enum of epd.proto)
+    peer_class: str  # "shm" / "nvlink": how ranks of a group reach each other
+    planner: GroupPlanner  # the same limits the supervisor checks at rendezvous
+
+    def validate_spec(self, spec: GroupSpec) -> None:
+        """Raise InvalidArgument naming the backend limit the spec exceeds."""
+        self.planner.validate_spec(spec)
 
     @abc.abstractmethod
     def device_info(self) -> dict[str, Any]:

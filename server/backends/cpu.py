@@ -1,4 +1,5 @@
-"""CPU backend: the DESIGN.md §6 collectives between engine processes through shared memory.
+"""CPU backend: the collectives of server/reference.py between engine processes, through
+shared memory.
 
 It mirrors the GPU design: every group has one communication file (the analogue of the symmetric
 heap) with a slot per rank, arrival words (the analogue of NVSHMEM signals) and an abort word.
@@ -29,6 +30,8 @@ import numpy as np
 
 from ...proto import counter_page, dtypes
 from ...proto.errors import Aborted, DeadlineExceeded, InvalidArgument
+from ...proto.v1 import epd_pb2
+from ..reference import quantize_fp8  # the one FP8 quantisation (server/reference.py)
 from .base import (
     Array,
     Backend,
@@ -37,6 +40,7 @@ from .base import (
     CounterPage,
     DispatchArgs,
     DispatchOutputs,
+    GroupPlanner,
     GroupSpec,
     LayoutOutputs,
     LowLatencyCombineArgs,
@@ -56,8 +60,6 @@ _ABORT_TEXT = 64  # byte offset of the abort reason (utf-8)
 _ABORT_TEXT_MAX = 1024
 _ARRIVALS = 2048  # byte offset of the int64 arrival words, one per rank
 MAX_RANKS = 128
-_FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_FP8_AMAX_MIN = 1e-4
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -106,28 +108,20 @@ def ll_max_rows(spec: GroupSpec) -> int:
     return spec.max_recv_tokens * min(spec.num_topk, spec.num_local_experts)
 
 
-def quantize_fp8(x: np.ndarray, round_scale: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token, per-128-channel e4m3 quantisation on the source (DESIGN.md §6, as
-    reference.quantize_fp8): amax in fp32 clamped to >= 1e-4, scale = amax / 448, rounded up to
-    a power of two with round_scale, q = x / scale."""
-    t, h = x.shape
-    blocks = x.astype(np.float32).reshape(t, h // dtypes.FP8_BLOCK, dtypes.FP8_BLOCK)
-    amax = np.maximum(np.abs(blocks).max(axis=2, initial=0.0), np.float32(_FP8_AMAX_MIN))
-    scale = (amax / np.float32(_FP8_MAX)).astype(np.float32)
-    if round_scale:
-        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
-    q = np.clip(blocks / scale[:, :, None], -_FP8_MAX, _FP8_MAX).astype(np.float32)
-    return q.reshape(t, h).astype(dtypes.FLOAT8_E4M3), scale
-
-
 def comm_file_bytes(spec: GroupSpec) -> int:
     return _HEADER_BYTES + spec.num_ranks * SlotLayout.for_spec(spec).size
 
 
+def check_spec(spec: GroupSpec) -> None:
+    """The CPU backend's limits on a group (InvalidArgument names the one exceeded)."""
+    if spec.num_ranks > MAX_RANKS:
+        raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cpu backend's limit of "
+                              f"{MAX_RANKS} ranks per group (MAX_RANKS)")
+
+
 def create_comm_file(path: str, spec: GroupSpec) -> None:
     """Called by the supervisor when a group forms: a sparse file, zero-filled."""
-    if spec.num_ranks > MAX_RANKS:
-        raise InvalidArgument(f"num_ranks {spec.num_ranks} exceeds {MAX_RANKS}")
+    check_spec(spec)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
     try:
         os.ftruncate(fd, comm_file_bytes(spec))
@@ -321,7 +315,7 @@ class CpuRankComm(RankComm):
         self.membership = membership
         self.rank = membership.rank
         size = comm_file_bytes(spec)
-        with open(membership.comm_path, "r+b") as f:
+        with open(comm_path(membership.plan), "r+b") as f:
             self._mm = mmap.mmap(f.fileno(), size)
         self._header = _header_words(self._mm)
         self._arrivals = self._header[_ARRIVALS // 8:_ARRIVALS // 8 + spec.num_ranks]
@@ -729,10 +723,42 @@ class CpuRankComm(RankComm):
         self.output_region.close()
 
 
+def comm_path(plan: bytes) -> str:
+    """The group's communication file, from its plan."""
+    return plan.decode()
+
+
+class CpuPlanner(GroupPlanner):
+    """A group's shared state is one communication file under the shm folder."""
+
+    name = "cpu"
+    proto_kind = epd_pb2.CPU
+
+    def __init__(self, shm_dir: str = "/dev/shm") -> None:
+        self.shm_dir = shm_dir
+
+    def validate_spec(self, spec: GroupSpec) -> None:
+        check_spec(spec)
+
+    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
+        path = os.path.join(self.shm_dir, f"epd-{group_id}.comm")
+        create_comm_file(path, spec)
+        return path.encode()
+
+    def free_group(self, plan: bytes) -> None:
+        Path(comm_path(plan)).unlink(missing_ok=True)
+
+    def abort_group(self, plan: bytes, reason: str) -> None:
+        abort_comm_file(comm_path(plan), reason)
+
+
 class CpuBackend(Backend):
     name = "cpu"
+    proto_kind = epd_pb2.CPU
+    peer_class = "shm"
 
     def __init__(self, engine_index: int = 0, allowed_dirs: tuple[str, ...] = ("/dev/shm",)):
+        self.planner = CpuPlanner()
         self.engine_index = engine_index
         self.allowed_dirs = tuple(os.path.realpath(d) for d in allowed_dirs)
 

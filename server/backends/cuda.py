@@ -3,8 +3,8 @@
 One engine drives one GPU. At start it joins the node's NVSHMEM world (unique id from the
 supervisor's Node.GetBootstrap), allocates one symmetric heap and learns every peer's heap base
 (`nvshmem.core.get_peer_array`, NVLink peer pointers). A group's rank buffers live at the
-coordinator's heap offset, one slot per rank of the group, so a rank's buffer is
-`peer_base[engine of rank] + heap_offset + rank * slot_bytes` on every engine.
+heap offset of the group's plan (cuda_plan.CudaPlanner), one slot per rank of the group, so a
+rank's buffer is `peer_base[engine of rank] + heap_offset + rank * slot_bytes` on every engine.
 
 Client tensors arrive as CUDA IPC allocations (opened once per region, extent checked with
 cuMemGetAddressRange, device checked). Outputs stay in the heap; clients map the heap once per
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import counter_page, dtypes
+from ...proto import abi, counter_page, dtypes
 from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
@@ -39,6 +39,7 @@ from ...proto.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from ...proto.v1 import epd_pb2
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -58,10 +59,10 @@ from .base import (
     Region,
     check_combine_routing,
 )
+from .cuda_plan import CudaPlanner, decode_plan, membership_layout
 
 log = logging.getLogger("epd.cuda")
 cp = ck.cp
-_ABORT_RANK_SHIFT = 8  # abort word = ((rank + 1) << 8) | ERR_ABORTED: peers learn who left
 
 
 def storage_dtype(dt: np.dtype) -> np.dtype:
@@ -72,37 +73,6 @@ def storage_dtype(dt: np.dtype) -> np.dtype:
     if dt == dtypes.FLOAT8_E4M3:
         return np.dtype(np.uint8)
     return dt
-
-
-@dataclass(frozen=True)
-class MembershipLayout:
-    kernel: ck.RankBufferLayout
-    extras: dict[str, int]  # byte offsets after the kernel buffers
-    slot_bytes: int
-    low_latency: ck.LowLatencyLayout | None = None  # groups with low_latency_mode
-
-
-def membership_layout(spec: GroupSpec) -> MembershipLayout:
-    """Per-rank heap slot: the kernels' buffers, then the outputs the engine hands back
-    (layout results, combine results, the prefix matrix)."""
-    from ..coordinator import rank_buffer_layout
-
-    kernel = rank_buffer_layout(ck.RankBufferLayout, spec)
-    item = spec.x_numpy_dtype.itemsize
-    t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
-                     spec.num_experts)
-    off = kernel.total_bytes
-    extras = {}
-    for name, nbytes in (("combined_x", t * h * item), ("combined_w", t * k * 4),
-                         ("ntpr", r * 4), ("ntpe", e * 4), ("itr", t * r),
-                         ("prefix", r * r * 4)):
-        extras[name] = off
-        off += -(-max(nbytes, 16) // ck.ALIGN) * ck.ALIGN
-    if not spec.low_latency_mode:
-        return MembershipLayout(kernel, extras, off)
-    ll = ck.LowLatencyLayout.build(off, num_ranks=r, num_local_experts=spec.num_local_experts,
-                                   hidden=h, num_topk=k, max_tokens=t, itemsize=item)
-    return MembershipLayout(kernel, extras, ll.end, ll)
 
 
 class DeviceRegion(Region):
@@ -232,7 +202,7 @@ class CudaRankComm(RankComm):
         self.rank = membership.rank
         self.mlayout = membership_layout(spec)
         slot = self.mlayout.slot_bytes
-        base = membership.heap_offset
+        base, _ = decode_plan(membership.plan)  # the group's range of every engine's heap
         if base + spec.num_ranks * slot > backend.heap_bytes:
             raise ResourceExhausted("group buffers do not fit in the symmetric heap")
         peers = [backend.peer_bases[membership.rank_engines[r]] + base + r * slot
@@ -495,7 +465,7 @@ class CudaRankComm(RankComm):
         if self.abort_reason() is not None and self._written:
             return
         self._written = True
-        code = ((self.rank + 1) << _ABORT_RANK_SHIFT) | ck.ERR_ABORTED
+        code = ((self.rank + 1) << abi.ABORT_RANK_SHIFT) | ck.ERR_ABORTED
         with cp.cuda.Device(self.backend.device):
             self.runner.abort(code)
             self.runner.side_stream.synchronize()
@@ -507,7 +477,7 @@ class CudaRankComm(RankComm):
             word = int(cp.asnumpy(self.runner.views["ctrl"][:1])[0])
         if word == 0:
             return None
-        who = (word >> _ABORT_RANK_SHIFT) - 1
+        who = (word >> abi.ABORT_RANK_SHIFT) - 1
         return (f"rank {who} left the group or failed" if who >= 0
                 else "the group was aborted")
 
@@ -522,6 +492,8 @@ class CudaRankComm(RankComm):
 
 class CudaBackend(Backend):
     name = "cuda"
+    proto_kind = epd_pb2.CUDA
+    peer_class = "nvlink"
 
     def __init__(self, cfg: Any, index: int) -> None:
         if cp is None:
@@ -530,8 +502,9 @@ class CudaBackend(Backend):
         from cuda.core import Device
 
         self.cfg, self.device, self._nc = cfg, index, nc
-        self.num_sms = cfg.num_sms or 24
-        self.ll_num_sms = cfg.ll_num_sms or 64
+        self.planner = CudaPlanner(cfg)
+        self.num_sms = cfg.num_sms or abi.DEFAULT_NUM_SMS
+        self.ll_num_sms = cfg.ll_num_sms or abi.DEFAULT_LL_NUM_SMS
         boot = _bootstrap(cfg, index)
         dev = Device(index)
         dev.set_current()

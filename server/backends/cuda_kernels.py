@@ -2,9 +2,9 @@
 
 The engine-facing contract is small:
 
-* `RankBufferLayout.for_spec(spec)` says how many bytes of symmetric heap one group-rank needs
+* `RankBufferLayout` says how many bytes of symmetric heap one group-rank's kernel buffers need
   and at which offset each sub-buffer lives (identical on every rank, so a peer's sub-buffer is
-  `peer_base + offset`);
+  `peer_base + offset`); `cuda_plan.membership_layout(spec)` is the one place it is built;
 * `Kernels` compiles the module once per process (NVRTC through `cupy.RawModule`; CuPy's disk
   cache, `CUPY_CACHE_DIR`, makes a warm start skip the compile) and exposes one launch method
   per kernel taking CuPy arrays, raw device pointers and a stream;
@@ -26,6 +26,30 @@ from typing import Any
 
 import numpy as np
 
+from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for the ABI)
+    ALIGN,
+    CTRL_ABORT,
+    CTRL_ERR_CODE,
+    CTRL_ERR_PHASE,
+    CTRL_ERR_RANK,
+    CTRL_ERR_SEQ,
+    CTRL_PAYLOAD_BYTES,
+    DATA_THREADS,
+    DEFAULT_NUM_SMS,
+    ERR_ABORTED,
+    ERR_BAD_INPUT,
+    ERR_DEADLINE,
+    ERR_WORST_OVERFLOW,
+    ERROR_NAMES,
+    FP8_BLOCK,
+    LL_MAX_LOCAL_EXPERTS,
+    LL_THREADS,
+    MAX_RANKS,
+    MAX_TOPK,
+    NOTIFY_THREADS,
+    PHASE_NAMES,
+)
+
 try:  # CuPy is optional: the CPU-only install imports this module for the layout helper.
     import cupy as cp
 except ImportError:  # pragma: no cover - exercised on machines without CuPy
@@ -33,23 +57,6 @@ except ImportError:  # pragma: no cover - exercised on machines without CuPy
 
 # Repository checkout (<root>/cuda) and installed package (epd/cuda) alike: next to server/.
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
-
-MAX_RANKS = 8
-NOTIFY_THREADS = 1024
-DATA_THREADS = 512
-ALIGN = 256
-
-# Control-block words (cuda/epd_common.cuh).
-CTRL_ABORT, CTRL_ERR_CODE, CTRL_ERR_RANK, CTRL_ERR_PHASE, CTRL_ERR_SEQ = 0, 1, 2, 3, 4
-CTRL_PAYLOAD_BYTES = 1024
-ERR_DEADLINE, ERR_ABORTED, ERR_WORST_OVERFLOW, ERR_BAD_INPUT = 1, 2, 3, 4
-ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
-               ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
-               ERR_BAD_INPUT: "bad expert id"}
-PHASE_NAMES = {1: "notify", 2: "dispatch entry", 3: "dispatch completion", 4: "combine entry",
-               5: "combine completion", 6: "low-latency dispatch", 7: "low-latency combine"}
-LL_THREADS = 512
-FP8_BLOCK = 128
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -79,8 +86,8 @@ class RankBufferLayout:
             raise ValueError(f"num_ranks must lie in [1, {MAX_RANKS}] for intranode kernels")
         if num_experts % num_ranks:
             raise ValueError("num_experts must be a multiple of num_ranks")
-        if not 1 <= num_topk <= 32:
-            raise ValueError("num_topk must lie in [1, 32]")
+        if not 1 <= num_topk <= MAX_TOPK:
+            raise ValueError(f"num_topk must lie in [1, {MAX_TOPK}]")
         local = num_experts // num_ranks
         max_recv = num_ranks * max_tokens_per_rank
         scale_cols = hidden // FP8_BLOCK if with_scales else 0
@@ -102,16 +109,6 @@ class RankBufferLayout:
             cur += _align(max(size, 16))
         return cls(num_ranks, local, hidden, num_topk, max_recv, x_itemsize, y_itemsize,
                    with_scales, offsets, cur)
-
-    @classmethod
-    def for_spec(cls, spec: Any) -> RankBufferLayout:
-        """Layout for a base.GroupSpec (fp8 payloads carry scales and combine in bf16)."""
-        xdt = spec.x_numpy_dtype
-        fp8 = xdt.itemsize == 1
-        return cls.build(num_ranks=spec.num_ranks, num_experts=spec.num_experts,
-                         hidden=spec.hidden, num_topk=spec.num_topk,
-                         max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=xdt.itemsize,
-                         y_itemsize=2 if fp8 else xdt.itemsize, with_scales=fp8)
 
     def views(self, base_ptr: int, owner: Any, device_id: int, x_dtype: Any,
               y_dtype: Any) -> dict[str, Any]:
@@ -156,8 +153,9 @@ class LowLatencyLayout:
     def build(cls, start: int, *, num_ranks: int, num_local_experts: int, hidden: int,
               num_topk: int, max_tokens: int, itemsize: int) -> LowLatencyLayout:
         r, lx, h, k, m = num_ranks, num_local_experts, hidden, num_topk, max_tokens
-        if lx > 1024:
-            raise ValueError("low-latency mode supports at most 1024 local experts per rank")
+        if lx > LL_MAX_LOCAL_EXPERTS:
+            raise ValueError(f"low-latency mode supports at most {LL_MAX_LOCAL_EXPERTS} local "
+                             f"experts per rank")
         rows = lx * r * m
         sizes = [("recv_x", rows * h * itemsize),  # FP8 calls use its first rows * h bytes
                  ("scales", rows * max(h // FP8_BLOCK, 1) * 4),
@@ -195,11 +193,11 @@ class DispatchHandle:
 KERNEL_FILES = ("epd_intranode.cu", "epd_low_latency.cu")
 
 
-def _source() -> str:
+def _source(files: tuple[str, ...] = KERNEL_FILES) -> str:
     """The kernel sources with their header inlined once, so CuPy's cache key covers all."""
     header = (CUDA_DIR / "epd_common.cuh").read_text().replace("#pragma once", "")
     bodies = [(CUDA_DIR / f).read_text().replace('#include "epd_common.cuh"', "")
-              for f in KERNEL_FILES]
+              for f in files]
     return header + "\n".join(bodies)
 
 
@@ -229,8 +227,9 @@ def _trait_for(dtype: Any) -> str:
 class Kernels:
     """The compiled module for the current device; one instance per process is enough."""
 
+    FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_copy16", "epd_gate", "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done")
+             "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
                  "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
@@ -238,7 +237,7 @@ class Kernels:
     def __init__(self, extra_options: tuple[str, ...] = ()) -> None:
         if cp is None:
             raise RuntimeError("CuPy is not installed; the CUDA kernels need cupy-cuda13x")
-        self.module = cp.RawModule(code=_source(), options=("-std=c++17", *extra_options),
+        self.module = cp.RawModule(code=_source(self.FILES), options=("-std=c++17", *extra_options),
                                    name_expressions=self.TEMPLATES)
         self._fn: dict[str, Any] = {}
 
@@ -291,8 +290,9 @@ class Kernels:
     # -- dispatch --------------------------------------------------------------------------
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
                  topk_weights: Any | None, layout: RankBufferLayout, rank: int, peers: Any,
-                 handle: DispatchHandle, seq: int, *, timeout_ns: int, num_sms: int = 24,
-                 num_worst_tokens: int = 0, barrier: bool = False, stream: Any = None) -> None:
+                 handle: DispatchHandle, seq: int, *, timeout_ns: int,
+                 num_sms: int = DEFAULT_NUM_SMS, num_worst_tokens: int = 0,
+                 barrier: bool = False, stream: Any = None) -> None:
         t = handle.num_tokens
         row_bytes = x.shape[1] * x.itemsize
         sc_row = 0 if x_scales is None else x_scales.shape[1] * x_scales.itemsize
@@ -317,7 +317,7 @@ class Kernels:
     def combine(self, y: Any, recv_topk_weights: Any | None, out: Any, out_weights: Any | None,
                 layout: RankBufferLayout, rank: int, peers: Any, own_base: int,
                 handle: DispatchHandle, seq: int, *, timeout_ns: int, bias_0: Any = None,
-                bias_1: Any = None, num_sms: int = 24, barrier: bool = True,
+                bias_1: Any = None, num_sms: int = DEFAULT_NUM_SMS, barrier: bool = True,
                 stream: Any = None) -> None:
         """Push (expert side) then reduce (token side), both on `stream`."""
         del own_base  # the kernels find their own buffer as peers[rank]
@@ -411,18 +411,6 @@ class Kernels:
               stream: Any = None) -> None:
         with _stream_ptr(stream):
             self.fn("epd_abort")((1,), (32,), (peers, np.int32(num_ranks), np.uint64(code)))
-
-    def copy16(self, src: Any, dst_ptr: int, nbytes: int, *, num_sms: int = 132,
-               stream: Any = None) -> None:
-        with _stream_ptr(stream):
-            self.fn("epd_copy16")((num_sms,), (1024,),
-                                  (src, np.uint64(dst_ptr), np.int64(nbytes // 16)))
-
-
-    def gate(self, flag_ptr: int, *, timeout_ns: int = 10_000_000_000, stream: Any = None
-             ) -> None:
-        with _stream_ptr(stream):
-            self.fn("epd_gate")((1,), (1,), (np.uint64(flag_ptr), np.int64(timeout_ns)))
 
 
 _P, _I64, _I32, _U64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64

@@ -2,15 +2,12 @@
 
 `RankRunner` is what a CUDA `RankComm` wraps: it knows its rank's buffer base, the device
 table of peer buffer bases, the sequence counters that every rank advances in the same order,
-and it launches notify + dispatch and combine on its stream. `LocalGroup` drives all R ranks of
-a group from one process (ranks spread over the visible GPUs with peer access enabled, several
-ranks per GPU allowed): the GPU tests and the benchmark use it.
+and it launches notify + dispatch and combine on its stream. (tests/gpu/local_group.py drives
+all R ranks of a group from one process for the GPU tests and the benchmarks.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,7 +58,7 @@ class RankRunner:
                  topk_weights: Any | None, *, alignment: int = 1, num_worst_tokens: int = 0,
                  cached: DispatchResult | None = None, counter_slot_ptr: int = 0,
                  counter_seq: int | None = None,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 24,
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = ck.DEFAULT_NUM_SMS,
                  layout_out: tuple[Any, Any, Any] | None = None) -> DispatchResult:
         lay = self.layout
         with cp.cuda.Device(self.device_id):
@@ -87,7 +84,7 @@ class RankRunner:
 
     def combine(self, y: Any, res: DispatchResult, out: Any, *, recv_topk_weights: Any = None,
                 out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
-                timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 24,
+                timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = ck.DEFAULT_NUM_SMS,
                 barrier: bool = True) -> None:
         with cp.cuda.Device(self.device_id):
             self.seq["combine"] += 1
@@ -189,88 +186,3 @@ class RankRunner:
     def error(self) -> tuple[int, int, str, int] | None:
         with cp.cuda.Device(self.device_id):
             return ck.read_error(self.views["ctrl"])
-
-
-class MappedSlot:
-    """A mapped pinned host page (counter slots); with UVA its host pointer is device-usable."""
-
-    def __init__(self, nbytes: int = 4096) -> None:
-        flags = 1 | 2  # cudaHostAllocPortable | cudaHostAllocMapped
-        self.ptr = cp.cuda.runtime.hostAlloc(nbytes, flags)
-        self.nbytes = nbytes
-        buf = (ctypes.c_char * nbytes).from_address(self.ptr)
-        self.words = np.frombuffer(buf, dtype=np.int64)
-        self.words[:] = 0
-
-    def close(self) -> None:
-        if self.ptr:
-            cp.cuda.runtime.freeHost(self.ptr)
-            self.ptr = 0
-
-
-def enable_peer_access(num_devices: int) -> None:
-    for a in range(num_devices):
-        with cp.cuda.Device(a):
-            for b in range(num_devices):
-                if a != b and cp.cuda.runtime.deviceCanAccessPeer(a, b):
-                    with contextlib.suppress(cp.cuda.runtime.CUDARuntimeError):
-                        cp.cuda.runtime.deviceEnablePeerAccess(b)  # may be enabled already
-
-
-class LocalGroup:
-    """All R ranks of one group in this process; rank r lives on GPU r * ndev // R."""
-
-    def __init__(self, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
-                 max_tokens_per_rank: int, x_dtype: Any, *, num_devices: int | None = None,
-                 y_dtype: Any = None, low_latency: bool = False) -> None:
-        ndev = num_devices or cp.cuda.runtime.getDeviceCount()
-        enable_peer_access(ndev)
-        x_dtype = np.dtype(x_dtype)
-        fp8 = x_dtype.itemsize == 1
-        y_dtype = np.dtype(y_dtype) if y_dtype is not None else (
-            np.dtype("uint16") if fp8 else x_dtype)
-        self.layout = ck.RankBufferLayout.build(
-            num_ranks=num_ranks, num_experts=num_experts, hidden=hidden, num_topk=num_topk,
-            max_tokens_per_rank=max_tokens_per_rank, x_itemsize=x_dtype.itemsize,
-            y_itemsize=y_dtype.itemsize, with_scales=fp8)
-        self.ll_layout = ck.LowLatencyLayout.build(
-            self.layout.total_bytes, num_ranks=num_ranks,
-            num_local_experts=num_experts // num_ranks, hidden=hidden, num_topk=num_topk,
-            max_tokens=max_tokens_per_rank, itemsize=x_dtype.itemsize) if low_latency else None
-        total = self.ll_layout.end if low_latency else self.layout.total_bytes
-        self.devices = [r * ndev // num_ranks for r in range(num_ranks)]
-        self.buffers = []
-        for r in range(num_ranks):
-            with cp.cuda.Device(self.devices[r]):
-                self.buffers.append(cp.zeros(total, cp.uint8))
-                cp.cuda.Device(self.devices[r]).synchronize()
-        bases = [int(b.data.ptr) for b in self.buffers]
-        self.runners = []
-        for r in range(num_ranks):
-            kern = ck.kernels_for_device(self.devices[r])
-            self.runners.append(RankRunner(kern, self.layout, r, bases, self.devices[r],
-                                           x_dtype, y_dtype, owner=self.buffers[r],
-                                           ll_layout=self.ll_layout))
-
-    @property
-    def num_ranks(self) -> int:
-        return len(self.runners)
-
-    def poison(self, byte: int = 0xAB) -> None:
-        ctrl_end = self.layout.offsets["recv_x"]
-        for r, buf in enumerate(self.buffers):
-            with cp.cuda.Device(self.devices[r]), self.runners[r].stream:
-                buf[ctrl_end:].fill(byte)
-            if self.ll_layout is not None:  # the slot counters must start at zero
-                self.runners[r].stream.synchronize()
-                self.runners[r].reset_low_latency()
-                cp.cuda.Device(self.devices[r]).synchronize()
-
-    def synchronize(self) -> None:
-        for r in self.runners:
-            r.stream.synchronize()
-
-    def close(self) -> None:
-        self.synchronize()
-        self.runners.clear()
-        self.buffers.clear()

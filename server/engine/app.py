@@ -29,6 +29,7 @@ SERVICE_NAME = "epd.v1.Engine"
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0)]
+STOP_GRACE_SECONDS = 1.0  # after the drain: what gRPC calls still open get before they end
 
 
 async def serve(cfg: config_mod.Config, index: int) -> None:
@@ -58,11 +59,12 @@ async def serve(cfg: config_mod.Config, index: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("engine %d draining", index)
+    log.info("engine %d draining: no new sessions or calls; calls in flight get %.1f s",
+             index, cfg.drain_seconds)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await engine.drain(cfg.drain_seconds)
-    await server.stop(grace=1.0)
+    await server.stop(grace=STOP_GRACE_SECONDS)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     log.info("engine %d stopped", index)

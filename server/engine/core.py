@@ -1,9 +1,11 @@
 """The engine: sessions, their regions and group memberships, the fast path, and lifecycle.
 
-Transport-agnostic: the gRPC servicer and the shared-memory fast path decode requests and call
-these methods; the data-plane operations themselves live in `ops.DataPlane`. A session's
-operations run on its worker thread (one per session, like a CUDA stream: a client's calls run
-in its order and never block the event loop).
+Transport-agnostic: the gRPC servicer (service.py) and the shared-memory fast path
+(fast_path.py) decode requests and call these methods; the data-plane operations themselves
+live in `ops.DataPlane`, and `Engine.OPERATIONS` binds the registry's data-plane operations
+(proto/operations.py) to them. Every session's operations run through its `SessionExecutor`
+(executor.py: worker thread, operation lock, teardown order); every call is admitted by the
+engine's `EngineState` (refused once it drains, counted in flight).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import logging
 import os
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 
 import grpc
+from google.protobuf.message import Message
 
-from ...proto import counter_page
+from ...proto import counter_page, operations
+from ...proto import ring as ring_format
 from ...proto.errors import (
     Aborted,
     EpdError,
@@ -25,7 +29,6 @@ from ...proto.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    Unavailable,
 )
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
 from .. import metrics
@@ -35,6 +38,8 @@ from ..backends.base import (
     Region,
 )
 from ..config import Config
+from .executor import EngineState, SessionExecutor
+from .fast_path import FastPathServer
 from .ops import DataPlane
 from .state import (
     GroupMember,
@@ -45,21 +50,69 @@ from .state import (
 )
 
 log = logging.getLogger("epd.engine")
-MAX_TIMEOUT = 600.0
+NODE_RPC_SECONDS = 5.0  # deadline of ReleaseRank, and the slack added to a rendezvous's
+SETTLE_SECONDS = 2.0  # drain: how long teardowns already under way may take to finish
+
+# (session, request, path label) -> response: what both transports run on a session's executor.
+OperationFn = Callable[[Session, Message, str], Message]
 
 
 class Engine(DataPlane):
+    # The registry's operations that run on a session's executor, by name: the gRPC servicer
+    # runs the collectives through them, the fast-path ring every operation it carries
+    # (operations.RING_METHODS). tests/test_registry.py checks the coverage.
+    OPERATIONS: dict[str, str] = {
+        "GetDispatchLayout": "layout_op", "Dispatch": "dispatch_op", "Combine": "combine_op",
+        "LowLatencyDispatch": "ll_dispatch_op", "LowLatencyCombine": "ll_combine_op",
+        "GetStats": "stats_op", "Ping": "ping_op"}
+
     def __init__(self, config: Config, index: int, backend: Backend) -> None:
         self.config = config
         self.index = index
         self.backend = backend
         self.sessions: dict[str, Session] = {}
-        self.draining = False
+        self.state = EngineState(index)
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
-        self._inflight = 0
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
+
+    @property
+    def draining(self) -> bool:
+        return self.state.draining
+
+    def operation(self, name: str) -> OperationFn:
+        """The synchronous operation a transport runs for registry operation `name`."""
+        return getattr(self, self.OPERATIONS[name])
+
+    def ping_op(self, session: Session, req: epd_pb2.PingRequest,
+                path: str) -> epd_pb2.PingResponse:
+        return epd_pb2.PingResponse()
+
+    def stats_op(self, session: Session, req: epd_pb2.GetStatsRequest,
+                 path: str) -> epd_pb2.GetStatsResponse:
+        return self.stats(session)
+
+    def refuse(self, name: str, request: Message, reason: EpdError) -> None:
+        """A call was refused because the engine drains. If it is a collective of a group this
+        session holds, its peers cannot complete that collective: abort the group now, so they
+        fail with ABORTED at once instead of waiting for their deadline. Any thread."""
+        if name not in operations.COLLECTIVES:
+            return
+        s = self.sessions.get(getattr(request, "session_id", ""))
+        m = s.members.get(getattr(request, "group_id", "")) if s is not None else None
+        if m is None:
+            return
+        text = (f"rank {m.rank} of group {m.spec.name!r} cannot take part in {name}: "
+                f"{reason.message}")
+        # Under the operation lock (the comm is closed under it), unless an operation of this
+        # session holds it: then the teardown aborts the group a little later.
+        if s.op_lock.acquire(timeout=0.1):
+            try:
+                if s.executor.closing is None:
+                    self._abort(m, text, "engine_draining")
+            finally:
+                s.op_lock.release()
 
     # -- plumbing ----------------------------------------------------------------------------
     def _node(self) -> epd_pb2_grpc.NodeStub:
@@ -82,19 +135,7 @@ class Engine(DataPlane):
     def _timeout(self, requested: float) -> float:
         if requested < 0:
             raise InvalidArgument(f"timeout_seconds must be >= 0, got {requested}")
-        return min(requested or self.config.timeout_seconds, MAX_TIMEOUT)
-
-    async def _run(self, session: Session, fn, *args):
-        loop = asyncio.get_running_loop()
-        self._inflight += 1
-
-        def locked():
-            with session.op_lock:
-                return fn(*args)
-        try:
-            return await loop.run_in_executor(session.worker, locked)
-        finally:
-            self._inflight -= 1
+        return min(requested or self.config.timeout_seconds, self.config.max_timeout_seconds)
 
     def _refresh_gauges(self) -> None:
         metrics.SESSIONS.labels(self._label).set(len(self.sessions))
@@ -105,8 +146,7 @@ class Engine(DataPlane):
 
     # -- sessions ----------------------------------------------------------------------------
     def open_session(self, client_name: str, pid: int) -> Session:
-        if self.draining:
-            raise Unavailable(f"engine {self.index} is draining; no new sessions")
+        self.state.check_open()
         if len(self.sessions) >= self.config.max_sessions:
             raise ResourceExhausted(f"engine {self.index} has {len(self.sessions)} sessions, "
                                     f"the maximum (--max-sessions)")
@@ -114,60 +154,89 @@ class Engine(DataPlane):
         path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}{sid}.counters")
         page = self.backend.open_counter_page(path)
         s = Session(sid, client_name[:64], pid, page, path,
-                    ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-s{sid[:6]}",
-                                       initializer=self.backend.thread_init))
+                    SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init))
         self.sessions[sid] = s
         self._refresh_gauges()
         log.info("opened %s", s.describe())
         return s
 
     async def close_session(self, session: Session, reason: str) -> None:
-        """Tear a session down exactly once: abort its groups, drain its worker, free all."""
+        """Tear a session down exactly once, in the executor's order: refuse later calls, abort
+        its groups and release its stream ops (waking what is in flight), stop its fast path
+        and worker, then, with no operation running, close comms, regions and counter page."""
         if session.teardown_done:
             return
         session.teardown_done = True
         session.closed.set()
-        if session.stream_ops:  # release client streams waiting on them, before the groups
-            await asyncio.to_thread(self.stream_ops.release_session, session)
-        for member in list(session.members.values()):
-            await self._drop_member(session, member, f"{session.describe()} {reason}")
-        if session.fast_path is not None:
-            await asyncio.to_thread(session.fast_path.stop)
-        await asyncio.to_thread(session.worker.shutdown, wait=True)
-        for region in session.regions.values():
-            if not region.borrowed:
-                region.close()
+        text = f"{session.describe()} {reason}"
+
+        async def interrupt() -> None:
+            for member in session.members.values():
+                self._abort(member, f"rank {member.rank} of group {member.spec.name!r} went "
+                                    f"away: {text}")
+            if session.stream_ops:  # release client streams waiting on them
+                await asyncio.to_thread(self.stream_ops.release_session, session)
+
+        def release() -> None:
+            for member in session.members.values():
+                member.comm.close()
+            for region in session.regions.values():
+                if not region.borrowed:
+                    region.close()
+            session.counter_page.close()
+            self.backend.close_events(session.events)
+
+        await session.executor.shutdown(reason, interrupt, release)
+        members = list(session.members.values())
+        session.members.clear()
         session.regions.clear()
-        session.counter_page.close()
-        self.backend.close_events(session.events)
+        for member in members:
+            await self._release_rank(member, f"rank {member.rank} of group "
+                                             f"{member.spec.name!r} went away: {text}")
         self.sessions.pop(session.session_id, None)
         self._refresh_gauges()
         log.info("closed %s: %s", session.describe(), reason)
 
-    async def _drop_member(self, session: Session, member: GroupMember, reason: str) -> None:
-        text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
-        if any(o.member is member for o in session.stream_ops.values()):
-            await asyncio.to_thread(self.stream_ops.release_member, session, member)
+    @staticmethod
+    def _abort(member: GroupMember, text: str, why: str = "member_left") -> None:
+        """Raise the group's abort word: wakes this rank's own pending waits and every peer's.
+        Unmaps nothing."""
         if member.comm.abort_reason() is None:
-            metrics.ABORTS.labels("member_left").inc()
-        member.comm.abort(text)  # wakes that rank's own pending waits and every peer's
-        # Let a collective in flight on the worker observe the abort before we unmap.
-        await asyncio.to_thread(lambda: session.worker.submit(lambda: None).result())
-        member.comm.close()
-        session.members.pop(member.group_id, None)
-        session.free_slots.append(member.counter_slot)
+            metrics.ABORTS.labels(why).inc()
+        member.comm.abort(text)
+
+    async def _release_rank(self, member: GroupMember, text: str) -> None:
         try:
             await self._node().ReleaseRank(
                 epd_pb2.ReleaseRankRequest(group_id=member.group_id, rank=member.rank,
-                                           reason=text), timeout=5)
+                                           reason=text), timeout=NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             log.warning("could not release rank %d of %s: %s", member.rank, member.group_id,
                         e.details())
+
+    async def _drop_member(self, session: Session, member: GroupMember, reason: str) -> None:
+        """One membership ends while its session lives (left, or a join that failed): abort,
+        release its stream ops, close the comm with no operation running, release the rank."""
+        if session.members.get(member.group_id) is not member:
+            return  # the session's teardown has it
+        text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
+        self._abort(member, text)
+        if any(o.member is member for o in session.stream_ops.values()):
+            await asyncio.to_thread(self.stream_ops.release_member, session, member)
+
+        def close() -> None:
+            session.members.pop(member.group_id, None)
+            member.comm.close()
+            session.free_slots.append(member.counter_slot)
+        await asyncio.to_thread(session.executor.exclusive, close)
+        session.members.pop(member.group_id, None)
+        await self._release_rank(member, text)
         self._refresh_gauges()
 
     # -- groups ------------------------------------------------------------------------------
     async def join_group(self, session: Session, req: epd_pb2.JoinGroupRequest) -> GroupMember:
         spec = spec_from_proto(req.spec)
+        self.backend.validate_spec(spec)  # before the rendezvous: every rank fails alike
         if not 0 <= req.rank < spec.num_ranks:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
                                   f"{spec.num_ranks}")
@@ -180,18 +249,19 @@ class Engine(DataPlane):
         try:
             resp = await self._node().Rendezvous(epd_pb2.RendezvousRequest(
                 spec=req.spec, rank=req.rank, engine_index=self.index,
-                session_id=session.session_id, timeout_seconds=timeout), timeout=timeout + 5)
+                session_id=session.session_id, timeout_seconds=timeout),
+                timeout=timeout + NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             raise EpdError(e.code(), e.details() or "rendezvous failed") from None
-        membership = Membership(resp.group_id, req.rank, tuple(resp.rank_engines),
-                                resp.comm_path, resp.nvshmem_uid, resp.heap_offset)
+        membership = Membership.from_rendezvous(req.rank, resp)
         out_path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
                                                      f"{session.session_id}-{resp.group_id}.out")
         try:
-            comm = await self._run(session, self.backend.attach, spec, membership, out_path)
+            comm = await session.executor.run(self.backend.attach, spec, membership, out_path)
         except Exception as e:
             await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
-                group_id=resp.group_id, rank=req.rank, reason=f"attach failed: {e}"), timeout=5)
+                group_id=resp.group_id, rank=req.rank, reason=f"attach failed: {e}"),
+                timeout=NODE_RPC_SECONDS)
             raise
         member = GroupMember(spec, membership, comm, session.free_slots.pop(0))
         session.members[member.group_id] = member
@@ -199,7 +269,7 @@ class Engine(DataPlane):
             await self._node().Rendezvous(epd_pb2.RendezvousRequest(
                 spec=req.spec, rank=req.rank, engine_index=self.index,
                 session_id=session.session_id, timeout_seconds=timeout, attached=True,
-                group_id=resp.group_id), timeout=timeout + 5)
+                group_id=resp.group_id), timeout=timeout + NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             await self._drop_member(session, member, f"attach barrier failed: {e.details()}")
             raise EpdError(e.code(), e.details() or "attach barrier failed") from None
@@ -220,21 +290,24 @@ class Engine(DataPlane):
     # -- fast path ---------------------------------------------------------------------------
     def open_fast_path(self, session: Session,
                        req: epd_pb2.OpenFastPathRequest) -> epd_pb2.OpenFastPathResponse:
-        from .fast_path import FastPathServer
-
         if not self.config.fast_path:
             raise FailedPrecondition("the fast path is disabled on this engine (--fast-path)")
         if session.fast_path is not None:
             raise FailedPrecondition(f"{session.describe()} already has a fast path")
+        if session.executor.closing is not None:
+            raise Aborted(f"{session.describe()} is closing")
         slots = req.slots or self.config.fast_path_slots
-        slot_bytes = req.slot_bytes or 16384
-        if not 1 <= slots <= 1024 or not 4096 <= slot_bytes <= 1 << 20:
-            raise InvalidArgument("slots must lie in [1, 1024] and slot_bytes in "
-                                  "[4096, 1 MiB]")
+        slot_bytes = req.slot_bytes or self.config.fast_path_slot_bytes
+        if not (1 <= slots <= ring_format.MAX_SLOTS
+                and ring_format.MIN_SLOT_BYTES <= slot_bytes <= ring_format.MAX_SLOT_BYTES):
+            raise InvalidArgument(f"slots must lie in [1, {ring_format.MAX_SLOTS}] and "
+                                  f"slot_bytes in [{ring_format.MIN_SLOT_BYTES}, "
+                                  f"{ring_format.MAX_SLOT_BYTES}]")
         path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
                                                  f"{session.session_id}.ring")
         spin = self.config.fast_path_spin_us * 1e-6
         session.fast_path = FastPathServer(self, session, path, slots, slot_bytes, spin)
+        session.executor.attach(session.fast_path)
         session.fast_path.start()
         log.info("%s uses the fast path (%d slots of %d bytes)", session.describe(), slots,
                  slot_bytes)
@@ -244,7 +317,7 @@ class Engine(DataPlane):
     # -- stream-ordered calls -----------------------------------------------------------------
     async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest
                             ) -> epd_pb2.ArmStreamOpResponse:
-        return await self._run(session, self.stream_ops.arm, session, req)
+        return await session.executor.run(self.stream_ops.arm, session, req)
 
     async def disarm_stream_op(self, session: Session, op_id: int) -> None:
         await asyncio.to_thread(self.stream_ops.disarm, session, op_id)
@@ -278,7 +351,7 @@ class Engine(DataPlane):
         if which is None:
             raise InvalidArgument("a region needs shm_path or cuda_ipc_handle")
         rid = "r" + secrets.token_hex(8)
-        region = await self._run(session, lambda: self.backend.open_region(
+        region = await session.executor.run(lambda: self.backend.open_region(
             rid, shm_path=req.shm_path, ipc_handle=req.cuda_ipc_handle, size=req.size_bytes,
             device_ordinal=req.device_ordinal))
         session.regions[rid] = region
@@ -292,20 +365,21 @@ class Engine(DataPlane):
         region = session.regions.pop(region_id, None)
         if region is None:
             raise NotFound(f"region {region_id!r} is not registered by {session.describe()}")
-        # The worker may be reading it: close it in worker order.
-        session.worker.submit(region.close)
+        # A queued call may still read it: close it in worker order.
+        session.executor.later(region.close)
         self._refresh_gauges()
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def drain(self, seconds: float) -> None:
-        """Stop taking sessions, let running collectives finish (bounded), close everything."""
-        self.draining = True
-        deadline = time.monotonic() + seconds
-        while self._inflight and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        """Refuse new sessions and calls (UNAVAILABLE), let the calls in flight on every
+        transport finish (at most `seconds`), then tear every session down (executor order)."""
+        left = await self.state.drain(seconds)
+        if left:
+            log.warning("engine %d: %d call(s) still running after %.1f s; tearing down",
+                        self.index, left, seconds)
         for s in list(self.sessions.values()):
             await self.close_session(s, "engine shutting down")
-        settle = time.monotonic() + 2.0
+        settle = time.monotonic() + SETTLE_SECONDS
         while self.sessions and time.monotonic() < settle:
             await asyncio.sleep(0.01)  # teardowns already under way (streams that just ended)
         self.stream_ops.stop()

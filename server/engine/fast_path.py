@@ -1,10 +1,14 @@
 """Engine side of the same-host fast path: one thread per session serving its request ring.
 
-The thread runs the same synchronous operations as the gRPC transport (Engine.layout_op,
-dispatch_op, combine_op, ll_dispatch_op, ll_combine_op, stats) under the session's operation
-lock, so the two transports give identical results, errors and metrics (labelled
-path="fastpath"). It spins for a bounded time after each request, then sleeps on the ring's
-doorbell futex; every wait has a timeout so a closed session ends the thread.
+The thread serves every operation the registry lets a ring carry (proto/operations.py,
+`ring_id`): it decodes the request with the registry's type, has the engine's `EngineState`
+admit it (refused once the engine drains) and runs the engine's synchronous operation for it
+(`Engine.operation(name)`) through the session's executor, under its operation lock; so the two
+transports give identical results, errors (one mapping, executor.as_epd_error) and metrics
+(labelled path="fastpath"). It spins for a bounded time after each request, then sleeps on the
+ring's doorbell futex; every wait has a timeout so a closed session ends the thread. The session's
+teardown stops it (`stop()`: the current operation finishes and is answered, the thread is joined)
+before anything the operations use is closed.
 """
 
 from __future__ import annotations
@@ -13,34 +17,36 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING
 
+import grpc
+
+from ...proto import operations
 from ...proto import ring as R
-from ...proto.errors import EpdError, PermissionDenied
-from ...proto.v1 import epd_pb2
+from ...proto.errors import EpdError, PermissionDenied, ResourceExhausted, status_value
 from .. import metrics
+from .executor import as_epd_error
+
+if TYPE_CHECKING:
+    from .core import Engine, OperationFn
+    from .state import Session
 
 log = logging.getLogger("epd.engine")
-_REQUESTS = {"GetDispatchLayout": epd_pb2.GetDispatchLayoutRequest,
-             "Dispatch": epd_pb2.DispatchRequest, "Combine": epd_pb2.CombineRequest,
-             "GetStats": epd_pb2.GetStatsRequest,
-             "LowLatencyDispatch": epd_pb2.LowLatencyDispatchRequest,
-             "LowLatencyCombine": epd_pb2.LowLatencyCombineRequest}
 SLEEP_SLICE = 0.1  # longest futex sleep: how fast a closed session is noticed
 FLUSH_EVERY = 256  # requests between metric flushes while busy
+JOIN_SECONDS = 30.0  # stop(): longest wait for the current operation to finish
 
 
 class FastPathServer:
-    def __init__(self, engine, session, path: str, slots: int, slot_bytes: int,
-                 spin_seconds: float) -> None:
+    def __init__(self, engine: Engine, session: Session, path: str, slots: int,
+                 slot_bytes: int, spin_seconds: float) -> None:
         self.engine, self.session = engine, session
         self.ring = R.Ring(path, slots, slot_bytes, create=True)
         self.spin = spin_seconds
         self._stop = False
-        self._ops = {"GetDispatchLayout": engine.layout_op, "Dispatch": engine.dispatch_op,
-                     "Combine": engine.combine_op,
-                     "GetStats": lambda s, req, path: engine.stats(s),
-                     "LowLatencyDispatch": engine.ll_dispatch_op,
-                     "LowLatencyCombine": engine.ll_combine_op}
+        # Ring id -> (registry operation, the engine's function for it).
+        self._ops: dict[int, tuple[operations.Operation, OperationFn]] = {
+            rid: (op, engine.operation(op.name)) for rid, op in operations.BY_RING_ID.items()}
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"epd-fast-{session.session_id[:6]}")
         # Request counts by (method, code), added to the Prometheus counter in batches (when
@@ -52,13 +58,17 @@ class FastPathServer:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop serving (the session is closing): wake the thread, wait for it, free the ring."""
+        """Stop serving (the session is closing): wake the thread, let its current operation
+        finish and be answered, join it, free the ring."""
         self._stop = True
         self.ring.header[R.CLOSED] = 1
         R.futex_wake(self.ring.doorbell_addr)
-        self.thread.join(timeout=30)
         if self.thread.is_alive():
+            self.thread.join(timeout=JOIN_SECONDS)
+        if self.thread.is_alive():  # never unmap under it: the file goes, the mapping stays
             log.error("fast path of %s did not stop", self.session.describe())
+            os.unlink(self.ring.path)
+            return
         self.ring.close(unlink=True)
 
     def _running(self) -> bool:
@@ -103,13 +113,12 @@ class FastPathServer:
             words, payload, state_addr = self.ring.slot((seq - 1) % self.ring.slots)
             if not self._wait_for(words, seq):
                 break
-            method = R.METHODS[words[R.S_METHOD]] if words[R.S_METHOD] < len(R.METHODS) \
-                else "?"
             data = bytes(payload[:int(words[R.S_LENGTH])])
-            status, out = self._handle(method, data)
+            status, out = self._handle(int(words[R.S_METHOD]), data)
             if len(out) > self.ring.capacity:
-                status, out = 8, (f"{method} response of {len(out)} bytes exceeds the ring "
-                                  f"slot ({self.ring.capacity})").encode()  # RESOURCE_EXHAUSTED
+                err = ResourceExhausted(f"response of {len(out)} bytes exceeds the ring slot "
+                                        f"({self.ring.capacity})")
+                status, out = status_value(err.code), err.message.encode()
             payload[:len(out)] = out
             words[R.S_LENGTH] = len(out)
             words[R.S_STATUS] = status
@@ -125,28 +134,36 @@ class FastPathServer:
         for (method, code), n in counts.items():
             metrics.REQUESTS.labels(method, code).inc(n)
 
-    def _handle(self, method: str, data: bytes) -> tuple[int, bytes]:
-        code = "OK"
+    def _handle(self, ring_id: int, data: bytes) -> tuple[int, bytes]:
+        """One request: (status value, response or error message)."""
+        entry = self._ops.get(ring_id)
+        method = entry[0].name if entry is not None else "?"
+        code = grpc.StatusCode.OK
         try:
-            if method == "Ping":
-                return 0, b""
-            op = self._ops.get(method)
-            if op is None:
-                raise EpdError(None, f"unknown fast-path operation {method!r}")
-            req = _REQUESTS[method].FromString(data)
-            # The same lookup (and message) as gRPC; a ring only serves its own session.
-            if self.engine.session(req.session_id) is not self.session:
-                raise PermissionDenied(f"session {req.session_id!r} does not own this ring")
-            with self.session.op_lock:
-                resp = op(self.session, req, "fastpath")
+            if entry is None:
+                raise EpdError(grpc.StatusCode.UNIMPLEMENTED,
+                               f"unknown fast-path operation id {ring_id}")
+            op, fn = entry
+            req = op.request.FromString(data)
+            state = self.engine.state
+            try:
+                state.enter()
+            except EpdError as refused:
+                self.engine.refuse(method, req, refused)
+                raise
+            try:
+                # The same lookup (and message) as gRPC; a ring only serves its own session.
+                sid = getattr(req, "session_id", None)
+                if sid is not None and self.engine.session(sid) is not self.session:
+                    raise PermissionDenied(f"session {sid!r} does not own this ring")
+                resp = self.session.executor.call(fn, self.session, req, "fastpath")
+            finally:
+                state.leave()
             return 0, resp.SerializeToString()
-        except EpdError as e:
-            code = e.code.name
-            return e.code.value[0], e.message.encode()[:self.ring.capacity]
-        except Exception as e:  # a bug: answer INTERNAL and keep serving
-            log.exception("fast path %s failed", method)
-            code = "INTERNAL"
-            return 13, f"{method}: {type(e).__name__}: {e}".encode()[:self.ring.capacity]
+        except Exception as e:  # one mapping; a bug is logged and serving goes on
+            err = as_epd_error(method, e)
+            code = err.code
+            return status_value(err.code), err.message.encode()[:self.ring.capacity]
         finally:
-            key = (method, code)
+            key = (method, code.name)
             self._counts[key] = self._counts.get(key, 0) + 1

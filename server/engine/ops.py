@@ -1,8 +1,10 @@
 """The data-plane operations: layout, dispatch and combine, normal and low-latency mode.
 
-Each is one synchronous function that runs on the session's worker (or the fast-path thread)
-under the session's operation lock: it validates (nothing changes on bad input), runs the rank's
-collective on the backend and returns the proto response. Every transport executes this code.
+Each is one synchronous function `(session, request, path) -> response` that runs on the
+session's executor (executor.py) under its operation lock, on the session's worker for gRPC or on
+the fast-path thread: it validates (nothing changes on bad input), runs the rank's collective on
+the backend and returns the proto response. Every transport executes this code; `Engine.OPERATIONS`
+binds the registry's operation names to these functions.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class DataPlane:
         """Per-membership counters and the byte metrics of one collective."""
         member.bytes_sent += out.bytes_sent
         member.bytes_received += out.bytes_received
-        peer = "shm" if self.backend.name == "cpu" else "nvlink"
+        peer = self.backend.peer_class
         metrics.BYTES_SENT.labels(member.spec.name, peer).inc(out.bytes_sent)
         metrics.BYTES_RECEIVED.labels(member.spec.name, peer).inc(out.bytes_received)
 
@@ -74,22 +76,6 @@ class DataPlane:
         if topk_weights is not None and topk_weights.shape != topk_idx.shape:
             raise InvalidArgument(f"topk_weights has shape {list(topk_weights.shape)}, expected "
                                   f"{list(topk_idx.shape)}")
-
-    # Each data-plane operation is one synchronous function that runs on the session's worker
-    # (validation included), so every transport executes the same code: gRPC awaits it through
-    # `_run`, the shared-memory fast path submits it to the worker directly.
-    async def get_dispatch_layout(self, session: Session,
-                                  req: epd_pb2.GetDispatchLayoutRequest
-                                  ) -> epd_pb2.GetDispatchLayoutResponse:
-        return await self._run(session, self.layout_op, session, req, "grpc")
-
-    async def dispatch(self, session: Session,
-                       req: epd_pb2.DispatchRequest) -> epd_pb2.DispatchResponse:
-        return await self._run(session, self.dispatch_op, session, req, "grpc")
-
-    async def combine(self, session: Session,
-                      req: epd_pb2.CombineRequest) -> epd_pb2.CombineResponse:
-        return await self._run(session, self.combine_op, session, req, "grpc")
 
     def _check_values(self, session: Session, ready_event: bytes, spec: GroupSpec,
                       topk_idx) -> np.ndarray | None:
@@ -300,14 +286,6 @@ class DataPlane:
         return resp
 
     # -- low-latency mode --------------------------------------------------------------------
-    async def low_latency_dispatch(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest
-                                   ) -> epd_pb2.LowLatencyDispatchResponse:
-        return await self._run(session, self.ll_dispatch_op, session, req, "grpc")
-
-    async def low_latency_combine(self, session: Session, req: epd_pb2.LowLatencyCombineRequest
-                                  ) -> epd_pb2.LowLatencyCombineResponse:
-        return await self._run(session, self.ll_combine_op, session, req, "grpc")
-
     def _check_distinct(self, topk_idx) -> None:
         """Low-latency mode sends one row per (token, expert): a token may not name an expert
         twice."""

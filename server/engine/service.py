@@ -1,64 +1,162 @@
-"""gRPC transport of the engine: decode, call the Engine, encode; errors become statuses."""
+"""gRPC transport of the engine: decode, admit, call the Engine, encode; errors become statuses.
+
+Every unary method of the Engine service in the registry (proto/operations.py) is served by one
+wrapper: the engine's `EngineState` admits the call (UNAVAILABLE once the engine drains; counted
+in flight), the handler runs, and any exception goes through the one mapping
+(executor.as_epd_error) to a status. Collectives run the engine's synchronous operation on the
+session's executor (`Engine.operation`, the same function the fast path runs); the other methods
+have a handler in `CONTROL`. OpenSession, the session's lease, is the one streaming method.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import Message
 
-from ...proto import counter_page
+from ...proto import counter_page, operations
 from ...proto.errors import EpdError
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
 from .. import __version__, metrics
 from .core import Engine
+from .executor import as_epd_error
 
 log = logging.getLogger("epd.engine")
+Handler = Callable[[Engine, Message], Awaitable[Message]]
 
 
-def _unary(method):
-    """Map EpdError to its status, count every request by code, never leak a traceback."""
-    name = method.__name__
+# -- handlers of the methods that are not collectives -------------------------------------------
+async def _join_group(e: Engine, request: epd_pb2.JoinGroupRequest) -> epd_pb2.JoinGroupResponse:
+    m = await e.join_group(e.session(request.session_id), request)
+    region = m.comm.output_region
+    return epd_pb2.JoinGroupResponse(
+        group_id=m.group_id, rank=m.rank, output_region_id=region.region_id,
+        output_region_path=getattr(region, "path", ""),
+        output_region_ipc=getattr(region, "ipc_handle", b""),
+        output_region_bytes=region.size, counter_slot=m.counter_slot)
 
-    @functools.wraps(method)
-    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+
+async def _leave_group(e: Engine, request: epd_pb2.LeaveGroupRequest
+                       ) -> epd_pb2.LeaveGroupResponse:
+    await e.leave_group(e.session(request.session_id), request.group_id)
+    return epd_pb2.LeaveGroupResponse()
+
+
+async def _register_region(e: Engine, request: epd_pb2.RegisterRegionRequest
+                           ) -> epd_pb2.RegisterRegionResponse:
+    region = await e.register_region(e.session(request.session_id), request)
+    return epd_pb2.RegisterRegionResponse(region_id=region.region_id, size_bytes=region.size)
+
+
+async def _unregister_region(e: Engine, request: epd_pb2.UnregisterRegionRequest
+                             ) -> epd_pb2.UnregisterRegionResponse:
+    e.unregister_region(e.session(request.session_id), request.region_id)
+    return epd_pb2.UnregisterRegionResponse()
+
+
+async def _get_stats(e: Engine, request: epd_pb2.GetStatsRequest) -> epd_pb2.GetStatsResponse:
+    # Without a session id: every session's memberships (an operator's view).
+    return e.stats(e.session(request.session_id) if request.session_id else None)
+
+
+async def _open_fast_path(e: Engine, request: epd_pb2.OpenFastPathRequest
+                          ) -> epd_pb2.OpenFastPathResponse:
+    return e.open_fast_path(e.session(request.session_id), request)
+
+
+async def _ping(e: Engine, request: epd_pb2.PingRequest) -> epd_pb2.PingResponse:
+    return epd_pb2.PingResponse()
+
+
+async def _arm_stream_op(e: Engine, request: epd_pb2.ArmStreamOpRequest
+                         ) -> epd_pb2.ArmStreamOpResponse:
+    return await e.arm_stream_op(e.session(request.session_id), request)
+
+
+async def _disarm_stream_op(e: Engine, request: epd_pb2.DisarmStreamOpRequest
+                            ) -> epd_pb2.DisarmStreamOpResponse:
+    await e.disarm_stream_op(e.session(request.session_id), request.op_id)
+    return epd_pb2.DisarmStreamOpResponse()
+
+
+CONTROL: dict[str, Handler] = {
+    "JoinGroup": _join_group, "LeaveGroup": _leave_group, "RegisterRegion": _register_region,
+    "UnregisterRegion": _unregister_region, "GetStats": _get_stats,
+    "OpenFastPath": _open_fast_path, "Ping": _ping, "ArmStreamOp": _arm_stream_op,
+    "DisarmStreamOp": _disarm_stream_op}
+
+
+def _collective(name: str) -> Handler:
+    async def run(e: Engine, request: Message) -> Message:
+        s = e.session(request.session_id)
+        return await s.executor.run(e.operation(name), s, request, "grpc")
+    return run
+
+
+def handler(name: str) -> Handler:
+    """The handler of a unary registry operation (KeyError if it has none)."""
+    if name in CONTROL:
+        return CONTROL[name]
+    if name in operations.COLLECTIVES and name in Engine.OPERATIONS:
+        return _collective(name)
+    raise KeyError(f"no gRPC handler for Engine operation {name!r}")
+
+
+def _unary(engine: Engine, name: str, fn: Handler):
+    """Admit, run, map errors to a status, count every request by code."""
+
+    async def method(request: Message, context: grpc.aio.ServicerContext) -> Message:
         code = grpc.StatusCode.OK
         try:
-            return await method(self, request, context)
-        except EpdError as e:
-            code = e.code
-            await context.abort(e.code, e.message)
+            try:
+                engine.state.enter()
+            except EpdError as refused:
+                await asyncio.to_thread(engine.refuse, name, request, refused)
+                raise
+            try:
+                return await fn(engine, request)
+            finally:
+                engine.state.leave()
         except grpc.aio.AbortError:
             raise
-        except Exception as e:  # a bug, not a client error: keep serving, say what happened
-            code = grpc.StatusCode.INTERNAL
-            log.exception("%s failed", name)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(e).__name__}: {e}")
+        except Exception as exc:  # one mapping: a bug is logged and serving goes on
+            err = as_epd_error(name, exc)
+            code = err.code
+            await context.abort(err.code, err.message)
         finally:
             metrics.REQUESTS.labels(name, code.name).inc()
 
-    return wrapper
+    method.__name__ = name
+    return method
 
 
 class EngineService(epd_pb2_grpc.EngineServicer):
+    """The Engine service: OpenSession here, every unary method from the registry."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        for op in operations.OPERATIONS.values():
+            if not op.streaming:
+                setattr(self, op.name, _unary(engine, op.name, handler(op.name)))
 
-    async def OpenSession(self, request, context):
+    async def OpenSession(self, request: epd_pb2.OpenSessionRequest,
+                          context: grpc.aio.ServicerContext):
         e = self.engine
         try:
             session = e.open_session(request.client_name, request.pid)
-        except EpdError as err:
+        except Exception as exc:  # the same mapping as every other method
+            err = as_epd_error("OpenSession", exc)
             metrics.REQUESTS.labels("OpenSession", err.code.name).inc()
             await context.abort(err.code, err.message)
         metrics.REQUESTS.labels("OpenSession", "OK").inc()
-        info = e.backend.device_info()
         try:
+            info = e.backend.device_info()
             yield epd_pb2.SessionEvent(opened=epd_pb2.SessionOpened(
                 session_id=session.session_id, counter_page_path=session.counter_path,
-                counter_page_bytes=counter_page.PAGE_BYTES,
-                backend=epd_pb2.CUDA if e.backend.name == "cuda" else epd_pb2.CPU,
+                counter_page_bytes=counter_page.PAGE_BYTES, backend=e.backend.proto_kind,
                 engine_index=e.index, device_ordinal=int(info.get("ordinal", 0)),
                 version=__version__, default_timeout_seconds=e.config.timeout_seconds))
             # The stream is the lease: it ends when the client closes it or its process dies.
@@ -66,83 +164,3 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         finally:
             # Shielded: a second cancellation must not leave the session half torn down.
             await asyncio.shield(e.close_session(session, "disconnected (session stream ended)"))
-
-    @_unary
-    async def JoinGroup(self, request, context):
-        s = self.engine.session(request.session_id)
-        m = await self.engine.join_group(s, request)
-        region = m.comm.output_region
-        return epd_pb2.JoinGroupResponse(
-            group_id=m.group_id, rank=m.rank, output_region_id=region.region_id,
-            output_region_path=getattr(region, "path", ""),
-            output_region_ipc=getattr(region, "ipc_handle", b""),
-            output_region_bytes=region.size, counter_slot=m.counter_slot)
-
-    @_unary
-    async def LeaveGroup(self, request, context):
-        s = self.engine.session(request.session_id)
-        await self.engine.leave_group(s, request.group_id)
-        return epd_pb2.LeaveGroupResponse()
-
-    @_unary
-    async def RegisterRegion(self, request, context):
-        s = self.engine.session(request.session_id)
-        region = await self.engine.register_region(s, request)
-        return epd_pb2.RegisterRegionResponse(region_id=region.region_id,
-                                              size_bytes=region.size)
-
-    @_unary
-    async def UnregisterRegion(self, request, context):
-        s = self.engine.session(request.session_id)
-        self.engine.unregister_region(s, request.region_id)
-        return epd_pb2.UnregisterRegionResponse()
-
-    @_unary
-    async def GetDispatchLayout(self, request, context):
-        s = self.engine.session(request.session_id)
-        return await self.engine.get_dispatch_layout(s, request)
-
-    @_unary
-    async def Dispatch(self, request, context):
-        s = self.engine.session(request.session_id)
-        return await self.engine.dispatch(s, request)
-
-    @_unary
-    async def Combine(self, request, context):
-        s = self.engine.session(request.session_id)
-        return await self.engine.combine(s, request)
-
-    @_unary
-    async def LowLatencyDispatch(self, request, context):
-        s = self.engine.session(request.session_id)
-        return await self.engine.low_latency_dispatch(s, request)
-
-    @_unary
-    async def LowLatencyCombine(self, request, context):
-        s = self.engine.session(request.session_id)
-        return await self.engine.low_latency_combine(s, request)
-
-    @_unary
-    async def GetStats(self, request, context):
-        s = self.engine.session(request.session_id) if request.session_id else None
-        return self.engine.stats(s)
-
-    @_unary
-    async def OpenFastPath(self, request, context):
-        s = self.engine.session(request.session_id)
-        return self.engine.open_fast_path(s, request)
-
-    @_unary
-    async def Ping(self, request, context):
-        return epd_pb2.PingResponse()
-
-    @_unary
-    async def ArmStreamOp(self, request, context):
-        s = self.engine.session(request.session_id)
-        return await self.engine.arm_stream_op(s, request)
-
-    @_unary
-    async def DisarmStreamOp(self, request, context):
-        s = self.engine.session(request.session_id)
-        await self.engine.disarm_stream_op(s, request.op_id)
-        return epd_pb2.DisarmStreamOpResponse()

@@ -8,14 +8,11 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...proto import counter_page, dtypes
-from ...proto.errors import (
-    InvalidArgument,
-)
+from ...proto.errors import InvalidArgument
 from ...proto.v1 import epd_pb2
 from ..backends.base import (
     CounterPage,
@@ -24,6 +21,11 @@ from ..backends.base import (
     RankComm,
     Region,
 )
+from .executor import SessionExecutor
+
+if TYPE_CHECKING:
+    from .fast_path import FastPathServer
+    from .stream_ops import StreamOp
 
 GROUP_DTYPES = (epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32)
 """A group's x_dtype is its combine dtype; dispatch carries it or FP8 (e4m3 + float32 scales)."""
@@ -119,20 +121,22 @@ class Session:
     pid: int
     counter_page: CounterPage
     counter_path: str
-    worker: ThreadPoolExecutor
+    # Runs the session's operations, whichever transport brought them, and tears it down.
+    executor: SessionExecutor
     regions: dict[str, Region] = field(default_factory=dict)
     members: dict[str, GroupMember] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=lambda: list(range(counter_page.NUM_SLOTS)))
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     teardown_done: bool = False
     events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
-    # Held while an operation runs, whichever transport brought it (gRPC via the worker, or
-    # the fast-path thread): a session's operations never overlap.
-    op_lock: threading.Lock = field(default_factory=threading.Lock)
-    fast_path: Any = None
-    stream_ops: dict[int, Any] = field(default_factory=dict)  # armed ops (stream_ops.py)
+    fast_path: FastPathServer | None = None
+    stream_ops: dict[int, StreamOp] = field(default_factory=dict)  # armed (stream_ops.py)
+
+    @property
+    def op_lock(self) -> threading.Lock:
+        """Held while an operation runs, on any thread: a session's operations never overlap."""
+        return self.executor.op_lock
 
     def describe(self) -> str:
         return f"session {self.session_id} ({self.client_name or 'client'}, pid {self.pid})"
-
 

@@ -9,6 +9,10 @@ thread per engine watches the doorbells of every armed op: it clears the doorbel
 op's kernels on the rank's stream without any host synchronisation, and a last kernel writes
 `done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
 `stream_op_spin_us` after the last trigger, then polls every `stream_op_poll_us`.
+
+The poller launches under the session executor's operation lock (`Session.op_lock`), like any
+other operation of the session; a session's teardown releases its ops (`armed = False`) under
+that lock before anything they use is closed, so a trigger seen later launches nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +21,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...proto import counter_page
+from ...proto import abi, counter_page
 from ...proto.errors import (
     EpdError,
     FailedPrecondition,
@@ -32,13 +36,19 @@ from ...proto.errors import (
 from ...proto.v1 import epd_pb2
 from .. import metrics
 from . import tensors
+from .executor import as_epd_error
 from .ops import ll_dispatch_response
 from .state import GroupMember, Session
 
+if TYPE_CHECKING:
+    from .core import Engine
+
 log = logging.getLogger("epd.engine")
-REQUEST, DONE = 0, 1  # int32 words of the op's counter slot
-DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3
+REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE  # int32 words of the op's counter slot
+DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
 KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
+IDLE_WAIT_SECONDS = 1.0  # the poller's sleep with nothing armed (arming wakes it)
+STOP_SECONDS = 10.0  # stop(): longest wait for the poller thread
 
 
 @dataclass
@@ -58,7 +68,7 @@ class StreamOp:
 class StreamOps:
     """Arming, disarming and the poller thread of one engine."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.ops: dict[int, StreamOp] = {}
         self._next_id = 1
@@ -171,7 +181,7 @@ class StreamOps:
         self._stop = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(timeout=10)
+            self._thread.join(timeout=STOP_SECONDS)
 
     def _poll(self) -> None:
         self.engine.backend.thread_init()
@@ -181,7 +191,7 @@ class StreamOps:
         while not self._stop:
             ops = list(self.ops.values())
             if not ops:  # nothing armed: sleep until an op is armed
-                self._wake.wait(timeout=1.0)
+                self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 continue
             fired = False
@@ -211,8 +221,10 @@ class StreamOps:
             metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind).observe(
                 time.perf_counter() - t0)
         except Exception as e:  # answer through the done word, keep polling
-            code = e.code.name if isinstance(e, EpdError) else "INTERNAL"
+            err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
+            code = err.code.name
             op.words[DONE] = DONE_FAILED | (0xFF << 8)
-            log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
+            if isinstance(e, EpdError):
+                log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
             metrics.REQUESTS.labels(f"Stream{op.kind}", code).inc()

@@ -16,8 +16,6 @@ from ...proto.errors import InvalidArgument, NotFound
 from ...proto.v1 import epd_pb2
 from ..backends.base import Array, Region
 
-MAX_DIMS = 4
-
 
 def is_set(desc: epd_pb2.TensorDesc) -> bool:
     return bool(desc.region_id)

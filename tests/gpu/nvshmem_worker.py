@@ -24,16 +24,19 @@ class PeGroup:
         import cupy as cp
         import nvshmem.core as nc
 
+        from epd.proto import dtypes
         from epd.proto.dtypes import BFLOAT16
         from epd.server.backends import cuda_kernels as ck
         from epd.server.backends import cuda_runtime as rt
+        from epd.server.backends.base import GroupSpec
+        from epd.server.backends.cuda_plan import membership_layout
 
         r = npes * per_pe
         self.num_ranks = r
-        self.layout = ck.RankBufferLayout.build(
-            num_ranks=r, num_experts=num_experts, hidden=hidden, num_topk=num_topk,
-            max_tokens_per_rank=max_tokens, x_itemsize=2, y_itemsize=2, with_scales=False)
-        size = self.layout.total_bytes
+        spec = GroupSpec("nvshmem-test", r, num_experts, hidden, max_tokens, num_topk,
+                         dtypes.from_numpy(BFLOAT16))
+        self.layout = membership_layout(spec).kernel  # the daemon's layout
+        size = membership_layout(spec).slot_bytes
         self.heap = nc.array((per_pe * size,), dtype="uint8")  # collective, same order on all
         self.heap.fill(0)
         bases = []

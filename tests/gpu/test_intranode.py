@@ -15,9 +15,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def rt():
-    from epd.server.backends import cuda_runtime
+    from . import local_group
 
-    return cuda_runtime
+    return local_group
 
 
 def group(rt, r: int, e: int, k: int, h: int, max_tokens: int, dtype=None, **kw):

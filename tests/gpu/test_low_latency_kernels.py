@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _group(r: int, e: int, k: int, h: int, m: int):
-    from epd.server.backends import cuda_runtime as rt
+    from .local_group import LocalGroup
 
-    return rt.LocalGroup(r, e, h, k, m, BFLOAT16, low_latency=True)
+    return LocalGroup(r, e, h, k, m, BFLOAT16, low_latency=True)
 
 
 def _rows_by_source(src_rank: np.ndarray, src_idx: np.ndarray, count: int) -> dict:

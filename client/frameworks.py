@@ -1,0 +1,15 @@
+"""Which array libraries the calling process has loaded.
+
+An object can only be a torch tensor once torch is imported, so the client asks `sys.modules`
+and never pays for the import (seconds in a fresh process) on behalf of a NumPy or CuPy caller.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+
+def torch_if_loaded() -> ModuleType | None:
+    """torch if this process has imported it, else None."""
+    return sys.modules.get("torch")

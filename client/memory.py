@@ -1,0 +1,349 @@
+"""Where a session's tensors live: one memory strategy per session, chosen once at open from the
+engine's backend (`SessionOpened.backend`); the rest of the client calls it and never asks which
+backend it talks to.
+
+* `ShmMemory` (cpu backend): inputs reach the engine through files in /dev/shm that both
+  processes map. Arrays from `empty()` live in a registered region and travel without a copy;
+  any other array is copied once into the session's staging region. A group's outputs are a
+  file the client maps at join.
+* `CudaIpcMemory` (cuda backend): device tensors travel as (CUDA IPC region, offset), the region
+  being the tensor's whole allocation, registered once and cached by its IPC handle; an
+  interprocess event recorded on the caller's stream orders the engine after it. A group's
+  outputs are views into the engine's output heap, mapped once per heap. The counter page is
+  registered with CUDA for stream-ordered calls (client/stream_ops.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..proto import dtypes
+from ..proto.errors import FailedPrecondition, InvalidArgument
+from ..proto.v1 import epd_pb2
+from . import tensors as T
+from .tensors import Array
+
+if TYPE_CHECKING:
+    from . import cuda_ipc
+
+MAX_DEVICE_REGIONS = 1024  # cached CUDA IPC registrations per session (oldest dropped)
+MIN_STAGING_BYTES = 1 << 20  # the staging region starts at this size and doubles as needed
+
+# A call's tensor fields: TensorDesc per tensor, plus `ready_event` (bytes) on the cuda backend.
+Descs = dict[str, epd_pb2.TensorDesc | bytes]
+# What a strategy needs from its session: register a region (returns its id), unregister one.
+Register = Callable[[epd_pb2.RegisterRegionRequest], str]
+Unregister = Callable[[str], None]
+
+
+def _desc(region_id: str, offset: int, shape: tuple[int, ...], dtype: int,
+          strides: tuple[int, ...]) -> epd_pb2.TensorDesc:
+    return epd_pb2.TensorDesc(region_id=region_id, offset_bytes=offset, shape=list(shape),
+                              dtype=dtype, strides=list(strides))
+
+
+class OutputRegion(abc.ABC):
+    """The region the engine writes one group membership's outputs into."""
+
+    def __init__(self, region_id: str) -> None:
+        self.region_id = region_id
+
+    @abc.abstractmethod
+    def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
+        """An output as the template's array type: a copy, or a view valid until the engine
+        writes the same output again."""
+
+    def close(self) -> None:  # noqa: B027  (only file-mapped outputs hold something)
+        """The membership ended."""
+
+
+class Memory(abc.ABC):
+    """How one session's tensors reach its engine and its outputs come back."""
+
+    backend: str  # "cpu" or "cuda": the engine backend this strategy serves
+    supports_stream_ops = False  # stream-ordered calls (counter page mapped for CUDA streams)
+
+    @abc.abstractmethod
+    def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
+        """Descriptors of a call's input tensors (None entries are left out). `event`: order
+        the engine after the caller's stream (cuda; stream-ordered calls arm without one)."""
+
+    def write_back(self, name: str, user: Array) -> None:  # noqa: B027  (a no-op unless staged)
+        """After a call that updates input `name` in place (out=, cumulative stats): make the
+        caller's array see the engine's result."""
+
+    @abc.abstractmethod
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Array = None) -> Array:
+        """An uninitialised array the engine reads without a copy (`like`: its array type)."""
+
+    @abc.abstractmethod
+    def outputs(self, resp: epd_pb2.JoinGroupResponse) -> OutputRegion:
+        """Map the output region of a membership the engine just created."""
+
+    @abc.abstractmethod
+    def from_host(self, a: np.ndarray) -> Array:
+        """Host data as an input this session takes (a copy on the device for cuda)."""
+
+    @abc.abstractmethod
+    def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
+        """An output as a NumPy array (`dtype`: the logical type, for bits CuPy carries)."""
+
+    def counter_page_device_ptr(self) -> int:
+        """The counter page's address for this process's CUDA streams (stream-ordered calls)."""
+        raise FailedPrecondition("stream-ordered calls need the cuda backend")
+
+    def is_capturing(self, template: Array) -> bool:
+        """Whether the caller's current stream is capturing a CUDA graph."""
+        return False
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the session mapped or allocated (the session is ending)."""
+
+
+def for_backend(backend: int, register: Register, unregister: Unregister,
+                counter_file: T.ShmFile, device: int) -> Memory:
+    """The strategy for the engine's backend (an `epd_pb2.Backend` value)."""
+    if backend == epd_pb2.CUDA:
+        return CudaIpcMemory(register, unregister, counter_file, device)
+    return ShmMemory(register, unregister)
+
+
+# ------------------------------------------------------------------------------------------------
+# cpu backend: shared-memory files
+# ------------------------------------------------------------------------------------------------
+
+class MappedFileOutputs(OutputRegion):
+    def __init__(self, resp: epd_pb2.JoinGroupResponse) -> None:
+        super().__init__(resp.output_region_id)
+        self._file = T.ShmFile.open(resp.output_region_path, resp.output_region_bytes)
+
+    def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
+        arr = self._file.view(d.offset_bytes, tuple(d.shape), dtypes.to_numpy(d.dtype),
+                              tuple(d.strides))
+        return T.like(arr.copy() if copy else arr, template)
+
+    def close(self) -> None:
+        self._file.close(unlink=False)
+
+
+class ShmMemory(Memory):
+    backend = "cpu"
+
+    def __init__(self, register: Register, unregister: Unregister) -> None:
+        self._register, self._unregister = register, unregister
+        self.staging = T.Staging()
+        self.staged: dict[str, np.ndarray] = {}  # the last call's staged copies, by name
+        self.user_regions: list[T.ShmFile] = []  # from empty()
+
+    def _register_file(self, f: T.ShmFile) -> None:
+        try:
+            f.region_id = self._register(epd_pb2.RegisterRegionRequest(shm_path=f.path,
+                                                                       size_bytes=f.size))
+        except BaseException:
+            f.close(unlink=True)
+            raise
+        # Both sides have it mapped now: the name can go, so no file outlives this process
+        # however it ends.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f.path)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Array = None) -> Array:
+        nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
+        f = T.ShmFile.create(nbytes)
+        self._register_file(f)
+        self.user_regions.append(f)
+        return T.like(f.view(0, shape, dtype), like)
+
+    def _region_of(self, arr: np.ndarray) -> T.ShmFile | None:
+        if arr.size == 0:
+            return None
+        lo = arr.ctypes.data
+        return next((f for f in self.user_regions if f.base <= lo < f.base + f.size), None)
+
+    def _grow_staging(self, nbytes: int) -> None:
+        old = self.staging.file
+        f = T.ShmFile.create(max(MIN_STAGING_BYTES, 1 << (2 * nbytes - 1).bit_length()))
+        self._register_file(f)
+        self.staging.file = f
+        self.staging.reset()
+        if old is not None:
+            self._unregister(old.region_id)
+            old.close(unlink=True)
+
+    def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
+        self.staged = {}
+        out: Descs = {}
+        staged: dict[str, np.ndarray] = {}
+        for name, a in arrays.items():
+            if a is None:
+                continue
+            arr = T.to_numpy(a, name)
+            wire = T.wire_dtype(arr.dtype, name)
+            region = self._region_of(arr)
+            if region is not None:
+                out[name] = _desc(region.region_id, arr.ctypes.data - region.base, arr.shape,
+                                  wire, T.element_strides(arr))
+            else:
+                staged[name] = np.ascontiguousarray(arr)
+        self.staging.reset()
+        total = sum(T.Staging.footprint(a) for a in staged.values())
+        if staged and self.staging.need(total):
+            self._grow_staging(total)
+        for name, arr in staged.items():
+            off, dst = self.staging.put(arr)
+            out[name] = _desc(self.staging.region_id, off, dst.shape,
+                              dtypes.from_numpy(dst.dtype), T.element_strides(dst))
+            self.staged[name] = dst
+        return out
+
+    def write_back(self, name: str, user: Array) -> None:
+        dst = self.staged.get(name)
+        if dst is not None:
+            T.to_numpy(user, name)[...] = dst
+
+    def outputs(self, resp: epd_pb2.JoinGroupResponse) -> OutputRegion:
+        return MappedFileOutputs(resp)
+
+    def from_host(self, a: np.ndarray) -> Array:
+        return a
+
+    def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
+        return T.to_numpy(a, "output")
+
+    def close(self) -> None:
+        for f in [*self.user_regions, self.staging.file]:
+            if f is not None:
+                f.close(unlink=True)
+        self.user_regions.clear()
+        self.staging.file = None
+
+
+# ------------------------------------------------------------------------------------------------
+# cuda backend: CUDA IPC
+# ------------------------------------------------------------------------------------------------
+
+class HeapOutputs(OutputRegion):
+    def __init__(self, region_id: str, heap: cuda_ipc.MappedHeap) -> None:
+        super().__init__(region_id)
+        self._heap = heap  # shared by the session's memberships; the strategy closes it
+
+    def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
+        return self._heap.view(d, copy, template)
+
+
+class CudaIpcMemory(Memory):
+    backend = "cuda"
+    supports_stream_ops = True
+
+    def __init__(self, register: Register, unregister: Unregister, counter_file: T.ShmFile,
+                 device: int) -> None:
+        self._register, self._unregister = register, unregister
+        self._counter_file, self.device = counter_file, device
+        self._regions: OrderedDict[bytes, str] = OrderedDict()  # IPC handle -> region id
+        self._heaps: dict[bytes, cuda_ipc.MappedHeap] = {}  # engine output heaps, by handle
+        self._heap_region: dict[bytes, str] = {}  # heap handle -> its latest region id
+        self._ready_event: cuda_ipc.ReadyEvent | None = None
+        self._page: cuda_ipc.MappedPage | None = None
+
+    def _any_region(self, name: str) -> str:
+        rid = next(iter(self._regions.values()), None) or next(
+            iter(self._heap_region.values()), None)
+        if rid is None:
+            raise FailedPrecondition(f"{name}: an empty tensor before any group was joined")
+        return rid
+
+    def _region_of(self, v: cuda_ipc.DeviceView) -> tuple[str, int]:
+        from . import cuda_ipc
+
+        for handle, heap in self._heaps.items():  # an output of ours passed back in
+            if heap.ptr <= v.ptr < heap.ptr + heap.size:
+                return self._heap_region[handle], v.ptr - heap.ptr
+        base, size = cuda_ipc.allocation_of(v.ptr)
+        handle = cuda_ipc.ipc_handle(base, v.device)
+        rid = self._regions.get(handle)
+        if rid is None:
+            rid = self._regions[handle] = self._register(epd_pb2.RegisterRegionRequest(
+                cuda_ipc_handle=handle, size_bytes=size, device_ordinal=v.device))
+            if len(self._regions) > MAX_DEVICE_REGIONS:
+                _, old = self._regions.popitem(last=False)
+                self._unregister(old)
+        return rid, v.ptr - base
+
+    def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
+        from . import cuda_ipc
+
+        out: Descs = {}
+        template: Array = None
+        for name, a in arrays.items():
+            if a is None:
+                continue
+            if not cuda_ipc.is_device_array(a):
+                raise InvalidArgument(f"{name}: the engine runs the cuda backend and takes CUDA "
+                                      f"tensors (torch on 'cuda' or CuPy); got "
+                                      f"{type(a).__name__}")
+            v = cuda_ipc.describe_device(a, name)
+            template = template if template is not None else a
+            if v.ptr and all(v.shape):
+                rid, offset = self._region_of(v)
+            else:  # empty: no allocation; any region, offset 0
+                rid, offset = self._any_region(name), 0
+            out[name] = _desc(rid, offset, v.shape, v.dtype, v.strides)
+        if template is not None and event:
+            if self._ready_event is None:
+                self._ready_event = cuda_ipc.ReadyEvent(self.device)
+            out["ready_event"] = self._ready_event.record(template)
+        return out
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Array = None) -> Array:
+        """A device array on the engine's GPU (torch when `like` is torch, else CuPy with
+        bfloat16/float8 as their uint16/uint8 bits); registered at its first use."""
+        from . import cuda_ipc
+        return cuda_ipc.device_empty(shape, dtype, self.device, torch=T.is_torch(like))
+
+    def from_host(self, a: np.ndarray) -> Array:
+        """A CuPy copy on the engine's GPU (bfloat16 / float8 as their uint16 / uint8 bits)."""
+        from . import cuda_ipc
+        return cuda_ipc.device_copy(a, self.device)
+
+    def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
+        from . import cuda_ipc
+        return cuda_ipc.host_copy(a, dtype)
+
+    def outputs(self, resp: epd_pb2.JoinGroupResponse) -> OutputRegion:
+        from . import cuda_ipc
+
+        handle = resp.output_region_ipc
+        heap = self._heaps.get(handle)
+        if heap is None:
+            heap = self._heaps[handle] = cuda_ipc.MappedHeap(handle, resp.output_region_bytes,
+                                                             self.device)
+        self._heap_region[handle] = resp.output_region_id
+        return HeapOutputs(resp.output_region_id, heap)
+
+    def counter_page_device_ptr(self) -> int:
+        from . import cuda_ipc
+
+        if self._page is None:
+            self._page = cuda_ipc.MappedPage(self._counter_file.base, self._counter_file.size,
+                                             self.device)
+        return self._page.device_ptr
+
+    def is_capturing(self, template: Array) -> bool:
+        from . import cuda_ipc
+        return cuda_ipc.is_capturing(template)
+
+    def close(self) -> None:
+        for heap in self._heaps.values():
+            heap.close()
+        self._heaps.clear()
+        if self._page is not None:
+            self._page.close()  # before the session unmaps the counter page, never after
+            self._page = None

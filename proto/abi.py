@@ -1,0 +1,84 @@
+"""The binary interface shared by Python (client, engine, CUDA driver) and the CUDA kernels.
+
+One definition of every number both sides must agree on. cuda/epd_common.cuh and the kernel
+files repeat them as #defines (NVRTC compiles them without Python); tests/test_abi.py parses the
+CUDA sources and fails when a value drifts, and checks every launch's argument list against the
+kernel's signature.
+"""
+
+from __future__ import annotations
+
+# -- ranks -------------------------------------------------------------------------------------
+MAX_RANKS = 8  # EPD_MAX_RANKS: most ranks of one CUDA group (one bit each in a token's mask)
+MAX_TOPK = 32  # largest num_topk the intranode kernels take
+LL_MAX_LOCAL_EXPERTS = 1024  # low-latency mode: local experts per rank
+ALIGN = 256  # alignment of every sub-buffer of a rank's heap slot (bytes)
+
+# -- launch shapes (the kernels' __launch_bounds__) ----------------------------------------------
+NOTIFY_THREADS = 1024
+DATA_THREADS = 512
+LL_THREADS = 512
+DEFAULT_NUM_SMS = 24  # blocks of the normal-mode data kernels unless --num-sms says otherwise
+DEFAULT_LL_NUM_SMS = 64  # blocks of the low-latency kernels unless --ll-num-sms says otherwise
+
+# -- control block at the start of every rank buffer (u64 words) -------------------------------
+CTRL_ABORT = 0  # nonzero: the group was aborted (value = code)
+CTRL_ERR_CODE = 1  # first error seen by this rank's kernels
+CTRL_ERR_RANK = 2  # the rank that did not arrive (or -1)
+CTRL_ERR_PHASE = 3  # which wait failed (PHASE_*)
+CTRL_ERR_SEQ = 4  # sequence of the failed collective
+CTRL_TICKET = 6
+CTRL_NOTIFY_FLAG = 8
+CTRL_DISPATCH_FLAG = 16
+CTRL_DISPATCH_ENTRY = 24
+CTRL_COMBINE_FLAG = 32
+CTRL_COMBINE_ENTRY = 40
+CTRL_LL_DISPATCH_FLAG = 48
+CTRL_LL_COMBINE_FLAG = 56
+CTRL_LL_READY_FLAG = 64
+CTRL_LL_COMBINE_READY = 72
+CTRL_PAYLOAD_BYTES = 1024  # notify payload: [MAX_RANKS][MAX_RANKS + L] int32 per source slot
+
+# abort word = ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED: peers learn who left
+ABORT_RANK_SHIFT = 8
+
+# -- error codes (control block, counter-page status, stream-op done word) ---------------------
+ERR_DEADLINE = 1
+ERR_ABORTED = 2
+ERR_WORST_OVERFLOW = 3
+ERR_BAD_INPUT = 4  # an expert id out of range, or a combine entry never dispatched
+ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
+               ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
+               ERR_BAD_INPUT: "bad expert id"}
+
+PHASE_NOTIFY = 1
+PHASE_DISPATCH_ENTRY = 2
+PHASE_DISPATCH_DONE = 3
+PHASE_COMBINE_ENTRY = 4
+PHASE_COMBINE_DONE = 5
+PHASE_LL_DISPATCH = 6
+PHASE_LL_COMBINE = 7
+PHASE_NAMES = {PHASE_NOTIFY: "notify", PHASE_DISPATCH_ENTRY: "dispatch entry",
+               PHASE_DISPATCH_DONE: "dispatch completion", PHASE_COMBINE_ENTRY: "combine entry",
+               PHASE_COMBINE_DONE: "combine completion",
+               PHASE_LL_DISPATCH: "low-latency dispatch", PHASE_LL_COMBINE: "low-latency combine"}
+
+# -- counter page (proto/counter_page.py describes the protocol) -------------------------------
+SLOT_BYTES = 4096
+NUM_SLOTS = 64
+SLOT_SEQ = 0
+SLOT_NUM_RECV = 1
+SLOT_NUM_EXPERTS = 2
+SLOT_STATUS = 3
+SLOT_ERR_RANK = 4  # on error: the rank that did not arrive (-1 when unknown)
+SLOT_HEADER = 8  # per-expert counts start at this word
+
+# -- stream-ordered ops: int32 words of the op's counter slot ----------------------------------
+STREAM_REQUEST, STREAM_DONE = 0, 1
+DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
+DONE_CODE_SHIFT = 8
+
+# -- FP8 (DeepEP's per-token, per-128-channel e4m3 with float32 scales) -------------------------
+FP8_BLOCK = 128  # channels per scale
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_AMAX_MIN = 1e-4  # amax is clamped to at least this before scale = amax / FP8_MAX

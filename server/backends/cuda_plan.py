@@ -1,0 +1,167 @@
+"""The CUDA backend's node side, without a GPU: the one buffer layout of a group-rank's heap
+slot (used by the engines, the kernel tests and the benchmarks), the limits a group spec must
+satisfy, and the supervisor's planner (heap ranges from a first-fit allocator, NVSHMEM world).
+
+Importable without CuPy: everything here is sizes and offsets.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ...proto import abi
+from ...proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ...proto.v1 import epd_pb2
+from .base import GroupPlanner, GroupSpec
+from .cuda_kernels import LowLatencyLayout, RankBufferLayout
+
+
+@dataclass(frozen=True)
+class MembershipLayout:
+    kernel: RankBufferLayout
+    extras: dict[str, int]  # byte offsets after the kernel buffers
+    slot_bytes: int
+    low_latency: LowLatencyLayout | None = None  # groups with low_latency_mode
+
+
+def membership_layout(spec: GroupSpec) -> MembershipLayout:
+    """THE per-rank heap slot of a group: the kernels' buffers (recv_x sized for the group's
+    dtype, which FP8 payloads fit; scales whenever FP8 dispatch is possible), then the outputs
+    the engine hands back (layout results, combine results, the prefix matrix), then the
+    low-latency buffers of groups that ask. Raises ValueError naming a kernel limit."""
+    item = spec.x_numpy_dtype.itemsize
+    kernel = RankBufferLayout.build(
+        num_ranks=spec.num_ranks, num_experts=spec.num_experts, hidden=spec.hidden,
+        num_topk=spec.num_topk, max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
+        y_itemsize=item, with_scales=spec.hidden % abi.FP8_BLOCK == 0)
+    t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
+                     spec.num_experts)
+    off = kernel.total_bytes
+    extras = {}
+    for name, nbytes in (("combined_x", t * h * item), ("combined_w", t * k * 4),
+                         ("ntpr", r * 4), ("ntpe", e * 4), ("itr", t * r),
+                         ("prefix", r * r * 4)):
+        extras[name] = off
+        off += -(-max(nbytes, 16) // abi.ALIGN) * abi.ALIGN
+    if not spec.low_latency_mode:
+        return MembershipLayout(kernel, extras, off)
+    ll = LowLatencyLayout.build(off, num_ranks=r, num_local_experts=spec.num_local_experts,
+                                hidden=h, num_topk=k, max_tokens=t, itemsize=item)
+    return MembershipLayout(kernel, extras, ll.end, ll)
+
+
+def group_bytes(spec: GroupSpec) -> int:
+    """Heap bytes of a whole group: one slot per rank, whichever engine holds it."""
+    return membership_layout(spec).slot_bytes * spec.num_ranks
+
+
+def check_spec(spec: GroupSpec, heap_bytes: int | None = None) -> None:
+    """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded)."""
+    if spec.num_ranks > abi.MAX_RANKS:
+        raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
+                              f"of {abi.MAX_RANKS} ranks per group (MAX_RANKS)")
+    if spec.num_topk > abi.MAX_TOPK:
+        raise InvalidArgument(f"num_topk={spec.num_topk} exceeds the cuda backend's limit of "
+                              f"{abi.MAX_TOPK} (MAX_TOPK)")
+    try:
+        size = group_bytes(spec)
+    except ValueError as e:  # any other kernel limit the layout enforces
+        raise InvalidArgument(f"the cuda backend cannot hold this group: {e}") from None
+    if heap_bytes is not None and size > heap_bytes:
+        raise InvalidArgument(f"the group needs {size} bytes of symmetric heap, more than the "
+                              f"{heap_bytes} of an engine (raise --nvshmem-heap-bytes or lower "
+                              f"max_tokens_per_rank)")
+
+
+def encode_plan(offset: int, nbytes: int) -> bytes:
+    return struct.pack("<QQ", offset, nbytes)
+
+
+def decode_plan(plan: bytes) -> tuple[int, int]:
+    """(heap offset, bytes) of a group's range."""
+    offset, nbytes = struct.unpack("<QQ", plan)
+    return offset, nbytes
+
+
+class HeapAllocator:
+    """First-fit allocation of group buffers in the engines' symmetric heaps (ALIGN-aligned).
+    Decided in the supervisor, once, so that every engine uses the same offsets."""
+
+    ALIGN = abi.ALIGN
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.used: dict[int, int] = {}  # offset -> bytes
+
+    def alloc(self, nbytes: int) -> int | None:
+        nbytes = -(-nbytes // self.ALIGN) * self.ALIGN
+        cur = 0
+        for off in sorted(self.used):
+            if off - cur >= nbytes:
+                break
+            cur = off + self.used[off]
+        if cur + nbytes > self.size:
+            return None
+        self.used[cur] = nbytes
+        return cur
+
+    def free(self, offset: int) -> None:
+        self.used.pop(offset, None)
+
+
+class CudaPlanner(GroupPlanner):
+    """One NVSHMEM world per node (every engine a PE); groups get a range of every engine's
+    symmetric heap at the same offset."""
+
+    name = "cuda"
+    proto_kind = epd_pb2.CUDA
+    restart_all_on_engine_loss = True  # an NVSHMEM world cannot take a replacement PE
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.heap_bytes = cfg.nvshmem_heap_bytes
+        self.heap = HeapAllocator(self.heap_bytes)
+        self.uid = b""
+        self.generation = 0
+
+    def validate_spec(self, spec: GroupSpec) -> None:
+        check_spec(spec, self.heap_bytes)
+
+    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
+        size = group_bytes(spec)
+        offset = self.heap.alloc(size)
+        if offset is None:
+            raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "
+                                    f"{size} bytes (raise --nvshmem-heap-bytes or lower "
+                                    f"max_tokens_per_rank)")
+        return encode_plan(offset, size)
+
+    def free_group(self, plan: bytes) -> None:
+        self.heap.free(decode_plan(plan)[0])
+
+    def engine_env(self) -> dict[str, str]:
+        # One node: no IB probing, loopback bootstrap; a heap clients can map over CUDA IPC.
+        return {"NVSHMEM_REMOTE_TRANSPORT": "none",
+                "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+                "NVSHMEM_DISABLE_CUDA_VMM": "1",
+                "NVSHMEM_SYMMETRIC_SIZE": str(self.heap_bytes + (1 << 30))}
+
+    def new_world(self) -> None:
+        import nvshmem.core  # the [cuda] extra
+
+        self.uid = nvshmem.core.get_unique_id()._data.tobytes()
+        self.generation += 1
+
+    def bootstrap(self, engine_index: int, num_engines: int) -> epd_pb2.GetBootstrapResponse:
+        if not 0 <= engine_index < num_engines:
+            raise InvalidArgument(f"engine index {engine_index} out of range")
+        if not self.uid:
+            raise FailedPrecondition("the NVSHMEM world is not created yet")
+        return epd_pb2.GetBootstrapResponse(nvshmem_uid=self.uid, pe=engine_index,
+                                            num_pes=num_engines, generation=self.generation)
+
+    def detect_engines(self) -> int:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount()

@@ -1,0 +1,192 @@
+"""Where a session's operations run, whichever transport brought them, and how they stop.
+
+Two objects, shared by every transport (the gRPC servicer, the fast-path ring thread) and the
+stream-op poller, as uvicorn's `ServerState` is shared by its protocol implementations:
+
+* `EngineState`, one per engine: admission (`admit()` refuses every new call with UNAVAILABLE
+  once the engine drains) and the engine-wide count of calls in flight, which `drain()` waits on
+  (bounded by --drain-seconds).
+* `SessionExecutor`, one per session: its worker thread (gRPC calls run there, in the client's
+  order), its operation lock (held while any operation runs, on any thread: a session's
+  operations never overlap), the transports serving it, and `shutdown()`, the one teardown
+  order of a session:
+
+    1. stop accepting: every later call on any transport fails (ABORTED, the reason);
+    2. interrupt: the engine wakes what is in flight (it raises the groups' abort words and
+       releases armed stream ops; nothing is unmapped yet);
+    3. stop the transports: each ring thread finishes its current operation and is joined, the
+       worker runs out of queued work;
+    4. release: under the operation lock, so no operation runs anywhere, the engine closes the
+       comms and unmaps the regions. If an operation is still running after `QUIESCE_SECONDS`
+       nothing is unmapped (the process keeps the mappings; a draining engine still removes
+       its files): a comm is never closed under a running operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
+
+import grpc
+
+from ...proto.errors import Aborted, EpdError, Unavailable
+
+log = logging.getLogger("epd.engine")
+T = TypeVar("T")
+
+QUIESCE_SECONDS = 30.0  # teardown: longest wait for a running operation before giving up on it
+IDLE_POLL_SECONDS = 0.01  # drain: how often the in-flight count is looked at
+
+
+# OS errors that say the machine cannot serve the call now (a vanished or full shm folder, out of
+# memory or descriptors): UNAVAILABLE, worth retrying elsewhere or later. Any other: INTERNAL.
+_UNAVAILABLE_ERRNOS = frozenset({errno.ENOENT, errno.ENOSPC, errno.ENOMEM, errno.EMFILE,
+                                 errno.ENFILE, errno.EAGAIN, errno.EDQUOT})
+
+
+def as_epd_error(method: str, exc: BaseException) -> EpdError:
+    """The one mapping of a handler's exception to the status a client gets, for every
+    transport (gRPC unary calls, the OpenSession stream, the fast-path ring, stream ops):
+    an EpdError keeps its status; an OSError becomes UNAVAILABLE (the environment: a missing
+    folder, no space) or INTERNAL, with one line naming the path; anything else is a bug:
+    INTERNAL, logged once with its traceback."""
+    if isinstance(exc, EpdError):
+        return exc
+    if isinstance(exc, OSError):
+        code = (grpc.StatusCode.UNAVAILABLE if exc.errno in _UNAVAILABLE_ERRNOS
+                else grpc.StatusCode.INTERNAL)
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        text = f"{method}: {exc.strerror or exc} ({type(exc).__name__}){where}"
+        log.warning("%s", text)
+        return EpdError(code, text)
+    log.error("%s failed", method, exc_info=exc)
+    return EpdError(grpc.StatusCode.INTERNAL, f"{method}: {type(exc).__name__}: {exc}")
+
+
+class Transport(Protocol):
+    """A transport serving one session on its own thread (the fast-path ring server)."""
+
+    def stop(self) -> None:
+        """Stop taking requests, let the current operation finish, join the thread."""
+
+
+class EngineState:
+    """Admission and the in-flight count of one engine, shared by all its transports."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.draining = False
+        self._inflight = 0
+        self._lock = threading.Lock()
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise Unavailable(f"engine {self.index} is draining (shutting down); no new calls")
+
+    def enter(self) -> None:
+        """A call arrives on a transport: refused (UNAVAILABLE) once the engine drains, else
+        counted in flight until `leave()`."""
+        with self._lock:
+            self.check_open()
+            self._inflight += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """`enter()` ... `leave()` around one call."""
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    async def drain(self, seconds: float) -> int:
+        """Refuse new calls, wait (at most `seconds`) for those in flight; returns how many are
+        still running."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while self._inflight and loop.time() < deadline:
+            await asyncio.sleep(IDLE_POLL_SECONDS)
+        return self._inflight
+
+
+class SessionExecutor:
+    """The worker, operation lock, transports and teardown of one session."""
+
+    def __init__(self, state: EngineState, name: str,
+                 thread_init: Callable[[], None] | None = None) -> None:
+        self.state = state
+        self.name = name
+        self.op_lock = threading.Lock()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-{name}",
+                                         initializer=thread_init)
+        self.transports: list[Transport] = []
+        self.closing: str | None = None  # why later calls are refused
+
+    # -- running operations ------------------------------------------------------------------
+    def call(self, fn: Callable[..., T], *args) -> T:
+        """Run one operation on the calling thread under the operation lock (the fast-path
+        thread, the worker). The caller's transport has admitted it (EngineState.admit)."""
+        with self.op_lock:
+            if self.closing is not None:
+                raise Aborted(f"{self.name} is closing: {self.closing}")
+            return fn(*args)
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Run one operation on the session's worker (gRPC): in the client's order, off the
+        event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.worker, self.call, fn,
+                                                                *args)
+
+    def exclusive(self, fn: Callable[[], T], timeout: float = QUIESCE_SECONDS) -> T | None:
+        """Run `fn` with no operation running (even while closing): teardown steps, such as
+        closing a comm. Blocks; returns None, without running `fn`, if an operation still holds
+        the lock after `timeout` seconds."""
+        if not self.op_lock.acquire(timeout=timeout):
+            log.error("%s: an operation is still running after %.0f s; not releasing its "
+                      "resources under it", self.name, timeout)
+            return None
+        try:
+            return fn()
+        finally:
+            self.op_lock.release()
+
+    def later(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the worker after the operations queued before it (a region a queued
+        call may still read)."""
+        self.worker.submit(fn)
+
+    def attach(self, transport: Transport) -> None:
+        self.transports.append(transport)
+
+    # -- teardown ----------------------------------------------------------------------------
+    async def shutdown(self, reason: str, interrupt: Callable[[], Awaitable[None]],
+                       release: Callable[[], None]) -> None:
+        """The teardown order (module docstring): refuse, interrupt, stop transports, release
+        under the lock."""
+        self.closing = reason
+        await interrupt()
+        for t in self.transports:
+            await asyncio.to_thread(t.stop)
+        self.transports.clear()
+        await asyncio.to_thread(self.worker.shutdown, wait=True)
+
+        def release_all() -> bool:
+            release()
+            return True
+        if await asyncio.to_thread(self.exclusive, release_all) is None:
+            log.error("%s: left mapped (an operation never finished)", self.name)

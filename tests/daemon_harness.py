@@ -1,0 +1,43 @@
+"""Daemon helpers for tests and benchmarks only (`epd demo` needs none of them): a `Daemon`
+that can also name its engine processes and measure their CPU use.
+
+Benchmarks import it with tests/ on sys.path (see benchmarks/bench_transport.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+from epd.server.demo import Daemon
+
+TOPOLOGY_TIMEOUT = 5.0  # seconds for the supervisor's GetTopology
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class HarnessDaemon(Daemon):
+    """`epd serve` in a subprocess (demo.Daemon), plus what tests measure about its engines."""
+
+    __test__ = False
+
+    def engine_pid(self, index: int) -> int:
+        """The pid of engine `index`, from the supervisor's topology."""
+        with grpc.insecure_channel(f"unix://{self.socket_dir}/node.sock") as ch:
+            topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=TOPOLOGY_TIMEOUT)
+        return topo.engines[index].pid
+
+    def engine_cpu_fraction(self, index: int, seconds: float) -> float:
+        """Share of one core that engine `index` uses over the next `seconds`."""
+        pid = self.engine_pid(index)
+        c0, t0 = process_cpu_seconds(pid), time.monotonic()
+        time.sleep(seconds)
+        return (process_cpu_seconds(pid) - c0) / (time.monotonic() - t0)

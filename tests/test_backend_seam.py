@@ -1,0 +1,144 @@
+"""The backend is the seam: the supervisor's coordinator checks a group spec against the chosen
+backend's limits at rendezvous and tells a forming failure to every waiting rank. Runs on the
+CPU: the CUDA planner is pure sizes (no CuPy)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from epd.proto import dtypes
+from epd.proto.errors import EpdError, InvalidArgument
+from epd.proto.v1 import epd_pb2
+from epd.server.backends import cpu, cuda_plan, make_planner
+from epd.server.backends.base import GroupPlanner, GroupSpec
+from epd.server.coordinator import Coordinator
+
+BF16 = dtypes.from_name("bfloat16")
+
+
+def _proto(num_ranks: int, topk: int, *, experts: int = 64, name: str = "g",
+           tokens: int = 128, hidden: int = 1024) -> epd_pb2.GroupSpec:
+    return epd_pb2.GroupSpec(name=name, num_ranks=num_ranks, num_experts=experts, hidden=hidden,
+                             max_tokens_per_rank=tokens, num_topk=topk, x_dtype=BF16)
+
+
+async def _all_ranks(coord: Coordinator, spec: epd_pb2.GroupSpec, timeout: float = 5.0):
+    async def one(rank: int):
+        try:
+            return await coord.rendezvous(epd_pb2.RendezvousRequest(
+                spec=spec, rank=rank, engine_index=rank % 2, session_id=f"s{rank}",
+                timeout_seconds=timeout))
+        except EpdError as e:
+            return e
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    out = await asyncio.gather(*(one(r) for r in range(spec.num_ranks)))
+    return out, loop.time() - start
+
+
+def _cuda_cfg(heap: int = 4 << 30) -> SimpleNamespace:
+    return SimpleNamespace(nvshmem_heap_bytes=heap, backend="cuda", shm_dir="/tmp")
+
+
+def test_cuda_limits_reach_every_rank_at_once() -> None:
+    """Defect 4: 16 ranks with top-k 64 passes the generic check; the CUDA kernels take 8 ranks.
+    Every rank gets INVALID_ARGUMENT naming the limit, without waiting for a deadline."""
+    coord = Coordinator(cuda_plan.CudaPlanner(_cuda_cfg()))
+    results, took = asyncio.run(_all_ranks(coord, _proto(16, 64)))
+    assert took < 2.0
+    for r in results:
+        assert isinstance(r, EpdError) and r.code == grpc.StatusCode.INVALID_ARGUMENT, r
+        assert "MAX_RANKS" in r.message and "16" in r.message
+    assert not coord.by_name and not coord.by_id
+
+
+class _FailingPlanner(cpu.CpuPlanner):
+    def __init__(self, shm_dir: str, exc: Exception) -> None:
+        super().__init__(shm_dir)
+        self.exc = exc
+
+    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
+        raise self.exc
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (ValueError("boom: no room"), grpc.StatusCode.INTERNAL),
+    (InvalidArgument("boom: too large"), grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_forming_failure_is_told_to_every_rank(tmp_path, exc, code) -> None:
+    coord = Coordinator(_FailingPlanner(str(tmp_path), exc))
+    results, took = asyncio.run(_all_ranks(coord, _proto(4, 2)))
+    assert took < 2.0
+    for r in results:
+        assert isinstance(r, EpdError) and r.code == code, r
+        assert "boom" in r.message
+    assert not coord.by_name and not coord.by_id  # the next rendezvous starts afresh
+    coord.planner = cpu.CpuPlanner(str(tmp_path))
+    results, _ = asyncio.run(_all_ranks(coord, _proto(4, 2)))
+    assert all(isinstance(r, epd_pb2.RendezvousResponse) and r.plan for r in results)
+
+
+def test_cpu_plan_travels_and_is_freed(tmp_path) -> None:
+    planner = make_planner(SimpleNamespace(backend="cpu", shm_dir=str(tmp_path)))
+    assert isinstance(planner, cpu.CpuPlanner) and planner.proto_kind == epd_pb2.CPU
+    coord = Coordinator(planner)
+    results, _ = asyncio.run(_all_ranks(coord, _proto(2, 2)))
+    plans = {r.plan for r in results}
+    assert len(plans) == 1
+    path = cpu.comm_path(plans.pop())
+    assert path.startswith(str(tmp_path)) and (tmp_path / path.split("/")[-1]).exists()
+    gid = results[0].group_id
+    coord.release(gid, 0, "rank 0 went away")
+    header = np.fromfile(path, np.int64, count=cpu._HEADER_BYTES // 8)
+    assert "rank 0 went away" in (cpu.read_abort(header) or "")  # the planner's abort_group
+    coord.release(gid, 1, "")
+    assert not (tmp_path / path.split("/")[-1]).exists()
+
+
+def _spec(num_ranks: int, topk: int, **kw) -> GroupSpec:
+    d = dict(name="g", num_ranks=num_ranks, num_experts=64, hidden=1024,
+             max_tokens_per_rank=128, num_topk=topk, x_dtype=BF16)
+    d.update(kw)
+    return GroupSpec(**d)
+
+
+@pytest.mark.parametrize(("spec", "words"), [
+    (_spec(16, 8), "MAX_RANKS"),
+    (_spec(8, 64), "MAX_TOPK"),
+    (_spec(2, 2, num_experts=4096, low_latency_mode=True), "1024 local experts"),
+    (_spec(8, 8, max_tokens_per_rank=1 << 20, hidden=8192), "nvshmem-heap-bytes"),
+])
+def test_cuda_planner_names_the_limit(spec: GroupSpec, words: str) -> None:
+    planner = cuda_plan.CudaPlanner(_cuda_cfg())
+    with pytest.raises(InvalidArgument, match=words):
+        planner.validate_spec(spec)
+
+
+def test_cuda_planner_heap_ranges() -> None:
+    planner = cuda_plan.CudaPlanner(_cuda_cfg(64 << 20))
+    spec = _spec(2, 2)
+    size = cuda_plan.group_bytes(spec)
+    a = planner.plan_group("a", spec)
+    b = planner.plan_group("b", spec)
+    (oa, na), ob = cuda_plan.decode_plan(a), cuda_plan.decode_plan(b)[0]
+    assert (oa, na) == (0, size) and ob >= oa + size and ob % 256 == 0
+    planner.free_group(a)
+    assert cuda_plan.decode_plan(planner.plan_group("c", spec))[0] == 0
+    assert planner.restart_all_on_engine_loss and planner.proto_kind == epd_pb2.CUDA
+    assert planner.engine_env()["NVSHMEM_DISABLE_CUDA_VMM"] == "1"
+
+
+def test_backends_expose_their_kinds() -> None:
+    from epd.server.backends.cpu import CpuBackend
+    from epd.server.backends.cuda import CudaBackend
+    assert (CpuBackend.proto_kind, CpuBackend.peer_class) == (epd_pb2.CPU, "shm")
+    assert (CudaBackend.proto_kind, CudaBackend.peer_class) == (epd_pb2.CUDA, "nvlink")
+    b = CpuBackend(0)
+    with pytest.raises(InvalidArgument, match="MAX_RANKS"):
+        b.validate_spec(_spec(cpu.MAX_RANKS + 1, 2, num_experts=1024))
+    assert issubclass(cpu.CpuPlanner, GroupPlanner)

@@ -1,0 +1,145 @@
+"""The client's Session: a refused open, calls after close, client-side argument errors, and
+the memory strategy chosen at open (issue 9, client side)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import grpc
+import numpy as np
+import pytest
+import ranklib
+
+from epd.client import Buffer, EpdError, Session
+from epd.proto import dtypes
+from epd.proto.errors import InvalidArgument
+
+pytestmark = pytest.mark.slow
+
+BF16 = dtypes.BFLOAT16
+
+
+@contextlib.contextmanager
+def no_thread_errors():
+    """Collect exceptions raised in any thread (the session's watcher included); fail on one,
+    and on an `epd-session` thread left running afterwards."""
+    errors: list = []
+    old = threading.excepthook
+    threading.excepthook = errors.append
+    before = set(threading.enumerate())
+    try:
+        yield
+    finally:
+        threading.excepthook = old
+    assert not errors, [f"{e.thread.name}: {e.exc_type.__name__}: {e.exc_value}"
+                        for e in errors]
+    left = [t.name for t in set(threading.enumerate()) - before
+            if t.is_alive() and t.name == "epd-session"]
+    assert not left, f"threads left behind by a failed open: {left}"
+
+
+def test_open_refused_by_the_engine(daemon_factory) -> None:
+    """Regression (defect 5): the watcher thread crashed with AttributeError and the error said
+    UNAVAILABLE whatever the engine answered. Now: the daemon's status and message, and
+    nothing left behind (thread, shm file)."""
+    with (daemon_factory(engines=1, extra=["--max-sessions", "1"]) as d, no_thread_errors(),
+          Session(d.socket(0), timeout=5) as first):
+        files = ranklib.client_files(os.getpid())
+        with pytest.raises(EpdError) as err:
+            Session(d.socket(0), timeout=5)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert "--max-sessions" in err.value.message
+        assert d.socket(0) in err.value.message
+        assert ranklib.client_files(os.getpid()) == files
+        first.ping()  # the open session is untouched
+
+
+def test_open_with_nothing_listening(tmp_path) -> None:
+    with no_thread_errors(), pytest.raises(EpdError) as err:
+        Session(str(tmp_path / "gpu0.sock"), timeout=5)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+    assert "could not open a session" in err.value.message
+
+
+def test_calls_after_close_raise_failed_precondition(daemon) -> None:
+    """Regression (defect 5): calls after close() raised `ValueError: mmap closed`."""
+    with no_thread_errors():
+        s = Session(daemon.socket(0), timeout=5)
+        g = s.join("after-close", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2, dtype="bfloat16")
+        idx = np.array([[0, 1], [2, 3], [1, -1]], np.int64)
+        x, w = np.ones((3, 64), BF16), np.ones((3, 2), np.float32)
+        g.get_dispatch_layout(idx)
+        out = g.dispatch(x, idx, w)
+        pending_group = g
+        s.close()
+        s.close()  # idempotent
+        calls = {
+            "layout": lambda: g.get_dispatch_layout(idx),
+            "dispatch": lambda: g.dispatch(x, idx, w),
+            "cached dispatch": lambda: g.dispatch(x, handle=out.handle),
+            "dispatch_async": lambda: pending_group.dispatch_async(x, idx, w),
+            "combine": lambda: g.combine(out.recv_x, out.handle),
+            "low-latency dispatch": lambda: g.low_latency_dispatch(x, idx, 4),
+            "empty": lambda: s.empty((4, 4), np.float32),
+            "join": lambda: s.join("again", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                                   max_tokens_per_rank=8, num_topk=2),
+            "ping": s.ping,
+            "stats": s.stats,
+        }
+        for what, call in calls.items():
+            with pytest.raises(EpdError) as err:
+                call()
+            assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, (what, err.value)
+            assert err.value.message == "the session is closed", (what, err.value)
+        assert not s.alive
+
+
+def test_client_argument_errors_are_invalid_argument(daemon) -> None:
+    """Bad arguments found by the client raise EpdError(INVALID_ARGUMENT), as the daemon's do;
+    TypeError only for an object that is no array at all (Python's convention)."""
+    with pytest.raises(InvalidArgument, match="rank= and num_ranks="):
+        Buffer(None)
+    with Session(daemon.socket(0), timeout=5) as s:
+        with pytest.raises(EpdError) as err:
+            s.join("bad-dtype", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2, dtype="float64")
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(InvalidArgument, match="unsupported element type"):
+            s.empty(4, np.complex64)
+        g = s.join("args", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2, dtype="bfloat16")
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+        with pytest.raises(InvalidArgument, match=r"topk_weights: unsupported element type"):
+            g.dispatch(x, idx, w.astype(np.float64))
+        with pytest.raises(TypeError, match="expected a NumPy array or torch tensor"):
+            g.dispatch(x.tolist(), idx, w)
+        buf = Buffer(None, rank=0, num_ranks=1, session=s, group_name="args-buf",
+                     max_tokens_per_rank=8)
+        _, _, n_exp, _, _ = buf.get_dispatch_layout(idx, 4)
+        _, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                             num_tokens_per_expert=n_exp)
+        for kwargs, text in (({"handle": handle, "topk_idx": idx}, "cached dispatch"),
+                             ({"topk_idx": idx}, "needs topk_idx and topk_weights")):
+            with pytest.raises(InvalidArgument, match=text):
+                buf.dispatch(x, **kwargs)
+        with pytest.raises(InvalidArgument, match="at most two"):
+            buf.combine(x, handle, bias=(x, x, x))
+        g.dispatch(x, idx, w)  # nothing was left half done
+        buf.destroy()
+
+
+def test_memory_strategy_is_chosen_at_open(daemon) -> None:
+    """The cpu backend's sessions use shared-memory staging and file-mapped outputs."""
+    from epd.client.memory import ShmMemory
+
+    with Session(daemon.socket(0), timeout=5) as s:
+        assert isinstance(s.memory, ShmMemory) and s.backend == "cpu"
+        assert not s.memory.supports_stream_ops
+        a = s.empty((3, 4), np.float32)
+        assert isinstance(a, np.ndarray) and s._user_regions
+        with pytest.raises(EpdError, match="need the cuda backend"):
+            s.memory.counter_page_device_ptr()

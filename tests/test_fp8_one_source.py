@@ -1,0 +1,35 @@
+"""FP8 quantisation has one implementation (reference.quantize_fp8), used by the CPU backend too.
+A copy in cpu.py once computed round_scale with float32 log2, which rounds down just above a
+power of two and gave half the scale (values then clip at 448)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epd.server import reference
+from epd.server.backends import cpu
+
+
+def _rows_near_powers_of_two() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    rows = []
+    for k in range(-12, 12):
+        for amax in (np.nextafter(np.float32(448.0 * 2.0 ** k), np.float32(np.inf)),
+                     np.float32(448.0 * 2.0 ** k)):
+            row = rng.uniform(-1, 1, 128).astype(np.float32) * amax * np.float32(0.5)
+            row[int(rng.integers(128))] = amax
+            rows.append(row)
+    return np.stack(rows)  # 48 rows, one FP8 block each
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_cpu_backend_quantizes_like_the_reference(round_scale: bool) -> None:
+    x = _rows_near_powers_of_two()
+    q_ref, s_ref = reference.quantize_fp8(x, round_scale)
+    q_cpu, s_cpu = cpu.quantize_fp8(x, round_scale)
+    np.testing.assert_array_equal(s_cpu, s_ref)
+    np.testing.assert_array_equal(q_cpu.view(np.uint8), q_ref.view(np.uint8))
+    # the scale covers the block: nothing clips at the e4m3 maximum
+    amax = np.abs(x).max(axis=1)
+    assert (s_ref[:, 0] * np.float32(448.0) >= amax).all()
