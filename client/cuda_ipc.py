@@ -87,11 +87,13 @@ def describe_device(x: Any, what: str) -> DeviceView:
                       int(x.device.id))
 
 
-def allocation_of(ptr: int) -> tuple[int, int]:
-    """(base, size) of the allocation holding `ptr`."""
+def allocation_of(ptr: int, device: int) -> tuple[int, int]:
+    """(base, size) of the allocation holding `ptr`, which lives on `device` (the driver looks it
+    up in the current context: a tensor on another GPU than the current one is not found)."""
     from cuda.bindings import driver
 
-    err, base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr))
+    with _cupy().cuda.Device(device):
+        err, base, size = driver.cuMemGetAddressRange(driver.CUdeviceptr(ptr))
     if err != driver.CUresult.CUDA_SUCCESS:
         raise InvalidArgument(f"the tensor at {ptr:#x} is not in a CUDA allocation "
                               f"(cuMemGetAddressRange: {err})")

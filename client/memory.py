@@ -266,7 +266,7 @@ class CudaIpcMemory(Memory):
         for handle, heap in self._heaps.items():  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
                 return self._heap_region[handle], v.ptr - heap.ptr
-        base, size = cuda_ipc.allocation_of(v.ptr)
+        base, size = cuda_ipc.allocation_of(v.ptr, v.device)
         handle = cuda_ipc.ipc_handle(base, v.device)
         rid = self._regions.get(handle)
         if rid is None:

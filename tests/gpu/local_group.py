@@ -50,7 +50,11 @@ class BenchKernels(ck.Kernels):
 def bench_kernels_for_device(device_id: int) -> BenchKernels:
     os.environ.setdefault("CUPY_CACHE_DIR", str(Path.home() / ".cache" / "epd" / "cupy"))
     with cp.cuda.Device(device_id):
-        return BenchKernels()
+        k = BenchKernels()
+        # Load every function now: under CUDA's lazy loading, the first launch of a kernel
+        # (epd_abort) waits for the kernels running on the device, which may be spinning on it.
+        k.compile_all()
+        return k
 
 
 class MappedSlot:
