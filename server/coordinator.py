@@ -48,8 +48,10 @@ class GroupInstance:
 
 
 class Coordinator:
-    def __init__(self, planner: GroupPlanner) -> None:
+    def __init__(self, planner: GroupPlanner, default_timeout: float = 10.0) -> None:
         self.planner = planner
+        # Engines always send their deadline; this covers a request that names none.
+        self.default_timeout = default_timeout
         self.by_name: dict[str, GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
 
@@ -77,7 +79,8 @@ class Coordinator:
         if len(g.members) == spec.num_ranks:
             self._form(g)
         try:
-            await asyncio.wait_for(g.formed.wait(), timeout=req.timeout_seconds or 10.0)
+            await asyncio.wait_for(g.formed.wait(),
+                                   timeout=req.timeout_seconds or self.default_timeout)
         except TimeoutError:
             missing = sorted(set(range(spec.num_ranks)) - set(g.members))
             g.members.pop(req.rank, None)
@@ -106,7 +109,8 @@ class Coordinator:
         if len(g.attached) == g.spec.num_ranks:
             g.all_attached.set()
         try:
-            await asyncio.wait_for(g.all_attached.wait(), timeout=req.timeout_seconds or 10.0)
+            await asyncio.wait_for(g.all_attached.wait(),
+                                   timeout=req.timeout_seconds or self.default_timeout)
         except TimeoutError:
             missing = sorted(set(range(g.spec.num_ranks)) - g.attached)
             raise DeadlineExceeded(f"group {g.spec.name!r}: rank(s) {missing} did not attach "

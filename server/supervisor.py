@@ -83,7 +83,7 @@ class Supervisor:
         self.planner = planner
         self.backend = planner.name  # for logs and metrics only
         self.engines = [EngineProc(i, cfg.engine_socket(i)) for i in range(num_engines)]
-        self.coordinator = Coordinator(planner)
+        self.coordinator = Coordinator(planner, cfg.timeout_seconds)
         self.metrics_url = ""
         self.device_names: dict[int, tuple[str, str]] = {}
         self.stopping = False
