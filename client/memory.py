@@ -2,10 +2,11 @@
 engine's backend (`SessionOpened.backend`); the rest of the client calls it and never asks which
 backend it talks to.
 
-* `ShmMemory` (cpu backend): inputs reach the engine through files in /dev/shm that both
-  processes map. Arrays from `empty()` live in a registered region and travel without a copy;
-  any other array is copied once into the session's staging region. A group's outputs are a
-  file the client maps at join.
+* `ShmMemory` (cpu backend): inputs reach the engine through memfds both processes map, sealed
+  against shrinking and sent once over the engine's descriptor channel (proto/fd_channel.py);
+  no named file, no path. Arrays from `empty()` live in a registered region and travel without
+  a copy; any other array is copied once into the session's staging region. A group's outputs
+  are an engine-owned memfd the client fetches ("outputs/<group_id>") and maps at join.
 * `CudaIpcMemory` (cuda backend): device tensors travel as (CUDA IPC region, offset), the region
   being the tensor's whole allocation, registered once and cached by its IPC handle; an
   interprocess event recorded on the caller's stream orders the engine after it. A group's
@@ -16,8 +17,6 @@ backend it talks to.
 from __future__ import annotations
 
 import abc
-import contextlib
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..proto import dtypes
+from ..proto import fd_channel as fdc
 from ..proto.errors import FailedPrecondition, InvalidArgument
 from ..proto.v1 import epd_pb2
 from . import tensors as T
@@ -41,6 +41,10 @@ Descs = dict[str, epd_pb2.TensorDesc | bytes]
 # What a strategy needs from its session: register a region (returns its id), unregister one.
 Register = Callable[[epd_pb2.RegisterRegionRequest], str]
 Unregister = Callable[[str], None]
+# The descriptor channel (proto/fd_channel.Channel): register a sealed memfd (fd, size) -> region
+# id; fetch an engine-owned memfd by name -> (fd, size).
+RegisterFd = Callable[[int, int], str]
+Fetch = Callable[[str], tuple[int, int]]
 
 
 def _desc(region_id: str, offset: int, shape: tuple[int, ...], dtype: int,
@@ -109,11 +113,12 @@ class Memory(abc.ABC):
 
 
 def for_backend(backend: int, register: Register, unregister: Unregister,
-                counter_file: T.ShmFile, device: int) -> Memory:
+                counter_file: T.ShmFile, device: int, *, register_fd: RegisterFd,
+                fetch: Fetch) -> Memory:
     """The strategy for the engine's backend (an `epd_pb2.Backend` value)."""
     if backend == epd_pb2.CUDA:
         return CudaIpcMemory(register, unregister, counter_file, device)
-    return ShmMemory(register, unregister)
+    return ShmMemory(register_fd, unregister, fetch)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,9 +126,11 @@ def for_backend(backend: int, register: Register, unregister: Unregister,
 # ------------------------------------------------------------------------------------------------
 
 class MappedFileOutputs(OutputRegion):
-    def __init__(self, resp: epd_pb2.JoinGroupResponse) -> None:
+    def __init__(self, resp: epd_pb2.JoinGroupResponse, fetch: Fetch) -> None:
         super().__init__(resp.output_region_id)
-        self._file = T.ShmFile.open(resp.output_region_path, resp.output_region_bytes)
+        name = f"{fdc.OUTPUTS}{resp.group_id}"
+        fd, _ = fetch(name)
+        self._file = T.ShmFile.from_fd(fd, resp.output_region_bytes, name)
 
     def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
         arr = self._file.view(d.offset_bytes, tuple(d.shape), dtypes.to_numpy(d.dtype),
@@ -137,23 +144,21 @@ class MappedFileOutputs(OutputRegion):
 class ShmMemory(Memory):
     backend = "cpu"
 
-    def __init__(self, register: Register, unregister: Unregister) -> None:
-        self._register, self._unregister = register, unregister
+    def __init__(self, register_fd: RegisterFd, unregister: Unregister, fetch: Fetch) -> None:
+        self._register_fd, self._unregister, self._fetch = register_fd, unregister, fetch
         self.staging = T.Staging()
         self.staged: dict[str, np.ndarray] = {}  # the last call's staged copies, by name
         self.user_regions: list[T.ShmFile] = []  # from empty()
 
     def _register_file(self, f: T.ShmFile) -> None:
         try:
-            f.region_id = self._register(epd_pb2.RegisterRegionRequest(shm_path=f.path,
-                                                                       size_bytes=f.size))
+            f.region_id = self._register_fd(f.fd, f.size)
         except BaseException:
-            f.close(unlink=True)
+            f.close()
             raise
-        # Both sides have it mapped now: the name can go, so no file outlives this process
-        # however it ends.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(f.path)
+        # Both sides have it mapped now: no descriptor is needed any more, and nothing has a
+        # name, so nothing outlives the two processes however they end.
+        f.release_fd()
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Array = None) -> Array:
         nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
@@ -210,7 +215,7 @@ class ShmMemory(Memory):
             T.to_numpy(user, name)[...] = dst
 
     def outputs(self, resp: epd_pb2.JoinGroupResponse) -> OutputRegion:
-        return MappedFileOutputs(resp)
+        return MappedFileOutputs(resp, self._fetch)
 
     def from_host(self, a: np.ndarray) -> Array:
         return a

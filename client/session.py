@@ -27,6 +27,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from ..proto import counter_page, dtypes
+from ..proto import fd_channel as fdc
 from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable, error
 from ..proto.v1 import epd_pb2
 from . import memory as M
@@ -128,6 +129,17 @@ class PendingDispatch:
         return self._group._dispatch_result(resp, self._copy, self._template)
 
 
+def _check_timeout(t: float) -> float:
+    """A deadline in seconds: positive and finite (NaN would disable it, inf never end)."""
+    try:
+        value = float(t)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"timeout must be a number of seconds, got {t!r}") from None
+    if not (0 < value < float("inf")):  # also false for NaN
+        raise InvalidArgument(f"timeout must be a positive finite number of seconds, got {t!r}")
+    return value
+
+
 class Session:
     def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,
                  engine: int = 0, client_name: str = "", timeout: float | None = None,
@@ -141,7 +153,7 @@ class Session:
         when nothing listens, RESOURCE_EXHAUSTED at --max-sessions, ...) and leaves no thread,
         connection or file behind."""
         self.endpoint = endpoint or engine_socket(socket_dir, engine)
-        self.timeout = timeout
+        self.timeout = None if timeout is None else _check_timeout(timeout)
         self.fast_path_error = ""
         # Every attribute exists before the lease thread starts: it, and close() after a failed
         # open, may look at any of them.
@@ -155,6 +167,7 @@ class Session:
         self._busy = False  # a dispatch_async in flight
         self._memory: M.Memory | None = None
         self._counter_file: T.ShmFile | None = None
+        self._channel: fdc.Channel | None = None  # the engine's descriptor channel
         self._stream: SessionStream | None = None
         self._watcher: threading.Thread | None = None
         self._transport: Transport = transport or GrpcTransport(self.endpoint)
@@ -182,9 +195,17 @@ class Session:
         self.device_ordinal = o.device_ordinal
         self.server_version = o.version
         self.default_timeout = o.default_timeout_seconds or DEFAULT_TIMEOUT
-        self._counter_file = T.ShmFile.open(o.counter_page_path, o.counter_page_bytes)
+        # The session's secret: every later call carries it (gRPC metadata, the channel).
+        set_token = getattr(self._transport, "set_token", None)
+        if set_token is not None:
+            set_token(o.session_token)
+        self._channel = fdc.Channel(self._fd_socket_path(o), self.session_id, o.session_token)
+        fd, _ = self._channel.fetch(fdc.COUNTERS)
+        self._counter_file = T.ShmFile.from_fd(fd, o.counter_page_bytes, fdc.COUNTERS)
         self._memory = M.for_backend(o.backend, self._register_region, self._unregister_region,
-                                     self._counter_file, o.device_ordinal)
+                                     self._counter_file, o.device_ordinal,
+                                     register_fd=self._channel.register,
+                                     fetch=self._channel.fetch)
         self.backend = self._memory.backend  # "cpu" or "cuda", for reports
         if fast_path is None:
             fast_path = os.environ.get("EPD_FAST_PATH", "1") != "0"
@@ -193,10 +214,19 @@ class Session:
                 fp = cast(epd_pb2.OpenFastPathResponse, self._transport.call(
                     "OpenFastPath", epd_pb2.OpenFastPathRequest(session_id=self.session_id),
                     CONTROL_TIMEOUT))
-                self._transport = FastPathTransport(self._transport, fp.ring_path, fp.slots,
+                ring_fd, _ = self._channel.fetch(fdc.RING)  # a sealed memfd, never a path
+                self._transport = FastPathTransport(self._transport, ring_fd, fp.slots,
                                                     fp.slot_bytes, fp.spin_seconds)
             except (EpdError, OSError, ValueError) as e:
                 self.fast_path_error = str(e)  # stay on gRPC, which carries everything
+
+    def _fd_socket_path(self, o: epd_pb2.SessionOpened) -> str:
+        """The engine's descriptor channel: beside the gRPC socket this process connected to
+        (the engine's own path for it may differ under a bind mount), else what it says."""
+        ep = self.endpoint.removeprefix("unix://")
+        if ep.startswith("/") and ep.endswith(".sock"):
+            return fdc.socket_path_for(ep)
+        return o.fd_socket_path
 
     # -- lease -------------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -213,6 +243,13 @@ class Session:
             self._ready.set()
             for op in list(self._stream_ops.values()):  # no stream may wait forever on them
                 op.release()
+            # The ring has no lease of its own: fail the calls waiting on it now, not at
+            # their deadline (the engine may be dead and never answer).
+            lease_lost = getattr(self._transport, "lease_lost", None)
+            if lease_lost is not None:
+                who = f"session {getattr(self, 'session_id', '?')} on {self.endpoint}"
+                lease_lost(f"{who} was closed" if self._closed else
+                           f"the engine went away: {who}: {self._lost}")
 
     @property
     def alive(self) -> bool:
@@ -295,7 +332,7 @@ class Session:
         """A call's deadline: its own, else the session's, else the daemon's default."""
         for t in (timeout, self.timeout):
             if t is not None:
-                return t
+                return _check_timeout(t)
         return self.default_timeout
 
     @property
@@ -328,6 +365,8 @@ class Session:
         if self._watcher is not None:
             self._watcher.join(timeout=WATCHER_JOIN_TIMEOUT)
         self._transport.close()
+        if self._channel is not None:
+            self._channel.close()
         if self._memory is not None:
             self._memory.close()  # before the counter page goes (CUDA maps it)
         if self._counter_file is not None:

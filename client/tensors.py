@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..proto import dtypes
+from ..proto import fd_channel as fdc
 from ..proto.errors import InvalidArgument
 from .frameworks import torch_if_loaded
 
@@ -95,32 +96,45 @@ def like(arr: np.ndarray, template: Array) -> Array:
 
 @dataclass
 class ShmFile:
-    """A file under /dev/shm mapped into this process, registered with the engine once."""
+    """Shared memory mapped into this process: a memfd, never a named file. `create` makes one
+    sealed against shrinking (F_SEAL_SHRINK: neither side can truncate it, so no mapping of it
+    can fault) and keeps its descriptor in `fd` until it has been sent to the engine
+    (`release_fd`); `from_fd` maps one the engine sent (counter page, outputs) and closes the
+    descriptor. `path` is only a name for messages."""
 
     path: str
     size: int
     mm: mmap.mmap
     region_id: str = ""
+    fd: int = -1
 
     @classmethod
-    def create(cls, size: int, folder: str = "/dev/shm", prefix: str = "epd-client") -> ShmFile:
-        path = os.path.join(folder, f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+    def create(cls, size: int, prefix: str = "epd-client") -> ShmFile:
+        name = f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+        fd = fdc.create_memfd(name, size, fdc.CLIENT_SEALS)
         try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        finally:
+            mm = fdc.map_fd(fd, size)
+        except BaseException:
             os.close(fd)
-        return cls(path, size, mm)
+            raise
+        return cls(f"memfd:{name}", size, mm, fd=fd)
 
     @classmethod
-    def open(cls, path: str, size: int) -> ShmFile:
-        fd = os.open(path, os.O_RDWR)
+    def from_fd(cls, fd: int, size: int, name: str) -> ShmFile:
+        """Map an engine-owned memfd (sealed: checked) and close the descriptor."""
         try:
-            mm = mmap.mmap(fd, size)
+            fdc.check_sealed(fd, size, fdc.F_SEAL_SHRINK, name)
+            mm = fdc.map_fd(fd, size)
         finally:
             os.close(fd)
-        return cls(path, size, mm)
+        return cls(f"memfd:{name}", size, mm)
+
+    def release_fd(self) -> None:
+        """The engine has its own mapping now: this process needs no descriptor."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
     @property
     def base(self) -> int:
@@ -132,13 +146,12 @@ class ShmFile:
         return np.ndarray(shape, dtype=dtype, buffer=self.mm, offset=offset,
                           strides=byte_strides)
 
-    def close(self, unlink: bool) -> None:
+    def close(self, unlink: bool = False) -> None:
+        """Unmap (`unlink` is accepted for older callers: a memfd has no name to remove)."""
         # An array may still view it: the mapping then goes with the last reference.
         with contextlib.suppress(BufferError):
             self.mm.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self.release_fd()
 
 
 class Staging:

@@ -16,6 +16,7 @@ from typing import Protocol
 import grpc
 from google.protobuf.message import Message
 
+from ..proto import fd_channel as fdc
 from ..proto import operations
 from ..proto import ring as R
 from ..proto.errors import EpdError, ResourceExhausted, Unavailable, from_status_value
@@ -27,6 +28,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0)]
 RING_FULL_POLL_SECONDS = 20e-6  # a full ring: how often to look for a freed slot
 FUTEX_WAIT_SECONDS = 0.05  # a waiting call wakes at least this often to check the ring
+# (and the lease: see FastPathTransport.lease_lost)
 
 
 class PendingCall(Protocol):
@@ -89,21 +91,40 @@ class GrpcTransport(Transport):
         self.target = target
         self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = epd_pb2_grpc.EngineStub(self.channel)
+        self.metadata: tuple[tuple[str, bytes], ...] = ()  # the session token, once opened
+
+    def set_token(self, token: bytes) -> None:
+        """Every later call carries the session's token (gRPC metadata)."""
+        self.metadata = ((fdc.TOKEN_METADATA, token),)
 
     def call(self, method: str, request: Message, timeout: float) -> Message:
         try:
-            return getattr(self.stub, method)(request, timeout=timeout)
+            return getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
         except grpc.RpcError as e:
             raise EpdError.from_rpc(e) from None
 
     def call_async(self, method: str, request: Message, timeout: float) -> _Future:
-        return _Future(getattr(self.stub, method).future(request, timeout=timeout))
+        return _Future(getattr(self.stub, method).future(request, timeout=timeout,
+                                                         metadata=self.metadata))
 
     def open_stream(self, request: epd_pb2.OpenSessionRequest) -> SessionStream:
         return self.stub.OpenSession(request)
 
     def close(self) -> None:
         self.channel.close()
+
+
+class _Failed:
+    """A call that failed before it started."""
+
+    def __init__(self, error: EpdError) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Message:
+        raise self.error
 
 
 class _RingCall:
@@ -136,14 +157,36 @@ class FastPathTransport(Transport):
 
     name = "fastpath"
 
-    def __init__(self, inner: GrpcTransport, ring_path: str, slots: int, slot_bytes: int,
+    def __init__(self, inner: GrpcTransport, ring: R.Ring | int, slots: int, slot_bytes: int,
                  spin_seconds: float) -> None:
+        """`ring`: the ring's memfd as fetched over the descriptor channel (mapped here, the
+        descriptor closed), or a mapped Ring."""
         self.inner = inner
-        self.ring = R.Ring(ring_path, slots, slot_bytes, create=False)
+        self.ring = ring if isinstance(ring, R.Ring) else R.Ring.from_fd(ring, slots, slot_bytes)
         self.spin = spin_seconds
         self._lock = threading.Lock()
         self._next = 1
         self.broken: str | None = None
+        # Set once the session's lease ended (the engine died or the session closed): every ring
+        # call then fails with UNAVAILABLE, waiting ones within one wait slice.
+        self.lost: str | None = None
+
+    def lease_lost(self, message: str) -> None:
+        """The session's stream ended: fail every call waiting on the ring now (wake each
+        slot's futex; a waiter also re-checks `lost` at least every FUTEX_WAIT_SECONDS) and
+        every later one at once, with UNAVAILABLE and `message` ("the engine went away: ...").
+        Called by the session's lease thread."""
+        if self.lost is None:
+            self.lost = message
+        for i in range(self.ring.slots):
+            try:
+                _, _, state_addr = self.ring.slot(i)
+            except IndexError:  # the ring was closed meanwhile: nobody waits on it
+                return
+            R.futex_wake(state_addr)
+
+    def _lost_error(self) -> EpdError:
+        return Unavailable(self.lost or "the engine went away")
 
     def _submit(self, method: str, data: bytes, timeout: float) -> _RingCall:
         op = operations.get(method)
@@ -155,6 +198,8 @@ class FastPathTransport(Transport):
             words, payload, _ = self.ring.slot(slot)
             while int(words[R.S_STATE]) != R.FREE:
                 # Every slot holds a call in flight: wait for the oldest to be consumed.
+                if self.lost is not None:
+                    raise self._lost_error()
                 if time.monotonic() > deadline:
                     raise ResourceExhausted(
                         f"fast-path ring full ({self.ring.slots} calls in flight)")
@@ -179,6 +224,9 @@ class FastPathTransport(Transport):
             if header[R.CLOSED]:
                 self.broken = "the engine closed the fast path"
                 return Unavailable(self.broken)
+            if self.lost is not None:
+                # The engine will never answer: the slot stays SUBMITTED, the ring unused.
+                return self._lost_error()
             if time.perf_counter() < spin_until:
                 continue
             left = call.deadline - time.monotonic()
@@ -202,12 +250,16 @@ class FastPathTransport(Transport):
                 and len(data) <= self.ring.capacity)
 
     def call(self, method: str, request: Message, timeout: float) -> Message:
+        if self.lost is not None:
+            raise self._lost_error()
         data = request.SerializeToString()
         if not self._use_ring(method, data):
             return self.inner.call(method, request, timeout)
         return self._submit(method, data, timeout).result()
 
     def call_async(self, method: str, request: Message, timeout: float) -> PendingCall:
+        if self.lost is not None:
+            return _Failed(self._lost_error())
         data = request.SerializeToString()
         if not self._use_ring(method, data):
             return self.inner.call_async(method, request, timeout)

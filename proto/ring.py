@@ -6,7 +6,11 @@ the same operations, validation and errors; only the hop differs. Wake-ups use f
 of the shared file: both sides spin for a bounded time first, then sleep in FUTEX_WAIT with a
 timeout, so an idle engine costs no CPU and a busy one answers in microseconds.
 
-File layout (little-endian):
+The ring is a memfd the engine creates and seals (it can neither shrink nor grow, so no side can
+make the other's mapping fault), fetched by the session's client as "ring" over the engine's
+descriptor channel (proto/fd_channel.py): only that client holds it.
+
+Layout (little-endian):
     header (4096 bytes)
         u32 doorbell         bumped by the client after each submission (the engine's futex)
         u32 engine_waiting   1 while the engine sleeps on the doorbell
@@ -31,6 +35,7 @@ import time
 
 import numpy as np
 
+from . import fd_channel as fdc
 from . import operations
 
 HEADER = 4096
@@ -75,22 +80,20 @@ def futex_wake(addr: int) -> None:
         _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 1 << 30, None, None, 0)
 
 
-class Ring:
-    """One mapping of a ring file (either side)."""
+def ring_bytes(slots: int, slot_bytes: int) -> int:
+    return HEADER + slots * slot_bytes
 
-    def __init__(self, path: str, slots: int, slot_bytes: int, *, create: bool) -> None:
-        self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
-        size = HEADER + slots * slot_bytes
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o660)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise ValueError(f"ring file {path} is smaller than {size} bytes")
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+
+class Ring:
+    """One mapping of a ring (either side). The engine makes it with `create` (a sealed memfd,
+    whose descriptor it keeps in `fd` for the client to fetch); the client maps the descriptor
+    it fetched with `from_fd`."""
+
+    def __init__(self, mm: mmap.mmap, slots: int, slot_bytes: int, fd: int = -1) -> None:
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self.size = ring_bytes(slots, slot_bytes)
+        self.fd = fd  # the engine's descriptor of the memfd (-1 on the client)
+        self._mm = mm
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.base = ctypes.addressof(self._anchor)
         self.header = np.frombuffer(self._mm, np.uint32, HEADER // 4)
@@ -106,6 +109,32 @@ class Ring:
         payload = memoryview(self._mm)[off + SLOT_HEADER:off + self.slot_bytes]
         return words, payload, self.base + off + 4 * S_STATE
 
+    @classmethod
+    def create(cls, slots: int, slot_bytes: int) -> Ring:
+        """A new ring: a memfd sealed against shrinking and growing, mapped; keeps the fd."""
+        fd = fdc.create_memfd("epd-ring", ring_bytes(slots, slot_bytes), fdc.ENGINE_SEALS)
+        try:
+            mm = fdc.map_fd(fd, ring_bytes(slots, slot_bytes))
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(mm, slots, slot_bytes, fd)
+
+    @classmethod
+    def from_fd(cls, fd: int, slots: int, slot_bytes: int) -> Ring:
+        """Map a ring fetched from the engine; closes `fd` (the mapping needs none). Refuses
+        one that is not sealed at its size (ValueError)."""
+        try:
+            size = ring_bytes(slots, slot_bytes)
+            try:
+                fdc.check_sealed(fd, size, fdc.F_SEAL_SHRINK, "the fast-path ring")
+            except Exception as e:
+                raise ValueError(str(e)) from None
+            mm = fdc.map_fd(fd, size)
+        finally:
+            os.close(fd)
+        return cls(mm, slots, slot_bytes)
+
     def slot(self, i: int) -> tuple[np.ndarray, memoryview, int]:
         """(u32 header words, payload view, address of the state word) of slot i."""
         return self._slots[i]
@@ -118,16 +147,22 @@ class Ring:
     def closed(self) -> bool:
         return bool(self.header[CLOSED])
 
-    def close(self, *, unlink: bool) -> None:
+    def close(self, *, unlink: bool = False) -> None:
+        """Unmap (`unlink` is accepted for older callers: a memfd has no name to remove)."""
         self.header[CLOSED] = 1
         futex_wake(self.doorbell_addr)
         self._slots = []
         del self._anchor
         with contextlib.suppress(BufferError):  # a slot view still held: goes with it
             self._mm.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+        self.release_fd()
+
+    def release_fd(self) -> None:
+        """Close the engine's descriptor of the memfd (the mapping stays)."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
 
 def seq_of(words: np.ndarray) -> int:

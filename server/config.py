@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "EPD_"
+# The secret the supervisor gives each engine at spawn (environment), sent by the engine as gRPC
+# metadata on the Node RPCs that only engines may call (Rendezvous, ReleaseRank, GetBootstrap).
+NODE_TOKEN_ENV = "EPD_NODE_TOKEN"
+NODE_TOKEN_METADATA = "epd-node-token"
+
+
+def node_metadata() -> tuple[tuple[str, str], ...]:
+    """gRPC metadata that authenticates an engine's calls to its supervisor's Node service."""
+    return ((NODE_TOKEN_METADATA, os.environ.get(NODE_TOKEN_ENV, "")),)
 
 
 @dataclass
@@ -35,8 +44,18 @@ class Config:
     timeout_seconds: float = field(default=10.0, metadata={
         "help": "default deadline of a collective and of a group rendezvous"})
     max_sessions: int = field(default=256, metadata={"help": "sessions per engine"})
-    max_regions_per_session: int = field(default=4096, metadata={
-        "help": "registered regions per session"})
+    max_regions_per_session: int = field(default=256, metadata={
+        "help": "registered regions per session (each holds a mapping; RESOURCE_EXHAUSTED "
+                "beyond it)"})
+    max_region_bytes_per_session: int = field(default=64 << 30, metadata={
+        "help": "bytes of registered regions per session"})
+    max_groups_per_session: int = field(default=64, metadata={
+        "help": "group memberships per session (also bounded by the counter page's slots)"})
+    max_stream_ops_per_session: int = field(default=256, metadata={
+        "help": "armed stream-ordered calls per session"})
+    max_group_label_values: int = field(default=256, metadata={
+        "help": "distinct group names a process labels metrics with; later groups are "
+                "labelled group=\"_overflow\""})
     max_handles: int = field(default=64, metadata={
         "help": "dispatch handles kept per membership (older ones expire)"})
     per_expert_metrics: bool = field(default=False, metadata={
@@ -73,6 +92,20 @@ class Config:
                 "more rows in flight; keep two ranks' worth under the GPU's SM count)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
+    allow_uids: str = field(default="", metadata={
+        "help": "comma-separated uids admitted to any group (shared pools); by default a "
+                "group admits only sessions of its first member's uid"})
+    allow_gids: str = field(default="", metadata={
+        "help": "comma-separated gids whose members (primary gid of the client) are admitted "
+                "to any group"})
+
+    @property
+    def allowed_uids(self) -> frozenset[int]:
+        return parse_ids("allow_uids", self.allow_uids)
+
+    @property
+    def allowed_gids(self) -> frozenset[int]:
+        return parse_ids("allow_gids", self.allow_gids)
 
     @property
     def socket_path(self) -> Path:
@@ -92,6 +125,14 @@ class Config:
             v = getattr(self, f.name)
             out[ENV_PREFIX + f.name.upper()] = str(int(v) if isinstance(v, bool) else v)
         return out
+
+
+def parse_ids(name: str, text: str) -> frozenset[int]:
+    """"1001,1002" -> {1001, 1002}; ValueError naming the setting otherwise."""
+    try:
+        return frozenset(int(t) for t in str(text).replace(" ", "").split(",") if t)
+    except ValueError:
+        raise ValueError(f"{name}: expected comma-separated numeric ids, got {text!r}") from None
 
 
 def _convert(f: dataclasses.Field, raw: Any) -> Any:
@@ -158,4 +199,5 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError("timeout_seconds must be positive")
     if cfg.engines < 0:
         raise ValueError("engines must be >= 0")
+    cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
     return cfg

@@ -22,6 +22,7 @@ from ..proto.errors import (
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    PermissionDenied,
 )
 from ..proto.v1 import epd_pb2
 from . import metrics
@@ -29,6 +30,9 @@ from .backends.base import GroupPlanner, GroupSpec
 from .engine.state import spec_from_proto
 
 log = logging.getLogger("epd.coordinator")
+# The end of a ReleaseRank reason for a clean leave (the engine's leave_group): the group still
+# ends for its other members, but it is no fault: logged at INFO, not as an abort.
+LEAVE_REASON = "left the group"
 
 
 @dataclass
@@ -45,11 +49,17 @@ class GroupInstance:
     failure: EpdError | None = None  # forming failed: every waiting rank gets this
     aborted: str | None = None
     released: set[int] = field(default_factory=set)
+    owner_uid: int | None = None  # uid of the first member's client: the admission policy
 
 
 class Coordinator:
-    def __init__(self, planner: GroupPlanner, default_timeout: float = 10.0) -> None:
+    def __init__(self, planner: GroupPlanner, default_timeout: float = 10.0, *,
+                 allow_uids: frozenset[int] = frozenset(),
+                 allow_gids: frozenset[int] = frozenset()) -> None:
         self.planner = planner
+        # Admission: a group admits sessions of its first member's uid, and of these uids /
+        # primary gids (--allow-uids / --allow-gids: pools shared by several users).
+        self.allow_uids, self.allow_gids = allow_uids, allow_gids
         # Engines always send their deadline; this covers a request that names none.
         self.default_timeout = default_timeout
         self.by_name: dict[str, GroupInstance] = {}
@@ -67,14 +77,23 @@ class Coordinator:
         if g is None or g.aborted is not None:
             g = self._new_instance(spec, req.spec)
         elif g.spec != spec:
-            raise FailedPrecondition(f"group {spec.name!r} exists with a different spec: "
-                                     f"{_spec_text(g.spec)}; this rank asked for "
+            err = FailedPrecondition(f"group {spec.name!r} exists with a different spec: "
+                                     f"{_spec_text(g.spec)}; rank {req.rank} asked for "
                                      f"{_spec_text(spec)}")
+            if not g.formed.is_set():
+                # The group cannot form as specified: every rank waiting on it fails now with
+                # the mismatch (not at its deadline), and the name is free for a fresh start.
+                log.warning("group %r (%s) cannot form: %s", spec.name, g.group_id, err.message)
+                g.failure, g.aborted = err, err.message
+                g.formed.set()
+                self._remove(g)
+            raise err
         if req.rank in g.members:
             raise FailedPrecondition(f"rank {req.rank} of group {spec.name!r} is already "
                                      f"taken (by session {g.members[req.rank][1]})")
         if g.formed.is_set():
             raise FailedPrecondition(f"group {spec.name!r} is already formed")
+        self._admit(g, req)
         g.members[req.rank] = (req.engine_index, req.session_id)
         if len(g.members) == spec.num_ranks:
             self._form(g)
@@ -100,6 +119,25 @@ class Coordinator:
         return epd_pb2.RendezvousResponse(
             group_id=g.group_id, plan=g.plan,
             rank_engines=[g.members[r][0] for r in range(spec.num_ranks)])
+
+    def _admit(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
+        """The group's admission policy: the first member sets its owner uid; later members
+        must have it, or a uid / primary gid the configuration admits (PERMISSION_DENIED naming
+        the policy otherwise)."""
+        if not req.has_peer:
+            raise PermissionDenied(f"group {g.spec.name!r}: the joining session's credentials "
+                                   f"are unknown (its descriptor channel is not connected)")
+        if g.owner_uid is None or not g.members:
+            g.owner_uid = req.peer_uid
+            return
+        if (req.peer_uid == g.owner_uid or req.peer_uid in self.allow_uids
+                or req.peer_gid in self.allow_gids):
+            return
+        raise PermissionDenied(
+            f"group {g.spec.name!r} admits sessions of uid {g.owner_uid} (its first member) "
+            f"and of --allow-uids {sorted(self.allow_uids)} / --allow-gids "
+            f"{sorted(self.allow_gids)}; rank {req.rank} comes from uid {req.peer_uid} "
+            f"gid {req.peer_gid}")
 
     async def _attached(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
         g = self.by_id.get(req.group_id)
@@ -148,7 +186,7 @@ class Coordinator:
         if g is None:
             return
         if reason and g.aborted is None and len(g.released) < g.spec.num_ranks - 1:
-            self._abort(g, reason)
+            self._abort(g, reason, left=reason.endswith(LEAVE_REASON))
         g.released.add(rank)
         if len(g.released) >= len(g.members):
             self._remove(g)
@@ -168,12 +206,13 @@ class Coordinator:
             if len(g.released) >= len(g.members):
                 self._remove(g)
 
-    def _abort(self, g: GroupInstance, reason: str) -> None:
+    def _abort(self, g: GroupInstance, reason: str, left: bool = False) -> None:
         if g.aborted is not None:
             return
         g.aborted = reason
         g.all_attached.set()  # nobody waits for an attach that will not come
-        log.warning("group %r (%s) aborted: %s", g.spec.name, g.group_id, reason)
+        log.log(logging.INFO if left else logging.WARNING, "group %r (%s) %s: %s", g.spec.name,
+                g.group_id, "ended (a member left)" if left else "aborted", reason)
         if g.planned:
             self.planner.abort_group(g.plan, reason)
 

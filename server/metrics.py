@@ -5,41 +5,100 @@ The supervisor and every engine are separate processes behind one scrape endpoin
 sets PROMETHEUS_MULTIPROC_DIR before any of them imports prometheus_client, so each process writes
 its samples to files there and the endpoint aggregates them (prometheus_client's multiprocess
 mode). Gauges say how they aggregate across processes.
+
+Bounded label sets: every metric labelled by `group` maps the group name through
+`group_label()`: a process labels at most `--max-group-label-values` distinct names (default
+256), later ones become group="_overflow". The cap counts every name a process has used, not
+only live groups: in multiprocess mode prometheus_client cannot remove a series (`remove()`
+warns "not implemented in multi-process mode" and drops only the in-process child; the sample
+stays in the process's mmap file and keeps being exported until the process exits), so freeing
+a slot when a group ends would not bound the files, the scrape or the memory.
 """
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import Counter, Gauge, Histogram
+
+OVERFLOW_GROUP = "_overflow"
+_group_cap = 256
+_group_names: set[str] = set()
+_group_lock = threading.Lock()
+
+
+def set_group_label_cap(cap: int) -> None:
+    global _group_cap
+    _group_cap = max(0, int(cap))
+
+
+def group_label(name: str) -> str:
+    """The `group` label value for a group name: itself while under the cap, else _overflow."""
+    if name in _group_names:
+        return name
+    with _group_lock:
+        if name in _group_names:
+            return name
+        if len(_group_names) >= _group_cap:
+            return OVERFLOW_GROUP
+        _group_names.add(name)
+        return name
+
+
+class _GroupLabelled:
+    """A metric whose first label is `group`: its values go through group_label()."""
+
+    def labels(self, *values, **kw):
+        if values:
+            values = (group_label(str(values[0])), *values[1:])
+        elif "group" in kw:
+            kw["group"] = group_label(str(kw["group"]))
+        return super().labels(*values, **kw)
+
+
+class GroupCounter(_GroupLabelled, Counter):
+    pass
+
+
+class GroupGauge(_GroupLabelled, Gauge):
+    pass
+
+
+class GroupHistogram(_GroupLabelled, Histogram):
+    pass
+
 
 # 5 µs .. 20 s, roughly x2 steps: collectives take tens of µs on GPUs and ms on the CPU backend.
 LATENCY_BUCKETS = (5e-6, 10e-6, 20e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3,
                    20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0)
 
-DISPATCH_SECONDS = Histogram("epd_dispatch_seconds", "Dispatch latency inside the engine",
+DISPATCH_SECONDS = GroupHistogram("epd_dispatch_seconds", "Dispatch latency inside the engine",
                              ["group", "path", "backend"], buckets=LATENCY_BUCKETS)
-COMBINE_SECONDS = Histogram("epd_combine_seconds", "Combine latency inside the engine",
+COMBINE_SECONDS = GroupHistogram("epd_combine_seconds", "Combine latency inside the engine",
                             ["group", "path", "backend"], buckets=LATENCY_BUCKETS)
-LAYOUT_SECONDS = Histogram("epd_layout_seconds", "get_dispatch_layout latency",
+LAYOUT_SECONDS = GroupHistogram("epd_layout_seconds", "get_dispatch_layout latency",
                            ["group", "path", "backend"], buckets=LATENCY_BUCKETS)
-STREAM_OP_LAUNCH_SECONDS = Histogram(
+STREAM_OP_LAUNCH_SECONDS = GroupHistogram(
     "epd_stream_op_launch_seconds", "Stream-ordered calls: host time from seeing the doorbell "
     "to the last kernel launched (the GPU time follows)", ["group", "kind"],
     buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("epd_requests", "Engine requests by method and status code",
                    ["method", "code"])
-BYTES_SENT = Counter("epd_bytes_sent", "Payload bytes sent to other ranks",
+BYTES_SENT = GroupCounter("epd_bytes_sent", "Payload bytes sent to other ranks",
                      ["group", "peer_class"])
-BYTES_RECEIVED = Counter("epd_bytes_received", "Payload bytes received from other ranks",
+BYTES_RECEIVED = GroupCounter("epd_bytes_received", "Payload bytes received from other ranks",
                          ["group", "peer_class"])
-RECV_TOKENS = Counter("epd_recv_tokens", "Token rows received by dispatch", ["group"])
-EXPERT_RECV_TOKENS = Counter("epd_expert_recv_tokens",
+RECV_TOKENS = GroupCounter("epd_recv_tokens", "Token rows received by dispatch", ["group"])
+EXPERT_RECV_TOKENS = GroupCounter("epd_expert_recv_tokens",
                              "(token, expert) pairs received per local expert (opt-in)",
                              ["group", "expert"])
-LOAD_IMBALANCE = Gauge("epd_expert_load_imbalance_ratio",
+LOAD_IMBALANCE = GroupGauge("epd_expert_load_imbalance_ratio",
                        "max / mean of (token, expert) pairs over the group's experts, last layout",
                        ["group"], multiprocess_mode="livemax")
-TIMEOUTS = Counter("epd_collective_timeouts", "Collectives that hit their deadline", ["group"])
-ABORTS = Counter("epd_group_aborts", "Groups aborted", ["reason"])
+TIMEOUTS = GroupCounter("epd_collective_timeouts", "Collectives that hit their deadline", ["group"])
+ABORTS = Counter("epd_group_aborts", "Groups aborted (faults: a member's session ended while "
+                 "holding it, an engine lost, a drain)", ["reason"])
+LEAVES = Counter("epd_group_leaves", "Group memberships ended by a clean leave() (not an abort)")
 SESSIONS = Gauge("epd_sessions", "Open sessions", ["engine"], multiprocess_mode="livesum")
 GROUPS = Gauge("epd_groups", "Group memberships held", ["engine"], multiprocess_mode="livesum")
 REGIONS = Gauge("epd_regions", "Registered client regions", ["engine"],

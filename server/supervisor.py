@@ -7,8 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
+import hmac
 import logging
 import os
+import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,9 +30,14 @@ from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
-from .config import Config
+from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config
 
 log = logging.getLogger("epd.supervisor")
+LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
+
+
+class StartupError(Exception):
+    """A setting the daemon cannot start with: one line naming the setting and the fix."""
 
 
 @dataclass
@@ -41,8 +51,18 @@ class EngineProc:
 
 
 class NodeService(epd_pb2_grpc.NodeServicer):
+    """GetTopology is open to every client of node.sock; the RPCs engines use (Rendezvous,
+    ReleaseRank, GetBootstrap) need the secret the supervisor gave its engines at spawn."""
+
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
+
+    async def _engine_only(self, context, method: str) -> None:
+        sent = dict(context.invocation_metadata() or ()).get(NODE_TOKEN_METADATA, "")
+        if not (isinstance(sent, str)
+                and hmac.compare_digest(sent.encode(), self.sup.node_token.encode())):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"Node.{method} is for the daemon's engines only")
 
     async def GetTopology(self, request, context):
         s = self.sup
@@ -58,16 +78,19 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                                            engines=engines, metrics_url=s.metrics_url)
 
     async def Rendezvous(self, request, context):
+        await self._engine_only(context, "Rendezvous")
         try:
             return await self.sup.coordinator.rendezvous(request)
         except EpdError as e:
             await context.abort(e.code, e.message)
 
     async def ReleaseRank(self, request, context):
+        await self._engine_only(context, "ReleaseRank")
         self.sup.coordinator.release(request.group_id, request.rank, request.reason)
         return epd_pb2.ReleaseRankResponse()
 
     async def GetBootstrap(self, request, context):
+        await self._engine_only(context, "GetBootstrap")
         s = self.sup
         try:
             return s.planner.bootstrap(request.engine_index, len(s.engines))
@@ -83,11 +106,14 @@ class Supervisor:
         self.planner = planner
         self.backend = planner.name  # for logs and metrics only
         self.engines = [EngineProc(i, cfg.engine_socket(i)) for i in range(num_engines)]
-        self.coordinator = Coordinator(planner, cfg.timeout_seconds)
+        self.coordinator = Coordinator(planner, cfg.timeout_seconds, allow_uids=cfg.allowed_uids,
+                                       allow_gids=cfg.allowed_gids)
         self.metrics_url = ""
         self.device_names: dict[int, tuple[str, str]] = {}
         self.stopping = False
         self._http = None
+        self.lock_fd: int | None = None
+        self.node_token = secrets.token_hex(32)  # given to engines at spawn, never to clients
 
     def ready(self) -> tuple[bool, str]:
         not_ready = [e.index for e in self.engines if not e.ready]
@@ -106,8 +132,13 @@ class Supervisor:
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         for key, value in self.planner.engine_env().items():
             env.setdefault(key, value)
+        env[NODE_TOKEN_ENV] = self.node_token
+        env["EPD_SUPERVISOR_PID"] = str(os.getpid())  # the engine checks its parent (app.py)
+        # The engines inherit the daemon's lock: a second daemon on this socket folder cannot
+        # start before the last engine of this one has exited.
+        keep = (self.lock_fd,) if self.lock_fd is not None else ()
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
-                                   "--index", str(e.index)], env=env)
+                                   "--index", str(e.index)], env=env, pass_fds=keep)
         e.ready = False
         e.started_at = time.monotonic()
         log.info("engine %d started (pid %d)", e.index, e.proc.pid)
@@ -161,14 +192,31 @@ class Supervisor:
                     log.info("engine %d ready on %s", e.index, e.socket_path)
             await asyncio.sleep(0.1)
 
-    async def run(self) -> int:
-        from . import http, metrics
+    def bind_http(self) -> None:
+        """Listen on the metrics address (before anything else starts: a port in use is a
+        one-line start-up error)."""
+        from . import http
 
         cfg = self.cfg
-        sock_dir = Path(cfg.socket_dir)
-        sock_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(sock_dir, 0o750)  # keep the folder (clients may bind-mount it); tighten it
-        Path(cfg.shm_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            self._http = http.start(cfg.metrics_host, cfg.metrics_port, self.ready)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise StartupError(
+                    f"--metrics-port {cfg.metrics_port}: {cfg.metrics_host}:{cfg.metrics_port} "
+                    f"is already in use; pick a free port (or 0 for any free port)") from None
+            raise StartupError(
+                f"--metrics-host {cfg.metrics_host} / --metrics-port {cfg.metrics_port}: cannot "
+                f"listen there ({e.strerror or e}); fix the address or port") from None
+        host, port = self._http.server_address[:2]
+        self.metrics_url = f"http://{host}:{port}/metrics"
+
+    async def run(self) -> int:
+        from . import metrics
+
+        cfg = self.cfg
+        if self._http is None:
+            self.bind_http()
         metrics.BUILD_INFO.labels(__version__, self.backend).set(1)
 
         server = grpc.aio.server()
@@ -182,9 +230,6 @@ class Supervisor:
         os.chmod(cfg.node_socket, 0o660)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 
-        self._http = http.start(cfg.metrics_host, cfg.metrics_port, self.ready)
-        host, port = self._http.server_address[:2]
-        self.metrics_url = f"http://{host}:{port}/metrics"
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s", __version__,
                  self.backend, len(self.engines), cfg.socket_dir, self.metrics_url)
         self.planner.new_world()
@@ -225,27 +270,117 @@ class Supervisor:
         return 0
 
 
-def prepare_metrics_dir() -> str:
-    """Multiprocess metrics: must be set before prometheus_client is imported anywhere."""
+def prepare_metrics_dir() -> tuple[str, bool]:
+    """Multiprocess metrics: must be set before prometheus_client is imported anywhere.
+    Returns (folder, whether this daemon created it and so removes it at exit)."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
         path = tempfile.mkdtemp(prefix="epd-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-    else:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        for f in Path(path).glob("*.db"):  # stale samples of an earlier run
-            f.unlink()
-    return path
+        return path, True
+    Path(path).mkdir(parents=True, exist_ok=True)
+    for f in Path(path).glob("*.db"):  # stale samples of an earlier run
+        f.unlink()
+    return path, False
+
+
+def _probe_writable(folder: str, setting: str) -> None:
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".epd-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise StartupError(f"{setting} {folder}: not a writable folder "
+                           f"({e.strerror or e}); create it writable for the daemon's user "
+                           f"or choose another") from None
+
+
+def check_folders(cfg: Config) -> None:
+    """Start-up checks of the folders: one line naming the setting and the fix.
+
+    --shm-dir only has to be a writable folder now (the engine sweeps files of earlier versions
+    there): shared memory travels as memfds over the descriptor channel, so the tmpfs/hugetlbfs
+    check it once needed (cudaHostRegister of a counter page on disk failed at the first CUDA
+    session) is moot."""
+    _probe_writable(cfg.socket_dir, "--socket-dir")
+    shm_dir = getattr(cfg, "shm_dir", None)
+    if shm_dir:
+        _probe_writable(shm_dir, "--shm-dir")
+
+
+def lock_socket_dir(socket_dir: str) -> int:
+    """Hold the socket folder's lock for the daemon's life (the fd is inherited by the engines).
+    A second daemon on the same folder fails here, naming the pid that holds it."""
+    path = os.path.join(socket_dir, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as e:
+        raise StartupError(f"--socket-dir {socket_dir}: cannot create {LOCK_NAME} "
+                           f"({e.strerror or e}); make the folder writable") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StartupError(f"--socket-dir {socket_dir}: another epd daemon (pid {holder}) "
+                           f"serves this folder; stop it first or use another "
+                           f"--socket-dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def check_backend(cfg: Config) -> None:
+    from .backends import missing_requirements, resolve_backend_name
+    try:
+        name = resolve_backend_name(cfg.backend)
+    except ValueError as e:
+        raise StartupError(f"--backend: {e}") from None
+    missing = missing_requirements(name)
+    if missing:
+        raise StartupError(f"--backend {name}: {missing}")
+
+
+def _event_loop_run(coro) -> int:
+    try:
+        import uvloop  # optional: only its absence falls back, not an ImportError inside
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def run(cfg: Config) -> int:
-    prepare_metrics_dir()
-    from .backends import make_planner
-
-    planner = make_planner(cfg)
-    sup = Supervisor(cfg, planner, cfg.engines or planner.detect_engines())
+    """The daemon's life; every start-up error is one line on stderr and exit code 2, and the
+    metrics folder this daemon created is removed on every exit path."""
+    lock_fd: int | None = None
+    metrics_dir, owned = "", False
     try:
-        import uvloop
-        return uvloop.run(sup.run())
-    except ImportError:
-        return asyncio.run(sup.run())
+        check_folders(cfg)
+        lock_fd = lock_socket_dir(cfg.socket_dir)
+        check_backend(cfg)
+        metrics_dir, owned = prepare_metrics_dir()
+        from .backends import make_planner
+
+        try:
+            planner = make_planner(cfg)
+            sup = Supervisor(cfg, planner, cfg.engines or planner.detect_engines())
+        except ImportError as e:
+            raise StartupError(f"--backend {cfg.backend}: {e}; install what it needs or use "
+                               f"--backend cpu") from None
+        sup.lock_fd = lock_fd
+        os.chmod(cfg.socket_dir, 0o750)  # keep the folder (clients may bind-mount it); tighten
+        sup.bind_http()
+        return _event_loop_run(sup.run())
+    except StartupError as e:
+        print(f"epd serve: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if owned:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+        if lock_fd is not None:
+            # Still holding the lock: a daemon starting now either fails on this inode or
+            # creates a fresh file, so removing it leaves nothing behind and no window.
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(cfg.socket_dir, LOCK_NAME))
+            os.close(lock_fd)

@@ -23,6 +23,25 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def memfds(pid: int, name: str) -> list[int]:
+    """Descriptors process `pid` holds on memfds whose name starts with `name` ("epd-ring",
+    "epd-counters", "epd-out", "epd-<gid>.comm"): engine shared memory has no file names."""
+    out = []
+    folder = f"/proc/{pid}/fd"
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return out
+    for fd in entries:
+        try:
+            link = os.readlink(os.path.join(folder, fd))
+        except OSError:
+            continue
+        if link.startswith(f"/memfd:{name}"):
+            out.append(int(fd))
+    return out
+
+
 class HarnessDaemon(Daemon):
     """`epd serve` in a subprocess (demo.Daemon), plus what tests measure about its engines."""
 

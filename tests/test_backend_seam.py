@@ -5,6 +5,7 @@ CPU: the CUDA planner is pure sizes (no CuPy)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from types import SimpleNamespace
 
 import grpc
@@ -32,7 +33,8 @@ async def _all_ranks(coord: Coordinator, spec: epd_pb2.GroupSpec, timeout: float
         try:
             return await coord.rendezvous(epd_pb2.RendezvousRequest(
                 spec=spec, rank=rank, engine_index=rank % 2, session_id=f"s{rank}",
-                timeout_seconds=timeout))
+                timeout_seconds=timeout, peer_uid=os.getuid(), peer_gid=os.getgid(),
+                has_peer=True))
         except EpdError as e:
             return e
     loop = asyncio.get_running_loop()
@@ -91,13 +93,18 @@ def test_cpu_plan_travels_and_is_freed(tmp_path) -> None:
     plans = {r.plan for r in results}
     assert len(plans) == 1
     path = cpu.comm_path(plans.pop())
-    assert path.startswith(str(tmp_path)) and (tmp_path / path.split("/")[-1]).exists()
+    # A sealed memfd of the planner's process, nothing in the shm folder; it cannot be resized.
+    assert path.startswith(f"/proc/{os.getpid()}/fd/") and os.path.exists(path)
+    assert os.listdir(tmp_path) == []
     gid = results[0].group_id
+    assert os.readlink(path) == f"/memfd:epd-{gid}.comm (deleted)"
+    with open(path, "r+b") as f, pytest.raises(PermissionError):
+        os.ftruncate(f.fileno(), 0)
     coord.release(gid, 0, "rank 0 went away")
     header = np.fromfile(path, np.int64, count=cpu._HEADER_BYTES // 8)
     assert "rank 0 went away" in (cpu.read_abort(header) or "")  # the planner's abort_group
     coord.release(gid, 1, "")
-    assert not (tmp_path / path.split("/")[-1]).exists()
+    assert not os.path.exists(path)  # the planner closed its descriptor
 
 
 def _spec(num_ranks: int, topk: int, **kw) -> GroupSpec:

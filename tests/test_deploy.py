@@ -39,6 +39,7 @@ METRICS = {
     "epd_expert_load_imbalance_ratio": "gauge",
     "epd_collective_timeouts_total": "counter",
     "epd_group_aborts_total": "counter",
+    "epd_group_leaves_total": "counter",
     "epd_sessions": "gauge",
     "epd_groups": "gauge",
     "epd_regions": "gauge",

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 from daemon_harness import HarnessDaemon as Daemon  # demo's Daemon + engine CPU measurement
+from daemon_harness import memfds
 
 from epd.client import EpdError, Session
 from epd.proto.v1 import epd_pb2
@@ -172,8 +173,9 @@ def test_client_death_with_requests_queued(daemon) -> None:
         peer.join("doomed", rank=1, num_ranks=2, num_experts=8, hidden=128,
                   max_tokens_per_rank=16, num_topk=2, timeout=10)
         pid = q.get(timeout=30)
-        rings_before = [f for f in os.listdir(daemon_shm(daemon))
-                        if f.startswith("epd-e0-") and f.endswith(".ring")]
+        # Rings are memfds the engine holds (no file in the shm folder): count its descriptors.
+        engine = daemon.engine_pid(0)
+        rings_before = len(memfds(engine, "epd-ring"))
         assert rings_before
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
@@ -181,10 +183,9 @@ def test_client_death_with_requests_queued(daemon) -> None:
         # The engine notices the broken lease, aborts the group and frees the ring at once,
         # far sooner than the 30 s deadline of the queued dispatch.
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and [
-                f for f in os.listdir(daemon_shm(daemon)) if f in rings_before]:
+        while time.monotonic() < deadline and len(memfds(engine, "epd-ring")) >= rings_before:
             time.sleep(0.05)
-        assert not [f for f in os.listdir(daemon_shm(daemon)) if f in rings_before]
+        assert len(memfds(engine, "epd-ring")) < rings_before
         assert time.monotonic() - t0 < 10
         assert daemon.get("/readyz")[0] == 200
         with Session(daemon.socket(0)) as s:
@@ -194,10 +195,6 @@ def test_client_death_with_requests_queued(daemon) -> None:
         if p.is_alive():
             p.kill()
         peer.close()
-
-
-def daemon_shm(d: Daemon) -> str:
-    return "/dev/shm"
 
 
 def test_fallback_when_the_engine_offers_none() -> None:

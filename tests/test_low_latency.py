@@ -375,8 +375,9 @@ def test_bad_input(daemon, fast: bool) -> None:
 
 
 def test_arguments_that_differ_across_ranks(daemon) -> None:
-    """num_max_dispatch_tokens_per_rank / use_fp8 must agree: every rank gets INVALID_ARGUMENT
-    naming the disagreement, and the group stays usable."""
+    """num_max_dispatch_tokens_per_rank / use_fp8 must agree: every rank gets
+    FAILED_PRECONDITION naming the disagreement, and the group stays usable (see
+    test_collective_consistency.py)."""
     xs, idx, w = _workload([4, 4, 4], seed=3)
     disp, comb = _reference(xs, idx, w, 8, "bf16")
 
@@ -389,7 +390,7 @@ def test_arguments_that_differ_across_ranks(daemon) -> None:
 
     for r, (first, second, d, cx) in enumerate(_run(daemon, fn)):
         for code, msg in (first, second):
-            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
             assert "arguments differ across ranks" in msg
         _check_dispatch(d, disp[r])
         np.testing.assert_array_equal(_bits(cx), _bits(comb[r]))

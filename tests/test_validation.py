@@ -139,7 +139,8 @@ BAD_DISPATCH = {
     "num_worst_tokens too big": (lambda: _bad(num_worst_tokens=65), INVALID,
                                  "num_worst_tokens=65 exceeds"),
     "negative alignment": (lambda: _bad(expert_alignment=-4), INVALID, "expert_alignment"),
-    "negative timeout": (lambda: _bad(timeout=-1.0), INVALID, "timeout_seconds must be >= 0"),
+    "negative timeout": (lambda: _bad(timeout=-1.0), INVALID,
+                         "timeout must be a positive finite number"),
 }
 
 
@@ -354,18 +355,21 @@ def test_raw_bad_combine_and_layout_ids(pair):
 
 
 def test_bad_region_registration(pair):
+    """Host memory is a sealed memfd over the descriptor channel; RegisterRegion over gRPC
+    takes CUDA IPC handles only (no path field at all)."""
     s = pair.sessions[0]
-    expect(INVALID, "outside the allowed folders", call, pair, epd_pb2.RegisterRegionRequest(
-        session_id=s.session_id, shm_path="/etc/passwd", size_bytes=16), "RegisterRegion")
+    assert "shm_path" not in epd_pb2.RegisterRegionRequest.DESCRIPTOR.fields_by_name
+    expect(INVALID, "descriptor channel", call, pair, epd_pb2.RegisterRegionRequest(
+        session_id=s.session_id, size_bytes=16), "RegisterRegion")
     expect(INVALID, "size_bytes must be positive", call, pair, epd_pb2.RegisterRegionRequest(
-        session_id=s.session_id, shm_path=s._counter_file.path, size_bytes=0), "RegisterRegion")
-    small = ShmFile.create(64)  # a real file, smaller than it claims to be
+        session_id=s.session_id, size_bytes=0), "RegisterRegion")
+    small = ShmFile.create(64)  # a real memfd, smaller than it claims to be
     try:
-        expect(INVALID, "fewer than the", call, pair, epd_pb2.RegisterRegionRequest(
-            session_id=s.session_id, shm_path=small.path, size_bytes=1 << 30),
-            "RegisterRegion")
+        with pytest.raises(EpdError) as ei:
+            s._channel.register(small.fd, 1 << 30)
+        assert ei.value.code == INVALID and "fewer than the" in ei.value.details
     finally:
-        small.close(unlink=True)
+        small.close()
     valid_round(pair)
 
 

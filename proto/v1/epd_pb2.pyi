@@ -108,7 +108,7 @@ class GroupSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ..., low_latency_mode: _Optional[bool] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
-    __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds", "attached", "group_id")
+    __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds", "attached", "group_id", "peer_uid", "peer_gid", "has_peer")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,9 @@ class RendezvousRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_UID_FIELD_NUMBER: _ClassVar[int]
+    PEER_GID_FIELD_NUMBER: _ClassVar[int]
+    HAS_PEER_FIELD_NUMBER: _ClassVar[int]
     spec: GroupSpec
     rank: int
     engine_index: int
@@ -123,7 +126,10 @@ class RendezvousRequest(_message.Message):
     timeout_seconds: float
     attached: bool
     group_id: str
-    def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ...) -> None: ...
+    peer_uid: int
+    peer_gid: int
+    has_peer: bool
+    def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., has_peer: _Optional[bool] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
     __slots__ = ("group_id", "rank_engines", "plan")
@@ -184,24 +190,26 @@ class SessionEvent(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., group_aborted: _Optional[_Union[GroupAborted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "counter_page_path", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version", "default_timeout_seconds")
+    __slots__ = ("session_id", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version", "default_timeout_seconds", "session_token", "fd_socket_path")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    COUNTER_PAGE_PATH_FIELD_NUMBER: _ClassVar[int]
     COUNTER_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FD_SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    counter_page_path: str
     counter_page_bytes: int
     backend: Backend
     engine_index: int
     device_ordinal: int
     version: str
     default_timeout_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., counter_page_path: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ..., default_timeout_seconds: _Optional[float] = ...) -> None: ...
+    session_token: bytes
+    fd_socket_path: str
+    def __init__(self, session_id: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ..., default_timeout_seconds: _Optional[float] = ..., session_token: _Optional[bytes] = ..., fd_socket_path: _Optional[str] = ...) -> None: ...
 
 class GroupAborted(_message.Message):
     __slots__ = ("group_id", "reason")
@@ -224,22 +232,20 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("group_id", "rank", "output_region_id", "output_region_path", "output_region_ipc", "output_region_bytes", "counter_slot")
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
-    OUTPUT_REGION_PATH_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_IPC_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     output_region_id: str
-    output_region_path: str
     output_region_ipc: bytes
     output_region_bytes: int
     counter_slot: int
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_path: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
     __slots__ = ("session_id", "group_id")
@@ -254,18 +260,16 @@ class LeaveGroupResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("session_id", "shm_path", "cuda_ipc_handle", "size_bytes", "device_ordinal")
+    __slots__ = ("session_id", "cuda_ipc_handle", "size_bytes", "device_ordinal")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ORDINAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    shm_path: str
     cuda_ipc_handle: bytes
     size_bytes: int
     device_ordinal: int
-    def __init__(self, session_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., device_ordinal: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., device_ordinal: _Optional[int] = ...) -> None: ...
 
 class RegisterRegionResponse(_message.Message):
     __slots__ = ("region_id", "size_bytes")
@@ -510,16 +514,14 @@ class OpenFastPathRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenFastPathResponse(_message.Message):
-    __slots__ = ("ring_path", "slots", "slot_bytes", "spin_seconds")
-    RING_PATH_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("slots", "slot_bytes", "spin_seconds")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    ring_path: str
     slots: int
     slot_bytes: int
     spin_seconds: float
-    def __init__(self, ring_path: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., spin_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., spin_seconds: _Optional[float] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()
@@ -572,3 +574,39 @@ class GetStatsResponse(_message.Message):
     regions: int
     region_bytes: int
     def __init__(self, engine_index: _Optional[int] = ..., sessions: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupStats, _Mapping]]] = ..., regions: _Optional[int] = ..., region_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchFd(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class RegisterMemfd(_message.Message):
+    __slots__ = ("size_bytes",)
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    size_bytes: int
+    def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
+
+class FdRequest(_message.Message):
+    __slots__ = ("session_id", "session_token", "fetch", "register_memfd")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_MEMFD_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: bytes
+    fetch: FetchFd
+    register_memfd: RegisterMemfd
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., fetch: _Optional[_Union[FetchFd, _Mapping]] = ..., register_memfd: _Optional[_Union[RegisterMemfd, _Mapping]] = ...) -> None: ...
+
+class FdResponse(_message.Message):
+    __slots__ = ("code", "message", "region_id", "size_bytes")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    region_id: str
+    size_bytes: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...

@@ -23,6 +23,15 @@ def cuda_backend_present() -> bool:
 BACKEND_NAMES = ("cpu", "cuda")  # what `--backend` takes, besides "auto"
 
 
+def missing_requirements(name: str) -> str | None:
+    """What backend `name` (resolved) needs and this machine lacks, as the fix to print; None
+    when it can start. Checked by the supervisor before anything starts."""
+    if name == "cuda" and not cuda_backend_present():
+        return ("CuPy, NVSHMEM or cuda-python is not installed; install the [cuda] extra "
+                "(pip install -e '.[cuda]') or use --backend cpu")
+    return None
+
+
 def resolve_backend_name(name: str) -> str:
     """`auto` is cuda where a GPU, CuPy and the cuda engine are all present, else cpu."""
     if name == "auto":

@@ -5,9 +5,10 @@ handles, metrics) is backend-agnostic: it resolves tensor descriptors into array
 `Region.view`, calls a `RankComm` for every collective, and turns the arrays it gets back into
 descriptors of the membership's output region. A backend therefore only implements:
 
-* regions: open client memory (a shared-memory file on the CPU backend, a CUDA IPC handle on the
-  CUDA backend) and make strided views of it;
-* counter pages: map a session's counter page so the notify step can publish receive counts;
+* regions: open client memory (a sealed memfd passed by descriptor on the CPU backend, a CUDA IPC
+  handle on the CUDA backend) and make strided views of it;
+* counter pages: a session's counter page (a sealed memfd the client fetches by descriptor) so
+  the notify step can publish receive counts;
 * rank communicators: one per (group, rank) held by this engine, implementing the collectives
   of server/reference.py with deadlines and a group-wide abort word.
 
@@ -245,7 +246,10 @@ class Region(abc.ABC):
 
 
 class CounterPage(abc.ABC):
-    """A session's counter page as the engine sees it."""
+    """A session's counter page as the engine sees it: a memfd sealed against shrinking and
+    growing, mapped; `fd` is kept for the client to fetch ("counters") until `close`."""
+
+    fd: int = -1
 
     @abc.abstractmethod
     def slot(self, index: int) -> Any:
@@ -350,16 +354,25 @@ class Backend(abc.ABC):
         """name, uuid, ordinal of the device this engine drives."""
 
     @abc.abstractmethod
-    def open_region(self, region_id: str, *, shm_path: str = "", ipc_handle: bytes = b"",
-                    size: int, device_ordinal: int = 0) -> Region: ...
+    def open_region(self, region_id: str, *, ipc_handle: bytes = b"",
+                    size: int, device_ordinal: int = 0) -> Region:
+        """A region from a CUDA IPC handle (RegisterRegion over gRPC)."""
+
+    def map_memfd(self, region_id: str, fd: int, size: int) -> Region:
+        """A region from a client's memfd (the descriptor channel): the backend checks its seals
+        (F_SEAL_SHRINK at least) and size and maps it; the caller closes `fd` afterwards."""
+        from ...proto.errors import FailedPrecondition
+        raise FailedPrecondition(f"the {self.name} backend takes no host memory regions")
 
     @abc.abstractmethod
-    def open_counter_page(self, path: str) -> CounterPage: ...
+    def open_counter_page(self) -> CounterPage:
+        """A new session's counter page (a sealed memfd; see CounterPage)."""
 
     @abc.abstractmethod
-    def attach(self, spec: GroupSpec, membership: Membership, output_path: str) -> RankComm:
-        """Create this engine's communicator for one rank (after the rendezvous).
-        `output_path` names a file the backend may use for the output region (CPU backend)."""
+    def attach(self, spec: GroupSpec, membership: Membership) -> RankComm:
+        """Create this engine's communicator for one rank (after the rendezvous). On the CPU
+        backend its output region is a sealed memfd the client fetches as
+        "outputs/<group_id>"."""
 
     def thread_init(self) -> None:  # noqa: B027  (optional hook)
         """Run once on every session worker thread (the CUDA backend selects its device)."""

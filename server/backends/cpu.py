@@ -6,8 +6,10 @@ heap) with a slot per rank, arrival words (the analogue of NVSHMEM signals) and 
 A collective is pull-based:
 
     1. wait until every rank has finished reading the previous collective (so slots are free),
-    2. copy this rank's inputs into its slot and raise its arrival word,
-    3. wait for every rank's arrival (deadline + abort word),
+    2. copy this rank's inputs and its call header (kind, number, the handle's dispatch, the
+       arguments that must agree) into its slot and raise its arrival word,
+    3. wait for every rank's arrival (deadline + abort word); compare every rank's call header
+       (any disagreement fails every rank at once, see CallHeader),
     4. notify: compute the receive counts from the sources' routing and publish them into the
        session's counter page; then compute the layout and copy the rows in,
     5. raise the "done reading" word.
@@ -23,13 +25,13 @@ import mmap
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...proto import counter_page, dtypes
-from ...proto.errors import Aborted, DeadlineExceeded, InvalidArgument
+from ...proto import fd_channel as fdc
+from ...proto.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
 from ...proto.v1 import epd_pb2
 from ..reference import quantize_fp8  # the one FP8 quantisation (server/reference.py)
 from .base import (
@@ -61,6 +63,103 @@ _ABORT_TEXT_MAX = 1024
 _ARRIVALS = 2048  # byte offset of the int64 arrival words, one per rank
 MAX_RANKS = 128
 
+# The call header: what a rank publishes in its slot when it arrives at a collective, compared
+# by every rank after the arrival barrier (docs/DESIGN_NOTES.md "Collectives agree or fail
+# together"). int64 words at byte _CALL of the slot's meta area, the reason text after them.
+_CALL = 64  # byte offset in the slot's meta area (words 0-7 before it: per-call metadata)
+(H_SEQ, H_KIND, H_REF, H_FLAGS, H_WORST, H_ALIGN, H_NUM_MAX, H_STATUS,
+ H_REASON_LEN) = range(9)
+_CALL_WORDS = 16
+_REASON = _CALL + 8 * _CALL_WORDS  # byte offset of the reason text of a rejected call
+_REASON_MAX = 1024
+_META_BYTES = _REASON + _REASON_MAX  # < PAGE: the slot layout is unchanged
+# H_KIND: layout is not a collective on this backend (each rank's routing alone decides it).
+DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
+KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE: "combine",
+              LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine"}
+F_FP8, F_WEIGHTS = 1, 2  # H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights
+ARRIVED, REJECTED = 1, 2  # H_STATUS
+
+
+@dataclass(frozen=True)
+class CallHeader:
+    """One rank's call of a collective, as far as the other ranks must agree with it.
+
+    `ref` names the dispatch a handle comes from by that dispatch's collective number, which
+    every rank of the group assigns identically (0: no handle). `worst`, `align` and `num_max`
+    are num_worst_tokens, expert_alignment and num_max_dispatch_tokens_per_rank (0 where the
+    kind has none)."""
+
+    kind: int
+    ref: int = 0
+    flags: int = 0
+    worst: int = 0
+    align: int = 0
+    num_max: int = 0
+
+    @classmethod
+    def read(cls, words: np.ndarray) -> CallHeader:
+        return cls(int(words[H_KIND]), int(words[H_REF]), int(words[H_FLAGS]),
+                   int(words[H_WORST]), int(words[H_ALIGN]), int(words[H_NUM_MAX]))
+
+    def write(self, words: np.ndarray, seq: int, status: int) -> None:
+        words[H_KIND], words[H_REF], words[H_FLAGS] = self.kind, self.ref, self.flags
+        words[H_WORST], words[H_ALIGN], words[H_NUM_MAX] = self.worst, self.align, self.num_max
+        words[H_SEQ] = seq
+        words[H_STATUS] = status  # last: the header is complete
+
+    def describe(self) -> str:
+        name = KIND_NAMES.get(self.kind, f"an unknown collective (kind {self.kind})")
+        return f"{name} of dispatch #{self.ref}" if self.ref else name
+
+
+# The arguments that must agree, once the kinds do: (name, how to read it, how to tell it).
+_AGREED_ARGS = (
+    ("FP8 payload (x_scales)", lambda c: bool(c.flags & F_FP8), lambda v: "yes" if v else "no"),
+    ("topk_weights", lambda c: bool(c.flags & F_WEIGHTS),
+     lambda v: "passed" if v else "not passed"),
+    ("num_worst_tokens", lambda c: c.worst, str),
+    ("expert_alignment", lambda c: c.align, str),
+    ("num_max_dispatch_tokens_per_rank", lambda c: c.num_max, str),
+)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _by_value(values: list[Any]) -> list[tuple[Any, list[int]]]:
+    """[(value, ranks holding it)] in the order of first occurrence."""
+    groups: dict[Any, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    return list(groups.items())
+
+
+def call_disagreement(seqs: list[int], calls: list[CallHeader], statuses: list[int],
+                      reasons: list[str]) -> str | None:
+    """What the ranks' headers of one collective disagree on (None: they agree). A function of
+    the headers only, so every rank reaches the same verdict with the same words."""
+    rejected = [r for r, s in enumerate(statuses) if s == REJECTED]
+    if rejected:
+        return "; ".join(f"rank {r} rejected its {calls[r].describe()}: {reasons[r]}"
+                         for r in rejected)
+    if len(set(seqs)) > 1:  # cannot happen while the barrier protocol holds
+        return "ranks are at different collectives: " + ", ".join(
+            f"{_ranks(rs)} at #{v}" for v, rs in _by_value(seqs))
+    if len({(c.kind, c.ref) for c in calls}) > 1:
+        return "ranks called different collectives: " + ", ".join(
+            f"{_ranks(rs)} called {d}" for d, rs in _by_value([c.describe() for c in calls]))
+    diffs = []
+    for name, get, tell in _AGREED_ARGS:
+        groups = _by_value([get(c) for c in calls])
+        if len(groups) > 1:
+            diffs.append(f"{name}: " + ", ".join(f"{tell(v)} on {_ranks(rs)}"
+                                                 for v, rs in groups))
+    if diffs:
+        return f"{KIND_NAMES[calls[0].kind]} arguments differ across ranks: " + "; ".join(diffs)
+    return None
+
 
 def _align(n: int, a: int = 256) -> int:
     return (n + a - 1) // a * a
@@ -87,7 +186,7 @@ class SlotLayout:
         item = spec.x_numpy_dtype.itemsize
         off = 0
         fields = {}
-        for name, nbytes in (("meta", 64),
+        for name, nbytes in (("meta", _META_BYTES),
                              ("x", t * h * item),
                              ("x_scales", t * max(h // dtypes.FP8_BLOCK, 1) * 4),
                              ("topk_idx", t * k * 8),
@@ -119,12 +218,22 @@ def check_spec(spec: GroupSpec) -> None:
                               f"{MAX_RANKS} ranks per group (MAX_RANKS)")
 
 
-def create_comm_file(path: str, spec: GroupSpec) -> None:
-    """Called by the supervisor when a group forms: a sparse file, zero-filled."""
+def create_comm_file(group_id: str, spec: GroupSpec) -> int:
+    """Called by the supervisor when a group forms: a memfd, zero-filled, sealed against
+    shrinking and growing (no process can truncate it under the engines that map it); returns
+    its descriptor, which the supervisor keeps while the group lives."""
     check_spec(spec)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+    return fdc.create_memfd(f"epd-{group_id}.comm", comm_file_bytes(spec), fdc.ENGINE_SEALS)
+
+
+def open_comm_file(path: str, size: int) -> mmap.mmap:
+    """An engine maps a group's communication memfd through the supervisor's descriptor
+    (/proc/<supervisor pid>/fd/<n>: only processes of the daemon's uid may open it); refuses
+    one that is not sealed at its size."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
-        os.ftruncate(fd, comm_file_bytes(spec))
+        fdc.check_sealed(fd, size, fdc.F_SEAL_SHRINK | fdc.F_SEAL_GROW, "group comm file")
+        return fdc.map_fd(fd, size)
     finally:
         os.close(fd)
 
@@ -169,25 +278,31 @@ def abort_comm_file(path: str, reason: str) -> None:
 
 
 class ShmRegion(Region):
-    """A file mapped into this process: a client's region, or an engine-owned output region."""
+    """A sealed memfd mapped into this process: a client's region (`fd` given: its seals and
+    size checked, mapped; the caller closes the descriptor), or an engine-owned output region
+    (`create`: a new memfd sealed against shrinking and growing, whose descriptor `fd` is kept
+    for the client to fetch as "outputs/<group_id>")."""
 
-    def __init__(self, region_id: str, path: str, size: int, *, create: bool = False) -> None:
+    def __init__(self, region_id: str, size: int, *, fd: int = -1,
+                 create: bool = False) -> None:
         super().__init__(region_id, size)
-        self.path = path
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o660)
+        self.fd = -1
+        if create:
+            fd = self.fd = fdc.create_memfd("epd-out", size, fdc.ENGINE_SEALS)
+        else:
+            fdc.check_sealed(fd, size, fdc.CLIENT_SEALS, "region")
         try:
-            if create:
-                os.ftruncate(fd, size)
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise InvalidArgument(f"region file {path} has {actual} bytes, "
-                                      f"fewer than the {size} declared")
-            self._mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+            self._mm = fdc.map_fd(fd, size)
+        except BaseException:
+            self._release_fd()
+            raise
         self._base = np.frombuffer(self._mm, dtype=np.uint8)
-        self._owned = create
+
+    def _release_fd(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,
              strides: tuple[int, ...]) -> np.ndarray:
@@ -203,19 +318,17 @@ class ShmRegion(Region):
         # the last reference instead.
         with contextlib.suppress(BufferError):
             self._mm.close()
-        if self._owned:
-            Path(self.path).unlink(missing_ok=True)
+        self._release_fd()
 
 
 class ShmCounterPage(CounterPage):
-    def __init__(self, path: str) -> None:
-        self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+    def __init__(self) -> None:
+        self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
         try:
-            os.ftruncate(fd, counter_page.PAGE_BYTES)
-            self._mm = mmap.mmap(fd, counter_page.PAGE_BYTES)
-        finally:
-            os.close(fd)
+            self._mm = fdc.map_fd(self.fd, counter_page.PAGE_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
 
     def slot(self, index: int) -> np.ndarray:
         return counter_page.slot_words(self._mm, index)
@@ -223,7 +336,9 @@ class ShmCounterPage(CounterPage):
     def close(self) -> None:
         with contextlib.suppress(BufferError):
             self._mm.close()
-        Path(self.path).unlink(missing_ok=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass
@@ -310,17 +425,15 @@ def layout_of(topk_idx: np.ndarray, spec: GroupSpec) -> tuple[np.ndarray, np.nda
 class CpuRankComm(RankComm):
     backend_name = "cpu"
 
-    def __init__(self, spec: GroupSpec, membership: Membership, output_path: str) -> None:
+    def __init__(self, spec: GroupSpec, membership: Membership) -> None:
         self.spec = spec
         self.membership = membership
         self.rank = membership.rank
-        size = comm_file_bytes(spec)
-        with open(comm_path(membership.plan), "r+b") as f:
-            self._mm = mmap.mmap(f.fileno(), size)
+        self._mm = open_comm_file(comm_path(membership.plan), comm_file_bytes(spec))
         self._header = _header_words(self._mm)
         self._arrivals = self._header[_ARRIVALS // 8:_ARRIVALS // 8 + spec.num_ranks]
         self._slot = SlotLayout.for_spec(spec)
-        self.output_region = ShmRegion(f"out-{membership.group_id}-{self.rank}", output_path,
+        self.output_region = ShmRegion(f"out-{membership.group_id}-{self.rank}",
                                        _OutputArena.bytes_for(spec), create=True)
         self._out = _OutputArena(self.output_region, spec)
         self._sequence = 0  # collectives this rank has started
@@ -363,6 +476,51 @@ class CpuRankComm(RankComm):
     def _arrive(self, seq: int, phase: int) -> None:
         self._arrivals[self.rank] = 2 * seq - 2 + phase
 
+    # -- call headers: collectives agree or fail together ------------------------------------
+    def _call_words(self, rank: int) -> np.ndarray:
+        off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _CALL
+        return np.ndarray((_CALL_WORDS,), dtype=np.int64, buffer=self._mm, offset=off)
+
+    def _take_part(self, seq: int, call: CallHeader, write_inputs) -> None:
+        """Step 2 of the protocol: this rank's inputs into its slot, its call header, its
+        arrival. If its own part fails here, after it claimed collective `seq` (the peers may
+        already wait for it), it publishes a "rejected" header and releases them: every peer
+        fails at once with FailedPrecondition naming this rank and the reason, the collective's
+        number is consumed on every rank, and this rank raises its own error."""
+        words = self._call_words(self.rank)
+        try:
+            write_inputs()
+        except Exception as e:
+            raw = f"{type(e).__name__}: {e}".encode()[:_REASON_MAX]
+            off = _HEADER_BYTES + self.rank * self._slot.size + self._slot.meta + _REASON
+            np.frombuffer(self._mm, np.uint8, len(raw), off)[:] = np.frombuffer(raw, np.uint8)
+            words[H_REASON_LEN] = len(raw)
+            call.write(words, seq, REJECTED)
+            self._sequence = seq
+            self._arrive(seq, 2)  # nothing of this slot will be read
+            raise
+        call.write(words, seq, ARRIVED)
+        self._sequence = seq
+        self._arrive(seq, 1)
+
+    def _agree(self, seq: int) -> None:
+        """After the arrival barrier: compare every rank's call header. On any disagreement
+        every rank (each reaching the same verdict from the same headers) frees its slot and
+        fails with FailedPrecondition; the group stays usable."""
+        r = self.spec.num_ranks
+        words = [self._call_words(s).copy() for s in range(r)]
+        statuses = [int(w[H_STATUS]) for w in words]
+        reasons = []
+        for s, w in enumerate(words):
+            n = min(max(int(w[H_REASON_LEN]), 0), _REASON_MAX) if statuses[s] == REJECTED else 0
+            off = _HEADER_BYTES + s * self._slot.size + self._slot.meta + _REASON
+            reasons.append(bytes(self._mm[off:off + n]).decode(errors="replace"))
+        problem = call_disagreement([int(w[H_SEQ]) for w in words],
+                                    [CallHeader.read(w) for w in words], statuses, reasons)
+        if problem is not None:
+            self._arrive(seq, 2)
+            raise FailedPrecondition(f"group {self.spec.name!r}, collective #{seq}: {problem}")
+
     # -- collectives -------------------------------------------------------------------------
     def layout(self, topk_idx: np.ndarray) -> LayoutOutputs:
         per_rank, per_expert, in_rank = layout_of(topk_idx, self.spec)
@@ -384,22 +542,31 @@ class CpuRankComm(RankComm):
         cached: _Handle | None = args.cached
         t = args.x.shape[0]
         has_scales = args.x_scales is not None
-        seq = self._begin(deadline, "dispatch")
-        # Inputs into this rank's slot (the "send buffer").
-        meta = self._meta(me)
-        meta[0], meta[1] = t, int(has_scales)
         xdt = args.x.dtype  # the group's dtype, or FP8 (carried as bytes)
-        self._slot_array(me, "x", (t, h), xdt)[:] = args.x
-        if has_scales:
-            sc = args.x_scales
-            self._slot_array(me, "x_scales", sc.shape, np.float32)[:] = sc
         k = spec.num_topk
+        flags = F_FP8 if has_scales else 0
         if cached is None:
-            self._slot_array(me, "topk_idx", (t, k), np.int64)[:] = args.topk_idx
-            self._slot_array(me, "topk_weights", (t, k), np.float32)[:] = args.topk_weights
-        self._sequence = seq
-        self._arrive(seq, 1)
+            call = CallHeader(DISPATCH, flags=flags, worst=args.num_worst_tokens,
+                              align=args.expert_alignment)
+        else:  # the routing of the handle's dispatch, which must be the same one everywhere
+            call = CallHeader(CACHED_DISPATCH, ref=cached.sequence, flags=flags,
+                              worst=args.num_worst_tokens)
+        seq = self._begin(deadline, "dispatch")
+
+        def write_inputs() -> None:  # into this rank's slot (the "send buffer")
+            meta = self._meta(me)
+            meta[0], meta[1] = t, int(has_scales)
+            self._slot_array(me, "x", (t, h), xdt)[:] = args.x
+            if has_scales:
+                sc = args.x_scales
+                self._slot_array(me, "x_scales", sc.shape, np.float32)[:] = sc
+            if cached is None:
+                self._slot_array(me, "topk_idx", (t, k), np.int64)[:] = args.topk_idx
+                self._slot_array(me, "topk_weights", (t, k), np.float32)[:] = args.topk_weights
+
+        self._take_part(seq, call, write_inputs)
         self._wait_all(2 * seq - 1, "dispatch", deadline)
+        self._agree(seq)
 
         # Notify: who sends what to whom, from every source's routing.
         if cached is None:
@@ -502,20 +669,25 @@ class CpuRankComm(RankComm):
         handle: _Handle = args.handle
         n = args.x.shape[0]
         has_w = args.topk_weights is not None
-        seq = self._begin(deadline, "combine")
-        meta = self._meta(me)
-        meta[0], meta[1] = n, int(has_w)
         # Only the rows that were really received travel back; worst-token padding stays home.
         nr = handle.num_recv_tokens
-        self._slot_array(me, "y", (nr, h), spec.x_numpy_dtype)[:] = args.x[:nr]
-        k = 0
-        if has_w:
-            k = args.topk_weights.shape[1]
-            meta[2] = k
-            self._slot_array(me, "y_weights", (nr, k), np.float32)[:] = args.topk_weights[:nr]
-        self._sequence = seq
-        self._arrive(seq, 1)
+        k = args.topk_weights.shape[1] if has_w else 0
+        # Every rank must combine the same dispatch (its rows sit where that dispatch put
+        # them) and all or none pass topk_weights.
+        call = CallHeader(COMBINE, ref=handle.sequence, flags=F_WEIGHTS if has_w else 0)
+        seq = self._begin(deadline, "combine")
+
+        def write_inputs() -> None:
+            meta = self._meta(me)
+            meta[0], meta[1], meta[2] = n, int(has_w), k
+            self._slot_array(me, "y", (nr, h), spec.x_numpy_dtype)[:] = args.x[:nr]
+            if has_w:
+                self._slot_array(me, "y_weights", (nr, k), np.float32)[:] = \
+                    args.topk_weights[:nr]
+
+        self._take_part(seq, call, write_inputs)
         self._wait_all(2 * seq - 1, "combine", deadline)
+        self._agree(seq)
 
         t = handle.num_tokens
         acc = np.zeros((t, h), dtype=np.float32)
@@ -534,9 +706,7 @@ class CpuRankComm(RankComm):
             y = self._slot_array(d, "y", (nd, h), spec.x_numpy_dtype)
             acc[mine] += y[start:start + len(mine)].astype(np.float32)
             bytes_received += len(mine) * h * spec.x_numpy_dtype.itemsize
-            if acc_w is not None:
-                if int(self._meta(d)[1]) == 0:
-                    raise InvalidArgument(f"rank {d} passed no topk_weights to combine")
+            if acc_w is not None:  # every rank passed them (the headers agree)
                 yw = self._slot_array(d, "y_weights", (nd, k), np.float32)
                 acc_w[mine] += yw[start:start + len(mine)]
         self._arrive(seq, 2)
@@ -563,27 +733,21 @@ class CpuRankComm(RankComm):
         else:
             payload, scales = args.x, None
         pdt = payload.dtype
+        call = CallHeader(LL_DISPATCH, flags=F_FP8 if fp8 else 0, num_max=m)
         seq = self._begin(deadline, "low-latency dispatch")
-        meta = self._meta(me)
-        meta[0], meta[1], meta[2] = t, int(fp8), m
-        self._slot_array(me, "x", (t, h), pdt)[:] = payload
-        if scales is not None:
-            self._slot_array(me, "x_scales", (t, blocks), np.float32)[:] = scales
-        self._slot_array(me, "topk_idx", (t, k), np.int64)[:] = args.topk_idx
-        self._sequence = seq
-        self._arrive(seq, 1)
-        self._wait_all(2 * seq - 1, "low-latency dispatch", deadline)
 
-        metas = [(int(self._meta(s)[0]), int(self._meta(s)[1]), int(self._meta(s)[2]))
-                 for s in range(r)]
-        odd = [s for s, (_, f, mm) in enumerate(metas) if (f, mm) != (int(fp8), m)]
-        if odd:  # every rank sees a disagreement, so every rank fails the same way
-            self._arrive(seq, 2)
-            raise InvalidArgument(
-                f"low-latency dispatch arguments differ across ranks: rank {me} passed "
-                f"num_max_dispatch_tokens_per_rank={m}, use_fp8={fp8}; rank(s) {odd} passed "
-                f"{[(metas[s][2], bool(metas[s][1])) for s in odd]}")
-        ts = [mt[0] for mt in metas]
+        def write_inputs() -> None:
+            meta = self._meta(me)
+            meta[0], meta[1], meta[2] = t, int(fp8), m
+            self._slot_array(me, "x", (t, h), pdt)[:] = payload
+            if scales is not None:
+                self._slot_array(me, "x_scales", (t, blocks), np.float32)[:] = scales
+            self._slot_array(me, "topk_idx", (t, k), np.int64)[:] = args.topk_idx
+
+        self._take_part(seq, call, write_inputs)
+        self._wait_all(2 * seq - 1, "low-latency dispatch", deadline)
+        self._agree(seq)  # num_max_dispatch_tokens_per_rank and use_fp8 too
+        ts = [int(self._meta(s)[0]) for s in range(r)]
         idxs = [self._slot_array(s, "topk_idx", (ts[s], k), np.int64) for s in range(r)]
         # counts[s, g]: tokens of source s routed to global expert g (distinct per token)
         counts = np.zeros((r, ne), dtype=np.int64)
@@ -669,25 +833,23 @@ class CpuRankComm(RankComm):
         rows = np.take_along_axis(handle.row, which, axis=1)
         dests = np.take_along_axis(handle.dest, which, axis=1)
 
-        seq = self._begin(deadline, "low-latency combine")
-        meta = self._meta(me)
-        meta[3] = handle.sequence
         counts = handle.recv_count
-        y = self._slot_array(me, "ll_y", (int(counts.sum()), h), dt)
-        pos = 0
-        for e in range(lx):  # only the valid rows travel, compacted
-            c = int(counts[e])
-            y[pos:pos + c] = args.x[e, :c]
-            pos += c
-        self._sequence = seq
-        self._arrive(seq, 1)
+        pos = int(counts.sum())
+        # Every rank must combine the same low-latency dispatch.
+        call = CallHeader(LL_COMBINE, ref=handle.sequence)
+        seq = self._begin(deadline, "low-latency combine")
+
+        def write_inputs() -> None:
+            y = self._slot_array(me, "ll_y", (pos, h), dt)
+            row = 0
+            for e in range(lx):  # only the valid rows travel, compacted
+                c = int(counts[e])
+                y[row:row + c] = args.x[e, :c]
+                row += c
+
+        self._take_part(seq, call, write_inputs)
         self._wait_all(2 * seq - 1, "low-latency combine", deadline)
-        odd = [s for s in range(r) if int(self._meta(s)[3]) != handle.sequence]
-        if odd:
-            self._arrive(seq, 2)
-            raise InvalidArgument(f"low-latency combine handles differ across ranks: rank {me} "
-                                  f"combines the dispatch #{handle.sequence}, rank(s) {odd} "
-                                  f"another one")
+        self._agree(seq)
 
         acc = np.zeros((t, h), dtype=np.float32)
         peers = [self._slot_array(d, "ll_y", (ll_max_rows(spec), h), dt) for d in range(r)]
@@ -724,29 +886,35 @@ class CpuRankComm(RankComm):
 
 
 def comm_path(plan: bytes) -> str:
-    """The group's communication file, from its plan."""
+    """The group's communication memfd, from its plan: /proc/<supervisor pid>/fd/<n>."""
     return plan.decode()
 
 
 class CpuPlanner(GroupPlanner):
-    """A group's shared state is one communication file under the shm folder."""
+    """A group's shared state is one communication memfd, created and held by the supervisor
+    (sealed: no one can truncate it); engines open it through /proc/<pid>/fd/<n>, which only
+    processes of the daemon's uid can. Nothing is created in the shm folder."""
 
     name = "cpu"
     proto_kind = epd_pb2.CPU
 
     def __init__(self, shm_dir: str = "/dev/shm") -> None:
-        self.shm_dir = shm_dir
+        self.shm_dir = shm_dir  # unused: kept for callers that pass it
+        self._fds: dict[bytes, int] = {}  # plan -> the memfd's descriptor
 
     def validate_spec(self, spec: GroupSpec) -> None:
         check_spec(spec)
 
     def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
-        path = os.path.join(self.shm_dir, f"epd-{group_id}.comm")
-        create_comm_file(path, spec)
-        return path.encode()
+        fd = create_comm_file(group_id, spec)
+        plan = f"/proc/{os.getpid()}/fd/{fd}".encode()
+        self._fds[plan] = fd
+        return plan
 
     def free_group(self, plan: bytes) -> None:
-        Path(comm_path(plan)).unlink(missing_ok=True)
+        fd = self._fds.pop(plan, None)
+        if fd is not None:
+            os.close(fd)
 
     def abort_group(self, plan: bytes, reason: str) -> None:
         abort_comm_file(comm_path(plan), reason)
@@ -757,33 +925,30 @@ class CpuBackend(Backend):
     proto_kind = epd_pb2.CPU
     peer_class = "shm"
 
-    def __init__(self, engine_index: int = 0, allowed_dirs: tuple[str, ...] = ("/dev/shm",)):
+    def __init__(self, engine_index: int = 0, allowed_dirs: tuple[str, ...] = ()):
         self.planner = CpuPlanner()
         self.engine_index = engine_index
-        self.allowed_dirs = tuple(os.path.realpath(d) for d in allowed_dirs)
+        # No client-supplied paths at all (memory comes by descriptor): kept for callers.
+        self.allowed_dirs = allowed_dirs
 
     def device_info(self) -> dict[str, Any]:
         return {"name": f"cpu-engine-{self.engine_index}", "uuid": f"CPU-{self.engine_index}",
                 "ordinal": self.engine_index}
 
-    def open_region(self, region_id: str, *, shm_path: str = "", ipc_handle: bytes = b"",
+    def open_region(self, region_id: str, *, ipc_handle: bytes = b"",
                     size: int, device_ordinal: int = 0) -> Region:
-        if ipc_handle:
-            raise InvalidArgument("the cpu backend takes shared-memory regions (shm_path), "
-                                  "not CUDA IPC handles")
-        real = os.path.realpath(shm_path)
-        if not any(real.startswith(d + os.sep) for d in self.allowed_dirs):
-            raise InvalidArgument(f"region path {shm_path!r} is outside the allowed folders "
-                                  f"{list(self.allowed_dirs)}")
-        if not os.path.isfile(real):
-            raise InvalidArgument(f"region path {shm_path!r} is not a regular file")
-        return ShmRegion(region_id, real, size)
+        raise InvalidArgument("the cpu backend takes host memory as a sealed memfd sent over "
+                              "the descriptor channel (FdRequest.register_memfd), not CUDA IPC "
+                              "handles")
 
-    def open_counter_page(self, path: str) -> CounterPage:
-        return ShmCounterPage(path)
+    def map_memfd(self, region_id: str, fd: int, size: int) -> Region:
+        return ShmRegion(region_id, size, fd=fd)
 
-    def attach(self, spec: GroupSpec, membership: Membership, output_path: str) -> RankComm:
-        return CpuRankComm(spec, membership, output_path)
+    def open_counter_page(self) -> CounterPage:
+        return ShmCounterPage()
+
+    def attach(self, spec: GroupSpec, membership: Membership) -> RankComm:
+        return CpuRankComm(spec, membership)
 
 
 def as_array(a: Array) -> np.ndarray:

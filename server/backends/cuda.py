@@ -21,11 +21,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -120,16 +118,18 @@ class _Slot(np.ndarray):
 
 
 class MappedCounterPage(CounterPage):
-    def __init__(self, path: str, device: int) -> None:
+    def __init__(self, device: int) -> None:
         from cuda.bindings import runtime as cudart
 
-        self.path = path
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        from ...proto import fd_channel as fdc
+
+        # A sealed memfd (shmem, like a /dev/shm file), fetched by the client as "counters".
+        self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
         try:
-            os.ftruncate(fd, counter_page.PAGE_BYTES)
-            self._mm = mmap.mmap(fd, counter_page.PAGE_BYTES)
-        finally:
-            os.close(fd)
+            self._mm = fdc.map_fd(self.fd, counter_page.PAGE_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         with cp.cuda.Device(device):
             flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
@@ -153,7 +153,9 @@ class MappedCounterPage(CounterPage):
             self._addr = 0
         with contextlib.suppress(BufferError):
             self._mm.close()
-        Path(self.path).unlink(missing_ok=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 @dataclass
@@ -553,7 +555,7 @@ class CudaBackend(Backend):
     def device_info(self) -> dict[str, Any]:
         return {"name": self._name, "uuid": self._uuid, "ordinal": self.device}
 
-    def open_region(self, region_id: str, *, shm_path: str = "", ipc_handle: bytes = b"",
+    def open_region(self, region_id: str, *, ipc_handle: bytes = b"",
                     size: int, device_ordinal: int = 0) -> Region:
         from cuda.bindings import driver
 
@@ -583,10 +585,10 @@ class CudaBackend(Backend):
                 raise
         return region
 
-    def open_counter_page(self, path: str) -> CounterPage:
-        return MappedCounterPage(path, self.device)
+    def open_counter_page(self) -> CounterPage:
+        return MappedCounterPage(self.device)
 
-    def attach(self, spec: GroupSpec, membership: Membership, output_path: str) -> RankComm:
+    def attach(self, spec: GroupSpec, membership: Membership) -> RankComm:
         return CudaRankComm(self, spec, membership)
 
     def to_host(self, array: Any) -> np.ndarray:
@@ -624,7 +626,9 @@ def _bootstrap(cfg: Any, index: int):
     import grpc
 
     from ...proto.v1 import epd_pb2, epd_pb2_grpc
+    from ..config import node_metadata
 
     with grpc.insecure_channel(f"unix://{cfg.node_socket}") as ch:
         return epd_pb2_grpc.NodeStub(ch).GetBootstrap(
-            epd_pb2.GetBootstrapRequest(engine_index=index), timeout=30)
+            epd_pb2.GetBootstrapRequest(engine_index=index), timeout=30,
+            metadata=node_metadata())

@@ -10,19 +10,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
+import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ...proto.v1 import epd_pb2_grpc
+from ...proto import fd_channel
 from .. import config as config_mod
 from .. import metrics
 from ..backends import make_backend
 from .core import Engine
-from .service import EngineService
+from .fd_server import FdServer
+from .service import EngineService, add_to_server
 
 log = logging.getLogger("epd.engine")
 SERVICE_NAME = "epd.v1.Engine"
@@ -35,10 +38,11 @@ STOP_GRACE_SECONDS = 1.0  # after the drain: what gRPC calls still open get befo
 async def serve(cfg: config_mod.Config, index: int) -> None:
     # The CUDA backend joins the node's NVSHMEM world here, which blocks until every engine
     # arrives: keep it off the event loop.
+    metrics.set_group_label_cap(cfg.max_group_label_values)
     backend = await asyncio.to_thread(make_backend, cfg, index)
     engine = Engine(cfg, index, backend)
     server = grpc.aio.server(options=GRPC_OPTIONS)
-    epd_pb2_grpc.add_EngineServicer_to_server(EngineService(engine), server)
+    add_to_server(EngineService(engine), server)  # malformed bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     path = cfg.engine_socket(index)
@@ -47,6 +51,9 @@ async def serve(cfg: config_mod.Config, index: int) -> None:
     server.add_insecure_port(f"unix://{path}")
     await server.start()
     os.chmod(path, 0o660)
+    # The descriptor channel beside it (gpu<N>.fds, same permissions): memory by descriptor.
+    fds = FdServer(engine, fd_channel.socket_path_for(path), asyncio.get_running_loop())
+    fds.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.ENGINE_UP.labels(str(index)).set(1)
@@ -65,9 +72,27 @@ async def serve(cfg: config_mod.Config, index: int) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await engine.drain(cfg.drain_seconds)
     await server.stop(grace=STOP_GRACE_SECONDS)
+    fds.close()
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     log.info("engine %d stopped", index)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_supervisor() -> None:
+    """SIGTERM this engine when its supervisor dies (it then drains and exits like on a normal
+    stop), and exit now if the supervisor is already gone (it died between fork and prctl: the
+    signal would never come). EPD_SUPERVISOR_PID is set by the supervisor at spawn."""
+    expected = os.environ.get("EPD_SUPERVISOR_PID")
+    if sys.platform == "linux":
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if expected and os.getppid() != int(expected):
+        log.error("the supervisor (pid %s) is gone; exiting", expected)
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,11 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_mod.load()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s engine{ns.index} %(levelname)s %(message)s")
+    die_with_supervisor()
     try:
-        import uvloop
-        uvloop.run(serve(cfg, ns.index))
+        import uvloop  # optional: only its absence falls back, not an ImportError inside
     except ImportError:
         asyncio.run(serve(cfg, ns.index))
+    else:
+        uvloop.run(serve(cfg, ns.index))
 
 
 if __name__ == "__main__":

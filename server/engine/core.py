@@ -11,7 +11,9 @@ engine's `EngineState` (refused once it drains, counted in flight).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import math
 import os
 import secrets
 import time
@@ -21,6 +23,7 @@ import grpc
 from google.protobuf.message import Message
 
 from ...proto import counter_page, operations
+from ...proto import fd_channel as fdc
 from ...proto import ring as ring_format
 from ...proto.errors import (
     Aborted,
@@ -28,6 +31,7 @@ from ...proto.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
 )
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
@@ -37,14 +41,14 @@ from ..backends.base import (
     Membership,
     Region,
 )
-from ..config import Config
+from ..config import Config, node_metadata
+from ..coordinator import LEAVE_REASON
 from .executor import EngineState, SessionExecutor
 from .fast_path import FastPathServer
 from .ops import DataPlane
 from .state import (
     GroupMember,
     Session,
-    engine_files_prefix,
     spec_from_proto,
     sweep_engine_files,
 )
@@ -55,6 +59,16 @@ SETTLE_SECONDS = 2.0  # drain: how long teardowns already under way may take to 
 
 # (session, request, path label) -> response: what both transports run on a session's executor.
 OperationFn = Callable[[Session, Message, str], Message]
+
+
+class _NodeToken(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the secret the supervisor gave this engine at spawn (config.node_metadata)."""
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        metadata = tuple(details.metadata or ()) + node_metadata()
+        details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
+                                             details.credentials, details.wait_for_ready)
+        return await continuation(details, request)
 
 
 class Engine(DataPlane):
@@ -116,8 +130,10 @@ class Engine(DataPlane):
 
     # -- plumbing ----------------------------------------------------------------------------
     def _node(self) -> epd_pb2_grpc.NodeStub:
+        """The supervisor's Node service; every call carries the engine's node token."""
         if self._node_channel is None:
-            self._node_channel = grpc.aio.insecure_channel(f"unix://{self.config.node_socket}")
+            self._node_channel = grpc.aio.insecure_channel(
+                f"unix://{self.config.node_socket}", interceptors=[_NodeToken()])
         return epd_pb2_grpc.NodeStub(self._node_channel)
 
     def session(self, session_id: str) -> Session:
@@ -126,6 +142,67 @@ class Engine(DataPlane):
             raise NotFound(f"session {session_id!r} is not open on engine {self.index}")
         return s
 
+    def authenticate(self, session_id: str, token: bytes) -> Session:
+        """The session a call names, if the call carries its token (PERMISSION_DENIED names
+        the session, never the token)."""
+        s = self.session(session_id)
+        if not token or not hmac.compare_digest(token, s.token):
+            raise PermissionDenied(f"the call does not carry the token of session "
+                                   f"{session_id!r} (a session's calls must come from the "
+                                   f"client that opened it)")
+        return s
+
+    def record_peer(self, session: Session, peer: tuple[int, int, int]) -> None:
+        """A descriptor-channel connection of this session: (pid, uid, gid) from SO_PEERCRED.
+        The first one is recorded; a connection of other credentials is refused."""
+        if session.peer is None:
+            session.peer = peer
+            log.info("%s: peer pid %d uid %d gid %d", session.describe(), *peer)
+        elif session.peer != peer:
+            raise PermissionDenied(f"{session.describe()} belongs to another process "
+                                   f"(pid/uid/gid differ from its first connection)")
+
+    def fetch_fd(self, session: Session, name: str) -> tuple[int, int]:
+        """(a duplicate of the descriptor, size) of an engine-owned memfd of the session;
+        the caller sends and closes the duplicate."""
+        fd, size = -1, 0
+        if name == fdc.COUNTERS:
+            fd, size = getattr(session.counter_page, "fd", -1), counter_page.PAGE_BYTES
+        elif name == fdc.RING and session.fast_path is not None:
+            fd, size = session.fast_path.ring.fd, session.fast_path.ring.size
+        elif name.startswith(fdc.OUTPUTS):
+            m = session.members.get(name[len(fdc.OUTPUTS):])
+            region = m.comm.output_region if m is not None else None
+            fd, size = getattr(region, "fd", -1), getattr(region, "size", 0)
+        if fd is None or fd < 0:
+            raise NotFound(f"{session.describe()} has no shared object {name!r} to fetch")
+        return os.dup(fd), size
+
+    def register_memfd(self, session: Session, fd: int, size: int) -> Region:
+        """A client memfd as a region: checked (sealed against shrinking, large enough),
+        mapped, and its descriptor closed (the mapping needs none). Owns `fd`."""
+        try:
+            if session.executor.closing is not None:
+                raise Aborted(f"{session.describe()} is closing")
+            if len(session.regions) >= self.config.max_regions_per_session:
+                raise ResourceExhausted(f"{session.describe()} has {len(session.regions)} "
+                                        f"regions, the maximum (--max-regions-per-session)")
+            if size <= 0:
+                raise InvalidArgument("size_bytes must be positive")
+            held = sum(r.size for r in session.regions.values() if not r.borrowed)
+            limit = getattr(self.config, "max_region_bytes_per_session", 1 << 62)
+            if held + size > limit:
+                raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions; "
+                                        f"{size} more exceed the maximum of {limit} "
+                                        f"(--max-region-bytes-per-session)")
+            rid = "r" + secrets.token_hex(8)
+            region = self.backend.map_memfd(rid, fd, size)
+        finally:
+            os.close(fd)
+        session.regions[rid] = region
+        self._refresh_gauges()
+        return region
+
     def member(self, session: Session, group_id: str) -> GroupMember:
         m = session.members.get(group_id)
         if m is None:
@@ -133,8 +210,11 @@ class Engine(DataPlane):
         return m
 
     def _timeout(self, requested: float) -> float:
-        if requested < 0:
-            raise InvalidArgument(f"timeout_seconds must be >= 0, got {requested}")
+        """A request's deadline: 0 takes the default; NaN, inf and negatives are refused (NaN
+        passed `< 0` and disabled the deadline)."""
+        if not math.isfinite(requested) or requested < 0:
+            raise InvalidArgument(f"timeout_seconds must be a finite number >= 0 (0: the "
+                                  f"default), got {requested}")
         return min(requested or self.config.timeout_seconds, self.config.max_timeout_seconds)
 
     def _refresh_gauges(self) -> None:
@@ -151,10 +231,10 @@ class Engine(DataPlane):
             raise ResourceExhausted(f"engine {self.index} has {len(self.sessions)} sessions, "
                                     f"the maximum (--max-sessions)")
         sid = secrets.token_hex(8)
-        path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}{sid}.counters")
-        page = self.backend.open_counter_page(path)
-        s = Session(sid, client_name[:64], pid, page, path,
-                    SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init))
+        page = self.backend.open_counter_page()  # a sealed memfd, fetched over the channel
+        s = Session(sid, client_name[:64], pid, page,
+                    SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init),
+                    token=secrets.token_bytes(32))
         self.sessions[sid] = s
         self._refresh_gauges()
         log.info("opened %s", s.describe())
@@ -200,9 +280,13 @@ class Engine(DataPlane):
     @staticmethod
     def _abort(member: GroupMember, text: str, why: str = "member_left") -> None:
         """Raise the group's abort word: wakes this rank's own pending waits and every peer's.
-        Unmaps nothing."""
+        Unmaps nothing. A clean leave (why="left") is counted in epd_group_leaves_total, not
+        as an abort (the EpdGroupAborts alert is for faults)."""
         if member.comm.abort_reason() is None:
-            metrics.ABORTS.labels(why).inc()
+            if why == "left":
+                metrics.LEAVES.inc()
+            else:
+                metrics.ABORTS.labels(why).inc()
         member.comm.abort(text)
 
     async def _release_rank(self, member: GroupMember, text: str) -> None:
@@ -214,13 +298,14 @@ class Engine(DataPlane):
             log.warning("could not release rank %d of %s: %s", member.rank, member.group_id,
                         e.details())
 
-    async def _drop_member(self, session: Session, member: GroupMember, reason: str) -> None:
+    async def _drop_member(self, session: Session, member: GroupMember, reason: str,
+                           why: str = "member_left") -> None:
         """One membership ends while its session lives (left, or a join that failed): abort,
         release its stream ops, close the comm with no operation running, release the rank."""
         if session.members.get(member.group_id) is not member:
             return  # the session's teardown has it
         text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
-        self._abort(member, text)
+        self._abort(member, text, why)
         if any(o.member is member for o in session.stream_ops.values()):
             await asyncio.to_thread(self.stream_ops.release_member, session, member)
 
@@ -245,19 +330,27 @@ class Engine(DataPlane):
                                      f"{spec.name!r}")
         if not session.free_slots:
             raise ResourceExhausted(f"a session can join at most {counter_page.NUM_SLOTS} groups")
+        if len(session.members) >= self.config.max_groups_per_session:
+            raise ResourceExhausted(f"{session.describe()} holds {len(session.members)} groups, "
+                                    f"the maximum (--max-groups-per-session)")
         timeout = self._timeout(req.timeout_seconds)
+        if session.peer is None:
+            raise FailedPrecondition(
+                f"{session.describe()} has not connected its descriptor channel "
+                f"({fdc.socket_path_for(self.config.engine_socket(self.index))}): a group's "
+                f"admission policy needs the client's credentials")
+        _, uid, gid = session.peer
         try:
             resp = await self._node().Rendezvous(epd_pb2.RendezvousRequest(
                 spec=req.spec, rank=req.rank, engine_index=self.index,
-                session_id=session.session_id, timeout_seconds=timeout),
+                session_id=session.session_id, timeout_seconds=timeout,
+                peer_uid=uid, peer_gid=gid, has_peer=True),
                 timeout=timeout + NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             raise EpdError(e.code(), e.details() or "rendezvous failed") from None
         membership = Membership.from_rendezvous(req.rank, resp)
-        out_path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
-                                                     f"{session.session_id}-{resp.group_id}.out")
         try:
-            comm = await session.executor.run(self.backend.attach, spec, membership, out_path)
+            comm = await session.executor.run(self.backend.attach, spec, membership)
         except Exception as e:
             await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
                 group_id=resp.group_id, rank=req.rank, reason=f"attach failed: {e}"),
@@ -285,7 +378,7 @@ class Engine(DataPlane):
 
     async def leave_group(self, session: Session, group_id: str) -> None:
         member = self.member(session, group_id)
-        await self._drop_member(session, member, "left the group")
+        await self._drop_member(session, member, LEAVE_REASON, why="left")
 
     # -- fast path ---------------------------------------------------------------------------
     def open_fast_path(self, session: Session,
@@ -303,30 +396,33 @@ class Engine(DataPlane):
             raise InvalidArgument(f"slots must lie in [1, {ring_format.MAX_SLOTS}] and "
                                   f"slot_bytes in [{ring_format.MIN_SLOT_BYTES}, "
                                   f"{ring_format.MAX_SLOT_BYTES}]")
-        path = os.path.join(self.config.shm_dir, f"{engine_files_prefix(self.index)}"
-                                                 f"{session.session_id}.ring")
         spin = self.config.fast_path_spin_us * 1e-6
-        session.fast_path = FastPathServer(self, session, path, slots, slot_bytes, spin)
+        # The ring is a sealed memfd the client fetches as "ring" over the descriptor channel.
+        session.fast_path = FastPathServer(self, session, slots, slot_bytes, spin)
         session.executor.attach(session.fast_path)
         session.fast_path.start()
         log.info("%s uses the fast path (%d slots of %d bytes)", session.describe(), slots,
                  slot_bytes)
-        return epd_pb2.OpenFastPathResponse(ring_path=path, slots=slots, slot_bytes=slot_bytes,
+        return epd_pb2.OpenFastPathResponse(slots=slots, slot_bytes=slot_bytes,
                                             spin_seconds=spin)
 
     # -- stream-ordered calls -----------------------------------------------------------------
     async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest
                             ) -> epd_pb2.ArmStreamOpResponse:
+        if len(session.stream_ops) >= self.config.max_stream_ops_per_session:
+            raise ResourceExhausted(f"{session.describe()} has {len(session.stream_ops)} armed "
+                                    f"stream ops, the maximum (--max-stream-ops-per-session)")
         return await session.executor.run(self.stream_ops.arm, session, req)
 
     async def disarm_stream_op(self, session: Session, op_id: int) -> None:
         await asyncio.to_thread(self.stream_ops.disarm, session, op_id)
 
     def stats(self, session: Session | None) -> epd_pb2.GetStatsResponse:
-        """Counters of one session's memberships (or of all sessions)."""
+        """Counters of one session's memberships; without a session, engine-wide counts only
+        (no session sees another's groups)."""
         groups = []
         sessions = [session] if session is not None else list(self.sessions.values())
-        for s in sessions:
+        for s in sessions if session is not None else ():
             for m in s.members.values():
                 reason = m.comm.abort_reason()
                 groups.append(epd_pb2.GroupStats(
@@ -344,15 +440,24 @@ class Engine(DataPlane):
                               req: epd_pb2.RegisterRegionRequest) -> Region:
         if len(session.regions) >= self.config.max_regions_per_session:
             raise ResourceExhausted(f"{session.describe()} has "
-                                    f"{len(session.regions)} regions, the maximum")
+                                    f"{len(session.regions)} regions, the maximum "
+                                    f"(--max-regions-per-session)")
         if req.size_bytes <= 0:
             raise InvalidArgument("size_bytes must be positive")
+        held = sum(r.size for r in session.regions.values() if not r.borrowed)
+        if held + req.size_bytes > self.config.max_region_bytes_per_session:
+            raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions; "
+                                    f"{req.size_bytes} more exceed the maximum of "
+                                    f"{self.config.max_region_bytes_per_session} "
+                                    f"(--max-region-bytes-per-session)")
         which = req.WhichOneof("source")
-        if which is None:
-            raise InvalidArgument("a region needs shm_path or cuda_ipc_handle")
+        if which is None:  # host memory comes by descriptor, never by path
+            raise InvalidArgument("a region over gRPC needs cuda_ipc_handle; host memory is a "
+                                  "sealed memfd sent over the descriptor channel "
+                                  "(FdRequest.register_memfd)")
         rid = "r" + secrets.token_hex(8)
         region = await session.executor.run(lambda: self.backend.open_region(
-            rid, shm_path=req.shm_path, ipc_handle=req.cuda_ipc_handle, size=req.size_bytes,
+            rid, ipc_handle=req.cuda_ipc_handle, size=req.size_bytes,
             device_ordinal=req.device_ordinal))
         session.regions[rid] = region
         self._refresh_gauges()

@@ -25,6 +25,7 @@ from ...proto import operations
 from ...proto import ring as R
 from ...proto.errors import EpdError, PermissionDenied, ResourceExhausted, status_value
 from .. import metrics
+from .decoding import decode
 from .executor import as_epd_error
 
 if TYPE_CHECKING:
@@ -38,10 +39,11 @@ JOIN_SECONDS = 30.0  # stop(): longest wait for the current operation to finish
 
 
 class FastPathServer:
-    def __init__(self, engine: Engine, session: Session, path: str, slots: int,
+    def __init__(self, engine: Engine, session: Session, slots: int,
                  slot_bytes: int, spin_seconds: float) -> None:
         self.engine, self.session = engine, session
-        self.ring = R.Ring(path, slots, slot_bytes, create=True)
+        # A sealed memfd: the session's client fetches it over the descriptor channel.
+        self.ring = R.Ring.create(slots, slot_bytes)
         self.spin = spin_seconds
         self._stop = False
         # Ring id -> (registry operation, the engine's function for it).
@@ -65,11 +67,11 @@ class FastPathServer:
         R.futex_wake(self.ring.doorbell_addr)
         if self.thread.is_alive():
             self.thread.join(timeout=JOIN_SECONDS)
-        if self.thread.is_alive():  # never unmap under it: the file goes, the mapping stays
+        if self.thread.is_alive():  # never unmap under it: the descriptor goes, the mapping stays
             log.error("fast path of %s did not stop", self.session.describe())
-            os.unlink(self.ring.path)
+            self.ring.release_fd()
             return
-        self.ring.close(unlink=True)
+        self.ring.close()
 
     def _running(self) -> bool:
         return not (self._stop or self.session.closed.is_set())
@@ -144,7 +146,7 @@ class FastPathServer:
                 raise EpdError(grpc.StatusCode.UNIMPLEMENTED,
                                f"unknown fast-path operation id {ring_id}")
             op, fn = entry
-            req = op.request.FromString(data)
+            req = decode(op.name, op.request, data, "fastpath")  # INVALID_ARGUMENT if garbage
             state = self.engine.state
             try:
                 state.enter()

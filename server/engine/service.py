@@ -18,10 +18,12 @@ import grpc
 from google.protobuf.message import Message
 
 from ...proto import counter_page, operations
+from ...proto import fd_channel as fdc
 from ...proto.errors import EpdError
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
 from .. import __version__, metrics
 from .core import Engine
+from .decoding import check, deserializer
 from .executor import as_epd_error
 
 log = logging.getLogger("epd.engine")
@@ -34,7 +36,6 @@ async def _join_group(e: Engine, request: epd_pb2.JoinGroupRequest) -> epd_pb2.J
     region = m.comm.output_region
     return epd_pb2.JoinGroupResponse(
         group_id=m.group_id, rank=m.rank, output_region_id=region.region_id,
-        output_region_path=getattr(region, "path", ""),
         output_region_ipc=getattr(region, "ipc_handle", b""),
         output_region_bytes=region.size, counter_slot=m.counter_slot)
 
@@ -58,7 +59,7 @@ async def _unregister_region(e: Engine, request: epd_pb2.UnregisterRegionRequest
 
 
 async def _get_stats(e: Engine, request: epd_pb2.GetStatsRequest) -> epd_pb2.GetStatsResponse:
-    # Without a session id: every session's memberships (an operator's view).
+    # Without a session id: engine-wide counts only, no session's groups.
     return e.stats(e.session(request.session_id) if request.session_id else None)
 
 
@@ -105,12 +106,27 @@ def handler(name: str) -> Handler:
     raise KeyError(f"no gRPC handler for Engine operation {name!r}")
 
 
+def session_token(context: grpc.aio.ServicerContext) -> bytes:
+    """The session token a call carries (metadata `epd-session-token-bin`), or b""."""
+    for key, value in context.invocation_metadata() or ():
+        if key == fdc.TOKEN_METADATA:
+            return value if isinstance(value, bytes) else value.encode()
+    return b""
+
+
 def _unary(engine: Engine, name: str, fn: Handler):
-    """Admit, run, map errors to a status, count every request by code."""
+    """Authenticate, admit, run, map errors to a status, count every request by code."""
+    request_type = operations.OPERATIONS[name].request
 
     async def method(request: Message, context: grpc.aio.ServicerContext) -> Message:
         code = grpc.StatusCode.OK
         try:
+            check(name, request_type, request)  # bytes that did not parse: INVALID_ARGUMENT
+            # Before anything else (even the drain's refusal, which aborts the named session's
+            # group): a call naming a session must carry that session's token.
+            sid = getattr(request, "session_id", "")
+            if sid:
+                engine.authenticate(sid, session_token(context))
             try:
                 engine.state.enter()
             except EpdError as refused:
@@ -146,6 +162,7 @@ class EngineService(epd_pb2_grpc.EngineServicer):
                           context: grpc.aio.ServicerContext):
         e = self.engine
         try:
+            check("OpenSession", epd_pb2.OpenSessionRequest, request)
             session = e.open_session(request.client_name, request.pid)
         except Exception as exc:  # the same mapping as every other method
             err = as_epd_error("OpenSession", exc)
@@ -155,7 +172,8 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         try:
             info = e.backend.device_info()
             yield epd_pb2.SessionEvent(opened=epd_pb2.SessionOpened(
-                session_id=session.session_id, counter_page_path=session.counter_path,
+                session_id=session.session_id, session_token=session.token,
+                fd_socket_path=fdc.socket_path_for(e.config.engine_socket(e.index)),
                 counter_page_bytes=counter_page.PAGE_BYTES, backend=e.backend.proto_kind,
                 engine_index=e.index, device_ordinal=int(info.get("ordinal", 0)),
                 version=__version__, default_timeout_seconds=e.config.timeout_seconds))
@@ -164,3 +182,19 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         finally:
             # Shielded: a second cancellation must not leave the session half torn down.
             await asyncio.shield(e.close_session(session, "disconnected (session stream ended)"))
+
+
+def add_to_server(service: EngineService, server: grpc.aio.Server) -> None:
+    """Register the Engine service with the registry's types and the decoding module's
+    deserializer: bytes that do not parse reach the handler as a `decoding.Malformed` marker and
+    are answered INVALID_ARGUMENT (rate-limited log), instead of failing inside grpc as with the
+    generated add_EngineServicer_to_server."""
+    handlers = {}
+    for op in operations.OPERATIONS.values():
+        make = (grpc.unary_stream_rpc_method_handler if op.streaming
+                else grpc.unary_unary_rpc_method_handler)
+        handlers[op.name] = make(getattr(service, op.name),
+                                 request_deserializer=deserializer(op.name, op.request),
+                                 response_serializer=op.response.SerializeToString)
+    name = epd_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

@@ -32,12 +32,14 @@ GROUP_DTYPES = (epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32)
 
 
 def engine_files_prefix(index: int) -> str:
-    """Every file an engine creates in the shm folder starts with this (counter pages, outputs)."""
+    """The prefix engine files had in the shm folder. Engines create no files there any more
+    (counter pages, rings and outputs are memfds passed by descriptor); kept for the sweep."""
     return f"epd-e{index}-"
 
 
 def sweep_engine_files(shm_dir: str, index: int) -> int:
-    """Remove the files of an engine that stopped (or died); returns how many."""
+    """Remove files an older engine left in the shm folder (today's engines create none: their
+    shared memory is memfds, freed with the last descriptor and mapping); returns how many."""
     n = 0
     prefix = engine_files_prefix(index)
     with contextlib.suppress(FileNotFoundError):
@@ -119,8 +121,7 @@ class Session:
     session_id: str
     client_name: str
     pid: int
-    counter_page: CounterPage
-    counter_path: str
+    counter_page: CounterPage  # a sealed memfd (CounterPage.fd), fetched as "counters"
     # Runs the session's operations, whichever transport brought them, and tears it down.
     executor: SessionExecutor
     regions: dict[str, Region] = field(default_factory=dict)
@@ -131,6 +132,12 @@ class Session:
     events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
     fast_path: FastPathServer | None = None
     stream_ops: dict[int, StreamOp] = field(default_factory=dict)  # armed (stream_ops.py)
+    # The session's secret (OpenSession answers it, only to the client that opened it): every
+    # session-scoped call carries it. Never logged, never compared but in constant time.
+    token: bytes = field(default=b"", repr=False)
+    # (pid, uid, gid) of the client, from SO_PEERCRED of its first descriptor-channel
+    # connection; a group's admission policy is decided on it.
+    peer: tuple[int, int, int] | None = None
 
     @property
     def op_lock(self) -> threading.Lock:

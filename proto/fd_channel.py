@@ -1,0 +1,177 @@
+"""Memory by descriptor: sealed memfds and the descriptor channel, shared by engine and client.
+
+Shared memory between a client and its engine is never a named file. Each side creates a memfd
+(`memfd_create`), sizes it and seals it (`F_SEAL_SHRINK`: no one, not even its creator, can
+truncate it any more, so a mapping of it can never SIGBUS), and passes the descriptor over a
+unix SOCK_SEQPACKET socket beside the engine's gRPC socket (`<socket-dir>/gpu<N>.fds`) as
+SCM_RIGHTS. The receiver checks the seals and the size, maps it and closes the descriptor.
+
+Wire: one protobuf per packet (`FdRequest` from the client, `FdResponse` from the engine), each
+with at most one descriptor. The first request of a connection carries the session id and its
+secret token; the engine reads the peer's credentials (SO_PEERCRED) from the connection.
+Engine-owned objects (counter page, ring, output regions) are sealed against shrinking and
+growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) and fetched by name: "counters", "ring",
+"outputs/<group_id>".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+import struct
+import threading
+
+from .errors import EpdError, InvalidArgument, Unavailable, from_status_value
+from .v1 import epd_pb2
+
+# fcntl's sealing constants (missing from Python's fcntl module before 3.8 / on some builds).
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
+F_SEAL_WRITE = getattr(fcntl, "F_SEAL_WRITE", 0x0008)
+MFD_CLOEXEC = getattr(os, "MFD_CLOEXEC", 0x0001)
+MFD_ALLOW_SEALING = getattr(os, "MFD_ALLOW_SEALING", 0x0002)
+
+CLIENT_SEALS = F_SEAL_SHRINK  # client memory: the engine requires at least this
+ENGINE_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL  # engine-owned objects: fixed size
+MAX_PACKET = 4096  # one FdRequest / FdResponse (they are tiny)
+TOKEN_METADATA = "epd-session-token-bin"  # gRPC metadata key of the session token
+SOCKET_SUFFIX = ".fds"
+
+COUNTERS, RING, OUTPUTS = "counters", "ring", "outputs/"  # FetchFd names ("outputs/<gid>")
+
+
+def socket_path_for(grpc_socket: str) -> str:
+    """The descriptor channel beside an engine's gRPC socket (gpu0.sock -> gpu0.fds)."""
+    base = grpc_socket[:-len(".sock")] if grpc_socket.endswith(".sock") else grpc_socket
+    return base + SOCKET_SUFFIX
+
+
+def create_memfd(name: str, size: int, seals: int) -> int:
+    """A memfd of `size` bytes (zero-filled), sealed with `seals`; returns the descriptor."""
+    fd = os.memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def seals_of(fd: int) -> int:
+    try:
+        return fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError:  # not a memfd (a regular file, a pipe): no seals at all
+        return 0
+
+
+def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "memory") -> None:
+    """Refuse a descriptor that is not a sealed shared-memory object of at least `size` bytes
+    (InvalidArgument naming the missing seal or the size)."""
+    st = os.fstat(fd)
+    if not (st.st_mode & 0o170000) == 0o100000:
+        raise InvalidArgument(f"{what}: the descriptor is not a memfd")
+    have = seals_of(fd)
+    missing = seals & ~have
+    if missing:
+        names = [n for n, v in (("F_SEAL_SHRINK", F_SEAL_SHRINK), ("F_SEAL_GROW", F_SEAL_GROW),
+                                ("F_SEAL_SEAL", F_SEAL_SEAL)) if missing & v]
+        raise InvalidArgument(f"{what}: the memfd is not sealed with {' | '.join(names)} "
+                              f"(create it with MFD_ALLOW_SEALING and add the seal: a region "
+                              f"that can shrink could crash the engine)")
+    if st.st_size < size:
+        raise InvalidArgument(f"{what}: the memfd has {st.st_size} bytes, fewer than the "
+                              f"{size} declared")
+
+
+def map_fd(fd: int, size: int) -> mmap.mmap:
+    """A shared read-write mapping of `size` bytes of `fd` (the caller may close fd after)."""
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a unix socket (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def send(sock: socket.socket, msg, fd: int | None = None) -> None:
+    """One protobuf in one packet, with at most one descriptor (SCM_RIGHTS)."""
+    data = msg.SerializeToString()
+    if fd is None:
+        sock.sendmsg([data])
+    else:
+        socket.send_fds(sock, [data], [fd])
+
+
+def recv(sock: socket.socket, msg_type):
+    """(message, descriptor or None); (None, None) at end of stream. Extra descriptors (a
+    misbehaving peer) are closed."""
+    data, fds, flags, _ = socket.recv_fds(sock, MAX_PACKET, 2)
+    if not data and not fds:
+        return None, None
+    fd = fds[0] if fds else None
+    for extra in fds[1:]:
+        os.close(extra)
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if fd is not None:
+            os.close(fd)
+        raise InvalidArgument("descriptor channel: packet or control data truncated")
+    return msg_type.FromString(data), fd
+
+
+class Channel:
+    """The client end of an engine's descriptor channel, bound to one session."""
+
+    def __init__(self, path: str, session_id: str, token: bytes) -> None:
+        self.path, self.session_id, self.token = path, session_id, token
+        self._lock = threading.Lock()  # one request/answer pair at a time
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.connect(path)
+        except OSError as e:
+            self.sock.close()
+            raise Unavailable(f"cannot connect to the descriptor channel {path}: {e}") from None
+
+    def request(self, req: epd_pb2.FdRequest, fd: int | None = None
+                ) -> tuple[epd_pb2.FdResponse, int | None]:
+        req.session_id, req.session_token = self.session_id, self.token
+        try:
+            with self._lock:
+                send(self.sock, req, fd)
+                resp, got = recv(self.sock, epd_pb2.FdResponse)
+        except OSError as e:
+            raise Unavailable(f"descriptor channel {self.path}: {e}") from None
+        if resp is None:
+            raise Unavailable(f"descriptor channel {self.path}: the engine closed it")
+        if resp.code:
+            if got is not None:
+                os.close(got)
+            raise from_status_value(resp.code, resp.message)
+        return resp, got
+
+    def fetch(self, name: str) -> tuple[int, int]:
+        """(descriptor, size) of an engine-owned object; the caller maps and closes it."""
+        resp, fd = self.request(epd_pb2.FdRequest(fetch=epd_pb2.FetchFd(name=name)))
+        if fd is None:
+            raise EpdError(None, f"descriptor channel: no descriptor came with {name!r}")
+        return fd, resp.size_bytes
+
+    def register(self, fd: int, size: int) -> str:
+        """Register a sealed memfd as a region; returns its region id."""
+        resp, extra = self.request(epd_pb2.FdRequest(
+            register_memfd=epd_pb2.RegisterMemfd(size_bytes=size)), fd)
+        if extra is not None:
+            os.close(extra)
+        return resp.region_id
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()

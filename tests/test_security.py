@@ -1,0 +1,184 @@
+"""Issue 12, tenants cannot hurt each other (CPU backend): memory by descriptor, sealed; sessions
+authenticated by a secret token and the peer's credentials; no client-supplied paths; no engine
+files in the shm folder. The multi-user test (daemon as its own uid, two client uids, one
+outsider) is tests/test_multi_user.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from daemon_harness import memfds
+from ranklib import Case, case_round, check_case, join
+
+from epd.client import EpdError, Session
+from epd.client.tensors import ShmFile
+from epd.proto import fd_channel as fdc
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+def solo_case(group: str) -> Case:
+    return Case(group=group, num_ranks=1, num_experts=4, hidden=128, num_topk=2, tokens=(12,),
+                use_empty=True)
+
+
+def solo_round(s: Session, group: str):
+    c = solo_case(group)
+    g = join(s, c, 0)
+    check_case(c, [case_round(s, g, c, 0)])
+    return g
+
+
+def stub(daemon, engine: int = 0):
+    ch = grpc.insecure_channel(f"unix://{daemon.socket(engine)}")
+    return ch, epd_pb2_grpc.EngineStub(ch)
+
+
+def token_md(s: Session) -> tuple[tuple[str, bytes], ...]:
+    return ((fdc.TOKEN_METADATA, s._channel.token),)
+
+
+# -- finding 1: nothing the engine maps can be truncated -----------------------------------------
+def test_truncation_is_impossible_and_the_engine_survives(daemon) -> None:
+    with Session(daemon.socket(0), timeout=10) as s:
+        g = solo_round(s, "sec-truncate")
+        assert s.transport == "fastpath"
+        # The engine-owned objects, fetched again by descriptor: sealed, so truncation (and
+        # growth) fails with EPERM, from the client side, whoever tries.
+        for name in (fdc.COUNTERS, fdc.RING, f"{fdc.OUTPUTS}{g.group_id}"):
+            fd, size = s._channel.fetch(name)
+            try:
+                assert size > 0
+                for bad in (0, size // 2, size + 4096):
+                    with pytest.raises(OSError) as ei:
+                        os.ftruncate(fd, bad)
+                    assert ei.value.errno == errno.EPERM, (name, bad)
+            finally:
+                os.close(fd)
+        # The client's own memory: sealed against shrinking before it is sent.
+        x = s.empty((64, 128), np.float32)
+        f = ShmFile.create(1 << 16)
+        try:
+            with pytest.raises(OSError) as ei:
+                os.ftruncate(f.fd, 0)
+            assert ei.value.errno == errno.EPERM
+        finally:
+            f.close()
+        # Unsealed memory (or a plain file) is refused, naming the seal.
+        raw = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(raw, 4096)
+            with pytest.raises(EpdError) as ei:
+                s._channel.register(raw, 4096)
+            assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "F_SEAL_SHRINK" in ei.value.details
+            # The client truncates its unsealed memfd: nothing of the engine maps it.
+            os.ftruncate(raw, 0)
+        finally:
+            os.close(raw)
+        x[...] = 1
+        s.ping()
+        check_case(solo_case("sec-truncate"), [case_round(s, g, solo_case("sec-truncate"), 0)])
+    assert daemon.get("/readyz")[0] == 200
+
+
+# -- finding 2: session ids are not credentials ------------------------------------------------
+def test_another_client_cannot_act_as_a_session(daemon) -> None:
+    victim = Session(daemon.socket(0), timeout=10)
+    thief = Session(daemon.socket(0), timeout=10)
+    ch, engine = stub(daemon)
+    try:
+        g = solo_round(victim, "sec-victim")
+        sid = victim.session_id
+        calls = [
+            ("LeaveGroup", epd_pb2.LeaveGroupRequest(session_id=sid, group_id=g.group_id)),
+            ("GetStats", epd_pb2.GetStatsRequest(session_id=sid)),
+            ("Dispatch", epd_pb2.DispatchRequest(session_id=sid, group_id=g.group_id)),
+            ("OpenFastPath", epd_pb2.OpenFastPathRequest(session_id=sid)),
+            ("UnregisterRegion", epd_pb2.UnregisterRegionRequest(session_id=sid, region_id="r")),
+        ]
+        for metadata in ((), token_md(thief), ((fdc.TOKEN_METADATA, b"x" * 32),)):
+            for method, req in calls:
+                with pytest.raises(grpc.RpcError) as ei:
+                    getattr(engine, method)(req, timeout=10, metadata=metadata)
+                assert ei.value.code() == DENIED, (method, ei.value.details())
+                assert sid in ei.value.details()
+                assert victim._channel.token.hex() not in ei.value.details()
+        # The thief's own token works for its own session only.
+        engine.GetStats(epd_pb2.GetStatsRequest(session_id=thief.session_id), timeout=10,
+                        metadata=token_md(thief))
+        # Without a session: engine-wide counts, no session's groups.
+        anon = engine.GetStats(epd_pb2.GetStatsRequest(), timeout=10)
+        assert anon.sessions >= 2 and list(anon.groups) == []
+        # The descriptor channel: a victim's id with another token is refused, and the victim's
+        # token from another process (other peer credentials) too.
+        bad = fdc.Channel(fdc.socket_path_for(daemon.socket(0)), sid, thief._channel.token)
+        try:
+            with pytest.raises(EpdError) as ei:
+                bad.fetch(fdc.COUNTERS)
+            assert ei.value.code == DENIED
+        finally:
+            bad.close()
+        script = ("import sys, json; from epd.proto import fd_channel as f\n"
+                  "from epd.proto.errors import EpdError\n"
+                  "c = f.Channel(sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
+                  "try:\n    c.fetch('outputs/' + sys.argv[4]); print('OK')\n"
+                  "except EpdError as e:\n    print(e.code.name)\n")
+        out = subprocess.run([sys.executable, "-c", script, fdc.socket_path_for(daemon.socket(0)),
+                              sid, victim._channel.token.hex(), g.group_id],
+                             capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == "PERMISSION_DENIED", out
+        # The victim is untouched.
+        stats = victim.stats()
+        assert [x.group_id for x in stats.groups] == [g.group_id]
+        check_case(solo_case("sec-victim"), [case_round(victim, g, solo_case("sec-victim"), 0)])
+    finally:
+        ch.close()
+        thief.close()
+        victim.close()
+
+
+# -- finding 4: no client-supplied paths ---------------------------------------------------------
+def test_register_region_takes_no_path(daemon) -> None:
+    assert "shm_path" not in epd_pb2.RegisterRegionRequest.DESCRIPTOR.fields_by_name
+    with Session(daemon.socket(0), timeout=10) as s:
+        ch = grpc.insecure_channel(f"unix://{daemon.socket(0)}")
+        try:
+            raw = ch.unary_unary("/epd.v1.Engine/RegisterRegion",
+                                 request_serializer=lambda b: b,
+                                 response_deserializer=epd_pb2.RegisterRegionResponse.FromString)
+            # An old client's request: field 2 (shm_path) naming a daemon-only file.
+            req = epd_pb2.RegisterRegionRequest(session_id=s.session_id, size_bytes=16)
+            path = b"/etc/shadow"
+            data = req.SerializeToString() + b"\x12" + bytes([len(path)]) + path
+            with pytest.raises(grpc.RpcError) as ei:
+                raw(data, timeout=10, metadata=token_md(s))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+            assert "descriptor channel" in ei.value.details()
+        finally:
+            ch.close()
+        assert s.stats().regions == 0  # nothing was opened
+
+
+# -- findings 2 and 3: no session ids in names, nothing in the shm folder ---------------------
+def test_no_engine_files_and_no_session_ids_in_names(daemon) -> None:
+    with Session(daemon.socket(0), timeout=10) as s:
+        g = solo_round(s, "sec-names")
+        s.empty((16, 16), np.float32)
+        assert os.listdir(daemon.shm_dir) == []
+        for root, _dirs, files in os.walk("/dev/shm"):
+            for f in files:
+                assert s.session_id not in f and g.group_id not in f, os.path.join(root, f)
+        pid = daemon.engine_pid(0)
+        names = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in memfds(pid, "epd-")]
+        assert names and not [n for n in names if s.session_id in n]
+        fds = fdc.socket_path_for(daemon.socket(0))
+        assert oct(os.stat(fds).st_mode & 0o777) == oct(os.stat(daemon.socket(0)).st_mode & 0o777)
+        assert os.stat(fds).st_mode & 0o007 == 0  # no access for other users
