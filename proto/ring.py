@@ -145,15 +145,23 @@ class Ring:
 
     @property
     def closed(self) -> bool:
-        return bool(self.header[CLOSED])
+        return self.header is None or bool(self.header[CLOSED])
 
     def close(self, *, unlink: bool = False) -> None:
-        """Unmap (`unlink` is accepted for older callers: a memfd has no name to remove)."""
+        """Unmap (`unlink` is accepted for older callers: a memfd has no name to remove).
+
+        Python's mmap holds its own duplicate of the descriptor until it is closed, and it can
+        only be closed once no view exports its buffer: so the ring drops its own views first.
+        A view still held elsewhere keeps the mapping (and that descriptor) until it goes."""
+        if self.header is None:
+            return
         self.header[CLOSED] = 1
         futex_wake(self.doorbell_addr)
+        _release_views(self._slots)
         self._slots = []
+        self.header = None
         del self._anchor
-        with contextlib.suppress(BufferError):  # a slot view still held: goes with it
+        with contextlib.suppress(BufferError):
             self._mm.close()
         self.release_fd()
 
@@ -163,6 +171,14 @@ class Ring:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self.fd = -1
+
+
+def _release_views(slots: list[tuple[np.ndarray, memoryview, int]]) -> None:
+    """Release the payload views (in a function of its own: no loop variable outlives it to
+    keep a view, and so the mapping, alive)."""
+    for _words, payload, _addr in slots:
+        with contextlib.suppress(BufferError):  # exported further: goes with that view
+            payload.release()
 
 
 def seq_of(words: np.ndarray) -> int:
