@@ -17,6 +17,7 @@ that is no array at all.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ RPC_MARGIN = 5.0  # the engine's own deadline fires first and names the missing 
 CONTROL_TIMEOUT = 30.0  # calls that wait for no peer (open, register, leave, stats)
 DEFAULT_TIMEOUT = 10.0  # collective deadline when the daemon does not say (it always does)
 WATCHER_JOIN_TIMEOUT = 5.0  # closing: how long to wait for the lease thread to end
+CLOSE_LEAVE_TIMEOUT = 2.0  # closing: a clean leave of each group, else the lease's end aborts it
 
 
 def engine_socket(socket_dir: str | None = None, engine: int = 0) -> str:
@@ -359,6 +361,12 @@ class Session:
             op.release()
         self._stream_ops.clear()
         for g in list(self._groups.values()):
+            # A clean close leaves its groups (counted as leaves, not aborts); if that cannot
+            # be done quickly, the end of the lease aborts them as for a crashed client.
+            if self._lost is None:
+                with contextlib.suppress(EpdError):
+                    self._transport.call("LeaveGroup", epd_pb2.LeaveGroupRequest(
+                        session_id=self.session_id, group_id=g.group_id), CLOSE_LEAVE_TIMEOUT)
             g._release()
         if self._stream is not None:
             self._stream.cancel()

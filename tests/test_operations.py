@@ -267,6 +267,19 @@ def test_leave_is_counted_as_a_leave_not_an_abort(daemon):
     assert not warnings, warnings
 
 
+def test_closing_a_session_leaves_its_groups(daemon):
+    """A clean `Session.close()` without `leave()` is a leave too; only a lost lease (a crashed
+    client) aborts the group for its peers."""
+    aborts = metric_sum(daemon, "epd_group_aborts_total")
+    leaves = metric_sum(daemon, "epd_group_leaves_total")
+    (s0, s1), _ = pair(daemon, "closer")
+    s0.close()
+    s1.close()
+    # The first leave ends the group; the second rank leaves an ended group (counted once).
+    wait_until(lambda: metric_sum(daemon, "epd_group_leaves_total") >= leaves + 1, 5, "leave")
+    assert metric_sum(daemon, "epd_group_aborts_total") == aborts
+
+
 def test_join_mismatch_fails_every_waiting_rank_at_once(daemon):
     with Session(daemon.socket(0)) as s0, Session(daemon.socket(1)) as s1:
         with ThreadPoolExecutor(1) as ex:
