@@ -149,8 +149,7 @@ class ShmFile:
     def close(self, unlink: bool = False) -> None:
         """Unmap (`unlink` is accepted for older callers: a memfd has no name to remove)."""
         # An array may still view it: the mapping then goes with the last reference.
-        with contextlib.suppress(BufferError):
-            self.mm.close()
+        fdc.close_mapping(self.mm)
         self.release_fd()
 
 

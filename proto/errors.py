@@ -12,6 +12,9 @@ from __future__ import annotations
 import grpc
 
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+# A status message travels in gRPC metadata (16 KiB at most) and in a ring slot: a message that
+# echoes a huge client string is cut, so the status itself always arrives.
+MAX_MESSAGE_CHARS = 2048
 
 
 class EpdError(RuntimeError):
@@ -23,6 +26,9 @@ class EpdError(RuntimeError):
     def __init__(self, code: grpc.StatusCode | None = None, message: str = "") -> None:
         if code is not None:
             self.code = code
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = (f"{message[:MAX_MESSAGE_CHARS // 2]} ... ({len(message)} characters, "
+                       f"cut) ... {message[-64:]}")
         self.message = message
         super().__init__(f"{self.code.name}: {message}")
 

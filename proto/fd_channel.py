@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import mmap
 import os
 import socket
@@ -88,6 +89,26 @@ def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "mem
     if st.st_size < size:
         raise InvalidArgument(f"{what}: the memfd has {st.st_size} bytes, fewer than the "
                               f"{size} declared")
+
+
+def close_mapping(mm: mmap.mmap) -> bool:
+    """Unmap, if no view exports the mapping; True when it is closed.
+
+    Python's mmap keeps its own duplicate of the descriptor until it is closed, so a mapping
+    that cannot be closed keeps a descriptor open. Views are often held only by reference
+    cycles (an exception's traceback holds the frames whose locals view the mapping), which
+    only the cycle collector frees: so a refused close collects once and tries again. A view
+    still really in use keeps the mapping until it goes."""
+    try:
+        mm.close()
+        return True
+    except BufferError:
+        gc.collect()
+    try:
+        mm.close()
+        return True
+    except BufferError:
+        return False
 
 
 def map_fd(fd: int, size: int) -> mmap.mmap:

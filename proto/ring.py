@@ -161,8 +161,7 @@ class Ring:
         self._slots = []
         self.header = None
         del self._anchor
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        fdc.close_mapping(self._mm)
         self.release_fd()
 
     def release_fd(self) -> None:

@@ -316,8 +316,7 @@ class ShmRegion(Region):
         self._base = None  # type: ignore[assignment]
         # A view may still be alive (a response being serialised): the mapping then goes with
         # the last reference instead.
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        fdc.close_mapping(self._mm)
         self._release_fd()
 
 
@@ -334,8 +333,7 @@ class ShmCounterPage(CounterPage):
         return counter_page.slot_words(self._mm, index)
 
     def close(self) -> None:
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        fdc.close_mapping(self._mm)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -880,8 +878,7 @@ class CpuRankComm(RankComm):
 
     def close(self) -> None:
         self._header = self._arrivals = None  # type: ignore[assignment]
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        fdc.close_mapping(self._mm)
         self.output_region.close()
 
 

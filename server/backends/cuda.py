@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ...proto import abi, counter_page, dtypes
+from ...proto import fd_channel as fdc
 from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
@@ -121,8 +122,6 @@ class MappedCounterPage(CounterPage):
     def __init__(self, device: int) -> None:
         from cuda.bindings import runtime as cudart
 
-        from ...proto import fd_channel as fdc
-
         # A sealed memfd (shmem, like a /dev/shm file), fetched by the client as "counters".
         self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
         try:
@@ -151,8 +150,7 @@ class MappedCounterPage(CounterPage):
         if self._addr:
             self._cudart.cudaHostUnregister(self._addr)  # before the unmap, never after
             self._addr = 0
-        with contextlib.suppress(BufferError):
-            self._mm.close()
+        fdc.close_mapping(self._mm)
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

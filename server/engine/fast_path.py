@@ -165,7 +165,11 @@ class FastPathServer:
         except Exception as e:  # one mapping; a bug is logged and serving goes on
             err = as_epd_error(method, e)
             code = err.code
-            return status_value(err.code), err.message.encode()[:self.ring.capacity]
+            answer = status_value(err.code), err.message.encode()[:self.ring.capacity]
+            # `err` may be `e`: its traceback holds this frame and the loop's, whose slot views
+            # would keep the ring mapped after the session closes (a reference cycle).
+            del err
+            return answer
         finally:
             key = (method, code.name)
             self._counts[key] = self._counts.get(key, 0) + 1
