@@ -15,6 +15,7 @@ def _gpu_count() -> int:
 
 
 GPU_COUNT = _gpu_count()
+DAEMON_TIMEOUT = 4.0  # the daemon's collective deadline in the GPU daemon tests
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,3 +25,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    """`epd serve --backend cuda`, one engine per GPU, for one test module."""
+    from epd.server.demo import Daemon
+
+    d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=DAEMON_TIMEOUT,
+               extra=["--nvshmem-heap-bytes", str(6 << 30)])
+    try:
+        d.wait_ready(180)
+    except Exception:
+        print(d.log())
+        d.stop()
+        raise
+    yield d
+    print(d.log()[-4000:])
+    assert d.stop() == 0

@@ -14,10 +14,10 @@ import pytest
 from epd.server import reference as ref
 from epd.server.demo import Daemon, Workload
 
-from .conftest import GPU_COUNT
+from .conftest import DAEMON_TIMEOUT, GPU_COUNT
 
 pytestmark = pytest.mark.gpu
-TIMEOUT = 4.0
+TIMEOUT = DAEMON_TIMEOUT  # the daemon fixture's collective deadline
 
 
 def _bits(t) -> np.ndarray:
@@ -133,21 +133,6 @@ def _run(daemon: Daemon, wl: Workload, scenario: str, ranks_per_gpu: int = 1,
             if p.is_alive():
                 p.kill()
     return out
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=TIMEOUT,
-               extra=["--nvshmem-heap-bytes", str(6 << 30)])
-    try:
-        d.wait_ready(180)
-    except Exception:
-        print(d.log())
-        d.stop()
-        raise
-    yield d
-    print(d.log()[-4000:])
-    assert d.stop() == 0
 
 
 def _check(wl: Workload, results: list[dict], full: bool) -> None:

@@ -14,27 +14,12 @@ import numpy as np
 import pytest
 
 from epd.server import reference as ref
-from epd.server.demo import Daemon, Workload
+from epd.server.demo import Workload
 
-from .conftest import GPU_COUNT
 from .test_daemon import _bits, _to_torch
 
 pytestmark = pytest.mark.gpu
 DENIED = grpc.StatusCode.PERMISSION_DENIED
-
-
-@pytest.fixture(scope="module")
-def daemon():
-    d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=4.0)
-    try:
-        d.wait_ready(180)
-    except Exception:
-        print(d.log())
-        d.stop()
-        raise
-    yield d
-    print(d.log()[-3000:])
-    assert d.stop() == 0
 
 
 def _solo_round(s, wl: Workload, name: str):
