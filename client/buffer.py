@@ -10,10 +10,14 @@ Code written for `deep_ep.Buffer` (normal mode) runs with an import change:
         num_tokens_per_expert=n_expert, topk_idx=topk_idx, topk_weights=topk_weights)
     combined_x, combined_w, _ = buf.combine(expert_out, handle, topk_weights=recv_w)
 
-Differences, all documented in the README: the layout tensors passed to `dispatch` are
-recomputed by the daemon from `topk_idx` (they are accepted for compatibility); `config`,
-`previous_event`, `async_finish` and `allocate_on_comm_stream` are accepted and have no effect on
-the CPU backend; the handle is an opaque object rather than a tuple of tensors. Bad arguments
+Or, opted in with `pip install ./client/deep_ep_shim`, plain `import deep_ep`. DeepEP V1's
+names, argument order, defaults and return tuples (commit 567632dd5981); the table of what is
+supported and what raises is in the README's DeepEP section. In short: the layout tensors passed
+to `dispatch` are recomputed by the daemon from `topk_idx`; `config` is validated and the daemon
+does its own tuning; `previous_event` / `async_finish` / `allocate_on_comm_stream` have DeepEP's
+stream meaning with torch CUDA tensors (client/deep_ep_compat.py `run_on_streams`) and are
+immediate on the CPU backend, whose calls have finished when they return; handles index like
+DeepEP's tuples where EPD has the data and raise `Unsupported` where it does not. Bad arguments
 raise `EpdError` with INVALID_ARGUMENT, as every EPD call does.
 
 Low-latency mode (`Buffer(..., low_latency_mode=True)`):
@@ -39,7 +43,6 @@ The daemon group behind a Buffer is formed lazily at the first call, from the ca
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,12 +50,27 @@ import numpy as np
 
 from ..proto import dtypes
 from ..proto.errors import InvalidArgument
+from . import deep_ep_compat as C
 from . import tensors as T
+from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
+from .frameworks import torch_if_loaded
 from .session import Group, Handle, LowLatencyHandle, Session
 from .stream_ops import StreamOp
 from .tensors import Array
 
 LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
+
+__all__ = ["Buffer", "BufferHandle", "Config", "EventHandle", "EventOverlap",
+           "LowLatencyBufferHandle", "Unsupported"]
+
+
+def __getattr__(name: str) -> Any:
+    """`topk_idx_t` is torch.int64 (DeepEP's default build), resolved when first read so that
+    importing the client never imports torch."""
+    if name == "topk_idx_t":
+        import torch
+        return torch.int64
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -66,60 +84,89 @@ class _GroupKey:
     low_latency_tokens: int  # num_max_dispatch_tokens_per_rank of a low-latency group, else 0
 
 
-class EventOverlap:
-    """DeepEP's event wrapper. Calls here return when their results are ready, so waiting is a
-    no-op; the object exists so that code using it runs unchanged."""
-
-    def __init__(self, event: object = None) -> None:
-        self.event = event
-
-    def current_stream_wait(self) -> None:
-        return None
-
-    def __enter__(self) -> EventOverlap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+_NORMAL_HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix",
+                         "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
+                         "send_head")
+_LOW_LATENCY_HANDLE_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank",
+                              "hidden", "num_experts")
 
 
-@dataclass
-class Config:
-    """Accepted for compatibility with deep_ep.Config; the daemon picks its own tuning."""
+class _TupleLike:
+    """Indexable like the tuple DeepEP returns as a handle: `handle[i]`, slices, `len()`,
+    iteration. A position EPD does not produce raises `Unsupported` naming it."""
 
-    num_sms: int = 20
-    num_max_nvl_chunked_send_tokens: int = 6
-    num_max_nvl_chunked_recv_tokens: int = 256
-    num_max_rdma_chunked_send_tokens: int = 6
-    num_max_rdma_chunked_recv_tokens: int = 256
+    _FIELDS: tuple[str, ...] = ()
+
+    def _field(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._FIELDS)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self._FIELDS)
+        if not -n <= i < n:
+            raise IndexError(f"handle index {i} out of range ({n} positions)")
+        return self._field(self._FIELDS[i % n])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
-@dataclass
-class BufferHandle:
-    """The handle `dispatch` returns; pass it to `combine` or to a cached `dispatch`."""
+@dataclass(eq=False)
+class BufferHandle(_TupleLike):
+    """The handle `dispatch` returns; pass it to `combine` or to a cached `dispatch`. Indexable
+    as DeepEP's intranode tuple `(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`: positions 0
+    (`[R, R]` int32, rows from sources <= s received by this rank... DeepEP's), 3 (`[N]` int32
+    source token of each received row) and 4 (`[T, R]` bool, the call's routing) are exact;
+    1, 2 and 5 are DeepEP kernel-channel bookkeeping EPD does not have (Unsupported)."""
 
+    _FIELDS = _NORMAL_HANDLE_FIELDS
     handle: Handle
     num_experts: int
+    rank_prefix_matrix: Array = None
+    recv_src_idx: Array = None
+    is_token_in_rank: Array = None
+    topk_idx: Array = None  # to derive is_token_in_rank when the caller did not pass it
+
+    def _field(self, name: str) -> Any:
+        if name == "is_token_in_rank" and self.is_token_in_rank is None:
+            self.is_token_in_rank = C.is_token_in_rank_of(
+                self.topk_idx, self.num_experts, self.handle.group.spec.num_ranks)
+        if name in ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank"):
+            return getattr(self, name)
+        raise C.Unsupported(f"handle position {name}: DeepEP's per-channel kernel bookkeeping; "
+                            "EPD's daemon keeps the routing itself and produces only "
+                            "rank_prefix_matrix [0], recv_src_idx [3] and is_token_in_rank [4]")
 
 
-@dataclass
-class LowLatencyBufferHandle:
-    """The handle `low_latency_dispatch` returns; pass it to `low_latency_combine`."""
+@dataclass(eq=False)
+class LowLatencyBufferHandle(_TupleLike):
+    """The handle `low_latency_dispatch` returns; pass it to `low_latency_combine`. Indexable as
+    DeepEP's `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`:
+    `handle[0][i]` is the source token of each row of local expert i (int32, -1 beyond the
+    count), `handle[1][i]` the `(begin << 32) | count` int64 row range of each source rank
+    (computed on access; Unsupported where an engine does not keep a source's rows contiguous:
+    the cuda engine stores rows in arrival order)."""
 
+    _FIELDS = _LOW_LATENCY_HANDLE_FIELDS
     handle: LowLatencyHandle | StreamOp
     template: Array = None  # the dispatch's x: combine buffers come back as its array type
+    src_rank: Array = None  # [L, R*num_max] int32 source rank of each row (-1 beyond count)
+    src_idx: Array = None   # [L, R*num_max] int32 source token of each row (-1 beyond count)
+    num_max_dispatch_tokens_per_rank: int = 0
+    hidden: int = 0
+    num_experts: int = 0
 
-    @property
-    def num_max_dispatch_tokens_per_rank(self) -> int:
-        return self.handle.num_max_dispatch_tokens_per_rank
-
-    @property
-    def hidden(self) -> int:
-        return self.handle.hidden
-
-    @property
-    def num_experts(self) -> int:
-        return self.handle.num_experts
+    def _field(self, name: str) -> Any:
+        if name == "src_info":
+            return self.src_idx
+        if name == "layout_range":
+            return C.layout_range_of(self.src_rank, self.handle.group.spec.num_ranks)
+        return getattr(self, name)
 
 
 def _ptr(a: Array) -> int:
@@ -136,32 +183,69 @@ def _no_op_hook() -> None:
 
 
 class Buffer:
+    """DeepEP V1's `deep_ep.Buffer` over an EPD daemon (see the module docstring).
+
+    Constructor arguments are DeepEP's, in its order, with its defaults (V1 commit
+    567632dd5981):
+
+    - `group`: a torch.distributed ProcessGroup (`rank()`/`size()` are read), or None with
+      `comm` (an mpi4py communicator: `Get_rank()`/`Get_size()`) or with EPD's `rank=` and
+      `num_ranks=`. Kept as `.group` (the communicator when `comm` is used, as in DeepEP).
+    - `num_nvl_bytes`, `num_rdma_bytes`: kept as attributes. The daemon owns and sizes its
+      buffers; the token capacity of a normal-mode group is `max_tokens_per_rank=`.
+    - `low_latency_mode`, `num_qps_per_rank`, `allow_nvlink_for_low_latency_mode`: kept; the
+      daemon chooses transports and queue pairs. Low-latency calls work in either mode.
+    - `allow_mnnvl`, `use_fabric`: multi-node NVLink and fabric memory concern buffers a
+      process shares with its peers; EPD's buffers live in the node's daemon, so there is
+      nothing to allocate either way. Accepted, kept as attributes.
+    - `explicitly_destroy`: as in DeepEP, True means resources go only at `destroy()`, else
+      also when the Buffer is collected. `destroy()` works either way (DeepEP asserts the flag).
+    - `enable_shrink`: accepted; the mask-buffer calls exist. EPD does not mask ranks yet (a
+      later part of issue 11): a rank that dies aborts the group (every member's call fails
+      with ABORTED naming it), so `low_latency_query_mask_buffer` reports no masked rank and
+      masking a rank raises `Unsupported`.
+    - `comm`: see `group`.
+
+    EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
+    (default: `EPD_ENGINE`, else the current CUDA device when torch CUDA is available, else
+    `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank`, `timeout`, `session`.
+    """
+
     num_sms: int = 20
 
     def __init__(self, group: Any = None,  # a torch.distributed ProcessGroup
                  num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, *, rank: int | None = None,
+                 use_fabric: bool = False, explicitly_destroy: bool = False,
+                 enable_shrink: bool = False, comm: Any = None, *, rank: int | None = None,
                  num_ranks: int | None = None, endpoint: str | None = None,
                  socket_dir: str | None = None, engine: int | None = None,
                  group_name: str = "deep_ep", max_tokens_per_rank: int = 4096,
                  timeout: float | None = None, session: Session | None = None) -> None:
         if group is not None:
             rank, num_ranks = group.rank(), group.size()
+        elif comm is not None:
+            rank, num_ranks = comm.Get_rank(), comm.Get_size()
         if rank is None or num_ranks is None:
-            raise InvalidArgument("Buffer needs a torch.distributed group, or rank= and "
-                                  "num_ranks=")
+            raise InvalidArgument("Buffer needs a torch.distributed group, an mpi4py comm, or "
+                                  "rank= and num_ranks=")
+        self.group = group if group is not None else comm
         self.rank, self.group_size = int(rank), int(num_ranks)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.allow_mnnvl, self.use_fabric = allow_mnnvl, use_fabric
         self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
         self.group_name = group_name
         self.max_tokens_per_rank = max_tokens_per_rank
         self.timeout = timeout
+        self._comm_stream: Any = None
         if session is None:
             if engine is None:
-                engine = int(os.environ.get("EPD_ENGINE", os.environ.get("LOCAL_RANK", "0")))
+                engine = C.default_engine()
             session = Session(endpoint, socket_dir=socket_dir, engine=engine,
                               client_name=f"{group_name}-rank{rank}")
             self._owns_session = True
@@ -175,24 +259,71 @@ class Buffer:
 
     # -- DeepEP's static helpers -------------------------------------------------------------
     @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True: DeepEP answers whether its SM90 (FP8) kernels were built; EPD's daemon takes
+        FP8 payloads on every backend, so callers that gate FP8 paths on it may use them."""
+        return True
+
+    @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
+        """The SM count the recommended configs carry (even, as in DeepEP)."""
+        if new_num_sms % 2 != 0:
+            raise InvalidArgument(f"The SM count must be even, got {new_num_sms}")
         Buffer.num_sms = new_num_sms
 
     @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream (DeepEP's `capture`): pass it as
+        `previous_event`. Without CUDA, an event that waits for nothing."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms)
+        """DeepEP's recommended dispatch config for `num_ranks` ranks (with `Buffer.num_sms`)."""
+        return C.recommended_config(C.DISPATCH_CONFIGS, Buffer.num_sms, num_ranks)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms)
+        """DeepEP's recommended combine config for `num_ranks` ranks (with `Buffer.num_sms`)."""
+        return C.recommended_config(C.COMBINE_CONFIGS, Buffer.num_sms, num_ranks)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
                                        num_ranks: int, num_experts: int) -> int:
-        """Accepted for compatibility (num_rdma_bytes is not used here): the bytes of one
-        rank's low-latency receive buffers, bf16 payload plus FP8 scales."""
-        rows = num_experts * num_max_dispatch_tokens_per_rank
-        return rows * (hidden * 2 + hidden // 128 * 4 + 8)
+        """DeepEP's minimum `num_rdma_bytes` for low-latency mode (its formula)."""
+        return C.low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden,
+                                            num_ranks, num_experts)
+
+    def get_comm_stream(self) -> Any:
+        """The stream this Buffer runs `async_finish` calls on: a `torch.cuda.Stream` of the
+        current device (created at first use) when torch CUDA is available, else a
+        `HostStream` whose methods are immediate."""
+        if self._comm_stream is None:
+            torch = torch_if_loaded()
+            if torch is not None and torch.cuda.is_available():
+                self._comm_stream = torch.cuda.Stream()
+            else:
+                self._comm_stream = C.HostStream()
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Any:
+        """Unsupported: DeepEP returns its raw NVL/RDMA buffer; EPD's buffers belong to the
+        node's daemon and are not mapped into the client."""
+        which = "RDMA" if use_rdma_buffer else "NVL"
+        raise C.Unsupported(f"get_local_buffer_tensor: the {which} buffer lives in the EPD "
+                            "daemon's engine and is not mapped into this process")
+
+    def _run(self, template: Array, call, previous_event: EventOverlap | None,
+             async_finish: bool, allocate_on_comm_stream: bool = False,
+             inputs: tuple = ()) -> tuple[Any, EventOverlap]:
+        return C.run_on_streams(self.get_comm_stream, template, call, previous_event,
+                                async_finish, allocate_on_comm_stream, inputs)
+
+    @staticmethod
+    def _check_config(config: Config | None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise InvalidArgument(f"config must be a deep_ep Config, got {type(config).__name__}")
 
     # -- groups ------------------------------------------------------------------------------
     def _group(self, hidden: int, num_topk: int, dtype: np.dtype, num_experts: int,
@@ -233,8 +364,10 @@ class Buffer:
                   and not key.low_latency_tokens), None)
         if g is None:
             g = self._group(LAYOUT_GROUP_HIDDEN, idx_shape[1], dtypes.BFLOAT16, num_experts)
-        per_rank, per_expert, in_rank = g.get_dispatch_layout(topk_idx)
-        return per_rank, None, per_expert, in_rank, EventOverlap()
+        (per_rank, per_expert, in_rank), event = self._run(
+            topk_idx, lambda: g.get_dispatch_layout(topk_idx), previous_event, async_finish,
+            allocate_on_comm_stream, (topk_idx,))
+        return per_rank, None, per_expert, in_rank, event
 
     def dispatch(self, x: Array, handle: BufferHandle | None = None,
                  num_tokens_per_rank: Array = None, num_tokens_per_rdma_rank: Array = None,
@@ -245,22 +378,33 @@ class Buffer:
                  allocate_on_comm_stream: bool = False):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event); recv_x is a (fp8, scales) tuple when x was. Cached mode (handle given) returns
-        (recv_x, None, None, None, None, event), as DeepEP does."""
+        (recv_x, None, None, None, None, event), as DeepEP does. The handle is indexable as
+        DeepEP's tuple (see BufferHandle)."""
+        self._check_config(config)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         x_shape, x_dtype = T.meta(x, "x")
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("cached dispatch (handle given) takes no "
                                       "topk_idx/topk_weights")
+            if not isinstance(handle, BufferHandle):
+                raise InvalidArgument("handle must be one a dispatch of this Buffer returned")
             g = handle.handle.group
-            out = g.dispatch(x, x_scales=x_scales, handle=handle.handle,
-                             expert_alignment=expert_alignment,
-                             num_worst_tokens=num_worst_tokens)
+            out, event = self._run(
+                x, lambda: g.dispatch(x, x_scales=x_scales, handle=handle.handle,
+                                      expert_alignment=expert_alignment,
+                                      num_worst_tokens=num_worst_tokens),
+                previous_event, async_finish, allocate_on_comm_stream, (x, x_scales))
             recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
-            return recv, None, None, None, None, EventOverlap()
+            return recv, None, None, None, None, event
+        if topk_idx is None and topk_weights is None:
+            return self._dispatch_without_topk(
+                x, x_scales, x_shape, x_dtype, is_token_in_rank, num_tokens_per_expert,
+                expert_alignment, num_worst_tokens, previous_event, async_finish,
+                allocate_on_comm_stream)
         if topk_idx is None or topk_weights is None:
-            raise InvalidArgument("dispatch needs topk_idx and topk_weights (or a cached "
-                                  "handle)")
+            raise InvalidArgument("dispatch needs both topk_idx and topk_weights (or neither, "
+                                  "routing by is_token_in_rank; or a cached handle)")
         num_experts = (len(num_tokens_per_expert) if num_tokens_per_expert is not None
                        else self._num_experts)
         if num_experts is None:
@@ -272,18 +416,58 @@ class Buffer:
                                   f"{list(idx_shape)}")
         combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
         g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
-        out = g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
-                         expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
+        out, event = self._run(
+            x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
+                                  expert_alignment=expert_alignment,
+                                  num_worst_tokens=num_worst_tokens),
+            previous_event, async_finish, allocate_on_comm_stream,
+            (x, x_scales, topk_idx, topk_weights))
         recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
         counts = [] if num_worst_tokens else out.num_recv_tokens_per_expert
-        return (recv, out.recv_topk_idx, out.recv_topk_weights, counts,
-                BufferHandle(out.handle, int(num_experts)), EventOverlap())
+        h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
+                         recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank,
+                         topk_idx=topk_idx)
+        return recv, out.recv_topk_idx, out.recv_topk_weights, counts, h, event
+
+    def _dispatch_without_topk(self, x, x_scales, x_shape, x_dtype, is_token_in_rank,
+                               num_tokens_per_expert, expert_alignment, num_worst_tokens,
+                               previous_event, async_finish, allocate_on_comm_stream):
+        """DeepEP V1's dispatch without top-k: tokens go where `is_token_in_rank` says,
+        `num_tokens_per_expert` gives the receive counts; recv_topk_idx/weights are None."""
+        if is_token_in_rank is None or num_tokens_per_expert is None:
+            raise InvalidArgument("dispatch without topk_idx routes by is_token_in_rank and "
+                                  "needs num_tokens_per_expert (both from get_dispatch_layout)")
+        if len(x_shape) != 2:
+            raise InvalidArgument(f"x must be 2-D, got shape {list(x_shape)}")
+        (num_experts,), _ = T.meta(num_tokens_per_expert, "num_tokens_per_expert")
+        combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
+        # Any normal-mode group of this shape serves (its top-k only sizes buffers that a
+        # top-k-free dispatch does not use); the first call of a shape forms one with top-1.
+        g = next((grp for key, grp in self._groups.items()
+                  if key.hidden == x_shape[1] and key.dtype == combine_dtype.str
+                  and key.num_experts == num_experts and not key.low_latency_tokens), None)
+        if g is None:
+            g = self._group(x_shape[1], 1, combine_dtype, int(num_experts))
+        out, event = self._run(
+            x, lambda: g.dispatch(x, x_scales=x_scales, expert_alignment=expert_alignment,
+                                  num_worst_tokens=num_worst_tokens,
+                                  is_token_in_rank=is_token_in_rank,
+                                  num_tokens_per_expert=num_tokens_per_expert),
+            previous_event, async_finish, allocate_on_comm_stream,
+            (x, x_scales, is_token_in_rank, num_tokens_per_expert))
+        recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
+        h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
+                         recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank)
+        return recv, None, None, out.num_recv_tokens_per_expert, h, event
 
     def combine(self, x: Array, handle: BufferHandle, topk_weights: Array = None,
                 bias: Array = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
         """(combined_x, combined_topk_weights, event)."""
+        self._check_config(config)
+        if not isinstance(handle, BufferHandle):
+            raise InvalidArgument("handle must be one a dispatch of this Buffer returned")
         if bias is None:
             bias_0 = bias_1 = None
         elif isinstance(bias, tuple):
@@ -293,9 +477,12 @@ class Buffer:
         else:
             bias_0, bias_1 = bias, None
         g = handle.handle.group
-        cx, cw = g.combine(x, handle.handle, topk_weights=topk_weights, bias_0=bias_0,
-                           bias_1=bias_1)
-        return cx, cw, EventOverlap()
+        (cx, cw), event = self._run(
+            x, lambda: g.combine(x, handle.handle, topk_weights=topk_weights, bias_0=bias_0,
+                                 bias_1=bias_1),
+            previous_event, async_finish, allocate_on_comm_stream,
+            (x, topk_weights, bias_0, bias_1))
+        return cx, cw, event
 
     # -- low-latency mode --------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -319,32 +506,41 @@ class Buffer:
         if len(x_shape) != 2 or len(idx_shape) != 2:
             raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
                                   f"{list(idx_shape)}")
+        num_max = int(num_max_dispatch_tokens_per_rank)
         g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
-                        low_latency_tokens=int(num_max_dispatch_tokens_per_rank))
+                        low_latency_tokens=num_max)
+
+        def handle_of(h: LowLatencyHandle | StreamOp, res) -> LowLatencyBufferHandle:
+            return LowLatencyBufferHandle(h, x, src_rank=res.recv_src_rank,
+                                          src_idx=res.recv_src_idx,
+                                          num_max_dispatch_tokens_per_rank=num_max,
+                                          hidden=int(x_shape[1]), num_experts=int(num_experts))
+
         if self._stream_ordered(x, return_recv_hook):
             key = ("dispatch", g.group_id, _ptr(x), x_shape, _ptr(topk_idx), idx_shape,
-                   int(num_max_dispatch_tokens_per_rank), use_fp8, round_scale, use_ue8m0,
+                   num_max, use_fp8, round_scale, use_ue8m0,
                    _ptr(cumulative_local_expert_recv_stats))
             op = self._stream_ops.get(key)
             if op is None:
                 op = self._stream_ops[key] = g.arm_low_latency_dispatch(
-                    x, topk_idx, int(num_max_dispatch_tokens_per_rank), use_fp8=use_fp8,
+                    x, topk_idx, num_max, use_fp8=use_fp8,
                     round_scale=round_scale, use_ue8m0=use_ue8m0,
                     cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                     timeout=self.timeout)
-            hook = self._trigger(op, return_recv_hook)
+            hook, event = self._trigger(op, x, return_recv_hook, async_finish)
             res = op.result
             recv = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
-            return recv, res.recv_count, LowLatencyBufferHandle(op, x), EventOverlap(), hook
-        out = g.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts=int(num_experts),
-            use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            timeout=self.timeout)
+            return recv, res.recv_count, handle_of(op, res), event, hook
+        out, event = self._run(
+            x, lambda: g.low_latency_dispatch(
+                x, topk_idx, num_max, num_experts=int(num_experts),
+                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                timeout=self.timeout),
+            None, async_finish and not return_recv_hook, inputs=(x, topk_idx))
         recv = (out.recv_x, out.recv_x_scales) if use_fp8 else out.recv_x
         hook = _no_op_hook if return_recv_hook else None
-        return (recv, out.recv_count, LowLatencyBufferHandle(out.handle, x), EventOverlap(),
-                hook)
+        return recv, out.recv_count, handle_of(out.handle, out), event, hook
 
     def low_latency_combine(self, x: Array, topk_idx: Array, topk_weights: Array,
                             handle: LowLatencyBufferHandle, use_logfmt: bool = False,
@@ -353,6 +549,9 @@ class Buffer:
                             combine_wait_recv_cost_stats: Array = None):
         """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
         of each token's expert outputs; written into `out` (and returned) when given."""
+        if not isinstance(handle, LowLatencyBufferHandle):
+            raise InvalidArgument("handle must be one a low_latency_dispatch of this Buffer "
+                                  "returned")
         g = handle.handle.group
         if isinstance(handle.handle, StreamOp):  # a stream-ordered dispatch: so is its combine
             key = ("combine", handle.handle.op_id, _ptr(x), _ptr(topk_idx), _ptr(topk_weights),
@@ -361,11 +560,43 @@ class Buffer:
             if op is None:
                 op = self._stream_ops[key] = g.arm_low_latency_combine(
                     x, topk_idx, topk_weights, handle.handle, out=out, timeout=self.timeout)
-            hook = self._trigger(op, return_recv_hook)
-            return op.result, EventOverlap(), hook
-        cx = g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
-                                   timeout=self.timeout)
-        return cx, EventOverlap(), _no_op_hook if return_recv_hook else None
+            hook, event = self._trigger(op, x, return_recv_hook, async_finish)
+            return op.result, event, hook
+        cx, event = self._run(
+            x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
+                                             timeout=self.timeout),
+            None, async_finish and not return_recv_hook, inputs=(x, topk_idx, topk_weights))
+        return cx, event, _no_op_hook if return_recv_hook else None
+
+    # -- shrink mode (rank masking): accepted, masking itself is a later part of issue 11 -------
+    def _check_shrink(self) -> None:
+        if not self.enable_shrink:
+            raise InvalidArgument("the mask buffer needs Buffer(..., enable_shrink=True) "
+                                  "(as in DeepEP)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Unmasking is a no-op (EPD masks no rank); masking raises Unsupported: EPD aborts a
+        group whose rank died instead of masking it (rank masking is a later part)."""
+        self._check_shrink()
+        if not 0 <= rank_to_mask < self.group_size:
+            raise InvalidArgument(f"rank_to_mask {rank_to_mask} outside [0, {self.group_size})")
+        if mask:
+            raise C.Unsupported("low_latency_update_mask_buffer(mask=True): EPD does not mask "
+                                "ranks yet; a rank that dies aborts the group (ABORTED naming "
+                                "it) and the survivors rejoin")
+
+    def low_latency_query_mask_buffer(self, mask_status: Array) -> None:
+        """Writes 0 (not masked) for every rank into `mask_status` (int32 `[num_ranks]`): EPD
+        masks no rank (a dead rank aborts the group's calls instead)."""
+        self._check_shrink()
+        shape, _ = T.meta(mask_status, "mask_status")
+        if tuple(shape) != (self.group_size,):
+            raise InvalidArgument(f"mask_status must be [{self.group_size}], got {list(shape)}")
+        mask_status[...] = 0
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Nothing is masked, so nothing to clean."""
+        self._check_shrink()
 
     # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
     def _stream_ordered(self, x: Array, return_recv_hook: bool) -> bool:
@@ -375,13 +606,15 @@ class Buffer:
         mem = self.session.memory
         return mem.supports_stream_ops and (return_recv_hook or mem.is_capturing(x))
 
-    @staticmethod
-    def _trigger(op: StreamOp, return_recv_hook: bool):
-        op.signal()
+    def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool):
+        """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
+        half is enqueued now and the hook enqueues the receive half. Else both halves, on the
+        comm stream with an event after them when `async_finish` (run_on_streams)."""
         if return_recv_hook:
-            return op.wait  # the receive half, on the stream current when it is called
-        op.wait()
-        return None
+            op.signal()
+            return op.wait, EventOverlap()  # the receive half, on the stream current then
+        _, event = self._run(x, op.launch, None, async_finish)
+        return None, event
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer
@@ -390,7 +623,7 @@ class Buffer:
         h = handle.handle
         spec = h.group.spec
         shape = (spec.num_experts // spec.num_ranks,
-                 spec.num_ranks * h.num_max_dispatch_tokens_per_rank, spec.hidden)
+                 spec.num_ranks * handle.num_max_dispatch_tokens_per_rank, spec.hidden)
         key = (h.group.group_id, shape, T.is_torch(handle.template))
         buf = self._combine_buffers.get(key)
         if buf is None:

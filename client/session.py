@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -405,6 +406,43 @@ class Group:
         self._counter_slot = resp.counter_slot
         self._counter = counter_page.slot_words(session._counter_file.mm, resp.counter_slot)
         self._left = False
+        # Ids of handles whose objects were collected (weakref.finalize appends, on any
+        # thread): the next dispatch of this group carries them (release_handles), or
+        # release_handles() sends them now. The engine keeps a handle until then.
+        self._released: list[int] = []
+
+    def _track(self, handle: Handle | LowLatencyHandle) -> None:
+        """Release `handle` in the engine once its object is garbage collected."""
+        f = weakref.finalize(handle, self._released.append, handle.handle_id)
+        f.atexit = False
+
+    def _take_released(self) -> list[int]:
+        """The pending releases, taken off the queue (list.pop is atomic)."""
+        out = []
+        while self._released:
+            try:
+                out.append(self._released.pop())
+            except IndexError:
+                break
+        return out
+
+    def _requeue(self, ids: list[int]) -> None:
+        """A call that carried releases failed: send them with a later one (idempotent)."""
+        self._released.extend(ids)
+
+    def release_handles(self) -> int:
+        """Free now, in the engine, the handles whose objects were collected (a dispatch does
+        it anyway, piggybacked); returns how many handles this rank still holds there."""
+        ids = self._take_released()
+        s = self._session
+        try:
+            resp = cast(epd_pb2.ReleaseHandlesResponse, s._call(
+                "ReleaseHandles", epd_pb2.ReleaseHandlesRequest(
+                    session_id=s.session_id, group_id=self.group_id, handles=ids)))
+        except BaseException:
+            self._requeue(ids)
+            raise
+        return resp.handles
 
     def _view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array = None) -> Array:
         """An output as the caller's array type (NumPy/torch CPU, or CuPy/torch CUDA)."""
@@ -429,12 +467,19 @@ class Group:
 
     def _dispatch_request(self, x: Array, topk_idx: Array, topk_weights: Array,
                           x_scales: Array, expert_alignment: int, num_worst_tokens: int,
-                          handle: Handle | None,
-                          timeout: float | None) -> tuple[epd_pb2.DispatchRequest, float]:
+                          handle: Handle | None, timeout: float | None,
+                          is_token_in_rank: Array = None, num_tokens_per_expert: Array = None
+                          ) -> tuple[epd_pb2.DispatchRequest, float]:
         if handle is not None and handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
-        d = self._session._descs({"x": x, "x_scales": x_scales, "topk_idx": topk_idx,
-                                  "topk_weights": topk_weights})
+        arrays = {"x": x, "x_scales": x_scales, "topk_idx": topk_idx,
+                  "topk_weights": topk_weights}
+        if topk_idx is None and topk_weights is None and handle is None:
+            # Dispatch without top-k: routed by is_token_in_rank (with topk_idx the engine
+            # computes the layout itself, so these are not sent).
+            arrays.update(is_token_in_rank=is_token_in_rank,
+                          num_tokens_per_expert=num_tokens_per_expert)
+        d = self._session._descs(arrays)
         t = self._timeout(timeout)
         req = epd_pb2.DispatchRequest(
             session_id=self._session.session_id, group_id=self.group_id,
@@ -446,27 +491,44 @@ class Group:
     def dispatch(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
                  x_scales: Array = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  handle: Handle | None = None, timeout: float | None = None,
-                 copy: bool = True) -> DispatchResult:
+                 copy: bool = True, is_token_in_rank: Array = None,
+                 num_tokens_per_expert: Array = None) -> DispatchResult:
         """Send each token to the ranks holding its experts (as server/reference.py). With
         `handle`, the cached mode: the routing of that earlier dispatch is reused and no counts
-        travel."""
+        travel. Without top-k (topk_idx and topk_weights None, DeepEP's V1 form), the tokens
+        go where `is_token_in_rank` (bool [T, R]) says, `num_tokens_per_expert` (int32 [E])
+        gives the receive counts, recv_topk_idx/weights are None and combine sums the rows
+        without weights (cpu backend; the cuda engine answers FAILED_PRECONDITION for now).
+        The engine keeps the dispatch's handle until the returned handle object is garbage
+        collected (then the next dispatch of this group releases it)."""
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
-                                                  timeout)
-        resp = cast(epd_pb2.DispatchResponse, self._session._call("Dispatch", req, rpc_timeout))
+                                                  timeout, is_token_in_rank,
+                                                  num_tokens_per_expert)
+        released = self._take_released()
+        req.release_handles.extend(released)
+        try:
+            resp = cast(epd_pb2.DispatchResponse,
+                        self._session._call("Dispatch", req, rpc_timeout))
+        except BaseException:
+            self._requeue(released)
+            raise
         return self._dispatch_result(resp, copy, x)
 
     def dispatch_async(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
                        x_scales: Array = None, expert_alignment: int = 1,
                        num_worst_tokens: int = 0, handle: Handle | None = None,
-                       timeout: float | None = None, copy: bool = True) -> PendingDispatch:
+                       timeout: float | None = None, copy: bool = True,
+                       is_token_in_rank: Array = None,
+                       num_tokens_per_expert: Array = None) -> PendingDispatch:
         """Start a dispatch; read the receive counts with `.counts()` while it runs."""
         s = self._session
         if s._busy:
             raise FailedPrecondition("a dispatch of this session is still in flight")
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
-                                                  timeout)
+                                                  timeout, is_token_in_rank,
+                                                  num_tokens_per_expert)
         # One dispatch in flight per session, and the engine publishes every dispatch it runs
         # (failures too, with a status): ours is the first sequence after the current one.
         expected = int(self._counter[counter_page.SEQ]) + 1
@@ -483,6 +545,7 @@ class Group:
         recv_x = v(resp.recv_x, copy, template)
         rows = recv_x.shape[0]
         h = Handle(self, resp.handle, 0, resp.num_recv_tokens, rows)
+        self._track(h)
         return DispatchResult(
             recv_x=recv_x, recv_x_scales=opt(resp.recv_x_scales),
             recv_topk_idx=opt(resp.recv_topk_idx), recv_topk_weights=opt(resp.recv_topk_weights),
@@ -529,19 +592,25 @@ class Group:
         d = s._descs({"x": x, "topk_idx": topk_idx,
                       "cumulative_local_expert_recv_stats": stats})
         t = self._timeout(timeout)
-        resp = cast(epd_pb2.LowLatencyDispatchResponse, s._call(
-            "LowLatencyDispatch", epd_pb2.LowLatencyDispatchRequest(
-                session_id=s.session_id, group_id=self.group_id,
-                num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
-                num_experts=self.spec.num_experts if num_experts is None else num_experts,
-                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                timeout_seconds=t, **d), t + RPC_MARGIN))
+        released = self._take_released()
+        try:
+            resp = cast(epd_pb2.LowLatencyDispatchResponse, s._call(
+                "LowLatencyDispatch", epd_pb2.LowLatencyDispatchRequest(
+                    session_id=s.session_id, group_id=self.group_id,
+                    num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
+                    num_experts=self.spec.num_experts if num_experts is None else num_experts,
+                    use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
+                    timeout_seconds=t, release_handles=released, **d), t + RPC_MARGIN))
+        except BaseException:
+            self._requeue(released)
+            raise
         if stats is not None:
             s._write_back("cumulative_local_expert_recv_stats", stats)
         v = self._view
         shape, _ = T.meta(x, "x")
         handle = LowLatencyHandle(self, resp.handle, shape[0], num_max_dispatch_tokens_per_rank,
                                   self.spec.num_experts, self.spec.hidden)
+        self._track(handle)
         return LowLatencyDispatchResult(
             recv_x=v(resp.recv_x, copy, x),
             recv_x_scales=v(resp.recv_x_scales, copy, x) if resp.recv_x_scales.region_id

@@ -18,7 +18,7 @@ from .v1 import epd_pb2
 # Ring ids, append only: an id never changes meaning (a client and an engine of different
 # versions agree on these). Ping is the empty operation that measures the transport.
 RING_METHODS = ("Ping", "GetDispatchLayout", "Dispatch", "Combine", "GetStats",
-                "LowLatencyDispatch", "LowLatencyCombine")
+                "LowLatencyDispatch", "LowLatencyCombine", "ReleaseHandles")
 
 # The data-plane collectives: they run under the session's operation lock on its executor.
 COLLECTIVES = frozenset({"GetDispatchLayout", "Dispatch", "Combine", "LowLatencyDispatch",

@@ -56,8 +56,9 @@ class Config:
     max_group_label_values: int = field(default=256, metadata={
         "help": "distinct group names a process labels metrics with; later groups are "
                 "labelled group=\"_overflow\""})
-    max_handles: int = field(default=64, metadata={
-        "help": "dispatch handles kept per membership (older ones expire)"})
+    max_handles_per_session: int = field(default=4096, metadata={
+        "help": "dispatch handles a session holds at once, over all its groups (kept until "
+                "the client releases them or the session ends; RESOURCE_EXHAUSTED beyond it)"})
     per_expert_metrics: bool = field(default=False, metadata={
         "help": "export per-expert receive counts (high cardinality)"})
     restart_backoff_seconds: float = field(default=1.0, metadata={

@@ -127,25 +127,43 @@ class RankDispatch:
 
     recv_x: np.ndarray                 # [N, H], dtype of x (carried bit-exactly)
     recv_x_scales: np.ndarray | None   # [N, H/128] float32 when x_scales given
-    recv_topk_idx: np.ndarray          # [N, K] int64: local expert id e - d*L, else -1
-    recv_topk_weights: np.ndarray      # [N, K] float32: weight where e lives on d, else 0
+    recv_topk_idx: np.ndarray | None   # [N, K] int64: local expert id e - d*L, else -1
+    recv_topk_weights: np.ndarray | None  # [N, K] float32: weight where e lives on d, else 0
+    # (both None for a dispatch without top-k)
     num_recv_tokens_per_expert: list[int]  # [L] pairs per local expert, rounded up to alignment
     recv_src_rank: np.ndarray          # [N] int32 source rank of each row
     recv_src_idx: np.ndarray           # [N] int32 source token index of each row
     src_offsets: np.ndarray            # [R+1] int64: rows from source s are [off[s], off[s+1])
 
 
-def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray], topk_weights: list[np.ndarray],
-             num_experts: int, *, x_scales: list[np.ndarray] | None = None,
-             expert_alignment: int = 1) -> list[RankDispatch]:
+def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray] | None,
+             topk_weights: list[np.ndarray] | None, num_experts: int, *,
+             x_scales: list[np.ndarray] | None = None, expert_alignment: int = 1,
+             is_token_in_rank: list[np.ndarray] | None = None,
+             num_tokens_per_expert: list[np.ndarray] | None = None) -> list[RankDispatch]:
     """Normal (high-throughput) dispatch; returns one ``RankDispatch`` per destination rank.
 
     Rows on each destination are ordered by source rank, then source token index; a token
     appears once per destination rank holding any of its experts (not once per expert).
+
+    Without top-k (DeepEP's ``topk_idx=None``: topk_idx and topk_weights None), the routing is
+    ``is_token_in_rank[s]`` (bool [T_s, R]) alone: same row order, recv_topk_idx and
+    recv_topk_weights are None, and ``num_recv_tokens_per_expert`` of rank d is the sum over
+    sources of ``num_tokens_per_expert[s][d*L:(d+1)*L]`` (int [E], as the sources declare
+    them: DeepEP's notify sums them without looking at any top-k), rounded up to
+    expert_alignment.
     """
     num_ranks = len(xs)
     local = _check_experts(num_experts, num_ranks)
+    if topk_idx is None:
+        return _dispatch_without_topk(xs, topk_weights, num_experts, x_scales,
+                                      expert_alignment, is_token_in_rank, num_tokens_per_expert)
+    if is_token_in_rank is not None or num_tokens_per_expert is not None:
+        raise ValueError("is_token_in_rank/num_tokens_per_expert are for dispatch without "
+                         "top-k; with topk_idx the layout follows from it")
     _check_rank_list("topk_idx", topk_idx, num_ranks)
+    if topk_weights is None:
+        raise ValueError("topk_weights must be given with topk_idx")
     _check_rank_list("topk_weights", topk_weights, num_ranks)
     if x_scales is not None:
         _check_rank_list("x_scales", x_scales, num_ranks)
@@ -219,6 +237,83 @@ def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray], topk_weights: lis
     return out
 
 
+def _check_payloads(xs: list[np.ndarray]) -> tuple[list[np.ndarray], int, np.dtype]:
+    xs = [np.asarray(x) for x in xs]
+    for s, x in enumerate(xs):
+        if x.ndim != 2:
+            raise ValueError(f"xs[{s}] must be 2-D [num_tokens, hidden], got shape {x.shape}")
+        if x.dtype not in _PAYLOAD_DTYPES:
+            raise ValueError(f"xs[{s}] has dtype {x.dtype}; expected one of "
+                             f"{[str(d) for d in _PAYLOAD_DTYPES]}")
+    hidden, dtype = xs[0].shape[1], xs[0].dtype
+    for s, x in enumerate(xs):
+        if x.shape[1] != hidden or x.dtype != dtype:
+            raise ValueError(f"xs[{s}] is {x.dtype}[*, {x.shape[1]}] but xs[0] is "
+                             f"{dtype}[*, {hidden}]; all ranks must agree")
+    return xs, hidden, dtype
+
+
+def _dispatch_without_topk(xs: list[np.ndarray], topk_weights: list[np.ndarray] | None,
+                           num_experts: int, x_scales: list[np.ndarray] | None,
+                           expert_alignment: int, is_token_in_rank: list[np.ndarray] | None,
+                           num_tokens_per_expert: list[np.ndarray] | None
+                           ) -> list[RankDispatch]:
+    """``dispatch`` routed by is_token_in_rank alone (see there)."""
+    num_ranks = len(xs)
+    local = _check_experts(num_experts, num_ranks)
+    if topk_weights is not None:
+        raise ValueError("topk_weights without topk_idx")
+    if is_token_in_rank is None or num_tokens_per_expert is None:
+        raise ValueError("dispatch without top-k needs is_token_in_rank and "
+                         "num_tokens_per_expert")
+    _check_rank_list("is_token_in_rank", is_token_in_rank, num_ranks)
+    _check_rank_list("num_tokens_per_expert", num_tokens_per_expert, num_ranks)
+    if expert_alignment < 1:
+        raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
+    xs, hidden, dtype = _check_payloads(xs)
+    in_rank = []
+    for s, m in enumerate(is_token_in_rank):
+        m = np.asarray(m)
+        if m.shape != (xs[s].shape[0], num_ranks) or m.dtype != np.bool_:
+            raise ValueError(f"is_token_in_rank[{s}] is {m.dtype}{list(m.shape)}, expected "
+                             f"bool[{xs[s].shape[0]}, {num_ranks}]")
+        in_rank.append(m)
+    per_expert = []
+    for s, c in enumerate(num_tokens_per_expert):
+        c = np.asarray(c)
+        if c.shape != (num_experts,) or not np.issubdtype(c.dtype, np.integer) or \
+                (c.size and c.min() < 0):
+            raise ValueError(f"num_tokens_per_expert[{s}] must be non-negative integers "
+                             f"[{num_experts}], got {c.dtype}{list(c.shape)}")
+        per_expert.append(c.astype(np.int64))
+    scales = None
+    if x_scales is not None:
+        _check_rank_list("x_scales", x_scales, num_ranks)
+        if dtype != FLOAT8_E4M3:
+            raise ValueError(f"x_scales are only meaningful with float8_e4m3fn x, got {dtype}")
+        if hidden % FP8_BLOCK != 0:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
+        scales = [_check_weights(x_scales[s], (xs[s].shape[0], hidden // FP8_BLOCK),
+                                 f"x_scales[{s}]") for s in range(num_ranks)]
+    out: list[RankDispatch] = []
+    for d in range(num_ranks):
+        rows = [np.nonzero(in_rank[s][:, d])[0] for s in range(num_ranks)]  # ascending
+        offsets = np.concatenate([[0], np.cumsum([len(t) for t in rows])]).astype(np.int64)
+        counts = sum(c[d * local:(d + 1) * local] for c in per_expert)
+        out.append(RankDispatch(
+            recv_x=np.concatenate([xs[s][t] for s, t in enumerate(rows)]).reshape(-1, hidden)
+            .astype(dtype, copy=False),
+            recv_x_scales=(None if scales is None else np.concatenate(
+                [scales[s][t] for s, t in enumerate(rows)]).reshape(-1, hidden // FP8_BLOCK)),
+            recv_topk_idx=None, recv_topk_weights=None,
+            num_recv_tokens_per_expert=[_ceil_to(int(c), expert_alignment) for c in counts],
+            recv_src_rank=np.concatenate([np.full(len(t), s, np.int32)
+                                          for s, t in enumerate(rows)]).astype(np.int32),
+            recv_src_idx=np.concatenate(rows).astype(np.int32),
+            src_offsets=offsets))
+    return out
+
+
 def pad_to_worst(rd: RankDispatch, num_worst_tokens: int) -> RankDispatch:
     """num_worst_tokens mode: pad every per-row output of ``rd`` to exactly that many rows.
 
@@ -242,8 +337,9 @@ def pad_to_worst(rd: RankDispatch, num_worst_tokens: int) -> RankDispatch:
     return RankDispatch(
         recv_x=recv_x,
         recv_x_scales=None if rd.recv_x_scales is None else pad(rd.recv_x_scales, 0.0),
-        recv_topk_idx=pad(rd.recv_topk_idx, -1),
-        recv_topk_weights=pad(rd.recv_topk_weights, 0.0),
+        recv_topk_idx=None if rd.recv_topk_idx is None else pad(rd.recv_topk_idx, -1),
+        recv_topk_weights=(None if rd.recv_topk_weights is None else
+                           pad(rd.recv_topk_weights, 0.0)),
         num_recv_tokens_per_expert=list(rd.num_recv_tokens_per_expert),
         recv_src_rank=pad(rd.recv_src_rank, -1),
         recv_src_idx=pad(rd.recv_src_idx, -1),
@@ -283,9 +379,12 @@ def combine(ys: list[np.ndarray], dispatched: list[RankDispatch], num_tokens: li
         elif (y.shape[1], y.dtype) != (hidden, dtype):
             raise ValueError(f"ys[{d}] is {y.dtype}[*, {y.shape[1]}] but ys[0] is "
                              f"{dtype}[*, {hidden}]; all ranks must agree")
-    num_topk = dispatched[0].recv_topk_idx.shape[1]
     weights = None
     if recv_topk_weights is not None:
+        if dispatched[0].recv_topk_idx is not None:
+            num_topk = dispatched[0].recv_topk_idx.shape[1]
+        else:  # a dispatch without top-k: the weights say their own width
+            num_topk = np.asarray(recv_topk_weights[0]).shape[1]
         weights = [_check_weights(recv_topk_weights[d], (ys[d].shape[0], num_topk),
                                   f"recv_topk_weights[{d}]") for d in range(num_ranks)]
     for s, t in enumerate(num_tokens):

@@ -28,18 +28,18 @@ def test_defaults():
 def test_precedence(tmp_path: Path):
     toml = tmp_path / "epd.toml"
     toml.write_text('engines = 3\ntimeout_seconds = 4.5\nsocket_dir = "/from/toml"\n'
-                    'max_handles = 7\nper_expert_metrics = true\n')
+                    'max_handles_per_session = 7\nper_expert_metrics = true\n')
     cfg = load(["--config", str(toml)])
-    assert (cfg.engines, cfg.timeout_seconds, cfg.socket_dir, cfg.max_handles) == \
+    assert (cfg.engines, cfg.timeout_seconds, cfg.socket_dir, cfg.max_handles_per_session) == \
         (3, 4.5, "/from/toml", 7)
     assert cfg.per_expert_metrics is True
     env = {"EPD_ENGINES": "5", "EPD_SOCKET_DIR": "/from/env", "EPD_PER_EXPERT_METRICS": "0"}
     cfg = load(["--config", str(toml)], env)
-    assert (cfg.engines, cfg.timeout_seconds, cfg.socket_dir, cfg.max_handles) == \
+    assert (cfg.engines, cfg.timeout_seconds, cfg.socket_dir, cfg.max_handles_per_session) == \
         (5, 4.5, "/from/env", 7)
     assert cfg.per_expert_metrics is False
     cfg = load(["--config", str(toml), "--engines", "6", "--per-expert-metrics"], env)
-    assert (cfg.engines, cfg.socket_dir, cfg.max_handles) == (6, "/from/env", 7)
+    assert (cfg.engines, cfg.socket_dir, cfg.max_handles_per_session) == (6, "/from/env", 7)
     assert cfg.per_expert_metrics is True
 
 

@@ -6,9 +6,10 @@ UnregisterRegion templates name, so their valid forms only cost a cheap re-creat
 bystander session of its own. Valid requests of every Engine operation are captured from a real
 round (layout, dispatch, combine, low-latency dispatch/combine through the client API) or built
 (GetStats, Ping, RegisterRegion, UnregisterRegion, JoinGroup, LeaveGroup, OpenFastPath,
-ArmStreamOp, DisarmStreamOp); each case mutates one (fields set to extremes, NaN/inf, other
-sessions' ids, unknown enums, empty or oversized repeated fields, swapped descriptors; bit flips,
-truncation, insertion, random bytes; another method's body; a wrong token; an unknown ring id)
+ArmStreamOp, DisarmStreamOp, ReleaseHandles); each case mutates one (fields set to extremes,
+NaN/inf, other sessions' ids, unknown enums, empty or oversized repeated fields, swapped
+descriptors; bit flips, truncation, insertion, random bytes; another method's body; a wrong
+token; an unknown ring id)
 and sends it raw on gRPC or on the ring. Every case is bounded, its answer must be OK or an
 allowed code (never INTERNAL/UNKNOWN), an answer other than OK must leave the session's state as
 it was, nothing may succeed in the bystander's name, and the engine keeps its pid. Every
@@ -74,7 +75,7 @@ RING_METHODS = list(operations.RING_METHODS)
 WEIGHT = {"Dispatch": 4, "Combine": 4, "LowLatencyDispatch": 3, "LowLatencyCombine": 3,
           "GetDispatchLayout": 2, "GetStats": 1, "Ping": 0.5, "JoinGroup": 1, "LeaveGroup": 1,
           "RegisterRegion": 1, "UnregisterRegion": 1, "OpenFastPath": 0.5, "ArmStreamOp": 1,
-          "DisarmStreamOp": 0.5}
+          "DisarmStreamOp": 0.5, "ReleaseHandles": 0.5}
 
 H, E, K, T, NUM_MAX = 256, 8, 2, 16, 32
 VALID = [Case("fuzz-main", 1, E, H, K, (T,), seed=s, max_tokens=NUM_MAX) for s in (3, 4, 5)]
@@ -251,6 +252,8 @@ class World:
             session_id=sid, group_id=self.main.group_id,
             low_latency_dispatch=tp["LowLatencyDispatch"])
         tp["DisarmStreamOp"] = epd_pb2.DisarmStreamOpRequest(session_id=sid, op_id=1)
+        tp["ReleaseHandles"] = epd_pb2.ReleaseHandlesRequest(
+            session_id=sid, group_id=self.main.group_id, handles=[1 << 40])
         self.arm_combine = epd_pb2.ArmStreamOpRequest(
             session_id=sid, group_id=self.main.group_id,
             low_latency_combine=tp["LowLatencyCombine"], dispatch_op=1)
@@ -648,7 +651,8 @@ def run_case(w: World, index: int, ctx: dict[str, Any]) -> Outcome:
 # Unmutated templates that must succeed (the others name state the engine refuses: a group the
 # session holds, a second fast path, CUDA-only calls on the cpu backend, an op never armed).
 BASELINE_OK = {"GetDispatchLayout", "Dispatch", "Combine", "LowLatencyDispatch",
-               "LowLatencyCombine", "GetStats", "Ping", "LeaveGroup", "UnregisterRegion"}
+               "LowLatencyCombine", "GetStats", "Ping", "LeaveGroup", "UnregisterRegion",
+               "ReleaseHandles"}
 
 
 def baseline(w: World, ctx: dict[str, Any]) -> list[Outcome]:
@@ -657,7 +661,8 @@ def baseline(w: World, ctx: dict[str, Any]) -> list[Outcome]:
     repair. A failure here means the fuzzer's templates are wrong, not the daemon."""
     order = ["GetDispatchLayout", "Dispatch", "Combine", "LowLatencyDispatch",
              "LowLatencyCombine", "GetStats", "Ping", "JoinGroup", "LeaveGroup", "RegisterRegion",
-             "UnregisterRegion", "OpenFastPath", "ArmStreamOp", "DisarmStreamOp"]
+             "UnregisterRegion", "OpenFastPath", "ArmStreamOp", "DisarmStreamOp",
+             "ReleaseHandles"]
     assert sorted(order) == sorted(GRPC_METHODS)
     out = []
     for transport in ("grpc", "ring"):

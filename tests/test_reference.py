@@ -78,6 +78,48 @@ def test_dispatch_alignment_hand_example(alignment: int, expected: tuple) -> Non
     assert d0.recv_x.shape[0] == 3  # only the count is rounded, rows are not padded
 
 
+def test_dispatch_without_topk_hand_example() -> None:
+    """DeepEP V1's topk_idx=None: routed by is_token_in_rank alone (the hand example's layout),
+    the same rows in the same order, no recv_topk_*, counts summed from the sources'
+    num_tokens_per_expert; combine sums the rows without weights."""
+    lays = [ref.get_dispatch_layout(i, 4, 2) for i in IDX]
+    in_rank = [lay.is_token_in_rank for lay in lays]
+    per_expert = [lay.num_tokens_per_expert for lay in lays]
+    with_topk = ref.dispatch(X, IDX, W, 4)
+    for align in (1, 2):
+        without = ref.dispatch(X, None, None, 4, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, expert_alignment=align)
+        for a, b in zip(with_topk, without, strict=True):
+            np.testing.assert_array_equal(a.recv_x.astype(F32), b.recv_x.astype(F32))
+            np.testing.assert_array_equal(a.recv_src_rank, b.recv_src_rank)
+            np.testing.assert_array_equal(a.recv_src_idx, b.recv_src_idx)
+            np.testing.assert_array_equal(a.src_offsets, b.src_offsets)
+            assert b.recv_topk_idx is None and b.recv_topk_weights is None
+        want = ([2, 1], [1, 3]) if align == 1 else ([2, 2], [2, 4])
+        assert tuple(d.num_recv_tokens_per_expert for d in without) == want
+    # A routing no top-k could give: rank 1's t0 goes to both ranks, counts as declared.
+    in_rank2 = [in_rank[0], np.array([[True, True], [False, False]])]
+    per_expert2 = [per_expert[0], np.array([5, 0, 0, 7], dtype=np.int32)]
+    d0, d1 = ref.dispatch(X, None, None, 4, is_token_in_rank=in_rank2,
+                          num_tokens_per_expert=per_expert2)
+    np.testing.assert_array_equal(d0.recv_x.astype(F32), [[1, 2], [3, 4], [7, 8]])
+    np.testing.assert_array_equal(d1.recv_x.astype(F32), [[1, 2], [5, 6], [7, 8]])
+    assert (d0.num_recv_tokens_per_expert, d1.num_recv_tokens_per_expert) == ([6, 1], [1, 9])
+    ys = [np.array([[1, 1], [2, 2], [3, 3]], dtype=F32),
+          np.array([[10, 10], [20, 20], [30, 30]], dtype=F32)]
+    (out0, w0), (out1, w1) = ref.combine(ys, [d0, d1], [3, 2])
+    np.testing.assert_array_equal(out0, [[11, 11], [2, 2], [20, 20]])
+    np.testing.assert_array_equal(out1, [[33, 33], [0, 0]])
+    assert w0 is None and w1 is None
+    with pytest.raises(ValueError, match="is_token_in_rank"):
+        ref.dispatch(X, None, None, 4)
+    with pytest.raises(ValueError, match="without top-k"):
+        ref.dispatch(X, IDX, W, 4, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match="bool"):
+        ref.dispatch(X, None, None, 4, is_token_in_rank=[m.astype(np.int32) for m in in_rank],
+                     num_tokens_per_expert=per_expert)
+
+
 def test_combine_hand_example() -> None:
     disp = ref.dispatch(X, IDX, W, 4)
     ys = [np.array([[1, 1], [2, 2], [3, 3]], dtype=F32),

@@ -7,6 +7,7 @@ engine 1), driven from threads; malformed requests are crafted as raw protobuf m
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
 
 pytestmark = pytest.mark.slow
-DAEMON_EXTRA = ["--max-handles", "3"]
+DAEMON_EXTRA = ["--max-handles-per-session", "64"]
 SPEC = Case(group="val", num_ranks=2, num_experts=8, hidden=256, num_topk=4, tokens=(20, 24),
             max_tokens=32, drop_prob=0.2)
 T, H, K, E = 20, 256, 4, 8
@@ -225,18 +226,26 @@ def test_bad_combine_then_the_right_one(pair):
     valid_round(pair)
 
 
-def test_expired_handle(pair):
-    """--max-handles 3: the 4th later dispatch expires the first handle."""
+def test_released_handle(pair):
+    """Handles never expire (issue 11): after 4 later dispatches the first still combines; once
+    its object is collected the next dispatch releases it, and a copy of its id is refused."""
     c = dataclasses.replace(SPEC, seed=next(_seeds))
 
     def disp(s, g, r):
         inp = c.inputs(r)
-        return [g.dispatch(inp["x"], inp["topk_idx"], inp["topk_weights"]) for _ in range(4)]
+        return [g.dispatch(inp["x"], inp["topk_idx"], inp["topk_weights"]) for _ in range(5)]
 
     outs = both(disp, pair.sessions, pair.groups, [0, 1])
-    first = outs[0][0]
+    firsts = [o[0] for o in outs]
+    both(lambda g, f: g.combine(f.recv_x, f.handle), pair.groups, firsts)
+    first = firsts[0]
+    stale = Handle(first.handle.group, first.handle.handle_id, 0, first.num_recv_tokens,
+                   first.handle.rows)  # the id only: no finalizer
     y = np.zeros((first.num_recv_tokens, H), BF16)
-    expect(FAILED, "expired", pair.groups[0].combine, y, first.handle)
+    del outs, firsts, first
+    gc.collect()
+    valid_round(pair)  # its dispatch carries the releases
+    expect(FAILED, "released", pair.groups[0].combine, y, stale)
     valid_round(pair)
 
 

@@ -314,7 +314,7 @@ class GetDispatchLayoutResponse(_message.Message):
     def __init__(self, num_tokens_per_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds", "ready_event")
+    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds", "ready_event", "release_handles", "is_token_in_rank", "num_tokens_per_expert")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,9 @@ class DispatchRequest(_message.Message):
     CACHED_HANDLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    IS_TOKEN_IN_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -337,7 +340,10 @@ class DispatchRequest(_message.Message):
     cached_handle: int
     timeout_seconds: float
     ready_event: bytes
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    release_handles: _containers.RepeatedScalarFieldContainer[int]
+    is_token_in_rank: TensorDesc
+    num_tokens_per_expert: TensorDesc
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., release_handles: _Optional[_Iterable[int]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
     __slots__ = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "handle", "num_recv_tokens", "recv_src_idx", "rank_prefix_matrix", "counter_sequence")
@@ -394,7 +400,7 @@ class CombineResponse(_message.Message):
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class LowLatencyDispatchRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event")
+    __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event", "release_handles")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -407,6 +413,7 @@ class LowLatencyDispatchRequest(_message.Message):
     CUMULATIVE_LOCAL_EXPERT_RECV_STATS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -419,7 +426,8 @@ class LowLatencyDispatchRequest(_message.Message):
     cumulative_local_expert_recv_stats: TensorDesc
     timeout_seconds: float
     ready_event: bytes
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_max_dispatch_tokens_per_rank: _Optional[int] = ..., num_experts: _Optional[int] = ..., use_fp8: _Optional[bool] = ..., round_scale: _Optional[bool] = ..., use_ue8m0: _Optional[bool] = ..., cumulative_local_expert_recv_stats: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    release_handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_max_dispatch_tokens_per_rank: _Optional[int] = ..., num_experts: _Optional[int] = ..., use_fp8: _Optional[bool] = ..., round_scale: _Optional[bool] = ..., use_ue8m0: _Optional[bool] = ..., cumulative_local_expert_recv_stats: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., release_handles: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LowLatencyDispatchResponse(_message.Message):
     __slots__ = ("recv_x", "recv_x_scales", "recv_count", "handle", "recv_src_rank", "recv_src_idx")
@@ -531,6 +539,22 @@ class PingResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ReleaseHandlesRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "handles")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., handles: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseHandlesResponse(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: int
+    def __init__(self, handles: _Optional[int] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -538,7 +562,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class GroupStats(_message.Message):
-    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason")
+    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -549,6 +573,7 @@ class GroupStats(_message.Message):
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     name: str
     rank: int
@@ -559,7 +584,8 @@ class GroupStats(_message.Message):
     bytes_received: int
     aborted: bool
     abort_reason: str
-    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ...) -> None: ...
+    handles: int
+    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("engine_index", "sessions", "groups", "regions", "region_bytes")

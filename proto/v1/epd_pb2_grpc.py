@@ -311,6 +311,11 @@ class EngineStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpResponse.FromString,
                 _registered_method=True)
+        self.ReleaseHandles = channel.unary_unary(
+                '/epd.v1.Engine/ReleaseHandles',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -407,6 +412,12 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseHandles(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -484,6 +495,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.DisarmStreamOp,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpResponse.SerializeToString,
+            ),
+            'ReleaseHandles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHandles,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -891,6 +907,33 @@ class Engine:
             '/epd.v1.Engine/DisarmStreamOp',
             epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.DisarmStreamOpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHandles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/ReleaseHandles',
+            epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,6 +121,10 @@ class DispatchArgs:
     expert_alignment: int = 1
     num_worst_tokens: int = 0
     cached: Any = None  # a handle state returned by an earlier dispatch of this RankComm
+    # Dispatch without top-k (topk_idx None, not cached): bool [T, R] routing and int32 [E]
+    # tokens per expert (DeepEP's is_token_in_rank / num_tokens_per_expert).
+    is_token_in_rank: Array | None = None
+    num_tokens_per_expert: Array | None = None
 
 
 @dataclass
@@ -344,6 +348,8 @@ class Backend(abc.ABC):
     proto_kind: int  # epd_pb2.CPU / epd_pb2.CUDA (the Backend enum of epd.proto)
     peer_class: str  # "shm" / "nvlink": how ranks of a group reach each other
     planner: GroupPlanner  # the same limits the supervisor checks at rendezvous
+    # Normal dispatch routed by is_token_in_rank alone (DeepEP's topk_idx=None).
+    supports_dispatch_without_topk: bool = False
 
     def validate_spec(self, spec: GroupSpec) -> None:
         """Raise InvalidArgument naming the backend limit the spec exceeds."""

@@ -77,7 +77,8 @@ _META_BYTES = _REASON + _REASON_MAX  # < PAGE: the slot layout is unchanged
 DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
 KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE: "combine",
               LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine"}
-F_FP8, F_WEIGHTS = 1, 2  # H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights
+# H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights; dispatch without top-k
+F_FP8, F_WEIGHTS, F_NO_TOPK = 1, 2, 4
 ARRIVED, REJECTED = 1, 2  # H_STATUS
 
 
@@ -118,6 +119,8 @@ _AGREED_ARGS = (
     ("FP8 payload (x_scales)", lambda c: bool(c.flags & F_FP8), lambda v: "yes" if v else "no"),
     ("topk_weights", lambda c: bool(c.flags & F_WEIGHTS),
      lambda v: "passed" if v else "not passed"),
+    ("top-k routing", lambda c: not c.flags & F_NO_TOPK,
+     lambda v: "topk_idx" if v else "is_token_in_rank only"),
     ("num_worst_tokens", lambda c: c.worst, str),
     ("expert_alignment", lambda c: c.align, str),
     ("num_max_dispatch_tokens_per_rank", lambda c: c.num_max, str),
@@ -173,6 +176,8 @@ class SlotLayout:
     x_scales: int
     topk_idx: int
     topk_weights: int
+    in_rank: int
+    per_expert: int
     y: int
     y_weights: int
     ll_y: int
@@ -191,6 +196,10 @@ class SlotLayout:
                              ("x_scales", t * max(h // dtypes.FP8_BLOCK, 1) * 4),
                              ("topk_idx", t * k * 8),
                              ("topk_weights", t * k * 4),
+                             # dispatch without top-k: is_token_in_rank and the
+                             # tokens per expert of the source
+                             ("in_rank", t * spec.num_ranks),
+                             ("per_expert", spec.num_experts * 4),
                              ("y", n * h * item),
                              ("y_weights", n * k * 4),
                              # low-latency combine: the valid rows of every local expert,
@@ -542,7 +551,8 @@ class CpuRankComm(RankComm):
         has_scales = args.x_scales is not None
         xdt = args.x.dtype  # the group's dtype, or FP8 (carried as bytes)
         k = spec.num_topk
-        flags = F_FP8 if has_scales else 0
+        no_topk = cached is None and args.topk_idx is None
+        flags = (F_FP8 if has_scales else 0) | (F_NO_TOPK if no_topk else 0)
         if cached is None:
             call = CallHeader(DISPATCH, flags=flags, worst=args.num_worst_tokens,
                               align=args.expert_alignment)
@@ -558,7 +568,11 @@ class CpuRankComm(RankComm):
             if has_scales:
                 sc = args.x_scales
                 self._slot_array(me, "x_scales", sc.shape, np.float32)[:] = sc
-            if cached is None:
+            if no_topk:
+                self._slot_array(me, "in_rank", (t, r), np.bool_)[:] = args.is_token_in_rank
+                self._slot_array(me, "per_expert", (spec.num_experts,), np.int32)[:] = \
+                    args.num_tokens_per_expert
+            elif cached is None:
                 self._slot_array(me, "topk_idx", (t, k), np.int64)[:] = args.topk_idx
                 self._slot_array(me, "topk_weights", (t, k), np.float32)[:] = args.topk_weights
 
@@ -573,6 +587,13 @@ class CpuRankComm(RankComm):
             per_expert = np.zeros(lx, dtype=np.int64)
             for s in range(r):
                 ts = int(self._meta(s)[0])
+                if no_topk:  # routed by is_token_in_rank; counts as the sources declare
+                    sent = self._slot_array(s, "in_rank", (ts, r), np.bool_)
+                    rank_prefix[s] = np.count_nonzero(sent, axis=0)
+                    src_rows.append(np.nonzero(sent[:, me])[0])
+                    per_expert += self._slot_array(s, "per_expert", (spec.num_experts,),
+                                                   np.int32)[me * lx:(me + 1) * lx]
+                    continue
                 idx = self._slot_array(s, "topk_idx", (ts, k), np.int64)
                 valid = idx >= 0
                 dest = np.where(valid, idx // lx, -1)
@@ -589,7 +610,10 @@ class CpuRankComm(RankComm):
                 [np.full(len(rows), s, np.int32) for s, rows in enumerate(src_rows)]
             ) if r else np.zeros(0, np.int32)
             recv_src_idx = np.concatenate(src_rows).astype(np.int32)
-            _, _, in_rank = layout_of(args.topk_idx, spec)
+            if no_topk:
+                in_rank = np.asarray(args.is_token_in_rank, dtype=np.bool_)
+            else:
+                _, _, in_rank = layout_of(args.topk_idx, spec)
         else:
             rank_prefix = cached.rank_prefix
             num_recv = cached.num_recv_tokens
@@ -612,9 +636,10 @@ class CpuRankComm(RankComm):
         recv_x = out.get("recv_x", (rows_out, h), xdt)
         recv_scales = out.get("recv_x_scales", (rows_out, args.x_scales.shape[1]), np.float32) \
             if has_scales else None
-        recv_idx = out.get("recv_topk_idx", (rows_out, k), np.int64) if cached is None else None
+        with_topk = cached is None and not no_topk
+        recv_idx = out.get("recv_topk_idx", (rows_out, k), np.int64) if with_topk else None
         recv_w = out.get("recv_topk_weights", (rows_out, k), np.float32) \
-            if cached is None else None
+            if with_topk else None
         bytes_received = 0
         pos = 0
         for s in range(r):
@@ -921,6 +946,7 @@ class CpuBackend(Backend):
     name = "cpu"
     proto_kind = epd_pb2.CPU
     peer_class = "shm"
+    supports_dispatch_without_topk = True
 
     def __init__(self, engine_index: int = 0, allowed_dirs: tuple[str, ...] = ()):
         self.planner = CpuPlanner()

@@ -78,7 +78,7 @@ class Engine(DataPlane):
     OPERATIONS: dict[str, str] = {
         "GetDispatchLayout": "layout_op", "Dispatch": "dispatch_op", "Combine": "combine_op",
         "LowLatencyDispatch": "ll_dispatch_op", "LowLatencyCombine": "ll_combine_op",
-        "GetStats": "stats_op", "Ping": "ping_op"}
+        "GetStats": "stats_op", "Ping": "ping_op", "ReleaseHandles": "release_handles_op"}
 
     def __init__(self, config: Config, index: int, backend: Backend) -> None:
         self.config = config
@@ -429,7 +429,8 @@ class Engine(DataPlane):
                     group_id=m.group_id, name=m.spec.name, rank=m.rank,
                     num_ranks=m.spec.num_ranks, dispatches=m.dispatches, combines=m.combines,
                     bytes_sent=m.bytes_sent, bytes_received=m.bytes_received,
-                    aborted=reason is not None, abort_reason=reason or ""))
+                    aborted=reason is not None, abort_reason=reason or "",
+                    handles=len(m.handles)))
         regions = [r for s in sessions for r in s.regions.values() if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),

@@ -19,6 +19,7 @@ from ...proto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
+    ResourceExhausted,
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics
@@ -156,7 +157,7 @@ class DataPlane:
             raise InvalidArgument(f"num_worst_tokens={req.num_worst_tokens} exceeds "
                                   f"num_ranks * max_tokens_per_rank={spec.max_recv_tokens}")
         cached = None
-        idx = weights = None
+        idx = weights = in_rank = per_expert = None
         if req.cached_handle:
             cached = self._handle(member, req.cached_handle, NORMAL)
             if cached.num_tokens != t:
@@ -164,23 +165,40 @@ class DataPlane:
                                       f"{req.cached_handle} was made for {cached.num_tokens}")
             if tensors.is_set(req.topk_idx) or tensors.is_set(req.topk_weights):
                 raise InvalidArgument("cached dispatch takes no topk_idx/topk_weights")
-        else:
+            if tensors.is_set(req.is_token_in_rank) or tensors.is_set(req.num_tokens_per_expert):
+                raise InvalidArgument("cached dispatch takes no is_token_in_rank/"
+                                      "num_tokens_per_expert (the handle's routing is reused)")
+        elif tensors.is_set(req.topk_idx) or tensors.is_set(req.topk_weights):
             if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
-                raise InvalidArgument("dispatch needs topk_idx and topk_weights "
-                                      "(or cached_handle)")
+                raise InvalidArgument("dispatch needs topk_idx and topk_weights together "
+                                      "(or neither: is_token_in_rank routes without top-k)")
+            if tensors.is_set(req.is_token_in_rank) or tensors.is_set(req.num_tokens_per_expert):
+                raise InvalidArgument("is_token_in_rank/num_tokens_per_expert are only for "
+                                      "dispatch without top-k; with topk_idx the engine "
+                                      "computes the layout")
             idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
             weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
                                       dtype=epd_pb2.FLOAT32)
             self._check_routing(spec, idx, weights, t)
+        else:
+            in_rank, per_expert = self._no_topk_routing(session, spec, req, t)
         timeout = self._timeout(req.timeout_seconds)
         args = DispatchArgs(x, scales, idx, weights, max(req.expert_alignment, 1),
                             req.num_worst_tokens,
-                            cached.backend_handle if cached is not None else None)
+                            cached.backend_handle if cached is not None else None,
+                            in_rank, per_expert)
+        self._release(member, req.release_handles)
+        self._check_handle_budget(session)
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         slot = session.counter_page.slot(member.counter_slot)
         def run():
             self._check_values(session, req.ready_event, spec, idx)
+            if per_expert is not None:
+                host = self.backend.to_host(per_expert)
+                if host.size and int(host.min()) < 0:
+                    raise InvalidArgument(f"num_tokens_per_expert holds a negative count "
+                                          f"({int(host.min())})")
             return member.comm.dispatch(args, slot, sequence, time.monotonic() + timeout)
 
         def failed():
@@ -211,10 +229,61 @@ class DataPlane:
             resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
         return resp
 
+    def _no_topk_routing(self, session: Session, spec: GroupSpec, req: epd_pb2.DispatchRequest,
+                         t: int) -> tuple[object, object]:
+        """Dispatch without top-k (DeepEP's topk_idx=None): the routing is is_token_in_rank
+        (bool [T, R]) and the receive counts come from num_tokens_per_expert (int32 [E])."""
+        if not tensors.is_set(req.is_token_in_rank):
+            raise InvalidArgument("dispatch needs topk_idx and topk_weights, or "
+                                  "is_token_in_rank (and num_tokens_per_expert) to route "
+                                  "without top-k, or cached_handle")
+        if not self.backend.supports_dispatch_without_topk:
+            raise FailedPrecondition(f"dispatch without top-k is not implemented on the "
+                                     f"{self.backend.name} backend yet")
+        if not tensors.is_set(req.num_tokens_per_expert):
+            raise InvalidArgument("dispatch without top-k needs num_tokens_per_expert (int32 "
+                                  "[num_experts]: the receive counts per expert come from it)")
+        if req.num_worst_tokens:
+            raise InvalidArgument("num_worst_tokens needs topk_idx (as in DeepEP, dispatch "
+                                  "without top-k has no worst-case mode)")
+        in_rank = tensors.resolve(req.is_token_in_rank, session.regions, "is_token_in_rank",
+                                  ndim=2, dtype=epd_pb2.BOOL)
+        if in_rank.shape != (t, spec.num_ranks):
+            raise InvalidArgument(f"is_token_in_rank has shape {list(in_rank.shape)}, expected "
+                                  f"[{t}, {spec.num_ranks}]")
+        per_expert = tensors.resolve(req.num_tokens_per_expert, session.regions,
+                                     "num_tokens_per_expert", ndim=1, dtype=epd_pb2.INT32)
+        if per_expert.shape != (spec.num_experts,):
+            raise InvalidArgument(f"num_tokens_per_expert has shape {list(per_expert.shape)}, "
+                                  f"expected [{spec.num_experts}]")
+        return in_rank, per_expert
+
     def _unknown_handle(self, member: GroupMember, handle: int) -> str:
         return (f"handle {handle} is not known to rank {member.rank} of group "
-                f"{member.spec.name!r}: it expired (the last {self.config.max_handles} "
-                f"dispatches are kept) or came from another group")
+                f"{member.spec.name!r}: it was released (the client dropped its handle "
+                f"object) or came from another group")
+
+    def _check_handle_budget(self, session: Session) -> None:
+        """A dispatch stores one more handle: refuse it (before the collective) when the session
+        holds --max-handles-per-session already. Handles are never dropped silently."""
+        held = sum(len(m.handles) for m in session.members.values())
+        limit = self.config.max_handles_per_session
+        if held >= limit:
+            raise ResourceExhausted(f"{session.describe()} holds {held} dispatch handles, the "
+                                    f"maximum (--max-handles-per-session={limit}); a handle is "
+                                    f"freed when the client drops its handle object")
+
+    @staticmethod
+    def _release(member: GroupMember, handles) -> None:
+        """Free handles the client no longer holds (unknown ids: already freed, ignored)."""
+        for h in handles:
+            member.handles.pop(h, None)
+
+    def release_handles_op(self, session: Session, req: epd_pb2.ReleaseHandlesRequest,
+                           path: str) -> epd_pb2.ReleaseHandlesResponse:
+        member = self.member(session, req.group_id)
+        self._release(member, req.handles)
+        return epd_pb2.ReleaseHandlesResponse(handles=len(member.handles))
 
     @staticmethod
     def _check_kind(info: HandleInfo, handle: int, want: str) -> None:
@@ -236,8 +305,6 @@ class DataPlane:
         hid = member.next_handle
         member.next_handle += 1
         member.handles[hid] = info
-        while len(member.handles) > self.config.max_handles:
-            member.handles.popitem(last=False)
         return hid
 
     def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
@@ -352,6 +419,8 @@ class DataPlane:
         member, args, stats = self.ll_dispatch_args(session, req)
         spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
             args.num_max_dispatch_tokens_per_rank
+        self._release(member, req.release_handles)
+        self._check_handle_budget(session)
         timeout = self._timeout(req.timeout_seconds)
 
         def run():

@@ -83,11 +83,18 @@ async def _disarm_stream_op(e: Engine, request: epd_pb2.DisarmStreamOpRequest
     return epd_pb2.DisarmStreamOpResponse()
 
 
+async def _release_handles(e: Engine, request: epd_pb2.ReleaseHandlesRequest
+                           ) -> epd_pb2.ReleaseHandlesResponse:
+    # Under the session's operation lock, like the operations that create and use handles.
+    s = e.session(request.session_id)
+    return await s.executor.run(e.operation("ReleaseHandles"), s, request, "grpc")
+
+
 CONTROL: dict[str, Handler] = {
     "JoinGroup": _join_group, "LeaveGroup": _leave_group, "RegisterRegion": _register_region,
     "UnregisterRegion": _unregister_region, "GetStats": _get_stats,
     "OpenFastPath": _open_fast_path, "Ping": _ping, "ArmStreamOp": _arm_stream_op,
-    "DisarmStreamOp": _disarm_stream_op}
+    "DisarmStreamOp": _disarm_stream_op, "ReleaseHandles": _release_handles}
 
 
 def _collective(name: str) -> Handler:

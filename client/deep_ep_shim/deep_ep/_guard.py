@@ -1,0 +1,43 @@
+"""Refuse to stand in for DeepEP when a real DeepEP is installed too: one of the two would
+silently shadow the other, depending on sys.path order."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+SHIM_DISTRIBUTION = "epd-deep-ep-shim"
+_DEEPEP_NAMES = {"deep-ep", "deepep"}
+
+
+def _normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def real_deepep() -> str | None:
+    """Where a real DeepEP is installed (its extension module, or a distribution other than
+    this shim named deep_ep / providing the `deep_ep` package), else None."""
+    spec = importlib.util.find_spec("deep_ep_cpp")
+    if spec is not None:
+        return f"its extension deep_ep_cpp at {spec.origin}"
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata.get("Name") or ""
+        if _normalize(name) == SHIM_DISTRIBUTION:
+            continue
+        top = (dist.read_text("top_level.txt") or "").split()
+        if _normalize(name) in _DEEPEP_NAMES or "deep_ep" in top:
+            where = getattr(dist, "_path", None)
+            return f"the distribution {name!r}" + (f" at {where}" if where else "")
+    return None
+
+
+def check() -> None:
+    other = real_deepep()
+    if other is not None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        raise ImportError(
+            f"deep_ep: both EPD's deep_ep shim ({here}, distribution {SHIM_DISTRIBUTION!r}) and "
+            f"a real DeepEP ({other}) are installed; refusing to shadow one with the other. "
+            f"Uninstall one of them (`pip uninstall {SHIM_DISTRIBUTION}` to use DeepEP), or "
+            f"import EPD's facade directly: `from epd.client import buffer as deep_ep`.")

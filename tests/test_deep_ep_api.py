@@ -1,0 +1,394 @@
+"""DeepEP V1's API surface on EPD's facade (issue 11, CPU part): signatures, Config size hints,
+handles indexable as DeepEP's, events, the engine a Buffer picks, and the opt-in `deep_ep` shim.
+
+The V1 names and defaults below were read from DeepEP's `deep_ep/buffer.py` at commit
+567632dd59810d77b3cc05553df953cc0f779799 (github.com/deepseek-ai/DeepEP), the commit issue 11
+names; Config's from `csrc/deep_ep.cpp` (its pybind11 bindings) and `csrc/config.hpp` there.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from ranklib import Case, assert_exact, expert_out, reference
+
+from epd.client import buffer as B
+from epd.client import deep_ep_compat as C
+from epd.proto.errors import InvalidArgument
+from epd.server import reference as ref
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIM = os.path.join(REPO, "client", "deep_ep_shim")
+REQ = inspect.Parameter.empty  # no default
+
+# name -> [(parameter, default)], in V1's order (self omitted); deep_ep/buffer.py @ 567632d.
+V1_SIGNATURES = {
+    "__init__": [("group", REQ), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
+                 ("low_latency_mode", False), ("num_qps_per_rank", 24),
+                 ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+                 ("use_fabric", False), ("explicitly_destroy", False), ("enable_shrink", False),
+                 ("comm", None)],
+    "get_dispatch_layout": [("topk_idx", REQ), ("num_experts", REQ), ("previous_event", None),
+                            ("async_finish", False), ("allocate_on_comm_stream", False)],
+    "dispatch": [("x", REQ), ("handle", None), ("num_tokens_per_rank", None),
+                 ("num_tokens_per_rdma_rank", None), ("is_token_in_rank", None),
+                 ("num_tokens_per_expert", None), ("topk_idx", None), ("topk_weights", None),
+                 ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None),
+                 ("previous_event", None), ("async_finish", False),
+                 ("allocate_on_comm_stream", False)],
+    "combine": [("x", REQ), ("handle", REQ), ("topk_weights", None), ("bias", None),
+                ("config", None), ("previous_event", None), ("async_finish", False),
+                ("allocate_on_comm_stream", False)],
+    "clean_low_latency_buffer": [("num_max_dispatch_tokens_per_rank", REQ), ("hidden", REQ),
+                                 ("num_experts", REQ)],
+    "low_latency_dispatch": [("x", REQ), ("topk_idx", REQ),
+                             ("num_max_dispatch_tokens_per_rank", REQ), ("num_experts", REQ),
+                             ("cumulative_local_expert_recv_stats", None),
+                             ("dispatch_wait_recv_cost_stats", None), ("use_fp8", True),
+                             ("round_scale", False), ("use_ue8m0", False),
+                             ("async_finish", False), ("return_recv_hook", False)],
+    "low_latency_combine": [("x", REQ), ("topk_idx", REQ), ("topk_weights", REQ),
+                            ("handle", REQ), ("use_logfmt", False), ("zero_copy", False),
+                            ("async_finish", False), ("return_recv_hook", False),
+                            ("out", None), ("combine_wait_recv_cost_stats", None)],
+    "low_latency_update_mask_buffer": [("rank_to_mask", REQ), ("mask", False)],
+    "low_latency_query_mask_buffer": [("mask_status", REQ)],
+    "low_latency_clean_mask_buffer": [],
+    "get_next_low_latency_combine_buffer": [("handle", REQ)],
+    "get_local_buffer_tensor": [("dtype", REQ), ("size", None), ("offset", 0),
+                                ("use_rdma_buffer", False)],
+    "get_comm_stream": [],
+    "destroy": [],
+}
+V1_STATIC = {"is_sm90_compiled": [], "set_num_sms": [("new_num_sms", REQ)], "capture": [],
+             "get_low_latency_rdma_size_hint": [("num_max_dispatch_tokens_per_rank", REQ),
+                                                ("hidden", REQ), ("num_ranks", REQ),
+                                                ("num_experts", REQ)],
+             "get_dispatch_config": [("num_ranks", REQ)],
+             "get_combine_config": [("num_ranks", REQ)]}
+# deep_ep_cpp.Config (csrc/deep_ep.cpp, PYBIND11_MODULE) @ 567632d
+V1_CONFIG = [("num_sms", 20), ("num_max_nvl_chunked_send_tokens", 6),
+             ("num_max_nvl_chunked_recv_tokens", 256), ("num_max_rdma_chunked_send_tokens", 6),
+             ("num_max_rdma_chunked_recv_tokens", 256)]
+# The one deliberate difference: EPD's `group` may be omitted (EPD's rank=/num_ranks= instead).
+EPD_DEFAULT_DIFFERENCES = {("__init__", "group"): None}
+
+
+def _params(fn, skip_self: bool) -> list[inspect.Parameter]:
+    ps = list(inspect.signature(fn).parameters.values())
+    return ps[1:] if skip_self else ps
+
+
+@pytest.mark.parametrize("name", sorted(V1_SIGNATURES) + sorted(V1_STATIC))
+def test_v1_signatures(name: str) -> None:
+    static = name in V1_STATIC
+    want = (V1_STATIC if static else V1_SIGNATURES)[name]
+    raw = inspect.getattr_static(B.Buffer, name)
+    assert isinstance(raw, staticmethod) == static, f"{name}: static in V1: {static}"
+    got = _params(getattr(B.Buffer, name), skip_self=not static)
+    positional = [p for p in got if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    assert [p.name for p in positional[:len(want)]] == [n for n, _ in want], name
+    for p, (n, d) in zip(positional, want, strict=False):
+        d = EPD_DEFAULT_DIFFERENCES.get((name, n), d)
+        assert p.default == d, f"{name}({n}): default {p.default!r}, V1 {d!r}"
+    # anything EPD adds is keyword-only, so positional V1 calls cannot land on it
+    assert len(positional) == len(want), f"{name}: extra positional parameters"
+
+
+def test_v1_config_signature_and_validation() -> None:
+    got = [(p.name, p.default) for p in _params(C.Config, skip_self=False)]
+    assert got == V1_CONFIG
+    c = C.Config(24, 8, 256)  # DeepEP's tests/test_intranode.py builds it with 3 arguments
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == \
+        (24, 8, 256, 6, 258)  # RDMA receive chunk rounded up to a multiple of the send chunk
+    with pytest.raises(InvalidArgument, match="send_tokens must be <"):
+        C.Config(20, 256, 256)
+    with pytest.raises(InvalidArgument, match="rdma_chunked_send_tokens must be <"):
+        C.Config(20, 6, 256, 100, 100)
+    with pytest.raises(InvalidArgument, match="even"):
+        B.Buffer.set_num_sms(21)
+
+
+def test_config_size_hints() -> None:
+    """V1's formulas, evaluated by hand here for DeepSeek-V3 shapes (bf16 hidden 7168)."""
+    c = C.Config()  # 20 SMs: 10 channels
+    # 8 ranks: 10 channels * 8 peers = 80 slots; 80 * (2*1 + 3) ints of control, then per
+    # token of 256 per slot: hidden + source meta 8 + 128 topk idx (8 B) + 128 weights + 128
+    # scales (4 B each); aligned to 128.
+    per_token = 14336 + 8 + 128 * 8 + 128 * 4 + 128 * 4
+    n = 80 * 5 * 4 + 80 * 256 * per_token
+    assert c.get_nvl_buffer_size_hint(14336, 8) == (n + 127) // 128 * 128 == 335709824
+    # 2 ranks: 20 slots
+    assert c.get_nvl_buffer_size_hint(14336, 2) == (20 * 5 * 4 + 20 * 256 * per_token + 127) \
+        // 128 * 128
+    assert c.get_rdma_buffer_size_hint(14336, 8) == 0  # one node: no RDMA buffer
+    # 16 ranks: 2 RDMA ranks, 10 channels -> 20 slots of 258 tokens (256 rounded up to a
+    # multiple of the send chunk 6), doubled
+    per_rdma = 2 * (14336 + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16)
+    want = 20 * 18 * 2 * 4 + 20 * 258 * per_rdma
+    assert c.get_rdma_buffer_size_hint(14336, 16) == (want + 127) // 128 * 128
+    with pytest.raises(InvalidArgument):
+        c.get_nvl_buffer_size_hint(14336, 12)  # > 8 and not a multiple of 8
+    # low latency: 128 tokens, hidden 7168, 8 ranks, 256 experts
+    dispatch_msg = 16 + max(7168 * 2, 7168 + 56 * 4)
+    combine_msg = 56 * 4 + 7168 * 2
+    send = max(128 * dispatch_msg, 256 * 128 * combine_msg)
+    recv = max(256 * 128 * dispatch_msg, 256 * 128 * combine_msg)
+    total = 2 * (send + recv + 1024)
+    assert B.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == \
+        (total + 128) // 128 * 128
+    # recommended configs: V1's tables with Buffer.num_sms
+    old = B.Buffer.num_sms
+    try:
+        B.Buffer.set_num_sms(24)
+        d, k = B.Buffer.get_dispatch_config(8), B.Buffer.get_combine_config(8)
+        assert (d.num_sms, d.num_max_nvl_chunked_send_tokens,
+                d.num_max_nvl_chunked_recv_tokens) == (24, 6, 256)
+        assert (k.num_sms, k.num_max_nvl_chunked_send_tokens) == (24, 4)
+        assert B.Buffer.get_dispatch_config(2).num_max_nvl_chunked_send_tokens == 24
+        assert B.Buffer.get_combine_config(2).num_max_nvl_chunked_send_tokens == 10
+        with pytest.raises(InvalidArgument, match="Unsupported number of EP ranks: 3"):
+            B.Buffer.get_dispatch_config(3)
+    finally:
+        B.Buffer.num_sms = old
+
+
+def test_events_without_cuda() -> None:
+    ev = B.Buffer.capture()
+    assert isinstance(ev, C.EventOverlap) and isinstance(ev.event, C.EventHandle)
+    ev.current_stream_wait()
+    with ev:
+        pass
+    assert C.EventOverlap().extra_tensors is None
+    res, ev = C.run_on_streams(C.HostStream, None, lambda: 7, None, True, False)
+    assert res == 7 and ev.event is not None
+    res, ev = C.run_on_streams(C.HostStream, None, lambda: 8, None, False, False)
+    assert res == 8 and ev.event is None
+    with pytest.raises(InvalidArgument, match="allocate_on_comm_stream"):
+        C.run_on_streams(C.HostStream, None, lambda: 0, None, True, True)
+
+
+def test_engine_choice(monkeypatch) -> None:
+    """EPD_ENGINE wins; then the current CUDA device (physical, through CUDA_VISIBLE_DEVICES);
+    then LOCAL_RANK; then 0."""
+    import types
+    for k in ("EPD_ENGINE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(k, raising=False)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+                                                            current_device=lambda: 1))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torch.multiprocessing.spawn's would be wrong
+    assert C.default_engine() == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert C.default_engine() == 5
+    monkeypatch.setenv("EPD_ENGINE", "3")
+    assert C.default_engine() == 3
+    monkeypatch.delenv("EPD_ENGINE")
+    fake.cuda.is_available = lambda: False
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert C.default_engine() == 2
+    monkeypatch.delenv("LOCAL_RANK")
+    assert C.default_engine() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# the opt-in `deep_ep` shim
+# ------------------------------------------------------------------------------------------------
+_PROBE = textwrap.dedent("""
+    import deep_ep, deep_ep.utils
+    import torch
+    assert deep_ep.IS_EPD and deep_ep.topk_idx_t is torch.int64
+    from epd.client.buffer import Buffer
+    assert deep_ep.Buffer is Buffer and deep_ep.Config().num_sms == 20
+    assert isinstance(deep_ep.Buffer.capture(), deep_ep.EventOverlap)
+    assert deep_ep.utils.EventHandle().event is None  # no CUDA here
+    print("OK", deep_ep.__file__)
+""")
+
+
+def _python(code: str, path: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_shim_is_opt_in() -> None:
+    r = _python("import importlib.util; print(importlib.util.find_spec('deep_ep'))", [])
+    assert r.returncode == 0 and r.stdout.strip() == "None", (r.stdout, r.stderr)
+    r = _python(_PROBE, [SHIM])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("OK") and SHIM in r.stdout
+
+
+def test_shim_refuses_to_shadow_a_real_deepep(tmp_path) -> None:
+    ext = tmp_path / "ext"
+    ext.mkdir()
+    (ext / "deep_ep_cpp.py").write_text("raise SystemExit('a real DeepEP must not be imported')")
+    r = _python("import deep_ep", [SHIM, str(ext)])
+    assert r.returncode != 0 and "ImportError" in r.stderr, r.stderr
+    assert "deep_ep_cpp" in r.stderr and "epd-deep-ep-shim" in r.stderr, r.stderr
+    dist = tmp_path / "dist"
+    (dist / "deep_ep-1.2.1.dist-info").mkdir(parents=True)
+    (dist / "deep_ep-1.2.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: deep_ep\nVersion: 1.2.1\n")
+    r = _python("import deep_ep", [SHIM, str(dist)])
+    assert r.returncode != 0 and "ImportError" in r.stderr, r.stderr
+    assert "'deep_ep'" in r.stderr and "epd-deep-ep-shim" in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_shim_installs_and_works(tmp_path) -> None:
+    """`pip install ./client/deep_ep_shim`, into a private target (never into the venv)."""
+    import shutil
+    src, target = tmp_path / "shim", tmp_path / "site"
+    shutil.copytree(SHIM, src, ignore=shutil.ignore_patterns("__pycache__", "build",
+                                                             "*.egg-info"))
+    # built from a copy: setuptools writes build/ and *.egg-info beside the sources
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--no-build-isolation", "--target", str(target), str(src)],
+                       capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    r = _python(_PROBE, [str(target)])
+    assert r.returncode == 0, r.stderr
+    assert str(target) in r.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# handles, events and the new kwargs against a CPU daemon
+# ------------------------------------------------------------------------------------------------
+LAYERS = [Case(f"api-layer{i}", num_ranks=2, num_experts=8, hidden=h, num_topk=k, tokens=t,
+               seed=900 + i, cached=True)
+          for i, (h, k, t) in enumerate([(128, 2, (12, 7)), (256, 3, (0, 9)), (128, 2, (16, 16))])]
+LL_CASE = Case("api-ll", num_ranks=2, num_experts=8, hidden=256, num_topk=2, tokens=(5, 7),
+               seed=77)
+LL_MAX = 8
+
+
+def v1_style_rank(endpoint: str, rank: int) -> dict:
+    """One Buffer, built with every V1 constructor argument positionally, runs several layers
+    the way DeepEP's tests/test_intranode.py does (capture() as previous_event, async_finish,
+    a Config, handle[0]), then a low-latency round (handle[0][i], handle[1][i])."""
+    from epd.client.buffer import Buffer
+    from epd.client.deep_ep_compat import EventOverlap, HostStream, Unsupported
+    buf = Buffer(None, int(2e9), 0, False, 1, True, False, False, True, True, None,
+                 rank=rank, num_ranks=2, endpoint=endpoint, group_name="api",
+                 max_tokens_per_rank=16)
+    out: dict = {"attrs": (buf.group, buf.rank, buf.group_size, buf.num_nvl_bytes,
+                           buf.num_rdma_bytes, buf.low_latency_mode, buf.explicitly_destroy,
+                           buf.enable_shrink, hasattr(buf, "runtime"))}
+    errors = []
+    try:
+        assert Buffer.is_sm90_compiled() is True
+        assert isinstance(buf.get_comm_stream(), HostStream)
+        try:
+            buf.get_local_buffer_tensor(np.uint8)
+        except Unsupported as e:
+            errors.append(("local_buffer", str(e)))
+        layers = []
+        for c in LAYERS:
+            inp = c.inputs(rank)
+            n_rank, _, n_exp, in_rank, ev = buf.get_dispatch_layout(
+                inp["topk_idx"], c.num_experts, previous_event=buf.capture(), async_finish=True,
+                allocate_on_comm_stream=True)
+            assert isinstance(ev, EventOverlap)
+            ev.current_stream_wait()
+            recv_x, recv_idx, recv_w, _, handle, ev = buf.dispatch(
+                inp["x"], num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_exp, topk_idx=inp["topk_idx"],
+                topk_weights=inp["topk_weights"], config=Buffer.get_dispatch_config(2),
+                previous_event=buf.capture(), async_finish=True)
+            with ev:
+                pass
+            got = {"recv_x": recv_x, "prefix": handle[0], "src_idx": handle[3],
+                   "in_rank": handle[4], "in_rank_given": in_rank, "len": len(handle),
+                   "slice": len(handle[0:1])}
+            for pos in (1, 2, 5, -1):
+                try:
+                    handle[pos]
+                except Unsupported as e:
+                    errors.append((f"handle[{pos}]", str(e)))
+            y = expert_out(recv_x, None, recv_idx, recv_w, rank, c.local_experts)
+            cx, cw, ev = buf.combine(y, handle, topk_weights=recv_w,
+                                     config=Buffer.get_combine_config(2), async_finish=True)
+            ev.current_stream_wait()
+            cached, *rest, ev = buf.dispatch(inp["x2"], handle=handle, async_finish=True)
+            got.update(cx=cx, cw=cw, cached=cached, cached_rest=tuple(rest))
+            layers.append(got)
+        out["layers"] = layers
+        # low latency on the same Buffer
+        c = LL_CASE
+        inp = c.inputs(rank)
+        rx, count, handle, ev, _ = buf.low_latency_dispatch(
+            inp["x"], inp["topk_idx"], LL_MAX, c.num_experts, use_fp8=False, async_finish=True)
+        ev.current_stream_wait()
+        out["ll"] = {"recv_x": rx, "count": count, "src_info": handle[0],
+                     "layout_range": handle[1], "rest": tuple(handle[2:]),
+                     "rows": [handle[0][i] for i in range(c.local_experts)]}
+        y = rx.astype(np.float32).astype(rx.dtype)
+        cx, ev, _ = buf.low_latency_combine(y, inp["topk_idx"], inp["topk_weights"], handle,
+                                            async_finish=True)
+        out["ll"]["cx"] = cx
+        mask = np.ones(2, np.int32)
+        buf.low_latency_query_mask_buffer(mask)
+        out["mask"] = mask
+        buf.low_latency_update_mask_buffer(1 - rank, False)
+        buf.low_latency_clean_mask_buffer()
+        try:
+            buf.low_latency_update_mask_buffer(1 - rank, True)
+        except Unsupported as e:
+            errors.append(("mask", str(e)))
+        out["errors"] = errors
+        return out
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.slow
+def test_v1_call_sequence_handles_and_kwargs(daemon, ranks) -> None:
+    results = ranks.run_ok([(v1_style_rank, daemon.socket(r), r) for r in range(2)],
+                           timeout=240)
+    ll_in = [LL_CASE.inputs(r) for r in range(2)]
+    ll_want = ref.low_latency_dispatch([i["x"] for i in ll_in], [i["topk_idx"] for i in ll_in],
+                                       LL_CASE.num_experts, LL_MAX)
+    for r, res in enumerate(results):
+        assert res["attrs"] == (None, r, 2, int(2e9), 0, False, True, True, False)
+        for c_i, c in enumerate(LAYERS):
+            want, got, tag = reference(c), res["layers"][c_i], f"layer {c_i} rank {r}"
+            assert_exact(got["prefix"], want["prefix"], f"{tag} handle[0] rank_prefix_matrix")
+            assert got["prefix"].dtype == np.int32 and got["prefix"].shape == (2, 2)
+            assert_exact(got["src_idx"], want["disp"][r].recv_src_idx, f"{tag} handle[3]")
+            assert_exact(got["in_rank"], want["layout"][r].is_token_in_rank, f"{tag} handle[4]")
+            assert got["len"] == 6 and got["slice"] == 1
+            assert_exact(got["recv_x"], want["disp"][r].recv_x, f"{tag} recv_x")
+            assert_exact(got["cx"], want["comb"][r][0], f"{tag} combined_x")
+            assert_exact(got["cw"], want["comb"][r][1], f"{tag} combined_w")
+            assert_exact(got["cached"], want["cached"][r].recv_x, f"{tag} cached recv_x")
+            assert got["cached_rest"] == (None, None, None, None)
+        names = [e[0] for e in res["errors"]]
+        assert names[0] == "local_buffer" and "daemon" in res["errors"][0][1]
+        assert names.count("handle[1]") == len(LAYERS) and names.count("handle[-1]") == len(LAYERS)
+        assert "send_head" in dict(res["errors"])["handle[-1]"]
+        assert names[-1] == "mask"
+        np.testing.assert_array_equal(res["mask"], [0, 0])
+        # low-latency handle: src_info and layout_range as DeepEP's test reads them
+        ll, want = res["ll"], ll_want[r]
+        np.testing.assert_array_equal(ll["count"], want.recv_count)
+        np.testing.assert_array_equal(ll["src_info"], want.recv_src_idx)
+        assert ll["rest"] == (LL_MAX, LL_CASE.hidden, LL_CASE.num_experts)
+        lr = ll["layout_range"]
+        assert lr.dtype == np.int64 and lr.shape == (LL_CASE.local_experts, 2)
+        for e in range(LL_CASE.local_experts):
+            n = int(want.recv_count[e])
+            assert int((lr[e] & 0xFFFFFFFF).sum()) == n
+            for j in range(2):
+                begin, cnt = int(lr[e, j] >> 32), int(lr[e, j] & 0xFFFFFFFF)
+                np.testing.assert_array_equal(want.recv_src_rank[e, begin:begin + cnt], j)
+                assert cnt == int((want.recv_src_rank[e, :n] == j).sum())
