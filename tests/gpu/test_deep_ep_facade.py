@@ -1,0 +1,91 @@
+"""The DeepEP V1 facade on the CUDA engine, called as frameworks call it: one Buffer for many
+layers, `async_finish=True` with `previous_event` from `capture()` (events on the facade's comm
+stream, Megatron/SGLang style), handles held across layers and indexed as DeepEP's tuple, a
+cached dispatch, combine in reverse layer order; every output exact against the reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epd.server import reference as ref
+from epd.server.demo import Workload
+
+from .test_daemon import _bits, _spawn_ranks, _to_torch
+
+pytestmark = pytest.mark.gpu
+LAYERS = 6
+
+
+def _scaled(x: np.ndarray, layer: int) -> np.ndarray:
+    """Layer `layer`'s input: x times (layer + 1), rounded to x's dtype on the host."""
+    return (x.astype(np.float32) * (layer + 1)).astype(x.dtype)
+
+
+def _facade_rank(rank: int, socket: str, device: int, wl: Workload, q) -> None:
+    try:
+        import torch
+
+        from epd.client import Session
+        from epd.client.buffer import Buffer
+        torch.cuda.set_device(device)
+        x, idx, w = wl.inputs(rank)
+        res: dict = {"rank": rank, "layers": []}
+        with Session(socket, client_name=f"facade-{rank}", timeout=30) as s:
+            buf = Buffer(rank=rank, num_ranks=wl.num_ranks, session=s,
+                         group_name="gpu-facade", max_tokens_per_rank=max(wl.tokens))
+            held = []
+            for layer in range(LAYERS):
+                tx = _to_torch(_scaled(x, layer), device)
+                tidx, tw = _to_torch(idx, device), _to_torch(w, device)
+                before = buf.capture()
+                n_rank, _, n_expert, in_rank, ev = buf.get_dispatch_layout(
+                    tidx, wl.num_experts, previous_event=before, async_finish=True)
+                recv_x, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
+                    tx, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=n_expert, topk_idx=tidx, topk_weights=tw,
+                    previous_event=ev, async_finish=True, allocate_on_comm_stream=True)
+                ev.current_stream_wait()
+                held.append((layer, recv_x, recv_idx, recv_w, list(counts), handle))
+            for layer, recv_x, recv_idx, recv_w, counts, handle in reversed(held):
+                again, *_ = buf.dispatch(_to_torch(_scaled(x, layer), device), handle=handle)
+                combined, combined_w, ev = buf.combine(recv_x, handle, topk_weights=recv_w,
+                                                       async_finish=True)
+                ev.current_stream_wait()
+                torch.cuda.synchronize(device)
+                res["layers"].append({
+                    "layer": layer, "counts": counts, "recv_x": _bits(recv_x),
+                    "recv_idx": recv_idx.cpu().numpy(),
+                    "prefix": np.asarray(handle[0].cpu() if hasattr(handle[0], "cpu")
+                                         else handle[0]),
+                    "again": _bits(again), "combined": _bits(combined),
+                    "combined_w": combined_w.cpu().numpy()})
+            buf.destroy()
+        q.put(res)
+    except Exception as e:  # reported to the test process
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+def test_facade_v1_pattern_with_events(daemon) -> None:
+    wl = Workload(2, [96, 57], 2048, 32, 4, seed=11, drop_prob=0.05)
+    results = _spawn_ranks(daemon, _facade_rank, 2, wl)
+    inputs = wl.all_inputs()
+    for layer in range(LAYERS):
+        xs = [_scaled(i[0], layer) for i in inputs]
+        idx, w = [i[1] for i in inputs], [i[2] for i in inputs]
+        disp = ref.dispatch(xs, idx, w, wl.num_experts)
+        comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                           recv_topk_weights=[d.recv_topk_weights for d in disp])
+        for r, res in enumerate(results):
+            got = next(g for g in res["layers"] if g["layer"] == layer)
+            np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16))
+            np.testing.assert_array_equal(got["recv_idx"], disp[r].recv_topk_idx)
+            assert got["counts"] == disp[r].num_recv_tokens_per_expert
+            np.testing.assert_array_equal(got["again"], disp[r].recv_x.view(np.uint16))
+            in_rank = [ref.get_dispatch_layout(i, wl.num_experts, 2).is_token_in_rank
+                       for i in idx]
+            prefix = np.cumsum([m.sum(axis=0) for m in in_rank], axis=0)
+            np.testing.assert_array_equal(got["prefix"], prefix)  # handle[0]
+            np.testing.assert_array_equal(got["combined"], comb[r][0].view(np.uint16))
+            np.testing.assert_array_equal(got["combined_w"], comb[r][1])
