@@ -123,7 +123,7 @@ def test_client_argument_errors_are_invalid_argument(daemon) -> None:
         _, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
                                              num_tokens_per_expert=n_exp)
         for kwargs, text in (({"handle": handle, "topk_idx": idx}, "cached dispatch"),
-                             ({"topk_idx": idx}, "needs topk_idx and topk_weights")):
+                             ({"topk_idx": idx}, "needs both topk_idx and topk_weights")):
             with pytest.raises(InvalidArgument, match=text):
                 buf.dispatch(x, **kwargs)
         with pytest.raises(InvalidArgument, match="at most two"):
