@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.engine")
 CALL_SECONDS = 60.0  # longest a request may take on the event loop
+# A connection costs a thread: connections are capped, and one that does not authenticate in
+# time is closed, so no client can exhaust the engine's threads for the others.
+MAX_CONNECTIONS = 1024
+FIRST_REQUEST_SECONDS = 10.0
 
 
 class FdServer:
@@ -71,7 +75,13 @@ class FdServer:
             except OSError:
                 return
             with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS:
+                    log.warning("descriptor channel: %d connections open, refusing another",
+                                len(self._conns))
+                    conn.close()
+                    continue
                 self._conns.add(conn)
+            conn.settimeout(FIRST_REQUEST_SECONDS)
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="epd-fds-conn").start()
 
@@ -87,6 +97,7 @@ class FdServer:
                         return
                     if session is None:
                         session = self._call(self._bind, req, peer)
+                        conn.settimeout(None)  # bound: a session's channel may idle
                     elif req.session_id and req.session_id != session.session_id:
                         raise PermissionDenied("this descriptor channel belongs to another "
                                                "session")
