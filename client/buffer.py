@@ -377,7 +377,9 @@ class Buffer:
                  previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
-        event); recv_x is a (fp8, scales) tuple when x was. Cached mode (handle given) returns
+        event); recv_x is a (fp8, scales) tuple when x was (scales float32 or int32 [T, H/128],
+        e.g. vLLM's MXFP8 packed UE8M0 words: carried bit for bit, returned in the same dtype;
+        every rank the same dtype). Cached mode (handle given) returns
         (recv_x, None, None, None, None, event), as DeepEP does. The handle is indexable as
         DeepEP's tuple (see BufferHandle)."""
         self._check_config(config)

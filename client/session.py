@@ -67,7 +67,7 @@ class Handle:
 @dataclass
 class DispatchResult:
     recv_x: Array
-    recv_x_scales: Array | None
+    recv_x_scales: Array | None  # [N, H/128] in x_scales' dtype (float32 or int32) with FP8
     recv_topk_idx: Array | None
     recv_topk_weights: Array | None
     num_recv_tokens_per_expert: list[int]

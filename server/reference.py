@@ -83,6 +83,28 @@ def _check_weights(weights: np.ndarray, shape: tuple[int, ...], what: str) -> np
     return arr.astype(np.float32)
 
 
+def _check_scales(x_scales: list, xs: list[np.ndarray], hidden: int) -> list[np.ndarray]:
+    """FP8 scales per rank, [T_s, hidden/128]: floating ones as float32, or int32 words (e.g.
+    packed UE8M0 exponents, vLLM's MXFP8) kept bit for bit; every rank's of one dtype."""
+    out = []
+    for s, sc in enumerate(x_scales):
+        arr = np.asarray(sc)
+        want = (xs[s].shape[0], hidden // FP8_BLOCK)
+        if arr.shape != want:
+            raise ValueError(f"x_scales[{s}] has shape {arr.shape}, expected {want}")
+        if arr.dtype == np.int32:
+            out.append(arr)
+        elif np.issubdtype(arr.dtype, np.floating) or not arr.size:
+            out.append(arr.astype(np.float32))
+        else:
+            raise ValueError(f"x_scales[{s}] must be floating or int32, got {arr.dtype}")
+    kinds = {a.dtype for a in out if a.size}
+    if len(kinds) > 1:
+        raise ValueError(f"x_scales mix dtypes across ranks: {sorted(str(k) for k in kinds)}")
+    kind = kinds.pop() if kinds else np.dtype(np.float32)
+    return [a.astype(kind, copy=False) for a in out]
+
+
 def _check_rank_list(name: str, values: list, num_ranks: int) -> None:
     if len(values) != num_ranks:
         raise ValueError(f"{name} has {len(values)} entries, expected one per rank ({num_ranks})")
@@ -126,7 +148,7 @@ class RankDispatch:
     """What destination rank d receives from all sources in normal dispatch."""
 
     recv_x: np.ndarray                 # [N, H], dtype of x (carried bit-exactly)
-    recv_x_scales: np.ndarray | None   # [N, H/128] float32 when x_scales given
+    recv_x_scales: np.ndarray | None   # [N, H/128] float32 or int32 (as x_scales) when given
     recv_topk_idx: np.ndarray | None   # [N, K] int64: local expert id e - d*L, else -1
     recv_topk_weights: np.ndarray | None  # [N, K] float32: weight where e lives on d, else 0
     # (both None for a dispatch without top-k)
@@ -198,8 +220,7 @@ def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray] | None,
             raise ValueError(f"x_scales are only meaningful with float8_e4m3fn x, got {dtype}")
         if hidden % FP8_BLOCK != 0:
             raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
-        scales = [_check_weights(x_scales[s], (xs[s].shape[0], hidden // FP8_BLOCK),
-                                 f"x_scales[{s}]") for s in range(num_ranks)]
+        scales = _check_scales(x_scales, xs, hidden)
 
     layouts = [get_dispatch_layout(idx, num_experts, num_ranks) for idx in idxs]
 
@@ -293,8 +314,7 @@ def _dispatch_without_topk(xs: list[np.ndarray], topk_weights: list[np.ndarray] 
             raise ValueError(f"x_scales are only meaningful with float8_e4m3fn x, got {dtype}")
         if hidden % FP8_BLOCK != 0:
             raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
-        scales = [_check_weights(x_scales[s], (xs[s].shape[0], hidden // FP8_BLOCK),
-                                 f"x_scales[{s}]") for s in range(num_ranks)]
+        scales = _check_scales(x_scales, xs, hidden)
     out: list[RankDispatch] = []
     for d in range(num_ranks):
         rows = [np.nonzero(in_rank[s][:, d])[0] for s in range(num_ranks)]  # ascending

@@ -242,6 +242,36 @@ def test_fp8_carried_bit_exactly() -> None:
             np.testing.assert_array_equal(d.recv_x_scales[row], scales[s][t])
 
 
+def test_fp8_int32_scales_carried_bit_exactly() -> None:
+    """vLLM's MXFP8 dispatch: int32 scale words (4 packed UE8M0 bytes), any bits, travel with
+    their rows unchanged and come back int32, with and without top-k and with padding."""
+    rng = np.random.default_rng(11)
+    xs = [rng.integers(0, 256, (n, 256), dtype=np.uint8).view(FLOAT8_E4M3) for n in (5, 3)]
+    words = [rng.integers(-2 ** 31, 2 ** 31, (n, 2), dtype=np.int64).astype(np.int32)
+             for n in (5, 3)]
+    idx = [ref.random_routing(rng, 5, 4, 2, num_ranks=2)[0],
+           np.array([[0, 2], [3, -1], [-1, -1]], np.int64)]
+    w = [np.ones((5, 2), F32), np.ones((3, 2), F32)]
+    in_rank = [np.array([[1, 0], [1, 1], [0, 1], [0, 0], [1, 1]], bool),
+               np.array([[0, 1], [1, 0], [1, 1]], bool)]
+    per_expert = [np.zeros(4, np.int32), np.zeros(4, np.int32)]
+    for disp in (ref.dispatch(xs, idx, w, 4, x_scales=words),
+                 ref.dispatch(xs, None, None, 4, x_scales=words, is_token_in_rank=in_rank,
+                              num_tokens_per_expert=per_expert)):
+        for d in disp:
+            assert d.recv_x_scales is not None and d.recv_x_scales.dtype == np.int32
+            assert d.recv_x_scales.shape == (len(d.recv_src_idx), 2)
+            for row, (s, t) in enumerate(zip(d.recv_src_rank, d.recv_src_idx, strict=True)):
+                np.testing.assert_array_equal(d.recv_x_scales[row], words[s][t])
+            p = ref.pad_to_worst(d, len(d.recv_src_idx) + 2)
+            assert p.recv_x_scales.dtype == np.int32
+            np.testing.assert_array_equal(p.recv_x_scales[-2:], 0)
+    with pytest.raises(ValueError, match="mix dtypes"):
+        ref.dispatch(xs, idx, w, 4, x_scales=[words[0], words[1].view(F32)])
+    with pytest.raises(ValueError, match="floating or int32"):
+        ref.dispatch(xs, idx, w, 4, x_scales=[words[0].astype(np.int64), words[1]])
+
+
 def test_pad_to_worst() -> None:
     d0, d1 = ref.dispatch(X, IDX, W, 4, expert_alignment=2)
     p = ref.pad_to_worst(d0, 5)

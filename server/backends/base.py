@@ -115,6 +115,8 @@ class GroupPlanner(abc.ABC):
 @dataclass
 class DispatchArgs:
     x: Array
+    # FP8 scales [T, H/128]: float32, or int32 words (packed UE8M0, vLLM's MXFP8); 4-byte
+    # columns carried bit-exactly, recv_x_scales in the same dtype
     x_scales: Array | None
     topk_idx: Array | None  # None in cached mode
     topk_weights: Array | None

@@ -77,8 +77,9 @@ _META_BYTES = _REASON + _REASON_MAX  # < PAGE: the slot layout is unchanged
 DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
 KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE: "combine",
               LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine"}
-# H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights; dispatch without top-k
-F_FP8, F_WEIGHTS, F_NO_TOPK = 1, 2, 4
+# H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights; dispatch without top-k;
+# FP8 scales are int32 words (packed UE8M0) rather than float32
+F_FP8, F_WEIGHTS, F_NO_TOPK, F_INT32_SCALES = 1, 2, 4, 8
 ARRIVED, REJECTED = 1, 2  # H_STATUS
 
 
@@ -117,6 +118,8 @@ class CallHeader:
 # The arguments that must agree, once the kinds do: (name, how to read it, how to tell it).
 _AGREED_ARGS = (
     ("FP8 payload (x_scales)", lambda c: bool(c.flags & F_FP8), lambda v: "yes" if v else "no"),
+    ("x_scales dtype", lambda c: ("int32" if c.flags & F_INT32_SCALES else "float32")
+     if c.flags & F_FP8 else "none", str),
     ("topk_weights", lambda c: bool(c.flags & F_WEIGHTS),
      lambda v: "passed" if v else "not passed"),
     ("top-k routing", lambda c: not c.flags & F_NO_TOPK,
@@ -550,9 +553,16 @@ class CpuRankComm(RankComm):
         t = args.x.shape[0]
         has_scales = args.x_scales is not None
         xdt = args.x.dtype  # the group's dtype, or FP8 (carried as bytes)
+        # Scales are 4-byte words, float32 or int32 (packed UE8M0): the slot and the output
+        # hold them in the call's dtype, every rank's the same (the call header says which).
+        sdt = np.dtype(args.x_scales.dtype) if has_scales else np.dtype(np.float32)
+        if sdt not in (np.dtype(np.float32), np.dtype(np.int32)):
+            raise InvalidArgument(f"x_scales: dtype {sdt} is neither float32 nor int32")
+        int32_scales = has_scales and sdt == np.int32
         k = spec.num_topk
         no_topk = cached is None and args.topk_idx is None
-        flags = (F_FP8 if has_scales else 0) | (F_NO_TOPK if no_topk else 0)
+        flags = ((F_FP8 if has_scales else 0) | (F_NO_TOPK if no_topk else 0)
+                 | (F_INT32_SCALES if int32_scales else 0))
         if cached is None:
             call = CallHeader(DISPATCH, flags=flags, worst=args.num_worst_tokens,
                               align=args.expert_alignment)
@@ -567,7 +577,7 @@ class CpuRankComm(RankComm):
             self._slot_array(me, "x", (t, h), xdt)[:] = args.x
             if has_scales:
                 sc = args.x_scales
-                self._slot_array(me, "x_scales", sc.shape, np.float32)[:] = sc
+                self._slot_array(me, "x_scales", sc.shape, sdt)[:] = sc
             if no_topk:
                 self._slot_array(me, "in_rank", (t, r), np.bool_)[:] = args.is_token_in_rank
                 self._slot_array(me, "per_expert", (spec.num_experts,), np.int32)[:] = \
@@ -634,7 +644,7 @@ class CpuRankComm(RankComm):
         out = self._out
         k = spec.num_topk
         recv_x = out.get("recv_x", (rows_out, h), xdt)
-        recv_scales = out.get("recv_x_scales", (rows_out, args.x_scales.shape[1]), np.float32) \
+        recv_scales = out.get("recv_x_scales", (rows_out, args.x_scales.shape[1]), sdt) \
             if has_scales else None
         with_topk = cached is None and not no_topk
         recv_idx = out.get("recv_topk_idx", (rows_out, k), np.int64) if with_topk else None
@@ -652,7 +662,7 @@ class CpuRankComm(RankComm):
             np.take(xs, sel, axis=0, out=recv_x[pos:pos + n])
             bytes_received += n * h * xdt.itemsize
             if recv_scales is not None:
-                ss = self._slot_array(s, "x_scales", (ts, recv_scales.shape[1]), np.float32)
+                ss = self._slot_array(s, "x_scales", (ts, recv_scales.shape[1]), sdt)
                 recv_scales[pos:pos + n] = ss[sel]
             if recv_idx is not None:
                 idx = self._slot_array(s, "topk_idx", (ts, k), np.int64)[sel]

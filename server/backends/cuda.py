@@ -301,9 +301,13 @@ class CudaRankComm(RankComm):
             runner.stream.synchronize()
         item = args.x.dtype.itemsize
         sent = int(args.x.shape[0]) * spec.hidden * item  # upper bound: rows sent per rank
+        recv_scales = outs.get("recv_x_scales") if args.x_scales is not None else None
+        if recv_scales is not None and np.dtype(args.x_scales.dtype) == np.int32:
+            # epd_dispatch copies scale rows as bytes (cols * itemsize, 4 either way): int32
+            # words (packed UE8M0) arrive bit for bit; only the view's dtype follows the call.
+            recv_scales = recv_scales.view(np.int32)
         return DispatchOutputs(
-            recv_x=recv_x, recv_x_scales=outs.get("recv_x_scales") if args.x_scales is not None
-            else None, recv_topk_idx=outs.get("recv_topk_idx"),
+            recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=outs.get("recv_topk_idx"),
             recv_topk_weights=outs.get("recv_topk_weights"), recv_src_idx=outs["recv_src_idx"],
             rank_prefix_matrix=prefix, num_recv_tokens=num_recv,
             num_recv_tokens_per_expert=per_expert,

@@ -141,9 +141,12 @@ class DataPlane:
                 raise InvalidArgument(f"FP8 dispatch needs hidden % {dtypes.FP8_BLOCK} == 0, "
                                       f"the group's hidden is {spec.hidden}")
             if not tensors.is_set(req.x_scales):
-                raise InvalidArgument("FP8 dispatch needs x_scales (float32 [T, hidden/128])")
+                raise InvalidArgument("FP8 dispatch needs x_scales (float32 or int32 "
+                                      "[T, hidden/128])")
+            # float32 scales, or int32 words (e.g. 4 packed UE8M0 exponents, vLLM's MXFP8):
+            # either way 4-byte columns carried bit-exactly, returned in the same dtype.
             scales = tensors.resolve(req.x_scales, regions, "x_scales", ndim=2,
-                                     dtype=epd_pb2.FLOAT32)
+                                     dtype=(epd_pb2.FLOAT32, epd_pb2.INT32))
             want = (t, spec.hidden // dtypes.FP8_BLOCK)
             if scales.shape != want:
                 raise InvalidArgument(f"x_scales has shape {list(scales.shape)}, expected "
@@ -222,8 +225,9 @@ class DataPlane:
             rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
             num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
             handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence)
-        if out.recv_x_scales is not None:
-            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r))
+        if out.recv_x_scales is not None:  # in the call's scale dtype (float32 or int32)
+            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r,
+                                                         req.x_scales.dtype))
         if out.recv_topk_idx is not None:
             resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
             resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))

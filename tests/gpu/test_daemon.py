@@ -31,6 +31,12 @@ def _bits(t) -> np.ndarray:
     return t.numpy()
 
 
+def _i32_scales(rank: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Random int32 scale words (any bits) of one rank, as packed UE8M0 would be."""
+    rng = np.random.default_rng(1000 + rank)
+    return rng.integers(-2 ** 31, 2 ** 31, shape, dtype=np.int64).astype(np.int32)
+
+
 def _to_torch(a: np.ndarray, device: int):
     import torch
 
@@ -98,6 +104,15 @@ def _rank(rank: int, socket: str, device: int, wl: Workload, scenario: str, q) -
                 f8 = g.dispatch(_to_torch(xq, device), tidx, tw,
                                 x_scales=_to_torch(sc, device))
                 res["fp8_x"], res["fp8_scales"] = _bits(f8.recv_x), _bits(f8.recv_x_scales)
+                # int32 scale words (vLLM's MXFP8 packed UE8M0): bit for bit, int32 back
+                words = _i32_scales(rank, sc.shape)
+                i8 = g.dispatch(_to_torch(xq, device), tidx, tw,
+                                x_scales=_to_torch(words, device))
+                i8c = g.dispatch(_to_torch(xq, device), x_scales=_to_torch(words, device),
+                                 handle=i8.handle)
+                res["i32_dtype"] = str(i8.recv_x_scales.dtype)
+                res["i32_scales"], res["i32_cached"] = (_bits(i8.recv_x_scales),
+                                                        _bits(i8c.recv_x_scales))
                 # Bad input is rejected and changes nothing: the group still works after it.
                 try:
                     g.dispatch(tx, tidx + wl.num_experts, tw)
@@ -170,6 +185,11 @@ def _check(wl: Workload, results: list[dict], full: bool) -> None:
                               x_scales=[b for _, b in q])
             np.testing.assert_array_equal(res["fp8_x"], d8[r].recv_x.view(np.uint8))
             np.testing.assert_array_equal(res["fp8_scales"], d8[r].recv_x_scales)
+            words = [_i32_scales(s, b.shape) for s, (_, b) in enumerate(q)]
+            d32 = ref.dispatch([a for a, _ in q], idx, w, wl.num_experts, x_scales=words)
+            assert res["i32_dtype"] == "torch.int32", res["i32_dtype"]
+            np.testing.assert_array_equal(res["i32_scales"], d32[r].recv_x_scales)
+            np.testing.assert_array_equal(res["i32_cached"], d32[r].recv_x_scales)
             assert res["bad"] == "INVALID_ARGUMENT"
             np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
 

@@ -1,0 +1,131 @@
+"""FP8 dispatch with int32 scale words (issue 11: vLLM's MXFP8 high-throughput path sends packed
+UE8M0 scales as int32 [T, H/128], 4 exponent bytes per word). The daemon carries them as
+opaque 4-byte columns, bit for bit, and returns recv_x_scales int32; all ranks of a call must
+use the same scale dtype (else every rank fails with FAILED_PRECONDITION).
+
+Two ranks, sessions of this process on two engines of the cpu backend, driven from threads."""
+
+from __future__ import annotations
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from ranklib import Case, join
+
+from epd.client import Session
+from epd.proto.errors import EpdError
+from epd.server import reference as ref
+
+E, H, K = 8, 256, 2
+TOKENS = (14, 19)
+_names = itertools.count()
+
+
+@pytest.fixture
+def groups(daemon):
+    sessions = [Session(daemon.socket(r), timeout=10.0) for r in range(2)]
+    try:
+        case = Case(group=f"i32-{next(_names)}", num_ranks=2, num_experts=E, hidden=H,
+                    num_topk=K, tokens=TOKENS, max_tokens=32)
+        with ThreadPoolExecutor(2) as ex:
+            yield list(ex.map(lambda r: join(sessions[r], case, r, timeout=20), range(2)))
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def both(fn, groups):
+    def one(r):
+        try:
+            return fn(r, groups[r])
+        except EpdError as e:
+            return e
+    with ThreadPoolExecutor(2) as ex:
+        return list(ex.map(one, range(2)))
+
+
+def inputs(seed: int):
+    """Per rank: FP8 payload (every byte pattern), random int32 scale words (any bits, NaN
+    patterns as float32 included), top-k routing with dropped entries."""
+    rng = np.random.default_rng(seed)
+    xs, words, idx, w = [], [], [], []
+    for t in TOKENS:
+        xs.append(rng.integers(0, 256, (t, H), dtype=np.uint8).view(ref.FLOAT8_E4M3))
+        words.append(rng.integers(-2 ** 31, 2 ** 31, (t, H // 128), dtype=np.int64)
+                     .astype(np.int32))
+        i, ww = ref.random_routing(rng, t, E, K, num_ranks=2, drop_prob=0.2)
+        idx.append(i)
+        w.append(ww)
+    return xs, words, idx, w
+
+
+def bits(a) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(np.uint32)
+
+
+@pytest.mark.parametrize("worst", [0, 40])
+def test_int32_scales_dispatch_and_cached_exact(groups, worst):
+    xs, words, idx, w = inputs(seed=5 + worst)
+    disp = ref.dispatch(xs, idx, w, E, x_scales=words)
+    if worst:
+        disp = [ref.pad_to_worst(d, worst) for d in disp]
+
+    def fn(r, g):
+        fresh = g.dispatch(xs[r], idx[r], w[r], x_scales=words[r], num_worst_tokens=worst)
+        fresh_x, fresh_s = np.array(fresh.recv_x), np.array(fresh.recv_x_scales)
+        cached = g.dispatch(xs[r], x_scales=words[r], handle=fresh.handle,
+                            num_worst_tokens=worst)
+        return fresh_x, fresh_s, np.array(cached.recv_x), np.array(cached.recv_x_scales)
+
+    for r, out in enumerate(both(fn, groups)):
+        assert not isinstance(out, EpdError), f"rank {r}: {out.code.name}: {out.details}"
+        for name, x, s in (("dispatch", out[0], out[1]), ("cached", out[2], out[3])):
+            assert s.dtype == np.int32, (name, s.dtype)
+            assert x.shape == disp[r].recv_x.shape and s.shape == disp[r].recv_x_scales.shape
+            np.testing.assert_array_equal(bits(x), bits(disp[r].recv_x), f"{name} x rank {r}")
+            np.testing.assert_array_equal(bits(s), bits(disp[r].recv_x_scales),
+                                          f"{name} scales rank {r}")
+
+
+def test_float32_scales_still_float32(groups):
+    xs, words, idx, w = inputs(seed=9)
+    fl = [a.view(np.float32) for a in words]  # the same bits as float32 scales
+    disp = ref.dispatch(xs, idx, w, E, x_scales=fl)
+    res = both(lambda r, g: g.dispatch(xs[r], idx[r], w[r], x_scales=fl[r]), groups)
+    for r, out in enumerate(res):
+        assert not isinstance(out, EpdError), f"rank {r}: {out.code.name}: {out.details}"
+        assert np.asarray(out.recv_x_scales).dtype == np.float32
+        np.testing.assert_array_equal(bits(out.recv_x_scales), bits(disp[r].recv_x_scales))
+
+
+def test_scale_dtype_mismatch_fails_every_rank(groups):
+    xs, words, idx, w = inputs(seed=13)
+    scales = [words[0], words[1].view(np.float32)]  # rank 0 int32, rank 1 float32
+
+    def fn(r, g):
+        return g.dispatch(xs[r], idx[r], w[r], x_scales=scales[r])
+
+    res = both(fn, groups)
+    for r, out in enumerate(res):
+        assert isinstance(out, EpdError), f"rank {r} answered OK"
+        assert out.code == grpc.StatusCode.FAILED_PRECONDITION, (r, out.code, out.details)
+        assert "x_scales dtype: int32 on rank 0, float32 on rank 1" in out.details, out.details
+    # the group stays usable: a matching call afterwards works (fresh, then cached with a
+    # mismatch, which fails together as well)
+    ok = both(lambda r, g: g.dispatch(xs[r], idx[r], w[r], x_scales=words[r]), groups)
+    assert not any(isinstance(o, EpdError) for o in ok), ok
+    res = both(lambda r, g: g.dispatch(xs[r], x_scales=scales[r], handle=ok[r].handle), groups)
+    for out in res:
+        assert isinstance(out, EpdError) and out.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "x_scales dtype" in out.details, out.details
+
+
+def test_other_scale_dtypes_rejected_before_the_collective(groups):
+    xs, words, idx, w = inputs(seed=17)
+    with pytest.raises(EpdError, match="x_scales: dtype int64") as e:
+        groups[0].dispatch(xs[0], idx[0], w[0], x_scales=words[0].astype(np.int64))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
