@@ -182,3 +182,29 @@ def test_no_engine_files_and_no_session_ids_in_names(daemon) -> None:
         fds = fdc.socket_path_for(daemon.socket(0))
         assert oct(os.stat(fds).st_mode & 0o777) == oct(os.stat(daemon.socket(0)).st_mode & 0o777)
         assert os.stat(fds).st_mode & 0o007 == 0  # no access for other users
+
+
+def test_descriptor_channel_drops_a_silent_connection(daemon) -> None:
+    """A connection to the descriptor channel that never authenticates is closed by the engine
+    (each costs it a thread), and the engine keeps serving sessions meanwhile."""
+    import socket
+    import time
+
+    from epd.server.engine.fd_server import FIRST_REQUEST_SECONDS
+
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    idle.connect(fdc.socket_path_for(daemon.socket(0)))
+    idle.settimeout(FIRST_REQUEST_SECONDS + 10)
+    try:
+        t0 = time.monotonic()
+        with Session(daemon.socket(0), timeout=10) as s:  # others are served meanwhile
+            solo_round(s, "sec-idle-channel")
+        try:
+            closed = idle.recv(16) == b""
+        except ConnectionResetError:
+            closed = True
+        waited = time.monotonic() - t0
+    finally:
+        idle.close()
+    assert closed, "the engine kept a silent descriptor-channel connection"
+    assert FIRST_REQUEST_SECONDS - 1 <= waited <= FIRST_REQUEST_SECONDS + 5, waited

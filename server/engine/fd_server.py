@@ -92,7 +92,10 @@ class FdServer:
             while not self._stop:
                 fd = None
                 try:
-                    req, fd = fdc.recv(conn, epd_pb2.FdRequest)
+                    try:
+                        req, fd = fdc.recv(conn, epd_pb2.FdRequest)
+                    except OSError:  # the peer went away, or never spoke in time: close
+                        return
                     if req is None:
                         return
                     if session is None:
