@@ -187,23 +187,10 @@ def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray] | None,
     if topk_weights is None:
         raise ValueError("topk_weights must be given with topk_idx")
     _check_rank_list("topk_weights", topk_weights, num_ranks)
-    if x_scales is not None:
-        _check_rank_list("x_scales", x_scales, num_ranks)
     if expert_alignment < 1:
         raise ValueError(f"expert_alignment must be >= 1, got {expert_alignment}")
 
-    xs = [np.asarray(x) for x in xs]
-    for s, x in enumerate(xs):
-        if x.ndim != 2:
-            raise ValueError(f"xs[{s}] must be 2-D [num_tokens, hidden], got shape {x.shape}")
-        if x.dtype not in _PAYLOAD_DTYPES:
-            raise ValueError(f"xs[{s}] has dtype {x.dtype}; expected one of "
-                             f"{[str(d) for d in _PAYLOAD_DTYPES]}")
-    hidden, dtype = xs[0].shape[1], xs[0].dtype
-    for s, x in enumerate(xs):
-        if x.shape[1] != hidden or x.dtype != dtype:
-            raise ValueError(f"xs[{s}] is {x.dtype}[*, {x.shape[1]}] but xs[0] is "
-                             f"{dtype}[*, {hidden}]; all ranks must agree")
+    xs, hidden, dtype = _check_payloads(xs)
 
     idxs = [_check_topk_idx(topk_idx[s], num_experts, f"topk_idx[{s}]") for s in range(num_ranks)]
     num_topk = idxs[0].shape[1]
@@ -214,13 +201,7 @@ def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray] | None,
     weights = [_check_weights(topk_weights[s], idxs[s].shape, f"topk_weights[{s}]")
                for s in range(num_ranks)]
 
-    scales: list[np.ndarray] | None = None
-    if x_scales is not None:
-        if dtype != FLOAT8_E4M3:
-            raise ValueError(f"x_scales are only meaningful with float8_e4m3fn x, got {dtype}")
-        if hidden % FP8_BLOCK != 0:
-            raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
-        scales = _check_scales(x_scales, xs, hidden)
+    scales = _check_fp8_scales(x_scales, xs, hidden, dtype)
 
     layouts = [get_dispatch_layout(idx, num_experts, num_ranks) for idx in idxs]
 
@@ -274,6 +255,19 @@ def _check_payloads(xs: list[np.ndarray]) -> tuple[list[np.ndarray], int, np.dty
     return xs, hidden, dtype
 
 
+def _check_fp8_scales(x_scales: list[np.ndarray] | None, xs: list[np.ndarray], hidden: int,
+                      dtype: np.dtype) -> list[np.ndarray] | None:
+    """The FP8 scales of every rank (None without FP8), checked against the payloads."""
+    if x_scales is None:
+        return None
+    _check_rank_list("x_scales", x_scales, len(xs))
+    if dtype != FLOAT8_E4M3:
+        raise ValueError(f"x_scales are only meaningful with float8_e4m3fn x, got {dtype}")
+    if hidden % FP8_BLOCK != 0:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
+    return _check_scales(x_scales, xs, hidden)
+
+
 def _dispatch_without_topk(xs: list[np.ndarray], topk_weights: list[np.ndarray] | None,
                            num_experts: int, x_scales: list[np.ndarray] | None,
                            expert_alignment: int, is_token_in_rank: list[np.ndarray] | None,
@@ -307,14 +301,7 @@ def _dispatch_without_topk(xs: list[np.ndarray], topk_weights: list[np.ndarray] 
             raise ValueError(f"num_tokens_per_expert[{s}] must be non-negative integers "
                              f"[{num_experts}], got {c.dtype}{list(c.shape)}")
         per_expert.append(c.astype(np.int64))
-    scales = None
-    if x_scales is not None:
-        _check_rank_list("x_scales", x_scales, num_ranks)
-        if dtype != FLOAT8_E4M3:
-            raise ValueError(f"x_scales are only meaningful with float8_e4m3fn x, got {dtype}")
-        if hidden % FP8_BLOCK != 0:
-            raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
-        scales = _check_scales(x_scales, xs, hidden)
+    scales = _check_fp8_scales(x_scales, xs, hidden, dtype)
     out: list[RankDispatch] = []
     for d in range(num_ranks):
         rows = [np.nonzero(in_rank[s][:, d])[0] for s in range(num_ranks)]  # ascending
