@@ -30,9 +30,6 @@ from .backends.base import GroupPlanner, GroupSpec
 from .engine.state import spec_from_proto
 
 log = logging.getLogger("epd.coordinator")
-# The end of a ReleaseRank reason for a clean leave (the engine's leave_group): the group still
-# ends for its other members, but it is no fault: logged at INFO, not as an abort.
-LEAVE_REASON = "left the group"
 
 
 @dataclass
@@ -181,12 +178,12 @@ class Coordinator:
         log.info("group %r (%s) formed: %d ranks on engines %s", g.spec.name, g.group_id,
                  g.spec.num_ranks, [g.members[r][0] for r in range(g.spec.num_ranks)])
 
-    def release(self, group_id: str, rank: int, reason: str) -> None:
+    def release(self, group_id: str, rank: int, reason: str, left: bool = False) -> None:
         g = self.by_id.get(group_id)
         if g is None:
             return
         if reason and g.aborted is None and len(g.released) < g.spec.num_ranks - 1:
-            self._abort(g, reason, left=reason.endswith(LEAVE_REASON))
+            self._abort(g, reason, left=left)
         g.released.add(rank)
         if len(g.released) >= len(g.members):
             self._remove(g)

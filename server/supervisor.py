@@ -86,7 +86,8 @@ class NodeService(epd_pb2_grpc.NodeServicer):
 
     async def ReleaseRank(self, request, context):
         await self._engine_only(context, "ReleaseRank")
-        self.sup.coordinator.release(request.group_id, request.rank, request.reason)
+        self.sup.coordinator.release(request.group_id, request.rank, request.reason,
+                                     left=request.left)
         return epd_pb2.ReleaseRankResponse()
 
     async def GetBootstrap(self, request, context):

@@ -160,14 +160,16 @@ class GetBootstrapResponse(_message.Message):
     def __init__(self, nvshmem_uid: _Optional[bytes] = ..., pe: _Optional[int] = ..., num_pes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReleaseRankRequest(_message.Message):
-    __slots__ = ("group_id", "rank", "reason")
+    __slots__ = ("group_id", "rank", "reason", "left")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    LEFT_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     reason: str
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    left: bool
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ..., left: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRankResponse(_message.Message):
     __slots__ = ()

@@ -42,7 +42,6 @@ from ..backends.base import (
     Region,
 )
 from ..config import Config, node_metadata
-from ..coordinator import LEAVE_REASON
 from .executor import EngineState, SessionExecutor
 from .fast_path import FastPathServer
 from .ops import DataPlane
@@ -289,11 +288,11 @@ class Engine(DataPlane):
                 metrics.ABORTS.labels(why).inc()
         member.comm.abort(text)
 
-    async def _release_rank(self, member: GroupMember, text: str) -> None:
+    async def _release_rank(self, member: GroupMember, text: str, left: bool = False) -> None:
         try:
             await self._node().ReleaseRank(
                 epd_pb2.ReleaseRankRequest(group_id=member.group_id, rank=member.rank,
-                                           reason=text), timeout=NODE_RPC_SECONDS)
+                                           reason=text, left=left), timeout=NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             log.warning("could not release rank %d of %s: %s", member.rank, member.group_id,
                         e.details())
@@ -315,7 +314,7 @@ class Engine(DataPlane):
             session.free_slots.append(member.counter_slot)
         await asyncio.to_thread(session.executor.exclusive, close)
         session.members.pop(member.group_id, None)
-        await self._release_rank(member, text)
+        await self._release_rank(member, text, left=why == "left")
         self._refresh_gauges()
 
     # -- groups ------------------------------------------------------------------------------
@@ -378,7 +377,7 @@ class Engine(DataPlane):
 
     async def leave_group(self, session: Session, group_id: str) -> None:
         member = self.member(session, group_id)
-        await self._drop_member(session, member, LEAVE_REASON, why="left")
+        await self._drop_member(session, member, "left the group", why="left")
 
     # -- fast path ---------------------------------------------------------------------------
     def open_fast_path(self, session: Session,
