@@ -177,23 +177,28 @@ class Engine(DataPlane):
             raise NotFound(f"{session.describe()} has no shared object {name!r} to fetch")
         return os.dup(fd), size
 
+    def _check_region_budget(self, session: Session, size: int) -> None:
+        """One more region of `size` bytes fits the session's budgets (count and bytes), for
+        memfds and CUDA IPC regions alike."""
+        if len(session.regions) >= self.config.max_regions_per_session:
+            raise ResourceExhausted(f"{session.describe()} has {len(session.regions)} regions, "
+                                    f"the maximum (--max-regions-per-session)")
+        if size <= 0:
+            raise InvalidArgument("size_bytes must be positive")
+        held = sum(r.size for r in session.regions.values() if not r.borrowed)
+        limit = self.config.max_region_bytes_per_session
+        if held + size > limit:
+            raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions; "
+                                    f"{size} more exceed the maximum of {limit} "
+                                    f"(--max-region-bytes-per-session)")
+
     def register_memfd(self, session: Session, fd: int, size: int) -> Region:
         """A client memfd as a region: checked (sealed against shrinking, large enough),
-        mapped, and its descriptor closed (the mapping needs none). Owns `fd`."""
+        mapped, and the received descriptor closed. Owns `fd`."""
         try:
             if session.executor.closing is not None:
                 raise Aborted(f"{session.describe()} is closing")
-            if len(session.regions) >= self.config.max_regions_per_session:
-                raise ResourceExhausted(f"{session.describe()} has {len(session.regions)} "
-                                        f"regions, the maximum (--max-regions-per-session)")
-            if size <= 0:
-                raise InvalidArgument("size_bytes must be positive")
-            held = sum(r.size for r in session.regions.values() if not r.borrowed)
-            limit = getattr(self.config, "max_region_bytes_per_session", 1 << 62)
-            if held + size > limit:
-                raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions; "
-                                        f"{size} more exceed the maximum of {limit} "
-                                        f"(--max-region-bytes-per-session)")
+            self._check_region_budget(session, size)
             rid = "r" + secrets.token_hex(8)
             region = self.backend.map_memfd(rid, fd, size)
         finally:
@@ -438,18 +443,7 @@ class Engine(DataPlane):
     # -- regions -----------------------------------------------------------------------------
     async def register_region(self, session: Session,
                               req: epd_pb2.RegisterRegionRequest) -> Region:
-        if len(session.regions) >= self.config.max_regions_per_session:
-            raise ResourceExhausted(f"{session.describe()} has "
-                                    f"{len(session.regions)} regions, the maximum "
-                                    f"(--max-regions-per-session)")
-        if req.size_bytes <= 0:
-            raise InvalidArgument("size_bytes must be positive")
-        held = sum(r.size for r in session.regions.values() if not r.borrowed)
-        if held + req.size_bytes > self.config.max_region_bytes_per_session:
-            raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions; "
-                                    f"{req.size_bytes} more exceed the maximum of "
-                                    f"{self.config.max_region_bytes_per_session} "
-                                    f"(--max-region-bytes-per-session)")
+        self._check_region_budget(session, req.size_bytes)
         which = req.WhichOneof("source")
         if which is None:  # host memory comes by descriptor, never by path
             raise InvalidArgument("a region over gRPC needs cuda_ipc_handle; host memory is a "
