@@ -122,8 +122,8 @@ class Ring:
 
     @classmethod
     def from_fd(cls, fd: int, slots: int, slot_bytes: int) -> Ring:
-        """Map a ring fetched from the engine; closes `fd` (the mapping needs none). Refuses
-        one that is not sealed at its size (ValueError)."""
+        """Map a ring fetched from the engine; closes `fd` (the mapping keeps a duplicate of
+        its own). Refuses one that is not sealed at its size (ValueError)."""
         try:
             size = ring_bytes(slots, slot_bytes)
             try:
