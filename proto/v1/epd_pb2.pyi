@@ -56,7 +56,7 @@ class GetTopologyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("index", "socket_path", "backend", "device_name", "device_uuid", "ready", "pid", "restarts")
+    __slots__ = ("index", "socket_path", "backend", "device_name", "device_uuid", "ready", "pid", "restarts", "sessions_without_mps")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class EngineInfo(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_WITHOUT_MPS_FIELD_NUMBER: _ClassVar[int]
     index: int
     socket_path: str
     backend: Backend
@@ -73,19 +74,24 @@ class EngineInfo(_message.Message):
     ready: bool
     pid: int
     restarts: int
-    def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
+    sessions_without_mps: int
+    def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., sessions_without_mps: _Optional[int] = ...) -> None: ...
 
 class GetTopologyResponse(_message.Message):
-    __slots__ = ("version", "node_name", "engines", "metrics_url")
+    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
+    MPS_MODE_FIELD_NUMBER: _ClassVar[int]
+    MPS_PIPE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_name: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     metrics_url: str
-    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ...) -> None: ...
+    mps_mode: str
+    mps_pipe_directory: str
+    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode")
@@ -176,12 +182,16 @@ class ReleaseRankResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "pid")
+    __slots__ = ("client_name", "pid", "mps_pipe_directory", "mps_pipe_present")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    MPS_PIPE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    MPS_PIPE_PRESENT_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
-    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    mps_pipe_directory: str
+    mps_pipe_present: bool
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., mps_pipe_directory: _Optional[str] = ..., mps_pipe_present: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("opened", "group_aborted")
@@ -192,7 +202,7 @@ class SessionEvent(_message.Message):
     def __init__(self, opened: _Optional[_Union[SessionOpened, _Mapping]] = ..., group_aborted: _Optional[_Union[GroupAborted, _Mapping]] = ...) -> None: ...
 
 class SessionOpened(_message.Message):
-    __slots__ = ("session_id", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version", "default_timeout_seconds", "session_token", "fd_socket_path")
+    __slots__ = ("session_id", "counter_page_bytes", "backend", "engine_index", "device_ordinal", "version", "default_timeout_seconds", "session_token", "fd_socket_path", "mps_pipe_directory", "client_on_engine_mps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTER_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +212,8 @@ class SessionOpened(_message.Message):
     DEFAULT_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FD_SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
+    MPS_PIPE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ON_ENGINE_MPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     counter_page_bytes: int
     backend: Backend
@@ -211,7 +223,9 @@ class SessionOpened(_message.Message):
     default_timeout_seconds: float
     session_token: bytes
     fd_socket_path: str
-    def __init__(self, session_id: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ..., default_timeout_seconds: _Optional[float] = ..., session_token: _Optional[bytes] = ..., fd_socket_path: _Optional[str] = ...) -> None: ...
+    mps_pipe_directory: str
+    client_on_engine_mps: bool
+    def __init__(self, session_id: _Optional[str] = ..., counter_page_bytes: _Optional[int] = ..., backend: _Optional[_Union[Backend, str]] = ..., engine_index: _Optional[int] = ..., device_ordinal: _Optional[int] = ..., version: _Optional[str] = ..., default_timeout_seconds: _Optional[float] = ..., session_token: _Optional[bytes] = ..., fd_socket_path: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ..., client_on_engine_mps: _Optional[bool] = ...) -> None: ...
 
 class GroupAborted(_message.Message):
     __slots__ = ("group_id", "reason")
@@ -294,29 +308,39 @@ class UnregisterRegionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class GetDispatchLayoutRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "topk_idx", "ready_event")
+    __slots__ = ("session_id", "group_id", "topk_idx", "ready_event", "stream_ordered", "num_tokens_per_rank_out", "num_tokens_per_expert_out", "is_token_in_rank_out")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ORDERED_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_PER_RANK_OUT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_PER_EXPERT_OUT_FIELD_NUMBER: _ClassVar[int]
+    IS_TOKEN_IN_RANK_OUT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     topk_idx: TensorDesc
     ready_event: bytes
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    stream_ordered: bool
+    num_tokens_per_rank_out: TensorDesc
+    num_tokens_per_expert_out: TensorDesc
+    is_token_in_rank_out: TensorDesc
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., ready_event: _Optional[bytes] = ..., stream_ordered: _Optional[bool] = ..., num_tokens_per_rank_out: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert_out: _Optional[_Union[TensorDesc, _Mapping]] = ..., is_token_in_rank_out: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class GetDispatchLayoutResponse(_message.Message):
-    __slots__ = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")
+    __slots__ = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank", "stream_seq")
     NUM_TOKENS_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
     IS_TOKEN_IN_RANK_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     num_tokens_per_rank: TensorDesc
     num_tokens_per_expert: TensorDesc
     is_token_in_rank: TensorDesc
-    def __init__(self, num_tokens_per_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+    stream_seq: int
+    def __init__(self, num_tokens_per_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., stream_seq: _Optional[int] = ...) -> None: ...
 
 class DispatchRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds", "ready_event", "release_handles", "is_token_in_rank", "num_tokens_per_expert")
+    __slots__ = ("session_id", "group_id", "x", "x_scales", "topk_idx", "topk_weights", "expert_alignment", "num_worst_tokens", "cached_handle", "timeout_seconds", "ready_event", "release_handles", "is_token_in_rank", "num_tokens_per_expert", "stream_ordered", "num_sms")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +355,8 @@ class DispatchRequest(_message.Message):
     RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
     IS_TOKEN_IN_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_PER_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ORDERED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SMS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -345,10 +371,12 @@ class DispatchRequest(_message.Message):
     release_handles: _containers.RepeatedScalarFieldContainer[int]
     is_token_in_rank: TensorDesc
     num_tokens_per_expert: TensorDesc
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., release_handles: _Optional[_Iterable[int]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+    stream_ordered: bool
+    num_sms: int
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., expert_alignment: _Optional[int] = ..., num_worst_tokens: _Optional[int] = ..., cached_handle: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., release_handles: _Optional[_Iterable[int]] = ..., is_token_in_rank: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_tokens_per_expert: _Optional[_Union[TensorDesc, _Mapping]] = ..., stream_ordered: _Optional[bool] = ..., num_sms: _Optional[int] = ...) -> None: ...
 
 class DispatchResponse(_message.Message):
-    __slots__ = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "handle", "num_recv_tokens", "recv_src_idx", "rank_prefix_matrix", "counter_sequence")
+    __slots__ = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "num_recv_tokens_per_expert", "handle", "num_recv_tokens", "recv_src_idx", "rank_prefix_matrix", "counter_sequence", "stream_seq")
     RECV_X_FIELD_NUMBER: _ClassVar[int]
     RECV_X_SCALES_FIELD_NUMBER: _ClassVar[int]
     RECV_TOPK_IDX_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +387,7 @@ class DispatchResponse(_message.Message):
     RECV_SRC_IDX_FIELD_NUMBER: _ClassVar[int]
     RANK_PREFIX_MATRIX_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     recv_x: TensorDesc
     recv_x_scales: TensorDesc
     recv_topk_idx: TensorDesc
@@ -369,10 +398,11 @@ class DispatchResponse(_message.Message):
     recv_src_idx: TensorDesc
     rank_prefix_matrix: TensorDesc
     counter_sequence: int
-    def __init__(self, recv_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_recv_tokens_per_expert: _Optional[_Iterable[int]] = ..., handle: _Optional[int] = ..., num_recv_tokens: _Optional[int] = ..., recv_src_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., rank_prefix_matrix: _Optional[_Union[TensorDesc, _Mapping]] = ..., counter_sequence: _Optional[int] = ...) -> None: ...
+    stream_seq: int
+    def __init__(self, recv_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_recv_tokens_per_expert: _Optional[_Iterable[int]] = ..., handle: _Optional[int] = ..., num_recv_tokens: _Optional[int] = ..., recv_src_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., rank_prefix_matrix: _Optional[_Union[TensorDesc, _Mapping]] = ..., counter_sequence: _Optional[int] = ..., stream_seq: _Optional[int] = ...) -> None: ...
 
 class CombineRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds", "ready_event")
+    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds", "ready_event", "stream_ordered", "num_sms", "out", "out_topk_weights")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +412,10 @@ class CombineRequest(_message.Message):
     BIAS_1_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_ORDERED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SMS_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    OUT_TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -391,15 +425,21 @@ class CombineRequest(_message.Message):
     bias_1: TensorDesc
     timeout_seconds: float
     ready_event: bytes
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    stream_ordered: bool
+    num_sms: int
+    out: TensorDesc
+    out_topk_weights: TensorDesc
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., stream_ordered: _Optional[bool] = ..., num_sms: _Optional[int] = ..., out: _Optional[_Union[TensorDesc, _Mapping]] = ..., out_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class CombineResponse(_message.Message):
-    __slots__ = ("combined_x", "combined_topk_weights")
+    __slots__ = ("combined_x", "combined_topk_weights", "stream_seq")
     COMBINED_X_FIELD_NUMBER: _ClassVar[int]
     COMBINED_TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     combined_x: TensorDesc
     combined_topk_weights: TensorDesc
-    def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+    stream_seq: int
+    def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., stream_seq: _Optional[int] = ...) -> None: ...
 
 class LowLatencyDispatchRequest(_message.Message):
     __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event", "release_handles")
