@@ -321,6 +321,15 @@ class Buffer:
                                 async_finish, allocate_on_comm_stream, inputs)
 
     @staticmethod
+    def _sms(g: Group, config: Config | None) -> int:
+        """The SMs a call asks the daemon for, as DeepEP sizes its kernels: the config's, else
+        `Buffer.num_sms` (the daemon bounds it by its own --num-sms). The cpu backend has no
+        SMs to share."""
+        if not g._ordered:
+            return 0
+        return int(config.num_sms) if config is not None else int(Buffer.num_sms)
+
+    @staticmethod
     def _check_config(config: Config | None) -> None:
         if config is not None and not isinstance(config, Config):
             raise InvalidArgument(f"config must be a deep_ep Config, got {type(config).__name__}")
@@ -395,7 +404,8 @@ class Buffer:
             out, event = self._run(
                 x, lambda: g.dispatch(x, x_scales=x_scales, handle=handle.handle,
                                       expert_alignment=expert_alignment,
-                                      num_worst_tokens=num_worst_tokens),
+                                      num_worst_tokens=num_worst_tokens,
+                                      num_sms=self._sms(g, config)),
                 previous_event, async_finish, allocate_on_comm_stream, (x, x_scales))
             recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
             return recv, None, None, None, None, event
@@ -421,7 +431,8 @@ class Buffer:
         out, event = self._run(
             x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
                                   expert_alignment=expert_alignment,
-                                  num_worst_tokens=num_worst_tokens),
+                                  num_worst_tokens=num_worst_tokens,
+                                  num_sms=self._sms(g, config)),
             previous_event, async_finish, allocate_on_comm_stream,
             (x, x_scales, topk_idx, topk_weights))
         recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
@@ -481,7 +492,7 @@ class Buffer:
         g = handle.handle.group
         (cx, cw), event = self._run(
             x, lambda: g.combine(x, handle.handle, topk_weights=topk_weights, bias_0=bias_0,
-                                 bias_1=bias_1),
+                                 bias_1=bias_1, num_sms=self._sms(g, config)),
             previous_event, async_finish, allocate_on_comm_stream,
             (x, topk_weights, bias_0, bias_1))
         return cx, cw, event

@@ -160,6 +160,28 @@ class MappedHeap:
             self._views[key] = v
         return v
 
+    def rows(self, d: epd_pb2.TensorDesc, nrows: int | None, copy: bool, template: Any,
+             stream: int) -> Any:
+        """The first `nrows` rows of an output (all when None): a new tensor filled by a copy
+        on `stream` (after the call's DONE wait there), or with copy=False a view."""
+        shape = tuple(d.shape) if nrows is None else (nrows, *d.shape[1:])
+        if not copy:
+            part = epd_pb2.TensorDesc()
+            part.CopyFrom(d)
+            part.shape[:] = shape
+            return self.view(part, False, template)
+        logical = dtypes.to_numpy(d.dtype)
+        t = _torch()
+        out = device_empty(shape, logical, self.device,
+                           torch=t is not None and isinstance(template, t.Tensor))
+        nbytes = int(np.prod(shape)) * _storage(logical).itemsize
+        if nbytes:  # the engine's buffers are row-major and dense: one copy
+            dst = out.data_ptr() if hasattr(out, "data_ptr") else out.data.ptr
+            cp = _cupy()
+            cp.cuda.runtime.memcpyAsync(dst, self.ptr + d.offset_bytes, nbytes,
+                                        cp.cuda.runtime.memcpyDeviceToDevice, stream)
+        return out
+
     def _make_view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any) -> Any:
         cp = _cupy()
         logical = dtypes.to_numpy(d.dtype)

@@ -243,6 +243,11 @@ class HeapOutputs(OutputRegion):
     def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
         return self._heap.view(d, copy, template)
 
+    def rows(self, d: epd_pb2.TensorDesc, nrows: int | None, copy: bool, template: Array,
+             stream: int) -> Array:
+        """Stream-ordered outputs (client/stream_calls.py): copied out on `stream`, or views."""
+        return self._heap.rows(d, nrows, copy, template, stream)
+
 
 class CudaIpcMemory(Memory):
     backend = "cuda"

@@ -38,6 +38,7 @@ from .tensors import Array
 from .transport import FastPathTransport, GrpcTransport, PendingCall, SessionStream, Transport
 
 if TYPE_CHECKING:
+    from .stream_calls import StreamSlot
     from .stream_ops import StreamOp
 
 DEFAULT_SOCKET_DIR = "/run/epd"
@@ -181,8 +182,9 @@ class Session:
             raise
 
     def _open(self, client_name: str, fast_path: bool | None) -> None:
+        from . import mps  # the client's view of CUDA MPS (sent, and compared by the engine)
         self._stream = self._transport.open_stream(epd_pb2.OpenSessionRequest(
-            client_name=client_name, pid=os.getpid()))
+            client_name=client_name, pid=os.getpid(), **mps.request_fields()))
         self._watcher = threading.Thread(target=self._watch, name="epd-session", daemon=True)
         self._watcher.start()
         where = f"could not open a session on {self.endpoint}"
@@ -198,6 +200,10 @@ class Session:
         self.device_ordinal = o.device_ordinal
         self.server_version = o.version
         self.default_timeout = o.default_timeout_seconds or DEFAULT_TIMEOUT
+        # Whether this process shares the engine's CUDA MPS server (warned once if not).
+        self.mps_pipe_directory = o.mps_pipe_directory
+        self.on_engine_mps = o.client_on_engine_mps
+        mps.warn_if_off_engine_mps(o)
         # The session's secret: every later call carries it (gRPC metadata, the channel).
         set_token = getattr(self._transport, "set_token", None)
         if set_token is not None:
@@ -246,6 +252,8 @@ class Session:
             self._ready.set()
             for op in list(self._stream_ops.values()):  # no stream may wait forever on them
                 op.release()
+            for g in list(self._groups.values()):
+                g._release_stream()
             # The ring has no lease of its own: fail the calls waiting on it now, not at
             # their deadline (the engine may be dead and never answer).
             lease_lost = getattr(self._transport, "lease_lost", None)
@@ -406,6 +414,9 @@ class Group:
         self._counter_slot = resp.counter_slot
         self._counter = counter_page.slot_words(session._counter_file.mm, resp.counter_slot)
         self._left = False
+        # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
+        self._stream_slot: StreamSlot | None = None
+        self._ordered = session.memory.supports_stream_ops
         # Ids of handles whose objects were collected (weakref.finalize appends, on any
         # thread): the next dispatch of this group carries them (release_handles), or
         # release_handles() sends them now. The engine keeps a handle until then.
@@ -456,7 +467,11 @@ class Group:
     def get_dispatch_layout(self, topk_idx: Array, *,
                             copy: bool = True) -> tuple[Array, Array, Array]:
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
-        is_token_in_rank [T, R] bool), as the caller's array type."""
+        is_token_in_rank [T, R] bool), as the caller's array type. On the cuda backend the call
+        is stream-ordered on the caller's current stream and the outputs are new tensors."""
+        if self._ordered:
+            from . import stream_calls
+            return stream_calls.layout(self, topk_idx)
         d = self._session._descs({"topk_idx": topk_idx})
         resp = cast(epd_pb2.GetDispatchLayoutResponse, self._session._call(
             "GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
@@ -468,8 +483,8 @@ class Group:
     def _dispatch_request(self, x: Array, topk_idx: Array, topk_weights: Array,
                           x_scales: Array, expert_alignment: int, num_worst_tokens: int,
                           handle: Handle | None, timeout: float | None,
-                          is_token_in_rank: Array = None, num_tokens_per_expert: Array = None
-                          ) -> tuple[epd_pb2.DispatchRequest, float]:
+                          is_token_in_rank: Array = None, num_tokens_per_expert: Array = None,
+                          event: bool = True) -> tuple[epd_pb2.DispatchRequest, float]:
         if handle is not None and handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
         arrays = {"x": x, "x_scales": x_scales, "topk_idx": topk_idx,
@@ -479,7 +494,7 @@ class Group:
             # computes the layout itself, so these are not sent).
             arrays.update(is_token_in_rank=is_token_in_rank,
                           num_tokens_per_expert=num_tokens_per_expert)
-        d = self._session._descs(arrays)
+        d = self._session._descs(arrays, event)
         t = self._timeout(timeout)
         req = epd_pb2.DispatchRequest(
             session_id=self._session.session_id, group_id=self.group_id,
@@ -492,7 +507,7 @@ class Group:
                  x_scales: Array = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  handle: Handle | None = None, timeout: float | None = None,
                  copy: bool = True, is_token_in_rank: Array = None,
-                 num_tokens_per_expert: Array = None) -> DispatchResult:
+                 num_tokens_per_expert: Array = None, num_sms: int = 0) -> DispatchResult:
         """Send each token to the ranks holding its experts (as server/reference.py). With
         `handle`, the cached mode: the routing of that earlier dispatch is reused and no counts
         travel. Without top-k (topk_idx and topk_weights None, DeepEP's V1 form), the tokens
@@ -500,11 +515,20 @@ class Group:
         gives the receive counts, recv_topk_idx/weights are None and combine sums the rows
         without weights (cpu backend; the cuda engine answers FAILED_PRECONDITION for now).
         The engine keeps the dispatch's handle until the returned handle object is garbage
-        collected (then the next dispatch of this group releases it)."""
+        collected (then the next dispatch of this group releases it).
+        On the cuda backend the call is stream-ordered on the caller's current stream (the host
+        waits only for the receive count); with copy=True (default) the outputs are new
+        tensors, with copy=False views of the engine's receive buffers, valid until this rank's
+        next dispatch. `num_sms`: blocks of the data kernel (0: the daemon's; at most that)."""
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
                                                   timeout, is_token_in_rank,
-                                                  num_tokens_per_expert)
+                                                  num_tokens_per_expert, not self._ordered)
+        if self._ordered:
+            from . import stream_calls
+            return stream_calls.dispatch(self, req, rpc_timeout, x, copy, num_sms)
+        if num_sms:
+            raise InvalidArgument("num_sms is for the cuda backend")
         released = self._take_released()
         req.release_handles.extend(released)
         try:
@@ -556,11 +580,18 @@ class Group:
 
     def combine(self, x: Array, handle: Handle, topk_weights: Array = None, bias_0: Array = None,
                 bias_1: Array = None, *, timeout: float | None = None,
-                copy: bool = True) -> tuple[Array, Array | None]:
+                copy: bool = True, num_sms: int = 0) -> tuple[Array, Array | None]:
         """Bring expert outputs back to their tokens and sum them in fp32 (server/reference.py).
-        Returns (combined_x, combined_topk_weights or None)."""
+        Returns (combined_x, combined_topk_weights or None). On the cuda backend the call is
+        stream-ordered on the caller's current stream and returns new tensors at once."""
         if not isinstance(handle, Handle) or handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
+        if self._ordered:
+            from . import stream_calls
+            return stream_calls.combine(self, x, handle, topk_weights, bias_0, bias_1,
+                                        self._timeout(timeout), num_sms)
+        if num_sms:
+            raise InvalidArgument("num_sms is for the cuda backend")
         d = self._session._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0,
                                   "bias_1": bias_1})
         t = self._timeout(timeout)
@@ -699,6 +730,14 @@ class Group:
         s._stream_ops[op.op_id] = op
         return op
 
+    def check(self) -> None:
+        """Raise the failure the GPU reported for an earlier stream-ordered call of this rank
+        (once the stream has passed it: e.g. after synchronising), if any not raised yet. Calls
+        check too, so a failure surfaces at the next call at the latest."""
+        if self._ordered:
+            from . import stream_calls
+            stream_calls._slot(self)
+
     def leave(self) -> None:
         """Leave the group. Its other ranks' later collectives fail with ABORTED."""
         if self._left:
@@ -707,7 +746,13 @@ class Group:
             session_id=self._session.session_id, group_id=self.group_id))
         self._release()
 
+    def _release_stream(self) -> None:
+        """No stream of ours may wait for DONE of a call the engine will never finish."""
+        if self._stream_slot is not None:
+            self._stream_slot.release()
+
     def _release(self) -> None:
         self._left = True
+        self._release_stream()
         self._session._groups.pop(self.group_id, None)
         self._outputs.close()

@@ -17,6 +17,8 @@ typedef unsigned long long u64;
 #define CTRL_ERR_RANK 2        // the rank that did not arrive (or -1)
 #define CTRL_ERR_PHASE 3       // which wait failed (PHASE_*)
 #define CTRL_ERR_SEQ 4         // sequence of the failed collective
+#define CTRL_CALL_ERR 5        // bad input of the current stream-ordered call (cleared when reported)
+#define CTRL_CALL_ERR_VALUE 7  // the offending value (an expert id)
 #define CTRL_TICKET 6          // last-block ticket of the data kernels (u32 in the low half)
 #define CTRL_NOTIFY_FLAG 8     // [R] notify payload from source s has arrived (value = seq)
 #define CTRL_DISPATCH_FLAG 16  // [R] source s finished its dispatch pushes
@@ -63,6 +65,14 @@ typedef unsigned long long u64;
 #define SLOT_STATUS 3
 #define SLOT_ERR_RANK 4  // reserved word 4: the missing rank when STATUS != 0
 #define SLOT_HEADER 8
+// Stream-ordered normal-mode calls: int32 words of the slot (proto/abi.py says how they work).
+#define SLOT32_DONE 10
+#define SLOT32_FAIL_SEQ 11
+#define SLOT32_FAIL_CODE 12
+#define SLOT32_FAIL_RANK 13
+#define SLOT_FAIL_VALUE 7
+#define READY_RING 32
+#define SLOT32_READY 992
 
 __device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
     u64 v;
@@ -108,6 +118,15 @@ __device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int 
         ctrl[CTRL_ERR_SEQ] = seq;
         __threadfence_system();
     }
+}
+
+// A bad value in a call's inputs (an expert id out of range): the entry is skipped, so every rank
+// still moves consistent data, and the call's last kernel reports it (epd_call_done).
+__device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value) {
+    if (ctrl != nullptr &&
+        atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_CALL_ERR), 0ull,
+                  (unsigned long long)ERR_BAD_INPUT) == 0ull)
+        ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
 }
 
 // Block-wide wait for flags[0..R) >= seq: threads r < R poll, the block agrees on the outcome.

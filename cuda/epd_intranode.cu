@@ -19,7 +19,8 @@
 extern "C" __global__ void __launch_bounds__(256)
 epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
            int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_expert,
-           bool* __restrict__ is_token_in_rank) {
+           bool* __restrict__ is_token_in_rank,
+           u64* call_err) {  // own control block: bad ids are reported there (or null)
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     const int L = E / R;
@@ -31,6 +32,7 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
         unsigned mask = 0;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];
+            if (e < -1 || e >= E) { report_bad_input(call_err, e); continue; }
             if (e >= 0) {
                 mask |= 1u << (int)(e / L);
                 atomicAdd(&s_expert[e], 1);
@@ -99,6 +101,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         unsigned mask = 0;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];
+            if (e < -1 || e >= E) { report_bad_input(my_ctrl, e); continue; }
             if (e >= 0) {
                 mask |= 1u << (int)(e / L);
                 atomicAdd(&s_expert[e], 1);
@@ -561,6 +564,49 @@ template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::
 // abort: raise the abort word of every rank of the group (launched on a side stream while the
 // group's own stream may be stuck in a wait).
 // ------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------
+// call_done: the last kernel of a stream-ordered normal-mode call. Reports the call's bad input
+// (and clears it: the group goes on) or the group's sticky error in the counter slot, then
+// writes DONE = seq, which the client's stream waits for.
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank,
+                                         unsigned* slot32, unsigned seq) {
+    if (threadIdx.x != 0) return;
+    u64* ctrl = ctrl_of(peers, rank);
+    i64* slot64 = reinterpret_cast<i64*>(slot32);
+    const u64 call = *reinterpret_cast<volatile u64*>(ctrl + CTRL_CALL_ERR);
+    const u64 code = *reinterpret_cast<volatile u64*>(ctrl + CTRL_ERR_CODE);
+    const u64 aborted = ld_acquire_sys(ctrl + CTRL_ABORT);
+    if (call || code || aborted) {
+        unsigned c;
+        int who;
+        i64 value;
+        if (call) {
+            c = (unsigned)call;
+            who = rank;
+            value = (i64)ctrl[CTRL_CALL_ERR_VALUE];
+            ctrl[CTRL_CALL_ERR_VALUE] = 0;
+            ctrl[CTRL_CALL_ERR] = 0;
+        } else if (code) {
+            c = (unsigned)code | ((unsigned)ctrl[CTRL_ERR_PHASE] << 8);
+            who = (int)(i64)ctrl[CTRL_ERR_RANK];
+            value = (i64)ctrl[CTRL_ERR_SEQ];
+        } else {
+            c = ERR_ABORTED;
+            who = (int)(aborted >> ABORT_RANK_SHIFT) - 1;
+            value = 0;
+        }
+        slot64[SLOT_FAIL_VALUE] = value;
+        slot32[SLOT32_FAIL_CODE] = c;
+        slot32[SLOT32_FAIL_RANK] = (unsigned)who;
+        __threadfence_system();
+        reinterpret_cast<volatile unsigned*>(slot32)[SLOT32_FAIL_SEQ] = seq;
+    }
+    __threadfence_system();
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(slot32 + SLOT32_DONE), "r"(seq)
+                 : "memory");
+}
+
 extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 code) {
     int r = threadIdx.x;
     if (r < R) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);

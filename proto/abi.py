@@ -27,6 +27,8 @@ CTRL_ERR_CODE = 1  # first error seen by this rank's kernels
 CTRL_ERR_RANK = 2  # the rank that did not arrive (or -1)
 CTRL_ERR_PHASE = 3  # which wait failed (PHASE_*)
 CTRL_ERR_SEQ = 4  # sequence of the failed collective
+CTRL_CALL_ERR = 5  # bad input of the current stream-ordered call (code; cleared when reported)
+CTRL_CALL_ERR_VALUE = 7  # the offending value (an expert id)
 CTRL_TICKET = 6
 CTRL_NOTIFY_FLAG = 8
 CTRL_DISPATCH_FLAG = 16
@@ -72,6 +74,19 @@ SLOT_NUM_EXPERTS = 2
 SLOT_STATUS = 3
 SLOT_ERR_RANK = 4  # on error: the rank that did not arrive (-1 when unknown)
 SLOT_HEADER = 8  # per-expert counts start at this word
+
+# Stream-ordered normal-mode calls: int32 words of the membership's counter slot (after the
+# int64 header words 0..4; the ready ring at the slot's end). The client's stream writes
+# READY[seq % READY_RING] = seq, the engine's stream waits for it before the call's kernels, and
+# the call's last kernel writes FAIL_* (on failure) then DONE = seq, which the client's stream
+# waits for.
+SLOT32_DONE = 10
+SLOT32_FAIL_SEQ = 11  # the latest stream sequence that failed (0: none yet)
+SLOT32_FAIL_CODE = 12  # its error code | phase << 8
+SLOT32_FAIL_RANK = 13  # the rank at fault (bad input: this rank; deadline: the missing one)
+SLOT_FAIL_VALUE = 7  # int64 word: the offending value (bad input) or the failed sequence
+READY_RING = 32
+SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 
 # -- stream-ordered ops: int32 words of the op's counter slot ----------------------------------
 STREAM_REQUEST, STREAM_DONE = 0, 1

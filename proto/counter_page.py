@@ -1,6 +1,6 @@
 """Layout of the per-session counter page, shared by the engine (writer) and the client (reader).
 
-The page is a file under /dev/shm mapped by both processes; the CUDA engine also registers it as
+The page is a sealed memfd mapped by both processes; the CUDA engine also registers it as
 mapped pinned memory so the notify kernel writes it directly. It holds one slot per group
 membership of the session. A writer stores the payload, fences, then stores the sequence word;
 a reader spins on the sequence word reaching the value it expects, then reads the payload.
@@ -11,24 +11,37 @@ Slot layout (little-endian, 8-byte words):
     word 2      num_local_experts (i64)
     word 3      status (i64): 0 ok, otherwise an error code (the RPC carries the message)
     word 4      on error: the rank that did not arrive (-1 when unknown), written by the GPU
-    word 5..7   reserved
+    word 5..6   int32 words of stream-ordered calls (abi.SLOT32_*): done, failed sequence,
+                its code and rank
+    word 7      the failed call's offending value
     word 8..    num_recv_tokens_per_expert[i] (i64), aligned as requested
+    last 128 B  the ready ring: int32 [abi.READY_RING] (stream-ordered calls)
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-from .abi import NUM_SLOTS, SLOT_BYTES
+from . import abi
+from .abi import NUM_SLOTS, READY_RING, SLOT_BYTES
 from .abi import SLOT_HEADER as HEADER_WORDS
 from .abi import SLOT_NUM_EXPERTS as NUM_EXPERTS
 from .abi import SLOT_NUM_RECV as NUM_RECV
 from .abi import SLOT_SEQ as SEQ
 from .abi import SLOT_STATUS as STATUS
+from .errors import (
+    Aborted,
+    DeadlineExceeded,
+    EpdError,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 
-MAX_LOCAL_EXPERTS = SLOT_BYTES // 8 - HEADER_WORDS  # 504
+MAX_LOCAL_EXPERTS = SLOT_BYTES // 8 - HEADER_WORDS - READY_RING // 2  # 488
 PAGE_BYTES = SLOT_BYTES * NUM_SLOTS
 
 
@@ -63,3 +76,81 @@ def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[in
             time.sleep(20e-6)
     n = int(words[NUM_EXPERTS])
     return int(words[NUM_RECV]), [int(v) for v in words[HEADER_WORDS:HEADER_WORDS + n]]
+
+
+# -- stream-ordered normal-mode calls (abi.SLOT32_*) -------------------------------------------
+RELEASED = 0xFE  # failure code the client writes itself when its session or engine is gone
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """The latest failed stream-ordered call of a membership, as its last kernel reported it."""
+
+    seq: int  # the call's stream sequence
+    code: int  # abi.ERR_* (or RELEASED)
+    phase: int  # abi.PHASE_* of a deadline
+    rank: int  # bad input: the rank that passed it; deadline: the missing rank; abort: who left
+    value: int  # bad input: the expert id; deadline: the collective's sequence
+
+    @property
+    def fatal(self) -> bool:
+        """The group cannot go on (a bad input fails only its call)."""
+        return self.code != abi.ERR_BAD_INPUT
+
+    def error(self, group: str, num_experts: int | None = None) -> EpdError:
+        where = f"group {group!r}, call #{self.seq}"
+        if self.code == abi.ERR_BAD_INPUT:
+            valid = f"[0, {num_experts})" if num_experts else "[0, num_experts)"
+            return InvalidArgument(f"{where}: rank {self.rank} passed expert id {self.value} in "
+                                   f"topk_idx; valid ids are -1 (none) and {valid}; the entry "
+                                   f"was skipped on every rank and the group goes on")
+        if self.code == abi.ERR_DEADLINE:
+            phase = abi.PHASE_NAMES.get(self.phase, "a collective")
+            return DeadlineExceeded(f"{where}: rank {self.rank} did not arrive at {phase} "
+                                    f"(collective #{self.value}) before the deadline; the "
+                                    f"group is aborted")
+        if self.code == abi.ERR_WORST_OVERFLOW:
+            return ResourceExhausted(f"{where}: received more tokens than num_worst_tokens; the "
+                                     f"group is aborted")
+        if self.code == RELEASED:
+            return Unavailable(f"{where}: the session or engine went away")
+        who = f" (rank {self.rank} left or failed)" if self.rank >= 0 else ""
+        return Aborted(f"{where}: the group was aborted{who}")
+
+
+def stream_failure(words: np.ndarray) -> StreamFailure | None:
+    """The latest failure recorded in a slot (int64 words), or None."""
+    w32 = words.view(np.int32)
+    while True:
+        seq = int(w32[abi.SLOT32_FAIL_SEQ]) & 0xFFFFFFFF
+        if not seq:
+            return None
+        code = int(w32[abi.SLOT32_FAIL_CODE]) & 0xFFFFFFFF
+        f = StreamFailure(seq, code & 0xFF, code >> 8, int(w32[abi.SLOT32_FAIL_RANK]),
+                          int(words[abi.SLOT_FAIL_VALUE]))
+        if int(w32[abi.SLOT32_FAIL_SEQ]) & 0xFFFFFFFF == seq:  # not rewritten meanwhile
+            return f
+
+
+def seq_reached(value: int, seq: int) -> bool:
+    """Whether a 32-bit sequence word holding `value` has reached `seq` (cyclic, as
+    cuStreamWaitValue32's GEQ compares); 0 means never written."""
+    return value != 0 and ((value - seq) & 0xFFFFFFFF) < 1 << 31
+
+
+def stream_done(words: np.ndarray) -> int:
+    """The latest stream sequence whose last kernel ran (host view)."""
+    return int(words.view(np.int32)[abi.SLOT32_DONE]) & 0xFFFFFFFF
+
+
+def release_stream(words: np.ndarray, last_seq: int) -> None:
+    """Client side, when its session or engine is gone: record the release as a failure and
+    let any stream waiting for DONE of a call up to `last_seq` go on."""
+    w32 = words.view(np.int32)
+    if not last_seq or seq_reached(stream_done(words), last_seq):
+        return
+    w32[abi.SLOT32_FAIL_CODE] = RELEASED
+    w32[abi.SLOT32_FAIL_RANK] = -1
+    words[abi.SLOT_FAIL_VALUE] = 0
+    w32[abi.SLOT32_FAIL_SEQ] = np.int32(np.uint32(last_seq))
+    w32[abi.SLOT32_DONE] = np.int32(np.uint32(last_seq))

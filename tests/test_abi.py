@@ -87,8 +87,8 @@ def _py_kind(node: ast.AST) -> str:
         return {"int32": "i32", "int64": "i64", "uint64": "u64"}[node.func.attr]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_ptr":
         return "ptr"
-    if isinstance(node, ast.Name) and node.id in ("_P", "_I64", "_I32", "_U64"):
-        return {"_P": "ptr", "_I64": "i64", "_I32": "i32", "_U64": "u64"}[node.id]
+    if isinstance(node, ast.Name) and node.id in ("_P", "_I64", "_I32", "_U64", "_U32"):
+        return {"_P": "ptr", "_I64": "i64", "_I32": "i32", "_U64": "u64", "_U32": "u32"}[node.id]
     return "ptr"  # a CuPy array: CuPy passes its device pointer
 
 
@@ -143,3 +143,9 @@ def test_packed_launch_sequence_argument(kernel: str, index: int) -> None:
     """`Launch.set(index, seq)` must hit the kernel's `u64 seq`."""
     param = _params(kernel)[index]
     assert param.split()[-1] == "seq" and param.startswith("u64")
+
+
+def test_call_done_sequence_argument() -> None:
+    """The stream-ordered call's done word is a u32 (cuStreamWaitValue32 compares 32 bits)."""
+    param = _params("epd_call_done")[ck.CALL_DONE_SEQ]
+    assert param.split()[-1] == "seq" and param.startswith("unsigned")

@@ -324,6 +324,34 @@ class RankComm(abc.ABC):
         """Launch a prepared op with the next sequence (no host synchronisation)."""
         raise self._no_stream_ops()
 
+    # Stream-ordered normal-mode calls (engine/stream_calls.py): the rank's stream waits on the
+    # GPU for the client's READY word, the kernels follow, a last kernel writes the failure
+    # words and DONE; nothing waits on the host. `stream_seq` is the call's sequence.
+    def stream_layout(self, topk_idx: Array, out: tuple[Array, Array, Array], counter_slot: Any,
+                      stream_seq: int) -> None:
+        """Write num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank into `out`."""
+        raise self._no_stream_ops()
+
+    def stream_dispatch(self, args: DispatchArgs, counter_slot: Any, sequence: int,
+                        deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
+        """Enqueue notify + dispatch; the counts reach the counter slot from the GPU. Outputs
+        are the receive buffers at their largest shape; num_recv_tokens is -1 (not known yet)
+        unless cached."""
+        raise self._no_stream_ops()
+
+    def stream_combine(self, args: CombineArgs, out: Array, out_weights: Array | None,
+                       counter_slot: Any, deadline: float, stream_seq: int,
+                       num_sms: int) -> None:
+        """Enqueue combine into the caller's `out` (and `out_weights`)."""
+        raise self._no_stream_ops()
+
+    def release_stream(self, counter_slot: Any) -> None:  # noqa: B027  (nothing to release)
+        """Teardown: let the rank's stream pass every READY wait it was given."""
+
+    def known_abort_reason(self) -> str | None:
+        """Why the group failed, as far as this engine's host knows (no device read)."""
+        return None
+
     def _no_stream_ops(self) -> Exception:
         from ...proto.errors import FailedPrecondition
         return FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "

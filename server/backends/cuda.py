@@ -194,6 +194,7 @@ class _PreparedCombine:
 
 class CudaRankComm(RankComm):
     backend_name = "cuda"
+    stream_ordered = True  # layout/dispatch/combine may be stream-ordered (stream_calls.py)
 
     def __init__(self, backend: CudaBackend, spec: GroupSpec, membership: Membership) -> None:
         from . import cuda_runtime as rt
@@ -222,6 +223,9 @@ class CudaRankComm(RankComm):
         self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None
         self._written = False  # this rank already raised the group's abort word
+        self._stream_issued = 0  # the latest stream-ordered call's sequence (0: none)
+        self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
+        self._done_slot = 0
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
         # The output region starts at the IPC allocation, before our heap array: translate.
@@ -255,10 +259,8 @@ class CudaRankComm(RankComm):
                             self._extra("ntpe", (e,), np.int32),
                             self._extra("itr", (t, r), np.bool_))
         with cp.cuda.Device(self.backend.device), self.runner.stream as s:
-            ntpr, ntpe, itr = self.backend.kernels.layout(topk_idx, e, r, stream=s)
-            out.num_tokens_per_rank[...] = ntpr
-            out.num_tokens_per_expert[...] = ntpe
-            out.is_token_in_rank[...] = itr
+            self.backend.kernels.layout(topk_idx, e, r, stream=s, out=(
+                out.num_tokens_per_rank, out.num_tokens_per_expert, out.is_token_in_rank))
             s.synchronize()
         return out
 
@@ -462,6 +464,98 @@ class CudaRankComm(RankComm):
                                      "dispatch of this rank (trigger them in order)")
         runner.ll_combine_again(prepared.launches)
         prepared.done(runner.stream)
+
+    # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------
+    def _stream_begin(self, slot: _Slot, stream_seq: int) -> None:
+        """Order the rank's stream after the client's: a GPU-side wait for READY, no host wait."""
+        from .cuda_runtime import stream_wait_geq
+        word = slot.device_ptr + 4 * (abi.SLOT32_READY + stream_seq % abi.READY_RING)
+        stream_wait_geq(self.runner.stream.ptr, word, stream_seq)
+        self._stream_issued = stream_seq
+
+    def _stream_end(self, slot: _Slot, stream_seq: int) -> None:
+        done = self._done_launch
+        if done is None or self._done_slot != slot.device_ptr:
+            done = self._done_launch = self.backend.kernels.call_done_launch(
+                self.runner.peers, self.rank, slot.device_ptr)
+            self._done_slot = slot.device_ptr
+        done.set(ck.CALL_DONE_SEQ, stream_seq)
+        done(self.runner.stream)
+
+    def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
+                      stream_seq: int) -> None:
+        s = self.runner.stream
+        with cp.cuda.Device(self.backend.device):
+            self._stream_begin(counter_slot, stream_seq)
+            self.backend.kernels.layout(topk_idx, self.spec.num_experts, self.spec.num_ranks,
+                                        stream=s, out=out, call_err=self.runner.base)
+            self._stream_end(counter_slot, stream_seq)
+
+    def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
+                        deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
+        spec, runner = self.spec, self.runner
+        cached: _Handle | None = args.cached
+        fp8 = args.x.dtype == np.uint8 and spec.x_numpy_dtype.itemsize != 1
+        with cp.cuda.Device(self.backend.device):
+            self._stream_begin(counter_slot, stream_seq)
+            res = runner.dispatch(
+                args.x, args.x_scales, args.topk_idx, args.topk_weights,
+                alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
+                cached=cached.result if cached else None,
+                counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
+                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.backend.num_sms)
+            prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
+            cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
+                                        prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        runner.stream.ptr)
+            self._stream_end(counter_slot, stream_seq)
+        if cached is not None:  # known: the client reads it from the page as for any dispatch
+            num_recv = cached.num_recv
+            counter_page.publish(counter_slot, sequence, num_recv, [])
+        else:
+            num_recv = -1
+        rows = args.num_worst_tokens or (num_recv if num_recv >= 0 else
+                                         self.mlayout.kernel.max_recv)
+        outs = runner.output_views(res, rows)
+        recv_x = outs["recv_x"]
+        if fp8:  # the same bytes, viewed as one byte per element
+            recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
+        recv_scales = outs.get("recv_x_scales") if args.x_scales is not None else None
+        if recv_scales is not None and np.dtype(args.x_scales.dtype) == np.int32:
+            recv_scales = recv_scales.view(np.int32)
+        item = args.x.dtype.itemsize
+        return DispatchOutputs(
+            recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=outs.get("recv_topk_idx"),
+            recv_topk_weights=outs.get("recv_topk_weights"), recv_src_idx=outs["recv_src_idx"],
+            rank_prefix_matrix=prefix, num_recv_tokens=num_recv, num_recv_tokens_per_expert=[],
+            handle=_Handle(res, num_recv, int(args.x.shape[0])),
+            bytes_sent=int(args.x.shape[0]) * spec.hidden * item)
+
+    def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
+                       counter_slot: _Slot, deadline: float, stream_seq: int,
+                       num_sms: int) -> None:
+        with cp.cuda.Device(self.backend.device):
+            self._stream_begin(counter_slot, stream_seq)
+            self.runner.combine(args.x, args.handle.result, out,
+                                recv_topk_weights=args.topk_weights, out_weights=out_weights,
+                                bias_0=args.bias_0, bias_1=args.bias_1,
+                                timeout_ns=self._timeout_ns(deadline),
+                                num_sms=num_sms or self.backend.num_sms)
+            self._stream_end(counter_slot, stream_seq)
+
+    def release_stream(self, counter_slot: _Slot) -> None:
+        """Let the stream pass every READY wait given to it (the client is gone or leaving):
+        the host writes the ring itself. Raise the abort word first, or kernels that run then
+        wait for peers until their deadline."""
+        if not self._stream_issued:
+            return
+        ring = counter_slot.view(np.int32)[abi.SLOT32_READY:abi.SLOT32_READY + abi.READY_RING]
+        for i in range(abi.READY_RING):
+            if not counter_page.seq_reached(int(ring[i]) & 0xFFFFFFFF, self._stream_issued):
+                ring[i] = np.int32(np.uint32(self._stream_issued))
+
+    def known_abort_reason(self) -> str | None:
+        return self._reason
 
     def abort(self, reason: str) -> None:
         if self._reason is None:

@@ -229,7 +229,7 @@ class Kernels:
 
     FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done")
+             "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
                  "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
@@ -254,17 +254,27 @@ class Kernels:
 
     # -- layout ----------------------------------------------------------------------------
     def layout(self, topk_idx: Any, num_experts: int, num_ranks: int, *,
-               stream: Any = None) -> tuple[Any, Any, Any]:
+               stream: Any = None, out: tuple[Any, Any, Any] | None = None,
+               call_err: int = 0) -> tuple[Any, Any, Any]:
+        """`out`: (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) to write (the
+        caller's tensors); `call_err`: the rank's control block, where a bad id is reported
+        (it is skipped) instead of being read out of bounds."""
         t, k = topk_idx.shape
         with _stream_ptr(stream):  # the zeroing runs on the same stream as the kernel
-            ntpr = cp.zeros(num_ranks, cp.int32)
-            ntpe = cp.zeros(num_experts, cp.int32)
-            itr = cp.empty((t, num_ranks), cp.bool_)
+            if out is None:
+                ntpr = cp.zeros(num_ranks, cp.int32)
+                ntpe = cp.zeros(num_experts, cp.int32)
+                itr = cp.empty((t, num_ranks), cp.bool_)
+            else:
+                ntpr, ntpe, itr = out  # contiguous int32 / int32 / bool (checked by the caller)
+                sp = cp.cuda.get_current_stream().ptr
+                cp.cuda.runtime.memsetAsync(ntpr.data.ptr, 0, ntpr.nbytes, sp)
+                cp.cuda.runtime.memsetAsync(ntpe.data.ptr, 0, ntpe.nbytes, sp)
             if t:
                 self.fn("epd_layout")(((t + 255) // 256,), (256,),
                                       (topk_idx, np.int32(t), np.int32(k),
                                        np.int32(num_experts), np.int32(num_ranks), ntpr, ntpe,
-                                       itr), shared_mem=4 * num_experts)
+                                       itr, np.uint64(call_err)), shared_mem=4 * num_experts)
         return ntpr, ntpe, itr
 
     # -- notify ----------------------------------------------------------------------------
@@ -406,6 +416,12 @@ class Kernels:
         return Launch(self.fn("epd_stream_done"), 1, 32,
                       [(_P, peers.data.ptr), (_I32, rank), (_P, done_ptr)])
 
+    def call_done_launch(self, peers: Any, rank: int, slot_ptr: int) -> Launch:
+        """The last kernel of a stream-ordered normal-mode call: failure words, then DONE = seq
+        (argument CALL_DONE_SEQ, set per call)."""
+        return Launch(self.fn("epd_call_done"), 1, 32,
+                      [(_P, peers.data.ptr), (_I32, rank), (_P, slot_ptr), (_U32, 0)])
+
     # -- control ---------------------------------------------------------------------------
     def abort(self, peers: Any, num_ranks: int, code: int = ERR_ABORTED, *,
               stream: Any = None) -> None:
@@ -414,7 +430,9 @@ class Kernels:
 
 
 _P, _I64, _I32, _U64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64
+_U32 = ctypes.c_uint32
 LL_DISPATCH_SEQ, LL_PUSH_SEQ, LL_REDUCE_SEQ = 22, 15, 13  # argument index of `seq`
+CALL_DONE_SEQ = 3
 
 
 class Launch:

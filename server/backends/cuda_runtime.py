@@ -20,6 +20,17 @@ cp = ck.cp
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
 
+def stream_wait_geq(stream_ptr: int, addr: int, value: int) -> None:
+    """The stream waits, on the GPU, until the 32-bit word at `addr` is >= value (cyclic)."""
+    from cuda.bindings import driver
+
+    geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+    err, = driver.cuStreamWaitValue32(driver.CUstream(stream_ptr), driver.CUdeviceptr(addr),
+                                      value, geq)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+
+
 @dataclass
 class DispatchResult:
     handle: ck.DispatchHandle
@@ -175,6 +186,19 @@ class RankRunner:
         out = {"num_recv": n, "per_expert": per_expert, "recv_x": v["recv_x"][:rows],
                "recv_src_idx": v["recv_src_idx"][:rows],
                "recv_src_rank": v["recv_src_rank"][:rows],
+               "rank_prefix": res.handle.rank_prefix}
+        if res.with_meta:
+            out["recv_topk_idx"] = v["recv_topk_idx"][:rows]
+            out["recv_topk_weights"] = v["recv_topk_weights"][:rows]
+        if "recv_x_scales" in v:
+            out["recv_x_scales"] = v["recv_x_scales"][:rows]
+        return out
+
+    def output_views(self, res: DispatchResult, rows: int) -> dict[str, Any]:
+        """The dispatch outputs' first `rows` rows, without reading anything from the device
+        (stream-ordered calls: the counts are not known on the host yet)."""
+        v = self.views
+        out = {"recv_x": v["recv_x"][:rows], "recv_src_idx": v["recv_src_idx"][:rows],
                "rank_prefix": res.handle.rank_prefix}
         if res.with_meta:
             out["recv_topk_idx"] = v["recv_topk_idx"][:rows]

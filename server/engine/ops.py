@@ -37,7 +37,8 @@ INDEX_DTYPES = (epd_pb2.INT64,)
 
 
 class DataPlane:
-    """Mixed into Engine: needs `config`, `backend`, `member()` and `_timeout()`."""
+    """Mixed into Engine: needs `config`, `backend`, `member()` and `_timeout()`, and the
+    stream-ordered variants of the calls (stream_calls.StreamCalls)."""
 
     # -- collectives -------------------------------------------------------------------------
     def _timed(self, member: GroupMember, histogram, path: str, run, on_error=None):
@@ -104,6 +105,8 @@ class DataPlane:
             raise InvalidArgument(f"{idx.shape[0]} tokens exceed the group's "
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
         self._check_routing(spec, idx, None, idx.shape[0])
+        if req.stream_ordered:
+            return self.layout_stream(session, member, req, idx, path)
         t0 = time.perf_counter()
         self._check_values(session, req.ready_event, spec, idx)
         out = member.comm.layout(idx)
@@ -163,6 +166,10 @@ class DataPlane:
         idx = weights = in_rank = per_expert = None
         if req.cached_handle:
             cached = self._handle(member, req.cached_handle, NORMAL)
+            self._resolve(session, member, cached)
+            if cached.failed:
+                raise FailedPrecondition(f"handle {req.cached_handle} belongs to a dispatch "
+                                         f"that failed")
             if cached.num_tokens != t:
                 raise InvalidArgument(f"cached dispatch with {t} tokens, but handle "
                                       f"{req.cached_handle} was made for {cached.num_tokens}")
@@ -192,6 +199,11 @@ class DataPlane:
                             in_rank, per_expert)
         self._release(member, req.release_handles)
         self._check_handle_budget(session)
+        if req.stream_ordered:
+            return self.dispatch_stream(session, member, req, args, cached, timeout, path)
+        if req.num_sms:
+            raise InvalidArgument("num_sms is for stream-ordered calls")
+        self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         slot = session.counter_page.slot(member.counter_slot)
@@ -317,6 +329,9 @@ class DataPlane:
         spec = member.spec
         self._check_alive(member)
         info = self._handle(member, req.handle, NORMAL)
+        self._resolve(session, member, info)
+        if info.failed:
+            raise FailedPrecondition(f"handle {req.handle} belongs to a dispatch that failed")
         regions = session.regions
         combine_dtype = spec.x_dtype
         x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=combine_dtype)
@@ -343,6 +358,11 @@ class DataPlane:
             biases.append(b)
         timeout = self._timeout(req.timeout_seconds)
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
+        if req.stream_ordered:
+            return self.combine_stream(session, member, req, info, args, timeout, path)
+        if req.num_sms or tensors.is_set(req.out):
+            raise InvalidArgument("num_sms and out are for stream-ordered calls")
+
         def run():
             self._check_values(session, req.ready_event, spec, None)
             return member.comm.combine(args, time.monotonic() + timeout)

@@ -89,6 +89,10 @@ class HandleInfo:
     rows_out: int
     kind: str = NORMAL  # which combine takes it
     num_max: int = 0  # low-latency: num_max_dispatch_tokens_per_rank of the dispatch
+    # Stream-ordered dispatch: the counter sequence whose receive count this handle still
+    # awaits (0: known; num_recv_tokens / rows_out are -1 until then), and whether it failed.
+    sequence: int = 0
+    failed: bool = False
 
 
 @dataclass
@@ -102,6 +106,8 @@ class GroupMember:
     handles: OrderedDict[int, HandleInfo] = field(default_factory=OrderedDict)
     next_handle: int = 1
     dispatch_sequence: int = 0
+    stream_seq: int = 0  # the latest stream-ordered call's sequence (READY/DONE words)
+    unresolved: set[int] = field(default_factory=set)  # ids of handles awaiting their count
     dispatches: int = 0
     combines: int = 0
     bytes_sent: int = 0

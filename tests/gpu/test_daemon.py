@@ -113,12 +113,16 @@ def _rank(rank: int, socket: str, device: int, wl: Workload, scenario: str, q) -
                 res["i32_dtype"] = str(i8.recv_x_scales.dtype)
                 res["i32_scales"], res["i32_cached"] = (_bits(i8.recv_x_scales),
                                                         _bits(i8c.recv_x_scales))
-                # Bad input is rejected and changes nothing: the group still works after it.
+                # Bad expert ids are found on the GPU (stream-ordered calls read no data on
+                # the host): the call fails, reported once the stream has passed it, and the
+                # group still works after it.
                 try:
                     g.dispatch(tx, tidx + wl.num_experts, tw)
+                    torch.cuda.synchronize()
+                    g.check()
                     res["bad"] = "accepted"
                 except EpdError as e:
-                    res["bad"] = e.code.name
+                    res["bad"], res["bad_msg"] = e.code.name, e.details
                 again = g.dispatch(tx, tidx, tw, expert_alignment=4)
                 res["again_x"] = _bits(again.recv_x)
         q.put(res)
@@ -190,7 +194,8 @@ def _check(wl: Workload, results: list[dict], full: bool) -> None:
             assert res["i32_dtype"] == "torch.int32", res["i32_dtype"]
             np.testing.assert_array_equal(res["i32_scales"], d32[r].recv_x_scales)
             np.testing.assert_array_equal(res["i32_cached"], d32[r].recv_x_scales)
-            assert res["bad"] == "INVALID_ARGUMENT"
+            assert res["bad"] == "INVALID_ARGUMENT", res
+            assert f"rank {r}" in res["bad_msg"] and "expert id" in res["bad_msg"], res
             np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
 
 

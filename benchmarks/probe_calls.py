@@ -1,0 +1,136 @@
+"""Per-call latency and host CPU of normal-mode calls through the daemon (a diagnostic beside
+`epd bench`): each rank a process with torch CUDA tensors, per iteration barrier, t0, the
+call(s), torch.cuda.synchronize(), t1; p50 over --iters; process CPU time per call in the client
+and in the engine (/proc/<pid>/stat). Ranks share GPU 0 when there is one GPU.
+
+    python3 benchmarks/probe_calls.py --tokens 128 --iters 200 [--mps] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: int, q) -> None:
+    import torch
+
+    from epd.client import Session
+    from epd.server import reference as ref
+
+    dev = rank % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    rng = np.random.default_rng([7, rank])
+    idx, w = ref.random_routing(rng, ns.tokens, ns.experts, ns.topk, drop_prob=0.0)
+    tidx = torch.from_numpy(idx).to(dev)
+    tw = torch.from_numpy(w).to(dev)
+    x = torch.randn(ns.tokens, ns.hidden, device=dev).to(torch.bfloat16)
+    res: dict = {"rank": rank}
+    with Session(socket, client_name=f"probe-{rank}", timeout=30) as s:
+        g = s.join("probe", rank=rank, num_ranks=ns.ranks, num_experts=ns.experts,
+                   hidden=ns.hidden, max_tokens_per_rank=ns.tokens, num_topk=ns.topk,
+                   timeout=30)
+        out = g.dispatch(x, tidx, tw)
+
+        def full():
+            g.get_dispatch_layout(tidx)
+            o = g.dispatch(x, tidx, tw)
+            g.combine(o.recv_x, o.handle, topk_weights=o.recv_topk_weights)
+
+        rows = {"layout": lambda: g.get_dispatch_layout(tidx),
+                "dispatch": lambda: g.dispatch(x, tidx, tw),
+                "cached dispatch": lambda: g.dispatch(x, handle=out.handle),
+                "combine": lambda: g.combine(out.recv_x, out.handle,
+                                             topk_weights=out.recv_topk_weights),
+                "layout + dispatch + combine": full}
+        calls = {"layout + dispatch + combine": 3}
+        for name, fn in rows.items():
+            for _ in range(ns.warmup):
+                fn()
+            torch.cuda.synchronize()
+            barrier.wait()
+            times = []
+            c0, e0 = time.process_time(), _cpu(engine_pid)
+            for _ in range(ns.iters):
+                barrier.wait()
+                t0 = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            c1, e1 = time.process_time(), _cpu(engine_pid)
+            n = ns.iters * calls.get(name, 1)
+            res[name] = {"p50_us": float(np.percentile(times, 50) * 1e6),
+                         "p90_us": float(np.percentile(times, 90) * 1e6),
+                         "client_cpu_us_per_call": (c1 - c0) / n * 1e6,
+                         # the engine serves every rank of this GPU: per call of all of them
+                         "engine_cpu_us_per_call": (e1 - e0) / (n * ns.ranks) * 1e6}
+    q.put(res)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--mps", choices=["on", "off"], default="on")
+    ap.add_argument("--json")
+    ns = ap.parse_args()
+
+    import grpc
+
+    from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+    from epd.server.demo import Daemon
+
+    d = Daemon(backend="cuda", engines=1, extra=["--mps", ns.mps])
+    try:
+        d.wait_ready(180)
+        with grpc.insecure_channel(f"unix://{d.socket_dir}/node.sock") as ch:
+            topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=10)
+        if topo.mps_pipe_directory:  # the clients share the daemon's MPS server
+            os.environ["CUDA_MPS_PIPE_DIRECTORY"] = topo.mps_pipe_directory
+        ctx = mp.get_context("spawn")
+        barrier, q = ctx.Barrier(ns.ranks), ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, ns, d.socket(0), barrier,
+                                                 topo.engines[0].pid, q))
+                 for r in range(ns.ranks)]
+        for p in procs:
+            p.start()
+        results = sorted((q.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        d.stop()
+    r0 = results[0]
+    print(f"tokens {ns.tokens} hidden {ns.hidden} top-{ns.topk} of {ns.experts}, "
+          f"{ns.ranks} ranks, MPS {ns.mps} ({topo.mps_mode})")
+    for name, v in r0.items():
+        if name == "rank":
+            continue
+        print(f"  {name:28s} p50 {v['p50_us']:8.1f} us  p90 {v['p90_us']:8.1f} us  "
+              f"client CPU {v['client_cpu_us_per_call']:6.1f} us/call  engine CPU "
+              f"{v['engine_cpu_us_per_call']:6.1f} us/call")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"args": vars(ns), "mps_mode": topo.mps_mode, "ranks": results}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

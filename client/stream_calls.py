@@ -1,0 +1,166 @@
+"""Stream-ordered normal-mode calls, client side (cuda backend): layout, dispatch, cached
+dispatch and combine ordered on the caller's current CUDA stream without synchronising it.
+
+Per call: the engine validates the descriptors, enqueues its kernels behind a GPU-side wait
+and answers with the call's stream sequence n; this process's stream then writes READY[n] and
+waits for DONE >= n (stream memory operations on the membership's counter slot,
+proto/counter_page.py). The host waits only where DeepEP's does: a dispatch needs its receive
+count to shape recv_x, which the notify kernel writes into the counter page this process maps.
+
+Errors found on the GPU (an expert id out of range; a peer missing its deadline; an aborted
+group) are written by the call's last kernel; they raise `EpdError` at this membership's next
+call, or at `Group.check()` once the stream has passed the call (CUDA's asynchronous-error
+model). A stream never waits forever: when the session or engine goes away the client releases
+DONE itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+import numpy as np
+
+from ..proto import abi, counter_page, dtypes
+from ..proto.errors import EpdError
+from ..proto.v1 import epd_pb2
+from . import cuda_ipc
+from .tensors import Array
+
+if TYPE_CHECKING:
+    from .session import DispatchResult, Group, Handle
+
+RING = abi.READY_RING
+
+
+class StreamSlot:
+    """A membership's counter-slot words, as the host and this process's streams see them."""
+
+    def __init__(self, group: Group) -> None:
+        s = group._session
+        self.group = group
+        self.words = group._counter  # int64 host view
+        base = s.memory.counter_page_device_ptr() + group._counter_slot * abi.SLOT_BYTES
+        self.done_ptr = base + 4 * abi.SLOT32_DONE
+        self.ready_ptr = base + 4 * abi.SLOT32_READY
+        self.issued = 0  # the latest sequence the engine answered
+        f = counter_page.stream_failure(self.words)
+        self.reported = f.seq if f is not None else 0  # failures already raised (or older)
+
+    def begin(self, stream: int, seq: int) -> None:
+        """Our stream has produced the call's inputs: let the engine's stream go."""
+        self.issued = seq
+        cuda_ipc.stream_write(stream, self.ready_ptr + 4 * (seq % RING), seq)
+
+    def end(self, stream: int, seq: int) -> None:
+        """Later work on our stream waits for the call's last kernel."""
+        cuda_ipc.stream_wait_geq(stream, self.done_ptr, seq)
+
+    def check(self) -> None:
+        """Raise a failure the GPU reported for an earlier call, once."""
+        f = counter_page.stream_failure(self.words)
+        if f is None or f.seq == self.reported:
+            return
+        self.reported = f.seq
+        spec = self.group.spec
+        raise f.error(spec.name, spec.num_experts)
+
+    def release(self) -> None:
+        """The session or engine is gone: no stream may wait for DONE forever."""
+        counter_page.release_stream(self.words, self.issued)
+
+
+def _slot(group: Group) -> StreamSlot:
+    if group._stream_slot is None:
+        group._stream_slot = StreamSlot(group)
+    group._stream_slot.check()
+    return group._stream_slot
+
+
+def _stream(group: Group, template: Array) -> int:
+    return cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
+
+
+def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
+    s, spec = group._session, group.spec
+    slot = _slot(group)
+    stream = _stream(group, topk_idx)
+    t = int(cuda_ipc.describe_device(topk_idx, "topk_idx").shape[0])
+    mem = s.memory
+    outs = (mem.empty((spec.num_ranks,), np.dtype(np.int32), topk_idx),
+            mem.empty((spec.num_experts,), np.dtype(np.int32), topk_idx),
+            mem.empty((t, spec.num_ranks), np.dtype(np.bool_), topk_idx))
+    d = s._descs({"topk_idx": topk_idx, "num_tokens_per_rank_out": outs[0],
+                  "num_tokens_per_expert_out": outs[1], "is_token_in_rank_out": outs[2]},
+                 event=False)
+    resp = cast(epd_pb2.GetDispatchLayoutResponse, s._call(
+        "GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
+            session_id=s.session_id, group_id=group.group_id, stream_ordered=True, **d)))
+    slot.begin(stream, resp.stream_seq)
+    slot.end(stream, resp.stream_seq)
+    return outs
+
+
+def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, template: Array,
+             copy: bool, num_sms: int) -> DispatchResult:
+    from .session import DispatchResult, Handle
+
+    s = group._session
+    slot = _slot(group)
+    stream = _stream(group, template)
+    req.stream_ordered = True
+    req.num_sms = num_sms
+    released = group._take_released()
+    req.release_handles.extend(released)
+    try:
+        resp = cast(epd_pb2.DispatchResponse, s._call("Dispatch", req, rpc_timeout))
+    except BaseException:
+        group._requeue(released)
+        raise
+    seq = resp.stream_seq
+    slot.begin(stream, seq)
+    # The receive count, published by the notify kernel (by the engine for a cached dispatch).
+    got = counter_page.wait(group._counter, resp.counter_sequence,
+                            max(rpc_timeout - 5.0, 1.0))
+    if got is None or int(group._counter[counter_page.STATUS]):
+        slot.end(stream, seq)  # the stream passes the call either way
+        slot.check()
+        missing = int(group._counter[abi.SLOT_ERR_RANK]) if got is not None else -1
+        who = f": rank {missing} did not arrive" if missing >= 0 else ""
+        raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED if got is None or missing >= 0 else
+                       grpc.StatusCode.ABORTED,
+                       f"group {group.name!r}: dispatch #{resp.counter_sequence} got no receive "
+                       f"counts{who}")
+    n, per_expert = got
+    rows = req.num_worst_tokens or n
+    slot.end(stream, seq)
+    h = Handle(group, resp.handle, int(req.x.shape[0]), n, rows)
+    group._track(h)
+
+    def out(d: epd_pb2.TensorDesc, nrows: int | None = rows) -> Any:
+        return group._outputs.rows(d, nrows, copy, template, stream) if d.region_id else None
+
+    return DispatchResult(
+        recv_x=out(resp.recv_x), recv_x_scales=out(resp.recv_x_scales),
+        recv_topk_idx=out(resp.recv_topk_idx), recv_topk_weights=out(resp.recv_topk_weights),
+        num_recv_tokens_per_expert=per_expert, handle=h, recv_src_idx=out(resp.recv_src_idx),
+        rank_prefix_matrix=out(resp.rank_prefix_matrix, None), num_recv_tokens=n)
+
+
+def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
+            bias_1: Array, timeout: float, num_sms: int) -> tuple[Array, Array | None]:
+    s, spec = group._session, group.spec
+    slot = _slot(group)
+    stream = _stream(group, x)
+    t = handle.num_tokens
+    out = s.memory.empty((t, spec.hidden), dtypes.to_numpy(spec.x_dtype), x)
+    out_w = (s.memory.empty((t, spec.num_topk), np.dtype(np.float32), x)
+             if topk_weights is not None else None)
+    d = s._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
+                  "out": out, "out_topk_weights": out_w}, event=False)
+    resp = cast(epd_pb2.CombineResponse, s._call("Combine", epd_pb2.CombineRequest(
+        session_id=s.session_id, group_id=group.group_id, handle=handle.handle_id,
+        timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d), timeout + 5.0))
+    slot.begin(stream, resp.stream_seq)
+    slot.end(stream, resp.stream_seq)
+    return out, out_w

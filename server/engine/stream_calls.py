@@ -1,0 +1,232 @@
+"""Stream-ordered normal-mode calls: layout, dispatch, cached dispatch and combine without a host
+round trip on the data path (cuda backend; docs/DESIGN_NOTES.md "Stream-ordered normal mode").
+
+The engine validates a call's descriptors (shapes, dtypes, regions) as for a synchronous call,
+but reads no tensor data and never waits for the GPU: it enqueues, on the rank's stream, a
+GPU-side wait for the client's READY word, the kernels, and a last kernel that writes the
+call's failure words and DONE (proto/counter_page.py), then answers with the call's stream
+sequence. The client's stream writes READY after the answer and waits for DONE. Values are
+checked on the GPU (an expert id out of range is skipped on every rank and fails the call of
+the rank that passed it). The one host wait is the one DeepEP has: a dispatch's receive count,
+which the notify kernel writes into the client's counter page; the engine learns it from the
+same page when it needs it (combine's shape check, the next dispatch).
+
+Outputs: layout and combine write the caller's own tensors (named in the request), so they live
+as long as the caller holds them; dispatch answers the receive buffers at their largest shape,
+which the client copies out on its stream (or views, with copy=False, until its next dispatch).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ...proto import counter_page
+from ...proto.errors import Aborted, FailedPrecondition, InvalidArgument
+from ...proto.v1 import epd_pb2
+from .. import metrics
+from ..backends.base import CombineArgs, DispatchArgs
+from . import tensors
+from .state import GroupMember, HandleInfo, Session
+
+if TYPE_CHECKING:
+    from ..backends.base import Array
+
+SEQ_MASK = 0xFFFFFFFF  # stream sequences are the 32-bit words the stream operations compare
+
+
+def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
+    acc = 1
+    for n, s in zip(reversed(desc.shape), reversed(desc.strides), strict=True):
+        if n > 1 and s != acc:
+            return False
+        acc *= max(n, 1)
+    return True
+
+
+class StreamCalls:
+    """Mixed into Engine (with ops.DataPlane): needs `config`, `backend`, `_timeout()`,
+    `_store_handle()` and `_count_traffic()`."""
+
+    def _next_stream_seq(self, member: GroupMember) -> int:
+        member.stream_seq = (member.stream_seq % SEQ_MASK) + 1
+        return member.stream_seq
+
+    def _num_sms(self, requested: int) -> int:
+        """A client's SM request, bounded by the daemon's (it may only ask for fewer)."""
+        if requested < 0:
+            raise InvalidArgument(f"num_sms must be >= 0 (0: the daemon's), got {requested}")
+        limit = getattr(self.backend, "num_sms", 0)
+        return min(requested, limit) if requested and limit else requested
+
+    def _stream_output(self, session: Session, desc: epd_pb2.TensorDesc, what: str,
+                       shape: tuple[int, ...], dtype: int) -> Array:
+        if not tensors.is_set(desc):
+            raise InvalidArgument(f"a stream-ordered call writes the caller's {what}: name it "
+                                  f"({list(shape)} {epd_pb2.DType.Name(dtype).lower()})")
+        out = tensors.resolve(desc, session.regions, what, ndim=len(shape), dtype=dtype)
+        if tuple(out.shape) != shape:
+            raise InvalidArgument(f"{what} has shape {list(out.shape)}, expected {list(shape)}")
+        if not _contiguous(desc):
+            raise InvalidArgument(f"{what} must be contiguous")
+        return out
+
+    def _check_stream_alive(self, member: GroupMember, slot) -> None:
+        """Refuse a call on a group that failed: known to this host, or reported by a kernel
+        in the counter slot (the peers are told through the abort word)."""
+        reason = member.comm.known_abort_reason()
+        if reason is not None:
+            raise Aborted(f"group {member.spec.name!r} is aborted: {reason}")
+        f = counter_page.stream_failure(slot)
+        if f is not None and f.fatal:
+            err = f.error(member.spec.name, member.spec.num_experts)
+            member.comm.abort(err.message)
+            raise err
+
+    def _check_ordered(self, member: GroupMember) -> None:
+        if not getattr(member.comm, "stream_ordered", False):
+            raise FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "
+                                     f"runs {self.backend.name}")
+
+    # -- handles whose receive count is still on its way -------------------------------------
+    def _resolve(self, session: Session, member: GroupMember, info: HandleInfo) -> None:
+        """Learn a stream-ordered dispatch's receive count from the counter slot (the client
+        has normally read it already; else wait for notify, with the call's deadline)."""
+        if not info.sequence:
+            return
+        slot = session.counter_page.slot(member.counter_slot)
+        got = counter_page.wait(slot, info.sequence, self._timeout(0.0))
+        stale = int(slot[counter_page.SEQ]) != info.sequence
+        info.sequence = 0
+        member.unresolved.discard(id(info))
+        if got is None or stale or int(slot[counter_page.STATUS]):
+            info.failed = True
+            info.num_recv_tokens = 0
+            info.rows_out = info.rows_out if info.rows_out >= 0 else 0
+            return
+        n, per_expert = got
+        info.num_recv_tokens = n
+        if info.rows_out < 0:
+            info.rows_out = n
+        info.backend_handle.num_recv = n
+        spec = member.spec
+        nbytes = n * spec.hidden * spec.x_numpy_dtype.itemsize
+        member.bytes_received += nbytes
+        metrics.BYTES_RECEIVED.labels(spec.name, self.backend.peer_class).inc(nbytes)
+        metrics.RECV_TOKENS.labels(spec.name).inc(n)
+        if self.config.per_expert_metrics and per_expert:
+            base = member.rank * spec.num_local_experts
+            for i, c in enumerate(per_expert):
+                metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(c)
+
+    def _resolve_all(self, session: Session, member: GroupMember) -> None:
+        """Before the counter slot takes another dispatch's counts."""
+        if member.unresolved:
+            for info in list(member.handles.values()):
+                if info.sequence:
+                    self._resolve(session, member, info)
+
+    # -- the calls ---------------------------------------------------------------------------
+    def layout_stream(self, session: Session, member: GroupMember,
+                      req: epd_pb2.GetDispatchLayoutRequest, idx: Array,
+                      path: str) -> epd_pb2.GetDispatchLayoutResponse:
+        self._check_ordered(member)
+        spec = member.spec
+        t, r, e = int(idx.shape[0]), spec.num_ranks, spec.num_experts
+        outs = (self._stream_output(session, req.num_tokens_per_rank_out,
+                                    "num_tokens_per_rank_out", (r,), epd_pb2.INT32),
+                self._stream_output(session, req.num_tokens_per_expert_out,
+                                    "num_tokens_per_expert_out", (e,), epd_pb2.INT32),
+                self._stream_output(session, req.is_token_in_rank_out, "is_token_in_rank_out",
+                                    (t, r), epd_pb2.BOOL))
+        slot = session.counter_page.slot(member.counter_slot)
+        self._check_stream_alive(member, slot)
+        seq = self._next_stream_seq(member)
+        t0 = time.perf_counter()
+        member.comm.stream_layout(idx, outs, slot, seq)
+        metrics.LAYOUT_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        return epd_pb2.GetDispatchLayoutResponse(
+            num_tokens_per_rank=req.num_tokens_per_rank_out,
+            num_tokens_per_expert=req.num_tokens_per_expert_out,
+            is_token_in_rank=req.is_token_in_rank_out, stream_seq=seq)
+
+    def dispatch_stream(self, session: Session, member: GroupMember,
+                        req: epd_pb2.DispatchRequest, args: DispatchArgs, cached: HandleInfo | None,
+                        timeout: float, path: str) -> epd_pb2.DispatchResponse:
+        self._check_ordered(member)
+        if args.is_token_in_rank is not None:
+            raise FailedPrecondition("dispatch without top-k is not implemented on the "
+                                     f"{self.backend.name} backend yet")
+        spec = member.spec
+        slot = session.counter_page.slot(member.counter_slot)
+        self._check_stream_alive(member, slot)
+        self._resolve_all(session, member)  # the slot is about to take this call's counts
+        if cached is not None and cached.failed:
+            raise FailedPrecondition(f"handle {req.cached_handle} belongs to a dispatch that "
+                                     f"failed")
+        num_sms = self._num_sms(req.num_sms)
+        member.dispatch_sequence += 1
+        sequence = member.dispatch_sequence
+        seq = self._next_stream_seq(member)
+        t0 = time.perf_counter()
+        out = member.comm.stream_dispatch(args, slot, sequence, time.monotonic() + timeout, seq,
+                                          num_sms)
+        metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        member.bytes_sent += out.bytes_sent
+        metrics.BYTES_SENT.labels(spec.name, self.backend.peer_class).inc(out.bytes_sent)
+        t = int(args.x.shape[0])
+        pending = out.num_recv_tokens < 0
+        info = HandleInfo(out.handle, t, out.num_recv_tokens,
+                          req.num_worst_tokens or out.num_recv_tokens,
+                          sequence=sequence if pending else 0)
+        handle_id = self._store_handle(member, info)
+        if pending:
+            member.unresolved.add(id(info))
+        member.dispatches += 1
+        r = member.comm.output_region
+        resp = epd_pb2.DispatchResponse(
+            recv_x=tensors.describe(out.recv_x, r, req.x.dtype),
+            recv_src_idx=tensors.describe(out.recv_src_idx, r),
+            rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
+            handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence,
+            stream_seq=seq)
+        if out.recv_x_scales is not None:
+            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r,
+                                                         req.x_scales.dtype))
+        if out.recv_topk_idx is not None:
+            resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
+            resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
+        return resp
+
+    def combine_stream(self, session: Session, member: GroupMember,
+                       req: epd_pb2.CombineRequest, info: HandleInfo, args: CombineArgs,
+                       timeout: float, path: str) -> epd_pb2.CombineResponse:
+        self._check_ordered(member)
+        spec = member.spec
+        t = info.num_tokens
+        out = self._stream_output(session, req.out, "out", (t, spec.hidden), spec.x_dtype)
+        out_w = None
+        if args.topk_weights is not None:
+            out_w = self._stream_output(session, req.out_topk_weights, "out_topk_weights",
+                                        (t, spec.num_topk), epd_pb2.FLOAT32)
+        elif tensors.is_set(req.out_topk_weights):
+            raise InvalidArgument("out_topk_weights is only for a combine with topk_weights")
+        slot = session.counter_page.slot(member.counter_slot)
+        self._check_stream_alive(member, slot)
+        num_sms = self._num_sms(req.num_sms)
+        seq = self._next_stream_seq(member)
+        t0 = time.perf_counter()
+        member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout, seq,
+                                   num_sms)
+        metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name).observe(
+            time.perf_counter() - t0)
+        nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
+        member.bytes_sent += nbytes
+        metrics.BYTES_SENT.labels(spec.name, self.backend.peer_class).inc(nbytes)
+        member.combines += 1
+        resp = epd_pb2.CombineResponse(combined_x=req.out, stream_seq=seq)
+        if out_w is not None:
+            resp.combined_topk_weights.CopyFrom(req.out_topk_weights)
+        return resp

@@ -1,0 +1,168 @@
+"""Stream-ordered normal-mode calls on the CUDA engine (client/stream_calls.py,
+server/engine/stream_calls.py), through the daemon, the way callers use them: one group for many
+layers and shapes, fresh inputs per layer, handles held across layers and combined in reverse
+(Megatron's backward), engine buffers poisoned between calls, every output compared exactly with
+the NumPy reference. Plus: the host does not wait for the GPU in layout/combine, a bad expert id
+fails only the call of the rank that passed it and the group goes on, and num_sms reaches the
+kernels."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+from epd.server import reference as ref
+from epd.server.demo import Workload
+
+from .conftest import GPU_COUNT
+from .test_daemon import _bits, _to_torch
+
+pytestmark = pytest.mark.gpu
+LAYERS = 6
+SHAPES = [(96, 33), (0, 5), (200, 200), (17, 0)]  # tokens of rank 0, rank 1 per layer kind
+
+
+def _workload(layer: int) -> Workload:
+    t0, t1 = SHAPES[layer % len(SHAPES)]
+    return Workload(2, [t0, t1], 1024, 16, 4, seed=100 + layer, drop_prob=0.1)
+
+
+def _rank(rank: int, socket: str, device: int, q) -> None:
+    try:
+        import torch
+
+        from epd.client import EpdError, Session
+        torch.cuda.set_device(device)
+        res: dict = {"rank": rank, "layers": []}
+        with Session(socket, client_name=f"so-{rank}", timeout=30) as s:
+            g = s.join("stream-ordered", rank=rank, num_ranks=2, num_experts=16, hidden=1024,
+                       max_tokens_per_rank=256, num_topk=4, timeout=30)
+            held = []
+            for layer in range(LAYERS):
+                wl = _workload(layer)
+                x, idx, w = wl.inputs(rank)
+                tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+                # Poison the engine's receive buffers (copy=False views of them).
+                if layer:
+                    poison = g.dispatch(tx, tidx, tw, copy=False)
+                    poison.recv_x.view(torch.int16).fill_(-1)
+                    poison.recv_topk_idx.fill_(77)
+                    poison.recv_src_idx.fill_(-5)
+                n_rank, n_expert, in_rank = g.get_dispatch_layout(tidx)
+                out = g.dispatch(tx, tidx, tw, expert_alignment=2)
+                cached = g.dispatch(tx, handle=out.handle)
+                held.append((layer, out, cached, tw))
+                res["layers"].append({
+                    "n_rank": _bits(n_rank), "n_expert": _bits(n_expert),
+                    "in_rank": _bits(in_rank), "recv_x": _bits(out.recv_x),
+                    "recv_idx": _bits(out.recv_topk_idx), "recv_w": _bits(out.recv_topk_weights),
+                    "src_idx": _bits(out.recv_src_idx), "prefix": _bits(out.rank_prefix_matrix),
+                    "counts": out.num_recv_tokens_per_expert, "cached": _bits(cached.recv_x)})
+            # Backward: combine every layer's rows in reverse, handles held all along; the
+            # outputs of the dispatches above must still hold their data (new tensors).
+            combined = {}
+            for layer, out, _cached, _tw in reversed(held):
+                assert np.array_equal(_bits(out.recv_x), res["layers"][layer]["recv_x"])
+                cx, cw = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+                combined[layer] = (_bits(cx), _bits(cw))
+            res["combined"] = combined
+            # The host does not wait for the GPU: a layout and a combine behind 200 ms of GPU
+            # sleep return long before it ends; the results are right afterwards.
+            wl = _workload(0)
+            x, idx, w = wl.inputs(rank)
+            tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+            out = g.dispatch(tx, tidx, tw)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(200e-3 * 1.98e9))  # ~200 ms at the H200's clock
+            t0 = time.perf_counter()
+            n_rank, _, _ = g.get_dispatch_layout(tidx)
+            cx, _ = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+            res["host_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            res["gpu_s"] = time.perf_counter() - t1
+            res["late_n_rank"], res["late_cx"] = _bits(n_rank), _bits(cx)
+            # A bad expert id on rank 1 only: its call fails (once its stream passed it); rank
+            # 0's call succeeds with the entry skipped; the group goes on.
+            bad = tidx.clone()
+            if rank == 1 and bad.shape[0]:
+                bad[0, 0] = 1000
+            try:
+                out = g.dispatch(tx, bad, tw, num_sms=2)
+                res["bad_recv_x"] = _bits(out.recv_x)
+                torch.cuda.synchronize()
+                g.check()
+                res["bad"] = "OK"
+            except EpdError as e:
+                res["bad"], res["bad_msg"] = e.code.name, e.details
+            again = g.dispatch(tx, tidx, tw, num_sms=1)
+            res["again_x"] = _bits(again.recv_x)
+        q.put(res)
+    except Exception as e:  # report to the parent, never hang it
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+def test_stream_ordered_layers(daemon) -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT, q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    for layer in range(LAYERS):
+        wl = _workload(layer)
+        xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
+        disp = ref.dispatch(xs, idx, w, wl.num_experts, expert_alignment=2)
+        comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                           recv_topk_weights=[d.recv_topk_weights for d in disp])
+        for r, res in enumerate(results):
+            got = res["layers"][layer]
+            lay = ref.get_dispatch_layout(idx[r], wl.num_experts, 2)
+            np.testing.assert_array_equal(got["n_rank"], lay.num_tokens_per_rank)
+            np.testing.assert_array_equal(got["n_expert"], lay.num_tokens_per_expert)
+            np.testing.assert_array_equal(got["in_rank"], lay.is_token_in_rank)
+            np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16))
+            np.testing.assert_array_equal(got["recv_idx"], disp[r].recv_topk_idx)
+            np.testing.assert_array_equal(got["recv_w"], disp[r].recv_topk_weights)
+            np.testing.assert_array_equal(got["src_idx"], disp[r].recv_src_idx)
+            # prefix[s][d]: rows from sources <= s received by d (DeepEP's rank_prefix_matrix)
+            prefix = [[int(disp[d].src_offsets[src + 1]) for d in range(2)] for src in range(2)]
+            np.testing.assert_array_equal(got["prefix"], np.array(prefix, np.int32))
+            assert got["counts"] == disp[r].num_recv_tokens_per_expert
+            np.testing.assert_array_equal(got["cached"], disp[r].recv_x.view(np.uint16))
+            cx, cw = res["combined"][layer]
+            np.testing.assert_array_equal(cx, comb[r][0].view(np.uint16))
+            np.testing.assert_array_equal(cw, comb[r][1])
+    wl = _workload(0)
+    xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
+    disp = ref.dispatch(xs, idx, w, wl.num_experts)
+    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    for r, res in enumerate(results):
+        assert res["host_s"] < 0.1 < res["gpu_s"] + res["host_s"], res
+        lay = ref.get_dispatch_layout(idx[r], wl.num_experts, 2)
+        np.testing.assert_array_equal(res["late_n_rank"], lay.num_tokens_per_rank)
+        np.testing.assert_array_equal(res["late_cx"], comb[r][0].view(np.uint16))
+    # The bad id: rank 1's call fails naming it, rank 0's succeeds without that entry.
+    assert results[1]["bad"] == "INVALID_ARGUMENT", results[1]
+    assert "rank 1" in results[1]["bad_msg"] and "1000" in results[1]["bad_msg"]
+    assert results[0]["bad"] == "OK", results[0]
+    skipped = [i.copy() for i in idx]
+    skipped[1][0, 0] = -1
+    d_bad = ref.dispatch(xs, skipped, w, wl.num_experts)
+    np.testing.assert_array_equal(results[0]["bad_recv_x"], d_bad[0].recv_x.view(np.uint16))
+    for r, res in enumerate(results):
+        np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
