@@ -55,6 +55,44 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                                              topk_weights=out.recv_topk_weights),
                 "layout + dispatch + combine": full}
         calls = {"layout + dispatch + combine": 3}
+        prof = None
+        if rank == 0 and os.environ.get("EPD_PROBE_PROFILE"):  # cProfile of this rank's calls
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
+        # Phases of one layout call (where the host time goes), p50 over --iters.
+        from epd.client import stream_calls as sc
+        slot = sc._slot(g)
+        stream = sc._stream(g, tidx)
+        mem = s.memory
+        from epd.proto.v1 import epd_pb2
+        ph: dict[str, list[float]] = {k: [] for k in (
+            "empty", "descs", "call", "stream_ops", "sync", "ping", "total")}
+        for _ in range(ns.iters):
+            t = [time.perf_counter()]
+            outs = (mem.empty((ns.ranks,), np.dtype(np.int32), tidx),
+                    mem.empty((ns.experts,), np.dtype(np.int32), tidx),
+                    mem.empty((ns.tokens, ns.ranks), np.dtype(np.bool_), tidx))
+            t.append(time.perf_counter())
+            dd = s._descs({"topk_idx": tidx, "num_tokens_per_rank_out": outs[0],
+                           "num_tokens_per_expert_out": outs[1],
+                           "is_token_in_rank_out": outs[2]}, event=False)
+            t.append(time.perf_counter())
+            resp = s._call("GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
+                session_id=s.session_id, group_id=g.group_id, stream_ordered=True, **dd))
+            t.append(time.perf_counter())
+            slot.begin(stream, resp.stream_seq)
+            slot.end(stream, resp.stream_seq)
+            t.append(time.perf_counter())
+            torch.cuda.synchronize()
+            t.append(time.perf_counter())
+            s.ping()
+            t.append(time.perf_counter())
+            for i, k in enumerate(("empty", "descs", "call", "stream_ops", "sync", "ping")):
+                ph[k].append(t[i + 1] - t[i])
+            ph["total"].append(t[5] - t[0])
+        res["layout phases p50 us"] = {k: float(np.percentile(v, 50) * 1e6)
+                                       for k, v in ph.items()}
         for name, fn in rows.items():
             for _ in range(ns.warmup):
                 fn()
@@ -75,6 +113,9 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                          "client_cpu_us_per_call": (c1 - c0) / n * 1e6,
                          # the engine serves every rank of this GPU: per call of all of them
                          "engine_cpu_us_per_call": (e1 - e0) / (n * ns.ranks) * 1e6}
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(os.environ["EPD_PROBE_PROFILE"])
     q.put(res)
 
 
@@ -121,6 +162,9 @@ def main() -> int:
           f"{ns.ranks} ranks, MPS {ns.mps} ({topo.mps_mode})")
     for name, v in r0.items():
         if name == "rank":
+            continue
+        if "phases" in name:
+            print(f"  {name}: " + ", ".join(f"{k} {x:.1f}" for k, x in v.items()))
             continue
         print(f"  {name:28s} p50 {v['p50_us']:8.1f} us  p90 {v['p90_us']:8.1f} us  "
               f"client CPU {v['client_cpu_us_per_call']:6.1f} us/call  engine CPU "

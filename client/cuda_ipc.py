@@ -49,18 +49,29 @@ class DeviceView:
     device: int
 
 
+_TORCH_WIRE: dict[Any, int] = {}  # torch dtype -> wire enum (filled at first use)
+_TORCH_DTYPES: dict[np.dtype, Any] = {}  # logical NumPy dtype -> torch dtype
+_TORCH_DEVICES: dict[int, Any] = {}  # ordinal -> torch.device
+
+
+def _torch_wire(t: Any) -> dict[Any, int]:
+    if not _TORCH_WIRE:
+        _TORCH_WIRE.update({t.bfloat16: epd_pb2.BFLOAT16, t.float16: epd_pb2.FLOAT16,
+                            t.float32: epd_pb2.FLOAT32, t.int64: epd_pb2.INT64,
+                            t.int32: epd_pb2.INT32, t.bool: epd_pb2.BOOL, t.uint8: epd_pb2.UINT8})
+        fp8 = getattr(t, "float8_e4m3fn", None)
+        if fp8 is not None:
+            _TORCH_WIRE[fp8] = epd_pb2.FLOAT8_E4M3
+    return _TORCH_WIRE
+
+
 def describe_device(x: Any, what: str) -> DeviceView:
     t = _torch()
     if t is not None and isinstance(x, t.Tensor):
-        mapping = {t.bfloat16: epd_pb2.BFLOAT16, t.float16: epd_pb2.FLOAT16,
-                   t.float32: epd_pb2.FLOAT32, t.int64: epd_pb2.INT64, t.int32: epd_pb2.INT32,
-                   t.bool: epd_pb2.BOOL, t.uint8: epd_pb2.UINT8}
-        fp8 = getattr(t, "float8_e4m3fn", None)
-        if fp8 is not None:
-            mapping[fp8] = epd_pb2.FLOAT8_E4M3
-        if x.dtype not in mapping:
+        wire = _torch_wire(t).get(x.dtype)
+        if wire is None:
             raise InvalidArgument(f"{what}: torch dtype {x.dtype} is not carried by EPD")
-        return DeviceView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), mapping[x.dtype],
+        return DeviceView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), wire,
                           x.element_size(), x.device.index)
     cai = x.__cuda_array_interface__
     dt = np.dtype(cai["typestr"])
@@ -98,6 +109,29 @@ def allocation_of(ptr: int, device: int) -> tuple[int, int]:
         raise InvalidArgument(f"the tensor at {ptr:#x} is not in a CUDA allocation "
                               f"(cuMemGetAddressRange: {err})")
     return int(base), int(size)
+
+
+_ATTRS: list[Any] = []
+
+
+def allocation_info(ptr: int, device: int) -> tuple[int, int, int] | None:
+    """(base, size, buffer id) of the allocation holding `ptr` in one driver query; the buffer
+    id names the allocation for the life of this process (an address can be reused by a later
+    allocation, an id cannot). None where the driver does not answer (the caller falls back)."""
+    from cuda.bindings import driver
+
+    if not _ATTRS:
+        a = driver.CUpointer_attribute
+        _ATTRS.extend([a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                       a.CU_POINTER_ATTRIBUTE_RANGE_SIZE, a.CU_POINTER_ATTRIBUTE_BUFFER_ID])
+    try:
+        err, vals = driver.cuPointerGetAttributes(len(_ATTRS), _ATTRS, driver.CUdeviceptr(ptr))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return None
+        base, size, buffer_id = (int(v) for v in vals)
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return (base, size, buffer_id) if base and size and buffer_id else None
 
 
 def ipc_handle(base: int, device: int) -> bytes:
@@ -222,10 +256,17 @@ def device_empty(shape: tuple[int, ...], dtype: np.dtype, device: int, torch: bo
     storage = _storage(dtype)
     if torch:
         t = _torch()
-        logical = {dtypes.BFLOAT16: t.bfloat16, dtypes.FLOAT8_E4M3: t.float8_e4m3fn}.get(dtype)
+        logical = _TORCH_DTYPES.get(dtype)
         if logical is None:
-            logical = t.from_numpy(np.empty(0, storage)).dtype
-        return t.empty(shape, dtype=logical, device=f"cuda:{device}")
+            logical = {dtypes.BFLOAT16: t.bfloat16,
+                       dtypes.FLOAT8_E4M3: t.float8_e4m3fn}.get(dtype)
+            if logical is None:
+                logical = t.from_numpy(np.empty(0, storage)).dtype
+            _TORCH_DTYPES[dtype] = logical
+        dev = _TORCH_DEVICES.get(device)
+        if dev is None:
+            dev = _TORCH_DEVICES[device] = t.device("cuda", device)
+        return t.empty(shape, dtype=logical, device=dev)
     cp = _cupy()
     with cp.cuda.Device(device):
         return cp.empty(shape, storage)

@@ -258,6 +258,9 @@ class CudaIpcMemory(Memory):
         self._register, self._unregister = register, unregister
         self._counter_file, self.device = counter_file, device
         self._regions: OrderedDict[bytes, str] = OrderedDict()  # IPC handle -> region id
+        # Allocation buffer id -> (base, region id): a registered allocation is found with one
+        # driver query per tensor (cuda_ipc.allocation_info), not an IPC handle export.
+        self._by_buffer: dict[int, tuple[int, str]] = {}
         self._heaps: dict[bytes, cuda_ipc.MappedHeap] = {}  # engine output heaps, by handle
         self._heap_region: dict[bytes, str] = {}  # heap handle -> its latest region id
         self._ready_event: cuda_ipc.ReadyEvent | None = None
@@ -276,7 +279,14 @@ class CudaIpcMemory(Memory):
         for handle, heap in self._heaps.items():  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
                 return self._heap_region[handle], v.ptr - heap.ptr
-        base, size = cuda_ipc.allocation_of(v.ptr, v.device)
+        info = cuda_ipc.allocation_info(v.ptr, v.device)
+        if info is not None:
+            known = self._by_buffer.get(info[2])
+            if known is not None:
+                return known[1], v.ptr - known[0]
+            base, size = info[0], info[1]
+        else:
+            base, size = cuda_ipc.allocation_of(v.ptr, v.device)
         handle = cuda_ipc.ipc_handle(base, v.device)
         rid = self._regions.get(handle)
         if rid is None:
@@ -285,6 +295,9 @@ class CudaIpcMemory(Memory):
             if len(self._regions) > MAX_DEVICE_REGIONS:
                 _, old = self._regions.popitem(last=False)
                 self._unregister(old)
+                self._by_buffer = {b: e for b, e in self._by_buffer.items() if e[1] != old}
+        if info is not None:
+            self._by_buffer[info[2]] = (base, rid)
         return rid, v.ptr - base
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:

@@ -526,7 +526,12 @@ class Group:
                                                   num_tokens_per_expert, not self._ordered)
         if self._ordered:
             from . import stream_calls
-            return stream_calls.dispatch(self, req, rpc_timeout, x, copy, num_sms)
+            resp, n, per_expert, rows, outs = stream_calls.dispatch(self, req, rpc_timeout, x,
+                                                                    copy, num_sms)
+            h = Handle(self, resp.handle, int(req.x.shape[0]), n, rows)
+            self._track(h)
+            return DispatchResult(num_recv_tokens_per_expert=per_expert, handle=h,
+                                  num_recv_tokens=n, **outs)
         if num_sms:
             raise InvalidArgument("num_sms is for the cuda backend")
         released = self._take_released()

@@ -28,7 +28,7 @@ from . import cuda_ipc
 from .tensors import Array
 
 if TYPE_CHECKING:
-    from .session import DispatchResult, Group, Handle
+    from .session import Group, Handle
 
 RING = abi.READY_RING
 
@@ -102,9 +102,10 @@ def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
 
 
 def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, template: Array,
-             copy: bool, num_sms: int) -> DispatchResult:
-    from .session import DispatchResult, Handle
-
+             copy: bool, num_sms: int) -> tuple[epd_pb2.DispatchResponse, int, list[int], int,
+                                                dict[str, Any]]:
+    """(response, num_recv_tokens, per-expert counts, rows, outputs by response field name);
+    the Group makes its DispatchResult and Handle of them."""
     s = group._session
     slot = _slot(group)
     stream = _stream(group, template)
@@ -134,17 +135,14 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     n, per_expert = got
     rows = req.num_worst_tokens or n
     slot.end(stream, seq)
-    h = Handle(group, resp.handle, int(req.x.shape[0]), n, rows)
-    group._track(h)
 
     def out(d: epd_pb2.TensorDesc, nrows: int | None = rows) -> Any:
         return group._outputs.rows(d, nrows, copy, template, stream) if d.region_id else None
 
-    return DispatchResult(
-        recv_x=out(resp.recv_x), recv_x_scales=out(resp.recv_x_scales),
-        recv_topk_idx=out(resp.recv_topk_idx), recv_topk_weights=out(resp.recv_topk_weights),
-        num_recv_tokens_per_expert=per_expert, handle=h, recv_src_idx=out(resp.recv_src_idx),
-        rank_prefix_matrix=out(resp.rank_prefix_matrix, None), num_recv_tokens=n)
+    outs = {name: out(getattr(resp, name)) for name in (
+        "recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")}
+    outs["rank_prefix_matrix"] = out(resp.rank_prefix_matrix, None)
+    return resp, n, per_expert, rows, outs
 
 
 def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,

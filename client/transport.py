@@ -228,6 +228,7 @@ class FastPathTransport(Transport):
                 # The engine will never answer: the slot stays SUBMITTED, the ring unused.
                 return self._lost_error()
             if time.perf_counter() < spin_until:
+                time.sleep(0)  # spin without holding the GIL (the caller's other threads)
                 continue
             left = call.deadline - time.monotonic()
             if left <= 0:

@@ -3,6 +3,8 @@
     epd serve      run the daemon (supervisor + one engine per GPU, or --engines N on the CPU)
     epd demo       start a daemon, run client processes doing dispatch/combine, verify, report
     epd topology   ask a running daemon what it serves
+    epd bench      end to end through the DeepEP facade, beside DeepEP and an NCCL pipeline
+    epd env        the environment a client process needs to share the daemon's CUDA MPS server
 """
 
 from __future__ import annotations
@@ -37,21 +39,70 @@ def _demo(ns: argparse.Namespace) -> int:
     return run_demo(ns)
 
 
-def _topology(ns: argparse.Namespace) -> int:
+def _ask_topology(socket_dir: str, command: str):
+    """The running daemon's GetTopology answer, or None after a one-line error on stderr."""
     import grpc
 
     from ..proto.v1 import epd_pb2, epd_pb2_grpc
-    path = f"{ns.socket_dir}/node.sock"
+    path = f"{socket_dir}/node.sock"
     try:
         with grpc.insecure_channel(f"unix://{path}") as ch:
-            t = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(), timeout=5)
+            return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=5)
     except grpc.RpcError as e:
-        print(f"epd topology: no daemon answers on {path}: {e.details()}", file=sys.stderr)
+        print(f"epd {command}: no daemon answers on {path}: {e.details()}", file=sys.stderr)
+        return None
+
+
+def _mps_on(t) -> bool:
+    return bool(t.mps_mode and t.mps_mode != "off" and t.mps_pipe_directory)
+
+
+def _topology(ns: argparse.Namespace) -> int:
+    from ..proto.v1 import epd_pb2
+    t = _ask_topology(ns.socket_dir, "topology")
+    if t is None:
         return 1
     print(f"EPD {t.version} on {t.node_name}, metrics at {t.metrics_url}")
+    if _mps_on(t):
+        print(f"  CUDA MPS: {t.mps_mode}, pipe folder {t.mps_pipe_directory} "
+              f"(clients: eval \"$(epd env)\")")
+    else:
+        print(f"  CUDA MPS: {t.mps_mode or 'off'}")
     for e in t.engines:
+        off_mps = f" sessions-without-mps={e.sessions_without_mps}" if _mps_on(t) else ""
         print(f"  engine {e.index}: {e.socket_path} {epd_pb2.Backend.Name(e.backend).lower()} "
-              f"{'ready' if e.ready else 'NOT READY'} pid={e.pid} restarts={e.restarts}")
+              f"{'ready' if e.ready else 'NOT READY'} pid={e.pid} restarts={e.restarts}"
+              f"{off_mps}")
+    return 0
+
+
+def _env(ns: argparse.Namespace) -> int:
+    """`eval "$(epd env)"`: export what a client needs to share the daemon's MPS server."""
+    import os
+    import shlex
+    t = _ask_topology(ns.socket_dir, "env")
+    if t is None:
+        return 1
+    if not _mps_on(t):
+        print(f"# the EPD daemon on {ns.socket_dir} runs without CUDA MPS "
+              f"(mps {t.mps_mode or 'off'}): nothing to export")
+        return 0
+    # An MPS server serves one uid at a time: a client of another uid would be queued until
+    # the engines' server ends, i.e. its CUDA would not start. Never export that.
+    try:
+        daemon_uid = os.stat(f"{ns.socket_dir}/node.sock").st_uid
+    except OSError:
+        daemon_uid = os.getuid()
+    if daemon_uid != os.getuid():
+        print(f"epd env: the daemon runs as uid {daemon_uid} and this process as uid "
+              f"{os.getuid()}; an MPS server serves one uid at a time, so CUDA here would wait "
+              f"for the engines' server to end: run the client as uid {daemon_uid}",
+              file=sys.stderr)
+        return 1
+    print(f"# the EPD daemon on {ns.socket_dir} runs on CUDA MPS ({t.mps_mode}); set before "
+          f"CUDA initialises in the client")
+    print(f"export CUDA_MPS_PIPE_DIRECTORY={shlex.quote(t.mps_pipe_directory)}")
     return 0
 
 
@@ -87,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
     topo = sub.add_parser("topology", help="show what a running daemon serves")
     topo.add_argument("--socket-dir", default="/run/epd")
     topo.set_defaults(func=_topology)
+
+    env = sub.add_parser("env", help="print the exports a client needs to share the daemon's "
+                         "CUDA MPS server: eval \"$(epd env)\"")
+    env.add_argument("--socket-dir", default="/run/epd")
+    env.set_defaults(func=_env)
+
+    from .bench import add_parser as add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

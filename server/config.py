@@ -93,6 +93,12 @@ class Config:
                 "more rows in flight; keep two ranks' worth under the GPU's SM count)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
+    mps: str = field(default="auto", metadata={
+        "help": "CUDA MPS for the engines and their clients: on (use the node's MPS control "
+                "daemon, else start a private one in <socket-dir>/mps; an error if neither "
+                "can be), auto (on where the backend is cuda and nvidia-cuda-mps-control is "
+                "on PATH, else off) or off; clients join with eval \"$(epd env)\"",
+        "choices": ("auto", "on", "off")})
     allow_uids: str = field(default="", metadata={
         "help": "comma-separated uids admitted to any group (shared pools); by default a "
                 "group admits only sessions of its first member's uid"})

@@ -74,6 +74,18 @@ class Daemon:
         with open(self.log_path) as f:
             return f.read()
 
+    def client_env(self) -> dict[str, str]:
+        """What `eval "$(epd env)"` exports for clients: the daemon's MPS pipe folder, if any
+        (set it before a client process initialises CUDA)."""
+        import grpc
+
+        from ..proto.v1 import epd_pb2, epd_pb2_grpc
+        with grpc.insecure_channel(f"unix://{self.socket_dir}/node.sock") as ch:
+            topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=10)
+        return ({"CUDA_MPS_PIPE_DIRECTORY": topo.mps_pipe_directory}
+                if topo.mps_pipe_directory else {})
+
     def stop(self, timeout: float = 20.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -204,6 +216,7 @@ def run_demo(ns: argparse.Namespace) -> int:
     daemon = Daemon(backend=backend, engines=engines, metrics_port=ns.metrics_port)
     try:
         daemon.wait_ready(60)
+        os.environ.update(daemon.client_env())  # the client processes share its MPS server
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         procs = [ctx.Process(target=_demo_rank,

@@ -111,3 +111,6 @@ ENGINE_UP = Gauge("epd_engine_up", "1 when the engine is serving", ["engine"],
                   multiprocess_mode="livemax")
 BUILD_INFO = Gauge("epd_build_info", "Version and backend", ["version", "backend"],
                    multiprocess_mode="livemax")
+SESSIONS_WITHOUT_MPS = Gauge("epd_sessions_without_mps", "Open sessions whose client is not on "
+                             "the engine's CUDA MPS server (it works, slower: eval \"$(epd env)\" "
+                             "in the client)", ["engine"], multiprocess_mode="livesum")

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,11 @@ from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
 from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config
+from .mps import Mps, MpsError
 
 log = logging.getLogger("epd.supervisor")
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
+LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
 
 
 class StartupError(Exception):
@@ -66,6 +69,9 @@ class NodeService(epd_pb2_grpc.NodeServicer):
 
     async def GetTopology(self, request, context):
         s = self.sup
+        # The engines count their sessions off the MPS server in a gauge; read it from the
+        # shared metrics folder (off the event loop: it reads every process's file).
+        without_mps = await asyncio.to_thread(sessions_without_mps)
         engines = []
         for e in s.engines:
             info = s.device_names.get(e.index, ("", ""))
@@ -73,9 +79,12 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                 index=e.index, socket_path=e.socket_path,
                 backend=s.planner.proto_kind,
                 device_name=info[0], device_uuid=info[1], ready=e.ready,
-                pid=e.proc.pid if e.proc else 0, restarts=e.restarts))
+                pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
+                sessions_without_mps=without_mps.get(str(e.index), 0)))
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
-                                           engines=engines, metrics_url=s.metrics_url)
+                                           engines=engines, metrics_url=s.metrics_url,
+                                           mps_mode=s.mps.mode,
+                                           mps_pipe_directory=s.mps.pipe_directory)
 
     async def Rendezvous(self, request, context):
         await self._engine_only(context, "Rendezvous")
@@ -115,6 +124,8 @@ class Supervisor:
         self._http = None
         self.lock_fd: int | None = None
         self.node_token = secrets.token_hex(32)  # given to engines at spawn, never to clients
+        # Started in run() before the engines, stopped by the module's run() after them.
+        self.mps = Mps(cfg.mps, cfg.socket_dir, planner.name, planner.proto_kind)
 
     def ready(self) -> tuple[bool, str]:
         not_ready = [e.index for e in self.engines if not e.ready]
@@ -133,6 +144,7 @@ class Supervisor:
         env.setdefault("NCCL_NVLS_ENABLE", "0")
         for key, value in self.planner.engine_env().items():
             env.setdefault(key, value)
+        env.update(self.mps.env())  # the MPS server in use (the engine reports it to clients)
         env[NODE_TOKEN_ENV] = self.node_token
         env["EPD_SUPERVISOR_PID"] = str(os.getpid())  # the engine checks its parent (app.py)
         # The engines inherit the daemon's lock: a second daemon on this socket folder cannot
@@ -220,6 +232,16 @@ class Supervisor:
             self.bind_http()
         metrics.BUILD_INFO.labels(__version__, self.backend).set(1)
 
+        # Signals first: a SIGTERM from here on drains (and so stops a private MPS server).
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await asyncio.to_thread(self.mps.start)
+        except MpsError as e:
+            raise StartupError(str(e)) from None
+
         server = grpc.aio.server()
         epd_pb2_grpc.add_NodeServicer_to_server(NodeService(self), server)
         health_servicer = health.aio.HealthServicer()
@@ -231,16 +253,13 @@ class Supervisor:
         os.chmod(cfg.node_socket, 0o660)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
 
-        log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s", __version__,
-                 self.backend, len(self.engines), cfg.socket_dir, self.metrics_url)
-        self.planner.new_world()
-        for e in self.engines:
-            self._spawn(e)
-
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s, MPS %s",
+                 __version__, self.backend, len(self.engines), cfg.socket_dir, self.metrics_url,
+                 self.mps.mode)
+        if not stop.is_set():  # not already asked to stop while MPS started
+            self.planner.new_world()
+            for e in self.engines:
+                self._spawn(e)
         monitor = asyncio.create_task(self._monitor())
         await stop.wait()
 
@@ -269,6 +288,36 @@ class Supervisor:
         self._http.shutdown()
         log.info("stopped")
         return 0
+
+    def stop_leftover_engines(self) -> None:
+        """After a failure inside run(): engines still running get SIGTERM, then SIGKILL after
+        a deadline (they must be gone before a private MPS server is quit)."""
+        live = [e.proc for e in self.engines if e.proc is not None and e.proc.poll() is None]
+        for p in live:
+            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + LEFTOVER_ENGINE_SECONDS
+        for p in live:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def sessions_without_mps() -> dict[str, int]:
+    """epd_sessions_without_mps per engine label, from the multiprocess metrics folder."""
+    from prometheus_client import multiprocess
+
+    out: dict[str, int] = {}
+    try:
+        families = multiprocess.MultiProcessCollector(None).collect()
+        for family in families:
+            if family.name == "epd_sessions_without_mps":
+                for sample in family.samples:
+                    out[sample.labels.get("engine", "")] = int(sample.value)
+    except Exception:  # a file being written or removed: report 0, never fail the call
+        log.debug("reading epd_sessions_without_mps failed", exc_info=True)
+    return out
 
 
 def prepare_metrics_dir() -> tuple[str, bool]:
@@ -351,11 +400,26 @@ def _event_loop_run(coro) -> int:
     return uvloop.run(coro)
 
 
+def _stop_mps(sup: Supervisor) -> None:
+    """Quit a private MPS server once no engine is left. The event loop (and its signal
+    handlers) is gone by now: a SIGTERM or SIGINT must not cut this bounded teardown short."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)} \
+        if main else {}
+    try:
+        sup.stop_leftover_engines()
+        sup.mps.stop()
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
 def run(cfg: Config) -> int:
     """The daemon's life; every start-up error is one line on stderr and exit code 2, and the
     metrics folder this daemon created is removed on every exit path."""
     lock_fd: int | None = None
     metrics_dir, owned = "", False
+    sup: Supervisor | None = None
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)
@@ -377,6 +441,8 @@ def run(cfg: Config) -> int:
         print(f"epd serve: {e}", file=sys.stderr)
         return 2
     finally:
+        if sup is not None and sup.mps.mode == "private":
+            _stop_mps(sup)
         if owned:
             shutil.rmtree(metrics_dir, ignore_errors=True)
         if lock_fd is not None:

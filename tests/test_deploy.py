@@ -41,6 +41,7 @@ METRICS = {
     "epd_group_aborts_total": "counter",
     "epd_group_leaves_total": "counter",
     "epd_sessions": "gauge",
+    "epd_sessions_without_mps": "gauge",
     "epd_groups": "gauge",
     "epd_regions": "gauge",
     "epd_region_bytes": "gauge",

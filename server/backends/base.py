@@ -236,6 +236,9 @@ class Region(abc.ABC):
     def __init__(self, region_id: str, size: int) -> None:
         self.region_id = region_id
         self.size = size
+        # Descriptors already checked and viewed (engine/tensors.py resolve): a repeated call
+        # with the same tensors costs a dict lookup, not the checks and a new view.
+        self.resolved: dict[tuple, Array] = {}
 
     @abc.abstractmethod
     def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,

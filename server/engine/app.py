@@ -29,6 +29,7 @@ from .service import EngineService, add_to_server
 
 log = logging.getLogger("epd.engine")
 SERVICE_NAME = "epd.v1.Engine"
+GIL_SWITCH_SECONDS = 2e-4  # sys.setswitchinterval of an engine (the default is 5 ms)
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0)]
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s engine{ns.index} %(levelname)s %(message)s")
     die_with_supervisor()
+    # Several threads serve calls (one fast-path thread per session, the stream-op poller, the
+    # event loop): a thread that wakes for a call must not wait the default 5 ms for the GIL.
+    sys.setswitchinterval(GIL_SWITCH_SECONDS)
     try:
         import uvloop  # optional: only its absence falls back, not an ImportError inside
     except ImportError:

@@ -42,6 +42,7 @@ from ..backends.base import (
     Region,
 )
 from ..config import Config, node_metadata
+from ..mps import ENGINE_ENV as MPS_ENGINE_ENV
 from .executor import EngineState, SessionExecutor
 from .fast_path import FastPathServer
 from .ops import DataPlane
@@ -51,9 +52,11 @@ from .state import (
     spec_from_proto,
     sweep_engine_files,
 )
+from .stream_calls import StreamCalls
 
 log = logging.getLogger("epd.engine")
 NODE_RPC_SECONDS = 5.0  # deadline of ReleaseRank, and the slack added to a rendezvous's
+MPS_WARNED_PIDS = 4096  # client pids remembered for the once-per-pid MPS warning
 SETTLE_SECONDS = 2.0  # drain: how long teardowns already under way may take to finish
 
 # (session, request, path label) -> response: what both transports run on a session's executor.
@@ -70,7 +73,7 @@ class _NodeToken(grpc.aio.UnaryUnaryClientInterceptor):
         return await continuation(details, request)
 
 
-class Engine(DataPlane):
+class Engine(StreamCalls, DataPlane):
     # The registry's operations that run on a session's executor, by name: the gRPC servicer
     # runs the collectives through them, the fast-path ring every operation it carries
     # (operations.RING_METHODS). tests/test_registry.py checks the coverage.
@@ -87,6 +90,12 @@ class Engine(DataPlane):
         self.state = EngineState(index)
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
+        # CUDA MPS: the pipe folder of the server this engine's context is on (empty: none;
+        # the supervisor says, mps.ENGINE_ENV), the sessions whose client is not on it, the
+        # client pids already warned about.
+        self.mps_pipe_directory = os.environ.get(MPS_ENGINE_ENV, "")
+        self._without_mps: set[str] = set()
+        self._mps_warned: set[int] = set()
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
 
@@ -223,6 +232,8 @@ class Engine(DataPlane):
 
     def _refresh_gauges(self) -> None:
         metrics.SESSIONS.labels(self._label).set(len(self.sessions))
+        self._without_mps.intersection_update(self.sessions)  # closed sessions drop out
+        metrics.SESSIONS_WITHOUT_MPS.labels(self._label).set(len(self._without_mps))
         metrics.GROUPS.labels(self._label).set(sum(len(s.members) for s in self.sessions.values()))
         metrics.REGIONS.labels(self._label).set(sum(len(s.regions) for s in self.sessions.values()))
         metrics.REGION_BYTES.labels(self._label).set(
@@ -244,6 +255,32 @@ class Engine(DataPlane):
         log.info("opened %s", s.describe())
         return s
 
+    def session_mps(self, session: Session, client_pipe_directory: str,
+                    client_pipe_present: bool) -> bool:
+        """Whether the client of a new session shares this engine's MPS server (same pipe
+        folder, and its control socket is visible to the client). A client that is not still
+        works, only slower (time-sliced): counted in epd_sessions_without_mps and logged once
+        per client pid."""
+        mine = self.mps_pipe_directory
+        if not mine:
+            return False
+        on = bool(client_pipe_present and client_pipe_directory
+                  and os.path.normpath(client_pipe_directory) == os.path.normpath(mine))
+        if not on:
+            self._without_mps.add(session.session_id)
+            self._refresh_gauges()
+            if session.pid not in self._mps_warned:
+                if len(self._mps_warned) >= MPS_WARNED_PIDS:
+                    self._mps_warned.clear()
+                self._mps_warned.add(session.pid)
+                where = (f"MPS pipe folder {client_pipe_directory or '(none)'}"
+                         f"{'' if client_pipe_present else ', no MPS server there'}")
+                log.warning("%s is not on engine %d's CUDA MPS server (%s; the engine's: %s): "
+                            "its calls share the GPU by time slices, much slower; run the "
+                            "client under eval \"$(epd env)\"", session.describe(), self.index,
+                            where, mine)
+        return on
+
     async def close_session(self, session: Session, reason: str) -> None:
         """Tear a session down exactly once, in the executor's order: refuse later calls, abort
         its groups and release its stream ops (waking what is in flight), stop its fast path
@@ -258,11 +295,14 @@ class Engine(DataPlane):
             for member in session.members.values():
                 self._abort(member, f"rank {member.rank} of group {member.spec.name!r} went "
                                     f"away: {text}")
+                # Then let its stream pass the READY waits the client will never write.
+                member.comm.release_stream(session.counter_page.slot(member.counter_slot))
             if session.stream_ops:  # release client streams waiting on them
                 await asyncio.to_thread(self.stream_ops.release_session, session)
 
         def release() -> None:
             for member in session.members.values():
+                member.comm.release_stream(session.counter_page.slot(member.counter_slot))
                 member.comm.close()
             for region in session.regions.values():
                 if not region.borrowed:
@@ -315,6 +355,7 @@ class Engine(DataPlane):
 
         def close() -> None:
             session.members.pop(member.group_id, None)
+            member.comm.release_stream(session.counter_page.slot(member.counter_slot))
             member.comm.close()
             session.free_slots.append(member.counter_slot)
         await asyncio.to_thread(session.executor.exclusive, close)

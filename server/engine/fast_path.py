@@ -83,6 +83,9 @@ class FastPathServer:
             if words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq:
                 return True
             if time.perf_counter() < spin_until:
+                # Spin without holding the GIL: another session's thread of this engine may be
+                # waiting for it (a pure-Python spin keeps it for the 5 ms switch interval).
+                time.sleep(0)
                 continue
             self._flush_counts()
             bell = int(ring.header[R.DOORBELL])

@@ -177,13 +177,16 @@ class EngineService(epd_pb2_grpc.EngineServicer):
             await context.abort(err.code, err.message)
         metrics.REQUESTS.labels("OpenSession", "OK").inc()
         try:
+            on_mps = e.session_mps(session, request.mps_pipe_directory,
+                                   request.mps_pipe_present)
             info = e.backend.device_info()
             yield epd_pb2.SessionEvent(opened=epd_pb2.SessionOpened(
                 session_id=session.session_id, session_token=session.token,
                 fd_socket_path=fdc.socket_path_for(e.config.engine_socket(e.index)),
                 counter_page_bytes=counter_page.PAGE_BYTES, backend=e.backend.proto_kind,
                 engine_index=e.index, device_ordinal=int(info.get("ordinal", 0)),
-                version=__version__, default_timeout_seconds=e.config.timeout_seconds))
+                version=__version__, default_timeout_seconds=e.config.timeout_seconds,
+                mps_pipe_directory=e.mps_pipe_directory, client_on_engine_mps=on_mps))
             # The stream is the lease: it ends when the client closes it or its process dies.
             await session.closed.wait()
         finally:

@@ -205,6 +205,8 @@ class StreamOps:
                 last = now
             elif now - last > spin:
                 time.sleep(period)
+            else:
+                time.sleep(0)  # spin without holding the GIL (the sessions' threads need it)
 
     def _fire(self, op: StreamOp) -> None:
         code = "OK"

@@ -23,10 +23,25 @@ def is_set(desc: epd_pb2.TensorDesc) -> bool:
 
 def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
             ndim: int, dtype: int | Sequence[int] | None = None) -> Array:
-    """The array a descriptor names, or InvalidArgument/NotFound saying what is wrong."""
+    """The array a descriptor names, or InvalidArgument/NotFound saying what is wrong. Checked
+    once per distinct descriptor of a region: later calls get the cached view."""
     region = regions.get(desc.region_id)
     if region is None:
         raise NotFound(f"{what}: region {desc.region_id!r} is not registered by this session")
+    key = (desc.offset_bytes, tuple(desc.shape), tuple(desc.strides), desc.dtype, ndim,
+           dtype if dtype is None or isinstance(dtype, int) else tuple(dtype))
+    hit = region.resolved.get(key)
+    if hit is not None:
+        return hit
+    view = _resolve(desc, region, what, ndim, dtype)
+    if len(region.resolved) >= MAX_RESOLVED:
+        region.resolved.clear()
+    region.resolved[key] = view
+    return view
+
+
+def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
+             dtype: int | Sequence[int] | None) -> Array:
     shape = tuple(int(s) for s in desc.shape)
     if len(shape) != ndim:
         raise InvalidArgument(f"{what}: expected {ndim} dimensions, got shape {list(shape)}")
@@ -66,6 +81,9 @@ def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
         raise InvalidArgument(f"{what}: bytes [{offset}, {end}) fall outside region "
                               f"{desc.region_id!r} of {region.size} bytes")
     return region.view(offset, shape, np_dtype, strides)
+
+
+MAX_RESOLVED = 512  # cached views per region (cleared when full)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -34,12 +36,18 @@ def daemon():
 
     d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=DAEMON_TIMEOUT,
                extra=["--nvshmem-heap-bytes", str(6 << 30)])
+    saved = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     try:
         d.wait_ready(180)
+        os.environ.update(d.client_env())  # spawned clients share the daemon's MPS server
     except Exception:
         print(d.log())
         d.stop()
         raise
     yield d
+    if saved is None:
+        os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+    else:
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = saved
     print(d.log()[-4000:])
     assert d.stop() == 0

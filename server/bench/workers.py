@@ -1,0 +1,544 @@
+"""The rank processes of `epd bench`: one process per EP rank runs every implementation's rows
+on the same inputs and sends its figures to the parent.
+
+Implementations, in this order per shape: EPD through its DeepEP facade (`client/buffer.py`,
+imported as `deep_ep`), DeepEP V1 in-process (a real `deep_ep`, cuda only), and the
+torch.distributed pipeline any user could write (NCCL on cuda, gloo on cpu). EPD and DeepEP
+run the very same calls (`FacadeCalls`): the facade is DeepEP's API.
+
+Timing of one iteration, every row and implementation: barrier across ranks (gloo, host only),
+t0, the row's calls, synchronise the device (`torch.cuda.synchronize()`; nothing on cpu), t1.
+The client CPU of a row is `time.process_time()` (all threads of this process) summed over the
+calls themselves, barrier and synchronisation excluded. Rank 0 also reads the engines' CPU
+(EPD rows) just after the barrier before the timed loop and just after the one after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import os
+import signal
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...proto import dtypes
+from .. import reference as ref
+
+ROW_FULL = "layout + dispatch + combine"
+ROW_CACHED = "cached dispatch"
+ROW_COMBINE = "combine"
+ROW_LL_PLAIN = "low latency: FP8 dispatch + combine"
+ROW_LL_HOOK = "low latency: with recv hooks"
+ROW_LL_GRAPH = "low latency: CUDA graph replay"
+NORMAL_ROWS = (ROW_FULL, ROW_CACHED, ROW_COMBINE)
+LL_ROWS = (ROW_LL_PLAIN, ROW_LL_HOOK, ROW_LL_GRAPH)
+# API calls per iteration: what client and engine CPU are divided by (hooks not counted).
+CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2,
+                  ROW_LL_GRAPH: 2}
+
+EPD, DEEP_EP, PIPELINE = "epd", "deep_ep", "pipeline"
+IMPLS = (EPD, DEEP_EP, PIPELINE)
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RankPlan:
+    """Everything one rank process needs (picklable: it crosses a spawn)."""
+
+    rank: int
+    num_ranks: int
+    store_port: int          # the parent's TCPStore on 127.0.0.1 (rendezvous, no files)
+    device_type: str         # torch device type of the tensors
+    gpu: int                 # this rank's CUDA device, -1 without one
+    socket_dir: str
+    engine: int | None       # EPD engine of this rank; None: the facade's choice (cuda)
+    shapes: list[tuple[str, int]]  # (name, tokens per rank)
+    hidden: int
+    experts: int
+    topk: int
+    iters: int
+    warmup: int
+    seed: int
+    impls: list[str]         # those that run (the others were skipped with a reason)
+    use_nccl: bool           # an NCCL group for the pipeline and DeepEP
+    low_latency: bool
+    deep_ep_ll: bool         # DeepEP's low-latency rows too (needs NVSHMEM working in-process)
+    ll_tokens: int           # num_max_dispatch_tokens_per_rank (shape D's tokens)
+    graphs: bool
+    engine_pids: list[int] = field(default_factory=list)
+    mps_pipe_directory: str = ""  # the daemon's MPS server, joined before CUDA starts here
+    collective_timeout: float = 120.0
+    call_timeout: float = 60.0
+
+
+def inputs(seed: int, rank: int, shape_index: int, tokens: int, hidden: int, experts: int,
+           topk: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x bf16, topk_idx int64, topk_weights float32) of one rank and shape: DeepEP's
+    score-based router, the same on every implementation and every run with this seed."""
+    rng = np.random.default_rng([seed, rank, shape_index])
+    idx, w = ref.random_routing(rng, tokens, experts, topk, num_ranks=num_ranks)
+    return ref.random_x(rng, tokens, hidden, dtypes.BFLOAT16), idx, w
+
+
+def expert_value(experts: int) -> np.ndarray:
+    """What the stand-in low-latency experts return for every row of expert e: (e % 8 + 1) / 8,
+    exact in bf16, so a wrong row in combine changes the sum."""
+    return ((np.arange(experts) % 8) + 1).astype(np.float32) / 8
+
+
+def cpu_seconds(pids: list[int]) -> float | None:
+    """CPU time of processes (all their threads) in seconds, from /proc: per-thread schedstat
+    run times (nanoseconds; /proc/<pid>/stat counts in clock ticks, 10 ms, too coarse for a
+    row), else utime + stime. None when a process cannot be read (another pid namespace)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+            run_ns = 0
+            for tid in tasks:
+                with (contextlib.suppress(FileNotFoundError),  # a thread that just ended
+                      open(f"/proc/{pid}/task/{tid}/schedstat") as f):
+                    run_ns += int(f.read().split()[0])
+            total += run_ns * 1e-9
+        except (OSError, ValueError, IndexError):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, ValueError, IndexError):
+                return None
+    return total
+
+
+def topology(socket_dir: str, timeout: float) -> Any:
+    """What `epd topology` shows: Node.GetTopology over <socket-dir>/node.sock (engine pids,
+    backend, MPS state). RuntimeError naming the socket when no daemon answers."""
+    import grpc
+
+    from ...proto.v1 import epd_pb2, epd_pb2_grpc
+    path = os.path.join(socket_dir, "node.sock")
+    try:
+        with grpc.insecure_channel(f"unix://{path}") as ch:
+            return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
+                                                         timeout=timeout)
+    except grpc.RpcError as e:
+        raise RuntimeError(f"no daemon answers on {path}: {e.details()}") from None
+
+
+class Rank:
+    """This process's rank: torch, the process groups, barriers and synchronisation."""
+
+    def __init__(self, plan: RankPlan, report: Callable[[dict], None]) -> None:
+        import torch
+        import torch.distributed as dist
+        self.plan, self.torch, self.dist, self._report = plan, torch, dist, report
+        if plan.gpu >= 0:
+            torch.cuda.set_device(plan.gpu)
+            self.device = torch.device(plan.device_type, plan.gpu)
+        else:
+            self.device = torch.device(plan.device_type)
+        self.on_gpu = self.device.type == "cuda"
+        timeout = datetime.timedelta(seconds=plan.collective_timeout)
+        store = dist.TCPStore("127.0.0.1", plan.store_port, plan.num_ranks, False,
+                              timeout=timeout)
+        # gloo for barriers and host-side exchanges on every device; NCCL only for the
+        # pipeline and DeepEP, one rank per GPU.
+        dist.init_process_group("gloo", store=store, rank=plan.rank,
+                                world_size=plan.num_ranks, timeout=timeout)
+        self.host_group = dist.group.WORLD
+        self.nccl_group = (dist.new_group(backend="nccl", timeout=timeout)
+                           if plan.use_nccl else None)
+
+    def barrier(self) -> None:
+        self.dist.barrier(group=self.host_group)
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            self.torch.cuda.synchronize()
+
+    def tensor(self, a: np.ndarray) -> Any:
+        """A host array as a torch tensor on this rank's device (bf16 through its bits)."""
+        torch = self.torch
+        if a.dtype == dtypes.BFLOAT16:
+            t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(a.copy())
+        return t.to(self.device)
+
+    def progress(self, text: str) -> None:
+        if self.plan.rank == 0:
+            self._report({"kind": "progress", "text": text})
+
+    def timed(self, impl: str, shape: str, row: str, step: Callable[[], Any],
+              engine_pids: list[int] | None = None) -> tuple[dict, Any]:
+        """Warm up, then time `iters` iterations of `step` (see the module docstring).
+        Returns the row's record and what the last call of `step` returned."""
+        p = self.plan
+        for _ in range(p.warmup):
+            self.barrier()
+            step()
+            self.sync()
+        self.barrier()
+        e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
+        times, cpu, last = [], 0.0, None
+        for _ in range(p.iters):
+            self.barrier()
+            t0 = time.perf_counter()
+            c0 = time.process_time()
+            last = step()
+            c1 = time.process_time()
+            self.sync()
+            t1 = time.perf_counter()
+            times.append(t1 - t0)
+            cpu += c1 - c0
+        self.barrier()
+        e1 = cpu_seconds(engine_pids) if e0 is not None else None
+        calls = CALLS_PER_ITER[row] * p.iters
+        rec = {"impl": impl, "shape": shape, "row": row, "times_s": times,
+               "client_cpu_s": cpu, "calls": calls,
+               "engine_cpu_s": None if e0 is None or e1 is None else e1 - e0}
+        self.progress(f"{shape:>2} {row:<36} {impl:<8} p50 {np.median(times) * 1e6:9.1f} us "
+                      f"(rank 0)")
+        return rec, last
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.barrier()
+        with contextlib.suppress(Exception):
+            self.dist.destroy_process_group()
+
+
+# -- the calls ----------------------------------------------------------------------------------
+class FacadeCalls:
+    """DeepEP V1's calls, identical for EPD's facade and DeepEP: the same code times both."""
+
+    def __init__(self, buf: Any, experts: int) -> None:
+        self.buf, self.experts = buf, experts
+        self.state: dict[str, Any] = {}
+
+    def normal(self, x: Any, idx: Any, w: Any) -> dict[str, Callable[[], None]]:
+        buf, st, e = self.buf, self.state, self.experts
+
+        def full() -> None:
+            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_expert, topk_idx=idx, topk_weights=w)
+            # Experts = identity (DeepEP's own tests combine recv_x): the row is communication.
+            st["combined"], _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+            st.update(recv_x=recv_x, recv_w=recv_w, handle=handle)
+
+        def cached() -> None:
+            buf.dispatch(x, handle=st["handle"])
+
+        def combine() -> None:
+            st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
+                                               topk_weights=st["recv_w"])
+
+        return {ROW_FULL: full, ROW_CACHED: cached, ROW_COMBINE: combine}
+
+    def low_latency(self, x: Any, idx: Any, w: Any, y: Any,
+                    num_max: int) -> dict[str, Callable[[], Any]]:
+        """FP8 dispatch + bf16 combine of the stand-in expert outputs `y` `[L, R*num_max, H]`;
+        each step returns the combined tensor."""
+        buf, e = self.buf, self.experts
+
+        def plain() -> Any:
+            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, e, use_fp8=True)
+            combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            return combined
+
+        def hooked() -> Any:
+            _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, num_max, e, use_fp8=True,
+                                                             return_recv_hook=True)
+            hook()
+            combined, _, hook = buf.low_latency_combine(y, idx, w, handle,
+                                                        return_recv_hook=True)
+            hook()
+            return combined
+
+        return {ROW_LL_PLAIN: plain, ROW_LL_HOOK: hooked}
+
+
+class PipelineCalls:
+    """The MoE all-to-all with torch.distributed alone: layout (which ranks each token goes
+    to), count exchange with a host sync, all_to_all_single of the token rows grouped by
+    destination (the local permute), all_to_all_single back, index_add in fp32 (what DeepEP's
+    combine computes: the experts, identity here, would apply the top-k weights)."""
+
+    def __init__(self, r: Rank, group: Any, experts: int) -> None:
+        self.r, self.group, self.experts = r, group, experts
+        self.state: dict[str, Any] = {}
+
+    def normal(self, x: Any, idx: Any, w: Any) -> dict[str, Callable[[], None]]:
+        torch, dist, g, st = self.r.torch, self.r.dist, self.group, self.state
+        world = self.r.plan.num_ranks
+        local = self.experts // world
+        tokens, hidden = x.shape
+        dev = x.device
+
+        def layout() -> None:
+            rank_of = torch.where(idx >= 0, idx // local, torch.full_like(idx, world))
+            in_rank = torch.zeros(tokens, world + 1, dtype=torch.bool, device=dev)
+            in_rank.scatter_(1, rank_of, True)
+            in_rank = in_rank[:, :world]
+            send_counts = in_rank.sum(0)
+            recv_counts = torch.empty_like(send_counts)
+            dist.all_to_all_single(recv_counts, send_counts, group=g)
+            st["sc"], st["rc"] = send_counts.tolist(), recv_counts.tolist()  # the host sync
+            st["perm"] = in_rank.t().nonzero()[:, 1]  # token ids, grouped by destination
+
+        def dispatch() -> None:
+            send_x = x.index_select(0, st["perm"])
+            recv_x = torch.empty(sum(st["rc"]), hidden, dtype=x.dtype, device=dev)
+            dist.all_to_all_single(recv_x, send_x, st["rc"], st["sc"], group=g)
+            st["recv_x"] = recv_x
+
+        def combine() -> None:
+            back = torch.empty(st["perm"].numel(), hidden, dtype=x.dtype, device=dev)
+            dist.all_to_all_single(back, st["recv_x"], st["sc"], st["rc"], group=g)
+            out = torch.zeros(tokens, hidden, dtype=torch.float32, device=dev)
+            out.index_add_(0, st["perm"], back.float())
+            st["combined"] = out.to(x.dtype)
+
+        def full() -> None:
+            layout()
+            dispatch()
+            combine()
+
+        return {ROW_FULL: full, ROW_CACHED: dispatch, ROW_COMBINE: combine}
+
+
+# -- correctness ----------------------------------------------------------------------------------
+def compare(torch: Any, got: Any, want: Any, *, exact: bool) -> dict:
+    """Bit-exact (`exact`) or within bf16 rounding (torch.testing.assert_close's bf16
+    tolerances: both sides sum in fp32 and round once, in different orders)."""
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if g.shape != w.shape:
+        return {"passed": False, "exact": False, "max_abs_diff": None,
+                "detail": f"shapes differ: {list(g.shape)} vs {list(w.shape)}"}
+    same = bool(torch.equal(g.view(torch.int16), w.view(torch.int16)))
+    diff = float((g.float() - w.float()).abs().max()) if g.numel() else 0.0
+    detail = ""
+    if exact:
+        passed = same
+        if not same:
+            detail = f"{int((g.view(torch.int16) != w.view(torch.int16)).sum())} elements differ"
+    else:
+        try:
+            torch.testing.assert_close(g, w)
+            passed = True
+        except AssertionError as e:
+            passed, detail = False, str(e).splitlines()[0] if str(e) else "assert_close failed"
+    return {"passed": passed, "exact": same, "max_abs_diff": diff, "detail": detail}
+
+
+def ll_reference(torch: Any, idx: Any, w: Any, hidden: int, experts: int) -> Any:
+    """The low-latency combine of the stand-in experts: sum_k w[t,k] * value(e_k) in fp32, in
+    k order, rounded to bf16, on every hidden column."""
+    val = torch.from_numpy(expert_value(experts)).to(idx.device)
+    acc = torch.zeros(idx.shape[0], dtype=torch.float32, device=idx.device)
+    for k in range(idx.shape[1]):
+        valid = idx[:, k] >= 0
+        acc = acc + torch.where(valid, w[:, k] * val[idx[:, k].clamp(min=0)], 0.0)
+    return acc[:, None].expand(-1, hidden).to(torch.bfloat16)
+
+
+# -- one rank ------------------------------------------------------------------------------------
+def _deep_ep_nvl_bytes(deep_ep: Any, num_ranks: int, hidden: int) -> int:
+    """DeepEP's own sizing of the intranode buffer (its README's get_buffer)."""
+    n = 0
+    for cfg in (deep_ep.Buffer.get_dispatch_config(num_ranks),
+                deep_ep.Buffer.get_combine_config(num_ranks)):
+        n = max(n, cfg.get_nvl_buffer_size_hint(hidden * 2, num_ranks))
+    return n
+
+
+def _destroy(buf: Any) -> None:
+    if buf is None:
+        return
+    if getattr(buf, "explicitly_destroy", False) and hasattr(buf, "destroy"):
+        buf.destroy()
+
+
+class RankRun:
+    """All rows of one rank, in order; figures and checks accumulate in `result`."""
+
+    def __init__(self, plan: RankPlan, report: Callable[[dict], None]) -> None:
+        self.plan = plan
+        self.r = Rank(plan, report)
+        self.result: dict[str, Any] = {"kind": "result", "rank": plan.rank, "records": [],
+                                       "checks": []}
+        self.epd_buf = self.epd_ll_buf = self.dep_buf = None
+        self.deep_ep: Any = None
+
+    def check(self, shape: str, what: str, impl: str, against: str, got: Any, want: Any, *,
+              exact: bool) -> None:
+        res = compare(self.r.torch, got, want, exact=exact)
+        res.update(shape=shape, what=what, impl=impl, against=against, rank=self.plan.rank,
+                   rule="bit-exact" if exact else "bf16 tolerance")
+        self.result["checks"].append(res)
+
+    def _epd_buffer(self, low_latency: bool) -> Any:
+        from ...client import buffer as deep_ep  # EPD's facade, imported as DeepEP would be
+        p = self.plan
+        return deep_ep.Buffer(self.r.host_group, low_latency_mode=low_latency,
+                              explicitly_destroy=True, socket_dir=p.socket_dir, engine=p.engine,
+                              group_name="epd-bench-ll" if low_latency else "epd-bench",
+                              max_tokens_per_rank=p.ll_tokens if low_latency else
+                              max(t for _, t in p.shapes),
+                              timeout=p.call_timeout)
+
+    def _deep_ep_buffer(self, low_latency: bool) -> Any:
+        import inspect
+
+        de, p = self.deep_ep, self.plan
+        kw = {}
+        if "explicitly_destroy" in inspect.signature(de.Buffer).parameters:
+            kw["explicitly_destroy"] = True
+        if low_latency:
+            rdma = de.Buffer.get_low_latency_rdma_size_hint(p.ll_tokens, p.hidden, p.num_ranks,
+                                                            p.experts)
+            return de.Buffer(self.r.nccl_group, 0, rdma, low_latency_mode=True,
+                             num_qps_per_rank=p.experts // p.num_ranks, **kw)
+        return de.Buffer(self.r.nccl_group, _deep_ep_nvl_bytes(de, p.num_ranks, p.hidden), 0,
+                         **kw)
+
+    def run(self) -> dict:
+        p, r = self.plan, self.r
+        torch = r.torch
+        if r.on_gpu:
+            self.result["device_name"] = torch.cuda.get_device_name(r.device)
+        if DEEP_EP in p.impls:
+            import deep_ep
+            self.deep_ep = deep_ep
+        if EPD in p.impls:
+            self.epd_buf = self._epd_buffer(False)
+        if DEEP_EP in p.impls:
+            self.dep_buf = self._deep_ep_buffer(False)
+        pipe_group = r.nccl_group if r.on_gpu else r.host_group
+        for si, (shape, tokens) in enumerate(p.shapes):
+            x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, tokens, p.hidden,
+                                                     p.experts, p.topk, p.num_ranks))
+            combined: dict[str, Any] = {}
+            for impl in p.impls:
+                if impl == EPD:
+                    calls = FacadeCalls(self.epd_buf, p.experts)
+                elif impl == DEEP_EP:
+                    calls = FacadeCalls(self.dep_buf, p.experts)
+                else:
+                    calls = PipelineCalls(r, pipe_group, p.experts)
+                steps = calls.normal(x, idx, w)
+                pids = p.engine_pids if impl == EPD else None
+                for row in NORMAL_ROWS:
+                    self.result["records"].append(r.timed(impl, shape, row, steps[row],
+                                                          pids)[0])
+                if impl == EPD and p.rank == 0 and "sessions_without_mps" not in self.result:
+                    # Read while every rank's session is open (after they close, 0 says nothing).
+                    topo = topology(p.socket_dir, 5.0)
+                    self.result["sessions_without_mps"] = [int(e.sessions_without_mps)
+                                                           for e in topo.engines]
+                combined[impl] = calls.state["combined"]
+                calls.state.clear()  # free the outputs before the next implementation
+            self._check_normal(shape, combined)
+        _destroy(self.dep_buf)
+        self.dep_buf = None
+        if p.low_latency:
+            self._low_latency()
+        if self.epd_buf is not None:
+            r.barrier()  # no rank leaves a group while a peer still uses it
+            self.epd_buf.destroy()
+        return self.result
+
+    def _check_normal(self, shape: str, combined: dict[str, Any]) -> None:
+        what = "normal combine"
+        if EPD in combined and DEEP_EP in combined:
+            self.check(shape, what, EPD, DEEP_EP, combined[EPD], combined[DEEP_EP], exact=True)
+        if EPD in combined and PIPELINE in combined:
+            self.check(shape, what, EPD, PIPELINE, combined[EPD], combined[PIPELINE],
+                       exact=False)
+        if DEEP_EP in combined and PIPELINE in combined and EPD not in combined:
+            self.check(shape, what, DEEP_EP, PIPELINE, combined[DEEP_EP], combined[PIPELINE],
+                       exact=False)
+
+    def _low_latency(self) -> None:
+        """Rows at shape D (its index in the shape list picks the same inputs)."""
+        p, r = self.plan, self.r
+        torch = r.torch
+        si = next(i for i, (name, _) in enumerate(p.shapes) if name == "D")
+        x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, p.ll_tokens, p.hidden,
+                                                 p.experts, p.topk, p.num_ranks))
+        local = p.experts // p.num_ranks
+        val = expert_value(p.experts)[p.rank * local:(p.rank + 1) * local]
+        y = torch.from_numpy(val).to(r.device)[:, None, None].expand(
+            local, p.num_ranks * p.ll_tokens, p.hidden).to(torch.bfloat16).contiguous()
+        want = ll_reference(torch, idx, w, p.hidden, p.experts)
+        outs: dict[str, dict[str, Any]] = {}
+        for impl in (i for i in p.impls if i == EPD or (i == DEEP_EP and p.deep_ep_ll)):
+            buf = self._epd_buffer(True) if impl == EPD else self._deep_ep_buffer(True)
+            if impl == EPD:
+                self.epd_ll_buf = buf
+            steps = FacadeCalls(buf, p.experts).low_latency(x, idx, w, y, p.ll_tokens)
+            got: dict[str, Any] = {}
+            pids = p.engine_pids if impl == EPD else None
+            for row in (ROW_LL_PLAIN, ROW_LL_HOOK):
+                rec, got[row] = r.timed(impl, "D", row, steps[row], pids)
+                self.result["records"].append(rec)
+            if p.graphs:
+                got[ROW_LL_GRAPH] = self._graph_row(impl, steps[ROW_LL_HOOK], pids)
+            outs[impl] = got
+            r.sync()
+            r.barrier()
+            if impl == DEEP_EP:
+                _destroy(buf)
+        for impl, got in outs.items():
+            for row, combined in got.items():
+                self.check("D", row, impl, "reference", combined, want, exact=False)
+                if impl == EPD and DEEP_EP in outs:
+                    self.check("D", row, EPD, DEEP_EP, combined, outs[DEEP_EP][row], exact=True)
+        if self.epd_ll_buf is not None:
+            r.barrier()
+            self.epd_ll_buf.destroy()
+            self.epd_ll_buf = None
+
+    def _graph_row(self, impl: str, step: Callable[[], Any], pids: list[int] | None) -> Any:
+        """Capture one hooked dispatch + combine into a CUDA graph (after a warm-up call outside
+        the capture, which arms EPD's stream-ordered calls) and time its replay."""
+        r = self.r
+        torch = r.torch
+        step()
+        r.sync()
+        r.barrier()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream(r.device)
+        with torch.cuda.graph(graph, stream=stream):
+            combined = step()
+        r.sync()
+        rec, _ = r.timed(impl, "D", ROW_LL_GRAPH, graph.replay, pids)
+        self.result["records"].append(rec)
+        return combined
+
+
+def rank_main(plan: RankPlan, queue: Any) -> None:
+    """Process entry: run, report the result or one error, never hang the parent."""
+    with contextlib.suppress(Exception):  # die with the parent (Linux): no orphaned ranks
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if plan.mps_pipe_directory:  # what `eval "$(epd env)"` exports, before CUDA initialises
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = plan.mps_pipe_directory
+    try:
+        run = RankRun(plan, queue.put)
+        result = run.run()
+        run.r.close()
+        queue.put(result)
+    except BaseException as e:  # one line to the parent (which ends every rank), the trace too
+        msg = str(e).strip().splitlines()
+        queue.put({"kind": "error", "rank": plan.rank,
+                   "reason": f"rank {plan.rank}: {type(e).__name__}: {msg[0] if msg else ''}",
+                   "trace": traceback.format_exc()})

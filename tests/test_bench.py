@@ -1,0 +1,114 @@
+"""`epd bench` (issue 10) on the CPU backend: EPD's DeepEP facade against the gloo pipeline with
+tiny shapes and few iterations. Checked: the exit code, the JSON record (every row, figures,
+CPU per call, correctness passed, skips with reasons) and that nothing is left behind (files in
+the temp folders, processes). No timing target is asserted: a benchmark is not a speed test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("torch")
+
+MARK = "EPD_BENCH_TEST_MARK"
+OURS = ("epd-", "pymp-", "torch", "tmp")  # what the bench or its libraries would leave in /tmp
+ROWS = ["layout + dispatch + combine", "cached dispatch", "combine"]
+LL_ROWS = ["low latency: FP8 dispatch + combine", "low latency: with recv hooks"]
+
+
+def _marked_processes(token: str) -> list[int]:
+    """Processes whose environment carries `token`: the bench, its ranks, daemon, engines."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if token.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _run(args: list[str], tmp_path, timeout: float = 120) -> tuple[subprocess.CompletedProcess,
+                                                                  str]:
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir(exist_ok=True)
+    token = uuid.uuid4().hex
+    env = dict(os.environ, TMPDIR=str(private_tmp), **{MARK: token})
+    env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+    proc = subprocess.run([sys.executable, "-m", "epd.server.bench", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    deadline = time.monotonic() + 10  # engines leave right after their supervisor
+    while _marked_processes(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _marked_processes(token), "processes left behind"
+    assert os.listdir(private_tmp) == [], f"files left in TMPDIR: {os.listdir(private_tmp)}"
+    return proc, token
+
+
+def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
+    tmp_before = set(os.listdir("/tmp"))
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    out = tmp_path / "bench.json"
+    proc, _ = _run(["--backend", "cpu", "--ranks", "2", "--tokens", "32,8", "--hidden", "256",
+                    "--experts", "16", "--topk", "4", "--iters", "3", "--warmup", "1",
+                    "--low-latency", "--json", str(out), "--plot", str(tmp_path / "b.png"),
+                    "--timeout", "120", "-v"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
+    new_tmp = [n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith(OURS)]
+    assert not new_tmp, f"left in /tmp: {new_tmp}"
+    if os.path.isdir("/dev/shm"):
+        new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before
+                   if n.startswith(("epd", "sem.mp", "torch"))]
+        assert not new_shm, f"left in /dev/shm: {new_shm}"
+
+    rec = json.loads(out.read_text())
+    assert rec["backend"] == "cpu" and rec["ranks"] == 2 and rec["device"] == "cpu"
+    assert rec["versions"]["torch"] and rec["versions"]["epd"]
+    assert rec["mps"]["on"] is False and rec["mps"]["daemon_mps_mode"] in ("off", None)
+    assert "deep_ep" in rec["skipped"] and "graph" in rec["skipped"]  # each with its reason
+    assert all(rec["skipped"].values())
+    assert "plot" in rec  # a path, or why it was skipped (matplotlib missing)
+    got = {(r["shape"], r["row"]): r for r in rec["rows"]}
+    want = [(s, row) for s in ("P", "D") for row in ROWS] + [("D", row) for row in LL_ROWS]
+    assert sorted(got) == sorted(want)
+    for key, row in got.items():
+        impls = ("epd",) if key[1] in LL_ROWS else ("epd", "pipeline")
+        for impl in impls:
+            fig = row["results"][impl]
+            assert fig["p50_us"] > 0 and fig["p90_us"] >= fig["p50_us"], (key, impl, fig)
+            assert fig["iters"] == 3 and len(fig["per_rank_p50_us"]) == 2
+        epd = row["results"]["epd"]
+        assert epd["client_cpu_us_per_call"] is not None and epd["client_cpu_us_per_call"] > 0
+        assert epd["engine_cpu_us_per_call"] is not None and epd["engine_cpu_us_per_call"] >= 0
+        assert row["ratios"]["epd_over_pipeline"] is not None
+        assert any(t["what"].startswith("client CPU") for t in row["targets"])
+    checks = rec["correctness"]
+    assert rec["correctness_passed"] is True
+    assert {(c["shape"], c["what"], c["against"]) for c in checks} >= {
+        ("P", "normal combine", "pipeline"), ("D", "normal combine", "pipeline"),
+        ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference")}
+    assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
+
+
+@pytest.mark.parametrize("args,reason", [
+    (["--socket-dir", "{tmp}"], "no daemon answers on"),
+    (["--backend", "cpu", "--experts", "15"], "must be a multiple of the 2 ranks"),
+    (["--backend", "cpu", "--shapes", "P,X"], "--shapes takes distinct names"),
+])
+def test_bench_fails_with_one_line(tmp_path, args, reason) -> None:
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    proc, _ = _run(args, tmp_path, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epd bench: ") and reason in lines[0], \
+        proc.stderr

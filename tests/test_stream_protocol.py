@@ -1,0 +1,161 @@
+"""The stream-ordered normal-mode protocol without a GPU (issue 10): the counter-slot words
+(proto/counter_page.py, abi.SLOT32_*), how a failure the GPU reports becomes an error, the
+client's release when its engine is gone, the engine's descriptor cache, and what the CPU
+backend answers to stream-ordered requests. The GPU side is tests/gpu/test_stream_ordered.py."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from epd.client import EpdError, Session
+from epd.proto import abi, counter_page, dtypes
+from epd.proto.errors import InvalidArgument
+from epd.proto.v1 import epd_pb2
+from epd.server.backends.cpu import ShmRegion
+from epd.server.engine import tensors
+
+BF16 = dtypes.BFLOAT16
+
+
+def _slot() -> np.ndarray:
+    return np.zeros(abi.SLOT_BYTES // 8, np.int64)
+
+
+def _gpu_failure(words: np.ndarray, seq: int, code: int, rank: int, value: int,
+                 phase: int = 0) -> None:
+    """What epd_call_done writes (cuda/epd_intranode.cu): fields, then the failed sequence."""
+    w32 = words.view(np.int32)
+    words[abi.SLOT_FAIL_VALUE] = value
+    w32[abi.SLOT32_FAIL_CODE] = code | phase << 8
+    w32[abi.SLOT32_FAIL_RANK] = rank
+    w32[abi.SLOT32_FAIL_SEQ] = seq
+    w32[abi.SLOT32_DONE] = seq
+
+
+def test_slot_words_do_not_overlap() -> None:
+    """Header, stream words, per-expert counts and the ready ring each have their own bytes."""
+    header_end = abi.SLOT_HEADER * 8
+    stream32 = [abi.SLOT32_DONE, abi.SLOT32_FAIL_SEQ, abi.SLOT32_FAIL_CODE, abi.SLOT32_FAIL_RANK]
+    assert all(4 * abi.SLOT_ERR_RANK + 8 <= 4 * w < header_end for w in stream32)
+    assert header_end >= 8 * abi.SLOT_FAIL_VALUE + 8
+    assert max(stream32) * 4 + 4 <= 8 * abi.SLOT_FAIL_VALUE
+    counts_end = header_end + 8 * counter_page.MAX_LOCAL_EXPERTS
+    assert counts_end <= 4 * abi.SLOT32_READY
+    assert 4 * (abi.SLOT32_READY + abi.READY_RING) == abi.SLOT_BYTES
+    # Publishing the most counts a slot takes leaves the ring alone.
+    words = _slot()
+    ring = words.view(np.int32)[abi.SLOT32_READY:]
+    ring[:] = 7
+    counter_page.publish(words, 1, 5, list(range(counter_page.MAX_LOCAL_EXPERTS)))
+    assert (ring == 7).all()
+
+
+def test_no_failure_on_a_fresh_slot() -> None:
+    assert counter_page.stream_failure(_slot()) is None
+
+
+@pytest.mark.parametrize(("code", "phase", "status", "words"), [
+    (abi.ERR_BAD_INPUT, 0, grpc.StatusCode.INVALID_ARGUMENT, ["rank 1", "expert id 1000"]),
+    (abi.ERR_DEADLINE, abi.PHASE_NOTIFY, grpc.StatusCode.DEADLINE_EXCEEDED,
+     ["rank 1", "notify", "aborted"]),
+    (abi.ERR_ABORTED, 0, grpc.StatusCode.ABORTED, ["rank 1 left or failed"]),
+    (abi.ERR_WORST_OVERFLOW, 0, grpc.StatusCode.RESOURCE_EXHAUSTED, ["num_worst_tokens"]),
+    (counter_page.RELEASED, 0, grpc.StatusCode.UNAVAILABLE, ["went away"]),
+])
+def test_gpu_failure_becomes_a_precise_error(code: int, phase: int, status, words) -> None:
+    slot = _slot()
+    _gpu_failure(slot, 9, code, 1, 1000, phase)
+    f = counter_page.stream_failure(slot)
+    assert f is not None and f.seq == 9 and f.code == code and f.rank == 1
+    assert f.fatal == (code != abi.ERR_BAD_INPUT)  # a bad id fails only its call
+    err = f.error("moe", 256)
+    assert err.code == status
+    assert "group 'moe', call #9" in err.message
+    for w in words:
+        assert w in err.message, err.message
+
+
+def test_sequences_compare_cyclically() -> None:
+    """As cuStreamWaitValue32's GEQ: 32-bit wrap-around, 0 = never written."""
+    reached = counter_page.seq_reached
+    assert reached(5, 5) and reached(6, 5) and not reached(4, 5)
+    assert not reached(0, 1)
+    assert reached(3, 0xFFFFFFF0)  # wrapped past
+    assert not reached(0xFFFFFFF0, 3)
+
+
+def test_release_lets_waiting_streams_go_once() -> None:
+    words = _slot()
+    counter_page.release_stream(words, 0)  # nothing issued: nothing to release
+    assert counter_page.stream_done(words) == 0
+    counter_page.release_stream(words, 12)
+    assert counter_page.stream_done(words) == 12
+    f = counter_page.stream_failure(words)
+    assert f is not None and f.seq == 12 and f.code == counter_page.RELEASED
+    assert f.error("g").code == grpc.StatusCode.UNAVAILABLE
+    # A call the GPU already finished is not marked failed by a later release.
+    words = _slot()
+    words.view(np.int32)[abi.SLOT32_DONE] = 12
+    counter_page.release_stream(words, 12)
+    assert counter_page.stream_failure(words) is None
+    # Large sequences survive the int32 words.
+    words = _slot()
+    counter_page.release_stream(words, 0xFFFFFFFE)
+    assert counter_page.stream_done(words) == 0xFFFFFFFE
+
+
+def test_descriptor_checks_are_cached_per_region_and_never_skipped() -> None:
+    buf = np.zeros(8 * (tensors.MAX_RESOLVED + 8), np.uint8)
+
+    class Region(ShmRegion):  # a region over a plain buffer (no memfd needed for the checks)
+        def __init__(self) -> None:
+            self.region_id, self.size, self.resolved = "r", buf.nbytes, {}
+
+        def view(self, offset, shape, dtype, strides):
+            return np.lib.stride_tricks.as_strided(
+                buf[offset:].view(dtype), shape, [s * dtype.itemsize for s in strides])
+
+    regions = {"r": Region()}
+    desc = epd_pb2.TensorDesc(region_id="r", offset_bytes=0, shape=[4, 8], strides=[8, 1],
+                              dtype=epd_pb2.INT64)
+    a = tensors.resolve(desc, regions, "x", ndim=2, dtype=epd_pb2.INT64)
+    assert tensors.resolve(desc, regions, "x", ndim=2, dtype=epd_pb2.INT64) is a
+    # A different descriptor is checked again: out of the region is refused.
+    big = epd_pb2.TensorDesc()
+    big.CopyFrom(desc)
+    big.shape[0] = 1 << 20
+    with pytest.raises(InvalidArgument, match="outside region"):
+        tensors.resolve(big, regions, "x", ndim=2, dtype=epd_pb2.INT64)
+    # The same descriptor under another dtype rule is checked under that rule.
+    with pytest.raises(InvalidArgument, match="dtype"):
+        tensors.resolve(desc, regions, "x", ndim=2, dtype=epd_pb2.FLOAT32)
+    for i in range(tensors.MAX_RESOLVED + 5):  # bounded
+        d = epd_pb2.TensorDesc(region_id="r", offset_bytes=8 * i, shape=[1], dtype=epd_pb2.INT64)
+        tensors.resolve(d, regions, "x", ndim=1)
+    assert len(regions["r"].resolved) <= tensors.MAX_RESOLVED
+
+
+def test_cpu_backend_refuses_stream_ordered_requests(daemon) -> None:
+    """The CPU backend's calls are synchronous by nature: a stream-ordered request (a client
+    that thinks it talks to the cuda engine) is FAILED_PRECONDITION naming the backend, and
+    client SM requests are refused where there are no SMs."""
+    with Session(daemon.socket(0), timeout=5) as s:
+        g = s.join("stream-cpu", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2, dtype="bfloat16")
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+        d = s._descs({"topk_idx": idx})
+        with pytest.raises(EpdError) as err:
+            s._call("GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
+                session_id=s.session_id, group_id=g.group_id, stream_ordered=True, **d))
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cuda backend" in err.value.message
+        with pytest.raises(InvalidArgument, match="num_sms"):
+            g.dispatch(x, idx, w, num_sms=4)
+        out = g.dispatch(x, idx, w)  # nothing changed: the group works
+        cx, _ = g.combine(out.recv_x, out.handle)
+        assert cx.shape == (2, 64)
+        with pytest.raises(InvalidArgument, match="num_sms"):
+            g.combine(out.recv_x, out.handle, num_sms=2)
