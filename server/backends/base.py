@@ -351,6 +351,11 @@ class RankComm(abc.ABC):
     def release_stream(self, counter_slot: Any) -> None:  # noqa: B027  (nothing to release)
         """Teardown: let the rank's stream pass every READY wait it was given."""
 
+    def quiesce(self, deadline: float) -> None:  # noqa: B027  (push designs need nothing)
+        """A clean leave is next: wait (until `deadline`, never raising) for the peers to
+        finish reading what this rank published in the last collective, so its abort word does
+        not fail a peer that is merely slower."""
+
     def known_abort_reason(self) -> str | None:
         """Why the group failed, as far as this engine's host knows (no device read)."""
         return None

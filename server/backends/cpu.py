@@ -908,6 +908,16 @@ class CpuRankComm(RankComm):
     def abort(self, reason: str) -> None:
         write_abort(self._header, reason)
 
+    def quiesce(self, deadline: float) -> None:
+        """The deferred slot-freeing barrier, taken now: peers pull from this rank's slot after
+        it returned, and the abort word of its leave would fail them mid-read."""
+        if not self._sequence or self._header is None:
+            return
+        target = 2 * self._sequence  # every rank raised "done reading" of the last collective
+        while (int(self._arrivals.min()) < target and read_abort(self._header) is None
+               and time.monotonic() < deadline):
+            time.sleep(50e-6)
+
     def abort_reason(self) -> str | None:
         return read_abort(self._header)
 

@@ -146,6 +146,9 @@ class CudaPlanner(GroupPlanner):
         return {"NVSHMEM_REMOTE_TRANSPORT": "none",
                 "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
                 "NVSHMEM_DISABLE_CUDA_VMM": "1",
+                # Stream-ordered calls park each rank's stream in a GPU-side wait for its
+                # client: the most hardware queues, so one rank's wait stalls no other stream.
+                "CUDA_DEVICE_MAX_CONNECTIONS": "32",
                 "NVSHMEM_SYMMETRIC_SIZE": str(self.heap_bytes + (1 << 30))}
 
     def new_world(self) -> None:

@@ -55,6 +55,9 @@ from .state import (
 from .stream_calls import StreamCalls
 
 log = logging.getLogger("epd.engine")
+# A clean leave waits at most this long for peers still inside the last collective (within the
+# client's own leave timeout, session.CLOSE_LEAVE_TIMEOUT); then it aborts the group anyway.
+QUIESCE_SECONDS = 1.0
 NODE_RPC_SECONDS = 5.0  # deadline of ReleaseRank, and the slack added to a rendezvous's
 MPS_WARNED_PIDS = 4096  # client pids remembered for the once-per-pid MPS warning
 SETTLE_SECONDS = 2.0  # drain: how long teardowns already under way may take to finish
@@ -349,6 +352,8 @@ class Engine(StreamCalls, DataPlane):
         if session.members.get(member.group_id) is not member:
             return  # the session's teardown has it
         text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
+        if why == "left":  # a clean leave: let peers finish reading what this rank published
+            await asyncio.to_thread(member.comm.quiesce, time.monotonic() + QUIESCE_SECONDS)
         self._abort(member, text, why)
         if any(o.member is member for o in session.stream_ops.values()):
             await asyncio.to_thread(self.stream_ops.release_member, session, member)
