@@ -31,8 +31,9 @@ a hook that does nothing and `async_finish` has no effect. On the cuda backend, 
 while the current stream captures a CUDA graph, or with `return_recv_hook=True`, is
 stream-ordered (client/stream_ops.py): it is armed once per set of tensors, triggered from the
 stream with stream memory operations, and the hook enqueues the wait for its data. FP8
-scales are float32 `[L, R*num_max, H/128]` in row-major order; `use_ue8m0` gives power-of-two
-float32 scales (it implies `round_scale`) rather than DeepEP's packed int32 UE8M0 words.
+scales come in DeepEP's layout: float32 `[L, R*num_max, H/128]`, column-major in the last two
+dimensions; with `use_ue8m0` (which implies `round_scale`) the exponent bytes packed four to an
+int32, `[L, R*num_max, H/512]`, column-major too (deep_ep_compat.LowLatencyScales).
 `use_logfmt`, `zero_copy`, `dispatch_wait_recv_cost_stats` and `combine_wait_recv_cost_stats`
 are accepted and ignored: combine always carries exact bf16.
 
@@ -540,18 +541,27 @@ class Buffer:
                     round_scale=round_scale, use_ue8m0=use_ue8m0,
                     cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                     timeout=self.timeout)
-            hook, event = self._trigger(op, x, return_recv_hook, async_finish)
             res = op.result
-            recv = (res.recv_x, res.recv_x_scales) if use_fp8 else res.recv_x
+            scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
+            hook, event = self._trigger(op, x, return_recv_hook, async_finish,
+                                        scales.fill if scales is not None else None)
+            recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
             return recv, res.recv_count, handle_of(op, res), event, hook
-        out, event = self._run(
-            x, lambda: g.low_latency_dispatch(
+
+        def call():
+            res = g.low_latency_dispatch(
                 x, topk_idx, num_max, num_experts=int(num_experts),
                 use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                timeout=self.timeout),
-            None, async_finish and not return_recv_hook, inputs=(x, topk_idx))
-        recv = (out.recv_x, out.recv_x_scales) if use_fp8 else out.recv_x
+                timeout=self.timeout)
+            # DeepEP's scale layout, made on the call's stream (inside run_on_streams)
+            scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0).fill() if use_fp8 \
+                else None
+            return res, scales
+
+        (out, scales), event = self._run(x, call, None, async_finish and not return_recv_hook,
+                                         inputs=(x, topk_idx))
+        recv = (out.recv_x, scales) if use_fp8 else out.recv_x
         hook = _no_op_hook if return_recv_hook else None
         return recv, out.recv_count, handle_of(out.handle, out), event, hook
 
@@ -619,14 +629,26 @@ class Buffer:
         mem = self.session.memory
         return mem.supports_stream_ops and (return_recv_hook or mem.is_capturing(x))
 
-    def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool):
+    def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
+                 after: Any = None):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
         half is enqueued now and the hook enqueues the receive half. Else both halves, on the
-        comm stream with an event after them when `async_finish` (run_on_streams)."""
+        comm stream with an event after them when `async_finish` (run_on_streams). `after`
+        (no arguments) is enqueued behind the receive half: work on the received data."""
+        def receive() -> None:
+            op.wait()  # the receive half, on the stream current then
+            if after is not None:
+                after()
+
         if return_recv_hook:
             op.signal()
-            return op.wait, EventOverlap()  # the receive half, on the stream current then
-        _, event = self._run(x, op.launch, None, async_finish)
+            return receive, EventOverlap()
+
+        def both() -> None:
+            op.signal()
+            receive()
+
+        _, event = self._run(x, both, None, async_finish)
         return None, event
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:

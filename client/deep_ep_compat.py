@@ -370,3 +370,45 @@ def layout_range_of(src_rank: Any, num_ranks: int) -> Any:
                           "arrival order. handle[0] (src_info) and the per-row source ranks "
                           "are exact")
     return out
+
+
+class LowLatencyScales:
+    """DeepEP V1's layout of low-latency FP8 scales (csrc/deep_ep.cpp `low_latency_dispatch`,
+    csrc/kernels/internode_ll.cu), from EPD's row-major float32 `[L, N, S]` (N = num_ranks *
+    num_max tokens, S = hidden / 128): column-major in the last two dimensions (storage
+    `[L, S, N]`, the TMA layout DeepGEMM reads); with `use_ue8m0`, each scale's exponent byte
+    (`bits >> 23`; the scales are powers of two) packed four to an int32, byte k of word j
+    holding scale 4j + k: int32 `[L, N, S/4]`, column-major too.
+
+    `out` is allocated once per call, before the data has arrived (a receive hook returns it at
+    once); `fill()` writes it on the current stream, after the data (the hook's wait)."""
+
+    def __init__(self, scales: Any, use_ue8m0: bool) -> None:
+        self.src, self.use_ue8m0 = scales, use_ue8m0
+        lx, n, s = (int(d) for d in scales.shape)
+        if use_ue8m0 and s % 4:
+            raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
+                                  f"multiple of 512, got {s * 128}")
+        cols = s // 4 if use_ue8m0 else s
+        torch = torch_if_loaded()
+        if torch is not None and isinstance(scales, torch.Tensor):
+            dtype = torch.int32 if use_ue8m0 else torch.float32
+            self.out = torch.empty((lx, cols, n), dtype=dtype,
+                                   device=scales.device).transpose(1, 2)
+        else:
+            dtype = np.int32 if use_ue8m0 else np.float32
+            self.out = np.empty((lx, cols, n), dtype=dtype).transpose(0, 2, 1)
+
+    def fill(self) -> Any:
+        src = self.src
+        torch = torch_if_loaded()
+        is_torch = torch is not None and isinstance(src, torch.Tensor)
+        if self.use_ue8m0:
+            bits = src.view(torch.int32) if is_torch else np.asarray(src).view(np.int32)
+            e = (bits >> 23) & 0xFF
+            src = e[..., 0::4] | (e[..., 1::4] << 8) | (e[..., 2::4] << 16) | (e[..., 3::4] << 24)
+        if is_torch:
+            self.out.copy_(src)
+        else:
+            self.out[...] = src
+        return self.out

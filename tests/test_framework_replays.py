@@ -479,11 +479,6 @@ def test_vllm_low_latency_dbo_two_ubatches(env) -> None:
             exact(res[r][1][u], comb[r], f"ubatch {u} rank {r} output")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="use_ue8m0=True: DeepEP V1 returns packed UE8M0 scales, int32 "
-                   "[L, R*num_max, H/512] (4 exponents a word), which vLLM hands to DeepGEMM "
-                   "when its experts support packed ue8m0; EPD returns power-of-two float32 "
-                   "[L, R*num_max, H/128]")
 def test_vllm_low_latency_packed_ue8m0_scales(env) -> None:
     """vLLM deepep_ll.py @ 055e47c with use_ue8m0_dispatch (post_init_setup): dispatch with
     use_fp8=True, round_scale=True, use_ue8m0=True; the scales must be DeepEP's packed int32."""
@@ -504,10 +499,6 @@ def test_vllm_low_latency_packed_ue8m0_scales(env) -> None:
                                                   LL_HIDDEN // 512), (dtype, shape)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="DeepEP V1's low-latency FP8 scales are column-major in their last two "
-                   "dimensions (TMA layout DeepGEMM reads: stride 1 along R*num_max); EPD's are "
-                   "row-major (same values)")
 def test_vllm_low_latency_fp8_scales_layout(env) -> None:
     """vLLM deepep_ll.py @ 055e47c passes the dispatched scales straight to the masked grouped
     GEMM (block_k == 128 branch of _do_quant): their strides are DeepEP's."""
@@ -524,6 +515,42 @@ def test_vllm_low_latency_fp8_scales_layout(env) -> None:
 
     for stride in run_ranks(rank):
         assert stride[-2] == 1, f"scales strides {stride}: row-major"
+
+
+def test_low_latency_scales_values_in_deepep_layout(env) -> None:
+    """The packed words hold the exponents of the float scales (4 to a word, byte k = scale
+    4j + k; DeepEP's kernel stores `bits >> 23` of each power-of-two scale), and both layouts
+    are column-major in the last two dimensions (DeepEP csrc/deep_ep.cpp @ 567632d). Checked
+    against the float scales of the same call with round_scale, decoded independently."""
+    experts, topk, num_max = 8, 2, 8
+    xs, idx, _ = ll_workload([4, 5], LL_HIDDEN, experts, topk)
+
+    def rank(r, group):
+        buf = _vllm_ll_buffer(group, num_max, LL_HIDDEN, experts)
+        try:
+            (_, sf), count, *_ = buf.low_latency_dispatch(
+                tt(xs[r]), tt(idx[r]), num_max, experts, use_fp8=True, round_scale=True)
+            sf = sf.clone()
+            (_, packed), *_ = buf.low_latency_dispatch(
+                tt(xs[r]), tt(idx[r]), num_max, experts, use_fp8=True, round_scale=True,
+                use_ue8m0=True)
+            return sf, packed.clone(), count.clone()
+        finally:
+            buf.destroy()
+
+    for sf, packed, count in run_ranks(rank):
+        lx, n, s = sf.shape
+        assert sf.stride() == (s * n, 1, n) and sf.dtype == torch.float32
+        assert packed.shape == (lx, n, s // 4) and packed.dtype == torch.int32
+        assert packed.stride() == (s // 4 * n, 1, n)
+        words = packed.numpy().astype(np.int64) & 0xFFFFFFFF
+        for le in range(lx):
+            for row in range(int(count[le])):
+                m, e = np.frexp(sf[le, row].numpy().astype(np.float64))
+                assert (m == 0.5).all(), "round_scale gives powers of two"
+                exps = (e - 1 + 127).astype(np.int64)  # the IEEE biased exponent
+                got = [(int(words[le, row, j // 4]) >> (8 * (j % 4))) & 0xFF for j in range(s)]
+                assert got == exps.tolist(), (le, row)
 
 
 # ------------------------------------------------------------------------------------------------
