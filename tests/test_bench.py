@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("torch")
 
 MARK = "EPD_BENCH_TEST_MARK"
-OURS = ("epd-", "pymp-", "torch", "tmp")  # what the bench or its libraries would leave in /tmp
 ROWS = ["layout + dispatch + combine", "cached dispatch", "combine"]
 LL_ROWS = ["low latency: FP8 dispatch + combine", "low latency: with recv hooks"]
 
@@ -55,7 +54,9 @@ def _run(args: list[str], tmp_path, timeout: float = 120) -> tuple[subprocess.Co
 
 
 def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
-    tmp_before = set(os.listdir("/tmp"))
+    # The bench and its daemon create their folders through tempfile, so under the private
+    # TMPDIR that _run checks is empty afterwards; /tmp itself is shared with other runs on the
+    # same machine and is not compared here.
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     out = tmp_path / "bench.json"
     proc, _ = _run(["--backend", "cpu", "--ranks", "2", "--tokens", "32,8", "--hidden", "256",
@@ -64,8 +65,6 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
                     "--timeout", "120", "-v"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
-    new_tmp = [n for n in set(os.listdir("/tmp")) - tmp_before if n.startswith(OURS)]
-    assert not new_tmp, f"left in /tmp: {new_tmp}"
     if os.path.isdir("/dev/shm"):
         new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before
                    if n.startswith(("epd", "sem.mp", "torch"))]
