@@ -66,7 +66,7 @@ class RankRunner:
             # default, the least urgent); the side stream (abort writes) keeps the default.
             self.stream = cp.cuda.Stream(non_blocking=True, priority=stream_priority)
             self.side_stream = cp.cuda.Stream(non_blocking=True)
-        self.stream_priority = stream_priority_of(self.stream.ptr)
+            self.stream_priority = stream_priority_of(self.stream.ptr)
         self.base = int(peer_bases[rank])
         self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)
         self.seq = {"notify": 0, "dispatch": 0, "combine": 0, "ll_dispatch": 0, "ll_combine": 0}
