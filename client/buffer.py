@@ -44,6 +44,7 @@ The daemon group behind a Buffer is formed lazily at the first call, from the ca
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,10 +56,11 @@ from . import deep_ep_compat as C
 from . import tensors as T
 from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
-from .session import Group, Handle, LowLatencyHandle, Session
+from .session import Group, Handle, LowLatencyHandle, Session, service_class_value
 from .stream_ops import StreamOp
 from .tensors import Array
 
+SERVICE_CLASS_ENV = "EPD_SERVICE_CLASS"  # a Buffer's service class when it names none
 LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
 
 __all__ = ["Buffer", "BufferHandle", "Config", "EventHandle", "EventOverlap",
@@ -209,7 +211,10 @@ class Buffer:
 
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
     (default: `EPD_ENGINE`, else the current CUDA device when torch CUDA is available, else
-    `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank`, `timeout`, `session`.
+    `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank`, `timeout`, `session`,
+    `service_class` ("latency" for decode, "throughput" for prefill and training; default
+    `EPD_SERVICE_CLASS`, else the daemon's policy default for the group's name): every group
+    this Buffer joins gets it.
     """
 
     num_sms: int = 20
@@ -223,7 +228,8 @@ class Buffer:
                  num_ranks: int | None = None, endpoint: str | None = None,
                  socket_dir: str | None = None, engine: int | None = None,
                  group_name: str = "deep_ep", max_tokens_per_rank: int = 4096,
-                 timeout: float | None = None, session: Session | None = None) -> None:
+                 timeout: float | None = None, session: Session | None = None,
+                 service_class: str | None = None) -> None:
         if group is not None:
             rank, num_ranks = group.rank(), group.size()
         elif comm is not None:
@@ -242,6 +248,12 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.group_name = group_name
         self.max_tokens_per_rank = max_tokens_per_rank
+        # The service class of this Buffer's groups: the keyword, else EPD_SERVICE_CLASS (for
+        # frameworks that build the Buffer themselves), else the daemon's policy default.
+        if service_class is None:
+            service_class = os.environ.get(SERVICE_CLASS_ENV) or None
+        service_class_value(service_class)  # InvalidArgument now, not at the first call
+        self.service_class = service_class
         self.timeout = timeout
         self._comm_stream: Any = None
         if session is None:
@@ -352,7 +364,7 @@ class Buffer:
                                   self.max_tokens_per_rank,
                                   num_topk=num_topk, dtype=dtypes.name(dtypes.from_numpy(dtype)),
                                   low_latency_mode=bool(low_latency_tokens),
-                                  timeout=self.timeout)
+                                  timeout=self.timeout, service_class=self.service_class)
             self._groups[key] = g
         return g
 

@@ -133,6 +133,24 @@ class PendingDispatch:
         return self._group._dispatch_result(resp, self._copy, self._template)
 
 
+SERVICE_CLASSES = ("latency", "throughput")  # epd.proto ServiceClass, by name
+
+
+def service_class_value(name: str | None) -> int:
+    """The ServiceClass of "latency" / "throughput" (None: unspecified, the daemon decides)."""
+    if name is None:
+        return epd_pb2.SERVICE_CLASS_UNSPECIFIED
+    if not isinstance(name, str) or name.lower() not in SERVICE_CLASSES:
+        raise InvalidArgument(f"service_class must be one of {list(SERVICE_CLASSES)} or None "
+                              f"(the daemon's policy default), got {name!r}")
+    return epd_pb2.ServiceClass.Value(name.upper())
+
+
+def service_class_name(value: int) -> str:
+    """"latency" / "throughput" ("" when the daemon did not say: an older daemon)."""
+    return epd_pb2.ServiceClass.Name(value).lower() if value else ""
+
+
 def _check_timeout(t: float) -> float:
     """A deadline in seconds: positive and finite (NaN would disable it, inf never end)."""
     try:
@@ -319,10 +337,15 @@ class Session:
     # -- groups ------------------------------------------------------------------------------
     def join(self, name: str, *, rank: int, num_ranks: int, num_experts: int, hidden: int,
              max_tokens_per_rank: int, num_topk: int, dtype: str = "bfloat16",
-             low_latency_mode: bool = False, timeout: float | None = None) -> Group:
+             low_latency_mode: bool = False, timeout: float | None = None,
+             service_class: str | None = None) -> Group:
         """Join (and with the other ranks, form) a group; blocks until all ranks arrived.
         `low_latency_mode` reserves the low-latency buffers (sized by max_tokens_per_rank),
-        which the cuda backend needs for `low_latency_dispatch`."""
+        which the cuda backend needs for `low_latency_dispatch`. `service_class` ("latency"
+        for decode, "throughput" for prefill and training; None: the daemon's policy default
+        for the group) must be the same on every rank; a class the daemon's policy does not
+        allow raises PermissionDenied naming the rule. `Group.service_class` says which class
+        the group got."""
         try:
             x_dtype = dtypes.from_name(dtype)
         except ValueError as e:
@@ -330,7 +353,8 @@ class Session:
         spec = epd_pb2.GroupSpec(name=name, num_ranks=num_ranks, num_experts=num_experts,
                                  hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                                  num_topk=num_topk, x_dtype=x_dtype,
-                                 low_latency_mode=low_latency_mode)
+                                 low_latency_mode=low_latency_mode,
+                                 service_class=service_class_value(service_class))
         wait = self._deadline(timeout)
         resp = cast(epd_pb2.JoinGroupResponse, self._call("JoinGroup", epd_pb2.JoinGroupRequest(
             session_id=self.session_id, spec=spec, rank=rank, timeout_seconds=wait),
@@ -409,6 +433,8 @@ class Group:
         self.group_id = resp.group_id
         self.rank = resp.rank
         self.num_ranks = spec.num_ranks
+        # The class the daemon gave the group ("latency" / "throughput").
+        self.service_class = service_class_name(resp.service_class)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
         self._counter_slot = resp.counter_slot

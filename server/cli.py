@@ -69,6 +69,11 @@ def _topology(ns: argparse.Namespace) -> int:
               f"(clients: eval \"$(epd env)\")")
     else:
         print(f"  CUDA MPS: {t.mps_mode or 'off'}")
+    budgets = ", ".join(f"{c} {n or 'default'}" for c, n in (
+        ("latency", t.latency_num_sms), ("throughput", t.throughput_num_sms)))
+    print(f"  service classes: policy {t.service_class_policy or '(none: any class may be asked)'}"
+          f"; SM budgets {budgets}; groups {t.latency_groups} latency, "
+          f"{t.throughput_groups} throughput")
     for e in t.engines:
         off_mps = f" sessions-without-mps={e.sessions_without_mps}" if _mps_on(t) else ""
         print(f"  engine {e.index}: {e.socket_path} {epd_pb2.Backend.Name(e.backend).lower()} "

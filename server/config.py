@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .service_classes import MAX_NUM_SMS, Policy, parse_policy, policy_text
+
 ENV_PREFIX = "EPD_"
 # The secret the supervisor gives each engine at spawn (environment), sent by the engine as gRPC
 # metadata on the Node RPCs that only engines may call (Rendezvous, ReleaseRank, GetBootstrap).
@@ -105,6 +107,21 @@ class Config:
     allow_gids: str = field(default="", metadata={
         "help": "comma-separated gids whose members (primary gid of the client) are admitted "
                 "to any group"})
+    service_class_policy: str = field(default="", metadata={
+        "help": "service classes of groups: comma-separated rules "
+                "PATTERN[@UID[+UID...]]=CLASS[/MOST], first match wins: groups whose name "
+                "matches the fnmatch PATTERN (joined by one of the uids, if given) get CLASS "
+                "(latency or throughput) unless they ask, and may ask for at most MOST "
+                "(default CLASS), e.g. \"decode-*=latency, *@1001=throughput/latency, "
+                "*=throughput\". Empty: any group may ask for either, default throughput; "
+                "with rules, unmatched groups get throughput only"})
+    latency_num_sms: int = field(default=0, metadata={
+        "help": "cuda backend: blocks of a latency group's data kernels (normal mode uses it "
+                "instead of --num-sms, low-latency at most it); a client's num_sms is bounded "
+                "by it (0 = the daemon's defaults)"})
+    throughput_num_sms: int = field(default=0, metadata={
+        "help": "cuda backend: blocks of a throughput group's data kernels, as "
+                "--latency-num-sms (e.g. keep prefill under a share of the SMs)"})
 
     @property
     def allowed_uids(self) -> frozenset[int]:
@@ -113,6 +130,10 @@ class Config:
     @property
     def allowed_gids(self) -> frozenset[int]:
         return parse_ids("allow_gids", self.allow_gids)
+
+    @property
+    def service_classes(self) -> Policy:
+        return parse_policy(self.service_class_policy)
 
     @property
     def socket_path(self) -> Path:
@@ -191,6 +212,8 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         unknown = set(data) - set(fields)
         if unknown:
             raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
+        if "service_class_policy" in data:  # a string, or a list of tables
+            data = dict(data, service_class_policy=policy_text(data["service_class_policy"]))
         values.update(data)
     for name in fields:
         raw = env.get(ENV_PREFIX + name.upper())
@@ -207,4 +230,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     if cfg.engines < 0:
         raise ValueError("engines must be >= 0")
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
+    cfg.service_classes  # noqa: B018  (ValueError naming the rule)
+    for name in ("latency_num_sms", "throughput_num_sms"):
+        if not 0 <= getattr(cfg, name) <= MAX_NUM_SMS:
+            raise ValueError(f"{name} must lie in [0, {MAX_NUM_SMS}] (0: the daemon's "
+                             f"defaults), got {getattr(cfg, name)}")
     return cfg

@@ -25,7 +25,7 @@ from ..proto.errors import (
     PermissionDenied,
 )
 from ..proto.v1 import epd_pb2
-from . import metrics
+from . import metrics, service_classes
 from .backends.base import GroupPlanner, GroupSpec
 from .engine.state import spec_from_proto
 
@@ -226,6 +226,15 @@ class Coordinator:
             self.planner.free_group(g.plan)
         log.info("group %r (%s) removed", g.spec.name, g.group_id)
 
+    def groups_by_class(self) -> dict[str, int]:
+        """How many live groups (formed or forming, not aborted) each service class has."""
+        out = dict.fromkeys(service_classes.CLASS_NAMES, 0)
+        for g in self.by_id.values():
+            if g.aborted is None:
+                cls = service_classes.name(g.spec.service_class)
+                out[cls] = out.get(cls, 0) + 1
+        return out
+
     def close(self) -> None:
         for g in list(self.by_id.values()):
             self._abort(g, "daemon shutting down")
@@ -235,5 +244,6 @@ class Coordinator:
 def _spec_text(s: GroupSpec) -> str:
     return (f"num_ranks={s.num_ranks} num_experts={s.num_experts} hidden={s.hidden} "
             f"max_tokens_per_rank={s.max_tokens_per_rank} num_topk={s.num_topk} "
-            f"x_dtype={s.x_dtype}")
+            f"x_dtype={s.x_dtype} low_latency_mode={s.low_latency_mode} "
+            f"service_class={service_classes.name(s.service_class)}")
 

@@ -114,3 +114,15 @@ BUILD_INFO = Gauge("epd_build_info", "Version and backend", ["version", "backend
 SESSIONS_WITHOUT_MPS = Gauge("epd_sessions_without_mps", "Open sessions whose client is not on "
                              "the engine's CUDA MPS server (it works, slower: eval \"$(epd env)\" "
                              "in the client)", ["engine"], multiprocess_mode="livesum")
+# Service classes (issue 14). Ranks of a group this daemon holds, by class (livesum: the
+# group's ranks over all engines; 0 once none is held): join it to the per-group series with
+# `* on (group) group_left (service_class) (epd_group_service_class > 0)`.
+GROUP_SERVICE_CLASS = GroupGauge("epd_group_service_class", "Ranks of a group held, by its "
+                                 "service class (latency or throughput)",
+                                 ["group", "service_class"], multiprocess_mode="livesum")
+# The time a call waited for its session's executor (the worker queue and the operation lock)
+# before it ran: calls of one session queue behind each other; this shows when they do.
+QUEUE_WAIT_SECONDS = GroupHistogram(
+    "epd_queue_wait_seconds", "Time a collective or layout call waited for its session's "
+    "executor (worker queue, operation lock) before running", ["group", "service_class"],
+    buckets=LATENCY_BUCKETS)

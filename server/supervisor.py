@@ -33,6 +33,7 @@ from . import __version__
 from .backends.base import GroupPlanner
 from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config
 from .mps import Mps, MpsError
+from .service_classes import LATENCY, THROUGHPUT
 
 log = logging.getLogger("epd.supervisor")
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
@@ -81,10 +82,16 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                 device_name=info[0], device_uuid=info[1], ready=e.ready,
                 pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
                 sessions_without_mps=without_mps.get(str(e.index), 0)))
+        by_class = s.coordinator.groups_by_class()
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
                                            engines=engines, metrics_url=s.metrics_url,
                                            mps_mode=s.mps.mode,
-                                           mps_pipe_directory=s.mps.pipe_directory)
+                                           mps_pipe_directory=s.mps.pipe_directory,
+                                           service_class_policy=s.policy_text,
+                                           latency_num_sms=s.cfg.latency_num_sms,
+                                           throughput_num_sms=s.cfg.throughput_num_sms,
+                                           latency_groups=by_class[LATENCY],
+                                           throughput_groups=by_class[THROUGHPUT])
 
     async def Rendezvous(self, request, context):
         await self._engine_only(context, "Rendezvous")
@@ -120,6 +127,7 @@ class Supervisor:
                                        allow_gids=cfg.allowed_gids)
         self.metrics_url = ""
         self.device_names: dict[int, tuple[str, str]] = {}
+        self.policy_text = cfg.service_classes.text  # canonical (GetTopology)
         self.stopping = False
         self._http = None
         self.lock_fd: int | None = None

@@ -404,11 +404,12 @@ def expert_out(recv_x: np.ndarray, recv_scales: np.ndarray | None, recv_idx: np.
     return expert_transform(recv_x, recv_idx, recv_w, rank, local_experts)
 
 
-def join(session, case: Case, rank: int, timeout: float | None = None):
+def join(session, case: Case, rank: int, timeout: float | None = None,
+         service_class: str | None = None):
     return session.join(case.group, rank=rank, num_ranks=case.num_ranks,
                         num_experts=case.num_experts, hidden=case.hidden,
                         max_tokens_per_rank=case.max_tokens_per_rank, num_topk=case.num_topk,
-                        dtype="bfloat16", timeout=timeout)
+                        dtype="bfloat16", timeout=timeout, service_class=service_class)
 
 
 def case_round(session, group, case: Case, rank: int) -> dict[str, Any]:

@@ -48,6 +48,8 @@ METRICS = {
     "epd_engine_restarts_total": "counter",
     "epd_engine_up": "gauge",
     "epd_build_info": "gauge",
+    "epd_group_service_class": "gauge",
+    "epd_queue_wait_seconds": "histogram",
 }
 # Series Prometheus itself attaches to every target.
 PROMETHEUS_BUILTINS = {"up"}

@@ -24,6 +24,12 @@ class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BACKEND_UNSPECIFIED: _ClassVar[Backend]
     CPU: _ClassVar[Backend]
     CUDA: _ClassVar[Backend]
+
+class ServiceClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVICE_CLASS_UNSPECIFIED: _ClassVar[ServiceClass]
+    LATENCY: _ClassVar[ServiceClass]
+    THROUGHPUT: _ClassVar[ServiceClass]
 DTYPE_UNSPECIFIED: DType
 BFLOAT16: DType
 FLOAT16: DType
@@ -36,6 +42,9 @@ UINT8: DType
 BACKEND_UNSPECIFIED: Backend
 CPU: Backend
 CUDA: Backend
+SERVICE_CLASS_UNSPECIFIED: ServiceClass
+LATENCY: ServiceClass
+THROUGHPUT: ServiceClass
 
 class TensorDesc(_message.Message):
     __slots__ = ("region_id", "offset_bytes", "shape", "dtype", "strides")
@@ -78,23 +87,33 @@ class EngineInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., sessions_without_mps: _Optional[int] = ...) -> None: ...
 
 class GetTopologyResponse(_message.Message):
-    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory")
+    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory", "service_class_policy", "latency_num_sms", "throughput_num_sms", "latency_groups", "throughput_groups")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     MPS_MODE_FIELD_NUMBER: _ClassVar[int]
     MPS_PIPE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_POLICY_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_NUM_SMS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_NUM_SMS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_name: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     metrics_url: str
     mps_mode: str
     mps_pipe_directory: str
-    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ...) -> None: ...
+    service_class_policy: str
+    latency_num_sms: int
+    throughput_num_sms: int
+    latency_groups: int
+    throughput_groups: int
+    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ..., service_class_policy: _Optional[str] = ..., latency_num_sms: _Optional[int] = ..., throughput_num_sms: _Optional[int] = ..., latency_groups: _Optional[int] = ..., throughput_groups: _Optional[int] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
-    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode")
+    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode", "service_class")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +122,7 @@ class GroupSpec(_message.Message):
     NUM_TOPK_FIELD_NUMBER: _ClassVar[int]
     X_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_MODE_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_ranks: int
     num_experts: int
@@ -111,7 +131,8 @@ class GroupSpec(_message.Message):
     num_topk: int
     x_dtype: DType
     low_latency_mode: bool
-    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ..., low_latency_mode: _Optional[bool] = ...) -> None: ...
+    service_class: ServiceClass
+    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ..., low_latency_mode: _Optional[bool] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds", "attached", "group_id", "peer_uid", "peer_gid", "has_peer")
@@ -248,20 +269,22 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot")
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_IPC_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     output_region_id: str
     output_region_ipc: bytes
     output_region_bytes: int
     counter_slot: int
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ...) -> None: ...
+    service_class: ServiceClass
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
     __slots__ = ("session_id", "group_id")
@@ -604,7 +627,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class GroupStats(_message.Message):
-    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles")
+    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles", "service_class", "stream_priority", "num_sms", "ll_num_sms", "queued_calls", "queue_wait_seconds")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -616,6 +639,12 @@ class GroupStats(_message.Message):
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
     HANDLES_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    NUM_SMS_FIELD_NUMBER: _ClassVar[int]
+    LL_NUM_SMS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_CALLS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     name: str
     rank: int
@@ -627,7 +656,13 @@ class GroupStats(_message.Message):
     aborted: bool
     abort_reason: str
     handles: int
-    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ...) -> None: ...
+    service_class: ServiceClass
+    stream_priority: int
+    num_sms: int
+    ll_num_sms: int
+    queued_calls: int
+    queue_wait_seconds: float
+    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., stream_priority: _Optional[int] = ..., num_sms: _Optional[int] = ..., ll_num_sms: _Optional[int] = ..., queued_calls: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("engine_index", "sessions", "groups", "regions", "region_bytes")

@@ -38,6 +38,9 @@ class GroupSpec:
     num_topk: int
     x_dtype: int  # epd.proto DType enum value
     low_latency_mode: bool = False  # reserve low-latency buffers (needed by the cuda backend)
+    # epd.proto ServiceClass (server/service_classes.py): resolved by the engine at join, the
+    # same on every rank; the cuda backend sets its streams' priority and SM budget by it.
+    service_class: int = 0
 
     @property
     def num_local_experts(self) -> int:
@@ -275,6 +278,12 @@ class RankComm(abc.ABC):
     spec: GroupSpec
     membership: Membership
     output_region: Region
+    # How the device schedules this rank, by its group's service class (0: not applicable, the
+    # cpu backend): the CUDA priority of its stream (lower is more urgent) and the blocks of its
+    # normal-mode and low-latency data kernels. A client's num_sms is bounded by `num_sms`.
+    stream_priority: int = 0
+    num_sms: int = 0
+    ll_num_sms: int = 0
 
     @abc.abstractmethod
     def layout(self, topk_idx: Array) -> LayoutOutputs: ...

@@ -39,6 +39,7 @@ from ...proto.errors import (
     Unavailable,
 )
 from ...proto.v1 import epd_pb2
+from .. import service_classes
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -210,10 +211,19 @@ class CudaRankComm(RankComm):
                  for r in range(spec.num_ranks)]
         self.slot_offset = base + self.rank * slot  # in this engine's heap
         sd = storage_dtype(spec.x_numpy_dtype)
+        # The group's service class: its SM budget caps the blocks of the data kernels (normal
+        # mode uses it instead of --num-sms, low-latency at most it), and its rank stream runs
+        # at the class's priority, so the GPU's block scheduler serves latency groups' kernels
+        # first while throughput groups' run.
+        self.num_sms, self.ll_num_sms = service_classes.kernel_blocks(
+            backend.cfg, spec.service_class, backend.num_sms, backend.ll_num_sms)
+        priority = backend.stream_priority(spec.service_class)
         with cp.cuda.Device(backend.device):
             self.runner = rt.RankRunner(backend.kernels, self.mlayout.kernel, self.rank, peers,
                                         backend.device, sd, sd, owner=backend.heap,
-                                        ll_layout=self.mlayout.low_latency)
+                                        ll_layout=self.mlayout.low_latency,
+                                        stream_priority=priority)
+        self.stream_priority = self.runner.stream_priority
         # Clean control block before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind.
         self.runner.reset_ctrl()
@@ -275,7 +285,7 @@ class CudaRankComm(RankComm):
                 alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
                 cached=cached.result if cached else None,
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
-                timeout_ns=self._timeout_ns(deadline), num_sms=self.backend.num_sms)
+                timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms)
             if cached is None:
                 # The host learns the counts from the mapped page while the GPU goes on.
                 got = counter_page.wait(counter_slot, sequence,
@@ -326,7 +336,7 @@ class CudaRankComm(RankComm):
             self.runner.combine(args.x, h.result, out, recv_topk_weights=args.topk_weights,
                                 out_weights=out_w, bias_0=args.bias_0, bias_1=args.bias_1,
                                 timeout_ns=self._timeout_ns(deadline),
-                                num_sms=self.backend.num_sms)
+                                num_sms=self.num_sms)
             self.runner.stream.synchronize()
             self._raise_if_failed()
         nbytes = h.num_recv * spec.hidden * spec.x_numpy_dtype.itemsize
@@ -355,7 +365,7 @@ class CudaRankComm(RankComm):
             seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
                                      round_scale=args.round_scale,
                                      timeout_ns=self._timeout_ns(deadline),
-                                     num_sms=self.backend.ll_num_sms)
+                                     num_sms=self.ll_num_sms)
             runner.stream.synchronize()
             self._raise_if_failed()
             outs = runner.ll_outputs(m, args.use_fp8)
@@ -390,7 +400,7 @@ class CudaRankComm(RankComm):
             weights = cp.ascontiguousarray(args.topk_weights)
             runner.ll_combine(args.x, args.topk_idx, weights, out, h.num_max,
                               timeout_ns=self._timeout_ns(deadline),
-                              num_sms=self.backend.ll_num_sms)
+                              num_sms=self.ll_num_sms)
             runner.stream.synchronize()
             self._raise_if_failed()
         nbytes = int((h.topk_idx >= 0).sum()) * spec.hidden * spec.x_numpy_dtype.itemsize
@@ -426,7 +436,7 @@ class CudaRankComm(RankComm):
                     args.x, args.topk_idx, runner.ll, self.rank, runner.peers,
                     args.num_max_dispatch_tokens_per_rank, fp8=args.use_fp8,
                     round_scale=args.round_scale, timeout_ns=int(timeout * 1e9),
-                    num_sms=self.backend.ll_num_sms)
+                    num_sms=self.ll_num_sms)
             except ValueError as e:
                 raise InvalidArgument(f"stream-ordered dispatch: {e}") from None
             done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
@@ -443,7 +453,7 @@ class CudaRankComm(RankComm):
                 launches = runner.k.ll_combine_launches(
                     args.x, args.topk_idx, args.topk_weights, out, runner.ll, self.rank,
                     runner.peers, m, timeout_ns=int(timeout * 1e9),
-                    num_sms=self.backend.ll_num_sms)
+                    num_sms=self.ll_num_sms)
             except ValueError as e:
                 raise InvalidArgument(f"stream-ordered combine: {e}") from None
             done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
@@ -503,7 +513,7 @@ class CudaRankComm(RankComm):
                 alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
                 cached=cached.result if cached else None,
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
-                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.backend.num_sms)
+                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms)
             prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
             cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
                                         prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
@@ -540,7 +550,7 @@ class CudaRankComm(RankComm):
                                 recv_topk_weights=args.topk_weights, out_weights=out_weights,
                                 bias_0=args.bias_0, bias_1=args.bias_1,
                                 timeout_ns=self._timeout_ns(deadline),
-                                num_sms=num_sms or self.backend.num_sms)
+                                num_sms=num_sms or self.num_sms)
             self._stream_end(counter_slot, stream_seq)
 
     def release_stream(self, counter_slot: _Slot) -> None:
@@ -607,6 +617,13 @@ class CudaBackend(Backend):
         dev = Device(index)
         dev.set_current()
         cp.cuda.Device(index).use()
+        # Stream priorities of the service classes: latency the greatest (numerically lowest),
+        # throughput the least (the default streams' priority).
+        from cuda.bindings import runtime as cudart
+        err, least, greatest = cudart.cudaDeviceGetStreamPriorityRange()
+        if err != cudart.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"cudaDeviceGetStreamPriorityRange failed: {err}")
+        self.priority_range = (int(least), int(greatest))
         uid = nc.get_unique_id(empty=True)
         uid._data.view(np.uint8)[:] = np.frombuffer(boot.nvshmem_uid, np.uint8)
         nc.init(device=dev, uid=uid, rank=boot.pe, nranks=boot.num_pes,
@@ -647,6 +664,10 @@ class CudaBackend(Backend):
 
     def thread_init(self) -> None:
         cp.cuda.Device(self.device).use()
+
+    def stream_priority(self, service_class: int) -> int:
+        """The CUDA priority of a rank stream of this class (lower is more urgent)."""
+        return service_classes.stream_priority(service_class, *self.priority_range)
 
     def device_info(self) -> dict[str, Any]:
         return {"name": self._name, "uuid": self._uuid, "ordinal": self.device}

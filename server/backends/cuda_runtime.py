@@ -31,6 +31,16 @@ def stream_wait_geq(stream_ptr: int, addr: int, value: int) -> None:
         raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
 
 
+def stream_priority_of(stream_ptr: int) -> int:
+    """The priority CUDA gave a stream (a requested one is clamped to the device's range)."""
+    from cuda.bindings import driver
+
+    err, priority = driver.cuStreamGetPriority(driver.CUstream(stream_ptr))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuStreamGetPriority failed: {err}")
+    return int(priority)
+
+
 @dataclass
 class DispatchResult:
     handle: ck.DispatchHandle
@@ -41,7 +51,8 @@ class DispatchResult:
 class RankRunner:
     def __init__(self, kernels: ck.Kernels, layout: ck.RankBufferLayout, rank: int,
                  peer_bases: list[int], device_id: int, x_dtype: Any, y_dtype: Any,
-                 owner: Any = None, ll_layout: ck.LowLatencyLayout | None = None) -> None:
+                 owner: Any = None, ll_layout: ck.LowLatencyLayout | None = None,
+                 stream_priority: int = 0) -> None:
         self.k = kernels
         self.ll = ll_layout
         self.layout = layout
@@ -51,8 +62,11 @@ class RankRunner:
         self.y_dtype = np.dtype(y_dtype)
         with cp.cuda.Device(device_id):
             self.peers = cp.asarray(np.array(peer_bases, dtype=np.uint64))
-            self.stream = cp.cuda.Stream(non_blocking=True)
+            # The rank's kernels run here, at its group's service-class priority (0: the
+            # default, the least urgent); the side stream (abort writes) keeps the default.
+            self.stream = cp.cuda.Stream(non_blocking=True, priority=stream_priority)
             self.side_stream = cp.cuda.Stream(non_blocking=True)
+            self.stream_priority = stream_priority_of(self.stream.ptr)
         self.base = int(peer_bases[rank])
         self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)
         self.seq = {"notify": 0, "dispatch": 0, "combine": 0, "ll_dispatch": 0, "ll_combine": 0}

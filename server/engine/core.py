@@ -11,6 +11,7 @@ engine's `EngineState` (refused once it drains, counted in flight).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import math
@@ -99,6 +100,10 @@ class Engine(StreamCalls, DataPlane):
         self.mps_pipe_directory = os.environ.get(MPS_ENGINE_ENV, "")
         self._without_mps: set[str] = set()
         self._mps_warned: set[int] = set()
+        # Service classes: the policy joins are resolved by (parsed once; config.load checked
+        # it), and the (group, class) series of epd_group_service_class this engine has set.
+        self.policy = config.service_classes
+        self._class_series: set[tuple[str, str]] = set()
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
 
@@ -241,6 +246,18 @@ class Engine(StreamCalls, DataPlane):
         metrics.REGIONS.labels(self._label).set(sum(len(s.regions) for s in self.sessions.values()))
         metrics.REGION_BYTES.labels(self._label).set(
             sum(r.size for s in self.sessions.values() for r in s.regions.values()))
+        # Ranks held per (group, class); series of groups gone drop to 0 (a multiprocess
+        # series cannot be removed, see metrics.py).
+        ranks: dict[tuple[str, str], int] = {}
+        for s in self.sessions.values():
+            for m in s.members.values():
+                key = (metrics.group_label(m.spec.name), m.service_class)
+                ranks[key] = ranks.get(key, 0) + 1
+        for key in self._class_series - set(ranks):
+            metrics.GROUP_SERVICE_CLASS.labels(*key).set(0)
+        for key, n in ranks.items():
+            metrics.GROUP_SERVICE_CLASS.labels(*key).set(n)
+        self._class_series |= set(ranks)
 
     # -- sessions ----------------------------------------------------------------------------
     def open_session(self, client_name: str, pid: int) -> Session:
@@ -390,9 +407,16 @@ class Engine(StreamCalls, DataPlane):
                 f"({fdc.socket_path_for(self.config.engine_socket(self.index))}): a group's "
                 f"admission policy needs the client's credentials")
         _, uid, gid = session.peer
+        # The class is decided here, before the rendezvous (PERMISSION_DENIED naming the rule
+        # changes nothing), and travels in the spec: ranks that disagree fail together.
+        cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
+        spec = dataclasses.replace(spec, service_class=cls)
+        spec_proto = epd_pb2.GroupSpec()
+        spec_proto.CopyFrom(req.spec)
+        spec_proto.service_class = cls
         try:
             resp = await self._node().Rendezvous(epd_pb2.RendezvousRequest(
-                spec=req.spec, rank=req.rank, engine_index=self.index,
+                spec=spec_proto, rank=req.rank, engine_index=self.index,
                 session_id=session.session_id, timeout_seconds=timeout,
                 peer_uid=uid, peer_gid=gid, has_peer=True),
                 timeout=timeout + NODE_RPC_SECONDS)
@@ -410,7 +434,7 @@ class Engine(StreamCalls, DataPlane):
         session.members[member.group_id] = member
         try:
             await self._node().Rendezvous(epd_pb2.RendezvousRequest(
-                spec=req.spec, rank=req.rank, engine_index=self.index,
+                spec=spec_proto, rank=req.rank, engine_index=self.index,
                 session_id=session.session_id, timeout_seconds=timeout, attached=True,
                 group_id=resp.group_id), timeout=timeout + NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
@@ -422,8 +446,8 @@ class Engine(StreamCalls, DataPlane):
             await self._drop_member(session, member, "closed during join")
             raise Aborted("session closed during join")
         self._refresh_gauges()
-        log.info("%s joined group %r (%s) as rank %d/%d", session.describe(), spec.name,
-                 member.group_id, req.rank, spec.num_ranks)
+        log.info("%s joined group %r (%s) as rank %d/%d, service class %s", session.describe(),
+                 spec.name, member.group_id, req.rank, spec.num_ranks, member.service_class)
         return member
 
     async def leave_group(self, session: Session, group_id: str) -> None:
@@ -480,7 +504,10 @@ class Engine(StreamCalls, DataPlane):
                     num_ranks=m.spec.num_ranks, dispatches=m.dispatches, combines=m.combines,
                     bytes_sent=m.bytes_sent, bytes_received=m.bytes_received,
                     aborted=reason is not None, abort_reason=reason or "",
-                    handles=len(m.handles)))
+                    handles=len(m.handles), service_class=m.spec.service_class,
+                    stream_priority=m.comm.stream_priority, num_sms=m.comm.num_sms,
+                    ll_num_sms=m.comm.ll_num_sms, queued_calls=m.queued_calls,
+                    queue_wait_seconds=m.queue_wait_seconds))
         regions = [r for s in sessions for r in s.regions.values() if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),

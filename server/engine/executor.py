@@ -29,6 +29,7 @@ import contextlib
 import errno
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
@@ -136,21 +137,28 @@ class SessionExecutor:
                                          initializer=thread_init)
         self.transports: list[Transport] = []
         self.closing: str | None = None  # why later calls are refused
+        # Seconds the running operation waited for the worker and the lock before it ran.
+        self.waited = 0.0
 
     # -- running operations ------------------------------------------------------------------
     def call(self, fn: Callable[..., T], *args) -> T:
         """Run one operation on the calling thread under the operation lock (the fast-path
         thread, the worker). The caller's transport has admitted it (EngineState.admit)."""
+        return self._call(time.perf_counter(), fn, *args)
+
+    def _call(self, queued: float, fn: Callable[..., T], *args) -> T:
         with self.op_lock:
+            # Read by the operation itself (under the lock): the per-group queueing delay.
+            self.waited = time.perf_counter() - queued
             if self.closing is not None:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
             return fn(*args)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the
-        event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.worker, self.call, fn,
-                                                                *args)
+        event loop. Its wait in the worker's queue counts in `waited`."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.worker, self._call, time.perf_counter(), fn, *args)
 
     def exclusive(self, fn: Callable[[], T], timeout: float = QUIESCE_SECONDS) -> T | None:
         """Run `fn` with no operation running (even while closing): teardown steps, such as

@@ -66,6 +66,15 @@ class DataPlane:
         metrics.BYTES_SENT.labels(member.spec.name, peer).inc(out.bytes_sent)
         metrics.BYTES_RECEIVED.labels(member.spec.name, peer).inc(out.bytes_received)
 
+    @staticmethod
+    def _queued(session: Session, member: GroupMember) -> None:
+        """Account the time this call waited for the session's executor to its group (the
+        per-group queueing delay, by service class)."""
+        waited = session.executor.waited
+        member.queued_calls += 1
+        member.queue_wait_seconds += waited
+        metrics.QUEUE_WAIT_SECONDS.labels(member.spec.name, member.service_class).observe(waited)
+
     def _check_alive(self, member: GroupMember) -> None:
         reason = member.comm.abort_reason()
         if reason is not None:
@@ -98,6 +107,7 @@ class DataPlane:
     def layout_op(self, session: Session, req: epd_pb2.GetDispatchLayoutRequest,
                   path: str) -> epd_pb2.GetDispatchLayoutResponse:
         member = self.member(session, req.group_id)
+        self._queued(session, member)
         spec = member.spec
         idx = tensors.resolve(req.topk_idx, session.regions, "topk_idx", ndim=2,
                               dtype=INDEX_DTYPES)
@@ -126,6 +136,7 @@ class DataPlane:
                     path: str) -> epd_pb2.DispatchResponse:
         """Validate (nothing changes on bad input), then notify + dispatch."""
         member = self.member(session, req.group_id)
+        self._queued(session, member)
         spec = member.spec
         self._check_alive(member)
         regions = session.regions
@@ -326,6 +337,7 @@ class DataPlane:
     def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
                    path: str) -> epd_pb2.CombineResponse:
         member = self.member(session, req.group_id)
+        self._queued(session, member)
         spec = member.spec
         self._check_alive(member)
         info = self._handle(member, req.handle, NORMAL)
@@ -441,6 +453,7 @@ class DataPlane:
                        path: str) -> epd_pb2.LowLatencyDispatchResponse:
         """DeepEP low_latency_dispatch. Validate (nothing changes on bad input), then run."""
         member, args, stats = self.ll_dispatch_args(session, req)
+        self._queued(session, member)
         spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
             args.num_max_dispatch_tokens_per_rank
         self._release(member, req.release_handles)
@@ -496,6 +509,7 @@ class DataPlane:
                       path: str) -> epd_pb2.LowLatencyCombineResponse:
         """DeepEP low_latency_combine (weighted). Validate, then run."""
         member = self.member(session, req.group_id)
+        self._queued(session, member)
         spec = member.spec
         self._check_alive(member)
         info = self._handle(member, req.handle, LOW_LATENCY)

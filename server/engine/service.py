@@ -37,7 +37,8 @@ async def _join_group(e: Engine, request: epd_pb2.JoinGroupRequest) -> epd_pb2.J
     return epd_pb2.JoinGroupResponse(
         group_id=m.group_id, rank=m.rank, output_region_id=region.region_id,
         output_region_ipc=getattr(region, "ipc_handle", b""),
-        output_region_bytes=region.size, counter_slot=m.counter_slot)
+        output_region_bytes=region.size, counter_slot=m.counter_slot,
+        service_class=m.spec.service_class)
 
 
 async def _leave_group(e: Engine, request: epd_pb2.LeaveGroupRequest

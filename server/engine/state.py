@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ...proto import counter_page, dtypes
 from ...proto.errors import InvalidArgument
 from ...proto.v1 import epd_pb2
+from .. import service_classes
 from ..backends.base import (
     CounterPage,
     GroupSpec,
@@ -74,8 +75,9 @@ def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
         raise InvalidArgument(f"x_dtype must be one of "
                               f"{sorted(dtypes.name(d) for d in GROUP_DTYPES)} (the dtype of "
                               f"combine; dispatch may also carry FP8 with scales)")
+    service_classes.check_value(p.service_class)
     return GroupSpec(p.name, p.num_ranks, p.num_experts, p.hidden, p.max_tokens_per_rank,
-                     p.num_topk, p.x_dtype, p.low_latency_mode)
+                     p.num_topk, p.x_dtype, p.low_latency_mode, p.service_class)
 
 
 NORMAL, LOW_LATENCY = "normal", "low-latency"  # HandleInfo.kind
@@ -112,6 +114,13 @@ class GroupMember:
     combines: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    queued_calls: int = 0  # calls that ran, and how long they waited for the executor
+    queue_wait_seconds: float = 0.0
+
+    @property
+    def service_class(self) -> str:
+        """'latency' or 'throughput' (the metrics' service_class label)."""
+        return service_classes.name(self.spec.service_class)
 
     @property
     def group_id(self) -> str:

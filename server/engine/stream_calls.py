@@ -52,11 +52,13 @@ class StreamCalls:
         member.stream_seq = (member.stream_seq % SEQ_MASK) + 1
         return member.stream_seq
 
-    def _num_sms(self, requested: int) -> int:
-        """A client's SM request, bounded by the daemon's (it may only ask for fewer)."""
+    @staticmethod
+    def _num_sms(member: GroupMember, requested: int) -> int:
+        """A client's SM request, bounded by what its group may use: the class's SM budget,
+        else the daemon's --num-sms (it may only ask for fewer; 0 takes that)."""
         if requested < 0:
             raise InvalidArgument(f"num_sms must be >= 0 (0: the daemon's), got {requested}")
-        limit = getattr(self.backend, "num_sms", 0)
+        limit = member.comm.num_sms
         return min(requested, limit) if requested and limit else requested
 
     def _stream_output(self, session: Session, desc: epd_pb2.TensorDesc, what: str,
@@ -165,7 +167,7 @@ class StreamCalls:
         if cached is not None and cached.failed:
             raise FailedPrecondition(f"handle {req.cached_handle} belongs to a dispatch that "
                                      f"failed")
-        num_sms = self._num_sms(req.num_sms)
+        num_sms = self._num_sms(member, req.num_sms)
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         seq = self._next_stream_seq(member)
@@ -215,7 +217,7 @@ class StreamCalls:
             raise InvalidArgument("out_topk_weights is only for a combine with topk_weights")
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
-        num_sms = self._num_sms(req.num_sms)
+        num_sms = self._num_sms(member, req.num_sms)
         seq = self._next_stream_seq(member)
         t0 = time.perf_counter()
         member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout, seq,

@@ -1,0 +1,192 @@
+"""Service classes on the CUDA engine (issue 14): a latency (decode, low-latency mode) group and
+a throughput (prefill, normal mode) group of one daemon run at the same time; both stay exact
+against the reference, the latency group's rank streams have a higher CUDA priority than the
+throughput group's, and each class's kernels use its SM budget (a client's larger num_sms
+request is bounded by it). Not a benchmark: the latency targets under load are measured
+separately (two pools on one daemon)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from epd.server import reference as ref
+from epd.server.demo import Daemon, Workload
+
+from .conftest import DAEMON_TIMEOUT, GPU_COUNT
+from .test_daemon import _bits, _check_ll, _compact, _to_torch
+
+pytestmark = pytest.mark.gpu
+
+LATENCY_SMS, THROUGHPUT_SMS = 16, 8
+POLICY = "svc-decode-*=latency, svc-prefill-*=throughput"
+ROUNDS = 20
+DECODE = Workload(2, [64, 51], 2048, 32, 8, seed=141, drop_prob=0.05)
+PREFILL = Workload(2, [1024, 900], 4096, 16, 4, seed=142)
+M = 64  # num_max_dispatch_tokens_per_rank of the decode group
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    """`epd serve --backend cuda` with a service-class policy and per-class SM budgets."""
+    d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=DAEMON_TIMEOUT,
+               extra=["--nvshmem-heap-bytes", str(6 << 30), "--service-class-policy", POLICY,
+                      "--latency-num-sms", str(LATENCY_SMS),
+                      "--throughput-num-sms", str(THROUGHPUT_SMS)])
+    saved = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
+    try:
+        d.wait_ready(180)
+        os.environ.update(d.client_env())  # spawned clients share the daemon's MPS server
+    except Exception:
+        print(d.log())
+        d.stop()
+        raise
+    yield d
+    if saved is None:
+        os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
+    else:
+        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = saved
+    print(d.log()[-4000:])
+    assert d.stop() == 0
+
+
+def _stats(s, name: str) -> dict:
+    g = next(x for x in s.stats().groups if x.name == name)
+    return {"service_class": g.service_class, "stream_priority": g.stream_priority,
+            "num_sms": g.num_sms, "ll_num_sms": g.ll_num_sms, "queued_calls": g.queued_calls}
+
+
+def _decode_rank(rank: int, socket: str, device: int, q) -> None:
+    """Low-latency dispatch + combine (identity experts) ROUNDS times, class by policy."""
+    try:
+        import torch
+
+        from epd.client import Session
+        torch.cuda.set_device(device)
+        wl = DECODE
+        x, idx, w = wl.inputs(rank)
+        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+        lx = wl.num_experts // wl.num_ranks
+        res: dict = {"rank": rank, "kind": "decode"}
+        with Session(socket, client_name=f"svc-decode-{rank}", timeout=30) as s:
+            g = s.join("svc-decode-gpu", rank=rank, num_ranks=wl.num_ranks,
+                       num_experts=wl.num_experts, hidden=wl.hidden, max_tokens_per_rank=M,
+                       num_topk=wl.num_topk, low_latency_mode=True, timeout=60)
+            res["class"] = g.service_class
+            dest = torch.empty_like(tx)
+            for _ in range(ROUNDS):
+                out = g.low_latency_dispatch(tx, tidx, M, copy=False)
+                res["dispatch"] = _compact(out, lx)
+                dest.fill_(float("nan"))
+                g.low_latency_combine(out.recv_x, tidx, tw, out.handle, out=dest)
+                res["cx"] = _bits(dest)
+            res["stats"] = _stats(s, "svc-decode-gpu")
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "kind": "decode",
+               "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+def _prefill_rank(rank: int, socket: str, device: int, q) -> None:
+    """Normal dispatch + combine ROUNDS times as throughput, asking for more SMs than its
+    budget (bounded by the daemon)."""
+    try:
+        import torch
+
+        from epd.client import Session
+        torch.cuda.set_device(device)
+        wl = PREFILL
+        x, idx, w = wl.inputs(rank)
+        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+        res: dict = {"rank": rank, "kind": "prefill"}
+        with Session(socket, client_name=f"svc-prefill-{rank}", timeout=30) as s:
+            g = s.join("svc-prefill-gpu", rank=rank, num_ranks=wl.num_ranks,
+                       num_experts=wl.num_experts, hidden=wl.hidden,
+                       max_tokens_per_rank=max(wl.tokens), num_topk=wl.num_topk,
+                       timeout=60, service_class="throughput")
+            res["class"] = g.service_class
+            for _ in range(ROUNDS):
+                out = g.dispatch(tx, tidx, tw, num_sms=64)
+                cx, cw = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights,
+                                   num_sms=64)
+            res.update(recv_x=_bits(out.recv_x), recv_idx=_bits(out.recv_topk_idx),
+                       cx=_bits(cx), cw=_bits(cw))
+            res["stats"] = _stats(s, "svc-prefill-gpu")
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "kind": "prefill",
+               "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_latency_and_throughput_groups_concurrently(daemon) -> None:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT, q))
+             for fn in (_decode_rank, _prefill_rank) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=300) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    decode = sorted((r for r in results if r["kind"] == "decode"), key=lambda r: r["rank"])
+    prefill = sorted((r for r in results if r["kind"] == "prefill"), key=lambda r: r["rank"])
+
+    # exact against the reference, both groups
+    inputs = DECODE.all_inputs()
+    xs, idx, w = ([i[k] for i in inputs] for k in range(3))
+    lx = DECODE.num_experts // DECODE.num_ranks
+    exp = ref.low_latency_dispatch(xs, idx, DECODE.num_experts, M)
+    for r, res in enumerate(decode):
+        _check_ll(exp[r], res["dispatch"], lx)
+        acc = np.zeros(xs[r].shape, np.float32)  # identity experts, fp32 in k order
+        for k in range(DECODE.num_topk):
+            sel = idx[r][:, k] >= 0
+            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
+        np.testing.assert_array_equal(res["cx"], acc.astype(xs[r].dtype).view(np.uint16))
+    inputs = PREFILL.all_inputs()
+    xs, idx, w = ([i[k] for i in inputs] for k in range(3))
+    disp = ref.dispatch(xs, idx, w, PREFILL.num_experts)
+    comb = ref.combine([d.recv_x for d in disp], disp, PREFILL.tokens,
+                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    for r, res in enumerate(prefill):
+        np.testing.assert_array_equal(res["recv_x"], disp[r].recv_x.view(np.uint16))
+        np.testing.assert_array_equal(res["recv_idx"], disp[r].recv_topk_idx)
+        np.testing.assert_array_equal(res["cx"], comb[r][0].view(np.uint16))
+        np.testing.assert_array_equal(res["cw"], comb[r][1])
+
+    # classes, stream priorities and SM budgets as the engine applied them
+    from epd.proto.v1 import epd_pb2
+    for res in decode:
+        st = res["stats"]
+        assert res["class"] == "latency" and st["service_class"] == epd_pb2.LATENCY, res
+        assert (st["num_sms"], st["ll_num_sms"]) == (LATENCY_SMS, LATENCY_SMS), st
+        assert st["queued_calls"] == 2 * ROUNDS, st
+    for res in prefill:
+        st = res["stats"]
+        assert res["class"] == "throughput" and st["service_class"] == epd_pb2.THROUGHPUT
+        assert (st["num_sms"], st["ll_num_sms"]) == (THROUGHPUT_SMS, THROUGHPUT_SMS), st
+    lat = {res["stats"]["stream_priority"] for res in decode}
+    thr = {res["stats"]["stream_priority"] for res in prefill}
+    assert len(lat) == 1 and len(thr) == 1, (lat, thr)
+    # CUDA priorities: lower is more urgent; throughput has the least (the default, 0)
+    assert max(lat) < min(thr) == 0, (lat, thr)
+
+    from prometheus_client.parser import text_string_to_metric_families
+    status, body = daemon.get("/metrics")
+    assert status == 200
+    seen = {(s.name, s.labels.get("group"), s.labels.get("service_class"))
+            for fam in text_string_to_metric_families(body) for s in fam.samples}
+    assert ("epd_group_service_class", "svc-decode-gpu", "latency") in seen
+    assert ("epd_queue_wait_seconds_count", "svc-prefill-gpu", "throughput") in seen
