@@ -196,24 +196,14 @@ class RankRunner:
     def outputs(self, res: DispatchResult) -> dict[str, Any]:
         n, per_expert = self.recv_info(res)
         rows = res.num_worst_tokens if res.num_worst_tokens > 0 else n
-        v = self.views
-        out = {"num_recv": n, "per_expert": per_expert, "recv_x": v["recv_x"][:rows],
-               "recv_src_idx": v["recv_src_idx"][:rows],
-               "recv_src_rank": v["recv_src_rank"][:rows],
-               "rank_prefix": res.handle.rank_prefix}
-        if res.with_meta:
-            out["recv_topk_idx"] = v["recv_topk_idx"][:rows]
-            out["recv_topk_weights"] = v["recv_topk_weights"][:rows]
-        if "recv_x_scales" in v:
-            out["recv_x_scales"] = v["recv_x_scales"][:rows]
-        return out
+        return {"num_recv": n, "per_expert": per_expert, **self.output_views(res, rows)}
 
     def output_views(self, res: DispatchResult, rows: int) -> dict[str, Any]:
         """The dispatch outputs' first `rows` rows, without reading anything from the device
         (stream-ordered calls: the counts are not known on the host yet)."""
         v = self.views
         out = {"recv_x": v["recv_x"][:rows], "recv_src_idx": v["recv_src_idx"][:rows],
-               "rank_prefix": res.handle.rank_prefix}
+               "recv_src_rank": v["recv_src_rank"][:rows], "rank_prefix": res.handle.rank_prefix}
         if res.with_meta:
             out["recv_topk_idx"] = v["recv_topk_idx"][:rows]
             out["recv_topk_weights"] = v["recv_topk_weights"][:rows]

@@ -241,20 +241,7 @@ class DataPlane:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(out.num_recv_tokens_per_expert):
                 metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)).inc(c)
-        r = member.comm.output_region
-        resp = epd_pb2.DispatchResponse(
-            recv_x=tensors.describe(out.recv_x, r, req.x.dtype),
-            recv_src_idx=tensors.describe(out.recv_src_idx, r),
-            rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
-            num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
-            handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence)
-        if out.recv_x_scales is not None:  # in the call's scale dtype (float32 or int32)
-            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r,
-                                                         req.x_scales.dtype))
-        if out.recv_topk_idx is not None:
-            resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
-            resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
-        return resp
+        return dispatch_response(member, req, out, handle_id, sequence)
 
     def _no_topk_routing(self, session: Session, spec: GroupSpec, req: epd_pb2.DispatchRequest,
                          t: int) -> tuple[object, object]:
@@ -529,6 +516,26 @@ class DataPlane:
         return epd_pb2.LowLatencyCombineResponse(
             combined_x=tensors.describe(res.combined_x, member.comm.output_region,
                                         spec.x_dtype))
+
+
+def dispatch_response(member: GroupMember, req: epd_pb2.DispatchRequest, out,
+                      handle_id: int, sequence: int,
+                      stream_seq: int = 0) -> epd_pb2.DispatchResponse:
+    """Describe dispatch outputs (views of the engine's output region)."""
+    r = member.comm.output_region
+    resp = epd_pb2.DispatchResponse(
+        recv_x=tensors.describe(out.recv_x, r, req.x.dtype),
+        recv_src_idx=tensors.describe(out.recv_src_idx, r),
+        rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
+        num_recv_tokens_per_expert=out.num_recv_tokens_per_expert,
+        handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence,
+        stream_seq=stream_seq)
+    if out.recv_x_scales is not None:  # in the call's scale dtype (float32 or int32)
+        resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r, req.x_scales.dtype))
+    if out.recv_topk_idx is not None:
+        resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
+        resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
+    return resp
 
 
 def ll_dispatch_response(member: GroupMember, out, use_fp8: bool,

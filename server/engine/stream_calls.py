@@ -27,6 +27,7 @@ from ...proto.v1 import epd_pb2
 from .. import metrics
 from ..backends.base import CombineArgs, DispatchArgs
 from . import tensors
+from .ops import dispatch_response
 from .state import GroupMember, HandleInfo, Session
 
 if TYPE_CHECKING:
@@ -187,20 +188,7 @@ class StreamCalls:
         if pending:
             member.unresolved.add(id(info))
         member.dispatches += 1
-        r = member.comm.output_region
-        resp = epd_pb2.DispatchResponse(
-            recv_x=tensors.describe(out.recv_x, r, req.x.dtype),
-            recv_src_idx=tensors.describe(out.recv_src_idx, r),
-            rank_prefix_matrix=tensors.describe(out.rank_prefix_matrix, r),
-            handle=handle_id, num_recv_tokens=out.num_recv_tokens, counter_sequence=sequence,
-            stream_seq=seq)
-        if out.recv_x_scales is not None:
-            resp.recv_x_scales.CopyFrom(tensors.describe(out.recv_x_scales, r,
-                                                         req.x_scales.dtype))
-        if out.recv_topk_idx is not None:
-            resp.recv_topk_idx.CopyFrom(tensors.describe(out.recv_topk_idx, r))
-            resp.recv_topk_weights.CopyFrom(tensors.describe(out.recv_topk_weights, r))
-        return resp
+        return dispatch_response(member, req, out, handle_id, sequence, seq)
 
     def combine_stream(self, session: Session, member: GroupMember,
                        req: epd_pb2.CombineRequest, info: HandleInfo, args: CombineArgs,
