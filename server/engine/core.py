@@ -239,20 +239,24 @@ class Engine(StreamCalls, DataPlane):
         return min(requested or self.config.timeout_seconds, self.config.max_timeout_seconds)
 
     def _refresh_gauges(self) -> None:
-        metrics.SESSIONS.labels(self._label).set(len(self.sessions))
-        self._without_mps.intersection_update(self.sessions)  # closed sessions drop out
+        # Snapshots (list() copies a dict in one step under the GIL): sessions' workers, ring
+        # threads and teardown threads add and remove members and regions meanwhile, and a
+        # Python-level iteration over a dict another thread resizes raises RuntimeError.
+        sessions = list(self.sessions.values())
+        members = [m for s in sessions for m in list(s.members.values())]
+        regions = [r for s in sessions for r in list(s.regions.values())]
+        metrics.SESSIONS.labels(self._label).set(len(sessions))
+        self._without_mps.intersection_update(list(self.sessions))  # closed sessions drop out
         metrics.SESSIONS_WITHOUT_MPS.labels(self._label).set(len(self._without_mps))
-        metrics.GROUPS.labels(self._label).set(sum(len(s.members) for s in self.sessions.values()))
-        metrics.REGIONS.labels(self._label).set(sum(len(s.regions) for s in self.sessions.values()))
-        metrics.REGION_BYTES.labels(self._label).set(
-            sum(r.size for s in self.sessions.values() for r in s.regions.values()))
+        metrics.GROUPS.labels(self._label).set(len(members))
+        metrics.REGIONS.labels(self._label).set(len(regions))
+        metrics.REGION_BYTES.labels(self._label).set(sum(r.size for r in regions))
         # Ranks held per (group, class); series of groups gone drop to 0 (a multiprocess
         # series cannot be removed, see metrics.py).
         ranks: dict[tuple[str, str], int] = {}
-        for s in self.sessions.values():
-            for m in s.members.values():
-                key = (metrics.group_label(m.spec.name), m.service_class)
-                ranks[key] = ranks.get(key, 0) + 1
+        for m in members:
+            key = (metrics.group_label(m.spec.name), m.service_class)
+            ranks[key] = ranks.get(key, 0) + 1
         for key in self._class_series - set(ranks):
             metrics.GROUP_SERVICE_CLASS.labels(*key).set(0)
         for key, n in ranks.items():
@@ -497,7 +501,7 @@ class Engine(StreamCalls, DataPlane):
         groups = []
         sessions = [session] if session is not None else list(self.sessions.values())
         for s in sessions if session is not None else ():
-            for m in s.members.values():
+            for m in list(s.members.values()):  # a snapshot: other threads change it
                 reason = m.comm.abort_reason()
                 groups.append(epd_pb2.GroupStats(
                     group_id=m.group_id, name=m.spec.name, rank=m.rank,
@@ -508,7 +512,7 @@ class Engine(StreamCalls, DataPlane):
                     stream_priority=m.comm.stream_priority, num_sms=m.comm.num_sms,
                     ll_num_sms=m.comm.ll_num_sms, queued_calls=m.queued_calls,
                     queue_wait_seconds=m.queue_wait_seconds))
-        regions = [r for s in sessions for r in s.regions.values() if not r.borrowed]
+        regions = [r for s in sessions for r in list(s.regions.values()) if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),
                                         region_bytes=sum(r.size for r in regions))
