@@ -449,7 +449,7 @@ def mutate_repeated(rng: random.Random, msg: Message, f: FD, ctx, big: bool) -> 
         return f"{f.name}[{i}]={rep[i]}"
     if r == 4:
         n = rng.choice([3, 8, 9, 64, 1000] + ([100_000] if big else []))
-        v = rng.choice([0, 1, -1, 2, hi])
+        v = rng.choice([x for x in (0, 1, -1, 2, hi) if lo <= x <= hi])  # unsigned: no -1
         del rep[:]
         rep.extend([v] * n)
         return f"{f.name}=[{v}]*{n}"
