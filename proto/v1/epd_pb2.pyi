@@ -78,20 +78,22 @@ class EngineInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., sessions_without_mps: _Optional[int] = ...) -> None: ...
 
 class GetTopologyResponse(_message.Message):
-    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory")
+    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory", "cluster")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     MPS_MODE_FIELD_NUMBER: _ClassVar[int]
     MPS_PIPE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_name: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     metrics_url: str
     mps_mode: str
     mps_pipe_directory: str
-    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ...) -> None: ...
+    cluster: ClusterInfo
+    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode")
@@ -138,14 +140,16 @@ class RendezvousRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., has_peer: _Optional[bool] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("group_id", "rank_engines", "plan")
+    __slots__ = ("group_id", "rank_engines", "plan", "rank_nodes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_ENGINES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank_engines: _containers.RepeatedScalarFieldContainer[int]
     plan: bytes
-    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBootstrapRequest(_message.Message):
     __slots__ = ("engine_index",)
@@ -678,3 +682,73 @@ class FdResponse(_message.Message):
     region_id: str
     size_bytes: int
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ClusterHeartbeat(_message.Message):
+    __slots__ = ("node_rank", "incarnation", "node_name", "engines")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    incarnation: str
+    node_name: str
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+
+class ClusterNodeInfo(_message.Message):
+    __slots__ = ("node_rank", "node_name", "healthy", "engines", "last_seen_seconds", "incarnation")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    node_name: str
+    healthy: bool
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    last_seen_seconds: float
+    incarnation: str
+    def __init__(self, node_rank: _Optional[int] = ..., node_name: _Optional[str] = ..., healthy: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., last_seen_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ClusterInfo(_message.Message):
+    __slots__ = ("node_rank", "num_nodes", "cluster_address", "nodes", "coordinator_reachable")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    num_nodes: int
+    cluster_address: str
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNodeInfo]
+    coordinator_reachable: bool
+    def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ...) -> None: ...
+
+class ClusterLeaseEvent(_message.Message):
+    __slots__ = ("heartbeat_seconds", "cluster")
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_seconds: float
+    cluster: ClusterInfo
+    def __init__(self, heartbeat_seconds: _Optional[float] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
+
+class ClusterRendezvousRequest(_message.Message):
+    __slots__ = ("node_rank", "incarnation", "request")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    incarnation: str
+    request: RendezvousRequest
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., request: _Optional[_Union[RendezvousRequest, _Mapping]] = ...) -> None: ...
+
+class ClusterReleaseRequest(_message.Message):
+    __slots__ = ("node_rank", "incarnation", "request")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    incarnation: str
+    request: ReleaseRankRequest
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., request: _Optional[_Union[ReleaseRankRequest, _Mapping]] = ...) -> None: ...

@@ -939,6 +939,9 @@ class CpuPlanner(GroupPlanner):
 
     name = "cpu"
     proto_kind = epd_pb2.CPU
+    # Logical nodes only (several daemons on one host, one uid): a node adopts node 0's memfd
+    # through /proc, so a spanning group's memory is shared. There is no network data path.
+    cluster_capable = True
 
     def __init__(self, shm_dir: str = "/dev/shm") -> None:
         self.shm_dir = shm_dir  # unused: kept for callers that pass it
@@ -952,6 +955,20 @@ class CpuPlanner(GroupPlanner):
         plan = f"/proc/{os.getpid()}/fd/{fd}".encode()
         self._fds[plan] = fd
         return plan
+
+    def adopt_plan(self, plan: bytes) -> bytes:
+        """Open node 0's memfd through its /proc path and hold it: this node's engines open
+        this supervisor's descriptor, and the memory outlives node 0's supervisor."""
+        try:
+            fd = os.open(comm_path(plan), os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise FailedPrecondition(f"cannot open the group's memory planned by node 0 "
+                                     f"({comm_path(plan)}: {e.strerror or e}); logical nodes "
+                                     f"of the cpu backend must run on one host as one "
+                                     f"uid") from None
+        local = f"/proc/{os.getpid()}/fd/{fd}".encode()
+        self._fds[local] = fd
+        return local
 
     def free_group(self, plan: bytes) -> None:
         fd = self._fds.pop(plan, None)
