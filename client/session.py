@@ -409,6 +409,8 @@ class Group:
         self.group_id = resp.group_id
         self.rank = resp.rank
         self.num_ranks = spec.num_ranks
+        # Node rank of each rank when the group spans nodes (cluster mode), else empty.
+        self.rank_nodes: tuple[int, ...] = tuple(resp.rank_nodes)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
         self._counter_slot = resp.counter_slot

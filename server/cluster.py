@@ -325,7 +325,7 @@ class ClusterMember:
         g = self.groups.get(resp.group_id)
         if g is None:
             try:
-                plan = self.sup.planner.adopt_plan(resp.plan)
+                plan = self.sup.planner.adopt_plan(resp.group_id, resp.plan)
             except EpdError as e:
                 self.release_rank(resp.group_id, req.rank, e.message, forward_only=True)
                 raise

@@ -18,11 +18,13 @@ import tempfile
 import time
 
 import grpc
+import numpy as np
 import pytest
 from conftest import TestDaemon
-from ranklib import Case, check_case, member, run_case, wait_until
+from ranklib import Case, assert_exact, check_case, member, run_case, wait_until
 
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+from epd.server import reference as ref
 
 pytestmark = pytest.mark.slow
 HEARTBEAT = 0.3  # --cluster-heartbeat-seconds: a lease ends within 3 periods at most
@@ -171,6 +173,60 @@ def test_two_nodes_two_engines_each(ranks):
         t = topology(cl.nodes[1]).cluster
         assert t.node_rank == 1 and t.num_nodes == 2 and t.coordinator_reachable
         assert [len(n.engines) for n in t.nodes] == [2, 2]
+
+
+def facade_layout(endpoint: str, rank: int, num_ranks: int, num_experts: int,
+                  seed: int) -> dict:
+    """Task: the DeepEP facade's get_dispatch_layout on `endpoint` (a group of its own)."""
+    from epd.client.buffer import Buffer
+    from epd.server import reference as ref
+    rng = np.random.default_rng([seed, rank])
+    idx, _ = ref.random_routing(rng, 24, num_experts, 2)
+    buf = Buffer(None, rank=rank, num_ranks=num_ranks, endpoint=endpoint,
+                 max_tokens_per_rank=24, group_name=f"facade-{seed}")
+    try:
+        n_rank, n_rdma, _, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+        return {"idx": idx, "n_rank": np.asarray(n_rank), "in_rank": np.asarray(in_rank),
+                "n_rdma": None if n_rdma is None else np.asarray(n_rdma)}
+    finally:
+        buf.destroy()
+
+
+def test_facade_layout_counts_tokens_per_node(three, ranks):
+    """num_tokens_per_rdma_rank: tokens per destination node when the group spans nodes
+    (ranks laid out node by node here, as DeepEP's rdma ranks), None on one node."""
+    eps = [three.ep(0, 0), three.ep(0, 1), three.ep(1), three.ep(1), three.ep(2), three.ep(2)]
+    out = ranks.run_ok([(facade_layout, eps[r], r, 6, 12, 1) for r in range(6)])
+    for r, o in enumerate(out):
+        want = ref.get_dispatch_layout(o["idx"], 12, 6, num_ranks_per_node=2)
+        assert_exact(o["n_rank"], want.num_tokens_per_rank, f"rank {r} per rank")
+        assert_exact(o["n_rdma"], want.num_tokens_per_rdma_rank, f"rank {r} per node")
+        assert_exact(ref.tokens_per_node(o["in_rank"], [0, 0, 1, 1, 2, 2]),
+                     want.num_tokens_per_rdma_rank, f"rank {r} placement")
+    local = ranks.run_ok([(facade_layout, three.ep(1), r, 2, 4, 2) for r in range(2)])
+    assert all(o["n_rdma"] is None for o in local)
+    assert ref.get_dispatch_layout(local[0]["idx"], 4, 2).num_tokens_per_rdma_rank is None
+
+
+def test_adopting_a_plan_checks_it_is_the_groups_memory():
+    """A /proc path of another host (here: another group) is refused, never opened as if it
+    were the group's memory."""
+    from epd.proto.errors import FailedPrecondition
+    from epd.server.backends.base import GroupSpec
+    from epd.server.backends.cpu import CpuPlanner
+    node0, node1 = CpuPlanner(), CpuPlanner()
+    spec = GroupSpec("adopt", 2, 4, 128, 8, 2, epd_pb2.BFLOAT16)
+    plan = node0.plan_group("gaaaa", spec)
+    try:
+        with pytest.raises(FailedPrecondition, match="not group gbbbb's memory"):
+            node1.adopt_plan("gbbbb", plan)
+        local = node1.adopt_plan("gaaaa", plan)
+        assert local != plan and os.readlink(local.decode()).startswith("/memfd:epd-gaaaa")
+        node1.free_group(local)
+    finally:
+        node0.free_group(plan)
+    with pytest.raises(FailedPrecondition, match="one host"):
+        node1.adopt_plan("gaaaa", plan)
 
 
 def test_topology_shows_the_cluster(three):

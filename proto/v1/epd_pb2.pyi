@@ -252,20 +252,22 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot")
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "rank_nodes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_IPC_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     output_region_id: str
     output_region_ipc: bytes
     output_region_bytes: int
     counter_slot: int
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
     __slots__ = ("session_id", "group_id")

@@ -60,11 +60,13 @@ class Membership:
     rank: int
     rank_engines: tuple[int, ...]
     plan: bytes = b""  # the group's shared resources, from the backend's GroupPlanner
+    rank_nodes: tuple[int, ...] = ()  # node rank of each rank (cluster mode)
 
     @classmethod
     def from_rendezvous(cls, rank: int, resp: Any) -> Membership:
         """From a Node.Rendezvous answer (epd_pb2.RendezvousResponse)."""
-        return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan))
+        return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan),
+                   tuple(resp.rank_nodes))
 
 
 class GroupPlanner(abc.ABC):
@@ -99,7 +101,7 @@ class GroupPlanner(abc.ABC):
     def abort_group(self, plan: bytes, reason: str) -> None:  # noqa: B027  (optional hook)
         """Tell the group's ranks it failed, where the backend's shared state can say so."""
 
-    def adopt_plan(self, plan: bytes) -> bytes:
+    def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
         """Cluster mode, on a node other than 0: take a group planned by node 0 into this
         node's keeping (so that it outlives node 0) and return the plan this node's engines
         use; `free_group`/`abort_group` then take the returned plan."""

@@ -956,16 +956,26 @@ class CpuPlanner(GroupPlanner):
         self._fds[plan] = fd
         return plan
 
-    def adopt_plan(self, plan: bytes) -> bytes:
+    def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
         """Open node 0's memfd through its /proc path and hold it: this node's engines open
-        this supervisor's descriptor, and the memory outlives node 0's supervisor."""
+        this supervisor's descriptor, and the memory outlives node 0's supervisor. The path
+        must name this group's memfd: on another host it is some other process's descriptor."""
+        path = comm_path(plan)
+        hint = ("logical nodes of the cpu backend must run on one host as one uid (there is "
+                "no network data path)")
         try:
-            fd = os.open(comm_path(plan), os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as e:
             raise FailedPrecondition(f"cannot open the group's memory planned by node 0 "
-                                     f"({comm_path(plan)}: {e.strerror or e}); logical nodes "
-                                     f"of the cpu backend must run on one host as one "
-                                     f"uid") from None
+                                     f"({path}: {e.strerror or e}); {hint}") from None
+        try:
+            name = os.readlink(path)
+        except OSError:
+            name = ""
+        if not name.startswith(f"/memfd:epd-{group_id}.comm"):
+            os.close(fd)
+            raise FailedPrecondition(f"{path} is not group {group_id}'s memory on this host "
+                                     f"(it is {name or 'gone'}); {hint}")
         local = f"/proc/{os.getpid()}/fd/{fd}".encode()
         self._fds[local] = fd
         return local
