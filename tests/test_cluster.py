@@ -240,8 +240,8 @@ def test_topology_shows_the_cluster(three):
         assert f"node {i}: " in out.stdout and "healthy" in out.stdout, out.stdout
 
 
-def _lease_call(address: str, metadata) -> grpc.RpcError:
-    hb = epd_pb2.ClusterHeartbeat(node_rank=1, incarnation="intruder")
+def _lease_call(address: str, metadata, node_rank: int = 1) -> grpc.RpcError:
+    hb = epd_pb2.ClusterHeartbeat(node_rank=node_rank, incarnation="intruder")
     with grpc.insecure_channel(address) as ch:
         stub = epd_pb2_grpc.ClusterStub(ch)
         with pytest.raises(grpc.RpcError) as e:
@@ -265,7 +265,36 @@ def test_wrong_or_missing_token_is_refused(three):
             req, metadata=(("epd-cluster-token", three.token),), timeout=5)
     assert r.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "holds no lease" in r.value.details()
+    # The right token: a node rank outside the cluster, or one whose lease is alive.
+    ok = (("epd-cluster-token", three.token),)
+    e = _lease_call(three.address, ok, node_rank=5)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "node_rank 5" in e.details()
+    e = _lease_call(three.address, ok, node_rank=1)
+    assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "node 1" in e.details()
     assert all(n.healthy for n in topology(three.nodes[0]).cluster.nodes)
+
+
+def test_cluster_settings_come_from_env_and_toml(tmp_path):
+    from epd.server import config
+    (tmp_path / "epd.toml").write_text('num_nodes = 3\nnode_rank = 2\n'
+                                        'cluster_address = "10.0.0.1:9470"\n')
+    cfg = config.load(env={"EPD_CONFIG": str(tmp_path / "epd.toml"),
+                           "EPD_CLUSTER_TOKEN_FILE": "/etc/epd/cluster.token"})
+    assert (cfg.num_nodes, cfg.node_rank, cfg.cluster_mode) == (3, 2, True)
+    assert cfg.cluster_address == "10.0.0.1:9470"
+    assert cfg.cluster_token_file == "/etc/epd/cluster.token"
+    assert not config.load(env={}).cluster_mode  # one node: no port, no token needed
+
+
+def test_only_a_cluster_capable_planner_may_span_nodes():
+    """The cuda planner cannot (no NVSHMEM internode path yet): `epd serve --num-nodes 2
+    --backend cuda` refuses to start, and its adopt_plan refuses any plan."""
+    from epd.proto.errors import FailedPrecondition
+    from epd.server.backends.cpu import CpuPlanner
+    from epd.server.backends.cuda_plan import CudaPlanner
+    assert CpuPlanner.cluster_capable and not CudaPlanner.cluster_capable
+    with pytest.raises(FailedPrecondition, match="spanning nodes"):
+        CudaPlanner.adopt_plan(object.__new__(CudaPlanner), "g0", b"")
 
 
 def test_a_node_with_the_wrong_token_is_not_registered(tmp_path):
