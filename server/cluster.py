@@ -283,8 +283,9 @@ class ClusterMember:
             return f"{e.code().name}: {e.details()}"
         finally:
             sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError,
-                                     grpc.aio.UsageError):
+            # The sender ends with the call in any way (cancelled, or writing to a finished
+            # RPC: InvalidStateError); the reader above already said why the lease ended.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await sender
             call.cancel()
 
