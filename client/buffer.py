@@ -372,8 +372,9 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: Array, num_experts: int,
                             previous_event: EventOverlap | None = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """(num_tokens_per_rank, num_tokens_per_rdma_rank=None, num_tokens_per_expert,
-        is_token_in_rank, event)."""
+        """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+        is_token_in_rank, event). num_tokens_per_rdma_rank (tokens per destination node, in
+        ascending node order) is None unless the group spans nodes, as DeepEP intranode."""
         self._num_experts = num_experts
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(idx_shape) != 2:
@@ -389,7 +390,13 @@ class Buffer:
         (per_rank, per_expert, in_rank), event = self._run(
             topk_idx, lambda: g.get_dispatch_layout(topk_idx), previous_event, async_finish,
             allocate_on_comm_stream, (topk_idx,))
-        return per_rank, None, per_expert, in_rank, event
+        per_node = None
+        if len(set(g.rank_nodes)) > 1:  # cluster mode, a group over several nodes
+            nodes = np.asarray(g.rank_nodes)
+            host = T.to_numpy(in_rank, "is_token_in_rank").astype(bool)
+            per_node = T.like(np.array([host[:, nodes == n].any(axis=1).sum()
+                                      for n in np.unique(nodes)], dtype=np.int32), per_rank)
+        return per_rank, per_node, per_expert, in_rank, event
 
     def dispatch(self, x: Array, handle: BufferHandle | None = None,
                  num_tokens_per_rank: Array = None, num_tokens_per_rdma_rank: Array = None,

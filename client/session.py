@@ -435,6 +435,8 @@ class Group:
         self.num_ranks = spec.num_ranks
         # The class the daemon gave the group ("latency" / "throughput").
         self.service_class = service_class_name(resp.service_class)
+        # Node rank of each rank when the group spans nodes (cluster mode), else empty.
+        self.rank_nodes: tuple[int, ...] = tuple(resp.rank_nodes)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
         self._counter_slot = resp.counter_slot

@@ -79,7 +79,21 @@ def _topology(ns: argparse.Namespace) -> int:
         print(f"  engine {e.index}: {e.socket_path} {epd_pb2.Backend.Name(e.backend).lower()} "
               f"{'ready' if e.ready else 'NOT READY'} pid={e.pid} restarts={e.restarts}"
               f"{off_mps}")
+    if t.HasField("cluster") and t.cluster.num_nodes > 1:
+        _print_cluster(t.cluster)
     return 0
+
+
+def _print_cluster(c) -> None:
+    reach = "reachable" if c.coordinator_reachable else "UNREACHABLE"
+    print(f"  cluster: node {c.node_rank} of {c.num_nodes}; node 0's Cluster service at "
+          f"{c.cluster_address} ({reach})")
+    for n in c.nodes:
+        health = "healthy" if n.healthy else "DOWN" if n.incarnation else "not registered"
+        engines = ", ".join(f"{e.index}{'' if e.ready else ' (not ready)'}" for e in n.engines)
+        seen = f" last heartbeat {n.last_seen_seconds:.1f} s ago" if n.node_rank else ""
+        print(f"    node {n.node_rank}: {n.node_name or '?'} {health}, engines [{engines}]"
+              f"{seen}")
 
 
 def _env(ns: argparse.Namespace) -> int:

@@ -21,6 +21,9 @@ ENV_PREFIX = "EPD_"
 # metadata on the Node RPCs that only engines may call (Rendezvous, ReleaseRank, GetBootstrap).
 NODE_TOKEN_ENV = "EPD_NODE_TOKEN"
 NODE_TOKEN_METADATA = "epd-node-token"
+# The cluster's shared secret (--cluster-token-file), sent by every supervisor on every call of
+# node 0's Cluster service.
+CLUSTER_TOKEN_METADATA = "epd-cluster-token"
 
 
 def node_metadata() -> tuple[tuple[str, str], ...]:
@@ -122,6 +125,25 @@ class Config:
     throughput_num_sms: int = field(default=0, metadata={
         "help": "cuda backend: blocks of a throughput group's data kernels, as "
                 "--latency-num-sms (e.g. keep prefill under a share of the SMs)"})
+
+    node_rank: int = field(default=0, metadata={
+        "help": "cluster mode: this node's rank (0 serves the Cluster service and forms groups "
+                "spanning nodes)"})
+    num_nodes: int = field(default=1, metadata={
+        "help": "nodes of the cluster; 1 (default) is a single-node daemon with no TCP port"})
+    cluster_address: str = field(default="", metadata={
+        "help": "cluster mode: host:port of node 0's Cluster service (node 0 listens there, "
+                "the other nodes connect to it)"})
+    cluster_token_file: str = field(default="", metadata={
+        "help": "cluster mode: file holding the cluster's shared secret (required when "
+                "num_nodes > 1; the same on every node)"})
+    cluster_heartbeat_seconds: float = field(default=1.0, metadata={
+        "help": "cluster mode: heartbeat period of a node's lease; node 0 ends a lease after "
+                "3 missed heartbeats (a broken stream ends it at once)"})
+
+    @property
+    def cluster_mode(self) -> bool:
+        return self.num_nodes > 1
 
     @property
     def allowed_uids(self) -> frozenset[int]:
@@ -235,4 +257,40 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         if not 0 <= getattr(cfg, name) <= MAX_NUM_SMS:
             raise ValueError(f"{name} must lie in [0, {MAX_NUM_SMS}] (0: the daemon's "
                              f"defaults), got {getattr(cfg, name)}")
+    check_cluster(cfg)
     return cfg
+
+
+def check_cluster(cfg: Config) -> None:
+    """The cluster settings agree (ValueError naming the setting): a cluster needs an address
+    and a shared secret, never an open port by default."""
+    if cfg.num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {cfg.num_nodes}")
+    if not 0 <= cfg.node_rank < cfg.num_nodes:
+        raise ValueError(f"node_rank {cfg.node_rank} is out of range for num_nodes "
+                         f"{cfg.num_nodes} (0..{cfg.num_nodes - 1})")
+    if cfg.cluster_heartbeat_seconds <= 0:
+        raise ValueError("cluster_heartbeat_seconds must be positive")
+    if not cfg.cluster_mode:
+        return
+    if not cfg.cluster_token_file:
+        raise ValueError(f"num_nodes {cfg.num_nodes} needs cluster_token_file (a file holding "
+                         f"the cluster's shared secret, the same on every node)")
+    host, _, port = cfg.cluster_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"num_nodes {cfg.num_nodes} needs cluster_address host:port of node "
+                         f"0's Cluster service, got {cfg.cluster_address!r}")
+
+
+def read_cluster_token(path: str) -> str:
+    """The shared secret of --cluster-token-file (surrounding whitespace stripped); ValueError
+    naming the setting when it is missing, unreadable or empty."""
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cluster_token_file {path}: cannot read it "
+                         f"({getattr(e, 'strerror', None) or e})") from None
+    if not token:
+        raise ValueError(f"cluster_token_file {path}: the file is empty; put the cluster's "
+                         f"shared secret in it")
+    return token

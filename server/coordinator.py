@@ -7,6 +7,10 @@ all members, the shared resources (an opaque plan every engine of the group rece
 while forming is told to every waiting rank. A group whose member went away is aborted: its
 remaining members fail with ABORTED, and the next rendezvous under the same name starts a fresh
 instance.
+
+In cluster mode (--num-nodes > 1) node 0's coordinator forms every group: the other nodes'
+supervisors forward their engines' rendezvous here (server/cluster.py), so a member is
+(node, engine, session) and a node whose lease ends is lost like an engine.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class GroupInstance:
     spec: GroupSpec
     spec_proto: epd_pb2.GroupSpec
     members: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (engine, session)
+    nodes: dict[int, int] = field(default_factory=dict)  # rank -> node rank (cluster mode)
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     attached: set[int] = field(default_factory=set)
     all_attached: asyncio.Event = field(default_factory=asyncio.Event)
@@ -62,7 +67,9 @@ class Coordinator:
         self.by_name: dict[str, GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
 
-    async def rendezvous(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
+    async def rendezvous(self, req: epd_pb2.RendezvousRequest,
+                         node: int = 0) -> epd_pb2.RendezvousResponse:
+        """`node`: the node rank of the joining engine (engine_index is local to it)."""
         if req.attached:
             return await self._attached(req)
         spec = spec_from_proto(req.spec)
@@ -92,6 +99,7 @@ class Coordinator:
             raise FailedPrecondition(f"group {spec.name!r} is already formed")
         self._admit(g, req)
         g.members[req.rank] = (req.engine_index, req.session_id)
+        g.nodes[req.rank] = node
         if len(g.members) == spec.num_ranks:
             self._form(g)
         try:
@@ -100,12 +108,14 @@ class Coordinator:
         except TimeoutError:
             missing = sorted(set(range(spec.num_ranks)) - set(g.members))
             g.members.pop(req.rank, None)
+            g.nodes.pop(req.rank, None)
             self._drop_if_empty(g)
             raise DeadlineExceeded(f"group {spec.name!r}: rank(s) {missing} did not join "
                                    f"within {req.timeout_seconds:g} s") from None
         except asyncio.CancelledError:  # the joining client went away
             if not g.formed.is_set():
                 g.members.pop(req.rank, None)
+                g.nodes.pop(req.rank, None)
                 self._drop_if_empty(g)
             raise
         if g.failure is not None:
@@ -115,7 +125,8 @@ class Coordinator:
                                      f"{g.aborted}")
         return epd_pb2.RendezvousResponse(
             group_id=g.group_id, plan=g.plan,
-            rank_engines=[g.members[r][0] for r in range(spec.num_ranks)])
+            rank_engines=[g.members[r][0] for r in range(spec.num_ranks)],
+            rank_nodes=[g.nodes.get(r, 0) for r in range(spec.num_ranks)])
 
     def _admit(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
         """The group's admission policy: the first member sets its owner uid; later members
@@ -188,20 +199,38 @@ class Coordinator:
         if len(g.released) >= len(g.members):
             self._remove(g)
 
-    def engine_lost(self, engine: int) -> None:
+    def engine_lost(self, engine: int, node: int = 0) -> None:
         """An engine died: every group with a rank there is aborted for its other members."""
+        where = f"engine {engine}" if not node else f"engine {engine} of node {node}"
         for g in list(self.by_id.values()):
-            ranks = [r for r, (e, _) in g.members.items() if e == engine]
-            if not ranks:
-                continue
-            metrics.ABORTS.labels("engine_lost").inc()
-            self._abort(g, f"engine {engine} holding rank(s) {ranks} exited")
-            g.released.update(ranks)
-            if not g.formed.is_set():
-                for r in ranks:
-                    g.members.pop(r, None)
-            if len(g.released) >= len(g.members):
-                self._remove(g)
+            ranks = sorted(r for r, (e, _) in g.members.items()
+                           if e == engine and g.nodes.get(r, 0) == node)
+            if ranks:
+                self._lose_ranks(g, ranks, "engine_lost",
+                                 f"{where} holding rank(s) {ranks} exited")
+
+    def node_lost(self, node: int, why: str) -> list[str]:
+        """Cluster mode: a node's lease ended. Every group with a rank there is aborted for its
+        other members (groups without one keep working); returns the aborted group names."""
+        names = []
+        for g in list(self.by_id.values()):
+            ranks = sorted(r for r in g.members if g.nodes.get(r, 0) == node)
+            if ranks:
+                names.append(g.spec.name)
+                self._lose_ranks(g, ranks, "node_lost",
+                                 f"node {node} holding rank(s) {ranks} went away ({why})")
+        return names
+
+    def _lose_ranks(self, g: GroupInstance, ranks: list[int], kind: str, reason: str) -> None:
+        metrics.ABORTS.labels(kind).inc()
+        self._abort(g, reason)
+        g.released.update(ranks)
+        if not g.formed.is_set():
+            for r in ranks:
+                g.members.pop(r, None)
+                g.nodes.pop(r, None)
+        if len(g.released) >= len(g.members):
+            self._remove(g)
 
     def _abort(self, g: GroupInstance, reason: str, left: bool = False) -> None:
         if g.aborted is not None:

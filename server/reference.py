@@ -125,10 +125,28 @@ class Layout:
     num_tokens_per_rank: np.ndarray    # [R] int32, tokens with >=1 expert on rank r (once per rank)
     num_tokens_per_expert: np.ndarray  # [E] int32, (token,k) pairs per expert
     is_token_in_rank: np.ndarray       # [T, R] bool
+    # [R / ranks_per_node] int32, tokens with >=1 expert on a rank of node n (DeepEP's
+    # num_tokens_per_rdma_rank; rank r on node r // ranks_per_node). None on one node.
+    num_tokens_per_rdma_rank: np.ndarray | None = None
 
 
-def get_dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> Layout:
-    """Count, for one source rank, the tokens per destination rank and the pairs per expert."""
+def tokens_per_node(is_token_in_rank: np.ndarray, rank_nodes: list[int]) -> np.ndarray:
+    """Tokens with at least one expert on a rank of each node: [number of distinct nodes]
+    int32, in ascending node order (DeepEP's num_tokens_per_rdma_rank for any placement)."""
+    in_rank = np.asarray(is_token_in_rank, dtype=bool)
+    nodes = np.asarray(rank_nodes)
+    if in_rank.ndim != 2 or in_rank.shape[1] != nodes.size:
+        raise ValueError(f"is_token_in_rank of shape {list(in_rank.shape)} does not match "
+                         f"{nodes.size} ranks")
+    return np.array([int(in_rank[:, nodes == n].any(axis=1).sum()) for n in np.unique(nodes)],
+                    dtype=np.int32)
+
+
+def get_dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int,
+                        num_ranks_per_node: int = 0) -> Layout:
+    """Count, for one source rank, the tokens per destination rank and the pairs per expert;
+    with `num_ranks_per_node` < num_ranks (a group over several nodes, ranks laid out node
+    by node as in DeepEP) also the tokens per destination node."""
     local = _check_experts(num_experts, num_ranks)
     idx = _check_topk_idx(topk_idx, num_experts)
     num_tokens = idx.shape[0]
@@ -140,7 +158,14 @@ def get_dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int) 
     tokens, ks = np.nonzero(valid)
     is_token_in_rank[tokens, idx[tokens, ks] // local] = True
     num_tokens_per_rank = is_token_in_rank.sum(axis=0).astype(np.int32)
-    return Layout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)
+    per_node = None
+    if 0 < num_ranks_per_node < num_ranks:
+        if num_ranks % num_ranks_per_node:
+            raise ValueError(f"num_ranks {num_ranks} is not a multiple of num_ranks_per_node "
+                             f"{num_ranks_per_node}")
+        per_node = tokens_per_node(is_token_in_rank,
+                                   [r // num_ranks_per_node for r in range(num_ranks)])
+    return Layout(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, per_node)
 
 
 @dataclass

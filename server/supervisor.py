@@ -31,7 +31,8 @@ from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
-from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config
+from .cluster import ClusterHub, ClusterMember, new_incarnation
+from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config, read_cluster_token
 from .mps import Mps, MpsError
 from .service_classes import LATENCY, THROUGHPUT
 
@@ -83,6 +84,7 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                 pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
                 sessions_without_mps=without_mps.get(str(e.index), 0)))
         by_class = s.coordinator.groups_by_class()
+        cluster = s.cluster.info() if s.cluster is not None else None
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
                                            engines=engines, metrics_url=s.metrics_url,
                                            mps_mode=s.mps.mode,
@@ -91,17 +93,29 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                                            latency_num_sms=s.cfg.latency_num_sms,
                                            throughput_num_sms=s.cfg.throughput_num_sms,
                                            latency_groups=by_class[LATENCY],
-                                           throughput_groups=by_class[THROUGHPUT])
+                                           throughput_groups=by_class[THROUGHPUT],
+                                           cluster=cluster)
 
     async def Rendezvous(self, request, context):
         await self._engine_only(context, "Rendezvous")
+        member = self.sup.cluster_member
         try:
-            return await self.sup.coordinator.rendezvous(request)
+            # Cluster mode, node > 0: node 0 forms the group while the lease is alive (and
+            # always for a group it formed); otherwise the group forms on this node alone.
+            if member is not None and (member.owns(request.group_id) if request.attached
+                                       else member.connected):
+                return await member.rendezvous(request)
+            return await self.sup.coordinator.rendezvous(request, node=self.sup.cfg.node_rank)
         except EpdError as e:
             await context.abort(e.code, e.message)
 
     async def ReleaseRank(self, request, context):
         await self._engine_only(context, "ReleaseRank")
+        member = self.sup.cluster_member
+        if member is not None and member.owns(request.group_id):
+            member.release_rank(request.group_id, request.rank, request.reason,
+                                left=request.left)
+            return epd_pb2.ReleaseRankResponse()
         self.sup.coordinator.release(request.group_id, request.rank, request.reason,
                                      left=request.left)
         return epd_pb2.ReleaseRankResponse()
@@ -134,6 +148,30 @@ class Supervisor:
         self.node_token = secrets.token_hex(32)  # given to engines at spawn, never to clients
         # Started in run() before the engines, stopped by the module's run() after them.
         self.mps = Mps(cfg.mps, cfg.socket_dir, planner.name, planner.proto_kind)
+        # Cluster mode: node 0 serves the Cluster service, the other nodes hold a lease there.
+        self.incarnation = new_incarnation()
+        self.cluster_hub: ClusterHub | None = None
+        self.cluster_member: ClusterMember | None = None
+        self.cluster_token = ""
+
+    @property
+    def cluster(self) -> ClusterHub | ClusterMember | None:
+        return self.cluster_hub or self.cluster_member
+
+    def check_cluster(self) -> None:
+        """Cluster settings the daemon cannot start with: one line naming the setting."""
+        cfg = self.cfg
+        if not cfg.cluster_mode:
+            return
+        if not self.planner.cluster_capable:
+            raise StartupError(f"--num-nodes {cfg.num_nodes}: the {self.backend} backend cannot "
+                               f"form groups spanning nodes yet (its internode path is not "
+                               f"built); use --num-nodes 1")
+        try:
+            self.cluster_token = read_cluster_token(cfg.cluster_token_file)
+        except ValueError as e:
+            raise StartupError(f"--{e}".replace("cluster_token_file", "cluster-token-file",
+                                                1)) from None
 
     def ready(self) -> tuple[bool, str]:
         not_ready = [e.index for e in self.engines if not e.ready]
@@ -196,7 +234,9 @@ class Supervisor:
                         multiprocess.mark_process_dead(x.proc.pid)
                         metrics.ENGINE_UP.labels(str(x.index)).set(0)
                         x.ready = False
-                        self.coordinator.engine_lost(x.index)
+                        self.coordinator.engine_lost(x.index, self.cfg.node_rank)
+                        if self.cluster_member is not None:
+                            self.cluster_member.engine_lost(x.index)
                         sweep_engine_files(self.cfg.shm_dir, x.index)
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(x.socket_path)
@@ -250,6 +290,7 @@ class Supervisor:
         except MpsError as e:
             raise StartupError(str(e)) from None
 
+        cluster_server, member_task = await self._start_cluster()  # a bad address fails here
         server = grpc.aio.server()
         epd_pb2_grpc.add_NodeServicer_to_server(NodeService(self), server)
         health_servicer = health.aio.HealthServicer()
@@ -289,6 +330,14 @@ class Supervisor:
                 log.warning("engine %d did not stop in time; killing it", e.index)
                 e.proc.kill()
                 e.proc.wait()
+        if member_task is not None:
+            member_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await member_task
+        if cluster_server is not None:
+            await cluster_server.stop(grace=0.5)
+        if self.cluster is not None:
+            self.cluster.close()
         self.coordinator.close()
         await server.stop(grace=0.5)
         with contextlib.suppress(FileNotFoundError):
@@ -296,6 +345,30 @@ class Supervisor:
         self._http.shutdown()
         log.info("stopped")
         return 0
+
+    async def _start_cluster(self) -> tuple[grpc.aio.Server | None, asyncio.Task | None]:
+        """Node 0: the Cluster service on TCP (token-checked); other nodes: the lease task."""
+        cfg = self.cfg
+        if not cfg.cluster_mode:
+            return None, None
+        if cfg.node_rank != 0:
+            self.cluster_member = ClusterMember(self, self.cluster_token)
+            return None, asyncio.create_task(self.cluster_member.run())
+        self.cluster_hub = ClusterHub(self, self.cluster_token)
+        server = grpc.aio.server()
+        epd_pb2_grpc.add_ClusterServicer_to_server(self.cluster_hub, server)
+        try:
+            port = server.add_insecure_port(cfg.cluster_address)
+        except RuntimeError:
+            port = 0
+        if not port:
+            raise StartupError(f"--cluster-address {cfg.cluster_address}: cannot listen there "
+                               f"(in use, or not an address of this host); fix it on every "
+                               f"node")
+        await server.start()
+        log.info("cluster: node 0 of %d, Cluster service on %s", cfg.num_nodes,
+                 cfg.cluster_address)
+        return server, None
 
     def stop_leftover_engines(self) -> None:
         """After a failure inside run(): engines still running get SIGTERM, then SIGKILL after
@@ -442,6 +515,7 @@ def run(cfg: Config) -> int:
             raise StartupError(f"--backend {cfg.backend}: {e}; install what it needs or use "
                                f"--backend cpu") from None
         sup.lock_fd = lock_fd
+        sup.check_cluster()
         os.chmod(cfg.socket_dir, 0o750)  # keep the folder (clients may bind-mount it); tighten
         sup.bind_http()
         return _event_loop_run(sup.run())

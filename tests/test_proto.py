@@ -26,7 +26,8 @@ def test_generated_code_has_no_drift(tmp_path: Path):
 def test_generated_modules_import():
     from epd.proto.v1 import epd_pb2, epd_pb2_grpc
     assert epd_pb2.DESCRIPTOR.package == "epd.v1"
-    assert {s.name for s in epd_pb2.DESCRIPTOR.services_by_name.values()} == {"Node", "Engine"}
+    assert {s.name for s in epd_pb2.DESCRIPTOR.services_by_name.values()} == {"Node", "Engine",
+                                                                         "Cluster"}
     assert hasattr(epd_pb2_grpc, "EngineStub") and hasattr(epd_pb2_grpc, "NodeStub")
 
 

@@ -642,3 +642,21 @@ def test_quantize_fp8_invariants(seed: int, tokens: int, round_scale: bool) -> N
     # e4m3 has 3 mantissa bits: relative error <= 2^-4 of the block amax scale
     amax = np.abs(x.reshape(tokens, 2, 128)).max(axis=2, initial=0)[:, :, None]
     assert (np.abs(deq - x.reshape(tokens, 2, 128)) <= amax * 2.0 ** -3 + 1e-30).all()
+
+
+def test_layout_tokens_per_node():
+    """num_tokens_per_rdma_rank (DeepEP): tokens with >=1 expert on a node, nodes of
+    ranks_per_node consecutive ranks; None on one node."""
+    rng = np.random.default_rng(13)
+    idx, _ = ref.random_routing(rng, 40, 16, 3, drop_prob=0.2)
+    lay = ref.get_dispatch_layout(idx, 16, 4, num_ranks_per_node=2)
+    dest_node = np.where(idx >= 0, idx // 4 // 2, -1)
+    want = [int((dest_node == n).any(axis=1).sum()) for n in range(2)]
+    assert lay.num_tokens_per_rdma_rank.dtype == np.int32
+    assert lay.num_tokens_per_rdma_rank.tolist() == want
+    assert ref.tokens_per_node(lay.is_token_in_rank, [0, 0, 1, 1]).tolist() == want
+    assert ref.get_dispatch_layout(idx, 16, 4).num_tokens_per_rdma_rank is None
+    assert ref.get_dispatch_layout(idx, 16, 4, num_ranks_per_node=4).num_tokens_per_rdma_rank \
+        is None
+    with pytest.raises(ValueError, match="not a multiple"):
+        ref.get_dispatch_layout(idx, 16, 4, num_ranks_per_node=3)

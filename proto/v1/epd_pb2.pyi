@@ -87,7 +87,7 @@ class EngineInfo(_message.Message):
     def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., sessions_without_mps: _Optional[int] = ...) -> None: ...
 
 class GetTopologyResponse(_message.Message):
-    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory", "service_class_policy", "latency_num_sms", "throughput_num_sms", "latency_groups", "throughput_groups")
+    __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory", "service_class_policy", "latency_num_sms", "throughput_num_sms", "latency_groups", "throughput_groups", "cluster")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class GetTopologyResponse(_message.Message):
     THROUGHPUT_NUM_SMS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_GROUPS_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
     version: str
     node_name: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
@@ -110,7 +111,8 @@ class GetTopologyResponse(_message.Message):
     throughput_num_sms: int
     latency_groups: int
     throughput_groups: int
-    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ..., service_class_policy: _Optional[str] = ..., latency_num_sms: _Optional[int] = ..., throughput_num_sms: _Optional[int] = ..., latency_groups: _Optional[int] = ..., throughput_groups: _Optional[int] = ...) -> None: ...
+    cluster: ClusterInfo
+    def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ..., service_class_policy: _Optional[str] = ..., latency_num_sms: _Optional[int] = ..., throughput_num_sms: _Optional[int] = ..., latency_groups: _Optional[int] = ..., throughput_groups: _Optional[int] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode", "service_class")
@@ -159,14 +161,16 @@ class RendezvousRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., has_peer: _Optional[bool] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("group_id", "rank_engines", "plan")
+    __slots__ = ("group_id", "rank_engines", "plan", "rank_nodes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_ENGINES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank_engines: _containers.RepeatedScalarFieldContainer[int]
     plan: bytes
-    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBootstrapRequest(_message.Message):
     __slots__ = ("engine_index",)
@@ -269,7 +273,7 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class")
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class", "rank_nodes")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +281,7 @@ class JoinGroupResponse(_message.Message):
     OUTPUT_REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     output_region_id: str
@@ -284,7 +289,8 @@ class JoinGroupResponse(_message.Message):
     output_region_bytes: int
     counter_slot: int
     service_class: ServiceClass
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ...) -> None: ...
+    rank_nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
     __slots__ = ("session_id", "group_id")
@@ -713,3 +719,73 @@ class FdResponse(_message.Message):
     region_id: str
     size_bytes: int
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class ClusterHeartbeat(_message.Message):
+    __slots__ = ("node_rank", "incarnation", "node_name", "engines")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    incarnation: str
+    node_name: str
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+
+class ClusterNodeInfo(_message.Message):
+    __slots__ = ("node_rank", "node_name", "healthy", "engines", "last_seen_seconds", "incarnation")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    node_name: str
+    healthy: bool
+    engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
+    last_seen_seconds: float
+    incarnation: str
+    def __init__(self, node_rank: _Optional[int] = ..., node_name: _Optional[str] = ..., healthy: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., last_seen_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ClusterInfo(_message.Message):
+    __slots__ = ("node_rank", "num_nodes", "cluster_address", "nodes", "coordinator_reachable")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_NODES_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    num_nodes: int
+    cluster_address: str
+    nodes: _containers.RepeatedCompositeFieldContainer[ClusterNodeInfo]
+    coordinator_reachable: bool
+    def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ...) -> None: ...
+
+class ClusterLeaseEvent(_message.Message):
+    __slots__ = ("heartbeat_seconds", "cluster")
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_seconds: float
+    cluster: ClusterInfo
+    def __init__(self, heartbeat_seconds: _Optional[float] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
+
+class ClusterRendezvousRequest(_message.Message):
+    __slots__ = ("node_rank", "incarnation", "request")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    incarnation: str
+    request: RendezvousRequest
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., request: _Optional[_Union[RendezvousRequest, _Mapping]] = ...) -> None: ...
+
+class ClusterReleaseRequest(_message.Message):
+    __slots__ = ("node_rank", "incarnation", "request")
+    NODE_RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    node_rank: int
+    incarnation: str
+    request: ReleaseRankRequest
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., request: _Optional[_Union[ReleaseRankRequest, _Mapping]] = ...) -> None: ...

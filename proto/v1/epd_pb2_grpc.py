@@ -25,6 +25,164 @@ if _version_not_supported:
     )
 
 
+class ClusterStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Lease = channel.stream_stream(
+                '/epd.v1.Cluster/Lease',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterHeartbeat.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterLeaseEvent.FromString,
+                _registered_method=True)
+        self.Rendezvous = channel.unary_unary(
+                '/epd.v1.Cluster/Rendezvous',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterRendezvousRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RendezvousResponse.FromString,
+                _registered_method=True)
+        self.ReleaseRank = channel.unary_unary(
+                '/epd.v1.Cluster/ReleaseRank',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterReleaseRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankResponse.FromString,
+                _registered_method=True)
+
+
+class ClusterServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Lease(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rendezvous(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseRank(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ClusterServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Lease': grpc.stream_stream_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterHeartbeat.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterLeaseEvent.SerializeToString,
+            ),
+            'Rendezvous': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rendezvous,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterRendezvousRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RendezvousResponse.SerializeToString,
+            ),
+            'ReleaseRank': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseRank,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ClusterReleaseRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'epd.v1.Cluster', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('epd.v1.Cluster', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Cluster:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Lease(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/epd.v1.Cluster/Lease',
+            epd_dot_proto_dot_v1_dot_epd__pb2.ClusterHeartbeat.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.ClusterLeaseEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rendezvous(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Cluster/Rendezvous',
+            epd_dot_proto_dot_v1_dot_epd__pb2.ClusterRendezvousRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.RendezvousResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseRank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Cluster/ReleaseRank',
+            epd_dot_proto_dot_v1_dot_epd__pb2.ClusterReleaseRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseRankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class NodeStub:
     """Missing associated documentation comment in .proto file."""
 

@@ -63,11 +63,13 @@ class Membership:
     rank: int
     rank_engines: tuple[int, ...]
     plan: bytes = b""  # the group's shared resources, from the backend's GroupPlanner
+    rank_nodes: tuple[int, ...] = ()  # node rank of each rank (cluster mode)
 
     @classmethod
     def from_rendezvous(cls, rank: int, resp: Any) -> Membership:
         """From a Node.Rendezvous answer (epd_pb2.RendezvousResponse)."""
-        return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan))
+        return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan),
+                   tuple(resp.rank_nodes))
 
 
 class GroupPlanner(abc.ABC):
@@ -82,6 +84,10 @@ class GroupPlanner(abc.ABC):
     # An engine that exits takes every engine down with it (a world that cannot take a new
     # member): the supervisor then restarts all engines after `new_world()`.
     restart_all_on_engine_loss: bool = False
+    # Cluster mode (--num-nodes > 1): node 0 plans every group and the other nodes adopt the
+    # plan (`adopt_plan`). Only the CPU backend on logical nodes (one host) can; the CUDA path
+    # needs NVSHMEM's internode transport, not built yet.
+    cluster_capable: bool = False
 
     @abc.abstractmethod
     def validate_spec(self, spec: GroupSpec) -> None:
@@ -97,6 +103,14 @@ class GroupPlanner(abc.ABC):
 
     def abort_group(self, plan: bytes, reason: str) -> None:  # noqa: B027  (optional hook)
         """Tell the group's ranks it failed, where the backend's shared state can say so."""
+
+    def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
+        """Cluster mode, on a node other than 0: take a group planned by node 0 into this
+        node's keeping (so that it outlives node 0) and return the plan this node's engines
+        use; `free_group`/`abort_group` then take the returned plan."""
+        from ...proto.errors import FailedPrecondition
+        raise FailedPrecondition(f"groups spanning nodes are not supported by the {self.name} "
+                                 f"backend")
 
     def engine_env(self) -> dict[str, str]:
         """Environment defaults for the engine processes."""

@@ -939,6 +939,9 @@ class CpuPlanner(GroupPlanner):
 
     name = "cpu"
     proto_kind = epd_pb2.CPU
+    # Logical nodes only (several daemons on one host, one uid): a node adopts node 0's memfd
+    # through /proc, so a spanning group's memory is shared. There is no network data path.
+    cluster_capable = True
 
     def __init__(self, shm_dir: str = "/dev/shm") -> None:
         self.shm_dir = shm_dir  # unused: kept for callers that pass it
@@ -952,6 +955,30 @@ class CpuPlanner(GroupPlanner):
         plan = f"/proc/{os.getpid()}/fd/{fd}".encode()
         self._fds[plan] = fd
         return plan
+
+    def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
+        """Open node 0's memfd through its /proc path and hold it: this node's engines open
+        this supervisor's descriptor, and the memory outlives node 0's supervisor. The path
+        must name this group's memfd: on another host it is some other process's descriptor."""
+        path = comm_path(plan)
+        hint = ("logical nodes of the cpu backend must run on one host as one uid (there is "
+                "no network data path)")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as e:
+            raise FailedPrecondition(f"cannot open the group's memory planned by node 0 "
+                                     f"({path}: {e.strerror or e}); {hint}") from None
+        try:
+            name = os.readlink(path)
+        except OSError:
+            name = ""
+        if not name.startswith(f"/memfd:epd-{group_id}.comm"):
+            os.close(fd)
+            raise FailedPrecondition(f"{path} is not group {group_id}'s memory on this host "
+                                     f"(it is {name or 'gone'}); {hint}")
+        local = f"/proc/{os.getpid()}/fd/{fd}".encode()
+        self._fds[local] = fd
+        return local
 
     def free_group(self, plan: bytes) -> None:
         fd = self._fds.pop(plan, None)

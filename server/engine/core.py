@@ -553,8 +553,11 @@ class Engine(StreamCalls, DataPlane):
         if left:
             log.warning("engine %d: %d call(s) still running after %.1f s; tearing down",
                         self.index, left, seconds)
+        why = "engine shutting down"
+        if self.config.num_nodes > 1:  # cluster mode: peers on other nodes learn which node
+            why += f" (engine {self.index} of node {self.config.node_rank})"
         for s in list(self.sessions.values()):
-            await self.close_session(s, "engine shutting down")
+            await self.close_session(s, why)
         settle = time.monotonic() + SETTLE_SECONDS
         while self.sessions and time.monotonic() < settle:
             await asyncio.sleep(0.01)  # teardowns already under way (streams that just ended)

@@ -38,7 +38,9 @@ async def _join_group(e: Engine, request: epd_pb2.JoinGroupRequest) -> epd_pb2.J
         group_id=m.group_id, rank=m.rank, output_region_id=region.region_id,
         output_region_ipc=getattr(region, "ipc_handle", b""),
         output_region_bytes=region.size, counter_slot=m.counter_slot,
-        service_class=m.spec.service_class)
+        service_class=m.spec.service_class,
+        rank_nodes=m.comm.membership.rank_nodes if len(set(m.comm.membership.rank_nodes)) > 1
+        else ())
 
 
 async def _leave_group(e: Engine, request: epd_pb2.LeaveGroupRequest

@@ -1,0 +1,392 @@
+"""Cluster mode (--num-nodes > 1): supervisors of several nodes form one EP world.
+
+Node 0's supervisor serves the Cluster service on TCP at --cluster-address (`ClusterHub`); every
+other node's supervisor (`ClusterMember`) holds a lease there (a stream: heartbeats up, the
+cluster view down) and forwards its engines' rendezvous and releases, so that node 0's
+coordinator forms every group over all nodes' engines (a member is (node, engine, session)).
+Every call carries the cluster's shared secret, compared in constant time.
+
+Where a group's memory lives is the backend's business (`GroupPlanner.adopt_plan`): on the CPU
+backend, logical nodes on one host share node 0's memfd, which each node's supervisor holds
+open so that it outlives node 0. Failure rules: node 0 aborts every group with a rank on a node
+whose lease ended (groups without one keep working); a node that loses node 0 aborts its groups
+that span nodes and keeps serving (and, until node 0 is back, forming) node-local groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ..proto.errors import EpdError
+from ..proto.v1 import epd_pb2, epd_pb2_grpc
+from .config import CLUSTER_TOKEN_METADATA
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+log = logging.getLogger("epd.cluster")
+MISSED_HEARTBEATS = 3  # a lease ends after this many heartbeat periods without one
+FORWARD_MARGIN_SECONDS = 5.0  # a forwarded call's deadline beyond the rendezvous's own
+RELEASE_TIMEOUT_SECONDS = 5.0
+
+
+def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    return ((CLUSTER_TOKEN_METADATA, token),)
+
+
+def engine_infos(sup: Supervisor) -> list[epd_pb2.EngineInfo]:
+    """This node's engines as the cluster sees them (no metrics read: sent every heartbeat)."""
+    return [epd_pb2.EngineInfo(index=e.index, socket_path=e.socket_path,
+                               backend=sup.planner.proto_kind, ready=e.ready,
+                               pid=e.proc.pid if e.proc else 0, restarts=e.restarts)
+            for e in sup.engines]
+
+
+@dataclass
+class NodeLease:
+    node_rank: int
+    incarnation: str
+    node_name: str
+    engines: list[epd_pb2.EngineInfo]
+    last_seen: float = field(default_factory=time.monotonic)
+    live: bool = True
+
+
+class ClusterHub(epd_pb2_grpc.ClusterServicer):
+    """Node 0: the registry of the other nodes' leases and the entry of their rendezvous."""
+
+    def __init__(self, sup: Supervisor, token: str) -> None:
+        self.sup = sup
+        self.token = token
+        self.heartbeat = sup.cfg.cluster_heartbeat_seconds
+        self.nodes: dict[int, NodeLease] = {}
+
+    async def _check_token(self, context, method: str) -> None:
+        sent = dict(context.invocation_metadata() or ()).get(CLUSTER_TOKEN_METADATA)
+        if not sent:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"Cluster.{method} needs the cluster token "
+                                f"(metadata {CLUSTER_TOKEN_METADATA!r})")
+        if not (isinstance(sent, str)
+                and hmac.compare_digest(sent.encode(), self.token.encode())):
+            log.warning("Cluster.%s from %s refused: wrong cluster token", method,
+                        context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"Cluster.{method}: wrong cluster token")
+
+    def info(self) -> epd_pb2.ClusterInfo:
+        cfg, now = self.sup.cfg, time.monotonic()
+        nodes = [epd_pb2.ClusterNodeInfo(node_rank=0, node_name=socket.gethostname(),
+                                         healthy=True, engines=engine_infos(self.sup),
+                                         incarnation=self.sup.incarnation)]
+        for rank in range(1, cfg.num_nodes):
+            n = self.nodes.get(rank)
+            nodes.append(epd_pb2.ClusterNodeInfo(node_rank=rank) if n is None else
+                         epd_pb2.ClusterNodeInfo(node_rank=rank, node_name=n.node_name,
+                                                 healthy=n.live, engines=n.engines,
+                                                 last_seen_seconds=now - n.last_seen,
+                                                 incarnation=n.incarnation))
+        return epd_pb2.ClusterInfo(node_rank=0, num_nodes=cfg.num_nodes,
+                                   cluster_address=cfg.cluster_address, nodes=nodes,
+                                   coordinator_reachable=True)
+
+    def _event(self) -> epd_pb2.ClusterLeaseEvent:
+        return epd_pb2.ClusterLeaseEvent(heartbeat_seconds=self.heartbeat, cluster=self.info())
+
+    async def Lease(self, request_iterator, context):
+        await self._check_token(context, "Lease")
+        deadline = MISSED_HEARTBEATS * self.heartbeat
+        it = request_iterator.__aiter__()
+        try:
+            first = await asyncio.wait_for(it.__anext__(), timeout=deadline)
+        except (TimeoutError, StopAsyncIteration):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                f"no registration heartbeat within {deadline:g} s")
+        rank = first.node_rank
+        num_nodes = self.sup.cfg.num_nodes
+        if not 0 < rank < num_nodes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"node_rank {rank}: this cluster has nodes 1..{num_nodes - 1} "
+                                f"besides node 0")
+        old = self.nodes.get(rank)
+        if old is not None and old.live:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"node {rank} is registered already (incarnation "
+                                f"{old.incarnation}, lease alive); two daemons with one "
+                                f"--node-rank, or a restart before the old lease ended "
+                                f"(retry after {deadline:g} s)")
+        lease = NodeLease(rank, first.incarnation, first.node_name, list(first.engines))
+        self.nodes[rank] = lease
+        log.info("node %d (%s, incarnation %s) registered with %d engine(s)", rank,
+                 first.node_name, first.incarnation, len(first.engines))
+        why = "its lease stream ended"
+        try:
+            yield self._event()
+            while True:
+                try:
+                    hb = await asyncio.wait_for(it.__anext__(), timeout=deadline)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    why = f"no heartbeat within {deadline:g} s"
+                    break
+                lease.last_seen = time.monotonic()
+                lease.engines = list(hb.engines)
+                yield self._event()
+        except asyncio.CancelledError:
+            why = "its connection broke"
+            raise
+        except grpc.aio.AioRpcError as e:  # reading a broken stream
+            why = f"its lease stream failed ({e.code().name})"
+        finally:
+            self._lease_ended(lease, why)
+
+    def _lease_ended(self, lease: NodeLease, why: str) -> None:
+        if not lease.live or self.nodes.get(lease.node_rank) is not lease:
+            return
+        lease.live = False
+        lost = self.sup.coordinator.node_lost(lease.node_rank, why)
+        log.warning("node %d lease ended (%s); groups aborted: %s", lease.node_rank, why,
+                    lost or "none")
+
+    def _live(self, rank: int, incarnation: str) -> bool:
+        n = self.nodes.get(rank)
+        return n is not None and n.live and n.incarnation == incarnation
+
+    async def Rendezvous(self, request, context):
+        await self._check_token(context, "Rendezvous")
+        if not self._live(request.node_rank, request.incarnation):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {request.node_rank} holds no lease with node 0 "
+                                f"(incarnation {request.incarnation!r}); its supervisor "
+                                f"registers first")
+        try:
+            return await self.sup.coordinator.rendezvous(request.request,
+                                                         node=request.node_rank)
+        except EpdError as e:
+            await context.abort(e.code, e.message)
+
+    async def ReleaseRank(self, request, context):
+        await self._check_token(context, "ReleaseRank")
+        r = request.request
+        self.sup.coordinator.release(r.group_id, r.rank, r.reason, left=r.left)
+        return epd_pb2.ReleaseRankResponse()
+
+    def close(self) -> None:
+        for lease in self.nodes.values():
+            lease.live = False
+
+
+@dataclass
+class AdoptedGroup:
+    """A group node 0 formed with ranks on this node: the plan this node holds for it."""
+
+    name: str
+    plan: bytes  # this node's plan (GroupPlanner.adopt_plan)
+    rank_nodes: tuple[int, ...]
+    local: dict[int, int] = field(default_factory=dict)  # rank -> local engine
+    released: set[int] = field(default_factory=set)
+    aborted: bool = False
+
+
+class ClusterMember:
+    """A node other than 0: its lease with node 0, and the forwarding of its engines' group
+    calls there (while the lease is alive; otherwise groups form on this node alone)."""
+
+    def __init__(self, sup: Supervisor, token: str) -> None:
+        self.sup = sup
+        self.cfg = sup.cfg
+        self.token = token
+        self.metadata = cluster_metadata(token)
+        self.connected = False
+        self.view: epd_pb2.ClusterInfo | None = None
+        self.last_error = ""
+        self.groups: dict[str, AdoptedGroup] = {}
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: epd_pb2_grpc.ClusterStub | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    def info(self) -> epd_pb2.ClusterInfo:
+        cfg = self.cfg
+        nodes = list(self.view.nodes) if self.view is not None and self.connected else []
+        if not nodes:  # node 0 not reachable: what this node knows, itself
+            nodes = [epd_pb2.ClusterNodeInfo(node_rank=0, healthy=False),
+                     epd_pb2.ClusterNodeInfo(node_rank=cfg.node_rank,
+                                             node_name=socket.gethostname(), healthy=True,
+                                             engines=engine_infos(self.sup),
+                                             incarnation=self.sup.incarnation)]
+        return epd_pb2.ClusterInfo(node_rank=cfg.node_rank, num_nodes=cfg.num_nodes,
+                                   cluster_address=cfg.cluster_address, nodes=nodes,
+                                   coordinator_reachable=self.connected)
+
+    async def run(self) -> None:
+        """Hold the lease; after it ends, register again (every period) until stopped."""
+        self._channel = grpc.aio.insecure_channel(self.cfg.cluster_address)
+        self._stub = epd_pb2_grpc.ClusterStub(self._channel)
+        try:
+            while True:
+                why = await self._lease()
+                if self.connected:
+                    self.connected = False
+                    self._coordinator_lost(why)
+                elif why != self.last_error:
+                    log.error("cannot register with node 0 at %s: %s", self.cfg.cluster_address,
+                              why)
+                self.last_error = why
+                await asyncio.sleep(self.cfg.cluster_heartbeat_seconds)
+        finally:
+            self.connected = False
+            await self._channel.close()
+
+    def _heartbeat(self) -> epd_pb2.ClusterHeartbeat:
+        return epd_pb2.ClusterHeartbeat(node_rank=self.cfg.node_rank,
+                                        incarnation=self.sup.incarnation,
+                                        node_name=socket.gethostname(),
+                                        engines=engine_infos(self.sup))
+
+    async def _lease(self) -> str:
+        """One lease: returns why it ended."""
+        period = self.cfg.cluster_heartbeat_seconds
+        call = self._stub.Lease(metadata=self.metadata)
+
+        async def beat() -> None:
+            while True:
+                await call.write(self._heartbeat())
+                await asyncio.sleep(period)
+
+        sender = asyncio.create_task(beat())
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(call.read(), timeout=MISSED_HEARTBEATS * period)
+                except TimeoutError:
+                    return f"no answer from node 0 within {MISSED_HEARTBEATS * period:g} s"
+                if ev is grpc.aio.EOF:
+                    return "node 0 ended the lease"
+                self.view = ev.cluster
+                if not self.connected:
+                    self.connected = True
+                    self.last_error = ""
+                    log.info("registered with node 0 at %s (node %d of %d)",
+                             self.cfg.cluster_address, self.cfg.node_rank, self.cfg.num_nodes)
+        except grpc.aio.AioRpcError as e:
+            return f"{e.code().name}: {e.details()}"
+        finally:
+            sender.cancel()
+            # The sender ends with the call in any way (cancelled, or writing to a finished
+            # RPC: InvalidStateError); the reader above already said why the lease ended.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sender
+            call.cancel()
+
+    def _coordinator_lost(self, why: str) -> None:
+        me = self.cfg.node_rank
+        aborted = []
+        for g in self.groups.values():
+            nodes = sorted(set(g.rank_nodes))
+            if nodes == [me] or g.aborted:
+                continue  # node-local: its memory is held here, it keeps working
+            g.aborted = True
+            aborted.append(g.name)
+            self.sup.planner.abort_group(
+                g.plan, f"node 0 (the cluster coordinator) went away ({why}); the group spans "
+                        f"nodes {nodes}")
+        log.warning("lease with node 0 ended (%s); groups spanning nodes aborted: %s", why,
+                    aborted or "none")
+
+    def owns(self, group_id: str) -> bool:
+        return group_id in self.groups
+
+    async def rendezvous(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
+        """Forward an engine's rendezvous to node 0; a formed group's plan is adopted here."""
+        timeout = (req.timeout_seconds or self.cfg.timeout_seconds) + FORWARD_MARGIN_SECONDS
+        fwd = epd_pb2.ClusterRendezvousRequest(node_rank=self.cfg.node_rank,
+                                               incarnation=self.sup.incarnation, request=req)
+        try:
+            resp = await self._stub.Rendezvous(fwd, metadata=self.metadata, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                raise EpdError(grpc.StatusCode.UNAVAILABLE,
+                               f"node 0 (the cluster coordinator) is unreachable: "
+                               f"{e.details()}") from None
+            raise EpdError(code, e.details() or code.name) from None
+        if req.attached:
+            return resp
+        g = self.groups.get(resp.group_id)
+        if g is None:
+            try:
+                plan = self.sup.planner.adopt_plan(resp.group_id, resp.plan)
+            except EpdError as e:
+                self.release_rank(resp.group_id, req.rank, e.message, forward_only=True)
+                raise
+            g = self.groups[resp.group_id] = AdoptedGroup(req.spec.name, plan,
+                                                          tuple(resp.rank_nodes))
+        g.local[req.rank] = req.engine_index
+        out = epd_pb2.RendezvousResponse()
+        out.CopyFrom(resp)
+        out.plan = g.plan
+        return out
+
+    def release_rank(self, group_id: str, rank: int, reason: str, left: bool = False,
+                     forward_only: bool = False) -> None:
+        """A rank of a forwarded group went away: tell node 0 (best effort, in the background)
+        and drop this node's hold once all its ranks of the group are gone."""
+        if self.connected:
+            req = epd_pb2.ClusterReleaseRequest(
+                node_rank=self.cfg.node_rank, incarnation=self.sup.incarnation,
+                request=epd_pb2.ReleaseRankRequest(group_id=group_id, rank=rank, reason=reason,
+                                                   left=left))
+            task = asyncio.get_running_loop().create_task(self._forward_release(req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        g = self.groups.get(group_id)
+        if forward_only or g is None:
+            return
+        if (reason and not g.aborted and not self.connected
+                and len(g.released) < len(g.rank_nodes) - 1):
+            # Node 0 cannot tell the peers: this node's shared plan can (node-local groups).
+            g.aborted = True
+            self.sup.planner.abort_group(g.plan, reason)
+        g.released.add(rank)
+        if g.released >= set(g.local):
+            self.sup.planner.free_group(g.plan)
+            del self.groups[group_id]
+
+    async def _forward_release(self, req: epd_pb2.ClusterReleaseRequest) -> None:
+        try:
+            await self._stub.ReleaseRank(req, metadata=self.metadata,
+                                         timeout=RELEASE_TIMEOUT_SECONDS)
+        except grpc.aio.AioRpcError as e:
+            log.debug("forwarding the release of rank %d of %s failed: %s", req.request.rank,
+                      req.request.group_id, e.details())
+
+    def engine_lost(self, engine: int) -> None:
+        """An engine of this node died: its ranks of forwarded groups go away."""
+        for gid, g in list(self.groups.items()):
+            ranks = sorted(r for r, e in g.local.items() if e == engine and r not in g.released)
+            reason = (f"engine {engine} of node {self.cfg.node_rank} holding rank(s) {ranks} "
+                      f"exited")
+            for r in ranks:
+                self.release_rank(gid, r, reason)
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            self.sup.planner.free_group(g.plan)
+        self.groups.clear()
+        for t in self._tasks:
+            t.cancel()
+
+
+def new_incarnation() -> str:
+    return secrets.token_hex(6)

@@ -1,0 +1,432 @@
+"""Cluster mode on the CPU backend (issue 13, first slice): logical nodes on one host, each a
+daemon with its own socket folder, --node-rank and the cluster's token. Groups spanning nodes
+and node-local groups are exact against the reference; a node whose supervisor is killed makes
+its spanning groups fail naming it while other groups keep working; a restarted node rejoins."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import numpy as np
+import pytest
+from conftest import TestDaemon
+from ranklib import Case, assert_exact, check_case, member, run_case, wait_until
+
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+from epd.server import reference as ref
+
+pytestmark = pytest.mark.slow
+# --cluster-heartbeat-seconds: a lease ends after 3 periods without a heartbeat (a killed
+# node's stream breaks at once); not shorter, so a loaded 2-core CI machine does not flap.
+HEARTBEAT = 1.0
+TIMEOUT = 3.0  # the daemons' --timeout-seconds
+SLACK = 2.0
+_names = itertools.count()
+
+
+def case(num_ranks: int, **kw) -> Case:
+    kw.setdefault("group", f"cluster-{next(_names)}")
+    return Case(num_ranks=num_ranks, num_experts=2 * num_ranks, hidden=128, num_topk=2,
+                tokens=tuple(10 + 3 * r for r in range(num_ranks)), seed=next(_names), **kw)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def topology(d: TestDaemon) -> epd_pb2.GetTopologyResponse:
+    with grpc.insecure_channel(f"unix://{d.node_socket}") as ch:
+        return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(), timeout=5)
+
+
+class Cluster:
+    """Logical nodes: node i runs `engines[i]` engines. Daemons' temporary folders (metrics)
+    go under the cluster's folder, removed at the end (a SIGKILLed node cannot remove its own)."""
+
+    def __init__(self, engines: list[int], token: str | None = None) -> None:
+        self.dir = tempfile.mkdtemp(prefix="epd-cluster-")
+        self.tmp = os.path.join(self.dir, "tmp")
+        os.mkdir(self.tmp)
+        self.token = token or secrets.token_hex(16)
+        self.token_file = os.path.join(self.dir, "token")
+        with open(self.token_file, "w") as f:
+            f.write(self.token + "\n")
+        os.chmod(self.token_file, 0o600)
+        self.address = f"127.0.0.1:{_free_port()}"
+        self.engines = engines
+        self.nodes: list[TestDaemon | None] = [None] * len(engines)
+
+    def args(self, rank: int) -> list[str]:
+        return ["--num-nodes", str(len(self.engines)), "--node-rank", str(rank),
+                "--cluster-address", self.address, "--cluster-token-file", self.token_file,
+                "--cluster-heartbeat-seconds", str(HEARTBEAT)]
+
+    def start(self, rank: int) -> TestDaemon:
+        old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = self.tmp  # the daemon's metrics folder
+        try:
+            d = TestDaemon(engines=self.engines[rank], timeout_seconds=TIMEOUT,
+                           extra=self.args(rank))
+        finally:
+            if old is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = old
+        self.nodes[rank] = d
+        return d
+
+    def ep(self, node: int, engine: int = 0) -> str:
+        return self.nodes[node].socket(engine)
+
+    def wait_registered(self, timeout: float = 60) -> None:
+        for d in self.nodes:
+            if d is not None:
+                d.wait_ready(timeout)
+
+        def all_healthy():
+            c = topology(self.nodes[0]).cluster
+            live = [i for i, d in enumerate(self.nodes) if d is not None]
+            return all(c.nodes[i].healthy for i in live)
+        wait_until(all_healthy, timeout, "every node registered with node 0", 0.1)
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL node `rank`'s supervisor (its engines follow by parent-death signal)."""
+        d = self.nodes[rank]
+        pids = [e.pid for e in topology(d).engines]
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(10)
+        wait_until(lambda: all(_gone(p) for p in pids), 10, f"node {rank}'s engines exited")
+        d.stop()
+        shutil.rmtree(d.shm_dir, ignore_errors=True)
+        self.nodes[rank] = None
+
+    def close(self) -> None:
+        try:
+            for d in reversed(self.nodes):  # node 0 last
+                if d is not None:
+                    d.stop_and_check()
+        finally:
+            for d in self.nodes:
+                if d is not None and d.proc.poll() is None:
+                    d.stop()
+                    shutil.rmtree(d.shm_dir, ignore_errors=True)
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@contextlib.contextmanager
+def cluster(engines: list[int]):
+    c = Cluster(engines)
+    try:
+        for r in range(len(engines)):
+            c.start(r)
+        c.wait_registered()
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def three():
+    """Three logical nodes: node 0 with two engines, nodes 1 and 2 with one."""
+    with cluster([2, 1, 1]) as c:
+        yield c
+
+
+def run(pool, c: Case, endpoints: list[str]) -> list[dict]:
+    results = pool.run_ok([(run_case, endpoints[r], c, r) for r in range(c.num_ranks)])
+    check_case(c, results)
+    return results
+
+
+def test_spanning_group_over_three_nodes_is_exact(three, ranks):
+    c = case(4)
+    run(ranks, c, [three.ep(0, 0), three.ep(1), three.ep(2), three.ep(0, 1)])
+
+
+def test_node_local_groups_are_exact(three, ranks):
+    run(ranks, case(2), [three.ep(1), three.ep(1)])  # node 1 alone
+    run(ranks, case(3), [three.ep(0, 1), three.ep(0, 0), three.ep(0, 1)])  # node 0 alone
+
+
+def test_two_nodes_two_engines_each(ranks):
+    with cluster([2, 2]) as cl:
+        run(ranks, case(4), [cl.ep(1, 1), cl.ep(0, 0), cl.ep(1, 0), cl.ep(0, 1)])
+        t = topology(cl.nodes[1]).cluster
+        assert t.node_rank == 1 and t.num_nodes == 2 and t.coordinator_reachable
+        assert [len(n.engines) for n in t.nodes] == [2, 2]
+
+
+def facade_layout(endpoint: str, rank: int, num_ranks: int, num_experts: int,
+                  seed: int) -> dict:
+    """Task: the DeepEP facade's get_dispatch_layout on `endpoint` (a group of its own)."""
+    from epd.client.buffer import Buffer
+    from epd.server import reference as ref
+    rng = np.random.default_rng([seed, rank])
+    idx, _ = ref.random_routing(rng, 24, num_experts, 2)
+    buf = Buffer(None, rank=rank, num_ranks=num_ranks, endpoint=endpoint,
+                 max_tokens_per_rank=24, group_name=f"facade-{seed}")
+    try:
+        n_rank, n_rdma, _, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+        return {"idx": idx, "n_rank": np.asarray(n_rank), "in_rank": np.asarray(in_rank),
+                "n_rdma": None if n_rdma is None else np.asarray(n_rdma)}
+    finally:
+        buf.destroy()
+
+
+def test_facade_layout_counts_tokens_per_node(three, ranks):
+    """num_tokens_per_rdma_rank: tokens per destination node when the group spans nodes
+    (ranks laid out node by node here, as DeepEP's rdma ranks), None on one node."""
+    eps = [three.ep(0, 0), three.ep(0, 1), three.ep(1), three.ep(1), three.ep(2), three.ep(2)]
+    out = ranks.run_ok([(facade_layout, eps[r], r, 6, 12, 1) for r in range(6)])
+    for r, o in enumerate(out):
+        want = ref.get_dispatch_layout(o["idx"], 12, 6, num_ranks_per_node=2)
+        assert_exact(o["n_rank"], want.num_tokens_per_rank, f"rank {r} per rank")
+        assert_exact(o["n_rdma"], want.num_tokens_per_rdma_rank, f"rank {r} per node")
+        assert_exact(ref.tokens_per_node(o["in_rank"], [0, 0, 1, 1, 2, 2]),
+                     want.num_tokens_per_rdma_rank, f"rank {r} placement")
+    local = ranks.run_ok([(facade_layout, three.ep(1), r, 2, 4, 2) for r in range(2)])
+    assert all(o["n_rdma"] is None for o in local)
+    assert ref.get_dispatch_layout(local[0]["idx"], 4, 2).num_tokens_per_rdma_rank is None
+
+
+def test_adopting_a_plan_checks_it_is_the_groups_memory():
+    """A /proc path of another host (here: another group) is refused, never opened as if it
+    were the group's memory."""
+    from epd.proto.errors import FailedPrecondition
+    from epd.server.backends.base import GroupSpec
+    from epd.server.backends.cpu import CpuPlanner
+    node0, node1 = CpuPlanner(), CpuPlanner()
+    spec = GroupSpec("adopt", 2, 4, 128, 8, 2, epd_pb2.BFLOAT16)
+    plan = node0.plan_group("gaaaa", spec)
+    try:
+        with pytest.raises(FailedPrecondition, match="not group gbbbb's memory"):
+            node1.adopt_plan("gbbbb", plan)
+        local = node1.adopt_plan("gaaaa", plan)
+        assert local != plan and os.readlink(local.decode()).startswith("/memfd:epd-gaaaa")
+        node1.free_group(local)
+    finally:
+        node0.free_group(plan)
+    with pytest.raises(FailedPrecondition, match="one host"):
+        node1.adopt_plan("gaaaa", plan)
+
+
+def test_topology_shows_the_cluster(three):
+    env = dict(os.environ)
+    out = subprocess.run([sys.executable, "-m", "epd.server.cli", "topology", "--socket-dir",
+                          three.nodes[2].socket_dir], capture_output=True, text=True,
+                         timeout=30, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "cluster: node 2 of 3" in out.stdout and "(reachable)" in out.stdout, out.stdout
+    for i in range(3):
+        assert f"node {i}: " in out.stdout and "healthy" in out.stdout, out.stdout
+
+
+def _lease_call(address: str, metadata, node_rank: int = 1) -> grpc.RpcError:
+    hb = epd_pb2.ClusterHeartbeat(node_rank=node_rank, incarnation="intruder")
+    with grpc.insecure_channel(address) as ch:
+        stub = epd_pb2_grpc.ClusterStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(stub.Lease(iter([hb]), metadata=metadata, timeout=5)))
+    return e.value
+
+
+def test_wrong_or_missing_token_is_refused(three):
+    e = _lease_call(three.address, ())
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED, e
+    e = _lease_call(three.address, (("epd-cluster-token", "not-the-token"),))
+    assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "wrong cluster token" in e.details()
+    req = epd_pb2.ClusterRendezvousRequest(node_rank=1, incarnation="x")
+    with grpc.insecure_channel(three.address) as ch, pytest.raises(grpc.RpcError) as r:
+        epd_pb2_grpc.ClusterStub(ch).Rendezvous(
+            req, metadata=(("epd-cluster-token", "nope"),), timeout=5)
+    assert r.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    # The right token, but no lease: refused, nothing changed.
+    with grpc.insecure_channel(three.address) as ch, pytest.raises(grpc.RpcError) as r:
+        epd_pb2_grpc.ClusterStub(ch).Rendezvous(
+            req, metadata=(("epd-cluster-token", three.token),), timeout=5)
+    assert r.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "holds no lease" in r.value.details()
+    # The right token: a node rank outside the cluster, or one whose lease is alive.
+    ok = (("epd-cluster-token", three.token),)
+    e = _lease_call(three.address, ok, node_rank=5)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "node_rank 5" in e.details()
+    e = _lease_call(three.address, ok, node_rank=1)
+    assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "node 1" in e.details()
+    assert all(n.healthy for n in topology(three.nodes[0]).cluster.nodes)
+
+
+def test_cluster_settings_come_from_env_and_toml(tmp_path):
+    from epd.server import config
+    (tmp_path / "epd.toml").write_text('num_nodes = 3\nnode_rank = 2\n'
+                                        'cluster_address = "10.0.0.1:9470"\n')
+    cfg = config.load(env={"EPD_CONFIG": str(tmp_path / "epd.toml"),
+                           "EPD_CLUSTER_TOKEN_FILE": "/etc/epd/cluster.token"})
+    assert (cfg.num_nodes, cfg.node_rank, cfg.cluster_mode) == (3, 2, True)
+    assert cfg.cluster_address == "10.0.0.1:9470"
+    assert cfg.cluster_token_file == "/etc/epd/cluster.token"
+    assert not config.load(env={}).cluster_mode  # one node: no port, no token needed
+
+
+def test_only_a_cluster_capable_planner_may_span_nodes():
+    """The cuda planner cannot (no NVSHMEM internode path yet): `epd serve --num-nodes 2
+    --backend cuda` refuses to start, and its adopt_plan refuses any plan."""
+    from epd.proto.errors import FailedPrecondition
+    from epd.server.backends.cpu import CpuPlanner
+    from epd.server.backends.cuda_plan import CudaPlanner
+    assert CpuPlanner.cluster_capable and not CudaPlanner.cluster_capable
+    with pytest.raises(FailedPrecondition, match="spanning nodes"):
+        CudaPlanner.adopt_plan(object.__new__(CudaPlanner), "g0", b"")
+
+
+def test_a_node_with_the_wrong_token_is_not_registered(tmp_path):
+    c = Cluster([1, 1])
+    try:
+        c.start(0)
+        c.nodes[0].wait_ready(60)
+        bad = Cluster([1, 1], token="wrong")
+        bad.address, c.nodes[1] = c.address, None
+        try:
+            d = bad.start(1)
+            d.wait_ready(60)  # it serves its own node regardless
+            wait_until(lambda: "wrong cluster token" in d.log(), 10, "the refusal is logged")
+            t = topology(d).cluster
+            assert not t.coordinator_reachable
+            assert not topology(c.nodes[0]).cluster.nodes[1].healthy
+        finally:
+            bad.close()
+    finally:
+        c.close()
+
+
+def serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return subprocess.run([sys.executable, "-m", "epd.server.cli", "serve", "--backend", "cpu",
+                           "--engines", "1", "--metrics-port", "0",
+                           "--socket-dir", str(tmp_path / "sock"), *args],
+                          env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1"], "needs cluster_token_file"),
+    (["--num-nodes", "2", "--cluster-token-file", "TOKEN"], "needs cluster_address host:port"),
+    (["--num-nodes", "2", "--node-rank", "2", "--cluster-address", "127.0.0.1:1",
+      "--cluster-token-file", "TOKEN"], "node_rank 2 is out of range"),
+    (["--num-nodes", "0"], "num_nodes must be >= 1"),
+    (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1", "--cluster-token-file",
+      "EMPTY"], "the file is empty"),
+    (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1", "--cluster-token-file",
+      "MISSING"], "cannot read it"),
+])
+def test_configuration_errors(tmp_path, args, needle):
+    (tmp_path / "token").write_text("s3cret\n")
+    (tmp_path / "empty").write_text("\n")
+    subst = {"TOKEN": str(tmp_path / "token"), "EMPTY": str(tmp_path / "empty"),
+             "MISSING": str(tmp_path / "missing")}
+    res = serve(tmp_path, *[subst.get(a, a) for a in args])
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert needle in lines[0], lines[0]
+    assert not list(tmp_path.glob("epd-metrics-*"))
+
+
+def start_members(pool, endpoints: list[str], c: Case, first: int = 0):
+    tids = [pool.submit(first + r, member, endpoints[r], c, r, TIMEOUT)
+            for r in range(c.num_ranks)]
+    infos = [pool.event(first + r, timeout=60) for r in range(c.num_ranks)]
+    assert len({i["group_id"] for i in infos}) == 1
+    return tids
+
+
+def dispatch(pool, workers: list[int]) -> list[dict]:
+    for w in workers:
+        pool.cmd(w, "dispatch")
+    return [pool.event(w, timeout=TIMEOUT + 10) for w in workers]
+
+
+def finish(pool, tids: list[int], workers: list[int]) -> None:
+    for w in workers:
+        pool.cmd(w, "done")
+    pool.gather([tids[i] for i in range(len(workers))], 30)
+
+
+def rounds_ok(pool, c: Case, workers: list[int]) -> None:
+    for w in workers:
+        pool.cmd(w, "round")
+    check_case(c, [pool.event(w, timeout=30) for w in workers])
+
+
+def test_node_killed_aborts_its_spanning_groups_and_restart_rejoins(ranks):
+    with cluster([1, 1, 1]) as cl:
+        spanning = case(2)  # nodes 0 and 1
+        other = case(2)  # nodes 0 and 2: does not span node 1
+        t_span = start_members(ranks, [cl.ep(0), cl.ep(1)], spanning)
+        t_other = start_members(ranks, [cl.ep(0), cl.ep(2)], other, first=2)
+        rounds_ok(ranks, spanning, [0, 1])
+        killed = time.monotonic()
+        cl.kill(1)
+        ranks.kill(1)  # its client (its session ended with the engine)
+        res = dispatch(ranks, [0])[0]
+        assert res["code"] == "ABORTED", res
+        # Named by node 0 (the lease ended) or by node 1's engine draining, whichever is first.
+        assert "node 1" in res["details"] and ("[1]" in res["details"]
+                                               or "rank 1" in res["details"]), res
+        assert time.monotonic() - killed < 3 * HEARTBEAT + TIMEOUT + SLACK
+        wait_until(lambda: "node 1 lease ended" in cl.nodes[0].log(), 3 * HEARTBEAT + SLACK,
+                   "node 0 ends node 1's lease")
+        rounds_ok(ranks, other, [2, 3])  # the group not spanning node 1 keeps working
+        finish(ranks, [t_span[0]], [0])
+        finish(ranks, t_other, [2, 3])
+        assert not topology(cl.nodes[0]).cluster.nodes[1].healthy
+        # The node restarts (a new daemon, new sockets) and registers; its clients rejoin.
+        cl.start(1)
+        cl.wait_registered()
+        run(ranks, case(3), [cl.ep(1), cl.ep(0), cl.ep(2)])
+
+
+def test_node0_killed_other_nodes_keep_local_groups_and_rejoin(ranks):
+    with cluster([1, 1]) as cl:
+        spanning = case(2)
+        local = case(2)  # both ranks on node 1
+        t_span = start_members(ranks, [cl.ep(0), cl.ep(1)], spanning)
+        t_local = start_members(ranks, [cl.ep(1), cl.ep(1)], local, first=2)
+        rounds_ok(ranks, spanning, [0, 1])
+        killed = time.monotonic()
+        cl.kill(0)
+        ranks.kill(0)
+        res = dispatch(ranks, [1])[0]
+        assert res["code"] == "ABORTED", res
+        assert "node 0" in res["details"], res
+        assert time.monotonic() - killed < 3 * HEARTBEAT + TIMEOUT + SLACK
+        wait_until(lambda: "lease with node 0 ended" in cl.nodes[1].log(),
+                   3 * HEARTBEAT + SLACK, "node 1 notices node 0 is gone")
+        rounds_ok(ranks, local, [2, 3])  # node-local: keeps working without node 0
+        finish(ranks, [t_span[1]], [1])
+        finish(ranks, t_local, [2, 3])
+        wait_until(lambda: not topology(cl.nodes[1]).cluster.coordinator_reachable, 5,
+                   "node 1 notices node 0 is gone")
+        run(ranks, case(2), [cl.ep(1), cl.ep(1)])  # new node-local groups form meanwhile
+        cl.start(0)
+        cl.wait_registered()
+        run(ranks, case(2), [cl.ep(1), cl.ep(0)])
