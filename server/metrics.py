@@ -120,6 +120,10 @@ SESSIONS_WITHOUT_MPS = Gauge("epd_sessions_without_mps", "Open sessions whose cl
 GROUP_SERVICE_CLASS = GroupGauge("epd_group_service_class", "Ranks of a group held, by its "
                                  "service class (latency or throughput)",
                                  ["group", "service_class"], multiprocess_mode="livesum")
+# Engine memory a group holds (issue 14), summed over the ranks this daemon holds (0 once none).
+GROUP_HELD_BYTES = GroupGauge("epd_group_held_bytes", "Engine memory (GPU heap or shared memory) "
+                              "a group's ranks hold on this daemon", ["group"],
+                              multiprocess_mode="livesum")
 # The time a call waited for its session's executor (the worker queue and the operation lock)
 # before it ran: calls of one session queue behind each other; this shows when they do.
 QUEUE_WAIT_SECONDS = GroupHistogram(

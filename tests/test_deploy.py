@@ -42,6 +42,7 @@ METRICS = {
     "epd_group_leaves_total": "counter",
     "epd_sessions": "gauge",
     "epd_sessions_without_mps": "gauge",
+    "epd_group_held_bytes": "gauge",
     "epd_groups": "gauge",
     "epd_regions": "gauge",
     "epd_region_bytes": "gauge",

@@ -339,6 +339,18 @@ def test_class_gauge_stats_and_topology(daemon):
                  service_class="latency") == 0
 
 
+def test_group_memory_is_reported(daemon):
+    """Issue 14: what a group holds in the engine, per rank in GetStats and per group in
+    `epd_group_held_bytes` (0 once the daemon holds none of its ranks)."""
+    with Session(daemon.socket(1), timeout=10) as s:
+        _join(s, "svc-prefill-held")
+        st = next(g for g in s.stats().groups if g.name == "svc-prefill-held")
+        assert st.held_bytes > 0
+        assert value(samples(daemon), "epd_group_held_bytes",
+                     group="svc-prefill-held") == st.held_bytes
+    assert value(samples(daemon), "epd_group_held_bytes", group="svc-prefill-held") == 0
+
+
 def test_buffer_service_class(daemon, monkeypatch):
     with pytest.raises(InvalidArgument, match="service_class must be one of"):
         Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0,

@@ -379,6 +379,11 @@ class RankComm(abc.ABC):
         finish reading what this rank published in the last collective, so its abort word does
         not fail a peer that is merely slower."""
 
+    @property
+    def held_bytes(self) -> int:
+        """Engine memory this rank holds for its group (its buffer slot, its outputs)."""
+        return 0
+
     def known_abort_reason(self) -> str | None:
         """Why the group failed, as far as this engine's host knows (no device read)."""
         return None

@@ -908,6 +908,11 @@ class CpuRankComm(RankComm):
     def abort(self, reason: str) -> None:
         write_abort(self._header, reason)
 
+    @property
+    def held_bytes(self) -> int:
+        # Its slot of the group's communication memfd, and its output region.
+        return self._slot.size + self.output_region.size
+
     def quiesce(self, deadline: float) -> None:
         """The deferred slot-freeing barrier, taken now: peers pull from this rank's slot after
         it returned, and the abort word of its leave would fail them mid-read."""

@@ -567,6 +567,11 @@ class CudaRankComm(RankComm):
     def known_abort_reason(self) -> str | None:
         return self._reason
 
+    @property
+    def held_bytes(self) -> int:
+        # The rank's slot of the heap range: kernel buffers, outputs, low-latency buffers.
+        return self.mlayout.slot_bytes
+
     def abort(self, reason: str) -> None:
         if self._reason is None:
             self._reason = reason

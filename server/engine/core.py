@@ -104,6 +104,7 @@ class Engine(StreamCalls, DataPlane):
         # it), and the (group, class) series of epd_group_service_class this engine has set.
         self.policy = config.service_classes
         self._class_series: set[tuple[str, str]] = set()
+        self._held_series: set[str] = set()  # group labels of epd_group_held_bytes
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
 
@@ -254,9 +255,16 @@ class Engine(StreamCalls, DataPlane):
         # Ranks held per (group, class); series of groups gone drop to 0 (a multiprocess
         # series cannot be removed, see metrics.py).
         ranks: dict[tuple[str, str], int] = {}
+        held: dict[str, int] = {}
         for m in members:
             key = (metrics.group_label(m.spec.name), m.service_class)
             ranks[key] = ranks.get(key, 0) + 1
+            held[key[0]] = held.get(key[0], 0) + m.comm.held_bytes
+        for label in self._held_series - set(held):
+            metrics.GROUP_HELD_BYTES.labels(label).set(0)
+        for label, n in held.items():
+            metrics.GROUP_HELD_BYTES.labels(label).set(n)
+        self._held_series |= set(held)
         for key in self._class_series - set(ranks):
             metrics.GROUP_SERVICE_CLASS.labels(*key).set(0)
         for key, n in ranks.items():
@@ -511,7 +519,7 @@ class Engine(StreamCalls, DataPlane):
                     handles=len(m.handles), service_class=m.spec.service_class,
                     stream_priority=m.comm.stream_priority, num_sms=m.comm.num_sms,
                     ll_num_sms=m.comm.ll_num_sms, queued_calls=m.queued_calls,
-                    queue_wait_seconds=m.queue_wait_seconds))
+                    queue_wait_seconds=m.queue_wait_seconds, held_bytes=m.comm.held_bytes))
         regions = [r for s in sessions for r in list(s.regions.values()) if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),
