@@ -430,3 +430,28 @@ def test_node0_killed_other_nodes_keep_local_groups_and_rejoin(ranks):
         cl.start(0)
         cl.wait_registered()
         run(ranks, case(2), [cl.ep(1), cl.ep(0)])
+
+
+def test_a_hung_node_loses_its_lease_and_comes_back(ranks):
+    """A node whose supervisor stops answering (SIGSTOP: its stream stays open, its heartbeats
+    stop) loses its lease after the missed heartbeats; node 0 aborts the groups spanning it,
+    naming the node. Resumed, the node registers again and spanning groups form anew."""
+    with cluster([1, 1]) as cl:
+        spanning = case(2)
+        t_span = start_members(ranks, [cl.ep(0), cl.ep(1)], spanning)
+        rounds_ok(ranks, spanning, [0, 1])
+        sup = cl.nodes[1].proc.pid
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            wait_until(lambda: "node 1 lease ended" in cl.nodes[0].log(),
+                       3 * HEARTBEAT + TIMEOUT + SLACK, "node 0 ends the hung node's lease")
+            res = dispatch(ranks, [0])[0]
+            assert res["code"] == "ABORTED", res
+            assert "node 1" in res["details"], res
+            assert not topology(cl.nodes[0]).cluster.nodes[1].healthy
+        finally:
+            os.kill(sup, signal.SIGCONT)
+        ranks.kill(1)  # its member's group is gone; the client starts over
+        finish(ranks, [t_span[0]], [0])
+        cl.wait_registered()  # the resumed node registers again
+        run(ranks, case(2), [cl.ep(0), cl.ep(1)])
