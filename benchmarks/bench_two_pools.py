@@ -1,0 +1,208 @@
+"""Two pools on one daemon (issue 14): does decode latency hold while prefill runs?
+
+A decode pool (low-latency dispatch + combine of --decode-tokens per rank) and a prefill pool
+(layout + dispatch + combine of --prefill-tokens per rank) join one daemon as two groups, each
+with its own rank processes. Phases, in one run:
+
+  1. decode alone            (p50 / p99 of the pair, host wall clock, device synchronised)
+  2. prefill alone           (iterations per second)
+  3. both at once            (decode p50 / p99 under load, prefill throughput under decode)
+
+with the service classes on (decode `latency`, prefill `throughput`, via the daemon's policy)
+or off (`--no-classes`: both the daemon's default). Targets (issue 14): decode p50 <= 1.2x and
+p99 <= 2x alone; prefill >= 0.85x alone. Ranks of a pool share GPUs round-robin (`--ranks`
+per pool). The CPU backend runs it too (numpy inputs; its figures say nothing about GPUs).
+
+    python3 benchmarks/bench_two_pools.py --backend cpu --json two_pools.json
+    python3 benchmarks/bench_two_pools.py --backend cuda [--no-classes] --json two_pools.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+
+POLICY = "decode-*=latency,prefill-*=throughput"
+TARGETS = {"decode_p50_ratio": 1.2, "decode_p99_ratio": 2.0, "prefill_ratio": 0.85}
+
+
+def _inputs(ns: argparse.Namespace, pool: str, rank: int, cuda: bool):
+    from epd.proto import dtypes
+    from epd.server import reference as ref
+
+    tokens = ns.decode_tokens if pool == "decode" else ns.prefill_tokens
+    rng = np.random.default_rng([11, rank, pool == "decode"])
+    idx, w = ref.random_routing(rng, tokens, ns.experts, ns.topk, drop_prob=0.0)
+    x = ref.random_x(rng, tokens, ns.hidden, dtypes.BFLOAT16)
+    if not cuda:
+        return x, idx, w
+    import torch
+    dev = rank % torch.cuda.device_count()
+    tx = torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16).to(dev)
+    return tx, torch.from_numpy(idx).to(dev), torch.from_numpy(w).to(dev)
+
+
+PHASES = (("alone", ("decode",)), ("alone", ("prefill",)), ("loaded", ("decode", "prefill")))
+
+
+def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool, barrier,
+          q) -> None:
+    """One rank of one pool: runs the phases it takes part in, reports its timings."""
+    try:
+        from epd.client import Session
+        def sync() -> None:
+            pass
+
+        if cuda:
+            import torch
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            sync = torch.cuda.synchronize
+        x, idx, w = _inputs(ns, pool, rank, cuda)
+        m = ns.decode_tokens
+        res: dict = {"pool": pool, "rank": rank}
+        with Session(socket, client_name=f"{pool}-{rank}", timeout=60) as s:
+            g = s.join(f"{pool}-pool", rank=rank, num_ranks=ns.ranks, num_experts=ns.experts,
+                       hidden=ns.hidden, num_topk=ns.topk, low_latency_mode=pool == "decode",
+                       max_tokens_per_rank=m if pool == "decode" else ns.prefill_tokens,
+                       timeout=60)
+            res["service_class"] = g.service_class
+
+            y = None
+            if pool == "decode" and cuda:  # the experts' bf16 outputs (FP8 comes in)
+                import torch
+                lx = ns.experts // ns.ranks
+                y = torch.zeros((lx, ns.ranks * m, ns.hidden), dtype=x.dtype, device=x.device)
+
+            def step() -> None:
+                if pool == "decode":
+                    out = g.low_latency_dispatch(x, idx, m, use_fp8=cuda, copy=False)
+                    g.low_latency_combine(out.recv_x if y is None else y, idx, w, out.handle,
+                                          copy=False)
+                else:
+                    g.get_dispatch_layout(idx, copy=False)
+                    out = g.dispatch(x, idx, w, copy=False)
+                    g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights,
+                              copy=False)
+                sync()
+
+            for _ in range(ns.warmup):
+                step()
+            for name, active in PHASES:  # every rank of both pools passes each barrier
+                barrier.wait(timeout=600)
+                if pool in active:  # a fixed count: a pool's ranks must make the same calls
+                    samples = []
+                    for _ in range(ns.decode_iters if pool == "decode" else ns.prefill_iters):
+                        t0 = time.monotonic()  # system-wide: comparable across processes
+                        step()
+                        samples.append((t0, time.monotonic() - t0))
+                    res[name] = samples
+                barrier.wait(timeout=600)
+        q.put(res)
+    except Exception as e:  # reported to the parent, never a hang
+        import traceback
+        q.put({"pool": pool, "rank": rank, "error": f"{e}\n{traceback.format_exc()}"})
+
+
+def _overlapping(samples: list, other: list) -> list[float]:
+    """Durations of the samples that started while the other pool was running."""
+    if not other:
+        return []
+    lo, hi = other[0][0], other[-1][0] + other[-1][1]
+    return [d for t, d in samples if lo <= t <= hi]
+
+
+def _summary(times: list[float]) -> dict:
+    a = np.asarray(times) * 1e6
+    return {"n": len(a), "p50_us": float(np.percentile(a, 50)) if len(a) else None,
+            "p99_us": float(np.percentile(a, 99)) if len(a) else None,
+            "per_s": len(a) / max(float(np.sum(a)) * 1e-6, 1e-9)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--ranks", type=int, default=2, help="ranks per pool")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--decode-iters", type=int, default=2000, help="decode pairs per phase")
+    ap.add_argument("--prefill-iters", type=int, default=100, help="prefill layers per phase")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-classes", action="store_true", help="no service-class policy")
+    ap.add_argument("--json")
+    ns = ap.parse_args()
+
+    from epd.server.demo import Daemon
+    cuda = ns.backend == "cuda"
+    extra = [] if ns.no_classes else ["--service-class-policy", POLICY]
+    engines = 0 if cuda else 2
+    if cuda:
+        import cupy
+        engines = cupy.cuda.runtime.getDeviceCount()
+    d = Daemon(backend=ns.backend, engines=engines, timeout_seconds=30, extra=extra)
+    procs = []
+    try:
+        d.wait_ready(180)
+        os.environ.update(d.client_env())  # the pools share the daemon's MPS server
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        barrier = ctx.Barrier(2 * ns.ranks)  # phase starts and ends, both pools
+        for pool in ("decode", "prefill"):
+            for r in range(ns.ranks):
+                procs.append(ctx.Process(target=_rank, args=(
+                    pool, r, ns, d.socket(r % max(engines, 1)), cuda, barrier, q)))
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=1800) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        d.stop()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        print(f"bench_two_pools: a rank failed: {errors[0]}")
+        return 1
+    rank0 = {r["pool"]: r for r in results if r["rank"] == 0}
+    dec, pre = rank0["decode"], rank0["prefill"]
+    dec_alone = _summary([d for _, d in dec["alone"]])
+    pre_alone = _summary([d for _, d in pre["alone"]])
+    # Under load: only what ran while the other pool ran (the pools finish at different times).
+    dec_loaded = _summary(_overlapping(dec["loaded"], pre["loaded"]))
+    pre_loaded = _summary(_overlapping(pre["loaded"], dec["loaded"]))
+    if not dec_loaded["n"] or not pre_loaded["n"]:
+        print("bench_two_pools: the pools did not overlap; raise --decode-iters")
+        return 1
+    ratios = {"decode_p50_ratio": dec_loaded["p50_us"] / dec_alone["p50_us"],
+              "decode_p99_ratio": dec_loaded["p99_us"] / dec_alone["p99_us"],
+              "prefill_ratio": pre_loaded["per_s"] / pre_alone["per_s"]}
+    print(f"backend {ns.backend}, {ns.ranks} ranks per pool, classes "
+          f"{'off' if ns.no_classes else POLICY}: decode {rank0['decode']['service_class']}, "
+          f"prefill {rank0['prefill']['service_class']}")
+    print(f"  decode pair   alone p50 {dec_alone['p50_us']:9.1f} us p99 {dec_alone['p99_us']:9.1f}"
+          f" | under prefill p50 {dec_loaded['p50_us']:9.1f} p99 {dec_loaded['p99_us']:9.1f}")
+    print(f"  prefill       alone {pre_alone['per_s']:8.1f}/s | under decode "
+          f"{pre_loaded['per_s']:8.1f}/s")
+    for k, v in ratios.items():
+        ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
+        print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
+              f"{TARGETS[k]}  {'pass' if ok else 'MISS'}")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"args": vars(ns), "decode": {"alone": dec_alone, "loaded": dec_loaded},
+                       "prefill": {"alone": pre_alone, "loaded": pre_loaded},
+                       "ratios": ratios, "targets": TARGETS,
+                       "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
