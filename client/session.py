@@ -621,8 +621,9 @@ class Group:
             raise InvalidArgument("the handle belongs to another group")
         if self._ordered:
             from . import stream_calls
-            return stream_calls.combine(self, x, handle, topk_weights, bias_0, bias_1,
-                                        self._timeout(timeout), num_sms)
+            t = self._timeout(timeout)
+            return stream_calls.combine(self, x, handle, topk_weights, bias_0, bias_1, t,
+                                        t + RPC_MARGIN, num_sms)
         if num_sms:
             raise InvalidArgument("num_sms is for the cuda backend")
         d = self._session._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0,

@@ -85,7 +85,7 @@ def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
     s, spec = group._session, group.spec
     slot = _slot(group)
     stream = _stream(group, topk_idx)
-    t = int(cuda_ipc.describe_device(topk_idx, "topk_idx").shape[0])
+    t = int(topk_idx.shape[0])  # a device array (torch or CuPy): _descs checks it below
     mem = s.memory
     outs = (mem.empty((spec.num_ranks,), np.dtype(np.int32), topk_idx),
             mem.empty((spec.num_experts,), np.dtype(np.int32), topk_idx),
@@ -122,7 +122,7 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     slot.begin(stream, seq)
     # The receive count, published by the notify kernel (by the engine for a cached dispatch).
     got = counter_page.wait(group._counter, resp.counter_sequence,
-                            max(rpc_timeout - 5.0, 1.0))
+                            max(req.timeout_seconds, 1.0))  # the call's deadline, >= 1 s
     if got is None or int(group._counter[counter_page.STATUS]):
         slot.end(stream, seq)  # the stream passes the call either way
         slot.check()
@@ -146,7 +146,8 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
 
 
 def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
-            bias_1: Array, timeout: float, num_sms: int) -> tuple[Array, Array | None]:
+            bias_1: Array, timeout: float, rpc_timeout: float,
+            num_sms: int) -> tuple[Array, Array | None]:
     s, spec = group._session, group.spec
     slot = _slot(group)
     stream = _stream(group, x)
@@ -158,7 +159,7 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
                   "out": out, "out_topk_weights": out_w}, event=False)
     resp = cast(epd_pb2.CombineResponse, s._call("Combine", epd_pb2.CombineRequest(
         session_id=s.session_id, group_id=group.group_id, handle=handle.handle_id,
-        timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d), timeout + 5.0))
+        timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d), rpc_timeout))
     slot.begin(stream, resp.stream_seq)
     slot.end(stream, resp.stream_seq)
     return out, out_w

@@ -9,6 +9,7 @@ import os
 import time
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
 from epd.server.demo import Daemon
@@ -60,3 +61,22 @@ class HarnessDaemon(Daemon):
         c0, t0 = process_cpu_seconds(pid), time.monotonic()
         time.sleep(seconds)
         return (process_cpu_seconds(pid) - c0) / (time.monotonic() - t0)
+
+
+def samples(daemon: Daemon) -> dict[str, list]:
+    """The daemon's /metrics, parsed: samples by series name."""
+    status, body = daemon.get("/metrics")
+    assert status == 200
+    out: dict[str, list] = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def value(ss: dict[str, list], name: str, **labels: str) -> float:
+    """The sum of the samples of `name` whose labels include `labels` (one must exist)."""
+    got = [s.value for s in ss.get(name, []) if all(s.labels.get(k) == v
+                                                   for k, v in labels.items())]
+    assert got, f"no {name} sample with {labels}; have {[s.labels for s in ss.get(name, [])]}"
+    return sum(got)

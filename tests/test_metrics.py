@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from daemon_harness import samples, value
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 from ranklib import Case, check_case, run_case
 
 from epd.client import Session
@@ -29,23 +29,6 @@ def traffic(daemon, rank_pool):
         g.dispatch(np.zeros((4, 64), np.float32), np.zeros((4, 1), np.int64),
                    np.ones((4, 1), np.float32))
     return results
-
-
-def samples(daemon) -> dict[str, list]:
-    status, body = daemon.get("/metrics")
-    assert status == 200
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
-
-def value(ss, name, **labels) -> float:
-    got = [s.value for s in ss.get(name, []) if all(s.labels.get(k) == v
-                                                   for k, v in labels.items())]
-    assert got, f"no {name} sample with {labels}; have {[s.labels for s in ss.get(name, [])]}"
-    return sum(got)
 
 
 def test_latency_histograms(daemon, traffic):

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from daemon_harness import samples, value
 from ranklib import Case, case_round, check_case, join
 
 from epd.client import EpdError, Session
@@ -173,23 +173,6 @@ def test_sm_budgets_and_stream_priorities():
 
 
 # ------------------------------------------------------------------------------------ daemon
-
-def samples(daemon) -> dict[str, list]:
-    status, body = daemon.get("/metrics")
-    assert status == 200
-    out: dict[str, list] = {}
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append(s)
-    return out
-
-
-def value(ss, name, **labels) -> float:
-    got = [s.value for s in ss.get(name, []) if all(s.labels.get(k) == v
-                                                   for k, v in labels.items())]
-    assert got, f"no {name} sample with {labels}; have {[s.labels for s in ss.get(name, [])]}"
-    return sum(got)
-
 
 def _join(s: Session, name: str, num_ranks: int = 1, rank: int = 0, **kw):
     return s.join(name, rank=rank, num_ranks=num_ranks, num_experts=2 * num_ranks, hidden=128,

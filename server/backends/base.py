@@ -350,6 +350,8 @@ class RankComm(abc.ABC):
         """Launch a prepared op with the next sequence (no host synchronisation)."""
         raise self._no_stream_ops()
 
+    stream_ordered = False  # whether the stream_* calls below are implemented
+
     # Stream-ordered normal-mode calls (engine/stream_calls.py): the rank's stream waits on the
     # GPU for the client's READY word, the kernels follow, a last kernel writes the failure
     # words and DONE; nothing waits on the host. `stream_seq` is the call's sequence.

@@ -278,7 +278,6 @@ class CudaRankComm(RankComm):
                  deadline: float) -> DispatchOutputs:
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
-        fp8 = args.x.dtype == np.uint8 and spec.x_numpy_dtype.itemsize != 1
         with cp.cuda.Device(self.backend.device):
             res = runner.dispatch(
                 args.x, args.x_scales, args.topk_idx, args.topk_weights,
@@ -302,29 +301,38 @@ class CudaRankComm(RankComm):
             self._raise_if_failed()
             if counter_slot[counter_page.STATUS]:
                 raise Aborted(f"group {spec.name!r}: notify failed")
-            outs = runner.outputs(res)
             rows = args.num_worst_tokens or num_recv
-            recv_x = outs["recv_x"]
-            if fp8:  # the same bytes, viewed as one byte per element
-                recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
+            outs = runner.output_views(res, rows)
             prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
             with runner.stream:  # never the legacy stream: it is not ordered with ours
                 prefix[...] = outs["rank_prefix"].reshape(spec.num_ranks, spec.num_ranks)
             runner.stream.synchronize()
         item = args.x.dtype.itemsize
-        sent = int(args.x.shape[0]) * spec.hidden * item  # upper bound: rows sent per rank
+        return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
+                                      bytes_received=num_recv * spec.hidden * item)
+
+    def _dispatch_outputs(self, args: DispatchArgs, res: Any, outs: dict[str, Any], rows: int,
+                          prefix: Any, num_recv: int, per_expert: list[int],
+                          bytes_received: int = 0) -> DispatchOutputs:
+        """The outputs of a dispatch as the engine describes them (both call paths)."""
+        spec = self.spec
+        recv_x = outs["recv_x"]
+        if args.x.dtype == np.uint8 and spec.x_numpy_dtype.itemsize != 1:
+            # FP8 payload: the same bytes, viewed as one byte per element
+            recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
         recv_scales = outs.get("recv_x_scales") if args.x_scales is not None else None
         if recv_scales is not None and np.dtype(args.x_scales.dtype) == np.int32:
             # epd_dispatch copies scale rows as bytes (cols * itemsize, 4 either way): int32
             # words (packed UE8M0) arrive bit for bit; only the view's dtype follows the call.
             recv_scales = recv_scales.view(np.int32)
+        t = int(args.x.shape[0])
         return DispatchOutputs(
             recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=outs.get("recv_topk_idx"),
             recv_topk_weights=outs.get("recv_topk_weights"), recv_src_idx=outs["recv_src_idx"],
             rank_prefix_matrix=prefix, num_recv_tokens=num_recv,
-            num_recv_tokens_per_expert=per_expert,
-            handle=_Handle(res, num_recv, int(args.x.shape[0])), bytes_sent=sent,
-            bytes_received=num_recv * spec.hidden * item)
+            num_recv_tokens_per_expert=per_expert, handle=_Handle(res, num_recv, t),
+            # upper bound: rows sent per rank
+            bytes_sent=t * spec.hidden * args.x.dtype.itemsize, bytes_received=bytes_received)
 
     def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs:
         spec, h = self.spec, args.handle
@@ -505,7 +513,6 @@ class CudaRankComm(RankComm):
                         deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
-        fp8 = args.x.dtype == np.uint8 and spec.x_numpy_dtype.itemsize != 1
         with cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             res = runner.dispatch(
@@ -526,20 +533,8 @@ class CudaRankComm(RankComm):
             num_recv = -1
         rows = args.num_worst_tokens or (num_recv if num_recv >= 0 else
                                          self.mlayout.kernel.max_recv)
-        outs = runner.output_views(res, rows)
-        recv_x = outs["recv_x"]
-        if fp8:  # the same bytes, viewed as one byte per element
-            recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
-        recv_scales = outs.get("recv_x_scales") if args.x_scales is not None else None
-        if recv_scales is not None and np.dtype(args.x_scales.dtype) == np.int32:
-            recv_scales = recv_scales.view(np.int32)
-        item = args.x.dtype.itemsize
-        return DispatchOutputs(
-            recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=outs.get("recv_topk_idx"),
-            recv_topk_weights=outs.get("recv_topk_weights"), recv_src_idx=outs["recv_src_idx"],
-            rank_prefix_matrix=prefix, num_recv_tokens=num_recv, num_recv_tokens_per_expert=[],
-            handle=_Handle(res, num_recv, int(args.x.shape[0])),
-            bytes_sent=int(args.x.shape[0]) * spec.hidden * item)
+        return self._dispatch_outputs(args, res, runner.output_views(res, rows), rows, prefix,
+                                      num_recv, [])
 
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: _Slot, deadline: float, stream_seq: int,

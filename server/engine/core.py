@@ -333,8 +333,7 @@ class Engine(StreamCalls, DataPlane):
                 await asyncio.to_thread(self.stream_ops.release_session, session)
 
         def release() -> None:
-            for member in session.members.values():
-                member.comm.release_stream(session.counter_page.slot(member.counter_slot))
+            for member in session.members.values():  # streams released by interrupt()
                 member.comm.close()
             for region in session.regions.values():
                 if not region.borrowed:

@@ -109,7 +109,9 @@ class GroupMember:
     next_handle: int = 1
     dispatch_sequence: int = 0
     stream_seq: int = 0  # the latest stream-ordered call's sequence (READY/DONE words)
-    unresolved: set[int] = field(default_factory=set)  # ids of handles awaiting their count
+    # The stream-ordered dispatch whose receive count the engine has not read yet: at most one,
+    # since every dispatch reads the previous one's before the slot takes its own.
+    pending: HandleInfo | None = None
     dispatches: int = 0
     combines: int = 0
     bytes_sent: int = 0

@@ -87,7 +87,7 @@ class StreamCalls:
             raise err
 
     def _check_ordered(self, member: GroupMember) -> None:
-        if not getattr(member.comm, "stream_ordered", False):
+        if not member.comm.stream_ordered:
             raise FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "
                                      f"runs {self.backend.name}")
 
@@ -101,7 +101,8 @@ class StreamCalls:
         got = counter_page.wait(slot, info.sequence, self._timeout(0.0))
         stale = int(slot[counter_page.SEQ]) != info.sequence
         info.sequence = 0
-        member.unresolved.discard(id(info))
+        if member.pending is info:
+            member.pending = None
         if got is None or stale or int(slot[counter_page.STATUS]):
             info.failed = True
             info.num_recv_tokens = 0
@@ -124,10 +125,8 @@ class StreamCalls:
 
     def _resolve_all(self, session: Session, member: GroupMember) -> None:
         """Before the counter slot takes another dispatch's counts."""
-        if member.unresolved:
-            for info in list(member.handles.values()):
-                if info.sequence:
-                    self._resolve(session, member, info)
+        if member.pending is not None:
+            self._resolve(session, member, member.pending)
 
     # -- the calls ---------------------------------------------------------------------------
     def layout_stream(self, session: Session, member: GroupMember,
@@ -157,17 +156,12 @@ class StreamCalls:
     def dispatch_stream(self, session: Session, member: GroupMember,
                         req: epd_pb2.DispatchRequest, args: DispatchArgs, cached: HandleInfo | None,
                         timeout: float, path: str) -> epd_pb2.DispatchResponse:
+        # (dispatch_op refused routing without top-k and a failed cached handle already)
         self._check_ordered(member)
-        if args.is_token_in_rank is not None:
-            raise FailedPrecondition("dispatch without top-k is not implemented on the "
-                                     f"{self.backend.name} backend yet")
         spec = member.spec
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
-        if cached is not None and cached.failed:
-            raise FailedPrecondition(f"handle {req.cached_handle} belongs to a dispatch that "
-                                     f"failed")
         num_sms = self._num_sms(member, req.num_sms)
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
@@ -186,7 +180,7 @@ class StreamCalls:
                           sequence=sequence if pending else 0)
         handle_id = self._store_handle(member, info)
         if pending:
-            member.unresolved.add(id(info))
+            member.pending = info
         member.dispatches += 1
         return dispatch_response(member, req, out, handle_id, sequence, seq)
 

@@ -32,10 +32,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="module")
 def daemon():
     """`epd serve --backend cuda`, one engine per GPU, for one test module."""
+    yield from cuda_daemon()
+
+
+def cuda_daemon(extra: tuple[str, ...] = ()):
+    """Start `epd serve --backend cuda` (one engine per GPU, `extra` flags), point spawned
+    clients at its MPS server, yield it, stop it (a generator for module fixtures)."""
     from epd.server.demo import Daemon
 
     d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=DAEMON_TIMEOUT,
-               extra=["--nvshmem-heap-bytes", str(6 << 30)])
+               extra=["--nvshmem-heap-bytes", str(6 << 30), *extra])
     saved = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     try:
         d.wait_ready(180)

@@ -8,15 +8,14 @@ separately (two pools on one daemon)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 
 import numpy as np
 import pytest
 
 from epd.server import reference as ref
-from epd.server.demo import Daemon, Workload
+from epd.server.demo import Workload
 
-from .conftest import DAEMON_TIMEOUT, GPU_COUNT
+from .conftest import GPU_COUNT, cuda_daemon
 from .test_daemon import _bits, _check_ll, _compact, _to_torch
 
 pytestmark = pytest.mark.gpu
@@ -32,25 +31,9 @@ M = 64  # num_max_dispatch_tokens_per_rank of the decode group
 @pytest.fixture(scope="module")
 def daemon():
     """`epd serve --backend cuda` with a service-class policy and per-class SM budgets."""
-    d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=DAEMON_TIMEOUT,
-               extra=["--nvshmem-heap-bytes", str(6 << 30), "--service-class-policy", POLICY,
-                      "--latency-num-sms", str(LATENCY_SMS),
-                      "--throughput-num-sms", str(THROUGHPUT_SMS)])
-    saved = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
-    try:
-        d.wait_ready(180)
-        os.environ.update(d.client_env())  # spawned clients share the daemon's MPS server
-    except Exception:
-        print(d.log())
-        d.stop()
-        raise
-    yield d
-    if saved is None:
-        os.environ.pop("CUDA_MPS_PIPE_DIRECTORY", None)
-    else:
-        os.environ["CUDA_MPS_PIPE_DIRECTORY"] = saved
-    print(d.log()[-4000:])
-    assert d.stop() == 0
+    yield from cuda_daemon(("--service-class-policy", POLICY,
+                            "--latency-num-sms", str(LATENCY_SMS),
+                            "--throughput-num-sms", str(THROUGHPUT_SMS)))
 
 
 def _stats(s, name: str) -> dict:

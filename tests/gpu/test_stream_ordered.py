@@ -8,7 +8,6 @@ kernels."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import numpy as np
@@ -17,8 +16,7 @@ import pytest
 from epd.server import reference as ref
 from epd.server.demo import Workload
 
-from .conftest import GPU_COUNT
-from .test_daemon import _bits, _to_torch
+from .test_daemon import _bits, _spawn_ranks, _to_torch
 
 pytestmark = pytest.mark.gpu
 LAYERS = 6
@@ -107,21 +105,7 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
 
 
 def test_stream_ordered_layers(daemon) -> None:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT, q))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((q.get(timeout=240) for _ in procs), key=lambda r: r["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
+    results = _spawn_ranks(daemon, _rank, 2)
     for layer in range(LAYERS):
         wl = _workload(layer)
         xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
