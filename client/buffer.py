@@ -51,16 +51,19 @@ from typing import Any
 import numpy as np
 
 from ..proto import dtypes
-from ..proto.errors import InvalidArgument
+from ..proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from . import cuda_ipc
 from . import deep_ep_compat as C
 from . import tensors as T
 from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
 from .session import Group, Handle, LowLatencyHandle, Session, service_class_value
+from .stream_op_cache import DEFAULT_LIMIT, Entry, StreamOpCache
 from .stream_ops import StreamOp
 from .tensors import Array
 
 SERVICE_CLASS_ENV = "EPD_SERVICE_CLASS"  # a Buffer's service class when it names none
+PLAIN_OPS_ENV = "EPD_LL_PLAIN_OPS"  # armed plain low-latency calls kept per Buffer
 LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
 
 __all__ = ["Buffer", "BufferHandle", "Config", "EventHandle", "EventOverlap",
@@ -172,12 +175,16 @@ class LowLatencyBufferHandle(_TupleLike):
         return getattr(self, name)
 
 
-def _ptr(a: Array) -> int:
-    """Device address of a tensor (0 for None): armed ops read their tensors by address."""
-    if a is None:
-        return 0
-    from . import cuda_ipc
-    return cuda_ipc.describe_device(a, "tensor").ptr
+def _plain_op_limit() -> int:
+    v = os.environ.get(PLAIN_OPS_ENV, "")
+    try:
+        n = int(v) if v else DEFAULT_LIMIT
+    except ValueError:
+        raise InvalidArgument(f"{PLAIN_OPS_ENV}={v!r} is not a number") from None
+    if not 1 <= n <= 48:
+        raise InvalidArgument(f"{PLAIN_OPS_ENV}={n}: between 1 and 48 (a session has 64 "
+                              f"counter slots for its groups and armed calls)")
+    return n
 
 
 def _no_op_hook() -> None:
@@ -268,7 +275,8 @@ class Buffer:
         self._groups: dict[_GroupKey, Group] = {}
         self._num_experts: int | None = None
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
-        self._stream_ops: dict[tuple, StreamOp] = {}  # armed stream-ordered calls, by inputs
+        # Armed low-latency calls by the tensors they read (cuda backend).
+        self._stream_ops = StreamOpCache(session.device_ordinal, _plain_op_limit())
 
     # -- DeepEP's static helpers -------------------------------------------------------------
     @staticmethod
@@ -549,23 +557,33 @@ class Buffer:
                                           num_max_dispatch_tokens_per_rank=num_max,
                                           hidden=int(x_shape[1]), num_experts=int(num_experts))
 
-        if self._stream_ordered(x, return_recv_hook):
-            key = ("dispatch", g.group_id, _ptr(x), x_shape, _ptr(topk_idx), idx_shape,
-                   num_max, use_fp8, round_scale, use_ue8m0,
-                   _ptr(cumulative_local_expert_recv_stats))
-            op = self._stream_ops.get(key)
-            if op is None:
-                op = self._stream_ops[key] = g.arm_low_latency_dispatch(
-                    x, topk_idx, num_max, use_fp8=use_fp8,
-                    round_scale=round_scale, use_ue8m0=use_ue8m0,
-                    cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                    timeout=self.timeout)
-            res = op.result
-            scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
-            hook, event = self._trigger(op, x, return_recv_hook, async_finish,
-                                        scales.fill if scales is not None else None)
-            recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
-            return recv, res.recv_count, handle_of(op, res), event, hook
+        mode = self._stream_mode(x, return_recv_hook)
+        if mode is not None:
+            key = ("dispatch", g.group_id, num_max, use_fp8, round_scale, use_ue8m0,
+                   *self._keys(x, topk_idx, cumulative_local_expert_recv_stats))
+            e = self._armed(key, mode, lambda: g.arm_low_latency_dispatch(
+                x, topk_idx, num_max, use_fp8=use_fp8, round_scale=round_scale,
+                use_ue8m0=use_ue8m0,
+                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                timeout=self.timeout))
+            if e is not None:
+                op, res = e.op, e.op.result
+                scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
+                if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own
+                    got = self._plain(e, x, async_finish, lambda: (
+                        T.clone(res.recv_x), scales.fill() if scales is not None else None,
+                        T.clone(res.recv_count), T.clone(res.recv_src_rank),
+                        T.clone(res.recv_src_idx)), (x, topk_idx))
+                    (rx, rs, count, src_rank, src_idx), event = got
+                    h = LowLatencyBufferHandle(
+                        op, x, src_rank=src_rank, src_idx=src_idx,
+                        num_max_dispatch_tokens_per_rank=num_max, hidden=int(x_shape[1]),
+                        num_experts=int(num_experts))
+                    return (rx, rs) if use_fp8 else rx, count, h, event, None
+                hook, event = self._trigger(op, x, return_recv_hook, async_finish,
+                                            scales.fill if scales is not None else None)
+                recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
+                return recv, res.recv_count, handle_of(op, res), event, hook
 
         def call():
             res = g.low_latency_dispatch(
@@ -596,12 +614,28 @@ class Buffer:
                                   "returned")
         g = handle.handle.group
         if isinstance(handle.handle, StreamOp):  # a stream-ordered dispatch: so is its combine
-            key = ("combine", handle.handle.op_id, _ptr(x), _ptr(topk_idx), _ptr(topk_weights),
-                   _ptr(out))
-            op = self._stream_ops.get(key)
-            if op is None:
-                op = self._stream_ops[key] = g.arm_low_latency_combine(
-                    x, topk_idx, topk_weights, handle.handle, out=out, timeout=self.timeout)
+            src = self._stream_ops.entry_of(handle.handle)
+            if src is None or not handle.handle.armed:
+                raise FailedPrecondition(
+                    "this low-latency handle's dispatch is no longer armed: more than "
+                    f"{self._stream_ops.limit} distinct plain low-latency calls were made "
+                    f"since (raise {PLAIN_OPS_ENV}), or its group was left")
+            mode = self._stream_mode(x, return_recv_hook) or "plain"
+            key = ("combine", handle.handle.op_id,
+                   *self._keys(x, topk_idx, topk_weights, out))
+            e = self._armed(key, mode, lambda: g.arm_low_latency_combine(
+                x, topk_idx, topk_weights, handle.handle, out=out, timeout=self.timeout),
+                source=src)
+            if e is None:
+                raise ResourceExhausted(
+                    "no counter slot is left in this session for the combine of a plain "
+                    "low-latency dispatch (64 per session, shared by groups and armed calls)")
+            op = e.op
+            if mode == "plain":
+                result, event = self._plain(e, x, async_finish, lambda: (
+                    op.result if out is not None else T.clone(op.result)),
+                    (x, topk_idx, topk_weights))
+                return result, event, None
             hook, event = self._trigger(op, x, return_recv_hook, async_finish)
             return op.result, event, hook
         cx, event = self._run(
@@ -641,12 +675,55 @@ class Buffer:
         self._check_shrink()
 
     # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
-    def _stream_ordered(self, x: Array, return_recv_hook: bool) -> bool:
-        """CUDA graphs being captured, or a receive hook asked for, take the stream-ordered
-        path (client/stream_ops.py) where the session's memory has one (cuda): nothing waits
-        on the host, the hook is the wait."""
+    def _stream_mode(self, x: Array, return_recv_hook: bool) -> str | None:
+        """How a low-latency call runs where the session's memory has stream-ordered ops
+        (cuda): "graph" while the current stream captures a CUDA graph, "hook" with a receive
+        hook, else "plain" (outputs copied for the caller, op kept LRU). None: synchronous
+        (the cpu backend)."""
         mem = self.session.memory
-        return mem.supports_stream_ops and (return_recv_hook or mem.is_capturing(x))
+        if not mem.supports_stream_ops:
+            return None
+        if mem.is_capturing(x):
+            return "graph"
+        return "hook" if return_recv_hook else "plain"
+
+    def _keys(self, *arrays: Array) -> tuple:
+        dev = self.session.device_ordinal
+        return tuple(cuda_ipc.buffer_key(a, dev) for a in arrays)
+
+    def _armed(self, key: tuple, mode: str, arm, source: Entry | None = None) -> Entry | None:
+        """The armed op for `key`, armed now if new. Before a plain call, raises a failure an
+        earlier plain call reported on the GPU. None: a plain call found no free slot."""
+        cache = self._stream_ops
+        if mode == "plain":
+            cache.check()
+        e = cache.get(key, pin=mode != "plain")
+        if e is None:
+            e = cache.arm(key, arm, pin=mode != "plain", capturing=mode == "graph",
+                          source=source)
+        return e
+
+    def _plain(self, e: Entry, x: Array, async_finish: bool, outputs, inputs: tuple):
+        """Trigger a plain call's op on the current stream (or the comm stream with
+        async_finish), then `outputs()` copies its results for the caller on that stream;
+        (copies, event)."""
+        op = e.op
+
+        def run():
+            stream = op.signal()
+            op.wait(stream)
+            got = outputs()
+            self._stream_ops.triggered(e, stream)
+            return got
+
+        return self._run(x, run, None, async_finish, inputs=inputs)
+
+    def check(self) -> None:
+        """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for
+        the calls in flight (an EPD addition: DeepEP has no asynchronous errors to collect)."""
+        self._stream_ops.check(wait=True)
+        for g in self._groups.values():
+            g.check()
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
                  after: Any = None):
@@ -691,6 +768,7 @@ class Buffer:
             if not g._left:
                 g.leave()
         self._groups.clear()
+        self._stream_ops.clear()
         if self._owns_session:
             self.session.close()
 

@@ -217,11 +217,22 @@ class MappedHeap:
         return out
 
     def _make_view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any) -> Any:
-        cp = _cupy()
         logical = dtypes.to_numpy(d.dtype)
         storage = _storage(logical)
         shape = tuple(d.shape)
         strides = tuple(s * storage.itemsize for s in d.strides)
+        t = _torch()
+        if t is not None and isinstance(template, t.Tensor):
+            # Through a stream-less array interface, not DLPack: DLPack's exchange enqueues a
+            # stream sync, which is illegal while the caller captures a CUDA graph.
+            out = t.as_tensor(_HeapSlice(self, self.ptr + d.offset_bytes, shape, storage,
+                                         strides), device=_torch_device(t, self.device))
+            if logical == dtypes.BFLOAT16:
+                out = out.view(t.bfloat16)
+            elif logical == dtypes.FLOAT8_E4M3:
+                out = out.view(t.float8_e4m3fn)
+            return out.clone() if copy else out
+        cp = _cupy()
         extent = (1 + sum((n - 1) * s for n, s in zip(shape, d.strides, strict=True))
                   if all(shape) else 0) * storage.itemsize
         with cp.cuda.Device(self.device):
@@ -229,17 +240,7 @@ class MappedHeap:
                                         self.device)
             arr = cp.ndarray(shape, storage, memptr=cp.cuda.MemoryPointer(mem, 0),
                              strides=strides)
-            if copy:
-                arr = arr.copy()
-        t = _torch()
-        if t is not None and isinstance(template, t.Tensor):
-            out = t.from_dlpack(arr)
-            if logical == dtypes.BFLOAT16:
-                out = out.view(t.bfloat16)
-            elif logical == dtypes.FLOAT8_E4M3:
-                out = out.view(t.float8_e4m3fn)
-            return out
-        return arr
+            return arr.copy() if copy else arr
 
     def close(self) -> None:
         cp = _cupy()
@@ -248,6 +249,25 @@ class MappedHeap:
             with cp.cuda.Device(self.device):
                 cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
             self.ptr = 0
+
+
+class _HeapSlice:
+    """Part of a mapped heap as a CUDA array interface (version 2: no stream to sync with);
+    the tensor made of it keeps this object, and so the heap mapping, alive."""
+
+    def __init__(self, heap: MappedHeap, ptr: int, shape: tuple[int, ...], dtype: np.dtype,
+                 strides: tuple[int, ...]) -> None:
+        self.heap = heap
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": dtype.str,
+                                         "data": (ptr, False), "strides": strides,
+                                         "version": 2}
+
+
+def _torch_device(t: Any, ordinal: int) -> Any:
+    dev = _TORCH_DEVICES.get(ordinal)
+    if dev is None:
+        dev = _TORCH_DEVICES[ordinal] = t.device("cuda", ordinal)
+    return dev
 
 
 def device_empty(shape: tuple[int, ...], dtype: np.dtype, device: int, torch: bool) -> Any:
@@ -363,3 +383,33 @@ def stream_wait_geq(stream: int, addr: int, value: int) -> None:
                                       value, 0)  # CU_STREAM_WAIT_VALUE_GEQ (cyclic >=)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+
+
+class StreamEvent:
+    """A CUDA event of this process (no timing) recorded behind work on a stream: the host
+    learns that the work has passed without synchronising the stream."""
+
+    def __init__(self, device: int) -> None:
+        cp = _cupy()
+        with cp.cuda.Device(device):
+            self._event = cp.cuda.Event(block=False, disable_timing=True)
+
+    def record(self, stream: int) -> None:
+        _cupy().cuda.runtime.eventRecord(self._event.ptr, stream)
+
+    def done(self) -> bool:
+        return bool(self._event.done)
+
+    def wait(self) -> bool:
+        self._event.synchronize()
+        return True
+
+
+def buffer_key(x: Any, device: int) -> tuple:
+    """What names a device tensor for an armed op: address, CUDA buffer id (an address reused
+    by a new allocation gets a new id), shape and strides. () for None."""
+    if x is None:
+        return ()
+    v = describe_device(x, "tensor")
+    info = allocation_info(v.ptr, device)
+    return (v.ptr, info[2] if info is not None else -1, v.shape, v.strides, v.dtype)

@@ -59,11 +59,13 @@ class StreamOp:
             raise FailedPrecondition(f"stream op {self.op_id} was disarmed")
         return cuda_ipc.stream_handle(stream, self._template, self._device)
 
-    def signal(self, stream: Any = None) -> None:
-        """The send half: ask the engine to run the op once the stream gets here."""
+    def signal(self, stream: Any = None) -> int:
+        """The send half: ask the engine to run the op once the stream gets here. Returns the
+        stream's handle."""
         h = self._stream(stream)
         cuda_ipc.stream_write(h, self._done, 0)
         cuda_ipc.stream_write(h, self._request, 1)
+        return h
 
     def wait(self, stream: Any = None) -> None:
         """The receive half: later work on the stream waits for the op's outputs."""

@@ -82,6 +82,12 @@ def meta(x: Array, what: str) -> tuple[tuple[int, ...], np.dtype]:
     return arr.shape, arr.dtype
 
 
+def clone(x: Array) -> Array:
+    """A new array with x's contents, of x's kind (a torch tensor's copy is enqueued on the
+    current stream)."""
+    return x.clone() if is_torch(x) else x.copy()
+
+
 def like(arr: np.ndarray, template: Array) -> Array:
     """Return `arr` as the caller's array type (torch when the template was torch)."""
     if not is_torch(template):

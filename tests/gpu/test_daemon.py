@@ -409,7 +409,7 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                 hook()
                 buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
                 torch.cuda.synchronize()
-                dop = next(iter(buf._stream_ops.values()))
+                dop = buf._stream_ops.ops()[0]
                 with torch.cuda.graph(graph, stream=stream):
                     recv, count, handle, _, hook = buf.low_latency_dispatch(
                         sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
@@ -420,7 +420,7 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                              "src_rank": dop.result.recv_src_rank.clone(),
                              "src_idx": dop.result.recv_src_idx.clone()}
                     buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
-                ops = list(buf._stream_ops.values())
+                ops = buf._stream_ops.ops()
                 grp = next(iter(buf._groups.values()))
             else:
                 grp = s.join("gpu-graph", rank=rank, num_ranks=r_count, num_experts=e,

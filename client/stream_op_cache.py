@@ -1,0 +1,172 @@
+"""The armed low-latency operations of one DeepEP `Buffer`, by the tensors they read.
+
+Every low-latency call on the cuda backend goes through an armed op (client/stream_ops.py): a
+call whose tensors were seen before costs three stream memory operations and no round trip to
+the daemon. Tensors are named by address *and* CUDA buffer id, so an allocation freed and
+replaced at the same address arms a new op instead of reading through a stale mapping.
+
+Two kinds of entries:
+- **pinned**: ops used while a CUDA graph was captured or with a receive hook. A graph bakes in
+  the op's counter slot, so these stay armed for the Buffer's life.
+- **plain**: ops of plain calls, kept least-recently-used, at most `limit`. Evicting one disarms
+  it (its counter slot goes back to the session); that waits until the op's last trigger has
+  passed on the GPU (an event recorded behind it), so no trigger is ever dropped. A combine is
+  evicted with the dispatch it reads.
+
+Failures the GPU reports in a plain op's done word raise `EpdError` at the Buffer's next
+low-latency call once that trigger is known to be complete (the plain call's asynchronous error,
+as with the normal-mode stream-ordered calls), or at `Buffer.check()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from ..proto.errors import EpdError
+from . import cuda_ipc
+from .stream_ops import StreamOp, done_error
+
+DEFAULT_LIMIT = 16  # plain ops per Buffer (the session has 64 counter slots for all of it)
+
+
+@dataclass
+class Entry:
+    op: StreamOp
+    pinned: bool
+    source: Entry | None = None  # a combine's dispatch entry
+    event: Any = None  # cuda_ipc.StreamEvent recorded behind the op's last plain trigger
+    triggers: int = 0
+    reported: int = 0  # the trigger whose failure was raised
+    users: list[Entry] = field(default_factory=list)  # combines reading this dispatch
+
+
+class StreamOpCache:
+    def __init__(self, device: int, limit: int = DEFAULT_LIMIT,
+                 new_event: Callable[[int], Any] = cuda_ipc.StreamEvent) -> None:
+        self.device, self.limit = device, limit
+        self._new_event = new_event
+        self._entries: OrderedDict[tuple, Entry] = OrderedDict()
+        self._unchecked: list[Entry] = []  # plain entries triggered since their last check
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple, *, pin: bool) -> Entry | None:
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        if e.op.armed:
+            self._entries.move_to_end(key)
+            if pin:
+                self._pin(e)
+            return e
+        self._entries.pop(key, None)  # disarmed elsewhere (its group left)
+        return None
+
+    def arm(self, key: tuple, arm: Callable[[], StreamOp], *, pin: bool, capturing: bool,
+            source: Entry | None = None) -> Entry | None:
+        """Arm a new op with `arm()`, evicting plain ops first while the cache is full or the
+        session is out of counter slots. Nothing is evicted while a graph is captured (the
+        wait for an op's last trigger is no capturable work). None when a plain call finds no
+        slot (it then takes the synchronous path); RESOURCE_EXHAUSTED for a pinned one."""
+        while (not pin and not capturing and self._plain_count() >= self.limit
+               and self._evict_one(keep=source)):
+            pass
+        while True:
+            try:
+                op = arm()
+                break
+            except EpdError as err:
+                exhausted = err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if exhausted and not capturing and self._evict_one(keep=source):
+                    continue
+                if exhausted and not pin:
+                    return None
+                raise
+        e = self._entries[key] = Entry(op, pinned=False, source=source)
+        if source is not None:
+            source.users.append(e)
+        if pin:
+            self._pin(e)
+        return e
+
+    def ops(self) -> list[StreamOp]:
+        """The armed ops, least recently used first."""
+        return [e.op for e in self._entries.values()]
+
+    def entry_of(self, op: StreamOp) -> Entry | None:
+        for e in self._entries.values():
+            if e.op is op:
+                return e
+        return None
+
+    def triggered(self, e: Entry, stream: int) -> None:
+        """A plain trigger of `e` was enqueued on `stream` (with whatever reads its outputs)."""
+        if e.event is None:
+            e.event = self._new_event(self.device)
+        e.event.record(stream)
+        e.triggers += 1
+        if e not in self._unchecked:
+            self._unchecked.append(e)
+
+    def check(self, *, wait: bool = False) -> None:
+        """Raise the first failure of a completed plain trigger not raised yet. With `wait`,
+        waits for the triggers in flight first (Buffer.check after a synchronise: immediate)."""
+        pending: list[Entry] = []
+        failure: EpdError | None = None
+        for e in self._unchecked:
+            if e.event is None or not (e.event.done() or (wait and e.event.wait())):
+                pending.append(e)
+                continue
+            err = done_error(e.op.status(), f"stream op {e.op.op_id} ({e.op.kind})")
+            if err is not None and e.reported != e.triggers and failure is None:
+                e.reported = e.triggers
+                failure = err
+        self._unchecked = pending
+        if failure is not None:
+            raise failure
+
+    def clear(self) -> None:
+        """Forget every entry (the Buffer leaves its groups, which disarms their ops)."""
+        self._entries.clear()
+        self._unchecked.clear()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _plain_count(self) -> int:
+        return sum(1 for e in self._entries.values() if not e.pinned)
+
+    def _pin(self, e: Entry) -> None:
+        e.pinned = True
+        if e.source is not None:
+            e.source.pinned = True
+
+    def _evict_one(self, keep: Entry | None = None) -> bool:
+        """Disarm the least recently used plain dispatch (with its combines) or plain combine;
+        never `keep` (the dispatch a combine being armed reads)."""
+        for e in list(self._entries.values()):
+            if e.pinned or e is keep or any(u.pinned for u in e.users):
+                continue
+            self._drop(e)
+            return True
+        return False
+
+    def _drop(self, e: Entry) -> None:
+        for u in list(e.users):
+            self._drop(u)
+        if e.event is not None:
+            e.event.wait()  # the op's last trigger has passed: nothing will fire it again
+        with contextlib.suppress(EpdError):  # the session may be gone already
+            e.op.disarm()
+        if e.source is not None and e in e.source.users:
+            e.source.users.remove(e)
+        for k, v in list(self._entries.items()):
+            if v is e:
+                del self._entries[k]
+        if e in self._unchecked:
+            self._unchecked.remove(e)

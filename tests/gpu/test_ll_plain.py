@@ -1,0 +1,182 @@
+"""Plain low-latency calls through the DeepEP facade on the CUDA engine (issue 10): every call
+goes through an armed op (no round trip to the daemon once its tensors were seen), outputs are
+the caller's own and stay valid while held, ops are evicted LRU (a tiny limit here, so the
+eviction path runs), a bad expert id surfaces at `Buffer.check()`, and a call captured into a
+CUDA graph on its first appearance (no earlier call on those tensors) works."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from epd.proto.dtypes import BFLOAT16
+from epd.server import reference as ref
+
+from .conftest import GPU_COUNT
+from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
+
+pytestmark = pytest.mark.gpu
+R, E, K, H, M = 2, 32, 4, 2048, 32
+LX = E // R
+# (tokens of rank 0, tokens of rank 1, fp8) per layer; layers 4 and 5 reuse layer 3's tensors
+LAYERS = [(32, 17, False), (9, 32, True), (1, 25, False), (32, 32, True), (20, 3, True),
+          (32, 31, False)]
+REUSE = {4: 3, 5: 3}
+
+
+def _inputs(layer: int, rank: int, tokens: int):
+    rng = np.random.default_rng([909, layer, rank])
+    idx, w = ref.random_routing(rng, tokens, E, K, drop_prob=0.1)
+    return ref.random_x(rng, tokens, H, BFLOAT16), idx, w
+
+
+def _expert_value(e: int) -> float:
+    return (e % 8 + 1) / 8  # exact in bf16
+
+
+def _combined(xs, idx, w, rank: int, identity: bool) -> np.ndarray:
+    """Reference combine: sum over k of w * (expert output), fp32 in k order, one rounding."""
+    acc = np.zeros(xs[rank].shape, np.float32)
+    for k in range(K):
+        sel = idx[rank][:, k] >= 0
+        if identity:
+            y = xs[rank][sel].astype(np.float32)
+        else:
+            y = np.array([_expert_value(int(e)) for e in idx[rank][sel, k]],
+                         np.float32)[:, None]
+        acc[sel] = acc[sel] + w[rank][sel, k][:, None] * y
+    return acc.astype(BFLOAT16).view(np.uint16)
+
+
+def _plain_rank(rank: int, socket: str, device: int, q) -> None:
+    try:
+        os.environ["EPD_LL_PLAIN_OPS"] = "3"  # evictions every few layers
+        import torch
+
+        from epd.client import EpdError, Session
+        from epd.client.buffer import Buffer
+        torch.cuda.set_device(device)
+        res: dict = {"rank": rank, "layers": []}
+        with Session(socket, client_name=f"gpu-ll-plain-{rank}", timeout=30) as s:
+            buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                         group_name="gpu-ll-plain")
+            values = torch.tensor([_expert_value(rank * LX + le) for le in range(LX)],
+                                  dtype=torch.bfloat16, device=device)
+            held, tensors = [], {}
+            for layer, (t0, t1, fp8) in enumerate(LAYERS):
+                t = (t0, t1)[rank]
+                x, idx, w = _inputs(layer, rank, t)
+                if layer in REUSE:  # the same tensors, new contents: the armed op again
+                    tx, tidx, tw = tensors[REUSE[layer]]
+                    tx.copy_(_to_torch(x, device))
+                    tidx.copy_(_to_torch(idx, device))
+                    tw.copy_(_to_torch(w, device))
+                else:
+                    tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
+                tensors[layer] = (tx, tidx, tw)
+                recv, count, handle, _, hook = buf.low_latency_dispatch(
+                    tx, tidx, M, E, use_fp8=fp8)
+                assert hook is None
+                # fp8: each expert returns its value; bf16: identity experts (the received
+                # rows are the caller's own tensor)
+                y = values[:, None, None].expand(LX, R * M, H).contiguous() if fp8 else recv
+                cx, _, _ = buf.low_latency_combine(y, tidx, tw, handle)
+                held.append((recv, count, handle, cx))
+            torch.cuda.synchronize()
+            buf.check()
+            res["armed"] = len(buf._stream_ops)
+            for recv, count, handle, cx in held:  # every layer's outputs, read at the end
+                rx, scales = recv if isinstance(recv, tuple) else (recv, None)
+                out = SimpleNamespace(recv_x=rx, recv_count=count, recv_x_scales=scales,
+                                      recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
+                res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx)})
+            # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises.
+            x, idx, w = _inputs(99, rank, 8)
+            if rank == 0:
+                idx[0, 0] = E + 3
+            tx, tidx = _to_torch(x, device), _to_torch(idx, device)
+            buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False)
+            torch.cuda.synchronize()
+            try:
+                buf.check()
+                res["bad"] = "accepted"
+            except EpdError as e:
+                res["bad"] = e.code.name
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
+    results = _spawn_ranks(daemon, _plain_rank, R)
+    for layer, (t0, t1, fp8) in enumerate(LAYERS):
+        inputs = [_inputs(layer, r, (t0, t1)[r]) for r in range(R)]
+        xs, idx, w = ([i[j] for i in inputs] for j in range(3))
+        exp = ref.low_latency_dispatch(xs, idx, E, M, use_fp8=fp8)
+        for r in range(R):
+            got = results[r]["layers"][layer]
+            _check_ll(exp[r], got["compact"], LX)
+            np.testing.assert_array_equal(got["cx"], _combined(xs, idx, w, r, not fp8),
+                                          err_msg=f"layer {layer} rank {r}")
+    for r in range(R):
+        assert results[r]["armed"] <= 3 + 2  # the LRU bound held
+    assert results[0]["bad"] != "accepted"
+
+
+def _graph_first_rank(rank: int, socket: str, device: int, q) -> None:
+    """Capture dispatch (hook) + combine into a CUDA graph with no earlier call on these
+    tensors, replay with fresh inputs, check the combine bit-exactly each time."""
+    try:
+        import torch
+
+        from epd.client import Session
+        from epd.client.buffer import Buffer
+        torch.cuda.set_device(device)
+        t = (M, M - 7)[rank]
+        sx = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+        sidx = torch.empty((t, K), dtype=torch.int64, device=device)
+        sw = torch.empty((t, K), dtype=torch.float32, device=device)
+        dest = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+        res: dict = {"rank": rank, "cx": []}
+        with Session(socket, client_name=f"gpu-ll-graph1-{rank}", timeout=30) as s:
+            buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                         group_name="gpu-ll-graph-first")
+            stream = torch.cuda.Stream(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                recv, _, handle, _, hook = buf.low_latency_dispatch(
+                    sx, sidx, M, E, use_fp8=False, return_recv_hook=True)
+                hook()
+                buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+            for it in range(3):
+                x, idx, w = _inputs(200 + it, rank, t)
+                sx.copy_(_to_torch(x, device))
+                sidx.copy_(_to_torch(idx, device))
+                sw.copy_(_to_torch(w, device))
+                dest.view(torch.int16).fill_(-1)
+                graph.replay()
+                torch.cuda.synchronize()
+                buf.check()
+                for op in buf._stream_ops.ops():
+                    op.check()
+                res["cx"].append(_bits(dest))
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_low_latency_graph_capture_on_first_appearance(daemon) -> None:
+    results = _spawn_ranks(daemon, _graph_first_rank, R)
+    for it in range(3):
+        inputs = [_inputs(200 + it, r, (M, M - 7)[r]) for r in range(R)]
+        xs, idx, w = ([i[j] for i in inputs] for j in range(3))
+        for r in range(R):
+            np.testing.assert_array_equal(results[r]["cx"][it], _combined(xs, idx, w, r, True),
+                                          err_msg=f"replay {it} rank {r}")

@@ -1,0 +1,150 @@
+"""The Buffer's cache of armed low-latency calls (client/stream_op_cache.py): LRU bound, pinned
+ops never evicted, combines evicted with their dispatch, eviction only after the op's last
+trigger passed, slot exhaustion, and GPU failures raised once. Fakes stand in for the daemon's
+ops and CUDA events; the GPU test (tests/gpu/test_ll_plain.py) runs the real thing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from epd.client.stream_op_cache import StreamOpCache
+from epd.proto import abi
+from epd.proto.errors import EpdError, ResourceExhausted
+
+
+class FakeOp:
+    next_id = 1
+
+    def __init__(self, kind: str = "dispatch", log: list | None = None) -> None:
+        self.op_id, FakeOp.next_id = FakeOp.next_id, FakeOp.next_id + 1
+        self.kind, self.armed, self.done, self.log = kind, True, abi.DONE_OK, log
+
+    def status(self) -> int:
+        return self.done
+
+    def disarm(self) -> None:
+        self.armed = False
+        if self.log is not None:
+            self.log.append(("disarm", self.op_id))
+
+
+class FakeEvent:
+    def __init__(self, device: int) -> None:
+        self.complete, self.waited, self.recorded = True, 0, 0
+
+    def record(self, stream: int) -> None:
+        self.recorded += 1
+
+    def done(self) -> bool:
+        return self.complete
+
+    def wait(self) -> bool:
+        self.waited += 1
+        self.complete = True
+        return True
+
+
+def _cache(limit: int = 2) -> StreamOpCache:
+    return StreamOpCache(0, limit, new_event=FakeEvent)
+
+
+def test_lru_evicts_the_least_recently_used_plain_op_after_its_trigger() -> None:
+    log: list = []
+    c = _cache(2)
+    a = c.arm(("a",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    b = c.arm(("b",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    c.triggered(a, 1)
+    a.event.complete = False  # a's last trigger is still in flight
+    assert c.get(("b",), pin=False) is b  # b is now the most recently used... then a again
+    assert c.get(("a",), pin=False) is a
+    c.arm(("c",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert log == [("disarm", b.op.op_id)] and c.get(("b",), pin=False) is None
+    c.arm(("d",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert log[-1] == ("disarm", a.op.op_id)
+    assert a.event.waited == 1  # evicted only once its trigger had passed
+    assert len(c) == 2
+
+
+def test_pinned_ops_and_their_dispatch_are_never_evicted() -> None:
+    log: list = []
+    c = _cache(1)
+    d = c.arm(("d",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    comb = c.arm(("c",), lambda: FakeOp("combine", log), pin=True, capturing=False, source=d)
+    assert d.pinned and comb.pinned  # a graph's combine pins the dispatch it reads
+    e = c.arm(("e",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    c.arm(("f",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert log == [("disarm", e.op.op_id)]
+    assert c.get(("d",), pin=False) is d and c.get(("c",), pin=False) is comb
+
+
+def test_a_dispatch_goes_with_its_combines() -> None:
+    log: list = []
+    c = _cache(3)
+    d = c.arm(("d",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    comb = c.arm(("c",), lambda: FakeOp("combine", log), pin=False, capturing=False, source=d)
+    c.arm(("x",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    c.arm(("y",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert log == [("disarm", comb.op.op_id), ("disarm", d.op.op_id)]  # combine first
+    assert c.entry_of(d.op) is None and not d.op.armed
+
+
+def test_out_of_slots_evicts_then_falls_back_or_raises() -> None:
+    log: list = []
+    c = _cache(8)
+    c.arm(("a",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    calls = {"n": 0}
+
+    def full_once() -> FakeOp:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ResourceExhausted("no free counter slot")
+        return FakeOp(log=log)
+
+    assert c.arm(("b",), full_once, pin=False, capturing=False) is not None
+    assert len(log) == 1 and calls["n"] == 2  # evicted a, then armed
+
+    def full() -> FakeOp:
+        raise ResourceExhausted("no free counter slot")
+
+    c2 = _cache(8)
+    assert c2.arm(("p",), full, pin=False, capturing=False) is None  # plain: synchronous path
+    with pytest.raises(EpdError) as ei:
+        c2.arm(("g",), full, pin=True, capturing=True)
+    assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # While a graph is captured nothing is evicted (no host wait is capturable).
+    c3 = _cache(1)
+    c3.arm(("a",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    n = len(log)
+    c3.arm(("b",), lambda: FakeOp(log=log), pin=True, capturing=True)
+    assert len(log) == n and len(c3) == 2
+
+
+def test_gpu_failures_raise_once_after_the_trigger_completed() -> None:
+    c = _cache(4)
+    e = c.arm(("a",), lambda: FakeOp(), pin=False, capturing=False)
+    c.triggered(e, 7)
+    e.event.complete = False
+    e.op.done = abi.DONE_FAILED | (4 << 8)  # not trusted until the trigger's event completed
+    c.check()
+    e.event.complete = True
+    with pytest.raises(EpdError) as ei:
+        c.check()
+    assert ei.value.code == grpc.StatusCode.ABORTED and "expert id" in ei.value.details
+    c.check()  # raised once
+    c.triggered(e, 7)
+    e.op.done = abi.DONE_OK
+    c.check()
+    c.triggered(e, 7)
+    e.event.complete = False
+    e.op.done = abi.DONE_RELEASED
+    with pytest.raises(EpdError) as ei:
+        c.check(wait=True)  # Buffer.check(): waits for the trigger
+    assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_disarmed_op_is_forgotten() -> None:
+    c = _cache(4)
+    e = c.arm(("a",), lambda: FakeOp(), pin=False, capturing=False)
+    e.op.armed = False  # its group was left
+    assert c.get(("a",), pin=False) is None and len(c) == 0
