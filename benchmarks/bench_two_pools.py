@@ -78,7 +78,17 @@ def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool,
                 lx = ns.experts // ns.ranks
                 y = torch.zeros((lx, ns.ranks * m, ns.hidden), dtype=x.dtype, device=x.device)
 
+            ops = None
+            if pool == "decode" and cuda:  # stream-ordered, as a serving engine calls it
+                dop = g.arm_low_latency_dispatch(x, idx, m, use_fp8=True)
+                ops = (dop, g.arm_low_latency_combine(y, idx, w, dop))
+
             def step() -> None:
+                if ops is not None:
+                    ops[0].launch()
+                    ops[1].launch()
+                    sync()
+                    return
                 if pool == "decode":
                     out = g.low_latency_dispatch(x, idx, m, use_fp8=cuda, copy=False)
                     g.low_latency_combine(out.recv_x if y is None else y, idx, w, out.handle,
@@ -101,6 +111,8 @@ def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool,
                         step()
                         samples.append((t0, time.monotonic() - t0))
                     res[name] = samples
+                    for op in ops or ():
+                        op.check()  # a GPU-side failure is reported, not timed
                 barrier.wait(timeout=600)
         q.put(res)
     except Exception as e:  # reported to the parent, never a hang
@@ -136,12 +148,16 @@ def main() -> int:
     ap.add_argument("--prefill-iters", type=int, default=100, help="prefill layers per phase")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-classes", action="store_true", help="no service-class policy")
+    ap.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
+                    help="the daemon's --mps (cuda): its engines and the pools on MPS or not")
     ap.add_argument("--json")
     ns = ap.parse_args()
 
     from epd.server.demo import Daemon
     cuda = ns.backend == "cuda"
     extra = [] if ns.no_classes else ["--service-class-policy", POLICY]
+    if cuda:
+        extra += ["--mps", ns.mps]
     engines = 0 if cuda else 2
     if cuda:
         import cupy
