@@ -3,7 +3,9 @@
 call(s), torch.cuda.synchronize(), t1; p50 over --iters; process CPU time per call in the client
 and in the engine (/proc/<pid>/stat). Ranks share GPU 0 when there is one GPU.
 
-    python3 benchmarks/probe_calls.py --tokens 128 --iters 200 [--mps] [--json out.json]
+    python3 benchmarks/probe_calls.py --tokens 128 --iters 200 [--mps on|off] [--json out.json]
+    EPD_PROBE_PROFILE=rank0.prof python3 benchmarks/probe_calls.py --low-latency \
+        --rows "ll plain pair"      # rank 0's client under cProfile (benchmarks/pstats_top.py)
 """
 
 from __future__ import annotations
@@ -55,11 +57,28 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                                              topk_weights=out.recv_topk_weights),
                 "layout + dispatch + combine": full}
         calls = {"layout + dispatch + combine": 3}
-        prof = None
-        if rank == 0 and os.environ.get("EPD_PROBE_PROFILE"):  # cProfile of this rank's calls
-            import cProfile
-            prof = cProfile.Profile()
-            prof.enable()
+        if ns.low_latency:  # the DeepEP facade's low-latency pair, FP8 dispatch + bf16 combine
+            from epd.client.buffer import Buffer
+            buf = Buffer(rank=rank, num_ranks=ns.ranks, session=s, low_latency_mode=True,
+                         group_name="probe-ll")
+            y = torch.zeros((ns.experts // ns.ranks, ns.ranks * ns.tokens, ns.hidden),
+                            dtype=torch.bfloat16, device=dev)
+
+            def ll(hook: bool):
+                def pair() -> None:
+                    _, _, h, _, hk = buf.low_latency_dispatch(x, tidx, ns.tokens, ns.experts,
+                                                              return_recv_hook=hook)
+                    if hk is not None:
+                        hk()
+                    _, _, hk = buf.low_latency_combine(y, tidx, tw, h, return_recv_hook=hook)
+                    if hk is not None:
+                        hk()
+                return pair
+
+            rows.update({"ll plain pair": ll(False), "ll hook pair": ll(True)})
+            calls.update({"ll plain pair": 2, "ll hook pair": 2})
+        if ns.rows:
+            rows = {k: v for k, v in rows.items() if k in ns.rows.split(",")}
         # Phases of one layout call (where the host time goes), p50 over --iters.
         from epd.client import stream_calls as sc
         slot = sc._slot(g)
@@ -93,6 +112,11 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
             ph["total"].append(t[5] - t[0])
         res["layout phases p50 us"] = {k: float(np.percentile(v, 50) * 1e6)
                                        for k, v in ph.items()}
+        prof = None
+        if rank == 0 and os.environ.get("EPD_PROBE_PROFILE"):  # cProfile of the timed rows
+            import cProfile
+            prof = cProfile.Profile()
+            prof.enable()
         for name, fn in rows.items():
             for _ in range(ns.warmup):
                 fn()
@@ -129,6 +153,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--mps", choices=["on", "off"], default="on")
+    ap.add_argument("--low-latency", action="store_true",
+                    help="add the facade's low-latency pair, plain and with hooks")
+    ap.add_argument("--rows", help="comma-separated row names to run (default: all)")
     ap.add_argument("--json")
     ns = ap.parse_args()
 

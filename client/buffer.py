@@ -548,8 +548,10 @@ class Buffer:
             raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
                                   f"{list(idx_shape)}")
         num_max = int(num_max_dispatch_tokens_per_rank)
-        g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
-                        low_latency_tokens=num_max)
+        mode = self._stream_mode(x, return_recv_hook)
+        with cuda_ipc.relaxed_capture(mode == "graph"):  # the first call may be in a capture
+            g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
+                            low_latency_tokens=num_max)
 
         def handle_of(h: LowLatencyHandle | StreamOp, res) -> LowLatencyBufferHandle:
             return LowLatencyBufferHandle(h, x, src_rank=res.recv_src_rank,
@@ -557,7 +559,6 @@ class Buffer:
                                           num_max_dispatch_tokens_per_rank=num_max,
                                           hidden=int(x_shape[1]), num_experts=int(num_experts))
 
-        mode = self._stream_mode(x, return_recv_hook)
         if mode is not None:
             key = ("dispatch", g.group_id, num_max, use_fp8, round_scale, use_ue8m0,
                    *self._keys(x, topk_idx, cumulative_local_expert_recv_stats))
@@ -699,8 +700,9 @@ class Buffer:
             cache.check()
         e = cache.get(key, pin=mode != "plain")
         if e is None:
-            e = cache.arm(key, arm, pin=mode != "plain", capturing=mode == "graph",
-                          source=source)
+            with cuda_ipc.relaxed_capture(mode == "graph"):
+                e = cache.arm(key, arm, pin=mode != "plain", capturing=mode == "graph",
+                              source=source)
         return e
 
     def _plain(self, e: Entry, x: Array, async_finish: bool, outputs, inputs: tuple):

@@ -14,6 +14,8 @@ array as float8_e4m3 bits. Torch tensors carry their real dtype.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -413,3 +415,24 @@ def buffer_key(x: Any, device: int) -> tuple:
     v = describe_device(x, "tensor")
     info = allocation_info(v.ptr, device)
     return (v.ptr, info[2] if info is not None else -1, v.shape, v.strides, v.dtype)
+
+
+@contextlib.contextmanager
+def relaxed_capture(active: bool = True) -> Iterator[None]:
+    """While a stream captures a CUDA graph (torch's default, global mode), set-up calls such
+    as cudaHostRegister or cudaIpcOpenMemHandle are refused and invalidate the capture. Set-up
+    that enqueues nothing (forming a group, arming an op, mapping the counter page) runs with
+    this thread in relaxed mode, so a call can be captured on its first appearance."""
+    if not active:
+        yield
+        return
+    from cuda.bindings import driver
+
+    err, old = driver.cuThreadExchangeStreamCaptureMode(
+        driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuThreadExchangeStreamCaptureMode failed: {err}")
+    try:
+        yield
+    finally:
+        driver.cuThreadExchangeStreamCaptureMode(old)

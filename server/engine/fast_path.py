@@ -104,7 +104,10 @@ class FastPathServer:
             return self._loop()
         import cProfile
         prof = cProfile.Profile()
-        prof.enable()
+        try:
+            prof.enable()
+        except ValueError:  # Python 3.12+: one profiler per process (another session has it)
+            return self._loop()
         try:
             self._loop()
         finally:
