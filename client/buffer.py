@@ -277,6 +277,7 @@ class Buffer:
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         # Armed low-latency calls by the tensors they read (cuda backend).
         self._stream_ops = StreamOpCache(session.device_ordinal, _plain_op_limit())
+        self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
 
     # -- DeepEP's static helpers -------------------------------------------------------------
     @staticmethod
@@ -689,8 +690,7 @@ class Buffer:
         return "hook" if return_recv_hook else "plain"
 
     def _keys(self, *arrays: Array) -> tuple:
-        dev = self.session.device_ordinal
-        return tuple(cuda_ipc.buffer_key(a, dev) for a in arrays)
+        return tuple(self._buffer_keys(a) for a in arrays)
 
     def _armed(self, key: tuple, mode: str, arm, source: Entry | None = None) -> Entry | None:
         """The armed op for `key`, armed now if new. Before a plain call, raises a failure an

@@ -15,6 +15,7 @@ array as float8_e4m3 bits. Torch tensors carry their real dtype.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -120,8 +121,7 @@ def allocation_info(ptr: int, device: int) -> tuple[int, int, int] | None:
     """(base, size, buffer id) of the allocation holding `ptr` in one driver query; the buffer
     id names the allocation for the life of this process (an address can be reused by a later
     allocation, an id cannot). None where the driver does not answer (the caller falls back)."""
-    from cuda.bindings import driver
-
+    driver = _driver()
     if not _ATTRS:
         a = driver.CUpointer_attribute
         _ATTRS.extend([a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
@@ -369,9 +369,18 @@ class MappedPage:
             self.addr = 0
 
 
-def stream_write(stream: int, addr: int, value: int) -> None:
-    from cuda.bindings import driver
+_DRIVER: list[Any] = []  # cuda.bindings.driver, imported at first use (a call's budget is µs)
 
+
+def _driver() -> Any:
+    if not _DRIVER:
+        from cuda.bindings import driver
+        _DRIVER.append(driver)
+    return _DRIVER[0]
+
+
+def stream_write(stream: int, addr: int, value: int) -> None:
+    driver = _driver()
     err, = driver.cuStreamWriteValue32(driver.CUstream(stream), driver.CUdeviceptr(addr),
                                        value, 0)  # CU_STREAM_WRITE_VALUE_DEFAULT: ordered
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -379,8 +388,7 @@ def stream_write(stream: int, addr: int, value: int) -> None:
 
 
 def stream_wait_geq(stream: int, addr: int, value: int) -> None:
-    from cuda.bindings import driver
-
+    driver = _driver()
     err, = driver.cuStreamWaitValue32(driver.CUstream(stream), driver.CUdeviceptr(addr),
                                       value, 0)  # CU_STREAM_WAIT_VALUE_GEQ (cyclic >=)
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -405,6 +413,40 @@ class StreamEvent:
     def wait(self) -> bool:
         self._event.synchronize()
         return True
+
+
+class BufferKeys:
+    """`buffer_key` with a cache by array object: while an array lives, its allocation cannot
+    go away, so its key is computed once (checked against its address and shape, in case it
+    was re-pointed with `set_`)."""
+
+    MAX = 512  # cached arrays (cleared when full)
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._by_id: dict[int, tuple[Any, int, tuple, tuple]] = {}
+
+    def __call__(self, x: Any) -> tuple:
+        if x is None:
+            return ()
+        hit = self._by_id.get(id(x))
+        if hit is not None and hit[0]() is x and hit[1] == _data_ptr(x) \
+                and hit[2] == tuple(x.shape):
+            return hit[3]
+        key = buffer_key(x, self.device)
+        try:
+            ref = weakref.ref(x)
+        except TypeError:
+            return key
+        if len(self._by_id) >= self.MAX:
+            self._by_id.clear()
+        self._by_id[id(x)] = (ref, key[0], key[2], key)
+        return key
+
+
+def _data_ptr(x: Any) -> int:
+    ptr = getattr(x, "data_ptr", None)
+    return int(ptr()) if ptr is not None else int(x.data.ptr)
 
 
 def buffer_key(x: Any, device: int) -> tuple:

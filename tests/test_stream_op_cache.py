@@ -148,3 +148,35 @@ def test_a_disarmed_op_is_forgotten() -> None:
     e = c.arm(("a",), lambda: FakeOp(), pin=False, capturing=False)
     e.op.armed = False  # its group was left
     assert c.get(("a",), pin=False) is None and len(c) == 0
+
+
+class FakeTensor:
+    def __init__(self, ptr: int, shape: tuple[int, ...]) -> None:
+        self.ptr, self.shape = ptr, shape
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def test_buffer_keys_are_computed_once_per_live_array(monkeypatch) -> None:
+    from epd.client import cuda_ipc
+
+    calls: list[int] = []
+
+    def fake_key(x, device: int) -> tuple:
+        calls.append(x.ptr)
+        return (x.ptr, 1000 + len(calls), tuple(x.shape), (1,), 0)
+
+    monkeypatch.setattr(cuda_ipc, "buffer_key", fake_key)
+    keys = cuda_ipc.BufferKeys(0)
+    a = FakeTensor(0x1000, (4, 8))
+    k1 = keys(a)
+    assert keys(a) == k1 and calls == [0x1000]  # cached
+    a.ptr = 0x2000  # re-pointed (torch set_): recomputed
+    assert keys(a)[0] == 0x2000 and len(calls) == 2
+    a.shape = (2, 8)
+    keys(a)
+    assert len(calls) == 3
+    assert keys(None) == ()
+    b = FakeTensor(0x2000, (2, 8))  # another object at the same address: its own key
+    assert keys(b)[1] != keys(a)[1]

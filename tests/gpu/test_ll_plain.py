@@ -93,14 +93,15 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                 out = SimpleNamespace(recv_x=rx, recv_count=count, recv_x_scales=scales,
                                       recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
                 res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx)})
-            # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises.
+            # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises; rank
+            # 1 may see the group aborted already when it arms its call.
             x, idx, w = _inputs(99, rank, 8)
             if rank == 0:
                 idx[0, 0] = E + 3
             tx, tidx = _to_torch(x, device), _to_torch(idx, device)
-            buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False)
-            torch.cuda.synchronize()
             try:
+                buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False)
+                torch.cuda.synchronize()
                 buf.check()
                 res["bad"] = "accepted"
             except EpdError as e:
