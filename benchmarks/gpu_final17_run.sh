@@ -10,3 +10,7 @@ timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 30 --low-laten
     --json "$OUT/bench_D.json" 2>&1 | clean | tail -12
 timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 200 --low-latency \
     --rows "ll plain pair,ll hook pair" --json "$OUT/probe_ll.json" 2>&1 | clean | tail -3
+mkdir -p /tmp/prof
+EPD_PROFILE_DIR=/tmp/prof timeout 60 python3 -P benchmarks/probe_calls.py --tokens 128 \
+    --iters 100 --rows "layout,dispatch,combine" --json "$OUT/probe_D.json" 2>&1 | clean | tail -5
+python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/engine_profile.txt" 2>&1
