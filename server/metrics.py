@@ -46,12 +46,20 @@ def group_label(name: str) -> str:
 
 
 class _GroupLabelled:
-    """A metric whose first label is `group`: its values go through group_label()."""
+    """A metric whose first label is `group`: its values go through group_label(). Children
+    asked for by position are cached by their raw values: prometheus_client validates and
+    converts the labels on every call, microseconds a hot-path call cannot spare (a group
+    name's label never changes once given: the set of names only grows)."""
 
     def labels(self, *values, **kw):
-        if values:
-            values = (group_label(str(values[0])), *values[1:])
-        elif "group" in kw:
+        if values and not kw:
+            cache = self.__dict__.setdefault("_epd_children", {})
+            child = cache.get(values)
+            if child is None:
+                child = cache[values] = super().labels(group_label(str(values[0])),
+                                                       *values[1:])
+            return child
+        if "group" in kw:
             kw["group"] = group_label(str(kw["group"]))
         return super().labels(*values, **kw)
 

@@ -75,8 +75,13 @@ class DataPlane:
         member.queue_wait_seconds += waited
         metrics.QUEUE_WAIT_SECONDS.labels(member.spec.name, member.service_class).observe(waited)
 
-    def _check_alive(self, member: GroupMember) -> None:
-        reason = member.comm.abort_reason()
+    def _check_alive(self, member: GroupMember, stream_ordered: bool = False) -> None:
+        """Refuse a call on an aborted group. A stream-ordered call asks only what this host
+        knows: reading the device's abort word is a copy that waits for the engine's queued
+        work (hundreds of µs, and a serialisation point); its kernels see the word anyway
+        and report through the call's done word."""
+        reason = (member.comm.known_abort_reason() if stream_ordered
+                  else member.comm.abort_reason())
         if reason is not None:
             raise Aborted(f"group {member.spec.name!r} is aborted: {reason}")
 
@@ -138,7 +143,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         self._queued(session, member)
         spec = member.spec
-        self._check_alive(member)
+        self._check_alive(member, req.stream_ordered)
         regions = session.regions
         x = tensors.resolve(req.x, regions, "x", ndim=2,
                             dtype=(spec.x_dtype, epd_pb2.FLOAT8_E4M3))
@@ -326,7 +331,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         self._queued(session, member)
         spec = member.spec
-        self._check_alive(member)
+        self._check_alive(member, req.stream_ordered)
         info = self._handle(member, req.handle, NORMAL)
         self._resolve(session, member, info)
         if info.failed:
