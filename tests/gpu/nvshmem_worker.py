@@ -1,8 +1,10 @@
 """One NVSHMEM PE of the multi-process GPU test (started by test_nvshmem.py).
 
-argv: pe npes uid_file ranks_per_pe. Every PE generates the whole workload from the same seeds,
-drives its own ranks (buffers at offsets of its symmetric heap, peers through
-nvshmem.core.get_peer_array) and checks them against the reference. Exit code 0 = all passed.
+argv: pe npes uid_file ranks_per_pe. PE p runs on GPU p modulo the GPUs there are (two PEs on
+one GPU is NVSHMEM's multiple-processes-per-GPU mode, under MPS). Every PE generates the whole
+workload from the same seeds, drives its own ranks (buffers at offsets of its symmetric heap,
+peers through nvshmem.core.get_peer_array) and checks them against the reference. Exit code 0 =
+all passed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class PeGroup:
     """The ranks of one group that this PE drives (the LocalGroup interface of common.py)."""
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
-                 num_topk: int, max_tokens: int, stream) -> None:
+                 num_topk: int, max_tokens: int, stream, gpu: int) -> None:
         import cupy as cp
         import nvshmem.core as nc
 
@@ -45,11 +47,11 @@ class PeGroup:
             arr = self.heap if p == pe else nc.get_peer_array(self.heap, p)
             bases.append(int(arr.data.ptr) + j * size)
         self.rank_ids = [pe * per_pe + j for j in range(per_pe)]
-        kern = ck.kernels_for_device(pe)
-        self.runners = [rt.RankRunner(kern, self.layout, g, bases, pe, BFLOAT16, BFLOAT16,
+        kern = ck.kernels_for_device(gpu)
+        self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu, BFLOAT16, BFLOAT16,
                                       owner=self.heap) for g in self.rank_ids]
         self.size = size
-        cp.cuda.Device(pe).synchronize()
+        cp.cuda.Device(gpu).synchronize()
         nc.barrier_all(stream=stream)  # every PE zeroed its control blocks
         stream.synchronize()
 
@@ -77,9 +79,10 @@ def main() -> int:
     from common import roundtrip  # this folder is on sys.path (run as a script)
     from cuda.core import Device
 
-    dev = Device(pe)
+    gpu = pe % cp.cuda.runtime.getDeviceCount()
+    dev = Device(gpu)
     dev.set_current()
-    cp.cuda.Device(pe).use()
+    cp.cuda.Device(gpu).use()
     if pe == 0:
         uid = nc.get_unique_id()
         with open(uid_file + ".tmp", "wb") as f:
@@ -104,7 +107,7 @@ def main() -> int:
     group = None
     try:
         for e, k, h, t, extra in cases:
-            group = PeGroup(pe, npes, per_pe, e, h, k, 4096, stream)
+            group = PeGroup(pe, npes, per_pe, e, h, k, 4096, stream, gpu)
             rng = np.random.default_rng(e + k + h + t)
             tokens = [t if g % 3 else max(t // 2, 0) for g in range(group.num_ranks)]
             try:

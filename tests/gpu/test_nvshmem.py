@@ -36,10 +36,42 @@ def _has_nvshmem() -> bool:
 def test_nvshmem_multiprocess(tmp_path: Path, ranks_per_pe: int) -> None:
     if GPU_COUNT < 2 or not _has_nvshmem():
         pytest.skip("needs 2 GPUs and nvshmem4py")
+    _run_pes(tmp_path, ranks_per_pe, {})
+
+
+def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path) -> None:
+    """NVSHMEM's multiple-processes-per-GPU mode: two PEs (two processes, as two engines of
+    logical nodes would be) on GPU 0, sharing one MPS server with half the threads each (the
+    NVSHMEM requirement), EPD's kernels between them over NVSHMEM peer pointers. What makes a
+    logical-node cluster testable on a one-GPU machine (issue 13)."""
+    if GPU_COUNT < 1 or not _has_nvshmem():
+        pytest.skip("needs a GPU and nvshmem4py")
+    import shutil
+    import tempfile
+
+    from epd.proto.v1 import epd_pb2
+    from epd.server.mps import Mps, MpsError
+
+    root = tempfile.mkdtemp(prefix="epd-mpg-")  # short: the MPS pipe path is a socket path
+    mps = Mps("on", root, "cuda", epd_pb2.CUDA)
+    try:
+        try:
+            mps.start()
+        except MpsError as e:
+            pytest.skip(f"needs MPS: {e}")
+        env = {k: v for k, v in mps.env().items() if k.startswith("CUDA_MPS")}
+        env.update(CUDA_VISIBLE_DEVICES="0", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
+        _run_pes(tmp_path, 1, env)
+    finally:
+        mps.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str]) -> None:
     env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
                NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **extra_env)
     # Not the repository root on sys.path: its cuda/ folder would shadow the `cuda` package.
     uid = tmp_path / "uid"
     worker = str(Path(__file__).with_name("nvshmem_worker.py"))
