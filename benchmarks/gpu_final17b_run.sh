@@ -13,3 +13,5 @@ timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 30 --low-laten
     --json "$OUT/bench_D.json" 2>&1 | clean | tail -12
 timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 100 --low-latency \
     --json "$OUT/probe_D.json" 2>&1 | clean | tail -9
+timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 1000 \
+    --prefill-iters 150 --json "$OUT/two_pools_classes.json" 2>&1 | clean | tail -6
