@@ -591,6 +591,8 @@ extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank
             c = (unsigned)code | ((unsigned)ctrl[CTRL_ERR_PHASE] << 8);
             who = (int)(i64)ctrl[CTRL_ERR_RANK];
             value = (i64)ctrl[CTRL_ERR_SEQ];
+            // A kernel that stopped on the abort word names no rank: the word does.
+            if (who < 0 && aborted) who = (int)(aborted >> ABORT_RANK_SHIFT) - 1;
         } else {
             c = ERR_ABORTED;
             who = (int)(aborted >> ABORT_RANK_SHIFT) - 1;
