@@ -125,6 +125,9 @@ class Config:
     throughput_num_sms: int = field(default=0, metadata={
         "help": "cuda backend: blocks of a throughput group's data kernels, as "
                 "--latency-num-sms (e.g. keep prefill under a share of the SMs)"})
+    throughput_pause_us: int = field(default=1000, metadata={
+        "help": "longest wait of a throughput group's call for latency groups' work in flight "
+                "in the engine before it starts (pacing; 0 = off)"})
 
     node_rank: int = field(default=0, metadata={
         "help": "cluster mode: this node's rank (0 serves the Cluster service and forms groups "
@@ -257,6 +260,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         if not 0 <= getattr(cfg, name) <= MAX_NUM_SMS:
             raise ValueError(f"{name} must lie in [0, {MAX_NUM_SMS}] (0: the daemon's "
                              f"defaults), got {getattr(cfg, name)}")
+    if not 0 <= cfg.throughput_pause_us <= 1_000_000:
+        raise ValueError(f"throughput_pause_us must lie in [0, 1000000] (0: no pacing), got "
+                         f"{cfg.throughput_pause_us}")
     check_cluster(cfg)
     return cfg
 

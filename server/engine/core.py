@@ -105,16 +105,29 @@ class Engine(StreamCalls, DataPlane):
         self.policy = config.service_classes
         self._class_series: set[tuple[str, str]] = set()
         self._held_series: set[str] = set()  # group labels of epd_group_held_bytes
+        from .pacing import Pacer
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
+        self.pacer = Pacer(config.throughput_pause_us * 1e-6, self.stream_ops.latency_rung)
 
     @property
     def draining(self) -> bool:
         return self.state.draining
 
     def operation(self, name: str) -> OperationFn:
-        """The synchronous operation a transport runs for registry operation `name`."""
-        return getattr(self, self.OPERATIONS[name])
+        """The synchronous operation a transport runs for registry operation `name`; a
+        collective goes through the pacer (server/engine/pacing.py)."""
+        fn: OperationFn = getattr(self, self.OPERATIONS[name])
+        if name not in operations.COLLECTIVES:
+            return fn
+
+        def paced(session: Session, req: Message, path: str) -> Message:
+            member = session.members.get(getattr(req, "group_id", ""))
+            if member is None:
+                return fn(session, req, path)
+            return self.pacer.run(member.service_class, member.spec.name,
+                                  lambda: fn(session, req, path))
+        return paced
 
     def ping_op(self, session: Session, req: epd_pb2.PingRequest,
                 path: str) -> epd_pb2.PingResponse:

@@ -17,6 +17,7 @@ that lock before anything they use is closed, so a trigger seen later launches n
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -34,7 +35,7 @@ from ...proto.errors import (
     ResourceExhausted,
 )
 from ...proto.v1 import epd_pb2
-from .. import metrics
+from .. import metrics, service_classes
 from . import tensors
 from .executor import as_epd_error
 from .ops import ll_dispatch_response
@@ -63,6 +64,7 @@ class StreamOp:
     prepared: Any  # the backend's packed launches (prepared at arm time)
     dispatch_op: StreamOp | None = None  # combine: whose result it brings back
     armed: bool = field(default=True)
+    latency: bool = False  # of a latency-class group: the pacer holds throughput calls for it
 
 
 class StreamOps:
@@ -131,7 +133,8 @@ class StreamOps:
         words[DONE] = DONE_OK
         with self._lock:
             op = StreamOp(self._next_id, kind, session, member, args, slot, words, prepared,
-                          dispatch_op=src)
+                          dispatch_op=src,
+                          latency=member.service_class == service_classes.LATENCY)
             self._next_id += 1
             self.ops[op.op_id] = op
         session.stream_ops[op.op_id] = op
@@ -168,6 +171,11 @@ class StreamOps:
             self.ops.pop(op.op_id, None)
         op.session.stream_ops.pop(op.op_id, None)
         op.session.free_slots.append(op.slot)
+
+    def latency_rung(self) -> bool:
+        """Whether an armed op of a latency group waits for its launch (the pacer asks)."""
+        return any(op.words[REQUEST] != 0 for op in list(self.ops.values())
+                   if op.latency)
 
     # -- the poller ---------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -211,8 +219,9 @@ class StreamOps:
     def _fire(self, op: StreamOp) -> None:
         code = "OK"
         t0 = time.perf_counter()
+        latency = self.engine.pacer.latency() if op.latency else contextlib.nullcontext()
         try:
-            with op.session.op_lock:
+            with latency, op.session.op_lock:
                 if not op.armed:
                     return
                 op.member.comm.launch_prepared(op.prepared)
