@@ -135,10 +135,10 @@ GROUP_HELD_BYTES = GroupGauge("epd_group_held_bytes", "Engine memory (GPU heap o
 # The time a call waited for its session's executor (the worker queue and the operation lock)
 # before it ran: calls of one session queue behind each other; this shows when they do.
 PACED_SECONDS = GroupCounter(
-    "epd_paced_seconds_total", "Time throughput-class calls waited for latency-class work in "
+    "epd_paced_seconds", "Time throughput-class calls waited for latency-class work in "
     "the engine before starting (--throughput-pause-us bounds each wait)", ["group"])
 PACED_CALLS = GroupCounter(
-    "epd_paced_calls_total", "Throughput-class calls that waited for latency-class work",
+    "epd_paced_calls", "Throughput-class calls that waited for latency-class work",
     ["group"])
 QUEUE_WAIT_SECONDS = GroupHistogram(
     "epd_queue_wait_seconds", "Time a collective or layout call waited for its session's "
