@@ -150,6 +150,8 @@ def main() -> int:
     ap.add_argument("--no-classes", action="store_true", help="no service-class policy")
     ap.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
                     help="the daemon's --mps (cuda): its engines and the pools on MPS or not")
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="a flag for the daemon, e.g. --serve-arg=--throughput-pause-us=0")
     ap.add_argument("--json")
     ns = ap.parse_args()
 
@@ -158,6 +160,7 @@ def main() -> int:
     extra = [] if ns.no_classes else ["--service-class-policy", POLICY]
     if cuda:
         extra += ["--mps", ns.mps]
+    extra += ns.serve_arg
     engines = 0 if cuda else 2
     if cuda:
         import cupy
