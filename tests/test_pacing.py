@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+import pytest
+from daemon_harness import samples, value
+
+from epd.client import EpdError, Session
 from epd.server.engine.pacing import Pacer
 
 
@@ -69,3 +75,54 @@ def test_latency_work_is_counted_across_threads() -> None:
     for t in threads:
         t.join()
     assert not p.busy()
+
+
+# -- through a daemon: the pacer sits in front of every collective ---------------------------
+
+DAEMON_ENGINES = 1  # both pools on one engine, as on one GPU
+DAEMON_EXTRA = ["--service-class-policy", "pace-decode-*=latency,pace-prefill-*=throughput",
+                "--throughput-pause-us", "300000"]
+
+
+def _join(s, name: str, rank: int, num_ranks: int):
+    return s.join(name, rank=rank, num_ranks=num_ranks, num_experts=2 * num_ranks, hidden=64,
+                  max_tokens_per_rank=8, num_topk=1, dtype="float32")
+
+
+def _inputs(num_ranks: int):
+    x = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
+    idx = (np.arange(4, dtype=np.int64) % (2 * num_ranks)).reshape(4, 1)
+    return x, idx, np.ones((4, 1), np.float32)
+
+
+def test_a_throughput_call_waits_while_a_latency_collective_runs(daemon) -> None:
+    """A decode rank's dispatch waits for its peer (who never calls) until its deadline; a
+    prefill call on the same engine meanwhile waits the pause (300 ms here), no longer, then
+    runs; epd_paced_* count it. The decode call then fails on its own deadline."""
+    with Session(daemon.socket(0), timeout=10) as a0, \
+            Session(daemon.socket(0), timeout=10) as a1, \
+            Session(daemon.socket(0), timeout=10) as b, ThreadPoolExecutor(2) as pool:
+        j0 = pool.submit(_join, a0, "pace-decode-a", 0, 2)
+        ga1 = _join(a1, "pace-decode-a", 1, 2)
+        ga0 = j0.result(timeout=30)
+        assert (ga0.service_class, ga1.service_class) == ("latency", "latency")
+        gb = _join(b, "pace-prefill-a", 0, 1)
+        assert gb.service_class == "throughput"
+        gb.dispatch(*_inputs(1))  # warm: nothing in flight, so no pacing
+        before = samples(daemon)
+        stuck = pool.submit(ga0.dispatch, *_inputs(2), timeout=2.0)
+        time.sleep(0.2)  # rank 0 is inside its collective now
+        t0 = time.perf_counter()
+        out = gb.dispatch(*_inputs(1))
+        took = time.perf_counter() - t0
+        assert out.num_recv_tokens == 4
+        assert 0.25 <= took < 1.5, took  # paced by the pause, not by the decode's deadline
+        with pytest.raises(EpdError) as ei:
+            stuck.result(timeout=30)
+        assert ei.value.code.name == "DEADLINE_EXCEEDED"
+        after = samples(daemon)
+        paced = value(after, "epd_paced_calls_total", group="pace-prefill-a")
+        earlier = sum(x.value for x in before.get("epd_paced_calls_total", [])
+                      if x.labels.get("group") == "pace-prefill-a")
+        assert paced - earlier >= 1
+        assert value(after, "epd_paced_seconds_total", group="pace-prefill-a") >= 0.25
