@@ -570,10 +570,12 @@ class Buffer:
                 timeout=self.timeout))
             if e is not None:
                 op, res = e.op, e.op.result
-                scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
-                if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own
+                if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own,
+                    # allocated on the stream the call runs on (the comm stream with async_finish)
                     got = self._plain(e, x, async_finish, lambda: (
-                        T.clone(res.recv_x), scales.fill() if scales is not None else None,
+                        T.clone(res.recv_x),
+                        C.LowLatencyScales(res.recv_x_scales, use_ue8m0).fill() if use_fp8
+                        else None,
                         T.clone(res.recv_count), T.clone(res.recv_src_rank),
                         T.clone(res.recv_src_idx)), (x, topk_idx))
                     (rx, rs, count, src_rank, src_idx), event = got
@@ -582,6 +584,7 @@ class Buffer:
                         num_max_dispatch_tokens_per_rank=num_max, hidden=int(x_shape[1]),
                         num_experts=int(num_experts))
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
+                scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
                 hook, event = self._trigger(op, x, return_recv_hook, async_finish,
                                             scales.fill if scales is not None else None)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
