@@ -121,6 +121,8 @@ class StreamOpCache:
         pending: list[Entry] = []
         failure: EpdError | None = None
         for e in self._unchecked:
+            if not e.op.armed:  # its slot may serve another op now: nothing to read there
+                continue
             if e.event is None or not (e.event.done() or (wait and e.event.wait())):
                 pending.append(e)
                 continue

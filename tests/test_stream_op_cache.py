@@ -146,7 +146,10 @@ def test_gpu_failures_raise_once_after_the_trigger_completed() -> None:
 def test_a_disarmed_op_is_forgotten() -> None:
     c = _cache(4)
     e = c.arm(("a",), lambda: FakeOp(), pin=False, capturing=False)
-    e.op.armed = False  # its group was left
+    c.triggered(e, 1)
+    e.op.armed = False  # its group was left: its slot may serve another op now
+    e.op.done = abi.DONE_FAILED | (2 << 8)
+    c.check()  # not read
     assert c.get(("a",), pin=False) is None and len(c) == 0
 
 
