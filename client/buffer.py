@@ -51,19 +51,19 @@ from typing import Any
 import numpy as np
 
 from ..proto import dtypes
-from ..proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from ..proto.errors import InvalidArgument
 from . import cuda_ipc
 from . import deep_ep_compat as C
 from . import tensors as T
+from .buffer_low_latency import LowLatencyMixin, plain_op_limit
 from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
-from .session import Group, Handle, LowLatencyHandle, Session, service_class_value
-from .stream_op_cache import DEFAULT_LIMIT, Entry, StreamOpCache
-from .stream_ops import StreamOp
+from .handles import BufferHandle, LowLatencyBufferHandle
+from .session import Group, Session, service_class_value
+from .stream_op_cache import StreamOpCache
 from .tensors import Array
 
 SERVICE_CLASS_ENV = "EPD_SERVICE_CLASS"  # a Buffer's service class when it names none
-PLAIN_OPS_ENV = "EPD_LL_PLAIN_OPS"  # armed plain low-latency calls kept per Buffer
 LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
 
 __all__ = ["Buffer", "BufferHandle", "Config", "EventHandle", "EventOverlap",
@@ -90,109 +90,7 @@ class _GroupKey:
     low_latency_tokens: int  # num_max_dispatch_tokens_per_rank of a low-latency group, else 0
 
 
-_NORMAL_HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix",
-                         "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
-                         "send_head")
-_LOW_LATENCY_HANDLE_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank",
-                              "hidden", "num_experts")
-
-
-class _TupleLike:
-    """Indexable like the tuple DeepEP returns as a handle: `handle[i]`, slices, `len()`,
-    iteration. A position EPD does not produce raises `Unsupported` naming it."""
-
-    _FIELDS: tuple[str, ...] = ()
-
-    def _field(self, name: str) -> Any:
-        raise NotImplementedError
-
-    def __len__(self) -> int:
-        return len(self._FIELDS)
-
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return tuple(self[j] for j in range(*i.indices(len(self))))
-        n = len(self._FIELDS)
-        if not -n <= i < n:
-            raise IndexError(f"handle index {i} out of range ({n} positions)")
-        return self._field(self._FIELDS[i % n])
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-
-@dataclass(eq=False)
-class BufferHandle(_TupleLike):
-    """The handle `dispatch` returns; pass it to `combine` or to a cached `dispatch`. Indexable
-    as DeepEP's intranode tuple `(rank_prefix_matrix, channel_prefix_matrix,
-    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`: positions 0
-    (`[R, R]` int32, rows from sources <= s received by this rank... DeepEP's), 3 (`[N]` int32
-    source token of each received row) and 4 (`[T, R]` bool, the call's routing) are exact;
-    1, 2 and 5 are DeepEP kernel-channel bookkeeping EPD does not have (Unsupported)."""
-
-    _FIELDS = _NORMAL_HANDLE_FIELDS
-    handle: Handle
-    num_experts: int
-    rank_prefix_matrix: Array = None
-    recv_src_idx: Array = None
-    is_token_in_rank: Array = None
-    topk_idx: Array = None  # to derive is_token_in_rank when the caller did not pass it
-
-    def _field(self, name: str) -> Any:
-        if name == "is_token_in_rank" and self.is_token_in_rank is None:
-            self.is_token_in_rank = C.is_token_in_rank_of(
-                self.topk_idx, self.num_experts, self.handle.group.spec.num_ranks)
-        if name in ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank"):
-            return getattr(self, name)
-        raise C.Unsupported(f"handle position {name}: DeepEP's per-channel kernel bookkeeping; "
-                            "EPD's daemon keeps the routing itself and produces only "
-                            "rank_prefix_matrix [0], recv_src_idx [3] and is_token_in_rank [4]")
-
-
-@dataclass(eq=False)
-class LowLatencyBufferHandle(_TupleLike):
-    """The handle `low_latency_dispatch` returns; pass it to `low_latency_combine`. Indexable as
-    DeepEP's `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`:
-    `handle[0][i]` is the source token of each row of local expert i (int32, -1 beyond the
-    count), `handle[1][i]` the `(begin << 32) | count` int64 row range of each source rank
-    (computed on access; Unsupported where an engine does not keep a source's rows contiguous:
-    the cuda engine stores rows in arrival order)."""
-
-    _FIELDS = _LOW_LATENCY_HANDLE_FIELDS
-    handle: LowLatencyHandle | StreamOp
-    template: Array = None  # the dispatch's x: combine buffers come back as its array type
-    src_rank: Array = None  # [L, R*num_max] int32 source rank of each row (-1 beyond count)
-    src_idx: Array = None   # [L, R*num_max] int32 source token of each row (-1 beyond count)
-    num_max_dispatch_tokens_per_rank: int = 0
-    hidden: int = 0
-    num_experts: int = 0
-
-    def _field(self, name: str) -> Any:
-        if name == "src_info":
-            return self.src_idx
-        if name == "layout_range":
-            return C.layout_range_of(self.src_rank, self.handle.group.spec.num_ranks)
-        return getattr(self, name)
-
-
-def _plain_op_limit() -> int:
-    v = os.environ.get(PLAIN_OPS_ENV, "")
-    try:
-        n = int(v) if v else DEFAULT_LIMIT
-    except ValueError:
-        raise InvalidArgument(f"{PLAIN_OPS_ENV}={v!r} is not a number") from None
-    if not 1 <= n <= 48:
-        raise InvalidArgument(f"{PLAIN_OPS_ENV}={n}: between 1 and 48 (a session has 64 "
-                              f"counter slots for its groups and armed calls)")
-    return n
-
-
-def _no_op_hook() -> None:
-    """The receive hook: the call it came from has already received its data."""
-    return None
-
-
-class Buffer:
+class Buffer(LowLatencyMixin):
     """DeepEP V1's `deep_ep.Buffer` over an EPD daemon (see the module docstring).
 
     Constructor arguments are DeepEP's, in its order, with its defaults (V1 commit
@@ -276,7 +174,7 @@ class Buffer:
         self._num_experts: int | None = None
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         # Armed low-latency calls by the tensors they read (cuda backend).
-        self._stream_ops = StreamOpCache(session.device_ordinal, _plain_op_limit())
+        self._stream_ops = StreamOpCache(session.device_ordinal, plain_op_limit())
         self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
 
     # -- DeepEP's static helpers -------------------------------------------------------------
@@ -525,247 +423,6 @@ class Buffer:
             previous_event, async_finish, allocate_on_comm_stream,
             (x, topk_weights, bias_0, bias_1))
         return cx, cw, event
-
-    # -- low-latency mode --------------------------------------------------------------------
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
-                                 num_experts: int) -> None:
-        """Nothing to clean: the daemon's low-latency buffers need no zeroing between modes."""
-        return None
-
-    def low_latency_dispatch(self, x: Array, topk_idx: Array, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Array = None,
-                             dispatch_wait_recv_cost_stats: Array = None, use_fp8: bool = True,
-                             round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
-        """(recv_x, recv_count, handle, event, hook). recv_x is
-        `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` (bf16), or
-        with use_fp8 a tuple (e4m3 x, float32 scales `[..., hidden // 128]`); recv_count is
-        int32 `[num_local_experts]`. With return_recv_hook, hook is the receive half: on the
-        cuda backend calling it makes the current stream wait for the data (stream-ordered
-        path); on the cpu backend the data has arrived already and it does nothing. Else None."""
-        x_shape, x_dtype = T.meta(x, "x")
-        idx_shape, _ = T.meta(topk_idx, "topk_idx")
-        if len(x_shape) != 2 or len(idx_shape) != 2:
-            raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
-                                  f"{list(idx_shape)}")
-        num_max = int(num_max_dispatch_tokens_per_rank)
-        mode = self._stream_mode(x, return_recv_hook)
-        with cuda_ipc.relaxed_capture(mode == "graph"):  # the first call may be in a capture
-            g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
-                            low_latency_tokens=num_max)
-
-        def handle_of(h: LowLatencyHandle | StreamOp, res) -> LowLatencyBufferHandle:
-            return LowLatencyBufferHandle(h, x, src_rank=res.recv_src_rank,
-                                          src_idx=res.recv_src_idx,
-                                          num_max_dispatch_tokens_per_rank=num_max,
-                                          hidden=int(x_shape[1]), num_experts=int(num_experts))
-
-        if mode is not None:
-            key = ("dispatch", g.group_id, num_max, use_fp8, round_scale, use_ue8m0,
-                   *self._keys(x, topk_idx, cumulative_local_expert_recv_stats))
-            e = self._armed(key, mode, lambda: g.arm_low_latency_dispatch(
-                x, topk_idx, num_max, use_fp8=use_fp8, round_scale=round_scale,
-                use_ue8m0=use_ue8m0,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                timeout=self.timeout))
-            if e is not None:
-                op, res = e.op, e.op.result
-                if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own,
-                    # allocated on the stream the call runs on (the comm stream with async_finish)
-                    got = self._plain(e, x, async_finish, lambda: (
-                        T.clone(res.recv_x),
-                        C.LowLatencyScales(res.recv_x_scales, use_ue8m0).fill() if use_fp8
-                        else None,
-                        T.clone(res.recv_count), T.clone(res.recv_src_rank),
-                        T.clone(res.recv_src_idx)), (x, topk_idx))
-                    (rx, rs, count, src_rank, src_idx), event = got
-                    h = LowLatencyBufferHandle(
-                        op, x, src_rank=src_rank, src_idx=src_idx,
-                        num_max_dispatch_tokens_per_rank=num_max, hidden=int(x_shape[1]),
-                        num_experts=int(num_experts))
-                    return (rx, rs) if use_fp8 else rx, count, h, event, None
-                scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
-                hook, event = self._trigger(op, x, return_recv_hook, async_finish,
-                                            scales.fill if scales is not None else None)
-                recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
-                return recv, res.recv_count, handle_of(op, res), event, hook
-
-        def call():
-            res = g.low_latency_dispatch(
-                x, topk_idx, num_max, num_experts=int(num_experts),
-                use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                timeout=self.timeout)
-            # DeepEP's scale layout, made on the call's stream (inside run_on_streams)
-            scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0).fill() if use_fp8 \
-                else None
-            return res, scales
-
-        (out, scales), event = self._run(x, call, None, async_finish and not return_recv_hook,
-                                         inputs=(x, topk_idx))
-        recv = (out.recv_x, scales) if use_fp8 else out.recv_x
-        hook = _no_op_hook if return_recv_hook else None
-        return recv, out.recv_count, handle_of(out.handle, out), event, hook
-
-    def low_latency_combine(self, x: Array, topk_idx: Array, topk_weights: Array,
-                            handle: LowLatencyBufferHandle, use_logfmt: bool = False,
-                            zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Array = None,
-                            combine_wait_recv_cost_stats: Array = None):
-        """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
-        of each token's expert outputs; written into `out` (and returned) when given."""
-        if not isinstance(handle, LowLatencyBufferHandle):
-            raise InvalidArgument("handle must be one a low_latency_dispatch of this Buffer "
-                                  "returned")
-        g = handle.handle.group
-        if isinstance(handle.handle, StreamOp):  # a stream-ordered dispatch: so is its combine
-            src = self._stream_ops.entry_of(handle.handle)
-            if src is None or not handle.handle.armed:
-                raise FailedPrecondition(
-                    "this low-latency handle's dispatch is no longer armed: more than "
-                    f"{self._stream_ops.limit} distinct plain low-latency calls were made "
-                    f"since (raise {PLAIN_OPS_ENV}), or its group was left")
-            mode = self._stream_mode(x, return_recv_hook) or "plain"
-            key = ("combine", handle.handle.op_id,
-                   *self._keys(x, topk_idx, topk_weights, out))
-            e = self._armed(key, mode, lambda: g.arm_low_latency_combine(
-                x, topk_idx, topk_weights, handle.handle, out=out, timeout=self.timeout),
-                source=src)
-            if e is None:
-                raise ResourceExhausted(
-                    "no counter slot is left in this session for the combine of a plain "
-                    "low-latency dispatch (64 per session, shared by groups and armed calls)")
-            op = e.op
-            if mode == "plain":
-                result, event = self._plain(e, x, async_finish, lambda: (
-                    op.result if out is not None else T.clone(op.result)),
-                    (x, topk_idx, topk_weights))
-                return result, event, None
-            hook, event = self._trigger(op, x, return_recv_hook, async_finish)
-            return op.result, event, hook
-        cx, event = self._run(
-            x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
-                                             timeout=self.timeout),
-            None, async_finish and not return_recv_hook, inputs=(x, topk_idx, topk_weights))
-        return cx, event, _no_op_hook if return_recv_hook else None
-
-    # -- shrink mode (rank masking): accepted, masking itself is a later part of issue 11 -------
-    def _check_shrink(self) -> None:
-        if not self.enable_shrink:
-            raise InvalidArgument("the mask buffer needs Buffer(..., enable_shrink=True) "
-                                  "(as in DeepEP)")
-
-    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Unmasking is a no-op (EPD masks no rank); masking raises Unsupported: EPD aborts a
-        group whose rank died instead of masking it (rank masking is a later part)."""
-        self._check_shrink()
-        if not 0 <= rank_to_mask < self.group_size:
-            raise InvalidArgument(f"rank_to_mask {rank_to_mask} outside [0, {self.group_size})")
-        if mask:
-            raise C.Unsupported("low_latency_update_mask_buffer(mask=True): EPD does not mask "
-                                "ranks yet; a rank that dies aborts the group (ABORTED naming "
-                                "it) and the survivors rejoin")
-
-    def low_latency_query_mask_buffer(self, mask_status: Array) -> None:
-        """Writes 0 (not masked) for every rank into `mask_status` (int32 `[num_ranks]`): EPD
-        masks no rank (a dead rank aborts the group's calls instead)."""
-        self._check_shrink()
-        shape, _ = T.meta(mask_status, "mask_status")
-        if tuple(shape) != (self.group_size,):
-            raise InvalidArgument(f"mask_status must be [{self.group_size}], got {list(shape)}")
-        mask_status[...] = 0
-
-    def low_latency_clean_mask_buffer(self) -> None:
-        """Nothing is masked, so nothing to clean."""
-        self._check_shrink()
-
-    # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
-    def _stream_mode(self, x: Array, return_recv_hook: bool) -> str | None:
-        """How a low-latency call runs where the session's memory has stream-ordered ops
-        (cuda): "graph" while the current stream captures a CUDA graph, "hook" with a receive
-        hook, else "plain" (outputs copied for the caller, op kept LRU). None: synchronous
-        (the cpu backend)."""
-        mem = self.session.memory
-        if not mem.supports_stream_ops:
-            return None
-        if mem.is_capturing(x):
-            return "graph"
-        return "hook" if return_recv_hook else "plain"
-
-    def _keys(self, *arrays: Array) -> tuple:
-        return tuple(self._buffer_keys(a) for a in arrays)
-
-    def _armed(self, key: tuple, mode: str, arm, source: Entry | None = None) -> Entry | None:
-        """The armed op for `key`, armed now if new. Before a plain call, raises a failure an
-        earlier plain call reported on the GPU. None: a plain call found no free slot."""
-        cache = self._stream_ops
-        if mode == "plain":
-            cache.check()
-        e = cache.get(key, pin=mode != "plain")
-        if e is None:
-            with cuda_ipc.relaxed_capture(mode == "graph"):
-                e = cache.arm(key, arm, pin=mode != "plain", capturing=mode == "graph",
-                              source=source)
-        return e
-
-    def _plain(self, e: Entry, x: Array, async_finish: bool, outputs, inputs: tuple):
-        """Trigger a plain call's op on the current stream (or the comm stream with
-        async_finish), then `outputs()` copies its results for the caller on that stream;
-        (copies, event)."""
-        op = e.op
-
-        def run():
-            stream = op.signal()
-            op.wait(stream)
-            got = outputs()
-            self._stream_ops.triggered(e, stream)
-            return got
-
-        return self._run(x, run, None, async_finish, inputs=inputs)
-
-    def check(self) -> None:
-        """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for
-        the calls in flight (an EPD addition: DeepEP has no asynchronous errors to collect)."""
-        self._stream_ops.check(wait=True)
-        for g in self._groups.values():
-            g.check()
-
-    def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
-                 after: Any = None):
-        """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
-        half is enqueued now and the hook enqueues the receive half. Else both halves, on the
-        comm stream with an event after them when `async_finish` (run_on_streams). `after`
-        (no arguments) is enqueued behind the receive half: work on the received data."""
-        def receive() -> None:
-            op.wait()  # the receive half, on the stream current then
-            if after is not None:
-                after()
-
-        if return_recv_hook:
-            op.signal()
-            return receive, EventOverlap()
-
-        def both() -> None:
-            op.signal()
-            receive()
-
-        _, event = self._run(x, both, None, async_finish)
-        return None, event
-
-    def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:
-        """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer
-        to write expert outputs into; it lives in a region the daemon already maps, so passing
-        it to `low_latency_combine` costs no staging copy. One buffer per shape, reused."""
-        h = handle.handle
-        spec = h.group.spec
-        shape = (spec.num_experts // spec.num_ranks,
-                 spec.num_ranks * handle.num_max_dispatch_tokens_per_rank, spec.hidden)
-        key = (h.group.group_id, shape, T.is_torch(handle.template))
-        buf = self._combine_buffers.get(key)
-        if buf is None:
-            buf = self._combine_buffers[key] = self.session.empty(
-                shape, dtypes.to_numpy(spec.x_dtype), like=handle.template)
-        return buf
 
     def destroy(self) -> None:
         """Leave every group and close the session (idempotent)."""

@@ -1,0 +1,100 @@
+"""The handles the DeepEP facade returns (client/buffer.py), indexable as DeepEP V1's tuples.
+
+`dispatch` returns a `BufferHandle`, `low_latency_dispatch` a `LowLatencyBufferHandle`; each
+wraps EPD's own handle (what `combine` needs) plus what DeepEP's tuple positions expose, and
+raises `Unsupported` naming a position EPD does not produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from . import deep_ep_compat as C
+from .session import Handle, LowLatencyHandle
+from .stream_ops import StreamOp
+from .tensors import Array
+
+_NORMAL_HANDLE_FIELDS = ("rank_prefix_matrix", "channel_prefix_matrix",
+                         "recv_channel_prefix_matrix", "recv_src_idx", "is_token_in_rank",
+                         "send_head")
+_LOW_LATENCY_HANDLE_FIELDS = ("src_info", "layout_range", "num_max_dispatch_tokens_per_rank",
+                              "hidden", "num_experts")
+
+
+class _TupleLike:
+    """Indexable like the tuple DeepEP returns as a handle: `handle[i]`, slices, `len()`,
+    iteration. A position EPD does not produce raises `Unsupported` naming it."""
+
+    _FIELDS: tuple[str, ...] = ()
+
+    def _field(self, name: str) -> Any:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self._FIELDS)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self._FIELDS)
+        if not -n <= i < n:
+            raise IndexError(f"handle index {i} out of range ({n} positions)")
+        return self._field(self._FIELDS[i % n])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass(eq=False)
+class BufferHandle(_TupleLike):
+    """The handle `dispatch` returns; pass it to `combine` or to a cached `dispatch`. Indexable
+    as DeepEP's intranode tuple `(rank_prefix_matrix, channel_prefix_matrix,
+    recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`: positions 0
+    (`[R, R]` int32, rows from sources <= s received by this rank... DeepEP's), 3 (`[N]` int32
+    source token of each received row) and 4 (`[T, R]` bool, the call's routing) are exact;
+    1, 2 and 5 are DeepEP kernel-channel bookkeeping EPD does not have (Unsupported)."""
+
+    _FIELDS = _NORMAL_HANDLE_FIELDS
+    handle: Handle
+    num_experts: int
+    rank_prefix_matrix: Array = None
+    recv_src_idx: Array = None
+    is_token_in_rank: Array = None
+    topk_idx: Array = None  # to derive is_token_in_rank when the caller did not pass it
+
+    def _field(self, name: str) -> Any:
+        if name == "is_token_in_rank" and self.is_token_in_rank is None:
+            self.is_token_in_rank = C.is_token_in_rank_of(
+                self.topk_idx, self.num_experts, self.handle.group.spec.num_ranks)
+        if name in ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank"):
+            return getattr(self, name)
+        raise C.Unsupported(f"handle position {name}: DeepEP's per-channel kernel bookkeeping; "
+                            "EPD's daemon keeps the routing itself and produces only "
+                            "rank_prefix_matrix [0], recv_src_idx [3] and is_token_in_rank [4]")
+
+
+@dataclass(eq=False)
+class LowLatencyBufferHandle(_TupleLike):
+    """The handle `low_latency_dispatch` returns; pass it to `low_latency_combine`. Indexable as
+    DeepEP's `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`:
+    `handle[0][i]` is the source token of each row of local expert i (int32, -1 beyond the
+    count), `handle[1][i]` the `(begin << 32) | count` int64 row range of each source rank
+    (computed on access; Unsupported where an engine does not keep a source's rows contiguous:
+    the cuda engine stores rows in arrival order)."""
+
+    _FIELDS = _LOW_LATENCY_HANDLE_FIELDS
+    handle: LowLatencyHandle | StreamOp
+    template: Array = None  # the dispatch's x: combine buffers come back as its array type
+    src_rank: Array = None  # [L, R*num_max] int32 source rank of each row (-1 beyond count)
+    src_idx: Array = None   # [L, R*num_max] int32 source token of each row (-1 beyond count)
+    num_max_dispatch_tokens_per_rank: int = 0
+    hidden: int = 0
+    num_experts: int = 0
+
+    def _field(self, name: str) -> Any:
+        if name == "src_info":
+            return self.src_idx
+        if name == "layout_range":
+            return C.layout_range_of(self.src_rank, self.handle.group.spec.num_ranks)
+        return getattr(self, name)
