@@ -132,14 +132,21 @@ GROUP_SERVICE_CLASS = GroupGauge("epd_group_service_class", "Ranks of a group he
 GROUP_HELD_BYTES = GroupGauge("epd_group_held_bytes", "Engine memory (GPU heap or shared memory) "
                               "a group's ranks hold on this daemon", ["group"],
                               multiprocess_mode="livesum")
-# The time a call waited for its session's executor (the worker queue and the operation lock)
-# before it ran: calls of one session queue behind each other; this shows when they do.
+# The SMs (blocks) a group's data kernels may occupy at once, by mode (issue 14): its class's
+# budget or the daemon's default, the most over the ranks this daemon holds; 0 on the cpu
+# backend and once no rank is held.
+GROUP_SMS = GroupGauge("epd_group_sms", "SMs (kernel blocks) a group's data kernels may occupy "
+                       "at once, by mode (normal, low_latency)", ["group", "mode"],
+                       multiprocess_mode="livemax")
+# Pacing (issue 14): throughput calls that waited for latency work in the engine.
 PACED_SECONDS = GroupCounter(
     "epd_paced_seconds", "Time throughput-class calls waited for latency-class work in "
     "the engine before starting (--throughput-pause-us bounds each wait)", ["group"])
 PACED_CALLS = GroupCounter(
     "epd_paced_calls", "Throughput-class calls that waited for latency-class work",
     ["group"])
+# The time a call waited for its session's executor (the worker queue and the operation lock)
+# before it ran: calls of one session queue behind each other; this shows when they do.
 QUEUE_WAIT_SECONDS = GroupHistogram(
     "epd_queue_wait_seconds", "Time a collective or layout call waited for its session's "
     "executor (worker queue, operation lock) before running", ["group", "service_class"],

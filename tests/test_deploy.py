@@ -45,6 +45,7 @@ METRICS = {
     "epd_sessions": "gauge",
     "epd_sessions_without_mps": "gauge",
     "epd_group_held_bytes": "gauge",
+    "epd_group_sms": "gauge",
     "epd_groups": "gauge",
     "epd_regions": "gauge",
     "epd_region_bytes": "gauge",

@@ -334,6 +334,21 @@ def test_group_memory_is_reported(daemon):
     assert value(samples(daemon), "epd_group_held_bytes", group="svc-prefill-held") == 0
 
 
+def test_group_sm_budget_is_exported(daemon):
+    """Issue 14: `epd_group_sms{group, mode}` says what GetStats says per rank (the budget the
+    CUDA engine gives the group's kernels; the cpu backend has none: 0), and 0 once no rank of
+    the group is held."""
+    with Session(daemon.socket(0), timeout=10) as s:
+        _join(s, "svc-decode-sms")
+        st = next(g for g in s.stats().groups if g.name == "svc-decode-sms")
+        ss = samples(daemon)
+        assert value(ss, "epd_group_sms", group="svc-decode-sms", mode="normal") == st.num_sms
+        assert value(ss, "epd_group_sms", group="svc-decode-sms",
+                     mode="low_latency") == st.ll_num_sms
+    ss = samples(daemon)
+    assert value(ss, "epd_group_sms", group="svc-decode-sms", mode="normal") == 0
+
+
 def test_buffer_service_class(daemon, monkeypatch):
     with pytest.raises(InvalidArgument, match="service_class must be one of"):
         Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0,

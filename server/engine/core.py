@@ -105,6 +105,7 @@ class Engine(StreamCalls, DataPlane):
         self.policy = config.service_classes
         self._class_series: set[tuple[str, str]] = set()
         self._held_series: set[str] = set()  # group labels of epd_group_held_bytes
+        self._sms_series: set[tuple[str, str]] = set()  # (group, mode) of epd_group_sms
         from .pacing import Pacer
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
@@ -269,15 +270,23 @@ class Engine(StreamCalls, DataPlane):
         # series cannot be removed, see metrics.py).
         ranks: dict[tuple[str, str], int] = {}
         held: dict[str, int] = {}
+        sms: dict[tuple[str, str], int] = {}
         for m in members:
             key = (metrics.group_label(m.spec.name), m.service_class)
             ranks[key] = ranks.get(key, 0) + 1
             held[key[0]] = held.get(key[0], 0) + m.comm.held_bytes
+            for mode, n in (("normal", m.comm.num_sms), ("low_latency", m.comm.ll_num_sms)):
+                sms[(key[0], mode)] = max(sms.get((key[0], mode), 0), n)
         for label in self._held_series - set(held):
             metrics.GROUP_HELD_BYTES.labels(label).set(0)
         for label, n in held.items():
             metrics.GROUP_HELD_BYTES.labels(label).set(n)
         self._held_series |= set(held)
+        for key in self._sms_series - set(sms):
+            metrics.GROUP_SMS.labels(*key).set(0)
+        for key, n in sms.items():
+            metrics.GROUP_SMS.labels(*key).set(n)
+        self._sms_series |= set(sms)
         for key in self._class_series - set(ranks):
             metrics.GROUP_SERVICE_CLASS.labels(*key).set(0)
         for key, n in ranks.items():
