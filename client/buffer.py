@@ -64,6 +64,8 @@ from .stream_op_cache import StreamOpCache
 from .tensors import Array
 
 SERVICE_CLASS_ENV = "EPD_SERVICE_CLASS"  # a Buffer's service class when it names none
+MAX_TOKENS_ENV = "EPD_MAX_TOKENS_PER_RANK"  # a Buffer's normal-mode capacity when it names none
+DEFAULT_MAX_TOKENS = 4096
 LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
 
 __all__ = ["Buffer", "BufferHandle", "Config", "EventHandle", "EventOverlap",
@@ -88,6 +90,19 @@ class _GroupKey:
     dtype: str  # numpy dtype.str of the combine dtype
     num_experts: int
     low_latency_tokens: int  # num_max_dispatch_tokens_per_rank of a low-latency group, else 0
+
+
+def _max_tokens(given: int | None) -> int:
+    """The normal-mode capacity: the keyword, else EPD_MAX_TOKENS_PER_RANK, else 4096."""
+    raw = given if given is not None else (os.environ.get(MAX_TOKENS_ENV) or DEFAULT_MAX_TOKENS)
+    try:
+        n = int(raw)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{MAX_TOKENS_ENV}={raw!r} is not a number of tokens") from None
+    if n <= 0:
+        where = "max_tokens_per_rank" if given is not None else MAX_TOKENS_ENV
+        raise InvalidArgument(f"{where} must be positive, got {n}")
+    return n
 
 
 class Buffer(LowLatencyMixin):
@@ -116,7 +131,9 @@ class Buffer(LowLatencyMixin):
 
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
     (default: `EPD_ENGINE`, else the current CUDA device when torch CUDA is available, else
-    `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank`, `timeout`, `session`,
+    `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank` (the normal-mode token capacity
+    per rank and call; default `EPD_MAX_TOKENS_PER_RANK`, else 4096: DeepEP streams any number
+    of tokens through its buffers, EPD's groups reserve for a capacity), `timeout`, `session`,
     `service_class` ("latency" for decode, "throughput" for prefill and training; default
     `EPD_SERVICE_CLASS`, else the daemon's policy default for the group's name): every group
     this Buffer joins gets it.
@@ -132,7 +149,7 @@ class Buffer(LowLatencyMixin):
                  enable_shrink: bool = False, comm: Any = None, *, rank: int | None = None,
                  num_ranks: int | None = None, endpoint: str | None = None,
                  socket_dir: str | None = None, engine: int | None = None,
-                 group_name: str = "deep_ep", max_tokens_per_rank: int = 4096,
+                 group_name: str = "deep_ep", max_tokens_per_rank: int | None = None,
                  timeout: float | None = None, session: Session | None = None,
                  service_class: str | None = None) -> None:
         if group is not None:
@@ -152,7 +169,7 @@ class Buffer(LowLatencyMixin):
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.group_name = group_name
-        self.max_tokens_per_rank = max_tokens_per_rank
+        self.max_tokens_per_rank = _max_tokens(max_tokens_per_rank)
         # The service class of this Buffer's groups: the keyword, else EPD_SERVICE_CLASS (for
         # frameworks that build the Buffer themselves), else the daemon's policy default.
         if service_class is None:
@@ -249,6 +266,13 @@ class Buffer(LowLatencyMixin):
             return 0
         return int(config.num_sms) if config is not None else int(Buffer.num_sms)
 
+    def _check_capacity(self, num_tokens: int) -> None:
+        if num_tokens > self.max_tokens_per_rank:
+            raise InvalidArgument(
+                f"{num_tokens} tokens exceed this Buffer's capacity of {self.max_tokens_per_rank} "
+                f"tokens per rank and call: raise it with Buffer(..., max_tokens_per_rank=N) or "
+                f"{MAX_TOKENS_ENV}=N in the environment of every rank (the same on all ranks)")
+
     @staticmethod
     def _check_config(config: Config | None) -> None:
         if config is not None and not isinstance(config, Config):
@@ -286,6 +310,7 @@ class Buffer(LowLatencyMixin):
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(idx_shape) != 2:
             raise InvalidArgument(f"topk_idx must be 2-D, got shape {list(idx_shape)}")
+        self._check_capacity(idx_shape[0])
         # Layout needs a group only for the engine round trip; any hidden size will do, so use
         # the first normal-mode group with this routing shape, or a small layout group. Every
         # rank makes the same calls, so every rank picks the same group.
@@ -321,6 +346,8 @@ class Buffer(LowLatencyMixin):
         self._check_config(config)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         x_shape, x_dtype = T.meta(x, "x")
+        if x_shape:
+            self._check_capacity(x_shape[0])
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("cached dispatch (handle given) takes no "

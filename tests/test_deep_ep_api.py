@@ -392,3 +392,34 @@ def test_v1_call_sequence_handles_and_kwargs(daemon, ranks) -> None:
                 begin, cnt = int(lr[e, j] >> 32), int(lr[e, j] & 0xFFFFFFFF)
                 np.testing.assert_array_equal(want.recv_src_rank[e, begin:begin + cnt], j)
                 assert cnt == int((want.recv_src_rank[e, :n] == j).sum())
+
+
+def test_capacity_from_the_environment(daemon, monkeypatch) -> None:
+    """Frameworks build the Buffer themselves: EPD_MAX_TOKENS_PER_RANK sets the normal-mode
+    capacity, a call beyond it fails at once naming both knobs, one within it runs."""
+    from epd.client.buffer import Buffer
+
+    monkeypatch.setenv("EPD_MAX_TOKENS_PER_RANK", "lots")
+    with pytest.raises(InvalidArgument, match="EPD_MAX_TOKENS_PER_RANK='lots'"):
+        Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0)
+    monkeypatch.setenv("EPD_MAX_TOKENS_PER_RANK", "8")
+    buf = Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0,
+                 group_name="api-capacity")
+    try:
+        assert buf.max_tokens_per_rank == 8
+        assert Buffer(rank=0, num_ranks=1, session=buf.session,
+                      max_tokens_per_rank=16).max_tokens_per_rank == 16  # the keyword wins
+        idx9, w9 = np.zeros((9, 1), np.int64), np.ones((9, 1), np.float32)
+        x9 = np.ones((9, 64), np.float32)
+        for call in (lambda: buf.get_dispatch_layout(idx9, 2),
+                     lambda: buf.dispatch(x9, topk_idx=idx9, topk_weights=w9)):
+            with pytest.raises(InvalidArgument, match=r"9 tokens exceed this Buffer's capacity "
+                                                      r"of 8.*EPD_MAX_TOKENS_PER_RANK"):
+                call()
+        idx, w, x = idx9[:8], w9[:8], x9[:8]
+        n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+        recv_x, *_ = buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=n_exp, topk_idx=idx, topk_weights=w)
+        assert np.asarray(recv_x).shape == (8, 64)
+    finally:
+        buf.destroy()
