@@ -64,14 +64,13 @@ class LowLatencyMixin:
     _combine_buffers: dict
     _groups: dict
 
-    def _group(self, hidden: int, num_topk: int, dtype: Any, num_experts: int,
-               low_latency_tokens: int = 0) -> Group:
-        raise NotImplementedError
+    if TYPE_CHECKING:  # Buffer's, declared for the type checker
+        def _group(self, hidden: int, num_topk: int, dtype: Any, num_experts: int,
+                   low_latency_tokens: int = 0) -> Group: ...
 
-    def _run(self, template: Array, call, previous_event: EventOverlap | None,
-             async_finish: bool, allocate_on_comm_stream: bool = False,
-             inputs: tuple = ()) -> tuple[Any, EventOverlap]:
-        raise NotImplementedError
+        def _run(self, template: Array, call, previous_event: EventOverlap | None,
+                 async_finish: bool, allocate_on_comm_stream: bool = False,
+                 inputs: tuple = ()) -> tuple[Any, EventOverlap]: ...
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -100,9 +99,9 @@ class LowLatencyMixin:
             g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
                             low_latency_tokens=num_max)
 
-        def handle_of(h: LowLatencyHandle | StreamOp, res) -> LowLatencyBufferHandle:
-            return LowLatencyBufferHandle(h, x, src_rank=res.recv_src_rank,
-                                          src_idx=res.recv_src_idx,
+        def handle_of(h: LowLatencyHandle | StreamOp, src_rank: Array,
+                      src_idx: Array) -> LowLatencyBufferHandle:
+            return LowLatencyBufferHandle(h, x, src_rank=src_rank, src_idx=src_idx,
                                           num_max_dispatch_tokens_per_rank=num_max,
                                           hidden=int(x_shape[1]), num_experts=int(num_experts))
 
@@ -125,16 +124,14 @@ class LowLatencyMixin:
                         T.clone(res.recv_count), T.clone(res.recv_src_rank),
                         T.clone(res.recv_src_idx)), (x, topk_idx))
                     (rx, rs, count, src_rank, src_idx), event = got
-                    h = LowLatencyBufferHandle(
-                        op, x, src_rank=src_rank, src_idx=src_idx,
-                        num_max_dispatch_tokens_per_rank=num_max, hidden=int(x_shape[1]),
-                        num_experts=int(num_experts))
+                    h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
                 scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
                 hook, event = self._trigger(op, x, return_recv_hook, async_finish,
                                             scales.fill if scales is not None else None)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
-                return recv, res.recv_count, handle_of(op, res), event, hook
+                return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
+                        event, hook)
 
         def call():
             res = g.low_latency_dispatch(
@@ -151,7 +148,8 @@ class LowLatencyMixin:
                                          inputs=(x, topk_idx))
         recv = (out.recv_x, scales) if use_fp8 else out.recv_x
         hook = _no_op_hook if return_recv_hook else None
-        return recv, out.recv_count, handle_of(out.handle, out), event, hook
+        return (recv, out.recv_count, handle_of(out.handle, out.recv_src_rank, out.recv_src_idx),
+                event, hook)
 
     def low_latency_combine(self, x: Array, topk_idx: Array, topk_weights: Array,
                             handle: LowLatencyBufferHandle, use_logfmt: bool = False,

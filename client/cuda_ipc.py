@@ -285,10 +285,7 @@ def device_empty(shape: tuple[int, ...], dtype: np.dtype, device: int, torch: bo
             if logical is None:
                 logical = t.from_numpy(np.empty(0, storage)).dtype
             _TORCH_DTYPES[dtype] = logical
-        dev = _TORCH_DEVICES.get(device)
-        if dev is None:
-            dev = _TORCH_DEVICES[device] = t.device("cuda", device)
-        return t.empty(shape, dtype=logical, device=dev)
+        return t.empty(shape, dtype=logical, device=_torch_device(t, device))
     cp = _cupy()
     with cp.cuda.Device(device):
         return cp.empty(shape, storage)

@@ -37,6 +37,7 @@ DEFAULT_LIMIT = 16  # plain ops per Buffer (the session has 64 counter slots for
 
 @dataclass
 class Entry:
+    key: tuple
     op: StreamOp
     pinned: bool
     source: Entry | None = None  # a combine's dispatch entry
@@ -52,6 +53,7 @@ class StreamOpCache:
         self.device, self.limit = device, limit
         self._new_event = new_event
         self._entries: OrderedDict[tuple, Entry] = OrderedDict()
+        self._by_op: dict[int, Entry] = {}  # op_id -> entry (a combine finds its dispatch)
         self._unchecked: list[Entry] = []  # plain entries triggered since their last check
 
     def __len__(self) -> int:
@@ -66,7 +68,7 @@ class StreamOpCache:
             if pin:
                 self._pin(e)
             return e
-        self._entries.pop(key, None)  # disarmed elsewhere (its group left)
+        self._forget(e)  # disarmed elsewhere (its group left)
         return None
 
     def arm(self, key: tuple, arm: Callable[[], StreamOp], *, pin: bool, capturing: bool,
@@ -89,7 +91,8 @@ class StreamOpCache:
                 if exhausted and not pin:
                     return None
                 raise
-        e = self._entries[key] = Entry(op, pinned=False, source=source)
+        e = self._entries[key] = Entry(key, op, pinned=False, source=source)
+        self._by_op[op.op_id] = e
         if source is not None:
             source.users.append(e)
         if pin:
@@ -101,10 +104,8 @@ class StreamOpCache:
         return [e.op for e in self._entries.values()]
 
     def entry_of(self, op: StreamOp) -> Entry | None:
-        for e in self._entries.values():
-            if e.op is op:
-                return e
-        return None
+        e = self._by_op.get(op.op_id)
+        return e if e is not None and e.op is op else None
 
     def triggered(self, e: Entry, stream: int) -> None:
         """A plain trigger of `e` was enqueued on `stream` (with whatever reads its outputs)."""
@@ -137,6 +138,7 @@ class StreamOpCache:
     def clear(self) -> None:
         """Forget every entry (the Buffer leaves its groups, which disarms their ops)."""
         self._entries.clear()
+        self._by_op.clear()
         self._unchecked.clear()
 
     # -- internals ---------------------------------------------------------------------------
@@ -167,8 +169,12 @@ class StreamOpCache:
             e.op.disarm()
         if e.source is not None and e in e.source.users:
             e.source.users.remove(e)
-        for k, v in list(self._entries.items()):
-            if v is e:
-                del self._entries[k]
+        self._forget(e)
+
+    def _forget(self, e: Entry) -> None:
+        if self._entries.get(e.key) is e:
+            del self._entries[e.key]
+        if self._by_op.get(e.op.op_id) is e:
+            del self._by_op[e.op.op_id]
         if e in self._unchecked:
             self._unchecked.remove(e)

@@ -119,7 +119,7 @@ class Engine(StreamCalls, DataPlane):
         """The synchronous operation a transport runs for registry operation `name`; a
         collective goes through the pacer (server/engine/pacing.py)."""
         fn: OperationFn = getattr(self, self.OPERATIONS[name])
-        if name not in operations.COLLECTIVES:
+        if name not in operations.COLLECTIVES or not self.pacer.enabled:
             return fn
 
         def paced(session: Session, req: Message, path: str) -> Message:

@@ -36,6 +36,11 @@ class Pacer:
         self._active = 0
         self._lock = threading.Lock()
 
+    @property
+    def enabled(self) -> bool:
+        """Off (the default pause 0): nothing is counted and collectives run unwrapped."""
+        return self.max_pause > 0
+
     @contextlib.contextmanager
     def latency(self) -> Iterator[None]:
         """Latency work in flight for the duration of the block."""

@@ -219,7 +219,9 @@ class StreamOps:
     def _fire(self, op: StreamOp) -> None:
         code = "OK"
         t0 = time.perf_counter()
-        latency = self.engine.pacer.latency() if op.latency else contextlib.nullcontext()
+        pacer = self.engine.pacer
+        latency = (pacer.latency() if op.latency and pacer.enabled
+                   else contextlib.nullcontext())
         try:
             with latency, op.session.op_lock:
                 if not op.armed:
