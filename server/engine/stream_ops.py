@@ -219,8 +219,7 @@ class StreamOps:
     def _fire(self, op: StreamOp) -> None:
         code = "OK"
         t0 = time.perf_counter()
-        pacer = self.engine.pacer
-        latency = (pacer.latency() if op.latency and pacer.enabled
+        latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
                    else contextlib.nullcontext())
         try:
             with latency, op.session.op_lock:
