@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..proto import dtypes
 from ..proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from . import cuda_ipc
+from . import cuda_ipc, received_rows
 from . import deep_ep_compat as C
 from . import tensors as T
 from .deep_ep_compat import EventOverlap
@@ -117,12 +117,8 @@ class LowLatencyMixin:
                 op, res = e.op, e.op.result
                 if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own,
                     # allocated on the stream the call runs on (the comm stream with async_finish)
-                    got = self._plain(e, x, async_finish, lambda: (
-                        T.clone(res.recv_x),
-                        C.LowLatencyScales(res.recv_x_scales, use_ue8m0).fill() if use_fp8
-                        else None,
-                        T.clone(res.recv_count), T.clone(res.recv_src_rank),
-                        T.clone(res.recv_src_idx)), (x, topk_idx))
+                    got = self._plain(e, x, async_finish, lambda stream: self._copy_received(
+                        res, use_fp8, use_ue8m0, stream), (x, topk_idx))
                     (rx, rs, count, src_rank, src_idx), event = got
                     h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
@@ -181,7 +177,7 @@ class LowLatencyMixin:
                     "low-latency dispatch (64 per session, shared by groups and armed calls)")
             op = e.op
             if mode == "plain":
-                result, event = self._plain(e, x, async_finish, lambda: (
+                result, event = self._plain(e, x, async_finish, lambda _stream: (
                     op.result if out is not None else T.clone(op.result)),
                     (x, topk_idx, topk_weights))
                 return result, event, None
@@ -254,18 +250,33 @@ class LowLatencyMixin:
 
     def _plain(self, e: Entry, x: Array, async_finish: bool, outputs, inputs: tuple):
         """Trigger a plain call's op on the current stream (or the comm stream with
-        async_finish), then `outputs()` copies its results for the caller on that stream;
+        async_finish), then `outputs(stream)` copies its results for the caller on that stream;
         (copies, event)."""
         op = e.op
 
         def run():
             stream = op.signal()
             op.wait(stream)
-            got = outputs()
+            got = outputs(stream)
             self._stream_ops.triggered(e, stream)
             return got
 
         return self._run(x, run, None, async_finish, inputs=inputs)
+
+    def _copy_received(self, res: Any, use_fp8: bool, use_ue8m0: bool, stream: int) -> tuple:
+        """A plain dispatch's outputs, the caller's own: the received rows of recv_x (and their
+        scales in DeepEP's layout) copied by client/received_rows.py's kernels, reading the
+        counts on the GPU; counts and source info copied whole (they are small)."""
+        dev = self.session.device_ordinal
+        rx = received_rows.copy_rows(res.recv_x, res.recv_count, stream, dev)
+        scales = None
+        if use_fp8:
+            fmt = C.LowLatencyScales(res.recv_x_scales, use_ue8m0)
+            scales = received_rows.copy_scales(res.recv_x_scales, fmt.out, res.recv_count,
+                                               use_ue8m0, stream, dev) \
+                if received_rows.contiguous(res.recv_x_scales) else fmt.fill()
+        return (rx, scales, T.clone(res.recv_count), T.clone(res.recv_src_rank),
+                T.clone(res.recv_src_idx))
 
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for
