@@ -541,7 +541,7 @@ class Group:
         travel. Without top-k (topk_idx and topk_weights None, DeepEP's V1 form), the tokens
         go where `is_token_in_rank` (bool [T, R]) says, `num_tokens_per_expert` (int32 [E])
         gives the receive counts, recv_topk_idx/weights are None and combine sums the rows
-        without weights (cpu backend; the cuda engine answers FAILED_PRECONDITION for now).
+        without weights.
         The engine keeps the dispatch's handle until the returned handle object is garbage
         collected (then the next dispatch of this group releases it).
         On the cuda backend the call is stream-ordered on the caller's current stream (the host

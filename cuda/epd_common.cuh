@@ -35,6 +35,7 @@ typedef unsigned long long u64;
 #define ERR_ABORTED 2
 #define ERR_WORST_OVERFLOW 3
 #define ERR_BAD_INPUT 4  // an expert id out of range, or a combine entry never dispatched
+#define ERR_BAD_COUNT 5  // a negative num_tokens_per_expert of a dispatch without top-k
 
 // Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
 #define ABORT_RANK_SHIFT 8
@@ -122,10 +123,11 @@ __device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int 
 
 // A bad value in a call's inputs (an expert id out of range): the entry is skipped, so every rank
 // still moves consistent data, and the call's last kernel reports it (epd_call_done).
-__device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value) {
+__device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value,
+                                                 int code = ERR_BAD_INPUT) {
     if (ctrl != nullptr &&
         atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_CALL_ERR), 0ull,
-                  (unsigned long long)ERR_BAD_INPUT) == 0ull)
+                  (unsigned long long)code) == 0ull)
         ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
 }
 

@@ -30,6 +30,8 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < T) {
         unsigned mask = 0;
+        if (topk_idx == nullptr)  // routed by is_token_in_rank alone
+            for (int d = 0; d < R; ++d) mask |= (routing_in[(i64)t * R + d] ? 1u : 0u) << d;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];
             if (e < -1 || e >= E) { report_bad_input(call_err, e); continue; }
@@ -79,7 +81,9 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            int* __restrict__ pos,                  // [T, R]: row within (s -> d) block, or -1
            int* num_tokens_per_rank,               // [R] or null (layout outputs, free here)
            int* num_tokens_per_expert,             // [E] or null
-           bool* is_token_in_rank) {               // [T, R] or null
+           bool* is_token_in_rank,                 // [T, R] or null
+           const bool* __restrict__ routing_in,    // [T, R]: routing without top-k, or null
+           const int* __restrict__ experts_in) {   // [E] with routing_in: tokens per expert
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     __shared__ int s_warp[32][EPD_MAX_RANKS];
@@ -88,7 +92,15 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     u64* my_ctrl = ctrl_of(peers, rank);
 
-    for (int i = tid; i < E; i += blockDim.x) s_expert[i] = 0;
+    // Without top-k (DeepEP's topk_idx=None) the caller declares its tokens per expert.
+    for (int i = tid; i < E; i += blockDim.x) {
+        int v = 0;
+        if (topk_idx == nullptr) {
+            v = experts_in[i];
+            if (v < 0) { report_bad_input(my_ctrl, v, ERR_BAD_COUNT); v = 0; }
+        }
+        s_expert[i] = v;
+    }
     __syncthreads();
 
     // Phase A: each thread owns a contiguous chunk of tokens (so the positions are a scan).
@@ -99,6 +111,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] = 0;
     for (int t = t0; t < t1; ++t) {
         unsigned mask = 0;
+        if (topk_idx == nullptr)  // routed by is_token_in_rank alone
+            for (int d = 0; d < R; ++d) mask |= (routing_in[(i64)t * R + d] ? 1u : 0u) << d;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];
             if (e < -1 || e >= E) { report_bad_input(my_ctrl, e); continue; }

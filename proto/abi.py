@@ -49,9 +49,10 @@ ERR_DEADLINE = 1
 ERR_ABORTED = 2
 ERR_WORST_OVERFLOW = 3
 ERR_BAD_INPUT = 4  # an expert id out of range, or a combine entry never dispatched
+ERR_BAD_COUNT = 5  # a negative num_tokens_per_expert of a dispatch without top-k
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
-               ERR_BAD_INPUT: "bad expert id"}
+               ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2

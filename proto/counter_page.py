@@ -95,7 +95,7 @@ class StreamFailure:
     @property
     def fatal(self) -> bool:
         """The group cannot go on (a bad input fails only its call)."""
-        return self.code != abi.ERR_BAD_INPUT
+        return self.code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT)
 
     def error(self, group: str, num_experts: int | None = None) -> EpdError:
         where = f"group {group!r}, call #{self.seq}"
@@ -104,6 +104,10 @@ class StreamFailure:
             return InvalidArgument(f"{where}: rank {self.rank} passed expert id {self.value} in "
                                    f"topk_idx; valid ids are -1 (none) and {valid}; the entry "
                                    f"was skipped on every rank and the group goes on")
+        if self.code == abi.ERR_BAD_COUNT:
+            return InvalidArgument(f"{where}: rank {self.rank} passed {self.value} in "
+                                   f"num_tokens_per_expert (a dispatch without top-k); counts "
+                                   f"must be >= 0; it was taken as 0 and the group goes on")
         if self.code == abi.ERR_DEADLINE:
             phase = abi.PHASE_NAMES.get(self.phase, "a collective")
             return DeadlineExceeded(f"{where}: rank {self.rank} did not arrive at {phase} "

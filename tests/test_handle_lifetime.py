@@ -293,21 +293,23 @@ def test_ranks_disagreeing_on_topk_fail_together(daemon) -> None:
         [len(d.recv_x) for d in disp]
 
 
-def test_cuda_backend_refuses_dispatch_without_topk() -> None:
-    """Until the cuda kernels route by is_token_in_rank, the engine answers
-    FAILED_PRECONDITION naming the mode (never wrong data)."""
-    from epd.server.backends import cuda
+def test_backend_without_the_kernels_refuses_dispatch_without_topk() -> None:
+    """Both backends route by is_token_in_rank (the cuda one in epd_notify; its GPU test is
+    tests/gpu/test_daemon.py::test_daemon_dispatch_without_topk); a backend that cannot
+    answers FAILED_PRECONDITION naming the mode (never wrong data)."""
+    from epd.server.backends import cpu, cuda
 
-    assert cuda.CudaBackend.supports_dispatch_without_topk is False
+    assert cuda.CudaBackend.supports_dispatch_without_topk is True
+    assert cpu.CpuBackend.supports_dispatch_without_topk is True
 
     class Engine(DataPlane):
-        backend = types.SimpleNamespace(name="cuda", supports_dispatch_without_topk=False)
+        backend = types.SimpleNamespace(name="other", supports_dispatch_without_topk=False)
 
     spec = GroupSpec("g", 2, 4, H, 16, K, epd_pb2.BFLOAT16, False)
     req = epd_pb2.DispatchRequest(is_token_in_rank=epd_pb2.TensorDesc(
         region_id="r", shape=[4, 2], dtype=epd_pb2.BOOL))
     with pytest.raises(FailedPrecondition,
-                       match="dispatch without top-k is not implemented on the cuda backend"):
+                       match="dispatch without top-k is not implemented on the other backend"):
         Engine()._no_topk_routing(None, spec, req, 4)  # type: ignore[arg-type]
 
 

@@ -58,6 +58,8 @@ def test_no_failure_on_a_fresh_slot() -> None:
 
 @pytest.mark.parametrize(("code", "phase", "status", "words"), [
     (abi.ERR_BAD_INPUT, 0, grpc.StatusCode.INVALID_ARGUMENT, ["rank 1", "expert id 1000"]),
+    (abi.ERR_BAD_COUNT, 0, grpc.StatusCode.INVALID_ARGUMENT,
+     ["rank 1", "passed 1000 in num_tokens_per_expert", "taken as 0"]),
     (abi.ERR_DEADLINE, abi.PHASE_NOTIFY, grpc.StatusCode.DEADLINE_EXCEEDED,
      ["rank 1", "notify", "aborted"]),
     (abi.ERR_ABORTED, 0, grpc.StatusCode.ABORTED, ["rank 1 left or failed"]),
@@ -69,7 +71,7 @@ def test_gpu_failure_becomes_a_precise_error(code: int, phase: int, status, word
     _gpu_failure(slot, 9, code, 1, 1000, phase)
     f = counter_page.stream_failure(slot)
     assert f is not None and f.seq == 9 and f.code == code and f.rank == 1
-    assert f.fatal == (code != abi.ERR_BAD_INPUT)  # a bad id fails only its call
+    assert f.fatal == (code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT))  # only its call
     err = f.error("moe", 256)
     assert err.code == status
     assert "group 'moe', call #9" in err.message

@@ -157,6 +157,13 @@ class MappedCounterPage(CounterPage):
             self.fd = -1
 
 
+def _routing(args: DispatchArgs) -> tuple[Any, Any] | None:
+    """A dispatch without top-k routes by (is_token_in_rank, num_tokens_per_expert)."""
+    if args.topk_idx is not None or args.cached is not None:
+        return None
+    return args.is_token_in_rank, args.num_tokens_per_expert
+
+
 @dataclass
 class _Handle:
     result: Any  # cuda_runtime.DispatchResult
@@ -284,7 +291,8 @@ class CudaRankComm(RankComm):
                 alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
                 cached=cached.result if cached else None,
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
-                timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms)
+                timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms,
+                routing=_routing(args))
             if cached is None:
                 # The host learns the counts from the mapped page while the GPU goes on.
                 got = counter_page.wait(counter_slot, sequence,
@@ -326,9 +334,12 @@ class CudaRankComm(RankComm):
             # words (packed UE8M0) arrive bit for bit; only the view's dtype follows the call.
             recv_scales = recv_scales.view(np.int32)
         t = int(args.x.shape[0])
+        no_topk = args.cached is None and args.topk_idx is None  # DeepEP returns None for them
         return DispatchOutputs(
-            recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=outs.get("recv_topk_idx"),
-            recv_topk_weights=outs.get("recv_topk_weights"), recv_src_idx=outs["recv_src_idx"],
+            recv_x=recv_x, recv_x_scales=recv_scales,
+            recv_topk_idx=None if no_topk else outs.get("recv_topk_idx"),
+            recv_topk_weights=None if no_topk else outs.get("recv_topk_weights"),
+            recv_src_idx=outs["recv_src_idx"],
             rank_prefix_matrix=prefix, num_recv_tokens=num_recv,
             num_recv_tokens_per_expert=per_expert, handle=_Handle(res, num_recv, t),
             # upper bound: rows sent per rank
@@ -520,7 +531,8 @@ class CudaRankComm(RankComm):
                 alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
                 cached=cached.result if cached else None,
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
-                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms)
+                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
+                routing=_routing(args))
             prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
             cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
                                         prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
@@ -602,6 +614,7 @@ class CudaBackend(Backend):
     name = "cuda"
     proto_kind = epd_pb2.CUDA
     peer_class = "nvlink"
+    supports_dispatch_without_topk = True  # epd_notify routes by is_token_in_rank
 
     def __init__(self, cfg: Any, index: int) -> None:
         if cp is None:

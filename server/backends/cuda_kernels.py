@@ -278,23 +278,36 @@ class Kernels:
         return ntpr, ntpe, itr
 
     # -- notify ----------------------------------------------------------------------------
-    def notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int, peers: Any,
-               seq: int, handle: DispatchHandle, *, timeout_ns: int, alignment: int = 1,
-               counter_slot_ptr: int = 0, layout_out: tuple[Any, Any, Any] | None = None,
-               stream: Any = None, counter_seq: int | None = None) -> None:
+    def notify(self, topk_idx: Any | None, num_experts: int, num_ranks: int, rank: int,
+               peers: Any, seq: int, handle: DispatchHandle, *, timeout_ns: int,
+               alignment: int = 1, counter_slot_ptr: int = 0,
+               layout_out: tuple[Any, Any, Any] | None = None, stream: Any = None,
+               counter_seq: int | None = None,
+               routing: tuple[Any, Any] | None = None) -> None:
         """`counter_seq` is the value published in the counter slot's sequence word (the
-        engine's dispatch sequence); it defaults to the notify sequence `seq`."""
-        t, k = topk_idx.shape
+        engine's dispatch sequence); it defaults to the notify sequence `seq`. Without top-k
+        (`topk_idx` None), `routing` is (is_token_in_rank bool [T, R], num_tokens_per_expert
+        int32 [E]): tokens go where the first says, the receive counts per expert are the
+        sources' declared ones."""
+        if topk_idx is None:
+            if routing is None:
+                raise ValueError("notify needs topk_idx or the routing without top-k")
+            in_rank, per_expert = routing
+            t, k = int(in_rank.shape[0]), 0
+        else:
+            t, k = topk_idx.shape
+            in_rank = per_expert = None
         ntpr, ntpe, itr = layout_out if layout_out is not None else (None, None, None)
         with _stream_ptr(stream):
             self.fn("epd_notify")(
                 (1,), (NOTIFY_THREADS,),
-                (topk_idx, np.int32(t), np.int32(k), np.int32(num_experts), np.int32(num_ranks),
+                (_ptr(topk_idx), np.int32(t), np.int32(k), np.int32(num_experts),
+                 np.int32(num_ranks),
                  np.int32(rank), peers, np.uint64(seq), np.int64(timeout_ns),
                  np.int32(alignment), np.uint64(counter_slot_ptr),
                  np.uint64(seq if counter_seq is None else counter_seq), handle.recv_info,
                  handle.count_matrix, handle.rank_prefix, handle.token_mask, handle.pos,
-                 _ptr(ntpr), _ptr(ntpe), _ptr(itr)),
+                 _ptr(ntpr), _ptr(ntpe), _ptr(itr), _ptr(in_rank), _ptr(per_expert)),
                 shared_mem=4 * num_experts)
 
     # -- dispatch --------------------------------------------------------------------------

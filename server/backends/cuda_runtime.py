@@ -84,7 +84,9 @@ class RankRunner:
                  cached: DispatchResult | None = None, counter_slot_ptr: int = 0,
                  counter_seq: int | None = None,
                  timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = ck.DEFAULT_NUM_SMS,
-                 layout_out: tuple[Any, Any, Any] | None = None) -> DispatchResult:
+                 layout_out: tuple[Any, Any, Any] | None = None,
+                 routing: tuple[Any, Any] | None = None) -> DispatchResult:
+        """`routing`: (is_token_in_rank, num_tokens_per_expert) of a dispatch without top-k."""
         lay = self.layout
         with cp.cuda.Device(self.device_id):
             if cached is None:
@@ -96,7 +98,7 @@ class RankRunner:
                               self.rank, self.peers, self.seq["notify"], handle,
                               timeout_ns=timeout_ns, alignment=alignment,
                               counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
-                              stream=self.stream, counter_seq=counter_seq)
+                              stream=self.stream, counter_seq=counter_seq, routing=routing)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1

@@ -502,3 +502,101 @@ def test_daemon_low_latency_cuda_graph(daemon, facade: bool) -> None:
     if not facade:
         assert "out of range" in results[0]["bad"], results[0]["bad"]
         assert "failed" in results[1]["bad"], results[1]["bad"]
+
+
+# -- dispatch without top-k (DeepEP V1's topk_idx=None) on the CUDA engine --------------------
+
+NO_TOPK_EXPERTS, NO_TOPK_TOKENS, NO_TOPK_HIDDEN = 16, [96, 41], 2048
+
+
+def _no_topk_inputs(rank: int, layer: int):
+    """x, and a routing no top-k could give (any set of ranks per token) with declared
+    per-expert counts; layer 1 routes every token nowhere on rank 1."""
+    from epd.proto import dtypes
+    rng = np.random.default_rng(700 + 10 * layer + rank)
+    t = NO_TOPK_TOKENS[rank]
+    x = rng.standard_normal((t, NO_TOPK_HIDDEN)).astype(dtypes.BFLOAT16)
+    in_rank = rng.random((t, 2)) < 0.6
+    if layer == 1 and rank == 1:
+        in_rank[:] = False
+    per_expert = rng.integers(0, 50, NO_TOPK_EXPERTS).astype(np.int32)
+    return x, in_rank, per_expert
+
+
+def _no_topk_rank(rank: int, socket: str, device: int, q) -> None:
+    try:
+        import torch
+
+        from epd.client import Buffer, EpdError
+        torch.cuda.set_device(device)
+        res: dict = {"rank": rank, "layers": []}
+        buf = Buffer(None, rank=rank, num_ranks=2, endpoint=socket, max_tokens_per_rank=128)
+        try:
+            held = []
+            for layer in range(3):  # one Buffer, handles held across layers
+                x, in_rank, per_expert = _no_topk_inputs(rank, layer)
+                tx, tin, tpe = (_to_torch(a, device) for a in (x, in_rank, per_expert))
+                n_rank = tin.sum(0, dtype=torch.int32)
+                align = 4 if layer == 2 else 1
+                recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+                    tx, num_tokens_per_rank=n_rank, is_token_in_rank=tin,
+                    num_tokens_per_expert=tpe, expert_alignment=align)
+                combined, combined_w, _ = buf.combine(recv_x, handle)
+                cached_x = buf.dispatch(tx, handle=handle)[0]
+                held.append((recv_x, recv_idx, recv_w, list(counts), handle, combined,
+                             combined_w, cached_x))
+            torch.cuda.synchronize()
+            for recv_x, recv_idx, recv_w, counts, handle, combined, combined_w, cx in held:
+                res["layers"].append({
+                    "recv_x": _bits(recv_x), "none": (recv_idx, recv_w, combined_w) ==
+                    (None, None, None), "counts": counts,
+                    "prefix": _bits(handle[0]) if hasattr(handle[0], "detach")
+                    else np.asarray(handle[0]),
+                    "combined": _bits(combined), "cached_x": _bits(cx)})
+            # A negative declared count is bad input found on the GPU: the call fails on
+            # this rank naming it, and the Buffer goes on working.
+            x, in_rank, per_expert = _no_topk_inputs(rank, 0)
+            if rank == 0:
+                per_expert[3] = -5
+            tx, tin, tpe = (_to_torch(a, device) for a in (x, in_rank, per_expert))
+            try:
+                buf.dispatch(tx, num_tokens_per_rank=tin.sum(0, dtype=torch.int32),
+                             is_token_in_rank=tin, num_tokens_per_expert=tpe)
+                torch.cuda.synchronize()
+                buf.check()
+                res["bad"] = "accepted"
+            except EpdError as e:
+                res["bad"] = e.code.name
+        finally:
+            buf.destroy()
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_daemon_dispatch_without_topk(daemon) -> None:
+    """DeepEP V1's dispatch without top-k through the facade on the CUDA engine, as its
+    test_intranode.py calls it: routing by is_token_in_rank, counts from the declared
+    num_tokens_per_expert (aligned), recv_topk_* None, handle[0] the prefix matrix, cached
+    dispatch and a plain-sum combine; three layers on one Buffer, exact against the
+    reference."""
+    results = _spawn_ranks(daemon, _no_topk_rank, 2)
+    for layer in range(3):
+        inputs = [_no_topk_inputs(r, layer) for r in range(2)]
+        disp = ref.dispatch([i[0] for i in inputs], None, None, NO_TOPK_EXPERTS,
+                            is_token_in_rank=[i[1] for i in inputs],
+                            num_tokens_per_expert=[i[2] for i in inputs],
+                            expert_alignment=4 if layer == 2 else 1)
+        comb = ref.combine([d.recv_x for d in disp], disp, NO_TOPK_TOKENS)
+        prefix = np.cumsum([i[1].sum(0) for i in inputs], axis=0)
+        for r in range(2):
+            got = results[r]["layers"][layer]
+            np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16))
+            np.testing.assert_array_equal(got["cached_x"], disp[r].recv_x.view(np.uint16))
+            assert got["none"], "recv_topk_idx / weights / combined weights must be None"
+            assert got["counts"] == disp[r].num_recv_tokens_per_expert, (layer, r)
+            np.testing.assert_array_equal(got["prefix"], prefix)
+            np.testing.assert_array_equal(got["combined"], comb[r][0].view(np.uint16))
+    assert results[0]["bad"] == "INVALID_ARGUMENT", results[0]
