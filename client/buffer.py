@@ -192,6 +192,7 @@ class Buffer(LowLatencyMixin):
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         # Armed low-latency calls by the tensors they read (cuda backend).
         self._stream_ops = StreamOpCache(session.device_ordinal, plain_op_limit())
+        self._ll_buffer = 0  # DeepEP's double buffer: low-latency dispatches alternate
         self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
 
     # -- DeepEP's static helpers -------------------------------------------------------------

@@ -63,6 +63,7 @@ class LowLatencyMixin:
     _buffer_keys: cuda_ipc.BufferKeys
     _combine_buffers: dict
     _groups: dict
+    _ll_buffer: int  # the receive buffer of the next low-latency dispatch (0 or 1)
 
     if TYPE_CHECKING:  # Buffer's, declared for the type checker
         def _group(self, hidden: int, num_topk: int, dtype: Any, num_experts: int,
@@ -99,11 +100,17 @@ class LowLatencyMixin:
             g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
                             low_latency_tokens=num_max)
 
+        # DeepEP's double buffer: each dispatch takes the other receive buffer than the last
+        # (every rank makes the same calls, so they agree), and its combine brings that one back:
+        # two micro-batches can be in flight (D0 D1 C0 C1).
+        buffer = self._next_ll_buffer()
+
         def handle_of(h: LowLatencyHandle | StreamOp, src_rank: Array,
                       src_idx: Array) -> LowLatencyBufferHandle:
             return LowLatencyBufferHandle(h, x, src_rank=src_rank, src_idx=src_idx,
                                           num_max_dispatch_tokens_per_rank=num_max,
-                                          hidden=int(x_shape[1]), num_experts=int(num_experts))
+                                          hidden=int(x_shape[1]), num_experts=int(num_experts),
+                                          buffer=buffer)
 
         if mode is not None:
             key = ("dispatch", g.group_id, num_max, use_fp8, round_scale, use_ue8m0,
@@ -113,18 +120,20 @@ class LowLatencyMixin:
                 use_ue8m0=use_ue8m0,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
                 timeout=self.timeout))
+            if e is not None and buffer >= len(e.op.results):
+                buffer = 0  # an engine of one receive buffer
             if e is not None:
-                op, res = e.op, e.op.result
+                op, res = e.op, e.op.results[buffer]
                 if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own,
                     # allocated on the stream the call runs on (the comm stream with async_finish)
                     got = self._plain(e, x, async_finish, lambda stream: self._copy_received(
-                        res, use_fp8, use_ue8m0, stream), (x, topk_idx))
+                        res, use_fp8, use_ue8m0, stream), (x, topk_idx), buffer)
                     (rx, rs, count, src_rank, src_idx), event = got
                     h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
                 scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
                 hook, event = self._trigger(op, x, return_recv_hook, async_finish,
-                                            scales.fill if scales is not None else None)
+                                            scales.fill if scales is not None else None, buffer)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
                 return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
                         event, hook)
@@ -134,7 +143,7 @@ class LowLatencyMixin:
                 x, topk_idx, num_max, num_experts=int(num_experts),
                 use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
                 cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-                timeout=self.timeout)
+                timeout=self.timeout, buffer=buffer)
             # DeepEP's scale layout, made on the call's stream (inside run_on_streams)
             scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0).fill() if use_fp8 \
                 else None
@@ -175,13 +184,13 @@ class LowLatencyMixin:
                 raise ResourceExhausted(
                     "no counter slot is left in this session for the combine of a plain "
                     "low-latency dispatch (64 per session, shared by groups and armed calls)")
-            op = e.op
+            op, buffer = e.op, handle.buffer
             if mode == "plain":
                 result, event = self._plain(e, x, async_finish, lambda _stream: (
                     op.result if out is not None else T.clone(op.result)),
-                    (x, topk_idx, topk_weights))
+                    (x, topk_idx, topk_weights), buffer)
                 return result, event, None
-            hook, event = self._trigger(op, x, return_recv_hook, async_finish)
+            hook, event = self._trigger(op, x, return_recv_hook, async_finish, buffer=buffer)
             return op.result, event, hook
         cx, event = self._run(
             x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
@@ -248,14 +257,21 @@ class LowLatencyMixin:
                               source=source)
         return e
 
-    def _plain(self, e: Entry, x: Array, async_finish: bool, outputs, inputs: tuple):
-        """Trigger a plain call's op on the current stream (or the comm stream with
-        async_finish), then `outputs(stream)` copies its results for the caller on that stream;
-        (copies, event)."""
+    def _next_ll_buffer(self) -> int:
+        """The receive buffer of the next low-latency dispatch: they alternate, per Buffer."""
+        buffer = self._ll_buffer
+        self._ll_buffer ^= 1
+        return buffer
+
+    def _plain(self, e: Entry, x: Array, async_finish: bool, outputs, inputs: tuple,
+               buffer: int):
+        """Trigger a plain call's op (receive buffer `buffer`) on the current stream (or the
+        comm stream with async_finish), then `outputs(stream)` copies its results for the
+        caller on that stream; (copies, event)."""
         op = e.op
 
         def run():
-            stream = op.signal()
+            stream = op.signal(buffer=buffer)
             op.wait(stream)
             got = outputs(stream)
             self._stream_ops.triggered(e, stream)
@@ -286,7 +302,7 @@ class LowLatencyMixin:
             g.check()
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
-                 after: Any = None):
+                 after: Any = None, buffer: int = 0):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
         half is enqueued now and the hook enqueues the receive half. Else both halves, on the
         comm stream with an event after them when `async_finish` (run_on_streams). `after`
@@ -297,11 +313,11 @@ class LowLatencyMixin:
                 after()
 
         if return_recv_hook:
-            op.signal()
+            op.signal(buffer=buffer)
             return receive, EventOverlap()
 
         def both() -> None:
-            op.signal()
+            op.signal(buffer=buffer)
             receive()
 
         _, event = self._run(x, both, None, async_finish)

@@ -91,6 +91,7 @@ class LowLatencyBufferHandle(_TupleLike):
     num_max_dispatch_tokens_per_rank: int = 0
     hidden: int = 0
     num_experts: int = 0
+    buffer: int = 0  # the receive buffer the dispatch filled (its combine brings it back)
 
     def _field(self, name: str) -> Any:
         if name == "src_info":

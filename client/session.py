@@ -643,7 +643,7 @@ class Group:
                              round_scale: bool = False, use_ue8m0: bool = False,
                              cumulative_local_expert_recv_stats: Array = None,
                              timeout: float | None = None,
-                             copy: bool = True) -> LowLatencyDispatchResult:
+                             copy: bool = True, buffer: int = 0) -> LowLatencyDispatchResult:
         """Send each (token, expert) pair to the rank of that expert; every rank receives
         `[local experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` plus the counts
         (server/reference.py). `num_max_dispatch_tokens_per_rank` must be the same on every rank and
@@ -651,7 +651,9 @@ class Group:
         With use_fp8 the tokens are quantised on the source (e4m3 + float32 scales per 128
         channels); round_scale / use_ue8m0 make the scales powers of two (float32 here).
         `cumulative_local_expert_recv_stats` (int32 [local experts]) gets recv_count added in
-        place. Views (copy=False) stay valid until the next low-latency dispatch."""
+        place. Views (copy=False) stay valid until the next low-latency dispatch into the same
+        receive `buffer` (0 or 1, the same on every rank: two micro-batches in flight use one
+        each, as DeepEP's double buffer; the cuda backend's, the cpu backend copies)."""
         s = self._session
         stats = cumulative_local_expert_recv_stats
         d = s._descs({"x": x, "topk_idx": topk_idx,
@@ -665,7 +667,8 @@ class Group:
                     num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,
                     num_experts=self.spec.num_experts if num_experts is None else num_experts,
                     use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0,
-                    timeout_seconds=t, release_handles=released, **d), t + RPC_MARGIN))
+                    timeout_seconds=t, release_handles=released, buffer=buffer, **d),
+                t + RPC_MARGIN))
         except BaseException:
             self._requeue(released)
             raise
@@ -713,8 +716,9 @@ class Group:
                                  cumulative_local_expert_recv_stats: Array = None,
                                  timeout: float | None = None) -> StreamOp:
         """Arm a low-latency dispatch that reads `x` and `topk_idx` (fixed tensors) each time
-        it is launched from a CUDA stream; `op.result` holds the fixed output views
-        (recv_count etc. are valid after the stream passes `op.launch()`)."""
+        it is launched from a CUDA stream; `op.results[b]` holds the fixed output views in
+        receive buffer b (`op.result`: buffer 0), valid after the stream passes
+        `op.launch(buffer=b)`."""
         from .stream_ops import StreamOp
 
         s = self._session
@@ -729,16 +733,21 @@ class Group:
             use_ue8m0=use_ue8m0, timeout_seconds=self._timeout(timeout), **d)
         resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
             session_id=s.session_id, group_id=self.group_id, low_latency_dispatch=inner)))
-        r = resp.low_latency_dispatch
-        result = LowLatencyDispatchResult(
-            recv_x=self._view(r.recv_x, False, x),
-            recv_x_scales=self._view(r.recv_x_scales, False, x) if r.recv_x_scales.region_id
-            else None,
-            recv_count=self._view(r.recv_count, False, x), handle=None,
-            recv_src_rank=self._view(r.recv_src_rank, False, x),
-            recv_src_idx=self._view(r.recv_src_idx, False, x))
-        op = StreamOp(self, resp.op_id, resp.counter_slot, page, "dispatch", result, x)
-        result.handle = op
+        def result(r: epd_pb2.LowLatencyDispatchResponse) -> LowLatencyDispatchResult:
+            return LowLatencyDispatchResult(
+                recv_x=self._view(r.recv_x, False, x),
+                recv_x_scales=self._view(r.recv_x_scales, False, x)
+                if r.recv_x_scales.region_id else None,
+                recv_count=self._view(r.recv_count, False, x), handle=None,
+                recv_src_rank=self._view(r.recv_src_rank, False, x),
+                recv_src_idx=self._view(r.recv_src_idx, False, x))
+
+        results = [result(resp.low_latency_dispatch)]
+        if resp.HasField("low_latency_dispatch_buffer1"):  # (an engine of one buffer: no)
+            results.append(result(resp.low_latency_dispatch_buffer1))
+        op = StreamOp(self, resp.op_id, resp.counter_slot, page, "dispatch", results, x)
+        for r in results:
+            r.handle = op
         s._stream_ops[op.op_id] = op
         return op
 
@@ -760,7 +769,8 @@ class Group:
             session_id=s.session_id, group_id=self.group_id, low_latency_combine=inner,
             dispatch_op=dispatch_op.op_id)))
         result = out if out is not None else self._view(resp.combined_x, False, x)
-        op = StreamOp(self, resp.op_id, resp.counter_slot, page, "combine", result, x)
+        op = StreamOp(self, resp.op_id, resp.counter_slot, page, "combine",
+                      [result] * len(dispatch_op.results), x)
         s._stream_ops[op.op_id] = op
         return op
 

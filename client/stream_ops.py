@@ -5,18 +5,21 @@ by the engine once and has fixed inputs and outputs: the tensors given when armi
 every trigger, and the outputs are the views returned then. `launch()` enqueues on the caller's
 CUDA stream, with stream memory operations on two words of the session's counter page:
 
-    write done = 0;  write request = 1;  wait until done >= 1
+    write done = 0;  write request = 1 + b;  wait until done >= 1
 
 The engine's poller sees the request, launches the kernels on its own stream, and its last
 kernel writes `done` (1 ok, 2 | code << 8 failed, 3 released: the session or engine went away).
 Nothing runs on the client's host, so the three operations can be captured into a CUDA graph
 and replayed. `signal()` and `wait()` are the two halves (DeepEP's `return_recv_hook`: the
-caller's stream can do other work in between).
+caller's stream can do other work in between). b is the receive buffer (0 or 1, DeepEP's double
+buffer): a dispatch triggered with b fills `results[b]`; a combine triggered with b brings back
+the dispatch that buffer holds. Two micro-batches in flight (D0 D1 C0 C1) use one buffer each.
 
 Contract: one trigger of an op in flight at a time (a replay's wait ends before the next
-replay's write); trigger dispatch and combine alternately, in the same order on every rank;
-inputs must be complete on the stream before `launch()` (stream order gives that), outputs are
-valid after it, until this rank's next combine (dispatch outputs) or next combine (its output).
+replay's write); the same triggers with the same buffers in the same order on every rank;
+inputs must be complete on the stream before `launch()` (stream order gives that); a dispatch's
+outputs are valid after it until the next dispatch into the same buffer, a combine's until the
+next combine.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_REL
 
 class StreamOp:
     def __init__(self, group: Group, op_id: int, slot: int, page_device_ptr: int, kind: str,
-                 result: Any, template: Array) -> None:
+                 results: list[Any], template: Array) -> None:
         """`page_device_ptr`: the counter page as this process's streams address it (the
-        session's `memory.counter_page_device_ptr()`)."""
+        session's `memory.counter_page_device_ptr()`); `results[b]`: the outputs of a trigger
+        with receive buffer b."""
         s = group._session
-        self.group, self.op_id, self.kind, self.result = group, op_id, kind, result
+        self.group, self.op_id, self.kind, self.results = group, op_id, kind, results
         self._template = template
         self._device = s.device_ordinal
         assert s._counter_file is not None
@@ -59,23 +63,31 @@ class StreamOp:
             raise FailedPrecondition(f"stream op {self.op_id} was disarmed")
         return cuda_ipc.stream_handle(stream, self._template, self._device)
 
-    def signal(self, stream: Any = None) -> int:
-        """The send half: ask the engine to run the op once the stream gets here. Returns the
-        stream's handle."""
+    @property
+    def result(self) -> Any:
+        """The outputs of a trigger with receive buffer 0."""
+        return self.results[0]
+
+    def signal(self, stream: Any = None, buffer: int = 0) -> int:
+        """The send half: ask the engine to run the op once the stream gets here, with receive
+        buffer `buffer`. Returns the stream's handle."""
         h = self._stream(stream)
+        if not 0 <= buffer < len(self.results):
+            raise FailedPrecondition(f"receive buffer {buffer}: this op has "
+                                     f"{len(self.results)} (an engine of one buffer)")
         cuda_ipc.stream_write(h, self._done, 0)
-        cuda_ipc.stream_write(h, self._request, 1)
+        cuda_ipc.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
         return h
 
     def wait(self, stream: Any = None) -> None:
         """The receive half: later work on the stream waits for the op's outputs."""
         cuda_ipc.stream_wait_geq(self._stream(stream), self._done, DONE_OK)
 
-    def launch(self, stream: Any = None) -> Any:
-        """signal() then wait(); returns the op's outputs (fixed views)."""
-        self.signal(stream)
+    def launch(self, stream: Any = None, buffer: int = 0) -> Any:
+        """signal() then wait(); returns the op's outputs in that buffer (fixed views)."""
+        self.signal(stream, buffer)
         self.wait(stream)
-        return self.result
+        return self.results[buffer]
 
     def status(self) -> int:
         """The done word as the host sees it now (0 while a trigger is in flight)."""

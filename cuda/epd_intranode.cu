@@ -30,8 +30,6 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < T) {
         unsigned mask = 0;
-        if (topk_idx == nullptr)  // routed by is_token_in_rank alone
-            for (int d = 0; d < R; ++d) mask |= (routing_in[(i64)t * R + d] ? 1u : 0u) << d;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];
             if (e < -1 || e >= E) { report_bad_input(call_err, e); continue; }

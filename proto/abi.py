@@ -91,6 +91,10 @@ SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 
 # -- stream-ordered ops: int32 words of the op's counter slot ----------------------------------
 STREAM_REQUEST, STREAM_DONE = 0, 1
+# A trigger writes request = REQUEST_BUFFER0 + b: the low-latency receive buffer b (0 or 1) the
+# dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).
+REQUEST_BUFFER0 = 1
+LL_BUFFERS = 2
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
 DONE_CODE_SHIFT = 8
 

@@ -34,3 +34,21 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
         from epd.server.backends.cuda_kernels import Kernels
         for name in Kernels.NAMES:  # (templates are mangled; their compile is checked above)
             assert re.search(rf"\b{name}\b", names), f"kernel {name} missing from the object"
+
+
+@needs_nvcc
+def test_client_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    """The client's copy-out kernels (client/received_rows.py, compiled by CuPy at run time)."""
+    from epd.client import received_rows
+
+    src = tmp_path / "received_rows.cu"
+    src.write_text(received_rows._SOURCE)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
+                           str(tmp_path / "r.o")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert not [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()]
+    if shutil.which("cuobjdump"):
+        names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / "r.o")],
+                               capture_output=True, text=True, timeout=60).stdout
+        for name in ("epd_copy_received_rows", "epd_copy_received_scales"):
+            assert re.search(rf"\b{name}\b", names), name

@@ -52,13 +52,20 @@ def test_packed_launch_sequence_argument(kernel: str, index: int, count: int) ->
 def test_low_latency_layout_is_aligned_and_disjoint() -> None:
     lay = ck.LowLatencyLayout.build(1000, num_ranks=2, num_local_experts=128, hidden=7168,
                                     num_topk=8, max_tokens=128, itemsize=2)
-    offs = sorted(lay.offsets.items(), key=lambda kv: kv[1])
-    assert offs[0][1] >= 1000
-    for (_, a), (_, b) in itertools.pairwise(offs):
-        assert a % ck.ALIGN == 0 and b > a
+    # every buffer of both receive buffers and the shared ones, each at least its size
     rows = 128 * 2 * 128
-    assert lay.offsets["scales"] - lay.offsets["recv_x"] >= rows * 7168 * 2
-    assert lay.end - lay.offsets["combined_x"] >= 128 * 7168 * 2
+    sizes = {"counters": 2 * 128 * 4, "recv_x": rows * 7168 * 2, "scales": rows * 56 * 4,
+             "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
+             "recv_count": 128 * 4, "topk": 128 * 8 * 8, "comb": 128 * 8 * 7168 * 2,
+             "combined_x": 128 * 7168 * 2}
+    spans = sorted((lay.offset(n, b), sizes[n], f"{n}/{b}") for n in sizes
+                   for b in ((0, 1) if n in lay.PER_BUFFER else (0,)))
+    assert spans[0][0] >= 1000 and len(spans) == 17
+    for (a, size, name), (b, _, _) in itertools.pairwise(spans):
+        assert a % ck.ALIGN == 0 and b >= a + size, name
+    assert lay.end >= spans[-1][0] + spans[-1][1]
+    assert lay.offset("recv_x", 1) - lay.offset("recv_x", 0) == lay.buffer_stride
+    assert lay.offset("comb", 1) == lay.offset("comb", 0)  # shared
     with pytest.raises(ValueError, match="1024 local experts"):
         ck.LowLatencyLayout.build(0, num_ranks=1, num_local_experts=2048, hidden=128,
                                   num_topk=1, max_tokens=1, itemsize=2)

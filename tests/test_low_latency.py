@@ -292,6 +292,7 @@ def test_bad_input(daemon, fast: bool) -> None:
                     x, i, 8, cumulative_local_expert_recv_stats=np.zeros(E, np.int32)),
                 "stats wrong dtype": lambda: g.low_latency_dispatch(
                     x, i, 8, cumulative_local_expert_recv_stats=np.zeros(E // R, np.int64)),
+                "receive buffer 2": lambda: g.low_latency_dispatch(x, i, 8, buffer=2),
             }
             for what, call in cases.items():
                 errors.append((what, *_code(call)))
@@ -349,6 +350,7 @@ def test_bad_input(daemon, fast: bool) -> None:
         "round_scale without fp8": (INV, "they need use_fp8"),
         "stats wrong shape": (INV, "expected [4] (local experts)"),
         "stats wrong dtype": (INV, "cumulative_local_expert_recv_stats: dtype int64"),
+        "receive buffer 2": (INV, "buffer=2: a rank has receive buffers 0 and 1"),
         "unknown handle": (PRE, "handle 999 is not known"),
         "x wrong rows": (INV, "expected [4, 24, 256]"),
         "combine x float32": (INV, "x: dtype float32 is not one of ['bfloat16']"),
@@ -591,7 +593,7 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     from epd.server.engine import stream_ops as S
 
     launched: list = []
-    comm = types.SimpleNamespace(launch_prepared=launched.append)
+    comm = types.SimpleNamespace(launch_prepared=lambda p, b: launched.append((p, b)))
     member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="g"),
                                    dispatches=0, combines=0)
     session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
@@ -599,17 +601,24 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     words = np.zeros(8, np.int32)
     op = S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared")
     ops = S.StreamOps(types.SimpleNamespace(index=0))
-    ops._fire(op)
-    assert launched == ["prepared"] and member.dispatches == 1
+    ops._fire(op, 1)  # request = 1 + receive buffer
+    ops._fire(op, 2)
+    assert launched == [("prepared", 0), ("prepared", 1)] and member.dispatches == 2
+    for bad in (3, -1, 1 << 20):  # a request word no client writes: the op fails, no launch
+        words[S.DONE] = 0
+        ops._fire(op, bad)
+        assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)
+    assert len(launched) == 2
 
-    def fail(_prepared) -> None:
+    def fail(_prepared, _buffer) -> None:
         raise RuntimeError("launch failed")
     comm.launch_prepared = fail
-    ops._fire(op)
+    words[S.DONE] = 0
+    ops._fire(op, 1)
     assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)
     session.stream_ops[1] = ops.ops[1] = op
     ops.release_session(session)
     assert words[S.DONE] == S.DONE_RELEASED and not ops.ops and not session.stream_ops
     assert session.free_slots == [3] and not op.armed
-    ops._fire(op)  # a trigger seen after the release launches nothing
-    assert launched == ["prepared"]
+    ops._fire(op, 1)  # a trigger seen after the release launches nothing
+    assert len(launched) == 2

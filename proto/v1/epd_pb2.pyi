@@ -471,7 +471,7 @@ class CombineResponse(_message.Message):
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., stream_seq: _Optional[int] = ...) -> None: ...
 
 class LowLatencyDispatchRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event", "release_handles")
+    __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event", "release_handles", "buffer")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -485,6 +485,7 @@ class LowLatencyDispatchRequest(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_HANDLES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -498,7 +499,8 @@ class LowLatencyDispatchRequest(_message.Message):
     timeout_seconds: float
     ready_event: bytes
     release_handles: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_max_dispatch_tokens_per_rank: _Optional[int] = ..., num_experts: _Optional[int] = ..., use_fp8: _Optional[bool] = ..., round_scale: _Optional[bool] = ..., use_ue8m0: _Optional[bool] = ..., cumulative_local_expert_recv_stats: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., release_handles: _Optional[_Iterable[int]] = ...) -> None: ...
+    buffer: int
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_max_dispatch_tokens_per_rank: _Optional[int] = ..., num_experts: _Optional[int] = ..., use_fp8: _Optional[bool] = ..., round_scale: _Optional[bool] = ..., use_ue8m0: _Optional[bool] = ..., cumulative_local_expert_recv_stats: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., release_handles: _Optional[_Iterable[int]] = ..., buffer: _Optional[int] = ...) -> None: ...
 
 class LowLatencyDispatchResponse(_message.Message):
     __slots__ = ("recv_x", "recv_x_scales", "recv_count", "handle", "recv_src_rank", "recv_src_idx")
@@ -559,16 +561,18 @@ class ArmStreamOpRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ...) -> None: ...
 
 class ArmStreamOpResponse(_message.Message):
-    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x")
+    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
     COMBINED_X_FIELD_NUMBER: _ClassVar[int]
+    LOW_LATENCY_DISPATCH_BUFFER1_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     counter_slot: int
     low_latency_dispatch: LowLatencyDispatchResponse
     combined_x: TensorDesc
-    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
+    low_latency_dispatch_buffer1: LowLatencyDispatchResponse
+    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ...) -> None: ...
 
 class DisarmStreamOpRequest(_message.Message):
     __slots__ = ("session_id", "op_id")

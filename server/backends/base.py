@@ -197,6 +197,7 @@ class LowLatencyDispatchArgs:
     use_fp8: bool = False
     round_scale: bool = False  # use_ue8m0 arrives here as round_scale=True
     topk_idx_host: np.ndarray | None = None  # host copy (the engine's checks made one)
+    buffer: int = 0  # receive buffer 0 or 1 (two micro-batches in flight); cuda backend
 
 
 @dataclass
@@ -328,8 +329,10 @@ class RankComm(abc.ABC):
 
     # Stream-ordered low-latency calls (armed once, triggered from the client's CUDA stream):
     # launch without any host synchronisation; a last kernel writes the op's done word.
-    def low_latency_outputs(self, num_max: int, use_fp8: bool) -> LowLatencyDispatchOutputs:
-        """The fixed output views of low-latency dispatch (counts not known: num_recv_rows 0)."""
+    def low_latency_outputs(self, num_max: int, use_fp8: bool,
+                            buffer: int = 0) -> LowLatencyDispatchOutputs:
+        """The fixed output views of low-latency dispatch in receive buffer `buffer` (counts
+        not known: num_recv_rows 0)."""
         raise self._no_stream_ops()
 
     def low_latency_combine_view(self, num_tokens: int) -> Array:
@@ -346,8 +349,9 @@ class RankComm(abc.ABC):
         """Pack an armed combine's launches; `dispatch` is its prepared dispatch."""
         raise self._no_stream_ops()
 
-    def launch_prepared(self, prepared: Any) -> None:
-        """Launch a prepared op with the next sequence (no host synchronisation)."""
+    def launch_prepared(self, prepared: Any, buffer: int = 0) -> None:
+        """Launch a prepared op with the next sequence (no host synchronisation): a dispatch
+        into receive buffer `buffer`, a combine of the dispatch that buffer holds."""
         raise self._no_stream_ops()
 
     stream_ordered = False  # whether the stream_* calls below are implemented

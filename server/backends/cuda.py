@@ -23,7 +23,7 @@ import ctypes
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -157,6 +157,12 @@ class MappedCounterPage(CounterPage):
             self.fd = -1
 
 
+def _overwritten(sequence: int, buffer: int, latest: int) -> str:
+    return (f"low-latency dispatch #{sequence} in receive buffer {buffer} was overwritten by "
+            f"dispatch #{latest}; two dispatches can be in flight, one per buffer (DeepEP's "
+            f"double buffer): combine each before a third dispatch reuses its buffer")
+
+
 def _routing(args: DispatchArgs) -> tuple[Any, Any] | None:
     """A dispatch without top-k routes by (is_token_in_rank, num_tokens_per_expert)."""
     if args.topk_idx is not None or args.cached is not None:
@@ -177,6 +183,7 @@ class _LowLatencyHandle:
     num_tokens: int
     num_max: int
     topk_idx: np.ndarray  # host copy: combine entries are checked against it
+    buffer: int = 0  # the receive buffer it filled
 
 
 @dataclass
@@ -187,8 +194,9 @@ class _PreparedDispatch:
     launch: Any
     done: Any
     stats: Any
-    counts: Any  # recv_count view (for stats)
-    sequence: int = 0  # of the latest trigger
+    counts: tuple[Any, Any]  # recv_count views of both receive buffers (for stats)
+    # the sequence of the latest trigger into each receive buffer (0: none yet)
+    sequences: list[int] = field(default_factory=lambda: [0] * abi.LL_BUFFERS)
 
 
 @dataclass
@@ -384,10 +392,10 @@ class CudaRankComm(RankComm):
             seq = runner.ll_dispatch(args.x, args.topk_idx, m, fp8=args.use_fp8,
                                      round_scale=args.round_scale,
                                      timeout_ns=self._timeout_ns(deadline),
-                                     num_sms=self.ll_num_sms)
+                                     num_sms=self.ll_num_sms, buffer=args.buffer)
             runner.stream.synchronize()
             self._raise_if_failed()
-            outs = runner.ll_outputs(m, args.use_fp8)
+            outs = runner.ll_outputs(m, args.use_fp8, args.buffer)
             counts = cp.asnumpy(outs["recv_count"])
         row = spec.hidden * (1 if args.use_fp8 else spec.x_numpy_dtype.itemsize) + (
             spec.hidden // dtypes.FP8_BLOCK * 4 if args.use_fp8 else 0)
@@ -396,7 +404,7 @@ class CudaRankComm(RankComm):
             recv_x=outs["recv_x"], recv_x_scales=outs.get("recv_x_scales"),
             recv_count=outs["recv_count"], recv_src_rank=outs["recv_src_rank"],
             recv_src_idx=outs["recv_src_idx"], num_recv_rows=n,
-            handle=_LowLatencyHandle(seq, t, m, idx_host),
+            handle=_LowLatencyHandle(seq, t, m, idx_host, args.buffer),
             bytes_sent=int((idx_host >= 0).sum()) * row, bytes_received=n * row)
 
     def low_latency_combine(self, args: LowLatencyCombineArgs,
@@ -405,10 +413,9 @@ class CudaRankComm(RankComm):
         spec, runner = self.spec, self.runner
         self._ll_layout()
         h: _LowLatencyHandle = args.handle
-        if h.sequence != runner.seq["ll_dispatch"]:
-            raise FailedPrecondition(f"low-latency dispatch #{h.sequence} was overwritten by a "
-                                     f"later one (#{runner.seq['ll_dispatch']}); combine the "
-                                     f"latest dispatch")
+        if runner.ll_filled[h.buffer] != h.sequence:
+            raise FailedPrecondition(_overwritten(h.sequence, h.buffer,
+                                                  runner.ll_filled[h.buffer]))
         with cp.cuda.Device(self.backend.device):
             check_combine_routing(h.topk_idx, args.topk_idx_host if args.topk_idx_host is not None
                                   else cp.asnumpy(args.topk_idx))
@@ -419,20 +426,21 @@ class CudaRankComm(RankComm):
             weights = cp.ascontiguousarray(args.topk_weights)
             runner.ll_combine(args.x, args.topk_idx, weights, out, h.num_max,
                               timeout_ns=self._timeout_ns(deadline),
-                              num_sms=self.ll_num_sms)
+                              num_sms=self.ll_num_sms, buffer=h.buffer)
             runner.stream.synchronize()
             self._raise_if_failed()
         nbytes = int((h.topk_idx >= 0).sum()) * spec.hidden * spec.x_numpy_dtype.itemsize
         return LowLatencyCombineOutputs(out, bytes_sent=nbytes, bytes_received=nbytes)
 
     # -- stream-ordered low-latency calls ------------------------------------------------------
-    def low_latency_outputs(self, num_max: int, use_fp8: bool) -> LowLatencyDispatchOutputs:
+    def low_latency_outputs(self, num_max: int, use_fp8: bool,
+                            buffer: int = 0) -> LowLatencyDispatchOutputs:
         from ...proto.errors import FailedPrecondition
         self._ll_layout()
         if use_fp8 and self.spec.x_numpy_dtype != dtypes.BFLOAT16:
             raise FailedPrecondition("FP8 low-latency dispatch quantises bf16 inputs; the "
                                      f"group's dtype is {self.spec.x_numpy_dtype}")
-        outs = self.runner.ll_outputs(num_max, use_fp8)
+        outs = self.runner.ll_outputs(num_max, use_fp8, buffer)
         return LowLatencyDispatchOutputs(
             recv_x=outs["recv_x"], recv_x_scales=outs.get("recv_x_scales"),
             recv_count=outs["recv_count"], recv_src_rank=outs["recv_src_rank"],
@@ -459,7 +467,8 @@ class CudaRankComm(RankComm):
             except ValueError as e:
                 raise InvalidArgument(f"stream-ordered dispatch: {e}") from None
             done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
-            counts = runner.ll_view("recv_count", (self.spec.num_local_experts,), np.int32)
+            counts = tuple(runner.ll_view("recv_count", (self.spec.num_local_experts,),
+                                          np.int32, b) for b in range(abi.LL_BUFFERS))
         return _PreparedDispatch(args, launch, done, stats, counts)
 
     def prepare_low_latency_combine(self, args: LowLatencyCombineArgs, dispatch: Any,
@@ -478,20 +487,23 @@ class CudaRankComm(RankComm):
             done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
         return _PreparedCombine(args, launches, done, dispatch, out)
 
-    def launch_prepared(self, prepared: Any) -> None:
+    def launch_prepared(self, prepared: Any, buffer: int = 0) -> None:
         from ...proto.errors import FailedPrecondition
         runner = self.runner
         if isinstance(prepared, _PreparedDispatch):
-            prepared.sequence = runner.ll_dispatch_again(prepared.launch)
+            prepared.sequences[buffer] = runner.ll_dispatch_again(prepared.launch, buffer)
             if prepared.stats is not None:
                 with runner.stream:
-                    prepared.stats += prepared.counts
+                    prepared.stats += prepared.counts[buffer]
             prepared.done(runner.stream)
             return
-        if prepared.dispatch.sequence != runner.seq["ll_dispatch"]:
-            raise FailedPrecondition("the armed dispatch has not run since the last low-latency "
-                                     "dispatch of this rank (trigger them in order)")
-        runner.ll_combine_again(prepared.launches)
+        mine = prepared.dispatch.sequences[buffer]
+        if not mine or runner.ll_filled[buffer] != mine:
+            raise FailedPrecondition(
+                f"receive buffer {buffer} does not hold the armed dispatch: "
+                + (_overwritten(mine, buffer, runner.ll_filled[buffer]) if mine else
+                   "it was never triggered into that buffer (trigger the dispatch first)"))
+        runner.ll_combine_again(prepared.launches, buffer)
         prepared.done(runner.stream)
 
     # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------

@@ -138,7 +138,15 @@ class RankBufferLayout:
 @dataclass(frozen=True)
 class LowLatencyLayout:
     """Low-latency buffers of one group-rank (cuda/epd_low_latency.cu), at byte offsets from
-    the rank's buffer base, placed from `start`. Sized for `max_tokens` rows per source."""
+    the rank's buffer base, placed from `start`. Sized for `max_tokens` rows per source.
+
+    Two receive buffers (DeepEP's double buffer), so that two micro-batches can be in flight
+    (D0 D1 C0 C1): what a dispatch fills and its combine reads back (`PER_BUFFER`) exists twice,
+    `buffer_stride` bytes apart; the slot counters (by sequence parity) and the combine's
+    landing rows (combines run one after the other) are shared. The kernels take every offset
+    as an argument, so a launch picks its buffer by the offsets it is given (`offset`)."""
+
+    PER_BUFFER = ("recv_x", "scales", "src_rank", "src_idx", "src_k", "recv_count", "topk")
 
     num_ranks: int
     num_local_experts: int
@@ -146,8 +154,9 @@ class LowLatencyLayout:
     num_topk: int
     max_tokens: int
     itemsize: int
-    offsets: dict[str, int] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)  # buffer 0's, and the shared ones
     end: int = 0
+    buffer_stride: int = 0
 
     @classmethod
     def build(cls, start: int, *, num_ranks: int, num_local_experts: int, hidden: int,
@@ -157,17 +166,29 @@ class LowLatencyLayout:
             raise ValueError(f"low-latency mode supports at most {LL_MAX_LOCAL_EXPERTS} local "
                              f"experts per rank")
         rows = lx * r * m
-        sizes = [("recv_x", rows * h * itemsize),  # FP8 calls use its first rows * h bytes
-                 ("scales", rows * max(h // FP8_BLOCK, 1) * 4),
-                 ("src_rank", rows * 4), ("src_idx", rows * 4), ("src_k", rows * 4),
-                 ("counters", 2 * lx * 4), ("recv_count", lx * 4),
-                 ("comb", m * k * h * itemsize), ("topk", m * k * 8),
-                 ("combined_x", m * h * itemsize)]
+        per_buffer = {"recv_x": rows * h * itemsize,  # FP8 calls use its first rows * h bytes
+                      "scales": rows * max(h // FP8_BLOCK, 1) * 4,
+                      "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
+                      "recv_count": lx * 4, "topk": m * k * 8}
         offsets, cur = {}, _align(start)
-        for name, size in sizes:
+        offsets["counters"] = cur
+        cur += _align(2 * lx * 4)
+        first = cur
+        for name in cls.PER_BUFFER:
+            offsets[name] = cur
+            cur += _align(max(per_buffer[name], 16))
+        stride = cur - first
+        cur += stride  # buffer 1
+        for name, size in (("comb", m * k * h * itemsize), ("combined_x", m * h * itemsize)):
             offsets[name] = cur
             cur += _align(max(size, 16))
-        return cls(r, lx, h, k, m, itemsize, offsets, cur)
+        return cls(r, lx, h, k, m, itemsize, offsets, cur, stride)
+
+    def offset(self, name: str, buffer: int = 0) -> int:
+        """Byte offset of a buffer; the receive buffers exist twice (0 and 1)."""
+        if buffer and name in self.PER_BUFFER:
+            return self.offsets[name] + buffer * self.buffer_stride
+        return self.offsets[name]
 
 
 @dataclass
@@ -445,6 +466,11 @@ class Kernels:
 _P, _I64, _I32, _U64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64
 _U32 = ctypes.c_uint32
 LL_DISPATCH_SEQ, LL_PUSH_SEQ, LL_REDUCE_SEQ = 22, 15, 13  # argument index of `seq`
+# argument index -> LowLatencyLayout.PER_BUFFER name, of the offsets that pick a receive buffer
+LL_DISPATCH_BUFFER_ARGS = {14: "recv_x", 15: "scales", 16: "src_rank", 17: "src_idx",
+                           18: "src_k", 20: "recv_count", 21: "topk"}
+LL_PUSH_BUFFER_ARGS = {10: "src_rank", 11: "src_idx", 12: "src_k", 13: "recv_count"}
+LL_REDUCE_BUFFER_ARGS = {12: "topk"}
 CALL_DONE_SEQ = 3
 
 
@@ -463,6 +489,11 @@ class Launch:
 
     def set(self, index: int, value: int) -> None:
         self._vals[index].value = value
+
+    def set_buffer(self, args: dict[int, str], layout: LowLatencyLayout, buffer: int) -> None:
+        """Point a low-latency launch at receive buffer 0 or 1 (LL_*_BUFFER_ARGS)."""
+        for index, name in args.items():
+            self._vals[index].value = layout.offset(name, buffer)
 
     def __call__(self, stream: Any = None) -> None:
         ptr = stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr

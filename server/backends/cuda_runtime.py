@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ...proto import abi
 from . import cuda_kernels as ck
 
 cp = ck.cp
@@ -70,6 +71,9 @@ class RankRunner:
         self.base = int(peer_bases[rank])
         self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)
         self.seq = {"notify": 0, "dispatch": 0, "combine": 0, "ll_dispatch": 0, "ll_combine": 0}
+        # the low-latency dispatch sequence that last filled each receive buffer (0: none):
+        # a combine brings back a dispatch only while its buffer still holds it
+        self.ll_filled = [0] * abi.LL_BUFFERS
         self._keep: tuple = ()
 
     def reset_ctrl(self) -> None:
@@ -123,67 +127,78 @@ class RankRunner:
     # -- low-latency mode (asynchronous on self.stream; outputs stay in the buffers) --------
     def reset_low_latency(self) -> None:
         """Zero the slot counters (a previous group at this offset may have left them)."""
-        o = self.ll.offsets
         with cp.cuda.Device(self.device_id):
-            cp.cuda.runtime.memset(self.base + o["counters"], 0,
-                                   o["recv_count"] - o["counters"])
+            cp.cuda.runtime.memset(self.base + self.ll.offset("counters"), 0,
+                                   2 * self.ll.num_local_experts * 4)
 
     def ll_dispatch(self, x: Any, topk_idx: Any, m: int, *, fp8: bool = False,
                     round_scale: bool = False, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                    num_sms: int = 64) -> int:
-        """Launch; returns the sequence (the combine of this dispatch passes nothing back)."""
+                    num_sms: int = 64, buffer: int = 0) -> int:
+        """Launch into receive buffer `buffer`; returns the sequence (the combine of this
+        dispatch passes nothing back)."""
         with cp.cuda.Device(self.device_id):
             idx = cp.ascontiguousarray(topk_idx)
             self._keep = (idx,)  # a copy must outlive the launch: kept until the next one
             launch = self.k.ll_dispatch_launch(
                 x, idx, self.ll, self.rank, self.peers, m, fp8=fp8, round_scale=round_scale,
                 timeout_ns=timeout_ns, num_sms=num_sms)
-            return self.ll_dispatch_again(launch)
+            return self.ll_dispatch_again(launch, buffer)
 
-    def ll_dispatch_again(self, launch: Any) -> int:
-        """Launch a packed low-latency dispatch (ll_dispatch_launch) with the next sequence."""
+    def ll_dispatch_again(self, launch: Any, buffer: int = 0) -> int:
+        """Launch a packed low-latency dispatch (ll_dispatch_launch) with the next sequence,
+        into receive buffer `buffer`."""
         self.seq["ll_dispatch"] += 1
-        launch.set(ck.LL_DISPATCH_SEQ, self.seq["ll_dispatch"])
+        seq = self.seq["ll_dispatch"]
+        launch.set(ck.LL_DISPATCH_SEQ, seq)
+        launch.set_buffer(ck.LL_DISPATCH_BUFFER_ARGS, self.ll, buffer)
         launch(self.stream)
-        return self.seq["ll_dispatch"]
+        self.ll_filled[buffer] = seq
+        return seq
 
     def ll_combine(self, y: Any, topk_idx: Any, weights: Any, out: Any, m: int, *,
-                   timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 64) -> None:
+                   timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 64,
+                   buffer: int = 0) -> None:
         with cp.cuda.Device(self.device_id):
             idx, w = cp.ascontiguousarray(topk_idx), cp.ascontiguousarray(weights)
             self._keep = (idx, w)
             launches = self.k.ll_combine_launches(
                 y, idx, w, out, self.ll, self.rank, self.peers, m, timeout_ns=timeout_ns,
                 num_sms=num_sms)
-            self.ll_combine_again(launches)
+            self.ll_combine_again(launches, buffer)
 
-    def ll_combine_again(self, launches: tuple[Any, Any]) -> None:
-        """Launch a packed low-latency combine (push, reduce) with the next sequence."""
+    def ll_combine_again(self, launches: tuple[Any, Any], buffer: int = 0) -> None:
+        """Launch a packed low-latency combine (push, reduce) with the next sequence, bringing
+        back the dispatch in receive buffer `buffer`."""
         self.seq["ll_combine"] += 1
         push, reduce = launches
         push.set(ck.LL_PUSH_SEQ, self.seq["ll_combine"])
         reduce.set(ck.LL_REDUCE_SEQ, self.seq["ll_combine"])
+        push.set_buffer(ck.LL_PUSH_BUFFER_ARGS, self.ll, buffer)
+        reduce.set_buffer(ck.LL_REDUCE_BUFFER_ARGS, self.ll, buffer)
         push(self.stream)
         reduce(self.stream)
 
-    def ll_view(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+    def ll_view(self, name: str, shape: tuple[int, ...], dtype: Any, buffer: int = 0) -> Any:
         """A view of one low-latency buffer of this rank (see LowLatencyLayout)."""
         dt = np.dtype(dtype)
         n = max(int(np.prod(shape)) * dt.itemsize, 1)
-        mem = cp.cuda.UnownedMemory(self.base + self.ll.offsets[name], n, self, self.device_id)
+        mem = cp.cuda.UnownedMemory(self.base + self.ll.offset(name, buffer), n, self,
+                                    self.device_id)
         return cp.ndarray(shape, dt, memptr=cp.cuda.MemoryPointer(mem, 0))
 
-    def ll_outputs(self, m: int, fp8: bool) -> dict[str, Any]:
+    def ll_outputs(self, m: int, fp8: bool, buffer: int = 0) -> dict[str, Any]:
         lay = self.ll
         lx, rows, h = lay.num_local_experts, lay.num_ranks * m, lay.hidden
-        out = {"recv_x": self.ll_view("recv_x", (lx, rows, h),
-                                      np.uint8 if fp8 else self.x_dtype),
-               "recv_count": self.ll_view("recv_count", (lx,), np.int32),
-               "recv_src_rank": self.ll_view("src_rank", (lx, rows), np.int32),
-               "recv_src_idx": self.ll_view("src_idx", (lx, rows), np.int32)}
+
+        def view(name: str, shape: tuple[int, ...], dtype: Any) -> Any:
+            return self.ll_view(name, shape, dtype, buffer)
+
+        out = {"recv_x": view("recv_x", (lx, rows, h), np.uint8 if fp8 else self.x_dtype),
+               "recv_count": view("recv_count", (lx,), np.int32),
+               "recv_src_rank": view("src_rank", (lx, rows), np.int32),
+               "recv_src_idx": view("src_idx", (lx, rows), np.int32)}
         if fp8:
-            out["recv_x_scales"] = self.ll_view("scales", (lx, rows, h // ck.FP8_BLOCK),
-                                                np.float32)
+            out["recv_x_scales"] = view("scales", (lx, rows, h // ck.FP8_BLOCK), np.float32)
         return out
 
     def abort(self, code: int = ck.ERR_ABORTED) -> None:

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ...proto import counter_page, dtypes
+from ...proto import abi, counter_page, dtypes
 from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
@@ -437,8 +437,11 @@ class DataPlane:
                 raise InvalidArgument(f"cumulative_local_expert_recv_stats has shape "
                                       f"{list(stats.shape)}, expected "
                                       f"[{spec.num_local_experts}] (local experts)")
+        if req.buffer >= abi.LL_BUFFERS:
+            raise InvalidArgument(f"buffer={req.buffer}: a rank has receive buffers 0 and 1")
         # use_ue8m0: power-of-two scales, i.e. round_scale (carried as float32 here).
-        args = LowLatencyDispatchArgs(x, idx, m, req.use_fp8, req.round_scale or req.use_ue8m0)
+        args = LowLatencyDispatchArgs(x, idx, m, req.use_fp8, req.round_scale or req.use_ue8m0,
+                                      buffer=req.buffer)
         return member, args, stats
 
     def ll_dispatch_op(self, session: Session, req: epd_pb2.LowLatencyDispatchRequest,

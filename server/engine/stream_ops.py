@@ -4,7 +4,8 @@ A client arms an operation once over gRPC (validated like the call itself, apart
 values of topk_idx, which are only ready when the client's stream gets there). Each armed op owns
 a slot of the session's counter page, which the client's CUDA context maps too; int32 word 0 is
 the request doorbell, word 1 the done word. The client's stream writes `done = 0`,
-`request = 1` and waits for `done >= 1` (stream memory operations, capturable). One poller
+`request = 1 + b` and waits for `done >= 1` (stream memory operations, capturable); b is the
+receive buffer (0 or 1) a dispatch fills, or whose dispatch a combine brings back. One poller
 thread per engine watches the doorbells of every armed op: it clears the doorbell, launches the
 op's kernels on the rank's stream without any host synchronisation, and a last kernel writes
 `done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
@@ -93,10 +94,11 @@ class StreamOps:
             inner = req.low_latency_dispatch
             inner.group_id = inner.group_id or req.group_id
             member, args, stats = e.ll_dispatch_args(session, inner)
-            outs = member.comm.low_latency_outputs(args.num_max_dispatch_tokens_per_rank,
-                                                   args.use_fp8)
+            views = [ll_dispatch_response(member, member.comm.low_latency_outputs(
+                args.num_max_dispatch_tokens_per_rank, args.use_fp8, b), args.use_fp8, 0)
+                for b in range(abi.LL_BUFFERS)]  # the trigger's request word picks one
             kind, src, resp = KIND_DISPATCH, None, epd_pb2.ArmStreamOpResponse(
-                low_latency_dispatch=ll_dispatch_response(member, outs, args.use_fp8, 0))
+                low_latency_dispatch=views[0], low_latency_dispatch_buffer1=views[1])
         else:
             inner = req.low_latency_combine
             inner.group_id = inner.group_id or req.group_id
@@ -204,9 +206,10 @@ class StreamOps:
                 continue
             fired = False
             for op in ops:
-                if op.words[REQUEST] != 0:
+                request = int(op.words[REQUEST])
+                if request != 0:
                     op.words[REQUEST] = 0
-                    self._fire(op)
+                    self._fire(op, request)
                     fired = True
             now = time.perf_counter()
             if fired:
@@ -216,16 +219,21 @@ class StreamOps:
             else:
                 time.sleep(0)  # spin without holding the GIL (the sessions' threads need it)
 
-    def _fire(self, op: StreamOp) -> None:
+    def _fire(self, op: StreamOp, request: int) -> None:
+        """Launch an op whose doorbell rang with `request` (REQUEST_BUFFER0 + receive buffer)."""
         code = "OK"
         t0 = time.perf_counter()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
                    else contextlib.nullcontext())
         try:
+            buffer = request - abi.REQUEST_BUFFER0
+            if not 0 <= buffer < abi.LL_BUFFERS:
+                raise InvalidArgument(f"request word {request}: a trigger writes "
+                                      f"{abi.REQUEST_BUFFER0} + the receive buffer (0 or 1)")
             with latency, op.session.op_lock:
                 if not op.armed:
                     return
-                op.member.comm.launch_prepared(op.prepared)
+                op.member.comm.launch_prepared(op.prepared, buffer)
                 if op.kind == KIND_DISPATCH:
                     op.member.dispatches += 1
                 else:

@@ -181,3 +181,118 @@ def test_low_latency_graph_capture_on_first_appearance(daemon) -> None:
         for r in range(R):
             np.testing.assert_array_equal(results[r]["cx"][it], _combined(xs, idx, w, r, True),
                                           err_msg=f"replay {it} rank {r}")
+
+
+# -- two micro-batches in flight (vLLM DBO, SGLang two-batch overlap): D0 D1 C0 C1 -------------
+
+MB_TOKENS = ((32, 12), (5, 32))  # (rank 0, rank 1) tokens of micro-batch 0 and 1
+
+
+def _mb_inputs(mode: int, it: int, b: int, rank: int):
+    return _inputs(300 + 20 * mode + 2 * it + b, rank, MB_TOKENS[b][rank])
+
+
+def _micro_batches_rank(rank: int, socket: str, device: int, q) -> None:
+    """D0 D1 C0 C1 on one Buffer: plain calls, receive hooks, and a CUDA graph of the whole
+    sequence replayed with fresh inputs. Identity experts (bf16), so each combine must give
+    sum_k w * x of its own micro-batch; the dispatch rows are checked too."""
+    try:
+        import torch
+
+        from epd.client import Session
+        from epd.client.buffer import Buffer
+        torch.cuda.set_device(device)
+        res: dict = {"rank": rank, "runs": []}
+        t = [MB_TOKENS[b][rank] for b in range(2)]
+        with Session(socket, client_name=f"gpu-ll-mb-{rank}", timeout=30) as s:
+            buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                         group_name="gpu-ll-micro-batches")
+
+            def compact(recv, count, handle):
+                return _compact(SimpleNamespace(
+                    recv_x=recv, recv_count=count, recv_x_scales=None,
+                    recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX)
+
+            for it in range(2):  # plain calls: outputs are the caller's own
+                ins = [[_to_torch(a, device) for a in _mb_inputs(0, it, b, rank)]
+                       for b in range(2)]
+                d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False) for x, idx, _ in ins]
+                c = [buf.low_latency_combine(d[b][0], ins[b][1], ins[b][2], d[b][2])[0]
+                     for b in range(2)]
+                torch.cuda.synchronize()
+                buf.check()
+                res["runs"].append({"mode": 0, "it": it, "cx": [_bits(v) for v in c],
+                                    "compact": [compact(d[b][0], d[b][1], d[b][2])
+                                                for b in range(2)]})
+            for it in range(2):  # receive hooks, combine outputs into the caller's tensors
+                ins = [[_to_torch(a, device) for a in _mb_inputs(1, it, b, rank)]
+                       for b in range(2)]
+                outs = [torch.empty((t[b], H), dtype=torch.bfloat16, device=device)
+                        for b in range(2)]
+                d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                              return_recv_hook=True) for x, idx, _ in ins]
+                for b in range(2):
+                    d[b][4]()  # the receive half of micro-batch b
+                    buf.low_latency_combine(d[b][0], ins[b][1], ins[b][2], d[b][2],
+                                            out=outs[b])
+                torch.cuda.synchronize()
+                buf.check()
+                res["runs"].append({"mode": 1, "it": it, "cx": [_bits(v) for v in outs],
+                                    "compact": [compact(d[b][0], d[b][1], d[b][2])
+                                                for b in range(2)]})
+            # a CUDA graph of D0 D1 C0 C1 (hooks), replayed with fresh inputs
+            static = [[torch.empty((t[b], H), dtype=torch.bfloat16, device=device),
+                       torch.empty((t[b], K), dtype=torch.int64, device=device),
+                       torch.empty((t[b], K), dtype=torch.float32, device=device)]
+                      for b in range(2)]
+            outs = [torch.empty((t[b], H), dtype=torch.bfloat16, device=device)
+                    for b in range(2)]
+            for b in range(2):  # valid routing before the capture's first use
+                static[b][1].fill_(-1)
+            stream = torch.cuda.Stream(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                              return_recv_hook=True) for x, idx, _ in static]
+                for b in range(2):
+                    d[b][4]()
+                    buf.low_latency_combine(d[b][0], static[b][1], static[b][2], d[b][2],
+                                            out=outs[b])
+            for it in range(3):
+                for b in range(2):
+                    for dst, src in zip(static[b], _mb_inputs(2, it, b, rank), strict=True):
+                        dst.copy_(_to_torch(src, device))
+                    outs[b].view(torch.int16).fill_(-1)  # poison
+                graph.replay()
+                torch.cuda.synchronize()
+                buf.check()
+                for op in buf._stream_ops.ops():
+                    op.check()
+                res["runs"].append({"mode": 2, "it": it, "cx": [_bits(v) for v in outs],
+                                    "compact": [compact(d[b][0], d[b][1], d[b][2])
+                                                for b in range(2)]})
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_two_micro_batches_in_flight(daemon) -> None:
+    """DeepEP's double buffer on the CUDA engine: each combine exact against its own
+    micro-batch's reference, with plain calls, receive hooks and a replayed CUDA graph."""
+    results = _spawn_ranks(daemon, _micro_batches_rank, R)
+    runs = [(m, it) for m, n in ((0, 2), (1, 2), (2, 3)) for it in range(n)]
+    for r in range(R):
+        assert [(x["mode"], x["it"]) for x in results[r]["runs"]] == runs
+    for i, (mode, it) in enumerate(runs):
+        for b in range(2):
+            inputs = [_mb_inputs(mode, it, b, r) for r in range(R)]
+            xs, idx, w = ([inp[j] for inp in inputs] for j in range(3))
+            exp = ref.low_latency_dispatch(xs, idx, E, M)
+            for r in range(R):
+                got = results[r]["runs"][i]
+                _check_ll(exp[r], got["compact"][b], LX)
+                np.testing.assert_array_equal(
+                    got["cx"][b], _combined(xs, idx, w, r, True),
+                    err_msg=f"mode {mode} iteration {it} micro-batch {b} rank {r}")
