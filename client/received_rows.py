@@ -110,10 +110,11 @@ def copy_rows(src: Any, counts: Any, stream: int, device: int) -> Any:
         return T.clone(src)
     dst = src.new_empty(src.shape) if T.is_torch(src) else cupy.empty_like(src)
     rows_kernel, _ = _module(device)
-    rows_kernel(_grid(L), (_THREADS,),
-                (cupy.uint64(_ptr(src)), cupy.uint64(_ptr(dst)), cupy.uint64(_ptr(counts)),
-                 cupy.int64(rows), cupy.int64(row_bytes // 16)),
-                stream=cupy.cuda.ExternalStream(stream, device))
+    with cupy.cuda.Device(device):
+        rows_kernel(_grid(L), (_THREADS,),
+                    (cupy.uint64(_ptr(src)), cupy.uint64(_ptr(dst)), cupy.uint64(_ptr(counts)),
+                     cupy.int64(rows), cupy.int64(row_bytes // 16)),
+                    stream=cupy.cuda.ExternalStream(stream, device))
     return dst
 
 
@@ -125,8 +126,9 @@ def copy_scales(src: Any, out: Any, counts: Any, use_ue8m0: bool, stream: int,
 
     L, rows, S = (int(d) for d in src.shape)
     _, scales_kernel = _module(device)
-    scales_kernel(_grid(L), (_THREADS,),
-                  (cupy.uint64(_ptr(src)), cupy.uint64(_ptr(out)), cupy.uint64(_ptr(counts)),
-                   cupy.int32(rows), cupy.int32(S), cupy.int32(1 if use_ue8m0 else 0)),
-                  stream=cupy.cuda.ExternalStream(stream, device))
+    with cupy.cuda.Device(device):
+        scales_kernel(_grid(L), (_THREADS,),
+                      (cupy.uint64(_ptr(src)), cupy.uint64(_ptr(out)), cupy.uint64(_ptr(counts)),
+                       cupy.int32(rows), cupy.int32(S), cupy.int32(1 if use_ue8m0 else 0)),
+                      stream=cupy.cuda.ExternalStream(stream, device))
     return out
