@@ -80,8 +80,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            int* num_tokens_per_rank,               // [R] or null (layout outputs, free here)
            int* num_tokens_per_expert,             // [E] or null
            bool* is_token_in_rank,                 // [T, R] or null
-           const bool* __restrict__ routing_in,    // [T, R]: routing without top-k, or null
-           const int* __restrict__ experts_in) {   // [E] with routing_in: tokens per expert
+           const bool* __restrict__ routing_in,    // [T, R]: routing without top-k
+           const int* __restrict__ experts_in) {   // [E] without top-k (else null): per expert
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     __shared__ int s_warp[32][EPD_MAX_RANKS];
@@ -93,7 +93,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     // Without top-k (DeepEP's topk_idx=None) the caller declares its tokens per expert.
     for (int i = tid; i < E; i += blockDim.x) {
         int v = 0;
-        if (topk_idx == nullptr) {
+        if (experts_in != nullptr) {  // (not topk_idx == nullptr: an empty array has no data)
             v = experts_in[i];
             if (v < 0) { report_bad_input(my_ctrl, v, ERR_BAD_COUNT); v = 0; }
         }
@@ -109,7 +109,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] = 0;
     for (int t = t0; t < t1; ++t) {
         unsigned mask = 0;
-        if (topk_idx == nullptr)  // routed by is_token_in_rank alone
+        if (experts_in != nullptr)  // routed by is_token_in_rank alone
             for (int d = 0; d < R; ++d) mask |= (routing_in[(i64)t * R + d] ? 1u : 0u) << d;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];

@@ -409,16 +409,16 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                 hook()
                 buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
                 torch.cuda.synchronize()
-                dop = buf._stream_ops.ops()[0]
                 with torch.cuda.graph(graph, stream=stream):
                     recv, count, handle, _, hook = buf.low_latency_dispatch(
                         sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
                     torch.mm(a, a)  # work overlapping the transfer
                     hook()
-                    # Dispatch outputs are valid until this rank's combine: snapshot them.
+                    # Dispatch outputs are views of the receive buffer this dispatch took
+                    # (the other one than the warm-up's): snapshot them through the handle.
                     views = {"recv_x": recv.clone(), "recv_count": count.clone(),
-                             "src_rank": dop.result.recv_src_rank.clone(),
-                             "src_idx": dop.result.recv_src_idx.clone()}
+                             "src_rank": handle.src_rank.clone(),
+                             "src_idx": handle.src_idx.clone()}
                     buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
                 ops = buf._stream_ops.ops()
                 grp = next(iter(buf._groups.values()))
