@@ -281,18 +281,13 @@ class LowLatencyMixin:
 
     def _copy_received(self, res: Any, use_fp8: bool, use_ue8m0: bool, stream: int) -> tuple:
         """A plain dispatch's outputs, the caller's own: the received rows of recv_x (and their
-        scales in DeepEP's layout) copied by client/received_rows.py's kernels, reading the
-        counts on the GPU; counts and source info copied whole (they are small)."""
-        dev = self.session.device_ordinal
-        rx = received_rows.copy_rows(res.recv_x, res.recv_count, stream, dev)
-        scales = None
-        if use_fp8:
-            fmt = C.LowLatencyScales(res.recv_x_scales, use_ue8m0)
-            scales = received_rows.copy_scales(res.recv_x_scales, fmt.out, res.recv_count,
-                                               use_ue8m0, stream, dev) \
-                if received_rows.contiguous(res.recv_x_scales) else fmt.fill()
-        return (rx, scales, T.clone(res.recv_count), T.clone(res.recv_src_rank),
-                T.clone(res.recv_src_idx))
+        scales in DeepEP's layout), the counts and the source info, copied by one kernel that
+        reads the counts on the GPU (client/received_rows.py)."""
+        fmt = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
+        return received_rows.copy_out(
+            res.recv_x, res.recv_x_scales if use_fp8 else None,
+            fmt.out if fmt is not None else None, res.recv_count, res.recv_src_rank,
+            res.recv_src_idx, use_ue8m0, stream, self.session.device_ordinal)
 
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for

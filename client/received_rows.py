@@ -5,17 +5,20 @@ A plain `low_latency_dispatch` hands the caller its own copy of the engine's rec
 `[L, R*m, H]`, but only rows `[0, recv_count[e])` of each expert hold data: at D (128 local
 experts, 2 ranks, m = 128, H = 7168 FP8) the whole buffer is 235 MB and the received rows about
 7 MB. DeepEP's receive kernel writes only the received rows, so the rest of its output is
-whatever the allocator returned; this kernel copies the same rows, reading the counts on the
-GPU (the host learns nothing and waits for nothing). FP8 scales are written straight into
-DeepEP's layout (column-major, optionally UE8M0 exponents packed four to an int32), which
-replaces the strided whole-tensor copy (and the four element-wise kernels of the packing).
+whatever the allocator returned; one kernel here copies the same rows, reading the counts on the
+GPU (the host learns nothing and waits for nothing), writes their FP8 scales straight into
+DeepEP's layout (column-major, optionally UE8M0 exponents packed four to an int32), and copies
+the small arrays (counts, source rank and token of every row) whole.
 
-Only the client's own stream is involved: the kernels run after the op's GPU-side wait, on the
+One launch per call, its arguments packed with ctypes and handed to the driver with the
+caller's raw stream handle: a CuPy kernel call per array, plus a clone per small array, cost
+the host more than the copy costs the GPU. The kernel runs after the op's GPU-side wait, on the
 stream the call runs on, into tensors allocated on that stream.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Any
 
@@ -24,65 +27,72 @@ from . import tensors as T
 _SOURCE = r"""
 typedef long long i64;
 
-// Rows [0, counts[e]) of expert e: a contiguous prefix of its [rows, row_vecs] block.
-extern "C" __global__ void epd_copy_received_rows(const int4* __restrict__ src,
-                                                   int4* __restrict__ dst,
-                                                   const int* __restrict__ counts,
-                                                   i64 rows, i64 row_vecs) {
+// Block (x, e) works on expert e. Rows [0, counts[e]) of x (a contiguous prefix of the expert's
+// [rows, row_vecs] block); with scales, those rows' float32 scales from row-major [L, rows, S]
+// into DeepEP's column-major storage [L, C, rows] (C = S floats, or with ue8m0 S / 4 int32
+// words whose byte k is the exponent of scale 4j + k); the expert's count and its whole source
+// rank / token rows.
+extern "C" __global__ void epd_copy_received(const int4* __restrict__ src_x,
+                                             int4* __restrict__ dst_x, i64 rows, i64 row_vecs,
+                                             const unsigned* __restrict__ src_sc,
+                                             unsigned* __restrict__ dst_sc, int S, int ue8m0,
+                                             const int* __restrict__ counts,
+                                             const int* __restrict__ src_rank,
+                                             const int* __restrict__ src_idx,
+                                             int* __restrict__ out_counts,
+                                             int* __restrict__ out_rank,
+                                             int* __restrict__ out_idx) {
     const int e = blockIdx.y;
-    const i64 n = (i64)min(max(counts[e], 0), (int)rows) * row_vecs;
-    const int4* s = src + (i64)e * rows * row_vecs;
-    int4* d = dst + (i64)e * rows * row_vecs;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (i64)gridDim.x * blockDim.x)
-        d[i] = s[i];
-}
-
-// FP8 scales of the received rows, from row-major float32 [L, rows, S] into DeepEP's
-// column-major storage [L, C, rows]: C = S floats, or with ue8m0 C = S / 4 int32 words whose
-// byte k is the exponent of scale 4j + k.
-extern "C" __global__ void epd_copy_received_scales(const unsigned* __restrict__ src,
-                                                     unsigned* __restrict__ dst,
-                                                     const int* __restrict__ counts,
-                                                     int rows, int S, int ue8m0) {
-    const int e = blockIdx.y;
-    const int n = min(max(counts[e], 0), rows);
-    const int C = ue8m0 ? S / 4 : S;
-    const unsigned* s = src + (i64)e * rows * S;
-    unsigned* d = dst + (i64)e * C * rows;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)n * C;
-         i += (i64)gridDim.x * blockDim.x) {
-        const int c = (int)(i / n), r = (int)(i % n);  // consecutive threads: consecutive rows
-        unsigned v;
-        if (ue8m0) {
-            const unsigned* q = s + (i64)r * S + 4 * c;
-            v = ((q[0] >> 23) & 0xffu) | (((q[1] >> 23) & 0xffu) << 8) |
-                (((q[2] >> 23) & 0xffu) << 16) | (((q[3] >> 23) & 0xffu) << 24);
-        } else {
-            v = s[(i64)r * S + c];
+    const int n = min(max(counts[e], 0), (int)rows);
+    const i64 tid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    const int4* sx = src_x + (i64)e * rows * row_vecs;
+    int4* dx = dst_x + (i64)e * rows * row_vecs;
+    for (i64 i = tid; i < (i64)n * row_vecs; i += step) dx[i] = sx[i];
+    if (src_sc != nullptr && n > 0) {
+        const int C = ue8m0 ? S / 4 : S;
+        const unsigned* s = src_sc + (i64)e * rows * S;
+        unsigned* d = dst_sc + (i64)e * C * rows;
+        for (i64 i = tid; i < (i64)n * C; i += step) {
+            const int c = (int)(i / n), r = (int)(i % n);  // consecutive threads: rows
+            unsigned v;
+            if (ue8m0) {
+                const unsigned* q = s + (i64)r * S + 4 * c;
+                v = ((q[0] >> 23) & 0xffu) | (((q[1] >> 23) & 0xffu) << 8) |
+                    (((q[2] >> 23) & 0xffu) << 16) | (((q[3] >> 23) & 0xffu) << 24);
+            } else {
+                v = s[(i64)r * S + c];
+            }
+            d[(i64)c * rows + r] = v;
         }
-        d[(i64)c * rows + r] = v;
     }
+    for (i64 i = tid; i < rows; i += step) {
+        out_rank[(i64)e * rows + i] = src_rank[(i64)e * rows + i];
+        out_idx[(i64)e * rows + i] = src_idx[(i64)e * rows + i];
+    }
+    if (tid == 0) out_counts[e] = counts[e];
 }
 """
 
 _THREADS = 256
 _TARGET_BLOCKS = 264  # two waves on an H100/H200 (132 SMs); the grid is (per expert, experts)
+_P, _I64, _I32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 
 @functools.cache
-def _module(device: int) -> Any:
+def _function(device: int) -> int:
+    """The kernel's CUfunction on `device` (compiled once per process by CuPy's NVRTC)."""
     import cupy
 
     with cupy.cuda.Device(device):
-        mod = cupy.RawModule(code=_SOURCE)
-        return (mod.get_function("epd_copy_received_rows"),
-                mod.get_function("epd_copy_received_scales"))
+        fn = cupy.RawModule(code=_SOURCE).get_function("epd_copy_received")
+        fn.kernel  # noqa: B018  (loads the module now, not on the hot path)
+        return int(fn.kernel.ptr)
 
 
 def load(device: int) -> None:
-    """Compile and load the kernels now (not inside a CUDA graph capture or on the hot path)."""
-    _module(device)
+    """Compile and load the kernel now (not inside a CUDA graph capture or on the hot path)."""
+    _function(device)
 
 
 def _ptr(x: Any) -> int:
@@ -93,42 +103,43 @@ def contiguous(x: Any) -> bool:
     return bool(x.is_contiguous()) if T.is_torch(x) else bool(x.flags.c_contiguous)
 
 
-def _grid(num_experts: int) -> tuple[int, int]:
-    return (max(1, _TARGET_BLOCKS // max(num_experts, 1)), num_experts)
-
-
-def copy_rows(src: Any, counts: Any, stream: int, device: int) -> Any:
-    """A new array like `src` (`[L, N, ...]`, contiguous) holding rows [0, counts[e]) of each
-    expert e; the other rows are left as allocated, as DeepEP leaves them. Enqueued on
-    `stream` (the caller's current stream: the new array is allocated there too)."""
+def _empty(like: Any, shape: tuple[int, ...], dtype: Any = None) -> Any:
+    if T.is_torch(like):
+        return like.new_empty(shape, dtype=dtype if dtype is not None else like.dtype)
     import cupy
-
-    L, rows = int(src.shape[0]), int(src.shape[1])
-    row_bytes = (src.numel() * src.element_size() if T.is_torch(src) else src.nbytes) \
-        // max(L * rows, 1)
-    if not contiguous(src) or row_bytes % 16 or L == 0 or rows == 0:
-        return T.clone(src)
-    dst = src.new_empty(src.shape) if T.is_torch(src) else cupy.empty_like(src)
-    rows_kernel, _ = _module(device)
-    with cupy.cuda.Device(device):
-        rows_kernel(_grid(L), (_THREADS,),
-                    (cupy.uint64(_ptr(src)), cupy.uint64(_ptr(dst)), cupy.uint64(_ptr(counts)),
-                     cupy.int64(rows), cupy.int64(row_bytes // 16)),
-                    stream=cupy.cuda.ExternalStream(stream, device))
-    return dst
+    return cupy.empty(shape, dtype if dtype is not None else like.dtype)
 
 
-def copy_scales(src: Any, out: Any, counts: Any, use_ue8m0: bool, stream: int,
-                device: int) -> Any:
-    """Write the received rows' scales from the engine's row-major float32 `[L, N, S]` into
-    `out`, DeepEP's column-major `[L, N, C]` (storage `[L, C, N]`); returns `out`."""
+def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: Any,
+             src_idx: Any, use_ue8m0: bool, stream: int, device: int) -> tuple:
+    """The caller's own copies of a plain low-latency dispatch's outputs, enqueued on `stream`
+    (the call's raw stream handle; the new arrays are allocated there too):
+    (recv_x `[L, N, H]` with rows [0, counts[e]) of each expert, the rest as allocated;
+    `scales_out` (DeepEP's layout, see deep_ep_compat.LowLatencyScales) filled for those rows,
+    or None when `scales` is None; counts `[L]`; source rank and token `[L, N]`, whole).
+    Every source array must be contiguous (the engine's views are)."""
+    L, rows = int(recv_x.shape[0]), int(recv_x.shape[1])
+    nbytes = recv_x.numel() * recv_x.element_size() if T.is_torch(recv_x) else recv_x.nbytes
+    row_bytes = nbytes // max(L * rows, 1)
+    if row_bytes % 16 or not all(contiguous(a) for a in (recv_x, counts, src_rank, src_idx)) \
+            or (scales is not None and not contiguous(scales)):
+        raise ValueError("copy_out needs contiguous arrays and rows of 16-byte multiples")
+    x = _empty(recv_x, tuple(recv_x.shape))
+    small = _empty(counts, (L + 2 * L * rows,))  # one allocation for the three int32 arrays
+    out_counts, out_rank, out_idx = (small[:L], small[L:L + L * rows].reshape(L, rows),
+                                     small[L + L * rows:].reshape(L, rows))
+    if L == 0 or rows == 0:
+        return x, scales_out, out_counts, out_rank, out_idx
+    S = int(scales.shape[2]) if scales is not None else 0
+    vals = [_P(_ptr(recv_x)), _P(_ptr(x)), _I64(rows), _I64(row_bytes // 16),
+            _P(_ptr(scales) if scales is not None else 0),
+            _P(_ptr(scales_out) if scales is not None else 0), _I32(S),
+            _I32(1 if use_ue8m0 else 0), _P(_ptr(counts)), _P(_ptr(src_rank)),
+            _P(_ptr(src_idx)), _P(_ptr(out_counts)), _P(_ptr(out_rank)), _P(_ptr(out_idx))]
+    argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
     import cupy
-
-    L, rows, S = (int(d) for d in src.shape)
-    _, scales_kernel = _module(device)
-    with cupy.cuda.Device(device):
-        scales_kernel(_grid(L), (_THREADS,),
-                      (cupy.uint64(_ptr(src)), cupy.uint64(_ptr(out)), cupy.uint64(_ptr(counts)),
-                       cupy.int32(rows), cupy.int32(S), cupy.int32(1 if use_ue8m0 else 0)),
-                      stream=cupy.cuda.ExternalStream(stream, device))
-    return out
+    fn = _function(device)
+    with cupy.cuda.Device(device):  # the function belongs to the device's primary context
+        cupy.cuda.driver.launchKernel(fn, max(1, _TARGET_BLOCKS // L), L, 1, _THREADS, 1, 1, 0,
+                                      int(stream), ctypes.addressof(argv), 0)
+    return x, scales_out, out_counts, out_rank, out_idx

@@ -38,7 +38,7 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
 
 @needs_nvcc
 def test_client_kernels_compile_for_sm90(tmp_path: Path) -> None:
-    """The client's copy-out kernels (client/received_rows.py, compiled by CuPy at run time)."""
+    """The client's copy-out kernel (client/received_rows.py, compiled by CuPy at run time)."""
     from epd.client import received_rows
 
     src = tmp_path / "received_rows.cu"
@@ -50,5 +50,4 @@ def test_client_kernels_compile_for_sm90(tmp_path: Path) -> None:
     if shutil.which("cuobjdump"):
         names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / "r.o")],
                                capture_output=True, text=True, timeout=60).stdout
-        for name in ("epd_copy_received_rows", "epd_copy_received_scales"):
-            assert re.search(rf"\b{name}\b", names), name
+        assert re.search(r"\bepd_copy_received\b", names)
