@@ -123,10 +123,11 @@ class Buffer(LowLatencyMixin):
       nothing to allocate either way. Accepted, kept as attributes.
     - `explicitly_destroy`: as in DeepEP, True means resources go only at `destroy()`, else
       also when the Buffer is collected. `destroy()` works either way (DeepEP asserts the flag).
-    - `enable_shrink`: accepted; the mask-buffer calls exist. EPD does not mask ranks yet (a
-      later part of issue 11): a rank that dies aborts the group (every member's call fails
-      with ABORTED naming it), so `low_latency_query_mask_buffer` reports no masked rank and
-      masking a rank raises `Unsupported`.
+    - `enable_shrink`: rank masking in the low-latency groups (DeepEP's shrink mode): a rank
+      that goes away is masked by the daemon and the others' low-latency calls go on without
+      it; `low_latency_update_mask_buffer` / `query` / `clean` work on the group's mask, which
+      its ranks share (DeepEP's is per rank). CPU backend; the cuda engine still aborts the
+      group when a rank goes away and refuses mask changes.
     - `comm`: see `group`.
 
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
@@ -193,6 +194,7 @@ class Buffer(LowLatencyMixin):
         # Armed low-latency calls by the tensors they read (cuda backend).
         self._stream_ops = StreamOpCache(session.device_ordinal, plain_op_limit())
         self._ll_buffer = 0  # DeepEP's double buffer: low-latency dispatches alternate
+        self._pending_masks: dict[int, bool] = {}
         self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
 
     # -- DeepEP's static helpers -------------------------------------------------------------
@@ -296,8 +298,11 @@ class Buffer(LowLatencyMixin):
                                   self.max_tokens_per_rank,
                                   num_topk=num_topk, dtype=dtypes.name(dtypes.from_numpy(dtype)),
                                   low_latency_mode=bool(low_latency_tokens),
-                                  timeout=self.timeout, service_class=self.service_class)
+                                  timeout=self.timeout, service_class=self.service_class,
+                                  shrink=self.enable_shrink and bool(low_latency_tokens))
             self._groups[key] = g
+            if low_latency_tokens and self._pending_masks:
+                self._apply_pending_masks(g)
         return g
 
     # -- the DeepEP API ----------------------------------------------------------------------

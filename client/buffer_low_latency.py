@@ -64,6 +64,7 @@ class LowLatencyMixin:
     _combine_buffers: dict
     _groups: dict
     _ll_buffer: int  # the receive buffer of the next low-latency dispatch (0 or 1)
+    _pending_masks: dict[int, bool]  # rank masking asked for (applied to groups as they form)
 
     if TYPE_CHECKING:  # Buffer's, declared for the type checker
         def _group(self, hidden: int, num_topk: int, dtype: Any, num_experts: int,
@@ -198,35 +199,61 @@ class LowLatencyMixin:
             None, async_finish and not return_recv_hook, inputs=(x, topk_idx, topk_weights))
         return cx, event, _no_op_hook if return_recv_hook else None
 
-    # -- shrink mode (rank masking): accepted, masking itself is a later part of issue 11 -------
+    # -- shrink mode (rank masking) ---------------------------------------------------------
+    # EPD's mask is each low-latency group's, shared by its ranks (DeepEP's is each rank's own
+    # buffer): masking a rank on one rank masks it for all, and a rank that goes away is masked
+    # by the daemon itself. Groups form lazily, so changes made before a group exists are kept
+    # and applied when it forms.
     def _check_shrink(self) -> None:
         if not self.enable_shrink:
             raise InvalidArgument("the mask buffer needs Buffer(..., enable_shrink=True) "
                                   "(as in DeepEP)")
 
+    def _ll_groups(self) -> list[Group]:
+        return [g for key, g in self._groups.items() if key.low_latency_tokens]
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        """Unmasking is a no-op (EPD masks no rank); masking raises Unsupported: EPD aborts a
-        group whose rank died instead of masking it (rank masking is a later part)."""
+        """Mask (`mask=True`) or unmask a rank in this Buffer's low-latency groups: a masked
+        rank takes no part in them and the tokens routed to its experts are dropped; its own
+        calls return nothing for it. A rank that went away cannot be unmasked
+        (FAILED_PRECONDITION). The cuda engine does not mask ranks yet (FAILED_PRECONDITION;
+        a rank that goes away aborts its groups there)."""
         self._check_shrink()
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"rank_to_mask {rank_to_mask} outside [0, {self.group_size})")
-        if mask:
-            raise C.Unsupported("low_latency_update_mask_buffer(mask=True): EPD does not mask "
-                                "ranks yet; a rank that dies aborts the group (ABORTED naming "
-                                "it) and the survivors rejoin")
+        self._pending_masks[rank_to_mask] = bool(mask)
+        for g in self._ll_groups():
+            g.rank_mask(**{"mask" if mask else "unmask": rank_to_mask})
 
     def low_latency_query_mask_buffer(self, mask_status: Array) -> None:
-        """Writes 0 (not masked) for every rank into `mask_status` (int32 `[num_ranks]`): EPD
-        masks no rank (a dead rank aborts the group's calls instead)."""
+        """Write 1 for every masked rank (by a call, or because it went away), else 0, into
+        `mask_status` (int32 `[num_ranks]`)."""
         self._check_shrink()
         shape, _ = T.meta(mask_status, "mask_status")
         if tuple(shape) != (self.group_size,):
             raise InvalidArgument(f"mask_status must be [{self.group_size}], got {list(shape)}")
-        mask_status[...] = 0
+        masked = [bool(self._pending_masks.get(r)) for r in range(self.group_size)]
+        for g in self._ll_groups():
+            masked = [a or b != 0 for a, b in zip(masked, g.rank_mask(), strict=True)]
+        values = [int(m) for m in masked]
+        if T.is_torch(mask_status):
+            import torch
+            mask_status.copy_(torch.tensor(values, dtype=mask_status.dtype))
+        else:
+            mask_status[...] = values
 
     def low_latency_clean_mask_buffer(self) -> None:
-        """Nothing is masked, so nothing to clean."""
+        """Unmask every rank that has not gone away."""
         self._check_shrink()
+        self._pending_masks.clear()
+        for g in self._ll_groups():
+            g.rank_mask(clean=True)
+
+    def _apply_pending_masks(self, g: Group) -> None:
+        """A low-latency group just formed: the mask changes made before it existed."""
+        for rank, masked in self._pending_masks.items():
+            if masked:
+                g.rank_mask(mask=rank)
 
     # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
     def _stream_mode(self, x: Array, return_recv_hook: bool) -> str | None:

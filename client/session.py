@@ -338,14 +338,15 @@ class Session:
     def join(self, name: str, *, rank: int, num_ranks: int, num_experts: int, hidden: int,
              max_tokens_per_rank: int, num_topk: int, dtype: str = "bfloat16",
              low_latency_mode: bool = False, timeout: float | None = None,
-             service_class: str | None = None) -> Group:
+             service_class: str | None = None, shrink: bool = False) -> Group:
         """Join (and with the other ranks, form) a group; blocks until all ranks arrived.
         `low_latency_mode` reserves the low-latency buffers (sized by max_tokens_per_rank),
         which the cuda backend needs for `low_latency_dispatch`. `service_class` ("latency"
         for decode, "throughput" for prefill and training; None: the daemon's policy default
         for the group) must be the same on every rank; a class the daemon's policy does not
         allow raises PermissionDenied naming the rule. `Group.service_class` says which class
-        the group got."""
+        the group got. `shrink` (low-latency groups; DeepEP's shrink mode): a rank that goes
+        away is masked instead of aborting the group (`Group.rank_mask`)."""
         try:
             x_dtype = dtypes.from_name(dtype)
         except ValueError as e:
@@ -354,7 +355,8 @@ class Session:
                                  hidden=hidden, max_tokens_per_rank=max_tokens_per_rank,
                                  num_topk=num_topk, x_dtype=x_dtype,
                                  low_latency_mode=low_latency_mode,
-                                 service_class=service_class_value(service_class))
+                                 service_class=service_class_value(service_class),
+                                 shrink=shrink)
         wait = self._deadline(timeout)
         resp = cast(epd_pb2.JoinGroupResponse, self._call("JoinGroup", epd_pb2.JoinGroupRequest(
             session_id=self.session_id, spec=spec, rank=rank, timeout_seconds=wait),
@@ -773,6 +775,28 @@ class Group:
                       [result] * len(dispatch_op.results), x)
         s._stream_ops[op.op_id] = op
         return op
+
+    def rank_mask(self, *, mask: int | None = None, unmask: int | None = None,
+                  clean: bool = False) -> list[int]:
+        """Rank masking of a group joined with `shrink` (DeepEP's shrink mode): mask a rank,
+        unmask one, or unmask every rank that has not gone away (at most one of them), then
+        return every rank's state: 0 taking part, 1 masked, 2 gone (masked for good: it went
+        away). The mask is the group's, shared by its ranks: a masked rank still makes its
+        calls (they return nothing for it) and the others' low-latency calls leave it out,
+        dropping the tokens routed to its experts. A change takes effect from the next
+        collective every rank that takes part has seen it in."""
+        if sum(x is not None and x is not False for x in (mask, unmask, clean or None)) > 1:
+            raise InvalidArgument("rank_mask takes at most one of mask, unmask and clean")
+        req = epd_pb2.RankMaskRequest(session_id=self._session.session_id,
+                                      group_id=self.group_id)
+        if mask is not None:
+            req.mask = mask
+        elif unmask is not None:
+            req.unmask = unmask
+        elif clean:
+            req.clean = True
+        resp = cast(epd_pb2.RankMaskResponse, self._session._call("RankMask", req))
+        return list(resp.state)
 
     def check(self) -> None:
         """Raise the failure the GPU reported for an earlier stream-ordered call of this rank

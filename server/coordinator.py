@@ -194,7 +194,10 @@ class Coordinator:
         if g is None:
             return
         if reason and g.aborted is None and len(g.released) < g.spec.num_ranks - 1:
-            self._abort(g, reason, left=left)
+            if self._shrinks(g):
+                self._mark_gone(g, [rank], reason)
+            else:
+                self._abort(g, reason, left=left)
         g.released.add(rank)
         if len(g.released) >= len(g.members):
             self._remove(g)
@@ -222,8 +225,11 @@ class Coordinator:
         return names
 
     def _lose_ranks(self, g: GroupInstance, ranks: list[int], kind: str, reason: str) -> None:
-        metrics.ABORTS.labels(kind).inc()
-        self._abort(g, reason)
+        if self._shrinks(g) and g.aborted is None:
+            self._mark_gone(g, ranks, reason)
+        else:
+            metrics.ABORTS.labels(kind).inc()
+            self._abort(g, reason)
         g.released.update(ranks)
         if not g.formed.is_set():
             for r in ranks:
@@ -231,6 +237,19 @@ class Coordinator:
                 g.nodes.pop(r, None)
         if len(g.released) >= len(g.members):
             self._remove(g)
+
+    def _shrinks(self, g: GroupInstance) -> bool:
+        """Whether the group masks a rank that goes away rather than aborting (DeepEP's shrink
+        mode: a formed low-latency group joined with spec.shrink, on a backend that can)."""
+        return (g.spec.shrink and g.planned and g.formed.is_set()
+                and self.planner.supports_rank_masking)
+
+    def _mark_gone(self, g: GroupInstance, ranks: list[int], reason: str) -> None:
+        for r in ranks:
+            if r not in g.released:
+                self.planner.mark_gone(g.plan, r, reason)
+        log.warning("group %r (%s): rank(s) %s masked, the others go on: %s", g.spec.name,
+                    g.group_id, ranks, reason)
 
     def _abort(self, g: GroupInstance, reason: str, left: bool = False) -> None:
         if g.aborted is not None:

@@ -115,7 +115,7 @@ class GetTopologyResponse(_message.Message):
     def __init__(self, version: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., metrics_url: _Optional[str] = ..., mps_mode: _Optional[str] = ..., mps_pipe_directory: _Optional[str] = ..., service_class_policy: _Optional[str] = ..., latency_num_sms: _Optional[int] = ..., throughput_num_sms: _Optional[int] = ..., latency_groups: _Optional[int] = ..., throughput_groups: _Optional[int] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
-    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode", "service_class")
+    __slots__ = ("name", "num_ranks", "num_experts", "hidden", "max_tokens_per_rank", "num_topk", "x_dtype", "low_latency_mode", "service_class", "shrink")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class GroupSpec(_message.Message):
     X_DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_MODE_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    SHRINK_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_ranks: int
     num_experts: int
@@ -134,7 +135,8 @@ class GroupSpec(_message.Message):
     x_dtype: DType
     low_latency_mode: bool
     service_class: ServiceClass
-    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ..., low_latency_mode: _Optional[bool] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ...) -> None: ...
+    shrink: bool
+    def __init__(self, name: _Optional[str] = ..., num_ranks: _Optional[int] = ..., num_experts: _Optional[int] = ..., hidden: _Optional[int] = ..., max_tokens_per_rank: _Optional[int] = ..., num_topk: _Optional[int] = ..., x_dtype: _Optional[_Union[DType, str]] = ..., low_latency_mode: _Optional[bool] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., shrink: _Optional[bool] = ...) -> None: ...
 
 class RendezvousRequest(_message.Message):
     __slots__ = ("spec", "rank", "engine_index", "session_id", "timeout_seconds", "attached", "group_id", "peer_uid", "peer_gid", "has_peer")
@@ -629,6 +631,26 @@ class ReleaseHandlesResponse(_message.Message):
     HANDLES_FIELD_NUMBER: _ClassVar[int]
     handles: int
     def __init__(self, handles: _Optional[int] = ...) -> None: ...
+
+class RankMaskRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "mask", "unmask", "clean")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    MASK_FIELD_NUMBER: _ClassVar[int]
+    UNMASK_FIELD_NUMBER: _ClassVar[int]
+    CLEAN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    mask: int
+    unmask: int
+    clean: bool
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., mask: _Optional[int] = ..., unmask: _Optional[int] = ..., clean: _Optional[bool] = ...) -> None: ...
+
+class RankMaskResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, state: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ("session_id",)

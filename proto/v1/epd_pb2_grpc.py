@@ -474,6 +474,11 @@ class EngineStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesResponse.FromString,
                 _registered_method=True)
+        self.RankMask = channel.unary_unary(
+                '/epd.v1.Engine/RankMask',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -576,6 +581,12 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RankMask(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -658,6 +669,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.ReleaseHandles,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesResponse.SerializeToString,
+            ),
+            'RankMask': grpc.unary_unary_rpc_method_handler(
+                    servicer.RankMask,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1092,6 +1108,33 @@ class Engine:
             '/epd.v1.Engine/ReleaseHandles',
             epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.ReleaseHandlesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RankMask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/RankMask',
+            epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskResponse.FromString,
             options,
             channel_credentials,
             insecure,

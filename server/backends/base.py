@@ -41,6 +41,9 @@ class GroupSpec:
     # epd.proto ServiceClass (server/service_classes.py): resolved by the engine at join, the
     # same on every rank; the cuda backend sets its streams' priority and SM budget by it.
     service_class: int = 0
+    # Rank masking (DeepEP's shrink mode, low-latency groups only): a rank that goes away is
+    # masked instead of aborting the group (RankComm.mask_states / set_mask).
+    shrink: bool = False
 
     @property
     def num_local_experts(self) -> int:
@@ -103,6 +106,15 @@ class GroupPlanner(abc.ABC):
 
     def abort_group(self, plan: bytes, reason: str) -> None:  # noqa: B027  (optional hook)
         """Tell the group's ranks it failed, where the backend's shared state can say so."""
+
+    # Rank masking: a rank of a shrink group that goes away is masked for good (`mark_gone`)
+    # instead of aborting the group. Backends without it abort such groups as any other.
+    supports_rank_masking: bool = False
+
+    def mark_gone(self, plan: bytes, rank: int, reason: str) -> None:
+        """A rank of a shrink group went away: mask it for good in the group's shared state, so
+        its peers' pending and later low-latency calls go on without it."""
+        raise NotImplementedError
 
     def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
         """Cluster mode, on a node other than 0: take a group planned by node 0 into this
@@ -407,6 +419,24 @@ class RankComm(abc.ABC):
     @abc.abstractmethod
     def abort(self, reason: str) -> None:
         """Mark the group failed for every rank; pending and later collectives raise Aborted."""
+
+    # -- rank masking (shrink groups; docs/DESIGN_NOTES.md "Rank masking") -------------------
+    supports_rank_masking = False
+    MASK_IN, MASK_MASKED, MASK_GONE = 0, 1, 2  # per-rank states (RankMaskResponse.state)
+
+    def mask_states(self) -> list[int]:
+        """Every rank's mask state: all taking part where the backend masks no rank."""
+        return [self.MASK_IN] * self.spec.num_ranks
+
+    def set_mask(self, rank: int, state: int) -> None:
+        """Mask (MASK_MASKED) or unmask (MASK_IN) a rank that has not gone away."""
+        from ...proto.errors import FailedPrecondition
+        raise FailedPrecondition(f"rank masking is not implemented on the {self.backend_name} "
+                                 f"backend (a rank that goes away aborts the group)")
+
+    def stop(self, reason: str) -> None:  # noqa: B027  (backends that abort need nothing)
+        """This rank goes away from a shrink group: end its own pending waits (the group goes
+        on; the supervisor masks the rank once it is released)."""
 
     @abc.abstractmethod
     def abort_reason(self) -> str | None: ...

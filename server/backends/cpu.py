@@ -62,6 +62,8 @@ _ABORT_TEXT = 64  # byte offset of the abort reason (utf-8)
 _ABORT_TEXT_MAX = 1024
 _ARRIVALS = 2048  # byte offset of the int64 arrival words, one per rank
 MAX_RANKS = 128
+# Rank masking (shrink groups): one byte per rank, RankComm.MASK_IN / MASK_MASKED / MASK_GONE.
+_MASK = 4096
 
 # The call header: what a rank publishes in its slot when it arrives at a collective, compared
 # by every rank after the arrival barrier (docs/DESIGN_NOTES.md "Collectives agree or fail
@@ -72,7 +74,10 @@ _CALL = 64  # byte offset in the slot's meta area (words 0-7 before it: per-call
 _CALL_WORDS = 16
 _REASON = _CALL + 8 * _CALL_WORDS  # byte offset of the reason text of a rejected call
 _REASON_MAX = 1024
-_META_BYTES = _REASON + _REASON_MAX  # < PAGE: the slot layout is unchanged
+# Shrink groups: the mask as this rank saw it when it arrived (one byte per rank): the ranks a
+# collective leaves out are those some participant saw masked, and those that never arrived.
+_MASK_SEEN = _REASON + _REASON_MAX
+_META_BYTES = _MASK_SEEN + MAX_RANKS  # < PAGE: the slot layout is unchanged
 # H_KIND: layout is not a collective on this backend (each rank's routing alone decides it).
 DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
 KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE: "combine",
@@ -143,22 +148,28 @@ def _by_value(values: list[Any]) -> list[tuple[Any, list[int]]]:
 
 
 def call_disagreement(seqs: list[int], calls: list[CallHeader], statuses: list[int],
-                      reasons: list[str]) -> str | None:
+                      reasons: list[str], ranks: list[int] | None = None) -> str | None:
     """What the ranks' headers of one collective disagree on (None: they agree). A function of
-    the headers only, so every rank reaches the same verdict with the same words."""
-    rejected = [r for r, s in enumerate(statuses) if s == REJECTED]
+    the headers only, so every rank reaches the same verdict with the same words. `ranks`: the
+    rank of each header (default 0..n-1; a shrink group compares the ranks that arrived)."""
+    ids = list(range(len(calls))) if ranks is None else ranks
+
+    def by_value(values: list[Any]) -> list[tuple[Any, list[int]]]:
+        return [(v, [ids[i] for i in rs]) for v, rs in _by_value(values)]
+
+    rejected = [i for i, st in enumerate(statuses) if st == REJECTED]
     if rejected:
-        return "; ".join(f"rank {r} rejected its {calls[r].describe()}: {reasons[r]}"
-                         for r in rejected)
+        return "; ".join(f"rank {ids[i]} rejected its {calls[i].describe()}: {reasons[i]}"
+                         for i in rejected)
     if len(set(seqs)) > 1:  # cannot happen while the barrier protocol holds
         return "ranks are at different collectives: " + ", ".join(
-            f"{_ranks(rs)} at #{v}" for v, rs in _by_value(seqs))
+            f"{_ranks(rs)} at #{v}" for v, rs in by_value(seqs))
     if len({(c.kind, c.ref) for c in calls}) > 1:
         return "ranks called different collectives: " + ", ".join(
-            f"{_ranks(rs)} called {d}" for d, rs in _by_value([c.describe() for c in calls]))
+            f"{_ranks(rs)} called {d}" for d, rs in by_value([c.describe() for c in calls]))
     diffs = []
     for name, get, tell in _AGREED_ARGS:
-        groups = _by_value([get(c) for c in calls])
+        groups = by_value([get(c) for c in calls])
         if len(groups) > 1:
             diffs.append(f"{name}: " + ", ".join(f"{tell(v)} on {_ranks(rs)}"
                                                  for v, rs in groups))
@@ -286,6 +297,15 @@ def abort_comm_file(path: str, reason: str) -> None:
             write_abort(header, reason)
             del header
     except (FileNotFoundError, ValueError):
+        pass
+
+
+def mark_gone_in_comm_file(path: str, rank: int) -> None:
+    """Mask a rank for good from outside any rank (the supervisor, when it went away)."""
+    try:
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), _HEADER_BYTES) as mm:
+            mm[_MASK + rank] = RankComm.MASK_GONE
+    except (FileNotFoundError, ValueError, IndexError):
         pass
 
 
@@ -447,6 +467,8 @@ class CpuRankComm(RankComm):
                                        _OutputArena.bytes_for(spec), create=True)
         self._out = _OutputArena(self.output_region, spec)
         self._sequence = 0  # collectives this rank has started
+        self._mask = np.frombuffer(self._mm, np.uint8, spec.num_ranks, _MASK)  # shrink groups
+        self._stopped: str | None = None  # this rank went away (shrink groups): why
 
     # -- shared-memory plumbing ------------------------------------------------------------
     def _slot_array(self, rank: int, field: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -456,11 +478,22 @@ class CpuRankComm(RankComm):
     def _meta(self, rank: int) -> np.ndarray:
         return self._slot_array(rank, "meta", (8,), np.int64)
 
+    def _reached(self, target: int) -> bool:
+        """Every rank's arrival word is at `target` (a shrink group waits for no rank that
+        went away: masked for good)."""
+        if int(self._arrivals.min()) >= target:
+            return True
+        return self.spec.shrink and bool(((self._arrivals >= target)
+                                          | (self._mask == self.MASK_GONE)).all())
+
     def _wait_all(self, target: int, what: str, deadline: float) -> None:
         spins = 0
+        shrink = self.spec.shrink
         while True:
-            if int(self._arrivals.min()) >= target:
+            if self._reached(target):
                 return
+            if self._stopped is not None:
+                raise Aborted(f"group {self.spec.name!r}: {self._stopped}")
             reason = read_abort(self._header)
             if reason is not None:
                 # A missing rank is a deadline for every waiter, whoever noticed it first.
@@ -470,7 +503,10 @@ class CpuRankComm(RankComm):
             spins += 1
             if spins > 200:
                 if time.monotonic() > deadline:
-                    missing = [int(r) for r in np.nonzero(self._arrivals < target)[0]]
+                    late = self._arrivals < target
+                    if shrink:
+                        late &= self._mask != self.MASK_GONE
+                    missing = [int(r) for r in np.nonzero(late)[0]]
                     reason = (f"rank(s) {missing} did not arrive at {what} "
                               f"(collective #{(target + 1) // 2}) before the deadline")
                     write_abort(self._header, reason, TIMED_OUT)
@@ -487,6 +523,38 @@ class CpuRankComm(RankComm):
         self._arrivals[self.rank] = 2 * seq - 2 + phase
 
     # -- call headers: collectives agree or fail together ------------------------------------
+    # -- rank masking (shrink groups) ---------------------------------------------------------
+    supports_rank_masking = True
+
+    def _mask_seen(self, rank: int) -> np.ndarray:
+        off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _MASK_SEEN
+        return np.ndarray((self.spec.num_ranks,), dtype=np.uint8, buffer=self._mm, offset=off)
+
+    def _left_out(self, seq: int) -> tuple[list[int] | None, np.ndarray]:
+        """After the arrival barrier of collective `seq`: (the ranks whose headers count, None
+        for all; which ranks the collective leaves out). In a shrink group: those that did not
+        arrive (they went away) and those that any rank that arrived saw masked, so every rank
+        reaches the same set from the same words; this rank reads nothing and sends nothing
+        if it is left out itself."""
+        r = self.spec.num_ranks
+        if not self.spec.shrink:
+            return None, np.zeros(r, dtype=bool)
+        arrived = self._arrivals >= 2 * seq - 1
+        out = ~arrived
+        ranks = [int(s) for s in np.nonzero(arrived)[0]]
+        for s in ranks:
+            out |= self._mask_seen(s) != self.MASK_IN
+        return ranks, out
+
+    def mask_states(self) -> list[int]:
+        return [int(v) for v in self._mask]
+
+    def set_mask(self, rank: int, state: int) -> None:
+        self._mask[rank] = state
+
+    def stop(self, reason: str) -> None:
+        self._stopped = reason
+
     def _call_words(self, rank: int) -> np.ndarray:
         off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _CALL
         return np.ndarray((_CALL_WORDS,), dtype=np.int64, buffer=self._mm, offset=off)
@@ -498,6 +566,8 @@ class CpuRankComm(RankComm):
         fails at once with FailedPrecondition naming this rank and the reason, the collective's
         number is consumed on every rank, and this rank raises its own error."""
         words = self._call_words(self.rank)
+        if self.spec.shrink:  # the mask as this rank sees it, before it arrives
+            self._mask_seen(self.rank)[:] = self._mask
         try:
             write_inputs()
         except Exception as e:
@@ -513,20 +583,22 @@ class CpuRankComm(RankComm):
         self._sequence = seq
         self._arrive(seq, 1)
 
-    def _agree(self, seq: int) -> None:
-        """After the arrival barrier: compare every rank's call header. On any disagreement
-        every rank (each reaching the same verdict from the same headers) frees its slot and
-        fails with FailedPrecondition; the group stays usable."""
-        r = self.spec.num_ranks
-        words = [self._call_words(s).copy() for s in range(r)]
+    def _agree(self, seq: int, ranks: list[int] | None = None) -> None:
+        """After the arrival barrier: compare the call headers of every rank (of `ranks`, those
+        that arrived, in a shrink group). On any disagreement every rank (each reaching the
+        same verdict from the same headers) frees its slot and fails with FailedPrecondition;
+        the group stays usable."""
+        ranks = list(range(self.spec.num_ranks)) if ranks is None else ranks
+        words = [self._call_words(s).copy() for s in ranks]
         statuses = [int(w[H_STATUS]) for w in words]
         reasons = []
-        for s, w in enumerate(words):
-            n = min(max(int(w[H_REASON_LEN]), 0), _REASON_MAX) if statuses[s] == REJECTED else 0
+        for i, (s, w) in enumerate(zip(ranks, words, strict=True)):
+            n = min(max(int(w[H_REASON_LEN]), 0), _REASON_MAX) if statuses[i] == REJECTED else 0
             off = _HEADER_BYTES + s * self._slot.size + self._slot.meta + _REASON
             reasons.append(bytes(self._mm[off:off + n]).decode(errors="replace"))
         problem = call_disagreement([int(w[H_SEQ]) for w in words],
-                                    [CallHeader.read(w) for w in words], statuses, reasons)
+                                    [CallHeader.read(w) for w in words], statuses, reasons,
+                                    ranks)
         if problem is not None:
             self._arrive(seq, 2)
             raise FailedPrecondition(f"group {self.spec.name!r}, collective #{seq}: {problem}")
@@ -779,8 +851,10 @@ class CpuRankComm(RankComm):
 
         self._take_part(seq, call, write_inputs)
         self._wait_all(2 * seq - 1, "low-latency dispatch", deadline)
-        self._agree(seq)  # num_max_dispatch_tokens_per_rank and use_fp8 too
-        ts = [int(self._meta(s)[0]) for s in range(r)]
+        ranks, out_ranks = self._left_out(seq)  # shrink groups: masked ranks take no part
+        self._agree(seq, ranks)  # num_max_dispatch_tokens_per_rank and use_fp8 too
+        reads = ~out_ranks & ~out_ranks[me]  # the sources this rank reads
+        ts = [int(self._meta(s)[0]) if reads[s] else 0 for s in range(r)]
         idxs = [self._slot_array(s, "topk_idx", (ts[s], k), np.int64) for s in range(r)]
         # counts[s, g]: tokens of source s routed to global expert g (distinct per token)
         counts = np.zeros((r, ne), dtype=np.int64)
@@ -835,7 +909,8 @@ class CpuRankComm(RankComm):
         total = counts.sum(axis=0).reshape(r, lx)
         expert_off = (np.cumsum(total, axis=1) - total).reshape(ne)
         before = (np.cumsum(counts, axis=0) - counts)[me]  # rows from sources < me
-        valid = mine >= 0
+        # entries for experts of a rank left out (or all, if this rank is) go nowhere
+        valid = (mine >= 0) & ~out_ranks[np.maximum(mine, 0) // lx] & ~out_ranks[me]
         tt, kk = np.nonzero(valid)
         g = mine[tt, kk]
         order = np.argsort(g, kind="stable")
@@ -882,7 +957,8 @@ class CpuRankComm(RankComm):
 
         self._take_part(seq, call, write_inputs)
         self._wait_all(2 * seq - 1, "low-latency combine", deadline)
-        self._agree(seq)
+        ranks, out_ranks = self._left_out(seq)  # shrink groups: masked ranks take no part
+        self._agree(seq, ranks)
 
         acc = np.zeros((t, h), dtype=np.float32)
         peers = [self._slot_array(d, "ll_y", (ll_max_rows(spec), h), dt) for d in range(r)]
@@ -890,9 +966,13 @@ class CpuRankComm(RankComm):
         weights = np.asarray(args.topk_weights, dtype=np.float32)
         for kk in range(k):  # k order, skipping -1, accumulated in fp32 (as the reference)
             tokens = np.nonzero(comb[:, kk] >= 0)[0]
+            d_of, r_of = dests[tokens, kk], rows[tokens, kk]
+            # an entry whose expert's rank was left out (at dispatch: dest -1; or now) adds
+            # nothing; a rank left out itself reads nothing
+            keep = (d_of >= 0) & ~out_ranks[np.maximum(d_of, 0)] & ~out_ranks[me]
+            tokens, d_of, r_of = tokens[keep], d_of[keep], r_of[keep]
             if len(tokens) == 0:
                 continue
-            d_of, r_of = dests[tokens, kk], rows[tokens, kk]
             yk = np.empty((len(tokens), h), dtype=dt)
             for d in np.unique(d_of):
                 sel = d_of == d
@@ -919,7 +999,7 @@ class CpuRankComm(RankComm):
         if not self._sequence or self._header is None:
             return
         target = 2 * self._sequence  # every rank raised "done reading" of the last collective
-        while (int(self._arrivals.min()) < target and read_abort(self._header) is None
+        while (not self._reached(target) and read_abort(self._header) is None
                and time.monotonic() < deadline):
             time.sleep(50e-6)
 
@@ -992,6 +1072,11 @@ class CpuPlanner(GroupPlanner):
 
     def abort_group(self, plan: bytes, reason: str) -> None:
         abort_comm_file(comm_path(plan), reason)
+
+    supports_rank_masking = True
+
+    def mark_gone(self, plan: bytes, rank: int, reason: str) -> None:
+        mark_gone_in_comm_file(comm_path(plan), rank)
 
 
 class CpuBackend(Backend):

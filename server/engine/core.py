@@ -84,7 +84,8 @@ class Engine(StreamCalls, DataPlane):
     OPERATIONS: dict[str, str] = {
         "GetDispatchLayout": "layout_op", "Dispatch": "dispatch_op", "Combine": "combine_op",
         "LowLatencyDispatch": "ll_dispatch_op", "LowLatencyCombine": "ll_combine_op",
-        "GetStats": "stats_op", "Ping": "ping_op", "ReleaseHandles": "release_handles_op"}
+        "GetStats": "stats_op", "Ping": "ping_op", "ReleaseHandles": "release_handles_op",
+        "RankMask": "rank_mask_op"}
 
     def __init__(self, config: Config, index: int, backend: Backend) -> None:
         self.config = config
@@ -378,7 +379,14 @@ class Engine(StreamCalls, DataPlane):
     def _abort(member: GroupMember, text: str, why: str = "member_left") -> None:
         """Raise the group's abort word: wakes this rank's own pending waits and every peer's.
         Unmaps nothing. A clean leave (why="left") is counted in epd_group_leaves_total, not
-        as an abort (the EpdGroupAborts alert is for faults)."""
+        as an abort (the EpdGroupAborts alert is for faults). In a shrink group on a backend
+        that masks ranks, only this rank's own waits end: the group goes on without it (the
+        supervisor masks the rank when it is released)."""
+        if member.spec.shrink and member.comm.supports_rank_masking:
+            if why == "left":
+                metrics.LEAVES.inc()
+            member.comm.stop(text)
+            return
         if member.comm.abort_reason() is None:
             if why == "left":
                 metrics.LEAVES.inc()

@@ -143,6 +143,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         self._queued(session, member)
         spec = member.spec
+        self._check_normal_mode(member, "dispatch")
         self._check_alive(member, req.stream_ordered)
         regions = session.regions
         x = tensors.resolve(req.x, regions, "x", ndim=2,
@@ -298,6 +299,41 @@ class DataPlane:
         for h in handles:
             member.handles.pop(h, None)
 
+    @staticmethod
+    def _check_normal_mode(member: GroupMember, what: str) -> None:
+        if member.spec.shrink:
+            raise FailedPrecondition(f"group {member.spec.name!r} was joined with shrink (rank "
+                                     f"masking): it takes low-latency calls only, not {what} "
+                                     f"(normal mode needs every rank; as DeepEP's shrink mode)")
+
+    def rank_mask_op(self, session: Session, req: epd_pb2.RankMaskRequest,
+                     path: str) -> epd_pb2.RankMaskResponse:
+        """Read, and optionally change, the mask of a shrink group (DeepEP's
+        low_latency_update_mask_buffer / query / clean): the group's, shared by its ranks."""
+        member = self.member(session, req.group_id)
+        spec, comm = member.spec, member.comm
+        which = req.WhichOneof("change")
+        if which is not None and not spec.shrink:
+            raise FailedPrecondition(f"group {spec.name!r} was not joined with shrink (rank "
+                                     f"masking; the DeepEP facade's Buffer(enable_shrink=True))")
+        if which in ("mask", "unmask"):
+            rank = getattr(req, which)
+            if not 0 <= rank < spec.num_ranks:
+                raise InvalidArgument(f"{which}={rank}: group {spec.name!r} has ranks 0.."
+                                      f"{spec.num_ranks - 1}")
+            states = comm.mask_states()
+            if states[rank] == comm.MASK_GONE:
+                if which == "unmask":
+                    raise FailedPrecondition(f"rank {rank} of group {spec.name!r} went away: it "
+                                             f"stays masked (a replacement joins a new group)")
+            else:
+                comm.set_mask(rank, comm.MASK_MASKED if which == "mask" else comm.MASK_IN)
+        elif which == "clean":
+            for rank, state in enumerate(comm.mask_states()):
+                if state == comm.MASK_MASKED:
+                    comm.set_mask(rank, comm.MASK_IN)
+        return epd_pb2.RankMaskResponse(state=comm.mask_states())
+
     def release_handles_op(self, session: Session, req: epd_pb2.ReleaseHandlesRequest,
                            path: str) -> epd_pb2.ReleaseHandlesResponse:
         member = self.member(session, req.group_id)
@@ -331,6 +367,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         self._queued(session, member)
         spec = member.spec
+        self._check_normal_mode(member, "combine")
         self._check_alive(member, req.stream_ordered)
         info = self._handle(member, req.handle, NORMAL)
         self._resolve(session, member, info)

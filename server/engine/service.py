@@ -93,11 +93,18 @@ async def _release_handles(e: Engine, request: epd_pb2.ReleaseHandlesRequest
     return await s.executor.run(e.operation("ReleaseHandles"), s, request, "grpc")
 
 
+async def _rank_mask(e: Engine, request: epd_pb2.RankMaskRequest) -> epd_pb2.RankMaskResponse:
+    # On the session's executor: ordered with the session's low-latency calls.
+    s = e.session(request.session_id)
+    return await s.executor.run(e.operation("RankMask"), s, request, "grpc")
+
+
 CONTROL: dict[str, Handler] = {
     "JoinGroup": _join_group, "LeaveGroup": _leave_group, "RegisterRegion": _register_region,
     "UnregisterRegion": _unregister_region, "GetStats": _get_stats,
     "OpenFastPath": _open_fast_path, "Ping": _ping, "ArmStreamOp": _arm_stream_op,
-    "DisarmStreamOp": _disarm_stream_op, "ReleaseHandles": _release_handles}
+    "DisarmStreamOp": _disarm_stream_op, "ReleaseHandles": _release_handles,
+    "RankMask": _rank_mask}
 
 
 def _collective(name: str) -> Handler:

@@ -76,8 +76,11 @@ def spec_from_proto(p: epd_pb2.GroupSpec) -> GroupSpec:
                               f"{sorted(dtypes.name(d) for d in GROUP_DTYPES)} (the dtype of "
                               f"combine; dispatch may also carry FP8 with scales)")
     service_classes.check_value(p.service_class)
+    if p.shrink and not p.low_latency_mode:
+        raise InvalidArgument("shrink (rank masking) is for low-latency groups: join with "
+                              "low_latency_mode=True")
     return GroupSpec(p.name, p.num_ranks, p.num_experts, p.hidden, p.max_tokens_per_rank,
-                     p.num_topk, p.x_dtype, p.low_latency_mode, p.service_class)
+                     p.num_topk, p.x_dtype, p.low_latency_mode, p.service_class, p.shrink)
 
 
 NORMAL, LOW_LATENCY = "normal", "low-latency"  # HandleInfo.kind

@@ -1,0 +1,259 @@
+"""Rank masking of low-latency groups (issue 11, DeepEP's shrink mode), on the CPU backend: a rank
+that goes away (its session closes, its process is killed) is masked by the daemon and the
+other ranks' low-latency calls go on without it, exact against the reference with that rank
+left out; a rank masked by a call takes no part until unmasked; the mask is shared by the
+group's ranks and survives nothing it should not. Normal-mode calls and groups without shrink
+keep the old rule (a rank that goes away aborts the group)."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import ranklib
+
+from epd.client import EpdError, Session
+from epd.client.buffer import Buffer
+from epd.proto import dtypes
+from epd.server import reference as ref
+
+BF16 = dtypes.BFLOAT16
+R, E, H, K, M = 3, 12, 256, 3, 16  # ranks, experts, hidden, top-k, num_max
+LX = E // R
+_names = itertools.count()
+IN, MASKED, GONE = 0, 1, 2
+
+
+def _inputs(step: int, rank: int, tokens: int = 11):
+    rng = np.random.default_rng([77, step, rank])
+    idx, w = ref.random_routing(rng, tokens, E, K, drop_prob=0.1, num_ranks=R)
+    return ref.random_x(rng, tokens, H, BF16), idx, w
+
+
+def _expected(step: int, left_out: set[int]):
+    """Per rank: (dispatch reference, combined bits) with the ranks in `left_out` taking no
+    part: their tokens absent, every entry for one of their experts dropped (-1); identity
+    experts, so a token's combine is sum_k w * x in fp32, rounded once."""
+    xs, idx, w = zip(*(_inputs(step, r) for r in range(R)), strict=True)
+    kept_idx = []
+    for r in range(R):
+        i = idx[r].copy()
+        if r in left_out:
+            i[:] = -1
+        else:
+            i[np.isin(np.where(i >= 0, i // LX, -1), sorted(left_out))] = -1
+        kept_idx.append(i)
+    disp = ref.low_latency_dispatch(
+        [x[:0] if r in left_out else x for r, x in enumerate(xs)],
+        [i[:0] if r in left_out else i for r, i in enumerate(kept_idx)], E, M)
+    combined = []
+    for r in range(R):
+        acc = np.zeros(xs[r].shape, np.float32)
+        for k in range(K):
+            sel = kept_idx[r][:, k] >= 0
+            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
+        combined.append(acc.astype(BF16).view(np.uint16))
+    return disp, combined
+
+
+def _step(g, step: int, rank: int) -> dict:
+    x, idx, w = _inputs(step, rank)
+    d = g.low_latency_dispatch(x, idx, M)
+    cx = g.low_latency_combine(d.recv_x, idx, w, d.handle)
+    return {"count": np.asarray(d.recv_count).copy(), "recv_x": np.asarray(d.recv_x).copy(),
+            "src_rank": np.asarray(d.recv_src_rank).copy(),
+            "src_idx": np.asarray(d.recv_src_idx).copy(),
+            "cx": np.asarray(cx).view(np.uint16).copy()}
+
+
+def _check(got: dict, step: int, rank: int, left_out: set[int]) -> None:
+    disp, combined = _expected(step, left_out)
+    want = disp[rank]
+    np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"step {step}")
+    for e in range(LX):  # the CPU backend orders rows by source, then token: exact
+        n = int(want.recv_count[e])
+        np.testing.assert_array_equal(got["src_rank"][e, :n], want.recv_src_rank[e, :n])
+        np.testing.assert_array_equal(got["src_idx"][e, :n], want.recv_src_idx[e, :n])
+        np.testing.assert_array_equal(got["recv_x"][e, :n].view(np.uint16),
+                                      want.recv_x[e, :n].view(np.uint16))
+    np.testing.assert_array_equal(got["cx"], combined[rank], err_msg=f"step {step} rank {rank}")
+
+
+def _sessions(daemon) -> list[Session]:
+    return [Session(daemon.socket(r % daemon.engines)) for r in range(R)]
+
+
+def _join_all(sessions: list[Session], name: str, shrink: bool = True) -> list:
+    out: list = [None] * R
+
+    def join(r: int) -> None:
+        out[r] = sessions[r].join(name, rank=r, num_ranks=R, num_experts=E, hidden=H,
+                                  max_tokens_per_rank=M, num_topk=K, low_latency_mode=True,
+                                  shrink=shrink, timeout=20)
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(R)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(g is not None for g in out)
+    return out
+
+
+def _steps(groups: list, ranks: list[int], step: int) -> dict[int, dict]:
+    res: dict[int, dict] = {}
+    errors: list = []
+
+    def run(r: int) -> None:
+        try:
+            res[r] = _step(groups[r], step, r)
+        except Exception as e:  # reported below
+            errors.append((r, e))
+    threads = [threading.Thread(target=run, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return res
+
+
+def test_a_rank_that_leaves_is_masked_and_the_others_go_on(daemon) -> None:
+    sessions = _sessions(daemon)
+    try:
+        groups = _join_all(sessions, f"shrink-{next(_names)}")
+        for r, got in _steps(groups, [0, 1, 2], 0).items():
+            _check(got, 0, r, set())
+        assert groups[0].rank_mask() == [IN, IN, IN]
+        sessions[2].close()  # rank 2 goes away (as if its process ended)
+        t0 = time.monotonic()
+        for step in (1, 2):  # the survivors' calls go on, exact, rank 2 left out
+            for r, got in _steps(groups, [0, 1], step).items():
+                _check(got, step, r, {2})
+        assert time.monotonic() - t0 < 10  # no deadline was waited out
+        assert groups[1].rank_mask() == [IN, IN, GONE]
+        with pytest.raises(EpdError, match=r"rank 2 of group .* went away") as e:
+            groups[0].rank_mask(unmask=2)
+        assert e.value.code.name == "FAILED_PRECONDITION"
+        assert groups[0].rank_mask(clean=True) == [IN, IN, GONE]  # a gone rank stays masked
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_masking_a_live_rank_by_a_call(daemon) -> None:
+    """Rank 0 masks rank 1: from then on every rank's calls leave it out, rank 1's own calls
+    included (they return nothing for it); unmasking takes it back."""
+    sessions = _sessions(daemon)
+    try:
+        groups = _join_all(sessions, f"shrink-{next(_names)}")
+        assert groups[0].rank_mask(mask=1) == [IN, MASKED, IN]
+        assert groups[2].rank_mask() == [IN, MASKED, IN]  # the group's mask, shared
+        got = _steps(groups, [0, 1, 2], 3)
+        for r in range(R):
+            _check(got[r], 3, r, {1})
+        assert not got[1]["count"].any()  # the masked rank received nothing
+        assert groups[1].rank_mask(unmask=1) == [IN, IN, IN]
+        for r, g in _steps(groups, [0, 1, 2], 4).items():
+            _check(g, 4, r, set())
+        groups[2].rank_mask(mask=0)
+        assert groups[1].rank_mask(clean=True) == [IN, IN, IN]
+        for r, g in _steps(groups, [0, 1, 2], 5).items():
+            _check(g, 5, r, set())
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_mask_requests_are_checked(daemon) -> None:
+    sessions = _sessions(daemon)
+    try:
+        groups = _join_all(sessions, f"shrink-{next(_names)}")
+        plain = _join_all(sessions, f"plain-{next(_names)}", shrink=False)
+        cases = [
+            (lambda: groups[0].rank_mask(mask=3), "INVALID_ARGUMENT", "has ranks 0..2"),
+            (lambda: groups[0].rank_mask(unmask=-1), "INVALID_ARGUMENT", "has ranks 0..2"),
+            (lambda: plain[0].rank_mask(mask=1), "FAILED_PRECONDITION",
+             "was not joined with shrink"),
+            (lambda: groups[0].dispatch(*_inputs(0, 0)), "FAILED_PRECONDITION",
+             "takes low-latency calls only"),
+        ]
+        for call, code, text in cases:
+            with pytest.raises(EpdError) as e:
+                call()
+            assert e.value.code.name == code and text in e.value.details, e.value
+        assert plain[0].rank_mask() == [IN, IN, IN]  # reading is fine on any group
+        assert groups[0].rank_mask() == [IN, IN, IN]  # nothing changed
+        with pytest.raises(Exception, match="at most one"):
+            groups[0].rank_mask(mask=1, clean=True)
+        with pytest.raises(EpdError, match=r"shrink .* is for low-latency groups"):
+            sessions[0].join(f"x-{next(_names)}", rank=0, num_ranks=R, num_experts=E, hidden=H,
+                             max_tokens_per_rank=M, num_topk=K, shrink=True, timeout=5)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_without_shrink_a_rank_that_leaves_still_aborts(daemon) -> None:
+    sessions = _sessions(daemon)
+    try:
+        groups = _join_all(sessions, f"plain-{next(_names)}", shrink=False)
+        _steps(groups, [0, 1, 2], 0)
+        sessions[2].close()
+        with pytest.raises(EpdError) as e:
+            _step(groups[0], 1, 0)
+        assert e.value.code.name == "ABORTED" and "rank 2" in e.value.details
+    finally:
+        for s in sessions:
+            s.close()
+
+
+# -- a killed rank process, through the DeepEP facade ------------------------------------------
+
+def _facade_rank(socket: str, rank: int, name: str) -> dict:
+    buf = Buffer(rank=rank, num_ranks=R, endpoint=socket, low_latency_mode=True,
+                 enable_shrink=True, group_name=name, timeout=20)
+    out: dict = {"steps": []}
+    try:
+        for step in range(3):
+            if step == 1:
+                ranklib.report("step 0 done")
+                ranklib.command()  # the test kills rank 2, then lets the others go on
+            if rank == 2 and step > 0:
+                break
+            x, idx, w = _inputs(step, rank)
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+            out["steps"].append({"count": np.asarray(count).copy(),
+                                 "recv_x": np.asarray(recv).copy(),
+                                 "src_rank": np.asarray(handle.src_rank).copy(),
+                                 "src_idx": np.asarray(handle.src_idx).copy(),
+                                 "cx": np.asarray(cx).view(np.uint16).copy()})
+        mask = np.full(R, 7, np.int32)
+        buf.low_latency_query_mask_buffer(mask)
+        out["mask"] = mask
+        return out
+    finally:
+        buf.destroy()
+
+
+def test_killed_rank_is_masked_through_the_facade(daemon, ranks) -> None:
+    name = f"facade-shrink-{next(_names)}"
+    tids = [ranks.submit(r, _facade_rank, daemon.socket(r % daemon.engines), r, name)
+            for r in range(R)]
+    for r in range(R):
+        assert ranks.event(r, 60) == "step 0 done"
+    ranks.kill(2, signal.SIGKILL)
+    for r in (0, 1):
+        ranks.cmd(r, "go")
+    outs = ranks.gather(tids[:2], 90)
+    for r, o in enumerate(outs):
+        assert o.ok, o.describe()
+        steps = o.value["steps"]
+        _check(steps[0], 0, r, set())
+        for step in (1, 2):
+            _check(steps[step], step, r, {2})
+        np.testing.assert_array_equal(o.value["mask"], [0, 0, 1])
