@@ -257,3 +257,41 @@ def test_killed_rank_is_masked_through_the_facade(daemon, ranks) -> None:
         for step in (1, 2):
             _check(steps[step], step, r, {2})
         np.testing.assert_array_equal(o.value["mask"], [0, 0, 1])
+
+
+def test_a_backend_without_masking_refuses_changes_and_still_aborts() -> None:
+    """The CUDA engine does not mask yet: a shrink group's mask reads all-in, unmasking a rank
+    that is in is a no-op, masking is FAILED_PRECONDITION naming the backend, and a rank that
+    goes away raises the abort word as in any group (Engine._abort)."""
+    import types
+
+    from epd.proto.v1 import epd_pb2
+    from epd.server.backends.base import GroupSpec, RankComm
+    from epd.server.engine.core import Engine
+    from epd.server.engine.ops import DataPlane
+
+    spec = GroupSpec("g", R, E, H, M, K, epd_pb2.BFLOAT16, True, 0, True)
+    aborted: list[str] = []
+    comm = types.SimpleNamespace(spec=spec, backend_name="cuda", supports_rank_masking=False,
+                                 MASK_IN=IN, MASK_MASKED=MASKED, MASK_GONE=GONE,
+                                 abort=aborted.append, abort_reason=lambda: None)
+    comm.mask_states = lambda: RankComm.mask_states(comm)
+    comm.set_mask = lambda rank, state: RankComm.set_mask(comm, rank, state)
+    member = types.SimpleNamespace(spec=spec, comm=comm)
+
+    class Plane(DataPlane):
+        def member(self, session, group_id):  # type: ignore[override]
+            return member
+
+    def ask(**change) -> list[int]:
+        req = epd_pb2.RankMaskRequest(session_id="s", group_id="g", **change)
+        return list(Plane().rank_mask_op(None, req, "grpc").state)  # type: ignore[arg-type]
+
+    assert ask() == [IN] * R
+    assert ask(unmask=1) == [IN] * R and ask(clean=True) == [IN] * R
+    with pytest.raises(EpdError, match="rank masking is not implemented on the cuda backend") \
+            as e:
+        ask(mask=1)
+    assert e.value.code.name == "FAILED_PRECONDITION"
+    Engine._abort(member, "rank 2 went away")  # type: ignore[arg-type]
+    assert aborted == ["rank 2 went away"]

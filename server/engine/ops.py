@@ -326,8 +326,8 @@ class DataPlane:
                 if which == "unmask":
                     raise FailedPrecondition(f"rank {rank} of group {spec.name!r} went away: it "
                                              f"stays masked (a replacement joins a new group)")
-            else:
-                comm.set_mask(rank, comm.MASK_MASKED if which == "mask" else comm.MASK_IN)
+            elif states[rank] != (want := comm.MASK_MASKED if which == "mask" else comm.MASK_IN):
+                comm.set_mask(rank, want)  # (unchanged: nothing to do, on any backend)
         elif which == "clean":
             for rank, state in enumerate(comm.mask_states()):
                 if state == comm.MASK_MASKED:
