@@ -29,6 +29,7 @@ typedef unsigned long long u64;
 #define CTRL_LL_COMBINE_FLAG 56  // [R] source s finished its low-latency combine pushes
 #define CTRL_LL_READY_FLAG 64     // [R] destination d finished (published) its low-latency dispatch
 #define CTRL_LL_COMBINE_READY 72  // [R] source s finished reducing its low-latency combine
+#define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
 #define CTRL_PAYLOAD_BYTES 1024 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
 
 #define ERR_DEADLINE 1
@@ -95,14 +96,17 @@ __device__ __forceinline__ u64* ctrl_of(const u64* peers, int r) {
     return reinterpret_cast<u64*>(peers[r]);
 }
 
-// Spin until flags[r] >= seq. Returns 0, or ERR_DEADLINE / ERR_ABORTED. Never traps: a trap
-// would poison the CUDA context that every client of the engine shares (docs/DESIGN_NOTES.md).
-__device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word, u64 seq,
+// Spin until flags[r] >= seq, or rank r is masked (it went away: not waited for). Returns 0, or
+// ERR_DEADLINE / ERR_ABORTED. Never traps: a trap would poison the CUDA context that every
+// client of the engine shares (docs/DESIGN_NOTES.md).
+__device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word,
+                                         const u64* mask_word, int r, u64 seq,
                                          i64 timeout_ns) {
     u64 start = globaltimer();
     unsigned spins = 0;
     while (ld_acquire_sys(flag) < seq) {
         if (ld_acquire_sys(abort_word) != 0) return ERR_ABORTED;
+        if ((ld_acquire_sys(mask_word) >> r) & 1ull) return 0;
         if (((++spins) & 63) == 0) {
             if ((i64)(globaltimer() - start) > timeout_ns) return ERR_DEADLINE;
         }
@@ -141,7 +145,8 @@ __device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u
     __syncthreads();
     if ((int)threadIdx.x < R) {
         int r = threadIdx.x;
-        int code = wait_flag(ctrl + flag_base + r, ctrl + CTRL_ABORT, seq, timeout_ns);
+        int code = wait_flag(ctrl + flag_base + r, ctrl + CTRL_ABORT, ctrl + CTRL_MASK, r, seq,
+                             timeout_ns);
         if (code) { atomicMin(&s_fail_rank, r); atomicMax(&s_fail_code, code); }
     }
     __syncthreads();

@@ -625,3 +625,13 @@ extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 c
     int r = threadIdx.x;
     if (r < R) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
 }
+
+// A rank of a shrink group went away: every rank's waits skip it from now on (CTRL_MASK bit).
+extern "C" __global__ void epd_mask_rank(const u64* __restrict__ peers, int R, int gone) {
+    int r = threadIdx.x;
+    if (r < R) {
+        atomicOr_system(reinterpret_cast<unsigned long long*>(ctrl_of(peers, r) + CTRL_MASK),
+                        1ull << gone);
+        __threadfence_system();
+    }
+}

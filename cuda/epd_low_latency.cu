@@ -131,6 +131,9 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     // this call's rows); normally already true, so this is one poll per peer.
     if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_READY_FLAG, R, seq - 1, timeout_ns,
                                          PHASE_LL_DISPATCH))) {
+        // Ranks that went away (shrink groups) get nothing (a stale read only sends rows to a
+        // rank nobody reads: the mask only grows).
+        const u64 gone = ld_acquire_sys(my_ctrl + CTRL_MASK);
         // One block per token: the K slot reservations go out together (one NVLink atomic
         // round trip), then the row is read (and quantised) once and stored K times.
         for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -141,7 +144,7 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                 u64 dst = 0, dsc = 0;
                 if (e >= (i64)L * R || e < -1) {
                     fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq);
-                } else if (e >= 0) {
+                } else if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {
                     const int d = (int)(e / L), le = (int)(e - (i64)d * L);
                     char* base = reinterpret_cast<char*>(peers[d]);
                     const int p = atomicAdd(reinterpret_cast<int*>(base + o_counters) +
@@ -262,7 +265,7 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
                       const i64* __restrict__ topk_idx, const float* __restrict__ w,
                       i64 w_stride, int T, int K, int H, int R, int rank,
                       const u64* __restrict__ peers, i64 o_comb, i64 o_topk, u64 seq,
-                      i64 timeout_ns) {
+                      i64 timeout_ns, int L) {
     typedef typename Tr::word word;
     constexpr int V = Tr::kPerVec;
     u64* my_ctrl = ctrl_of(peers, rank);
@@ -271,6 +274,8 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
         signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // (the group has failed)
         return;
     }
+    // After the wait: a rank that went away meanwhile is in the mask (its rows never came).
+    const u64 gone = ld_acquire_sys(my_ctrl + CTRL_MASK);
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
     const word* comb = reinterpret_cast<const word*>(my_base + o_comb);
     const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk);
@@ -293,7 +298,7 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
             int kd = -1;
             float wk = 0.f;
             const i64 e = topk_idx[(i64)t * K + lane];
-            if (e >= 0) {
+            if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {  // (masked: adds nothing)
                 for (int j = 0; j < K; ++j)
                     if (disp[(i64)t * K + j] == e) { kd = j; break; }
                 if (kd < 0) fail_bad_input(peers, R, rank, PHASE_LL_COMBINE, seq);
@@ -348,9 +353,9 @@ extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int ra
 
 #ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions
 template __global__ void epd_ll_combine_reduce<Bf16>(Bf16::word*, i64, const i64*, const float*,
-    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);
+    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64, int);
 template __global__ void epd_ll_combine_reduce<F16>(F16::word*, i64, const i64*, const float*,
-    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);
+    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64, int);
 template __global__ void epd_ll_combine_reduce<F32>(F32::word*, i64, const i64*, const float*,
-    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64);
+    i64, int, int, int, int, int, const u64*, i64, i64, u64, i64, int);
 #endif

@@ -260,9 +260,9 @@ def test_killed_rank_is_masked_through_the_facade(daemon, ranks) -> None:
 
 
 def test_a_backend_without_masking_refuses_changes_and_still_aborts() -> None:
-    """The CUDA engine does not mask yet: a shrink group's mask reads all-in, unmasking a rank
-    that is in is a no-op, masking is FAILED_PRECONDITION naming the backend, and a rank that
-    goes away raises the abort word as in any group (Engine._abort)."""
+    """A backend without rank masking (RankComm's defaults): a shrink group's mask reads
+    all-in, unmasking a rank that is in is a no-op, masking is FAILED_PRECONDITION naming the
+    backend, and a rank that goes away raises the abort word as in any group (Engine._abort)."""
     import types
 
     from epd.proto.v1 import epd_pb2
@@ -272,7 +272,7 @@ def test_a_backend_without_masking_refuses_changes_and_still_aborts() -> None:
 
     spec = GroupSpec("g", R, E, H, M, K, epd_pb2.BFLOAT16, True, 0, True)
     aborted: list[str] = []
-    comm = types.SimpleNamespace(spec=spec, backend_name="cuda", supports_rank_masking=False,
+    comm = types.SimpleNamespace(spec=spec, backend_name="other", supports_rank_masking=False,
                                  MASK_IN=IN, MASK_MASKED=MASKED, MASK_GONE=GONE,
                                  abort=aborted.append, abort_reason=lambda: None)
     comm.mask_states = lambda: RankComm.mask_states(comm)
@@ -289,7 +289,7 @@ def test_a_backend_without_masking_refuses_changes_and_still_aborts() -> None:
 
     assert ask() == [IN] * R
     assert ask(unmask=1) == [IN] * R and ask(clean=True) == [IN] * R
-    with pytest.raises(EpdError, match="rank masking is not implemented on the cuda backend") \
+    with pytest.raises(EpdError, match="rank masking is not implemented on the other backend") \
             as e:
         ask(mask=1)
     assert e.value.code.name == "FAILED_PRECONDITION"

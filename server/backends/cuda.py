@@ -602,6 +602,26 @@ class CudaRankComm(RankComm):
             self.runner.abort(code)
             self.runner.side_stream.synchronize()
 
+    # -- rank masking (shrink groups): the kernels' waits skip a rank that went away --------
+    supports_rank_masking = True
+
+    def mask_states(self) -> list[int]:
+        with cp.cuda.Device(self.backend.device):
+            word = int(cp.asnumpy(self.runner.views["ctrl"][abi.CTRL_MASK:abi.CTRL_MASK + 1])[0])
+        return [self.MASK_GONE if (word >> r) & 1 else self.MASK_IN
+                for r in range(self.spec.num_ranks)]
+
+    def set_mask(self, rank: int, state: int) -> None:
+        from ...proto.errors import FailedPrecondition
+        raise FailedPrecondition("the cuda engine masks only a rank that went away; masking a "
+                                 "live rank by a call is implemented on the cpu backend")
+
+    def stop(self, reason: str) -> None:
+        # This rank's own kernels in flight finish (or meet their deadline): stopping them
+        # half-way would publish part of its rows as if complete.
+        log.info("group %r: rank %d masked for its peers: %s", self.spec.name, self.rank, reason)
+        self.runner.mask_rank(self.rank)
+
     def abort_reason(self) -> str | None:
         if self._reason is not None:
             return self._reason

@@ -250,6 +250,7 @@ class Kernels:
 
     FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
+             "epd_mask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
@@ -442,7 +443,8 @@ class Kernels:
             (_P, out.data.ptr), (_I64, out.strides[0] // isz), (_P, topk_idx.data.ptr),
             (_P, weights.data.ptr), (_I64, weights.strides[0] // 4), (_I32, t), (_I32, k),
             (_I32, h), (_I32, lay.num_ranks), (_I32, rank), (_P, peers.data.ptr),
-            (_I64, o["comb"]), (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns)])
+            (_I64, o["comb"]), (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns),
+            (_I32, lay.num_local_experts)])
         return push, reduce
 
     def stream_done_launch(self, peers: Any, rank: int, done_ptr: int) -> Launch:
@@ -461,6 +463,11 @@ class Kernels:
               stream: Any = None) -> None:
         with _stream_ptr(stream):
             self.fn("epd_abort")((1,), (32,), (peers, np.int32(num_ranks), np.uint64(code)))
+
+    def mask_rank(self, peers: Any, num_ranks: int, gone: int, *, stream: Any = None) -> None:
+        """Set rank `gone`'s bit in every rank's CTRL_MASK (a shrink group goes on without it)."""
+        with _stream_ptr(stream):
+            self.fn("epd_mask_rank")((1,), (32,), (peers, np.int32(num_ranks), np.int32(gone)))
 
 
 _P, _I64, _I32, _U64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64

@@ -141,6 +141,14 @@ class CudaPlanner(GroupPlanner):
     def free_group(self, plan: bytes) -> None:
         self.heap.free(decode_plan(plan)[0])
 
+    # A rank of a shrink group that goes away is masked by its own engine (CudaRankComm.stop
+    # sets its bit in every rank's control block, which only an engine of the world can
+    # reach); an engine loss restarts every engine, so there is nothing left to do here.
+    supports_rank_masking = True
+
+    def mark_gone(self, plan: bytes, rank: int, reason: str) -> None:
+        return None
+
     def engine_env(self) -> dict[str, str]:
         # One node: no IB probing, loopback bootstrap; a heap clients can map over CUDA IPC.
         return {"NVSHMEM_REMOTE_TRANSPORT": "none",

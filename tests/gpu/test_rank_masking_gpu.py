@@ -1,0 +1,112 @@
+"""Rank masking on the CUDA engine (issue 11, DeepEP's shrink mode): three ranks of a low-latency
+group joined through the facade with `enable_shrink=True`; after a first step, rank 2's process
+exits without a word. The engine masks it (its bit in every rank's control block), and the other
+two ranks' plain low-latency calls go on: exact against the reference with rank 2 left out
+(its tokens absent, every entry for one of its experts dropped), no deadline waited out, the
+mask buffer showing it; masking a live rank by a call is refused on this backend."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from epd.proto.dtypes import BFLOAT16
+from epd.server import reference as ref
+
+from .conftest import GPU_COUNT
+from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
+
+pytestmark = pytest.mark.gpu
+R, E, K, H, M = 3, 24, 4, 2048, 16
+LX = E // R
+TOKENS = (16, 9, 13)
+
+
+def _inputs(step: int, rank: int):
+    rng = np.random.default_rng([2024, step, rank])
+    idx, w = ref.random_routing(rng, TOKENS[rank], E, K, drop_prob=0.1)
+    return ref.random_x(rng, TOKENS[rank], H, BFLOAT16), idx, w
+
+
+def _expected(step: int, left_out: set[int]):
+    xs, idx, w = zip(*(_inputs(step, r) for r in range(R)), strict=True)
+    kept = []
+    for r in range(R):
+        i = idx[r].copy()
+        i[np.isin(np.where(i >= 0, i // LX, -1), sorted(left_out))] = -1
+        kept.append(i[:0] if r in left_out else i)
+    disp = ref.low_latency_dispatch([x[:0] if r in left_out else x for r, x in enumerate(xs)],
+                                    kept, E, M)
+    combined = []
+    for r in range(R):
+        if r in left_out:
+            combined.append(None)
+            continue
+        acc = np.zeros(xs[r].shape, np.float32)
+        for k in range(K):
+            sel = kept[r][:, k] >= 0
+            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
+        combined.append(acc.astype(BFLOAT16).view(np.uint16))
+    return disp, combined
+
+
+def _rank(rank: int, socket: str, device: int, q) -> None:
+    try:
+        import torch
+
+        from epd.client import EpdError
+        from epd.client.buffer import Buffer
+        torch.cuda.set_device(device)
+        res: dict = {"rank": rank, "steps": []}
+        buf = Buffer(None, rank=rank, num_ranks=R, endpoint=socket, low_latency_mode=True,
+                     enable_shrink=True, group_name="gpu-shrink", timeout=30)
+        for step in range(3):
+            if rank == 2 and step == 1:  # goes away without a word (as a crash)
+                q.put(res)
+                q.close()
+                q.join_thread()
+                os._exit(0)
+            t0 = time.monotonic()
+            x, idx, w = (_to_torch(a, device) for a in _inputs(step, rank))
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+            cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+            torch.cuda.synchronize()
+            buf.check()
+            res["steps"].append({"compact": _compact(SimpleNamespace(
+                recv_x=recv, recv_count=count, recv_x_scales=None,
+                recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
+                "cx": _bits(cx), "seconds": time.monotonic() - t0})
+        mask = torch.full((R,), 7, dtype=torch.int32, device=device)
+        buf.low_latency_query_mask_buffer(mask)
+        res["mask"] = mask.cpu().numpy()
+        try:
+            buf.low_latency_update_mask_buffer(rank, True)  # itself: alive for sure
+            res["mask_live"] = "accepted"
+        except EpdError as e:
+            res["mask_live"] = e.code.name
+        buf.destroy()
+        q.put(res)
+    except Exception as e:
+        import traceback
+        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_rank_that_goes_away_is_masked_on_the_cuda_engine(daemon) -> None:
+    results = _spawn_ranks(daemon, _rank, R)
+    assert len(results[2]["steps"]) == 1
+    for step in range(3):
+        disp, combined = _expected(step, set() if step == 0 else {2})
+        for r in (0, 1) if step else (0, 1, 2):
+            got = results[r]["steps"][step]
+            _check_ll(disp[r], got["compact"], LX)
+            np.testing.assert_array_equal(got["cx"], combined[r],
+                                          err_msg=f"step {step} rank {r}")
+            assert got["seconds"] < 10, "a deadline was waited out"
+    for r in (0, 1):  # (the other survivor may have left already: its bit is not checked)
+        assert results[r]["mask"][2] == 1 and results[r]["mask"][r] == 0, results[r]["mask"]
+        assert results[r]["mask_live"] == "FAILED_PRECONDITION"
