@@ -27,7 +27,7 @@ def _params(kernel: str) -> list[str]:
 @pytest.mark.parametrize(("kernel", "index", "count"), [
     ("epd_ll_dispatch", ck.LL_DISPATCH_SEQ, 24),
     ("epd_ll_combine_push", ck.LL_PUSH_SEQ, 17),
-    ("epd_ll_combine_reduce", ck.LL_REDUCE_SEQ, 15),
+    ("epd_ll_combine_reduce", ck.LL_REDUCE_SEQ, 16),
 ])
 def test_packed_launch_sequence_argument(kernel: str, index: int, count: int) -> None:
     """`Launch.set(index, seq)` must hit the kernel's `u64 seq`, and the launch builders in
@@ -85,3 +85,19 @@ def test_low_latency_buffers_only_for_groups_that_ask() -> None:
     assert small.slot_bytes > membership_layout(spec(128, False)).slot_bytes
     assert small.slot_bytes < 1 << 30  # config D: fits a rank slot of the default heap
     assert membership_layout(spec(4096, True)).slot_bytes > 14 << 30
+
+
+@pytest.mark.parametrize(("kernel", "args"), [
+    ("epd_ll_dispatch", ck.LL_DISPATCH_BUFFER_ARGS),
+    ("epd_ll_combine_push", ck.LL_PUSH_BUFFER_ARGS),
+    ("epd_ll_combine_reduce", ck.LL_REDUCE_BUFFER_ARGS),
+])
+def test_receive_buffer_arguments(kernel: str, args: dict[int, str]) -> None:
+    """`Launch.set_buffer` rewrites the offsets that pick a receive buffer: each index must be
+    the kernel's `i64 o_<name>` parameter, and every per-buffer offset the kernel takes must be
+    in the table (a missed one would read buffer 0 while the rest reads buffer 1)."""
+    params = _params(kernel)
+    for index, name in args.items():
+        assert params[index] == f"i64 o_{name}", (kernel, index, params[index])
+    per_buffer = {f"i64 o_{n}" for n in ck.LowLatencyLayout.PER_BUFFER}
+    assert {i for i, p in enumerate(params) if p in per_buffer} == set(args), kernel
