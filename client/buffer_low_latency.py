@@ -282,6 +282,8 @@ class LowLatencyMixin:
             with cuda_ipc.relaxed_capture(mode == "graph"):
                 e = cache.arm(key, arm, pin=mode != "plain", capturing=mode == "graph",
                               source=source)
+            if mode == "plain":  # its copy-out kernel compiled now, off the calls that follow
+                received_rows.load(self.session.device_ordinal)
         return e
 
     def _next_ll_buffer(self) -> int:

@@ -37,27 +37,27 @@ def _inputs(step: int, rank: int, tokens: int = 11):
 def _expected(step: int, left_out: set[int]):
     """Per rank: (dispatch reference, combined bits) with the ranks in `left_out` taking no
     part: their tokens absent, every entry for one of their experts dropped (-1); identity
-    experts, so a token's combine is sum_k w * x in fp32, rounded once."""
+    experts (the reference combine of the reference dispatch's own rows). A rank left out
+    gets zeros."""
     xs, idx, w = zip(*(_inputs(step, r) for r in range(R)), strict=True)
-    kept_idx = []
+    kept = []
     for r in range(R):
         i = idx[r].copy()
         if r in left_out:
             i[:] = -1
         else:
             i[np.isin(np.where(i >= 0, i // LX, -1), sorted(left_out))] = -1
-        kept_idx.append(i)
-    disp = ref.low_latency_dispatch(
-        [x[:0] if r in left_out else x for r, x in enumerate(xs)],
-        [i[:0] if r in left_out else i for r, i in enumerate(kept_idx)], E, M)
-    combined = []
-    for r in range(R):
-        acc = np.zeros(xs[r].shape, np.float32)
-        for k in range(K):
-            sel = kept_idx[r][:, k] >= 0
-            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
-        combined.append(acc.astype(BF16).view(np.uint16))
-    return disp, combined
+        kept.append(i)
+    part = [r not in left_out for r in range(R)]
+    disp = ref.low_latency_dispatch([x if p else x[:0] for x, p in zip(xs, part, strict=True)],
+                                    [i if p else i[:0] for i, p in zip(kept, part, strict=True)],
+                                    E, M)
+    combined = ref.low_latency_combine(
+        [d.recv_x for d in disp], disp, [i if p else i[:0] for i, p in zip(kept, part,
+                                                                           strict=True)],
+        [v if p else v[:0] for v, p in zip(w, part, strict=True)], E)
+    return disp, [c.view(np.uint16) if p else np.zeros(xs[r].shape, np.uint16)
+                  for r, (c, p) in enumerate(zip(combined, part, strict=True))]
 
 
 def _step(g, step: int, rank: int) -> dict:
