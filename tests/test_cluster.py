@@ -455,3 +455,46 @@ def test_a_hung_node_loses_its_lease_and_comes_back(ranks):
         finish(ranks, [t_span[0]], [0])
         cl.wait_registered()  # the resumed node registers again
         run(ranks, case(2), [cl.ep(0), cl.ep(1)])
+
+
+def _shrink_member(endpoint: str, rank: int, name: str) -> dict:
+    """A rank of a 3-rank low-latency group joined with shrink (rank masking): one step,
+    then, on the test's word, two more (test_rank_masking.py's steps and reference)."""
+    import ranklib
+    import test_rank_masking as rm
+
+    from epd.client import Session
+    with Session(endpoint, client_name=f"shrink-{rank}") as s:
+        g = s.join(name, rank=rank, num_ranks=rm.R, num_experts=rm.E, hidden=rm.H,
+                   max_tokens_per_rank=rm.M, num_topk=rm.K, low_latency_mode=True, shrink=True,
+                   timeout=TIMEOUT + 20)
+        steps = [rm._step(g, 0, rank)]
+        ranklib.report("step 0")
+        ranklib.command()
+        steps += [rm._step(g, step, rank) for step in (1, 2)]
+        return {"steps": steps, "mask": g.rank_mask()}
+
+
+def test_node_killed_in_a_shrink_group_is_masked_and_the_others_go_on(ranks):
+    """Issue 13 meets issue 11: a node that goes away takes its ranks out of a low-latency group
+    joined with shrink instead of aborting it; the ranks on the other nodes go on, exact
+    against the reference with the lost node's rank left out."""
+    import test_rank_masking as rm
+    with cluster([1, 1, 1]) as cl:
+        name = f"shrink-span-{next(_names)}"
+        tids = [ranks.submit(r, _shrink_member, cl.ep(r), r, name) for r in range(3)]
+        for r in range(3):
+            assert ranks.event(r, 60) == "step 0"
+        cl.kill(2)
+        ranks.kill(2)  # its client (its session ended with the node)
+        for r in (0, 1):
+            ranks.cmd(r, "go")
+        outs = ranks.gather(tids[:2], 60)
+        for r, o in enumerate(outs):
+            assert o.ok, o.describe()
+            rm._check(o.value["steps"][0], 0, r, set())
+            for step in (1, 2):
+                rm._check(o.value["steps"][step], step, r, {2})
+            assert o.value["mask"] == [rm.IN, rm.IN, rm.GONE]
+        wait_until(lambda: "rank(s) [2] masked" in cl.nodes[0].log(), 10,
+                   "node 0's coordinator masks rank 2")
