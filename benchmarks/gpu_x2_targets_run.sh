@@ -7,6 +7,10 @@
 #        in-process and the NCCL pipeline (JSON + plot under $OUT)
 #   bash benchmarks/gpu_x2_targets_run.sh pools   # carry [".whl"]: the two-pool benchmark with
 #        classes, without classes, with pacing, and without MPS; then the GPU test suite
+#   bash benchmarks/gpu_x2_targets_run.sh deepep_tests   # carry [".whl", ".deepep"]: DeepEP V1's
+#        own tests/test_intranode.py and tests/test_low_latency.py, unchanged but for
+#        --num-processes 2, with `import deep_ep` resolving to EPD (client/deep_ep_shim) and a
+#        CUDA daemon serving them (issue 11). Written 2026-12-01, never run yet (no 2-GPU kind).
 set -u
 source benchmarks/gpu_env.sh
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -34,5 +38,25 @@ case "${1:-}" in
     timeout 300 python3 -P -m pytest -p no:cacheprovider tests/gpu -q -rfEsx --timeout 150 \
         -o addopts="" 2>&1 | grep -v " INFO " | tee "$OUT/gpu_tests.txt" | tail -20
     ;;
-  *) echo "usage: $0 bench|pools" >&2; exit 2 ;;
+  deepep_tests)
+    [ -d .deepep ] || { echo "carry .deepep (../shared/device/deepep-anchor.sh)" >&2; exit 2; }
+    ln -sfn "$PWD/client/deep_ep_shim/deep_ep" /tmp/pkg/deep_ep  # `import deep_ep` -> EPD
+    sock=/tmp/epd-sock && mkdir -p "$sock"
+    python3 -P -m epd.server.cli serve --backend cuda --socket-dir "$sock" \
+        > "$OUT/daemon.txt" 2>&1 &
+    daemon=$!
+    for _ in $(seq 120); do
+      python3 -P -m epd.server.cli topology --socket-dir "$sock" > /dev/null 2>&1 && break
+      sleep 1
+    done
+    export EPD_SOCKET_DIR="$sock"
+    eval "$(python3 -P -m epd.server.cli env --socket-dir "$sock")"  # the daemon's MPS server
+    for t in test_intranode test_low_latency; do  # (not -P: the tests import their utils.py)
+      (cd .deepep/tests && timeout 240 python3 "$t.py" --num-processes 2) \
+          > "$OUT/deepep_$t.txt" 2>&1
+      echo "$t: rc=$?"; tail -15 "$OUT/deepep_$t.txt"
+    done
+    kill "$daemon"; wait "$daemon"
+    ;;
+  *) echo "usage: $0 bench|pools|deepep_tests" >&2; exit 2 ;;
 esac
