@@ -248,6 +248,7 @@ class Coordinator:
         for r in ranks:
             if r not in g.released:
                 self.planner.mark_gone(g.plan, r, reason)
+                metrics.RANKS_MASKED.labels("gone").inc()
         log.warning("group %r (%s): rank(s) %s masked, the others go on: %s", g.spec.name,
                     g.group_id, ranks, reason)
 

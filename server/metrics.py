@@ -107,6 +107,8 @@ TIMEOUTS = GroupCounter("epd_collective_timeouts", "Collectives that hit their d
 ABORTS = Counter("epd_group_aborts", "Groups aborted (faults: a member's session ended while "
                  "holding it, an engine lost, a drain)", ["reason"])
 LEAVES = Counter("epd_group_leaves", "Group memberships ended by a clean leave() (not an abort)")
+RANKS_MASKED = Counter("epd_ranks_masked", "Ranks of shrink groups masked instead of aborting "
+                       "the group (why: gone = it went away, call = a RankMask call)", ["why"])
 SESSIONS = Gauge("epd_sessions", "Open sessions", ["engine"], multiprocess_mode="livesum")
 GROUPS = Gauge("epd_groups", "Group memberships held", ["engine"], multiprocess_mode="livesum")
 REGIONS = Gauge("epd_regions", "Registered client regions", ["engine"],

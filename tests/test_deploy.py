@@ -42,6 +42,7 @@ METRICS = {
     "epd_collective_timeouts_total": "counter",
     "epd_group_aborts_total": "counter",
     "epd_group_leaves_total": "counter",
+    "epd_ranks_masked_total": "counter",
     "epd_sessions": "gauge",
     "epd_sessions_without_mps": "gauge",
     "epd_group_held_bytes": "gauge",

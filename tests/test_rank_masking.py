@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 import ranklib
+from daemon_harness import samples
 
 from epd.client import EpdError, Session
 from epd.client.buffer import Buffer
@@ -121,7 +122,14 @@ def _steps(groups: list, ranks: list[int], step: int) -> dict[int, dict]:
     return res
 
 
+def _masked(daemon, why: str) -> float:
+    """epd_ranks_masked_total{why} as the daemon exports it (0 before the first)."""
+    return sum(s.value for s in samples(daemon).get("epd_ranks_masked_total", [])
+               if s.labels.get("why") == why)
+
+
 def test_a_rank_that_leaves_is_masked_and_the_others_go_on(daemon) -> None:
+    gone_before = _masked(daemon, "gone")
     sessions = _sessions(daemon)
     try:
         groups = _join_all(sessions, f"shrink-{next(_names)}")
@@ -135,6 +143,7 @@ def test_a_rank_that_leaves_is_masked_and_the_others_go_on(daemon) -> None:
                 _check(got, step, r, {2})
         assert time.monotonic() - t0 < 10  # no deadline was waited out
         assert groups[1].rank_mask() == [IN, IN, GONE]
+        assert _masked(daemon, "gone") == gone_before + 1
         with pytest.raises(EpdError, match=r"rank 2 of group .* went away") as e:
             groups[0].rank_mask(unmask=2)
         assert e.value.code.name == "FAILED_PRECONDITION"
@@ -147,10 +156,13 @@ def test_a_rank_that_leaves_is_masked_and_the_others_go_on(daemon) -> None:
 def test_masking_a_live_rank_by_a_call(daemon) -> None:
     """Rank 0 masks rank 1: from then on every rank's calls leave it out, rank 1's own calls
     included (they return nothing for it); unmasking takes it back."""
+    call_before = _masked(daemon, "call")
     sessions = _sessions(daemon)
     try:
         groups = _join_all(sessions, f"shrink-{next(_names)}")
         assert groups[0].rank_mask(mask=1) == [IN, MASKED, IN]
+        assert groups[0].rank_mask(mask=1) == [IN, MASKED, IN]  # again: no change, not counted
+        assert _masked(daemon, "call") == call_before + 1
         assert groups[2].rank_mask() == [IN, MASKED, IN]  # the group's mask, shared
         got = _steps(groups, [0, 1, 2], 3)
         for r in range(R):

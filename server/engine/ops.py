@@ -328,6 +328,8 @@ class DataPlane:
                                              f"stays masked (a replacement joins a new group)")
             elif states[rank] != (want := comm.MASK_MASKED if which == "mask" else comm.MASK_IN):
                 comm.set_mask(rank, want)  # (unchanged: nothing to do, on any backend)
+                if want == comm.MASK_MASKED:
+                    metrics.RANKS_MASKED.labels("call").inc()
         elif which == "clean":
             for rank, state in enumerate(comm.mask_states()):
                 if state == comm.MASK_MASKED:
