@@ -351,6 +351,7 @@ class Buffer(LowLatencyMixin):
         DeepEP's tuple (see BufferHandle)."""
         self._check_config(config)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
+        x_scales = T.rows_dense(x_scales)  # DeepEP's tests pass them column-major
         x_shape, x_dtype = T.meta(x, "x")
         if x_shape:
             self._check_capacity(x_shape[0])

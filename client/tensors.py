@@ -82,6 +82,22 @@ def meta(x: Array, what: str) -> tuple[tuple[int, ...], np.dtype]:
     return arr.shape, arr.dtype
 
 
+def rows_dense(x: Array) -> Array:
+    """`x` with a dense last dimension: itself when it has one (or is None), else a copy
+    (enqueued on the current stream for a CUDA tensor). The engine's kernels copy whole rows;
+    DeepEP's kernels also read FP8 scales column-major (`scales.T.contiguous().T`), which
+    its tests and callers pass."""
+    if x is None:
+        return x
+    if is_torch(x):
+        return x if x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1 else x.contiguous()
+    strides = getattr(x, "strides", None)
+    if strides and getattr(x, "ndim", 0) and x.shape[-1] > 1 \
+            and strides[-1] != x.dtype.itemsize:
+        return x.copy(order="C")  # NumPy and CuPy
+    return x
+
+
 def clone(x: Array) -> Array:
     """A new array with x's contents, of x's kind (a torch tensor's copy is enqueued on the
     current stream)."""

@@ -129,3 +129,52 @@ def test_other_scale_dtypes_rejected_before_the_collective(groups):
     with pytest.raises(EpdError, match="x_scales: dtype int64") as e:
         groups[0].dispatch(xs[0], idx[0], w[0], x_scales=words[0].astype(np.int64))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_column_major_scales_through_the_facade(daemon):
+    """DeepEP's test_intranode passes FP8 scales column-major (`scales.T.contiguous().T`), which
+    DeepEP's kernels read as they are: the facade gives the engine dense rows (the engine's
+    kernels copy whole rows) and the received scales are exact."""
+    import torch
+
+    from epd.client.buffer import Buffer
+    from epd.client.tensors import rows_dense
+    from epd.proto import dtypes
+
+    col = torch.arange(12, dtype=torch.float32).view(4, 3).T.contiguous().T  # strides (1, 4)
+    dense = rows_dense(col)
+    assert dense.stride() == (3, 1) and torch.equal(dense, col)
+    assert rows_dense(dense) is dense and rows_dense(None) is None
+    npcol = np.asfortranarray(np.arange(12, dtype=np.float32).reshape(4, 3))
+    assert rows_dense(npcol).flags.c_contiguous and (rows_dense(npcol) == npcol).all()
+
+    inputs = []
+    for r in range(2):
+        rng = np.random.default_rng(600 + r)
+        idx, w = ref.random_routing(rng, TOKENS[r], E, K, drop_prob=0.0)
+        xq, sc = ref.quantize_fp8(ref.random_x(rng, TOKENS[r], H, dtypes.BFLOAT16))
+        inputs.append((xq, sc, idx, w))
+
+    def rank(r: int):
+        xq, sc, idx, w = inputs[r]
+        buf = Buffer(None, rank=r, num_ranks=2, endpoint=daemon.socket(r),
+                     max_tokens_per_rank=32)
+        try:
+            tsc = torch.from_numpy(sc).T.contiguous().T
+            assert tsc.stride(-1) != 1
+            tidx = torch.from_numpy(idx)
+            n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(tidx, E)
+            recv = buf.dispatch((torch.from_numpy(xq.view(np.uint8)).view(torch.float8_e4m3fn),
+                                 tsc), num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=n_exp, topk_idx=tidx,
+                                topk_weights=torch.from_numpy(w))[0]
+            return recv[1].numpy()
+        finally:
+            buf.destroy()
+
+    with ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(rank, range(2)))
+    want = ref.dispatch([i[0] for i in inputs], [i[2] for i in inputs], [i[3] for i in inputs],
+                        E, x_scales=[i[1] for i in inputs])
+    for r in range(2):
+        np.testing.assert_array_equal(got[r], want[r].recv_x_scales)
