@@ -197,6 +197,7 @@ class AdoptedGroup:
     local: dict[int, int] = field(default_factory=dict)  # rank -> local engine
     released: set[int] = field(default_factory=set)
     aborted: bool = False
+    shrink: bool = False  # a low-latency group that masks a rank that goes away (spec.shrink)
 
 
 class ClusterMember:
@@ -296,13 +297,20 @@ class ClusterMember:
             nodes = sorted(set(g.rank_nodes))
             if nodes == [me] or g.aborted:
                 continue  # node-local: its memory is held here, it keeps working
+            reason = (f"node 0 (the cluster coordinator) went away ({why}); the group spans "
+                      f"nodes {nodes}")
+            if self._masks(g):  # this node's ranks leave it; the other nodes' ranks go on
+                for r in g.local:
+                    self.sup.planner.mark_gone(g.plan, r, reason)
+                continue
             g.aborted = True
             aborted.append(g.name)
-            self.sup.planner.abort_group(
-                g.plan, f"node 0 (the cluster coordinator) went away ({why}); the group spans "
-                        f"nodes {nodes}")
+            self.sup.planner.abort_group(g.plan, reason)
         log.warning("lease with node 0 ended (%s); groups spanning nodes aborted: %s", why,
                     aborted or "none")
+
+    def _masks(self, g: AdoptedGroup) -> bool:
+        return g.shrink and self.sup.planner.supports_rank_masking
 
     def owns(self, group_id: str) -> bool:
         return group_id in self.groups
@@ -331,7 +339,8 @@ class ClusterMember:
                 self.release_rank(resp.group_id, req.rank, e.message, forward_only=True)
                 raise
             g = self.groups[resp.group_id] = AdoptedGroup(req.spec.name, plan,
-                                                          tuple(resp.rank_nodes))
+                                                          tuple(resp.rank_nodes),
+                                                          shrink=req.spec.shrink)
         g.local[req.rank] = req.engine_index
         out = epd_pb2.RendezvousResponse()
         out.CopyFrom(resp)
@@ -356,8 +365,11 @@ class ClusterMember:
         if (reason and not g.aborted and not self.connected
                 and len(g.released) < len(g.rank_nodes) - 1):
             # Node 0 cannot tell the peers: this node's shared plan can (node-local groups).
-            g.aborted = True
-            self.sup.planner.abort_group(g.plan, reason)
+            if self._masks(g):
+                self.sup.planner.mark_gone(g.plan, rank, reason)
+            else:
+                g.aborted = True
+                self.sup.planner.abort_group(g.plan, reason)
         g.released.add(rank)
         if g.released >= set(g.local):
             self.sup.planner.free_group(g.plan)

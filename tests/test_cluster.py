@@ -498,3 +498,67 @@ def test_node_killed_in_a_shrink_group_is_masked_and_the_others_go_on(ranks):
             assert o.value["mask"] == [rm.IN, rm.IN, rm.GONE]
         wait_until(lambda: "rank(s) [2] masked" in cl.nodes[0].log(), 10,
                    "node 0's coordinator masks rank 2")
+
+
+def _shrink_stepper(endpoint: str, rank: int, name: str) -> str:
+    """A rank of a 3-rank shrink group that runs test_rank_masking.py's step N on command "N"
+    and reports ("ok", outputs) or ("error", code, details); "done" ends it."""
+    import ranklib
+    import test_rank_masking as rm
+
+    from epd.client import EpdError, Session
+    with Session(endpoint, client_name=f"stepper-{rank}") as s:
+        g = s.join(name, rank=rank, num_ranks=rm.R, num_experts=rm.E, hidden=rm.H,
+                   max_tokens_per_rank=rm.M, num_topk=rm.K, low_latency_mode=True, shrink=True,
+                   timeout=TIMEOUT + 20)
+        ranklib.report("joined")
+        while (cmd := ranklib.command()) != "done":
+            try:
+                ranklib.report(("ok", rm._step(g, int(cmd), rank)))
+            except EpdError as e:
+                ranklib.report(("error", e.code.name, e.details))
+    return "done"
+
+
+def test_a_hung_node_in_a_shrink_group_is_masked_and_stays_out(ranks):
+    """Node 1's supervisor stops answering (SIGSTOP) while its engine and client live on: node 0
+    ends its lease and masks its rank; ranks 0 and 2 (node 0) go on, exact. Rank 1's own call
+    fails (it was masked for good) instead of returning nothing; resumed, node 1 finds its lease
+    gone and takes its rank out of the group (no abort), so ranks 0 and 2 still go on."""
+    import test_rank_masking as rm
+    with cluster([2, 1]) as cl:
+        name = f"shrink-hung-{next(_names)}"
+        eps = [cl.ep(0, 0), cl.ep(1), cl.ep(0, 1)]  # ranks 0 and 2 on node 0, rank 1 on node 1
+        tids = [ranks.submit(r, _shrink_stepper, eps[r], r, name) for r in range(3)]
+        for r in range(3):
+            assert ranks.event(r, 60) == "joined"
+
+        def step(who: list[int], n: int) -> dict[int, tuple]:
+            for r in who:
+                ranks.cmd(r, str(n))
+            return {r: ranks.event(r, TIMEOUT + 30) for r in who}
+
+        for r, got in step([0, 1, 2], 0).items():
+            assert got[0] == "ok", got
+            rm._check(got[1], 0, r, set())
+        sup = cl.nodes[1].proc.pid
+        os.kill(sup, signal.SIGSTOP)
+        try:
+            wait_until(lambda: "node 1 lease ended" in cl.nodes[0].log(),
+                       3 * HEARTBEAT + TIMEOUT + SLACK, "node 0 ends the hung node's lease")
+            for r, got in step([0, 2], 1).items():
+                assert got[0] == "ok", got
+                rm._check(got[1], 1, r, {1})
+            late = step([1], 1)[1]
+            assert late[0] == "error" and late[1] == "ABORTED" and "masked for good" in late[2]
+        finally:
+            os.kill(sup, signal.SIGCONT)
+        wait_until(lambda: "lease with node 0 ended" in cl.nodes[1].log(), 30,
+                   "node 1 finds its lease gone")
+        for r, got in step([0, 2], 2).items():  # no abort from node 1: the group goes on
+            assert got[0] == "ok", got
+            rm._check(got[1], 2, r, {1})
+        for r in range(3):
+            ranks.cmd(r, "done")
+        assert all(o.ok for o in ranks.gather(tids, 30))
+        cl.wait_registered()  # the resumed node registers again

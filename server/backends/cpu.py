@@ -555,6 +555,14 @@ class CpuRankComm(RankComm):
     def stop(self, reason: str) -> None:
         self._stopped = reason
 
+    def _check_not_gone(self) -> None:
+        """A rank masked for good (its node lost the cluster while it lived on) takes no part
+        any more: its calls fail rather than return nothing."""
+        if self.spec.shrink and self._mask[self.rank] == self.MASK_GONE:
+            raise Aborted(f"rank {self.rank} of group {self.spec.name!r} was masked for good "
+                          f"(it went away, or its node lost the cluster): it takes no part any "
+                          f"more; a replacement joins a new group")
+
     def _call_words(self, rank: int) -> np.ndarray:
         off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _CALL
         return np.ndarray((_CALL_WORDS,), dtype=np.int64, buffer=self._mm, offset=off)
@@ -839,6 +847,7 @@ class CpuRankComm(RankComm):
             payload, scales = args.x, None
         pdt = payload.dtype
         call = CallHeader(LL_DISPATCH, flags=F_FP8 if fp8 else 0, num_max=m)
+        self._check_not_gone()
         seq = self._begin(deadline, "low-latency dispatch")
 
         def write_inputs() -> None:
@@ -853,6 +862,9 @@ class CpuRankComm(RankComm):
         self._wait_all(2 * seq - 1, "low-latency dispatch", deadline)
         ranks, out_ranks = self._left_out(seq)  # shrink groups: masked ranks take no part
         self._agree(seq, ranks)  # num_max_dispatch_tokens_per_rank and use_fp8 too
+        if self.spec.shrink and self._mask[me] == self.MASK_GONE:
+            self._arrive(seq, 2)
+            self._check_not_gone()
         reads = ~out_ranks & ~out_ranks[me]  # the sources this rank reads
         ts = [int(self._meta(s)[0]) if reads[s] else 0 for s in range(r)]
         idxs = [self._slot_array(s, "topk_idx", (ts[s], k), np.int64) for s in range(r)]
@@ -945,6 +957,7 @@ class CpuRankComm(RankComm):
         pos = int(counts.sum())
         # Every rank must combine the same low-latency dispatch.
         call = CallHeader(LL_COMBINE, ref=handle.sequence)
+        self._check_not_gone()
         seq = self._begin(deadline, "low-latency combine")
 
         def write_inputs() -> None:
@@ -959,6 +972,9 @@ class CpuRankComm(RankComm):
         self._wait_all(2 * seq - 1, "low-latency combine", deadline)
         ranks, out_ranks = self._left_out(seq)  # shrink groups: masked ranks take no part
         self._agree(seq, ranks)
+        if self.spec.shrink and self._mask[me] == self.MASK_GONE:
+            self._arrive(seq, 2)
+            self._check_not_gone()
 
         acc = np.zeros((t, h), dtype=np.float32)
         peers = [self._slot_array(d, "ll_y", (ll_max_rows(spec), h), dt) for d in range(r)]
