@@ -71,8 +71,18 @@ def _step(g, step: int, rank: int) -> dict:
             "cx": np.asarray(cx).view(np.uint16).copy()}
 
 
-def _check(got: dict, step: int, rank: int, left_out: set[int]) -> None:
-    disp, combined = _expected(step, left_out)
+def _check(got: dict, step: int, rank: int, left_out: set[int],
+           combine_left_out: set[int] | None = None) -> None:
+    """One rank's step against the reference with `left_out` taking no part in the dispatch
+    and `combine_left_out` (default the same) in the combine's result (a rank left out of the
+    dispatch or of the combine adds nothing to it)."""
+    _check_dispatch(got, step, rank, left_out)
+    _, combined = _expected(step, left_out if combine_left_out is None else combine_left_out)
+    np.testing.assert_array_equal(got["cx"], combined[rank], err_msg=f"step {step} rank {rank}")
+
+
+def _check_dispatch(got: dict, step: int, rank: int, left_out: set[int]) -> None:
+    disp, _ = _expected(step, left_out)
     want = disp[rank]
     np.testing.assert_array_equal(got["count"], want.recv_count, err_msg=f"step {step}")
     for e in range(LX):  # the CPU backend orders rows by source, then token: exact
@@ -81,7 +91,6 @@ def _check(got: dict, step: int, rank: int, left_out: set[int]) -> None:
         np.testing.assert_array_equal(got["src_idx"][e, :n], want.recv_src_idx[e, :n])
         np.testing.assert_array_equal(got["recv_x"][e, :n].view(np.uint16),
                                       want.recv_x[e, :n].view(np.uint16))
-    np.testing.assert_array_equal(got["cx"], combined[rank], err_msg=f"step {step} rank {rank}")
 
 
 def _sessions(daemon) -> list[Session]:
@@ -307,3 +316,43 @@ def test_a_backend_without_masking_refuses_changes_and_still_aborts() -> None:
     assert e.value.code.name == "FAILED_PRECONDITION"
     Engine._abort(member, "rank 2 went away")  # type: ignore[arg-type]
     assert aborted == ["rank 2 went away"]
+
+
+def test_mask_changes_during_collectives_give_one_set_per_collective(daemon) -> None:
+    """Rank 1 is masked and unmasked (through rank 0's session) while the ranks run steps, so
+    a change lands in the middle of collectives: each collective must be exact against the
+    reference for one left-out set, the same on every rank: the dispatch for {} or {1}, the
+    combine for that set or {1} (a change between a step's dispatch and its combine)."""
+    sessions = _sessions(daemon)
+    stop = threading.Event()
+    try:
+        groups = _join_all(sessions, f"shrink-{next(_names)}")
+
+        def toggle() -> None:
+            flip = True
+            while not stop.is_set():
+                groups[0].rank_mask(**({"mask": 1} if flip else {"unmask": 1}))
+                flip = not flip
+                time.sleep(0.003)
+        toggler = threading.Thread(target=toggle)
+        toggler.start()
+        seen = set()
+        for step in range(10, 40):
+            got = _steps(groups, [0, 1, 2], step)
+            fits = []
+            for left_out, combine_left_out in ((set(), set()), (set(), {1}), ({1}, {1})):
+                try:
+                    for r in range(R):
+                        _check(got[r], step, r, left_out, combine_left_out)
+                    fits.append((frozenset(left_out), frozenset(combine_left_out)))
+                except AssertionError:
+                    pass
+            assert len(fits) == 1, f"step {step}: outputs fit {fits} (want exactly one)"
+            seen.add(fits[0][0])
+        stop.set()
+        toggler.join(10)
+        assert seen == {frozenset(), frozenset({1})}, seen  # both happened
+    finally:
+        stop.set()
+        for s in sessions:
+            s.close()
