@@ -194,7 +194,7 @@ class Buffer(LowLatencyMixin):
         # Armed low-latency calls by the tensors they read (cuda backend).
         self._stream_ops = StreamOpCache(session.device_ordinal, plain_op_limit())
         self._ll_buffer = 0  # DeepEP's double buffer: low-latency dispatches alternate
-        self._pending_masks: dict[int, bool] = {}
+        self._pending_masks: set[int] = set()
         self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
 
     # -- DeepEP's static helpers -------------------------------------------------------------

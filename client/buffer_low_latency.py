@@ -64,7 +64,7 @@ class LowLatencyMixin:
     _combine_buffers: dict
     _groups: dict
     _ll_buffer: int  # the receive buffer of the next low-latency dispatch (0 or 1)
-    _pending_masks: dict[int, bool]  # rank masking asked for (applied to groups as they form)
+    _pending_masks: set[int]  # ranks masked by this Buffer's calls (applied to groups as they form)
 
     if TYPE_CHECKING:  # Buffer's, declared for the type checker
         def _group(self, hidden: int, num_topk: int, dtype: Any, num_experts: int,
@@ -221,7 +221,10 @@ class LowLatencyMixin:
         self._check_shrink()
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"rank_to_mask {rank_to_mask} outside [0, {self.group_size})")
-        self._pending_masks[rank_to_mask] = bool(mask)
+        if mask:
+            self._pending_masks.add(rank_to_mask)
+        else:
+            self._pending_masks.discard(rank_to_mask)
         for g in self._ll_groups():
             g.rank_mask(**{"mask" if mask else "unmask": rank_to_mask})
 
@@ -232,7 +235,7 @@ class LowLatencyMixin:
         shape, _ = T.meta(mask_status, "mask_status")
         if tuple(shape) != (self.group_size,):
             raise InvalidArgument(f"mask_status must be [{self.group_size}], got {list(shape)}")
-        masked = [bool(self._pending_masks.get(r)) for r in range(self.group_size)]
+        masked = [r in self._pending_masks for r in range(self.group_size)]
         for g in self._ll_groups():
             masked = [a or b != 0 for a, b in zip(masked, g.rank_mask(), strict=True)]
         values = [int(m) for m in masked]
@@ -251,9 +254,8 @@ class LowLatencyMixin:
 
     def _apply_pending_masks(self, g: Group) -> None:
         """A low-latency group just formed: the mask changes made before it existed."""
-        for rank, masked in self._pending_masks.items():
-            if masked:
-                g.rank_mask(mask=rank)
+        for rank in sorted(self._pending_masks):
+            g.rank_mask(mask=rank)
 
     # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
     def _stream_mode(self, x: Array, return_recv_hook: bool) -> str | None:

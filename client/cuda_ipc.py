@@ -427,7 +427,7 @@ class BufferKeys:
         if x is None:
             return ()
         hit = self._by_id.get(id(x))
-        if hit is not None and hit[0]() is x and hit[1] == _data_ptr(x) \
+        if hit is not None and hit[0]() is x and hit[1] == data_ptr(x) \
                 and hit[2] == tuple(x.shape):
             return hit[3]
         key = buffer_key(x, self.device)
@@ -441,7 +441,8 @@ class BufferKeys:
         return key
 
 
-def _data_ptr(x: Any) -> int:
+def data_ptr(x: Any) -> int:
+    """The device address of a torch tensor or CuPy array."""
     ptr = getattr(x, "data_ptr", None)
     return int(ptr()) if ptr is not None else int(x.data.ptr)
 

@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 from . import tensors as T
+from .cuda_ipc import data_ptr
 
 _SOURCE = r"""
 typedef long long i64;
@@ -95,10 +96,6 @@ def load(device: int) -> None:
     _function(device)
 
 
-def _ptr(x: Any) -> int:
-    return int(x.data_ptr()) if T.is_torch(x) else int(x.data.ptr)
-
-
 def contiguous(x: Any) -> bool:
     return bool(x.is_contiguous()) if T.is_torch(x) else bool(x.flags.c_contiguous)
 
@@ -131,11 +128,12 @@ def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: A
     if L == 0 or rows == 0:
         return x, scales_out, out_counts, out_rank, out_idx
     S = int(scales.shape[2]) if scales is not None else 0
-    vals = [_P(_ptr(recv_x)), _P(_ptr(x)), _I64(rows), _I64(row_bytes // 16),
-            _P(_ptr(scales) if scales is not None else 0),
-            _P(_ptr(scales_out) if scales is not None else 0), _I32(S),
-            _I32(1 if use_ue8m0 else 0), _P(_ptr(counts)), _P(_ptr(src_rank)),
-            _P(_ptr(src_idx)), _P(_ptr(out_counts)), _P(_ptr(out_rank)), _P(_ptr(out_idx))]
+    vals = [_P(data_ptr(recv_x)), _P(data_ptr(x)), _I64(rows), _I64(row_bytes // 16),
+            _P(data_ptr(scales) if scales is not None else 0),
+            _P(data_ptr(scales_out) if scales is not None else 0), _I32(S),
+            _I32(1 if use_ue8m0 else 0), _P(data_ptr(counts)), _P(data_ptr(src_rank)),
+            _P(data_ptr(src_idx)), _P(data_ptr(out_counts)), _P(data_ptr(out_rank)),
+            _P(data_ptr(out_idx))]
     argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
     import cupy
     fn = _function(device)

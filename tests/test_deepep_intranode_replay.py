@@ -13,40 +13,19 @@ Small shapes for the CPU backend in CI; DeepEP's file itself runs on the GPU mac
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from epd.client import EpdError  # noqa: E402
+from deepep_replay import dequant, diff, run_ranks, use_daemon  # noqa: E402
+
 from epd.client import buffer as deep_ep  # noqa: E402  (what `import deep_ep` resolves to)
 from epd.proto import dtypes  # noqa: E402
 from epd.server import reference as ref  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NUM_RANKS, TOKENS, HIDDEN, EXPERTS, TOPK = 2, 96, 256, 16, 4
-
-
-class _Group:
-    """The ProcessGroup the test hands DeepEP, plus the all-reduce it runs on counts."""
-
-    def __init__(self, rank: int, shared: dict) -> None:
-        self._rank, self._shared = rank, shared
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return NUM_RANKS
-
-    def all_reduce(self, t):
-        self._shared["parts"][self._rank] = t.clone()
-        self._shared["barrier"].wait(timeout=60)
-        out = sum(self._shared["parts"][1:], self._shared["parts"][0].clone())
-        self._shared["barrier"].wait(timeout=60)
-        return out
 
 
 def _to_fp8(x) -> tuple:
@@ -57,18 +36,7 @@ def _to_fp8(x) -> tuple:
     return fp8, torch.from_numpy(scales)
 
 
-def _from_fp8(fp8, scales):
-    n, h = fp8.shape
-    x = fp8.float().view(n, h // 128, 128) * scales.float().view(n, h // 128, 1)
-    return x.view(n, h).to(torch.bfloat16)
-
-
-def _diff(x, y) -> float:
-    x, y = x.double() + 1, y.double() + 1
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
-def _rank(rank: int, group: _Group) -> int:
+def _rank(rank: int, group) -> int:
     torch.manual_seed(rank)
     local = EXPERTS // NUM_RANKS
     buffer = deep_ep.Buffer(group, int(2e9), 0, low_latency_mode=False, num_qps_per_rank=1,
@@ -126,7 +94,7 @@ def _rank(rank: int, group: _Group) -> int:
                             buffer.dispatch(**args)
                         if asynchronous:
                             event.current_stream_wait()
-                        recv_x = _from_fp8(*recv_x) if isinstance(recv_x, tuple) else recv_x
+                        recv_x = dequant(*recv_x) if isinstance(recv_x, tuple) else recv_x
                         prefix = handle[0]
                         assert int(gbl_per_rank[rank]) == recv_x.size(0)
                         assert gbl_per_expert.view(NUM_RANKS, -1)[rank].tolist() == recv_counts
@@ -149,7 +117,7 @@ def _rank(rank: int, group: _Group) -> int:
                                 **args, num_worst_tokens=worst)
                             if asynchronous:
                                 event.current_stream_wait()
-                            wx = _from_fp8(*wx) if isinstance(wx, tuple) else wx
+                            wx = dequant(*wx) if isinstance(wx, tuple) else wx
                             n = recv_x.size(0)
                             assert len(empty) == 0 and wx.size(0) == worst == widx.size(0) \
                                 == ww.size(0)
@@ -164,7 +132,7 @@ def _rank(rank: int, group: _Group) -> int:
                             cx, _, _, _, _, event = buffer.dispatch(**cargs)
                             if asynchronous:
                                 event.current_stream_wait()
-                            cx = _from_fp8(*cx) if isinstance(cx, tuple) else cx
+                            cx = dequant(*cx) if isinstance(cx, tuple) else cx
                             if current is not x_rand:
                                 check_rows(cx, prefix)
                         cargs = {"x": recv_x, "handle": handle, "config": config,
@@ -178,35 +146,17 @@ def _rank(rank: int, group: _Group) -> int:
                             event.current_stream_wait()
                         fanout = is_token_in_rank.sum(dim=1).unsqueeze(1)
                         ref_x = x_rand if current is x_rand else x
-                        assert _diff(combined.float() / fanout, ref_x) < 5e-6
+                        assert diff(combined.float() / fanout, ref_x) < 5e-6
                         if with_topk:
                             check_w = combined_w if current is x_rand else combined_w / fanout
                             ref_w = topk_weights_rand if current is x_rand else topk_weights
-                            assert _diff(check_w, ref_w) < 1e-9
+                            assert diff(check_w, ref_w) < 1e-9
         return runs
     finally:
         buffer.destroy()
 
 
 def test_deepep_intranode_test_main_on_the_facade(daemon, monkeypatch) -> None:
-    monkeypatch.setenv("EPD_SOCKET_DIR", daemon.socket_dir)
-    for k in ("EPD_ENGINE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    shared = {"parts": [None] * NUM_RANKS, "barrier": threading.Barrier(NUM_RANKS)}
-    results: list = [None] * NUM_RANKS
-
-    def run(r: int) -> None:
-        try:
-            results[r] = _rank(r, _Group(r, shared))
-        except BaseException as e:  # reported below
-            results[r] = e
-            shared["barrier"].abort()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(NUM_RANKS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:  # the first to fail (the others then see its group abort)
-        raise min(errors, key=lambda e: isinstance(e, EpdError) and e.code.name == "ABORTED")
+    use_daemon(daemon, monkeypatch)
+    results = run_ranks(_rank, NUM_RANKS)
     assert results == [24, 24]  # 2 previous x 2 async x 3 inputs x 2 top-k

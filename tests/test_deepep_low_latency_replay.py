@@ -18,11 +18,12 @@ the CUDA engine is DeepEP's own file on the GPU machine (issue 11).
 from __future__ import annotations
 
 import random
-import threading
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from deepep_replay import dequant, diff, run_ranks, use_daemon  # noqa: E402
 
 from epd.client import buffer as deep_ep  # noqa: E402  (what `import deep_ep` resolves to)
 
@@ -31,44 +32,7 @@ NUM_RANKS, TOKENS, HIDDEN, EXPERTS, TOPK = 2, 24, 1024, 12, 4
 DEEPEP_TEST = "deepseek-ai/DeepEP@567632d tests/test_low_latency.py"
 
 
-class _Group:
-    """The ProcessGroup the test hands DeepEP (rank/size) plus the all-gather it runs."""
-
-    def __init__(self, rank: int, shared: dict) -> None:
-        self._rank, self._shared = rank, shared
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return NUM_RANKS
-
-    def all_gather(self, t):
-        self._shared["parts"][self._rank] = t.clone()
-        self._shared["barrier"].wait(timeout=60)
-        out = torch.stack(self._shared["parts"])
-        self._shared["barrier"].wait(timeout=60)
-        return out
-
-
-def _dequant(fp8, scales) -> torch.Tensor:
-    """FP8 rows [N, H] times their per-128-channel scales [N, H/128] (float32, or int32 words
-    of four UE8M0 exponent bytes), as bf16."""
-    n, h = fp8.shape
-    if scales.dtype == torch.int32:
-        exps = scales.contiguous().view(torch.uint8).view(n, -1).to(torch.int32)
-        scales = (exps << 23).view(torch.float32)
-    x = fp8.float().view(n, h // 128, 128) * scales.float().view(n, h // 128, 1)
-    return x.view(n, h).to(torch.bfloat16)
-
-
-def _diff(x, y) -> float:
-    """1 - cosine-like similarity of x + 1 and y + 1 (DeepEP's test metric)."""
-    x, y = x.double() + 1, y.double() + 1
-    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
-
-
-def _rank(rank: int, group: _Group) -> int:
+def _rank(rank: int, group) -> int:
     torch.manual_seed(rank)
     random.seed(rank)
     local = EXPERTS // NUM_RANKS
@@ -107,7 +71,7 @@ def _rank(rank: int, group: _Group) -> int:
                                 hook() if hooked else event.current_stream_wait()
                             if fp8:
                                 recv = (recv[0], recv[1].contiguous())
-                                gemm_x = _dequant(recv[0].view(-1, HIDDEN),
+                                gemm_x = dequant(recv[0].view(-1, HIDDEN),
                                                   recv[1].view(recv[0].shape[0] * recv[0].shape[1],
                                                                -1)).view(recv[0].shape)
                             else:
@@ -126,7 +90,7 @@ def _rank(rank: int, group: _Group) -> int:
                                 body_min = rows[:, :-128].amin(dim=-1)
                                 assert torch.equal(body_min, rows[:, :-128].amax(dim=-1))
                                 if round_scale:
-                                    assert _diff(rows[:, -1], src_info.view(-1)) < 0.007
+                                    assert diff(rows[:, -1], src_info.view(-1)) < 0.007
                                 else:
                                     assert (rows[:, -128:] - src_info.view(-1, 1) % TOKENS
                                             ).sum().item() == 0
@@ -152,7 +116,7 @@ def _rank(rank: int, group: _Group) -> int:
                                     dim=1).view(-1, 1)
                                 assert not torch.isnan(combined).any()
                                 if not round_scale:
-                                    assert _diff(want, combined) < (9e-4 if fp8 else 1e-5), \
+                                    assert diff(want, combined) < (9e-4 if fp8 else 1e-5), \
                                         (calls, fp8, zero_copy)
         return calls
     finally:
@@ -160,25 +124,7 @@ def _rank(rank: int, group: _Group) -> int:
 
 
 def test_deepep_low_latency_test_main_on_the_facade(daemon, monkeypatch) -> None:
-    monkeypatch.setenv("EPD_SOCKET_DIR", daemon.socket_dir)
-    for k in ("EPD_ENGINE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    shared = {"parts": [None] * NUM_RANKS, "barrier": threading.Barrier(NUM_RANKS)}
-    results: list = [None] * NUM_RANKS
-
-    def run(r: int) -> None:
-        try:
-            results[r] = _rank(r, _Group(r, shared))
-        except BaseException as e:  # reported below
-            results[r] = e
-            shared["barrier"].abort()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(NUM_RANKS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    use_daemon(daemon, monkeypatch)
+    results = run_ranks(_rank, NUM_RANKS)
     # 2 inputs x 2 hook modes x 4 precisions (bf16, FP8, FP8 power-of-two, UE8M0)
     assert results == [16, 16]

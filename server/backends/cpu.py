@@ -563,6 +563,13 @@ class CpuRankComm(RankComm):
                           f"(it went away, or its node lost the cluster): it takes no part any "
                           f"more; a replacement joins a new group")
 
+    def _leave_if_gone(self, seq: int) -> None:
+        """After the arrival barrier: a rank masked for good while it waited frees its slot
+        (it reads nothing) and fails its call."""
+        if self.spec.shrink and self._mask[self.rank] == self.MASK_GONE:
+            self._arrive(seq, 2)
+            self._check_not_gone()
+
     def _call_words(self, rank: int) -> np.ndarray:
         off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _CALL
         return np.ndarray((_CALL_WORDS,), dtype=np.int64, buffer=self._mm, offset=off)
@@ -862,9 +869,7 @@ class CpuRankComm(RankComm):
         self._wait_all(2 * seq - 1, "low-latency dispatch", deadline)
         ranks, out_ranks = self._left_out(seq)  # shrink groups: masked ranks take no part
         self._agree(seq, ranks)  # num_max_dispatch_tokens_per_rank and use_fp8 too
-        if self.spec.shrink and self._mask[me] == self.MASK_GONE:
-            self._arrive(seq, 2)
-            self._check_not_gone()
+        self._leave_if_gone(seq)
         reads = ~out_ranks & ~out_ranks[me]  # the sources this rank reads
         ts = [int(self._meta(s)[0]) if reads[s] else 0 for s in range(r)]
         idxs = [self._slot_array(s, "topk_idx", (ts[s], k), np.int64) for s in range(r)]
@@ -972,9 +977,7 @@ class CpuRankComm(RankComm):
         self._wait_all(2 * seq - 1, "low-latency combine", deadline)
         ranks, out_ranks = self._left_out(seq)  # shrink groups: masked ranks take no part
         self._agree(seq, ranks)
-        if self.spec.shrink and self._mask[me] == self.MASK_GONE:
-            self._arrive(seq, 2)
-            self._check_not_gone()
+        self._leave_if_gone(seq)
 
         acc = np.zeros((t, h), dtype=np.float32)
         peers = [self._slot_array(d, "ll_y", (ll_max_rows(spec), h), dt) for d in range(r)]
