@@ -341,7 +341,7 @@ def is_token_in_rank_of(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
 def layout_range_of(src_rank: Any, num_ranks: int) -> Any:
     """DeepEP's low-latency `layout_range` `[L, R]` int64 from the source rank of every row:
     `(begin << 32) | count` of the rows each source rank sent to each local expert. Exists only
-    when each source's rows are contiguous (the CPU backend orders them so); else Unsupported."""
+    when each source's rows are contiguous (both engines order them by source, then token)."""
     torch = torch_if_loaded()
     if torch is not None and isinstance(src_rank, torch.Tensor):
         src = src_rank.to(torch.int64)
@@ -366,9 +366,7 @@ def layout_range_of(src_rank: Any, num_ranks: int) -> Any:
         out = (begin.astype(np.int64) << 32) | count.astype(np.int64)
     if not contiguous:
         raise Unsupported("layout_range (low-latency handle[1]) needs each source rank's rows "
-                          "of an expert to be contiguous; this engine (cuda) stores them in "
-                          "arrival order. handle[0] (src_info) and the per-row source ranks "
-                          "are exact")
+                          "of an expert to be contiguous, and this engine's are not")
     return out
 
 

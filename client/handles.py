@@ -80,8 +80,7 @@ class LowLatencyBufferHandle(_TupleLike):
     DeepEP's `(src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts)`:
     `handle[0][i]` is the source token of each row of local expert i (int32, -1 beyond the
     count), `handle[1][i]` the `(begin << 32) | count` int64 row range of each source rank
-    (computed on access; Unsupported where an engine does not keep a source's rows contiguous:
-    the cuda engine stores rows in arrival order)."""
+    (computed on access from the rows' source ranks: each source's rows are contiguous)."""
 
     _FIELDS = _LOW_LATENCY_HANDLE_FIELDS
     handle: LowLatencyHandle | StreamOp

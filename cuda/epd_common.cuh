@@ -30,6 +30,7 @@ typedef unsigned long long u64;
 #define CTRL_LL_READY_FLAG 64     // [R] destination d finished (published) its low-latency dispatch
 #define CTRL_LL_COMBINE_READY 72  // [R] source s finished reducing its low-latency combine
 #define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
+#define CTRL_LL_HIST_FLAG 88      // [R] source s posted its low-latency dispatch histogram
 #define CTRL_PAYLOAD_BYTES 1024 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
 
 #define ERR_DEADLINE 1

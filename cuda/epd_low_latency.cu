@@ -3,29 +3,37 @@
 //
 // Buffers (per rank, same offsets on every rank, sized for the group's max_tokens_per_rank M;
 // a call uses m <= M rows per source block):
-//   recv_x   [L][R*m][H]  payload rows, packed per local expert (order: arrival)
+//   recv_x   [L][R*m][H]  payload rows, packed per local expert, in (source rank, token) order
 //   scales   [L][R*m][H/128] float32 (FP8 calls)
 //   src_rank, src_idx, src_k [L][R*m] int32: who sent each row and which of its top-k it was
-//   counters [2][L] int32: slots reserved by the senders, by sequence parity
+//   hist     [R][E] int32: every source's rows per global expert for this call (E = L*R)
 //   recv_count [L] int32
 //   comb     [M][K][H]  combine rows coming back to this rank as a source, by (token, k)
 //   topk     [M][K] int64  this rank's dispatch topk_idx (combine finds k of each expert)
 //
-// Dispatch: one warp per (token, k) pair reserves a row in the destination expert with one
-// NVLink atomic, then writes the row (quantised to e4m3 on the way when FP8), its scales and
-// (rank, token, k). The last block raises this rank's flag in every peer, waits for every
-// source's flag, then publishes recv_count, clears the counters of this parity for the call
-// after next and marks the rows beyond the count with -1.
+// Dispatch: block 0 counts this rank's rows per expert and posts the histogram to every peer;
+// every block counts the rows of the tokens before its own (a contiguous token range) and
+// waits for every source's histogram. A row's place is then fixed without any remote atomic:
+// expert e's rows from the sources before this one, plus this rank's earlier rows for e. So
+// each source's rows are contiguous (DeepEP's handle[1] `layout_range` exists) and the order is
+// the reference's, (source, token), on every run. The row (quantised to e4m3 on the way when
+// FP8), its scales and (rank, token, k) are written to the destination; the last block raises
+// this rank's flag in every peer, waits for every source's flag, then publishes recv_count and
+// marks the rows beyond it with -1.
 // Combine: the expert side pushes each valid row back to (src_rank, token, k) of the source;
 // the source waits for every peer, then sums w[t,k] * y in fp32 in k order (no FMA, as NumPy).
 //
-// Why parity counters are safe: a source reuses parity p two calls later, after its own
-// previous call completed, which needed every destination's push of that call, issued after
-// the destination had cleared parity p (stream order + the release/acquire on the flags).
+// Why one histogram area is safe: a source posts call n+1's histogram only after every
+// destination published call n (the entry wait), and a destination publishes after all its
+// blocks placed their rows, i.e. after their last read of the histograms.
+// A source counts where its histogram arrived; one that went away (shrink) before posting
+// sends nothing and counts 0. (A rank that leaves in the middle of a call is undefined for
+// that one call: blocks may disagree on whether its histogram arrived.)
 #include "epd_common.cuh"
 
 #define LL_THREADS 512
 #define FULL_MASK 0xffffffffu
+#define LL_MAX_LOCAL_EXPERTS 1024  // (proto/abi.py)
 
 // Bad input seen on the GPU (stream-ordered calls have no host check): record it here and abort
 // the group in every peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host
@@ -117,49 +125,99 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                 const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
                 int m, int fp8, int round_scale, const u64* __restrict__ peers,
                 i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                i64 o_counters, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
-    const int par = (int)(seq & 1ull);
+                i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
     const int rows = R * m;  // rows per local expert in the output
+    const int E = L * R;
     const i64 out_row_bytes = fp8 ? (i64)H : row_bytes;
     u64* my_ctrl = ctrl_of(peers, rank);
     char* my_base = reinterpret_cast<char*>(peers[rank]);
     i64* my_topk = reinterpret_cast<i64*>(my_base + o_topk);
+    const int* hist = reinterpret_cast<const int*>(my_base + o_hist);  // [R][E], posted here
+    __shared__ int s_run[LL_MAX_LOCAL_EXPERTS * EPD_MAX_RANKS];  // this rank's rows so far, by e
     __shared__ u64 s_dst[32];     // destination row of each k (0: not sent)
     __shared__ u64 s_scales[32];  // its scales row (FP8)
+    __shared__ int s_expert[32];  // expert of each k whose row is sent (-1: none)
+    __shared__ unsigned s_present;  // bit s: source s's histogram arrived
+    // This block's tokens: a contiguous range, so that "rows before" is a prefix count.
+    const int per = (T + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int t0 = min(T, (int)blockIdx.x * per), t1 = min(T, t0 + per);
 
     // Every destination has published the previous dispatch (its -1 fill must not land on
-    // this call's rows); normally already true, so this is one poll per peer.
+    // this call's rows, and it no longer reads the histograms); normally one poll per peer.
     if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_READY_FLAG, R, seq - 1, timeout_ns,
                                          PHASE_LL_DISPATCH))) {
-        // Ranks that went away (shrink groups) get nothing (a stale read only sends rows to a
-        // rank nobody reads: the mask only grows).
+        // Ranks that went away (shrink groups) get nothing (the mask only grows).
         const u64 gone = ld_acquire_sys(my_ctrl + CTRL_MASK);
-        // One block per token: the K slot reservations go out together (one NVLink atomic
-        // round trip), then the row is read (and quantised) once and stored K times.
-        for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        const bool mine = t0 < t1;  // (block-uniform) blocks past the last token only signal
+        for (int e = threadIdx.x; e < E; e += blockDim.x) s_run[e] = 0;
+        __syncthreads();
+        // Block 0: the whole call's histogram, posted to every peer; the others: the rows of
+        // the tokens before t0. Bad ids are skipped here and reported in the token loop.
+        const int hist_end = blockIdx.x == 0 ? T : mine ? t0 : 0;
+        for (int i = threadIdx.x; i < hist_end * K; i += blockDim.x) {
+            const i64 e = topk_idx[i];
+            if (e >= 0 && e < (i64)E && !((gone >> (int)(e / L)) & 1ull))
+                atomicAdd(&s_run[(int)e], 1);
+        }
+        __syncthreads();
+        if (blockIdx.x == 0) {
+            for (int r = 0; r < R; ++r) {
+                int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(peers[r]) + o_hist) +
+                           (i64)rank * E;
+                for (int e = threadIdx.x; e < E; e += blockDim.x) dst[e] = s_run[e];
+            }
+            __threadfence_system();
+            __syncthreads();
+            if ((int)threadIdx.x < R)
+                st_release_sys(ctrl_of(peers, threadIdx.x) + CTRL_LL_HIST_FLAG + rank, seq);
+            for (int e = threadIdx.x; e < E; e += blockDim.x) s_run[e] = 0;  // (t0 == 0)
+        }
+        const int hist_wait = !mine ? 1 : block_wait_all(my_ctrl, CTRL_LL_HIST_FLAG, R, seq,
+                                                         timeout_ns, PHASE_LL_DISPATCH);
+        if (mine && threadIdx.x == 0) {
+            unsigned present = 0;
+            for (int s = 0; s < R; ++s)
+                if (ld_acquire_sys(my_ctrl + CTRL_LL_HIST_FLAG + s) >= seq) present |= 1u << s;
+            s_present = present;
+        }
+        __syncthreads();
+        for (int t = t0; t < t1 && hist_wait == 0; ++t) {
             if ((int)threadIdx.x < K) {
                 const int k = threadIdx.x;
                 const i64 e = topk_idx[(i64)t * K + k];
                 my_topk[(i64)t * K + k] = e;
                 u64 dst = 0, dsc = 0;
-                if (e >= (i64)L * R || e < -1) {
+                int sent = -1;
+                if (e >= (i64)E || e < -1) {
                     fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq);
                 } else if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {
                     const int d = (int)(e / L), le = (int)(e - (i64)d * L);
-                    char* base = reinterpret_cast<char*>(peers[d]);
-                    const int p = atomicAdd(reinterpret_cast<int*>(base + o_counters) +
-                                            par * L + le, 1);
-                    const i64 row = (i64)le * rows + p;
-                    dst = reinterpret_cast<u64>(base + o_recv_x + row * out_row_bytes);
-                    dsc = reinterpret_cast<u64>(base + o_scales + row * (H / FP8_BLOCK) * 4);
-                    reinterpret_cast<int*>(base + o_src_rank)[row] = rank;
-                    reinterpret_cast<int*>(base + o_src_idx)[row] = t;
-                    reinterpret_cast<int*>(base + o_src_k)[row] = k;
+                    // Place: rows of the sources before this one, this rank's earlier rows,
+                    // and an earlier k of this token with the same expert (a duplicate id).
+                    int p = s_run[(int)e];
+                    for (int s = 0; s < rank; ++s)
+                        if ((s_present >> s) & 1u) p += hist[(i64)s * E + e];
+                    for (int j = 0; j < k; ++j) p += topk_idx[(i64)t * K + j] == e;
+                    if (p >= rows) {  // only duplicate ids overflow m rows per source
+                        fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq);
+                    } else {
+                        char* base = reinterpret_cast<char*>(peers[d]);
+                        const i64 row = (i64)le * rows + p;
+                        dst = reinterpret_cast<u64>(base + o_recv_x + row * out_row_bytes);
+                        dsc = reinterpret_cast<u64>(base + o_scales + row * (H / FP8_BLOCK) * 4);
+                        reinterpret_cast<int*>(base + o_src_rank)[row] = rank;
+                        reinterpret_cast<int*>(base + o_src_idx)[row] = t;
+                        reinterpret_cast<int*>(base + o_src_k)[row] = k;
+                        sent = (int)e;
+                    }
                 }
                 s_dst[k] = dst;
                 s_scales[k] = dsc;
+                s_expert[k] = sent;
             }
-            __syncthreads();
+            __syncthreads();  // every k read s_run before it moves on
+            if ((int)threadIdx.x < K && s_expert[threadIdx.x] >= 0)
+                atomicAdd(&s_run[s_expert[threadIdx.x]], 1);
             const char* src = x + (i64)t * x_stride;
             if (fp8) {
                 block_quantize_scatter(reinterpret_cast<const unsigned short*>(src), s_dst,
@@ -180,22 +238,29 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     // Last block: every source has pushed (or the wait fails with a recorded error).
     if (block_wait_all(my_ctrl, CTRL_LL_DISPATCH_FLAG, R, seq, timeout_ns, PHASE_LL_DISPATCH))
         return;
-    __shared__ int s_count[1024];
-    volatile int* counters = reinterpret_cast<volatile int*>(my_base + o_counters) + par * L;
+    __shared__ int s_count[LL_MAX_LOCAL_EXPERTS];
+    if (threadIdx.x == 0) {
+        unsigned present = 0;
+        for (int s = 0; s < R; ++s)
+            if (ld_acquire_sys(my_ctrl + CTRL_LL_HIST_FLAG + s) >= seq) present |= 1u << s;
+        s_present = present;
+    }
+    __syncthreads();
     int* recv_count = reinterpret_cast<int*>(my_base + o_recv_count);
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
-        const int c = counters[le];
+        int c = 0;
+        for (int s = 0; s < R; ++s)
+            if ((s_present >> s) & 1u) c += hist[(i64)s * E + (i64)rank * L + le];
+        c = min(c, rows);
         recv_count[le] = c;
-        if (le < 1024) s_count[le] = c;
-        counters[le] = 0;
+        s_count[le] = c;
     }
     __syncthreads();
     int* src_rank = reinterpret_cast<int*>(my_base + o_src_rank);
     int* src_idx = reinterpret_cast<int*>(my_base + o_src_idx);
     for (i64 i = threadIdx.x; i < (i64)L * rows; i += blockDim.x) {
         const int le = (int)(i / rows), p = (int)(i - (i64)le * rows);
-        const int c = le < 1024 ? s_count[le] : recv_count[le];
-        if (p >= c) { src_rank[i] = -1; src_idx[i] = -1; }
+        if (p >= s_count[le]) { src_rank[i] = -1; src_idx[i] = -1; }
     }
     __threadfence_system();
     __syncthreads();

@@ -54,7 +54,7 @@ def test_low_latency_layout_is_aligned_and_disjoint() -> None:
                                     num_topk=8, max_tokens=128, itemsize=2)
     # every buffer of both receive buffers and the shared ones, each at least its size
     rows = 128 * 2 * 128
-    sizes = {"counters": 2 * 128 * 4, "recv_x": rows * 7168 * 2, "scales": rows * 56 * 4,
+    sizes = {"hist": 2 * 2 * 128 * 4, "recv_x": rows * 7168 * 2, "scales": rows * 56 * 4,
              "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
              "recv_count": 128 * 4, "topk": 128 * 8 * 8, "comb": 128 * 8 * 7168 * 2,
              "combined_x": 128 * 7168 * 2}

@@ -241,9 +241,7 @@ class CudaRankComm(RankComm):
         self.stream_priority = self.runner.stream_priority
         # Clean control block before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind.
-        self.runner.reset_ctrl()
-        if self.mlayout.low_latency is not None:
-            self.runner.reset_low_latency()
+        self.runner.reset_ctrl()  # (the low-latency histograms are read only under its flags)
         cp.cuda.Stream.null.synchronize()
         self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None

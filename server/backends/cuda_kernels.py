@@ -142,7 +142,7 @@ class LowLatencyLayout:
 
     Two receive buffers (DeepEP's double buffer), so that two micro-batches can be in flight
     (D0 D1 C0 C1): what a dispatch fills and its combine reads back (`PER_BUFFER`) exists twice,
-    `buffer_stride` bytes apart; the slot counters (by sequence parity) and the combine's
+    `buffer_stride` bytes apart; the sources' histograms and the combine's
     landing rows (combines run one after the other) are shared. The kernels take every offset
     as an argument, so a launch picks its buffer by the offsets it is given (`offset`)."""
 
@@ -171,8 +171,8 @@ class LowLatencyLayout:
                       "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
                       "recv_count": lx * 4, "topk": m * k * 8}
         offsets, cur = {}, _align(start)
-        offsets["counters"] = cur
-        cur += _align(2 * lx * 4)
+        offsets["hist"] = cur  # [R][L*R] int32: every source's rows per expert
+        cur += _align(r * r * lx * 4)
         first = cur
         for name in cls.PER_BUFFER:
             offsets[name] = cur
@@ -413,7 +413,7 @@ class Kernels:
             (_I32, rank), (_I32, lay.hidden), (_I32, m), (_I32, int(fp8)),
             (_I32, int(round_scale)), (_P, peers.data.ptr), (_I64, o["recv_x"]),
             (_I64, o["scales"]), (_I64, o["src_rank"]), (_I64, o["src_idx"]),
-            (_I64, o["src_k"]), (_I64, o["counters"]), (_I64, o["recv_count"]),
+            (_I64, o["src_k"]), (_I64, o["hist"]), (_I64, o["recv_count"]),
             (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns)])
 
     def ll_combine_launches(self, y: Any, topk_idx: Any, weights: Any, out: Any,

@@ -125,12 +125,6 @@ class RankRunner:
                            num_sms=num_sms, barrier=barrier, stream=self.stream)
 
     # -- low-latency mode (asynchronous on self.stream; outputs stay in the buffers) --------
-    def reset_low_latency(self) -> None:
-        """Zero the slot counters (a previous group at this offset may have left them)."""
-        with cp.cuda.Device(self.device_id):
-            cp.cuda.runtime.memset(self.base + self.ll.offset("counters"), 0,
-                                   2 * self.ll.num_local_experts * 4)
-
     def ll_dispatch(self, x: Any, topk_idx: Any, m: int, *, fp8: bool = False,
                     round_scale: bool = False, timeout_ns: int = DEFAULT_TIMEOUT_NS,
                     num_sms: int = 64, buffer: int = 0) -> int:

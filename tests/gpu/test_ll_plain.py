@@ -92,7 +92,8 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                 rx, scales = recv if isinstance(recv, tuple) else (recv, None)
                 out = SimpleNamespace(recv_x=rx, recv_count=count, recv_x_scales=scales,
                                       recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
-                res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx)})
+                res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx),
+                                      "layout_range": handle[1].cpu().numpy()})
             # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises; rank
             # 1 may see the group aborted already when it arms its call.
             x, idx, w = _inputs(99, rank, 8)
@@ -122,6 +123,11 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
         for r in range(R):
             got = results[r]["layers"][layer]
             _check_ll(exp[r], got["compact"], LX)
+            # DeepEP's handle[1]: (begin << 32) | count of each source's rows, sources in order
+            count = np.array([[(idx[s] == r * LX + le).sum() for s in range(R)]
+                              for le in range(LX)], np.int64)
+            begin = np.where(count > 0, np.cumsum(count, axis=1) - count, 0)  # (0 if empty)
+            np.testing.assert_array_equal(got["layout_range"], (begin << 32) | count)
             np.testing.assert_array_equal(got["cx"], _combined(xs, idx, w, r, not fp8),
                                           err_msg=f"layer {layer} rank {r}")
     for r in range(R):
