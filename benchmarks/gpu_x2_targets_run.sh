@@ -40,6 +40,11 @@ case "${1:-}" in
     ;;
   deepep_tests)
     [ -d .deepep ] || { echo "carry .deepep (../shared/device/deepep-anchor.sh)" >&2; exit 2; }
+    # the low-latency kernels' own GPU tests first (rows placed per source: handle[1])
+    timeout 200 python3 -P -m pytest -p no:cacheprovider -q -rfEsx --timeout 120 -o addopts="" \
+        tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_rank_masking_gpu.py 2>&1 | grep -v " INFO " | tee "$OUT/ll_gpu_tests.txt" \
+        | tail -8
     ln -sfn "$PWD/client/deep_ep_shim/deep_ep" /tmp/pkg/deep_ep  # `import deep_ep` -> EPD
     sock=/tmp/epd-sock && mkdir -p "$sock"
     python3 -P -m epd.server.cli serve --backend cuda --socket-dir "$sock" \
