@@ -125,11 +125,7 @@ class LocalGroup:
         ctrl_end = self.layout.offsets["recv_x"]
         for r, buf in enumerate(self.buffers):
             with cp.cuda.Device(self.devices[r]), self.runners[r].stream:
-                buf[ctrl_end:].fill(byte)
-            if self.ll_layout is not None:  # the slot counters must start at zero
-                self.runners[r].stream.synchronize()
-                self.runners[r].reset_low_latency()
-                cp.cuda.Device(self.devices[r]).synchronize()
+                buf[ctrl_end:].fill(byte)  # (the low-latency histograms too: read under flags)
 
     def synchronize(self) -> None:
         for r in self.runners:
