@@ -12,7 +12,9 @@ stream switches) is replaced by small exact host computations; the Buffer calls 
 Ranks are threads with a stand-in for the torch.distributed ProcessGroup (`rank()`/`size()`,
 all the facade reads from it); each builds its Buffer exactly as the framework does (no EPD
 keyword arguments), finding the daemon through EPD_SOCKET_DIR as a user would (README, "Use EPD
-from vLLM / SGLang / Megatron"). Tensors are CPU torch tensors, as the frameworks pass.
+from vLLM / SGLang / Megatron"). Tensors are CPU torch tensors here; tests/gpu/
+test_framework_replays_gpu.py runs the same replays with CUDA tensors against the CUDA engine
+(`DEVICES`: rank r's tensors on cuda:r % GPUs, as a framework's rank process sets its device).
 
 Where the facade lacks what a framework relies on, the case is xfail(strict=True) naming the
 missing piece, so that it turns into a failure (to be un-marked) the day EPD does it.
@@ -72,24 +74,47 @@ def env(daemon, monkeypatch):
     return daemon
 
 
+# Where the ranks' tensors live: ["cpu"] here; the GPU module sets CUDA devices (rank r uses
+# DEVICES[r % len(DEVICES)]). Each rank thread makes its device current, as a rank process does.
+DEVICES: list[str] = ["cpu"]
+_rank_device = threading.local()
+
+
+def device() -> str:
+    """The calling rank thread's device (the main thread: the first one)."""
+    return getattr(_rank_device, "name", DEVICES[0])
+
+
 def run_ranks(fn, num_ranks: int = NUM_RANKS) -> list:
     """fn(rank, group) on every rank at once (threads); the results by rank."""
+    def on_device(r: int):
+        _rank_device.name = DEVICES[r % len(DEVICES)]
+        if _rank_device.name != "cpu":
+            torch.cuda.set_device(_rank_device.name)
+        return fn(r, ProcessGroup(r, num_ranks))
+
     with ThreadPoolExecutor(num_ranks) as ex:
-        futs = [ex.submit(fn, r, ProcessGroup(r, num_ranks)) for r in range(num_ranks)]
+        futs = [ex.submit(on_device, r) for r in range(num_ranks)]
         return [f.result(timeout=300) for f in futs]
 
 
 def tt(a: np.ndarray):
-    """A NumPy array (bf16 / e4m3 included) as the CPU torch tensor a framework would pass."""
+    """A NumPy array (bf16 / e4m3 included) as the torch tensor a framework would pass, on the
+    rank's device."""
     a = np.ascontiguousarray(a)
     if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    if a.dtype == dtypes.FLOAT8_E4M3:
-        return torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-    return torch.from_numpy(a.copy())
+        t = torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
+    elif a.dtype == dtypes.FLOAT8_E4M3:
+        t = torch.from_numpy(a.view(np.uint8).copy()).view(torch.float8_e4m3fn)
+    else:
+        t = torch.from_numpy(a.copy())
+    return t if device() == "cpu" else t.to(device())
 
 
 def nd(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+        torch.cuda.synchronize(t.device)  # (the stream-ordered calls wrote it on the GPU)
+        t = t.cpu()
     return np.array(to_numpy(t, "output"))
 
 
@@ -238,7 +263,7 @@ def test_vllm_high_throughput_prepare_finalize(env, fp8: bool) -> None:
                     tokens, scales, tt(idx[r]), tt(w[r]), experts)()
                 y = dequant(nd(rx), nd(rs)) if fp8 else nd(rx)
                 y = times(y, 2.0)
-                output = torch.empty((len(xs[r]), hidden), dtype=torch.bfloat16)
+                output = torch.empty((len(xs[r]), hidden), dtype=torch.bfloat16, device=device())
                 pf.finalize_async(output, tt(y))()
                 out.append((nd(rx), None if rs is None else nd(rs), meta.tolist(), nd(ids),
                             nd(rw), nd(output)))
@@ -287,7 +312,7 @@ def test_vllm_high_throughput_dbo_two_ubatches(env) -> None:
                                      ubatch=u)() for u, (xs, idx, w) in enumerate(ub)]
             outs = []
             for u, (xs, _, _) in enumerate(ub):
-                output = torch.empty((len(xs[r]), hidden), dtype=torch.bfloat16)
+                output = torch.empty((len(xs[r]), hidden), dtype=torch.bfloat16, device=device())
                 pf.finalize_async(output, tt(times(nd(recv[u][0]), 2.0 ** (u + 1))), dbo=True,
                                   ubatch=u)()
                 outs.append(nd(output))
@@ -418,7 +443,7 @@ def test_vllm_low_latency_prepare_finalize(env, fp8: bool) -> None:
             for xs, idx, w in steps:
                 x, s, count = pf.prepare(tt(xs[r]), tt(idx[r]), experts)
                 y = _ll_expert(nd(x), None if s is None else nd(s), fp8, 2.0)
-                output = torch.empty((len(xs[r]), LL_HIDDEN), dtype=torch.bfloat16)
+                output = torch.empty((len(xs[r]), LL_HIDDEN), dtype=torch.bfloat16, device=device())
                 assert pf.finalize(output, tt(y), tt(w[r]), tt(idx[r])) is None
                 out.append((nd(x), None if s is None else nd(s), nd(count), nd(output)))
             return out
@@ -460,7 +485,7 @@ def test_vllm_low_latency_dbo_two_ubatches(env) -> None:
                 recvs.append(receiver())
             outs = []
             for u, (xs, idx, w) in enumerate(ub):
-                output = torch.empty((len(xs[r]), LL_HIDDEN), dtype=torch.bfloat16)
+                output = torch.empty((len(xs[r]), LL_HIDDEN), dtype=torch.bfloat16, device=device())
                 hook = pf.finalize(output, tt(times(nd(recvs[u][0]), 2.0 ** (u + 1))),
                                    tt(w[r]), tt(idx[r]), dbo=True, ubatch=u)
                 hook()
