@@ -27,6 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..proto import fd_channel
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
@@ -238,8 +239,7 @@ class Supervisor:
                         if self.cluster_member is not None:
                             self.cluster_member.engine_lost(x.index)
                         sweep_engine_files(self.cfg.shm_dir, x.index)
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(x.socket_path)
+                        _remove_engine_sockets(x.socket_path)
                     await asyncio.sleep(self.cfg.restart_backoff_seconds)
                     if self.planner.restart_all_on_engine_loss:
                         self.planner.new_world()
@@ -330,6 +330,10 @@ class Supervisor:
                 log.warning("engine %d did not stop in time; killing it", e.index)
                 e.proc.kill()
                 e.proc.wait()
+            if e.proc.returncode:  # (a clean stop removes its own sockets; this one did not)
+                log.warning("engine %d exited with code %s while stopping", e.index,
+                            e.proc.returncode)
+            _remove_engine_sockets(e.socket_path)
         if member_task is not None:
             member_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -413,6 +417,14 @@ def prepare_metrics_dir() -> tuple[str, bool]:
     for f in Path(path).glob("*.db"):  # stale samples of an earlier run
         f.unlink()
     return path, False
+
+
+def _remove_engine_sockets(grpc_socket: str) -> None:
+    """An engine's gRPC socket and its descriptor channel beside it, if it left them (it
+    crashed, was killed, or failed while stopping)."""
+    for path in (grpc_socket, fd_channel.socket_path_for(grpc_socket)):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _probe_writable(folder: str, setting: str) -> None:

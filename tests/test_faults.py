@@ -296,3 +296,23 @@ def test_sigterm_exits_cleanly(ranks):
         assert left == [], left
     finally:
         d.stop()
+
+
+def test_engine_that_hangs_at_stop_is_killed_and_its_sockets_removed():
+    """An engine that does not stop (SIGSTOPped: it never sees the SIGTERM) is killed after the
+    drain deadline, and the supervisor removes the sockets it could not (gpu0.sock and its
+    descriptor channel gpu0.fds): the socket folder is left empty, as after a clean stop."""
+    d = TestDaemon(engines=1, extra=["--drain-seconds", "0.2"])
+    try:
+        d.wait_ready(60)
+        engine = d.engine_pid(0)
+        names = sorted(os.listdir(d.socket_dir))
+        assert "gpu0.sock" in names and "gpu0.fds" in names, names
+        os.kill(engine, signal.SIGSTOP)
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0, d.log()[-3000:]
+        assert "engine 0 did not stop in time; killing it" in d.log()
+        assert os.listdir(d.socket_dir) == [], os.listdir(d.socket_dir)
+    finally:
+        d.stop()
+        shutil.rmtree(d.shm_dir, ignore_errors=True)
