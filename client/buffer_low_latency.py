@@ -134,7 +134,8 @@ class LowLatencyMixin:
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
                 scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
                 hook, event = self._trigger(op, x, return_recv_hook, async_finish,
-                                            scales.fill if scales is not None else None, buffer)
+                                            scales.fill if scales is not None else None, buffer,
+                                            (x, topk_idx, cumulative_local_expert_recv_stats))
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
                 return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
                         event, hook)
@@ -191,7 +192,8 @@ class LowLatencyMixin:
                     op.result if out is not None else T.clone(op.result)),
                     (x, topk_idx, topk_weights), buffer)
                 return result, event, None
-            hook, event = self._trigger(op, x, return_recv_hook, async_finish, buffer=buffer)
+            hook, event = self._trigger(op, x, return_recv_hook, async_finish, buffer=buffer,
+                                        inputs=(x, topk_idx, topk_weights))
             return op.result, event, hook
         cx, event = self._run(
             x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
@@ -328,11 +330,18 @@ class LowLatencyMixin:
             g.check()
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
-                 after: Any = None, buffer: int = 0):
+                 after: Any = None, buffer: int = 0, inputs: tuple = ()):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
         half is enqueued now and the hook enqueues the receive half. Else both halves, on the
         comm stream with an event after them when `async_finish` (run_on_streams). `after`
-        (no arguments) is enqueued behind the receive half: work on the received data."""
+        (no arguments) is enqueued behind the receive half: work on the received data.
+
+        `inputs` are the arrays the engine reads. Its kernels run after the trigger, in another
+        process, while the caller's stream goes on: an input the caller drops at once would go
+        back to its allocator and could be rewritten by the caller's next work before the
+        engine read it (seen on 2x H200: a freed topk_idx reused for the next micro-batch's x).
+        So the hook holds them until it has made the stream wait for the op's end (work after
+        that is ordered after the engine's read); on the comm stream they are recorded there."""
         def receive() -> None:
             op.wait()  # the receive half, on the stream current then
             if after is not None:
@@ -340,13 +349,19 @@ class LowLatencyMixin:
 
         if return_recv_hook:
             op.signal(buffer=buffer)
-            return receive, EventOverlap()
+            held = [inputs]
+
+            def hook() -> None:
+                receive()
+                held.clear()
+
+            return hook, EventOverlap()
 
         def both() -> None:
             op.signal(buffer=buffer)
             receive()
 
-        _, event = self._run(x, both, None, async_finish)
+        _, event = self._run(x, both, None, async_finish, inputs=inputs)
         return None, event
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:

@@ -34,13 +34,24 @@
 #define LL_THREADS 512
 #define FULL_MASK 0xffffffffu
 #define LL_MAX_LOCAL_EXPERTS 1024  // (proto/abi.py)
+#define LL_ROW_OVERFLOW -4611686018427387904LL  // -(1 << 62) (proto/abi.py)
 
-// Bad input seen on the GPU (stream-ordered calls have no host check): record it here and abort
-// the group in every peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host
-// writes it), since the peers have already exchanged data with this rank.
+// Bad input seen on the GPU (stream-ordered calls have no host check): record it here, with
+// the offending value (an expert id, or LL_ROW_OVERFLOW - row for a row past the m rows a
+// source may send, which only duplicate ids in one token cause), and abort the group in every peer at once
+// (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host writes it), since the peers have
+// already exchanged data with this rank.
 __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank, int phase,
-                                               u64 seq) {
-    record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq);
+                                               u64 seq, i64 value) {
+    u64* ctrl = ctrl_of(peers, rank);
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_ERR_CODE), 0ull,
+                  (unsigned long long)ERR_BAD_INPUT) == 0ull) {
+        ctrl[CTRL_ERR_RANK] = (u64)(i64)-1;
+        ctrl[CTRL_ERR_PHASE] = (u64)phase;
+        ctrl[CTRL_ERR_SEQ] = seq;
+        ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
+        __threadfence_system();
+    }
     const u64 code = ((u64)(rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED;
     for (int r = 0; r < R; ++r) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
 }
@@ -189,7 +200,7 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                 u64 dst = 0, dsc = 0;
                 int sent = -1;
                 if (e >= (i64)E || e < -1) {
-                    fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq);
+                    fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq, e);
                 } else if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {
                     const int d = (int)(e / L), le = (int)(e - (i64)d * L);
                     // Place: rows of the sources before this one, this rank's earlier rows,
@@ -199,7 +210,8 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                         if ((s_present >> s) & 1u) p += hist[(i64)s * E + e];
                     for (int j = 0; j < k; ++j) p += topk_idx[(i64)t * K + j] == e;
                     if (p >= rows) {  // only duplicate ids overflow m rows per source
-                        fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq);
+                        fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq,
+                                       LL_ROW_OVERFLOW - (i64)p);
                     } else {
                         char* base = reinterpret_cast<char*>(peers[d]);
                         const i64 row = (i64)le * rows + p;
@@ -366,7 +378,7 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
             if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {  // (masked: adds nothing)
                 for (int j = 0; j < K; ++j)
                     if (disp[(i64)t * K + j] == e) { kd = j; break; }
-                if (kd < 0) fail_bad_input(peers, R, rank, PHASE_LL_COMBINE, seq);
+                if (kd < 0) fail_bad_input(peers, R, rank, PHASE_LL_COMBINE, seq, e);
                 wk = w[(i64)t * w_stride + lane];
             }
             kds[lane] = kd;

@@ -12,6 +12,7 @@ from __future__ import annotations
 MAX_RANKS = 8  # EPD_MAX_RANKS: most ranks of one CUDA group (one bit each in a token's mask)
 MAX_TOPK = 32  # largest num_topk the intranode kernels take
 LL_MAX_LOCAL_EXPERTS = 1024  # low-latency mode: local experts per rank
+LL_ROW_OVERFLOW = -(1 << 62)  # bad-input value of a low-latency row past m: this - row
 ALIGN = 256  # alignment of every sub-buffer of a rank's heap slot (bytes)
 
 # -- launch shapes (the kernels' __launch_bounds__) ----------------------------------------------

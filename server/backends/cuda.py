@@ -624,10 +624,20 @@ class CudaRankComm(RankComm):
         if self._reason is not None:
             return self._reason
         with cp.cuda.Device(self.backend.device):
-            word = int(cp.asnumpy(self.runner.views["ctrl"][:1])[0])
+            words = cp.asnumpy(self.runner.views["ctrl"][:8]).astype(np.int64)
+        word = int(words[abi.CTRL_ABORT])
         if word == 0:
             return None
         who = (word >> abi.ABORT_RANK_SHIFT) - 1
+        if who == self.rank and int(words[abi.CTRL_ERR_CODE]) == abi.ERR_BAD_INPUT:
+            # this rank's own kernels aborted the group: say on what
+            value = int(words[abi.CTRL_CALL_ERR_VALUE])
+            what = (f"expert id {value}" if value > abi.LL_ROW_OVERFLOW // 2 else
+                    f"row {abi.LL_ROW_OVERFLOW - value} of one source's rows for an expert, "
+                    f"past num_max_dispatch_tokens_per_rank (an expert id twice in a token)")
+            phase = abi.PHASE_NAMES.get(int(words[abi.CTRL_ERR_PHASE]), "?")
+            return (f"rank {who} passed bad input to {phase} #{int(words[abi.CTRL_ERR_SEQ])}: "
+                    f"{what}")
         return (f"rank {who} left the group or failed" if who >= 0
                 else "the group was aborted")
 
