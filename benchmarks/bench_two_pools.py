@@ -9,7 +9,11 @@ with its own rank processes. Phases, in one run:
   3. both at once            (decode p50 / p99 under load, prefill throughput under decode)
 
 with the service classes on (decode `latency`, prefill `throughput`, via the daemon's policy)
-or off (`--no-classes`: both the daemon's default). Targets (issue 14): decode p50 <= 1.2x and
+or off (`--no-classes`: both the daemon's default). On cuda it also reads, from the daemon's
+metrics at each phase's bounds, the engine's host time per armed decode op: how late the poller
+saw the doorbell (`epd_stream_op_detect_seconds`, an upper bound) and how long the launch took
+(`epd_stream_op_launch_seconds`), alone and under load: the host side of a miss. Targets
+(issue 14): decode p50 <= 1.2x and
 p99 <= 2x alone; prefill >= 0.85x alone. Ranks of a pool share GPUs round-robin (`--ranks`
 per pool). The CPU backend runs it too (numpy inputs; its figures say nothing about GPUs).
 
@@ -23,11 +27,15 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import numpy as np
 
 POLICY = "decode-*=latency,prefill-*=throughput"
+# The engine's host time per armed decode op (cuda): how late its poller saw the doorbell (an
+# upper bound) and how long the launch took, averaged over each phase from the daemon's metrics.
+HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
 TARGETS = {"decode_p50_ratio": 1.2, "decode_p99_ratio": 2.0, "prefill_ratio": 0.85}
 
 
@@ -120,6 +128,29 @@ def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool,
         q.put({"pool": pool, "rank": rank, "error": f"{e}\n{traceback.format_exc()}"})
 
 
+def _totals(metrics_text: str, group: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each HOST_METRICS histogram over the group's series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {m: [0.0, 0.0] for m in HOST_METRICS}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            for m in HOST_METRICS:
+                if smp.labels.get("group") == group and smp.name in (f"{m}_sum", f"{m}_count"):
+                    out[m][smp.name.endswith("_count")] += smp.value
+    return {m: (v[0], v[1]) for m, v in out.items()}
+
+
+def _host_means(before: dict, after: dict) -> dict[str, float | None]:
+    """Mean µs per armed op of each host metric between two snapshots (None without ops)."""
+    out = {}
+    for m in HOST_METRICS:
+        n = after[m][1] - before[m][1]
+        out[m.removeprefix("epd_stream_op_").removesuffix("_seconds") + "_us"] = (
+            (after[m][0] - before[m][0]) / n * 1e6 if n else None)
+    return out
+
+
 def _overlapping(samples: list, other: list) -> list[float]:
     """Durations of the samples that started while the other pool was running."""
     if not other:
@@ -172,13 +203,28 @@ def main() -> int:
         os.environ.update(d.client_env())  # the pools share the daemon's MPS server
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        barrier = ctx.Barrier(2 * ns.ranks)  # phase starts and ends, both pools
+        # Phase starts and ends: both pools' ranks, and this process, which reads the
+        # daemon's metrics at each phase's bounds.
+        barrier = ctx.Barrier(2 * ns.ranks + 1)
         for pool in ("decode", "prefill"):
             for r in range(ns.ranks):
                 procs.append(ctx.Process(target=_rank, args=(
                     pool, r, ns, d.socket(r % max(engines, 1)), cuda, barrier, q)))
         for p in procs:
             p.start()
+        host: dict[str, dict] = {}
+        try:
+            for i, (name, active) in enumerate(PHASES):
+                barrier.wait(timeout=600)
+                if i == 0:  # (after the warm-up calls)
+                    last = _totals(d.get("/metrics")[1], "decode-pool")
+                barrier.wait(timeout=600)
+                now = _totals(d.get("/metrics")[1], "decode-pool")
+                if "decode" in active:
+                    host[name] = _host_means(last, now)
+                last = now
+        except threading.BrokenBarrierError:  # a rank failed: its error comes through q
+            pass
         results = [q.get(timeout=1800) for _ in procs]
     finally:
         for p in procs:
@@ -210,6 +256,10 @@ def main() -> int:
           f" | under prefill p50 {dec_loaded['p50_us']:9.1f} p99 {dec_loaded['p99_us']:9.1f}")
     print(f"  prefill       alone {pre_alone['per_s']:8.1f}/s | under decode "
           f"{pre_loaded['per_s']:8.1f}/s")
+    if all(v is not None for h in host.values() for v in h.values()) and host:
+        print("  decode op, engine host µs (mean): " + " | ".join(
+            f"{phase} detect {h['detect_us']:.1f} launch {h['launch_us']:.1f}"
+            for phase, h in host.items()))
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
@@ -218,7 +268,7 @@ def main() -> int:
         with open(ns.json, "w") as f:
             json.dump({"args": vars(ns), "decode": {"alone": dec_alone, "loaded": dec_loaded},
                        "prefill": {"alone": pre_alone, "loaded": pre_loaded},
-                       "ratios": ratios, "targets": TARGETS,
+                       "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
                        "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
     return 0
 

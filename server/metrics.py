@@ -90,6 +90,11 @@ STREAM_OP_LAUNCH_SECONDS = GroupHistogram(
     "epd_stream_op_launch_seconds", "Stream-ordered calls: host time from seeing the doorbell "
     "to the last kernel launched (the GPU time follows)", ["group", "kind"],
     buckets=LATENCY_BUCKETS)
+STREAM_OP_DETECT_SECONDS = GroupHistogram(
+    "epd_stream_op_detect_seconds", "Stream-ordered calls: the poller's gap between its look "
+    "before a rung doorbell and the look that saw it (an upper bound of the detection delay; "
+    "long when the poller slept or waited for the interpreter)", ["group", "kind"],
+    buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("epd_requests", "Engine requests by method and status code",
                    ["method", "code"])
 BYTES_SENT = GroupCounter("epd_bytes_sent", "Payload bytes sent to other ranks",

@@ -55,6 +55,8 @@ METRICS = {
     "epd_build_info": "gauge",
     "epd_group_service_class": "gauge",
     "epd_queue_wait_seconds": "histogram",
+    "epd_stream_op_detect_seconds": "histogram",
+    "epd_stream_op_launch_seconds": "histogram",
 }
 # Series Prometheus itself attaches to every target.
 PROMETHEUS_BUILTINS = {"up"}

@@ -7,6 +7,7 @@ by (source rank, source token); combine results bit-exactly."""
 from __future__ import annotations
 
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -622,3 +623,42 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     assert session.free_slots == [3] and not op.armed
     ops._fire(op, 1)  # a trigger seen after the release launches nothing
     assert len(launched) == 2
+
+
+def test_stream_op_poller_reports_how_late_it_saw_a_doorbell() -> None:
+    """The poller's detection gap (epd_stream_op_detect_seconds): with the poller sleeping 30 ms
+    between looks (no spin), a doorbell rung meanwhile is seen up to one sleep later, and the
+    gap it reports is that sleep, not the microseconds of the launch."""
+    import threading
+    import types
+
+    import prometheus_client
+
+    from epd.server.engine import stream_ops as S
+
+    launched = threading.Event()
+    comm = types.SimpleNamespace(launch_prepared=lambda p, b: launched.set())
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="detect-g"),
+                                   dispatches=0, combines=0)
+    session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
+                                    describe=lambda: "session")
+    words = np.zeros(8, np.int32)
+    op = S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared")
+    engine = types.SimpleNamespace(
+        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
+        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_poll_us=30_000))
+    ops = S.StreamOps(engine)
+    ops.ops[1] = op
+    ops._ensure_thread()
+    try:
+        time.sleep(0.1)  # the poller is in its 30 ms sleeps now
+        words[S.REQUEST] = 1
+        assert launched.wait(5)
+    finally:
+        ops.stop()
+    labels = {"group": "detect-g", "kind": S.KIND_DISPATCH}
+    value = prometheus_client.REGISTRY.get_sample_value
+    assert value("epd_stream_op_detect_seconds_count", labels) == 1
+    gap = value("epd_stream_op_detect_seconds_sum", labels)
+    assert 0.02 <= gap <= 1.0, gap
+    assert value("epd_stream_op_launch_seconds_sum", labels) < 0.02

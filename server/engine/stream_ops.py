@@ -197,19 +197,22 @@ class StreamOps:
         self.engine.backend.thread_init()
         cfg = self.engine.config
         spin, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
-        last = time.perf_counter()
+        last = looked = time.perf_counter()
         while not self._stop:
             ops = list(self.ops.values())
             if not ops:  # nothing armed: sleep until an op is armed
                 self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
+                looked = time.perf_counter()
                 continue
             fired = False
+            start = time.perf_counter()
+            gap, looked = start - looked, start  # a doorbell seen now rang at most `gap` ago
             for op in ops:
                 request = int(op.words[REQUEST])
                 if request != 0:
                     op.words[REQUEST] = 0
-                    self._fire(op, request)
+                    self._fire(op, request, gap)
                     fired = True
             now = time.perf_counter()
             if fired:
@@ -219,8 +222,9 @@ class StreamOps:
             else:
                 time.sleep(0)  # spin without holding the GIL (the sessions' threads need it)
 
-    def _fire(self, op: StreamOp, request: int) -> None:
-        """Launch an op whose doorbell rang with `request` (REQUEST_BUFFER0 + receive buffer)."""
+    def _fire(self, op: StreamOp, request: int, gap: float = 0.0) -> None:
+        """Launch an op whose doorbell rang with `request` (REQUEST_BUFFER0 + receive buffer),
+        seen `gap` seconds after the poller's previous look."""
         code = "OK"
         t0 = time.perf_counter()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
@@ -240,6 +244,7 @@ class StreamOps:
                     op.member.combines += 1
             metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind).observe(
                 time.perf_counter() - t0)
+            metrics.STREAM_OP_DETECT_SECONDS.labels(op.member.spec.name, op.kind).observe(gap)
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
