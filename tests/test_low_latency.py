@@ -584,23 +584,34 @@ def test_stream_op_done_words() -> None:
     assert e.code == grpc.StatusCode.UNAVAILABLE
 
 
-def test_stream_op_fire_and_release_bookkeeping() -> None:
-    """The engine side of a stream op around the backend (a stand-in comm records launches):
-    a trigger launches the prepared op under the session's lock, a launch failure answers
-    through the done word, and releasing the session frees the slot and lets waiters go."""
+def _stand_in_op(group: str, launch):
+    """An armed dispatch op (slot 3) around a stand-in comm whose launches call `launch`:
+    (op, comm, member, session, the slot's words)."""
     import threading
     import types
 
     from epd.server.engine import stream_ops as S
 
-    launched: list = []
-    comm = types.SimpleNamespace(launch_prepared=lambda p, b: launched.append((p, b)))
-    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="g"),
+    comm = types.SimpleNamespace(launch_prepared=launch)
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name=group),
                                    dispatches=0, combines=0)
     session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
                                     describe=lambda: "session")
     words = np.zeros(8, np.int32)
     op = S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared")
+    return op, comm, member, session, words
+
+
+def test_stream_op_fire_and_release_bookkeeping() -> None:
+    """The engine side of a stream op around the backend (a stand-in comm records launches):
+    a trigger launches the prepared op under the session's lock, a launch failure answers
+    through the done word, and releasing the session frees the slot and lets waiters go."""
+    import types
+
+    from epd.server.engine import stream_ops as S
+
+    launched: list = []
+    op, comm, member, session, words = _stand_in_op("g", lambda p, b: launched.append((p, b)))
     ops = S.StreamOps(types.SimpleNamespace(index=0))
     ops._fire(op, 1)  # request = 1 + receive buffer
     ops._fire(op, 2)
@@ -637,13 +648,7 @@ def test_stream_op_poller_reports_how_late_it_saw_a_doorbell() -> None:
     from epd.server.engine import stream_ops as S
 
     launched = threading.Event()
-    comm = types.SimpleNamespace(launch_prepared=lambda p, b: launched.set())
-    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="detect-g"),
-                                   dispatches=0, combines=0)
-    session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
-                                    describe=lambda: "session")
-    words = np.zeros(8, np.int32)
-    op = S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared")
+    op, _, _, _, words = _stand_in_op("detect-g", lambda p, b: launched.set())
     engine = types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_poll_us=30_000))
