@@ -418,3 +418,27 @@ def test_capacity_from_the_environment(daemon, monkeypatch) -> None:
         assert np.asarray(recv_x).shape == (8, 64)
     finally:
         buf.destroy()
+
+
+def test_receive_hook_holds_the_inputs_until_it_ran() -> None:
+    """A hook-mode low-latency call's engine reads the caller's tensors after the trigger, in
+    another process: the hook keeps them alive until it has made the stream wait for the op
+    (a caller that drops topk_idx at once must not see its block reused before the engine's
+    read, as happened on 2x H200). The op is a stand-in recording signal/wait."""
+    import gc
+    import weakref
+
+    calls: list = []
+    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)),
+                         "wait": lambda self: calls.append(("wait",))})()
+    x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int64)
+    refs = [weakref.ref(a) for a in (x, idx)]
+    hook, event = B.Buffer._trigger(None, op, x, True, False, buffer=1, inputs=(x, idx))
+    assert calls == [("signal", 1)] and event.event is None
+    del x, idx
+    gc.collect()
+    assert all(r() is not None for r in refs), "an input was dropped before the hook ran"
+    hook()
+    gc.collect()
+    assert calls == [("signal", 1), ("wait",)]
+    assert all(r() is None for r in refs), "the hook kept the inputs after it ran"
