@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The 2-GPU runs the targets of issues 10 and 14 need (nvidia-h200-x2; not yet lent as of
-# 2026-12-01). Two device calls, each under the 10-minute limit:
+# The 2-GPU runs the targets of issues 10, 11 and 14 need (nvidia-h200-x2; first run 2026-12-01
+# 09:24-09:35 UTC, docs/BENCHMARKS.md "Fourth session"). Device calls, each under 10 minutes:
 #   bash benchmarks/gpu_x2_targets_run.sh bench   # carry [".whl", ".deepep"]: DeepEP V1 built
 #        intranode-only (prepare .deepep here with ../shared/device/deepep-anchor.sh), then
 #        `epd bench` at P and D with the low-latency rows, with and without MPS, beside DeepEP
 #        in-process and the NCCL pipeline (JSON + plot under $OUT)
 #   bash benchmarks/gpu_x2_targets_run.sh pools   # carry [".whl"]: the two-pool benchmark with
-#        classes, without classes, with pacing, and without MPS; then the GPU test suite
+#        classes, without classes, with pacing, and without MPS (each with the engine's host
+#        detect/launch means per decode op); then the GPU test suite (needs more than the
+#        call's remaining time on x2: see gpu_x2_s4_run.sh suite)
 #   bash benchmarks/gpu_x2_targets_run.sh deepep_tests   # carry [".whl", ".deepep"]: DeepEP V1's
 #        own tests/test_intranode.py and tests/test_low_latency.py, unchanged but for
 #        --num-processes 2, with `import deep_ep` resolving to EPD (client/deep_ep_shim) and a
-#        CUDA daemon serving them (issue 11). Written 2026-12-01, never run yet (no 2-GPU kind).
+#        CUDA daemon serving them (issue 11), after the low-latency GPU tests.
 set -u
 source benchmarks/gpu_env.sh
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
