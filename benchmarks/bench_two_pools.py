@@ -33,9 +33,6 @@ import time
 import numpy as np
 
 POLICY = "decode-*=latency,prefill-*=throughput"
-# The engine's host time per armed decode op (cuda): how late its poller saw the doorbell (an
-# upper bound) and how long the launch took, averaged over each phase from the daemon's metrics.
-HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
 TARGETS = {"decode_p50_ratio": 1.2, "decode_p99_ratio": 2.0, "prefill_ratio": 0.85}
 
 
@@ -128,29 +125,6 @@ def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool,
         q.put({"pool": pool, "rank": rank, "error": f"{e}\n{traceback.format_exc()}"})
 
 
-def _totals(metrics_text: str, group: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of each HOST_METRICS histogram over the group's series."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {m: [0.0, 0.0] for m in HOST_METRICS}
-    for fam in text_string_to_metric_families(metrics_text):
-        for smp in fam.samples:
-            for m in HOST_METRICS:
-                if smp.labels.get("group") == group and smp.name in (f"{m}_sum", f"{m}_count"):
-                    out[m][smp.name.endswith("_count")] += smp.value
-    return {m: (v[0], v[1]) for m, v in out.items()}
-
-
-def _host_means(before: dict, after: dict) -> dict[str, float | None]:
-    """Mean µs per armed op of each host metric between two snapshots (None without ops)."""
-    out = {}
-    for m in HOST_METRICS:
-        n = after[m][1] - before[m][1]
-        out[m.removeprefix("epd_stream_op_").removesuffix("_seconds") + "_us"] = (
-            (after[m][0] - before[m][0]) / n * 1e6 if n else None)
-    return out
-
-
 def _overlapping(samples: list, other: list) -> list[float]:
     """Durations of the samples that started while the other pool was running."""
     if not other:
@@ -186,6 +160,7 @@ def main() -> int:
     ap.add_argument("--json")
     ns = ap.parse_args()
 
+    from epd.server.bench import engine_host
     from epd.server.demo import Daemon
     cuda = ns.backend == "cuda"
     extra = [] if ns.no_classes else ["--service-class-policy", POLICY]
@@ -217,11 +192,11 @@ def main() -> int:
             for i, (name, active) in enumerate(PHASES):
                 barrier.wait(timeout=600)
                 if i == 0:  # (after the warm-up calls)
-                    last = _totals(d.get("/metrics")[1], "decode-pool")
+                    last = engine_host.scrape(d.metrics_url + "/metrics", "decode-pool")
                 barrier.wait(timeout=600)
-                now = _totals(d.get("/metrics")[1], "decode-pool")
+                now = engine_host.scrape(d.metrics_url + "/metrics", "decode-pool")
                 if "decode" in active:
-                    host[name] = _host_means(last, now)
+                    host[name] = engine_host.means_us(last, now)
                 last = now
         except threading.BrokenBarrierError:  # a rank failed: its error comes through q
             pass

@@ -66,6 +66,10 @@ def fold(results: list[dict], num_ranks: int) -> list[dict]:
                                                              for rec in recs]))),
                 "engine_cpu_us_per_call": (_us(engine[0] / (calls * num_ranks)) if engine
                                            else None),
+                # armed low-latency ops only: the engine poller's detection gap and launch
+                "engine_host_us_per_op": next((rec["engine_host_us"] for rec in recs
+                                               if rec.get("engine_host_us", {}).get(
+                                                   "launch_us") is not None), None),
             }
         rows.append({"shape": shape, "row": row, "results": figures})
     return rows
@@ -158,6 +162,13 @@ def table(summary: dict) -> str:
                                   for i in (DEEP_EP, EPD, PIPELINE)) + " |")
     if any(row["row"] in LL_ROWS for row in summary["rows"]):
         lines.append(f"\n* low-latency rows: the {pipe_name}'s {ROW_FULL} at D")
+    host = [(row, row["results"].get(EPD, {}).get("engine_host_us_per_op"))
+            for row in summary["rows"]]
+    host = [(row, h) for row, h in host if h]
+    if host:
+        lines.append("\nengine host per armed op (mean µs): "
+                     + "; ".join(f"{row['shape']} {row['row']}: detect {h['detect_us']:.1f}, "
+                                 f"launch {h['launch_us']:.1f}" for row, h in host))
     return "\n".join(lines)
 
 

@@ -352,7 +352,7 @@ def run_bench(ns: Any) -> int:
             use_nccl=bool(setup.gpus) and (DEEP_EP in setup.impls or PIPELINE in setup.impls),
             low_latency=setup.low_latency, deep_ep_ll=setup.deep_ep_ll, ll_tokens=d_tokens,
             graphs=setup.graphs,
-            engine_pids=engine_pids, mps_pipe_directory=mps_pipe,
+            engine_pids=engine_pids, metrics_url=topo.metrics_url, mps_pipe_directory=mps_pipe,
             collective_timeout=ns.collective_timeout,
             call_timeout=ns.call_timeout) for r in range(setup.ranks)]
         workers = _Workers(plans, ns.quiet)

@@ -30,6 +30,7 @@ import numpy as np
 
 from ...proto import dtypes
 from .. import reference as ref
+from . import engine_host
 
 ROW_FULL = "layout + dispatch + combine"
 ROW_CACHED = "cached dispatch"
@@ -73,6 +74,7 @@ class RankPlan:
     ll_tokens: int           # num_max_dispatch_tokens_per_rank (shape D's tokens)
     graphs: bool
     engine_pids: list[int] = field(default_factory=list)
+    metrics_url: str = ""  # the daemon's /metrics: the engine's host time per armed op
     mps_pipe_directory: str = ""  # the daemon's MPS server, joined before CUDA starts here
     collective_timeout: float = 120.0
     call_timeout: float = 60.0
@@ -187,6 +189,8 @@ class Rank:
             self.sync()
         self.barrier()
         e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
+        h0 = (engine_host.scrape(p.metrics_url) if e0 is not None and p.metrics_url
+              else None)
         times, cpu, last = [], 0.0, None
         for _ in range(p.iters):
             self.barrier()
@@ -200,10 +204,12 @@ class Rank:
             cpu += c1 - c0
         self.barrier()
         e1 = cpu_seconds(engine_pids) if e0 is not None else None
+        h1 = engine_host.scrape(p.metrics_url) if h0 is not None else None
         calls = CALLS_PER_ITER[row] * p.iters
         rec = {"impl": impl, "shape": shape, "row": row, "times_s": times,
                "client_cpu_s": cpu, "calls": calls,
-               "engine_cpu_s": None if e0 is None or e1 is None else e1 - e0}
+               "engine_cpu_s": None if e0 is None or e1 is None else e1 - e0,
+               "engine_host_us": engine_host.means_us(h0, h1)}
         self.progress(f"{shape:>2} {row:<36} {impl:<8} p50 {np.median(times) * 1e6:9.1f} us "
                       f"(rank 0)")
         return rec, last

@@ -1,0 +1,55 @@
+"""The engine's host time per armed low-latency op, read from the daemon's /metrics.
+
+`epd_stream_op_detect_seconds` (how late the engine's poller saw a rung doorbell, at most) and
+`epd_stream_op_launch_seconds` (its launch of the op's kernels) are the host hop of every
+stream-ordered low-latency call: the part a call through the daemon pays that an in-process
+library does not. Benchmarks read the totals before and after a timed phase and report the
+means per op (issue 10's rows, issue 14's two pools).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
+Totals = dict[str, tuple[float, float]]  # metric -> (sum of seconds, count)
+SCRAPE_TIMEOUT = 5.0
+
+
+def totals(metrics_text: str, group: str | None = None) -> Totals:
+    """(sum, count) of each HOST_METRICS histogram over its series (of `group` when given)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {m: [0.0, 0.0] for m in HOST_METRICS}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name not in HOST_METRICS:
+            continue
+        for s in fam.samples:
+            if group is not None and s.labels.get("group") != group:
+                continue
+            if s.name == f"{fam.name}_sum":
+                out[fam.name][0] += s.value
+            elif s.name == f"{fam.name}_count":
+                out[fam.name][1] += s.value
+    return {m: (v[0], v[1]) for m, v in out.items()}
+
+
+def scrape(metrics_url: str, group: str | None = None) -> Totals | None:
+    """`totals` of the daemon's /metrics (None when it cannot be read: the figures are then
+    missing, the run goes on)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=SCRAPE_TIMEOUT) as r:
+            return totals(r.read().decode(), group)
+    except OSError:
+        return None
+
+
+def means_us(before: Totals | None, after: Totals | None) -> dict[str, float | None]:
+    """Mean µs per op of each metric between two readings: `detect_us`, `launch_us` (None
+    without readings or without armed ops in between)."""
+    out: dict[str, float | None] = {}
+    for m in HOST_METRICS:
+        key = m.removeprefix("epd_stream_op_").removesuffix("_seconds") + "_us"
+        n = after[m][1] - before[m][1] if before and after else 0
+        out[key] = (after[m][0] - before[m][0]) / n * 1e6 if n and before and after else None
+    return out

@@ -1,0 +1,51 @@
+"""server/bench/engine_host.py: the engine's host time per armed low-latency op, read from the
+daemon's /metrics text (the two histograms the poller records), by group and between two
+readings."""
+
+from __future__ import annotations
+
+from pytest import approx
+
+from epd.server.bench import engine_host
+
+TEXT = """\
+# HELP epd_stream_op_detect_seconds gap
+# TYPE epd_stream_op_detect_seconds histogram
+epd_stream_op_detect_seconds_bucket{group="dec",kind="LowLatencyDispatch",le="+Inf"} 3.0
+epd_stream_op_detect_seconds_count{group="dec",kind="LowLatencyDispatch"} 3.0
+epd_stream_op_detect_seconds_sum{group="dec",kind="LowLatencyDispatch"} 0.00003
+epd_stream_op_detect_seconds_bucket{group="dec",kind="LowLatencyCombine",le="+Inf"} 1.0
+epd_stream_op_detect_seconds_count{group="dec",kind="LowLatencyCombine"} 1.0
+epd_stream_op_detect_seconds_sum{group="dec",kind="LowLatencyCombine"} 0.00005
+epd_stream_op_detect_seconds_bucket{group="pre",kind="LowLatencyDispatch",le="+Inf"} 5.0
+epd_stream_op_detect_seconds_count{group="pre",kind="LowLatencyDispatch"} 5.0
+epd_stream_op_detect_seconds_sum{group="pre",kind="LowLatencyDispatch"} 1.0
+# HELP epd_stream_op_launch_seconds launch
+# TYPE epd_stream_op_launch_seconds histogram
+epd_stream_op_launch_seconds_bucket{group="dec",kind="LowLatencyDispatch",le="+Inf"} 4.0
+epd_stream_op_launch_seconds_count{group="dec",kind="LowLatencyDispatch"} 4.0
+epd_stream_op_launch_seconds_sum{group="dec",kind="LowLatencyDispatch"} 0.0002
+# HELP epd_dispatch_seconds other
+# TYPE epd_dispatch_seconds histogram
+epd_dispatch_seconds_count{group="dec",path="grpc",backend="cpu"} 7.0
+epd_dispatch_seconds_sum{group="dec",path="grpc",backend="cpu"} 9.0
+"""
+
+
+def test_totals_by_group_and_over_all() -> None:
+    dec = engine_host.totals(TEXT, "dec")
+    assert dec["epd_stream_op_detect_seconds"] == approx((0.00008, 4.0))
+    assert dec["epd_stream_op_launch_seconds"] == approx((0.0002, 4.0))
+    every = engine_host.totals(TEXT)
+    assert every["epd_stream_op_detect_seconds"][1] == 9.0  # other families are not counted
+
+
+def test_means_between_two_readings() -> None:
+    before = {"epd_stream_op_detect_seconds": (0.00002, 2.0),
+              "epd_stream_op_launch_seconds": (0.0001, 2.0)}
+    after = engine_host.totals(TEXT, "dec")
+    got = engine_host.means_us(before, after)
+    assert got == {"detect_us": approx(30.0), "launch_us": approx(50.0)}
+    assert engine_host.means_us(after, after) == {"detect_us": None, "launch_us": None}
+    assert engine_host.means_us(None, after) == {"detect_us": None, "launch_us": None}
+    assert engine_host.scrape("http://127.0.0.1:9/metrics") is None  # nothing there: no figure
