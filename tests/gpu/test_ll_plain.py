@@ -133,6 +133,12 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     for r in range(R):
         assert results[r]["armed"] <= 3 + 2  # the LRU bound held
     assert results[0]["bad"] != "accepted"
+    # The engine timed each armed op's host hop: its poller's detection gap and the launch.
+    from epd.server.bench import engine_host
+    host = engine_host.totals(daemon.get("/metrics")[1])
+    for name, (total, count) in host.items():
+        assert count >= R * 2 * len(LAYERS), (name, count)  # a dispatch and a combine each
+        assert 0 < total / count < 1.0, (name, total / count)
 
 
 def _graph_first_rank(rank: int, socket: str, device: int, q) -> None:
