@@ -49,86 +49,82 @@ def _to_torch(a: np.ndarray, device: int):
 
 
 def _rank(rank: int, socket: str, device: int, wl: Workload, scenario: str, q) -> None:
-    try:
-        import torch
+    import torch
 
-        from epd.client import EpdError, Session
-        torch.cuda.set_device(device)
-        x, idx, w = wl.inputs(rank)
-        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
-        res: dict = {"rank": rank}
-        with Session(socket, client_name=f"gpu-test-{rank}", timeout=30) as s:
-            res["backend"] = s.backend
-            g = s.join(f"gpu-{scenario}", rank=rank, num_ranks=wl.num_ranks,
-                       num_experts=wl.num_experts, hidden=wl.hidden,
-                       max_tokens_per_rank=max(max(wl.tokens), 1), num_topk=wl.num_topk,
-                       timeout=30)
-            if scenario == "missing" and rank == 1:
-                q.put(res)
-                time.sleep(TIMEOUT + 4)  # never dispatches
-                return
-            if scenario == "killed" and rank == 1:  # dies without a word: nothing to read
-                os.kill(os.getpid(), signal.SIGKILL)
-            if scenario in ("missing", "killed"):
-                t0 = time.monotonic()
-                try:
-                    g.dispatch(tx, tidx, tw, timeout=TIMEOUT)
-                    res["error"] = "dispatch succeeded without its peer"
-                except EpdError as e:
-                    res["code"], res["msg"] = e.code.name, e.details
-                res["elapsed"] = time.monotonic() - t0
-                q.put(res)
-                return
-            # Warm up, poison the output views, then run on fresh inputs and compare.
-            out = g.dispatch(tx, tidx, tw, expert_alignment=4, copy=False)
-            out.recv_x.view(torch.int16).fill_(-1)
-            out.recv_topk_idx.fill_(77)
-            torch.cuda.synchronize()
-            per_rank, per_expert, in_rank = g.get_dispatch_layout(tidx)
-            out = g.dispatch(tx, tidx, tw, expert_alignment=4)
-            y = out.recv_x  # experts = identity, weights applied by combine's caller
-            bias = _to_torch(np.full(x.shape, 0.5, x.dtype), device)
-            cx, cw = g.combine(y, out.handle, topk_weights=out.recv_topk_weights, bias_0=bias)
-            cached = g.dispatch(tx, handle=out.handle)
-            res.update(per_rank=_bits(per_rank), per_expert=_bits(per_expert),
-                       in_rank=_bits(in_rank), recv_x=_bits(out.recv_x),
-                       recv_idx=_bits(out.recv_topk_idx), recv_w=_bits(out.recv_topk_weights),
-                       src_idx=_bits(out.recv_src_idx), counts=out.num_recv_tokens_per_expert,
-                       cx=_bits(cx), cw=_bits(cw), cached_x=_bits(cached.recv_x),
-                       out_type=type(cx).__module__)
-            if scenario == "full":
-                worst = g.dispatch(tx, tidx, tw, num_worst_tokens=wl.num_ranks * max(wl.tokens))
-                res["worst_idx"] = _bits(worst.recv_topk_idx)
-                res["worst_x"] = _bits(worst.recv_x)
-                xq, sc = ref.quantize_fp8(x)
-                f8 = g.dispatch(_to_torch(xq, device), tidx, tw,
-                                x_scales=_to_torch(sc, device))
-                res["fp8_x"], res["fp8_scales"] = _bits(f8.recv_x), _bits(f8.recv_x_scales)
-                # int32 scale words (vLLM's MXFP8 packed UE8M0): bit for bit, int32 back
-                words = _i32_scales(rank, sc.shape)
-                i8 = g.dispatch(_to_torch(xq, device), tidx, tw,
-                                x_scales=_to_torch(words, device))
-                i8c = g.dispatch(_to_torch(xq, device), x_scales=_to_torch(words, device),
-                                 handle=i8.handle)
-                res["i32_dtype"] = str(i8.recv_x_scales.dtype)
-                res["i32_scales"], res["i32_cached"] = (_bits(i8.recv_x_scales),
-                                                        _bits(i8c.recv_x_scales))
-                # Bad expert ids are found on the GPU (stream-ordered calls read no data on
-                # the host): the call fails, reported once the stream has passed it, and the
-                # group still works after it.
-                try:
-                    g.dispatch(tx, tidx + wl.num_experts, tw)
-                    torch.cuda.synchronize()
-                    g.check()
-                    res["bad"] = "accepted"
-                except EpdError as e:
-                    res["bad"], res["bad_msg"] = e.code.name, e.details
-                again = g.dispatch(tx, tidx, tw, expert_alignment=4)
-                res["again_x"] = _bits(again.recv_x)
-        q.put(res)
-    except Exception as e:  # report to the parent, never hang it
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    from epd.client import EpdError, Session
+    torch.cuda.set_device(device)
+    x, idx, w = wl.inputs(rank)
+    tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+    res: dict = {"rank": rank}
+    with Session(socket, client_name=f"gpu-test-{rank}", timeout=30) as s:
+        res["backend"] = s.backend
+        g = s.join(f"gpu-{scenario}", rank=rank, num_ranks=wl.num_ranks,
+                   num_experts=wl.num_experts, hidden=wl.hidden,
+                   max_tokens_per_rank=max(max(wl.tokens), 1), num_topk=wl.num_topk,
+                   timeout=30)
+        if scenario == "missing" and rank == 1:
+            q.put(res)
+            time.sleep(TIMEOUT + 4)  # never dispatches
+            return
+        if scenario == "killed" and rank == 1:  # dies without a word: nothing to read
+            os.kill(os.getpid(), signal.SIGKILL)
+        if scenario in ("missing", "killed"):
+            t0 = time.monotonic()
+            try:
+                g.dispatch(tx, tidx, tw, timeout=TIMEOUT)
+                res["error"] = "dispatch succeeded without its peer"
+            except EpdError as e:
+                res["code"], res["msg"] = e.code.name, e.details
+            res["elapsed"] = time.monotonic() - t0
+            q.put(res)
+            return
+        # Warm up, poison the output views, then run on fresh inputs and compare.
+        out = g.dispatch(tx, tidx, tw, expert_alignment=4, copy=False)
+        out.recv_x.view(torch.int16).fill_(-1)
+        out.recv_topk_idx.fill_(77)
+        torch.cuda.synchronize()
+        per_rank, per_expert, in_rank = g.get_dispatch_layout(tidx)
+        out = g.dispatch(tx, tidx, tw, expert_alignment=4)
+        y = out.recv_x  # experts = identity, weights applied by combine's caller
+        bias = _to_torch(np.full(x.shape, 0.5, x.dtype), device)
+        cx, cw = g.combine(y, out.handle, topk_weights=out.recv_topk_weights, bias_0=bias)
+        cached = g.dispatch(tx, handle=out.handle)
+        res.update(per_rank=_bits(per_rank), per_expert=_bits(per_expert),
+                   in_rank=_bits(in_rank), recv_x=_bits(out.recv_x),
+                   recv_idx=_bits(out.recv_topk_idx), recv_w=_bits(out.recv_topk_weights),
+                   src_idx=_bits(out.recv_src_idx), counts=out.num_recv_tokens_per_expert,
+                   cx=_bits(cx), cw=_bits(cw), cached_x=_bits(cached.recv_x),
+                   out_type=type(cx).__module__)
+        if scenario == "full":
+            worst = g.dispatch(tx, tidx, tw, num_worst_tokens=wl.num_ranks * max(wl.tokens))
+            res["worst_idx"] = _bits(worst.recv_topk_idx)
+            res["worst_x"] = _bits(worst.recv_x)
+            xq, sc = ref.quantize_fp8(x)
+            f8 = g.dispatch(_to_torch(xq, device), tidx, tw,
+                            x_scales=_to_torch(sc, device))
+            res["fp8_x"], res["fp8_scales"] = _bits(f8.recv_x), _bits(f8.recv_x_scales)
+            # int32 scale words (vLLM's MXFP8 packed UE8M0): bit for bit, int32 back
+            words = _i32_scales(rank, sc.shape)
+            i8 = g.dispatch(_to_torch(xq, device), tidx, tw,
+                            x_scales=_to_torch(words, device))
+            i8c = g.dispatch(_to_torch(xq, device), x_scales=_to_torch(words, device),
+                             handle=i8.handle)
+            res["i32_dtype"] = str(i8.recv_x_scales.dtype)
+            res["i32_scales"], res["i32_cached"] = (_bits(i8.recv_x_scales),
+                                                    _bits(i8c.recv_x_scales))
+            # Bad expert ids are found on the GPU (stream-ordered calls read no data on
+            # the host): the call fails, reported once the stream has passed it, and the
+            # group still works after it.
+            try:
+                g.dispatch(tx, tidx + wl.num_experts, tw)
+                torch.cuda.synchronize()
+                g.check()
+                res["bad"] = "accepted"
+            except EpdError as e:
+                res["bad"], res["bad_msg"] = e.code.name, e.details
+            again = g.dispatch(tx, tidx, tw, expert_alignment=4)
+            res["again_x"] = _bits(again.recv_x)
+    q.put(res)
 
 
 def _run(daemon: Daemon, wl: Workload, scenario: str, ranks_per_gpu: int = 1,
@@ -138,8 +134,8 @@ def _run(daemon: Daemon, wl: Workload, scenario: str, ranks_per_gpu: int = 1,
     procs = []
     for r in range(wl.num_ranks):
         dev = (r // ranks_per_gpu) % GPU_COUNT
-        procs.append(ctx.Process(target=_rank, args=(r, daemon.socket(dev), dev, wl,
-                                                     scenario, q)))
+        procs.append(ctx.Process(target=_report_errors, args=(_rank, r, daemon.socket(dev),
+                                                              dev, wl, scenario, q)))
     for p in procs:
         p.start()
     out = []
@@ -232,13 +228,24 @@ def test_daemon_failure(daemon, scenario: str, code: str) -> None:
 
 # -- low-latency mode through the daemon (client processes, the fast path by default) --------
 
+def _report_errors(target, rank: int, *args) -> None:
+    """A rank process: target(rank, *args), whose last argument is the report queue; an
+    exception becomes the rank's report (the parent raises it) instead of a hang."""
+    try:
+        target(rank, *args)
+    except Exception as e:
+        import traceback
+        args[-1].put({"rank": rank, "error": f"{type(e).__name__}: {e}\n"
+                                             f"{traceback.format_exc()}"})
+
+
 def _spawn_ranks(daemon: Daemon, target, n: int, *args) -> list[dict]:
     """Run target(rank, socket, device, *args, queue) for ranks 0..n-1 (rank r on GPU
     r % GPU_COUNT) in spawned processes; their reports by rank, any reported error raised."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT,
-                                              *args, q)) for r in range(n)]
+    procs = [ctx.Process(target=_report_errors, args=(
+        target, r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT, *args, q)) for r in range(n)]
     for p in procs:
         p.start()
     try:
@@ -272,44 +279,40 @@ def _compact(out, lx: int) -> dict:
 
 
 def _ll_rank(rank: int, socket: str, device: int, wl: Workload, m: int, q) -> None:
-    try:
-        import torch
+    import torch
 
-        from epd.client import EpdError, Session
-        torch.cuda.set_device(device)
-        x, idx, w = wl.inputs(rank)
-        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
-        lx = wl.num_experts // wl.num_ranks
-        res: dict = {"rank": rank}
-        with Session(socket, client_name=f"gpu-ll-{rank}", timeout=30) as s:
-            g = s.join("gpu-ll", rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
-                       hidden=wl.hidden, max_tokens_per_rank=m, num_topk=wl.num_topk,
-                       low_latency_mode=True, timeout=30)
-            zeros = torch.zeros((lx, wl.num_ranks * m, wl.hidden), dtype=tx.dtype,
-                                device=device)
-            for name, fp8, rs in (("bf16", False, False), ("fp8", True, False),
-                                  ("fp8r", True, True)):
-                out = g.low_latency_dispatch(tx, tidx, m, use_fp8=fp8, round_scale=rs,
-                                             copy=False)
-                res[name] = _compact(out, lx)
-                # Views stay valid until this rank's combine: the peers' next dispatch cannot
-                # start before it (DeepEP's alternation), so read them first, then combine.
-                g.low_latency_combine(zeros, tidx, tw, out.handle)
-            # Identity experts: combine the bf16 rows as dispatched, into a poisoned `out`.
-            out = g.low_latency_dispatch(tx, tidx, m, copy=False)
-            dest = torch.full(tx.shape, float("nan"), dtype=tx.dtype, device=device)
-            g.low_latency_combine(out.recv_x, tidx, tw, out.handle, out=dest)
-            res["cx"] = _bits(dest)
-            try:  # bad input is rejected before the collective and changes nothing
-                g.low_latency_dispatch(tx, tidx + wl.num_experts, m)
-                res["bad"] = "accepted"
-            except EpdError as e:
-                res["bad"] = e.code.name
-            res["again"] = _compact(g.low_latency_dispatch(tx, tidx, m, copy=False), lx)
-        q.put(res)
-    except Exception as e:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    from epd.client import EpdError, Session
+    torch.cuda.set_device(device)
+    x, idx, w = wl.inputs(rank)
+    tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+    lx = wl.num_experts // wl.num_ranks
+    res: dict = {"rank": rank}
+    with Session(socket, client_name=f"gpu-ll-{rank}", timeout=30) as s:
+        g = s.join("gpu-ll", rank=rank, num_ranks=wl.num_ranks, num_experts=wl.num_experts,
+                   hidden=wl.hidden, max_tokens_per_rank=m, num_topk=wl.num_topk,
+                   low_latency_mode=True, timeout=30)
+        zeros = torch.zeros((lx, wl.num_ranks * m, wl.hidden), dtype=tx.dtype,
+                            device=device)
+        for name, fp8, rs in (("bf16", False, False), ("fp8", True, False),
+                              ("fp8r", True, True)):
+            out = g.low_latency_dispatch(tx, tidx, m, use_fp8=fp8, round_scale=rs,
+                                         copy=False)
+            res[name] = _compact(out, lx)
+            # Views stay valid until this rank's combine: the peers' next dispatch cannot
+            # start before it (DeepEP's alternation), so read them first, then combine.
+            g.low_latency_combine(zeros, tidx, tw, out.handle)
+        # Identity experts: combine the bf16 rows as dispatched, into a poisoned `out`.
+        out = g.low_latency_dispatch(tx, tidx, m, copy=False)
+        dest = torch.full(tx.shape, float("nan"), dtype=tx.dtype, device=device)
+        g.low_latency_combine(out.recv_x, tidx, tw, out.handle, out=dest)
+        res["cx"] = _bits(dest)
+        try:  # bad input is rejected before the collective and changes nothing
+            g.low_latency_dispatch(tx, tidx + wl.num_experts, m)
+            res["bad"] = "accepted"
+        except EpdError as e:
+            res["bad"] = e.code.name
+        res["again"] = _compact(g.low_latency_dispatch(tx, tidx, m, copy=False), lx)
+    q.put(res)
 
 
 def _check_ll(exp, got: dict, lx: int) -> None:
@@ -367,127 +370,123 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
     """Capture dispatch + (unrelated work between the hook halves) + combine once, replay it
     GRAPH['iters'] times with fresh inputs copied into the static tensors, check every replay
     against the reference (dispatch rows as sets, combine bit-exact)."""
-    try:
-        import torch
+    import torch
 
-        from epd.client import Session
-        from epd.client.buffer import Buffer
-        torch.cuda.set_device(device)
-        r_count, e, k, h, m = (GRAPH[n] for n in ("ranks", "experts", "topk", "hidden", "m"))
-        lx = e // r_count
-        tokens = [m, m - 5]
-        t = tokens[rank]
-        sx = torch.empty((t, h), dtype=torch.bfloat16, device=device)
-        sidx = torch.empty((t, k), dtype=torch.int64, device=device)
-        sw = torch.empty((t, k), dtype=torch.float32, device=device)
-        dest = torch.empty((t, h), dtype=torch.bfloat16, device=device)
-        a = torch.randn(512, 512, device=device)
-        torch.mm(a, a)  # cuBLAS initialises outside the capture
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    r_count, e, k, h, m = (GRAPH[n] for n in ("ranks", "experts", "topk", "hidden", "m"))
+    lx = e // r_count
+    tokens = [m, m - 5]
+    t = tokens[rank]
+    sx = torch.empty((t, h), dtype=torch.bfloat16, device=device)
+    sidx = torch.empty((t, k), dtype=torch.int64, device=device)
+    sw = torch.empty((t, k), dtype=torch.float32, device=device)
+    dest = torch.empty((t, h), dtype=torch.bfloat16, device=device)
+    a = torch.randn(512, 512, device=device)
+    torch.mm(a, a)  # cuBLAS initialises outside the capture
 
-        def fill(it: int) -> None:
-            x, idx, w = _graph_inputs(rank, it, t)
-            sx.copy_(_to_torch(x, device))
-            sidx.copy_(_to_torch(idx, device))
-            sw.copy_(_to_torch(w, device))
-            dest.view(torch.int16).fill_(-1)  # poison (NaN)
+    def fill(it: int) -> None:
+        x, idx, w = _graph_inputs(rank, it, t)
+        sx.copy_(_to_torch(x, device))
+        sidx.copy_(_to_torch(idx, device))
+        sw.copy_(_to_torch(w, device))
+        dest.view(torch.int16).fill_(-1)  # poison (NaN)
 
-        res: dict = {"rank": rank, "failures": []}
-        with Session(socket, client_name=f"gpu-graph-{rank}", timeout=30) as s:
-            stream = torch.cuda.Stream(device)
-            graph = torch.cuda.CUDAGraph()
-            fill(0)
+    res: dict = {"rank": rank, "failures": []}
+    with Session(socket, client_name=f"gpu-graph-{rank}", timeout=30) as s:
+        stream = torch.cuda.Stream(device)
+        graph = torch.cuda.CUDAGraph()
+        fill(0)
+        torch.cuda.synchronize()
+        if facade:  # DeepEP's API: capture arms the calls (hook = the receive half)
+            buf = Buffer(rank=rank, num_ranks=r_count, session=s, low_latency_mode=True,
+                         group_name="gpu-graph-facade")
+            # Warm-up step outside the capture (as with any CUDA-graph user): it arms the
+            # stream-ordered calls, so the capture only records stream operations.
+            recv, count, handle, _, hook = buf.low_latency_dispatch(
+                sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
+            hook()
+            buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
             torch.cuda.synchronize()
-            if facade:  # DeepEP's API: capture arms the calls (hook = the receive half)
-                buf = Buffer(rank=rank, num_ranks=r_count, session=s, low_latency_mode=True,
-                             group_name="gpu-graph-facade")
-                # Warm-up step outside the capture (as with any CUDA-graph user): it arms the
-                # stream-ordered calls, so the capture only records stream operations.
+            with torch.cuda.graph(graph, stream=stream):
                 recv, count, handle, _, hook = buf.low_latency_dispatch(
                     sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
+                torch.mm(a, a)  # work overlapping the transfer
                 hook()
+                # Dispatch outputs are views of the receive buffer this dispatch took
+                # (the other one than the warm-up's): snapshot them through the handle.
+                views = {"recv_x": recv.clone(), "recv_count": count.clone(),
+                         "src_rank": handle.src_rank.clone(),
+                         "src_idx": handle.src_idx.clone()}
                 buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, stream=stream):
-                    recv, count, handle, _, hook = buf.low_latency_dispatch(
-                        sx, sidx, m, e, use_fp8=False, return_recv_hook=True)
-                    torch.mm(a, a)  # work overlapping the transfer
-                    hook()
-                    # Dispatch outputs are views of the receive buffer this dispatch took
-                    # (the other one than the warm-up's): snapshot them through the handle.
-                    views = {"recv_x": recv.clone(), "recv_count": count.clone(),
-                             "src_rank": handle.src_rank.clone(),
-                             "src_idx": handle.src_idx.clone()}
-                    buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
-                ops = buf._stream_ops.ops()
-                grp = next(iter(buf._groups.values()))
-            else:
-                grp = s.join("gpu-graph", rank=rank, num_ranks=r_count, num_experts=e,
-                             hidden=h, max_tokens_per_rank=m, num_topk=k,
-                             low_latency_mode=True, timeout=30)
-                dop = grp.arm_low_latency_dispatch(sx, sidx, m)
-                cop = grp.arm_low_latency_combine(dop.result.recv_x, sidx, sw, dop, out=dest)
-                res_d = dop.result
-                with torch.cuda.graph(graph, stream=stream):
-                    dop.signal()
-                    torch.mm(a, a)
-                    dop.wait()
-                    views = {"recv_x": res_d.recv_x.clone(), "recv_count": res_d.recv_count
-                             .clone(), "src_rank": res_d.recv_src_rank.clone(),
-                             "src_idx": res_d.recv_src_idx.clone()}
-                    cop.launch()
-                ops = [dop, cop]
-            t0 = time.perf_counter()
-            for it in range(GRAPH["iters"]):
-                if it:
-                    fill(it)
-                graph.replay()
-                torch.cuda.synchronize()
+            ops = buf._stream_ops.ops()
+            grp = next(iter(buf._groups.values()))
+        else:
+            grp = s.join("gpu-graph", rank=rank, num_ranks=r_count, num_experts=e,
+                         hidden=h, max_tokens_per_rank=m, num_topk=k,
+                         low_latency_mode=True, timeout=30)
+            dop = grp.arm_low_latency_dispatch(sx, sidx, m)
+            cop = grp.arm_low_latency_combine(dop.result.recv_x, sidx, sw, dop, out=dest)
+            res_d = dop.result
+            with torch.cuda.graph(graph, stream=stream):
+                dop.signal()
+                torch.mm(a, a)
+                dop.wait()
+                views = {"recv_x": res_d.recv_x.clone(), "recv_count": res_d.recv_count
+                         .clone(), "src_rank": res_d.recv_src_rank.clone(),
+                         "src_idx": res_d.recv_src_idx.clone()}
+                cop.launch()
+            ops = [dop, cop]
+        t0 = time.perf_counter()
+        for it in range(GRAPH["iters"]):
+            if it:
+                fill(it)
+            graph.replay()
+            torch.cuda.synchronize()
+            for op in ops:
+                op.check()
+            inputs = [_graph_inputs(r, it, tokens[r]) for r in range(r_count)]
+            xs, idxs, ws = ([inp[j] for inp in inputs] for j in range(3))
+            exp = ref.low_latency_dispatch(xs, idxs, e, m)[rank]
+            got = {n: _bits(v) for n, v in views.items()}
+            acc = np.zeros((t, h), np.float32)
+            for kk in range(k):
+                sel = idxs[rank][:, kk] >= 0
+                acc[sel] = acc[sel] + ws[rank][sel, kk][:, None] * xs[rank][sel].astype(
+                    np.float32)
+            try:
+                np.testing.assert_array_equal(got["recv_count"], exp.recv_count)
+                for le in range(lx):
+                    c = int(exp.recv_count[le])
+                    want = {key: i for i, key in enumerate(zip(
+                        exp.recv_src_rank[le][:c].tolist(),
+                        exp.recv_src_idx[le][:c].tolist(), strict=True))}
+                    keys = list(zip(got["src_rank"][le][:c].tolist(),
+                                    got["src_idx"][le][:c].tolist(), strict=True))
+                    assert sorted(keys) == sorted(want), f"expert {le}"
+                    np.testing.assert_array_equal(
+                        got["recv_x"][le][:c], exp.recv_x[le][[want[kk] for kk in keys]]
+                        .view(np.uint16))
+                np.testing.assert_array_equal(_bits(dest), acc.astype(xs[rank].dtype)
+                                              .view(np.uint16))
+            except AssertionError as err:
+                res["failures"].append(f"replay {it}: {str(err)[:300]}")
+        res["seconds"] = time.perf_counter() - t0
+        if not facade:  # a bad expert id inside a replay: reported, the group aborted
+            from epd.client import EpdError
+            fill(GRAPH["iters"])
+            if rank == 0:
+                sidx[0, 0] = e + 5
+            graph.replay()
+            torch.cuda.synchronize()  # never hangs: the kernels see the abort word
+            try:
                 for op in ops:
                     op.check()
-                inputs = [_graph_inputs(r, it, tokens[r]) for r in range(r_count)]
-                xs, idxs, ws = ([inp[j] for inp in inputs] for j in range(3))
-                exp = ref.low_latency_dispatch(xs, idxs, e, m)[rank]
-                got = {n: _bits(v) for n, v in views.items()}
-                acc = np.zeros((t, h), np.float32)
-                for kk in range(k):
-                    sel = idxs[rank][:, kk] >= 0
-                    acc[sel] = acc[sel] + ws[rank][sel, kk][:, None] * xs[rank][sel].astype(
-                        np.float32)
-                try:
-                    np.testing.assert_array_equal(got["recv_count"], exp.recv_count)
-                    for le in range(lx):
-                        c = int(exp.recv_count[le])
-                        want = {key: i for i, key in enumerate(zip(
-                            exp.recv_src_rank[le][:c].tolist(),
-                            exp.recv_src_idx[le][:c].tolist(), strict=True))}
-                        keys = list(zip(got["src_rank"][le][:c].tolist(),
-                                        got["src_idx"][le][:c].tolist(), strict=True))
-                        assert sorted(keys) == sorted(want), f"expert {le}"
-                        np.testing.assert_array_equal(
-                            got["recv_x"][le][:c], exp.recv_x[le][[want[kk] for kk in keys]]
-                            .view(np.uint16))
-                    np.testing.assert_array_equal(_bits(dest), acc.astype(xs[rank].dtype)
-                                                  .view(np.uint16))
-                except AssertionError as err:
-                    res["failures"].append(f"replay {it}: {str(err)[:300]}")
-            res["seconds"] = time.perf_counter() - t0
-            if not facade:  # a bad expert id inside a replay: reported, the group aborted
-                from epd.client import EpdError
-                fill(GRAPH["iters"])
-                if rank == 0:
-                    sidx[0, 0] = e + 5
-                graph.replay()
-                torch.cuda.synchronize()  # never hangs: the kernels see the abort word
-                try:
-                    for op in ops:
-                        op.check()
-                    res["bad"] = "accepted"
-                except EpdError as err:
-                    res["bad"] = err.details
-        q.put(res)
-    except Exception as err:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"})
+                res["bad"] = "accepted"
+            except EpdError as err:
+                res["bad"] = err.details
+    q.put(res)
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
@@ -522,55 +521,51 @@ def _no_topk_inputs(rank: int, layer: int):
 
 
 def _no_topk_rank(rank: int, socket: str, device: int, q) -> None:
-    try:
-        import torch
+    import torch
 
-        from epd.client import Buffer, EpdError
-        torch.cuda.set_device(device)
-        res: dict = {"rank": rank, "layers": []}
-        buf = Buffer(None, rank=rank, num_ranks=2, endpoint=socket, max_tokens_per_rank=128)
-        try:
-            held = []
-            for layer in range(3):  # one Buffer, handles held across layers
-                x, in_rank, per_expert = _no_topk_inputs(rank, layer)
-                tx, tin, tpe = (_to_torch(a, device) for a in (x, in_rank, per_expert))
-                n_rank = tin.sum(0, dtype=torch.int32)
-                align = 4 if layer == 2 else 1
-                recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-                    tx, num_tokens_per_rank=n_rank, is_token_in_rank=tin,
-                    num_tokens_per_expert=tpe, expert_alignment=align)
-                combined, combined_w, _ = buf.combine(recv_x, handle)
-                cached_x = buf.dispatch(tx, handle=handle)[0]
-                held.append((recv_x, recv_idx, recv_w, list(counts), handle, combined,
-                             combined_w, cached_x))
-            torch.cuda.synchronize()
-            for recv_x, recv_idx, recv_w, counts, handle, combined, combined_w, cx in held:
-                res["layers"].append({
-                    "recv_x": _bits(recv_x), "none": (recv_idx, recv_w, combined_w) ==
-                    (None, None, None), "counts": counts,
-                    "prefix": _bits(handle[0]) if hasattr(handle[0], "detach")
-                    else np.asarray(handle[0]),
-                    "combined": _bits(combined), "cached_x": _bits(cx)})
-            # A negative declared count is bad input found on the GPU: the call fails on
-            # this rank naming it, and the Buffer goes on working.
-            x, in_rank, per_expert = _no_topk_inputs(rank, 0)
-            if rank == 0:
-                per_expert[3] = -5
+    from epd.client import Buffer, EpdError
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "layers": []}
+    buf = Buffer(None, rank=rank, num_ranks=2, endpoint=socket, max_tokens_per_rank=128)
+    try:
+        held = []
+        for layer in range(3):  # one Buffer, handles held across layers
+            x, in_rank, per_expert = _no_topk_inputs(rank, layer)
             tx, tin, tpe = (_to_torch(a, device) for a in (x, in_rank, per_expert))
-            try:
-                buf.dispatch(tx, num_tokens_per_rank=tin.sum(0, dtype=torch.int32),
-                             is_token_in_rank=tin, num_tokens_per_expert=tpe)
-                torch.cuda.synchronize()
-                buf.check()
-                res["bad"] = "accepted"
-            except EpdError as e:
-                res["bad"] = e.code.name
-        finally:
-            buf.destroy()
-        q.put(res)
-    except Exception as e:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+            n_rank = tin.sum(0, dtype=torch.int32)
+            align = 4 if layer == 2 else 1
+            recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+                tx, num_tokens_per_rank=n_rank, is_token_in_rank=tin,
+                num_tokens_per_expert=tpe, expert_alignment=align)
+            combined, combined_w, _ = buf.combine(recv_x, handle)
+            cached_x = buf.dispatch(tx, handle=handle)[0]
+            held.append((recv_x, recv_idx, recv_w, list(counts), handle, combined,
+                         combined_w, cached_x))
+        torch.cuda.synchronize()
+        for recv_x, recv_idx, recv_w, counts, handle, combined, combined_w, cx in held:
+            res["layers"].append({
+                "recv_x": _bits(recv_x), "none": (recv_idx, recv_w, combined_w) ==
+                (None, None, None), "counts": counts,
+                "prefix": _bits(handle[0]) if hasattr(handle[0], "detach")
+                else np.asarray(handle[0]),
+                "combined": _bits(combined), "cached_x": _bits(cx)})
+        # A negative declared count is bad input found on the GPU: the call fails on
+        # this rank naming it, and the Buffer goes on working.
+        x, in_rank, per_expert = _no_topk_inputs(rank, 0)
+        if rank == 0:
+            per_expert[3] = -5
+        tx, tin, tpe = (_to_torch(a, device) for a in (x, in_rank, per_expert))
+        try:
+            buf.dispatch(tx, num_tokens_per_rank=tin.sum(0, dtype=torch.int32),
+                         is_token_in_rank=tin, num_tokens_per_expert=tpe)
+            torch.cuda.synchronize()
+            buf.check()
+            res["bad"] = "accepted"
+        except EpdError as e:
+            res["bad"] = e.code.name
+    finally:
+        buf.destroy()
+    q.put(res)
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")

@@ -23,48 +23,44 @@ def _scaled(x: np.ndarray, layer: int) -> np.ndarray:
 
 
 def _facade_rank(rank: int, socket: str, device: int, wl: Workload, q) -> None:
-    try:
-        import torch
+    import torch
 
-        from epd.client import Session
-        from epd.client.buffer import Buffer
-        torch.cuda.set_device(device)
-        x, idx, w = wl.inputs(rank)
-        res: dict = {"rank": rank, "layers": []}
-        with Session(socket, client_name=f"facade-{rank}", timeout=30) as s:
-            buf = Buffer(rank=rank, num_ranks=wl.num_ranks, session=s,
-                         group_name="gpu-facade", max_tokens_per_rank=max(wl.tokens))
-            held = []
-            for layer in range(LAYERS):
-                tx = _to_torch(_scaled(x, layer), device)
-                tidx, tw = _to_torch(idx, device), _to_torch(w, device)
-                before = buf.capture()
-                n_rank, _, n_expert, in_rank, ev = buf.get_dispatch_layout(
-                    tidx, wl.num_experts, previous_event=before, async_finish=True)
-                recv_x, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
-                    tx, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
-                    num_tokens_per_expert=n_expert, topk_idx=tidx, topk_weights=tw,
-                    previous_event=ev, async_finish=True, allocate_on_comm_stream=True)
-                ev.current_stream_wait()
-                held.append((layer, recv_x, recv_idx, recv_w, list(counts), handle))
-            for layer, recv_x, recv_idx, recv_w, counts, handle in reversed(held):
-                again, *_ = buf.dispatch(_to_torch(_scaled(x, layer), device), handle=handle)
-                combined, combined_w, ev = buf.combine(recv_x, handle, topk_weights=recv_w,
-                                                       async_finish=True)
-                ev.current_stream_wait()
-                torch.cuda.synchronize(device)
-                res["layers"].append({
-                    "layer": layer, "counts": counts, "recv_x": _bits(recv_x),
-                    "recv_idx": recv_idx.cpu().numpy(),
-                    "prefix": np.asarray(handle[0].cpu() if hasattr(handle[0], "cpu")
-                                         else handle[0]),
-                    "again": _bits(again), "combined": _bits(combined),
-                    "combined_w": combined_w.cpu().numpy()})
-            buf.destroy()
-        q.put(res)
-    except Exception as e:  # reported to the test process
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    x, idx, w = wl.inputs(rank)
+    res: dict = {"rank": rank, "layers": []}
+    with Session(socket, client_name=f"facade-{rank}", timeout=30) as s:
+        buf = Buffer(rank=rank, num_ranks=wl.num_ranks, session=s,
+                     group_name="gpu-facade", max_tokens_per_rank=max(wl.tokens))
+        held = []
+        for layer in range(LAYERS):
+            tx = _to_torch(_scaled(x, layer), device)
+            tidx, tw = _to_torch(idx, device), _to_torch(w, device)
+            before = buf.capture()
+            n_rank, _, n_expert, in_rank, ev = buf.get_dispatch_layout(
+                tidx, wl.num_experts, previous_event=before, async_finish=True)
+            recv_x, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
+                tx, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_expert, topk_idx=tidx, topk_weights=tw,
+                previous_event=ev, async_finish=True, allocate_on_comm_stream=True)
+            ev.current_stream_wait()
+            held.append((layer, recv_x, recv_idx, recv_w, list(counts), handle))
+        for layer, recv_x, recv_idx, recv_w, counts, handle in reversed(held):
+            again, *_ = buf.dispatch(_to_torch(_scaled(x, layer), device), handle=handle)
+            combined, combined_w, ev = buf.combine(recv_x, handle, topk_weights=recv_w,
+                                                   async_finish=True)
+            ev.current_stream_wait()
+            torch.cuda.synchronize(device)
+            res["layers"].append({
+                "layer": layer, "counts": counts, "recv_x": _bits(recv_x),
+                "recv_idx": recv_idx.cpu().numpy(),
+                "prefix": np.asarray(handle[0].cpu() if hasattr(handle[0], "cpu")
+                                     else handle[0]),
+                "again": _bits(again), "combined": _bits(combined),
+                "combined_w": combined_w.cpu().numpy()})
+        buf.destroy()
+    q.put(res)
 
 
 def test_facade_v1_pattern_with_events(daemon) -> None:

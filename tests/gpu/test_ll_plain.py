@@ -52,65 +52,61 @@ def _combined(xs, idx, w, rank: int, identity: bool) -> np.ndarray:
 
 
 def _plain_rank(rank: int, socket: str, device: int, q) -> None:
-    try:
-        os.environ["EPD_LL_PLAIN_OPS"] = "3"  # evictions every few layers
-        import torch
+    os.environ["EPD_LL_PLAIN_OPS"] = "3"  # evictions every few layers
+    import torch
 
-        from epd.client import EpdError, Session
-        from epd.client.buffer import Buffer
-        torch.cuda.set_device(device)
-        res: dict = {"rank": rank, "layers": []}
-        with Session(socket, client_name=f"gpu-ll-plain-{rank}", timeout=30) as s:
-            buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
-                         group_name="gpu-ll-plain")
-            values = torch.tensor([_expert_value(rank * LX + le) for le in range(LX)],
-                                  dtype=torch.bfloat16, device=device)
-            held, tensors = [], {}
-            for layer, (t0, t1, fp8) in enumerate(LAYERS):
-                t = (t0, t1)[rank]
-                x, idx, w = _inputs(layer, rank, t)
-                if layer in REUSE:  # the same tensors, new contents: the armed op again
-                    tx, tidx, tw = tensors[REUSE[layer]]
-                    tx.copy_(_to_torch(x, device))
-                    tidx.copy_(_to_torch(idx, device))
-                    tw.copy_(_to_torch(w, device))
-                else:
-                    tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
-                tensors[layer] = (tx, tidx, tw)
-                recv, count, handle, _, hook = buf.low_latency_dispatch(
-                    tx, tidx, M, E, use_fp8=fp8)
-                assert hook is None
-                # fp8: each expert returns its value; bf16: identity experts (the received
-                # rows are the caller's own tensor)
-                y = values[:, None, None].expand(LX, R * M, H).contiguous() if fp8 else recv
-                cx, _, _ = buf.low_latency_combine(y, tidx, tw, handle)
-                held.append((recv, count, handle, cx))
+    from epd.client import EpdError, Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "layers": []}
+    with Session(socket, client_name=f"gpu-ll-plain-{rank}", timeout=30) as s:
+        buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                     group_name="gpu-ll-plain")
+        values = torch.tensor([_expert_value(rank * LX + le) for le in range(LX)],
+                              dtype=torch.bfloat16, device=device)
+        held, tensors = [], {}
+        for layer, (t0, t1, fp8) in enumerate(LAYERS):
+            t = (t0, t1)[rank]
+            x, idx, w = _inputs(layer, rank, t)
+            if layer in REUSE:  # the same tensors, new contents: the armed op again
+                tx, tidx, tw = tensors[REUSE[layer]]
+                tx.copy_(_to_torch(x, device))
+                tidx.copy_(_to_torch(idx, device))
+                tw.copy_(_to_torch(w, device))
+            else:
+                tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
+            tensors[layer] = (tx, tidx, tw)
+            recv, count, handle, _, hook = buf.low_latency_dispatch(
+                tx, tidx, M, E, use_fp8=fp8)
+            assert hook is None
+            # fp8: each expert returns its value; bf16: identity experts (the received
+            # rows are the caller's own tensor)
+            y = values[:, None, None].expand(LX, R * M, H).contiguous() if fp8 else recv
+            cx, _, _ = buf.low_latency_combine(y, tidx, tw, handle)
+            held.append((recv, count, handle, cx))
+        torch.cuda.synchronize()
+        buf.check()
+        res["armed"] = len(buf._stream_ops)
+        for recv, count, handle, cx in held:  # every layer's outputs, read at the end
+            rx, scales = recv if isinstance(recv, tuple) else (recv, None)
+            out = SimpleNamespace(recv_x=rx, recv_count=count, recv_x_scales=scales,
+                                  recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
+            res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx),
+                                  "layout_range": handle[1].cpu().numpy()})
+        # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises; rank
+        # 1 may see the group aborted already when it arms its call.
+        x, idx, w = _inputs(99, rank, 8)
+        if rank == 0:
+            idx[0, 0] = E + 3
+        tx, tidx = _to_torch(x, device), _to_torch(idx, device)
+        try:
+            buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False)
             torch.cuda.synchronize()
             buf.check()
-            res["armed"] = len(buf._stream_ops)
-            for recv, count, handle, cx in held:  # every layer's outputs, read at the end
-                rx, scales = recv if isinstance(recv, tuple) else (recv, None)
-                out = SimpleNamespace(recv_x=rx, recv_count=count, recv_x_scales=scales,
-                                      recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
-                res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx),
-                                      "layout_range": handle[1].cpu().numpy()})
-            # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises; rank
-            # 1 may see the group aborted already when it arms its call.
-            x, idx, w = _inputs(99, rank, 8)
-            if rank == 0:
-                idx[0, 0] = E + 3
-            tx, tidx = _to_torch(x, device), _to_torch(idx, device)
-            try:
-                buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False)
-                torch.cuda.synchronize()
-                buf.check()
-                res["bad"] = "accepted"
-            except EpdError as e:
-                res["bad"] = e.code.name
-        q.put(res)
-    except Exception as e:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+            res["bad"] = "accepted"
+        except EpdError as e:
+            res["bad"] = e.code.name
+    q.put(res)
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
@@ -144,44 +140,40 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
 def _graph_first_rank(rank: int, socket: str, device: int, q) -> None:
     """Capture dispatch (hook) + combine into a CUDA graph with no earlier call on these
     tensors, replay with fresh inputs, check the combine bit-exactly each time."""
-    try:
-        import torch
+    import torch
 
-        from epd.client import Session
-        from epd.client.buffer import Buffer
-        torch.cuda.set_device(device)
-        t = (M, M - 7)[rank]
-        sx = torch.empty((t, H), dtype=torch.bfloat16, device=device)
-        sidx = torch.empty((t, K), dtype=torch.int64, device=device)
-        sw = torch.empty((t, K), dtype=torch.float32, device=device)
-        dest = torch.empty((t, H), dtype=torch.bfloat16, device=device)
-        res: dict = {"rank": rank, "cx": []}
-        with Session(socket, client_name=f"gpu-ll-graph1-{rank}", timeout=30) as s:
-            buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
-                         group_name="gpu-ll-graph-first")
-            stream = torch.cuda.Stream(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                recv, _, handle, _, hook = buf.low_latency_dispatch(
-                    sx, sidx, M, E, use_fp8=False, return_recv_hook=True)
-                hook()
-                buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
-            for it in range(3):
-                x, idx, w = _inputs(200 + it, rank, t)
-                sx.copy_(_to_torch(x, device))
-                sidx.copy_(_to_torch(idx, device))
-                sw.copy_(_to_torch(w, device))
-                dest.view(torch.int16).fill_(-1)
-                graph.replay()
-                torch.cuda.synchronize()
-                buf.check()
-                for op in buf._stream_ops.ops():
-                    op.check()
-                res["cx"].append(_bits(dest))
-        q.put(res)
-    except Exception as e:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    t = (M, M - 7)[rank]
+    sx = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+    sidx = torch.empty((t, K), dtype=torch.int64, device=device)
+    sw = torch.empty((t, K), dtype=torch.float32, device=device)
+    dest = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+    res: dict = {"rank": rank, "cx": []}
+    with Session(socket, client_name=f"gpu-ll-graph1-{rank}", timeout=30) as s:
+        buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                     group_name="gpu-ll-graph-first")
+        stream = torch.cuda.Stream(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            recv, _, handle, _, hook = buf.low_latency_dispatch(
+                sx, sidx, M, E, use_fp8=False, return_recv_hook=True)
+            hook()
+            buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+        for it in range(3):
+            x, idx, w = _inputs(200 + it, rank, t)
+            sx.copy_(_to_torch(x, device))
+            sidx.copy_(_to_torch(idx, device))
+            sw.copy_(_to_torch(w, device))
+            dest.view(torch.int16).fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            buf.check()
+            for op in buf._stream_ops.ops():
+                op.check()
+            res["cx"].append(_bits(dest))
+    q.put(res)
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
@@ -208,85 +200,81 @@ def _micro_batches_rank(rank: int, socket: str, device: int, q) -> None:
     """D0 D1 C0 C1 on one Buffer: plain calls, receive hooks, and a CUDA graph of the whole
     sequence replayed with fresh inputs. Identity experts (bf16), so each combine must give
     sum_k w * x of its own micro-batch; the dispatch rows are checked too."""
-    try:
-        import torch
+    import torch
 
-        from epd.client import Session
-        from epd.client.buffer import Buffer
-        torch.cuda.set_device(device)
-        res: dict = {"rank": rank, "runs": []}
-        t = [MB_TOKENS[b][rank] for b in range(2)]
-        with Session(socket, client_name=f"gpu-ll-mb-{rank}", timeout=30) as s:
-            buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
-                         group_name="gpu-ll-micro-batches")
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "runs": []}
+    t = [MB_TOKENS[b][rank] for b in range(2)]
+    with Session(socket, client_name=f"gpu-ll-mb-{rank}", timeout=30) as s:
+        buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                     group_name="gpu-ll-micro-batches")
 
-            def compact(recv, count, handle):
-                return _compact(SimpleNamespace(
-                    recv_x=recv, recv_count=count, recv_x_scales=None,
-                    recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX)
+        def compact(recv, count, handle):
+            return _compact(SimpleNamespace(
+                recv_x=recv, recv_count=count, recv_x_scales=None,
+                recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX)
 
-            for it in range(2):  # plain calls: outputs are the caller's own
-                ins = [[_to_torch(a, device) for a in _mb_inputs(0, it, b, rank)]
-                       for b in range(2)]
-                d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False) for x, idx, _ in ins]
-                c = [buf.low_latency_combine(d[b][0], ins[b][1], ins[b][2], d[b][2])[0]
-                     for b in range(2)]
-                torch.cuda.synchronize()
-                buf.check()
-                res["runs"].append({"mode": 0, "it": it, "cx": [_bits(v) for v in c],
-                                    "compact": [compact(d[b][0], d[b][1], d[b][2])
-                                                for b in range(2)]})
-            for it in range(2):  # receive hooks, combine outputs into the caller's tensors
-                ins = [[_to_torch(a, device) for a in _mb_inputs(1, it, b, rank)]
-                       for b in range(2)]
-                outs = [torch.empty((t[b], H), dtype=torch.bfloat16, device=device)
-                        for b in range(2)]
-                d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
-                                              return_recv_hook=True) for x, idx, _ in ins]
-                for b in range(2):
-                    d[b][4]()  # the receive half of micro-batch b
-                    buf.low_latency_combine(d[b][0], ins[b][1], ins[b][2], d[b][2],
-                                            out=outs[b])
-                torch.cuda.synchronize()
-                buf.check()
-                res["runs"].append({"mode": 1, "it": it, "cx": [_bits(v) for v in outs],
-                                    "compact": [compact(d[b][0], d[b][1], d[b][2])
-                                                for b in range(2)]})
-            # a CUDA graph of D0 D1 C0 C1 (hooks), replayed with fresh inputs
-            static = [[torch.empty((t[b], H), dtype=torch.bfloat16, device=device),
-                       torch.empty((t[b], K), dtype=torch.int64, device=device),
-                       torch.empty((t[b], K), dtype=torch.float32, device=device)]
-                      for b in range(2)]
+        for it in range(2):  # plain calls: outputs are the caller's own
+            ins = [[_to_torch(a, device) for a in _mb_inputs(0, it, b, rank)]
+                   for b in range(2)]
+            d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False) for x, idx, _ in ins]
+            c = [buf.low_latency_combine(d[b][0], ins[b][1], ins[b][2], d[b][2])[0]
+                 for b in range(2)]
+            torch.cuda.synchronize()
+            buf.check()
+            res["runs"].append({"mode": 0, "it": it, "cx": [_bits(v) for v in c],
+                                "compact": [compact(d[b][0], d[b][1], d[b][2])
+                                            for b in range(2)]})
+        for it in range(2):  # receive hooks, combine outputs into the caller's tensors
+            ins = [[_to_torch(a, device) for a in _mb_inputs(1, it, b, rank)]
+                   for b in range(2)]
             outs = [torch.empty((t[b], H), dtype=torch.bfloat16, device=device)
                     for b in range(2)]
-            for b in range(2):  # valid routing before the capture's first use
-                static[b][1].fill_(-1)
-            stream = torch.cuda.Stream(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
-                                              return_recv_hook=True) for x, idx, _ in static]
-                for b in range(2):
-                    d[b][4]()
-                    buf.low_latency_combine(d[b][0], static[b][1], static[b][2], d[b][2],
-                                            out=outs[b])
-            for it in range(3):
-                for b in range(2):
-                    for dst, src in zip(static[b], _mb_inputs(2, it, b, rank), strict=True):
-                        dst.copy_(_to_torch(src, device))
-                    outs[b].view(torch.int16).fill_(-1)  # poison
-                graph.replay()
-                torch.cuda.synchronize()
-                buf.check()
-                for op in buf._stream_ops.ops():
-                    op.check()
-                res["runs"].append({"mode": 2, "it": it, "cx": [_bits(v) for v in outs],
-                                    "compact": [compact(d[b][0], d[b][1], d[b][2])
-                                                for b in range(2)]})
-        q.put(res)
-    except Exception as e:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+            d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                          return_recv_hook=True) for x, idx, _ in ins]
+            for b in range(2):
+                d[b][4]()  # the receive half of micro-batch b
+                buf.low_latency_combine(d[b][0], ins[b][1], ins[b][2], d[b][2],
+                                        out=outs[b])
+            torch.cuda.synchronize()
+            buf.check()
+            res["runs"].append({"mode": 1, "it": it, "cx": [_bits(v) for v in outs],
+                                "compact": [compact(d[b][0], d[b][1], d[b][2])
+                                            for b in range(2)]})
+        # a CUDA graph of D0 D1 C0 C1 (hooks), replayed with fresh inputs
+        static = [[torch.empty((t[b], H), dtype=torch.bfloat16, device=device),
+                   torch.empty((t[b], K), dtype=torch.int64, device=device),
+                   torch.empty((t[b], K), dtype=torch.float32, device=device)]
+                  for b in range(2)]
+        outs = [torch.empty((t[b], H), dtype=torch.bfloat16, device=device)
+                for b in range(2)]
+        for b in range(2):  # valid routing before the capture's first use
+            static[b][1].fill_(-1)
+        stream = torch.cuda.Stream(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            d = [buf.low_latency_dispatch(x, idx, M, E, use_fp8=False,
+                                          return_recv_hook=True) for x, idx, _ in static]
+            for b in range(2):
+                d[b][4]()
+                buf.low_latency_combine(d[b][0], static[b][1], static[b][2], d[b][2],
+                                        out=outs[b])
+        for it in range(3):
+            for b in range(2):
+                for dst, src in zip(static[b], _mb_inputs(2, it, b, rank), strict=True):
+                    dst.copy_(_to_torch(src, device))
+                outs[b].view(torch.int16).fill_(-1)  # poison
+            graph.replay()
+            torch.cuda.synchronize()
+            buf.check()
+            for op in buf._stream_ops.ops():
+                op.check()
+            res["runs"].append({"mode": 2, "it": it, "cx": [_bits(v) for v in outs],
+                                "compact": [compact(d[b][0], d[b][1], d[b][2])
+                                            for b in range(2)]})
+    q.put(res)
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")

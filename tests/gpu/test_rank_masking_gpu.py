@@ -49,44 +49,40 @@ def _expected(step: int, left_out: set[int]):
 
 
 def _rank(rank: int, socket: str, device: int, q) -> None:
-    try:
-        import torch
+    import torch
 
-        from epd.client import EpdError
-        from epd.client.buffer import Buffer
-        torch.cuda.set_device(device)
-        res: dict = {"rank": rank, "steps": []}
-        buf = Buffer(None, rank=rank, num_ranks=R, endpoint=socket, low_latency_mode=True,
-                     enable_shrink=True, group_name="gpu-shrink", timeout=30)
-        for step in range(3):
-            if rank == 2 and step == 1:  # goes away without a word (as a crash)
-                q.put(res)
-                q.close()
-                q.join_thread()
-                os._exit(0)
-            t0 = time.monotonic()
-            x, idx, w = (_to_torch(a, device) for a in _inputs(step, rank))
-            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-            cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
-            torch.cuda.synchronize()
-            buf.check()
-            res["steps"].append({"compact": _compact(SimpleNamespace(
-                recv_x=recv, recv_count=count, recv_x_scales=None,
-                recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
-                "cx": _bits(cx), "seconds": time.monotonic() - t0})
-        mask = torch.full((R,), 7, dtype=torch.int32, device=device)
-        buf.low_latency_query_mask_buffer(mask)
-        res["mask"] = mask.cpu().numpy()
-        try:
-            buf.low_latency_update_mask_buffer(rank, True)  # itself: alive for sure
-            res["mask_live"] = "accepted"
-        except EpdError as e:
-            res["mask_live"] = e.code.name
-        buf.destroy()
-        q.put(res)
-    except Exception as e:
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+    from epd.client import EpdError
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "steps": []}
+    buf = Buffer(None, rank=rank, num_ranks=R, endpoint=socket, low_latency_mode=True,
+                 enable_shrink=True, group_name="gpu-shrink", timeout=30)
+    for step in range(3):
+        if rank == 2 and step == 1:  # goes away without a word (as a crash)
+            q.put(res)
+            q.close()
+            q.join_thread()
+            os._exit(0)
+        t0 = time.monotonic()
+        x, idx, w = (_to_torch(a, device) for a in _inputs(step, rank))
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        torch.cuda.synchronize()
+        buf.check()
+        res["steps"].append({"compact": _compact(SimpleNamespace(
+            recv_x=recv, recv_count=count, recv_x_scales=None,
+            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
+            "cx": _bits(cx), "seconds": time.monotonic() - t0})
+    mask = torch.full((R,), 7, dtype=torch.int32, device=device)
+    buf.low_latency_query_mask_buffer(mask)
+    res["mask"] = mask.cpu().numpy()
+    try:
+        buf.low_latency_update_mask_buffer(rank, True)  # itself: alive for sure
+        res["mask_live"] = "accepted"
+    except EpdError as e:
+        res["mask_live"] = e.code.name
+    buf.destroy()
+    q.put(res)
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")

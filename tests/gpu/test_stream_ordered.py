@@ -29,79 +29,75 @@ def _workload(layer: int) -> Workload:
 
 
 def _rank(rank: int, socket: str, device: int, q) -> None:
-    try:
-        import torch
+    import torch
 
-        from epd.client import EpdError, Session
-        torch.cuda.set_device(device)
-        res: dict = {"rank": rank, "layers": []}
-        with Session(socket, client_name=f"so-{rank}", timeout=30) as s:
-            g = s.join("stream-ordered", rank=rank, num_ranks=2, num_experts=16, hidden=1024,
-                       max_tokens_per_rank=256, num_topk=4, timeout=30)
-            held = []
-            for layer in range(LAYERS):
-                wl = _workload(layer)
-                x, idx, w = wl.inputs(rank)
-                tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
-                # Poison the engine's receive buffers (copy=False views of them).
-                if layer:
-                    poison = g.dispatch(tx, tidx, tw, copy=False)
-                    poison.recv_x.view(torch.int16).fill_(-1)
-                    poison.recv_topk_idx.fill_(77)
-                    poison.recv_src_idx.fill_(-5)
-                n_rank, n_expert, in_rank = g.get_dispatch_layout(tidx)
-                out = g.dispatch(tx, tidx, tw, expert_alignment=2)
-                cached = g.dispatch(tx, handle=out.handle)
-                held.append((layer, out, cached, tw))
-                res["layers"].append({
-                    "n_rank": _bits(n_rank), "n_expert": _bits(n_expert),
-                    "in_rank": _bits(in_rank), "recv_x": _bits(out.recv_x),
-                    "recv_idx": _bits(out.recv_topk_idx), "recv_w": _bits(out.recv_topk_weights),
-                    "src_idx": _bits(out.recv_src_idx), "prefix": _bits(out.rank_prefix_matrix),
-                    "counts": out.num_recv_tokens_per_expert, "cached": _bits(cached.recv_x)})
-            # Backward: combine every layer's rows in reverse, handles held all along; the
-            # outputs of the dispatches above must still hold their data (new tensors).
-            combined = {}
-            for layer, out, _cached, _tw in reversed(held):
-                assert np.array_equal(_bits(out.recv_x), res["layers"][layer]["recv_x"])
-                cx, cw = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
-                combined[layer] = (_bits(cx), _bits(cw))
-            res["combined"] = combined
-            # The host does not wait for the GPU: a layout and a combine behind 200 ms of GPU
-            # sleep return long before it ends; the results are right afterwards.
-            wl = _workload(0)
+    from epd.client import EpdError, Session
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "layers": []}
+    with Session(socket, client_name=f"so-{rank}", timeout=30) as s:
+        g = s.join("stream-ordered", rank=rank, num_ranks=2, num_experts=16, hidden=1024,
+                   max_tokens_per_rank=256, num_topk=4, timeout=30)
+        held = []
+        for layer in range(LAYERS):
+            wl = _workload(layer)
             x, idx, w = wl.inputs(rank)
             tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
-            out = g.dispatch(tx, tidx, tw)
+            # Poison the engine's receive buffers (copy=False views of them).
+            if layer:
+                poison = g.dispatch(tx, tidx, tw, copy=False)
+                poison.recv_x.view(torch.int16).fill_(-1)
+                poison.recv_topk_idx.fill_(77)
+                poison.recv_src_idx.fill_(-5)
+            n_rank, n_expert, in_rank = g.get_dispatch_layout(tidx)
+            out = g.dispatch(tx, tidx, tw, expert_alignment=2)
+            cached = g.dispatch(tx, handle=out.handle)
+            held.append((layer, out, cached, tw))
+            res["layers"].append({
+                "n_rank": _bits(n_rank), "n_expert": _bits(n_expert),
+                "in_rank": _bits(in_rank), "recv_x": _bits(out.recv_x),
+                "recv_idx": _bits(out.recv_topk_idx), "recv_w": _bits(out.recv_topk_weights),
+                "src_idx": _bits(out.recv_src_idx), "prefix": _bits(out.rank_prefix_matrix),
+                "counts": out.num_recv_tokens_per_expert, "cached": _bits(cached.recv_x)})
+        # Backward: combine every layer's rows in reverse, handles held all along; the
+        # outputs of the dispatches above must still hold their data (new tensors).
+        combined = {}
+        for layer, out, _cached, _tw in reversed(held):
+            assert np.array_equal(_bits(out.recv_x), res["layers"][layer]["recv_x"])
+            cx, cw = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+            combined[layer] = (_bits(cx), _bits(cw))
+        res["combined"] = combined
+        # The host does not wait for the GPU: a layout and a combine behind 200 ms of GPU
+        # sleep return long before it ends; the results are right afterwards.
+        wl = _workload(0)
+        x, idx, w = wl.inputs(rank)
+        tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+        out = g.dispatch(tx, tidx, tw)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(200e-3 * 1.98e9))  # ~200 ms at the H200's clock
+        t0 = time.perf_counter()
+        n_rank, _, _ = g.get_dispatch_layout(tidx)
+        cx, _ = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+        res["host_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        res["gpu_s"] = time.perf_counter() - t1
+        res["late_n_rank"], res["late_cx"] = _bits(n_rank), _bits(cx)
+        # A bad expert id on rank 1 only: its call fails (once its stream passed it); rank
+        # 0's call succeeds with the entry skipped; the group goes on.
+        bad = tidx.clone()
+        if rank == 1 and bad.shape[0]:
+            bad[0, 0] = 1000
+        try:
+            out = g.dispatch(tx, bad, tw, num_sms=2)
+            res["bad_recv_x"] = _bits(out.recv_x)
             torch.cuda.synchronize()
-            torch.cuda._sleep(int(200e-3 * 1.98e9))  # ~200 ms at the H200's clock
-            t0 = time.perf_counter()
-            n_rank, _, _ = g.get_dispatch_layout(tidx)
-            cx, _ = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
-            res["host_s"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            res["gpu_s"] = time.perf_counter() - t1
-            res["late_n_rank"], res["late_cx"] = _bits(n_rank), _bits(cx)
-            # A bad expert id on rank 1 only: its call fails (once its stream passed it); rank
-            # 0's call succeeds with the entry skipped; the group goes on.
-            bad = tidx.clone()
-            if rank == 1 and bad.shape[0]:
-                bad[0, 0] = 1000
-            try:
-                out = g.dispatch(tx, bad, tw, num_sms=2)
-                res["bad_recv_x"] = _bits(out.recv_x)
-                torch.cuda.synchronize()
-                g.check()
-                res["bad"] = "OK"
-            except EpdError as e:
-                res["bad"], res["bad_msg"] = e.code.name, e.details
-            again = g.dispatch(tx, tidx, tw, num_sms=1)
-            res["again_x"] = _bits(again.recv_x)
-        q.put(res)
-    except Exception as e:  # report to the parent, never hang it
-        import traceback
-        q.put({"rank": rank, "error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"})
+            g.check()
+            res["bad"] = "OK"
+        except EpdError as e:
+            res["bad"], res["bad_msg"] = e.code.name, e.details
+        again = g.dispatch(tx, tidx, tw, num_sms=1)
+        res["again_x"] = _bits(again.recv_x)
+    q.put(res)
 
 
 def test_stream_ordered_layers(daemon) -> None:
