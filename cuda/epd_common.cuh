@@ -116,12 +116,15 @@ __device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word,
 }
 
 // Record the first error of this rank in its control block (host reads it after the stream).
-__device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int phase, u64 seq) {
+// `with_value`: also the offending value (an expert id...), in CTRL_CALL_ERR_VALUE.
+__device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int phase, u64 seq,
+                                             bool with_value = false, i64 value = 0) {
     if (atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_ERR_CODE), 0ull,
                   (unsigned long long)code) == 0ull) {
         ctrl[CTRL_ERR_RANK] = (u64)(i64)rank;
         ctrl[CTRL_ERR_PHASE] = (u64)phase;
         ctrl[CTRL_ERR_SEQ] = seq;
+        if (with_value) ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
         __threadfence_system();
     }
 }

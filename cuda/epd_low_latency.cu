@@ -38,22 +38,23 @@
 
 // Bad input seen on the GPU (stream-ordered calls have no host check): record it here, with
 // the offending value (an expert id, or LL_ROW_OVERFLOW - row for a row past the m rows a
-// source may send, which only duplicate ids in one token cause), and abort the group in every peer at once
-// (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host writes it), since the peers have
-// already exchanged data with this rank.
+// source may send, which only duplicate ids in one token cause), and abort the group in every
+// peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host writes it), since the
+// peers have already exchanged data with this rank.
 __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank, int phase,
                                                u64 seq, i64 value) {
-    u64* ctrl = ctrl_of(peers, rank);
-    if (atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_ERR_CODE), 0ull,
-                  (unsigned long long)ERR_BAD_INPUT) == 0ull) {
-        ctrl[CTRL_ERR_RANK] = (u64)(i64)-1;
-        ctrl[CTRL_ERR_PHASE] = (u64)phase;
-        ctrl[CTRL_ERR_SEQ] = seq;
-        ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
-        __threadfence_system();
-    }
+    record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq, true, value);
     const u64 code = ((u64)(rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED;
     for (int r = 0; r < R; ++r) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
+}
+
+// Bit s: source s posted its histogram of dispatch `seq` (a source that went away before
+// posting counts 0 everywhere).
+__device__ __forceinline__ unsigned hist_posted(const u64* ctrl, int R, u64 seq) {
+    unsigned posted = 0;
+    for (int s = 0; s < R; ++s)
+        if (ld_acquire_sys(ctrl + CTRL_LL_HIST_FLAG + s) >= seq) posted |= 1u << s;
+    return posted;
 }
 
 // Block-uniform "go on?": the entry wait passed and the group has not failed. Thread 0 decides
@@ -185,12 +186,7 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         }
         const int hist_wait = !mine ? 1 : block_wait_all(my_ctrl, CTRL_LL_HIST_FLAG, R, seq,
                                                          timeout_ns, PHASE_LL_DISPATCH);
-        if (mine && threadIdx.x == 0) {
-            unsigned present = 0;
-            for (int s = 0; s < R; ++s)
-                if (ld_acquire_sys(my_ctrl + CTRL_LL_HIST_FLAG + s) >= seq) present |= 1u << s;
-            s_present = present;
-        }
+        if (mine && threadIdx.x == 0) s_present = hist_posted(my_ctrl, R, seq);
         __syncthreads();
         for (int t = t0; t < t1 && hist_wait == 0; ++t) {
             if ((int)threadIdx.x < K) {
@@ -251,12 +247,7 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     if (block_wait_all(my_ctrl, CTRL_LL_DISPATCH_FLAG, R, seq, timeout_ns, PHASE_LL_DISPATCH))
         return;
     __shared__ int s_count[LL_MAX_LOCAL_EXPERTS];
-    if (threadIdx.x == 0) {
-        unsigned present = 0;
-        for (int s = 0; s < R; ++s)
-            if (ld_acquire_sys(my_ctrl + CTRL_LL_HIST_FLAG + s) >= seq) present |= 1u << s;
-        s_present = present;
-    }
+    if (threadIdx.x == 0) s_present = hist_posted(my_ctrl, R, seq);
     __syncthreads();
     int* recv_count = reinterpret_cast<int*>(my_base + o_recv_count);
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
