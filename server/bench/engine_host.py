@@ -51,5 +51,5 @@ def means_us(before: Totals | None, after: Totals | None) -> dict[str, float | N
     for m in HOST_METRICS:
         key = m.removeprefix("epd_stream_op_").removesuffix("_seconds") + "_us"
         n = after[m][1] - before[m][1] if before and after else 0
-        out[key] = (after[m][0] - before[m][0]) / n * 1e6 if n and before and after else None
+        out[key] = (after[m][0] - before[m][0]) / n * 1e6 if n else None
     return out
