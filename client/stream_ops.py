@@ -32,7 +32,7 @@ import numpy as np
 from ..proto import abi, counter_page
 from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
-from . import cuda_ipc
+from . import cuda_ipc, ll_trigger
 from .tensors import Array
 
 if TYPE_CHECKING:
@@ -44,10 +44,12 @@ DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_REL
 
 class StreamOp:
     def __init__(self, group: Group, op_id: int, slot: int, page_device_ptr: int, kind: str,
-                 results: list[Any], template: Array) -> None:
+                 results: list[Any], template: Array,
+                 chain: tuple[int, int, float] | None = None) -> None:
         """`page_device_ptr`: the counter page as this process's streams address it (the
         session's `memory.counter_page_device_ptr()`); `results[b]`: the outputs of a trigger
-        with receive buffer b."""
+        with receive buffer b; `chain`: (chain slot, entry, deadline in seconds) when the op
+        runs on its member's GPU chain (client/ll_trigger.py)."""
         s = group._session
         self.group, self.op_id, self.kind, self.results = group, op_id, kind, results
         self._template = template
@@ -56,6 +58,11 @@ class StreamOp:
         self._words = counter_page.slot_words(s._counter_file.mm, slot).view(np.int32)
         base = page_device_ptr + slot * counter_page.SLOT_BYTES
         self._request, self._done = base + 4 * REQUEST, base + 4 * DONE
+        self._chain: tuple[int, int, float] | None = None
+        if chain is not None:
+            ring_slot, entry, timeout = chain
+            self._chain = (page_device_ptr + ring_slot * counter_page.SLOT_BYTES, entry, timeout)
+            ll_trigger.load(self._device)
         self.armed = True
 
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
@@ -75,6 +82,10 @@ class StreamOp:
         if not 0 <= buffer < len(self.results):
             raise FailedPrecondition(f"receive buffer {buffer}: this op has "
                                      f"{len(self.results)} (an engine of one buffer)")
+        if self._chain is not None:
+            ring, entry, timeout = self._chain
+            ll_trigger.trigger(h, self._device, self._done, ring, entry | buffer << 8, timeout)
+            return h
         cuda_ipc.stream_write(h, self._done, 0)
         cuda_ipc.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
         return h
@@ -119,8 +130,13 @@ def done_error(value: int, what: str) -> EpdError | None:
         return EpdError(grpc.StatusCode.UNAVAILABLE, f"{what}: the session or engine went away")
     if value & 0xFF == DONE_FAILED:
         code = value >> 8
-        reason = {1: "a peer did not arrive before the deadline", 2: "the group was aborted",
-                  4: "an expert id was out of range or never dispatched",
+        reason = {abi.ERR_DEADLINE: "a peer did not arrive before the deadline",
+                  abi.ERR_ABORTED: "the group was aborted",
+                  abi.ERR_BAD_INPUT: "an expert id was out of range or never dispatched",
+                  abi.ERR_NOT_FILLED: "its receive buffer holds another dispatch (trigger "
+                                      "the dispatch into that buffer first)",
+                  abi.ERR_RING_FULL: "the engine's chain ran no call for the whole deadline "
+                                     "(64 triggers pending)",
                   255: "the engine could not launch it (see its log)"}.get(code, f"code {code}")
         return EpdError(grpc.StatusCode.ABORTED, f"{what} failed: {reason}")
     return None

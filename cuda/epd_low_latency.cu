@@ -132,12 +132,12 @@ __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __r
 // ------------------------------------------------------------------------------------------
 // low-latency dispatch. x: [T, H] rows of `row_bytes` (16-byte multiple) at `x_stride` bytes.
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(LL_THREADS)
-epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
-                const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
-                int m, int fp8, int round_scale, const u64* __restrict__ peers,
-                i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
+__device__ __forceinline__ void
+ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
+                 const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
+                 int m, int fp8, int round_scale, const u64* __restrict__ peers,
+                 i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
+                 i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
     const int rows = R * m;  // rows per local expert in the output
     const int E = L * R;
     const i64 out_row_bytes = fp8 ? (i64)H : row_bytes;
@@ -271,15 +271,26 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         st_release_sys(ctrl_of(peers, threadIdx.x) + CTRL_LL_READY_FLAG + rank, seq);
 }
 
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
+                const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
+                int m, int fp8, int round_scale, const u64* __restrict__ peers,
+                i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
+                i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
+    ll_dispatch_body(x, x_stride, row_bytes, topk_idx, T, K, L, R, rank, H, m, fp8, round_scale,
+                     peers, o_recv_x, o_scales, o_src_rank, o_src_idx, o_src_k, o_hist,
+                     o_recv_count, o_topk, seq, timeout_ns);
+}
+
 // ------------------------------------------------------------------------------------------
 // low-latency combine, expert side: push every valid row of y [L][R*m][H] (row stride
 // `y_stride` bytes, expert stride `y_expert_stride` bytes) back to its source's comb buffer.
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(LL_THREADS)
-epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_stride,
-                    i64 row_bytes, int L, int R, int rank, int m, int K,
-                    const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                    i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
+__device__ __forceinline__ void
+ll_combine_push_body(const char* __restrict__ y, i64 y_stride, i64 y_expert_stride,
+                     i64 row_bytes, int L, int R, int rank, int m, int K,
+                     const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
+                     i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
     const int rows = R * m;
     u64* my_ctrl = ctrl_of(peers, rank);
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
@@ -322,18 +333,27 @@ epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_strid
     signal_done(peers, R, rank, CTRL_LL_COMBINE_FLAG, seq);
 }
 
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_stride,
+                    i64 row_bytes, int L, int R, int rank, int m, int K,
+                    const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
+                    i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
+    ll_combine_push_body(y, y_stride, y_expert_stride, row_bytes, L, R, rank, m, K, peers,
+                         o_src_rank, o_src_idx, o_src_k, o_recv_count, o_comb, seq, timeout_ns);
+}
+
 // ------------------------------------------------------------------------------------------
 // low-latency combine, source side: out[t] = sum over k (in order, skipping -1) of
 // w[t,k] * comb[t][k'] where k' is the dispatch position of expert topk_idx[t,k].
 // One warp per token; every block waits for every peer's push first.
 // ------------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __launch_bounds__(LL_THREADS)
-epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
-                      const i64* __restrict__ topk_idx, const float* __restrict__ w,
-                      i64 w_stride, int T, int K, int H, int R, int rank,
-                      const u64* __restrict__ peers, i64 o_comb, i64 o_topk, u64 seq,
-                      i64 timeout_ns, int L) {
+__device__ __forceinline__ void
+ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
+                       const i64* __restrict__ topk_idx, const float* __restrict__ w,
+                       i64 w_stride, int T, int K, int H, int R, int rank,
+                       const u64* __restrict__ peers, i64 o_comb, i64 o_topk, u64 seq,
+                       i64 timeout_ns, int L) {
     typedef typename Tr::word word;
     constexpr int V = Tr::kPerVec;
     u64* my_ctrl = ctrl_of(peers, rank);
@@ -402,21 +422,204 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
     signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // comb rows free for the next
 }
 
+template <typename Tr>
+__global__ void __launch_bounds__(LL_THREADS)
+epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
+                      const i64* __restrict__ topk_idx, const float* __restrict__ w,
+                      i64 w_stride, int T, int K, int H, int R, int rank,
+                      const u64* __restrict__ peers, i64 o_comb, i64 o_topk, u64 seq,
+                      i64 timeout_ns, int L) {
+    ll_combine_reduce_body<Tr>(out, out_stride, topk_idx, w, w_stride, T, K, H, R, rank, peers,
+                               o_comb, o_topk, seq, timeout_ns, L);
+}
+
 // ------------------------------------------------------------------------------------------
 // Stream-ordered calls: after an armed operation's kernels, write its done word in the
 // session's counter page (mapped host memory the client's stream waits on): 1 when the rank's
 // kernels saw no error, else 2 | code << 8.
 // ------------------------------------------------------------------------------------------
-extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int rank,
-                                           unsigned* done) {
-    if (threadIdx.x != 0) return;
+// The done word of a rank's stream-ordered op: DONE_OK, or DONE_FAILED | the first error.
+__device__ __forceinline__ unsigned stream_done_value(const u64* peers, int rank) {
     const u64* ctrl = ctrl_of(peers, rank);
     const u64 code = *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE);
     const u64 aborted = ld_acquire_sys(ctrl + CTRL_ABORT);
-    const unsigned v = (code == 0 && aborted == 0) ? DONE_OK
-                       : DONE_FAILED | ((unsigned)(code ? code : ERR_ABORTED) << DONE_CODE_SHIFT);
+    return (code == 0 && aborted == 0) ? DONE_OK
+           : DONE_FAILED | ((unsigned)(code ? code : ERR_ABORTED) << DONE_CODE_SHIFT);
+}
+
+__device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int rank,
+                                           unsigned* done) {
+    if (threadIdx.x != 0) return;
+    const unsigned v = stream_done_value(peers, rank);
     __threadfence_system();
-    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(done), "r"(v) : "memory");
+    st_release_sys_u32(done, v);
+}
+
+// ------------------------------------------------------------------------------------------
+// The chain: armed low-latency ops run without the engine's host (docs/DESIGN_NOTES.md).
+// A member's client publishes its k-th low-latency collective as ring[k % LL_RING] = entry
+// (op index | receive buffer << 8 | generation << 16) and then tail = k + 1, in the chain slot
+// of its counter page (mapped host memory). The engine keeps instances enqueued on the
+// member's chain stream: wait(tail >= k + 1), epd_ll_exec(k), epd_ll_exec_reduce(k),
+// epd_ll_exec_finish(k). The three kernels read the entry and the op's descriptor (the packed
+// arguments of its ordinary launches, written at arm time to device memory) and take the
+// collective's sequence from the member's device state, which only epd_ll_exec_finish advances,
+// so the ring order is the collective order on every rank and no host knows a sequence.
+// ------------------------------------------------------------------------------------------
+#define LL_RING 64             // ring entries (int32 words 0..63 of the chain slot)
+#define LL_RING_TAIL 64        // chain slot int32 word: entries the client published
+#define LL_RING_HEAD 65        // chain slot int32 word: entries the chain finished
+#define LL_CHAIN_OPS 64        // descriptors per member; an entry's index beyond: no op
+#define LLX_WORDS 64           // u64 words per descriptor
+#define LLX_KIND 0             // 0 free, LLX_DISPATCH, LLX_COMBINE
+#define LLX_DISPATCH 1
+#define LLX_COMBINE 2
+#define LLX_GEN 1              // generation (low 16 bits must match the entry's)
+#define LLX_DONE 2             // the op's done word (mapped host memory)
+#define LLX_STATS 3            // dispatch: cumulative int32 per-expert counts, or 0
+#define LLX_STATS_STRIDE 4     // ... its element stride
+#define LLX_SOURCE 5           // combine: its dispatch's descriptor index
+#define LLX_TRAIT 6            // combine: output element (0 bf16, 1 fp16, 2 fp32)
+#define LLX_BUFFER_STRIDE 7    // bytes between receive buffers 0 and 1
+#define LLX_STAMP 8            // [LL_BUFFERS] dispatch: sequence of its last fill of buffer b
+#define LLX_ARGS 16            // epd_ll_dispatch's / epd_ll_combine_push's arguments, in order
+#define LLX_ARGS2 40           // combine: epd_ll_combine_reduce's arguments, in order
+#define LLS_SEQ_D 0            // member state: last low-latency dispatch sequence
+#define LLS_SEQ_C 1            // last low-latency combine sequence
+#define LLS_FILLED 2           // [LL_BUFFERS] the dispatch sequence that last filled buffer b
+#define ERR_NOT_FILLED 6       // a combine whose buffer holds another dispatch (not launched)
+#define ERR_RING_FULL 7        // the client's trigger found no ring entry free in time
+
+// The chain's alternative to a stream wait on the tail: one thread spinning on it (a parked
+// stream wait on host memory is slow to wake; see docs/BENCHMARKS.md).
+extern "C" __global__ void epd_ll_gate(const unsigned* tail, unsigned want) {
+    if (threadIdx.x != 0) return;
+    const volatile unsigned* t = tail;
+    while ((int)(*t - want) < 0) __nanosleep(64);
+}
+
+// The op an entry names (null: a released entry, a freed or reused descriptor). One read of
+// the entry per block (host memory), shared: block-uniform, like everything that follows.
+__device__ __forceinline__ const u64* chain_op(const unsigned* ring, u64 k,
+                                               const u64* table, int* buffer) {
+    __shared__ unsigned s_entry;
+    if (threadIdx.x == 0) s_entry = reinterpret_cast<const volatile unsigned*>(ring)[k % LL_RING];
+    __syncthreads();
+    const unsigned e = s_entry;
+    const unsigned idx = e & 0xffu, b = (e >> 8) & 0xffu;
+    if (idx >= LL_CHAIN_OPS || b > 1) return nullptr;
+    const u64* d = table + (u64)idx * LLX_WORDS;
+    if (d[LLX_KIND] == 0 || (d[LLX_GEN] & 0xffffull) != (e >> 16)) return nullptr;
+    *buffer = (int)b;
+    return d;
+}
+
+// A combine brings back its dispatch only while buffer b still holds that dispatch's rows.
+__device__ __forceinline__ bool combine_holds(const u64* d, const u64* table, const u64* state,
+                                              int b) {
+    const u64 stamp = table[d[LLX_SOURCE] * LLX_WORDS + LLX_STAMP + b];
+    return stamp != 0 && state[LLS_FILLED + b] == stamp;
+}
+
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec(const unsigned* ring, u64 k, const u64* __restrict__ table,
+            const u64* __restrict__ state) {
+    int b = 0;
+    const u64* d = chain_op(ring, k, table, &b);
+    if (d == nullptr) return;
+    const u64* a = d + LLX_ARGS;
+    const i64 bo = (i64)b * (i64)d[LLX_BUFFER_STRIDE];
+    if (d[LLX_KIND] == LLX_DISPATCH) {
+        ll_dispatch_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2],
+                         reinterpret_cast<const i64*>(a[3]), (int)a[4], (int)a[5], (int)a[6],
+                         (int)a[7], (int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12],
+                         reinterpret_cast<const u64*>(a[13]), (i64)a[14] + bo,
+                         (i64)a[15] + bo, (i64)a[16] + bo, (i64)a[17] + bo, (i64)a[18] + bo,
+                         (i64)a[19], (i64)a[20] + bo, (i64)a[21] + bo, state[LLS_SEQ_D] + 1,
+                         (i64)a[23]);
+    } else if (d[LLX_KIND] == LLX_COMBINE && combine_holds(d, table, state, b)) {
+        ll_combine_push_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2],
+                             (i64)a[3], (int)a[4], (int)a[5], (int)a[6], (int)a[7], (int)a[8],
+                             reinterpret_cast<const u64*>(a[9]), (i64)a[10] + bo,
+                             (i64)a[11] + bo, (i64)a[12] + bo, (i64)a[13] + bo, (i64)a[14],
+                             state[LLS_SEQ_C] + 1, (i64)a[16]);
+    }
+}
+
+template <typename Tr>
+__device__ __forceinline__ void chain_reduce(const u64* a, i64 bo, u64 seq) {
+    ll_combine_reduce_body<Tr>(reinterpret_cast<typename Tr::word*>(a[0]), (i64)a[1],
+                               reinterpret_cast<const i64*>(a[2]),
+                               reinterpret_cast<const float*>(a[3]), (i64)a[4], (int)a[5],
+                               (int)a[6], (int)a[7], (int)a[8], (int)a[9],
+                               reinterpret_cast<const u64*>(a[10]), (i64)a[11],
+                               (i64)a[12] + bo, seq, (i64)a[14], (int)a[15]);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec_reduce(const unsigned* ring, u64 k, const u64* __restrict__ table,
+                   const u64* __restrict__ state) {
+    int b = 0;
+    const u64* d = chain_op(ring, k, table, &b);
+    if (d == nullptr || d[LLX_KIND] != LLX_COMBINE || !combine_holds(d, table, state, b))
+        return;
+    const i64 bo = (i64)b * (i64)d[LLX_BUFFER_STRIDE];
+    const u64 seq = state[LLS_SEQ_C] + 1;
+    switch ((int)d[LLX_TRAIT]) {
+        case 0: chain_reduce<Bf16>(d + LLX_ARGS2, bo, seq); break;
+        case 1: chain_reduce<F16>(d + LLX_ARGS2, bo, seq); break;
+        default: chain_reduce<F32>(d + LLX_ARGS2, bo, seq); break;
+    }
+}
+
+// One block: the dispatch's cumulative stats, the sequences and stamps, the op's done word,
+// then head = k + 1 (the client's trigger may reuse the entry; the engine tops the chain up).
+extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* table,
+                                              u64* state, unsigned* head) {
+    int b = 0;
+    u64* d = const_cast<u64*>(chain_op(ring, k, table, &b));
+    if (d != nullptr) {
+        const u64* a = d + LLX_ARGS;
+        const i64 bo = (i64)b * (i64)d[LLX_BUFFER_STRIDE];
+        unsigned v;
+        if (d[LLX_KIND] == LLX_DISPATCH) {
+            const u64* peers = reinterpret_cast<const u64*>(a[13]);
+            const int rank = (int)a[8];
+            int* stats = reinterpret_cast<int*>(d[LLX_STATS]);
+            if (stats != nullptr) {
+                const int* counts = reinterpret_cast<const int*>(
+                    reinterpret_cast<const char*>(peers[rank]) + (i64)a[20] + bo);
+                for (int le = threadIdx.x; le < (int)a[6]; le += blockDim.x)
+                    stats[(i64)le * (i64)d[LLX_STATS_STRIDE]] += counts[le];
+            }
+            v = stream_done_value(peers, rank);
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const u64 seq = state[LLS_SEQ_D] + 1;
+                state[LLS_SEQ_D] = seq;
+                state[LLS_FILLED + b] = seq;
+                d[LLX_STAMP + b] = seq;
+            }
+        } else if (combine_holds(d, table, state, b)) {
+            v = stream_done_value(reinterpret_cast<const u64*>(a[9]), (int)a[6]);
+            __syncthreads();
+            if (threadIdx.x == 0) state[LLS_SEQ_C] += 1;
+        } else {
+            v = DONE_FAILED | ((unsigned)ERR_NOT_FILLED << DONE_CODE_SHIFT);
+        }
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            st_release_sys_u32(reinterpret_cast<unsigned*>(d[LLX_DONE]), v);
+        }
+    }
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        st_release_sys_u32(head, (unsigned)(k + 1));
+    }
 }
 
 #ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions

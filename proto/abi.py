@@ -53,9 +53,13 @@ ERR_ABORTED = 2
 ERR_WORST_OVERFLOW = 3
 ERR_BAD_INPUT = 4  # an expert id out of range, or a combine entry never dispatched
 ERR_BAD_COUNT = 5  # a negative num_tokens_per_expert of a dispatch without top-k
+ERR_NOT_FILLED = 6  # a chained combine whose receive buffer holds another dispatch (not run)
+ERR_RING_FULL = 7  # a chained trigger found no free ring entry before its deadline
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
-               ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count"}
+               ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
+               ERR_NOT_FILLED: "the receive buffer holds another dispatch",
+               ERR_RING_FULL: "the chain's ring stayed full"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2
@@ -100,6 +104,33 @@ REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
 DONE_CODE_SHIFT = 8
+
+# -- the low-latency chain (cuda/epd_low_latency.cu, server/backends/cuda_chain.py) ------------
+# A member's chain slot: int32 ring[LL_RING] of entries (descriptor index | buffer << 8 |
+# generation << 16), then tail (published by the client's trigger kernel) and head (finished).
+LL_RING = 64
+LL_RING_TAIL = 64
+LL_RING_HEAD = 65
+LL_CHAIN_OPS = 64  # descriptors per member; an entry naming an index beyond runs nothing
+LL_ENTRY_RELEASED = 0xFF  # the entry the engine writes to drain pending instances
+LLX_WORDS = 64  # u64 words of a descriptor (device memory)
+LLX_KIND = 0
+LLX_DISPATCH = 1
+LLX_COMBINE = 2
+LLX_GEN = 1
+LLX_DONE = 2
+LLX_STATS = 3
+LLX_STATS_STRIDE = 4
+LLX_SOURCE = 5
+LLX_TRAIT = 6
+LLX_BUFFER_STRIDE = 7
+LLX_STAMP = 8
+LLX_ARGS = 16  # the op's packed kernel arguments, in the kernel's parameter order
+LLX_ARGS2 = 40
+LLS_SEQ_D = 0  # member state (device u64 words)
+LLS_SEQ_C = 1
+LLS_FILLED = 2
+LLS_WORDS = 4
 
 # -- FP8 (DeepEP's per-token, per-128-channel e4m3 with float32 scales) -------------------------
 FP8_BLOCK = 128  # channels per scale

@@ -84,6 +84,18 @@ class Config:
                 "every stream_op_poll_us)"})
     stream_op_poll_us: int = field(default=50, metadata={
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
+    ll_chain: bool = field(default=False, metadata={
+        "help": "cuda backend, experimental: run a member's armed low-latency ops on a GPU "
+                "chain (the client's trigger kernel publishes the call, kernels enqueued "
+                "ahead run it, no engine host on the call's path; slower than the poller on "
+                "the H200, docs/BENCHMARKS.md); off: the poller launches each call"})
+    ll_chain_gate: bool = field(default=False, metadata={
+        "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "
+                "instead of a GPU stream wait"})
+    ll_chain_members: int = field(default=8, metadata={
+        "help": "cuda backend: members per engine with a chain (each holds one stream "
+                "blocked in a GPU wait, i.e. one of the engine's hardware queues); later "
+                "members' ops use the poller"})
     fast_path_slots: int = field(default=16, metadata={
         "help": "fast path: requests in flight per session"})
     fast_path_slot_bytes: int = field(default=16384, metadata={

@@ -46,6 +46,7 @@ class Daemon:
         self._log = open(self.log_path, "w")  # noqa: SIM115  (lives as long as the daemon)
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.engines = engines
+        self.extra = list(extra or [])
 
     def socket(self, engine: int) -> str:
         return os.path.join(self.socket_dir, f"gpu{engine}.sock")

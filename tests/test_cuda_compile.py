@@ -37,12 +37,16 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
 
 
 @needs_nvcc
-def test_client_kernels_compile_for_sm90(tmp_path: Path) -> None:
-    """The client's copy-out kernel (client/received_rows.py, compiled by CuPy at run time)."""
-    from epd.client import received_rows
+@pytest.mark.parametrize(("module", "kernel"), [("received_rows", "epd_copy_received"),
+                                                ("ll_trigger", "epd_ll_trigger")])
+def test_client_kernels_compile_for_sm90(tmp_path: Path, module: str, kernel: str) -> None:
+    """The client's kernels (the copy-out of received rows, the chain's trigger), compiled by
+    CuPy at run time."""
+    import importlib
 
-    src = tmp_path / "received_rows.cu"
-    src.write_text(received_rows._SOURCE)
+    source = importlib.import_module(f"epd.client.{module}")._SOURCE
+    src = tmp_path / f"{module}.cu"
+    src.write_text(source)
     proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
                            str(tmp_path / "r.o")], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
@@ -50,4 +54,4 @@ def test_client_kernels_compile_for_sm90(tmp_path: Path) -> None:
     if shutil.which("cuobjdump"):
         names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / "r.o")],
                                capture_output=True, text=True, timeout=60).stdout
-        assert re.search(r"\bepd_copy_received\b", names)
+        assert re.search(rf"\b{kernel}\b", names)

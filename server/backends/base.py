@@ -366,6 +366,15 @@ class RankComm(abc.ABC):
         into receive buffer `buffer`, a combine of the dispatch that buffer holds."""
         raise self._no_stream_ops()
 
+    def open_chain(self, ring_words: Any, ring_ptr: int) -> Any:
+        """The member's low-latency chain in a counter slot (armed ops then run without the
+        engine's host; server/backends/cuda_chain.py), or None where the backend has none."""
+        return None
+
+    def close_chain(self, timeout: float) -> None:
+        """Drain and free the member's chain (no-op without one)."""
+        return None
+
     stream_ordered = False  # whether the stream_* calls below are implemented
 
     # Stream-ordered normal-mode calls (engine/stream_calls.py): the rank's stream waits on the

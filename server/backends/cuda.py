@@ -59,6 +59,7 @@ from .base import (
     Region,
     check_combine_routing,
 )
+from .cuda_chain import LowLatencyChain
 from .cuda_plan import CudaPlanner, decode_plan, membership_layout
 
 log = logging.getLogger("epd.cuda")
@@ -249,6 +250,7 @@ class CudaRankComm(RankComm):
         self._stream_issued = 0  # the latest stream-ordered call's sequence (0: none)
         self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
         self._done_slot = 0
+        self.chain: LowLatencyChain | None = None  # armed ops run by the GPU (cuda_chain.py)
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
         # The output region starts at the IPC allocation, before our heap array: translate.
@@ -384,6 +386,7 @@ class CudaRankComm(RankComm):
             raise FailedPrecondition("FP8 low-latency dispatch quantises bf16 inputs; the "
                                      f"group's dtype is {spec.x_numpy_dtype}")
         m, t = args.num_max_dispatch_tokens_per_rank, int(args.x.shape[0])
+        self._no_chain()
         with cp.cuda.Device(self.backend.device):
             idx_host = (args.topk_idx_host if args.topk_idx_host is not None
                         else cp.asnumpy(args.topk_idx))
@@ -411,6 +414,7 @@ class CudaRankComm(RankComm):
         spec, runner = self.spec, self.runner
         self._ll_layout()
         h: _LowLatencyHandle = args.handle
+        self._no_chain()
         if runner.ll_filled[h.buffer] != h.sequence:
             raise FailedPrecondition(_overwritten(h.sequence, h.buffer,
                                                   runner.ll_filled[h.buffer]))
@@ -503,6 +507,33 @@ class CudaRankComm(RankComm):
                    "it was never triggered into that buffer (trigger the dispatch first)"))
         runner.ll_combine_again(prepared.launches, buffer)
         prepared.done(runner.stream)
+
+    def _no_chain(self) -> None:
+        """A synchronous low-latency call launches from the engine's host with the host's
+        sequences, on the rank's stream: with a chain parked on the GPU, that stream can sit
+        behind the chain's pending wait in a hardware queue (seen on the H200: the call ran
+        into its deadline), so it is refused while the member's armed ops are chained."""
+        from ...proto.errors import FailedPrecondition
+        if self.chain is not None:
+            raise FailedPrecondition(
+                f"group {self.spec.name!r}: rank {self.rank} runs its armed low-latency ops on "
+                f"a GPU chain (--ll-chain); a synchronous low-latency call is refused while "
+                f"they are armed (disarm them, or use an armed op)")
+
+    def open_chain(self, ring_words: np.ndarray, ring_ptr: int) -> LowLatencyChain:
+        """The member's low-latency chain in the given counter slot (cuda_chain.py)."""
+        if self.chain is None:
+            with cp.cuda.Device(self.backend.device):
+                self.chain = LowLatencyChain(self.runner, self.backend.kernels, ring_words,
+                                             ring_ptr, self.ll_num_sms, self.stream_priority,
+                                             gate=self.backend.cfg.ll_chain_gate)
+        return self.chain
+
+    def close_chain(self, timeout: float) -> None:
+        if self.chain is not None:
+            with cp.cuda.Device(self.backend.device):
+                self.chain.close(timeout)
+            self.chain = None
 
     # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------
     def _stream_begin(self, slot: _Slot, stream_seq: int) -> None:
@@ -642,6 +673,7 @@ class CudaRankComm(RankComm):
                 else "the group was aborted")
 
     def close(self) -> None:
+        self.close_chain(self.backend.cfg.timeout_seconds)
         with cp.cuda.Device(self.backend.device):
             self.runner.stream.synchronize()
             self.runner.reset_ctrl()  # the next group at this offset starts clean

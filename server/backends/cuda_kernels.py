@@ -43,6 +43,8 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     ERROR_NAMES,
     FP8_BLOCK,
     LL_MAX_LOCAL_EXPERTS,
+    LL_RING_HEAD,
+    LL_RING_TAIL,
     LL_THREADS,
     MAX_RANKS,
     MAX_TOPK,
@@ -251,7 +253,8 @@ class Kernels:
     FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
              "epd_mask_rank",
-             "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done")
+             "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
+             "epd_ll_exec", "epd_ll_exec_reduce", "epd_ll_exec_finish", "epd_ll_gate")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
                  "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
@@ -447,6 +450,25 @@ class Kernels:
             (_I32, lay.num_local_experts)])
         return push, reduce
 
+    def chain_launches(self, ring_ptr: int, table: Any, state: Any, num_sms: int
+                       ) -> tuple[Launch, Launch, Launch]:
+        """One instance of a member's low-latency chain (cuda_chain.py): exec (a dispatch or a
+        combine's push), the combine's reduce, finish. Set CHAIN_K to k before each launch."""
+        head = ring_ptr + 4 * LL_RING_HEAD
+        exec_ = Launch(self.fn("epd_ll_exec"), num_sms, LL_THREADS, [
+            (_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr)])
+        reduce = Launch(self.fn("epd_ll_exec_reduce"), num_sms, LL_THREADS, [
+            (_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr)])
+        finish = Launch(self.fn("epd_ll_exec_finish"), 1, 256, [
+            (_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr), (_P, head)])
+        return exec_, reduce, finish
+
+    def chain_gate(self, ring_ptr: int) -> Launch:
+        """A one-thread kernel that returns once the ring's tail reaches the value at argument
+        CHAIN_K (the chain's alternative to a stream wait)."""
+        return Launch(self.fn("epd_ll_gate"), 1, 32,
+                      [(_P, ring_ptr + 4 * LL_RING_TAIL), (_U32, 0)])
+
     def stream_done_launch(self, peers: Any, rank: int, done_ptr: int) -> Launch:
         """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it."""
         return Launch(self.fn("epd_stream_done"), 1, 32,
@@ -479,6 +501,7 @@ LL_DISPATCH_BUFFER_ARGS = {14: "recv_x", 15: "scales", 16: "src_rank", 17: "src_
 LL_PUSH_BUFFER_ARGS = {10: "src_rank", 11: "src_idx", 12: "src_k", 13: "recv_count"}
 LL_REDUCE_BUFFER_ARGS = {12: "topk"}
 CALL_DONE_SEQ = 3
+CHAIN_K = 1  # argument index of k in the chain's three kernels
 
 
 class Launch:
@@ -496,6 +519,11 @@ class Launch:
 
     def set(self, index: int, value: int) -> None:
         self._vals[index].value = value
+
+    def values(self) -> list[int]:
+        """The packed arguments as 64-bit words, in the kernel's parameter order (a chain
+        descriptor holds them; negative values in two's complement)."""
+        return [int(v.value) & 0xFFFFFFFFFFFFFFFF for v in self._vals]
 
     def set_buffer(self, args: dict[int, str], layout: LowLatencyLayout, buffer: int) -> None:
         """Point a low-latency launch at receive buffer 0 or 1 (LL_*_BUFFER_ARGS)."""

@@ -11,6 +11,11 @@ op's kernels on the rank's stream without any host synchronisation, and a last k
 `done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
 `stream_op_spin_us` after the last trigger, then polls every `stream_op_poll_us`.
 
+With `--ll-chain` (experimental, off by default) a member's armed ops run on its GPU chain
+instead (server/backends/cuda_chain.py): arming writes a descriptor, the client's trigger kernel
+publishes each call in the member's ring, and this thread only keeps the chain's instances
+enqueued (`_top_up`). All of a member's armed ops take one path, fixed by its first arming.
+
 The poller launches under the session executor's operation lock (`Session.op_lock`), like any
 other operation of the session; a session's teardown releases its ops (`armed = False`) under
 that lock before anything they use is closed, so a trigger seen later launches nothing.
@@ -66,6 +71,17 @@ class StreamOp:
     dispatch_op: StreamOp | None = None  # combine: whose result it brings back
     armed: bool = field(default=True)
     latency: bool = False  # of a latency-class group: the pacer holds throughput calls for it
+    chained: Any = None  # its descriptor in the member's chain (cuda_chain.ChainOp), or None
+
+
+@dataclass
+class Chain:
+    """A member's low-latency chain (the backend's) and the counter slot of its ring."""
+
+    session: Session
+    member: GroupMember
+    chain: Any  # cuda_chain.LowLatencyChain
+    slot: int
 
 
 class StreamOps:
@@ -74,6 +90,7 @@ class StreamOps:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.ops: dict[int, StreamOp] = {}
+        self.chains: dict[int, Chain] = {}  # by id(member)
         self._next_id = 1
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -133,10 +150,21 @@ class StreamOps:
         words = page.view(np.int32)
         words[REQUEST] = 0
         words[DONE] = DONE_OK
+        chain = self._chain_for(session, member)
+        chained = None
+        if chain is not None:
+            try:
+                chained = chain.chain.add(prepared, done_ptr,
+                                          src.chained if src is not None else None)
+            except BaseException:
+                session.free_slots.append(slot)
+                raise
+            resp.chained, resp.chain_slot, resp.chain_entry = True, chain.slot, chained.entry
         with self._lock:
             op = StreamOp(self._next_id, kind, session, member, args, slot, words, prepared,
                           dispatch_op=src,
-                          latency=member.service_class == service_classes.LATENCY)
+                          latency=member.service_class == service_classes.LATENCY,
+                          chained=chained)
             self._next_id += 1
             self.ops[op.op_id] = op
         session.stream_ops[op.op_id] = op
@@ -171,13 +199,55 @@ class StreamOps:
         with op.session.op_lock, self._lock:  # never while the poller launches it
             op.armed = False
             self.ops.pop(op.op_id, None)
+            chain = self.chains.get(id(op.member))
+            if chain is not None and op.chained is not None:
+                chain.chain.remove(op.chained)
+            last = chain is not None and not any(o.member is op.member
+                                                 for o in self.ops.values())
+            if last:
+                self.chains.pop(id(op.member), None)
         op.session.stream_ops.pop(op.op_id, None)
         op.session.free_slots.append(op.slot)
+        if last:  # the member's last op: drain its chain (outside the locks: it may wait)
+            assert chain is not None
+            op.member.comm.close_chain(self.engine.config.timeout_seconds)
+            op.session.free_slots.append(chain.slot)
+
+    def _chain_for(self, session: Session, member: GroupMember) -> Chain | None:
+        """The member's chain: made with its first armed op (all of a member's armed ops run
+        on the chain or all on the poller, since the two keep their sequences apart), when
+        the engine allows one more and the session has a slot for its ring."""
+        with self._lock:
+            chain = self.chains.get(id(member))
+            if chain is not None or any(o.member is member for o in self.ops.values()):
+                return chain
+            cfg = self.engine.config
+            if (not cfg.ll_chain or len(self.chains) >= cfg.ll_chain_members
+                    or not session.free_slots):
+                return None
+        slot = session.free_slots.pop(0)
+        page = session.counter_page.slot(slot)
+        try:
+            backend_chain = member.comm.open_chain(page.view(np.int32), int(page.device_ptr))
+        except BaseException:
+            session.free_slots.append(slot)
+            raise
+        if backend_chain is None:
+            session.free_slots.append(slot)
+            return None
+        chain = Chain(session, member, backend_chain, slot)
+        with self._lock:
+            self.chains[id(member)] = chain
+        log.info("%s: group %r runs its armed low-latency ops on a GPU chain (slot %d)",
+                 session.describe(), member.spec.name, slot)
+        return chain
 
     def latency_rung(self) -> bool:
         """Whether an armed op of a latency group waits for its launch (the pacer asks)."""
         return any(op.words[REQUEST] != 0 for op in list(self.ops.values())
-                   if op.latency)
+                   if op.latency) or any(
+            c.chain.busy() for c in list(self.chains.values())
+            if c.member.service_class == service_classes.LATENCY)
 
     # -- the poller ---------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -205,10 +275,12 @@ class StreamOps:
                 self._wake.clear()
                 looked = time.perf_counter()
                 continue
-            fired = False
+            fired = self._top_up()
             start = time.perf_counter()
             gap, looked = start - looked, start  # a doorbell seen now rang at most `gap` ago
             for op in ops:
+                if op.chained is not None:
+                    continue
                 request = int(op.words[REQUEST])
                 if request != 0:
                     op.words[REQUEST] = 0
@@ -221,6 +293,26 @@ class StreamOps:
                 time.sleep(period)
             else:
                 time.sleep(0)  # spin without holding the GIL (the sessions' threads need it)
+
+    def _top_up(self) -> bool:
+        """Keep every chain's instances enqueued; count the calls the chains ran."""
+        ran = False
+        for c in list(self.chains.values()):
+            try:
+                kinds = c.chain.top_up()
+            except Exception:  # (a chain closing under it, a dead context): keep polling
+                log.exception("topping up the low-latency chain of %r failed",
+                              c.member.spec.name)
+                continue
+            for kind in kinds:
+                name = KIND_DISPATCH if kind == abi.LLX_DISPATCH else KIND_COMBINE
+                metrics.REQUESTS.labels(f"Stream{name}", "OK").inc()
+                if kind == abi.LLX_DISPATCH:
+                    c.member.dispatches += 1
+                else:
+                    c.member.combines += 1
+            ran = ran or bool(kinds)
+        return ran
 
     def _fire(self, op: StreamOp, request: int, gap: float = 0.0) -> None:
         """Launch an op whose doorbell rang with `request` (REQUEST_BUFFER0 + receive buffer),

@@ -1,0 +1,75 @@
+"""The trigger of an armed low-latency op that runs on its member's GPU chain (cuda engine;
+server/backends/cuda_chain.py): one single-thread kernel on the caller's stream.
+
+It clears the op's done word, takes the member's next ring entry (the ring, its tail and head
+are int32 words of the chain slot in the session's counter page, mapped host memory), writes
+`entry` there and publishes `tail = k + 1`; the engine's chain stream, waiting on the GPU for
+that tail, runs the op. A kernel rather than stream memory writes because k is only known on
+the GPU: a CUDA graph replays the same writes, and the same kernel reads the tail anew each
+time. The ring holds 64 entries; when the chain is that far behind, the kernel waits for the
+head (back-pressure) up to its deadline, then fails the call through the done word instead
+of overwriting an entry.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from ..proto import abi
+
+_SOURCE = rf"""
+extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsigned entry,
+                                          long long timeout_ns) {{
+    if (threadIdx.x != 0) return;
+    volatile unsigned* r = ring;
+    *reinterpret_cast<volatile unsigned*>(done) = 0u;
+    const unsigned k = r[{abi.LL_RING_TAIL}];
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    while (k - r[{abi.LL_RING_HEAD}] >= {abi.LL_RING}u) {{
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+        if ((long long)(now - start) > timeout_ns) {{
+            __threadfence_system();
+            *reinterpret_cast<volatile unsigned*>(done) =
+                {abi.DONE_FAILED}u | ({abi.ERR_RING_FULL}u << {abi.DONE_CODE_SHIFT});
+            return;
+        }}
+    }}
+    r[k % {abi.LL_RING}u] = entry;
+    __threadfence_system();
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(ring + {abi.LL_RING_TAIL}),
+                 "r"(k + 1u) : "memory");
+}}
+"""
+
+_P, _U32, _I64 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int64
+
+
+@functools.cache
+def _function(device: int) -> int:
+    """The kernel's CUfunction on `device` (compiled once per process by CuPy's NVRTC)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        fn = cupy.RawModule(code=_SOURCE).get_function("epd_ll_trigger")
+        fn.kernel  # noqa: B018  (loads the module now, not inside a capture)
+        return int(fn.kernel.ptr)
+
+
+def load(device: int) -> None:
+    """Compile and load the kernel now (at arm time: never inside a CUDA graph capture)."""
+    _function(device)
+
+
+def trigger(stream: int, device: int, done_ptr: int, ring_ptr: int, entry: int,
+            timeout: float) -> None:
+    """Enqueue the trigger on `stream` (a raw handle); pointers as this process's streams
+    address the counter page."""
+    vals = (_P(done_ptr), _P(ring_ptr), _U32(entry & 0xFFFFFFFF), _I64(int(timeout * 1e9)))
+    argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
+    import cupy
+    fn = _function(device)
+    with cupy.cuda.Device(device):
+        cupy.cuda.driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, int(stream),
+                                      ctypes.addressof(argv), 0)

@@ -1,0 +1,192 @@
+"""A group member's low-latency chain on the CUDA engine: armed ops run without the engine's
+host (cuda/epd_low_latency.cu, "The chain"; docs/DESIGN_NOTES.md).
+
+The client's trigger kernel publishes the member's k-th low-latency collective in a ring in the
+member's chain slot of the counter page (mapped host memory): `ring[k % LL_RING] = entry`, then
+`tail = k + 1`. The chain stream holds instances `wait(tail >= k + 1); exec; reduce; finish`,
+enqueued ahead of time; each reads the entry and the op's descriptor (its packed kernel
+arguments, in device memory) and takes the collective's sequence from the member's device
+state. The engine's host only keeps `DEPTH` instances enqueued ahead of the ring's head (the
+stream-op poller calls `top_up`): no host look, no interpreter and no launch between the
+client's trigger and the kernels.
+
+What the host still does: write a descriptor when an op is armed and clear it when disarmed
+(an entry carries the descriptor's generation, so a stale entry runs nothing), and drain the
+pending instances when the member's last op goes (`close`), handing the sequences back to
+the runner. Off by default (`--ll-chain`): measured on the H200 it was slower than the
+poller, and a parked chain can hold up other streams of the engine that share its hardware
+queue (docs/DESIGN_NOTES.md, "The low-latency chain, built and measured").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...proto import abi
+from ...proto.errors import ResourceExhausted
+from . import cuda_kernels as ck
+
+try:
+    import cupy as cp
+except ImportError:  # pragma: no cover - the CPU-only install never builds a chain
+    cp = None
+
+log = logging.getLogger("epd.engine")
+DEPTH = 8  # instances enqueued ahead of the head: the triggers in flight that need no host
+TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
+_lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
+
+
+@dataclass
+class ChainOp:
+    index: int  # descriptor row
+    kind: int  # abi.LLX_DISPATCH / LLX_COMBINE
+    entry: int  # index | generation << 16 (the trigger adds buffer << 8)
+
+
+class LowLatencyChain:
+    def __init__(self, runner: Any, kernels: Any, ring_words: np.ndarray, ring_ptr: int,
+                 num_sms: int, priority: int, gate: bool = False) -> None:
+        """`ring_words`: the chain slot as int32 host words; `ring_ptr`: its device address;
+        `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait."""
+        self.runner, self.words, self.ring_ptr = runner, ring_words, ring_ptr
+        self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
+        with cp.cuda.Device(runner.device_id):
+            self.table = cp.zeros((abi.LL_CHAIN_OPS, abi.LLX_WORDS), np.uint64)
+            self.state = cp.asarray(np.array(
+                [runner.seq["ll_dispatch"], runner.seq["ll_combine"], *runner.ll_filled],
+                np.uint64))
+            self.stream = cp.cuda.Stream(non_blocking=True, priority=priority)
+            self.side = cp.cuda.Stream(non_blocking=True)
+            self.launches = kernels.chain_launches(ring_ptr, self.table, self.state, num_sms)
+            self.gate = kernels.chain_gate(ring_ptr) if gate else None
+        self.words[:abi.LL_RING_HEAD + 1] = 0
+        self.ops: dict[int, ChainOp] = {}
+        self._free = list(range(abi.LL_CHAIN_OPS))
+        self._gen = [0] * abi.LL_CHAIN_OPS
+        self.enqueued = 0
+        self.seen = 0  # the head at the last top_up
+        self.closed = False
+        self._lock = threading.Lock()  # top_up (the poller) against close
+        self.top_up()
+
+    # -- descriptors (arm / disarm) -------------------------------------------------------
+    def add(self, prepared: Any, done_ptr: int, source: ChainOp | None = None) -> ChainOp:
+        """Write the descriptor of an armed op (cuda.py's _PreparedDispatch/_PreparedCombine)."""
+        if not self._free:
+            raise ResourceExhausted(f"a member's chain holds at most {abi.LL_CHAIN_OPS} ops")
+        idx = self._free.pop(0)
+        gen = self._gen[idx] = (self._gen[idx] % 0xFFFF) + 1
+        d = np.zeros(abi.LLX_WORDS, np.uint64)
+        d[abi.LLX_GEN], d[abi.LLX_DONE] = gen, done_ptr
+        d[abi.LLX_BUFFER_STRIDE] = self.runner.ll.buffer_stride
+        if source is None:  # a dispatch
+            kind, args = abi.LLX_DISPATCH, prepared.launch.values()
+            stats = prepared.stats
+            if stats is not None:
+                d[abi.LLX_STATS] = stats.data.ptr
+                d[abi.LLX_STATS_STRIDE] = stats.strides[0] // stats.itemsize
+        else:
+            kind = abi.LLX_COMBINE
+            push, reduce = prepared.launches
+            args = push.values()
+            d[abi.LLX_ARGS2:abi.LLX_ARGS2 + len(reduce.values())] = reduce.values()
+            d[abi.LLX_SOURCE] = source.index
+            d[abi.LLX_TRAIT] = TRAITS[ck._trait_for(prepared.args.x.dtype)]
+        d[abi.LLX_ARGS:abi.LLX_ARGS + len(args)] = args
+        d[abi.LLX_KIND] = kind
+        self._write(idx, d)
+        op = ChainOp(idx, kind, idx | gen << 16)
+        self.ops[idx] = op
+        return op
+
+    def remove(self, op: ChainOp) -> None:
+        """The op is disarmed: its descriptor runs nothing any more (an entry still naming it
+        finishes without touching memory), and the row can be reused with a new generation."""
+        self._write(op.index, np.zeros(abi.LLX_WORDS, np.uint64))
+        self.ops.pop(op.index, None)
+        self._free.append(op.index)
+
+    def _write(self, idx: int, words: np.ndarray) -> None:
+        with cp.cuda.Device(self.runner.device_id):
+            self.table[idx].set(words, stream=self.side)
+            self.side.synchronize()
+
+    # -- the instances --------------------------------------------------------------------
+    def _word(self, i: int) -> int:
+        return int(self.words[i]) & 0xFFFFFFFF
+
+    def top_up(self) -> list[int]:
+        """Keep DEPTH instances enqueued ahead of the head; returns the kinds of the entries
+        the chain finished since the last call (for the request counters)."""
+        with self._lock:
+            head = self._word(abi.LL_RING_HEAD)
+            done = (head - self.seen) & 0xFFFFFFFF
+            kinds = []
+            for i in range(min(done, abi.LL_RING)):
+                op = self.ops.get(self._word((self.seen + i) % abi.LL_RING) & 0xFF)
+                if op is not None:
+                    kinds.append(op.kind)
+            self.seen = head
+            if self.closed or (self.enqueued - head) & 0xFFFFFFFF >= DEPTH:
+                return kinds
+            with cp.cuda.Device(self.runner.device_id):
+                while (self.enqueued - head) & 0xFFFFFFFF < DEPTH:
+                    self._enqueue(self.enqueued)
+                    self.enqueued += 1
+            return kinds
+
+    def _enqueue(self, k: int) -> None:
+        if self.gate is not None:
+            self.gate.set(ck.CHAIN_K, (k + 1) & 0xFFFFFFFF)
+            self.gate(self.stream)
+        else:
+            from .cuda_runtime import stream_wait_geq
+            stream_wait_geq(self.stream.ptr, self.tail_ptr, (k + 1) & 0xFFFFFFFF)
+        for launch in self.launches:
+            launch.set(ck.CHAIN_K, k)
+            launch(self.stream)
+
+    def busy(self) -> bool:
+        """A trigger was published that the chain has not finished."""
+        return self._word(abi.LL_RING_TAIL) != self._word(abi.LL_RING_HEAD)
+
+    def _to_runner(self) -> None:
+        """The chain's sequences and buffer fills back to the runner (after the drain): the
+        poller's or a synchronous call's launches go on from them."""
+        with cp.cuda.Device(self.runner.device_id):
+            s = cp.asnumpy(self.state, stream=self.side)
+        self.runner.seq["ll_dispatch"], self.runner.seq["ll_combine"] = int(s[0]), int(s[1])
+        self.runner.ll_filled[:] = [int(v) for v in s[abi.LLS_FILLED:]]
+
+    # -- teardown -------------------------------------------------------------------------
+    def close(self, timeout: float) -> None:
+        """Drain: publish a released entry for every pending instance, wait for the chain to
+        pass them (the group's abort word ends a kernel stuck waiting for a peer)."""
+        with self._lock:
+            self.closed = True
+        tail = self._word(abi.LL_RING_TAIL)
+        for i in range((self.enqueued - tail) & 0xFFFFFFFF):
+            self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
+        self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
+        deadline = time.monotonic() + timeout
+        while self._word(abi.LL_RING_HEAD) != (self.enqueued & 0xFFFFFFFF):
+            if time.monotonic() > deadline:
+                log.warning("a low-latency chain did not drain within %.1f s; its buffers "
+                            "are kept until its stream is done", timeout)
+                _lingering.append(self)
+                return
+            time.sleep(0.0005)
+        self.stream.synchronize()
+        self._to_runner()  # a later chain, or a host-launched call, goes on from here
+        _prune()
+
+
+def _prune() -> None:
+    _lingering[:] = [c for c in _lingering if not c.stream.done]
