@@ -40,11 +40,22 @@ case "${1:-}" in
         pt tests/gpu/test_ll_plain.py" 2>&1 | grep -v " INFO " > "$OUT/gpu_plain_gate.txt"
     grep -E "PASSED|FAILED|passed|failed|^E  " "$OUT/gpu_plain_gate.txt" | head -8
     ;;
+  r1)  # carry [".whl"]: one-rank groups (one chain per engine: no other member's chain to
+        # share a work queue with): chain vs poller per low-latency pair, default and 32
+        # connections for the MPS server
+    for v in poller:0 chain:1; do for c in def 32; do
+      if [ "$c" = 32 ]; then export CUDA_DEVICE_MAX_CONNECTIONS=32; else unset CUDA_DEVICE_MAX_CONNECTIONS; fi
+      echo "== ${v%%:*} connections $c"
+      EPD_LL_CHAIN=${v#*:} timeout 100 python3 -P benchmarks/probe_calls.py --ranks 1 \
+          --low-latency --rows "ll plain pair,ll hook pair" --iters 100 \
+          --json "$OUT/probe_r1_${v%%:*}_conn$c.json" 2>&1 | grep "pair" | tail -2
+    done; done
+    ;;
   suite)
     timeout 560 bash -c "$(declare -f pt); pt tests/gpu --durations=20 \
         --ignore=tests/gpu/test_framework_replays_gpu.py" 2>&1 | grep -v " INFO " \
         > "$OUT/gpu_suite.txt"
     grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -40
     ;;
-  *) echo "usage: $0 chain|diag|diag2|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 chain|diag|diag2|r1|suite" >&2; exit 2 ;;
 esac
