@@ -51,11 +51,27 @@ case "${1:-}" in
           --json "$OUT/probe_r1_${v%%:*}_conn$c.json" 2>&1 | grep "pair" | tail -2
     done; done
     ;;
+  ll)  # carry [".whl"]: every low-latency GPU test (kernels, rank masking, plain/hook/graph
+       # calls, the chain, the facade, two service classes)
+    timeout 450 bash -c "$(declare -f pt); pt tests/gpu/test_rank_masking_gpu.py \
+        tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain.py \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_service_classes_gpu.py --durations=10" \
+        2>&1 | grep -v " INFO " > "$OUT/gpu_ll.txt"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_ll.txt" | head -60
+    ;;
+  mask)  # carry [".whl"]: the rank-masking GPU tests alone, with the daemon's log
+    timeout 200 bash -c "$(declare -f pt); pt -s tests/gpu/test_rank_masking_gpu.py" \
+        > "$OUT/gpu_mask.txt" 2>&1
+    grep -E "PASSED|FAILED|passed|failed|^E  " "$OUT/gpu_mask.txt" | head -12
+    grep -iE "mask|went away|deadline|abort|left" "$OUT/gpu_mask.txt" | grep -v "^E " | head -40
+    ;;
   suite)
     timeout 560 bash -c "$(declare -f pt); pt tests/gpu --durations=20 \
         --ignore=tests/gpu/test_framework_replays_gpu.py" 2>&1 | grep -v " INFO " \
         > "$OUT/gpu_suite.txt"
     grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -40
     ;;
-  *) echo "usage: $0 chain|diag|diag2|r1|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 chain|diag|diag2|r1|ll|mask|suite" >&2; exit 2 ;;
 esac
