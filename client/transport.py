@@ -21,6 +21,7 @@ from ..proto import operations
 from ..proto import ring as R
 from ..proto.errors import EpdError, ResourceExhausted, Unavailable, from_status_value
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
+from . import host_cpu
 
 MAX_MESSAGE_BYTES = 64 << 20  # gRPC messages, both directions
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -217,7 +218,13 @@ class FastPathTransport(Transport):
         return _RingCall(self, op, slot, seq, deadline)
 
     def _finish(self, call: _RingCall) -> Message | EpdError:
-        words, payload, state_addr = self.ring.slot(call.slot)
+        with host_cpu.waiting():
+            waited = self._wait(call)
+        return waited if waited is not None else self._take(call)
+
+    def _wait(self, call: _RingCall) -> EpdError | None:
+        """Until the engine answered (None), or why it never will."""
+        words, _, state_addr = self.ring.slot(call.slot)
         header = self.ring.header
         spin_until = time.perf_counter() + self.spin
         while words[R.S_STATE] != R.DONE:
@@ -236,6 +243,11 @@ class FastPathTransport(Transport):
                 self.broken = f"{call.op.name} did not complete on the fast path in time"
                 return EpdError(grpc.StatusCode.DEADLINE_EXCEEDED, self.broken)
             R.futex_wait(state_addr, R.SUBMITTED, min(left, FUTEX_WAIT_SECONDS))
+        return None
+
+    def _take(self, call: _RingCall) -> Message | EpdError:
+        """The answer in the call's slot, which goes back to the ring."""
+        words, payload, _ = self.ring.slot(call.slot)
         status = int(words[R.S_STATUS])
         n = int(words[R.S_LENGTH])
         data = bytes(payload[:n])

@@ -97,6 +97,13 @@ STREAM_OP_DETECT_SECONDS = GroupHistogram(
     buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("epd_requests", "Engine requests by method and status code",
                    ["method", "code"])
+# The engine's own CPU per request (issue 10's "host CPU per call"): thread CPU time of the work
+# (decode, checks, launches, encode), not the spinning of the thread that waits for the next one;
+# divided by epd_requests_total of the same method it is the CPU per call.
+REQUEST_CPU_SECONDS = Counter(
+    "epd_request_cpu_seconds", "Engine thread CPU time spent serving requests (the work, "
+    "without the waits between them), by method and path (fastpath, poller)",
+    ["method", "path"])
 BYTES_SENT = GroupCounter("epd_bytes_sent", "Payload bytes sent to other ranks",
                      ["group", "peer_class"])
 BYTES_RECEIVED = GroupCounter("epd_bytes_received", "Payload bytes received from other ranks",

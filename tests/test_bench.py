@@ -65,6 +65,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
                     "--timeout", "120", "-v"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
+    assert "EPD host work CPU per call" in proc.stdout
     if os.path.isdir("/dev/shm"):
         new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before
                    if n.startswith(("epd", "sem.mp", "torch"))
@@ -90,6 +91,11 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
         epd = row["results"]["epd"]
         assert epd["client_cpu_us_per_call"] is not None and epd["client_cpu_us_per_call"] > 0
         assert epd["engine_cpu_us_per_call"] is not None and epd["engine_cpu_us_per_call"] >= 0
+        # the work, without spins and waits: some, and no more than the process CPU
+        work, engine_work = (epd["client_work_cpu_us_per_call"],
+                             epd["engine_work_cpu_us_per_call"])
+        assert 0 < work <= epd["client_cpu_us_per_call"] * 1.05 + 5, (key, epd)
+        assert engine_work is not None and engine_work > 0, (key, epd)
         assert row["ratios"]["epd_over_pipeline"] is not None
         assert any(t["what"].startswith("client CPU") for t in row["targets"])
     checks = rec["correctness"]

@@ -33,6 +33,7 @@ METRICS = {
     "epd_combine_seconds": "histogram",
     "epd_layout_seconds": "histogram",
     "epd_requests_total": "counter",
+    "epd_request_cpu_seconds_total": "counter",
     "epd_paced_seconds_total": "counter",
     "epd_paced_calls_total": "counter",
     "epd_bytes_sent_total": "counter",

@@ -49,3 +49,41 @@ def test_means_between_two_readings() -> None:
     assert engine_host.means_us(after, after) == {"detect_us": None, "launch_us": None}
     assert engine_host.means_us(None, after) == {"detect_us": None, "launch_us": None}
     assert engine_host.scrape("http://127.0.0.1:9/metrics") is None  # nothing there: no figure
+
+
+WORK_TEXT = """\
+# HELP epd_request_cpu_seconds_total work
+# TYPE epd_request_cpu_seconds_total counter
+epd_request_cpu_seconds_total{method="Dispatch",path="fastpath"} 0.003
+epd_request_cpu_seconds_total{method="StreamLowLatencyDispatch",path="poller"} 0.001
+# HELP epd_requests_total requests
+# TYPE epd_requests_total counter
+epd_requests_total{method="Dispatch",code="OK"} 90.0
+epd_requests_total{method="Dispatch",code="ABORTED"} 10.0
+# HELP epd_stream_op_launch_seconds launch
+# TYPE epd_stream_op_launch_seconds histogram
+epd_stream_op_launch_seconds_count{group="dec",kind="LowLatencyDispatch"} 4.0
+epd_stream_op_launch_seconds_sum{group="dec",kind="LowLatencyDispatch"} 0.5
+"""
+
+
+def test_engine_work_cpu_per_request() -> None:
+    after = engine_host.work_totals(WORK_TEXT)
+    assert after == approx((0.004, 100.0))  # every method and path; other families ignored
+    assert engine_host.work_us((0.002, 60.0), after) == approx(50.0)  # 2 ms over 40 requests
+    assert engine_host.work_us(after, after) is None  # no request in between: no figure
+    assert engine_host.work_us(None, after) is None
+    assert engine_host.scrape_work("http://127.0.0.1:9/metrics") is None
+
+
+def test_client_wait_cpu_is_counted() -> None:
+    import time
+
+    from epd.client import host_cpu
+
+    before = host_cpu.wait_seconds()
+    with host_cpu.waiting():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.02:  # 20 ms of CPU inside the block
+            pass
+    assert host_cpu.wait_seconds() - before >= 0.019

@@ -12,6 +12,9 @@ from __future__ import annotations
 import urllib.request
 
 HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
+# The engine's work CPU (counter, all methods and paths) and its requests: their ratio over a
+# phase is the engine's CPU per call, without the waits of its threads between calls.
+WORK = ("epd_request_cpu_seconds", "epd_requests")
 Totals = dict[str, tuple[float, float]]  # metric -> (sum of seconds, count)
 SCRAPE_TIMEOUT = 5.0
 
@@ -53,3 +56,33 @@ def means_us(before: Totals | None, after: Totals | None) -> dict[str, float | N
         n = after[m][1] - before[m][1] if before and after else 0
         out[key] = (after[m][0] - before[m][0]) / n * 1e6 if n else None
     return out
+
+
+
+def work_totals(metrics_text: str) -> tuple[float, float]:
+    """(engine work CPU seconds, requests) so far: the WORK counters over all their series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(WORK, 0.0)
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name in out:
+            out[fam.name] += sum(x.value for x in fam.samples if x.name == f"{fam.name}_total")
+    return out[WORK[0]], out[WORK[1]]
+
+
+def scrape_work(metrics_url: str) -> tuple[float, float] | None:
+    """`work_totals` of the daemon's /metrics (None when it cannot be read)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=SCRAPE_TIMEOUT) as r:
+            return work_totals(r.read().decode())
+    except OSError:
+        return None
+
+
+def work_us(before: tuple[float, float] | None,
+            after: tuple[float, float] | None) -> float | None:
+    """The engine's work CPU per request between two readings, µs (None without readings or
+    requests in between)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1]) * 1e6

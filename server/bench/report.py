@@ -66,6 +66,13 @@ def fold(results: list[dict], num_ranks: int) -> list[dict]:
                                                              for rec in recs]))),
                 "engine_cpu_us_per_call": (_us(engine[0] / (calls * num_ranks)) if engine
                                            else None),
+                # issue 10's "host CPU per call": the work, without waits and spins
+                "client_work_cpu_us_per_call": _us(float(np.mean(
+                    [rec.get("client_work_cpu_s", rec["client_cpu_s"]) / calls
+                     for rec in recs]))),
+                "engine_work_cpu_us_per_call": next((rec["engine_work_us"] for rec in recs
+                                                     if rec.get("engine_work_us") is not None),
+                                                    None),
                 # armed low-latency ops only: the engine poller's detection gap and launch
                 "engine_host_us_per_op": next((rec["engine_host_us"] for rec in recs
                                                if rec.get("engine_host_us", {}).get(
@@ -169,6 +176,15 @@ def table(summary: dict) -> str:
         lines.append("\nengine host per armed op (mean µs): "
                      + "; ".join(f"{row['shape']} {row['row']}: detect {h['detect_us']:.1f}, "
                                  f"launch {h['launch_us']:.1f}" for row, h in host))
+    work = [(row, row["results"].get(EPD, {})) for row in summary["rows"]]
+    work = [(row, e) for row, e in work if e.get("client_work_cpu_us_per_call") is not None]
+    if work:  # (the targets are on the process CPU above; this is where it goes)
+        lines.append("\nEPD host work CPU per call, µs (client thread without its spins for "
+                     "replies / engine threads serving requests, without their waits): "
+                     + "; ".join(f"{row['shape']} {row['row']}: "
+                                 f"{_fmt(e.get('client_work_cpu_us_per_call'))} / "
+                                 f"{_fmt(e.get('engine_work_cpu_us_per_call'))}"
+                                 for row, e in work))
     return "\n".join(lines)
 
 

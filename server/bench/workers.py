@@ -9,8 +9,10 @@ run the very same calls (`FacadeCalls`): the facade is DeepEP's API.
 Timing of one iteration, every row and implementation: barrier across ranks (gloo, host only),
 t0, the row's calls, synchronise the device (`torch.cuda.synchronize()`; nothing on cpu), t1.
 The client CPU of a row is `time.process_time()` (all threads of this process) summed over the
-calls themselves, barrier and synchronisation excluded. Rank 0 also reads the engines' CPU
-(EPD rows) just after the barrier before the timed loop and just after the one after it.
+calls themselves, barrier and synchronisation excluded; its work CPU is the calling thread's
+CPU over the same calls without its spins for the engine's replies (`client/host_cpu.py`).
+Rank 0 also reads the engines' CPU (EPD rows) just after the barrier before the timed loop and
+just after the one after it, and the engines' work CPU per request from their metrics.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ...client import host_cpu
 from ...proto import dtypes
 from .. import reference as ref
 from . import engine_host
@@ -191,25 +194,29 @@ class Rank:
         e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
         h0 = (engine_host.scrape(p.metrics_url) if e0 is not None and p.metrics_url
               else None)
-        times, cpu, last = [], 0.0, None
+        w0 = engine_host.scrape_work(p.metrics_url) if h0 is not None else None
+        times, cpu, work, last = [], 0.0, 0.0, None
         for _ in range(p.iters):
             self.barrier()
             t0 = time.perf_counter()
-            c0 = time.process_time()
+            c0, tc0, s0 = time.process_time(), time.thread_time(), host_cpu.wait_seconds()
             last = step()
-            c1 = time.process_time()
+            c1, tc1, s1 = time.process_time(), time.thread_time(), host_cpu.wait_seconds()
             self.sync()
             t1 = time.perf_counter()
             times.append(t1 - t0)
             cpu += c1 - c0
+            work += (tc1 - tc0) - (s1 - s0)  # this thread's CPU, without its spins for replies
         self.barrier()
         e1 = cpu_seconds(engine_pids) if e0 is not None else None
         h1 = engine_host.scrape(p.metrics_url) if h0 is not None else None
+        w1 = engine_host.scrape_work(p.metrics_url) if w0 is not None else None
         calls = CALLS_PER_ITER[row] * p.iters
         rec = {"impl": impl, "shape": shape, "row": row, "times_s": times,
-               "client_cpu_s": cpu, "calls": calls,
+               "client_cpu_s": cpu, "client_work_cpu_s": work, "calls": calls,
                "engine_cpu_s": None if e0 is None or e1 is None else e1 - e0,
-               "engine_host_us": engine_host.means_us(h0, h1)}
+               "engine_host_us": engine_host.means_us(h0, h1),
+               "engine_work_us": engine_host.work_us(w0, w1)}
         self.progress(f"{shape:>2} {row:<36} {impl:<8} p50 {np.median(times) * 1e6:9.1f} us "
                       f"(rank 0)")
         return rec, last

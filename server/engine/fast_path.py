@@ -55,6 +55,7 @@ class FastPathServer:
         # the thread is about to sleep, every FLUSH_EVERY requests, at stop): one multiprocess
         # counter update costs several microseconds, a round trip's budget.
         self._counts: dict[tuple[str, str], int] = {}
+        self._cpu: dict[str, float] = {}  # thread CPU seconds of the work, by method
 
     def start(self) -> None:
         self.thread.start()
@@ -141,9 +142,13 @@ class FastPathServer:
         counts, self._counts = self._counts, {}
         for (method, code), n in counts.items():
             metrics.REQUESTS.labels(method, code).inc(n)
+        cpu, self._cpu = self._cpu, {}
+        for method, seconds in cpu.items():
+            metrics.REQUEST_CPU_SECONDS.labels(method, "fastpath").inc(seconds)
 
     def _handle(self, ring_id: int, data: bytes) -> tuple[int, bytes]:
         """One request: (status value, response or error message)."""
+        cpu0 = time.thread_time()
         entry = self._ops.get(ring_id)
         method = entry[0].name if entry is not None else "?"
         code = grpc.StatusCode.OK
@@ -179,3 +184,4 @@ class FastPathServer:
         finally:
             key = (method, code.name)
             self._counts[key] = self._counts.get(key, 0) + 1
+            self._cpu[method] = self._cpu.get(method, 0.0) + time.thread_time() - cpu0

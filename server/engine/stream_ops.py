@@ -318,7 +318,7 @@ class StreamOps:
         """Launch an op whose doorbell rang with `request` (REQUEST_BUFFER0 + receive buffer),
         seen `gap` seconds after the poller's previous look."""
         code = "OK"
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
                    else contextlib.nullcontext())
         try:
@@ -345,3 +345,5 @@ class StreamOps:
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
             metrics.REQUESTS.labels(f"Stream{op.kind}", code).inc()
+            metrics.REQUEST_CPU_SECONDS.labels(f"Stream{op.kind}", "poller").inc(
+                time.thread_time() - cpu0)
