@@ -804,6 +804,20 @@ class Group:
         resp = cast(epd_pb2.RankMaskResponse, self._session._call("RankMask", req))
         return list(resp.state)
 
+    def rejoin(self, rank: int | None = None, timeout: float | None = None) -> list[int]:
+        """Bring back a rank that went away from this shrink group (issue 11): a replacement
+        joins under the same name, rank and spec (it is still gone for its peers), then every
+        rank that takes part calls `rejoin(rank)` and the replacement calls `rejoin()`, a
+        collective: from the next collective on the replacement takes part. Returns every
+        rank's mask state. The cuda engine refuses the replacement's join."""
+        req = epd_pb2.RejoinRequest(session_id=self._session.session_id,
+                                    group_id=self.group_id,
+                                    rank=self.rank if rank is None else rank,
+                                    timeout_seconds=self._timeout(timeout))
+        resp = cast(epd_pb2.RejoinResponse, self._session._call(
+            "Rejoin", req, req.timeout_seconds + RPC_MARGIN))
+        return list(resp.state)
+
     def check(self) -> None:
         """Raise the failure the GPU reported for an earlier stream-ordered call of this rank
         (once the stream has passed it: e.g. after synchronising), if any not raised yet. Calls

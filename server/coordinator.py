@@ -92,6 +92,8 @@ class Coordinator:
                 g.formed.set()
                 self._remove(g)
             raise err
+        if g.formed.is_set() and req.rank in g.released and self._shrinks(g):
+            return self._rejoin(g, req, node)
         if req.rank in g.members:
             raise FailedPrecondition(f"rank {req.rank} of group {spec.name!r} is already "
                                      f"taken (by session {g.members[req.rank][1]})")
@@ -127,6 +129,25 @@ class Coordinator:
             group_id=g.group_id, plan=g.plan,
             rank_engines=[g.members[r][0] for r in range(spec.num_ranks)],
             rank_nodes=[g.nodes.get(r, 0) for r in range(spec.num_ranks)])
+
+    def _rejoin(self, g: GroupInstance, req: epd_pb2.RendezvousRequest,
+                node: int) -> epd_pb2.RendezvousResponse:
+        """A replacement for a rank of a shrink group that went away: it takes the rank's place
+        (still gone for its peers until the Rejoin collective brings it in)."""
+        if not self.planner.supports_rejoin:
+            raise FailedPrecondition(
+                f"rank {req.rank} of group {g.spec.name!r} went away and this backend cannot "
+                f"take a rank back into a group: a replacement joins a group of a new name")
+        self._admit(g, req)
+        g.members[req.rank] = (req.engine_index, req.session_id)
+        g.nodes[req.rank] = node
+        g.released.discard(req.rank)
+        log.warning("group %r (%s): rank %d rejoins (session %s); it takes part after the "
+                    "group's Rejoin call", g.spec.name, g.group_id, req.rank, req.session_id)
+        return epd_pb2.RendezvousResponse(
+            group_id=g.group_id, plan=g.plan,
+            rank_engines=[g.members[r][0] for r in range(g.spec.num_ranks)],
+            rank_nodes=[g.nodes.get(r, 0) for r in range(g.spec.num_ranks)])
 
     def _admit(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
         """The group's admission policy: the first member sets its owner uid; later members

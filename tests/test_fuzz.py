@@ -6,7 +6,7 @@ UnregisterRegion templates name, so their valid forms only cost a cheap re-creat
 bystander session of its own. Valid requests of every Engine operation are captured from a real
 round (layout, dispatch, combine, low-latency dispatch/combine through the client API) or built
 (GetStats, Ping, RegisterRegion, UnregisterRegion, JoinGroup, LeaveGroup, OpenFastPath,
-ArmStreamOp, DisarmStreamOp, ReleaseHandles, RankMask); each case mutates one (fields set to
+ArmStreamOp, DisarmStreamOp, ReleaseHandles, RankMask, Rejoin); each case mutates one (fields set to
 extremes, NaN/inf, other sessions' ids, unknown enums, empty or oversized repeated fields, swapped
 descriptors; bit flips, truncation, insertion, random bytes; another method's body; a wrong
 token; an unknown ring id)
@@ -75,7 +75,7 @@ RING_METHODS = list(operations.RING_METHODS)
 WEIGHT = {"Dispatch": 4, "Combine": 4, "LowLatencyDispatch": 3, "LowLatencyCombine": 3,
           "GetDispatchLayout": 2, "GetStats": 1, "Ping": 0.5, "JoinGroup": 1, "LeaveGroup": 1,
           "RegisterRegion": 1, "UnregisterRegion": 1, "OpenFastPath": 0.5, "ArmStreamOp": 1,
-          "DisarmStreamOp": 0.5, "ReleaseHandles": 0.5, "RankMask": 0.5}
+          "DisarmStreamOp": 0.5, "ReleaseHandles": 0.5, "RankMask": 0.5, "Rejoin": 0.5}
 
 H, E, K, T, NUM_MAX = 256, 8, 2, 16, 32
 VALID = [Case("fuzz-main", 1, E, H, K, (T,), seed=s, max_tokens=NUM_MAX) for s in (3, 4, 5)]
@@ -255,6 +255,8 @@ class World:
         tp["ReleaseHandles"] = epd_pb2.ReleaseHandlesRequest(
             session_id=sid, group_id=self.main.group_id, handles=[1 << 40])
         tp["RankMask"] = epd_pb2.RankMaskRequest(session_id=sid, group_id=self.main.group_id)
+        tp["Rejoin"] = epd_pb2.RejoinRequest(session_id=sid, group_id=self.main.group_id,
+                                             rank=0, timeout_seconds=1)
         self.arm_combine = epd_pb2.ArmStreamOpRequest(
             session_id=sid, group_id=self.main.group_id,
             low_latency_combine=tp["LowLatencyCombine"], dispatch_op=1)
@@ -650,7 +652,8 @@ def run_case(w: World, index: int, ctx: dict[str, Any]) -> Outcome:
 
 
 # Unmutated templates that must succeed (the others name state the engine refuses: a group the
-# session holds, a second fast path, CUDA-only calls on the cpu backend, an op never armed).
+# session holds, a second fast path, CUDA-only calls on the cpu backend, an op never armed, a
+# rejoin in a group without shrink).
 BASELINE_OK = {"GetDispatchLayout", "Dispatch", "Combine", "LowLatencyDispatch",
                "LowLatencyCombine", "GetStats", "Ping", "LeaveGroup", "UnregisterRegion",
                "ReleaseHandles", "RankMask"}
@@ -663,7 +666,7 @@ def baseline(w: World, ctx: dict[str, Any]) -> list[Outcome]:
     order = ["GetDispatchLayout", "Dispatch", "Combine", "LowLatencyDispatch",
              "LowLatencyCombine", "GetStats", "Ping", "JoinGroup", "LeaveGroup", "RegisterRegion",
              "UnregisterRegion", "OpenFastPath", "ArmStreamOp", "DisarmStreamOp",
-             "ReleaseHandles", "RankMask"]
+             "ReleaseHandles", "RankMask", "Rejoin"]
     assert sorted(order) == sorted(GRPC_METHODS)
     out = []
     for transport in ("grpc", "ring"):

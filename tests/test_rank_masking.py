@@ -356,3 +356,145 @@ def test_mask_changes_during_collectives_give_one_set_per_collective(daemon) -> 
         stop.set()
         for s in sessions:
             s.close()
+
+
+def _rejoin_all(calls: dict[int, object]) -> dict[int, object]:
+    """Run `calls[r]()` for every rank at once (a collective); results or exceptions by rank."""
+    out: dict[int, object] = {}
+
+    def run(r: int) -> None:
+        try:
+            out[r] = calls[r]()  # type: ignore[operator]
+        except Exception as e:  # returned for the caller to check
+            out[r] = e
+    threads = [threading.Thread(target=run, args=(r,)) for r in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _replace(daemon, name: str, rank: int = 2) -> tuple[Session, object]:
+    s = Session(daemon.socket(rank % daemon.engines))
+    g = s.join(name, rank=rank, num_ranks=R, num_experts=E, hidden=H, max_tokens_per_rank=M,
+               num_topk=K, low_latency_mode=True, shrink=True, timeout=20)
+    return s, g
+
+
+def test_a_replacement_rejoins_its_shrink_group(daemon) -> None:
+    """Rank 2 goes away; the others go on without it; a replacement joins under the same name,
+    rank and spec (still gone for its peers: its own calls are refused, the others go on); the
+    Rejoin collective brings it back, and every later step is exact with all three ranks."""
+    sessions = _sessions(daemon)
+    name = f"shrink-{next(_names)}"
+    replacement = None
+    try:
+        groups = _join_all(sessions, name)
+        for r, got in _steps(groups, [0, 1, 2], 0).items():
+            _check(got, 0, r, set())
+        sessions[2].close()
+        for r, got in _steps(groups, [0, 1], 1).items():
+            _check(got, 1, r, {2})
+        replacement, g2 = _replace(daemon, name)
+        assert groups[0].rank_mask() == [IN, IN, GONE]  # not back yet
+        with pytest.raises(EpdError, match="rejoins group") as e:
+            _step(g2, 2, 2)
+        assert e.value.code.name == "FAILED_PRECONDITION"
+        with pytest.raises(EpdError, match="has not gone away") as e:
+            groups[0].rejoin(1)  # (refused before it is a collective: nothing consumed)
+        assert e.value.code.name == "FAILED_PRECONDITION"
+        for r, got in _steps(groups, [0, 1], 2).items():  # meanwhile the others go on
+            _check(got, 2, r, {2})
+        groups[2] = g2
+        back = _rejoin_all({0: lambda: groups[0].rejoin(2), 1: lambda: groups[1].rejoin(2),
+                            2: lambda: g2.rejoin()})
+        assert back == {0: [IN, IN, IN], 1: [IN, IN, IN], 2: [IN, IN, IN]}, back
+        for step in (3, 4):
+            for r, got in _steps(groups, [0, 1, 2], step).items():
+                _check(got, step, r, set())
+    finally:
+        for s in [*sessions, *([replacement] if replacement else [])]:
+            s.close()
+
+
+def test_a_rejoin_nobody_completes_leaves_the_group_going(daemon) -> None:
+    """The others call Rejoin and the replacement never does (or the replacement calls and the
+    others never do): the callers fail at their deadline, and the group goes on without it."""
+    sessions = _sessions(daemon)
+    name = f"shrink-{next(_names)}"
+    replacement = None
+    try:
+        groups = _join_all(sessions, name)
+        sessions[2].close()
+        for r, got in _steps(groups, [0, 1], 0).items():
+            _check(got, 0, r, {2})
+        late = _rejoin_all({0: lambda: groups[0].rejoin(2, timeout=1),
+                            1: lambda: groups[1].rejoin(2, timeout=1)})
+        for r in (0, 1):
+            assert isinstance(late[r], EpdError) and late[r].code.name == "DEADLINE_EXCEEDED"
+            assert "did not come back" in str(late[r])
+        for r, got in _steps(groups, [0, 1], 1).items():
+            _check(got, 1, r, {2})
+        replacement, g2 = _replace(daemon, name)
+        with pytest.raises(EpdError, match="no rank called Rejoin") as e:
+            g2.rejoin(timeout=1)
+        assert e.value.code.name == "DEADLINE_EXCEEDED"
+        for r, got in _steps(groups, [0, 1], 2).items():
+            _check(got, 2, r, {2})
+        groups[2] = g2  # and it can still come back afterwards
+        back = _rejoin_all({0: lambda: groups[0].rejoin(2), 1: lambda: groups[1].rejoin(2),
+                            2: lambda: g2.rejoin()})
+        assert all(v == [IN, IN, IN] for v in back.values()), back
+        for r, got in _steps(groups, [0, 1, 2], 3).items():
+            _check(got, 3, r, set())
+    finally:
+        for s in [*sessions, *([replacement] if replacement else [])]:
+            s.close()
+
+
+def test_rejoin_needs_shrink_and_a_backend_that_takes_ranks_back() -> None:
+    """The coordinator refuses a replacement where the planner cannot take a rank back (the
+    CUDA planner), and a group joined without shrink has nothing to rejoin."""
+    import asyncio
+
+    from epd.proto.v1 import epd_pb2
+    from epd.server.backends.cuda_plan import CudaPlanner
+    from epd.server.coordinator import Coordinator
+
+    assert CudaPlanner.supports_rejoin is False
+
+    class Planner:
+        supports_rank_masking, supports_rejoin = True, False
+
+        def validate_spec(self, spec) -> None:
+            return None
+
+        def plan_group(self, group_id, spec) -> bytes:
+            return b"plan"
+
+        def mark_gone(self, plan, rank, reason) -> None:
+            return None
+
+        def free_group(self, plan) -> None:
+            return None
+
+    async def scenario() -> str:
+        c = Coordinator(Planner())  # type: ignore[arg-type]
+        spec = epd_pb2.GroupSpec(name="g", num_ranks=2, num_experts=4, hidden=128,
+                                 max_tokens_per_rank=8, num_topk=2, x_dtype=epd_pb2.BFLOAT16,
+                                 low_latency_mode=True, shrink=True)
+
+        def req(rank: int) -> epd_pb2.RendezvousRequest:
+            return epd_pb2.RendezvousRequest(spec=spec, rank=rank, session_id=f"s{rank}",
+                                             timeout_seconds=5, has_peer=True, peer_uid=1)
+        first = await asyncio.gather(c.rendezvous(req(0)), c.rendezvous(req(1)))
+        c.release(first[0].group_id, 1, "rank 1 went away")
+        try:
+            await c.rendezvous(req(1))
+        except EpdError as e:
+            return f"{e.code.name}: {e.message}"
+        return "accepted"
+
+    got = asyncio.run(scenario())
+    assert got.startswith("FAILED_PRECONDITION") and "cannot take a rank back" in got, got

@@ -658,6 +658,24 @@ class RankMaskResponse(_message.Message):
     state: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, state: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class RejoinRequest(_message.Message):
+    __slots__ = ("session_id", "group_id", "rank", "timeout_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    group_id: str
+    rank: int
+    timeout_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RejoinResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, state: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

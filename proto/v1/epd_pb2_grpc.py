@@ -479,6 +479,11 @@ class EngineStub:
                 request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskRequest.SerializeToString,
                 response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskResponse.FromString,
                 _registered_method=True)
+        self.Rejoin = channel.unary_unary(
+                '/epd.v1.Engine/Rejoin',
+                request_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RejoinRequest.SerializeToString,
+                response_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RejoinResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -587,6 +592,12 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Rejoin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -674,6 +685,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.RankMask,
                     request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskRequest.FromString,
                     response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskResponse.SerializeToString,
+            ),
+            'Rejoin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rejoin,
+                    request_deserializer=epd_dot_proto_dot_v1_dot_epd__pb2.RejoinRequest.FromString,
+                    response_serializer=epd_dot_proto_dot_v1_dot_epd__pb2.RejoinResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1135,6 +1151,33 @@ class Engine:
             '/epd.v1.Engine/RankMask',
             epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskRequest.SerializeToString,
             epd_dot_proto_dot_v1_dot_epd__pb2.RankMaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rejoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.Engine/Rejoin',
+            epd_dot_proto_dot_v1_dot_epd__pb2.RejoinRequest.SerializeToString,
+            epd_dot_proto_dot_v1_dot_epd__pb2.RejoinResponse.FromString,
             options,
             channel_credentials,
             insecure,

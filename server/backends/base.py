@@ -116,6 +116,10 @@ class GroupPlanner(abc.ABC):
         its peers' pending and later low-latency calls go on without it."""
         raise NotImplementedError
 
+    # Rejoin: a replacement may take a gone rank's place in its shrink group (RankComm.rejoin
+    # brings it in at a collective all ranks make). Backends without it refuse the join.
+    supports_rejoin: bool = False
+
     def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
         """Cluster mode, on a node other than 0: take a group planned by node 0 into this
         node's keeping (so that it outlives node 0) and return the plan this node's engines
@@ -442,6 +446,14 @@ class RankComm(abc.ABC):
         from ...proto.errors import FailedPrecondition
         raise FailedPrecondition(f"rank masking is not implemented on the {self.backend_name} "
                                  f"backend (a rank that goes away aborts the group)")
+
+    def rejoin(self, rank: int, deadline: float) -> None:
+        """The Rejoin collective for `rank` (a replacement of a rank that went away): every
+        rank that takes part and the replacement make it; from the next collective on the
+        replacement takes part."""
+        from ...proto.errors import FailedPrecondition
+        raise FailedPrecondition(f"a rank cannot come back into a group on the "
+                                 f"{self.backend_name} backend")
 
     def stop(self, reason: str) -> None:  # noqa: B027  (backends that abort need nothing)
         """This rank goes away from a shrink group: end its own pending waits (the group goes

@@ -79,9 +79,10 @@ _REASON_MAX = 1024
 _MASK_SEEN = _REASON + _REASON_MAX
 _META_BYTES = _MASK_SEEN + MAX_RANKS  # < PAGE: the slot layout is unchanged
 # H_KIND: layout is not a collective on this backend (each rank's routing alone decides it).
-DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE = 1, 2, 3, 4, 5
+DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE, REJOIN = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE: "combine",
-              LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine"}
+              LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine",
+              REJOIN: "rejoin"}
 # H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights; dispatch without top-k;
 # FP8 scales are int32 words (packed UE8M0) rather than float32
 F_FP8, F_WEIGHTS, F_NO_TOPK, F_INT32_SCALES = 1, 2, 4, 8
@@ -469,6 +470,9 @@ class CpuRankComm(RankComm):
         self._sequence = 0  # collectives this rank has started
         self._mask = np.frombuffer(self._mm, np.uint8, spec.num_ranks, _MASK)  # shrink groups
         self._stopped: str | None = None  # this rank went away (shrink groups): why
+        # A replacement taking the place of a rank that went away: it waits for the group's
+        # Rejoin collective before it takes part (its collective number comes from there).
+        self._rejoining = bool(spec.shrink and self._mask[self.rank] == self.MASK_GONE)
 
     # -- shared-memory plumbing ------------------------------------------------------------
     def _slot_array(self, rank: int, field: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -557,11 +561,16 @@ class CpuRankComm(RankComm):
 
     def _check_not_gone(self) -> None:
         """A rank masked for good (its node lost the cluster while it lived on) takes no part
-        any more: its calls fail rather than return nothing."""
+        any more: its calls fail rather than return nothing. A replacement takes part once the
+        group's Rejoin collective brought it in."""
+        if self._rejoining:
+            raise FailedPrecondition(
+                f"rank {self.rank} rejoins group {self.spec.name!r}: it takes part from the "
+                f"group's Rejoin collective on (Group.rejoin(), made by every rank)")
         if self.spec.shrink and self._mask[self.rank] == self.MASK_GONE:
             raise Aborted(f"rank {self.rank} of group {self.spec.name!r} was masked for good "
                           f"(it went away, or its node lost the cluster): it takes no part any "
-                          f"more; a replacement joins a new group")
+                          f"more; a replacement joins in its place and rejoins (Group.rejoin)")
 
     def _leave_if_gone(self, seq: int) -> None:
         """After the arrival barrier: a rank masked for good while it waited frees its slot
@@ -569,6 +578,71 @@ class CpuRankComm(RankComm):
         if self.spec.shrink and self._mask[self.rank] == self.MASK_GONE:
             self._arrive(seq, 2)
             self._check_not_gone()
+
+    # -- rejoin (a replacement for a rank that went away) ------------------------------------
+    def rejoin(self, rank: int, deadline: float) -> None:
+        """The Rejoin collective for `rank`. The ranks that take part make it as their next
+        collective n and wait there for the replacement (whose mask says gone, so no other wait
+        would); the replacement finds n in their call headers, takes its place at n - 1 (its
+        arrival word, then its mask back to taking part, so that from then on every wait
+        includes it) and arrives. If it does not come before the deadline, the others end the
+        call (DEADLINE_EXCEEDED) and the group goes on without it."""
+        if not self.spec.shrink:
+            raise FailedPrecondition(f"group {self.spec.name!r} was not joined with shrink: a "
+                                     f"rank that goes away aborts it, none comes back")
+        if rank == self.rank:
+            if not self._rejoining:
+                raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} takes part "
+                                         f"already: only a replacement rejoins")
+            seq = self._rejoin_number(deadline)
+            self._arrivals[self.rank] = 2 * seq - 2  # done with n - 1, as its peers
+            self._mask[self.rank] = self.MASK_IN
+            self._rejoining = False
+        else:
+            if self._rejoining:
+                self._check_not_gone()
+            if self._mask[rank] != self.MASK_GONE:
+                raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} has not gone "
+                                         f"away: there is nothing to rejoin")
+            seq = self._begin(deadline, "rejoin")
+        self._take_part(seq, CallHeader(REJOIN, ref=rank), lambda: None)
+        self._wait_all(2 * seq - 1, "rejoin", deadline)
+        late = 0
+        while int(self._arrivals[rank]) < 2 * seq - 1:  # (gone until it arrives: not waited for)
+            if read_abort(self._header) is not None:
+                self._wait_all(2 * seq - 1, "rejoin", deadline)  # raises the abort
+            if time.monotonic() > deadline:
+                self._arrive(seq, 2)
+                raise DeadlineExceeded(f"group {self.spec.name!r}: rank {rank} did not come "
+                                       f"back before the deadline (the group goes on without it)")
+            late += 1
+            time.sleep(20e-6 if late < 5000 else 200e-6)
+        self._agree(seq, [s for s in range(self.spec.num_ranks)
+                          if self._mask[s] != self.MASK_GONE])
+        self._arrive(seq, 2)
+
+    def _rejoin_number(self, deadline: float) -> int:
+        """The replacement: the collective number of the Rejoin call the ranks that take part
+        are making for it (a header whose rank arrived at exactly that call)."""
+        spins = 0
+        while True:
+            for s in range(self.spec.num_ranks):
+                if s == self.rank or self._mask[s] == self.MASK_GONE:
+                    continue
+                w = self._call_words(s)
+                seq = int(w[H_SEQ])
+                if (int(w[H_KIND]) == REJOIN and int(w[H_REF]) == self.rank
+                        and int(w[H_STATUS]) == ARRIVED
+                        and int(self._arrivals[s]) == 2 * seq - 1):
+                    return seq
+            reason = read_abort(self._header)
+            if reason is not None:
+                raise Aborted(f"group {self.spec.name!r} aborted: {reason}")
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"group {self.spec.name!r}: no rank called Rejoin for "
+                                       f"rank {self.rank} before the deadline")
+            spins += 1
+            time.sleep(20e-6 if spins < 5000 else 200e-6)
 
     def _call_words(self, rank: int) -> np.ndarray:
         off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _CALL
@@ -1093,6 +1167,7 @@ class CpuPlanner(GroupPlanner):
         abort_comm_file(comm_path(plan), reason)
 
     supports_rank_masking = True
+    supports_rejoin = True
 
     def mark_gone(self, plan: bytes, rank: int, reason: str) -> None:
         mark_gone_in_comm_file(comm_path(plan), rank)

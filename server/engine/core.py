@@ -85,7 +85,7 @@ class Engine(StreamCalls, DataPlane):
         "GetDispatchLayout": "layout_op", "Dispatch": "dispatch_op", "Combine": "combine_op",
         "LowLatencyDispatch": "ll_dispatch_op", "LowLatencyCombine": "ll_combine_op",
         "GetStats": "stats_op", "Ping": "ping_op", "ReleaseHandles": "release_handles_op",
-        "RankMask": "rank_mask_op"}
+        "RankMask": "rank_mask_op", "Rejoin": "rejoin_op"}
 
     def __init__(self, config: Config, index: int, backend: Backend) -> None:
         self.config = config

@@ -336,6 +336,22 @@ class DataPlane:
                     comm.set_mask(rank, comm.MASK_IN)
         return epd_pb2.RankMaskResponse(state=comm.mask_states())
 
+    def rejoin_op(self, session: Session, req: epd_pb2.RejoinRequest,
+                  path: str) -> epd_pb2.RejoinResponse:
+        """The Rejoin collective of a shrink group: a replacement for a rank that went away
+        comes back (every rank that takes part and the replacement call it)."""
+        member = self.member(session, req.group_id)
+        spec = member.spec
+        if not spec.shrink:
+            raise FailedPrecondition(f"group {spec.name!r} was not joined with shrink (rank "
+                                     f"masking): a rank that goes away aborts it")
+        if not 0 <= req.rank < spec.num_ranks:
+            raise InvalidArgument(f"rank={req.rank}: group {spec.name!r} has ranks 0.."
+                                  f"{spec.num_ranks - 1}")
+        deadline = time.monotonic() + self._timeout(req.timeout_seconds)
+        member.comm.rejoin(req.rank, deadline)
+        return epd_pb2.RejoinResponse(state=member.comm.mask_states())
+
     def release_handles_op(self, session: Session, req: epd_pb2.ReleaseHandlesRequest,
                            path: str) -> epd_pb2.ReleaseHandlesResponse:
         member = self.member(session, req.group_id)

@@ -99,12 +99,18 @@ async def _rank_mask(e: Engine, request: epd_pb2.RankMaskRequest) -> epd_pb2.Ran
     return await s.executor.run(e.operation("RankMask"), s, request, "grpc")
 
 
+async def _rejoin(e: Engine, request: epd_pb2.RejoinRequest) -> epd_pb2.RejoinResponse:
+    # A collective of the group: on the session's executor, like its low-latency calls.
+    s = e.session(request.session_id)
+    return await s.executor.run(e.operation("Rejoin"), s, request, "grpc")
+
+
 CONTROL: dict[str, Handler] = {
     "JoinGroup": _join_group, "LeaveGroup": _leave_group, "RegisterRegion": _register_region,
     "UnregisterRegion": _unregister_region, "GetStats": _get_stats,
     "OpenFastPath": _open_fast_path, "Ping": _ping, "ArmStreamOp": _arm_stream_op,
     "DisarmStreamOp": _disarm_stream_op, "ReleaseHandles": _release_handles,
-    "RankMask": _rank_mask}
+    "RankMask": _rank_mask, "Rejoin": _rejoin}
 
 
 def _collective(name: str) -> Handler:
