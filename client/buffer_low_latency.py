@@ -254,6 +254,22 @@ class LowLatencyMixin:
         for g in self._ll_groups():
             g.rank_mask(clean=True)
 
+    def low_latency_rejoin(self, rank: int | None = None, timeout: float | None = None) -> None:
+        """EPD's addition to the mask calls (CPU backend): bring back a rank that went away. A
+        replacement process makes a Buffer of the same group name and rank; its first
+        low-latency call joins its groups and is refused (FAILED_PRECONDITION: it rejoins);
+        then every rank that takes part calls `low_latency_rejoin(rank)` and the replacement
+        `low_latency_rejoin()`, a collective of each low-latency group (`Group.rejoin`); from
+        the next call on the replacement takes part."""
+        self._check_shrink()
+        groups = self._ll_groups()
+        if not groups:
+            raise FailedPrecondition("this Buffer has no low-latency group yet: a replacement's "
+                                     "first low-latency call joins them (and is refused until "
+                                     "the rejoin)")
+        for g in groups:
+            g.rejoin(rank, timeout)
+
     def _apply_pending_masks(self, g: Group) -> None:
         """A low-latency group just formed: the mask changes made before it existed."""
         for rank in sorted(self._pending_masks):

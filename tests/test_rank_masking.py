@@ -498,3 +498,50 @@ def test_rejoin_needs_shrink_and_a_backend_that_takes_ranks_back() -> None:
 
     got = asyncio.run(scenario())
     assert got.startswith("FAILED_PRECONDITION") and "cannot take a rank back" in got, got
+
+
+def test_a_replacement_rejoins_through_the_facade(daemon) -> None:
+    """DeepEP's API: three Buffers with enable_shrink; rank 2's goes away (destroy), the others
+    go on; a replacement Buffer of the same name and rank is refused at its first call, then
+    `low_latency_rejoin` on every rank brings it back and every step is exact again."""
+    name = f"facade-rejoin-{next(_names)}"
+
+    def buffer(r: int) -> Buffer:
+        return Buffer(rank=r, num_ranks=R, endpoint=daemon.socket(r % daemon.engines),
+                      low_latency_mode=True, enable_shrink=True, group_name=name, timeout=20)
+
+    def step(buf: Buffer, step: int, r: int) -> dict:
+        x, idx, w = _inputs(step, r)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        return {"count": np.asarray(count).copy(), "recv_x": np.asarray(recv).copy(),
+                "src_rank": np.asarray(handle.src_rank).copy(),
+                "src_idx": np.asarray(handle.src_idx).copy(),
+                "cx": np.asarray(cx).view(np.uint16).copy()}
+
+    bufs = _rejoin_all({r: (lambda r=r: buffer(r)) for r in range(R)})
+    try:
+        for r, got in _rejoin_all({r: (lambda r=r: step(bufs[r], 0, r))
+                                   for r in range(R)}).items():
+            _check(got, 0, r, set())
+        bufs[2].destroy()
+        for r, got in _rejoin_all({r: (lambda r=r: step(bufs[r], 1, r)) for r in (0, 1)}).items():
+            _check(got, 1, r, {2})
+        bufs[2] = buffer(2)
+        with pytest.raises(EpdError, match="rejoins group") as e:
+            step(bufs[2], 2, 2)
+        assert e.value.code.name == "FAILED_PRECONDITION"
+        back = _rejoin_all({0: lambda: bufs[0].low_latency_rejoin(2),
+                            1: lambda: bufs[1].low_latency_rejoin(2),
+                            2: lambda: bufs[2].low_latency_rejoin()})
+        assert back == {0: None, 1: None, 2: None}, back
+        mask = np.full(R, 7, np.int32)
+        bufs[0].low_latency_query_mask_buffer(mask)
+        np.testing.assert_array_equal(mask, [0, 0, 0])
+        for n in (3, 4):
+            for r, got in _rejoin_all({r: (lambda r=r, n=n: step(bufs[r], n, r))
+                                       for r in range(R)}).items():
+                _check(got, n, r, set())
+    finally:
+        for b in bufs.values():
+            b.destroy()
