@@ -25,11 +25,13 @@ def _cpu(pid: int) -> float:
     return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: int, q) -> None:
+def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: int,
+          metrics_url: str, q) -> None:
     import torch
 
-    from epd.client import Session
+    from epd.client import Session, host_cpu
     from epd.server import reference as ref
+    from epd.server.bench import engine_host
 
     dev = rank % torch.cuda.device_count()
     torch.cuda.set_device(dev)
@@ -122,21 +124,29 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                 fn()
             torch.cuda.synchronize()
             barrier.wait()
-            times = []
+            times, work = [], 0.0
             c0, e0 = time.process_time(), _cpu(engine_pid)
+            w0 = engine_host.scrape_work(metrics_url) if rank == 0 else None
             for _ in range(ns.iters):
                 barrier.wait()
                 t0 = time.perf_counter()
+                tc0, s0 = time.thread_time(), host_cpu.wait_seconds()
                 fn()
+                work += time.thread_time() - tc0 - (host_cpu.wait_seconds() - s0)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             c1, e1 = time.process_time(), _cpu(engine_pid)
+            w1 = engine_host.scrape_work(metrics_url) if rank == 0 else None
             n = ns.iters * calls.get(name, 1)
             res[name] = {"p50_us": float(np.percentile(times, 50) * 1e6),
                          "p90_us": float(np.percentile(times, 90) * 1e6),
                          "client_cpu_us_per_call": (c1 - c0) / n * 1e6,
                          # the engine serves every rank of this GPU: per call of all of them
-                         "engine_cpu_us_per_call": (e1 - e0) / (n * ns.ranks) * 1e6}
+                         "engine_cpu_us_per_call": (e1 - e0) / (n * ns.ranks) * 1e6,
+                         # the work alone: this thread without its spins for replies, and
+                         # the engine's threads serving requests (per request, rank 0 reads)
+                         "client_work_us_per_call": work / n * 1e6,
+                         "engine_work_us_per_call": engine_host.work_us(w0, w1)}
         if prof is not None:
             prof.disable()
             prof.dump_stats(os.environ["EPD_PROBE_PROFILE"])
@@ -175,7 +185,8 @@ def main() -> int:
         ctx = mp.get_context("spawn")
         barrier, q = ctx.Barrier(ns.ranks), ctx.Queue()
         procs = [ctx.Process(target=_rank, args=(r, ns, d.socket(0), barrier,
-                                                 topo.engines[0].pid, q))
+                                                 topo.engines[0].pid, d.metrics_url + "/metrics",
+                                                 q))
                  for r in range(ns.ranks)]
         for p in procs:
             p.start()
@@ -193,9 +204,12 @@ def main() -> int:
         if "phases" in name:
             print(f"  {name}: " + ", ".join(f"{k} {x:.1f}" for k, x in v.items()))
             continue
+        ew = v["engine_work_us_per_call"]
         print(f"  {name:28s} p50 {v['p50_us']:8.1f} us  p90 {v['p90_us']:8.1f} us  "
               f"client CPU {v['client_cpu_us_per_call']:6.1f} us/call  engine CPU "
-              f"{v['engine_cpu_us_per_call']:6.1f} us/call")
+              f"{v['engine_cpu_us_per_call']:6.1f} us/call  work client "
+              f"{v['client_work_us_per_call']:6.1f} / engine "
+              f"{'-' if ew is None else f'{ew:6.1f}'} us/call")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": vars(ns), "mps_mode": topo.mps_mode, "ranks": results}, f,
