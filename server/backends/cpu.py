@@ -583,10 +583,10 @@ class CpuRankComm(RankComm):
     def rejoin(self, rank: int, deadline: float) -> None:
         """The Rejoin collective for `rank`. The ranks that take part make it as their next
         collective n and wait there for the replacement (whose mask says gone, so no other wait
-        would); the replacement finds n in their call headers, takes its place at n - 1 (its
-        arrival word, then its mask back to taking part, so that from then on every wait
-        includes it) and arrives. If it does not come before the deadline, the others end the
-        call (DEADLINE_EXCEEDED) and the group goes on without it."""
+        would); the replacement, once all of them arrived, finds n in their call headers, takes
+        its place at n - 1 (its arrival word, then its mask back to taking part, so that from
+        then on every wait includes it) and arrives. If it does not come before the deadline,
+        the others end the call (DEADLINE_EXCEEDED) and the group goes on without it."""
         if not self.spec.shrink:
             raise FailedPrecondition(f"group {self.spec.name!r} was not joined with shrink: a "
                                      f"rank that goes away aborts it, none comes back")
@@ -623,24 +623,32 @@ class CpuRankComm(RankComm):
 
     def _rejoin_number(self, deadline: float) -> int:
         """The replacement: the collective number of the Rejoin call the ranks that take part
-        are making for it (a header whose rank arrived at exactly that call)."""
+        are making for it, once every one of them arrived there (a header of that call, its
+        rank's arrival word at exactly that call). Not before: a rank still on its way checks
+        that the replacement's rank is gone, which it stops being when the replacement comes
+        in."""
         spins = 0
         while True:
+            seqs = set()
             for s in range(self.spec.num_ranks):
                 if s == self.rank or self._mask[s] == self.MASK_GONE:
                     continue
                 w = self._call_words(s)
                 seq = int(w[H_SEQ])
-                if (int(w[H_KIND]) == REJOIN and int(w[H_REF]) == self.rank
+                if not (int(w[H_KIND]) == REJOIN and int(w[H_REF]) == self.rank
                         and int(w[H_STATUS]) == ARRIVED
                         and int(self._arrivals[s]) == 2 * seq - 1):
-                    return seq
+                    break
+                seqs.add(seq)
+            else:
+                if len(seqs) == 1:
+                    return seqs.pop()
             reason = read_abort(self._header)
             if reason is not None:
                 raise Aborted(f"group {self.spec.name!r} aborted: {reason}")
             if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"group {self.spec.name!r}: no rank called Rejoin for "
-                                       f"rank {self.rank} before the deadline")
+                raise DeadlineExceeded(f"group {self.spec.name!r}: not every rank called "
+                                       f"Rejoin for rank {self.rank} before the deadline")
             spins += 1
             time.sleep(20e-6 if spins < 5000 else 200e-6)
 
