@@ -126,7 +126,7 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
             barrier.wait()
             times, work = [], 0.0
             c0, e0 = time.process_time(), _cpu(engine_pid)
-            w0 = engine_host.scrape_work(metrics_url) if rank == 0 else None
+            m0 = engine_host.read(metrics_url) if rank == 0 else None
             for _ in range(ns.iters):
                 barrier.wait()
                 t0 = time.perf_counter()
@@ -136,7 +136,7 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             c1, e1 = time.process_time(), _cpu(engine_pid)
-            w1 = engine_host.scrape_work(metrics_url) if rank == 0 else None
+            m1 = engine_host.read(metrics_url) if rank == 0 else None
             n = ns.iters * calls.get(name, 1)
             res[name] = {"p50_us": float(np.percentile(times, 50) * 1e6),
                          "p90_us": float(np.percentile(times, 90) * 1e6),
@@ -146,7 +146,10 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                          # the work alone: this thread without its spins for replies, and
                          # the engine's threads serving requests (per request, rank 0 reads)
                          "client_work_us_per_call": work / n * 1e6,
-                         "engine_work_us_per_call": engine_host.work_us(w0, w1)}
+                         "engine_work_us_per_call": (
+                             engine_host.work_us(engine_host.work_totals(m0),
+                                                 engine_host.work_totals(m1))
+                             if m0 is not None and m1 is not None else None)}
         if prof is not None:
             prof.disable()
             prof.dump_stats(os.environ["EPD_PROBE_PROFILE"])

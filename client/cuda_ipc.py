@@ -15,6 +15,8 @@ array as float8_e4m3 bits. Torch tensors carry their real dtype.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -374,6 +376,30 @@ def _driver() -> Any:
         from cuda.bindings import driver
         _DRIVER.append(driver)
     return _DRIVER[0]
+
+
+@functools.cache
+def compiled_kernel(source: str, name: str, device: int) -> int:
+    """The CUfunction of kernel `name` in `source` on `device`, compiled once per process by
+    CuPy's NVRTC and loaded now (call it at set-up: never inside a CUDA graph capture or on a
+    call's hot path)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        fn = cupy.RawModule(code=source).get_function(name)
+        return int(fn.kernel.ptr)
+
+
+def launch_kernel(fn: int, grid: tuple[int, int], block: int, stream: int,
+                  args: tuple[ctypes._SimpleCData, ...], device: int) -> None:
+    """Launch `fn` on the raw `stream` with ctypes-packed arguments: one driver call, where a
+    CuPy kernel call converts every argument (µs each)."""
+    import cupy
+
+    argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(v) for v in args))
+    with cupy.cuda.Device(device):  # the function belongs to the device's primary context
+        cupy.cuda.driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, 0, int(stream),
+                                      ctypes.addressof(argv), 0)
 
 
 def stream_write(stream: int, addr: int, value: int) -> None:

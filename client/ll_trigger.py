@@ -14,9 +14,9 @@ of overwriting an entry.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 from ..proto import abi
+from .cuda_ipc import compiled_kernel, launch_kernel
 
 _SOURCE = rf"""
 extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsigned entry,
@@ -46,30 +46,15 @@ extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsign
 _P, _U32, _I64 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int64
 
 
-@functools.cache
-def _function(device: int) -> int:
-    """The kernel's CUfunction on `device` (compiled once per process by CuPy's NVRTC)."""
-    import cupy
-
-    with cupy.cuda.Device(device):
-        fn = cupy.RawModule(code=_SOURCE).get_function("epd_ll_trigger")
-        fn.kernel  # noqa: B018  (loads the module now, not inside a capture)
-        return int(fn.kernel.ptr)
-
-
 def load(device: int) -> None:
     """Compile and load the kernel now (at arm time: never inside a CUDA graph capture)."""
-    _function(device)
+    compiled_kernel(_SOURCE, "epd_ll_trigger", device)
 
 
 def trigger(stream: int, device: int, done_ptr: int, ring_ptr: int, entry: int,
             timeout: float) -> None:
     """Enqueue the trigger on `stream` (a raw handle); pointers as this process's streams
     address the counter page."""
-    vals = (_P(done_ptr), _P(ring_ptr), _U32(entry & 0xFFFFFFFF), _I64(int(timeout * 1e9)))
-    argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
-    import cupy
-    fn = _function(device)
-    with cupy.cuda.Device(device):
-        cupy.cuda.driver.launchKernel(fn, 1, 1, 1, 32, 1, 1, 0, int(stream),
-                                      ctypes.addressof(argv), 0)
+    launch_kernel(compiled_kernel(_SOURCE, "epd_ll_trigger", device), (1, 1), 32, stream,
+                  (_P(done_ptr), _P(ring_ptr), _U32(entry & 0xFFFFFFFF),
+                   _I64(int(timeout * 1e9))), device)

@@ -19,11 +19,10 @@ stream the call runs on, into tensors allocated on that stream.
 from __future__ import annotations
 
 import ctypes
-import functools
 from typing import Any
 
 from . import tensors as T
-from .cuda_ipc import data_ptr
+from .cuda_ipc import compiled_kernel, data_ptr, launch_kernel
 
 _SOURCE = r"""
 typedef long long i64;
@@ -80,20 +79,9 @@ _TARGET_BLOCKS = 264  # two waves on an H100/H200 (132 SMs); the grid is (per ex
 _P, _I64, _I32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 
-@functools.cache
-def _function(device: int) -> int:
-    """The kernel's CUfunction on `device` (compiled once per process by CuPy's NVRTC)."""
-    import cupy
-
-    with cupy.cuda.Device(device):
-        fn = cupy.RawModule(code=_SOURCE).get_function("epd_copy_received")
-        fn.kernel  # noqa: B018  (loads the module now, not on the hot path)
-        return int(fn.kernel.ptr)
-
-
 def load(device: int) -> None:
     """Compile and load the kernel now (not inside a CUDA graph capture or on the hot path)."""
-    _function(device)
+    compiled_kernel(_SOURCE, "epd_copy_received", device)
 
 
 def contiguous(x: Any) -> bool:
@@ -128,16 +116,12 @@ def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: A
     if L == 0 or rows == 0:
         return x, scales_out, out_counts, out_rank, out_idx
     S = int(scales.shape[2]) if scales is not None else 0
-    vals = [_P(data_ptr(recv_x)), _P(data_ptr(x)), _I64(rows), _I64(row_bytes // 16),
+    vals = (_P(data_ptr(recv_x)), _P(data_ptr(x)), _I64(rows), _I64(row_bytes // 16),
             _P(data_ptr(scales) if scales is not None else 0),
             _P(data_ptr(scales_out) if scales is not None else 0), _I32(S),
             _I32(1 if use_ue8m0 else 0), _P(data_ptr(counts)), _P(data_ptr(src_rank)),
             _P(data_ptr(src_idx)), _P(data_ptr(out_counts)), _P(data_ptr(out_rank)),
-            _P(data_ptr(out_idx))]
-    argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
-    import cupy
-    fn = _function(device)
-    with cupy.cuda.Device(device):  # the function belongs to the device's primary context
-        cupy.cuda.driver.launchKernel(fn, max(1, _TARGET_BLOCKS // L), L, 1, _THREADS, 1, 1, 0,
-                                      int(stream), ctypes.addressof(argv), 0)
+            _P(data_ptr(out_idx)))
+    launch_kernel(compiled_kernel(_SOURCE, "epd_copy_received", device),
+                  (max(1, _TARGET_BLOCKS // L), L), _THREADS, stream, vals, device)
     return x, scales_out, out_counts, out_rank, out_idx

@@ -125,10 +125,15 @@ class Coordinator:
         if g.aborted is not None:
             raise FailedPrecondition(f"group {spec.name!r} was aborted while forming: "
                                      f"{g.aborted}")
+        return self._placement(g)
+
+    @staticmethod
+    def _placement(g: GroupInstance) -> epd_pb2.RendezvousResponse:
+        """What a member learns of a formed group: its id, plan and where every rank is."""
+        n = g.spec.num_ranks
         return epd_pb2.RendezvousResponse(
-            group_id=g.group_id, plan=g.plan,
-            rank_engines=[g.members[r][0] for r in range(spec.num_ranks)],
-            rank_nodes=[g.nodes.get(r, 0) for r in range(spec.num_ranks)])
+            group_id=g.group_id, plan=g.plan, rank_engines=[g.members[r][0] for r in range(n)],
+            rank_nodes=[g.nodes.get(r, 0) for r in range(n)])
 
     def _rejoin(self, g: GroupInstance, req: epd_pb2.RendezvousRequest,
                 node: int) -> epd_pb2.RendezvousResponse:
@@ -144,10 +149,7 @@ class Coordinator:
         g.released.discard(req.rank)
         log.warning("group %r (%s): rank %d rejoins (session %s); it takes part after the "
                     "group's Rejoin call", g.spec.name, g.group_id, req.rank, req.session_id)
-        return epd_pb2.RendezvousResponse(
-            group_id=g.group_id, plan=g.plan,
-            rank_engines=[g.members[r][0] for r in range(g.spec.num_ranks)],
-            rank_nodes=[g.nodes.get(r, 0) for r in range(g.spec.num_ranks)])
+        return self._placement(g)
 
     def _admit(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
         """The group's admission policy: the first member sets its owner uid; later members

@@ -73,7 +73,7 @@ def test_engine_work_cpu_per_request() -> None:
     assert engine_host.work_us((0.002, 60.0), after) == approx(50.0)  # 2 ms over 40 requests
     assert engine_host.work_us(after, after) is None  # no request in between: no figure
     assert engine_host.work_us(None, after) is None
-    assert engine_host.scrape_work("http://127.0.0.1:9/metrics") is None
+    assert engine_host.read("http://127.0.0.1:9/metrics") is None
 
 
 def test_client_wait_cpu_is_counted() -> None:

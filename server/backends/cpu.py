@@ -587,10 +587,7 @@ class CpuRankComm(RankComm):
         its place at n - 1 (its arrival word, then its mask back to taking part, so that from
         then on every wait includes it) and arrives. If it does not come before the deadline,
         the others end the call (DEADLINE_EXCEEDED) and the group goes on without it."""
-        if not self.spec.shrink:
-            raise FailedPrecondition(f"group {self.spec.name!r} was not joined with shrink: a "
-                                     f"rank that goes away aborts it, none comes back")
-        if rank == self.rank:
+        if rank == self.rank:  # (the engine checked that the group shrinks)
             if not self._rejoining:
                 raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} takes part "
                                          f"already: only a replacement rejoins")

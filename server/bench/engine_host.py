@@ -37,14 +37,20 @@ def totals(metrics_text: str, group: str | None = None) -> Totals:
     return {m: (v[0], v[1]) for m, v in out.items()}
 
 
-def scrape(metrics_url: str, group: str | None = None) -> Totals | None:
-    """`totals` of the daemon's /metrics (None when it cannot be read: the figures are then
-    missing, the run goes on)."""
+def read(metrics_url: str) -> str | None:
+    """The daemon's /metrics text (None when it cannot be read: the figures are then missing,
+    the run goes on)."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=SCRAPE_TIMEOUT) as r:
-            return totals(r.read().decode(), group)
+            return r.read().decode()
     except OSError:
         return None
+
+
+def scrape(metrics_url: str, group: str | None = None) -> Totals | None:
+    """`totals` of the daemon's /metrics, or None."""
+    text = read(metrics_url)
+    return totals(text, group) if text is not None else None
 
 
 def means_us(before: Totals | None, after: Totals | None) -> dict[str, float | None]:
@@ -68,15 +74,6 @@ def work_totals(metrics_text: str) -> tuple[float, float]:
         if fam.name in out:
             out[fam.name] += sum(x.value for x in fam.samples if x.name == f"{fam.name}_total")
     return out[WORK[0]], out[WORK[1]]
-
-
-def scrape_work(metrics_url: str) -> tuple[float, float] | None:
-    """`work_totals` of the daemon's /metrics (None when it cannot be read)."""
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=SCRAPE_TIMEOUT) as r:
-            return work_totals(r.read().decode())
-    except OSError:
-        return None
 
 
 def work_us(before: tuple[float, float] | None,

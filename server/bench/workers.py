@@ -192,9 +192,7 @@ class Rank:
             self.sync()
         self.barrier()
         e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
-        h0 = (engine_host.scrape(p.metrics_url) if e0 is not None and p.metrics_url
-              else None)
-        w0 = engine_host.scrape_work(p.metrics_url) if h0 is not None else None
+        m0 = engine_host.read(p.metrics_url) if e0 is not None and p.metrics_url else None
         times, cpu, work, last = [], 0.0, 0.0, None
         for _ in range(p.iters):
             self.barrier()
@@ -209,8 +207,10 @@ class Rank:
             work += (tc1 - tc0) - (s1 - s0)  # this thread's CPU, without its spins for replies
         self.barrier()
         e1 = cpu_seconds(engine_pids) if e0 is not None else None
-        h1 = engine_host.scrape(p.metrics_url) if h0 is not None else None
-        w1 = engine_host.scrape_work(p.metrics_url) if w0 is not None else None
+        m1 = engine_host.read(p.metrics_url) if m0 is not None else None
+        h0, h1, w0, w1 = ((engine_host.totals(m0), engine_host.totals(m1),
+                           engine_host.work_totals(m0), engine_host.work_totals(m1))
+                          if m0 is not None and m1 is not None else (None,) * 4)
         calls = CALLS_PER_ITER[row] * p.iters
         rec = {"impl": impl, "shape": shape, "row": row, "times_s": times,
                "client_cpu_s": cpu, "client_work_cpu_s": work, "calls": calls,

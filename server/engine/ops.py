@@ -306,6 +306,18 @@ class DataPlane:
                                      f"masking): it takes low-latency calls only, not {what} "
                                      f"(normal mode needs every rank; as DeepEP's shrink mode)")
 
+    @staticmethod
+    def _check_shrink(spec: GroupSpec) -> None:
+        if not spec.shrink:
+            raise FailedPrecondition(f"group {spec.name!r} was not joined with shrink (rank "
+                                     f"masking; the DeepEP facade's Buffer(enable_shrink=True))")
+
+    @staticmethod
+    def _check_rank(spec: GroupSpec, rank: int, what: str) -> None:
+        if not 0 <= rank < spec.num_ranks:
+            raise InvalidArgument(f"{what}={rank}: group {spec.name!r} has ranks 0.."
+                                  f"{spec.num_ranks - 1}")
+
     def rank_mask_op(self, session: Session, req: epd_pb2.RankMaskRequest,
                      path: str) -> epd_pb2.RankMaskResponse:
         """Read, and optionally change, the mask of a shrink group (DeepEP's
@@ -313,19 +325,17 @@ class DataPlane:
         member = self.member(session, req.group_id)
         spec, comm = member.spec, member.comm
         which = req.WhichOneof("change")
-        if which is not None and not spec.shrink:
-            raise FailedPrecondition(f"group {spec.name!r} was not joined with shrink (rank "
-                                     f"masking; the DeepEP facade's Buffer(enable_shrink=True))")
+        if which is not None:
+            self._check_shrink(spec)
         if which in ("mask", "unmask"):
             rank = getattr(req, which)
-            if not 0 <= rank < spec.num_ranks:
-                raise InvalidArgument(f"{which}={rank}: group {spec.name!r} has ranks 0.."
-                                      f"{spec.num_ranks - 1}")
+            self._check_rank(spec, rank, which)
             states = comm.mask_states()
             if states[rank] == comm.MASK_GONE:
                 if which == "unmask":
                     raise FailedPrecondition(f"rank {rank} of group {spec.name!r} went away: it "
-                                             f"stays masked (a replacement joins a new group)")
+                                             f"stays masked until a replacement rejoins "
+                                             f"(Group.rejoin)")
             elif states[rank] != (want := comm.MASK_MASKED if which == "mask" else comm.MASK_IN):
                 comm.set_mask(rank, want)  # (unchanged: nothing to do, on any backend)
                 if want == comm.MASK_MASKED:
@@ -341,13 +351,8 @@ class DataPlane:
         """The Rejoin collective of a shrink group: a replacement for a rank that went away
         comes back (every rank that takes part and the replacement call it)."""
         member = self.member(session, req.group_id)
-        spec = member.spec
-        if not spec.shrink:
-            raise FailedPrecondition(f"group {spec.name!r} was not joined with shrink (rank "
-                                     f"masking): a rank that goes away aborts it")
-        if not 0 <= req.rank < spec.num_ranks:
-            raise InvalidArgument(f"rank={req.rank}: group {spec.name!r} has ranks 0.."
-                                  f"{spec.num_ranks - 1}")
+        self._check_shrink(member.spec)
+        self._check_rank(member.spec, req.rank, "rank")
         deadline = time.monotonic() + self._timeout(req.timeout_seconds)
         member.comm.rejoin(req.rank, deadline)
         return epd_pb2.RejoinResponse(state=member.comm.mask_states())

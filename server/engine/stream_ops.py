@@ -76,9 +76,9 @@ class StreamOp:
 
 @dataclass
 class Chain:
-    """A member's low-latency chain (the backend's) and the counter slot of its ring."""
+    """A member's low-latency chain (the backend's) and the session's counter slot of its
+    ring."""
 
-    session: Session
     member: GroupMember
     chain: Any  # cuda_chain.LowLatencyChain
     slot: int
@@ -91,6 +91,7 @@ class StreamOps:
         self.engine = engine
         self.ops: dict[int, StreamOp] = {}
         self.chains: dict[int, Chain] = {}  # by id(member)
+        self._cpu: dict[str, float] = {}  # the poller's launch CPU not yet in Prometheus
         self._next_id = 1
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -235,7 +236,7 @@ class StreamOps:
         if backend_chain is None:
             session.free_slots.append(slot)
             return None
-        chain = Chain(session, member, backend_chain, slot)
+        chain = Chain(member, backend_chain, slot)
         with self._lock:
             self.chains[id(member)] = chain
         log.info("%s: group %r runs its armed low-latency ops on a GPU chain (slot %d)",
@@ -262,6 +263,8 @@ class StreamOps:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=STOP_SECONDS)
+            if not self._thread.is_alive():
+                self._flush_cpu()
 
     def _poll(self) -> None:
         self.engine.backend.thread_init()
@@ -271,6 +274,7 @@ class StreamOps:
         while not self._stop:
             ops = list(self.ops.values())
             if not ops:  # nothing armed: sleep until an op is armed
+                self._flush_cpu()
                 self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 looked = time.perf_counter()
@@ -290,9 +294,17 @@ class StreamOps:
             if fired:
                 last = now
             elif now - last > spin:
+                self._flush_cpu()
                 time.sleep(period)
             else:
                 time.sleep(0)  # spin without holding the GIL (the sessions' threads need it)
+
+    def _flush_cpu(self) -> None:
+        """Add the launches' CPU to Prometheus once idle (a multiprocess counter update costs
+        several µs: not on a call's path, as the fast path's request counts)."""
+        cpu, self._cpu = self._cpu, {}
+        for method, seconds in cpu.items():
+            metrics.REQUEST_CPU_SECONDS.labels(method, "poller").inc(seconds)
 
     def _top_up(self) -> bool:
         """Keep every chain's instances enqueued; count the calls the chains ran."""
@@ -345,5 +357,5 @@ class StreamOps:
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
             metrics.REQUESTS.labels(f"Stream{op.kind}", code).inc()
-            metrics.REQUEST_CPU_SECONDS.labels(f"Stream{op.kind}", "poller").inc(
-                time.thread_time() - cpu0)
+            method = f"Stream{op.kind}"
+            self._cpu[method] = self._cpu.get(method, 0.0) + time.thread_time() - cpu0
