@@ -6,7 +6,8 @@ export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo PYTHON
 export CUPY_CACHE_DIR=/tmp/cupy_cache
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/nvshmem4py*.whl .whl/grpcio_health_checking*.whl || exit 1
+    --target /tmp/site .whl/nvshmem4py*.whl .whl/grpcio_health_checking*.whl \
+    $(ls .whl/nvidia_cuda_cccl*.whl 2>/dev/null) || exit 1  # (CCCL: cuda_remote.py's build)
 mkdir -p /tmp/pkg/epd
 for d in server proto cuda client; do ln -sfn "$PWD/$d" /tmp/pkg/epd/$d; done
 # not $PWD: the checkout's cuda/ folder would shadow the `cuda` namespace package

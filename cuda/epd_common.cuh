@@ -97,6 +97,34 @@ __device__ __forceinline__ u64* ctrl_of(const u64* peers, int r) {
     return reinterpret_cast<u64*>(peers[r]);
 }
 
+// Ranks on other nodes (built with EPD_NVSHMEM, server/backends/cuda_remote.py): the peer table
+// has 3R words, peers[r] == 0 for a rank on another node, peers[R + r] the symmetric address
+// of its buffer in this PE's heap and peers[2R + r] its PE; such a rank is reached only through
+// NVSHMEM's device API (a network on a cluster, NVLink between logical nodes of one host).
+#ifdef EPD_NVSHMEM
+__device__ __forceinline__ bool peer_remote(const u64* peers, int r) { return peers[r] == 0; }
+__device__ __forceinline__ u64 peer_sym(const u64* peers, int R, int r) { return peers[R + r]; }
+__device__ __forceinline__ int peer_pe(const u64* peers, int R, int r) {
+    return (int)peers[2 * R + r];
+}
+#else
+__device__ __forceinline__ bool peer_remote(const u64*, int) { return false; }
+#endif
+
+// Raise control word `word` of rank r's block to v (a flag, an abort code). Over NVLink, a
+// release store after this thread's writes; to another node, an NVSHMEM signal (its data
+// was completed by nvshmem_quiet or travels with the signal).
+__device__ __forceinline__ void peer_signal(const u64* peers, int R, int r, int word, u64 v) {
+#ifdef EPD_NVSHMEM
+    if (peer_remote(peers, r)) {
+        nvshmemx_signal_op(reinterpret_cast<unsigned long*>(peer_sym(peers, R, r)) + word,
+                           (unsigned long)v, NVSHMEM_SIGNAL_SET, peer_pe(peers, R, r));
+        return;
+    }
+#endif
+    st_release_sys(ctrl_of(peers, r) + word, v);
+}
+
 // Spin until flags[r] >= seq, or rank r is masked (it went away: not waited for). Returns 0, or
 // ERR_DEADLINE / ERR_ABORTED. Never traps: a trap would poison the CUDA context that every
 // client of the engine shares (docs/DESIGN_NOTES.md).
@@ -177,6 +205,9 @@ __device__ __forceinline__ bool signal_done(const u64* peers, int R, int rank, i
                                             u64 seq) {
     __shared__ bool s_last;
     u64* my_ctrl = ctrl_of(peers, rank);
+#ifdef EPD_NVSHMEM
+    nvshmem_quiet();  // every thread: its puts to other nodes delivered before the ticket
+#endif
     __threadfence_system();  // every thread: its own pushes before the ticket
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -189,8 +220,7 @@ __device__ __forceinline__ bool signal_done(const u64* peers, int R, int rank, i
         }
     }
     __syncthreads();
-    if (s_last && (int)threadIdx.x < R)
-        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
+    if (s_last && (int)threadIdx.x < R) peer_signal(peers, R, threadIdx.x, flag_base + rank, seq);
     return s_last;
 }
 
@@ -199,7 +229,7 @@ __device__ __forceinline__ bool signal_done(const u64* peers, int R, int rank, i
 __device__ __forceinline__ int entry_barrier(const u64* peers, int R, int rank, int flag_base,
                                              u64 seq, i64 timeout_ns, int phase) {
     if (blockIdx.x == 0 && (int)threadIdx.x < R)
-        st_release_sys(ctrl_of(peers, threadIdx.x) + flag_base + rank, seq);
+        peer_signal(peers, R, threadIdx.x, flag_base + rank, seq);
     return block_wait_all(ctrl_of(peers, rank), flag_base, R, seq, timeout_ns, phase);
 }
 

@@ -623,13 +623,15 @@ extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank
 
 extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 code) {
     int r = threadIdx.x;
-    if (r < R) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
+    if (r < R) peer_signal(peers, R, r, CTRL_ABORT, code);
 }
 
 // A rank of a shrink group went away: every rank's waits skip it from now on (CTRL_MASK bit).
+// Only the ranks of this node: a remote OR would need NVSHMEM's network atomics; each node's
+// engine masks its own ranks.
 extern "C" __global__ void epd_mask_rank(const u64* __restrict__ peers, int R, int gone) {
     int r = threadIdx.x;
-    if (r < R) {
+    if (r < R && !peer_remote(peers, r)) {
         atomicOr_system(reinterpret_cast<unsigned long long*>(ctrl_of(peers, r) + CTRL_MASK),
                         1ull << gone);
         __threadfence_system();

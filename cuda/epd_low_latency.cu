@@ -1,5 +1,6 @@
 // EPD low-latency (decode) kernels: DeepEP's low_latency_dispatch / low_latency_combine
-// semantics (the semantics of server/reference.py) over NVLink peer pointers.
+// semantics (the semantics of server/reference.py) over NVLink peer pointers, and with
+// EPD_NVSHMEM to ranks on other nodes through NVSHMEM's device API (see "Other nodes" below).
 //
 // Buffers (per rank, same offsets on every rank, sized for the group's max_tokens_per_rank M;
 // a call uses m <= M rows per source block):
@@ -29,6 +30,14 @@
 // A source counts where its histogram arrived; one that went away (shrink) before posting
 // sends nothing and counts 0. (A rank that leaves in the middle of a call is undefined for
 // that one call: blocks may disagree on whether its histogram arrived.)
+//
+// Other nodes (EPD_NVSHMEM; peer table in epd_common.cuh): nothing is stored through a pointer
+// to them. The histogram goes with its flag in one put-with-signal; a row is written once to
+// this rank's send_x / send_scales slot of its token and put from there to every destination
+// on another node (its source info as three int puts); a combine row is staged in send_y and
+// put. Every block quiets its puts before its ticket, so the flags the last block signals
+// arrive after the data (signal_done). Symmetric staging, not the caller's tensors, is the
+// source of every put: network transports can only send registered memory.
 #include "epd_common.cuh"
 
 #define LL_THREADS 512
@@ -45,7 +54,7 @@ __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank
                                                u64 seq, i64 value) {
     record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq, true, value);
     const u64 code = ((u64)(rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED;
-    for (int r = 0; r < R; ++r) st_release_sys(ctrl_of(peers, r) + CTRL_ABORT, code);
+    for (int r = 0; r < R; ++r) peer_signal(peers, R, r, CTRL_ABORT, code);
 }
 
 // Bit s: source s posted its histogram of dispatch `seq` (a source that went away before
@@ -137,7 +146,8 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                  const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
                  int m, int fp8, int round_scale, const u64* __restrict__ peers,
                  i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                 i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
+                 i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns,
+                 i64 o_send_x, i64 o_send_scales) {
     const int rows = R * m;  // rows per local expert in the output
     const int E = L * R;
     const i64 out_row_bytes = fp8 ? (i64)H : row_bytes;
@@ -146,9 +156,14 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     i64* my_topk = reinterpret_cast<i64*>(my_base + o_topk);
     const int* hist = reinterpret_cast<const int*>(my_base + o_hist);  // [R][E], posted here
     __shared__ int s_run[LL_MAX_LOCAL_EXPERTS * EPD_MAX_RANKS];  // this rank's rows so far, by e
-    __shared__ u64 s_dst[32];     // destination row of each k (0: not sent)
-    __shared__ u64 s_scales[32];  // its scales row (FP8)
+    __shared__ u64 s_dst[33];     // destination row of each k (0: not sent), [K]: staging
+    __shared__ u64 s_scales[33];  // its scales row (FP8)
     __shared__ int s_expert[32];  // expert of each k whose row is sent (-1: none)
+#ifdef EPD_NVSHMEM
+    __shared__ u64 s_rdst[32];    // a destination on another node: its symmetric row address
+    __shared__ u64 s_rsc[32];     // ... and scales row
+    __shared__ int s_rpe[32];     // ... and PE (-1: none)
+#endif
     __shared__ unsigned s_present;  // bit s: source s's histogram arrived
     // This block's tokens: a contiguous range, so that "rows before" is a prefix count.
     const int per = (T + (int)gridDim.x - 1) / (int)gridDim.x;
@@ -173,14 +188,27 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         }
         __syncthreads();
         if (blockIdx.x == 0) {
-            for (int r = 0; r < R; ++r) {
+            for (int r = 0; r < R; ++r) {  // (this rank's own row first: it is the put source)
+                if (peer_remote(peers, r)) continue;
                 int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(peers[r]) + o_hist) +
                            (i64)rank * E;
                 for (int e = threadIdx.x; e < E; e += blockDim.x) dst[e] = s_run[e];
             }
             __threadfence_system();
             __syncthreads();
-            if ((int)threadIdx.x < R)
+#ifdef EPD_NVSHMEM
+            for (int r = 0; r < R; ++r) {
+                if (!peer_remote(peers, r)) continue;
+                const i64 off = o_hist + (i64)rank * E * 4;
+                nvshmemx_putmem_signal_nbi_block(
+                    reinterpret_cast<void*>(peer_sym(peers, R, r) + off), my_base + off,
+                    (size_t)E * 4,
+                    reinterpret_cast<unsigned long*>(peer_sym(peers, R, r)) + CTRL_LL_HIST_FLAG +
+                        rank,
+                    (unsigned long)seq, NVSHMEM_SIGNAL_SET, peer_pe(peers, R, r));
+            }
+#endif
+            if ((int)threadIdx.x < R && !peer_remote(peers, threadIdx.x))
                 st_release_sys(ctrl_of(peers, threadIdx.x) + CTRL_LL_HIST_FLAG + rank, seq);
             for (int e = threadIdx.x; e < E; e += blockDim.x) s_run[e] = 0;  // (t0 == 0)
         }
@@ -195,6 +223,9 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                 my_topk[(i64)t * K + k] = e;
                 u64 dst = 0, dsc = 0;
                 int sent = -1;
+#ifdef EPD_NVSHMEM
+                s_rpe[k] = -1;
+#endif
                 if (e >= (i64)E || e < -1) {
                     fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq, e);
                 } else if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {
@@ -208,7 +239,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                     if (p >= rows) {  // only duplicate ids overflow m rows per source
                         fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq,
                                        LL_ROW_OVERFLOW - (i64)p);
-                    } else {
+                    } else if (!peer_remote(peers, d)) {
                         char* base = reinterpret_cast<char*>(peers[d]);
                         const i64 row = (i64)le * rows + p;
                         dst = reinterpret_cast<u64>(base + o_recv_x + row * out_row_bytes);
@@ -217,6 +248,19 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                         reinterpret_cast<int*>(base + o_src_idx)[row] = t;
                         reinterpret_cast<int*>(base + o_src_k)[row] = k;
                         sent = (int)e;
+                    } else {
+#ifdef EPD_NVSHMEM
+                        const u64 base = peer_sym(peers, R, d);
+                        const int pe = peer_pe(peers, R, d);
+                        const i64 row = (i64)le * rows + p;
+                        s_rdst[k] = base + o_recv_x + row * out_row_bytes;
+                        s_rsc[k] = base + o_scales + row * (H / FP8_BLOCK) * 4;
+                        s_rpe[k] = pe;
+                        nvshmem_int_p(reinterpret_cast<int*>(base + o_src_rank) + row, rank, pe);
+                        nvshmem_int_p(reinterpret_cast<int*>(base + o_src_idx) + row, t, pe);
+                        nvshmem_int_p(reinterpret_cast<int*>(base + o_src_k) + row, k, pe);
+                        sent = (int)e;
+#endif
                     }
                 }
                 s_dst[k] = dst;
@@ -226,19 +270,51 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
             __syncthreads();  // every k read s_run before it moves on
             if ((int)threadIdx.x < K && s_expert[threadIdx.x] >= 0)
                 atomicAdd(&s_run[s_expert[threadIdx.x]], 1);
+#ifdef EPD_NVSHMEM
+            // Destinations on other nodes: the row is written once more, to the token's
+            // staging slot (destination K), and put from there below.
+            const int KD = K + 1;
+            if (threadIdx.x == 0) {
+                bool remote = false;
+                for (int k = 0; k < K; ++k) remote |= s_rpe[k] >= 0;
+                s_dst[K] = remote ? reinterpret_cast<u64>(my_base + o_send_x + t * out_row_bytes)
+                                  : 0;
+                s_scales[K] = remote ? reinterpret_cast<u64>(my_base + o_send_scales +
+                                                             (i64)t * (H / FP8_BLOCK) * 4)
+                                     : 0;
+            }
+            __syncthreads();
+#else
+            const int KD = K;
+#endif
             const char* src = x + (i64)t * x_stride;
             if (fp8) {
                 block_quantize_scatter(reinterpret_cast<const unsigned short*>(src), s_dst,
-                                       s_scales, K, H, round_scale);
+                                       s_scales, KD, H, round_scale);
             } else {
                 const int4* s4 = reinterpret_cast<const int4*>(src);
                 const int nvec = (int)(row_bytes >> 4);
                 for (int i = threadIdx.x; i < nvec; i += blockDim.x) {
                     const int4 v = __ldg(s4 + i);
-                    for (int k = 0; k < K; ++k)
+                    for (int k = 0; k < KD; ++k)
                         if (s_dst[k]) reinterpret_cast<int4*>(s_dst[k])[i] = v;
                 }
             }
+#ifdef EPD_NVSHMEM
+            if (s_dst[K]) {
+                __syncthreads();  // the staged row is whole
+                for (int k = 0; k < K; ++k) {
+                    if (s_rpe[k] < 0) continue;
+                    nvshmemx_putmem_nbi_block(reinterpret_cast<void*>(s_rdst[k]),
+                                              reinterpret_cast<const void*>(s_dst[K]),
+                                              (size_t)out_row_bytes, s_rpe[k]);
+                    if (fp8)
+                        nvshmemx_putmem_nbi_block(reinterpret_cast<void*>(s_rsc[k]),
+                                                  reinterpret_cast<const void*>(s_scales[K]),
+                                                  (size_t)(H / FP8_BLOCK) * 4, s_rpe[k]);
+                }
+            }
+#endif
             __syncthreads();  // s_dst is rewritten for the next token
         }
     }
@@ -267,8 +343,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     }
     __threadfence_system();
     __syncthreads();
-    if ((int)threadIdx.x < R)
-        st_release_sys(ctrl_of(peers, threadIdx.x) + CTRL_LL_READY_FLAG + rank, seq);
+    if ((int)threadIdx.x < R) peer_signal(peers, R, threadIdx.x, CTRL_LL_READY_FLAG + rank, seq);
 }
 
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
@@ -276,10 +351,11 @@ epd_ll_dispatch(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                 const i64* __restrict__ topk_idx, int T, int K, int L, int R, int rank, int H,
                 int m, int fp8, int round_scale, const u64* __restrict__ peers,
                 i64 o_recv_x, i64 o_scales, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns) {
+                i64 o_hist, i64 o_recv_count, i64 o_topk, u64 seq, i64 timeout_ns,
+                i64 o_send_x, i64 o_send_scales) {
     ll_dispatch_body(x, x_stride, row_bytes, topk_idx, T, K, L, R, rank, H, m, fp8, round_scale,
                      peers, o_recv_x, o_scales, o_src_rank, o_src_idx, o_src_k, o_hist,
-                     o_recv_count, o_topk, seq, timeout_ns);
+                     o_recv_count, o_topk, seq, timeout_ns, o_send_x, o_send_scales);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -290,7 +366,7 @@ __device__ __forceinline__ void
 ll_combine_push_body(const char* __restrict__ y, i64 y_stride, i64 y_expert_stride,
                      i64 row_bytes, int L, int R, int rank, int m, int K,
                      const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                     i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
+                     i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns, i64 o_send_y) {
     const int rows = R * m;
     u64* my_ctrl = ctrl_of(peers, rank);
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
@@ -325,9 +401,20 @@ ll_combine_push_body(const char* __restrict__ y, i64 y_stride, i64 y_expert_stri
             if (s < 0 || s >= R || t < 0 || t >= m || k < 0 || k >= K) continue;
             const int4* src = reinterpret_cast<const int4*>(
                 y + (i64)lo * y_expert_stride + (i64)(j - s_pre[lo]) * y_stride);
-            int4* dst = reinterpret_cast<int4*>(reinterpret_cast<char*>(peers[s]) + o_comb +
-                                                ((i64)t * K + k) * row_bytes);
-            for (int v = threadIdx.x; v < nvec; v += blockDim.x) dst[v] = __ldg(src + v);
+            const i64 to = o_comb + ((i64)t * K + k) * row_bytes;
+            if (!peer_remote(peers, s)) {
+                int4* dst = reinterpret_cast<int4*>(reinterpret_cast<char*>(peers[s]) + to);
+                for (int v = threadIdx.x; v < nvec; v += blockDim.x) dst[v] = __ldg(src + v);
+            } else {  // (s is the same for the whole block)
+#ifdef EPD_NVSHMEM
+                int4* stage = reinterpret_cast<int4*>(const_cast<char*>(my_base) + o_send_y +
+                                                      (i64)j * row_bytes);
+                for (int v = threadIdx.x; v < nvec; v += blockDim.x) stage[v] = __ldg(src + v);
+                __syncthreads();
+                nvshmemx_putmem_nbi_block(reinterpret_cast<void*>(peer_sym(peers, R, s) + to),
+                                          stage, (size_t)row_bytes, peer_pe(peers, R, s));
+#endif
+            }
         }
     }
     signal_done(peers, R, rank, CTRL_LL_COMBINE_FLAG, seq);
@@ -337,9 +424,10 @@ extern "C" __global__ void __launch_bounds__(LL_THREADS)
 epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_stride,
                     i64 row_bytes, int L, int R, int rank, int m, int K,
                     const u64* __restrict__ peers, i64 o_src_rank, i64 o_src_idx, i64 o_src_k,
-                    i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns) {
+                    i64 o_recv_count, i64 o_comb, u64 seq, i64 timeout_ns, i64 o_send_y) {
     ll_combine_push_body(y, y_stride, y_expert_stride, row_bytes, L, R, rank, m, K, peers,
-                         o_src_rank, o_src_idx, o_src_k, o_recv_count, o_comb, seq, timeout_ns);
+                         o_src_rank, o_src_idx, o_src_k, o_recv_count, o_comb, seq, timeout_ns,
+                         o_send_y);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -540,13 +628,13 @@ epd_ll_exec(const unsigned* ring, u64 k, const u64* __restrict__ table,
                          reinterpret_cast<const u64*>(a[13]), (i64)a[14] + bo,
                          (i64)a[15] + bo, (i64)a[16] + bo, (i64)a[17] + bo, (i64)a[18] + bo,
                          (i64)a[19], (i64)a[20] + bo, (i64)a[21] + bo, state[LLS_SEQ_D] + 1,
-                         (i64)a[23]);
+                         (i64)a[23], (i64)a[24], (i64)a[25]);
     } else if (d[LLX_KIND] == LLX_COMBINE && combine_holds(d, table, state, b)) {
         ll_combine_push_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2],
                              (i64)a[3], (int)a[4], (int)a[5], (int)a[6], (int)a[7], (int)a[8],
                              reinterpret_cast<const u64*>(a[9]), (i64)a[10] + bo,
                              (i64)a[11] + bo, (i64)a[12] + bo, (i64)a[13] + bo, (i64)a[14],
-                             state[LLS_SEQ_C] + 1, (i64)a[16]);
+                             state[LLS_SEQ_C] + 1, (i64)a[16], (i64)a[17]);
     }
 }
 
@@ -629,4 +717,19 @@ template __global__ void epd_ll_combine_reduce<F16>(F16::word*, i64, const i64*,
     i64, int, int, int, int, int, const u64*, i64, i64, u64, i64, int);
 template __global__ void epd_ll_combine_reduce<F32>(F32::word*, i64, const i64*, const float*,
     i64, int, int, int, int, int, const u64*, i64, i64, u64, i64, int);
+#endif
+
+#ifdef EPD_NVSHMEM  // a linked module is searched by plain names: one per combine element type
+#define EPD_LL_REDUCE_BY_NAME(Tr)                                                              \
+    extern "C" __global__ void __launch_bounds__(LL_THREADS) epd_ll_combine_reduce_##Tr(       \
+        Tr::word* __restrict__ out, i64 out_stride, const i64* __restrict__ topk_idx,          \
+        const float* __restrict__ w, i64 w_stride, int T, int K, int H, int R, int rank,       \
+        const u64* __restrict__ peers, i64 o_comb, i64 o_topk, u64 seq, i64 timeout_ns,        \
+        int L) {                                                                               \
+        ll_combine_reduce_body<Tr>(out, out_stride, topk_idx, w, w_stride, T, K, H, R, rank,   \
+                                   peers, o_comb, o_topk, seq, timeout_ns, L);                 \
+    }
+EPD_LL_REDUCE_BY_NAME(Bf16)
+EPD_LL_REDUCE_BY_NAME(F16)
+EPD_LL_REDUCE_BY_NAME(F32)
 #endif

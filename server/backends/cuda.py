@@ -649,7 +649,11 @@ class CudaRankComm(RankComm):
         # This rank's own kernels in flight finish (or meet their deadline): stopping them
         # half-way would publish part of its rows as if complete.
         log.info("group %r: rank %d masked for its peers: %s", self.spec.name, self.rank, reason)
+        t0 = time.monotonic()
         self.runner.mask_rank(self.rank)
+        took = time.monotonic() - t0
+        if took > 0.5:  # the mask kernel waited for the GPU (docs/DESIGN_NOTES.md)
+            log.warning("group %r: masking rank %d took %.1f s", self.spec.name, self.rank, took)
 
     def abort_reason(self) -> str | None:
         if self._reason is not None:

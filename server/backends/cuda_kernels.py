@@ -141,6 +141,9 @@ class RankBufferLayout:
 class LowLatencyLayout:
     """Low-latency buffers of one group-rank (cuda/epd_low_latency.cu), at byte offsets from
     the rank's buffer base, placed from `start`. Sized for `max_tokens` rows per source.
+    `remote`: the group has ranks on other nodes, reached through NVSHMEM puts, whose sources
+    are staging areas of this buffer (send_x, send_scales: a dispatch row per token; send_y:
+    a combine row per received row), as big again as one receive buffer.
 
     Two receive buffers (DeepEP's double buffer), so that two micro-batches can be in flight
     (D0 D1 C0 C1): what a dispatch fills and its combine reads back (`PER_BUFFER`) exists twice,
@@ -162,7 +165,8 @@ class LowLatencyLayout:
 
     @classmethod
     def build(cls, start: int, *, num_ranks: int, num_local_experts: int, hidden: int,
-              num_topk: int, max_tokens: int, itemsize: int) -> LowLatencyLayout:
+              num_topk: int, max_tokens: int, itemsize: int,
+              remote: bool = False) -> LowLatencyLayout:
         r, lx, h, k, m = num_ranks, num_local_experts, hidden, num_topk, max_tokens
         if lx > LL_MAX_LOCAL_EXPERTS:
             raise ValueError(f"low-latency mode supports at most {LL_MAX_LOCAL_EXPERTS} local "
@@ -181,7 +185,12 @@ class LowLatencyLayout:
             cur += _align(max(per_buffer[name], 16))
         stride = cur - first
         cur += stride  # buffer 1
-        for name, size in (("comb", m * k * h * itemsize), ("combined_x", m * h * itemsize)):
+        shared = [("comb", m * k * h * itemsize), ("combined_x", m * h * itemsize)]
+        if remote:
+            shared += [("send_x", m * h * itemsize),
+                       ("send_scales", m * max(h // FP8_BLOCK, 1) * 4),
+                       ("send_y", rows * h * itemsize)]
+        for name, size in shared:
             offsets[name] = cur
             cur += _align(max(size, 16))
         return cls(r, lx, h, k, m, itemsize, offsets, cur, stride)
@@ -417,7 +426,8 @@ class Kernels:
             (_I32, int(round_scale)), (_P, peers.data.ptr), (_I64, o["recv_x"]),
             (_I64, o["scales"]), (_I64, o["src_rank"]), (_I64, o["src_idx"]),
             (_I64, o["src_k"]), (_I64, o["hist"]), (_I64, o["recv_count"]),
-            (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns)])
+            (_I64, o["topk"]), (_U64, 0), (_I64, timeout_ns), (_I64, o.get("send_x", 0)),
+            (_I64, o.get("send_scales", 0))])
 
     def ll_combine_launches(self, y: Any, topk_idx: Any, weights: Any, out: Any,
                             lay: LowLatencyLayout, rank: int, peers: Any, m: int, *,
@@ -440,7 +450,7 @@ class Kernels:
             (_I32, lay.num_local_experts), (_I32, lay.num_ranks), (_I32, rank), (_I32, m),
             (_I32, k), (_P, peers.data.ptr), (_I64, o["src_rank"]), (_I64, o["src_idx"]),
             (_I64, o["src_k"]), (_I64, o["recv_count"]), (_I64, o["comb"]), (_U64, 0),
-            (_I64, timeout_ns)])
+            (_I64, timeout_ns), (_I64, o.get("send_y", 0))])
         reduce = Launch(self.fn(f"epd_ll_combine_reduce<{_trait_for(y.dtype)}>"), num_sms,
                         LL_THREADS, [
             (_P, out.data.ptr), (_I64, out.strides[0] // isz), (_P, topk_idx.data.ptr),

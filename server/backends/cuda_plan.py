@@ -26,11 +26,12 @@ class MembershipLayout:
     low_latency: LowLatencyLayout | None = None  # groups with low_latency_mode
 
 
-def membership_layout(spec: GroupSpec) -> MembershipLayout:
+def membership_layout(spec: GroupSpec, *, remote: bool = False) -> MembershipLayout:
     """THE per-rank heap slot of a group: the kernels' buffers (recv_x sized for the group's
     dtype, which FP8 payloads fit; scales whenever FP8 dispatch is possible), then the outputs
     the engine hands back (layout results, combine results, the prefix matrix), then the
-    low-latency buffers of groups that ask. Raises ValueError naming a kernel limit."""
+    low-latency buffers of groups that ask (with the staging of puts to other nodes when
+    `remote`). Raises ValueError naming a kernel limit."""
     item = spec.x_numpy_dtype.itemsize
     kernel = RankBufferLayout.build(
         num_ranks=spec.num_ranks, num_experts=spec.num_experts, hidden=spec.hidden,
@@ -48,7 +49,8 @@ def membership_layout(spec: GroupSpec) -> MembershipLayout:
     if not spec.low_latency_mode:
         return MembershipLayout(kernel, extras, off)
     ll = LowLatencyLayout.build(off, num_ranks=r, num_local_experts=spec.num_local_experts,
-                                hidden=h, num_topk=k, max_tokens=t, itemsize=item)
+                                hidden=h, num_topk=k, max_tokens=t, itemsize=item,
+                                remote=remote)
     return MembershipLayout(kernel, extras, ll.end, ll)
 
 

@@ -53,7 +53,11 @@ class RankRunner:
     def __init__(self, kernels: ck.Kernels, layout: ck.RankBufferLayout, rank: int,
                  peer_bases: list[int], device_id: int, x_dtype: Any, y_dtype: Any,
                  owner: Any = None, ll_layout: ck.LowLatencyLayout | None = None,
-                 stream_priority: int = 0) -> None:
+                 stream_priority: int = 0,
+                 remote: dict[int, tuple[int, int]] | None = None) -> None:
+        """`remote`: the ranks on other nodes, rank -> (symmetric address of its buffer in
+        this PE's heap, its PE); their `peer_bases` entries are ignored, and `kernels` must be
+        the NVSHMEM build (cuda_remote.py)."""
         self.k = kernels
         self.ll = ll_layout
         self.layout = layout
@@ -61,8 +65,14 @@ class RankRunner:
         self.device_id = device_id
         self.x_dtype = np.dtype(x_dtype)
         self.y_dtype = np.dtype(y_dtype)
+        table = list(peer_bases)
+        if remote:  # the NVSHMEM build's table: pointers (0: other node), addresses, PEs
+            table = ([0 if r in remote else int(b) for r, b in enumerate(peer_bases)]
+                     + [remote.get(r, (0, 0))[0] for r in range(len(peer_bases))]
+                     + [remote.get(r, (0, 0))[1] for r in range(len(peer_bases))])
+        self.remote = dict(remote or {})
         with cp.cuda.Device(device_id):
-            self.peers = cp.asarray(np.array(peer_bases, dtype=np.uint64))
+            self.peers = cp.asarray(np.array(table, dtype=np.uint64))
             # The rank's kernels run here, at its group's service-class priority (0: the
             # default, the least urgent); the side stream (abort writes) keeps the default.
             self.stream = cp.cuda.Stream(non_blocking=True, priority=stream_priority)

@@ -72,11 +72,11 @@ class PeGroup:
         nc.free_array(self.heap)
 
 
-def main() -> int:
-    pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+def init_pe(pe: int, npes: int, uid_file: str) -> int:
+    """Join the NVSHMEM world of `npes` PEs (PE 0 writes the unique id to `uid_file`);
+    returns the GPU this PE runs on."""
     import cupy as cp
     import nvshmem.core as nc
-    from common import roundtrip  # this folder is on sys.path (run as a script)
     from cuda.core import Device
 
     gpu = pe % cp.cuda.runtime.getDeviceCount()
@@ -97,6 +97,16 @@ def main() -> int:
         uid = nc.get_unique_id(empty=True)
         uid._data.view(np.uint8)[:] = np.frombuffer(Path(uid_file).read_bytes(), np.uint8)
     nc.init(device=dev, uid=uid, rank=pe, nranks=npes, initializer_method="uid")
+    return gpu
+
+
+def main() -> int:
+    pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    import cupy as cp
+    import nvshmem.core as nc
+    from common import roundtrip  # this folder is on sys.path (run as a script)
+
+    gpu = init_pe(pe, npes, uid_file)
     stream = cp.cuda.Stream(non_blocking=True)
     failures = 0
     cases = [  # (experts, topk, hidden, tokens per rank, extra)

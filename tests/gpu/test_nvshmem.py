@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,37 @@ def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path) -> None:
     logical-node cluster testable on a one-GPU machine (issue 13)."""
     if GPU_COUNT < 1 or not _has_nvshmem():
         pytest.skip("needs a GPU and nvshmem4py")
+    with _two_pes_env() as env:
+        _run_pes(tmp_path, 1, env)
+
+
+@pytest.mark.parametrize("ranks_per_node", [1, 2])
+def test_low_latency_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -> None:
+    """Issue 13: two logical nodes (two PEs, each its own node with `ranks_per_node` ranks);
+    a rank on the other node is reached only through NVSHMEM's device API (the kernels built
+    with EPD_NVSHMEM, cuda_remote.py), ranks of one node by pointer. Low-latency dispatch
+    (bf16, FP8, rounded scales, both receive buffers, dropped entries, an empty rank) and
+    combine are bit-exact against the reference on every rank; a bad expert id on rank 0
+    aborts the ranks of both nodes at once. On one GPU both PEs share it under MPS, so
+    NVSHMEM's P2P transport carries the puts: not its network proxy."""
+    if GPU_COUNT < 1 or not _has_nvshmem():
+        pytest.skip("needs a GPU and nvshmem4py")
+    from epd.server.backends.cuda_remote import toolchain_paths
+
+    try:
+        toolchain_paths()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    if GPU_COUNT >= 2:
+        _run_pes(tmp_path, ranks_per_node, {}, worker="nvshmem_ll_worker.py")
+        return
+    with _two_pes_env() as env:
+        _run_pes(tmp_path, ranks_per_node, env, worker="nvshmem_ll_worker.py")
+
+
+@contextlib.contextmanager
+def _two_pes_env() -> Iterator[dict[str, str]]:
+    """An MPS server for two PEs on GPU 0 (half the threads each), stopped afterwards."""
     import shutil
     import tempfile
 
@@ -61,20 +94,21 @@ def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path) -> None:
             pytest.skip(f"needs MPS: {e}")
         env = {k: v for k, v in mps.env().items() if k.startswith("CUDA_MPS")}
         env.update(CUDA_VISIBLE_DEVICES="0", CUDA_MPS_ACTIVE_THREAD_PERCENTAGE="50")
-        _run_pes(tmp_path, 1, env)
+        yield env
     finally:
         mps.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str]) -> None:
+def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str],
+             worker: str = "nvshmem_worker.py") -> None:
     env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
                NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
                PYTHONUNBUFFERED="1", **extra_env)
     # Not the repository root on sys.path: its cuda/ folder would shadow the `cuda` package.
     uid = tmp_path / "uid"
-    worker = str(Path(__file__).with_name("nvshmem_worker.py"))
+    worker = str(Path(__file__).with_name(worker))
     procs = [subprocess.Popen([sys.executable, worker, str(pe), "2", str(uid),
                                str(ranks_per_pe)], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

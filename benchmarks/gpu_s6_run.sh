@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sixth session of 2026-12-01 (one H200):
+#   bash benchmarks/gpu_s6_run.sh remote   # carry [".whl"] (with the nvidia-cuda-cccl wheel):
+#        low-latency mode across two logical nodes (two PEs on GPU 0 under MPS, the kernels'
+#        NVSHMEM build), then every low-latency GPU test of the one-node build
+set -u
+source benchmarks/gpu_env.sh
+pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
+case "${1:-}" in
+  remote)
+    timeout 250 bash -c "$(declare -f pt); pt -s tests/gpu/test_nvshmem.py -k across_logical_nodes" \
+        > "$OUT/gpu_remote.txt" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed|ok$|^E  |error|rror:" "$OUT/gpu_remote.txt" | head -60
+    timeout 170 bash -c "$(declare -f pt); pt tests/gpu/test_low_latency_kernels.py \
+        tests/gpu/test_ll_plain.py" 2>&1 | grep -v " INFO " \
+        > "$OUT/gpu_ll_one_node.txt"
+    grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_ll_one_node.txt" | head -40
+    python3 -P -c "
+from epd.server.backends import cuda_kernels as ck
+k = ck.kernels_for_device(0)
+for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>', 'epd_mask_rank'):
+    a = k.fn(n).attributes
+    print(n, 'regs', a['num_regs'], 'smem', a['shared_size_bytes'], 'max threads', a['max_threads_per_block'])
+" 2>&1 | tail -5
+    timeout 110 bash -c "$(declare -f pt); pt -s tests/gpu/test_rank_masking_gpu.py" \
+        > "$OUT/gpu_mask.txt" 2>&1
+    grep -E "PASSED|FAILED|passed|failed|took|MPS|mps" "$OUT/gpu_mask.txt" | head -20
+    ;;
+  *) echo "usage: $0 remote" >&2; exit 2 ;;
+esac

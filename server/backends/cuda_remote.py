@@ -1,0 +1,151 @@
+"""EPD's kernels built for ranks on other nodes (issue 13): the same sources as
+`cuda_kernels.Kernels`, compiled with `EPD_NVSHMEM` so that every write to a rank whose peer
+table entry is 0 goes through NVSHMEM's device API (put, put-with-signal, signal), which NVSHMEM
+carries over its network transports on a cluster and over NVLink between logical nodes of one
+host. Peer pointers stay for the ranks of this node.
+
+Why a second build and not one module: the NVSHMEM device library must be linked in and
+registered with the PE's NVSHMEM state (`library_init`, after `nvshmem.core.init`), which CuPy's
+`RawModule` cannot do, and the one-node engine should not pay for it. The recipe (NVRTC with
+relocatable code through cuda.core, link against `libnvshmem_device.a`, the `uint64_t`
+spelling of the library) is in docs/GPU_NOTES.md; it needs the CCCL headers (the
+`nvidia-cuda-cccl` wheel) beside NVSHMEM's.
+
+Launches keep the driver's path of `cuda_kernels.Launch`: a linked kernel is a `CUkernel`,
+which `cuLaunchKernel` takes in place of a `CUfunction`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import cuda_kernels as ck
+
+cp = ck.cp
+
+PRELUDE = """
+#include <cuda/std/type_traits>
+#include <cuda/std/cstdint>
+#include <cuda/std/cstddef>
+#include <cuda/std/limits>
+namespace std { using namespace cuda::std; }
+// libnvshmem_device.a was built where uint64_t is unsigned long (NVRTC: unsigned long long);
+// the names must mangle alike.
+#define uint64_t unsigned long
+#define int64_t long
+#include <nvshmem.h>
+#include <nvshmemx.h>
+#undef uint64_t
+#undef int64_t
+#define EPD_NVSHMEM 1
+"""
+
+# What the normal-mode kernels need across nodes is DeepEP's hierarchical design, not built:
+# their combine's reduce is not offered by plain name in this build.
+NOT_BUILT = ("epd_combine_reduce<",)
+
+
+def _find(rel: str) -> Path | None:
+    """`rel` under a site directory (the wheels put NVIDIA's files in nvidia/...)."""
+    for entry in sys.path:
+        p = Path(entry or ".") / rel
+        if p.exists():
+            return p
+    return None
+
+
+def toolchain_paths() -> tuple[list[str], Path]:
+    """(include directories, libnvshmem_device.a); RuntimeError naming what is missing."""
+    nvshmem_inc = _find("nvidia/nvshmem/include/nvshmem.h")
+    device_lib = _find("nvidia/nvshmem/lib/libnvshmem_device.a")
+    cccl = _find("nvidia/cu13/include/cccl/cuda/std/cstdint")
+    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
+    missing = [name for name, p in (("nvidia-nvshmem-cu13 (nvshmem.h)", nvshmem_inc),
+                                    ("nvidia-nvshmem-cu13 (libnvshmem_device.a)", device_lib),
+                                    ("nvidia-cuda-cccl (cuda/std headers)", cccl)) if p is None]
+    if missing:
+        raise RuntimeError("the kernels for ranks on other nodes need " + ", ".join(missing))
+    incs = [str(nvshmem_inc.parent), str(cccl.parents[2]), str(cccl.parents[3])]  # (nv/target)
+    if cuda_home.exists():
+        incs.append(str(cuda_home))
+    return incs, device_lib
+
+
+def _core():
+    try:
+        import cuda.core as core
+        core.Program  # noqa: B018 (older releases keep it under experimental)
+    except (ImportError, AttributeError):
+        import cuda.core.experimental as core
+    return core
+
+
+def _c_arg(a: Any) -> Any:
+    """A kernel argument as the ctypes value `cuLaunchKernel` reads (as CuPy would pass it)."""
+    if a is None:
+        return ctypes.c_uint64(0)
+    if cp is not None and isinstance(a, cp.ndarray):
+        return ctypes.c_uint64(a.data.ptr)
+    if isinstance(a, np.generic):
+        return np.ctypeslib.as_ctypes_type(a.dtype)(a.item())
+    raise TypeError(f"kernel argument of type {type(a).__name__}: pass NumPy scalars or arrays")
+
+
+class LinkedKernel:
+    """A kernel of the linked module, called like a CuPy RawKernel."""
+
+    def __init__(self, name: str, handle: int) -> None:
+        self.name, self.ptr = name, handle
+
+    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
+                 shared_mem: int = 0, stream: Any = None) -> None:
+        vals = [_c_arg(a) for a in args]
+        argv = (ctypes.c_void_p * len(vals))(*(ctypes.addressof(v) for v in vals))
+        g = (*grid, 1, 1)[:3]
+        b = (*block, 1, 1)[:3]
+        s = stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr
+        cp.cuda.driver.launchKernel(self.ptr, *g, *b, shared_mem, s, ctypes.addressof(argv), 0)
+
+
+class RemoteKernels(ck.Kernels):
+    """The kernels with the NVSHMEM device path, for the current device of an initialised PE."""
+
+    def __init__(self, device_id: int) -> None:  # (no RawModule: see the module docstring)
+        import nvshmem.core as nc
+
+        core = _core()
+        incs, device_lib = toolchain_paths()
+        arch = "sm_" + cp.cuda.Device(device_id).compute_capability
+        opts = core.ProgramOptions(arch=arch, std="c++17", relocatable_device_code=True,
+                                   device_as_default_execution_space=True, include_path=incs)
+        obj = core.Program(PRELUDE + ck._source(self.FILES), "c++", opts).compile("cubin")
+        lib = core.ObjectCode.from_library(device_lib.read_bytes())
+        self.linked = core.Linker(obj, lib, options=core.LinkerOptions(arch=arch)).link("cubin")
+        nc.library_init(nc.NvshmemKernelObject.from_obj(self.linked))
+        self._fn: dict[str, Any] = {}
+
+    def fn(self, name: str) -> Any:
+        f = self._fn.get(name)
+        if f is None:
+            if name.startswith(NOT_BUILT):
+                raise NotImplementedError(f"{name} has no build for ranks on other nodes "
+                                          f"(normal mode across nodes is not built)")
+            plain = name.replace("<", "_").replace(">", "")  # epd_ll_combine_reduce_Bf16
+            k = self.linked.get_kernel(plain)
+            handle = getattr(k, "handle", None) or k._handle
+            f = self._fn[name] = LinkedKernel(plain, int(handle))
+        return f
+
+
+@functools.cache
+def remote_kernels_for_device(device_id: int) -> RemoteKernels:
+    """Process-wide, after `nvshmem.core.init` on that device."""
+    with cp.cuda.Device(device_id):
+        return RemoteKernels(device_id)

@@ -1,0 +1,229 @@
+"""One logical node of the low-latency test across nodes (started by test_nvshmem.py).
+
+argv: pe npes uid_file ranks_per_pe. Each PE is a node of its own: it drives its ranks, whose
+buffers are in its symmetric heap; the ranks of the other PEs are *remote* (peer table entry 0,
+reached only through NVSHMEM's device API: cuda_remote.RemoteKernels), ranks of the same PE
+by pointer. Every PE generates the whole workload from the same seeds and checks its own ranks
+bit-exactly against the reference, outputs poisoned before each round. Exit code 0 = all
+passed; one line per case.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import numpy as np
+
+
+class NodeGroup:
+    """The ranks of one low-latency group that this PE (logical node) holds."""
+
+    def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
+                 num_topk: int, max_tokens: int, stream, gpu: int) -> None:
+        import cupy as cp
+        import nvshmem.core as nc
+
+        from epd.proto import dtypes
+        from epd.proto.dtypes import BFLOAT16
+        from epd.server.backends import cuda_runtime as rt
+        from epd.server.backends.base import GroupSpec
+        from epd.server.backends.cuda_plan import membership_layout
+        from epd.server.backends.cuda_remote import remote_kernels_for_device
+
+        r = npes * per_pe
+        self.num_ranks = r
+        spec = GroupSpec("across-nodes", r, num_experts, hidden, max_tokens, num_topk,
+                         dtypes.from_numpy(BFLOAT16), low_latency_mode=True)
+        ml = membership_layout(spec, remote=True)
+        self.layout, size = ml.kernel, ml.slot_bytes
+        self.heap = nc.array((per_pe * size,), dtype="uint8")  # collective: same offset on all
+        self.heap.fill(0)
+        here = int(self.heap.data.ptr)
+        bases, remote = [], {}
+        for g in range(r):
+            p, j = divmod(g, per_pe)
+            bases.append(here + j * size if p == pe else 0)
+            if p != pe:
+                remote[g] = (here + j * size, p)  # same offset of this PE's heap, its PE
+        self.rank_ids = [pe * per_pe + j for j in range(per_pe)]
+        kern = remote_kernels_for_device(gpu)
+        self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu, BFLOAT16, BFLOAT16,
+                                      owner=self.heap, ll_layout=ml.low_latency, remote=remote)
+                        for g in self.rank_ids]
+        self.size, self.stream = size, stream
+        cp.cuda.Device(gpu).synchronize()
+        self.barrier()
+
+    def barrier(self) -> None:
+        """Every PE is here (its buffers poisoned, its last kernels done)."""
+        import nvshmem.core as nc
+
+        self.synchronize()
+        nc.barrier_all(stream=self.stream)
+        self.stream.synchronize()
+
+    def poison(self) -> None:
+        ctrl_end = self.layout.offsets["recv_x"]
+        for j in range(len(self.runners)):
+            self.heap[j * self.size + ctrl_end:(j + 1) * self.size].fill(0xAB)
+
+    def synchronize(self) -> None:
+        for r in self.runners:
+            r.stream.synchronize()
+
+    def close(self) -> None:
+        import nvshmem.core as nc
+
+        self.barrier()
+        self.runners.clear()
+        nc.free_array(self.heap)
+
+
+def roundtrip(g: NodeGroup, rng: np.random.Generator, tokens: list[int], e: int, k: int,
+              h: int, m: int, *, fp8: bool, round_scale: bool = False, drop: float = 0.0,
+              combine_drop: float = 0.0, num_sms: int = 8, buffer: int = 0) -> None:
+    import cupy as cp
+    from common import TIMEOUT_NS, raw
+
+    from epd.proto.dtypes import BFLOAT16
+    from epd.server import reference as ref
+
+    r = len(tokens)
+    lx = e // r
+    routes = [ref.random_routing(rng, t, e, k, drop_prob=drop) for t in tokens]
+    idxs = [i for i, _ in routes]
+    ws = [w for _, w in routes]
+    xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
+    g.poison()
+    g.barrier()
+    for s, runner in zip(g.rank_ids, g.runners, strict=True):
+        with runner.stream:
+            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(idxs[s]), m, fp8=fp8,
+                               round_scale=round_scale, timeout_ns=TIMEOUT_NS, num_sms=num_sms,
+                               buffer=buffer)
+    g.synchronize()
+    for runner in g.runners:
+        assert runner.error() is None, runner.error()
+    want = ref.low_latency_dispatch(xs, idxs, e, m, use_fp8=fp8, round_scale=round_scale)
+    for d, runner in zip(g.rank_ids, g.runners, strict=True):
+        out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8, buffer).items()}
+        exp = want[d]
+        np.testing.assert_array_equal(out["recv_count"], exp.recv_count)
+        for le in range(lx):
+            c = int(exp.recv_count[le])
+            np.testing.assert_array_equal(out["recv_src_rank"][le][:c], exp.recv_src_rank[le][:c])
+            np.testing.assert_array_equal(out["recv_src_idx"][le][:c], exp.recv_src_idx[le][:c])
+            np.testing.assert_array_equal(raw(out["recv_x"][le][:c]), raw(exp.recv_x[le][:c]))
+            if fp8:
+                np.testing.assert_array_equal(out["recv_x_scales"][le][:c].view(np.uint32),
+                                              exp.recv_x_scales[le][:c].view(np.uint32))
+            assert (out["recv_src_rank"][le][c:] == -1).all()
+    # Combine: fresh expert outputs in the valid rows, NaN beyond them (never to be read).
+    ys = []
+    for d in range(r):
+        y = np.full((lx, r * m, h), 0xFFFF, np.uint16).view(BFLOAT16)
+        for le in range(lx):
+            c = int(want[d].recv_count[le])
+            y[le, :c] = ref.random_x(rng, c, h, BFLOAT16) if c else y[le, :0]
+        ys.append(y)
+    comb_idx = []
+    for i in idxs:
+        c = i.copy()
+        c[rng.random(c.shape) < combine_drop] = -1
+        comb_idx.append(c)
+    expected = ref.low_latency_combine(ys, want, comb_idx, ws, e)
+    outs = {}
+    for s, runner in zip(g.rank_ids, g.runners, strict=True):
+        with runner.stream:
+            out = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
+            runner.ll_combine(cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]),
+                              cp.asarray(ws[s]), out, m, timeout_ns=TIMEOUT_NS,
+                              num_sms=num_sms, buffer=buffer)
+            outs[s] = out
+    g.synchronize()
+    for runner in g.runners:
+        assert runner.error() is None, runner.error()
+    for s, out in outs.items():
+        np.testing.assert_array_equal(cp.asnumpy(out), raw(expected[s]))
+
+
+def bad_id_aborts_every_node(g: NodeGroup, pe: int, h: int, m: int, k: int) -> None:
+    """Rank 0 dispatches an expert id out of range: it reports the id, and every other rank,
+    on this node or another, stops with the group's abort instead of waiting out its deadline."""
+    import time
+
+    import cupy as cp
+    from common import TIMEOUT_NS
+
+    from epd.server.backends import cuda_kernels as ck
+
+    g.barrier()
+    t0 = time.monotonic()
+    for s, runner in zip(g.rank_ids, g.runners, strict=True):
+        idx = np.full((m, k), 1, np.int64)
+        if s == 0:
+            idx[:, 1] = 10_000
+        with runner.stream:
+            runner.ll_dispatch(cp.zeros((m, h), cp.uint16), cp.asarray(idx), m,
+                               timeout_ns=TIMEOUT_NS, num_sms=2)
+    g.synchronize()
+    took = time.monotonic() - t0
+    abort = (0 + 1) << 8 | ck.ERR_ABORTED  # rank 0's abort word (ABORT_RANK_SHIFT)
+    for s, runner in zip(g.rank_ids, g.runners, strict=True):
+        word = int(cp.asnumpy(runner.views["ctrl"][ck.CTRL_ABORT]))
+        assert word == abort, f"rank {s}: abort word {word:#x}, want {abort:#x}"
+        if s == 0:
+            err = runner.error()
+            assert err is not None and err[0] == ck.ERR_BAD_INPUT, f"rank 0: error {err}"
+    assert took < TIMEOUT_NS / 1e9 / 2, f"the abort took {took:.1f} s (a deadline, not the abort)"
+
+
+def main() -> int:
+    pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    import cupy as cp
+    import nvshmem.core as nc
+    from nvshmem_worker import init_pe  # this folder is on sys.path (run as a script)
+
+    gpu = init_pe(pe, npes, uid_file)
+    stream = cp.cuda.Stream(non_blocking=True)
+    failures = 0
+    cases = [  # (experts, topk, hidden, max tokens, tokens of rank g(g, m), rounds)
+        (256, 8, 7168, 128, lambda g, m: m, [dict(fp8=True), dict(fp8=False),
+                                           dict(fp8=True, round_scale=True, buffer=1)]),
+        (32, 4, 2048, 24, lambda g, m: [24, 0, 7, 19][g % 4],
+         [dict(fp8=bool(i % 2), drop=0.2, combine_drop=0.1, num_sms=3 + i, buffer=i % 2)
+          for i in range(4)]),
+    ]
+    group = None
+    try:
+        for e, k, h, m, tok, rounds in cases:
+            group = NodeGroup(pe, npes, per_pe, e, h, k, m, stream, gpu)
+            rng = np.random.default_rng(e + k + h)
+            tokens = [tok(g, m) for g in range(group.num_ranks)]
+            for i, kw in enumerate(rounds):
+                try:
+                    roundtrip(group, rng, tokens, e, k, h, m, **kw)
+                    print(f"PE {pe}: E={e} K={k} H={h} m={m} tokens={tokens} round {i} {kw} ok",
+                          flush=True)
+                except Exception:
+                    failures += 1
+                    traceback.print_exc()
+            group.close()
+            group = None
+        group = NodeGroup(pe, npes, per_pe, 16, 256, 2, 8, stream, gpu)
+        try:
+            bad_id_aborts_every_node(group, pe, 256, 8, 2)
+            print(f"PE {pe}: bad expert id on rank 0 aborted every node ok", flush=True)
+        except Exception:
+            failures += 1
+            traceback.print_exc()
+        group.close()
+        group = None
+    finally:
+        nc.finalize()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
