@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_s6_run.sh remote   # carry [".whl"] (with the nvidia-cuda-cccl wheel):
 #        low-latency mode across two logical nodes (two PEs on GPU 0 under MPS, the kernels'
 #        NVSHMEM build), then every low-latency GPU test of the one-node build
+#   bash benchmarks/gpu_s6_run.sh final    # carry [".whl"]: the test across logical nodes (with
+#        its timing lines), then every daemon-level GPU test (the engine's host control words)
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
@@ -26,5 +28,15 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
         > "$OUT/gpu_mask.txt" 2>&1
     grep -E "PASSED|FAILED|passed|failed|took|MPS|mps" "$OUT/gpu_mask.txt" | head -20
     ;;
-  *) echo "usage: $0 remote" >&2; exit 2 ;;
+  final)
+    timeout 200 bash -c "$(declare -f pt); pt -s tests/gpu/test_nvshmem.py -k across_logical_nodes" \
+        > "$OUT/gpu_remote.txt" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed|ok$|timing|^E  " "$OUT/gpu_remote.txt" | head -40
+    timeout 370 bash -c "$(declare -f pt); pt tests/gpu --durations=10 \
+        --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_intranode.py \
+        --ignore=tests/gpu/test_nvshmem.py --ignore=tests/gpu/test_low_latency_kernels.py" 2>&1 \
+        | grep -v " INFO " > "$OUT/gpu_suite.txt"
+    grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -30
+    ;;
+  *) echo "usage: $0 remote|final" >&2; exit 2 ;;
 esac

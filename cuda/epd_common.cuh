@@ -31,6 +31,13 @@ typedef unsigned long long u64;
 #define CTRL_LL_COMBINE_READY 72  // [R] source s finished reducing its low-latency combine
 #define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
 #define CTRL_LL_HIST_FLAG 88      // [R] source s posted its low-latency dispatch histogram
+#define CTRL_HOST_WORDS 96        // device address of this rank's host words (0: none), below
+// Host words: mapped host memory of the rank's engine, which its host writes with no GPU work
+// (an abort, a rank that went away), so that no kernel or stream wait queued ahead can delay
+// them: under MPS one parked client stream can stall a hardware queue the engine's own
+// streams share. Waits poll them every 64 spins, beside the control block's own words.
+#define HOST_WORD_ABORT 0         // nonzero: the group was aborted (value = code)
+#define HOST_WORD_GONE 1          // bit r: rank r went away (shrink groups)
 #define CTRL_PAYLOAD_BYTES 1024 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
 
 #define ERR_DEADLINE 1
@@ -125,18 +132,39 @@ __device__ __forceinline__ void peer_signal(const u64* peers, int R, int r, int 
     st_release_sys(ctrl_of(peers, r) + word, v);
 }
 
+__device__ __forceinline__ const volatile u64* host_words(const u64* ctrl) {
+    return reinterpret_cast<const volatile u64*>(
+        *reinterpret_cast<const volatile u64*>(ctrl + CTRL_HOST_WORDS));
+}
+
+// The ranks that went away: the control block's mask (other engines' ranks) and the host's.
+__device__ __forceinline__ u64 gone_ranks(const u64* ctrl) {
+    const volatile u64* h = host_words(ctrl);
+    return ld_acquire_sys(ctrl + CTRL_MASK) | (h != nullptr ? h[HOST_WORD_GONE] : 0ull);
+}
+
+__device__ __forceinline__ u64 abort_code(const u64* ctrl) {
+    const volatile u64* h = host_words(ctrl);
+    const u64 code = ld_acquire_sys(ctrl + CTRL_ABORT);
+    return code != 0 ? code : (h != nullptr ? h[HOST_WORD_ABORT] : 0ull);
+}
+
 // Spin until flags[r] >= seq, or rank r is masked (it went away: not waited for). Returns 0, or
 // ERR_DEADLINE / ERR_ABORTED. Never traps: a trap would poison the CUDA context that every
 // client of the engine shares (docs/DESIGN_NOTES.md).
 __device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word,
-                                         const u64* mask_word, int r, u64 seq,
-                                         i64 timeout_ns) {
+                                         const u64* mask_word, const volatile u64* host, int r,
+                                         u64 seq, i64 timeout_ns) {
     u64 start = globaltimer();
     unsigned spins = 0;
     while (ld_acquire_sys(flag) < seq) {
         if (ld_acquire_sys(abort_word) != 0) return ERR_ABORTED;
         if ((ld_acquire_sys(mask_word) >> r) & 1ull) return 0;
         if (((++spins) & 63) == 0) {
+            if (host != nullptr) {  // (host memory: a slower read, so not every spin)
+                if (host[HOST_WORD_ABORT] != 0) return ERR_ABORTED;
+                if ((host[HOST_WORD_GONE] >> r) & 1ull) return 0;
+            }
             if ((i64)(globaltimer() - start) > timeout_ns) return ERR_DEADLINE;
         }
     }
@@ -177,8 +205,8 @@ __device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u
     __syncthreads();
     if ((int)threadIdx.x < R) {
         int r = threadIdx.x;
-        int code = wait_flag(ctrl + flag_base + r, ctrl + CTRL_ABORT, ctrl + CTRL_MASK, r, seq,
-                             timeout_ns);
+        int code = wait_flag(ctrl + flag_base + r, ctrl + CTRL_ABORT, ctrl + CTRL_MASK,
+                             host_words(ctrl), r, seq, timeout_ns);
         if (code) { atomicMin(&s_fail_rank, r); atomicMax(&s_fail_code, code); }
     }
     __syncthreads();
@@ -194,7 +222,7 @@ __device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u
 // garbage (notify returned early), and writing through it could corrupt a peer's memory.
 __device__ __forceinline__ bool group_failed(const u64* ctrl) {
     return *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE) != 0 ||
-           ld_acquire_sys(ctrl + CTRL_ABORT) != 0;
+           abort_code(ctrl) != 0;
 }
 
 // ------------------------------------------------------------------------------------------

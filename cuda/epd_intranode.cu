@@ -588,7 +588,7 @@ extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank
     i64* slot64 = reinterpret_cast<i64*>(slot32);
     const u64 call = *reinterpret_cast<volatile u64*>(ctrl + CTRL_CALL_ERR);
     const u64 code = *reinterpret_cast<volatile u64*>(ctrl + CTRL_ERR_CODE);
-    const u64 aborted = ld_acquire_sys(ctrl + CTRL_ABORT);
+    const u64 aborted = abort_code(ctrl);
     if (call || code || aborted) {
         unsigned c;
         int who;

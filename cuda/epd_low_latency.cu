@@ -174,7 +174,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_READY_FLAG, R, seq - 1, timeout_ns,
                                          PHASE_LL_DISPATCH))) {
         // Ranks that went away (shrink groups) get nothing (the mask only grows).
-        const u64 gone = ld_acquire_sys(my_ctrl + CTRL_MASK);
+        const u64 gone = gone_ranks(my_ctrl);
         const bool mine = t0 < t1;  // (block-uniform) blocks past the last token only signal
         for (int e = threadIdx.x; e < E; e += blockDim.x) s_run[e] = 0;
         __syncthreads();
@@ -451,7 +451,7 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
         return;
     }
     // After the wait: a rank that went away meanwhile is in the mask (its rows never came).
-    const u64 gone = ld_acquire_sys(my_ctrl + CTRL_MASK);
+    const u64 gone = gone_ranks(my_ctrl);
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
     const word* comb = reinterpret_cast<const word*>(my_base + o_comb);
     const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk);
@@ -530,7 +530,7 @@ epd_ll_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
 __device__ __forceinline__ unsigned stream_done_value(const u64* peers, int rank) {
     const u64* ctrl = ctrl_of(peers, rank);
     const u64 code = *reinterpret_cast<const volatile u64*>(ctrl + CTRL_ERR_CODE);
-    const u64 aborted = ld_acquire_sys(ctrl + CTRL_ABORT);
+    const u64 aborted = abort_code(ctrl);
     return (code == 0 && aborted == 0) ? DONE_OK
            : DONE_FAILED | ((unsigned)(code ? code : ERR_ABORTED) << DONE_CODE_SHIFT);
 }

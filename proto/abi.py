@@ -42,6 +42,9 @@ CTRL_LL_READY_FLAG = 64
 CTRL_LL_COMBINE_READY = 72
 CTRL_MASK = 80  # bit r: rank r went away (shrink groups): the kernels' waits skip it
 CTRL_LL_HIST_FLAG = 88  # [R] source s posted its low-latency dispatch histogram
+CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host memory; 0: none)
+HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host
+HOST_WORD_GONE = 1  # host word: bit r = rank r went away (shrink groups)
 CTRL_PAYLOAD_BYTES = 1024  # notify payload: [MAX_RANKS][MAX_RANKS + L] int32 per source slot
 
 # abort word = ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED: peers learn who left

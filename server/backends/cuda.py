@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,81 @@ class _PreparedCombine:
     out: Any
 
 
+class HostControlWords:
+    """The engine's host words (cuda/epd_common.cuh, CTRL_HOST_WORDS): per group-rank, an abort
+    code and the ranks that went away, in mapped pinned host memory that the kernels' waits
+    poll. The host writes them directly, with no GPU work: a kernel or copy the engine queued
+    to write the control block can wait behind a parked client stream that shares its hardware
+    queue (MPS), while the kernels it should release keep that client waiting: a deadlock
+    until a deadline. The control block's words are still written (by kernels, not awaited)
+    for the ranks on other engines, which poll their own engine's words."""
+
+    SLOTS = 4096  # group-ranks of one engine at once
+    WORDS = 2
+
+    def __init__(self, device: int) -> None:
+        from cuda.bindings import runtime as cudart
+
+        n = self.SLOTS * self.WORDS * 8
+        with cp.cuda.Device(device):
+            flags = cudart.cudaHostAllocMapped | cudart.cudaHostAllocPortable
+            err, ptr = cudart.cudaHostAlloc(n, flags)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaHostAlloc of the host control words failed: {err}")
+            err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
+            if err != cudart.cudaError_t.cudaSuccess:
+                raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
+        self._ptr, self._dptr, self._cudart = int(ptr), int(dptr), cudart
+        buf = (ctypes.c_uint64 * (self.SLOTS * self.WORDS)).from_address(self._ptr)
+        self.words = np.frombuffer(buf, np.uint64).reshape(self.SLOTS, self.WORDS)
+        self.words[:] = 0
+        self._free = list(range(self.SLOTS - 1, -1, -1))
+        self._groups: dict[int, set[int]] = {}  # group key (heap offset) -> its slots here
+        self._lock = threading.Lock()
+
+    def acquire(self, group: int) -> int:
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"more than {self.SLOTS} group-ranks on one engine")
+            slot = self._free.pop()
+            self.words[slot] = 0
+            self._groups.setdefault(group, set()).add(slot)
+            return slot
+
+    def release(self, group: int, slot: int) -> None:
+        with self._lock:
+            self.words[slot] = 0
+            self._groups.get(group, set()).discard(slot)
+            if not self._groups.get(group, True):
+                del self._groups[group]
+            self._free.append(slot)
+
+    def device_ptr(self, slot: int) -> int:
+        return self._dptr + slot * self.WORDS * 8
+
+    def abort(self, group: int, code: int) -> None:
+        """Every rank of the group on this engine sees the abort (the first code stays)."""
+        with self._lock:
+            for slot in self._groups.get(group, ()):
+                if self.words[slot, abi.HOST_WORD_ABORT] == 0:
+                    self.words[slot, abi.HOST_WORD_ABORT] = code
+
+    def mark_gone(self, group: int, rank: int) -> None:
+        with self._lock:
+            for slot in self._groups.get(group, ()):
+                self.words[slot, abi.HOST_WORD_GONE] |= np.uint64(1 << rank)
+
+    def read(self, slot: int) -> tuple[int, int]:
+        """(abort code, gone ranks) of one slot."""
+        return int(self.words[slot, 0]), int(self.words[slot, 1])
+
+    def close(self) -> None:
+        if self._ptr:
+            self.words = None
+            self._cudart.cudaFreeHost(self._ptr)
+            self._ptr = 0
+
+
 class CudaRankComm(RankComm):
     backend_name = "cuda"
     stream_ordered = True  # layout/dispatch/combine may be stream-ordered (stream_calls.py)
@@ -241,8 +317,14 @@ class CudaRankComm(RankComm):
                                         stream_priority=priority)
         self.stream_priority = self.runner.stream_priority
         # Clean control block before the attach barrier: a previous group at this offset may
-        # have left flags or an abort word behind.
+        # have left flags or an abort word behind; then the address of this rank's host words.
         self.runner.reset_ctrl()  # (the low-latency histograms are read only under its flags)
+        self._group_key = base
+        self._host_slot = backend.host_words.acquire(base)
+        word = np.array([backend.host_words.device_ptr(self._host_slot)], np.uint64)
+        with cp.cuda.Device(backend.device):
+            cp.cuda.runtime.memcpy(self.runner.base + abi.CTRL_HOST_WORDS * 8,
+                                   word.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
         cp.cuda.Stream.null.synchronize()
         self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None
@@ -627,9 +709,11 @@ class CudaRankComm(RankComm):
             return
         self._written = True
         code = ((self.rank + 1) << abi.ABORT_RANK_SHIFT) | ck.ERR_ABORTED
+        # The ranks on this engine see it at once (host words); the kernel writes every rank's
+        # control block for the other engines, and is not awaited (HostControlWords).
+        self.backend.host_words.abort(self._group_key, code)
         with cp.cuda.Device(self.backend.device):
             self.runner.abort(code)
-            self.runner.side_stream.synchronize()
 
     # -- rank masking (shrink groups): the kernels' waits skip a rank that went away --------
     supports_rank_masking = True
@@ -637,6 +721,7 @@ class CudaRankComm(RankComm):
     def mask_states(self) -> list[int]:
         with cp.cuda.Device(self.backend.device):
             word = int(cp.asnumpy(self.runner.views["ctrl"][abi.CTRL_MASK:abi.CTRL_MASK + 1])[0])
+        word |= self.backend.host_words.read(self._host_slot)[1]
         return [self.MASK_GONE if (word >> r) & 1 else self.MASK_IN
                 for r in range(self.spec.num_ranks)]
 
@@ -649,18 +734,16 @@ class CudaRankComm(RankComm):
         # This rank's own kernels in flight finish (or meet their deadline): stopping them
         # half-way would publish part of its rows as if complete.
         log.info("group %r: rank %d masked for its peers: %s", self.spec.name, self.rank, reason)
-        t0 = time.monotonic()
-        self.runner.mask_rank(self.rank)
-        took = time.monotonic() - t0
-        if took > 0.5:  # the mask kernel waited for the GPU (docs/DESIGN_NOTES.md)
-            log.warning("group %r: masking rank %d took %.1f s", self.spec.name, self.rank, took)
+        # As abort: the host words at once, the control blocks by a kernel not awaited.
+        self.backend.host_words.mark_gone(self._group_key, self.rank)
+        self.runner.mask_rank(self.rank, wait=False)
 
     def abort_reason(self) -> str | None:
         if self._reason is not None:
             return self._reason
         with cp.cuda.Device(self.backend.device):
             words = cp.asnumpy(self.runner.views["ctrl"][:8]).astype(np.int64)
-        word = int(words[abi.CTRL_ABORT])
+        word = int(words[abi.CTRL_ABORT]) or self.backend.host_words.read(self._host_slot)[0]
         if word == 0:
             return None
         who = (word >> abi.ABORT_RANK_SHIFT) - 1
@@ -680,7 +763,9 @@ class CudaRankComm(RankComm):
         self.close_chain(self.backend.cfg.timeout_seconds)
         with cp.cuda.Device(self.backend.device):
             self.runner.stream.synchronize()
+            self.runner.side_stream.synchronize()  # an abort or mask write not awaited
             self.runner.reset_ctrl()  # the next group at this offset starts clean
+            self.backend.host_words.release(self._group_key, self._host_slot)
             # Only the legacy stream the memset ran on: a device-wide sync would wait for
             # other ranks' kernels, which may be spinning on this GPU.
             cp.cuda.Stream.null.synchronize()
@@ -742,6 +827,7 @@ class CudaBackend(Backend):
         self.heap_region = DeviceRegion(f"heap{index}", int(alloc_base), int(alloc_size), index,
                                         ipc_opened=False, ipc_handle=bytes(ipc))
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
+        self.host_words = HostControlWords(index)
         self.kernels = ck.kernels_for_device(index)
         self.kernels.compile_all()  # compile (or load from the disk cache) before serving
         props = cp.cuda.runtime.getDeviceProperties(index)
@@ -826,6 +912,8 @@ class CudaBackend(Backend):
             cp.cuda.Device(self.device).synchronize()
             self._nc.free_array(self.heap)
             self._nc.finalize()
+        with contextlib.suppress(Exception):
+            self.host_words.close()  # (after the device's last kernel)
 
 
 def _bootstrap(cfg: Any, index: int):

@@ -209,12 +209,13 @@ class RankRunner:
         with cp.cuda.Device(self.device_id):
             self.k.abort(self.peers, self.layout.num_ranks, code, stream=self.side_stream)
 
-    def mask_rank(self, gone: int) -> None:
+    def mask_rank(self, gone: int, wait: bool = True) -> None:
         """Every rank's waits skip rank `gone` from now on (shrink groups); on the side stream,
-        done when this returns."""
+        done when this returns if `wait`."""
         with cp.cuda.Device(self.device_id):
             self.k.mask_rank(self.peers, self.layout.num_ranks, gone, stream=self.side_stream)
-            self.side_stream.synchronize()
+            if wait:
+                self.side_stream.synchronize()
 
     # -- results (host reads; call after the stream) ---------------------------------------
     def recv_info(self, res: DispatchResult) -> tuple[int, list[int]]:

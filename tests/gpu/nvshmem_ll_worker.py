@@ -20,12 +20,16 @@ class NodeGroup:
     """The ranks of one low-latency group that this PE (logical node) holds."""
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
-                 num_topk: int, max_tokens: int, stream, gpu: int) -> None:
+                 num_topk: int, max_tokens: int, stream, gpu: int,
+                 pointers: bool = False) -> None:
+        """`pointers`: the other PEs' ranks by NVSHMEM peer pointer with the one-node build
+        (the comparison for the timing), not as ranks on other nodes."""
         import cupy as cp
         import nvshmem.core as nc
 
         from epd.proto import dtypes
         from epd.proto.dtypes import BFLOAT16
+        from epd.server.backends import cuda_kernels as ck
         from epd.server.backends import cuda_runtime as rt
         from epd.server.backends.base import GroupSpec
         from epd.server.backends.cuda_plan import membership_layout
@@ -35,7 +39,7 @@ class NodeGroup:
         self.num_ranks = r
         spec = GroupSpec("across-nodes", r, num_experts, hidden, max_tokens, num_topk,
                          dtypes.from_numpy(BFLOAT16), low_latency_mode=True)
-        ml = membership_layout(spec, remote=True)
+        ml = membership_layout(spec, remote=not pointers)
         self.layout, size = ml.kernel, ml.slot_bytes
         self.heap = nc.array((per_pe * size,), dtype="uint8")  # collective: same offset on all
         self.heap.fill(0)
@@ -43,11 +47,15 @@ class NodeGroup:
         bases, remote = [], {}
         for g in range(r):
             p, j = divmod(g, per_pe)
+            if pointers:
+                arr = self.heap if p == pe else nc.get_peer_array(self.heap, p)
+                bases.append(int(arr.data.ptr) + j * size)
+                continue
             bases.append(here + j * size if p == pe else 0)
             if p != pe:
                 remote[g] = (here + j * size, p)  # same offset of this PE's heap, its PE
         self.rank_ids = [pe * per_pe + j for j in range(per_pe)]
-        kern = remote_kernels_for_device(gpu)
+        kern = ck.kernels_for_device(gpu) if pointers else remote_kernels_for_device(gpu)
         self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu, BFLOAT16, BFLOAT16,
                                       owner=self.heap, ll_layout=ml.low_latency, remote=remote)
                         for g in self.rank_ids]
@@ -161,7 +169,7 @@ def bad_id_aborts_every_node(g: NodeGroup, pe: int, h: int, m: int, k: int) -> N
     g.barrier()
     t0 = time.monotonic()
     for s, runner in zip(g.rank_ids, g.runners, strict=True):
-        idx = np.full((m, k), 1, np.int64)
+        idx = np.tile(np.arange(1, k + 1, dtype=np.int64), (m, 1))  # (no id twice in a token)
         if s == 0:
             idx[:, 1] = 10_000
         with runner.stream:
@@ -177,6 +185,34 @@ def bad_id_aborts_every_node(g: NodeGroup, pe: int, h: int, m: int, k: int) -> N
             err = runner.error()
             assert err is not None and err[0] == ck.ERR_BAD_INPUT, f"rank 0: error {err}"
     assert took < TIMEOUT_NS / 1e9 / 2, f"the abort took {took:.1f} s (a deadline, not the abort)"
+
+
+def time_pairs(g: NodeGroup, m: int, h: int, e: int, k: int, iters: int = 30) -> float:
+    """p50 host wall clock (µs) of one low-latency FP8 dispatch + combine of this PE's ranks,
+    from a barrier of every PE to the end of its streams (diagnostic, not a user's figure)."""
+    import time
+
+    import cupy as cp
+
+    rng = np.random.default_rng(7)
+    x = cp.asarray(rng.standard_normal((m, h), dtype=np.float32)).astype(cp.float16).view(
+        cp.uint16)  # (any bits: the figure is the time)
+    idx = cp.asarray(np.argsort(rng.random((m, e)), axis=1)[:, :k].astype(np.int64))
+    w = cp.ones((m, k), cp.float32)
+    lx = e // g.num_ranks
+    y = cp.zeros((lx, g.num_ranks * m, h), cp.uint16)
+    out = cp.zeros((m, h), cp.uint16)
+    times = []
+    for _ in range(iters):
+        g.barrier()
+        t0 = time.perf_counter()
+        for runner in g.runners:
+            with runner.stream:
+                runner.ll_dispatch(x, idx, m, fp8=True, num_sms=64)
+                runner.ll_combine(y, idx, w, out, m, num_sms=64)
+        g.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[5:]) * 1e6)
 
 
 def main() -> int:
@@ -211,6 +247,13 @@ def main() -> int:
                     traceback.print_exc()
             group.close()
             group = None
+        for pointers in (False, True):
+            group = NodeGroup(pe, npes, per_pe, 256, 7168, 8, 128, stream, gpu, pointers)
+            us = time_pairs(group, 128, 7168, 256, 8)
+            print(f"PE {pe}: timing D FP8 pair p50 {us:.0f} us with the other node's ranks "
+                  f"{'by peer pointer (one-node build)' if pointers else 'through NVSHMEM'}",
+                  flush=True)
+            group.close()
         group = NodeGroup(pe, npes, per_pe, 16, 256, 2, 8, stream, gpu)
         try:
             bad_id_aborts_every_node(group, pe, 256, 8, 2)
