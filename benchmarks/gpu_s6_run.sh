@@ -5,6 +5,7 @@
 #        NVSHMEM build), then every low-latency GPU test of the one-node build
 #   bash benchmarks/gpu_s6_run.sh final    # carry [".whl"]: the test across logical nodes (with
 #        its timing lines), then every daemon-level GPU test (the engine's host control words)
+#   bash benchmarks/gpu_s6_run.sh mask     # carry [".whl"]: the MPS tests, then rank masking
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
@@ -38,5 +39,11 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
         | grep -v " INFO " > "$OUT/gpu_suite.txt"
     grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -30
     ;;
-  *) echo "usage: $0 remote|final" >&2; exit 2 ;;
+  mask)  # the MPS tests then rank masking, as in the suite's order, with the daemon's log
+    timeout 220 bash -c "$(declare -f pt); pt -s tests/gpu/test_mps_gpu.py \
+        tests/gpu/test_rank_masking_gpu.py" > "$OUT/gpu_mask.txt" 2>&1
+    grep -E "PASSED|FAILED|passed|failed|^E  |masked|went away|deadline|WARNING" \
+        "$OUT/gpu_mask.txt" | cut -c1-300 | head -60
+    ;;
+  *) echo "usage: $0 remote|final|mask" >&2; exit 2 ;;
 esac

@@ -25,8 +25,8 @@ def _params(kernel: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("kernel", "index", "count"), [
-    ("epd_ll_dispatch", ck.LL_DISPATCH_SEQ, 24),
-    ("epd_ll_combine_push", ck.LL_PUSH_SEQ, 17),
+    ("epd_ll_dispatch", ck.LL_DISPATCH_SEQ, 26),
+    ("epd_ll_combine_push", ck.LL_PUSH_SEQ, 18),
     ("epd_ll_combine_reduce", ck.LL_REDUCE_SEQ, 16),
 ])
 def test_packed_launch_sequence_argument(kernel: str, index: int, count: int) -> None:

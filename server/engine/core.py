@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import faulthandler
 import hmac
 import logging
 import math
@@ -61,6 +62,7 @@ log = logging.getLogger("epd.engine")
 QUIESCE_SECONDS = 1.0
 NODE_RPC_SECONDS = 5.0  # deadline of ReleaseRank, and the slack added to a rendezvous's
 MPS_WARNED_PIDS = 4096  # client pids remembered for the once-per-pid MPS warning
+TEARDOWN_STACKS_SECONDS = 15.0  # a session teardown this slow dumps every thread's stack
 SETTLE_SECONDS = 2.0  # drain: how long teardowns already under way may take to finish
 
 # (session, request, path label) -> response: what both transports run on a session's executor.
@@ -364,7 +366,13 @@ class Engine(StreamCalls, DataPlane):
             session.counter_page.close()
             self.backend.close_events(session.events)
 
-        await session.executor.shutdown(reason, interrupt, release)
+        # A teardown that takes long is a bug worth every thread's stack in the log (one timer
+        # per process: a second teardown at once replaces the first's).
+        faulthandler.dump_traceback_later(TEARDOWN_STACKS_SECONDS, exit=False)
+        try:
+            await session.executor.shutdown(reason, interrupt, release)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         members = list(session.members.values())
         session.members.clear()
         session.regions.clear()
