@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_s6_run.sh final    # carry [".whl"]: the test across logical nodes (with
 #        its timing lines), then every daemon-level GPU test (the engine's host control words)
 #   bash benchmarks/gpu_s6_run.sh mask     # carry [".whl"]: the MPS tests, then rank masking
+#   bash benchmarks/gpu_s6_run.sh ipcprobe # benchmarks/probe_ipc_close.py without and with MPS
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
@@ -45,5 +46,13 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
     grep -E "PASSED|FAILED|passed|failed|^E  |masked|went away|deadline|WARNING" \
         "$OUT/gpu_mask.txt" | cut -c1-300 | head -60
     ;;
-  *) echo "usage: $0 remote|final|mask" >&2; exit 2 ;;
+  ipcprobe)  # does closing an IPC mapping hold back other threads' launches? (no MPS, MPS)
+    timeout 60 python3 -P benchmarks/probe_ipc_close.py --json "$OUT/probe_ipc_close_nomps.json"
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/epd-probe-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epd-probe-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && sleep 1
+    timeout 60 python3 -P benchmarks/probe_ipc_close.py --json "$OUT/probe_ipc_close_mps.json"
+    echo quit | nvidia-cuda-mps-control
+    ;;
+  *) echo "usage: $0 remote|final|mask|ipcprobe" >&2; exit 2 ;;
 esac
