@@ -149,3 +149,35 @@ def test_backends_expose_their_kinds() -> None:
     with pytest.raises(InvalidArgument, match="MAX_RANKS"):
         b.validate_spec(_spec(cpu.MAX_RANKS + 1, 2, num_experts=1024))
     assert issubclass(cpu.CpuPlanner, GroupPlanner)
+
+
+def test_cuda_peer_table_across_nodes() -> None:
+    """Ranks of this node by pointer, ranks of other nodes as 0 with the symmetric address in
+    this engine's own heap and their global PE (the NVSHMEM build's peer table, issue 13)."""
+    heap, slot, off = 1 << 40, 4096, 1 << 20
+    engine_bases = {0: 7 << 40, 1: 9 << 40}  # this node's engines (NVLink peer pointers)
+    # 4 ranks: node 1 engines 0 and 1, node 0 engine 1, node 2 engine 0; nodes have 2, 2, 1
+    # engines (first PEs 0, 2, 4); this engine is on node 1.
+    bases, remote = cuda_plan.peer_table((1, 1, 0, 2), (0, 1, 1, 0), 1, off, slot,
+                                         engine_bases, heap, (0, 2, 4))
+    assert bases == [(7 << 40) + off, (9 << 40) + off + slot, 0, 0]
+    assert remote == {2: (heap + off + 2 * slot, 1), 3: (heap + off + 3 * slot, 4)}
+    # one node: no rank_nodes, every rank by pointer, nothing remote
+    bases, remote = cuda_plan.peer_table((), (0, 1), 0, off, slot, engine_bases, heap, ())
+    assert bases == [(7 << 40) + off, (9 << 40) + off + slot] and remote == {}
+
+
+def test_cuda_groups_of_a_multi_node_world_hold_the_put_staging() -> None:
+    """A world over several nodes sizes every low-latency group with the staging of puts
+    (send_x, send_scales, send_y), planner and engines alike; one node does not pay for it."""
+    spec = _spec(2, 8, num_experts=64, low_latency_mode=True, hidden=2048)
+    one = cuda_plan.membership_layout(spec).low_latency
+    many = cuda_plan.membership_layout(spec, remote=True).low_latency
+    assert "send_y" not in one.offsets
+    rows = one.num_local_experts * one.num_ranks * one.max_tokens
+    assert many.offsets["send_y"] >= many.offsets["send_x"] + one.max_tokens * 2048 * 2
+    assert many.end - one.end >= rows * 2048 * 2  # at least one more bf16 receive buffer
+    cfg = _cuda_cfg(1 << 34)
+    planner = cuda_plan.CudaPlanner(SimpleNamespace(**vars(cfg), num_nodes=2))
+    _, size = cuda_plan.decode_plan(planner.plan_group("g", spec))
+    assert size == cuda_plan.group_bytes(spec, remote=True) > cuda_plan.group_bytes(spec)

@@ -61,7 +61,7 @@ from .base import (
     check_combine_routing,
 )
 from .cuda_chain import LowLatencyChain
-from .cuda_plan import CudaPlanner, decode_plan, membership_layout
+from .cuda_plan import CudaPlanner, decode_plan, membership_layout, peer_table
 
 log = logging.getLogger("epd.cuda")
 cp = ck.cp
@@ -294,13 +294,22 @@ class CudaRankComm(RankComm):
 
         self.spec, self.membership, self.backend = spec, membership, backend
         self.rank = membership.rank
-        self.mlayout = membership_layout(spec)
+        # A world over several nodes sizes every group with the staging of puts to other nodes
+        # (the planner does the same), so that a group's layout does not depend on placement.
+        self.mlayout = membership_layout(spec, remote=backend.multi_node)
         slot = self.mlayout.slot_bytes
         base, _ = decode_plan(membership.plan)  # the group's range of every engine's heap
         if base + spec.num_ranks * slot > backend.heap_bytes:
             raise ResourceExhausted("group buffers do not fit in the symmetric heap")
-        peers = [backend.peer_bases[membership.rank_engines[r]] + base + r * slot
-                 for r in range(spec.num_ranks)]
+        peers, remote = peer_table(membership.rank_nodes, membership.rank_engines,
+                                   backend.node_rank, base, slot, backend.peer_bases,
+                                   backend.heap_base, backend.node_first_pe)
+        # Ranks on other nodes: the kernels' NVSHMEM build, and low-latency calls only.
+        self.spans_nodes = bool(remote)
+        kernels = backend.kernels
+        if remote:
+            from .cuda_remote import remote_kernels_for_device
+            kernels = remote_kernels_for_device(backend.device)
         self.slot_offset = base + self.rank * slot  # in this engine's heap
         sd = storage_dtype(spec.x_numpy_dtype)
         # The group's service class: its SM budget caps the blocks of the data kernels (normal
@@ -311,10 +320,10 @@ class CudaRankComm(RankComm):
             backend.cfg, spec.service_class, backend.num_sms, backend.ll_num_sms)
         priority = backend.stream_priority(spec.service_class)
         with cp.cuda.Device(backend.device):
-            self.runner = rt.RankRunner(backend.kernels, self.mlayout.kernel, self.rank, peers,
+            self.runner = rt.RankRunner(kernels, self.mlayout.kernel, self.rank, peers,
                                         backend.device, sd, sd, owner=backend.heap,
                                         ll_layout=self.mlayout.low_latency,
-                                        stream_priority=priority)
+                                        stream_priority=priority, remote=remote)
         self.stream_priority = self.runner.stream_priority
         # Clean control block before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind; then the address of this rank's host words.
@@ -371,8 +380,17 @@ class CudaRankComm(RankComm):
             s.synchronize()
         return out
 
+    def _one_node(self, what: str) -> None:
+        """Normal mode across nodes needs DeepEP's hierarchical kernels, not built."""
+        if self.spans_nodes:
+            from ...proto.errors import FailedPrecondition
+            raise FailedPrecondition(f"group {self.spec.name!r} spans nodes: normal-mode {what} "
+                                     f"across nodes is not built on the cuda engine (its "
+                                     f"hierarchical kernels); low-latency calls work")
+
     def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                  deadline: float) -> DispatchOutputs:
+        self._one_node("dispatch")
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):
@@ -436,6 +454,7 @@ class CudaRankComm(RankComm):
             bytes_sent=t * spec.hidden * args.x.dtype.itemsize, bytes_received=bytes_received)
 
     def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs:
+        self._one_node("combine")
         spec, h = self.spec, args.handle
         t, k = h.num_tokens, spec.num_topk
         out = self._extra("combined_x", (t, spec.hidden), spec.x_numpy_dtype)
@@ -645,6 +664,7 @@ class CudaRankComm(RankComm):
 
     def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                         deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
+        self._one_node("dispatch")
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):
@@ -674,6 +694,7 @@ class CudaRankComm(RankComm):
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: _Slot, deadline: float, stream_seq: int,
                        num_sms: int) -> None:
+        self._one_node("combine")
         with cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             self.runner.combine(args.x, args.handle.result, out,
@@ -810,9 +831,17 @@ class CudaBackend(Backend):
         nc.barrier_all(stream=stream)
         stream.synchronize()
         base = self.heap_base = int(self.heap.data.ptr)
-        self.peer_bases = [base if p == boot.pe else
+        # This node's engines by pointer (NVLink); PEs of other nodes only through NVSHMEM's
+        # device API (cuda_remote.py), so no peer pointer is asked for them.
+        self.node_rank = cfg.node_rank
+        self.node_first_pe = tuple(boot.node_first_pe)
+        self.multi_node = bool(self.node_first_pe)
+        first = self.node_first_pe[self.node_rank] if self.multi_node else 0
+        ends = (*self.node_first_pe[1:], boot.num_pes)
+        last = ends[self.node_rank] if self.multi_node else boot.num_pes
+        self.peer_bases = {p - first: base if p == boot.pe else
                            int(nc.get_peer_array(self.heap, p).data.ptr)
-                           for p in range(boot.num_pes)]
+                           for p in range(first, last)}
         try:
             ipc = cp.cuda.runtime.ipcGetMemHandle(base)
         except cp.cuda.runtime.CUDARuntimeError as e:

@@ -54,12 +54,34 @@ def membership_layout(spec: GroupSpec, *, remote: bool = False) -> MembershipLay
     return MembershipLayout(kernel, extras, ll.end, ll)
 
 
-def group_bytes(spec: GroupSpec) -> int:
+def group_bytes(spec: GroupSpec, *, remote: bool = False) -> int:
     """Heap bytes of a whole group: one slot per rank, whichever engine holds it."""
-    return membership_layout(spec).slot_bytes * spec.num_ranks
+    return membership_layout(spec, remote=remote).slot_bytes * spec.num_ranks
 
 
-def check_spec(spec: GroupSpec, heap_bytes: int | None = None) -> None:
+def peer_table(rank_nodes: tuple[int, ...], rank_engines: tuple[int, ...], node: int,
+               offset: int, slot_bytes: int, engine_bases: dict[int, int], heap_base: int,
+               node_first_pe: tuple[int, ...]) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    """Where each rank's buffer is, for the kernels of an engine on `node` (cuda_runtime's
+    `peer_bases` and `remote`): a rank of this node by pointer (its engine's heap base, from
+    `engine_bases`, + the group's offset + rank * slot); a rank of another node as 0, with the
+    symmetric address of its buffer in this engine's own heap (the same offset on every PE)
+    and its PE, `node_first_pe[its node] + its engine`. On one node `rank_nodes` is empty."""
+    nodes = rank_nodes or (node,) * len(rank_engines)
+    bases: list[int] = []
+    remote: dict[int, tuple[int, int]] = {}
+    for r, (n, e) in enumerate(zip(nodes, rank_engines, strict=True)):
+        at = offset + r * slot_bytes
+        if n == node:
+            bases.append(engine_bases[e] + at)
+        else:
+            bases.append(0)
+            remote[r] = (heap_base + at, node_first_pe[n] + e)
+    return bases, remote
+
+
+def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
+               remote: bool = False) -> None:
     """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded)."""
     if spec.num_ranks > abi.MAX_RANKS:
         raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
@@ -68,7 +90,7 @@ def check_spec(spec: GroupSpec, heap_bytes: int | None = None) -> None:
         raise InvalidArgument(f"num_topk={spec.num_topk} exceeds the cuda backend's limit of "
                               f"{abi.MAX_TOPK} (MAX_TOPK)")
     try:
-        size = group_bytes(spec)
+        size = group_bytes(spec, remote=remote)
     except ValueError as e:  # any other kernel limit the layout enforces
         raise InvalidArgument(f"the cuda backend cannot hold this group: {e}") from None
     if heap_bytes is not None and size > heap_bytes:
@@ -123,16 +145,19 @@ class CudaPlanner(GroupPlanner):
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
+        # A world over several nodes: every group's layout has the staging of puts to other
+        # nodes (as the engines lay it out, CudaRankComm).
+        self.remote = getattr(cfg, "num_nodes", 1) > 1
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = HeapAllocator(self.heap_bytes)
         self.uid = b""
         self.generation = 0
 
     def validate_spec(self, spec: GroupSpec) -> None:
-        check_spec(spec, self.heap_bytes)
+        check_spec(spec, self.heap_bytes, remote=self.remote)
 
     def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
-        size = group_bytes(spec)
+        size = group_bytes(spec, remote=self.remote)
         offset = self.heap.alloc(size)
         if offset is None:
             raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "
