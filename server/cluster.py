@@ -29,6 +29,7 @@ import grpc
 
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
+from .cluster_world import NodeState, WorldKeeper
 from .config import CLUSTER_TOKEN_METADATA
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class NodeLease:
     engines: list[epd_pb2.EngineInfo]
     last_seen: float = field(default_factory=time.monotonic)
     live: bool = True
+    world_generation: int = 0  # the world its engines run in (heartbeat)
 
 
 class ClusterHub(epd_pb2_grpc.ClusterServicer):
@@ -70,6 +72,8 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
         self.token = token
         self.heartbeat = sup.cfg.cluster_heartbeat_seconds
         self.nodes: dict[int, NodeLease] = {}
+        self.keeper = WorldKeeper(sup.cfg.num_nodes)  # (backends with a world over all nodes)
+        self.world: epd_pb2.ClusterWorld | None = None
 
     async def _check_token(self, context, method: str) -> None:
         sent = dict(context.invocation_metadata() or ()).get(CLUSTER_TOKEN_METADATA)
@@ -101,7 +105,37 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                    coordinator_reachable=True)
 
     def _event(self) -> epd_pb2.ClusterLeaseEvent:
-        return epd_pb2.ClusterLeaseEvent(heartbeat_seconds=self.heartbeat, cluster=self.info())
+        ev = epd_pb2.ClusterLeaseEvent(heartbeat_seconds=self.heartbeat, cluster=self.info())
+        if self.world is not None:
+            ev.world.CopyFrom(self.world)
+        return ev
+
+    def _node_states(self) -> dict[int, NodeState]:
+        sup = self.sup
+        nodes = {0: NodeState(sup.incarnation, len(sup.engines), sup.world_generation)}
+        for rank, n in self.nodes.items():
+            if n.live:
+                nodes[rank] = NodeState(n.incarnation, len(n.engines), n.world_generation)
+        return nodes
+
+    def tend_world(self) -> None:
+        """After any change of the leases or of node 0's engines: lose the world if a node
+        left it, form the next once every node holds a lease and runs no engines."""
+        sup = self.sup
+        if not sup.world_mode or sup.stopping:
+            return
+        why = self.keeper.lost(self._node_states())
+        if why is not None:
+            self.world = None
+            if sup.world_generation:
+                sup.leave_world(why)  # (which tends the world again)
+                return
+        world = self.keeper.form(self._node_states())
+        if world is not None:
+            self.world = sup.planner.form_world(world)
+            log.info("cluster world %d formed over %d node(s), %d PE(s)", world.generation,
+                     sup.cfg.num_nodes, world.num_pes)
+            sup.enter_world(self.world)
 
     async def Lease(self, request_iterator, context):
         await self._check_token(context, "Lease")
@@ -125,8 +159,10 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                 f"{old.incarnation}, lease alive); two daemons with one "
                                 f"--node-rank, or a restart before the old lease ended "
                                 f"(retry after {deadline:g} s)")
-        lease = NodeLease(rank, first.incarnation, first.node_name, list(first.engines))
+        lease = NodeLease(rank, first.incarnation, first.node_name, list(first.engines),
+                          world_generation=first.world_generation)
         self.nodes[rank] = lease
+        self.tend_world()
         log.info("node %d (%s, incarnation %s) registered with %d engine(s)", rank,
                  first.node_name, first.incarnation, len(first.engines))
         why = "its lease stream ended"
@@ -142,6 +178,8 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                     break
                 lease.last_seen = time.monotonic()
                 lease.engines = list(hb.engines)
+                lease.world_generation = hb.world_generation
+                self.tend_world()
                 yield self._event()
         except asyncio.CancelledError:
             why = "its connection broke"
@@ -158,6 +196,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
         lost = self.sup.coordinator.node_lost(lease.node_rank, why)
         log.warning("node %d lease ended (%s); groups aborted: %s", lease.node_rank, why,
                     lost or "none")
+        self.tend_world()
 
     def _live(self, rank: int, incarnation: str) -> bool:
         n = self.nodes.get(rank)
@@ -253,7 +292,8 @@ class ClusterMember:
         return epd_pb2.ClusterHeartbeat(node_rank=self.cfg.node_rank,
                                         incarnation=self.sup.incarnation,
                                         node_name=socket.gethostname(),
-                                        engines=engine_infos(self.sup))
+                                        engines=engine_infos(self.sup),
+                                        world_generation=self.sup.world_generation)
 
     async def _lease(self) -> str:
         """One lease: returns why it ended."""
@@ -275,6 +315,7 @@ class ClusterMember:
                 if ev is grpc.aio.EOF:
                     return "node 0 ended the lease"
                 self.view = ev.cluster
+                self._follow_world(ev)
                 if not self.connected:
                     self.connected = True
                     self.last_error = ""
@@ -290,7 +331,21 @@ class ClusterMember:
                 await sender
             call.cancel()
 
+    def _follow_world(self, ev: epd_pb2.ClusterLeaseEvent) -> None:
+        """Start the engines in the world node 0 formed; stop them when it says it is lost.
+        A world this node left (its engine died) is never entered again."""
+        sup = self.sup
+        if not sup.world_mode:
+            return
+        if ev.HasField("world"):
+            if ev.world.generation > max(sup.world_generation, sup.world_left):
+                sup.enter_world(ev.world)
+        elif sup.world_generation:
+            sup.leave_world(f"node 0 says world {sup.world_generation} is lost")
+
     def _coordinator_lost(self, why: str) -> None:
+        if self.sup.world_mode and self.sup.world_generation:
+            self.sup.leave_world(f"node 0 went away ({why})")
         me = self.cfg.node_rank
         aborted = []
         for g in self.groups.values():

@@ -157,6 +157,10 @@ class Config:
     cluster_heartbeat_seconds: float = field(default=1.0, metadata={
         "help": "cluster mode: heartbeat period of a node's lease; node 0 ends a lease after "
                 "3 missed heartbeats (a broken stream ends it at once)"})
+    cuda_cluster: bool = field(default=False, metadata={
+        "help": "experimental, cluster mode with the cuda backend: the engines of every node "
+                "form one NVSHMEM world (groups spanning nodes: low-latency calls only); not "
+                "yet run on GPUs as a daemon (docs/DESIGN_NOTES.md)"})
 
     @property
     def cluster_mode(self) -> bool:

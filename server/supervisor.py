@@ -154,6 +154,14 @@ class Supervisor:
         self.cluster_hub: ClusterHub | None = None
         self.cluster_member: ClusterMember | None = None
         self.cluster_token = ""
+        # A world over all nodes (cluster_world.py): the generation the engines run in (0: none;
+        # in that mode they start only in a world).
+        self.world_generation = 0
+        self.world_left = 0  # the last generation this node left: never entered again
+
+    @property
+    def world_mode(self) -> bool:
+        return self.cfg.cluster_mode and self.planner.world_spans_nodes
 
     @property
     def cluster(self) -> ClusterHub | ClusterMember | None:
@@ -165,9 +173,9 @@ class Supervisor:
         if not cfg.cluster_mode:
             return
         if not self.planner.cluster_capable:
-            raise StartupError(f"--num-nodes {cfg.num_nodes}: the {self.backend} backend cannot "
-                               f"form groups spanning nodes yet (its internode path is not "
-                               f"built); use --num-nodes 1")
+            raise StartupError(f"--num-nodes {cfg.num_nodes}: the {self.backend} backend forms "
+                               f"groups spanning nodes only with the experimental "
+                               f"--cuda-cluster (docs/DESIGN_NOTES.md); use --num-nodes 1")
         try:
             self.cluster_token = read_cluster_token(cfg.cluster_token_file)
         except ValueError as e:
@@ -213,15 +221,20 @@ class Supervisor:
             return False
 
     async def _monitor(self) -> None:
-        from prometheus_client import multiprocess
 
         from . import metrics
-        from .engine.state import sweep_engine_files
         while not self.stopping:
             for e in self.engines:
                 if e.proc is None:
                     continue
                 code = e.proc.poll()
+                if code is not None and not self.stopping and self.world_mode:
+                    # Its world is lost for every node: stop the others, report generation 0,
+                    # and start again in the next world node 0 forms.
+                    if self.world_generation:
+                        self.leave_world(f"engine {e.index} (pid {e.proc.pid}) exited with "
+                                         f"code {code}")
+                    continue
                 if code is not None and not self.stopping:
                     log.error("engine %d (pid %d) exited with code %s; restarting in %.1f s",
                               e.index, e.proc.pid, code, self.cfg.restart_backoff_seconds)
@@ -229,17 +242,7 @@ class Supervisor:
                     # (cuda: NVSHMEM) rebuilds the whole world: every engine restarts.
                     lost = self.engines if self.planner.restart_all_on_engine_loss else [e]
                     for x in lost:
-                        if x is not e and x.proc is not None and x.proc.poll() is None:
-                            x.proc.kill()
-                            x.proc.wait()
-                        multiprocess.mark_process_dead(x.proc.pid)
-                        metrics.ENGINE_UP.labels(str(x.index)).set(0)
-                        x.ready = False
-                        self.coordinator.engine_lost(x.index, self.cfg.node_rank)
-                        if self.cluster_member is not None:
-                            self.cluster_member.engine_lost(x.index)
-                        sweep_engine_files(self.cfg.shm_dir, x.index)
-                        _remove_engine_sockets(x.socket_path)
+                        self._engine_gone(x)
                     await asyncio.sleep(self.cfg.restart_backoff_seconds)
                     if self.planner.restart_all_on_engine_loss:
                         self.planner.new_world()
@@ -252,6 +255,52 @@ class Supervisor:
                     metrics.ENGINE_UP.labels(str(e.index)).set(1)
                     log.info("engine %d ready on %s", e.index, e.socket_path)
             await asyncio.sleep(0.1)
+
+    def _engine_gone(self, x: EngineProc) -> None:
+        """An engine is down (exited, or killed with its world): stop it if it still runs,
+        and forget it everywhere (metrics, groups, the cluster, its files and sockets)."""
+        from prometheus_client import multiprocess
+
+        from . import metrics
+        from .engine.state import sweep_engine_files
+        if x.proc is None:
+            return
+        if x.proc.poll() is None:
+            x.proc.kill()
+            x.proc.wait()
+        multiprocess.mark_process_dead(x.proc.pid)
+        metrics.ENGINE_UP.labels(str(x.index)).set(0)
+        x.ready = False
+        self.coordinator.engine_lost(x.index, self.cfg.node_rank)
+        if self.cluster_member is not None:
+            self.cluster_member.engine_lost(x.index)
+        sweep_engine_files(self.cfg.shm_dir, x.index)
+        _remove_engine_sockets(x.socket_path)
+
+    def enter_world(self, world: epd_pb2.ClusterWorld) -> None:
+        """Start every engine in `world` (after leaving an older one)."""
+        if self.world_generation:
+            self.leave_world(f"world {world.generation} replaces it")
+        self.planner.adopt_world(world)
+        self.world_generation = world.generation
+        log.info("cluster world %d: %d PE(s), this node's engines are PEs %d..%d",
+                 world.generation, world.num_pes, world.node_first_pe[self.cfg.node_rank],
+                 world.node_first_pe[self.cfg.node_rank] + len(self.engines) - 1)
+        for e in self.engines:
+            self._spawn(e)
+
+    def leave_world(self, why: str) -> None:
+        """The world is lost: every engine of this node stops (a PE cannot be replaced)."""
+        log.warning("cluster world %d lost (%s): stopping this node's engines",
+                    self.world_generation, why)
+        self.planner.leave_world()
+        self.world_left = max(self.world_left, self.world_generation)
+        self.world_generation = 0
+        for e in self.engines:
+            self._engine_gone(e)
+            e.proc = None
+        if self.cluster_hub is not None:
+            self.cluster_hub.tend_world()
 
     def bind_http(self) -> None:
         """Listen on the metrics address (before anything else starts: a port in use is a
@@ -305,10 +354,12 @@ class Supervisor:
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s, MPS %s",
                  __version__, self.backend, len(self.engines), cfg.socket_dir, self.metrics_url,
                  self.mps.mode)
-        if not stop.is_set():  # not already asked to stop while MPS started
+        if not stop.is_set() and not self.world_mode:  # (not asked to stop while MPS started)
             self.planner.new_world()
             for e in self.engines:
                 self._spawn(e)
+        elif self.cluster_hub is not None:  # engines start in the first world over all nodes
+            self.cluster_hub.tend_world()
         monitor = asyncio.create_task(self._monitor())
         await stop.wait()
 

@@ -289,14 +289,22 @@ def test_cluster_settings_come_from_env_and_toml(tmp_path):
 
 
 def test_only_a_cluster_capable_planner_may_span_nodes():
-    """The cuda planner cannot (no NVSHMEM internode path yet): `epd serve --num-nodes 2
-    --backend cuda` refuses to start, and its adopt_plan refuses any plan."""
-    from epd.proto.errors import FailedPrecondition
+    """The cuda planner spans nodes only with the experimental --cuda-cluster (one NVSHMEM
+    world over every node's engines); without it `epd serve --num-nodes 2 --backend cuda`
+    refuses to start."""
+    from types import SimpleNamespace
+
     from epd.server.backends.cpu import CpuPlanner
     from epd.server.backends.cuda_plan import CudaPlanner
-    assert CpuPlanner.cluster_capable and not CudaPlanner.cluster_capable
-    with pytest.raises(FailedPrecondition, match="spanning nodes"):
-        CudaPlanner.adopt_plan(object.__new__(CudaPlanner), "g0", b"")
+
+    def cuda(**kw):
+        return CudaPlanner(SimpleNamespace(nvshmem_heap_bytes=1 << 30, node_rank=0, **kw))
+    assert CpuPlanner.cluster_capable and not CpuPlanner.world_spans_nodes
+    assert not cuda(num_nodes=2).cluster_capable
+    assert not cuda(num_nodes=1, cuda_cluster=True).cluster_capable
+    p = cuda(num_nodes=2, cuda_cluster=True)
+    assert p.cluster_capable and p.world_spans_nodes
+    assert p.adopt_plan("g0", b"plan") == b"plan"  # node 0's offsets: one symmetric heap
 
 
 def test_a_node_with_the_wrong_token_is_not_registered(tmp_path):

@@ -775,16 +775,30 @@ class FdResponse(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterHeartbeat(_message.Message):
-    __slots__ = ("node_rank", "incarnation", "node_name", "engines")
+    __slots__ = ("node_rank", "incarnation", "node_name", "engines", "world_generation")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    WORLD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     incarnation: str
     node_name: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
-    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ...) -> None: ...
+    world_generation: int
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., world_generation: _Optional[int] = ...) -> None: ...
+
+class ClusterWorld(_message.Message):
+    __slots__ = ("nvshmem_uid", "generation", "node_first_pe", "num_pes")
+    NVSHMEM_UID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIRST_PE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PES_FIELD_NUMBER: _ClassVar[int]
+    nvshmem_uid: bytes
+    generation: int
+    node_first_pe: _containers.RepeatedScalarFieldContainer[int]
+    num_pes: int
+    def __init__(self, nvshmem_uid: _Optional[bytes] = ..., generation: _Optional[int] = ..., node_first_pe: _Optional[_Iterable[int]] = ..., num_pes: _Optional[int] = ...) -> None: ...
 
 class ClusterNodeInfo(_message.Message):
     __slots__ = ("node_rank", "node_name", "healthy", "engines", "last_seen_seconds", "incarnation")
@@ -817,12 +831,14 @@ class ClusterInfo(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ...) -> None: ...
 
 class ClusterLeaseEvent(_message.Message):
-    __slots__ = ("heartbeat_seconds", "cluster")
+    __slots__ = ("heartbeat_seconds", "cluster", "world")
     HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    WORLD_FIELD_NUMBER: _ClassVar[int]
     heartbeat_seconds: float
     cluster: ClusterInfo
-    def __init__(self, heartbeat_seconds: _Optional[float] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
+    world: ClusterWorld
+    def __init__(self, heartbeat_seconds: _Optional[float] = ..., cluster: _Optional[_Union[ClusterInfo, _Mapping]] = ..., world: _Optional[_Union[ClusterWorld, _Mapping]] = ...) -> None: ...
 
 class ClusterRendezvousRequest(_message.Message):
     __slots__ = ("node_rank", "incarnation", "request")

@@ -91,6 +91,21 @@ class GroupPlanner(abc.ABC):
     # plan (`adopt_plan`). Only the CPU backend on logical nodes (one host) can; the CUDA path
     # needs NVSHMEM's internode transport, not built yet.
     cluster_capable: bool = False
+    # Cluster mode: the engines of every node form one world (cluster_world.py), formed by node
+    # 0 (`form_world`) and adopted by the others (`adopt_world`); engines start only in one.
+    world_spans_nodes: bool = False
+
+    def form_world(self, world: Any) -> Any:
+        """Node 0: the backend's part of a new world over all nodes (cluster_world.World),
+        as the epd_pb2.ClusterWorld the other nodes adopt."""
+        raise NotImplementedError
+
+    def adopt_world(self, world: Any) -> None:
+        """Every node: the engines it starts from now on join `world` (epd_pb2.ClusterWorld)."""
+        raise NotImplementedError
+
+    def leave_world(self) -> None:  # noqa: B027  (optional hook)
+        """The world is lost: engines may not start until the next one."""
 
     @abc.abstractmethod
     def validate_spec(self, spec: GroupSpec) -> None:

@@ -148,6 +148,10 @@ class CudaPlanner(GroupPlanner):
         # A world over several nodes: every group's layout has the staging of puts to other
         # nodes (as the engines lay it out, CudaRankComm).
         self.remote = getattr(cfg, "num_nodes", 1) > 1
+        # Experimental: the engines of every node in one NVSHMEM world (--cuda-cluster).
+        self.cluster_capable = self.world_spans_nodes = (
+            self.remote and bool(getattr(cfg, "cuda_cluster", False)))
+        self.world: epd_pb2.ClusterWorld | None = None
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = HeapAllocator(self.heap_bytes)
         self.uid = b""
@@ -195,10 +199,39 @@ class CudaPlanner(GroupPlanner):
     def bootstrap(self, engine_index: int, num_engines: int) -> epd_pb2.GetBootstrapResponse:
         if not 0 <= engine_index < num_engines:
             raise InvalidArgument(f"engine index {engine_index} out of range")
+        if self.world_spans_nodes:  # PE = the node's first PE + the engine's index
+            w = self.world
+            if w is None:
+                raise FailedPrecondition("the NVSHMEM world over the cluster's nodes is not "
+                                         "formed yet (node 0 forms it once every node holds "
+                                         "a lease)")
+            return epd_pb2.GetBootstrapResponse(
+                nvshmem_uid=w.nvshmem_uid, pe=w.node_first_pe[self.cfg.node_rank] + engine_index,
+                num_pes=w.num_pes, generation=w.generation, node_first_pe=w.node_first_pe)
         if not self.uid:
             raise FailedPrecondition("the NVSHMEM world is not created yet")
         return epd_pb2.GetBootstrapResponse(nvshmem_uid=self.uid, pe=engine_index,
                                             num_pes=num_engines, generation=self.generation)
+
+    # -- a world over all nodes (cluster_world.py) ----------------------------------------------
+    def form_world(self, world: Any) -> epd_pb2.ClusterWorld:
+        self.new_world()
+        msg = epd_pb2.ClusterWorld(nvshmem_uid=self.uid, generation=world.generation,
+                                   node_first_pe=list(world.node_first_pe),
+                                   num_pes=world.num_pes)
+        self.adopt_world(msg)
+        return msg
+
+    def adopt_world(self, world: epd_pb2.ClusterWorld) -> None:
+        self.world = world
+        self.heap = HeapAllocator(self.heap_bytes)  # a new world: every heap is empty again
+
+    def leave_world(self) -> None:
+        self.world = None
+
+    def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
+        # Node 0 planned it in the world's symmetric heap: the same offsets on every PE.
+        return plan
 
     def detect_engines(self) -> int:
         import cupy

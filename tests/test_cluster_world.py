@@ -1,0 +1,142 @@
+"""A world over all nodes (server/cluster_world.py, the CUDA engine's NVSHMEM world in cluster
+mode): when node 0 forms it, when it is lost, and the PEs the engines get from it. Pure logic
+and the CUDA planner's sizes: no GPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from epd.proto.errors import FailedPrecondition
+from epd.server.backends.cuda_plan import CudaPlanner
+from epd.server.cluster_world import NodeState, WorldKeeper
+
+
+def _nodes(gens: dict[int, int], engines=(2, 1, 3), inc: dict[int, str] | None = None):
+    inc = inc or {}
+    return {r: NodeState(inc.get(r, f"i{r}"), engines[r], g) for r, g in gens.items()}
+
+
+def test_formed_once_every_node_holds_a_lease_and_runs_no_engines() -> None:
+    k = WorldKeeper(3)
+    assert k.form(_nodes({0: 0, 1: 0})) is None  # node 2 has no lease yet
+    assert k.form(_nodes({0: 0, 1: 0, 2: 7})) is None  # node 2 still runs an older world
+    w = k.form(_nodes({0: 0, 1: 0, 2: 0}))
+    assert (w.generation, w.node_first_pe, w.num_pes) == (1, (0, 2, 3), 6)
+    assert k.form(_nodes({0: 0, 1: 0, 2: 0})) is None  # one world at a time
+    # nodes that have not started in it yet do not lose it
+    assert k.lost(_nodes({0: 1, 1: 0, 2: 0})) is None
+    assert k.lost(_nodes({0: 1, 1: 1, 2: 1})) is None
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda n: n.pop(1), "node 1 went away"),
+    (lambda n: n.update(_nodes({2: 1}, inc={2: "new"})), "node 2 restarted"),
+    (lambda n: n.update(_nodes({1: 0})), "node 1's engines left the world"),
+])
+def test_lost_when_a_node_leaves_it_then_formed_again(change, words) -> None:
+    k = WorldKeeper(3)
+    k.form(_nodes({0: 0, 1: 0, 2: 0}))
+    nodes = _nodes({0: 1, 1: 1, 2: 1})
+    assert k.lost(nodes) is None
+    change(nodes)
+    assert words in k.lost(nodes)
+    assert k.world is None and k.lost(nodes) is None  # said once
+    # the next world waits for every node to have stopped its engines
+    assert k.form(_nodes({0: 0, 1: 1, 2: 0})) is None
+    w = k.form(_nodes({0: 0, 1: 0, 2: 0}))
+    assert w.generation == 2
+
+
+def test_cuda_engines_get_their_pe_in_the_world() -> None:
+    cfg = SimpleNamespace(nvshmem_heap_bytes=1 << 30, num_nodes=3, node_rank=1, cuda_cluster=True)
+    node1 = CudaPlanner(cfg)
+    with pytest.raises(FailedPrecondition, match="not formed yet"):
+        node1.bootstrap(0, 1)
+    k = WorldKeeper(3)
+    w = k.form(_nodes({0: 0, 1: 0, 2: 0}))
+    node0 = CudaPlanner(SimpleNamespace(**{**vars(cfg), "node_rank": 0}))
+    node0.new_world = lambda: setattr(node0, "uid", b"u" * 128)  # (nvshmem: GPU machines)
+    msg = node0.form_world(w)
+    node1.adopt_world(msg)  # from the lease stream
+    b = node1.bootstrap(0, 1)
+    assert (b.pe, b.num_pes, list(b.node_first_pe), b.generation) == (2, 6, [0, 2, 3], 1)
+    assert b.nvshmem_uid == b"u" * 128
+    assert node0.bootstrap(1, 2).pe == 1
+    node1.leave_world()
+    with pytest.raises(FailedPrecondition):
+        node1.bootstrap(0, 1)
+
+
+class _Sup:
+    """What ClusterHub / ClusterMember use of a supervisor in world mode, recording what they
+    make it do (the real enter/leave start and stop engine processes)."""
+
+    def __init__(self, node_rank: int, engines: int = 2) -> None:
+        self.cfg = SimpleNamespace(num_nodes=2, node_rank=node_rank, cuda_cluster=True,
+                                   nvshmem_heap_bytes=1 << 30, cluster_heartbeat_seconds=1.0,
+                                   cluster_address="127.0.0.1:1")
+        self.planner = CudaPlanner(self.cfg)
+        self.planner.new_world = lambda: setattr(self.planner, "uid", b"u" * 128)
+        self.engines = [SimpleNamespace(index=i, socket_path="", ready=False, proc=None,
+                                        restarts=0) for i in range(engines)]
+        self.incarnation, self.world_generation, self.world_left = f"inc{node_rank}", 0, 0
+        self.world_mode, self.stopping, self.log = True, False, []
+
+    def enter_world(self, world) -> None:
+        if self.world_generation:
+            self.leave_world("replaced")
+        self.planner.adopt_world(world)
+        self.world_generation = world.generation
+        self.log.append(("enter", world.generation))
+
+    def leave_world(self, why: str) -> None:
+        self.planner.leave_world()
+        self.world_left = max(self.world_left, self.world_generation)
+        self.world_generation = 0
+        self.log.append(("leave", why))
+        if getattr(self, "hub", None) is not None:
+            self.hub.tend_world()
+
+
+def test_node_0_and_a_member_follow_the_world_through_a_loss() -> None:
+    from epd.proto.v1 import epd_pb2
+    from epd.server.cluster import ClusterHub, ClusterMember, NodeLease
+
+    sup0, sup1 = _Sup(0), _Sup(1, engines=3)
+    hub = sup0.hub = ClusterHub(sup0, "t")
+    member = ClusterMember(sup1, "t")
+    hub.tend_world()
+    assert sup0.log == []  # node 1 holds no lease yet
+    lease = NodeLease(1, sup1.incarnation, "n1", [epd_pb2.EngineInfo()] * 3)
+    hub.nodes[1] = lease
+    hub.tend_world()
+    assert sup0.log == [("enter", 1)] and hub._event().world.num_pes == 5
+    member._follow_world(hub._event())
+    assert sup1.log == [("enter", 1)] and sup1.planner.bootstrap(2, 3).pe == 4
+    lease.world_generation = 1  # its heartbeat
+    hub.tend_world()
+    # an engine of node 1 dies: it stops the others and reports 0; node 0 loses the world
+    sup1.leave_world("engine 0 exited")
+    lease.world_generation = 0
+    hub.tend_world()
+    assert sup0.log[1][0] == "leave" and "node 1's engines left" in sup0.log[1][1]
+    # ... and forms the next at once: both nodes run no engines
+    assert sup0.log[2] == ("enter", 2) and hub._event().world.generation == 2
+    member._follow_world(hub._event())
+    assert sup1.log[-1] == ("enter", 2)
+    # a stale event of the world it left never brings node 1 back into it
+    stale = epd_pb2.ClusterLeaseEvent()
+    stale.world.generation = 1
+    member._follow_world(stale)
+    assert sup1.world_generation == 2
+    # node 0 ends node 1's lease: the world is lost on node 0; node 1, told by an event
+    # without a world, stops its engines
+    lease.world_generation = 2
+    hub.tend_world()
+    lease.live = False
+    hub.tend_world()
+    assert sup0.world_generation == 0 and "node 1 went away" in sup0.log[-1][1]
+    member._follow_world(hub._event())
+    assert sup1.world_generation == 0 and sup1.log[-1][0] == "leave"
