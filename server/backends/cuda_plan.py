@@ -181,9 +181,12 @@ class CudaPlanner(GroupPlanner):
         return None
 
     def engine_env(self) -> dict[str, str]:
-        # One node: no IB probing, loopback bootstrap; a heap clients can map over CUDA IPC.
-        return {"NVSHMEM_REMOTE_TRANSPORT": "none",
-                "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+        # One node: no IB probing, loopback bootstrap (a world over several nodes keeps
+        # NVSHMEM's own defaults, or what the node's environment sets for its fabric); a heap
+        # clients can map over CUDA IPC.
+        one_node = {} if self.world_spans_nodes else {
+            "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
+        return {**one_node,
                 "NVSHMEM_DISABLE_CUDA_VMM": "1",
                 # Stream-ordered calls park each rank's stream in a GPU-side wait for its
                 # client: the most hardware queues, so one rank's wait stalls no other stream.
