@@ -7,6 +7,7 @@
 #        its timing lines), then every daemon-level GPU test (the engine's host control words)
 #   bash benchmarks/gpu_s6_run.sh mask     # carry [".whl"]: the MPS tests, then rank masking
 #   bash benchmarks/gpu_s6_run.sh ipcprobe # benchmarks/probe_ipc_close.py without and with MPS
+#   bash benchmarks/gpu_s6_run.sh cluster  # carry [".whl"]: tests/gpu/test_cuda_cluster.py
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
@@ -54,5 +55,11 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
     timeout 60 python3 -P benchmarks/probe_ipc_close.py --json "$OUT/probe_ipc_close_mps.json"
     echo quit | nvidia-cuda-mps-control
     ;;
-  *) echo "usage: $0 remote|final|mask|ipcprobe" >&2; exit 2 ;;
+  cluster)  # carry [".whl"]: two logical-node daemons (--cuda-cluster) forming one world
+    timeout 400 bash -c "$(declare -f pt); pt -s tests/gpu/test_cuda_cluster.py" \
+        > "$OUT/gpu_cuda_cluster.txt" 2>&1
+    grep -E "PASSED|FAILED|passed|failed|^E  |world|lost" "$OUT/gpu_cuda_cluster.txt" \
+        | cut -c1-300 | head -60
+    ;;
+  *) echo "usage: $0 remote|final|mask|ipcprobe|cluster" >&2; exit 2 ;;
 esac

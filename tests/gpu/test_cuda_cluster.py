@@ -1,0 +1,214 @@
+"""Issue 13 as a daemon: two logical nodes — two `epd serve --backend cuda --cuda-cluster`
+daemons, one engine each — form one NVSHMEM world (node 0 forms it once node 1 holds a lease),
+and a low-latency group with one rank on each node runs through the DeepEP facade, its rank on
+the other node reached through NVSHMEM's device API: exact against the reference over several
+steps (bf16 and FP8); normal mode on the spanning group is refused with FAILED_PRECONDITION.
+Then node 1's daemon is stopped: node 0 loses the world and stops its engine (a PE cannot be
+replaced); started again, both nodes run in world 2 and a new group is exact again.
+
+One GPU: both engines on GPU 0 under one MPS server with half the threads each (NVSHMEM's
+several-PEs-per-GPU mode); two GPUs: one node per GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from epd.proto.dtypes import BFLOAT16
+from epd.server import reference as ref
+
+from .conftest import GPU_COUNT
+from .test_daemon import _bits, _check_ll, _compact, _report_errors, _to_torch
+
+pytestmark = pytest.mark.gpu
+R, E, K, H, M = 2, 16, 4, 2048, 16
+LX = E // R
+TOKENS = (16, 11)
+
+
+def _inputs(step: int, rank: int):
+    rng = np.random.default_rng([7, step, rank])
+    idx, w = ref.random_routing(rng, TOKENS[rank], E, K, drop_prob=0.1)
+    return ref.random_x(rng, TOKENS[rank], H, BFLOAT16), idx, w
+
+
+def _rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
+    import torch
+
+    from epd.client import EpdError
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "steps": []}
+    buf = Buffer(None, rank=rank, num_ranks=R, endpoint=socket_path, low_latency_mode=True,
+                 group_name=group, timeout=30)
+    for step in range(3):
+        x, idx, w = (_to_torch(a, device) for a in _inputs(step, rank))
+        fp8 = step == 1
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=fp8)
+        y = recv if not fp8 else _dequant_free_y(recv, device)
+        cx, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        torch.cuda.synchronize()
+        scales = recv[1] if fp8 else None
+        res["steps"].append({"compact": _compact(SimpleNamespace(
+            recv_x=recv[0] if fp8 else recv, recv_count=count, recv_x_scales=scales,
+            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
+            "cx": _bits(cx), "y": _bits(y) if fp8 else None})
+    try:
+        x, idx, w = (_to_torch(a, device) for a in _inputs(0, rank))
+        layout = buf.get_dispatch_layout(idx, E)
+        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=layout[0],
+                     is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
+        res["normal"] = "accepted"
+    except EpdError as e:
+        res["normal"] = f"{e.code.name}: {e.message}"
+    buf.destroy()
+    q.put(res)
+
+
+def _dequant_free_y(recv, device: int):
+    """Expert outputs for an FP8 dispatch: any bf16 rows of the right shape (fixed bits)."""
+    import torch
+    g = torch.Generator(device="cpu").manual_seed(5)
+    return torch.randn(recv[0].shape, generator=g).to(torch.bfloat16).to(device)
+
+
+def _check(results: list[dict]) -> None:
+    for step in range(3):
+        fp8 = step == 1
+        xs, idx, w = zip(*(_inputs(step, r) for r in range(R)), strict=True)
+        disp = ref.low_latency_dispatch(list(xs), list(idx), E, M, use_fp8=fp8)
+        ys = ([results[r]["steps"][step]["y"].view(BFLOAT16) for r in range(R)] if fp8
+              else [d.recv_x for d in disp])
+        combined = ref.low_latency_combine(ys, disp, list(idx), list(w), E)
+        for r in range(R):
+            got = results[r]["steps"][step]
+            _check_ll(disp[r], got["compact"], LX)
+            np.testing.assert_array_equal(got["cx"], combined[r].view(np.uint16),
+                                          err_msg=f"step {step} rank {r}")
+    for r in range(R):
+        assert results[r]["normal"].startswith("FAILED_PRECONDITION") and \
+            "spans nodes" in results[r]["normal"], results[r]["normal"]
+
+
+def _spawn(endpoints: list[str], *args) -> list[dict]:
+    """Rank r in a spawned process on node r's engine (and on GPU r where there are two)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_report_errors, args=(
+        _rank, r, endpoints[r], r % GPU_COUNT, *args, q)) for r in range(R)]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted((q.get(timeout=240) for _ in procs), key=lambda x: x["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    errors = [x["error"] for x in results if "error" in x]
+    assert not errors, errors[0]
+    return results
+
+
+@contextlib.contextmanager
+def _env(**kw: str) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in kw}
+    os.environ.update(kw)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class _Nodes:
+    """Two logical-node daemons; node i's engine on GPU i (two GPUs) or both on GPU 0 under one
+    MPS server (one GPU)."""
+
+    def __init__(self, root: str, mps_env: dict[str, str]) -> None:
+        self.root, self.mps_env = root, mps_env
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.address = f"127.0.0.1:{s.getsockname()[1]}"
+        self.token = os.path.join(root, "token")
+        with open(self.token, "w") as f:
+            f.write(secrets.token_hex(16) + "\n")
+        os.chmod(self.token, 0o600)
+        self.nodes: list = [None, None]
+
+    def start(self, rank: int):
+        from epd.server.demo import Daemon
+        gpu = rank if GPU_COUNT >= 2 else 0
+        env = dict(self.mps_env, CUDA_VISIBLE_DEVICES=str(gpu), NVSHMEM_REMOTE_TRANSPORT="none",
+                   NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_DISABLE_NVLS="1")
+        with _env(**env):
+            d = Daemon(backend="cuda", engines=1, timeout_seconds=4.0, extra=[
+                "--num-nodes", "2", "--node-rank", str(rank), "--cluster-address", self.address,
+                "--cluster-token-file", self.token, "--cluster-heartbeat-seconds", "1",
+                "--cuda-cluster", "--nvshmem-heap-bytes", str(2 << 30),
+                "--mps", "auto" if self.mps_env else "off"])
+        self.nodes[rank] = d
+        return d
+
+    def stop(self) -> None:
+        for d in self.nodes:
+            if d is not None:
+                print(d.log()[-3000:])
+                d.stop()
+
+
+def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
+    if GPU_COUNT < 1:
+        pytest.skip("needs a GPU")
+    from epd.proto.v1 import epd_pb2
+    from epd.server.mps import Mps, MpsError
+
+    root = tempfile.mkdtemp(prefix="epd-xn-")  # short: the MPS pipe path is a socket path
+    mps = None
+    mps_env: dict[str, str] = {}
+    try:
+        if GPU_COUNT < 2:
+            mps = Mps("on", root, "cuda", epd_pb2.CUDA)
+            try:
+                mps.start()
+            except MpsError as e:
+                pytest.skip(f"needs MPS: {e}")
+            mps_env = {k: v for k, v in mps.env().items() if k.startswith("CUDA_MPS")}
+            mps_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "50"
+        nodes = _Nodes(root, mps_env)
+        try:
+            for r in (0, 1):
+                nodes.start(r)
+            for d in nodes.nodes:
+                d.wait_ready(240)  # (engines start once the world over both nodes is formed)
+            clients = {k: v for k, v in mps_env.items() if k.startswith("CUDA_MPS_PIPE")}
+            with _env(**clients):
+                _check(_spawn([d.socket(0) for d in nodes.nodes], "xnode"))
+            # node 1 goes away: the world is lost on node 0 too; node 1 back: world 2
+            nodes.nodes[1].stop()
+            nodes.nodes[1] = None
+            nodes.start(1)
+            for d in nodes.nodes:
+                d.wait_ready(240)
+            assert "world 2" in nodes.nodes[0].log() and "lost" in nodes.nodes[0].log()
+            with _env(**clients):
+                _check(_spawn([d.socket(0) for d in nodes.nodes], "xnode-again"))
+        finally:
+            nodes.stop()
+    finally:
+        if mps is not None:
+            mps.stop()
+        shutil.rmtree(root, ignore_errors=True)
