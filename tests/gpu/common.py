@@ -153,3 +153,41 @@ def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_e
         run_and_check_combine(group, rng, results, expected, num_tokens, hidden, worst=worst,
                               bias=bias, num_sms=num_sms)
     return results
+
+
+def check_ll_dispatch(out: dict[str, np.ndarray], exp: Any, fp8: bool) -> None:
+    """One rank's low-latency dispatch outputs (host copies of RankRunner.ll_outputs) against
+    the reference's: counts, then per local expert the valid rows bit-exact (source rank and
+    token, payload, FP8 scales) and -1 beyond them."""
+    np.testing.assert_array_equal(out["recv_count"], exp.recv_count)
+    for le in range(len(exp.recv_count)):
+        c = int(exp.recv_count[le])
+        np.testing.assert_array_equal(out["recv_src_rank"][le][:c], exp.recv_src_rank[le][:c])
+        np.testing.assert_array_equal(out["recv_src_idx"][le][:c], exp.recv_src_idx[le][:c])
+        np.testing.assert_array_equal(raw(out["recv_x"][le][:c]), raw(exp.recv_x[le][:c]))
+        if fp8:
+            np.testing.assert_array_equal(out["recv_x_scales"][le][:c].view(np.uint32),
+                                          exp.recv_x_scales[le][:c].view(np.uint32))
+        assert (out["recv_src_rank"][le][c:] == -1).all()
+        assert (out["recv_src_idx"][le][c:] == -1).all()
+
+
+def ll_combine_inputs(rng: np.random.Generator, dispatched: list[Any], idxs: list[np.ndarray],
+                      lx: int, m: int, h: int, combine_drop: float
+                      ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(expert outputs, combine topk_idx) of every rank: fresh rows in the valid rows, NaN
+    beyond them (never to be read); entries dropped at combine time with `combine_drop`."""
+    r = len(dispatched)
+    ys = []
+    for d in range(r):
+        y = np.full((lx, r * m, h), 0xFFFF, np.uint16).view(BFLOAT16)
+        for le in range(lx):
+            c = int(dispatched[d].recv_count[le])
+            y[le, :c] = ref.random_x(rng, c, h, BFLOAT16) if c else y[le, :0]
+        ys.append(y)
+    comb_idx = []
+    for i in idxs:
+        c = i.copy()
+        c[rng.random(c.shape) < combine_drop] = -1
+        comb_idx.append(c)
+    return ys, comb_idx

@@ -14,10 +14,12 @@ import sys
 import traceback
 
 import numpy as np
+from nvshmem_worker import PeGroup  # this folder is on sys.path (run as a script)
 
 
-class NodeGroup:
-    """The ranks of one low-latency group that this PE (logical node) holds."""
+class NodeGroup(PeGroup):
+    """The ranks of one low-latency group that this PE (logical node) holds (PeGroup's
+    poison, synchronize and close)."""
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
                  num_topk: int, max_tokens: int, stream, gpu: int,
@@ -71,28 +73,16 @@ class NodeGroup:
         nc.barrier_all(stream=self.stream)
         self.stream.synchronize()
 
-    def poison(self) -> None:
-        ctrl_end = self.layout.offsets["recv_x"]
-        for j in range(len(self.runners)):
-            self.heap[j * self.size + ctrl_end:(j + 1) * self.size].fill(0xAB)
-
-    def synchronize(self) -> None:
-        for r in self.runners:
-            r.stream.synchronize()
-
     def close(self) -> None:
-        import nvshmem.core as nc
-
-        self.barrier()
-        self.runners.clear()
-        nc.free_array(self.heap)
+        self.barrier()  # (no PE frees its heap while another still writes into it)
+        super().close()
 
 
 def roundtrip(g: NodeGroup, rng: np.random.Generator, tokens: list[int], e: int, k: int,
               h: int, m: int, *, fp8: bool, round_scale: bool = False, drop: float = 0.0,
               combine_drop: float = 0.0, num_sms: int = 8, buffer: int = 0) -> None:
     import cupy as cp
-    from common import TIMEOUT_NS, raw
+    from common import TIMEOUT_NS, check_ll_dispatch, ll_combine_inputs, raw
 
     from epd.proto.dtypes import BFLOAT16
     from epd.server import reference as ref
@@ -116,30 +106,8 @@ def roundtrip(g: NodeGroup, rng: np.random.Generator, tokens: list[int], e: int,
     want = ref.low_latency_dispatch(xs, idxs, e, m, use_fp8=fp8, round_scale=round_scale)
     for d, runner in zip(g.rank_ids, g.runners, strict=True):
         out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8, buffer).items()}
-        exp = want[d]
-        np.testing.assert_array_equal(out["recv_count"], exp.recv_count)
-        for le in range(lx):
-            c = int(exp.recv_count[le])
-            np.testing.assert_array_equal(out["recv_src_rank"][le][:c], exp.recv_src_rank[le][:c])
-            np.testing.assert_array_equal(out["recv_src_idx"][le][:c], exp.recv_src_idx[le][:c])
-            np.testing.assert_array_equal(raw(out["recv_x"][le][:c]), raw(exp.recv_x[le][:c]))
-            if fp8:
-                np.testing.assert_array_equal(out["recv_x_scales"][le][:c].view(np.uint32),
-                                              exp.recv_x_scales[le][:c].view(np.uint32))
-            assert (out["recv_src_rank"][le][c:] == -1).all()
-    # Combine: fresh expert outputs in the valid rows, NaN beyond them (never to be read).
-    ys = []
-    for d in range(r):
-        y = np.full((lx, r * m, h), 0xFFFF, np.uint16).view(BFLOAT16)
-        for le in range(lx):
-            c = int(want[d].recv_count[le])
-            y[le, :c] = ref.random_x(rng, c, h, BFLOAT16) if c else y[le, :0]
-        ys.append(y)
-    comb_idx = []
-    for i in idxs:
-        c = i.copy()
-        c[rng.random(c.shape) < combine_drop] = -1
-        comb_idx.append(c)
+        check_ll_dispatch(out, want[d], fp8)
+    ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
     expected = ref.low_latency_combine(ys, want, comb_idx, ws, e)
     outs = {}
     for s, runner in zip(g.rank_ids, g.runners, strict=True):
@@ -219,7 +187,7 @@ def main() -> int:
     pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     import cupy as cp
     import nvshmem.core as nc
-    from nvshmem_worker import init_pe  # this folder is on sys.path (run as a script)
+    from nvshmem_worker import init_pe
 
     gpu = init_pe(pe, npes, uid_file)
     stream = cp.cuda.Stream(non_blocking=True)

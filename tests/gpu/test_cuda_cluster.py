@@ -27,7 +27,7 @@ from epd.proto.dtypes import BFLOAT16
 from epd.server import reference as ref
 
 from .conftest import GPU_COUNT
-from .test_daemon import _bits, _check_ll, _compact, _report_errors, _to_torch
+from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
 
 pytestmark = pytest.mark.gpu
 R, E, K, H, M = 2, 16, 4, 2048, 16
@@ -97,27 +97,6 @@ def _check(results: list[dict]) -> None:
     for r in range(R):
         assert results[r]["normal"].startswith("FAILED_PRECONDITION") and \
             "spans nodes" in results[r]["normal"], results[r]["normal"]
-
-
-def _spawn(endpoints: list[str], *args) -> list[dict]:
-    """Rank r in a spawned process on node r's engine (and on GPU r where there are two)."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_report_errors, args=(
-        _rank, r, endpoints[r], r % GPU_COUNT, *args, q)) for r in range(R)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted((q.get(timeout=240) for _ in procs), key=lambda x: x["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
-    errors = [x["error"] for x in results if "error" in x]
-    assert not errors, errors[0]
-    return results
 
 
 @contextlib.contextmanager
@@ -196,7 +175,8 @@ def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
                 d.wait_ready(240)  # (engines start once the world over both nodes is formed)
             clients = {k: v for k, v in mps_env.items() if k.startswith("CUDA_MPS_PIPE")}
             with _env(**clients):
-                _check(_spawn([d.socket(0) for d in nodes.nodes], "xnode"))
+                _check(_spawn_ranks(None, _rank, R, "xnode",
+                                    endpoints=[d.socket(0) for d in nodes.nodes]))
             # node 1 goes away: the world is lost on node 0 too; node 1 back: world 2
             nodes.nodes[1].stop()
             nodes.nodes[1] = None
@@ -205,7 +185,8 @@ def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
                 d.wait_ready(240)
             assert "world 2" in nodes.nodes[0].log() and "lost" in nodes.nodes[0].log()
             with _env(**clients):
-                _check(_spawn([d.socket(0) for d in nodes.nodes], "xnode-again"))
+                _check(_spawn_ranks(None, _rank, R, "xnode-again",
+                                    endpoints=[d.socket(0) for d in nodes.nodes]))
         finally:
             nodes.stop()
     finally:

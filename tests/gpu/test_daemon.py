@@ -239,13 +239,16 @@ def _report_errors(target, rank: int, *args) -> None:
                                              f"{traceback.format_exc()}"})
 
 
-def _spawn_ranks(daemon: Daemon, target, n: int, *args) -> list[dict]:
+def _spawn_ranks(daemon: Daemon | None, target, n: int, *args,
+                 endpoints: list[str] | None = None) -> list[dict]:
     """Run target(rank, socket, device, *args, queue) for ranks 0..n-1 (rank r on GPU
-    r % GPU_COUNT) in spawned processes; their reports by rank, any reported error raised."""
+    r % GPU_COUNT, on that GPU's engine of `daemon` or at `endpoints[r]`) in spawned
+    processes; their reports by rank, any reported error raised."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    sockets = endpoints or [daemon.socket(r % GPU_COUNT) for r in range(n)]
     procs = [ctx.Process(target=_report_errors, args=(
-        target, r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT, *args, q)) for r in range(n)]
+        target, r, sockets[r], r % GPU_COUNT, *args, q)) for r in range(n)]
     for p in procs:
         p.start()
     try:

@@ -12,7 +12,7 @@ import pytest
 from epd.proto.dtypes import BFLOAT16
 from epd.server import reference as ref
 
-from .common import TIMEOUT_NS, raw
+from .common import TIMEOUT_NS, check_ll_dispatch, ll_combine_inputs, raw
 
 pytestmark = pytest.mark.gpu
 
@@ -47,35 +47,13 @@ def ll_roundtrip(g, rng: np.random.Generator, tokens: list[int], e: int, k: int,
     for d, runner in enumerate(g.runners):
         with cp.cuda.Device(runner.device_id):
             out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8).items()}
-        exp = want[d]
-        np.testing.assert_array_equal(out["recv_count"], exp.recv_count)
-        for le in range(lx):
-            c = int(exp.recv_count[le])
-            np.testing.assert_array_equal(out["recv_src_rank"][le][:c], exp.recv_src_rank[le][:c])
-            np.testing.assert_array_equal(out["recv_src_idx"][le][:c], exp.recv_src_idx[le][:c])
-            np.testing.assert_array_equal(raw(out["recv_x"][le][:c]), raw(exp.recv_x[le][:c]))
-            if fp8:
-                np.testing.assert_array_equal(out["recv_x_scales"][le][:c].view(np.uint32),
-                                              exp.recv_x_scales[le][:c].view(np.uint32))
-            assert (out["recv_src_rank"][le][c:] == -1).all()
-            assert (out["recv_src_idx"][le][c:] == -1).all()
+        check_ll_dispatch(out, want[d], fp8)
         got_disp.append(ref.LowLatencyDispatch(None, None, out["recv_count"],
                                                out["recv_src_rank"], out["recv_src_idx"]))
 
     # Combine: fresh expert outputs in the valid rows, NaN beyond them (must never be read);
     # some entries dropped only at combine time.
-    ys = []
-    for d in range(r):
-        y = np.full((lx, r * m, h), 0xFFFF, np.uint16).view(BFLOAT16)
-        for le in range(lx):
-            c = int(want[d].recv_count[le])
-            y[le, :c] = ref.random_x(rng, c, h, BFLOAT16) if c else y[le, :0]
-        ys.append(y)
-    comb_idx = []
-    for i in idxs:
-        c = i.copy()
-        c[rng.random(c.shape) < combine_drop] = -1
-        comb_idx.append(c)
+    ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
     cw = ws  # the router's weights
     expected = ref.low_latency_combine(ys, got_disp, comb_idx, cw, e)
     outs = []
