@@ -48,11 +48,17 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
         "$OUT/gpu_mask.txt" | cut -c1-300 | head -60
     ;;
   ipcprobe)  # does closing an IPC mapping hold back other threads' launches? (no MPS, MPS)
-    timeout 60 python3 -P benchmarks/probe_ipc_close.py --json "$OUT/probe_ipc_close_nomps.json"
+    for b in cupy bindings; do
+      timeout 60 python3 -P benchmarks/probe_ipc_close.py --binding $b \
+          --json "$OUT/probe_ipc_close_nomps_$b.json"
+    done
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/epd-probe-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/epd-probe-mps/log
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     nvidia-cuda-mps-control -d && sleep 1
-    timeout 60 python3 -P benchmarks/probe_ipc_close.py --json "$OUT/probe_ipc_close_mps.json"
+    for b in cupy bindings; do
+      timeout 60 python3 -P benchmarks/probe_ipc_close.py --binding $b \
+          --json "$OUT/probe_ipc_close_mps_$b.json"
+    done
     echo quit | nvidia-cuda-mps-control
     ;;
   cluster)  # carry [".whl"]: two logical-node daemons (--cuda-cluster) forming one world

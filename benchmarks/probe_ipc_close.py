@@ -2,19 +2,22 @@
 
 Why (docs/BENCHMARKS.md, sixth session): on the CUDA engine, a shrink group's survivors ran past
 their deadline after a rank's process died, while the engine's teardown of that session sat in
-`cudaIpcCloseMemHandle` for more than 15 s. Two readings fit: (A) the close waits for the device
-to go idle (the survivors' kernels spin for a reason of their own), or (B) it also holds back
-other threads' launches, so a survivor's kernel never starts and its peer spins until the
-deadline (any tenant's region close could then stall every group's collective).
+`cudaIpcCloseMemHandle` for more than 15 s. Readings: (A) the close waits for the device to go
+idle (the survivors' kernels spin for a reason of their own); (B) it also holds back other
+threads' launches in the driver; (C) CuPy's `ipcCloseMemHandle` holds the GIL while the close
+waits (its binding has no `nogil`), so no other Python thread of the engine runs, the poller
+that would launch the peer's kernel included. The engine now closes through cuda.bindings,
+which releases the GIL.
 
 The probe: a helper process exports a buffer; this process maps it, then
   kernel K1 (stream A) spins until a flag is set or `--spin-ms` passes;
   thread T1 closes the mapping `--close-after-ms` later;
   thread T2 launches K2 (stream B), which sets the flag, `--launch-after-ms` later.
-(A): K2's launch returns at once and K1 ends early; the close returns when K1 ends. (B): K2's
-launch returns only after K1 gave up (K1 reports a timeout). Run under MPS and without.
+(A): K2's launch returns at once and K1 ends early; the close returns when K1 ends. (B) or (C):
+K2's launch returns only after K1 gave up (K1 reports a timeout); with `--binding bindings`
+(cuda.bindings, GIL released) (C) no longer stalls it, (B) still does. Run under MPS and without.
 
-    python benchmarks/probe_ipc_close.py [--json out.json]
+    python benchmarks/probe_ipc_close.py [--binding cupy|bindings] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def _exporter(q, done) -> None:
     done.wait(60)
 
 
-def probe(spin_ms: float, close_after_ms: float, launch_after_ms: float) -> dict:
+def probe(spin_ms: float, close_after_ms: float, launch_after_ms: float,
+          binding: str = "cupy") -> dict:
     import cupy as cp
 
     ctx = mp.get_context("spawn")
@@ -71,7 +75,11 @@ def probe(spin_ms: float, close_after_ms: float, launch_after_ms: float) -> dict
         def close() -> None:
             time.sleep(close_after_ms / 1e3)
             t = time.perf_counter()
-            cp.cuda.runtime.ipcCloseMemHandle(mapped)
+            if binding == "cupy":
+                cp.cuda.runtime.ipcCloseMemHandle(mapped)
+            else:
+                from cuda.bindings import runtime as cudart
+                cudart.cudaIpcCloseMemHandle(mapped)
             res["close_s"] = time.perf_counter() - t
             res["close_returned_at_s"] = time.perf_counter() - t0
 
@@ -106,12 +114,14 @@ def main() -> None:
     ap.add_argument("--spin-ms", type=float, default=3000)
     ap.add_argument("--close-after-ms", type=float, default=50)
     ap.add_argument("--launch-after-ms", type=float, default=200)
+    ap.add_argument("--binding", choices=("cupy", "bindings"), default="cupy")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
-    res = probe(args.spin_ms, args.close_after_ms, args.launch_after_ms)
-    res["reading"] = ("B: the close held back the other thread's launch"
+    res = probe(args.spin_ms, args.close_after_ms, args.launch_after_ms, args.binding)
+    res["binding"] = args.binding
+    res["reading"] = ("the close held back the other thread's launch (B, or C with cupy)"
                       if res["spin_outcome"] == "timed out" else
-                      "A or neither: the launch went through while the close was pending")
+                      "the launch went through while the close was pending")
     print(json.dumps(res, indent=1))
     if args.json:
         with open(args.json, "w") as f:

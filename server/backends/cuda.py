@@ -111,8 +111,21 @@ class DeviceRegion(Region):
     def close(self) -> None:
         if self._ipc_opened and self.ptr:
             with cp.cuda.Device(self.device):
-                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
+                ipc_close(self.ptr)
             self.ptr = 0
+
+
+def ipc_close(ptr: int) -> None:
+    """Unmap a CUDA IPC mapping without holding the GIL. The close waits for the GPU (work
+    queued before it, such as a kernel spinning for a peer); CuPy's binding holds the GIL
+    meanwhile, which stops every thread of the engine, the poller that would launch that peer's
+    kernel included: a deadlock until the kernel's deadline (docs/BENCHMARKS.md, sixth session).
+    cuda.bindings releases the GIL around every CUDA call."""
+    from cuda.bindings import runtime as cudart
+
+    err, = cudart.cudaIpcCloseMemHandle(ptr)
+    if err != cudart.cudaError_t.cudaSuccess:
+        log.warning("cudaIpcCloseMemHandle(%#x) failed: %s", ptr, err)
 
 
 class _Slot(np.ndarray):
