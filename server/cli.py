@@ -88,6 +88,9 @@ def _print_cluster(c) -> None:
     reach = "reachable" if c.coordinator_reachable else "UNREACHABLE"
     print(f"  cluster: node {c.node_rank} of {c.num_nodes}; node 0's Cluster service at "
           f"{c.cluster_address} ({reach})")
+    if c.world_generation:
+        print(f"  world {c.world_generation}: one NVSHMEM world of {c.world_num_pes} PEs over "
+              f"every node's engines")
     for n in c.nodes:
         health = "healthy" if n.healthy else "DOWN" if n.incarnation else "not registered"
         engines = ", ".join(f"{e.index}{'' if e.ready else ' (not ready)'}" for e in n.engines)

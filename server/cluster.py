@@ -53,6 +53,13 @@ def engine_infos(sup: Supervisor) -> list[epd_pb2.EngineInfo]:
             for e in sup.engines]
 
 
+def world_fields(sup: Supervisor) -> dict[str, int]:
+    """ClusterInfo's view of the world this node's engines run in (cluster_world.py)."""
+    world = getattr(sup.planner, "world", None) if sup.world_generation else None
+    return {"world_generation": sup.world_generation,
+            "world_num_pes": world.num_pes if world is not None else 0}
+
+
 @dataclass
 class NodeLease:
     node_rank: int
@@ -102,7 +109,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                                  incarnation=n.incarnation))
         return epd_pb2.ClusterInfo(node_rank=0, num_nodes=cfg.num_nodes,
                                    cluster_address=cfg.cluster_address, nodes=nodes,
-                                   coordinator_reachable=True)
+                                   coordinator_reachable=True, **world_fields(self.sup))
 
     def _event(self) -> epd_pb2.ClusterLeaseEvent:
         ev = epd_pb2.ClusterLeaseEvent(heartbeat_seconds=self.heartbeat, cluster=self.info())
@@ -267,7 +274,8 @@ class ClusterMember:
                                              incarnation=self.sup.incarnation)]
         return epd_pb2.ClusterInfo(node_rank=cfg.node_rank, num_nodes=cfg.num_nodes,
                                    cluster_address=cfg.cluster_address, nodes=nodes,
-                                   coordinator_reachable=self.connected)
+                                   coordinator_reachable=self.connected,
+                                   **world_fields(self.sup))
 
     async def run(self) -> None:
         """Hold the lease; after it ends, register again (every period) until stopped."""

@@ -113,6 +113,8 @@ def test_node_0_and_a_member_follow_the_world_through_a_loss() -> None:
     hub.nodes[1] = lease
     hub.tend_world()
     assert sup0.log == [("enter", 1)] and hub._event().world.num_pes == 5
+    info = hub._event().cluster  # (what `epd topology` prints)
+    assert (info.world_generation, info.world_num_pes) == (1, 5)
     member._follow_world(hub._event())
     assert sup1.log == [("enter", 1)] and sup1.planner.bootstrap(2, 3).pe == 4
     lease.world_generation = 1  # its heartbeat

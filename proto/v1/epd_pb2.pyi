@@ -817,18 +817,22 @@ class ClusterNodeInfo(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., node_name: _Optional[str] = ..., healthy: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., last_seen_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("node_rank", "num_nodes", "cluster_address", "nodes", "coordinator_reachable")
+    __slots__ = ("node_rank", "num_nodes", "cluster_address", "nodes", "coordinator_reachable", "world_generation", "world_num_pes")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    WORLD_NUM_PES_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     num_nodes: int
     cluster_address: str
     nodes: _containers.RepeatedCompositeFieldContainer[ClusterNodeInfo]
     coordinator_reachable: bool
-    def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ...) -> None: ...
+    world_generation: int
+    world_num_pes: int
+    def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ..., world_generation: _Optional[int] = ..., world_num_pes: _Optional[int] = ...) -> None: ...
 
 class ClusterLeaseEvent(_message.Message):
     __slots__ = ("heartbeat_seconds", "cluster", "world")
