@@ -51,8 +51,8 @@ case "${1:-}" in
           --json "$OUT/probe_r1_${v%%:*}_conn$c.json" 2>&1 | grep "pair" | tail -2
     done; done
     ;;
-  ll)  # carry [".whl"]: every low-latency GPU test (kernels, rank masking, plain/hook/graph
-       # calls, the chain, the facade, two service classes)
+  ll)  # carry [".whl"]: every low-latency GPU test (kernels, masking incl. a live rank masked
+       # by a call, plain/hook/graph calls, the chain, the facade, two service classes)
     timeout 450 bash -c "$(declare -f pt); pt tests/gpu/test_rank_masking_gpu.py \
         tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain.py \
         tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \

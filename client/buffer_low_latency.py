@@ -218,8 +218,9 @@ class LowLatencyMixin:
         """Mask (`mask=True`) or unmask a rank in this Buffer's low-latency groups: a masked
         rank takes no part in them and the tokens routed to its experts are dropped; its own
         calls return nothing for it. A rank that went away cannot be unmasked
-        (FAILED_PRECONDITION). The cuda engine masks only ranks that went away: masking a live
-        one there is FAILED_PRECONDITION."""
+        (FAILED_PRECONDITION). A masked live rank keeps calling; each low-latency dispatch
+        leaves out the same ranks on every rank (a mask changed during a call counts from
+        that call or the next, for all ranks alike)."""
         self._check_shrink()
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"rank_to_mask {rank_to_mask} outside [0, {self.group_size})")

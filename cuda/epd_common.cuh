@@ -32,6 +32,8 @@ typedef unsigned long long u64;
 #define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
 #define CTRL_LL_HIST_FLAG 88      // [R] source s posted its low-latency dispatch histogram
 #define CTRL_HOST_WORDS 96        // device address of this rank's host words (0: none), below
+#define CTRL_LIVE_MASK 97         // bit r: rank r is masked by a call (alive: still waited for)
+#define CTRL_LL_SEEN 104          // [R] ranks source s saw masked or gone when it posted its histogram
 // Host words: mapped host memory of the rank's engine, which its host writes with no GPU work
 // (an abort, a rank that went away), so that no kernel or stream wait queued ahead can delay
 // them: under MPS one parked client stream can stall a hardware queue the engine's own

@@ -626,6 +626,22 @@ extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 c
     if (r < R) peer_signal(peers, R, r, CTRL_ABORT, code);
 }
 
+// A live rank of a shrink group masked (or unmasked) by a call: its bit in every rank's
+// CTRL_LIVE_MASK. Its flags are still awaited (it keeps calling); each low-latency dispatch
+// agrees on the ranks it leaves out (epd_low_latency.cu). Only the ranks of this node (as
+// epd_mask_rank): the others still leave the rank out, from what this node's ranks post.
+extern "C" __global__ void epd_live_mask(const u64* __restrict__ peers, int R, int rank,
+                                         int masked) {
+    int r = threadIdx.x;
+    if (r < R && !peer_remote(peers, r)) {
+        unsigned long long* w =
+            reinterpret_cast<unsigned long long*>(ctrl_of(peers, r) + CTRL_LIVE_MASK);
+        if (masked) atomicOr_system(w, 1ull << rank);
+        else atomicAnd_system(w, ~(1ull << rank));
+        __threadfence_system();
+    }
+}
+
 // A rank of a shrink group went away: every rank's waits skip it from now on (CTRL_MASK bit).
 // Only the ranks of this node: a remote OR would need NVSHMEM's network atomics; each node's
 // engine masks its own ranks.

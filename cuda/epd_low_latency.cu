@@ -44,6 +44,7 @@
 #define FULL_MASK 0xffffffffu
 #define LL_MAX_LOCAL_EXPERTS 1024  // (proto/abi.py)
 #define LL_ROW_OVERFLOW -4611686018427387904LL  // -(1 << 62) (proto/abi.py)
+#define LL_TOPK_HEADER 16  // bytes before a buffer's topk copy: the dispatch's left-out set
 
 // Bad input seen on the GPU (stream-ordered calls have no host check): record it here, with
 // the offending value (an expert id, or LL_ROW_OVERFLOW - row for a row past the m rows a
@@ -64,6 +65,17 @@ __device__ __forceinline__ unsigned hist_posted(const u64* ctrl, int R, u64 seq)
     for (int s = 0; s < R; ++s)
         if (ld_acquire_sys(ctrl + CTRL_LL_HIST_FLAG + s) >= seq) posted |= 1u << s;
     return posted;
+}
+
+// The ranks dispatch `seq` leaves out, the same on every rank: those whose histogram never
+// came (gone before posting) and every rank some source saw masked (by a call) or gone when it
+// posted. A live masked rank still posts (its peers wait for it), so all ranks read the same
+// words and a mask changed during the call takes effect for every rank at once.
+__device__ __forceinline__ u64 left_out(const u64* ctrl, int R, unsigned posted) {
+    u64 left = 0;
+    for (int s = 0; s < R; ++s)
+        left |= ((posted >> s) & 1u) ? ld_acquire_sys(ctrl + CTRL_LL_SEEN + s) : (1ull << s);
+    return left;
 }
 
 // Block-uniform "go on?": the entry wait passed and the group has not failed. Thread 0 decides
@@ -153,7 +165,8 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     const i64 out_row_bytes = fp8 ? (i64)H : row_bytes;
     u64* my_ctrl = ctrl_of(peers, rank);
     char* my_base = reinterpret_cast<char*>(peers[rank]);
-    i64* my_topk = reinterpret_cast<i64*>(my_base + o_topk);
+    // (the topk copy follows the LL_TOPK_HEADER bytes that hold the set this call left out)
+    i64* my_topk = reinterpret_cast<i64*>(my_base + o_topk + LL_TOPK_HEADER);
     const int* hist = reinterpret_cast<const int*>(my_base + o_hist);  // [R][E], posted here
     __shared__ int s_run[LL_MAX_LOCAL_EXPERTS * EPD_MAX_RANKS];  // this rank's rows so far, by e
     __shared__ u64 s_dst[33];     // destination row of each k (0: not sent), [K]: staging
@@ -165,6 +178,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     __shared__ int s_rpe[32];     // ... and PE (-1: none)
 #endif
     __shared__ unsigned s_present;  // bit s: source s's histogram arrived
+    __shared__ u64 s_left;  // the ranks this call leaves out (left_out)
     // This block's tokens: a contiguous range, so that "rows before" is a prefix count.
     const int per = (T + (int)gridDim.x - 1) / (int)gridDim.x;
     const int t0 = min(T, (int)blockIdx.x * per), t1 = min(T, t0 + per);
@@ -173,26 +187,34 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     // this call's rows, and it no longer reads the histograms); normally one poll per peer.
     if (block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_READY_FLAG, R, seq - 1, timeout_ns,
                                          PHASE_LL_DISPATCH))) {
-        // Ranks that went away (shrink groups) get nothing (the mask only grows).
-        const u64 gone = gone_ranks(my_ctrl);
         const bool mine = t0 < t1;  // (block-uniform) blocks past the last token only signal
         for (int e = threadIdx.x; e < E; e += blockDim.x) s_run[e] = 0;
         __syncthreads();
-        // Block 0: the whole call's histogram, posted to every peer; the others: the rows of
-        // the tokens before t0. Bad ids are skipped here and reported in the token loop.
-        const int hist_end = blockIdx.x == 0 ? T : mine ? t0 : 0;
-        for (int i = threadIdx.x; i < hist_end * K; i += blockDim.x) {
-            const i64 e = topk_idx[i];
-            if (e >= 0 && e < (i64)E && !((gone >> (int)(e / L)) & 1ull))
-                atomicAdd(&s_run[(int)e], 1);
-        }
-        __syncthreads();
         if (blockIdx.x == 0) {
+            // The whole call's histogram, without the ranks this rank sees gone or masked
+            // now (they are in every rank's left-out set: it posts what it saw), posted to
+            // every peer with what it saw. Bad ids are skipped here, reported in the token loop.
+            if (threadIdx.x == 0)
+                s_left = gone_ranks(my_ctrl) | ld_acquire_sys(my_ctrl + CTRL_LIVE_MASK);
+            __syncthreads();
+            const u64 seen = s_left;
+            for (int i = threadIdx.x; i < T * K; i += blockDim.x) {
+                const i64 e = topk_idx[i];
+                if (e >= 0 && e < (i64)E && !((seen >> (int)(e / L)) & 1ull))
+                    atomicAdd(&s_run[(int)e], 1);
+            }
+            __syncthreads();
             for (int r = 0; r < R; ++r) {  // (this rank's own row first: it is the put source)
                 if (peer_remote(peers, r)) continue;
                 int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(peers[r]) + o_hist) +
                            (i64)rank * E;
                 for (int e = threadIdx.x; e < E; e += blockDim.x) dst[e] = s_run[e];
+            }
+            if ((int)threadIdx.x < R) {  // what it saw, before its histogram's flag
+                peer_signal(peers, R, threadIdx.x, CTRL_LL_SEEN + rank, seen);
+#ifdef EPD_NVSHMEM
+                nvshmem_quiet();  // (to another node: delivered before the put-with-signal)
+#endif
             }
             __threadfence_system();
             __syncthreads();
@@ -214,9 +236,24 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         }
         const int hist_wait = !mine ? 1 : block_wait_all(my_ctrl, CTRL_LL_HIST_FLAG, R, seq,
                                                          timeout_ns, PHASE_LL_DISPATCH);
-        if (mine && threadIdx.x == 0) s_present = hist_posted(my_ctrl, R, seq);
+        if (mine && threadIdx.x == 0) {
+            s_present = hist_posted(my_ctrl, R, seq);
+            s_left = left_out(my_ctrl, R, s_present);
+        }
         __syncthreads();
-        for (int t = t0; t < t1 && hist_wait == 0; ++t) {
+        const u64 gone = s_left;  // nothing goes to or comes from these ranks
+        // The other blocks: this rank's rows of the tokens before t0, for the ranks not left
+        // out (block 0's histogram counted all of those: what it left out is in `gone`).
+        if (mine && blockIdx.x != 0 && hist_wait == 0) {
+            for (int i = threadIdx.x; i < t0 * K; i += blockDim.x) {
+                const i64 e = topk_idx[i];
+                if (e >= 0 && e < (i64)E && !((gone >> (int)(e / L)) & 1ull))
+                    atomicAdd(&s_run[(int)e], 1);
+            }
+            __syncthreads();
+        }
+        const bool sends = !((gone >> rank) & 1ull);  // a rank left out sends nothing
+        for (int t = t0; t < t1 && hist_wait == 0 && sends; ++t) {
             if ((int)threadIdx.x < K) {
                 const int k = threadIdx.x;
                 const i64 e = topk_idx[(i64)t * K + k];
@@ -234,7 +271,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                     // and an earlier k of this token with the same expert (a duplicate id).
                     int p = s_run[(int)e];
                     for (int s = 0; s < rank; ++s)
-                        if ((s_present >> s) & 1u) p += hist[(i64)s * E + e];
+                        if (!((gone >> s) & 1ull)) p += hist[(i64)s * E + e];
                     for (int j = 0; j < k; ++j) p += topk_idx[(i64)t * K + j] == e;
                     if (p >= rows) {  // only duplicate ids overflow m rows per source
                         fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq,
@@ -323,13 +360,18 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     if (block_wait_all(my_ctrl, CTRL_LL_DISPATCH_FLAG, R, seq, timeout_ns, PHASE_LL_DISPATCH))
         return;
     __shared__ int s_count[LL_MAX_LOCAL_EXPERTS];
-    if (threadIdx.x == 0) s_present = hist_posted(my_ctrl, R, seq);
+    if (threadIdx.x == 0) {
+        s_left = left_out(my_ctrl, R, hist_posted(my_ctrl, R, seq));
+        // for this rank's combine of this buffer: which ranks took no part
+        *reinterpret_cast<u64*>(my_base + o_topk) = s_left;
+    }
     __syncthreads();
+    const u64 left = s_left;
     int* recv_count = reinterpret_cast<int*>(my_base + o_recv_count);
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
         int c = 0;
-        for (int s = 0; s < R; ++s)
-            if ((s_present >> s) & 1u) c += hist[(i64)s * E + (i64)rank * L + le];
+        for (int s = 0; s < R && !((left >> rank) & 1ull); ++s)
+            if (!((left >> s) & 1ull)) c += hist[(i64)s * E + (i64)rank * L + le];
         c = min(c, rows);
         recv_count[le] = c;
         s_count[le] = c;
@@ -450,11 +492,14 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
         signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // (the group has failed)
         return;
     }
-    // After the wait: a rank that went away meanwhile is in the mask (its rows never came).
-    const u64 gone = gone_ranks(my_ctrl);
+    // The ranks the dispatch left out (their rows never came; a rank left out itself gets
+    // zeros), and after the wait a rank that went away meanwhile (its rows never came back).
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
+    const u64 left = *reinterpret_cast<const u64*>(my_base + o_topk);
+    const u64 gone = left | gone_ranks(my_ctrl);
+    const bool out_all = (left >> rank) & 1ull;
     const word* comb = reinterpret_cast<const word*>(my_base + o_comb);
-    const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk);
+    const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk + LL_TOPK_HEADER);
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const int gw = blockIdx.x * warps + (threadIdx.x >> 5), nw = gridDim.x * warps;
@@ -474,7 +519,7 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
             int kd = -1;
             float wk = 0.f;
             const i64 e = topk_idx[(i64)t * K + lane];
-            if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {  // (masked: adds nothing)
+            if (e >= 0 && !out_all && !((gone >> (int)(e / L)) & 1ull)) {  // (masked: nothing)
                 for (int j = 0; j < K; ++j)
                     if (disp[(i64)t * K + j] == e) { kd = j; break; }
                 if (kd < 0) fail_bad_input(peers, R, rank, PHASE_LL_COMBINE, seq, e);

@@ -45,6 +45,8 @@ CTRL_LL_HIST_FLAG = 88  # [R] source s posted its low-latency dispatch histogram
 CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host memory; 0: none)
 HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host
 HOST_WORD_GONE = 1  # host word: bit r = rank r went away (shrink groups)
+CTRL_LIVE_MASK = 97  # bit r: rank r is masked by a call (alive, so its flags are still awaited)
+CTRL_LL_SEEN = 104  # [R] the ranks source s saw masked or gone when it posted its histogram
 CTRL_PAYLOAD_BYTES = 1024  # notify payload: [MAX_RANKS][MAX_RANKS + L] int32 per source slot
 
 # abort word = ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED: peers learn who left
@@ -105,6 +107,7 @@ STREAM_REQUEST, STREAM_DONE = 0, 1
 # dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).
 REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
+LL_TOPK_HEADER = 16  # bytes before a receive buffer's topk copy: the dispatch's left-out set
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
 DONE_CODE_SHIFT = 8
 

@@ -754,15 +754,17 @@ class CudaRankComm(RankComm):
 
     def mask_states(self) -> list[int]:
         with cp.cuda.Device(self.backend.device):
-            word = int(cp.asnumpy(self.runner.views["ctrl"][abi.CTRL_MASK:abi.CTRL_MASK + 1])[0])
-        word |= self.backend.host_words.read(self._host_slot)[1]
-        return [self.MASK_GONE if (word >> r) & 1 else self.MASK_IN
+            ctrl = cp.asnumpy(self.runner.views["ctrl"][:abi.CTRL_LIVE_MASK + 1])
+        gone = int(ctrl[abi.CTRL_MASK]) | self.backend.host_words.read(self._host_slot)[1]
+        live = int(ctrl[abi.CTRL_LIVE_MASK])
+        return [self.MASK_GONE if (gone >> r) & 1 else
+                self.MASK_MASKED if (live >> r) & 1 else self.MASK_IN
                 for r in range(self.spec.num_ranks)]
 
     def set_mask(self, rank: int, state: int) -> None:
-        from ...proto.errors import FailedPrecondition
-        raise FailedPrecondition("the cuda engine masks only a rank that went away; masking a "
-                                 "live rank by a call is implemented on the cpu backend")
+        # Every rank's CTRL_LIVE_MASK; each low-latency dispatch agrees on the set it leaves
+        # out from what its sources saw (cuda/epd_low_latency.cu, left_out).
+        self.runner.live_mask(rank, state == self.MASK_MASKED)
 
     def stop(self, reason: str) -> None:
         # This rank's own kernels in flight finish (or meet their deadline): stopping them

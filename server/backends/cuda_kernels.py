@@ -46,6 +46,7 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     LL_RING_HEAD,
     LL_RING_TAIL,
     LL_THREADS,
+    LL_TOPK_HEADER,
     MAX_RANKS,
     MAX_TOPK,
     NOTIFY_THREADS,
@@ -175,7 +176,7 @@ class LowLatencyLayout:
         per_buffer = {"recv_x": rows * h * itemsize,  # FP8 calls use its first rows * h bytes
                       "scales": rows * max(h // FP8_BLOCK, 1) * 4,
                       "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
-                      "recv_count": lx * 4, "topk": m * k * 8}
+                      "recv_count": lx * 4, "topk": LL_TOPK_HEADER + m * k * 8}
         offsets, cur = {}, _align(start)
         offsets["hist"] = cur  # [R][L*R] int32: every source's rows per expert
         cur += _align(r * r * lx * 4)
@@ -261,7 +262,7 @@ class Kernels:
 
     FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_mask_rank",
+             "epd_mask_rank", "epd_live_mask",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
              "epd_ll_exec", "epd_ll_exec_reduce", "epd_ll_exec_finish", "epd_ll_gate")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
@@ -495,6 +496,14 @@ class Kernels:
               stream: Any = None) -> None:
         with _stream_ptr(stream):
             self.fn("epd_abort")((1,), (32,), (peers, np.int32(num_ranks), np.uint64(code)))
+
+    def live_mask(self, peers: Any, num_ranks: int, rank: int, masked: bool, *,
+                  stream: Any = None) -> None:
+        """Set (or clear) rank `rank`'s bit in every rank's CTRL_LIVE_MASK: a live rank masked by
+        a call (its peers still wait for its flags; each dispatch agrees on who is left out)."""
+        with _stream_ptr(stream):
+            self.fn("epd_live_mask")((1,), (32,), (peers, np.int32(num_ranks), np.int32(rank),
+                                                   np.int32(1 if masked else 0)))
 
     def mask_rank(self, peers: Any, num_ranks: int, gone: int, *, stream: Any = None) -> None:
         """Set rank `gone`'s bit in every rank's CTRL_MASK (a shrink group goes on without it)."""

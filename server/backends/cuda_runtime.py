@@ -209,6 +209,14 @@ class RankRunner:
         with cp.cuda.Device(self.device_id):
             self.k.abort(self.peers, self.layout.num_ranks, code, stream=self.side_stream)
 
+    def live_mask(self, rank: int, masked: bool) -> None:
+        """Mask (or unmask) live rank `rank` in every rank's control block (shrink groups); on
+        the side stream, done when this returns."""
+        with cp.cuda.Device(self.device_id):
+            self.k.live_mask(self.peers, self.layout.num_ranks, rank, masked,
+                             stream=self.side_stream)
+            self.side_stream.synchronize()
+
     def mask_rank(self, gone: int, wait: bool = True) -> None:
         """Every rank's waits skip rank `gone` from now on (shrink groups); on the side stream,
         done when this returns if `wait`."""

@@ -1,9 +1,12 @@
 """Rank masking on the CUDA engine (issue 11, DeepEP's shrink mode): three ranks of a low-latency
-group joined through the facade with `enable_shrink=True`; after a first step, rank 2's process
-exits without a word. The engine masks it (its bit in every rank's control block), and the other
-two ranks' plain low-latency calls go on: exact against the reference with rank 2 left out
-(its tokens absent, every entry for one of its experts dropped), no deadline waited out, the
-mask buffer showing it; masking a live rank by a call is refused on this backend."""
+group joined through the facade with `enable_shrink=True`.
+- A rank that goes away: after a first step, rank 2's process exits without a word. The engine
+  masks it (its bit in every rank's control block), and the other two ranks' plain low-latency
+  calls go on: exact against the reference with rank 2 left out (its tokens absent, every entry
+  for one of its experts dropped), no deadline waited out, the mask buffer showing it.
+- A live rank masked by a call: rank 0 masks rank 1 between steps (rank 1 keeps calling and
+  gets nothing: zero counts, a zero combine), then unmasks it with the clean call; every step
+  exact against the reference with the ranks left out, the mask buffer showing each state."""
 
 from __future__ import annotations
 
@@ -76,11 +79,11 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
     mask = torch.full((R,), 7, dtype=torch.int32, device=device)
     buf.low_latency_query_mask_buffer(mask)
     res["mask"] = mask.cpu().numpy()
-    try:
-        buf.low_latency_update_mask_buffer(rank, True)  # itself: alive for sure
-        res["mask_live"] = "accepted"
+    try:  # a rank that went away cannot be unmasked
+        buf.low_latency_update_mask_buffer(2, False)
+        res["unmask_gone"] = "accepted"
     except EpdError as e:
-        res["mask_live"] = e.code.name
+        res["unmask_gone"] = e.code.name
     buf.destroy()
     q.put(res)
 
@@ -99,4 +102,77 @@ def test_rank_that_goes_away_is_masked_on_the_cuda_engine(daemon) -> None:
             assert got["seconds"] < 10, "a deadline was waited out"
     for r in (0, 1):  # (the other survivor may have left already: its bit is not checked)
         assert results[r]["mask"][2] == 1 and results[r]["mask"][r] == 0, results[r]["mask"]
-        assert results[r]["mask_live"] == "FAILED_PRECONDITION"
+        assert results[r]["unmask_gone"] == "FAILED_PRECONDITION"
+
+
+# step -> the ranks masked by a call before it (set by rank 0 between barriers)
+LIVE_STEPS = [set(), {1}, {1}, set(), {2}, {0, 2}, set()]
+
+
+def _expected_live(step: int, left_out: set[int]):
+    """As _expected, with the inputs of step 10 + step; a rank left out gets zeros."""
+    xs, idx, w = zip(*(_inputs(10 + step, r) for r in range(R)), strict=True)
+    kept, ws = [], []
+    for r in range(R):
+        i = idx[r].copy()
+        i[np.isin(np.where(i >= 0, i // LX, -1), sorted(left_out))] = -1
+        kept.append(i[:0] if r in left_out else i)
+        ws.append(w[r][:0] if r in left_out else w[r])
+    disp = ref.low_latency_dispatch([x[:0] if r in left_out else x for r, x in enumerate(xs)],
+                                    kept, E, M)
+    combined = ref.low_latency_combine([d.recv_x for d in disp], disp, kept, ws, E)
+    return disp, [np.zeros(xs[r].shape, np.uint16) if r in left_out else
+                  combined[r].view(np.uint16) for r in range(R)]
+
+
+def _live_rank(rank: int, socket: str, device: int, barrier, q) -> None:
+    import torch
+
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "steps": [], "masks": []}
+    buf = Buffer(None, rank=rank, num_ranks=R, endpoint=socket, low_latency_mode=True,
+                 enable_shrink=True, group_name="gpu-shrink-live", timeout=30)
+    mask = torch.zeros((R,), dtype=torch.int32, device=device)
+    masked: set[int] = set()
+    for step, want in enumerate(LIVE_STEPS):
+        if rank == 0:
+            if not want:
+                buf.low_latency_clean_mask_buffer()
+            for r in sorted(want - masked):
+                buf.low_latency_update_mask_buffer(r, True)
+            for r in sorted(masked - want):
+                buf.low_latency_update_mask_buffer(r, False)
+        masked = set(want)
+        barrier.wait()
+        mask.fill_(7)
+        buf.low_latency_query_mask_buffer(mask)
+        res["masks"].append(mask.cpu().numpy())
+        x, idx, w = (_to_torch(a, device) for a in _inputs(10 + step, rank))
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        torch.cuda.synchronize()
+        buf.check()
+        res["steps"].append({"compact": _compact(SimpleNamespace(
+            recv_x=recv, recv_count=count, recv_x_scales=None,
+            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
+            "cx": _bits(cx)})
+        barrier.wait()  # every rank done with the step before the next mask change
+    buf.destroy()
+    q.put(res)
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_live_rank_masked_by_a_call_on_the_cuda_engine(daemon) -> None:
+    import multiprocessing as mp
+    barrier = mp.get_context("spawn").Barrier(R)
+    results = _spawn_ranks(daemon, _live_rank, R, barrier)
+    for step, left_out in enumerate(LIVE_STEPS):
+        disp, combined = _expected_live(step, left_out)
+        for r in range(R):
+            got = results[r]["steps"][step]
+            _check_ll(disp[r], got["compact"], LX)
+            np.testing.assert_array_equal(got["cx"], combined[r],
+                                          err_msg=f"step {step} rank {r} left out {left_out}")
+            np.testing.assert_array_equal(results[r]["masks"][step],
+                                          [int(x in left_out) for x in range(R)])
