@@ -4,6 +4,7 @@ set -o pipefail
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo PYTHONUNBUFFERED=1
 export CUPY_CACHE_DIR=/tmp/cupy_cache
+export CUDA_DEVICE_MAX_CONNECTIONS=32  # many ranks' streams on one GPU (16-rank tests)
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/nvshmem4py*.whl .whl/grpcio_health_checking*.whl \

@@ -7,8 +7,10 @@
 typedef long long i64;
 typedef unsigned long long u64;
 
-// Most ranks one group may span on one node (one bit each in a token's destination mask).
+// Most ranks of a normal-mode group (one bit each in a token's destination mask, one node).
 #define EPD_MAX_RANKS 8
+// Most ranks of a low-latency group (one bit each in the u64 masks; EP across nodes).
+#define LL_MAX_RANKS 64
 
 // Control block at the start of every rank buffer (u64 words). Every value of this header is
 // defined once in proto/abi.py; tests/test_abi.py fails when one here differs.
@@ -25,22 +27,23 @@ typedef unsigned long long u64;
 #define CTRL_DISPATCH_ENTRY 24 // [R] source s entered a cached dispatch (buffer free barrier)
 #define CTRL_COMBINE_FLAG 32   // [R] source s finished its combine pushes
 #define CTRL_COMBINE_ENTRY 40  // [R] source s entered combine (buffer free barrier)
-#define CTRL_LL_DISPATCH_FLAG 48 // [R] source s finished its low-latency dispatch pushes
-#define CTRL_LL_COMBINE_FLAG 56  // [R] source s finished its low-latency combine pushes
-#define CTRL_LL_READY_FLAG 64     // [R] destination d finished (published) its low-latency dispatch
-#define CTRL_LL_COMBINE_READY 72  // [R] source s finished reducing its low-latency combine
 #define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
-#define CTRL_LL_HIST_FLAG 88      // [R] source s posted its low-latency dispatch histogram
 #define CTRL_HOST_WORDS 96        // device address of this rank's host words (0: none), below
 #define CTRL_LIVE_MASK 97         // bit r: rank r is masked by a call (alive: still waited for)
-#define CTRL_LL_SEEN 104          // [R] ranks source s saw masked or gone when it posted its histogram
+// Low-latency flags, [LL_MAX_RANKS] each (a low-latency group may span nodes):
+#define CTRL_LL_DISPATCH_FLAG 128 // source s finished its low-latency dispatch pushes
+#define CTRL_LL_COMBINE_FLAG 192  // source s finished its low-latency combine pushes
+#define CTRL_LL_READY_FLAG 256    // destination d finished (published) its low-latency dispatch
+#define CTRL_LL_COMBINE_READY 320 // source s finished reducing its low-latency combine
+#define CTRL_LL_HIST_FLAG 384     // source s posted its low-latency dispatch histogram
+#define CTRL_LL_SEEN 448          // the ranks source s saw masked or gone when it posted its histogram
 // Host words: mapped host memory of the rank's engine, which its host writes with no GPU work
 // (an abort, a rank that went away), so that no kernel or stream wait queued ahead can delay
 // them: under MPS one parked client stream can stall a hardware queue the engine's own
 // streams share. Waits poll them every 64 spins, beside the control block's own words.
 #define HOST_WORD_ABORT 0         // nonzero: the group was aborted (value = code)
 #define HOST_WORD_GONE 1          // bit r: rank r went away (shrink groups)
-#define CTRL_PAYLOAD_BYTES 1024 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
+#define CTRL_PAYLOAD_BYTES 4096 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
 
 #define ERR_DEADLINE 1
 #define ERR_ABORTED 2
@@ -203,7 +206,7 @@ __device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u
                                               i64 timeout_ns, int phase) {
     __shared__ int s_fail_rank;
     __shared__ int s_fail_code;
-    if (threadIdx.x == 0) { s_fail_rank = EPD_MAX_RANKS; s_fail_code = 0; }
+    if (threadIdx.x == 0) { s_fail_rank = LL_MAX_RANKS; s_fail_code = 0; }
     __syncthreads();
     if ((int)threadIdx.x < R) {
         int r = threadIdx.x;

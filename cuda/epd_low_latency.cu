@@ -60,10 +60,10 @@ __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank
 
 // Bit s: source s posted its histogram of dispatch `seq` (a source that went away before
 // posting counts 0 everywhere).
-__device__ __forceinline__ unsigned hist_posted(const u64* ctrl, int R, u64 seq) {
-    unsigned posted = 0;
+__device__ __forceinline__ u64 hist_posted(const u64* ctrl, int R, u64 seq) {
+    u64 posted = 0;
     for (int s = 0; s < R; ++s)
-        if (ld_acquire_sys(ctrl + CTRL_LL_HIST_FLAG + s) >= seq) posted |= 1u << s;
+        if (ld_acquire_sys(ctrl + CTRL_LL_HIST_FLAG + s) >= seq) posted |= 1ull << s;
     return posted;
 }
 
@@ -71,10 +71,10 @@ __device__ __forceinline__ unsigned hist_posted(const u64* ctrl, int R, u64 seq)
 // came (gone before posting) and every rank some source saw masked (by a call) or gone when it
 // posted. A live masked rank still posts (its peers wait for it), so all ranks read the same
 // words and a mask changed during the call takes effect for every rank at once.
-__device__ __forceinline__ u64 left_out(const u64* ctrl, int R, unsigned posted) {
+__device__ __forceinline__ u64 left_out(const u64* ctrl, int R, u64 posted) {
     u64 left = 0;
     for (int s = 0; s < R; ++s)
-        left |= ((posted >> s) & 1u) ? ld_acquire_sys(ctrl + CTRL_LL_SEEN + s) : (1ull << s);
+        left |= ((posted >> s) & 1ull) ? ld_acquire_sys(ctrl + CTRL_LL_SEEN + s) : (1ull << s);
     return left;
 }
 
@@ -177,7 +177,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     __shared__ u64 s_rsc[32];     // ... and scales row
     __shared__ int s_rpe[32];     // ... and PE (-1: none)
 #endif
-    __shared__ unsigned s_present;  // bit s: source s's histogram arrived
+    __shared__ u64 s_present;  // bit s: source s's histogram arrived
     __shared__ u64 s_left;  // the ranks this call leaves out (left_out)
     // This block's tokens: a contiguous range, so that "rows before" is a prefix count.
     const int per = (T + (int)gridDim.x - 1) / (int)gridDim.x;

@@ -9,7 +9,9 @@ kernel's signature.
 from __future__ import annotations
 
 # -- ranks -------------------------------------------------------------------------------------
-MAX_RANKS = 8  # EPD_MAX_RANKS: most ranks of one CUDA group (one bit each in a token's mask)
+MAX_RANKS = 8  # EPD_MAX_RANKS: most ranks of a normal-mode CUDA group (one bit each in a token's mask)
+LL_MAX_RANKS = 64  # most ranks of a low-latency CUDA group (one bit each in the u64 masks)
+LL_MAX_EXPERTS = 8192  # low-latency mode: experts of a group (the dispatch's per-expert counts)
 MAX_TOPK = 32  # largest num_topk the intranode kernels take
 LL_MAX_LOCAL_EXPERTS = 1024  # low-latency mode: local experts per rank
 LL_ROW_OVERFLOW = -(1 << 62)  # bad-input value of a low-latency row past m: this - row
@@ -36,18 +38,19 @@ CTRL_DISPATCH_FLAG = 16
 CTRL_DISPATCH_ENTRY = 24
 CTRL_COMBINE_FLAG = 32
 CTRL_COMBINE_ENTRY = 40
-CTRL_LL_DISPATCH_FLAG = 48
-CTRL_LL_COMBINE_FLAG = 56
-CTRL_LL_READY_FLAG = 64
-CTRL_LL_COMBINE_READY = 72
 CTRL_MASK = 80  # bit r: rank r went away (shrink groups): the kernels' waits skip it
-CTRL_LL_HIST_FLAG = 88  # [R] source s posted its low-latency dispatch histogram
 CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host memory; 0: none)
 HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host
 HOST_WORD_GONE = 1  # host word: bit r = rank r went away (shrink groups)
 CTRL_LIVE_MASK = 97  # bit r: rank r is masked by a call (alive, so its flags are still awaited)
-CTRL_LL_SEEN = 104  # [R] the ranks source s saw masked or gone when it posted its histogram
-CTRL_PAYLOAD_BYTES = 1024  # notify payload: [MAX_RANKS][MAX_RANKS + L] int32 per source slot
+# low-latency flags, [LL_MAX_RANKS] each
+CTRL_LL_DISPATCH_FLAG = 128
+CTRL_LL_COMBINE_FLAG = 192
+CTRL_LL_READY_FLAG = 256
+CTRL_LL_COMBINE_READY = 320
+CTRL_LL_HIST_FLAG = 384  # source s posted its low-latency dispatch histogram
+CTRL_LL_SEEN = 448  # the ranks source s saw masked or gone when it posted its histogram
+CTRL_PAYLOAD_BYTES = 4096  # notify payload: [MAX_RANKS][MAX_RANKS + L] int32 per source slot
 
 # abort word = ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED: peers learn who left
 ABORT_RANK_SHIFT = 8

@@ -181,3 +181,24 @@ def test_cuda_groups_of_a_multi_node_world_hold_the_put_staging() -> None:
     planner = cuda_plan.CudaPlanner(SimpleNamespace(**vars(cfg), num_nodes=2))
     _, size = cuda_plan.decode_plan(planner.plan_group("g", spec))
     assert size == cuda_plan.group_bytes(spec, remote=True) > cuda_plan.group_bytes(spec)
+
+
+def test_cuda_low_latency_groups_may_have_more_ranks_than_normal_mode() -> None:
+    """Low-latency groups up to LL_MAX_RANKS (EP across nodes), with no normal-mode buffers
+    beyond 8 ranks; normal-mode groups stay at MAX_RANKS; the expert count is bounded."""
+    from epd.proto import abi
+    planner = cuda_plan.CudaPlanner(_cuda_cfg(1 << 36))
+    ll16 = _spec(16, 8, num_experts=256, low_latency_mode=True, hidden=7168)
+    planner.validate_spec(ll16)
+    ml = cuda_plan.membership_layout(ll16)
+    assert ml.kernel.max_recv == 0 and ml.low_latency.num_ranks == 16
+    assert ml.kernel.offsets["recv_x"] == abi.CTRL_PAYLOAD_BYTES  # the control block alone
+    planner.validate_spec(_spec(abi.LL_MAX_RANKS, 8, num_experts=abi.LL_MAX_RANKS * 2,
+                                low_latency_mode=True))
+    with pytest.raises(InvalidArgument, match="LL_MAX_RANKS"):
+        planner.validate_spec(_spec(abi.LL_MAX_RANKS + 1, 8, num_experts=(abi.LL_MAX_RANKS + 1)
+                                    * 2, low_latency_mode=True))
+    with pytest.raises(InvalidArgument, match="LL_MAX_EXPERTS"):
+        planner.validate_spec(_spec(64, 8, num_experts=64 * 256, low_latency_mode=True))
+    with pytest.raises(InvalidArgument, match="MAX_RANKS"):
+        planner.validate_spec(_spec(16, 8, num_experts=256))  # normal mode

@@ -383,6 +383,8 @@ class CudaRankComm(RankComm):
         raise Aborted(f"group {self.spec.name!r} aborted: {self.abort_reason() or phase}")
 
     def layout(self, topk_idx: Any) -> LayoutOutputs:
+        if self.spec.num_ranks > abi.MAX_RANKS:
+            self._normal_mode("layout")
         r, e, t = self.spec.num_ranks, self.spec.num_experts, topk_idx.shape[0]
         out = LayoutOutputs(self._extra("ntpr", (r,), np.int32),
                             self._extra("ntpe", (e,), np.int32),
@@ -393,17 +395,22 @@ class CudaRankComm(RankComm):
             s.synchronize()
         return out
 
-    def _one_node(self, what: str) -> None:
-        """Normal mode across nodes needs DeepEP's hierarchical kernels, not built."""
+    def _normal_mode(self, what: str) -> None:
+        """Normal mode across nodes needs DeepEP's hierarchical kernels, not built; on one node
+        its kernels take at most MAX_RANKS ranks (a low-latency group may have more)."""
+        from ...proto.errors import FailedPrecondition
         if self.spans_nodes:
-            from ...proto.errors import FailedPrecondition
             raise FailedPrecondition(f"group {self.spec.name!r} spans nodes: normal-mode {what} "
                                      f"across nodes is not built on the cuda engine (its "
                                      f"hierarchical kernels); low-latency calls work")
+        if self.spec.num_ranks > abi.MAX_RANKS:
+            raise FailedPrecondition(f"group {self.spec.name!r} has {self.spec.num_ranks} ranks: "
+                                     f"normal-mode {what} takes at most {abi.MAX_RANKS} on the "
+                                     f"cuda engine; low-latency calls work")
 
     def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                  deadline: float) -> DispatchOutputs:
-        self._one_node("dispatch")
+        self._normal_mode("dispatch")
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):
@@ -467,7 +474,7 @@ class CudaRankComm(RankComm):
             bytes_sent=t * spec.hidden * args.x.dtype.itemsize, bytes_received=bytes_received)
 
     def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs:
-        self._one_node("combine")
+        self._normal_mode("combine")
         spec, h = self.spec, args.handle
         t, k = h.num_tokens, spec.num_topk
         out = self._extra("combined_x", (t, spec.hidden), spec.x_numpy_dtype)
@@ -668,6 +675,8 @@ class CudaRankComm(RankComm):
 
     def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
                       stream_seq: int) -> None:
+        if self.spec.num_ranks > abi.MAX_RANKS:
+            self._normal_mode("layout")
         s = self.runner.stream
         with cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
@@ -677,7 +686,7 @@ class CudaRankComm(RankComm):
 
     def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                         deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
-        self._one_node("dispatch")
+        self._normal_mode("dispatch")
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):
@@ -707,7 +716,7 @@ class CudaRankComm(RankComm):
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: _Slot, deadline: float, stream_seq: int,
                        num_sms: int) -> None:
-        self._one_node("combine")
+        self._normal_mode("combine")
         with cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             self.runner.combine(args.x, args.handle.result, out,

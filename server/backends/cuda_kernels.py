@@ -42,7 +42,9 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     ERR_WORST_OVERFLOW,
     ERROR_NAMES,
     FP8_BLOCK,
+    LL_MAX_EXPERTS,
     LL_MAX_LOCAL_EXPERTS,
+    LL_MAX_RANKS,
     LL_RING_HEAD,
     LL_RING_TAIL,
     LL_THREADS,
@@ -84,9 +86,13 @@ class RankBufferLayout:
     @classmethod
     def build(cls, *, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
               max_tokens_per_rank: int, x_itemsize: int, y_itemsize: int,
-              with_scales: bool) -> RankBufferLayout:
-        if not 1 <= num_ranks <= MAX_RANKS:
-            raise ValueError(f"num_ranks must lie in [1, {MAX_RANKS}] for intranode kernels")
+              with_scales: bool, low_latency_only: bool = False) -> RankBufferLayout:
+        """`low_latency_only`: a low-latency group of more ranks than the normal-mode kernels
+        take (up to LL_MAX_RANKS): the control block alone, no normal-mode buffers."""
+        limit = LL_MAX_RANKS if low_latency_only else MAX_RANKS
+        if not 1 <= num_ranks <= limit:
+            raise ValueError(f"num_ranks must lie in [1, {limit}] for "
+                             f"{'low-latency' if low_latency_only else 'intranode'} kernels")
         if num_experts % num_ranks:
             raise ValueError("num_experts must be a multiple of num_ranks")
         if not 1 <= num_topk <= MAX_TOPK:
@@ -94,8 +100,11 @@ class RankBufferLayout:
         local = num_experts // num_ranks
         max_recv = num_ranks * max_tokens_per_rank
         scale_cols = hidden // FP8_BLOCK if with_scales else 0
+        if low_latency_only:
+            max_recv = scale_cols = 0
         sizes = [
-            ("ctrl", CTRL_PAYLOAD_BYTES + MAX_RANKS * (MAX_RANKS + local) * 4),
+            ("ctrl", CTRL_PAYLOAD_BYTES + (0 if low_latency_only else
+                                           MAX_RANKS * (MAX_RANKS + local) * 4)),
             ("recv_x", max_recv * hidden * x_itemsize),
             ("recv_x_scales", max_recv * scale_cols * 4),
             ("recv_topk_idx", max_recv * num_topk * 8),
@@ -172,6 +181,10 @@ class LowLatencyLayout:
         if lx > LL_MAX_LOCAL_EXPERTS:
             raise ValueError(f"low-latency mode supports at most {LL_MAX_LOCAL_EXPERTS} local "
                              f"experts per rank")
+        if r > LL_MAX_RANKS or lx * r > LL_MAX_EXPERTS:
+            raise ValueError(f"low-latency mode supports at most {LL_MAX_RANKS} ranks and "
+                             f"{LL_MAX_EXPERTS} experts per group (LL_MAX_RANKS, "
+                             f"LL_MAX_EXPERTS)")
         rows = lx * r * m
         per_buffer = {"recv_x": rows * h * itemsize,  # FP8 calls use its first rows * h bytes
                       "scales": rows * max(h // FP8_BLOCK, 1) * 4,
@@ -495,20 +508,20 @@ class Kernels:
     def abort(self, peers: Any, num_ranks: int, code: int = ERR_ABORTED, *,
               stream: Any = None) -> None:
         with _stream_ptr(stream):
-            self.fn("epd_abort")((1,), (32,), (peers, np.int32(num_ranks), np.uint64(code)))
+            self.fn("epd_abort")((1,), (64,), (peers, np.int32(num_ranks), np.uint64(code)))
 
     def live_mask(self, peers: Any, num_ranks: int, rank: int, masked: bool, *,
                   stream: Any = None) -> None:
         """Set (or clear) rank `rank`'s bit in every rank's CTRL_LIVE_MASK: a live rank masked by
         a call (its peers still wait for its flags; each dispatch agrees on who is left out)."""
         with _stream_ptr(stream):
-            self.fn("epd_live_mask")((1,), (32,), (peers, np.int32(num_ranks), np.int32(rank),
+            self.fn("epd_live_mask")((1,), (64,), (peers, np.int32(num_ranks), np.int32(rank),
                                                    np.int32(1 if masked else 0)))
 
     def mask_rank(self, peers: Any, num_ranks: int, gone: int, *, stream: Any = None) -> None:
         """Set rank `gone`'s bit in every rank's CTRL_MASK (a shrink group goes on without it)."""
         with _stream_ptr(stream):
-            self.fn("epd_mask_rank")((1,), (32,), (peers, np.int32(num_ranks), np.int32(gone)))
+            self.fn("epd_mask_rank")((1,), (64,), (peers, np.int32(num_ranks), np.int32(gone)))
 
 
 _P, _I64, _I32, _U64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint64

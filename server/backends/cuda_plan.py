@@ -36,7 +36,8 @@ def membership_layout(spec: GroupSpec, *, remote: bool = False) -> MembershipLay
     kernel = RankBufferLayout.build(
         num_ranks=spec.num_ranks, num_experts=spec.num_experts, hidden=spec.hidden,
         num_topk=spec.num_topk, max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
-        y_itemsize=item, with_scales=spec.hidden % abi.FP8_BLOCK == 0)
+        y_itemsize=item, with_scales=spec.hidden % abi.FP8_BLOCK == 0,
+        low_latency_only=spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS)
     t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
                      spec.num_experts)
     off = kernel.total_bytes
@@ -83,9 +84,14 @@ def peer_table(rank_nodes: tuple[int, ...], rank_engines: tuple[int, ...], node:
 def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
                remote: bool = False) -> None:
     """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded)."""
-    if spec.num_ranks > abi.MAX_RANKS:
+    if spec.low_latency_mode and spec.num_ranks > abi.LL_MAX_RANKS:
         raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
-                              f"of {abi.MAX_RANKS} ranks per group (MAX_RANKS)")
+                              f"of {abi.LL_MAX_RANKS} ranks per low-latency group "
+                              f"(LL_MAX_RANKS)")
+    if not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS:
+        raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
+                              f"of {abi.MAX_RANKS} ranks per group (MAX_RANKS; a low-latency "
+                              f"group may have up to {abi.LL_MAX_RANKS})")
     if spec.num_topk > abi.MAX_TOPK:
         raise InvalidArgument(f"num_topk={spec.num_topk} exceeds the cuda backend's limit of "
                               f"{abi.MAX_TOPK} (MAX_TOPK)")

@@ -87,10 +87,8 @@ class RankRunner:
         self._keep: tuple = ()
 
     def reset_ctrl(self) -> None:
-        with cp.cuda.Device(self.device_id):
-            ctrl = ck.CTRL_PAYLOAD_BYTES + ck.MAX_RANKS * (ck.MAX_RANKS +
-                                                           self.layout.num_local_experts) * 4
-            cp.cuda.runtime.memset(self.base, 0, ctrl)
+        with cp.cuda.Device(self.device_id):  # (the control block ends where recv_x starts)
+            cp.cuda.runtime.memset(self.base, 0, self.layout.offsets["recv_x"])
 
     # -- collectives (asynchronous on self.stream) -----------------------------------------
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,

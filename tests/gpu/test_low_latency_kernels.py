@@ -80,12 +80,13 @@ def test_decode_config(fp8: bool, round_scale: bool) -> None:
     g.close()
 
 
-@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("num_ranks", [2, 4, 16])
 def test_uneven_dropped_and_repeated(num_ranks: int) -> None:
-    """-1 entries at dispatch and at combine, fewer tokens than the maximum, an empty rank."""
+    """-1 entries at dispatch and at combine, fewer tokens than the maximum, an empty rank;
+    16 ranks: more than a normal-mode group takes (LL_MAX_RANKS, one GPU here)."""
     rng = np.random.default_rng(40 + num_ranks)
     g = _group(num_ranks, 32, 4, 2048, 24)
-    tokens = [24, 0, 7, 19][:num_ranks]
+    tokens = [(24, 0, 7, 19)[r % 4] for r in range(num_ranks)]
     for i in range(4):
         ll_roundtrip(g, rng, tokens, 32, 4, 2048, 24, fp8=bool(i % 2), drop=0.2,
                      combine_drop=0.1, num_sms=4 + i)

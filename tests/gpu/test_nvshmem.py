@@ -52,14 +52,15 @@ def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path) -> None:
         _run_pes(tmp_path, 1, env)
 
 
-@pytest.mark.parametrize("ranks_per_node", [1, 2])
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 8])
 def test_low_latency_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -> None:
     """Issue 13: two logical nodes (two PEs, each its own node with `ranks_per_node` ranks);
     a rank on the other node is reached only through NVSHMEM's device API (the kernels built
     with EPD_NVSHMEM, cuda_remote.py), ranks of one node by pointer. Low-latency dispatch
     (bf16, FP8, rounded scales, both receive buffers, dropped entries, an empty rank) and
     combine are bit-exact against the reference on every rank; a bad expert id on rank 0
-    aborts the ranks of both nodes at once. On one GPU both PEs share it under MPS, so
+    aborts the ranks of both nodes at once. 8 ranks per node: a 16-rank group, more than one
+    node's normal mode takes. On one GPU both PEs share it under MPS, so
     NVSHMEM's P2P transport carries the puts: not its network proxy."""
     if GPU_COUNT < 1 or not _has_nvshmem():
         pytest.skip("needs a GPU and nvshmem4py")
