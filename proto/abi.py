@@ -9,7 +9,7 @@ kernel's signature.
 from __future__ import annotations
 
 # -- ranks -------------------------------------------------------------------------------------
-MAX_RANKS = 8  # EPD_MAX_RANKS: most ranks of a normal-mode CUDA group (one bit each in a token's mask)
+MAX_RANKS = 8  # EPD_MAX_RANKS: most ranks of a normal-mode CUDA group (a bit each in a mask)
 LL_MAX_RANKS = 64  # most ranks of a low-latency CUDA group (one bit each in the u64 masks)
 LL_MAX_EXPERTS = 8192  # low-latency mode: experts of a group (the dispatch's per-expert counts)
 MAX_TOPK = 32  # largest num_topk the intranode kernels take
