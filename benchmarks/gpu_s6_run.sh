@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_s6_run.sh mask     # carry [".whl"]: the MPS tests, then rank masking
 #   bash benchmarks/gpu_s6_run.sh ipcprobe # benchmarks/probe_ipc_close.py without and with MPS
 #   bash benchmarks/gpu_s6_run.sh cluster  # carry [".whl"]: tests/gpu/test_cuda_cluster.py
+#   bash benchmarks/gpu_s6_run.sh next     # carry [".whl"]: all of the above that landed unrun,
+#        in priority order (then `gpu_s5_run.sh suite` in a second call)
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
@@ -67,5 +69,18 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
     grep -E "PASSED|FAILED|passed|failed|^E  |world|lost" "$OUT/gpu_cuda_cluster.txt" \
         | cut -c1-300 | head -60
     ;;
-  *) echo "usage: $0 remote|final|mask|ipcprobe|cluster" >&2; exit 2 ;;
+  next)  # carry [".whl"]: the next session's first call, what landed unrun, in priority order
+    bash "$0" ipcprobe 2>&1 | grep -E '"spin_outcome"|"launch_s"|"close_s"|reading' | head -16
+    timeout 120 bash -c "$(declare -f pt); pt -s tests/gpu/test_rank_masking_gpu.py" \
+        > "$OUT/gpu_mask.txt" 2>&1
+    grep -E "PASSED|FAILED|passed|failed|^E  " "$OUT/gpu_mask.txt" | head -12
+    timeout 120 bash -c "$(declare -f pt); pt tests/gpu/test_low_latency_kernels.py" 2>&1 \
+        | grep -v " INFO " > "$OUT/gpu_ll_kernels.txt"
+    grep -E "PASSED|FAILED|passed|failed|^E  " "$OUT/gpu_ll_kernels.txt" | head -12
+    timeout 200 bash -c "$(declare -f pt); pt -s tests/gpu/test_nvshmem.py -k across_logical_nodes" \
+        > "$OUT/gpu_remote.txt" 2>&1
+    grep -E "PASSED|FAILED|passed|failed|timing|^E  " "$OUT/gpu_remote.txt" | head -20
+    bash "$0" cluster
+    ;;
+  *) echo "usage: $0 remote|final|mask|ipcprobe|cluster|next" >&2; exit 2 ;;
 esac
