@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sixth session of 2026-12-01 (one H200):
+# Sixth session of 2026-12-01 (one H200). The NVSHMEM build needs the CCCL headers: first
+#   bash ../shared/device/fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6   (into .whl/)
 #   bash benchmarks/gpu_s6_run.sh remote   # carry [".whl"] (with the nvidia-cuda-cccl wheel):
 #        low-latency mode across two logical nodes (two PEs on GPU 0 under MPS, the kernels'
 #        NVSHMEM build), then every low-latency GPU test of the one-node build
