@@ -221,7 +221,6 @@ class Supervisor:
             return False
 
     async def _monitor(self) -> None:
-
         from . import metrics
         while not self.stopping:
             for e in self.engines:
