@@ -124,3 +124,13 @@ def ranks(rank_pool):
 def daemon_factory():
     """Start extra daemons inside a test: `with daemon_factory(engines=4) as d: ...`."""
     return running_daemon
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave nothing in /tmp: the tmp_path folders are removed (tmp_path_retention_policy), and
+    so is pytest's per-user folder above them once empty."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    base = getattr(factory, "_basetemp", None)
+    if base is not None and config.getini("tmp_path_retention_policy") == "none":
+        with contextlib.suppress(OSError):
+            base.parent.rmdir()  # (only when empty: another run's folders stay)
