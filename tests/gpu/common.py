@@ -155,6 +155,58 @@ def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_e
     return results
 
 
+def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k: int, h: int,
+                 m: int, *, fp8: bool = False, round_scale: bool = False, drop: float = 0.0,
+                 combine_drop: float = 0.0, num_sms: int = 16, buffer: int = 0) -> None:
+    """One low-latency dispatch + combine of the ranks `g` drives (ranks_of: every rank of a
+    LocalGroup, one PE's of a multi-process group), fresh inputs of every rank from `rng`,
+    outputs poisoned first, everything bit-exact against the reference. A group with a
+    `barrier` (several processes) waits there between poisoning and launching."""
+    import cupy as cp
+
+    r = len(tokens)
+    lx = e // r
+    routes = [ref.random_routing(rng, t, e, k, drop_prob=drop) for t in tokens]
+    idxs = [i for i, _ in routes]
+    ws = [w for _, w in routes]  # (the router's weights, for the combine too)
+    xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
+    g.poison()
+    if hasattr(g, "barrier"):
+        g.barrier()  # (no PE writes into a peer that is still poisoning)
+    mine = ranks_of(g)
+    for s, runner in mine:
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(idxs[s]), m, fp8=fp8,
+                               round_scale=round_scale, timeout_ns=TIMEOUT_NS, num_sms=num_sms,
+                               buffer=buffer)
+    g.synchronize()
+    for _, runner in mine:
+        assert runner.error() is None, runner.error()
+    want = ref.low_latency_dispatch(xs, idxs, e, m, use_fp8=fp8, round_scale=round_scale)
+    for d, runner in mine:
+        with cp.cuda.Device(runner.device_id):
+            out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8, buffer).items()}
+        check_ll_dispatch(out, want[d], fp8)
+    # Combine: fresh expert outputs in the valid rows, NaN beyond them (must never be read);
+    # some entries dropped only at combine time. (The reference reads only the rows below the
+    # counts, which check_ll_dispatch found equal to the GPU's.)
+    ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
+    expected = ref.low_latency_combine(ys, want, comb_idx, ws, e)
+    outs = {}
+    for s, runner in mine:
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            out = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
+            runner.ll_combine(cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]),
+                              cp.asarray(ws[s]), out, m, timeout_ns=TIMEOUT_NS,
+                              num_sms=num_sms, buffer=buffer)
+            outs[s] = out
+    g.synchronize()
+    for _, runner in mine:
+        assert runner.error() is None, runner.error()
+    for s, out in outs.items():
+        np.testing.assert_array_equal(cp.asnumpy(out), raw(expected[s]))
+
+
 def check_ll_dispatch(out: dict[str, np.ndarray], exp: Any, fp8: bool) -> None:
     """One rank's low-latency dispatch outputs (host copies of RankRunner.ll_outputs) against
     the reference's: counts, then per local expert the valid rows bit-exact (source rank and

@@ -11,7 +11,6 @@ passed; one line per case.
 from __future__ import annotations
 
 import sys
-import traceback
 
 import numpy as np
 from nvshmem_worker import PeGroup  # this folder is on sys.path (run as a script)
@@ -78,52 +77,6 @@ class NodeGroup(PeGroup):
         super().close()
 
 
-def roundtrip(g: NodeGroup, rng: np.random.Generator, tokens: list[int], e: int, k: int,
-              h: int, m: int, *, fp8: bool, round_scale: bool = False, drop: float = 0.0,
-              combine_drop: float = 0.0, num_sms: int = 8, buffer: int = 0) -> None:
-    import cupy as cp
-    from common import TIMEOUT_NS, check_ll_dispatch, ll_combine_inputs, raw
-
-    from epd.proto.dtypes import BFLOAT16
-    from epd.server import reference as ref
-
-    r = len(tokens)
-    lx = e // r
-    routes = [ref.random_routing(rng, t, e, k, drop_prob=drop) for t in tokens]
-    idxs = [i for i, _ in routes]
-    ws = [w for _, w in routes]
-    xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
-    g.poison()
-    g.barrier()
-    for s, runner in zip(g.rank_ids, g.runners, strict=True):
-        with runner.stream:
-            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(idxs[s]), m, fp8=fp8,
-                               round_scale=round_scale, timeout_ns=TIMEOUT_NS, num_sms=num_sms,
-                               buffer=buffer)
-    g.synchronize()
-    for runner in g.runners:
-        assert runner.error() is None, runner.error()
-    want = ref.low_latency_dispatch(xs, idxs, e, m, use_fp8=fp8, round_scale=round_scale)
-    for d, runner in zip(g.rank_ids, g.runners, strict=True):
-        out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8, buffer).items()}
-        check_ll_dispatch(out, want[d], fp8)
-    ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
-    expected = ref.low_latency_combine(ys, want, comb_idx, ws, e)
-    outs = {}
-    for s, runner in zip(g.rank_ids, g.runners, strict=True):
-        with runner.stream:
-            out = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
-            runner.ll_combine(cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]),
-                              cp.asarray(ws[s]), out, m, timeout_ns=TIMEOUT_NS,
-                              num_sms=num_sms, buffer=buffer)
-            outs[s] = out
-    g.synchronize()
-    for runner in g.runners:
-        assert runner.error() is None, runner.error()
-    for s, out in outs.items():
-        np.testing.assert_array_equal(cp.asnumpy(out), raw(expected[s]))
-
-
 def bad_id_aborts_every_node(g: NodeGroup, pe: int, h: int, m: int, k: int) -> None:
     """Rank 0 dispatches an expert id out of range: it reports the id, and every other rank,
     on this node or another, stops with the group's abort instead of waiting out its deadline."""
@@ -187,34 +140,29 @@ def main() -> int:
     pe, npes, uid_file, per_pe = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     import cupy as cp
     import nvshmem.core as nc
-    from nvshmem_worker import init_pe
+    from common import ll_roundtrip
+    from nvshmem_worker import failed, init_pe
 
     gpu = init_pe(pe, npes, uid_file)
     stream = cp.cuda.Stream(non_blocking=True)
     failures = 0
     cases = [  # (experts, topk, hidden, max tokens, tokens of rank g(g, m), rounds)
-        (256, 8, 7168, 128, lambda g, m: m, [dict(fp8=True), dict(fp8=False),
-                                           dict(fp8=True, round_scale=True, buffer=1)]),
+        (256, 8, 7168, 128, lambda g, m: m, [
+            dict(fp8=True, num_sms=8), dict(fp8=False, num_sms=8),
+            dict(fp8=True, round_scale=True, buffer=1, num_sms=8)]),
         (32, 4, 2048, 24, lambda g, m: [24, 0, 7, 19][g % 4],
          [dict(fp8=bool(i % 2), drop=0.2, combine_drop=0.1, num_sms=3 + i, buffer=i % 2)
           for i in range(4)]),
     ]
-    group = None
     try:
         for e, k, h, m, tok, rounds in cases:
             group = NodeGroup(pe, npes, per_pe, e, h, k, m, stream, gpu)
             rng = np.random.default_rng(e + k + h)
             tokens = [tok(g, m) for g in range(group.num_ranks)]
             for i, kw in enumerate(rounds):
-                try:
-                    roundtrip(group, rng, tokens, e, k, h, m, **kw)
-                    print(f"PE {pe}: E={e} K={k} H={h} m={m} tokens={tokens} round {i} {kw} ok",
-                          flush=True)
-                except Exception:
-                    failures += 1
-                    traceback.print_exc()
+                failures += failed(pe, f"E={e} K={k} H={h} m={m} tokens={tokens} round {i} {kw}",
+                                   ll_roundtrip, group, rng, tokens, e, k, h, m, **kw)
             group.close()
-            group = None
         for pointers in (False, True):
             group = NodeGroup(pe, npes, per_pe, 256, 7168, 8, 128, stream, gpu, pointers)
             us = time_pairs(group, 128, 7168, 256, 8)
@@ -223,14 +171,9 @@ def main() -> int:
                   flush=True)
             group.close()
         group = NodeGroup(pe, npes, per_pe, 16, 256, 2, 8, stream, gpu)
-        try:
-            bad_id_aborts_every_node(group, pe, 256, 8, 2)
-            print(f"PE {pe}: bad expert id on rank 0 aborted every node ok", flush=True)
-        except Exception:
-            failures += 1
-            traceback.print_exc()
+        failures += failed(pe, "bad expert id on rank 0 aborted every node",
+                           bad_id_aborts_every_node, group, pe, 256, 8, 2)
         group.close()
-        group = None
     finally:
         nc.finalize()
     return 1 if failures else 0

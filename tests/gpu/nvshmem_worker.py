@@ -72,6 +72,18 @@ class PeGroup:
         nc.free_array(self.heap)
 
 
+def failed(pe: int, what: str, check, *args, **kwargs) -> int:
+    """check(*args, **kwargs), one check of this PE: 0 and a line saying it passed, or 1 and
+    its traceback."""
+    try:
+        check(*args, **kwargs)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    print(f"PE {pe}: {what} ok", flush=True)
+    return 0
+
+
 def init_pe(pe: int, npes: int, uid_file: str) -> int:
     """Join the NVSHMEM world of `npes` PEs (PE 0 writes the unique id to `uid_file`);
     returns the GPU this PE runs on."""
@@ -114,20 +126,14 @@ def main() -> int:
         (64, 2, 2048, 7, {"cached": True, "worst": 0}),
         (32, 8, 2048, 128, {"worst": 1024, "hot_rank": 0, "hot_fraction": 0.9}),
     ]
-    group = None
     try:
         for e, k, h, t, extra in cases:
             group = PeGroup(pe, npes, per_pe, e, h, k, 4096, stream, gpu)
             rng = np.random.default_rng(e + k + h + t)
             tokens = [t if g % 3 else max(t // 2, 0) for g in range(group.num_ranks)]
-            try:
-                roundtrip(group, rng, tokens, e, k, h, num_sms=16, **extra)
-                print(f"PE {pe}: case E={e} K={k} H={h} T={t} {extra} ok", flush=True)
-            except Exception:
-                failures += 1
-                traceback.print_exc()
+            failures += failed(pe, f"case E={e} K={k} H={h} T={t} {extra}", roundtrip, group,
+                               rng, tokens, e, k, h, num_sms=16, **extra)
             group.close()
-            group = None
     finally:
         nc.finalize()
     return 1 if failures else 0

@@ -12,7 +12,7 @@ import pytest
 from epd.proto.dtypes import BFLOAT16
 from epd.server import reference as ref
 
-from .common import TIMEOUT_NS, check_ll_dispatch, ll_combine_inputs, raw
+from .common import TIMEOUT_NS, ll_roundtrip, raw
 
 pytestmark = pytest.mark.gpu
 
@@ -21,53 +21,6 @@ def _group(r: int, e: int, k: int, h: int, m: int):
     from .local_group import LocalGroup
 
     return LocalGroup(r, e, h, k, m, BFLOAT16, low_latency=True)
-
-
-def ll_roundtrip(g, rng: np.random.Generator, tokens: list[int], e: int, k: int, h: int, m: int,
-                 *, fp8: bool = False, round_scale: bool = False, drop: float = 0.0,
-                 combine_drop: float = 0.0, num_sms: int = 16) -> None:
-    import cupy as cp
-
-    r = len(tokens)
-    lx = e // r
-    routes = [ref.random_routing(rng, t, e, k, drop_prob=drop) for t in tokens]
-    idxs = [i for i, _ in routes]
-    ws = [w for _, w in routes]
-    xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
-    g.poison()
-    for s, runner in enumerate(g.runners):
-        with cp.cuda.Device(runner.device_id), runner.stream:
-            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(idxs[s]), m, fp8=fp8,
-                               round_scale=round_scale, timeout_ns=TIMEOUT_NS, num_sms=num_sms)
-    g.synchronize()
-    for runner in g.runners:
-        assert runner.error() is None, runner.error()
-    want = ref.low_latency_dispatch(xs, idxs, e, m, use_fp8=fp8, round_scale=round_scale)
-    got_disp = []
-    for d, runner in enumerate(g.runners):
-        with cp.cuda.Device(runner.device_id):
-            out = {n: cp.asnumpy(a) for n, a in runner.ll_outputs(m, fp8).items()}
-        check_ll_dispatch(out, want[d], fp8)
-        got_disp.append(ref.LowLatencyDispatch(None, None, out["recv_count"],
-                                               out["recv_src_rank"], out["recv_src_idx"]))
-
-    # Combine: fresh expert outputs in the valid rows, NaN beyond them (must never be read);
-    # some entries dropped only at combine time.
-    ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
-    cw = ws  # the router's weights
-    expected = ref.low_latency_combine(ys, got_disp, comb_idx, cw, e)
-    outs = []
-    for s, runner in enumerate(g.runners):
-        with cp.cuda.Device(runner.device_id), runner.stream:
-            out = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
-            runner.ll_combine(cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]),
-                              cp.asarray(cw[s]), out, m, timeout_ns=TIMEOUT_NS, num_sms=num_sms)
-            outs.append(out)
-    g.synchronize()
-    for runner in g.runners:
-        assert runner.error() is None, runner.error()
-    for s in range(r):
-        np.testing.assert_array_equal(cp.asnumpy(outs[s]), raw(expected[s]))
 
 
 @pytest.mark.parametrize("fp8,round_scale", [(False, False), (True, False), (True, True)])

@@ -37,7 +37,8 @@ def _inputs(step: int, rank: int):
 
 def _expected(step: int, left_out: set[int]):
     """(dispatch reference, combined bits) per rank with `left_out` taking no part: their
-    tokens absent, every entry for one of their experts dropped; identity experts."""
+    tokens absent, every entry for one of their experts dropped; identity experts; a rank
+    left out gets zeros (a live one; one that went away is not checked)."""
     xs, idx, w = zip(*(_inputs(step, r) for r in range(R)), strict=True)
     kept, ws = [], []
     for r in range(R):
@@ -48,7 +49,8 @@ def _expected(step: int, left_out: set[int]):
     disp = ref.low_latency_dispatch([x[:0] if r in left_out else x for r, x in enumerate(xs)],
                                     kept, E, M)
     combined = ref.low_latency_combine([d.recv_x for d in disp], disp, kept, ws, E)
-    return disp, [c.view(np.uint16) for c in combined]
+    return disp, [np.zeros(xs[r].shape, np.uint16) if r in left_out else
+                  combined[r].view(np.uint16) for r in range(R)]
 
 
 def _rank(rank: int, socket: str, device: int, q) -> None:
@@ -109,22 +111,6 @@ def test_rank_that_goes_away_is_masked_on_the_cuda_engine(daemon) -> None:
 LIVE_STEPS = [set(), {1}, {1}, set(), {2}, {0, 2}, set()]
 
 
-def _expected_live(step: int, left_out: set[int]):
-    """As _expected, with the inputs of step 10 + step; a rank left out gets zeros."""
-    xs, idx, w = zip(*(_inputs(10 + step, r) for r in range(R)), strict=True)
-    kept, ws = [], []
-    for r in range(R):
-        i = idx[r].copy()
-        i[np.isin(np.where(i >= 0, i // LX, -1), sorted(left_out))] = -1
-        kept.append(i[:0] if r in left_out else i)
-        ws.append(w[r][:0] if r in left_out else w[r])
-    disp = ref.low_latency_dispatch([x[:0] if r in left_out else x for r, x in enumerate(xs)],
-                                    kept, E, M)
-    combined = ref.low_latency_combine([d.recv_x for d in disp], disp, kept, ws, E)
-    return disp, [np.zeros(xs[r].shape, np.uint16) if r in left_out else
-                  combined[r].view(np.uint16) for r in range(R)]
-
-
 def _live_rank(rank: int, socket: str, device: int, barrier, q) -> None:
     import torch
 
@@ -168,7 +154,7 @@ def test_live_rank_masked_by_a_call_on_the_cuda_engine(daemon) -> None:
     barrier = mp.get_context("spawn").Barrier(R)
     results = _spawn_ranks(daemon, _live_rank, R, barrier)
     for step, left_out in enumerate(LIVE_STEPS):
-        disp, combined = _expected_live(step, left_out)
+        disp, combined = _expected(10 + step, left_out)
         for r in range(R):
             got = results[r]["steps"][step]
             _check_ll(disp[r], got["compact"], LX)
