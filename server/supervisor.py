@@ -161,7 +161,7 @@ class Supervisor:
 
     @property
     def world_mode(self) -> bool:
-        return self.cfg.cluster_mode and self.planner.world_spans_nodes
+        return self.planner.world_spans_nodes  # (only in cluster mode)
 
     @property
     def cluster(self) -> ClusterHub | ClusterMember | None:

@@ -178,7 +178,7 @@ def test_cuda_groups_of_a_multi_node_world_hold_the_put_staging() -> None:
     assert many.offsets["send_y"] >= many.offsets["send_x"] + one.max_tokens * 2048 * 2
     assert many.end - one.end >= rows * 2048 * 2  # at least one more bf16 receive buffer
     cfg = _cuda_cfg(1 << 34)
-    planner = cuda_plan.CudaPlanner(SimpleNamespace(**vars(cfg), num_nodes=2))
+    planner = cuda_plan.CudaPlanner(SimpleNamespace(**vars(cfg), num_nodes=2, cuda_cluster=True))
     _, size = cuda_plan.decode_plan(planner.plan_group("g", spec))
     assert size == cuda_plan.group_bytes(spec, remote=True) > cuda_plan.group_bytes(spec)
 

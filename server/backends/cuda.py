@@ -289,7 +289,8 @@ class HostControlWords:
 
     def read(self, slot: int) -> tuple[int, int]:
         """(abort code, gone ranks) of one slot."""
-        return int(self.words[slot, 0]), int(self.words[slot, 1])
+        return (int(self.words[slot, abi.HOST_WORD_ABORT]),
+                int(self.words[slot, abi.HOST_WORD_GONE]))
 
     def close(self) -> None:
         if self._ptr:
@@ -383,8 +384,7 @@ class CudaRankComm(RankComm):
         raise Aborted(f"group {self.spec.name!r} aborted: {self.abort_reason() or phase}")
 
     def layout(self, topk_idx: Any) -> LayoutOutputs:
-        if self.spec.num_ranks > abi.MAX_RANKS:
-            self._normal_mode("layout")
+        self._normal_mode("layout", collective=False)
         r, e, t = self.spec.num_ranks, self.spec.num_experts, topk_idx.shape[0]
         out = LayoutOutputs(self._extra("ntpr", (r,), np.int32),
                             self._extra("ntpe", (e,), np.int32),
@@ -395,11 +395,12 @@ class CudaRankComm(RankComm):
             s.synchronize()
         return out
 
-    def _normal_mode(self, what: str) -> None:
-        """Normal mode across nodes needs DeepEP's hierarchical kernels, not built; on one node
-        its kernels take at most MAX_RANKS ranks (a low-latency group may have more)."""
+    def _normal_mode(self, what: str, collective: bool = True) -> None:
+        """Normal mode across nodes needs DeepEP's hierarchical kernels, not built (the layout,
+        computed by each rank alone, is not a collective); on one node its kernels take at
+        most MAX_RANKS ranks (a low-latency group may have more)."""
         from ...proto.errors import FailedPrecondition
-        if self.spans_nodes:
+        if collective and self.spans_nodes:
             raise FailedPrecondition(f"group {self.spec.name!r} spans nodes: normal-mode {what} "
                                      f"across nodes is not built on the cuda engine (its "
                                      f"hierarchical kernels); low-latency calls work")
@@ -675,8 +676,7 @@ class CudaRankComm(RankComm):
 
     def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
                       stream_seq: int) -> None:
-        if self.spec.num_ranks > abi.MAX_RANKS:
-            self._normal_mode("layout")
+        self._normal_mode("layout", collective=False)
         s = self.runner.stream
         with cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
@@ -781,7 +781,7 @@ class CudaRankComm(RankComm):
         log.info("group %r: rank %d masked for its peers: %s", self.spec.name, self.rank, reason)
         # As abort: the host words at once, the control blocks by a kernel not awaited.
         self.backend.host_words.mark_gone(self._group_key, self.rank)
-        self.runner.mask_rank(self.rank, wait=False)
+        self.runner.mask_rank(self.rank)
 
     def abort_reason(self) -> str | None:
         if self._reason is not None:

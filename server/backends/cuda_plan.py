@@ -151,12 +151,11 @@ class CudaPlanner(GroupPlanner):
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
-        # A world over several nodes: every group's layout has the staging of puts to other
-        # nodes (as the engines lay it out, CudaRankComm).
-        self.remote = getattr(cfg, "num_nodes", 1) > 1
-        # Experimental: the engines of every node in one NVSHMEM world (--cuda-cluster).
+        # Experimental: the engines of every node in one NVSHMEM world (--cuda-cluster); every
+        # group's layout then has the staging of puts to other nodes (as the engines lay it
+        # out, CudaRankComm).
         self.cluster_capable = self.world_spans_nodes = (
-            self.remote and bool(getattr(cfg, "cuda_cluster", False)))
+            getattr(cfg, "num_nodes", 1) > 1 and bool(getattr(cfg, "cuda_cluster", False)))
         self.world: epd_pb2.ClusterWorld | None = None
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = HeapAllocator(self.heap_bytes)
@@ -164,10 +163,10 @@ class CudaPlanner(GroupPlanner):
         self.generation = 0
 
     def validate_spec(self, spec: GroupSpec) -> None:
-        check_spec(spec, self.heap_bytes, remote=self.remote)
+        check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes)
 
     def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
-        size = group_bytes(spec, remote=self.remote)
+        size = group_bytes(spec, remote=self.world_spans_nodes)
         offset = self.heap.alloc(size)
         if offset is None:
             raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "

@@ -70,7 +70,6 @@ class RankRunner:
             table = ([0 if r in remote else int(b) for r, b in enumerate(peer_bases)]
                      + [remote.get(r, (0, 0))[0] for r in range(len(peer_bases))]
                      + [remote.get(r, (0, 0))[1] for r in range(len(peer_bases))])
-        self.remote = dict(remote or {})
         with cp.cuda.Device(device_id):
             self.peers = cp.asarray(np.array(table, dtype=np.uint64))
             # The rank's kernels run here, at its group's service-class priority (0: the
@@ -215,13 +214,11 @@ class RankRunner:
                              stream=self.side_stream)
             self.side_stream.synchronize()
 
-    def mask_rank(self, gone: int, wait: bool = True) -> None:
+    def mask_rank(self, gone: int) -> None:
         """Every rank's waits skip rank `gone` from now on (shrink groups); on the side stream,
-        done when this returns if `wait`."""
+        not awaited (the engine's host control words already say so to its own ranks)."""
         with cp.cuda.Device(self.device_id):
             self.k.mask_rank(self.peers, self.layout.num_ranks, gone, stream=self.side_stream)
-            if wait:
-                self.side_stream.synchronize()
 
     # -- results (host reads; call after the stream) ---------------------------------------
     def recv_info(self, res: DispatchResult) -> tuple[int, list[int]]:
