@@ -9,8 +9,8 @@
 #   bash benchmarks/gpu_s6_run.sh mask     # carry [".whl"]: the MPS tests, then rank masking
 #   bash benchmarks/gpu_s6_run.sh ipcprobe # benchmarks/probe_ipc_close.py without and with MPS
 #   bash benchmarks/gpu_s6_run.sh cluster  # carry [".whl"]: tests/gpu/test_cuda_cluster.py
-#   bash benchmarks/gpu_s6_run.sh next     # carry [".whl"]: all of the above that landed unrun,
-#        in priority order (then `gpu_s5_run.sh suite` in a second call)
+#   bash benchmarks/gpu_s6_run.sh next     # carry [".whl"]: what landed unrun, in priority order
+#        (then `cluster` and `gpu_s5_run.sh suite`, one call each: each alone nears 600 s)
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 300 -o addopts="" "$@"; }
@@ -81,7 +81,6 @@ for n in ('epd_ll_dispatch', 'epd_ll_combine_push', 'epd_ll_combine_reduce<Bf16>
     timeout 200 bash -c "$(declare -f pt); pt -s tests/gpu/test_nvshmem.py -k across_logical_nodes" \
         > "$OUT/gpu_remote.txt" 2>&1
     grep -E "PASSED|FAILED|passed|failed|timing|^E  " "$OUT/gpu_remote.txt" | head -20
-    bash "$0" cluster
     ;;
   *) echo "usage: $0 remote|final|mask|ipcprobe|cluster|next" >&2; exit 2 ;;
 esac
