@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from ..proto import dtypes
-from ..proto.errors import InvalidArgument
+from ..proto.errors import InvalidArgument, TokenCapacityExceeded
 from . import cuda_ipc
 from . import deep_ep_compat as C
 from . import tensors as T
@@ -171,6 +171,7 @@ class Buffer(LowLatencyMixin):
         self.enable_shrink = enable_shrink
         self.group_name = group_name
         self.max_tokens_per_rank = _max_tokens(max_tokens_per_rank)
+        self._first_max_tokens = self.max_tokens_per_rank
         # The service class of this Buffer's groups: the keyword, else EPD_SERVICE_CLASS (for
         # frameworks that build the Buffer themselves), else the daemon's policy default.
         if service_class is None:
@@ -189,6 +190,9 @@ class Buffer(LowLatencyMixin):
             self._owns_session = False
         self.session = session
         self._groups: dict[_GroupKey, Group] = {}
+        # Groups replaced by larger ones (token growth): kept for the handles made on them,
+        # left at destroy().
+        self._retired: list[Group] = []
         self._num_experts: int | None = None
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         # Armed low-latency calls by the tensors they read (cuda backend).
@@ -269,12 +273,35 @@ class Buffer(LowLatencyMixin):
             return 0
         return int(config.num_sms) if config is not None else int(Buffer.num_sms)
 
-    def _check_capacity(self, num_tokens: int) -> None:
-        if num_tokens > self.max_tokens_per_rank:
-            raise InvalidArgument(
-                f"{num_tokens} tokens exceed this Buffer's capacity of {self.max_tokens_per_rank} "
-                f"tokens per rank and call: raise it with Buffer(..., max_tokens_per_rank=N) or "
-                f"{MAX_TOKENS_ENV}=N in the environment of every rank (the same on all ranks)")
+    def _grow(self, key: _GroupKey, needed: int) -> Group:
+        """Replace the normal-mode group of `key` by one holding `needed` tokens per rank and
+        call (at least twice the old capacity). Every rank calls this at the same point with
+        the same `needed` (each learnt it from the same failed collective, or from an argument
+        that every rank passes alike), so all join the same new group; the old group stays for
+        the handles made on it."""
+        old = self._groups.pop(key)
+        cap = max(needed, 2 * old.spec.max_tokens_per_rank)
+        self.max_tokens_per_rank = max(self.max_tokens_per_rank, cap)
+        self._retired.append(old)
+        return self._group(key.hidden, key.num_topk, dtypes.to_numpy(old.spec.x_dtype),
+                           key.num_experts)
+
+    def _key_of(self, g: Group) -> _GroupKey:
+        return next(k for k, v in self._groups.items() if v is g)
+
+    def _dispatch_growing(self, key: _GroupKey, num_worst_tokens: int, run):
+        """run(g) on the group of `key`, growing the group when the dispatch needs more
+        tokens per rank than it holds: by num_worst_tokens (an argument every rank passes
+        alike) before the call, else when the collective fails on every rank with
+        TokenCapacityExceeded, then the same call again on the larger group."""
+        g = self._groups[key]
+        if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
+            g = self._grow(key, -(-num_worst_tokens // g.num_ranks))
+        try:
+            return g, run(g)
+        except TokenCapacityExceeded as e:
+            g = self._grow(key, e.tokens_needed)
+            return g, run(g)
 
     @staticmethod
     def _check_config(config: Config | None) -> None:
@@ -292,6 +319,8 @@ class Buffer(LowLatencyMixin):
             name = f"{self.group_name}/h{hidden}-k{num_topk}-{dtype.name}-e{num_experts}"
             if low_latency_tokens:
                 name += f"-ll{low_latency_tokens}"
+            elif self.max_tokens_per_rank != self._first_max_tokens:  # grown (see _grow)
+                name += f"-t{self.max_tokens_per_rank}"
             g = self.session.join(name, rank=self.rank, num_ranks=self.group_size,
                                   num_experts=num_experts, hidden=hidden,
                                   max_tokens_per_rank=low_latency_tokens or
@@ -316,18 +345,24 @@ class Buffer(LowLatencyMixin):
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(idx_shape) != 2:
             raise InvalidArgument(f"topk_idx must be 2-D, got shape {list(idx_shape)}")
-        self._check_capacity(idx_shape[0])
         # Layout needs a group only for the engine round trip; any hidden size will do, so use
-        # the first normal-mode group with this routing shape, or a small layout group. Every
-        # rank makes the same calls, so every rank picks the same group.
-        g = next((g for key, g in self._groups.items()
-                  if key.num_topk == idx_shape[1] and key.num_experts == num_experts
-                  and not key.low_latency_tokens), None)
+        # the normal-mode group with this routing shape that holds the most tokens, or a small
+        # layout group. Every rank makes the same calls, so every rank picks the same group
+        # (never by the token count, which differs across ranks: forming a group is collective).
+        g = max((g for key, g in self._groups.items()
+                 if key.num_topk == idx_shape[1] and key.num_experts == num_experts
+                 and not key.low_latency_tokens),
+                key=lambda g: g.spec.max_tokens_per_rank, default=None)
         if g is None:
             g = self._group(LAYOUT_GROUP_HIDDEN, idx_shape[1], dtypes.BFLOAT16, num_experts)
+        if idx_shape[0] > g.spec.max_tokens_per_rank:
+            # More tokens than the group holds (its dispatch grows it): the layout, which is
+            # not a collective, is computed here, exactly as the engine would.
+            call = lambda: C.layout_of(topk_idx, num_experts, self.group_size)  # noqa: E731
+        else:
+            call = lambda: g.get_dispatch_layout(topk_idx)  # noqa: E731
         (per_rank, per_expert, in_rank), event = self._run(
-            topk_idx, lambda: g.get_dispatch_layout(topk_idx), previous_event, async_finish,
-            allocate_on_comm_stream, (topk_idx,))
+            topk_idx, call, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
         per_node = None
         if len(set(g.rank_nodes)) > 1:  # cluster mode, a group over several nodes
             nodes = np.asarray(g.rank_nodes)
@@ -353,8 +388,6 @@ class Buffer(LowLatencyMixin):
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         x_scales = T.rows_dense(x_scales)  # DeepEP's tests pass them column-major
         x_shape, x_dtype = T.meta(x, "x")
-        if x_shape:
-            self._check_capacity(x_shape[0])
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("cached dispatch (handle given) takes no "
@@ -389,13 +422,14 @@ class Buffer(LowLatencyMixin):
                                   f"{list(idx_shape)}")
         combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
         g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
-        out, event = self._run(
-            x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
-                                  expert_alignment=expert_alignment,
-                                  num_worst_tokens=num_worst_tokens,
-                                  num_sms=self._sms(g, config)),
-            previous_event, async_finish, allocate_on_comm_stream,
-            (x, x_scales, topk_idx, topk_weights))
+        g, (out, event) = self._dispatch_growing(
+            self._key_of(g), num_worst_tokens, lambda g: self._run(
+                x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
+                                      expert_alignment=expert_alignment,
+                                      num_worst_tokens=num_worst_tokens,
+                                      num_sms=self._sms(g, config)),
+                previous_event, async_finish, allocate_on_comm_stream,
+                (x, x_scales, topk_idx, topk_weights)))
         recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
         counts = [] if num_worst_tokens else out.num_recv_tokens_per_expert
         h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
@@ -422,13 +456,14 @@ class Buffer(LowLatencyMixin):
                   and key.num_experts == num_experts and not key.low_latency_tokens), None)
         if g is None:
             g = self._group(x_shape[1], 1, combine_dtype, int(num_experts))
-        out, event = self._run(
-            x, lambda: g.dispatch(x, x_scales=x_scales, expert_alignment=expert_alignment,
-                                  num_worst_tokens=num_worst_tokens,
-                                  is_token_in_rank=is_token_in_rank,
-                                  num_tokens_per_expert=num_tokens_per_expert),
-            previous_event, async_finish, allocate_on_comm_stream,
-            (x, x_scales, is_token_in_rank, num_tokens_per_expert))
+        g, (out, event) = self._dispatch_growing(
+            self._key_of(g), num_worst_tokens, lambda g: self._run(
+                x, lambda: g.dispatch(x, x_scales=x_scales, expert_alignment=expert_alignment,
+                                      num_worst_tokens=num_worst_tokens,
+                                      is_token_in_rank=is_token_in_rank,
+                                      num_tokens_per_expert=num_tokens_per_expert),
+                previous_event, async_finish, allocate_on_comm_stream,
+                (x, x_scales, is_token_in_rank, num_tokens_per_expert)))
         recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
         h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
                          recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank)
@@ -460,10 +495,11 @@ class Buffer(LowLatencyMixin):
 
     def destroy(self) -> None:
         """Leave every group and close the session (idempotent)."""
-        for g in self._groups.values():
+        for g in [*self._groups.values(), *self._retired]:
             if not g._left:
                 g.leave()
         self._groups.clear()
+        self._retired.clear()
         self._stream_ops.clear()
         if self._owns_session:
             self.session.close()

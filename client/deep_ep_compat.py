@@ -333,9 +333,46 @@ def is_token_in_rank_of(topk_idx: Any, num_experts: int, num_ranks: int) -> Any:
         owner = torch.where(topk_idx >= 0, topk_idx // local, -1)
         ranks = torch.arange(num_ranks, device=topk_idx.device)
         return (owner.unsqueeze(-1) == ranks).any(dim=1)
-    idx = np.asarray(topk_idx)
-    owner = np.where(idx >= 0, idx // local, -1)
-    return (owner[:, :, None] == np.arange(num_ranks)).any(axis=1)
+    xp = _array_module(topk_idx)
+    idx = xp.asarray(topk_idx)
+    owner = xp.where(idx >= 0, idx // local, -1)
+    return (owner[:, :, None] == xp.arange(num_ranks)).any(axis=1)
+
+
+def layout_of(topk_idx: Any, num_experts: int, num_ranks: int) -> tuple[Any, Any, Any]:
+    """DeepEP's get_dispatch_layout computed in the caller's process, on the current stream
+    for a CUDA tensor: (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+    is_token_in_rank bool [T, R]), of the caller's array kind. An expert id outside [-1, E)
+    raises InvalidArgument (which reads the ids back: a synchronisation)."""
+    torch = torch_if_loaded()
+    if torch is not None and isinstance(topk_idx, torch.Tensor):
+        xp, i32 = torch, torch.int32
+        bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any().item()
+    else:
+        xp = _array_module(topk_idx)
+        i32 = np.int32
+        bad = bool(((topk_idx < -1) | (topk_idx >= num_experts)).any())
+    if bad:
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        raise InvalidArgument(f"topk_idx holds expert ids in [{lo}, {hi}]; valid ids are -1 "
+                              f"(none) and [0, {num_experts})")
+    in_rank = is_token_in_rank_of(topk_idx, num_experts, num_ranks)
+    valid = topk_idx[topk_idx >= 0].reshape(-1)
+    if xp is torch:
+        per_expert = torch.bincount(valid, minlength=num_experts).to(i32)
+        per_rank = in_rank.sum(dim=0, dtype=i32)
+    else:
+        per_expert = xp.bincount(valid, minlength=num_experts).astype(i32)
+        per_rank = in_rank.sum(axis=0, dtype=i32)
+    return per_rank, per_expert, in_rank
+
+
+def _array_module(x: Any) -> Any:
+    """NumPy, or CuPy for a CuPy array (imported only then)."""
+    if hasattr(x, "__cuda_array_interface__"):
+        import cupy
+        return cupy
+    return np
 
 
 def layout_range_of(src_rank: Any, num_ranks: int) -> Any:

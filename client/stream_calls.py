@@ -123,6 +123,12 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     # The receive count, published by the notify kernel (by the engine for a cached dispatch).
     got = counter_page.wait(group._counter, resp.counter_sequence,
                             max(req.timeout_seconds, 1.0))  # the call's deadline, >= 1 s
+    if got is not None and int(group._counter[counter_page.STATUS]) == abi.ERR_CAPACITY:
+        slot.end(stream, seq)  # every rank failed the call before any row moved
+        group._requeue([resp.handle])  # (the engine's handle of a call that did not run)
+        raise counter_page.capacity_error(group.name, group.spec.max_tokens_per_rank, got[0],
+                                          int(group._counter[abi.SLOT_ERR_RANK]),
+                                          f"dispatch #{resp.counter_sequence}")
     if got is None or int(group._counter[counter_page.STATUS]):
         slot.end(stream, seq)  # the stream passes the call either way
         slot.check()

@@ -43,13 +43,22 @@ typedef unsigned long long u64;
 // streams share. Waits poll them every 64 spins, beside the control block's own words.
 #define HOST_WORD_ABORT 0         // nonzero: the group was aborted (value = code)
 #define HOST_WORD_GONE 1          // bit r: rank r went away (shrink groups)
-#define CTRL_PAYLOAD_BYTES 4096 // notify payload: [R_MAX][R_MAX + L] int32 per source slot
+#define CTRL_PAYLOAD_BYTES 4096 // notify payload: [R_MAX][NOTIFY_HEAD + L] int32 per source slot
+// A notify payload from one source: R_MAX per-destination counts, the source's token count, then
+// its L per-expert counts for the destination.
+#define NOTIFY_TOKENS 8  // EPD_MAX_RANKS
+#define NOTIFY_HEAD 9
+static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_HEAD == NOTIFY_TOKENS + 1,
+              "notify payload layout");
 
 #define ERR_DEADLINE 1
 #define ERR_ABORTED 2
 #define ERR_WORST_OVERFLOW 3
 #define ERR_BAD_INPUT 4  // an expert id out of range, or a combine entry never dispatched
 #define ERR_BAD_COUNT 5  // a negative num_tokens_per_expert of a dispatch without top-k
+// A source's dispatch has more tokens than max_tokens_per_rank: every rank fails the call (its
+// counter slot: NUM_RECV = the largest token count, ERR_RANK = its rank); nothing moved.
+#define ERR_CAPACITY 8
 
 // Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
 #define ABORT_RANK_SHIFT 8

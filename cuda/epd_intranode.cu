@@ -70,6 +70,7 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
 extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
 epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int rank,
            const u64* __restrict__ peers, u64 seq, i64 timeout_ns, int alignment,
+           int max_tokens,                         // the group's max_tokens_per_rank
            i64* counter_slot,                      // mapped host slot, or null
            u64 counter_seq,                        // value the slot's sequence word takes
            int* __restrict__ recv_info,            // [4 + L]
@@ -156,12 +157,13 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     for (int d = 0; d < EPD_MAX_RANKS; ++d)
         off[d] = incl[d] - cnt[d] + (warp > 0 ? s_warp[warp - 1][d] : 0);
 
-    // Phase B: push [per-rank counts (R_MAX ints) | destination's L expert counts] to every
+    // Phase B: push [per-rank counts (R_MAX ints) | T | destination's L expert counts] to every
     // peer's slot for this source, fence, then raise the flag.
-    const int stride = EPD_MAX_RANKS + L;
+    const int stride = NOTIFY_HEAD + L;
     for (int i = tid; i < R * stride; i += blockDim.x) {
         int r = i / stride, j = i % stride;
-        int v = j < EPD_MAX_RANKS ? (j < R ? s_rank[j] : 0) : s_expert[r * L + (j - EPD_MAX_RANKS)];
+        int v = j < EPD_MAX_RANKS ? (j < R ? s_rank[j] : 0)
+              : j == NOTIFY_TOKENS ? T : s_expert[r * L + (j - NOTIFY_HEAD)];
         int* slot = reinterpret_cast<int*>(reinterpret_cast<char*>(ctrl_of(peers, r)) +
                                            CTRL_PAYLOAD_BYTES) + rank * stride;
         slot[j] = v;
@@ -189,9 +191,32 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         return;
     }
 
-    // Phase D: counts -> count matrix, prefix matrix, receive counts; publish to the host.
     const volatile int* payload = reinterpret_cast<const volatile int*>(
         reinterpret_cast<const char*>(my_ctrl) + CTRL_PAYLOAD_BYTES);
+    // A source with more tokens than the group holds: every rank reads the same payloads, so
+    // every rank fails this call alike (ERR_CAPACITY), before any row moves; the data kernels
+    // skip it (recv_info[1]) and the group goes on.
+    int need = 0, needy = -1;
+    for (int s = 0; s < R; ++s) {
+        int ts = payload[s * stride + NOTIFY_TOKENS];
+        if (ts > need) { need = ts; needy = s; }
+    }
+    if (need > max_tokens) {
+        if (tid == 0) {
+            recv_info[0] = -1; recv_info[1] = ERR_CAPACITY; recv_info[2] = needy;
+            if (counter_slot != nullptr) {
+                counter_slot[SLOT_NUM_RECV] = need;
+                counter_slot[SLOT_NUM_EXPERTS] = 0;
+                counter_slot[SLOT_STATUS] = ERR_CAPACITY;
+                counter_slot[SLOT_ERR_RANK] = needy;
+                __threadfence_system();
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+            }
+        }
+        return;
+    }
+
+    // Phase D: counts -> count matrix, prefix matrix, receive counts; publish to the host.
     if (tid < R * R) {
         int s = tid / R, d = tid % R;
         count_matrix[tid] = payload[s * stride + d];
@@ -201,7 +226,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     }
     for (int l = tid; l < L; l += blockDim.x) {
         int c = 0;
-        for (int s = 0; s < R; ++s) c += payload[s * stride + EPD_MAX_RANKS + l];
+        for (int s = 0; s < R; ++s) c += payload[s * stride + NOTIFY_HEAD + l];
         c = (c + alignment - 1) / alignment * alignment;
         recv_info[4 + l] = c;
         if (counter_slot != nullptr) counter_slot[SLOT_HEADER + l] = c;

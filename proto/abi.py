@@ -50,7 +50,9 @@ CTRL_LL_READY_FLAG = 256
 CTRL_LL_COMBINE_READY = 320
 CTRL_LL_HIST_FLAG = 384  # source s posted its low-latency dispatch histogram
 CTRL_LL_SEEN = 448  # the ranks source s saw masked or gone when it posted its histogram
-CTRL_PAYLOAD_BYTES = 4096  # notify payload: [MAX_RANKS][MAX_RANKS + L] int32 per source slot
+CTRL_PAYLOAD_BYTES = 4096  # notify payload: [MAX_RANKS][NOTIFY_HEAD + L] int32 per source slot
+NOTIFY_TOKENS = 8  # EPD_MAX_RANKS: a payload's word holding the source's token count
+NOTIFY_HEAD = 9  # words before a payload's per-expert counts (the counts, then the tokens)
 
 # abort word = ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED: peers learn who left
 ABORT_RANK_SHIFT = 8
@@ -63,11 +65,15 @@ ERR_BAD_INPUT = 4  # an expert id out of range, or a combine entry never dispatc
 ERR_BAD_COUNT = 5  # a negative num_tokens_per_expert of a dispatch without top-k
 ERR_NOT_FILLED = 6  # a chained combine whose receive buffer holds another dispatch (not run)
 ERR_RING_FULL = 7  # a chained trigger found no free ring entry before its deadline
+# a source dispatched more tokens than max_tokens_per_rank: every rank fails the call alike
+# (counter slot: NUM_RECV = the largest token count, ERR_RANK = its rank); the group goes on
+ERR_CAPACITY = 8
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
                ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
                ERR_NOT_FILLED: "the receive buffer holds another dispatch",
-               ERR_RING_FULL: "the chain's ring stayed full"}
+               ERR_RING_FULL: "the chain's ring stayed full",
+               ERR_CAPACITY: "more tokens than max_tokens_per_rank"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2

@@ -38,6 +38,7 @@ from .errors import (
     EpdError,
     InvalidArgument,
     ResourceExhausted,
+    TokenCapacityExceeded,
     Unavailable,
 )
 
@@ -120,6 +121,17 @@ class StreamFailure:
             return Unavailable(f"{where}: the session or engine went away")
         who = f" (rank {self.rank} left or failed)" if self.rank >= 0 else ""
         return Aborted(f"{where}: the group was aborted{who}")
+
+
+def capacity_error(group: str, max_tokens: int, needed: int, rank: int,
+                   call: str) -> TokenCapacityExceeded:
+    """The error of a dispatch (`call`: "dispatch #n") that a rank's token count failed on
+    every rank: the largest count (`needed`; a notify kernel leaves it in the slot's NUM_RECV)
+    and the rank that passed it (ERR_RANK)."""
+    return TokenCapacityExceeded(
+        f"group {group!r}, {call}: rank {rank} dispatched {needed} tokens, more "
+        f"than its max_tokens_per_rank={max_tokens}; no rank's dispatch ran (join a group with "
+        f"a larger capacity and call again)", tokens_needed=needed)
 
 
 def stream_failure(words: np.ndarray) -> StreamFailure | None:

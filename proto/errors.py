@@ -9,6 +9,8 @@ is the wire's, `(code, message)`, as in `grpc.ServicerContext.abort(code, detail
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 _BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
@@ -64,6 +66,27 @@ class ResourceExhausted(_Coded):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class TokenCapacityExceeded(ResourceExhausted):
+    """A normal-mode dispatch with more tokens on some rank than its group holds. Every rank of
+    the collective fails with the same error and the same `tokens_needed` (the largest call), so
+    every rank can grow its group the same way and call again (the DeepEP facade does). The
+    number travels inside the message, after CAPACITY_MARK, because a status carries only a
+    code and a message."""
+
+    def __init__(self, message: str = "", tokens_needed: int | None = None) -> None:
+        if tokens_needed is None:
+            found = _CAPACITY_RE.search(message)
+            tokens_needed = int(found.group(1)) if found else 0
+        elif CAPACITY_MARK not in message:
+            message = f"{message} ({CAPACITY_MARK}{tokens_needed})"
+        self.tokens_needed = tokens_needed
+        super().__init__(message)
+
+
+CAPACITY_MARK = "max_tokens_per_rank needed: "
+_CAPACITY_RE = re.compile(re.escape(CAPACITY_MARK) + r"(\d+)")
+
+
 class DeadlineExceeded(_Coded):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -93,6 +116,8 @@ def error(code: grpc.StatusCode, message: str) -> EpdError:
     """The EpdError for a status, as the subclass that names the code where there is one (so a
     client can `except Aborted`)."""
     cls = _CLASSES.get(code)
+    if cls is ResourceExhausted and CAPACITY_MARK in message:
+        return TokenCapacityExceeded(message)
     return cls(message) if cls is not None else EpdError(code, message)
 
 

@@ -26,7 +26,7 @@ from ranklib import Case, assert_exact, case_round, check_case, expert_out, join
 
 from epd.client import Session
 from epd.client.session import Handle
-from epd.proto.errors import EpdError, FailedPrecondition
+from epd.proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
 
@@ -260,6 +260,38 @@ def test_num_worst_tokens_and_alignment_must_agree(pair):
     expect_failed_together(res, "num_worst_tokens: 0 on rank 0, 48 on rank 1")
     res = both(lambda r, g: g.dispatch(*inputs(c, r), expert_alignment=4 if r else 1), pair)
     expect_failed_together(res, "expert_alignment: 1 on rank 0, 4 on rank 1")
+    valid_round(pair)
+
+
+@pytest.mark.parametrize("pair", [True, False], ids=["fastpath", "grpc"], indirect=True)
+def test_dispatch_beyond_capacity_fails_on_every_rank(pair):
+    """Rank 0 dispatches more tokens than the group holds (40 > 32), rank 1 fewer: both fail at
+    once with RESOURCE_EXHAUSTED (TokenCapacityExceeded) naming rank 0 and the tokens needed, so
+    that both can grow alike (the facade does); handles made before survive, the group goes on."""
+    c = dataclasses.replace(SPEC, seed=next(_seeds))
+    outs, ys = dispatch_and_expert(pair, c)
+    big = dataclasses.replace(SPEC, seed=next(_seeds), tokens=(40, 24))
+    res = both(lambda r, g: g.dispatch(*inputs(big, r)), pair)
+    msgs = []
+    for r, (out, secs) in enumerate(res):
+        assert isinstance(out, TokenCapacityExceeded), f"rank {r}: {out!r}"
+        assert out.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert out.tokens_needed == 40, out.details
+        assert "rank 0 dispatched 40 tokens" in out.details and "rank 1" not in out.details
+        assert secs < PROMPT, f"rank {r} failed after {secs:.2f} s"
+        msgs.append(out.details)
+    assert msgs[0] == msgs[1]
+    # Both over: the larger call is the one needed.
+    big2 = dataclasses.replace(SPEC, seed=next(_seeds), tokens=(33, 48))
+    for out, _ in both(lambda r, g: g.dispatch(*inputs(big2, r)), pair):
+        assert isinstance(out, TokenCapacityExceeded) and out.tokens_needed == 48
+    # The handle made before the failed calls still combines exactly.
+    res = both(lambda r, g: g.combine(ys[r], outs[r].handle,
+                                      topk_weights=outs[r].recv_topk_weights), pair)
+    want = reference_combine([c, c], ys)
+    for r, ((cx, cw), _) in enumerate(res):
+        assert_exact(cx, want[r][0], f"rank {r} combined_x")
+        assert_exact(cw, want[r][1], f"rank {r} combined_topk_weights")
     valid_round(pair)
 
 

@@ -389,9 +389,84 @@ def test_v1_call_sequence_handles_and_kwargs(daemon, ranks) -> None:
                 assert cnt == int((want.recv_src_rank[e, :n] == j).sum())
 
 
+# Token growth: one Buffer of capacity 8, layers of growing token counts (different on each
+# rank), handles of an earlier layer held across the growth. (capacity before, tokens per rank,
+# num_worst_tokens, capacity after)
+GROWTH = [(8, (6, 5), 0, 8), (8, (12, 5), 0, 16), (16, (3, 40), 0, 40), (40, (4, 4), 200, 100)]
+
+
+def growth_case(i: int, tokens: tuple[int, int], worst: int) -> Case:
+    return Case(f"api-grow{i}", num_ranks=2, num_experts=8, hidden=128, num_topk=2,
+                tokens=tokens, seed=1200 + i, cached=True, num_worst_tokens=worst)
+
+
+def growing_rank(endpoint: str, rank: int) -> dict:
+    """Every layer: layout, dispatch, and a cached dispatch; the first layer's handle is
+    combined only after the Buffer grew twice (its group is a retired one by then)."""
+    from epd.client.buffer import Buffer
+    buf = Buffer(rank=rank, num_ranks=2, endpoint=endpoint, group_name="api-grow",
+                 max_tokens_per_rank=8)
+    out: dict = {"layers": [], "caps": []}
+    held = None
+    try:
+        for i, (_, tokens, worst, _) in enumerate(GROWTH):
+            c = growth_case(i, tokens, worst)
+            inp = c.inputs(rank)
+            n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(inp["topk_idx"], 8)
+            recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+                inp["x"], num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_exp, topk_idx=inp["topk_idx"],
+                topk_weights=inp["topk_weights"], num_worst_tokens=worst)
+            y = expert_out(recv_x, None, recv_idx, recv_w, rank, c.local_experts)
+            got = {"layout": (n_rank, n_exp, in_rank), "recv_x": recv_x, "counts": counts}
+            if i == 0:
+                held = (handle, y, recv_w)
+            else:
+                got["cx"], got["cw"], _ = buf.combine(y, handle, topk_weights=recv_w)
+            got["cached"], *_ = buf.dispatch(inp["x2"], handle=handle, num_worst_tokens=worst)
+            out["layers"].append(got)
+            out["caps"].append(buf.max_tokens_per_rank)
+        handle, y, recv_w = held
+        out["held_cx"], out["held_cw"], _ = buf.combine(y, handle, topk_weights=recv_w)
+        out["groups"] = sorted(g.name for g in buf._groups.values())
+        return out
+    finally:
+        buf.destroy()
+
+
+@pytest.mark.slow
+def test_token_capacity_follows_the_calls(daemon, ranks) -> None:
+    """No token cap below DeepEP's (issue 11): a dispatch with more tokens than the Buffer's
+    groups hold, on any rank, makes every rank's group grow (at least doubling) and the call
+    runs; a layout beyond the capacity is computed in the caller's process; num_worst_tokens
+    grows the group before the call; a handle made before the growth still combines. Every
+    output exact against the reference."""
+    results = ranks.run_ok([(growing_rank, daemon.socket(r), r) for r in range(2)],
+                           timeout=240)
+    for r, res in enumerate(results):
+        assert res["caps"] == [after for *_, after in GROWTH], res["caps"]
+        assert res["groups"] == ["api-grow/h128-k2-bfloat16-e8-t100"], res["groups"]
+        for i, (_, tokens, worst, _) in enumerate(GROWTH):
+            c = growth_case(i, tokens, worst)
+            want, got, tag = reference(c), res["layers"][i], f"layer {i} rank {r}"
+            lay = want["layout"][r]
+            assert_exact(got["layout"][0], lay.num_tokens_per_rank, f"{tag} num_tokens_per_rank")
+            assert_exact(got["layout"][1], lay.num_tokens_per_expert,
+                         f"{tag} num_tokens_per_expert")
+            assert_exact(got["layout"][2], lay.is_token_in_rank, f"{tag} is_token_in_rank")
+            assert_exact(got["recv_x"], want["disp"][r].recv_x, f"{tag} recv_x")
+            assert_exact(got["cached"], want["cached"][r].recv_x, f"{tag} cached recv_x")
+            if i:
+                assert_exact(got["cx"], want["comb"][r][0], f"{tag} combined_x")
+                assert_exact(got["cw"], want["comb"][r][1], f"{tag} combined_w")
+        want = reference(growth_case(0, GROWTH[0][1], 0))
+        assert_exact(res["held_cx"], want["comb"][r][0], f"rank {r} held handle combined_x")
+        assert_exact(res["held_cw"], want["comb"][r][1], f"rank {r} held handle combined_w")
+
+
 def test_capacity_from_the_environment(daemon, monkeypatch) -> None:
     """Frameworks build the Buffer themselves: EPD_MAX_TOKENS_PER_RANK sets the normal-mode
-    capacity, a call beyond it fails at once naming both knobs, one within it runs."""
+    capacity the Buffer starts with; a call beyond it grows the group (doubling) and runs."""
     from epd.client.buffer import Buffer
 
     monkeypatch.setenv("EPD_MAX_TOKENS_PER_RANK", "lots")
@@ -404,18 +479,21 @@ def test_capacity_from_the_environment(daemon, monkeypatch) -> None:
         assert buf.max_tokens_per_rank == 8
         assert Buffer(rank=0, num_ranks=1, session=buf.session,
                       max_tokens_per_rank=16).max_tokens_per_rank == 16  # the keyword wins
-        idx9, w9 = np.zeros((9, 1), np.int64), np.ones((9, 1), np.float32)
-        x9 = np.ones((9, 64), np.float32)
-        for call in (lambda: buf.get_dispatch_layout(idx9, 2),
-                     lambda: buf.dispatch(x9, topk_idx=idx9, topk_weights=w9)):
-            with pytest.raises(InvalidArgument, match=r"9 tokens exceed this Buffer's capacity "
-                                                      r"of 8.*EPD_MAX_TOKENS_PER_RANK"):
-                call()
-        idx, w, x = idx9[:8], w9[:8], x9[:8]
+        idx, w = np.zeros((8, 1), np.int64), np.ones((8, 1), np.float32)
+        x = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
         n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(idx, 2)
         recv_x, *_ = buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
                                   num_tokens_per_expert=n_exp, topk_idx=idx, topk_weights=w)
-        assert np.asarray(recv_x).shape == (8, 64)
+        assert_exact(recv_x, x, "8 tokens")
+        assert buf.max_tokens_per_rank == 8
+        idx9, w9 = np.zeros((9, 1), np.int64), np.ones((9, 1), np.float32)
+        x9 = np.arange(9 * 64, dtype=np.float32).reshape(9, 64)
+        n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(idx9, 2)
+        assert_exact(n_rank, np.array([9], np.int32), "layout beyond the capacity")
+        recv_x, *_ = buf.dispatch(x9, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                  num_tokens_per_expert=n_exp, topk_idx=idx9, topk_weights=w9)
+        assert_exact(recv_x, x9, "9 tokens")
+        assert buf.max_tokens_per_rank == 16
     finally:
         buf.destroy()
 

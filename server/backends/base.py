@@ -488,6 +488,10 @@ class Backend(abc.ABC):
     planner: GroupPlanner  # the same limits the supervisor checks at rendezvous
     # Normal dispatch routed by is_token_in_rank alone (DeepEP's topk_idx=None).
     supports_dispatch_without_topk: bool = False
+    # A dispatch with more tokens than max_tokens_per_rank takes part in its collective (writing
+    # nothing), and every rank fails it with the same TokenCapacityExceeded, so all ranks can
+    # grow alike; a backend without this refuses such a call on its rank alone.
+    agrees_on_capacity: bool = False
 
     def validate_spec(self, spec: GroupSpec) -> None:
         """Raise InvalidArgument naming the backend limit the spec exceeds."""

@@ -31,7 +31,13 @@ import numpy as np
 
 from ...proto import counter_page, dtypes
 from ...proto import fd_channel as fdc
-from ...proto.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument
+from ...proto.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    TokenCapacityExceeded,
+)
 from ...proto.v1 import epd_pb2
 from ..reference import quantize_fp8  # the one FP8 quantisation (server/reference.py)
 from .base import (
@@ -70,7 +76,7 @@ _MASK = 4096
 # together"). int64 words at byte _CALL of the slot's meta area, the reason text after them.
 _CALL = 64  # byte offset in the slot's meta area (words 0-7 before it: per-call metadata)
 (H_SEQ, H_KIND, H_REF, H_FLAGS, H_WORST, H_ALIGN, H_NUM_MAX, H_STATUS,
- H_REASON_LEN) = range(9)
+ H_REASON_LEN, H_TOKENS) = range(10)
 _CALL_WORDS = 16
 _REASON = _CALL + 8 * _CALL_WORDS  # byte offset of the reason text of a rejected call
 _REASON_MAX = 1024
@@ -96,7 +102,8 @@ class CallHeader:
     `ref` names the dispatch a handle comes from by that dispatch's collective number, which
     every rank of the group assigns identically (0: no handle). `worst`, `align` and `num_max`
     are num_worst_tokens, expert_alignment and num_max_dispatch_tokens_per_rank (0 where the
-    kind has none)."""
+    kind has none). `tokens` is a dispatch's token count, which differs across ranks and is not
+    compared: the largest decides whether the group can hold the call."""
 
     kind: int
     ref: int = 0
@@ -104,15 +111,18 @@ class CallHeader:
     worst: int = 0
     align: int = 0
     num_max: int = 0
+    tokens: int = 0
 
     @classmethod
     def read(cls, words: np.ndarray) -> CallHeader:
         return cls(int(words[H_KIND]), int(words[H_REF]), int(words[H_FLAGS]),
-                   int(words[H_WORST]), int(words[H_ALIGN]), int(words[H_NUM_MAX]))
+                   int(words[H_WORST]), int(words[H_ALIGN]), int(words[H_NUM_MAX]),
+                   int(words[H_TOKENS]))
 
     def write(self, words: np.ndarray, seq: int, status: int) -> None:
         words[H_KIND], words[H_REF], words[H_FLAGS] = self.kind, self.ref, self.flags
         words[H_WORST], words[H_ALIGN], words[H_NUM_MAX] = self.worst, self.align, self.num_max
+        words[H_TOKENS] = self.tokens
         words[H_SEQ] = seq
         words[H_STATUS] = status  # last: the header is complete
 
@@ -177,6 +187,17 @@ def call_disagreement(seqs: list[int], calls: list[CallHeader], statuses: list[i
     if diffs:
         return f"{KIND_NAMES[calls[0].kind]} arguments differ across ranks: " + "; ".join(diffs)
     return None
+
+
+def capacity_overflow(calls: list[CallHeader], ranks: list[int], spec: GroupSpec,
+                      seq: int) -> TokenCapacityExceeded | None:
+    """The error every rank raises when some rank's dispatch has more tokens than the group's
+    max_tokens_per_rank (None: all fit), reached by each rank from the same headers."""
+    need, who = max((c.tokens, r) for c, r in zip(calls, ranks, strict=True))
+    if need <= spec.max_tokens_per_rank:
+        return None
+    return counter_page.capacity_error(spec.name, spec.max_tokens_per_rank, need, who,
+                                       f"collective #{seq}")
 
 
 def _align(n: int, a: int = 256) -> int:
@@ -690,12 +711,16 @@ class CpuRankComm(RankComm):
             n = min(max(int(w[H_REASON_LEN]), 0), _REASON_MAX) if statuses[i] == REJECTED else 0
             off = _HEADER_BYTES + s * self._slot.size + self._slot.meta + _REASON
             reasons.append(bytes(self._mm[off:off + n]).decode(errors="replace"))
-        problem = call_disagreement([int(w[H_SEQ]) for w in words],
-                                    [CallHeader.read(w) for w in words], statuses, reasons,
+        calls = [CallHeader.read(w) for w in words]
+        problem = call_disagreement([int(w[H_SEQ]) for w in words], calls, statuses, reasons,
                                     ranks)
         if problem is not None:
             self._arrive(seq, 2)
             raise FailedPrecondition(f"group {self.spec.name!r}, collective #{seq}: {problem}")
+        over = capacity_overflow(calls, ranks, self.spec, seq)
+        if over is not None:  # no rank wrote inputs it could not hold: free the slots, all fail
+            self._arrive(seq, 2)
+            raise over
 
     # -- collectives -------------------------------------------------------------------------
     def layout(self, topk_idx: np.ndarray) -> LayoutOutputs:
@@ -729,15 +754,20 @@ class CpuRankComm(RankComm):
         no_topk = cached is None and args.topk_idx is None
         flags = ((F_FP8 if has_scales else 0) | (F_NO_TOPK if no_topk else 0)
                  | (F_INT32_SCALES if int32_scales else 0))
+        # More tokens than the slot holds: this rank writes nothing and every rank fails the
+        # collective together (_agree), so that all can grow the group alike.
+        overflow = cached is None and t > spec.max_tokens_per_rank
         if cached is None:
             call = CallHeader(DISPATCH, flags=flags, worst=args.num_worst_tokens,
-                              align=args.expert_alignment)
+                              align=args.expert_alignment, tokens=t)
         else:  # the routing of the handle's dispatch, which must be the same one everywhere
             call = CallHeader(CACHED_DISPATCH, ref=cached.sequence, flags=flags,
                               worst=args.num_worst_tokens)
         seq = self._begin(deadline, "dispatch")
 
         def write_inputs() -> None:  # into this rank's slot (the "send buffer")
+            if overflow:
+                return
             meta = self._meta(me)
             meta[0], meta[1] = t, int(has_scales)
             self._slot_array(me, "x", (t, h), xdt)[:] = args.x
@@ -1183,6 +1213,7 @@ class CpuBackend(Backend):
     proto_kind = epd_pb2.CPU
     peer_class = "shm"
     supports_dispatch_without_topk = True
+    agrees_on_capacity = True
 
     def __init__(self, engine_index: int = 0, allowed_dirs: tuple[str, ...] = ()):
         self.planner = CpuPlanner()

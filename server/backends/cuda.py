@@ -431,6 +431,11 @@ class CudaRankComm(RankComm):
                     raise DeadlineExceeded(f"group {spec.name!r}: notify did not publish its "
                                            f"counts before the deadline")
                 num_recv, per_expert = got
+                if counter_slot[counter_page.STATUS] == abi.ERR_CAPACITY:
+                    runner.stream.synchronize()  # (the data kernels skip the call)
+                    raise counter_page.capacity_error(
+                        spec.name, spec.max_tokens_per_rank, num_recv,
+                        int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
             else:
                 num_recv, per_expert = cached.num_recv, []
                 counter_page.publish(counter_slot, sequence, num_recv, [])
@@ -821,6 +826,7 @@ class CudaBackend(Backend):
     proto_kind = epd_pb2.CUDA
     peer_class = "nvlink"
     supports_dispatch_without_topk = True  # epd_notify routes by is_token_in_rank
+    agrees_on_capacity = True  # epd_notify fails a call over capacity on every rank
 
     def __init__(self, cfg: Any, index: int) -> None:
         if cp is None:

@@ -38,6 +38,7 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     DEFAULT_NUM_SMS,
     ERR_ABORTED,
     ERR_BAD_INPUT,
+    ERR_CAPACITY,
     ERR_DEADLINE,
     ERR_WORST_OVERFLOW,
     ERROR_NAMES,
@@ -51,6 +52,7 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     LL_TOPK_HEADER,
     MAX_RANKS,
     MAX_TOPK,
+    NOTIFY_HEAD,
     NOTIFY_THREADS,
     PHASE_NAMES,
 )
@@ -104,7 +106,7 @@ class RankBufferLayout:
             max_recv = scale_cols = 0
         sizes = [
             ("ctrl", CTRL_PAYLOAD_BYTES + (0 if low_latency_only else
-                                           MAX_RANKS * (MAX_RANKS + local) * 4)),
+                                           MAX_RANKS * (NOTIFY_HEAD + local) * 4)),
             ("recv_x", max_recv * hidden * x_itemsize),
             ("recv_x_scales", max_recv * scale_cols * 4),
             ("recv_topk_idx", max_recv * num_topk * 8),
@@ -331,9 +333,10 @@ class Kernels:
                alignment: int = 1, counter_slot_ptr: int = 0,
                layout_out: tuple[Any, Any, Any] | None = None, stream: Any = None,
                counter_seq: int | None = None,
-               routing: tuple[Any, Any] | None = None) -> None:
+               routing: tuple[Any, Any] | None = None, max_tokens: int = 1 << 30) -> None:
         """`counter_seq` is the value published in the counter slot's sequence word (the
-        engine's dispatch sequence); it defaults to the notify sequence `seq`. Without top-k
+        engine's dispatch sequence); it defaults to the notify sequence `seq`. A source with
+        more than `max_tokens` tokens fails the call on every rank (ERR_CAPACITY). Without top-k
         (`topk_idx` None), `routing` is (is_token_in_rank bool [T, R], num_tokens_per_expert
         int32 [E]): tokens go where the first says, the receive counts per expert are the
         sources' declared ones."""
@@ -352,7 +355,7 @@ class Kernels:
                 (_ptr(topk_idx), np.int32(t), np.int32(k), np.int32(num_experts),
                  np.int32(num_ranks),
                  np.int32(rank), peers, np.uint64(seq), np.int64(timeout_ns),
-                 np.int32(alignment), np.uint64(counter_slot_ptr),
+                 np.int32(alignment), np.int32(max_tokens), np.uint64(counter_slot_ptr),
                  np.uint64(seq if counter_seq is None else counter_seq), handle.recv_info,
                  handle.count_matrix, handle.rank_prefix, handle.token_mask, handle.pos,
                  _ptr(ntpr), _ptr(ntpe), _ptr(itr), _ptr(in_rank), _ptr(per_expert)),

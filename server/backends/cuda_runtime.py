@@ -109,7 +109,8 @@ class RankRunner:
                               self.rank, self.peers, self.seq["notify"], handle,
                               timeout_ns=timeout_ns, alignment=alignment,
                               counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
-                              stream=self.stream, counter_seq=counter_seq, routing=routing)
+                              stream=self.stream, counter_seq=counter_seq, routing=routing,
+                              max_tokens=lay.max_recv // lay.num_ranks)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1

@@ -152,9 +152,12 @@ class DataPlane:
         t = x.shape[0]
         if x.shape[1] != spec.hidden:
             raise InvalidArgument(f"x has hidden size {x.shape[1]}, the group's is {spec.hidden}")
-        if t > spec.max_tokens_per_rank:
+        if t > spec.max_tokens_per_rank and (req.cached_handle or
+                                             not self.backend.agrees_on_capacity):
             raise InvalidArgument(f"{t} tokens exceed the group's max_tokens_per_rank="
                                   f"{spec.max_tokens_per_rank}")
+        # (A new dispatch with more tokens goes into the collective, which every rank then
+        # fails with TokenCapacityExceeded naming the largest call: see RankComm.dispatch.)
         scales = None
         if fp8:
             if spec.hidden % dtypes.FP8_BLOCK:

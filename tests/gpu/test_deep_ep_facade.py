@@ -85,3 +85,86 @@ def test_facade_v1_pattern_with_events(daemon) -> None:
             np.testing.assert_array_equal(got["prefix"], prefix)  # handle[0]
             np.testing.assert_array_equal(got["combined"], comb[r][0].view(np.uint16))
             np.testing.assert_array_equal(got["combined_w"], comb[r][1])
+
+
+# Token growth on the CUDA engine (issue 11): (tokens per rank) of each layer; the Buffer starts
+# at 64 tokens per rank and grows to hold the largest call (at least doubling).
+GROWTH = [(40, 30), (150, 20), (10, 300), (64, 64)]
+GROWTH_CAPS = [64, 150, 300, 300]
+
+
+def _growth_workload(i: int) -> Workload:
+    return Workload(2, list(GROWTH[i]), 1024, 16, 4, seed=300 + i, drop_prob=0.05)
+
+
+def _growing_rank(rank: int, socket: str, device: int, q) -> None:
+    import torch
+
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "layers": [], "caps": []}
+    with Session(socket, client_name=f"grow-{rank}", timeout=30) as s:
+        buf = Buffer(rank=rank, num_ranks=2, session=s, group_name="gpu-grow",
+                     max_tokens_per_rank=64)
+        held = None
+        for i in range(len(GROWTH)):
+            x, idx, w = _growth_workload(i).inputs(rank)
+            tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
+            n_rank, _, n_expert, in_rank, ev = buf.get_dispatch_layout(
+                tidx, 16, previous_event=buf.capture(), async_finish=True)
+            recv_x, _, recv_w, counts, handle, ev = buf.dispatch(
+                tx, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_expert, topk_idx=tidx, topk_weights=tw,
+                previous_event=ev, async_finish=True)
+            ev.current_stream_wait()
+            again, *_ = buf.dispatch(tx, handle=handle)
+            got = {"layout": (n_rank.cpu().numpy(), n_expert.cpu().numpy(),
+                              in_rank.cpu().numpy()),
+                   "recv_x": _bits(recv_x), "counts": list(counts), "again": _bits(again)}
+            if i == 0:
+                held = (recv_x, recv_w, handle)
+            else:
+                combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+                got.update(combined=_bits(combined), combined_w=combined_w.cpu().numpy())
+            torch.cuda.synchronize(device)
+            res["layers"].append(got)
+            res["caps"].append(buf.max_tokens_per_rank)
+        recv_x, recv_w, handle = held
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        torch.cuda.synchronize(device)
+        res["held"] = (_bits(combined), combined_w.cpu().numpy())
+        buf.destroy()
+    q.put(res)
+
+
+def test_token_capacity_grows_on_the_cuda_engine(daemon) -> None:
+    """A dispatch with more tokens than the groups hold (on either rank) fails in the notify
+    kernel on every rank, and the facade grows the group and calls again; a layout beyond the
+    capacity is computed in the caller's process; a handle made before the growth combines
+    after it. Every output exact against the reference."""
+    results = _spawn_ranks(daemon, _growing_rank, 2)
+    for i in range(len(GROWTH)):
+        wl = _growth_workload(i)
+        inputs = wl.all_inputs()
+        xs, idx, w = ([inp[j] for inp in inputs] for j in range(3))
+        disp = ref.dispatch(xs, idx, w, wl.num_experts)
+        comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                           recv_topk_weights=[d.recv_topk_weights for d in disp])
+        for r, res in enumerate(results):
+            assert res["caps"] == GROWTH_CAPS, res["caps"]
+            got, tag = res["layers"][i], f"layer {i} rank {r}"
+            lay = ref.get_dispatch_layout(idx[r], wl.num_experts, 2)
+            np.testing.assert_array_equal(got["layout"][0], lay.num_tokens_per_rank, tag)
+            np.testing.assert_array_equal(got["layout"][1], lay.num_tokens_per_expert, tag)
+            np.testing.assert_array_equal(got["layout"][2], lay.is_token_in_rank, tag)
+            np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16), tag)
+            assert got["counts"] == disp[r].num_recv_tokens_per_expert, tag
+            np.testing.assert_array_equal(got["again"], disp[r].recv_x.view(np.uint16), tag)
+            want = comb[r] if i else None
+            if i:
+                np.testing.assert_array_equal(got["combined"], want[0].view(np.uint16), tag)
+                np.testing.assert_array_equal(got["combined_w"], want[1], tag)
+            else:
+                np.testing.assert_array_equal(res["held"][0], comb[r][0].view(np.uint16), tag)
+                np.testing.assert_array_equal(res["held"][1], comb[r][1], tag)
