@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +65,20 @@ from .base import (
 )
 from .cuda_chain import LowLatencyChain
 from .cuda_plan import CudaPlanner, decode_plan, membership_layout, peer_table
+from .cuda_quiet import QuietCloser
 
 log = logging.getLogger("epd.cuda")
 cp = ck.cp
+
+
+def _launches(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A CudaRankComm method that launches GPU work: IPC mappings are not closed meanwhile
+    (cuda_quiet.py)."""
+    @functools.wraps(method)
+    def wrapper(self: CudaRankComm, *args: Any, **kwargs: Any) -> Any:
+        with self.backend.closer.launching():
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def storage_dtype(dt: np.dtype) -> np.dtype:
@@ -81,11 +95,11 @@ class DeviceRegion(Region):
     """Device memory at `ptr` (a client's IPC allocation, or the engine's heap)."""
 
     def __init__(self, region_id: str, ptr: int, size: int, device: int, *,
-                 ipc_opened: bool, ipc_handle: bytes = b"") -> None:
+                 closer: QuietCloser | None = None, ipc_handle: bytes = b"") -> None:
         super().__init__(region_id, size)
         self.ptr, self.device = ptr, device
         self.ipc_handle = ipc_handle
-        self._ipc_opened = ipc_opened
+        self._closer = closer  # an IPC mapping's (None: the engine's own memory)
 
     def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,
              strides: tuple[int, ...]) -> Any:
@@ -109,18 +123,14 @@ class DeviceRegion(Region):
         return int(array.data.ptr) - self.ptr
 
     def close(self) -> None:
-        if self._ipc_opened and self.ptr:
-            with cp.cuda.Device(self.device):
-                ipc_close(self.ptr)
-            self.ptr = 0
+        if self._closer is not None and self.ptr:
+            self._closer.close_later(self.ptr)  # when no kernel is in flight (cuda_quiet.py)
+        self.ptr = 0
 
 
 def ipc_close(ptr: int) -> None:
-    """Unmap a CUDA IPC mapping without holding the GIL. The close waits for the GPU (work
-    queued before it, such as a kernel spinning for a peer); CuPy's binding holds the GIL
-    meanwhile, which stops every thread of the engine, the poller that would launch that peer's
-    kernel included: a deadlock until the kernel's deadline (docs/BENCHMARKS.md, sixth session).
-    cuda.bindings releases the GIL around every CUDA call."""
+    """Unmap a CUDA IPC mapping (QuietCloser calls it when the engine is quiet), through
+    cuda.bindings, which releases the GIL while the driver waits for the device."""
     from cuda.bindings import runtime as cudart
 
     err, = cudart.cudaIpcCloseMemHandle(ptr)
@@ -356,6 +366,12 @@ class CudaRankComm(RankComm):
         self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
         self._done_slot = 0
         self.chain: LowLatencyChain | None = None  # armed ops run by the GPU (cuda_chain.py)
+        backend.comms.add(self)
+
+    def quiet(self) -> bool:
+        """No kernel of this rank in flight or queued (an armed chain always has some)."""
+        return (self.chain is None and self.runner.stream.done
+                and self.runner.side_stream.done)
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
         # The output region starts at the IPC allocation, before our heap array: translate.
@@ -383,6 +399,7 @@ class CudaRankComm(RankComm):
                                   f"dispatched; group {self.spec.name!r} is aborted")
         raise Aborted(f"group {self.spec.name!r} aborted: {self.abort_reason() or phase}")
 
+    @_launches
     def layout(self, topk_idx: Any) -> LayoutOutputs:
         self._normal_mode("layout", collective=False)
         r, e, t = self.spec.num_ranks, self.spec.num_experts, topk_idx.shape[0]
@@ -409,6 +426,7 @@ class CudaRankComm(RankComm):
                                      f"normal-mode {what} takes at most {abi.MAX_RANKS} on the "
                                      f"cuda engine; low-latency calls work")
 
+    @_launches
     def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                  deadline: float) -> DispatchOutputs:
         self._normal_mode("dispatch")
@@ -479,6 +497,7 @@ class CudaRankComm(RankComm):
             # upper bound: rows sent per rank
             bytes_sent=t * spec.hidden * args.x.dtype.itemsize, bytes_received=bytes_received)
 
+    @_launches
     def combine(self, args: CombineArgs, deadline: float) -> CombineOutputs:
         self._normal_mode("combine")
         spec, h = self.spec, args.handle
@@ -504,6 +523,7 @@ class CudaRankComm(RankComm):
                                      f"low_latency_mode, so it has no low-latency buffers")
         return self.mlayout.low_latency
 
+    @_launches
     def low_latency_dispatch(self, args: LowLatencyDispatchArgs,
                              deadline: float) -> LowLatencyDispatchOutputs:
         from ...proto.errors import FailedPrecondition
@@ -535,6 +555,7 @@ class CudaRankComm(RankComm):
             handle=_LowLatencyHandle(seq, t, m, idx_host, args.buffer),
             bytes_sent=int((idx_host >= 0).sum()) * row, bytes_received=n * row)
 
+    @_launches
     def low_latency_combine(self, args: LowLatencyCombineArgs,
                             deadline: float) -> LowLatencyCombineOutputs:
         from ...proto.errors import FailedPrecondition
@@ -616,6 +637,7 @@ class CudaRankComm(RankComm):
             done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
         return _PreparedCombine(args, launches, done, dispatch, out)
 
+    @_launches
     def launch_prepared(self, prepared: Any, buffer: int = 0) -> None:
         from ...proto.errors import FailedPrecondition
         runner = self.runner
@@ -647,6 +669,7 @@ class CudaRankComm(RankComm):
                 f"a GPU chain (--ll-chain); a synchronous low-latency call is refused while "
                 f"they are armed (disarm them, or use an armed op)")
 
+    @_launches
     def open_chain(self, ring_words: np.ndarray, ring_ptr: int) -> LowLatencyChain:
         """The member's low-latency chain in the given counter slot (cuda_chain.py)."""
         if self.chain is None:
@@ -679,6 +702,7 @@ class CudaRankComm(RankComm):
         done.set(ck.CALL_DONE_SEQ, stream_seq)
         done(self.runner.stream)
 
+    @_launches
     def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
                       stream_seq: int) -> None:
         self._normal_mode("layout", collective=False)
@@ -689,6 +713,7 @@ class CudaRankComm(RankComm):
                                         stream=s, out=out, call_err=self.runner.base)
             self._stream_end(counter_slot, stream_seq)
 
+    @_launches
     def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                         deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
         self._normal_mode("dispatch")
@@ -718,6 +743,7 @@ class CudaRankComm(RankComm):
         return self._dispatch_outputs(args, res, runner.output_views(res, rows), rows, prefix,
                                       num_recv, [])
 
+    @_launches
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: _Slot, deadline: float, stream_seq: int,
                        num_sms: int) -> None:
@@ -750,6 +776,7 @@ class CudaRankComm(RankComm):
         # The rank's slot of the heap range: kernel buffers, outputs, low-latency buffers.
         return self.mlayout.slot_bytes
 
+    @_launches
     def abort(self, reason: str) -> None:
         if self._reason is None:
             self._reason = reason
@@ -775,11 +802,13 @@ class CudaRankComm(RankComm):
                 self.MASK_MASKED if (live >> r) & 1 else self.MASK_IN
                 for r in range(self.spec.num_ranks)]
 
+    @_launches
     def set_mask(self, rank: int, state: int) -> None:
         # Every rank's CTRL_LIVE_MASK; each low-latency dispatch agrees on the set it leaves
         # out from what its sources saw (cuda/epd_low_latency.cu, left_out).
         self.runner.live_mask(rank, state == self.MASK_MASKED)
 
+    @_launches
     def stop(self, reason: str) -> None:
         # This rank's own kernels in flight finish (or meet their deadline): stopping them
         # half-way would publish part of its rows as if complete.
@@ -809,6 +838,7 @@ class CudaRankComm(RankComm):
         return (f"rank {who} left the group or failed" if who >= 0
                 else "the group was aborted")
 
+    @_launches
     def close(self) -> None:
         self.close_chain(self.backend.cfg.timeout_seconds)
         with cp.cuda.Device(self.backend.device):
@@ -853,6 +883,8 @@ class CudaBackend(Backend):
         uid._data.view(np.uint8)[:] = np.frombuffer(boot.nvshmem_uid, np.uint8)
         nc.init(device=dev, uid=uid, rank=boot.pe, nranks=boot.num_pes,
                 initializer_method="uid")
+        self.comms: weakref.WeakSet[CudaRankComm] = weakref.WeakSet()
+        self.closer = QuietCloser(self._ipc_close, self._quiet)
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
         self.heap.fill(0)
@@ -884,7 +916,7 @@ class CudaBackend(Backend):
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemGetAddressRange on the heap failed: {err}")
         self.heap_region = DeviceRegion(f"heap{index}", int(alloc_base), int(alloc_size), index,
-                                        ipc_opened=False, ipc_handle=bytes(ipc))
+                                        ipc_handle=bytes(ipc))
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
         self.host_words = HostControlWords(index)
         self.kernels = ck.kernels_for_device(index)
@@ -919,7 +951,7 @@ class CudaBackend(Backend):
                 ptr = cp.cuda.runtime.ipcOpenMemHandle(ipc_handle, 1)
             except cp.cuda.runtime.CUDARuntimeError as e:
                 raise InvalidArgument(f"cannot open the CUDA IPC handle: {e}") from None
-            region = DeviceRegion(region_id, ptr, size, self.device, ipc_opened=True)
+            region = DeviceRegion(region_id, ptr, size, self.device, closer=self.closer)
             try:
                 attrs = cp.cuda.runtime.pointerGetAttributes(ptr)
                 if attrs.device != self.device:
@@ -938,6 +970,13 @@ class CudaBackend(Backend):
 
     def open_counter_page(self) -> CounterPage:
         return MappedCounterPage(self.device)
+
+    def _ipc_close(self, ptr: int) -> None:
+        with cp.cuda.Device(self.device):
+            ipc_close(ptr)
+
+    def _quiet(self) -> bool:
+        return all(c.quiet() for c in list(self.comms))
 
     def attach(self, spec: GroupSpec, membership: Membership) -> RankComm:
         return CudaRankComm(self, spec, membership)
@@ -969,6 +1008,7 @@ class CudaBackend(Backend):
     def close(self) -> None:
         with contextlib.suppress(Exception):
             cp.cuda.Device(self.device).synchronize()
+            self.closer.stop()
             self._nc.free_array(self.heap)
             self._nc.finalize()
         with contextlib.suppress(Exception):

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Seventh session of 2026-12-01 (one H200). carry [".whl"] (nvshmem4py, gRPC extras, CCCL).
+#   bash benchmarks/gpu_s7_run.sh verify   # rank masking (IPC closes deferred to a quiet
+#        engine), token growth through the facade, then the GPU suite without what call 1 ran
+#        (low-latency kernels, across logical nodes) and without the cluster and replays
+#   bash benchmarks/gpu_s7_run.sh cluster  # tests/gpu/test_cuda_cluster.py (--cuda-cluster)
+set -u
+source benchmarks/gpu_env.sh
+pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
+case "${1:-}" in
+  verify)
+    timeout 150 bash -c "$(declare -f pt); pt -s tests/gpu/test_rank_masking_gpu.py \
+        tests/gpu/test_deep_ep_facade.py -k 'masked or capacity'" 2>&1 | grep -v " INFO " \
+        > "$OUT/gpu_mask_capacity.txt"
+    grep -E "PASSED|FAILED|passed|failed|^E  " "$OUT/gpu_mask_capacity.txt" | head -30
+    timeout 400 bash -c "$(declare -f pt); pt tests/gpu --durations=15 \
+        --deselect tests/gpu/test_deep_ep_facade.py::test_token_capacity_grows_on_the_cuda_engine \
+        --ignore=tests/gpu/test_rank_masking_gpu.py --ignore=tests/gpu/test_cuda_cluster.py \
+        --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_nvshmem.py \
+        --ignore=tests/gpu/test_low_latency_kernels.py" 2>&1 | grep -v " INFO " \
+        > "$OUT/gpu_suite.txt"
+    grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -30
+    ;;
+  cluster)
+    timeout 400 bash -c "$(declare -f pt); pt -s tests/gpu/test_cuda_cluster.py" 2>&1 \
+        | grep -v " INFO " > "$OUT/gpu_cuda_cluster.txt"
+    grep -E "PASSED|FAILED|passed|failed|^E  |world|lost" "$OUT/gpu_cuda_cluster.txt" \
+        | cut -c1-300 | head -60
+    ;;
+  *) echo "usage: $0 verify|cluster" >&2; exit 2 ;;
+esac
