@@ -133,8 +133,8 @@ class Buffer(LowLatencyMixin):
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
     (default: `EPD_ENGINE`, else the current CUDA device when torch CUDA is available, else
     `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank` (the normal-mode token capacity
-    per rank and call; default `EPD_MAX_TOKENS_PER_RANK`, else 4096: DeepEP streams any number
-    of tokens through its buffers, EPD's groups reserve for a capacity), `timeout`, `session`,
+    per rank and call that groups start with; default `EPD_MAX_TOKENS_PER_RANK`, else 4096;
+    a call beyond it grows the group, see `_grow`), `timeout`, `session`,
     `service_class` ("latency" for decode, "throughput" for prefill and training; default
     `EPD_SERVICE_CLASS`, else the daemon's policy default for the group's name): every group
     this Buffer joins gets it.
