@@ -25,10 +25,10 @@ def test_closes_only_when_quiet_and_no_launch_is_under_way() -> None:
     closed: list[int] = []
     busy = threading.Event()
     busy.set()  # a stream has work in flight
-    closer = QuietCloser(closed.append, lambda: not busy.is_set())
+    closer = QuietCloser(lambda: not busy.is_set())
     try:
-        closer.close_later(0x1000)
-        closer.close_later(0x2000)
+        closer.close_later(lambda: closed.append(0x1000))
+        closer.close_later(lambda: closed.append(0x2000))
         time.sleep(5 * POLL_SECONDS)
         assert closed == [] and closer.pending == 2  # busy streams: nothing closed
         with closer.launching():
@@ -46,14 +46,14 @@ def test_a_launch_waits_for_a_close_in_progress() -> None:
     order: list[str] = []
     started = threading.Event()
 
-    def slow_close(ptr: int) -> None:
+    def slow_close() -> None:
         started.set()
         time.sleep(0.2)
         order.append("closed")
 
-    closer = QuietCloser(slow_close, lambda: True)
+    closer = QuietCloser(lambda: True)
     try:
-        closer.close_later(0x3000)
+        closer.close_later(slow_close)
         assert started.wait(5)
         with closer.launching():
             order.append("launched")
@@ -62,10 +62,26 @@ def test_a_launch_waits_for_a_close_in_progress() -> None:
         closer.stop()
 
 
+def test_a_failing_close_does_not_stop_the_others() -> None:
+    closed: list[int] = []
+
+    def bad() -> None:
+        raise RuntimeError("cudaIpcCloseMemHandle failed")
+
+    closer = QuietCloser(lambda: True)
+    try:
+        closer.close_later(bad)
+        closer.close_later(lambda: closed.append(0x5000))
+        assert _wait_for(lambda: closed == [0x5000])
+        assert closer.pending == 0
+    finally:
+        closer.stop()
+
+
 def test_stop_closes_what_is_left() -> None:
     closed: list[int] = []
-    closer = QuietCloser(closed.append, lambda: False)  # never quiet
-    closer.close_later(0x4000)
+    closer = QuietCloser(lambda: False)  # never quiet
+    closer.close_later(lambda: closed.append(0x4000))
     time.sleep(3 * POLL_SECONDS)
     assert closed == []
     closer.stop()

@@ -124,16 +124,18 @@ class DeviceRegion(Region):
 
     def close(self) -> None:
         if self._closer is not None and self.ptr:
-            self._closer.close_later(self.ptr)  # when no kernel is in flight (cuda_quiet.py)
+            # when no kernel is in flight (cuda_quiet.py)
+            self._closer.close_later(functools.partial(ipc_close, self.device, self.ptr))
         self.ptr = 0
 
 
-def ipc_close(ptr: int) -> None:
+def ipc_close(device: int, ptr: int) -> None:
     """Unmap a CUDA IPC mapping (QuietCloser calls it when the engine is quiet), through
     cuda.bindings, which releases the GIL while the driver waits for the device."""
     from cuda.bindings import runtime as cudart
 
-    err, = cudart.cudaIpcCloseMemHandle(ptr)
+    with cp.cuda.Device(device):
+        err, = cudart.cudaIpcCloseMemHandle(ptr)
     if err != cudart.cudaError_t.cudaSuccess:
         log.warning("cudaIpcCloseMemHandle(%#x) failed: %s", ptr, err)
 
@@ -145,7 +147,7 @@ class _Slot(np.ndarray):
 
 
 class MappedCounterPage(CounterPage):
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, closer: QuietCloser) -> None:
         from cuda.bindings import runtime as cudart
 
         # A sealed memfd (shmem, like a /dev/shm file), fetched by the client as "counters".
@@ -166,6 +168,7 @@ class MappedCounterPage(CounterPage):
                 raise Unavailable(f"cudaHostGetDevicePointer failed: {err}")
         self.device_ptr = int(dptr)
         self._cudart = cudart
+        self._closer = closer
 
     def slot(self, index: int) -> _Slot:
         words = counter_page.slot_words(self._mm, index).view(_Slot)
@@ -173,6 +176,10 @@ class MappedCounterPage(CounterPage):
         return words
 
     def close(self) -> None:
+        # Unregistering pinned memory waits for the device like an IPC close: when quiet.
+        self._closer.close_later(self._close_now)
+
+    def _close_now(self) -> None:
         if self._addr:
             self._cudart.cudaHostUnregister(self._addr)  # before the unmap, never after
             self._addr = 0
@@ -884,7 +891,7 @@ class CudaBackend(Backend):
         nc.init(device=dev, uid=uid, rank=boot.pe, nranks=boot.num_pes,
                 initializer_method="uid")
         self.comms: weakref.WeakSet[CudaRankComm] = weakref.WeakSet()
-        self.closer = QuietCloser(self._ipc_close, self._quiet)
+        self.closer = QuietCloser(self._quiet)
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
         self.heap.fill(0)
@@ -969,11 +976,7 @@ class CudaBackend(Backend):
         return region
 
     def open_counter_page(self) -> CounterPage:
-        return MappedCounterPage(self.device)
-
-    def _ipc_close(self, ptr: int) -> None:
-        with cp.cuda.Device(self.device):
-            ipc_close(ptr)
+        return MappedCounterPage(self.device, self.closer)
 
     def _quiet(self) -> bool:
         return all(c.quiet() for c in list(self.comms))

@@ -1,4 +1,5 @@
-"""Closing CUDA IPC mappings only while the engine has no GPU work in flight.
+"""Closing CUDA IPC mappings (and unregistering host pages) only while the engine has no GPU
+work in flight.
 
 Why: `cudaIpcCloseMemHandle` waits for the device, and while it waits the driver holds back
 every other launch of the process (benchmarks/probe_ipc_close.py on one H200, with and without
@@ -7,7 +8,10 @@ launched, waited 2.8-3.0 s until a spinning kernel gave up). In the engine a ran
 for its peers' kernels, which this same process launches; closing a departed client's mapping
 then stalls the survivors until their deadline (the CUDA rank-masking test's failure).
 
-So the engine never closes a mapping at once: it queues the pointer, and a closer thread closes
+`cudaHostUnregister` of a departed client's counter page is the same kind of call (it unpins
+memory the device may be using) and goes the same way.
+
+So the engine never closes a mapping at once: it queues the close, and a closer thread runs
 the queue when no launch is under way (every launching call holds `launching()`) and every
 stream of the engine is idle. It holds the lock while it closes, so no launch starts meanwhile;
 with nothing in flight the close is quick. An engine that is never quiet (an armed low-latency
@@ -29,11 +33,11 @@ POLL_SECONDS = 0.05  # how often the closer looks for a quiet moment
 class QuietCloser:
     """Queue of IPC mappings to close when the engine is quiet (see the module docstring)."""
 
-    def __init__(self, close: Callable[[int], None], quiet: Callable[[], bool]) -> None:
-        self._close, self._quiet = close, quiet
+    def __init__(self, quiet: Callable[[], bool]) -> None:
+        self._quiet = quiet
         self._lock = threading.Lock()
         self._active = 0  # calls under way that may launch GPU work
-        self._pending: list[int] = []
+        self._pending: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
@@ -49,9 +53,12 @@ class QuietCloser:
             with self._lock:
                 self._active -= 1
 
-    def close_later(self, ptr: int) -> None:
+    def close_later(self, close: Callable[[], None]) -> None:
+        if self._stopped:  # (the device is synchronised for good: nothing to wait for)
+            _run_logged(close)
+            return
         with self._lock:
-            self._pending.append(ptr)
+            self._pending.append(close)
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name="epd-ipc-close",
                                                  daemon=True)
@@ -63,14 +70,14 @@ class QuietCloser:
         return len(self._pending)
 
     def try_close(self) -> int:
-        """Close the queue now if the engine is quiet; how many mappings were closed."""
+        """Run the queue now if the engine is quiet; how many closes ran."""
         with self._lock:
             if not self._pending or self._active or not self._quiet():
                 return 0
-            ptrs, self._pending = self._pending, []
-            for ptr in ptrs:  # under the lock: no launch starts until the closes are done
-                self._close(ptr)
-        return len(ptrs)
+            closes, self._pending = self._pending, []
+            for close in closes:  # under the lock: no launch starts until they are done
+                _run_logged(close)
+        return len(closes)
 
     def _run(self) -> None:
         while not self._stopped:
@@ -78,8 +85,8 @@ class QuietCloser:
             self._wake.clear()
             try:
                 self.try_close()
-            except Exception:  # a failed query must not end the thread: log, try again
-                log.exception("closing CUDA IPC mappings")
+            except Exception:  # a failed stream query must not end the thread: try again
+                log.exception("looking for a quiet moment to close CUDA mappings")
 
     def stop(self) -> None:
         """After the device's last synchronisation: close everything left."""
@@ -88,6 +95,14 @@ class QuietCloser:
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:
-            ptrs, self._pending = self._pending, []
-        for ptr in ptrs:
-            self._close(ptr)
+            closes, self._pending = self._pending, []
+        for close in closes:
+            _run_logged(close)
+
+
+def _run_logged(close: Callable[[], None]) -> None:
+    """One close; a failure is logged (the others still run)."""
+    try:
+        close()
+    except Exception:
+        log.exception("closing %r", close)

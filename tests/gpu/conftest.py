@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -40,8 +41,13 @@ def cuda_daemon(extra: tuple[str, ...] = ()):
     clients at its MPS server, yield it, stop it (a generator for module fixtures)."""
     from epd.server.demo import Daemon
 
+    # EPD_GPU_LOG_DIR (the device scripts set it to $OUT): the whole daemon log survives a run
+    # that is cut short, its teardown watchdog's stacks included.
+    log_dir = os.environ.get("EPD_GPU_LOG_DIR")
+    log_path = (os.path.join(log_dir, f"daemon-{os.getpid()}-{time.monotonic_ns()}.log")
+                if log_dir else None)
     d = Daemon(backend="cuda", engines=GPU_COUNT, timeout_seconds=DAEMON_TIMEOUT,
-               extra=["--nvshmem-heap-bytes", str(6 << 30), *extra])
+               extra=["--nvshmem-heap-bytes", str(6 << 30), *extra], log_path=log_path)
     saved = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     try:
         d.wait_ready(180)
