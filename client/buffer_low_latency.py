@@ -256,12 +256,14 @@ class LowLatencyMixin:
             g.rank_mask(clean=True)
 
     def low_latency_rejoin(self, rank: int | None = None, timeout: float | None = None) -> None:
-        """EPD's addition to the mask calls (CPU backend): bring back a rank that went away. A
-        replacement process makes a Buffer of the same group name and rank; its first
-        low-latency call joins its groups and is refused (FAILED_PRECONDITION: it rejoins);
-        then every rank that takes part calls `low_latency_rejoin(rank)` and the replacement
-        `low_latency_rejoin()`, a collective of each low-latency group (`Group.rejoin`); from
-        the next call on the replacement takes part."""
+        """EPD's addition to the mask calls: bring back a rank that went away. A replacement
+        process makes a Buffer of the same group name and rank (on the CUDA engine: on the
+        GPU of the rank it replaces); its first low-latency call joins its groups and is
+        refused (FAILED_PRECONDITION: it rejoins); then every rank that takes part calls
+        `low_latency_rejoin(rank)` and the replacement `low_latency_rejoin()`, a collective of
+        each low-latency group (`Group.rejoin`), made with no low-latency dispatch awaiting its
+        combine; from the next call on the replacement takes part. Every rank's double buffer
+        starts again at buffer 0, as the replacement's does."""
         self._check_shrink()
         groups = self._ll_groups()
         if not groups:
@@ -270,6 +272,7 @@ class LowLatencyMixin:
                                      "the rejoin)")
         for g in groups:
             g.rejoin(rank, timeout)
+        self._ll_buffer = 0
 
     def _apply_pending_masks(self, g: Group) -> None:
         """A low-latency group just formed: the mask changes made before it existed."""

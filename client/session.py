@@ -809,7 +809,8 @@ class Group:
         joins under the same name, rank and spec (it is still gone for its peers), then every
         rank that takes part calls `rejoin(rank)` and the replacement calls `rejoin()`, a
         collective: from the next collective on the replacement takes part. Returns every
-        rank's mask state. The cuda engine refuses the replacement's join."""
+        rank's mask state. On the cuda engine the replacement joins on the engine (GPU) of the
+        rank it replaces, and the group may not span nodes."""
         req = epd_pb2.RejoinRequest(session_id=self._session.session_id,
                                     group_id=self.group_id,
                                     rank=self.rank if rank is None else rank,

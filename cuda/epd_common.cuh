@@ -29,6 +29,11 @@ typedef unsigned long long u64;
 #define CTRL_COMBINE_ENTRY 40  // [R] source s entered combine (buffer free barrier)
 #define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
 #define CTRL_HOST_WORDS 96        // device address of this rank's host words (0: none), below
+#define CTRL_REJOIN_HELLO 98       // rejoin: the replacement's nonce, in each taking-part rank's block
+#define CTRL_REJOIN_READY 99       // rejoin: this rank arrived (= the nonce), its sequences below
+#define CTRL_REJOIN_LL_DISPATCH 100  // rejoin: this rank's low-latency dispatch sequence
+#define CTRL_REJOIN_LL_COMBINE 101   // rejoin: this rank's low-latency combine sequence
+#define CTRL_REJOIN_ACK 102        // rejoin: the replacement took the sequences (= the nonce)
 #define CTRL_LIVE_MASK 97         // bit r: rank r is masked by a call (alive: still waited for)
 // Low-latency flags, [LL_MAX_RANKS] each (a low-latency group may span nodes):
 #define CTRL_LL_DISPATCH_FLAG 128 // source s finished its low-latency dispatch pushes

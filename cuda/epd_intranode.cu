@@ -667,6 +667,16 @@ extern "C" __global__ void epd_live_mask(const u64* __restrict__ peers, int R, i
     }
 }
 
+// A replacement rejoined in rank `rank`'s place: this rank's waits include it again (its
+// CTRL_MASK bit cleared atomically: another engine may be masking a rank at the same time).
+extern "C" __global__ void epd_unmask_rank(u64* ctrl, int rank) {
+    if (threadIdx.x == 0) {
+        atomicAnd_system(reinterpret_cast<unsigned long long*>(ctrl + CTRL_MASK),
+                         ~(1ull << rank));
+        __threadfence_system();
+    }
+}
+
 // A rank of a shrink group went away: every rank's waits skip it from now on (CTRL_MASK bit).
 // Only the ranks of this node: a remote OR would need NVSHMEM's network atomics; each node's
 // engine masks its own ranks.

@@ -43,6 +43,12 @@ CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host mem
 HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host
 HOST_WORD_GONE = 1  # host word: bit r = rank r went away (shrink groups)
 CTRL_LIVE_MASK = 97  # bit r: rank r is masked by a call (alive, so its flags are still awaited)
+# Rejoin of a replacement (server/backends/cuda.py, CudaRankComm.rejoin), host-written words:
+CTRL_REJOIN_HELLO = 98  # the replacement's nonce, written into each taking-part rank's block
+CTRL_REJOIN_READY = 99  # a taking-part rank arrived (= the nonce); its sequences below
+CTRL_REJOIN_LL_DISPATCH = 100  # that rank's low-latency dispatch sequence
+CTRL_REJOIN_LL_COMBINE = 101  # that rank's low-latency combine sequence
+CTRL_REJOIN_ACK = 102  # the replacement took the sequences (= the nonce)
 # low-latency flags, [LL_MAX_RANKS] each
 CTRL_LL_DISPATCH_FLAG = 128
 CTRL_LL_COMBINE_FLAG = 192

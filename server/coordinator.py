@@ -143,13 +143,23 @@ class Coordinator:
             raise FailedPrecondition(
                 f"rank {req.rank} of group {g.spec.name!r} went away and this backend cannot "
                 f"take a rank back into a group: a replacement joins a group of a new name")
+        old_engine = g.members[req.rank][0]
+        if (self.planner.rejoin_on_same_engine and req.engine_index != old_engine) or \
+                (node != g.nodes.get(req.rank, node)):
+            raise FailedPrecondition(
+                f"rank {req.rank} of group {g.spec.name!r} lived on engine {old_engine} of node "
+                f"{g.nodes.get(req.rank, 0)}: its replacement must join there (the other ranks "
+                f"reach its buffers on that engine), not on engine {req.engine_index} of node "
+                f"{node}")
         self._admit(g, req)
         g.members[req.rank] = (req.engine_index, req.session_id)
         g.nodes[req.rank] = node
         g.released.discard(req.rank)
         log.warning("group %r (%s): rank %d rejoins (session %s); it takes part after the "
                     "group's Rejoin call", g.spec.name, g.group_id, req.rank, req.session_id)
-        return self._placement(g)
+        resp = self._placement(g)
+        resp.rejoining = True
+        return resp
 
     def _admit(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
         """The group's admission policy: the first member sets its owner uid; later members

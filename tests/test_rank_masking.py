@@ -456,19 +456,27 @@ def test_a_rejoin_nobody_completes_leaves_the_group_going(daemon) -> None:
             s.close()
 
 
-def test_rejoin_needs_shrink_and_a_backend_that_takes_ranks_back() -> None:
-    """The coordinator refuses a replacement where the planner cannot take a rank back (the
-    CUDA planner), and a group joined without shrink has nothing to rejoin."""
+@pytest.mark.parametrize(("takes_back", "same_engine", "engine", "want"), [
+    (False, False, 0, "cannot take a rank back"),
+    (True, True, 1, "its replacement must join there"),  # the CUDA planner's rule
+    (True, True, 0, "accepted"),
+    (True, False, 1, "accepted")])
+def test_rejoin_needs_a_backend_that_takes_ranks_back(takes_back: bool, same_engine: bool,
+                                                       engine: int, want: str) -> None:
+    """The coordinator refuses a replacement where the planner cannot take a rank back, or
+    (the CUDA planner: its peers reach the rank's buffers there) on another engine than the
+    rank it replaces; an accepted one learns that it rejoins."""
     import asyncio
 
     from epd.proto.v1 import epd_pb2
     from epd.server.backends.cuda_plan import CudaPlanner
     from epd.server.coordinator import Coordinator
 
-    assert CudaPlanner.supports_rejoin is False
+    assert CudaPlanner.supports_rejoin and CudaPlanner.rejoin_on_same_engine
 
     class Planner:
-        supports_rank_masking, supports_rejoin = True, False
+        supports_rank_masking, supports_rejoin = True, takes_back
+        rejoin_on_same_engine = same_engine
 
         def validate_spec(self, spec) -> None:
             return None
@@ -492,15 +500,22 @@ def test_rejoin_needs_shrink_and_a_backend_that_takes_ranks_back() -> None:
             return epd_pb2.RendezvousRequest(spec=spec, rank=rank, session_id=f"s{rank}",
                                              timeout_seconds=5, has_peer=True, peer_uid=1)
         first = await asyncio.gather(c.rendezvous(req(0)), c.rendezvous(req(1)))
+        assert not first[1].rejoining
         c.release(first[0].group_id, 1, "rank 1 went away")
+        again = req(1)
+        again.engine_index = engine
         try:
-            await c.rendezvous(req(1))
+            resp = await c.rendezvous(again)
         except EpdError as e:
             return f"{e.code.name}: {e.message}"
+        assert resp.rejoining and resp.group_id == first[0].group_id
         return "accepted"
 
     got = asyncio.run(scenario())
-    assert got.startswith("FAILED_PRECONDITION") and "cannot take a rank back" in got, got
+    if want == "accepted":
+        assert got == "accepted"
+    else:
+        assert got.startswith("FAILED_PRECONDITION") and want in got, got
 
 
 def test_a_replacement_rejoins_through_the_facade(daemon) -> None:

@@ -163,16 +163,18 @@ class RendezvousRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., engine_index: _Optional[int] = ..., session_id: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., attached: _Optional[bool] = ..., group_id: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., has_peer: _Optional[bool] = ...) -> None: ...
 
 class RendezvousResponse(_message.Message):
-    __slots__ = ("group_id", "rank_engines", "plan", "rank_nodes")
+    __slots__ = ("group_id", "rank_engines", "plan", "rank_nodes", "rejoining")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_ENGINES_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
+    REJOINING_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank_engines: _containers.RepeatedScalarFieldContainer[int]
     plan: bytes
     rank_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    rejoining: bool
+    def __init__(self, group_id: _Optional[str] = ..., rank_engines: _Optional[_Iterable[int]] = ..., plan: _Optional[bytes] = ..., rank_nodes: _Optional[_Iterable[int]] = ..., rejoining: _Optional[bool] = ...) -> None: ...
 
 class GetBootstrapRequest(_message.Message):
     __slots__ = ("engine_index",)

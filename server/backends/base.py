@@ -67,12 +67,13 @@ class Membership:
     rank_engines: tuple[int, ...]
     plan: bytes = b""  # the group's shared resources, from the backend's GroupPlanner
     rank_nodes: tuple[int, ...] = ()  # node rank of each rank (cluster mode)
+    rejoining: bool = False  # a replacement for a rank that went away (see RankComm.rejoin)
 
     @classmethod
     def from_rendezvous(cls, rank: int, resp: Any) -> Membership:
         """From a Node.Rendezvous answer (epd_pb2.RendezvousResponse)."""
         return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan),
-                   tuple(resp.rank_nodes))
+                   tuple(resp.rank_nodes), bool(resp.rejoining))
 
 
 class GroupPlanner(abc.ABC):
@@ -134,6 +135,9 @@ class GroupPlanner(abc.ABC):
     # Rejoin: a replacement may take a gone rank's place in its shrink group (RankComm.rejoin
     # brings it in at a collective all ranks make). Backends without it refuse the join.
     supports_rejoin: bool = False
+    # The replacement must come to the engine of the rank it replaces (its peers reach that
+    # rank's buffers there: the CUDA engines' peer tables).
+    rejoin_on_same_engine: bool = False
 
     def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
         """Cluster mode, on a node other than 0: take a group planned by node 0 into this

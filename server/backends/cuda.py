@@ -23,6 +23,7 @@ import ctypes
 import functools
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -304,6 +305,12 @@ class HostControlWords:
             for slot in self._groups.get(group, ()):
                 self.words[slot, abi.HOST_WORD_GONE] |= np.uint64(1 << rank)
 
+    def unmark_gone(self, group: int, rank: int) -> None:
+        """A replacement rejoined in `rank`'s place."""
+        with self._lock:
+            for slot in self._groups.get(group, ()):
+                self.words[slot, abi.HOST_WORD_GONE] &= ~np.uint64(1 << rank)
+
     def read(self, slot: int) -> tuple[int, int]:
         """(abort code, gone ranks) of one slot."""
         return (int(self.words[slot, abi.HOST_WORD_ABORT]),
@@ -373,6 +380,9 @@ class CudaRankComm(RankComm):
         self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
         self._done_slot = 0
         self.chain: LowLatencyChain | None = None  # armed ops run by the GPU (cuda_chain.py)
+        self._peer_bases = peers  # where each rank's buffer (control block first) is
+        # A replacement for a rank that went away takes part from the Rejoin collective on.
+        self._rejoining = membership.rejoining
         backend.comms.add(self)
 
     def quiet(self) -> bool:
@@ -523,8 +533,16 @@ class CudaRankComm(RankComm):
         return CombineOutputs(out, out_w, bytes_sent=nbytes, bytes_received=nbytes)
 
     # -- low-latency mode --------------------------------------------------------------------
+    def _check_taking_part(self) -> None:
+        from ...proto.errors import FailedPrecondition
+        if self._rejoining:
+            raise FailedPrecondition(
+                f"rank {self.rank} rejoins group {self.spec.name!r}: it takes part from the "
+                f"group's Rejoin collective on (Group.rejoin(), made by every rank)")
+
     def _ll_layout(self) -> ck.LowLatencyLayout:
         from ...proto.errors import FailedPrecondition
+        self._check_taking_part()
         if self.mlayout.low_latency is None:
             raise FailedPrecondition(f"group {self.spec.name!r} was created without "
                                      f"low_latency_mode, so it has no low-latency buffers")
@@ -610,6 +628,7 @@ class CudaRankComm(RankComm):
 
     def prepare_low_latency_dispatch(self, args: LowLatencyDispatchArgs, stats: Any,
                                      done_ptr: int, timeout: float) -> _PreparedDispatch:
+        self._check_taking_part()
         # No host checks of the data at trigger time (the inputs are only ready once the
         # client's stream got there): the kernel skips out-of-range ids, reports them in the
         # done word and aborts the group.
@@ -630,6 +649,7 @@ class CudaRankComm(RankComm):
 
     def prepare_low_latency_combine(self, args: LowLatencyCombineArgs, dispatch: Any,
                                     done_ptr: int, timeout: float) -> _PreparedCombine:
+        self._check_taking_part()
         runner, d = self.runner, dispatch.args
         t, m = int(d.x.shape[0]), d.num_max_dispatch_tokens_per_rank
         with cp.cuda.Device(self.backend.device):
@@ -814,6 +834,125 @@ class CudaRankComm(RankComm):
         # Every rank's CTRL_LIVE_MASK; each low-latency dispatch agrees on the set it leaves
         # out from what its sources saw (cuda/epd_low_latency.cu, left_out).
         self.runner.live_mask(rank, state == self.MASK_MASKED)
+
+    # -- rejoin: a replacement takes a gone rank's place (host words of the control blocks) --
+    @_launches
+    def rejoin(self, rank: int, deadline: float) -> None:
+        """The Rejoin collective for `rank`, host-driven through words of the control blocks
+        (abi CTRL_REJOIN_*): the replacement writes a nonce (HELLO) into every taking-part
+        rank's block; each of them, its own kernels done, answers with its low-latency
+        sequences and READY = nonce in its own block; the replacement takes the sequences
+        (they must agree), the gone and live masks, and writes ACK = nonce; then each
+        taking-part rank clears the rank's bit in its own mask. From the next call on every
+        rank waits for the replacement. A deadline anywhere leaves the rank masked; the group
+        goes on without it."""
+        from ...proto.errors import FailedPrecondition
+        if self.spans_nodes:
+            raise FailedPrecondition(f"group {self.spec.name!r} spans nodes: a rank cannot "
+                                     f"rejoin it on the cuda engine (not built across nodes)")
+        if self.chain is not None:
+            raise FailedPrecondition(f"rank {self.rank} of group {self.spec.name!r} has an "
+                                     f"armed low-latency chain (--ll-chain): no rejoin")
+        with cp.cuda.Device(self.backend.device):
+            if rank == self.rank:
+                if not self._rejoining:
+                    raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} takes "
+                                             f"part already: only a replacement rejoins")
+                self._rejoin_replacement(deadline)
+            else:
+                self._check_taking_part()
+                if not (self._gone() >> rank) & 1:
+                    raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} has not "
+                                             f"gone away: there is nothing to rejoin")
+                self._rejoin_peer(rank, deadline)
+
+    _REFUSED = 1 << 62  # ACK = nonce | _REFUSED: the ranks' sequences disagree
+
+    def _word(self, base: int, word: int) -> int:
+        out = np.zeros(1, np.uint64)
+        cp.cuda.runtime.memcpy(out.ctypes.data, base + 8 * word, 8,
+                               cp.cuda.runtime.memcpyDeviceToHost)
+        return int(out[0])
+
+    def _set_word(self, base: int, word: int, value: int) -> None:
+        v = np.array([value], np.uint64)
+        cp.cuda.runtime.memcpy(base + 8 * word, v.ctypes.data, 8,
+                               cp.cuda.runtime.memcpyHostToDevice)
+
+    def _gone(self) -> int:
+        return (self._word(self.runner.base, abi.CTRL_MASK)
+                | self.backend.host_words.read(self._host_slot)[1])
+
+    def _rejoin_replacement(self, deadline: float) -> None:
+        from ...proto.errors import DeadlineExceeded, FailedPrecondition
+        q, bases, rt = self.rank, self._peer_bases, self.runner
+        gone = self.backend.host_words.read(self._host_slot)[1]
+        for r in range(self.spec.num_ranks):  # (a gone rank's own block may be cleared)
+            if r != q:
+                gone |= self._word(bases[r], abi.CTRL_MASK)
+        gone &= ~(1 << q)
+        peers = [r for r in range(self.spec.num_ranks) if r != q and not (gone >> r) & 1]
+        nonce = secrets.randbits(61) | 1
+        for r in peers:
+            self._set_word(bases[r], abi.CTRL_REJOIN_HELLO, nonce)
+        while not all(self._word(bases[r], abi.CTRL_REJOIN_READY) == nonce for r in peers):
+            if time.monotonic() > deadline:
+                missing = [r for r in peers
+                           if self._word(bases[r], abi.CTRL_REJOIN_READY) != nonce]
+                raise DeadlineExceeded(f"group {self.spec.name!r}: rank(s) {missing} did not "
+                                       f"call Rejoin for rank {q} before the deadline")
+            time.sleep(200e-6)
+        seqs = {(self._word(bases[r], abi.CTRL_REJOIN_LL_DISPATCH),
+                 self._word(bases[r], abi.CTRL_REJOIN_LL_COMBINE)) for r in peers}
+        if len(seqs) > 1:
+            for r in peers:
+                self._set_word(bases[r], abi.CTRL_REJOIN_ACK, nonce | self._REFUSED)
+            raise FailedPrecondition(f"group {self.spec.name!r}: the ranks that take part are "
+                                     f"at different low-latency calls {sorted(seqs)}: call "
+                                     f"Rejoin at the same point on every rank")
+        if seqs:
+            rt.seq["ll_dispatch"], rt.seq["ll_combine"] = seqs.pop()
+            live = self._word(bases[peers[0]], abi.CTRL_LIVE_MASK)
+            self._set_word(rt.base, abi.CTRL_LIVE_MASK, live)
+        self._set_word(rt.base, abi.CTRL_MASK, gone)
+        self.backend.host_words.unmark_gone(self._group_key, q)
+        self._rejoining = False
+        for r in peers:
+            self._set_word(bases[r], abi.CTRL_REJOIN_ACK, nonce)
+        log.warning("group %r: rank %d rejoined (taking part from low-latency dispatch #%d)",
+                    self.spec.name, q, rt.seq["ll_dispatch"] + 1)
+
+    def _rejoin_peer(self, q: int, deadline: float) -> None:
+        from ...proto.errors import DeadlineExceeded, FailedPrecondition
+        rt, base = self.runner, self.runner.base
+        rt.stream.synchronize()  # this rank's calls before the rejoin are done
+        rt.side_stream.synchronize()
+        published = 0
+        try:
+            while True:
+                hello = self._word(base, abi.CTRL_REJOIN_HELLO)
+                if hello and hello != published:  # (a newer replacement: answer it)
+                    self._set_word(base, abi.CTRL_REJOIN_LL_DISPATCH, rt.seq["ll_dispatch"])
+                    self._set_word(base, abi.CTRL_REJOIN_LL_COMBINE, rt.seq["ll_combine"])
+                    self._set_word(base, abi.CTRL_REJOIN_READY, hello)
+                    published = hello
+                ack = self._word(base, abi.CTRL_REJOIN_ACK) if published else 0
+                if published and ack == published:
+                    break
+                if published and ack == published | self._REFUSED:
+                    raise FailedPrecondition(f"group {self.spec.name!r}: the ranks that take "
+                                             f"part disagreed on their low-latency calls; rank "
+                                             f"{q} stays masked")
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"group {self.spec.name!r}: the replacement for rank "
+                                           f"{q} did not rejoin before the deadline; the group "
+                                           f"goes on without it")
+                time.sleep(200e-6)
+        finally:
+            for w in (abi.CTRL_REJOIN_HELLO, abi.CTRL_REJOIN_READY, abi.CTRL_REJOIN_ACK):
+                self._set_word(base, w, 0)
+        rt.unmask_rank(q)
+        self.backend.host_words.unmark_gone(self._group_key, q)
 
     @_launches
     def stop(self, reason: str) -> None:

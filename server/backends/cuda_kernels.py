@@ -277,7 +277,7 @@ class Kernels:
 
     FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_mask_rank", "epd_live_mask",
+             "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
              "epd_ll_exec", "epd_ll_exec_reduce", "epd_ll_exec_finish", "epd_ll_gate")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
@@ -520,6 +520,11 @@ class Kernels:
         with _stream_ptr(stream):
             self.fn("epd_live_mask")((1,), (64,), (peers, np.int32(num_ranks), np.int32(rank),
                                                    np.int32(1 if masked else 0)))
+
+    def unmask_rank(self, ctrl_ptr: int, rank: int, *, stream: Any = None) -> None:
+        """Clear rank `rank`'s bit in one control block's CTRL_MASK (a replacement rejoined)."""
+        with _stream_ptr(stream):
+            self.fn("epd_unmask_rank")((1,), (32,), (np.uint64(ctrl_ptr), np.int32(rank)))
 
     def mask_rank(self, peers: Any, num_ranks: int, gone: int, *, stream: Any = None) -> None:
         """Set rank `gone`'s bit in every rank's CTRL_MASK (a shrink group goes on without it)."""

@@ -148,6 +148,8 @@ class CudaPlanner(GroupPlanner):
     name = "cuda"
     proto_kind = epd_pb2.CUDA
     restart_all_on_engine_loss = True  # an NVSHMEM world cannot take a replacement PE
+    supports_rejoin = True  # CudaRankComm.rejoin (one node)
+    rejoin_on_same_engine = True  # its peers reach the rank's buffers on its engine
 
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg

@@ -215,6 +215,13 @@ class RankRunner:
                              stream=self.side_stream)
             self.side_stream.synchronize()
 
+    def unmask_rank(self, rank: int) -> None:
+        """This rank's waits include rank `rank` again (a replacement rejoined); done when this
+        returns."""
+        with cp.cuda.Device(self.device_id):
+            self.k.unmask_rank(self.base, rank, stream=self.side_stream)
+            self.side_stream.synchronize()
+
     def mask_rank(self, gone: int) -> None:
         """Every rank's waits skip rank `gone` from now on (shrink groups); on the side stream,
         not awaited (the engine's host control words already say so to its own ranks)."""
