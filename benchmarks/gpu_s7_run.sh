@@ -3,6 +3,8 @@
 #   bash benchmarks/gpu_s7_run.sh verify   # rank masking (IPC closes deferred to a quiet
 #        engine), token growth through the facade, then the GPU suite without what call 1 ran
 #        (low-latency kernels, across logical nodes) and without the cluster and replays
+#   bash benchmarks/gpu_s7_run.sh final    # one fresh daemon per test: token growth, a rank
+#        going away, a replacement rejoining, the --cuda-cluster daemons, a live rank masked
 #   bash benchmarks/gpu_s7_run.sh cluster  # tests/gpu/test_cuda_cluster.py (--cuda-cluster)
 set -u
 source benchmarks/gpu_env.sh
@@ -21,11 +23,26 @@ case "${1:-}" in
         > "$OUT/gpu_suite.txt"
     grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -30
     ;;
+  final)  # one fresh daemon per step: capacity, a rank going away, rejoin, the cluster, live mask
+    export EPD_GPU_LOG_DIR="$OUT"  # every daemon's whole log (tests/gpu/conftest.py)
+    step() {  # step NAME SECONDS PYTEST-ARGS...
+      local name=$1 secs=$2; shift 2
+      timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
+          2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
+      grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_$name.txt" | cut -c1-240 \
+          | head -16
+    }
+    step capacity 100 "tests/gpu/test_deep_ep_facade.py -k capacity"
+    step gone 110 "-s tests/gpu/test_rank_masking_gpu.py -k goes_away"
+    step rejoin 125 "-s tests/gpu/test_rank_masking_gpu.py -k rejoins"
+    step cluster 150 "-s tests/gpu/test_cuda_cluster.py"
+    step live 95 "-s tests/gpu/test_rank_masking_gpu.py -k live_rank"
+    ;;
   cluster)
     timeout 400 bash -c "$(declare -f pt); pt -s tests/gpu/test_cuda_cluster.py" 2>&1 \
         | grep -v " INFO " > "$OUT/gpu_cuda_cluster.txt"
     grep -E "PASSED|FAILED|passed|failed|^E  |world|lost" "$OUT/gpu_cuda_cluster.txt" \
         | cut -c1-300 | head -60
     ;;
-  *) echo "usage: $0 verify|cluster" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|final|cluster" >&2; exit 2 ;;
 esac

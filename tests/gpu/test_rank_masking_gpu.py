@@ -162,3 +162,92 @@ def test_live_rank_masked_by_a_call_on_the_cuda_engine(daemon) -> None:
                                           err_msg=f"step {step} rank {r} left out {left_out}")
             np.testing.assert_array_equal(results[r]["masks"][step],
                                           [int(x in left_out) for x in range(R)])
+
+
+def _rejoin_rank(rank: int, socket: str, device: int, step1_done, joined, survivors,
+                 q) -> None:
+    """Ranks 0 and 1 take part throughout; rank 2 goes away after step 0; "rank" 3 is the
+    replacement for rank 2 (on rank 2's GPU and engine): refused at its first call, then the
+    Rejoin collective, then steps 2 and 3 with all three ranks."""
+    import torch
+
+    from epd.client import EpdError
+    from epd.client.buffer import Buffer
+    replacement = rank == 3
+    me = 2 if replacement else rank
+    if replacement:
+        device = 2 % GPU_COUNT
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "steps": {}}  # (rank: the process, 3 for the replacement)
+
+    def step(buf, s: int) -> None:
+        x, idx, w = (_to_torch(a, device) for a in _inputs(s, me))
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        torch.cuda.synchronize()
+        buf.check()
+        res["steps"][s] = {"compact": _compact(SimpleNamespace(
+            recv_x=recv, recv_count=count, recv_x_scales=None,
+            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX), "cx": _bits(cx)}
+
+    if replacement:
+        assert step1_done.wait(120), "the survivors did not finish step 1"
+    buf = Buffer(None, rank=me, num_ranks=R, endpoint=socket, low_latency_mode=True,
+                 enable_shrink=True, group_name="gpu-shrink-rejoin", timeout=30)
+    if replacement:
+        try:
+            step(buf, 2)
+            res["refused"] = "accepted"
+        except EpdError as e:
+            res["refused"] = f"{e.code.name}: {e.details}"
+        joined.set()
+        t0 = time.monotonic()
+        buf.low_latency_rejoin()
+        res["rejoin_seconds"] = time.monotonic() - t0
+    else:
+        for s in (0, 1):
+            if rank == 2 and s == 1:  # goes away without a word (as a crash)
+                q.put(res)
+                q.close()
+                q.join_thread()
+                os._exit(0)
+            step(buf, s)
+        survivors.wait(60)
+        if rank == 0:
+            step1_done.set()
+        assert joined.wait(120), "the replacement did not join"
+        t0 = time.monotonic()
+        buf.low_latency_rejoin(2)
+        res["rejoin_seconds"] = time.monotonic() - t0
+    for s in (2, 3):
+        step(buf, s)
+    mask = torch.full((R,), 7, dtype=torch.int32, device=device)
+    buf.low_latency_query_mask_buffer(mask)
+    res["mask"] = mask.cpu().numpy()
+    buf.destroy()
+    q.put(res)
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_a_replacement_rejoins_on_the_cuda_engine(daemon) -> None:
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    step1_done, joined, survivors = ctx.Event(), ctx.Event(), ctx.Barrier(2)
+    endpoints = [daemon.socket(r % GPU_COUNT) for r in (0, 1, 2, 2)]
+    results = _spawn_ranks(daemon, _rejoin_rank, 4, step1_done, joined, survivors,
+                           endpoints=endpoints)
+    by_rank = {0: results[0], 1: results[1], 2: results[3]}
+    assert set(results[2]["steps"]) == {0}  # the original rank 2: step 0, then gone
+    assert results[3]["refused"].startswith("FAILED_PRECONDITION"), results[3]["refused"]
+    assert "rejoins" in results[3]["refused"], results[3]["refused"]
+    for s, left_out in ((0, set()), (1, {2}), (2, set()), (3, set())):
+        disp, combined = _expected(s, left_out)
+        for r in range(R):
+            if r in left_out:
+                continue
+            got = (results[2] if (r == 2 and s == 0) else by_rank[r])["steps"][s]
+            _check_ll(disp[r], got["compact"], LX)
+            np.testing.assert_array_equal(got["cx"], combined[r], err_msg=f"step {s} rank {r}")
+    for r, res in by_rank.items():
+        np.testing.assert_array_equal(res["mask"], [0, 0, 0], err_msg=f"rank {r}")
+        assert res["rejoin_seconds"] < 20, res["rejoin_seconds"]
