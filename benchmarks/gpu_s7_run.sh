@@ -5,6 +5,8 @@
 #        (low-latency kernels, across logical nodes) and without the cluster and replays
 #   bash benchmarks/gpu_s7_run.sh final    # one fresh daemon per test: token growth, a rank
 #        going away, a replacement rejoining, the --cuda-cluster daemons, a live rank masked
+#   bash benchmarks/gpu_s7_run.sh masking  # the two masking tests that need three clients, with
+#        CUDA_DEVICE_MAX_CONNECTIONS no longer exported to clients (gpu_env.sh)
 #   bash benchmarks/gpu_s7_run.sh cluster  # tests/gpu/test_cuda_cluster.py (--cuda-cluster)
 set -u
 source benchmarks/gpu_env.sh
@@ -38,11 +40,23 @@ case "${1:-}" in
     step cluster 150 "-s tests/gpu/test_cuda_cluster.py"
     step live 95 "-s tests/gpu/test_rank_masking_gpu.py -k live_rank"
     ;;
+  masking)  # a rank going away, then a replacement rejoining: one fresh daemon each
+    export EPD_GPU_LOG_DIR="$OUT"
+    step() {
+      local name=$1 secs=$2; shift 2
+      timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
+          2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
+      grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_$name.txt" | cut -c1-240 \
+          | head -12
+    }
+    step gone 100 "-s tests/gpu/test_rank_masking_gpu.py -k goes_away"
+    step rejoin 120 "-s tests/gpu/test_rank_masking_gpu.py -k rejoins"
+    ;;
   cluster)
     timeout 400 bash -c "$(declare -f pt); pt -s tests/gpu/test_cuda_cluster.py" 2>&1 \
         | grep -v " INFO " > "$OUT/gpu_cuda_cluster.txt"
     grep -E "PASSED|FAILED|passed|failed|^E  |world|lost" "$OUT/gpu_cuda_cluster.txt" \
         | cut -c1-300 | head -60
     ;;
-  *) echo "usage: $0 verify|final|cluster" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|final|masking|cluster" >&2; exit 2 ;;
 esac
