@@ -879,6 +879,12 @@ class CudaRankComm(RankComm):
         cp.cuda.runtime.memcpy(base + 8 * word, v.ctypes.data, 8,
                                cp.cuda.runtime.memcpyHostToDevice)
 
+    def _set_words(self, base: int, first: int, value: int) -> None:
+        """Words first .. first + R - 1 of a control block, all to `value`."""
+        v = np.full(self.spec.num_ranks, value, np.uint64)
+        cp.cuda.runtime.memcpy(base + 8 * first, v.ctypes.data, v.nbytes,
+                               cp.cuda.runtime.memcpyHostToDevice)
+
     def _gone(self) -> int:
         return (self._word(self.runner.base, abi.CTRL_MASK)
                 | self.backend.host_words.read(self._host_slot)[1])
@@ -914,6 +920,11 @@ class CudaRankComm(RankComm):
             rt.seq["ll_dispatch"], rt.seq["ll_combine"] = seqs.pop()
             live = self._word(bases[peers[0]], abi.CTRL_LIVE_MASK)
             self._set_word(rt.base, abi.CTRL_LIVE_MASK, live)
+        # A low-latency call first waits until every rank published the previous dispatch
+        # (READY >= seq - 1) and reduced the previous combine: flags the peers wrote into this
+        # block before it was cleared at attach. Say so for every rank, this one included.
+        self._set_words(rt.base, abi.CTRL_LL_READY_FLAG, rt.seq["ll_dispatch"])
+        self._set_words(rt.base, abi.CTRL_LL_COMBINE_READY, rt.seq["ll_combine"])
         self._set_word(rt.base, abi.CTRL_MASK, gone)
         self.backend.host_words.unmark_gone(self._group_key, q)
         self._rejoining = False
@@ -951,6 +962,10 @@ class CudaRankComm(RankComm):
         finally:
             for w in (abi.CTRL_REJOIN_HELLO, abi.CTRL_REJOIN_READY, abi.CTRL_REJOIN_ACK):
                 self._set_word(base, w, 0)
+        # The next call waits for the replacement's READY / COMBINE_READY of the previous one
+        # (seq - 1), which the rank it replaces never wrote: as if it had.
+        self._set_word(base, abi.CTRL_LL_READY_FLAG + q, rt.seq["ll_dispatch"])
+        self._set_word(base, abi.CTRL_LL_COMBINE_READY + q, rt.seq["ll_combine"])
         rt.unmask_rank(q)
         self.backend.host_words.unmark_gone(self._group_key, q)
 
