@@ -108,6 +108,12 @@ class Config:
     ll_num_sms: int = field(default=64, metadata={
         "help": "cuda backend: blocks of the low-latency kernels (latency-bound: more blocks, "
                 "more rows in flight; keep two ranks' worth under the GPU's SM count)"})
+    cuda_max_connections: int = field(default=32, metadata={
+        "help": "cuda backend: CUDA_DEVICE_MAX_CONNECTIONS of the engines (hardware work "
+                "queues; each rank's stream may park in a GPU-side wait for its client, so "
+                "one queue per rank keeps one wait from stalling another). Under MPS every "
+                "client's queues come from one pool per GPU, so the engine's share leaves "
+                "fewer clients: lower it on nodes with many client processes (1-32)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
     mps: str = field(default="auto", metadata={
@@ -278,6 +284,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         if not 0 <= getattr(cfg, name) <= MAX_NUM_SMS:
             raise ValueError(f"{name} must lie in [0, {MAX_NUM_SMS}] (0: the daemon's "
                              f"defaults), got {getattr(cfg, name)}")
+    if not 1 <= cfg.cuda_max_connections <= 32:
+        raise ValueError(f"cuda_max_connections must lie in [1, 32], got "
+                         f"{cfg.cuda_max_connections}")
     if not 0 <= cfg.throughput_pause_us <= 1_000_000:
         raise ValueError(f"throughput_pause_us must lie in [0, 1000000] (0: no pacing), got "
                          f"{cfg.throughput_pause_us}")

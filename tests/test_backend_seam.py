@@ -44,7 +44,8 @@ async def _all_ranks(coord: Coordinator, spec: epd_pb2.GroupSpec, timeout: float
 
 
 def _cuda_cfg(heap: int = 4 << 30) -> SimpleNamespace:
-    return SimpleNamespace(nvshmem_heap_bytes=heap, backend="cuda", shm_dir="/tmp")
+    return SimpleNamespace(nvshmem_heap_bytes=heap, backend="cuda", shm_dir="/tmp",
+                           cuda_max_connections=12)
 
 
 def test_cuda_limits_reach_every_rank_at_once() -> None:
@@ -138,6 +139,8 @@ def test_cuda_planner_heap_ranges() -> None:
     assert cuda_plan.decode_plan(planner.plan_group("c", spec))[0] == 0
     assert planner.restart_all_on_engine_loss and planner.proto_kind == epd_pb2.CUDA
     assert planner.engine_env()["NVSHMEM_DISABLE_CUDA_VMM"] == "1"
+    # the engines' hardware queues, from --cuda-max-connections (an MPS pool share)
+    assert planner.engine_env()["CUDA_DEVICE_MAX_CONNECTIONS"] == "12"
 
 
 def test_backends_expose_their_kinds() -> None:

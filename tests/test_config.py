@@ -60,6 +60,8 @@ def test_toml_epd_table_and_env_config(tmp_path: Path):
     ([], {}, "engines = -1\n", "engines"),
     ([], {}, "no_such_setting = 1\n", "no_such_setting"),
     ([], {}, 'metrics_port = "x"\n', "metrics_port"),
+    (["--cuda-max-connections", "64"], {}, None, "cuda_max_connections"),
+    ([], {"EPD_CUDA_MAX_CONNECTIONS": "0"}, None, "cuda_max_connections"),
 ])
 def test_bad_values_name_the_setting(tmp_path, argv, env, toml, setting):
     if toml is not None:

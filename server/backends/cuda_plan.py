@@ -196,8 +196,9 @@ class CudaPlanner(GroupPlanner):
         return {**one_node,
                 "NVSHMEM_DISABLE_CUDA_VMM": "1",
                 # Stream-ordered calls park each rank's stream in a GPU-side wait for its
-                # client: the most hardware queues, so one rank's wait stalls no other stream.
-                "CUDA_DEVICE_MAX_CONNECTIONS": "32",
+                # client: many hardware queues, so one rank's wait stalls no other stream
+                # (under MPS taken from the GPU's one pool: --cuda-max-connections).
+                "CUDA_DEVICE_MAX_CONNECTIONS": str(self.cfg.cuda_max_connections),
                 "NVSHMEM_SYMMETRIC_SIZE": str(self.heap_bytes + (1 << 30))}
 
     def new_world(self) -> None:
