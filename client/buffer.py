@@ -126,8 +126,8 @@ class Buffer(LowLatencyMixin):
     - `enable_shrink`: rank masking in the low-latency groups (DeepEP's shrink mode): a rank
       that goes away is masked by the daemon and the others' low-latency calls go on without
       it; `low_latency_update_mask_buffer` / `query` / `clean` work on the group's mask, which
-      its ranks share (DeepEP's is per rank). Both backends mask a rank that went away;
-      masking a live rank by a call is cpu-only (FAILED_PRECONDITION on the cuda engine).
+      its ranks share (DeepEP's is per rank). Both backends mask a rank that went away and a
+      live rank by a call; a replacement comes back with `low_latency_rejoin`.
     - `comm`: see `group`.
 
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
