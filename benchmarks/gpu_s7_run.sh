@@ -8,9 +8,18 @@
 #   bash benchmarks/gpu_s7_run.sh masking  # the two masking tests that need three clients, with
 #        CUDA_DEVICE_MAX_CONNECTIONS no longer exported to clients (gpu_env.sh)
 #   bash benchmarks/gpu_s7_run.sh cluster  # tests/gpu/test_cuda_cluster.py (--cuda-cluster)
+#   bash benchmarks/gpu_s7_run.sh next     # the next session's first call: the fixed rejoin,
+#        a live rank masked, the service classes (four clients), the --cuda-cluster daemons
 set -u
 source benchmarks/gpu_env.sh
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
+export EPD_GPU_LOG_DIR="$OUT"  # every daemon's whole log (tests/gpu/conftest.py)
+step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
+      2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
+  grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_$name.txt" | cut -c1-240 | head -16
+}
 case "${1:-}" in
   verify)
     timeout 150 bash -c "$(declare -f pt); pt -s tests/gpu/test_rank_masking_gpu.py \
@@ -26,14 +35,6 @@ case "${1:-}" in
     grep -E "FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_suite.txt" | tail -30
     ;;
   final)  # one fresh daemon per step: capacity, a rank going away, rejoin, the cluster, live mask
-    export EPD_GPU_LOG_DIR="$OUT"  # every daemon's whole log (tests/gpu/conftest.py)
-    step() {  # step NAME SECONDS PYTEST-ARGS...
-      local name=$1 secs=$2; shift 2
-      timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
-          2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
-      grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_$name.txt" | cut -c1-240 \
-          | head -16
-    }
     step capacity 100 "tests/gpu/test_deep_ep_facade.py -k capacity"
     step gone 110 "-s tests/gpu/test_rank_masking_gpu.py -k goes_away"
     step rejoin 125 "-s tests/gpu/test_rank_masking_gpu.py -k rejoins"
@@ -41,16 +42,14 @@ case "${1:-}" in
     step live 95 "-s tests/gpu/test_rank_masking_gpu.py -k live_rank"
     ;;
   masking)  # a rank going away, then a replacement rejoining: one fresh daemon each
-    export EPD_GPU_LOG_DIR="$OUT"
-    step() {
-      local name=$1 secs=$2; shift 2
-      timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
-          2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
-      grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_$name.txt" | cut -c1-240 \
-          | head -12
-    }
     step gone 100 "-s tests/gpu/test_rank_masking_gpu.py -k goes_away"
     step rejoin 120 "-s tests/gpu/test_rank_masking_gpu.py -k rejoins"
+    ;;
+  next)  # the next session's first call: what this one could not (re-)run
+    step rejoin 130 "-s tests/gpu/test_rank_masking_gpu.py -k rejoins"
+    step live 100 "-s tests/gpu/test_rank_masking_gpu.py -k live_rank"
+    step classes 120 "tests/gpu/test_service_classes_gpu.py"
+    step cluster 220 "-s tests/gpu/test_cuda_cluster.py"
     ;;
   cluster)
     timeout 400 bash -c "$(declare -f pt); pt -s tests/gpu/test_cuda_cluster.py" 2>&1 \
@@ -58,5 +57,5 @@ case "${1:-}" in
     grep -E "PASSED|FAILED|passed|failed|^E  |world|lost" "$OUT/gpu_cuda_cluster.txt" \
         | cut -c1-300 | head -60
     ;;
-  *) echo "usage: $0 verify|final|masking|cluster" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|final|masking|next|cluster" >&2; exit 2 ;;
 esac

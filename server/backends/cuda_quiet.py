@@ -24,7 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+
+from ..in_flight import InFlight
 
 log = logging.getLogger("epd.cuda")
 POLL_SECONDS = 0.05  # how often the closer looks for a quiet moment
@@ -35,23 +37,16 @@ class QuietCloser:
 
     def __init__(self, quiet: Callable[[], bool]) -> None:
         self._quiet = quiet
-        self._lock = threading.Lock()
-        self._active = 0  # calls under way that may launch GPU work
+        self._launching = InFlight()  # calls under way that may launch GPU work
+        self._lock = self._launching.lock
         self._pending: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stopped = False
         self._thread: threading.Thread | None = None
 
-    @contextlib.contextmanager
-    def launching(self) -> Iterator[None]:
+    def launching(self) -> contextlib.AbstractContextManager[None]:
         """Held by every call that launches GPU work (cheap: a lock and a counter)."""
-        with self._lock:
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
+        return self._launching.call()
 
     def close_later(self, close: Callable[[], None]) -> None:
         if self._stopped:  # (the device is synchronised for good: nothing to wait for)
@@ -72,7 +67,7 @@ class QuietCloser:
     def try_close(self) -> int:
         """Run the queue now if the engine is quiet; how many closes ran."""
         with self._lock:
-            if not self._pending or self._active or not self._quiet():
+            if not self._pending or self._launching or not self._quiet():
                 return 0
             closes, self._pending = self._pending, []
             for close in closes:  # under the lock: no launch starts until they are done

@@ -16,12 +16,12 @@ yet (refused a moment later) is not paced.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 from .. import metrics, service_classes
+from ..in_flight import InFlight
 
 T = TypeVar("T")
 POLL_SECONDS = 20e-6
@@ -33,27 +33,19 @@ class Pacer:
         """`rung()`: whether an armed latency op waits for its launch (cheap, any thread)."""
         self.max_pause = max(0.0, max_pause_seconds)
         self._rung = rung
-        self._active = 0
-        self._lock = threading.Lock()
+        self._latency = InFlight()
 
     @property
     def enabled(self) -> bool:
         """Off (the default pause 0): nothing is counted and collectives run unwrapped."""
         return self.max_pause > 0
 
-    @contextlib.contextmanager
-    def latency(self) -> Iterator[None]:
+    def latency(self) -> contextlib.AbstractContextManager[None]:
         """Latency work in flight for the duration of the block."""
-        with self._lock:
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
+        return self._latency.call()
 
     def busy(self) -> bool:
-        return self._active > 0 or self._rung()
+        return bool(self._latency) or self._rung()
 
     def admit(self, group: str) -> float:
         """Before a throughput call: wait while latency work is in flight, at most the pause.
