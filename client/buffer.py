@@ -190,8 +190,8 @@ class Buffer(LowLatencyMixin):
             self._owns_session = False
         self.session = session
         self._groups: dict[_GroupKey, Group] = {}
-        # Groups replaced by larger ones (token growth): kept for the handles made on them,
-        # left at destroy().
+        # Groups replaced by larger ones (token growth): kept while this rank holds handles
+        # made on them (_leave_retired), else left.
         self._retired: list[Group] = []
         self._num_experts: int | None = None
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
@@ -283,8 +283,18 @@ class Buffer(LowLatencyMixin):
         cap = max(needed, 2 * old.spec.max_tokens_per_rank)
         self.max_tokens_per_rank = max(self.max_tokens_per_rank, cap)
         self._retired.append(old)
+        self._leave_retired()
         return self._group(key.hidden, key.num_topk, dtypes.to_numpy(old.spec.x_dtype),
                            key.num_experts)
+
+    def _leave_retired(self) -> None:
+        """Leave the replaced groups of which this rank holds no handle any more: every call on
+        them is a combine or cached dispatch of a handle, which this rank would have to make
+        too (its peers' such calls would wait for it in vain; they fail at once instead)."""
+        for g in [g for g in self._retired if not g.live_handles]:
+            self._retired.remove(g)
+            if not g._left:
+                g.leave()
 
     def _key_of(self, g: Group) -> _GroupKey:
         return next(k for k, v in self._groups.items() if v is g)
@@ -421,6 +431,8 @@ class Buffer(LowLatencyMixin):
             raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
                                   f"{list(idx_shape)}")
         combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
+        if self._retired:
+            self._leave_retired()
         g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
         g, (out, event) = self._dispatch_growing(
             self._key_of(g), num_worst_tokens, lambda g: self._run(

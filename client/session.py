@@ -456,11 +456,22 @@ class Group:
         # thread): the next dispatch of this group carries them (release_handles), or
         # release_handles() sends them now. The engine keeps a handle until then.
         self._released: list[int] = []
+        self._live: set[int] = set()  # ids of the handle objects not yet collected
 
     def _track(self, handle: Handle | LowLatencyHandle) -> None:
         """Release `handle` in the engine once its object is garbage collected."""
-        f = weakref.finalize(handle, self._released.append, handle.handle_id)
+        self._live.add(handle.handle_id)
+        f = weakref.finalize(handle, self._collected, handle.handle_id)
         f.atexit = False
+
+    def _collected(self, handle_id: int) -> None:
+        self._live.discard(handle_id)  # (set and list operations are atomic: any thread)
+        self._released.append(handle_id)
+
+    @property
+    def live_handles(self) -> int:
+        """Handle objects of this group that this process still holds."""
+        return len(self._live)
 
     def _take_released(self) -> list[int]:
         """The pending releases, taken off the queue (list.pop is atomic)."""

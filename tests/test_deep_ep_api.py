@@ -8,6 +8,7 @@ names; Config's from `csrc/deep_ep.cpp` (its pybind11 bindings) and `csrc/config
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import subprocess
@@ -429,6 +430,15 @@ def growing_rank(endpoint: str, rank: int) -> dict:
         handle, y, recv_w = held
         out["held_cx"], out["held_cw"], _ = buf.combine(y, handle, topk_weights=recv_w)
         out["groups"] = sorted(g.name for g in buf._groups.values())
+        # Replaced groups stay while a handle made on them lives (the first layer's), and go
+        # at the next dispatch once it is dropped.
+        out["retired"] = [sorted(g.name for g in buf._retired)]
+        del held, handle
+        gc.collect()
+        inp = growth_case(0, GROWTH[0][1], 0).inputs(rank)
+        buf.dispatch(inp["x"], topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                     num_tokens_per_expert=np.zeros(8, np.int32))
+        out["retired"].append(sorted(g.name for g in buf._retired))
         return out
     finally:
         buf.destroy()
@@ -446,6 +456,8 @@ def test_token_capacity_follows_the_calls(daemon, ranks) -> None:
     for r, res in enumerate(results):
         assert res["caps"] == [after for *_, after in GROWTH], res["caps"]
         assert res["groups"] == ["api-grow/h128-k2-bfloat16-e8-t100"], res["groups"]
+        before, after = res["retired"]
+        assert "api-grow/h128-k2-bfloat16-e8" in before and after == [], res["retired"]
         for i, (_, tokens, worst, _) in enumerate(GROWTH):
             c = growth_case(i, tokens, worst)
             want, got, tag = reference(c), res["layers"][i], f"layer {i} rank {r}"
