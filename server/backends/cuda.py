@@ -147,6 +147,24 @@ class _Slot(np.ndarray):
     device_ptr: int = 0
 
 
+class DeviceWords:
+    """Synchronous host reads and writes of 64-bit words in device memory (any engine's control
+    block on this node: device addresses through NVSHMEM's peer mappings). CudaRankComm's
+    `device_words`; tests of the host protocols over control words put memory of their own."""
+
+    @staticmethod
+    def read(addr: int) -> int:
+        out = np.zeros(1, np.uint64)
+        cp.cuda.runtime.memcpy(out.ctypes.data, addr, 8, cp.cuda.runtime.memcpyDeviceToHost)
+        return int(out[0])
+
+    @staticmethod
+    def write(addr: int, values: list[int]) -> None:
+        v = np.array(values, np.uint64)
+        cp.cuda.runtime.memcpy(addr, v.ctypes.data, v.nbytes,
+                               cp.cuda.runtime.memcpyHostToDevice)
+
+
 class MappedCounterPage(CounterPage):
     def __init__(self, device: int, closer: QuietCloser) -> None:
         from cuda.bindings import runtime as cudart
@@ -867,23 +885,17 @@ class CudaRankComm(RankComm):
                 self._rejoin_peer(rank, deadline)
 
     _REFUSED = 1 << 62  # ACK = nonce | _REFUSED: the ranks' sequences disagree
+    device_words = DeviceWords()
 
     def _word(self, base: int, word: int) -> int:
-        out = np.zeros(1, np.uint64)
-        cp.cuda.runtime.memcpy(out.ctypes.data, base + 8 * word, 8,
-                               cp.cuda.runtime.memcpyDeviceToHost)
-        return int(out[0])
+        return self.device_words.read(base + 8 * word)
 
     def _set_word(self, base: int, word: int, value: int) -> None:
-        v = np.array([value], np.uint64)
-        cp.cuda.runtime.memcpy(base + 8 * word, v.ctypes.data, 8,
-                               cp.cuda.runtime.memcpyHostToDevice)
+        self.device_words.write(base + 8 * word, [value])
 
     def _set_words(self, base: int, first: int, value: int) -> None:
         """Words first .. first + R - 1 of a control block, all to `value`."""
-        v = np.full(self.spec.num_ranks, value, np.uint64)
-        cp.cuda.runtime.memcpy(base + 8 * first, v.ctypes.data, v.nbytes,
-                               cp.cuda.runtime.memcpyHostToDevice)
+        self.device_words.write(base + 8 * first, [value] * self.spec.num_ranks)
 
     def _gone(self) -> int:
         return (self._word(self.runner.base, abi.CTRL_MASK)
