@@ -133,6 +133,10 @@ ENGINE_UP = Gauge("epd_engine_up", "1 when the engine is serving", ["engine"],
                   multiprocess_mode="livemax")
 BUILD_INFO = Gauge("epd_build_info", "Version and backend", ["version", "backend"],
                    multiprocess_mode="livemax")
+CUDA_CLOSES_PENDING = Gauge("epd_cuda_closes_pending", "A departed client's CUDA IPC mappings "
+                            "and counter pages waiting for a moment with no kernel in flight "
+                            "(a close stalls the engine's other GPU work)", ["engine"],
+                            multiprocess_mode="livesum")
 SESSIONS_WITHOUT_MPS = Gauge("epd_sessions_without_mps", "Open sessions whose client is not on "
                              "the engine's CUDA MPS server (it works, slower: eval \"$(epd env)\" "
                              "in the client)", ["engine"], multiprocess_mode="livesum")

@@ -78,6 +78,21 @@ def test_a_failing_close_does_not_stop_the_others() -> None:
         closer.stop()
 
 
+def test_the_queue_length_is_reported() -> None:
+    """What epd_cuda_closes_pending shows: the closes waiting, 0 once they ran."""
+    seen: list[int] = []
+    quiet = threading.Event()
+    closer = QuietCloser(quiet.is_set, seen.append)
+    try:
+        closer.close_later(lambda: None)
+        closer.close_later(lambda: None)
+        assert seen == [1, 2]
+        quiet.set()
+        assert _wait_for(lambda: seen[-1] == 0), seen
+    finally:
+        closer.stop()
+
+
 def test_stop_closes_what_is_left() -> None:
     closed: list[int] = []
     closer = QuietCloser(lambda: False)  # never quiet

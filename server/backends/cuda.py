@@ -44,7 +44,7 @@ from ...proto.errors import (
     Unavailable,
 )
 from ...proto.v1 import epd_pb2
-from .. import service_classes
+from .. import metrics, service_classes
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -1057,7 +1057,8 @@ class CudaBackend(Backend):
         nc.init(device=dev, uid=uid, rank=boot.pe, nranks=boot.num_pes,
                 initializer_method="uid")
         self.comms: weakref.WeakSet[CudaRankComm] = weakref.WeakSet()
-        self.closer = QuietCloser(self._quiet)
+        self.closer = QuietCloser(
+            self._quiet, metrics.CUDA_CLOSES_PENDING.labels(str(index)).set)
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
         self.heap.fill(0)

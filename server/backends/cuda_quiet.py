@@ -35,8 +35,10 @@ POLL_SECONDS = 0.05  # how often the closer looks for a quiet moment
 class QuietCloser:
     """Queue of IPC mappings to close when the engine is quiet (see the module docstring)."""
 
-    def __init__(self, quiet: Callable[[], bool]) -> None:
-        self._quiet = quiet
+    def __init__(self, quiet: Callable[[], bool],
+                 pending: Callable[[int], None] = lambda n: None) -> None:
+        """`pending(n)` hears the queue's length whenever it changes (a gauge)."""
+        self._quiet, self._report = quiet, pending
         self._launching = InFlight()  # calls under way that may launch GPU work
         self._lock = self._launching.lock
         self._pending: list[Callable[[], None]] = []
@@ -54,6 +56,7 @@ class QuietCloser:
             return
         with self._lock:
             self._pending.append(close)
+            self._report(len(self._pending))
             if self._thread is None and not self._stopped:
                 self._thread = threading.Thread(target=self._run, name="epd-ipc-close",
                                                  daemon=True)
@@ -72,6 +75,7 @@ class QuietCloser:
             closes, self._pending = self._pending, []
             for close in closes:  # under the lock: no launch starts until they are done
                 _run_logged(close)
+            self._report(0)
         return len(closes)
 
     def _run(self) -> None:
