@@ -46,6 +46,7 @@ METRICS = {
     "epd_ranks_masked_total": "counter",
     "epd_sessions": "gauge",
     "epd_sessions_without_mps": "gauge",
+    "epd_cuda_closes_pending": "gauge",
     "epd_group_held_bytes": "gauge",
     "epd_group_sms": "gauge",
     "epd_groups": "gauge",
