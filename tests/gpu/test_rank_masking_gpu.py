@@ -53,6 +53,20 @@ def _expected(step: int, left_out: set[int]):
                   combined[r].view(np.uint16) for r in range(R)]
 
 
+def _ll_round(buf, step: int, rank: int, device: int) -> dict:
+    """One plain low-latency dispatch + combine of `rank`'s inputs of `step`, identity experts:
+    the received rows (compact) and the combined bits."""
+    import torch
+    x, idx, w = (_to_torch(a, device) for a in _inputs(step, rank))
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+    torch.cuda.synchronize()
+    buf.check()
+    return {"compact": _compact(SimpleNamespace(
+        recv_x=recv, recv_count=count, recv_x_scales=None,
+        recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX), "cx": _bits(cx)}
+
+
 def _rank(rank: int, socket: str, device: int, q) -> None:
     import torch
 
@@ -69,15 +83,8 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             q.join_thread()
             os._exit(0)
         t0 = time.monotonic()
-        x, idx, w = (_to_torch(a, device) for a in _inputs(step, rank))
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
-        torch.cuda.synchronize()
-        buf.check()
-        res["steps"].append({"compact": _compact(SimpleNamespace(
-            recv_x=recv, recv_count=count, recv_x_scales=None,
-            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
-            "cx": _bits(cx), "seconds": time.monotonic() - t0})
+        got = _ll_round(buf, step, rank, device)
+        res["steps"].append({**got, "seconds": time.monotonic() - t0})
     mask = torch.full((R,), 7, dtype=torch.int32, device=device)
     buf.low_latency_query_mask_buffer(mask)
     res["mask"] = mask.cpu().numpy()
@@ -134,15 +141,7 @@ def _live_rank(rank: int, socket: str, device: int, barrier, q) -> None:
         mask.fill_(7)
         buf.low_latency_query_mask_buffer(mask)
         res["masks"].append(mask.cpu().numpy())
-        x, idx, w = (_to_torch(a, device) for a in _inputs(10 + step, rank))
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
-        torch.cuda.synchronize()
-        buf.check()
-        res["steps"].append({"compact": _compact(SimpleNamespace(
-            recv_x=recv, recv_count=count, recv_x_scales=None,
-            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
-            "cx": _bits(cx)})
+        res["steps"].append(_ll_round(buf, 10 + step, rank, device))
         barrier.wait()  # every rank done with the step before the next mask change
     buf.destroy()
     q.put(res)
@@ -181,14 +180,7 @@ def _rejoin_rank(rank: int, socket: str, device: int, step1_done, joined, surviv
     res: dict = {"rank": rank, "steps": {}}  # (rank: the process, 3 for the replacement)
 
     def step(buf, s: int) -> None:
-        x, idx, w = (_to_torch(a, device) for a in _inputs(s, me))
-        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
-        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
-        torch.cuda.synchronize()
-        buf.check()
-        res["steps"][s] = {"compact": _compact(SimpleNamespace(
-            recv_x=recv, recv_count=count, recv_x_scales=None,
-            recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX), "cx": _bits(cx)}
+        res["steps"][s] = _ll_round(buf, s, me, device)
 
     if replacement:
         assert step1_done.wait(120), "the survivors did not finish step 1"
