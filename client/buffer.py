@@ -273,17 +273,17 @@ class Buffer(LowLatencyMixin):
             return 0
         return int(config.num_sms) if config is not None else int(Buffer.num_sms)
 
-    def _grow(self, key: _GroupKey, needed: int) -> Group:
+    def _grow(self, old: Group, needed: int) -> Group:
         """Replace the normal-mode group of `key` by one holding `needed` tokens per rank and
         call (at least twice the old capacity). Every rank calls this at the same point with
         the same `needed` (each learnt it from the same failed collective, or from an argument
         that every rank passes alike), so all join the same new group; the old group stays for
         the handles made on it."""
-        old = self._groups.pop(key)
+        key = next(k for k, g in self._groups.items() if g is old)
+        del self._groups[key]
         cap = max(needed, 2 * old.spec.max_tokens_per_rank)
         self.max_tokens_per_rank = max(self.max_tokens_per_rank, cap)
         self._retired.append(old)
-        self._leave_retired()
         return self._group(key.hidden, key.num_topk, dtypes.to_numpy(old.spec.x_dtype),
                            key.num_experts)
 
@@ -296,21 +296,20 @@ class Buffer(LowLatencyMixin):
             if not g._left:
                 g.leave()
 
-    def _key_of(self, g: Group) -> _GroupKey:
-        return next(k for k, v in self._groups.items() if v is g)
-
-    def _dispatch_growing(self, key: _GroupKey, num_worst_tokens: int, run):
-        """run(g) on the group of `key`, growing the group when the dispatch needs more
+    def _dispatch_growing(self, g: Group, num_worst_tokens: int, run):
+        """run(g) on the normal-mode group `g`, growing it when the dispatch needs more
         tokens per rank than it holds: by num_worst_tokens (an argument every rank passes
         alike) before the call, else when the collective fails on every rank with
-        TokenCapacityExceeded, then the same call again on the larger group."""
-        g = self._groups[key]
+        TokenCapacityExceeded, then the same call again on the larger group. Replaced groups
+        whose handles are all gone are left first."""
+        if self._retired:
+            self._leave_retired()
         if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
-            g = self._grow(key, -(-num_worst_tokens // g.num_ranks))
+            g = self._grow(g, -(-num_worst_tokens // g.num_ranks))
         try:
             return g, run(g)
         except TokenCapacityExceeded as e:
-            g = self._grow(key, e.tokens_needed)
+            g = self._grow(g, e.tokens_needed)
             return g, run(g)
 
     @staticmethod
@@ -431,11 +430,9 @@ class Buffer(LowLatencyMixin):
             raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
                                   f"{list(idx_shape)}")
         combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
-        if self._retired:
-            self._leave_retired()
         g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
         g, (out, event) = self._dispatch_growing(
-            self._key_of(g), num_worst_tokens, lambda g: self._run(
+            g, num_worst_tokens, lambda g: self._run(
                 x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
                                       expert_alignment=expert_alignment,
                                       num_worst_tokens=num_worst_tokens,
@@ -469,7 +466,7 @@ class Buffer(LowLatencyMixin):
         if g is None:
             g = self._group(x_shape[1], 1, combine_dtype, int(num_experts))
         g, (out, event) = self._dispatch_growing(
-            self._key_of(g), num_worst_tokens, lambda g: self._run(
+            g, num_worst_tokens, lambda g: self._run(
                 x, lambda: g.dispatch(x, x_scales=x_scales, expert_alignment=expert_alignment,
                                       num_worst_tokens=num_worst_tokens,
                                       is_token_in_rank=is_token_in_rank,

@@ -250,11 +250,8 @@ class MappedHeap:
         cp = _cupy()
         self._views.clear()
         if self.ptr:
-            from cuda.bindings import runtime as cudart
             with cp.cuda.Device(self.device):
-                # (cuda.bindings releases the GIL while the close waits for the GPU; CuPy's
-                # binding would stop every thread of the process meanwhile)
-                cudart.cudaIpcCloseMemHandle(self.ptr)
+                cp.cuda.runtime.ipcCloseMemHandle(self.ptr)
             self.ptr = 0
 
 

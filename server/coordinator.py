@@ -143,14 +143,13 @@ class Coordinator:
             raise FailedPrecondition(
                 f"rank {req.rank} of group {g.spec.name!r} went away and this backend cannot "
                 f"take a rank back into a group: a replacement joins a group of a new name")
-        old_engine = g.members[req.rank][0]
-        if (self.planner.rejoin_on_same_engine and req.engine_index != old_engine) or \
-                (node != g.nodes.get(req.rank, node)):
+        old_engine, old_node = g.members[req.rank][0], g.nodes.get(req.rank, 0)
+        if self.planner.rejoin_on_same_engine and (req.engine_index, node) != (old_engine,
+                                                                               old_node):
             raise FailedPrecondition(
                 f"rank {req.rank} of group {g.spec.name!r} lived on engine {old_engine} of node "
-                f"{g.nodes.get(req.rank, 0)}: its replacement must join there (the other ranks "
-                f"reach its buffers on that engine), not on engine {req.engine_index} of node "
-                f"{node}")
+                f"{old_node}: its replacement must join there (the other ranks reach its "
+                f"buffers on that engine), not on engine {req.engine_index} of node {node}")
         self._admit(g, req)
         g.members[req.rank] = (req.engine_index, req.session_id)
         g.nodes[req.rank] = node

@@ -131,8 +131,8 @@ class DeviceRegion(Region):
 
 
 def ipc_close(device: int, ptr: int) -> None:
-    """Unmap a CUDA IPC mapping (QuietCloser calls it when the engine is quiet), through
-    cuda.bindings, which releases the GIL while the driver waits for the device."""
+    """Unmap a CUDA IPC mapping (QuietCloser calls it when the engine is quiet); a failure is
+    logged, not raised (the closer goes on with the next)."""
     from cuda.bindings import runtime as cudart
 
     with cp.cuda.Device(device):
@@ -879,7 +879,7 @@ class CudaRankComm(RankComm):
                 self._rejoin_replacement(deadline)
             else:
                 self._check_taking_part()
-                if not (self._gone() >> rank) & 1:
+                if self.mask_states()[rank] != self.MASK_GONE:
                     raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} has not "
                                              f"gone away: there is nothing to rejoin")
                 self._rejoin_peer(rank, deadline)
@@ -896,10 +896,6 @@ class CudaRankComm(RankComm):
     def _set_words(self, base: int, first: int, value: int) -> None:
         """Words first .. first + R - 1 of a control block, all to `value`."""
         self.device_words.write(base + 8 * first, [value] * self.spec.num_ranks)
-
-    def _gone(self) -> int:
-        return (self._word(self.runner.base, abi.CTRL_MASK)
-                | self.backend.host_words.read(self._host_slot)[1])
 
     def _rejoin_replacement(self, deadline: float) -> None:
         from ...proto.errors import DeadlineExceeded, FailedPrecondition
