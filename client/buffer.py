@@ -374,10 +374,7 @@ class Buffer(LowLatencyMixin):
             topk_idx, call, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
         per_node = None
         if len(set(g.rank_nodes)) > 1:  # cluster mode, a group over several nodes
-            nodes = np.asarray(g.rank_nodes)
-            host = T.to_numpy(in_rank, "is_token_in_rank").astype(bool)
-            per_node = T.like(np.array([host[:, nodes == n].any(axis=1).sum()
-                                      for n in np.unique(nodes)], dtype=np.int32), per_rank)
+            per_node = T.tokens_per_node(in_rank, g.rank_nodes)
         return per_rank, per_node, per_expert, in_rank, event
 
     def dispatch(self, x: Array, handle: BufferHandle | None = None,

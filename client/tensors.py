@@ -104,6 +104,23 @@ def clone(x: Array) -> Array:
     return x.clone() if is_torch(x) else x.copy()
 
 
+def tokens_per_node(in_rank: Array, rank_nodes: tuple[int, ...]) -> Array:
+    """DeepEP's num_tokens_per_rdma_rank: tokens with a destination rank on each node
+    (ascending node order), int32, computed where `is_token_in_rank` lives (a CUDA tensor on
+    the caller's current stream, after the layout that wrote it; never a host copy)."""
+    nodes = sorted(set(rank_nodes))
+    cols = [[r for r, n in enumerate(rank_nodes) if n == node] for node in nodes]
+    if is_torch(in_rank):
+        torch = _torch()
+        return torch.stack([in_rank[:, torch.tensor(c, device=in_rank.device)].any(dim=1).sum()
+                            for c in cols]).to(torch.int32)
+    if isinstance(in_rank, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp  # (a CuPy array: the cuda extra is installed)
+    return xp.stack([in_rank[:, c].any(axis=1).sum() for c in cols]).astype(np.int32)
+
+
 def like(arr: np.ndarray, template: Array) -> Array:
     """Return `arr` as the caller's array type (torch when the template was torch)."""
     if not is_torch(template):

@@ -164,16 +164,25 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         int r = i / stride, j = i % stride;
         int v = j < EPD_MAX_RANKS ? (j < R ? s_rank[j] : 0)
               : j == NOTIFY_TOKENS ? T : s_expert[r * L + (j - NOTIFY_HEAD)];
-        int* slot = reinterpret_cast<int*>(reinterpret_cast<char*>(ctrl_of(peers, r)) +
-                                           CTRL_PAYLOAD_BYTES) + rank * stride;
-        slot[j] = v;
+        const i64 at = CTRL_PAYLOAD_BYTES + ((i64)rank * stride + j) * 4;
+#ifdef EPD_NVSHMEM
+        if (peer_remote(peers, r)) {  // another node: a put of the int (quiet below)
+            nvshmem_int_p(reinterpret_cast<int*>(peer_sym(peers, R, r) + at), v,
+                          peer_pe(peers, R, r));
+            continue;
+        }
+#endif
+        *reinterpret_cast<int*>(reinterpret_cast<char*>(ctrl_of(peers, r)) + at) = v;
     }
     if (num_tokens_per_rank != nullptr && tid < R) num_tokens_per_rank[tid] = s_rank[tid];
     if (num_tokens_per_expert != nullptr)
         for (int i = tid; i < E; i += blockDim.x) num_tokens_per_expert[i] = s_expert[i];
+#ifdef EPD_NVSHMEM
+    nvshmem_quiet();  // every thread: its payload puts delivered before the flags
+#endif
     __threadfence_system();
     __syncthreads();
-    if (tid < R) st_release_sys(ctrl_of(peers, tid) + CTRL_NOTIFY_FLAG + rank, seq);
+    if (tid < R) peer_signal(peers, R, tid, CTRL_NOTIFY_FLAG + rank, seq);
 
     // Phase C: wait for every source (deadline + abort word).
     int code = block_wait_all(my_ctrl, CTRL_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
@@ -315,7 +324,8 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
              const int* __restrict__ rank_prefix, const int* __restrict__ recv_info,
              const u64* __restrict__ peers, i64 off_x, i64 off_scales, i64 off_idx, i64 off_w,
              i64 off_src_idx, i64 off_src_rank, int num_worst, int with_meta, int with_scales,
-             int barrier, u64 seq, i64 timeout_ns) {
+             int barrier, u64 seq, i64 timeout_ns,
+             i64 off_net) {  // this rank's staging of puts to other nodes (EPD_NVSHMEM)
     const int lane = threadIdx.x & 31;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -332,28 +342,61 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
     for (int d = 0; d < EPD_MAX_RANKS; ++d)
         base[d] = (d < R && rank > 0) ? rank_prefix[(rank - 1) * R + d] : 0;
 
+    // Ranks on other nodes (EPD_NVSHMEM) get no store through a pointer: a token's row is
+    // staged once in this rank's own buffer (row t at off_net, its scales after the T rows),
+    // then put to each of them; metadata goes as single-element puts.
+    unsigned remote_mask = 0;
+#ifdef EPD_NVSHMEM
+    for (int d = 0; d < R; ++d) remote_mask |= (peer_remote(peers, d) ? 1u : 0u) << d;
+#endif
+    char* const my_base = reinterpret_cast<char*>(my_ctrl);
+    const i64 off_net_sc = off_net + ((i64)T * x_row_bytes + 15) / 16 * 16;
+
     for (int t = gwarp; t < T; t += nwarps) {
         const unsigned mask = token_mask[t];
         if (mask == 0) continue;
+        const unsigned far = mask & remote_mask;
+        const int stage_d = far ? __ffs(far) - 1 : -1;  // its dst slot takes the staging row
+        const unsigned copy_mask = (mask & ~remote_mask) | (far ? 1u << stage_d : 0u);
         int row[EPD_MAX_RANKS];
         char* dst[EPD_MAX_RANKS];
 #pragma unroll
         for (int d = 0; d < EPD_MAX_RANKS; ++d) {
             row[d] = ((mask >> d) & 1u) ? base[d] + pos[(i64)t * R + d] : 0;
-            dst[d] = ((mask >> d) & 1u)
+            dst[d] = d == stage_d ? my_base + off_net + (i64)t * x_row_bytes
+                   : ((copy_mask >> d) & 1u)
                          ? reinterpret_cast<char*>(peers[d]) + off_x + (i64)row[d] * x_row_bytes
                          : nullptr;
         }
-        warp_copy_row_multi(x + (i64)t * x_stride_bytes, dst, mask, x_row_bytes, lane);
+        warp_copy_row_multi(x + (i64)t * x_stride_bytes, dst, copy_mask, x_row_bytes, lane);
         if (with_scales) {
 #pragma unroll
             for (int d = 0; d < EPD_MAX_RANKS; ++d)
-                dst[d] = ((mask >> d) & 1u) ? reinterpret_cast<char*>(peers[d]) + off_scales +
-                                                  (i64)row[d] * sc_row_bytes
-                                            : nullptr;
-            warp_copy_row_multi(x_scales + (i64)t * sc_stride_bytes, dst, mask, sc_row_bytes,
-                                lane);
+                dst[d] = d == stage_d ? my_base + off_net_sc + (i64)t * sc_row_bytes
+                       : ((copy_mask >> d) & 1u) ? reinterpret_cast<char*>(peers[d]) + off_scales +
+                                                       (i64)row[d] * sc_row_bytes
+                                                 : nullptr;
+            warp_copy_row_multi(x_scales + (i64)t * sc_stride_bytes, dst, copy_mask,
+                                sc_row_bytes, lane);
         }
+#ifdef EPD_NVSHMEM
+        if (far) {
+            __syncwarp();  // the staged row, written by every lane, before the warp's puts
+#pragma unroll
+            for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+                if (!((far >> d) & 1u)) continue;
+                char* sym = reinterpret_cast<char*>(peer_sym(peers, R, d));
+                const int pe = peer_pe(peers, R, d);
+                nvshmemx_putmem_nbi_warp(sym + off_x + (i64)row[d] * x_row_bytes,
+                                         my_base + off_net + (i64)t * x_row_bytes, x_row_bytes,
+                                         pe);
+                if (with_scales)
+                    nvshmemx_putmem_nbi_warp(sym + off_scales + (i64)row[d] * sc_row_bytes,
+                                             my_base + off_net_sc + (i64)t * sc_row_bytes,
+                                             sc_row_bytes, pe);
+            }
+        }
+#endif
         // Metadata: lane k carries pair k; lane 31 the source index/rank.
         i64 e = -1;
         float w = 0.f;
@@ -364,6 +407,25 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
 #pragma unroll
         for (int d = 0; d < EPD_MAX_RANKS; ++d) {
             if (!((mask >> d) & 1u)) continue;
+#ifdef EPD_NVSHMEM
+            if ((far >> d) & 1u) {
+                char* sym = reinterpret_cast<char*>(peer_sym(peers, R, d));
+                const int pe = peer_pe(peers, R, d);
+                if (with_meta && lane < K) {
+                    bool here = e >= (i64)d * L && e < (i64)(d + 1) * L;
+                    nvshmem_longlong_p(reinterpret_cast<long long*>(sym + off_idx) +
+                                           (i64)row[d] * K + lane,
+                                       here ? (long long)(e - (i64)d * L) : -1ll, pe);
+                    nvshmem_float_p(reinterpret_cast<float*>(sym + off_w) + (i64)row[d] * K +
+                                        lane, here ? w : 0.f, pe);
+                }
+                if (lane == 31) {
+                    nvshmem_int_p(reinterpret_cast<int*>(sym + off_src_idx) + row[d], t, pe);
+                    nvshmem_int_p(reinterpret_cast<int*>(sym + off_src_rank) + row[d], rank, pe);
+                }
+                continue;
+            }
+#endif
             char* pb = reinterpret_cast<char*>(peers[d]);
             if (with_meta && lane < K) {
                 bool here = e >= (i64)d * L && e < (i64)(d + 1) * L;
@@ -423,7 +485,8 @@ epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes
                  const float* __restrict__ w, i64 w_stride, int K, int R, int rank,
                  const int* __restrict__ recv_info, const int* __restrict__ count_matrix,
                  const int* __restrict__ rank_prefix, const u64* __restrict__ peers,
-                 i64 off_stage_y, i64 off_stage_w, int barrier, u64 seq, i64 timeout_ns) {
+                 i64 off_stage_y, i64 off_stage_w, int barrier, u64 seq, i64 timeout_ns,
+                 i64 off_net) {  // this rank's staging of puts to other nodes (EPD_NVSHMEM)
     const int lane = threadIdx.x & 31;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -454,6 +517,27 @@ epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes
 #pragma unroll
         for (int q = 0; q < EPD_MAX_RANKS; ++q)
             if (q == s) srow = dst_base[q] + i - first[q];
+#ifdef EPD_NVSHMEM
+        if (peer_remote(peers, s)) {  // another node: row i staged here (the weights after
+            char* mine = reinterpret_cast<char*>(ctrl_of(peers, rank));  // the n rows), put
+            char* st = mine + off_net + (i64)i * y_row_bytes;
+            float* stw = reinterpret_cast<float*>(
+                mine + off_net + ((i64)n * y_row_bytes + 15) / 16 * 16) + (i64)i * K;
+            char* one[EPD_MAX_RANKS];
+#pragma unroll
+            for (int q = 0; q < EPD_MAX_RANKS; ++q) one[q] = st;
+            warp_copy_row_multi(y + (i64)i * y_stride_bytes, one, 1u, y_row_bytes, lane);
+            if (w != nullptr && lane < K) stw[lane] = w[(i64)i * w_stride + lane];
+            __syncwarp();
+            char* sym = reinterpret_cast<char*>(peer_sym(peers, R, s));
+            const int pe = peer_pe(peers, R, s);
+            nvshmemx_putmem_nbi_warp(sym + off_stage_y + (i64)srow * y_row_bytes, st,
+                                     y_row_bytes, pe);
+            if (w != nullptr)
+                nvshmemx_putmem_nbi_warp(sym + off_stage_w + (i64)srow * K * 4, stw, K * 4, pe);
+            continue;
+        }
+#endif
         char* pb = reinterpret_cast<char*>(peers[s]);
         char* dst[EPD_MAX_RANKS];
 #pragma unroll
@@ -472,17 +556,17 @@ epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes
 // Warp per token, 16-byte loads, U vectors per lane in flight.
 // ------------------------------------------------------------------------------------------
 template <typename Tr>
-__global__ void __launch_bounds__(DATA_THREADS)
-epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
-                   const typename Tr::word* __restrict__ y, i64 y_stride,
-                   const typename Tr::word* __restrict__ bias0, i64 b0_stride,
-                   const typename Tr::word* __restrict__ bias1, i64 b1_stride,
-                   float* __restrict__ out_w, const float* __restrict__ w, i64 w_stride,
-                   int T, int H, int K, int R, int rank,
-                   const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
-                   const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
-                   const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
-                   i64 timeout_ns) {
+__device__ __forceinline__ void
+combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
+                    const typename Tr::word* __restrict__ y, i64 y_stride,
+                    const typename Tr::word* __restrict__ bias0, i64 b0_stride,
+                    const typename Tr::word* __restrict__ bias1, i64 b1_stride,
+                    float* __restrict__ out_w, const float* __restrict__ w, i64 w_stride,
+                    int T, int H, int K, int R, int rank,
+                    const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
+                    const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
+                    const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
+                    i64 timeout_ns) {
     typedef typename Tr::word word;
     constexpr int V = Tr::kPerVec;
     constexpr int U = 4;  // 16-byte vectors per lane in flight per source row
@@ -590,11 +674,50 @@ epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
     }
 }
 
+template <typename Tr>
+__global__ void __launch_bounds__(DATA_THREADS)
+epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
+                   const typename Tr::word* __restrict__ y, i64 y_stride,
+                   const typename Tr::word* __restrict__ bias0, i64 b0_stride,
+                   const typename Tr::word* __restrict__ bias1, i64 b1_stride,
+                   float* __restrict__ out_w, const float* __restrict__ w, i64 w_stride,
+                   int T, int H, int K, int R, int rank,
+                   const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
+                   const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
+                   const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
+                   i64 timeout_ns) {
+    combine_reduce_body<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1, b1_stride,
+                            out_w, w, w_stride, T, H, K, R, rank, token_mask, pos,
+                            count_matrix, rank_prefix, peers, off_stage_y, off_stage_w, seq,
+                            timeout_ns);
+}
+
 #ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions
 template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::word*, i64,
     const Bf16::word*, i64, const Bf16::word*, i64, float*, const float*, i64, int, int, int,
     int, int, const unsigned char*, const int*, const int*, const int*, const u64*, i64, i64,
     u64, i64);
+#endif
+
+#ifdef EPD_NVSHMEM  // a linked module is searched by plain names: one per combine element type
+#define EPD_REDUCE_BY_NAME(Tr)                                                                 \
+    extern "C" __global__ void __launch_bounds__(DATA_THREADS) epd_combine_reduce_##Tr(        \
+        Tr::word* __restrict__ out, i64 out_stride, const Tr::word* __restrict__ y,            \
+        i64 y_stride, const Tr::word* __restrict__ bias0, i64 b0_stride,                       \
+        const Tr::word* __restrict__ bias1, i64 b1_stride, float* __restrict__ out_w,          \
+        const float* __restrict__ w, i64 w_stride, int T, int H, int K, int R, int rank,       \
+        const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,             \
+        const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,             \
+        const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,              \
+        i64 timeout_ns) {                                                                      \
+        combine_reduce_body<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1,         \
+                                b1_stride, out_w, w, w_stride, T, H, K, R, rank, token_mask,   \
+                                pos, count_matrix, rank_prefix, peers, off_stage_y,            \
+                                off_stage_w, seq, timeout_ns);                                 \
+    }
+EPD_REDUCE_BY_NAME(Bf16)
+EPD_REDUCE_BY_NAME(F16)
+EPD_REDUCE_BY_NAME(F32)
 #endif
 
 // ------------------------------------------------------------------------------------------

@@ -186,6 +186,23 @@ def test_cuda_groups_of_a_multi_node_world_hold_the_put_staging() -> None:
     assert size == cuda_plan.group_bytes(spec, remote=True) > cuda_plan.group_bytes(spec)
 
 
+def test_cuda_normal_mode_of_a_multi_node_world_holds_its_put_staging() -> None:
+    """Normal mode across nodes stages what goes to another node in the sender's own buffer
+    (`net_send`): a dispatch's rows and FP8 scales, or a combine's rows and weights for every
+    row it received; only in a world over several nodes, and not for a low-latency-only group."""
+    spec = _spec(4, 8, num_experts=64, hidden=7168)
+    one = cuda_plan.membership_layout(spec).kernel
+    many = cuda_plan.membership_layout(spec, remote=True).kernel
+    assert "net_send" not in one.offsets
+    net = many.total_bytes - many.offsets["net_send"]
+    t, h, k = spec.max_tokens_per_rank, 7168, 8
+    assert net >= t * (h * 2 + h // 128 * 4)  # the dispatch: rows, then scales
+    assert net >= 4 * t * (h * 2 + k * 4)  # the combine: every received row and its weights
+    assert many.offsets["net_send"] >= one.total_bytes - 16  # after every other buffer
+    ll16 = _spec(16, 8, num_experts=256, low_latency_mode=True, hidden=7168)
+    assert "net_send" not in cuda_plan.membership_layout(ll16, remote=True).kernel.offsets
+
+
 def test_cuda_low_latency_groups_may_have_more_ranks_than_normal_mode() -> None:
     """Low-latency groups up to LL_MAX_RANKS (EP across nodes), with no normal-mode buffers
     beyond 8 ranks; normal-mode groups stay at MAX_RANKS; the expert count is bounded."""

@@ -360,7 +360,7 @@ class CudaRankComm(RankComm):
         peers, remote = peer_table(membership.rank_nodes, membership.rank_engines,
                                    backend.node_rank, base, slot, backend.peer_bases,
                                    backend.heap_base, backend.node_first_pe)
-        # Ranks on other nodes: the kernels' NVSHMEM build, and low-latency calls only.
+        # Ranks on other nodes: the kernels' NVSHMEM build (no pointer to their buffers).
         self.spans_nodes = bool(remote)
         kernels = backend.kernels
         if remote:
@@ -436,7 +436,7 @@ class CudaRankComm(RankComm):
 
     @_launches
     def layout(self, topk_idx: Any) -> LayoutOutputs:
-        self._normal_mode("layout", collective=False)
+        self._normal_mode("layout")
         r, e, t = self.spec.num_ranks, self.spec.num_experts, topk_idx.shape[0]
         out = LayoutOutputs(self._extra("ntpr", (r,), np.int32),
                             self._extra("ntpe", (e,), np.int32),
@@ -447,15 +447,11 @@ class CudaRankComm(RankComm):
             s.synchronize()
         return out
 
-    def _normal_mode(self, what: str, collective: bool = True) -> None:
-        """Normal mode across nodes needs DeepEP's hierarchical kernels, not built (the layout,
-        computed by each rank alone, is not a collective); on one node its kernels take at
-        most MAX_RANKS ranks (a low-latency group may have more)."""
+    def _normal_mode(self, what: str) -> None:
+        """Normal-mode kernels take at most MAX_RANKS ranks (a token's destinations are one
+        byte), on one node or across nodes (ranks on other nodes through NVSHMEM's device API:
+        the NVSHMEM build, cuda_remote.py); a low-latency group may have more."""
         from ...proto.errors import FailedPrecondition
-        if collective and self.spans_nodes:
-            raise FailedPrecondition(f"group {self.spec.name!r} spans nodes: normal-mode {what} "
-                                     f"across nodes is not built on the cuda engine (its "
-                                     f"hierarchical kernels); low-latency calls work")
         if self.spec.num_ranks > abi.MAX_RANKS:
             raise FailedPrecondition(f"group {self.spec.name!r} has {self.spec.num_ranks} ranks: "
                                      f"normal-mode {what} takes at most {abi.MAX_RANKS} on the "
@@ -750,7 +746,7 @@ class CudaRankComm(RankComm):
     @_launches
     def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
                       stream_seq: int) -> None:
-        self._normal_mode("layout", collective=False)
+        self._normal_mode("layout")
         s = self.runner.stream
         with cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)

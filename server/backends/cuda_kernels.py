@@ -88,9 +88,12 @@ class RankBufferLayout:
     @classmethod
     def build(cls, *, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
               max_tokens_per_rank: int, x_itemsize: int, y_itemsize: int,
-              with_scales: bool, low_latency_only: bool = False) -> RankBufferLayout:
+              with_scales: bool, low_latency_only: bool = False,
+              remote: bool = False) -> RankBufferLayout:
         """`low_latency_only`: a low-latency group of more ranks than the normal-mode kernels
-        take (up to LL_MAX_RANKS): the control block alone, no normal-mode buffers."""
+        take (up to LL_MAX_RANKS): the control block alone, no normal-mode buffers. `remote`:
+        with `net_send`, the staging of puts to ranks on other nodes (a dispatch's rows and
+        scales, or a combine's rows and weights: the same stream, so one region)."""
         limit = LL_MAX_RANKS if low_latency_only else MAX_RANKS
         if not 1 <= num_ranks <= limit:
             raise ValueError(f"num_ranks must lie in [1, {limit}] for "
@@ -116,6 +119,11 @@ class RankBufferLayout:
             ("stage_y", max_recv * hidden * y_itemsize),
             ("stage_w", max_recv * num_topk * 4),
         ]
+        if remote and not low_latency_only:
+            x_row, y_row = hidden * x_itemsize, hidden * y_itemsize
+            sizes.append(("net_send", 16 + max(
+                max_tokens_per_rank * (x_row + scale_cols * 4),
+                max_recv * (y_row + num_topk * 4))))
         offsets: dict[str, int] = {}
         cur = 0
         for name, size in sizes:
@@ -385,7 +393,7 @@ class Kernels:
                  np.int64(o["recv_src_idx"]), np.int64(o["recv_src_rank"]),
                  np.int32(num_worst_tokens), np.int32(topk_idx is not None),
                  np.int32(x_scales is not None), np.int32(1 if barrier else 0), np.uint64(seq),
-                 np.int64(timeout_ns)))
+                 np.int64(timeout_ns), np.int64(o.get("net_send", 0))))
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, y: Any, recv_topk_weights: Any | None, out: Any, out_weights: Any | None,
@@ -409,7 +417,7 @@ class Kernels:
                  np.int64(w_stride), np.int32(k), np.int32(r), np.int32(rank), handle.recv_info,
                  handle.count_matrix, handle.rank_prefix, peers, np.int64(o["stage_y"]),
                  np.int64(o["stage_w"]), np.int32(1 if barrier else 0), np.uint64(seq),
-                 np.int64(timeout_ns)))
+                 np.int64(timeout_ns), np.int64(o.get("net_send", 0))))
             isz = y.itemsize
             self.fn(f"epd_combine_reduce<{_trait_for(y.dtype)}>")(
                 (num_sms,), (DATA_THREADS,),

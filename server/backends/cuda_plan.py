@@ -30,14 +30,16 @@ def membership_layout(spec: GroupSpec, *, remote: bool = False) -> MembershipLay
     """THE per-rank heap slot of a group: the kernels' buffers (recv_x sized for the group's
     dtype, which FP8 payloads fit; scales whenever FP8 dispatch is possible), then the outputs
     the engine hands back (layout results, combine results, the prefix matrix), then the
-    low-latency buffers of groups that ask (with the staging of puts to other nodes when
-    `remote`). Raises ValueError naming a kernel limit."""
+    low-latency buffers of groups that ask; `remote` (a world over several nodes): with the
+    staging of puts to other nodes, normal mode's and low latency's. Raises ValueError naming
+    a kernel limit."""
     item = spec.x_numpy_dtype.itemsize
     kernel = RankBufferLayout.build(
         num_ranks=spec.num_ranks, num_experts=spec.num_experts, hidden=spec.hidden,
         num_topk=spec.num_topk, max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
         y_itemsize=item, with_scales=spec.hidden % abi.FP8_BLOCK == 0,
-        low_latency_only=spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS)
+        low_latency_only=spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS,
+        remote=remote)
     t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
                      spec.num_experts)
     off = kernel.total_bytes

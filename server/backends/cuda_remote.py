@@ -47,9 +47,6 @@ namespace std { using namespace cuda::std; }
 #define EPD_NVSHMEM 1
 """
 
-# What the normal-mode kernels need across nodes is DeepEP's hierarchical design, not built:
-# their combine's reduce is not offered by plain name in this build.
-NOT_BUILT = ("epd_combine_reduce<",)
 
 
 def _find(rel: str) -> Path | None:
@@ -134,10 +131,7 @@ class RemoteKernels(ck.Kernels):
     def fn(self, name: str) -> Any:
         f = self._fn.get(name)
         if f is None:
-            if name.startswith(NOT_BUILT):
-                raise NotImplementedError(f"{name} has no build for ranks on other nodes "
-                                          f"(normal mode across nodes is not built)")
-            plain = name.replace("<", "_").replace(">", "")  # epd_ll_combine_reduce_Bf16
+            plain = name.replace("<", "_").replace(">", "")  # epd_combine_reduce_Bf16
             k = self.linked.get_kernel(plain)
             handle = getattr(k, "handle", None) or k._handle
             f = self._fn[name] = LinkedKernel(plain, int(handle))

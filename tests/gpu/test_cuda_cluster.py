@@ -1,10 +1,12 @@
 """Issue 13 as a daemon: two logical nodes — two `epd serve --backend cuda --cuda-cluster`
 daemons, one engine each — form one NVSHMEM world (node 0 forms it once node 1 holds a lease),
-and a low-latency group with one rank on each node runs through the DeepEP facade, its rank on
-the other node reached through NVSHMEM's device API: exact against the reference over several
-steps (bf16 and FP8); normal mode on the spanning group is refused with FAILED_PRECONDITION.
-Then node 1's daemon is stopped: node 0 loses the world and stops its engine (a PE cannot be
-replaced); started again, both nodes run in world 2 and a new group is exact again.
+and a group with one rank on each node runs through the DeepEP facade, its rank on the other
+node reached through NVSHMEM's device API: low-latency mode exact against the reference over
+several steps (bf16 and FP8), and normal mode (layout with num_tokens_per_rdma_rank, dispatch,
+combine, cached dispatch, FP8) exact too; a bad expert id fails that call with
+INVALID_ARGUMENT and the group goes on. Then node 1's daemon is stopped: node 0 loses the world
+and stops its engine (a PE cannot be replaced); started again, both nodes run in world 2 and a
+new group is exact again.
 
 One GPU: both engines on GPU 0 under one MPS server with half the threads each (NVSHMEM's
 several-PEs-per-GPU mode); two GPUs: one node per GPU."""
@@ -44,7 +46,6 @@ def _inputs(step: int, rank: int):
 def _rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
     import torch
 
-    from epd.client import EpdError
     from epd.client.buffer import Buffer
     torch.cuda.set_device(device)
     res: dict = {"rank": rank, "steps": []}
@@ -62,16 +63,49 @@ def _rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
             recv_x=recv[0] if fp8 else recv, recv_count=count, recv_x_scales=scales,
             recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
             "cx": _bits(cx), "y": _bits(y) if fp8 else None})
-    try:
-        x, idx, w = (_to_torch(a, device) for a in _inputs(0, rank))
-        layout = buf.get_dispatch_layout(idx, E)
-        buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=layout[0],
-                     is_token_in_rank=layout[3], num_tokens_per_expert=layout[2])
-        res["normal"] = "accepted"
-    except EpdError as e:
-        res["normal"] = f"{e.code.name}: {e.message}"
+    res["normal"] = _normal_mode(buf, rank, device)
     buf.destroy()
     q.put(res)
+
+
+def _normal_mode(buf, rank: int, device: int) -> dict:
+    """DeepEP's normal-mode calls on the group over both nodes (the caller's spellings)."""
+    import torch
+
+    from epd.client import EpdError
+    out: dict = {}
+    x, idx, w = (_to_torch(a, device) for a in _inputs(10, rank))
+    n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
+        num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=n_expert)
+    combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    x2 = _to_torch(_inputs(11, rank)[0], device)
+    again, *_ = buf.dispatch(x2, handle=handle)  # cached: the same routing, new rows
+    xq, sc = ref.quantize_fp8(_inputs(12, rank)[0])
+    f8, *_ = buf.dispatch((_to_torch(xq, device), _to_torch(sc, device)), topk_idx=idx,
+                          topk_weights=w, num_tokens_per_rank=n_rank,
+                          is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
+    torch.cuda.synchronize()
+    out.update(n_node=n_node.cpu().numpy(), counts=list(counts), recv_x=_bits(recv_x),
+               recv_idx=recv_idx.cpu().numpy(), recv_w=recv_w.cpu().numpy(),
+               combined=_bits(combined), combined_w=combined_w.cpu().numpy(),
+               again=_bits(again), f8_x=_bits(f8[0]), f8_scales=f8[1].cpu().numpy())
+    try:  # an expert id out of range, found on the GPU: that call fails, the group goes on
+        bad = idx.clone()
+        bad[0, 0] = E + 3
+        buf.dispatch(x, topk_idx=bad, topk_weights=w, num_tokens_per_rank=n_rank,
+                     is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
+        torch.cuda.synchronize()
+        buf.dispatch(x, handle=handle)  # (a stream-ordered failure reports by the next call)
+        out["bad"] = "accepted"
+    except EpdError as e:
+        out["bad"] = f"{e.code.name}: {e.details}"
+    after, *_ = buf.dispatch(x, handle=handle)
+    torch.cuda.synchronize()
+    out["after"] = _bits(after)
+    return out
 
 
 def _dequant_free_y(recv, device: int):
@@ -94,9 +128,31 @@ def _check(results: list[dict]) -> None:
             _check_ll(disp[r], got["compact"], LX)
             np.testing.assert_array_equal(got["cx"], combined[r].view(np.uint16),
                                           err_msg=f"step {step} rank {r}")
+    xs, idx, w = zip(*(_inputs(10, r) for r in range(R)), strict=True)
+    disp = ref.dispatch(list(xs), list(idx), list(w), E)
+    comb = ref.combine([d.recv_x for d in disp], disp, list(TOKENS),
+                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    again = ref.dispatch([_inputs(11, r)[0] for r in range(R)], list(idx), list(w), E)
+    q = [ref.quantize_fp8(_inputs(12, r)[0]) for r in range(R)]
+    f8 = ref.dispatch([a for a, _ in q], list(idx), list(w), E, x_scales=[b for _, b in q])
+    per_node = [ref.get_dispatch_layout(i, E, R, num_ranks_per_node=1).num_tokens_per_rdma_rank
+                for i in idx]
     for r in range(R):
-        assert results[r]["normal"].startswith("FAILED_PRECONDITION") and \
-            "spans nodes" in results[r]["normal"], results[r]["normal"]
+        got = results[r]["normal"]
+        np.testing.assert_array_equal(got["n_node"], per_node[r])
+        assert got["counts"] == disp[r].num_recv_tokens_per_expert, got["counts"]
+        np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16))
+        np.testing.assert_array_equal(got["recv_idx"], disp[r].recv_topk_idx)
+        np.testing.assert_array_equal(got["recv_w"].view(np.uint32),
+                                      disp[r].recv_topk_weights.view(np.uint32))
+        np.testing.assert_array_equal(got["combined"], comb[r][0].view(np.uint16))
+        np.testing.assert_array_equal(got["combined_w"].view(np.uint32),
+                                      comb[r][1].view(np.uint32))
+        np.testing.assert_array_equal(got["again"], again[r].recv_x.view(np.uint16))
+        np.testing.assert_array_equal(got["f8_x"], f8[r].recv_x.view(np.uint8))
+        np.testing.assert_array_equal(got["f8_scales"], f8[r].recv_x_scales)
+        assert got["bad"].startswith("INVALID_ARGUMENT") and "expert id" in got["bad"], got
+        np.testing.assert_array_equal(got["after"], disp[r].recv_x.view(np.uint16))
 
 
 @contextlib.contextmanager

@@ -77,6 +77,28 @@ def test_low_latency_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
         _run_pes(tmp_path, ranks_per_node, env, worker="nvshmem_ll_worker.py")
 
 
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 4])
+def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -> None:
+    """Issue 13: normal mode (notify, dispatch, cached dispatch, combine) on a group over two
+    logical nodes (two PEs; 2, 4 and 8 ranks): rows, scales and metadata to a rank on the other
+    node are staged in the sender's own buffer and put through NVSHMEM (never a pointer), its
+    counts and flags likewise; every output bit-exact against the reference. On one GPU both
+    PEs share it under MPS (NVSHMEM's P2P transport carries the puts, not a network)."""
+    if GPU_COUNT < 1 or not _has_nvshmem():
+        pytest.skip("needs a GPU and nvshmem4py")
+    from epd.server.backends.cuda_remote import toolchain_paths
+
+    try:
+        toolchain_paths()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    if GPU_COUNT >= 2:
+        _run_pes(tmp_path, ranks_per_node, {}, worker="nvshmem_normal_worker.py")
+        return
+    with _two_pes_env() as env:
+        _run_pes(tmp_path, ranks_per_node, env, worker="nvshmem_normal_worker.py")
+
+
 @contextlib.contextmanager
 def _two_pes_env() -> Iterator[dict[str, str]]:
     """An MPS server for two PEs on GPU 0 (half the threads each), stopped afterwards."""

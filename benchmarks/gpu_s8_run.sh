@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Eighth session of 2026-12-01 (one H200). carry [".whl"] (nvshmem4py, gRPC extras, CCCL).
+#   bash benchmarks/gpu_s8_run.sh xnodes   # normal mode across two logical nodes: the kernels
+#        (two PEs, 2/4/8 ranks) and two --cuda-cluster daemons through the DeepEP facade
+#   bash benchmarks/gpu_s8_run.sh suite    # the GPU suite without the cluster and masking tests
+set -u
+source benchmarks/gpu_env.sh
+pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
+export EPD_GPU_LOG_DIR="$OUT"  # every daemon's whole log (tests/gpu/conftest.py)
+step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
+      2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
+  grep -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing" "$OUT/gpu_$name.txt" \
+      | cut -c1-240 | head -40
+}
+case "${1:-}" in
+  xnodes)
+    step normal_kernels 240 "-s tests/gpu/test_nvshmem.py -k normal_mode_across"
+    step cluster 260 "-s tests/gpu/test_cuda_cluster.py"
+    ;;
+  suite)
+    step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
+        --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
+        --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
+    ;;
+  *) echo "usage: $0 xnodes|suite" >&2; exit 2 ;;
+esac
