@@ -28,6 +28,12 @@ def test_bytes_per_node_pair_by_hand() -> None:
     assert normal.node_pair_bytes == [[20, 20], [20, 10]]
     assert normal.max_gpu_network_bytes == 20
     assert abs(normal.model_us(50.0) - 20 / 50e3) < 1e-12
+    direct = fm.traffic(idx, nodes, 8, 10, "normal_direct")
+    # (token, rank) pairs: rank 0 -> node0 1 (token 1: rank 0), node1 3 (token 0: ranks 2, 3;
+    # token 1: rank 2); rank 1 -> node0 1; rank 2 -> node0 3 (token 0: rank 0; token 1: ranks 0,
+    # 1), node1 1 (rank 3). Two ranks of one node cost two rows where hierarchical sends one.
+    assert direct.node_pair_bytes == [[20, 30], [30, 10]]
+    assert direct.max_gpu_network_bytes == 30
 
 
 def test_row_bytes_and_the_report(capsys) -> None:
@@ -37,7 +43,7 @@ def test_row_bytes_and_the_report(capsys) -> None:
                     "--hidden", "256", "--ll-tokens", "8", "--normal-tokens", "16",
                     "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["ep"] == 4 and len(out["rows"]) == 4
+    assert out["ep"] == 4 and len(out["rows"]) == 6
     for row in out["rows"]:
         pairs = np.array(row["node_pair_bytes"])
         assert pairs.shape == (2, 2) and (pairs >= 0).all()

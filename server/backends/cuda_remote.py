@@ -98,8 +98,8 @@ def _c_arg(a: Any) -> Any:
 class LinkedKernel:
     """A kernel of the linked module, called like a CuPy RawKernel."""
 
-    def __init__(self, name: str, handle: int) -> None:
-        self.name, self.ptr = name, handle
+    def __init__(self, name: str, handle: int, max_dynamic_shared: int = 48 << 10) -> None:
+        self.name, self.ptr, self.max_dynamic_shared = name, handle, max_dynamic_shared
 
     def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], args: tuple[Any, ...],
                  shared_mem: int = 0, stream: Any = None) -> None:
@@ -108,6 +108,9 @@ class LinkedKernel:
         g = (*grid, 1, 1)[:3]
         b = (*block, 1, 1)[:3]
         s = stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr
+        if shared_mem > self.max_dynamic_shared:  # (the driver would only say INVALID_VALUE)
+            raise RuntimeError(f"{self.name}: {shared_mem} bytes of dynamic shared memory, "
+                               f"more than the {self.max_dynamic_shared} it can have")
         cp.cuda.driver.launchKernel(self.ptr, *g, *b, shared_mem, s, ctypes.addressof(argv), 0)
 
 
@@ -126,6 +129,7 @@ class RemoteKernels(ck.Kernels):
         lib = core.ObjectCode.from_library(device_lib.read_bytes())
         self.linked = core.Linker(obj, lib, options=core.LinkerOptions(arch=arch)).link("cubin")
         nc.library_init(nc.NvshmemKernelObject.from_obj(self.linked))
+        self.device_id = device_id
         self._fn: dict[str, Any] = {}
 
     def fn(self, name: str) -> Any:
@@ -133,9 +137,34 @@ class RemoteKernels(ck.Kernels):
         if f is None:
             plain = name.replace("<", "_").replace(">", "")  # epd_combine_reduce_Bf16
             k = self.linked.get_kernel(plain)
-            handle = getattr(k, "handle", None) or k._handle
-            f = self._fn[name] = LinkedKernel(plain, int(handle))
+            handle = int(getattr(k, "handle", None) or k._handle)
+            f = self._fn[name] = LinkedKernel(plain, handle,
+                                              opt_in_shared_memory(handle, self.device_id))
         return f
+
+
+def opt_in_shared_memory(kernel: int, device_id: int) -> int:
+    """Let a linked kernel take all the dynamic shared memory the device allows beside its
+    static use, and return that many bytes. NVSHMEM's device library gives every kernel linked
+    with it ~48 KiB of static shared memory (seen in the cubin's .nv.shared sections), so
+    without the opt-in a launch asking for even 1 KiB more (notify: 4 bytes per expert) fails
+    with CUDA_ERROR_INVALID_VALUE (seen on the H200)."""
+    from cuda.bindings import driver as drv
+
+    attr, dev, k = drv.CUfunction_attribute, drv.CUdevice(device_id), drv.CUkernel(kernel)
+
+    def check(res: tuple) -> Any:
+        if res[0] != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"shared memory attribute of a linked kernel: {res[0]}")
+        return res[1] if len(res) > 1 else None
+
+    static = check(drv.cuKernelGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, k, dev))
+    optin = check(drv.cuDeviceGetAttribute(
+        drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
+    room = int(optin) - int(static)
+    check(drv.cuKernelSetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, room,
+                                   k, dev))
+    return room
 
 
 @functools.cache

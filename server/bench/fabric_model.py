@@ -9,7 +9,11 @@ a function of the routing and the mode's semantics:
   the same pairs back as bf16 rows;
 - normal (hierarchical) dispatch sends a token once per destination node over the network (the
   GPU with the same local index there forwards it over NVLink); its combine brings one reduced
-  row per (token, node) back.
+  row per (token, node) back. DeepEP's internode mode; not EPD's yet:
+- normal_direct is what EPD's normal mode across nodes sends today (each rank puts a token's
+  row straight to every destination rank on another node, its combine brings one row per
+  (token, rank) back): more bytes than hierarchical whenever a token has two destination
+  ranks on one node.
 
 The model: each GPU has one NIC of `--nic-gbps` gigabytes per second (50 for 400 Gb/s), every
 GPU sends at once, so a call takes at least the largest inter-node bytes of one GPU over that
@@ -51,19 +55,27 @@ class Traffic:
 def traffic(topk_idx: list[np.ndarray], rank_nodes: list[int], num_experts: int,
             row_bytes: int, mode: str) -> Traffic:
     """Bytes each node pair sends in one call whose rank r routes `topk_idx[r]` ([T, K], -1 for
-    none); `mode` "low_latency" (a row per (token, expert)) or "normal" (a row per (token,
-    destination node))."""
+    none); `mode` "low_latency" (a row per (token, expert)), "normal" (a row per (token,
+    destination node)) or "normal_direct" (a row per (token, destination rank))."""
     num_nodes = max(rank_nodes) + 1
     local = num_experts // len(rank_nodes)
     pairs = np.zeros((num_nodes, num_nodes), np.int64)
     worst = 0
+    node_of = np.asarray(rank_nodes)
     for r, idx in enumerate(topk_idx):
         valid = idx >= 0
-        dst_node = np.where(valid, np.asarray(rank_nodes)[np.where(valid, idx // local, 0)], -1)
+        dst_rank = np.where(valid, idx // local, -1)
+        dst_node = np.where(valid, node_of[np.where(valid, dst_rank, 0)], -1)
         rows = np.zeros(num_nodes, np.int64)
         for n in range(num_nodes):
             to_n = dst_node == n
-            rows[n] = to_n.sum() if mode == "low_latency" else to_n.any(axis=1).sum()
+            if mode == "low_latency":
+                rows[n] = to_n.sum()
+            elif mode == "normal":
+                rows[n] = to_n.any(axis=1).sum()
+            else:  # distinct (token, rank) pairs on node n
+                rows[n] = sum(int((dst_rank == d).any(axis=1).sum())
+                              for d in np.flatnonzero(node_of == n))
         pairs[rank_nodes[r]] += rows * row_bytes
         worst = max(worst, int(rows.sum() - rows[rank_nodes[r]]) * row_bytes)
     return Traffic(pairs.tolist(), worst)
@@ -92,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     nodes = [r // a.gpus_per_node for r in range(ranks)]
     rng = np.random.default_rng(a.seed)
     rows = []
-    for mode, tokens in (("low_latency", a.ll_tokens), ("normal", a.normal_tokens)):
+    for mode, tokens in (("low_latency", a.ll_tokens), ("normal", a.normal_tokens),
+                         ("normal_direct", a.normal_tokens)):
         idx = [ref.random_routing(rng, tokens, a.experts, a.topk)[0] for _ in range(ranks)]
         for what, fp8 in (("dispatch (FP8)", True), ("combine (bf16)", False)):
             t = traffic(idx, nodes, a.experts, row_bytes(a.hidden, fp8), mode)
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         off = sum(b for i, row in enumerate(r["node_pair_bytes"]) for j, b in enumerate(row)
                   if i != j)
-        print(f"  {r['mode']:<11} {r['call']:<15} {r['tokens_per_rank']:>5} tok/rank: "
+        print(f"  {r['mode']:<13} {r['call']:<15} {r['tokens_per_rank']:>5} tok/rank: "
               f"network {off / 1e6:8.2f} MB per call, max per GPU "
               f"{r['max_gpu_network_bytes'] / 1e6:6.2f} MB -> model {r['model_us']:8.1f} us")
     print(f"  DeepEP published (H800, CX7): low-latency dispatch/combine us "

@@ -33,7 +33,7 @@ def main() -> int:
         (64, 4, 2048, 96, lambda g: [96, 40][g % 2],
          {"payload": "fp8", "alignment": 4, "num_sms": 5}),
         (64, 2, 2048, 16, lambda g: 7 + g, {"cached": True, "num_sms": 3}),
-        (32, 8, 2048, 128, lambda g: 128,
+        (64, 8, 2048, 128, lambda g: 128,
          {"worst": 128 * r, "hot_rank": 0, "hot_fraction": 0.9, "num_sms": 8}),
     ]
     try:
