@@ -2,6 +2,8 @@
 # Eighth session of 2026-12-01 (one H200). carry [".whl"] (nvshmem4py, gRPC extras, CCCL).
 #   bash benchmarks/gpu_s8_run.sh xnodes   # normal mode across two logical nodes: the kernels
 #        (two PEs, 2/4/8 ranks) and two --cuda-cluster daemons through the DeepEP facade
+#   bash benchmarks/gpu_s8_run.sh final    # xnodes, then the one-node kernels and the framework
+#        replays (the intranode kernels changed: staging offsets, reduce by plain name)
 #   bash benchmarks/gpu_s8_run.sh suite    # the GPU suite without the cluster and masking tests
 set -u
 source benchmarks/gpu_env.sh
@@ -19,10 +21,15 @@ case "${1:-}" in
     step normal_kernels 240 "-s tests/gpu/test_nvshmem.py -k normal_mode_across"
     step cluster 260 "-s tests/gpu/test_cuda_cluster.py"
     ;;
+  final)
+    step normal_kernels 190 "-s tests/gpu/test_nvshmem.py -k normal_mode_across"
+    step cluster 200 "-s tests/gpu/test_cuda_cluster.py"
+    step onenode 190 "tests/gpu/test_intranode.py tests/gpu/test_framework_replays_gpu.py"
+    ;;
   suite)
     step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
     ;;
-  *) echo "usage: $0 xnodes|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 xnodes|final|suite" >&2; exit 2 ;;
 esac

@@ -1087,6 +1087,9 @@ class CudaBackend(Backend):
         self.host_words = HostControlWords(index)
         self.kernels = ck.kernels_for_device(index)
         self.kernels.compile_all()  # compile (or load from the disk cache) before serving
+        if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
+            from .cuda_remote import remote_kernels_for_device
+            remote_kernels_for_device(index)
         props = cp.cuda.runtime.getDeviceProperties(index)
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         raw = props.get("uuid", b"")

@@ -138,9 +138,23 @@ class RemoteKernels(ck.Kernels):
             plain = name.replace("<", "_").replace(">", "")  # epd_combine_reduce_Bf16
             k = self.linked.get_kernel(plain)
             handle = int(getattr(k, "handle", None) or k._handle)
+            load_into_context(handle)
             f = self._fn[name] = LinkedKernel(plain, handle,
                                               opt_in_shared_memory(handle, self.device_id))
         return f
+
+
+def load_into_context(kernel: int) -> None:
+    """Load a linked kernel into the current context now. Under CUDA's lazy loading (the
+    default) a kernel is loaded at its first launch, and loading may wait for the context's
+    other work: an engine whose rank stream is parked in a GPU-side wait for its client would
+    wait for a client that waits for the engine (a normal-mode dispatch on a spanning group ran
+    into the client's deadline on the H200). So every kernel is loaded before serving."""
+    from cuda.bindings import driver as drv
+
+    err, _ = drv.cuKernelGetFunction(drv.CUkernel(kernel))
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"loading a linked kernel: {err}")
 
 
 def opt_in_shared_memory(kernel: int, device_id: int) -> int:
@@ -169,6 +183,9 @@ def opt_in_shared_memory(kernel: int, device_id: int) -> int:
 
 @functools.cache
 def remote_kernels_for_device(device_id: int) -> RemoteKernels:
-    """Process-wide, after `nvshmem.core.init` on that device."""
+    """Process-wide, after `nvshmem.core.init` on that device; every kernel loaded (see
+    `load_into_context`)."""
     with cp.cuda.Device(device_id):
-        return RemoteKernels(device_id)
+        kernels = RemoteKernels(device_id)
+        kernels.compile_all()
+        return kernels

@@ -22,9 +22,10 @@ class NodeGroup(PeGroup):
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
                  num_topk: int, max_tokens: int, stream, gpu: int,
-                 pointers: bool = False) -> None:
+                 pointers: bool = False, x_dtype=None) -> None:
         """`pointers`: the other PEs' ranks by NVSHMEM peer pointer with the one-node build
-        (the comparison for the timing), not as ranks on other nodes."""
+        (the comparison for the timing), not as ranks on other nodes. `x_dtype`: the normal-mode
+        dispatch payload (FLOAT8_E4M3 for an FP8 run of this bf16 group), bf16 by default."""
         import cupy as cp
         import nvshmem.core as nc
 
@@ -57,7 +58,8 @@ class NodeGroup(PeGroup):
                 remote[g] = (here + j * size, p)  # same offset of this PE's heap, its PE
         self.rank_ids = [pe * per_pe + j for j in range(per_pe)]
         kern = ck.kernels_for_device(gpu) if pointers else remote_kernels_for_device(gpu)
-        self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu, BFLOAT16, BFLOAT16,
+        self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu,
+                                      BFLOAT16 if x_dtype is None else x_dtype, BFLOAT16,
                                       owner=self.heap, ll_layout=ml.low_latency, remote=remote)
                         for g in self.rank_ids]
         self.size, self.stream = size, stream

@@ -23,6 +23,8 @@ def main() -> int:
     from common import roundtrip
     from nvshmem_worker import failed, init_pe
 
+    from epd.proto.dtypes import FLOAT8_E4M3
+
     gpu = init_pe(pe, npes, uid_file)
     stream = cp.cuda.Stream(non_blocking=True)
     failures = 0
@@ -38,7 +40,8 @@ def main() -> int:
     ]
     try:
         for e, k, h, m, tok, extra in cases:
-            group = NodeGroup(pe, npes, per_pe, e, h, k, m, stream, gpu)
+            group = NodeGroup(pe, npes, per_pe, e, h, k, m, stream, gpu,
+                              x_dtype=FLOAT8_E4M3 if extra.get("payload") == "fp8" else None)
             rng = np.random.default_rng(e + k + h + m)
             tokens = [tok(g) for g in range(r)]
             failures += failed(pe, f"normal mode E={e} K={k} H={h} tokens={tokens} {extra}",

@@ -128,7 +128,11 @@ def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str],
     env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
                NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
-               PYTHONUNBUFFERED="1", **extra_env)
+               PYTHONUNBUFFERED="1",
+               # Several ranks' kernels of one PE spin on each other's flags: each stream its
+               # own hardware queue, or a waiting kernel can hold up the one it waits for (two
+               # PEs under MPS: 64 of the GPU's pool, well inside it).
+               CUDA_DEVICE_MAX_CONNECTIONS="32", **extra_env)
     # Not the repository root on sys.path: its cuda/ folder would shadow the `cuda` package.
     uid = tmp_path / "uid"
     worker = str(Path(__file__).with_name(worker))
