@@ -4,6 +4,7 @@
 #        (two PEs, 2/4/8 ranks) and two --cuda-cluster daemons through the DeepEP facade
 #   bash benchmarks/gpu_s8_run.sh final    # xnodes, then the one-node kernels and the framework
 #        replays (the intranode kernels changed: staging offsets, reduce by plain name)
+#   bash benchmarks/gpu_s8_run.sh across   # both modes across two logical nodes (kernel tests)
 #   bash benchmarks/gpu_s8_run.sh suite    # the GPU suite without the cluster and masking tests
 set -u
 source benchmarks/gpu_env.sh
@@ -26,10 +27,13 @@ case "${1:-}" in
     step cluster 200 "-s tests/gpu/test_cuda_cluster.py"
     step onenode 190 "tests/gpu/test_intranode.py tests/gpu/test_framework_replays_gpu.py"
     ;;
+  across)
+    step across 300 "-s tests/gpu/test_nvshmem.py -k across_logical_nodes"
+    ;;
   suite)
     step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
     ;;
-  *) echo "usage: $0 xnodes|final|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 xnodes|final|across|suite" >&2; exit 2 ;;
 esac

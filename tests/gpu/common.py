@@ -129,6 +129,14 @@ def run_and_check_combine(group: Any, rng: np.random.Generator, results: dict[in
                                       want[s][1].view(np.uint32))
 
 
+def _poison(group: Any) -> None:
+    """Poison the outputs; a group of several processes (PEs) then waits at its barrier, or a
+    peer's rows could land before this PE's fill and be overwritten (seen across two PEs)."""
+    group.poison()
+    if hasattr(group, "barrier"):
+        group.barrier()
+
+
 def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_experts: int,
               num_topk: int, hidden: int, *, payload: str = "bf16", alignment: int = 1,
               worst: int = 0, cached: bool = False, bias: bool = False, num_sms: int = 8,
@@ -137,7 +145,7 @@ def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_e
                       **routing)
     expected = ref.dispatch(inp["xs"], inp["idx"], inp["w"], num_experts,
                             x_scales=inp["scales"], expert_alignment=alignment)
-    group.poison()
+    _poison(group)
     results = run_dispatch(group, inp, alignment=alignment, worst=worst, num_sms=num_sms)
     check_dispatch(group, results, expected, worst=worst)
     if cached:
@@ -146,7 +154,7 @@ def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_e
         inp2 = dict(inp, xs=fresh["xs"], scales=fresh["scales"])
         expected2 = ref.dispatch(inp2["xs"], inp["idx"], inp["w"], num_experts,
                                  x_scales=inp2["scales"], expert_alignment=alignment)
-        group.poison()
+        _poison(group)
         results2 = run_dispatch(group, inp2, worst=worst, cached=results, num_sms=num_sms)
         check_dispatch(group, results2, expected2, worst=worst, meta=False)
     if payload != "f32":

@@ -68,9 +68,11 @@ class NodeGroup(PeGroup):
 
     def barrier(self) -> None:
         """Every PE is here (its buffers poisoned, its last kernels done)."""
+        import cupy as cp
         import nvshmem.core as nc
 
         self.synchronize()
+        cp.cuda.runtime.deviceSynchronize()  # (the poison's fill ran on the default stream)
         nc.barrier_all(stream=self.stream)
         self.stream.synchronize()
 

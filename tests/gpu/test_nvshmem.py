@@ -148,6 +148,7 @@ def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str],
             p.kill()
             out, _ = p.communicate()
         outs.append(out)
-    for pe, (p, out) in enumerate(zip(procs, outs, strict=True)):
+    for pe, out in enumerate(outs):  # every PE's output first: the first failure may be a peer's
         print(f"--- PE {pe} ---\n{out}")
+    for pe, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"PE {pe} failed:\n{out[-4000:]}"
