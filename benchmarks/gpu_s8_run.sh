@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_s8_run.sh final    # xnodes, then the one-node kernels and the framework
 #        replays (the intranode kernels changed: staging offsets, reduce by plain name)
 #   bash benchmarks/gpu_s8_run.sh across   # both modes across two logical nodes (kernel tests)
+#   bash benchmarks/gpu_s8_run.sh normal   # normal mode across two logical nodes (kernel test)
 #   bash benchmarks/gpu_s8_run.sh suite    # the GPU suite without the cluster and masking tests
 set -u
 source benchmarks/gpu_env.sh
@@ -30,10 +31,13 @@ case "${1:-}" in
   across)
     step across 300 "-s tests/gpu/test_nvshmem.py -k across_logical_nodes"
     ;;
+  normal)
+    step normal_kernels 200 "-s tests/gpu/test_nvshmem.py -k normal_mode_across"
+    ;;
   suite)
     step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
     ;;
-  *) echo "usage: $0 xnodes|final|across|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 xnodes|final|across|normal|suite" >&2; exit 2 ;;
 esac
