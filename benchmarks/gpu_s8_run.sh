@@ -34,6 +34,9 @@ case "${1:-}" in
   normal)
     step normal_kernels 200 "-s tests/gpu/test_nvshmem.py -k normal_mode_across"
     ;;
+  normal2)  # the failing 4-rank case alone, every rank's error named
+    step normal2 120 "-s 'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[2]'"
+    ;;
   suite)
     step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \

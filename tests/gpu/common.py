@@ -65,8 +65,7 @@ def run_dispatch(group: Any, inp: dict[str, Any], *, alignment: int = 1, worst: 
                 cached=None if cached is None else cached[r], timeout_ns=TIMEOUT_NS,
                 num_sms=num_sms, counter_slot_ptr=0 if slots is None else slots[r].ptr)
     group.synchronize()
-    for runner in group.runners:
-        assert runner.error() is None, runner.error()
+    _assert_no_error(group)
     return results
 
 
@@ -121,12 +120,18 @@ def run_and_check_combine(group: Any, rng: np.random.Generator, results: dict[in
                            timeout_ns=TIMEOUT_NS, num_sms=num_sms)
             outs[r] = (out, out_w)
     group.synchronize()
-    for runner in group.runners:
-        assert runner.error() is None, runner.error()
+    _assert_no_error(group)
     for s in outs:
         np.testing.assert_array_equal(cp.asnumpy(outs[s][0]), raw(want[s][0]))
         np.testing.assert_array_equal(cp.asnumpy(outs[s][1]).view(np.uint32),
                                       want[s][1].view(np.uint32))
+
+
+def _assert_no_error(group: Any) -> None:
+    """No rank this process drives recorded an error (all of them named: the first may only
+    be a consequence of another's)."""
+    errors = {r: runner.error() for r, runner in ranks_of(group)}
+    assert not any(errors.values()), f"errors by rank: {errors}"
 
 
 def _poison(group: Any) -> None:
