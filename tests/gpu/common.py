@@ -53,15 +53,22 @@ def run_dispatch(group: Any, inp: dict[str, Any], *, alignment: int = 1, worst: 
                  slots: list[Any] | None = None) -> dict[int, Any]:
     import cupy as cp
 
-    results: dict[int, Any] = {}
+    # Every rank's inputs on the device before any rank launches: an allocation between the
+    # launches could wait for a kernel that spins on a rank not launched yet (several ranks of
+    # one process; seen across two PEs as an entry barrier past its deadline).
+    inputs = {}
     for r, runner in ranks_of(group):
         with cp.cuda.Device(runner.device_id), runner.stream:  # no null-stream syncs
-            x = cp.asarray(raw(inp["xs"][r]))
-            sc = None if inp["scales"] is None else cp.asarray(inp["scales"][r])
-            idx = None if cached else cp.asarray(inp["idx"][r])
-            w = None if cached else cp.asarray(inp["w"][r])
+            inputs[r] = (cp.asarray(raw(inp["xs"][r])),
+                         None if inp["scales"] is None else cp.asarray(inp["scales"][r]),
+                         None if cached else cp.asarray(inp["idx"][r]),
+                         None if cached else cp.asarray(inp["w"][r]))
+    group.synchronize()
+    results: dict[int, Any] = {}
+    for r, runner in ranks_of(group):
+        with cp.cuda.Device(runner.device_id), runner.stream:
             results[r] = runner.dispatch(
-                x, sc, idx, w, alignment=alignment, num_worst_tokens=worst,
+                *inputs[r], alignment=alignment, num_worst_tokens=worst,
                 cached=None if cached is None else cached[r], timeout_ns=TIMEOUT_NS,
                 num_sms=num_sms, counter_slot_ptr=0 if slots is None else slots[r].ptr)
     group.synchronize()
@@ -107,18 +114,22 @@ def run_and_check_combine(group: Any, rng: np.random.Generator, results: dict[in
     b1 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
     want = ref.combine(ys, disp, num_tokens, recv_topk_weights=[e.recv_topk_weights for e in disp],
                        bias_0=b0, bias_1=b1)
-    outs = {}
-    for r, runner in ranks_of(group):
+    outs, inputs = {}, {}
+    for r, runner in ranks_of(group):  # (all inputs first, as in run_dispatch)
         with cp.cuda.Device(runner.device_id), runner.stream:
-            y = cp.asarray(raw(ys[r]))
             w = cp.asarray(disp[r].recv_topk_weights)
-            out = cp.full((num_tokens[r], hidden), 0xFFFF, cp.uint16)  # poison: NaN
-            out_w = cp.full((num_tokens[r], w.shape[1]), np.nan, cp.float32)
-            runner.combine(y, results[r], out, recv_topk_weights=w, out_weights=out_w,
-                           bias_0=None if b0 is None else cp.asarray(raw(b0[r])),
-                           bias_1=None if b1 is None else cp.asarray(raw(b1[r])),
+            inputs[r] = (cp.asarray(raw(ys[r])), w,
+                         None if b0 is None else cp.asarray(raw(b0[r])),
+                         None if b1 is None else cp.asarray(raw(b1[r])))
+            outs[r] = (cp.full((num_tokens[r], hidden), 0xFFFF, cp.uint16),  # poison: NaN
+                       cp.full((num_tokens[r], w.shape[1]), np.nan, cp.float32))
+    group.synchronize()
+    for r, runner in ranks_of(group):
+        y, w, bias_0, bias_1 = inputs[r]
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.combine(y, results[r], outs[r][0], recv_topk_weights=w,
+                           out_weights=outs[r][1], bias_0=bias_0, bias_1=bias_1,
                            timeout_ns=TIMEOUT_NS, num_sms=num_sms)
-            outs[r] = (out, out_w)
     group.synchronize()
     _assert_no_error(group)
     for s in outs:
