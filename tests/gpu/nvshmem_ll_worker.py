@@ -127,14 +127,19 @@ def time_pairs(g: NodeGroup, m: int, h: int, e: int, k: int, iters: int = 30) ->
     lx = e // g.num_ranks
     y = cp.zeros((lx, g.num_ranks * m, h), cp.uint16)
     out = cp.zeros((m, h), cp.uint16)
+    # 64 blocks per rank in all: every rank's kernels must be resident at once (they spin on
+    # each other), and two PEs share the GPU at half its threads each under MPS. With 64 blocks
+    # for each of several ranks per PE, 2 and 8 ranks per PE failed here (illegal address, hang)
+    # after every exactness round had passed, which used 3-8 blocks (not verified since).
+    sms = max(64 // len(g.runners), 4)
     times = []
     for _ in range(iters):
         g.barrier()
         t0 = time.perf_counter()
         for runner in g.runners:
             with runner.stream:
-                runner.ll_dispatch(x, idx, m, fp8=True, num_sms=64)
-                runner.ll_combine(y, idx, w, out, m, num_sms=64)
+                runner.ll_dispatch(x, idx, m, fp8=True, num_sms=sms)
+                runner.ll_combine(y, idx, w, out, m, num_sms=sms)
         g.synchronize()
         times.append(time.perf_counter() - t0)
     return float(np.median(times[5:]) * 1e6)
