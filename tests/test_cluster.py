@@ -212,6 +212,25 @@ def test_facade_layout_counts_tokens_per_node(three, ranks):
     assert ref.get_dispatch_layout(local[0]["idx"], 4, 2).num_tokens_per_rdma_rank is None
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_tokens_per_node_where_the_layout_lives(kind):
+    """The facade's num_tokens_per_rdma_rank is computed where is_token_in_rank lives (a
+    CUDA tensor's on its device: reading it on the host failed on the GPU), int32, by node in
+    ascending order whatever the placement, against the reference's count."""
+    from epd.client import tensors as T
+    rng = np.random.default_rng(3)
+    in_rank = rng.random((37, 6)) < 0.3
+    placement = (2, 0, 1, 0, 2, 1)
+    want = ref.tokens_per_node(in_rank, list(placement))
+    arr = in_rank
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        arr = torch.from_numpy(in_rank)
+    got = T.tokens_per_node(arr, placement)
+    assert str(got.dtype).endswith("int32") and tuple(got.shape) == (3,)
+    assert_exact(np.asarray(got), want, kind)
+
+
 def test_adopting_a_plan_checks_it_is_the_groups_memory():
     """A /proc path of another host (here: another group) is refused, never opened as if it
     were the group's memory."""
