@@ -62,19 +62,7 @@ def test_low_latency_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
     aborts the ranks of both nodes at once. 8 ranks per node: a 16-rank group, more than one
     node's normal mode takes. On one GPU both PEs share it under MPS, so
     NVSHMEM's P2P transport carries the puts: not its network proxy."""
-    if GPU_COUNT < 1 or not _has_nvshmem():
-        pytest.skip("needs a GPU and nvshmem4py")
-    from epd.server.backends.cuda_remote import toolchain_paths
-
-    try:
-        toolchain_paths()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    if GPU_COUNT >= 2:
-        _run_pes(tmp_path, ranks_per_node, {}, worker="nvshmem_ll_worker.py")
-        return
-    with _two_pes_env() as env:
-        _run_pes(tmp_path, ranks_per_node, env, worker="nvshmem_ll_worker.py")
+    _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_ll_worker.py")
 
 
 @pytest.mark.parametrize("ranks_per_node", [1, 2, 4])
@@ -84,6 +72,12 @@ def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
     node are staged in the sender's own buffer and put through NVSHMEM (never a pointer), its
     counts and flags likewise; every output bit-exact against the reference. On one GPU both
     PEs share it under MPS (NVSHMEM's P2P transport carries the puts, not a network)."""
+    _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_normal_worker.py")
+
+
+def _across_logical_nodes(tmp_path: Path, ranks_per_node: int, worker: str) -> None:
+    """Two PEs as two logical nodes running `worker`: one per GPU on two GPUs, else both on
+    GPU 0 under one MPS server; skipped without NVSHMEM's device build toolchain."""
     if GPU_COUNT < 1 or not _has_nvshmem():
         pytest.skip("needs a GPU and nvshmem4py")
     from epd.server.backends.cuda_remote import toolchain_paths
@@ -93,10 +87,10 @@ def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
     except RuntimeError as e:
         pytest.skip(str(e))
     if GPU_COUNT >= 2:
-        _run_pes(tmp_path, ranks_per_node, {}, worker="nvshmem_normal_worker.py")
+        _run_pes(tmp_path, ranks_per_node, {}, worker=worker)
         return
     with _two_pes_env() as env:
-        _run_pes(tmp_path, ranks_per_node, env, worker="nvshmem_normal_worker.py")
+        _run_pes(tmp_path, ranks_per_node, env, worker=worker)
 
 
 @contextlib.contextmanager
