@@ -143,6 +143,9 @@ class Config:
     throughput_num_sms: int = field(default=0, metadata={
         "help": "cuda backend: blocks of a throughput group's data kernels, as "
                 "--latency-num-sms (e.g. keep prefill under a share of the SMs)"})
+    slow_operation_seconds: float = field(default=30.0, metadata={
+        "help": "log an operation still running after this long, once, with the stack of the "
+                "thread running it (a stall no deadline reaches explains itself; 0: off)"})
     throughput_pause_us: int = field(default=0, metadata={
         "help": "pacing: longest wait of a throughput group's call for latency groups' work "
                 "in flight in the engine before it starts (0, the default: off; 1000 cut decode "
@@ -287,6 +290,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     if not 1 <= cfg.cuda_max_connections <= 32:
         raise ValueError(f"cuda_max_connections must lie in [1, 32], got "
                          f"{cfg.cuda_max_connections}")
+    if cfg.slow_operation_seconds < 0:
+        raise ValueError(f"slow_operation_seconds must be >= 0 (0: off), got "
+                         f"{cfg.slow_operation_seconds}")
     if not 0 <= cfg.throughput_pause_us <= 1_000_000:
         raise ValueError(f"throughput_pause_us must lie in [0, 1000000] (0: no pacing), got "
                          f"{cfg.throughput_pause_us}")

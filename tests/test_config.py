@@ -62,6 +62,7 @@ def test_toml_epd_table_and_env_config(tmp_path: Path):
     ([], {}, 'metrics_port = "x"\n', "metrics_port"),
     (["--cuda-max-connections", "64"], {}, None, "cuda_max_connections"),
     ([], {"EPD_CUDA_MAX_CONNECTIONS": "0"}, None, "cuda_max_connections"),
+    (["--slow-operation-seconds", "-1"], {}, None, "slow_operation_seconds"),
 ])
 def test_bad_values_name_the_setting(tmp_path, argv, env, toml, setting):
     if toml is not None:

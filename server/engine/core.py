@@ -55,6 +55,7 @@ from .state import (
     sweep_engine_files,
 )
 from .stream_calls import StreamCalls
+from .watchdog import SlowOperations
 
 log = logging.getLogger("epd.engine")
 # A clean leave waits at most this long for peers still inside the last collective (within the
@@ -113,6 +114,7 @@ class Engine(StreamCalls, DataPlane):
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
         self.pacer = Pacer(config.throughput_pause_us * 1e-6, self.stream_ops.latency_rung)
+        self.slow_ops = SlowOperations(config.slow_operation_seconds)
 
     @property
     def draining(self) -> bool:
@@ -305,7 +307,8 @@ class Engine(StreamCalls, DataPlane):
         sid = secrets.token_hex(8)
         page = self.backend.open_counter_page()  # a sealed memfd, fetched over the channel
         s = Session(sid, client_name[:64], pid, page,
-                    SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init),
+                    SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init,
+                                    self.slow_ops),
                     token=secrets.token_bytes(32))
         self.sessions[sid] = s
         self._refresh_gauges()
@@ -607,6 +610,7 @@ class Engine(StreamCalls, DataPlane):
         while self.sessions and time.monotonic() < settle:
             await asyncio.sleep(0.01)  # teardowns already under way (streams that just ended)
         self.stream_ops.stop()
+        self.slow_ops.stop()
         sweep_engine_files(self.config.shm_dir, self.index)
         if self._node_channel is not None:
             await self._node_channel.close()

@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from ...proto.errors import Aborted, EpdError, Unavailable
+from .watchdog import SlowOperations
 
 log = logging.getLogger("epd.engine")
 T = TypeVar("T")
@@ -129,9 +130,11 @@ class SessionExecutor:
     """The worker, operation lock, transports and teardown of one session."""
 
     def __init__(self, state: EngineState, name: str,
-                 thread_init: Callable[[], None] | None = None) -> None:
+                 thread_init: Callable[[], None] | None = None,
+                 slow: SlowOperations | None = None) -> None:
         self.state = state
         self.name = name
+        self.slow = slow  # the engine's watchdog of operations that run too long
         self.op_lock = threading.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-{name}",
                                          initializer=thread_init)
@@ -152,7 +155,13 @@ class SessionExecutor:
             self.waited = time.perf_counter() - queued
             if self.closing is not None:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
-            return fn(*args)
+            if self.slow is None:
+                return fn(*args)
+            key = self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
+            try:
+                return fn(*args)
+            finally:
+                self.slow.end(key)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the

@@ -1,0 +1,91 @@
+"""Operations that run too long say where they are.
+
+Every operation of an engine runs on a thread under its session's lock (executor.py); the
+kernels' waits and every host wait have deadlines, yet an operation can still stall where no
+deadline reaches (a driver call behind GPU work, a lock). The client then sees only its own
+deadline ("did not complete in time") and the engine's log says nothing: a lazily loaded kernel
+behind a stream parked for its client looked exactly like that on the H200. So one thread per
+engine looks at the operations in flight once a second and logs, once per operation past
+`--slow-operation-seconds`, its name, session and age and the stack of the thread running it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+log = logging.getLogger("epd.engine")
+
+STACK_FRAMES = 12  # the innermost frames: where it waits
+
+
+@dataclass
+class _Running:
+    name: str
+    session: str
+    thread: int
+    started: float
+    reported: bool = False
+
+
+class SlowOperations:
+    """The operations in flight (`begin`/`end`) and the thread that reports slow ones;
+    `threshold` 0 turns it off (begin/end then cost a dict operation each)."""
+
+    def __init__(self, threshold: float, period: float = 1.0) -> None:
+        self.threshold, self.period = threshold, period
+        self._running: dict[int, _Running] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if threshold > 0:
+            self._thread = threading.Thread(target=self._watch, name="epd-slow-ops",
+                                            daemon=True)
+            self._thread.start()
+
+    def begin(self, name: str, session: str) -> int:
+        key = next(self._ids)
+        with self._lock:
+            self._running[key] = _Running(name, session, threading.get_ident(),
+                                          time.monotonic())
+        return key
+
+    def end(self, key: int) -> None:
+        with self._lock:
+            op = self._running.pop(key, None)
+        if op is not None and op.reported:
+            log.warning("%s of %s finished after %.1f s", op.name, op.session,
+                        time.monotonic() - op.started)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period):
+            self.report()
+
+    def report(self) -> int:
+        """Log every operation past the threshold not reported yet; how many were."""
+        now = time.monotonic()
+        with self._lock:
+            slow = [op for op in self._running.values()
+                    if not op.reported and now - op.started >= self.threshold]
+            for op in slow:
+                op.reported = True
+        frames = sys._current_frames()  # (CPython: every thread's current frame)
+        for op in slow:
+            frame = frames.get(op.thread)
+            stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame \
+                else "  (its thread has no frame)\n"
+            log.warning("%s of %s has been running for %.1f s (--slow-operation-seconds "
+                        "%g); its thread is at:\n%s", op.name, op.session, now - op.started,
+                        self.threshold, stack.rstrip())
+        return len(slow)
