@@ -168,8 +168,9 @@ class Config:
                 "3 missed heartbeats (a broken stream ends it at once)"})
     cuda_cluster: bool = field(default=False, metadata={
         "help": "experimental, cluster mode with the cuda backend: the engines of every node "
-                "form one NVSHMEM world (groups spanning nodes: low-latency calls only); not "
-                "yet run on GPUs as a daemon (docs/DESIGN_NOTES.md)"})
+                "form one NVSHMEM world; groups may span nodes (low-latency mode up to 64 "
+                "ranks, normal mode up to 8 with direct puts, not hierarchical); run as logical "
+                "nodes on one GPU only so far (docs/DESIGN_NOTES.md)"})
 
     @property
     def cluster_mode(self) -> bool:
