@@ -146,6 +146,9 @@ def test_deploy_tree_has_expected_files():
         "kubernetes/service.yaml",
         "kubernetes/servicemonitor.yaml",
         "kubernetes/kustomization.yaml",
+        "kubernetes/multinode/kustomization.yaml",
+        "kubernetes/multinode/statefulset.yaml",
+        "kubernetes/multinode/service.yaml",
         "prometheus/scrape.yaml",
         "prometheus/alerts.yaml",
         "grafana/epd-dashboard.json",
@@ -422,6 +425,52 @@ def test_service_and_servicemonitor_match_daemonset():
     assert [e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"]
 
 
+def test_multinode_statefulset_takes_rank_address_and_token():
+    """deploy/kubernetes/multinode: the node rank is the pod ordinal, node 0's Cluster address
+    names pod 0 through the headless Service on its cluster port, the token is a file from the
+    Secret readable by the daemon's group, as many replicas as nodes, one per machine."""
+    multi = K8S / "multinode"
+    kust = yaml.safe_load((multi / "kustomization.yaml").read_text())
+    assert kust["namespace"] == "epd"
+    for res in kust["resources"]:
+        assert (multi / res).is_file(), res
+    docs = [d for res in kust["resources"] for d in load_yaml_docs(multi / res)]
+    assert all(d["metadata"]["namespace"] == "epd" for d in docs)
+    (sts,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    pod = sts["spec"]["template"]["spec"]
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    (c,) = pod["containers"]
+    env = {e["name"]: e for e in c["env"]}
+    assert {n for n in env if n.startswith("EPD_")} <= EPD_ENV_VARS
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "EPD_NODE_RANK=${POD_NAME##*-}" in c["command"][-1] and "epd serve" in c["command"][-1]
+    assert int(env["EPD_NUM_NODES"]["value"]) == sts["spec"]["replicas"] > 1
+    assert env["EPD_CUDA_CLUSTER"]["value"] == "1" and env["EPD_BACKEND"]["value"] == "cuda"
+    host, port = env["EPD_CLUSTER_ADDRESS"]["value"].rsplit(":", 1)
+    assert host.split(".")[:3] == [f"{sts['metadata']['name']}-0", svc["metadata"]["name"],
+                                   "epd"]
+    svc_ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert int(port) == svc_ports["cluster"] == ports["cluster"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    token = env["EPD_CLUSTER_TOKEN_FILE"]["value"]
+    (vol,) = [n for n in secrets if token.startswith(mounts[n] + "/")]
+    assert secrets[vol]["secretName"] == "epd-cluster-token"
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+    assert secrets[vol]["defaultMode"] & 0o040 and not secrets[vol]["defaultMode"] & 0o007
+    anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+    assert env["NVSHMEM_DISABLE_NVLS"]["value"] == "1"
+    assert "NVSHMEM_REMOTE_TRANSPORT" not in env  # (not "none": the nodes talk over the fabric)
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
 KUBECTL = shutil.which("kubectl")
 
 
@@ -432,3 +481,12 @@ def test_kustomize_builds():
     ).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
     assert kinds == ["DaemonSet", "Namespace", "Service", "ServiceAccount", "ServiceMonitor"]
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed")
+def test_multinode_kustomize_builds():
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(K8S / "multinode")], capture_output=True, text=True,
+        check=True).stdout
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
+    assert kinds == ["Service", "ServiceAccount", "StatefulSet"]
