@@ -222,3 +222,48 @@ def test_cuda_low_latency_groups_may_have_more_ranks_than_normal_mode() -> None:
         planner.validate_spec(_spec(64, 8, num_experts=64 * 256, low_latency_mode=True))
     with pytest.raises(InvalidArgument, match="MAX_RANKS"):
         planner.validate_spec(_spec(16, 8, num_experts=256))  # normal mode
+
+
+def test_a_failed_launch_aborts_the_group_an_epd_error_does_not() -> None:
+    """A CudaRankComm launch that fails with a CUDA error (INVALID_VALUE at a launch was seen on
+    the H200) aborts the group, naming the rank and the error, so that peers stop at once; an
+    EpdError (bad input, refused call) is the caller's and aborts nothing; a failing abort
+    does not hide the original error."""
+    import contextlib
+
+    from epd.server.backends import cuda as cb
+
+    class Comm:
+        rank = 3
+        spec = SimpleNamespace(name="g")
+        backend = SimpleNamespace(closer=SimpleNamespace(launching=contextlib.nullcontext))
+
+        def __init__(self, abort_fails: bool = False) -> None:
+            self.aborted: list[str] = []
+            self.abort_fails = abort_fails
+
+        def abort(self, why: str) -> None:
+            self.aborted.append(why)
+            if self.abort_fails:
+                raise RuntimeError("context is broken")
+
+        @cb._launches
+        def stream_dispatch(self, fail: str) -> int:
+            if fail == "cuda":
+                raise RuntimeError("CUDA_ERROR_INVALID_VALUE: invalid argument")
+            if fail == "input":
+                raise InvalidArgument("an expert id out of range")
+            return 7
+
+    c = Comm()
+    assert c.stream_dispatch("") == 7 and c.aborted == []
+    with pytest.raises(InvalidArgument):
+        c.stream_dispatch("input")
+    assert c.aborted == []
+    with pytest.raises(RuntimeError, match="INVALID_VALUE"):
+        c.stream_dispatch("cuda")
+    assert c.aborted == ["rank 3: stream_dispatch failed in the engine "
+                         "(CUDA_ERROR_INVALID_VALUE: invalid argument)"]
+    c = Comm(abort_fails=True)
+    with pytest.raises(RuntimeError, match="INVALID_VALUE"):
+        c.stream_dispatch("cuda")

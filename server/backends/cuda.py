@@ -74,11 +74,24 @@ cp = ck.cp
 
 def _launches(method: Callable[..., Any]) -> Callable[..., Any]:
     """A CudaRankComm method that launches GPU work: IPC mappings are not closed meanwhile
-    (cuda_quiet.py)."""
+    (cuda_quiet.py). One that fails other than with an EpdError (a CUDA error at a launch, a
+    kernel limit) leaves its collective half launched: it aborts the group, so that the peers
+    stop at once naming this rank and the error instead of waiting out their deadline."""
     @functools.wraps(method)
     def wrapper(self: CudaRankComm, *args: Any, **kwargs: Any) -> Any:
         with self.backend.closer.launching():
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except EpdError:
+                raise
+            except Exception as e:
+                why = f"rank {self.rank}: {method.__name__} failed in the engine ({e})"
+                log.error("group %r: %s; aborting the group", self.spec.name, why)
+                try:
+                    self.abort(why)
+                except Exception as again:  # (a broken context fails the abort kernel too)
+                    log.error("group %r: the abort failed as well: %s", self.spec.name, again)
+                raise
     return wrapper
 
 
