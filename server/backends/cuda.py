@@ -728,7 +728,9 @@ class CudaRankComm(RankComm):
         """The member's low-latency chain in the given counter slot (cuda_chain.py)."""
         if self.chain is None:
             with cp.cuda.Device(self.backend.device):
-                self.chain = LowLatencyChain(self.runner, self.backend.kernels, ring_words,
+                # The rank's own build: a group over nodes needs the NVSHMEM one, whose
+                # kernels reach the ranks elsewhere (the one-node build has no path to them).
+                self.chain = LowLatencyChain(self.runner, self.runner.k, ring_words,
                                              ring_ptr, self.ll_num_sms, self.stream_priority,
                                              gate=self.backend.cfg.ll_chain_gate)
         return self.chain
