@@ -48,7 +48,6 @@ namespace std { using namespace cuda::std; }
 """
 
 
-
 def _find(rel: str) -> Path | None:
     """`rel` under a site directory (the wheels put NVIDIA's files in nvidia/...)."""
     for entry in sys.path:
