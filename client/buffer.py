@@ -374,7 +374,7 @@ class Buffer(LowLatencyMixin):
             topk_idx, call, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
         per_node = None
         if len(set(g.rank_nodes)) > 1:  # cluster mode, a group over several nodes
-            per_node = T.tokens_per_node(in_rank, g.rank_nodes)
+            per_node = C.tokens_per_node(in_rank, g.rank_nodes)
         return per_rank, per_node, per_expert, in_rank, event
 
     def dispatch(self, x: Array, handle: BufferHandle | None = None,

@@ -367,6 +367,26 @@ def layout_of(topk_idx: Any, num_experts: int, num_ranks: int) -> tuple[Any, Any
     return per_rank, per_expert, in_rank
 
 
+_NODE_COLUMNS: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # placement -> index tensors
+
+
+def tokens_per_node(in_rank: Any, rank_nodes: tuple[int, ...]) -> Any:
+    """DeepEP's num_tokens_per_rdma_rank: tokens with a destination rank on each node
+    (ascending node order), int32, computed where `is_token_in_rank` lives (a CUDA tensor on
+    the caller's current stream, after the layout that wrote it; never a host copy)."""
+    nodes = sorted(set(rank_nodes))
+    cols = [[r for r, n in enumerate(rank_nodes) if n == node] for node in nodes]
+    torch = torch_if_loaded()
+    if torch is not None and isinstance(in_rank, torch.Tensor):
+        key = (tuple(rank_nodes), str(in_rank.device))
+        index = _NODE_COLUMNS.get(key)
+        if index is None:  # (made once: a host-to-device copy per layout call would cost more)
+            index = _NODE_COLUMNS[key] = [torch.tensor(c, device=in_rank.device) for c in cols]
+        return torch.stack([in_rank[:, i].any(dim=1).sum() for i in index]).to(torch.int32)
+    xp = _array_module(in_rank)
+    return xp.stack([in_rank[:, c].any(axis=1).sum() for c in cols]).astype(np.int32)
+
+
 def _array_module(x: Any) -> Any:
     """NumPy, or CuPy for a CuPy array (imported only then)."""
     if hasattr(x, "__cuda_array_interface__"):

@@ -104,29 +104,6 @@ def clone(x: Array) -> Array:
     return x.clone() if is_torch(x) else x.copy()
 
 
-_NODE_COLUMNS: dict[tuple[tuple[int, ...], str], list[Any]] = {}  # placement -> index tensors
-
-
-def tokens_per_node(in_rank: Array, rank_nodes: tuple[int, ...]) -> Array:
-    """DeepEP's num_tokens_per_rdma_rank: tokens with a destination rank on each node
-    (ascending node order), int32, computed where `is_token_in_rank` lives (a CUDA tensor on
-    the caller's current stream, after the layout that wrote it; never a host copy)."""
-    nodes = sorted(set(rank_nodes))
-    cols = [[r for r, n in enumerate(rank_nodes) if n == node] for node in nodes]
-    if is_torch(in_rank):
-        torch = _torch()
-        key = (tuple(rank_nodes), str(in_rank.device))
-        index = _NODE_COLUMNS.get(key)
-        if index is None:  # (made once: a host-to-device copy per layout call would cost more)
-            index = _NODE_COLUMNS[key] = [torch.tensor(c, device=in_rank.device) for c in cols]
-        return torch.stack([in_rank[:, i].any(dim=1).sum() for i in index]).to(torch.int32)
-    if isinstance(in_rank, np.ndarray):
-        xp = np
-    else:
-        import cupy as xp  # (a CuPy array: the cuda extra is installed)
-    return xp.stack([in_rank[:, c].any(axis=1).sum() for c in cols]).astype(np.int32)
-
-
 def like(arr: np.ndarray, template: Array) -> Array:
     """Return `arr` as the caller's array type (torch when the template was torch)."""
     if not is_torch(template):

@@ -217,7 +217,7 @@ def test_tokens_per_node_where_the_layout_lives(kind):
     """The facade's num_tokens_per_rdma_rank is computed where is_token_in_rank lives (a
     CUDA tensor's on its device: reading it on the host failed on the GPU), int32, by node in
     ascending order whatever the placement, against the reference's count."""
-    from epd.client import tensors as T
+    from epd.client import deep_ep_compat as C
     rng = np.random.default_rng(3)
     in_rank = rng.random((37, 6)) < 0.3
     placement = (2, 0, 1, 0, 2, 1)
@@ -226,7 +226,7 @@ def test_tokens_per_node_where_the_layout_lives(kind):
     if kind == "torch":
         torch = pytest.importorskip("torch")
         arr = torch.from_numpy(in_rank)
-    got = T.tokens_per_node(arr, placement)
+    got = C.tokens_per_node(arr, placement)
     assert str(got.dtype).endswith("int32") and tuple(got.shape) == (3,)
     assert_exact(np.asarray(got), want, kind)
 
