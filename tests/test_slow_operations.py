@@ -63,10 +63,12 @@ def test_quick_operations_are_not_reported(executor, caplog) -> None:
     assert slow.report() == 0 and "has been running" not in caplog.text
 
 
-def test_off_at_zero_starts_no_thread() -> None:
-    before = {t.name for t in threading.enumerate()}
-    slow = SlowOperations(0)
-    assert "epd-slow-ops" not in {t.name for t in threading.enumerate()} - before
-    key = slow.begin("x", "s")
-    slow.end(key)
-    slow.stop()
+def test_off_at_zero_no_watchdog() -> None:
+    """At 0 there is no watchdog: none can be made, and an executor without one runs calls."""
+    with pytest.raises(ValueError):
+        SlowOperations(0)
+    ex = SessionExecutor(EngineState(0), "s0abcde")
+    try:
+        assert ex.call(_quick) == 7
+    finally:
+        ex.worker.shutdown(wait=True)

@@ -114,7 +114,8 @@ class Engine(StreamCalls, DataPlane):
         from .stream_ops import StreamOps
         self.stream_ops = StreamOps(self)
         self.pacer = Pacer(config.throughput_pause_us * 1e-6, self.stream_ops.latency_rung)
-        self.slow_ops = SlowOperations(config.slow_operation_seconds)
+        self.slow_ops = (SlowOperations(config.slow_operation_seconds)
+                         if config.slow_operation_seconds > 0 else None)  # (0: off)
 
     @property
     def draining(self) -> bool:
@@ -610,7 +611,8 @@ class Engine(StreamCalls, DataPlane):
         while self.sessions and time.monotonic() < settle:
             await asyncio.sleep(0.01)  # teardowns already under way (streams that just ended)
         self.stream_ops.stop()
-        self.slow_ops.stop()
+        if self.slow_ops is not None:
+            self.slow_ops.stop()
         sweep_engine_files(self.config.shm_dir, self.index)
         if self._node_channel is not None:
             await self._node_channel.close()

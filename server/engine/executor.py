@@ -157,11 +157,11 @@ class SessionExecutor:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
             if self.slow is None:
                 return fn(*args)
-            key = self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
+            self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
             try:
                 return fn(*args)
             finally:
-                self.slow.end(key)
+                self.slow.end()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the

@@ -11,7 +11,6 @@ engine looks at the operations in flight once a second and logs, once per operat
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import threading
@@ -24,49 +23,40 @@ log = logging.getLogger("epd.engine")
 STACK_FRAMES = 12  # the innermost frames: where it waits
 
 
-@dataclass
+@dataclass(slots=True)
 class _Running:
     name: str
     session: str
-    thread: int
     started: float
     reported: bool = False
 
 
 class SlowOperations:
-    """The operations in flight (`begin`/`end`) and the thread that reports slow ones;
-    `threshold` 0 turns it off (begin/end then cost a dict operation each)."""
+    """The operation each thread is running (`begin`/`end`, on every call: one dict store and
+    one pop, atomic in CPython, no lock) and the thread that reports slow ones. An operation
+    runs on one thread under its session's lock, so a thread runs at most one at a time."""
 
     def __init__(self, threshold: float, period: float = 1.0) -> None:
+        if threshold <= 0:
+            raise ValueError("a watchdog needs a threshold > 0 (the engine makes none at 0)")
         self.threshold, self.period = threshold, period
-        self._running: dict[int, _Running] = {}
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
+        self._running: dict[int, _Running] = {}  # thread ident -> its operation
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if threshold > 0:
-            self._thread = threading.Thread(target=self._watch, name="epd-slow-ops",
-                                            daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._watch, name="epd-slow-ops", daemon=True)
+        self._thread.start()
 
-    def begin(self, name: str, session: str) -> int:
-        key = next(self._ids)
-        with self._lock:
-            self._running[key] = _Running(name, session, threading.get_ident(),
-                                          time.monotonic())
-        return key
+    def begin(self, name: str, session: str) -> None:
+        self._running[threading.get_ident()] = _Running(name, session, time.monotonic())
 
-    def end(self, key: int) -> None:
-        with self._lock:
-            op = self._running.pop(key, None)
+    def end(self) -> None:
+        op = self._running.pop(threading.get_ident(), None)
         if op is not None and op.reported:
             log.warning("%s of %s finished after %.1f s", op.name, op.session,
                         time.monotonic() - op.started)
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._thread.join(timeout=5)
 
     def _watch(self) -> None:
         while not self._stop.wait(self.period):
@@ -75,14 +65,12 @@ class SlowOperations:
     def report(self) -> int:
         """Log every operation past the threshold not reported yet; how many were."""
         now = time.monotonic()
-        with self._lock:
-            slow = [op for op in self._running.values()
-                    if not op.reported and now - op.started >= self.threshold]
-            for op in slow:
-                op.reported = True
+        slow = [(tid, op) for tid, op in list(self._running.items())
+                if not op.reported and now - op.started >= self.threshold]
         frames = sys._current_frames()  # (CPython: every thread's current frame)
-        for op in slow:
-            frame = frames.get(op.thread)
+        for tid, op in slow:
+            op.reported = True
+            frame = frames.get(tid)
             stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame \
                 else "  (its thread has no frame)\n"
             log.warning("%s of %s has been running for %.1f s (--slow-operation-seconds "
