@@ -20,3 +20,15 @@ export PYTHONPATH=/tmp/pkg:/tmp/site
   date -u; nvidia-smi; nvidia-smi topo -m
   python3 -P -c "import torch, cupy, numpy; import importlib.metadata as m; print('torch', torch.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__, 'nvshmem4py', m.version('nvshmem4py-cu13'), 'cuda-bindings', m.version('cuda-bindings'))"
 } > "$OUT/env.txt" 2>&1
+
+# The scripts' pytest (a per-test limit; no repository settings) and one step of it: a run on
+# fresh daemons, its output in $OUT/gpu_NAME.txt, a summary (a script that wants every
+# daemon's whole log exports EPD_GPU_LOG_DIR="$OUT": tests/gpu/conftest.py).
+pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
+step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
+      2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
+  grep -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing" "$OUT/gpu_$name.txt" \
+      | cut -c1-240 | head -40
+}

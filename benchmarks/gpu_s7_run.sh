@@ -11,15 +11,8 @@
 #   bash benchmarks/gpu_s7_run.sh next     # the next session's first call: the fixed rejoin,
 #        a live rank masked, the service classes (four clients), the --cuda-cluster daemons
 set -u
-source benchmarks/gpu_env.sh
-pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
+source benchmarks/gpu_env.sh  # (pt, step)
 export EPD_GPU_LOG_DIR="$OUT"  # every daemon's whole log (tests/gpu/conftest.py)
-step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
-  local name=$1 secs=$2; shift 2
-  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
-      2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
-  grep -E "PASSED|FAILED|ERROR|passed|failed|^E  " "$OUT/gpu_$name.txt" | cut -c1-240 | head -16
-}
 case "${1:-}" in
   verify)
     timeout 150 bash -c "$(declare -f pt); pt -s tests/gpu/test_rank_masking_gpu.py \

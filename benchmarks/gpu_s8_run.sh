@@ -6,18 +6,11 @@
 #        replays (the intranode kernels changed: staging offsets, reduce by plain name)
 #   bash benchmarks/gpu_s8_run.sh across   # both modes across two logical nodes (kernel tests)
 #   bash benchmarks/gpu_s8_run.sh normal   # normal mode across two logical nodes (kernel test)
+#   bash benchmarks/gpu_s8_run.sh normal2  # its 4-rank case alone, every rank's error named
 #   bash benchmarks/gpu_s8_run.sh suite    # the GPU suite without the cluster and masking tests
 set -u
-source benchmarks/gpu_env.sh
-pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
+source benchmarks/gpu_env.sh  # (pt, step)
 export EPD_GPU_LOG_DIR="$OUT"  # every daemon's whole log (tests/gpu/conftest.py)
-step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
-  local name=$1 secs=$2; shift 2
-  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
-      2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
-  grep -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing" "$OUT/gpu_$name.txt" \
-      | cut -c1-240 | head -40
-}
 case "${1:-}" in
   xnodes)
     step normal_kernels 240 "-s tests/gpu/test_nvshmem.py -k normal_mode_across"
@@ -42,5 +35,5 @@ case "${1:-}" in
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
     ;;
-  *) echo "usage: $0 xnodes|final|across|normal|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 xnodes|final|across|normal|normal2|suite" >&2; exit 2 ;;
 esac
