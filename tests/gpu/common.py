@@ -194,9 +194,7 @@ def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k:
     idxs = [i for i, _ in routes]
     ws = [w for _, w in routes]  # (the router's weights, for the combine too)
     xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
-    g.poison()
-    if hasattr(g, "barrier"):
-        g.barrier()  # (no PE writes into a peer that is still poisoning)
+    _poison(g)
     mine = ranks_of(g)
     for s, runner in mine:
         with cp.cuda.Device(runner.device_id), runner.stream:
