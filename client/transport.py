@@ -17,7 +17,7 @@ import grpc
 from google.protobuf.message import Message
 
 from ..proto import fd_channel as fdc
-from ..proto import operations
+from ..proto import operations, spin
 from ..proto import ring as R
 from ..proto.errors import EpdError, ResourceExhausted, Unavailable, from_status_value
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
@@ -235,7 +235,7 @@ class FastPathTransport(Transport):
                 # The engine will never answer: the slot stays SUBMITTED, the ring unused.
                 return self._lost_error()
             if time.perf_counter() < spin_until:
-                time.sleep(0)  # spin without holding the GIL (the caller's other threads)
+                spin.relax()  # without the GIL (the caller's other threads), no timer
                 continue
             left = call.deadline - time.monotonic()
             if left <= 0:

@@ -20,12 +20,11 @@ Slot layout (little-endian, 8-byte words):
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import abi
+from . import abi, spin
 from .abi import NUM_SLOTS, READY_RING, SLOT_BYTES
 from .abi import SLOT_HEADER as HEADER_WORDS
 from .abi import SLOT_NUM_EXPERTS as NUM_EXPERTS
@@ -66,15 +65,10 @@ def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
 
 
 def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[int]] | None:
-    """Spin (then back off) until the slot carries `sequence`; None on timeout."""
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while int(words[SEQ]) < sequence:
-        spins += 1
-        if spins > 2000:
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(20e-6)
+    """Spin (then back off) until the slot carries `sequence`; None on timeout. The spin lets
+    go of the GIL at every look (spin.py: the engine's other sessions need it)."""
+    if not spin.wait_until(lambda: int(words[SEQ]) >= sequence, timeout, spin=5e-4):
+        return None
     n = int(words[NUM_EXPERTS])
     return int(words[NUM_RECV]), [int(v) for v in words[HEADER_WORDS:HEADER_WORDS + n]]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..proto import fd_channel
+from ..proto import fd_channel, spin
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
@@ -205,6 +205,9 @@ class Supervisor:
         # The engines inherit the daemon's lock: a second daemon on this socket folder cannot
         # start before the last engine of this one has exited.
         keep = (self.lock_fd,) if self.lock_fd is not None else ()
+        # An engine inherits the forking thread's timer slack: fine from its first instruction,
+        # so every thread it has gets it (one started by an import too; proto/spin.py).
+        spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
                                    "--index", str(e.index)], env=env, pass_fds=keep)
         e.ready = False

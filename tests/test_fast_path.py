@@ -232,3 +232,22 @@ def test_fast_path_metrics_are_labelled(daemon) -> None:
     assert 'epd_dispatch_seconds_count{backend="cpu",group="metrics-fp",path="fastpath"}' \
         in body
     assert 'epd_requests_total{code="OK",method="Dispatch"}' in body
+
+
+def test_engine_threads_sleep_without_timer_slack(daemon) -> None:
+    """Every thread of an engine (its gRPC threads and the ring threads started after start-up
+    included) has the fine timer slack set before any of them started (proto/spin.py)."""
+    from epd.proto import spin
+    with Session(daemon.socket(0)) as s:
+        s.ping()  # a fast-path ring thread exists now
+        pid = daemon.engine_pid(0)
+        tasks = os.listdir(f"/proc/{pid}/task")
+        slack = {}
+        for tid in tasks:
+            try:
+                with open(f"/proc/{tid}/timerslack_ns") as f:  # (a thread id opens too)
+                    slack[tid] = int(f.read())
+            except FileNotFoundError:  # a short-lived thread (a to_thread call) ended
+                continue
+    assert len(slack) > 3
+    assert set(slack.values()) == {spin.ENGINE_TIMER_SLACK_NS}, slack

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...proto import abi, counter_page
+from ...proto import abi, counter_page, spin
 from ...proto.errors import (
     EpdError,
     FailedPrecondition,
@@ -269,7 +269,7 @@ class StreamOps:
     def _poll(self) -> None:
         self.engine.backend.thread_init()
         cfg = self.engine.config
-        spin, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
+        spin_s, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
         last = looked = time.perf_counter()
         while not self._stop:
             ops = list(self.ops.values())
@@ -293,11 +293,11 @@ class StreamOps:
             now = time.perf_counter()
             if fired:
                 last = now
-            elif now - last > spin:
+            elif now - last > spin_s:
                 self._flush_cpu()
                 time.sleep(period)
             else:
-                time.sleep(0)  # spin without holding the GIL (the sessions' threads need it)
+                spin.relax()  # without the GIL (the sessions' threads need it), no timer
 
     def _flush_cpu(self) -> None:
         """Add the launches' CPU to Prometheus once idle (a multiprocess counter update costs
