@@ -4,6 +4,9 @@
 #        change, same machine, same call: .old holds the tree before it (`git archive dc63b83`);
 #        per tree: the empty round trip (bench_transport.py), the per-call phases at D
 #        (probe_calls.py, MPS on) and `epd bench --shapes D --low-latency` (MPS on)
+#   bash benchmarks/gpu_s9_run.sh verify  # after the host-words fix: the low-latency pair
+#        (probe_calls), `epd bench --shapes D --low-latency`, the masking, low-latency and
+#        intranode GPU tests (the kernels' waits changed)
 #   bash benchmarks/gpu_s9_run.sh suite   # the GPU suite without the cluster/masking files
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
@@ -34,10 +37,20 @@ case "${1:-}" in
         --iters 60 --mps on 2>&1 | clean | tail -8 > "$OUT/engine_profile.txt"
     python3 benchmarks/pstats_top.py /tmp/prof/*.prof >> "$OUT/engine_profile.txt" 2>&1
     ;;
+  verify)
+    timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 60 --mps on \
+        --low-latency --rows "ll plain pair,ll hook pair" 2>&1 | clean | tail -4 \
+        | tee "$OUT/verify_probe.txt"
+    timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
+        --json "$OUT/bench_verify.json" 2>&1 | clean | tail -24 | tee "$OUT/bench_verify.txt"
+    step masking 130 "tests/gpu/test_rank_masking_gpu.py"
+    step ll 110 "tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py"
+    step intranode 100 "tests/gpu/test_intranode.py"
+    ;;
   suite)
     step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
     ;;
-  *) echo "usage: $0 hop|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 hop|verify|suite" >&2; exit 2 ;;
 esac

@@ -45,9 +45,13 @@ typedef unsigned long long u64;
 // Host words: mapped host memory of the rank's engine, which its host writes with no GPU work
 // (an abort, a rank that went away), so that no kernel or stream wait queued ahead can delay
 // them: under MPS one parked client stream can stall a hardware queue the engine's own
-// streams share. Waits poll them every 64 spins, beside the control block's own words.
+// streams share. A wait polls them only once it has waited HOST_POLL_AFTER_NS (then every 64
+// spins): reads of host memory from spinning threads slowed every call ~8x on the H200 (a D
+// low-latency pair 0.48 -> 3.7 ms, docs/BENCHMARKS.md), and what they carry (an abort, a rank
+// gone) only has to beat deadlines of seconds.
 #define HOST_WORD_ABORT 0         // nonzero: the group was aborted (value = code)
 #define HOST_WORD_GONE 1          // bit r: rank r went away (shrink groups)
+#define HOST_POLL_AFTER_NS 1000000  // a wait reads the host words after 1 ms, not sooner
 #define CTRL_PAYLOAD_BYTES 4096 // notify payload: [R_MAX][NOTIFY_HEAD + L] int32 per source slot
 // A notify payload from one source: R_MAX per-destination counts, the source's token count, then
 // its L per-expert counts for the destination.
@@ -180,11 +184,12 @@ __device__ __forceinline__ int wait_flag(const u64* flag, const u64* abort_word,
         if (ld_acquire_sys(abort_word) != 0) return ERR_ABORTED;
         if ((ld_acquire_sys(mask_word) >> r) & 1ull) return 0;
         if (((++spins) & 63) == 0) {
-            if (host != nullptr) {  // (host memory: a slower read, so not every spin)
+            const i64 waited = (i64)(globaltimer() - start);
+            if (host != nullptr && waited > HOST_POLL_AFTER_NS) {  // (see HOST_POLL_AFTER_NS)
                 if (host[HOST_WORD_ABORT] != 0) return ERR_ABORTED;
                 if ((host[HOST_WORD_GONE] >> r) & 1ull) return 0;
             }
-            if ((i64)(globaltimer() - start) > timeout_ns) return ERR_DEADLINE;
+            if (waited > timeout_ns) return ERR_DEADLINE;
         }
     }
     return 0;

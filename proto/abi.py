@@ -42,6 +42,7 @@ CTRL_MASK = 80  # bit r: rank r went away (shrink groups): the kernels' waits sk
 CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host memory; 0: none)
 HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host
 HOST_WORD_GONE = 1  # host word: bit r = rank r went away (shrink groups)
+HOST_POLL_AFTER_NS = 1_000_000  # a kernel's wait reads the host words only after 1 ms
 CTRL_LIVE_MASK = 97  # bit r: rank r is masked by a call (alive, so its flags are still awaited)
 # Rejoin of a replacement (server/backends/cuda.py, CudaRankComm.rejoin), host-written words:
 CTRL_REJOIN_HELLO = 98  # the replacement's nonce, written into each taking-part rank's block
