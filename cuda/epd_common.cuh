@@ -45,10 +45,12 @@ typedef unsigned long long u64;
 // Host words: mapped host memory of the rank's engine, which its host writes with no GPU work
 // (an abort, a rank that went away), so that no kernel or stream wait queued ahead can delay
 // them: under MPS one parked client stream can stall a hardware queue the engine's own
-// streams share. A wait polls them only once it has waited HOST_POLL_AFTER_NS (then every 64
-// spins): reads of host memory from spinning threads slowed every call ~8x on the H200 (a D
-// low-latency pair 0.48 -> 3.7 ms, docs/BENCHMARKS.md), and what they carry (an abort, a rank
-// gone) only has to beat deadlines of seconds.
+// streams share. The engine also writes both into the control blocks (by kernels it does not
+// await), so the host words are the backstop for a stuck queue, read only where a wait has
+// lasted HOST_POLL_AFTER_NS: in the wait (then every 64 spins) and by the code right after
+// such a wait (host_gone). Nowhere else: the single reads at every kernel's entry slowed each
+// call ~6x on the H200 (a D low-latency pair 0.46 -> 2.8 ms; reads inside the waits on top:
+// 3.7 ms; docs/BENCHMARKS.md), and what they carry only has to beat deadlines of seconds.
 #define HOST_WORD_ABORT 0         // nonzero: the group was aborted (value = code)
 #define HOST_WORD_GONE 1          // bit r: rank r went away (shrink groups)
 #define HOST_POLL_AFTER_NS 1000000  // a wait reads the host words after 1 ms, not sooner
@@ -160,16 +162,21 @@ __device__ __forceinline__ const volatile u64* host_words(const u64* ctrl) {
         *reinterpret_cast<const volatile u64*>(ctrl + CTRL_HOST_WORDS));
 }
 
-// The ranks that went away: the control block's mask (other engines' ranks) and the host's.
+// The ranks that went away, as the control block says (the host words: host_gone).
 __device__ __forceinline__ u64 gone_ranks(const u64* ctrl) {
-    const volatile u64* h = host_words(ctrl);
-    return ld_acquire_sys(ctrl + CTRL_MASK) | (h != nullptr ? h[HOST_WORD_GONE] : 0ull);
+    return ld_acquire_sys(ctrl + CTRL_MASK);
 }
 
-__device__ __forceinline__ u64 abort_code(const u64* ctrl) {
+// The ranks that went away as the engine's host words say: only after a wait that lasted
+// HOST_POLL_AFTER_NS, which may have let a rank go by its host word alone.
+__device__ __forceinline__ u64 host_gone(const u64* ctrl) {
     const volatile u64* h = host_words(ctrl);
-    const u64 code = ld_acquire_sys(ctrl + CTRL_ABORT);
-    return code != 0 ? code : (h != nullptr ? h[HOST_WORD_ABORT] : 0ull);
+    return h != nullptr ? h[HOST_WORD_GONE] : 0ull;
+}
+
+// The group's abort code as the control block says (a wait also sees the host word's).
+__device__ __forceinline__ u64 abort_code(const u64* ctrl) {
+    return ld_acquire_sys(ctrl + CTRL_ABORT);
 }
 
 // Spin until flags[r] >= seq, or rank r is masked (it went away: not waited for). Returns 0, or

@@ -487,16 +487,26 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
     typedef typename Tr::word word;
     constexpr int V = Tr::kPerVec;
     u64* my_ctrl = ctrl_of(peers, rank);
+    const u64 wait_start = globaltimer();
     if (!block_go(my_ctrl, block_wait_all(my_ctrl, CTRL_LL_COMBINE_FLAG, R, seq, timeout_ns,
                                           PHASE_LL_COMBINE))) {
         signal_done(peers, R, rank, CTRL_LL_COMBINE_READY, seq);  // (the group has failed)
         return;
     }
     // The ranks the dispatch left out (their rows never came; a rank left out itself gets
-    // zeros), and after the wait a rank that went away meanwhile (its rows never came back).
+    // zeros), and after the wait a rank that went away meanwhile (its rows never came back):
+    // by the control block, and by the host words if the wait lasted long enough to let a rank
+    // go by them (HOST_POLL_AFTER_NS). One value for the whole block.
+    __shared__ u64 s_gone;
+    if (threadIdx.x == 0) {
+        u64 g = gone_ranks(my_ctrl);
+        if ((i64)(globaltimer() - wait_start) > HOST_POLL_AFTER_NS) g |= host_gone(my_ctrl);
+        s_gone = g;
+    }
+    __syncthreads();
     const char* my_base = reinterpret_cast<const char*>(peers[rank]);
     const u64 left = *reinterpret_cast<const u64*>(my_base + o_topk);
-    const u64 gone = left | gone_ranks(my_ctrl);
+    const u64 gone = left | s_gone;
     const bool out_all = (left >> rank) & 1ull;
     const word* comb = reinterpret_cast<const word*>(my_base + o_comb);
     const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk + LL_TOPK_HEADER);

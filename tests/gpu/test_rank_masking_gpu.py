@@ -164,10 +164,12 @@ def test_live_rank_masked_by_a_call_on_the_cuda_engine(daemon) -> None:
 
 
 def _rejoin_rank(rank: int, socket: str, device: int, step1_done, joined, survivors,
-                 q) -> None:
+                 queried, q) -> None:
     """Ranks 0 and 1 take part throughout; rank 2 goes away after step 0; "rank" 3 is the
     replacement for rank 2 (on rank 2's GPU and engine): refused at its first call, then the
-    Rejoin collective, then steps 2 and 3 with all three ranks."""
+    Rejoin collective, then steps 2 and 3 with all three ranks. The three read the mask, then
+    wait for each other before leaving (a rank that has left is masked: the ninth session's
+    run saw rank 1 leave before rank 0 read it)."""
     import torch
 
     from epd.client import EpdError
@@ -216,6 +218,7 @@ def _rejoin_rank(rank: int, socket: str, device: int, step1_done, joined, surviv
     mask = torch.full((R,), 7, dtype=torch.int32, device=device)
     buf.low_latency_query_mask_buffer(mask)
     res["mask"] = mask.cpu().numpy()
+    queried.wait(60)
     buf.destroy()
     q.put(res)
 
@@ -225,8 +228,9 @@ def test_a_replacement_rejoins_on_the_cuda_engine(daemon) -> None:
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     step1_done, joined, survivors = ctx.Event(), ctx.Event(), ctx.Barrier(2)
+    queried = ctx.Barrier(3)  # ranks 0, 1 and the replacement, before any leaves
     endpoints = [daemon.socket(r % GPU_COUNT) for r in (0, 1, 2, 2)]
-    results = _spawn_ranks(daemon, _rejoin_rank, 4, step1_done, joined, survivors,
+    results = _spawn_ranks(daemon, _rejoin_rank, 4, step1_done, joined, survivors, queried,
                            endpoints=endpoints)
     by_rank = {0: results[0], 1: results[1], 2: results[3]}
     assert set(results[2]["steps"]) == {0}  # the original rank 2: step 0, then gone
