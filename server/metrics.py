@@ -17,7 +17,10 @@ a slot when a group ends would not bound the files, the scrape or the memory.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -66,6 +69,60 @@ class _GroupLabelled:
 
 class GroupCounter(_GroupLabelled, Counter):
     pass
+
+
+# -- updates in batches, for the threads that serve calls -------------------------------------
+class Batch:
+    """One thread's counter increments and histogram observations, held until `flush()`. In
+    multiprocess mode every update is a write into a mapped file (measured here: 2.6 µs per
+    increment, 4.7 µs per observation), and a call makes five to ten of them: as much as issue
+    10's host budget for the whole call. The fast-path and poller threads apply theirs when they
+    go idle and every few hundred calls, so a scrape lags a busy thread by at most that."""
+
+    def __init__(self) -> None:
+        self._inc: dict[Any, float] = {}
+        self._obs: list[tuple[Any, float]] = []
+
+    def flush(self) -> None:
+        inc, self._inc = self._inc, {}
+        obs, self._obs = self._obs, []
+        for child, value in inc.items():
+            child.inc(value)
+        for child, value in obs:
+            child.observe(value)
+
+
+_thread = threading.local()
+
+
+def inc(child: Any, value: float = 1.0) -> None:
+    """`child.inc(value)`, held in the calling thread's batch if it has one."""
+    batch: Batch | None = getattr(_thread, "batch", None)
+    if batch is None:
+        child.inc(value)
+    else:
+        batch._inc[child] = batch._inc.get(child, 0.0) + value
+
+
+def observe(child: Any, value: float) -> None:
+    """`child.observe(value)`, held in the calling thread's batch if it has one."""
+    batch: Batch | None = getattr(_thread, "batch", None)
+    if batch is None:
+        child.observe(value)
+    else:
+        batch._obs.append((child, value))
+
+
+@contextlib.contextmanager
+def batched() -> Iterator[Batch]:
+    """The calling thread's metric updates go into a batch until the block ends (flushed then);
+    the thread flushes it meanwhile where it chooses."""
+    batch = _thread.batch = Batch()
+    try:
+        yield batch
+    finally:
+        _thread.batch = None
+        batch.flush()
 
 
 class GroupGauge(_GroupLabelled, Gauge):

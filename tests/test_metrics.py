@@ -97,3 +97,37 @@ def test_grpc_health_unknown_service(daemon):
         health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service="nope"), timeout=5)
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_batch_holds_updates_until_it_is_flushed():
+    """metrics.batched(): a serving thread's increments and observations reach Prometheus at
+    flush (summed, none lost); outside a batch, and on other threads, at once."""
+    import threading
+
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+
+    from epd.server import metrics
+
+    reg = CollectorRegistry()
+    c = Counter("t_batch", "t", ["g"], registry=reg)
+    h = Histogram("t_batch_seconds", "t", ["g"], registry=reg, buckets=(1.0,))
+
+    def get(name, **labels):
+        return reg.get_sample_value(name, labels) or 0.0
+
+    metrics.inc(c.labels("a"), 2)
+    assert get("t_batch_total", g="a") == 2  # no batch: at once
+    with metrics.batched() as batch:
+        for _ in range(3):
+            metrics.inc(c.labels("a"), 5)
+            metrics.observe(h.labels("a"), 0.5)
+        other = threading.Thread(target=lambda: metrics.inc(c.labels("b"), 7))
+        other.start()
+        other.join()
+        assert get("t_batch_total", g="b") == 7  # another thread has no batch
+        assert get("t_batch_total", g="a") == 2 and get("t_batch_seconds_count", g="a") == 0
+        batch.flush()
+        assert get("t_batch_total", g="a") == 17 and get("t_batch_seconds_count", g="a") == 3
+        metrics.inc(c.labels("a"), 1)
+    assert get("t_batch_total", g="a") == 18  # flushed when the block ends
+    assert get("t_batch_seconds_sum", g="a") == 1.5

@@ -56,6 +56,7 @@ class FastPathServer:
         # counter update costs several microseconds, a round trip's budget.
         self._counts: dict[tuple[str, str], int] = {}
         self._cpu: dict[str, float] = {}  # thread CPU seconds of the work, by method
+        self._batch: metrics.Batch | None = None  # the ring thread's other metric updates
 
     def start(self) -> None:
         self.thread.start()
@@ -98,6 +99,11 @@ class FastPathServer:
         return False
 
     def _serve(self) -> None:
+        # Its metric updates go in a batch, applied with the request counts (_flush_counts).
+        with metrics.batched() as self._batch:
+            self._serve_profiled()
+
+    def _serve_profiled(self) -> None:
         self.engine.backend.thread_init()
         # EPD_PROFILE_DIR: profile this thread (cProfile is per thread) for host-overhead work.
         prof_dir = os.environ.get("EPD_PROFILE_DIR")
@@ -145,6 +151,8 @@ class FastPathServer:
         cpu, self._cpu = self._cpu, {}
         for method, seconds in cpu.items():
             metrics.REQUEST_CPU_SECONDS.labels(method, "fastpath").inc(seconds)
+        if self._batch is not None:
+            self._batch.flush()
 
     def _handle(self, ring_id: int, data: bytes) -> tuple[int, bytes]:
         """One request: (status value, response or error message)."""

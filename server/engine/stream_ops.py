@@ -55,6 +55,7 @@ REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE  # int32 words of the op's c
 DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
 KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
 IDLE_WAIT_SECONDS = 1.0  # the poller's sleep with nothing armed (arming wakes it)
+FLUSH_EVERY = 256  # launches between metric flushes while busy
 STOP_SECONDS = 10.0  # stop(): longest wait for the poller thread
 
 
@@ -92,6 +93,7 @@ class StreamOps:
         self.ops: dict[int, StreamOp] = {}
         self.chains: dict[int, Chain] = {}  # by id(member)
         self._cpu: dict[str, float] = {}  # the poller's launch CPU not yet in Prometheus
+        self._batch: metrics.Batch | None = None  # the poller thread's metric updates
         self._next_id = 1
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -267,8 +269,15 @@ class StreamOps:
                 self._flush_cpu()
 
     def _poll(self) -> None:
+        # Its metric updates go in a batch, applied when idle or every FLUSH_EVERY launches
+        # (metrics.Batch: a multiprocess update costs microseconds of an op's path).
+        with metrics.batched() as self._batch:
+            self._poll_loop()
+
+    def _poll_loop(self) -> None:
         self.engine.backend.thread_init()
         cfg = self.engine.config
+        launched = 0
         spin_s, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
         last = looked = time.perf_counter()
         while not self._stop:
@@ -293,6 +302,9 @@ class StreamOps:
             now = time.perf_counter()
             if fired:
                 last = now
+                launched += 1
+                if launched % FLUSH_EVERY == 0:
+                    self._flush_cpu()
             elif now - last > spin_s:
                 self._flush_cpu()
                 time.sleep(period)
@@ -305,6 +317,8 @@ class StreamOps:
         cpu, self._cpu = self._cpu, {}
         for method, seconds in cpu.items():
             metrics.REQUEST_CPU_SECONDS.labels(method, "poller").inc(seconds)
+        if self._batch is not None:
+            self._batch.flush()
 
     def _top_up(self) -> bool:
         """Keep every chain's instances enqueued; count the calls the chains ran."""
@@ -318,7 +332,7 @@ class StreamOps:
                 continue
             for kind in kinds:
                 name = KIND_DISPATCH if kind == abi.LLX_DISPATCH else KIND_COMBINE
-                metrics.REQUESTS.labels(f"Stream{name}", "OK").inc()
+                metrics.inc(metrics.REQUESTS.labels(f"Stream{name}", "OK"))
                 if kind == abi.LLX_DISPATCH:
                     c.member.dispatches += 1
                 else:
@@ -346,9 +360,10 @@ class StreamOps:
                     op.member.dispatches += 1
                 else:
                     op.member.combines += 1
-            metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind).observe(
-                time.perf_counter() - t0)
-            metrics.STREAM_OP_DETECT_SECONDS.labels(op.member.spec.name, op.kind).observe(gap)
+            metrics.observe(metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind),
+                            time.perf_counter() - t0)
+            metrics.observe(metrics.STREAM_OP_DETECT_SECONDS.labels(op.member.spec.name,
+                                                                    op.kind), gap)
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
@@ -356,6 +371,6 @@ class StreamOps:
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
-            metrics.REQUESTS.labels(f"Stream{op.kind}", code).inc()
+            metrics.inc(metrics.REQUESTS.labels(f"Stream{op.kind}", code))
             method = f"Stream{op.kind}"
             self._cpu[method] = self._cpu.get(method, 0.0) + time.thread_time() - cpu0
