@@ -351,6 +351,7 @@ class ShmRegion(Region):
             self._release_fd()
             raise
         self._base = np.frombuffer(self._mm, dtype=np.uint8)
+        self._base_address = self._base.ctypes.data  # (`.ctypes` builds an object per use)
 
     def _release_fd(self) -> None:
         if self.fd >= 0:
@@ -364,7 +365,7 @@ class ShmRegion(Region):
                           strides=tuple(s * dtype.itemsize for s in strides))
 
     def offset_of(self, array: np.ndarray) -> int:
-        return array.__array_interface__["data"][0] - self._base.ctypes.data
+        return array.__array_interface__["data"][0] - self._base_address
 
     def close(self) -> None:
         self._base = None  # type: ignore[assignment]
