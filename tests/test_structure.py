@@ -143,3 +143,40 @@ def test_readme_layout_table_names_every_module():
             missing.append(f.relative_to(ROOT).as_posix())
     assert not missing, "modules the README's layout table does not mention:\n" + \
         "\n".join(sorted(missing))
+
+
+def test_host_threads_spin_without_timed_sleeps():
+    """A spin that lets other threads run calls spin.relax(), never time.sleep(0): a timed
+    sleep is rounded up by Linux's timer slack (~60 µs per look, every hop of a call paid it
+    for sessions; proto/spin.py)."""
+    found = []
+    for top in ("server", "client", "proto"):
+        for f in (ROOT / top).rglob("*.py"):
+            if f == ROOT / "proto" / "spin.py":  # (its fallback, and why it is not used)
+                continue
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                if re.search(r"\bsleep\(\s*0(\.0*)?\s*\)", line):
+                    found.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, "timed zero sleeps (use spin.relax()):\n" + "\n".join(found)
+
+
+def test_kernels_read_host_words_only_after_long_waits():
+    """The kernels reach the engine's host control words only through wait_flag's branch
+    after HOST_POLL_AFTER_NS and host_gone() right after such a wait: reads on a kernel's fast
+    path made every call several times slower for three sessions (docs/GPU_NOTES.md)."""
+    text = "\n".join(f.read_text() for f in sorted((ROOT / "cuda").glob("*.cu*")))
+    calls = [m.start() for m in re.finditer(r"\bhost_words\(", text)]
+    # the definition, wait_flag's caller (block_wait_all) and host_gone: nothing else
+    owners = set()
+    for pos in calls:
+        head = text.rfind("__device__", 0, pos)
+        owners.add(re.search(r"(\w+)\(", text[head:]).group(1))
+    assert owners <= {"host_words", "block_wait_all", "host_gone"}, owners
+    body = text[text.index("int wait_flag("):]
+    body = body[:body.index("\n}\n")]
+    assert re.search(r"host != nullptr && waited > HOST_POLL_AFTER_NS", body), \
+        "wait_flag reads the host words before HOST_POLL_AFTER_NS"
+    uses = [m.start() for m in re.finditer(r"\bhost_gone\(", text)]
+    for pos in uses[1:]:  # (uses[0]: its definition)
+        line = text[text.rfind("\n", 0, pos):text.find("\n", pos)]
+        assert "HOST_POLL_AFTER_NS" in line, f"host_gone() outside a long wait: {line.strip()}"
