@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_s9_run.sh verify  # after the host-words fix: the low-latency pair
 #        (probe_calls), `epd bench --shapes D --low-latency`, the masking, low-latency and
 #        intranode GPU tests (the kernels' waits changed)
+#   bash benchmarks/gpu_s9_run.sh next    # the next session's first call: ade4cab's kernels
+#        (host words off the fast path) on the GPU tests they touch, then the issue-10 rows
+#        (probe_calls D normal + low latency, `epd bench` D) on the committed code
 #   bash benchmarks/gpu_s9_run.sh suite   # the GPU suite without the cluster/masking files
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
@@ -47,10 +50,19 @@ case "${1:-}" in
     step ll 110 "tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py"
     step intranode 100 "tests/gpu/test_intranode.py"
     ;;
+  next)
+    step masking 130 "tests/gpu/test_rank_masking_gpu.py"
+    step ll 110 "tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py"
+    step intranode 100 "tests/gpu/test_intranode.py"
+    timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 60 --mps on \
+        --low-latency 2>&1 | clean | tail -10 | tee "$OUT/next_probe.txt"
+    timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
+        --json "$OUT/bench_next.json" 2>&1 | clean | tail -24 | tee "$OUT/bench_next.txt"
+    ;;
   suite)
     step suite 540 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
     ;;
-  *) echo "usage: $0 hop|verify|suite" >&2; exit 2 ;;
+  *) echo "usage: $0 hop|verify|next|suite" >&2; exit 2 ;;
 esac
