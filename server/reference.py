@@ -462,6 +462,115 @@ def combine(ys: list[np.ndarray], dispatched: list[RankDispatch], num_tokens: li
 
 
 # --------------------------------------------------------------------------------------------
+# normal mode over nodes, hierarchical: two flat stages (docs/DESIGN_NOTES.md, "hierarchical
+# normal mode as two flat collectives"; the semantics a backend building it must match)
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class HierarchicalDispatch:
+    """A normal dispatch over `num_nodes` nodes of L ranks each (rank = node * L + local index)
+    as two flat stages: the *rail* of local index i (one rank per node; rail rank b holds node
+    b's experts) carries each token once to every node that holds one of its experts, then
+    each *node* dispatches what arrived to its ranks."""
+
+    num_nodes: int
+    rail: list[list[RankDispatch]]  # [i][b]: what rank (b, i) received as rail rank b
+    node: list[list[RankDispatch]]  # [b][j]: what rank (b, j) received: the outputs
+
+    @property
+    def ranks_per_node(self) -> int:
+        return len(self.rail)
+
+    def received(self, rank: int) -> RankDispatch:
+        """Rank `rank`'s outputs. Rows are ordered by forwarder (the node rank that passed
+        them on), then source node, then token; recv_src_rank / recv_src_idx name the
+        forwarder and its row (`sources` gives the original rank and token)."""
+        b, j = divmod(rank, self.ranks_per_node)
+        return self.node[b][j]
+
+    def sources(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source rank, source token index) of each row `rank` received."""
+        ln = self.ranks_per_node
+        b = rank // ln
+        rd = self.received(rank)
+        src_rank = np.full(len(rd.recv_src_rank), -1, np.int32)
+        src_idx = np.full(len(rd.recv_src_idx), -1, np.int32)
+        for n, (i, u) in enumerate(zip(rd.recv_src_rank, rd.recv_src_idx, strict=True)):
+            if i < 0:
+                continue
+            fwd = self.rail[i][b]  # what forwarder (b, i) received on its rail
+            src_rank[n] = fwd.recv_src_rank[u] * ln + i
+            src_idx[n] = fwd.recv_src_idx[u]
+        return src_rank, src_idx
+
+
+def hierarchical_dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray],
+                          topk_weights: list[np.ndarray], num_experts: int, num_nodes: int, *,
+                          x_scales: list[np.ndarray] | None = None,
+                          expert_alignment: int = 1) -> HierarchicalDispatch:
+    """Normal dispatch over nodes (see HierarchicalDispatch). Per rank, the same rows, top-k ids,
+    weights, scales and per-expert counts as ``dispatch``, in the order above."""
+    num_ranks = len(xs)
+    if num_nodes < 1 or num_ranks % num_nodes:
+        raise ValueError(f"{num_ranks} ranks cannot be split into {num_nodes} nodes of equal "
+                         f"size")
+    _check_experts(num_experts, num_ranks)
+    ln = num_ranks // num_nodes
+
+    def pick(values: list[np.ndarray] | None, i: int) -> list[np.ndarray] | None:
+        return None if values is None else [values[a * ln + i] for a in range(num_nodes)]
+
+    rail = [dispatch(pick(xs, i), pick(topk_idx, i), pick(topk_weights, i), num_experts,
+                     x_scales=pick(x_scales, i)) for i in range(ln)]
+    node = []
+    for b in range(num_nodes):
+        got = [rail[i][b] for i in range(ln)]
+        node.append(dispatch(
+            [g.recv_x for g in got], [g.recv_topk_idx for g in got],
+            [g.recv_topk_weights for g in got], num_experts // num_nodes,
+            x_scales=None if x_scales is None else [g.recv_x_scales for g in got],
+            expert_alignment=expert_alignment))
+    return HierarchicalDispatch(num_nodes, rail, node)
+
+
+def hierarchical_combine(ys: list[np.ndarray], dispatched: HierarchicalDispatch,
+                         num_tokens: list[int], *,
+                         recv_topk_weights: list[np.ndarray] | None = None,
+                         bias_0: list[np.ndarray] | None = None,
+                         bias_1: list[np.ndarray] | None = None
+                         ) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """The reverse of ``hierarchical_dispatch``: each node sums its ranks' rows of a token
+    (fp32 from zero, local rank ascending) and rounds the partial to ys' dtype, then the source
+    adds the biases and every node's partial (fp32, node ascending) and rounds once more:
+    out = round(bias_0 + bias_1 + sum_b round(sum_j y)). Weights sum the same way (fp32)."""
+    nn, ln = dispatched.num_nodes, dispatched.ranks_per_node
+    num_ranks = nn * ln
+    _check_rank_list("ys", ys, num_ranks)
+    _check_rank_list("num_tokens", num_tokens, num_ranks)
+    partials = []  # [b][i]: (partial rows, partial weights) of forwarder (b, i)
+    for b in range(nn):
+        partials.append(combine(
+            [ys[b * ln + j] for j in range(ln)], dispatched.node[b],
+            [dispatched.rail[i][b].recv_x.shape[0] for i in range(ln)],
+            recv_topk_weights=(None if recv_topk_weights is None else
+                               [recv_topk_weights[b * ln + j] for j in range(ln)])))
+    out: list[tuple[np.ndarray, np.ndarray | None]] = [None] * num_ranks  # type: ignore[list-item]
+
+    def pick(values: list[np.ndarray] | None, i: int) -> list[np.ndarray] | None:
+        return None if values is None else [values[a * ln + i] for a in range(nn)]
+
+    for i in range(ln):
+        res = combine([partials[b][i][0] for b in range(nn)], dispatched.rail[i],
+                      [num_tokens[a * ln + i] for a in range(nn)],
+                      recv_topk_weights=(None if recv_topk_weights is None else
+                                         [partials[b][i][1] for b in range(nn)]),
+                      bias_0=pick(bias_0, i), bias_1=pick(bias_1, i))
+        for a in range(nn):
+            out[a * ln + i] = res[a]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # low-latency mode
 # --------------------------------------------------------------------------------------------
 
