@@ -196,11 +196,18 @@ def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k:
     xs = [ref.random_x(rng, t, h, BFLOAT16) for t in tokens]
     _poison(g)
     mine = ranks_of(g)
+    # Every rank's inputs on the device before any rank launches (as run_dispatch: an upload
+    # between two ranks' launches can wait for the first's kernel, which spins on the second;
+    # the likely cause of the 8-ranks-per-PE failure across logical nodes, ninth session).
+    ins = {}
     for s, runner in mine:
         with cp.cuda.Device(runner.device_id), runner.stream:
-            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(idxs[s]), m, fp8=fp8,
-                               round_scale=round_scale, timeout_ns=TIMEOUT_NS, num_sms=num_sms,
-                               buffer=buffer)
+            ins[s] = (cp.asarray(raw(xs[s])), cp.asarray(idxs[s]))
+    g.synchronize()
+    for s, runner in mine:
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.ll_dispatch(*ins[s], m, fp8=fp8, round_scale=round_scale,
+                               timeout_ns=TIMEOUT_NS, num_sms=num_sms, buffer=buffer)
     g.synchronize()
     for _, runner in mine:
         assert runner.error() is None, runner.error()
@@ -214,14 +221,16 @@ def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k:
     # counts, which check_ll_dispatch found equal to the GPU's.)
     ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
     expected = ref.low_latency_combine(ys, want, comb_idx, ws, e)
-    outs = {}
+    outs, ins = {}, {}
+    for s, runner in mine:  # (inputs and poisoned outputs first, as for the dispatch)
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            ins[s] = (cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]), cp.asarray(ws[s]))
+            outs[s] = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
+    g.synchronize()
     for s, runner in mine:
         with cp.cuda.Device(runner.device_id), runner.stream:
-            out = cp.full((tokens[s], h), 0xFFFF, cp.uint16)  # poison: NaN
-            runner.ll_combine(cp.asarray(raw(ys[s])), cp.asarray(comb_idx[s]),
-                              cp.asarray(ws[s]), out, m, timeout_ns=TIMEOUT_NS,
-                              num_sms=num_sms, buffer=buffer)
-            outs[s] = out
+            runner.ll_combine(*ins[s], outs[s], m, timeout_ns=TIMEOUT_NS, num_sms=num_sms,
+                              buffer=buffer)
     g.synchronize()
     for _, runner in mine:
         assert runner.error() is None, runner.error()
