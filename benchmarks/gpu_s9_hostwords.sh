@@ -2,7 +2,9 @@
 # Ninth session: the low-latency pair went from ~500 us to ~3.5-5.5 ms at 9147f4b (host control
 # words polled by the kernels). One GPU read of mapped host memory vs a device word, without and
 # under MPS; then probe_calls' low-latency rows with the host words (work) and without
-# (.bisect/nohost: the engine never gives the kernels their address).
+# (.bisect/nohost: the engine never gives the kernels their address; made by hand, then deleted:
+# `git archive 308d1a2 server proto cuda client benchmarks tests/daemon_harness.py` into it and
+# CudaRankComm's memcpy of the host words' address into CTRL_HOST_WORDS removed).
 set -u
 source benchmarks/gpu_env.sh
 {

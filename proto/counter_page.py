@@ -67,7 +67,7 @@ def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
 def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[int]] | None:
     """Spin (then back off) until the slot carries `sequence`; None on timeout. The spin lets
     go of the GIL at every look (spin.py: the engine's other sessions need it)."""
-    if not spin.wait_until(lambda: int(words[SEQ]) >= sequence, timeout, spin=5e-4):
+    if not spin.wait_until(lambda: int(words[SEQ]) >= sequence, timeout):
         return None
     n = int(words[NUM_EXPERTS])
     return int(words[NUM_RECV]), [int(v) for v in words[HEADER_WORDS:HEADER_WORDS + n]]

@@ -58,7 +58,7 @@ def set_timer_slack_ns(ns: int) -> bool:
     return prctl is not None and prctl(PR_SET_TIMERSLACK, int(ns), 0, 0, 0) == 0
 
 
-def wait_until(ready: Callable[[], bool], timeout: float, *, spin: float = 2e-3,
+def wait_until(ready: Callable[[], bool], timeout: float, *, spin: float = 5e-4,
                nap: float = 20e-6) -> bool:
     """Until `ready()` (True) or `timeout` seconds (False): `relax()` between looks for the
     first `spin` seconds, then sleep `nap` between looks."""

@@ -205,9 +205,6 @@ class Supervisor:
         # The engines inherit the daemon's lock: a second daemon on this socket folder cannot
         # start before the last engine of this one has exited.
         keep = (self.lock_fd,) if self.lock_fd is not None else ()
-        # An engine inherits the forking thread's timer slack: fine from its first instruction,
-        # so every thread it has gets it (one started by an import too; proto/spin.py).
-        spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
                                    "--index", str(e.index)], env=env, pass_fds=keep)
         e.ready = False
@@ -566,6 +563,9 @@ def run(cfg: Config) -> int:
     lock_fd: int | None = None
     metrics_dir, owned = "", False
     sup: Supervisor | None = None
+    # Engines inherit the timer slack of the thread that forks them, this one: fine from their
+    # first instruction, so every engine thread has it (one an import starts too; proto/spin.py).
+    spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)

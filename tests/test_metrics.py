@@ -115,19 +115,19 @@ def test_a_batch_holds_updates_until_it_is_flushed():
     def get(name, **labels):
         return reg.get_sample_value(name, labels) or 0.0
 
-    metrics.inc(c.labels("a"), 2)
+    metrics.inc(c, ("a",), 2)
     assert get("t_batch_total", g="a") == 2  # no batch: at once
     with metrics.batched() as batch:
         for _ in range(3):
-            metrics.inc(c.labels("a"), 5)
-            metrics.observe(h.labels("a"), 0.5)
-        other = threading.Thread(target=lambda: metrics.inc(c.labels("b"), 7))
+            metrics.inc(c, ("a",), 5)
+            metrics.observe(h, ("a",), 0.5)
+        other = threading.Thread(target=lambda: metrics.inc(c, ("b",), 7))
         other.start()
         other.join()
         assert get("t_batch_total", g="b") == 7  # another thread has no batch
         assert get("t_batch_total", g="a") == 2 and get("t_batch_seconds_count", g="a") == 0
         batch.flush()
         assert get("t_batch_total", g="a") == 17 and get("t_batch_seconds_count", g="a") == 3
-        metrics.inc(c.labels("a"), 1)
+        metrics.inc(c, ("a",), 1)
     assert get("t_batch_total", g="a") == 18  # flushed when the block ends
     assert get("t_batch_seconds_sum", g="a") == 1.5

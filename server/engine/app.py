@@ -19,7 +19,7 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ...proto import fd_channel, spin
+from ...proto import fd_channel
 from .. import config as config_mod
 from .. import metrics
 from ..backends import make_backend
@@ -107,9 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     # Several threads serve calls (one fast-path thread per session, the stream-op poller, the
     # event loop): a thread that wakes for a call must not wait the default 5 ms for the GIL.
     sys.setswitchinterval(GIL_SWITCH_SECONDS)
-    # Before any thread starts (they inherit it): the short sleeps of its waits last what they
-    # say, not 50 µs more (proto/spin.py).
-    spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
     try:
         import uvloop  # optional: only its absence falls back, not an ImportError inside
     except ImportError:

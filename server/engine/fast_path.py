@@ -51,12 +51,10 @@ class FastPathServer:
             rid: (op, engine.operation(op.name)) for rid, op in operations.BY_RING_ID.items()}
         self.thread = threading.Thread(target=self._serve, daemon=True,
                                        name=f"epd-fast-{session.session_id[:6]}")
-        # Request counts by (method, code), added to the Prometheus counter in batches (when
-        # the thread is about to sleep, every FLUSH_EVERY requests, at stop): one multiprocess
-        # counter update costs several microseconds, a round trip's budget.
-        self._counts: dict[tuple[str, str], int] = {}
-        self._cpu: dict[str, float] = {}  # thread CPU seconds of the work, by method
-        self._batch: metrics.Batch | None = None  # the ring thread's other metric updates
+        # The thread's metric updates (request counts, their CPU, the operations' own), added
+        # to Prometheus in batches when it is about to sleep, every FLUSH_EVERY requests and at
+        # stop: one multiprocess update costs several microseconds, a round trip's budget.
+        self._batch: metrics.Batch | None = None
 
     def start(self) -> None:
         self.thread.start()
@@ -89,7 +87,7 @@ class FastPathServer:
                 # waiting for it) and without a timed sleep (spin.py: ~60 µs per look).
                 spin.relax()
                 continue
-            self._flush_counts()
+            self._flush_metrics()
             bell = int(ring.header[R.DOORBELL])
             ring.header[R.ENGINE_WAITING] = 1
             if not (words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq):
@@ -99,8 +97,7 @@ class FastPathServer:
         return False
 
     def _serve(self) -> None:
-        # Its metric updates go in a batch, applied with the request counts (_flush_counts).
-        with metrics.batched() as self._batch:
+        with metrics.batched() as self._batch:  # (applied by _flush_metrics)
             self._serve_profiled()
 
     def _serve_profiled(self) -> None:
@@ -141,16 +138,10 @@ class FastPathServer:
             R.futex_wake(state_addr)
             seq += 1
             if not seq % FLUSH_EVERY:
-                self._flush_counts()
-        self._flush_counts()
+                self._flush_metrics()
+        self._flush_metrics()
 
-    def _flush_counts(self) -> None:
-        counts, self._counts = self._counts, {}
-        for (method, code), n in counts.items():
-            metrics.REQUESTS.labels(method, code).inc(n)
-        cpu, self._cpu = self._cpu, {}
-        for method, seconds in cpu.items():
-            metrics.REQUEST_CPU_SECONDS.labels(method, "fastpath").inc(seconds)
+    def _flush_metrics(self) -> None:
         if self._batch is not None:
             self._batch.flush()
 
@@ -190,6 +181,6 @@ class FastPathServer:
             del err
             return answer
         finally:
-            key = (method, code.name)
-            self._counts[key] = self._counts.get(key, 0) + 1
-            self._cpu[method] = self._cpu.get(method, 0.0) + time.thread_time() - cpu0
+            metrics.inc(metrics.REQUESTS, (method, code.name))
+            metrics.inc(metrics.REQUEST_CPU_SECONDS, (method, "fastpath"),
+                        time.thread_time() - cpu0)

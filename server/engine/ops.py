@@ -53,7 +53,7 @@ class DataPlane:
             if isinstance(e, DeadlineExceeded):
                 metrics.TIMEOUTS.labels(member.spec.name).inc()
             raise
-        metrics.observe(histogram.labels(member.spec.name, path, self.backend.name),
+        metrics.observe(histogram, (member.spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
         self._count_traffic(member, out)
         return out
@@ -63,8 +63,8 @@ class DataPlane:
         member.bytes_sent += out.bytes_sent
         member.bytes_received += out.bytes_received
         peer = self.backend.peer_class
-        metrics.inc(metrics.BYTES_SENT.labels(member.spec.name, peer), out.bytes_sent)
-        metrics.inc(metrics.BYTES_RECEIVED.labels(member.spec.name, peer), out.bytes_received)
+        metrics.inc(metrics.BYTES_SENT, (member.spec.name, peer), out.bytes_sent)
+        metrics.inc(metrics.BYTES_RECEIVED, (member.spec.name, peer), out.bytes_received)
 
     @staticmethod
     def _queued(session: Session, member: GroupMember) -> None:
@@ -73,8 +73,8 @@ class DataPlane:
         waited = session.executor.waited
         member.queued_calls += 1
         member.queue_wait_seconds += waited
-        metrics.observe(metrics.QUEUE_WAIT_SECONDS.labels(member.spec.name,
-                                                          member.service_class), waited)
+        metrics.observe(metrics.QUEUE_WAIT_SECONDS, (member.spec.name, member.service_class),
+                        waited)
 
     def _check_alive(self, member: GroupMember, stream_ordered: bool = False) -> None:
         """Refuse a call on an aborted group. A stream-ordered call asks only what this host
@@ -126,7 +126,7 @@ class DataPlane:
         t0 = time.perf_counter()
         self._check_values(session, req.ready_event, spec, idx)
         out = member.comm.layout(idx)
-        metrics.observe(metrics.LAYOUT_SECONDS.labels(spec.name, path, self.backend.name),
+        metrics.observe(metrics.LAYOUT_SECONDS, (spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
         per_expert = self.backend.to_host(out.num_tokens_per_expert)
         if per_expert.size and per_expert.mean() > 0:
@@ -246,11 +246,11 @@ class DataPlane:
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_tokens,
                                                           rows_out))
         member.dispatches += 1
-        metrics.inc(metrics.RECV_TOKENS.labels(spec.name), out.num_recv_tokens)
+        metrics.inc(metrics.RECV_TOKENS, (spec.name,), out.num_recv_tokens)
         if self.config.per_expert_metrics and out.num_recv_tokens_per_expert:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(out.num_recv_tokens_per_expert):
-                metrics.inc(metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)), c)
+                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.name, str(base + i)), c)
         return dispatch_response(member, req, out, handle_id, sequence)
 
     def _no_topk_routing(self, session: Session, spec: GroupSpec, req: epd_pb2.DispatchRequest,
@@ -530,11 +530,11 @@ class DataPlane:
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
                                                           kind=LOW_LATENCY, num_max=m))
         member.dispatches += 1
-        metrics.inc(metrics.RECV_TOKENS.labels(spec.name), out.num_recv_rows)
+        metrics.inc(metrics.RECV_TOKENS, (spec.name,), out.num_recv_rows)
         if self.config.per_expert_metrics and out.num_recv_rows:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(self.backend.to_host(out.recv_count)):
-                metrics.inc(metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)), int(c))
+                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.name, str(base + i)), int(c))
         return ll_dispatch_response(member, out, req.use_fp8, handle_id)
 
     def ll_combine_args(self, session: Session, member: GroupMember,

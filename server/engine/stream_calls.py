@@ -116,12 +116,12 @@ class StreamCalls:
         spec = member.spec
         nbytes = n * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_received += nbytes
-        metrics.inc(metrics.BYTES_RECEIVED.labels(spec.name, self.backend.peer_class), nbytes)
-        metrics.inc(metrics.RECV_TOKENS.labels(spec.name), n)
+        metrics.inc(metrics.BYTES_RECEIVED, (spec.name, self.backend.peer_class), nbytes)
+        metrics.inc(metrics.RECV_TOKENS, (spec.name,), n)
         if self.config.per_expert_metrics and per_expert:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(per_expert):
-                metrics.inc(metrics.EXPERT_RECV_TOKENS.labels(spec.name, str(base + i)), c)
+                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.name, str(base + i)), c)
 
     def _resolve_all(self, session: Session, member: GroupMember) -> None:
         """Before the counter slot takes another dispatch's counts."""
@@ -146,7 +146,7 @@ class StreamCalls:
         seq = self._next_stream_seq(member)
         t0 = time.perf_counter()
         member.comm.stream_layout(idx, outs, slot, seq)
-        metrics.observe(metrics.LAYOUT_SECONDS.labels(spec.name, path, self.backend.name),
+        metrics.observe(metrics.LAYOUT_SECONDS, (spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
         return epd_pb2.GetDispatchLayoutResponse(
             num_tokens_per_rank=req.num_tokens_per_rank_out,
@@ -169,10 +169,10 @@ class StreamCalls:
         t0 = time.perf_counter()
         out = member.comm.stream_dispatch(args, slot, sequence, time.monotonic() + timeout, seq,
                                           num_sms)
-        metrics.observe(metrics.DISPATCH_SECONDS.labels(spec.name, path, self.backend.name),
+        metrics.observe(metrics.DISPATCH_SECONDS, (spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
         member.bytes_sent += out.bytes_sent
-        metrics.inc(metrics.BYTES_SENT.labels(spec.name, self.backend.peer_class), out.bytes_sent)
+        metrics.inc(metrics.BYTES_SENT, (spec.name, self.backend.peer_class), out.bytes_sent)
         t = int(args.x.shape[0])
         pending = out.num_recv_tokens < 0
         info = HandleInfo(out.handle, t, out.num_recv_tokens,
@@ -204,11 +204,11 @@ class StreamCalls:
         t0 = time.perf_counter()
         member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout, seq,
                                    num_sms)
-        metrics.observe(metrics.COMBINE_SECONDS.labels(spec.name, path, self.backend.name),
+        metrics.observe(metrics.COMBINE_SECONDS, (spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
         nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_sent += nbytes
-        metrics.inc(metrics.BYTES_SENT.labels(spec.name, self.backend.peer_class), nbytes)
+        metrics.inc(metrics.BYTES_SENT, (spec.name, self.backend.peer_class), nbytes)
         member.combines += 1
         resp = epd_pb2.CombineResponse(combined_x=req.out, stream_seq=seq)
         if out_w is not None:

@@ -92,7 +92,6 @@ class StreamOps:
         self.engine = engine
         self.ops: dict[int, StreamOp] = {}
         self.chains: dict[int, Chain] = {}  # by id(member)
-        self._cpu: dict[str, float] = {}  # the poller's launch CPU not yet in Prometheus
         self._batch: metrics.Batch | None = None  # the poller thread's metric updates
         self._next_id = 1
         self._lock = threading.Lock()
@@ -266,7 +265,7 @@ class StreamOps:
         if self._thread is not None:
             self._thread.join(timeout=STOP_SECONDS)
             if not self._thread.is_alive():
-                self._flush_cpu()
+                self._flush_metrics()
 
     def _poll(self) -> None:
         # Its metric updates go in a batch, applied when idle or every FLUSH_EVERY launches
@@ -283,7 +282,7 @@ class StreamOps:
         while not self._stop:
             ops = list(self.ops.values())
             if not ops:  # nothing armed: sleep until an op is armed
-                self._flush_cpu()
+                self._flush_metrics()
                 self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 looked = time.perf_counter()
@@ -304,19 +303,16 @@ class StreamOps:
                 last = now
                 launched += 1
                 if launched % FLUSH_EVERY == 0:
-                    self._flush_cpu()
+                    self._flush_metrics()
             elif now - last > spin_s:
-                self._flush_cpu()
+                self._flush_metrics()
                 time.sleep(period)
             else:
                 spin.relax()  # without the GIL (the sessions' threads need it), no timer
 
-    def _flush_cpu(self) -> None:
-        """Add the launches' CPU to Prometheus once idle (a multiprocess counter update costs
-        several µs: not on a call's path, as the fast path's request counts)."""
-        cpu, self._cpu = self._cpu, {}
-        for method, seconds in cpu.items():
-            metrics.REQUEST_CPU_SECONDS.labels(method, "poller").inc(seconds)
+    def _flush_metrics(self) -> None:
+        """Apply the poller's metric updates (launch counts, CPU, times) once idle or every
+        FLUSH_EVERY launches (a multiprocess update costs several µs: not on a call's path)."""
         if self._batch is not None:
             self._batch.flush()
 
@@ -332,7 +328,7 @@ class StreamOps:
                 continue
             for kind in kinds:
                 name = KIND_DISPATCH if kind == abi.LLX_DISPATCH else KIND_COMBINE
-                metrics.inc(metrics.REQUESTS.labels(f"Stream{name}", "OK"))
+                metrics.inc(metrics.REQUESTS, (f"Stream{name}", "OK"))
                 if kind == abi.LLX_DISPATCH:
                     c.member.dispatches += 1
                 else:
@@ -360,10 +356,9 @@ class StreamOps:
                     op.member.dispatches += 1
                 else:
                     op.member.combines += 1
-            metrics.observe(metrics.STREAM_OP_LAUNCH_SECONDS.labels(op.member.spec.name, op.kind),
+            metrics.observe(metrics.STREAM_OP_LAUNCH_SECONDS, (op.member.spec.name, op.kind),
                             time.perf_counter() - t0)
-            metrics.observe(metrics.STREAM_OP_DETECT_SECONDS.labels(op.member.spec.name,
-                                                                    op.kind), gap)
+            metrics.observe(metrics.STREAM_OP_DETECT_SECONDS, (op.member.spec.name, op.kind), gap)
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
@@ -371,6 +366,6 @@ class StreamOps:
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
-            metrics.inc(metrics.REQUESTS.labels(f"Stream{op.kind}", code))
             method = f"Stream{op.kind}"
-            self._cpu[method] = self._cpu.get(method, 0.0) + time.thread_time() - cpu0
+            metrics.inc(metrics.REQUESTS, (method, code))
+            metrics.inc(metrics.REQUEST_CPU_SECONDS, (method, "poller"), time.thread_time() - cpu0)
