@@ -5,6 +5,7 @@
 #        probe_calls' normal-mode rows at D, MPS on; the collapsed stacks come back gzipped
 #        (benchmarks/spy_summary.py reads them); then the 8-ranks-per-PE low-latency case
 #        across logical nodes with the harness fix (6afe291)
+#   bash benchmarks/gpu_s10_run.sh spy2    # the same profile without native frames
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -19,5 +20,14 @@ case "${1:-}" in
     gzip -c /tmp/spy.txt > "$OUT/spy_raw.txt.gz"; ls -la /tmp/spy.txt "$OUT"
     step across8 200 "-s 'tests/gpu/test_nvshmem.py::test_low_latency_across_logical_nodes[8]'"
     ;;
-  *) echo "usage: $0 spy" >&2; exit 2 ;;
+  spy2)  # (spy's native sampling fell 77 s behind and py-spy crashed: Python frames only)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/spy \
+        .whl/py_spy*.whl || exit 1
+    timeout 240 /tmp/spy/bin/py-spy record --subprocesses --threads --nonblocking --rate 200 \
+        --format raw -o /tmp/spy.txt -- python3 -P benchmarks/probe_calls.py --tokens 128 \
+        --iters 300 --mps on --rows "layout,dispatch,combine" 2>&1 | clean | tail -12 \
+        | tee "$OUT/spy_probe.txt"
+    gzip -c /tmp/spy.txt > "$OUT/spy_raw.txt.gz"; ls -la /tmp/spy.txt "$OUT"
+    ;;
+  *) echo "usage: $0 spy|spy2" >&2; exit 2 ;;
 esac
