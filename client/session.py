@@ -444,6 +444,10 @@ class Group:
         self.service_class = service_class_name(resp.service_class)
         # Node rank of each rank when the group spans nodes (cluster mode), else empty.
         self.rank_nodes: tuple[int, ...] = tuple(resp.rank_nodes)
+        # Normal mode runs DeepEP's hierarchical semantics (a group over several nodes placed
+        # node-major, on the cpu backend): rows ordered by forwarder, then source node, then
+        # token; recv_src_idx names the forwarder's row; combine rounds a partial sum per node.
+        self.hierarchical: bool = bool(resp.hierarchical)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
         self._counter_slot = resp.counter_slot

@@ -362,6 +362,9 @@ class Case:
     use_torch: bool = False
     layout: bool = True
     rounds: int = 1  # dispatch/combine rounds (results of the last one are returned)
+    # > 1: the group is placed node-major over this many nodes and runs hierarchical normal
+    # mode (checked against reference.hierarchical_dispatch / hierarchical_combine)
+    nodes: int = 1
 
     @property
     def local_experts(self) -> int:
@@ -474,6 +477,7 @@ def case_round(session, group, case: Case, rank: int) -> dict[str, Any]:
         res["cached_recv_x"] = as_numpy(out2.recv_x)
         res["cached_recv_x_scales"] = as_numpy(out2.recv_x_scales)
         res["cached_num_recv_tokens"] = out2.num_recv_tokens
+        res["cached_recv_src_idx"] = as_numpy(out2.recv_src_idx)
     res["staging_used"] = session.memory.staging.file is not None  # cpu backend (ShmMemory)
     res["session_id"] = session.session_id
     res["group_id"] = group.group_id
@@ -530,23 +534,46 @@ def reference(case: Case) -> dict[str, Any]:
     idxs = [i["topk_idx"] for i in inputs]
     ws = [i["topk_weights"] for i in inputs]
     scales = [i["x_scales"] for i in inputs] if case.fp8 else None
-    disp = ref.dispatch(xs, idxs, ws, e, x_scales=scales, expert_alignment=case.expert_alignment)
+    hier = None
+    if case.nodes > 1:
+        hier = ref.hierarchical_dispatch(xs, idxs, ws, e, case.nodes, x_scales=scales,
+                                         expert_alignment=case.expert_alignment)
+        disp = [hier.received(d) for d in range(r)]
+        # rank_prefix_matrix counts the rows from each original source (sources <= s), as on
+        # one node, although a hierarchical group's rows follow the forwarders
+        per_source = np.stack([np.bincount(hier.sources(d)[0], minlength=r) for d in range(r)],
+                              axis=1)
+        prefix = np.cumsum(per_source, axis=0).astype(np.int32)
+    else:
+        disp = ref.dispatch(xs, idxs, ws, e, x_scales=scales,
+                            expert_alignment=case.expert_alignment)
+        prefix = np.stack([d.src_offsets[1:] for d in disp], axis=1).astype(np.int32)
     counts = [(len(d.recv_x), list(d.num_recv_tokens_per_expert)) for d in disp]
-    prefix = np.stack([d.src_offsets[1:] for d in disp], axis=1).astype(np.int32)
     if case.num_worst_tokens:
         disp = [ref.pad_to_worst(d, case.num_worst_tokens) for d in disp]
     ys = [expert_out(d.recv_x, d.recv_x_scales, d.recv_topk_idx, d.recv_topk_weights, rank,
                      case.local_experts) for rank, d in enumerate(disp)]
-    comb = ref.combine(ys, disp, list(case.tokens),
-                       recv_topk_weights=([d.recv_topk_weights for d in disp]
-                                          if case.combine_weights else None),
-                       bias_0=[i["bias_0"] for i in inputs] if case.bias else None,
-                       bias_1=[i["bias_1"] for i in inputs] if case.bias else None)
+    weights = [d.recv_topk_weights for d in disp] if case.combine_weights else None
+    biases = dict(bias_0=[i["bias_0"] for i in inputs] if case.bias else None,
+                  bias_1=[i["bias_1"] for i in inputs] if case.bias else None)
+    if hier is not None:  # (its stages hold the real rows only: padding cut off)
+        real = [n for n, _ in counts]
+        comb = ref.hierarchical_combine(
+            [y[:n] for y, n in zip(ys, real, strict=True)], hier, list(case.tokens),
+            recv_topk_weights=(None if weights is None else
+                               [w[:n] for w, n in zip(weights, real, strict=True)]), **biases)
+    else:
+        comb = ref.combine(ys, disp, list(case.tokens), recv_topk_weights=weights, **biases)
     out = {"disp": disp, "counts": counts, "prefix": prefix, "comb": comb,
            "layout": [ref.get_dispatch_layout(i, e, r) for i in idxs]}
     if case.cached:
-        cached = ref.dispatch([i["x2"] for i in inputs], idxs, ws, e,
-                              x_scales=[i["x2_scales"] for i in inputs] if case.fp8 else None)
+        x2 = [i["x2"] for i in inputs]
+        s2 = [i["x2_scales"] for i in inputs] if case.fp8 else None
+        if hier is not None:
+            h2 = ref.hierarchical_dispatch(x2, idxs, ws, e, case.nodes, x_scales=s2)
+            cached = [h2.received(d) for d in range(r)]
+        else:
+            cached = ref.dispatch(x2, idxs, ws, e, x_scales=s2)
         if case.num_worst_tokens:
             cached = [ref.pad_to_worst(d, case.num_worst_tokens) for d in cached]
         out["cached"] = cached
@@ -599,6 +626,9 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> dict[str, Any]:
                 assert_exact(res["cached_recv_x_scales"], c.recv_x_scales,
                              f"{tag} cached recv_x_scales")
             assert res["cached_num_recv_tokens"] == n
+            if case.nodes > 1:  # the handle's rows again: each one's forwarder row
+                assert_exact(res["cached_recv_src_idx"], c.recv_src_idx,
+                             f"{tag} cached recv_src_idx")
     return want
 
 

@@ -408,8 +408,9 @@ def rounds_ok(pool, c: Case, workers: list[int]) -> None:
 
 def test_node_killed_aborts_its_spanning_groups_and_restart_rejoins(ranks):
     with cluster([1, 1, 1]) as cl:
-        spanning = case(2)  # nodes 0 and 1
-        other = case(2)  # nodes 0 and 2: does not span node 1
+        # (node-major over two nodes: hierarchical normal mode, test_cluster_hierarchical.py)
+        spanning = case(2, nodes=2)  # nodes 0 and 1
+        other = case(2, nodes=2)  # nodes 0 and 2: does not span node 1
         t_span = start_members(ranks, [cl.ep(0), cl.ep(1)], spanning)
         t_other = start_members(ranks, [cl.ep(0), cl.ep(2)], other, first=2)
         rounds_ok(ranks, spanning, [0, 1])
@@ -436,7 +437,7 @@ def test_node_killed_aborts_its_spanning_groups_and_restart_rejoins(ranks):
 
 def test_node0_killed_other_nodes_keep_local_groups_and_rejoin(ranks):
     with cluster([1, 1]) as cl:
-        spanning = case(2)
+        spanning = case(2, nodes=2)
         local = case(2)  # both ranks on node 1
         t_span = start_members(ranks, [cl.ep(0), cl.ep(1)], spanning)
         t_local = start_members(ranks, [cl.ep(1), cl.ep(1)], local, first=2)
@@ -458,7 +459,7 @@ def test_node0_killed_other_nodes_keep_local_groups_and_rejoin(ranks):
         run(ranks, case(2), [cl.ep(1), cl.ep(1)])  # new node-local groups form meanwhile
         cl.start(0)
         cl.wait_registered()
-        run(ranks, case(2), [cl.ep(1), cl.ep(0)])
+        run(ranks, case(2), [cl.ep(1), cl.ep(0)])  # (not node-major: flat)
 
 
 def test_a_hung_node_loses_its_lease_and_comes_back(ranks):
@@ -466,7 +467,7 @@ def test_a_hung_node_loses_its_lease_and_comes_back(ranks):
     stop) loses its lease after the missed heartbeats; node 0 aborts the groups spanning it,
     naming the node. Resumed, the node registers again and spanning groups form anew."""
     with cluster([1, 1]) as cl:
-        spanning = case(2)
+        spanning = case(2, nodes=2)
         t_span = start_members(ranks, [cl.ep(0), cl.ep(1)], spanning)
         rounds_ok(ranks, spanning, [0, 1])
         sup = cl.nodes[1].proc.pid
@@ -483,7 +484,7 @@ def test_a_hung_node_loses_its_lease_and_comes_back(ranks):
         ranks.kill(1)  # its member's group is gone; the client starts over
         finish(ranks, [t_span[0]], [0])
         cl.wait_registered()  # the resumed node registers again
-        run(ranks, case(2), [cl.ep(0), cl.ep(1)])
+        run(ranks, case(2, nodes=2), [cl.ep(0), cl.ep(1)])
 
 
 def _shrink_member(endpoint: str, rank: int, name: str) -> dict:

@@ -279,7 +279,7 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class", "rank_nodes")
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class", "rank_nodes", "hierarchical")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +288,7 @@ class JoinGroupResponse(_message.Message):
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
+    HIERARCHICAL_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     output_region_id: str
@@ -296,7 +297,8 @@ class JoinGroupResponse(_message.Message):
     counter_slot: int
     service_class: ServiceClass
     rank_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., rank_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    hierarchical: bool
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., rank_nodes: _Optional[_Iterable[int]] = ..., hierarchical: _Optional[bool] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
     __slots__ = ("session_id", "group_id")

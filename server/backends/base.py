@@ -331,6 +331,9 @@ class RankComm(abc.ABC):
     # How the device schedules this rank, by its group's service class (0: not applicable, the
     # cpu backend): the CUDA priority of its stream (lower is more urgent) and the blocks of its
     # normal-mode and low-latency data kernels. A client's num_sms is bounded by `num_sms`.
+    # Normal mode runs hierarchical semantics over nodes (reference.hierarchical_dispatch /
+    # hierarchical_combine) rather than the flat ones; reported to the client at join.
+    hierarchical: bool = False
     stream_priority: int = 0
     num_sms: int = 0
     ll_num_sms: int = 0

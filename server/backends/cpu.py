@@ -60,6 +60,7 @@ from .base import (
     Region,
     check_combine_routing,
 )
+from .cpu_hierarchical import Hierarchy
 
 PAGE = 4096
 _HEADER_BYTES = 4 * PAGE
@@ -402,10 +403,13 @@ class _Handle:
     is_token_in_rank: np.ndarray  # [T, R] this rank's tokens
     num_tokens: int
     rank_prefix: np.ndarray  # [R, R] int64: rows source s sends to destination d
-    recv_src_rank: np.ndarray  # [N] as receiver
-    recv_src_idx: np.ndarray  # [N]
+    recv_src_rank: np.ndarray  # [N] as receiver: source rank of each row
+    recv_src_idx: np.ndarray  # [N] source token of each row
     num_recv_tokens: int
     num_worst_tokens: int
+    # [N] the recv_src_idx output: recv_src_idx, or in a hierarchical group each row's index
+    # in its forwarder's rail list (cpu_hierarchical)
+    shown_src_idx: np.ndarray
 
 
 @dataclass
@@ -495,6 +499,17 @@ class CpuRankComm(RankComm):
         # A replacement taking the place of a rank that went away: it waits for the group's
         # Rejoin collective before it takes part (its collective number comes from there).
         self._rejoining = bool(spec.shrink and self._mask[self.rank] == self.MASK_GONE)
+        # Normal mode over nodes placed node-major: hierarchical semantics (cpu_hierarchical);
+        # every destination then takes its sources in this order (flat: rank order).
+        self.hierarchy = Hierarchy.of(membership.rank_nodes)
+        self._order = (self.hierarchy.source_order() if self.hierarchy is not None
+                       else list(range(spec.num_ranks)))
+        # the sources whose blocks precede mine on every destination
+        self._before_me = np.array(self._order[:self._order.index(self.rank)], dtype=np.intp)
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.hierarchy is not None
 
     # -- shared-memory plumbing ------------------------------------------------------------
     def _slot_array(self, rank: int, field: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -767,6 +782,11 @@ class CpuRankComm(RankComm):
         seq = self._begin(deadline, "dispatch")
 
         def write_inputs() -> None:  # into this rank's slot (the "send buffer")
+            if no_topk and self.hierarchy is not None:  # (rejected: the peers fail at once)
+                raise InvalidArgument(
+                    f"group {spec.name!r} runs hierarchical normal mode over "
+                    f"{self.hierarchy.num_nodes} nodes, whose node stage routes by top-k ids: "
+                    f"dispatch without top-k (is_token_in_rank only) is not supported there")
             if overflow:
                 return
             meta = self._meta(me)
@@ -788,8 +808,10 @@ class CpuRankComm(RankComm):
         self._agree(seq)
 
         # Notify: who sends what to whom, from every source's routing.
+        hier = self.hierarchy
         if cached is None:
             src_rows: list[np.ndarray] = []
+            node_rows: list[np.ndarray] = []  # hierarchical: tokens with an expert on my node
             rank_prefix = np.zeros((r, r), dtype=np.int64)
             per_expert = np.zeros(lx, dtype=np.int64)
             for s in range(r):
@@ -808,15 +830,21 @@ class CpuRankComm(RankComm):
                     rank_prefix[s, d] = np.count_nonzero((dest == d).any(axis=1))
                 mine = dest == me
                 src_rows.append(np.nonzero(mine.any(axis=1))[0])
+                if hier is not None:
+                    on_node = (dest >= 0) & (dest // hier.per_node == me // hier.per_node)
+                    node_rows.append(np.nonzero(on_node.any(axis=1))[0])
                 per_expert += np.bincount(idx[mine] - me * lx, minlength=lx)[:lx]
             num_recv = int(rank_prefix[:, me].sum())
             align = max(args.expert_alignment, 1)
             aligned = [int(-(-c // align) * align) for c in per_expert]
             counter_page.publish(counter_slot, sequence, num_recv, aligned)
+            order = self._order  # rows by source in this order (flat: rank order)
             recv_src_rank = np.concatenate(
-                [np.full(len(rows), s, np.int32) for s, rows in enumerate(src_rows)]
+                [np.full(len(src_rows[s]), s, np.int32) for s in order]
             ) if r else np.zeros(0, np.int32)
-            recv_src_idx = np.concatenate(src_rows).astype(np.int32)
+            recv_src_idx = np.concatenate([src_rows[s] for s in order]).astype(np.int32)
+            shown_src_idx = (recv_src_idx if hier is None else
+                             hier.forwarder_rows(me, node_rows, src_rows))
             if no_topk:
                 in_rank = np.asarray(args.is_token_in_rank, dtype=np.bool_)
             else:
@@ -827,6 +855,7 @@ class CpuRankComm(RankComm):
             aligned = []
             counter_page.publish(counter_slot, sequence, num_recv, aligned)
             recv_src_rank, recv_src_idx = cached.recv_src_rank, cached.recv_src_idx
+            shown_src_idx = cached.shown_src_idx
             in_rank = cached.is_token_in_rank
 
         rows_out = num_recv
@@ -837,7 +866,7 @@ class CpuRankComm(RankComm):
                                       f"{args.num_worst_tokens}")
             rows_out = args.num_worst_tokens
 
-        # Data: pull the rows, block by block in source order.
+        # Data: pull the rows, block by block in source order (hierarchical: self._order).
         out = self._out
         k = spec.num_topk
         recv_x = out.get("recv_x", (rows_out, h), xdt)
@@ -849,7 +878,7 @@ class CpuRankComm(RankComm):
             if with_topk else None
         bytes_received = 0
         pos = 0
-        for s in range(r):
+        for s in self._order:
             sel = recv_src_idx[recv_src_rank == s]
             n = len(sel)
             if n == 0:
@@ -878,14 +907,14 @@ class CpuRankComm(RankComm):
                 recv_idx[num_recv:] = -1
                 recv_w[num_recv:] = 0
         src_idx_out = out.get("recv_src_idx", (rows_out,), np.int32)
-        src_idx_out[:num_recv] = recv_src_idx
+        src_idx_out[:num_recv] = shown_src_idx
         src_idx_out[num_recv:] = -1
         prefix_out = out.get("rank_prefix_matrix", (r, r), np.int32)
         prefix_out[:] = np.cumsum(rank_prefix, axis=0)
         handle = _Handle(sequence=seq, is_token_in_rank=in_rank.copy(), num_tokens=t,
                          rank_prefix=rank_prefix, recv_src_rank=recv_src_rank,
                          recv_src_idx=recv_src_idx, num_recv_tokens=num_recv,
-                         num_worst_tokens=args.num_worst_tokens)
+                         num_worst_tokens=args.num_worst_tokens, shown_src_idx=shown_src_idx)
         bytes_sent = int(in_rank.sum()) * h * xdt.itemsize
         return DispatchOutputs(
             recv_x=recv_x, recv_x_scales=recv_scales, recv_topk_idx=recv_idx,
@@ -927,18 +956,35 @@ class CpuRankComm(RankComm):
             acc += args.bias_1.astype(np.float32)
         acc_w = np.zeros((t, k), dtype=np.float32) if has_w else None
         bytes_received = 0
-        for d in range(r):
+
+        def rows_from(d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+            """(my tokens on d, their rows of d's expert output, their weights): my block
+            on d starts after those of the sources d takes before me."""
+            nonlocal bytes_received
             mine = np.nonzero(handle.is_token_in_rank[:, d])[0]
             if len(mine) == 0:
-                continue
-            start = int(handle.rank_prefix[:me, d].sum())
+                return None
+            start = int(handle.rank_prefix[self._before_me, d].sum())
             nd = int(handle.rank_prefix[:, d].sum())
             y = self._slot_array(d, "y", (nd, h), spec.x_numpy_dtype)
-            acc[mine] += y[start:start + len(mine)].astype(np.float32)
             bytes_received += len(mine) * h * spec.x_numpy_dtype.itemsize
+            yw = None
             if acc_w is not None:  # every rank passed them (the headers agree)
                 yw = self._slot_array(d, "y_weights", (nd, k), np.float32)
-                acc_w[mine] += yw[start:start + len(mine)]
+                yw = yw[start:start + len(mine)]
+            return mine, y[start:start + len(mine)], yw
+
+        if self.hierarchy is not None:  # a rounded partial sum per node, nodes ascending
+            self.hierarchy.combine_into(acc, acc_w, spec.x_numpy_dtype, rows_from)
+        else:  # one fp32 sum over the destinations in rank order
+            for d in range(r):
+                got = rows_from(d)
+                if got is None:
+                    continue
+                mine, y, yw = got
+                acc[mine] += y.astype(np.float32)
+                if acc_w is not None:
+                    acc_w[mine] += yw
         self._arrive(seq, 2)
         out_x = self._out.get("combined_x", (t, h), spec.x_numpy_dtype)
         out_x[:] = acc.astype(spec.x_numpy_dtype)

@@ -499,8 +499,9 @@ class Engine(StreamCalls, DataPlane):
             await self._drop_member(session, member, "closed during join")
             raise Aborted("session closed during join")
         self._refresh_gauges()
-        log.info("%s joined group %r (%s) as rank %d/%d, service class %s", session.describe(),
-                 spec.name, member.group_id, req.rank, spec.num_ranks, member.service_class)
+        log.info("%s joined group %r (%s) as rank %d/%d, service class %s%s", session.describe(),
+                 spec.name, member.group_id, req.rank, spec.num_ranks, member.service_class,
+                 ", hierarchical normal mode over nodes" if comm.hierarchical else "")
         return member
 
     async def leave_group(self, session: Session, group_id: str) -> None:
