@@ -15,6 +15,8 @@ A collective is pull-based:
     5. raise the "done reading" word.
 
 The barrier that frees the slots (step 1) is paid by the next collective, off this one's path.
+A normal-mode group over several nodes placed node-major takes its sources in DeepEP's
+hierarchical order and sums a rounded partial per node in combine (cpu_hierarchical.py).
 It is a real implementation used for CI and laptops; it is never used to claim GPU results.
 """
 
