@@ -6,6 +6,7 @@
 #        (benchmarks/spy_summary.py reads them); then the 8-ranks-per-PE low-latency case
 #        across logical nodes with the harness fix (6afe291)
 #   bash benchmarks/gpu_s10_run.sh spy2    # the same profile without native frames
+#   bash benchmarks/gpu_s10_run.sh launch  # probe_launch_cost.py: the engine's driver calls alone
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -29,5 +30,20 @@ case "${1:-}" in
         | tee "$OUT/spy_probe.txt"
     gzip -c /tmp/spy.txt > "$OUT/spy_raw.txt.gz"; ls -la /tmp/spy.txt "$OUT"
     ;;
-  *) echo "usage: $0 spy|spy2" >&2; exit 2 ;;
+  launch)  # the driver calls alone: their host time without/with MPS, 1 or 32 connections
+    for conn in default 32; do
+      c=(); [ "$conn" = 32 ] && c=(CUDA_DEVICE_MAX_CONNECTIONS=32)
+      env "${c[@]}" timeout 90 python3 -P benchmarks/probe_launch_cost.py --iters 300 \
+          --label "no-mps conn=$conn" --json "$OUT/launch_nomps_$conn.json" 2>&1 | clean
+    done
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p /tmp/mps_pipe /tmp/mps_log && nvidia-cuda-mps-control -d
+    for conn in default 32; do
+      c=(); [ "$conn" = 32 ] && c=(CUDA_DEVICE_MAX_CONNECTIONS=32)
+      env "${c[@]}" timeout 90 python3 -P benchmarks/probe_launch_cost.py --iters 300 \
+          --label "mps conn=$conn" --json "$OUT/launch_mps_$conn.json" 2>&1 | clean
+    done
+    echo quit | nvidia-cuda-mps-control
+    ;;
+  *) echo "usage: $0 spy|spy2|launch" >&2; exit 2 ;;
 esac

@@ -32,8 +32,10 @@ def main() -> int:
                 continue
             n = int(count)
             frames = stack.split(";")
-            proc = frames[0][:90]
-            body = [fr for fr in frames[1:] if not fr.startswith("thread ")]
+            # (with --subprocesses a child's frames follow its parent's process frame)
+            at = max(i for i, fr in enumerate(frames) if fr.startswith("process ") or i == 0)
+            proc = frames[at][:90]
+            body = [fr for fr in frames[at + 1:] if not fr.startswith("thread ")]
             if ns.match and not any(ns.match in fr for fr in body):
                 continue
             total[proc] += n
