@@ -69,15 +69,23 @@ def _c_kind(param: str) -> str:
     return {"int": "i32", "i64": "i64", "u64": "u64", "unsigned": "u32"}[ctype]
 
 
+_STRUCT_KINDS = {"Q": "u64", "q": "i64", "i": "i32", "I": "u32"}
+
+
+def _constant_name(arg: ast.AST) -> str | None:
+    """"name" / f"name<{...}>" -> the kernel's name."""
+    if isinstance(arg, ast.Constant):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and isinstance(arg.values[0], ast.Constant):
+        return arg.values[0].value.split("<")[0]
+    return None
+
+
 def _kernel_name(node: ast.AST) -> str | None:
     """`self.fn("name")` / `self.fn(f"name<{...}>")` -> the kernel's name."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "fn" and node.args):
-        arg = node.args[0]
-        if isinstance(arg, ast.Constant):
-            return arg.value
-        if isinstance(arg, ast.JoinedStr) and isinstance(arg.values[0], ast.Constant):
-            return arg.values[0].value.split("<")[0]
+        return _constant_name(node.args[0])
     return None
 
 
@@ -94,11 +102,19 @@ def _py_kind(node: ast.AST) -> str:
 
 def _launches() -> list[tuple[str, list[str], int]]:
     """(kernel, argument kinds, line) of every launch in cuda_kernels.py: CuPy calls
-    `self.fn(name)(grid, block, (args...))` and packed `Launch(self.fn(name), g, b, [...])`."""
+    `self.fn(name)(grid, block, (args...))`, packed `Launch(self.fn(name), g, b, [...])` and
+    `self._packed(name, FMT)(grid, block, shared, stream, *args)` (FMT: struct codes)."""
     tree = ast.parse(Path(ck.__file__).read_text())
     out = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if (isinstance(f, ast.Call) and isinstance(f.func, ast.Attribute)
+                and f.func.attr == "_packed"):
+            name = _constant_name(f.args[0])
+            fmt = getattr(ck, f.args[1].id)
+            out.append((name, [_STRUCT_KINDS[c] for c in fmt], node.lineno))
             continue
         name = _kernel_name(node.func)
         if name is not None and len(node.args) >= 3 and isinstance(node.args[2], ast.Tuple):

@@ -4,8 +4,10 @@ and the packed launches' argument positions against the kernel signatures in cud
 from __future__ import annotations
 
 import ast
+import ctypes
 import itertools
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,18 @@ def test_receive_buffer_arguments(kernel: str, args: dict[int, str]) -> None:
         assert params[index] == f"i64 o_{name}", (kernel, index, params[index])
     per_buffer = {f"i64 o_{n}" for n in ck.LowLatencyLayout.PER_BUFFER}
     assert {i for i, p in enumerate(params) if p in per_buffer} == set(args), kernel
+
+
+
+def test_packed_offsets_follow_native_alignment() -> None:
+    """Each argument's pointer lands on its own bytes: an int between 8-byte values is padded."""
+    fn = type("Fn", (), {"ptr": 1})()
+    p = ck.Packed(fn, "iqiQ")
+    base = ctypes.addressof(p._buf)
+    assert [a - base for a in p._argv] == [0, 8, 16, 24]
+    p._st.pack_into(p._buf, 0, -3, -(1 << 40), 7, (1 << 63) + 5)
+    raw = bytes(p._buf)
+    assert struct.unpack_from("<i", raw, 0)[0] == -3
+    assert struct.unpack_from("<q", raw, 8)[0] == -(1 << 40)
+    assert struct.unpack_from("<i", raw, 16)[0] == 7
+    assert struct.unpack_from("<Q", raw, 24)[0] == (1 << 63) + 5

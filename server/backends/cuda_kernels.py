@@ -20,6 +20,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,16 +259,55 @@ def _source(files: tuple[str, ...] = KERNEL_FILES) -> str:
     return header + "\n".join(bodies)
 
 
-def _ptr(a: Any) -> np.uint64:
-    if a is None:
-        return np.uint64(0)
-    if isinstance(a, int | np.integer):
-        return np.uint64(a)
-    return np.uint64(a.data.ptr)
-
-
 def _stream_ptr(stream: Any) -> Any:
     return stream if stream is not None else cp.cuda.get_current_stream()
+
+
+def _addr(a: Any) -> int:
+    """A device address for a packed argument: an array's, an int as given, None as 0."""
+    if a is None:
+        return 0
+    if isinstance(a, int | np.integer):
+        return int(a)
+    return int(a.data.ptr)
+
+
+def _handle_of(stream: Any) -> int:
+    return int(stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr)
+
+
+class Packed:
+    """A kernel launch whose arguments are packed by one `struct.pack_into` into a fixed
+    buffer the driver reads through a fixed `void*` array (the driver copies the values at the
+    launch, so the buffer is reused at once). The normal-mode launches take new addresses and
+    sizes every call, so unlike `Launch` nothing is kept between calls but the layout: CuPy's
+    conversion costs ~1 µs per argument (a dispatch has 31), this a few µs per launch, and
+    less of it with the GIL held (the engine's threads share it). Not thread-safe: one per
+    thread (`Kernels._packed`). `fmt`: struct codes in the kernel's parameter order."""
+
+    def __init__(self, fn: Any, fmt: str) -> None:
+        self._fn = int(fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr)
+        self._st = struct.Struct("@" + fmt)
+        self._buf = (ctypes.c_uint64 * (-(-self._st.size // 8)))()  # 8-byte aligned
+        base = ctypes.addressof(self._buf)
+        offsets = [struct.calcsize("@" + fmt[:i + 1]) - struct.calcsize("@" + c)
+                   for i, c in enumerate(fmt)]
+        self._argv = (ctypes.c_void_p * len(fmt))(*(base + o for o in offsets))
+        self._argv_addr = ctypes.addressof(self._argv)
+
+    def __call__(self, grid: int, block: int, shared: int, stream: int, *values: int) -> None:
+        self._st.pack_into(self._buf, 0, *values)
+        cp.cuda.driver.launchKernel(self._fn, grid, 1, 1, block, 1, 1, shared, stream,
+                                    self._argv_addr, 0)
+
+
+# Parameter codes of the normal-mode kernels (cuda/epd_intranode.cu): Q a pointer or u64,
+# q i64, i int. tests/test_cuda_compile.py checks them against the kernels' signatures.
+LAYOUT_ARGS = "QiiiiQQQQ"
+NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQ"
+DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqq"
+COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqq"
+COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQq"
 
 
 def _trait_for(dtype: Any) -> str:
@@ -298,6 +339,7 @@ class Kernels:
         self.module = cp.RawModule(code=_source(self.FILES), options=("-std=c++17", *extra_options),
                                    name_expressions=self.TEMPLATES)
         self._fn: dict[str, Any] = {}
+        self._tls = threading.local()  # this thread's Packed launches, by kernel name
 
     def fn(self, name: str) -> Any:
         f = self._fn.get(name)
@@ -305,6 +347,13 @@ class Kernels:
             f = self.module.get_function(name)
             self._fn[name] = f
         return f
+
+    def _packed(self, name: str, fmt: str) -> Packed:
+        cache = self._tls.__dict__
+        p = cache.get(name)
+        if p is None:
+            p = cache[name] = Packed(self.fn(name), fmt)
+        return p
 
     def compile_all(self) -> None:
         for n in (*self.NAMES, *self.TEMPLATES):
@@ -318,21 +367,22 @@ class Kernels:
         caller's tensors); `call_err`: the rank's control block, where a bad id is reported
         (it is skipped) instead of being read out of bounds."""
         t, k = topk_idx.shape
-        with _stream_ptr(stream):  # the zeroing runs on the same stream as the kernel
-            if out is None:
+        if out is None:
+            with _stream_ptr(stream):  # the zeroing runs on the same stream as the kernel
                 ntpr = cp.zeros(num_ranks, cp.int32)
                 ntpe = cp.zeros(num_experts, cp.int32)
                 itr = cp.empty((t, num_ranks), cp.bool_)
-            else:
-                ntpr, ntpe, itr = out  # contiguous int32 / int32 / bool (checked by the caller)
-                sp = cp.cuda.get_current_stream().ptr
-                cp.cuda.runtime.memsetAsync(ntpr.data.ptr, 0, ntpr.nbytes, sp)
-                cp.cuda.runtime.memsetAsync(ntpe.data.ptr, 0, ntpe.nbytes, sp)
-            if t:
-                self.fn("epd_layout")(((t + 255) // 256,), (256,),
-                                      (topk_idx, np.int32(t), np.int32(k),
-                                       np.int32(num_experts), np.int32(num_ranks), ntpr, ntpe,
-                                       itr, np.uint64(call_err)), shared_mem=4 * num_experts)
+            sp = _handle_of(stream)
+        else:
+            ntpr, ntpe, itr = out  # contiguous int32 / int32 / bool (checked by the caller)
+            sp = _handle_of(stream)
+            cp.cuda.runtime.memsetAsync(ntpr.data.ptr, 0, ntpr.nbytes, sp)
+            cp.cuda.runtime.memsetAsync(ntpe.data.ptr, 0, ntpe.nbytes, sp)
+        if t:
+            self._packed("epd_layout", LAYOUT_ARGS)(
+                (t + 255) // 256, 256, 4 * num_experts, sp,
+                _addr(topk_idx), t, k, num_experts, num_ranks, _addr(ntpr), _addr(ntpe),
+                _addr(itr), int(call_err))
         return ntpr, ntpe, itr
 
     # -- notify ----------------------------------------------------------------------------
@@ -357,17 +407,14 @@ class Kernels:
             t, k = topk_idx.shape
             in_rank = per_expert = None
         ntpr, ntpe, itr = layout_out if layout_out is not None else (None, None, None)
-        with _stream_ptr(stream):
-            self.fn("epd_notify")(
-                (1,), (NOTIFY_THREADS,),
-                (_ptr(topk_idx), np.int32(t), np.int32(k), np.int32(num_experts),
-                 np.int32(num_ranks),
-                 np.int32(rank), peers, np.uint64(seq), np.int64(timeout_ns),
-                 np.int32(alignment), np.int32(max_tokens), np.uint64(counter_slot_ptr),
-                 np.uint64(seq if counter_seq is None else counter_seq), handle.recv_info,
-                 handle.count_matrix, handle.rank_prefix, handle.token_mask, handle.pos,
-                 _ptr(ntpr), _ptr(ntpe), _ptr(itr), _ptr(in_rank), _ptr(per_expert)),
-                shared_mem=4 * num_experts)
+        self._packed("epd_notify", NOTIFY_ARGS)(
+            1, NOTIFY_THREADS, 4 * num_experts, _handle_of(stream),
+            _addr(topk_idx), t, k, num_experts, num_ranks, rank, _addr(peers), seq,
+            timeout_ns, alignment, max_tokens, counter_slot_ptr,
+            seq if counter_seq is None else counter_seq, _addr(handle.recv_info),
+            _addr(handle.count_matrix), _addr(handle.rank_prefix), _addr(handle.token_mask),
+            _addr(handle.pos), _addr(ntpr), _addr(ntpe), _addr(itr), _addr(in_rank),
+            _addr(per_expert))
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
@@ -380,20 +427,16 @@ class Kernels:
         sc_row = 0 if x_scales is None else x_scales.shape[1] * x_scales.itemsize
         o = layout.offsets
         k = layout.num_topk
-        with _stream_ptr(stream):
-            self.fn("epd_dispatch")(
-                (num_sms,), (DATA_THREADS,),
-                (x, np.int64(row_bytes), np.int64(x.strides[0]), _ptr(x_scales),
-                 np.int64(sc_row), np.int64(0 if x_scales is None else x_scales.strides[0]),
-                 _ptr(topk_idx), _ptr(topk_weights), np.int32(t), np.int32(k),
-                 np.int32(layout.num_local_experts), np.int32(layout.num_ranks), np.int32(rank),
-                 handle.token_mask, handle.pos, handle.rank_prefix, handle.recv_info, peers,
-                 np.int64(o["recv_x"]), np.int64(o["recv_x_scales"]),
-                 np.int64(o["recv_topk_idx"]), np.int64(o["recv_topk_weights"]),
-                 np.int64(o["recv_src_idx"]), np.int64(o["recv_src_rank"]),
-                 np.int32(num_worst_tokens), np.int32(topk_idx is not None),
-                 np.int32(x_scales is not None), np.int32(1 if barrier else 0), np.uint64(seq),
-                 np.int64(timeout_ns), np.int64(o.get("net_send", 0))))
+        self._packed("epd_dispatch", DISPATCH_ARGS)(
+            num_sms, DATA_THREADS, 0, _handle_of(stream),
+            _addr(x), row_bytes, x.strides[0], _addr(x_scales), sc_row,
+            0 if x_scales is None else x_scales.strides[0], _addr(topk_idx),
+            _addr(topk_weights), t, k, layout.num_local_experts, layout.num_ranks, rank,
+            _addr(handle.token_mask), _addr(handle.pos), _addr(handle.rank_prefix),
+            _addr(handle.recv_info), _addr(peers), o["recv_x"], o["recv_x_scales"],
+            o["recv_topk_idx"], o["recv_topk_weights"], o["recv_src_idx"], o["recv_src_rank"],
+            num_worst_tokens, int(topk_idx is not None), int(x_scales is not None),
+            1 if barrier else 0, seq, timeout_ns, o.get("net_send", 0))
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, y: Any, recv_topk_weights: Any | None, out: Any, out_weights: Any | None,
@@ -410,25 +453,23 @@ class Kernels:
         if (h * y.itemsize) % 16:
             raise ValueError("combine needs hidden * itemsize to be a multiple of 16 bytes")
         w_stride = 0 if recv_topk_weights is None else recv_topk_weights.strides[0] // 4
-        with _stream_ptr(stream):
-            self.fn("epd_combine_push")(
-                (num_sms,), (DATA_THREADS,),
-                (y, np.int64(h * y.itemsize), np.int64(y.strides[0]), _ptr(recv_topk_weights),
-                 np.int64(w_stride), np.int32(k), np.int32(r), np.int32(rank), handle.recv_info,
-                 handle.count_matrix, handle.rank_prefix, peers, np.int64(o["stage_y"]),
-                 np.int64(o["stage_w"]), np.int32(1 if barrier else 0), np.uint64(seq),
-                 np.int64(timeout_ns), np.int64(o.get("net_send", 0))))
-            isz = y.itemsize
-            self.fn(f"epd_combine_reduce<{_trait_for(y.dtype)}>")(
-                (num_sms,), (DATA_THREADS,),
-                (out, np.int64(out.strides[0] // isz), y, np.int64(y.strides[0] // isz),
-                 _ptr(bias_0), np.int64(0 if bias_0 is None else bias_0.strides[0] // isz),
-                 _ptr(bias_1), np.int64(0 if bias_1 is None else bias_1.strides[0] // isz),
-                 _ptr(out_weights), _ptr(recv_topk_weights), np.int64(w_stride),
-                 np.int32(handle.num_tokens), np.int32(h), np.int32(k), np.int32(r),
-                 np.int32(rank), handle.token_mask, handle.pos, handle.count_matrix,
-                 handle.rank_prefix, peers, np.int64(o["stage_y"]), np.int64(o["stage_w"]),
-                 np.uint64(seq), np.int64(timeout_ns)))
+        sp = _handle_of(stream)
+        self._packed("epd_combine_push", COMBINE_PUSH_ARGS)(
+            num_sms, DATA_THREADS, 0, sp,
+            _addr(y), h * y.itemsize, y.strides[0], _addr(recv_topk_weights), w_stride, k, r,
+            rank, _addr(handle.recv_info), _addr(handle.count_matrix),
+            _addr(handle.rank_prefix), _addr(peers), o["stage_y"], o["stage_w"],
+            1 if barrier else 0, seq, timeout_ns, o.get("net_send", 0))
+        isz = y.itemsize
+        self._packed(f"epd_combine_reduce<{_trait_for(y.dtype)}>", COMBINE_REDUCE_ARGS)(
+            num_sms, DATA_THREADS, 0, sp,
+            _addr(out), out.strides[0] // isz, _addr(y), y.strides[0] // isz, _addr(bias_0),
+            0 if bias_0 is None else bias_0.strides[0] // isz, _addr(bias_1),
+            0 if bias_1 is None else bias_1.strides[0] // isz, _addr(out_weights),
+            _addr(recv_topk_weights), w_stride, handle.num_tokens, h, k, r, rank,
+            _addr(handle.token_mask), _addr(handle.pos), _addr(handle.count_matrix),
+            _addr(handle.rank_prefix), _addr(peers), o["stage_y"], o["stage_w"], seq,
+            timeout_ns)
 
     # -- low-latency mode: packed launches (see `Launch`) ------------------------------------
     def ll_dispatch_launch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int,

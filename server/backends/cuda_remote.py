@@ -21,6 +21,7 @@ import ctypes
 import functools
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,7 @@ class RemoteKernels(ck.Kernels):
         nc.library_init(nc.NvshmemKernelObject.from_obj(self.linked))
         self.device_id = device_id
         self._fn: dict[str, Any] = {}
+        self._tls = threading.local()  # (as Kernels: this thread's packed launches)
 
     def fn(self, name: str) -> Any:
         f = self._fn.get(name)

@@ -8,6 +8,7 @@ all R ranks of a group from one process for the GPU tests and the benchmarks.)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +22,22 @@ cp = ck.cp
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
 
+@functools.lru_cache(maxsize=4096)
+def _driver_handles(stream_ptr: int, addr: int) -> tuple[Any, Any, Any]:
+    """(CUstream, CUdeviceptr, GEQ flag) for a stream and word: building the binding's objects
+    costs microseconds per call, and a rank's stream and its 32 READY words recur."""
+    from cuda.bindings import driver
+
+    return (driver.CUstream(stream_ptr), driver.CUdeviceptr(addr),
+            driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+
+
 def stream_wait_geq(stream_ptr: int, addr: int, value: int) -> None:
     """The stream waits, on the GPU, until the 32-bit word at `addr` is >= value (cyclic)."""
     from cuda.bindings import driver
 
-    geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-    err, = driver.cuStreamWaitValue32(driver.CUstream(stream_ptr), driver.CUdeviceptr(addr),
-                                      value, geq)
+    stream, word, geq = _driver_handles(stream_ptr, addr)
+    err, = driver.cuStreamWaitValue32(stream, word, value, geq)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
 
