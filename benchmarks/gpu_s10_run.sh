@@ -7,6 +7,7 @@
 #        across logical nodes with the harness fix (6afe291)
 #   bash benchmarks/gpu_s10_run.sh spy2    # the same profile without native frames
 #   bash benchmarks/gpu_s10_run.sh launch  # probe_launch_cost.py: the engine's driver calls alone
+#   bash benchmarks/gpu_s10_run.sh final   # the packed launches and hierarchical kernels, then D
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -45,5 +46,25 @@ case "${1:-}" in
     done
     echo quit | nvidia-cuda-mps-control
     ;;
-  *) echo "usage: $0 spy|spy2|launch" >&2; exit 2 ;;
+  final)  # packed normal-mode launches and the CUDA hierarchical semantics on the GPU, then
+           # the normal-mode rows at D (compare with spy_probe / next_probe of this session)
+    step intranode 100 "tests/gpu/test_intranode.py"
+    step daemon 200 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_daemon.py -k 'roundtrip or stream or facade'"
+    step across2 140 "-s 'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[2]'"
+    rows="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
+    for v in 1 0; do  # the engine's serial enqueue on (the default) and off
+      EPD_SERIAL_ENQUEUE=$v timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 \
+          --iters 100 --mps on --rows "$rows" 2>&1 | clean | tail -7 \
+          | tee "$OUT/final_probe_serial$v.txt"
+    done
+    timeout 70 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 100 --mps on \
+        --ranks 1 --rows "$rows" 2>&1 | clean | tail -7 | tee "$OUT/final_probe_1rank.txt"
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
+    mkdir -p /tmp/mps_pipe /tmp/mps_log && nvidia-cuda-mps-control -d
+    timeout 60 python3 -P benchmarks/probe_launch_cost.py --iters 300 --label mps \
+        2>&1 | clean | tee "$OUT/final_launch.txt"
+    echo quit | nvidia-cuda-mps-control
+    ;;
+  *) echo "usage: $0 spy|spy2|launch|final" >&2; exit 2 ;;
 esac

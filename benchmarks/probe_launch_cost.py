@@ -10,7 +10,9 @@ those calls alone, in one process, per iteration (µs of wall time of the enqueu
   - `ready+launch`: the same with the word written before the enqueue (the wait passes);
   - `gate+launch`: a one-thread kernel spinning on the word instead of the stream wait.
 Each with one thread, then with `--threads` threads on their own streams at once (the
-engine's sessions), and with a thread polling `cuStreamQuery` beside them (its poller).
+engine's sessions), with a thread polling `cuStreamQuery` beside them (its poller), and with
+the threads taking one lock around each iteration's enqueue (`serial`: the engine's
+`serial_enqueue`).
 Run it under MPS and without (the caller sets the environment).
 
     python3 -P benchmarks/probe_launch_cost.py --iters 400 [--json out.json]
@@ -19,6 +21,7 @@ Run it under MPS and without (the caller sets the environment).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import threading
 import time
@@ -33,7 +36,8 @@ extern "C" __global__ void gate(const unsigned* w, unsigned n) {
 """
 
 
-def run(variant: str, iters: int, threads: int, poller: bool) -> list[float]:
+def run(variant: str, iters: int, threads: int, poller: bool,
+        serial: bool = False) -> list[float]:
     import cupy as cp
     from cuda.bindings import driver
 
@@ -42,6 +46,7 @@ def run(variant: str, iters: int, threads: int, poller: bool) -> list[float]:
     geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
     times: list[float] = []
     lock = threading.Lock()
+    enqueue = threading.Lock() if serial else contextlib.nullcontext()
     stop = threading.Event()
 
     def worker(i: int) -> None:
@@ -55,14 +60,15 @@ def run(variant: str, iters: int, threads: int, poller: bool) -> list[float]:
             if variant == "ready+launch":
                 host[0] = n
             t0 = time.perf_counter()
-            if variant in ("wait+launch", "ready+launch"):
-                err, = driver.cuStreamWaitValue32(driver.CUstream(stream.ptr),
-                                                  driver.CUdeviceptr(mem.ptr), n, geq)
-                assert err == driver.CUresult.CUDA_SUCCESS, err
-            elif variant == "gate+launch":
-                gate((1,), (1,), (np.uint64(mem.ptr), np.uint32(n)), stream=stream)
-            for _ in range(3):
-                empty((1,), (32,), (np.int32(n),), stream=stream)
+            with enqueue:
+                if variant in ("wait+launch", "ready+launch"):
+                    err, = driver.cuStreamWaitValue32(driver.CUstream(stream.ptr),
+                                                      driver.CUdeviceptr(mem.ptr), n, geq)
+                    assert err == driver.CUresult.CUDA_SUCCESS, err
+                elif variant == "gate+launch":
+                    gate((1,), (1,), (np.uint64(mem.ptr), np.uint32(n)), stream=stream)
+                for _ in range(3):
+                    empty((1,), (32,), (np.int32(n),), stream=stream)
             mine.append((time.perf_counter() - t0) * 1e6)
             host[0] = n
             stream.synchronize()
@@ -99,10 +105,13 @@ def main() -> None:
     cp.cuda.Device(0).use()
     run("launch", 20, 1, False)  # warm: compile, context
     out = {}
-    for threads, poller in ((1, False), (ns.threads, False), (ns.threads, True)):
+    for threads, poller, serial in ((1, False, False), (ns.threads, False, False),
+                                    (ns.threads, True, False), (ns.threads, False, True),
+                                    (ns.threads, True, True)):
         for variant in ("launch", "wait+launch", "ready+launch", "gate+launch"):
-            t = np.array(run(variant, ns.iters, threads, poller))
-            key = f"{variant} threads={threads}{' +poller' if poller else ''}"
+            t = np.array(run(variant, ns.iters, threads, poller, serial))
+            key = (f"{variant} threads={threads}{' +poller' if poller else ''}"
+                   f"{' serial' if serial else ''}")
             out[key] = {"p50_us": float(np.percentile(t, 50)),
                         "p90_us": float(np.percentile(t, 90))}
             print(f"{ns.label} {key:36s} p50 {out[key]['p50_us']:8.1f}  p90 "

@@ -693,6 +693,10 @@ class CudaRankComm(RankComm):
 
     @_launches
     def launch_prepared(self, prepared: Any, buffer: int = 0) -> None:
+        with self.backend.enqueue:
+            self._launch_prepared(prepared, buffer)
+
+    def _launch_prepared(self, prepared: Any, buffer: int) -> None:
         from ...proto.errors import FailedPrecondition
         runner = self.runner
         if isinstance(prepared, _PreparedDispatch):
@@ -763,7 +767,7 @@ class CudaRankComm(RankComm):
                       stream_seq: int) -> None:
         self._normal_mode("layout")
         s = self.runner.stream
-        with cp.cuda.Device(self.backend.device):
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             self.backend.kernels.layout(topk_idx, self.spec.num_experts, self.spec.num_ranks,
                                         stream=s, out=out, call_err=self.runner.base)
@@ -775,7 +779,7 @@ class CudaRankComm(RankComm):
         self._normal_mode("dispatch")
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
-        with cp.cuda.Device(self.backend.device):
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             res = runner.dispatch(
                 args.x, args.x_scales, args.topk_idx, args.topk_weights,
@@ -804,7 +808,7 @@ class CudaRankComm(RankComm):
                        counter_slot: _Slot, deadline: float, stream_seq: int,
                        num_sms: int) -> None:
         self._normal_mode("combine")
-        with cp.cuda.Device(self.backend.device):
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             self.runner.combine(args.x, args.handle.result, out,
                                 recv_topk_weights=args.topk_weights, out_weights=out_weights,
@@ -1047,6 +1051,10 @@ class CudaBackend(Backend):
         self.cfg, self.device, self._nc = cfg, index, nc
         self.planner = CudaPlanner(cfg)
         self.num_sms = cfg.num_sms or abi.DEFAULT_NUM_SMS
+        # Held around a call's launches (the sessions' threads and the poller): the driver
+        # and the GIL serve one enqueuer at a time faster than several at once.
+        self.enqueue: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if cfg.serial_enqueue else contextlib.nullcontext())
         self.ll_num_sms = cfg.ll_num_sms or abi.DEFAULT_LL_NUM_SMS
         boot = _bootstrap(cfg, index)
         dev = Device(index)
