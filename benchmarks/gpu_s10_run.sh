@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_s10_run.sh spy2    # the same profile without native frames
 #   bash benchmarks/gpu_s10_run.sh launch  # probe_launch_cost.py: the engine's driver calls alone
 #   bash benchmarks/gpu_s10_run.sh final   # the packed launches and hierarchical kernels, then D
+#   bash benchmarks/gpu_s10_run.sh pools   # issue 14's two pools, serial enqueue on and off
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -66,5 +67,12 @@ case "${1:-}" in
         2>&1 | clean | tee "$OUT/final_launch.txt"
     echo quit | nvidia-cuda-mps-control
     ;;
-  *) echo "usage: $0 spy|spy2|launch|final" >&2; exit 2 ;;
+  pools)  # issue 14's two pools on one GPU (classes on, MPS), the serial enqueue on and off
+    for v in 1 0; do
+      EPD_SERIAL_ENQUEUE=$v timeout 150 python3 -P benchmarks/bench_two_pools.py --backend cuda \
+          --decode-iters 1000 --prefill-iters 150 --json "$OUT/two_pools_serial$v.json" 2>&1 \
+          | clean | tail -6
+    done
+    ;;
+  *) echo "usage: $0 spy|spy2|launch|final|pools" >&2; exit 2 ;;
 esac
