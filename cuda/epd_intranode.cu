@@ -13,6 +13,99 @@
 #include "epd_common.cuh"
 
 // ------------------------------------------------------------------------------------------
+// Hierarchical normal mode: a group over N > 1 nodes of R / N ranks, placed node-major
+// (`num_nodes` <= 1: flat, the one-node code). DeepEP's internode semantics over the same
+// direct puts (server/reference.py, hierarchical_dispatch / hierarchical_combine):
+//   - every destination takes its sources' blocks in the order (local index i, then node a),
+//     the order in which forwarder (b, i) would pass on the rows of sources (a, i);
+//   - recv_src_idx is a row's index in its forwarder's rail list: the tokens of sources
+//     (a' < a, i) with an expert on the destination's node, then those of its own source
+//     before it (the source writes the latter, the destination adds the former: node_base);
+//   - combine sums each node's rows in fp32 (local ranks ascending), rounds that partial to
+//     the combine dtype and adds the partials, nodes ascending, onto bias_0 + bias_1.
+// rank_prefix keeps its meaning (rows from sources <= s by rank, a count): rows are located
+// from count_matrix in the destination's source order instead (block_first).
+// ------------------------------------------------------------------------------------------
+
+// The source at place p of every destination's order.
+__device__ __forceinline__ int src_at(int p, int R, int N) {
+    if (N <= 1) return p;
+    const int per_node = R / N;
+    return (p % N) * per_node + p / N;
+}
+
+// First row of source s's block on destination d.
+__device__ __forceinline__ int block_first(const int* __restrict__ rank_prefix,
+                                           const int* __restrict__ count_matrix, int R, int N,
+                                           int s, int d) {
+    if (N <= 1) return s > 0 ? rank_prefix[(s - 1) * R + d] : 0;
+    int acc = 0;
+    for (int p = 0; p < R; ++p) {
+        const int q = src_at(p, R, N);
+        if (q == s) break;
+        acc += count_matrix[q * R + d];
+    }
+    return acc;
+}
+
+// The source of row i of a receive buffer whose p-th block (in source order) starts at row
+// first_at[p]: the last block starting at or before i (an empty block starts where the next
+// one does). `first` takes that block's first row.
+__device__ __forceinline__ int row_source(int i, const int (&first_at)[EPD_MAX_RANKS], int R,
+                                          int N, int& first) {
+    int s = 0;
+    first = 0;
+#pragma unroll
+    for (int p = 1; p < EPD_MAX_RANKS; ++p)
+        if (p < R && i >= first_at[p]) { s = src_at(p, R, N); first = first_at[p]; }
+    return s;
+}
+
+// Bit b: a token of destination mask `mask` has an expert on a rank of node b.
+__device__ __forceinline__ unsigned node_mask(unsigned mask, int R, int N) {
+    const int per_node = R / N;
+    const unsigned all = (1u << per_node) - 1u;
+    unsigned m = 0;
+    for (int b = 0; b < N; ++b) m |= (((mask >> (b * per_node)) & all) ? 1u : 0u) << b;
+    return m;
+}
+
+// node_pos[t][b]: how many of this source's tokens before t have an expert on node b (t's
+// row among the tokens it sends to node b), or -1. Block-wide (every thread calls it): tiles
+// of blockDim.x tokens, warp ballots, the earlier warps' counts, a carry per node.
+__device__ void node_rows(const unsigned char* __restrict__ token_mask, int T, int R, int N,
+                          int* __restrict__ node_pos) {
+    __shared__ int s_count[32][EPD_MAX_RANKS];
+    __shared__ int s_carry[EPD_MAX_RANKS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (threadIdx.x < EPD_MAX_RANKS) s_carry[threadIdx.x] = 0;
+    __syncthreads();
+    for (int t0 = 0; t0 < T; t0 += blockDim.x) {
+        const int t = t0 + threadIdx.x;
+        const unsigned nm = t < T ? node_mask(token_mask[t], R, N) : 0u;
+        for (int b = 0; b < N; ++b) {
+            const unsigned bal = __ballot_sync(0xffffffffu, (nm >> b) & 1u);
+            if (lane == 0) s_count[warp][b] = __popc(bal);
+        }
+        __syncthreads();
+        for (int b = 0; b < N; ++b) {
+            const bool in = (nm >> b) & 1u;
+            const unsigned bal = __ballot_sync(0xffffffffu, in);
+            int before = s_carry[b] + __popc(bal & ((1u << lane) - 1u));
+            for (int w = 0; w < warp; ++w) before += s_count[w][b];
+            if (t < T) node_pos[(i64)t * N + b] = in ? before : -1;
+        }
+        __syncthreads();  // every thread read this tile's counts and the carries
+        if ((int)threadIdx.x < N) {
+            int c = 0;
+            for (int w = 0; w < nwarps; ++w) c += s_count[w][threadIdx.x];
+            s_carry[threadIdx.x] += c;
+        }
+        __syncthreads();
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // layout: topk_idx [T, K] -> num_tokens_per_rank [R], num_tokens_per_expert [E],
 //         is_token_in_rank [T, R]. Outputs must be zeroed (counts are accumulated atomically).
 // ------------------------------------------------------------------------------------------
@@ -82,9 +175,13 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            int* num_tokens_per_expert,             // [E] or null
            bool* is_token_in_rank,                 // [T, R] or null
            const bool* __restrict__ routing_in,    // [T, R]: routing without top-k
-           const int* __restrict__ experts_in) {   // [E] without top-k (else null): per expert
+           const int* __restrict__ experts_in,     // [E] without top-k (else null): per expert
+           int num_nodes,                          // > 1: hierarchical (see the top)
+           int* __restrict__ node_base,            // [R] hierarchical: rail rows before s
+           int* __restrict__ node_pos) {           // [T, N] hierarchical: see node_rows
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
+    __shared__ int s_node[EPD_MAX_RANKS];  // hierarchical: tokens with an expert on node b
     __shared__ int s_warp[32][EPD_MAX_RANKS];
     const int L = E / R;
     const int tid = threadIdx.x;
@@ -100,6 +197,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         }
         s_expert[i] = v;
     }
+    if (tid < EPD_MAX_RANKS) s_node[tid] = 0;
     __syncthreads();
 
     // Phase A: each thread owns a contiguous chunk of tokens (so the positions are a scan).
@@ -123,6 +221,9 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         token_mask[t] = (unsigned char)mask;
 #pragma unroll
         for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] += (mask >> d) & 1u;
+        if (num_nodes > 1)
+            for (unsigned nm = node_mask(mask, R, num_nodes); nm; nm &= nm - 1)
+                atomicAdd(&s_node[__ffs(nm) - 1], 1);
     }
     // Block exclusive scan of cnt[d] (warp shuffles, then warp totals).
     int incl[EPD_MAX_RANKS];
@@ -173,6 +274,16 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         }
 #endif
         *reinterpret_cast<int*>(reinterpret_cast<char*>(ctrl_of(peers, r)) + at) = v;
+    }
+    if (num_nodes > 1 && tid < R) {  // hierarchical: my tokens with an expert on r's node
+        const int r = tid, v = s_node[r / (R / num_nodes)];
+#ifdef EPD_NVSHMEM
+        if (peer_remote(peers, r))
+            nvshmem_longlong_p(reinterpret_cast<long long*>(peer_sym(peers, R, r)) +
+                                   CTRL_NODE_TOKENS + rank, (long long)v, peer_pe(peers, R, r));
+        else
+#endif
+            ctrl_of(peers, r)[CTRL_NODE_TOKENS + rank] = (u64)v;
     }
     if (num_tokens_per_rank != nullptr && tid < R) num_tokens_per_rank[tid] = s_rank[tid];
     if (num_tokens_per_expert != nullptr)
@@ -233,6 +344,13 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         for (int q = 0; q <= s; ++q) acc += payload[q * stride + d];
         rank_prefix[tid] = acc;
     }
+    if (num_nodes > 1 && tid < R) {  // the rail rows of forwarder (my node, i) before source s
+        const int per_node = R / num_nodes, s = tid;
+        const volatile u64* node_tokens = my_ctrl + CTRL_NODE_TOKENS;
+        int acc = 0;
+        for (int a = 0; a < s / per_node; ++a) acc += (int)node_tokens[a * per_node + s % per_node];
+        node_base[s] = acc;
+    }
     for (int l = tid; l < L; l += blockDim.x) {
         int c = 0;
         for (int s = 0; s < R; ++s) c += payload[s * stride + NOTIFY_HEAD + l];
@@ -268,6 +386,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
             }
         }
     }
+    if (num_nodes > 1) node_rows(token_mask, T, R, num_nodes, node_pos);
 }
 
 // 16-byte copy of one row by one warp to up to R destinations (read once, store R times).
@@ -325,7 +444,11 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
              const u64* __restrict__ peers, i64 off_x, i64 off_scales, i64 off_idx, i64 off_w,
              i64 off_src_idx, i64 off_src_rank, int num_worst, int with_meta, int with_scales,
              int barrier, u64 seq, i64 timeout_ns,
-             i64 off_net) {  // this rank's staging of puts to other nodes (EPD_NVSHMEM)
+             i64 off_net,  // this rank's staging of puts to other nodes (EPD_NVSHMEM)
+             const int* __restrict__ count_matrix,
+             int num_nodes,                         // > 1: hierarchical (see the top)
+             const int* __restrict__ node_pos,      // [T, N] hierarchical (notify)
+             const int* __restrict__ node_base) {   // [R] hierarchical (notify)
     const int lane = threadIdx.x & 31;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -340,7 +463,8 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
     int base[EPD_MAX_RANKS];
 #pragma unroll
     for (int d = 0; d < EPD_MAX_RANKS; ++d)
-        base[d] = (d < R && rank > 0) ? rank_prefix[(rank - 1) * R + d] : 0;
+        base[d] = d < R ? block_first(rank_prefix, count_matrix, R, num_nodes, rank, d) : 0;
+    const int per_node = num_nodes > 1 ? R / num_nodes : R;
 
     // Ranks on other nodes (EPD_NVSHMEM) get no store through a pointer: a token's row is
     // staged once in this rank's own buffer (row t at off_net, its scales after the T rows),
@@ -420,7 +544,8 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
                                         lane, here ? w : 0.f, pe);
                 }
                 if (lane == 31) {
-                    nvshmem_int_p(reinterpret_cast<int*>(sym + off_src_idx) + row[d], t, pe);
+                    const int shown = num_nodes > 1 ? node_pos[(i64)t * num_nodes + d / per_node] : t;
+                    nvshmem_int_p(reinterpret_cast<int*>(sym + off_src_idx) + row[d], shown, pe);
                     nvshmem_int_p(reinterpret_cast<int*>(sym + off_src_rank) + row[d], rank, pe);
                 }
                 continue;
@@ -433,7 +558,9 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
                 reinterpret_cast<float*>(pb + off_w)[(i64)row[d] * K + lane] = here ? w : 0.f;
             }
             if (lane == 31) {
-                reinterpret_cast<int*>(pb + off_src_idx)[row[d]] = t;
+                // (hierarchical: the token's row among mine for d's node; d adds node_base)
+                reinterpret_cast<int*>(pb + off_src_idx)[row[d]] =
+                    num_nodes > 1 ? node_pos[(i64)t * num_nodes + d / per_node] : t;
                 reinterpret_cast<int*>(pb + off_src_rank)[row[d]] = rank;
             }
         }
@@ -471,7 +598,25 @@ epd_dispatch(const char* __restrict__ x, i64 x_row_bytes, i64 x_stride_bytes,
     if (signal_done(peers, R, rank, CTRL_DISPATCH_FLAG, seq)) {
         // The last block holds the kernel open until every source's rows have landed here, so
         // the kernel's completion (and the stream's next event) means recv_* are complete.
-        block_wait_all(my_ctrl, CTRL_DISPATCH_FLAG, R, seq, timeout_ns, PHASE_DISPATCH_DONE);
+        const int code = block_wait_all(my_ctrl, CTRL_DISPATCH_FLAG, R, seq, timeout_ns,
+                                        PHASE_DISPATCH_DONE);
+        if (code == 0 && num_nodes > 1) {
+            // Hierarchical: each row's index in its forwarder's rail list = the rail rows of
+            // the sources before its own (node_base) + what its source wrote.
+            int first_at[EPD_MAX_RANKS];
+#pragma unroll
+            for (int p = 0; p < EPD_MAX_RANKS; ++p)
+                first_at[p] = p < R ? block_first(rank_prefix, count_matrix, R, num_nodes,
+                                                  src_at(p, R, num_nodes), rank) : 0;
+            volatile int* src_idx = reinterpret_cast<volatile int*>(
+                reinterpret_cast<char*>(my_ctrl) + off_src_idx);
+            const int n = recv_info[0];
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                int first;
+                const int s = row_source(i, first_at, R, num_nodes, first);
+                src_idx[i] = src_idx[i] + node_base[s];
+            }
+        }
     }
 }
 
@@ -486,7 +631,8 @@ epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes
                  const int* __restrict__ recv_info, const int* __restrict__ count_matrix,
                  const int* __restrict__ rank_prefix, const u64* __restrict__ peers,
                  i64 off_stage_y, i64 off_stage_w, int barrier, u64 seq, i64 timeout_ns,
-                 i64 off_net) {  // this rank's staging of puts to other nodes (EPD_NVSHMEM)
+                 i64 off_net,    // this rank's staging of puts to other nodes (EPD_NVSHMEM)
+                 int num_nodes) {  // > 1: hierarchical (the sources' order, see the top)
     const int lane = threadIdx.x & 31;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -497,26 +643,25 @@ epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes
         return;
 
     const int n = recv_info[0];
-    int first[EPD_MAX_RANKS + 1];  // first row from source s on this rank
-    int dst_base[EPD_MAX_RANKS];   // send_off[s][rank]
+    int first_at[EPD_MAX_RANKS];  // first row on this rank of the p-th source in its order
+    int dst_base[EPD_MAX_RANKS];  // send_off[s][rank]
 #pragma unroll
     for (int s = 0; s < EPD_MAX_RANKS; ++s) {
-        first[s] = (s == 0 || s > R) ? 0 : rank_prefix[(s - 1) * R + rank];
+        first_at[s] = s < R ? block_first(rank_prefix, count_matrix, R, num_nodes,
+                                          src_at(s, R, num_nodes), rank) : 0;
         int acc = 0;
         if (s < R)
             for (int d = 0; d < rank; ++d) acc += count_matrix[s * R + d];
         dst_base[s] = acc;
     }
     for (int i = gwarp; i < n; i += nwarps) {
-        int s = 0;
-#pragma unroll
-        for (int q = 1; q < EPD_MAX_RANKS; ++q)
-            if (q < R && i >= rank_prefix[(q - 1) * R + rank]) s = q;
+        int first;
+        const int s = row_source(i, first_at, R, num_nodes, first);
         if (s == rank) continue;
         int srow = 0;
 #pragma unroll
         for (int q = 0; q < EPD_MAX_RANKS; ++q)
-            if (q == s) srow = dst_base[q] + i - first[q];
+            if (q == s) srow = dst_base[q] + i - first;
 #ifdef EPD_NVSHMEM
         if (peer_remote(peers, s)) {  // another node: row i staged here (the weights after
             char* mine = reinterpret_cast<char*>(ctrl_of(peers, rank));  // the n rows), put
@@ -553,9 +698,11 @@ epd_combine_push(const char* __restrict__ y, i64 y_row_bytes, i64 y_stride_bytes
 // ------------------------------------------------------------------------------------------
 // combine, step 2 (on the source side s): wait for every peer's pushes, then per token
 // acc = 0 + bias_0 + bias_1, += fp32(row from d) for d ascending, cast back (RNE).
+// kHier (hierarchical, see the top): += round(fp32 partial of node b's rows) for the nodes b
+// holding the token, ascending, each partial 0 + its local ranks' rows in ascending order.
 // Warp per token, 16-byte loads, U vectors per lane in flight.
 // ------------------------------------------------------------------------------------------
-template <typename Tr>
+template <typename Tr, bool kHier>
 __device__ __forceinline__ void
 combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
                     const typename Tr::word* __restrict__ y, i64 y_stride,
@@ -566,10 +713,11 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
                     const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
                     const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
                     const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
-                    i64 timeout_ns) {
+                    i64 timeout_ns, int num_nodes) {
     typedef typename Tr::word word;
     constexpr int V = Tr::kPerVec;
-    constexpr int U = 4;  // 16-byte vectors per lane in flight per source row
+    // 16-byte vectors per lane in flight per source row (hierarchical: fewer, for the partial)
+    constexpr int U = kHier ? 2 : 4;
     const int lane = threadIdx.x & 31;
     const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const int nwarps = (gridDim.x * blockDim.x) >> 5;
@@ -591,11 +739,24 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
             if (d < R) acc += count_matrix[rank * R + d];
         }
     }
-    const int self_first = rank > 0 ? rank_prefix[(rank - 1) * R + rank] : 0;
+    const int self_first = block_first(rank_prefix, count_matrix, R, num_nodes, rank, rank);
     const int nvec = H / V;
+    // Hierarchical: bit d = rank d is the first (node_starts) or last (node_ends) of its node.
+    const int per_node = kHier ? R / num_nodes : R;
+    unsigned node_starts = 0, node_ends = 0;
+    if (kHier)
+        for (int b = 0; b < num_nodes; ++b) {
+            node_starts |= 1u << (b * per_node);
+            node_ends |= 1u << (b * per_node + per_node - 1);
+        }
 
     for (int t = gwarp; t < T; t += nwarps) {
         const unsigned mask = token_mask[t];
+        unsigned ends = 0;  // hierarchical: the last ranks of the nodes that hold the token
+        if (kHier)
+            for (int b = 0; b < num_nodes; ++b)
+                if ((mask >> (b * per_node)) & ((1u << per_node) - 1u))
+                    ends |= 1u << (b * per_node + per_node - 1);
         const int4* src[EPD_MAX_RANKS];
         int srow[EPD_MAX_RANKS];
 #pragma unroll
@@ -635,6 +796,7 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
                     }
                 }
             }
+            if constexpr (!kHier) {
 #pragma unroll
             for (int d = 0; d < EPD_MAX_RANKS; ++d) {
                 if ((mask >> d) & 1u) {
@@ -647,6 +809,39 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
                         const word* vw = reinterpret_cast<const word*>(&v[u]);
 #pragma unroll
                         for (int j = 0; j < V; ++j) acc[u][j] = acc[u][j] + Tr::to_f32(vw[j]);
+                    }
+                }
+            }
+            } else {
+                float part[U][V];  // the partial sum of the current node (its forwarder's)
+#pragma unroll
+                for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+                    if ((node_starts >> d) & 1u) {
+#pragma unroll
+                        for (int u = 0; u < U; ++u)
+#pragma unroll
+                            for (int j = 0; j < V; ++j) part[u][j] = 0.f;
+                    }
+                    if ((mask >> d) & 1u) {
+                        int4 v[U];
+#pragma unroll
+                        for (int u = 0; u < U; ++u)  // plain loads: peers wrote these rows
+                            v[u] = i0 + 32 * u < nvec ? src[d][i0 + 32 * u]
+                                                      : make_int4(0, 0, 0, 0);
+#pragma unroll
+                        for (int u = 0; u < U; ++u) {
+                            const word* vw = reinterpret_cast<const word*>(&v[u]);
+#pragma unroll
+                            for (int j = 0; j < V; ++j)
+                                part[u][j] = part[u][j] + Tr::to_f32(vw[j]);
+                        }
+                    }
+                    if ((ends >> d) & 1u) {  // the node's partial, rounded as it would travel
+#pragma unroll
+                        for (int u = 0; u < U; ++u)
+#pragma unroll
+                            for (int j = 0; j < V; ++j)
+                                acc[u][j] = acc[u][j] + Tr::to_f32(Tr::from_f32(part[u][j]));
                     }
                 }
             }
@@ -664,14 +859,46 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
         }
         if (out_w != nullptr && lane < K) {
             float a = 0.f;
+            float part = 0.f;  // hierarchical: the node's partial (fp32, not rounded)
 #pragma unroll
-            for (int d = 0; d < EPD_MAX_RANKS; ++d)
-                if ((mask >> d) & 1u)
-                    a = a + (d == rank ? w[(i64)srow[d] * w_stride + lane]
-                                       : stage_w[(i64)srow[d] * K + lane]);
+            for (int d = 0; d < EPD_MAX_RANKS; ++d) {
+                if (kHier && ((node_starts >> d) & 1u)) part = 0.f;
+                if ((mask >> d) & 1u) {
+                    const float v = d == rank ? w[(i64)srow[d] * w_stride + lane]
+                                              : stage_w[(i64)srow[d] * K + lane];
+                    if (kHier) part = part + v;
+                    else a = a + v;
+                }
+                if (kHier && ((ends >> d) & 1u)) a = a + part;
+            }
             out_w[(i64)t * K + lane] = a;
         }
     }
+}
+
+// The flat or the hierarchical reduce (num_nodes > 1), each its own instantiation.
+template <typename Tr>
+__device__ __forceinline__ void
+combine_reduce_any(typename Tr::word* __restrict__ out, i64 out_stride,
+                   const typename Tr::word* __restrict__ y, i64 y_stride,
+                   const typename Tr::word* __restrict__ bias0, i64 b0_stride,
+                   const typename Tr::word* __restrict__ bias1, i64 b1_stride,
+                   float* __restrict__ out_w, const float* __restrict__ w, i64 w_stride,
+                   int T, int H, int K, int R, int rank,
+                   const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
+                   const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
+                   const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
+                   i64 timeout_ns, int num_nodes) {
+    if (num_nodes > 1)
+        combine_reduce_body<Tr, true>(out, out_stride, y, y_stride, bias0, b0_stride, bias1,
+                                      b1_stride, out_w, w, w_stride, T, H, K, R, rank,
+                                      token_mask, pos, count_matrix, rank_prefix, peers,
+                                      off_stage_y, off_stage_w, seq, timeout_ns, num_nodes);
+    else
+        combine_reduce_body<Tr, false>(out, out_stride, y, y_stride, bias0, b0_stride, bias1,
+                                       b1_stride, out_w, w, w_stride, T, H, K, R, rank,
+                                       token_mask, pos, count_matrix, rank_prefix, peers,
+                                       off_stage_y, off_stage_w, seq, timeout_ns, num_nodes);
 }
 
 template <typename Tr>
@@ -685,18 +912,18 @@ epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
                    const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
                    const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
                    const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
-                   i64 timeout_ns) {
-    combine_reduce_body<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1, b1_stride,
-                            out_w, w, w_stride, T, H, K, R, rank, token_mask, pos,
-                            count_matrix, rank_prefix, peers, off_stage_y, off_stage_w, seq,
-                            timeout_ns);
+                   i64 timeout_ns, int num_nodes) {
+    combine_reduce_any<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1, b1_stride,
+                           out_w, w, w_stride, T, H, K, R, rank, token_mask, pos,
+                           count_matrix, rank_prefix, peers, off_stage_y, off_stage_w, seq,
+                           timeout_ns, num_nodes);
 }
 
 #ifndef __CUDACC_RTC__  // NVRTC instantiates through name expressions
 template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::word*, i64,
     const Bf16::word*, i64, const Bf16::word*, i64, float*, const float*, i64, int, int, int,
     int, int, const unsigned char*, const int*, const int*, const int*, const u64*, i64, i64,
-    u64, i64);
+    u64, i64, int);
 #endif
 
 #ifdef EPD_NVSHMEM  // a linked module is searched by plain names: one per combine element type
@@ -709,11 +936,11 @@ template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::
         const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,             \
         const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,             \
         const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,              \
-        i64 timeout_ns) {                                                                      \
-        combine_reduce_body<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1,         \
-                                b1_stride, out_w, w, w_stride, T, H, K, R, rank, token_mask,   \
-                                pos, count_matrix, rank_prefix, peers, off_stage_y,            \
-                                off_stage_w, seq, timeout_ns);                                 \
+        i64 timeout_ns, int num_nodes) {                                                       \
+        combine_reduce_any<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1,          \
+                               b1_stride, out_w, w, w_stride, T, H, K, R, rank, token_mask,    \
+                               pos, count_matrix, rank_prefix, peers, off_stage_y,             \
+                               off_stage_w, seq, timeout_ns, num_nodes);                       \
     }
 EPD_REDUCE_BY_NAME(Bf16)
 EPD_REDUCE_BY_NAME(F16)

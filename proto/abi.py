@@ -38,6 +38,9 @@ CTRL_DISPATCH_FLAG = 16
 CTRL_DISPATCH_ENTRY = 24
 CTRL_COMBINE_FLAG = 32
 CTRL_COMBINE_ENTRY = 40
+# [R] hierarchical normal mode (a group over nodes placed node-major): source s's tokens with
+# an expert on this rank's node, posted by its notify (the forwarder's rail rows before it)
+CTRL_NODE_TOKENS = 48
 CTRL_MASK = 80  # bit r: rank r went away (shrink groups): the kernels' waits skip it
 CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host memory; 0: none)
 HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host

@@ -64,6 +64,7 @@ from .base import (
     Region,
     check_combine_routing,
 )
+from .cpu_hierarchical import Hierarchy
 from .cuda_chain import LowLatencyChain
 from .cuda_plan import CudaPlanner, decode_plan, membership_layout, peer_table
 from .cuda_quiet import QuietCloser
@@ -375,6 +376,10 @@ class CudaRankComm(RankComm):
                                    backend.heap_base, backend.node_first_pe)
         # Ranks on other nodes: the kernels' NVSHMEM build (no pointer to their buffers).
         self.spans_nodes = bool(remote)
+        # Normal mode over nodes placed node-major: the hierarchical semantics, as on the CPU
+        # backend (the top of cuda/epd_intranode.cu); any other placement stays flat.
+        self.hierarchy = Hierarchy.of(membership.rank_nodes)
+        self.hierarchical = self.hierarchy is not None
         kernels = backend.kernels
         if remote:
             from .cuda_remote import remote_kernels_for_device
@@ -392,7 +397,9 @@ class CudaRankComm(RankComm):
             self.runner = rt.RankRunner(kernels, self.mlayout.kernel, self.rank, peers,
                                         backend.device, sd, sd, owner=backend.heap,
                                         ll_layout=self.mlayout.low_latency,
-                                        stream_priority=priority, remote=remote)
+                                        stream_priority=priority, remote=remote,
+                                        num_nodes=(self.hierarchy.num_nodes
+                                                   if self.hierarchy is not None else 1))
         self.stream_priority = self.runner.stream_priority
         # Clean control block before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind; then the address of this rank's host words.
@@ -470,10 +477,21 @@ class CudaRankComm(RankComm):
                                      f"normal-mode {what} takes at most {abi.MAX_RANKS} on the "
                                      f"cuda engine; low-latency calls work")
 
+    def _no_topk_refused(self, args: DispatchArgs) -> None:
+        """As on the CPU backend: a hierarchical group's node stage routes by top-k ids, so a
+        dispatch without top-k is refused there (before any kernel: peers that called with
+        top-k wait for this rank until their deadline, which names it)."""
+        if self.hierarchy is not None and _routing(args) is not None:
+            raise InvalidArgument(
+                f"group {self.spec.name!r} runs hierarchical normal mode over "
+                f"{self.hierarchy.num_nodes} nodes, whose node stage routes by top-k ids: "
+                f"dispatch without top-k (is_token_in_rank only) is not supported there")
+
     @_launches
     def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                  deadline: float) -> DispatchOutputs:
         self._normal_mode("dispatch")
+        self._no_topk_refused(args)
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):
@@ -777,6 +795,7 @@ class CudaRankComm(RankComm):
     def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
                         deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
         self._normal_mode("dispatch")
+        self._no_topk_refused(args)
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):

@@ -238,14 +238,23 @@ class DispatchHandle:
     count_matrix: Any    # [R, R] int32 tokens s -> d
     rank_prefix: Any     # [R, R] int32 rows from sources <= s on d (DeepEP rank_prefix_matrix)
     recv_info: Any       # [4 + L] int32: num_recv, status, missing rank, 0, per-expert counts
+    # Hierarchical normal mode (num_nodes > 1: a group over nodes placed node-major; the top
+    # of cuda/epd_intranode.cu): rows on every destination in the order (local index, node),
+    # recv_src_idx the forwarder's rail row, a rounded partial sum per node in combine.
+    num_nodes: int = 1
+    node_pos: Any = None   # [T, N] int32 my tokens before t with an expert on node b, or -1
+    node_base: Any = None  # [R] int32 the rail rows before source s's at its forwarder here
 
     @classmethod
-    def allocate(cls, num_tokens: int, num_ranks: int, num_local_experts: int
-                 ) -> DispatchHandle:
-        r = num_ranks
-        return cls(num_tokens, cp.empty(max(num_tokens, 1), cp.uint8),
-                   cp.empty((max(num_tokens, 1), r), cp.int32), cp.empty((r, r), cp.int32),
-                   cp.empty((r, r), cp.int32), cp.empty(4 + num_local_experts, cp.int32))
+    def allocate(cls, num_tokens: int, num_ranks: int, num_local_experts: int,
+                 num_nodes: int = 1) -> DispatchHandle:
+        r, t = num_ranks, max(num_tokens, 1)
+        hier = num_nodes > 1
+        return cls(num_tokens, cp.empty(t, cp.uint8), cp.empty((t, r), cp.int32),
+                   cp.empty((r, r), cp.int32), cp.empty((r, r), cp.int32),
+                   cp.empty(4 + num_local_experts, cp.int32), max(num_nodes, 1),
+                   cp.empty((t, num_nodes), cp.int32) if hier else None,
+                   cp.empty(r, cp.int32) if hier else None)
 
 
 KERNEL_FILES = ("epd_intranode.cu", "epd_low_latency.cu")
@@ -304,10 +313,10 @@ class Packed:
 # Parameter codes of the normal-mode kernels (cuda/epd_intranode.cu): Q a pointer or u64,
 # q i64, i int. tests/test_cuda_compile.py checks them against the kernels' signatures.
 LAYOUT_ARGS = "QiiiiQQQQ"
-NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQ"
-DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqq"
-COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqq"
-COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQq"
+NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQ"
+DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
+COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
+COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqi"
 
 
 def _trait_for(dtype: Any) -> str:
@@ -414,7 +423,8 @@ class Kernels:
             seq if counter_seq is None else counter_seq, _addr(handle.recv_info),
             _addr(handle.count_matrix), _addr(handle.rank_prefix), _addr(handle.token_mask),
             _addr(handle.pos), _addr(ntpr), _addr(ntpe), _addr(itr), _addr(in_rank),
-            _addr(per_expert))
+            _addr(per_expert), handle.num_nodes, _addr(handle.node_base),
+            _addr(handle.node_pos))
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
@@ -436,7 +446,9 @@ class Kernels:
             _addr(handle.recv_info), _addr(peers), o["recv_x"], o["recv_x_scales"],
             o["recv_topk_idx"], o["recv_topk_weights"], o["recv_src_idx"], o["recv_src_rank"],
             num_worst_tokens, int(topk_idx is not None), int(x_scales is not None),
-            1 if barrier else 0, seq, timeout_ns, o.get("net_send", 0))
+            1 if barrier else 0, seq, timeout_ns, o.get("net_send", 0),
+            _addr(handle.count_matrix), handle.num_nodes, _addr(handle.node_pos),
+            _addr(handle.node_base))
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, y: Any, recv_topk_weights: Any | None, out: Any, out_weights: Any | None,
@@ -459,7 +471,7 @@ class Kernels:
             _addr(y), h * y.itemsize, y.strides[0], _addr(recv_topk_weights), w_stride, k, r,
             rank, _addr(handle.recv_info), _addr(handle.count_matrix),
             _addr(handle.rank_prefix), _addr(peers), o["stage_y"], o["stage_w"],
-            1 if barrier else 0, seq, timeout_ns, o.get("net_send", 0))
+            1 if barrier else 0, seq, timeout_ns, o.get("net_send", 0), handle.num_nodes)
         isz = y.itemsize
         self._packed(f"epd_combine_reduce<{_trait_for(y.dtype)}>", COMBINE_REDUCE_ARGS)(
             num_sms, DATA_THREADS, 0, sp,
@@ -469,7 +481,7 @@ class Kernels:
             _addr(recv_topk_weights), w_stride, handle.num_tokens, h, k, r, rank,
             _addr(handle.token_mask), _addr(handle.pos), _addr(handle.count_matrix),
             _addr(handle.rank_prefix), _addr(peers), o["stage_y"], o["stage_w"], seq,
-            timeout_ns)
+            timeout_ns, handle.num_nodes)
 
     # -- low-latency mode: packed launches (see `Launch`) ------------------------------------
     def ll_dispatch_launch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int,

@@ -64,11 +64,15 @@ class RankRunner:
                  peer_bases: list[int], device_id: int, x_dtype: Any, y_dtype: Any,
                  owner: Any = None, ll_layout: ck.LowLatencyLayout | None = None,
                  stream_priority: int = 0,
-                 remote: dict[int, tuple[int, int]] | None = None) -> None:
+                 remote: dict[int, tuple[int, int]] | None = None,
+                 num_nodes: int = 1) -> None:
         """`remote`: the ranks on other nodes, rank -> (symmetric address of its buffer in
         this PE's heap, its PE); their `peer_bases` entries are ignored, and `kernels` must be
-        the NVSHMEM build (cuda_remote.py)."""
+        the NVSHMEM build (cuda_remote.py). `num_nodes` > 1: the group is placed node-major
+        over that many nodes and normal mode runs the hierarchical semantics (the top of
+        cuda/epd_intranode.cu); 1: flat."""
         self.k = kernels
+        self.num_nodes = num_nodes
         self.ll = ll_layout
         self.layout = layout
         self.rank = rank
@@ -113,7 +117,7 @@ class RankRunner:
             if cached is None:
                 with self.stream:
                         handle = ck.DispatchHandle.allocate(x.shape[0], lay.num_ranks,
-                                                        lay.num_local_experts)
+                                                        lay.num_local_experts, self.num_nodes)
                 self.seq["notify"] += 1
                 self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
                               self.rank, self.peers, self.seq["notify"], handle,

@@ -179,6 +179,137 @@ def roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int], num_e
     return results
 
 
+def hierarchical_roundtrip(group: Any, rng: np.random.Generator, num_tokens: list[int],
+                           num_experts: int, num_topk: int, hidden: int, *, num_nodes: int,
+                           payload: str = "bf16", alignment: int = 1, worst: int = 0,
+                           cached: bool = False, bias: bool = False, num_sms: int = 8,
+                           **routing: Any) -> dict[str, bool]:
+    """`roundtrip` for a group placed node-major over `num_nodes` nodes, whose normal mode runs
+    the hierarchical semantics: every output against reference.hierarchical_dispatch /
+    hierarchical_combine, bit-exact, outputs poisoned first. Returns where the flat reference
+    differs from the hierarchical one in this case (row order, recv_src_idx, combine bits), so
+    that a caller can make sure that flat results could not have passed."""
+    inp = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload,
+                      **routing)
+    hier = ref.hierarchical_dispatch(inp["xs"], inp["idx"], inp["w"], num_experts, num_nodes,
+                                     x_scales=inp["scales"], expert_alignment=alignment)
+    flat = ref.dispatch(inp["xs"], inp["idx"], inp["w"], num_experts, x_scales=inp["scales"],
+                        expert_alignment=alignment)
+    r = len(num_tokens)
+    differs = {
+        "order": any(not np.array_equal(hier.sources(d)[0], flat[d].recv_src_rank)
+                     for d in range(r)),
+        "src_idx": any(not np.array_equal(hier.received(d).recv_src_idx, flat[d].recv_src_idx)
+                       for d in range(r)),
+        "rounding": False}
+    _poison(group)
+    results = run_dispatch(group, inp, alignment=alignment, worst=worst, num_sms=num_sms)
+    check_hierarchical_dispatch(group, results, hier, worst=worst)
+    if cached:
+        # Same routing, new payload: the cached handle must place the new rows identically.
+        fresh = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload)
+        inp2 = dict(inp, xs=fresh["xs"], scales=fresh["scales"])
+        hier2 = ref.hierarchical_dispatch(inp2["xs"], inp["idx"], inp["w"], num_experts,
+                                          num_nodes, x_scales=inp2["scales"],
+                                          expert_alignment=alignment)
+        _poison(group)
+        results2 = run_dispatch(group, inp2, worst=worst, cached=results, num_sms=num_sms)
+        check_hierarchical_dispatch(group, results2, hier2, worst=worst, meta=False)
+    if payload != "f32":
+        differs["rounding"] = run_and_check_hierarchical_combine(
+            group, rng, results, hier, flat, num_tokens, hidden, worst=worst, bias=bias,
+            num_sms=num_sms)
+    return differs
+
+
+def check_hierarchical_dispatch(group: Any, results: dict[int, Any], hier: Any, *,
+                                worst: int = 0, meta: bool = True) -> None:
+    """Every output of the ranks this process drives against `hier.received(rank)`; the rows'
+    recv_src_rank (an internal buffer, not an output of the engine) holds the original source
+    rank, `hier.sources(rank)`; rank_prefix_matrix keeps its counts by original rank."""
+    import cupy as cp
+
+    r = hier.num_nodes * hier.ranks_per_node
+    for d, runner in ranks_of(group):
+        rd = hier.received(d)
+        src_rank = hier.sources(d)[0]
+        n = rd.recv_x.shape[0]
+        exp = ref.pad_to_worst(rd, worst) if worst else rd
+        if worst:
+            src_rank = np.concatenate([src_rank, np.full(worst - n, -1, np.int32)])
+        got = runner.outputs(results[d])
+        assert got["num_recv"] == n
+        assert got["per_expert"] == list(rd.num_recv_tokens_per_expert)
+        np.testing.assert_array_equal(raw(cp.asnumpy(got["recv_x"])), raw(exp.recv_x))
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_idx"]), exp.recv_src_idx)
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_rank"]), src_rank)
+        if meta:
+            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_idx"]), exp.recv_topk_idx)
+            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_weights"]).view(np.uint32),
+                                          exp.recv_topk_weights.view(np.uint32))
+        if exp.recv_x_scales is not None:
+            np.testing.assert_array_equal(cp.asnumpy(got["recv_x_scales"]).view(np.uint32),
+                                          exp.recv_x_scales.view(np.uint32))
+        counts = np.bincount(src_rank[src_rank >= 0], minlength=r)
+        np.testing.assert_array_equal(cp.asnumpy(got["rank_prefix"])[:, d], np.cumsum(counts))
+
+
+def run_and_check_hierarchical_combine(group: Any, rng: np.random.Generator,
+                                       results: dict[int, Any], hier: Any, flat: list[Any],
+                                       num_tokens: list[int], hidden: int, *, worst: int = 0,
+                                       bias: bool = False, num_sms: int = 8) -> bool:
+    """Combine of every rank this process drives against `ref.hierarchical_combine`; returns
+    whether the flat `ref.combine` of the same rows (in flat order) gives other bits."""
+    import cupy as cp
+
+    r = len(num_tokens)
+    rds = [hier.received(d) for d in range(r)]
+    rows = [worst or rd.recv_x.shape[0] for rd in rds]
+    ys = [ref.random_x(rng, n, hidden, BFLOAT16) for n in rows]  # (padding rows: never read)
+    b0 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
+    b1 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
+    real = [y[:rd.recv_x.shape[0]] for y, rd in zip(ys, rds, strict=True)]
+    want = ref.hierarchical_combine(real, hier, num_tokens,
+                                    recv_topk_weights=[rd.recv_topk_weights for rd in rds],
+                                    bias_0=b0, bias_1=b1)
+    # The same expert outputs per (rank, source token), in the flat rows' order.
+    flat_ys = []
+    for d in range(r):
+        src_rank, src_idx = hier.sources(d)
+        where = {(int(s), int(t)): i for i, (s, t) in enumerate(zip(src_rank, src_idx,
+                                                                    strict=True))}
+        order = [where[(int(s), int(t))] for s, t in zip(flat[d].recv_src_rank,
+                                                         flat[d].recv_src_idx, strict=True)]
+        flat_ys.append(real[d][order])
+    flat_want = ref.combine(flat_ys, flat, num_tokens, bias_0=b0, bias_1=b1)
+    rounding = any(not np.array_equal(raw(a[0]), raw(b[0]))
+                   for a, b in zip(want, flat_want, strict=True))
+    outs, inputs = {}, {}
+    for s, runner in ranks_of(group):  # (all inputs first, as in run_dispatch)
+        rd = ref.pad_to_worst(rds[s], worst) if worst else rds[s]
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            w = cp.asarray(rd.recv_topk_weights)
+            inputs[s] = (cp.asarray(raw(ys[s])), w,
+                         None if b0 is None else cp.asarray(raw(b0[s])),
+                         None if b1 is None else cp.asarray(raw(b1[s])))
+            outs[s] = (cp.full((num_tokens[s], hidden), 0xFFFF, cp.uint16),  # poison: NaN
+                       cp.full((num_tokens[s], w.shape[1]), np.nan, cp.float32))
+    group.synchronize()
+    for s, runner in ranks_of(group):
+        y, w, bias_0, bias_1 = inputs[s]
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.combine(y, results[s], outs[s][0], recv_topk_weights=w,
+                           out_weights=outs[s][1], bias_0=bias_0, bias_1=bias_1,
+                           timeout_ns=TIMEOUT_NS, num_sms=num_sms)
+    group.synchronize()
+    _assert_no_error(group)
+    for s in outs:
+        np.testing.assert_array_equal(cp.asnumpy(outs[s][0]), raw(want[s][0]))
+        np.testing.assert_array_equal(cp.asnumpy(outs[s][1]).view(np.uint32),
+                                      want[s][1].view(np.uint32))
+    return rounding
+
+
 def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k: int, h: int,
                  m: int, *, fp8: bool = False, round_scale: bool = False, drop: float = 0.0,
                  combine_drop: float = 0.0, num_sms: int = 16, buffer: int = 0) -> None:

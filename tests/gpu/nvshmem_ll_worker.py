@@ -22,10 +22,13 @@ class NodeGroup(PeGroup):
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
                  num_topk: int, max_tokens: int, stream, gpu: int,
-                 pointers: bool = False, x_dtype=None) -> None:
+                 pointers: bool = False, x_dtype=None, hierarchical: bool = False) -> None:
         """`pointers`: the other PEs' ranks by NVSHMEM peer pointer with the one-node build
         (the comparison for the timing), not as ranks on other nodes. `x_dtype`: the normal-mode
-        dispatch payload (FLOAT8_E4M3 for an FP8 run of this bf16 group), bf16 by default."""
+        dispatch payload (FLOAT8_E4M3 for an FP8 run of this bf16 group), bf16 by default.
+        `hierarchical`: normal mode runs the hierarchical semantics over the PEs as nodes (the
+        group is node-major: rank g on PE g // per_pe), as the engine does for such a group;
+        else flat, as for any other placement."""
         import cupy as cp
         import nvshmem.core as nc
 
@@ -60,7 +63,8 @@ class NodeGroup(PeGroup):
         kern = ck.kernels_for_device(gpu) if pointers else remote_kernels_for_device(gpu)
         self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu,
                                       BFLOAT16 if x_dtype is None else x_dtype, BFLOAT16,
-                                      owner=self.heap, ll_layout=ml.low_latency, remote=remote)
+                                      owner=self.heap, ll_layout=ml.low_latency, remote=remote,
+                                      num_nodes=npes if hierarchical else 1)
                         for g in self.rank_ids]
         self.size, self.stream = size, stream
         cp.cuda.Device(gpu).synchronize()
