@@ -173,7 +173,8 @@ class Config:
     cuda_cluster: bool = field(default=False, metadata={
         "help": "experimental, cluster mode with the cuda backend: the engines of every node "
                 "form one NVSHMEM world; groups may span nodes (low-latency mode up to 64 "
-                "ranks, normal mode up to 8 with direct puts, not hierarchical); run as logical "
+                "ranks, normal mode up to 8 with direct puts: hierarchical semantics when placed "
+                "node-major, not its traffic); run as logical "
                 "nodes on one GPU only so far (docs/DESIGN_NOTES.md)"})
 
     @property

@@ -70,8 +70,10 @@ def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
     """Issue 13: normal mode (notify, dispatch, cached dispatch, combine) on a group over two
     logical nodes (two PEs; 2, 4 and 8 ranks): rows, scales and metadata to a rank on the other
     node are staged in the sender's own buffer and put through NVSHMEM (never a pointer), its
-    counts and flags likewise; every output bit-exact against the reference. On one GPU both
-    PEs share it under MPS (NVSHMEM's P2P transport carries the puts, not a network)."""
+    counts and flags likewise. The group is node-major, so it runs the hierarchical semantics:
+    every output bit-exact against reference.hierarchical_dispatch / hierarchical_combine (and
+    the flat semantics once, against the flat reference). On one GPU both PEs share it under
+    MPS (NVSHMEM's P2P transport carries the puts, not a network)."""
     _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_normal_worker.py")
 
 
