@@ -8,10 +8,12 @@
 #   bash benchmarks/gpu_s10_run.sh spy2    # the same profile without native frames
 #   bash benchmarks/gpu_s10_run.sh launch  # probe_launch_cost.py: the engine's driver calls alone
 #   bash benchmarks/gpu_s10_run.sh final   # the packed launches and hierarchical kernels, then D
+#   bash benchmarks/gpu_s10_run.sh final2  # serial enqueue off, one rank, the launch probe
 #   bash benchmarks/gpu_s10_run.sh pools   # issue 14's two pools, serial enqueue on and off
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
+rows="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
 case "${1:-}" in
   spy)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/spy \
@@ -47,18 +49,20 @@ case "${1:-}" in
     done
     echo quit | nvidia-cuda-mps-control
     ;;
-  final)  # packed normal-mode launches and the CUDA hierarchical semantics on the GPU, then
-           # the normal-mode rows at D (compare with spy_probe / next_probe of this session)
+  final)  # packed normal-mode launches, the serial enqueue and the CUDA hierarchical
+           # semantics on the GPU, then the normal-mode rows at D (serial enqueue on)
     step intranode 100 "tests/gpu/test_intranode.py"
-    step daemon 200 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
+    step daemon 150 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
         tests/gpu/test_daemon.py -k 'roundtrip or stream or facade'"
-    step across2 140 "-s 'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[2]'"
-    rows="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
-    for v in 1 0; do  # the engine's serial enqueue on (the default) and off
-      EPD_SERIAL_ENQUEUE=$v timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 \
-          --iters 100 --mps on --rows "$rows" 2>&1 | clean | tail -7 \
-          | tee "$OUT/final_probe_serial$v.txt"
-    done
+    step across 220 "-s 'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[1]' \
+        'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[2]'"
+    timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 100 --mps on \
+        --rows "$rows" 2>&1 | clean | tail -7 | tee "$OUT/final_probe_serial1.txt"
+    ;;
+  final2)  # the same rows with the serial enqueue off, with one rank, and the launch probe
+    EPD_SERIAL_ENQUEUE=0 timeout 80 python3 -P benchmarks/probe_calls.py --tokens 128 \
+        --iters 100 --mps on --rows "$rows" 2>&1 | clean | tail -7 \
+        | tee "$OUT/final_probe_serial0.txt"
     timeout 70 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 100 --mps on \
         --ranks 1 --rows "$rows" 2>&1 | clean | tail -7 | tee "$OUT/final_probe_1rank.txt"
     export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
@@ -74,5 +78,5 @@ case "${1:-}" in
           | clean | tail -6
     done
     ;;
-  *) echo "usage: $0 spy|spy2|launch|final|pools" >&2; exit 2 ;;
+  *) echo "usage: $0 spy|spy2|launch|final|final2|pools" >&2; exit 2 ;;
 esac
