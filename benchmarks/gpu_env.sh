@@ -28,7 +28,7 @@ pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addop
 step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
   local name=$1 secs=$2; shift 2
   timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
-      2>&1 | grep -v " INFO " > "$OUT/gpu_$name.txt"
-  grep -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing" "$OUT/gpu_$name.txt" \
+      2>&1 | grep -a -v " INFO " > "$OUT/gpu_$name.txt"  # (-a: a worker's bytes)
+  grep -a -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing" "$OUT/gpu_$name.txt" \
       | cut -c1-240 | head -40
 }

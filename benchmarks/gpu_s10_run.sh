@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_s10_run.sh final   # the packed launches and hierarchical kernels, then D
 #   bash benchmarks/gpu_s10_run.sh final2  # serial enqueue off, one rank, the launch probe
 #   bash benchmarks/gpu_s10_run.sh pools   # issue 14's two pools, serial enqueue on and off
+#   bash benchmarks/gpu_s10_run.sh last    # the hierarchical kernels again, pools with the poller unlocked
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -78,5 +79,12 @@ case "${1:-}" in
           | clean | tail -6
     done
     ;;
-  *) echo "usage: $0 spy|spy2|launch|final|final2|pools" >&2; exit 2 ;;
+  last)  # the hierarchical kernels across two logical nodes (final's step lost its output to
+          # grep's binary-file rule), then the two pools with the poller outside the lock
+    step across 200 "-s 'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[1]' \
+        'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[2]'"
+    timeout 90 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 1000 \
+        --prefill-iters 150 --json "$OUT/two_pools_serial1_poller_out.json" 2>&1 | clean | tail -6
+    ;;
+  *) echo "usage: $0 spy|spy2|launch|final|final2|pools|last" >&2; exit 2 ;;
 esac

@@ -85,9 +85,11 @@ class Config:
     stream_op_poll_us: int = field(default=50, metadata={
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
     serial_enqueue: bool = field(default=True, metadata={
-        "help": "cuda backend: the engine's threads enqueue GPU work one at a time (a lock "
-                "around each call's launches); several threads of one process launching at "
-                "once made each launch 2.5-4x slower on the H200 (docs/BENCHMARKS.md)"})
+        "help": "cuda backend: the sessions' stream-ordered normal-mode calls enqueue their "
+                "GPU work one at a time (a lock around each call's launches; the poller's "
+                "armed low-latency launches stay outside it); several threads of one process "
+                "launching at once made each launch 2.5-4x slower on the H200 "
+                "(docs/BENCHMARKS.md)"})
     ll_chain: bool = field(default=False, metadata={
         "help": "cuda backend, experimental: run a member's armed low-latency ops on a GPU "
                 "chain (the client's trigger kernel publishes the call, kernels enqueued "
