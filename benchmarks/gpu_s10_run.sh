@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_s10_run.sh final2  # serial enqueue off, one rank, the launch probe
 #   bash benchmarks/gpu_s10_run.sh pools   # issue 14's two pools, serial enqueue on and off
 #   bash benchmarks/gpu_s10_run.sh last    # the hierarchical kernels again, pools with the poller unlocked
+#   bash benchmarks/gpu_s10_run.sh across2 # the hierarchical kernels after the shared-memory fix
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -86,5 +87,9 @@ case "${1:-}" in
     timeout 90 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 1000 \
         --prefill-iters 150 --json "$OUT/two_pools_serial1_poller_out.json" 2>&1 | clean | tail -6
     ;;
-  *) echo "usage: $0 spy|spy2|launch|final|final2|pools|last" >&2; exit 2 ;;
+  across2)  # the hierarchical kernels after the shared-memory fix (the NVSHMEM build had
+             # failed to link: notify used 0xc290 bytes of static shared memory, 0xc000 max)
+    step across 175 "-s 'tests/gpu/test_nvshmem.py::test_normal_mode_across_logical_nodes[2]'"
+    ;;
+  *) echo "usage: $0 spy|spy2|launch|final|final2|pools|last|across2" >&2; exit 2 ;;
 esac

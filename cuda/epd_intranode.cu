@@ -72,10 +72,12 @@ __device__ __forceinline__ unsigned node_mask(unsigned mask, int R, int N) {
 
 // node_pos[t][b]: how many of this source's tokens before t have an expert on node b (t's
 // row among the tokens it sends to node b), or -1. Block-wide (every thread calls it): tiles
-// of blockDim.x tokens, warp ballots, the earlier warps' counts, a carry per node.
+// of blockDim.x tokens, warp ballots, the earlier warps' counts, a carry per node. `s_count`:
+// the caller's [32][EPD_MAX_RANKS] shared scratch, free by now (notify's own s_warp: a
+// separate array put notify past the 48 KiB of static shared memory in the NVSHMEM build,
+// whose device library takes most of it).
 __device__ void node_rows(const unsigned char* __restrict__ token_mask, int T, int R, int N,
-                          int* __restrict__ node_pos) {
-    __shared__ int s_count[32][EPD_MAX_RANKS];
+                          int* __restrict__ node_pos, int (*s_count)[EPD_MAX_RANKS]) {
     __shared__ int s_carry[EPD_MAX_RANKS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     if (threadIdx.x < EPD_MAX_RANKS) s_carry[threadIdx.x] = 0;
@@ -386,7 +388,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
             }
         }
     }
-    if (num_nodes > 1) node_rows(token_mask, T, R, num_nodes, node_pos);
+    if (num_nodes > 1) node_rows(token_mask, T, R, num_nodes, node_pos, s_warp);
 }
 
 // 16-byte copy of one row by one warp to up to R destinations (read once, store R times).
