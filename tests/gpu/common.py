@@ -106,36 +106,14 @@ def check_dispatch(group: Any, results: dict[int, Any], expected: list[Any], *, 
 def run_and_check_combine(group: Any, rng: np.random.Generator, results: dict[int, Any],
                           expected: list[Any], num_tokens: list[int], hidden: int, *,
                           worst: int = 0, bias: bool = False, num_sms: int = 8) -> None:
-    import cupy as cp
-
     disp = [ref.pad_to_worst(e, worst) if worst else e for e in expected]
     ys = [ref.random_x(rng, e.recv_x.shape[0], hidden, BFLOAT16) for e in disp]
     b0 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
     b1 = [ref.random_x(rng, t, hidden, BFLOAT16) for t in num_tokens] if bias else None
     want = ref.combine(ys, disp, num_tokens, recv_topk_weights=[e.recv_topk_weights for e in disp],
                        bias_0=b0, bias_1=b1)
-    outs, inputs = {}, {}
-    for r, runner in ranks_of(group):  # (all inputs first, as in run_dispatch)
-        with cp.cuda.Device(runner.device_id), runner.stream:
-            w = cp.asarray(disp[r].recv_topk_weights)
-            inputs[r] = (cp.asarray(raw(ys[r])), w,
-                         None if b0 is None else cp.asarray(raw(b0[r])),
-                         None if b1 is None else cp.asarray(raw(b1[r])))
-            outs[r] = (cp.full((num_tokens[r], hidden), 0xFFFF, cp.uint16),  # poison: NaN
-                       cp.full((num_tokens[r], w.shape[1]), np.nan, cp.float32))
-    group.synchronize()
-    for r, runner in ranks_of(group):
-        y, w, bias_0, bias_1 = inputs[r]
-        with cp.cuda.Device(runner.device_id), runner.stream:
-            runner.combine(y, results[r], outs[r][0], recv_topk_weights=w,
-                           out_weights=outs[r][1], bias_0=bias_0, bias_1=bias_1,
-                           timeout_ns=TIMEOUT_NS, num_sms=num_sms)
-    group.synchronize()
-    _assert_no_error(group)
-    for s in outs:
-        np.testing.assert_array_equal(cp.asnumpy(outs[s][0]), raw(want[s][0]))
-        np.testing.assert_array_equal(cp.asnumpy(outs[s][1]).view(np.uint32),
-                                      want[s][1].view(np.uint32))
+    _combine_exact(group, results, ys, [e.recv_topk_weights for e in disp], b0, b1,
+                   num_tokens, hidden, want, num_sms)
 
 
 def _assert_no_error(group: Any) -> None:
@@ -260,8 +238,6 @@ def run_and_check_hierarchical_combine(group: Any, rng: np.random.Generator,
                                        bias: bool = False, num_sms: int = 8) -> bool:
     """Combine of every rank this process drives against `ref.hierarchical_combine`; returns
     whether the flat `ref.combine` of the same rows (in flat order) gives other bits."""
-    import cupy as cp
-
     r = len(num_tokens)
     rds = [hier.received(d) for d in range(r)]
     rows = [worst or rd.recv_x.shape[0] for rd in rds]
@@ -284,30 +260,42 @@ def run_and_check_hierarchical_combine(group: Any, rng: np.random.Generator,
     flat_want = ref.combine(flat_ys, flat, num_tokens, bias_0=b0, bias_1=b1)
     rounding = any(not np.array_equal(raw(a[0]), raw(b[0]))
                    for a, b in zip(want, flat_want, strict=True))
+    weights = [(ref.pad_to_worst(rd, worst) if worst else rd).recv_topk_weights for rd in rds]
+    _combine_exact(group, results, ys, weights, b0, b1, num_tokens, hidden, want, num_sms)
+    return rounding
+
+
+def _combine_exact(group: Any, results: dict[int, Any], ys: list[np.ndarray],
+                   weights: list[np.ndarray], b0: list[np.ndarray] | None,
+                   b1: list[np.ndarray] | None, num_tokens: list[int], hidden: int,
+                   want: list[Any], num_sms: int) -> None:
+    """Combine on every rank this process drives (every rank's inputs uploaded and outputs
+    poisoned before any launch, as in run_dispatch), outputs and weights bit-exact against
+    `want` (the reference's (rows, weights) per rank)."""
+    import cupy as cp
+
     outs, inputs = {}, {}
-    for s, runner in ranks_of(group):  # (all inputs first, as in run_dispatch)
-        rd = ref.pad_to_worst(rds[s], worst) if worst else rds[s]
+    for r, runner in ranks_of(group):
         with cp.cuda.Device(runner.device_id), runner.stream:
-            w = cp.asarray(rd.recv_topk_weights)
-            inputs[s] = (cp.asarray(raw(ys[s])), w,
-                         None if b0 is None else cp.asarray(raw(b0[s])),
-                         None if b1 is None else cp.asarray(raw(b1[s])))
-            outs[s] = (cp.full((num_tokens[s], hidden), 0xFFFF, cp.uint16),  # poison: NaN
-                       cp.full((num_tokens[s], w.shape[1]), np.nan, cp.float32))
+            w = cp.asarray(weights[r])
+            inputs[r] = (cp.asarray(raw(ys[r])), w,
+                         None if b0 is None else cp.asarray(raw(b0[r])),
+                         None if b1 is None else cp.asarray(raw(b1[r])))
+            outs[r] = (cp.full((num_tokens[r], hidden), 0xFFFF, cp.uint16),  # poison: NaN
+                       cp.full((num_tokens[r], w.shape[1]), np.nan, cp.float32))
     group.synchronize()
-    for s, runner in ranks_of(group):
-        y, w, bias_0, bias_1 = inputs[s]
+    for r, runner in ranks_of(group):
+        y, w, bias_0, bias_1 = inputs[r]
         with cp.cuda.Device(runner.device_id), runner.stream:
-            runner.combine(y, results[s], outs[s][0], recv_topk_weights=w,
-                           out_weights=outs[s][1], bias_0=bias_0, bias_1=bias_1,
+            runner.combine(y, results[r], outs[r][0], recv_topk_weights=w,
+                           out_weights=outs[r][1], bias_0=bias_0, bias_1=bias_1,
                            timeout_ns=TIMEOUT_NS, num_sms=num_sms)
     group.synchronize()
     _assert_no_error(group)
-    for s in outs:
-        np.testing.assert_array_equal(cp.asnumpy(outs[s][0]), raw(want[s][0]))
-        np.testing.assert_array_equal(cp.asnumpy(outs[s][1]).view(np.uint32),
-                                      want[s][1].view(np.uint32))
-    return rounding
+    for r in outs:
+        np.testing.assert_array_equal(cp.asnumpy(outs[r][0]), raw(want[r][0]))
+        np.testing.assert_array_equal(cp.asnumpy(outs[r][1]).view(np.uint32),
+                                      want[r][1].view(np.uint32))
 
 
 def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k: int, h: int,
