@@ -18,6 +18,7 @@ Arrays are NumPy arrays on the CPU backend and CuPy arrays on the CUDA backend.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +75,37 @@ class Membership:
         """From a Node.Rendezvous answer (epd_pb2.RendezvousResponse)."""
         return cls(resp.group_id, rank, tuple(resp.rank_engines), bytes(resp.plan),
                    tuple(resp.rank_nodes), bool(resp.rejoining))
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """A normal-mode group over `num_nodes` nodes of `per_node` ranks, placed node-major (rank
+    = node * L + local index): it runs DeepEP's hierarchical semantics on every backend
+    (`reference.hierarchical_dispatch` / `hierarchical_combine`; docs/DESIGN_NOTES.md)."""
+
+    num_nodes: int
+    per_node: int
+
+    @classmethod
+    def of(cls, rank_nodes: Sequence[int]) -> Hierarchy | None:
+        """The hierarchy of a group from the node of each rank; None (flat semantics) when the
+        group is on one node or is not node-major: node ranks not ascending with the rank, or
+        not the same number of ranks on every node. The group's node b is its b-th node in
+        ascending node rank (node ranks need not start at 0 nor be contiguous)."""
+        nodes = list(rank_nodes)
+        distinct = sorted(set(nodes))
+        if len(distinct) < 2 or nodes != sorted(nodes):
+            return None
+        per_node = len(nodes) // len(distinct)
+        if any(nodes.count(n) != per_node for n in distinct):
+            return None
+        return cls(len(distinct), per_node)
+
+    def source_order(self) -> list[int]:
+        """The order in which every destination receives its sources' rows: by local index,
+        then node (forwarder i carries the rows of sources (a, i), a ascending)."""
+        return [a * self.per_node + i for i in range(self.per_node)
+                for a in range(self.num_nodes)]
 
 
 class GroupPlanner(abc.ABC):

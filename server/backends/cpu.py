@@ -42,6 +42,7 @@ from ...proto.errors import (
 )
 from ...proto.v1 import epd_pb2
 from ..reference import quantize_fp8  # the one FP8 quantisation (server/reference.py)
+from . import cpu_hierarchical
 from .base import (
     Array,
     Backend,
@@ -52,6 +53,7 @@ from .base import (
     DispatchOutputs,
     GroupPlanner,
     GroupSpec,
+    Hierarchy,
     LayoutOutputs,
     LowLatencyCombineArgs,
     LowLatencyCombineOutputs,
@@ -62,7 +64,6 @@ from .base import (
     Region,
     check_combine_routing,
 )
-from .cpu_hierarchical import Hierarchy
 
 PAGE = 4096
 _HEADER_BYTES = 4 * PAGE
@@ -846,7 +847,7 @@ class CpuRankComm(RankComm):
             ) if r else np.zeros(0, np.int32)
             recv_src_idx = np.concatenate([src_rows[s] for s in order]).astype(np.int32)
             shown_src_idx = (recv_src_idx if hier is None else
-                             hier.forwarder_rows(me, node_rows, src_rows))
+                             cpu_hierarchical.forwarder_rows(hier, me, node_rows, src_rows))
             if no_topk:
                 in_rank = np.asarray(args.is_token_in_rank, dtype=np.bool_)
             else:
@@ -977,7 +978,8 @@ class CpuRankComm(RankComm):
             return mine, y[start:start + len(mine)], yw
 
         if self.hierarchy is not None:  # a rounded partial sum per node, nodes ascending
-            self.hierarchy.combine_into(acc, acc_w, spec.x_numpy_dtype, rows_from)
+            cpu_hierarchical.combine_into(self.hierarchy, acc, acc_w, spec.x_numpy_dtype,
+                                          rows_from)
         else:  # one fp32 sum over the destinations in rank order
             for d in range(r):
                 got = rows_from(d)

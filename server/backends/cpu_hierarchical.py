@@ -15,83 +15,58 @@ order of the rows, what recv_src_idx names, and the summation order of combine:
   y)), fp32 throughout, nodes and local ranks ascending; weights are summed the same way, in
   fp32 without rounding.
 
-Any other spanning placement keeps the flat semantics (rows by source rank, one rounding).
+Any other spanning placement keeps the flat semantics (rows by source rank, one rounding); the
+rule is `base.Hierarchy.of`, shared with the CUDA engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 
+from .base import Hierarchy
 
-@dataclass(frozen=True)
-class Hierarchy:
-    """A node-major group: `num_nodes` nodes of `per_node` ranks, rank = node * L + local."""
 
-    num_nodes: int
-    per_node: int
+def forwarder_rows(h: Hierarchy, me: int, node_rows: list[np.ndarray],
+                   src_rows: list[np.ndarray]) -> np.ndarray:
+    """recv_src_idx of destination `me`'s rows (in `source_order`): each row's index in its
+    forwarder's rail list. `node_rows[s]`: source s's tokens with an expert on `me`'s node
+    (ascending), `src_rows[s]`: those with an expert on `me` (a subset)."""
+    ln = h.per_node
+    parts = []
+    for i in range(ln):
+        base = 0  # rail rows of forwarder (b, i) from sources (a' < a, i)
+        for a in range(h.num_nodes):
+            s = a * ln + i
+            parts.append(base + np.searchsorted(node_rows[s], src_rows[s]))
+            base += len(node_rows[s])
+    return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
 
-    @classmethod
-    def of(cls, rank_nodes: Sequence[int]) -> Hierarchy | None:
-        """The hierarchy of a group from the node of each rank; None (flat semantics) when the
-        group is on one node or is not node-major: node ranks not ascending with the rank, or
-        not the same number of ranks on every node. The group's node b is its b-th node in
-        ascending node rank (node ranks need not start at 0 nor be contiguous)."""
-        nodes = list(rank_nodes)
-        distinct = sorted(set(nodes))
-        if len(distinct) < 2 or nodes != sorted(nodes):
-            return None
-        per_node = len(nodes) // len(distinct)
-        if any(nodes.count(n) != per_node for n in distinct):
-            return None
-        return cls(len(distinct), per_node)
 
-    def source_order(self) -> list[int]:
-        """The order in which every destination receives its sources' rows: by local index,
-        then node (forwarder i carries the rows of sources (a, i), a ascending)."""
-        return [a * self.per_node + i for i in range(self.per_node)
-                for a in range(self.num_nodes)]
-
-    def forwarder_rows(self, me: int, node_rows: list[np.ndarray],
-                       src_rows: list[np.ndarray]) -> np.ndarray:
-        """recv_src_idx of destination `me`'s rows (in `source_order`): each row's index in its
-        forwarder's rail list. `node_rows[s]`: source s's tokens with an expert on `me`'s node
-        (ascending), `src_rows[s]`: those with an expert on `me` (a subset)."""
-        ln = self.per_node
-        parts = []
-        for i in range(ln):
-            base = 0  # rail rows of forwarder (b, i) from sources (a' < a, i)
-            for a in range(self.num_nodes):
-                s = a * ln + i
-                parts.append(base + np.searchsorted(node_rows[s], src_rows[s]))
-                base += len(node_rows[s])
-        return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
-
-    def combine_into(self, acc: np.ndarray, acc_w: np.ndarray | None, dtype: np.dtype,
-                     rows_from: Callable[[int], tuple[np.ndarray, np.ndarray,
-                                                      np.ndarray | None] | None]) -> None:
-        """Add to `acc` (fp32, the biases already in it) every node's partial sum of this
-        source's tokens, rounded to `dtype` (the forwarder's NVLink stage), nodes ascending;
-        `acc_w` likewise without rounding. `rows_from(d)`: (this source's tokens on d, their
-        rows of d's expert output, their weights or None), or None when d holds none."""
-        num_tokens = acc.shape[0]
-        for b in range(self.num_nodes):
-            part = np.zeros_like(acc)
-            part_w = None if acc_w is None else np.zeros_like(acc_w)
-            hit = np.zeros(num_tokens, dtype=bool)  # tokens with an expert on node b
-            for j in range(self.per_node):  # local ranks ascending, fp32 from zero
-                got = rows_from(b * self.per_node + j)
-                if got is None:
-                    continue
-                mine, y, yw = got
-                part[mine] += y.astype(np.float32)
-                if part_w is not None:
-                    part_w[mine] += yw
-                hit[mine] = True
-            if not hit.any():
+def combine_into(h: Hierarchy, acc: np.ndarray, acc_w: np.ndarray | None, dtype: np.dtype,
+                 rows_from: Callable[[int], tuple[np.ndarray, np.ndarray,
+                                                  np.ndarray | None] | None]) -> None:
+    """Add to `acc` (fp32, the biases already in it) every node's partial sum of this
+    source's tokens, rounded to `dtype` (the forwarder's NVLink stage), nodes ascending;
+    `acc_w` likewise without rounding. `rows_from(d)`: (this source's tokens on d, their
+    rows of d's expert output, their weights or None), or None when d holds none."""
+    num_tokens = acc.shape[0]
+    for b in range(h.num_nodes):
+        part = np.zeros_like(acc)
+        part_w = None if acc_w is None else np.zeros_like(acc_w)
+        hit = np.zeros(num_tokens, dtype=bool)  # tokens with an expert on node b
+        for j in range(h.per_node):  # local ranks ascending, fp32 from zero
+            got = rows_from(b * h.per_node + j)
+            if got is None:
                 continue
-            acc[hit] += part[hit].astype(dtype).astype(np.float32)
-            if acc_w is not None:
-                acc_w[hit] += part_w[hit]
+            mine, y, yw = got
+            part[mine] += y.astype(np.float32)
+            if part_w is not None:
+                part_w[mine] += yw
+            hit[mine] = True
+        if not hit.any():
+            continue
+        acc[hit] += part[hit].astype(dtype).astype(np.float32)
+        if acc_w is not None:
+            acc_w[hit] += part_w[hit]

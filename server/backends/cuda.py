@@ -54,6 +54,7 @@ from .base import (
     DispatchArgs,
     DispatchOutputs,
     GroupSpec,
+    Hierarchy,
     LayoutOutputs,
     LowLatencyCombineArgs,
     LowLatencyCombineOutputs,
@@ -64,7 +65,6 @@ from .base import (
     Region,
     check_combine_routing,
 )
-from .cpu_hierarchical import Hierarchy
 from .cuda_chain import LowLatencyChain
 from .cuda_plan import CudaPlanner, decode_plan, membership_layout, peer_table
 from .cuda_quiet import QuietCloser
