@@ -489,6 +489,10 @@ def run_case(endpoint: str, case: Case, rank: int, timeout: float = 30.0) -> dic
     from epd.client import Session
     with Session(endpoint, client_name=f"test-rank{rank}", timeout=timeout) as s:
         g = join(s, case, rank)
+        # The join answer and the engine's stats say the same about the semantics
+        shown = [x.hierarchical for x in s.stats().groups if x.group_id == g.group_id]
+        assert g.hierarchical == (case.nodes > 1) and shown == [g.hierarchical], \
+            (case.nodes, g.hierarchical, shown)
         return case_round(s, g, case, rank)
 
 

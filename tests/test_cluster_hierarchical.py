@@ -322,7 +322,9 @@ def facade_round(endpoint: str, rank: int, c: Case) -> dict:
         res = {"rank": rank, "recv_x": np.array(recv_x), "recv_topk_idx": np.array(recv_idx),
                "recv_topk_weights": np.array(recv_w), "counts": list(counts),
                "prefix": np.array(handle[0]), "recv_src_idx": np.array(handle[3]),
-               "hierarchical": handle.handle.group.hierarchical}
+               "hierarchical": handle.handle.group.hierarchical,
+               "stats_hierarchical": [g.hierarchical for g in buf.session.stats().groups
+                                      if g.group_id == handle.handle.group.group_id]}
         y = expert_out(res["recv_x"], None, res["recv_topk_idx"], res["recv_topk_weights"],
                        rank, c.local_experts)
         cx, cw, _ = buf.combine(y, handle, topk_weights=res["recv_topk_weights"],
@@ -342,7 +344,7 @@ def test_the_deepep_facade_in_a_hierarchical_group(three, ranks):
     want = reference(c)
     for r, o in enumerate(out):
         d = want["disp"][r]
-        assert o["hierarchical"], r
+        assert o["hierarchical"] and o["stats_hierarchical"] == [True], (r, o)
         for k in ("recv_x", "recv_topk_idx", "recv_topk_weights", "recv_src_idx"):
             assert_exact(o[k], getattr(d, k), f"rank {r} {k}")
         assert o["counts"] == want["counts"][r][1]

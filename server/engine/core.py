@@ -561,7 +561,8 @@ class Engine(StreamCalls, DataPlane):
                     handles=len(m.handles), service_class=m.spec.service_class,
                     stream_priority=m.comm.stream_priority, num_sms=m.comm.num_sms,
                     ll_num_sms=m.comm.ll_num_sms, queued_calls=m.queued_calls,
-                    queue_wait_seconds=m.queue_wait_seconds, held_bytes=m.comm.held_bytes))
+                    queue_wait_seconds=m.queue_wait_seconds, held_bytes=m.comm.held_bytes,
+                    hierarchical=m.comm.hierarchical))
         regions = [r for s in sessions for r in list(s.regions.values()) if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),
