@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ...proto import dtypes
+from ...proto.errors import InvalidArgument
 
 Array = Any  # numpy.ndarray (cpu) or cupy.ndarray (cuda)
 
@@ -100,6 +101,14 @@ class Hierarchy:
         if any(nodes.count(n) != per_node for n in distinct):
             return None
         return cls(len(distinct), per_node)
+
+    def no_topk_error(self, group: str) -> InvalidArgument:
+        """The refusal of a dispatch without top-k (is_token_in_rank routing) in such a group:
+        its node stage routes by top-k ids."""
+        return InvalidArgument(
+            f"group {group!r} runs hierarchical normal mode over {self.num_nodes} nodes, whose "
+            f"node stage routes by top-k ids: dispatch without top-k (is_token_in_rank only) "
+            f"is not supported there")
 
     def source_order(self) -> list[int]:
         """The order in which every destination receives its sources' rows: by local index,
@@ -363,12 +372,17 @@ class RankComm(abc.ABC):
     # How the device schedules this rank, by its group's service class (0: not applicable, the
     # cpu backend): the CUDA priority of its stream (lower is more urgent) and the blocks of its
     # normal-mode and low-latency data kernels. A client's num_sms is bounded by `num_sms`.
-    # Normal mode runs hierarchical semantics over nodes (reference.hierarchical_dispatch /
-    # hierarchical_combine) rather than the flat ones; reported to the client at join.
-    hierarchical: bool = False
+    # A normal-mode group over nodes placed node-major runs the hierarchical semantics
+    # (reference.hierarchical_dispatch / hierarchical_combine) rather than the flat ones.
+    hierarchy: Hierarchy | None = None
     stream_priority: int = 0
     num_sms: int = 0
     ll_num_sms: int = 0
+
+    @property
+    def hierarchical(self) -> bool:
+        """Reported to the client at join and in its stats."""
+        return self.hierarchy is not None
 
     @abc.abstractmethod
     def layout(self, topk_idx: Array) -> LayoutOutputs: ...

@@ -510,10 +510,6 @@ class CpuRankComm(RankComm):
         # the sources whose blocks precede mine on every destination
         self._before_me = np.array(self._order[:self._order.index(self.rank)], dtype=np.intp)
 
-    @property
-    def hierarchical(self) -> bool:
-        return self.hierarchy is not None
-
     # -- shared-memory plumbing ------------------------------------------------------------
     def _slot_array(self, rank: int, field: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         off = _HEADER_BYTES + rank * self._slot.size + getattr(self._slot, field)
@@ -786,10 +782,7 @@ class CpuRankComm(RankComm):
 
         def write_inputs() -> None:  # into this rank's slot (the "send buffer")
             if no_topk and self.hierarchy is not None:  # (rejected: the peers fail at once)
-                raise InvalidArgument(
-                    f"group {spec.name!r} runs hierarchical normal mode over "
-                    f"{self.hierarchy.num_nodes} nodes, whose node stage routes by top-k ids: "
-                    f"dispatch without top-k (is_token_in_rank only) is not supported there")
+                raise self.hierarchy.no_topk_error(spec.name)
             if overflow:
                 return
             meta = self._meta(me)
@@ -981,14 +974,7 @@ class CpuRankComm(RankComm):
             cpu_hierarchical.combine_into(self.hierarchy, acc, acc_w, spec.x_numpy_dtype,
                                           rows_from)
         else:  # one fp32 sum over the destinations in rank order
-            for d in range(r):
-                got = rows_from(d)
-                if got is None:
-                    continue
-                mine, y, yw = got
-                acc[mine] += y.astype(np.float32)
-                if acc_w is not None:
-                    acc_w[mine] += yw
+            cpu_hierarchical.add_rows(acc, acc_w, rows_from, range(r))
         self._arrive(seq, 2)
         out_x = self._out.get("combined_x", (t, h), spec.x_numpy_dtype)
         out_x[:] = acc.astype(spec.x_numpy_dtype)

@@ -16,12 +16,13 @@ order of the rows, what recv_src_idx names, and the summation order of combine:
   fp32 without rounding.
 
 Any other spanning placement keeps the flat semantics (rows by source rank, one rounding); the
-rule is `base.Hierarchy.of`, shared with the CUDA engine.
+rule is `base.Hierarchy.of`, shared with the CUDA engine. `add_rows` is the one summation of
+combine: the flat sum is it over every rank, the hierarchical one over each node's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -44,27 +45,37 @@ def forwarder_rows(h: Hierarchy, me: int, node_rows: list[np.ndarray],
     return np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)
 
 
+RowsFrom = Callable[[int], tuple[np.ndarray, np.ndarray, np.ndarray | None] | None]
+
+
+def add_rows(acc: np.ndarray, acc_w: np.ndarray | None, rows_from: RowsFrom,
+             ranks: Iterable[int]) -> np.ndarray:
+    """Add, in the order of `ranks`, each destination's rows of this source's tokens to `acc`
+    (fp32) and their weights to `acc_w`; returns which tokens got any. `rows_from(d)`: (this
+    source's tokens on d, their rows of d's expert output, their weights or None), or None
+    when d holds none."""
+    hit = np.zeros(acc.shape[0], dtype=bool)
+    for d in ranks:
+        got = rows_from(d)
+        if got is None:
+            continue
+        mine, y, yw = got
+        acc[mine] += y.astype(np.float32)
+        if acc_w is not None:
+            acc_w[mine] += yw
+        hit[mine] = True
+    return hit
+
+
 def combine_into(h: Hierarchy, acc: np.ndarray, acc_w: np.ndarray | None, dtype: np.dtype,
-                 rows_from: Callable[[int], tuple[np.ndarray, np.ndarray,
-                                                  np.ndarray | None] | None]) -> None:
+                 rows_from: RowsFrom) -> None:
     """Add to `acc` (fp32, the biases already in it) every node's partial sum of this
     source's tokens, rounded to `dtype` (the forwarder's NVLink stage), nodes ascending;
-    `acc_w` likewise without rounding. `rows_from(d)`: (this source's tokens on d, their
-    rows of d's expert output, their weights or None), or None when d holds none."""
-    num_tokens = acc.shape[0]
+    `acc_w` likewise without rounding (`rows_from` as for `add_rows`)."""
     for b in range(h.num_nodes):
-        part = np.zeros_like(acc)
+        part = np.zeros_like(acc)  # local ranks ascending, fp32 from zero
         part_w = None if acc_w is None else np.zeros_like(acc_w)
-        hit = np.zeros(num_tokens, dtype=bool)  # tokens with an expert on node b
-        for j in range(h.per_node):  # local ranks ascending, fp32 from zero
-            got = rows_from(b * h.per_node + j)
-            if got is None:
-                continue
-            mine, y, yw = got
-            part[mine] += y.astype(np.float32)
-            if part_w is not None:
-                part_w[mine] += yw
-            hit[mine] = True
+        hit = add_rows(part, part_w, rows_from, range(b * h.per_node, (b + 1) * h.per_node))
         if not hit.any():
             continue
         acc[hit] += part[hit].astype(dtype).astype(np.float32)

@@ -379,7 +379,6 @@ class CudaRankComm(RankComm):
         # Normal mode over nodes placed node-major: the hierarchical semantics, as on the CPU
         # backend (the top of cuda/epd_intranode.cu); any other placement stays flat.
         self.hierarchy = Hierarchy.of(membership.rank_nodes)
-        self.hierarchical = self.hierarchy is not None
         kernels = backend.kernels
         if remote:
             from .cuda_remote import remote_kernels_for_device
@@ -482,10 +481,7 @@ class CudaRankComm(RankComm):
         dispatch without top-k is refused there (before any kernel: peers that called with
         top-k wait for this rank until their deadline, which names it)."""
         if self.hierarchy is not None and _routing(args) is not None:
-            raise InvalidArgument(
-                f"group {self.spec.name!r} runs hierarchical normal mode over "
-                f"{self.hierarchy.num_nodes} nodes, whose node stage routes by top-k ids: "
-                f"dispatch without top-k (is_token_in_rank only) is not supported there")
+            raise self.hierarchy.no_topk_error(self.spec.name)
 
     @_launches
     def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
