@@ -78,29 +78,40 @@ def run_dispatch(group: Any, inp: dict[str, Any], *, alignment: int = 1, worst: 
 
 def check_dispatch(group: Any, results: dict[int, Any], expected: list[Any], *, worst: int = 0,
                    meta: bool = True) -> list[dict[str, Any]]:
-    import cupy as cp
-
+    """Every output of the ranks this process drives against the flat reference `expected`."""
     outs = []
     for d, runner in ranks_of(group):
-        exp = ref.pad_to_worst(expected[d], worst) if worst else expected[d]
+        exp = expected[d]
         got = runner.outputs(results[d])
-        n = exp.recv_src_idx.shape[0] if not worst else int(expected[d].src_offsets[-1])
-        assert got["num_recv"] == n
-        assert got["per_expert"] == list(exp.num_recv_tokens_per_expert)
-        np.testing.assert_array_equal(raw(cp.asnumpy(got["recv_x"])), raw(exp.recv_x))
-        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_idx"]), exp.recv_src_idx)
-        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_rank"]), exp.recv_src_rank)
-        if meta:
-            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_idx"]), exp.recv_topk_idx)
-            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_weights"]).view(np.uint32),
-                                          exp.recv_topk_weights.view(np.uint32))
-        if exp.recv_x_scales is not None:
-            np.testing.assert_array_equal(cp.asnumpy(got["recv_x_scales"]).view(np.uint32),
-                                          exp.recv_x_scales.view(np.uint32))
-        prefix = np.cumsum(np.diff(expected[d].src_offsets))
-        np.testing.assert_array_equal(cp.asnumpy(got["rank_prefix"])[:, d], prefix)
+        _check_rank_outputs(got, d, exp, exp.recv_src_rank, np.cumsum(np.diff(exp.src_offsets)),
+                            worst, meta)
         outs.append(got)
     return outs
+
+
+def _check_rank_outputs(got: dict[str, Any], d: int, exp: Any, src_rank: np.ndarray,
+                        prefix: np.ndarray, worst: int, meta: bool) -> None:
+    """Rank `d`'s dispatch outputs (`runner.outputs`) against its reference rows `exp` (padded
+    here to `worst`), the rows' source ranks and its column of the rank prefix matrix."""
+    import cupy as cp
+
+    n = exp.recv_x.shape[0]
+    if worst:
+        exp = ref.pad_to_worst(exp, worst)
+        src_rank = np.concatenate([src_rank, np.full(worst - n, -1, np.int32)])
+    assert got["num_recv"] == n
+    assert got["per_expert"] == list(exp.num_recv_tokens_per_expert)
+    np.testing.assert_array_equal(raw(cp.asnumpy(got["recv_x"])), raw(exp.recv_x))
+    np.testing.assert_array_equal(cp.asnumpy(got["recv_src_idx"]), exp.recv_src_idx)
+    np.testing.assert_array_equal(cp.asnumpy(got["recv_src_rank"]), src_rank)
+    if meta:
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_idx"]), exp.recv_topk_idx)
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_weights"]).view(np.uint32),
+                                      exp.recv_topk_weights.view(np.uint32))
+    if exp.recv_x_scales is not None:
+        np.testing.assert_array_equal(cp.asnumpy(got["recv_x_scales"]).view(np.uint32),
+                                      exp.recv_x_scales.view(np.uint32))
+    np.testing.assert_array_equal(cp.asnumpy(got["rank_prefix"])[:, d], prefix)
 
 
 def run_and_check_combine(group: Any, rng: np.random.Generator, results: dict[int, Any],
@@ -205,31 +216,12 @@ def check_hierarchical_dispatch(group: Any, results: dict[int, Any], hier: Any, 
     """Every output of the ranks this process drives against `hier.received(rank)`; the rows'
     recv_src_rank (an internal buffer, not an output of the engine) holds the original source
     rank, `hier.sources(rank)`; rank_prefix_matrix keeps its counts by original rank."""
-    import cupy as cp
-
     r = hier.num_nodes * hier.ranks_per_node
     for d, runner in ranks_of(group):
-        rd = hier.received(d)
         src_rank = hier.sources(d)[0]
-        n = rd.recv_x.shape[0]
-        exp = ref.pad_to_worst(rd, worst) if worst else rd
-        if worst:
-            src_rank = np.concatenate([src_rank, np.full(worst - n, -1, np.int32)])
-        got = runner.outputs(results[d])
-        assert got["num_recv"] == n
-        assert got["per_expert"] == list(rd.num_recv_tokens_per_expert)
-        np.testing.assert_array_equal(raw(cp.asnumpy(got["recv_x"])), raw(exp.recv_x))
-        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_idx"]), exp.recv_src_idx)
-        np.testing.assert_array_equal(cp.asnumpy(got["recv_src_rank"]), src_rank)
-        if meta:
-            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_idx"]), exp.recv_topk_idx)
-            np.testing.assert_array_equal(cp.asnumpy(got["recv_topk_weights"]).view(np.uint32),
-                                          exp.recv_topk_weights.view(np.uint32))
-        if exp.recv_x_scales is not None:
-            np.testing.assert_array_equal(cp.asnumpy(got["recv_x_scales"]).view(np.uint32),
-                                          exp.recv_x_scales.view(np.uint32))
         counts = np.bincount(src_rank[src_rank >= 0], minlength=r)
-        np.testing.assert_array_equal(cp.asnumpy(got["rank_prefix"])[:, d], np.cumsum(counts))
+        _check_rank_outputs(runner.outputs(results[d]), d, hier.received(d), src_rank,
+                            np.cumsum(counts), worst, meta)
 
 
 def run_and_check_hierarchical_combine(group: Any, rng: np.random.Generator,
