@@ -285,6 +285,12 @@ def _handle_of(stream: Any) -> int:
     return int(stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr)
 
 
+def _function_of(fn: Any) -> int:
+    """The driver function of a kernel: a CuPy RawKernel's loaded `kernel`, or a linked
+    kernel's handle (cuda_remote.LinkedKernel)."""
+    return int(fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr)
+
+
 class Packed:
     """A kernel launch whose arguments are packed by one `struct.pack_into` into a fixed
     buffer the driver reads through a fixed `void*` array (the driver copies the values at the
@@ -295,7 +301,7 @@ class Packed:
     thread (`Kernels._packed`). `fmt`: struct codes in the kernel's parameter order."""
 
     def __init__(self, fn: Any, fmt: str) -> None:
-        self._fn = int(fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr)
+        self._fn = _function_of(fn)
         self._st = struct.Struct("@" + fmt)
         self._buf = (ctypes.c_uint64 * (-(-self._st.size // 8)))()  # 8-byte aligned
         base = ctypes.addressof(self._buf)
@@ -376,15 +382,14 @@ class Kernels:
         caller's tensors); `call_err`: the rank's control block, where a bad id is reported
         (it is skipped) instead of being read out of bounds."""
         t, k = topk_idx.shape
+        sp = _handle_of(stream)
         if out is None:
             with _stream_ptr(stream):  # the zeroing runs on the same stream as the kernel
                 ntpr = cp.zeros(num_ranks, cp.int32)
                 ntpe = cp.zeros(num_experts, cp.int32)
                 itr = cp.empty((t, num_ranks), cp.bool_)
-            sp = _handle_of(stream)
         else:
             ntpr, ntpe, itr = out  # contiguous int32 / int32 / bool (checked by the caller)
-            sp = _handle_of(stream)
             cp.cuda.runtime.memsetAsync(ntpr.data.ptr, 0, ntpr.nbytes, sp)
             cp.cuda.runtime.memsetAsync(ntpe.data.ptr, 0, ntpe.nbytes, sp)
         if t:
@@ -612,8 +617,7 @@ class Launch:
     The caller keeps the arrays whose addresses are packed alive."""
 
     def __init__(self, fn: Any, grid: int, block: int, args: list[tuple[Any, int]]) -> None:
-        # cupy.RawModule.get_function gives a RawKernel; its `kernel` is the loaded function
-        self._fn = int(fn.kernel.ptr if hasattr(fn, "kernel") else fn.ptr)
+        self._fn = _function_of(fn)
         self.grid, self.block = int(grid), int(block)
         self._vals = [ctype(int(v)) for ctype, v in args]
         self._argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(v) for v in self._vals))
