@@ -4,8 +4,10 @@
 #        probe_calls' normal-mode rows at D with one rank, the engine's fast-path thread and
 #        rank 0's client under cProfile; then the same rows unprofiled (the baseline); then
 #        tests/gpu/test_cuda_cluster.py (not run since the hierarchical kernels)
-#   bash benchmarks/gpu_s11_run.sh after    # the same rows after this session's host-path
-#        changes, then the GPU suite
+#   bash benchmarks/gpu_s11_run.sh after    # this session's host-path changes: their GPU tests,
+#        the same rows (engine spin 50 and 500 µs), `epd bench --shapes D --low-latency`
+#   bash benchmarks/gpu_s11_run.sh rest     # the rest of the GPU suite, the cluster daemons
+#        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -29,11 +31,23 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     probe baseline
     step cluster 200 "tests/gpu/test_cuda_cluster.py"
     ;;
-  after)
+  after)  # the changed host path: its GPU tests, then the rows (spin 50 and 500 µs), epd bench D
+    step changed 330 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py tests/gpu/test_intranode.py \
+        tests/gpu/test_ll_plain.py"
     probe after
-    step suite 420 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
-        --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
-        --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py"
+    EPD_FAST_PATH_SPIN_US=500 probe after_spin500
+    timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
+        --json "$OUT/bench_after.json" 2>&1 | clean | tail -24 | tee "$OUT/bench_after.txt"
     ;;
-  *) echo "usage: $0 profile|after" >&2; exit 2 ;;
+  rest)  # the rest of the GPU suite, and the cluster daemons with the CCCL wheel carried
+    step rest 330 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
+        --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
+        --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py \
+        --ignore=tests/gpu/test_call_outputs.py --ignore=tests/gpu/test_stream_ordered.py \
+        --ignore=tests/gpu/test_deep_ep_facade.py --ignore=tests/gpu/test_daemon.py \
+        --ignore=tests/gpu/test_intranode.py --ignore=tests/gpu/test_ll_plain.py"
+    step cluster 240 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 profile|after|rest" >&2; exit 2 ;;
 esac

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..proto import dtypes
+from ..proto import cuda_driver, dtypes
 from ..proto.errors import InvalidArgument
 from ..proto.v1 import epd_pb2
 from .frameworks import torch_if_loaded as _torch
@@ -116,26 +116,11 @@ def allocation_of(ptr: int, device: int) -> tuple[int, int]:
     return int(base), int(size)
 
 
-_ATTRS: list[Any] = []
-
-
 def allocation_info(ptr: int, device: int) -> tuple[int, int, int] | None:
     """(base, size, buffer id) of the allocation holding `ptr` in one driver query; the buffer
     id names the allocation for the life of this process (an address can be reused by a later
     allocation, an id cannot). None where the driver does not answer (the caller falls back)."""
-    driver = _driver()
-    if not _ATTRS:
-        a = driver.CUpointer_attribute
-        _ATTRS.extend([a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-                       a.CU_POINTER_ATTRIBUTE_RANGE_SIZE, a.CU_POINTER_ATTRIBUTE_BUFFER_ID])
-    try:
-        err, vals = driver.cuPointerGetAttributes(len(_ATTRS), _ATTRS, driver.CUdeviceptr(ptr))
-        if err != driver.CUresult.CUDA_SUCCESS:
-            return None
-        base, size, buffer_id = (int(v) for v in vals)
-    except (TypeError, ValueError, AttributeError):
-        return None
-    return (base, size, buffer_id) if base and size and buffer_id else None
+    return cuda_driver.allocation_info(ptr)
 
 
 def ipc_handle(base: int, device: int) -> bytes:
@@ -198,31 +183,9 @@ class MappedHeap:
             self._views[key] = v
         return v
 
-    def rows(self, d: epd_pb2.TensorDesc, nrows: int | None, copy: bool, template: Any,
-             stream: int) -> Any:
-        """The first `nrows` rows of an output (all when None): a new tensor filled by a copy
-        on `stream` (after the call's DONE wait there), or with copy=False a view."""
-        shape = tuple(d.shape) if nrows is None else (nrows, *d.shape[1:])
-        if not copy:
-            part = epd_pb2.TensorDesc()
-            part.CopyFrom(d)
-            part.shape[:] = shape
-            return self.view(part, False, template)
-        logical = dtypes.to_numpy(d.dtype)
-        t = _torch()
-        out = device_empty(shape, logical, self.device,
-                           torch=t is not None and isinstance(template, t.Tensor))
-        nbytes = int(np.prod(shape)) * _storage(logical).itemsize
-        if nbytes:  # the engine's buffers are row-major and dense: one copy
-            dst = out.data_ptr() if hasattr(out, "data_ptr") else out.data.ptr
-            cp = _cupy()
-            cp.cuda.runtime.memcpyAsync(dst, self.ptr + d.offset_bytes, nbytes,
-                                        cp.cuda.runtime.memcpyDeviceToDevice, stream)
-        return out
-
     def _make_view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any) -> Any:
         logical = dtypes.to_numpy(d.dtype)
-        storage = _storage(logical)
+        storage = storage_dtype(logical)
         shape = tuple(d.shape)
         strides = tuple(s * storage.itemsize for s in d.strides)
         t = _torch()
@@ -274,26 +237,30 @@ def _torch_device(t: Any, ordinal: int) -> Any:
     return dev
 
 
+def torch_dtype(dtype: np.dtype) -> Any:
+    """The torch dtype of a logical NumPy dtype (bfloat16 and float8 included)."""
+    logical = _TORCH_DTYPES.get(dtype)
+    if logical is None:
+        t = _torch()
+        logical = {dtypes.BFLOAT16: t.bfloat16, dtypes.FLOAT8_E4M3: t.float8_e4m3fn}.get(dtype)
+        if logical is None:
+            logical = t.from_numpy(np.empty(0, storage_dtype(dtype))).dtype
+        _TORCH_DTYPES[dtype] = logical
+    return logical
+
+
 def device_empty(shape: tuple[int, ...], dtype: np.dtype, device: int, torch: bool) -> Any:
     """An uninitialised device array: a torch CUDA tensor, or a CuPy array (bfloat16 / float8
     as their uint16 / uint8 bits, as everywhere in this module)."""
-    storage = _storage(dtype)
     if torch:
         t = _torch()
-        logical = _TORCH_DTYPES.get(dtype)
-        if logical is None:
-            logical = {dtypes.BFLOAT16: t.bfloat16,
-                       dtypes.FLOAT8_E4M3: t.float8_e4m3fn}.get(dtype)
-            if logical is None:
-                logical = t.from_numpy(np.empty(0, storage)).dtype
-            _TORCH_DTYPES[dtype] = logical
-        return t.empty(shape, dtype=logical, device=_torch_device(t, device))
+        return t.empty(shape, dtype=torch_dtype(dtype), device=_torch_device(t, device))
     cp = _cupy()
     with cp.cuda.Device(device):
-        return cp.empty(shape, storage)
+        return cp.empty(shape, storage_dtype(dtype))
 
 
-def _storage(dtype: np.dtype) -> np.dtype:
+def storage_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype CuPy holds a logical dtype in (it has no bfloat16 / float8)."""
     return (np.dtype(np.uint16) if dtype == dtypes.BFLOAT16 else
             np.dtype(np.uint8) if dtype == dtypes.FLOAT8_E4M3 else np.dtype(dtype))
@@ -303,7 +270,7 @@ def device_copy(a: np.ndarray, device: int) -> Any:
     """A CuPy copy of a host array on `device` (bfloat16 / float8 as their bits)."""
     cp = _cupy()
     with cp.cuda.Device(device):
-        return cp.asarray(a.view(_storage(a.dtype)))
+        return cp.asarray(a.view(storage_dtype(a.dtype)))
 
 
 def host_copy(a: Any, dtype: np.dtype | None = None) -> np.ndarray:
@@ -403,19 +370,11 @@ def launch_kernel(fn: int, grid: tuple[int, int], block: int, stream: int,
 
 
 def stream_write(stream: int, addr: int, value: int) -> None:
-    driver = _driver()
-    err, = driver.cuStreamWriteValue32(driver.CUstream(stream), driver.CUdeviceptr(addr),
-                                       value, 0)  # CU_STREAM_WRITE_VALUE_DEFAULT: ordered
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamWriteValue32 failed: {err}")
+    cuda_driver.stream_write(stream, addr, value)  # ordered after the stream's earlier work
 
 
 def stream_wait_geq(stream: int, addr: int, value: int) -> None:
-    driver = _driver()
-    err, = driver.cuStreamWaitValue32(driver.CUstream(stream), driver.CUdeviceptr(addr),
-                                      value, 0)  # CU_STREAM_WAIT_VALUE_GEQ (cyclic >=)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+    cuda_driver.stream_wait_geq(stream, addr, value)  # cyclic >=
 
 
 class StreamEvent:

@@ -243,10 +243,33 @@ class HeapOutputs(OutputRegion):
     def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
         return self._heap.view(d, copy, template)
 
-    def rows(self, d: epd_pb2.TensorDesc, nrows: int | None, copy: bool, template: Array,
-             stream: int) -> Array:
-        """Stream-ordered outputs (client/stream_calls.py): copied out on `stream`, or views."""
-        return self._heap.rows(d, nrows, copy, template, stream)
+    def rows(self, parts: list[tuple[epd_pb2.TensorDesc, int | None]], copy: bool,
+             template: Array, stream: int) -> list[Array]:
+        """Stream-ordered outputs (client/stream_calls.py): the first `nrows` rows of each
+        output (all when None) as new tensors, views of one allocation filled by one copy
+        launch on `stream` (after the call's DONE wait there; client/call_outputs.py), or with
+        copy=False views of the heap."""
+        from . import call_outputs
+
+        shapes = [tuple(d.shape) if n is None else (n, *d.shape[1:]) for d, n in parts]
+        if not copy:
+            out = []
+            for (d, _), shape in zip(parts, shapes, strict=True):
+                part = epd_pb2.TensorDesc()
+                part.CopyFrom(d)
+                part.shape[:] = shape
+                out.append(self._heap.view(part, False, template))
+            return out
+        heap = self._heap
+        logical = [dtypes.to_numpy(d.dtype) for d, _ in parts]
+        out = call_outputs.empty(list(zip(shapes, logical, strict=True)), heap.device,
+                                 call_outputs.uses_torch(template))
+        # The engine's buffers are row-major and dense: each part is one run of bytes.
+        call_outputs.copy([(heap.ptr + d.offset_bytes, o, call_outputs.nbytes(shape, dt))
+                           for (d, _), o, shape, dt in zip(parts, out, shapes, logical,
+                                                           strict=True)],
+                          stream, heap.device)
+        return out
 
 
 class CudaIpcMemory(Memory):
@@ -273,17 +296,18 @@ class CudaIpcMemory(Memory):
             raise FailedPrecondition(f"{name}: an empty tensor before any group was joined")
         return rid
 
-    def _region_of(self, v: cuda_ipc.DeviceView) -> tuple[str, int]:
+    def _region_of(self, v: cuda_ipc.DeviceView) -> tuple[str, int, int]:
+        """(region id, base, size) of the allocation (or engine heap) holding the tensor."""
         from . import cuda_ipc
 
         for handle, heap in self._heaps.items():  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
-                return self._heap_region[handle], v.ptr - heap.ptr
+                return self._heap_region[handle], heap.ptr, heap.size
         info = cuda_ipc.allocation_info(v.ptr, v.device)
         if info is not None:
             known = self._by_buffer.get(info[2])
             if known is not None:
-                return known[1], v.ptr - known[0]
+                return known[1], known[0], info[1]
             base, size = info[0], info[1]
         else:
             base, size = cuda_ipc.allocation_of(v.ptr, v.device)
@@ -298,13 +322,17 @@ class CudaIpcMemory(Memory):
                 self._by_buffer = {b: e for b, e in self._by_buffer.items() if e[1] != old}
         if info is not None:
             self._by_buffer[info[2]] = (base, rid)
-        return rid, v.ptr - base
+        return rid, base, size
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
         from . import cuda_ipc
 
         out: Descs = {}
         template: Array = None
+        # Allocations already found in this call: the call's tensors are all alive, so a
+        # pointer inside one of these ranges is in that allocation (a call's outputs share one,
+        # client/call_outputs.py, and small inputs often share a segment of the allocator).
+        seen: list[tuple[int, int, str]] = []
         for name, a in arrays.items():
             if a is None:
                 continue
@@ -315,7 +343,13 @@ class CudaIpcMemory(Memory):
             v = cuda_ipc.describe_device(a, name)
             template = template if template is not None else a
             if v.ptr and all(v.shape):
-                rid, offset = self._region_of(v)
+                hit = next(((b, r) for b, e, r in seen if b <= v.ptr < e), None)
+                if hit is None:
+                    rid, base, size = self._region_of(v)
+                    seen.append((base, base + size, rid))
+                else:
+                    base, rid = hit
+                offset = v.ptr - base
             else:  # empty: no allocation; any region, offset 0
                 rid, offset = self._any_region(name), 0
             out[name] = _desc(rid, offset, v.shape, v.dtype, v.strides)

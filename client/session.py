@@ -456,6 +456,9 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
+        if self._ordered:  # the copy-out kernel of dispatch, compiled here, not mid-call
+            from . import call_outputs
+            call_outputs.load(session.device_ordinal)
         # Ids of handles whose objects were collected (weakref.finalize appends, on any
         # thread): the next dispatch of this group carries them (release_handles), or
         # release_handles() sends them now. The engine keeps a handle until then.

@@ -24,13 +24,17 @@ import numpy as np
 from ..proto import abi, counter_page, dtypes
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2
-from . import cuda_ipc
+from . import call_outputs, cuda_ipc
 from .tensors import Array
 
 if TYPE_CHECKING:
     from .session import Group, Handle
 
 RING = abi.READY_RING
+_I32, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_)
+# A dispatch's outputs with one row per received token (rank_prefix_matrix is whole).
+_DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
+                  "recv_src_idx")
 
 
 class StreamSlot:
@@ -86,10 +90,9 @@ def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
     slot = _slot(group)
     stream = _stream(group, topk_idx)
     t = int(topk_idx.shape[0])  # a device array (torch or CuPy): _descs checks it below
-    mem = s.memory
-    outs = (mem.empty((spec.num_ranks,), np.dtype(np.int32), topk_idx),
-            mem.empty((spec.num_experts,), np.dtype(np.int32), topk_idx),
-            mem.empty((t, spec.num_ranks), np.dtype(np.bool_), topk_idx))
+    outs = tuple(call_outputs.empty(
+        (((spec.num_ranks,), _I32), ((spec.num_experts,), _I32), ((t, spec.num_ranks), _BOOL)),
+        s.device_ordinal, call_outputs.uses_torch(topk_idx)))
     d = s._descs({"topk_idx": topk_idx, "num_tokens_per_rank_out": outs[0],
                   "num_tokens_per_expert_out": outs[1], "is_token_in_rank_out": outs[2]},
                  event=False)
@@ -142,12 +145,13 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     rows = req.num_worst_tokens or n
     slot.end(stream, seq)
 
-    def out(d: epd_pb2.TensorDesc, nrows: int | None = rows) -> Any:
-        return group._outputs.rows(d, nrows, copy, template, stream) if d.region_id else None
-
-    outs = {name: out(getattr(resp, name)) for name in (
-        "recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src_idx")}
-    outs["rank_prefix_matrix"] = out(resp.rank_prefix_matrix, None)
+    names = [name for name in _DISPATCH_ROWS if getattr(resp, name).region_id]
+    parts: list[tuple[epd_pb2.TensorDesc, int | None]] = [
+        (getattr(resp, name), rows) for name in names]
+    names.append("rank_prefix_matrix")
+    parts.append((resp.rank_prefix_matrix, None))
+    outs: dict[str, Any] = dict.fromkeys(_DISPATCH_ROWS)
+    outs.update(zip(names, group._outputs.rows(parts, copy, template, stream), strict=True))
     return resp, n, per_expert, rows, outs
 
 
@@ -158,9 +162,11 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
     slot = _slot(group)
     stream = _stream(group, x)
     t = handle.num_tokens
-    out = s.memory.empty((t, spec.hidden), dtypes.to_numpy(spec.x_dtype), x)
-    out_w = (s.memory.empty((t, spec.num_topk), np.dtype(np.float32), x)
-             if topk_weights is not None else None)
+    parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
+    if topk_weights is not None:
+        parts.append(((t, spec.num_topk), _F32))
+    out, *rest = call_outputs.empty(parts, s.device_ordinal, call_outputs.uses_torch(x))
+    out_w = rest[0] if rest else None
     d = s._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
                   "out": out, "out_topk_weights": out_w}, event=False)
     resp = cast(epd_pb2.CombineResponse, s._call("Combine", epd_pb2.CombineRequest(

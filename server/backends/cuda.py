@@ -416,6 +416,11 @@ class CudaRankComm(RankComm):
         self._stream_issued = 0  # the latest stream-ordered call's sequence (0: none)
         self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
         self._done_slot = 0
+        # A stream-ordered dispatch's output views by (rows, with top-k): fixed places of this
+        # rank's buffers, made once (a CuPy view costs microseconds; rows do not change
+        # between calls of one shape, since the count is not known when the engine answers).
+        self._stream_views: dict[tuple[int, bool], dict[str, Any]] = {}
+        self._prefix: Any = None  # the copy of a dispatch's rank prefix matrix (an extra)
         self.chain: LowLatencyChain | None = None  # armed ops run by the GPU (cuda_chain.py)
         self._peer_bases = peers  # where each rank's buffer (control block first) is
         # A replacement for a rank that went away takes part from the Rejoin collective on.
@@ -523,7 +528,7 @@ class CudaRankComm(RankComm):
             outs = runner.output_views(res, rows)
             prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
             with runner.stream:  # never the legacy stream: it is not ordered with ours
-                prefix[...] = outs["rank_prefix"].reshape(spec.num_ranks, spec.num_ranks)
+                prefix[...] = res.handle.rank_prefix.reshape(spec.num_ranks, spec.num_ranks)
             runner.stream.synchronize()
         item = args.x.dtype.itemsize
         return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
@@ -801,7 +806,9 @@ class CudaRankComm(RankComm):
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
                 timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
                 routing=_routing(args))
-            prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
+            prefix = self._prefix
+            if prefix is None:
+                prefix = self._prefix = self._extra("prefix", (spec.num_ranks,) * 2, np.int32)
             cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
                                         prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
                                         runner.stream.ptr)
@@ -813,8 +820,12 @@ class CudaRankComm(RankComm):
             num_recv = -1
         rows = args.num_worst_tokens or (num_recv if num_recv >= 0 else
                                          self.mlayout.kernel.max_recv)
-        return self._dispatch_outputs(args, res, runner.output_views(res, rows), rows, prefix,
-                                      num_recv, [])
+        views = self._stream_views.get((rows, res.with_meta))
+        if views is None:
+            if len(self._stream_views) >= 64:
+                self._stream_views.clear()
+            views = self._stream_views[rows, res.with_meta] = runner.output_views(res, rows)
+        return self._dispatch_outputs(args, res, views, rows, prefix, num_recv, [])
 
     @_launches
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,

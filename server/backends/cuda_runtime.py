@@ -8,13 +8,12 @@ all R ranks of a group from one process for the GPU tests and the benchmarks.)
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...proto import abi
+from ...proto import abi, cuda_driver
 from . import cuda_kernels as ck
 
 cp = ck.cp
@@ -22,24 +21,9 @@ cp = ck.cp
 DEFAULT_TIMEOUT_NS = 10_000_000_000
 
 
-@functools.lru_cache(maxsize=4096)
-def _driver_handles(stream_ptr: int, addr: int) -> tuple[Any, Any, Any]:
-    """(CUstream, CUdeviceptr, GEQ flag) for a stream and word: building the binding's objects
-    costs microseconds per call, and a rank's stream and its 32 READY words recur."""
-    from cuda.bindings import driver
-
-    return (driver.CUstream(stream_ptr), driver.CUdeviceptr(addr),
-            driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-
-
 def stream_wait_geq(stream_ptr: int, addr: int, value: int) -> None:
     """The stream waits, on the GPU, until the 32-bit word at `addr` is >= value (cyclic)."""
-    from cuda.bindings import driver
-
-    stream, word, geq = _driver_handles(stream_ptr, addr)
-    err, = driver.cuStreamWaitValue32(stream, word, value, geq)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuStreamWaitValue32 failed: {err}")
+    cuda_driver.stream_wait_geq(stream_ptr, addr, value)
 
 
 def stream_priority_of(stream_ptr: int) -> int:
@@ -250,14 +234,15 @@ class RankRunner:
     def outputs(self, res: DispatchResult) -> dict[str, Any]:
         n, per_expert = self.recv_info(res)
         rows = res.num_worst_tokens if res.num_worst_tokens > 0 else n
-        return {"num_recv": n, "per_expert": per_expert, **self.output_views(res, rows)}
+        return {"num_recv": n, "per_expert": per_expert, "rank_prefix": res.handle.rank_prefix,
+                **self.output_views(res, rows)}
 
     def output_views(self, res: DispatchResult, rows: int) -> dict[str, Any]:
         """The dispatch outputs' first `rows` rows, without reading anything from the device
         (stream-ordered calls: the counts are not known on the host yet)."""
         v = self.views
         out = {"recv_x": v["recv_x"][:rows], "recv_src_idx": v["recv_src_idx"][:rows],
-               "recv_src_rank": v["recv_src_rank"][:rows], "rank_prefix": res.handle.rank_prefix}
+               "recv_src_rank": v["recv_src_rank"][:rows]}
         if res.with_meta:
             out["recv_topk_idx"] = v["recv_topk_idx"][:rows]
             out["recv_topk_weights"] = v["recv_topk_weights"][:rows]

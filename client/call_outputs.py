@@ -1,0 +1,115 @@
+"""A stream-ordered normal-mode call's new output tensors: one allocation per call, filled by
+one copy launch (cuda backend).
+
+Layout returns three tensors, combine one or two, and a dispatch copies up to six out of the
+engine's receive buffers. One `torch.empty` / `cupy.empty` and one `cudaMemcpyAsync` per tensor
+cost the caller's host about 10 µs each on the H200 under MPS, which was a fifth of a call's
+client time; here the parts of a call are views of one byte allocation (each part 256-byte
+aligned), and a dispatch's copies are one launch of a kernel that copies every part. The
+caller's tensors share that allocation's lifetime: it is freed (by the caller's allocator, in
+its stream order) when the last of them goes, as DeepEP's separately allocated outputs are one
+by one. The sizes are small next to recv_x, which dominates.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from . import cuda_ipc
+from .frameworks import torch_if_loaded as _torch
+
+ALIGN = 256  # bytes between parts (and the allocation's own alignment): a kernel's vectors
+MAX_PARTS = 8  # a dispatch copies at most six: recv_x, scales, topk idx / weights, src, prefix
+
+_SOURCE = r"""
+typedef unsigned long long u64;
+struct Parts { u64 src[8]; u64 dst[8]; u64 nbytes[8]; };
+
+// Block (b, p) copies part p: 16-byte vectors where both ends are 16-byte aligned, then the
+// tail (or everything, where they are not) byte by byte.
+extern "C" __global__ void epd_copy_parts(Parts parts) {
+    const int p = blockIdx.y;
+    const unsigned char* src = (const unsigned char*)parts.src[p];
+    unsigned char* dst = (unsigned char*)parts.dst[p];
+    const u64 n = parts.nbytes[p];
+    const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    const u64 step = (u64)gridDim.x * blockDim.x;
+    const bool aligned = (((u64)src | (u64)dst) & 15) == 0;
+    const u64 vecs = aligned ? n / 16 : 0;
+    const int4* s4 = (const int4*)src;
+    int4* d4 = (int4*)dst;
+    for (u64 i = tid; i < vecs; i += step) d4[i] = s4[i];
+    for (u64 i = vecs * 16 + tid; i < n; i += step) dst[i] = src[i];
+}
+"""
+
+_THREADS = 512
+_BLOCKS = 132  # one wave on an H100/H200 per part; the copies are a few MB at most
+
+
+class _Parts(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_uint64 * MAX_PARTS), ("dst", ctypes.c_uint64 * MAX_PARTS),
+                ("nbytes", ctypes.c_uint64 * MAX_PARTS)]
+
+
+def load(device: int) -> None:
+    """Compile and load the copy kernel now (at set-up, not on a call's hot path)."""
+    cuda_ipc.compiled_kernel(_SOURCE, "epd_copy_parts", device)
+
+
+def nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * cuda_ipc.storage_dtype(dtype).itemsize
+
+
+def placement(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """(offset of each part, total bytes): parts in order, each starting ALIGN-aligned."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    return offsets, total
+
+
+def empty(parts: Sequence[tuple[tuple[int, ...], np.dtype]], device: int,
+          torch: bool) -> list[Any]:
+    """Uninitialised arrays of the given (shape, logical dtype), views of one allocation on
+    `device` (torch tensors when `torch`, else CuPy arrays holding bfloat16 / float8 as their
+    bits, as cuda_ipc.device_empty)."""
+    sizes = [nbytes(shape, dt) for shape, dt in parts]
+    offsets, total = placement(sizes)
+    buf = cuda_ipc.device_empty((max(total, 1),), np.dtype(np.uint8), device, torch)
+    out = []
+    for (shape, dt), off, n in zip(parts, offsets, sizes, strict=True):
+        if not n:  # an empty part needs no storage (and a zero-byte dtype view may not exist)
+            out.append(cuda_ipc.device_empty(shape, dt, device, torch))
+            continue
+        raw = buf[off:off + n]
+        if torch:
+            out.append(raw.view(cuda_ipc.torch_dtype(dt)).view(shape))
+        else:
+            out.append(raw.view(cuda_ipc.storage_dtype(dt)).reshape(shape))
+    return out
+
+
+def copy(pairs: Sequence[tuple[int, Any, int]], stream: int, device: int) -> None:
+    """Enqueue on `stream` the copies (source address, destination array, bytes): one launch
+    for up to MAX_PARTS of them."""
+    pairs = [p for p in pairs if p[2]]
+    if not pairs:
+        return
+    if len(pairs) > MAX_PARTS:
+        raise ValueError(f"at most {MAX_PARTS} parts per copy launch, got {len(pairs)}")
+    arg = _Parts()
+    for i, (src, dst, n) in enumerate(pairs):
+        arg.src[i], arg.dst[i], arg.nbytes[i] = src, cuda_ipc.data_ptr(dst), n
+    cuda_ipc.launch_kernel(cuda_ipc.compiled_kernel(_SOURCE, "epd_copy_parts", device),
+                           (_BLOCKS, len(pairs)), _THREADS, stream, (arg,), device)
+
+
+def uses_torch(template: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(template, t.Tensor)

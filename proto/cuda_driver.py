@@ -1,0 +1,133 @@
+"""The CUDA driver calls both sides make on every call's hot path, bound once through ctypes.
+
+A call through cuda-python's bindings builds a Python object per handle argument
+(`CUstream(...)`, `CUdeviceptr(...)`) and a result tuple, and converts the arguments again
+inside: several microseconds per call where the driver itself needs about one, and a
+stream-ordered call makes 3-8 of them per side (the READY wait and DONE write, the client's
+allocation queries, its output copies). Here each entry point is looked up once with
+`cuGetProcAddress` (the version-correct function for the CUDA version named below, as the
+bindings and the runtime do) and called with fixed ctypes signatures; ctypes releases the GIL
+for the call, as the bindings do.
+
+Only what the hot paths need is here; everything else keeps using cuda-python or CuPy. The
+driver library is opened at the first call, so importing this module needs no GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+CUDA_VERSION = 12000  # the API version whose semantics these calls expect (the _v2 memops)
+
+# Values of the driver's enums (cuda.h; checked against cuda-python by the GPU tests).
+POINTER_ATTRIBUTE_BUFFER_ID = 7
+POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
+POINTER_ATTRIBUTE_RANGE_SIZE = 12
+STREAM_WAIT_VALUE_GEQ = 0
+STREAM_WRITE_VALUE_DEFAULT = 0
+
+_u32, _u64, _ptr = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+# name -> (argument types): every function returns a CUresult (int).
+_SIGNATURES: dict[str, tuple[Any, ...]] = {
+    "cuStreamWaitValue32": (_ptr, _u64, _u32, ctypes.c_uint),
+    "cuStreamWriteValue32": (_ptr, _u64, _u32, ctypes.c_uint),
+    "cuPointerGetAttributes": (ctypes.c_uint, _ptr, _ptr, _u64),
+    "cuMemcpyDtoDAsync": (_u64, _u64, ctypes.c_size_t, _ptr),
+}
+
+
+class DriverError(RuntimeError):
+    """A driver call returned an error (the message names the call and the CUresult)."""
+
+
+class _Driver:
+    def __init__(self) -> None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise DriverError(f"the CUDA driver library is not available ({e}): stream-ordered "
+                              f"calls need an NVIDIA driver") from None
+        self._lib = lib
+        get = lib.cuGetProcAddress_v2
+        get.restype = ctypes.c_int
+        get.argtypes = (ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
+                        _u64, ctypes.c_void_p)
+        self.fns: dict[str, Any] = {}
+        for name, argtypes in _SIGNATURES.items():
+            pfn = ctypes.c_void_p()
+            rc = get(name.encode(), ctypes.byref(pfn), CUDA_VERSION, 0, None)
+            if rc or not pfn.value:
+                raise DriverError(f"cuGetProcAddress({name}) failed: CUresult {rc}")
+            self.fns[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(pfn.value)
+
+    def error_name(self, rc: int) -> str:
+        name = ctypes.c_char_p()
+        fn = self._lib.cuGetErrorName
+        fn.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+        if fn(rc, ctypes.byref(name)) == 0 and name.value:
+            return name.value.decode()
+        return f"CUresult {rc}"
+
+
+_lock = threading.Lock()
+_driver: list[_Driver] = []
+
+
+def _fns() -> dict[str, Any]:
+    if not _driver:
+        with _lock:
+            if not _driver:
+                _driver.append(_Driver())
+    return _driver[0].fns
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise DriverError(f"{what} failed: {_driver[0].error_name(rc)}")
+
+
+def stream_wait_geq(stream: int, addr: int, value: int) -> None:
+    """`stream` waits, on the GPU, until the 32-bit word at device address `addr` is >= value
+    (the driver's cyclic comparison)."""
+    _check(_fns()["cuStreamWaitValue32"](stream, addr, value & 0xFFFFFFFF,
+                                         STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
+
+
+def stream_write(stream: int, addr: int, value: int) -> None:
+    """`stream` writes the 32-bit word at `addr`, ordered after its earlier work."""
+    _check(_fns()["cuStreamWriteValue32"](stream, addr, value & 0xFFFFFFFF,
+                                          STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+
+def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    _check(_fns()["cuMemcpyDtoDAsync"](dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
+class _Attrs(threading.local):
+    """Per-thread argument buffers of cuPointerGetAttributes (filled by the driver)."""
+
+    def __init__(self) -> None:
+        self.base, self.size, self.buffer_id = _u64(), _u64(), _u64()
+        self.kinds = (ctypes.c_int * 3)(POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                                        POINTER_ATTRIBUTE_RANGE_SIZE,
+                                        POINTER_ATTRIBUTE_BUFFER_ID)
+        self.data = (ctypes.c_void_p * 3)(ctypes.addressof(self.base),
+                                          ctypes.addressof(self.size),
+                                          ctypes.addressof(self.buffer_id))
+
+
+_attrs = _Attrs()
+
+
+def allocation_info(ptr: int) -> tuple[int, int, int] | None:
+    """(base, size, buffer id) of the device allocation holding `ptr`, or None where the driver
+    does not know the address. The buffer id names the allocation for the process's life: an
+    address can be reused by a later allocation, an id cannot."""
+    a = _attrs
+    a.base.value = a.size.value = a.buffer_id.value = 0
+    if _fns()["cuPointerGetAttributes"](3, a.kinds, a.data, ptr):
+        return None
+    base, size, buffer_id = a.base.value, a.size.value, a.buffer_id.value
+    return (base, size, buffer_id) if base and size and buffer_id else None
