@@ -6,6 +6,7 @@
 #        tests/gpu/test_cuda_cluster.py (not run since the hierarchical kernels)
 #   bash benchmarks/gpu_s11_run.sh after    # this session's host-path changes: their GPU tests,
 #        the same rows (engine spin 50 and 500 µs), `epd bench --shapes D --low-latency`
+#   bash benchmarks/gpu_s11_run.sh retest   # after's GPU tests alone, the stream-wait test fixed
 #   bash benchmarks/gpu_s11_run.sh rest     # the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -40,6 +41,12 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
         --json "$OUT/bench_after.json" 2>&1 | clean | tail -24 | tee "$OUT/bench_after.txt"
     ;;
+  retest)  # the changed host path's GPU tests again (after's step hung in a test of its own:
+            # a second stream writing the word sat behind the waiting stream's hardware queue)
+    step changed 450 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py tests/gpu/test_intranode.py \
+        tests/gpu/test_ll_plain.py"
+    ;;
   rest)  # the rest of the GPU suite, and the cluster daemons with the CCCL wheel carried
     step rest 330 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
@@ -49,5 +56,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
         --ignore=tests/gpu/test_intranode.py --ignore=tests/gpu/test_ll_plain.py"
     step cluster 240 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 profile|after|rest" >&2; exit 2 ;;
+  *) echo "usage: $0 profile|after|retest|rest" >&2; exit 2 ;;
 esac

@@ -108,40 +108,64 @@ def test_allocation_info_matches_cuda_python() -> None:
 
     from epd.proto import cuda_driver as D
 
-    buf = cp.empty(3 << 20, cp.uint8)
-    for off in (0, 4097, (3 << 20) - 1):
-        ptr = int(buf.data.ptr) + off
+    # Two allocations of the driver's own (CuPy's pool could carve both from one).
+    ptrs = [cp.cuda.runtime.malloc(3 << 20), cp.cuda.runtime.malloc(1 << 20)]
+    try:
         a = driver.CUpointer_attribute
         kinds = [a.CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, a.CU_POINTER_ATTRIBUTE_RANGE_SIZE,
                  a.CU_POINTER_ATTRIBUTE_BUFFER_ID]
-        err, vals = driver.cuPointerGetAttributes(3, kinds, driver.CUdeviceptr(ptr))
-        assert err == driver.CUresult.CUDA_SUCCESS
-        assert D.allocation_info(ptr) == tuple(int(v) for v in vals)
-    other = cp.empty(1 << 20, cp.uint8)
-    assert D.allocation_info(int(other.data.ptr))[2] != D.allocation_info(int(buf.data.ptr))[2]
+        for off in (0, 4097, (1 << 20) - 1):
+            ptr = ptrs[0] + off
+            err, vals = driver.cuPointerGetAttributes(3, kinds, driver.CUdeviceptr(ptr))
+            assert err == driver.CUresult.CUDA_SUCCESS
+            assert D.allocation_info(ptr) == tuple(int(v) for v in vals)
+            assert D.allocation_info(ptr)[0] == ptrs[0]
+        assert D.allocation_info(ptrs[1])[2] != D.allocation_info(ptrs[0])[2]
+    finally:
+        for p in ptrs:
+            cp.cuda.runtime.free(p)
     host = np.zeros(16, np.uint8)
     assert D.allocation_info(host.ctypes.data) is None  # not device memory the driver knows
 
 
-def test_stream_wait_holds_until_the_word_is_written() -> None:
-    """A stream waiting for word >= 5 does not run its later work until another stream writes
-    5 there (and a write of 4 does not release it)."""
+def test_stream_write_then_wait() -> None:
+    """A stream's write lands in order; a stream waiting for word >= 5 runs its later work
+    only once the word (mapped host memory, as the counter page) reaches 5, and a 4 does not
+    release it. The word is written from the host: a second stream could share the waiting
+    stream's hardware queue and sit behind its wait (docs/DESIGN_NOTES.md)."""
+    import ctypes
     import time
 
     import cupy as cp
 
     from epd.proto import cuda_driver as D
 
-    word = cp.zeros(1, cp.int32)
+    dev_word = cp.zeros(1, cp.int32)
+    s = cp.cuda.Stream(non_blocking=True)
+    D.stream_write(s.ptr, int(dev_word.data.ptr), 0xFFFFFFFE)  # (a 32-bit word, cyclic)
+    s.synchronize()
+    assert int(dev_word.get()[0]) == -2
+
+    host = cp.cuda.runtime.hostAlloc(4, cp.cuda.runtime.hostAllocMapped)
+    word = ctypes.c_int32.from_address(host)
+    word.value = 0
     marker = cp.zeros(1, cp.int32)
-    waiter, writer = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    D.stream_wait_geq(waiter.ptr, int(word.data.ptr), 5)
-    with waiter:
-        marker.fill(7)
-    D.stream_write(writer.ptr, int(word.data.ptr), 4)
-    writer.synchronize()
-    time.sleep(0.05)
-    assert not waiter.done and int(marker.get()[0]) == 0  # (get() on the legacy stream)
-    D.stream_write(writer.ptr, int(word.data.ptr), 5)
-    waiter.synchronize()
-    assert int(marker.get()[0]) == 7 and int(word.get()[0]) == 5
+    cp.cuda.runtime.deviceSynchronize()
+    waiter = cp.cuda.Stream(non_blocking=True)
+    try:
+        D.stream_wait_geq(waiter.ptr, host, 5)
+        with waiter:
+            marker.fill(7)
+        word.value = 4
+        time.sleep(0.05)
+        assert not waiter.done
+        word.value = 5
+        deadline = time.monotonic() + 10
+        while not waiter.done and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert waiter.done, "the wait did not end when the word reached 5"
+        assert int(marker.get()[0]) == 7
+    finally:
+        word.value = 1 << 30  # whatever happened, no stream stays parked on it
+        waiter.synchronize()
+        cp.cuda.runtime.freeHost(host)
