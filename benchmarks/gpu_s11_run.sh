@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_s11_run.sh after    # this session's host-path changes: their GPU tests,
 #        the same rows (engine spin 50 and 500 µs), `epd bench --shapes D --low-latency`
 #   bash benchmarks/gpu_s11_run.sh retest   # after's GPU tests alone, the stream-wait test fixed
+#   bash benchmarks/gpu_s11_run.sh last     # the same, the wait test's kernel loaded first (lazy
+#        loading), then the stream-ordered and facade tests
 #   bash benchmarks/gpu_s11_run.sh rest     # the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -47,6 +49,11 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
         tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py tests/gpu/test_intranode.py \
         tests/gpu/test_ll_plain.py"
     ;;
+  last)  # the driver-binding tests with the fill kernel loaded first, then the stream-ordered
+          # calls through the daemon and the facade (the client's one-allocation outputs)
+    step last 200 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_deep_ep_facade.py"
+    ;;
   rest)  # the rest of the GPU suite, and the cluster daemons with the CCCL wheel carried
     step rest 330 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
@@ -56,5 +63,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
         --ignore=tests/gpu/test_intranode.py --ignore=tests/gpu/test_ll_plain.py"
     step cluster 240 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 profile|after|retest|rest" >&2; exit 2 ;;
+  *) echo "usage: $0 profile|after|retest|last|rest" >&2; exit 2 ;;
 esac

@@ -150,6 +150,10 @@ def test_stream_write_then_wait() -> None:
     word = ctypes.c_int32.from_address(host)
     word.value = 0
     marker = cp.zeros(1, cp.int32)
+    # Load the fill kernel now: with CUDA's lazy loading, a kernel's first launch loads its
+    # module and can wait for the context's queued work, here the parked stream below (the
+    # engine loads every kernel at set-up for the same reason).
+    cp.zeros(1, cp.int32).fill(7)
     cp.cuda.runtime.deviceSynchronize()
     waiter = cp.cuda.Stream(non_blocking=True)
     try:
