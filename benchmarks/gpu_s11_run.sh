@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_s11_run.sh retest   # after's GPU tests alone, the stream-wait test fixed
 #   bash benchmarks/gpu_s11_run.sh last     # the same, the wait test's kernel loaded first (lazy
 #        loading), then the stream-ordered and facade tests
+#   bash benchmarks/gpu_s11_run.sh views    # test_intranode.py and test_daemon.py (output views)
 #   bash benchmarks/gpu_s11_run.sh rest     # the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -54,6 +55,10 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     step last 200 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py \
         tests/gpu/test_deep_ep_facade.py"
     ;;
+  views)  # the runner's outputs without the handle's prefix in the cached views (intranode
+           # kernels' checks) and the daemon's synchronous dispatch path
+    step views 150 "tests/gpu/test_intranode.py tests/gpu/test_daemon.py -x"
+    ;;
   rest)  # the rest of the GPU suite, and the cluster daemons with the CCCL wheel carried
     step rest 330 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
@@ -63,5 +68,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
         --ignore=tests/gpu/test_intranode.py --ignore=tests/gpu/test_ll_plain.py"
     step cluster 240 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 profile|after|retest|last|rest" >&2; exit 2 ;;
+  *) echo "usage: $0 profile|after|retest|last|views|rest" >&2; exit 2 ;;
 esac
