@@ -78,6 +78,11 @@ class Config:
     fast_path_spin_us: int = field(default=50, metadata={
         "help": "fast path: microseconds the engine spins for the next request before it "
                 "sleeps (0 = always sleep; idle CPU is ~0 either way)"})
+    fast_path_spin_max_us: int = field(default=1000, metadata={
+        "help": "fast path: while a session's requests come in quick succession, the engine "
+                "spins through the gaps between them (1.5x their recent average) up to this "
+                "long instead of sleeping; 0 or <= fast_path_spin_us: a fixed spin "
+                "(proto/spin.py SpinWindow)"})
     stream_op_spin_us: int = field(default=200, metadata={
         "help": "stream-ordered calls: microseconds the engine polls armed doorbells without "
                 "sleeping after the last trigger (a GPU cannot wake a futex; then it polls "

@@ -69,3 +69,37 @@ def test_timer_slack_is_set_and_inherited() -> None:
     p.start()
     p.join()
     assert seen == {"parent": 2000, "child": 2000}
+
+
+def test_spin_window_stretches_over_short_gaps_only() -> None:
+    """After an operation the caller follows quickly, the window covers the gap (1.5x its
+    average); after one it follows slowly (computing), and for an operation never seen, the
+    base window; idle gaps weigh at most 2 x `longest`, so a few quick calls undo them."""
+    w = spin.SpinWindow(50e-6, 1e-3)
+    layout, dispatch = 3, 4  # ring ids
+    assert w.window(None) == w.window(layout) == 50e-6
+    for _ in range(8):
+        w.seen(layout, 200e-6)  # layout, then dispatch 200 µs later
+        w.seen(dispatch, 5e-3)  # dispatch, then the experts compute for 5 ms
+    assert abs(w.window(layout) - 300e-6) < 1e-9
+    assert w.window(dispatch) == 50e-6
+    w.seen(layout, 60.0)  # an idle minute after a layout: at most `longest` spent on it
+    assert w.window(layout) <= 1e-3
+    for _ in range(3):  # the caller now computes after its layouts: no stretch
+        w.seen(layout, 60.0)
+    assert w.window(layout) == 50e-6
+    quick = 0
+    while w.window(layout) == 50e-6:
+        w.seen(layout, 200e-6)
+        quick += 1
+    assert quick <= 8, "the idle gap took too long to forget"
+    assert w.window(layout) <= 1e-3
+
+
+def test_spin_window_fixed_when_longest_is_not_above_base() -> None:
+    w = spin.SpinWindow(50e-6, 0.0)  # fast_path_spin_max_us=0
+    w.seen(1, 10e-6)
+    assert w.window(1) == 50e-6  # (a shorter gap than the base never shrinks the window)
+    w = spin.SpinWindow(50e-6, 1e-3)
+    w.seen(1, 10e-6)
+    assert w.window(1) == 50e-6

@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 from ...proto import counter_page, operations
 from ...proto import fd_channel as fdc
 from ...proto import ring as ring_format
+from ...proto import spin as spin_mod
 from ...proto.errors import (
     Aborted,
     EpdError,
@@ -524,7 +525,8 @@ class Engine(StreamCalls, DataPlane):
             raise InvalidArgument(f"slots must lie in [1, {ring_format.MAX_SLOTS}] and "
                                   f"slot_bytes in [{ring_format.MIN_SLOT_BYTES}, "
                                   f"{ring_format.MAX_SLOT_BYTES}]")
-        spin = self.config.fast_path_spin_us * 1e-6
+        spin = spin_mod.SpinWindow(self.config.fast_path_spin_us * 1e-6,
+                                   self.config.fast_path_spin_max_us * 1e-6)
         # The ring is a sealed memfd the client fetches as "ring" over the descriptor channel.
         session.fast_path = FastPathServer(self, session, slots, slot_bytes, spin)
         session.executor.attach(session.fast_path)

@@ -5,7 +5,8 @@ The thread serves every operation the registry lets a ring carry (proto/operatio
 admit it (refused once the engine drains) and runs the engine's synchronous operation for it
 (`Engine.operation(name)`) through the session's executor, under its operation lock; so the two
 transports give identical results, errors (one mapping, executor.as_epd_error) and metrics
-(labelled path="fastpath"). It spins for a bounded time after each request, then sleeps on the
+(labelled path="fastpath"). It spins for a bounded time after each request (longer after an
+operation that the caller usually follows quickly: proto/spin.py SpinWindow), then sleeps on the
 ring's doorbell futex; every wait has a timeout so a closed session ends the thread. The session's
 teardown stops it (`stop()`: the current operation finishes and is answered, the thread is joined)
 before anything the operations use is closed.
@@ -40,11 +41,11 @@ JOIN_SECONDS = 30.0  # stop(): longest wait for the current operation to finish
 
 class FastPathServer:
     def __init__(self, engine: Engine, session: Session, slots: int,
-                 slot_bytes: int, spin_seconds: float) -> None:
+                 slot_bytes: int, window: spin.SpinWindow) -> None:
         self.engine, self.session = engine, session
         # A sealed memfd: the session's client fetches it over the descriptor channel.
         self.ring = R.Ring.create(slots, slot_bytes)
-        self.spin = spin_seconds
+        self.window = window  # how long to spin for the next request (follows recent gaps)
         self._stop = False
         # Ring id -> (registry operation, the engine's function for it).
         self._ops: dict[int, tuple[operations.Operation, OperationFn]] = {
@@ -76,11 +77,16 @@ class FastPathServer:
     def _running(self) -> bool:
         return not (self._stop or self.session.closed.is_set())
 
-    def _wait_for(self, words, seq: int) -> bool:
+    def _wait_for(self, words, seq: int, after: int | None) -> bool:
+        """Wait for request `seq`; `after`: the ring id of the request answered last (None:
+        none yet), whose following gaps set how long to spin before sleeping."""
         ring = self.ring
-        spin_until = time.perf_counter() + self.spin
+        answered = time.perf_counter()
+        spin_until = answered + self.window.window(after)
         while self._running():
             if words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq:
+                if after is not None:
+                    self.window.seen(after, time.perf_counter() - answered)
                 return True
             if time.perf_counter() < spin_until:
                 # Spin without holding the GIL (another session's thread of this engine may be
@@ -93,7 +99,7 @@ class FastPathServer:
             if not (words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq):
                 R.futex_wait(ring.doorbell_addr, bell, SLEEP_SLICE)
             ring.header[R.ENGINE_WAITING] = 0
-            spin_until = time.perf_counter() + self.spin
+            spin_until = time.perf_counter() + self.window.base
         return False
 
     def _serve(self) -> None:
@@ -120,13 +126,15 @@ class FastPathServer:
                                                    f"{self.session.session_id[:8]}.prof"))
 
     def _loop(self) -> None:
-        seq = 1
+        seq, last = 1, None
         while self._running():
             words, payload, state_addr = self.ring.slot((seq - 1) % self.ring.slots)
-            if not self._wait_for(words, seq):
+            if not self._wait_for(words, seq, last):
                 break
             data = bytes(payload[:int(words[R.S_LENGTH])])
-            status, out = self._handle(int(words[R.S_METHOD]), data)
+            method = int(words[R.S_METHOD])
+            last = method if method in self._ops else None  # (a client picks the number)
+            status, out = self._handle(method, data)
             if len(out) > self.ring.capacity:
                 err = ResourceExhausted(f"response of {len(out)} bytes exceeds the ring slot "
                                         f"({self.ring.capacity})")
