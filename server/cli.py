@@ -79,6 +79,10 @@ def _topology(ns: argparse.Namespace) -> int:
         print(f"  engine {e.index}: {e.socket_path} {epd_pb2.Backend.Name(e.backend).lower()} "
               f"{'ready' if e.ready else 'NOT READY'} pid={e.pid} restarts={e.restarts}"
               f"{off_mps}")
+        if e.failed_starts:
+            print(f"    failed to start {e.failed_starts} time(s) in a row: {e.last_failure}")
+        elif e.last_failure:
+            print(f"    last exit: {e.last_failure}")
     if t.HasField("cluster") and t.cluster.num_nodes > 1:
         _print_cluster(t.cluster)
     return 0

@@ -67,7 +67,10 @@ class Config:
     per_expert_metrics: bool = field(default=False, metadata={
         "help": "export per-expert receive counts (high cardinality)"})
     restart_backoff_seconds: float = field(default=1.0, metadata={
-        "help": "delay before restarting a crashed engine"})
+        "help": "delay before restarting a crashed engine (doubled for each start in a row "
+                "that fails before the engine is ready)"})
+    restart_backoff_max_seconds: float = field(default=60.0, metadata={
+        "help": "longest delay between restarts of an engine that keeps failing to start"})
     drain_seconds: float = field(default=15.0, metadata={
         "help": "on SIGTERM, how long running collectives may take to finish"})
     log_level: str = field(default="info", metadata={
@@ -206,6 +209,10 @@ class Config:
 
     def engine_socket(self, index: int) -> str:
         return str(Path(self.socket_dir) / f"gpu{index}.sock")
+
+    def engine_failure_file(self, index: int) -> str:
+        """Where an engine that could not start leaves the reason for its supervisor."""
+        return str(Path(self.socket_dir) / f"gpu{index}.failed")
 
     @property
     def node_socket(self) -> str:

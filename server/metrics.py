@@ -190,6 +190,10 @@ REGION_BYTES = Gauge("epd_region_bytes", "Bytes of registered client regions", [
                      multiprocess_mode="livesum")
 ENGINE_RESTARTS = Counter("epd_engine_restarts", "Engine processes restarted by the supervisor",
                           ["engine"])
+ENGINE_START_FAILURES = Gauge(
+    "epd_engine_start_failures", "Starts in a row of this engine that failed before it was "
+    "ready (0 once it serves); the supervisor waits longer before each next start",
+    ["engine"], multiprocess_mode="livemax")
 ENGINE_UP = Gauge("epd_engine_up", "1 when the engine is serving", ["engine"],
                   multiprocess_mode="livemax")
 BUILD_INFO = Gauge("epd_build_info", "Version and backend", ["version", "backend"],

@@ -54,6 +54,13 @@ class EngineProc:
     ready: bool = False
     restarts: int = 0
     started_at: float = 0.0
+    failed_starts: int = 0  # starts in a row that ended before the engine was ready
+    last_failure: str = ""  # why the last of them ended (the engine's own words, or its exit)
+    restart_at: float | None = None  # exited: when it is started again (monotonic)
+
+    def backoff(self, base: float, longest: float) -> float:
+        """Delay before the next start: `base`, doubled for each failed start in a row."""
+        return min(base * 2 ** max(self.failed_starts - 1, 0), max(longest, base))
 
 
 class NodeService(epd_pb2_grpc.NodeServicer):
@@ -83,7 +90,8 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                 backend=s.planner.proto_kind,
                 device_name=info[0], device_uuid=info[1], ready=e.ready,
                 pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
-                sessions_without_mps=without_mps.get(str(e.index), 0)))
+                sessions_without_mps=without_mps.get(str(e.index), 0),
+                failed_starts=e.failed_starts, last_failure=e.last_failure))
         by_class = s.coordinator.groups_by_class()
         cluster = s.cluster.info() if s.cluster is not None else None
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
@@ -187,7 +195,9 @@ class Supervisor:
         if self.stopping:
             return False, "draining"
         if not_ready:
-            return False, f"engines not ready: {not_ready}"
+            why = "; ".join(self._start_failure(e) for e in self.engines
+                            if not e.ready and e.failed_starts)
+            return False, f"engines not ready: {not_ready}" + (f" ({why})" if why else "")
         return True, f"ready: {len(self.engines)} engine(s), backend {self.backend}"
 
     def _spawn(self, e: EngineProc) -> None:
@@ -211,6 +221,62 @@ class Supervisor:
         e.started_at = time.monotonic()
         log.info("engine %d started (pid %d)", e.index, e.proc.pid)
 
+    @staticmethod
+    def _start_failure(e: EngineProc) -> str:
+        nxt = (f"; next start in {max(e.restart_at - time.monotonic(), 0.0):.1f} s"
+               if e.restart_at is not None else "")
+        return (f"engine {e.index} failed to start {e.failed_starts} time(s) in a row, "
+                f"last: {e.last_failure}{nxt}")
+
+    def _note_exit(self, e: EngineProc, code: int) -> None:
+        """Why engine `e` exited: its own words where it could not start (the failure file it
+        leaves, engine/app.py), else its exit status; a start that never came up counts."""
+        from . import metrics
+        if e.ready:
+            e.failed_starts = 0
+        else:  # it never came up: a start that failed, counted for the backoff
+            e.failed_starts += 1
+        path = self.cfg.engine_failure_file(e.index)
+        try:
+            with open(path) as f:
+                e.last_failure = f.read(4096).strip() or f"exit status {code}"
+            os.unlink(path)
+        except OSError:
+            e.last_failure = f"exit status {code}"
+        metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(e.failed_starts)
+
+    def _exited(self, e: EngineProc, code: int) -> None:
+        """Engine `e` exited (not asked to): note why, forget it, and schedule its restart
+        (with every engine's, where the backend's world must be rebuilt)."""
+        self._note_exit(e, code)
+        delay = e.backoff(self.cfg.restart_backoff_seconds,
+                          self.cfg.restart_backoff_max_seconds)
+        if e.failed_starts:
+            log.error("engine %d (pid %d) could not start (%d time(s) in a row): %s; "
+                      "next start in %.1f s", e.index, e.proc.pid, e.failed_starts,
+                      e.last_failure, delay)
+        else:
+            log.error("engine %d (pid %d) exited with code %s; restarting in %.1f s",
+                      e.index, e.proc.pid, code, delay)
+        # A backend whose engines form one world that cannot take a new member (cuda:
+        # NVSHMEM) rebuilds the whole world: every engine restarts.
+        lost = self.engines if self.planner.restart_all_on_engine_loss else [e]
+        for x in lost:
+            self._engine_gone(x)
+            x.restart_at = time.monotonic() + delay
+
+    def _restart(self, e: EngineProc) -> None:
+        from . import metrics
+        lost = ([x for x in self.engines if x.restart_at is not None]
+                if self.planner.restart_all_on_engine_loss else [e])
+        if self.planner.restart_all_on_engine_loss:
+            self.planner.new_world()
+        for x in lost:
+            x.restart_at = None
+            x.restarts += 1
+            metrics.ENGINE_RESTARTS.labels(str(x.index)).inc()
+            self._spawn(x)
+
     async def _probe(self, e: EngineProc) -> bool:
         try:
             async with grpc.aio.insecure_channel(f"unix://{e.socket_path}") as ch:
@@ -231,27 +297,22 @@ class Supervisor:
                     # Its world is lost for every node: stop the others, report generation 0,
                     # and start again in the next world node 0 forms.
                     if self.world_generation:
+                        self._note_exit(e, code)
                         self.leave_world(f"engine {e.index} (pid {e.proc.pid}) exited with "
-                                         f"code {code}")
+                                         f"code {code}: {e.last_failure}")
                     continue
                 if code is not None and not self.stopping:
-                    log.error("engine %d (pid %d) exited with code %s; restarting in %.1f s",
-                              e.index, e.proc.pid, code, self.cfg.restart_backoff_seconds)
-                    # A backend whose engines form one world that cannot take a new member
-                    # (cuda: NVSHMEM) rebuilds the whole world: every engine restarts.
-                    lost = self.engines if self.planner.restart_all_on_engine_loss else [e]
-                    for x in lost:
-                        self._engine_gone(x)
-                    await asyncio.sleep(self.cfg.restart_backoff_seconds)
-                    if self.planner.restart_all_on_engine_loss:
-                        self.planner.new_world()
-                    for x in lost:
-                        x.restarts += 1
-                        metrics.ENGINE_RESTARTS.labels(str(x.index)).inc()
-                        self._spawn(x)
+                    # Restarts wait without blocking this loop (the other engines are still
+                    # watched); a failing start waits longer each time (EngineProc.backoff).
+                    if e.restart_at is None:
+                        self._exited(e, code)
+                    elif time.monotonic() >= e.restart_at:
+                        self._restart(e)
                 elif not e.ready and await self._probe(e):
                     e.ready = True
+                    e.failed_starts = 0
                     metrics.ENGINE_UP.labels(str(e.index)).set(1)
+                    metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(0)
                     log.info("engine %d ready on %s", e.index, e.socket_path)
             await asyncio.sleep(0.1)
 

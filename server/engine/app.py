@@ -36,11 +36,28 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
 STOP_GRACE_SECONDS = 1.0  # after the drain: what gRPC calls still open get before they end
 
 
+STARTUP_FAILED = 3  # exit status of an engine that could not start (reason: failure file)
+FAILURE_TEXT_BYTES = 2000  # what of the reason the supervisor gets (its log has the rest)
+
+
+def report_startup_failure(cfg: config_mod.Config, index: int, error: BaseException) -> None:
+    """Leave the reason an engine could not start where its supervisor reads it (readiness,
+    `epd topology`), then exit with STARTUP_FAILED; the traceback goes to the log."""
+    log.exception("engine %d could not start", index)
+    text = f"{type(error).__name__}: {error}"[:FAILURE_TEXT_BYTES]
+    with contextlib.suppress(OSError), open(cfg.engine_failure_file(index), "w") as f:
+        f.write(text)
+    raise SystemExit(STARTUP_FAILED)
+
+
 async def serve(cfg: config_mod.Config, index: int) -> None:
     # The CUDA backend joins the node's NVSHMEM world here, which blocks until every engine
     # arrives: keep it off the event loop.
     metrics.set_group_label_cap(cfg.max_group_label_values)
-    backend = await asyncio.to_thread(make_backend, cfg, index)
+    try:
+        backend = await asyncio.to_thread(make_backend, cfg, index)
+    except Exception as e:  # a missing toolchain, a device that will not open, ...
+        report_startup_failure(cfg, index, e)
     engine = Engine(cfg, index, backend)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_to_server(EngineService(engine), server)  # malformed bytes: INVALID_ARGUMENT

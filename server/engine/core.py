@@ -525,16 +525,16 @@ class Engine(StreamCalls, DataPlane):
             raise InvalidArgument(f"slots must lie in [1, {ring_format.MAX_SLOTS}] and "
                                   f"slot_bytes in [{ring_format.MIN_SLOT_BYTES}, "
                                   f"{ring_format.MAX_SLOT_BYTES}]")
-        spin = spin_mod.SpinWindow(self.config.fast_path_spin_us * 1e-6,
-                                   self.config.fast_path_spin_max_us * 1e-6)
+        window = spin_mod.SpinWindow(self.config.fast_path_spin_us * 1e-6,
+                                     self.config.fast_path_spin_max_us * 1e-6)
         # The ring is a sealed memfd the client fetches as "ring" over the descriptor channel.
-        session.fast_path = FastPathServer(self, session, slots, slot_bytes, spin)
+        session.fast_path = FastPathServer(self, session, slots, slot_bytes, window)
         session.executor.attach(session.fast_path)
         session.fast_path.start()
         log.info("%s uses the fast path (%d slots of %d bytes)", session.describe(), slots,
                  slot_bytes)
         return epd_pb2.OpenFastPathResponse(slots=slots, slot_bytes=slot_bytes,
-                                            spin_seconds=spin)
+                                            spin_seconds=window.base)
 
     # -- stream-ordered calls -----------------------------------------------------------------
     async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest

@@ -1,0 +1,90 @@
+"""An engine that cannot start (a missing toolchain, a device that will not open): the
+supervisor says why (readiness, `epd topology`, a metric), waits longer before each next
+start instead of looping at a fixed pace, and serves as soon as a start succeeds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+from conftest import TestDaemon
+from ranklib import wait_until
+
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+from epd.server.supervisor import EngineProc
+
+pytestmark = pytest.mark.slow
+
+# Imported by every Python process of the daemon (PYTHONPATH): in an engine (the supervisor sets
+# EPD_SUPERVISOR_PID for its engines only), while the flag file exists, backend creation fails
+# as a real one does at start-up.
+SITECUSTOMIZE = '''
+import os
+flag = os.environ.get("EPD_TEST_BACKEND_BROKEN_WHILE")
+if os.environ.get("EPD_SUPERVISOR_PID") and flag and os.path.exists(flag):
+    import epd.server.backends as backends
+
+    def make_backend(cfg, index):
+        raise RuntimeError("the test took the backend away")
+
+    backends.make_backend = make_backend
+'''
+REASON = "RuntimeError: the test took the backend away"
+
+
+def _topology(d: TestDaemon) -> epd_pb2.GetTopologyResponse:
+    with grpc.insecure_channel(f"unix://{d.node_socket}") as ch:
+        return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(), timeout=10)
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    e = EngineProc(0, "gpu0.sock")
+    delays = []
+    for n in range(8):
+        e.failed_starts = n
+        delays.append(e.backoff(0.5, 10.0))
+    assert delays == [0.5, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+    e.failed_starts = 3
+    assert e.backoff(2.0, 0.0) == 2.0  # a cap below the base is the base
+
+
+def test_engine_that_cannot_start_is_reported_then_recovers(tmp_path, monkeypatch) -> None:
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    flag = tmp_path / "broken"
+    flag.write_text("")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("EPD_TEST_BACKEND_BROKEN_WHILE", str(flag))
+    d = TestDaemon(engines=1, extra=["--restart-backoff-seconds", "0.1",
+                                     "--restart-backoff-max-seconds", "0.8"])
+    try:
+        def failed_twice() -> bool:
+            status, body = d.get("/readyz")
+            return status == 503 and "failed to start 2 time(s) in a row" in body
+
+        wait_until(failed_twice, 60, "two failed starts reported by /readyz")
+        status, body = d.get("/readyz")
+        assert status == 503 and REASON in body and "next start in" in body, body
+        e = _topology(d).engines[0]
+        assert not e.ready and e.failed_starts >= 2 and e.last_failure == REASON
+        assert 'epd_engine_start_failures{engine="0"}' in d.get("/metrics")[1]
+        cli = subprocess.run([sys.executable, "-m", "epd.server.cli", "topology",
+                              "--socket-dir", d.socket_dir], capture_output=True, text=True,
+                             timeout=60)
+        assert "NOT READY" in cli.stdout and "failed to start" in cli.stdout \
+            and REASON in cli.stdout, cli.stdout + cli.stderr
+
+        flag.unlink()  # the fault is fixed: a later start succeeds
+        d.wait_ready(60)
+        e = _topology(d).engines[0]
+        assert e.ready and e.failed_starts == 0 and e.restarts >= 2
+        assert e.last_failure == REASON  # the last exit's reason stays visible
+        assert d.get("/readyz")[0] == 200
+        metrics = d.get("/metrics")[1]
+        assert 'epd_engine_start_failures{engine="0"} 0.0' in metrics, metrics
+        assert not os.path.exists(os.path.join(d.socket_dir, "gpu0.failed"))
+    finally:
+        d.stop_and_check()
