@@ -26,9 +26,15 @@ export PYTHONPATH=/tmp/pkg:/tmp/site
 # daemon's whole log exports EPD_GPU_LOG_DIR="$OUT": tests/gpu/conftest.py).
 pt() { python3 -P -m pytest -p no:cacheprovider -v -rfEsx --timeout 240 -o addopts="" "$@"; }
 step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, its summary
-  local name=$1 secs=$2; shift 2
-  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $((secs - 15)) $*" \
+  # Each test gets at most STEP_TEST_SECONDS (180) so that one hung test fails with its stack
+  # and the others still run; the last line says how the step ended (124: its limit).
+  local name=$1 secs=$2 per; shift 2
+  per=$(( secs - 15 < ${STEP_TEST_SECONDS:-180} ? secs - 15 : ${STEP_TEST_SECONDS:-180} ))
+  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $per $*" \
       2>&1 | grep -a -v " INFO " > "$OUT/gpu_$name.txt"  # (-a: a worker's bytes)
-  grep -a -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing" "$OUT/gpu_$name.txt" \
-      | cut -c1-240 | head -40
+  local rc=${PIPESTATUS[0]}
+  echo "STEP $name: exit status $rc$( [ "$rc" = 124 ] && echo ' (the step limit: cut short)')" \
+      >> "$OUT/gpu_$name.txt"
+  grep -a -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing|^STEP " "$OUT/gpu_$name.txt" \
+      | cut -c1-240 | tail -60
 }

@@ -40,6 +40,7 @@ METRICS = {
     "epd_bytes_received_total": "counter",
     "epd_recv_tokens_total": "counter",
     "epd_expert_load_imbalance_ratio": "gauge",
+    "epd_engine_start_failures": "gauge",
     "epd_collective_timeouts_total": "counter",
     "epd_group_aborts_total": "counter",
     "epd_group_leaves_total": "counter",
@@ -202,6 +203,7 @@ def test_alert_rules_structure():
     wanted = {
         "EngineDown",
         "EngineRestarting",
+        "EngineCannotStart",
         "HighCollectiveTimeouts",
         "GroupAborts",
         "ExpertLoadImbalance",

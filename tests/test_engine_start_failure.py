@@ -62,7 +62,10 @@ def test_engine_that_cannot_start_is_reported_then_recovers(tmp_path, monkeypatc
                                      "--restart-backoff-max-seconds", "0.8"])
     try:
         def failed_twice() -> bool:
-            status, body = d.get("/readyz")
+            try:
+                status, body = d.get("/readyz")
+            except OSError:  # the supervisor's HTTP endpoint is not up yet
+                return False
             return status == 503 and "failed to start 2 time(s) in a row" in body
 
         wait_until(failed_twice, 60, "two failed starts reported by /readyz")
