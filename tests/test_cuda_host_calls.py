@@ -47,3 +47,47 @@ def test_without_a_driver_the_error_says_so() -> None:
         cuda_driver.stream_write(0, 0, 1)
     with pytest.raises(cuda_driver.DriverError):  # every call, not only the first
         cuda_driver.allocation_info(0)
+
+
+class _Dev:
+    """A device array as the client sees one (the driver side is replaced below)."""
+
+    def __init__(self, ptr: int, n: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": "<i4",
+                                         "data": (ptr, False), "version": 2}
+        self.device = type("D", (), {"id": 0})()
+
+
+def test_describe_finds_each_allocation_once_per_call(monkeypatch) -> None:
+    """CudaIpcMemory.describe asks the driver once per allocation of a call: the tensors of
+    one call inside a range already found are placed by offset (a call's outputs share one
+    allocation, client/call_outputs.py); another call asks again (a freed range can be reused
+    by a new allocation, which only the driver's buffer id tells)."""
+    from epd.client import cuda_ipc, memory
+    from epd.proto.v1 import epd_pb2
+
+    allocations = {0x10000: (0x10000, 4096, 7), 0x40000: (0x40000, 1 << 20, 9)}
+    asked: list[int] = []
+
+    def allocation_info(ptr: int, device: int):
+        asked.append(ptr)
+        return next(a for a in allocations.values() if a[0] <= ptr < a[0] + a[1])
+
+    registered: list[epd_pb2.RegisterRegionRequest] = []
+
+    def register(req: epd_pb2.RegisterRegionRequest) -> str:
+        registered.append(req)
+        return f"r{len(registered)}"
+
+    monkeypatch.setattr(cuda_ipc, "allocation_info", allocation_info)
+    monkeypatch.setattr(cuda_ipc, "ipc_handle", lambda base, device: base.to_bytes(8, "little"))
+    mem = memory.CudaIpcMemory(register, lambda rid: None, None, 0)
+    arrays = {"a": _Dev(0x10000, 4), "b": _Dev(0x10100, 8), "c": _Dev(0x40200, 2),
+              "d": _Dev(0x10f00, 1), "none": None}
+    d = mem.describe(arrays, event=False)
+    assert asked == [0x10000, 0x40200]  # b and d: inside a's allocation, no query
+    assert [(d[k].region_id, d[k].offset_bytes) for k in "abcd"] == [
+        ("r1", 0), ("r1", 0x100), ("r2", 0x200), ("r1", 0xf00)]
+    assert [r.size_bytes for r in registered] == [4096, 1 << 20]
+    d = mem.describe({"b": arrays["b"]}, event=False)  # a new call: the driver is asked again
+    assert asked[-1] == 0x10100 and d["b"].region_id == "r1" and len(registered) == 2
