@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from ..proto import abi, counter_page, dtypes
-from ..proto.errors import EpdError
+from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from .tensors import Array
@@ -81,14 +81,24 @@ def _slot(group: Group) -> StreamSlot:
     return group._stream_slot
 
 
-def _stream(group: Group, template: Array) -> int:
+def _stream(group: Group, template: Array, what: str) -> int:
+    """The caller's current stream, which must not be capturing a CUDA graph: the engine
+    launches a normal-mode call's kernels once, when it answers, so a replay of the caller's
+    graph would write READY and wait for DONE with no kernels behind them (and during the
+    capture the engine's stream would wait for a READY that only a replay writes)."""
+    if group._session.memory.is_capturing(template):
+        raise FailedPrecondition(
+            f"group {group.name!r}: normal-mode {what} cannot be captured in a CUDA graph (the "
+            f"engine runs its kernels once per call, not per replay; DeepEP's normal mode is "
+            f"not captured either): capture low_latency_dispatch / low_latency_combine, or "
+            f"call {what} outside the graph")
     return cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
 
 
 def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
     s, spec = group._session, group.spec
+    stream = _stream(group, topk_idx, "get_dispatch_layout")
     slot = _slot(group)
-    stream = _stream(group, topk_idx)
     t = int(topk_idx.shape[0])  # a device array (torch or CuPy): _descs checks it below
     outs = tuple(call_outputs.empty(
         (((spec.num_ranks,), _I32), ((spec.num_experts,), _I32), ((t, spec.num_ranks), _BOOL)),
@@ -110,8 +120,8 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     """(response, num_recv_tokens, per-expert counts, rows, outputs by response field name);
     the Group makes its DispatchResult and Handle of them."""
     s = group._session
+    stream = _stream(group, template, "dispatch")
     slot = _slot(group)
-    stream = _stream(group, template)
     req.stream_ordered = True
     req.num_sms = num_sms
     released = group._take_released()
@@ -159,8 +169,8 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
             bias_1: Array, timeout: float, rpc_timeout: float,
             num_sms: int) -> tuple[Array, Array | None]:
     s, spec = group._session, group.spec
+    stream = _stream(group, x, "combine")
     slot = _slot(group)
-    stream = _stream(group, x)
     t = handle.num_tokens
     parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
     if topk_weights is not None:

@@ -91,3 +91,27 @@ def test_describe_finds_each_allocation_once_per_call(monkeypatch) -> None:
     assert [r.size_bytes for r in registered] == [4096, 1 << 20]
     d = mem.describe({"b": arrays["b"]}, event=False)  # a new call: the driver is asked again
     assert asked[-1] == 0x10100 and d["b"].region_id == "r1" and len(registered) == 2
+
+
+def test_normal_mode_refuses_a_capturing_stream() -> None:
+    """A stream-ordered normal-mode call made while the caller's stream captures a CUDA graph
+    fails with FAILED_PRECONDITION before it reaches the engine or the counter slot (the engine
+    runs a call's kernels once, so a replay would run none). tests/gpu/test_stream_ordered.py
+    does the same inside torch.cuda.graph."""
+    from types import SimpleNamespace
+
+    from epd.client import stream_calls
+    from epd.proto.errors import FailedPrecondition
+
+    sent: list[str] = []
+    memory = SimpleNamespace(is_capturing=lambda template: True)
+    session = SimpleNamespace(memory=memory, device_ordinal=0,
+                              _call=lambda method, *a, **k: sent.append(method))
+    group = SimpleNamespace(_session=session, name="g", spec=None, _stream_slot=None)
+    with pytest.raises(FailedPrecondition, match="get_dispatch_layout cannot be captured"):
+        stream_calls.layout(group, object())
+    with pytest.raises(FailedPrecondition, match="normal-mode dispatch cannot be captured"):
+        stream_calls.dispatch(group, None, 1.0, object(), True, 0)
+    with pytest.raises(FailedPrecondition, match="combine cannot be captured"):
+        stream_calls.combine(group, object(), None, None, None, None, 1.0, 1.0, 0)
+    assert sent == [] and group._stream_slot is None  # nothing sent, no slot touched

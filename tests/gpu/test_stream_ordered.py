@@ -97,6 +97,21 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             res["bad"], res["bad_msg"] = e.code.name, e.details
         again = g.dispatch(tx, tidx, tw, num_sms=1)
         res["again_x"] = _bits(again.recv_x)
+        # Normal mode inside a CUDA graph capture is refused before anything reaches the
+        # engine (it runs a call's kernels once, not per replay); the group goes on.
+        res["captured"] = {}
+        for what, call in (("layout", lambda: g.get_dispatch_layout(tidx)),
+                           ("dispatch", lambda: g.dispatch(tx, tidx, tw)),
+                           ("combine", lambda: g.combine(again.recv_x, again.handle))):
+            torch.cuda.synchronize()
+            try:
+                with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                    call()
+                res["captured"][what] = "no error"
+            except EpdError as e:
+                res["captured"][what] = e.code.name
+        after = g.dispatch(tx, tidx, tw)
+        res["after_capture_x"] = _bits(after.recv_x)
     q.put(res)
 
 
@@ -146,3 +161,6 @@ def test_stream_ordered_layers(daemon) -> None:
     np.testing.assert_array_equal(results[0]["bad_recv_x"], d_bad[0].recv_x.view(np.uint16))
     for r, res in enumerate(results):
         np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
+        assert res["captured"] == dict.fromkeys(("layout", "dispatch", "combine"),
+                                                "FAILED_PRECONDITION"), res["captured"]
+        np.testing.assert_array_equal(res["after_capture_x"], disp[r].recv_x.view(np.uint16))
