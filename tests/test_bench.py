@@ -102,6 +102,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert rec["correctness_passed"] is True
     assert {(c["shape"], c["what"], c["against"]) for c in checks} >= {
         ("P", "normal combine", "pipeline"), ("D", "normal combine", "pipeline"),
+        ("P", "normal combine", "reference"), ("D", "normal combine", "reference"),
         ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference")}
     assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
 

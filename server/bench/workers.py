@@ -460,7 +460,7 @@ class RankRun:
                                                            for e in topo.engines]
                 combined[impl] = calls.state["combined"]
                 calls.state.clear()  # free the outputs before the next implementation
-            self._check_normal(shape, combined)
+            self._check_normal(shape, combined, si, tokens)
         _destroy(self.dep_buf)
         self.dep_buf = None
         if p.low_latency:
@@ -470,8 +470,25 @@ class RankRun:
             self.epd_buf.destroy()
         return self.result
 
-    def _check_normal(self, shape: str, combined: dict[str, Any]) -> None:
+    def _normal_reference(self, shape_index: int, tokens: int) -> Any:
+        """This rank's combine of the identity experts by server/reference.py, from every
+        rank's inputs (they are generated from the seed): x times the number of ranks that
+        received the token, summed in fp32, rounded once to bf16."""
+        p, torch = self.plan, self.r.torch
+        xs, idx, w = zip(*(inputs(p.seed, r, shape_index, tokens, p.hidden, p.experts, p.topk,
+                                  p.num_ranks) for r in range(p.num_ranks)), strict=True)
+        disp = ref.dispatch(list(xs), list(idx), list(w), p.experts)
+        comb = ref.combine([d.recv_x for d in disp], disp, [tokens] * p.num_ranks,
+                           recv_topk_weights=[d.recv_topk_weights for d in disp])
+        bits = np.ascontiguousarray(comb[p.rank][0]).view(np.int16)
+        return torch.from_numpy(bits).view(torch.bfloat16)
+
+    def _check_normal(self, shape: str, combined: dict[str, Any], shape_index: int,
+                      tokens: int) -> None:
         what = "normal combine"
+        if EPD in combined:  # EPD's semantics are the reference's, bit for bit
+            self.check(shape, what, EPD, "reference", combined[EPD],
+                       self._normal_reference(shape_index, tokens), exact=True)
         if EPD in combined and DEEP_EP in combined:
             self.check(shape, what, EPD, DEEP_EP, combined[EPD], combined[DEEP_EP], exact=True)
         if EPD in combined and PIPELINE in combined:
