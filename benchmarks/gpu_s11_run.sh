@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_s11_run.sh last     # the same, the wait test's kernel loaded first (lazy
 #        loading), then the stream-ordered and facade tests
 #   bash benchmarks/gpu_s11_run.sh views    # test_intranode.py and test_daemon.py (output views)
+#   bash benchmarks/gpu_s11_run.sh next     # for the next session: the capture refusal, the
+#        adaptive engine spin against the fixed one (one rank), `epd bench` D
 #   bash benchmarks/gpu_s11_run.sh rest     # the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -59,6 +61,15 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
            # kernels' checks) and the daemon's synchronous dispatch path
     step views 150 "tests/gpu/test_intranode.py tests/gpu/test_daemon.py -x"
     ;;
+  next)  # the next session's first call: what this session built after its device time
+          # (the capture refusal, the adaptive engine spin against the fixed one), then the
+          # bench at D, whose normal rows are now checked against the reference
+    step next 150 "tests/gpu/test_stream_ordered.py tests/gpu/test_call_outputs.py"
+    probe adaptive
+    EPD_FAST_PATH_SPIN_MAX_US=0 probe fixed50
+    timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
+        --json "$OUT/bench_next.json" 2>&1 | clean | tail -30 | tee "$OUT/bench_next.txt"
+    ;;
   rest)  # the rest of the GPU suite, and the cluster daemons with the CCCL wheel carried
     step rest 330 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
@@ -68,5 +79,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
         --ignore=tests/gpu/test_intranode.py --ignore=tests/gpu/test_ll_plain.py"
     step cluster 240 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 profile|after|retest|last|views|rest" >&2; exit 2 ;;
+  *) echo "usage: $0 profile|after|retest|last|views|next|rest" >&2; exit 2 ;;
 esac
