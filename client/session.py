@@ -248,7 +248,8 @@ class Session:
                     CONTROL_TIMEOUT))
                 ring_fd, _ = self._channel.fetch(fdc.RING)  # a sealed memfd, never a path
                 self._transport = FastPathTransport(self._transport, ring_fd, fp.slots,
-                                                    fp.slot_bytes, fp.spin_seconds)
+                                                    fp.slot_bytes, fp.spin_seconds,
+                                                    fp.reply_spin_max_seconds)
             except (EpdError, OSError, ValueError) as e:
                 self.fast_path_error = str(e)  # stay on gRPC, which carries everything
 

@@ -135,6 +135,7 @@ class _RingCall:
                  seq: int, deadline: float) -> None:
         self.t, self.op, self.slot, self.seq, self.deadline = (transport, op, slot, seq,
                                                                deadline)
+        self.submitted = time.perf_counter()
         self._value: Message | EpdError | None = None
         self._done = False
 
@@ -159,12 +160,15 @@ class FastPathTransport(Transport):
     name = "fastpath"
 
     def __init__(self, inner: GrpcTransport, ring: R.Ring | int, slots: int, slot_bytes: int,
-                 spin_seconds: float) -> None:
+                 spin_seconds: float, reply_spin_max_seconds: float = 0.0) -> None:
         """`ring`: the ring's memfd as fetched over the descriptor channel (mapped here, the
-        descriptor closed), or a mapped Ring."""
+        descriptor closed), or a mapped Ring. The wait for an answer spins `spin_seconds`, or
+        up to `reply_spin_max_seconds` where the recent answers of the same operation came
+        within that (the caller's thread is blocked on the call anyway; a futex sleep adds a
+        wake-up to every answer that takes longer than the base spin)."""
         self.inner = inner
         self.ring = ring if isinstance(ring, R.Ring) else R.Ring.from_fd(ring, slots, slot_bytes)
-        self.spin = spin_seconds
+        self.spin = spin.SpinWindow(spin_seconds, reply_spin_max_seconds)
         self._lock = threading.Lock()
         self._next = 1
         self.broken: str | None = None
@@ -226,7 +230,8 @@ class FastPathTransport(Transport):
         """Until the engine answered (None), or why it never will."""
         words, _, state_addr = self.ring.slot(call.slot)
         header = self.ring.header
-        spin_until = time.perf_counter() + self.spin
+        ring_id = call.op.ring_id
+        spin_until = call.submitted + self.spin.window(ring_id)
         while words[R.S_STATE] != R.DONE:
             if header[R.CLOSED]:
                 self.broken = "the engine closed the fast path"
@@ -243,6 +248,7 @@ class FastPathTransport(Transport):
                 self.broken = f"{call.op.name} did not complete on the fast path in time"
                 return EpdError(grpc.StatusCode.DEADLINE_EXCEEDED, self.broken)
             R.futex_wait(state_addr, R.SUBMITTED, min(left, FUTEX_WAIT_SECONDS))
+        self.spin.seen(ring_id, time.perf_counter() - call.submitted)
         return None
 
     def _take(self, call: _RingCall) -> Message | EpdError:

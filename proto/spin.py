@@ -77,7 +77,9 @@ def wait_until(ready: Callable[[], bool], timeout: float, *, spin: float = 5e-4,
 
 
 class SpinWindow:
-    """How long a serving thread spins for the next request before it sleeps on its futex.
+    """How long a thread spins for what it waits for before it sleeps on its futex: the
+    engine's ring thread for the next request (below), a client for an answer (the same rule
+    over the times its recent answers of that operation took; client/transport.py).
 
     A caller's sequence of calls leaves gaps between an answer and the next request: short
     where the caller only handles the answer (output tensors, stream operations; layout then

@@ -84,7 +84,8 @@ class Config:
     fast_path_spin_max_us: int = field(default=1000, metadata={
         "help": "fast path: while a session's requests come in quick succession, the engine "
                 "spins through the gaps between them (1.5x their recent average) up to this "
-                "long instead of sleeping; 0 or <= fast_path_spin_us: a fixed spin "
+                "long instead of sleeping, and on the cuda backend its clients spin as long "
+                "for answers that come that quickly; 0 or <= fast_path_spin_us: a fixed spin "
                 "(proto/spin.py SpinWindow)"})
     stream_op_spin_us: int = field(default=200, metadata={
         "help": "stream-ordered calls: microseconds the engine polls armed doorbells without "

@@ -211,6 +211,20 @@ def test_fallback_when_the_engine_offers_none() -> None:
                 s.close()
 
 
+def test_client_reply_spin_is_the_base_where_collectives_run_on_the_host(daemon) -> None:
+    """The cpu engine's collectives run on the host's cores: its clients are not asked to spin
+    longer for answers than the base window, however fast the answers come (the CUDA engine
+    offers --fast-path-spin-max-us)."""
+    with Session(daemon.socket(0)) as s:
+        assert s.transport == "fastpath"
+        window = s._transport.spin
+        assert window.longest == window.base > 0
+        for _ in range(20):
+            s.ping()
+        assert all(window.window(op) == window.base for op in window._gap)
+        assert window._gap, "the answers' times were not recorded"
+
+
 def test_idle_engine_sleeps(daemon) -> None:
     with Session(daemon.socket(0)) as s:
         s.ping()

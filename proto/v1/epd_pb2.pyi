@@ -615,14 +615,16 @@ class OpenFastPathRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ...) -> None: ...
 
 class OpenFastPathResponse(_message.Message):
-    __slots__ = ("slots", "slot_bytes", "spin_seconds")
+    __slots__ = ("slots", "slot_bytes", "spin_seconds", "reply_spin_max_seconds")
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     SPIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SPIN_MAX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     slots: int
     slot_bytes: int
     spin_seconds: float
-    def __init__(self, slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., spin_seconds: _Optional[float] = ...) -> None: ...
+    reply_spin_max_seconds: float
+    def __init__(self, slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., spin_seconds: _Optional[float] = ..., reply_spin_max_seconds: _Optional[float] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

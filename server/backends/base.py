@@ -545,6 +545,9 @@ class Backend(abc.ABC):
     # nothing), and every rank fails it with the same TokenCapacityExceeded, so all ranks can
     # grow alike; a backend without this refuses such a call on its rank alone.
     agrees_on_capacity: bool = False
+    # A call's collective runs on the engine's host cores (cpu): a client spinning for the
+    # answer would take CPU from it, so clients are not asked to spin longer than the base.
+    collectives_on_host: bool = False
 
     def validate_spec(self, spec: GroupSpec) -> None:
         """Raise InvalidArgument naming the backend limit the spec exceeds."""

@@ -533,8 +533,10 @@ class Engine(StreamCalls, DataPlane):
         session.fast_path.start()
         log.info("%s uses the fast path (%d slots of %d bytes)", session.describe(), slots,
                  slot_bytes)
-        return epd_pb2.OpenFastPathResponse(slots=slots, slot_bytes=slot_bytes,
-                                            spin_seconds=window.base)
+        return epd_pb2.OpenFastPathResponse(
+            slots=slots, slot_bytes=slot_bytes, spin_seconds=window.base,
+            reply_spin_max_seconds=(window.base if self.backend.collectives_on_host
+                                    else window.longest))
 
     # -- stream-ordered calls -----------------------------------------------------------------
     async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest
