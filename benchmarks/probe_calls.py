@@ -82,18 +82,18 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
         if ns.rows:
             rows = {k: v for k, v in rows.items() if k in ns.rows.split(",")}
         # Phases of one layout call (where the host time goes), p50 over --iters.
+        from epd.client import call_outputs
         from epd.client import stream_calls as sc
+        stream = sc._stream(g, tidx, "get_dispatch_layout")
         slot = sc._slot(g)
-        stream = sc._stream(g, tidx)
-        mem = s.memory
+        out_parts = (((ns.ranks,), np.dtype(np.int32)), ((ns.experts,), np.dtype(np.int32)),
+                     ((ns.tokens, ns.ranks), np.dtype(np.bool_)))
         from epd.proto.v1 import epd_pb2
         ph: dict[str, list[float]] = {k: [] for k in (
             "empty", "descs", "call", "stream_ops", "sync", "ping", "total")}
         for _ in range(ns.iters):
             t = [time.perf_counter()]
-            outs = (mem.empty((ns.ranks,), np.dtype(np.int32), tidx),
-                    mem.empty((ns.experts,), np.dtype(np.int32), tidx),
-                    mem.empty((ns.tokens, ns.ranks), np.dtype(np.bool_), tidx))
+            outs = call_outputs.empty(out_parts, dev, True)  # as stream_calls.layout does
             t.append(time.perf_counter())
             dd = s._descs({"topk_idx": tidx, "num_tokens_per_rank_out": outs[0],
                            "num_tokens_per_expert_out": outs[1],
