@@ -351,7 +351,7 @@ class World:
             if t.ring.header[R.ENGINE_WAITING]:
                 R.futex_wake(t.ring.doorbell_addr)
         # _finish decodes an OK answer with the response type of `op`: decode it ourselves.
-        call = _RingCall(t, _RawOp(op.name), slot, seq, deadline)
+        call = _RingCall(t, _RawOp(op.name, op.ring_id), slot, seq, deadline)
         got = t._finish(call)
         if isinstance(got, EpdError):
             return got.code, got.message
@@ -372,6 +372,7 @@ class _RawResponse:
 @dataclass(frozen=True)
 class _RawOp:
     name: str
+    ring_id: int | None  # (the transport keys its reply spin window by it)
     response: type = _RawResponse
 
 
