@@ -100,7 +100,11 @@ class Daemon:
         return self.proc.returncode
 
     def __enter__(self) -> Daemon:
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:  # (a daemon that never came up: stop it, leave no folder)
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -91,3 +91,14 @@ def test_engine_that_cannot_start_is_reported_then_recovers(tmp_path, monkeypatc
         assert not os.path.exists(os.path.join(d.socket_dir, "gpu0.failed"))
     finally:
         d.stop_and_check()
+
+
+def test_a_daemon_that_does_not_start_leaves_nothing() -> None:
+    """demo.Daemon (the demo's and the benchmarks' daemon) whose `epd serve` exits at once (a
+    bad setting) raises with the daemon's words and removes its folder."""
+    from epd.server.demo import Daemon
+
+    d = Daemon(engines=1, extra=["--fast-path-spin-max-us", "nope"])
+    with pytest.raises(RuntimeError, match="daemon exited with 2"), d:
+        pass
+    assert not os.path.exists(d.dir)
