@@ -10,6 +10,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,16 +59,23 @@ class Daemon:
         except urllib.error.HTTPError as e:
             return e.code, e.read().decode()
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 30.0, give_up_after_failed_starts: int = 5) -> None:
+        """Until /readyz says ready; RuntimeError at once if the daemon exits, or once an
+        engine failed to start that many times in a row (its reason is in the message: a
+        start-up failure repeats, so waiting out `timeout` would only delay it)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if self.get("/readyz")[0] == 200:
-                    return
+                status, body = self.get("/readyz")
             except OSError:
-                pass
+                status, body = 0, ""
+            if status == 200:
+                return
+            failed = re.search(r"failed to start (\d+) time", body)
+            if failed and int(failed.group(1)) >= give_up_after_failed_starts > 0:
+                raise RuntimeError(f"daemon not ready: {body.strip()}")
             time.sleep(0.1)
         raise TimeoutError(f"daemon not ready within {timeout} s:\n{self.log()}")
 

@@ -80,8 +80,11 @@ def test_engine_that_cannot_start_is_reported_then_recovers(tmp_path, monkeypatc
         assert "NOT READY" in cli.stdout and "failed to start" in cli.stdout \
             and REASON in cli.stdout, cli.stdout + cli.stderr
 
+        # The harness's wait gives up once starts keep failing, naming the reason.
+        with pytest.raises(RuntimeError, match="the test took the backend away"):
+            d.wait_ready(60)
         flag.unlink()  # the fault is fixed: a later start succeeds
-        d.wait_ready(60)
+        d.wait_ready(60, give_up_after_failed_starts=0)
         e = _topology(d).engines[0]
         assert e.ready and e.failed_starts == 0 and e.restarts >= 2
         assert e.last_failure == REASON  # the last exit's reason stays visible
