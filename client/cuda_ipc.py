@@ -116,13 +116,6 @@ def allocation_of(ptr: int, device: int) -> tuple[int, int]:
     return int(base), int(size)
 
 
-def allocation_info(ptr: int, device: int) -> tuple[int, int, int] | None:
-    """(base, size, buffer id) of the allocation holding `ptr` in one driver query; the buffer
-    id names the allocation for the life of this process (an address can be reused by a later
-    allocation, an id cannot). None where the driver does not answer (the caller falls back)."""
-    return cuda_driver.allocation_info(ptr)
-
-
 def ipc_handle(base: int, device: int) -> bytes:
     cp = _cupy()
     with cp.cuda.Device(device):
@@ -335,16 +328,6 @@ class MappedPage:
             self.addr = 0
 
 
-_DRIVER: list[Any] = []  # cuda.bindings.driver, imported at first use (a call's budget is µs)
-
-
-def _driver() -> Any:
-    if not _DRIVER:
-        from cuda.bindings import driver
-        _DRIVER.append(driver)
-    return _DRIVER[0]
-
-
 @functools.cache
 def compiled_kernel(source: str, name: str, device: int) -> int:
     """The CUfunction of kernel `name` in `source` on `device`, compiled once per process by
@@ -367,14 +350,6 @@ def launch_kernel(fn: int, grid: tuple[int, int], block: int, stream: int,
     with cupy.cuda.Device(device):  # the function belongs to the device's primary context
         cupy.cuda.driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, 0, int(stream),
                                       ctypes.addressof(argv), 0)
-
-
-def stream_write(stream: int, addr: int, value: int) -> None:
-    cuda_driver.stream_write(stream, addr, value)  # ordered after the stream's earlier work
-
-
-def stream_wait_geq(stream: int, addr: int, value: int) -> None:
-    cuda_driver.stream_wait_geq(stream, addr, value)  # cyclic >=
 
 
 class StreamEvent:
@@ -438,7 +413,7 @@ def buffer_key(x: Any, device: int) -> tuple:
     if x is None:
         return ()
     v = describe_device(x, "tensor")
-    info = allocation_info(v.ptr, device)
+    info = cuda_driver.allocation_info(v.ptr)
     return (v.ptr, info[2] if info is not None else -1, v.shape, v.strides, v.dtype)
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..proto import dtypes
+from ..proto import cuda_driver, dtypes
 from ..proto import fd_channel as fdc
 from ..proto.errors import FailedPrecondition, InvalidArgument
 from ..proto.v1 import epd_pb2
@@ -282,7 +282,7 @@ class CudaIpcMemory(Memory):
         self._counter_file, self.device = counter_file, device
         self._regions: OrderedDict[bytes, str] = OrderedDict()  # IPC handle -> region id
         # Allocation buffer id -> (base, region id): a registered allocation is found with one
-        # driver query per tensor (cuda_ipc.allocation_info), not an IPC handle export.
+        # driver query per tensor (cuda_driver.allocation_info), not an IPC handle export.
         self._by_buffer: dict[int, tuple[int, str]] = {}
         self._heaps: dict[bytes, cuda_ipc.MappedHeap] = {}  # engine output heaps, by handle
         self._heap_region: dict[bytes, str] = {}  # heap handle -> its latest region id
@@ -303,7 +303,7 @@ class CudaIpcMemory(Memory):
         for handle, heap in self._heaps.items():  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
                 return self._heap_region[handle], heap.ptr, heap.size
-        info = cuda_ipc.allocation_info(v.ptr, v.device)
+        info = cuda_driver.allocation_info(v.ptr)
         if info is not None:
             known = self._by_buffer.get(info[2])
             if known is not None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, dtypes
+from ..proto import abi, counter_page, cuda_driver, dtypes
 from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
@@ -54,11 +54,11 @@ class StreamSlot:
     def begin(self, stream: int, seq: int) -> None:
         """Our stream has produced the call's inputs: let the engine's stream go."""
         self.issued = seq
-        cuda_ipc.stream_write(stream, self.ready_ptr + 4 * (seq % RING), seq)
+        cuda_driver.stream_write(stream, self.ready_ptr + 4 * (seq % RING), seq)
 
     def end(self, stream: int, seq: int) -> None:
         """Later work on our stream waits for the call's last kernel."""
-        cuda_ipc.stream_wait_geq(stream, self.done_ptr, seq)
+        cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
 
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier call, once."""

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page
+from ..proto import abi, counter_page, cuda_driver
 from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import cuda_ipc, ll_trigger
@@ -86,13 +86,13 @@ class StreamOp:
             ring, entry, timeout = self._chain
             ll_trigger.trigger(h, self._device, self._done, ring, entry | buffer << 8, timeout)
             return h
-        cuda_ipc.stream_write(h, self._done, 0)
-        cuda_ipc.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
+        cuda_driver.stream_write(h, self._done, 0)
+        cuda_driver.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
         return h
 
     def wait(self, stream: Any = None) -> None:
         """The receive half: later work on the stream waits for the op's outputs."""
-        cuda_ipc.stream_wait_geq(self._stream(stream), self._done, DONE_OK)
+        cuda_driver.stream_wait_geq(self._stream(stream), self._done, DONE_OK)
 
     def launch(self, stream: Any = None, buffer: int = 0) -> Any:
         """signal() then wait(); returns the op's outputs in that buffer (fixed views)."""

@@ -69,7 +69,7 @@ def test_describe_finds_each_allocation_once_per_call(monkeypatch) -> None:
     allocations = {0x10000: (0x10000, 4096, 7), 0x40000: (0x40000, 1 << 20, 9)}
     asked: list[int] = []
 
-    def allocation_info(ptr: int, device: int):
+    def allocation_info(ptr: int):
         asked.append(ptr)
         return next(a for a in allocations.values() if a[0] <= ptr < a[0] + a[1])
 
@@ -79,7 +79,7 @@ def test_describe_finds_each_allocation_once_per_call(monkeypatch) -> None:
         registered.append(req)
         return f"r{len(registered)}"
 
-    monkeypatch.setattr(cuda_ipc, "allocation_info", allocation_info)
+    monkeypatch.setattr(cuda_driver, "allocation_info", allocation_info)
     monkeypatch.setattr(cuda_ipc, "ipc_handle", lambda base, device: base.to_bytes(8, "little"))
     mem = memory.CudaIpcMemory(register, lambda rid: None, None, 0)
     arrays = {"a": _Dev(0x10000, 4), "b": _Dev(0x10100, 8), "c": _Dev(0x40200, 2),

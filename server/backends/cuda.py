@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import abi, counter_page, dtypes
+from ...proto import abi, counter_page, cuda_driver, dtypes
 from ...proto import fd_channel as fdc
 from ...proto.errors import (
     Aborted,
@@ -437,6 +437,14 @@ class CudaRankComm(RankComm):
         start = self.backend.heap_base - self.output_region.ptr + self.slot_offset
         return self.output_region.typed(start + self.mlayout.extras[name], shape, dtype)
 
+    def _prefix_view(self) -> Any:
+        """Where a dispatch's rank prefix matrix is copied for the caller (an extra of the
+        membership's slot; the view is made once)."""
+        if self._prefix is None:
+            r = self.spec.num_ranks
+            self._prefix = self._extra("prefix", (r, r), np.int32)
+        return self._prefix
+
     def _timeout_ns(self, deadline: float) -> int:
         return max(int((deadline - time.monotonic()) * 1e9), 1)
 
@@ -526,7 +534,7 @@ class CudaRankComm(RankComm):
                 raise Aborted(f"group {spec.name!r}: notify failed")
             rows = args.num_worst_tokens or num_recv
             outs = runner.output_views(res, rows)
-            prefix = self._extra("prefix", (spec.num_ranks, spec.num_ranks), np.int32)
+            prefix = self._prefix_view()
             with runner.stream:  # never the legacy stream: it is not ordered with ours
                 prefix[...] = res.handle.rank_prefix.reshape(spec.num_ranks, spec.num_ranks)
             runner.stream.synchronize()
@@ -765,9 +773,8 @@ class CudaRankComm(RankComm):
     # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------
     def _stream_begin(self, slot: _Slot, stream_seq: int) -> None:
         """Order the rank's stream after the client's: a GPU-side wait for READY, no host wait."""
-        from .cuda_runtime import stream_wait_geq
         word = slot.device_ptr + 4 * (abi.SLOT32_READY + stream_seq % abi.READY_RING)
-        stream_wait_geq(self.runner.stream.ptr, word, stream_seq)
+        cuda_driver.stream_wait_geq(self.runner.stream.ptr, word, stream_seq)
         self._stream_issued = stream_seq
 
     def _stream_end(self, slot: _Slot, stream_seq: int) -> None:
@@ -795,7 +802,7 @@ class CudaRankComm(RankComm):
                         deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
         self._normal_mode("dispatch")
         self._no_topk_refused(args)
-        spec, runner = self.spec, self.runner
+        runner = self.runner
         cached: _Handle | None = args.cached
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
@@ -806,9 +813,7 @@ class CudaRankComm(RankComm):
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
                 timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
                 routing=_routing(args))
-            prefix = self._prefix
-            if prefix is None:
-                prefix = self._prefix = self._extra("prefix", (spec.num_ranks,) * 2, np.int32)
+            prefix = self._prefix_view()
             cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
                                         prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
                                         runner.stream.ptr)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import abi
+from ...proto import abi, cuda_driver
 from ...proto.errors import ResourceExhausted
 from . import cuda_kernels as ck
 
@@ -147,8 +147,7 @@ class LowLatencyChain:
             self.gate.set(ck.CHAIN_K, (k + 1) & 0xFFFFFFFF)
             self.gate(self.stream)
         else:
-            from .cuda_runtime import stream_wait_geq
-            stream_wait_geq(self.stream.ptr, self.tail_ptr, (k + 1) & 0xFFFFFFFF)
+            cuda_driver.stream_wait_geq(self.stream.ptr, self.tail_ptr, (k + 1) & 0xFFFFFFFF)
         for launch in self.launches:
             launch.set(ck.CHAIN_K, k)
             launch(self.stream)

@@ -13,17 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import abi, cuda_driver
+from ...proto import abi
 from . import cuda_kernels as ck
 
 cp = ck.cp
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000
-
-
-def stream_wait_geq(stream_ptr: int, addr: int, value: int) -> None:
-    """The stream waits, on the GPU, until the 32-bit word at `addr` is >= value (cyclic)."""
-    cuda_driver.stream_wait_geq(stream_ptr, addr, value)
 
 
 def stream_priority_of(stream_ptr: int) -> int:
