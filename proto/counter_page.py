@@ -156,11 +156,18 @@ def stream_done(words: np.ndarray) -> int:
 def release_stream(words: np.ndarray, last_seq: int) -> None:
     """Client side, when its session or engine is gone: record the release as a failure and
     let any stream waiting for DONE of a call up to `last_seq` go on."""
-    w32 = words.view(np.int32)
     if not last_seq or seq_reached(stream_done(words), last_seq):
         return
-    w32[abi.SLOT32_FAIL_CODE] = RELEASED
-    w32[abi.SLOT32_FAIL_RANK] = -1
+    fail_stream(words, last_seq, RELEASED, -1)
+
+
+def fail_stream(words: np.ndarray, seq: int, code: int, rank: int) -> None:
+    """Record call `seq` as failed with `code` (abi.ERR_*, or RELEASED) from the host and let
+    a stream waiting for its DONE go on: what the call's last kernel would have written, for a
+    call whose kernels never ran (the engine answered, then could not launch them)."""
+    w32 = words.view(np.int32)
+    w32[abi.SLOT32_FAIL_CODE] = code
+    w32[abi.SLOT32_FAIL_RANK] = rank
     words[abi.SLOT_FAIL_VALUE] = 0
-    w32[abi.SLOT32_FAIL_SEQ] = np.int32(np.uint32(last_seq))
-    w32[abi.SLOT32_DONE] = np.int32(np.uint32(last_seq))
+    w32[abi.SLOT32_FAIL_SEQ] = np.int32(np.uint32(seq))
+    w32[abi.SLOT32_DONE] = np.int32(np.uint32(seq))

@@ -18,7 +18,7 @@ Arrays are NumPy arrays on the CPU backend and CuPy arrays on the CUDA backend.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -451,24 +451,34 @@ class RankComm(abc.ABC):
 
     # Stream-ordered normal-mode calls (engine/stream_calls.py): the rank's stream waits on the
     # GPU for the client's READY word, the kernels follow, a last kernel writes the failure
-    # words and DONE; nothing waits on the host. `stream_seq` is the call's sequence.
+    # words and DONE; nothing waits on the host. `stream_seq` is the call's sequence. Each
+    # call checks what it would refuse and returns the launch of its kernels, which the engine
+    # runs once the client has its answer (the client's side of the call overlaps it).
     def stream_layout(self, topk_idx: Array, out: tuple[Array, Array, Array], counter_slot: Any,
-                      stream_seq: int) -> None:
-        """Write num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank into `out`."""
+                      stream_seq: int) -> Callable[[], None]:
+        """The launch writing num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+        into `out`."""
         raise self._no_stream_ops()
 
     def stream_dispatch(self, args: DispatchArgs, counter_slot: Any, sequence: int,
-                        deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
-        """Enqueue notify + dispatch; the counts reach the counter slot from the GPU. Outputs
-        are the receive buffers at their largest shape; num_recv_tokens is -1 (not known yet)
-        unless cached."""
+                        deadline: float, stream_seq: int,
+                        num_sms: int) -> tuple[DispatchOutputs, Callable[[], None]]:
+        """The outputs (the receive buffers at their largest shape; num_recv_tokens is -1,
+        not known yet, unless cached) and the launch of notify + dispatch, whose counts reach
+        the counter slot from the GPU."""
         raise self._no_stream_ops()
 
     def stream_combine(self, args: CombineArgs, out: Array, out_weights: Array | None,
                        counter_slot: Any, deadline: float, stream_seq: int,
-                       num_sms: int) -> None:
-        """Enqueue combine into the caller's `out` (and `out_weights`)."""
+                       num_sms: int) -> Callable[[], None]:
+        """The launch of a combine into the caller's `out` (and `out_weights`)."""
         raise self._no_stream_ops()
+
+    def drain_stream(self, timeout: float) -> bool:
+        """Wait (at most `timeout` seconds, never raising) until the rank's stream has run
+        everything enqueued on it; False if it did not (or cannot be asked). The failure path
+        of a launch after the answer."""
+        return True
 
     def release_stream(self, counter_slot: Any) -> None:  # noqa: B027  (nothing to release)
         """Teardown: let the rank's stream pass every READY wait it was given."""

@@ -786,10 +786,33 @@ class CudaRankComm(RankComm):
         done.set(ck.CALL_DONE_SEQ, stream_seq)
         done(self.runner.stream)
 
-    @_launches
+    def drain_stream(self, timeout: float) -> bool:
+        try:
+            with cp.cuda.Device(self.backend.device):
+                done = cp.cuda.Event(disable_timing=True)
+                done.record(self.runner.stream)
+        except Exception as e:  # (a broken context: nothing more will run on it)
+            log.error("group %r: rank %d's stream cannot be asked: %s", self.spec.name,
+                      self.rank, e)
+            return False
+        deadline = time.monotonic() + timeout
+        try:
+            while not done.done:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+        except Exception:  # (the stream failed meanwhile)
+            return False
+        return True
+
     def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
-                      stream_seq: int) -> None:
+                      stream_seq: int) -> Callable[[], None]:
         self._normal_mode("layout")
+        return functools.partial(self._launch_layout, topk_idx, out, counter_slot, stream_seq)
+
+    @_launches
+    def _launch_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
+                       stream_seq: int) -> None:
         s = self.runner.stream
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
@@ -799,25 +822,16 @@ class CudaRankComm(RankComm):
 
     @_launches
     def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
-                        deadline: float, stream_seq: int, num_sms: int) -> DispatchOutputs:
+                        deadline: float, stream_seq: int,
+                        num_sms: int) -> tuple[DispatchOutputs, Callable[[], None]]:
         self._normal_mode("dispatch")
         self._no_topk_refused(args)
-        runner = self.runner
         cached: _Handle | None = args.cached
-        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
-            self._stream_begin(counter_slot, stream_seq)
-            res = runner.dispatch(
-                args.x, args.x_scales, args.topk_idx, args.topk_weights,
-                alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                cached=cached.result if cached else None,
-                counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
-                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
-                routing=_routing(args))
+        with cp.cuda.Device(self.backend.device):  # (the handle is made now: the outputs name it)
+            res = self.runner.dispatch_result(int(args.x.shape[0]),
+                                              cached.result if cached else None,
+                                              args.num_worst_tokens)
             prefix = self._prefix_view()
-            cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
-                                        prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                        runner.stream.ptr)
-            self._stream_end(counter_slot, stream_seq)
         if cached is not None:  # known: the client reads it from the page as for any dispatch
             num_recv = cached.num_recv
             counter_page.publish(counter_slot, sequence, num_recv, [])
@@ -829,14 +843,42 @@ class CudaRankComm(RankComm):
         if views is None:
             if len(self._stream_views) >= 64:
                 self._stream_views.clear()
-            views = self._stream_views[rows, res.with_meta] = runner.output_views(res, rows)
-        return self._dispatch_outputs(args, res, views, rows, prefix, num_recv, [])
+            views = self._stream_views[rows, res.with_meta] = self.runner.output_views(res, rows)
+        outputs = self._dispatch_outputs(args, res, views, rows, prefix, num_recv, [])
+        return outputs, functools.partial(self._launch_dispatch, args, res, counter_slot,
+                                          sequence, deadline, stream_seq, num_sms, prefix)
 
     @_launches
+    def _launch_dispatch(self, args: DispatchArgs, res: Any, counter_slot: _Slot,
+                         sequence: int, deadline: float, stream_seq: int, num_sms: int,
+                         prefix: Any) -> None:
+        runner = self.runner
+        cached: _Handle | None = args.cached
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
+            self._stream_begin(counter_slot, stream_seq)
+            runner.dispatch(
+                args.x, args.x_scales, args.topk_idx, args.topk_weights,
+                alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
+                cached=cached.result if cached else None,
+                counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
+                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
+                routing=_routing(args), result=res)
+            cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
+                                        prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
+                                        runner.stream.ptr)
+            self._stream_end(counter_slot, stream_seq)
+
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: _Slot, deadline: float, stream_seq: int,
-                       num_sms: int) -> None:
+                       num_sms: int) -> Callable[[], None]:
         self._normal_mode("combine")
+        return functools.partial(self._launch_combine, args, out, out_weights, counter_slot,
+                                 deadline, stream_seq, num_sms)
+
+    @_launches
+    def _launch_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
+                        counter_slot: _Slot, deadline: float, stream_seq: int,
+                        num_sms: int) -> None:
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             self.runner.combine(args.x, args.handle.result, out,

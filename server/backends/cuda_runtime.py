@@ -89,14 +89,16 @@ class RankRunner:
                  counter_seq: int | None = None,
                  timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = ck.DEFAULT_NUM_SMS,
                  layout_out: tuple[Any, Any, Any] | None = None,
-                 routing: tuple[Any, Any] | None = None) -> DispatchResult:
-        """`routing`: (is_token_in_rank, num_tokens_per_expert) of a dispatch without top-k."""
+                 routing: tuple[Any, Any] | None = None,
+                 result: DispatchResult | None = None) -> DispatchResult:
+        """`routing`: (is_token_in_rank, num_tokens_per_expert) of a dispatch without top-k;
+        `result`: the one `dispatch_result` made for this call (else made here)."""
         lay = self.layout
+        if result is None:
+            result = self.dispatch_result(int(x.shape[0]), cached, num_worst_tokens)
         with cp.cuda.Device(self.device_id):
             if cached is None:
-                with self.stream:
-                        handle = ck.DispatchHandle.allocate(x.shape[0], lay.num_ranks,
-                                                        lay.num_local_experts, self.num_nodes)
+                handle = result.handle
                 self.seq["notify"] += 1
                 self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
                               self.rank, self.peers, self.seq["notify"], handle,
@@ -112,7 +114,19 @@ class RankRunner:
                             self.peers, handle, self.seq["dispatch"], timeout_ns=timeout_ns,
                             num_sms=num_sms, num_worst_tokens=num_worst_tokens,
                             barrier=cached is not None, stream=self.stream)
-        return DispatchResult(handle, num_worst_tokens, cached is None)
+        return result
+
+    def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
+                        num_worst_tokens: int) -> DispatchResult:
+        """What a dispatch will fill, before it is launched: a new handle (the layout notify
+        writes), or a cached dispatch's."""
+        if cached is not None:
+            return DispatchResult(cached.handle, num_worst_tokens, False)
+        lay = self.layout
+        with cp.cuda.Device(self.device_id), self.stream:
+            handle = ck.DispatchHandle.allocate(num_tokens, lay.num_ranks,
+                                                lay.num_local_experts, self.num_nodes)
+        return DispatchResult(handle, num_worst_tokens, True)
 
     def combine(self, y: Any, res: DispatchResult, out: Any, *, recv_topk_weights: Any = None,
                 out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,

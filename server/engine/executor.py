@@ -142,26 +142,50 @@ class SessionExecutor:
         self.closing: str | None = None  # why later calls are refused
         # Seconds the running operation waited for the worker and the lock before it ran.
         self.waited = 0.0
+        # Work the running operation left for after its answer (after_answer), run under the lock.
+        self._after: list[Callable[[], None]] = []
 
     # -- running operations ------------------------------------------------------------------
-    def call(self, fn: Callable[..., T], *args) -> T:
+    def call(self, fn: Callable[..., T], *args, answer: Callable[[T], None] | None = None) -> T:
         """Run one operation on the calling thread under the operation lock (the fast-path
-        thread, the worker). The caller's transport has admitted it (EngineState.admit)."""
-        return self._call(time.perf_counter(), fn, *args)
+        thread, the worker). The caller's transport has admitted it (EngineState.admit).
+        `answer`: hands the operation's result to its client before the work it left for
+        after its answer (`after_answer`) runs, still under the lock."""
+        return self._call(time.perf_counter(), fn, *args, answer=answer)
 
-    def _call(self, queued: float, fn: Callable[..., T], *args) -> T:
+    def after_answer(self, fn: Callable[[], None]) -> None:
+        """Called by the running operation: run `fn` once its answer is on its way, before
+        the operation lock is released (so the session's next operation, on any transport,
+        comes after it). `fn` handles its own failures: the client has its answer already.
+        A stream-ordered call enqueues its kernels this way, overlapping the client's side
+        of the call with the engine's launches (DESIGN_NOTES "Answering before launching")."""
+        self._after.append(fn)
+
+    def _call(self, queued: float, fn: Callable[..., T], *args,
+              answer: Callable[[T], None] | None = None) -> T:
         with self.op_lock:
             # Read by the operation itself (under the lock): the per-group queueing delay.
             self.waited = time.perf_counter() - queued
             if self.closing is not None:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
-            if self.slow is None:
-                return fn(*args)
-            self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
+            if self.slow is not None:
+                self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
+            self._after.clear()
             try:
-                return fn(*args)
+                result = fn(*args)
+                after, self._after = self._after, []
+                if answer is not None:
+                    answer(result)
+                for later in after:
+                    try:
+                        later()
+                    except Exception:  # (each handles its own; the answer went out already)
+                        log.exception("%s: work after an answer failed", self.name)
+                return result
             finally:
-                self.slow.end()
+                self._after.clear()  # an operation that failed leaves nothing to run
+                if self.slow is not None:
+                    self.slow.end()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the

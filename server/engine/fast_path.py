@@ -14,10 +14,12 @@ before anything the operations use is closed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -134,31 +136,43 @@ class FastPathServer:
             data = bytes(payload[:int(words[R.S_LENGTH])])
             method = int(words[R.S_METHOD])
             last = method if method in self._ops else None  # (a client picks the number)
-            status, out = self._handle(method, data)
-            if len(out) > self.ring.capacity:
-                err = ResourceExhausted(f"response of {len(out)} bytes exceeds the ring slot "
-                                        f"({self.ring.capacity})")
-                status, out = status_value(err.code), err.message.encode()
-            payload[:len(out)] = out
-            words[R.S_LENGTH] = len(out)
-            words[R.S_STATUS] = status
-            words[R.S_STATE] = R.DONE
-            R.futex_wake(state_addr)
+            slot = (words, payload, state_addr)
+            failed = self._handle(method, data, functools.partial(self._answer, slot))
+            if failed is not None:  # (answered already otherwise: the client may own it now)
+                self._answer(slot, *failed)
             seq += 1
             if not seq % FLUSH_EVERY:
                 self._flush_metrics()
         self._flush_metrics()
 
+    def _answer(self, slot: tuple, status: int, out: bytes) -> None:
+        """Write a response (or error) into the request's slot and wake the client."""
+        words, payload, state_addr = slot
+        if len(out) > self.ring.capacity:
+            err = ResourceExhausted(f"response of {len(out)} bytes exceeds the ring slot "
+                                    f"({self.ring.capacity})")
+            status, out = status_value(err.code), err.message.encode()
+        payload[:len(out)] = out
+        words[R.S_LENGTH] = len(out)
+        words[R.S_STATUS] = status
+        words[R.S_STATE] = R.DONE
+        R.futex_wake(state_addr)
+
     def _flush_metrics(self) -> None:
         if self._batch is not None:
             self._batch.flush()
 
-    def _handle(self, ring_id: int, data: bytes) -> tuple[int, bytes]:
-        """One request: (status value, response or error message)."""
+    def _handle(self, ring_id: int, data: bytes,
+                answer: Callable[[int, bytes], None]) -> tuple[int, bytes] | None:
+        """One request. A successful operation's response goes to `answer` as soon as it
+        exists, before the work the operation left for after its answer
+        (SessionExecutor.after_answer), and None is returned; a failure returns (status value,
+        error message) for the caller to answer."""
         cpu0 = time.thread_time()
         entry = self._ops.get(ring_id)
         method = entry[0].name if entry is not None else "?"
         code = grpc.StatusCode.OK
+        answered: list[None] = []
         try:
             if entry is None:
                 raise EpdError(grpc.StatusCode.UNIMPLEMENTED,
@@ -176,18 +190,24 @@ class FastPathServer:
                 sid = getattr(req, "session_id", None)
                 if sid is not None and self.engine.session(sid) is not self.session:
                     raise PermissionDenied(f"session {sid!r} does not own this ring")
-                resp = self.session.executor.call(fn, self.session, req, "fastpath")
+                self.session.executor.call(fn, self.session, req, "fastpath",
+                                           answer=lambda r: answered.append(
+                                               answer(0, r.SerializeToString())))
             finally:
                 state.leave()
-            return 0, resp.SerializeToString()
+            return None
         except Exception as e:  # one mapping; a bug is logged and serving goes on
             err = as_epd_error(method, e)
             code = err.code
-            answer = status_value(err.code), err.message.encode()[:self.ring.capacity]
+            failed = status_value(err.code), err.message.encode()[:self.ring.capacity]
             # `err` may be `e`: its traceback holds this frame and the loop's, whose slot views
             # would keep the ring mapped after the session closes (a reference cycle).
             del err
-            return answer
+            if answered:  # (the client has its answer and may own the slot again)
+                log.error("fast path of %s: %s failed after its answer", self.session.describe(),
+                          method)
+                return None
+            return failed
         finally:
             metrics.inc(metrics.REQUESTS, (method, code.name))
             metrics.inc(metrics.REQUEST_CPU_SECONDS, (method, "fastpath"),

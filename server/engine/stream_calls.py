@@ -18,13 +18,16 @@ which the client copies out on its stream (or views, with copy=False, until its 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ...proto import counter_page
+from ...proto import abi, counter_page
 from ...proto.errors import Aborted, FailedPrecondition, InvalidArgument
 from ...proto.v1 import epd_pb2
-from .. import metrics
+from .. import metrics, service_classes
 from ..backends.base import CombineArgs, DispatchArgs
 from . import tensors
 from .ops import dispatch_response
@@ -33,6 +36,7 @@ from .state import GroupMember, HandleInfo, Session
 if TYPE_CHECKING:
     from ..backends.base import Array
 
+log = logging.getLogger("epd.engine")
 SEQ_MASK = 0xFFFFFFFF  # stream sequences are the 32-bit words the stream operations compare
 
 
@@ -91,6 +95,53 @@ class StreamCalls:
             raise FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "
                                      f"runs {self.backend.name}")
 
+    # -- launching after the answer (layout, combine) ----------------------------------------
+    def _launch_after_answer(self, session: Session, member: GroupMember, slot, seq: int,
+                             what: str, metric, path: str, launch: Callable[[], None],
+                             dispatch_sequence: int = 0) -> None:
+        """Enqueue the call's kernels once its answer is on its way to the client (the
+        client's stream operations and next request overlap the launches). Everything that
+        could refuse the call has been checked; a launch that still fails is `_launch_failed`.
+        `dispatch_sequence`: a dispatch whose receive count the notify kernel would publish."""
+        name = member.spec.name
+        pacer = getattr(self, "pacer", None)
+        latency = (pacer.latency() if pacer is not None and pacer.enabled
+                   and member.service_class == service_classes.LATENCY
+                   else contextlib.nullcontext())
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                with latency:  # (still latency work in flight for the pacer: pacing.py)
+                    launch()
+            except Exception as e:
+                self._launch_failed(member, slot, seq, what, e, dispatch_sequence)
+                return
+            metrics.observe(metric, (name, path, self.backend.name), time.perf_counter() - t0)
+        session.executor.after_answer(run)
+
+    def _launch_failed(self, member: GroupMember, slot, seq: int, what: str,
+                       e: Exception, dispatch_sequence: int = 0) -> None:
+        """The client holds call `seq` and its stream waits for DONE, which no kernel will
+        write: abort the group (its later calls fail, the peers stop at once), let the rank's
+        stream run out what it holds (an earlier call's last kernel would write an older
+        DONE after ours), then write the failure words and DONE from the host; a dispatch's
+        client, waiting for its receive count, gets a failed count at once."""
+        why = f"rank {member.rank}: {what} #{seq} could not be launched ({e})"
+        log.error("group %r: %s; aborting the group", member.spec.name, why)
+        if member.comm.known_abort_reason() is None:
+            try:
+                member.comm.abort(why)
+            except Exception as again:  # (a broken context fails the abort kernel too)
+                log.error("group %r: the abort failed as well: %s", member.spec.name, again)
+        if not member.comm.drain_stream(self._timeout(0.0)):
+            log.error("group %r: rank %d's stream did not drain; releasing call #%d anyway",
+                      member.spec.name, member.rank, seq)
+        counter_page.fail_stream(slot, seq, abi.ERR_ABORTED, member.rank)
+        if dispatch_sequence:
+            slot[abi.SLOT_ERR_RANK] = -1
+            counter_page.publish(slot, dispatch_sequence, 0, [], status=abi.ERR_ABORTED)
+
     # -- handles whose receive count is still on its way -------------------------------------
     def _resolve(self, session: Session, member: GroupMember, info: HandleInfo) -> None:
         """Learn a stream-ordered dispatch's receive count from the counter slot (the client
@@ -144,10 +195,9 @@ class StreamCalls:
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
         seq = self._next_stream_seq(member)
-        t0 = time.perf_counter()
-        member.comm.stream_layout(idx, outs, slot, seq)
-        metrics.observe(metrics.LAYOUT_SECONDS, (spec.name, path, self.backend.name),
-                        time.perf_counter() - t0)
+        launch = member.comm.stream_layout(idx, outs, slot, seq)
+        self._launch_after_answer(session, member, slot, seq, "layout", metrics.LAYOUT_SECONDS,
+                                  path, launch)
         return epd_pb2.GetDispatchLayoutResponse(
             num_tokens_per_rank=req.num_tokens_per_rank_out,
             num_tokens_per_expert=req.num_tokens_per_expert_out,
@@ -166,11 +216,11 @@ class StreamCalls:
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         seq = self._next_stream_seq(member)
-        t0 = time.perf_counter()
-        out = member.comm.stream_dispatch(args, slot, sequence, time.monotonic() + timeout, seq,
-                                          num_sms)
-        metrics.observe(metrics.DISPATCH_SECONDS, (spec.name, path, self.backend.name),
-                        time.perf_counter() - t0)
+        out, launch = member.comm.stream_dispatch(args, slot, sequence,
+                                                  time.monotonic() + timeout, seq, num_sms)
+        self._launch_after_answer(session, member, slot, seq, "dispatch",
+                                  metrics.DISPATCH_SECONDS, path, launch,
+                                  dispatch_sequence=sequence if out.num_recv_tokens < 0 else 0)
         member.bytes_sent += out.bytes_sent
         metrics.inc(metrics.BYTES_SENT, (spec.name, self.backend.peer_class), out.bytes_sent)
         t = int(args.x.shape[0])
@@ -201,11 +251,10 @@ class StreamCalls:
         self._check_stream_alive(member, slot)
         num_sms = self._num_sms(member, req.num_sms)
         seq = self._next_stream_seq(member)
-        t0 = time.perf_counter()
-        member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout, seq,
-                                   num_sms)
-        metrics.observe(metrics.COMBINE_SECONDS, (spec.name, path, self.backend.name),
-                        time.perf_counter() - t0)
+        launch = member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout,
+                                            seq, num_sms)
+        self._launch_after_answer(session, member, slot, seq, "combine",
+                                  metrics.COMBINE_SECONDS, path, launch)
         nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_sent += nbytes
         metrics.inc(metrics.BYTES_SENT, (spec.name, self.backend.peer_class), nbytes)
