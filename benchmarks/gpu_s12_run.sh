@@ -5,7 +5,8 @@
 #        of the stream-ordered calls and the kernels' runner, then one rank's normal-mode rows at
 #        D alternately on f7aecf0 (launch, then answer) and this tree (answer, then launch),
 #        then `epd bench --shapes D --low-latency`
-#   bash benchmarks/gpu_s12_run.sh rest  # the rest of the GPU suite, the cluster daemons
+#   bash benchmarks/gpu_s12_run.sh ab2   # three more alternations of those rows (JSON per probe)
+#   bash benchmarks/gpu_s12_run.sh rest  # the daemon's failure cases, the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
@@ -33,15 +34,28 @@ case "${1:-}" in
         --json "$OUT/bench_ab.json" 2>&1 | clean | tail -30 > "$OUT/bench_ab.txt"
     head -12 "$OUT/bench_ab.txt"; grep -a "PASS\|FAIL" "$OUT/bench_ab.txt"
     ;;
-  rest)
-    step rest 330 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
+  rest)  # (first the daemon's failure cases: a failed dispatch now waits for its last kernel
+          # to name the cause; the killed-rank case failed in `ab` without that)
+    step failures 100 "tests/gpu/test_daemon.py -k failure"
+    step rest 260 "tests/gpu --durations=10 --ignore=tests/gpu/test_rank_masking_gpu.py \
         --ignore=tests/gpu/test_cuda_cluster.py --ignore=tests/gpu/test_nvshmem.py \
         --ignore=tests/gpu/test_framework_replays_gpu.py --ignore=tests/gpu/test_low_latency_kernels.py \
         --ignore=tests/gpu/test_call_outputs.py --ignore=tests/gpu/test_stream_ordered.py \
         --ignore=tests/gpu/test_deep_ep_facade.py --ignore=tests/gpu/test_daemon.py \
         --ignore=tests/gpu/test_intranode.py --ignore=tests/gpu/test_ll_plain.py \
         --ignore=tests/gpu/test_service_classes_gpu.py"
-    step cluster 240 "tests/gpu/test_cuda_cluster.py"
+    step cluster 200 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 ab|rest" >&2; exit 2 ;;
+  ab2)  # more rounds of the A/B rows (the machine's spread between probes is larger than the
+         # change): three alternations, the bench at D after
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in 1 2 3; do
+      probe "old_$round" /tmp/pkg_old >/dev/null
+      probe "new_$round" /tmp/pkg >/dev/null
+    done
+    for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_ab2.txt"
+    rm -f "$OUT"/probe_*.txt; cat "$OUT/probes_ab2.txt"
+    ;;
+  *) echo "usage: $0 ab|ab2|rest" >&2; exit 2 ;;
 esac

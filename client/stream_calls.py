@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver, dtypes
+from ..proto import abi, counter_page, cuda_driver, dtypes, spin
 from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
@@ -59,6 +59,13 @@ class StreamSlot:
     def end(self, stream: int, seq: int) -> None:
         """Later work on our stream waits for the call's last kernel."""
         cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
+
+    def settle(self, seq: int, timeout: float) -> None:
+        """Wait (at most `timeout` seconds) on the host until call `seq`'s last kernel has run:
+        a failed dispatch's count arrives before that kernel records the cause (which rank
+        left or missed the deadline) in the failure words."""
+        spin.wait_until(lambda: counter_page.seq_reached(counter_page.stream_done(self.words),
+                                                         seq), timeout)
 
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier call, once."""
@@ -144,6 +151,8 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
                                           f"dispatch #{resp.counter_sequence}")
     if got is None or int(group._counter[counter_page.STATUS]):
         slot.end(stream, seq)  # the stream passes the call either way
+        if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
+            slot.settle(seq, max(req.timeout_seconds, 1.0))
         slot.check()
         missing = int(group._counter[abi.SLOT_ERR_RANK]) if got is not None else -1
         who = f": rank {missing} did not arrive" if missing >= 0 else ""

@@ -115,3 +115,32 @@ def test_normal_mode_refuses_a_capturing_stream() -> None:
     with pytest.raises(FailedPrecondition, match="combine cannot be captured"):
         stream_calls.combine(group, object(), None, None, None, None, 1.0, 1.0, 0)
     assert sent == [] and group._stream_slot is None  # nothing sent, no slot touched
+
+
+def test_a_failed_dispatch_waits_for_its_last_kernel_to_name_the_cause() -> None:
+    """A dispatch whose count came back failed waits (bounded) for the call's DONE, after
+    which the failure words name the rank that left, not before."""
+    import threading
+    import time
+
+    from epd.client.stream_calls import StreamSlot
+    from epd.proto import abi, counter_page
+
+    slot = StreamSlot.__new__(StreamSlot)
+    slot.words = np.zeros(abi.SLOT_BYTES // 8, dtype=np.int64)
+
+    def last_kernel() -> None:
+        time.sleep(0.05)
+        counter_page.fail_stream(slot.words, 7, abi.ERR_ABORTED, 1)
+
+    t = threading.Thread(target=last_kernel)
+    t0 = time.monotonic()
+    t.start()
+    slot.settle(7, 5.0)
+    assert 0.04 < time.monotonic() - t0 < 2.0
+    t.join()
+    f = counter_page.stream_failure(slot.words)
+    assert f is not None and f.rank == 1 and "rank 1" in f.error("g").message
+    t0 = time.monotonic()
+    slot.settle(8, 0.05)  # never comes: bounded
+    assert time.monotonic() - t0 < 1.0
