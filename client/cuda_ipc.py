@@ -341,15 +341,24 @@ def compiled_kernel(source: str, name: str, device: int) -> int:
 
 
 def launch_kernel(fn: int, grid: tuple[int, int], block: int, stream: int,
-                  args: tuple[ctypes._SimpleCData, ...], device: int) -> None:
-    """Launch `fn` on the raw `stream` with ctypes-packed arguments: one driver call, where a
-    CuPy kernel call converts every argument (µs each)."""
+                  args: tuple[ctypes._SimpleCData, ...], device: int, shared: int = 0) -> None:
+    """Launch `fn` on the raw `stream` with ctypes-packed arguments (and `shared` bytes of
+    dynamic shared memory): one driver call, where a CuPy kernel call converts every argument
+    (µs each)."""
     import cupy
 
     argv = (ctypes.c_void_p * len(args))(*(ctypes.addressof(v) for v in args))
     with cupy.cuda.Device(device):  # the function belongs to the device's primary context
-        cupy.cuda.driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, 0, int(stream),
-                                      ctypes.addressof(argv), 0)
+        cupy.cuda.driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, shared,
+                                      int(stream), ctypes.addressof(argv), 0)
+
+
+def memset_async(ptr: int, nbytes: int, stream: int, device: int) -> None:
+    """Zero `nbytes` at device address `ptr`, enqueued on the raw `stream`."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, int(stream))
 
 
 class StreamEvent:

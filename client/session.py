@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from ..proto import counter_page, dtypes
+from ..proto import abi, counter_page, dtypes
 from ..proto import fd_channel as fdc
 from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable, error
 from ..proto.v1 import epd_pb2
@@ -38,6 +38,7 @@ from .tensors import Array
 from .transport import FastPathTransport, GrpcTransport, PendingCall, SessionStream, Transport
 
 if TYPE_CHECKING:
+    from .local_layout import LocalLayout
     from .stream_calls import StreamSlot
     from .stream_ops import StreamOp
 
@@ -457,9 +458,13 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
+        # cuda, EPD_LOCAL_LAYOUT=1: layouts on the caller's stream (client/local_layout.py).
+        self._local_layout: LocalLayout | None = None
         if self._ordered:  # the copy-out kernel of dispatch, compiled here, not mid-call
-            from . import call_outputs
+            from . import call_outputs, local_layout
             call_outputs.load(session.device_ordinal)
+            if local_layout.enabled() and spec.num_ranks <= abi.MAX_RANKS:
+                self._local_layout = local_layout.LocalLayout(self)
         # Ids of handles whose objects were collected (weakref.finalize appends, on any
         # thread): the next dispatch of this group carries them (release_handles), or
         # release_handles() sends them now. The engine keeps a handle until then.

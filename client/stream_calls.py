@@ -85,6 +85,8 @@ def _slot(group: Group) -> StreamSlot:
     if group._stream_slot is None:
         group._stream_slot = StreamSlot(group)
     group._stream_slot.check()
+    if group._local_layout is not None:
+        group._local_layout.check()
     return group._stream_slot
 
 
@@ -103,6 +105,9 @@ def _stream(group: Group, template: Array, what: str) -> int:
 
 
 def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
+    if group._local_layout is not None:  # on the caller's stream, no round trip
+        _slot(group)  # (earlier failures surface here, as below)
+        return group._local_layout(topk_idx)
     s, spec = group._session, group.spec
     stream = _stream(group, topk_idx, "get_dispatch_layout")
     slot = _slot(group)

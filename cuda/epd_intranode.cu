@@ -1,4 +1,5 @@
-// EPD intranode kernels: layout, notify, dispatch, combine (the semantics of server/reference.py).
+// EPD intranode kernels: notify, dispatch, combine (the semantics of server/reference.py;
+// layout is epd_layout.cu).
 //
 // Design (docs/GPU_NOTES.md says why): every rank's buffer is reachable by a plain pointer
 // (`peers[r]` = base of rank r's buffer; NVSHMEM peer pointers over NVLink, or offsets of one
@@ -105,48 +106,6 @@ __device__ void node_rows(const unsigned char* __restrict__ token_mask, int T, i
         }
         __syncthreads();
     }
-}
-
-// ------------------------------------------------------------------------------------------
-// layout: topk_idx [T, K] -> num_tokens_per_rank [R], num_tokens_per_expert [E],
-//         is_token_in_rank [T, R]. Outputs must be zeroed (counts are accumulated atomically).
-// ------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(256)
-epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
-           int* __restrict__ num_tokens_per_rank, int* __restrict__ num_tokens_per_expert,
-           bool* __restrict__ is_token_in_rank,
-           u64* call_err) {  // own control block: bad ids are reported there (or null)
-    extern __shared__ int s_expert[];  // [E]
-    __shared__ int s_rank[EPD_MAX_RANKS];
-    const int L = E / R;
-    for (int i = threadIdx.x; i < E; i += blockDim.x) s_expert[i] = 0;
-    if (threadIdx.x < EPD_MAX_RANKS) s_rank[threadIdx.x] = 0;
-    __syncthreads();
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t < T) {
-        unsigned mask = 0;
-        for (int k = 0; k < K; ++k) {
-            i64 e = topk_idx[(i64)t * K + k];
-            if (e < -1 || e >= E) { report_bad_input(call_err, e); continue; }
-            if (e >= 0) {
-                mask |= 1u << (int)(e / L);
-                atomicAdd(&s_expert[e], 1);
-            }
-        }
-#pragma unroll
-        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
-            if (d < R) {
-                bool in = (mask >> d) & 1u;
-                is_token_in_rank[(i64)t * R + d] = in;
-                if (in) atomicAdd(&s_rank[d], 1);
-            }
-        }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < E; i += blockDim.x)
-        if (s_expert[i]) atomicAdd(&num_tokens_per_expert[i], s_expert[i]);
-    if (threadIdx.x < R && s_rank[threadIdx.x]) atomicAdd(&num_tokens_per_rank[threadIdx.x],
-                                                          s_rank[threadIdx.x]);
 }
 
 // ------------------------------------------------------------------------------------------

@@ -38,13 +38,17 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
 
 @needs_nvcc
 @pytest.mark.parametrize(("module", "kernel"), [("received_rows", "epd_copy_received"),
-                                                ("ll_trigger", "epd_ll_trigger")])
+                                                ("ll_trigger", "epd_ll_trigger"),
+                                                ("call_outputs", "epd_copy_parts"),
+                                                ("local_layout", "epd_layout")])
 def test_client_kernels_compile_for_sm90(tmp_path: Path, module: str, kernel: str) -> None:
-    """The client's kernels (the copy-out of received rows, the chain's trigger), compiled by
-    CuPy at run time."""
+    """The client's kernels (the copy-out of received rows, the chain's trigger, a call's
+    copied outputs, the local layout: the engine's layout kernel from its own file, with only
+    the common header), compiled by CuPy at run time."""
     import importlib
 
-    source = importlib.import_module(f"epd.client.{module}")._SOURCE
+    m = importlib.import_module(f"epd.client.{module}")
+    source = m.source() if hasattr(m, "source") else m._SOURCE
     src = tmp_path / f"{module}.cu"
     src.write_text(source)
     proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",

@@ -107,7 +107,8 @@ def test_normal_mode_refuses_a_capturing_stream() -> None:
     memory = SimpleNamespace(is_capturing=lambda template: True)
     session = SimpleNamespace(memory=memory, device_ordinal=0,
                               _call=lambda method, *a, **k: sent.append(method))
-    group = SimpleNamespace(_session=session, name="g", spec=None, _stream_slot=None)
+    group = SimpleNamespace(_session=session, name="g", spec=None, _stream_slot=None,
+                            _local_layout=None)
     with pytest.raises(FailedPrecondition, match="get_dispatch_layout cannot be captured"):
         stream_calls.layout(group, object())
     with pytest.raises(FailedPrecondition, match="normal-mode dispatch cannot be captured"):
@@ -144,3 +145,30 @@ def test_a_failed_dispatch_waits_for_its_last_kernel_to_name_the_cause() -> None
     t0 = time.monotonic()
     slot.settle(8, 0.05)  # never comes: bounded
     assert time.monotonic() - t0 < 1.0
+
+
+def test_local_layout_is_opt_in_and_its_setting_is_checked(monkeypatch) -> None:
+    from epd.client import local_layout
+    from epd.proto.errors import InvalidArgument
+
+    monkeypatch.delenv(local_layout.ENV, raising=False)
+    assert not local_layout.enabled()
+    for v, want in (("1", True), ("on", True), ("0", False), ("off", False), ("", False)):
+        monkeypatch.setenv(local_layout.ENV, v)
+        assert local_layout.enabled() is want
+    monkeypatch.setenv(local_layout.ENV, "sometimes")
+    with pytest.raises(InvalidArgument, match="EPD_LOCAL_LAYOUT"):
+        local_layout.enabled()
+
+
+def test_local_layout_compiles_the_engines_kernel_from_its_own_file() -> None:
+    """The client compiles the very kernel the engine runs for a layout (one source file, with
+    the common header inlined), not a copy of it."""
+    from epd.client import local_layout
+    from epd.server.backends import cuda_kernels
+
+    src = local_layout.source()
+    assert "epd_layout(" in src and "#include" not in src
+    assert "epd_notify" not in src  # only the layout: a client compiles little
+    kernel = (local_layout.CUDA_DIR / "epd_layout.cu").read_text().split("#include")[1]
+    assert kernel.split("\n", 1)[1] in cuda_kernels._source()

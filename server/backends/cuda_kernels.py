@@ -257,7 +257,7 @@ class DispatchHandle:
                    cp.empty(r, cp.int32) if hier else None)
 
 
-KERNEL_FILES = ("epd_intranode.cu", "epd_low_latency.cu")
+KERNEL_FILES = ("epd_layout.cu", "epd_intranode.cu", "epd_low_latency.cu")
 
 
 def _source(files: tuple[str, ...] = KERNEL_FILES) -> str:

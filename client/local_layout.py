@@ -1,0 +1,140 @@
+"""`get_dispatch_layout` in the caller's own process (cuda backend; opt-in, EPD_LOCAL_LAYOUT=1).
+
+The layout is a function of the caller's `topk_idx` alone: no peer, no buffer of the engine's,
+no NVSHMEM state takes part (the engine recomputes it inside every dispatch anyway, from the
+same `topk_idx`). Through the daemon it costs a ring round trip, the engine's validation and
+launch (200-480 µs of host time per call on the H200, one rank at D) for a kernel of a few
+microseconds; here it is one allocation, one memset and one launch of the same kernel
+(cuda/epd_layout.cu) on the caller's current stream, as DeepEP's layout is. It stays
+capturable in a CUDA graph (nothing waits on the host).
+
+Bad expert ids are handled as the engine does: the entry is skipped, the kernel records the
+first one in this group's error words (pinned host memory the kernel writes through its
+unified address), and the group's next call (or `Group.check()`) raises INVALID_ARGUMENT naming
+the rank and the id: asynchronously, as the engine's stream-ordered calls report it.
+
+Opt-in until it has run on a GPU (the twelfth session built it with no device time left);
+`tests/gpu/test_local_layout.py` checks it against server/reference.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..proto import abi
+from ..proto.errors import InvalidArgument
+from ..proto.v1 import epd_pb2
+from . import call_outputs, cuda_ipc
+
+if TYPE_CHECKING:
+    from .session import Group
+    from .tensors import Array
+
+ENV = "EPD_LOCAL_LAYOUT"
+CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
+THREADS = 256  # the kernel's __launch_bounds__
+_I32, _BOOL = np.dtype(np.int32), np.dtype(np.bool_)
+_ERR_WORDS = abi.CTRL_CALL_ERR_VALUE + 1  # the kernel writes words CTRL_CALL_ERR and _VALUE
+
+
+def enabled() -> bool:
+    """Whether EPD_LOCAL_LAYOUT asks for it (1/true/on; default off)."""
+    v = os.environ.get(ENV, "").strip().lower()
+    if v in ("", "0", "false", "off", "no"):
+        return False
+    if v in ("1", "true", "on", "yes"):
+        return True
+    raise InvalidArgument(f"{ENV}={v!r}: 1 (the layout on the caller's stream) or 0")
+
+
+def source() -> str:
+    """The layout kernel with its header inlined, as the engine compiles it (a file apart from
+    the other kernels so that a client compiles only this)."""
+    header = (CUDA_DIR / "epd_common.cuh").read_text().replace("#pragma once", "")
+    body = (CUDA_DIR / "epd_layout.cu").read_text().replace('#include "epd_common.cuh"', "")
+    return header + body
+
+
+class LocalLayout:
+    """One group's layout on its caller's stream (see the module docstring)."""
+
+    def __init__(self, group: Group) -> None:
+        import cupy
+
+        self.group = group
+        self.device = group._session.device_ordinal
+        self._fn = cuda_ipc.compiled_kernel(source(), "epd_layout", self.device)
+        with cupy.cuda.Device(self.device):
+            self._mem = cupy.cuda.alloc_pinned_memory(8 * _ERR_WORDS)
+        # (pinned memory: the kernel writes it through the same address under unified addressing)
+        self.words = np.frombuffer(self._mem, np.int64, _ERR_WORDS)
+        self.words[:] = 0
+        self._err_ptr = ctypes.c_uint64(self._mem.ptr)
+
+    def check(self) -> None:
+        """Raise (once) a bad expert id an earlier layout of this rank skipped."""
+        if not self.words[abi.CTRL_CALL_ERR]:
+            return
+        value = int(self.words[abi.CTRL_CALL_ERR_VALUE])
+        self.words[abi.CTRL_CALL_ERR_VALUE] = 0
+        self.words[abi.CTRL_CALL_ERR] = 0
+        spec = self.group.spec
+        raise InvalidArgument(
+            f"group {spec.name!r}: rank {self.group.rank} passed expert id {value} in the "
+            f"topk_idx of an earlier get_dispatch_layout; valid ids are -1 (none) and "
+            f"[0, {spec.num_experts}); the entry was skipped")
+
+    def __call__(self, topk_idx: Array) -> tuple[Array, Array, Array]:
+        spec = self.group.spec
+        t, k = self._check_input(topk_idx)
+        r, e = spec.num_ranks, spec.num_experts
+        parts = (((r,), _I32), ((e,), _I32), ((t, r), _BOOL))
+        torch = call_outputs.uses_torch(topk_idx)
+        outs = call_outputs.empty(parts, self.device, torch)
+        stream = cuda_ipc.stream_handle(None, topk_idx, self.device)
+        # The two counts are accumulated atomically: zero them (one memset over both parts,
+        # which are adjacent in the call's allocation) on the stream the kernel runs on.
+        offsets, _ = call_outputs.placement([call_outputs.nbytes(*p) for p in parts])
+        counts = cuda_ipc.data_ptr(outs[0])
+        cuda_ipc.memset_async(counts, offsets[1] + 4 * e, stream, self.device)
+        if t:
+            args = (ctypes.c_uint64(cuda_ipc.data_ptr(topk_idx)), ctypes.c_int32(t),
+                    ctypes.c_int32(k), ctypes.c_int32(e), ctypes.c_int32(r),
+                    ctypes.c_uint64(counts), ctypes.c_uint64(cuda_ipc.data_ptr(outs[1])),
+                    ctypes.c_uint64(cuda_ipc.data_ptr(outs[2])), self._err_ptr)
+            cuda_ipc.launch_kernel(self._fn, ((t + THREADS - 1) // THREADS, 1), THREADS,
+                                   stream, args, self.device, shared=4 * e)
+        return outs
+
+    def _check_input(self, topk_idx: Any) -> tuple[int, int]:
+        """What the engine checks of topk_idx for a layout: a contiguous int64 [T, K] CUDA
+        tensor on this session's GPU, K the group's top-k, T within its capacity."""
+        spec = self.group.spec
+        if not cuda_ipc.is_device_array(topk_idx):
+            raise InvalidArgument(f"topk_idx: the engine runs the cuda backend and takes CUDA "
+                                  f"tensors (torch on 'cuda' or CuPy); got "
+                                  f"{type(topk_idx).__name__}")
+        v = cuda_ipc.describe_device(topk_idx, "topk_idx")
+        if v.dtype != epd_pb2.INT64:
+            raise InvalidArgument("topk_idx must be int64")
+        if len(v.shape) != 2:
+            raise InvalidArgument(f"topk_idx has {len(v.shape)} dimensions, expected 2")
+        t, k = v.shape
+        if k != spec.num_topk:
+            raise InvalidArgument(f"topk_idx has shape {list(v.shape)}, expected "
+                                  f"[{t}, {spec.num_topk}]")
+        if t > spec.max_tokens_per_rank:
+            raise InvalidArgument(f"{t} tokens exceed the group's "
+                                  f"max_tokens_per_rank={spec.max_tokens_per_rank}")
+        if t and (v.strides != (k, 1) if k > 1 else v.strides[0] != 1):
+            raise InvalidArgument("topk_idx must be contiguous")
+        if v.device != self.device:
+            raise InvalidArgument(f"topk_idx is on GPU {v.device}; this session's engine "
+                                  f"serves GPU {self.device}")
+        return t, k
+
