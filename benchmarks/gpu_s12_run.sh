@@ -5,7 +5,8 @@
 #        of the stream-ordered calls and the kernels' runner, then one rank's normal-mode rows at
 #        D alternately on f7aecf0 (launch, then answer) and this tree (answer, then launch),
 #        then `epd bench --shapes D --low-latency`
-#   bash benchmarks/gpu_s12_run.sh ab2   # three more alternations of those rows (JSON per probe)
+#   bash benchmarks/gpu_s12_run.sh ab2   # three more alternations of those rows, then the
+#        opt-in local layout's GPU test and the rows with it (probes_ab2.json: every probe)
 #   bash benchmarks/gpu_s12_run.sh rest  # the daemon's failure cases, the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -47,15 +48,22 @@ case "${1:-}" in
     step cluster 200 "tests/gpu/test_cuda_cluster.py"
     ;;
   ab2)  # more rounds of the A/B rows (the machine's spread between probes is larger than the
-         # change): three alternations, the bench at D after
+         # change): three alternations; then the opt-in local layout (EPD_LOCAL_LAYOUT=1): its
+         # GPU test and the same rows with it. Every probe's JSON merged into one file.
     mkdir -p /tmp/pkg_old/epd
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
     for round in 1 2 3; do
       probe "old_$round" /tmp/pkg_old >/dev/null
       probe "new_$round" /tmp/pkg >/dev/null
     done
+    step local 150 "tests/gpu/test_local_layout.py"
+    EPD_LOCAL_LAYOUT=1 probe local /tmp/pkg >/dev/null
     for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_ab2.txt"
-    rm -f "$OUT"/probe_*.txt; cat "$OUT/probes_ab2.txt"
+    python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/probe_*.json'))}
+json.dump(out, open('$OUT/probes_ab2.json', 'w'), indent=1)"
+    rm -f "$OUT"/probe_*.txt "$OUT"/probe_*.json; cat "$OUT/probes_ab2.txt"
     ;;
   *) echo "usage: $0 ab|ab2|rest" >&2; exit 2 ;;
 esac
