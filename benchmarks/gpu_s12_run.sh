@@ -7,6 +7,8 @@
 #        then `epd bench --shapes D --low-latency`
 #   bash benchmarks/gpu_s12_run.sh ab2   # three more alternations of those rows, then the
 #        opt-in local layout's GPU test and the rows with it (probes_ab2.json: every probe)
+#   bash benchmarks/gpu_s12_run.sh flip  # the local layout as the default: its tests, the facade,
+#        the rows with and without it, the bench at D
 #   bash benchmarks/gpu_s12_run.sh rest  # the daemon's failure cases, the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -65,5 +67,24 @@ out = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in sorted(glob.glob('
 json.dump(out, open('$OUT/probes_ab2.json', 'w'), indent=1)"
     rm -f "$OUT"/probe_*.txt "$OUT"/probe_*.json; cat "$OUT/probes_ab2.txt"
     ;;
-  *) echo "usage: $0 ab|ab2|rest" >&2; exit 2 ;;
+  flip)  # the local layout as the default: the tests of both layout paths and of the facade,
+          # the rows with it and without it (EPD_LOCAL_LAYOUT=0) alternately, the bench at D
+    step flip 240 "tests/gpu/test_local_layout.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_service_classes_gpu.py \
+        tests/gpu/test_daemon.py -k 'not failure and not low_latency'"
+    for round in 1 2; do
+      probe "local_$round" /tmp/pkg >/dev/null
+      EPD_LOCAL_LAYOUT=0 probe "daemon_$round" /tmp/pkg >/dev/null
+    done
+    for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_flip.txt"
+    python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/probe_*.json'))}
+json.dump(out, open('$OUT/probes_flip.json', 'w'), indent=1)"
+    rm -f "$OUT"/probe_*.txt "$OUT"/probe_*.json; cat "$OUT/probes_flip.txt"
+    timeout 150 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
+        --json "$OUT/bench_flip.json" 2>&1 | clean | tail -30 > "$OUT/bench_flip.txt"
+    head -12 "$OUT/bench_flip.txt"; grep -a "PASS\|FAIL" "$OUT/bench_flip.txt"
+    ;;
+  *) echo "usage: $0 ab|ab2|rest|flip" >&2; exit 2 ;;
 esac

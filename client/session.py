@@ -458,7 +458,7 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
-        # cuda, EPD_LOCAL_LAYOUT=1: layouts on the caller's stream (client/local_layout.py).
+        # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None
         if self._ordered:  # the copy-out kernel of dispatch, compiled here, not mid-call
             from . import call_outputs, local_layout

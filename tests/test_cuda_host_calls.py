@@ -147,13 +147,13 @@ def test_a_failed_dispatch_waits_for_its_last_kernel_to_name_the_cause() -> None
     assert time.monotonic() - t0 < 1.0
 
 
-def test_local_layout_is_opt_in_and_its_setting_is_checked(monkeypatch) -> None:
+def test_local_layout_is_the_default_and_its_setting_is_checked(monkeypatch) -> None:
     from epd.client import local_layout
     from epd.proto.errors import InvalidArgument
 
     monkeypatch.delenv(local_layout.ENV, raising=False)
-    assert not local_layout.enabled()
-    for v, want in (("1", True), ("on", True), ("0", False), ("off", False), ("", False)):
+    assert local_layout.enabled()
+    for v, want in (("1", True), ("on", True), ("0", False), ("off", False), ("", True)):
         monkeypatch.setenv(local_layout.ENV, v)
         assert local_layout.enabled() is want
     monkeypatch.setenv(local_layout.ENV, "sometimes")

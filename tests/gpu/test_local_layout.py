@@ -1,4 +1,4 @@
-"""`get_dispatch_layout` on the caller's own stream (EPD_LOCAL_LAYOUT=1, client/local_layout.py),
+"""`get_dispatch_layout` on the caller's own stream (the default, client/local_layout.py),
 through a CUDA daemon, the way callers use it: one group, many shapes, fresh random routing per
 call, the caching allocator's blocks poisoned before each call (the outputs are new tensors
 from it), every output compared exactly with server/reference.py; a dispatch after it stays
@@ -88,7 +88,7 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
 def test_local_layout_through_the_daemon(daemon) -> None:
     results = _spawn_ranks(daemon, _rank, 2)
     for r, res in enumerate(results):
-        assert res["local"], "EPD_LOCAL_LAYOUT=1 did not give the group a local layout"
+        assert res["local"], "the group has no local layout"
         for call, t in enumerate(TOKENS):
             lay = ref.get_dispatch_layout(_ids(r, call, t), EXPERTS, 2)
             got = res["calls"][call]

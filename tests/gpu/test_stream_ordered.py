@@ -29,7 +29,12 @@ def _workload(layer: int) -> Workload:
 
 
 def _rank(rank: int, socket: str, device: int, q) -> None:
+    import os
+
     import torch
+
+    # The daemon's layout path (test_local_layout.py covers the default, the caller's stream).
+    os.environ["EPD_LOCAL_LAYOUT"] = "0"
 
     from epd.client import EpdError, Session
     torch.cuda.set_device(device)
