@@ -9,6 +9,7 @@
 #        opt-in local layout's GPU test and the rows with it (probes_ab2.json: every probe)
 #   bash benchmarks/gpu_s12_run.sh flip  # the local layout as the default: its tests, the facade,
 #        the rows with and without it, the bench at D
+#   bash benchmarks/gpu_s12_run.sh local # the local layout's GPU test alone
 #   bash benchmarks/gpu_s12_run.sh rest  # the daemon's failure cases, the rest of the GPU suite, the cluster daemons
 #        (carry the nvidia-cuda-cccl wheel in .whl: fetch-wheels.sh nvidia-cuda-cccl==13.3.5.0.6)
 set -u
@@ -86,5 +87,8 @@ json.dump(out, open('$OUT/probes_flip.json', 'w'), indent=1)"
         --json "$OUT/bench_flip.json" 2>&1 | clean | tail -30 > "$OUT/bench_flip.txt"
     head -12 "$OUT/bench_flip.txt"; grep -a "PASS\|FAIL" "$OUT/bench_flip.txt"
     ;;
-  *) echo "usage: $0 ab|ab2|rest|flip" >&2; exit 2 ;;
+  local)  # the local layout's GPU test alone (its error words from never-reused pinned pages)
+    step local 120 "tests/gpu/test_local_layout.py"
+    ;;
+  *) echo "usage: $0 ab|ab2|rest|flip|local" >&2; exit 2 ;;
 esac

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,31 @@ def enabled() -> bool:
                           f"0 (through the daemon)")
 
 
+_PAGE_BYTES = 4096
+_pages: list[Any] = []  # pinned host pages holding every group's error words, never freed
+_free: list[tuple[np.ndarray, int]] = []  # words not handed out yet
+_lock = threading.Lock()
+
+
+def _error_words() -> tuple[np.ndarray, int]:
+    """Zeroed int64 words [_ERR_WORDS] of pinned host memory, and the address the kernel
+    writes them at (the same under unified addressing). Never reused: a layout still in flight
+    when its group goes may write them late (a bad id), which must not land in memory another
+    use holds; 64 bytes per group for the process's life."""
+    import cupy
+
+    with _lock:
+        if not _free:
+            mem = cupy.cuda.alloc_pinned_memory(_PAGE_BYTES)
+            _pages.append(mem)
+            page = np.frombuffer(mem, np.int64, _PAGE_BYTES // 8)
+            page[:] = 0
+            step = 8 * _ERR_WORDS
+            _free.extend((page[i // 8:i // 8 + _ERR_WORDS], mem.ptr + i)
+                         for i in range(_PAGE_BYTES - step, -1, -step))
+        return _free.pop()
+
+
 def source() -> str:
     """The layout kernel with its header inlined, as the engine compiles it (a file apart from
     the other kernels so that a client compiles only this)."""
@@ -67,17 +93,11 @@ class LocalLayout:
     """One group's layout on its caller's stream (see the module docstring)."""
 
     def __init__(self, group: Group) -> None:
-        import cupy
-
         self.group = group
         self.device = group._session.device_ordinal
         self._fn = cuda_ipc.compiled_kernel(source(), "epd_layout", self.device)
-        with cupy.cuda.Device(self.device):
-            self._mem = cupy.cuda.alloc_pinned_memory(8 * _ERR_WORDS)
-        # (pinned memory: the kernel writes it through the same address under unified addressing)
-        self.words = np.frombuffer(self._mem, np.int64, _ERR_WORDS)
-        self.words[:] = 0
-        self._err_ptr = ctypes.c_uint64(self._mem.ptr)
+        self.words, ptr = _error_words()
+        self._err_ptr = ctypes.c_uint64(ptr)
 
     def check(self) -> None:
         """Raise (once) a bad expert id an earlier layout of this rank skipped."""

@@ -172,3 +172,37 @@ def test_local_layout_compiles_the_engines_kernel_from_its_own_file() -> None:
     assert "epd_notify" not in src  # only the layout: a client compiles little
     kernel = (local_layout.CUDA_DIR / "epd_layout.cu").read_text().split("#include")[1]
     assert kernel.split("\n", 1)[1] in cuda_kernels._source()
+
+
+def test_local_layout_error_words_are_zeroed_distinct_and_never_reused(monkeypatch) -> None:
+    """Each group gets its own zeroed words in pinned host memory, at the address the kernel
+    writes (a late write of a dropped group's layout must not land in another's words)."""
+    import sys
+    from types import SimpleNamespace
+
+    from epd.client import local_layout
+
+    pages: list[bytearray] = []
+
+    class Pinned(bytearray):
+        @property
+        def ptr(self) -> int:
+            return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+    def alloc(n: int) -> Pinned:
+        pages.append(Pinned(b"\x07" * n))  # (not zeroed by the allocator)
+        return pages[-1]
+
+    fake = SimpleNamespace(cuda=SimpleNamespace(alloc_pinned_memory=alloc))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(local_layout, "_free", [])
+    monkeypatch.setattr(local_layout, "_pages", [])
+    got = [local_layout._error_words() for _ in range(70)]  # more than one page holds
+    assert len(pages) == 2
+    ptrs = [p for _, p in got]
+    assert len(set(ptrs)) == 70
+    for words, ptr in got:
+        assert words.shape == (local_layout._ERR_WORDS,) and not words.any()
+        assert words.ctypes.data == ptr  # the kernel's address is the host view's
+    got[0][0][3] = 5
+    assert not any(w.any() for w, _ in got[1:])  # disjoint
