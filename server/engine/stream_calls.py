@@ -11,6 +11,11 @@ the rank that passed it). The one host wait is the one DeepEP has: a dispatch's 
 which the notify kernel writes into the client's counter page; the engine learns it from the
 same page when it needs it (combine's shape check, the next dispatch).
 
+The answer goes out before the kernels are enqueued (`_launch_after_answer`, run by the session's
+executor under its operation lock once the transport has answered): the client's stream
+operations overlap the engine's launches. A launch that fails after the answer aborts the group
+and fails the call through the counter slot (`_launch_failed`).
+
 Outputs: layout and combine write the caller's own tensors (named in the request), so they live
 as long as the caller holds them; dispatch answers the receive buffers at their largest shape,
 which the client copies out on its stream (or views, with copy=False, until its next dispatch).
@@ -95,7 +100,7 @@ class StreamCalls:
             raise FailedPrecondition(f"stream-ordered calls need the cuda backend; this engine "
                                      f"runs {self.backend.name}")
 
-    # -- launching after the answer (layout, combine) ----------------------------------------
+    # -- launching after the answer ----------------------------------------------------------
     def _launch_after_answer(self, session: Session, member: GroupMember, slot, seq: int,
                              what: str, metric, path: str, launch: Callable[[], None],
                              dispatch_sequence: int = 0) -> None:
