@@ -364,9 +364,15 @@ class Buffer(LowLatencyMixin):
                 key=lambda g: g.spec.max_tokens_per_rank, default=None)
         if g is None:
             g = self._group(LAYOUT_GROUP_HIDDEN, idx_shape[1], dtypes.BFLOAT16, num_experts)
-        if idx_shape[0] > g.spec.max_tokens_per_rank:
-            # More tokens than the group holds (its dispatch grows it): the layout, which is
-            # not a collective, is computed here, exactly as the engine would.
+        local = g._local_layout
+        if idx_shape[0] > g.spec.max_tokens_per_rank and local is not None:
+            # More tokens than the group holds (its dispatch grows it): the layout kernel runs
+            # on the caller's stream as for any layout (it has no capacity), reading nothing
+            # back to the host.
+            call = lambda: local(topk_idx, beyond_capacity=True)  # noqa: E731
+        elif idx_shape[0] > g.spec.max_tokens_per_rank:
+            # The same without the kernel (the cpu backend, EPD_LOCAL_LAYOUT=0): computed here,
+            # exactly as the engine would (a bad id is found by reading the ids back).
             call = lambda: C.layout_of(topk_idx, num_experts, self.group_size)  # noqa: E731
         else:
             call = lambda: g.get_dispatch_layout(topk_idx)  # noqa: E731

@@ -112,9 +112,13 @@ class LocalLayout:
             f"topk_idx of an earlier get_dispatch_layout; valid ids are -1 (none) and "
             f"[0, {spec.num_experts}); the entry was skipped")
 
-    def __call__(self, topk_idx: Array) -> tuple[Array, Array, Array]:
+    def __call__(self, topk_idx: Array, *,
+                 beyond_capacity: bool = False) -> tuple[Array, Array, Array]:
+        """`beyond_capacity`: more tokens than the group's max_tokens_per_rank are fine (the
+        DeepEP facade's layout before the dispatch that grows the group; the kernel has no
+        capacity)."""
         spec = self.group.spec
-        t, k = self._check_input(topk_idx)
+        t, k = self._check_input(topk_idx, beyond_capacity)
         r, e = spec.num_ranks, spec.num_experts
         parts = (((r,), _I32), ((e,), _I32), ((t, r), _BOOL))
         torch = call_outputs.uses_torch(topk_idx)
@@ -134,7 +138,7 @@ class LocalLayout:
                                    stream, args, self.device, shared=4 * e)
         return outs
 
-    def _check_input(self, topk_idx: Any) -> tuple[int, int]:
+    def _check_input(self, topk_idx: Any, beyond_capacity: bool) -> tuple[int, int]:
         """What the engine checks of topk_idx for a layout: a contiguous int64 [T, K] CUDA
         tensor on this session's GPU, K the group's top-k, T within its capacity."""
         spec = self.group.spec
@@ -151,7 +155,7 @@ class LocalLayout:
         if k != spec.num_topk:
             raise InvalidArgument(f"topk_idx has shape {list(v.shape)}, expected "
                                   f"[{t}, {spec.num_topk}]")
-        if t > spec.max_tokens_per_rank:
+        if t > spec.max_tokens_per_rank and not beyond_capacity:
             raise InvalidArgument(f"{t} tokens exceed the group's "
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
         if t and (v.strides != (k, 1) if k > 1 else v.strides[0] != 1):
