@@ -4,7 +4,9 @@ Node 0's supervisor serves the Cluster service on TCP at --cluster-address (`Clu
 other node's supervisor (`ClusterMember`) holds a lease there (a stream: heartbeats up, the
 cluster view down) and forwards its engines' rendezvous and releases, so that node 0's
 coordinator forms every group over all nodes' engines (a member is (node, engine, session)).
-Every call carries the cluster's shared secret, compared in constant time.
+Every call carries the cluster's shared secret, compared in constant time; with
+--cluster-tls-cert/-key/-ca the port speaks mutual TLS as well (`ClusterTls`: encrypted, and
+each side's certificate must chain to the cluster's CA).
 
 Where a group's memory lives is the backend's business (`GroupPlanner.adopt_plan`): on the CPU
 backend, logical nodes on one host share node 0's memfd, which each node's supervisor holds
@@ -30,7 +32,7 @@ import grpc
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from .cluster_world import NodeState, WorldKeeper
-from .config import CLUSTER_TOKEN_METADATA
+from .config import CLUSTER_TOKEN_METADATA, Config, read_pem
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
@@ -43,6 +45,35 @@ RELEASE_TIMEOUT_SECONDS = 5.0
 
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((CLUSTER_TOKEN_METADATA, token),)
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """Mutual TLS on the Cluster port: this node's certificate chain and key, and the CA
+    certificates a peer's must chain to (PEM bytes, read once at start)."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes
+
+    @classmethod
+    def of(cls, cfg: Config) -> ClusterTls | None:
+        """The configured files (None without them); ValueError naming a bad one."""
+        if not cfg.cluster_tls_cert:
+            return None
+        return cls(read_pem("cluster_tls_cert", cfg.cluster_tls_cert),
+                   read_pem("cluster_tls_key", cfg.cluster_tls_key),
+                   read_pem("cluster_tls_ca", cfg.cluster_tls_ca))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Node 0: present our certificate, require one from every client node."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Other nodes: verify node 0's certificate, present ours."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
 
 
 def engine_infos(sup: Supervisor) -> list[epd_pb2.EngineInfo]:
@@ -279,7 +310,10 @@ class ClusterMember:
 
     async def run(self) -> None:
         """Hold the lease; after it ends, register again (every period) until stopped."""
-        self._channel = grpc.aio.insecure_channel(self.cfg.cluster_address)
+        tls = self.sup.cluster_tls
+        self._channel = (grpc.aio.secure_channel(self.cfg.cluster_address,
+                                                 tls.channel_credentials()) if tls is not None
+                         else grpc.aio.insecure_channel(self.cfg.cluster_address))
         self._stub = epd_pb2_grpc.ClusterStub(self._channel)
         try:
             while True:

@@ -178,6 +178,16 @@ class Config:
     cluster_token_file: str = field(default="", metadata={
         "help": "cluster mode: file holding the cluster's shared secret (required when "
                 "num_nodes > 1; the same on every node)"})
+    cluster_tls_cert: str = field(default="", metadata={
+        "help": "cluster mode, optional mutual TLS on the Cluster port (with cluster_tls_key "
+                "and cluster_tls_ca; all three or none): this node's certificate chain, PEM; "
+                "node 0's must name the host of cluster_address"})
+    cluster_tls_key: str = field(default="", metadata={
+        "help": "cluster mode, mutual TLS: this node's private key, PEM"})
+    cluster_tls_ca: str = field(default="", metadata={
+        "help": "cluster mode, mutual TLS: the CA certificates (PEM) a peer's certificate must "
+                "chain to (node 0 refuses a node without one, a node refuses a node 0 without "
+                "one)"})
     cluster_heartbeat_seconds: float = field(default=1.0, metadata={
         "help": "cluster mode: heartbeat period of a node's lease; node 0 ends a lease after "
                 "3 missed heartbeats (a broken stream ends it at once)"})
@@ -331,6 +341,17 @@ def check_cluster(cfg: Config) -> None:
                          f"{cfg.num_nodes} (0..{cfg.num_nodes - 1})")
     if cfg.cluster_heartbeat_seconds <= 0:
         raise ValueError("cluster_heartbeat_seconds must be positive")
+    tls = {"cluster_tls_cert": cfg.cluster_tls_cert, "cluster_tls_key": cfg.cluster_tls_key,
+           "cluster_tls_ca": cfg.cluster_tls_ca}
+    if any(tls.values()):
+        missing = [k for k, v in tls.items() if not v]
+        if missing:
+            raise ValueError(f"mutual TLS on the Cluster port needs cluster_tls_cert, "
+                             f"cluster_tls_key and cluster_tls_ca together; missing "
+                             f"{', '.join(missing)}")
+        if not cfg.cluster_mode:
+            raise ValueError("cluster_tls_cert, cluster_tls_key and cluster_tls_ca are for "
+                             "cluster mode (num_nodes > 1)")
     if not cfg.cluster_mode:
         return
     if not cfg.cluster_token_file:
@@ -340,6 +361,18 @@ def check_cluster(cfg: Config) -> None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"num_nodes {cfg.num_nodes} needs cluster_address host:port of node "
                          f"0's Cluster service, got {cfg.cluster_address!r}")
+
+
+def read_pem(setting: str, path: str) -> bytes:
+    """The PEM file of a TLS setting; ValueError naming the setting when it is missing,
+    unreadable or holds no PEM block."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{setting} {path}: cannot read it ({e.strerror or e})") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{setting} {path}: no PEM block in it (expected -----BEGIN ...)")
+    return data
 
 
 def read_cluster_token(path: str) -> str:

@@ -32,7 +32,7 @@ from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
-from .cluster import ClusterHub, ClusterMember, new_incarnation
+from .cluster import ClusterHub, ClusterMember, ClusterTls, new_incarnation
 from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config, read_cluster_token
 from .mps import Mps, MpsError
 from .service_classes import LATENCY, THROUGHPUT
@@ -162,6 +162,7 @@ class Supervisor:
         self.cluster_hub: ClusterHub | None = None
         self.cluster_member: ClusterMember | None = None
         self.cluster_token = ""
+        self.cluster_tls: ClusterTls | None = None  # mutual TLS on the Cluster port, if set
         # A world over all nodes (cluster_world.py): the generation the engines run in (0: none;
         # in that mode they start only in a world).
         self.world_generation = 0
@@ -186,9 +187,10 @@ class Supervisor:
                                f"--cuda-cluster (docs/DESIGN_NOTES.md); use --num-nodes 1")
         try:
             self.cluster_token = read_cluster_token(cfg.cluster_token_file)
+            self.cluster_tls = ClusterTls.of(cfg)
         except ValueError as e:
-            raise StartupError(f"--{e}".replace("cluster_token_file", "cluster-token-file",
-                                                1)) from None
+            setting, _, rest = str(e).partition(" ")
+            raise StartupError(f"--{setting.replace('_', '-')} {rest}") from None
 
     def ready(self) -> tuple[bool, str]:
         not_ready = [e.index for e in self.engines if not e.ready]
@@ -472,8 +474,10 @@ class Supervisor:
         self.cluster_hub = ClusterHub(self, self.cluster_token)
         server = grpc.aio.server()
         epd_pb2_grpc.add_ClusterServicer_to_server(self.cluster_hub, server)
+        tls = self.cluster_tls
         try:
-            port = server.add_insecure_port(cfg.cluster_address)
+            port = (server.add_secure_port(cfg.cluster_address, tls.server_credentials())
+                    if tls is not None else server.add_insecure_port(cfg.cluster_address))
         except RuntimeError:
             port = 0
         if not port:
@@ -481,8 +485,8 @@ class Supervisor:
                                f"(in use, or not an address of this host); fix it on every "
                                f"node")
         await server.start()
-        log.info("cluster: node 0 of %d, Cluster service on %s", cfg.num_nodes,
-                 cfg.cluster_address)
+        log.info("cluster: node 0 of %d, Cluster service on %s (%s)", cfg.num_nodes,
+                 cfg.cluster_address, "mutual TLS" if tls is not None else "token only")
         return server, None
 
     def stop_leftover_engines(self) -> None:
