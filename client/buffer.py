@@ -354,10 +354,11 @@ class Buffer(LowLatencyMixin):
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(idx_shape) != 2:
             raise InvalidArgument(f"topk_idx must be 2-D, got shape {list(idx_shape)}")
-        # Layout needs a group only for the engine round trip; any hidden size will do, so use
-        # the normal-mode group with this routing shape that holds the most tokens, or a small
-        # layout group. Every rank makes the same calls, so every rank picks the same group
-        # (never by the token count, which differs across ranks: forming a group is collective).
+        # Layout needs a group only for its engine (the round trip, or on the cuda backend the
+        # group's local layout kernel); any hidden size will do, so use the normal-mode group
+        # with this routing shape that holds the most tokens, or a small layout group. Every
+        # rank makes the same calls, so every rank picks the same group (never by the token
+        # count, which differs across ranks: forming a group is collective).
         g = max((g for key, g in self._groups.items()
                  if key.num_topk == idx_shape[1] and key.num_experts == num_experts
                  and not key.low_latency_tokens),
