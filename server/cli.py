@@ -90,8 +90,9 @@ def _topology(ns: argparse.Namespace) -> int:
 
 def _print_cluster(c) -> None:
     reach = "reachable" if c.coordinator_reachable else "UNREACHABLE"
+    port = "mutual TLS" if c.tls else "token only"
     print(f"  cluster: node {c.node_rank} of {c.num_nodes}; node 0's Cluster service at "
-          f"{c.cluster_address} ({reach})")
+          f"{c.cluster_address} ({reach}, {port})")
     if c.world_generation:
         print(f"  world {c.world_generation}: one NVSHMEM world of {c.world_num_pes} PEs over "
               f"every node's engines")

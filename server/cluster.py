@@ -140,7 +140,8 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                                  incarnation=n.incarnation))
         return epd_pb2.ClusterInfo(node_rank=0, num_nodes=cfg.num_nodes,
                                    cluster_address=cfg.cluster_address, nodes=nodes,
-                                   coordinator_reachable=True, **world_fields(self.sup))
+                                   coordinator_reachable=True, **world_fields(self.sup),
+                                   tls=self.sup.cluster_tls is not None)
 
     def _event(self) -> epd_pb2.ClusterLeaseEvent:
         ev = epd_pb2.ClusterLeaseEvent(heartbeat_seconds=self.heartbeat, cluster=self.info())
@@ -306,7 +307,8 @@ class ClusterMember:
         return epd_pb2.ClusterInfo(node_rank=cfg.node_rank, num_nodes=cfg.num_nodes,
                                    cluster_address=cfg.cluster_address, nodes=nodes,
                                    coordinator_reachable=self.connected,
-                                   **world_fields(self.sup))
+                                   **world_fields(self.sup),
+                                   tls=self.sup.cluster_tls is not None)
 
     async def run(self) -> None:
         """Hold the lease; after it ends, register again (every period) until stopped."""

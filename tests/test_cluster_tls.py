@@ -9,6 +9,8 @@ import datetime
 import ipaddress
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from ranklib import wait_until
@@ -94,6 +96,11 @@ def test_nodes_with_the_clusters_ca_form_it_and_a_spanning_group_is_exact(ranks)
         assert "mutual TLS" in c.nodes[0].log()
         run(ranks, case(2, nodes=2), [c.ep(0), c.ep(1)])  # placed node-major: hierarchical
         assert topology(c.nodes[1]).cluster.coordinator_reachable
+        assert topology(c.nodes[0]).cluster.tls and topology(c.nodes[1]).cluster.tls
+        shown = subprocess.run([sys.executable, "-m", "epd.server.cli", "topology",
+                                "--socket-dir", c.nodes[1].socket_dir], capture_output=True,
+                               text=True, timeout=30).stdout
+        assert "(reachable, mutual TLS)" in shown, shown
     finally:
         c.close()
 

@@ -829,7 +829,7 @@ class ClusterNodeInfo(_message.Message):
     def __init__(self, node_rank: _Optional[int] = ..., node_name: _Optional[str] = ..., healthy: _Optional[bool] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., last_seen_seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("node_rank", "num_nodes", "cluster_address", "nodes", "coordinator_reachable", "world_generation", "world_num_pes")
+    __slots__ = ("node_rank", "num_nodes", "cluster_address", "nodes", "coordinator_reachable", "world_generation", "world_num_pes", "tls")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_NODES_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -837,6 +837,7 @@ class ClusterInfo(_message.Message):
     COORDINATOR_REACHABLE_FIELD_NUMBER: _ClassVar[int]
     WORLD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     WORLD_NUM_PES_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     num_nodes: int
     cluster_address: str
@@ -844,7 +845,8 @@ class ClusterInfo(_message.Message):
     coordinator_reachable: bool
     world_generation: int
     world_num_pes: int
-    def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ..., world_generation: _Optional[int] = ..., world_num_pes: _Optional[int] = ...) -> None: ...
+    tls: bool
+    def __init__(self, node_rank: _Optional[int] = ..., num_nodes: _Optional[int] = ..., cluster_address: _Optional[str] = ..., nodes: _Optional[_Iterable[_Union[ClusterNodeInfo, _Mapping]]] = ..., coordinator_reachable: _Optional[bool] = ..., world_generation: _Optional[int] = ..., world_num_pes: _Optional[int] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class ClusterLeaseEvent(_message.Message):
     __slots__ = ("heartbeat_seconds", "cluster", "world")
