@@ -83,6 +83,7 @@ class _Sup:
                                         restarts=0) for i in range(engines)]
         self.incarnation, self.world_generation, self.world_left = f"inc{node_rank}", 0, 0
         self.world_mode, self.stopping, self.log = True, False, []
+        self.cluster_tls = None  # (plaintext Cluster port)
 
     def enter_world(self, world) -> None:
         if self.world_generation:
