@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,18 @@ def _error_words() -> tuple[np.ndarray, int]:
             _free.extend((page[i // 8:i // 8 + _ERR_WORDS], mem.ptr + i)
                          for i in range(_PAGE_BYTES - step, -1, -step))
         return _free.pop()
+
+
+def build(group: Group) -> LocalLayout | None:
+    """The group's local layout, or None (with a warning: its layouts then go through the
+    daemon, as with EPD_LOCAL_LAYOUT=0) where the kernel cannot be built in this process."""
+    try:
+        return LocalLayout(group)
+    except Exception as e:  # (NVRTC or the driver refused it: the daemon's path still works)
+        warnings.warn(f"EPD: the layout kernel could not be built in this process ({e}); "
+                      f"group {group.name!r} sends its layouts through the daemon",
+                      RuntimeWarning, stacklevel=3)
+        return None
 
 
 def source() -> str:

@@ -464,7 +464,7 @@ class Group:
             from . import call_outputs, local_layout
             call_outputs.load(session.device_ordinal)
             if local_layout.enabled() and spec.num_ranks <= abi.MAX_RANKS:
-                self._local_layout = local_layout.LocalLayout(self)
+                self._local_layout = local_layout.build(self)
         # Ids of handles whose objects were collected (weakref.finalize appends, on any
         # thread): the next dispatch of this group carries them (release_handles), or
         # release_handles() sends them now. The engine keeps a handle until then.

@@ -206,3 +206,18 @@ def test_local_layout_error_words_are_zeroed_distinct_and_never_reused(monkeypat
         assert words.ctypes.data == ptr  # the kernel's address is the host view's
     got[0][0][3] = 5
     assert not any(w.any() for w, _ in got[1:])  # disjoint
+
+
+def test_a_local_layout_that_cannot_be_built_falls_back_to_the_daemon(monkeypatch) -> None:
+    """Where the kernel cannot be compiled or loaded here, the group warns and sends its
+    layouts through the daemon instead of failing to join."""
+    from types import SimpleNamespace
+
+    from epd.client import local_layout
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("NVRTC_ERROR_COMPILATION")
+    monkeypatch.setattr(local_layout.cuda_ipc, "compiled_kernel", refuse)
+    group = SimpleNamespace(name="g", _session=SimpleNamespace(device_ordinal=0))
+    with pytest.warns(RuntimeWarning, match="through the daemon"):
+        assert local_layout.build(group) is None
