@@ -25,12 +25,11 @@ import ctypes
 import os
 import threading
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..proto import abi
+from ..proto import abi, kernel_sources
 from ..proto.errors import InvalidArgument
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
@@ -40,7 +39,6 @@ if TYPE_CHECKING:
     from .tensors import Array
 
 ENV = "EPD_LOCAL_LAYOUT"
-CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 THREADS = 256  # the kernel's __launch_bounds__
 _I32, _BOOL = np.dtype(np.int32), np.dtype(np.bool_)
 _ERR_WORDS = abi.CTRL_CALL_ERR_VALUE + 1  # the kernel writes words CTRL_CALL_ERR and _VALUE
@@ -97,9 +95,7 @@ def build(group: Group) -> LocalLayout | None:
 def source() -> str:
     """The layout kernel with its header inlined, as the engine compiles it (a file apart from
     the other kernels so that a client compiles only this)."""
-    header = (CUDA_DIR / "epd_common.cuh").read_text().replace("#pragma once", "")
-    body = (CUDA_DIR / "epd_layout.cu").read_text().replace('#include "epd_common.cuh"', "")
-    return header + body
+    return kernel_sources.source(("epd_layout.cu",))
 
 
 class LocalLayout:
@@ -139,13 +135,12 @@ class LocalLayout:
         stream = cuda_ipc.stream_handle(None, topk_idx, self.device)
         # The two counts are accumulated atomically: zero them (one memset over both parts,
         # which are adjacent in the call's allocation) on the stream the kernel runs on.
-        offsets, _ = call_outputs.placement([call_outputs.nbytes(*p) for p in parts])
-        counts = cuda_ipc.data_ptr(outs[0])
-        cuda_ipc.memset_async(counts, offsets[1] + 4 * e, stream, self.device)
+        counts, per_expert = cuda_ipc.data_ptr(outs[0]), cuda_ipc.data_ptr(outs[1])
+        cuda_ipc.memset_async(counts, per_expert - counts + 4 * e, stream, self.device)
         if t:
             args = (ctypes.c_uint64(cuda_ipc.data_ptr(topk_idx)), ctypes.c_int32(t),
                     ctypes.c_int32(k), ctypes.c_int32(e), ctypes.c_int32(r),
-                    ctypes.c_uint64(counts), ctypes.c_uint64(cuda_ipc.data_ptr(outs[1])),
+                    ctypes.c_uint64(counts), ctypes.c_uint64(per_expert),
                     ctypes.c_uint64(cuda_ipc.data_ptr(outs[2])), self._err_ptr)
             cuda_ipc.launch_kernel(self._fn, ((t + THREADS - 1) // THREADS, 1), THREADS,
                                    stream, args, self.device, shared=4 * e)

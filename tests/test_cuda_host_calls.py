@@ -165,12 +165,13 @@ def test_local_layout_compiles_the_engines_kernel_from_its_own_file() -> None:
     """The client compiles the very kernel the engine runs for a layout (one source file, with
     the common header inlined), not a copy of it."""
     from epd.client import local_layout
+    from epd.proto import kernel_sources
     from epd.server.backends import cuda_kernels
 
     src = local_layout.source()
     assert "epd_layout(" in src and "#include" not in src
     assert "epd_notify" not in src  # only the layout: a client compiles little
-    kernel = (local_layout.CUDA_DIR / "epd_layout.cu").read_text().split("#include")[1]
+    kernel = (kernel_sources.CUDA_DIR / "epd_layout.cu").read_text().split("#include")[1]
     assert kernel.split("\n", 1)[1] in cuda_kernels._source()
 
 

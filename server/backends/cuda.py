@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import abi, counter_page, cuda_driver, dtypes
+from ...proto import abi, counter_page, cuda_driver, dtypes, spin
 from ...proto import fd_channel as fdc
 from ...proto.errors import (
     Aborted,
@@ -788,22 +788,11 @@ class CudaRankComm(RankComm):
 
     def drain_stream(self, timeout: float) -> bool:
         try:
-            with cp.cuda.Device(self.backend.device):
-                done = cp.cuda.Event(disable_timing=True)
-                done.record(self.runner.stream)
+            return spin.wait_until(lambda: self.runner.stream.done, timeout)
         except Exception as e:  # (a broken context: nothing more will run on it)
             log.error("group %r: rank %d's stream cannot be asked: %s", self.spec.name,
                       self.rank, e)
             return False
-        deadline = time.monotonic() + timeout
-        try:
-            while not done.done:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.001)
-        except Exception:  # (the stream failed meanwhile)
-            return False
-        return True
 
     def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
                       stream_seq: int) -> Callable[[], None]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ...proto import kernel_sources
 from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for the ABI)
     ALIGN,
     CTRL_ABORT,
@@ -63,9 +64,6 @@ try:  # CuPy is optional: the CPU-only install imports this module for the layou
     import cupy as cp
 except ImportError:  # pragma: no cover - exercised on machines without CuPy
     cp = None
-
-# Repository checkout (<root>/cuda) and installed package (epd/cuda) alike: next to server/.
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 
 
 def _align(n: int, a: int = ALIGN) -> int:
@@ -261,11 +259,8 @@ KERNEL_FILES = ("epd_layout.cu", "epd_intranode.cu", "epd_low_latency.cu")
 
 
 def _source(files: tuple[str, ...] = KERNEL_FILES) -> str:
-    """The kernel sources with their header inlined once, so CuPy's cache key covers all."""
-    header = (CUDA_DIR / "epd_common.cuh").read_text().replace("#pragma once", "")
-    bodies = [(CUDA_DIR / f).read_text().replace('#include "epd_common.cuh"', "")
-              for f in files]
-    return header + "\n".join(bodies)
+    """The kernel sources with their header inlined once (proto/kernel_sources.py)."""
+    return kernel_sources.source(files)
 
 
 def _stream_ptr(stream: Any) -> Any:

@@ -170,7 +170,6 @@ class SessionExecutor:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
             if self.slow is not None:
                 self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
-            self._after.clear()
             try:
                 result = fn(*args)
                 after, self._after = self._after, []

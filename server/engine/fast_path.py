@@ -172,7 +172,11 @@ class FastPathServer:
         entry = self._ops.get(ring_id)
         method = entry[0].name if entry is not None else "?"
         code = grpc.StatusCode.OK
-        answered: list[None] = []
+        answered: list[bool] = []  # (set once the client has the response)
+
+        def reply(resp) -> None:
+            answer(0, resp.SerializeToString())
+            answered.append(True)
         try:
             if entry is None:
                 raise EpdError(grpc.StatusCode.UNIMPLEMENTED,
@@ -190,9 +194,7 @@ class FastPathServer:
                 sid = getattr(req, "session_id", None)
                 if sid is not None and self.engine.session(sid) is not self.session:
                     raise PermissionDenied(f"session {sid!r} does not own this ring")
-                self.session.executor.call(fn, self.session, req, "fastpath",
-                                           answer=lambda r: answered.append(
-                                               answer(0, r.SerializeToString())))
+                self.session.executor.call(fn, self.session, req, "fastpath", answer=reply)
             finally:
                 state.leave()
             return None
