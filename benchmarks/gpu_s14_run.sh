@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Thirteenth session (2026-12-02, one H200). carry [".whl"] (fetch-wheels.sh
+# nvidia-cuda-cccl==13.3.5.0.6; for `ab`, .whl/old: `git archive REV server proto client cuda`).
+#   bash benchmarks/gpu_s14_run.sh first  # what the twelfth session built after its device time
+#        (gpu_s13_run.sh verify), then issue 14's two pools on one GPU, classes on and off
+#   bash benchmarks/gpu_s14_run.sh ab     # this session's host-path change: its GPU tests, then
+#        the one-rank rows alternately on .whl/old and this tree, then `epd bench` at D
+set -u
+source benchmarks/gpu_env.sh  # (pt, step)
+clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
+rows="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
+probe() {  # probe LABEL PKG: the normal-mode rows at D, one rank, MPS on, the package in PKG
+  local label=$1 pkg=$2
+  PYTHONPATH=$pkg:/tmp/site timeout 90 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 200 --mps on --ranks 1 --rows "$rows" --json "$OUT/probe_$label.json" 2>&1 \
+      | clean | tail -7 > "$OUT/probe_$label.txt"
+}
+merge() {  # merge NAME: every probe's text and JSON into probes_NAME.{txt,json}
+  for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_$1.txt"
+  python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/probe_*.json'))}
+json.dump(out, open('$OUT/probes_$1.json', 'w'), indent=1)"
+  rm -f "$OUT"/probe_*.txt "$OUT"/probe_*.json; cat "$OUT/probes_$1.txt"
+}
+case "${1:-}" in
+  first)
+    step verify 230 "tests/gpu/test_deep_ep_facade.py tests/gpu/test_local_layout.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_daemon.py -k 'not low_latency'"
+    for classes in "" "--no-classes"; do
+      timeout 140 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
+          --prefill-iters 120 $classes --json "$OUT/two_pools${classes:+_noclasses}.json" 2>&1 \
+          | clean | tail -8
+    done
+    ;;
+  ab)
+    step changed 200 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_daemon.py tests/gpu/test_local_layout.py tests/gpu/test_call_outputs.py"
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in 1 2 3; do
+      probe "old_$round" /tmp/pkg_old
+      probe "new_$round" /tmp/pkg
+    done
+    merge ab
+    timeout 130 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
+        --json "$OUT/bench_ab.json" 2>&1 | clean | tail -30 > "$OUT/bench_ab.txt"
+    head -12 "$OUT/bench_ab.txt"; grep -a "PASS\|FAIL" "$OUT/bench_ab.txt"
+    ;;
+  *) echo "usage: $0 first|ab" >&2; exit 2 ;;
+esac
