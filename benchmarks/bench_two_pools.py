@@ -157,6 +157,9 @@ def main() -> int:
                     help="the daemon's --mps (cuda): its engines and the pools on MPS or not")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="a flag for the daemon, e.g. --serve-arg=--throughput-pause-us=0")
+    ap.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="an environment variable of the daemon (and its private MPS server) "
+                         "only, not of the pools' ranks (repeatable)")
     ap.add_argument("--json")
     ns = ap.parse_args()
 
@@ -171,7 +174,17 @@ def main() -> int:
     if cuda:
         import cupy
         engines = cupy.cuda.runtime.getDeviceCount()
-    d = Daemon(backend=ns.backend, engines=engines, timeout_seconds=30, extra=extra)
+    saved = dict(os.environ)
+    for item in ns.daemon_env:
+        name, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--daemon-env {item!r}: expected NAME=VALUE")
+        os.environ[name] = value
+    try:
+        d = Daemon(backend=ns.backend, engines=engines, timeout_seconds=30, extra=extra)
+    finally:  # (the daemon took its copy; the ranks start from the environment as it was)
+        os.environ.clear()
+        os.environ.update(saved)
     procs = []
     try:
         d.wait_ready(180)

@@ -5,6 +5,8 @@
 #        (gpu_s13_run.sh verify), then issue 14's two pools on one GPU, classes on and off
 #   bash benchmarks/gpu_s14_run.sh ab     # this session's host-path change: its GPU tests, then
 #        the one-rank rows alternately on .whl/old and this tree, then `epd bench` at D
+#   bash benchmarks/gpu_s14_run.sh pools2 # issue 14's pools: the GIL switch interval, the GPU
+#        chain; then a cProfile of one rank's normal-mode rows (issue 10)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -47,5 +49,36 @@ case "${1:-}" in
         --json "$OUT/bench_ab.json" 2>&1 | clean | tail -30 > "$OUT/bench_ab.txt"
     head -12 "$OUT/bench_ab.txt"; grep -a "PASS\|FAIL" "$OUT/bench_ab.txt"
     ;;
-  *) echo "usage: $0 first|ab" >&2; exit 2 ;;
+  pools2)  # issue 14 on one GPU, classes on: is the decode's loss under prefill the engine's
+            # interpreter? the GIL switch interval lowered, and the GPU chain (no engine host on
+            # a decode op's path; its stream waits need the MPS server's 32 work queues); the
+            # default twice (the machine's spread). Then one rank's normal-mode rows under
+            # cProfile (engine fast-path thread and client) for issue 10.
+    pools() {  # pools LABEL ARGS...
+      local label=$1; shift
+      echo "== $label"
+      timeout 140 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
+          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -7
+    }
+    pools default_1
+    pools gil50 --serve-arg=--gil-switch-us=50
+    pools gil20 --serve-arg=--gil-switch-us=20
+    pools chain --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+    pools default_2
+    python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
+json.dump(out, open('$OUT/pools2.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    mkdir -p /tmp/prof
+    EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe profiled /tmp/pkg
+    probe plain /tmp/pkg
+    merge profile
+    python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top.txt" 2>&1
+    python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(60)
+" > "$OUT/profile_cum.txt" 2>&1
+    ;;
+  *) echo "usage: $0 first|ab|pools2" >&2; exit 2 ;;
 esac

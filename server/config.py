@@ -87,6 +87,11 @@ class Config:
                 "long instead of sleeping, and on the cuda backend its clients spin as long "
                 "for answers that come that quickly; 0 or <= fast_path_spin_us: a fixed spin "
                 "(proto/spin.py SpinWindow)"})
+    gil_switch_us: int = field(default=200, metadata={
+        "help": "engine: the interpreter's thread switch interval (sys.setswitchinterval): "
+                "how long a thread that wakes for a call (the stream-op poller, a session's "
+                "fast-path thread) may wait for the GIL while another runs Python; lower "
+                "favours latency groups' launches under a throughput group's load"})
     stream_op_spin_us: int = field(default=200, metadata={
         "help": "stream-ordered calls: microseconds the engine polls armed doorbells without "
                 "sleeping after the last trigger (a GPU cannot wake a futex; then it polls "

@@ -29,7 +29,6 @@ from .service import EngineService, add_to_server
 
 log = logging.getLogger("epd.engine")
 SERVICE_NAME = "epd.v1.Engine"
-GIL_SWITCH_SECONDS = 2e-4  # sys.setswitchinterval of an engine (the default is 5 ms)
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0)]
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with_supervisor()
     # Several threads serve calls (one fast-path thread per session, the stream-op poller, the
     # event loop): a thread that wakes for a call must not wait the default 5 ms for the GIL.
-    sys.setswitchinterval(GIL_SWITCH_SECONDS)
+    sys.setswitchinterval(max(cfg.gil_switch_us, 1) * 1e-6)
     try:
         import uvloop  # optional: only its absence falls back, not an ImportError inside
     except ImportError:
