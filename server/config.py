@@ -92,6 +92,10 @@ class Config:
                 "how long a thread that wakes for a call (the stream-op poller, a session's "
                 "fast-path thread) may wait for the GIL while another runs Python; lower "
                 "favours latency groups' launches under a throughput group's load"})
+    gc_freeze: bool = field(default=True, metadata={
+        "help": "engine: once started, take its startup objects out of the garbage "
+                "collector's walks (gc.freeze), which stop every thread serving calls; off: "
+                "the collector as CPython sets it (pauses: epd_engine_gc_pause_seconds)"})
     stream_op_spin_us: int = field(default=200, metadata={
         "help": "stream-ordered calls: microseconds the engine polls armed doorbells without "
                 "sleeping after the last trigger (a GPU cannot wake a futex; then it polls "

@@ -156,6 +156,10 @@ STREAM_OP_DETECT_SECONDS = GroupHistogram(
     "before a rung doorbell and the look that saw it (an upper bound of the detection delay; "
     "long when the poller slept or waited for the interpreter)", ["group", "kind"],
     buckets=LATENCY_BUCKETS)
+ENGINE_GC_PAUSE_SECONDS = Histogram(
+    "epd_engine_gc_pause_seconds", "Engine: pauses of the garbage collector, which stop every "
+    "thread serving calls (server/engine/gc_pauses.py)", ["generation"],
+    buckets=LATENCY_BUCKETS)
 REQUESTS = Counter("epd_requests", "Engine requests by method and status code",
                    ["method", "code"])
 # The engine's own CPU per request (issue 10's "host CPU per call"): thread CPU time of the work

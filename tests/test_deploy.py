@@ -34,6 +34,7 @@ METRICS = {
     "epd_layout_seconds": "histogram",
     "epd_requests_total": "counter",
     "epd_request_cpu_seconds_total": "counter",
+    "epd_engine_gc_pause_seconds": "histogram",
     "epd_paced_seconds_total": "counter",
     "epd_paced_calls_total": "counter",
     "epd_bytes_sent_total": "counter",

@@ -131,3 +131,10 @@ def test_a_batch_holds_updates_until_it_is_flushed():
         metrics.inc(c, ("a",), 1)
     assert get("t_batch_total", g="a") == 18  # flushed when the block ends
     assert get("t_batch_seconds_sum", g="a") == 1.5
+
+
+def test_engine_gc_pauses_are_timed(daemon):
+    # The engine times every collection from its start on, the full one before gc.freeze too.
+    ss = samples(daemon)
+    assert value(ss, "epd_engine_gc_pause_seconds_count", generation="2") >= 1
+    assert 0 < value(ss, "epd_engine_gc_pause_seconds_sum", generation="2") < 5

@@ -23,6 +23,7 @@ from ...proto import fd_channel
 from .. import config as config_mod
 from .. import metrics
 from ..backends import make_backend
+from . import gc_pauses
 from .core import Engine
 from .fd_server import FdServer
 from .service import EngineService, add_to_server
@@ -74,6 +75,7 @@ async def serve(cfg: config_mod.Config, index: int) -> None:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.ENGINE_UP.labels(str(index)).set(1)
+    gc_pauses.install(cfg.gc_freeze)
     info = backend.device_info()
     log.info("engine %d serving on %s (backend %s, device %s, pid %d)", index, path,
              backend.name, info.get("name"), os.getpid())
