@@ -107,6 +107,10 @@ def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool,
 
             for _ in range(ns.warmup):
                 step()
+            if ns.ranks_gc_freeze:  # as serving engines do once set up (vLLM after capture)
+                import gc
+                gc.collect()
+                gc.freeze()
             for name, active in PHASES:  # every rank of both pools passes each barrier
                 barrier.wait(timeout=600)
                 if pool in active:  # a fixed count: a pool's ranks must make the same calls
@@ -157,6 +161,9 @@ def main() -> int:
                     help="the daemon's --mps (cuda): its engines and the pools on MPS or not")
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="a flag for the daemon, e.g. --serve-arg=--throughput-pause-us=0")
+    ap.add_argument("--ranks-gc-freeze", action="store_true",
+                    help="each rank freezes its objects out of the garbage collector after "
+                         "its warm-up calls (gc.freeze, as vLLM does after start-up)")
     ap.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable of the daemon (and its private MPS server) "
                          "only, not of the pools' ranks (repeatable)")
@@ -201,15 +208,23 @@ def main() -> int:
         for p in procs:
             p.start()
         host: dict[str, dict] = {}
+        gc_pauses: dict[str, dict] = {}  # the engines' collector, per phase
+
+        def reading():
+            text = engine_host.read(d.metrics_url + "/metrics")
+            return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text))
+                    if text is not None else (None, None))
         try:
             for i, (name, active) in enumerate(PHASES):
                 barrier.wait(timeout=600)
                 if i == 0:  # (after the warm-up calls)
-                    last = engine_host.scrape(d.metrics_url + "/metrics", "decode-pool")
+                    last = reading()
                 barrier.wait(timeout=600)
-                now = engine_host.scrape(d.metrics_url + "/metrics", "decode-pool")
+                now = reading()
                 if "decode" in active:
-                    host[name] = engine_host.means_us(last, now)
+                    host[name] = engine_host.means_us(last[0], now[0])
+                label = name if name == "loaded" else f"{active[0]}_alone"
+                gc_pauses[label] = engine_host.gc_between(last[1], now[1])
                 last = now
         except threading.BrokenBarrierError:  # a rank failed: its error comes through q
             pass
@@ -248,6 +263,11 @@ def main() -> int:
         print("  decode op, engine host µs (mean): " + " | ".join(
             f"{phase} detect {h['detect_us']:.1f} launch {h['launch_us']:.1f}"
             for phase, h in host.items()))
+    if any(gc_pauses.values()):
+        print("  engine gc: " + " | ".join(
+            f"{phase} " + ", ".join(f"gen{g} {v['collections']:.0f}x {v['pause_ms']:.1f} ms"
+                                    for g, v in by_gen.items())
+            for phase, by_gen in gc_pauses.items()))
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
@@ -257,6 +277,7 @@ def main() -> int:
             json.dump({"args": vars(ns), "decode": {"alone": dec_alone, "loaded": dec_loaded},
                        "prefill": {"alone": pre_alone, "loaded": pre_loaded},
                        "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
+                       "engine_gc": gc_pauses,
                        "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
     return 0
 

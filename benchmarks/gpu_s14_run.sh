@@ -3,8 +3,9 @@
 # nvidia-cuda-cccl==13.3.5.0.6; for `ab`, .whl/old: `git archive REV server proto client cuda`).
 #   bash benchmarks/gpu_s14_run.sh first  # what the twelfth session built after its device time
 #        (gpu_s13_run.sh verify), then issue 14's two pools on one GPU, classes on and off
-#   bash benchmarks/gpu_s14_run.sh ab     # this session's host-path change: its GPU tests, then
-#        the one-rank rows alternately on .whl/old and this tree, then `epd bench` at D
+#   bash benchmarks/gpu_s14_run.sh ab     # this session's host-path cuts and the engine's gc
+#        freeze: their GPU tests, the one-rank rows alternately on .whl/old (6d546c5) and this
+#        tree, then the pools with the collectors frozen or not
 #   bash benchmarks/gpu_s14_run.sh pools2 # issue 14's pools: the GIL switch interval, the GPU
 #        chain; then a cProfile of one rank's normal-mode rows (issue 10)
 set -u
@@ -35,8 +36,10 @@ case "${1:-}" in
           | clean | tail -8
     done
     ;;
-  ab)
-    step changed 200 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
+  ab)  # the session's host-path cuts (issue 10) and the engine's gc freeze (issue 14): their
+        # GPU tests; one rank's rows alternately on .whl/old (6d546c5) and this tree; the pools
+        # with the engine's collector frozen or not, and with the ranks' frozen too
+    step changed 220 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
         tests/gpu/test_daemon.py tests/gpu/test_local_layout.py tests/gpu/test_call_outputs.py"
     mkdir -p /tmp/pkg_old/epd
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
@@ -45,9 +48,20 @@ case "${1:-}" in
       probe "new_$round" /tmp/pkg
     done
     merge ab
-    timeout 130 python3 -P -m epd.server.cli bench --shapes D --iters 40 --low-latency \
-        --json "$OUT/bench_ab.json" 2>&1 | clean | tail -30 > "$OUT/bench_ab.txt"
-    head -12 "$OUT/bench_ab.txt"; grep -a "PASS\|FAIL" "$OUT/bench_ab.txt"
+    pools() {  # pools LABEL ARGS...
+      local label=$1; shift
+      echo "== $label"
+      timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
+          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -8
+    }
+    pools freeze_1
+    pools nofreeze --serve-arg=--no-gc-freeze
+    pools freeze_ranks --ranks-gc-freeze
+    pools freeze_2
+    python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
+json.dump(out, open('$OUT/pools_gc.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
     ;;
   pools2)  # issue 14 on one GPU, classes on: is the decode's loss under prefill the engine's
             # interpreter? the GIL switch interval lowered, and the GPU chain (no engine host on

@@ -14,6 +14,7 @@ by one. The sizes are small next to recv_x, which dominates.
 from __future__ import annotations
 
 import ctypes
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,7 +63,7 @@ def load(device: int) -> None:
 
 
 def nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * cuda_ipc.storage_dtype(dtype).itemsize
+    return math.prod(shape) * cuda_ipc.storage_dtype(dtype).itemsize
 
 
 def placement(sizes: Sequence[int]) -> tuple[list[int], int]:

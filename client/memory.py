@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,11 +26,9 @@ from ..proto import cuda_driver, dtypes
 from ..proto import fd_channel as fdc
 from ..proto.errors import FailedPrecondition, InvalidArgument
 from ..proto.v1 import epd_pb2
+from . import call_outputs, cuda_ipc
 from . import tensors as T
 from .tensors import Array
-
-if TYPE_CHECKING:
-    from . import cuda_ipc
 
 MAX_DEVICE_REGIONS = 1024  # cached CUDA IPC registrations per session (oldest dropped)
 MIN_STAGING_BYTES = 1 << 20  # the staging region starts at this size and doubles as needed
@@ -249,7 +246,6 @@ class HeapOutputs(OutputRegion):
         output (all when None) as new tensors, views of one allocation filled by one copy
         launch on `stream` (after the call's DONE wait there; client/call_outputs.py), or with
         copy=False views of the heap."""
-        from . import call_outputs
 
         shapes = [tuple(d.shape) if n is None else (n, *d.shape[1:]) for d, n in parts]
         if not copy:
@@ -298,7 +294,6 @@ class CudaIpcMemory(Memory):
 
     def _region_of(self, v: cuda_ipc.DeviceView) -> tuple[str, int, int]:
         """(region id, base, size) of the allocation (or engine heap) holding the tensor."""
-        from . import cuda_ipc
 
         for handle, heap in self._heaps.items():  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
@@ -325,7 +320,6 @@ class CudaIpcMemory(Memory):
         return rid, base, size
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
-        from . import cuda_ipc
 
         out: Descs = {}
         template: Array = None
@@ -362,20 +356,16 @@ class CudaIpcMemory(Memory):
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Array = None) -> Array:
         """A device array on the engine's GPU (torch when `like` is torch, else CuPy with
         bfloat16/float8 as their uint16/uint8 bits); registered at its first use."""
-        from . import cuda_ipc
         return cuda_ipc.device_empty(shape, dtype, self.device, torch=T.is_torch(like))
 
     def from_host(self, a: np.ndarray) -> Array:
         """A CuPy copy on the engine's GPU (bfloat16 / float8 as their uint16 / uint8 bits)."""
-        from . import cuda_ipc
         return cuda_ipc.device_copy(a, self.device)
 
     def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
-        from . import cuda_ipc
         return cuda_ipc.host_copy(a, dtype)
 
     def outputs(self, resp: epd_pb2.JoinGroupResponse) -> OutputRegion:
-        from . import cuda_ipc
 
         handle = resp.output_region_ipc
         heap = self._heaps.get(handle)
@@ -386,7 +376,6 @@ class CudaIpcMemory(Memory):
         return HeapOutputs(resp.output_region_id, heap)
 
     def counter_page_device_ptr(self) -> int:
-        from . import cuda_ipc
 
         if self._page is None:
             self._page = cuda_ipc.MappedPage(self._counter_file.base, self._counter_file.size,
@@ -394,7 +383,6 @@ class CudaIpcMemory(Memory):
         return self._page.device_ptr
 
     def is_capturing(self, template: Array) -> bool:
-        from . import cuda_ipc
         return cuda_ipc.is_capturing(template)
 
     def close(self) -> None:

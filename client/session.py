@@ -33,6 +33,7 @@ from ..proto import fd_channel as fdc
 from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable, error
 from ..proto.v1 import epd_pb2
 from . import memory as M
+from . import stream_calls
 from . import tensors as T
 from .tensors import Array
 from .transport import FastPathTransport, GrpcTransport, PendingCall, SessionStream, Transport
@@ -529,7 +530,6 @@ class Group:
         is_token_in_rank [T, R] bool), as the caller's array type. On the cuda backend the call
         is stream-ordered on the caller's current stream and the outputs are new tensors."""
         if self._ordered:
-            from . import stream_calls
             return stream_calls.layout(self, topk_idx)
         d = self._session._descs({"topk_idx": topk_idx})
         resp = cast(epd_pb2.GetDispatchLayoutResponse, self._session._call(
@@ -584,7 +584,6 @@ class Group:
                                                   timeout, is_token_in_rank,
                                                   num_tokens_per_expert, not self._ordered)
         if self._ordered:
-            from . import stream_calls
             resp, n, per_expert, rows, outs = stream_calls.dispatch(self, req, rpc_timeout, x,
                                                                     copy, num_sms)
             h = Handle(self, resp.handle, int(req.x.shape[0]), n, rows)
@@ -651,7 +650,6 @@ class Group:
         if not isinstance(handle, Handle) or handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
         if self._ordered:
-            from . import stream_calls
             t = self._timeout(timeout)
             return stream_calls.combine(self, x, handle, topk_weights, bias_0, bias_1, t,
                                         t + RPC_MARGIN, num_sms)
@@ -848,7 +846,6 @@ class Group:
         (once the stream has passed it: e.g. after synchronising), if any not raised yet. Calls
         check too, so a failure surfaces at the next call at the latest."""
         if self._ordered:
-            from . import stream_calls
             stream_calls._slot(self)
 
     def leave(self) -> None:

@@ -70,7 +70,7 @@ def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[in
     if not spin.wait_until(lambda: int(words[SEQ]) >= sequence, timeout):
         return None
     n = int(words[NUM_EXPERTS])
-    return int(words[NUM_RECV]), [int(v) for v in words[HEADER_WORDS:HEADER_WORDS + n]]
+    return int(words[NUM_RECV]), words[HEADER_WORDS:HEADER_WORDS + n].tolist()
 
 
 # -- stream-ordered normal-mode calls (abi.SLOT32_*) -------------------------------------------

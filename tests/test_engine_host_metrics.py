@@ -87,3 +87,26 @@ def test_client_wait_cpu_is_counted() -> None:
         while time.thread_time() - t < 0.02:  # 20 ms of CPU inside the block
             pass
     assert host_cpu.wait_seconds() - before >= 0.019
+
+
+GC_TEXT = """\
+# HELP epd_engine_gc_pause_seconds gc
+# TYPE epd_engine_gc_pause_seconds histogram
+epd_engine_gc_pause_seconds_bucket{generation="0",le="+Inf"} 40.0
+epd_engine_gc_pause_seconds_count{generation="0"} 40.0
+epd_engine_gc_pause_seconds_sum{generation="0"} 0.002
+epd_engine_gc_pause_seconds_count{generation="2"} 3.0
+epd_engine_gc_pause_seconds_sum{generation="2"} 0.09
+# HELP epd_requests_total requests
+# TYPE epd_requests_total counter
+epd_requests_total{method="Dispatch",code="OK"} 90.0
+"""
+
+
+def test_engine_gc_pauses_between_two_readings() -> None:
+    after = engine_host.gc_totals(GC_TEXT)
+    assert after == {"0": approx((0.002, 40.0)), "2": approx((0.09, 3.0))}
+    got = engine_host.gc_between({"0": (0.001, 30.0)}, after)
+    assert got["0"] == {"collections": 10.0, "pause_ms": approx(1.0)}
+    assert got["2"] == {"collections": 3.0, "pause_ms": approx(90.0)}  # new since the first
+    assert engine_host.gc_between(None, after) == {}

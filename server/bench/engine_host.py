@@ -16,6 +16,7 @@ HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
 # phase is the engine's CPU per call, without the waits of its threads between calls.
 WORK = ("epd_request_cpu_seconds", "epd_requests")
 Totals = dict[str, tuple[float, float]]  # metric -> (sum of seconds, count)
+GC_PAUSES = "epd_engine_gc_pause_seconds"  # the engines' collector pauses, by generation
 SCRAPE_TIMEOUT = 5.0
 
 
@@ -83,3 +84,31 @@ def work_us(before: tuple[float, float] | None,
     if before is None or after is None or after[1] <= before[1]:
         return None
     return (after[0] - before[0]) / (after[1] - before[1]) * 1e6
+
+
+def gc_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(pause seconds, collections) of the engines' garbage collector so far, by generation."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name != GC_PAUSES:
+            continue
+        for x in fam.samples:
+            part = {f"{GC_PAUSES}_sum": 0, f"{GC_PAUSES}_count": 1}.get(x.name)
+            if part is not None:
+                out.setdefault(x.labels.get("generation", "?"), [0.0, 0.0])[part] += x.value
+    return {g: (v[0], v[1]) for g, v in sorted(out.items())}
+
+
+def gc_between(before: dict[str, tuple[float, float]] | None,
+               after: dict[str, tuple[float, float]] | None) -> dict[str, dict[str, float]]:
+    """Per generation, the collections and their total pause (ms) between two readings."""
+    if before is None or after is None:
+        return {}
+    out = {}
+    for g, (secs, n) in after.items():
+        s0, n0 = before.get(g, (0.0, 0.0))
+        out[g] = {"collections": n - n0, "pause_ms": (secs - s0) * 1e3}
+    return out
+
