@@ -84,7 +84,10 @@ async def serve(cfg: config_mod.Config, index: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    while not stop.is_set():  # (the collector's pauses go into their metric from here)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), gc_pauses.FLUSH_SECONDS)
+        gc_pauses.flush()
     log.info("engine %d draining: no new sessions or calls; calls in flight get %.1f s",
              index, cfg.drain_seconds)
     for name in ("", SERVICE_NAME):
