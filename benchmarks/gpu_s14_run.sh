@@ -8,6 +8,8 @@
 #        tree, then the pools with the collectors frozen or not
 #   bash benchmarks/gpu_s14_run.sh pools2 # issue 14's pools: the GIL switch interval, the GPU
 #        chain; then a cProfile of one rank's normal-mode rows (issue 10)
+#   bash benchmarks/gpu_s14_run.sh final  # the rest of the one-GPU suite on the last code, the
+#        rows and the pools once more
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -94,5 +96,17 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(60)
 " > "$OUT/profile_cum.txt" 2>&1
     ;;
-  *) echo "usage: $0 first|ab|pools2" >&2; exit 2 ;;
+  final)  # the session's last code: the rest of the one-GPU suite (the engine's gc callback
+           # mended after `ab`), the cluster daemons, one rank's rows twice, the pools once
+    step suite 330 "tests/gpu/test_intranode.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_service_classes_gpu.py tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py tests/gpu/test_mps_gpu.py tests/gpu/test_received_rows.py \
+        tests/gpu/test_security_cuda.py tests/gpu/test_cuda_cluster.py"
+    probe final_1 /tmp/pkg
+    probe final_2 /tmp/pkg
+    merge final
+    timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
+        --prefill-iters 120 --json "$OUT/pools_final.json" 2>&1 | clean | tail -8
+    ;;
+  *) echo "usage: $0 first|ab|pools2|final" >&2; exit 2 ;;
 esac
