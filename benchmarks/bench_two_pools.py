@@ -209,11 +209,13 @@ def main() -> int:
             p.start()
         host: dict[str, dict] = {}
         gc_pauses: dict[str, dict] = {}  # the engines' collector, per phase
+        chain: dict[str, dict] = {}  # --ll-chain with EPD_CHAIN_TIMELINE=1: its GPU segments
 
         def reading():
             text = engine_host.read(d.metrics_url + "/metrics")
-            return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text))
-                    if text is not None else (None, None))
+            return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text),
+                     engine_host.chain_totals(text))
+                    if text is not None else (None, None, None))
         try:
             for i, (name, active) in enumerate(PHASES):
                 barrier.wait(timeout=600)
@@ -225,6 +227,8 @@ def main() -> int:
                     host[name] = engine_host.means_us(last[0], now[0])
                 label = name if name == "loaded" else f"{active[0]}_alone"
                 gc_pauses[label] = engine_host.gc_between(last[1], now[1])
+                if "decode" in active:
+                    chain[name] = engine_host.label_means_us(last[2], now[2])
                 last = now
         except threading.BrokenBarrierError:  # a rank failed: its error comes through q
             pass
@@ -268,6 +272,10 @@ def main() -> int:
             f"{phase} " + ", ".join(f"gen{g} {v['collections']:.0f}x {v['pause_ms']:.1f} ms"
                                     for g, v in by_gen.items())
             for phase, by_gen in gc_pauses.items()))
+    if any(chain.values()):
+        print("  decode chain, GPU µs per instance (mean): " + " | ".join(
+            f"{phase} " + ", ".join(f"{seg} {us:.1f}" for seg, us in segs.items())
+            for phase, segs in chain.items()))
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
@@ -277,7 +285,7 @@ def main() -> int:
             json.dump({"args": vars(ns), "decode": {"alone": dec_alone, "loaded": dec_loaded},
                        "prefill": {"alone": pre_alone, "loaded": pre_loaded},
                        "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
-                       "engine_gc": gc_pauses,
+                       "engine_gc": gc_pauses, "decode_chain_us": chain,
                        "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
     return 0
 

@@ -10,6 +10,8 @@
 #        chain; then a cProfile of one rank's normal-mode rows (issue 10)
 #   bash benchmarks/gpu_s14_run.sh final  # the rest of the one-GPU suite on the last code, the
 #        rows and the pools once more
+#   bash benchmarks/gpu_s14_run.sh chain  # the chain's GPU timeline (EPD_CHAIN_TIMELINE=1) in
+#        the pools: where a chained decode call's 600 µs go
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -108,5 +110,27 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
         --prefill-iters 120 --json "$OUT/pools_final.json" 2>&1 | clean | tail -8
     ;;
-  *) echo "usage: $0 first|ab|pools2|final" >&2; exit 2 ;;
+  chain)  # where a chained decode call's time goes (issue 14): the chain test with the
+           # timeline on, then the pools with --ll-chain and EPD_CHAIN_TIMELINE=1 (the chain's
+           # GPU segments per phase) twice, and once with the poller beside them
+    export EPD_CHAIN_TIMELINE=1
+    step chain 120 "tests/gpu/test_ll_chain.py"
+    unset EPD_CHAIN_TIMELINE
+    pools() {  # pools LABEL ARGS...
+      local label=$1; shift
+      echo "== $label"
+      timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
+          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -9
+    }
+    timeline=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+              --daemon-env EPD_CHAIN_TIMELINE=1)
+    pools chain_1 "${timeline[@]}"
+    pools poller
+    pools chain_2 "${timeline[@]}"
+    python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
+json.dump(out, open('$OUT/pools_chain.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    ;;
+  *) echo "usage: $0 first|ab|pools2|final|chain" >&2; exit 2 ;;
 esac

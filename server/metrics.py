@@ -156,6 +156,11 @@ STREAM_OP_DETECT_SECONDS = GroupHistogram(
     "before a rung doorbell and the look that saw it (an upper bound of the detection delay; "
     "long when the poller slept or waited for the interpreter)", ["group", "kind"],
     buckets=LATENCY_BUCKETS)
+LL_CHAIN_SECONDS = Histogram(
+    "epd_ll_chain_seconds", "Low-latency chain (--ll-chain), diagnostic, EPD_CHAIN_TIMELINE=1: "
+    "GPU time of each part of a chained call (wait: from the previous call's finish to the "
+    "trigger seen; exec, reduce, finish: the chain's kernels)", ["segment"],
+    buckets=LATENCY_BUCKETS)
 ENGINE_GC_PAUSE_SECONDS = Histogram(
     "epd_engine_gc_pause_seconds", "Engine: pauses of the garbage collector, which stop every "
     "thread serving calls (server/engine/gc_pauses.py)", ["generation"],

@@ -35,6 +35,7 @@ METRICS = {
     "epd_requests_total": "counter",
     "epd_request_cpu_seconds_total": "counter",
     "epd_engine_gc_pause_seconds": "histogram",
+    "epd_ll_chain_seconds": "histogram",
     "epd_paced_seconds_total": "counter",
     "epd_paced_calls_total": "counter",
     "epd_bytes_sent_total": "counter",

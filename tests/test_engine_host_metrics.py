@@ -110,3 +110,21 @@ def test_engine_gc_pauses_between_two_readings() -> None:
     assert got["0"] == {"collections": 10.0, "pause_ms": approx(1.0)}
     assert got["2"] == {"collections": 3.0, "pause_ms": approx(90.0)}  # new since the first
     assert engine_host.gc_between(None, after) == {}
+
+
+CHAIN_TEXT = """\
+# HELP epd_ll_chain_seconds chain
+# TYPE epd_ll_chain_seconds histogram
+epd_ll_chain_seconds_count{segment="exec"} 10.0
+epd_ll_chain_seconds_sum{segment="exec"} 0.0005
+epd_ll_chain_seconds_count{segment="wait"} 9.0
+epd_ll_chain_seconds_sum{segment="wait"} 0.0009
+"""
+
+
+def test_chain_segments_between_two_readings() -> None:
+    after = engine_host.chain_totals(CHAIN_TEXT)
+    assert after == {"exec": approx((0.0005, 10.0)), "wait": approx((0.0009, 9.0))}
+    got = engine_host.label_means_us({"exec": (0.0001, 2.0), "wait": (0.0009, 9.0)}, after)
+    assert got == {"exec": approx(50.0)}  # "wait" saw nothing in between: no figure
+    assert engine_host.label_means_us(None, after) == {}

@@ -21,6 +21,7 @@ queue (docs/DESIGN_NOTES.md, "The low-latency chain, built and measured").
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import numpy as np
 
 from ...proto import abi, cuda_driver
 from ...proto.errors import ResourceExhausted
+from .. import metrics
 from . import cuda_kernels as ck
 
 try:
@@ -39,6 +41,10 @@ except ImportError:  # pragma: no cover - the CPU-only install never builds a ch
 
 log = logging.getLogger("epd.engine")
 DEPTH = 8  # instances enqueued ahead of the head: the triggers in flight that need no host
+# Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
+# GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
+TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
+SEGMENTS = ("wait", "exec", "reduce", "finish")
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 
@@ -74,6 +80,10 @@ class LowLatencyChain:
         self.seen = 0  # the head at the last top_up
         self.closed = False
         self._lock = threading.Lock()  # top_up (the poller) against close
+        # TIMELINE: instance k's events (after its wait and after each kernel), and the
+        # event after the last instance read back (the start of the next one's wait)
+        self._events: dict[int, list[Any]] = {}
+        self._last_finish: Any = None
         self.top_up()
 
     # -- descriptors (arm / disarm) -------------------------------------------------------
@@ -134,6 +144,8 @@ class LowLatencyChain:
                 if op is not None:
                     kinds.append(op.kind)
             self.seen = head
+            if self._events:
+                self._read_timeline()
             if self.closed or (self.enqueued - head) & 0xFFFFFFFF >= DEPTH:
                 return kinds
             with cp.cuda.Device(self.runner.device_id):
@@ -148,9 +160,34 @@ class LowLatencyChain:
             self.gate(self.stream)
         else:
             cuda_driver.stream_wait_geq(self.stream.ptr, self.tail_ptr, (k + 1) & 0xFFFFFFFF)
+        events = self._events.setdefault(k, []) if TIMELINE else None
+        if events is not None:
+            events.append(self._record())
         for launch in self.launches:
             launch.set(ck.CHAIN_K, k)
             launch(self.stream)
+            if events is not None:
+                events.append(self._record())
+
+    def _record(self) -> Any:
+        e = cp.cuda.Event()
+        e.record(self.stream)
+        return e
+
+    def _read_timeline(self) -> None:
+        """Observe the segments of the instances the chain has finished (in order; an
+        instance whose last event has not completed yet waits for the next look)."""
+        for k in sorted(self._events):
+            ev = self._events[k]  # (recorded in stream order: the last one done, all done)
+            if len(ev) < len(SEGMENTS) or not ev[-1].done:
+                break
+            del self._events[k]
+            starts = [self._last_finish, *ev[:-1]]
+            for name, a, b in zip(SEGMENTS, starts, ev, strict=True):
+                if a is not None:
+                    metrics.observe(metrics.LL_CHAIN_SECONDS, (name,),
+                                    cp.cuda.get_elapsed_time(a, b) * 1e-3)
+            self._last_finish = ev[-1]
 
     def busy(self) -> bool:
         """A trigger was published that the chain has not finished."""

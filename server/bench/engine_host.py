@@ -17,6 +17,7 @@ HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
 WORK = ("epd_request_cpu_seconds", "epd_requests")
 Totals = dict[str, tuple[float, float]]  # metric -> (sum of seconds, count)
 GC_PAUSES = "epd_engine_gc_pause_seconds"  # the engines' collector pauses, by generation
+CHAIN_SEGMENTS = "epd_ll_chain_seconds"  # the chains' GPU time by segment (a diagnostic)
 SCRAPE_TIMEOUT = 5.0
 
 
@@ -86,19 +87,42 @@ def work_us(before: tuple[float, float] | None,
     return (after[0] - before[0]) / (after[1] - before[1]) * 1e6
 
 
-def gc_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """(pause seconds, collections) of the engines' garbage collector so far, by generation."""
+def by_label(metrics_text: str, family: str, label: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of a histogram family so far, by the value of one of its labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[float]] = {}
     for fam in text_string_to_metric_families(metrics_text):
-        if fam.name != GC_PAUSES:
+        if fam.name != family:
             continue
         for x in fam.samples:
-            part = {f"{GC_PAUSES}_sum": 0, f"{GC_PAUSES}_count": 1}.get(x.name)
+            part = {f"{family}_sum": 0, f"{family}_count": 1}.get(x.name)
             if part is not None:
-                out.setdefault(x.labels.get("generation", "?"), [0.0, 0.0])[part] += x.value
-    return {g: (v[0], v[1]) for g, v in sorted(out.items())}
+                out.setdefault(x.labels.get(label, "?"), [0.0, 0.0])[part] += x.value
+    return {v: (t[0], t[1]) for v, t in sorted(out.items())}
+
+
+def gc_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(pause seconds, collections) of the engines' garbage collector so far, by generation."""
+    return by_label(metrics_text, GC_PAUSES, "generation")
+
+
+def chain_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(GPU seconds, instances) of the low-latency chains' segments so far (EPD_CHAIN_TIMELINE)."""
+    return by_label(metrics_text, CHAIN_SEGMENTS, "segment")
+
+
+def label_means_us(before: dict[str, tuple[float, float]] | None,
+                   after: dict[str, tuple[float, float]] | None) -> dict[str, float]:
+    """Mean µs per observation of each label value between two readings (those observed)."""
+    if before is None or after is None:
+        return {}
+    out = {}
+    for v, (secs, n) in after.items():
+        s0, n0 = before.get(v, (0.0, 0.0))
+        if n > n0:
+            out[v] = (secs - s0) / (n - n0) * 1e6
+    return out
 
 
 def gc_between(before: dict[str, tuple[float, float]] | None,
