@@ -12,6 +12,7 @@
 #        rows and the pools once more
 #   bash benchmarks/gpu_s14_run.sh chain  # the chain's GPU timeline (EPD_CHAIN_TIMELINE=1) in
 #        the pools: where a chained decode call's 600 µs go
+#   bash benchmarks/gpu_s14_run.sh chain2 # the same by kind, the poller's launches beside it
 set -u
 source benchmarks/gpu_env.sh  # (pt, step)
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
@@ -132,5 +133,23 @@ import json, glob, os
 out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
 json.dump(out, open('$OUT/pools_chain.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
     ;;
-  *) echo "usage: $0 first|ab|pools2|final|chain" >&2; exit 2 ;;
+  chain2)  # the same by the call's kind, and the poller's launches timed the same way
+    export EPD_CHAIN_TIMELINE=1
+    step chain 90 "tests/gpu/test_ll_chain.py"
+    unset EPD_CHAIN_TIMELINE
+    pools() {  # pools LABEL ARGS...
+      local label=$1; shift
+      echo "== $label"
+      timeout 80 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
+          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -9
+    }
+    pools chain --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 \
+        --daemon-env EPD_CHAIN_TIMELINE=1
+    pools poller --daemon-env EPD_CHAIN_TIMELINE=1
+    python3 -c "
+import json, glob, os
+out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
+json.dump(out, open('$OUT/pools_chain2.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    ;;
+  *) echo "usage: $0 first|ab|pools2|final|chain|chain2" >&2; exit 2 ;;
 esac

@@ -159,7 +159,9 @@ STREAM_OP_DETECT_SECONDS = GroupHistogram(
 LL_CHAIN_SECONDS = Histogram(
     "epd_ll_chain_seconds", "Low-latency chain (--ll-chain), diagnostic, EPD_CHAIN_TIMELINE=1: "
     "GPU time of each part of a chained call (wait: from the previous call's finish to the "
-    "trigger seen; exec, reduce, finish: the chain's kernels)", ["segment"],
+    "trigger seen; exec, reduce, finish: the chain's kernels; launched: the poller's "
+    "launches of armed ops without a chain), by the call's kind",
+    ["kind", "segment"],
     buckets=LATENCY_BUCKETS)
 ENGINE_GC_PAUSE_SECONDS = Histogram(
     "epd_engine_gc_pause_seconds", "Engine: pauses of the garbage collector, which stop every "

@@ -115,16 +115,18 @@ def test_engine_gc_pauses_between_two_readings() -> None:
 CHAIN_TEXT = """\
 # HELP epd_ll_chain_seconds chain
 # TYPE epd_ll_chain_seconds histogram
-epd_ll_chain_seconds_count{segment="exec"} 10.0
-epd_ll_chain_seconds_sum{segment="exec"} 0.0005
-epd_ll_chain_seconds_count{segment="wait"} 9.0
-epd_ll_chain_seconds_sum{segment="wait"} 0.0009
+epd_ll_chain_seconds_count{kind="dispatch",segment="exec"} 10.0
+epd_ll_chain_seconds_sum{kind="dispatch",segment="exec"} 0.0005
+epd_ll_chain_seconds_count{kind="combine",segment="wait"} 9.0
+epd_ll_chain_seconds_sum{kind="combine",segment="wait"} 0.0009
 """
 
 
 def test_chain_segments_between_two_readings() -> None:
     after = engine_host.chain_totals(CHAIN_TEXT)
-    assert after == {"exec": approx((0.0005, 10.0)), "wait": approx((0.0009, 9.0))}
-    got = engine_host.label_means_us({"exec": (0.0001, 2.0), "wait": (0.0009, 9.0)}, after)
-    assert got == {"exec": approx(50.0)}  # "wait" saw nothing in between: no figure
+    assert after == {"dispatch/exec": approx((0.0005, 10.0)),
+                     "combine/wait": approx((0.0009, 9.0))}
+    got = engine_host.label_means_us({"dispatch/exec": (0.0001, 2.0),
+                                      "combine/wait": (0.0009, 9.0)}, after)
+    assert got == {"dispatch/exec": approx(50.0)}  # no combine in between: no figure
     assert engine_host.label_means_us(None, after) == {}

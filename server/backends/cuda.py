@@ -45,6 +45,7 @@ from ...proto.errors import (
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
+from . import cuda_chain
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -722,6 +723,21 @@ class CudaRankComm(RankComm):
     def launch_prepared(self, prepared: Any, buffer: int = 0) -> None:
         # (Not under `enqueue`: the poller serves latency-class ops, which must not wait for
         # a throughput group's enqueue; with it, decode under prefill went 454 -> 696 µs p50.)
+        if not cuda_chain.TIMELINE:
+            self._launch_prepared(prepared, buffer)
+            return
+        # The diagnostic timeline: the GPU time of the poller's launches, beside the chain's
+        # segments (cuda_chain.py; read back at a later call, off this one's path).
+        stream = self.runner.stream
+        start = cp.cuda.Event()
+        start.record(stream)
+        self._launch_prepared(prepared, buffer)
+        end = cp.cuda.Event()
+        end.record(stream)
+        kind = "dispatch" if isinstance(prepared, _PreparedDispatch) else "combine"
+        cuda_chain.time_launch(kind, start, end)
+
+    def _launch_prepared(self, prepared: Any, buffer: int) -> None:
         from ...proto.errors import FailedPrecondition
         runner = self.runner
         if isinstance(prepared, _PreparedDispatch):

@@ -49,6 +49,19 @@ TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 
 
+_launched: list[tuple[str, Any, Any]] = []  # TIMELINE: the poller's launches not yet read
+
+
+def time_launch(kind: str, start: Any, end: Any) -> None:
+    """TIMELINE, the poller's path: observe the launches whose events have completed as
+    segment "launched" (their GPU time, start to end), then hold this one."""
+    while _launched and _launched[0][2].done:
+        k, a, b = _launched.pop(0)
+        metrics.observe(metrics.LL_CHAIN_SECONDS, (k, "launched"),
+                        cp.cuda.get_elapsed_time(a, b) * 1e-3)
+    _launched.append((kind, start, end))
+
+
 @dataclass
 class ChainOp:
     index: int  # descriptor row
@@ -182,10 +195,13 @@ class LowLatencyChain:
             if len(ev) < len(SEGMENTS) or not ev[-1].done:
                 break
             del self._events[k]
+            op = self.ops.get(self._word(k % abi.LL_RING) & 0xFF)  # (read before 64 more)
+            kind = ("released" if op is None else
+                    "dispatch" if op.kind == abi.LLX_DISPATCH else "combine")
             starts = [self._last_finish, *ev[:-1]]
             for name, a, b in zip(SEGMENTS, starts, ev, strict=True):
                 if a is not None:
-                    metrics.observe(metrics.LL_CHAIN_SECONDS, (name,),
+                    metrics.observe(metrics.LL_CHAIN_SECONDS, (kind, name),
                                     cp.cuda.get_elapsed_time(a, b) * 1e-3)
             self._last_finish = ev[-1]
 

@@ -87,8 +87,11 @@ def work_us(before: tuple[float, float] | None,
     return (after[0] - before[0]) / (after[1] - before[1]) * 1e6
 
 
-def by_label(metrics_text: str, family: str, label: str) -> dict[str, tuple[float, float]]:
-    """(sum, count) of a histogram family so far, by the value of one of its labels."""
+def by_label(metrics_text: str, family: str,
+             label: str | tuple[str, ...]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of a histogram family so far, by the value of one of its labels (of
+    several, joined by "/")."""
+    labels = (label,) if isinstance(label, str) else label
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[float]] = {}
@@ -98,7 +101,8 @@ def by_label(metrics_text: str, family: str, label: str) -> dict[str, tuple[floa
         for x in fam.samples:
             part = {f"{family}_sum": 0, f"{family}_count": 1}.get(x.name)
             if part is not None:
-                out.setdefault(x.labels.get(label, "?"), [0.0, 0.0])[part] += x.value
+                key = "/".join(x.labels.get(n, "?") for n in labels)
+                out.setdefault(key, [0.0, 0.0])[part] += x.value
     return {v: (t[0], t[1]) for v, t in sorted(out.items())}
 
 
@@ -108,8 +112,9 @@ def gc_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
 
 
 def chain_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
-    """(GPU seconds, instances) of the low-latency chains' segments so far (EPD_CHAIN_TIMELINE)."""
-    return by_label(metrics_text, CHAIN_SEGMENTS, "segment")
+    """(GPU seconds, instances) of the low-latency chains' segments so far, by "kind/segment"
+    (EPD_CHAIN_TIMELINE)."""
+    return by_label(metrics_text, CHAIN_SEGMENTS, ("kind", "segment"))
 
 
 def label_means_us(before: dict[str, tuple[float, float]] | None,
