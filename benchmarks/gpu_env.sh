@@ -38,3 +38,37 @@ step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, 
   grep -a -E "PASSED|FAILED|ERROR|passed|failed|^E  | ok$|timing|^STEP " "$OUT/gpu_$name.txt" \
       | cut -c1-240 | tail -60
 }
+
+# Helpers of the later scripts (gpu_s14_run.sh on): the log filter, one rank's normal-mode rows
+# (probe_calls.py), the issue 14 pools (bench_two_pools.py), and merging each kind's files into
+# one (the device returns at most 8 files).
+clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
+ROWS="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
+probe() {  # probe LABEL PKG: the normal-mode rows at D, one rank, MPS on, the package in PKG
+  local label=$1 pkg=$2
+  PYTHONPATH=$pkg:/tmp/site timeout 90 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 200 --mps on --ranks 1 --rows "$ROWS" --json "$OUT/probe_$label.json" 2>&1 \
+      | clean | tail -7 > "$OUT/probe_$label.txt"
+}
+pools() {  # pools LABEL ARGS...: the two pools (POOLS_SECONDS at most), their summary lines
+  local label=$1; shift
+  echo "== $label"
+  timeout "${POOLS_SECONDS:-100}" python3 -P benchmarks/bench_two_pools.py --backend cuda \
+      --decode-iters 800 --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 \
+      | clean | tail -9
+}
+merge_json() {  # merge_json PREFIX NAME: $OUT/PREFIX_*.json into $OUT/NAME.json, by label
+  python3 -c "
+import json, glob, os, sys
+prefix, name, out = sys.argv[1], sys.argv[2], os.environ['OUT']
+got = {os.path.basename(f)[len(prefix) + 1:-5]: json.load(open(f))
+       for f in sorted(glob.glob(f'{out}/{prefix}_*.json'))}
+json.dump(got, open(f'{out}/{name}.json', 'w'), indent=1)" "$1" "$2" && rm -f "$OUT/$1"_*.json
+}
+merge() {  # merge NAME: every probe's text and JSON into probes_NAME.{txt,json}
+  for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_$1.txt"
+  rm -f "$OUT"/probe_*.txt
+  merge_json probe "probes_$1"
+  cat "$OUT/probes_$1.txt"
+}
+

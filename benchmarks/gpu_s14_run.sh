@@ -14,23 +14,7 @@
 #        the pools: where a chained decode call's 600 µs go
 #   bash benchmarks/gpu_s14_run.sh chain2 # the same by kind, the poller's launches beside it
 set -u
-source benchmarks/gpu_env.sh  # (pt, step)
-clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
-rows="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
-probe() {  # probe LABEL PKG: the normal-mode rows at D, one rank, MPS on, the package in PKG
-  local label=$1 pkg=$2
-  PYTHONPATH=$pkg:/tmp/site timeout 90 python3 -P benchmarks/probe_calls.py --tokens 128 \
-      --iters 200 --mps on --ranks 1 --rows "$rows" --json "$OUT/probe_$label.json" 2>&1 \
-      | clean | tail -7 > "$OUT/probe_$label.txt"
-}
-merge() {  # merge NAME: every probe's text and JSON into probes_NAME.{txt,json}
-  for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_$1.txt"
-  python3 -c "
-import json, glob, os
-out = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/probe_*.json'))}
-json.dump(out, open('$OUT/probes_$1.json', 'w'), indent=1)"
-  rm -f "$OUT"/probe_*.txt "$OUT"/probe_*.json; cat "$OUT/probes_$1.txt"
-}
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
   first)
     step verify 230 "tests/gpu/test_deep_ep_facade.py tests/gpu/test_local_layout.py \
@@ -53,41 +37,24 @@ case "${1:-}" in
       probe "new_$round" /tmp/pkg
     done
     merge ab
-    pools() {  # pools LABEL ARGS...
-      local label=$1; shift
-      echo "== $label"
-      timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
-          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -8
-    }
     pools freeze_1
     pools nofreeze --serve-arg=--no-gc-freeze
     pools freeze_ranks --ranks-gc-freeze
     pools freeze_2
-    python3 -c "
-import json, glob, os
-out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
-json.dump(out, open('$OUT/pools_gc.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    merge_json pool pools_gc
     ;;
   pools2)  # issue 14 on one GPU, classes on: is the decode's loss under prefill the engine's
             # interpreter? the GIL switch interval lowered, and the GPU chain (no engine host on
             # a decode op's path; its stream waits need the MPS server's 32 work queues); the
             # default twice (the machine's spread). Then one rank's normal-mode rows under
             # cProfile (engine fast-path thread and client) for issue 10.
-    pools() {  # pools LABEL ARGS...
-      local label=$1; shift
-      echo "== $label"
-      timeout 140 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
-          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -7
-    }
+    export POOLS_SECONDS=140
     pools default_1
     pools gil50 --serve-arg=--gil-switch-us=50
     pools gil20 --serve-arg=--gil-switch-us=20
     pools chain --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
     pools default_2
-    python3 -c "
-import json, glob, os
-out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
-json.dump(out, open('$OUT/pools2.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    merge_json pool pools2
     mkdir -p /tmp/prof
     EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe profiled /tmp/pkg
     probe plain /tmp/pkg
@@ -117,39 +84,22 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     export EPD_CHAIN_TIMELINE=1
     step chain 120 "tests/gpu/test_ll_chain.py"
     unset EPD_CHAIN_TIMELINE
-    pools() {  # pools LABEL ARGS...
-      local label=$1; shift
-      echo "== $label"
-      timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
-          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -9
-    }
     timeline=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
               --daemon-env EPD_CHAIN_TIMELINE=1)
     pools chain_1 "${timeline[@]}"
     pools poller
     pools chain_2 "${timeline[@]}"
-    python3 -c "
-import json, glob, os
-out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
-json.dump(out, open('$OUT/pools_chain.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    merge_json pool pools_chain
     ;;
   chain2)  # the same by the call's kind, and the poller's launches timed the same way
     export EPD_CHAIN_TIMELINE=1
     step chain 90 "tests/gpu/test_ll_chain.py"
     unset EPD_CHAIN_TIMELINE
-    pools() {  # pools LABEL ARGS...
-      local label=$1; shift
-      echo "== $label"
-      timeout 80 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 800 \
-          --prefill-iters 120 "$@" --json "$OUT/pool_$label.json" 2>&1 | clean | tail -9
-    }
+    export POOLS_SECONDS=80
     pools chain --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 \
         --daemon-env EPD_CHAIN_TIMELINE=1
     pools poller --daemon-env EPD_CHAIN_TIMELINE=1
-    python3 -c "
-import json, glob, os
-out = {os.path.basename(f)[5:-5]: json.load(open(f)) for f in sorted(glob.glob('$OUT/pool_*.json'))}
-json.dump(out, open('$OUT/pools_chain2.json', 'w'), indent=1)" && rm -f "$OUT"/pool_*.json
+    merge_json pool pools_chain2
     ;;
   *) echo "usage: $0 first|ab|pools2|final|chain|chain2" >&2; exit 2 ;;
 esac
