@@ -13,6 +13,7 @@
 #   bash benchmarks/gpu_s14_run.sh chain  # the chain's GPU timeline (EPD_CHAIN_TIMELINE=1) in
 #        the pools: where a chained decode call's 600 µs go
 #   bash benchmarks/gpu_s14_run.sh chain2 # the same by kind, the poller's launches beside it
+#   bash benchmarks/gpu_s14_run.sh next   # for the next session: the chain's per-type reduce
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -101,5 +102,21 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     pools poller --daemon-env EPD_CHAIN_TIMELINE=1
     merge_json pool pools_chain2
     ;;
-  *) echo "usage: $0 first|ab|pools2|final|chain|chain2" >&2; exit 2 ;;
+  next)  # prepared for the next session (built after this one's device time, not yet run):
+          # the chain's reduce for the group's type only (64 registers, 4 KB shared, against
+          # 104 and 12 KB): the chain's GPU tests with the timeline on, then the pools with the
+          # chain (its new reduce, then the generic one: EPD_CHAIN_REDUCE=generic) and the poller
+    export EPD_CHAIN_TIMELINE=1
+    step chain 150 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+    unset EPD_CHAIN_TIMELINE
+    export POOLS_SECONDS=80
+    chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+           --daemon-env EPD_CHAIN_TIMELINE=1)
+    pools chain_trait "${chain[@]}"
+    pools chain_generic "${chain[@]}" --daemon-env EPD_CHAIN_REDUCE=generic
+    pools poller --daemon-env EPD_CHAIN_TIMELINE=1
+    pools chain_trait_2 "${chain[@]}"
+    merge_json pool pools_chain_reduce
+    ;;
+  *) echo "usage: $0 first|ab|pools2|final|chain|chain2|next" >&2; exit 2 ;;
 esac

@@ -719,6 +719,31 @@ epd_ll_exec_reduce(const unsigned* ring, u64 k, const u64* __restrict__ table,
     }
 }
 
+// The chain's reduce for one element type. A member's combines all have its group's dtype, so
+// its chain launches this kernel (about the registers and shared memory of the standalone
+// reduce) instead of epd_ll_exec_reduce, whose switch over the three types takes 104
+// registers and 12 KB of shared memory per block: a block that cannot share an SM with another
+// rank's resident ones (docs/BENCHMARKS.md, thirteenth session: 120 µs for a no-op reduce).
+template <typename Tr>
+__device__ __forceinline__ void chain_exec_reduce(const unsigned* ring, u64 k, const u64* table,
+                                                  const u64* state) {
+    int b = 0;
+    const u64* d = chain_op(ring, k, table, &b);
+    if (d == nullptr || d[LLX_KIND] != LLX_COMBINE || !combine_holds(d, table, state, b))
+        return;
+    chain_reduce<Tr>(d + LLX_ARGS2, (i64)b * (i64)d[LLX_BUFFER_STRIDE], state[LLS_SEQ_C] + 1);
+}
+
+#define EPD_LL_EXEC_REDUCE_BY_TRAIT(Tr)                                                        \
+    extern "C" __global__ void __launch_bounds__(LL_THREADS) epd_ll_exec_reduce_##Tr(          \
+        const unsigned* ring, u64 k, const u64* __restrict__ table,                            \
+        const u64* __restrict__ state) {                                                       \
+        chain_exec_reduce<Tr>(ring, k, table, state);                                          \
+    }
+EPD_LL_EXEC_REDUCE_BY_TRAIT(Bf16)
+EPD_LL_EXEC_REDUCE_BY_TRAIT(F16)
+EPD_LL_EXEC_REDUCE_BY_TRAIT(F32)
+
 // One block: the dispatch's cumulative stats, the sequences and stamps, the op's done word,
 // then head = k + 1 (the client's trigger may reuse the entry; the engine tops the chain up).
 extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* table,

@@ -775,9 +775,10 @@ class CudaRankComm(RankComm):
             with cp.cuda.Device(self.backend.device):
                 # The rank's own build: a group over nodes needs the NVSHMEM one, whose
                 # kernels reach the ranks elsewhere (the one-node build has no path to them).
-                self.chain = LowLatencyChain(self.runner, self.runner.k, ring_words,
-                                             ring_ptr, self.ll_num_sms, self.stream_priority,
-                                             gate=self.backend.cfg.ll_chain_gate)
+                self.chain = LowLatencyChain(
+                    self.runner, self.runner.k, ring_words, ring_ptr, self.ll_num_sms,
+                    self.stream_priority, gate=self.backend.cfg.ll_chain_gate,
+                    trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)))
         return self.chain
 
     def close_chain(self, timeout: float) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ...proto import abi, cuda_driver
-from ...proto.errors import ResourceExhausted
+from ...proto.errors import FailedPrecondition, ResourceExhausted
 from .. import metrics
 from . import cuda_kernels as ck
 
@@ -71,9 +71,15 @@ class ChainOp:
 
 class LowLatencyChain:
     def __init__(self, runner: Any, kernels: Any, ring_words: np.ndarray, ring_ptr: int,
-                 num_sms: int, priority: int, gate: bool = False) -> None:
+                 num_sms: int, priority: int, gate: bool = False,
+                 trait: str | None = None) -> None:
         """`ring_words`: the chain slot as int32 host words; `ring_ptr`: its device address;
-        `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait."""
+        `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait; `trait`:
+        the element type of the member's combines (its group's dtype), whose reduce kernel
+        alone the chain launches (None, or EPD_CHAIN_REDUCE=generic: the one for any type)."""
+        if os.environ.get("EPD_CHAIN_REDUCE", "") == "generic":  # (an A/B switch)
+            trait = None
+        self.trait = trait
         self.runner, self.words, self.ring_ptr = runner, ring_words, ring_ptr
         self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
         with cp.cuda.Device(runner.device_id):
@@ -83,7 +89,8 @@ class LowLatencyChain:
                 np.uint64))
             self.stream = cp.cuda.Stream(non_blocking=True, priority=priority)
             self.side = cp.cuda.Stream(non_blocking=True)
-            self.launches = kernels.chain_launches(ring_ptr, self.table, self.state, num_sms)
+            self.launches = kernels.chain_launches(ring_ptr, self.table, self.state, num_sms,
+                                                   trait)
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
         self.words[:abi.LL_RING_HEAD + 1] = 0
         self.ops: dict[int, ChainOp] = {}
@@ -121,7 +128,11 @@ class LowLatencyChain:
             args = push.values()
             d[abi.LLX_ARGS2:abi.LLX_ARGS2 + len(reduce.values())] = reduce.values()
             d[abi.LLX_SOURCE] = source.index
-            d[abi.LLX_TRAIT] = TRAITS[ck._trait_for(prepared.args.x.dtype)]
+            trait = ck._trait_for(prepared.args.x.dtype)
+            if self.trait is not None and trait != self.trait:  # (the engine checks x's dtype)
+                raise FailedPrecondition(f"a {trait} combine on a chain built for "
+                                         f"{self.trait} combines")
+            d[abi.LLX_TRAIT] = TRAITS[trait]
         d[abi.LLX_ARGS:abi.LLX_ARGS + len(args)] = args
         d[abi.LLX_KIND] = kind
         self._write(idx, d)

@@ -338,7 +338,9 @@ class Kernels:
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
              "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
-             "epd_ll_exec", "epd_ll_exec_reduce", "epd_ll_exec_finish", "epd_ll_gate")
+             "epd_ll_exec", "epd_ll_exec_reduce", "epd_ll_exec_reduce_Bf16",
+             "epd_ll_exec_reduce_F16", "epd_ll_exec_reduce_F32", "epd_ll_exec_finish",
+             "epd_ll_gate")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
                  "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
@@ -538,14 +540,17 @@ class Kernels:
             (_I32, lay.num_local_experts)])
         return push, reduce
 
-    def chain_launches(self, ring_ptr: int, table: Any, state: Any, num_sms: int
-                       ) -> tuple[Launch, Launch, Launch]:
+    def chain_launches(self, ring_ptr: int, table: Any, state: Any, num_sms: int,
+                       trait: str | None = None) -> tuple[Launch, Launch, Launch]:
         """One instance of a member's low-latency chain (cuda_chain.py): exec (a dispatch or a
-        combine's push), the combine's reduce, finish. Set CHAIN_K to k before each launch."""
+        combine's push), the combine's reduce, finish. Set CHAIN_K to k before each launch.
+        `trait` ("Bf16", "F16", "F32"): the reduce for that combine type only; None: the
+        reduce that takes any of them (more registers and shared memory per block)."""
         head = ring_ptr + 4 * LL_RING_HEAD
         exec_ = Launch(self.fn("epd_ll_exec"), num_sms, LL_THREADS, [
             (_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr)])
-        reduce = Launch(self.fn("epd_ll_exec_reduce"), num_sms, LL_THREADS, [
+        name = "epd_ll_exec_reduce" + (f"_{trait}" if trait else "")
+        reduce = Launch(self.fn(name), num_sms, LL_THREADS, [
             (_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr)])
         finish = Launch(self.fn("epd_ll_exec_finish"), 1, 256, [
             (_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr), (_P, head)])
