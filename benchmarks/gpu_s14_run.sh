@@ -104,19 +104,22 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     ;;
   next)  # prepared for the next session (built after this one's device time, not yet run):
           # the chain's reduce for the group's type only (64 registers, 4 KB shared, against
-          # 104 and 12 KB): the chain's GPU tests with the timeline on, then the pools with the
-          # chain (its new reduce, then the generic one: EPD_CHAIN_REDUCE=generic) and the poller
+          # 104 and 12 KB), and its exec split per kind (EPD_CHAIN_EXEC=split): the chain's GPU
+          # tests with the timeline on (and split), then the pools with the chain (its new
+          # reduce, the generic one: EPD_CHAIN_REDUCE=generic, the split exec) and the poller
     export EPD_CHAIN_TIMELINE=1
     step chain 150 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+    EPD_CHAIN_EXEC=split step chain_split 90 "tests/gpu/test_ll_chain.py"
     unset EPD_CHAIN_TIMELINE
     export POOLS_SECONDS=80
     chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
            --daemon-env EPD_CHAIN_TIMELINE=1)
     pools chain_trait "${chain[@]}"
     pools chain_generic "${chain[@]}" --daemon-env EPD_CHAIN_REDUCE=generic
+    pools chain_split "${chain[@]}" --daemon-env EPD_CHAIN_EXEC=split
     pools poller --daemon-env EPD_CHAIN_TIMELINE=1
     pools chain_trait_2 "${chain[@]}"
-    merge_json pool pools_chain_reduce
+    merge_json pool pools_chain_variants
     ;;
   *) echo "usage: $0 first|ab|pools2|final|chain|chain2|next" >&2; exit 2 ;;
 esac

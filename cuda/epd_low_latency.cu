@@ -668,29 +668,60 @@ __device__ __forceinline__ bool combine_holds(const u64* d, const u64* table, co
     return stamp != 0 && state[LLS_FILLED + b] == stamp;
 }
 
+// An op's body from its descriptor row `d` with receive buffer b (the sequences from the
+// member's device state).
+__device__ __forceinline__ void chain_dispatch(const u64* d, int b, const u64* state) {
+    const u64* a = d + LLX_ARGS;
+    const i64 bo = (i64)b * (i64)d[LLX_BUFFER_STRIDE];
+    ll_dispatch_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2],
+                     reinterpret_cast<const i64*>(a[3]), (int)a[4], (int)a[5], (int)a[6],
+                     (int)a[7], (int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12],
+                     reinterpret_cast<const u64*>(a[13]), (i64)a[14] + bo, (i64)a[15] + bo,
+                     (i64)a[16] + bo, (i64)a[17] + bo, (i64)a[18] + bo, (i64)a[19],
+                     (i64)a[20] + bo, (i64)a[21] + bo, state[LLS_SEQ_D] + 1, (i64)a[23],
+                     (i64)a[24], (i64)a[25]);
+}
+
+__device__ __forceinline__ void chain_push(const u64* d, int b, const u64* state) {
+    const u64* a = d + LLX_ARGS;
+    const i64 bo = (i64)b * (i64)d[LLX_BUFFER_STRIDE];
+    ll_combine_push_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2], (i64)a[3],
+                         (int)a[4], (int)a[5], (int)a[6], (int)a[7], (int)a[8],
+                         reinterpret_cast<const u64*>(a[9]), (i64)a[10] + bo, (i64)a[11] + bo,
+                         (i64)a[12] + bo, (i64)a[13] + bo, (i64)a[14], state[LLS_SEQ_C] + 1,
+                         (i64)a[16], (i64)a[17]);
+}
+
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
 epd_ll_exec(const unsigned* ring, u64 k, const u64* __restrict__ table,
             const u64* __restrict__ state) {
     int b = 0;
     const u64* d = chain_op(ring, k, table, &b);
     if (d == nullptr) return;
-    const u64* a = d + LLX_ARGS;
-    const i64 bo = (i64)b * (i64)d[LLX_BUFFER_STRIDE];
-    if (d[LLX_KIND] == LLX_DISPATCH) {
-        ll_dispatch_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2],
-                         reinterpret_cast<const i64*>(a[3]), (int)a[4], (int)a[5], (int)a[6],
-                         (int)a[7], (int)a[8], (int)a[9], (int)a[10], (int)a[11], (int)a[12],
-                         reinterpret_cast<const u64*>(a[13]), (i64)a[14] + bo,
-                         (i64)a[15] + bo, (i64)a[16] + bo, (i64)a[17] + bo, (i64)a[18] + bo,
-                         (i64)a[19], (i64)a[20] + bo, (i64)a[21] + bo, state[LLS_SEQ_D] + 1,
-                         (i64)a[23], (i64)a[24], (i64)a[25]);
-    } else if (d[LLX_KIND] == LLX_COMBINE && combine_holds(d, table, state, b)) {
-        ll_combine_push_body(reinterpret_cast<const char*>(a[0]), (i64)a[1], (i64)a[2],
-                             (i64)a[3], (int)a[4], (int)a[5], (int)a[6], (int)a[7], (int)a[8],
-                             reinterpret_cast<const u64*>(a[9]), (i64)a[10] + bo,
-                             (i64)a[11] + bo, (i64)a[12] + bo, (i64)a[13] + bo, (i64)a[14],
-                             state[LLS_SEQ_C] + 1, (i64)a[16], (i64)a[17]);
-    }
+    if (d[LLX_KIND] == LLX_DISPATCH)
+        chain_dispatch(d, b, state);
+    else if (d[LLX_KIND] == LLX_COMBINE && combine_holds(d, table, state, b))
+        chain_push(d, b, state);
+}
+
+// The same, one kind per kernel (EPD_CHAIN_EXEC=split): a chain instance launches both and the
+// one of the other kind returns at once. Each carries one body's registers and shared memory
+// (the dispatch's 37.5 KB, the push's 4 KB) instead of both together (41.6 KB, spills).
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec_dispatch(const unsigned* ring, u64 k, const u64* __restrict__ table,
+                     const u64* __restrict__ state) {
+    int b = 0;
+    const u64* d = chain_op(ring, k, table, &b);
+    if (d != nullptr && d[LLX_KIND] == LLX_DISPATCH) chain_dispatch(d, b, state);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec_push(const unsigned* ring, u64 k, const u64* __restrict__ table,
+                 const u64* __restrict__ state) {
+    int b = 0;
+    const u64* d = chain_op(ring, k, table, &b);
+    if (d != nullptr && d[LLX_KIND] == LLX_COMBINE && combine_holds(d, table, state, b))
+        chain_push(d, b, state);
 }
 
 template <typename Tr>

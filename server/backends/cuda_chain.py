@@ -44,7 +44,6 @@ DEPTH = 8  # instances enqueued ahead of the head: the triggers in flight that n
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
-SEGMENTS = ("wait", "exec", "reduce", "finish")
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 
@@ -77,9 +76,10 @@ class LowLatencyChain:
         `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait; `trait`:
         the element type of the member's combines (its group's dtype), whose reduce kernel
         alone the chain launches (None, or EPD_CHAIN_REDUCE=generic: the one for any type)."""
-        if os.environ.get("EPD_CHAIN_REDUCE", "") == "generic":  # (an A/B switch)
-            trait = None
+        if os.environ.get("EPD_CHAIN_REDUCE", "") == "generic":  # (A/B switches, the
+            trait = None                                         # chain's timeline says)
         self.trait = trait
+        split = os.environ.get("EPD_CHAIN_EXEC", "") == "split"
         self.runner, self.words, self.ring_ptr = runner, ring_words, ring_ptr
         self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
         with cp.cuda.Device(runner.device_id):
@@ -89,8 +89,10 @@ class LowLatencyChain:
                 np.uint64))
             self.stream = cp.cuda.Stream(non_blocking=True, priority=priority)
             self.side = cp.cuda.Stream(non_blocking=True)
-            self.launches = kernels.chain_launches(ring_ptr, self.table, self.state, num_sms,
-                                                   trait)
+            named = kernels.chain_launches(ring_ptr, self.table, self.state, num_sms, trait,
+                                           split)
+            self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
+            self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
         self.words[:abi.LL_RING_HEAD + 1] = 0
         self.ops: dict[int, ChainOp] = {}
@@ -203,14 +205,14 @@ class LowLatencyChain:
         instance whose last event has not completed yet waits for the next look)."""
         for k in sorted(self._events):
             ev = self._events[k]  # (recorded in stream order: the last one done, all done)
-            if len(ev) < len(SEGMENTS) or not ev[-1].done:
+            if len(ev) < len(self.segments) or not ev[-1].done:
                 break
             del self._events[k]
             op = self.ops.get(self._word(k % abi.LL_RING) & 0xFF)  # (read before 64 more)
             kind = ("released" if op is None else
                     "dispatch" if op.kind == abi.LLX_DISPATCH else "combine")
             starts = [self._last_finish, *ev[:-1]]
-            for name, a, b in zip(SEGMENTS, starts, ev, strict=True):
+            for name, a, b in zip(self.segments, starts, ev, strict=True):
                 if a is not None:
                     metrics.observe(metrics.LL_CHAIN_SECONDS, (kind, name),
                                     cp.cuda.get_elapsed_time(a, b) * 1e-3)
