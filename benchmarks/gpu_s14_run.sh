@@ -106,10 +106,12 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
           # the chain's reduce for the group's type only (64 registers, 4 KB shared, against
           # 104 and 12 KB), and its exec split per kind (EPD_CHAIN_EXEC=split): the chain's GPU
           # tests with the timeline on (and split), then the pools with the chain (its new
-          # reduce, the generic one: EPD_CHAIN_REDUCE=generic, the split exec) and the poller
+          # reduce, the generic one: EPD_CHAIN_REDUCE=generic, the split exec, the entry read
+          # from a device copy: EPD_CHAIN_ENTRY=device) and the poller
     export EPD_CHAIN_TIMELINE=1
     step chain 150 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
     EPD_CHAIN_EXEC=split step chain_split 90 "tests/gpu/test_ll_chain.py"
+    EPD_CHAIN_ENTRY=device step chain_entry 90 "tests/gpu/test_ll_chain.py"
     unset EPD_CHAIN_TIMELINE
     export POOLS_SECONDS=80
     chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
@@ -117,6 +119,7 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     pools chain_trait "${chain[@]}"
     pools chain_generic "${chain[@]}" --daemon-env EPD_CHAIN_REDUCE=generic
     pools chain_split "${chain[@]}" --daemon-env EPD_CHAIN_EXEC=split
+    pools chain_entry "${chain[@]}" --daemon-env EPD_CHAIN_ENTRY=device
     pools poller --daemon-env EPD_CHAIN_TIMELINE=1
     pools chain_trait_2 "${chain[@]}"
     merge_json pool pools_chain_variants

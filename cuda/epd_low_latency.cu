@@ -645,6 +645,14 @@ extern "C" __global__ void epd_ll_gate(const unsigned* tail, unsigned want) {
     while ((int)(*t - want) < 0) __nanosleep(64);
 }
 
+// EPD_CHAIN_ENTRY=device: one thread copies instance k's entry from the ring in mapped host
+// memory into a device copy of the ring, which the instance's other kernels then read, instead
+// of every block of each of them reading host memory.
+extern "C" __global__ void epd_ll_exec_fetch(const unsigned* ring, u64 k, unsigned* copy) {
+    if (threadIdx.x == 0)
+        copy[k % LL_RING] = reinterpret_cast<const volatile unsigned*>(ring)[k % LL_RING];
+}
+
 // The op an entry names (null: a released entry, a freed or reused descriptor). One read of
 // the entry per block (host memory), shared: block-uniform, like everything that follows.
 __device__ __forceinline__ const u64* chain_op(const unsigned* ring, u64 k,

@@ -80,6 +80,7 @@ class LowLatencyChain:
             trait = None                                         # chain's timeline says)
         self.trait = trait
         split = os.environ.get("EPD_CHAIN_EXEC", "") == "split"
+        on_device = os.environ.get("EPD_CHAIN_ENTRY", "") == "device"
         self.runner, self.words, self.ring_ptr = runner, ring_words, ring_ptr
         self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
         with cp.cuda.Device(runner.device_id):
@@ -89,8 +90,9 @@ class LowLatencyChain:
                 np.uint64))
             self.stream = cp.cuda.Stream(non_blocking=True, priority=priority)
             self.side = cp.cuda.Stream(non_blocking=True)
+            self.entry_copy = cp.zeros(abi.LL_RING, np.uint32) if on_device else None
             named = kernels.chain_launches(ring_ptr, self.table, self.state, num_sms, trait,
-                                           split)
+                                           split, self.entry_copy)
             self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None

@@ -338,7 +338,7 @@ class Kernels:
     NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
              "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
-             "epd_ll_exec", "epd_ll_exec_dispatch", "epd_ll_exec_push",
+             "epd_ll_exec", "epd_ll_exec_fetch", "epd_ll_exec_dispatch", "epd_ll_exec_push",
              "epd_ll_exec_reduce", "epd_ll_exec_reduce_Bf16",
              "epd_ll_exec_reduce_F16", "epd_ll_exec_reduce_F32", "epd_ll_exec_finish",
              "epd_ll_gate")
@@ -542,19 +542,27 @@ class Kernels:
         return push, reduce
 
     def chain_launches(self, ring_ptr: int, table: Any, state: Any, num_sms: int,
-                       trait: str | None = None,
-                       split: bool = False) -> list[tuple[str, Launch]]:
+                       trait: str | None = None, split: bool = False,
+                       entry_copy: Any = None) -> list[tuple[str, Launch]]:
         """One instance of a member's low-latency chain (cuda_chain.py), by segment name: exec
         (a dispatch or a combine's push), the combine's reduce, finish. Set CHAIN_K to k before
         each launch. `trait` ("Bf16", "F16", "F32"): the reduce for that combine type only;
         None: the reduce that takes any of them (more registers and shared memory per block).
-        `split`: exec as two kernels, one per kind (the other kind's returns at once)."""
+        `split`: exec as two kernels, one per kind (the other kind's returns at once);
+        `entry_copy` (uint32 [LL_RING] on the device): a first one-thread kernel copies the
+        entry there and the others read it from device memory, not from the ring's host page."""
         head = ring_ptr + 4 * LL_RING_HEAD
+        fetch = []
+        if entry_copy is not None:
+            fetch = [("fetch", Launch(self.fn("epd_ll_exec_fetch"), 1, 32, [
+                (_P, ring_ptr), (_U64, 0), (_P, entry_copy.data.ptr)]))]
+            ring_ptr = entry_copy.data.ptr
         args = [(_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr)]
         execs = (("exec_dispatch", "epd_ll_exec_dispatch"), ("exec_push", "epd_ll_exec_push")
                  ) if split else (("exec", "epd_ll_exec"),)
         reduce = "epd_ll_exec_reduce" + (f"_{trait}" if trait else "")
-        return [*((seg, Launch(self.fn(name), num_sms, LL_THREADS, args)) for seg, name in execs),
+        return [*fetch,
+                *((seg, Launch(self.fn(name), num_sms, LL_THREADS, args)) for seg, name in execs),
                 ("reduce", Launch(self.fn(reduce), num_sms, LL_THREADS, args)),
                 ("finish", Launch(self.fn("epd_ll_exec_finish"), 1, 256, [*args, (_P, head)]))]
 
