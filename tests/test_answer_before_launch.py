@@ -176,3 +176,107 @@ def test_release_stream_keeps_its_meaning() -> None:
     f = counter_page.stream_failure(slot)
     assert f is not None and (f.seq, f.code, f.rank) == (9, counter_page.RELEASED, -1)
     assert counter_page.stream_done(slot) == 9
+
+
+# -- a combine sent without waiting for its answer (claimed_stream_seq) ------------------------
+class _PassComm(_Comm):
+    stream_ordered = True
+
+    def __init__(self, fails: bool = False) -> None:
+        super().__init__(drains=True)
+        self.passed: list[int] = []
+        self.fails = fails
+
+    def stream_pass(self, slot, seq: int) -> None:
+        if self.fails:
+            raise RuntimeError("no context")
+        self.passed.append(seq)
+
+
+class _ClaimMember(_Member):
+    def __init__(self, comm: _Comm, stream_seq: int) -> None:
+        super().__init__(comm)
+        self.stream_seq, self.counter_slot = stream_seq, 0
+
+
+class _Page:
+    def __init__(self) -> None:
+        self.words = np.zeros(abi.SLOT_BYTES // 8, dtype=np.int64)
+
+    def slot(self, index: int) -> np.ndarray:
+        return self.words
+
+
+class _Session:
+    def __init__(self, ex: SessionExecutor) -> None:
+        self.executor, self.counter_page = ex, _Page()
+
+
+class _ClaimEngine(_Engine):
+    """StreamCalls with `_combine` standing in for the engine's checks and combine_stream:
+    `outcome` "ok" numbers and answers the call, "refused" raises before numbering it,
+    "late" raises after (as a refusal inside combine_stream would)."""
+
+    def __init__(self, outcome: str) -> None:
+        self.outcome = outcome
+
+    def _combine(self, session, member, req, path):
+        from epd.proto.v1 import epd_pb2
+        if self.outcome == "refused":
+            raise InvalidArgument("combine x has shape [3, 8], expected [4, 8]")
+        seq = self._next_stream_seq(member)
+        if self.outcome == "late":
+            raise InvalidArgument("refused after numbering")
+        return epd_pb2.CombineResponse(stream_seq=seq)
+
+
+def _claim(seq: int, ordered: bool = True):
+    from epd.proto.v1 import epd_pb2
+    return epd_pb2.CombineRequest(stream_ordered=ordered, claimed_stream_seq=seq)
+
+
+@pytest.mark.parametrize("outcome", ["ok", "refused", "late"])
+def test_a_claimed_combine_takes_its_sequence_whatever_happens(ex, outcome) -> None:
+    member = _ClaimMember(_PassComm(), stream_seq=6)
+    session = _Session(ex)
+    resp = ex.call(lambda: _ClaimEngine(outcome).combine_claimed(session, member, _claim(7),
+                                                                  "fastpath"))
+    assert resp.stream_seq == 7 and member.stream_seq == 7  # the next call is #8 either way
+    if outcome == "ok":
+        assert (resp.refused_code, member.comm.passed) == (0, [])
+        return
+    # refused: an answer, not an error status; the stream passes #7 without kernels
+    assert resp.refused_code == 3  # INVALID_ARGUMENT, with the engine's own message
+    assert ("shape [3, 8]" if outcome == "refused" else "numbering") in resp.refused_message
+    assert member.comm.passed == [7]
+
+
+def test_a_claim_that_is_not_the_next_sequence_takes_nothing(ex) -> None:
+    from epd.proto.errors import FailedPrecondition
+    member = _ClaimMember(_PassComm(), stream_seq=6)
+    with pytest.raises(FailedPrecondition, match="claims stream call #9, but rank 3's next is #7"):
+        ex.call(lambda: _ClaimEngine("ok").combine_claimed(_Session(ex), member, _claim(9),
+                                                           "fastpath"))
+    assert member.stream_seq == 6 and member.comm.passed == []
+    with pytest.raises(InvalidArgument, match="stream-ordered"):
+        ex.call(lambda: _ClaimEngine("ok").combine_claimed(_Session(ex), member,
+                                                           _claim(7, ordered=False), "grpc"))
+
+
+def test_a_claimed_sequence_wraps_like_the_engines_own(ex) -> None:
+    member = _ClaimMember(_PassComm(), stream_seq=0xFFFFFFFF)
+    resp = ex.call(lambda: _ClaimEngine("ok").combine_claimed(_Session(ex), member, _claim(1),
+                                                              "fastpath"))
+    assert resp.stream_seq == 1
+
+
+def test_a_pass_that_cannot_be_launched_fails_the_call_through_the_slot(ex) -> None:
+    member = _ClaimMember(_PassComm(fails=True), stream_seq=2)
+    session = _Session(ex)
+    resp = ex.call(lambda: _ClaimEngine("refused").combine_claimed(session, member, _claim(3),
+                                                                   "fastpath"))
+    assert resp.refused_code == 3
+    f = counter_page.stream_failure(session.counter_page.words)
+    assert f is not None and f.seq == 3 and f.code == abi.ERR_ABORTED  # the stream goes on
+    assert counter_page.stream_done(session.counter_page.words) == 3
+    assert member.comm.aborted is not None
