@@ -14,6 +14,7 @@
 #        the pools: where a chained decode call's 600 µs go
 #   bash benchmarks/gpu_s14_run.sh chain2 # the same by kind, the poller's launches beside it
 #   bash benchmarks/gpu_s14_run.sh next   # for the next session: the chain's per-type reduce
+#        and its A/B switches; `next_nowait`: the combine that returns once sent
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -124,5 +125,15 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     pools chain_trait_2 "${chain[@]}"
     merge_json pool pools_chain_variants
     ;;
-  *) echo "usage: $0 first|ab|pools2|final|chain|chain2|next" >&2; exit 2 ;;
+  next_nowait)  # prepared too: the combine that returns once sent (EPD_COMBINE_NO_WAIT=1, not
+                # yet run): the stream-ordered tests (answered and without waiting), the
+                # facade's, then one rank's rows alternately without and with it
+    step nowait 300 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py"
+    for round in 1 2 3; do
+      probe "answered_$round" /tmp/pkg
+      EPD_COMBINE_NO_WAIT=1 probe "nowait_$round" /tmp/pkg
+    done
+    merge nowait
+    ;;
+  *) echo "usage: $0 first|ab|pools2|final|chain|chain2|next|next_nowait" >&2; exit 2 ;;
 esac
