@@ -773,15 +773,24 @@ __device__ __forceinline__ void chain_exec_reduce(const unsigned* ring, u64 k, c
     chain_reduce<Tr>(d + LLX_ARGS2, (i64)b * (i64)d[LLX_BUFFER_STRIDE], state[LLS_SEQ_C] + 1);
 }
 
-#define EPD_LL_EXEC_REDUCE_BY_TRAIT(Tr)                                                        \
-    extern "C" __global__ void __launch_bounds__(LL_THREADS) epd_ll_exec_reduce_##Tr(          \
-        const unsigned* ring, u64 k, const u64* __restrict__ table,                            \
-        const u64* __restrict__ state) {                                                       \
-        chain_exec_reduce<Tr>(ring, k, table, state);                                          \
-    }
-EPD_LL_EXEC_REDUCE_BY_TRAIT(Bf16)
-EPD_LL_EXEC_REDUCE_BY_TRAIT(F16)
-EPD_LL_EXEC_REDUCE_BY_TRAIT(F32)
+// (Spelled out, not by a macro: tests/test_abi.py reads each kernel's parameters.)
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec_reduce_Bf16(const unsigned* ring, u64 k, const u64* __restrict__ table,
+                        const u64* __restrict__ state) {
+    chain_exec_reduce<Bf16>(ring, k, table, state);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec_reduce_F16(const unsigned* ring, u64 k, const u64* __restrict__ table,
+                       const u64* __restrict__ state) {
+    chain_exec_reduce<F16>(ring, k, table, state);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_THREADS)
+epd_ll_exec_reduce_F32(const unsigned* ring, u64 k, const u64* __restrict__ table,
+                       const u64* __restrict__ state) {
+    chain_exec_reduce<F32>(ring, k, table, state);
+}
 
 // One block: the dispatch's cumulative stats, the sequences and stamps, the op's done word,
 // then head = k + 1 (the client's trigger may reuse the entry; the engine tops the chain up).

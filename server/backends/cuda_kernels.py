@@ -550,21 +550,39 @@ class Kernels:
         None: the reduce that takes any of them (more registers and shared memory per block).
         `split`: exec as two kernels, one per kind (the other kind's returns at once);
         `entry_copy` (uint32 [LL_RING] on the device): a first one-thread kernel copies the
-        entry there and the others read it from device memory, not from the ring's host page."""
+        entry there and the others read it from device memory, not from the ring's host page.
+        (Every launch spelled out: tests/test_abi.py checks each against its kernel.)"""
         head = ring_ptr + 4 * LL_RING_HEAD
-        fetch = []
+        out: list[tuple[str, Launch]] = []
         if entry_copy is not None:
-            fetch = [("fetch", Launch(self.fn("epd_ll_exec_fetch"), 1, 32, [
-                (_P, ring_ptr), (_U64, 0), (_P, entry_copy.data.ptr)]))]
+            out.append(("fetch", Launch(self.fn("epd_ll_exec_fetch"), 1, 32, [
+                (_P, ring_ptr), (_U64, 0), (_P, entry_copy.data.ptr)])))
             ring_ptr = entry_copy.data.ptr
-        args = [(_P, ring_ptr), (_U64, 0), (_P, table.data.ptr), (_P, state.data.ptr)]
-        execs = (("exec_dispatch", "epd_ll_exec_dispatch"), ("exec_push", "epd_ll_exec_push")
-                 ) if split else (("exec", "epd_ll_exec"),)
-        reduce = "epd_ll_exec_reduce" + (f"_{trait}" if trait else "")
-        return [*fetch,
-                *((seg, Launch(self.fn(name), num_sms, LL_THREADS, args)) for seg, name in execs),
-                ("reduce", Launch(self.fn(reduce), num_sms, LL_THREADS, args)),
-                ("finish", Launch(self.fn("epd_ll_exec_finish"), 1, 256, [*args, (_P, head)]))]
+        t, s, g, b = table.data.ptr, state.data.ptr, num_sms, LL_THREADS
+        if split:
+            out.append(("exec_dispatch", Launch(self.fn("epd_ll_exec_dispatch"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])))
+            out.append(("exec_push", Launch(self.fn("epd_ll_exec_push"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])))
+        else:
+            out.append(("exec", Launch(self.fn("epd_ll_exec"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])))
+        if trait == "Bf16":
+            reduce = Launch(self.fn("epd_ll_exec_reduce_Bf16"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])
+        elif trait == "F16":
+            reduce = Launch(self.fn("epd_ll_exec_reduce_F16"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])
+        elif trait == "F32":
+            reduce = Launch(self.fn("epd_ll_exec_reduce_F32"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])
+        else:
+            reduce = Launch(self.fn("epd_ll_exec_reduce"), g, b, [
+                (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s)])
+        out.append(("reduce", reduce))
+        out.append(("finish", Launch(self.fn("epd_ll_exec_finish"), 1, 256, [
+            (_P, ring_ptr), (_U64, 0), (_P, t), (_P, s), (_P, head)])))
+        return out
 
     def chain_gate(self, ring_ptr: int) -> Launch:
         """A one-thread kernel that returns once the ring's tail reaches the value at argument
