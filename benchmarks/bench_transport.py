@@ -21,12 +21,13 @@ from epd.client import Session
 
 # The engine CPU measurement is a test helper (tests/daemon_harness.py), not part of `epd demo`.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from daemon_harness import HarnessDaemon
+from daemon_harness import HarnessDaemon, process_cpu_seconds
 
 
 def _ops(d: HarnessDaemon, iters: int) -> dict:
     """p50/p90 of back-to-back calls of one rank (4 tokens, hidden 16, top-2 of 8 experts,
-    float32 on the cpu backend) and the client's CPU per call."""
+    float32 on the cpu backend), the client's CPU per call and the engine process's (its spin
+    between calls included)."""
     from epd.server import reference as ref
 
     out = {}
@@ -47,17 +48,19 @@ def _ops(d: HarnessDaemon, iters: int) -> dict:
             for _ in range(max(iters // 10, 10)):
                 fn()
             ts = np.empty(iters)
-            c0 = time.process_time()
+            c0, e0 = time.process_time(), process_cpu_seconds(d.engine_pid(0))
             for i in range(iters):
                 t0 = time.perf_counter()
                 fn()
                 ts[i] = time.perf_counter() - t0
             cpu = (time.process_time() - c0) / iters * 1e6
+            engine = (process_cpu_seconds(d.engine_pid(0)) - e0) / iters * 1e6
             out[name] = {"p50_us": float(np.percentile(ts, 50) * 1e6),
                          "p90_us": float(np.percentile(ts, 90) * 1e6),
-                         "client_cpu_us_per_call": cpu}
+                         "client_cpu_us_per_call": cpu, "engine_cpu_us_per_call": engine}
             print(f"{name:9s} back to back: p50 {out[name]['p50_us']:.1f} us, p90 "
-                  f"{out[name]['p90_us']:.1f} us, client CPU {cpu:.1f} us per call")
+                  f"{out[name]['p90_us']:.1f} us, CPU per call: client {cpu:.1f} us, engine "
+                  f"{engine:.1f} us")
     return out
 
 

@@ -17,7 +17,9 @@ a slot when a group ends would not bound the files, the scrape or the memory.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import math
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -83,15 +85,38 @@ class Batch:
 
     def __init__(self) -> None:
         self._inc: dict[tuple[Any, tuple], float] = {}
-        self._obs: list[tuple[Any, tuple, float]] = []
+        self._obs: dict[tuple[Any, tuple], list[float]] = {}
 
     def flush(self) -> None:
         inc, self._inc = self._inc, {}
-        obs, self._obs = self._obs, []
+        obs, self._obs = self._obs, {}
         for (metric, labels), value in inc.items():
             metric.labels(*labels).inc(value)
-        for metric, labels, value in obs:
-            metric.labels(*labels).observe(value)
+        for (metric, labels), values in obs.items():
+            observe_all(metric.labels(*labels), values)
+
+
+def observe_all(child: Any, values: list[float]) -> None:
+    """`child.observe(v)` for each of `values`, as one write per bucket touched and one to the
+    sum: a flush of a busy thread holds hundreds of observations of a few series, and each
+    observe is two writes into the mapped file (~5 µs). Reaches into prometheus_client's
+    histogram child (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4; pinned < 1), and
+    observes one by one where those are not there."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(child, "_sum", None)
+    if len(values) == 1 or bounds is None or buckets is None or total is None:
+        for v in values:
+            child.observe(v)
+        return
+    counts: dict[int, int] = {}
+    for v in values:  # the first bucket whose bound is >= v, as observe() picks it
+        if v == v:  # (a NaN falls in no bucket, as with observe())
+            i = bisect.bisect_left(bounds, v)
+            counts[i] = counts.get(i, 0) + 1
+    total.inc(math.fsum(values))
+    for i, n in counts.items():
+        buckets[i].inc(n)
 
 
 _thread = threading.local()
@@ -114,7 +139,12 @@ def observe(metric: Any, labels: tuple, value: float) -> None:
     if batch is None:
         metric.labels(*labels).observe(value)
     else:
-        batch._obs.append((metric, labels, value))
+        key = (metric, labels)
+        held = batch._obs.get(key)
+        if held is None:
+            batch._obs[key] = [value]
+        else:
+            held.append(value)
 
 
 @contextlib.contextmanager

@@ -138,3 +138,40 @@ def test_engine_gc_pauses_are_timed(daemon):
     ss = samples(daemon)
     assert value(ss, "epd_engine_gc_pause_seconds_count", generation="2") >= 1
     assert 0 < value(ss, "epd_engine_gc_pause_seconds_sum", generation="2") < 5
+
+
+def test_a_flush_observes_as_observe_would():
+    """A batch's observations of one series are applied per bucket (metrics.observe_all):
+    the exported buckets, count and sum are those of observing each value, bounds included
+    (a value equal to a bound is in that bucket), above the last bound, and NaN."""
+    import math
+    import random
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from epd.server import metrics
+
+    bounds = (1e-5, 1e-4, 1e-3, 0.5, 2.0)
+    rng = random.Random(7)
+    values = [rng.choice(bounds) for _ in range(50)] + [rng.uniform(0, 3) for _ in range(300)]
+    values += [0.0, -1.0, 1e9, math.inf, math.nan]
+    rng.shuffle(values)
+    regs = [CollectorRegistry(), CollectorRegistry()]
+    hs = [Histogram("t_all_seconds", "t", ["g"], registry=r, buckets=bounds) for r in regs]
+    for v in values:
+        hs[0].labels("a").observe(v)
+    with metrics.batched():
+        for v in values:
+            metrics.observe(hs[1], ("a",), v)
+        metrics.observe(hs[1], ("b",), 0.25)  # a series with one observation
+    for le in [*map(str, bounds), "+Inf"]:
+        want = regs[0].get_sample_value("t_all_seconds_bucket", {"g": "a", "le": le})
+        got = regs[1].get_sample_value("t_all_seconds_bucket", {"g": "a", "le": le})
+        assert got == want, le
+    count = regs[1].get_sample_value("t_all_seconds_count", {"g": "a"})
+    assert count == regs[0].get_sample_value("t_all_seconds_count", {"g": "a"}) == len(values) - 1
+    assert math.isnan(regs[1].get_sample_value("t_all_seconds_sum", {"g": "a"}))
+    assert regs[1].get_sample_value("t_all_seconds_bucket", {"g": "b", "le": "0.5"}) == 1
+    finite = [v for v in values if not math.isnan(v) and not math.isinf(v)]
+    metrics.observe_all(hs[1].labels("c"), finite)
+    assert regs[1].get_sample_value("t_all_seconds_sum", {"g": "c"}) == math.fsum(finite)
