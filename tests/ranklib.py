@@ -666,11 +666,11 @@ def comm_path(group_id: str) -> str:
 def comm_arrivals(shm_dir: str, group_id: str, num_ranks: int) -> np.ndarray | None:
     """The CPU backend's arrival words of a group (None when it is gone). `shm_dir` is unused:
     the group's memory is a memfd of the supervisor (comm_path)."""
-    from epd.server.backends import cpu
+    from epd.server.backends import cpu_comm_file as cpu
     path = comm_path(group_id) or os.path.join(shm_dir, f"epd-{group_id}.comm")
     try:
         with open(path, "rb") as f:
-            f.seek(cpu._ARRIVALS)
+            f.seek(cpu.ARRIVALS)
             raw = f.read(8 * num_ranks)
     except FileNotFoundError:
         return None
@@ -691,14 +691,14 @@ def wait_until(pred, timeout: float, what: str, interval: float = 0.01) -> Any:
 
 def comm_abort_reason(shm_dir: str, group_id: str) -> str | None:
     """The abort reason written in a group's communication memfd (None: not aborted/gone)."""
-    from epd.server.backends import cpu
+    from epd.server.backends import cpu_comm_file as cpu
     path = comm_path(group_id) or os.path.join(shm_dir, f"epd-{group_id}.comm")
     try:
         with open(path, "rb") as f:
-            raw = f.read(cpu._ABORT_TEXT + cpu._ABORT_TEXT_MAX)
+            raw = f.read(cpu.ABORT_TEXT + cpu.ABORT_TEXT_MAX)
     except FileNotFoundError:
         return None
-    header = np.frombuffer(raw[:cpu._ABORT_TEXT + cpu._ABORT_TEXT_MAX // 8 * 8], np.int64)
+    header = np.frombuffer(raw[:cpu.ABORT_TEXT + cpu.ABORT_TEXT_MAX // 8 * 8], np.int64)
     return cpu.read_abort(header)
 
 

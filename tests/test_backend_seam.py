@@ -15,7 +15,7 @@ import pytest
 from epd.proto import dtypes
 from epd.proto.errors import EpdError, InvalidArgument
 from epd.proto.v1 import epd_pb2
-from epd.server.backends import cpu, cuda_plan, make_planner
+from epd.server.backends import cpu, cpu_comm_file, cuda_plan, make_planner
 from epd.server.backends.base import GroupPlanner, GroupSpec
 from epd.server.coordinator import Coordinator
 
@@ -102,8 +102,9 @@ def test_cpu_plan_travels_and_is_freed(tmp_path) -> None:
     with open(path, "r+b") as f, pytest.raises(PermissionError):
         os.ftruncate(f.fileno(), 0)
     coord.release(gid, 0, "rank 0 went away")
-    header = np.fromfile(path, np.int64, count=cpu._HEADER_BYTES // 8)
-    assert "rank 0 went away" in (cpu.read_abort(header) or "")  # the planner's abort_group
+    # the planner's abort_group
+    header = np.fromfile(path, np.int64, count=cpu_comm_file.HEADER_BYTES // 8)
+    assert "rank 0 went away" in (cpu_comm_file.read_abort(header) or "")
     coord.release(gid, 1, "")
     assert not os.path.exists(path)  # the planner closed its descriptor
 
@@ -150,7 +151,7 @@ def test_backends_expose_their_kinds() -> None:
     assert (CudaBackend.proto_kind, CudaBackend.peer_class) == (epd_pb2.CUDA, "nvlink")
     b = CpuBackend(0)
     with pytest.raises(InvalidArgument, match="MAX_RANKS"):
-        b.validate_spec(_spec(cpu.MAX_RANKS + 1, 2, num_experts=1024))
+        b.validate_spec(_spec(cpu_comm_file.MAX_RANKS + 1, 2, num_experts=1024))
     assert issubclass(cpu.CpuPlanner, GroupPlanner)
 
 

@@ -431,19 +431,20 @@ def test_rank_rejected_after_taking_part_releases_the_peers():
 def test_the_verdict_names_every_rank():
     """The verdict is a function of the headers alone (the same words on every rank); ranks
     that agree with each other are named together."""
-    from epd.server.backends import cpu
+    from epd.server.backends import cpu_calls as cpu
+    from epd.server.backends.cpu_comm_file import ARRIVED, COMBINE, DISPATCH, F_WEIGHTS, REJECTED
 
-    d = cpu.CallHeader(cpu.DISPATCH, align=1)
-    c3 = cpu.CallHeader(cpu.COMBINE, ref=3)
-    ok = [cpu.ARRIVED] * 3
+    d = cpu.CallHeader(DISPATCH, align=1)
+    c3 = cpu.CallHeader(COMBINE, ref=3)
+    ok = [ARRIVED] * 3
     assert cpu.call_disagreement([5] * 3, [d, d, d], ok, [""] * 3) is None
     assert cpu.call_disagreement([5] * 3, [c3, d, c3], ok, [""] * 3) == (
         "ranks called different collectives: ranks [0, 2] called combine of dispatch #3, "
         "rank 1 called dispatch")
-    w = cpu.CallHeader(cpu.COMBINE, ref=3, flags=cpu.F_WEIGHTS)
+    w = cpu.CallHeader(COMBINE, ref=3, flags=F_WEIGHTS)
     assert cpu.call_disagreement([5] * 3, [c3, w, w], ok, [""] * 3) == (
         "combine arguments differ across ranks: topk_weights: not passed on rank 0, passed on "
         "ranks [1, 2]")
-    assert cpu.call_disagreement([5] * 3, [c3, c3, c3], [cpu.ARRIVED, cpu.REJECTED, cpu.ARRIVED],
+    assert cpu.call_disagreement([5] * 3, [c3, c3, c3], [ARRIVED, REJECTED, ARRIVED],
                                  ["", "ValueError: no", ""]) == (
         "rank 1 rejected its combine of dispatch #3: ValueError: no")

@@ -2,14 +2,15 @@
 shared memory.
 
 It mirrors the GPU design: every group has one communication file (the analogue of the symmetric
-heap) with a slot per rank, arrival words (the analogue of NVSHMEM signals) and an abort word.
+heap; its layout in cpu_comm_file.py) with a slot per rank, arrival words (the analogue of
+NVSHMEM signals) and an abort word.
 A collective is pull-based:
 
     1. wait until every rank has finished reading the previous collective (so slots are free),
     2. copy this rank's inputs and its call header (kind, number, the handle's dispatch, the
        arguments that must agree) into its slot and raise its arrival word,
     3. wait for every rank's arrival (deadline + abort word); compare every rank's call header
-       (any disagreement fails every rank at once, see CallHeader),
+       (any disagreement fails every rank at once: cpu_calls.py),
     4. notify: compute the receive counts from the sources' routing and publish them into the
        session's counter page; then compute the layout and copy the rows in,
     5. raise the "done reading" word.
@@ -23,7 +24,6 @@ It is a real implementation used for CI and laptops; it is never used to claim G
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -38,7 +38,6 @@ from ...proto.errors import (
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    TokenCapacityExceeded,
 )
 from ...proto.v1 import epd_pb2
 from ..reference import quantize_fp8  # the one FP8 quantisation (server/reference.py)
@@ -64,275 +63,48 @@ from .base import (
     Region,
     check_combine_routing,
 )
-
-PAGE = 4096
-_HEADER_BYTES = 4 * PAGE
-_ABORT_FLAG, _ABORT_LEN = 0, 1  # int64 words in the header
-_ABORT_TEXT = 64  # byte offset of the abort reason (utf-8)
-_ABORT_TEXT_MAX = 1024
-_ARRIVALS = 2048  # byte offset of the int64 arrival words, one per rank
-MAX_RANKS = 128
-# Rank masking (shrink groups): one byte per rank, RankComm.MASK_IN / MASK_MASKED / MASK_GONE.
-_MASK = 4096
-
-# The call header: what a rank publishes in its slot when it arrives at a collective, compared
-# by every rank after the arrival barrier (docs/DESIGN_NOTES.md "Collectives agree or fail
-# together"). int64 words at byte _CALL of the slot's meta area, the reason text after them.
-_CALL = 64  # byte offset in the slot's meta area (words 0-7 before it: per-call metadata)
-(H_SEQ, H_KIND, H_REF, H_FLAGS, H_WORST, H_ALIGN, H_NUM_MAX, H_STATUS,
- H_REASON_LEN, H_TOKENS) = range(10)
-_CALL_WORDS = 16
-_REASON = _CALL + 8 * _CALL_WORDS  # byte offset of the reason text of a rejected call
-_REASON_MAX = 1024
-# Shrink groups: the mask as this rank saw it when it arrived (one byte per rank): the ranks a
-# collective leaves out are those some participant saw masked, and those that never arrived.
-_MASK_SEEN = _REASON + _REASON_MAX
-_META_BYTES = _MASK_SEEN + MAX_RANKS  # < PAGE: the slot layout is unchanged
-# H_KIND: layout is not a collective on this backend (each rank's routing alone decides it).
-DISPATCH, CACHED_DISPATCH, COMBINE, LL_DISPATCH, LL_COMBINE, REJOIN = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE: "combine",
-              LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine",
-              REJOIN: "rejoin"}
-# H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights; dispatch without top-k;
-# FP8 scales are int32 words (packed UE8M0) rather than float32
-F_FP8, F_WEIGHTS, F_NO_TOPK, F_INT32_SCALES = 1, 2, 4, 8
-ARRIVED, REJECTED = 1, 2  # H_STATUS
-
-
-@dataclass(frozen=True)
-class CallHeader:
-    """One rank's call of a collective, as far as the other ranks must agree with it.
-
-    `ref` names the dispatch a handle comes from by that dispatch's collective number, which
-    every rank of the group assigns identically (0: no handle). `worst`, `align` and `num_max`
-    are num_worst_tokens, expert_alignment and num_max_dispatch_tokens_per_rank (0 where the
-    kind has none). `tokens` is a dispatch's token count, which differs across ranks and is not
-    compared: the largest decides whether the group can hold the call."""
-
-    kind: int
-    ref: int = 0
-    flags: int = 0
-    worst: int = 0
-    align: int = 0
-    num_max: int = 0
-    tokens: int = 0
-
-    @classmethod
-    def read(cls, words: np.ndarray) -> CallHeader:
-        return cls(int(words[H_KIND]), int(words[H_REF]), int(words[H_FLAGS]),
-                   int(words[H_WORST]), int(words[H_ALIGN]), int(words[H_NUM_MAX]),
-                   int(words[H_TOKENS]))
-
-    def write(self, words: np.ndarray, seq: int, status: int) -> None:
-        words[H_KIND], words[H_REF], words[H_FLAGS] = self.kind, self.ref, self.flags
-        words[H_WORST], words[H_ALIGN], words[H_NUM_MAX] = self.worst, self.align, self.num_max
-        words[H_TOKENS] = self.tokens
-        words[H_SEQ] = seq
-        words[H_STATUS] = status  # last: the header is complete
-
-    def describe(self) -> str:
-        name = KIND_NAMES.get(self.kind, f"an unknown collective (kind {self.kind})")
-        return f"{name} of dispatch #{self.ref}" if self.ref else name
-
-
-# The arguments that must agree, once the kinds do: (name, how to read it, how to tell it).
-_AGREED_ARGS = (
-    ("FP8 payload (x_scales)", lambda c: bool(c.flags & F_FP8), lambda v: "yes" if v else "no"),
-    ("x_scales dtype", lambda c: ("int32" if c.flags & F_INT32_SCALES else "float32")
-     if c.flags & F_FP8 else "none", str),
-    ("topk_weights", lambda c: bool(c.flags & F_WEIGHTS),
-     lambda v: "passed" if v else "not passed"),
-    ("top-k routing", lambda c: not c.flags & F_NO_TOPK,
-     lambda v: "topk_idx" if v else "is_token_in_rank only"),
-    ("num_worst_tokens", lambda c: c.worst, str),
-    ("expert_alignment", lambda c: c.align, str),
-    ("num_max_dispatch_tokens_per_rank", lambda c: c.num_max, str),
+from .cpu_calls import CallHeader, call_disagreement, capacity_overflow
+from .cpu_comm_file import (
+    ARRIVALS,
+    ARRIVED,
+    CACHED_DISPATCH,
+    CALL,
+    CALL_WORDS,
+    COMBINE,
+    DISPATCH,
+    F_FP8,
+    F_INT32_SCALES,
+    F_NO_TOPK,
+    F_WEIGHTS,
+    H_KIND,
+    H_REASON_LEN,
+    H_REF,
+    H_SEQ,
+    H_STATUS,
+    HEADER_BYTES,
+    LL_COMBINE,
+    LL_DISPATCH,
+    MASK,
+    MASK_SEEN,
+    REASON,
+    REASON_MAX,
+    REJECTED,
+    REJOIN,
+    TIMED_OUT,
+    SlotLayout,
+    abort_comm_file,
+    abort_kind,
+    align,
+    check_spec,
+    comm_file_bytes,
+    create_comm_file,
+    header_words,
+    ll_max_rows,
+    mark_gone_in_comm_file,
+    open_comm_file,
+    read_abort,
+    write_abort,
 )
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-
-
-def _by_value(values: list[Any]) -> list[tuple[Any, list[int]]]:
-    """[(value, ranks holding it)] in the order of first occurrence."""
-    groups: dict[Any, list[int]] = {}
-    for r, v in enumerate(values):
-        groups.setdefault(v, []).append(r)
-    return list(groups.items())
-
-
-def call_disagreement(seqs: list[int], calls: list[CallHeader], statuses: list[int],
-                      reasons: list[str], ranks: list[int] | None = None) -> str | None:
-    """What the ranks' headers of one collective disagree on (None: they agree). A function of
-    the headers only, so every rank reaches the same verdict with the same words. `ranks`: the
-    rank of each header (default 0..n-1; a shrink group compares the ranks that arrived)."""
-    ids = list(range(len(calls))) if ranks is None else ranks
-
-    def by_value(values: list[Any]) -> list[tuple[Any, list[int]]]:
-        return [(v, [ids[i] for i in rs]) for v, rs in _by_value(values)]
-
-    rejected = [i for i, st in enumerate(statuses) if st == REJECTED]
-    if rejected:
-        return "; ".join(f"rank {ids[i]} rejected its {calls[i].describe()}: {reasons[i]}"
-                         for i in rejected)
-    if len(set(seqs)) > 1:  # cannot happen while the barrier protocol holds
-        return "ranks are at different collectives: " + ", ".join(
-            f"{_ranks(rs)} at #{v}" for v, rs in by_value(seqs))
-    if len({(c.kind, c.ref) for c in calls}) > 1:
-        return "ranks called different collectives: " + ", ".join(
-            f"{_ranks(rs)} called {d}" for d, rs in by_value([c.describe() for c in calls]))
-    diffs = []
-    for name, get, tell in _AGREED_ARGS:
-        groups = by_value([get(c) for c in calls])
-        if len(groups) > 1:
-            diffs.append(f"{name}: " + ", ".join(f"{tell(v)} on {_ranks(rs)}"
-                                                 for v, rs in groups))
-    if diffs:
-        return f"{KIND_NAMES[calls[0].kind]} arguments differ across ranks: " + "; ".join(diffs)
-    return None
-
-
-def capacity_overflow(calls: list[CallHeader], ranks: list[int], spec: GroupSpec,
-                      seq: int) -> TokenCapacityExceeded | None:
-    """The error every rank raises when some rank's dispatch has more tokens than the group's
-    max_tokens_per_rank (None: all fit), reached by each rank from the same headers."""
-    need, who = max((c.tokens, r) for c, r in zip(calls, ranks, strict=True))
-    if need <= spec.max_tokens_per_rank:
-        return None
-    return counter_page.capacity_error(spec.name, spec.max_tokens_per_rank, need, who,
-                                       f"collective #{seq}")
-
-
-def _align(n: int, a: int = 256) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class SlotLayout:
-    """Byte offsets of one rank's slot in the communication file."""
-
-    x: int
-    x_scales: int
-    topk_idx: int
-    topk_weights: int
-    in_rank: int
-    per_expert: int
-    y: int
-    y_weights: int
-    ll_y: int
-    meta: int
-    size: int
-
-    @classmethod
-    def for_spec(cls, spec: GroupSpec) -> SlotLayout:
-        t, h, k = spec.max_tokens_per_rank, spec.hidden, spec.num_topk
-        n = spec.max_recv_tokens
-        item = spec.x_numpy_dtype.itemsize
-        off = 0
-        fields = {}
-        for name, nbytes in (("meta", _META_BYTES),
-                             ("x", t * h * item),
-                             ("x_scales", t * max(h // dtypes.FP8_BLOCK, 1) * 4),
-                             ("topk_idx", t * k * 8),
-                             ("topk_weights", t * k * 4),
-                             # dispatch without top-k: is_token_in_rank and the
-                             # tokens per expert of the source
-                             ("in_rank", t * spec.num_ranks),
-                             ("per_expert", spec.num_experts * 4),
-                             ("y", n * h * item),
-                             ("y_weights", n * k * 4),
-                             # low-latency combine: the valid rows of every local expert,
-                             # compacted; at most one row per (token, distinct expert) pair
-                             ("ll_y", ll_max_rows(spec) * h * item)):
-            fields[name] = off
-            off = _align(off + nbytes, PAGE)
-        return cls(size=off, **fields)
-
-
-def ll_max_rows(spec: GroupSpec) -> int:
-    """Most rows one rank receives in low-latency dispatch: every token of every rank, once per
-    distinct local expert it picks."""
-    return spec.max_recv_tokens * min(spec.num_topk, spec.num_local_experts)
-
-
-def comm_file_bytes(spec: GroupSpec) -> int:
-    return _HEADER_BYTES + spec.num_ranks * SlotLayout.for_spec(spec).size
-
-
-def check_spec(spec: GroupSpec) -> None:
-    """The CPU backend's limits on a group (InvalidArgument names the one exceeded)."""
-    if spec.num_ranks > MAX_RANKS:
-        raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cpu backend's limit of "
-                              f"{MAX_RANKS} ranks per group (MAX_RANKS)")
-
-
-def create_comm_file(group_id: str, spec: GroupSpec) -> int:
-    """Called by the supervisor when a group forms: a memfd, zero-filled, sealed against
-    shrinking and growing (no process can truncate it under the engines that map it); returns
-    its descriptor, which the supervisor keeps while the group lives."""
-    check_spec(spec)
-    return fdc.create_memfd(f"epd-{group_id}.comm", comm_file_bytes(spec), fdc.ENGINE_SEALS)
-
-
-def open_comm_file(path: str, size: int) -> mmap.mmap:
-    """An engine maps a group's communication memfd through the supervisor's descriptor
-    (/proc/<supervisor pid>/fd/<n>: only processes of the daemon's uid may open it); refuses
-    one that is not sealed at its size."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        fdc.check_sealed(fd, size, fdc.F_SEAL_SHRINK | fdc.F_SEAL_GROW, "group comm file")
-        return fdc.map_fd(fd, size)
-    finally:
-        os.close(fd)
-
-
-def _header_words(mm: mmap.mmap | memoryview) -> np.ndarray:
-    return np.frombuffer(mm, dtype=np.int64, count=_HEADER_BYTES // 8)
-
-
-ABORTED, TIMED_OUT = 1, 2  # values of the abort flag
-
-
-def write_abort(header: np.ndarray, reason: str, kind: int = ABORTED) -> None:
-    """First writer wins: a group keeps the reason it first failed for."""
-    if header[_ABORT_FLAG]:
-        return
-    raw = reason.encode()[:_ABORT_TEXT_MAX]
-    header.view(np.uint8)[_ABORT_TEXT:_ABORT_TEXT + len(raw)] = np.frombuffer(raw, np.uint8)
-    header[_ABORT_LEN] = len(raw)
-    header[_ABORT_FLAG] = kind
-
-
-def read_abort(header: np.ndarray) -> str | None:
-    if not header[_ABORT_FLAG]:
-        return None
-    n = int(header[_ABORT_LEN])
-    return bytes(header.view(np.uint8)[_ABORT_TEXT:_ABORT_TEXT + n]).decode(errors="replace")
-
-
-def abort_kind(header: np.ndarray) -> int:
-    return int(header[_ABORT_FLAG])
-
-
-def abort_comm_file(path: str, reason: str) -> None:
-    """Abort a group from outside any rank (the supervisor, when an engine died)."""
-    try:
-        with open(path, "r+b") as f, mmap.mmap(f.fileno(), _HEADER_BYTES) as mm:
-            header = _header_words(mm)
-            write_abort(header, reason)
-            del header
-    except (FileNotFoundError, ValueError):
-        pass
-
-
-def mark_gone_in_comm_file(path: str, rank: int) -> None:
-    """Mask a rank for good from outside any rank (the supervisor, when it went away)."""
-    try:
-        with open(path, "r+b") as f, mmap.mmap(f.fileno(), _HEADER_BYTES) as mm:
-            mm[_MASK + rank] = RankComm.MASK_GONE
-    except (FileNotFoundError, ValueError, IndexError):
-        pass
 
 
 class ShmRegion(Region):
@@ -439,7 +211,7 @@ class _OutputArena:
         off = 0
         for name, nbytes in self.sizes(spec):
             self.offsets[name] = off
-            off = _align(off + nbytes)
+            off = align(off + nbytes)
         self.size = off
 
     @staticmethod
@@ -463,7 +235,7 @@ class _OutputArena:
 
     @classmethod
     def bytes_for(cls, spec: GroupSpec) -> int:
-        return sum(_align(n) for _, n in cls.sizes(spec))
+        return sum(align(n) for _, n in cls.sizes(spec))
 
     def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._mm,
@@ -490,14 +262,14 @@ class CpuRankComm(RankComm):
         self.membership = membership
         self.rank = membership.rank
         self._mm = open_comm_file(comm_path(membership.plan), comm_file_bytes(spec))
-        self._header = _header_words(self._mm)
-        self._arrivals = self._header[_ARRIVALS // 8:_ARRIVALS // 8 + spec.num_ranks]
+        self._header = header_words(self._mm)
+        self._arrivals = self._header[ARRIVALS // 8:ARRIVALS // 8 + spec.num_ranks]
         self._slot = SlotLayout.for_spec(spec)
         self.output_region = ShmRegion(f"out-{membership.group_id}-{self.rank}",
                                        _OutputArena.bytes_for(spec), create=True)
         self._out = _OutputArena(self.output_region, spec)
         self._sequence = 0  # collectives this rank has started
-        self._mask = np.frombuffer(self._mm, np.uint8, spec.num_ranks, _MASK)  # shrink groups
+        self._mask = np.frombuffer(self._mm, np.uint8, spec.num_ranks, MASK)  # shrink groups
         self._stopped: str | None = None  # this rank went away (shrink groups): why
         # A replacement taking the place of a rank that went away: it waits for the group's
         # Rejoin collective before it takes part (its collective number comes from there).
@@ -512,7 +284,7 @@ class CpuRankComm(RankComm):
 
     # -- shared-memory plumbing ------------------------------------------------------------
     def _slot_array(self, rank: int, field: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        off = _HEADER_BYTES + rank * self._slot.size + getattr(self._slot, field)
+        off = HEADER_BYTES + rank * self._slot.size + getattr(self._slot, field)
         return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._mm, offset=off)
 
     def _meta(self, rank: int) -> np.ndarray:
@@ -567,7 +339,7 @@ class CpuRankComm(RankComm):
     supports_rank_masking = True
 
     def _mask_seen(self, rank: int) -> np.ndarray:
-        off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _MASK_SEEN
+        off = HEADER_BYTES + rank * self._slot.size + self._slot.meta + MASK_SEEN
         return np.ndarray((self.spec.num_ranks,), dtype=np.uint8, buffer=self._mm, offset=off)
 
     def _left_out(self, seq: int) -> tuple[list[int] | None, np.ndarray]:
@@ -686,8 +458,8 @@ class CpuRankComm(RankComm):
             time.sleep(20e-6 if spins < 5000 else 200e-6)
 
     def _call_words(self, rank: int) -> np.ndarray:
-        off = _HEADER_BYTES + rank * self._slot.size + self._slot.meta + _CALL
-        return np.ndarray((_CALL_WORDS,), dtype=np.int64, buffer=self._mm, offset=off)
+        off = HEADER_BYTES + rank * self._slot.size + self._slot.meta + CALL
+        return np.ndarray((CALL_WORDS,), dtype=np.int64, buffer=self._mm, offset=off)
 
     def _take_part(self, seq: int, call: CallHeader, write_inputs) -> None:
         """Step 2 of the protocol: this rank's inputs into its slot, its call header, its
@@ -701,8 +473,8 @@ class CpuRankComm(RankComm):
         try:
             write_inputs()
         except Exception as e:
-            raw = f"{type(e).__name__}: {e}".encode()[:_REASON_MAX]
-            off = _HEADER_BYTES + self.rank * self._slot.size + self._slot.meta + _REASON
+            raw = f"{type(e).__name__}: {e}".encode()[:REASON_MAX]
+            off = HEADER_BYTES + self.rank * self._slot.size + self._slot.meta + REASON
             np.frombuffer(self._mm, np.uint8, len(raw), off)[:] = np.frombuffer(raw, np.uint8)
             words[H_REASON_LEN] = len(raw)
             call.write(words, seq, REJECTED)
@@ -723,8 +495,8 @@ class CpuRankComm(RankComm):
         statuses = [int(w[H_STATUS]) for w in words]
         reasons = []
         for i, (s, w) in enumerate(zip(ranks, words, strict=True)):
-            n = min(max(int(w[H_REASON_LEN]), 0), _REASON_MAX) if statuses[i] == REJECTED else 0
-            off = _HEADER_BYTES + s * self._slot.size + self._slot.meta + _REASON
+            n = min(max(int(w[H_REASON_LEN]), 0), REASON_MAX) if statuses[i] == REJECTED else 0
+            off = HEADER_BYTES + s * self._slot.size + self._slot.meta + REASON
             reasons.append(bytes(self._mm[off:off + n]).decode(errors="replace"))
         calls = [CallHeader.read(w) for w in words]
         problem = call_disagreement([int(w[H_SEQ]) for w in words], calls, statuses, reasons,

@@ -19,10 +19,8 @@ CuPy has no bfloat16 or float8 dtype: such arrays are handled as uint16 / uint8 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import logging
-import os
 import secrets
 import threading
 import time
@@ -34,14 +32,12 @@ from typing import Any
 import numpy as np
 
 from ...proto import abi, counter_page, cuda_driver, dtypes, spin
-from ...proto import fd_channel as fdc
 from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
     EpdError,
     InvalidArgument,
     ResourceExhausted,
-    Unavailable,
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
@@ -67,6 +63,14 @@ from .base import (
     check_combine_routing,
 )
 from .cuda_chain import LowLatencyChain
+from .cuda_memory import (
+    CounterSlot,
+    DeviceRegion,
+    DeviceWords,
+    HostControlWords,
+    MappedCounterPage,
+    storage_dtype,
+)
 from .cuda_plan import CudaPlanner, decode_plan, membership_layout, peer_table
 from .cuda_quiet import QuietCloser
 
@@ -95,132 +99,6 @@ def _launches(method: Callable[..., Any]) -> Callable[..., Any]:
                     log.error("group %r: the abort failed as well: %s", self.spec.name, again)
                 raise
     return wrapper
-
-
-def storage_dtype(dt: np.dtype) -> np.dtype:
-    """The CuPy dtype that holds a logical dtype's bits."""
-    dt = np.dtype(dt)
-    if dt == dtypes.BFLOAT16:
-        return np.dtype(np.uint16)
-    if dt == dtypes.FLOAT8_E4M3:
-        return np.dtype(np.uint8)
-    return dt
-
-
-class DeviceRegion(Region):
-    """Device memory at `ptr` (a client's IPC allocation, or the engine's heap)."""
-
-    def __init__(self, region_id: str, ptr: int, size: int, device: int, *,
-                 closer: QuietCloser | None = None, ipc_handle: bytes = b"") -> None:
-        super().__init__(region_id, size)
-        self.ptr, self.device = ptr, device
-        self.ipc_handle = ipc_handle
-        self._closer = closer  # an IPC mapping's (None: the engine's own memory)
-
-    def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,
-             strides: tuple[int, ...]) -> Any:
-        sd = storage_dtype(dtype)
-        extent = 1 + sum((d - 1) * s for d, s in zip(shape, strides, strict=True)) \
-            if all(shape) else 0
-        mem = cp.cuda.UnownedMemory(self.ptr + offset, max(extent * sd.itemsize, 1), self,
-                                    self.device)
-        return cp.ndarray(shape, sd, memptr=cp.cuda.MemoryPointer(mem, 0),
-                          strides=tuple(s * sd.itemsize for s in strides))
-
-    def typed(self, offset: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        dt = np.dtype(dtype)
-        strides, acc = [], 1
-        for d in reversed(shape):
-            strides.append(acc)
-            acc *= max(d, 1)
-        return self.view(offset, shape, dt, tuple(reversed(strides)))
-
-    def offset_of(self, array: Any) -> int:
-        return int(array.data.ptr) - self.ptr
-
-    def close(self) -> None:
-        if self._closer is not None and self.ptr:
-            # when no kernel is in flight (cuda_quiet.py)
-            self._closer.close_later(functools.partial(ipc_close, self.device, self.ptr))
-        self.ptr = 0
-
-
-def ipc_close(device: int, ptr: int) -> None:
-    """Unmap a CUDA IPC mapping (QuietCloser calls it when the engine is quiet); a failure is
-    logged, not raised (the closer goes on with the next)."""
-    from cuda.bindings import runtime as cudart
-
-    with cp.cuda.Device(device):
-        err, = cudart.cudaIpcCloseMemHandle(ptr)
-    if err != cudart.cudaError_t.cudaSuccess:
-        log.warning("cudaIpcCloseMemHandle(%#x) failed: %s", ptr, err)
-
-
-class _Slot(np.ndarray):
-    """Host int64 words of a counter slot, with the device pointer the notify kernel writes."""
-
-    device_ptr: int = 0
-
-
-class DeviceWords:
-    """Synchronous host reads and writes of 64-bit words in device memory (any engine's control
-    block on this node: device addresses through NVSHMEM's peer mappings). CudaRankComm's
-    `device_words`; tests of the host protocols over control words put memory of their own."""
-
-    @staticmethod
-    def read(addr: int) -> int:
-        out = np.zeros(1, np.uint64)
-        cp.cuda.runtime.memcpy(out.ctypes.data, addr, 8, cp.cuda.runtime.memcpyDeviceToHost)
-        return int(out[0])
-
-    @staticmethod
-    def write(addr: int, values: list[int]) -> None:
-        v = np.array(values, np.uint64)
-        cp.cuda.runtime.memcpy(addr, v.ctypes.data, v.nbytes,
-                               cp.cuda.runtime.memcpyHostToDevice)
-
-
-class MappedCounterPage(CounterPage):
-    def __init__(self, device: int, closer: QuietCloser) -> None:
-        from cuda.bindings import runtime as cudart
-
-        # A sealed memfd (shmem, like a /dev/shm file), fetched by the client as "counters".
-        self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
-        try:
-            self._mm = fdc.map_fd(self.fd, counter_page.PAGE_BYTES)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
-        with cp.cuda.Device(device):
-            flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
-            err, = cudart.cudaHostRegister(self._addr, counter_page.PAGE_BYTES, flags)
-            if err != cudart.cudaError_t.cudaSuccess:
-                raise Unavailable(f"cudaHostRegister of the counter page failed: {err}")
-            err, dptr = cudart.cudaHostGetDevicePointer(self._addr, 0)
-            if err != cudart.cudaError_t.cudaSuccess:
-                raise Unavailable(f"cudaHostGetDevicePointer failed: {err}")
-        self.device_ptr = int(dptr)
-        self._cudart = cudart
-        self._closer = closer
-
-    def slot(self, index: int) -> _Slot:
-        words = counter_page.slot_words(self._mm, index).view(_Slot)
-        words.device_ptr = self.device_ptr + index * counter_page.SLOT_BYTES
-        return words
-
-    def close(self) -> None:
-        # Unregistering pinned memory waits for the device like an IPC close: when quiet.
-        self._closer.close_later(self._close_now)
-
-    def _close_now(self) -> None:
-        if self._addr:
-            self._cudart.cudaHostUnregister(self._addr)  # before the unmap, never after
-            self._addr = 0
-        fdc.close_mapping(self._mm)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def _overwritten(sequence: int, buffer: int, latest: int) -> str:
@@ -272,88 +150,6 @@ class _PreparedCombine:
     done: Any
     dispatch: _PreparedDispatch
     out: Any
-
-
-class HostControlWords:
-    """The engine's host words (cuda/epd_common.cuh, CTRL_HOST_WORDS): per group-rank, an abort
-    code and the ranks that went away, in mapped pinned host memory that the kernels' waits
-    poll. The host writes them directly, with no GPU work: a kernel or copy the engine queued
-    to write the control block can wait behind a parked client stream that shares its hardware
-    queue (MPS), while the kernels it should release keep that client waiting: a deadlock
-    until a deadline. The control block's words are still written (by kernels, not awaited)
-    for the ranks on other engines, which poll their own engine's words."""
-
-    SLOTS = 4096  # group-ranks of one engine at once
-    WORDS = 2
-
-    def __init__(self, device: int) -> None:
-        from cuda.bindings import runtime as cudart
-
-        n = self.SLOTS * self.WORDS * 8
-        with cp.cuda.Device(device):
-            flags = cudart.cudaHostAllocMapped | cudart.cudaHostAllocPortable
-            err, ptr = cudart.cudaHostAlloc(n, flags)
-            if err != cudart.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaHostAlloc of the host control words failed: {err}")
-            err, dptr = cudart.cudaHostGetDevicePointer(ptr, 0)
-            if err != cudart.cudaError_t.cudaSuccess:
-                raise RuntimeError(f"cudaHostGetDevicePointer failed: {err}")
-        self._ptr, self._dptr, self._cudart = int(ptr), int(dptr), cudart
-        buf = (ctypes.c_uint64 * (self.SLOTS * self.WORDS)).from_address(self._ptr)
-        self.words = np.frombuffer(buf, np.uint64).reshape(self.SLOTS, self.WORDS)
-        self.words[:] = 0
-        self._free = list(range(self.SLOTS - 1, -1, -1))
-        self._groups: dict[int, set[int]] = {}  # group key (heap offset) -> its slots here
-        self._lock = threading.Lock()
-
-    def acquire(self, group: int) -> int:
-        with self._lock:
-            if not self._free:
-                raise ResourceExhausted(f"more than {self.SLOTS} group-ranks on one engine")
-            slot = self._free.pop()
-            self.words[slot] = 0
-            self._groups.setdefault(group, set()).add(slot)
-            return slot
-
-    def release(self, group: int, slot: int) -> None:
-        with self._lock:
-            self.words[slot] = 0
-            self._groups.get(group, set()).discard(slot)
-            if not self._groups.get(group, True):
-                del self._groups[group]
-            self._free.append(slot)
-
-    def device_ptr(self, slot: int) -> int:
-        return self._dptr + slot * self.WORDS * 8
-
-    def abort(self, group: int, code: int) -> None:
-        """Every rank of the group on this engine sees the abort (the first code stays)."""
-        with self._lock:
-            for slot in self._groups.get(group, ()):
-                if self.words[slot, abi.HOST_WORD_ABORT] == 0:
-                    self.words[slot, abi.HOST_WORD_ABORT] = code
-
-    def mark_gone(self, group: int, rank: int) -> None:
-        with self._lock:
-            for slot in self._groups.get(group, ()):
-                self.words[slot, abi.HOST_WORD_GONE] |= np.uint64(1 << rank)
-
-    def unmark_gone(self, group: int, rank: int) -> None:
-        """A replacement rejoined in `rank`'s place."""
-        with self._lock:
-            for slot in self._groups.get(group, ()):
-                self.words[slot, abi.HOST_WORD_GONE] &= ~np.uint64(1 << rank)
-
-    def read(self, slot: int) -> tuple[int, int]:
-        """(abort code, gone ranks) of one slot."""
-        return (int(self.words[slot, abi.HOST_WORD_ABORT]),
-                int(self.words[slot, abi.HOST_WORD_GONE]))
-
-    def close(self) -> None:
-        if self._ptr:
-            self.words = None
-            self._cudart.cudaFreeHost(self._ptr)
-            self._ptr = 0
 
 
 class CudaRankComm(RankComm):
@@ -498,7 +294,7 @@ class CudaRankComm(RankComm):
             raise self.hierarchy.no_topk_error(self.spec.name)
 
     @_launches
-    def dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
+    def dispatch(self, args: DispatchArgs, counter_slot: CounterSlot, sequence: int,
                  deadline: float) -> DispatchOutputs:
         self._normal_mode("dispatch")
         self._no_topk_refused(args)
@@ -788,13 +584,13 @@ class CudaRankComm(RankComm):
             self.chain = None
 
     # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------
-    def _stream_begin(self, slot: _Slot, stream_seq: int) -> None:
+    def _stream_begin(self, slot: CounterSlot, stream_seq: int) -> None:
         """Order the rank's stream after the client's: a GPU-side wait for READY, no host wait."""
         word = slot.device_ptr + 4 * (abi.SLOT32_READY + stream_seq % abi.READY_RING)
         cuda_driver.stream_wait_geq(self.runner.stream.ptr, word, stream_seq)
         self._stream_issued = stream_seq
 
-    def _stream_end(self, slot: _Slot, stream_seq: int) -> None:
+    def _stream_end(self, slot: CounterSlot, stream_seq: int) -> None:
         done = self._done_launch
         if done is None or self._done_slot != slot.device_ptr:
             done = self._done_launch = self.backend.kernels.call_done_launch(
@@ -811,13 +607,13 @@ class CudaRankComm(RankComm):
                       self.rank, e)
             return False
 
-    def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
+    def stream_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: CounterSlot,
                       stream_seq: int) -> Callable[[], None]:
         self._normal_mode("layout")
         return functools.partial(self._launch_layout, topk_idx, out, counter_slot, stream_seq)
 
     @_launches
-    def _launch_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: _Slot,
+    def _launch_layout(self, topk_idx: Any, out: tuple[Any, Any, Any], counter_slot: CounterSlot,
                        stream_seq: int) -> None:
         s = self.runner.stream
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
@@ -827,7 +623,7 @@ class CudaRankComm(RankComm):
             self._stream_end(counter_slot, stream_seq)
 
     @_launches
-    def stream_dispatch(self, args: DispatchArgs, counter_slot: _Slot, sequence: int,
+    def stream_dispatch(self, args: DispatchArgs, counter_slot: CounterSlot, sequence: int,
                         deadline: float, stream_seq: int,
                         num_sms: int) -> tuple[DispatchOutputs, Callable[[], None]]:
         self._normal_mode("dispatch")
@@ -855,7 +651,7 @@ class CudaRankComm(RankComm):
                                           sequence, deadline, stream_seq, num_sms, prefix)
 
     @_launches
-    def _launch_dispatch(self, args: DispatchArgs, res: Any, counter_slot: _Slot,
+    def _launch_dispatch(self, args: DispatchArgs, res: Any, counter_slot: CounterSlot,
                          sequence: int, deadline: float, stream_seq: int, num_sms: int,
                          prefix: Any) -> None:
         runner = self.runner
@@ -875,13 +671,13 @@ class CudaRankComm(RankComm):
             self._stream_end(counter_slot, stream_seq)
 
     @_launches
-    def stream_pass(self, counter_slot: _Slot, stream_seq: int) -> None:
+    def stream_pass(self, counter_slot: CounterSlot, stream_seq: int) -> None:
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
             self._stream_end(counter_slot, stream_seq)
 
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
-                       counter_slot: _Slot, deadline: float, stream_seq: int,
+                       counter_slot: CounterSlot, deadline: float, stream_seq: int,
                        num_sms: int) -> Callable[[], None]:
         self._normal_mode("combine")
         return functools.partial(self._launch_combine, args, out, out_weights, counter_slot,
@@ -889,7 +685,7 @@ class CudaRankComm(RankComm):
 
     @_launches
     def _launch_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
-                        counter_slot: _Slot, deadline: float, stream_seq: int,
+                        counter_slot: CounterSlot, deadline: float, stream_seq: int,
                         num_sms: int) -> None:
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
@@ -900,7 +696,7 @@ class CudaRankComm(RankComm):
                                 num_sms=num_sms or self.num_sms)
             self._stream_end(counter_slot, stream_seq)
 
-    def release_stream(self, counter_slot: _Slot) -> None:
+    def release_stream(self, counter_slot: CounterSlot) -> None:
         """Let the stream pass every READY wait given to it (the client is gone or leaving):
         the host writes the ring itself. Raise the abort word first, or kernels that run then
         wait for peers until their deadline."""
