@@ -1,12 +1,13 @@
-"""The trigger of an armed low-latency op that runs on its member's GPU chain (cuda engine;
-server/backends/cuda_chain.py): one single-thread kernel on the caller's stream.
+"""The trigger of an armed low-latency op (cuda engine): one single-thread kernel on the
+caller's stream.
 
 It clears the op's done word, takes the member's next ring entry (the ring, its tail and head
-are int32 words of the chain slot in the session's counter page, mapped host memory), writes
-`entry` there and publishes `tail = k + 1`; the engine's chain stream, waiting on the GPU for
-that tail, runs the op. A kernel rather than stream memory writes because k is only known on
-the GPU: a CUDA graph replays the same writes, and the same kernel reads the tail anew each
-time. The ring holds 64 entries; when the chain is that far behind, the kernel waits for the
+are int32 words of the member's ring slot in the session's counter page, mapped host memory),
+writes `entry` there and publishes `tail = k + 1`; the engine's poller (server/engine/
+stream_ops.py), or the member's GPU chain waiting for that tail (server/backends/cuda_chain.py),
+runs the op, in ring order. A kernel rather than stream memory writes because k is only known
+on the GPU: a CUDA graph replays the same writes, and the same kernel reads the tail anew each
+time. The ring holds 64 entries; when the engine is that far behind, the kernel waits for the
 head (back-pressure) up to its deadline, then fails the call through the done word instead
 of overwriting an entry.
 """

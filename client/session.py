@@ -153,9 +153,11 @@ def service_class_name(value: int) -> str:
     return epd_pb2.ServiceClass.Name(value).lower() if value else ""
 
 
-def _chain(resp: epd_pb2.ArmStreamOpResponse, timeout: float) -> tuple[int, int, float] | None:
-    """(chain slot, entry, deadline) of an op armed on its member's GPU chain, else None."""
-    return (resp.chain_slot, resp.chain_entry, timeout) if resp.chained else None
+def _ring(resp: epd_pb2.ArmStreamOpResponse, timeout: float) -> tuple[int, int, float] | None:
+    """(ring slot, entry, deadline) of an op triggered through its member's ring (None: an
+    engine that reads a request word per op instead)."""
+    ringed = resp.chained or resp.ordered
+    return (resp.chain_slot, resp.chain_entry, timeout) if ringed else None
 
 
 def _check_timeout(t: float) -> float:
@@ -784,7 +786,7 @@ class Group:
         if resp.HasField("low_latency_dispatch_buffer1"):  # (an engine of one buffer: no)
             results.append(result(resp.low_latency_dispatch_buffer1))
         op = StreamOp(self, resp.op_id, resp.counter_slot, page, "dispatch", results, x,
-                      _chain(resp, self._timeout(timeout)))
+                      _ring(resp, self._timeout(timeout)))
         for r in results:
             r.handle = op
         s._stream_ops[op.op_id] = op
@@ -809,7 +811,7 @@ class Group:
             dispatch_op=dispatch_op.op_id)))
         result = out if out is not None else self._view(resp.combined_x, False, x)
         op = StreamOp(self, resp.op_id, resp.counter_slot, page, "combine",
-                      [result] * len(dispatch_op.results), x, _chain(resp, self._timeout(timeout)))
+                      [result] * len(dispatch_op.results), x, _ring(resp, self._timeout(timeout)))
         s._stream_ops[op.op_id] = op
         return op
 

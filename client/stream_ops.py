@@ -3,20 +3,23 @@
 An armed operation (`Group.arm_low_latency_dispatch` / `arm_low_latency_combine`) is validated
 by the engine once and has fixed inputs and outputs: the tensors given when arming are read at
 every trigger, and the outputs are the views returned then. `launch()` enqueues on the caller's
-CUDA stream, with stream memory operations on two words of the session's counter page:
+CUDA stream a trigger and a wait on the op's done word in the session's counter page:
 
-    write done = 0;  write request = 1 + b;  wait until done >= 1
+    trigger: done = 0; ring[tail % 64] = entry | b << 8; tail += 1;   wait until done >= 1
 
-The engine's poller sees the request, launches the kernels on its own stream, and its last
-kernel writes `done` (1 ok, 2 | code << 8 failed, 3 released: the session or engine went away).
-Nothing runs on the client's host, so the three operations can be captured into a CUDA graph
-and replayed. `signal()` and `wait()` are the two halves (DeepEP's `return_recv_hook`: the
-caller's stream can do other work in between). b is the receive buffer (0 or 1, DeepEP's double
-buffer): a dispatch triggered with b fills `results[b]`; a combine triggered with b brings back
-the dispatch that buffer holds. Two micro-batches in flight (D0 D1 C0 C1) use one buffer each.
+The trigger is one single-thread kernel (client/ll_trigger.py) appending to the ring of the
+op's group member: the engine runs a member's calls in the order its triggers reached the GPU
+(server/engine/stream_ops.py says why the order matters), launches the kernels on its own
+stream, and its last kernel writes `done` (1 ok, 2 | code << 8 failed, 3 released: the
+session or engine went away). Nothing runs on the client's host, so both can be captured into
+a CUDA graph and replayed. `signal()` and `wait()` are the two halves (DeepEP's
+`return_recv_hook`: the caller's stream can do other work in between). b is the receive buffer
+(0 or 1, DeepEP's double buffer): a dispatch triggered with b fills `results[b]`; a combine
+triggered with b brings back the dispatch that buffer holds. Two micro-batches in flight (D0 D1
+C0 C1) use one buffer each.
 
 Contract: one trigger of an op in flight at a time (a replay's wait ends before the next
-replay's write); the same triggers with the same buffers in the same order on every rank;
+replay's trigger); the same triggers with the same buffers in the same order on every rank;
 inputs must be complete on the stream before `launch()` (stream order gives that); a dispatch's
 outputs are valid after it until the next dispatch into the same buffer, a combine's until the
 next combine.
@@ -45,11 +48,12 @@ DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_REL
 class StreamOp:
     def __init__(self, group: Group, op_id: int, slot: int, page_device_ptr: int, kind: str,
                  results: list[Any], template: Array,
-                 chain: tuple[int, int, float] | None = None) -> None:
+                 ring: tuple[int, int, float] | None = None) -> None:
         """`page_device_ptr`: the counter page as this process's streams address it (the
         session's `memory.counter_page_device_ptr()`); `results[b]`: the outputs of a trigger
-        with receive buffer b; `chain`: (chain slot, entry, deadline in seconds) when the op
-        runs on its member's GPU chain (client/ll_trigger.py)."""
+        with receive buffer b; `ring`: (ring slot, entry, deadline in seconds) when the op
+        is triggered through its member's ring (client/ll_trigger.py; None: an engine that
+        reads a request word per op, written here with stream memory operations)."""
         s = group._session
         self.group, self.op_id, self.kind, self.results = group, op_id, kind, results
         self._template = template
@@ -58,10 +62,10 @@ class StreamOp:
         self._words = counter_page.slot_words(s._counter_file.mm, slot).view(np.int32)
         base = page_device_ptr + slot * counter_page.SLOT_BYTES
         self._request, self._done = base + 4 * REQUEST, base + 4 * DONE
-        self._chain: tuple[int, int, float] | None = None
-        if chain is not None:
-            ring_slot, entry, timeout = chain
-            self._chain = (page_device_ptr + ring_slot * counter_page.SLOT_BYTES, entry, timeout)
+        self._ring: tuple[int, int, float] | None = None
+        if ring is not None:
+            ring_slot, entry, timeout = ring
+            self._ring = (page_device_ptr + ring_slot * counter_page.SLOT_BYTES, entry, timeout)
             ll_trigger.load(self._device)
         self.armed = True
 
@@ -82,8 +86,8 @@ class StreamOp:
         if not 0 <= buffer < len(self.results):
             raise FailedPrecondition(f"receive buffer {buffer}: this op has "
                                      f"{len(self.results)} (an engine of one buffer)")
-        if self._chain is not None:
-            ring, entry, timeout = self._chain
+        if self._ring is not None:
+            ring, entry, timeout = self._ring
             ll_trigger.trigger(h, self._device, self._done, ring, entry | buffer << 8, timeout)
             return h
         cuda_driver.stream_write(h, self._done, 0)

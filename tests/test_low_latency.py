@@ -636,9 +636,32 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     assert len(launched) == 2
 
 
-def test_stream_op_poller_reports_how_late_it_saw_a_doorbell() -> None:
+def _ringed(ops, op, ring=None):
+    """Register `op` with the poller and its member's trigger ring (made in a stand-in slot of
+    1024 words when `ring` is None); returns the ring."""
+    from epd.server.engine import stream_ops as S
+
+    if ring is None:
+        ring = S.Ring(op.member, 9, np.zeros(1024, np.uint32))
+        ops.rings[id(op.member)] = ring
+    op.entry = ring.take(op)
+    ops.ops[op.op_id] = op
+    op.session.stream_ops[op.op_id] = op
+    return ring
+
+
+def _trigger(ring, value: int) -> None:
+    """What the client's trigger kernel does: append an entry, publish the tail."""
+    from epd.proto import abi
+
+    tail = int(ring.words[abi.LL_RING_TAIL])
+    ring.words[tail % abi.LL_RING] = value
+    ring.words[abi.LL_RING_TAIL] = (tail + 1) & 0xFFFFFFFF
+
+
+def test_stream_op_poller_reports_how_late_it_saw_a_trigger() -> None:
     """The poller's detection gap (epd_stream_op_detect_seconds): with the poller sleeping 30 ms
-    between looks (no spin), a doorbell rung meanwhile is seen up to one sleep later, and the
+    between looks (no spin), a trigger appended meanwhile is seen up to one sleep later, and the
     gap it reports is that sleep, not the microseconds of the launch."""
     import threading
     import types
@@ -648,16 +671,16 @@ def test_stream_op_poller_reports_how_late_it_saw_a_doorbell() -> None:
     from epd.server.engine import stream_ops as S
 
     launched = threading.Event()
-    op, _, _, _, words = _stand_in_op("detect-g", lambda p, b: launched.set())
+    op, _, _, _, _ = _stand_in_op("detect-g", lambda p, b: launched.set())
     engine = types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_poll_us=30_000))
     ops = S.StreamOps(engine)
-    ops.ops[1] = op
+    ring = _ringed(ops, op)
     ops._ensure_thread()
     try:
         time.sleep(0.1)  # the poller is in its 30 ms sleeps now
-        words[S.REQUEST] = 1
+        _trigger(ring, op.entry)
         assert launched.wait(5)
     finally:
         ops.stop()
@@ -667,3 +690,56 @@ def test_stream_op_poller_reports_how_late_it_saw_a_doorbell() -> None:
     gap = value("epd_stream_op_detect_seconds_sum", labels)
     assert 0.02 <= gap <= 1.0, gap
     assert value("epd_stream_op_launch_seconds_sum", labels) < 0.02
+
+
+def test_stream_op_poller_launches_in_trigger_order() -> None:
+    """A member's calls are launched in the order their triggers reached the GPU, whatever the
+    order the ops were armed in (the peers pair calls by sequence: D1 launched before D0 on one
+    rank mixed two micro-batches on an H200); each entry's buffer reaches the launch; the head
+    follows; an entry of a disarmed op (also once its index is reused) or a released entry
+    launches nothing."""
+    import types
+
+    from epd.proto import abi
+    from epd.server.engine import stream_ops as S
+
+    launched: list = []
+    d0, _, member, session, _ = _stand_in_op("order-g", lambda p, b: launched.append((p, b)))
+    session.free_slots = []
+    words1 = np.zeros(8, np.int32)
+    d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, words1, "d1")
+    ops = S.StreamOps(types.SimpleNamespace(index=0))
+    ring = _ringed(ops, d0)
+    _ringed(ops, d1, ring)
+    # D1 (buffer 1) reached the GPU first, then D0 (buffer 0), then D1 again into buffer 0
+    for value in (d1.entry | 1 << 8, d0.entry, d1.entry):
+        _trigger(ring, value)
+    assert ops._run_ring(ring, 0.0)
+    assert launched == [("d1", 1), ("prepared", 0), ("d1", 0)]
+    assert ring.head == 3 and ring.words[abi.LL_RING_HEAD] == 3
+    assert not ops._run_ring(ring, 0.0)  # nothing new
+
+    stale = d1.entry
+    ops._remove(d1)
+    d2 = S.StreamOp(3, S.KIND_DISPATCH, session, member, None, 4, words1, "d2")
+    _ringed(ops, d2, ring)
+    other_gen = d2.entry ^ 3 << 16  # d2's index, another generation (a reused index's old op)
+    for value in (stale, other_gen, abi.LL_ENTRY_RELEASED, d2.entry | 1 << 8):
+        _trigger(ring, value)
+    ops._run_ring(ring, 0.0)
+    assert launched[3:] == [("d2", 1)]
+    assert ring.head == 7
+
+    ring.head = ring.words[abi.LL_RING_HEAD] = ring.words[abi.LL_RING_TAIL] = 0xFFFFFFFF
+    _trigger(ring, d0.entry | 1 << 8)  # the positions wrap at 2**32
+    _trigger(ring, d2.entry)
+    ops._run_ring(ring, 0.0)
+    assert launched[4:] == [("prepared", 1), ("d2", 0)] and ring.head == 1
+
+    # the member's last op gone: the ring goes and its slot is free again; a look at the
+    # ring after that writes nothing into the slot
+    ops._remove(d0)
+    ops._remove(d2)
+    assert id(member) not in ops.rings and sorted(session.free_slots) == [3, 4, 4, 9]
+    _trigger(ring, d0.entry)
+    assert not ops._run_ring(ring, 0.0) and ring.words[abi.LL_RING_HEAD] == 1

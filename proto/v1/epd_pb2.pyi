@@ -579,7 +579,7 @@ class ArmStreamOpRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ...) -> None: ...
 
 class ArmStreamOpResponse(_message.Message):
-    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry")
+    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry", "ordered")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
@@ -588,6 +588,7 @@ class ArmStreamOpResponse(_message.Message):
     CHAINED_FIELD_NUMBER: _ClassVar[int]
     CHAIN_SLOT_FIELD_NUMBER: _ClassVar[int]
     CHAIN_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    ORDERED_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     counter_slot: int
     low_latency_dispatch: LowLatencyDispatchResponse
@@ -596,7 +597,8 @@ class ArmStreamOpResponse(_message.Message):
     chained: bool
     chain_slot: int
     chain_entry: int
-    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., chained: _Optional[bool] = ..., chain_slot: _Optional[int] = ..., chain_entry: _Optional[int] = ...) -> None: ...
+    ordered: bool
+    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., chained: _Optional[bool] = ..., chain_slot: _Optional[int] = ..., chain_entry: _Optional[int] = ..., ordered: _Optional[bool] = ...) -> None: ...
 
 class DisarmStreamOpRequest(_message.Message):
     __slots__ = ("session_id", "op_id")

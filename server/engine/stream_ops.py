@@ -2,19 +2,29 @@
 
 A client arms an operation once over gRPC (validated like the call itself, apart from the
 values of topk_idx, which are only ready when the client's stream gets there). Each armed op owns
-a slot of the session's counter page, which the client's CUDA context maps too; int32 word 0 is
-the request doorbell, word 1 the done word. The client's stream writes `done = 0`,
-`request = 1 + b` and waits for `done >= 1` (stream memory operations, capturable); b is the
-receive buffer (0 or 1) a dispatch fills, or whose dispatch a combine brings back. One poller
-thread per engine watches the doorbells of every armed op: it clears the doorbell, launches the
-op's kernels on the rank's stream without any host synchronisation, and a last kernel writes
-`done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
-`stream_op_spin_us` after the last trigger, then polls every `stream_op_poll_us`.
+a slot of the session's counter page, which the client's CUDA context maps too; int32 word 1 is
+its done word. Each member with armed ops also owns a **trigger ring** in another slot (int32
+`ring[LL_RING]`, tail, head): a trigger is the client's one-thread kernel (client/ll_trigger.py)
+on the caller's stream, which writes `done = 0`, appends `entry | b << 8` (the op's entry, b the
+receive buffer, 0 or 1) and publishes the new tail; the stream then waits for `done >= 1`. One
+poller thread per engine reads every ring from its head to its tail, **in the order the
+member's calls reached the GPU**, launches each op's kernels on the rank's stream without any
+host synchronisation, and advances the head; a last kernel writes `done` (1 ok, 2 | code << 8
+failed). A GPU cannot wake a futex, so the poller spins for `stream_op_spin_us` after the last
+trigger, then polls every `stream_op_poll_us`.
+
+Why a ring and not a doorbell word per op (the first design): two triggers can land between
+two looks of the poller (D0 D1 of DeepEP's two micro-batches in a replayed CUDA graph are
+written microseconds apart), and a poller scanning doorbells cannot tell which came first. The
+ranks of a group must launch their calls in the same order, since each call's kernels pair with
+the peers' calls of the same sequence number: a rank that launched D1 before D0 paired its
+buffer-1 dispatch with its peers' buffer-0 one (receive counts of one micro-batch mixed with
+the other's; seen on an H200). The ring keeps the stream's order, as the GPU chain always did.
 
 With `--ll-chain` (experimental, off by default) a member's armed ops run on its GPU chain
-instead (server/backends/cuda_chain.py): arming writes a descriptor, the client's trigger kernel
-publishes each call in the member's ring, and this thread only keeps the chain's instances
-enqueued (`_top_up`). All of a member's armed ops take one path, fixed by its first arming.
+instead (server/backends/cuda_chain.py): the same ring, read by kernels enqueued ahead, and this
+thread only keeps the chain's instances enqueued (`_top_up`). All of a member's armed ops take
+one path, fixed by its first arming.
 
 The poller launches under the session executor's operation lock (`Session.op_lock`), like any
 other operation of the session; a session's teardown releases its ops (`armed = False`) under
@@ -52,6 +62,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.engine")
 REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE  # int32 words of the op's counter slot
+MASK32 = 0xFFFFFFFF  # ring positions are uint32 and wrap
 DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
 KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
 IDLE_WAIT_SECONDS = 1.0  # the poller's sleep with nothing armed (arming wakes it)
@@ -73,16 +84,58 @@ class StreamOp:
     armed: bool = field(default=True)
     latency: bool = False  # of a latency-class group: the pacer holds throughput calls for it
     chained: Any = None  # its descriptor in the member's chain (cuda_chain.ChainOp), or None
+    entry: int = 0  # its entry in the member's ring (the trigger adds the buffer)
 
 
 @dataclass
-class Chain:
-    """A member's low-latency chain (the backend's) and the session's counter slot of its
-    ring."""
+class Ring:
+    """A member's trigger ring (int32 words of the session's counter slot `slot`): entries are
+    `index | buffer << 8 | generation << 16`, appended by the client's trigger kernels in its
+    stream's order. Read by the member's GPU chain (`chain`), or by the poller, which keeps the
+    ops by entry index here."""
 
     member: GroupMember
-    chain: Any  # cuda_chain.LowLatencyChain
     slot: int
+    words: np.ndarray  # uint32 view of the slot (host)
+    chain: Any = None  # cuda_chain.LowLatencyChain, or None: the poller runs the entries
+    ops: dict[int, StreamOp] = field(default_factory=dict)  # poller: by entry index
+    gens: list[int] = field(default_factory=lambda: [0] * abi.LL_CHAIN_OPS)
+    free: list[int] = field(default_factory=lambda: list(range(abi.LL_CHAIN_OPS)))
+    head: int = 0  # poller: the next position to run
+
+    def take(self, op: StreamOp) -> int:
+        """A poller op's entry (a stale entry of an earlier op at the same index runs nothing:
+        the generation differs)."""
+        if not self.free:
+            raise ResourceExhausted(f"a member holds at most {abi.LL_CHAIN_OPS} armed ops")
+        index = self.free.pop(0)
+        gen = self.gens[index] = (self.gens[index] % 0xFFFF) + 1
+        self.ops[index] = op
+        return index | gen << 16
+
+    def release(self, op: StreamOp) -> None:
+        if self.chain is not None:
+            if op.chained is not None:
+                self.chain.remove(op.chained)
+            return
+        index = op.entry & 0xFF
+        if self.ops.get(index) is op:
+            del self.ops[index]
+            self.free.append(index)
+
+    def op_of(self, entry: int) -> StreamOp | None:
+        """The armed op an entry names (None: released, stale, or not an entry at all)."""
+        index = entry & 0xFF
+        op = self.ops.get(index)
+        if op is None or entry >> 16 != self.gens[index]:
+            return None
+        return op
+
+    def pending(self) -> bool:
+        """Whether a trigger waits for its launch."""
+        if self.chain is not None:
+            return bool(self.chain.busy())
+        return int(self.words[abi.LL_RING_TAIL]) != self.head
 
 
 class StreamOps:
@@ -91,7 +144,7 @@ class StreamOps:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.ops: dict[int, StreamOp] = {}
-        self.chains: dict[int, Chain] = {}  # by id(member)
+        self.rings: dict[int, Ring] = {}  # by id(member)
         self._batch: metrics.Batch | None = None  # the poller thread's metric updates
         self._next_id = 1
         self._lock = threading.Lock()
@@ -139,6 +192,11 @@ class StreamOps:
                 view = member.comm.low_latency_combine_view(int(d.x.shape[0]))
                 resp.combined_x.CopyFrom(tensors.describe(view, member.comm.output_region,
                                                           member.spec.x_dtype))
+        if id(member) not in self.rings and len(session.free_slots) < 2:
+            raise ResourceExhausted(
+                f"{session.describe()} has no free counter slot for the trigger ring of group "
+                f"{member.spec.name!r} (its first armed op needs two; at most "
+                f"{counter_page.NUM_SLOTS} groups, rings and armed ops together)")
         slot = session.free_slots[0]
         page = session.counter_page.slot(slot)
         done_ptr = int(page.device_ptr) + 4 * DONE
@@ -152,27 +210,32 @@ class StreamOps:
         words = page.view(np.int32)
         words[REQUEST] = 0
         words[DONE] = DONE_OK
-        chain = self._chain_for(session, member)
-        chained = None
-        if chain is not None:
-            try:
-                chained = chain.chain.add(prepared, done_ptr,
-                                          src.chained if src is not None else None)
-            except BaseException:
-                session.free_slots.append(slot)
-                raise
-            resp.chained, resp.chain_slot, resp.chain_entry = True, chain.slot, chained.entry
+        op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
+                      latency=member.service_class == service_classes.LATENCY)
+        try:
+            ring = self._ring_for(session, member)
+            if ring.chain is not None:
+                op.chained = ring.chain.add(prepared, done_ptr,
+                                            src.chained if src is not None else None)
+                op.entry = op.chained.entry
+            else:
+                with self._lock:  # (the poller reads ring.ops)
+                    op.entry = ring.take(op)
+        except BaseException:
+            session.free_slots.append(slot)
+            self._drop_unused_ring(session, member)  # (one made for this op)
+            raise
+        resp.chained, resp.ordered = ring.chain is not None, True
+        resp.chain_slot, resp.chain_entry = ring.slot, op.entry
         with self._lock:
-            op = StreamOp(self._next_id, kind, session, member, args, slot, words, prepared,
-                          dispatch_op=src,
-                          latency=member.service_class == service_classes.LATENCY,
-                          chained=chained)
+            op.op_id = self._next_id
             self._next_id += 1
             self.ops[op.op_id] = op
         session.stream_ops[op.op_id] = op
         self._ensure_thread()
         resp.op_id, resp.counter_slot = op.op_id, slot
-        log.info("%s armed %s op %d (slot %d)", session.describe(), kind, op.op_id, slot)
+        log.info("%s armed %s op %d (slot %d, ring slot %d)", session.describe(), kind,
+                 op.op_id, slot, ring.slot)
         return resp
 
     def disarm(self, session: Session, op_id: int) -> None:
@@ -201,55 +264,62 @@ class StreamOps:
         with op.session.op_lock, self._lock:  # never while the poller launches it
             op.armed = False
             self.ops.pop(op.op_id, None)
-            chain = self.chains.get(id(op.member))
-            if chain is not None and op.chained is not None:
-                chain.chain.remove(op.chained)
-            last = chain is not None and not any(o.member is op.member
-                                                 for o in self.ops.values())
-            if last:
-                self.chains.pop(id(op.member), None)
+            ring = self.rings.get(id(op.member))
+            if ring is not None:
+                ring.release(op)
         op.session.stream_ops.pop(op.op_id, None)
         op.session.free_slots.append(op.slot)
-        if last:  # the member's last op: drain its chain (outside the locks: it may wait)
-            assert chain is not None
-            op.member.comm.close_chain(self.engine.config.timeout_seconds)
-            op.session.free_slots.append(chain.slot)
+        self._drop_unused_ring(op.session, op.member)
 
-    def _chain_for(self, session: Session, member: GroupMember) -> Chain | None:
-        """The member's chain: made with its first armed op (all of a member's armed ops run
-        on the chain or all on the poller, since the two keep their sequences apart), when
-        the engine allows one more and the session has a slot for its ring."""
+    def _drop_unused_ring(self, session: Session, member: GroupMember) -> None:
+        """The member's last op is gone: its ring goes (a chain drained, outside the lock: it
+        may wait) and its slot is free again."""
         with self._lock:
-            chain = self.chains.get(id(member))
-            if chain is not None or any(o.member is member for o in self.ops.values()):
-                return chain
+            ring = self.rings.get(id(member))
+            if ring is None or any(o.member is member for o in self.ops.values()):
+                return
+            self.rings.pop(id(member))
+        if ring.chain is not None:
+            member.comm.close_chain(self.engine.config.timeout_seconds)
+        session.free_slots.append(ring.slot)
+
+    def _ring_for(self, session: Session, member: GroupMember) -> Ring:
+        """The member's trigger ring, made with its first armed op in a free counter slot (the
+        caller checked there is one): run by its GPU chain when the engine allows one more
+        (all of a member's armed ops run on the chain or all on the poller, since the two keep
+        their sequences apart), else by the poller."""
+        with self._lock:
+            ring = self.rings.get(id(member))
+            if ring is not None:
+                return ring
             cfg = self.engine.config
-            if (not cfg.ll_chain or len(self.chains) >= cfg.ll_chain_members
-                    or not session.free_slots):
-                return None
+            chained = cfg.ll_chain and sum(r.chain is not None for r in self.rings.values()) \
+                < cfg.ll_chain_members
         slot = session.free_slots.pop(0)
         page = session.counter_page.slot(slot)
+        backend_chain = None
         try:
-            backend_chain = member.comm.open_chain(page.view(np.int32), int(page.device_ptr))
+            if chained:
+                backend_chain = member.comm.open_chain(page.view(np.int32),
+                                                       int(page.device_ptr))
         except BaseException:
             session.free_slots.append(slot)
             raise
+        words = page.view(np.uint32)
         if backend_chain is None:
-            session.free_slots.append(slot)
-            return None
-        chain = Chain(member, backend_chain, slot)
+            words[:abi.LL_RING_HEAD + 1] = 0  # (the chain clears its own)
+        ring = Ring(member, slot, words, backend_chain)
         with self._lock:
-            self.chains[id(member)] = chain
-        log.info("%s: group %r runs its armed low-latency ops on a GPU chain (slot %d)",
-                 session.describe(), member.spec.name, slot)
-        return chain
+            self.rings[id(member)] = ring
+        log.info("%s: group %r's armed low-latency ops run %s (ring in slot %d)",
+                 session.describe(), member.spec.name,
+                 "on a GPU chain" if backend_chain is not None else "by the poller", slot)
+        return ring
 
     def latency_rung(self) -> bool:
         """Whether an armed op of a latency group waits for its launch (the pacer asks)."""
-        return any(op.words[REQUEST] != 0 for op in list(self.ops.values())
-                   if op.latency) or any(
-            c.chain.busy() for c in list(self.chains.values())
-            if c.member.service_class == service_classes.LATENCY)
+        return any(r.pending() for r in list(self.rings.values())
+                   if r.member.service_class == service_classes.LATENCY)
 
     # -- the poller ---------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -280,23 +350,18 @@ class StreamOps:
         spin_s, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
         last = looked = time.perf_counter()
         while not self._stop:
-            ops = list(self.ops.values())
-            if not ops:  # nothing armed: sleep until an op is armed
+            rings = list(self.rings.values())
+            if not rings:  # nothing armed: sleep until an op is armed
                 self._flush_metrics()
                 self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 looked = time.perf_counter()
                 continue
-            fired = self._top_up()
+            fired = self._top_up(rings)
             start = time.perf_counter()
-            gap, looked = start - looked, start  # a doorbell seen now rang at most `gap` ago
-            for op in ops:
-                if op.chained is not None:
-                    continue
-                request = int(op.words[REQUEST])
-                if request != 0:
-                    op.words[REQUEST] = 0
-                    self._fire(op, request, gap)
+            gap, looked = start - looked, start  # a trigger seen now came at most `gap` ago
+            for ring in rings:
+                if ring.chain is None and self._run_ring(ring, gap):
                     fired = True
             now = time.perf_counter()
             if fired:
@@ -316,10 +381,30 @@ class StreamOps:
         if self._batch is not None:
             self._batch.flush()
 
-    def _top_up(self) -> bool:
+    def _run_ring(self, ring: Ring, gap: float) -> bool:
+        """Launch the calls appended to a poller ring since the last look, in its order; the
+        head goes past each entry as it is read (the trigger kernels wait for room by it)."""
+        ran = False
+        while True:
+            with self._lock:  # (a disarm frees the ring's slot under it: never write it after)
+                if self.rings.get(id(ring.member)) is not ring:
+                    return ran
+                if ring.head == int(ring.words[abi.LL_RING_TAIL]):
+                    return ran
+                entry = int(ring.words[ring.head % abi.LL_RING])
+                ring.head = (ring.head + 1) & MASK32
+                ring.words[abi.LL_RING_HEAD] = ring.head
+                op = ring.op_of(entry)
+            if op is not None:  # (else released, or a stale entry of a disarmed op)
+                self._fire(op, abi.REQUEST_BUFFER0 + (entry >> 8 & 0xFF), gap)
+                ran = True
+
+    def _top_up(self, rings: list[Ring]) -> bool:
         """Keep every chain's instances enqueued; count the calls the chains ran."""
         ran = False
-        for c in list(self.chains.values()):
+        for c in rings:
+            if c.chain is None:
+                continue
             try:
                 kinds = c.chain.top_up()
             except Exception:  # (a chain closing under it, a dead context): keep polling
@@ -337,8 +422,8 @@ class StreamOps:
         return ran
 
     def _fire(self, op: StreamOp, request: int, gap: float = 0.0) -> None:
-        """Launch an op whose doorbell rang with `request` (REQUEST_BUFFER0 + receive buffer),
-        seen `gap` seconds after the poller's previous look."""
+        """Launch an op triggered with `request` (REQUEST_BUFFER0 + the receive buffer in its
+        ring entry), seen `gap` seconds after the poller's previous look."""
         code = "OK"
         t0, cpu0 = time.perf_counter(), time.thread_time()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
