@@ -97,9 +97,9 @@ class Config:
                 "collector's walks (gc.freeze), which stop every thread serving calls; off: "
                 "the collector as CPython sets it (pauses: epd_engine_gc_pause_seconds)"})
     stream_op_spin_us: int = field(default=200, metadata={
-        "help": "stream-ordered calls: microseconds the engine polls armed doorbells without "
-                "sleeping after the last trigger (a GPU cannot wake a futex; then it polls "
-                "every stream_op_poll_us)"})
+        "help": "stream-ordered calls: microseconds the engine polls armed ops' trigger "
+                "rings without sleeping after the last trigger (a GPU cannot wake a futex; then "
+                "it polls every stream_op_poll_us)"})
     stream_op_poll_us: int = field(default=50, metadata={
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
     serial_enqueue: bool = field(default=True, metadata={

@@ -178,12 +178,12 @@ COMBINE_SECONDS = GroupHistogram("epd_combine_seconds", "Combine latency inside 
 LAYOUT_SECONDS = GroupHistogram("epd_layout_seconds", "get_dispatch_layout latency",
                            ["group", "path", "backend"], buckets=LATENCY_BUCKETS)
 STREAM_OP_LAUNCH_SECONDS = GroupHistogram(
-    "epd_stream_op_launch_seconds", "Stream-ordered calls: host time from seeing the doorbell "
+    "epd_stream_op_launch_seconds", "Stream-ordered calls: host time from seeing the trigger "
     "to the last kernel launched (the GPU time follows)", ["group", "kind"],
     buckets=LATENCY_BUCKETS)
 STREAM_OP_DETECT_SECONDS = GroupHistogram(
     "epd_stream_op_detect_seconds", "Stream-ordered calls: the poller's gap between its look "
-    "before a rung doorbell and the look that saw it (an upper bound of the detection delay; "
+    "before a trigger and the look that saw it (an upper bound of the detection delay; "
     "long when the poller slept or waited for the interpreter)", ["group", "kind"],
     buckets=LATENCY_BUCKETS)
 LL_CHAIN_SECONDS = Histogram(

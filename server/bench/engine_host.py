@@ -1,6 +1,6 @@
 """The engine's host time per armed low-latency op, read from the daemon's /metrics.
 
-`epd_stream_op_detect_seconds` (how late the engine's poller saw a rung doorbell, at most) and
+`epd_stream_op_detect_seconds` (how late the engine's poller saw a trigger, at most) and
 `epd_stream_op_launch_seconds` (its launch of the op's kernels) are the host hop of every
 stream-ordered low-latency call: the part a call through the daemon pays that an in-process
 library does not. Benchmarks read the totals before and after a timed phase and report the

@@ -8,7 +8,7 @@ throughput call that starts while latency work is in flight waits first, polling
 group is slowed, never stalled, and its peers' deadlines are far longer than the pause.
 
 Latency work in flight: a latency-class data call running on a session's thread (counted by
-`latency()`), or an armed latency op whose doorbell is rung or whose launch is running (the
+`latency()`), or an armed latency op whose trigger is pending or whose launch is running (the
 poller, server/engine/stream_ops.py). A call of a group whose session the engine does not know
 yet (refused a moment later) is not paced.
 """
