@@ -12,7 +12,8 @@
 #        beside the poller; one rank's rows answered and without waiting for the combine
 #   bash benchmarks/gpu_s15_run.sh ring   # armed low-latency ops triggered through a ring per
 #        member, in stream order (the fix of test_two_micro_batches_in_flight on the poller):
-#        every armed-op test, then the pools (poller, and the chain with its entry on the device)
+#        every armed-op test, then the pools on the poller (RING_CHAIN=1: and the chain with its
+#        entry on the device)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -50,14 +51,14 @@ case "${1:-}" in
     merge nowait
     ;;
   ring)
-    step ring 330 "tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain_plain.py \
+    step ring 270 "tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain_plain.py \
         tests/gpu/test_ll_chain.py tests/gpu/test_daemon.py tests/gpu/test_service_classes_gpu.py \
         tests/gpu/test_rank_masking_gpu.py -k 'low_latency or ll or micro or armed or graph \
         or masked or rejoin or concurrently or plain'"
     export POOLS_SECONDS=65
     pools poller_ring
-    pools chain_entry_ring --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 \
-        --daemon-env EPD_CHAIN_ENTRY=device
+    [ "${RING_CHAIN:-0}" = 1 ] && pools chain_entry_ring --serve-arg=--ll-chain \
+        --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 --daemon-env EPD_CHAIN_ENTRY=device
     merge_json pool pools_ring
     ;;
   *) echo "usage: $0 one|two|three|ring" >&2; exit 2 ;;
