@@ -139,8 +139,13 @@ def _overlapping(samples: list, other: list) -> list[float]:
 
 def _summary(times: list[float]) -> dict:
     a = np.asarray(times) * 1e6
-    return {"n": len(a), "p50_us": float(np.percentile(a, 50)) if len(a) else None,
-            "p99_us": float(np.percentile(a, 99)) if len(a) else None,
+
+    def pct(q: float) -> float | None:
+        return float(np.percentile(a, q)) if len(a) else None
+    # (p90, mean and max beside the targets' percentiles: the shape of a tail)
+    return {"n": len(a), "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
+            "mean_us": float(a.mean()) if len(a) else None,
+            "max_us": float(a.max()) if len(a) else None,
             "per_s": len(a) / max(float(np.sum(a)) * 1e-6, 1e-9)}
 
 
@@ -261,6 +266,9 @@ def main() -> int:
           f"prefill {rank0['prefill']['service_class']}")
     print(f"  decode pair   alone p50 {dec_alone['p50_us']:9.1f} us p99 {dec_alone['p99_us']:9.1f}"
           f" | under prefill p50 {dec_loaded['p50_us']:9.1f} p99 {dec_loaded['p99_us']:9.1f}")
+    print("  decode tails  " + " | ".join(
+        f"{name} p90 {d['p90_us']:.1f} mean {d['mean_us']:.1f} max {d['max_us']:.1f} us"
+        for name, d in (("alone", dec_alone), ("under prefill", dec_loaded))))
     print(f"  prefill       alone {pre_alone['per_s']:8.1f}/s | under decode "
           f"{pre_loaded['per_s']:8.1f}/s")
     if all(v is not None for h in host.values() for v in h.values()) and host:
