@@ -30,7 +30,7 @@ On the cpu backend calls return when their data has arrived, so `return_recv_hoo
 a hook that does nothing and `async_finish` has no effect. On the cuda backend, a call made
 while the current stream captures a CUDA graph, or with `return_recv_hook=True`, is
 stream-ordered (client/stream_ops.py): it is armed once per set of tensors, triggered from the
-stream with stream memory operations, and the hook enqueues the wait for its data. FP8
+stream by a trigger kernel, and the hook enqueues the wait for its data. FP8
 scales come in DeepEP's layout: float32 `[L, R*num_max, H/128]`, column-major in the last two
 dimensions; with `use_ue8m0` (which implies `round_scale`) the exponent bytes packed four to an
 int32, `[L, R*num_max, H/512]`, column-major too (deep_ep_compat.LowLatencyScales).

@@ -48,7 +48,8 @@ _P, _U32, _I64 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int64
 
 
 def load(device: int) -> None:
-    """Compile and load the kernel now (at arm time: never inside a CUDA graph capture)."""
+    """Compile and load the kernel now (when a group is made: never inside a CUDA graph
+    capture)."""
     compiled_kernel(_SOURCE, "epd_ll_trigger", device)
 
 

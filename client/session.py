@@ -472,9 +472,11 @@ class Group:
         self._pending_combine: tuple[PendingCall, int, int, float] | None = None
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None
-        if self._ordered:  # the copy-out kernel of dispatch, compiled here, not mid-call
-            from . import call_outputs, local_layout
+        if self._ordered:  # run-time kernels compiled here, not mid-call or in a capture:
+            # dispatch's copy-out, and the trigger of armed low-latency ops
+            from . import call_outputs, ll_trigger, local_layout
             call_outputs.load(session.device_ordinal)
+            ll_trigger.load(session.device_ordinal)
             if local_layout.enabled() and spec.num_ranks <= abi.MAX_RANKS:
                 self._local_layout = local_layout.build(self)
         # Ids of handles whose objects were collected (weakref.finalize appends, on any
@@ -772,7 +774,8 @@ class Group:
             num_experts=self.spec.num_experts, use_fp8=use_fp8, round_scale=round_scale,
             use_ue8m0=use_ue8m0, timeout_seconds=self._timeout(timeout), **d)
         resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
-            session_id=s.session_id, group_id=self.group_id, low_latency_dispatch=inner)))
+            session_id=s.session_id, group_id=self.group_id, low_latency_dispatch=inner,
+            ring_trigger=True)))
         def result(r: epd_pb2.LowLatencyDispatchResponse) -> LowLatencyDispatchResult:
             return LowLatencyDispatchResult(
                 recv_x=self._view(r.recv_x, False, x),
@@ -786,7 +789,7 @@ class Group:
         if resp.HasField("low_latency_dispatch_buffer1"):  # (an engine of one buffer: no)
             results.append(result(resp.low_latency_dispatch_buffer1))
         op = StreamOp(self, resp.op_id, resp.counter_slot, page, "dispatch", results, x,
-                      _ring(resp, self._timeout(timeout)))
+                      _ring(resp, self._timeout(timeout)), chained=resp.chained)
         for r in results:
             r.handle = op
         s._stream_ops[op.op_id] = op
@@ -808,10 +811,11 @@ class Group:
             timeout_seconds=self._timeout(timeout), **d)
         resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
             session_id=s.session_id, group_id=self.group_id, low_latency_combine=inner,
-            dispatch_op=dispatch_op.op_id)))
+            dispatch_op=dispatch_op.op_id, ring_trigger=True)))
         result = out if out is not None else self._view(resp.combined_x, False, x)
         op = StreamOp(self, resp.op_id, resp.counter_slot, page, "combine",
-                      [result] * len(dispatch_op.results), x, _ring(resp, self._timeout(timeout)))
+                      [result] * len(dispatch_op.results), x, _ring(resp, self._timeout(timeout)),
+                      chained=resp.chained)
         s._stream_ops[op.op_id] = op
         return op
 

@@ -1,8 +1,8 @@
 """The armed low-latency operations of one DeepEP `Buffer`, by the tensors they read.
 
 Every low-latency call on the cuda backend goes through an armed op (client/stream_ops.py): a
-call whose tensors were seen before costs three stream memory operations and no round trip to
-the daemon. Tensors are named by address *and* CUDA buffer id, so an allocation freed and
+call whose tensors were seen before costs a trigger kernel and a stream wait, and no round trip
+to the daemon. Tensors are named by address *and* CUDA buffer id, so an allocation freed and
 replaced at the same address arms a new op instead of reading through a stale mapping.
 
 Two kinds of entries:

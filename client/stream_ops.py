@@ -20,6 +20,8 @@ C0 C1) use one buffer each.
 
 Contract: one trigger of an op in flight at a time (a replay's wait ends before the next
 replay's trigger); the same triggers with the same buffers in the same order on every rank;
+a member's triggers ordered on the GPU (one stream, or streams ordered by events: two trigger
+kernels of one member running at once can take the same ring position, and one call is lost);
 inputs must be complete on the stream before `launch()` (stream order gives that); a dispatch's
 outputs are valid after it until the next dispatch into the same buffer, a combine's until the
 next combine.
@@ -48,14 +50,16 @@ DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_REL
 class StreamOp:
     def __init__(self, group: Group, op_id: int, slot: int, page_device_ptr: int, kind: str,
                  results: list[Any], template: Array,
-                 ring: tuple[int, int, float] | None = None) -> None:
+                 ring: tuple[int, int, float] | None = None, chained: bool = False) -> None:
         """`page_device_ptr`: the counter page as this process's streams address it (the
         session's `memory.counter_page_device_ptr()`); `results[b]`: the outputs of a trigger
         with receive buffer b; `ring`: (ring slot, entry, deadline in seconds) when the op
         is triggered through its member's ring (client/ll_trigger.py; None: an engine that
-        reads a request word per op, written here with stream memory operations)."""
+        reads a request word per op, written here with stream memory operations); `chained`:
+        the engine runs the ring on the member's GPU chain (--ll-chain), not its poller."""
         s = group._session
         self.group, self.op_id, self.kind, self.results = group, op_id, kind, results
+        self.chained = chained
         self._template = template
         self._device = s.device_ordinal
         assert s._counter_file is not None
@@ -66,7 +70,6 @@ class StreamOp:
         if ring is not None:
             ring_slot, entry, timeout = ring
             self._ring = (page_device_ptr + ring_slot * counter_page.SLOT_BYTES, entry, timeout)
-            ll_trigger.load(self._device)
         self.armed = True
 
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
@@ -139,8 +142,8 @@ def done_error(value: int, what: str) -> EpdError | None:
                   abi.ERR_BAD_INPUT: "an expert id was out of range or never dispatched",
                   abi.ERR_NOT_FILLED: "its receive buffer holds another dispatch (trigger "
                                       "the dispatch into that buffer first)",
-                  abi.ERR_RING_FULL: "the engine's chain ran no call for the whole deadline "
-                                     "(64 triggers pending)",
+                  abi.ERR_RING_FULL: "the engine ran none of its member's calls for the "
+                                     "whole deadline (64 triggers pending)",
                   255: "the engine could not launch it (see its log)"}.get(code, f"code {code}")
         return EpdError(grpc.StatusCode.ABORTED, f"{what} failed: {reason}")
     return None

@@ -74,7 +74,7 @@ ERR_WORST_OVERFLOW = 3
 ERR_BAD_INPUT = 4  # an expert id out of range, or a combine entry never dispatched
 ERR_BAD_COUNT = 5  # a negative num_tokens_per_expert of a dispatch without top-k
 ERR_NOT_FILLED = 6  # a chained combine whose receive buffer holds another dispatch (not run)
-ERR_RING_FULL = 7  # a chained trigger found no free ring entry before its deadline
+ERR_RING_FULL = 7  # a trigger found no free entry in its member's ring before its deadline
 # a source dispatched more tokens than max_tokens_per_rank: every rank fails the call alike
 # (counter slot: NUM_RECV = the largest token count, ERR_RANK = its rank); the group goes on
 ERR_CAPACITY = 8
@@ -82,7 +82,7 @@ ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
                ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
                ERR_NOT_FILLED: "the receive buffer holds another dispatch",
-               ERR_RING_FULL: "the chain's ring stayed full",
+               ERR_RING_FULL: "the member's trigger ring stayed full",
                ERR_CAPACITY: "more tokens than max_tokens_per_rank"}
 
 PHASE_NOTIFY = 1
@@ -121,22 +121,26 @@ READY_RING = 32
 SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 
 # -- stream-ordered ops: int32 words of the op's counter slot ----------------------------------
+# (STREAM_REQUEST: the request word of the earlier doorbell design, which the engine no longer
+# reads; the ring below replaced it. STREAM_DONE: the done word the op's last kernel writes.)
 STREAM_REQUEST, STREAM_DONE = 0, 1
-# A trigger writes request = REQUEST_BUFFER0 + b: the low-latency receive buffer b (0 or 1) the
-# dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).
+# The engine's launch takes request = REQUEST_BUFFER0 + b: the low-latency receive buffer b (0 or
+# 1, from the ring entry) the dispatch fills, or whose dispatch the combine brings back (DeepEP's
+# double buffer).
 REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
 LL_TOPK_HEADER = 16  # bytes before a receive buffer's topk copy: the dispatch's left-out set
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
 DONE_CODE_SHIFT = 8
 
-# -- the low-latency chain (cuda/epd_low_latency.cu, server/backends/cuda_chain.py) ------------
-# A member's chain slot: int32 ring[LL_RING] of entries (descriptor index | buffer << 8 |
-# generation << 16), then tail (published by the client's trigger kernel) and head (finished).
+# -- a member's trigger ring (client/ll_trigger.py; run by server/engine/stream_ops.py's poller
+# or the GPU chain, cuda/epd_low_latency.cu and server/backends/cuda_chain.py) ----------------
+# A member's ring slot: uint32 ring[LL_RING] of entries (op index | buffer << 8 | generation <<
+# 16), then tail (published by the client's trigger kernel) and head (run, or being run).
 LL_RING = 64
 LL_RING_TAIL = 64
 LL_RING_HEAD = 65
-LL_CHAIN_OPS = 64  # descriptors per member; an entry naming an index beyond runs nothing
+LL_CHAIN_OPS = 64  # armed ops per member; an entry naming an index beyond runs nothing
 LL_ENTRY_RELEASED = 0xFF  # the entry the engine writes to drain pending instances
 LLX_WORDS = 64  # u64 words of a descriptor (device memory)
 LLX_KIND = 0

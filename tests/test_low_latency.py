@@ -644,7 +644,7 @@ def _ringed(ops, op, ring=None):
     if ring is None:
         ring = S.Ring(op.member, 9, np.zeros(1024, np.uint32))
         ops.rings[id(op.member)] = ring
-    op.entry = ring.take(op)
+    op.entry = ops._take(ring, op)
     ops.ops[op.op_id] = op
     op.session.stream_ops[op.op_id] = op
     return ring
@@ -707,7 +707,7 @@ def test_stream_op_poller_launches_in_trigger_order() -> None:
     d0, _, member, session, _ = _stand_in_op("order-g", lambda p, b: launched.append((p, b)))
     session.free_slots = []
     words1 = np.zeros(8, np.int32)
-    d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, words1, "d1")
+    d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, words1, "d1")  # (slot 4)
     ops = S.StreamOps(types.SimpleNamespace(index=0))
     ring = _ringed(ops, d0)
     _ringed(ops, d1, ring)
@@ -721,14 +721,14 @@ def test_stream_op_poller_launches_in_trigger_order() -> None:
 
     stale = d1.entry
     ops._remove(d1)
-    d2 = S.StreamOp(3, S.KIND_DISPATCH, session, member, None, 4, words1, "d2")
+    d2 = S.StreamOp(3, S.KIND_DISPATCH, session, member, None, 5, words1, "d2")
     _ringed(ops, d2, ring)
-    other_gen = d2.entry ^ 3 << 16  # d2's index, another generation (a reused index's old op)
-    for value in (stale, other_gen, abi.LL_ENTRY_RELEASED, d2.entry | 1 << 8):
+    assert d2.entry & 0xFF == stale & 0xFF and d2.entry != stale  # d1's index, reused
+    for value in (stale, abi.LL_ENTRY_RELEASED, d2.entry | 1 << 8):
         _trigger(ring, value)
     ops._run_ring(ring, 0.0)
     assert launched[3:] == [("d2", 1)]
-    assert ring.head == 7
+    assert ring.head == 6
 
     ring.head = ring.words[abi.LL_RING_HEAD] = ring.words[abi.LL_RING_TAIL] = 0xFFFFFFFF
     _trigger(ring, d0.entry | 1 << 8)  # the positions wrap at 2**32
@@ -736,10 +736,53 @@ def test_stream_op_poller_launches_in_trigger_order() -> None:
     ops._run_ring(ring, 0.0)
     assert launched[4:] == [("prepared", 1), ("d2", 0)] and ring.head == 1
 
-    # the member's last op gone: the ring goes and its slot is free again; a look at the
-    # ring after that writes nothing into the slot
+    # the member's last op gone: the ring goes and its slot is free again, once (a second
+    # removal of an op changes nothing); a look at the ring after that writes nothing into
+    # the slot
     ops._remove(d0)
     ops._remove(d2)
-    assert id(member) not in ops.rings and sorted(session.free_slots) == [3, 4, 4, 9]
+    ops._remove(d2)
+    assert id(member) not in ops.rings and sorted(session.free_slots) == [3, 4, 5, 9]
     _trigger(ring, d0.entry)
     assert not ops._run_ring(ring, 0.0) and ring.words[abi.LL_RING_HEAD] == 1
+    # the member's next ring: an entry of the old ring (a graph replayed after its op went)
+    # does not name the new ring's op at the same index, since generations go on
+    ring2 = _ringed(ops, S.StreamOp(4, S.KIND_DISPATCH, session, member, None, 6, words1,
+                                    "d3"))
+    _trigger(ring2, d0.entry)
+    assert not ops._run_ring(ring2, 0.0) and len(launched) == 6
+
+
+def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> None:
+    """The bug's own path: the poller asleep between looks, D1 then D0 triggered meanwhile (a
+    replayed graph's two micro-batches), both seen at one look: launched D1 first, as on the
+    GPU. (The poller of the doorbell design launched them in the order it scanned its ops.)"""
+    import threading
+    import types
+
+    from epd.server.engine import stream_ops as S
+
+    launched: list = []
+    both = threading.Event()
+
+    def launch(prepared, buffer) -> None:
+        launched.append((prepared, buffer))
+        if len(launched) == 2:
+            both.set()
+    d0, _, member, session, _ = _stand_in_op("order-thread-g", launch)
+    d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, np.zeros(8, np.int32), "d1")
+    engine = types.SimpleNamespace(
+        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
+        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_poll_us=30_000))
+    ops = S.StreamOps(engine)
+    ring = _ringed(ops, d0)
+    _ringed(ops, d1, ring)
+    ops._ensure_thread()
+    try:
+        time.sleep(0.1)  # the poller is in its 30 ms sleeps now
+        _trigger(ring, d1.entry | 1 << 8)
+        _trigger(ring, d0.entry)
+        assert both.wait(5)
+    finally:
+        ops.stop()
+    assert launched == [("d1", 1), ("prepared", 0)]

@@ -565,18 +565,20 @@ class LowLatencyCombineResponse(_message.Message):
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class ArmStreamOpRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch_op")
+    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch_op", "ring_trigger")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_COMBINE_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_OP_FIELD_NUMBER: _ClassVar[int]
+    RING_TRIGGER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     low_latency_dispatch: LowLatencyDispatchRequest
     low_latency_combine: LowLatencyCombineRequest
     dispatch_op: int
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ...) -> None: ...
+    ring_trigger: bool
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ..., ring_trigger: _Optional[bool] = ...) -> None: ...
 
 class ArmStreamOpResponse(_message.Message):
     __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry", "ordered")

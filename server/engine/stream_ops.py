@@ -3,15 +3,15 @@
 A client arms an operation once over gRPC (validated like the call itself, apart from the
 values of topk_idx, which are only ready when the client's stream gets there). Each armed op owns
 a slot of the session's counter page, which the client's CUDA context maps too; int32 word 1 is
-its done word. Each member with armed ops also owns a **trigger ring** in another slot (int32
+its done word. Each member with armed ops also owns a **trigger ring** in another slot (uint32
 `ring[LL_RING]`, tail, head): a trigger is the client's one-thread kernel (client/ll_trigger.py)
 on the caller's stream, which writes `done = 0`, appends `entry | b << 8` (the op's entry, b the
 receive buffer, 0 or 1) and publishes the new tail; the stream then waits for `done >= 1`. One
 poller thread per engine reads every ring from its head to its tail, **in the order the
-member's calls reached the GPU**, launches each op's kernels on the rank's stream without any
-host synchronisation, and advances the head; a last kernel writes `done` (1 ok, 2 | code << 8
-failed). A GPU cannot wake a futex, so the poller spins for `stream_op_spin_us` after the last
-trigger, then polls every `stream_op_poll_us`.
+member's calls reached the GPU**, advances the head past each entry as it reads it, and
+launches the op's kernels on the rank's stream without any host synchronisation; a last kernel
+writes `done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
+`stream_op_spin_us` after the last trigger, then polls every `stream_op_poll_us`.
 
 Why a ring and not a doorbell word per op (the first design): two triggers can land between
 two looks of the poller (D0 D1 of DeepEP's two micro-batches in a replayed CUDA graph are
@@ -89,7 +89,7 @@ class StreamOp:
 
 @dataclass
 class Ring:
-    """A member's trigger ring (int32 words of the session's counter slot `slot`): entries are
+    """A member's trigger ring (uint32 words of the session's counter slot `slot`): entries are
     `index | buffer << 8 | generation << 16`, appended by the client's trigger kernels in its
     stream's order. Read by the member's GPU chain (`chain`), or by the poller, which keeps the
     ops by entry index here."""
@@ -99,17 +99,18 @@ class Ring:
     words: np.ndarray  # uint32 view of the slot (host)
     chain: Any = None  # cuda_chain.LowLatencyChain, or None: the poller runs the entries
     ops: dict[int, StreamOp] = field(default_factory=dict)  # poller: by entry index
-    gens: list[int] = field(default_factory=lambda: [0] * abi.LL_CHAIN_OPS)
+    gens: list[int] = field(default_factory=lambda: [0] * abi.LL_CHAIN_OPS)  # by index
     free: list[int] = field(default_factory=lambda: list(range(abi.LL_CHAIN_OPS)))
     head: int = 0  # poller: the next position to run
 
-    def take(self, op: StreamOp) -> int:
-        """A poller op's entry (a stale entry of an earlier op at the same index runs nothing:
-        the generation differs)."""
+    def take(self, op: StreamOp, gen: int) -> int:
+        """A poller op's entry, with generation `gen` (1..0xFFFF, from the engine's counter, so
+        that a stale entry of an earlier op at the same index, in this ring or in an earlier
+        ring of the member, runs nothing: its generation differs)."""
         if not self.free:
             raise ResourceExhausted(f"a member holds at most {abi.LL_CHAIN_OPS} armed ops")
-        index = self.free.pop(0)
-        gen = self.gens[index] = (self.gens[index] % 0xFFFF) + 1
+        index = self.free.pop()
+        self.gens[index] = gen
         self.ops[index] = op
         return index | gen << 16
 
@@ -147,6 +148,7 @@ class StreamOps:
         self.rings: dict[int, Ring] = {}  # by id(member)
         self._batch: metrics.Batch | None = None  # the poller thread's metric updates
         self._next_id = 1
+        self._gen = 0  # the last ring entry generation handed out (engine-wide, wraps)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -206,6 +208,11 @@ class StreamOps:
         else:
             prepared = member.comm.prepare_low_latency_combine(args, src.prepared, done_ptr,
                                                                timeout)
+        if not req.ring_trigger:  # (a client of the doorbell design: its triggers write a
+            # request word no one reads any more, so its stream and its peers would wait)
+            raise FailedPrecondition(
+                "this client triggers armed ops by a request word, which this engine no longer "
+                "reads (ArmStreamOpRequest.ring_trigger unset): upgrade epd on the client")
         session.free_slots.pop(0)  # everything checked: now the slot is taken
         words = page.view(np.int32)
         words[REQUEST] = 0
@@ -219,8 +226,7 @@ class StreamOps:
                                             src.chained if src is not None else None)
                 op.entry = op.chained.entry
             else:
-                with self._lock:  # (the poller reads ring.ops)
-                    op.entry = ring.take(op)
+                op.entry = self._take(ring, op)
         except BaseException:
             session.free_slots.append(slot)
             self._drop_unused_ring(session, member)  # (one made for this op)
@@ -260,28 +266,48 @@ class StreamOps:
             op.words[DONE] = DONE_RELEASED
             self._remove(op)
 
+    def _take(self, ring: Ring, op: StreamOp) -> int:
+        """A poller op's entry in its member's ring, of the engine's next generation."""
+        with self._lock:  # (the poller reads ring.ops)
+            self._gen = self._gen % 0xFFFF + 1
+            return ring.take(op, self._gen)
+
     def _remove(self, op: StreamOp) -> None:
         with op.session.op_lock, self._lock:  # never while the poller launches it
+            if self.ops.pop(op.op_id, None) is None:
+                return  # (removed already: a disarm and a release of the same op)
             op.armed = False
-            self.ops.pop(op.op_id, None)
             ring = self.rings.get(id(op.member))
             if ring is not None:
                 ring.release(op)
+            # The member's last op: its ring goes now, under the session's lock, so that an
+            # arm (which holds it) never takes an entry in a ring being dropped.
+            last = ring is not None and not any(o.member is op.member
+                                                for o in self.ops.values())
+            if last:
+                self.rings.pop(id(op.member))
         op.session.stream_ops.pop(op.op_id, None)
         op.session.free_slots.append(op.slot)
-        self._drop_unused_ring(op.session, op.member)
+        if last:
+            assert ring is not None
+            self._close_ring(op.session, ring)
+
+    def _close_ring(self, session: Session, ring: Ring) -> None:
+        """A dropped ring's chain is drained (outside the locks: it may wait); its slot is
+        free again."""
+        if ring.chain is not None:
+            ring.member.comm.close_chain(self.engine.config.timeout_seconds)
+        session.free_slots.append(ring.slot)
 
     def _drop_unused_ring(self, session: Session, member: GroupMember) -> None:
-        """The member's last op is gone: its ring goes (a chain drained, outside the lock: it
-        may wait) and its slot is free again."""
+        """An arm failed (the caller holds the session's lock): drop the member's ring if it
+        holds no op, as one made for that arm does."""
         with self._lock:
             ring = self.rings.get(id(member))
             if ring is None or any(o.member is member for o in self.ops.values()):
                 return
             self.rings.pop(id(member))
-        if ring.chain is not None:
-            member.comm.close_chain(self.engine.config.timeout_seconds)
-        session.free_slots.append(ring.slot)
+        self._close_ring(session, ring)
 
     def _ring_for(self, session: Session, member: GroupMember) -> Ring:
         """The member's trigger ring, made with its first armed op in a free counter slot (the

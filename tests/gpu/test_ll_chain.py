@@ -65,7 +65,7 @@ def _chain_rank(rank: int, socket: str, device: int, q) -> None:
             return d, c
 
         d, c = arm()
-        res["chained"] = d._chain is not None and c._chain is not None
+        res["chained"] = d.chained and c.chained
         for step, how in enumerate(STEPS):
             for dst, src in zip((tx, tidx, tw), _inputs(step, rank), strict=True):
                 dst.copy_(_to_torch(src, device))
