@@ -51,10 +51,10 @@ case "${1:-}" in
     merge nowait
     ;;
   ring)
-    step ring 270 "tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain_plain.py \
-        tests/gpu/test_ll_chain.py tests/gpu/test_daemon.py tests/gpu/test_service_classes_gpu.py \
-        tests/gpu/test_rank_masking_gpu.py -k 'low_latency or ll or micro or armed or graph \
-        or masked or rejoin or concurrently or plain'"
+    step ring "${RING_STEP_SECONDS:-240}" "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_chain.py tests/gpu/test_daemon.py \
+        tests/gpu/test_service_classes_gpu.py ${RING_MORE:-} \
+        -k 'low_latency or micro or armed or graph or concurrently or plain or masked or rejoin'"
     export POOLS_SECONDS=65
     pools poller_ring
     [ "${RING_CHAIN:-0}" = 1 ] && pools chain_entry_ring --serve-arg=--ll-chain \
