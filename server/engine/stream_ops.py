@@ -457,8 +457,8 @@ class StreamOps:
         try:
             buffer = request - abi.REQUEST_BUFFER0
             if not 0 <= buffer < abi.LL_BUFFERS:
-                raise InvalidArgument(f"request word {request}: a trigger writes "
-                                      f"{abi.REQUEST_BUFFER0} + the receive buffer (0 or 1)")
+                raise InvalidArgument(f"receive buffer {buffer} in a ring entry: a trigger "
+                                      f"appends 0 or 1")
             with latency, op.session.op_lock:
                 if not op.armed:
                     return
@@ -473,7 +473,9 @@ class StreamOps:
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
-            op.words[DONE] = DONE_FAILED | (0xFF << 8)
+            with op.session.op_lock:  # (not into a slot a release freed, maybe reused)
+                if op.armed:
+                    op.words[DONE] = DONE_FAILED | (0xFF << 8)
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
