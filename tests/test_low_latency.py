@@ -786,3 +786,97 @@ def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> 
     finally:
         ops.stop()
     assert launched == [("d1", 1), ("prepared", 0)]
+
+
+def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
+    """StreamOps around a stand-in engine, session and counter page whose dispatches arm
+    without a GPU (the backend's preparation and output views are stand-ins): arming's
+    checks and its counter-slot accounting."""
+    import threading
+    import types
+
+    from epd.server.engine import stream_ops as S
+
+    monkeypatch.setattr(S, "ll_dispatch_response",
+                        lambda *a: epd_pb2.LowLatencyDispatchResponse())
+    mem = np.full((8, 1024), 0xABCD, np.uint32)  # (garbage a new ring must clear)
+    page = types.SimpleNamespace(slot=lambda i: types.SimpleNamespace(
+        device_ptr=0x10000 + 4096 * i, view=lambda dt: mem[i].view(dt)))
+    closed: list = []
+    comm = types.SimpleNamespace(
+        low_latency_outputs=lambda *a: None,
+        prepare_low_latency_dispatch=lambda *a: "prepared",
+        open_chain=open_chain or (lambda words, ptr: None),
+        close_chain=lambda timeout: closed.append(timeout),
+        launch_prepared=lambda p, b: None)
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="arm-g"),
+                                   service_class="throughput", dispatches=0, combines=0)
+    args = types.SimpleNamespace(num_max_dispatch_tokens_per_rank=8, use_fp8=False)
+    engine = types.SimpleNamespace(
+        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
+        config=types.SimpleNamespace(ll_chain=chain, ll_chain_members=4, timeout_seconds=1.0,
+                                     stream_op_spin_us=0, stream_op_poll_us=1000),
+        ll_dispatch_args=lambda session, inner: (member, args, None),
+        _timeout=lambda t: 1.0)
+    session = types.SimpleNamespace(free_slots=[2, 3, 5], counter_page=page, stream_ops={},
+                                    op_lock=threading.Lock(), describe=lambda: "session")
+    return S.StreamOps(engine), session, member, mem, closed
+
+
+def _arm_request(ring_trigger: bool = True) -> epd_pb2.ArmStreamOpRequest:
+    return epd_pb2.ArmStreamOpRequest(
+        session_id="s", group_id="g", ring_trigger=ring_trigger,
+        low_latency_dispatch=epd_pb2.LowLatencyDispatchRequest(
+            num_max_dispatch_tokens_per_rank=8))
+
+
+def test_arming_takes_a_ring_slot_with_the_first_op_and_gives_both_back(monkeypatch) -> None:
+    """A member's first armed op takes two counter slots (its own and its member's ring, the
+    ring's words cleared), later ones one; refused arms take nothing (one slot left for a first
+    op: RESOURCE_EXHAUSTED naming the ring; a client without the ring trigger:
+    FAILED_PRECONDITION); disarming the last op gives the ring's slot back too."""
+    from epd.proto import abi
+    from epd.proto.errors import FailedPrecondition, ResourceExhausted
+
+    ops, session, member, mem, _ = _stand_in_arming(monkeypatch)
+    try:
+        with pytest.raises(FailedPrecondition, match="upgrade epd on the client"):
+            ops.arm(session, _arm_request(ring_trigger=False))
+        assert session.free_slots == [2, 3, 5] and not ops.rings and not ops.ops
+        session.free_slots = [2]
+        with pytest.raises(ResourceExhausted, match="trigger ring"):
+            ops.arm(session, _arm_request())
+        assert session.free_slots == [2] and not ops.rings
+        session.free_slots = [2, 3, 5]
+
+        first = ops.arm(session, _arm_request())
+        assert first.ordered and not first.chained
+        assert (first.counter_slot, first.chain_slot) == (2, 3) and session.free_slots == [5]
+        assert not mem[3, :abi.LL_RING_HEAD + 1].any()  # the ring's words, cleared
+        second = ops.arm(session, _arm_request())
+        assert (second.counter_slot, second.chain_slot) == (5, 3) and session.free_slots == []
+        assert second.chain_entry != first.chain_entry
+
+        ops.disarm(session, first.op_id)
+        assert session.free_slots == [2] and id(member) in ops.rings
+        ops.disarm(session, second.op_id)
+        assert sorted(session.free_slots) == [2, 3, 5] and not ops.rings
+    finally:
+        ops.stop()
+
+
+def test_arming_gives_the_slots_back_when_the_chain_fails_to_open(monkeypatch) -> None:
+    """--ll-chain: a chain that fails to open fails the arm, and both slots are free again; a
+    backend without a chain (open_chain gives None) leaves the member on the poller."""
+    def fail(words, ptr):
+        raise RuntimeError("no chain here")
+    ops, session, member, _, _ = _stand_in_arming(monkeypatch, chain=True, open_chain=fail)
+    try:
+        with pytest.raises(RuntimeError, match="no chain here"):
+            ops.arm(session, _arm_request())
+        assert sorted(session.free_slots) == [2, 3, 5] and not ops.rings and not ops.ops
+        member.comm.open_chain = lambda words, ptr: None
+        resp = ops.arm(session, _arm_request())
+        assert resp.ordered and not resp.chained and ops.rings[id(member)].chain is None
+    finally:
+        ops.stop()
