@@ -417,6 +417,9 @@ class StreamOps:
                     return ran
                 if ring.head == int(ring.words[abi.LL_RING_TAIL]):
                     return ran
+                # (the trigger kernel writes the entry, fences, then the tail: reading the
+                # tail first suffices on x86, whose loads are not reordered; a weakly ordered
+                # host such as aarch64 would need a load barrier here, not built)
                 entry = int(ring.words[ring.head % abi.LL_RING])
                 ring.head = (ring.head + 1) & MASK32
                 ring.words[abi.LL_RING_HEAD] = ring.head
