@@ -219,6 +219,9 @@ class CudaRankComm(RankComm):
         self._stream_views: dict[tuple[int, bool], dict[str, Any]] = {}
         self._prefix: Any = None  # the copy of a dispatch's rank prefix matrix (an extra)
         self.chain: LowLatencyChain | None = None  # armed ops run by the GPU (cuda_chain.py)
+        # A chain's close (the member's last op went) and the next open (its next first op)
+        # run on different threads: the open waits for the drain and makes a new chain.
+        self._chain_lock = threading.Lock()
         self._peer_bases = peers  # where each rank's buffer (control block first) is
         # A replacement for a rank that went away takes part from the Rejoin collective on.
         self._rejoining = membership.rejoining
@@ -567,21 +570,23 @@ class CudaRankComm(RankComm):
     @_launches
     def open_chain(self, ring_words: np.ndarray, ring_ptr: int) -> LowLatencyChain:
         """The member's low-latency chain in the given counter slot (cuda_chain.py)."""
-        if self.chain is None:
-            with cp.cuda.Device(self.backend.device):
-                # The rank's own build: a group over nodes needs the NVSHMEM one, whose
-                # kernels reach the ranks elsewhere (the one-node build has no path to them).
-                self.chain = LowLatencyChain(
-                    self.runner, self.runner.k, ring_words, ring_ptr, self.ll_num_sms,
-                    self.stream_priority, gate=self.backend.cfg.ll_chain_gate,
-                    trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)))
-        return self.chain
+        with self._chain_lock:
+            if self.chain is None:
+                with cp.cuda.Device(self.backend.device):
+                    # The rank's own build: a group over nodes needs the NVSHMEM one, whose
+                    # kernels reach the ranks elsewhere (the one-node build has none to them).
+                    self.chain = LowLatencyChain(
+                        self.runner, self.runner.k, ring_words, ring_ptr, self.ll_num_sms,
+                        self.stream_priority, gate=self.backend.cfg.ll_chain_gate,
+                        trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)))
+            return self.chain
 
     def close_chain(self, timeout: float) -> None:
-        if self.chain is not None:
-            with cp.cuda.Device(self.backend.device):
-                self.chain.close(timeout)
-            self.chain = None
+        with self._chain_lock:
+            if self.chain is not None:
+                with cp.cuda.Device(self.backend.device):
+                    self.chain.close(timeout)
+                self.chain = None
 
     # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------
     def _stream_begin(self, slot: CounterSlot, stream_seq: int) -> None:
