@@ -18,13 +18,15 @@ Arrays are NumPy arrays on the CPU backend and CuPy arrays on the CUDA backend.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ...proto import dtypes
+from ...proto import counter_page, dtypes
+from ...proto import fd_channel as fdc
 from ...proto.errors import InvalidArgument
 
 Array = Any  # numpy.ndarray (cpu) or cupy.ndarray (cuda)
@@ -353,6 +355,22 @@ class CounterPage(abc.ABC):
     growing, mapped; `fd` is kept for the client to fetch ("counters") until `close`."""
 
     fd: int = -1
+
+    def __init__(self) -> None:
+        # A sealed memfd (shmem, like a /dev/shm file), fetched by the client as "counters".
+        self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
+        try:
+            self._mm = fdc.map_fd(self.fd, counter_page.PAGE_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def _unmap(self) -> None:
+        """The mapping goes (with its last view) and the descriptor is closed."""
+        fdc.close_mapping(self._mm)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     @abc.abstractmethod
     def slot(self, index: int) -> Any:

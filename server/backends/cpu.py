@@ -152,22 +152,11 @@ class ShmRegion(Region):
 
 
 class ShmCounterPage(CounterPage):
-    def __init__(self) -> None:
-        self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
-        try:
-            self._mm = fdc.map_fd(self.fd, counter_page.PAGE_BYTES)
-        except BaseException:
-            os.close(self.fd)
-            raise
-
     def slot(self, index: int) -> np.ndarray:
         return counter_page.slot_words(self._mm, index)
 
     def close(self) -> None:
-        fdc.close_mapping(self._mm)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._unmap()
 
 
 @dataclass

@@ -9,14 +9,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import threading
 from typing import Any
 
 import numpy as np
 
 from ...proto import abi, counter_page, dtypes
-from ...proto import fd_channel as fdc
 from ...proto.errors import ResourceExhausted, Unavailable
 from . import cuda_kernels as ck
 from .base import CounterPage, Region
@@ -113,13 +111,7 @@ class MappedCounterPage(CounterPage):
     def __init__(self, device: int, closer: QuietCloser) -> None:
         from cuda.bindings import runtime as cudart
 
-        # A sealed memfd (shmem, like a /dev/shm file), fetched by the client as "counters".
-        self.fd = fdc.create_memfd("epd-counters", counter_page.PAGE_BYTES, fdc.ENGINE_SEALS)
-        try:
-            self._mm = fdc.map_fd(self.fd, counter_page.PAGE_BYTES)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        super().__init__()
         self._addr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
         with cp.cuda.Device(device):
             flags = cudart.cudaHostRegisterPortable | cudart.cudaHostRegisterMapped
@@ -146,10 +138,7 @@ class MappedCounterPage(CounterPage):
         if self._addr:
             self._cudart.cudaHostUnregister(self._addr)  # before the unmap, never after
             self._addr = 0
-        fdc.close_mapping(self._mm)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self._unmap()
 
 
 class HostControlWords:
