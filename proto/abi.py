@@ -124,9 +124,9 @@ SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 # (STREAM_REQUEST: the request word of the earlier doorbell design, which the engine no longer
 # reads; the ring below replaced it. STREAM_DONE: the done word the op's last kernel writes.)
 STREAM_REQUEST, STREAM_DONE = 0, 1
-# The engine's launch takes request = REQUEST_BUFFER0 + b: the low-latency receive buffer b (0 or
-# 1, from the ring entry) the dispatch fills, or whose dispatch the combine brings back (DeepEP's
-# double buffer).
+# The earlier design's trigger wrote request = REQUEST_BUFFER0 + b (a client still does, facing
+# an engine of that design). b is the low-latency receive buffer (0 or 1; now in the ring entry)
+# the dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).
 REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
 LL_TOPK_HEADER = 16  # bytes before a receive buffer's topk copy: the dispatch's left-out set

@@ -613,10 +613,10 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     launched: list = []
     op, comm, member, session, words = _stand_in_op("g", lambda p, b: launched.append((p, b)))
     ops = S.StreamOps(types.SimpleNamespace(index=0))
-    ops._fire(op, 1)  # request = 1 + receive buffer
-    ops._fire(op, 2)
+    ops._fire(op, 0)  # the receive buffer of the ring entry
+    ops._fire(op, 1)
     assert launched == [("prepared", 0), ("prepared", 1)] and member.dispatches == 2
-    for bad in (3, -1, 1 << 20):  # a request word no client writes: the op fails, no launch
+    for bad in (2, -1, 1 << 20):  # a buffer no trigger appends: the op fails, no launch
         words[S.DONE] = 0
         ops._fire(op, bad)
         assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)

@@ -215,7 +215,6 @@ class StreamOps:
                 "reads (ArmStreamOpRequest.ring_trigger unset): upgrade epd on the client")
         session.free_slots.pop(0)  # everything checked: now the slot is taken
         words = page.view(np.int32)
-        words[REQUEST] = 0
         words[DONE] = DONE_OK
         op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
                       latency=member.service_class == service_classes.LATENCY)
@@ -425,7 +424,7 @@ class StreamOps:
                 ring.words[abi.LL_RING_HEAD] = ring.head
                 op = ring.op_of(entry)
             if op is not None:  # (else released, or a stale entry of a disarmed op)
-                self._fire(op, abi.REQUEST_BUFFER0 + (entry >> 8 & 0xFF), gap)
+                self._fire(op, entry >> 8 & 0xFF, gap)
                 ran = True
 
     def _top_up(self, rings: list[Ring]) -> bool:
@@ -450,15 +449,14 @@ class StreamOps:
             ran = ran or bool(kinds)
         return ran
 
-    def _fire(self, op: StreamOp, request: int, gap: float = 0.0) -> None:
-        """Launch an op triggered with `request` (REQUEST_BUFFER0 + the receive buffer in its
-        ring entry), seen `gap` seconds after the poller's previous look."""
+    def _fire(self, op: StreamOp, buffer: int, gap: float = 0.0) -> None:
+        """Launch an op triggered with receive buffer `buffer` (from its ring entry), seen `gap`
+        seconds after the poller's previous look."""
         code = "OK"
         t0, cpu0 = time.perf_counter(), time.thread_time()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
                    else contextlib.nullcontext())
         try:
-            buffer = request - abi.REQUEST_BUFFER0
             if not 0 <= buffer < abi.LL_BUFFERS:
                 raise InvalidArgument(f"receive buffer {buffer} in a ring entry: a trigger "
                                       f"appends 0 or 1")
