@@ -458,6 +458,10 @@ class Group:
         # node-major, on the cpu backend): rows ordered by forwarder, then source node, then
         # token; recv_src_idx names the forwarder's row; combine rounds a partial sum per node.
         self.hierarchical: bool = bool(resp.hierarchical)
+        # ... with DeepEP's traffic, in two stages (the cuda engine across nodes): dispatch and
+        # combine are then answered calls, not stream-ordered (the engine's host waits between
+        # the stages); layouts stay on the caller's stream.
+        self.two_stage: bool = bool(resp.two_stage)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
         self._counter_slot = resp.counter_slot
@@ -466,9 +470,10 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
+        self._ordered_data = self._ordered and not self.two_stage  # dispatch and combine
         # cuda, opt-in (EPD_COMBINE_NO_WAIT=1): combine returns once its request is sent; the
         # answer, read at this rank's next call, raises a refusal there (client/stream_calls.py).
-        self._combine_no_wait = self._ordered and stream_calls.combine_no_wait()
+        self._combine_no_wait = self._ordered_data and stream_calls.combine_no_wait()
         self._pending_combine: tuple[PendingCall, int, int, float] | None = None
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None
@@ -595,8 +600,9 @@ class Group:
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
                                                   timeout, is_token_in_rank,
-                                                  num_tokens_per_expert, not self._ordered)
-        if self._ordered:
+                                                  num_tokens_per_expert,
+                                                  not self._ordered_data)
+        if self._ordered_data:
             resp, n, per_expert, rows, outs = stream_calls.dispatch(self, req, rpc_timeout, x,
                                                                     copy, num_sms)
             h = Handle(self, resp.handle, int(req.x.shape[0]), n, rows)
@@ -604,7 +610,8 @@ class Group:
             return DispatchResult(num_recv_tokens_per_expert=per_expert, handle=h,
                                   num_recv_tokens=n, **outs)
         if num_sms:
-            raise InvalidArgument("num_sms is for the cuda backend")
+            raise InvalidArgument("num_sms is for stream-ordered calls (the cuda backend; "
+                                  "not a two-stage group's dispatch and combine)")
         released = self._take_released()
         req.release_handles.extend(released)
         try:
@@ -662,12 +669,13 @@ class Group:
         stream-ordered on the caller's current stream and returns new tensors at once."""
         if not isinstance(handle, Handle) or handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
-        if self._ordered:
+        if self._ordered_data:
             t = self._timeout(timeout)
             return stream_calls.combine(self, x, handle, topk_weights, bias_0, bias_1, t,
                                         t + RPC_MARGIN, num_sms)
         if num_sms:
-            raise InvalidArgument("num_sms is for the cuda backend")
+            raise InvalidArgument("num_sms is for stream-ordered calls (the cuda backend; "
+                                  "not a two-stage group's dispatch and combine)")
         d = self._session._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0,
                                   "bias_1": bias_1})
         t = self._timeout(timeout)

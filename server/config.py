@@ -203,9 +203,16 @@ class Config:
     cuda_cluster: bool = field(default=False, metadata={
         "help": "experimental, cluster mode with the cuda backend: the engines of every node "
                 "form one NVSHMEM world; groups may span nodes (low-latency mode up to 64 "
-                "ranks, normal mode up to 8 with direct puts: hierarchical semantics when placed "
-                "node-major, not its traffic); run as logical "
+                "ranks, normal mode up to 8: hierarchical semantics and traffic when placed "
+                "node-major, see --cuda-hierarchical); run as logical "
                 "nodes on one GPU only so far (docs/DESIGN_NOTES.md)"})
+    cuda_hierarchical: str = field(default="stages", metadata={
+        "help": "with --cuda-cluster, how a normal-mode group placed node-major over nodes "
+                "moves its rows: stages (DeepEP's traffic: a token crosses the network once "
+                "per destination node, to the rank with its local index there, which forwards "
+                "it inside the node; dispatch and combine are answered calls) or direct (a put "
+                "to every destination rank; stream-ordered calls); the same results",
+        "choices": ("stages", "direct")})
 
     @property
     def cluster_mode(self) -> bool:

@@ -206,7 +206,9 @@ class Coordinator:
 
     def _form(self, g: GroupInstance) -> None:
         try:
-            g.plan = self.planner.plan_group(g.group_id, g.spec)
+            g.plan = self.planner.plan_group(
+                g.group_id, g.spec, [g.nodes.get(r, 0) for r in range(g.spec.num_ranks)]
+                if g.nodes else ())
             g.planned = True
         except Exception as e:  # every waiting rank is told, not just the last one
             if not isinstance(e, EpdError):

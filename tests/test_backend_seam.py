@@ -5,6 +5,7 @@ CPU: the CUDA planner is pure sizes (no CuPy)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 from types import SimpleNamespace
 
@@ -65,7 +66,7 @@ class _FailingPlanner(cpu.CpuPlanner):
         super().__init__(shm_dir)
         self.exc = exc
 
-    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
+    def plan_group(self, group_id: str, spec: GroupSpec, rank_nodes=()) -> bytes:
         raise self.exc
 
 
@@ -268,3 +269,108 @@ def test_a_failed_launch_aborts_the_group_an_epd_error_does_not() -> None:
     c = Comm(abort_fails=True)
     with pytest.raises(RuntimeError, match="INVALID_VALUE"):
         c.stream_dispatch("cuda")
+
+
+# -- two-stage hierarchical normal mode (cuda_stages.py): sizes and placement, no GPU ---------
+
+def _cluster_planner(mode: str = "stages") -> cuda_plan.CudaPlanner:
+    return cuda_plan.CudaPlanner(SimpleNamespace(**vars(_cuda_cfg(1 << 36)), num_nodes=2,
+                                                 cuda_cluster=True, cuda_hierarchical=mode))
+
+
+def test_two_stage_group_holds_a_rail_and_a_node_slot_per_rank() -> None:
+    """2 nodes x 2 ranks: the rail stage is a flat group of 2 ranks (one per node) holding
+    E / 2 experts each with T tokens per rank and puts to other nodes; the node stage a flat
+    group of the node's 2 ranks with E / 2 experts and up to N x T tokens, by pointer; the
+    whole group's slot holds notify alone (no receive buffers); the node slot ends with a
+    forwarder's partials (N x T rows)."""
+    from epd.server.backends.base import Hierarchy
+    spec = _spec(4, 8, num_experts=64, hidden=7168, max_tokens_per_rank=512)
+    h = Hierarchy(2, 2)
+    lays = cuda_plan.stage_layouts(spec, h)
+    assert (lays.rail.num_ranks, lays.rail.num_local_experts, lays.rail.max_recv) == (2, 32, 1024)
+    assert "net_send" in lays.rail.offsets and "net_send" not in lays.node.offsets
+    assert (lays.node.num_ranks, lays.node.num_local_experts, lays.node.max_recv) == (2, 16, 2048)
+    flat = cuda_plan.membership_layout(spec, remote=True, two_stage=True)
+    full = cuda_plan.membership_layout(spec, remote=True)
+    assert flat.kernel.notify_only and flat.kernel.max_recv == full.kernel.max_recv
+    assert flat.slot_bytes < full.slot_bytes - 4 * 512 * 7168 * 2  # no receive rows
+    assert lays.flat_bytes == 4 * flat.slot_bytes
+    assert lays.partial_x >= lays.node.total_bytes
+    assert lays.partial_w - lays.partial_x >= 2 * 512 * 7168 * 2
+    assert lays.node_bytes - lays.partial_w >= 2 * 512 * 8 * 4
+    # every rank's slots, in order, none overlapping
+    spans = sorted([(0, lays.flat_bytes)]
+                   + [(lays.rail_at(r), lays.rail_at(r) + lays.rail.total_bytes)
+                      for r in range(4)]
+                   + [(lays.node_at(r), lays.node_at(r) + lays.node_bytes) for r in range(4)])
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    assert spans[-1][1] == lays.total_bytes == cuda_plan.group_bytes(spec, hierarchy=h)
+
+
+@pytest.mark.parametrize(("rank_nodes", "mode", "two_stage"), [
+    ((0, 0, 1, 1), "stages", True),
+    ((3, 5), "stages", True),              # nodes need not be 0..N-1
+    ((0, 1, 0, 1), "stages", False),       # not node-major: flat semantics, direct puts
+    ((0, 0, 0, 1), "stages", False),       # not the same number of ranks per node
+    ((0, 0, 0, 0), "stages", False),       # one node
+    ((0, 0, 1, 1), "direct", False),       # --cuda-hierarchical direct
+])
+def test_the_planner_sizes_a_group_by_its_placement(rank_nodes, mode, two_stage) -> None:
+    """The planner and the engines decide alike (two_stage_hierarchy) from the ranks' nodes,
+    which the coordinator passes at forming; a two-stage group's range holds its stage
+    slots, any other the flat slots with the staging of puts."""
+    spec = _spec(len(rank_nodes), 4)
+    planner = _cluster_planner(mode)
+    _, size = cuda_plan.decode_plan(planner.plan_group("g", spec, rank_nodes))
+    h = cuda_plan.two_stage_hierarchy(spec, rank_nodes, mode, True)
+    assert (h is not None) == two_stage
+    assert size == cuda_plan.group_bytes(spec, remote=True, hierarchy=h)
+    # one node's world never runs stages, whatever the placement says
+    assert cuda_plan.two_stage_hierarchy(spec, rank_nodes, mode, False) is None
+
+
+def test_a_low_latency_group_beyond_max_ranks_has_no_stages() -> None:
+    """More than MAX_RANKS ranks: normal mode is refused there (the whole-group notify takes
+    8), so the group keeps its low-latency-only slots."""
+    spec = _spec(16, 4, low_latency_mode=True)
+    assert cuda_plan.two_stage_hierarchy(spec, (0,) * 8 + (1,) * 8, "stages", True) is None
+
+
+def test_the_coordinator_plans_with_the_ranks_nodes(tmp_path) -> None:
+    """Forming passes each rank's node (where its session's engine is) to the planner."""
+    seen = []
+
+    class _Recording(cpu.CpuPlanner):
+        def plan_group(self, group_id, spec, rank_nodes=()) -> bytes:
+            seen.append(tuple(rank_nodes))
+            return super().plan_group(group_id, spec, rank_nodes)
+
+    coord = Coordinator(_Recording(str(tmp_path)))
+    spec = _proto(2, 2)
+
+    async def both():
+        async def one(rank: int, node: int):
+            return await coord.rendezvous(epd_pb2.RendezvousRequest(
+                spec=spec, rank=rank, engine_index=0, session_id=f"s{rank}",
+                timeout_seconds=5, peer_uid=os.getuid(), peer_gid=os.getgid(),
+                has_peer=True), node=node)
+        return await asyncio.gather(one(0, 0), one(1, 1))
+    resps = asyncio.run(both())
+    assert seen == [(0, 1)] and list(resps[0].rank_nodes) == [0, 1]
+    for r in range(2):
+        coord.release(resps[0].group_id, r, "")
+
+
+def test_stage_peers_name_each_stage_rank_where_it_is() -> None:
+    """2 nodes x 2 ranks, this engine on node 1: rank 3's rail is group ranks [1, 3] (rank 1
+    on node 0, by NVSHMEM: its slot's symmetric address and PE), its node stage [2, 3] (by
+    pointer into their engines' heaps)."""
+    from epd.server.backends.cuda_stages import Placement
+    heap, off, slot = 1 << 40, 1 << 20, 4096
+    place = Placement((0, 0, 1, 1), (0, 1, 0, 1), 1, {0: 7 << 40, 1: 9 << 40}, heap, (0, 2))
+    bases, remote = place.peers([1, 3], off, slot)
+    assert bases == [0, (9 << 40) + off + 3 * slot]
+    assert remote == {0: (heap + off + slot, 1)}  # node 0's engine 1 is PE 1
+    bases, remote = place.peers([2, 3], off, slot)
+    assert bases == [(7 << 40) + off + 2 * slot, (9 << 40) + off + 3 * slot] and not remote

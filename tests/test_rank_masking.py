@@ -481,7 +481,7 @@ def test_rejoin_needs_a_backend_that_takes_ranks_back(takes_back: bool, same_eng
         def validate_spec(self, spec) -> None:
             return None
 
-        def plan_group(self, group_id, spec) -> bytes:
+        def plan_group(self, group_id, spec, rank_nodes=()) -> bytes:
             return b"plan"
 
         def mark_gone(self, plan, rank, reason) -> None:

@@ -283,7 +283,7 @@ class JoinGroupRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., spec: _Optional[_Union[GroupSpec, _Mapping]] = ..., rank: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class JoinGroupResponse(_message.Message):
-    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class", "rank_nodes", "hierarchical")
+    __slots__ = ("group_id", "rank", "output_region_id", "output_region_ipc", "output_region_bytes", "counter_slot", "service_class", "rank_nodes", "hierarchical", "two_stage")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_REGION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class JoinGroupResponse(_message.Message):
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
     RANK_NODES_FIELD_NUMBER: _ClassVar[int]
     HIERARCHICAL_FIELD_NUMBER: _ClassVar[int]
+    TWO_STAGE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     rank: int
     output_region_id: str
@@ -302,7 +303,8 @@ class JoinGroupResponse(_message.Message):
     service_class: ServiceClass
     rank_nodes: _containers.RepeatedScalarFieldContainer[int]
     hierarchical: bool
-    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., rank_nodes: _Optional[_Iterable[int]] = ..., hierarchical: _Optional[bool] = ...) -> None: ...
+    two_stage: bool
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., output_region_id: _Optional[str] = ..., output_region_ipc: _Optional[bytes] = ..., output_region_bytes: _Optional[int] = ..., counter_slot: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., rank_nodes: _Optional[_Iterable[int]] = ..., hierarchical: _Optional[bool] = ..., two_stage: _Optional[bool] = ...) -> None: ...
 
 class LeaveGroupRequest(_message.Message):
     __slots__ = ("session_id", "group_id")
@@ -705,7 +707,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class GroupStats(_message.Message):
-    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles", "service_class", "stream_priority", "num_sms", "ll_num_sms", "queued_calls", "queue_wait_seconds", "held_bytes", "hierarchical")
+    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles", "service_class", "stream_priority", "num_sms", "ll_num_sms", "queued_calls", "queue_wait_seconds", "held_bytes", "hierarchical", "two_stage")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -725,6 +727,7 @@ class GroupStats(_message.Message):
     QUEUE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     HIERARCHICAL_FIELD_NUMBER: _ClassVar[int]
+    TWO_STAGE_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     name: str
     rank: int
@@ -744,7 +747,8 @@ class GroupStats(_message.Message):
     queue_wait_seconds: float
     held_bytes: int
     hierarchical: bool
-    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., stream_priority: _Optional[int] = ..., num_sms: _Optional[int] = ..., ll_num_sms: _Optional[int] = ..., queued_calls: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., held_bytes: _Optional[int] = ..., hierarchical: _Optional[bool] = ...) -> None: ...
+    two_stage: bool
+    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., stream_priority: _Optional[int] = ..., num_sms: _Optional[int] = ..., ll_num_sms: _Optional[int] = ..., queued_calls: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., held_bytes: _Optional[int] = ..., hierarchical: _Optional[bool] = ..., two_stage: _Optional[bool] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("engine_index", "sessions", "groups", "regions", "region_bytes")

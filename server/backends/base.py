@@ -89,6 +89,10 @@ class Hierarchy:
     num_nodes: int
     per_node: int
 
+    @property
+    def num_ranks(self) -> int:
+        return self.num_nodes * self.per_node
+
     @classmethod
     def of(cls, rank_nodes: Sequence[int]) -> Hierarchy | None:
         """The hierarchy of a group from the node of each rank; None (flat semantics) when the
@@ -156,8 +160,11 @@ class GroupPlanner(abc.ABC):
         """Raise InvalidArgument naming the backend limit the spec exceeds."""
 
     @abc.abstractmethod
-    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
-        """Allocate a forming group's shared resources; raises an EpdError when it cannot."""
+    def plan_group(self, group_id: str, spec: GroupSpec,
+                   rank_nodes: Sequence[int] = ()) -> bytes:
+        """Allocate a forming group's shared resources; raises an EpdError when it cannot.
+        `rank_nodes`: the node of each rank (cluster mode; empty on one node), for backends
+        whose memory depends on placement (the cuda engine's two-stage hierarchical mode)."""
 
     @abc.abstractmethod
     def free_group(self, plan: bytes) -> None:
@@ -393,6 +400,9 @@ class RankComm(abc.ABC):
     # A normal-mode group over nodes placed node-major runs the hierarchical semantics
     # (reference.hierarchical_dispatch / hierarchical_combine) rather than the flat ones.
     hierarchy: Hierarchy | None = None
+    # ... and moves its rows in two stages (rail, then node: the cuda engine's
+    # --cuda-hierarchical stages); its normal-mode dispatch and combine are answered calls.
+    two_stage: bool = False
     stream_priority: int = 0
     num_sms: int = 0
     ll_num_sms: int = 0

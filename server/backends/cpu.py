@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -961,7 +962,8 @@ class CpuPlanner(GroupPlanner):
     def validate_spec(self, spec: GroupSpec) -> None:
         check_spec(spec)
 
-    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
+    def plan_group(self, group_id: str, spec: GroupSpec,
+                   rank_nodes: Sequence[int] = ()) -> bytes:
         fd = create_comm_file(group_id, spec)
         plan = f"/proc/{os.getpid()}/fd/{fd}".encode()
         self._fds[plan] = fd

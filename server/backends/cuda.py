@@ -36,12 +36,13 @@ from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
     EpdError,
+    Internal,
     InvalidArgument,
     ResourceExhausted,
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
-from . import cuda_chain
+from . import cuda_chain, cuda_stages
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -71,8 +72,17 @@ from .cuda_memory import (
     MappedCounterPage,
     storage_dtype,
 )
-from .cuda_plan import CudaPlanner, decode_plan, membership_layout, peer_table
+from .cuda_plan import (
+    CudaPlanner,
+    decode_plan,
+    group_bytes,
+    membership_layout,
+    peer_table,
+    stage_layouts,
+    two_stage_hierarchy,
+)
 from .cuda_quiet import QuietCloser
+from .cuda_stages import Placement, StagedRunner, drive
 
 log = logging.getLogger("epd.cuda")
 cp = ck.cp
@@ -161,21 +171,28 @@ class CudaRankComm(RankComm):
 
         self.spec, self.membership, self.backend = spec, membership, backend
         self.rank = membership.rank
+        # Normal mode over nodes placed node-major: the hierarchical semantics, as on the CPU
+        # backend; with --cuda-hierarchical stages (and at most MAX_RANKS ranks) its traffic
+        # too, in two stages (cuda_stages.py); any other placement stays flat.
+        self.hierarchy = Hierarchy.of(membership.rank_nodes)
+        stages = two_stage_hierarchy(spec, membership.rank_nodes,
+                                     getattr(backend.cfg, "cuda_hierarchical", "stages"),
+                                     backend.multi_node)
+        self.two_stage = stages is not None
         # A world over several nodes sizes every group with the staging of puts to other nodes
         # (the planner does the same), so that a group's layout does not depend on placement.
-        self.mlayout = membership_layout(spec, remote=backend.multi_node)
+        self.mlayout = membership_layout(spec, remote=backend.multi_node,
+                                         two_stage=self.two_stage)
         slot = self.mlayout.slot_bytes
         base, _ = decode_plan(membership.plan)  # the group's range of every engine's heap
-        if base + spec.num_ranks * slot > backend.heap_bytes:
+        if base + group_bytes(spec, remote=backend.multi_node,
+                              hierarchy=stages) > backend.heap_bytes:
             raise ResourceExhausted("group buffers do not fit in the symmetric heap")
         peers, remote = peer_table(membership.rank_nodes, membership.rank_engines,
                                    backend.node_rank, base, slot, backend.peer_bases,
                                    backend.heap_base, backend.node_first_pe)
         # Ranks on other nodes: the kernels' NVSHMEM build (no pointer to their buffers).
         self.spans_nodes = bool(remote)
-        # Normal mode over nodes placed node-major: the hierarchical semantics, as on the CPU
-        # backend (the top of cuda/epd_intranode.cu); any other placement stays flat.
-        self.hierarchy = Hierarchy.of(membership.rank_nodes)
         kernels = backend.kernels
         if remote:
             from .cuda_remote import remote_kernels_for_device
@@ -195,17 +212,22 @@ class CudaRankComm(RankComm):
                                         ll_layout=self.mlayout.low_latency,
                                         stream_priority=priority, remote=remote,
                                         num_nodes=(self.hierarchy.num_nodes
-                                                   if self.hierarchy is not None else 1))
+                                                   if self.hierarchy is not None
+                                                   and not self.two_stage else 1))
+            # A two-stage group's rail and node stage runners (their slots after the flat ones).
+            self.stages = (self._stage_runner(stages, base, kernels, priority)
+                           if stages is not None else None)
         self.stream_priority = self.runner.stream_priority
-        # Clean control block before the attach barrier: a previous group at this offset may
+        # Clean control blocks before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind; then the address of this rank's host words.
-        self.runner.reset_ctrl()  # (the low-latency histograms are read only under its flags)
         self._group_key = base
         self._host_slot = backend.host_words.acquire(base)
         word = np.array([backend.host_words.device_ptr(self._host_slot)], np.uint64)
         with cp.cuda.Device(backend.device):
-            cp.cuda.runtime.memcpy(self.runner.base + abi.CTRL_HOST_WORDS * 8,
-                                   word.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
+            for runner in self._runners():
+                runner.reset_ctrl()  # (low-latency histograms are read only under its flags)
+                cp.cuda.runtime.memcpy(runner.base + abi.CTRL_HOST_WORDS * 8,
+                                       word.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice)
         cp.cuda.Stream.null.synchronize()
         self.output_region = backend.heap_region  # clients map the heap once, per session
         self._reason: str | None = None
@@ -223,14 +245,40 @@ class CudaRankComm(RankComm):
         # run on different threads: the open waits for the drain and makes a new chain.
         self._chain_lock = threading.Lock()
         self._peer_bases = peers  # where each rank's buffer (control block first) is
+        if self.stages is None:
+            self._stage_abort_tables: list[Any] = []
         # A replacement for a rank that went away takes part from the Rejoin collective on.
         self._rejoining = membership.rejoining
         backend.comms.add(self)
 
+    def _stage_runner(self, h: Hierarchy, base: int, kernels: Any,
+                      priority: int) -> StagedRunner:
+        """This rank's rail and node stage runners (cuda_stages.py), the forwarder's combine
+        partials at the end of its node slot."""
+        b, m = self.backend, self.membership
+        lays = stage_layouts(self.spec, h)
+        region = b.heap_region  # (the output region: views of the heap by offset)
+        slot = b.heap_base - region.ptr + base + lays.node_at(self.rank)
+        rows = h.num_nodes * self.spec.max_tokens_per_rank
+        partials = (region.typed(slot + lays.partial_x, (rows, self.spec.hidden),
+                                 self.spec.x_numpy_dtype),
+                    region.typed(slot + lays.partial_w, (rows, self.spec.num_topk), np.float32))
+        place = Placement(m.rank_nodes, m.rank_engines, b.node_rank, b.peer_bases, b.heap_base,
+                          b.node_first_pe)
+        staged, self._stage_abort_tables = cuda_stages.build(
+            self.runner, self.spec, h, place, base, b.kernels, kernels, b.heap, priority,
+            partials)
+        self._stage_bytes = lays.rail_bytes + lays.node_bytes
+        return staged
+
+    def _runners(self) -> tuple[Any, ...]:
+        """This rank's runners: the group's, and a two-stage group's stage runners."""
+        return (self.runner,) if self.stages is None else self.stages.runners
+
     def quiet(self) -> bool:
         """No kernel of this rank in flight or queued (an armed chain always has some)."""
-        return (self.chain is None and self.runner.stream.done
-                and self.runner.side_stream.done)
+        return (self.chain is None and self.runner.side_stream.done
+                and all(r.stream.done for r in self._runners()))
 
     def _extra(self, name: str, shape: tuple[int, ...], dtype: Any) -> Any:
         # The output region starts at the IPC allocation, before our heap array: translate.
@@ -248,11 +296,15 @@ class CudaRankComm(RankComm):
     def _timeout_ns(self, deadline: float) -> int:
         return max(int((deadline - time.monotonic()) * 1e9), 1)
 
-    def _raise_if_failed(self) -> None:
-        err = self.runner.error()
+    def _raise_if_failed(self, runner: Any = None) -> None:
+        runner = runner or self.runner
+        err = runner.error()
         if err is None:
             return
         code, missing, phase, seq = err
+        if self.stages is not None and runner is not self.runner:  # name group ranks
+            missing = self.stages.group_rank(runner, missing)
+            phase = f"{phase} of the {self.stages.stage_names[id(runner)]}"
         if code == ck.ERR_DEADLINE:
             self.abort(f"rank {missing} did not arrive at {phase} #{seq} before the deadline")
             raise DeadlineExceeded(f"group {self.spec.name!r}: rank(s) [{missing}] did not "
@@ -301,6 +353,8 @@ class CudaRankComm(RankComm):
                  deadline: float) -> DispatchOutputs:
         self._normal_mode("dispatch")
         self._no_topk_refused(args)
+        if self.stages is not None:
+            return self._staged_dispatch(args, counter_slot, sequence, deadline)
         spec, runner = self.spec, self.runner
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):
@@ -312,19 +366,7 @@ class CudaRankComm(RankComm):
                 timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms,
                 routing=_routing(args))
             if cached is None:
-                # The host learns the counts from the mapped page while the GPU goes on.
-                got = counter_page.wait(counter_slot, sequence,
-                                        max(deadline - time.monotonic(), 0) + 1.0)
-                if got is None:
-                    self.abort("notify did not publish counts before the deadline")
-                    raise DeadlineExceeded(f"group {spec.name!r}: notify did not publish its "
-                                           f"counts before the deadline")
-                num_recv, per_expert = got
-                if counter_slot[counter_page.STATUS] == abi.ERR_CAPACITY:
-                    runner.stream.synchronize()  # (the data kernels skip the call)
-                    raise counter_page.capacity_error(
-                        spec.name, spec.max_tokens_per_rank, num_recv,
-                        int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
+                num_recv, per_expert = self._counts(counter_slot, sequence, deadline)
             else:
                 num_recv, per_expert = cached.num_recv, []
                 counter_page.publish(counter_slot, sequence, num_recv, [])
@@ -341,6 +383,73 @@ class CudaRankComm(RankComm):
         item = args.x.dtype.itemsize
         return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
                                       bytes_received=num_recv * spec.hidden * item)
+
+    def _counts(self, counter_slot: CounterSlot, sequence: int,
+                deadline: float) -> tuple[int, list[int]]:
+        """The receive counts notify publishes in the mapped page (the host learns them while
+        the GPU goes on); a call every rank fails alike (capacity) raises here."""
+        spec = self.spec
+        got = counter_page.wait(counter_slot, sequence, max(deadline - time.monotonic(), 0) + 1.0)
+        if got is None:
+            self.abort("notify did not publish counts before the deadline")
+            raise DeadlineExceeded(f"group {spec.name!r}: notify did not publish its counts "
+                                   f"before the deadline")
+        num_recv, per_expert = got
+        if counter_slot[counter_page.STATUS] == abi.ERR_CAPACITY:
+            self.runner.stream.synchronize()  # (the data kernels skip the call)
+            raise counter_page.capacity_error(
+                spec.name, spec.max_tokens_per_rank, num_recv,
+                int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
+        return num_recv, per_expert
+
+    def _staged_dispatch(self, args: DispatchArgs, counter_slot: CounterSlot, sequence: int,
+                         deadline: float) -> DispatchOutputs:
+        """A two-stage group's dispatch: the whole group's notify (the counts reach the page
+        first, as on one node), then the rail and node stages (cuda_stages.py)."""
+        assert self.stages is not None
+        spec, st, cached = self.spec, self.stages, args.cached
+        counts: list[Any] = []
+
+        def wait(runner: Any) -> None:
+            if runner is st.flat:
+                counts.append(self._counts(counter_slot, sequence, deadline))
+            self._finish(runner)
+            if runner is st.flat and counter_slot[counter_page.STATUS]:
+                raise Aborted(f"group {spec.name!r}: notify failed")
+
+        with cp.cuda.Device(self.backend.device):
+            if cached is not None:
+                counts.append((cached.num_recv, []))
+                counter_page.publish(counter_slot, sequence, cached.num_recv, [])
+            res = drive(st.dispatch(
+                args.x, args.x_scales, args.topk_idx, args.topk_weights,
+                alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
+                cached=cached.result if cached is not None else None,
+                counter_slot_ptr=0 if cached is not None else counter_slot.device_ptr,
+                counter_seq=sequence, timeout_ns=self._timeout_ns(deadline),
+                num_sms=self.num_sms), wait)
+            num_recv, per_expert = counts[0]
+            got = st.node.recv_info(res.node)[0]
+            if got != num_recv:  # the two stages and the whole group's notify disagree
+                self.abort(f"rank {self.rank}: the node stage received {got} rows, notify "
+                           f"counted {num_recv}")
+                raise Internal(f"group {spec.name!r}: the node stage received {got} rows, "
+                               f"notify counted {num_recv}; the group is aborted")
+            rows = args.num_worst_tokens or num_recv
+            outs = st.node.output_views(res.node, rows)
+            prefix = self._prefix_view()
+            with st.flat.stream:
+                r = spec.num_ranks
+                prefix[...] = res.flat.handle.rank_prefix.reshape(r, r)
+            st.flat.stream.synchronize()
+        item = args.x.dtype.itemsize
+        return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
+                                      bytes_received=num_recv * spec.hidden * item)
+
+    def _finish(self, runner: Any) -> None:
+        """One step of a staged call: the runner's stream done, its error raised."""
+        runner.stream.synchronize()
+        self._raise_if_failed(runner)
 
     def _dispatch_outputs(self, args: DispatchArgs, res: Any, outs: dict[str, Any], rows: int,
                           prefix: Any, num_recv: int, per_expert: list[int],
@@ -377,12 +486,17 @@ class CudaRankComm(RankComm):
         out_w = self._extra("combined_w", (t, k), np.float32) \
             if args.topk_weights is not None else None
         with cp.cuda.Device(self.backend.device):
-            self.runner.combine(args.x, h.result, out, recv_topk_weights=args.topk_weights,
-                                out_weights=out_w, bias_0=args.bias_0, bias_1=args.bias_1,
-                                timeout_ns=self._timeout_ns(deadline),
-                                num_sms=self.num_sms)
-            self.runner.stream.synchronize()
-            self._raise_if_failed()
+            if self.stages is not None:
+                drive(self.stages.combine(
+                    args.x, h.result, out, recv_topk_weights=args.topk_weights,
+                    out_weights=out_w, bias_0=args.bias_0, bias_1=args.bias_1,
+                    timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms), self._finish)
+            else:
+                self.runner.combine(args.x, h.result, out, recv_topk_weights=args.topk_weights,
+                                    out_weights=out_w, bias_0=args.bias_0, bias_1=args.bias_1,
+                                    timeout_ns=self._timeout_ns(deadline),
+                                    num_sms=self.num_sms)
+                self._finish(self.runner)
         nbytes = h.num_recv * spec.hidden * spec.x_numpy_dtype.itemsize
         return CombineOutputs(out, out_w, bytes_sent=nbytes, bytes_received=nbytes)
 
@@ -717,8 +831,9 @@ class CudaRankComm(RankComm):
 
     @property
     def held_bytes(self) -> int:
-        # The rank's slot of the heap range: kernel buffers, outputs, low-latency buffers.
-        return self.mlayout.slot_bytes
+        # The rank's slot of the heap range: kernel buffers, outputs, low-latency buffers (and
+        # a two-stage group's rail and node slots).
+        return self.mlayout.slot_bytes + (self._stage_bytes if self.stages is not None else 0)
 
     @_launches
     def abort(self, reason: str) -> None:
@@ -733,6 +848,9 @@ class CudaRankComm(RankComm):
         self.backend.host_words.abort(self._group_key, code)
         with cp.cuda.Device(self.backend.device):
             self.runner.abort(code)
+            for table in self._stage_abort_tables:  # every rank's rail and node blocks
+                self.runner.k.abort(table, self.spec.num_ranks, code,
+                                    stream=self.runner.side_stream)
 
     # -- rank masking (shrink groups): the kernels' waits skip a rank that went away --------
     supports_rank_masking = True
@@ -910,9 +1028,11 @@ class CudaRankComm(RankComm):
     def close(self) -> None:
         self.close_chain(self.backend.cfg.timeout_seconds)
         with cp.cuda.Device(self.backend.device):
-            self.runner.stream.synchronize()
+            for runner in self._runners():
+                runner.stream.synchronize()
             self.runner.side_stream.synchronize()  # an abort or mask write not awaited
-            self.runner.reset_ctrl()  # the next group at this offset starts clean
+            for runner in self._runners():
+                runner.reset_ctrl()  # the next group at this offset starts clean
             self.backend.host_words.release(self._group_key, self._host_slot)
             # Only the legacy stream the memset ran on: a device-wide sync would wait for
             # other ranks' kernels, which may be spinning on this GPU.

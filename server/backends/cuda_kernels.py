@@ -84,16 +84,20 @@ class RankBufferLayout:
     with_scales: bool
     offsets: dict[str, int] = field(default_factory=dict)
     total_bytes: int = 0
+    notify_only: bool = False  # the control block alone (build)
 
     @classmethod
     def build(cls, *, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
               max_tokens_per_rank: int, x_itemsize: int, y_itemsize: int,
               with_scales: bool, low_latency_only: bool = False,
-              remote: bool = False) -> RankBufferLayout:
+              remote: bool = False, notify_only: bool = False) -> RankBufferLayout:
         """`low_latency_only`: a low-latency group of more ranks than the normal-mode kernels
         take (up to LL_MAX_RANKS): the control block alone, no normal-mode buffers. `remote`:
         with `net_send`, the staging of puts to ranks on other nodes (a dispatch's rows and
-        scales, or a combine's rows and weights: the same stream, so one region)."""
+        scales, or a combine's rows and weights: the same stream, so one region).
+        `notify_only`: the control block (notify's payload) alone, `max_recv` kept for notify's
+        capacity check: a two-stage hierarchical group's whole-group notify (its rows move in
+        the stage groups' buffers, cuda_stages.py)."""
         limit = LL_MAX_RANKS if low_latency_only else MAX_RANKS
         if not 1 <= num_ranks <= limit:
             raise ValueError(f"num_ranks must lie in [1, {limit}] for "
@@ -107,19 +111,20 @@ class RankBufferLayout:
         scale_cols = hidden // FP8_BLOCK if with_scales else 0
         if low_latency_only:
             max_recv = scale_cols = 0
+        rows = 0 if notify_only else max_recv  # rows of the data buffers
         sizes = [
             ("ctrl", CTRL_PAYLOAD_BYTES + (0 if low_latency_only else
                                            MAX_RANKS * (NOTIFY_HEAD + local) * 4)),
-            ("recv_x", max_recv * hidden * x_itemsize),
-            ("recv_x_scales", max_recv * scale_cols * 4),
-            ("recv_topk_idx", max_recv * num_topk * 8),
-            ("recv_topk_weights", max_recv * num_topk * 4),
-            ("recv_src_idx", max_recv * 4),
-            ("recv_src_rank", max_recv * 4),
-            ("stage_y", max_recv * hidden * y_itemsize),
-            ("stage_w", max_recv * num_topk * 4),
+            ("recv_x", rows * hidden * x_itemsize),
+            ("recv_x_scales", rows * scale_cols * 4),
+            ("recv_topk_idx", rows * num_topk * 8),
+            ("recv_topk_weights", rows * num_topk * 4),
+            ("recv_src_idx", rows * 4),
+            ("recv_src_rank", rows * 4),
+            ("stage_y", rows * hidden * y_itemsize),
+            ("stage_w", rows * num_topk * 4),
         ]
-        if remote and not low_latency_only:
+        if remote and not low_latency_only and not notify_only:
             x_row, y_row = hidden * x_itemsize, hidden * y_itemsize
             sizes.append(("net_send", 16 + max(
                 max_tokens_per_rank * (x_row + scale_cols * 4),
@@ -130,7 +135,7 @@ class RankBufferLayout:
             offsets[name] = cur
             cur += _align(max(size, 16))
         return cls(num_ranks, local, hidden, num_topk, max_recv, x_itemsize, y_itemsize,
-                   with_scales, offsets, cur)
+                   with_scales, offsets, cur, notify_only)
 
     def views(self, base_ptr: int, owner: Any, device_id: int, x_dtype: Any,
               y_dtype: Any) -> dict[str, Any]:
@@ -143,8 +148,11 @@ class RankBufferLayout:
             return cp.ndarray(shape, dt, memptr=cp.cuda.MemoryPointer(mem, 0))
 
         n, k, h = self.max_recv, self.num_topk, self.hidden
+        ctrl = view("ctrl", (CTRL_PAYLOAD_BYTES // 8,), np.uint64)
+        if self.notify_only:
+            return {"ctrl": ctrl}
         out = {
-            "ctrl": view("ctrl", (CTRL_PAYLOAD_BYTES // 8,), np.uint64),
+            "ctrl": ctrl,
             "recv_x": view("recv_x", (n, h), x_dtype),
             "recv_topk_idx": view("recv_topk_idx", (n, k), np.int64),
             "recv_topk_weights": view("recv_topk_weights", (n, k), np.float32),

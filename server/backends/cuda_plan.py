@@ -8,14 +8,21 @@ Importable without CuPy: everything here is sizes and offsets.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ...proto import abi
 from ...proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ...proto.v1 import epd_pb2
-from .base import GroupPlanner, GroupSpec
+from .base import GroupPlanner, GroupSpec, Hierarchy
 from .cuda_kernels import LowLatencyLayout, RankBufferLayout
+
+# How a normal-mode group placed node-major over several nodes moves its rows (--cuda-hierarchical):
+# "stages": DeepEP's traffic, a token once per destination node to the rank with the same local
+# index, then forwarded inside the node (cuda_stages.py); "direct": a put to every destination
+# rank (the intranode kernels' NVSHMEM build), the same results.
+HIERARCHICAL_MODES = ("stages", "direct")
 
 
 @dataclass(frozen=True)
@@ -26,20 +33,22 @@ class MembershipLayout:
     low_latency: LowLatencyLayout | None = None  # groups with low_latency_mode
 
 
-def membership_layout(spec: GroupSpec, *, remote: bool = False) -> MembershipLayout:
+def membership_layout(spec: GroupSpec, *, remote: bool = False,
+                      two_stage: bool = False) -> MembershipLayout:
     """THE per-rank heap slot of a group: the kernels' buffers (recv_x sized for the group's
     dtype, which FP8 payloads fit; scales whenever FP8 dispatch is possible), then the outputs
     the engine hands back (layout results, combine results, the prefix matrix), then the
     low-latency buffers of groups that ask; `remote` (a world over several nodes): with the
-    staging of puts to other nodes, normal mode's and low latency's. Raises ValueError naming
-    a kernel limit."""
+    staging of puts to other nodes, normal mode's and low latency's; `two_stage`: normal
+    mode's rows move in the stage slots (`stage_layouts`), this slot holds the whole group's
+    notify alone. Raises ValueError naming a kernel limit."""
     item = spec.x_numpy_dtype.itemsize
     kernel = RankBufferLayout.build(
         num_ranks=spec.num_ranks, num_experts=spec.num_experts, hidden=spec.hidden,
         num_topk=spec.num_topk, max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
         y_itemsize=item, with_scales=spec.hidden % abi.FP8_BLOCK == 0,
         low_latency_only=spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS,
-        remote=remote)
+        remote=remote and not two_stage, notify_only=two_stage)
     t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
                      spec.num_experts)
     off = kernel.total_bytes
@@ -57,8 +66,74 @@ def membership_layout(spec: GroupSpec, *, remote: bool = False) -> MembershipLay
     return MembershipLayout(kernel, extras, ll.end, ll)
 
 
-def group_bytes(spec: GroupSpec, *, remote: bool = False) -> int:
-    """Heap bytes of a whole group: one slot per rank, whichever engine holds it."""
+@dataclass(frozen=True)
+class StageLayouts:
+    """The two stage groups of a two-stage hierarchical group (N nodes x L ranks, node-major):
+    every rank has a rail slot (a flat group of the N ranks with its local index, one per node,
+    rank b holding node b's E / N experts; T tokens per rank; puts to other nodes) and a node
+    slot (a flat group of its node's L ranks holding E / N experts; up to N x T tokens per
+    rank, what a forwarder received; by pointer), placed after the group's flat slots: rank
+    r's at `rail_at(r)` and `node_at(r)` from the group's heap offset. The node slot ends with
+    a forwarder's combine partials (`partial_x`, `partial_w`: N x T rows)."""
+
+    hierarchy: Hierarchy
+    rail: RankBufferLayout
+    node: RankBufferLayout
+    flat_bytes: int   # the group's flat slots, before the stage slots
+    rail_bytes: int
+    node_bytes: int
+    partial_x: int    # offsets in the node slot
+    partial_w: int
+
+    def rail_at(self, rank: int) -> int:
+        return self.flat_bytes + rank * self.rail_bytes
+
+    def node_at(self, rank: int) -> int:
+        return self.flat_bytes + self.hierarchy.num_ranks * self.rail_bytes \
+            + rank * self.node_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.node_at(self.hierarchy.num_ranks)
+
+
+def stage_layouts(spec: GroupSpec, hierarchy: Hierarchy) -> StageLayouts:
+    item = spec.x_numpy_dtype.itemsize
+    n, t, h, k = hierarchy.num_nodes, spec.max_tokens_per_rank, spec.hidden, spec.num_topk
+    common = {"hidden": h, "num_topk": k, "x_itemsize": item, "y_itemsize": item,
+              "with_scales": h % abi.FP8_BLOCK == 0}
+    rail = RankBufferLayout.build(num_ranks=n, num_experts=spec.num_experts,
+                                  max_tokens_per_rank=t, remote=True, **common)
+    node = RankBufferLayout.build(num_ranks=hierarchy.per_node,
+                                  num_experts=spec.num_experts // n,
+                                  max_tokens_per_rank=n * t, **common)
+
+    def aligned(nbytes: int) -> int:
+        return -(-max(nbytes, 16) // abi.ALIGN) * abi.ALIGN
+    partial_x = node.total_bytes
+    partial_w = partial_x + aligned(n * t * h * item)
+    node_bytes = partial_w + aligned(n * t * k * 4)
+    flat = membership_layout(spec, remote=True, two_stage=True).slot_bytes * spec.num_ranks
+    return StageLayouts(hierarchy, rail, node, flat, aligned(rail.total_bytes), node_bytes,
+                        partial_x, partial_w)
+
+
+def two_stage_hierarchy(spec: GroupSpec, rank_nodes: tuple[int, ...] | list[int],
+                        mode: str, multi_node: bool) -> Hierarchy | None:
+    """The hierarchy of a group that runs normal mode in two stages: in a world over several
+    nodes, with --cuda-hierarchical stages, a group placed node-major (`Hierarchy.of`) of at
+    most MAX_RANKS ranks (the whole-group notify's limit). Planner and engines decide alike."""
+    if not multi_node or mode != "stages" or spec.num_ranks > abi.MAX_RANKS:
+        return None
+    return Hierarchy.of(rank_nodes) if rank_nodes else None
+
+
+def group_bytes(spec: GroupSpec, *, remote: bool = False,
+                hierarchy: Hierarchy | None = None) -> int:
+    """Heap bytes of a whole group: one slot per rank, whichever engine holds it, and the
+    stage slots of a two-stage group (`hierarchy`)."""
+    if hierarchy is not None:
+        return stage_layouts(spec, hierarchy).total_bytes
     return membership_layout(spec, remote=remote).slot_bytes * spec.num_ranks
 
 
@@ -160,6 +235,7 @@ class CudaPlanner(GroupPlanner):
         # out, CudaRankComm).
         self.cluster_capable = self.world_spans_nodes = (
             getattr(cfg, "num_nodes", 1) > 1 and bool(getattr(cfg, "cuda_cluster", False)))
+        self.hierarchical_mode = getattr(cfg, "cuda_hierarchical", "stages")
         self.world: epd_pb2.ClusterWorld | None = None
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = HeapAllocator(self.heap_bytes)
@@ -169,8 +245,15 @@ class CudaPlanner(GroupPlanner):
     def validate_spec(self, spec: GroupSpec) -> None:
         check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes)
 
-    def plan_group(self, group_id: str, spec: GroupSpec) -> bytes:
-        size = group_bytes(spec, remote=self.world_spans_nodes)
+    def plan_group(self, group_id: str, spec: GroupSpec,
+                   rank_nodes: Sequence[int] = ()) -> bytes:
+        stages = two_stage_hierarchy(spec, list(rank_nodes), self.hierarchical_mode,
+                                     self.world_spans_nodes)
+        try:
+            size = group_bytes(spec, remote=self.world_spans_nodes, hierarchy=stages)
+        except ValueError as e:  # a kernel limit of a stage group
+            raise InvalidArgument(f"group {spec.name!r}: the cuda engine cannot run its two "
+                                  f"stages: {e}") from None
         offset = self.heap.alloc(size)
         if offset is None:
             raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "

@@ -31,6 +31,18 @@ def stream_priority_of(stream_ptr: int) -> int:
     return int(priority)
 
 
+def peer_array(peer_bases: list[int], remote: dict[int, tuple[int, int]] | None) -> Any:
+    """The kernels' device table of where each rank's buffer is (on the current device): its
+    pointer; with ranks on other nodes (`remote`: rank -> (symmetric address, PE)) the NVSHMEM
+    build's table, pointers (0: other node), then addresses, then PEs."""
+    table = [int(b) for b in peer_bases]
+    if remote:
+        table = ([0 if r in remote else b for r, b in enumerate(table)]
+                 + [remote.get(r, (0, 0))[0] for r in range(len(table))]
+                 + [remote.get(r, (0, 0))[1] for r in range(len(table))])
+    return cp.asarray(np.array(table, dtype=np.uint64))
+
+
 @dataclass
 class DispatchResult:
     handle: ck.DispatchHandle
@@ -58,13 +70,8 @@ class RankRunner:
         self.device_id = device_id
         self.x_dtype = np.dtype(x_dtype)
         self.y_dtype = np.dtype(y_dtype)
-        table = list(peer_bases)
-        if remote:  # the NVSHMEM build's table: pointers (0: other node), addresses, PEs
-            table = ([0 if r in remote else int(b) for r, b in enumerate(peer_bases)]
-                     + [remote.get(r, (0, 0))[0] for r in range(len(peer_bases))]
-                     + [remote.get(r, (0, 0))[1] for r in range(len(peer_bases))])
         with cp.cuda.Device(device_id):
-            self.peers = cp.asarray(np.array(table, dtype=np.uint64))
+            self.peers = peer_array(peer_bases, remote)
             # The rank's kernels run here, at its group's service-class priority (0: the
             # default, the least urgent); the side stream (abort writes) keeps the default.
             self.stream = cp.cuda.Stream(non_blocking=True, priority=stream_priority)
@@ -99,13 +106,9 @@ class RankRunner:
         with cp.cuda.Device(self.device_id):
             if cached is None:
                 handle = result.handle
-                self.seq["notify"] += 1
-                self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
-                              self.rank, self.peers, self.seq["notify"], handle,
-                              timeout_ns=timeout_ns, alignment=alignment,
-                              counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
-                              stream=self.stream, counter_seq=counter_seq, routing=routing,
-                              max_tokens=lay.max_recv // lay.num_ranks)
+                self.notify(topk_idx, result, alignment=alignment,
+                            counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
+                            timeout_ns=timeout_ns, layout_out=layout_out, routing=routing)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1
@@ -115,6 +118,24 @@ class RankRunner:
                             num_sms=num_sms, num_worst_tokens=num_worst_tokens,
                             barrier=cached is not None, stream=self.stream)
         return result
+
+    def notify(self, topk_idx: Any | None, result: DispatchResult, *, alignment: int = 1,
+               counter_slot_ptr: int = 0, counter_seq: int | None = None,
+               timeout_ns: int = DEFAULT_TIMEOUT_NS,
+               layout_out: tuple[Any, Any, Any] | None = None,
+               routing: tuple[Any, Any] | None = None) -> None:
+        """The layout exchange alone into `result`'s handle (counts, rank prefix matrix, the
+        receive count published in the counter slot): a dispatch's first kernel, or a
+        two-stage group's whole-group notify (cuda_stages.py)."""
+        lay = self.layout
+        with cp.cuda.Device(self.device_id):
+            self.seq["notify"] += 1
+            self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
+                          self.rank, self.peers, self.seq["notify"], result.handle,
+                          timeout_ns=timeout_ns, alignment=alignment,
+                          counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
+                          stream=self.stream, counter_seq=counter_seq, routing=routing,
+                          max_tokens=lay.max_recv // lay.num_ranks)
 
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
                         num_worst_tokens: int) -> DispatchResult:

@@ -502,7 +502,8 @@ class Engine(StreamCalls, DataPlane):
         self._refresh_gauges()
         log.info("%s joined group %r (%s) as rank %d/%d, service class %s%s", session.describe(),
                  spec.name, member.group_id, req.rank, spec.num_ranks, member.service_class,
-                 ", hierarchical normal mode over nodes" if comm.hierarchical else "")
+                 (", hierarchical normal mode over nodes"
+                  + (" in two stages" if comm.two_stage else "")) if comm.hierarchical else "")
         return member
 
     async def leave_group(self, session: Session, group_id: str) -> None:
@@ -566,7 +567,7 @@ class Engine(StreamCalls, DataPlane):
                     stream_priority=m.comm.stream_priority, num_sms=m.comm.num_sms,
                     ll_num_sms=m.comm.ll_num_sms, queued_calls=m.queued_calls,
                     queue_wait_seconds=m.queue_wait_seconds, held_bytes=m.comm.held_bytes,
-                    hierarchical=m.comm.hierarchical))
+                    hierarchical=m.comm.hierarchical, two_stage=m.comm.two_stage))
         regions = [r for s in sessions for r in list(s.regions.values()) if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),

@@ -40,7 +40,7 @@ async def _join_group(e: Engine, request: epd_pb2.JoinGroupRequest) -> epd_pb2.J
         output_region_bytes=region.size, counter_slot=m.counter_slot,
         service_class=m.spec.service_class,
         rank_nodes=m.comm.membership.rank_nodes if len(set(m.comm.membership.rank_nodes)) > 1
-        else (), hierarchical=m.comm.hierarchical)
+        else (), hierarchical=m.comm.hierarchical, two_stage=m.comm.two_stage)
 
 
 async def _leave_group(e: Engine, request: epd_pb2.LeaveGroupRequest

@@ -1,0 +1,225 @@
+"""Two-stage hierarchical normal mode on the CUDA engine (issue 13): DeepEP's internode traffic
+made of the flat kernels.
+
+A group of N nodes x L ranks placed node-major (rank = node * L + local index) runs, per
+rank, three flat collectives (docs/DESIGN_NOTES.md, "Hierarchical normal mode in two stages"):
+- the whole group's **notify** (its flat slot, notify-only): the receive counts published to
+  the caller's counter page as on one node, the rank prefix matrix, a call every rank fails
+  alike (capacity);
+- the **rail** stage: a flat group of the N ranks with this local index, one per node, rank b
+  holding node b's E / N experts. A token crosses the network once per destination node, to
+  the rank with its own local index there (the forwarder); its top-k ids arrive node-local;
+- the **node** stage: a flat group of the node's L ranks (by pointer), dispatching what the
+  forwarder received with those ids.
+Combine runs the stages backwards: the node stage sums a token's rows per node (rounded to the
+combine dtype: a forwarder's partial), the rail stage sums the partials and the biases at the
+source. Composed this way the results are `reference.hierarchical_dispatch` /
+`hierarchical_combine`, which are themselves composed of the flat functions.
+
+A `StagedRunner` call is a generator: it launches a stage and yields the runner whose stream
+the driver must see finished (and whose error word it checks) before the next step, so one
+thread can drive one rank (the engine, `drive`) or several ranks in lock-step (the GPU tests).
+The host waits once between the stages of a dispatch: the node stage's input is as long as
+what the rail stage received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .base import GroupSpec, Hierarchy
+from .cuda_plan import peer_table, stage_layouts
+from .cuda_runtime import DispatchResult, RankRunner
+
+T = TypeVar("T")
+Steps = Generator[RankRunner, None, T]
+
+
+@dataclass
+class StagedResult:
+    """What a two-stage dispatch filled; combine and cached dispatch reuse it."""
+
+    flat: DispatchResult  # the whole group's notify: counts and rank prefix matrix
+    rail: DispatchResult
+    node: DispatchResult
+    rail_rows: int        # rows the rail stage brought to this forwarder
+    num_worst_tokens: int
+
+
+class StagedRunner:
+    """One rank of a two-stage group: its whole-group runner (`flat`, notify only) and its
+    runners in the rail and node stage groups, with the forwarder's combine partials
+    (`partial_x` [N x T, hidden] in the combine dtype's storage, `partial_w` [N x T, top-k]
+    float32)."""
+
+    def __init__(self, flat: RankRunner, rail: RankRunner, node: RankRunner,
+                 hierarchy: Hierarchy, rank: int, partial_x: Any, partial_w: Any) -> None:
+        self.flat, self.rail, self.node = flat, rail, node
+        self.hierarchy = hierarchy
+        self.rank = rank
+        self.partial_x, self.partial_w = partial_x, partial_w
+        node_index, local = divmod(rank, hierarchy.per_node)
+        ln = hierarchy.per_node
+        # The group rank of each rank of a stage group (errors name group ranks).
+        self.group_ranks = {
+            id(flat): list(range(hierarchy.num_ranks)),
+            id(rail): [a * ln + local for a in range(hierarchy.num_nodes)],
+            id(node): [node_index * ln + j for j in range(ln)]}
+        self.stage_names = {id(flat): "notify", id(rail): "rail stage",
+                            id(node): "node stage"}
+
+    @property
+    def runners(self) -> tuple[RankRunner, RankRunner, RankRunner]:
+        return self.flat, self.rail, self.node
+
+    def group_rank(self, runner: RankRunner, stage_rank: int) -> int:
+        ranks = self.group_ranks[id(runner)]
+        return ranks[stage_rank] if 0 <= stage_rank < len(ranks) else stage_rank
+
+    def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
+                 topk_weights: Any | None, *, alignment: int = 1, num_worst_tokens: int = 0,
+                 cached: StagedResult | None = None, counter_slot_ptr: int = 0,
+                 counter_seq: int | None = None, timeout_ns: int, num_sms: int
+                 ) -> Steps[StagedResult]:
+        """Notify (new dispatches), rail stage, node stage; yields after each. A cached
+        dispatch reuses both stages' handles (no notify)."""
+        import cupy as cp
+
+        flat = cached.flat if cached is not None else None
+        if cached is None:
+            flat = self.flat.dispatch_result(int(x.shape[0]), None, 0)
+            self.flat.notify(topk_idx, flat, alignment=alignment,
+                             counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
+                             timeout_ns=timeout_ns)
+            yield self.flat  # (a failed notify fails the call on every rank alike)
+        rail = self.rail.dispatch(x, x_scales, topk_idx, topk_weights, timeout_ns=timeout_ns,
+                                  num_sms=num_sms,
+                                  cached=cached.rail if cached is not None else None)
+        yield self.rail
+        rows = cached.rail_rows if cached is not None else self.rail.recv_info(rail)[0]
+        got = self.rail.output_views(rail, rows)
+        fwd_x = got["recv_x"]
+        if fwd_x.dtype.itemsize != x.dtype.itemsize:  # FP8 rows in the bf16-sized buffer
+            fwd_x = cp.ndarray((rows, x.shape[1]), x.dtype, memptr=fwd_x.data)
+        fwd_scales = got.get("recv_x_scales") if x_scales is not None else None
+        node = self.node.dispatch(fwd_x, fwd_scales, got.get("recv_topk_idx"),
+                                  got.get("recv_topk_weights"), alignment=alignment,
+                                  num_worst_tokens=num_worst_tokens, timeout_ns=timeout_ns,
+                                  num_sms=num_sms,
+                                  cached=cached.node if cached is not None else None)
+        yield self.node
+        assert flat is not None
+        return StagedResult(flat, rail, node, rows, num_worst_tokens)
+
+    def combine(self, y: Any, res: StagedResult, out: Any, *, recv_topk_weights: Any = None,
+                out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
+                timeout_ns: int, num_sms: int) -> Steps[None]:
+        """Node stage (a partial per token and node at the forwarder), then rail stage (the
+        partials and the biases summed at the source), ordered by an event: no host wait."""
+        import cupy as cp
+
+        rows = res.rail_rows
+        partial = self.partial_x[:rows]
+        partial_w = self.partial_w[:rows] if recv_topk_weights is not None else None
+        self.node.combine(y, res.node, partial, recv_topk_weights=recv_topk_weights,
+                          out_weights=partial_w, timeout_ns=timeout_ns, num_sms=num_sms)
+        with cp.cuda.Device(self.node.device_id):
+            self.rail.stream.wait_event(self.node.stream.record())
+        self.rail.combine(partial, res.rail, out, recv_topk_weights=partial_w,
+                          out_weights=out_weights, bias_0=bias_0, bias_1=bias_1,
+                          timeout_ns=timeout_ns, num_sms=num_sms)
+        yield self.node
+        yield self.rail
+
+    def outputs(self, res: StagedResult) -> dict[str, Any]:
+        """As `RankRunner.outputs` (host reads; after the node stage): the node stage's rows
+        (recv_src_rank: the forwarder's local index), the whole group's rank prefix matrix."""
+        out = self.node.outputs(res.node)
+        out["rank_prefix"] = res.flat.handle.rank_prefix
+        return out
+
+    def error(self) -> tuple[int, int, str, int] | None:
+        """The first error word set among the three runners, its rank a group rank."""
+        for runner in self.runners:
+            err = runner.error()
+            if err is not None:
+                code, missing, phase, seq = err
+                return code, self.group_rank(runner, missing), phase, seq
+        return None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's ranks are, for the peer tables (cuda_plan.peer_table's arguments): each
+    rank's node and engine, this engine's node, this node's engines' heap bases, this engine's
+    heap base and each node's first PE."""
+
+    rank_nodes: tuple[int, ...]
+    rank_engines: tuple[int, ...]
+    node: int
+    engine_bases: dict[int, int]
+    heap_base: int
+    node_first_pe: tuple[int, ...]
+
+    def peers(self, members: list[int], offset: int,
+              slot: int) -> tuple[list[int], dict[int, tuple[int, int]]]:
+        """`peer_table` for the stage group of the group ranks `members` (its rank s is group
+        rank members[s]), whose slots lie at `offset + group rank * slot` of every heap."""
+        bases: list[int] = []
+        remote: dict[int, tuple[int, int]] = {}
+        for s, m in enumerate(members):
+            b, r = peer_table((self.rank_nodes[m],), (self.rank_engines[m],), self.node,
+                              offset + m * slot, 0, self.engine_bases, self.heap_base,
+                              self.node_first_pe)
+            bases.append(b[0])
+            if 0 in r:
+                remote[s] = r[0]
+        return bases, remote
+
+    def all_ranks(self, offset: int, slot: int) -> Any:
+        """The kernels' table of every rank's slot at `offset + rank * slot` (for an abort)."""
+        from .cuda_runtime import peer_array
+        return peer_array(*peer_table(self.rank_nodes, self.rank_engines, self.node, offset,
+                                      slot, self.engine_bases, self.heap_base,
+                                      self.node_first_pe))
+
+
+def build(flat: RankRunner, spec: GroupSpec, hierarchy: Hierarchy, place: Placement, base: int,
+          kernels: Any, remote_kernels: Any, owner: Any, stream_priority: int,
+          partials: tuple[Any, Any]) -> tuple[StagedRunner, list[Any]]:
+    """Rank `flat.rank`'s stage runners at the group's heap offset `base` (every PE's): the
+    rail through the NVSHMEM build (every other rank of a rail is on another node), the node
+    stage by pointer. Returns the staged runner and the abort tables of every rank's rail and
+    node control blocks (a stage kernel waits on its own block only)."""
+    from .cuda_runtime import RankRunner
+
+    lays = stage_layouts(spec, hierarchy)
+    ln = hierarchy.per_node
+    node_index, local = divmod(flat.rank, ln)
+    rail_peers, rail_remote = place.peers([a * ln + local for a in range(hierarchy.num_nodes)],
+                                          base + lays.rail_at(0), lays.rail_bytes)
+    node_peers, node_remote = place.peers([node_index * ln + j for j in range(ln)],
+                                          base + lays.node_at(0), lays.node_bytes)
+    assert not node_remote, "a node stage is on one node"
+    common = {"device_id": flat.device_id, "x_dtype": flat.x_dtype, "y_dtype": flat.y_dtype,
+              "owner": owner, "stream_priority": stream_priority}
+    rail = RankRunner(remote_kernels, lays.rail, node_index, rail_peers, remote=rail_remote,
+                      **common)
+    node = RankRunner(kernels, lays.node, local, node_peers, **common)
+    tables = [place.all_ranks(base + lays.rail_at(0), lays.rail_bytes),
+              place.all_ranks(base + lays.node_at(0), lays.node_bytes)]
+    return StagedRunner(flat, rail, node, hierarchy, flat.rank, *partials), tables
+
+
+def drive(steps: Steps[T], wait: Callable[[RankRunner], None]) -> T:
+    """Run one rank's staged call: `wait(runner)` at every step (the engine synchronises the
+    runner's stream and raises its error)."""
+    try:
+        runner = next(steps)
+        while True:
+            wait(runner)
+            runner = steps.send(None)
+    except StopIteration as done:
+        return done.value
