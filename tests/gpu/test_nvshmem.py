@@ -77,7 +77,23 @@ def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
     _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_normal_worker.py")
 
 
-def _across_logical_nodes(tmp_path: Path, ranks_per_node: int, worker: str) -> None:
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 4])
+def test_two_stage_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -> None:
+    """Issue 13, DeepEP's hierarchical traffic: a node-major group over two logical nodes
+    (2, 4 and 8 ranks) runs normal mode in two stages (server/backends/cuda_stages.py, as the
+    engine builds them): the whole group's notify, the rail stage (a token once per
+    destination node, through NVSHMEM) and the node stage (by pointer), and combine backwards.
+    Every output bit-exact against reference.hierarchical_dispatch / hierarchical_combine over
+    repeated calls on the same buffers, poisoned before each (bf16 with bias, FP8 with
+    alignment, cached, worst-token padding, empty and hot ranks); the cases must tell the flat
+    semantics apart. EPD_STAGES_TIMING=1 also prints the wall clock against direct puts."""
+    _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_stages_worker.py",
+                          ["--timing"] if os.environ.get("EPD_STAGES_TIMING") == "1"
+                          and ranks_per_node <= 2 else [])
+
+
+def _across_logical_nodes(tmp_path: Path, ranks_per_node: int, worker: str,
+                          args: list[str] | None = None) -> None:
     """Two PEs as two logical nodes running `worker`: one per GPU on two GPUs, else both on
     GPU 0 under one MPS server; skipped without NVSHMEM's device build toolchain."""
     if GPU_COUNT < 1 or not _has_nvshmem():
@@ -89,10 +105,10 @@ def _across_logical_nodes(tmp_path: Path, ranks_per_node: int, worker: str) -> N
     except RuntimeError as e:
         pytest.skip(str(e))
     if GPU_COUNT >= 2:
-        _run_pes(tmp_path, ranks_per_node, {}, worker=worker)
+        _run_pes(tmp_path, ranks_per_node, {}, worker=worker, args=args)
         return
     with _two_pes_env() as env:
-        _run_pes(tmp_path, ranks_per_node, env, worker=worker)
+        _run_pes(tmp_path, ranks_per_node, env, worker=worker, args=args)
 
 
 @contextlib.contextmanager
@@ -120,7 +136,7 @@ def _two_pes_env() -> Iterator[dict[str, str]]:
 
 
 def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str],
-             worker: str = "nvshmem_worker.py") -> None:
+             worker: str = "nvshmem_worker.py", args: list[str] | None = None) -> None:
     env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
                NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
@@ -133,7 +149,7 @@ def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str],
     uid = tmp_path / "uid"
     worker = str(Path(__file__).with_name(worker))
     procs = [subprocess.Popen([sys.executable, worker, str(pe), "2", str(uid),
-                               str(ranks_per_pe)], cwd=ROOT, env=env,
+                               str(ranks_per_pe), *(args or [])], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pe in range(2)]
     outs = []
