@@ -178,19 +178,9 @@ def hierarchical_roundtrip(group: Any, rng: np.random.Generator, num_tokens: lis
     hierarchical_combine, bit-exact, outputs poisoned first. Returns where the flat reference
     differs from the hierarchical one in this case (row order, recv_src_idx, combine bits), so
     that a caller can make sure that flat results could not have passed."""
-    inp = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload,
-                      **routing)
-    hier = ref.hierarchical_dispatch(inp["xs"], inp["idx"], inp["w"], num_experts, num_nodes,
-                                     x_scales=inp["scales"], expert_alignment=alignment)
-    flat = ref.dispatch(inp["xs"], inp["idx"], inp["w"], num_experts, x_scales=inp["scales"],
-                        expert_alignment=alignment)
-    r = len(num_tokens)
-    differs = {
-        "order": any(not np.array_equal(hier.sources(d)[0], flat[d].recv_src_rank)
-                     for d in range(r)),
-        "src_idx": any(not np.array_equal(hier.received(d).recv_src_idx, flat[d].recv_src_idx)
-                       for d in range(r)),
-        "rounding": False}
+    inp, hier, flat, differs = hierarchical_case(rng, num_tokens, num_experts, num_topk, hidden,
+                                                 num_nodes, payload=payload,
+                                                 alignment=alignment, **routing)
     _poison(group)
     results = run_dispatch(group, inp, alignment=alignment, worst=worst, num_sms=num_sms)
     check_hierarchical_dispatch(group, results, hier, worst=worst)
@@ -209,6 +199,49 @@ def hierarchical_roundtrip(group: Any, rng: np.random.Generator, num_tokens: lis
             group, rng, results, hier, flat, num_tokens, hidden, worst=worst, bias=bias,
             num_sms=num_sms)
     return differs
+
+
+def hierarchical_case(rng: np.random.Generator, num_tokens: list[int], num_experts: int,
+                      num_topk: int, hidden: int, num_nodes: int, *, payload: str = "bf16",
+                      alignment: int = 1, **routing: Any
+                      ) -> tuple[dict[str, Any], Any, list[Any], dict[str, bool]]:
+    """Inputs of one hierarchical case, their hierarchical and flat reference dispatches, and
+    where the two differ (row order, recv_src_idx; "rounding" is for the combine to say)."""
+    inp = make_inputs(rng, num_tokens, num_experts, num_topk, hidden, payload=payload,
+                      **routing)
+    hier = ref.hierarchical_dispatch(inp["xs"], inp["idx"], inp["w"], num_experts, num_nodes,
+                                     x_scales=inp["scales"], expert_alignment=alignment)
+    flat = ref.dispatch(inp["xs"], inp["idx"], inp["w"], num_experts, x_scales=inp["scales"],
+                        expert_alignment=alignment)
+    r = len(num_tokens)
+    differs = {
+        "order": any(not np.array_equal(hier.sources(d)[0], flat[d].recv_src_rank)
+                     for d in range(r)),
+        "src_idx": any(not np.array_equal(hier.received(d).recv_src_idx, flat[d].recv_src_idx)
+                       for d in range(r)),
+        "rounding": False}
+    return inp, hier, flat, differs
+
+
+def flat_rows(y: np.ndarray, hier: Any, flat_d: Any, d: int) -> np.ndarray:
+    """Rank d's expert outputs `y` (in the hierarchical rows' order) in the flat reference's
+    row order: the same output per (source rank, token)."""
+    src_rank, src_idx = hier.sources(d)
+    where = {(int(s), int(t)): i for i, (s, t) in enumerate(zip(src_rank, src_idx, strict=True))}
+    return y[[where[(int(s), int(t))] for s, t in zip(flat_d.recv_src_rank, flat_d.recv_src_idx,
+                                                      strict=True)]]
+
+
+def told_apart(pe: int, per_pe: int, differs: dict[str, bool]) -> int:
+    """1 (and a line) unless the cases gave results the flat semantics would not: other
+    recv_src_idx, and with more than one rank per node other row order and combine bits."""
+    want = {"src_idx"} | ({"order", "rounding"} if per_pe > 1 else set())
+    missing = sorted(w for w in want if not differs[w])
+    if missing:
+        print(f"PE {pe}: FAILED: the flat reference agrees with the hierarchical one in "
+              f"{missing}: the test could not tell them apart", flush=True)
+        return 1
+    return 0
 
 
 def check_hierarchical_dispatch(group: Any, results: dict[int, Any], hier: Any, *,
@@ -240,16 +273,8 @@ def run_and_check_hierarchical_combine(group: Any, rng: np.random.Generator,
     want = ref.hierarchical_combine(real, hier, num_tokens,
                                     recv_topk_weights=[rd.recv_topk_weights for rd in rds],
                                     bias_0=b0, bias_1=b1)
-    # The same expert outputs per (rank, source token), in the flat rows' order.
-    flat_ys = []
-    for d in range(r):
-        src_rank, src_idx = hier.sources(d)
-        where = {(int(s), int(t)): i for i, (s, t) in enumerate(zip(src_rank, src_idx,
-                                                                    strict=True))}
-        order = [where[(int(s), int(t))] for s, t in zip(flat[d].recv_src_rank,
-                                                         flat[d].recv_src_idx, strict=True)]
-        flat_ys.append(real[d][order])
-    flat_want = ref.combine(flat_ys, flat, num_tokens, bias_0=b0, bias_1=b1)
+    flat_want = ref.combine([flat_rows(real[d], hier, flat[d], d) for d in range(r)], flat,
+                            num_tokens, bias_0=b0, bias_1=b1)
     rounding = any(not np.array_equal(raw(a[0]), raw(b[0]))
                    for a, b in zip(want, flat_want, strict=True))
     weights = [(ref.pad_to_worst(rd, worst) if worst else rd).recv_topk_weights for rd in rds]
