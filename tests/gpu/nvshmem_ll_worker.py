@@ -22,13 +22,15 @@ class NodeGroup(PeGroup):
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
                  num_topk: int, max_tokens: int, stream, gpu: int,
-                 pointers: bool = False, x_dtype=None, hierarchical: bool = False) -> None:
+                 pointers: bool = False, x_dtype=None, hierarchical: bool = False,
+                 low_latency: bool = True) -> None:
         """`pointers`: the other PEs' ranks by NVSHMEM peer pointer with the one-node build
         (the comparison for the timing), not as ranks on other nodes. `x_dtype`: the normal-mode
         dispatch payload (FLOAT8_E4M3 for an FP8 run of this bf16 group), bf16 by default.
         `hierarchical`: normal mode runs the hierarchical semantics over the PEs as nodes (the
         group is node-major: rank g on PE g // per_pe), as the engine does for such a group;
-        else flat, as for any other placement."""
+        else flat, as for any other placement. `low_latency=False`: no low-latency buffers
+        (normal mode only; they would not fit a large max_tokens)."""
         import cupy as cp
         import nvshmem.core as nc
 
@@ -43,7 +45,7 @@ class NodeGroup(PeGroup):
         r = npes * per_pe
         self.num_ranks = r
         spec = GroupSpec("across-nodes", r, num_experts, hidden, max_tokens, num_topk,
-                         dtypes.from_numpy(BFLOAT16), low_latency_mode=True)
+                         dtypes.from_numpy(BFLOAT16), low_latency_mode=low_latency)
         ml = membership_layout(spec, remote=not pointers)
         self.layout, size = ml.kernel, ml.slot_bytes
         self.heap = nc.array((per_pe * size,), dtype="uint8")  # collective: same offset on all

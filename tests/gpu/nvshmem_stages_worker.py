@@ -268,7 +268,7 @@ def timing(pe: int, npes: int, per_pe: int, gpu: int) -> None:
     staged = _time(group.barrier, staged_once)
     group.close()
     direct = NodeGroup(pe, npes, per_pe, e, h, k, t, cp.cuda.Stream(non_blocking=True), gpu,
-                       hierarchical=True)
+                       hierarchical=True, low_latency=False)
     ins = {g: (cp.asarray(raw(inp["xs"][g])), None, cp.asarray(inp["idx"][g]),
                cp.asarray(inp["w"][g])) for g in direct.rank_ids}
 
