@@ -7,6 +7,7 @@
 #        against direct puts; the daemons' cluster test (a node-major group of 1 x 2: two
 #        stages through the engine and the DeepEP facade); the intranode kernels and the
 #        daemon's normal mode after RankRunner.notify was split out of dispatch
+#   bash benchmarks/gpu_s16_run.sh again    # the first two after the fix of the stages' streams
 #   bash benchmarks/gpu_s16_run.sh more     # direct puts across logical nodes (the A/B
 #        switch's other side), test_nvshmem.py as a whole
 set -u
@@ -18,9 +19,13 @@ case "${1:-}" in
     step regress 130 "tests/gpu/test_intranode.py tests/gpu/test_daemon.py \
         -k 'not low_latency and not graph and not armed'"
     ;;
+  again)  # after the stage runners moved onto their rank's streams
+    EPD_STAGES_TIMING=1 step stages 280 "tests/gpu/test_nvshmem.py -k two_stage"
+    step cluster 170 "tests/gpu/test_cuda_cluster.py"
+    ;;
   more)
     step direct 250 "tests/gpu/test_nvshmem.py -k 'not two_stage'"
     EPD_CUDA_HIERARCHICAL=direct step cluster_direct 170 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 stages|more" >&2; exit 2 ;;
+  *) echo "usage: $0 stages|again|more" >&2; exit 2 ;;
 esac

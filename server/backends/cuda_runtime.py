@@ -56,12 +56,13 @@ class RankRunner:
                  owner: Any = None, ll_layout: ck.LowLatencyLayout | None = None,
                  stream_priority: int = 0,
                  remote: dict[int, tuple[int, int]] | None = None,
-                 num_nodes: int = 1) -> None:
+                 num_nodes: int = 1, streams: tuple[Any, Any] | None = None) -> None:
         """`remote`: the ranks on other nodes, rank -> (symmetric address of its buffer in
         this PE's heap, its PE); their `peer_bases` entries are ignored, and `kernels` must be
         the NVSHMEM build (cuda_remote.py). `num_nodes` > 1: the group is placed node-major
         over that many nodes and normal mode runs the hierarchical semantics (the top of
-        cuda/epd_intranode.cu); 1: flat."""
+        cuda/epd_intranode.cu); 1: flat. `streams`: the (stream, side stream) to run on, another
+        runner's (a two-stage group's stage runners share their rank's: cuda_stages.py)."""
         self.k = kernels
         self.num_nodes = num_nodes
         self.ll = ll_layout
@@ -74,8 +75,11 @@ class RankRunner:
             self.peers = peer_array(peer_bases, remote)
             # The rank's kernels run here, at its group's service-class priority (0: the
             # default, the least urgent); the side stream (abort writes) keeps the default.
-            self.stream = cp.cuda.Stream(non_blocking=True, priority=stream_priority)
-            self.side_stream = cp.cuda.Stream(non_blocking=True)
+            if streams is not None:
+                self.stream, self.side_stream = streams
+            else:
+                self.stream = cp.cuda.Stream(non_blocking=True, priority=stream_priority)
+                self.side_stream = cp.cuda.Stream(non_blocking=True)
             self.stream_priority = stream_priority_of(self.stream.ptr)
         self.base = int(peer_bases[rank])
         self.views = layout.views(self.base, owner, device_id, self.x_dtype, self.y_dtype)

@@ -117,7 +117,7 @@ class StagedRunner:
                 out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
                 timeout_ns: int, num_sms: int) -> Steps[None]:
         """Node stage (a partial per token and node at the forwarder), then rail stage (the
-        partials and the biases summed at the source), ordered by an event: no host wait."""
+        partials and the biases summed at the source), in stream order: no host wait."""
         import cupy as cp
 
         rows = res.rail_rows
@@ -125,13 +125,15 @@ class StagedRunner:
         partial_w = self.partial_w[:rows] if recv_topk_weights is not None else None
         self.node.combine(y, res.node, partial, recv_topk_weights=recv_topk_weights,
                           out_weights=partial_w, timeout_ns=timeout_ns, num_sms=num_sms)
-        with cp.cuda.Device(self.node.device_id):
-            self.rail.stream.wait_event(self.node.stream.record())
+        if self.rail.stream is not self.node.stream:  # (build() gives them one stream)
+            with cp.cuda.Device(self.node.device_id):
+                self.rail.stream.wait_event(self.node.stream.record())
         self.rail.combine(partial, res.rail, out, recv_topk_weights=partial_w,
                           out_weights=out_weights, bias_0=bias_0, bias_1=bias_1,
                           timeout_ns=timeout_ns, num_sms=num_sms)
         yield self.node
-        yield self.rail
+        if self.rail.stream is not self.node.stream:
+            yield self.rail
 
     def outputs(self, res: StagedResult) -> dict[str, Any]:
         """As `RankRunner.outputs` (host reads; after the node stage): the node stage's rows
@@ -203,8 +205,14 @@ def build(flat: RankRunner, spec: GroupSpec, hierarchy: Hierarchy, place: Placem
     node_peers, node_remote = place.peers([node_index * ln + j for j in range(ln)],
                                           base + lays.node_at(0), lays.node_bytes)
     assert not node_remote, "a node stage is on one node"
+    # The stages run on the rank's own streams: they follow each other anyway, and a stream
+    # per stage would triple the hardware queues a rank takes. Beyond CUDA_DEVICE_MAX_CONNECTIONS
+    # streams share queues, and a rank's kernel queued behind a peer's kernel that spins
+    # waiting for it never starts (seen on one H200: 2 and 4 ranks per PE, timeouts at notify
+    # and at combine's entry, with a stream per stage).
     common = {"device_id": flat.device_id, "x_dtype": flat.x_dtype, "y_dtype": flat.y_dtype,
-              "owner": owner, "stream_priority": stream_priority}
+              "owner": owner, "stream_priority": stream_priority,
+              "streams": (flat.stream, flat.side_stream)}
     rail = RankRunner(remote_kernels, lays.rail, node_index, rail_peers, remote=rail_remote,
                       **common)
     node = RankRunner(kernels, lays.node, local, node_peers, **common)

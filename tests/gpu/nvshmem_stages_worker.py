@@ -60,6 +60,7 @@ class StageGroup:
         self.rank_ids = [pe * per_pe + j for j in range(per_pe)]
         self.staged = {}
         self._keep: Any = None  # a call's device inputs, kept past its launches
+        self._barrier_stream = cp.cuda.Stream(non_blocking=True)
         for g in self.rank_ids:
             runner = rt.RankRunner(remote_k, flat.kernel, g, peers, gpu, np.uint16, np.uint16,
                                    owner=self.heap, remote=remote)
@@ -71,7 +72,7 @@ class StageGroup:
         self.barrier()
 
     def runners(self) -> list[Any]:
-        return [r for st in self.staged.values() for r in st.runners]
+        return [st.flat for st in self.staged.values()]  # (the stages share its streams)
 
     def poison(self) -> None:
         """Every stage buffer but the control blocks, and the partials, to 0xFF; then every PE
@@ -94,9 +95,8 @@ class StageGroup:
         for runner in self.runners():
             runner.stream.synchronize()
         cp.cuda.runtime.deviceSynchronize()
-        stream = cp.cuda.Stream(non_blocking=True)
-        nc.barrier_all(stream=stream)
-        stream.synchronize()
+        nc.barrier_all(stream=self._barrier_stream)  # (one stream: each takes a queue)
+        self._barrier_stream.synchronize()
 
     def lockstep(self, steps: dict[int, Generator]) -> dict[int, Any]:
         """Run every rank's staged call: launch each rank's step, wait for all, check errors."""
