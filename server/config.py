@@ -206,12 +206,14 @@ class Config:
                 "ranks, normal mode up to 8: hierarchical semantics and traffic when placed "
                 "node-major, see --cuda-hierarchical); run as logical "
                 "nodes on one GPU only so far (docs/DESIGN_NOTES.md)"})
-    cuda_hierarchical: str = field(default="stages", metadata={
+    cuda_hierarchical: str = field(default="direct", metadata={
         "help": "with --cuda-cluster, how a normal-mode group placed node-major over nodes "
                 "moves its rows: stages (DeepEP's traffic: a token crosses the network once "
                 "per destination node, to the rank with its local index there, which forwards "
                 "it inside the node; dispatch and combine are answered calls) or direct (a put "
-                "to every destination rank; stream-ordered calls); the same results",
+                "to every destination rank; stream-ordered calls; the default: stages fails on one "
+                "H200 with more than one rank per node, docs/BENCHMARKS.md sixteenth session); "
+                "the same results",
         "choices": ("stages", "direct")})
 
     @property

@@ -176,7 +176,7 @@ class CudaRankComm(RankComm):
         # too, in two stages (cuda_stages.py); any other placement stays flat.
         self.hierarchy = Hierarchy.of(membership.rank_nodes)
         stages = two_stage_hierarchy(spec, membership.rank_nodes,
-                                     getattr(backend.cfg, "cuda_hierarchical", "stages"),
+                                     getattr(backend.cfg, "cuda_hierarchical", "direct"),
                                      backend.multi_node)
         self.two_stage = stages is not None
         # A world over several nodes sizes every group with the staging of puts to other nodes

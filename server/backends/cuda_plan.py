@@ -235,7 +235,7 @@ class CudaPlanner(GroupPlanner):
         # out, CudaRankComm).
         self.cluster_capable = self.world_spans_nodes = (
             getattr(cfg, "num_nodes", 1) > 1 and bool(getattr(cfg, "cuda_cluster", False)))
-        self.hierarchical_mode = getattr(cfg, "cuda_hierarchical", "stages")
+        self.hierarchical_mode = getattr(cfg, "cuda_hierarchical", "direct")
         self.world: epd_pb2.ClusterWorld | None = None
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = HeapAllocator(self.heap_bytes)

@@ -10,9 +10,9 @@ a function of the routing and the mode's semantics:
 - normal (hierarchical) dispatch sends a token once per destination node over the network (the
   GPU with the same local index there forwards it over NVLink); its combine brings one reduced
   row per (token, node) back. DeepEP's internode mode, and EPD's for a group placed node-major
-  (`--cuda-hierarchical stages`, the default; server/backends/cuda_stages.py);
-- normal_direct is what EPD's normal mode across nodes sends with `--cuda-hierarchical direct`
-  or a group placed otherwise (each rank puts a token's row straight to every destination rank
+  with `--cuda-hierarchical stages` (experimental; server/backends/cuda_stages.py);
+- normal_direct is what EPD's normal mode across nodes sends by default (`--cuda-hierarchical
+  direct`) or for a group placed otherwise (each rank puts a token's row straight to every destination rank
   on another node, its combine brings one row per (token, rank) back): more bytes than
   hierarchical whenever a token has two destination ranks on one node.
 
