@@ -12,9 +12,9 @@ a function of the routing and the mode's semantics:
   row per (token, node) back. DeepEP's internode mode, and EPD's for a group placed node-major
   with `--cuda-hierarchical stages` (experimental; server/backends/cuda_stages.py);
 - normal_direct is what EPD's normal mode across nodes sends by default (`--cuda-hierarchical
-  direct`) or for a group placed otherwise (each rank puts a token's row straight to every destination rank
-  on another node, its combine brings one row per (token, rank) back): more bytes than
-  hierarchical whenever a token has two destination ranks on one node.
+  direct`) or for a group placed otherwise (each rank puts a token's row straight to every
+  destination rank on another node, its combine brings one row per (token, rank) back): more
+  bytes than hierarchical whenever a token has two destination ranks on one node.
 
 The model: each GPU has one NIC of `--nic-gbps` gigabytes per second (50 for 400 Gb/s), every
 GPU sends at once, so a call takes at least the largest inter-node bytes of one GPU over that
