@@ -117,23 +117,18 @@ class StagedRunner:
                 out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
                 timeout_ns: int, num_sms: int) -> Steps[None]:
         """Node stage (a partial per token and node at the forwarder), then rail stage (the
-        partials and the biases summed at the source), in stream order: no host wait."""
-        import cupy as cp
-
+        partials and the biases summed at the source), in stream order on the rank's one
+        stream (`build`): no host wait."""
         rows = res.rail_rows
         partial = self.partial_x[:rows]
         partial_w = self.partial_w[:rows] if recv_topk_weights is not None else None
         self.node.combine(y, res.node, partial, recv_topk_weights=recv_topk_weights,
                           out_weights=partial_w, timeout_ns=timeout_ns, num_sms=num_sms)
-        if self.rail.stream is not self.node.stream:  # (build() gives them one stream)
-            with cp.cuda.Device(self.node.device_id):
-                self.rail.stream.wait_event(self.node.stream.record())
         self.rail.combine(partial, res.rail, out, recv_topk_weights=partial_w,
                           out_weights=out_weights, bias_0=bias_0, bias_1=bias_1,
                           timeout_ns=timeout_ns, num_sms=num_sms)
-        yield self.node
-        if self.rail.stream is not self.node.stream:
-            yield self.rail
+        yield self.node  # (one stream: both are done; each runner's error is checked)
+        yield self.rail
 
     def outputs(self, res: StagedResult) -> dict[str, Any]:
         """As `RankRunner.outputs` (host reads; after the node stage): the node stage's rows
