@@ -1113,8 +1113,7 @@ class CudaBackend(Backend):
                                         ipc_handle=bytes(ipc))
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
         self.host_words = HostControlWords(index)
-        self.kernels = ck.kernels_for_device(index)
-        self.kernels.compile_all()  # compile (or load from the disk cache) before serving
+        self.kernels = ck.kernels_for_device(index)  # compiled and loaded before serving
         if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
             from .cuda_remote import remote_kernels_for_device
             remote_kernels_for_device(index)

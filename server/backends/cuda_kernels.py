@@ -284,6 +284,21 @@ def _addr(a: Any) -> int:
     return int(a.data.ptr)
 
 
+def load_function(function: int) -> None:
+    """Load a kernel (a CUfunction) into its context now, not at its first launch. Under
+    CUDA's lazy loading (the default) a first launch loads the kernel, and loading may wait for
+    the context's running work. One host thread that drives several ranks (the lock-step GPU
+    tests) or one rank through several launches in a row then deadlocks: rank 0's notify spins
+    waiting for rank 1, the first launch of rank 0's dispatch waits for that notify, and rank 1
+    is never launched (seen on the H200: a timeout in notify, or at combine's entry, only on a
+    kernel's first use)."""
+    from cuda.bindings import driver as drv
+
+    (err,) = drv.cuFuncLoad(drv.CUfunction(function))
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"loading kernel {function:#x}: {err}")
+
+
 def _handle_of(stream: Any) -> int:
     return int(stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr)
 
@@ -377,8 +392,10 @@ class Kernels:
         return p
 
     def compile_all(self) -> None:
+        """Compile the module and load every kernel into the current context now (see
+        `load_function`)."""
         for n in (*self.NAMES, *self.TEMPLATES):
-            self.fn(n)
+            load_function(_function_of(self.fn(n)))
 
     # -- layout ----------------------------------------------------------------------------
     def layout(self, topk_idx: Any, num_experts: int, num_ranks: int, *,
@@ -689,7 +706,10 @@ def read_error(ctrl_view: Any) -> tuple[int, int, str, int] | None:
 
 @functools.cache
 def kernels_for_device(device_id: int) -> Kernels:
-    """Process-wide compiled module (CuPy compiles per device lazily and caches on disk)."""
+    """Process-wide compiled module, every kernel loaded (`load_function`); CuPy caches the
+    compiled module on disk."""
     os.environ.setdefault("CUPY_CACHE_DIR", str(Path.home() / ".cache" / "epd" / "cupy"))
     with cp.cuda.Device(device_id):
-        return Kernels()
+        kernels = Kernels()
+        kernels.compile_all()
+        return kernels

@@ -201,10 +201,8 @@ def build(flat: RankRunner, spec: GroupSpec, hierarchy: Hierarchy, place: Placem
                                           base + lays.node_at(0), lays.node_bytes)
     assert not node_remote, "a node stage is on one node"
     # The stages run on the rank's own streams: they follow each other anyway, and a stream
-    # per stage would triple the hardware queues a rank takes. Beyond CUDA_DEVICE_MAX_CONNECTIONS
-    # streams share queues, and a rank's kernel queued behind a peer's kernel that spins
-    # waiting for it never starts (seen on one H200: 2 and 4 ranks per PE, timeouts at notify
-    # and at combine's entry, with a stream per stage).
+    # per stage would triple the hardware queues a rank takes (beyond
+    # CUDA_DEVICE_MAX_CONNECTIONS streams share queues).
     common = {"device_id": flat.device_id, "x_dtype": flat.x_dtype, "y_dtype": flat.y_dtype,
               "owner": owner, "stream_priority": stream_priority,
               "streams": (flat.stream, flat.side_stream)}

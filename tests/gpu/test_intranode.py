@@ -26,10 +26,20 @@ def group(rt, r: int, e: int, k: int, h: int, max_tokens: int, dtype=None, **kw)
     return rt.LocalGroup(r, e, h, k, max_tokens, dtype if dtype is not None else BFLOAT16, **kw)
 
 
-def test_compile_all() -> None:
+def test_every_kernel_loaded_before_its_first_launch() -> None:
+    """The process-wide module comes back with every kernel loaded: under lazy loading a
+    kernel's first launch would load it and wait for the context's running work, which
+    deadlocks one thread that drives several ranks (cuda_kernels.load_function)."""
+    from cuda.bindings import driver as drv
+
     from epd.server.backends import cuda_kernels as ck
 
-    ck.kernels_for_device(0).compile_all()
+    kernels = ck.kernels_for_device(0)
+    names = (*kernels.NAMES, *kernels.TEMPLATES)
+    for name in names:
+        err, state = drv.cuFuncIsLoaded(drv.CUfunction(ck._function_of(kernels.fn(name))))
+        assert err == drv.CUresult.CUDA_SUCCESS, (name, err)
+        assert state == drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED, name
 
 
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])

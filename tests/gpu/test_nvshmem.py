@@ -25,31 +25,25 @@ def _has_nvshmem() -> bool:
     return True
 
 
-@pytest.mark.parametrize("ranks_per_pe", [
-    1,
-    # Failed on 2x H200 (2026-11-30): one host thread drives both ranks of a PE, and rank 0's
-    # notify timed out waiting for rank 1 of the same process; not diagnosed. The daemon never
-    # drives two ranks from one thread (each session has its own), and its two-ranks-per-GPU
-    # test passes (tests/gpu/test_daemon.py::test_daemon_two_ranks_per_gpu).
-    pytest.param(2, marks=pytest.mark.xfail(reason="one thread driving two ranks of a PE "
-                                                   "deadlocks in notify; see comment",
-                                            strict=False)),
-])
+@pytest.mark.parametrize("ranks_per_pe", [1, 2])
 def test_nvshmem_multiprocess(tmp_path: Path, ranks_per_pe: int) -> None:
     if GPU_COUNT < 2 or not _has_nvshmem():
         pytest.skip("needs 2 GPUs and nvshmem4py")
     _run_pes(tmp_path, ranks_per_pe, {})
 
 
-def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks_per_pe", [1, 2])
+def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path, ranks_per_pe: int) -> None:
     """NVSHMEM's multiple-processes-per-GPU mode: two PEs (two processes, as two engines of
     logical nodes would be) on GPU 0, sharing one MPS server with half the threads each (the
     NVSHMEM requirement), EPD's kernels between them over NVSHMEM peer pointers. What makes a
-    logical-node cluster testable on a one-GPU machine (issue 13)."""
+    logical-node cluster testable on a one-GPU machine (issue 13). Two ranks per PE: one
+    thread drives both in lock-step (it deadlocked while kernels were loaded at their first
+    launch: cuda_kernels.load_function)."""
     if GPU_COUNT < 1 or not _has_nvshmem():
         pytest.skip("needs a GPU and nvshmem4py")
     with _two_pes_env() as env:
-        _run_pes(tmp_path, 1, env)
+        _run_pes(tmp_path, ranks_per_pe, env)
 
 
 @pytest.mark.parametrize("ranks_per_node", [1, 2, 8])
@@ -77,14 +71,8 @@ def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
     _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_normal_worker.py")
 
 
-_STAGES_OPEN = ("two of four cases time out in the node stage with more than one rank per node "
-                "on one H200 (docs/BENCHMARKS.md, sixteenth session): --cuda-hierarchical "
-                "stages is experimental, direct the default")
 
-
-@pytest.mark.parametrize("ranks_per_node", [
-    1, pytest.param(2, marks=pytest.mark.xfail(reason=_STAGES_OPEN, strict=False)),
-    pytest.param(4, marks=pytest.mark.xfail(reason=_STAGES_OPEN, strict=False))])
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 4])
 def test_two_stage_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -> None:
     """Issue 13, DeepEP's hierarchical traffic: a node-major group over two logical nodes
     (2, 4 and 8 ranks) runs normal mode in two stages (server/backends/cuda_stages.py, as the

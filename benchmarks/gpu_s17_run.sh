@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Seventeenth session (2026-12-03, one H200). carry [".whl"] (fetch-wheels.sh
+# nvidia-cuda-cccl==13.3.5.0.6). The sixteenth session's open failure (two stages with more
+# than one rank per logical node, and the older two-ranks-per-PE xfail) traced to CUDA's lazy
+# kernel loading: the process-wide module now loads every kernel up front
+# (cuda_kernels.load_function).
+#   bash benchmarks/gpu_s17_run.sh load     # every kernel loaded; two stages over two logical
+#        nodes at 1, 2, 4 ranks each (exact, with the timing beside direct puts); two PEs on
+#        one GPU with 1 and 2 ranks each; the daemons' cluster test with two stages
+#   bash benchmarks/gpu_s17_run.sh more     # the rest of test_nvshmem.py (direct puts across
+#        logical nodes, low latency) and the cluster test with direct puts
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
+case "${1:-}" in
+  load)
+    step loaded 60 "tests/gpu/test_intranode.py -k every_kernel_loaded"
+    EPD_STAGES_TIMING=1 step stages 300 "tests/gpu/test_nvshmem.py -k 'two_stage or two_pes'"
+    EPD_CUDA_HIERARCHICAL=stages step cluster 170 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  more)
+    step direct 300 "tests/gpu/test_nvshmem.py -k 'not two_stage and not two_pes'"
+    EPD_CUDA_HIERARCHICAL=direct step cluster_direct 170 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 load|more" >&2; exit 2 ;;
+esac
