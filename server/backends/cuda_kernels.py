@@ -381,6 +381,7 @@ class Kernels:
         f = self._fn.get(name)
         if f is None:
             f = self.module.get_function(name)
+            load_function(_function_of(f))
             self._fn[name] = f
         return f
 
@@ -392,10 +393,10 @@ class Kernels:
         return p
 
     def compile_all(self) -> None:
-        """Compile the module and load every kernel into the current context now (see
-        `load_function`)."""
+        """Compile the module and load every kernel into the current context now (`fn`
+        loads: see `load_function`)."""
         for n in (*self.NAMES, *self.TEMPLATES):
-            load_function(_function_of(self.fn(n)))
+            self.fn(n)
 
     # -- layout ----------------------------------------------------------------------------
     def layout(self, topk_idx: Any, num_experts: int, num_ranks: int, *,
