@@ -23,7 +23,6 @@ class PeGroup:
 
     def __init__(self, pe: int, npes: int, per_pe: int, num_experts: int, hidden: int,
                  num_topk: int, max_tokens: int, stream, gpu: int) -> None:
-        import cupy as cp
         import nvshmem.core as nc
 
         from epd.proto import dtypes
@@ -51,14 +50,25 @@ class PeGroup:
         self.runners = [rt.RankRunner(kern, self.layout, g, bases, gpu, BFLOAT16, BFLOAT16,
                                       owner=self.heap) for g in self.rank_ids]
         self.size = size
-        cp.cuda.Device(gpu).synchronize()
-        nc.barrier_all(stream=stream)  # every PE zeroed its control blocks
-        stream.synchronize()
+        self.stream = stream
+        self.barrier()  # every PE zeroed its control blocks
 
     def poison(self) -> None:
         off = self.layout.offsets["recv_x"]
         for j in range(len(self.runners)):
             self.heap[j * self.size + off:(j + 1) * self.size].fill(0xAB)
+
+    def barrier(self) -> None:
+        """This PE's work done, then every PE's (common._poison calls it between poisoning
+        and launching: a peer's rows must not land before this PE's fill, seen with two ranks
+        per PE on one GPU)."""
+        import cupy as cp
+        import nvshmem.core as nc
+
+        self.synchronize()
+        cp.cuda.runtime.deviceSynchronize()
+        nc.barrier_all(stream=self.stream)
+        self.stream.synchronize()
 
     def synchronize(self) -> None:
         for r in self.runners:
@@ -67,7 +77,7 @@ class PeGroup:
     def close(self) -> None:
         import nvshmem.core as nc
 
-        self.synchronize()
+        self.barrier()  # (no PE frees its heap while another still writes into it)
         self.runners.clear()
         nc.free_array(self.heap)
 
