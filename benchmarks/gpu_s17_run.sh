@@ -7,8 +7,9 @@
 #   bash benchmarks/gpu_s17_run.sh load     # every kernel loaded; two stages over two logical
 #        nodes at 1, 2, 4 ranks each (exact, with the timing beside direct puts); two PEs on
 #        one GPU with 1 and 2 ranks each; the daemons' cluster test with two stages
-#   bash benchmarks/gpu_s17_run.sh more     # the rest of test_nvshmem.py (direct puts across
-#        logical nodes, low latency) and the cluster test with direct puts
+#   bash benchmarks/gpu_s17_run.sh more     # two PEs on one GPU again (after the worker's
+#        barrier), the two stages' timing at 2 x 2 ranks, the rest of test_nvshmem.py (direct
+#        puts across logical nodes, low latency) and the cluster test with direct puts
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -18,7 +19,10 @@ case "${1:-}" in
     EPD_CUDA_HIERARCHICAL=stages step cluster 170 "tests/gpu/test_cuda_cluster.py"
     ;;
   more)
-    step direct 300 "tests/gpu/test_nvshmem.py -k 'not two_stage and not two_pes'"
+    step twopes 120 "tests/gpu/test_nvshmem.py -k two_pes"
+    EPD_STAGES_TIMING=1 step timing 90 \
+        "-rP 'tests/gpu/test_nvshmem.py::test_two_stage_normal_mode_across_logical_nodes[2]'"
+    step direct 220 "tests/gpu/test_nvshmem.py -k 'not two_stage and not two_pes'"
     EPD_CUDA_HIERARCHICAL=direct step cluster_direct 170 "tests/gpu/test_cuda_cluster.py"
     ;;
   *) echo "usage: $0 load|more" >&2; exit 2 ;;
