@@ -10,7 +10,7 @@ a function of the routing and the mode's semantics:
 - normal (hierarchical) dispatch sends a token once per destination node over the network (the
   GPU with the same local index there forwards it over NVLink); its combine brings one reduced
   row per (token, node) back. DeepEP's internode mode, and EPD's for a group placed node-major
-  with `--cuda-hierarchical stages` (experimental; server/backends/cuda_stages.py);
+  with `--cuda-hierarchical stages` (opt-in; server/backends/cuda_stages.py);
 - normal_direct is what EPD's normal mode across nodes sends by default (`--cuda-hierarchical
   direct`) or for a group placed otherwise (each rank puts a token's row straight to every
   destination rank on another node, its combine brings one row per (token, rank) back): more
