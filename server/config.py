@@ -211,9 +211,8 @@ class Config:
                 "moves its rows: stages (DeepEP's traffic: a token crosses the network once "
                 "per destination node, to the rank with its local index there, which forwards "
                 "it inside the node; dispatch and combine are answered calls) or direct (a put "
-                "to every destination rank; stream-ordered calls; the default: stages fails on one "
-                "H200 with more than one rank per node, docs/BENCHMARKS.md sixteenth session); "
-                "the same results",
+                "to every destination rank; stream-ordered calls; the default: faster on one "
+                "GPU, and no run on two hosts has shown where stages win yet); the same results",
         "choices": ("stages", "direct")})
 
     @property
