@@ -25,5 +25,8 @@ case "${1:-}" in
     step direct 220 "tests/gpu/test_nvshmem.py -k 'not two_stage and not two_pes'"
     EPD_CUDA_HIERARCHICAL=direct step cluster_direct 170 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 load|more" >&2; exit 2 ;;
+  regress)  # the intranode kernels and the daemon after the kernel-loading change
+    step regress 420 "tests/gpu/test_intranode.py tests/gpu/test_daemon.py"
+    ;;
+  *) echo "usage: $0 load|more|regress" >&2; exit 2 ;;
 esac
