@@ -28,5 +28,9 @@ case "${1:-}" in
   regress)  # the intranode kernels and the daemon after the kernel-loading change
     step regress 420 "tests/gpu/test_intranode.py tests/gpu/test_daemon.py"
     ;;
-  *) echo "usage: $0 load|more|regress" >&2; exit 2 ;;
+  client)  # the client's kernels loaded up front too (cuda_ipc.compiled_kernel)
+    step loaded 60 "tests/gpu/test_intranode.py -k every_kernel_loaded"
+    step client 170 "tests/gpu/test_ll_plain.py tests/gpu/test_call_outputs.py"
+    ;;
+  *) echo "usage: $0 load|more|regress|client" >&2; exit 2 ;;
 esac

@@ -332,12 +332,17 @@ class MappedPage:
 def compiled_kernel(source: str, name: str, device: int) -> int:
     """The CUfunction of kernel `name` in `source` on `device`, compiled once per process by
     CuPy's NVRTC and loaded now (call it at set-up: never inside a CUDA graph capture or on a
-    call's hot path)."""
+    call's hot path). Loaded explicitly: under CUDA's lazy loading a first launch would load it
+    and wait for the context's running work (server/backends/cuda_kernels.load_function)."""
     import cupy
+    from cuda.bindings import driver
 
     with cupy.cuda.Device(device):
-        fn = cupy.RawModule(code=source).get_function(name)
-        return int(fn.kernel.ptr)
+        fn = int(cupy.RawModule(code=source).get_function(name).kernel.ptr)
+        (err,) = driver.cuFuncLoad(driver.CUfunction(fn))
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"loading kernel {name}: {err}")
+        return fn
 
 
 def launch_kernel(fn: int, grid: tuple[int, int], block: int, stream: int,

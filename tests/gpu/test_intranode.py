@@ -32,12 +32,18 @@ def test_every_kernel_loaded_before_its_first_launch() -> None:
     deadlocks one thread that drives several ranks (cuda_kernels.load_function)."""
     from cuda.bindings import driver as drv
 
+    from epd.client import call_outputs, cuda_ipc, ll_trigger, received_rows
     from epd.server.backends import cuda_kernels as ck
 
     kernels = ck.kernels_for_device(0)
-    names = (*kernels.NAMES, *kernels.TEMPLATES)
-    for name in names:
-        err, state = drv.cuFuncIsLoaded(drv.CUfunction(ck._function_of(kernels.fn(name))))
+    functions = {name: ck._function_of(kernels.fn(name))
+                 for name in (*kernels.NAMES, *kernels.TEMPLATES)}
+    # the client's own kernels (compiled_kernel: loaded when a group is made)
+    for module, name in ((ll_trigger, "epd_ll_trigger"), (call_outputs, "epd_copy_parts"),
+                         (received_rows, "epd_copy_received")):
+        functions[name] = cuda_ipc.compiled_kernel(module._SOURCE, name, 0)
+    for name, fn in functions.items():
+        err, state = drv.cuFuncIsLoaded(drv.CUfunction(fn))
         assert err == drv.CUresult.CUDA_SUCCESS, (name, err)
         assert state == drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED, name
 
