@@ -32,5 +32,9 @@ case "${1:-}" in
     step loaded 60 "tests/gpu/test_intranode.py -k every_kernel_loaded"
     step client 170 "tests/gpu/test_ll_plain.py tests/gpu/test_call_outputs.py"
     ;;
-  *) echo "usage: $0 load|more|regress|client" >&2; exit 2 ;;
+  nowait)  # the stages without the host wait between them (the rail outputs padded)
+    EPD_STAGES_TIMING=1 step nowait 110 "-rP tests/gpu/test_nvshmem.py -k two_stage"
+    EPD_CUDA_HIERARCHICAL=stages step cluster 90 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 load|more|regress|client|nowait" >&2; exit 2 ;;
 esac

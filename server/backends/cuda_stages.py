@@ -16,11 +16,14 @@ combine dtype: a forwarder's partial), the rail stage sums the partials and the 
 source. Composed this way the results are `reference.hierarchical_dispatch` /
 `hierarchical_combine`, which are themselves composed of the flat functions.
 
-A `StagedRunner` call is a generator: it launches a stage and yields the runner whose stream
-the driver must see finished (and whose error word it checks) before the next step, so one
-thread can drive one rank (the engine, `drive`) or several ranks in lock-step (the GPU tests).
-The host waits once between the stages of a dispatch: the node stage's input is as long as
-what the rail stage received.
+A `StagedRunner` call is a generator: it launches its stages, all of them on the rank's one
+stream, and then yields each runner whose error word the driver checks once the stream is done.
+So one thread can drive one rank (the engine, `drive`) or several ranks in lock-step (the GPU
+tests). The host does not wait between the stages. The rail stage pads its outputs to N x T
+rows, the most a forwarder can receive, as a worst-token dispatch does: padding rows carry
+expert id -1 and go nowhere. So the node stage's input has a size known before the rail stage
+runs. The padding costs the rows a forwarder did not receive (few: with top-k over E experts
+nearly every token has an expert on every node), written as zeros.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class StagedResult:
     flat: DispatchResult  # the whole group's notify: counts and rank prefix matrix
     rail: DispatchResult
     node: DispatchResult
-    rail_rows: int        # rows the rail stage brought to this forwarder
+    rail_rows: int        # the rail stage's output rows at this forwarder (padded: N x T)
     num_worst_tokens: int
 
 
@@ -83,8 +86,9 @@ class StagedRunner:
                  cached: StagedResult | None = None, counter_slot_ptr: int = 0,
                  counter_seq: int | None = None, timeout_ns: int, num_sms: int
                  ) -> Steps[StagedResult]:
-        """Notify (new dispatches), rail stage, node stage; yields after each. A cached
-        dispatch reuses both stages' handles (no notify)."""
+        """Notify (new dispatches), rail stage, node stage, in stream order; then yields the
+        three runners (notify's first: the driver reads the published counts while the stages
+        run). A cached dispatch reuses both stages' handles (no notify)."""
         import cupy as cp
 
         flat = cached.flat if cached is not None else None
@@ -93,12 +97,10 @@ class StagedRunner:
             self.flat.notify(topk_idx, flat, alignment=alignment,
                              counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
                              timeout_ns=timeout_ns)
-            yield self.flat  # (a failed notify fails the call on every rank alike)
+        rows = self.rail.layout.max_recv  # N x T: the rail outputs padded (module docstring)
         rail = self.rail.dispatch(x, x_scales, topk_idx, topk_weights, timeout_ns=timeout_ns,
-                                  num_sms=num_sms,
+                                  num_sms=num_sms, num_worst_tokens=rows,
                                   cached=cached.rail if cached is not None else None)
-        yield self.rail
-        rows = cached.rail_rows if cached is not None else self.rail.recv_info(rail)[0]
         got = self.rail.output_views(rail, rows)
         fwd_x = got["recv_x"]
         if fwd_x.dtype.itemsize != x.dtype.itemsize:  # FP8 rows in the bf16-sized buffer
@@ -109,6 +111,9 @@ class StagedRunner:
                                   num_worst_tokens=num_worst_tokens, timeout_ns=timeout_ns,
                                   num_sms=num_sms,
                                   cached=cached.node if cached is not None else None)
+        if cached is None:
+            yield self.flat  # (a failed notify fails the call on every rank alike)
+        yield self.rail
         yield self.node
         assert flat is not None
         return StagedResult(flat, rail, node, rows, num_worst_tokens)
