@@ -117,6 +117,14 @@ def _overwritten(sequence: int, buffer: int, latest: int) -> str:
             f"double buffer): combine each before a third dispatch reuses its buffer")
 
 
+def _copy_prefix(prefix: Any, rank_prefix: Any, stream: Any) -> None:
+    """The rank prefix matrix into its output view, on the rank's stream. A copy rather than
+    CuPy's `prefix[...] = ...`: that is an elementwise kernel, compiled and loaded at its first
+    use, and a load can wait for the context's running kernels (cuda_kernels.load_function)."""
+    cp.cuda.runtime.memcpyAsync(prefix.data.ptr, rank_prefix.data.ptr, prefix.nbytes,
+                                cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+
+
 def _routing(args: DispatchArgs) -> tuple[Any, Any] | None:
     """A dispatch without top-k routes by (is_token_in_rank, num_tokens_per_expert)."""
     if args.topk_idx is not None or args.cached is not None:
@@ -377,8 +385,7 @@ class CudaRankComm(RankComm):
             rows = args.num_worst_tokens or num_recv
             outs = runner.output_views(res, rows)
             prefix = self._prefix_view()
-            with runner.stream:  # never the legacy stream: it is not ordered with ours
-                prefix[...] = res.handle.rank_prefix.reshape(spec.num_ranks, spec.num_ranks)
+            _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             runner.stream.synchronize()
         item = args.x.dtype.itemsize
         return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
@@ -438,9 +445,7 @@ class CudaRankComm(RankComm):
             rows = args.num_worst_tokens or num_recv
             outs = st.node.output_views(res.node, rows)
             prefix = self._prefix_view()
-            with st.flat.stream:
-                r = spec.num_ranks
-                prefix[...] = res.flat.handle.rank_prefix.reshape(r, r)
+            _copy_prefix(prefix, res.flat.handle.rank_prefix, st.flat.stream)
             st.flat.stream.synchronize()
         item = args.x.dtype.itemsize
         return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
@@ -784,9 +789,7 @@ class CudaRankComm(RankComm):
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
                 timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
                 routing=_routing(args), result=res)
-            cp.cuda.runtime.memcpyAsync(prefix.data.ptr, res.handle.rank_prefix.data.ptr,
-                                        prefix.nbytes, cp.cuda.runtime.memcpyDeviceToDevice,
-                                        runner.stream.ptr)
+            _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             self._stream_end(counter_slot, stream_seq)
 
     @_launches
