@@ -459,8 +459,8 @@ class Group:
         # token; recv_src_idx names the forwarder's row; combine rounds a partial sum per node.
         self.hierarchical: bool = bool(resp.hierarchical)
         # ... with DeepEP's traffic, in two stages (the cuda engine across nodes): dispatch and
-        # combine are then answered calls, not stream-ordered (the engine's host waits between
-        # the stages); layouts stay on the caller's stream.
+        # combine are then answered calls, not stream-ordered (a stage's failure is not yet
+        # reported through the stream's done word); layouts stay on the caller's stream.
         self.two_stage: bool = bool(resp.two_stage)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
