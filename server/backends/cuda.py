@@ -420,6 +420,11 @@ class CudaRankComm(RankComm):
         def wait(runner: Any) -> None:
             if runner is st.flat:
                 counts.append(self._counts(counter_slot, sequence, deadline))
+                status = int(counter_slot[counter_page.STATUS])
+                if status and status != abi.ERR_CAPACITY:
+                    # Notify failed (a rank missing, an abort): raise (and abort) now, not after
+                    # the stages queued behind it have waited out their own deadlines.
+                    self._raise_if_failed(st.flat)
             self._finish(runner)
             if runner is st.flat and counter_slot[counter_page.STATUS]:
                 raise Aborted(f"group {spec.name!r}: notify failed")
@@ -571,8 +576,7 @@ class CudaRankComm(RankComm):
             if out is None:
                 out = runner.ll_view("combined_x", (h.num_tokens, spec.hidden),
                                      storage_dtype(spec.x_numpy_dtype))
-            weights = cp.ascontiguousarray(args.topk_weights)
-            runner.ll_combine(args.x, args.topk_idx, weights, out, h.num_max,
+            runner.ll_combine(args.x, args.topk_idx, args.topk_weights, out, h.num_max,
                               timeout_ns=self._timeout_ns(deadline),
                               num_sms=self.ll_num_sms, buffer=h.buffer)
             runner.stream.synchronize()

@@ -43,6 +43,26 @@ def peer_array(peer_bases: list[int], remote: dict[int, tuple[int, int]] | None)
     return cp.asarray(np.array(table, dtype=np.uint64))
 
 
+def dense_rows(a: Any, stream: Any) -> Any:
+    """`a` (2-D; rows may be strided, each row dense, as tensors.resolve allows) as a C-contiguous
+    array. A strided one is copied on `stream`, the kernels' stream: a copy on CuPy's current
+    stream (the legacy one) would not be ordered before them. The copy is one
+    cudaMemcpy2DAsync, not CuPy's copy kernel, which is loaded at its first use
+    (cuda_kernels.load_function)."""
+    if a.flags.c_contiguous:
+        return a
+    rows, cols = a.shape
+    width = cols * a.itemsize
+    with stream:
+        out = cp.empty((rows, cols), a.dtype)
+        if a.strides[1] != a.itemsize or a.strides[0] < width:  # (columns of one element)
+            out[...] = a
+            return out
+    cp.cuda.runtime.memcpy2DAsync(out.data.ptr, width, a.data.ptr, a.strides[0], width, rows,
+                                  cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
+    return out
+
+
 @dataclass
 class DispatchResult:
     handle: ck.DispatchHandle
@@ -171,7 +191,7 @@ class RankRunner:
         """Launch into receive buffer `buffer`; returns the sequence (the combine of this
         dispatch passes nothing back)."""
         with cp.cuda.Device(self.device_id):
-            idx = cp.ascontiguousarray(topk_idx)
+            idx = dense_rows(topk_idx, self.stream)
             self._keep = (idx,)  # a copy must outlive the launch: kept until the next one
             launch = self.k.ll_dispatch_launch(
                 x, idx, self.ll, self.rank, self.peers, m, fp8=fp8, round_scale=round_scale,
@@ -193,7 +213,7 @@ class RankRunner:
                    timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = 64,
                    buffer: int = 0) -> None:
         with cp.cuda.Device(self.device_id):
-            idx, w = cp.ascontiguousarray(topk_idx), cp.ascontiguousarray(weights)
+            idx, w = dense_rows(topk_idx, self.stream), dense_rows(weights, self.stream)
             self._keep = (idx, w)
             launches = self.k.ll_combine_launches(
                 y, idx, w, out, self.ll, self.rank, self.peers, m, timeout_ns=timeout_ns,

@@ -98,6 +98,12 @@ class StagedRunner:
                              counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
                              timeout_ns=timeout_ns)
         rows = self.rail.layout.max_recv  # N x T: the rail outputs padded (module docstring)
+        if cached is None:
+            # A call over capacity fails every rank alike, but only the rail holding the
+            # oversized source skips its rows: its forwarders must then pass nothing on, not
+            # what their buffers held before (ids -1: the node stage sends such a row nowhere).
+            ids = self.rail.views["recv_topk_idx"]
+            cp.cuda.runtime.memsetAsync(ids.data.ptr, 0xFF, ids.nbytes, self.rail.stream.ptr)
         rail = self.rail.dispatch(x, x_scales, topk_idx, topk_weights, timeout_ns=timeout_ns,
                                   num_sms=num_sms, num_worst_tokens=rows,
                                   cached=cached.rail if cached is not None else None)

@@ -48,6 +48,28 @@ def test_every_kernel_loaded_before_its_first_launch() -> None:
         assert state == drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED, name
 
 
+@pytest.mark.parametrize("dtype,cols,pitch", [(np.int64, 8, 11), (np.float32, 4, 4 + 3),
+                                               (np.int64, 1, 3), (np.float32, 8, 8)])
+def test_dense_rows_on_the_kernels_stream(dtype, cols: int, pitch: int) -> None:
+    """cuda_runtime.dense_rows: a row-strided top-k tensor (rows `pitch` elements apart) made
+    contiguous on a non-blocking stream, every value exact; a contiguous one returned as is."""
+    import cupy as cp
+
+    from epd.server.backends.cuda_runtime import dense_rows
+
+    rng = np.random.default_rng(pitch * cols)
+    with cp.cuda.Device(0):
+        stream = cp.cuda.Stream(non_blocking=True)
+        backing = cp.asarray(rng.integers(-1, 1000, (37, pitch)).astype(dtype))
+        a = backing[:, :cols]
+        got = dense_rows(a, stream)
+        stream.synchronize()
+        assert got.flags.c_contiguous and got.shape == (37, cols)
+        np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(backing)[:, :cols])
+        if pitch == cols:
+            assert got is a
+
+
 @pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
 @pytest.mark.parametrize("tokens", [0, 1, 7, 128])
 def test_small_token_counts(rt, num_ranks: int, tokens: int) -> None:
