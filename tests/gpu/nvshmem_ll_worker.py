@@ -70,21 +70,7 @@ class NodeGroup(PeGroup):
                         for g in self.rank_ids]
         self.size, self.stream = size, stream
         cp.cuda.Device(gpu).synchronize()
-        self.barrier()
-
-    def barrier(self) -> None:
-        """Every PE is here (its buffers poisoned, its last kernels done)."""
-        import cupy as cp
-        import nvshmem.core as nc
-
-        self.synchronize()
-        cp.cuda.runtime.deviceSynchronize()  # (the poison's fill ran on the default stream)
-        nc.barrier_all(stream=self.stream)
-        self.stream.synchronize()
-
-    def close(self) -> None:
-        self.barrier()  # (no PE frees its heap while another still writes into it)
-        super().close()
+        self.barrier()  # (PeGroup's: also before its heap is freed)
 
 
 def bad_id_aborts_every_node(g: NodeGroup, pe: int, h: int, m: int, k: int) -> None:
