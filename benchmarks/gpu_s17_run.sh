@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_s17_run.sh more     # two PEs on one GPU again (after the worker's
 #        barrier), the two stages' timing at 2 x 2 ranks, the rest of test_nvshmem.py (direct
 #        puts across logical nodes, low latency) and the cluster test with direct puts
+#   bash benchmarks/gpu_s17_run.sh next     # what was committed after the last device call
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -36,5 +37,11 @@ case "${1:-}" in
     EPD_STAGES_TIMING=1 step nowait 110 "-rP tests/gpu/test_nvshmem.py -k two_stage"
     EPD_CUDA_HIERARCHICAL=stages step cluster 90 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 load|more|regress|client|nowait" >&2; exit 2 ;;
+  next)  # what was committed after the last device call (one H200, about 420 s): the engine's
+         # prefix copy (daemon tests), dense_rows, the stages' capacity and notify-failure paths
+    step intranode 120 "tests/gpu/test_intranode.py -k 'dense_rows or every_kernel or cached'"
+    step daemon 200 "tests/gpu/test_daemon.py tests/gpu/test_stream_ordered.py"
+    EPD_CUDA_HIERARCHICAL=stages step cluster 100 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 load|more|regress|client|nowait|next" >&2; exit 2 ;;
 esac
