@@ -238,6 +238,32 @@ def roundtrip(group: StageGroup, rng: np.random.Generator, tokens: list[int], e:
     return differs
 
 
+def over_capacity(group: StageGroup, rng: np.random.Generator, e: int, k: int, h: int,
+                  m: int, npes: int) -> None:
+    """Rank 0 passes m + 1 tokens to a group of m per rank, right after a call that filled the
+    rail buffers: the call fails on every rank alike (the whole group's notify says
+    ERR_CAPACITY), no error word is set anywhere, and the rail that skipped its rows (local
+    index 0's) forwards nothing stale to the node stage. Then the group goes on, exact."""
+    import cupy as cp
+    from common import make_inputs
+
+    from epd.proto import abi
+
+    r = group.num_ranks
+    tokens = [m] * r
+    roundtrip(group, rng, tokens, e, k, h, npes=npes)  # (the rail buffers hold real rows now)
+    inp = make_inputs(rng, [m + 1, *tokens[1:]], e, k, h)
+    res = _dispatch(group, inp, alignment=1, worst=0, num_sms=8)  # (lockstep: no error word)
+    for g, st in group.staged.items():
+        status = int(cp.asnumpy(res[g].flat.handle.recv_info)[1])
+        assert status == abi.ERR_CAPACITY, f"rank {g}: notify status {status}"
+        got = st.outputs(res[g])
+        src = cp.asnumpy(got["recv_src_rank"][:got["num_recv"]])
+        assert not np.any(src == 0), (f"rank {g}: {int(np.sum(src == 0))} rows forwarded by the "
+                                      f"rail that skipped the call")
+    roundtrip(group, rng, tokens, e, k, h, npes=npes)
+
+
 def timing(pe: int, npes: int, per_pe: int, gpu: int) -> None:
     """Diagnostic (no target): the host wall clock of dispatch + combine of 2048 tokens per
     rank, top-8 of 256, hidden 7168, bf16: two stages vs direct puts, p50 of 10 after 3.
@@ -343,6 +369,10 @@ def main() -> int:
             for what, hit in seen.items():
                 differs[what] |= hit
             group.close()
+        group = StageGroup(pe, npes, per_pe, 64, 2048, 8, 32, gpu)
+        failures += failed(pe, "a call over capacity, then the next", over_capacity, group,
+                           np.random.default_rng(5), 64, 8, 2048, 32, npes)
+        group.close()
         if "--timing" in sys.argv:
             failures += failed(pe, "timing", timing, pe, npes, per_pe, gpu)
     finally:
