@@ -38,9 +38,10 @@ case "${1:-}" in
     EPD_CUDA_HIERARCHICAL=stages step cluster 90 "tests/gpu/test_cuda_cluster.py"
     ;;
   next)  # what was committed after the last device call (one H200, about 420 s): the engine's
-         # prefix copy (daemon tests), dense_rows, the stages' capacity and notify-failure paths
+         # prefix copy (daemon tests), dense_rows, the stages' capacity case, the cluster
     step intranode 120 "tests/gpu/test_intranode.py -k 'dense_rows or every_kernel or cached'"
     step daemon 200 "tests/gpu/test_daemon.py tests/gpu/test_stream_ordered.py"
+    step stages 120 "tests/gpu/test_nvshmem.py -k two_stage"
     EPD_CUDA_HIERARCHICAL=stages step cluster 100 "tests/gpu/test_cuda_cluster.py"
     ;;
   *) echo "usage: $0 load|more|regress|client|nowait|next" >&2; exit 2 ;;
