@@ -422,9 +422,12 @@ class CudaRankComm(RankComm):
                 counts.append(self._counts(counter_slot, sequence, deadline))
                 status = int(counter_slot[counter_page.STATUS])
                 if status and status != abi.ERR_CAPACITY:
-                    # Notify failed (a rank missing, an abort): raise (and abort) now, not after
-                    # the stages queued behind it have waited out their own deadlines.
-                    self._raise_if_failed(st.flat)
+                    # Notify failed (a rank missing, an abort): abort and raise now (the stage
+                    # kernels queued behind it stop on the abort word), not after they have
+                    # waited out their own deadlines.
+                    self._raise_if_failed(st.flat)  # (names the missing rank)
+                    self.abort(f"rank {self.rank}: the whole group's notify failed ({status})")
+                    raise Aborted(f"group {spec.name!r}: notify failed")
             self._finish(runner)
             if runner is st.flat and counter_slot[counter_page.STATUS]:
                 raise Aborted(f"group {spec.name!r}: notify failed")
