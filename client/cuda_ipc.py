@@ -332,16 +332,12 @@ class MappedPage:
 def compiled_kernel(source: str, name: str, device: int) -> int:
     """The CUfunction of kernel `name` in `source` on `device`, compiled once per process by
     CuPy's NVRTC and loaded now (call it at set-up: never inside a CUDA graph capture or on a
-    call's hot path). Loaded explicitly: under CUDA's lazy loading a first launch would load it
-    and wait for the context's running work (server/backends/cuda_kernels.load_function)."""
+    call's hot path; loaded explicitly: cuda_driver.load_function)."""
     import cupy
-    from cuda.bindings import driver
 
     with cupy.cuda.Device(device):
         fn = int(cupy.RawModule(code=source).get_function(name).kernel.ptr)
-        (err,) = driver.cuFuncLoad(driver.CUfunction(fn))
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"loading kernel {name}: {err}")
+        cuda_driver.load_function(fn, name)
         return fn
 
 

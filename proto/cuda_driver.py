@@ -10,7 +10,9 @@ bindings and the runtime do) and called with fixed ctypes signatures; ctypes rel
 for the call, as the bindings do.
 
 Only what the hot paths need is here; everything else keeps using cuda-python or CuPy. The
-driver library is opened at the first call, so importing this module needs no GPU.
+driver library is opened at the first call, so importing this module needs no GPU. The one
+exception, `load_function`, is a set-up call that both sides make on their kernels, through
+cuda-python.
 """
 
 from __future__ import annotations
@@ -99,6 +101,21 @@ def stream_write(stream: int, addr: int, value: int) -> None:
     """`stream` writes the 32-bit word at `addr`, ordered after its earlier work."""
     _check(_fns()["cuStreamWriteValue32"](stream, addr, value & 0xFFFFFFFF,
                                           STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+
+def load_function(function: int, name: str = "") -> None:
+    """Load a kernel (a CUfunction) into its context now, not at its first launch. Under
+    CUDA's lazy loading (the default) a first launch loads the kernel, and loading may wait for
+    the context's running work. One host thread that drives several ranks (the lock-step GPU
+    tests) or one rank through several launches in a row then deadlocks: rank 0's notify spins
+    waiting for rank 1, the first launch of rank 0's dispatch waits for that notify, and rank 1
+    is never launched (seen on the H200: a timeout in notify, or at combine's entry, only on a
+    kernel's first use)."""
+    from cuda.bindings import driver as drv
+
+    (err,) = drv.cuFuncLoad(drv.CUfunction(function))
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise DriverError(f"loading kernel {name or hex(function)}: {err}")
 
 
 def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:

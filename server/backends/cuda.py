@@ -76,6 +76,7 @@ from .cuda_plan import (
     CudaPlanner,
     decode_plan,
     group_bytes,
+    hierarchical_mode,
     membership_layout,
     peer_table,
     stage_layouts,
@@ -120,7 +121,7 @@ def _overwritten(sequence: int, buffer: int, latest: int) -> str:
 def _copy_prefix(prefix: Any, rank_prefix: Any, stream: Any) -> None:
     """The rank prefix matrix into its output view, on the rank's stream. A copy rather than
     CuPy's `prefix[...] = ...`: that is an elementwise kernel, compiled and loaded at its first
-    use, and a load can wait for the context's running kernels (cuda_kernels.load_function)."""
+    use, and a load can wait for the context's running kernels (cuda_driver.load_function)."""
     cp.cuda.runtime.memcpyAsync(prefix.data.ptr, rank_prefix.data.ptr, prefix.nbytes,
                                 cp.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
 
@@ -184,7 +185,7 @@ class CudaRankComm(RankComm):
         # too, in two stages (cuda_stages.py); any other placement stays flat.
         self.hierarchy = Hierarchy.of(membership.rank_nodes)
         stages = two_stage_hierarchy(spec, membership.rank_nodes,
-                                     getattr(backend.cfg, "cuda_hierarchical", "direct"),
+                                     hierarchical_mode(backend.cfg),
                                      backend.multi_node)
         self.two_stage = stages is not None
         # A world over several nodes sizes every group with the staging of puts to other nodes
@@ -419,9 +420,9 @@ class CudaRankComm(RankComm):
 
         def wait(runner: Any) -> None:
             if runner is st.flat:
-                counts.append(self._counts(counter_slot, sequence, deadline))
+                counts.append(self._counts(counter_slot, sequence, deadline))  # (capacity: raised)
                 status = int(counter_slot[counter_page.STATUS])
-                if status and status != abi.ERR_CAPACITY:
+                if status:
                     # Notify failed (a rank missing, an abort): abort and raise now (the stage
                     # kernels queued behind it stop on the abort word), not after they have
                     # waited out their own deadlines.
@@ -429,8 +430,6 @@ class CudaRankComm(RankComm):
                     self.abort(f"rank {self.rank}: the whole group's notify failed ({status})")
                     raise Aborted(f"group {spec.name!r}: notify failed")
             self._finish(runner)
-            if runner is st.flat and counter_slot[counter_page.STATUS]:
-                raise Aborted(f"group {spec.name!r}: notify failed")
 
         with cp.cuda.Device(self.backend.device):
             if cached is not None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import kernel_sources
+from ...proto import cuda_driver, kernel_sources
 from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for the ABI)
     ALIGN,
     CTRL_ABORT,
@@ -284,21 +284,6 @@ def _addr(a: Any) -> int:
     return int(a.data.ptr)
 
 
-def load_function(function: int) -> None:
-    """Load a kernel (a CUfunction) into its context now, not at its first launch. Under
-    CUDA's lazy loading (the default) a first launch loads the kernel, and loading may wait for
-    the context's running work. One host thread that drives several ranks (the lock-step GPU
-    tests) or one rank through several launches in a row then deadlocks: rank 0's notify spins
-    waiting for rank 1, the first launch of rank 0's dispatch waits for that notify, and rank 1
-    is never launched (seen on the H200: a timeout in notify, or at combine's entry, only on a
-    kernel's first use)."""
-    from cuda.bindings import driver as drv
-
-    (err,) = drv.cuFuncLoad(drv.CUfunction(function))
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"loading kernel {function:#x}: {err}")
-
-
 def _handle_of(stream: Any) -> int:
     return int(stream.ptr if stream is not None else cp.cuda.get_current_stream().ptr)
 
@@ -381,7 +366,7 @@ class Kernels:
         f = self._fn.get(name)
         if f is None:
             f = self.module.get_function(name)
-            load_function(_function_of(f))
+            cuda_driver.load_function(_function_of(f), name)
             self._fn[name] = f
         return f
 
@@ -394,7 +379,7 @@ class Kernels:
 
     def compile_all(self) -> None:
         """Compile the module and load every kernel into the current context now (`fn`
-        loads: see `load_function`)."""
+        loads: see `cuda_driver.load_function`)."""
         for n in (*self.NAMES, *self.TEMPLATES):
             self.fn(n)
 
@@ -707,8 +692,8 @@ def read_error(ctrl_view: Any) -> tuple[int, int, str, int] | None:
 
 @functools.cache
 def kernels_for_device(device_id: int) -> Kernels:
-    """Process-wide compiled module, every kernel loaded (`load_function`); CuPy caches the
-    compiled module on disk."""
+    """Process-wide compiled module, every kernel loaded (`cuda_driver.load_function`); CuPy
+    caches the compiled module on disk."""
     os.environ.setdefault("CUPY_CACHE_DIR", str(Path.home() / ".cache" / "epd" / "cupy"))
     with cp.cuda.Device(device_id):
         kernels = Kernels()

@@ -18,11 +18,17 @@ from ...proto.v1 import epd_pb2
 from .base import GroupPlanner, GroupSpec, Hierarchy
 from .cuda_kernels import LowLatencyLayout, RankBufferLayout
 
-# How a normal-mode group placed node-major over several nodes moves its rows (--cuda-hierarchical):
-# "stages": DeepEP's traffic, a token once per destination node to the rank with the same local
-# index, then forwarded inside the node (cuda_stages.py); "direct": a put to every destination
-# rank (the intranode kernels' NVSHMEM build), the same results.
-HIERARCHICAL_MODES = ("stages", "direct")
+
+def hierarchical_mode(cfg: Any) -> str:
+    """How a normal-mode group placed node-major over several nodes moves its rows
+    (--cuda-hierarchical of `cfg`; Config's default for a namespace without it, as tests pass):
+    "stages", DeepEP's traffic, a token once per destination node to the rank with the same
+    local index, then forwarded inside the node (cuda_stages.py); "direct", a put to every
+    destination rank (the intranode kernels' NVSHMEM build); the same results. The planner and
+    the engines read it alike."""
+    from ..config import Config
+
+    return getattr(cfg, "cuda_hierarchical", Config.cuda_hierarchical)
 
 
 @dataclass(frozen=True)
@@ -235,7 +241,7 @@ class CudaPlanner(GroupPlanner):
         # out, CudaRankComm).
         self.cluster_capable = self.world_spans_nodes = (
             getattr(cfg, "num_nodes", 1) > 1 and bool(getattr(cfg, "cuda_cluster", False)))
-        self.hierarchical_mode = getattr(cfg, "cuda_hierarchical", "direct")
+        self.hierarchical_mode = hierarchical_mode(cfg)
         self.world: epd_pb2.ClusterWorld | None = None
         self.heap_bytes = cfg.nvshmem_heap_bytes
         self.heap = HeapAllocator(self.heap_bytes)

@@ -48,7 +48,7 @@ def dense_rows(a: Any, stream: Any) -> Any:
     array. A strided one is copied on `stream`, the kernels' stream: a copy on CuPy's current
     stream (the legacy one) would not be ordered before them. The copy is one
     cudaMemcpy2DAsync, not CuPy's copy kernel, which is loaded at its first use
-    (cuda_kernels.load_function)."""
+    (cuda_driver.load_function)."""
     if a.flags.c_contiguous:
         return a
     rows, cols = a.shape

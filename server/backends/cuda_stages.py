@@ -47,8 +47,6 @@ class StagedResult:
     flat: DispatchResult  # the whole group's notify: counts and rank prefix matrix
     rail: DispatchResult
     node: DispatchResult
-    rail_rows: int        # the rail stage's output rows at this forwarder (padded: N x T)
-    num_worst_tokens: int
 
 
 class StagedRunner:
@@ -97,13 +95,12 @@ class StagedRunner:
             self.flat.notify(topk_idx, flat, alignment=alignment,
                              counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
                              timeout_ns=timeout_ns)
-        rows = self.rail.layout.max_recv  # N x T: the rail outputs padded (module docstring)
-        if cached is None:
             # A call over capacity fails every rank alike, but only the rail holding the
             # oversized source skips its rows: its forwarders must then pass nothing on, not
             # what their buffers held before (ids -1: the node stage sends such a row nowhere).
             ids = self.rail.views["recv_topk_idx"]
             cp.cuda.runtime.memsetAsync(ids.data.ptr, 0xFF, ids.nbytes, self.rail.stream.ptr)
+        rows = self.rail.layout.max_recv  # N x T: the rail outputs padded (module docstring)
         rail = self.rail.dispatch(x, x_scales, topk_idx, topk_weights, timeout_ns=timeout_ns,
                                   num_sms=num_sms, num_worst_tokens=rows,
                                   cached=cached.rail if cached is not None else None)
@@ -122,7 +119,7 @@ class StagedRunner:
         yield self.rail
         yield self.node
         assert flat is not None
-        return StagedResult(flat, rail, node, rows, num_worst_tokens)
+        return StagedResult(flat, rail, node)
 
     def combine(self, y: Any, res: StagedResult, out: Any, *, recv_topk_weights: Any = None,
                 out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
@@ -130,7 +127,7 @@ class StagedRunner:
         """Node stage (a partial per token and node at the forwarder), then rail stage (the
         partials and the biases summed at the source), in stream order on the rank's one
         stream (`build`): no host wait."""
-        rows = res.rail_rows
+        rows = self.rail.layout.max_recv  # (the rail outputs, padded: dispatch)
         partial = self.partial_x[:rows]
         partial_w = self.partial_w[:rows] if recv_topk_weights is not None else None
         self.node.combine(y, res.node, partial, recv_topk_weights=recv_topk_weights,

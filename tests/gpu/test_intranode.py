@@ -29,7 +29,7 @@ def group(rt, r: int, e: int, k: int, h: int, max_tokens: int, dtype=None, **kw)
 def test_every_kernel_loaded_before_its_first_launch() -> None:
     """The process-wide module comes back with every kernel loaded: under lazy loading a
     kernel's first launch would load it and wait for the context's running work, which
-    deadlocks one thread that drives several ranks (cuda_kernels.load_function)."""
+    deadlocks one thread that drives several ranks (cuda_driver.load_function)."""
     from cuda.bindings import driver as drv
 
     from epd.client import call_outputs, cuda_ipc, ll_trigger, received_rows

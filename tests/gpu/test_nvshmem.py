@@ -39,7 +39,7 @@ def test_nvshmem_two_pes_on_one_gpu_under_mps(tmp_path: Path, ranks_per_pe: int)
     NVSHMEM requirement), EPD's kernels between them over NVSHMEM peer pointers. What makes a
     logical-node cluster testable on a one-GPU machine (issue 13). Two ranks per PE: one
     thread drives both in lock-step (it deadlocked while kernels were loaded at their first
-    launch: cuda_kernels.load_function)."""
+    launch: cuda_driver.load_function)."""
     if GPU_COUNT < 1 or not _has_nvshmem():
         pytest.skip("needs a GPU and nvshmem4py")
     with _two_pes_env() as env:
