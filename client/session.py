@@ -482,7 +482,7 @@ class Group:
             from . import call_outputs, ll_trigger, local_layout
             call_outputs.load(session.device_ordinal)
             ll_trigger.load(session.device_ordinal)
-            if local_layout.enabled() and spec.num_ranks <= abi.MAX_RANKS:
+            if local_layout.enabled() and spec.num_ranks <= abi.LL_MAX_RANKS:
                 self._local_layout = local_layout.build(self)
         # Ids of handles whose objects were collected (weakref.finalize appends, on any
         # thread): the next dispatch of this group carries them (release_handles), or

@@ -350,6 +350,136 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     if (num_nodes > 1) node_rows(token_mask, T, R, num_nodes, node_pos, s_warp);
 }
 
+// ------------------------------------------------------------------------------------------
+// wide notify: the whole-group notify of a two-stage group of more than EPD_MAX_RANKS ranks
+// (up to LL_MAX_RANKS: N <= 8 nodes x L <= 8 ranks; server/backends/cuda_stages.py). The
+// counting and publishing half of notify alone, since such a group's rows move in its stage
+// groups: no positions, no hierarchical node counts, no layout outputs. Each source pushes
+// [a count per destination rank | its token count | the destination's per-expert counts]
+// into the payload region of every rank's notify-only slot, behind the region's own flags
+// (notify's flags hold EPD_MAX_RANKS ranks); recv_info, the count and prefix matrices, the
+// capacity check and the counter slot are notify's.
+// ------------------------------------------------------------------------------------------
+#define WIDE_NOTIFY_FLAG 512      // u64 word of the notify-only slot: [LL_MAX_RANKS] flags
+#define WIDE_PAYLOAD_BYTES 4608   // then the payload: [R][R + 1 + L] int32 per source
+static_assert(WIDE_NOTIFY_FLAG * 8 == CTRL_PAYLOAD_BYTES &&
+              WIDE_PAYLOAD_BYTES == CTRL_PAYLOAD_BYTES + LL_MAX_RANKS * 8, "wide notify layout");
+
+extern "C" __global__ void __launch_bounds__(NOTIFY_THREADS, 1)
+epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int rank,
+                const u64* __restrict__ peers, u64 seq, i64 timeout_ns, int alignment,
+                int max_tokens, i64* counter_slot, u64 counter_seq,
+                int* __restrict__ recv_info,      // [4 + L], as notify's
+                int* __restrict__ count_matrix,   // [R, R]: tokens s -> d
+                int* __restrict__ rank_prefix) {  // [R, R]: rows from sources <= s on d
+    extern __shared__ int s_expert[];  // [E]
+    __shared__ int s_rank[LL_MAX_RANKS];
+    const int L = E / R, tid = threadIdx.x;
+    u64* my_ctrl = ctrl_of(peers, rank);
+    for (int i = tid; i < E; i += blockDim.x) s_expert[i] = 0;
+    if (tid < LL_MAX_RANKS) s_rank[tid] = 0;
+    __syncthreads();
+    for (int t = tid; t < T; t += blockDim.x) {
+        u64 mask = 0;  // the destination ranks of token t, each counted once
+        for (int k = 0; k < K; ++k) {
+            i64 e = topk_idx[(i64)t * K + k];
+            if (e < -1 || e >= E) { report_bad_input(my_ctrl, e); continue; }
+            if (e >= 0) {
+                mask |= 1ull << (int)(e / L);
+                atomicAdd(&s_expert[e], 1);
+            }
+        }
+        for (; mask; mask &= mask - 1) atomicAdd(&s_rank[__ffsll((long long)mask) - 1], 1);
+    }
+    __syncthreads();
+
+    const int stride = R + 1 + L;
+    for (int i = tid; i < R * stride; i += blockDim.x) {
+        const int r = i / stride, j = i % stride;
+        const int v = j < R ? s_rank[j] : j == R ? T : s_expert[r * L + (j - R - 1)];
+        const i64 at = WIDE_PAYLOAD_BYTES + ((i64)rank * stride + j) * 4;
+#ifdef EPD_NVSHMEM
+        if (peer_remote(peers, r)) {
+            nvshmem_int_p(reinterpret_cast<int*>(peer_sym(peers, R, r) + at), v,
+                          peer_pe(peers, R, r));
+            continue;
+        }
+#endif
+        *reinterpret_cast<int*>(reinterpret_cast<char*>(ctrl_of(peers, r)) + at) = v;
+    }
+#ifdef EPD_NVSHMEM
+    nvshmem_quiet();
+#endif
+    __threadfence_system();
+    __syncthreads();
+    if (tid < R) peer_signal(peers, R, tid, WIDE_NOTIFY_FLAG + rank, seq);
+
+    int code = block_wait_all(my_ctrl, WIDE_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
+    if (code) {
+        if (tid == 0) {
+            int missing = (int)(i64)my_ctrl[CTRL_ERR_RANK];
+            recv_info[0] = -1; recv_info[1] = code; recv_info[2] = missing;
+            if (counter_slot != nullptr) {
+                counter_slot[SLOT_STATUS] = code;
+                counter_slot[SLOT_ERR_RANK] = missing;
+                __threadfence_system();
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+            }
+        }
+        return;
+    }
+    const volatile int* payload = reinterpret_cast<const volatile int*>(
+        reinterpret_cast<const char*>(my_ctrl) + WIDE_PAYLOAD_BYTES);
+    int need = 0, needy = -1;  // (every rank reads the same payloads: fails alike)
+    for (int s = 0; s < R; ++s) {
+        int ts = payload[s * stride + R];
+        if (ts > need) { need = ts; needy = s; }
+    }
+    if (need > max_tokens) {
+        if (tid == 0) {
+            recv_info[0] = -1; recv_info[1] = ERR_CAPACITY; recv_info[2] = needy;
+            if (counter_slot != nullptr) {
+                counter_slot[SLOT_NUM_RECV] = need;
+                counter_slot[SLOT_NUM_EXPERTS] = 0;
+                counter_slot[SLOT_STATUS] = ERR_CAPACITY;
+                counter_slot[SLOT_ERR_RANK] = needy;
+                __threadfence_system();
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+            }
+        }
+        return;
+    }
+    for (int i = tid; i < R * R; i += blockDim.x) {
+        const int s = i / R, d = i % R;
+        count_matrix[i] = payload[s * stride + d];
+        int acc = 0;
+        for (int q = 0; q <= s; ++q) acc += payload[q * stride + d];
+        rank_prefix[i] = acc;
+    }
+    for (int l = tid; l < L; l += blockDim.x) {
+        int c = 0;
+        for (int s = 0; s < R; ++s) c += payload[s * stride + R + 1 + l];
+        c = (c + alignment - 1) / alignment * alignment;
+        recv_info[4 + l] = c;
+        if (counter_slot != nullptr) counter_slot[SLOT_HEADER + l] = c;
+    }
+    if (tid == 0) {
+        int n = 0;
+        for (int s = 0; s < R; ++s) n += payload[s * stride + rank];
+        recv_info[0] = n; recv_info[1] = 0; recv_info[2] = -1; recv_info[3] = 0;
+        if (counter_slot != nullptr) {
+            counter_slot[SLOT_NUM_RECV] = n;
+            counter_slot[SLOT_NUM_EXPERTS] = L;
+            counter_slot[SLOT_STATUS] = 0;
+            counter_slot[SLOT_ERR_RANK] = -1;
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0 && counter_slot != nullptr)
+        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+}
+
 // 16-byte copy of one row by one warp to up to R destinations (read once, store R times).
 __device__ __forceinline__ void warp_copy_row_multi(const char* __restrict__ src,
                                                     char* const (&dst)[EPD_MAX_RANKS],

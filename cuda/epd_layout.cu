@@ -14,29 +14,26 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
            bool* __restrict__ is_token_in_rank,
            u64* call_err) {  // own control block: bad ids are reported there (or null)
     extern __shared__ int s_expert[];  // [E]
-    __shared__ int s_rank[EPD_MAX_RANKS];
+    __shared__ int s_rank[LL_MAX_RANKS];  // (a two-stage normal-mode group: up to 64 ranks)
     const int L = E / R;
     for (int i = threadIdx.x; i < E; i += blockDim.x) s_expert[i] = 0;
-    if (threadIdx.x < EPD_MAX_RANKS) s_rank[threadIdx.x] = 0;
+    if (threadIdx.x < LL_MAX_RANKS) s_rank[threadIdx.x] = 0;
     __syncthreads();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < T) {
-        unsigned mask = 0;
+        u64 mask = 0;
         for (int k = 0; k < K; ++k) {
             i64 e = topk_idx[(i64)t * K + k];
             if (e < -1 || e >= E) { report_bad_input(call_err, e); continue; }
             if (e >= 0) {
-                mask |= 1u << (int)(e / L);
+                mask |= 1ull << (int)(e / L);
                 atomicAdd(&s_expert[e], 1);
             }
         }
-#pragma unroll
-        for (int d = 0; d < EPD_MAX_RANKS; ++d) {
-            if (d < R) {
-                bool in = (mask >> d) & 1u;
-                is_token_in_rank[(i64)t * R + d] = in;
-                if (in) atomicAdd(&s_rank[d], 1);
-            }
+        for (int d = 0; d < R; ++d) {
+            bool in = (mask >> d) & 1ull;
+            is_token_in_rank[(i64)t * R + d] = in;
+            if (in) atomicAdd(&s_rank[d], 1);
         }
     }
     __syncthreads();

@@ -63,6 +63,10 @@ CTRL_LL_SEEN = 448  # the ranks source s saw masked or gone when it posted its h
 CTRL_PAYLOAD_BYTES = 4096  # notify payload: [MAX_RANKS][NOTIFY_HEAD + L] int32 per source slot
 NOTIFY_TOKENS = 8  # EPD_MAX_RANKS: a payload's word holding the source's token count
 NOTIFY_HEAD = 9  # words before a payload's per-expert counts (the counts, then the tokens)
+# A notify-only slot of more than MAX_RANKS ranks (a two-stage group's whole-group notify,
+# epd_wide_notify): its flags, then [R][R + 1 + L] int32 per source, in the payload region.
+WIDE_NOTIFY_FLAG = CTRL_PAYLOAD_BYTES // 8  # u64 word: [LL_MAX_RANKS] flags
+WIDE_PAYLOAD_BYTES = CTRL_PAYLOAD_BYTES + LL_MAX_RANKS * 8
 
 # abort word = ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED: peers learn who left
 ABORT_RANK_SHIFT = 8

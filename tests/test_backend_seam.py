@@ -330,11 +330,52 @@ def test_the_planner_sizes_a_group_by_its_placement(rank_nodes, mode, two_stage)
     assert cuda_plan.two_stage_hierarchy(spec, rank_nodes, mode, False) is None
 
 
-def test_a_low_latency_group_beyond_max_ranks_has_no_stages() -> None:
-    """More than MAX_RANKS ranks: normal mode is refused there (the whole-group notify takes
-    8), so the group keeps its low-latency-only slots."""
-    spec = _spec(16, 4, low_latency_mode=True)
-    assert cuda_plan.two_stage_hierarchy(spec, (0,) * 8 + (1,) * 8, "stages", True) is None
+@pytest.mark.parametrize(("rank_nodes", "hierarchy"), [
+    ((0,) * 8 + (1,) * 8, (2, 8)),
+    (tuple(n for n in range(4) for _ in range(4)), (4, 4)),
+    (tuple(n for n in range(8) for _ in range(8)), (8, 8)),   # LL_MAX_RANKS
+    (tuple(range(16)), None),                                 # a rail of 16 nodes
+    ((0,) * 9 + (1,) * 9, None),                              # a node of 9 ranks
+    ((0, 1) * 8, None),                                       # not node-major
+])
+def test_a_group_beyond_max_ranks_runs_normal_mode_in_two_stages(rank_nodes,
+                                                                 hierarchy) -> None:
+    """More than MAX_RANKS ranks: normal mode runs in two stages when both stage groups are
+    within the flat kernels' limit (at most 8 nodes of at most 8 ranks), its whole-group
+    notify in a notify-only slot for epd_wide_notify (its own flags and a payload per source
+    of R + 1 + L words); any other placement of a normal-mode group is refused when it forms,
+    naming the nodes, and a low-latency group keeps its low-latency-only slots."""
+    from epd.proto import abi
+    r = len(rank_nodes)
+    spec = _spec(r, 4, num_experts=4 * r)
+    h = cuda_plan.two_stage_hierarchy(spec, rank_nodes, "stages", True)
+    assert (h and (h.num_nodes, h.per_node)) == hierarchy
+    planner = _cluster_planner()
+    planner.validate_spec(spec)  # (placement is known only when the ranks join)
+    ll = _spec(r, 4, num_experts=4 * r, low_latency_mode=True)
+    if hierarchy is None:
+        with pytest.raises(InvalidArgument, match=r"MAX_RANKS.*nodes \["):
+            planner.plan_group("g", spec, rank_nodes)
+        _, size = cuda_plan.decode_plan(planner.plan_group("l", ll, rank_nodes))
+        assert size == cuda_plan.group_bytes(ll, remote=True)
+        assert cuda_plan.membership_layout(ll, remote=True).kernel.max_recv == 0
+        return
+    flat = cuda_plan.membership_layout(spec, remote=True, two_stage=True).kernel
+    assert flat.notify_only and flat.max_recv == r * spec.max_tokens_per_rank
+    assert flat.offsets["recv_x"] >= abi.WIDE_PAYLOAD_BYTES + r * (r + 1 + 4) * 4
+    assert abi.WIDE_NOTIFY_FLAG * 8 + abi.LL_MAX_RANKS * 8 == abi.WIDE_PAYLOAD_BYTES
+    _, size = cuda_plan.decode_plan(planner.plan_group("g", spec, rank_nodes))
+    assert size == cuda_plan.group_bytes(spec, remote=True, hierarchy=h)
+    lays = cuda_plan.stage_layouts(spec, h)
+    assert (lays.rail.num_ranks, lays.node.num_ranks) == hierarchy
+    # a low-latency group of as many ranks gets the stages too, and its low-latency slots
+    both = cuda_plan.membership_layout(ll, remote=True, two_stage=True)
+    assert both.kernel.notify_only and both.low_latency.num_ranks == r
+    assert both.kernel.offsets["recv_x"] == flat.offsets["recv_x"]
+    # one node (or --cuda-hierarchical direct): 8 ranks at most, named at validation
+    for p in (cuda_plan.CudaPlanner(_cuda_cfg(1 << 36)), _cluster_planner("direct")):
+        with pytest.raises(InvalidArgument, match="MAX_RANKS"):
+            p.validate_spec(spec)
 
 
 def test_the_coordinator_plans_with_the_ranks_nodes(tmp_path) -> None:

@@ -181,8 +181,9 @@ class CudaRankComm(RankComm):
         self.spec, self.membership, self.backend = spec, membership, backend
         self.rank = membership.rank
         # Normal mode over nodes placed node-major: the hierarchical semantics, as on the CPU
-        # backend; with --cuda-hierarchical stages (and at most MAX_RANKS ranks) its traffic
-        # too, in two stages (cuda_stages.py); any other placement stays flat.
+        # backend; with --cuda-hierarchical stages its traffic too, in two stages
+        # (cuda_stages.py; up to MAX_RANKS nodes x MAX_RANKS ranks); any other placement stays
+        # flat.
         self.hierarchy = Hierarchy.of(membership.rank_nodes)
         stages = two_stage_hierarchy(spec, membership.rank_nodes,
                                      hierarchical_mode(backend.cfg),
@@ -343,9 +344,11 @@ class CudaRankComm(RankComm):
     def _normal_mode(self, what: str) -> None:
         """Normal-mode kernels take at most MAX_RANKS ranks (a token's destinations are one
         byte), on one node or across nodes (ranks on other nodes through NVSHMEM's device API:
-        the NVSHMEM build, cuda_remote.py); a low-latency group may have more."""
+        the NVSHMEM build, cuda_remote.py), and a two-stage group up to MAX_RANKS nodes of
+        MAX_RANKS ranks (its stage groups are within the limit); a low-latency group may have
+        more, for its low-latency calls."""
         from ...proto.errors import FailedPrecondition
-        if self.spec.num_ranks > abi.MAX_RANKS:
+        if self.spec.num_ranks > abi.MAX_RANKS and not self.two_stage:
             raise FailedPrecondition(f"group {self.spec.name!r} has {self.spec.num_ranks} ranks: "
                                      f"normal-mode {what} takes at most {abi.MAX_RANKS} on the "
                                      f"cuda engine; low-latency calls work")

@@ -58,6 +58,7 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     NOTIFY_HEAD,
     NOTIFY_THREADS,
     PHASE_NAMES,
+    WIDE_PAYLOAD_BYTES,
 )
 
 try:  # CuPy is optional: the CPU-only install imports this module for the layout helper.
@@ -98,7 +99,8 @@ class RankBufferLayout:
         `notify_only`: the control block (notify's payload) alone, `max_recv` kept for notify's
         capacity check: a two-stage hierarchical group's whole-group notify (its rows move in
         the stage groups' buffers, cuda_stages.py)."""
-        limit = LL_MAX_RANKS if low_latency_only else MAX_RANKS
+        # (a notify-only slot of more ranks: epd_wide_notify, a two-stage group's notify)
+        limit = LL_MAX_RANKS if low_latency_only or notify_only else MAX_RANKS
         if not 1 <= num_ranks <= limit:
             raise ValueError(f"num_ranks must lie in [1, {limit}] for "
                              f"{'low-latency' if low_latency_only else 'intranode'} kernels")
@@ -112,9 +114,14 @@ class RankBufferLayout:
         if low_latency_only:
             max_recv = scale_cols = 0
         rows = 0 if notify_only else max_recv  # rows of the data buffers
+        if low_latency_only:
+            ctrl = CTRL_PAYLOAD_BYTES
+        elif num_ranks > MAX_RANKS:  # (notify_only) epd_wide_notify's flags and payloads
+            ctrl = WIDE_PAYLOAD_BYTES + num_ranks * (num_ranks + 1 + local) * 4
+        else:
+            ctrl = CTRL_PAYLOAD_BYTES + MAX_RANKS * (NOTIFY_HEAD + local) * 4
         sizes = [
-            ("ctrl", CTRL_PAYLOAD_BYTES + (0 if low_latency_only else
-                                           MAX_RANKS * (NOTIFY_HEAD + local) * 4)),
+            ("ctrl", ctrl),
             ("recv_x", rows * hidden * x_itemsize),
             ("recv_x_scales", rows * scale_cols * 4),
             ("recv_topk_idx", rows * num_topk * 8),
@@ -323,6 +330,7 @@ class Packed:
 # q i64, i int. tests/test_cuda_compile.py checks them against the kernels' signatures.
 LAYOUT_ARGS = "QiiiiQQQQ"
 NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQ"
+WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
 COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
 COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqi"
@@ -343,8 +351,8 @@ class Kernels:
     """The compiled module for the current device; one instance per process is enough."""
 
     FILES = KERNEL_FILES
-    NAMES = ("epd_layout", "epd_notify", "epd_dispatch", "epd_combine_push", "epd_abort",
-             "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
+    NAMES = ("epd_layout", "epd_notify", "epd_wide_notify", "epd_dispatch", "epd_combine_push",
+             "epd_abort", "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
              "epd_ll_exec", "epd_ll_exec_fetch", "epd_ll_exec_dispatch", "epd_ll_exec_push",
              "epd_ll_exec_reduce", "epd_ll_exec_reduce_Bf16",
@@ -439,6 +447,23 @@ class Kernels:
             _addr(handle.pos), _addr(ntpr), _addr(ntpe), _addr(itr), _addr(in_rank),
             _addr(per_expert), handle.num_nodes, _addr(handle.node_base),
             _addr(handle.node_pos))
+
+    def wide_notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int,
+                    peers: Any, seq: int, handle: DispatchHandle, *, timeout_ns: int,
+                    alignment: int = 1, counter_slot_ptr: int = 0, stream: Any = None,
+                    counter_seq: int | None = None, max_tokens: int = 1 << 30) -> None:
+        """The whole-group notify of a two-stage group of more than MAX_RANKS ranks (a
+        notify-only slot; cuda/epd_intranode.cu, epd_wide_notify): `handle`'s recv_info,
+        count and prefix matrices and the counter slot as `notify` writes them, no positions
+        (the stages have their own). Top-k ids only (a two-stage group refuses routing
+        without them)."""
+        t, k = topk_idx.shape
+        self._packed("epd_wide_notify", WIDE_NOTIFY_ARGS)(
+            1, NOTIFY_THREADS, 4 * num_experts, _handle_of(stream),
+            _addr(topk_idx), t, k, num_experts, num_ranks, rank, _addr(peers), seq,
+            timeout_ns, alignment, max_tokens, counter_slot_ptr,
+            seq if counter_seq is None else counter_seq, _addr(handle.recv_info),
+            _addr(handle.count_matrix), _addr(handle.rank_prefix))
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,

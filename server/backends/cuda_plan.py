@@ -53,7 +53,8 @@ def membership_layout(spec: GroupSpec, *, remote: bool = False,
         num_ranks=spec.num_ranks, num_experts=spec.num_experts, hidden=spec.hidden,
         num_topk=spec.num_topk, max_tokens_per_rank=spec.max_tokens_per_rank, x_itemsize=item,
         y_itemsize=item, with_scales=spec.hidden % abi.FP8_BLOCK == 0,
-        low_latency_only=spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS,
+        low_latency_only=(spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS
+                          and not two_stage),
         remote=remote and not two_stage, notify_only=two_stage)
     t, h, k, r, e = (spec.max_tokens_per_rank, spec.hidden, spec.num_topk, spec.num_ranks,
                      spec.num_experts)
@@ -127,11 +128,30 @@ def stage_layouts(spec: GroupSpec, hierarchy: Hierarchy) -> StageLayouts:
 def two_stage_hierarchy(spec: GroupSpec, rank_nodes: tuple[int, ...] | list[int],
                         mode: str, multi_node: bool) -> Hierarchy | None:
     """The hierarchy of a group that runs normal mode in two stages: in a world over several
-    nodes, with --cuda-hierarchical stages, a group placed node-major (`Hierarchy.of`) of at
-    most MAX_RANKS ranks (the whole-group notify's limit). Planner and engines decide alike."""
-    if not multi_node or mode != "stages" or spec.num_ranks > abi.MAX_RANKS:
+    nodes, with --cuda-hierarchical stages, a group placed node-major (`Hierarchy.of`) whose
+    stage groups are within the flat kernels' limit: at most MAX_RANKS nodes (a rail) of at
+    most MAX_RANKS ranks (a node). Up to MAX_RANKS ranks the whole-group notify is the flat
+    one, beyond it epd_wide_notify (up to LL_MAX_RANKS). Planner and engines decide alike."""
+    if not multi_node or mode != "stages" or not rank_nodes:
         return None
-    return Hierarchy.of(rank_nodes) if rank_nodes else None
+    h = Hierarchy.of(rank_nodes)
+    if h is None or h.num_nodes > abi.MAX_RANKS or h.per_node > abi.MAX_RANKS:
+        return None
+    return h
+
+
+def wide_normal_mode_error(spec: GroupSpec, rank_nodes: Sequence[int] = ()) -> InvalidArgument:
+    """The refusal of a normal-mode group of more than MAX_RANKS ranks that cannot run in two
+    stages (where its ranks are says why)."""
+    where = (f"its ranks are on nodes {list(rank_nodes)}" if rank_nodes
+             else "this daemon's world is on one node or not in --cuda-hierarchical stages")
+    return InvalidArgument(
+        f"group {spec.name!r} has {spec.num_ranks} ranks: normal mode on the cuda engine takes "
+        f"at most {abi.MAX_RANKS} ranks (MAX_RANKS), or up to {abi.MAX_RANKS} nodes x "
+        f"{abi.MAX_RANKS} ranks in two stages (a world over several nodes with "
+        f"--cuda-hierarchical stages, the group placed node-major with as many ranks on every "
+        f"node); {where}. A "
+        f"low-latency group (low_latency_mode) may have up to {abi.LL_MAX_RANKS} ranks")
 
 
 def group_bytes(spec: GroupSpec, *, remote: bool = False,
@@ -165,19 +185,22 @@ def peer_table(rank_nodes: tuple[int, ...], rank_engines: tuple[int, ...], node:
 
 
 def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
-               remote: bool = False) -> None:
-    """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded)."""
-    if spec.low_latency_mode and spec.num_ranks > abi.LL_MAX_RANKS:
+               remote: bool = False, stages: bool = False) -> None:
+    """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded).
+    `stages`: normal mode may run in two stages (a world over several nodes with
+    --cuda-hierarchical stages), so a normal-mode group of up to LL_MAX_RANKS ranks is taken
+    here and its placement decided when its ranks join (CudaPlanner.plan_group)."""
+    limit = abi.LL_MAX_RANKS if spec.low_latency_mode or stages else abi.MAX_RANKS
+    if spec.num_ranks > limit:
+        if not spec.low_latency_mode and limit == abi.MAX_RANKS:
+            raise wide_normal_mode_error(spec)
         raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
-                              f"of {abi.LL_MAX_RANKS} ranks per low-latency group "
-                              f"(LL_MAX_RANKS)")
-    if not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS:
-        raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
-                              f"of {abi.MAX_RANKS} ranks per group (MAX_RANKS; a low-latency "
-                              f"group may have up to {abi.LL_MAX_RANKS})")
+                              f"of {abi.LL_MAX_RANKS} ranks per group (LL_MAX_RANKS)")
     if spec.num_topk > abi.MAX_TOPK:
         raise InvalidArgument(f"num_topk={spec.num_topk} exceeds the cuda backend's limit of "
                               f"{abi.MAX_TOPK} (MAX_TOPK)")
+    if not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS:
+        return  # (its size depends on its placement: plan_group)
     try:
         size = group_bytes(spec, remote=remote)
     except ValueError as e:  # any other kernel limit the layout enforces
@@ -249,12 +272,15 @@ class CudaPlanner(GroupPlanner):
         self.generation = 0
 
     def validate_spec(self, spec: GroupSpec) -> None:
-        check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes)
+        check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes,
+                   stages=self.world_spans_nodes and self.hierarchical_mode == "stages")
 
     def plan_group(self, group_id: str, spec: GroupSpec,
                    rank_nodes: Sequence[int] = ()) -> bytes:
         stages = two_stage_hierarchy(spec, list(rank_nodes), self.hierarchical_mode,
                                      self.world_spans_nodes)
+        if stages is None and not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS:
+            raise wide_normal_mode_error(spec, rank_nodes)
         try:
             size = group_bytes(spec, remote=self.world_spans_nodes, hierarchy=stages)
         except ValueError as e:  # a kernel limit of a stage group

@@ -154,6 +154,17 @@ class RankRunner:
         lay = self.layout
         with cp.cuda.Device(self.device_id):
             self.seq["notify"] += 1
+            if lay.num_ranks > ck.MAX_RANKS:  # a two-stage group's notify-only slot
+                if topk_idx is None or layout_out is not None:
+                    raise ValueError("a notify of more than MAX_RANKS ranks takes top-k ids "
+                                     "and writes no layout outputs")
+                self.k.wide_notify(topk_idx, lay.num_ranks * lay.num_local_experts,
+                                   lay.num_ranks, self.rank, self.peers, self.seq["notify"],
+                                   result.handle, timeout_ns=timeout_ns, alignment=alignment,
+                                   counter_slot_ptr=counter_slot_ptr, stream=self.stream,
+                                   counter_seq=counter_seq,
+                                   max_tokens=lay.max_recv // lay.num_ranks)
+                return
             self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
                           self.rank, self.peers, self.seq["notify"], result.handle,
                           timeout_ns=timeout_ns, alignment=alignment,

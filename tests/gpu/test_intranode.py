@@ -219,13 +219,18 @@ def test_layout_kernel_and_notify_layout(rt) -> None:
     from epd.server.backends import cuda_kernels as ck
 
     rng = np.random.default_rng(31)
-    for t, e, k, r in [(0, 8, 1, 2), (1000, 256, 8, 8), (4096, 64, 2, 4)]:
+    # (16 and 64 ranks: two-stage normal-mode groups and low-latency groups beyond MAX_RANKS)
+    for t, e, k, r in [(0, 8, 1, 2), (1000, 256, 8, 8), (4096, 64, 2, 4), (2048, 256, 8, 16),
+                       (777, 128, 8, 64)]:
         idx, _ = ref.random_routing(rng, t, e, k, drop_prob=0.1, num_ranks=r)
         want = ref.get_dispatch_layout(idx, e, r)
         kern = ck.kernels_for_device(0)
-        with cp.cuda.Device(0):
-            ntpr, ntpe, itr = kern.layout(cp.asarray(idx), e, r)
+        with cp.cuda.Device(0):  # outputs poisoned: the kernel zeroes the counts, sets itr
+            out = (cp.full(r, -1, cp.int32), cp.full(e, -1, cp.int32),
+                   cp.full((t, r), 0xFF, cp.uint8).view(cp.bool_))
+            ntpr, ntpe, itr = kern.layout(cp.asarray(idx), e, r, out=out)
             cp.cuda.Device(0).synchronize()
         np.testing.assert_array_equal(cp.asnumpy(ntpr), want.num_tokens_per_rank)
         np.testing.assert_array_equal(cp.asnumpy(ntpe), want.num_tokens_per_expert)
-        np.testing.assert_array_equal(cp.asnumpy(itr), want.is_token_in_rank)
+        np.testing.assert_array_equal(cp.asnumpy(itr).view(np.uint8),
+                                      want.is_token_in_rank.astype(np.uint8))

@@ -72,12 +72,13 @@ def test_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -
 
 
 
-@pytest.mark.parametrize("ranks_per_node", [1, 2, 4])
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 4, 8])
 def test_two_stage_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_node: int) -> None:
     """Issue 13, DeepEP's hierarchical traffic: a node-major group over two logical nodes
-    (2, 4 and 8 ranks) runs normal mode in two stages (server/backends/cuda_stages.py, as the
-    engine builds them): the whole group's notify, the rail stage (a token once per
-    destination node, through NVSHMEM) and the node stage (by pointer), and combine backwards.
+    (2, 4, 8 and 16 ranks) runs normal mode in two stages (server/backends/cuda_stages.py, as
+    the engine builds them): the whole group's notify (beyond MAX_RANKS = 8 ranks,
+    epd_wide_notify), the rail stage (a token once per destination node, through NVSHMEM) and
+    the node stage (by pointer), and combine backwards.
     Every output bit-exact against reference.hierarchical_dispatch / hierarchical_combine over
     repeated calls on the same buffers, poisoned before each (bf16 with bias, FP8 with
     alignment, cached, worst-token padding, empty and hot ranks); the cases must tell the flat
@@ -136,7 +137,8 @@ def _run_pes(tmp_path: Path, ranks_per_pe: int, extra_env: dict[str, str],
              worker: str = "nvshmem_worker.py", args: list[str] | None = None) -> None:
     env = dict(os.environ, NVSHMEM_DISABLE_NVLS="1", NCCL_NVLS_ENABLE="0",
                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_REMOTE_TRANSPORT="none",
-               NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo", NVSHMEM_SYMMETRIC_SIZE="4G",
+               NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME="lo",
+               NVSHMEM_SYMMETRIC_SIZE="8G" if ranks_per_pe >= 8 else "4G",
                PYTHONUNBUFFERED="1",
                # Several ranks' kernels of one PE spin on each other's flags: each stream its
                # own hardware queue, or a waiting kernel can hold up the one it waits for (two

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Eighteenth session (2026-12-03, one H200). carry [".whl"] (fetch-wheels.sh
+# nvidia-cuda-cccl==13.3.5.0.6). Normal mode beyond MAX_RANKS = 8 ranks across nodes: a
+# two-stage group of up to 8 nodes x 8 ranks, its whole-group notify in epd_wide_notify, and
+# the layout kernel for up to 64 ranks.
+#   bash benchmarks/gpu_s18_run.sh wide    # the layout kernel at 2..64 ranks against the
+#        reference; two stages exact over two logical nodes at 1, 2, 4 and 8 ranks each (16
+#        ranks: the wide notify); the daemons' cluster test with two stages; the client's
+#        own layout through the daemon
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
+case "${1:-}" in
+  wide)
+    step layout 60 "tests/gpu/test_intranode.py -k 'layout_kernel or every_kernel'"
+    STEP_TEST_SECONDS=260 step stages 420 "tests/gpu/test_nvshmem.py -k two_stage"
+    EPD_CUDA_HIERARCHICAL=stages step cluster 100 "tests/gpu/test_cuda_cluster.py"
+    step local_layout 90 "tests/gpu/test_local_layout.py"
+    ;;
+  *) echo "usage: $0 wide" >&2; exit 2 ;;
+esac
