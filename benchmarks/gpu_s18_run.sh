@@ -7,6 +7,8 @@
 #        reference; two stages exact over two logical nodes at 1, 2, 4 and 8 ranks each (16
 #        ranks: the wide notify); the daemons' cluster test with two stages; the client's
 #        own layout through the daemon
+#   bash benchmarks/gpu_s18_run.sh daemon16   # 16 ranks through two logical-node daemons and
+#        the DeepEP facade (test_cuda_cluster.py's sixteen-rank test), and the cluster test
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -16,5 +18,8 @@ case "${1:-}" in
     EPD_CUDA_HIERARCHICAL=stages step cluster 100 "tests/gpu/test_cuda_cluster.py"
     step local_layout 90 "tests/gpu/test_local_layout.py"
     ;;
-  *) echo "usage: $0 wide" >&2; exit 2 ;;
+  daemon16)
+    STEP_TEST_SECONDS=280 step daemon16 560 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 wide|daemon16" >&2; exit 2 ;;
 esac

@@ -184,7 +184,7 @@ class _Nodes:
         os.chmod(self.token, 0o600)
         self.nodes: list = [None, None]
 
-    def start(self, rank: int):
+    def start(self, rank: int, extra: tuple[str, ...] = ()):
         from epd.server.demo import Daemon
         gpu = rank if GPU_COUNT >= 2 else 0
         env = dict(self.mps_env, CUDA_VISIBLE_DEVICES=str(gpu), NVSHMEM_REMOTE_TRANSPORT="none",
@@ -194,7 +194,7 @@ class _Nodes:
                 "--num-nodes", "2", "--node-rank", str(rank), "--cluster-address", self.address,
                 "--cluster-token-file", self.token, "--cluster-heartbeat-seconds", "1",
                 "--cuda-cluster", "--nvshmem-heap-bytes", str(2 << 30),
-                "--mps", "auto" if self.mps_env else "off"])
+                "--mps", "auto" if self.mps_env else "off", *extra])
         self.nodes[rank] = d
         return d
 
@@ -205,7 +205,10 @@ class _Nodes:
                 d.stop()
 
 
-def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
+@contextlib.contextmanager
+def _logical_nodes() -> Iterator[tuple[_Nodes, dict[str, str]]]:
+    """Two logical-node daemons' harness (not started) and the MPS variables of their clients:
+    one GPU each on two GPUs, else both on GPU 0 under one private MPS server."""
     if GPU_COUNT < 1:
         pytest.skip("needs a GPU")
     from epd.proto.v1 import epd_pb2
@@ -225,27 +228,123 @@ def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
             mps_env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = "50"
         nodes = _Nodes(root, mps_env)
         try:
-            for r in (0, 1):
-                nodes.start(r)
-            for d in nodes.nodes:
-                d.wait_ready(240)  # (engines start once the world over both nodes is formed)
-            clients = {k: v for k, v in mps_env.items() if k.startswith("CUDA_MPS_PIPE")}
-            with _env(**clients):
-                _check(_spawn_ranks(None, _rank, R, "xnode",
-                                    endpoints=[d.socket(0) for d in nodes.nodes]))
-            # node 1 goes away: the world is lost on node 0 too; node 1 back: world 2
-            nodes.nodes[1].stop()
-            nodes.nodes[1] = None
-            nodes.start(1)
-            for d in nodes.nodes:
-                d.wait_ready(240)
-            assert "world 2" in nodes.nodes[0].log() and "lost" in nodes.nodes[0].log()
-            with _env(**clients):
-                _check(_spawn_ranks(None, _rank, R, "xnode-again",
-                                    endpoints=[d.socket(0) for d in nodes.nodes]))
+            yield nodes, {k: v for k, v in mps_env.items() if k.startswith("CUDA_MPS_PIPE")}
         finally:
             nodes.stop()
     finally:
         if mps is not None:
             mps.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
+    with _logical_nodes() as (nodes, clients):
+        for r in (0, 1):
+            nodes.start(r)
+        for d in nodes.nodes:
+            d.wait_ready(240)  # (engines start once the world over both nodes is formed)
+        with _env(**clients):
+            _check(_spawn_ranks(None, _rank, R, "xnode",
+                                endpoints=[d.socket(0) for d in nodes.nodes]))
+        # node 1 goes away: the world is lost on node 0 too; node 1 back: world 2
+        nodes.nodes[1].stop()
+        nodes.nodes[1] = None
+        nodes.start(1)
+        for d in nodes.nodes:
+            d.wait_ready(240)
+        assert "world 2" in nodes.nodes[0].log() and "lost" in nodes.nodes[0].log()
+        with _env(**clients):
+            _check(_spawn_ranks(None, _rank, R, "xnode-again",
+                                endpoints=[d.socket(0) for d in nodes.nodes]))
+
+
+# Normal mode beyond MAX_RANKS: 2 logical nodes x 8 ranks in two stages (epd_wide_notify).
+W, WE, WK, WH, WT = 16, 64, 4, 2048, 64
+WTOKENS = tuple((64, 37, 0, 51, 64, 9, 22, 40)[r % 8] for r in range(W))
+
+
+def _wide_inputs(step: int, rank: int):
+    rng = np.random.default_rng([9, step, rank])
+    idx, w = ref.random_routing(rng, WTOKENS[rank], WE, WK, drop_prob=0.1)
+    return ref.random_x(rng, WTOKENS[rank], WH, BFLOAT16), idx, w
+
+
+def _wide_rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
+    """One rank of the 16-rank group: DeepEP's normal-mode calls, two steps on one Buffer."""
+    import torch
+
+    from epd.client.buffer import Buffer
+    device = rank // 8 if GPU_COUNT >= 2 else 0  # (node-major: node b's ranks on its GPU)
+    torch.cuda.set_device(device)
+    buf = Buffer(None, rank=rank, num_ranks=W, endpoint=socket_path, group_name=group,
+                 timeout=60, max_tokens_per_rank=WT)
+    res: dict = {"rank": rank, "steps": []}
+    for step in range(2):
+        x, idx, w = (_to_torch(a, device) for a in _wide_inputs(step, rank))
+        n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, WE)
+        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
+            num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=n_expert)
+        combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        x2 = _to_torch(_wide_inputs(step + 10, rank)[0], device)
+        again, *_ = buf.dispatch(x2, handle=handle)  # cached
+        torch.cuda.synchronize()
+        res["steps"].append({
+            "layout": [a.cpu().numpy() for a in (n_rank, n_node, n_expert, in_rank)],
+            "counts": list(counts), "recv_x": _bits(recv_x), "recv_idx": recv_idx.cpu().numpy(),
+            "recv_w": recv_w.cpu().numpy(), "prefix": handle[0].cpu().numpy(),
+            "combined": _bits(combined), "combined_w": combined_w.cpu().numpy(),
+            "again": _bits(again)})
+    buf.destroy()
+    q.put(res)
+
+
+def _check_wide(results: list[dict]) -> None:
+    for step in range(2):
+        xs, idx, w = (list(v) for v in zip(*(_wide_inputs(step, r) for r in range(W)),
+                                            strict=True))
+        hier = ref.hierarchical_dispatch(xs, idx, w, WE, 2)
+        rds = [hier.received(r) for r in range(W)]
+        comb = ref.hierarchical_combine([rd.recv_x for rd in rds], hier, list(WTOKENS),
+                                        recv_topk_weights=[rd.recv_topk_weights for rd in rds])
+        again = ref.hierarchical_dispatch([_wide_inputs(step + 10, r)[0] for r in range(W)],
+                                          idx, w, WE, 2)
+        for r in range(W):
+            got, rd, what = results[r]["steps"][step], rds[r], f"step {step} rank {r}"
+            lay = ref.get_dispatch_layout(idx[r], WE, W, num_ranks_per_node=8)
+            for a, b in zip(got["layout"], (lay.num_tokens_per_rank, lay.num_tokens_per_rdma_rank,
+                                            lay.num_tokens_per_expert, lay.is_token_in_rank),
+                            strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=what)
+            assert got["counts"] == list(rd.num_recv_tokens_per_expert), what
+            np.testing.assert_array_equal(got["recv_x"], rd.recv_x.view(np.uint16), what)
+            np.testing.assert_array_equal(got["recv_idx"], rd.recv_topk_idx, what)
+            np.testing.assert_array_equal(got["recv_w"].view(np.uint32),
+                                          rd.recv_topk_weights.view(np.uint32), what)
+            src = hier.sources(r)[0]
+            np.testing.assert_array_equal(  # (the rank prefix matrix's column of this rank)
+                got["prefix"][:, r], np.cumsum(np.bincount(src[src >= 0], minlength=W)), what)
+            np.testing.assert_array_equal(got["combined"], comb[r][0].view(np.uint16), what)
+            np.testing.assert_array_equal(got["combined_w"].view(np.uint32),
+                                          comb[r][1].view(np.uint32), what)
+            np.testing.assert_array_equal(got["again"],
+                                          again.received(r).recv_x.view(np.uint16), what)
+
+
+def test_sixteen_rank_normal_mode_in_two_stages_across_two_logical_nodes(tmp_path) -> None:
+    """Beyond MAX_RANKS = 8: a normal-mode group of 2 logical nodes x 8 ranks (DeepEP's
+    Buffer, one per client process, eight per daemon) runs in two stages: layout with
+    num_tokens_per_rdma_rank, dispatch, combine, cached dispatch, twice, every output exact
+    against reference.hierarchical_dispatch / hierarchical_combine and the rank prefix
+    matrix's column. On one GPU the data kernels get 4 blocks a rank (--num-sms), so that all
+    of a stage's ranks stay resident while they wait for each other, and the clients take
+    two hardware queues each (the MPS pool is shared)."""
+    with _logical_nodes() as (nodes, clients):
+        for r in (0, 1):
+            nodes.start(r, ("--cuda-hierarchical", "stages", "--num-sms", "4"))
+        for d in nodes.nodes:
+            d.wait_ready(240)
+        with _env(**clients, CUDA_DEVICE_MAX_CONNECTIONS="2"):
+            socks = [nodes.nodes[r // 8].socket(0) for r in range(W)]
+            _check_wide(_spawn_ranks(None, _wide_rank, W, "wide", endpoints=socks))
