@@ -9,6 +9,9 @@
 #        own layout through the daemon
 #   bash benchmarks/gpu_s18_run.sh daemon16   # 16 ranks through two logical-node daemons and
 #        the DeepEP facade (test_cuda_cluster.py's sixteen-rank test), and the cluster test
+#   bash benchmarks/gpu_s18_run.sh ordered   # two-stage calls stream-ordered: the fold of a
+#        stage's failure (epd_stage_errors), the stages' kernel test after the handles are
+#        made first, the daemons' cluster tests (2 and 16 ranks) with stages
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -21,5 +24,11 @@ case "${1:-}" in
   daemon16)
     STEP_TEST_SECONDS=280 step daemon16 560 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 wide|daemon16" >&2; exit 2 ;;
+  ordered)
+    step fold 60 "tests/gpu/test_intranode.py -k 'stage_failure or every_kernel'"
+    STEP_TEST_SECONDS=200 step stages 260 "tests/gpu/test_nvshmem.py -k two_stage"
+    EPD_CUDA_HIERARCHICAL=stages STEP_TEST_SECONDS=240 step cluster 300 \
+        "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 wide|daemon16|ordered" >&2; exit 2 ;;
 esac

@@ -458,9 +458,8 @@ class Group:
         # node-major, on the cpu backend): rows ordered by forwarder, then source node, then
         # token; recv_src_idx names the forwarder's row; combine rounds a partial sum per node.
         self.hierarchical: bool = bool(resp.hierarchical)
-        # ... with DeepEP's traffic, in two stages (the cuda engine across nodes): dispatch and
-        # combine are then answered calls, not stream-ordered (a stage's failure is not yet
-        # reported through the stream's done word); layouts stay on the caller's stream.
+        # ... with DeepEP's traffic, in two stages (the cuda engine across nodes; every call
+        # stream-ordered as on one node: a stage's failure reaches the stream's done word).
         self.two_stage: bool = bool(resp.two_stage)
         self._outputs = session.memory.outputs(resp)
         assert session._counter_file is not None
@@ -470,7 +469,7 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
-        self._ordered_data = self._ordered and not self.two_stage  # dispatch and combine
+        self._ordered_data = self._ordered  # dispatch and combine
         # cuda, opt-in (EPD_COMBINE_NO_WAIT=1): combine returns once its request is sent; the
         # answer, read at this rank's next call, raises a refusal there (client/stream_calls.py).
         self._combine_no_wait = self._ordered_data and stream_calls.combine_no_wait()

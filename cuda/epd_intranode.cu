@@ -1087,6 +1087,30 @@ extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank
                  : "memory");
 }
 
+// A two-stage group's stream-ordered call (server/backends/cuda_stages.py): its stage kernels
+// record failures in their own control blocks, and epd_call_done reads the rank's whole-group
+// block alone. So, before it, the first failure of the rail stage, then of the node stage, is
+// recorded in the whole-group block (if that holds none), the stage's rank turned into the group
+// rank (rail rank a: a * L + local; node rank j: node * L + j). A stage's bad-input word is
+// cleared: the whole-group notify reads the same ids and reports them itself.
+extern "C" __global__ void epd_stage_errors(const u64* __restrict__ peers, int rank,
+                                            u64* rail_ctrl, u64* node_ctrl, int per_node) {
+    if (threadIdx.x != 0) return;
+    u64* ctrl = ctrl_of(peers, rank);
+    const int node = rank / per_node, local = rank % per_node;
+    u64* const stage[2] = {rail_ctrl, node_ctrl};
+    for (int i = 0; i < 2; ++i) {
+        u64* st = stage[i];
+        st[CTRL_CALL_ERR] = 0;
+        st[CTRL_CALL_ERR_VALUE] = 0;
+        const u64 code = *reinterpret_cast<volatile u64*>(st + CTRL_ERR_CODE);
+        if (code == 0 || *reinterpret_cast<volatile u64*>(ctrl + CTRL_ERR_CODE) != 0) continue;
+        int who = (int)(i64)st[CTRL_ERR_RANK];
+        if (who >= 0) who = i == 0 ? who * per_node + local : node * per_node + who;
+        record_error(ctrl, (int)code, who, (int)st[CTRL_ERR_PHASE], st[CTRL_ERR_SEQ]);
+    }
+}
+
 extern "C" __global__ void epd_abort(const u64* __restrict__ peers, int R, u64 code) {
     int r = threadIdx.x;
     if (r < R) peer_signal(peers, R, r, CTRL_ABORT, code);

@@ -763,9 +763,12 @@ class CudaRankComm(RankComm):
         self._no_topk_refused(args)
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):  # (the handle is made now: the outputs name it)
-            res = self.runner.dispatch_result(int(args.x.shape[0]),
-                                              cached.result if cached else None,
-                                              args.num_worst_tokens)
+            # (a two-stage group: the node stage's rows are the call's)
+            maker = self.stages if self.stages is not None else self.runner
+            res = maker.dispatch_result(int(args.x.shape[0]), cached.result if cached else None,
+                                        args.num_worst_tokens)
+            out_runner, out_res = ((self.stages.node, res.node) if self.stages is not None
+                                   else (self.runner, res))
             prefix = self._prefix_view()
         if cached is not None:  # known: the client reads it from the page as for any dispatch
             num_recv = cached.num_recv
@@ -774,11 +777,12 @@ class CudaRankComm(RankComm):
             num_recv = -1
         rows = args.num_worst_tokens or (num_recv if num_recv >= 0 else
                                          self.mlayout.kernel.max_recv)
-        views = self._stream_views.get((rows, res.with_meta))
+        views = self._stream_views.get((rows, out_res.with_meta))
         if views is None:
             if len(self._stream_views) >= 64:
                 self._stream_views.clear()
-            views = self._stream_views[rows, res.with_meta] = self.runner.output_views(res, rows)
+            views = self._stream_views[rows, out_res.with_meta] = out_runner.output_views(
+                out_res, rows)
         outputs = self._dispatch_outputs(args, res, views, rows, prefix, num_recv, [])
         return outputs, functools.partial(self._launch_dispatch, args, res, counter_slot,
                                           sequence, deadline, stream_seq, num_sms, prefix)
@@ -791,14 +795,23 @@ class CudaRankComm(RankComm):
         cached: _Handle | None = args.cached
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
-            runner.dispatch(
-                args.x, args.x_scales, args.topk_idx, args.topk_weights,
-                alignment=args.expert_alignment, num_worst_tokens=args.num_worst_tokens,
-                cached=cached.result if cached else None,
-                counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
-                timeout_ns=self._timeout_ns(deadline), num_sms=num_sms or self.num_sms,
-                routing=_routing(args), result=res)
-            _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
+            common = {"alignment": args.expert_alignment,
+                      "num_worst_tokens": args.num_worst_tokens,
+                      "cached": cached.result if cached else None,
+                      "counter_slot_ptr": 0 if cached else counter_slot.device_ptr,
+                      "counter_seq": sequence, "timeout_ns": self._timeout_ns(deadline),
+                      "num_sms": num_sms or self.num_sms, "result": res}
+            if self.stages is not None:  # every stage launched by the first step (no wait)
+                steps = self.stages.dispatch(args.x, args.x_scales, args.topk_idx,
+                                             args.topk_weights, **common)
+                next(steps)
+                steps.close()
+                _copy_prefix(prefix, res.flat.handle.rank_prefix, runner.stream)
+                self.stages.fold_errors()  # (the done kernel reads the whole-group block)
+            else:
+                runner.dispatch(args.x, args.x_scales, args.topk_idx, args.topk_weights,
+                                routing=_routing(args), **common)
+                _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             self._stream_end(counter_slot, stream_seq)
 
     @_launches
@@ -820,11 +833,16 @@ class CudaRankComm(RankComm):
                         num_sms: int) -> None:
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
             self._stream_begin(counter_slot, stream_seq)
-            self.runner.combine(args.x, args.handle.result, out,
-                                recv_topk_weights=args.topk_weights, out_weights=out_weights,
-                                bias_0=args.bias_0, bias_1=args.bias_1,
-                                timeout_ns=self._timeout_ns(deadline),
-                                num_sms=num_sms or self.num_sms)
+            common = {"recv_topk_weights": args.topk_weights, "out_weights": out_weights,
+                      "bias_0": args.bias_0, "bias_1": args.bias_1,
+                      "timeout_ns": self._timeout_ns(deadline), "num_sms": num_sms or self.num_sms}
+            if self.stages is not None:  # both stages launched by the first step (no wait)
+                steps = self.stages.combine(args.x, args.handle.result, out, **common)
+                next(steps)
+                steps.close()
+                self.stages.fold_errors()
+            else:
+                self.runner.combine(args.x, args.handle.result, out, **common)
             self._stream_end(counter_slot, stream_seq)
 
     def release_stream(self, counter_slot: CounterSlot) -> None:

@@ -352,7 +352,7 @@ class Kernels:
 
     FILES = KERNEL_FILES
     NAMES = ("epd_layout", "epd_notify", "epd_wide_notify", "epd_dispatch", "epd_combine_push",
-             "epd_abort", "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
+             "epd_abort", "epd_stage_errors", "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
              "epd_ll_exec", "epd_ll_exec_fetch", "epd_ll_exec_dispatch", "epd_ll_exec_push",
              "epd_ll_exec_reduce", "epd_ll_exec_reduce_Bf16",
@@ -642,6 +642,14 @@ class Kernels:
               stream: Any = None) -> None:
         with _stream_ptr(stream):
             self.fn("epd_abort")((1,), (64,), (peers, np.int32(num_ranks), np.uint64(code)))
+
+    def stage_errors(self, peers: Any, rank: int, rail_ctrl: Any, node_ctrl: Any,
+                     per_node: int, *, stream: Any = None) -> None:
+        """A two-stage group's stream-ordered call: its stages' first failure recorded in the
+        rank's whole-group control block, where epd_call_done reads it (group ranks)."""
+        with _stream_ptr(stream):
+            self.fn("epd_stage_errors")((1,), (32,), (peers, np.int32(rank), rail_ctrl,
+                                                      node_ctrl, np.int32(per_node)))
 
     def live_mask(self, peers: Any, num_ranks: int, rank: int, masked: bool, *,
                   stream: Any = None) -> None:

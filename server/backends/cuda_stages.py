@@ -79,19 +79,35 @@ class StagedRunner:
         ranks = self.group_ranks[id(runner)]
         return ranks[stage_rank] if 0 <= stage_rank < len(ranks) else stage_rank
 
+    def dispatch_result(self, num_tokens: int, cached: StagedResult | None,
+                        num_worst_tokens: int) -> StagedResult:
+        """What a dispatch will fill, before it is launched (a stream-ordered call answers with
+        its outputs first): new handles, or a cached dispatch's."""
+        rows = self.rail.layout.max_recv  # (the rail outputs, padded: the module docstring)
+        if cached is not None:
+            return StagedResult(cached.flat,
+                                self.rail.dispatch_result(num_tokens, cached.rail, rows),
+                                self.node.dispatch_result(rows, cached.node, num_worst_tokens))
+        return StagedResult(self.flat.dispatch_result(num_tokens, None, 0),
+                            self.rail.dispatch_result(num_tokens, None, rows),
+                            self.node.dispatch_result(rows, None, num_worst_tokens))
+
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,
                  topk_weights: Any | None, *, alignment: int = 1, num_worst_tokens: int = 0,
                  cached: StagedResult | None = None, counter_slot_ptr: int = 0,
-                 counter_seq: int | None = None, timeout_ns: int, num_sms: int
-                 ) -> Steps[StagedResult]:
+                 counter_seq: int | None = None, timeout_ns: int, num_sms: int,
+                 result: StagedResult | None = None) -> Steps[StagedResult]:
         """Notify (new dispatches), rail stage, node stage, in stream order; then yields the
         three runners (notify's first: the driver reads the published counts while the stages
-        run). A cached dispatch reuses both stages' handles (no notify)."""
+        run). A cached dispatch reuses both stages' handles (no notify). `result`: the one
+        `dispatch_result` made for this call (else made here). Everything is launched by the
+        first step, so a stream-ordered call takes that step alone."""
         import cupy as cp
 
-        flat = cached.flat if cached is not None else None
+        if result is None:
+            result = self.dispatch_result(int(x.shape[0]), cached, num_worst_tokens)
+        flat = result.flat
         if cached is None:
-            flat = self.flat.dispatch_result(int(x.shape[0]), None, 0)
             self.flat.notify(topk_idx, flat, alignment=alignment,
                              counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
                              timeout_ns=timeout_ns)
@@ -103,7 +119,8 @@ class StagedRunner:
         rows = self.rail.layout.max_recv  # N x T: the rail outputs padded (module docstring)
         rail = self.rail.dispatch(x, x_scales, topk_idx, topk_weights, timeout_ns=timeout_ns,
                                   num_sms=num_sms, num_worst_tokens=rows,
-                                  cached=cached.rail if cached is not None else None)
+                                  cached=cached.rail if cached is not None else None,
+                                  result=result.rail)
         got = self.rail.output_views(rail, rows)
         fwd_x = got["recv_x"]
         if fwd_x.dtype.itemsize != x.dtype.itemsize:  # FP8 rows in the bf16-sized buffer
@@ -113,13 +130,14 @@ class StagedRunner:
                                   got.get("recv_topk_weights"), alignment=alignment,
                                   num_worst_tokens=num_worst_tokens, timeout_ns=timeout_ns,
                                   num_sms=num_sms,
-                                  cached=cached.node if cached is not None else None)
+                                  cached=cached.node if cached is not None else None,
+                                  result=result.node)
+        assert rail is result.rail and node is result.node
         if cached is None:
             yield self.flat  # (a failed notify fails the call on every rank alike)
         yield self.rail
         yield self.node
-        assert flat is not None
-        return StagedResult(flat, rail, node)
+        return result
 
     def combine(self, y: Any, res: StagedResult, out: Any, *, recv_topk_weights: Any = None,
                 out_weights: Any = None, bias_0: Any = None, bias_1: Any = None,
@@ -144,6 +162,14 @@ class StagedRunner:
         out = self.node.outputs(res.node)
         out["rank_prefix"] = res.flat.handle.rank_prefix
         return out
+
+    def fold_errors(self) -> None:
+        """Enqueue, after a stream-ordered call's stages, the fold of a stage's failure into
+        this rank's whole-group control block (epd_stage_errors), the one that the call's
+        done kernel reads; the stage's rank there becomes the group rank."""
+        self.flat.k.stage_errors(self.flat.peers, self.rank, self.rail.views["ctrl"],
+                                 self.node.views["ctrl"], self.hierarchy.per_node,
+                                 stream=self.flat.stream)
 
     def error(self) -> tuple[int, int, str, int] | None:
         """The first error word set among the three runners, its rank a group rank."""

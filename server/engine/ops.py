@@ -144,7 +144,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         self._queued(session, member)
         spec = member.spec
-        self._check_normal_mode(member, "dispatch", req.stream_ordered)
+        self._check_normal_mode(member, "dispatch")
         self._check_alive(member, req.stream_ordered)
         regions = session.regions
         x = tensors.resolve(req.x, regions, "x", ndim=2,
@@ -304,16 +304,11 @@ class DataPlane:
             member.handles.pop(h, None)
 
     @staticmethod
-    def _check_normal_mode(member: GroupMember, what: str, stream_ordered: bool = False) -> None:
+    def _check_normal_mode(member: GroupMember, what: str) -> None:
         if member.spec.shrink:
             raise FailedPrecondition(f"group {member.spec.name!r} was joined with shrink (rank "
                                      f"masking): it takes low-latency calls only, not {what} "
                                      f"(normal mode needs every rank; as DeepEP's shrink mode)")
-        if stream_ordered and member.comm.two_stage:
-            raise FailedPrecondition(f"group {member.spec.name!r} runs normal mode in two "
-                                     f"stages across nodes: its {what} is an answered call, "
-                                     f"not stream-ordered (JoinGroupResponse.two_stage; "
-                                     f"upgrade epd on the client)")
 
     @staticmethod
     def _check_shrink(spec: GroupSpec) -> None:
@@ -405,7 +400,7 @@ class DataPlane:
                  path: str) -> epd_pb2.CombineResponse:
         self._queued(session, member)
         spec = member.spec
-        self._check_normal_mode(member, "combine", req.stream_ordered)
+        self._check_normal_mode(member, "combine")
         self._check_alive(member, req.stream_ordered)
         info = self._handle(member, req.handle, NORMAL)
         self._resolve(session, member, info)

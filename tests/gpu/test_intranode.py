@@ -48,6 +48,51 @@ def test_every_kernel_loaded_before_its_first_launch() -> None:
         assert state == drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED, name
 
 
+def test_a_stage_failure_is_folded_into_the_whole_group_block() -> None:
+    """A two-stage group's stream-ordered call (cuda_stages.StagedRunner.fold_errors): the
+    first failure of the rail stage, else of the node stage, lands in the rank's whole-group
+    control block (the one epd_call_done reads) with the stage's rank turned into the group
+    rank; a failure already there is kept; the stages' bad-input words are cleared."""
+    import cupy as cp
+
+    from epd.proto import abi
+    from epd.server.backends import cuda_kernels as ck
+
+    kern = ck.kernels_for_device(0)
+    words = abi.CTRL_PAYLOAD_BYTES // 8
+    rank, per_node = 6, 4  # node 1, local index 2 of 2 nodes x 4 ranks
+
+    def run(rail_err, node_err, flat_err=None):
+        blocks = [cp.zeros(words, cp.uint64) for _ in range(3)]  # flat, rail, node
+        for block, err in zip(blocks, (flat_err, rail_err, node_err), strict=True):
+            block[abi.CTRL_CALL_ERR], block[abi.CTRL_CALL_ERR_VALUE] = 4, 99
+            if err is not None:
+                code, who, phase, seq = err
+                block[abi.CTRL_ERR_CODE] = code
+                block[abi.CTRL_ERR_RANK] = np.uint64(who & (2**64 - 1))
+                block[abi.CTRL_ERR_PHASE], block[abi.CTRL_ERR_SEQ] = phase, seq
+        peers = cp.zeros(8, cp.uint64)
+        peers[rank] = blocks[0].data.ptr
+        kern.stage_errors(peers, rank, blocks[1], blocks[2], per_node)
+        cp.cuda.Device(0).synchronize()
+        got = [cp.asnumpy(b) for b in blocks]
+        for b in got[1:]:  # the stages' bad-input words cleared, the whole group's kept
+            assert b[abi.CTRL_CALL_ERR] == 0 and b[abi.CTRL_CALL_ERR_VALUE] == 0
+        assert got[0][abi.CTRL_CALL_ERR] == 4
+        f = got[0]
+        return (int(f[abi.CTRL_ERR_CODE]), int(np.int64(f[abi.CTRL_ERR_RANK])),
+                int(f[abi.CTRL_ERR_PHASE]), int(f[abi.CTRL_ERR_SEQ]))
+
+    dl, ab, done = abi.ERR_DEADLINE, abi.ERR_ABORTED, abi.PHASE_DISPATCH_DONE
+    # rail rank 0 (node 0, local 2) -> group rank 2; node rank 3 (node 1) -> group rank 7
+    assert run((dl, 0, done, 7), None) == (dl, 2, done, 7)
+    assert run(None, (dl, 3, abi.PHASE_COMBINE_ENTRY, 9)) == (dl, 7, abi.PHASE_COMBINE_ENTRY, 9)
+    assert run((dl, 1, done, 7), (dl, 3, done, 7)) == (dl, 6, done, 7)  # the rail's first
+    assert run(None, (ab, -1, done, 5)) == (ab, -1, done, 5)  # no rank stays no rank
+    assert run((dl, 0, done, 7), None, (ab, -1, 1, 3)) == (ab, -1, 1, 3)  # the first kept
+    assert run(None, None) == (0, 0, 0, 0)
+
+
 @pytest.mark.parametrize("dtype,cols,pitch", [(np.int64, 8, 11), (np.float32, 4, 4 + 3),
                                                (np.int64, 1, 3), (np.float32, 8, 8)])
 def test_dense_rows_on_the_kernels_stream(dtype, cols: int, pitch: int) -> None:
