@@ -210,9 +210,10 @@ class Config:
         "help": "with --cuda-cluster, how a normal-mode group placed node-major over nodes "
                 "moves its rows: stages (DeepEP's traffic: a token crosses the network once "
                 "per destination node, to the rank with its local index there, which forwards "
-                "it inside the node; dispatch and combine are answered calls) or direct (a put "
-                "to every destination rank; stream-ordered calls; the default: faster on one "
-                "GPU, and no run on two hosts has shown where stages win yet); the same results",
+                "it inside the node; up to 8 nodes x 8 ranks) or direct (a put to every "
+                "destination rank, up to 8 ranks; the default: faster on one GPU, and no run "
+                "on two hosts has shown where stages win yet); the same results, every call "
+                "stream-ordered",
         "choices": ("stages", "direct")})
 
     @property
