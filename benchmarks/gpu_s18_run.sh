@@ -12,6 +12,9 @@
 #   bash benchmarks/gpu_s18_run.sh ordered   # two-stage calls stream-ordered: the fold of a
 #        stage's failure (epd_stage_errors), the stages' kernel test after the handles are
 #        made first, the daemons' cluster tests (2 and 16 ranks) with stages
+#   bash benchmarks/gpu_s18_run.sh shared    # after epd_notify and epd_wide_notify share their
+#        end (notify_publish): the intranode notify cases (counts, capacity, deadline,
+#        cached, small), the stages at 2 and 16 ranks, the daemon's flat stream-ordered path
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -30,5 +33,11 @@ case "${1:-}" in
     EPD_CUDA_HIERARCHICAL=stages STEP_TEST_SECONDS=240 step cluster 300 \
         "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 wide|daemon16|ordered" >&2; exit 2 ;;
+  shared)
+    step intranode 90 "tests/gpu/test_intranode.py -k 'small or counter_slot or missing_rank \
+        or cached or uneven or every_kernel'"
+    STEP_TEST_SECONDS=150 step stages 120 "tests/gpu/test_nvshmem.py -k 'two_stage and (2 or 8)'"
+    step daemon 170 "tests/gpu/test_daemon.py -k roundtrip tests/gpu/test_stream_ordered.py"
+    ;;
+  *) echo "usage: $0 wide|daemon16|ordered|shared" >&2; exit 2 ;;
 esac

@@ -108,6 +108,85 @@ __device__ void node_rows(const unsigned char* __restrict__ token_mask, int T, i
     }
 }
 
+// The end of a notify (epd_notify, epd_wide_notify), every thread of the block: after the wait
+// (`code`), the sources' payloads at `payload_bytes` of this rank's control block, `stride` words
+// each: the count per destination rank first, the source's token count at word `tokens_at`,
+// this rank's per-expert counts from word `experts_at`. A failed wait, or a source with more
+// tokens than the group holds, fails the call (every rank reads the same payloads: alike),
+// before any row moves; else the count and prefix matrices, recv_info and the counter slot
+// (payload, system fence, sequence word). Returns whether the call goes on.
+__device__ __forceinline__ bool notify_publish(
+        u64* my_ctrl, int code, int payload_bytes, int stride, int tokens_at, int experts_at,
+        int R, int L, int rank, int max_tokens, int alignment, int* __restrict__ recv_info,
+        int* __restrict__ count_matrix, int* __restrict__ rank_prefix, i64* counter_slot,
+        u64 counter_seq) {
+    const int tid = threadIdx.x;
+    if (code) {
+        if (tid == 0) {
+            int missing = (int)(i64)my_ctrl[CTRL_ERR_RANK];
+            recv_info[0] = -1; recv_info[1] = code; recv_info[2] = missing;
+            if (counter_slot != nullptr) {
+                counter_slot[SLOT_STATUS] = code;
+                counter_slot[SLOT_ERR_RANK] = missing;
+                __threadfence_system();
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+            }
+        }
+        return false;
+    }
+    const volatile int* payload = reinterpret_cast<const volatile int*>(
+        reinterpret_cast<const char*>(my_ctrl) + payload_bytes);
+    int need = 0, needy = -1;
+    for (int s = 0; s < R; ++s) {
+        int ts = payload[s * stride + tokens_at];
+        if (ts > need) { need = ts; needy = s; }
+    }
+    if (need > max_tokens) {  // (the data kernels skip the call: recv_info[1]; the group goes on)
+        if (tid == 0) {
+            recv_info[0] = -1; recv_info[1] = ERR_CAPACITY; recv_info[2] = needy;
+            if (counter_slot != nullptr) {
+                counter_slot[SLOT_NUM_RECV] = need;
+                counter_slot[SLOT_NUM_EXPERTS] = 0;
+                counter_slot[SLOT_STATUS] = ERR_CAPACITY;
+                counter_slot[SLOT_ERR_RANK] = needy;
+                __threadfence_system();
+                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+            }
+        }
+        return false;
+    }
+    for (int i = tid; i < R * R; i += blockDim.x) {
+        const int s = i / R, d = i % R;
+        count_matrix[i] = payload[s * stride + d];
+        int acc = 0;
+        for (int q = 0; q <= s; ++q) acc += payload[q * stride + d];
+        rank_prefix[i] = acc;
+    }
+    for (int l = tid; l < L; l += blockDim.x) {
+        int c = 0;
+        for (int s = 0; s < R; ++s) c += payload[s * stride + experts_at + l];
+        c = (c + alignment - 1) / alignment * alignment;
+        recv_info[4 + l] = c;
+        if (counter_slot != nullptr) counter_slot[SLOT_HEADER + l] = c;
+    }
+    if (tid == 0) {
+        int n = 0;
+        for (int s = 0; s < R; ++s) n += payload[s * stride + rank];
+        recv_info[0] = n; recv_info[1] = 0; recv_info[2] = -1; recv_info[3] = 0;
+        if (counter_slot != nullptr) {
+            counter_slot[SLOT_NUM_RECV] = n;
+            counter_slot[SLOT_NUM_EXPERTS] = L;
+            counter_slot[SLOT_STATUS] = 0;
+            counter_slot[SLOT_ERR_RANK] = -1;
+        }
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0 && counter_slot != nullptr)
+        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+    return true;
+}
+
 // ------------------------------------------------------------------------------------------
 // notify: one block. Counts this rank's tokens per destination rank and pairs per expert,
 // pushes (per-rank vector, the destination's local-expert counts) into every peer, raises the
@@ -256,55 +335,12 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     __syncthreads();
     if (tid < R) peer_signal(peers, R, tid, CTRL_NOTIFY_FLAG + rank, seq);
 
-    // Phase C: wait for every source (deadline + abort word).
+    // Phase C: wait for every source (deadline + abort word); phase D: the counts.
     int code = block_wait_all(my_ctrl, CTRL_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
-    if (code) {
-        if (tid == 0) {
-            int missing = (int)(i64)my_ctrl[CTRL_ERR_RANK];
-            recv_info[0] = -1; recv_info[1] = code; recv_info[2] = missing;
-            if (counter_slot != nullptr) {
-                counter_slot[SLOT_STATUS] = code;
-                counter_slot[SLOT_ERR_RANK] = missing;
-                __threadfence_system();
-                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
-            }
-        }
+    if (!notify_publish(my_ctrl, code, CTRL_PAYLOAD_BYTES, stride, NOTIFY_TOKENS, NOTIFY_HEAD, R,
+                        L, rank, max_tokens, alignment, recv_info, count_matrix, rank_prefix,
+                        counter_slot, counter_seq))
         return;
-    }
-
-    const volatile int* payload = reinterpret_cast<const volatile int*>(
-        reinterpret_cast<const char*>(my_ctrl) + CTRL_PAYLOAD_BYTES);
-    // A source with more tokens than the group holds: every rank reads the same payloads, so
-    // every rank fails this call alike (ERR_CAPACITY), before any row moves; the data kernels
-    // skip it (recv_info[1]) and the group goes on.
-    int need = 0, needy = -1;
-    for (int s = 0; s < R; ++s) {
-        int ts = payload[s * stride + NOTIFY_TOKENS];
-        if (ts > need) { need = ts; needy = s; }
-    }
-    if (need > max_tokens) {
-        if (tid == 0) {
-            recv_info[0] = -1; recv_info[1] = ERR_CAPACITY; recv_info[2] = needy;
-            if (counter_slot != nullptr) {
-                counter_slot[SLOT_NUM_RECV] = need;
-                counter_slot[SLOT_NUM_EXPERTS] = 0;
-                counter_slot[SLOT_STATUS] = ERR_CAPACITY;
-                counter_slot[SLOT_ERR_RANK] = needy;
-                __threadfence_system();
-                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
-            }
-        }
-        return;
-    }
-
-    // Phase D: counts -> count matrix, prefix matrix, receive counts; publish to the host.
-    if (tid < R * R) {
-        int s = tid / R, d = tid % R;
-        count_matrix[tid] = payload[s * stride + d];
-        int acc = 0;
-        for (int q = 0; q <= s; ++q) acc += payload[q * stride + d];
-        rank_prefix[tid] = acc;
-    }
     if (num_nodes > 1 && tid < R) {  // the rail rows of forwarder (my node, i) before source s
         const int per_node = R / num_nodes, s = tid;
         const volatile u64* node_tokens = my_ctrl + CTRL_NODE_TOKENS;
@@ -312,28 +348,6 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         for (int a = 0; a < s / per_node; ++a) acc += (int)node_tokens[a * per_node + s % per_node];
         node_base[s] = acc;
     }
-    for (int l = tid; l < L; l += blockDim.x) {
-        int c = 0;
-        for (int s = 0; s < R; ++s) c += payload[s * stride + NOTIFY_HEAD + l];
-        c = (c + alignment - 1) / alignment * alignment;
-        recv_info[4 + l] = c;
-        if (counter_slot != nullptr) counter_slot[SLOT_HEADER + l] = c;
-    }
-    if (tid == 0) {
-        int n = 0;
-        for (int s = 0; s < R; ++s) n += payload[s * stride + rank];
-        recv_info[0] = n; recv_info[1] = 0; recv_info[2] = -1; recv_info[3] = 0;
-        if (counter_slot != nullptr) {
-            counter_slot[SLOT_NUM_RECV] = n;
-            counter_slot[SLOT_NUM_EXPERTS] = L;
-            counter_slot[SLOT_STATUS] = 0;
-            counter_slot[SLOT_ERR_RANK] = -1;
-        }
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (tid == 0 && counter_slot != nullptr)
-        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
 
     // Phase E: positions (after the host already has its counts).
     for (int t = t0; t < t1; ++t) {
@@ -415,69 +429,8 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
     if (tid < R) peer_signal(peers, R, tid, WIDE_NOTIFY_FLAG + rank, seq);
 
     int code = block_wait_all(my_ctrl, WIDE_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
-    if (code) {
-        if (tid == 0) {
-            int missing = (int)(i64)my_ctrl[CTRL_ERR_RANK];
-            recv_info[0] = -1; recv_info[1] = code; recv_info[2] = missing;
-            if (counter_slot != nullptr) {
-                counter_slot[SLOT_STATUS] = code;
-                counter_slot[SLOT_ERR_RANK] = missing;
-                __threadfence_system();
-                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
-            }
-        }
-        return;
-    }
-    const volatile int* payload = reinterpret_cast<const volatile int*>(
-        reinterpret_cast<const char*>(my_ctrl) + WIDE_PAYLOAD_BYTES);
-    int need = 0, needy = -1;  // (every rank reads the same payloads: fails alike)
-    for (int s = 0; s < R; ++s) {
-        int ts = payload[s * stride + R];
-        if (ts > need) { need = ts; needy = s; }
-    }
-    if (need > max_tokens) {
-        if (tid == 0) {
-            recv_info[0] = -1; recv_info[1] = ERR_CAPACITY; recv_info[2] = needy;
-            if (counter_slot != nullptr) {
-                counter_slot[SLOT_NUM_RECV] = need;
-                counter_slot[SLOT_NUM_EXPERTS] = 0;
-                counter_slot[SLOT_STATUS] = ERR_CAPACITY;
-                counter_slot[SLOT_ERR_RANK] = needy;
-                __threadfence_system();
-                reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
-            }
-        }
-        return;
-    }
-    for (int i = tid; i < R * R; i += blockDim.x) {
-        const int s = i / R, d = i % R;
-        count_matrix[i] = payload[s * stride + d];
-        int acc = 0;
-        for (int q = 0; q <= s; ++q) acc += payload[q * stride + d];
-        rank_prefix[i] = acc;
-    }
-    for (int l = tid; l < L; l += blockDim.x) {
-        int c = 0;
-        for (int s = 0; s < R; ++s) c += payload[s * stride + R + 1 + l];
-        c = (c + alignment - 1) / alignment * alignment;
-        recv_info[4 + l] = c;
-        if (counter_slot != nullptr) counter_slot[SLOT_HEADER + l] = c;
-    }
-    if (tid == 0) {
-        int n = 0;
-        for (int s = 0; s < R; ++s) n += payload[s * stride + rank];
-        recv_info[0] = n; recv_info[1] = 0; recv_info[2] = -1; recv_info[3] = 0;
-        if (counter_slot != nullptr) {
-            counter_slot[SLOT_NUM_RECV] = n;
-            counter_slot[SLOT_NUM_EXPERTS] = L;
-            counter_slot[SLOT_STATUS] = 0;
-            counter_slot[SLOT_ERR_RANK] = -1;
-        }
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (tid == 0 && counter_slot != nullptr)
-        reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
+    notify_publish(my_ctrl, code, WIDE_PAYLOAD_BYTES, stride, R, R + 1, R, L, rank, max_tokens,
+                   alignment, recv_info, count_matrix, rank_prefix, counter_slot, counter_seq);
 }
 
 // 16-byte copy of one row by one warp to up to R destinations (read once, store R times).
