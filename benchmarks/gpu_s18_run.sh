@@ -36,8 +36,10 @@ case "${1:-}" in
   shared)
     step intranode 90 "tests/gpu/test_intranode.py -k 'small or counter_slot or missing_rank \
         or cached or uneven or every_kernel'"
-    STEP_TEST_SECONDS=150 step stages 120 "tests/gpu/test_nvshmem.py -k 'two_stage and (2 or 8)'"
-    step daemon 170 "tests/gpu/test_daemon.py -k roundtrip tests/gpu/test_stream_ordered.py"
+    t=tests/gpu/test_nvshmem.py::test_two_stage_normal_mode_across_logical_nodes
+    STEP_TEST_SECONDS=150 step stages 120 "'$t[2]' '$t[8]'"
+    step daemon 170 "tests/gpu/test_daemon.py::test_daemon_roundtrip \
+        tests/gpu/test_stream_ordered.py"
     ;;
   *) echo "usage: $0 wide|daemon16|ordered|shared" >&2; exit 2 ;;
 esac
