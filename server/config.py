@@ -203,18 +203,20 @@ class Config:
     cuda_cluster: bool = field(default=False, metadata={
         "help": "experimental, cluster mode with the cuda backend: the engines of every node "
                 "form one NVSHMEM world; groups may span nodes (low-latency mode up to 64 "
-                "ranks, normal mode up to 8: hierarchical semantics and traffic when placed "
-                "node-major, see --cuda-hierarchical); run as logical "
+                "ranks, normal mode up to 8, or 8 nodes x 8 ranks in two stages: hierarchical "
+                "semantics and traffic when placed node-major, see --cuda-hierarchical); run "
+                "as logical "
                 "nodes on one GPU only so far (docs/DESIGN_NOTES.md)"})
-    cuda_hierarchical: str = field(default="direct", metadata={
+    cuda_hierarchical: str = field(default="auto", metadata={
         "help": "with --cuda-cluster, how a normal-mode group placed node-major over nodes "
                 "moves its rows: stages (DeepEP's traffic: a token crosses the network once "
                 "per destination node, to the rank with its local index there, which forwards "
-                "it inside the node; up to 8 nodes x 8 ranks) or direct (a put to every "
-                "destination rank, up to 8 ranks; the default: faster on one GPU, and no run "
-                "on two hosts has shown where stages win yet); the same results, every call "
-                "stream-ordered",
-        "choices": ("stages", "direct")})
+                "it inside the node; up to 8 nodes x 8 ranks), direct (a put to every "
+                "destination rank, up to 8 ranks: faster on one GPU, and no run on two hosts "
+                "has shown where stages win yet) or auto (the default: direct up to 8 ranks, "
+                "stages beyond, except for a low-latency group, which keeps its low-latency "
+                "buffers alone); the same results, every call stream-ordered",
+        "choices": ("auto", "stages", "direct")})
 
     @property
     def cluster_mode(self) -> bool:

@@ -315,6 +315,7 @@ def test_two_stage_group_holds_a_rail_and_a_node_slot_per_rank() -> None:
     ((0, 0, 0, 1), "stages", False),       # not the same number of ranks per node
     ((0, 0, 0, 0), "stages", False),       # one node
     ((0, 0, 1, 1), "direct", False),       # --cuda-hierarchical direct
+    ((0, 0, 1, 1), "auto", False),         # the default: direct up to 8 ranks
 ])
 def test_the_planner_sizes_a_group_by_its_placement(rank_nodes, mode, two_stage) -> None:
     """The planner and the engines decide alike (two_stage_hierarchy) from the ranks' nodes,
@@ -338,19 +339,23 @@ def test_the_planner_sizes_a_group_by_its_placement(rank_nodes, mode, two_stage)
     ((0,) * 9 + (1,) * 9, None),                              # a node of 9 ranks
     ((0, 1) * 8, None),                                       # not node-major
 ])
-def test_a_group_beyond_max_ranks_runs_normal_mode_in_two_stages(rank_nodes,
-                                                                 hierarchy) -> None:
-    """More than MAX_RANKS ranks: normal mode runs in two stages when both stage groups are
-    within the flat kernels' limit (at most 8 nodes of at most 8 ranks), its whole-group
+@pytest.mark.parametrize("mode", ["stages", "auto"])
+def test_a_group_beyond_max_ranks_runs_normal_mode_in_two_stages(rank_nodes, hierarchy,
+                                                                 mode) -> None:
+    """More than MAX_RANKS ranks (--cuda-hierarchical stages, or auto, the default): normal
+    mode runs in two stages when both stage groups are within the flat kernels' limit (at
+    most 8 nodes of at most 8 ranks), its whole-group
     notify in a notify-only slot for epd_wide_notify (its own flags and a payload per source
     of R + 1 + L words); any other placement of a normal-mode group is refused when it forms,
     naming the nodes, and a low-latency group keeps its low-latency-only slots."""
     from epd.proto import abi
+    from epd.server.config import Config
     r = len(rank_nodes)
     spec = _spec(r, 4, num_experts=4 * r)
-    h = cuda_plan.two_stage_hierarchy(spec, rank_nodes, "stages", True)
+    assert Config.cuda_hierarchical == "auto"  # (the default runs every group it can)
+    h = cuda_plan.two_stage_hierarchy(spec, rank_nodes, mode, True)
     assert (h and (h.num_nodes, h.per_node)) == hierarchy
-    planner = _cluster_planner()
+    planner = _cluster_planner(mode)
     planner.validate_spec(spec)  # (placement is known only when the ranks join)
     ll = _spec(r, 4, num_experts=4 * r, low_latency_mode=True)
     if hierarchy is None:
@@ -368,7 +373,10 @@ def test_a_group_beyond_max_ranks_runs_normal_mode_in_two_stages(rank_nodes,
     assert size == cuda_plan.group_bytes(spec, remote=True, hierarchy=h)
     lays = cuda_plan.stage_layouts(spec, h)
     assert (lays.rail.num_ranks, lays.node.num_ranks) == hierarchy
-    # a low-latency group of as many ranks gets the stages too, and its low-latency slots
+    # a low-latency group of as many ranks: the stages (and its low-latency slots) only when
+    # asked for; auto keeps its low-latency-only slots (stage slots would cost every engine)
+    got = cuda_plan.two_stage_hierarchy(ll, rank_nodes, mode, True)
+    assert (got is None) == (mode == "auto")
     both = cuda_plan.membership_layout(ll, remote=True, two_stage=True)
     assert both.kernel.notify_only and both.low_latency.num_ranks == r
     assert both.kernel.offsets["recv_x"] == flat.offsets["recv_x"]

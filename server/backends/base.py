@@ -401,7 +401,7 @@ class RankComm(abc.ABC):
     # (reference.hierarchical_dispatch / hierarchical_combine) rather than the flat ones.
     hierarchy: Hierarchy | None = None
     # ... and moves its rows in two stages (rail, then node: the cuda engine's
-    # --cuda-hierarchical stages); its normal-mode dispatch and combine are answered calls.
+    # --cuda-hierarchical stages, or auto beyond 8 ranks).
     two_stage: bool = False
     stream_priority: int = 0
     num_sms: int = 0

@@ -24,8 +24,9 @@ def hierarchical_mode(cfg: Any) -> str:
     (--cuda-hierarchical of `cfg`; Config's default for a namespace without it, as tests pass):
     "stages", DeepEP's traffic, a token once per destination node to the rank with the same
     local index, then forwarded inside the node (cuda_stages.py); "direct", a put to every
-    destination rank (the intranode kernels' NVSHMEM build); the same results. The planner and
-    the engines read it alike."""
+    destination rank (the intranode kernels' NVSHMEM build), up to MAX_RANKS ranks; "auto",
+    direct up to MAX_RANKS ranks and stages beyond (`stages_possible`); the same results. The
+    planner and the engines read it alike."""
     from ..config import Config
 
     return getattr(cfg, "cuda_hierarchical", Config.cuda_hierarchical)
@@ -128,11 +129,12 @@ def stage_layouts(spec: GroupSpec, hierarchy: Hierarchy) -> StageLayouts:
 def two_stage_hierarchy(spec: GroupSpec, rank_nodes: tuple[int, ...] | list[int],
                         mode: str, multi_node: bool) -> Hierarchy | None:
     """The hierarchy of a group that runs normal mode in two stages: in a world over several
-    nodes, with --cuda-hierarchical stages, a group placed node-major (`Hierarchy.of`) whose
+    nodes, with --cuda-hierarchical stages (auto: beyond MAX_RANKS ranks), a group placed
+    node-major (`Hierarchy.of`) whose
     stage groups are within the flat kernels' limit: at most MAX_RANKS nodes (a rail) of at
     most MAX_RANKS ranks (a node). Up to MAX_RANKS ranks the whole-group notify is the flat
     one, beyond it epd_wide_notify (up to LL_MAX_RANKS). Planner and engines decide alike."""
-    if not multi_node or mode != "stages" or not rank_nodes:
+    if not multi_node or not rank_nodes or not stages_possible(spec, mode):
         return None
     h = Hierarchy.of(rank_nodes)
     if h is None or h.num_nodes > abi.MAX_RANKS or h.per_node > abi.MAX_RANKS:
@@ -140,17 +142,27 @@ def two_stage_hierarchy(spec: GroupSpec, rank_nodes: tuple[int, ...] | list[int]
     return h
 
 
+def stages_possible(spec: GroupSpec, mode: str) -> bool:
+    """Whether --cuda-hierarchical `mode` runs the group's normal mode in two stages where its
+    placement allows. stages: always. direct: never. auto: a normal-mode group of more than
+    MAX_RANKS ranks, which direct puts cannot run; not a low-latency group, which keeps its
+    low-latency-only slots (the stage slots of every rank are in every engine's heap: at
+    8 x 8 ranks many GiB that a decode group would hold for calls it does not make)."""
+    return mode == "stages" or (mode == "auto" and spec.num_ranks > abi.MAX_RANKS
+                                and not spec.low_latency_mode)
+
+
 def wide_normal_mode_error(spec: GroupSpec, rank_nodes: Sequence[int] = ()) -> InvalidArgument:
     """The refusal of a normal-mode group of more than MAX_RANKS ranks that cannot run in two
     stages (where its ranks are says why)."""
     where = (f"its ranks are on nodes {list(rank_nodes)}" if rank_nodes
-             else "this daemon's world is on one node or not in --cuda-hierarchical stages")
+             else "this daemon's world is on one node or in --cuda-hierarchical direct")
     return InvalidArgument(
         f"group {spec.name!r} has {spec.num_ranks} ranks: normal mode on the cuda engine takes "
         f"at most {abi.MAX_RANKS} ranks (MAX_RANKS), or up to {abi.MAX_RANKS} nodes x "
         f"{abi.MAX_RANKS} ranks in two stages (a world over several nodes with "
-        f"--cuda-hierarchical stages, the group placed node-major with as many ranks on every "
-        f"node); {where}. A "
+        f"--cuda-hierarchical auto or stages, the group placed node-major with as many ranks "
+        f"on every node); {where}. A "
         f"low-latency group (low_latency_mode) may have up to {abi.LL_MAX_RANKS} ranks")
 
 
@@ -188,7 +200,7 @@ def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
                remote: bool = False, stages: bool = False) -> None:
     """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded).
     `stages`: normal mode may run in two stages (a world over several nodes with
-    --cuda-hierarchical stages), so a normal-mode group of up to LL_MAX_RANKS ranks is taken
+    --cuda-hierarchical auto or stages), so a normal-mode group of up to LL_MAX_RANKS ranks is taken
     here and its placement decided when its ranks join (CudaPlanner.plan_group)."""
     limit = abi.LL_MAX_RANKS if spec.low_latency_mode or stages else abi.MAX_RANKS
     if spec.num_ranks > limit:
@@ -273,7 +285,7 @@ class CudaPlanner(GroupPlanner):
 
     def validate_spec(self, spec: GroupSpec) -> None:
         check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes,
-                   stages=self.world_spans_nodes and self.hierarchical_mode == "stages")
+                   stages=self.world_spans_nodes and self.hierarchical_mode != "direct")
 
     def plan_group(self, group_id: str, spec: GroupSpec,
                    rank_nodes: Sequence[int] = ()) -> bytes:

@@ -10,11 +10,12 @@ a function of the routing and the mode's semantics:
 - normal (hierarchical) dispatch sends a token once per destination node over the network (the
   GPU with the same local index there forwards it over NVLink); its combine brings one reduced
   row per (token, node) back. DeepEP's internode mode, and EPD's for a group placed node-major
-  with `--cuda-hierarchical stages` (opt-in; server/backends/cuda_stages.py);
-- normal_direct is what EPD's normal mode across nodes sends by default (`--cuda-hierarchical
-  direct`) or for a group placed otherwise (each rank puts a token's row straight to every
-  destination rank on another node, its combine brings one row per (token, rank) back): more
-  bytes than hierarchical whenever a token has two destination ranks on one node.
+  with `--cuda-hierarchical stages` (and by default beyond 8 ranks; cuda_stages.py);
+- normal_direct is what EPD's normal mode across nodes sends by default up to 8 ranks
+  (`--cuda-hierarchical auto` or `direct`) or for a group placed otherwise (each rank puts a
+  token's row straight to every destination rank on another node, its combine brings one row
+  per (token, rank) back): more bytes than hierarchical whenever a token has two destination
+  ranks on one node.
 
 The model: each GPU has one NIC of `--nic-gbps` gigabytes per second (50 for 400 Gb/s), every
 GPU sends at once, so a call takes at least the largest inter-node bytes of one GPU over that
