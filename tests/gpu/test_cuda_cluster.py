@@ -334,7 +334,8 @@ def _check_wide(results: list[dict]) -> None:
 
 def test_sixteen_rank_normal_mode_in_two_stages_across_two_logical_nodes(tmp_path) -> None:
     """Beyond MAX_RANKS = 8: a normal-mode group of 2 logical nodes x 8 ranks (DeepEP's
-    Buffer, one per client process, eight per daemon) runs in two stages: layout with
+    Buffer, one per client process, eight per daemon) runs in two stages, as the default
+    --cuda-hierarchical auto decides for it: layout with
     num_tokens_per_rdma_rank, dispatch, combine, cached dispatch, twice, every output exact
     against reference.hierarchical_dispatch / hierarchical_combine and the rank prefix
     matrix's column. On one GPU the data kernels get 4 blocks a rank (--num-sms), so that all
@@ -342,7 +343,7 @@ def test_sixteen_rank_normal_mode_in_two_stages_across_two_logical_nodes(tmp_pat
     two hardware queues each (the MPS pool is shared)."""
     with _logical_nodes() as (nodes, clients):
         for r in (0, 1):
-            nodes.start(r, ("--cuda-hierarchical", "stages", "--num-sms", "4"))
+            nodes.start(r, ("--cuda-hierarchical", "auto", "--num-sms", "4"))  # (the default)
         for d in nodes.nodes:
             d.wait_ready(240)
         with _env(**clients, CUDA_DEVICE_MAX_CONNECTIONS="2"):
