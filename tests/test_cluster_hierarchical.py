@@ -163,7 +163,8 @@ def _worst(c: Case) -> int:
 
 @pytest.mark.parametrize(("nodes", "per_node", "variant"), [
     (2, 1, "bf16"), (2, 2, "bf16"), (3, 1, "fp8"), (3, 2, "bf16"), (2, 2, "fp8"),
-    (3, 2, "fp8"), (2, 3, "worst"), (3, 2, "worst"), (2, 2, "plain")])
+    (3, 2, "fp8"), (2, 3, "worst"), (3, 2, "worst"), (2, 2, "plain"),
+    (2, 8, "bf16"), (2, 8, "fp8")])  # (16 ranks: the cuda engine's wide two-stage groups)
 def test_backend_matches_the_hierarchical_reference(nodes: int, per_node: int, variant: str):
     """Rows, their order, recv_src_idx (the forwarder's row), top-k ids and weights, FP8
     scales, per-expert counts with alignment, rank_prefix_matrix, worst-token padding, combine

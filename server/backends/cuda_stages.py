@@ -3,9 +3,9 @@ made of the flat kernels.
 
 A group of N nodes x L ranks placed node-major (rank = node * L + local index) runs, per
 rank, three flat collectives (docs/DESIGN_NOTES.md, "Hierarchical normal mode in two stages"):
-- the whole group's **notify** (its flat slot, notify-only): the receive counts published to
-  the caller's counter page as on one node, the rank prefix matrix, a call every rank fails
-  alike (capacity);
+- the whole group's **notify** (its flat slot, notify-only; beyond MAX_RANKS ranks
+  `epd_wide_notify`): the receive counts published to the caller's counter page as on one
+  node, the rank prefix matrix, a call every rank fails alike (capacity);
 - the **rail** stage: a flat group of the N ranks with this local index, one per node, rank b
   holding node b's E / N experts. A token crosses the network once per destination node, to
   the rank with its own local index there (the forwarder); its top-k ids arrive node-local;
@@ -18,8 +18,11 @@ source. Composed this way the results are `reference.hierarchical_dispatch` /
 
 A `StagedRunner` call is a generator: it launches its stages, all of them on the rank's one
 stream, and then yields each runner whose error word the driver checks once the stream is done.
-So one thread can drive one rank (the engine, `drive`) or several ranks in lock-step (the GPU
-tests). The host does not wait between the stages. The rail stage pads its outputs to N x T
+So one thread can drive one rank (the engine's answered calls, `drive`) or several ranks in
+lock-step (the GPU tests); a stream-ordered call takes the first step alone and leaves the
+checking to the GPU (`fold_errors`, then the call's done kernel).
+
+The host does not wait between the stages. The rail stage pads its outputs to N x T
 rows, the most a forwarder can receive, as a worst-token dispatch does: padding rows carry
 expert id -1 and go nowhere. So the node stage's input has a size known before the rail stage
 runs. The padding costs the rows a forwarder did not receive (few: with top-k over E experts
