@@ -411,6 +411,45 @@ def test_the_coordinator_plans_with_the_ranks_nodes(tmp_path) -> None:
         coord.release(resps[0].group_id, r, "")
 
 
+@pytest.mark.parametrize(("rank_nodes", "formed"), [
+    ((0,) * 8 + (1,) * 8, True),   # node-major: two stages
+    ((0, 1) * 8, False),           # not node-major: no way to run it
+])
+def test_a_sixteen_rank_normal_group_forms_by_its_placement(rank_nodes, formed) -> None:
+    """Through the coordinator of a world over two nodes (default --cuda-hierarchical auto):
+    a 16-rank normal-mode group placed node-major forms (in two stages); placed otherwise,
+    every rank learns at once that it cannot, with INVALID_ARGUMENT naming the nodes and the
+    limit, and nothing is left behind."""
+    coord = Coordinator(_cluster_planner("auto"))
+    spec = _proto(16, 4)
+
+    async def every_rank():
+        async def one(rank: int):
+            try:
+                return await coord.rendezvous(epd_pb2.RendezvousRequest(
+                    spec=spec, rank=rank, engine_index=0, session_id=f"s{rank}",
+                    timeout_seconds=5, peer_uid=os.getuid(), peer_gid=os.getgid(),
+                    has_peer=True), node=rank_nodes[rank])
+            except EpdError as e:
+                return e
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        out = await asyncio.gather(*(one(r) for r in range(16)))
+        return out, loop.time() - start
+
+    results, took = asyncio.run(every_rank())
+    assert took < 2.0
+    if formed:
+        assert all(list(r.rank_nodes) == list(rank_nodes) for r in results), results[0]
+        for r in range(16):
+            coord.release(results[0].group_id, r, "")
+    else:
+        for r in results:
+            assert isinstance(r, EpdError) and r.code == grpc.StatusCode.INVALID_ARGUMENT, r
+            assert "MAX_RANKS" in r.message and "nodes [0, 1, 0, 1" in r.message, r.message
+    assert not coord.by_name and not coord.by_id
+
+
 def test_stage_peers_name_each_stage_rank_where_it_is() -> None:
     """2 nodes x 2 ranks, this engine on node 1: rank 3's rail is group ranks [1, 3] (rank 1
     on node 0, by NVSHMEM: its slot's symmetric address and PE), its node stage [2, 3] (by
