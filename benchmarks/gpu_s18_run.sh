@@ -15,6 +15,8 @@
 #   bash benchmarks/gpu_s18_run.sh shared    # after epd_notify and epd_wide_notify share their
 #        end (notify_publish): the intranode notify cases (counts, capacity, deadline,
 #        cached, small), the stages at 2 and 16 ranks, the daemon's flat stream-ordered path
+#   bash benchmarks/gpu_s18_run.sh stagefail # (not run yet) a stage's deadline through the done
+#        word of a stream-ordered two-stage combine, naming the group rank
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -41,5 +43,9 @@ case "${1:-}" in
     step daemon 170 "tests/gpu/test_daemon.py::test_daemon_roundtrip \
         tests/gpu/test_stream_ordered.py"
     ;;
-  *) echo "usage: $0 wide|daemon16|ordered|shared" >&2; exit 2 ;;
+  stagefail)
+    step stagefail 150 \
+        "tests/gpu/test_cuda_cluster.py::test_a_stage_deadline_reaches_the_caller_naming_the_group_rank"
+    ;;
+  *) echo "usage: $0 wide|daemon16|ordered|shared|stagefail" >&2; exit 2 ;;
 esac

@@ -349,3 +349,69 @@ def test_sixteen_rank_normal_mode_in_two_stages_across_two_logical_nodes(tmp_pat
         with _env(**clients, CUDA_DEVICE_MAX_CONNECTIONS="2"):
             socks = [nodes.nodes[r // 8].socket(0) for r in range(W)]
             _check_wide(_spawn_ranks(None, _wide_rank, W, "wide", endpoints=socks))
+
+
+# A stage's own failure through a stream-ordered call's done word: 2 logical nodes x 2 ranks.
+XR, XE, XK, XH, XT = 4, 16, 4, 1024, 32
+SKIPPER = 3  # node 1, local index 1: rail rank 1 of local index 1, node rank 1 of node 1
+
+
+def _skip_rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
+    """Every rank dispatches; rank SKIPPER then makes no combine (it sleeps past its peers'
+    deadline), the others combine and report how their next call ends."""
+    import time
+
+    import torch
+
+    from epd.client import EpdError
+    from epd.client.buffer import Buffer
+    device = rank // 2 if GPU_COUNT >= 2 else 0
+    torch.cuda.set_device(device)
+    buf = Buffer(None, rank=rank, num_ranks=XR, endpoint=socket_path, group_name=group,
+                 timeout=5, max_tokens_per_rank=XT)
+    rng = np.random.default_rng([3, rank])
+    idx, w = ref.random_routing(rng, XT, XE, XK)
+    x, idx, w = (_to_torch(a, device) for a in (ref.random_x(rng, XT, XH, BFLOAT16), idx, w))
+    n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, XE)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
+        num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
+        num_tokens_per_expert=n_expert)
+    torch.cuda.synchronize()
+    res: dict = {"rank": rank}
+    if rank == SKIPPER:
+        time.sleep(15)
+        res["outcome"] = "skipped"
+    else:
+        try:
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+            torch.cuda.synchronize()
+            buf.dispatch(x, handle=handle)  # (a stream-ordered failure reports by the next call)
+            torch.cuda.synchronize()
+            res["outcome"] = "ok"
+        except EpdError as e:
+            res["outcome"] = f"{e.code.name}: {e.details}"
+    with contextlib.suppress(EpdError):
+        buf.destroy()
+    q.put(res)
+
+
+def test_a_stage_deadline_reaches_the_caller_naming_the_group_rank(tmp_path) -> None:
+    """A two-stage group's combine waits in its stages' own control blocks; when rank 3 makes
+    none, rank 2's node stage (where rank 3 is node rank 1) and rank 1's rail stage (where it
+    is rail rank 1) reach their deadline. The failure is folded into the whole-group block
+    (epd_stage_errors), so the callers' next call raises DEADLINE_EXCEEDED naming group rank
+    3, not the stage's rank 1 (a peer may see the group's abort first: ABORTED)."""
+    with _logical_nodes() as (nodes, clients):
+        for r in (0, 1):
+            nodes.start(r, ("--cuda-hierarchical", "stages", "--num-sms", "8"))
+        for d in nodes.nodes:
+            d.wait_ready(240)
+        with _env(**clients):
+            socks = [nodes.nodes[r // 2].socket(0) for r in range(XR)]
+            got = {r["rank"]: r["outcome"]
+                   for r in _spawn_ranks(None, _skip_rank, XR, "stagefail", endpoints=socks)}
+    for r in (1, 2):
+        assert got[r].startswith(("DEADLINE_EXCEEDED", "ABORTED")), got
+    named = [got[r] for r in (1, 2) if got[r].startswith("DEADLINE_EXCEEDED")]
+    assert named and all(f"rank {SKIPPER} did not arrive" in o for o in named), got
