@@ -15,8 +15,10 @@
 #   bash benchmarks/gpu_s18_run.sh shared    # after epd_notify and epd_wide_notify share their
 #        end (notify_publish): the intranode notify cases (counts, capacity, deadline,
 #        cached, small), the stages at 2 and 16 ranks, the daemon's flat stream-ordered path
-#   bash benchmarks/gpu_s18_run.sh stagefail # (not run yet) a stage's deadline through the done
-#        word of a stream-ordered two-stage combine, naming the group rank
+#   bash benchmarks/gpu_s18_run.sh stagefail # (not run yet) what came after the last device
+#        call: the fold launched packed (epd_stage_errors), the cluster tests after their
+#        helper refactor, and a stage's deadline through the done word of a stream-ordered
+#        two-stage combine, naming the group rank (about 5 minutes)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -44,8 +46,9 @@ case "${1:-}" in
         tests/gpu/test_stream_ordered.py"
     ;;
   stagefail)
-    step stagefail 150 \
-        "tests/gpu/test_cuda_cluster.py::test_a_stage_deadline_reaches_the_caller_naming_the_group_rank"
+    step fold 60 "tests/gpu/test_intranode.py -k 'stage_failure or every_kernel'"
+    EPD_CUDA_HIERARCHICAL=stages STEP_TEST_SECONDS=240 step cluster 420 \
+        "tests/gpu/test_cuda_cluster.py"
     ;;
   *) echo "usage: $0 wide|daemon16|ordered|shared|stagefail" >&2; exit 2 ;;
 esac

@@ -269,7 +269,7 @@ class Buffer(LowLatencyMixin):
         """The SMs a call asks the daemon for, as DeepEP sizes its kernels: the config's, else
         `Buffer.num_sms` (the daemon bounds it by its own --num-sms). The cpu backend has no
         SMs to share."""
-        if not g._ordered_data:  # (a two-stage group's calls are answered: the daemon's)
+        if not g._ordered:  # (answered calls: the daemon's)
             return 0
         return int(config.num_sms) if config is not None else int(Buffer.num_sms)
 

@@ -469,10 +469,9 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
-        self._ordered_data = self._ordered  # dispatch and combine
         # cuda, opt-in (EPD_COMBINE_NO_WAIT=1): combine returns once its request is sent; the
         # answer, read at this rank's next call, raises a refusal there (client/stream_calls.py).
-        self._combine_no_wait = self._ordered_data and stream_calls.combine_no_wait()
+        self._combine_no_wait = self._ordered and stream_calls.combine_no_wait()
         self._pending_combine: tuple[PendingCall, int, int, float] | None = None
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None
@@ -600,8 +599,8 @@ class Group:
                                                   expert_alignment, num_worst_tokens, handle,
                                                   timeout, is_token_in_rank,
                                                   num_tokens_per_expert,
-                                                  not self._ordered_data)
-        if self._ordered_data:
+                                                  not self._ordered)
+        if self._ordered:
             resp, n, per_expert, rows, outs = stream_calls.dispatch(self, req, rpc_timeout, x,
                                                                     copy, num_sms)
             h = Handle(self, resp.handle, int(req.x.shape[0]), n, rows)
@@ -668,7 +667,7 @@ class Group:
         stream-ordered on the caller's current stream and returns new tensors at once."""
         if not isinstance(handle, Handle) or handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
-        if self._ordered_data:
+        if self._ordered:
             t = self._timeout(timeout)
             return stream_calls.combine(self, x, handle, topk_weights, bias_0, bias_1, t,
                                         t + RPC_MARGIN, num_sms)

@@ -763,12 +763,13 @@ class CudaRankComm(RankComm):
         self._no_topk_refused(args)
         cached: _Handle | None = args.cached
         with cp.cuda.Device(self.backend.device):  # (the handle is made now: the outputs name it)
-            # (a two-stage group: the node stage's rows are the call's)
-            maker = self.stages if self.stages is not None else self.runner
-            res = maker.dispatch_result(int(args.x.shape[0]), cached.result if cached else None,
-                                        args.num_worst_tokens)
-            out_runner, out_res = ((self.stages.node, res.node) if self.stages is not None
-                                   else (self.runner, res))
+            t, made = int(args.x.shape[0]), cached.result if cached else None
+            if self.stages is not None:  # (the node stage's rows are the call's)
+                res = self.stages.dispatch_result(t, made, args.num_worst_tokens)
+                out_runner, out_res = self.stages.node, res.node
+            else:
+                res = self.runner.dispatch_result(t, made, args.num_worst_tokens)
+                out_runner, out_res = self.runner, res
             prefix = self._prefix_view()
         if cached is not None:  # known: the client reads it from the page as for any dispatch
             num_recv = cached.num_recv
@@ -801,13 +802,10 @@ class CudaRankComm(RankComm):
                       "counter_slot_ptr": 0 if cached else counter_slot.device_ptr,
                       "counter_seq": sequence, "timeout_ns": self._timeout_ns(deadline),
                       "num_sms": num_sms or self.num_sms, "result": res}
-            if self.stages is not None:  # every stage launched by the first step (no wait)
-                steps = self.stages.dispatch(args.x, args.x_scales, args.topk_idx,
-                                             args.topk_weights, **common)
-                next(steps)
-                steps.close()
+            if self.stages is not None:
+                self.stages.launch(self.stages.dispatch(args.x, args.x_scales, args.topk_idx,
+                                                        args.topk_weights, **common))
                 _copy_prefix(prefix, res.flat.handle.rank_prefix, runner.stream)
-                self.stages.fold_errors()  # (the done kernel reads the whole-group block)
             else:
                 runner.dispatch(args.x, args.x_scales, args.topk_idx, args.topk_weights,
                                 routing=_routing(args), **common)
@@ -836,11 +834,8 @@ class CudaRankComm(RankComm):
             common = {"recv_topk_weights": args.topk_weights, "out_weights": out_weights,
                       "bias_0": args.bias_0, "bias_1": args.bias_1,
                       "timeout_ns": self._timeout_ns(deadline), "num_sms": num_sms or self.num_sms}
-            if self.stages is not None:  # both stages launched by the first step (no wait)
-                steps = self.stages.combine(args.x, args.handle.result, out, **common)
-                next(steps)
-                steps.close()
-                self.stages.fold_errors()
+            if self.stages is not None:
+                self.stages.launch(self.stages.combine(args.x, args.handle.result, out, **common))
             else:
                 self.runner.combine(args.x, args.handle.result, out, **common)
             self._stream_end(counter_slot, stream_seq)

@@ -331,6 +331,7 @@ class Packed:
 LAYOUT_ARGS = "QiiiiQQQQ"
 NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQ"
 WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
+STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
 COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
 COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqi"
@@ -647,9 +648,9 @@ class Kernels:
                      per_node: int, *, stream: Any = None) -> None:
         """A two-stage group's stream-ordered call: its stages' first failure recorded in the
         rank's whole-group control block, where epd_call_done reads it (group ranks)."""
-        with _stream_ptr(stream):
-            self.fn("epd_stage_errors")((1,), (32,), (peers, np.int32(rank), rail_ctrl,
-                                                      node_ctrl, np.int32(per_node)))
+        self._packed("epd_stage_errors", STAGE_ERRORS_ARGS)(  # (every such call: packed)
+            1, 32, 0, _handle_of(stream), _addr(peers), rank, _addr(rail_ctrl),
+            _addr(node_ctrl), per_node)
 
     def live_mask(self, peers: Any, num_ranks: int, rank: int, masked: bool, *,
                   stream: Any = None) -> None:

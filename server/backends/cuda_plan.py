@@ -142,14 +142,19 @@ def two_stage_hierarchy(spec: GroupSpec, rank_nodes: tuple[int, ...] | list[int]
     return h
 
 
+def needs_stages(spec: GroupSpec) -> bool:
+    """A normal-mode group of more than MAX_RANKS ranks: it runs only in two stages (a
+    low-latency group of as many ranks keeps its low-latency-only slots)."""
+    return not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS
+
+
 def stages_possible(spec: GroupSpec, mode: str) -> bool:
     """Whether --cuda-hierarchical `mode` runs the group's normal mode in two stages where its
     placement allows. stages: always. direct: never. auto: a normal-mode group of more than
     MAX_RANKS ranks, which direct puts cannot run; not a low-latency group, which keeps its
     low-latency-only slots (the stage slots of every rank are in every engine's heap: at
     8 x 8 ranks many GiB that a decode group would hold for calls it does not make)."""
-    return mode == "stages" or (mode == "auto" and spec.num_ranks > abi.MAX_RANKS
-                                and not spec.low_latency_mode)
+    return mode == "stages" or (mode == "auto" and needs_stages(spec))
 
 
 def wide_normal_mode_error(spec: GroupSpec, rank_nodes: Sequence[int] = ()) -> InvalidArgument:
@@ -202,16 +207,15 @@ def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
     `stages`: normal mode may run in two stages (a world over several nodes with
     --cuda-hierarchical auto or stages), so a normal-mode group of up to LL_MAX_RANKS ranks is taken
     here and its placement decided when its ranks join (CudaPlanner.plan_group)."""
-    limit = abi.LL_MAX_RANKS if spec.low_latency_mode or stages else abi.MAX_RANKS
-    if spec.num_ranks > limit:
-        if not spec.low_latency_mode and limit == abi.MAX_RANKS:
-            raise wide_normal_mode_error(spec)
+    if needs_stages(spec) and not stages:
+        raise wide_normal_mode_error(spec)
+    if spec.num_ranks > abi.LL_MAX_RANKS:
         raise InvalidArgument(f"num_ranks={spec.num_ranks} exceeds the cuda backend's limit "
                               f"of {abi.LL_MAX_RANKS} ranks per group (LL_MAX_RANKS)")
     if spec.num_topk > abi.MAX_TOPK:
         raise InvalidArgument(f"num_topk={spec.num_topk} exceeds the cuda backend's limit of "
                               f"{abi.MAX_TOPK} (MAX_TOPK)")
-    if not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS:
+    if needs_stages(spec):
         return  # (its size depends on its placement: plan_group)
     try:
         size = group_bytes(spec, remote=remote)
@@ -291,7 +295,7 @@ class CudaPlanner(GroupPlanner):
                    rank_nodes: Sequence[int] = ()) -> bytes:
         stages = two_stage_hierarchy(spec, list(rank_nodes), self.hierarchical_mode,
                                      self.world_spans_nodes)
-        if stages is None and not spec.low_latency_mode and spec.num_ranks > abi.MAX_RANKS:
+        if stages is None and needs_stages(spec):
             raise wide_normal_mode_error(spec, rank_nodes)
         try:
             size = group_bytes(spec, remote=self.world_spans_nodes, hierarchy=stages)

@@ -20,7 +20,8 @@ A `StagedRunner` call is a generator: it launches its stages, all of them on the
 stream, and then yields each runner whose error word the driver checks once the stream is done.
 So one thread can drive one rank (the engine's answered calls, `drive`) or several ranks in
 lock-step (the GPU tests); a stream-ordered call takes the first step alone and leaves the
-checking to the GPU (`fold_errors`, then the call's done kernel).
+checking to the GPU (`launch`: the stages, then the fold of their failures for the call's
+done kernel).
 
 The host does not wait between the stages. The rail stage pads its outputs to N x T
 rows, the most a forwarder can receive, as a worst-token dispatch does: padding rows carry
@@ -166,10 +167,13 @@ class StagedRunner:
         out["rank_prefix"] = res.flat.handle.rank_prefix
         return out
 
-    def fold_errors(self) -> None:
-        """Enqueue, after a stream-ordered call's stages, the fold of a stage's failure into
-        this rank's whole-group control block (epd_stage_errors), the one that the call's
-        done kernel reads; the stage's rank there becomes the group rank."""
+    def launch(self, steps: Steps[Any]) -> None:
+        """A stream-ordered call: its first step launches every stage; then the fold of a
+        stage's failure into this rank's whole-group control block (epd_stage_errors), the one
+        that the call's done kernel reads, the stage's rank there becoming the group rank. The
+        host checks nothing (the GPU does)."""
+        next(steps)
+        steps.close()
         self.flat.k.stage_errors(self.flat.peers, self.rank, self.rail.views["ctrl"],
                                  self.node.views["ctrl"], self.hierarchy.per_node,
                                  stream=self.flat.stream)

@@ -37,10 +37,11 @@ LX = E // R
 TOKENS = (16, 11)
 
 
-def _inputs(step: int, rank: int):
-    rng = np.random.default_rng([7, step, rank])
-    idx, w = ref.random_routing(rng, TOKENS[rank], E, K, drop_prob=0.1)
-    return ref.random_x(rng, TOKENS[rank], H, BFLOAT16), idx, w
+def _inputs(step: int, rank: int, tokens: tuple[int, ...] = TOKENS, experts: int = E,
+            topk: int = K, hidden: int = H, seed: int = 7):
+    rng = np.random.default_rng([seed, step, rank])
+    idx, w = ref.random_routing(rng, tokens[rank], experts, topk, drop_prob=0.1)
+    return ref.random_x(rng, tokens[rank], hidden, BFLOAT16), idx, w
 
 
 def _rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
@@ -68,6 +69,16 @@ def _rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
     q.put(res)
 
 
+def _layout_dispatch(buf, x, idx, w, num_experts: int):
+    """DeepEP's layout, then a dispatch with every layout output (the callers' spellings):
+    (the layout's four tensors, dispatch's six outputs)."""
+    n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
+                       num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
+                       num_tokens_per_expert=n_expert)
+    return (n_rank, n_node, n_expert, in_rank), out
+
+
 def _normal_mode(buf, rank: int, device: int) -> dict:
     """DeepEP's normal-mode calls on the group over both nodes (the caller's spellings)."""
     import torch
@@ -75,11 +86,8 @@ def _normal_mode(buf, rank: int, device: int) -> dict:
     from epd.client import EpdError
     out: dict = {}
     x, idx, w = (_to_torch(a, device) for a in _inputs(10, rank))
-    n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
-        num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=n_expert)
+    (n_rank, n_node, n_expert, in_rank), (recv_x, recv_idx, recv_w, counts, handle, _) = \
+        _layout_dispatch(buf, x, idx, w, E)
     combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
     x2 = _to_torch(_inputs(11, rank)[0], device)
     again, *_ = buf.dispatch(x2, handle=handle)  # cached: the same routing, new rows
@@ -264,9 +272,7 @@ WTOKENS = tuple((64, 37, 0, 51, 64, 9, 22, 40)[r % 8] for r in range(W))
 
 
 def _wide_inputs(step: int, rank: int):
-    rng = np.random.default_rng([9, step, rank])
-    idx, w = ref.random_routing(rng, WTOKENS[rank], WE, WK, drop_prob=0.1)
-    return ref.random_x(rng, WTOKENS[rank], WH, BFLOAT16), idx, w
+    return _inputs(step, rank, WTOKENS, WE, WK, WH, seed=9)
 
 
 def _wide_rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
@@ -281,17 +287,14 @@ def _wide_rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
     res: dict = {"rank": rank, "steps": []}
     for step in range(2):
         x, idx, w = (_to_torch(a, device) for a in _wide_inputs(step, rank))
-        n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, WE)
-        recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
-            x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
-            num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
-            num_tokens_per_expert=n_expert)
+        layout, (recv_x, recv_idx, recv_w, counts, handle, _) = _layout_dispatch(
+            buf, x, idx, w, WE)
         combined, combined_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
         x2 = _to_torch(_wide_inputs(step + 10, rank)[0], device)
         again, *_ = buf.dispatch(x2, handle=handle)  # cached
         torch.cuda.synchronize()
         res["steps"].append({
-            "layout": [a.cpu().numpy() for a in (n_rank, n_node, n_expert, in_rank)],
+            "layout": [a.cpu().numpy() for a in layout],
             "counts": list(counts), "recv_x": _bits(recv_x), "recv_idx": recv_idx.cpu().numpy(),
             "recv_w": recv_w.cpu().numpy(), "prefix": handle[0].cpu().numpy(),
             "combined": _bits(combined), "combined_w": combined_w.cpu().numpy(),
@@ -372,11 +375,7 @@ def _skip_rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
     rng = np.random.default_rng([3, rank])
     idx, w = ref.random_routing(rng, XT, XE, XK)
     x, idx, w = (_to_torch(a, device) for a in (ref.random_x(rng, XT, XH, BFLOAT16), idx, w))
-    n_rank, n_node, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, XE)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
-        num_tokens_per_rdma_rank=n_node, is_token_in_rank=in_rank,
-        num_tokens_per_expert=n_expert)
+    _, (recv_x, _, recv_w, _, handle, _) = _layout_dispatch(buf, x, idx, w, XE)
     torch.cuda.synchronize()
     res: dict = {"rank": rank}
     if rank == SKIPPER:

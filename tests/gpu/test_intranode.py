@@ -49,7 +49,7 @@ def test_every_kernel_loaded_before_its_first_launch() -> None:
 
 
 def test_a_stage_failure_is_folded_into_the_whole_group_block() -> None:
-    """A two-stage group's stream-ordered call (cuda_stages.StagedRunner.fold_errors): the
+    """A two-stage group's stream-ordered call (cuda_stages.StagedRunner.launch): the
     first failure of the rail stage, else of the node stage, lands in the rank's whole-group
     control block (the one epd_call_done reads) with the stage's rank turned into the group
     rank; a failure already there is kept; the stages' bad-input words are cleared."""
