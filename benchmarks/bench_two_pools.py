@@ -137,6 +137,15 @@ def _overlapping(samples: list, other: list) -> list[float]:
     return [d for t, d in samples if lo <= t <= hi]
 
 
+def _samples(rank0: dict) -> dict:
+    """Rank 0's (start, µs) of every call by pool and phase, starts in ms from the first one:
+    when a tail's calls ran against the other pool's (the JSON's raw record)."""
+    t0 = min(r[p][0][0] for r in rank0.values() for p in ("alone", "loaded") if r.get(p))
+    return {pool: {p: [[round((t - t0) * 1e3, 3), round(d * 1e6, 1)] for t, d in r[p]]
+                   for p in ("alone", "loaded") if r.get(p)}
+            for pool, r in rank0.items()}
+
+
 def _summary(times: list[float]) -> dict:
     a = np.asarray(times) * 1e6
 
@@ -215,12 +224,13 @@ def main() -> int:
         host: dict[str, dict] = {}
         gc_pauses: dict[str, dict] = {}  # the engines' collector, per phase
         chain: dict[str, dict] = {}  # --ll-chain with EPD_CHAIN_TIMELINE=1: its GPU segments
+        chain_tails: dict[str, dict] = {}  # (their p50 / p99 bucket bounds: where a tail is)
 
         def reading():
             text = engine_host.read(d.metrics_url + "/metrics")
             return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text),
-                     engine_host.chain_totals(text))
-                    if text is not None else (None, None, None))
+                     engine_host.chain_totals(text), engine_host.chain_buckets(text))
+                    if text is not None else (None, None, None, None))
         try:
             for i, (name, active) in enumerate(PHASES):
                 barrier.wait(timeout=600)
@@ -234,6 +244,7 @@ def main() -> int:
                 gc_pauses[label] = engine_host.gc_between(last[1], now[1])
                 if "decode" in active:
                     chain[name] = engine_host.label_means_us(last[2], now[2])
+                    chain_tails[name] = engine_host.label_tails_us(last[3], now[3])
                 last = now
         except threading.BrokenBarrierError:  # a rank failed: its error comes through q
             pass
@@ -284,6 +295,10 @@ def main() -> int:
         print("  decode chain, GPU µs per instance (mean): " + " | ".join(
             f"{phase} " + ", ".join(f"{seg} {us:.1f}" for seg, us in segs.items())
             for phase, segs in chain.items()))
+        print("  decode chain, GPU µs p50/p99 (bucket bounds), >1 ms: " + " | ".join(
+            f"{phase} " + ", ".join(f"{seg} {t['p50_le_us']:.0f}/{t['p99_le_us']:.0f} "
+                                   f"{t['over_1ms']:.0f}" for seg, t in segs.items())
+            for phase, segs in chain_tails.items()))
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
@@ -294,6 +309,7 @@ def main() -> int:
                        "prefill": {"alone": pre_alone, "loaded": pre_loaded},
                        "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
                        "engine_gc": gc_pauses, "decode_chain_us": chain,
+                       "decode_chain_tails": chain_tails, "samples": _samples(rank0),
                        "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
     return 0
 

@@ -130,3 +130,37 @@ def test_chain_segments_between_two_readings() -> None:
                                       "combine/wait": (0.0009, 9.0)}, after)
     assert got == {"dispatch/exec": approx(50.0)}  # no combine in between: no figure
     assert engine_host.label_means_us(None, after) == {}
+
+
+TAIL_TEXT = """\
+# HELP epd_ll_chain_seconds chain
+# TYPE epd_ll_chain_seconds histogram
+epd_ll_chain_seconds_bucket{kind="dispatch",segment="exec",le="0.0001"} 90.0
+epd_ll_chain_seconds_bucket{kind="dispatch",segment="exec",le="0.001"} 97.0
+epd_ll_chain_seconds_bucket{kind="dispatch",segment="exec",le="0.005"} 100.0
+epd_ll_chain_seconds_bucket{kind="dispatch",segment="exec",le="+Inf"} 100.0
+epd_ll_chain_seconds_count{kind="dispatch",segment="exec"} 100.0
+epd_ll_chain_seconds_sum{kind="dispatch",segment="exec"} 0.02
+epd_ll_chain_seconds_bucket{kind="combine",segment="wait",le="0.0001"} 4.0
+epd_ll_chain_seconds_bucket{kind="combine",segment="wait",le="0.001"} 4.0
+epd_ll_chain_seconds_bucket{kind="combine",segment="wait",le="0.005"} 4.0
+epd_ll_chain_seconds_bucket{kind="combine",segment="wait",le="+Inf"} 5.0
+epd_ll_chain_seconds_count{kind="combine",segment="wait"} 5.0
+epd_ll_chain_seconds_sum{kind="combine",segment="wait"} 9.0
+"""
+
+
+def test_chain_segment_tails_between_two_readings() -> None:
+    after = engine_host.chain_buckets(TAIL_TEXT)
+    assert after["dispatch/exec"] == {1e-4: 90.0, 1e-3: 97.0, 5e-3: 100.0,
+                                      float("inf"): 100.0}
+    before = {"dispatch/exec": {1e-4: 40.0, 1e-3: 40.0, 5e-3: 40.0, float("inf"): 40.0}}
+    got = engine_host.label_tails_us(before, after)
+    # 60 new: 50 within 100 µs, 7 within 1 ms, 3 within 5 ms
+    assert got["dispatch/exec"] == {"n": 60.0, "p50_le_us": approx(100.0),
+                                    "p99_le_us": approx(5000.0), "over_1ms": 3.0}
+    # new since the first reading: 4 short, 1 beyond the last bound
+    assert got["combine/wait"] == {"n": 5.0, "p50_le_us": approx(100.0),
+                                   "p99_le_us": float("inf"), "over_1ms": 1.0}
+    assert engine_host.label_tails_us(after, after) == {}  # nothing in between: no figure
+    assert engine_host.label_tails_us(None, after) == {}

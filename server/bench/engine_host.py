@@ -141,3 +141,60 @@ def gc_between(before: dict[str, tuple[float, float]] | None,
         out[g] = {"collections": n - n0, "pause_ms": (secs - s0) * 1e3}
     return out
 
+
+
+Buckets = dict[str, dict[float, float]]  # label value -> {upper bound (s): cumulative count}
+
+
+def buckets_by_label(metrics_text: str, family: str,
+                     label: str | tuple[str, ...]) -> Buckets:
+    """The cumulative bucket counts of a histogram family so far, by label value (as
+    `by_label`): what a tail is read from, where the sums give only means."""
+    labels = (label,) if isinstance(label, str) else label
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Buckets = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        if fam.name != family:
+            continue
+        for x in fam.samples:
+            if x.name == f"{family}_bucket":
+                key = "/".join(x.labels.get(n, "?") for n in labels)
+                le = float(x.labels["le"])
+                row = out.setdefault(key, {})
+                row[le] = row.get(le, 0.0) + x.value
+    return out
+
+
+def chain_buckets(metrics_text: str) -> Buckets:
+    """`buckets_by_label` of the chains' segments (EPD_CHAIN_TIMELINE), by "kind/segment"."""
+    return buckets_by_label(metrics_text, CHAIN_SEGMENTS, ("kind", "segment"))
+
+
+TAIL_US = 1000.0  # an observation above this is counted as the tail's
+
+
+def label_tails_us(before: Buckets | None, after: Buckets | None,
+                   quantiles: tuple[float, ...] = (0.5, 0.99)) -> dict[str, dict[str, float]]:
+    """Between two readings, per label value: each quantile as the upper bound (µs) of the
+    bucket it falls in (`p50_le_us`, `p99_le_us`; inf beyond the last bound), the observations
+    (`n`) and those above TAIL_US (`over_1ms`, exact where TAIL_US is a bucket bound)."""
+    if before is None or after is None:
+        return {}
+    out = {}
+    for key, row in sorted(after.items()):
+        old = before.get(key, {})
+        bounds = sorted(row)
+        cum = [row[b] - old.get(b, 0.0) for b in bounds]
+        n = cum[-1] if cum else 0.0
+        if n <= 0:
+            continue
+        tail: dict[str, float] = {"n": n}
+        for q in quantiles:
+            bound = next(b for b, c in zip(bounds, cum, strict=True) if c >= q * n)
+            tail[f"p{round(q * 100)}_le_us"] = bound * 1e6
+        below = max((c for b, c in zip(bounds, cum, strict=True) if b * 1e6 <= TAIL_US),
+                    default=0.0)
+        tail["over_1ms"] = n - below
+        out[key] = tail
+    return out

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Nineteenth session (2026-12-03, one H200). carry [".whl"] (fetch-wheels.sh
+# nvidia-cuda-cccl==13.3.5.0.6).
+#   bash benchmarks/gpu_s19_run.sh tail   # issue 14: where the device-entry chain's p99 under
+#        prefill goes. The two pools with the chain's GPU timeline, its segments' p50/p99 and
+#        counts above 1 ms per phase (bench_two_pools.py's decode_chain_tails) and every call's
+#        start and duration (its samples); then the same with fewer low-latency blocks
+#        (--ll-num-sms 32: two decode ranks' blocks fit beside prefill's on 132 SMs) and with
+#        prefill's blocks capped (--throughput-num-sms 12), and the poller with 32
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
+case "${1:-}" in
+  tail)
+    export POOLS_SECONDS=${POOLS_SECONDS:-68}
+    chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+           --daemon-env EPD_CHAIN_ENTRY=device --daemon-env EPD_CHAIN_TIMELINE=1)
+    pools chain_entry "${chain[@]}"
+    pools chain_entry_ll32 "${chain[@]}" --serve-arg=--ll-num-sms=32
+    pools chain_entry_tp12 "${chain[@]}" --serve-arg=--throughput-num-sms=12
+    pools chain_entry_ll32_tp12 "${chain[@]}" --serve-arg=--ll-num-sms=32 \
+        --serve-arg=--throughput-num-sms=12
+    pools poller_ll32 --serve-arg=--ll-num-sms=32
+    merge_json pool pools_tail
+    ;;
+  *) echo "usage: $0 tail" >&2; exit 2 ;;
+esac
