@@ -225,12 +225,14 @@ def main() -> int:
         gc_pauses: dict[str, dict] = {}  # the engines' collector, per phase
         chain: dict[str, dict] = {}  # --ll-chain with EPD_CHAIN_TIMELINE=1: its GPU segments
         chain_tails: dict[str, dict] = {}  # (their p50 / p99 bucket bounds: where a tail is)
+        starved: dict[str, float] = {}  # times the chains ran dry with a call waiting
 
         def reading():
             text = engine_host.read(d.metrics_url + "/metrics")
             return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text),
-                     engine_host.chain_totals(text), engine_host.chain_buckets(text))
-                    if text is not None else (None, None, None, None))
+                     engine_host.chain_totals(text), engine_host.chain_buckets(text),
+                     engine_host.chain_starved(text))
+                    if text is not None else (None, None, None, None, None))
         try:
             for i, (name, active) in enumerate(PHASES):
                 barrier.wait(timeout=600)
@@ -245,6 +247,8 @@ def main() -> int:
                 if "decode" in active:
                     chain[name] = engine_host.label_means_us(last[2], now[2])
                     chain_tails[name] = engine_host.label_tails_us(last[3], now[3])
+                    if last[4] is not None and now[4] is not None:
+                        starved[name] = now[4] - last[4]
                 last = now
         except threading.BrokenBarrierError:  # a rank failed: its error comes through q
             pass
@@ -299,6 +303,8 @@ def main() -> int:
             f"{phase} " + ", ".join(f"{seg} {t['p50_le_us']:.0f}/{t['p99_le_us']:.0f} "
                                    f"{t['over_1ms']:.0f}" for seg, t in segs.items())
             for phase, segs in chain_tails.items()))
+        print("  decode chain ran dry: " + " | ".join(f"{phase} {n:.0f}x"
+                                                     for phase, n in starved.items()))
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
@@ -309,7 +315,8 @@ def main() -> int:
                        "prefill": {"alone": pre_alone, "loaded": pre_loaded},
                        "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
                        "engine_gc": gc_pauses, "decode_chain_us": chain,
-                       "decode_chain_tails": chain_tails, "samples": _samples(rank0),
+                       "decode_chain_tails": chain_tails, "decode_chain_starved": starved,
+                       "samples": _samples(rank0),
                        "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
     return 0
 

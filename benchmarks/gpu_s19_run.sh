@@ -7,6 +7,9 @@
 #        start and duration (its samples); then the same with fewer low-latency blocks
 #        (--ll-num-sms 32: two decode ranks' blocks fit beside prefill's on 132 SMs) and with
 #        prefill's blocks capped (--throughput-num-sms 12), and the poller with 32
+#   bash benchmarks/gpu_s19_run.sh depth  # the chain's instances enqueued ahead (DEPTH 8, 32,
+#        64: EPD_CHAIN_DEPTH) in the pools, with the times it ran dry; the chain's GPU tests
+#        with the timeline and at depth 64
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -22,5 +25,20 @@ case "${1:-}" in
     pools poller_ll32 --serve-arg=--ll-num-sms=32
     merge_json pool pools_tail
     ;;
-  *) echo "usage: $0 tail" >&2; exit 2 ;;
+  depth)  # the tail is one stalled pair per prefill layer (`tail`): the chain running dry
+           # while the engine host's top-up is late? Its count (epd_ll_chain_starved_total),
+           # the host's gaps between top-ups, and the chain 4x and 8x deeper
+    EPD_CHAIN_TIMELINE=1 step chain 100 "tests/gpu/test_ll_chain.py"
+    EPD_CHAIN_DEPTH=64 step chain_deep 80 "tests/gpu/test_ll_chain.py"
+    export POOLS_SECONDS=${POOLS_SECONDS:-68}
+    chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+           --daemon-env EPD_CHAIN_ENTRY=device --daemon-env EPD_CHAIN_TIMELINE=1)
+    pools depth8 "${chain[@]}"
+    pools depth32 "${chain[@]}" --daemon-env EPD_CHAIN_DEPTH=32
+    pools depth64 "${chain[@]}" --daemon-env EPD_CHAIN_DEPTH=64
+    pools depth64_untimed --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 \
+        --daemon-env EPD_CHAIN_ENTRY=device --daemon-env EPD_CHAIN_DEPTH=64
+    merge_json pool pools_depth
+    ;;
+  *) echo "usage: $0 tail|depth" >&2; exit 2 ;;
 esac

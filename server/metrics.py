@@ -190,9 +190,14 @@ LL_CHAIN_SECONDS = Histogram(
     "epd_ll_chain_seconds", "Low-latency chain (--ll-chain), diagnostic, EPD_CHAIN_TIMELINE=1: "
     "GPU time of each part of a chained call (wait: from the previous call's finish to the "
     "trigger seen; exec, reduce, finish: the chain's kernels; launched: the poller's "
-    "launches of armed ops without a chain), by the call's kind",
+    "launches of armed ops without a chain), by the call's kind; kind host, segment "
+    "topup_gap: the engine host's time between two top-ups of a chain (host time)",
     ["kind", "segment"],
     buckets=LATENCY_BUCKETS)
+LL_CHAIN_STARVED = GroupCounter(
+    "epd_ll_chain_starved", "Low-latency chain (--ll-chain): times a chain ran out of enqueued "
+    "instances with a call waiting (the engine host's top-up was late; the call waited for it)",
+    ["group"])
 ENGINE_GC_PAUSE_SECONDS = Histogram(
     "epd_engine_gc_pause_seconds", "Engine: pauses of the garbage collector, which stop every "
     "thread serving calls (server/engine/gc_pauses.py)", ["generation"],

@@ -36,6 +36,7 @@ METRICS = {
     "epd_request_cpu_seconds_total": "counter",
     "epd_engine_gc_pause_seconds": "histogram",
     "epd_ll_chain_seconds": "histogram",
+    "epd_ll_chain_starved_total": "counter",
     "epd_paced_seconds_total": "counter",
     "epd_paced_calls_total": "counter",
     "epd_bytes_sent_total": "counter",

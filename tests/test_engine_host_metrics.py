@@ -147,6 +147,10 @@ epd_ll_chain_seconds_bucket{kind="combine",segment="wait",le="0.005"} 4.0
 epd_ll_chain_seconds_bucket{kind="combine",segment="wait",le="+Inf"} 5.0
 epd_ll_chain_seconds_count{kind="combine",segment="wait"} 5.0
 epd_ll_chain_seconds_sum{kind="combine",segment="wait"} 9.0
+# HELP epd_ll_chain_starved_total dry
+# TYPE epd_ll_chain_starved_total counter
+epd_ll_chain_starved_total{group="a"} 3.0
+epd_ll_chain_starved_total{group="b"} 2.0
 """
 
 
@@ -164,3 +168,5 @@ def test_chain_segment_tails_between_two_readings() -> None:
                                    "p99_le_us": float("inf"), "over_1ms": 1.0}
     assert engine_host.label_tails_us(after, after) == {}  # nothing in between: no figure
     assert engine_host.label_tails_us(None, after) == {}
+    assert engine_host.chain_starved(TAIL_TEXT) == 5.0  # every group's
+    assert engine_host.chain_starved(CHAIN_TEXT) == 0.0

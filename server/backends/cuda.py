@@ -706,7 +706,8 @@ class CudaRankComm(RankComm):
                     self.chain = LowLatencyChain(
                         self.runner, self.runner.k, ring_words, ring_ptr, self.ll_num_sms,
                         self.stream_priority, gate=self.backend.cfg.ll_chain_gate,
-                        trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)))
+                        trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)),
+                        group=self.spec.name)
             return self.chain
 
     def close_chain(self, timeout: float) -> None:

@@ -40,7 +40,11 @@ except ImportError:  # pragma: no cover - the CPU-only install never builds a ch
     cp = None
 
 log = logging.getLogger("epd.engine")
-DEPTH = 8  # instances enqueued ahead of the head: the triggers in flight that need no host
+# Instances enqueued ahead of the head: the triggers in flight that need no host. When the
+# host's top-up is late by more than DEPTH / 2 pairs the chain runs dry and the next call waits
+# for it (counted in epd_ll_chain_starved_total). EPD_CHAIN_DEPTH: an A/B switch (2..LL_RING;
+# more would let the drain's released entries overwrite pending ones in the 64-entry ring).
+DEPTH = min(max(int(os.environ.get("EPD_CHAIN_DEPTH", "") or 8), 2), abi.LL_RING)
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
@@ -71,11 +75,13 @@ class ChainOp:
 class LowLatencyChain:
     def __init__(self, runner: Any, kernels: Any, ring_words: np.ndarray, ring_ptr: int,
                  num_sms: int, priority: int, gate: bool = False,
-                 trait: str | None = None) -> None:
+                 trait: str | None = None, group: str = "") -> None:
         """`ring_words`: the chain slot as int32 host words; `ring_ptr`: its device address;
         `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait; `trait`:
         the element type of the member's combines (its group's dtype), whose reduce kernel
-        alone the chain launches (None, or EPD_CHAIN_REDUCE=generic: the one for any type)."""
+        alone the chain launches (None, or EPD_CHAIN_REDUCE=generic: the one for any type);
+        `group`: the group's name (its metrics)."""
+        self.group = group
         if os.environ.get("EPD_CHAIN_REDUCE", "") == "generic":  # (A/B switches, the
             trait = None                                         # chain's timeline says)
         self.trait = trait
@@ -108,6 +114,7 @@ class LowLatencyChain:
         # event after the last instance read back (the start of the next one's wait)
         self._events: dict[int, list[Any]] = {}
         self._last_finish: Any = None
+        self._looked: float | None = None  # TIMELINE: the host's previous top_up
         self.top_up()
 
     # -- descriptors (arm / disarm) -------------------------------------------------------
@@ -165,6 +172,14 @@ class LowLatencyChain:
         the chain finished since the last call (for the request counters)."""
         with self._lock:
             head = self._word(abi.LL_RING_HEAD)
+            if head == self.enqueued & 0xFFFFFFFF and self.busy():  # ran dry, a call waits
+                metrics.inc(metrics.LL_CHAIN_STARVED, (self.group,))
+            if TIMELINE:
+                now = time.perf_counter()
+                if self._looked is not None:
+                    metrics.observe(metrics.LL_CHAIN_SECONDS, ("host", "topup_gap"),
+                                    now - self._looked)
+                self._looked = now
             done = (head - self.seen) & 0xFFFFFFFF
             kinds = []
             for i in range(min(done, abi.LL_RING)):
@@ -239,7 +254,10 @@ class LowLatencyChain:
         with self._lock:
             self.closed = True
         tail = self._word(abi.LL_RING_TAIL)
-        for i in range((self.enqueued - tail) & 0xFFFFFFFF):
+        ahead = (self.enqueued - tail) & 0xFFFFFFFF  # instances no trigger has reached yet
+        if ahead > DEPTH:  # (the tail is past them: triggers no instance will run; none
+            ahead = 0      # to release)
+        for i in range(ahead):
             self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
         self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
         deadline = time.monotonic() + timeout

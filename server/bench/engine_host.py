@@ -18,6 +18,7 @@ WORK = ("epd_request_cpu_seconds", "epd_requests")
 Totals = dict[str, tuple[float, float]]  # metric -> (sum of seconds, count)
 GC_PAUSES = "epd_engine_gc_pause_seconds"  # the engines' collector pauses, by generation
 CHAIN_SEGMENTS = "epd_ll_chain_seconds"  # the chains' GPU time by segment (a diagnostic)
+CHAIN_STARVED = "epd_ll_chain_starved"  # times a chain ran dry with a call waiting
 SCRAPE_TIMEOUT = 5.0
 
 
@@ -198,3 +199,12 @@ def label_tails_us(before: Buckets | None, after: Buckets | None,
         tail["over_1ms"] = n - below
         out[key] = tail
     return out
+
+
+def chain_starved(metrics_text: str) -> float:
+    """Times the chains ran dry with a call waiting so far, over every group."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(x.value for fam in text_string_to_metric_families(metrics_text)
+               if fam.name == CHAIN_STARVED for x in fam.samples
+               if x.name == f"{CHAIN_STARVED}_total")
