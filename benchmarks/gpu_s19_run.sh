@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_s19_run.sh depth  # the chain's instances enqueued ahead (DEPTH 8, 32,
 #        64: EPD_CHAIN_DEPTH) in the pools, with the times it ran dry; the chain's GPU tests
 #        with the timeline and at depth 64
+#   bash benchmarks/gpu_s19_run.sh residual  # the tail left at depth 64: the gate kernel
+#        instead of the stream wait, prefill's SMs capped, classes off, the poller beside; the
+#        chain's GPU tests at the new default depth
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -40,5 +43,21 @@ case "${1:-}" in
         --daemon-env EPD_CHAIN_ENTRY=device --daemon-env EPD_CHAIN_DEPTH=64
     merge_json pool pools_depth
     ;;
-  *) echo "usage: $0 tail|depth" >&2; exit 2 ;;
+  residual)  # depth 64 (now the default) never ran dry, yet about one prefill layer in four
+              # still stalls a decode pair 3-5 ms: the chain's stream wait parked in a hardware
+              # queue another stream shares (the gate kernel does not park), SMs (prefill
+              # capped), stream priorities (classes off); the poller beside it
+    export POOLS_SECONDS=${POOLS_SECONDS:-68}
+    chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+           --daemon-env EPD_CHAIN_ENTRY=device)
+    pools chain64 "${chain[@]}"
+    pools chain64_gate "${chain[@]}" --serve-arg=--ll-chain-gate
+    pools chain64_tp12 "${chain[@]}" --serve-arg=--throughput-num-sms=12
+    pools chain64_noclasses "${chain[@]}" --no-classes
+    pools poller
+    merge_json pool pools_residual
+    EPD_CHAIN_ENTRY=device step chain 100 "tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py"
+    ;;
+  *) echo "usage: $0 tail|depth|residual" >&2; exit 2 ;;
 esac

@@ -42,9 +42,11 @@ except ImportError:  # pragma: no cover - the CPU-only install never builds a ch
 log = logging.getLogger("epd.engine")
 # Instances enqueued ahead of the head: the triggers in flight that need no host. When the
 # host's top-up is late by more than DEPTH / 2 pairs the chain runs dry and the next call waits
-# for it (counted in epd_ll_chain_starved_total). EPD_CHAIN_DEPTH: an A/B switch (2..LL_RING;
-# more would let the drain's released entries overwrite pending ones in the 64-entry ring).
-DEPTH = min(max(int(os.environ.get("EPD_CHAIN_DEPTH", "") or 8), 2), abi.LL_RING)
+# for it (counted in epd_ll_chain_starved_total). 8 ran dry once per prefill layer of a pool on
+# the same engine (its host work held the top-up 2-3 ms; docs/BENCHMARKS.md, nineteenth
+# session); 64, the ring's size, never did. EPD_CHAIN_DEPTH: an A/B switch (2..LL_RING; more
+# would let the drain's released entries overwrite pending ones in the ring).
+DEPTH = min(max(int(os.environ.get("EPD_CHAIN_DEPTH", "") or abi.LL_RING), 2), abi.LL_RING)
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
