@@ -88,7 +88,11 @@ class LowLatencyChain:
             trait = None                                         # chain's timeline says)
         self.trait = trait
         split = os.environ.get("EPD_CHAIN_EXEC", "") == "split"
-        on_device = os.environ.get("EPD_CHAIN_ENTRY", "") == "device"
+        # Every block of every kernel reading the entry from mapped host memory cost ~100 µs
+        # per kernel; fetched once into device memory the chain matched the poller alone
+        # (docs/BENCHMARKS.md, fourteenth and nineteenth sessions). EPD_CHAIN_ENTRY=ring: the
+        # old reads, for A/B runs.
+        on_device = os.environ.get("EPD_CHAIN_ENTRY", "") != "ring"
         self.runner, self.words, self.ring_ptr = runner, ring_words, ring_ptr
         self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
         with cp.cuda.Device(runner.device_id):
