@@ -226,13 +226,14 @@ def main() -> int:
         chain: dict[str, dict] = {}  # --ll-chain with EPD_CHAIN_TIMELINE=1: its GPU segments
         chain_tails: dict[str, dict] = {}  # (their p50 / p99 bucket bounds: where a tail is)
         starved: dict[str, float] = {}  # times the chains ran dry with a call waiting
+        slow_rounds: dict[str, dict] = {}  # the poller's rounds over 1 ms: where it was
 
         def reading():
             text = engine_host.read(d.metrics_url + "/metrics")
             return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text),
                      engine_host.chain_totals(text), engine_host.chain_buckets(text),
-                     engine_host.chain_starved(text))
-                    if text is not None else (None, None, None, None, None))
+                     engine_host.chain_starved(text), engine_host.poller_slow(text))
+                    if text is not None else (None,) * 6)
         try:
             for i, (name, active) in enumerate(PHASES):
                 barrier.wait(timeout=600)
@@ -249,6 +250,7 @@ def main() -> int:
                     chain_tails[name] = engine_host.label_tails_us(last[3], now[3])
                     if last[4] is not None and now[4] is not None:
                         starved[name] = now[4] - last[4]
+                    slow_rounds[name] = engine_host.label_sums_ms(last[5], now[5])
                 last = now
         except threading.BrokenBarrierError:  # a rank failed: its error comes through q
             pass
@@ -305,6 +307,11 @@ def main() -> int:
             for phase, segs in chain_tails.items()))
         print("  decode chain ran dry: " + " | ".join(f"{phase} {n:.0f}x"
                                                      for phase, n in starved.items()))
+    if any(slow_rounds.values()):
+        print("  poller rounds > 1 ms, count and ms per part: " + " | ".join(
+            f"{phase} " + ", ".join(f"{part} {v['n']:.0f}x {v['ms']:.1f}"
+                                   for part, v in parts.items())
+            for phase, parts in slow_rounds.items()))
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "
@@ -316,6 +323,7 @@ def main() -> int:
                        "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
                        "engine_gc": gc_pauses, "decode_chain_us": chain,
                        "decode_chain_tails": chain_tails, "decode_chain_starved": starved,
+                       "poller_slow_rounds": slow_rounds,
                        "samples": _samples(rank0),
                        "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
     return 0

@@ -14,8 +14,8 @@
 #        instead of the stream wait, prefill's SMs capped, classes off, the poller beside; the
 #        chain's GPU tests at the new default depth
 #   bash benchmarks/gpu_s19_run.sh final  # the chain's GPU tests at its new defaults (entry
-#        on the device, depth 64); the pools with 32 and 16 low-latency blocks, without MPS,
-#        and the poller with prefill capped at 12 blocks
+#        on the device, depth 64); the pools with the poller's slow rounds by part, with 32
+#        low-latency blocks, without MPS, and the poller with prefill capped at 12 blocks
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -63,13 +63,14 @@ case "${1:-}" in
         tests/gpu/test_ll_chain_plain.py"
     ;;
   final)  # the chain's defaults now (entry on the device, depth 64): its GPU tests; in the
-           # pools with fewer low-latency blocks (do a rank's blocks fit beside prefill's?),
+           # pools, with the poller's slow rounds by part (epd_stream_poller_slow_seconds: at
+           # depth 64 the chain still ran dry ~40 times a run), with fewer low-latency blocks,
            # without MPS, and the poller with prefill's blocks capped
     step chain 100 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
     export POOLS_SECONDS=${POOLS_SECONDS:-68}
     chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32)
+    pools chain "${chain[@]}"
     pools chain_ll32 "${chain[@]}" --serve-arg=--ll-num-sms=32
-    pools chain_ll16 "${chain[@]}" --serve-arg=--ll-num-sms=16
     pools chain_nomps "${chain[@]}" --mps off
     pools poller_tp12 --serve-arg=--throughput-num-sms=12
     merge_json pool pools_final

@@ -194,6 +194,12 @@ LL_CHAIN_SECONDS = Histogram(
     "topup_gap: the engine host's time between two top-ups of a chain (host time)",
     ["kind", "segment"],
     buckets=LATENCY_BUCKETS)
+STREAM_POLLER_SLOW_SECONDS = Histogram(
+    "epd_stream_poller_slow_seconds", "Stream-ordered calls: the engine poller's rounds longer "
+    "than 1 ms, by part (top_up: the low-latency chains' top-ups; launch: the poller's "
+    "launches of triggered ops; sleep: its sleep or yield and the wait for the interpreter "
+    "after it); one observation per part per slow round", ["part"],
+    buckets=LATENCY_BUCKETS)
 LL_CHAIN_STARVED = GroupCounter(
     "epd_ll_chain_starved", "Low-latency chain (--ll-chain): times a chain ran out of enqueued "
     "instances with a call waiting (the engine host's top-up was late; the call waited for it)",

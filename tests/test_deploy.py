@@ -63,6 +63,7 @@ METRICS = {
     "epd_queue_wait_seconds": "histogram",
     "epd_stream_op_detect_seconds": "histogram",
     "epd_stream_op_launch_seconds": "histogram",
+    "epd_stream_poller_slow_seconds": "histogram",
 }
 # Series Prometheus itself attaches to every target.
 PROMETHEUS_BUILTINS = {"up"}

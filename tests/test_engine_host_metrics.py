@@ -151,6 +151,12 @@ epd_ll_chain_seconds_sum{kind="combine",segment="wait"} 9.0
 # TYPE epd_ll_chain_starved_total counter
 epd_ll_chain_starved_total{group="a"} 3.0
 epd_ll_chain_starved_total{group="b"} 2.0
+# HELP epd_stream_poller_slow_seconds slow
+# TYPE epd_stream_poller_slow_seconds histogram
+epd_stream_poller_slow_seconds_count{part="top_up"} 4.0
+epd_stream_poller_slow_seconds_sum{part="top_up"} 0.012
+epd_stream_poller_slow_seconds_count{part="sleep"} 4.0
+epd_stream_poller_slow_seconds_sum{part="sleep"} 0.001
 """
 
 
@@ -170,3 +176,8 @@ def test_chain_segment_tails_between_two_readings() -> None:
     assert engine_host.label_tails_us(None, after) == {}
     assert engine_host.chain_starved(TAIL_TEXT) == 5.0  # every group's
     assert engine_host.chain_starved(CHAIN_TEXT) == 0.0
+    slow = engine_host.poller_slow(TAIL_TEXT)
+    got = engine_host.label_sums_ms({"top_up": (0.002, 1.0)}, slow)
+    assert got == {"top_up": {"n": 3.0, "ms": approx(10.0)},
+                   "sleep": {"n": 4.0, "ms": approx(1.0)}}
+    assert engine_host.label_sums_ms(slow, slow) == {}

@@ -19,6 +19,7 @@ Totals = dict[str, tuple[float, float]]  # metric -> (sum of seconds, count)
 GC_PAUSES = "epd_engine_gc_pause_seconds"  # the engines' collector pauses, by generation
 CHAIN_SEGMENTS = "epd_ll_chain_seconds"  # the chains' GPU time by segment (a diagnostic)
 CHAIN_STARVED = "epd_ll_chain_starved"  # times a chain ran dry with a call waiting
+POLLER_SLOW = "epd_stream_poller_slow_seconds"  # the poller's slow rounds, by part
 SCRAPE_TIMEOUT = 5.0
 
 
@@ -208,3 +209,21 @@ def chain_starved(metrics_text: str) -> float:
     return sum(x.value for fam in text_string_to_metric_families(metrics_text)
                if fam.name == CHAIN_STARVED for x in fam.samples
                if x.name == f"{CHAIN_STARVED}_total")
+
+
+def poller_slow(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(seconds, slow rounds) of the engine poller's rounds over 1 ms so far, by part."""
+    return by_label(metrics_text, POLLER_SLOW, "part")
+
+
+def label_sums_ms(before: dict[str, tuple[float, float]] | None,
+                  after: dict[str, tuple[float, float]] | None) -> dict[str, dict[str, float]]:
+    """Between two readings, per label value: the observations (`n`) and their total (`ms`)."""
+    if before is None or after is None:
+        return {}
+    out = {}
+    for v, (secs, n) in after.items():
+        s0, n0 = before.get(v, (0.0, 0.0))
+        if n > n0:
+            out[v] = {"n": n - n0, "ms": (secs - s0) * 1e3}
+    return out

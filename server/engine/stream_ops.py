@@ -68,6 +68,10 @@ KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
 IDLE_WAIT_SECONDS = 1.0  # the poller's sleep with nothing armed (arming wakes it)
 FLUSH_EVERY = 256  # launches between metric flushes while busy
 STOP_SECONDS = 10.0  # stop(): longest wait for the poller thread
+# A poller round longer than this is broken down in epd_stream_poller_slow_seconds{part}: the
+# chains' top-ups, the rings' launches, the sleep or yield (with the wait for the interpreter
+# after it). A chain runs dry, and a poller-path call waits, when rounds are this slow.
+SLOW_POLL_SECONDS = 1e-3
 
 
 @dataclass
@@ -382,6 +386,7 @@ class StreamOps:
                 self._wake.clear()
                 looked = time.perf_counter()
                 continue
+            top = time.perf_counter()
             fired = self._top_up(rings)
             start = time.perf_counter()
             gap, looked = start - looked, start  # a trigger seen now came at most `gap` ago
@@ -399,6 +404,11 @@ class StreamOps:
                 time.sleep(period)
             else:
                 spin.relax()  # without the GIL (the sessions' threads need it), no timer
+            end = time.perf_counter()
+            if end - top > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
+                for part, secs in (("top_up", start - top), ("launch", now - start),
+                                   ("sleep", end - now)):
+                    metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
 
     def _flush_metrics(self) -> None:
         """Apply the poller's metric updates (launch counts, CPU, times) once idle or every
