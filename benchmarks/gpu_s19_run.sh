@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu_s19_run.sh final  # the chain's GPU tests at its new defaults (entry
 #        on the device, depth 64); the pools with the poller's slow rounds by part, with 32
 #        low-latency blocks, without MPS, and the poller with prefill capped at 12 blocks
+#   bash benchmarks/gpu_s19_run.sh probe  # one pools run on the chain with EPD_STALL_PROBE:
+#        the engine's other threads' stacks while the poller is stuck (about 40 s)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -75,5 +77,16 @@ case "${1:-}" in
     pools poller_tp12 --serve-arg=--throughput-num-sms=12
     merge_json pool pools_final
     ;;
-  *) echo "usage: $0 tail|depth|residual|final" >&2; exit 2 ;;
+  probe)  # what holds the poller's top-up 10 ms (`final`): the engine's other threads' stacks
+           # while it is stuck (EPD_STALL_PROBE), one pools run on the chain
+    POOLS_SECONDS=${POOLS_SECONDS:-60} pools chain_probe --serve-arg=--ll-chain \
+        --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 --daemon-env "EPD_STALL_PROBE=$OUT/stalls.json"
+    python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print('stalls', d['stalls'], 'looks', d['looks'])
+for s in d['stacks'][:40]:
+    print(s['n'], s['stack'][:300])" "$OUT/stalls.json"
+    ;;
+  *) echo "usage: $0 tail|depth|residual|final|probe" >&2; exit 2 ;;
 esac

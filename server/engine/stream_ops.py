@@ -37,6 +37,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ from .. import metrics, service_classes
 from . import tensors
 from .executor import as_epd_error
 from .ops import ll_dispatch_response
+from .stall_probe import StallProbe
 from .state import GroupMember, Session
 
 if TYPE_CHECKING:
@@ -72,6 +74,7 @@ STOP_SECONDS = 10.0  # stop(): longest wait for the poller thread
 # chains' top-ups, the rings' launches, the sleep or yield (with the wait for the interpreter
 # after it). A chain runs dry, and a poller-path call waits, when rounds are this slow.
 SLOW_POLL_SECONDS = 1e-3
+_NO_WATCH = contextlib.nullcontext()  # (reusable)
 
 
 @dataclass
@@ -374,6 +377,14 @@ class StreamOps:
 
     def _poll_loop(self) -> None:
         self.engine.backend.thread_init()
+        probe = StallProbe.from_env()  # (a diagnostic; off: one shared no-op context)
+        try:
+            self._poll_rounds(probe.watch if probe is not None else lambda name: _NO_WATCH)
+        finally:
+            if probe is not None:
+                probe.stop()
+
+    def _poll_rounds(self, watch: Callable[[str], contextlib.AbstractContextManager]) -> None:
         cfg = self.engine.config
         launched = 0
         spin_s, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
@@ -387,12 +398,14 @@ class StreamOps:
                 looked = time.perf_counter()
                 continue
             top = time.perf_counter()
-            fired = self._top_up(rings)
+            with watch("top_up"):
+                fired = self._top_up(rings)
             start = time.perf_counter()
             gap, looked = start - looked, start  # a trigger seen now came at most `gap` ago
-            for ring in rings:
-                if ring.chain is None and self._run_ring(ring, gap):
-                    fired = True
+            with watch("launch"):
+                for ring in rings:
+                    if ring.chain is None and self._run_ring(ring, gap):
+                        fired = True
             now = time.perf_counter()
             if fired:
                 last = now
