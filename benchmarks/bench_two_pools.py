@@ -181,6 +181,10 @@ def main() -> int:
     ap.add_argument("--daemon-env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable of the daemon (and its private MPS server) "
                          "only, not of the pools' ranks (repeatable)")
+    ap.add_argument("--split-daemons", action="store_true",
+                    help="the prefill pool on a second daemon on the same GPUs, under the "
+                         "first one's MPS server: the pools' launches in separate engine "
+                         "processes (the metrics read are the decode daemon's)")
     ap.add_argument("--json")
     ns = ap.parse_args()
 
@@ -195,20 +199,28 @@ def main() -> int:
     if cuda:
         import cupy
         engines = cupy.cuda.runtime.getDeviceCount()
-    saved = dict(os.environ)
     for item in ns.daemon_env:
-        name, sep, value = item.partition("=")
-        if not sep:
+        if not item.partition("=")[1]:
             ap.error(f"--daemon-env {item!r}: expected NAME=VALUE")
-        os.environ[name] = value
-    try:
-        d = Daemon(backend=ns.backend, engines=engines, timeout_seconds=30, extra=extra)
-    finally:  # (the daemon took its copy; the ranks start from the environment as it was)
-        os.environ.clear()
-        os.environ.update(saved)
+
+    def start(more_env: dict[str, str]) -> Daemon:
+        saved = dict(os.environ)
+        os.environ.update(more_env)
+        os.environ.update(item.split("=", 1) for item in ns.daemon_env)
+        try:
+            return Daemon(backend=ns.backend, engines=engines, timeout_seconds=30, extra=extra)
+        finally:  # (the daemon took its copy; the ranks start from the environment as it was)
+            os.environ.clear()
+            os.environ.update(saved)
+
+    d = start({})
+    d_prefill = None  # --split-daemons
     procs = []
     try:
         d.wait_ready(180)
+        if ns.split_daemons:  # (its engines find the first one's MPS server: "node" mode)
+            d_prefill = start(d.client_env())
+            d_prefill.wait_ready(180)
         os.environ.update(d.client_env())  # the pools share the daemon's MPS server
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -216,9 +228,10 @@ def main() -> int:
         # daemon's metrics at each phase's bounds.
         barrier = ctx.Barrier(2 * ns.ranks + 1)
         for pool in ("decode", "prefill"):
+            daemon = d_prefill if pool == "prefill" and d_prefill is not None else d
             for r in range(ns.ranks):
                 procs.append(ctx.Process(target=_rank, args=(
-                    pool, r, ns, d.socket(r % max(engines, 1)), cuda, barrier, q)))
+                    pool, r, ns, daemon.socket(r % max(engines, 1)), cuda, barrier, q)))
         for p in procs:
             p.start()
         host: dict[str, dict] = {}
@@ -260,6 +273,8 @@ def main() -> int:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        if d_prefill is not None:  # (before the daemon whose MPS server it uses)
+            d_prefill.stop()
         d.stop()
     errors = [r["error"] for r in results if "error" in r]
     if errors:

@@ -18,6 +18,8 @@
 #        low-latency blocks, without MPS, and the poller with prefill capped at 12 blocks
 #   bash benchmarks/gpu_s19_run.sh probe  # one pools run on the chain with EPD_STALL_PROBE:
 #        the engine's other threads' stacks while the poller is stuck (about 40 s)
+#   bash benchmarks/gpu_s19_run.sh split  # the pools on two daemons (chain, poller): the
+#        prefill pool's launches out of the decode engine's process (about 100 s)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -88,5 +90,14 @@ print('stalls', d['stalls'], 'looks', d['looks'])
 for s in d['stacks'][:40]:
     print(s['n'], s['stack'][:300])" "$OUT/stalls.json"
     ;;
-  *) echo "usage: $0 tail|depth|residual|final|probe" >&2; exit 2 ;;
+  split)  # the pools' launches in separate engine processes (--split-daemons: the prefill
+           # pool on a second daemon under the first one's MPS server): does the decode tail go
+           # when prefill's host work is not in the decode engine's process?
+    export POOLS_SECONDS=${POOLS_SECONDS:-80}
+    pools chain_split --serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 \
+        --split-daemons
+    pools poller_split --split-daemons
+    merge_json pool pools_split
+    ;;
+  *) echo "usage: $0 tail|depth|residual|final|probe|split" >&2; exit 2 ;;
 esac
