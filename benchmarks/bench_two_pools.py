@@ -29,6 +29,8 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -135,6 +137,13 @@ def _overlapping(samples: list, other: list) -> list[float]:
         return []
     lo, hi = other[0][0], other[-1][0] + other[-1][1]
     return [d for t, d in samples if lo <= t <= hi]
+
+
+def _by_phase(title: str, phases: dict[str, dict], item: Callable[[str, Any], str]) -> None:
+    """One line: each phase's items, formatted by `item(key, value)`."""
+    print(f"  {title}: " + " | ".join(
+        f"{phase} " + ", ".join(item(k, v) for k, v in items.items())
+        for phase, items in phases.items()))
 
 
 def _samples(rank0: dict) -> dict:
@@ -308,25 +317,20 @@ def main() -> int:
             f"{phase} detect {h['detect_us']:.1f} launch {h['launch_us']:.1f}"
             for phase, h in host.items()))
     if any(gc_pauses.values()):
-        print("  engine gc: " + " | ".join(
-            f"{phase} " + ", ".join(f"gen{g} {v['collections']:.0f}x {v['pause_ms']:.1f} ms"
-                                    for g, v in by_gen.items())
-            for phase, by_gen in gc_pauses.items()))
+        _by_phase("engine gc", gc_pauses,
+                  lambda g, v: f"gen{g} {v['collections']:.0f}x {v['pause_ms']:.1f} ms")
     if any(chain.values()):
-        print("  decode chain, GPU µs per instance (mean): " + " | ".join(
-            f"{phase} " + ", ".join(f"{seg} {us:.1f}" for seg, us in segs.items())
-            for phase, segs in chain.items()))
-        print("  decode chain, GPU µs p50/p99 (bucket bounds), >1 ms: " + " | ".join(
-            f"{phase} " + ", ".join(f"{seg} {t['p50_le_us']:.0f}/{t['p99_le_us']:.0f} "
-                                   f"{t['over_1ms']:.0f}" for seg, t in segs.items())
-            for phase, segs in chain_tails.items()))
+        _by_phase("decode chain, GPU µs per instance (mean)", chain,
+                  lambda seg, us: f"{seg} {us:.1f}")
+        _by_phase("decode chain, GPU µs p50/p99 (bucket bounds), >1 ms", chain_tails,
+                  lambda seg, t: f"{seg} {t['p50_le_us']:.0f}/{t['p99_le_us']:.0f} "
+                                 f"{t['over_1ms']:.0f}")
+    if any(starved.values()) or any(chain.values()):
         print("  decode chain ran dry: " + " | ".join(f"{phase} {n:.0f}x"
                                                      for phase, n in starved.items()))
     if any(slow_rounds.values()):
-        print("  poller rounds > 1 ms, count and ms per part: " + " | ".join(
-            f"{phase} " + ", ".join(f"{part} {v['n']:.0f}x {v['ms']:.1f}"
-                                   for part, v in parts.items())
-            for phase, parts in slow_rounds.items()))
+        _by_phase("poller rounds > 1 ms, count and ms per part", slow_rounds,
+                  lambda part, v: f"{part} {v['n']:.0f}x {v['ms']:.1f}")
     for k, v in ratios.items():
         ok = v <= TARGETS[k] if k.startswith("decode") else v >= TARGETS[k]
         print(f"  {k:18s} {v:6.2f}  target {'<=' if k.startswith('decode') else '>='} "

@@ -122,26 +122,14 @@ def chain_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
 def label_means_us(before: dict[str, tuple[float, float]] | None,
                    after: dict[str, tuple[float, float]] | None) -> dict[str, float]:
     """Mean µs per observation of each label value between two readings (those observed)."""
-    if before is None or after is None:
-        return {}
-    out = {}
-    for v, (secs, n) in after.items():
-        s0, n0 = before.get(v, (0.0, 0.0))
-        if n > n0:
-            out[v] = (secs - s0) / (n - n0) * 1e6
-    return out
+    return {v: secs / n * 1e6 for v, secs, n in _between(before, after) if n > 0}
 
 
 def gc_between(before: dict[str, tuple[float, float]] | None,
                after: dict[str, tuple[float, float]] | None) -> dict[str, dict[str, float]]:
     """Per generation, the collections and their total pause (ms) between two readings."""
-    if before is None or after is None:
-        return {}
-    out = {}
-    for g, (secs, n) in after.items():
-        s0, n0 = before.get(g, (0.0, 0.0))
-        out[g] = {"collections": n - n0, "pause_ms": (secs - s0) * 1e3}
-    return out
+    return {g: {"collections": n, "pause_ms": secs * 1e3}
+            for g, secs, n in _between(before, after)}
 
 
 
@@ -219,11 +207,14 @@ def poller_slow(metrics_text: str) -> dict[str, tuple[float, float]]:
 def label_sums_ms(before: dict[str, tuple[float, float]] | None,
                   after: dict[str, tuple[float, float]] | None) -> dict[str, dict[str, float]]:
     """Between two readings, per label value: the observations (`n`) and their total (`ms`)."""
+    return {v: {"n": n, "ms": secs * 1e3} for v, secs, n in _between(before, after) if n > 0}
+
+
+def _between(before: dict[str, tuple[float, float]] | None,
+             after: dict[str, tuple[float, float]] | None) -> list[tuple[str, float, float]]:
+    """(label value, seconds, observations) added between two (sum, count) readings; none
+    without both readings."""
     if before is None or after is None:
-        return {}
-    out = {}
-    for v, (secs, n) in after.items():
-        s0, n0 = before.get(v, (0.0, 0.0))
-        if n > n0:
-            out[v] = {"n": n - n0, "ms": (secs - s0) * 1e3}
-    return out
+        return []
+    return [(v, secs - before.get(v, (0.0, 0.0))[0], n - before.get(v, (0.0, 0.0))[1])
+            for v, (secs, n) in after.items()]
