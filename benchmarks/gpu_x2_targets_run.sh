@@ -5,10 +5,14 @@
 #        intranode-only (prepare .deepep here with ../shared/device/deepep-anchor.sh), then
 #        `epd bench` at P and D with the low-latency rows, with and without MPS, beside DeepEP
 #        in-process and the NCCL pipeline (JSON + plot under $OUT)
-#   bash benchmarks/gpu_x2_targets_run.sh pools   # carry [".whl"]: the two-pool benchmark with
-#        classes, without classes, with pacing, and without MPS (each with the engine's host
-#        detect/launch means per decode op); then the GPU test suite (needs more than the
-#        call's remaining time on x2: see gpu_x2_s4_run.sh suite)
+#   bash benchmarks/gpu_x2_targets_run.sh pools   # carry [".whl"]: the two-pool benchmark
+#        (issue 14's targets) with classes, without, on the low-latency chain, and on the
+#        chain with the prefill pool in a second daemon (each with the engine host's figures,
+#        the chain's dry count and the poller's slow rounds)
+#   bash benchmarks/gpu_x2_targets_run.sh pools2  # the same with pacing, without MPS, the
+#        poller split over two daemons, and the chain with prefill capped at 12 blocks
+#   bash benchmarks/gpu_x2_targets_run.sh suite   # the GPU test suite (a part of it fits one
+#        call on x2; gpu_x2_s4_run.sh suite splits it)
 #   bash benchmarks/gpu_x2_targets_run.sh deepep_tests   # carry [".whl", ".deepep"]: DeepEP V1's
 #        own tests/test_intranode.py and tests/test_low_latency.py, unchanged but for
 #        --num-processes 2, with `import deep_ep` resolving to EPD (client/deep_ep_shim) and a
@@ -31,13 +35,29 @@ case "${1:-}" in
     EPD_MPS=off timeout 200 python3 -P -m epd.server.cli bench --shapes P,D --iters 40 \
         --low-latency --skip deep_ep_ll --json "$OUT/bench_nomps.json" 2>&1 | clean | tail -30
     ;;
-  pools)
-    for v in "classes:" "noclasses:--no-classes" "pacing:--serve-arg=--throughput-pause-us=1000" \
-             "nomps:--mps=off"; do
-      timeout 100 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 1000 \
-          --prefill-iters 150 ${v#*:} --json "$OUT/two_pools_${v%%:*}.json" 2>&1 | clean | tail -6
+  pools|pools2)
+    # pools: the poller with and without classes, the chain (--ll-chain: depth 64, entry on
+    # the device; the best on one GPU, nineteenth session), and the chain with the prefill
+    # pool in a second daemon's engine process; pools2: pacing, no MPS, the poller split
+    # (the chain's runs so far gave the daemon and its private MPS server 32 connections)
+    chain="--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32"
+    if [ "$1" = pools ]; then
+      variants=("classes:" "noclasses:--no-classes" "chain:$chain"
+                "chain_split:$chain --split-daemons")
+    else
+      variants=("pacing:--serve-arg=--throughput-pause-us=1000" "nomps:--mps=off"
+                "poller_split:--split-daemons" "chain_tp12:$chain \
+--serve-arg=--throughput-num-sms=12")
+    fi
+    for v in "${variants[@]}"; do
+      # shellcheck disable=SC2086  # (the variant's flags, split on purpose)
+      timeout 130 python3 -P benchmarks/bench_two_pools.py --backend cuda --decode-iters 1000 \
+          --prefill-iters 150 ${v#*:} --json "$OUT/two_pools_${v%%:*}.json" 2>&1 | clean \
+          | tail -9
     done
-    timeout 300 python3 -P -m pytest -p no:cacheprovider tests/gpu -q -rfEsx --timeout 150 \
+    ;;
+  suite)
+    timeout 560 python3 -P -m pytest -p no:cacheprovider tests/gpu -q -rfEsx --timeout 150 \
         -o addopts="" 2>&1 | grep -v " INFO " | tee "$OUT/gpu_tests.txt" | tail -20
     ;;
   deepep_tests)
@@ -65,5 +85,5 @@ case "${1:-}" in
     done
     kill "$daemon"; wait "$daemon"
     ;;
-  *) echo "usage: $0 bench|pools|deepep_tests" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|pools|pools2|suite|deepep_tests" >&2; exit 2 ;;
 esac
