@@ -111,8 +111,10 @@ class Config:
     ll_chain: bool = field(default=False, metadata={
         "help": "cuda backend, experimental: run a member's armed low-latency ops on a GPU "
                 "chain (the client's trigger kernel publishes the call, kernels enqueued "
-                "ahead run it, no engine host on the call's path; slower than the poller on "
-                "the H200, docs/BENCHMARKS.md); off: the poller launches each call"})
+                "ahead run it, no engine host on the call's path; under MPS as fast as the "
+                "poller alone and steadier at p50 under a prefill pool, but with a p99 tail "
+                "and 15x slower without MPS: docs/BENCHMARKS.md); off: the poller launches "
+                "each call"})
     ll_chain_gate: bool = field(default=False, metadata={
         "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "
                 "instead of a GPU stream wait"})
