@@ -45,10 +45,11 @@ except ImportError:  # pragma: no cover - the CPU-only install never builds a ch
 log = logging.getLogger("epd.engine")
 # Instances enqueued ahead of the head: the triggers in flight that need no host. When the
 # host's top-up is late by more than DEPTH / 2 pairs the chain runs dry and the next call waits
-# for it (counted in epd_ll_chain_starved_total). 8 ran dry once per prefill layer of a pool on
-# the same engine (its host work held the top-up 2-3 ms; docs/BENCHMARKS.md, nineteenth
-# session); 64, the ring's size, never did. EPD_CHAIN_DEPTH: an A/B switch (2..LL_RING; more
-# would let the drain's released entries overwrite pending ones in the ring).
+# for it (counted in epd_ll_chain_starved_total). With a prefill pool on the same engine, 8
+# (about 1 ms of decode) ran dry once per prefill layer; 64, the ring's size, only when the
+# host's driver calls stalled about 10 ms (docs/BENCHMARKS.md, nineteenth session).
+# EPD_CHAIN_DEPTH: an A/B switch (2..LL_RING; more would let the drain's released entries
+# overwrite pending ones in the ring).
 DEPTH = min(max(int(os.environ.get("EPD_CHAIN_DEPTH", "") or abi.LL_RING), 2), abi.LL_RING)
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
@@ -264,11 +265,10 @@ class LowLatencyChain:
             self.closed = True
         tail = self._word(abi.LL_RING_TAIL)
         ahead = (self.enqueued - tail) & 0xFFFFFFFF  # instances no trigger has reached yet
-        if ahead > DEPTH:  # (the tail is past them: triggers no instance will run; none
-            ahead = 0      # to release)
-        for i in range(ahead):
-            self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
-        self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
+        if ahead <= DEPTH:  # (else the tail is past every instance: each has its entry)
+            for i in range(ahead):
+                self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
+            self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
         deadline = time.monotonic() + timeout
         while self._word(abi.LL_RING_HEAD) != (self.enqueued & 0xFFFFFFFF):
             if time.monotonic() > deadline:
