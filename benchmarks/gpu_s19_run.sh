@@ -20,6 +20,7 @@
 #        the engine's other threads' stacks while the poller is stuck (about 40 s)
 #   bash benchmarks/gpu_s19_run.sh split  # the pools on two daemons (chain, poller): the
 #        prefill pool's launches out of the decode engine's process (about 100 s)
+#   bash benchmarks/gpu_s19_run.sh next   # the chain's GPU tests, then probe and split
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -99,5 +100,11 @@ for s in d['stacks'][:40]:
     pools poller_split --split-daemons
     merge_json pool pools_split
     ;;
-  *) echo "usage: $0 tail|depth|residual|final|probe|split" >&2; exit 2 ;;
+  next)  # what came after the last device call: the chain's GPU tests (its drain moves the
+          # tail only forward), then `probe` and `split` (about 4 minutes)
+    step chain 100 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+    bash "$0" probe
+    bash "$0" split
+    ;;
+  *) echo "usage: $0 tail|depth|residual|final|probe|split|next" >&2; exit 2 ;;
 esac
