@@ -105,6 +105,11 @@ for s in d['stacks'][:40]:
     step chain 100 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
     bash "$0" probe
     bash "$0" split
+    # facts for a chain with no host (docs/DESIGN_NOTES.md, "The engine host's stalls"): the
+    # device runtime library to link cudaGraphSetConditional, the conditional-node API
+    { find / -name 'libcudadevrt*' 2>/dev/null | head -3
+      python3 -P -c "from cuda.bindings import driver as d; print('cuGraphConditionalHandleCreate', hasattr(d, 'cuGraphConditionalHandleCreate'), 'CU_GRAPH_COND_TYPE_WHILE', hasattr(d.CUgraphConditionalNodeType, 'CU_GRAPH_COND_TYPE_WHILE'))"
+    } 2>&1 | tee "$OUT/devrt.txt"
     ;;
   *) echo "usage: $0 tail|depth|residual|final|probe|split|next" >&2; exit 2 ;;
 esac
