@@ -20,7 +20,9 @@
 #        the engine's other threads' stacks while the poller is stuck (about 40 s)
 #   bash benchmarks/gpu_s19_run.sh split  # the pools on two daemons (chain, poller): the
 #        prefill pool's launches out of the decode engine's process (about 100 s)
-#   bash benchmarks/gpu_s19_run.sh next   # the chain's GPU tests, then probe and split
+#   bash benchmarks/gpu_s19_run.sh next   # the chain's GPU tests, with the host top-up and as
+#        a CUDA graph loop (EPD_CHAIN_LOOP=require), then probe, split and the pools on the
+#        loop (about 6 minutes)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in
@@ -103,8 +105,13 @@ for s in d['stacks'][:40]:
   next)  # what came after the last device call: the chain's GPU tests (its drain moves the
           # tail only forward), then `probe` and `split` (about 4 minutes)
     step chain 100 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+    # the chain as one CUDA graph loop, no host top-up (require: no silent fallback)
+    EPD_CHAIN_LOOP=require step chain_loop 100 "tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py"
     bash "$0" probe
     bash "$0" split
+    POOLS_SECONDS=80 pools chain_loop --serve-arg=--ll-chain \
+        --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 --daemon-env EPD_CHAIN_LOOP=require
     # facts for a chain with no host (docs/DESIGN_NOTES.md, "The engine host's stalls"): the
     # device runtime library to link cudaGraphSetConditional, the conditional-node API
     { find / -name 'libcudadevrt*' 2>/dev/null | head -3
