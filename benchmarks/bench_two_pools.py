@@ -164,6 +164,7 @@ def _summary(times: list[float]) -> dict:
     return {"n": len(a), "p50_us": pct(50), "p90_us": pct(90), "p99_us": pct(99),
             "mean_us": float(a.mean()) if len(a) else None,
             "max_us": float(a.max()) if len(a) else None,
+            "over_1ms": int((a > 1000.0).sum()),  # (a tail's size: the stalled calls)
             "per_s": len(a) / max(float(np.sum(a)) * 1e-6, 1e-9)}
 
 
@@ -308,7 +309,8 @@ def main() -> int:
     print(f"  decode pair   alone p50 {dec_alone['p50_us']:9.1f} us p99 {dec_alone['p99_us']:9.1f}"
           f" | under prefill p50 {dec_loaded['p50_us']:9.1f} p99 {dec_loaded['p99_us']:9.1f}")
     print("  decode tails  " + " | ".join(
-        f"{name} p90 {d['p90_us']:.1f} mean {d['mean_us']:.1f} max {d['max_us']:.1f} us"
+        f"{name} p90 {d['p90_us']:.1f} mean {d['mean_us']:.1f} max {d['max_us']:.1f} us, "
+        f"{d['over_1ms']} of {d['n']} over 1 ms"
         for name, d in (("alone", dec_alone), ("under prefill", dec_loaded))))
     print(f"  prefill       alone {pre_alone['per_s']:8.1f}/s | under decode "
           f"{pre_loaded['per_s']:8.1f}/s")

@@ -51,7 +51,8 @@ log = logging.getLogger("epd.engine")
 # host's driver calls stalled about 10 ms (docs/BENCHMARKS.md, nineteenth session).
 # EPD_CHAIN_DEPTH: an A/B switch (2..LL_RING; more would let the drain's released entries
 # overwrite pending ones in the ring).
-DEPTH = min(max(int(os.environ.get("EPD_CHAIN_DEPTH", "") or abi.LL_RING), 2), abi.LL_RING)
+_depth = os.environ.get("EPD_CHAIN_DEPTH", "")
+DEPTH = min(max(int(_depth), 2), abi.LL_RING) if _depth.isdigit() else abi.LL_RING
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
