@@ -121,6 +121,9 @@ class LowLatencyChain:
         self._gen = [0] * abi.LL_CHAIN_OPS
         self.enqueued = 0
         self.seen = 0  # the head at the last top_up
+        # the host's time in the driver calls that enqueue instances, so far (the poller
+        # reports the share of a slow round: epd_stream_poller_slow_seconds{part="enqueue"})
+        self.enqueue_seconds = 0.0
         self.closed = False
         self._lock = threading.Lock()  # top_up (the poller) against close
         # TIMELINE: instance k's events (after its wait and after each kernel), and the
@@ -225,10 +228,12 @@ class LowLatencyChain:
             if (self.closed or self.loop is not None
                     or (self.enqueued - head) & 0xFFFFFFFF >= DEPTH):
                 return kinds
+            t0 = time.perf_counter()
             with cp.cuda.Device(self.runner.device_id):
                 while (self.enqueued - head) & 0xFFFFFFFF < DEPTH:
                     self._enqueue(self.enqueued)
                     self.enqueued += 1
+            self.enqueue_seconds += time.perf_counter() - t0
             return kinds
 
     def _enqueue(self, k: int) -> None:

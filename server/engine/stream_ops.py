@@ -398,6 +398,7 @@ class StreamOps:
                 looked = time.perf_counter()
                 continue
             top = time.perf_counter()
+            enqueued = self._enqueue_seconds(rings)
             with watch("top_up"):
                 fired = self._top_up(rings)
             start = time.perf_counter()
@@ -420,7 +421,8 @@ class StreamOps:
             end = time.perf_counter()
             if end - top > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
                 for part, secs in (("top_up", start - top), ("launch", now - start),
-                                   ("sleep", end - now)):
+                                   ("sleep", end - now),
+                                   ("enqueue", self._enqueue_seconds(rings) - enqueued)):
                     metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
 
     def _flush_metrics(self) -> None:
@@ -449,6 +451,11 @@ class StreamOps:
             if op is not None:  # (else released, or a stale entry of a disarmed op)
                 self._fire(op, entry >> 8 & 0xFF, gap)
                 ran = True
+
+    @staticmethod
+    def _enqueue_seconds(rings: list[Ring]) -> float:
+        """The chains' time in their enqueueing driver calls so far (a part of `top_up`)."""
+        return sum(r.chain.enqueue_seconds for r in rings if r.chain is not None)
 
     def _top_up(self, rings: list[Ring]) -> bool:
         """Keep every chain's instances enqueued; count the calls the chains ran."""
