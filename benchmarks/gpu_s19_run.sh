@@ -102,9 +102,11 @@ for s in d['stacks'][:40]:
     pools poller_split --split-daemons
     merge_json pool pools_split
     ;;
-  next)  # what came after the last device call: the chain's GPU tests (its drain moves the
-          # tail only forward), then `probe` and `split` (about 4 minutes)
-    step chain 100 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+  next)  # what came after the last device call: the poller's and the chain's GPU tests (the
+          # poller's rounds gained their parts, the chain's drain moves the tail only
+          # forward), then `probe` and `split` and the loop
+    step chain 160 "tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py"
     # the chain as one CUDA graph loop, no host top-up (require: no silent fallback)
     EPD_CHAIN_LOOP=require step chain_loop 100 "tests/gpu/test_ll_chain.py \
         tests/gpu/test_ll_chain_plain.py"
