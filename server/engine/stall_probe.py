@@ -48,7 +48,7 @@ class StallProbe:
         self.stalls: collections.Counter[str] = collections.Counter()  # sections over
         self.samples: collections.Counter[str] = collections.Counter()  # "thread | stack"
         self._sampled = 0
-        self._seen: set[int] = set()  # serials of sections already counted as stalls
+        self._counted = 0  # the serial of the last section counted as a stall
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="epd-stall-probe")
         self._thread.start()
@@ -75,8 +75,8 @@ class StallProbe:
             section = self._section
             if section is not None and time.perf_counter() - section[1] > self.threshold:
                 name, _, serial = section
-                if serial not in self._seen:
-                    self._seen.add(serial)
+                if serial != self._counted:  # (sections follow one another: one count each)
+                    self._counted = serial
                     self.stalls[name] += 1
                 names = {t.ident: t.name for t in threading.enumerate()}
                 for ident, frame in sys._current_frames().items():
@@ -85,8 +85,6 @@ class StallProbe:
                     label = names.get(ident, str(ident))
                     self.samples[f"{name} | {label} | {_stack(frame)}"] += 1
                 self._sampled += 1
-            if len(self._seen) > 10000:
-                self._seen.clear()
             if time.monotonic() - written > WRITE_SECONDS:
                 self.write()
                 written = time.monotonic()
