@@ -11,6 +11,8 @@
 #        the chain's dry count and the poller's slow rounds)
 #   bash benchmarks/gpu_x2_targets_run.sh pools2  # the same with pacing, without MPS, the
 #        poller split over two daemons, and the chain with prefill capped at 12 blocks
+#   bash benchmarks/gpu_x2_targets_run.sh cluster # carry [".whl"]: the cluster tests with one
+#        logical node per GPU (auto and two stages), test_nvshmem.py whole (issue 13)
 #   bash benchmarks/gpu_x2_targets_run.sh suite   # the GPU test suite (a part of it fits one
 #        call on x2; gpu_x2_s4_run.sh suite splits it)
 #   bash benchmarks/gpu_x2_targets_run.sh deepep_tests   # carry [".whl", ".deepep"]: DeepEP V1's
@@ -56,6 +58,14 @@ case "${1:-}" in
           | tail -9
     done
     ;;
+  cluster)  # issue 13 with a GPU per logical node: the daemons' cluster tests (2 and 16
+            # ranks, a stage's deadline, both modes; the harness puts one node on each GPU)
+            # with the default `auto` and with two stages forced, then test_nvshmem.py whole
+    STEP_TEST_SECONDS=200 step cluster 230 "tests/gpu/test_cuda_cluster.py"
+    EPD_CUDA_HIERARCHICAL=stages STEP_TEST_SECONDS=200 step cluster_stages 200 \
+        "tests/gpu/test_cuda_cluster.py -k 'sixteen or deadline'"
+    STEP_TEST_SECONDS=150 step nvshmem 150 "tests/gpu/test_nvshmem.py"
+    ;;
   suite)
     timeout 560 python3 -P -m pytest -p no:cacheprovider tests/gpu -q -rfEsx --timeout 150 \
         -o addopts="" 2>&1 | grep -v " INFO " | tee "$OUT/gpu_tests.txt" | tail -20
@@ -85,5 +95,5 @@ case "${1:-}" in
     done
     kill "$daemon"; wait "$daemon"
     ;;
-  *) echo "usage: $0 bench|pools|pools2|suite|deepep_tests" >&2; exit 2 ;;
+  *) echo "usage: $0 bench|pools|pools2|cluster|suite|deepep_tests" >&2; exit 2 ;;
 esac
