@@ -112,8 +112,15 @@ for s in d['stacks'][:40]:
         tests/gpu/test_ll_chain_plain.py"
     bash "$0" probe
     bash "$0" split
-    POOLS_SECONDS=80 pools chain_loop --serve-arg=--ll-chain \
-        --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32 --daemon-env EPD_CHAIN_LOOP=require
+    chain=(--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32)
+    POOLS_SECONDS=80 pools chain_loop "${chain[@]}" --daemon-env EPD_CHAIN_LOOP=require
+    # Does the depth itself cause the stalls (hundreds of commands pending on the chains'
+    # streams; a stream's launches block once its queue is full)? Untimed, with the
+    # poller's `enqueue` part:
+    for depth in 16 32; do
+      POOLS_SECONDS=80 pools "depth$depth" "${chain[@]}" --daemon-env "EPD_CHAIN_DEPTH=$depth"
+    done
+    merge_json pool pools_next
     # facts for a chain with no host (docs/DESIGN_NOTES.md, "The engine host's stalls"): the
     # device runtime library to link cudaGraphSetConditional, the conditional-node API
     { find / -name 'libcudadevrt*' 2>/dev/null | head -3
