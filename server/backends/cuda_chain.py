@@ -27,12 +27,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...proto import abi, cuda_driver
+from ...proto import abi, cuda_driver, spin
 from ...proto.errors import FailedPrecondition, ResourceExhausted
 from .. import metrics
 from . import cuda_chain_loop
@@ -121,8 +122,8 @@ class LowLatencyChain:
         self._gen = [0] * abi.LL_CHAIN_OPS
         self.enqueued = 0
         self.seen = 0  # the head at the last top_up
-        # the host's time in the driver calls that enqueue instances, so far (the poller
-        # reports the share of a slow round: epd_stream_poller_slow_seconds{part="enqueue"})
+        # the last top_up's time in the driver calls that enqueue instances (the poller
+        # reports it in a slow round: epd_stream_poller_slow_seconds{part="enqueue"})
         self.enqueue_seconds = 0.0
         self.closed = False
         self._lock = threading.Lock()  # top_up (the poller) against close
@@ -206,6 +207,7 @@ class LowLatencyChain:
         """Keep DEPTH instances enqueued ahead of the head; returns the kinds of the entries
         the chain finished since the last call (for the request counters)."""
         with self._lock:
+            self.enqueue_seconds = 0.0
             head = self._word(abi.LL_RING_HEAD)
             if self.loop is None and head == self.enqueued & 0xFFFFFFFF and self.busy():
                 # (ran dry, a call waits)
@@ -233,7 +235,7 @@ class LowLatencyChain:
                 while (self.enqueued - head) & 0xFFFFFFFF < DEPTH:
                     self._enqueue(self.enqueued)
                     self.enqueued += 1
-            self.enqueue_seconds += time.perf_counter() - t0
+            self.enqueue_seconds = time.perf_counter() - t0
             return kinds
 
     def _enqueue(self, k: int) -> None:
@@ -298,17 +300,10 @@ class LowLatencyChain:
         if tail == self._word(abi.LL_RING_HEAD):  # (the gate waits for a call: release it)
             self.words[tail % abi.LL_RING] = abi.LL_ENTRY_RELEASED
             self.words[abi.LL_RING_TAIL] = np.int32(np.uint32((tail + 1) & 0xFFFFFFFF))
-        deadline = time.monotonic() + timeout
-        while not self.stream.done:
-            if time.monotonic() > deadline:
-                log.warning("a low-latency chain's graph loop did not end within %.1f s; its "
-                            "buffers are kept until its stream is done", timeout)
-                _lingering.append(self)
-                return
-            time.sleep(0.0005)
-        self.loop.destroy()
-        self._to_runner()
-        _prune()
+        if self._drained(lambda: self.stream.done, timeout, "graph loop did not end"):
+            self.loop.destroy()
+            self._to_runner()
+            _prune()
 
     def close(self, timeout: float) -> None:
         """Drain: publish a released entry for every pending instance, wait for the chain to
@@ -324,17 +319,22 @@ class LowLatencyChain:
             for i in range(ahead):
                 self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
             self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
-        deadline = time.monotonic() + timeout
-        while self._word(abi.LL_RING_HEAD) != (self.enqueued & 0xFFFFFFFF):
-            if time.monotonic() > deadline:
-                log.warning("a low-latency chain did not drain within %.1f s; its buffers "
-                            "are kept until its stream is done", timeout)
-                _lingering.append(self)
-                return
-            time.sleep(0.0005)
-        self.stream.synchronize()
-        self._to_runner()  # a later chain, or a host-launched call, goes on from here
-        _prune()
+        end = self.enqueued & 0xFFFFFFFF
+        if self._drained(lambda: self._word(abi.LL_RING_HEAD) == end, timeout,
+                         "did not drain"):
+            self.stream.synchronize()
+            self._to_runner()  # a later chain, or a host-launched call, goes on from here
+            _prune()
+
+    def _drained(self, done: Callable[[], bool], timeout: float, what: str) -> bool:
+        """Until `done()` within `timeout`; else the chain lingers, its buffers kept until its
+        stream is done (a kernel stuck for a peer ends at the group's abort word)."""
+        if spin.wait_until(done, timeout, spin=0.0, nap=0.0005):
+            return True
+        log.warning("a low-latency chain %s within %.1f s; its buffers are kept until its "
+                    "stream is done", what, timeout)
+        _lingering.append(self)
+        return False
 
 
 def _prune() -> None:

@@ -47,10 +47,10 @@ DEVRT = ("nvidia/cu13/lib/libcudadevrt.a", "nvidia/cuda_runtime/lib/libcudadevrt
 
 def _devrt() -> Path:
     """The CUDA device runtime library: the nvidia-cuda-runtime wheel's, else the toolkit's."""
-    from .cuda_remote import _find
+    from .cuda_remote import find_installed
 
     for rel in DEVRT:
-        p = _find(rel)
+        p = find_installed(rel)
         if p is not None:
             return p
     home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
@@ -66,19 +66,13 @@ def loop_next_kernel(device_id: int) -> tuple[Any, Any]:
     """(epd_ll_loop_next as a launchable kernel, the linked module kept alive) for a device."""
     import cupy as cp
 
-    from .cuda_remote import LinkedKernel, _core, load_into_context
+    from .cuda_remote import LinkedKernel, link_relocatable, loaded_kernel
 
-    core = _core()
     arch = "sm_" + cp.cuda.Device(device_id).compute_capability
     text = f"#define LLS_K {abi.LLS_K}\n" + SOURCE.read_text()
-    opts = core.ProgramOptions(arch=arch, std="c++17", relocatable_device_code=True)
-    obj = core.Program(text, "c++", opts).compile("cubin")
-    lib = core.ObjectCode.from_library(_devrt().read_bytes())
-    linked = core.Linker(obj, lib, options=core.LinkerOptions(arch=arch)).link("cubin")
-    k = linked.get_kernel("epd_ll_loop_next")
-    handle = int(getattr(k, "handle", None) or k._handle)
-    load_into_context(handle)
-    return LinkedKernel("epd_ll_loop_next", handle), linked
+    linked = link_relocatable(text, arch, _devrt())
+    name = "epd_ll_loop_next"
+    return LinkedKernel(name, loaded_kernel(linked, name)), linked
 
 
 def _ok(result: Any, what: str) -> Any:

@@ -49,7 +49,7 @@ namespace std { using namespace cuda::std; }
 """
 
 
-def _find(rel: str) -> Path | None:
+def find_installed(rel: str) -> Path | None:
     """`rel` under a site directory (the wheels put NVIDIA's files in nvidia/...)."""
     for entry in sys.path:
         p = Path(entry or ".") / rel
@@ -60,9 +60,9 @@ def _find(rel: str) -> Path | None:
 
 def toolchain_paths() -> tuple[list[str], Path]:
     """(include directories, libnvshmem_device.a); RuntimeError naming what is missing."""
-    nvshmem_inc = _find("nvidia/nvshmem/include/nvshmem.h")
-    device_lib = _find("nvidia/nvshmem/lib/libnvshmem_device.a")
-    cccl = _find("nvidia/cu13/include/cccl/cuda/std/cstdint")
+    nvshmem_inc = find_installed("nvidia/nvshmem/include/nvshmem.h")
+    device_lib = find_installed("nvidia/nvshmem/lib/libnvshmem_device.a")
+    cccl = find_installed("nvidia/cu13/include/cccl/cuda/std/cstdint")
     cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
     missing = [name for name, p in (("nvidia-nvshmem-cu13 (nvshmem.h)", nvshmem_inc),
                                     ("nvidia-nvshmem-cu13 (libnvshmem_device.a)", device_lib),
@@ -82,6 +82,25 @@ def _core():
     except (ImportError, AttributeError):
         import cuda.core.experimental as core
     return core
+
+
+def link_relocatable(text: str, arch: str, library: Path, **options: Any) -> Any:
+    """`text` compiled as relocatable device code and linked against a static device library
+    into a cubin (cuda.core's linked module): the kernels calling NVSHMEM's device library,
+    and the chain loop's kernel calling the device runtime (cuda_chain_loop.py)."""
+    core = _core()
+    opts = core.ProgramOptions(arch=arch, std="c++17", relocatable_device_code=True, **options)
+    obj = core.Program(text, "c++", opts).compile("cubin")
+    lib = core.ObjectCode.from_library(library.read_bytes())
+    return core.Linker(obj, lib, options=core.LinkerOptions(arch=arch)).link("cubin")
+
+
+def loaded_kernel(linked: Any, name: str) -> int:
+    """The handle of kernel `name` of a linked module, loaded into the current context."""
+    k = linked.get_kernel(name)
+    handle = int(getattr(k, "handle", None) or k._handle)
+    load_into_context(handle)
+    return handle
 
 
 def _c_arg(a: Any) -> Any:
@@ -120,14 +139,11 @@ class RemoteKernels(ck.Kernels):
     def __init__(self, device_id: int) -> None:  # (no RawModule: see the module docstring)
         import nvshmem.core as nc
 
-        core = _core()
         incs, device_lib = toolchain_paths()
         arch = "sm_" + cp.cuda.Device(device_id).compute_capability
-        opts = core.ProgramOptions(arch=arch, std="c++17", relocatable_device_code=True,
-                                   device_as_default_execution_space=True, include_path=incs)
-        obj = core.Program(PRELUDE + ck._source(self.FILES), "c++", opts).compile("cubin")
-        lib = core.ObjectCode.from_library(device_lib.read_bytes())
-        self.linked = core.Linker(obj, lib, options=core.LinkerOptions(arch=arch)).link("cubin")
+        self.linked = link_relocatable(PRELUDE + ck._source(self.FILES), arch, device_lib,
+                                       device_as_default_execution_space=True,
+                                       include_path=incs)
         nc.library_init(nc.NvshmemKernelObject.from_obj(self.linked))
         self.device_id = device_id
         self._fn: dict[str, Any] = {}
@@ -137,9 +153,7 @@ class RemoteKernels(ck.Kernels):
         f = self._fn.get(name)
         if f is None:
             plain = name.replace("<", "_").replace(">", "")  # epd_combine_reduce_Bf16
-            k = self.linked.get_kernel(plain)
-            handle = int(getattr(k, "handle", None) or k._handle)
-            load_into_context(handle)
+            handle = loaded_kernel(self.linked, plain)
             f = self._fn[name] = LinkedKernel(plain, handle,
                                               opt_in_shared_memory(handle, self.device_id))
         return f

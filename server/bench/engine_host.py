@@ -69,14 +69,20 @@ def means_us(before: Totals | None, after: Totals | None) -> dict[str, float | N
 
 
 
-def work_totals(metrics_text: str) -> tuple[float, float]:
-    """(engine work CPU seconds, requests) so far: the WORK counters over all their series."""
+def counter_totals(metrics_text: str, families: tuple[str, ...]) -> dict[str, float]:
+    """Each counter family's total so far, over all its series (0 for one not exported)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = dict.fromkeys(WORK, 0.0)
+    out = dict.fromkeys(families, 0.0)
     for fam in text_string_to_metric_families(metrics_text):
         if fam.name in out:
             out[fam.name] += sum(x.value for x in fam.samples if x.name == f"{fam.name}_total")
+    return out
+
+
+def work_totals(metrics_text: str) -> tuple[float, float]:
+    """(engine work CPU seconds, requests) so far: the WORK counters over all their series."""
+    out = counter_totals(metrics_text, WORK)
     return out[WORK[0]], out[WORK[1]]
 
 
@@ -192,11 +198,7 @@ def label_tails_us(before: Buckets | None, after: Buckets | None,
 
 def chain_starved(metrics_text: str) -> float:
     """Times the chains ran dry with a call waiting so far, over every group."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return sum(x.value for fam in text_string_to_metric_families(metrics_text)
-               if fam.name == CHAIN_STARVED for x in fam.samples
-               if x.name == f"{CHAIN_STARVED}_total")
+    return counter_totals(metrics_text, (CHAIN_STARVED,))[CHAIN_STARVED]
 
 
 def poller_slow(metrics_text: str) -> dict[str, tuple[float, float]]:

@@ -398,7 +398,6 @@ class StreamOps:
                 looked = time.perf_counter()
                 continue
             top = time.perf_counter()
-            enqueued = self._enqueue_seconds(rings)
             with watch("top_up"):
                 fired = self._top_up(rings)
             start = time.perf_counter()
@@ -422,7 +421,8 @@ class StreamOps:
             if end - top > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
                 for part, secs in (("top_up", start - top), ("launch", now - start),
                                    ("sleep", end - now),
-                                   ("enqueue", self._enqueue_seconds(rings) - enqueued)):
+                                   ("enqueue", sum(r.chain.enqueue_seconds for r in rings
+                                                   if r.chain is not None))):
                     metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
 
     def _flush_metrics(self) -> None:
@@ -451,11 +451,6 @@ class StreamOps:
             if op is not None:  # (else released, or a stale entry of a disarmed op)
                 self._fire(op, entry >> 8 & 0xFF, gap)
                 ran = True
-
-    @staticmethod
-    def _enqueue_seconds(rings: list[Ring]) -> float:
-        """The chains' time in their enqueueing driver calls so far (a part of `top_up`)."""
-        return sum(r.chain.enqueue_seconds for r in rings if r.chain is not None)
 
     def _top_up(self, rings: list[Ring]) -> bool:
         """Keep every chain's instances enqueued; count the calls the chains ran."""
