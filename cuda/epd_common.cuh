@@ -227,6 +227,23 @@ __device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value,
         ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
 }
 
+// Token t's destination ranks (bit d: rank d holds one of its top-k experts, each rank once),
+// counting each of its experts in s_expert; an id outside [-1, E) is reported and skipped.
+// (The layout and both notify kernels: one rule for routing and for bad ids.)
+__device__ __forceinline__ u64 token_ranks(const i64* topk_idx, int t, int K, int E, int L,
+                                           int* s_expert, u64* ctrl) {
+    u64 mask = 0;
+    for (int k = 0; k < K; ++k) {
+        const i64 e = topk_idx[(i64)t * K + k];
+        if (e < -1 || e >= E) { report_bad_input(ctrl, e); continue; }
+        if (e >= 0) {
+            mask |= 1ull << (int)(e / L);
+            atomicAdd(&s_expert[e], 1);
+        }
+    }
+    return mask;
+}
+
 // Block-wide wait for flags[0..R) >= seq: threads r < R poll, the block agrees on the outcome.
 // Returns 0 or the error code; on error records it (missing rank = the lowest one).
 __device__ __forceinline__ int block_wait_all(u64* ctrl, int flag_base, int R, u64 seq,

@@ -250,14 +250,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         unsigned mask = 0;
         if (experts_in != nullptr)  // routed by is_token_in_rank alone
             for (int d = 0; d < R; ++d) mask |= (routing_in[(i64)t * R + d] ? 1u : 0u) << d;
-        for (int k = 0; k < K; ++k) {
-            i64 e = topk_idx[(i64)t * K + k];
-            if (e < -1 || e >= E) { report_bad_input(my_ctrl, e); continue; }
-            if (e >= 0) {
-                mask |= 1u << (int)(e / L);
-                atomicAdd(&s_expert[e], 1);
-            }
-        }
+        mask |= (unsigned)token_ranks(topk_idx, t, K, E, L, s_expert, my_ctrl);  // (R <= 8)
         token_mask[t] = (unsigned char)mask;
 #pragma unroll
         for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] += (mask >> d) & 1u;
@@ -394,15 +387,7 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
     if (tid < LL_MAX_RANKS) s_rank[tid] = 0;
     __syncthreads();
     for (int t = tid; t < T; t += blockDim.x) {
-        u64 mask = 0;  // the destination ranks of token t, each counted once
-        for (int k = 0; k < K; ++k) {
-            i64 e = topk_idx[(i64)t * K + k];
-            if (e < -1 || e >= E) { report_bad_input(my_ctrl, e); continue; }
-            if (e >= 0) {
-                mask |= 1ull << (int)(e / L);
-                atomicAdd(&s_expert[e], 1);
-            }
-        }
+        u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, my_ctrl);
         for (; mask; mask &= mask - 1) atomicAdd(&s_rank[__ffsll((long long)mask) - 1], 1);
     }
     __syncthreads();

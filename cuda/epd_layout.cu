@@ -21,15 +21,7 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
     __syncthreads();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < T) {
-        u64 mask = 0;
-        for (int k = 0; k < K; ++k) {
-            i64 e = topk_idx[(i64)t * K + k];
-            if (e < -1 || e >= E) { report_bad_input(call_err, e); continue; }
-            if (e >= 0) {
-                mask |= 1ull << (int)(e / L);
-                atomicAdd(&s_expert[e], 1);
-            }
-        }
+        const u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, call_err);
         for (int d = 0; d < R; ++d) {
             bool in = (mask >> d) & 1ull;
             is_token_in_rank[(i64)t * R + d] = in;
