@@ -20,6 +20,8 @@
 #        the engine's other threads' stacks while the poller is stuck (about 40 s)
 #   bash benchmarks/gpu_s19_run.sh split  # the pools on two daemons (chain, poller): the
 #        prefill pool's launches out of the decode engine's process (about 100 s)
+#   bash benchmarks/gpu_s19_run.sh mends  # the review's mends: layout/notify kernels (one
+#        routing loop), the NVSHMEM kernels' link, at 2 and 16 ranks (about 4 minutes)
 #   bash benchmarks/gpu_s19_run.sh next   # the chain's GPU tests, with the host top-up and as
 #        a CUDA graph loop (EPD_CHAIN_LOOP=require), then probe, split and the pools on the
 #        loop (about 6 minutes)
@@ -127,5 +129,16 @@ for s in d['stacks'][:40]:
       python3 -P -c "from cuda.bindings import driver as d; print('cuGraphConditionalHandleCreate', hasattr(d, 'cuGraphConditionalHandleCreate'), 'CU_GRAPH_COND_TYPE_WHILE', hasattr(d.CUgraphConditionalNodeType, 'CU_GRAPH_COND_TYPE_WHILE'))"
     } 2>&1 | tee "$OUT/devrt.txt"
     ;;
-  *) echo "usage: $0 tail|depth|residual|final|probe|split|next" >&2; exit 2 ;;
+  mends)  # the review's mends after the device time (about 4 minutes): token_ranks, the one
+           # routing loop of the layout, notify and wide-notify kernels; the NVSHMEM kernels
+           # linked through cuda_remote.link_relocatable; the chain's drains through one wait
+    step intranode 120 "tests/gpu/test_intranode.py -k 'layout_kernel or every_kernel or \
+        small or uneven or missing_rank or cached or counter_slot'"
+    step local_layout 60 "tests/gpu/test_local_layout.py"
+    t=tests/gpu/test_nvshmem.py::test_two_stage_normal_mode_across_logical_nodes
+    STEP_TEST_SECONDS=150 step stages16 160 "'$t[8]'"
+    EPD_CUDA_HIERARCHICAL=stages STEP_TEST_SECONDS=150 step cluster 170 \
+        "tests/gpu/test_cuda_cluster.py -k 'low_latency'"
+    ;;
+  *) echo "usage: $0 tail|depth|residual|final|probe|split|next|mends" >&2; exit 2 ;;
 esac
