@@ -2,11 +2,11 @@
 daemons, one engine each — form one NVSHMEM world (node 0 forms it once node 1 holds a lease),
 and a group with one rank on each node runs through the DeepEP facade, its rank on the other
 node reached through NVSHMEM's device API: low-latency mode exact against the reference over
-several steps (bf16 and FP8), and normal mode (layout with num_tokens_per_rdma_rank, dispatch,
-combine, cached dispatch, FP8) exact too; a bad expert id fails that call with
-INVALID_ARGUMENT and the group goes on. Then node 1's daemon is stopped: node 0 loses the world
-and stops its engine (a PE cannot be replaced); started again, both nodes run in world 2 and a
-new group is exact again.
+several steps (bf16 and FP8) and replayed from a CUDA graph, and normal mode (layout with
+num_tokens_per_rdma_rank, dispatch, combine, cached dispatch, FP8) exact too; a bad expert id
+fails that call with INVALID_ARGUMENT and the group goes on. Then node 1's daemon is stopped:
+node 0 loses the world and stops its engine (a PE cannot be replaced); started again, both
+nodes run in world 2 and a new group is exact again.
 
 One GPU: both engines on GPU 0 under one MPS server with half the threads each (NVSHMEM's
 several-PEs-per-GPU mode); two GPUs: one node per GPU."""
@@ -64,9 +64,53 @@ def _rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
             recv_x=recv[0] if fp8 else recv, recv_count=count, recv_x_scales=scales,
             recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx), LX),
             "cx": _bits(cx), "y": _bits(y) if fp8 else None})
+    res["graph"] = _graph_replays(buf, rank, device)
     res["normal"] = _normal_mode(buf, rank, device)
     buf.destroy()
     q.put(res)
+
+
+GRAPH_STEPS = (20, 21, 22)
+
+
+def _graph_replays(buf, rank: int, device: int) -> list[dict]:
+    """The low-latency pair across the nodes captured once in a CUDA graph (a warm-up call
+    outside the capture arms it, as any graph user does) and replayed on fresh inputs: the
+    dispatch's views snapshotted inside the graph, the combine into a poisoned `out`."""
+    import torch
+    t = TOKENS[rank]
+    sx = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+    sidx = torch.empty((t, K), dtype=torch.int64, device=device)
+    sw = torch.empty((t, K), dtype=torch.float32, device=device)
+    dest = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+
+    def fill(step: int) -> None:
+        for dst, a in zip((sx, sidx, sw), _inputs(step, rank), strict=True):
+            dst.copy_(_to_torch(a, device))
+        dest.view(torch.int16).fill_(-1)  # poison (NaN)
+
+    fill(GRAPH_STEPS[0])
+    recv, _, handle, _, hook = buf.low_latency_dispatch(sx, sidx, M, E, return_recv_hook=True)
+    hook()
+    buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+    torch.cuda.synchronize()
+    stream, graph = torch.cuda.Stream(device), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        recv, count, handle, _, hook = buf.low_latency_dispatch(sx, sidx, M, E,
+                                                                return_recv_hook=True)
+        hook()
+        views = SimpleNamespace(recv_x=recv.clone(), recv_count=count.clone(),
+                                recv_x_scales=None, recv_src_rank=handle.src_rank.clone(),
+                                recv_src_idx=handle.src_idx.clone())
+        buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+    out = []
+    for step in GRAPH_STEPS:
+        fill(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        out.append({"compact": _compact(views, LX), "cx": _bits(dest)})
+    del graph
+    return out
 
 
 def _layout_dispatch(buf, x, idx, w, num_experts: int):
@@ -124,18 +168,20 @@ def _dequant_free_y(recv, device: int):
 
 
 def _check(results: list[dict]) -> None:
-    for step in range(3):
+    plain = [(step, step, "steps") for step in range(3)]
+    replays = [(step, i, "graph") for i, step in enumerate(GRAPH_STEPS)]
+    for step, at, where in plain + replays:
         fp8 = step == 1
         xs, idx, w = zip(*(_inputs(step, r) for r in range(R)), strict=True)
         disp = ref.low_latency_dispatch(list(xs), list(idx), E, M, use_fp8=fp8)
-        ys = ([results[r]["steps"][step]["y"].view(BFLOAT16) for r in range(R)] if fp8
+        ys = ([results[r][where][at]["y"].view(BFLOAT16) for r in range(R)] if fp8
               else [d.recv_x for d in disp])
         combined = ref.low_latency_combine(ys, disp, list(idx), list(w), E)
         for r in range(R):
-            got = results[r]["steps"][step]
+            got = results[r][where][at]
             _check_ll(disp[r], got["compact"], LX)
             np.testing.assert_array_equal(got["cx"], combined[r].view(np.uint16),
-                                          err_msg=f"step {step} rank {r}")
+                                          err_msg=f"{where} step {step} rank {r}")
     xs, idx, w = zip(*(_inputs(10, r) for r in range(R)), strict=True)
     disp = ref.dispatch(list(xs), list(idx), list(w), E)
     comb = ref.combine([d.recv_x for d in disp], disp, list(TOKENS),
