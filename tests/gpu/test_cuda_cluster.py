@@ -90,13 +90,14 @@ def _graph_replays(buf, rank: int, device: int) -> list[dict]:
         dest.view(torch.int16).fill_(-1)  # poison (NaN)
 
     fill(GRAPH_STEPS[0])
-    recv, _, handle, _, hook = buf.low_latency_dispatch(sx, sidx, M, E, return_recv_hook=True)
+    recv, _, handle, _, hook = buf.low_latency_dispatch(sx, sidx, M, E, use_fp8=False,
+                                                         return_recv_hook=True)
     hook()
     buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
     torch.cuda.synchronize()
     stream, graph = torch.cuda.Stream(device), torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        recv, count, handle, _, hook = buf.low_latency_dispatch(sx, sidx, M, E,
+        recv, count, handle, _, hook = buf.low_latency_dispatch(sx, sidx, M, E, use_fp8=False,
                                                                 return_recv_hook=True)
         hook()
         views = SimpleNamespace(recv_x=recv.clone(), recv_count=count.clone(),
