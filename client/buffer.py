@@ -48,10 +48,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
-from ..proto import dtypes
-from ..proto.errors import InvalidArgument, TokenCapacityExceeded
+from ..proto import dtypes, engine_sockets
+from ..proto.errors import EpdError, InvalidArgument, TokenCapacityExceeded
 from . import cuda_ipc
 from . import deep_ep_compat as C
 from . import tensors as T
@@ -180,11 +181,13 @@ class Buffer(LowLatencyMixin):
         self.service_class = service_class
         self.timeout = timeout
         self._comm_stream: Any = None
+        self._client_name = f"{group_name}-rank{rank}"
         if session is None:
             if engine is None:
                 engine = C.default_engine()
             session = Session(endpoint, socket_dir=socket_dir, engine=engine,
-                              client_name=f"{group_name}-rank{rank}")
+                              client_name=self._client_name,
+                              service_class=service_class)
             self._owns_session = True
         else:
             self._owns_session = False
@@ -330,7 +333,7 @@ class Buffer(LowLatencyMixin):
                 name += f"-ll{low_latency_tokens}"
             elif self.max_tokens_per_rank != self._first_max_tokens:  # grown (see _grow)
                 name += f"-t{self.max_tokens_per_rank}"
-            g = self.session.join(name, rank=self.rank, num_ranks=self.group_size,
+            g = self._join(name, rank=self.rank, num_ranks=self.group_size,
                                   num_experts=num_experts, hidden=hidden,
                                   max_tokens_per_rank=low_latency_tokens or
                                   self.max_tokens_per_rank,
@@ -342,6 +345,25 @@ class Buffer(LowLatencyMixin):
             if low_latency_tokens and self._pending_masks:
                 self._apply_pending_masks(g)
         return g
+
+    def _join(self, name: str, **kw: Any) -> Group:
+        """Join `name`; where the daemon runs class engines and the group's class (its policy's,
+        when the Buffer asked for none) is served by the device's other engine, the engine
+        refuses naming that engine's socket, and a Buffer that owns its session and has joined
+        nothing yet moves its session there once (no tensor was registered on the old one)."""
+        try:
+            return self.session.join(name, **kw)
+        except EpdError as e:
+            other = (engine_sockets.hinted_socket(e.details)
+                     if e.code == grpc.StatusCode.FAILED_PRECONDITION else None)
+            if other is None or not self._owns_session or self._groups or self._retired:
+                raise
+        old = self.session
+        self.session = Session(other, client_name=self._client_name, timeout=old.timeout)
+        old.close()
+        self._stream_ops = StreamOpCache(self.session.device_ordinal, plain_op_limit())
+        self._buffer_keys = cuda_ipc.BufferKeys(self.session.device_ordinal)
+        return self.session.join(name, **kw)
 
     # -- the DeepEP API ----------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: Array, num_experts: int,

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from ..proto import abi, counter_page, dtypes
+from ..proto import abi, counter_page, dtypes, engine_sockets
 from ..proto import fd_channel as fdc
 from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable, error
 from ..proto.v1 import epd_pb2
@@ -51,9 +51,17 @@ WATCHER_JOIN_TIMEOUT = 5.0  # closing: how long to wait for the lease thread to 
 CLOSE_LEAVE_TIMEOUT = 2.0  # closing: a clean leave of each group, else the lease's end aborts it
 
 
-def engine_socket(socket_dir: str | None = None, engine: int = 0) -> str:
+def engine_socket(socket_dir: str | None = None, engine: int = 0,
+                  service_class: str | None = None) -> str:
+    """The socket of the engine on device `engine` that runs groups of `service_class`: the
+    latency engine's where the daemon runs class engines (`epd serve --class-engines`) and the
+    class is latency, else gpu<engine>.sock (proto/engine_sockets.py)."""
     folder = socket_dir or os.environ.get("EPD_SOCKET_DIR", DEFAULT_SOCKET_DIR)
-    return os.path.join(folder, f"gpu{engine}.sock")
+    if service_class == engine_sockets.LATENCY:
+        path = engine_sockets.socket_path(folder, engine, service_class)
+        if os.path.exists(path):
+            return path
+    return engine_sockets.socket_path(folder, engine)
 
 
 @dataclass
@@ -174,16 +182,21 @@ def _check_timeout(t: float) -> float:
 class Session:
     def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,
                  engine: int = 0, client_name: str = "", timeout: float | None = None,
-                 fast_path: bool | None = None, transport: Transport | None = None) -> None:
+                 fast_path: bool | None = None, transport: Transport | None = None,
+                 service_class: str | None = None) -> None:
         """`timeout`: deadline of joins and collectives in seconds; None takes the daemon's
         (`--timeout-seconds`). Calls may pass their own. `fast_path`: use the same-host
         shared-memory ring for data-plane calls when the engine offers it (default: yes, unless
         EPD_FAST_PATH=0); otherwise, or if it is unavailable, gRPC.
 
+        `service_class` picks the engine when the daemon runs class engines (`epd serve
+        --class-engines`): "latency" opens the session on the device's latency engine, any
+        other value or None on its default engine; an endpoint given wins.
+
         A session that cannot be opened raises `EpdError` with the daemon's status (UNAVAILABLE
         when nothing listens, RESOURCE_EXHAUSTED at --max-sessions, ...) and leaves no thread,
         connection or file behind."""
-        self.endpoint = endpoint or engine_socket(socket_dir, engine)
+        self.endpoint = endpoint or engine_socket(socket_dir, engine, service_class)
         self.timeout = None if timeout is None else _check_timeout(timeout)
         self.fast_path_error = ""
         # Every attribute exists before the lease thread starts: it, and close() after a failed

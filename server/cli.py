@@ -76,9 +76,10 @@ def _topology(ns: argparse.Namespace) -> int:
           f"{t.throughput_groups} throughput")
     for e in t.engines:
         off_mps = f" sessions-without-mps={e.sessions_without_mps}" if _mps_on(t) else ""
+        runs = f" {e.service_class} groups only" if e.service_class else ""
         print(f"  engine {e.index}: {e.socket_path} {epd_pb2.Backend.Name(e.backend).lower()} "
-              f"{'ready' if e.ready else 'NOT READY'} pid={e.pid} restarts={e.restarts}"
-              f"{off_mps}")
+              f"device {e.device}{runs} {'ready' if e.ready else 'NOT READY'} pid={e.pid} "
+              f"restarts={e.restarts}{off_mps}")
         if e.failed_starts:
             print(f"    failed to start {e.failed_starts} time(s) in a row: {e.last_failure}")
         elif e.last_failure:

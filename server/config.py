@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..proto import engine_sockets
 from .service_classes import MAX_NUM_SMS, Policy, parse_policy, policy_text
 
 ENV_PREFIX = "EPD_"
@@ -162,6 +163,12 @@ class Config:
                 "(default CLASS), e.g. \"decode-*=latency, *@1001=throughput/latency, "
                 "*=throughput\". Empty: any group may ask for either, default throughput; "
                 "with rules, unmatched groups get throughput only"})
+    class_engines: bool = field(default=False, metadata={
+        "help": "two engine processes per device: one runs the latency groups (on "
+                "gpu<D>.latency.sock), the other the throughput groups (on gpu<D>.sock), so "
+                "a decode group's launches never wait behind a prefill group's driver calls; "
+                "on the cuda backend each class's engines form their own NVSHMEM world and "
+                "hold their own heap (twice --nvshmem-heap-bytes per GPU); wants MPS"})
     latency_num_sms: int = field(default=0, metadata={
         "help": "cuda backend: blocks of a latency group's data kernels (normal mode uses it "
                 "instead of --num-sms, low-latency at most it); a client's num_sms is bounded "
@@ -240,12 +247,14 @@ class Config:
     def socket_path(self) -> Path:
         return Path(self.socket_dir)
 
-    def engine_socket(self, index: int) -> str:
-        return str(Path(self.socket_dir) / f"gpu{index}.sock")
+    def engine_socket(self, device: int, service_class: str = "") -> str:
+        """gpu<D>.sock; a latency class engine's (--class-engines) gpu<D>.latency.sock."""
+        return engine_sockets.socket_path(self.socket_dir, device, service_class)
 
-    def engine_failure_file(self, index: int) -> str:
-        """Where an engine that could not start leaves the reason for its supervisor."""
-        return str(Path(self.socket_dir) / f"gpu{index}.failed")
+    @staticmethod
+    def engine_failure_file(socket: str) -> str:
+        """Where the engine serving `socket` leaves why it could not start (gpu<D>.failed)."""
+        return engine_sockets.failure_file(socket)
 
     @property
     def node_socket(self) -> str:
@@ -350,6 +359,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError(f"throughput_pause_us must lie in [0, 1000000] (0: no pacing), got "
                          f"{cfg.throughput_pause_us}")
     check_cluster(cfg)
+    if cfg.class_engines and cfg.num_nodes > 1:
+        raise ValueError("class_engines is for one node (num_nodes 1): a world over several "
+                         "nodes has one engine per device")
     return cfg
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..proto import dtypes
+from ..proto import dtypes, engine_sockets
 from . import reference as ref
 
 
@@ -49,8 +49,10 @@ class Daemon:
         self.engines = engines
         self.extra = list(extra or [])
 
-    def socket(self, engine: int) -> str:
-        return os.path.join(self.socket_dir, f"gpu{engine}.sock")
+    def socket(self, engine: int, service_class: str = "") -> str:
+        """Engine `engine`'s socket; with class engines, `service_class` "latency" names the
+        device's latency engine."""
+        return engine_sockets.socket_path(self.socket_dir, engine, service_class)
 
     def get(self, path: str) -> tuple[int, str]:
         try:

@@ -28,12 +28,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ..proto import fd_channel, spin
-from ..proto.errors import EpdError
+from ..proto.errors import EpdError, InvalidArgument
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
 from .cluster import ClusterHub, ClusterMember, ClusterTls, new_incarnation
 from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config, read_cluster_token
+from .engine_slots import EngineSlot, engine_slots
 from .mps import Mps, MpsError
 from .service_classes import LATENCY, THROUGHPUT
 
@@ -50,6 +51,7 @@ class StartupError(Exception):
 class EngineProc:
     index: int
     socket_path: str
+    slot: EngineSlot = None  # type: ignore[assignment]  (default: device = index, any class)
     proc: subprocess.Popen | None = None
     ready: bool = False
     restarts: int = 0
@@ -57,6 +59,10 @@ class EngineProc:
     failed_starts: int = 0  # starts in a row that ended before the engine was ready
     last_failure: str = ""  # why the last of them ended (the engine's own words, or its exit)
     restart_at: float | None = None  # exited: when it is started again (monotonic)
+
+    def __post_init__(self) -> None:
+        if self.slot is None:
+            self.slot = EngineSlot(self.index, self.index, pe=self.index)
 
     def backoff(self, base: float, longest: float) -> float:
         """Delay before the next start: `base`, doubled for each failed start in a row."""
@@ -91,7 +97,8 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                 device_name=info[0], device_uuid=info[1], ready=e.ready,
                 pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
                 sessions_without_mps=without_mps.get(str(e.index), 0),
-                failed_starts=e.failed_starts, last_failure=e.last_failure))
+                failed_starts=e.failed_starts, last_failure=e.last_failure,
+                device=e.slot.device, service_class=e.slot.service_class))
         by_class = s.coordinator.groups_by_class()
         cluster = s.cluster.info() if s.cluster is not None else None
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
@@ -133,7 +140,10 @@ class NodeService(epd_pb2_grpc.NodeServicer):
         await self._engine_only(context, "GetBootstrap")
         s = self.sup
         try:
-            return s.planner.bootstrap(request.engine_index, len(s.engines))
+            if not 0 <= request.engine_index < len(s.engines):
+                raise InvalidArgument(f"engine index {request.engine_index} out of range")
+            slot = s.engines[request.engine_index].slot
+            return s.planner.bootstrap(slot.pe, s.world_size(slot.world), slot.world)
         except EpdError as e:
             await context.abort(e.code, e.message)
 
@@ -145,7 +155,8 @@ class Supervisor:
         self.cfg = cfg
         self.planner = planner
         self.backend = planner.name  # for logs and metrics only
-        self.engines = [EngineProc(i, cfg.engine_socket(i)) for i in range(num_engines)]
+        self.engines = [EngineProc(x.index, cfg.engine_socket(x.device, x.service_class), x)
+                        for x in engine_slots(num_engines, cfg.class_engines)]
         self.coordinator = Coordinator(planner, cfg.timeout_seconds, allow_uids=cfg.allowed_uids,
                                        allow_gids=cfg.allowed_gids)
         self.metrics_url = ""
@@ -167,6 +178,10 @@ class Supervisor:
         # in that mode they start only in a world).
         self.world_generation = 0
         self.world_left = 0  # the last generation this node left: never entered again
+
+    def world_size(self, world: int) -> int:
+        """How many engines form world `world` (engine_slots.py)."""
+        return sum(e.slot.world == world for e in self.engines)
 
     @property
     def world_mode(self) -> bool:
@@ -218,10 +233,12 @@ class Supervisor:
         # start before the last engine of this one has exited.
         keep = (self.lock_fd,) if self.lock_fd is not None else ()
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
-                                   "--index", str(e.index)], env=env, pass_fds=keep)
+                                   "--index", str(e.index), "--device", str(e.slot.device),
+                                   "--service-class", e.slot.service_class or "any"],
+                                  env=env, pass_fds=keep)
         e.ready = False
         e.started_at = time.monotonic()
-        log.info("engine %d started (pid %d)", e.index, e.proc.pid)
+        log.info("%s started (pid %d)", e.slot.describe(), e.proc.pid)
 
     @staticmethod
     def _start_failure(e: EngineProc) -> str:
@@ -238,7 +255,7 @@ class Supervisor:
             e.failed_starts = 0
         else:  # it never came up: a start that failed, counted for the backoff
             e.failed_starts += 1
-        path = self.cfg.engine_failure_file(e.index)
+        path = self.cfg.engine_failure_file(e.socket_path)
         try:
             with open(path) as f:
                 e.last_failure = f.read(4096).strip() or f"exit status {code}"
@@ -261,23 +278,28 @@ class Supervisor:
             log.error("engine %d (pid %d) exited with code %s; restarting in %.1f s",
                       e.index, e.proc.pid, code, delay)
         # A backend whose engines form one world that cannot take a new member (cuda:
-        # NVSHMEM) rebuilds the whole world: every engine restarts.
-        lost = self.engines if self.planner.restart_all_on_engine_loss else [e]
+        # NVSHMEM) rebuilds the whole world: every engine of it restarts.
+        lost = self._world_of(e) if self.planner.restart_all_on_engine_loss else [e]
         for x in lost:
             self._engine_gone(x)
             x.restart_at = time.monotonic() + delay
 
     def _restart(self, e: EngineProc) -> None:
         from . import metrics
-        lost = ([x for x in self.engines if x.restart_at is not None]
+        lost = ([x for x in self._world_of(e) if x.restart_at is not None]
                 if self.planner.restart_all_on_engine_loss else [e])
         if self.planner.restart_all_on_engine_loss:
-            self.planner.new_world()
+            self.planner.new_world(e.slot.world)
         for x in lost:
             x.restart_at = None
             x.restarts += 1
             metrics.ENGINE_RESTARTS.labels(str(x.index)).inc()
             self._spawn(x)
+
+    def _world_of(self, e: EngineProc) -> list[EngineProc]:
+        """The engines of e's world (engine_slots.py): those that go down and restart with it
+        where the backend's world cannot take a replacement."""
+        return [x for x in self.engines if x.slot.world == e.slot.world]
 
     async def _probe(self, e: EngineProc) -> bool:
         try:
@@ -416,8 +438,12 @@ class Supervisor:
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s, MPS %s",
                  __version__, self.backend, len(self.engines), cfg.socket_dir, self.metrics_url,
                  self.mps.mode)
+        if cfg.class_engines and self.planner.proto_kind == epd_pb2.CUDA and self.mps.mode == "off":
+            log.warning("--class-engines without MPS: the two engines of a GPU time-slice it "
+                        "instead of running side by side (--mps on)")
         if not stop.is_set() and not self.world_mode:  # (not asked to stop while MPS started)
-            self.planner.new_world()
+            for world in sorted({e.slot.world for e in self.engines}):
+                self.planner.new_world(world)
             for e in self.engines:
                 self._spawn(e)
         elif self.cluster_hub is not None:  # engines start in the first world over all nodes

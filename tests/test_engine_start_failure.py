@@ -28,7 +28,7 @@ flag = os.environ.get("EPD_TEST_BACKEND_BROKEN_WHILE")
 if os.environ.get("EPD_SUPERVISOR_PID") and flag and os.path.exists(flag):
     import epd.server.backends as backends
 
-    def make_backend(cfg, index):
+    def make_backend(cfg, index, device=None):
         raise RuntimeError("the test took the backend away")
 
     backends.make_backend = make_backend

@@ -51,11 +51,12 @@ def make_planner(cfg) -> GroupPlanner:
     return CudaPlanner(cfg)
 
 
-def make_backend(cfg, index: int) -> Backend:
-    """The engine side of the configured backend, for engine `index`."""
+def make_backend(cfg, index: int, device: int | None = None) -> Backend:
+    """The engine side of the configured backend, for engine `index` on `device` (default:
+    the device of the same number; class engines share devices, engine_slots.py)."""
     name = resolve_backend_name(cfg.backend)
     if name == "cpu":
         from .cpu import CpuBackend
         return CpuBackend(index, allowed_dirs=(cfg.shm_dir, "/dev/shm", "/tmp"))
     from .cuda import CudaBackend  # needs the [cuda] extra
-    return CudaBackend(cfg, index)
+    return CudaBackend(cfg, index, index if device is None else device)

@@ -201,11 +201,13 @@ class GroupPlanner(abc.ABC):
         """Environment defaults for the engine processes."""
         return {}
 
-    def new_world(self) -> None:  # noqa: B027  (optional hook)
-        """Before the engines (re)start: create the node-wide world they join, if any."""
+    def new_world(self, world: int = 0) -> None:  # noqa: B027  (optional hook)
+        """Before the engines of `world` (engine_slots.py) (re)start: create the world they
+        join, if any."""
 
-    def bootstrap(self, engine_index: int, num_engines: int) -> Any:
-        """The Node.GetBootstrap answer for an engine (epd_pb2.GetBootstrapResponse)."""
+    def bootstrap(self, engine_index: int, num_engines: int, world: int = 0) -> Any:
+        """The Node.GetBootstrap answer for the engine of place `engine_index` among the
+        `num_engines` of `world` (epd_pb2.GetBootstrapResponse)."""
         from ...proto.errors import FailedPrecondition
         raise FailedPrecondition(f"bootstrap is not used by the {self.name} backend")
 

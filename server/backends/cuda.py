@@ -1072,13 +1072,14 @@ class CudaBackend(Backend):
     supports_dispatch_without_topk = True  # epd_notify routes by is_token_in_rank
     agrees_on_capacity = True  # epd_notify fails a call over capacity on every rank
 
-    def __init__(self, cfg: Any, index: int) -> None:
+    def __init__(self, cfg: Any, index: int, device: int | None = None) -> None:
         if cp is None:
             raise RuntimeError("the cuda backend needs CuPy (pip install 'epd[cuda]')")
         import nvshmem.core as nc
         from cuda.core import Device
 
-        self.cfg, self.device, self._nc = cfg, index, nc
+        device = index if device is None else device  # (class engines share one)
+        self.cfg, self.index, self.device, self._nc = cfg, index, device, nc
         self.planner = CudaPlanner(cfg)
         self.num_sms = cfg.num_sms or abi.DEFAULT_NUM_SMS
         # Held around a stream-ordered call's launches by the sessions' threads: the driver
@@ -1088,9 +1089,9 @@ class CudaBackend(Backend):
             threading.Lock() if cfg.serial_enqueue else contextlib.nullcontext())
         self.ll_num_sms = cfg.ll_num_sms or abi.DEFAULT_LL_NUM_SMS
         boot = _bootstrap(cfg, index)
-        dev = Device(index)
+        dev = Device(device)
         dev.set_current()
-        cp.cuda.Device(index).use()
+        cp.cuda.Device(device).use()
         # Stream priorities of the service classes: latency the greatest (numerically lowest),
         # throughput the least (the default streams' priority).
         from cuda.bindings import runtime as cudart
@@ -1109,7 +1110,7 @@ class CudaBackend(Backend):
         self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
         self.heap.fill(0)
         stream = cp.cuda.Stream(non_blocking=True)
-        cp.cuda.Device(index).synchronize()
+        cp.cuda.Device(device).synchronize()
         nc.barrier_all(stream=stream)
         stream.synchronize()
         base = self.heap_base = int(self.heap.data.ptr)
@@ -1121,7 +1122,10 @@ class CudaBackend(Backend):
         first = self.node_first_pe[self.node_rank] if self.multi_node else 0
         ends = (*self.node_first_pe[1:], boot.num_pes)
         last = ends[self.node_rank] if self.multi_node else boot.num_pes
-        self.peer_bases = {p - first: base if p == boot.pe else
+        # Keyed by engine index (the coordinator's rank_engines): with class engines the
+        # latency engines' world numbers its PEs from 0 while their indices follow the others'.
+        shift = index - (boot.pe - first)
+        self.peer_bases = {p - first + shift: base if p == boot.pe else
                            int(nc.get_peer_array(self.heap, p).data.ptr)
                            for p in range(first, last)}
         try:
@@ -1135,20 +1139,20 @@ class CudaBackend(Backend):
         err, alloc_base, alloc_size = driver.cuMemGetAddressRange(driver.CUdeviceptr(base))
         if err != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemGetAddressRange on the heap failed: {err}")
-        self.heap_region = DeviceRegion(f"heap{index}", int(alloc_base), int(alloc_size), index,
+        self.heap_region = DeviceRegion(f"heap{index}", int(alloc_base), int(alloc_size), device,
                                         ipc_handle=bytes(ipc))
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
-        self.host_words = HostControlWords(index)
-        self.kernels = ck.kernels_for_device(index)  # compiled and loaded before serving
+        self.host_words = HostControlWords(device)
+        self.kernels = ck.kernels_for_device(device)  # compiled and loaded before serving
         if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
             from .cuda_remote import remote_kernels_for_device
-            remote_kernels_for_device(index)
-        props = cp.cuda.runtime.getDeviceProperties(index)
+            remote_kernels_for_device(device)
+        props = cp.cuda.runtime.getDeviceProperties(device)
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         raw = props.get("uuid", b"")
         self._uuid = "GPU-" + bytes(raw).hex() if raw else f"GPU{index}"
-        log.info("engine %d: NVSHMEM PE %d/%d, heap %.1f GiB, %s", index, boot.pe,
-                 boot.num_pes, self.heap_bytes / 2**30, self._name)
+        log.info("engine %d: device %d, NVSHMEM PE %d/%d, heap %.1f GiB, %s", index, device,
+                 boot.pe, boot.num_pes, self.heap_bytes / 2**30, self._name)
 
     def thread_init(self) -> None:
         cp.cuda.Device(self.device).use()

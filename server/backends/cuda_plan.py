@@ -227,14 +227,19 @@ def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
                               f"max_tokens_per_rank)")
 
 
-def encode_plan(offset: int, nbytes: int) -> bytes:
-    return struct.pack("<QQ", offset, nbytes)
+def encode_plan(offset: int, nbytes: int, world: int = 0) -> bytes:
+    return struct.pack("<QQQ", offset, nbytes, world)
 
 
 def decode_plan(plan: bytes) -> tuple[int, int]:
     """(heap offset, bytes) of a group's range."""
-    offset, nbytes = struct.unpack("<QQ", plan)
+    offset, nbytes, _ = struct.unpack("<QQQ", plan)
     return offset, nbytes
+
+
+def plan_world(plan: bytes) -> int:
+    """The NVSHMEM world whose heaps hold the group (1: the latency class engines')."""
+    return struct.unpack("<QQQ", plan)[2]
 
 
 class HeapAllocator:
@@ -286,6 +291,11 @@ class CudaPlanner(GroupPlanner):
         self.heap = HeapAllocator(self.heap_bytes)
         self.uid = b""
         self.generation = 0
+        # Class engines (engine_slots.py): the latency engines form world 1, with their own
+        # heaps, unique id and generation; world 0 is the throughput engines (or all).
+        self.class_engines = bool(getattr(cfg, "class_engines", False))
+        self.latency_heap = HeapAllocator(self.heap_bytes)
+        self.latency_world = (b"", 0)  # (unique id, generation)
 
     def validate_spec(self, spec: GroupSpec) -> None:
         check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes,
@@ -302,15 +312,16 @@ class CudaPlanner(GroupPlanner):
         except ValueError as e:  # a kernel limit of a stage group
             raise InvalidArgument(f"group {spec.name!r}: the cuda engine cannot run its two "
                                   f"stages: {e}") from None
-        offset = self.heap.alloc(size)
+        world = int(self.class_engines and spec.service_class == epd_pb2.LATENCY)
+        offset = (self.latency_heap if world else self.heap).alloc(size)
         if offset is None:
             raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "
                                     f"{size} bytes (raise --nvshmem-heap-bytes or lower "
                                     f"max_tokens_per_rank)")
-        return encode_plan(offset, size)
+        return encode_plan(offset, size, world)
 
     def free_group(self, plan: bytes) -> None:
-        self.heap.free(decode_plan(plan)[0])
+        (self.latency_heap if plan_world(plan) else self.heap).free(decode_plan(plan)[0])
 
     # A rank of a shrink group that goes away is masked by its own engine (CudaRankComm.stop
     # sets its bit in every rank's control block, which only an engine of the world can
@@ -334,15 +345,27 @@ class CudaPlanner(GroupPlanner):
                 "CUDA_DEVICE_MAX_CONNECTIONS": str(self.cfg.cuda_max_connections),
                 "NVSHMEM_SYMMETRIC_SIZE": str(self.heap_bytes + (1 << 30))}
 
-    def new_world(self) -> None:
+    def new_world(self, world: int = 0) -> None:
         import nvshmem.core  # the [cuda] extra
 
-        self.uid = nvshmem.core.get_unique_id()._data.tobytes()
+        uid = nvshmem.core.get_unique_id()._data.tobytes()
+        if world:
+            self.latency_world = (uid, self.latency_world[1] + 1)
+            return
+        self.uid = uid
         self.generation += 1
 
-    def bootstrap(self, engine_index: int, num_engines: int) -> epd_pb2.GetBootstrapResponse:
+    def bootstrap(self, engine_index: int, num_engines: int,
+                  world: int = 0) -> epd_pb2.GetBootstrapResponse:
         if not 0 <= engine_index < num_engines:
             raise InvalidArgument(f"engine index {engine_index} out of range")
+        if world:  # the latency class engines' own world (one node)
+            uid, generation = self.latency_world
+            if not uid:
+                raise FailedPrecondition("the latency engines' NVSHMEM world is not created "
+                                         "yet")
+            return epd_pb2.GetBootstrapResponse(nvshmem_uid=uid, pe=engine_index,
+                                                num_pes=num_engines, generation=generation)
         if self.world_spans_nodes:  # PE = the node's first PE + the engine's index
             w = self.world
             if w is None:

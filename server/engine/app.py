@@ -2,7 +2,8 @@
 
 The supervisor starts it with the configuration in EPD_* environment variables. The engine owns
 its device (one CUDA context / NVSHMEM PE on the cuda backend) and serves the Engine service and
-gRPC health checking on <socket-dir>/gpu<N>.sock.
+gRPC health checking on <socket-dir>/gpu<D>.sock (a latency class engine: gpu<D>.latency.sock,
+proto/engine_sockets.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ...proto import fd_channel
 from .. import config as config_mod
 from .. import metrics
 from ..backends import make_backend
+from ..engine_slots import EngineSlot
+from ..service_classes import CLASS_NAMES
 from . import gc_pauses
 from .core import Engine
 from .fd_server import FdServer
@@ -40,30 +43,33 @@ STARTUP_FAILED = 3  # exit status of an engine that could not start (reason: fai
 FAILURE_TEXT_BYTES = 2000  # what of the reason the supervisor gets (its log has the rest)
 
 
-def report_startup_failure(cfg: config_mod.Config, index: int, error: BaseException) -> None:
+def report_startup_failure(cfg: config_mod.Config, slot: EngineSlot,
+                           error: BaseException) -> None:
     """Leave the reason an engine could not start where its supervisor reads it (readiness,
     `epd topology`), then exit with STARTUP_FAILED; the traceback goes to the log."""
-    log.exception("engine %d could not start", index)
+    log.exception("engine %d could not start", slot.index)
     text = f"{type(error).__name__}: {error}"[:FAILURE_TEXT_BYTES]
-    with contextlib.suppress(OSError), open(cfg.engine_failure_file(index), "w") as f:
+    failure = cfg.engine_failure_file(cfg.engine_socket(slot.device, slot.service_class))
+    with contextlib.suppress(OSError), open(failure, "w") as f:
         f.write(text)
     raise SystemExit(STARTUP_FAILED)
 
 
-async def serve(cfg: config_mod.Config, index: int) -> None:
+async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     # The CUDA backend joins the node's NVSHMEM world here, which blocks until every engine
     # arrives: keep it off the event loop.
     metrics.set_group_label_cap(cfg.max_group_label_values)
+    index = slot.index
     try:
-        backend = await asyncio.to_thread(make_backend, cfg, index)
+        backend = await asyncio.to_thread(make_backend, cfg, index, slot.device)
     except Exception as e:  # a missing toolchain, a device that will not open, ...
-        report_startup_failure(cfg, index, e)
-    engine = Engine(cfg, index, backend)
+        report_startup_failure(cfg, slot, e)
+    engine = Engine(cfg, index, backend, slot)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_to_server(EngineService(engine), server)  # malformed bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    path = cfg.engine_socket(index)
+    path = engine.socket_path
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     server.add_insecure_port(f"unix://{path}")
@@ -120,7 +126,12 @@ def die_with_supervisor() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one EPD engine (started by `epd serve`)")
     parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--device", type=int, help="the device it drives (default: --index)")
+    parser.add_argument("--service-class", choices=("any", *CLASS_NAMES), default="any",
+                        help="with class engines: the only class of groups it runs")
     ns = parser.parse_args(argv)
+    slot = EngineSlot(ns.index, ns.index if ns.device is None else ns.device,
+                      "" if ns.service_class == "any" else ns.service_class)
     cfg = config_mod.load()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s engine{ns.index} %(levelname)s %(message)s")
@@ -131,9 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop  # optional: only its absence falls back, not an ImportError inside
     except ImportError:
-        asyncio.run(serve(cfg, ns.index))
+        asyncio.run(serve(cfg, slot))
     else:
-        uvloop.run(serve(cfg, ns.index))
+        uvloop.run(serve(cfg, slot))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import Message
 
-from ...proto import counter_page, operations
+from ...proto import counter_page, engine_sockets, operations
 from ...proto import fd_channel as fdc
 from ...proto import ring as ring_format
 from ...proto import spin as spin_mod
@@ -38,13 +38,14 @@ from ...proto.errors import (
     ResourceExhausted,
 )
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
-from .. import metrics
+from .. import metrics, service_classes
 from ..backends.base import (
     Backend,
     Membership,
     Region,
 )
 from ..config import Config, node_metadata
+from ..engine_slots import EngineSlot
 from ..mps import ENGINE_ENV as MPS_ENGINE_ENV
 from .executor import EngineState, SessionExecutor
 from .fast_path import FastPathServer
@@ -91,10 +92,14 @@ class Engine(StreamCalls, DataPlane):
         "GetStats": "stats_op", "Ping": "ping_op", "ReleaseHandles": "release_handles_op",
         "RankMask": "rank_mask_op", "Rejoin": "rejoin_op"}
 
-    def __init__(self, config: Config, index: int, backend: Backend) -> None:
+    def __init__(self, config: Config, index: int, backend: Backend,
+                 slot: EngineSlot | None = None) -> None:
         self.config = config
         self.index = index
         self.backend = backend
+        # Its device and, with class engines, the one service class whose groups it runs.
+        self.slot = slot or EngineSlot(index, index)
+        self.socket_path = config.engine_socket(self.slot.device, self.slot.service_class)
         self.sessions: dict[str, Session] = {}
         self.state = EngineState(index)
         self._label = str(index)
@@ -440,6 +445,19 @@ class Engine(StreamCalls, DataPlane):
         self._refresh_gauges()
 
     # -- groups ------------------------------------------------------------------------------
+    def _check_class_engine(self, group: str, cls: int) -> None:
+        """A class engine runs groups of its class only: FAILED_PRECONDITION naming the socket
+        of the engine that runs `group`'s class on this device (the client's Buffer reopens
+        its session there)."""
+        mine, theirs = self.slot.service_class, service_classes.name(cls)
+        if not mine or mine == theirs:
+            return
+        other = self.config.engine_socket(self.slot.device, theirs)
+        raise FailedPrecondition(
+            f"group {group!r} is a {theirs} group and {self.slot.describe()} runs only {mine} "
+            f"groups (--class-engines): {engine_sockets.OTHER_ENGINE_HINT}{other} "
+            f"(Buffer(service_class={theirs!r}) or EPD_SERVICE_CLASS={theirs} picks it)")
+
     async def join_group(self, session: Session, req: epd_pb2.JoinGroupRequest) -> GroupMember:
         spec = spec_from_proto(req.spec)
         self.backend.validate_spec(spec)  # before the rendezvous: every rank fails alike
@@ -458,12 +476,13 @@ class Engine(StreamCalls, DataPlane):
         if session.peer is None:
             raise FailedPrecondition(
                 f"{session.describe()} has not connected its descriptor channel "
-                f"({fdc.socket_path_for(self.config.engine_socket(self.index))}): a group's "
+                f"({fdc.socket_path_for(self.socket_path)}): a group's "
                 f"admission policy needs the client's credentials")
         _, uid, gid = session.peer
         # The class is decided here, before the rendezvous (PERMISSION_DENIED naming the rule
         # changes nothing), and travels in the spec: ranks that disagree fail together.
         cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
+        self._check_class_engine(spec.name, cls)
         spec = dataclasses.replace(spec, service_class=cls)
         spec_proto = epd_pb2.GroupSpec()
         spec_proto.CopyFrom(req.spec)

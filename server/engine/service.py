@@ -198,7 +198,7 @@ class EngineService(epd_pb2_grpc.EngineServicer):
             info = e.backend.device_info()
             yield epd_pb2.SessionEvent(opened=epd_pb2.SessionOpened(
                 session_id=session.session_id, session_token=session.token,
-                fd_socket_path=fdc.socket_path_for(e.config.engine_socket(e.index)),
+                fd_socket_path=fdc.socket_path_for(e.socket_path),
                 counter_page_bytes=counter_page.PAGE_BYTES, backend=e.backend.proto_kind,
                 engine_index=e.index, device_ordinal=int(info.get("ordinal", 0)),
                 version=__version__, default_timeout_seconds=e.config.timeout_seconds,

@@ -1,0 +1,41 @@
+"""The names of an engine's sockets in the daemon's socket folder, shared by daemon and client.
+
+Every engine serves gRPC on `gpu<D>.sock` (D: the device it runs on) and the descriptor channel
+beside it (`gpu<D>.fds`, fd_channel.socket_path_for). With class engines (`epd serve
+--class-engines`) each device has a second engine that runs only latency groups, on
+`gpu<D>.latency.sock`; the engine on `gpu<D>.sock` then runs only throughput groups. A
+latency group's launches thus never wait behind a throughput group's driver calls in the same
+process (docs/DESIGN_NOTES.md, "Class engines").
+"""
+
+from __future__ import annotations
+
+import os
+
+LATENCY = "latency"  # (service_classes.LATENCY; the client cannot import the server)
+# How a class engine's refusal of a group of the other class names the socket to use: the
+# client's Buffer reopens its session there (client/buffer.py).
+OTHER_ENGINE_HINT = "open the session on "
+
+
+def socket_name(device: int, service_class: str = "") -> str:
+    """gpu<D>.sock, or gpu<D>.latency.sock for a latency class engine."""
+    return f"gpu{device}.latency.sock" if service_class == LATENCY else f"gpu{device}.sock"
+
+
+def socket_path(folder: str, device: int, service_class: str = "") -> str:
+    return os.path.join(folder, socket_name(device, service_class))
+
+
+def failure_file(socket: str) -> str:
+    """Where an engine that could not start leaves its reason: gpu0.sock -> gpu0.failed."""
+    return (socket[:-len(".sock")] if socket.endswith(".sock") else socket) + ".failed"
+
+
+def hinted_socket(message: str) -> str | None:
+    """The socket a class engine's refusal names (OTHER_ENGINE_HINT), if any."""
+    at = message.find(OTHER_ENGINE_HINT)
+    if at < 0:
+        return None
+    rest = message[at + len(OTHER_ENGINE_HINT):].split()
+    return rest[0].rstrip(".,;:)") if rest else None

@@ -1,0 +1,150 @@
+"""Class engines (`epd serve --class-engines`, issue 14): two engine processes per device, one
+for latency groups (gpu<D>.latency.sock), one for throughput groups (gpu<D>.sock). The slots
+and their sockets, the topology, a join on the wrong class's engine refused naming the right
+socket (FAILED_PRECONDITION, nothing changed), a session opened for a class landing on its
+engine, the DeepEP facade moving its session there on its own, and two pools of different
+classes at once on their own engines exact against the reference (CPU backend)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from ranklib import Case, case_round, check_case, join
+
+from epd.client import EpdError, Session
+from epd.client.buffer import Buffer
+from epd.client.session import engine_socket
+from epd.proto import engine_sockets
+from epd.server import config
+from epd.server import reference as ref
+from epd.server.cli import build_parser
+from epd.server.engine_slots import EngineSlot, engine_slots, slot_of
+
+POLICY = "ce-decode-*=latency, ce-prefill-*=throughput"
+DAEMON_ENGINES = 2  # devices; the daemon runs two engines per device
+DAEMON_EXTRA = ["--class-engines", "--service-class-policy", POLICY]
+
+
+def test_slots_sockets_and_config():
+    assert engine_slots(2) == [EngineSlot(0, 0, pe=0), EngineSlot(1, 1, pe=1)]
+    assert engine_slots(2, True) == [
+        EngineSlot(0, 0, "throughput", 0, 0), EngineSlot(1, 1, "throughput", 0, 1),
+        EngineSlot(2, 0, "latency", 1, 0), EngineSlot(3, 1, "latency", 1, 1)]
+    assert slot_of(3, 4, True) == EngineSlot(3, 1, "latency", 1, 1)
+    assert engine_sockets.socket_name(1, "latency") == "gpu1.latency.sock"
+    assert engine_sockets.socket_name(1, "throughput") == engine_sockets.socket_name(1)
+    assert engine_sockets.failure_file("/x/gpu1.latency.sock") == "/x/gpu1.latency.failed"
+    msg = f"... runs only latency groups: {engine_sockets.OTHER_ENGINE_HINT}/x/gpu0.sock (Buf"
+    assert engine_sockets.hinted_socket(msg) == "/x/gpu0.sock"
+    assert engine_sockets.hinted_socket("no hint here") is None
+    cfg = config.load(build_parser().parse_args(["serve", "--class-engines"]), {})
+    assert cfg.class_engines and cfg.engine_socket(0, "latency").endswith("gpu0.latency.sock")
+    assert config.load(None, {"EPD_CLASS_ENGINES": "1"}).class_engines
+    with pytest.raises(ValueError, match="class_engines is for one node"):
+        config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_NUM_NODES": "2",
+                           "EPD_CLUSTER_ADDRESS": "127.0.0.1:1", "EPD_CLUSTER_TOKEN_FILE": "/t"})
+
+
+def test_client_picks_the_class_engine(tmp_path):
+    folder = str(tmp_path)
+    assert engine_socket(folder, 1, "latency") == os.path.join(folder, "gpu1.sock")  # none yet
+    open(os.path.join(folder, "gpu1.latency.sock"), "w").close()
+    assert engine_socket(folder, 1, "latency") == os.path.join(folder, "gpu1.latency.sock")
+    assert engine_socket(folder, 1, "throughput") == os.path.join(folder, "gpu1.sock")
+    assert engine_socket(folder, 1) == os.path.join(folder, "gpu1.sock")
+
+
+def test_topology_shows_each_engine_class_and_device(daemon):
+    for d in range(DAEMON_ENGINES):
+        for cls in ("", "latency"):
+            assert os.path.exists(daemon.socket(d, cls))
+    r = subprocess.run([sys.executable, "-m", "epd.server.cli", "topology",
+                        "--socket-dir", daemon.socket_dir], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if x.strip().startswith("engine ")]
+    assert len(lines) == 2 * DAEMON_ENGINES, r.stdout
+    assert "gpu0.sock cpu device 0 throughput groups only ready" in lines[0], lines[0]
+    assert "gpu1.latency.sock cpu device 1 latency groups only ready" in lines[3], lines[3]
+
+
+def _join1(s: Session, name: str, service_class: str | None = None):
+    return s.join(name, rank=0, num_ranks=1, num_experts=2, hidden=128, max_tokens_per_rank=8,
+                  num_topk=1, dtype="bfloat16", service_class=service_class)
+
+
+def test_a_group_on_the_other_class_engine_is_refused_naming_its_socket(daemon):
+    with Session(daemon.socket(1), timeout=10) as s:  # device 1's throughput engine
+        with pytest.raises(EpdError) as ei:
+            _join1(s, "ce-decode-wrong")  # the policy makes it latency
+        e = ei.value
+        assert e.code.name == "FAILED_PRECONDITION", e
+        assert engine_sockets.hinted_socket(e.details) == daemon.socket(1, "latency"), e.details
+        assert "runs only throughput groups" in e.details and "EPD_SERVICE_CLASS=latency" \
+            in e.details
+        assert not s.stats().groups  # nothing changed: the session goes on
+        assert _join1(s, "ce-prefill-right").service_class == "throughput"
+    with Session(daemon.socket(1, "latency"), timeout=10) as s:
+        with pytest.raises(EpdError) as ei:
+            _join1(s, "ce-prefill-wrong")
+        assert engine_sockets.hinted_socket(ei.value.details) == daemon.socket(1)
+        assert _join1(s, "ce-decode-right").service_class == "latency"
+    with Session(socket_dir=daemon.socket_dir, engine=0, service_class="latency",
+                 timeout=10) as s:
+        assert s.endpoint == daemon.socket(0, "latency")
+        assert _join1(s, "ce-decode-by-class").service_class == "latency"
+
+
+def test_the_deepep_buffer_moves_to_its_class_engine(daemon):
+    """No class asked: the policy makes the Buffer's groups latency; its first join is refused
+    by the default engine and the Buffer reopens its session on the latency engine; asking
+    goes there at once. Layout, dispatch and combine are exact (one rank)."""
+    rng = np.random.default_rng(5)
+    idx, w = ref.random_routing(rng, 12, 4, 2)
+    x = ref.random_x(rng, 12, 256, np.float32)
+    for kw in ({}, {"service_class": "latency"}):
+        buf = Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=1,
+                     group_name="ce-decode-buf", **kw)
+        try:
+            assert buf.session.endpoint == daemon.socket(1, "latency" if kw else "")
+            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+            assert buf.session.endpoint == daemon.socket(1, "latency")
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=n_expert)
+            combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+            disp = ref.dispatch([x], [idx], [w], 4)[0]
+            want = ref.combine([disp.recv_x], [disp], [12],
+                               recv_topk_weights=[disp.recv_topk_weights])[0][0]
+            np.testing.assert_array_equal(np.asarray(recv_x), disp.recv_x)
+            np.testing.assert_array_equal(np.asarray(combined), want)
+            assert {g.service_class for g in buf.session.stats().groups} == {1}  # LATENCY
+        finally:
+            buf.destroy()
+
+
+def run_pool(endpoint: str, case: Case, rank: int) -> dict:
+    with Session(endpoint, client_name=f"ce-rank{rank}", timeout=20) as s:
+        g = join(s, case, rank)
+        res = case_round(s, g, case, rank)
+        res.update(service_class=g.service_class, engine=s.stats().engine_index)
+        return res
+
+
+def test_two_pools_on_their_own_engines_exact(daemon, ranks):
+    decode = Case(group="ce-decode-pool", num_ranks=2, num_experts=8, hidden=256, num_topk=2,
+                  tokens=(24, 17), seed=21, rounds=3)
+    prefill = Case(group="ce-prefill-pool", num_ranks=2, num_experts=4, hidden=512,
+                   num_topk=3, tokens=(64, 80), seed=22, rounds=3)
+    calls = [(run_pool, daemon.socket(r, "latency"), decode, r) for r in range(2)] + \
+        [(run_pool, daemon.socket(r), prefill, r) for r in range(2)]
+    results = ranks.run_ok(calls)
+    check_case(decode, results[:2])
+    check_case(prefill, results[2:])
+    # device r's latency engine is engine 2 + r; its throughput engine is engine r
+    assert [(r["service_class"], r["engine"]) for r in results] == [
+        ("latency", 2), ("latency", 3), ("throughput", 0), ("throughput", 1)]
