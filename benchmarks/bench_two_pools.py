@@ -195,6 +195,10 @@ def main() -> int:
                     help="the prefill pool on a second daemon on the same GPUs, under the "
                          "first one's MPS server: the pools' launches in separate engine "
                          "processes (the metrics read are the decode daemon's)")
+    ap.add_argument("--class-engines", action="store_true",
+                    help="the daemon's --class-engines: the decode pool on each device's "
+                         "latency engine, prefill on its throughput engine (one daemon, one "
+                         "engine process per device and class)")
     ap.add_argument("--json")
     ns = ap.parse_args()
 
@@ -205,6 +209,11 @@ def main() -> int:
     if cuda:
         extra += ["--mps", ns.mps]
     extra += ns.serve_arg
+    if ns.class_engines:
+        if ns.no_classes:
+            ap.error("--class-engines needs the classes (the policy puts decode on the "
+                     "latency engines)")
+        extra.append("--class-engines")
     engines = 0 if cuda else 2
     if cuda:
         import cupy
@@ -240,8 +249,9 @@ def main() -> int:
         for pool in ("decode", "prefill"):
             daemon = d_prefill if pool == "prefill" and d_prefill is not None else d
             for r in range(ns.ranks):
+                cls = "latency" if ns.class_engines and pool == "decode" else ""
                 procs.append(ctx.Process(target=_rank, args=(
-                    pool, r, ns, daemon.socket(r % max(engines, 1)), cuda, barrier, q)))
+                    pool, r, ns, daemon.socket(r % max(engines, 1), cls), cuda, barrier, q)))
         for p in procs:
             p.start()
         host: dict[str, dict] = {}

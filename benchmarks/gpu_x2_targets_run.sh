@@ -6,11 +6,11 @@
 #        `epd bench` at P and D with the low-latency rows, with and without MPS, beside DeepEP
 #        in-process and the NCCL pipeline (JSON + plot under $OUT)
 #   bash benchmarks/gpu_x2_targets_run.sh pools   # carry [".whl"]: the two-pool benchmark
-#        (issue 14's targets) with classes, without, on the low-latency chain, and on the
-#        chain with the prefill pool in a second daemon (each with the engine host's figures,
-#        the chain's dry count and the poller's slow rounds)
-#   bash benchmarks/gpu_x2_targets_run.sh pools2  # the same with pacing, without MPS, the
-#        poller split over two daemons, and the chain with prefill capped at 12 blocks
+#        (issue 14's targets) with classes, without, on class engines (--class-engines: an
+#        engine process per GPU and class), and the chain on class engines (each with the
+#        engine host's figures, the chain's dry count and the poller's slow rounds)
+#   bash benchmarks/gpu_x2_targets_run.sh pools2  # the chain on one engine, class engines
+#        without MPS, the poller split over two daemons, and one engine without MPS
 #   bash benchmarks/gpu_x2_targets_run.sh cluster # carry [".whl"]: the cluster tests with one
 #        logical node per GPU (auto and two stages), test_nvshmem.py whole (issue 13)
 #   bash benchmarks/gpu_x2_targets_run.sh suite   # the GPU test suite (a part of it fits one
@@ -38,18 +38,18 @@ case "${1:-}" in
         --low-latency --skip deep_ep_ll --json "$OUT/bench_nomps.json" 2>&1 | clean | tail -30
     ;;
   pools|pools2)
-    # pools: the poller with and without classes, the chain (--ll-chain: depth 64, entry on
-    # the device; the best on one GPU, nineteenth session), and the chain with the prefill
-    # pool in a second daemon's engine process; pools2: pacing, no MPS, the poller split
-    # (the chain's runs so far gave the daemon and its private MPS server 32 connections)
+    # pools: the poller with and without classes, on class engines (the two-daemon split that
+    # met the three targets on one GPU, twentieth session, built into one daemon), and the
+    # chain on them; pools2: the chain on one engine, class engines without MPS, the split,
+    # one engine without MPS (the chain's runs give the daemon and its private MPS server 32
+    # connections)
     chain="--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32"
     if [ "$1" = pools ]; then
-      variants=("classes:" "noclasses:--no-classes" "chain:$chain"
-                "chain_split:$chain --split-daemons")
+      variants=("classes:" "noclasses:--no-classes" "class_engines:--class-engines"
+                "chain_class_engines:$chain --class-engines")
     else
-      variants=("pacing:--serve-arg=--throughput-pause-us=1000" "nomps:--mps=off"
-                "poller_split:--split-daemons" "chain_tp12:$chain \
---serve-arg=--throughput-num-sms=12")
+      variants=("chain:$chain" "class_engines_nomps:--class-engines --mps=off"
+                "poller_split:--split-daemons" "nomps:--mps=off")
     fi
     for v in "${variants[@]}"; do
       # shellcheck disable=SC2086  # (the variant's flags, split on purpose)

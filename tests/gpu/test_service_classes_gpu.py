@@ -3,7 +3,8 @@ a throughput (prefill, normal mode) group of one daemon run at the same time; bo
 against the reference, the latency group's rank streams have a higher CUDA priority than the
 throughput group's, and each class's kernels use its SM budget (a client's larger num_sms
 request is bounded by it). Not a benchmark: the latency targets under load are measured
-separately (two pools on one daemon)."""
+separately (two pools on one daemon). Run twice: one engine per GPU, then class engines
+(`--class-engines`: the decode group on each GPU's latency engine)."""
 
 from __future__ import annotations
 
@@ -28,18 +29,22 @@ PREFILL = Workload(2, [1024, 900], 4096, 16, 4, seed=142)
 M = 64  # num_max_dispatch_tokens_per_rank of the decode group
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    """`epd serve --backend cuda` with a service-class policy and per-class SM budgets."""
+@pytest.fixture(scope="module", params=[False, True], ids=["one-engine", "class-engines"])
+def daemon(request):
+    """`epd serve --backend cuda` with a service-class policy and per-class SM budgets; then
+    with class engines (an engine process per GPU and class, each class its own NVSHMEM
+    world)."""
     yield from cuda_daemon(("--service-class-policy", POLICY,
                             "--latency-num-sms", str(LATENCY_SMS),
-                            "--throughput-num-sms", str(THROUGHPUT_SMS)))
+                            "--throughput-num-sms", str(THROUGHPUT_SMS),
+                            *(("--class-engines",) if request.param else ())))
 
 
 def _stats(s, name: str) -> dict:
     g = next(x for x in s.stats().groups if x.name == name)
     return {"service_class": g.service_class, "stream_priority": g.stream_priority,
-            "num_sms": g.num_sms, "ll_num_sms": g.ll_num_sms, "queued_calls": g.queued_calls}
+            "num_sms": g.num_sms, "ll_num_sms": g.ll_num_sms, "queued_calls": g.queued_calls,
+            "engine": s.stats().engine_index}
 
 
 def _decode_rank(rank: int, socket: str, device: int, q) -> None:
@@ -110,8 +115,10 @@ def _prefill_rank(rank: int, socket: str, device: int, q) -> None:
 def test_latency_and_throughput_groups_concurrently(daemon) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=fn, args=(r, daemon.socket(r % GPU_COUNT), r % GPU_COUNT, q))
-             for fn in (_decode_rank, _prefill_rank) for r in range(2)]
+    classes = "--class-engines" in daemon.extra
+    procs = [ctx.Process(target=fn, args=(
+        r, daemon.socket(r % GPU_COUNT, "latency" if classes and fn is _decode_rank else ""),
+        r % GPU_COUNT, q)) for fn in (_decode_rank, _prefill_rank) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -165,6 +172,11 @@ def test_latency_and_throughput_groups_concurrently(daemon) -> None:
     assert len(lat) == 1 and len(thr) == 1, (lat, thr)
     # CUDA priorities: lower is more urgent; throughput has the least (the default, 0)
     assert max(lat) < min(thr) == 0, (lat, thr)
+    # class engines: decode on the latency engines (after the GPUs' throughput engines)
+    if classes:
+        gpus = {r % GPU_COUNT for r in range(2)}
+        assert {r["stats"]["engine"] for r in decode} == {GPU_COUNT + g for g in gpus}
+        assert {r["stats"]["engine"] for r in prefill} == gpus
 
     from prometheus_client.parser import text_string_to_metric_families
     status, body = daemon.get("/metrics")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Twentieth session (2026-12-03, one H200). carry [".whl"].
+#   bash benchmarks/gpu_s20_run.sh classes  # class engines (--class-engines, issue 14): the
+#        service classes' GPU test on one engine and on class engines (decode on the GPU's
+#        latency engine, exact), then the two pools on class engines (the poller, and the
+#        chain) beside one engine's poller, in the same run (about 8 minutes)
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean, pools, merge_json)
+case "${1:-}" in
+  classes)
+    STEP_TEST_SECONDS=150 step classes 230 "tests/gpu/test_service_classes_gpu.py"
+    export POOLS_SECONDS=${POOLS_SECONDS:-95}
+    pools class_engines --class-engines
+    pools one_engine
+    pools class_engines_chain --class-engines --serve-arg=--ll-chain \
+        --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+    merge_json pool pools_classes
+    ;;
+  *) echo "usage: $0 classes" >&2; exit 2 ;;
+esac
