@@ -12,8 +12,10 @@ case "${1:-}" in
     export POOLS_SECONDS=${POOLS_SECONDS:-95}
     pools class_engines --class-engines
     pools one_engine
-    pools class_engines_chain --class-engines --serve-arg=--ll-chain \
-        --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+    if [ "$SECONDS" -lt "${CHAIN_BEFORE:-330}" ]; then  # (the chain only where time is left)
+      pools class_engines_chain --class-engines --serve-arg=--ll-chain \
+          --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32
+    fi
     merge_json pool pools_classes
     ;;
   *) echo "usage: $0 classes" >&2; exit 2 ;;
