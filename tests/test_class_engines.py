@@ -148,3 +148,57 @@ def test_two_pools_on_their_own_engines_exact(daemon, ranks):
     # device r's latency engine is engine 2 + r; its throughput engine is engine r
     assert [(r["service_class"], r["engine"]) for r in results] == [
         ("latency", 2), ("latency", 3), ("throughput", 0), ("throughput", 1)]
+
+
+def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypatch):
+    """Device-free: on the cuda planner each class's engines form their own NVSHMEM world; an
+    engine that exits takes down and restarts only its world's engines, after a new world
+    for that class; bootstrap numbers a latency engine's PE from 0 in its world."""
+    from types import SimpleNamespace
+
+    from epd.server.backends.cuda_plan import CudaPlanner
+    from epd.server.supervisor import Supervisor
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    cfg = config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_BACKEND": "cuda",
+                             "EPD_SOCKET_DIR": str(tmp_path)})
+    planner = CudaPlanner(cfg)
+    worlds: list[int] = []
+
+    def new_world(world: int = 0) -> None:  # (the real one asks NVSHMEM for a unique id)
+        worlds.append(world)
+        if world:
+            planner.latency_world = (b"u" * 8, planner.latency_world[1] + 1)
+
+    planner.new_world = new_world
+    sup = Supervisor(cfg, planner, 2)
+    assert [(e.index, os.path.basename(e.socket_path)) for e in sup.engines] == [
+        (0, "gpu0.sock"), (1, "gpu1.sock"), (2, "gpu0.latency.sock"),
+        (3, "gpu1.latency.sock")]
+    spawned: list[int] = []
+    monkeypatch.setattr(sup, "_spawn", lambda e: spawned.append(e.index))
+    monkeypatch.setattr(sup, "_engine_gone", lambda e: None)
+    lost = sup.engines[3]
+    lost.proc = SimpleNamespace(pid=4242)
+    sup._exited(lost, 1)
+    assert [e.index for e in sup.engines if e.restart_at is not None] == [2, 3]
+    sup._restart(lost)
+    assert worlds == [1] and spawned == [2, 3]
+    assert sup.world_size(1) == 2
+    boot = planner.bootstrap(lost.slot.pe, sup.world_size(1), lost.slot.world)
+    assert (boot.pe, boot.num_pes, boot.generation, boot.nvshmem_uid) == (1, 2, 1, b"u" * 8)
+    # a latency group's plan lives in the latency engines' heap: the same offset as a
+    # throughput group's, freed from its own heap
+    from epd.proto.v1 import epd_pb2
+    from epd.server.backends.base import GroupSpec
+    from epd.server.backends.cuda_plan import decode_plan, plan_world
+
+    def spec(name: str, cls: int) -> GroupSpec:
+        return GroupSpec(name, 2, 8, 256, 16, 2, epd_pb2.BFLOAT16, True, cls)
+
+    lat = planner.plan_group("l", spec("l", epd_pb2.LATENCY))
+    thr = planner.plan_group("t", spec("t", epd_pb2.THROUGHPUT))
+    assert (plan_world(lat), plan_world(thr)) == (1, 0)
+    assert decode_plan(lat)[0] == decode_plan(thr)[0] == 0
+    planner.free_group(lat)
+    assert not planner.latency_heap.used and planner.heap.used
