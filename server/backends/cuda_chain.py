@@ -293,9 +293,11 @@ class LowLatencyChain:
     def _close_loop(self, timeout: float) -> None:
         """The graph loop's end: set the stop word, let one last round through (a released
         entry when no call is pending), wait for the graph to finish."""
+        # A copy, not `fill`: cupy loads an elementwise kernel into the context, which waits
+        # for the kernels running in it, and another member's loop spins until it closes.
         with cp.cuda.Device(self.runner.device_id):
-            self.stop.fill(1)
-            cp.cuda.get_current_stream().synchronize()
+            self.stop.set(np.ones(1, np.uint32), stream=self.side)
+            self.side.synchronize()
         tail = self._word(abi.LL_RING_TAIL)
         if tail == self._word(abi.LL_RING_HEAD):  # (the gate waits for a call: release it)
             self.words[tail % abi.LL_RING] = abi.LL_ENTRY_RELEASED

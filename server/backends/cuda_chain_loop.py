@@ -148,6 +148,22 @@ class ChainLoop:
             self.graph = None
 
 
+def preload(device_id: int) -> None:
+    """Link and load epd_ll_loop_next before the engine serves (EPD_CHAIN_LOOP set): loading
+    a module into the context waits for the kernels running in it, and a member's loop
+    spins until its chain closes, so a second member loading it then hung (twentieth
+    session). A failure now is the loop's failure later: `require` refuses to start."""
+    if not LOOP:
+        return
+    try:
+        loop_next_kernel(device_id)
+    except Exception as e:
+        if REQUIRED:
+            raise
+        log.warning("EPD_CHAIN_LOOP=graph: cannot load the chain loop's kernel (%s); chains "
+                    "will be topped up from the host", e)
+
+
 def build(device_id: int, launches: list[ck.Launch], state: Any, stop: Any) -> ChainLoop | None:
     """The loop, or None with a warning (the chain then tops itself up from the host)."""
     try:
