@@ -249,6 +249,10 @@ ENGINE_START_FAILURES = Gauge(
     ["engine"], multiprocess_mode="livemax")
 ENGINE_UP = Gauge("epd_engine_up", "1 when the engine is serving", ["engine"],
                   multiprocess_mode="livemax")
+ENGINE_INFO = Gauge("epd_engine_info", "1 per serving engine: the device it drives and the "
+                    "service class whose groups it runs (any; with --class-engines latency or "
+                    "throughput)", ["engine", "device", "service_class"],
+                    multiprocess_mode="livemax")
 BUILD_INFO = Gauge("epd_build_info", "Version and backend", ["version", "backend"],
                    multiprocess_mode="livemax")
 CUDA_CLOSES_PENDING = Gauge("epd_cuda_closes_pending", "A departed client's CUDA IPC mappings "

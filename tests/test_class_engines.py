@@ -13,6 +13,7 @@ import sys
 
 import numpy as np
 import pytest
+from daemon_harness import samples, value
 from ranklib import Case, case_round, check_case, join
 
 from epd.client import EpdError, Session
@@ -70,6 +71,10 @@ def test_topology_shows_each_engine_class_and_device(daemon):
     assert len(lines) == 2 * DAEMON_ENGINES, r.stdout
     assert "gpu0.sock cpu device 0 throughput groups only ready" in lines[0], lines[0]
     assert "gpu1.latency.sock cpu device 1 latency groups only ready" in lines[3], lines[3]
+    ss = samples(daemon)
+    for engine, device, cls in ((0, 0, "throughput"), (3, 1, "latency")):
+        assert value(ss, "epd_engine_info", engine=str(engine), device=str(device),
+                     service_class=cls) == 1
 
 
 def _join1(s: Session, name: str, service_class: str | None = None):

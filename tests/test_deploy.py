@@ -58,6 +58,7 @@ METRICS = {
     "epd_region_bytes": "gauge",
     "epd_engine_restarts_total": "counter",
     "epd_engine_up": "gauge",
+    "epd_engine_info": "gauge",
     "epd_build_info": "gauge",
     "epd_group_service_class": "gauge",
     "epd_queue_wait_seconds": "histogram",

@@ -81,6 +81,7 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     metrics.ENGINE_UP.labels(str(index)).set(1)
+    metrics.ENGINE_INFO.labels(str(index), str(slot.device), slot.service_class or "any").set(1)
     gc_pauses.install(cfg.gc_freeze)
     info = backend.device_info()
     log.info("engine %d serving on %s (backend %s, device %s, pid %d)", index, path,
