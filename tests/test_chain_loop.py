@@ -33,3 +33,27 @@ def test_the_loop_source_takes_its_state_word_from_the_abi() -> None:
     assert "#define LLS_K" not in text  # (the builder puts abi.LLS_K first: one definition)
     assert "state[LLS_K] += 1" in text
     assert abi.LLS_K < abi.LLS_WORDS and abi.CHAIN_K_LOOP == 2**64 - 1
+
+
+def test_the_loop_kernel_is_loaded_at_start_or_the_engine_refuses(monkeypatch, caplog) -> None:
+    """EPD_CHAIN_LOOP: the engine links and loads epd_ll_loop_next before it serves (a module
+    load waits for a spinning loop); off, nothing is built; graph, a failure warns; require,
+    it stops the engine's start."""
+    calls: list[int] = []
+
+    def unlinkable(device_id: int):
+        calls.append(device_id)
+        raise RuntimeError("EPD_CHAIN_LOOP=graph needs libcudadevrt.a")
+
+    monkeypatch.setattr(cuda_chain_loop, "loop_next_kernel", unlinkable)
+    monkeypatch.setattr(cuda_chain_loop, "LOOP", False)
+    cuda_chain_loop.preload(0)
+    assert calls == []
+    monkeypatch.setattr(cuda_chain_loop, "LOOP", True)
+    monkeypatch.setattr(cuda_chain_loop, "REQUIRED", False)
+    with caplog.at_level(logging.WARNING, logger="epd.engine"):
+        cuda_chain_loop.preload(1)
+    assert calls == [1] and "libcudadevrt.a" in caplog.text
+    monkeypatch.setattr(cuda_chain_loop, "REQUIRED", True)
+    with pytest.raises(RuntimeError, match="libcudadevrt"):
+        cuda_chain_loop.preload(2)
