@@ -207,3 +207,31 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
     assert decode_plan(lat)[0] == decode_plan(thr)[0] == 0
     planner.free_group(lat)
     assert not planner.latency_heap.used and planner.heap.used
+
+
+def test_a_buffer_whose_groups_span_both_classes_is_told_which_socket(daemon_factory):
+    """A session serves one class: a Buffer whose low-latency group the policy makes
+    latency, after a normal-mode group of throughput on the default engine, gets the refusal
+    naming the latency engine's socket; its first group goes on."""
+    policy = "ce-split*-ll*=latency, *=throughput"
+    with daemon_factory(engines=1, extra=["--class-engines", "--service-class-policy",
+                                          policy]) as d:
+        rng = np.random.default_rng(6)
+        idx, w = ref.random_routing(rng, 8, 4, 2)
+        x = ref.random_x(rng, 8, 128, np.float32)
+        buf = Buffer(rank=0, num_ranks=1, socket_dir=d.socket_dir, engine=0,
+                     group_name="ce-split")
+        try:
+            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+            assert buf.session.endpoint == d.socket(0)
+            with pytest.raises(EpdError) as ei:
+                buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
+            assert ei.value.code.name == "FAILED_PRECONDITION"
+            assert engine_sockets.hinted_socket(ei.value.details) == d.socket(0, "latency")
+            recv_x, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                      num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                      num_tokens_per_expert=n_expert)
+            np.testing.assert_array_equal(np.asarray(recv_x),
+                                          ref.dispatch([x], [idx], [w], 4)[0].recv_x)
+        finally:
+            buf.destroy()
