@@ -9,15 +9,17 @@ separately (two pools on one daemon). Run twice: one engine per GPU, then class 
 from __future__ import annotations
 
 import multiprocessing as mp
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from epd.proto.dtypes import BFLOAT16
 from epd.server import reference as ref
 from epd.server.demo import Workload
 
 from .conftest import GPU_COUNT, cuda_daemon
-from .test_daemon import _bits, _check_ll, _compact, _to_torch
+from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -185,3 +187,58 @@ def test_latency_and_throughput_groups_concurrently(daemon) -> None:
             for fam in text_string_to_metric_families(body) for s in fam.samples}
     assert ("epd_group_service_class", "svc-decode-gpu", "latency") in seen
     assert ("epd_queue_wait_seconds_count", "svc-prefill-gpu", "throughput") in seen
+
+
+def _facade_rank(rank: int, socket: str, device: int, socket_dir: str, q) -> None:
+    """DeepEP's Buffer as a decode server builds it (no class, no endpoint: its device's
+    default socket); the policy makes its group latency. Three low-latency dispatch + combine
+    steps (identity experts) on one Buffer, and the socket its session ended on."""
+    import torch
+
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    wl = DECODE
+    res: dict = {"rank": rank, "steps": []}
+    buf = Buffer(None, rank=rank, num_ranks=wl.num_ranks, socket_dir=socket_dir,
+                 low_latency_mode=True, group_name="svc-decode-facade", timeout=60)
+    for step in range(3):
+        x, idx, w = (_to_torch(a, device) for a in _facade_inputs(rank, step))
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, wl.num_experts,
+                                                             use_fp8=False)
+        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        torch.cuda.synchronize()
+        res["steps"].append({"compact": _compact(SimpleNamespace(
+            recv_x=recv, recv_count=count, recv_x_scales=None, recv_src_rank=handle.src_rank,
+            recv_src_idx=handle.src_idx), wl.num_experts // wl.num_ranks), "cx": _bits(cx)})
+    res["endpoint"] = buf.session.endpoint
+    buf.destroy()
+    q.put(res)
+
+
+def _facade_inputs(rank: int, step: int):
+    rng = np.random.default_rng([151, step, rank])
+    t = DECODE.tokens[rank]
+    idx, w = ref.random_routing(rng, t, DECODE.num_experts, DECODE.num_topk, drop_prob=0.05)
+    return ref.random_x(rng, t, DECODE.hidden, BFLOAT16), idx, w
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_deepep_buffer_lands_on_its_class_engine(daemon) -> None:
+    """The DeepEP facade as frameworks use it: exact over three steps; with class engines its
+    session has moved to the latency engine's socket at the first call."""
+    results = _spawn_ranks(daemon, _facade_rank, 2, daemon.socket_dir)
+    classes = "--class-engines" in daemon.extra
+    lx = DECODE.num_experts // DECODE.num_ranks
+    for step in range(3):
+        xs, idx, w = (list(v) for v in zip(*(_facade_inputs(r, step) for r in range(2)),
+                                           strict=True))
+        disp = ref.low_latency_dispatch(xs, idx, DECODE.num_experts, M)
+        combined = ref.low_latency_combine([d.recv_x for d in disp], disp, idx, w,
+                                           DECODE.num_experts)
+        for r, res in enumerate(results):
+            _check_ll(disp[r], res["steps"][step]["compact"], lx)
+            np.testing.assert_array_equal(res["steps"][step]["cx"],
+                                          combined[r].view(np.uint16))
+    for r, res in enumerate(results):
+        assert res["endpoint"] == daemon.socket(r % GPU_COUNT, "latency" if classes else ""), \
+            res["endpoint"]
