@@ -454,8 +454,9 @@ class Engine(StreamCalls, DataPlane):
             return
         other = self.config.engine_socket(self.slot.device, theirs)
         raise FailedPrecondition(
-            f"group {group!r} is a {theirs} group and {self.slot.describe()} runs only {mine} "
-            f"groups (--class-engines): {engine_sockets.OTHER_ENGINE_HINT}{other} "
+            f"group {group!r} is a {theirs} group and engine {self.index} (device "
+            f"{self.slot.device}) runs only {mine} groups (--class-engines): "
+            f"{engine_sockets.OTHER_ENGINE_HINT}{other} "
             f"(Buffer(service_class={theirs!r}) or EPD_SERVICE_CLASS={theirs} picks it)")
 
     async def join_group(self, session: Session, req: epd_pb2.JoinGroupRequest) -> GroupMember:
