@@ -143,6 +143,9 @@ class Config:
                 "fewer clients: lower it on nodes with many client processes (1-32)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
+    latency_heap_bytes: int = field(default=0, metadata={
+        "help": "cuda backend with --class-engines: symmetric heap of each latency engine "
+                "(decode groups are small: e.g. 2 GiB); 0 = --nvshmem-heap-bytes"})
     mps: str = field(default="auto", metadata={
         "help": "CUDA MPS for the engines and their clients: on (use the node's MPS control "
                 "daemon, else start a private one in <socket-dir>/mps; an error if neither "
@@ -359,6 +362,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError(f"throughput_pause_us must lie in [0, 1000000] (0: no pacing), got "
                          f"{cfg.throughput_pause_us}")
     check_cluster(cfg)
+    if cfg.latency_heap_bytes < 0:
+        raise ValueError(f"latency_heap_bytes must be >= 0 (0: nvshmem_heap_bytes), got "
+                         f"{cfg.latency_heap_bytes}")
     if cfg.class_engines and cfg.num_nodes > 1:
         raise ValueError("class_engines is for one node (num_nodes 1): a world over several "
                          "nodes has one engine per device")

@@ -224,7 +224,7 @@ class Supervisor:
         # Never NVLink multicast: it can take a shared host's GPUs out of service.
         env.setdefault("NVSHMEM_DISABLE_NVLS", "1")
         env.setdefault("NCCL_NVLS_ENABLE", "0")
-        for key, value in self.planner.engine_env().items():
+        for key, value in self.planner.engine_env(e.slot.world).items():
             env.setdefault(key, value)
         env.update(self.mps.env())  # the MPS server in use (the engine reports it to clients)
         env[NODE_TOKEN_ENV] = self.node_token

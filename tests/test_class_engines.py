@@ -45,6 +45,8 @@ def test_slots_sockets_and_config():
     cfg = config.load(build_parser().parse_args(["serve", "--class-engines"]), {})
     assert cfg.class_engines and cfg.engine_socket(0, "latency").endswith("gpu0.latency.sock")
     assert config.load(None, {"EPD_CLASS_ENGINES": "1"}).class_engines
+    with pytest.raises(ValueError, match="latency_heap_bytes must be >= 0"):
+        config.load(None, {"EPD_LATENCY_HEAP_BYTES": "-1"})
     with pytest.raises(ValueError, match="class_engines is for one node"):
         config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_NUM_NODES": "2",
                            "EPD_CLUSTER_ADDRESS": "127.0.0.1:1", "EPD_CLUSTER_TOKEN_FILE": "/t"})
@@ -166,7 +168,8 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     cfg = config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_BACKEND": "cuda",
-                             "EPD_SOCKET_DIR": str(tmp_path)})
+                             "EPD_SOCKET_DIR": str(tmp_path),
+                             "EPD_LATENCY_HEAP_BYTES": str(1 << 30)})
     planner = CudaPlanner(cfg)
     worlds: list[int] = []
 
@@ -192,6 +195,11 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
     assert sup.world_size(1) == 2
     boot = planner.bootstrap(lost.slot.pe, sup.world_size(1), lost.slot.world)
     assert (boot.pe, boot.num_pes, boot.generation, boot.nvshmem_uid) == (1, 2, 1, b"u" * 8)
+    # the latency engines' heap is their own size (--latency-heap-bytes), in their environment
+    # and their bootstrap; the throughput engines keep --nvshmem-heap-bytes
+    assert boot.heap_bytes == 1 << 30
+    assert planner.engine_env(1)["NVSHMEM_SYMMETRIC_SIZE"] == str(2 << 30)
+    assert planner.engine_env(0)["NVSHMEM_SYMMETRIC_SIZE"] == str((4 << 30) + (1 << 30))
     # a latency group's plan lives in the latency engines' heap: the same offset as a
     # throughput group's, freed from its own heap
     from epd.proto.v1 import epd_pb2
@@ -207,6 +215,10 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
     assert decode_plan(lat)[0] == decode_plan(thr)[0] == 0
     planner.free_group(lat)
     assert not planner.latency_heap.used and planner.heap.used
+    big = GroupSpec("big", 8, 256, 7168, 1024, 8, epd_pb2.BFLOAT16, True, epd_pb2.LATENCY)
+    with pytest.raises(EpdError, match="raise --latency-heap-bytes"):
+        planner.plan_group("big", big)
+    assert not planner.latency_heap.used  # (nothing taken)
 
 
 def test_a_buffer_whose_groups_span_both_classes_is_told_which_socket(daemon_factory):

@@ -191,18 +191,20 @@ class GetBootstrapRequest(_message.Message):
     def __init__(self, engine_index: _Optional[int] = ...) -> None: ...
 
 class GetBootstrapResponse(_message.Message):
-    __slots__ = ("nvshmem_uid", "pe", "num_pes", "generation", "node_first_pe")
+    __slots__ = ("nvshmem_uid", "pe", "num_pes", "generation", "node_first_pe", "heap_bytes")
     NVSHMEM_UID_FIELD_NUMBER: _ClassVar[int]
     PE_FIELD_NUMBER: _ClassVar[int]
     NUM_PES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     NODE_FIRST_PE_FIELD_NUMBER: _ClassVar[int]
+    HEAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     nvshmem_uid: bytes
     pe: int
     num_pes: int
     generation: int
     node_first_pe: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, nvshmem_uid: _Optional[bytes] = ..., pe: _Optional[int] = ..., num_pes: _Optional[int] = ..., generation: _Optional[int] = ..., node_first_pe: _Optional[_Iterable[int]] = ...) -> None: ...
+    heap_bytes: int
+    def __init__(self, nvshmem_uid: _Optional[bytes] = ..., pe: _Optional[int] = ..., num_pes: _Optional[int] = ..., generation: _Optional[int] = ..., node_first_pe: _Optional[_Iterable[int]] = ..., heap_bytes: _Optional[int] = ...) -> None: ...
 
 class ReleaseRankRequest(_message.Message):
     __slots__ = ("group_id", "rank", "reason", "left")

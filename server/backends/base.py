@@ -197,8 +197,8 @@ class GroupPlanner(abc.ABC):
         raise FailedPrecondition(f"groups spanning nodes are not supported by the {self.name} "
                                  f"backend")
 
-    def engine_env(self) -> dict[str, str]:
-        """Environment defaults for the engine processes."""
+    def engine_env(self, world: int = 0) -> dict[str, str]:
+        """Environment defaults for the engine processes of `world` (engine_slots.py)."""
         return {}
 
     def new_world(self, world: int = 0) -> None:  # noqa: B027  (optional hook)

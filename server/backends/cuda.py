@@ -1106,7 +1106,7 @@ class CudaBackend(Backend):
         self.comms: weakref.WeakSet[CudaRankComm] = weakref.WeakSet()
         self.closer = QuietCloser(
             self._quiet, metrics.CUDA_CLOSES_PENDING.labels(str(index)).set)
-        self.heap_bytes = cfg.nvshmem_heap_bytes
+        self.heap_bytes = boot.heap_bytes or cfg.nvshmem_heap_bytes  # (latency engines' own)
         self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
         self.heap.fill(0)
         stream = cp.cuda.Stream(non_blocking=True)

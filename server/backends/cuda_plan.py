@@ -294,7 +294,8 @@ class CudaPlanner(GroupPlanner):
         # Class engines (engine_slots.py): the latency engines form world 1, with their own
         # heaps, unique id and generation; world 0 is the throughput engines (or all).
         self.class_engines = bool(getattr(cfg, "class_engines", False))
-        self.latency_heap = HeapAllocator(self.heap_bytes)
+        self.latency_heap_bytes = getattr(cfg, "latency_heap_bytes", 0) or self.heap_bytes
+        self.latency_heap = HeapAllocator(self.latency_heap_bytes)
         self.latency_world = (b"", 0)  # (unique id, generation)
 
     def validate_spec(self, spec: GroupSpec) -> None:
@@ -315,8 +316,9 @@ class CudaPlanner(GroupPlanner):
         world = int(self.class_engines and spec.service_class == epd_pb2.LATENCY)
         offset = (self.latency_heap if world else self.heap).alloc(size)
         if offset is None:
+            flag = "--latency-heap-bytes" if world else "--nvshmem-heap-bytes"
             raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "
-                                    f"{size} bytes (raise --nvshmem-heap-bytes or lower "
+                                    f"{size} bytes (raise {flag} or lower "
                                     f"max_tokens_per_rank)")
         return encode_plan(offset, size, world)
 
@@ -331,7 +333,7 @@ class CudaPlanner(GroupPlanner):
     def mark_gone(self, plan: bytes, rank: int, reason: str) -> None:
         return None
 
-    def engine_env(self) -> dict[str, str]:
+    def engine_env(self, world: int = 0) -> dict[str, str]:
         # One node: no IB probing, loopback bootstrap (a world over several nodes keeps
         # NVSHMEM's own defaults, or what the node's environment sets for its fabric); a heap
         # clients can map over CUDA IPC.
@@ -343,7 +345,11 @@ class CudaPlanner(GroupPlanner):
                 # client: many hardware queues, so one rank's wait stalls no other stream
                 # (under MPS taken from the GPU's one pool: --cuda-max-connections).
                 "CUDA_DEVICE_MAX_CONNECTIONS": str(self.cfg.cuda_max_connections),
-                "NVSHMEM_SYMMETRIC_SIZE": str(self.heap_bytes + (1 << 30))}
+                "NVSHMEM_SYMMETRIC_SIZE": str(self.world_heap_bytes(world) + (1 << 30))}
+
+    def world_heap_bytes(self, world: int) -> int:
+        """The heap each engine of `world` reserves (1: the latency class engines')."""
+        return self.latency_heap_bytes if world else self.heap_bytes
 
     def new_world(self, world: int = 0) -> None:
         import nvshmem.core  # the [cuda] extra
@@ -365,7 +371,8 @@ class CudaPlanner(GroupPlanner):
                 raise FailedPrecondition("the latency engines' NVSHMEM world is not created "
                                          "yet")
             return epd_pb2.GetBootstrapResponse(nvshmem_uid=uid, pe=engine_index,
-                                                num_pes=num_engines, generation=generation)
+                                                num_pes=num_engines, generation=generation,
+                                                heap_bytes=self.latency_heap_bytes)
         if self.world_spans_nodes:  # PE = the node's first PE + the engine's index
             w = self.world
             if w is None:
