@@ -144,8 +144,8 @@ class Config:
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
     latency_heap_bytes: int = field(default=0, metadata={
-        "help": "cuda backend with --class-engines: symmetric heap of each latency engine "
-                "(decode groups are small: e.g. 2 GiB); 0 = --nvshmem-heap-bytes"})
+        "help": "cuda backend with --class-engines: symmetric heap of each latency engine, "
+                "sized to the latency groups; 0 = --nvshmem-heap-bytes"})
     mps: str = field(default="auto", metadata={
         "help": "CUDA MPS for the engines and their clients: on (use the node's MPS control "
                 "daemon, else start a private one in <socket-dir>/mps; an error if neither "
