@@ -334,13 +334,12 @@ class Buffer(LowLatencyMixin):
             elif self.max_tokens_per_rank != self._first_max_tokens:  # grown (see _grow)
                 name += f"-t{self.max_tokens_per_rank}"
             g = self._join(name, rank=self.rank, num_ranks=self.group_size,
-                                  num_experts=num_experts, hidden=hidden,
-                                  max_tokens_per_rank=low_latency_tokens or
-                                  self.max_tokens_per_rank,
-                                  num_topk=num_topk, dtype=dtypes.name(dtypes.from_numpy(dtype)),
-                                  low_latency_mode=bool(low_latency_tokens),
-                                  timeout=self.timeout, service_class=self.service_class,
-                                  shrink=self.enable_shrink and bool(low_latency_tokens))
+                           num_experts=num_experts, hidden=hidden,
+                           max_tokens_per_rank=low_latency_tokens or self.max_tokens_per_rank,
+                           num_topk=num_topk, dtype=dtypes.name(dtypes.from_numpy(dtype)),
+                           low_latency_mode=bool(low_latency_tokens),
+                           timeout=self.timeout, service_class=self.service_class,
+                           shrink=self.enable_shrink and bool(low_latency_tokens))
             self._groups[key] = g
             if low_latency_tokens and self._pending_masks:
                 self._apply_pending_masks(g)
