@@ -10,7 +10,8 @@
 #        engine process per GPU and class), and the chain on class engines (each with the
 #        engine host's figures, the chain's dry count and the poller's slow rounds)
 #   bash benchmarks/gpu_x2_targets_run.sh pools2  # the chain on one engine, class engines
-#        without MPS, the poller split over two daemons, and one engine without MPS
+#        without MPS, class engines with prefill's engines at 75% of the SMs under MPS, and
+#        one engine without MPS
 #   bash benchmarks/gpu_x2_targets_run.sh cluster # carry [".whl"]: the cluster tests with one
 #        logical node per GPU (auto and two stages), test_nvshmem.py whole (issue 13)
 #   bash benchmarks/gpu_x2_targets_run.sh suite   # the GPU test suite (a part of it fits one
@@ -40,16 +41,17 @@ case "${1:-}" in
   pools|pools2)
     # pools: the poller with and without classes, on class engines (the two-daemon split that
     # met the three targets on one GPU, twentieth session, built into one daemon), and the
-    # chain on them; pools2: the chain on one engine, class engines without MPS, the split,
-    # one engine without MPS (the chain's runs give the daemon and its private MPS server 32
-    # connections)
+    # chain on them; pools2: the chain on one engine, class engines without MPS, class
+    # engines with prefill's engines at 75% of the SMs, one engine without MPS (the chain's
+    # runs give the daemon and its private MPS server 32 connections)
     chain="--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32"
     if [ "$1" = pools ]; then
       variants=("classes:" "noclasses:--no-classes" "class_engines:--class-engines"
                 "chain_class_engines:$chain --class-engines")
     else
       variants=("chain:$chain" "class_engines_nomps:--class-engines --mps=off"
-                "poller_split:--split-daemons" "nomps:--mps=off")
+                "class_engines_tp75:--class-engines --serve-arg=--throughput-mps-percentage=75"
+                "nomps:--mps=off")
     fi
     for v in "${variants[@]}"; do
       # shellcheck disable=SC2086  # (the variant's flags, split on purpose)

@@ -172,6 +172,11 @@ class Config:
                 "a decode group's launches never wait behind a prefill group's driver calls; "
                 "on the cuda backend each class's engines form their own NVSHMEM world and "
                 "hold their own heap (twice --nvshmem-heap-bytes per GPU); wants MPS"})
+    throughput_mps_percentage: int = field(default=0, metadata={
+        "help": "with --class-engines under MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the "
+                "throughput engines (1-100; 0 = none), the share of each GPU's SMs a "
+                "throughput group's kernels may occupy at once, the rest left to the latency "
+                "engines' kernels"})
     latency_num_sms: int = field(default=0, metadata={
         "help": "cuda backend: blocks of a latency group's data kernels (normal mode uses it "
                 "instead of --num-sms, low-latency at most it); a client's num_sms is bounded "
@@ -365,6 +370,12 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     if cfg.latency_heap_bytes < 0:
         raise ValueError(f"latency_heap_bytes must be >= 0 (0: nvshmem_heap_bytes), got "
                          f"{cfg.latency_heap_bytes}")
+    if not 0 <= cfg.throughput_mps_percentage <= 100:
+        raise ValueError(f"throughput_mps_percentage must lie in [0, 100] (0: none), got "
+                         f"{cfg.throughput_mps_percentage}")
+    if cfg.throughput_mps_percentage and not cfg.class_engines:
+        raise ValueError("throughput_mps_percentage needs class_engines: on one engine per "
+                         "GPU it would cap the latency groups' kernels too")
     if cfg.class_engines and cfg.num_nodes > 1:
         raise ValueError("class_engines is for one node (num_nodes 1): a world over several "
                          "nodes has one engine per device")

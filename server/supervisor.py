@@ -39,6 +39,7 @@ from .mps import Mps, MpsError
 from .service_classes import LATENCY, THROUGHPUT
 
 log = logging.getLogger("epd.supervisor")
+MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
 
@@ -227,6 +228,9 @@ class Supervisor:
         for key, value in self.planner.engine_env(e.slot.world).items():
             env.setdefault(key, value)
         env.update(self.mps.env())  # the MPS server in use (the engine reports it to clients)
+        if e.slot.service_class == THROUGHPUT and self.cfg.throughput_mps_percentage:
+            # (a class engine's own share of the SMs; only MPS clients read it)
+            env[MPS_PERCENTAGE_ENV] = str(self.cfg.throughput_mps_percentage)
         env[NODE_TOKEN_ENV] = self.node_token
         env["EPD_SUPERVISOR_PID"] = str(os.getpid())  # the engine checks its parent (app.py)
         # The engines inherit the daemon's lock: a second daemon on this socket folder cannot
@@ -440,7 +444,9 @@ class Supervisor:
                  self.mps.mode)
         if cfg.class_engines and self.planner.proto_kind == epd_pb2.CUDA and self.mps.mode == "off":
             log.warning("--class-engines without MPS: the two engines of a GPU time-slice it "
-                        "instead of running side by side (--mps on)")
+                        "instead of running side by side (--mps on)%s",
+                        "; --throughput-mps-percentage has no effect"
+                        if cfg.throughput_mps_percentage else "")
         if not stop.is_set() and not self.world_mode:  # (not asked to stop while MPS started)
             for world in sorted({e.slot.world for e in self.engines}):
                 self.planner.new_world(world)

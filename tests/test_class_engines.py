@@ -247,3 +247,34 @@ def test_a_buffer_whose_groups_span_both_classes_is_told_which_socket(daemon_fac
                                           ref.dispatch([x], [idx], [w], 4)[0].recv_x)
         finally:
             buf.destroy()
+
+
+def test_throughput_engines_get_their_mps_share(tmp_path, monkeypatch):
+    """--throughput-mps-percentage: the throughput class engines' environment caps their MPS
+    share of the SMs; the latency engines get none; without class engines it is refused."""
+    from types import SimpleNamespace
+
+    from epd.server import supervisor as sup_mod
+    from epd.server.backends.cpu import CpuPlanner
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)
+    cfg = config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_BACKEND": "cpu",
+                             "EPD_SOCKET_DIR": str(tmp_path),
+                             "EPD_THROUGHPUT_MPS_PERCENTAGE": "70"})
+    sup = sup_mod.Supervisor(cfg, CpuPlanner(str(tmp_path)), 1)
+    envs: dict[int, dict] = {}
+
+    def popen(argv, env, pass_fds):
+        envs[int(argv[argv.index("--index") + 1])] = env
+        return SimpleNamespace(pid=1)
+
+    monkeypatch.setattr(sup_mod.subprocess, "Popen", popen)
+    for e in sup.engines:
+        sup._spawn(e)
+    assert envs[0].get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "70"  # throughput, device 0
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in envs[1]  # latency, device 0
+    with pytest.raises(ValueError, match="needs class_engines"):
+        config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70"})
+    with pytest.raises(ValueError, match=r"must lie in \[0, 100\]"):
+        config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_THROUGHPUT_MPS_PERCENTAGE": "101"})
