@@ -7,6 +7,7 @@ classes at once on their own engines exact against the reference (CPU backend)."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -215,6 +216,13 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
     assert decode_plan(lat)[0] == decode_plan(thr)[0] == 0
     planner.free_group(lat)
     assert not planner.latency_heap.used and planner.heap.used
+    # a 1.8 GiB decode group: over the latency heap (1 GiB), named by its flag; the same
+    # group as throughput, or not yet resolved (an engine's check), fits the 4 GiB heap
+    decode = GroupSpec("d", 2, 256, 7168, 128, 8, epd_pb2.BFLOAT16, True, epd_pb2.LATENCY)
+    with pytest.raises(EpdError, match="raise --latency-heap-bytes"):
+        planner.validate_spec(decode)
+    for cls in (epd_pb2.THROUGHPUT, epd_pb2.SERVICE_CLASS_UNSPECIFIED):
+        planner.validate_spec(dataclasses.replace(decode, service_class=cls))
     big = GroupSpec("big", 8, 256, 7168, 1024, 8, epd_pb2.BFLOAT16, True, epd_pb2.LATENCY)
     with pytest.raises(EpdError, match="raise --latency-heap-bytes"):
         planner.plan_group("big", big)

@@ -202,7 +202,8 @@ def peer_table(rank_nodes: tuple[int, ...], rank_engines: tuple[int, ...], node:
 
 
 def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
-               remote: bool = False, stages: bool = False) -> None:
+               remote: bool = False, stages: bool = False,
+               heap_flag: str = "--nvshmem-heap-bytes") -> None:
     """The CUDA kernels' limits on a group (InvalidArgument names the one exceeded).
     `stages`: normal mode may run in two stages (a world over several nodes with
     --cuda-hierarchical auto or stages), so a normal-mode group of up to LL_MAX_RANKS ranks is taken
@@ -223,7 +224,7 @@ def check_spec(spec: GroupSpec, heap_bytes: int | None = None, *,
         raise InvalidArgument(f"the cuda backend cannot hold this group: {e}") from None
     if heap_bytes is not None and size > heap_bytes:
         raise InvalidArgument(f"the group needs {size} bytes of symmetric heap, more than the "
-                              f"{heap_bytes} of an engine (raise --nvshmem-heap-bytes or lower "
+                              f"{heap_bytes} of an engine (raise {heap_flag} or lower "
                               f"max_tokens_per_rank)")
 
 
@@ -299,8 +300,20 @@ class CudaPlanner(GroupPlanner):
         self.latency_world = (b"", 0)  # (unique id, generation)
 
     def validate_spec(self, spec: GroupSpec) -> None:
-        check_spec(spec, self.heap_bytes, remote=self.world_spans_nodes,
-                   stages=self.world_spans_nodes and self.hierarchical_mode != "direct")
+        heap, flag = self._heap_limit(spec)
+        check_spec(spec, heap, remote=self.world_spans_nodes,
+                   stages=self.world_spans_nodes and self.hierarchical_mode != "direct",
+                   heap_flag=flag)
+
+    def _heap_limit(self, spec: GroupSpec) -> tuple[int, str]:
+        """The heap a group must fit and the flag that sizes it: with class engines, its
+        class's world's (an engine checks before the class is resolved: the larger one)."""
+        if not self.class_engines or spec.service_class == epd_pb2.THROUGHPUT:
+            return self.heap_bytes, "--nvshmem-heap-bytes"
+        if spec.service_class == epd_pb2.LATENCY:
+            return self.latency_heap_bytes, "--latency-heap-bytes"
+        return (max(self.heap_bytes, self.latency_heap_bytes),
+                "--nvshmem-heap-bytes or --latency-heap-bytes")
 
     def plan_group(self, group_id: str, spec: GroupSpec,
                    rank_nodes: Sequence[int] = ()) -> bytes:
