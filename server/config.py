@@ -354,25 +354,13 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
     cfg.service_classes  # noqa: B018  (ValueError naming the rule)
     for name in ("latency_num_sms", "throughput_num_sms"):
-        if not 0 <= getattr(cfg, name) <= MAX_NUM_SMS:
-            raise ValueError(f"{name} must lie in [0, {MAX_NUM_SMS}] (0: the daemon's "
-                             f"defaults), got {getattr(cfg, name)}")
-    if not 1 <= cfg.cuda_max_connections <= 32:
-        raise ValueError(f"cuda_max_connections must lie in [1, 32], got "
-                         f"{cfg.cuda_max_connections}")
-    if cfg.slow_operation_seconds < 0:
-        raise ValueError(f"slow_operation_seconds must be >= 0 (0: off), got "
-                         f"{cfg.slow_operation_seconds}")
-    if not 0 <= cfg.throughput_pause_us <= 1_000_000:
-        raise ValueError(f"throughput_pause_us must lie in [0, 1000000] (0: no pacing), got "
-                         f"{cfg.throughput_pause_us}")
+        _check_range(cfg, name, 0, MAX_NUM_SMS, "0: the daemon's defaults")
+    _check_range(cfg, "cuda_max_connections", 1, 32)
+    _check_range(cfg, "slow_operation_seconds", 0, note="0: off")
+    _check_range(cfg, "throughput_pause_us", 0, 1_000_000, "0: no pacing")
     check_cluster(cfg)
-    if cfg.latency_heap_bytes < 0:
-        raise ValueError(f"latency_heap_bytes must be >= 0 (0: nvshmem_heap_bytes), got "
-                         f"{cfg.latency_heap_bytes}")
-    if not 0 <= cfg.throughput_mps_percentage <= 100:
-        raise ValueError(f"throughput_mps_percentage must lie in [0, 100] (0: none), got "
-                         f"{cfg.throughput_mps_percentage}")
+    _check_range(cfg, "latency_heap_bytes", 0, note="0: nvshmem_heap_bytes")
+    _check_range(cfg, "throughput_mps_percentage", 0, 100, "0: none")
     if cfg.throughput_mps_percentage and not cfg.class_engines:
         raise ValueError("throughput_mps_percentage needs class_engines: on one engine per "
                          "GPU it would cap the latency groups' kernels too")
@@ -380,6 +368,16 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError("class_engines is for one node (num_nodes 1): a world over several "
                          "nodes has one engine per device")
     return cfg
+
+
+def _check_range(cfg: Config, name: str, low: float, high: float | None = None,
+                 note: str = "") -> None:
+    """ValueError naming setting `name` when it lies below `low` or above `high`."""
+    v = getattr(cfg, name)
+    if low <= v and (high is None or v <= high):
+        return
+    bound = f"lie in [{low}, {high}]" if high is not None else f"be >= {low}"
+    raise ValueError(f"{name} must {bound}{f' ({note})' if note else ''}, got {v}")
 
 
 def check_cluster(cfg: Config) -> None:

@@ -35,8 +35,3 @@ def engine_slots(devices: int, class_engines: bool = False) -> list[EngineSlot]:
     return ([EngineSlot(d, d, THROUGHPUT, 0, d) for d in range(devices)]
             + [EngineSlot(devices + d, d, LATENCY, 1, d) for d in range(devices)])
 
-
-def slot_of(index: int, num_engines: int, class_engines: bool = False) -> EngineSlot:
-    """Engine `index` of a daemon of `num_engines` engines (all classes counted)."""
-    devices = num_engines // 2 if class_engines else num_engines
-    return engine_slots(devices, class_engines)[index]

@@ -24,7 +24,7 @@ from epd.proto import engine_sockets
 from epd.server import config
 from epd.server import reference as ref
 from epd.server.cli import build_parser
-from epd.server.engine_slots import EngineSlot, engine_slots, slot_of
+from epd.server.engine_slots import EngineSlot, engine_slots
 
 POLICY = "ce-decode-*=latency, ce-prefill-*=throughput"
 DAEMON_ENGINES = 2  # devices; the daemon runs two engines per device
@@ -36,7 +36,6 @@ def test_slots_sockets_and_config():
     assert engine_slots(2, True) == [
         EngineSlot(0, 0, "throughput", 0, 0), EngineSlot(1, 1, "throughput", 0, 1),
         EngineSlot(2, 0, "latency", 1, 0), EngineSlot(3, 1, "latency", 1, 1)]
-    assert slot_of(3, 4, True) == EngineSlot(3, 1, "latency", 1, 1)
     assert engine_sockets.socket_name(1, "latency") == "gpu1.latency.sock"
     assert engine_sockets.socket_name(1, "throughput") == engine_sockets.socket_name(1)
     assert engine_sockets.failure_file("/x/gpu1.latency.sock") == "/x/gpu1.latency.failed"
