@@ -30,7 +30,7 @@ step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, 
   # and the others still run; the last line says how the step ended (124: its limit).
   local name=$1 secs=$2 per; shift 2
   per=$(( secs - 15 < ${STEP_TEST_SECONDS:-180} ? secs - 15 : ${STEP_TEST_SECONDS:-180} ))
-  timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $per $*" \
+  EPD_GPU_INSTAFAIL=1 timeout "$secs" bash -c "$(declare -f pt); pt --tb=short --timeout $per $*" \
       2>&1 | grep -a -v " INFO " > "$OUT/gpu_$name.txt"  # (-a: a worker's bytes)
   local rc=${PIPESTATUS[0]}
   echo "STEP $name: exit status $rc$( [ "$rc" = 124 ] && echo ' (the step limit: cut short)')" \

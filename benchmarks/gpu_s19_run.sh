@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_s19_run.sh next   # the chain's GPU tests, with the host top-up and as
 #        a CUDA graph loop (EPD_CHAIN_LOOP=require), then probe, split and the pools on the
 #        loop (about 6 minutes)
+# (EPD_CHAIN_LOOP was removed in the twenty-first session: its steps now run the host top-up.)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, pools, merge, merge_json)
 case "${1:-}" in

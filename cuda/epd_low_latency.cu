@@ -634,8 +634,6 @@ extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int ra
 #define LLS_SEQ_D 0            // member state: last low-latency dispatch sequence
 #define LLS_SEQ_C 1            // last low-latency combine sequence
 #define LLS_FILLED 2           // [LL_BUFFERS] the dispatch sequence that last filled buffer b
-#define LLS_K 4                // EPD_CHAIN_LOOP=graph: the next instance's k (the loop's)
-#define CHAIN_K_LOOP 0xffffffffffffffffu  // a kernel's k: take it from state[LLS_K]
 #define ERR_NOT_FILLED 6       // a combine whose buffer holds another dispatch (not launched)
 #define ERR_RING_FULL 7        // the client's trigger found no ring entry free in time
 
@@ -645,24 +643,6 @@ extern "C" __global__ void epd_ll_gate(const unsigned* tail, unsigned want) {
     if (threadIdx.x != 0) return;
     const volatile unsigned* t = tail;
     while ((int)(*t - want) < 0) __nanosleep(64);
-}
-
-// EPD_CHAIN_LOOP=graph: the chain is one CUDA graph whose WHILE node repeats gate, exec,
-// reduce, finish and epd_ll_loop_next (cuda/epd_chain_loop.cu), so no host enqueues
-// instances. The kernels are the same node every time: k comes from the member's state.
-__device__ __forceinline__ u64 chain_k(u64 k, const u64* state) {
-    return k == CHAIN_K_LOOP ? reinterpret_cast<const volatile u64*>(state)[LLS_K] : k;
-}
-
-// The loop's gate: waits for the tail to pass this instance, then copies its entry into the
-// device copy of the ring (the fetch of EPD_CHAIN_ENTRY=device, in the same thread).
-extern "C" __global__ void epd_ll_loop_gate(const unsigned* ring, const u64* state,
-                                            unsigned* copy) {
-    if (threadIdx.x != 0) return;
-    const u64 k = reinterpret_cast<const volatile u64*>(state)[LLS_K];
-    const volatile unsigned* t = ring + LL_RING_TAIL;
-    while ((int)(*t - (unsigned)(k + 1)) < 0) __nanosleep(64);
-    copy[k % LL_RING] = reinterpret_cast<const volatile unsigned*>(ring)[k % LL_RING];
 }
 
 // EPD_CHAIN_ENTRY=device: one thread copies instance k's entry from the ring in mapped host
@@ -723,7 +703,6 @@ __device__ __forceinline__ void chain_push(const u64* d, int b, const u64* state
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
 epd_ll_exec(const unsigned* ring, u64 k, const u64* __restrict__ table,
             const u64* __restrict__ state) {
-    k = chain_k(k, state);
     int b = 0;
     const u64* d = chain_op(ring, k, table, &b);
     if (d == nullptr) return;
@@ -739,7 +718,6 @@ epd_ll_exec(const unsigned* ring, u64 k, const u64* __restrict__ table,
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
 epd_ll_exec_dispatch(const unsigned* ring, u64 k, const u64* __restrict__ table,
                      const u64* __restrict__ state) {
-    k = chain_k(k, state);
     int b = 0;
     const u64* d = chain_op(ring, k, table, &b);
     if (d != nullptr && d[LLX_KIND] == LLX_DISPATCH) chain_dispatch(d, b, state);
@@ -748,7 +726,6 @@ epd_ll_exec_dispatch(const unsigned* ring, u64 k, const u64* __restrict__ table,
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
 epd_ll_exec_push(const unsigned* ring, u64 k, const u64* __restrict__ table,
                  const u64* __restrict__ state) {
-    k = chain_k(k, state);
     int b = 0;
     const u64* d = chain_op(ring, k, table, &b);
     if (d != nullptr && d[LLX_KIND] == LLX_COMBINE && combine_holds(d, table, state, b))
@@ -768,7 +745,6 @@ __device__ __forceinline__ void chain_reduce(const u64* a, i64 bo, u64 seq) {
 extern "C" __global__ void __launch_bounds__(LL_THREADS)
 epd_ll_exec_reduce(const unsigned* ring, u64 k, const u64* __restrict__ table,
                    const u64* __restrict__ state) {
-    k = chain_k(k, state);
     int b = 0;
     const u64* d = chain_op(ring, k, table, &b);
     if (d == nullptr || d[LLX_KIND] != LLX_COMBINE || !combine_holds(d, table, state, b))
@@ -790,7 +766,6 @@ epd_ll_exec_reduce(const unsigned* ring, u64 k, const u64* __restrict__ table,
 template <typename Tr>
 __device__ __forceinline__ void chain_exec_reduce(const unsigned* ring, u64 k, const u64* table,
                                                   const u64* state) {
-    k = chain_k(k, state);
     int b = 0;
     const u64* d = chain_op(ring, k, table, &b);
     if (d == nullptr || d[LLX_KIND] != LLX_COMBINE || !combine_holds(d, table, state, b))
@@ -821,7 +796,6 @@ epd_ll_exec_reduce_F32(const unsigned* ring, u64 k, const u64* __restrict__ tabl
 // then head = k + 1 (the client's trigger may reuse the entry; the engine tops the chain up).
 extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* table,
                                               u64* state, unsigned* head) {
-    k = chain_k(k, state);
     int b = 0;
     u64* d = const_cast<u64*>(chain_op(ring, k, table, &b));
     if (d != nullptr) {

@@ -163,9 +163,7 @@ LLX_ARGS2 = 40
 LLS_SEQ_D = 0  # member state (device u64 words)
 LLS_SEQ_C = 1
 LLS_FILLED = 2
-LLS_K = 4  # EPD_CHAIN_LOOP=graph: the next instance's k (the graph loop's kernels read it)
-LLS_WORDS = 5
-CHAIN_K_LOOP = 0xFFFFFFFFFFFFFFFF  # a chain kernel's k argument: take k from state[LLS_K]
+LLS_WORDS = 4
 
 # -- FP8 (DeepEP's per-token, per-128-channel e4m3 with float32 scales) -------------------------
 FP8_BLOCK = 128  # channels per scale

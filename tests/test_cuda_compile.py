@@ -59,27 +59,3 @@ def test_client_kernels_compile_for_sm90(tmp_path: Path, module: str, kernel: st
         names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / "r.o")],
                                capture_output=True, text=True, timeout=60).stdout
         assert re.search(rf"\b{kernel}\b", names)
-
-
-@needs_nvcc
-def test_chain_loop_kernel_links_against_the_device_runtime(tmp_path: Path) -> None:
-    """cuda/epd_chain_loop.cu (EPD_CHAIN_LOOP=graph): relocatable code whose
-    cudaGraphSetConditional resolves in libcudadevrt.a, as cuda_chain_loop.py links it."""
-    from epd.proto import abi
-    from epd.server.backends import cuda_chain_loop
-
-    try:
-        devrt = cuda_chain_loop._devrt()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-    src = tmp_path / "loop.cu"
-    src.write_text(f"#define LLS_K {abi.LLS_K}\n" + cuda_chain_loop.SOURCE.read_text())
-    obj, linked = tmp_path / "loop.o", tmp_path / "loop.fatbin"
-    steps = [["nvcc", "-arch=sm_90", "-std=c++17", "-rdc=true", "-c", str(src), "-o", str(obj)],
-             ["nvcc", "-arch=sm_90", "-dlink", "-fatbin", str(obj), str(devrt), "-o",
-              str(linked)]]
-    for cmd in steps:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        assert proc.returncode == 0, proc.stderr
-        assert not [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()]
-    assert linked.stat().st_size > 0

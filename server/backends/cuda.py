@@ -42,7 +42,7 @@ from ...proto.errors import (
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
-from . import cuda_chain, cuda_chain_loop, cuda_stages
+from . import cuda_chain, cuda_stages
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -1147,7 +1147,6 @@ class CudaBackend(Backend):
         if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
             from .cuda_remote import remote_kernels_for_device
             remote_kernels_for_device(device)
-        cuda_chain_loop.preload(device)  # (EPD_CHAIN_LOOP only)
         props = cp.cuda.runtime.getDeviceProperties(device)
         self._name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         raw = props.get("uuid", b"")

@@ -36,7 +36,6 @@ import numpy as np
 from ...proto import abi, cuda_driver, spin
 from ...proto.errors import FailedPrecondition, ResourceExhausted
 from .. import metrics
-from . import cuda_chain_loop
 from . import cuda_kernels as ck
 
 try:
@@ -104,8 +103,7 @@ class LowLatencyChain:
         self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
         with cp.cuda.Device(runner.device_id):
             self.table = cp.zeros((abi.LL_CHAIN_OPS, abi.LLX_WORDS), np.uint64)
-            state = [runner.seq["ll_dispatch"], runner.seq["ll_combine"], *runner.ll_filled,
-                     0]  # (LLS_K: the graph loop's first k)
+            state = [runner.seq["ll_dispatch"], runner.seq["ll_combine"], *runner.ll_filled]
             assert len(state) == abi.LLS_WORDS
             self.state = cp.asarray(np.array(state, np.uint64))
             self.stream = cp.cuda.Stream(non_blocking=True, priority=priority)
@@ -132,26 +130,7 @@ class LowLatencyChain:
         self._events: dict[int, list[Any]] = {}
         self._last_finish: Any = None
         self._looked: float | None = None  # TIMELINE: the host's previous top_up
-        self.loop: cuda_chain_loop.ChainLoop | None = None
-        if cuda_chain_loop.LOOP and self.entry_copy is not None:
-            self._start_loop(kernels, named)
         self.top_up()
-
-    def _start_loop(self, kernels: Any, named: list[tuple[str, Any]]) -> None:
-        """EPD_CHAIN_LOOP=graph: one graph repeats the instance on the GPU
-        (cuda_chain_loop.py); without it (a build that fails) the host tops the chain up."""
-        with cp.cuda.Device(self.runner.device_id):
-            self.stop = cp.zeros(1, np.uint32)
-            one_round = [kernels.chain_loop_gate(self.ring_ptr, self.state, self.entry_copy)]
-            for name, launch in named:
-                if name != "fetch":  # (the loop's gate fetches the entry)
-                    launch.set(ck.CHAIN_K, abi.CHAIN_K_LOOP)
-                    one_round.append(launch)
-            cp.cuda.get_current_stream().synchronize()  # (the state and copies above)
-            self.loop = cuda_chain_loop.build(self.runner.device_id, one_round, self.state,
-                                              self.stop)
-            if self.loop is not None:
-                self.loop.launch(self.stream)
 
     # -- descriptors (arm / disarm) -------------------------------------------------------
     def add(self, prepared: Any, done_ptr: int, source: ChainOp | None = None) -> ChainOp:
@@ -209,7 +188,7 @@ class LowLatencyChain:
         with self._lock:
             self.enqueue_seconds = 0.0
             head = self._word(abi.LL_RING_HEAD)
-            if self.loop is None and head == self.enqueued & 0xFFFFFFFF and self.busy():
+            if head == self.enqueued & 0xFFFFFFFF and self.busy():
                 # (ran dry, a call waits)
                 metrics.inc(metrics.LL_CHAIN_STARVED, (self.group,))
             if TIMELINE:
@@ -227,8 +206,7 @@ class LowLatencyChain:
             self.seen = head
             if self._events:
                 self._read_timeline()
-            if (self.closed or self.loop is not None
-                    or (self.enqueued - head) & 0xFFFFFFFF >= DEPTH):
+            if self.closed or (self.enqueued - head) & 0xFFFFFFFF >= DEPTH:
                 return kinds
             t0 = time.perf_counter()
             with cp.cuda.Device(self.runner.device_id):
@@ -290,31 +268,11 @@ class LowLatencyChain:
                                     s[abi.LLS_FILLED:abi.LLS_FILLED + abi.LL_BUFFERS]]
 
     # -- teardown -------------------------------------------------------------------------
-    def _close_loop(self, timeout: float) -> None:
-        """The graph loop's end: set the stop word, let one last round through (a released
-        entry when no call is pending), wait for the graph to finish."""
-        # A copy, not `fill`: cupy loads an elementwise kernel into the context, which waits
-        # for the kernels running in it, and another member's loop spins until it closes.
-        with cp.cuda.Device(self.runner.device_id):
-            self.stop.set(np.ones(1, np.uint32), stream=self.side)
-            self.side.synchronize()
-        tail = self._word(abi.LL_RING_TAIL)
-        if tail == self._word(abi.LL_RING_HEAD):  # (the gate waits for a call: release it)
-            self.words[tail % abi.LL_RING] = abi.LL_ENTRY_RELEASED
-            self.words[abi.LL_RING_TAIL] = np.int32(np.uint32((tail + 1) & 0xFFFFFFFF))
-        if self._drained(lambda: self.stream.done, timeout, "graph loop did not end"):
-            self.loop.destroy()
-            self._to_runner()
-            _prune()
-
     def close(self, timeout: float) -> None:
         """Drain: publish a released entry for every pending instance, wait for the chain to
         pass them (the group's abort word ends a kernel stuck waiting for a peer)."""
         with self._lock:
             self.closed = True
-        if self.loop is not None:
-            self._close_loop(timeout)
-            return
         tail = self._word(abi.LL_RING_TAIL)
         ahead = (self.enqueued - tail) & 0xFFFFFFFF  # instances no trigger has reached yet
         if ahead <= DEPTH:  # (else the tail is past every instance: each has its entry)
@@ -341,7 +299,4 @@ class LowLatencyChain:
 
 def _prune() -> None:
     done = [c for c in _lingering if c.stream.done]
-    for c in done:
-        if c.loop is not None:
-            c.loop.destroy()
     _lingering[:] = [c for c in _lingering if c not in done]

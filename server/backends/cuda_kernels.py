@@ -358,7 +358,7 @@ class Kernels:
              "epd_ll_exec", "epd_ll_exec_fetch", "epd_ll_exec_dispatch", "epd_ll_exec_push",
              "epd_ll_exec_reduce", "epd_ll_exec_reduce_Bf16",
              "epd_ll_exec_reduce_F16", "epd_ll_exec_reduce_F32", "epd_ll_exec_finish",
-             "epd_ll_gate", "epd_ll_loop_gate")
+             "epd_ll_gate")
     TEMPLATES = ("epd_combine_reduce<Bf16>", "epd_combine_reduce<F16>",
                  "epd_combine_reduce<F32>", "epd_ll_combine_reduce<Bf16>",
                  "epd_ll_combine_reduce<F16>", "epd_ll_combine_reduce<F32>")
@@ -626,13 +626,6 @@ class Kernels:
         CHAIN_K (the chain's alternative to a stream wait)."""
         return Launch(self.fn("epd_ll_gate"), 1, 32,
                       [(_P, ring_ptr + 4 * LL_RING_TAIL), (_U32, 0)])
-
-    def chain_loop_gate(self, ring_ptr: int, state: Any, entry_copy: Any) -> Launch:
-        """EPD_CHAIN_LOOP=graph: the loop's first kernel, one thread. It waits for the tail to
-        pass the instance in the member's state (LLS_K), then copies that instance's entry into
-        `entry_copy`."""
-        return Launch(self.fn("epd_ll_loop_gate"), 1, 32,
-                      [(_P, ring_ptr), (_P, state.data.ptr), (_P, entry_copy.data.ptr)])
 
     def stream_done_launch(self, peers: Any, rank: int, done_ptr: int) -> Launch:
         """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it."""

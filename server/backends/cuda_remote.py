@@ -86,8 +86,7 @@ def _core():
 
 def link_relocatable(text: str, arch: str, library: Path, **options: Any) -> Any:
     """`text` compiled as relocatable device code and linked against a static device library
-    into a cubin (cuda.core's linked module): the kernels calling NVSHMEM's device library,
-    and the chain loop's kernel calling the device runtime (cuda_chain_loop.py)."""
+    into a cubin (cuda.core's linked module): the kernels calling NVSHMEM's device library."""
     core = _core()
     opts = core.ProgramOptions(arch=arch, std="c++17", relocatable_device_code=True, **options)
     obj = core.Program(text, "c++", opts).compile("cubin")

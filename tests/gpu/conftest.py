@@ -30,6 +30,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """EPD_GPU_INSTAFAIL=1 (the device scripts' steps): a failure's report at once, since a
+    step cut at its time limit never reaches pytest's summary (twenty-first session)."""
+    if report.failed and os.environ.get("EPD_GPU_INSTAFAIL") == "1":
+        print(f"\n--- FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}",
+              flush=True)
+
+
 @pytest.fixture(scope="module")
 def daemon():
     """`epd serve --backend cuda`, one engine per GPU, for one test module."""
