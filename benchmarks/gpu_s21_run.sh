@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Twenty-first session (2026-12-03, one H200). carry [".whl"].
+#   bash benchmarks/gpu_s21_run.sh retire  # after the chain graph loop's removal (its kernel
+#        arguments and state words changed): the low-latency kernels, plain calls, the chain
+#        and its plain calls, stream-ordered calls (about 5 minutes)
+#   bash benchmarks/gpu_s21_run.sh bench   # issue 10's `epd bench` at D with two ranks on the
+#        one GPU, MPS on (the ratio rows need two GPUs: DeepEP and NCCL take one GPU per rank)
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean)
+export EPD_GPU_LOG_DIR=$OUT
+case "${1:-}" in
+  retire)
+    step ll 200 "tests/gpu/test_low_latency_kernels.py tests/gpu/test_ll_plain.py"
+    STEP_TEST_SECONDS=100 step chain 200 "tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py"
+    # the chain with the engines' own top-up on the pools' path too (--ll-chain)
+    STEP_TEST_SECONDS=100 step ordered 160 "tests/gpu/test_stream_ordered.py"
+    # every daemon's whole log, in one file where a step failed (the device returns 8 files)
+    if grep -q -a "FAILED\|exit status [1-9]" "$OUT"/gpu_*.txt; then
+      tar -C "$OUT" -czf "$OUT/daemon_logs.tgz" $(cd "$OUT" && ls daemon-*.log)
+    fi
+    rm -f "$OUT"/daemon-*.log
+    ;;
+  bench)
+    timeout 240 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 100 --low-latency \
+        --json "$OUT/bench_d.json" 2>&1 | clean | tail -30
+    ;;
+  *) echo "usage: $0 retire|bench" >&2; exit 2 ;;
+esac
