@@ -209,11 +209,11 @@ def main() -> int:
     if cuda:
         extra += ["--mps", ns.mps]
     extra += ns.serve_arg
-    if ns.class_engines:
-        if ns.no_classes:
-            ap.error("--class-engines needs the classes (the policy puts decode on the "
-                     "latency engines)")
-        extra.append("--class-engines")
+    if ns.class_engines and ns.no_classes:
+        ap.error("--class-engines needs the classes (the policy puts decode on the latency "
+                 "engines)")
+    # explicit either way: the daemon's default (auto) turns them on under the policy
+    extra += ["--class-engines", "on" if ns.class_engines else "off"]
     engines = 0 if cuda else 2
     if cuda:
         import cupy

@@ -5,6 +5,8 @@
 #        and its plain calls, stream-ordered calls (about 5 minutes)
 #   bash benchmarks/gpu_s21_run.sh bench   # issue 10's `epd bench` at D with two ranks on the
 #        one GPU, MPS on (the ratio rows need two GPUs: DeepEP and NCCL take one GPU per rank)
+#   bash benchmarks/gpu_s21_run.sh profile  # where one rank's cached dispatch and combine
+#        spend host time, client and engine (cProfile)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean)
 export EPD_GPU_LOG_DIR=$OUT
@@ -25,5 +27,14 @@ case "${1:-}" in
     timeout 240 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 100 --low-latency \
         --json "$OUT/bench_d.json" 2>&1 | clean | tail -30
     ;;
-  *) echo "usage: $0 retire|bench" >&2; exit 2 ;;
+  profile)  # one rank at D: the client's cached dispatch and combine, and the engine's fast
+             # path thread, under cProfile (their top functions by own time)
+    mkdir -p /tmp/prof
+    EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof timeout 120 python3 -P \
+        benchmarks/probe_calls.py --tokens 128 --iters 300 --ranks 1 --mps on \
+        --rows "cached dispatch,combine" --json "$OUT/probe_profile.json" 2>&1 | clean | tail -8
+    python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top.txt" 2>&1
+    head -c 3000 "$OUT/profile_top.txt"
+    ;;
+  *) echo "usage: $0 retire|bench|profile" >&2; exit 2 ;;
 esac

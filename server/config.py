@@ -166,12 +166,16 @@ class Config:
                 "(default CLASS), e.g. \"decode-*=latency, *@1001=throughput/latency, "
                 "*=throughput\". Empty: any group may ask for either, default throughput; "
                 "with rules, unmatched groups get throughput only"})
-    class_engines: bool = field(default=False, metadata={
+    class_engines: str = field(default="auto", metadata={
         "help": "two engine processes per device: one runs the latency groups (on "
                 "gpu<D>.latency.sock), the other the throughput groups (on gpu<D>.sock), so "
                 "a decode group's launches never wait behind a prefill group's driver calls; "
                 "on the cuda backend each class's engines form their own NVSHMEM world and "
-                "hold their own heap (twice --nvshmem-heap-bytes per GPU); wants MPS"})
+                "hold their own heap (--nvshmem-heap-bytes and --latency-heap-bytes per GPU); "
+                "wants MPS. on, off, or auto: on where the backend is cuda, the daemon is one "
+                "node and --service-class-policy lets some group have the latency class "
+                "(a bare --class-engines is on)",
+        "choices": ("auto", "on", "off"), "const": "on"})
     throughput_mps_percentage: int = field(default=0, metadata={
         "help": "with --class-engines under MPS: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the "
                 "throughput engines (1-100; 0 = none), the share of each GPU's SMs a "
@@ -248,6 +252,11 @@ class Config:
         return parse_ids("allow_gids", self.allow_gids)
 
     @property
+    def class_engines_on(self) -> bool:
+        """Two engines per device (resolved: `resolve_class_engines` decides auto)."""
+        return self.class_engines == "on"
+
+    @property
     def service_classes(self) -> Policy:
         return parse_policy(self.service_class_policy)
 
@@ -285,17 +294,27 @@ def parse_ids(name: str, text: str) -> frozenset[int]:
         raise ValueError(f"{name}: expected comma-separated numeric ids, got {text!r}") from None
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_SWITCH = ("auto", "on", "off")
+
+
 def _convert(f: dataclasses.Field, raw: Any) -> Any:
     kind = type(f.default)
     if kind is bool:
         if isinstance(raw, bool):
             return raw
         text = str(raw).strip().lower()
-        if text in ("1", "true", "yes", "on"):
+        if text in _TRUE:
             return True
-        if text in ("0", "false", "no", "off", ""):
+        if text in _FALSE:
             return False
         raise ValueError(f"{f.name}: expected a boolean, got {raw!r}")
+    if f.metadata.get("choices") == _SWITCH:  # (a boolean spelling too: EPD_CLASS_ENGINES=1)
+        text = str(raw).strip().lower() if not isinstance(raw, bool) else str(int(raw))
+        if text in _TRUE:
+            return "on"
+        if text in _FALSE[:-1]:
+            return "off"
     try:
         value = kind(raw)
     except (TypeError, ValueError):
@@ -316,6 +335,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(f.default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=help_text)
+        elif "const" in f.metadata:  # (the flag alone means its const: --class-engines)
+            parser.add_argument(flag, type=str, default=None, help=help_text, nargs="?",
+                                const=f.metadata["const"], metavar=f.name.upper())
         else:
             parser.add_argument(flag, type=str, default=None, help=help_text,
                                 metavar=f.name.upper())
@@ -361,13 +383,39 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     check_cluster(cfg)
     _check_range(cfg, "latency_heap_bytes", 0, note="0: nvshmem_heap_bytes")
     _check_range(cfg, "throughput_mps_percentage", 0, 100, "0: none")
-    if cfg.throughput_mps_percentage and not cfg.class_engines:
-        raise ValueError("throughput_mps_percentage needs class_engines: on one engine per "
-                         "GPU it would cap the latency groups' kernels too")
-    if cfg.class_engines and cfg.num_nodes > 1:
+    if cfg.throughput_mps_percentage and cfg.class_engines == "off":
+        raise ValueError(_NO_SHARE)
+    if cfg.class_engines == "on" and cfg.num_nodes > 1:
         raise ValueError("class_engines is for one node (num_nodes 1): a world over several "
                          "nodes has one engine per device")
     return cfg
+
+
+_NO_SHARE = ("throughput_mps_percentage needs class_engines: on one engine per GPU it would "
+             "cap the latency groups' kernels too")
+
+
+def resolve_class_engines(cfg: Config, backend: str, pays: bool) -> tuple[Config, str]:
+    """`cfg` with class_engines on or off (auto decided for the resolved `backend`, on which
+    class engines `pays`: backends.class_engines_pay), and why.
+
+    auto is on where it pays: a backend whose engine process serialises the classes' launches
+    (cuda), one node, and a policy under which some group may be latency (a policy that names
+    no latency class has no decode pool to protect; the empty policy lets anyone ask, and a
+    second heap per GPU for what may never come is not a default)."""
+    if cfg.class_engines != "auto":
+        on, why = cfg.class_engines == "on", f"--class-engines {cfg.class_engines}"
+    elif not pays:
+        on, why = False, f"auto: the {backend} backend gains nothing from them"
+    elif cfg.num_nodes > 1:
+        on, why = False, "auto: cluster mode runs one engine per device"
+    elif not any(r.most == "latency" for r in cfg.service_classes.rules):
+        on, why = False, "auto: the service-class policy gives no group the latency class"
+    else:
+        on, why = True, "auto: the service-class policy has latency groups"
+    if cfg.throughput_mps_percentage and not on:
+        raise ValueError(f"{_NO_SHARE} (class engines are off: {why})")
+    return dataclasses.replace(cfg, class_engines="on" if on else "off"), why
 
 
 def _check_range(cfg: Config, name: str, low: float, high: float | None = None,

@@ -33,7 +33,13 @@ from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
 from .cluster import ClusterHub, ClusterMember, ClusterTls, new_incarnation
-from .config import NODE_TOKEN_ENV, NODE_TOKEN_METADATA, Config, read_cluster_token
+from .config import (
+    NODE_TOKEN_ENV,
+    NODE_TOKEN_METADATA,
+    Config,
+    read_cluster_token,
+    resolve_class_engines,
+)
 from .engine_slots import EngineSlot, engine_slots
 from .mps import Mps, MpsError
 from .service_classes import LATENCY, THROUGHPUT
@@ -157,7 +163,7 @@ class Supervisor:
         self.planner = planner
         self.backend = planner.name  # for logs and metrics only
         self.engines = [EngineProc(x.index, cfg.engine_socket(x.device, x.service_class), x)
-                        for x in engine_slots(num_engines, cfg.class_engines)]
+                        for x in engine_slots(num_engines, cfg.class_engines_on)]
         self.coordinator = Coordinator(planner, cfg.timeout_seconds, allow_uids=cfg.allowed_uids,
                                        allow_gids=cfg.allowed_gids)
         self.metrics_url = ""
@@ -442,7 +448,8 @@ class Supervisor:
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s, MPS %s",
                  __version__, self.backend, len(self.engines), cfg.socket_dir, self.metrics_url,
                  self.mps.mode)
-        if cfg.class_engines and self.planner.proto_kind == epd_pb2.CUDA and self.mps.mode == "off":
+        cuda = self.planner.proto_kind == epd_pb2.CUDA
+        if cfg.class_engines_on and cuda and self.mps.mode == "off":
             log.warning("--class-engines without MPS: the two engines of a GPU time-slice it "
                         "instead of running side by side (--mps on)%s",
                         "; --throughput-mps-percentage has no effect"
@@ -621,8 +628,10 @@ def lock_socket_dir(socket_dir: str) -> int:
     return fd
 
 
-def check_backend(cfg: Config) -> None:
-    from .backends import missing_requirements, resolve_backend_name
+def check_backend(cfg: Config) -> Config:
+    """`cfg` with the settings that depend on the backend resolved (--class-engines auto);
+    StartupError where the backend cannot run here."""
+    from .backends import class_engines_pay, missing_requirements, resolve_backend_name
     try:
         name = resolve_backend_name(cfg.backend)
     except ValueError as e:
@@ -630,6 +639,12 @@ def check_backend(cfg: Config) -> None:
     missing = missing_requirements(name)
     if missing:
         raise StartupError(f"--backend {name}: {missing}")
+    try:
+        cfg, why = resolve_class_engines(cfg, name, class_engines_pay(name))
+    except ValueError as e:
+        raise StartupError(str(e)) from None
+    log.info("class engines %s (%s)", cfg.class_engines, why)
+    return cfg
 
 
 def _event_loop_run(coro) -> int:
@@ -666,7 +681,7 @@ def run(cfg: Config) -> int:
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)
-        check_backend(cfg)
+        cfg = check_backend(cfg)
         metrics_dir, owned = prepare_metrics_dir()
         from .backends import make_planner
 

@@ -43,8 +43,12 @@ def test_slots_sockets_and_config():
     assert engine_sockets.hinted_socket(msg) == "/x/gpu0.sock"
     assert engine_sockets.hinted_socket("no hint here") is None
     cfg = config.load(build_parser().parse_args(["serve", "--class-engines"]), {})
-    assert cfg.class_engines and cfg.engine_socket(0, "latency").endswith("gpu0.latency.sock")
-    assert config.load(None, {"EPD_CLASS_ENGINES": "1"}).class_engines
+    assert cfg.class_engines_on and cfg.engine_socket(0, "latency").endswith("gpu0.latency.sock")
+    assert config.load(None, {"EPD_CLASS_ENGINES": "1"}).class_engines == "on"
+    assert config.load(None, {"EPD_CLASS_ENGINES": "false"}).class_engines == "off"
+    assert config.load(None, {}).class_engines == "auto"
+    with pytest.raises(ValueError, match=r"class_engines: 'sometimes' is not one of"):
+        config.load(None, {"EPD_CLASS_ENGINES": "sometimes"})
     with pytest.raises(ValueError, match="latency_heap_bytes must be >= 0"):
         config.load(None, {"EPD_LATENCY_HEAP_BYTES": "-1"})
     with pytest.raises(ValueError, match="class_engines is for one node"):
@@ -282,6 +286,43 @@ def test_throughput_engines_get_their_mps_share(tmp_path, monkeypatch):
     assert envs[0].get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == "70"  # throughput, device 0
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in envs[1]  # latency, device 0
     with pytest.raises(ValueError, match="needs class_engines"):
-        config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70"})
+        config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70", "EPD_CLASS_ENGINES": "off"})
     with pytest.raises(ValueError, match=r"must lie in \[0, 100\]"):
         config.load(None, {"EPD_CLASS_ENGINES": "1", "EPD_THROUGHPUT_MPS_PERCENTAGE": "101"})
+
+
+@pytest.mark.parametrize("env,backend,on,why", [
+    ({}, "cuda", False, "gives no group the latency class"),  # (anyone may ask: no default)
+    ({"EPD_SERVICE_CLASS_POLICY": "*=throughput"}, "cuda", False, "no group the latency"),
+    ({"EPD_SERVICE_CLASS_POLICY": POLICY}, "cuda", True, "has latency groups"),
+    ({"EPD_SERVICE_CLASS_POLICY": "*@1001=throughput/latency"}, "cuda", True, "latency groups"),
+    ({"EPD_SERVICE_CLASS_POLICY": POLICY}, "cpu", False, "the cpu backend gains nothing"),
+    ({"EPD_SERVICE_CLASS_POLICY": POLICY, "EPD_NUM_NODES": "2",
+      "EPD_CLUSTER_ADDRESS": "127.0.0.1:1", "EPD_CLUSTER_TOKEN_FILE": "/t"}, "cuda", False,
+     "cluster mode"),
+    ({"EPD_SERVICE_CLASS_POLICY": POLICY, "EPD_CLASS_ENGINES": "off"}, "cuda", False,
+     "--class-engines off"),
+    ({"EPD_CLASS_ENGINES": "on"}, "cpu", True, "--class-engines on"),
+])
+def test_class_engines_auto_is_on_for_a_cuda_daemon_with_latency_groups(env, backend, on, why):
+    """--class-engines auto (the default) decides once the backend is known; the engines get
+    the decision, never auto."""
+    from epd.server.backends import class_engines_pay
+    cfg, reason = config.resolve_class_engines(config.load(None, env), backend,
+                                               class_engines_pay(backend))
+    assert cfg.class_engines == ("on" if on else "off") and cfg.class_engines_on is on
+    assert why in reason
+    assert cfg.to_env()["EPD_CLASS_ENGINES"] == cfg.class_engines
+
+
+def test_an_mps_share_without_class_engines_refuses_to_start(tmp_path):
+    """--throughput-mps-percentage where auto turns class engines off: the daemon does not
+    start, and says why (the share would cap the latency groups' kernels too)."""
+    with pytest.raises(ValueError, match=r"needs class_engines.*\(class engines are off: "
+                                         "auto: the service-class policy gives no group"):
+        config.resolve_class_engines(
+            config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70"}), "cuda", True)
+    from epd.server import supervisor as sup_mod
+    cfg = config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70", "EPD_BACKEND": "cpu"})
+    with pytest.raises(sup_mod.StartupError, match="needs class_engines"):
+        sup_mod.check_backend(cfg)

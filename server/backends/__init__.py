@@ -41,6 +41,14 @@ def resolve_backend_name(name: str) -> str:
     return name
 
 
+def class_engines_pay(name: str) -> bool:
+    """Whether `--class-engines auto` turns class engines on for backend `name` (resolved):
+    on cuda a latency group's launches queue behind a throughput group's driver calls in one
+    engine process (docs/DESIGN_NOTES.md, "Class engines"); the cpu backend's collectives
+    make no driver calls to separate."""
+    return name == "cuda"
+
+
 def make_planner(cfg) -> GroupPlanner:
     """The node side of the configured backend (supervisor, coordinator): no device needed."""
     name = resolve_backend_name(cfg.backend)

@@ -294,7 +294,7 @@ class CudaPlanner(GroupPlanner):
         self.generation = 0
         # Class engines (engine_slots.py): the latency engines form world 1, with their own
         # heaps, unique id and generation; world 0 is the throughput engines (or all).
-        self.class_engines = bool(getattr(cfg, "class_engines", False))
+        self.class_engines = getattr(cfg, "class_engines", "off") == "on"
         self.latency_heap_bytes = getattr(cfg, "latency_heap_bytes", 0) or self.heap_bytes
         self.latency_heap = HeapAllocator(self.latency_heap_bytes)
         self.latency_world = (b"", 0)  # (unique id, generation)

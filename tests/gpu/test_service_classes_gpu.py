@@ -9,6 +9,7 @@ separately (two pools on one daemon). Run twice: one engine per GPU, then class 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,13 +34,20 @@ M = 64  # num_max_dispatch_tokens_per_rank of the decode group
 
 @pytest.fixture(scope="module", params=[False, True], ids=["one-engine", "class-engines"])
 def daemon(request):
-    """`epd serve --backend cuda` with a service-class policy and per-class SM budgets; then
-    with class engines (an engine process per GPU and class, each class its own NVSHMEM
-    world)."""
-    yield from cuda_daemon(("--service-class-policy", POLICY,
-                            "--latency-num-sms", str(LATENCY_SMS),
-                            "--throughput-num-sms", str(THROUGHPUT_SMS),
-                            *(("--class-engines",) if request.param else ())))
+    """`epd serve --backend cuda` with a service-class policy and per-class SM budgets, with
+    --class-engines off; then with the default (auto), which a policy naming the latency
+    class turns on: an engine process per GPU and class, each class its own NVSHMEM world."""
+    started = cuda_daemon(("--service-class-policy", POLICY,
+                           "--latency-num-sms", str(LATENCY_SMS),
+                           "--throughput-num-sms", str(THROUGHPUT_SMS),
+                           *(() if request.param else ("--class-engines", "off"))))
+    d = next(started)
+    try:
+        d.class_engines = os.path.exists(d.socket(0, "latency"))
+        assert d.class_engines == request.param, d.log()[-3000:]
+        yield d
+    finally:
+        next(started, None)  # (its teardown: the daemon stopped, MPS variables restored)
 
 
 def _stats(s, name: str) -> dict:
@@ -117,7 +125,7 @@ def _prefill_rank(rank: int, socket: str, device: int, q) -> None:
 def test_latency_and_throughput_groups_concurrently(daemon) -> None:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    classes = "--class-engines" in daemon.extra
+    classes = daemon.class_engines
     procs = [ctx.Process(target=fn, args=(
         r, daemon.socket(r % GPU_COUNT, "latency" if classes and fn is _decode_rank else ""),
         r % GPU_COUNT, q)) for fn in (_decode_rank, _prefill_rank) for r in range(2)]
@@ -227,7 +235,7 @@ def test_deepep_buffer_lands_on_its_class_engine(daemon) -> None:
     """The DeepEP facade as frameworks use it: exact over three steps; with class engines its
     session has moved to the latency engine's socket at the first call."""
     results = _spawn_ranks(daemon, _facade_rank, 2, daemon.socket_dir)
-    classes = "--class-engines" in daemon.extra
+    classes = daemon.class_engines
     lx = DECODE.num_experts // DECODE.num_ranks
     for step in range(3):
         xs, idx, w = (list(v) for v in zip(*(_facade_inputs(r, step) for r in range(2)),
