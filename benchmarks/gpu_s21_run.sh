@@ -7,6 +7,7 @@
 #        one GPU, MPS on (the ratio rows need two GPUs: DeepEP and NCCL take one GPU per rank)
 #   bash benchmarks/gpu_s21_run.sh profile  # where one rank's cached dispatch and combine
 #        spend host time, client and engine (cProfile)
+#   bash benchmarks/gpu_s21_run.sh auto     # class engines by default under a latency policy
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean)
 export EPD_GPU_LOG_DIR=$OUT
@@ -36,5 +37,9 @@ case "${1:-}" in
     python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top.txt" 2>&1
     head -c 3000 "$OUT/profile_top.txt"
     ;;
-  *) echo "usage: $0 retire|bench|profile" >&2; exit 2 ;;
+  auto)  # --class-engines auto (the default): the service classes' GPU test, whose second
+          # daemon passes no --class-engines and must come up with class engines
+    STEP_TEST_SECONDS=150 step classes 230 "tests/gpu/test_service_classes_gpu.py"
+    ;;
+  *) echo "usage: $0 retire|bench|profile|auto" >&2; exit 2 ;;
 esac
