@@ -170,6 +170,7 @@ class Supervisor:
         self.device_names: dict[int, tuple[str, str]] = {}
         self.policy_text = cfg.service_classes.text  # canonical (GetTopology)
         self.stopping = False
+        self.class_engines_why = ""  # (logged at start: run() sets it from check_backend)
         self._http = None
         self.lock_fd: int | None = None
         self.node_token = secrets.token_hex(32)  # given to engines at spawn, never to clients
@@ -448,6 +449,8 @@ class Supervisor:
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s, MPS %s",
                  __version__, self.backend, len(self.engines), cfg.socket_dir, self.metrics_url,
                  self.mps.mode)
+        if self.class_engines_why:
+            log.info("class engines %s (%s)", cfg.class_engines, self.class_engines_why)
         cuda = self.planner.proto_kind == epd_pb2.CUDA
         if cfg.class_engines_on and cuda and self.mps.mode == "off":
             log.warning("--class-engines without MPS: the two engines of a GPU time-slice it "
@@ -628,9 +631,9 @@ def lock_socket_dir(socket_dir: str) -> int:
     return fd
 
 
-def check_backend(cfg: Config) -> Config:
-    """`cfg` with the settings that depend on the backend resolved (--class-engines auto);
-    StartupError where the backend cannot run here."""
+def check_backend(cfg: Config) -> tuple[Config, str]:
+    """`cfg` with the settings that depend on the backend resolved (--class-engines auto) and
+    why class engines are on or off; StartupError where the backend cannot run here."""
     from .backends import class_engines_pay, missing_requirements, resolve_backend_name
     try:
         name = resolve_backend_name(cfg.backend)
@@ -643,8 +646,7 @@ def check_backend(cfg: Config) -> Config:
         cfg, why = resolve_class_engines(cfg, name, class_engines_pay(name))
     except ValueError as e:
         raise StartupError(str(e)) from None
-    log.info("class engines %s (%s)", cfg.class_engines, why)
-    return cfg
+    return cfg, why
 
 
 def _event_loop_run(coro) -> int:
@@ -681,7 +683,7 @@ def run(cfg: Config) -> int:
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)
-        cfg = check_backend(cfg)
+        cfg, class_engines_why = check_backend(cfg)
         metrics_dir, owned = prepare_metrics_dir()
         from .backends import make_planner
 
@@ -692,6 +694,7 @@ def run(cfg: Config) -> int:
             raise StartupError(f"--backend {cfg.backend}: {e}; install what it needs or use "
                                f"--backend cpu") from None
         sup.lock_fd = lock_fd
+        sup.class_engines_why = class_engines_why
         sup.check_cluster()
         os.chmod(cfg.socket_dir, 0o750)  # keep the folder (clients may bind-mount it); tighten
         sup.bind_http()

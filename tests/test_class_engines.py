@@ -89,6 +89,7 @@ def _join1(s: Session, name: str, service_class: str | None = None):
 
 
 def test_a_group_on_the_other_class_engine_is_refused_naming_its_socket(daemon):
+    assert "class engines on (--class-engines on)" in daemon.log()  # (the start's choice)
     with Session(daemon.socket(1), timeout=10) as s:  # device 1's throughput engine
         with pytest.raises(EpdError) as ei:
             _join1(s, "ce-decode-wrong")  # the policy makes it latency
@@ -326,3 +327,5 @@ def test_an_mps_share_without_class_engines_refuses_to_start(tmp_path):
     cfg = config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70", "EPD_BACKEND": "cpu"})
     with pytest.raises(sup_mod.StartupError, match="needs class_engines"):
         sup_mod.check_backend(cfg)
+    cfg, why = sup_mod.check_backend(config.load(None, {"EPD_BACKEND": "cpu"}))
+    assert cfg.class_engines == "off" and why.startswith("auto: the cpu backend")
