@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_s21_run.sh profile  # where one rank's cached dispatch and combine
 #        spend host time, client and engine (cProfile)
 #   bash benchmarks/gpu_s21_run.sh auto     # class engines by default under a latency policy
+#   bash benchmarks/gpu_s21_run.sh final    # the facade, the chain and stream-ordered layers
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean)
 export EPD_GPU_LOG_DIR=$OUT
@@ -41,5 +42,10 @@ case "${1:-}" in
           # daemon passes no --class-engines and must come up with class engines
     STEP_TEST_SECONDS=150 step classes 230 "tests/gpu/test_service_classes_gpu.py"
     ;;
-  *) echo "usage: $0 retire|bench|profile|auto" >&2; exit 2 ;;
+  final)  # the last check: the client's Group moved to client/group.py (the facade, the chain's
+           # armed ops and stream-ordered layers import it)
+    STEP_TEST_SECONDS=200 step final 380 "tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_ll_chain.py tests/gpu/test_stream_ordered.py"
+    ;;
+  *) echo "usage: $0 retire|bench|profile|auto|final" >&2; exit 2 ;;
 esac

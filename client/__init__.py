@@ -5,7 +5,8 @@
 
 from ..proto.errors import EpdError
 from .buffer import Buffer, EventOverlap
-from .session import DispatchResult, Group, Handle, PendingDispatch, Session
+from .group import DispatchResult, Group, Handle, PendingDispatch
+from .session import Session
 
 __all__ = ["Buffer", "DispatchResult", "EpdError", "EventOverlap", "Group", "Handle",
            "PendingDispatch", "Session"]

@@ -59,8 +59,9 @@ from . import tensors as T
 from .buffer_low_latency import LowLatencyMixin, plain_op_limit
 from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
+from .group import Group, service_class_value
 from .handles import BufferHandle, LowLatencyBufferHandle
-from .session import Group, Session, service_class_value
+from .session import Session
 from .stream_op_cache import StreamOpCache
 from .tensors import Array
 

@@ -20,14 +20,15 @@ from . import cuda_ipc, received_rows
 from . import deep_ep_compat as C
 from . import tensors as T
 from .deep_ep_compat import EventOverlap
+from .group import LowLatencyHandle
 from .handles import LowLatencyBufferHandle
-from .session import LowLatencyHandle
 from .stream_op_cache import DEFAULT_LIMIT, Entry, StreamOpCache
 from .stream_ops import StreamOp
 from .tensors import Array
 
 if TYPE_CHECKING:
-    from .session import Group, Session
+    from .group import Group
+    from .session import Session
 
 PLAIN_OPS_ENV = "EPD_LL_PLAIN_OPS"  # armed plain low-latency calls kept per Buffer
 

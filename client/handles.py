@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import deep_ep_compat as C
-from .session import Handle, LowLatencyHandle
+from .group import Handle, LowLatencyHandle
 from .stream_ops import StreamOp
 from .tensors import Array
 

@@ -35,7 +35,7 @@ from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 
 if TYPE_CHECKING:
-    from .session import Group
+    from .group import Group
     from .tensors import Array
 
 ENV = "EPD_LOCAL_LAYOUT"

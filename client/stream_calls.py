@@ -29,7 +29,7 @@ from . import call_outputs, cuda_ipc
 from .tensors import Array
 
 if TYPE_CHECKING:
-    from .session import Group, Handle
+    from .group import Group, Handle
 
 RING = abi.READY_RING
 SEQ_MASK = 0xFFFFFFFF  # stream sequences run 1..SEQ_MASK, as the engine counts them

@@ -41,7 +41,7 @@ from . import cuda_ipc, ll_trigger
 from .tensors import Array
 
 if TYPE_CHECKING:
-    from .session import Group
+    from .group import Group
 
 REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE
 DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED

@@ -25,7 +25,7 @@ import pytest
 from ranklib import Case, assert_exact, case_round, check_case, expert_out, join
 
 from epd.client import Session
-from epd.client.session import Handle
+from epd.client.group import Handle
 from epd.proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref

@@ -18,7 +18,7 @@ import pytest
 from ranklib import BF16, FP8, Case, case_round, check_case, join
 
 from epd.client import Session
-from epd.client.session import Handle
+from epd.client.group import Handle
 from epd.client.tensors import ShmFile
 from epd.proto import dtypes
 from epd.proto.errors import EpdError

@@ -44,7 +44,7 @@ def _chain_rank(rank: int, socket: str, device: int, q) -> None:
     import torch
 
     from epd.client import EpdError, Session
-    from epd.client.session import LowLatencyDispatchResult
+    from epd.client.group import LowLatencyDispatchResult
     torch.cuda.set_device(device)
     res: dict = {"rank": rank, "steps": []}
     t = TOKENS[rank]
