@@ -119,3 +119,33 @@ def test_bench_fails_with_one_line(tmp_path, args, reason) -> None:
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("epd bench: ") and reason in lines[0], \
         proc.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_plan_deep_ep_on_shared_gpu(monkeypatch, shared) -> None:
+    """Where ranks share a GPU, DeepEP runs only when asked (--deep-ep-shared-gpu), in normal
+    mode only, and the NCCL pipeline stays skipped: the plan of a one-GPU machine, with torch's
+    device count and DeepEP's import made to say so."""
+    import argparse
+
+    import torch
+
+    from epd.server import bench
+    from epd.server.bench import runner
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runner, "_deep_ep", lambda: None)  # as if a real DeepEP imported
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    ns = parser.parse_args(["--low-latency", *(["--deep-ep-shared-gpu"] if shared else [])])
+    setup = runner.plan_run(ns, "cuda")
+    assert setup.ranks == 2 and setup.gpus == 1
+    assert "pipeline" in setup.skipped and "NCCL needs one GPU per rank" in \
+        setup.skipped["pipeline"]
+    if shared:
+        assert setup.impls == ["epd", "deep_ep"] and not setup.deep_ep_ll
+        assert "takes one GPU per rank" in setup.skipped["deep_ep_ll"]
+        assert "share 1 GPU(s)" in setup.shared_gpu_note
+    else:
+        assert setup.impls == ["epd"] and "--deep-ep-shared-gpu" in setup.skipped["deep_ep"]
+        assert setup.shared_gpu_note == ""

@@ -52,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--low-latency", action="store_true",
                    help="add the low-latency rows at shape D (plain, hooks, CUDA graph)")
+    p.add_argument("--deep-ep-shared-gpu", action="store_true",
+                   help="run DeepEP's normal mode even where ranks share a GPU (several rank "
+                        "processes per GPU, on the daemon's MPS server so that their kernels "
+                        "run at once): the one-GPU comparison of the daemon's hop with "
+                        "DeepEP in-process. Its low-latency rows and the NCCL pipeline still "
+                        "need one GPU per rank")
     p.add_argument("--skip", default="",
                    help="comma list of parts not to run: deep_ep, deep_ep_ll (DeepEP's "
                         "low-latency rows only), pipeline, graph")

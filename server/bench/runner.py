@@ -51,6 +51,7 @@ class Setup:
     low_latency: bool = False
     deep_ep_ll: bool = True  # DeepEP's low-latency rows, where DeepEP and low latency run
     graphs: bool = False
+    shared_gpu_note: str = ""  # DeepEP runs where ranks share GPUs (--deep-ep-shared-gpu)
 
 
 def topology(socket_dir: str) -> epd_pb2.GetTopologyResponse:
@@ -121,10 +122,12 @@ def plan_run(ns: Any, backend: str) -> Setup:
         raise BenchError(f"--skip takes deep_ep, deep_ep_ll, pipeline, graph; got {sorted(bad)}")
     setup = Setup(backend, device.type, gpus, ranks, _shapes(ns), [EPD])
     one_per_gpu = gpu and ranks <= gpus
+    shared = gpu and not one_per_gpu and getattr(ns, "deep_ep_shared_gpu", False)
     if not gpu:
         setup.skipped[DEEP_EP] = "DeepEP needs the cuda backend (this run: cpu)"
-    elif not one_per_gpu:
-        setup.skipped[DEEP_EP] = f"DeepEP needs one GPU per rank ({ranks} ranks, {gpus} GPU)"
+    elif not one_per_gpu and not shared:
+        setup.skipped[DEEP_EP] = (f"DeepEP needs one GPU per rank ({ranks} ranks, {gpus} GPU; "
+                                  f"--deep-ep-shared-gpu runs its normal mode on shared GPUs)")
     elif DEEP_EP in skip:
         setup.skipped[DEEP_EP] = "--skip deep_ep"
     elif (why := _deep_ep()) is not None:
@@ -151,6 +154,12 @@ def plan_run(ns: Any, backend: str) -> Setup:
     if setup.low_latency and DEEP_EP in setup.impls and "deep_ep_ll" in skip:
         setup.skipped["deep_ep_ll"] = "--skip deep_ep_ll"
         setup.deep_ep_ll = False
+    elif setup.low_latency and DEEP_EP in setup.impls and shared:
+        setup.skipped["deep_ep_ll"] = "DeepEP's low-latency mode (NVSHMEM) takes one GPU per rank"
+        setup.deep_ep_ll = False
+    if shared and DEEP_EP in setup.impls:
+        setup.shared_gpu_note = (f"DeepEP's {ranks} ranks share {gpus} GPU(s) as EPD's do "
+                                 f"(rank r on GPU r % {gpus}), through the daemon's MPS server")
     if setup.low_latency:
         if not gpu:
             setup.skipped["graph"] = "CUDA graphs need the cuda backend (this run: cpu)"
@@ -316,6 +325,8 @@ def run_bench(ns: Any) -> int:
             + f"; {ns.warmup} warm-up + {ns.iters} timed iterations")
         for what, why in setup.skipped.items():
             say(f"  skipped {what}: {why}")
+        if setup.shared_gpu_note:
+            say(f"  {setup.shared_gpu_note}")
         if ns.socket_dir:
             socket_dir, daemon_note = ns.socket_dir, f"external at {ns.socket_dir}"
         else:
@@ -349,7 +360,8 @@ def run_bench(ns: Any) -> int:
             socket_dir=socket_dir, engine=None if setup.gpus else r % len(topo.engines),
             shapes=setup.shapes, hidden=ns.hidden, experts=ns.experts, topk=ns.topk,
             iters=ns.iters, warmup=ns.warmup, seed=ns.seed, impls=setup.impls,
-            use_nccl=bool(setup.gpus) and (DEEP_EP in setup.impls or PIPELINE in setup.impls),
+            use_nccl=0 < setup.ranks <= setup.gpus
+            and (DEEP_EP in setup.impls or PIPELINE in setup.impls),
             low_latency=setup.low_latency, deep_ep_ll=setup.deep_ep_ll, ll_tokens=d_tokens,
             graphs=setup.graphs,
             engine_pids=engine_pids, metrics_url=topo.metrics_url, mps_pipe_directory=mps_pipe,
@@ -399,6 +411,7 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
         "issue_shapes": report.issue_shapes(args, setup.shapes),
         "mps": _mps(topo, mps_pipe, results[0].get("sessions_without_mps")),
         "skipped": setup.skipped,
+        "deep_ep_shared_gpu": setup.shared_gpu_note,
         "pipeline_name": "NCCL pipeline" if setup.gpus else "gloo pipeline",
         "rows": rows, "correctness": checks,
         "correctness_passed": bool(checks) and all(c["passed"] for c in checks),
@@ -408,6 +421,8 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
     print()
     for line in report.correctness_lines(checks) or ["FAIL  no correctness check ran"]:
         print(line)
+    if setup.shared_gpu_note:
+        print(f"note: {setup.shared_gpu_note}; the issue's ratios are for one GPU per rank")
     if not summary["issue_shapes"]:
         print("note: targets are issue 10's, for its shapes (P 4096 / D 128 tokens, hidden 7168, "
               "top-8 of 256); this run's differ, so verdicts are indicative only")

@@ -421,8 +421,10 @@ class RankRun:
                                                             p.experts)
             return de.Buffer(self.r.nccl_group, 0, rdma, low_latency_mode=True,
                              num_qps_per_rank=p.experts // p.num_ranks, **kw)
-        return de.Buffer(self.r.nccl_group, _deep_ep_nvl_bytes(de, p.num_ranks, p.hidden), 0,
-                         **kw)
+        # Ranks sharing a GPU have no NCCL group (NCCL takes one rank per GPU); DeepEP's
+        # intranode mode uses its group only to exchange IPC handles, which gloo does.
+        group = self.r.nccl_group if self.r.nccl_group is not None else self.r.host_group
+        return de.Buffer(group, _deep_ep_nvl_bytes(de, p.num_ranks, p.hidden), 0, **kw)
 
     def run(self) -> dict:
         p, r = self.plan, self.r
