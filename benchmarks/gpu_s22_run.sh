@@ -17,7 +17,8 @@ case "${1:-}" in
         python3 setup.py build_ext --inplace) > "$OUT/deepep_build.txt" 2>&1 \
       || { tail -20 "$OUT/deepep_build.txt"; exit 1; }
     export PYTHONPATH=$PYTHONPATH:/tmp/deepep
-    for run in 1 2; do
+    for run in 1 2; do  # (the second only where the device call has time left for it)
+      [ "$run" = 2 ] && [ "$SECONDS" -gt 380 ] && { echo "run 2 skipped: ${SECONDS} s used"; break; }
       timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --shapes P,D --iters 60 \
           --low-latency --deep-ep-shared-gpu --json "$OUT/bench_shared_$run.json" 2>&1 \
           | clean | tail -32
