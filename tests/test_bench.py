@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("torch")
 
 MARK = "EPD_BENCH_TEST_MARK"
-ROWS = ["layout + dispatch + combine", "cached dispatch", "combine"]
+ROWS = ["layout + dispatch + combine", "cached dispatch", "combine", "layer with expert MLPs"]
 LL_ROWS = ["low latency: FP8 dispatch + combine", "low latency: with recv hooks"]
 
 
@@ -61,7 +61,8 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     out = tmp_path / "bench.json"
     proc, _ = _run(["--backend", "cpu", "--ranks", "2", "--tokens", "32,8", "--hidden", "256",
                     "--experts", "16", "--topk", "4", "--iters", "3", "--warmup", "1",
-                    "--low-latency", "--json", str(out), "--plot", str(tmp_path / "b.png"),
+                    "--low-latency", "--expert-intermediate", "32", "--json", str(out),
+                    "--plot", str(tmp_path / "b.png"),
                     "--timeout", "120", "-v"], tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
@@ -103,7 +104,9 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert {(c["shape"], c["what"], c["against"]) for c in checks} >= {
         ("P", "normal combine", "pipeline"), ("D", "normal combine", "pipeline"),
         ("P", "normal combine", "reference"), ("D", "normal combine", "reference"),
-        ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference")}
+        ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference"),
+        ("P", ROWS[3], "pipeline"), ("D", ROWS[3], "pipeline")}
+    assert rec["expert_intermediate"] == 32 and "layer with expert MLPs:" in proc.stdout
     assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
 
 
@@ -140,6 +143,7 @@ def test_plan_deep_ep_on_shared_gpu(monkeypatch, shared) -> None:
     ns = parser.parse_args(["--low-latency", *(["--deep-ep-shared-gpu"] if shared else [])])
     setup = runner.plan_run(ns, "cuda")
     assert setup.ranks == 2 and setup.gpus == 1
+    assert setup.expert_intermediate == 2048  # the layer row, by default on cuda
     assert "pipeline" in setup.skipped and "NCCL needs one GPU per rank" in \
         setup.skipped["pipeline"]
     if shared:

@@ -10,8 +10,10 @@ One invocation runs, with the same inputs (fixed seed) on one machine:
   exchange with a host sync, all_to_all_single there and back, index_add.
 
 Rows: layout + dispatch + combine, cached dispatch and combine at each shape (P = 4096, D = 128
-tokens/rank); with `--low-latency`, FP8 low_latency_dispatch + bf16 low_latency_combine at D
-as plain calls, with receive hooks, and as a CUDA graph replay (cuda). Per row: p50/p90 of the
+tokens/rank), and the same layer with the experts' MLPs between the calls (what a forward pass
+does: the host work of a stream-ordered call can hide behind the GPU's); with `--low-latency`,
+FP8 low_latency_dispatch + bf16 low_latency_combine at D as plain calls, with receive hooks,
+and as a CUDA graph replay (cuda). Per row: p50/p90 of the
 slowest rank's host wall time per iteration (barrier, t0, calls, device synchronise, t1),
 client and engine CPU per call, the issue's targets, and a correctness check of EPD's combined
 output (bit-exact against DeepEP, within bf16 rounding against the pipeline). Table on stdout,
@@ -52,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--low-latency", action="store_true",
                    help="add the low-latency rows at shape D (plain, hooks, CUDA graph)")
+    p.add_argument("--expert-intermediate", type=int, default=None, metavar="F",
+                   help="the 'layer with expert MLPs' row: layout + dispatch + the experts' "
+                        "MLPs on the received rows (intermediate size F per expert, top-k / "
+                        "ranks experts per row) + combine, as a forward pass calls them; "
+                        "0 leaves the row out (default: 2048, DeepSeek-V3's expert size, on "
+                        "cuda; 0 on cpu)")
     p.add_argument("--deep-ep-shared-gpu", action="store_true",
                    help="run DeepEP's normal mode even where ranks share a GPU (several rank "
                         "processes per GPU, on the daemon's MPS server so that their kernels "

@@ -16,6 +16,7 @@ from .workers import (
     NORMAL_ROWS,
     PIPELINE,
     ROW_FULL,
+    ROW_LAYER,
     ROW_LL_GRAPH,
     ROW_LL_HOOK,
     ROW_LL_PLAIN,
@@ -169,6 +170,11 @@ def table(summary: dict) -> str:
                                   for i in (DEEP_EP, EPD, PIPELINE)) + " |")
     if any(row["row"] in LL_ROWS for row in summary["rows"]):
         lines.append(f"\n* low-latency rows: the {pipe_name}'s {ROW_FULL} at D")
+    inter = summary.get("expert_intermediate")
+    if inter:
+        lines.append(f"\n{ROW_LAYER}: {ROW_FULL} with each received row through an MLP of "
+                     f"the FLOPs of top-k / ranks experts of intermediate size {inter} "
+                     f"between dispatch and combine (no target: what a forward pass sees)")
     host = [(row, row["results"].get(EPD, {}).get("engine_host_us_per_op"))
             for row in summary["rows"]]
     host = [(row, h) for row, h in host if h]

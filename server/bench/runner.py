@@ -51,6 +51,7 @@ class Setup:
     low_latency: bool = False
     deep_ep_ll: bool = True  # DeepEP's low-latency rows, where DeepEP and low latency run
     graphs: bool = False
+    expert_intermediate: int = 0  # the layer row's expert size (0: no layer row)
     shared_gpu_note: str = ""  # DeepEP runs where ranks share GPUs (--deep-ep-shared-gpu)
 
 
@@ -142,6 +143,14 @@ def plan_run(ns: Any, backend: str) -> Setup:
         setup.skipped[PIPELINE] = "this torch has no NCCL"
     else:
         setup.impls.append(PIPELINE)
+    inter = ns.expert_intermediate
+    if inter is not None and inter < 0:
+        raise BenchError(f"--expert-intermediate must be >= 0, got {inter}")
+    setup.expert_intermediate = inter if inter is not None else (2048 if gpu else 0)
+    if not setup.expert_intermediate:
+        setup.skipped["layer with expert MLPs"] = (
+            "--expert-intermediate 0" if inter is not None else
+            "the cpu backend's default (--expert-intermediate F runs it)")
     names = [n for n, _ in setup.shapes]
     if not ns.low_latency:
         setup.skipped["low_latency"] = "not asked (--low-latency)"
@@ -363,7 +372,7 @@ def run_bench(ns: Any) -> int:
             use_nccl=0 < setup.ranks <= setup.gpus
             and (DEEP_EP in setup.impls or PIPELINE in setup.impls),
             low_latency=setup.low_latency, deep_ep_ll=setup.deep_ep_ll, ll_tokens=d_tokens,
-            graphs=setup.graphs,
+            graphs=setup.graphs, expert_intermediate=setup.expert_intermediate,
             engine_pids=engine_pids, metrics_url=topo.metrics_url, mps_pipe_directory=mps_pipe,
             collective_timeout=ns.collective_timeout,
             call_timeout=ns.call_timeout) for r in range(setup.ranks)]
@@ -412,6 +421,7 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
         "mps": _mps(topo, mps_pipe, results[0].get("sessions_without_mps")),
         "skipped": setup.skipped,
         "deep_ep_shared_gpu": setup.shared_gpu_note,
+        "expert_intermediate": setup.expert_intermediate,
         "pipeline_name": "NCCL pipeline" if setup.gpus else "gloo pipeline",
         "rows": rows, "correctness": checks,
         "correctness_passed": bool(checks) and all(c["passed"] for c in checks),

@@ -38,14 +38,15 @@ from . import engine_host
 ROW_FULL = "layout + dispatch + combine"
 ROW_CACHED = "cached dispatch"
 ROW_COMBINE = "combine"
+ROW_LAYER = "layer with expert MLPs"
 ROW_LL_PLAIN = "low latency: FP8 dispatch + combine"
 ROW_LL_HOOK = "low latency: with recv hooks"
 ROW_LL_GRAPH = "low latency: CUDA graph replay"
 NORMAL_ROWS = (ROW_FULL, ROW_CACHED, ROW_COMBINE)
 LL_ROWS = (ROW_LL_PLAIN, ROW_LL_HOOK, ROW_LL_GRAPH)
 # API calls per iteration: what client and engine CPU are divided by (hooks not counted).
-CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2,
-                  ROW_LL_GRAPH: 2}
+CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LAYER: 3, ROW_LL_PLAIN: 2,
+                  ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
 
 EPD, DEEP_EP, PIPELINE = "epd", "deep_ep", "pipeline"
 IMPLS = (EPD, DEEP_EP, PIPELINE)
@@ -76,6 +77,7 @@ class RankPlan:
     deep_ep_ll: bool         # DeepEP's low-latency rows too (needs NVSHMEM working in-process)
     ll_tokens: int           # num_max_dispatch_tokens_per_rank (shape D's tokens)
     graphs: bool
+    expert_intermediate: int = 0  # > 0: the layer row, expert MLPs of this size between calls
     engine_pids: list[int] = field(default_factory=list)
     metrics_url: str = ""  # the daemon's /metrics: the engine's host time per armed op
     mps_pipe_directory: str = ""  # the daemon's MPS server, joined before CUDA starts here
@@ -96,6 +98,27 @@ def expert_value(experts: int) -> np.ndarray:
     """What the stand-in low-latency experts return for every row of expert e: (e % 8 + 1) / 8,
     exact in bf16, so a wrong row in combine changes the sum."""
     return ((np.arange(experts) % 8) + 1).astype(np.float32) / 8
+
+
+class ExpertMlp:
+    """The layer row's stand-in experts: each received row goes through an MLP,
+    silu(x @ w1) @ w2, with the FLOPs of its top-k / ranks local experts of intermediate size
+    `intermediate` each (one GEMM pair of `intermediate * experts_per_row` columns; a grouped
+    GEMM over experts does the same work in more, smaller pieces). The weights are the same on
+    every rank and implementation (seeded), scaled so that outputs stay of order one."""
+
+    def __init__(self, torch: Any, device: Any, seed: int, hidden: int, intermediate: int,
+                 experts_per_row: int) -> None:
+        width = intermediate * max(1, experts_per_row)
+        g = torch.Generator().manual_seed(seed)
+        self.w1 = (torch.randn(hidden, width, generator=g) / hidden ** 0.5).to(
+            device=device, dtype=torch.bfloat16)
+        self.w2 = (torch.randn(width, hidden, generator=g) / width ** 0.5).to(
+            device=device, dtype=torch.bfloat16)
+        self.silu = torch.nn.functional.silu
+
+    def __call__(self, x: Any) -> Any:
+        return self.silu(x @ self.w1) @ self.w2
 
 
 def cpu_seconds(pids: list[int]) -> float | None:
@@ -236,7 +259,8 @@ class FacadeCalls:
         self.buf, self.experts = buf, experts
         self.state: dict[str, Any] = {}
 
-    def normal(self, x: Any, idx: Any, w: Any) -> dict[str, Callable[[], None]]:
+    def normal(self, x: Any, idx: Any, w: Any,
+               mlp: ExpertMlp | None = None) -> dict[str, Callable[[], None]]:
         buf, st, e = self.buf, self.state, self.experts
 
         def full() -> None:
@@ -255,7 +279,17 @@ class FacadeCalls:
             st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
                                                topk_weights=st["recv_w"])
 
-        return {ROW_FULL: full, ROW_CACHED: cached, ROW_COMBINE: combine}
+        def layer() -> None:  # a MoE layer's communication with its experts' work between
+            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+                x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_expert, topk_idx=idx, topk_weights=w)
+            st["layer"], _, _ = buf.combine(mlp(recv_x), handle, topk_weights=recv_w)
+
+        steps = {ROW_FULL: full, ROW_CACHED: cached, ROW_COMBINE: combine}
+        if mlp is not None:
+            steps[ROW_LAYER] = layer
+        return steps
 
     def low_latency(self, x: Any, idx: Any, w: Any, y: Any,
                     num_max: int) -> dict[str, Callable[[], Any]]:
@@ -290,7 +324,8 @@ class PipelineCalls:
         self.r, self.group, self.experts = r, group, experts
         self.state: dict[str, Any] = {}
 
-    def normal(self, x: Any, idx: Any, w: Any) -> dict[str, Callable[[], None]]:
+    def normal(self, x: Any, idx: Any, w: Any,
+               mlp: ExpertMlp | None = None) -> dict[str, Callable[[], None]]:
         torch, dist, g, st = self.r.torch, self.r.dist, self.group, self.state
         world = self.r.plan.num_ranks
         local = self.experts // world
@@ -314,19 +349,30 @@ class PipelineCalls:
             dist.all_to_all_single(recv_x, send_x, st["rc"], st["sc"], group=g)
             st["recv_x"] = recv_x
 
-        def combine() -> None:
-            back = torch.empty(st["perm"].numel(), hidden, dtype=x.dtype, device=dev)
-            dist.all_to_all_single(back, st["recv_x"], st["sc"], st["rc"], group=g)
+        def back(rows: Any) -> Any:
+            got = torch.empty(st["perm"].numel(), hidden, dtype=x.dtype, device=dev)
+            dist.all_to_all_single(got, rows, st["sc"], st["rc"], group=g)
             out = torch.zeros(tokens, hidden, dtype=torch.float32, device=dev)
-            out.index_add_(0, st["perm"], back.float())
-            st["combined"] = out.to(x.dtype)
+            out.index_add_(0, st["perm"], got.float())
+            return out.to(x.dtype)
+
+        def combine() -> None:
+            st["combined"] = back(st["recv_x"])
 
         def full() -> None:
             layout()
             dispatch()
             combine()
 
-        return {ROW_FULL: full, ROW_CACHED: dispatch, ROW_COMBINE: combine}
+        def layer() -> None:
+            layout()
+            dispatch()
+            st["layer"] = back(mlp(st["recv_x"]))
+
+        steps = {ROW_FULL: full, ROW_CACHED: dispatch, ROW_COMBINE: combine}
+        if mlp is not None:
+            steps[ROW_LAYER] = layer
+        return steps
 
 
 # -- correctness ----------------------------------------------------------------------------------
@@ -439,10 +485,14 @@ class RankRun:
         if DEEP_EP in p.impls:
             self.dep_buf = self._deep_ep_buffer(False)
         pipe_group = r.nccl_group if r.on_gpu else r.host_group
+        mlp = (ExpertMlp(torch, r.device, p.seed, p.hidden, p.expert_intermediate,
+                         round(p.topk / p.num_ranks)) if p.expert_intermediate > 0 else None)
+        rows = (*NORMAL_ROWS, ROW_LAYER) if mlp is not None else NORMAL_ROWS
         for si, (shape, tokens) in enumerate(p.shapes):
             x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, tokens, p.hidden,
                                                      p.experts, p.topk, p.num_ranks))
             combined: dict[str, Any] = {}
+            layers: dict[str, Any] = {}
             for impl in p.impls:
                 if impl == EPD:
                     calls = FacadeCalls(self.epd_buf, p.experts)
@@ -450,9 +500,9 @@ class RankRun:
                     calls = FacadeCalls(self.dep_buf, p.experts)
                 else:
                     calls = PipelineCalls(r, pipe_group, p.experts)
-                steps = calls.normal(x, idx, w)
+                steps = calls.normal(x, idx, w, mlp)
                 pids = p.engine_pids if impl == EPD else None
-                for row in NORMAL_ROWS:
+                for row in rows:
                     self.result["records"].append(r.timed(impl, shape, row, steps[row],
                                                           pids)[0])
                 if impl == EPD and p.rank == 0 and "sessions_without_mps" not in self.result:
@@ -461,8 +511,11 @@ class RankRun:
                     self.result["sessions_without_mps"] = [int(e.sessions_without_mps)
                                                            for e in topo.engines]
                 combined[impl] = calls.state["combined"]
+                if mlp is not None:
+                    layers[impl] = calls.state["layer"]
                 calls.state.clear()  # free the outputs before the next implementation
             self._check_normal(shape, combined, si, tokens)
+            self._check_layer(shape, layers)
         _destroy(self.dep_buf)
         self.dep_buf = None
         if p.low_latency:
@@ -499,6 +552,16 @@ class RankRun:
         if DEEP_EP in combined and PIPELINE in combined and EPD not in combined:
             self.check(shape, what, DEEP_EP, PIPELINE, combined[DEEP_EP], combined[PIPELINE],
                        exact=False)
+
+    def _check_layer(self, shape: str, layers: dict[str, Any]) -> None:
+        """The layer row's outputs: the same experts on the same rows, within bf16 rounding
+        (the GEMMs' kernels may differ with the row count: received rows are ordered
+        differently by the pipeline)."""
+        first = EPD if EPD in layers else DEEP_EP
+        for other in (DEEP_EP, PIPELINE):
+            if first in layers and other in layers and other != first:
+                self.check(shape, ROW_LAYER, first, other, layers[first], layers[other],
+                           exact=False)
 
     def _low_latency(self) -> None:
         """Rows at shape D (its index in the shape list picks the same inputs)."""
