@@ -1,8 +1,8 @@
-"""The CUDA engine's Rejoin collective (server/backends/cuda.py, CudaRankComm.rejoin), a host
-protocol over words of the ranks' control blocks, run here with the device memory replaced by a
-dictionary (`device_words`) and the rank streams by stand-ins: three ranks, rank 2 gone and
-replaced. What the GPU half needs (the kernels reading those words) is
-tests/gpu/test_rank_masking_gpu.py::test_a_replacement_rejoins_on_the_cuda_engine."""
+"""The CUDA engine's Rejoin collective (server/backends/cuda_rejoin.py, behind
+CudaRankComm.rejoin), a host protocol over words of the ranks' control blocks, run here with
+the device memory replaced by a dictionary (`device_words`) and the rank streams by stand-ins:
+three ranks, rank 2 gone and replaced. What the GPU half needs (the kernels reading those
+words) is tests/gpu/test_rank_masking_gpu.py::test_a_replacement_rejoins_on_the_cuda_engine."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from epd.proto import abi
 from epd.proto.errors import DeadlineExceeded, EpdError, FailedPrecondition
+from epd.server.backends import cuda_rejoin
 from epd.server.backends.cuda import CudaRankComm
 
 R, GONE = 3, 2
@@ -66,8 +67,8 @@ def _comm(mem: Memory, host: HostWords, rank: int, seqs: tuple[int, int],
                                base=rank * BLOCK, stream=idle, side_stream=idle,
                                unmask_rank=unmask)
     c.backend = SimpleNamespace(host_words=host)
-    c._peer_bases = [r * BLOCK for r in range(R)]
-    c._host_slot, c._group_key, c._rejoining = 0, 0, rejoining
+    c.peer_bases = [r * BLOCK for r in range(R)]
+    c.host_slot, c.group_key, c.rejoining = 0, 0, rejoining
     c.device_words = mem
     return c
 
@@ -96,11 +97,11 @@ def _all(calls) -> list:
 def test_a_replacement_takes_the_sequences_and_every_rank_waits_for_it_again() -> None:
     mem, host, comms = _setup()
     deadline = time.monotonic() + 5
-    out = _all([lambda c=c: c._rejoin_peer(GONE, deadline) for c in comms[:2]]
-               + [lambda: comms[2]._rejoin_replacement(deadline)])
+    out = _all([lambda c=c: cuda_rejoin.as_peer(c, GONE, deadline) for c in comms[:2]]
+               + [lambda: cuda_rejoin.as_replacement(comms[2], deadline)])
     assert out == [None, None, None], out
     rep = comms[2]
-    assert rep.runner.seq == {"ll_dispatch": 5, "ll_combine": 4} and not rep._rejoining
+    assert rep.runner.seq == {"ll_dispatch": 5, "ll_combine": 4} and not rep.rejoining
     # Its next call (#6) waits for READY >= 5 and COMBINE_READY >= 4 of every rank: as if all
     # had published #5 into the block cleared at its attach.
     for r in range(R):
@@ -118,11 +119,11 @@ def test_a_replacement_takes_the_sequences_and_every_rank_waits_for_it_again() -
 def test_ranks_at_different_calls_refuse_and_the_rank_stays_masked() -> None:
     mem, _, comms = _setup(seqs=((5, 4), (6, 5)))
     deadline = time.monotonic() + 5
-    out = _all([lambda c=c: c._rejoin_peer(GONE, deadline) for c in comms[:2]]
-               + [lambda: comms[2]._rejoin_replacement(deadline)])
+    out = _all([lambda c=c: cuda_rejoin.as_peer(c, GONE, deadline) for c in comms[:2]]
+               + [lambda: cuda_rejoin.as_replacement(comms[2], deadline)])
     assert all(isinstance(e, FailedPrecondition) for e in out), out
     assert "different low-latency calls" in out[2].details
-    assert comms[2]._rejoining  # still refused
+    assert comms[2].rejoining  # still refused
     for r in (0, 1):
         assert mem.word(r, abi.CTRL_MASK) == 1 << GONE
 
@@ -132,10 +133,10 @@ def test_a_missing_party_ends_the_call_at_the_deadline(who: str) -> None:
     mem, _, comms = _setup()
     deadline = time.monotonic() + 0.5
     if who == "replacement":  # rank 1 never calls
-        (err,) = _all([lambda: comms[2]._rejoin_replacement(deadline)])
+        (err,) = _all([lambda: cuda_rejoin.as_replacement(comms[2], deadline)])
         assert isinstance(err, DeadlineExceeded) and "rank(s) [0, 1]" in err.details
-        assert comms[2]._rejoining
+        assert comms[2].rejoining
     else:  # the replacement never comes
-        (err,) = _all([lambda: comms[0]._rejoin_peer(GONE, deadline)])
+        (err,) = _all([lambda: cuda_rejoin.as_peer(comms[0], GONE, deadline)])
         assert isinstance(err, DeadlineExceeded) and "replacement for rank 2" in err.details
         assert mem.word(0, abi.CTRL_MASK) == 1 << GONE  # the group goes on without it

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import secrets
 import threading
 import time
 import weakref
@@ -42,7 +41,7 @@ from ...proto.errors import (
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
-from . import cuda_chain, cuda_stages
+from . import cuda_chain, cuda_rejoin, cuda_stages
 from . import cuda_kernels as ck
 from .base import (
     Backend,
@@ -230,9 +229,9 @@ class CudaRankComm(RankComm):
         self.stream_priority = self.runner.stream_priority
         # Clean control blocks before the attach barrier: a previous group at this offset may
         # have left flags or an abort word behind; then the address of this rank's host words.
-        self._group_key = base
-        self._host_slot = backend.host_words.acquire(base)
-        word = np.array([backend.host_words.device_ptr(self._host_slot)], np.uint64)
+        self.group_key = base
+        self.host_slot = backend.host_words.acquire(base)
+        word = np.array([backend.host_words.device_ptr(self.host_slot)], np.uint64)
         with cp.cuda.Device(backend.device):
             for runner in self._runners():
                 runner.reset_ctrl()  # (low-latency histograms are read only under its flags)
@@ -254,11 +253,11 @@ class CudaRankComm(RankComm):
         # A chain's close (the member's last op went) and the next open (its next first op)
         # run on different threads: the open waits for the drain and makes a new chain.
         self._chain_lock = threading.Lock()
-        self._peer_bases = peers  # where each rank's buffer (control block first) is
+        self.peer_bases = peers  # where each rank's buffer (control block first) is
         if self.stages is None:
             self._stage_abort_tables: list[Any] = []
         # A replacement for a rank that went away takes part from the Rejoin collective on.
-        self._rejoining = membership.rejoining
+        self.rejoining = membership.rejoining
         backend.comms.add(self)
 
     def _stage_runner(self, h: Hierarchy, base: int, kernels: Any,
@@ -518,7 +517,7 @@ class CudaRankComm(RankComm):
     # -- low-latency mode --------------------------------------------------------------------
     def _check_taking_part(self) -> None:
         from ...proto.errors import FailedPrecondition
-        if self._rejoining:
+        if self.rejoining:
             raise FailedPrecondition(
                 f"rank {self.rank} rejoins group {self.spec.name!r}: it takes part from the "
                 f"group's Rejoin collective on (Group.rejoin(), made by every rank)")
@@ -871,7 +870,7 @@ class CudaRankComm(RankComm):
         code = ((self.rank + 1) << abi.ABORT_RANK_SHIFT) | ck.ERR_ABORTED
         # The ranks on this engine see it at once (host words); the kernel writes every rank's
         # control block for the other engines, and is not awaited (HostControlWords).
-        self.backend.host_words.abort(self._group_key, code)
+        self.backend.host_words.abort(self.group_key, code)
         with cp.cuda.Device(self.backend.device):
             self.runner.abort(code)
             for table in self._stage_abort_tables:  # every rank's rail and node blocks
@@ -884,7 +883,7 @@ class CudaRankComm(RankComm):
     def mask_states(self) -> list[int]:
         with cp.cuda.Device(self.backend.device):
             ctrl = cp.asnumpy(self.runner.views["ctrl"][:abi.CTRL_LIVE_MASK + 1])
-        gone = int(ctrl[abi.CTRL_MASK]) | self.backend.host_words.read(self._host_slot)[1]
+        gone = int(ctrl[abi.CTRL_MASK]) | self.backend.host_words.read(self.host_slot)[1]
         live = int(ctrl[abi.CTRL_LIVE_MASK])
         return [self.MASK_GONE if (gone >> r) & 1 else
                 self.MASK_MASKED if (live >> r) & 1 else self.MASK_IN
@@ -896,17 +895,14 @@ class CudaRankComm(RankComm):
         # out from what its sources saw (cuda/epd_low_latency.cu, left_out).
         self.runner.live_mask(rank, state == self.MASK_MASKED)
 
-    # -- rejoin: a replacement takes a gone rank's place (host words of the control blocks) --
+    # -- rejoin: a replacement takes a gone rank's place (cuda_rejoin.py) ----------------
+    device_words = DeviceWords()  # (host reads and writes of control-block words)
+
     @_launches
     def rejoin(self, rank: int, deadline: float) -> None:
-        """The Rejoin collective for `rank`, host-driven through words of the control blocks
-        (abi CTRL_REJOIN_*): the replacement writes a nonce (HELLO) into every taking-part
-        rank's block; each of them, its own kernels done, answers with its low-latency
-        sequences and READY = nonce in its own block; the replacement takes the sequences
-        (they must agree), the gone and live masks, and writes ACK = nonce; then each
-        taking-part rank clears the rank's bit in its own mask. From the next call on every
-        rank waits for the replacement. A deadline anywhere leaves the rank masked; the group
-        goes on without it."""
+        """The Rejoin collective for `rank` (cuda_rejoin.py): from the next call on every rank
+        waits for the replacement; a deadline anywhere leaves the rank masked and the group
+        going on without it."""
         from ...proto.errors import FailedPrecondition
         if self.spans_nodes:
             raise FailedPrecondition(f"group {self.spec.name!r} spans nodes: a rank cannot "
@@ -916,109 +912,16 @@ class CudaRankComm(RankComm):
                                      f"armed low-latency chain (--ll-chain): no rejoin")
         with cp.cuda.Device(self.backend.device):
             if rank == self.rank:
-                if not self._rejoining:
+                if not self.rejoining:
                     raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} takes "
                                              f"part already: only a replacement rejoins")
-                self._rejoin_replacement(deadline)
+                cuda_rejoin.as_replacement(self, deadline)
             else:
                 self._check_taking_part()
                 if self.mask_states()[rank] != self.MASK_GONE:
                     raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} has not "
                                              f"gone away: there is nothing to rejoin")
-                self._rejoin_peer(rank, deadline)
-
-    _REFUSED = 1 << 62  # ACK = nonce | _REFUSED: the ranks' sequences disagree
-    device_words = DeviceWords()
-
-    def _word(self, base: int, word: int) -> int:
-        return self.device_words.read(base + 8 * word)
-
-    def _set_word(self, base: int, word: int, value: int) -> None:
-        self.device_words.write(base + 8 * word, [value])
-
-    def _set_words(self, base: int, first: int, value: int) -> None:
-        """Words first .. first + R - 1 of a control block, all to `value`."""
-        self.device_words.write(base + 8 * first, [value] * self.spec.num_ranks)
-
-    def _rejoin_replacement(self, deadline: float) -> None:
-        from ...proto.errors import DeadlineExceeded, FailedPrecondition
-        q, bases, rt = self.rank, self._peer_bases, self.runner
-        gone = self.backend.host_words.read(self._host_slot)[1]
-        for r in range(self.spec.num_ranks):  # (a gone rank's own block may be cleared)
-            if r != q:
-                gone |= self._word(bases[r], abi.CTRL_MASK)
-        gone &= ~(1 << q)
-        peers = [r for r in range(self.spec.num_ranks) if r != q and not (gone >> r) & 1]
-        nonce = secrets.randbits(61) | 1
-        for r in peers:
-            self._set_word(bases[r], abi.CTRL_REJOIN_HELLO, nonce)
-        while not all(self._word(bases[r], abi.CTRL_REJOIN_READY) == nonce for r in peers):
-            if time.monotonic() > deadline:
-                missing = [r for r in peers
-                           if self._word(bases[r], abi.CTRL_REJOIN_READY) != nonce]
-                raise DeadlineExceeded(f"group {self.spec.name!r}: rank(s) {missing} did not "
-                                       f"call Rejoin for rank {q} before the deadline")
-            time.sleep(200e-6)
-        seqs = {(self._word(bases[r], abi.CTRL_REJOIN_LL_DISPATCH),
-                 self._word(bases[r], abi.CTRL_REJOIN_LL_COMBINE)) for r in peers}
-        if len(seqs) > 1:
-            for r in peers:
-                self._set_word(bases[r], abi.CTRL_REJOIN_ACK, nonce | self._REFUSED)
-            raise FailedPrecondition(f"group {self.spec.name!r}: the ranks that take part are "
-                                     f"at different low-latency calls {sorted(seqs)}: call "
-                                     f"Rejoin at the same point on every rank")
-        if seqs:
-            rt.seq["ll_dispatch"], rt.seq["ll_combine"] = seqs.pop()
-            live = self._word(bases[peers[0]], abi.CTRL_LIVE_MASK)
-            self._set_word(rt.base, abi.CTRL_LIVE_MASK, live)
-        # A low-latency call first waits until every rank published the previous dispatch
-        # (READY >= seq - 1) and reduced the previous combine: flags the peers wrote into this
-        # block before it was cleared at attach. Say so for every rank, this one included.
-        self._set_words(rt.base, abi.CTRL_LL_READY_FLAG, rt.seq["ll_dispatch"])
-        self._set_words(rt.base, abi.CTRL_LL_COMBINE_READY, rt.seq["ll_combine"])
-        self._set_word(rt.base, abi.CTRL_MASK, gone)
-        self.backend.host_words.unmark_gone(self._group_key, q)
-        self._rejoining = False
-        for r in peers:
-            self._set_word(bases[r], abi.CTRL_REJOIN_ACK, nonce)
-        log.warning("group %r: rank %d rejoined (taking part from low-latency dispatch #%d)",
-                    self.spec.name, q, rt.seq["ll_dispatch"] + 1)
-
-    def _rejoin_peer(self, q: int, deadline: float) -> None:
-        from ...proto.errors import DeadlineExceeded, FailedPrecondition
-        rt, base = self.runner, self.runner.base
-        rt.stream.synchronize()  # this rank's calls before the rejoin are done
-        rt.side_stream.synchronize()
-        published = 0
-        try:
-            while True:
-                hello = self._word(base, abi.CTRL_REJOIN_HELLO)
-                if hello and hello != published:  # (a newer replacement: answer it)
-                    self._set_word(base, abi.CTRL_REJOIN_LL_DISPATCH, rt.seq["ll_dispatch"])
-                    self._set_word(base, abi.CTRL_REJOIN_LL_COMBINE, rt.seq["ll_combine"])
-                    self._set_word(base, abi.CTRL_REJOIN_READY, hello)
-                    published = hello
-                ack = self._word(base, abi.CTRL_REJOIN_ACK) if published else 0
-                if published and ack == published:
-                    break
-                if published and ack == published | self._REFUSED:
-                    raise FailedPrecondition(f"group {self.spec.name!r}: the ranks that take "
-                                             f"part disagreed on their low-latency calls; rank "
-                                             f"{q} stays masked")
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"group {self.spec.name!r}: the replacement for rank "
-                                           f"{q} did not rejoin before the deadline; the group "
-                                           f"goes on without it")
-                time.sleep(200e-6)
-        finally:
-            for w in (abi.CTRL_REJOIN_HELLO, abi.CTRL_REJOIN_READY, abi.CTRL_REJOIN_ACK):
-                self._set_word(base, w, 0)
-        # The next call waits for the replacement's READY / COMBINE_READY of the previous one
-        # (seq - 1), which the rank it replaces never wrote: as if it had.
-        self._set_word(base, abi.CTRL_LL_READY_FLAG + q, rt.seq["ll_dispatch"])
-        self._set_word(base, abi.CTRL_LL_COMBINE_READY + q, rt.seq["ll_combine"])
-        rt.unmask_rank(q)
-        self.backend.host_words.unmark_gone(self._group_key, q)
+                cuda_rejoin.as_peer(self, rank, deadline)
 
     @_launches
     def stop(self, reason: str) -> None:
@@ -1026,7 +929,7 @@ class CudaRankComm(RankComm):
         # half-way would publish part of its rows as if complete.
         log.info("group %r: rank %d masked for its peers: %s", self.spec.name, self.rank, reason)
         # As abort: the host words at once, the control blocks by a kernel not awaited.
-        self.backend.host_words.mark_gone(self._group_key, self.rank)
+        self.backend.host_words.mark_gone(self.group_key, self.rank)
         self.runner.mask_rank(self.rank)
 
     def abort_reason(self) -> str | None:
@@ -1034,7 +937,7 @@ class CudaRankComm(RankComm):
             return self._reason
         with cp.cuda.Device(self.backend.device):
             words = cp.asnumpy(self.runner.views["ctrl"][:8]).astype(np.int64)
-        word = int(words[abi.CTRL_ABORT]) or self.backend.host_words.read(self._host_slot)[0]
+        word = int(words[abi.CTRL_ABORT]) or self.backend.host_words.read(self.host_slot)[0]
         if word == 0:
             return None
         who = (word >> abi.ABORT_RANK_SHIFT) - 1
@@ -1059,7 +962,7 @@ class CudaRankComm(RankComm):
             self.runner.side_stream.synchronize()  # an abort or mask write not awaited
             for runner in self._runners():
                 runner.reset_ctrl()  # the next group at this offset starts clean
-            self.backend.host_words.release(self._group_key, self._host_slot)
+            self.backend.host_words.release(self.group_key, self.host_slot)
             # Only the legacy stream the memset ran on: a device-wide sync would wait for
             # other ranks' kernels, which may be spinning on this GPU.
             cp.cuda.Stream.null.synchronize()
