@@ -4,30 +4,35 @@
 #        one GPU under the daemon's MPS server, and DeepEP V1's normal mode sharing it the same
 #        way (--deep-ep-shared-gpu): the daemon's hop against DeepEP in-process on one GPU.
 #        .deepep from ../shared/device/deepep-anchor.sh, built here (~60 s)
-#   bash benchmarks/gpu_s22_run.sh check   # after the cuda backend's split: the GPU tests that
-#        cover what moved
+#        With the 'layer with expert MLPs' row (default on cuda).
+#   bash benchmarks/gpu_s22_run.sh check   # after the cuda backend's split (cuda_rejoin.py): the
+#        GPU tests that cover what moved
+#   bash benchmarks/gpu_s22_run.sh both    # shared (one bench run), then check
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean)
 export EPD_GPU_LOG_DIR=$OUT
+RUNS=2
+[ "${1:-}" = both ] && RUNS=1
 case "${1:-}" in
-  shared)
+  shared|both)
     [ -d .deepep ] || { echo "carry .deepep (../shared/device/deepep-anchor.sh)" >&2; exit 2; }
     rm -rf /tmp/deepep && cp -r .deepep /tmp/deepep
     (cd /tmp/deepep && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout 240 \
         python3 setup.py build_ext --inplace) > "$OUT/deepep_build.txt" 2>&1 \
       || { tail -20 "$OUT/deepep_build.txt"; exit 1; }
     export PYTHONPATH=$PYTHONPATH:/tmp/deepep
-    for run in 1 2; do  # (the second only where the device call has time left for it)
+    for run in $(seq 1 $RUNS); do  # (the second only where the device call has time left for it)
       [ "$run" = 2 ] && [ "$SECONDS" -gt 380 ] && { echo "run 2 skipped: ${SECONDS} s used"; break; }
       timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --shapes P,D --iters 60 \
           --low-latency --deep-ep-shared-gpu --json "$OUT/bench_shared_$run.json" 2>&1 \
           | clean | tail -32
     done
+    ;;&
+  check|both)
+    STEP_TEST_SECONDS=150 step check $(( 570 - SECONDS < 400 ? 570 - SECONDS : 400 )) \
+        "tests/gpu/test_rank_masking_gpu.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_stream_ordered.py"
     ;;
-  check)
-    STEP_TEST_SECONDS=200 step check 540 "tests/gpu/test_rank_masking_gpu.py \
-        tests/gpu/test_deep_ep_facade.py tests/gpu/test_stream_ordered.py \
-        tests/gpu/test_low_latency_kernels.py"
-    ;;
-  *) echo "usage: $0 shared|check" >&2; exit 2 ;;
+  shared) ;;
+  *) echo "usage: $0 shared|check|both" >&2; exit 2 ;;
 esac
