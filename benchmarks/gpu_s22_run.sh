@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_s22_run.sh check   # after the cuda backend's split (cuda_rejoin.py): the
 #        GPU tests that cover what moved
 #   bash benchmarks/gpu_s22_run.sh both    # shared (one bench run), then check
+#   bash benchmarks/gpu_s22_run.sh ab      # is EPD's host work at D slower after the P rows?
+#        the twenty-first session's D-only command, then P,D, then D-only again (no DeepEP)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean)
 export EPD_GPU_LOG_DIR=$OUT
@@ -34,5 +36,14 @@ case "${1:-}" in
         tests/gpu/test_stream_ordered.py"
     ;;
   shared) ;;
+  ab)
+    for what in D P,D D; do
+      echo "== --shapes $what"
+      timeout 150 python3 -P -m epd.server.cli bench --ranks 2 --shapes $what --iters 100 \
+          --low-latency --expert-intermediate 0 --json "$OUT/ab_${what/,/}_$SECONDS.json" 2>&1 \
+          | clean | grep -a "^| [PD] \|host work\|FAIL" | cut -c1-200
+    done
+    merge_json ab ab
+    ;;
   *) echo "usage: $0 shared|check|both" >&2; exit 2 ;;
 esac
