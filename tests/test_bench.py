@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("torch")
 
 MARK = "EPD_BENCH_TEST_MARK"
-ROWS = ["layout + dispatch + combine", "cached dispatch", "combine", "layer with expert MLPs"]
+ROWS = ["layout + dispatch + combine", "cached dispatch", "combine", "layer with expert MLPs",
+        "layer with projection + expert MLPs"]
 LL_ROWS = ["low latency: FP8 dispatch + combine", "low latency: with recv hooks"]
 
 
@@ -105,8 +106,8 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
         ("P", "normal combine", "pipeline"), ("D", "normal combine", "pipeline"),
         ("P", "normal combine", "reference"), ("D", "normal combine", "reference"),
         ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference"),
-        ("P", ROWS[3], "pipeline"), ("D", ROWS[3], "pipeline")}
-    assert rec["expert_intermediate"] == 32 and "layer with expert MLPs:" in proc.stdout
+        *((s, row, "pipeline") for s in ("P", "D") for row in ROWS[3:])}
+    assert rec["expert_intermediate"] == 32 and "layer rows (no target" in proc.stdout
     assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
 
 

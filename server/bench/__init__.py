@@ -10,8 +10,9 @@ One invocation runs, with the same inputs (fixed seed) on one machine:
   exchange with a host sync, all_to_all_single there and back, index_add.
 
 Rows: layout + dispatch + combine, cached dispatch and combine at each shape (P = 4096, D = 128
-tokens/rank), and the same layer with the experts' MLPs between the calls (what a forward pass
-does: the host work of a stream-ordered call can hide behind the GPU's); with `--low-latency`,
+tokens/rank), and the same layer with the experts' MLPs between the calls, with and without a
+projection before it (what a forward pass does: the host work of a stream-ordered call can
+hide behind the GPU work queued before it); with `--low-latency`,
 FP8 low_latency_dispatch + bf16 low_latency_combine at D as plain calls, with receive hooks,
 and as a CUDA graph replay (cuda). Per row: p50/p90 of the
 slowest rank's host wall time per iteration (barrier, t0, calls, device synchronise, t1),
@@ -55,11 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-latency", action="store_true",
                    help="add the low-latency rows at shape D (plain, hooks, CUDA graph)")
     p.add_argument("--expert-intermediate", type=int, default=None, metavar="F",
-                   help="the 'layer with expert MLPs' row: layout + dispatch + the experts' "
-                        "MLPs on the received rows (intermediate size F per expert, top-k / "
-                        "ranks experts per row) + combine, as a forward pass calls them; "
-                        "0 leaves the row out (default: 2048, DeepSeek-V3's expert size, on "
-                        "cuda; 0 on cpu)")
+                   help="the layer rows: layout + dispatch + the experts' MLPs on the "
+                        "received rows (intermediate size F per expert, top-k / ranks experts "
+                        "per row) + combine, as a forward pass calls them, and the same after "
+                        "an [H, H] projection of x (the attention block's output); 0 leaves "
+                        "them out (default: 2048, DeepSeek-V3's expert size, on cuda; 0 on cpu)")
     p.add_argument("--deep-ep-shared-gpu", action="store_true",
                    help="run DeepEP's normal mode even where ranks share a GPU (several rank "
                         "processes per GPU, on the daemon's MPS server so that their kernels "

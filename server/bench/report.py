@@ -16,7 +16,6 @@ from .workers import (
     NORMAL_ROWS,
     PIPELINE,
     ROW_FULL,
-    ROW_LAYER,
     ROW_LL_GRAPH,
     ROW_LL_HOOK,
     ROW_LL_PLAIN,
@@ -172,9 +171,11 @@ def table(summary: dict) -> str:
         lines.append(f"\n* low-latency rows: the {pipe_name}'s {ROW_FULL} at D")
     inter = summary.get("expert_intermediate")
     if inter:
-        lines.append(f"\n{ROW_LAYER}: {ROW_FULL} with each received row through an MLP of "
-                     f"the FLOPs of top-k / ranks experts of intermediate size {inter} "
-                     f"between dispatch and combine (no target: what a forward pass sees)")
+        lines.append(f"\nlayer rows (no target: what a forward pass sees): {ROW_FULL} with "
+                     f"each received row through an MLP of the FLOPs of top-k / ranks experts "
+                     f"of intermediate size {inter} between dispatch and combine; with "
+                     f"projection: x @ [hidden, hidden] before the layout, as the attention "
+                     f"block's output projection precedes a MoE layer")
     host = [(row, row["results"].get(EPD, {}).get("engine_host_us_per_op"))
             for row in summary["rows"]]
     host = [(row, h) for row, h in host if h]

@@ -148,7 +148,7 @@ def plan_run(ns: Any, backend: str) -> Setup:
         raise BenchError(f"--expert-intermediate must be >= 0, got {inter}")
     setup.expert_intermediate = inter if inter is not None else (2048 if gpu else 0)
     if not setup.expert_intermediate:
-        setup.skipped["layer with expert MLPs"] = (
+        setup.skipped["layer rows"] = (
             "--expert-intermediate 0" if inter is not None else
             "the cpu backend's default (--expert-intermediate F runs it)")
     names = [n for n, _ in setup.shapes]

@@ -39,14 +39,16 @@ ROW_FULL = "layout + dispatch + combine"
 ROW_CACHED = "cached dispatch"
 ROW_COMBINE = "combine"
 ROW_LAYER = "layer with expert MLPs"
+ROW_LAYER_PROJ = "layer with projection + expert MLPs"
+LAYER_ROWS = (ROW_LAYER, ROW_LAYER_PROJ)
 ROW_LL_PLAIN = "low latency: FP8 dispatch + combine"
 ROW_LL_HOOK = "low latency: with recv hooks"
 ROW_LL_GRAPH = "low latency: CUDA graph replay"
 NORMAL_ROWS = (ROW_FULL, ROW_CACHED, ROW_COMBINE)
 LL_ROWS = (ROW_LL_PLAIN, ROW_LL_HOOK, ROW_LL_GRAPH)
 # API calls per iteration: what client and engine CPU are divided by (hooks not counted).
-CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LAYER: 3, ROW_LL_PLAIN: 2,
-                  ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
+CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LAYER: 3, ROW_LAYER_PROJ: 3,
+                  ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
 
 EPD, DEEP_EP, PIPELINE = "epd", "deep_ep", "pipeline"
 IMPLS = (EPD, DEEP_EP, PIPELINE)
@@ -101,11 +103,13 @@ def expert_value(experts: int) -> np.ndarray:
 
 
 class ExpertMlp:
-    """The layer row's stand-in experts: each received row goes through an MLP,
+    """The layer rows' stand-in GPU work. Experts: each received row goes through an MLP,
     silu(x @ w1) @ w2, with the FLOPs of its top-k / ranks local experts of intermediate size
     `intermediate` each (one GEMM pair of `intermediate * experts_per_row` columns; a grouped
-    GEMM over experts does the same work in more, smaller pieces). The weights are the same on
-    every rank and implementation (seeded), scaled so that outputs stay of order one."""
+    GEMM over experts does the same work in more, smaller pieces). Projection: x @ w0, [H, H],
+    the attention block's output projection that precedes a MoE layer's dispatch (the part of
+    attention whose size does not depend on the sequence). The weights are the same on every
+    rank and implementation (seeded), scaled so that outputs stay of order one."""
 
     def __init__(self, torch: Any, device: Any, seed: int, hidden: int, intermediate: int,
                  experts_per_row: int) -> None:
@@ -115,10 +119,15 @@ class ExpertMlp:
             device=device, dtype=torch.bfloat16)
         self.w2 = (torch.randn(width, hidden, generator=g) / width ** 0.5).to(
             device=device, dtype=torch.bfloat16)
+        self.w0 = (torch.randn(hidden, hidden, generator=g) / hidden ** 0.5).to(
+            device=device, dtype=torch.bfloat16)
         self.silu = torch.nn.functional.silu
 
     def __call__(self, x: Any) -> Any:
         return self.silu(x @ self.w1) @ self.w2
+
+    def project(self, x: Any) -> Any:
+        return x @ self.w0
 
 
 def cpu_seconds(pids: list[int]) -> float | None:
@@ -279,16 +288,17 @@ class FacadeCalls:
             st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
                                                topk_weights=st["recv_w"])
 
-        def layer() -> None:  # a MoE layer's communication with its experts' work between
+        def layer(inp: Any, row: str) -> None:  # a MoE layer's calls, the experts between
             n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-                x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                inp, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
                 num_tokens_per_expert=n_expert, topk_idx=idx, topk_weights=w)
-            st["layer"], _, _ = buf.combine(mlp(recv_x), handle, topk_weights=recv_w)
+            st[row], _, _ = buf.combine(mlp(recv_x), handle, topk_weights=recv_w)
 
         steps = {ROW_FULL: full, ROW_CACHED: cached, ROW_COMBINE: combine}
         if mlp is not None:
-            steps[ROW_LAYER] = layer
+            steps[ROW_LAYER] = lambda: layer(x, ROW_LAYER)
+            steps[ROW_LAYER_PROJ] = lambda: layer(mlp.project(x), ROW_LAYER_PROJ)
         return steps
 
     def low_latency(self, x: Any, idx: Any, w: Any, y: Any,
@@ -343,8 +353,8 @@ class PipelineCalls:
             st["sc"], st["rc"] = send_counts.tolist(), recv_counts.tolist()  # the host sync
             st["perm"] = in_rank.t().nonzero()[:, 1]  # token ids, grouped by destination
 
-        def dispatch() -> None:
-            send_x = x.index_select(0, st["perm"])
+        def dispatch(inp: Any = x) -> None:
+            send_x = inp.index_select(0, st["perm"])
             recv_x = torch.empty(sum(st["rc"]), hidden, dtype=x.dtype, device=dev)
             dist.all_to_all_single(recv_x, send_x, st["rc"], st["sc"], group=g)
             st["recv_x"] = recv_x
@@ -364,14 +374,15 @@ class PipelineCalls:
             dispatch()
             combine()
 
-        def layer() -> None:
+        def layer(inp: Any, row: str) -> None:
             layout()
-            dispatch()
-            st["layer"] = back(mlp(st["recv_x"]))
+            dispatch(inp)
+            st[row] = back(mlp(st["recv_x"]))
 
         steps = {ROW_FULL: full, ROW_CACHED: dispatch, ROW_COMBINE: combine}
         if mlp is not None:
-            steps[ROW_LAYER] = layer
+            steps[ROW_LAYER] = lambda: layer(x, ROW_LAYER)
+            steps[ROW_LAYER_PROJ] = lambda: layer(mlp.project(x), ROW_LAYER_PROJ)
         return steps
 
 
@@ -487,7 +498,7 @@ class RankRun:
         pipe_group = r.nccl_group if r.on_gpu else r.host_group
         mlp = (ExpertMlp(torch, r.device, p.seed, p.hidden, p.expert_intermediate,
                          round(p.topk / p.num_ranks)) if p.expert_intermediate > 0 else None)
-        rows = (*NORMAL_ROWS, ROW_LAYER) if mlp is not None else NORMAL_ROWS
+        rows = (*NORMAL_ROWS, *LAYER_ROWS) if mlp is not None else NORMAL_ROWS
         for si, (shape, tokens) in enumerate(p.shapes):
             x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, tokens, p.hidden,
                                                      p.experts, p.topk, p.num_ranks))
@@ -512,7 +523,7 @@ class RankRun:
                                                            for e in topo.engines]
                 combined[impl] = calls.state["combined"]
                 if mlp is not None:
-                    layers[impl] = calls.state["layer"]
+                    layers[impl] = {row: calls.state[row] for row in LAYER_ROWS}
                 calls.state.clear()  # free the outputs before the next implementation
             self._check_normal(shape, combined, si, tokens)
             self._check_layer(shape, layers)
@@ -560,8 +571,9 @@ class RankRun:
         first = EPD if EPD in layers else DEEP_EP
         for other in (DEEP_EP, PIPELINE):
             if first in layers and other in layers and other != first:
-                self.check(shape, ROW_LAYER, first, other, layers[first], layers[other],
-                           exact=False)
+                for row in LAYER_ROWS:
+                    self.check(shape, row, first, other, layers[first][row],
+                               layers[other][row], exact=False)
 
     def _low_latency(self) -> None:
         """Rows at shape D (its index in the shape list picks the same inputs)."""
