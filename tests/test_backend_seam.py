@@ -16,7 +16,7 @@ import pytest
 from epd.proto import dtypes
 from epd.proto.errors import EpdError, InvalidArgument
 from epd.proto.v1 import epd_pb2
-from epd.server.backends import cpu, cpu_comm_file, cuda_plan, make_planner
+from epd.server.backends import cpu_comm_file, cpu_plan, cuda_plan, make_planner
 from epd.server.backends.base import GroupPlanner, GroupSpec
 from epd.server.coordinator import Coordinator
 
@@ -61,7 +61,7 @@ def test_cuda_limits_reach_every_rank_at_once() -> None:
     assert not coord.by_name and not coord.by_id
 
 
-class _FailingPlanner(cpu.CpuPlanner):
+class _FailingPlanner(cpu_plan.CpuPlanner):
     def __init__(self, shm_dir: str, exc: Exception) -> None:
         super().__init__(shm_dir)
         self.exc = exc
@@ -82,19 +82,19 @@ def test_forming_failure_is_told_to_every_rank(tmp_path, exc, code) -> None:
         assert isinstance(r, EpdError) and r.code == code, r
         assert "boom" in r.message
     assert not coord.by_name and not coord.by_id  # the next rendezvous starts afresh
-    coord.planner = cpu.CpuPlanner(str(tmp_path))
+    coord.planner = cpu_plan.CpuPlanner(str(tmp_path))
     results, _ = asyncio.run(_all_ranks(coord, _proto(4, 2)))
     assert all(isinstance(r, epd_pb2.RendezvousResponse) and r.plan for r in results)
 
 
 def test_cpu_plan_travels_and_is_freed(tmp_path) -> None:
     planner = make_planner(SimpleNamespace(backend="cpu", shm_dir=str(tmp_path)))
-    assert isinstance(planner, cpu.CpuPlanner) and planner.proto_kind == epd_pb2.CPU
+    assert isinstance(planner, cpu_plan.CpuPlanner) and planner.proto_kind == epd_pb2.CPU
     coord = Coordinator(planner)
     results, _ = asyncio.run(_all_ranks(coord, _proto(2, 2)))
     plans = {r.plan for r in results}
     assert len(plans) == 1
-    path = cpu.comm_path(plans.pop())
+    path = cpu_plan.comm_path(plans.pop())
     # A sealed memfd of the planner's process, nothing in the shm folder; it cannot be resized.
     assert path.startswith(f"/proc/{os.getpid()}/fd/") and os.path.exists(path)
     assert os.listdir(tmp_path) == []
@@ -153,7 +153,7 @@ def test_backends_expose_their_kinds() -> None:
     b = CpuBackend(0)
     with pytest.raises(InvalidArgument, match="MAX_RANKS"):
         b.validate_spec(_spec(cpu_comm_file.MAX_RANKS + 1, 2, num_experts=1024))
-    assert issubclass(cpu.CpuPlanner, GroupPlanner)
+    assert issubclass(cpu_plan.CpuPlanner, GroupPlanner)
 
 
 def test_cuda_peer_table_across_nodes() -> None:
@@ -390,7 +390,7 @@ def test_the_coordinator_plans_with_the_ranks_nodes(tmp_path) -> None:
     """Forming passes each rank's node (where its session's engine is) to the planner."""
     seen = []
 
-    class _Recording(cpu.CpuPlanner):
+    class _Recording(cpu_plan.CpuPlanner):
         def plan_group(self, group_id, spec, rank_nodes=()) -> bytes:
             seen.append(tuple(rank_nodes))
             return super().plan_group(group_id, spec, rank_nodes)

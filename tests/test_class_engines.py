@@ -267,7 +267,7 @@ def test_throughput_engines_get_their_mps_share(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from epd.server import supervisor as sup_mod
-    from epd.server.backends.cpu import CpuPlanner
+    from epd.server.backends.cpu_plan import CpuPlanner
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     monkeypatch.delenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", raising=False)

@@ -236,7 +236,7 @@ def test_adopting_a_plan_checks_it_is_the_groups_memory():
     were the group's memory."""
     from epd.proto.errors import FailedPrecondition
     from epd.server.backends.base import GroupSpec
-    from epd.server.backends.cpu import CpuPlanner
+    from epd.server.backends.cpu_plan import CpuPlanner
     node0, node1 = CpuPlanner(), CpuPlanner()
     spec = GroupSpec("adopt", 2, 4, 128, 8, 2, epd_pb2.BFLOAT16)
     plan = node0.plan_group("gaaaa", spec)
@@ -316,7 +316,7 @@ def test_only_a_cluster_capable_planner_may_span_nodes():
     refuses to start."""
     from types import SimpleNamespace
 
-    from epd.server.backends.cpu import CpuPlanner
+    from epd.server.backends.cpu_plan import CpuPlanner
     from epd.server.backends.cuda_plan import CudaPlanner
 
     def cuda(**kw):

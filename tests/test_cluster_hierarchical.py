@@ -33,7 +33,8 @@ from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
 from epd.server.backends import base
 from epd.server.backends.base import Hierarchy
-from epd.server.backends.cpu import CpuBackend, CpuPlanner
+from epd.server.backends.cpu import CpuBackend
+from epd.server.backends.cpu_plan import CpuPlanner
 
 _names = itertools.count()
 DEADLINE = 20.0  # seconds per collective (threads on a loaded 2-core machine)

@@ -372,7 +372,8 @@ def test_rank_rejected_after_taking_part_releases_the_peers():
     collective (its input cannot be copied into its slot); rank 1, already waiting, fails at
     once with FAILED_PRECONDITION naming rank 0 and the reason; then both combine correctly."""
     from epd.server.backends import base
-    from epd.server.backends.cpu import CpuBackend, CpuPlanner
+    from epd.server.backends.cpu import CpuBackend
+    from epd.server.backends.cpu_plan import CpuPlanner
 
     spec = base.GroupSpec("cc-backend", 2, E, H, 32, K, epd_pb2.BFLOAT16)
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:

@@ -13,7 +13,7 @@ from epd.client import EpdError, Session
 from epd.proto import abi, counter_page, dtypes
 from epd.proto.errors import InvalidArgument
 from epd.proto.v1 import epd_pb2
-from epd.server.backends.cpu import ShmRegion
+from epd.server.backends.cpu_memory import ShmRegion
 from epd.server.engine import tensors
 
 BF16 = dtypes.BFLOAT16

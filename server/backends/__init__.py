@@ -53,7 +53,7 @@ def make_planner(cfg) -> GroupPlanner:
     """The node side of the configured backend (supervisor, coordinator): no device needed."""
     name = resolve_backend_name(cfg.backend)
     if name == "cpu":
-        from .cpu import CpuPlanner
+        from .cpu_plan import CpuPlanner
         return CpuPlanner(cfg.shm_dir)
     from .cuda_plan import CudaPlanner
     return CudaPlanner(cfg)

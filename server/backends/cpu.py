@@ -23,10 +23,7 @@ It is a real implementation used for CI and laptops; it is never used to claim G
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +48,6 @@ from .base import (
     CounterPage,
     DispatchArgs,
     DispatchOutputs,
-    GroupPlanner,
     GroupSpec,
     Hierarchy,
     LayoutOutputs,
@@ -93,71 +89,16 @@ from .cpu_comm_file import (
     REJOIN,
     TIMED_OUT,
     SlotLayout,
-    abort_comm_file,
     abort_kind,
-    align,
-    check_spec,
     comm_file_bytes,
-    create_comm_file,
     header_words,
     ll_max_rows,
-    mark_gone_in_comm_file,
     open_comm_file,
     read_abort,
     write_abort,
 )
-
-
-class ShmRegion(Region):
-    """A sealed memfd mapped into this process: a client's region (`fd` given: its seals and
-    size checked, mapped; the caller closes the descriptor), or an engine-owned output region
-    (`create`: a new memfd sealed against shrinking and growing, whose descriptor `fd` is kept
-    for the client to fetch as "outputs/<group_id>")."""
-
-    def __init__(self, region_id: str, size: int, *, fd: int = -1,
-                 create: bool = False) -> None:
-        super().__init__(region_id, size)
-        self.fd = -1
-        if create:
-            fd = self.fd = fdc.create_memfd("epd-out", size, fdc.ENGINE_SEALS)
-        else:
-            fdc.check_sealed(fd, size, fdc.CLIENT_SEALS, "region")
-        try:
-            self._mm = fdc.map_fd(fd, size)
-        except BaseException:
-            self._release_fd()
-            raise
-        self._base = np.frombuffer(self._mm, dtype=np.uint8)
-        self._base_address = self._base.ctypes.data  # (`.ctypes` builds an object per use)
-
-    def _release_fd(self) -> None:
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = -1
-
-    def view(self, offset: int, shape: tuple[int, ...], dtype: np.dtype,
-             strides: tuple[int, ...]) -> np.ndarray:
-        return np.ndarray(shape, dtype=dtype, buffer=self._mm, offset=offset,
-                          strides=tuple(s * dtype.itemsize for s in strides))
-
-    def offset_of(self, array: np.ndarray) -> int:
-        return array.__array_interface__["data"][0] - self._base_address
-
-    def close(self) -> None:
-        self._base = None  # type: ignore[assignment]
-        # A view may still be alive (a response being serialised): the mapping then goes with
-        # the last reference instead.
-        fdc.close_mapping(self._mm)
-        self._release_fd()
-
-
-class ShmCounterPage(CounterPage):
-    def slot(self, index: int) -> np.ndarray:
-        return counter_page.slot_words(self._mm, index)
-
-    def close(self) -> None:
-        self._unmap()
+from .cpu_memory import OutputArena, ShmCounterPage, ShmRegion
+from .cpu_plan import CpuPlanner, comm_path
 
 
 @dataclass
@@ -190,48 +131,6 @@ class _LowLatencyHandle:
     recv_count: np.ndarray  # [L] rows this rank received per local expert
 
 
-class _OutputArena:
-    """Fixed sub-buffers of the membership's output region (valid until the next call of the
-    same kind on this membership). Each is sized for its widest dtype and viewed per call, so
-    an FP8 dispatch and a bf16 dispatch share recv_x."""
-
-    def __init__(self, region: ShmRegion, spec: GroupSpec) -> None:
-        self._mm = region._mm
-        self.offsets: dict[str, int] = {}
-        off = 0
-        for name, nbytes in self.sizes(spec):
-            self.offsets[name] = off
-            off = align(off + nbytes)
-        self.size = off
-
-    @staticmethod
-    def sizes(spec: GroupSpec) -> list[tuple[str, int]]:
-        r, t, h, k, e = (spec.num_ranks, spec.max_tokens_per_rank, spec.hidden, spec.num_topk,
-                         spec.num_experts)
-        lx = spec.num_local_experts
-        n = spec.max_recv_tokens
-        item = spec.x_numpy_dtype.itemsize
-        return [("recv_x", n * h * item), ("recv_x_scales", n * max(h // dtypes.FP8_BLOCK, 1) * 4),
-                ("recv_topk_idx", n * k * 8), ("recv_topk_weights", n * k * 4),
-                ("recv_src_idx", n * 4), ("rank_prefix_matrix", r * r * 4),
-                ("num_tokens_per_rank", r * 4), ("num_tokens_per_expert", e * 4),
-                ("is_token_in_rank", t * r), ("combined_x", t * h * item),
-                ("combined_topk_weights", t * k * 4),
-                # low-latency mode: [L, R * max_tokens_per_rank] rows per buffer
-                ("ll_recv_x", lx * n * h * item),
-                ("ll_recv_x_scales", lx * n * max(h // dtypes.FP8_BLOCK, 1) * 4),
-                ("ll_recv_count", lx * 4), ("ll_recv_src_rank", lx * n * 4),
-                ("ll_recv_src_idx", lx * n * 4), ("ll_combined_x", t * h * item)]
-
-    @classmethod
-    def bytes_for(cls, spec: GroupSpec) -> int:
-        return sum(align(n) for _, n in cls.sizes(spec))
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._mm,
-                          offset=self.offsets[name])
-
-
 def layout_of(topk_idx: np.ndarray, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank) of one rank's routing."""
     t = topk_idx.shape[0]
@@ -256,8 +155,8 @@ class CpuRankComm(RankComm):
         self._arrivals = self._header[ARRIVALS // 8:ARRIVALS // 8 + spec.num_ranks]
         self._slot = SlotLayout.for_spec(spec)
         self.output_region = ShmRegion(f"out-{membership.group_id}-{self.rank}",
-                                       _OutputArena.bytes_for(spec), create=True)
-        self._out = _OutputArena(self.output_region, spec)
+                                       OutputArena.bytes_for(spec), create=True)
+        self._out = OutputArena(self.output_region, spec)
         self._sequence = 0  # collectives this rank has started
         self._mask = np.frombuffer(self._mm, np.uint8, spec.num_ranks, MASK)  # shrink groups
         self._stopped: str | None = None  # this rank went away (shrink groups): why
@@ -937,75 +836,6 @@ class CpuRankComm(RankComm):
         self._header = self._arrivals = None  # type: ignore[assignment]
         fdc.close_mapping(self._mm)
         self.output_region.close()
-
-
-def comm_path(plan: bytes) -> str:
-    """The group's communication memfd, from its plan: /proc/<supervisor pid>/fd/<n>."""
-    return plan.decode()
-
-
-class CpuPlanner(GroupPlanner):
-    """A group's shared state is one communication memfd, created and held by the supervisor
-    (sealed: no one can truncate it); engines open it through /proc/<pid>/fd/<n>, which only
-    processes of the daemon's uid can. Nothing is created in the shm folder."""
-
-    name = "cpu"
-    proto_kind = epd_pb2.CPU
-    # Logical nodes only (several daemons on one host, one uid): a node adopts node 0's memfd
-    # through /proc, so a spanning group's memory is shared. There is no network data path.
-    cluster_capable = True
-
-    def __init__(self, shm_dir: str = "/dev/shm") -> None:
-        self.shm_dir = shm_dir  # unused: kept for callers that pass it
-        self._fds: dict[bytes, int] = {}  # plan -> the memfd's descriptor
-
-    def validate_spec(self, spec: GroupSpec) -> None:
-        check_spec(spec)
-
-    def plan_group(self, group_id: str, spec: GroupSpec,
-                   rank_nodes: Sequence[int] = ()) -> bytes:
-        fd = create_comm_file(group_id, spec)
-        plan = f"/proc/{os.getpid()}/fd/{fd}".encode()
-        self._fds[plan] = fd
-        return plan
-
-    def adopt_plan(self, group_id: str, plan: bytes) -> bytes:
-        """Open node 0's memfd through its /proc path and hold it: this node's engines open
-        this supervisor's descriptor, and the memory outlives node 0's supervisor. The path
-        must name this group's memfd: on another host it is some other process's descriptor."""
-        path = comm_path(plan)
-        hint = ("logical nodes of the cpu backend must run on one host as one uid (there is "
-                "no network data path)")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as e:
-            raise FailedPrecondition(f"cannot open the group's memory planned by node 0 "
-                                     f"({path}: {e.strerror or e}); {hint}") from None
-        try:
-            name = os.readlink(path)
-        except OSError:
-            name = ""
-        if not name.startswith(f"/memfd:epd-{group_id}.comm"):
-            os.close(fd)
-            raise FailedPrecondition(f"{path} is not group {group_id}'s memory on this host "
-                                     f"(it is {name or 'gone'}); {hint}")
-        local = f"/proc/{os.getpid()}/fd/{fd}".encode()
-        self._fds[local] = fd
-        return local
-
-    def free_group(self, plan: bytes) -> None:
-        fd = self._fds.pop(plan, None)
-        if fd is not None:
-            os.close(fd)
-
-    def abort_group(self, plan: bytes, reason: str) -> None:
-        abort_comm_file(comm_path(plan), reason)
-
-    supports_rank_masking = True
-    supports_rejoin = True
-
-    def mark_gone(self, plan: bytes, rank: int, reason: str) -> None:
-        mark_gone_in_comm_file(comm_path(plan), rank)
 
 
 class CpuBackend(Backend):
