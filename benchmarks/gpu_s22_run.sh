@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_s22_run.sh check   # after the cuda backend's split (cuda_rejoin.py): the
 #        GPU tests that cover what moved
 #   bash benchmarks/gpu_s22_run.sh both    # shared (one bench run), then check
+#   bash benchmarks/gpu_s22_run.sh rest    # the GPU tests not run in the twenty-first and
+#        twenty-second sessions, at this session's code (one GPU)
 #   bash benchmarks/gpu_s22_run.sh ab      # is EPD's host work at D slower after the P rows?
 #        the twenty-first session's D-only command, then P,D, then D-only again (no DeepEP)
 set -u
@@ -36,6 +38,17 @@ case "${1:-}" in
         tests/gpu/test_stream_ordered.py"
     ;;
   shared) ;;
+  rest)
+    STEP_TEST_SECONDS=150 step rest 550 "tests/gpu/test_intranode.py tests/gpu/test_daemon.py \
+        tests/gpu/test_local_layout.py tests/gpu/test_call_outputs.py tests/gpu/test_mps_gpu.py \
+        tests/gpu/test_received_rows.py tests/gpu/test_security_cuda.py \
+        tests/gpu/test_framework_replays_gpu.py tests/gpu/test_nvshmem.py \
+        tests/gpu/test_cuda_cluster.py"
+    if grep -q -a "FAILED\|exit status [1-9]" "$OUT"/gpu_*.txt; then
+      tar -C "$OUT" -czf "$OUT/daemon_logs.tgz" $(cd "$OUT" && ls daemon-*.log 2>/dev/null)
+    fi
+    rm -f "$OUT"/daemon-*.log
+    ;;
   ab)
     for what in D P,D D; do
       echo "== --shapes $what"
