@@ -151,6 +151,12 @@ def test_plan_deep_ep_on_shared_gpu(monkeypatch, shared) -> None:
         assert setup.impls == ["epd", "deep_ep"] and not setup.deep_ep_ll
         assert "takes one GPU per rank" in setup.skipped["deep_ep_ll"]
         assert "share 1 GPU(s)" in setup.shared_gpu_note
+        # the daemon on MPS: DeepEP stays; without it: it leaves the run, with the reason
+        assert runner.drop_shared_deep_ep_without_mps(setup, "/run/epd/mps/pipe") == ""
+        assert setup.impls == ["epd", "deep_ep"]
+        why = runner.drop_shared_deep_ep_without_mps(setup, "")
+        assert "needs the daemon's MPS server" in why and setup.impls == ["epd"]
+        assert setup.skipped["deep_ep"] == why and setup.shared_gpu_note == ""
     else:
         assert setup.impls == ["epd"] and "--deep-ep-shared-gpu" in setup.skipped["deep_ep"]
         assert setup.shared_gpu_note == ""

@@ -227,6 +227,21 @@ def daemon_mps_pipe(topo: epd_pb2.GetTopologyResponse) -> str:
     return ""
 
 
+def drop_shared_deep_ep_without_mps(setup: Setup, mps_pipe: str) -> str:
+    """DeepEP's ranks on a shared GPU spin on each other's flags: without one MPS server for
+    them their contexts take turns on the GPU and a call stalls for time slices (or meets
+    DeepEP's own kernel timeout, which kills the process). Where the daemon runs without MPS,
+    DeepEP leaves the run; returns the reason ("" when it stays)."""
+    if not setup.shared_gpu_note or mps_pipe or DEEP_EP not in setup.impls:
+        return ""
+    why = ("--deep-ep-shared-gpu needs the daemon's MPS server (DeepEP's ranks wait on each "
+           "other's kernels: time-sliced contexts stall them), and this daemon runs without MPS")
+    setup.impls.remove(DEEP_EP)
+    setup.skipped[DEEP_EP] = why
+    setup.shared_gpu_note = ""
+    return why
+
+
 def _mps(topo: epd_pb2.GetTopologyResponse, ranks_pipe: str,
          without: list[int] | None) -> dict:
     """Whether this run is under MPS: the caller's environment, the daemon's mode (GetTopology),
@@ -359,6 +374,8 @@ def run_bench(ns: Any) -> int:
         mps_pipe = daemon_mps_pipe(topo)
         say(f"  MPS: daemon {topo.mps_mode or 'off'}"
             + (f", ranks join its server ({mps_pipe})" if mps_pipe else ""))
+        if why := drop_shared_deep_ep_without_mps(setup, mps_pipe):
+            say(f"  skipped {DEEP_EP}: {why}")
         import torch.distributed as dist
         store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=ns.collective_timeout))
