@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the cpu backend)")
     p.add_argument("--ranks", type=int, default=0,
                    help="EP ranks, one process each (default: the number of GPUs; 2 on cpu "
-                        "or with one GPU, where both share it and NCCL/DeepEP are skipped)")
+                        "or with one GPU, where both share it and NCCL/DeepEP are skipped "
+                        "unless --deep-ep-shared-gpu)")
     p.add_argument("--shapes", default="P,D",
                    help="comma list of P (4096 tokens/rank) and D (128 tokens/rank)")
     p.add_argument("--tokens", default="",
