@@ -55,44 +55,43 @@ class _Words:
 def as_replacement(comm: CudaRankComm, deadline: float) -> None:
     """Steps 1 and 3, on the replacement (`comm` is its rank)."""
     spec, q, bases, rt = comm.spec, comm.rank, comm.peer_bases, comm.runner
-    w = _Words(comm)
-    _word, _set_word = w.get, w.set
+    words = _Words(comm)
     gone = comm.backend.host_words.read(comm.host_slot)[1]
     for r in range(spec.num_ranks):  # (a gone rank's own block may be cleared)
         if r != q:
-            gone |= _word(bases[r], abi.CTRL_MASK)
+            gone |= words.get(bases[r], abi.CTRL_MASK)
     gone &= ~(1 << q)
     peers = [r for r in range(spec.num_ranks) if r != q and not (gone >> r) & 1]
     nonce = secrets.randbits(61) | 1
     for r in peers:
-        _set_word(bases[r], abi.CTRL_REJOIN_HELLO, nonce)
-    while not all(_word(bases[r], abi.CTRL_REJOIN_READY) == nonce for r in peers):
+        words.set(bases[r], abi.CTRL_REJOIN_HELLO, nonce)
+    while not all(words.get(bases[r], abi.CTRL_REJOIN_READY) == nonce for r in peers):
         if time.monotonic() > deadline:
-            missing = [r for r in peers if _word(bases[r], abi.CTRL_REJOIN_READY) != nonce]
+            missing = [r for r in peers if words.get(bases[r], abi.CTRL_REJOIN_READY) != nonce]
             raise DeadlineExceeded(f"group {spec.name!r}: rank(s) {missing} did not call Rejoin "
                                    f"for rank {q} before the deadline")
         time.sleep(POLL_SECONDS)
-    seqs = {(_word(bases[r], abi.CTRL_REJOIN_LL_DISPATCH),
-             _word(bases[r], abi.CTRL_REJOIN_LL_COMBINE)) for r in peers}
+    seqs = {(words.get(bases[r], abi.CTRL_REJOIN_LL_DISPATCH),
+             words.get(bases[r], abi.CTRL_REJOIN_LL_COMBINE)) for r in peers}
     if len(seqs) > 1:
         for r in peers:
-            _set_word(bases[r], abi.CTRL_REJOIN_ACK, nonce | REFUSED)
+            words.set(bases[r], abi.CTRL_REJOIN_ACK, nonce | REFUSED)
         raise FailedPrecondition(f"group {spec.name!r}: the ranks that take part are at "
                                  f"different low-latency calls {sorted(seqs)}: call Rejoin at "
                                  f"the same point on every rank")
     if seqs:
         rt.seq["ll_dispatch"], rt.seq["ll_combine"] = seqs.pop()
-        _set_word(rt.base, abi.CTRL_LIVE_MASK, _word(bases[peers[0]], abi.CTRL_LIVE_MASK))
+        words.set(rt.base, abi.CTRL_LIVE_MASK, words.get(bases[peers[0]], abi.CTRL_LIVE_MASK))
     # A low-latency call first waits until every rank published the previous dispatch
     # (READY >= seq - 1) and reduced the previous combine: flags the peers wrote into this
     # block before it was cleared at attach. Say so for every rank, this one included.
-    w.fill(rt.base, abi.CTRL_LL_READY_FLAG, spec.num_ranks, rt.seq["ll_dispatch"])
-    w.fill(rt.base, abi.CTRL_LL_COMBINE_READY, spec.num_ranks, rt.seq["ll_combine"])
-    _set_word(rt.base, abi.CTRL_MASK, gone)
+    words.fill(rt.base, abi.CTRL_LL_READY_FLAG, spec.num_ranks, rt.seq["ll_dispatch"])
+    words.fill(rt.base, abi.CTRL_LL_COMBINE_READY, spec.num_ranks, rt.seq["ll_combine"])
+    words.set(rt.base, abi.CTRL_MASK, gone)
     comm.backend.host_words.unmark_gone(comm.group_key, q)
     comm.rejoining = False
     for r in peers:
-        _set_word(bases[r], abi.CTRL_REJOIN_ACK, nonce)
+        words.set(bases[r], abi.CTRL_REJOIN_ACK, nonce)
     log.warning("group %r: rank %d rejoined (taking part from low-latency dispatch #%d)",
                 spec.name, q, rt.seq["ll_dispatch"] + 1)
 
@@ -100,20 +99,19 @@ def as_replacement(comm: CudaRankComm, deadline: float) -> None:
 def as_peer(comm: CudaRankComm, q: int, deadline: float) -> None:
     """Steps 2 and 4, on a rank that takes part (`q`: the rank being replaced)."""
     name, rt, base = comm.spec.name, comm.runner, comm.runner.base
-    w = _Words(comm)
-    _word, _set_word = w.get, w.set
+    words = _Words(comm)
     rt.stream.synchronize()  # this rank's calls before the rejoin are done
     rt.side_stream.synchronize()
     published = 0
     try:
         while True:
-            hello = _word(base, abi.CTRL_REJOIN_HELLO)
+            hello = words.get(base, abi.CTRL_REJOIN_HELLO)
             if hello and hello != published:  # (a newer replacement: answer it)
-                _set_word(base, abi.CTRL_REJOIN_LL_DISPATCH, rt.seq["ll_dispatch"])
-                _set_word(base, abi.CTRL_REJOIN_LL_COMBINE, rt.seq["ll_combine"])
-                _set_word(base, abi.CTRL_REJOIN_READY, hello)
+                words.set(base, abi.CTRL_REJOIN_LL_DISPATCH, rt.seq["ll_dispatch"])
+                words.set(base, abi.CTRL_REJOIN_LL_COMBINE, rt.seq["ll_combine"])
+                words.set(base, abi.CTRL_REJOIN_READY, hello)
                 published = hello
-            ack = _word(base, abi.CTRL_REJOIN_ACK) if published else 0
+            ack = words.get(base, abi.CTRL_REJOIN_ACK) if published else 0
             if published and ack == published:
                 break
             if published and ack == published | REFUSED:
@@ -126,10 +124,10 @@ def as_peer(comm: CudaRankComm, q: int, deadline: float) -> None:
             time.sleep(POLL_SECONDS)
     finally:
         for w in (abi.CTRL_REJOIN_HELLO, abi.CTRL_REJOIN_READY, abi.CTRL_REJOIN_ACK):
-            _set_word(base, w, 0)
+            words.set(base, w, 0)
     # The next call waits for the replacement's READY / COMBINE_READY of the previous one
     # (seq - 1), which the rank it replaces never wrote: as if it had.
-    _set_word(base, abi.CTRL_LL_READY_FLAG + q, rt.seq["ll_dispatch"])
-    _set_word(base, abi.CTRL_LL_COMBINE_READY + q, rt.seq["ll_combine"])
+    words.set(base, abi.CTRL_LL_READY_FLAG + q, rt.seq["ll_dispatch"])
+    words.set(base, abi.CTRL_LL_COMBINE_READY + q, rt.seq["ll_combine"])
     rt.unmask_rank(q)
     comm.backend.host_words.unmark_gone(comm.group_key, q)

@@ -123,7 +123,7 @@ def plan_run(ns: Any, backend: str) -> Setup:
         raise BenchError(f"--skip takes deep_ep, deep_ep_ll, pipeline, graph; got {sorted(bad)}")
     setup = Setup(backend, device.type, gpus, ranks, _shapes(ns), [EPD])
     one_per_gpu = gpu and ranks <= gpus
-    shared = gpu and not one_per_gpu and getattr(ns, "deep_ep_shared_gpu", False)
+    shared = gpu and not one_per_gpu and ns.deep_ep_shared_gpu
     if not gpu:
         setup.skipped[DEEP_EP] = "DeepEP needs the cuda backend (this run: cpu)"
     elif not one_per_gpu and not shared:

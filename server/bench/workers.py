@@ -272,14 +272,19 @@ class FacadeCalls:
                mlp: ExpertMlp | None = None) -> dict[str, Callable[[], None]]:
         buf, st, e = self.buf, self.state, self.experts
 
-        def full() -> None:
+        def layer(inp: Any, experts: Callable[[Any], Any] | None = None) -> tuple:
+            """(combined, recv_x, recv_topk_weights, handle) of one MoE layer's calls."""
             n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-                x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                inp, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
                 num_tokens_per_expert=n_expert, topk_idx=idx, topk_weights=w)
+            y = recv_x if experts is None else experts(recv_x)
+            combined, _, _ = buf.combine(y, handle, topk_weights=recv_w)
+            return combined, recv_x, recv_w, handle
+
+        def full() -> None:
             # Experts = identity (DeepEP's own tests combine recv_x): the row is communication.
-            st["combined"], _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
-            st.update(recv_x=recv_x, recv_w=recv_w, handle=handle)
+            st["combined"], st["recv_x"], st["recv_w"], st["handle"] = layer(x)
 
         def cached() -> None:
             buf.dispatch(x, handle=st["handle"])
@@ -288,17 +293,15 @@ class FacadeCalls:
             st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
                                                topk_weights=st["recv_w"])
 
-        def layer(inp: Any, row: str) -> None:  # a MoE layer's calls, the experts between
-            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
-            recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-                inp, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=n_expert, topk_idx=idx, topk_weights=w)
-            st[row], _, _ = buf.combine(mlp(recv_x), handle, topk_weights=recv_w)
+        def with_experts(inp: Callable[[], Any], row: str) -> Callable[[], None]:
+            def step() -> None:
+                st[row] = layer(inp(), mlp)[0]
+            return step
 
         steps = {ROW_FULL: full, ROW_CACHED: cached, ROW_COMBINE: combine}
         if mlp is not None:
-            steps[ROW_LAYER] = lambda: layer(x, ROW_LAYER)
-            steps[ROW_LAYER_PROJ] = lambda: layer(mlp.project(x), ROW_LAYER_PROJ)
+            steps[ROW_LAYER] = with_experts(lambda: x, ROW_LAYER)
+            steps[ROW_LAYER_PROJ] = with_experts(lambda: mlp.project(x), ROW_LAYER_PROJ)
         return steps
 
     def low_latency(self, x: Any, idx: Any, w: Any, y: Any,
