@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Twenty-third session (2026-12-04, one H200). carry [".whl"] (fetch-wheels.sh
+# nvidia-cuda-cccl==13.3.5.0.6; for `ab`, .whl/old: `git archive REV server proto client cuda`).
+#   bash benchmarks/gpu_s23_run.sh profile  # one rank's normal-mode rows at D under cProfile
+#        (the engine's fast-path thread and the client), then twice without: where a call's
+#        host work goes on the code of the twenty-second session
+#   bash benchmarks/gpu_s23_run.sh first    # the review commit 4a03249 on a GPU (rank masking
+#        and rejoin, the facade, stream-ordered layers), then the engine threads' GIL hand-off
+#        (benchmarks/probe_gil_handoff.py, no GPU needed, on the device's 16 cores)
+#   bash benchmarks/gpu_s23_run.sh ab       # this session's host-path cuts: their GPU tests,
+#        then one rank's rows alternately on .whl/old and this tree
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, merge, merge_json)
+profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
+  mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
+  EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe "profiled_$1" "$2"
+  python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top_$1.txt" 2>&1
+  python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(90)
+" > "$OUT/profile_cum_$1.txt" 2>&1
+}
+case "${1:-}" in
+  profile)
+    profile_rows base /tmp/pkg
+    probe plain_1 /tmp/pkg
+    probe plain_2 /tmp/pkg
+    merge base
+    ;;
+  first)
+    STEP_TEST_SECONDS=150 step check 330 "tests/gpu/test_rank_masking_gpu.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_stream_ordered.py"
+    timeout 120 python3 -P benchmarks/probe_gil_handoff.py --seconds 2 \
+        --json "$OUT/gil_handoff.json" 2>&1 | tee "$OUT/gil_handoff.txt"
+    ;;
+  ab)
+    step changed 240 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_daemon.py tests/gpu/test_call_outputs.py"
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in 1 2 3; do
+      probe "old_$round" /tmp/pkg_old
+      probe "new_$round" /tmp/pkg
+    done
+    merge ab
+    profile_rows new /tmp/pkg
+    ;;
+  *) echo "usage: $0 profile|first|ab" >&2; exit 2 ;;
+esac
