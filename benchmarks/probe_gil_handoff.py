@@ -8,7 +8,9 @@ the GIL's condition variable: it must wake up before the spinner takes the GIL b
 waits again, up to the switch interval (200 µs in the engine). This probe measures it: a writer
 process stamps `perf_counter_ns` into shared memory at random gaps, one "looker" thread spins
 for the change as the poller does, and N "idle" threads spin for words that never change, as
-idle session threads do; the figure is the looker's delay from the stamp to seeing it.
+idle session threads do; the figure is the looker's delay from the stamp to seeing it. The
+`futex` rows are the other way to wait: the looker sleeps on the word's futex and the writer
+wakes it after writing (as a client wakes an engine thread that sleeps between requests).
 
     python3 -P benchmarks/probe_gil_handoff.py [--seconds 2] [--json out.json]
 """
@@ -27,6 +29,8 @@ import time
 
 import numpy as np
 
+from epd.proto import ring
+
 
 def _relax_nanosleep() -> None:
     time.sleep(2e-6)  # (with a fine timer slack: ~3-5 µs without the GIL)
@@ -35,7 +39,7 @@ def _relax_nanosleep() -> None:
 RELAX = {"sched_yield": os.sched_yield, "nanosleep_2us": _relax_nanosleep}
 
 
-def _writer(buf: mmap.mmap, seconds: float, seed: int) -> None:
+def _writer(buf: mmap.mmap, seconds: float, seed: int, wake: bool) -> None:
     words = np.frombuffer(buf, dtype=np.int64, count=2)
     rng = np.random.default_rng(seed)
     end = time.perf_counter() + seconds
@@ -45,6 +49,12 @@ def _writer(buf: mmap.mmap, seconds: float, seed: int) -> None:
         seq += 1
         words[1] = time.perf_counter_ns()
         words[0] = seq  # (x86: stores are not reordered; the looker reads the seq first)
+        if wake:
+            ring.futex_wake(_addr(buf))
+
+
+def _addr(buf: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 def _set_slack() -> None:
@@ -52,13 +62,14 @@ def _set_slack() -> None:
     libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, as the engine does (proto/spin.py)
 
 
-def run(idle: int, relax: str, seconds: float, switch_us: float) -> dict:
+def run(idle: int, relax: str, seconds: float, switch_us: float, futex: bool = False) -> dict:
     sys.setswitchinterval(switch_us * 1e-6)
     buf = mmap.mmap(-1, 4096)
     words = np.frombuffer(buf, dtype=np.int64, count=2)
     idle_words = np.zeros(8, dtype=np.int64)
     stop = False
     relax_fn = RELAX[relax]
+    addr = _addr(buf)
 
     def idle_spin(i: int) -> None:
         while not stop:  # the shape of fast_path._wait_for's spin: a word, a clock, relax
@@ -70,7 +81,7 @@ def run(idle: int, relax: str, seconds: float, switch_us: float) -> dict:
     threads = [threading.Thread(target=idle_spin, args=(i,), daemon=True) for i in range(idle)]
     for t in threads:
         t.start()
-    writer = mp.get_context("fork").Process(target=_writer, args=(buf, seconds, idle))
+    writer = mp.get_context("fork").Process(target=_writer, args=(buf, seconds, idle, futex))
     writer.start()
     delays: list[int] = []
     seen = 0
@@ -80,13 +91,17 @@ def run(idle: int, relax: str, seconds: float, switch_us: float) -> dict:
             now = time.perf_counter_ns()
             delays.append(now - int(words[1]))
             seen = s
-        os.sched_yield()  # the looker always spins as the poller does
+        if futex:  # (the low 32 bits of the sequence word: little-endian)
+            ring.futex_wait(addr, seen & 0xFFFFFFFF, 0.01)
+        else:
+            os.sched_yield()  # the looker spins as the poller does
     writer.join()
     stop = True
     for t in threads:
         t.join()
     d = np.array(delays[5:], dtype=np.float64) / 1e3
-    return {"idle_threads": idle, "idle_relax": relax, "switch_us": switch_us,
+    return {"looker": "futex" if futex else "spin", "idle_threads": idle, "idle_relax": relax,
+            "switch_us": switch_us,
             "seen": int(d.size), "p50_us": float(np.percentile(d, 50)),
             "p90_us": float(np.percentile(d, 90)), "p99_us": float(np.percentile(d, 99)),
             "max_us": float(d.max())}
@@ -99,6 +114,12 @@ def main() -> int:
     ns = ap.parse_args()
     _set_slack()
     rows = []
+    for idle in (0, 2):
+        r = run(idle, "sched_yield", ns.seconds, 200.0, futex=True)
+        rows.append(r)
+        print(f"futex looker, idle {idle}:  seen {r['seen']:5d}  delay p50 {r['p50_us']:7.1f}"
+              f"  p90 {r['p90_us']:7.1f}  p99 {r['p99_us']:7.1f}  max {r['max_us']:8.0f} us",
+              flush=True)
     for switch in (200.0, 20.0):
         for relax in ("sched_yield", "nanosleep_2us"):
             for idle in (0, 1, 2, 4):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,24 +76,64 @@ def placement(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """Where a call signature's parts lie in their one allocation (computed once per
+    signature: a serving loop repeats a handful of them)."""
+    total: int
+    parts: tuple[tuple[tuple[int, ...], tuple[int, ...], int, np.dtype, int], ...]
+    # (shape, contiguous strides in elements, offset in elements, logical dtype, bytes)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+MAX_PLANS = 256  # distinct signatures remembered (cleared when full)
+
+
+def _plan(parts: Sequence[tuple[tuple[int, ...], np.dtype]]) -> _Plan:
+    key = tuple(parts)
+    plan = _PLANS.get(key)
+    if plan is None:
+        sizes = [nbytes(shape, dt) for shape, dt in parts]
+        offsets, total = placement(sizes)
+        plan = _Plan(total, tuple(
+            (tuple(shape), _contiguous(shape), off // cuda_ipc.storage_dtype(dt).itemsize, dt, n)
+            for (shape, dt), off, n in zip(parts, offsets, sizes, strict=True)))
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))
+
+
 def empty(parts: Sequence[tuple[tuple[int, ...], np.dtype]], device: int,
           torch: bool) -> list[Any]:
     """Uninitialised arrays of the given (shape, logical dtype), views of one allocation on
     `device` (torch tensors when `torch`, else CuPy arrays holding bfloat16 / float8 as their
-    bits, as cuda_ipc.device_empty)."""
-    sizes = [nbytes(shape, dt) for shape, dt in parts]
-    offsets, total = placement(sizes)
-    buf = cuda_ipc.device_empty((max(total, 1),), np.dtype(np.uint8), device, torch)
+    bits, as cuda_ipc.device_empty). Each part starts ALIGN-aligned, so the whole allocation
+    viewed as any part's dtype holds it at a whole element: one strided view per part."""
+    plan = _plan(parts)
+    buf = cuda_ipc.device_empty((max(plan.total, 1),), np.dtype(np.uint8), device, torch)
     out = []
-    for (shape, dt), off, n in zip(parts, offsets, sizes, strict=True):
+    typed: dict[np.dtype, Any] = {}  # the allocation as each dtype that has a part
+    for shape, strides, offset, dt, n in plan.parts:
         if not n:  # an empty part needs no storage (and a zero-byte dtype view may not exist)
             out.append(cuda_ipc.device_empty(shape, dt, device, torch))
             continue
-        raw = buf[off:off + n]
+        whole = typed.get(dt)
+        if whole is None:
+            whole = typed[dt] = buf.view(cuda_ipc.torch_dtype(dt) if torch
+                                         else cuda_ipc.storage_dtype(dt))
         if torch:
-            out.append(raw.view(cuda_ipc.torch_dtype(dt)).view(shape))
+            out.append(whole.as_strided(shape, strides, offset))
         else:
-            out.append(raw.view(cuda_ipc.storage_dtype(dt)).reshape(shape))
+            out.append(whole[offset:offset + n // whole.itemsize].reshape(shape))
     return out
 
 

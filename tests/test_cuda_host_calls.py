@@ -33,6 +33,61 @@ def test_part_sizes_use_the_storage_dtype() -> None:
     assert call_outputs.nbytes((13, 3), np.dtype(np.bool_)) == 39
 
 
+PARTS = [[((1037, 7168), dtypes.BFLOAT16), ((1037, 56), np.dtype(np.float32)),
+          ((1037, 8), np.dtype(np.int64)), ((1037,), np.dtype(np.int32)),
+          ((8, 8), np.dtype(np.int32))],
+         [((3,), np.dtype(np.int32)), ((13, 3), np.dtype(np.bool_)),
+          ((0, 4096), dtypes.BFLOAT16), ((5, 4096), dtypes.FLOAT8_E4M3)]]
+
+
+@pytest.mark.parametrize("parts", PARTS)
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_empty_parts_are_views_at_their_places(parts: list, kind: str, monkeypatch) -> None:
+    """call_outputs.empty's views of its one allocation, made from a plan cached per
+    signature: each part where placement() puts it, with its shape, dtype and dense strides,
+    on the first call of a signature and on the cached ones (host memory standing in for the
+    device allocation; tests/gpu/test_call_outputs.py runs it on a GPU)."""
+    from epd.client import cuda_ipc
+    use_torch = kind == "torch"
+    if use_torch:
+        torch = pytest.importorskip("torch")
+
+        def host_empty(shape, dtype, device, torch_out):
+            return torch.empty(shape, dtype=cuda_ipc.torch_dtype(dtype))
+    else:
+        def host_empty(shape, dtype, device, torch_out):
+            return np.empty(shape, cuda_ipc.storage_dtype(dtype))
+    monkeypatch.setattr(cuda_ipc, "device_empty", host_empty)
+    sizes = [call_outputs.nbytes(shape, dt) for shape, dt in parts]
+    offsets, _ = call_outputs.placement(sizes)
+    for _ in range(2):  # the second call takes the cached plan
+        out = call_outputs.empty(parts, 0, use_torch)
+        ptr = (lambda a: a.data_ptr()) if use_torch else (lambda a: a.ctypes.data)
+        base = ptr(out[0]) if sizes[0] else None
+        for o, (shape, dt), off, n in zip(out, parts, offsets, sizes, strict=True):
+            assert tuple(o.shape) == shape
+            if use_torch:
+                assert o.dtype == cuda_ipc.torch_dtype(dt) and o.is_contiguous()
+            else:
+                assert o.dtype == cuda_ipc.storage_dtype(dt) and o.flags.c_contiguous
+            if n and base is not None:
+                assert ptr(o) - base == off
+        # Distinct calls get distinct allocations (a cached plan, never a cached buffer).
+        again = call_outputs.empty(parts, 0, use_torch)
+        if sizes[0]:
+            assert ptr(again[0]) != ptr(out[0])
+        # Writing one part touches no other.
+        for i, o in enumerate(out):
+            if sizes[i]:
+                (o.view(-1) if use_torch else o.reshape(-1))[...] = 0
+        first = next(i for i, n in enumerate(sizes) if n)
+        flat = out[first].view(-1) if use_torch else out[first].reshape(-1)
+        flat[...] = 1
+        for i, o in enumerate(out):
+            if sizes[i] and i != first:
+                assert not (o != 0).any()
+
+
 def _driver_present() -> bool:
     try:
         ctypes.CDLL("libcuda.so.1")

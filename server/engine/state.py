@@ -121,6 +121,8 @@ class GroupMember:
     bytes_received: int = 0
     queued_calls: int = 0  # calls that ran, and how long they waited for the executor
     queue_wait_seconds: float = 0.0
+    # Stream-ordered dispatch responses by their output views (ops.dispatch_response).
+    described: dict[tuple, tuple] = field(default_factory=dict)
 
     @property
     def service_class(self) -> str:
