@@ -8,7 +8,8 @@
 #        and rejoin, the facade, stream-ordered layers), then the engine threads' GIL hand-off
 #        (benchmarks/probe_gil_handoff.py, no GPU needed, on the device's 16 cores)
 #   bash benchmarks/gpu_s23_run.sh ab       # this session's host-path cuts: their GPU tests,
-#        then one rank's rows alternately on .whl/old and this tree
+#        the GIL probe's futex rows, then one rank's rows alternately on .whl/old (4a03249)
+#        and this tree, then a profile of this tree's rows
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, merge, merge_json)
 profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
@@ -35,8 +36,10 @@ case "${1:-}" in
         --json "$OUT/gil_handoff.json" 2>&1 | tee "$OUT/gil_handoff.txt"
     ;;
   ab)
-    step changed 240 "tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
-        tests/gpu/test_daemon.py tests/gpu/test_call_outputs.py"
+    step changed 260 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py"
+    timeout 90 python3 -P benchmarks/probe_gil_handoff.py --seconds 2 \
+        --json "$OUT/gil_handoff.json" 2>&1 | head -3 | tee "$OUT/gil_futex.txt"
     mkdir -p /tmp/pkg_old/epd
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
     for round in 1 2 3; do
