@@ -39,7 +39,7 @@ case "${1:-}" in
     step changed 260 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py \
         tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py"
     timeout 90 python3 -P benchmarks/probe_gil_handoff.py --seconds 2 \
-        --json "$OUT/gil_handoff.json" 2>&1 | head -3 | tee "$OUT/gil_futex.txt"
+        --json "$OUT/gil_handoff.json" 2>&1 | tee "$OUT/gil_handoff.txt"
     mkdir -p /tmp/pkg_old/epd
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
     for round in 1 2 3; do
