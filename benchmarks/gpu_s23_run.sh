@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_s23_run.sh ab       # this session's host-path cuts: their GPU tests,
 #        the GIL probe's futex rows, then one rank's rows alternately on .whl/old (4a03249)
 #        and this tree, then a profile of this tree's rows
+#   bash benchmarks/gpu_s23_run.sh ab2      # the rows again, this tree first; two ranks at D
+#        through epd bench on each tree
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, merge, merge_json)
 profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
@@ -49,5 +51,24 @@ case "${1:-}" in
     merge ab
     profile_rows new /tmp/pkg
     ;;
-  *) echo "usage: $0 profile|first|ab" >&2; exit 2 ;;
+  ab2)  # the same rows in the other order (this tree first), then two ranks at D through
+         # `epd bench` (no DeepEP, no pipeline) on each tree
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in 4 5; do
+      probe "new_$round" /tmp/pkg
+      probe "old_$round" /tmp/pkg_old
+    done
+    merge ab2
+    for tree in new old; do
+      pkg=/tmp/pkg; [ $tree = old ] && pkg=/tmp/pkg_old
+      echo "== bench, two ranks, D, $tree"
+      PYTHONPATH=$pkg:/tmp/site timeout 150 python3 -P -m epd.server.cli bench --ranks 2 \
+          --shapes D --iters 100 --expert-intermediate 0 --skip pipeline \
+          --json "$OUT/bench2_$tree.json" 2>&1 | clean | grep -a "^| D \|host work\|FAIL" \
+          | cut -c1-200
+    done
+    merge_json bench2 bench2_D
+    ;;
+  *) echo "usage: $0 profile|first|ab|ab2" >&2; exit 2 ;;
 esac
