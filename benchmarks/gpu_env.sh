@@ -58,12 +58,15 @@ pools() {  # pools LABEL ARGS...: the two pools (POOLS_SECONDS at most), their s
       | clean | tail -9
 }
 merge_json() {  # merge_json PREFIX NAME: $OUT/PREFIX_*.json into $OUT/NAME.json, by label
+  # (the parts are removed by name: NAME may itself start with PREFIX_)
   python3 -c "
 import json, glob, os, sys
 prefix, name, out = sys.argv[1], sys.argv[2], os.environ['OUT']
-got = {os.path.basename(f)[len(prefix) + 1:-5]: json.load(open(f))
-       for f in sorted(glob.glob(f'{out}/{prefix}_*.json'))}
-json.dump(got, open(f'{out}/{name}.json', 'w'), indent=1)" "$1" "$2" && rm -f "$OUT/$1"_*.json
+parts = [f for f in sorted(glob.glob(f'{out}/{prefix}_*.json')) if f != f'{out}/{name}.json']
+got = {os.path.basename(f)[len(prefix) + 1:-5]: json.load(open(f)) for f in parts}
+json.dump(got, open(f'{out}/{name}.json', 'w'), indent=1)
+for f in parts:
+    os.remove(f)" "$1" "$2"
 }
 merge() {  # merge NAME: every probe's text and JSON into probes_NAME.{txt,json}
   for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_$1.txt"

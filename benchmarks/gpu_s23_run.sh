@@ -10,6 +10,8 @@
 #   bash benchmarks/gpu_s23_run.sh ab       # this session's host-path cuts: their GPU tests,
 #        the GIL probe's futex rows, then one rank's rows alternately on .whl/old (4a03249)
 #        and this tree, then a profile of this tree's rows
+#   bash benchmarks/gpu_s23_run.sh poller   # the low-latency rows with the poller's idle
+#        policy as it is, spinning longer, or looking more often once idle
 #   bash benchmarks/gpu_s23_run.sh ab2      # the rows again, this tree first; two ranks at D
 #        through epd bench on each tree
 set -u
@@ -70,5 +72,21 @@ case "${1:-}" in
     done
     merge_json bench2 bench2_D
     ;;
-  *) echo "usage: $0 profile|first|ab|ab2" >&2; exit 2 ;;
+  poller)  # the low-latency rows at D (two ranks) with the stream-op poller's idle policy
+            # as it is (spin 200 µs after a trigger, then a look every 50 µs), spinning 5 ms,
+            # and looking every 5 µs once idle; each twice, alternated
+    for round in 1 2; do
+      for v in default spin5000 poll5; do
+        args=()
+        [ $v = spin5000 ] && args=(--serve-arg=--stream-op-spin-us=5000)
+        [ $v = poll5 ] && args=(--serve-arg=--stream-op-poll-us=5)
+        echo "== $v ($round)"
+        timeout 120 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
+            --low-latency --expert-intermediate 0 --skip pipeline "${args[@]}" \
+            --json "$OUT/ll_${v}_$round.json" 2>&1 | clean | grep -a "^| D \|FAIL" | cut -c1-160
+      done
+    done
+    merge_json ll ll_poller
+    ;;
+  *) echo "usage: $0 profile|first|ab|ab2|poller" >&2; exit 2 ;;
 esac
