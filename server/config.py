@@ -97,10 +97,13 @@ class Config:
         "help": "engine: once started, take its startup objects out of the garbage "
                 "collector's walks (gc.freeze), which stop every thread serving calls; off: "
                 "the collector as CPython sets it (pauses: epd_engine_gc_pause_seconds)"})
-    stream_op_spin_us: int = field(default=200, metadata={
+    stream_op_spin_us: int = field(default=5000, metadata={
         "help": "stream-ordered calls: microseconds the engine polls armed ops' trigger "
                 "rings without sleeping after the last trigger (a GPU cannot wake a futex; then "
-                "it polls every stream_op_poll_us)"})
+                "it polls every stream_op_poll_us). Long enough to span the gaps between a "
+                "decode step's low-latency calls and between steps, so a serving loop's "
+                "triggers are seen by a spinning poller (one core while calls come; "
+                "docs/DESIGN_NOTES.md, 'The poller spins through a decode loop')"})
     stream_op_poll_us: int = field(default=50, metadata={
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
     serial_enqueue: bool = field(default=True, metadata={
