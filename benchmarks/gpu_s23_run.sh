@@ -12,6 +12,7 @@
 #        and this tree, then a profile of this tree's rows
 #   bash benchmarks/gpu_s23_run.sh poller   # the low-latency rows with the poller's idle
 #        policy as it is, spinning longer, or looking more often once idle
+#   bash benchmarks/gpu_s23_run.sh final    # the GPU tests of the session's last code
 #   bash benchmarks/gpu_s23_run.sh ab2      # the rows again, this tree first; two ranks at D
 #        through epd bench on each tree
 set -u
@@ -88,5 +89,11 @@ case "${1:-}" in
     done
     merge_json ll ll_poller
     ;;
-  *) echo "usage: $0 profile|first|ab|ab2|poller" >&2; exit 2 ;;
+  final)  # the last code: the output cuts' and the poller default's GPU tests
+    STEP_TEST_SECONDS=120 step final 330 "tests/gpu/test_call_outputs.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_rank_masking_gpu.py tests/gpu/test_daemon.py -k \
+        'parts or stream or plain or masked or rejoin or low_latency or roundtrip'"
+    ;;
+  *) echo "usage: $0 profile|first|ab|ab2|poller|final" >&2; exit 2 ;;
 esac

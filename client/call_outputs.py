@@ -104,6 +104,11 @@ def _plan(parts: Sequence[tuple[tuple[int, ...], np.dtype]]) -> _Plan:
     return plan
 
 
+def part_bytes(parts: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[int]:
+    """Each part's bytes (from the signature's cached plan)."""
+    return [p[4] for p in _plan(parts).parts]
+
+
 def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
