@@ -93,7 +93,7 @@ case "${1:-}" in
     STEP_TEST_SECONDS=120 step final 330 "tests/gpu/test_call_outputs.py \
         tests/gpu/test_stream_ordered.py tests/gpu/test_ll_plain.py \
         tests/gpu/test_rank_masking_gpu.py tests/gpu/test_daemon.py -k \
-        'parts or stream or plain or masked or rejoin or low_latency or roundtrip'"
+        'parts or stream or plain or micro or masked or rejoin or low_latency or roundtrip'"
     ;;
   *) echo "usage: $0 profile|first|ab|ab2|poller|final" >&2; exit 2 ;;
 esac
