@@ -16,7 +16,7 @@
 #   bash benchmarks/gpu_s23_run.sh ab2      # the rows again, this tree first; two ranks at D
 #        through epd bench on each tree
 set -u
-source benchmarks/gpu_env.sh  # (pt, step, clean, probe, merge, merge_json)
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, merge, merge_json)
 profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
   mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
   EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe "profiled_$1" "$2"
@@ -45,23 +45,13 @@ case "${1:-}" in
         tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py"
     timeout 90 python3 -P benchmarks/probe_gil_handoff.py --seconds 2 \
         --json "$OUT/gil_handoff.json" 2>&1 | tee "$OUT/gil_handoff.txt"
-    mkdir -p /tmp/pkg_old/epd
-    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
-    for round in 1 2 3; do
-      probe "old_$round" /tmp/pkg_old
-      probe "new_$round" /tmp/pkg
-    done
+    probe_ab 1 3
     merge ab
     profile_rows new /tmp/pkg
     ;;
   ab2)  # the same rows in the other order (this tree first), then two ranks at D through
          # `epd bench` (no DeepEP, no pipeline) on each tree
-    mkdir -p /tmp/pkg_old/epd
-    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
-    for round in 4 5; do
-      probe "new_$round" /tmp/pkg
-      probe "old_$round" /tmp/pkg_old
-    done
+    probe_ab 4 5 new-first
     merge ab2
     for tree in new old; do
       pkg=/tmp/pkg; [ $tree = old ] && pkg=/tmp/pkg_old
