@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from epd.proto import ring
+from epd.proto import ring, spin
 
 
 def _relax_nanosleep() -> None:
@@ -55,11 +55,6 @@ def _writer(buf: mmap.mmap, seconds: float, seed: int, wake: bool) -> None:
 
 def _addr(buf: mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-
-
-def _set_slack() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, as the engine does (proto/spin.py)
 
 
 def run(idle: int, relax: str, seconds: float, switch_us: float, futex: bool = False) -> dict:
@@ -112,7 +107,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--json")
     ns = ap.parse_args()
-    _set_slack()
+    spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)  # as the engine's threads have it
     rows = []
     for idle in (0, 2):
         r = run(idle, "sched_yield", ns.seconds, 200.0, futex=True)

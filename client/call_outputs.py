@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..proto import dtypes
 from . import cuda_ipc
 from .frameworks import torch_if_loaded as _torch
 
@@ -77,57 +78,56 @@ def placement(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Where a call signature's parts lie in their one allocation (computed once per
     signature: a serving loop repeats a handful of them)."""
     total: int
     parts: tuple[tuple[tuple[int, ...], tuple[int, ...], int, np.dtype, int], ...]
     # (shape, contiguous strides in elements, offset in elements, logical dtype, bytes)
 
+    @property
+    def sizes(self) -> list[int]:
+        """Each part's bytes."""
+        return [p[4] for p in self.parts]
 
-_PLANS: dict[tuple, _Plan] = {}
+
+_PLANS: dict[tuple, Plan] = {}
 MAX_PLANS = 256  # distinct signatures remembered (cleared when full)
 
 
-def _plan(parts: Sequence[tuple[tuple[int, ...], np.dtype]]) -> _Plan:
+def plan(parts: Sequence[tuple[tuple[int, ...], np.dtype]]) -> Plan:
+    """The placement of parts (shape, logical dtype), cached per signature."""
     key = tuple(parts)
-    plan = _PLANS.get(key)
-    if plan is None:
+    found = _PLANS.get(key)
+    if found is None:
         sizes = [nbytes(shape, dt) for shape, dt in parts]
         offsets, total = placement(sizes)
-        plan = _Plan(total, tuple(
-            (tuple(shape), _contiguous(shape), off // cuda_ipc.storage_dtype(dt).itemsize, dt, n)
+        found = Plan(total, tuple(
+            (tuple(shape), dtypes.contiguous_strides(tuple(shape)),
+             off // cuda_ipc.storage_dtype(dt).itemsize, dt, n)
             for (shape, dt), off, n in zip(parts, offsets, sizes, strict=True)))
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = plan
-    return plan
-
-
-def part_bytes(parts: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[int]:
-    """Each part's bytes (from the signature's cached plan)."""
-    return [p[4] for p in _plan(parts).parts]
-
-
-def _contiguous(shape: Sequence[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(out))
+        _PLANS[key] = found
+    return found
 
 
 def empty(parts: Sequence[tuple[tuple[int, ...], np.dtype]], device: int,
           torch: bool) -> list[Any]:
     """Uninitialised arrays of the given (shape, logical dtype), views of one allocation on
     `device` (torch tensors when `torch`, else CuPy arrays holding bfloat16 / float8 as their
-    bits, as cuda_ipc.device_empty). Each part starts ALIGN-aligned, so the whole allocation
-    viewed as any part's dtype holds it at a whole element: one strided view per part."""
-    plan = _plan(parts)
-    buf = cuda_ipc.device_empty((max(plan.total, 1),), np.dtype(np.uint8), device, torch)
+    bits, as cuda_ipc.device_empty)."""
+    return allocate(plan(parts), device, torch)
+
+
+def allocate(p: Plan, device: int, torch: bool) -> list[Any]:
+    """`empty` of a plan already looked up. Each part starts ALIGN-aligned, so the whole
+    allocation viewed as any part's dtype holds it at a whole element: one strided view per
+    part."""
+    buf = cuda_ipc.device_empty((max(p.total, 1),), np.dtype(np.uint8), device, torch)
     out = []
     typed: dict[np.dtype, Any] = {}  # the allocation as each dtype that has a part
-    for shape, strides, offset, dt, n in plan.parts:
+    for shape, strides, offset, dt, n in p.parts:
         if not n:  # an empty part needs no storage (and a zero-byte dtype view may not exist)
             out.append(cuda_ipc.device_empty(shape, dt, device, torch))
             continue

@@ -92,11 +92,7 @@ def describe_device(x: Any, what: str) -> DeviceView:
     strides = cai.get("strides")
     shape = tuple(cai["shape"])
     if strides is None:
-        st, acc = [], 1
-        for d in reversed(shape):
-            st.append(acc)
-            acc *= max(d, 1)
-        strides = tuple(reversed(st))
+        strides = dtypes.contiguous_strides(shape)
     else:
         strides = tuple(s // dt.itemsize for s in strides)
     return DeviceView(int(cai["data"][0]), shape, strides, wire, dt.itemsize,

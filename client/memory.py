@@ -257,13 +257,12 @@ class HeapOutputs(OutputRegion):
                 out.append(self._heap.view(part, False, template))
             return out
         heap = self._heap
-        spec = [(shape, dtypes.to_numpy(d.dtype)) for (d, _), shape in zip(parts, shapes,
-                                                                         strict=True)]
-        out = call_outputs.empty(spec, heap.device, call_outputs.uses_torch(template))
+        plan = call_outputs.plan([(shape, dtypes.to_numpy(d.dtype))
+                                  for (d, _), shape in zip(parts, shapes, strict=True)])
+        out = call_outputs.allocate(plan, heap.device, call_outputs.uses_torch(template))
         # The engine's buffers are row-major and dense: each part is one run of bytes.
         call_outputs.copy([(heap.ptr + d.offset_bytes, o, n) for (d, _), o, n in
-                           zip(parts, out, call_outputs.part_bytes(spec), strict=True)],
-                          stream, heap.device)
+                           zip(parts, out, plan.sizes, strict=True)], stream, heap.device)
         return out
 
 

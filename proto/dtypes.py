@@ -58,3 +58,13 @@ def from_name(text: str) -> int:
     except ValueError:
         raise ValueError(f"unknown dtype {text!r}; one of "
                          f"{[n.lower() for n in epd_pb2.DType.keys()[1:]]}") from None
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The element strides of a dense row-major array of `shape` (a TensorDesc's strides when
+    it has none; a zero-size dimension counts as one, as NumPy's and torch's do)."""
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(out))

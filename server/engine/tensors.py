@@ -62,7 +62,7 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
         if any(s < 0 for s in strides):
             raise InvalidArgument(f"{what}: negative strides {list(strides)} are not supported")
     else:
-        strides = contiguous_strides(shape)
+        strides = dtypes.contiguous_strides(shape)
     # The innermost dimension must be dense: kernels copy whole rows.
     if ndim and shape[-1] > 1 and strides[-1] != 1:
         raise InvalidArgument(f"{what}: the last dimension must be contiguous "
@@ -84,14 +84,6 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
 
 
 MAX_RESOLVED = 512  # cached views per region (cleared when full)
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(out))
 
 
 def describe(array: Array, region: Region, dtype: int | None = None) -> epd_pb2.TensorDesc:
