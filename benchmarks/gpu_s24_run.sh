@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Twenty-fourth session's GPU runs (one H200; carry .whl, with .whl/old for `ab`):
+#   bash benchmarks/gpu_s24_run.sh first   # the review commit's GPU tests, a profile of one
+#        rank's normal-mode calls at D on this tree, its rows once unprofiled
+#   bash benchmarks/gpu_s24_run.sh ab      # one rank's rows on .whl/old and this tree,
+#        alternated (three rounds, the baseline first, then two this tree first)
+#   bash benchmarks/gpu_s24_run.sh final   # the GPU tests of the session's last code
+set -u
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, merge, merge_json)
+profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
+  mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
+  EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe "profiled_$1" "$2"
+  python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top_$1.txt" 2>&1
+  python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(90)
+" > "$OUT/profile_cum_$1.txt" 2>&1
+  rm -rf /tmp/prof
+}
+tests() {  # tests NAME: the GPU tests of the client's outputs, stream-ordered calls, plain
+  # low-latency calls, rank masking and the daemon's roundtrips
+  STEP_TEST_SECONDS=120 step "$1" 330 "tests/gpu/test_call_outputs.py \
+      tests/gpu/test_stream_ordered.py tests/gpu/test_ll_plain.py \
+      tests/gpu/test_rank_masking_gpu.py tests/gpu/test_deep_ep_facade.py \
+      tests/gpu/test_daemon.py -k \
+      'parts or stream or plain or micro or masked or rejoin or low_latency or roundtrip or facade or capacity'"
+}
+case "${1:-}" in
+  first)
+    tests check
+    profile_rows base /tmp/pkg
+    probe plain_1 /tmp/pkg
+    merge base
+    ;;
+  ab)
+    probe_ab 1 3
+    probe_ab 4 5 new-first
+    merge ab
+    ;;
+  final) tests final ;;
+  *) echo "usage: $0 first|ab|final" >&2; exit 2 ;;
+esac
