@@ -4,6 +4,8 @@
 #        rank's normal-mode calls at D on this tree, its rows once unprofiled
 #   bash benchmarks/gpu_s24_run.sh ab      # one rank's rows on .whl/old and this tree,
 #        alternated (three rounds, the baseline first, then two this tree first)
+#   bash benchmarks/gpu_s24_run.sh spin    # the two pools on one engine, the poller's spin
+#        5000 us (default) against 200 us, alternated twice
 #   bash benchmarks/gpu_s24_run.sh final   # the GPU tests of the session's last code
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, merge, merge_json)
@@ -38,6 +40,15 @@ case "${1:-}" in
     probe_ab 4 5 new-first
     merge ab
     ;;
+  spin)  # the poller's spin (5 ms after a trigger, the default since the twenty-third
+    # session, against 200 us) in one engine serving both pools: does the spinning poller
+    # slow the prefill pool's normal-mode calls, or decode?
+    for r in 1 2; do
+      pools "spin5000_$r"
+      pools "spin200_$r" --serve-arg=--stream-op-spin-us=200
+    done
+    merge_json pool pools_spin
+    ;;
   final) tests final ;;
-  *) echo "usage: $0 first|ab|final" >&2; exit 2 ;;
+  *) echo "usage: $0 first|ab|spin|final" >&2; exit 2 ;;
 esac
