@@ -6,6 +6,8 @@
 #        alternated (three rounds, the baseline first, then two this tree first)
 #   bash benchmarks/gpu_s24_run.sh spin    # the two pools on one engine, the poller's spin
 #        5000 us (default) against 200 us, alternated twice
+#   bash benchmarks/gpu_s24_run.sh adaptive  # the poller's spin shortened while the engine
+#        serves calls, against the long and the short spin always; the low-latency rows
 #   bash benchmarks/gpu_s24_run.sh final   # the GPU tests of the session's last code
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, merge, merge_json)
@@ -49,6 +51,24 @@ case "${1:-}" in
     done
     merge_json pool pools_spin
     ;;
+  adaptive)  # the poller's spin shortened while the engine serves calls too (this tree's
+    # default) against the long spin always (--stream-op-busy-spin-us=5000, the twenty-third
+    # session's default) and the short spin always (--stream-op-spin-us=200): the two pools on
+    # one engine, alternated twice; then the low-latency rows at D (decode alone) twice
+    for r in 1 2; do
+      pools "adaptive_$r"
+      pools "long_$r" --serve-arg=--stream-op-busy-spin-us=5000
+      pools "short_$r" --serve-arg=--stream-op-spin-us=200
+    done
+    merge_json pool pools_adaptive
+    for r in 1 2; do
+      echo "== low-latency rows ($r)"
+      timeout 120 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
+          --low-latency --expert-intermediate 0 --skip pipeline \
+          --json "$OUT/ll_adaptive_$r.json" 2>&1 | clean | grep -a "^| D \|FAIL" | cut -c1-160
+    done
+    merge_json ll ll_adaptive
+    ;;
   final) tests final ;;
-  *) echo "usage: $0 first|ab|spin|final" >&2; exit 2 ;;
+  *) echo "usage: $0 first|ab|spin|adaptive|final" >&2; exit 2 ;;
 esac

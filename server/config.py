@@ -104,6 +104,13 @@ class Config:
                 "decode step's low-latency calls and between steps, so a serving loop's "
                 "triggers are seen by a spinning poller (one core while calls come; "
                 "docs/DESIGN_NOTES.md, 'The poller spins through a decode loop')"})
+    stream_op_busy_spin_us: int = field(default=200, metadata={
+        "help": "stream-ordered calls: the poller's spin after a trigger instead of "
+                "stream_op_spin_us while this engine's sessions also serve calls (a call left "
+                "less than stream_op_spin_us ago): its looks take the GIL their threads need; "
+                "on one H200 the long spin in an engine serving a prefill pool too made "
+                "decode 1.3x slower (docs/DESIGN_NOTES.md, 'The poller spins through a decode "
+                "loop')"})
     stream_op_poll_us: int = field(default=50, metadata={
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
     serial_enqueue: bool = field(default=True, metadata={

@@ -674,7 +674,9 @@ def test_stream_op_poller_reports_how_late_it_saw_a_trigger() -> None:
     op, _, _, _, _ = _stand_in_op("detect-g", lambda p, b: launched.set())
     engine = types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
-        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_poll_us=30_000))
+        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_busy_spin_us=0,
+                                     stream_op_poll_us=30_000),
+        state=types.SimpleNamespace(last_call=0.0, inflight=0))
     ops = S.StreamOps(engine)
     ring = _ringed(ops, op)
     ops._ensure_thread()
@@ -690,6 +692,73 @@ def test_stream_op_poller_reports_how_late_it_saw_a_trigger() -> None:
     gap = value("epd_stream_op_detect_seconds_sum", labels)
     assert 0.02 <= gap <= 1.0, gap
     assert value("epd_stream_op_launch_seconds_sum", labels) < 0.02
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_stream_op_poller_spins_long_only_while_no_session_call_is_served(busy: bool) -> None:
+    """After a trigger the poller keeps looking for stream_op_spin_us (here 5 s) while only
+    triggers come, so a trigger 0.2 s later is seen at once; while the engine serves a call
+    (a session's thread wants the GIL) it spins stream_op_busy_spin_us (0) and then sleeps
+    between 30 ms looks, so the same trigger is seen up to a sleep later."""
+    import threading
+    import types
+
+    import prometheus_client
+
+    from epd.server.engine import stream_ops as S
+
+    launched = threading.Semaphore(0)
+    name = f"spin-g-{busy}"
+    op, _, _, _, _ = _stand_in_op(name, lambda p, b: launched.release())
+    engine = types.SimpleNamespace(
+        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
+        config=types.SimpleNamespace(stream_op_spin_us=5_000_000, stream_op_busy_spin_us=0,
+                                     stream_op_poll_us=30_000),
+        state=types.SimpleNamespace(last_call=0.0, inflight=int(busy)))
+    ops = S.StreamOps(engine)
+    ring = _ringed(ops, op)
+    labels = {"group": name, "kind": S.KIND_DISPATCH}
+    value = prometheus_client.REGISTRY.get_sample_value
+    ops._ensure_thread()
+    try:
+        _trigger(ring, op.entry)
+        assert launched.acquire(timeout=5)
+        time.sleep(0.2)
+        first = value("epd_stream_op_detect_seconds_sum", labels) or 0.0
+        _trigger(ring, op.entry)
+        assert launched.acquire(timeout=5)
+    finally:
+        ops.stop()
+    gap = value("epd_stream_op_detect_seconds_sum", labels) - first
+    if busy:
+        assert 0.01 <= gap <= 1.0, gap
+    else:
+        assert gap < 0.01, gap
+
+
+def test_spin_window_is_short_while_calls_are_served() -> None:
+    import types
+
+    from epd.server.engine.stream_ops import spin_window
+
+    cfg = types.SimpleNamespace(stream_op_spin_us=5000, stream_op_busy_spin_us=200)
+    assert spin_window(cfg, 0.0, 0, 100.0) == pytest.approx(5e-3)  # no call ever
+    assert spin_window(cfg, 99.999, 0, 100.0) == pytest.approx(2e-4)  # one left 1 ms ago
+    assert spin_window(cfg, 99.99, 0, 100.0) == pytest.approx(5e-3)  # 10 ms ago
+    assert spin_window(cfg, 0.0, 1, 100.0) == pytest.approx(2e-4)  # one in flight
+    short = types.SimpleNamespace(stream_op_spin_us=100, stream_op_busy_spin_us=200)
+    assert spin_window(short, 0.0, 1, 100.0) == pytest.approx(1e-4)  # never the longer
+
+
+def test_engine_state_records_when_the_last_call_left() -> None:
+    from epd.server.engine.executor import EngineState
+
+    state = EngineState(0)
+    assert state.last_call == 0.0
+    before = time.perf_counter()
+    with state.admit():
+        assert state.inflight == 1
+    assert state.inflight == 0 and before <= state.last_call <= time.perf_counter()
 
 
 def test_stream_op_poller_launches_in_trigger_order() -> None:
@@ -773,7 +842,9 @@ def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> 
     d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, np.zeros(8, np.int32), "d1")
     engine = types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
-        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_poll_us=30_000))
+        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_busy_spin_us=0,
+                                     stream_op_poll_us=30_000),
+        state=types.SimpleNamespace(last_call=0.0, inflight=0))
     ops = S.StreamOps(engine)
     ring = _ringed(ops, d0)
     _ringed(ops, d1, ring)
@@ -815,7 +886,9 @@ def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
     engine = types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(ll_chain=chain, ll_chain_members=4, timeout_seconds=1.0,
-                                     stream_op_spin_us=0, stream_op_poll_us=1000),
+                                     stream_op_spin_us=0, stream_op_busy_spin_us=0,
+                                     stream_op_poll_us=1000),
+        state=types.SimpleNamespace(last_call=0.0, inflight=0),
         ll_dispatch_args=lambda session, inner: (member, args, None),
         _timeout=lambda t: 1.0)
     session = types.SimpleNamespace(free_slots=[2, 3, 5], counter_page=page, stream_ops={},

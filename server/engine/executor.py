@@ -85,6 +85,9 @@ class EngineState:
         self.index = index
         self.draining = False
         self._inflight = 0
+        # perf_counter() when the last call left (the stream-op poller spins briefly while
+        # the sessions serve calls: stream_ops.spin_window)
+        self.last_call = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -105,6 +108,7 @@ class EngineState:
     def leave(self) -> None:
         with self._lock:
             self._inflight -= 1
+        self.last_call = time.perf_counter()
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:

@@ -11,7 +11,8 @@ poller thread per engine reads every ring from its head to its tail, **in the or
 member's calls reached the GPU**, advances the head past each entry as it reads it, and
 launches the op's kernels on the rank's stream without any host synchronisation; a last kernel
 writes `done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
-`stream_op_spin_us` after the last trigger, then polls every `stream_op_poll_us`.
+`stream_op_spin_us` after the last trigger (`stream_op_busy_spin_us` while the engine's sessions
+also serve calls: `spin_window`), then polls every `stream_op_poll_us`.
 
 Why a ring and not a doorbell word per op (the first design): two triggers can land between
 two looks of the poller (D0 D1 of DeepEP's two micro-batches in a replayed CUDA graph are
@@ -75,6 +76,19 @@ STOP_SECONDS = 10.0  # stop(): longest wait for the poller thread
 # after it). A chain runs dry, and a poller-path call waits, when rounds are this slow.
 SLOW_POLL_SECONDS = 1e-3
 _NO_WATCH = contextlib.nullcontext()  # (reusable)
+
+
+def spin_window(config: Any, last_call: float, inflight: int, now: float) -> float:
+    """Seconds the poller keeps looking after a trigger before it sleeps: the long spin
+    (stream_op_spin_us) spans a decode loop's gaps while only triggers come; while the engine's
+    sessions also serve calls (one in flight, or one left within that spin), the short one
+    (stream_op_busy_spin_us): each of the poller's looks takes the GIL from their threads, and
+    on one H200 a long-spinning poller in an engine serving a prefill pool as well made decode
+    under prefill 1.3x slower (docs/DESIGN_NOTES.md)."""
+    spin = config.stream_op_spin_us * 1e-6
+    if inflight or now - last_call < spin:
+        return min(spin, config.stream_op_busy_spin_us * 1e-6)
+    return spin
 
 
 @dataclass
@@ -385,9 +399,9 @@ class StreamOps:
                 probe.stop()
 
     def _poll_rounds(self, watch: Callable[[str], contextlib.AbstractContextManager]) -> None:
-        cfg = self.engine.config
+        cfg, state = self.engine.config, self.engine.state
         launched = 0
-        spin_s, period = cfg.stream_op_spin_us * 1e-6, max(cfg.stream_op_poll_us, 1) * 1e-6
+        period = max(cfg.stream_op_poll_us, 1) * 1e-6
         last = looked = time.perf_counter()
         while not self._stop:
             rings = list(self.rings.values())
@@ -412,7 +426,7 @@ class StreamOps:
                 launched += 1
                 if launched % FLUSH_EVERY == 0:
                     self._flush_metrics()
-            elif now - last > spin_s:
+            elif now - last > spin_window(cfg, state.last_call, state.inflight, now):
                 self._flush_metrics()
                 time.sleep(period)
             else:
