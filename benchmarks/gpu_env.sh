@@ -40,7 +40,7 @@ step() {  # step NAME SECONDS PYTEST-ARGS...: one pytest run on a fresh daemon, 
 }
 
 # Helpers of the later scripts (gpu_s14_run.sh on): the log filter, one rank's normal-mode rows
-# (probe_calls.py), the issue 14 pools (bench_two_pools.py), and merging each kind's files into
+# (probe_calls.py) and its profile, the issue 14 pools (bench_two_pools.py), and merging each kind's files into
 # one (the device returns at most 8 files).
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
 ROWS="layout,dispatch,cached dispatch,combine,layout + dispatch + combine"
@@ -49,6 +49,18 @@ probe() {  # probe LABEL PKG: the normal-mode rows at D, one rank, MPS on, the p
   PYTHONPATH=$pkg:/tmp/site timeout 90 python3 -P benchmarks/probe_calls.py --tokens 128 \
       --iters 200 --mps on --ranks 1 --rows "$ROWS" --json "$OUT/probe_$label.json" 2>&1 \
       | clean | tail -7 > "$OUT/probe_$label.txt"
+}
+profile_rows() {  # profile_rows LABEL PKG: one rank's rows with the engine's fast-path thread
+  # and the client under cProfile (profile_{top,cum}_LABEL.txt)
+  mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
+  EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe "profiled_$1" "$2"
+  python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top_$1.txt" 2>&1
+  python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(90)
+" > "$OUT/profile_cum_$1.txt" 2>&1
+  rm -rf /tmp/prof
 }
 pools() {  # pools LABEL ARGS...: the two pools (POOLS_SECONDS at most), their summary lines
   local label=$1; shift

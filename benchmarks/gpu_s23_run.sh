@@ -16,17 +16,7 @@
 #   bash benchmarks/gpu_s23_run.sh ab2      # the rows again, this tree first; two ranks at D
 #        through epd bench on each tree
 set -u
-source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, merge, merge_json)
-profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
-  mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
-  EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe "profiled_$1" "$2"
-  python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top_$1.txt" 2>&1
-  python3 -c "
-import pstats, glob
-for p in sorted(glob.glob('/tmp/prof/*.prof')):
-    print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(90)
-" > "$OUT/profile_cum_$1.txt" 2>&1
-}
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, profile_rows, merge, merge_json)
 case "${1:-}" in
   profile)
     profile_rows base /tmp/pkg

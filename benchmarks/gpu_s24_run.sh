@@ -10,18 +10,7 @@
 #        serves calls, against the long and the short spin always; the low-latency rows
 #   bash benchmarks/gpu_s24_run.sh final   # the GPU tests of the session's last code
 set -u
-source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, merge, merge_json)
-profile_rows() {  # profile_rows LABEL PKG: cProfile of the engine thread and the client
-  mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
-  EPD_PROFILE_DIR=/tmp/prof EPD_PROBE_PROFILE=/tmp/prof/client.prof probe "profiled_$1" "$2"
-  python3 benchmarks/pstats_top.py /tmp/prof/*.prof > "$OUT/profile_top_$1.txt" 2>&1
-  python3 -c "
-import pstats, glob
-for p in sorted(glob.glob('/tmp/prof/*.prof')):
-    print('==', p); pstats.Stats(p).sort_stats('cumulative').print_stats(90)
-" > "$OUT/profile_cum_$1.txt" 2>&1
-  rm -rf /tmp/prof
-}
+source benchmarks/gpu_env.sh  # (pt, step, clean, probe, probe_ab, profile_rows, merge, merge_json)
 tests() {  # tests NAME: the GPU tests of the client's outputs, stream-ordered calls, plain
   # low-latency calls, rank masking and the daemon's roundtrips
   STEP_TEST_SECONDS=120 step "$1" 330 "tests/gpu/test_call_outputs.py \
