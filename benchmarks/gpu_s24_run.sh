@@ -57,6 +57,17 @@ case "${1:-}" in
           --json "$OUT/ll_adaptive_$r.json" 2>&1 | clean | grep -a "^| D \|FAIL" | cut -c1-160
     done
     merge_json ll ll_adaptive
+    # rank 0's client in the low-latency pairs, plain and with hooks, under cProfile
+    EPD_PROBE_PROFILE=/tmp/ll.prof timeout 120 python3 -P benchmarks/probe_calls.py \
+        --low-latency --tokens 128 --iters 200 --mps on --ranks 2 \
+        --rows "ll plain pair,ll hook pair" 2>&1 | clean | tail -4 > "$OUT/ll_profile.txt"
+    python3 -c "
+import pstats
+s = pstats.Stats('/tmp/ll.prof')
+s.sort_stats('tottime').print_stats(30)
+s.sort_stats('cumulative').print_stats('epd', 60)" >> "$OUT/ll_profile.txt" 2>&1
+    rm -f /tmp/ll.prof
+    head -4 "$OUT/ll_profile.txt"
     ;;
   final) tests final ;;
   *) echo "usage: $0 first|ab|spin|adaptive|final" >&2; exit 2 ;;
