@@ -859,6 +859,70 @@ def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> 
     assert launched == [("d1", 1), ("prepared", 0)]
 
 
+def test_a_ring_tail_far_past_its_head_runs_nothing_and_fails_its_ops() -> None:
+    """A client writes its counter page: a ring tail more than LL_RING entries past the head
+    (a trigger kernel waits for room, so none writes it) must not keep the engine-wide poller
+    in one ring for 2**32 entries. Nothing is launched, the head catches up, the member's op
+    fails its stream; a normal ring still runs, at most LL_RING entries per look."""
+    import types
+
+    from epd.proto import abi
+    from epd.server.engine import stream_ops as S
+
+    launched: list = []
+    op, _, _, _, words = _stand_in_op("tail-g", lambda p, b: launched.append(b))
+    ops = S.StreamOps(types.SimpleNamespace(index=0))
+    ring = _ringed(ops, op)
+    ring.words[ring.head % abi.LL_RING] = op.entry
+    ring.words[abi.LL_RING_TAIL] = (ring.head - 1) & 0xFFFFFFFF  # 2**32 - 1 "entries"
+    t0 = time.perf_counter()
+    assert ops._run_ring(ring, 0.0) is False
+    assert time.perf_counter() - t0 < 0.5
+    assert launched == []
+    assert ring.head == 0xFFFFFFFF and int(ring.words[abi.LL_RING_HEAD]) == 0xFFFFFFFF
+    assert int(words[S.DONE]) & 0xFF == S.DONE_FAILED
+    # real triggers from there, past the uint32 wrap: a full ring, then a few more
+    for _ in range(abi.LL_RING):
+        _trigger(ring, op.entry)
+    assert ops._run_ring(ring, 0.0) is True and len(launched) == abi.LL_RING
+    for _ in range(6):
+        _trigger(ring, op.entry)
+    assert ops._run_ring(ring, 0.0) is True and len(launched) == abi.LL_RING + 6
+    assert ring.head == int(ring.words[abi.LL_RING_TAIL]) == abi.LL_RING + 5
+
+
+def test_two_sessions_arming_at_once_start_one_poller(monkeypatch) -> None:
+    """Sessions arm on their own workers: the first arms of two at once start one poller (two
+    would launch one member's ring entries out of order)."""
+    import threading
+    import types
+
+    from epd.server.engine import stream_ops as S
+
+    started: list = []
+    gate = threading.Barrier(2)
+
+    class SlowThread:
+        def __init__(self, **kw) -> None:
+            time.sleep(0.05)  # (widens the window between the check and the assignment)
+
+        def start(self) -> None:
+            started.append(self)
+
+    ops = S.StreamOps(types.SimpleNamespace(index=0))
+    monkeypatch.setattr(S, "threading", types.SimpleNamespace(Thread=SlowThread))
+
+    def arm() -> None:
+        gate.wait()
+        ops._ensure_thread()
+    threads = [threading.Thread(target=arm) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(5)
+    assert len(started) == 1
+
+
 def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
     """StreamOps around a stand-in engine, session and counter page whose dispatches arm
     without a GPU (the backend's preparation and output views are stand-ins): arming's
@@ -934,6 +998,59 @@ def test_arming_takes_a_ring_slot_with_the_first_op_and_gives_both_back(monkeypa
         assert session.free_slots == [2] and id(member) in ops.rings
         ops.disarm(session, second.op_id)
         assert sorted(session.free_slots) == [2, 3, 5] and not ops.rings
+    finally:
+        ops.stop()
+
+
+def test_an_arm_and_a_join_at_once_take_different_slots(monkeypatch) -> None:
+    """A join on the event loop takes counter slots while an arm runs on the session's
+    worker: the arm keeps the slot it prepared its op with and the join's is never the op's
+    (one slot with two owners would mix their done and count words)."""
+    from epd.proto.errors import ResourceExhausted
+
+    ops, session, member, _, _ = _stand_in_arming(monkeypatch)
+    joined: list[int] = []
+
+    def prepare(*a):
+        joined.append(session.free_slots.pop(0))  # the join, in the middle of the arm
+        return "prepared"
+    member.comm.prepare_low_latency_dispatch = prepare
+    try:
+        resp = ops.arm(session, _arm_request())
+        assert resp.counter_slot == 2 and joined == [3] and resp.chain_slot == 5
+        assert session.free_slots == []
+        with pytest.raises(ResourceExhausted):  # no slot left: nothing taken, nothing lost
+            ops.arm(session, _arm_request())
+        assert session.free_slots == []
+        ops.disarm(session, resp.op_id)
+        assert sorted(session.free_slots) == [2, 5]
+    finally:
+        ops.stop()
+
+
+def test_releasing_a_session_under_its_lock_frees_every_op(monkeypatch) -> None:
+    """Teardown's last pass runs with the session's operation lock held (an arm that was
+    still running during the first pass registered its op after it): it removes every op
+    without taking the lock again, and frees their slots and the ring's."""
+    import threading
+
+    from epd.server.engine import stream_ops as S
+
+    ops, session, _, mem, _ = _stand_in_arming(monkeypatch)
+    try:
+        a = ops.arm(session, _arm_request())
+        b = ops.arm(session, _arm_request())
+        assert session.free_slots == []
+        with session.op_lock:
+            t = threading.Thread(target=ops.release_session, args=(session,),
+                                 kwargs={"locked": True})
+            t.start()
+            t.join(5)
+            assert not t.is_alive()
+        assert not ops.ops and not ops.rings and not session.stream_ops
+        assert sorted(session.free_slots) == [2, 3, 5]
+        for r in (a, b):  # their streams are let go
+            assert mem[r.counter_slot].view(np.int32)[S.DONE] == S.DONE_RELEASED
     finally:
         ops.stop()
 

@@ -460,3 +460,27 @@ def test_make_demo_installs_no_torch_and_shows_progress(tmp_path):
     assert " -q " not in demo and "==>" in demo, demo  # progress, not silence
     test = _make_plan("test", tmp_path)
     assert "torch" in test and "optional" in test, test
+
+
+# -- joins of one session at once ------------------------------------------------------------
+def test_joins_at_once_keep_a_session_within_its_group_limit(daemon_factory):
+    """JoinGroup awaits the rendezvous and the attach between its checks and its counter
+    slot: joins of one session in flight together must not all pass the group limit (each
+    reserves its name and slot before it awaits)."""
+    with (daemon_factory(engines=1, extra=["--max-groups-per-session", "2"]) as d,
+          Session(d.socket(0), fast_path=False) as s):
+        def join(name: str) -> object:
+            try:
+                s.join(name, rank=0, num_ranks=1, num_experts=4, hidden=128,
+                       max_tokens_per_rank=16, num_topk=2, timeout=20)
+                return "ok"
+            except EpdError as e:
+                return e.code
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(join, [f"at-once-{i}" for i in range(6)]))
+        assert got.count("ok") == 2, got
+        assert set(got) == {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED}, got
+        # the refused joins took nothing: leaving one makes room for exactly one more
+        next(iter(s._groups.values())).leave()
+        assert join("after-leave") == "ok"
+        assert join("one-too-many") == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -41,7 +41,9 @@ from ...proto.v1 import epd_pb2, epd_pb2_grpc
 from .. import metrics, service_classes
 from ..backends.base import (
     Backend,
+    GroupSpec,
     Membership,
+    RankComm,
     Region,
 )
 from ..config import Config, node_metadata
@@ -358,39 +360,58 @@ class Engine(StreamCalls, DataPlane):
         session.closed.set()
         text = f"{session.describe()} {reason}"
 
+        # Each step is logged and passed if it fails (a comm whose context broke), so the
+        # others still run and the session still goes: a teardown that stopped half way would
+        # keep counting against --max-sessions and keep its peers' ranks.
+        def step(what: str, fn: Callable[[], object]) -> None:
+            try:
+                fn()
+            except Exception:
+                log.exception("closing %s: %s failed", session.describe(), what)
+
+        def interrupt_member(member: GroupMember) -> None:
+            self._abort(member, f"rank {member.rank} of group {member.spec.name!r} went "
+                                f"away: {text}")
+            # Then let its stream pass the READY waits the client will never write.
+            member.comm.release_stream(session.counter_page.slot(member.counter_slot))
+
         async def interrupt() -> None:
             for member in session.members.values():
-                self._abort(member, f"rank {member.rank} of group {member.spec.name!r} went "
-                                    f"away: {text}")
-                # Then let its stream pass the READY waits the client will never write.
-                member.comm.release_stream(session.counter_page.slot(member.counter_slot))
+                step(f"aborting group {member.spec.name!r}", lambda m=member: interrupt_member(m))
             if session.stream_ops:  # release client streams waiting on them
-                await asyncio.to_thread(self.stream_ops.release_session, session)
+                await asyncio.to_thread(step, "releasing stream ops",
+                                        lambda: self.stream_ops.release_session(session))
 
         def release() -> None:
+            # (under the operation lock: an op that an arm still running during interrupt()
+            # registered goes here, while its comm and counter page are still open)
+            step("releasing stream ops",
+                 lambda: self.stream_ops.release_session(session, locked=True))
             for member in session.members.values():  # streams released by interrupt()
-                member.comm.close()
+                step(f"closing group {member.spec.name!r}", member.comm.close)
             for region in session.regions.values():
                 if not region.borrowed:
-                    region.close()
-            session.counter_page.close()
-            self.backend.close_events(session.events)
+                    step(f"closing region {region.region_id}", region.close)
+            step("closing the counter page", session.counter_page.close)
+            step("closing events", lambda: self.backend.close_events(session.events))
 
         # A teardown that takes long is a bug worth every thread's stack in the log (one timer
         # per process: a second teardown at once replaces the first's).
         faulthandler.dump_traceback_later(TEARDOWN_STACKS_SECONDS, exit=False)
         try:
             await session.executor.shutdown(reason, interrupt, release)
+        except Exception:  # (each step logs its own; this is the executor's)
+            log.exception("closing %s: the executor's teardown failed", session.describe())
         finally:
             faulthandler.cancel_dump_traceback_later()
-        members = list(session.members.values())
-        session.members.clear()
-        session.regions.clear()
+            members = list(session.members.values())
+            session.members.clear()
+            session.regions.clear()
+            self.sessions.pop(session.session_id, None)
+            self._refresh_gauges()
         for member in members:
             await self._release_rank(member, f"rank {member.rank} of group "
                                              f"{member.spec.name!r} went away: {text}")
-        self.sessions.pop(session.session_id, None)
-        self._refresh_gauges()
         log.info("closed %s: %s", session.describe(), reason)
 
     @staticmethod
@@ -435,6 +456,8 @@ class Engine(StreamCalls, DataPlane):
             await asyncio.to_thread(self.stream_ops.release_member, session, member)
 
         def close() -> None:
+            # (an op armed for it after the pass above, by an arm that was running then)
+            self.stream_ops.release_member(session, member, locked=True)
             session.members.pop(member.group_id, None)
             member.comm.release_stream(session.counter_page.slot(member.counter_slot))
             member.comm.close()
@@ -465,14 +488,42 @@ class Engine(StreamCalls, DataPlane):
         if not 0 <= req.rank < spec.num_ranks:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
                                   f"{spec.num_ranks}")
-        if any(m.spec.name == spec.name for m in session.members.values()):
+        if (any(m.spec.name == spec.name for m in session.members.values())
+                or spec.name in session.joining):
             raise FailedPrecondition(f"{session.describe()} already holds a rank of group "
                                      f"{spec.name!r}")
         if not session.free_slots:
             raise ResourceExhausted(f"a session can join at most {counter_page.NUM_SLOTS} groups")
-        if len(session.members) >= self.config.max_groups_per_session:
-            raise ResourceExhausted(f"{session.describe()} holds {len(session.members)} groups, "
-                                    f"the maximum (--max-groups-per-session)")
+        held = len(session.members) + len(session.joining)
+        if held >= self.config.max_groups_per_session:
+            raise ResourceExhausted(f"{session.describe()} holds {held} groups, the maximum "
+                                    f"(--max-groups-per-session)")
+        # The name and the counter slot are the join's from here, across its awaits: two
+        # joins of one session at once must not both pass the checks above.
+        session.joining.add(spec.name)
+        slot = session.free_slots.pop(0)
+        try:
+            return await self._join(session, req, spec, slot)
+        finally:
+            session.joining.discard(spec.name)
+
+    async def _join(self, session: Session, req: epd_pb2.JoinGroupRequest, spec: GroupSpec,
+                    slot: int) -> GroupMember:
+        """join_group after its checks, with the counter slot it reserved: the slot goes back
+        if no member is made of it (a member's teardown returns its own)."""
+        try:
+            comm, spec, spec_proto, membership, timeout = await self._rendezvous_and_attach(
+                session, req, spec)
+        except BaseException:
+            session.free_slots.append(slot)
+            raise
+        member = GroupMember(spec, membership, comm, slot)
+        return await self._attached(session, req, member, spec_proto, timeout)
+
+    async def _rendezvous_and_attach(self, session: Session, req: epd_pb2.JoinGroupRequest,
+                                     spec: GroupSpec) -> tuple[RankComm, GroupSpec,
+                                                               epd_pb2.GroupSpec, Membership,
+                                                               float]:
         timeout = self._timeout(req.timeout_seconds)
         if session.peer is None:
             raise FailedPrecondition(
@@ -504,13 +555,19 @@ class Engine(StreamCalls, DataPlane):
                 group_id=resp.group_id, rank=req.rank, reason=f"attach failed: {e}"),
                 timeout=NODE_RPC_SECONDS)
             raise
-        member = GroupMember(spec, membership, comm, session.free_slots.pop(0))
+        return comm, spec, spec_proto, membership, timeout
+
+    async def _attached(self, session: Session, req: epd_pb2.JoinGroupRequest,
+                        member: GroupMember, spec_proto: epd_pb2.GroupSpec,
+                        timeout: float) -> GroupMember:
+        """The attach barrier: every rank attached, or the member goes again."""
+        spec, comm = member.spec, member.comm
         session.members[member.group_id] = member
         try:
             await self._node().Rendezvous(epd_pb2.RendezvousRequest(
                 spec=spec_proto, rank=req.rank, engine_index=self.index,
                 session_id=session.session_id, timeout_seconds=timeout, attached=True,
-                group_id=resp.group_id), timeout=timeout + NODE_RPC_SECONDS)
+                group_id=member.group_id), timeout=timeout + NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             await self._drop_member(session, member, f"attach barrier failed: {e.details()}")
             raise EpdError(e.code(), e.details() or "attach barrier failed") from None

@@ -227,7 +227,12 @@ class SessionExecutor:
         for t in self.transports:
             await asyncio.to_thread(t.stop)
         self.transports.clear()
-        await asyncio.to_thread(self.worker.shutdown, wait=True)
+        try:  # (the operation running on it was interrupted above; exclusive() waits again)
+            await asyncio.wait_for(asyncio.to_thread(self.worker.shutdown, wait=True),
+                                   QUIESCE_SECONDS)
+        except TimeoutError:
+            log.error("%s: its worker still runs an operation after %.0f s", self.name,
+                      QUIESCE_SECONDS)
 
         def release_all() -> bool:
             release()

@@ -71,6 +71,7 @@ KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
 IDLE_WAIT_SECONDS = 1.0  # the poller's sleep with nothing armed (arming wakes it)
 FLUSH_EVERY = 256  # launches between metric flushes while busy
 STOP_SECONDS = 10.0  # stop(): longest wait for the poller thread
+RELEASE_WAIT_SECONDS = 5.0  # releasing an op: longest wait for the session's running operation
 # A poller round longer than this is broken down in epd_stream_poller_slow_seconds{part}: the
 # chains' top-ups, the rings' launches, the sleep or yield (with the wait for the interpreter
 # after it). A chain runs dry, and a poller-path call waits, when rounds are this slow.
@@ -220,21 +221,28 @@ class StreamOps:
                 f"{session.describe()} has no free counter slot for the trigger ring of group "
                 f"{member.spec.name!r} (its first armed op needs two; at most "
                 f"{counter_page.NUM_SLOTS} groups, rings and armed ops together)")
-        slot = session.free_slots[0]
-        page = session.counter_page.slot(slot)
-        done_ptr = int(page.device_ptr) + 4 * DONE
-        timeout = e._timeout(inner.timeout_seconds)
-        if kind == KIND_DISPATCH:
-            prepared = member.comm.prepare_low_latency_dispatch(args, stats, done_ptr, timeout)
-        else:
-            prepared = member.comm.prepare_low_latency_combine(args, src.prepared, done_ptr,
-                                                               timeout)
-        if not req.ring_trigger:  # (a client of the doorbell design: its triggers write a
-            # request word no one reads any more, so its stream and its peers would wait)
-            raise FailedPrecondition(
-                "this client triggers armed ops by a request word, which this engine no longer "
-                "reads (ArmStreamOpRequest.ring_trigger unset): upgrade epd on the client")
-        session.free_slots.pop(0)  # everything checked: now the slot is taken
+        # Taken now, and given back if the arm fails: a join on the event loop takes slots of
+        # the same list while this runs on the session's worker.
+        slot = session.free_slots.pop(0)
+        try:
+            page = session.counter_page.slot(slot)
+            done_ptr = int(page.device_ptr) + 4 * DONE
+            timeout = e._timeout(inner.timeout_seconds)
+            if kind == KIND_DISPATCH:
+                prepared = member.comm.prepare_low_latency_dispatch(args, stats, done_ptr,
+                                                                    timeout)
+            else:
+                prepared = member.comm.prepare_low_latency_combine(args, src.prepared, done_ptr,
+                                                                   timeout)
+            if not req.ring_trigger:  # (a client of the doorbell design: its triggers write a
+                # request word no one reads any more, so its stream and its peers would wait)
+                raise FailedPrecondition(
+                    "this client triggers armed ops by a request word, which this engine no "
+                    "longer reads (ArmStreamOpRequest.ring_trigger unset): upgrade epd on the "
+                    "client")
+        except BaseException:
+            session.free_slots.insert(0, slot)
+            raise
         words = page.view(np.int32)
         words[DONE] = DONE_OK
         op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
@@ -273,18 +281,23 @@ class StreamOps:
                                      f"that first")
         self._remove(op)
 
-    def release_session(self, session: Session) -> None:
-        """The session is closing: release any stream waiting on its ops, free the slots."""
-        for op in list(session.stream_ops.values()):
-            op.words[DONE] = DONE_RELEASED
-            self._remove(op)
+    def release_session(self, session: Session, *, locked: bool = False) -> None:
+        """The session is closing: release any stream waiting on its ops, free the slots.
+        `locked`: the caller holds the session's operation lock (teardown's last step, which
+        also catches an op an arm still running during the first pass registered)."""
+        self._release(session, None, locked)
 
-    def release_member(self, session: Session, member: GroupMember) -> None:
+    def release_member(self, session: Session, member: GroupMember, *,
+                       locked: bool = False) -> None:
         """The member leaves its group: its ops go (combines first) and release their streams."""
-        ops = [o for o in session.stream_ops.values() if o.member is member]
+        self._release(session, member, locked)
+
+    def _release(self, session: Session, member: GroupMember | None, locked: bool) -> None:
+        ops = [o for o in list(session.stream_ops.values())
+               if member is None or o.member is member]
         for op in sorted(ops, key=lambda o: o.kind != KIND_COMBINE):
             op.words[DONE] = DONE_RELEASED
-            self._remove(op)
+            self._remove(op, locked=locked)
 
     def _take(self, ring: Ring, op: StreamOp) -> int:
         """A poller op's entry in its member's ring, of the engine's next generation."""
@@ -292,10 +305,29 @@ class StreamOps:
             self._gen = self._gen % 0xFFFF + 1
             return ring.take(op, self._gen)
 
-    def _remove(self, op: StreamOp) -> None:
-        with op.session.op_lock, self._lock:  # never while the poller launches it
+    def _remove(self, op: StreamOp, *, locked: bool = False) -> None:
+        """Disarm `op` (never while the poller launches it: under the session's operation
+        lock, which `locked` says the caller holds; waited for at most RELEASE_WAIT_SECONDS,
+        after which teardown's locked pass removes it)."""
+        lock = op.session.op_lock
+        if not locked and not lock.acquire(timeout=RELEASE_WAIT_SECONDS):
+            log.warning("%s: stream op %d not released yet (an operation holds the session "
+                        "for %.0f s)", op.session.describe(), op.op_id, RELEASE_WAIT_SECONDS)
+            return
+        try:
+            last = self._remove_unlocked(op)
+        finally:
+            if not locked:
+                lock.release()
+        if last is not None:
+            self._close_ring(op.session, last)
+
+    def _remove_unlocked(self, op: StreamOp) -> Ring | None:
+        """`_remove`'s work under the operation lock; the member's ring when `op` was its last
+        (closed by the caller, outside the lock it may wait)."""
+        with self._lock:
             if self.ops.pop(op.op_id, None) is None:
-                return  # (removed already: a disarm and a release of the same op)
+                return None  # (removed already: a disarm and a release of the same op)
             op.armed = False
             ring = self.rings.get(id(op.member))
             if ring is not None:
@@ -308,9 +340,7 @@ class StreamOps:
                 self.rings.pop(id(op.member))
         op.session.stream_ops.pop(op.op_id, None)
         op.session.free_slots.append(op.slot)
-        if last:
-            assert ring is not None
-            self._close_ring(op.session, ring)
+        return ring if last else None
 
     def _close_ring(self, session: Session, ring: Ring) -> None:
         """A dropped ring's chain is drained (outside the locks: it may wait); its slot is
@@ -341,6 +371,9 @@ class StreamOps:
             cfg = self.engine.config
             chained = cfg.ll_chain and sum(r.chain is not None for r in self.rings.values()) \
                 < cfg.ll_chain_members
+        if not session.free_slots:  # (a join took the one the arm saw free)
+            raise ResourceExhausted(f"{session.describe()} has no free counter slot for the "
+                                    f"trigger ring of group {member.spec.name!r}")
         slot = session.free_slots.pop(0)
         page = session.counter_page.slot(slot)
         backend_chain = None
@@ -369,10 +402,11 @@ class StreamOps:
 
     # -- the poller ---------------------------------------------------------------------------
     def _ensure_thread(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._poll, daemon=True,
-                                            name=f"epd-streamops-{self.engine.index}")
-            self._thread.start()
+        with self._lock:  # (sessions arm on their own workers: one poller, whoever is first)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._poll, daemon=True,
+                                                name=f"epd-streamops-{self.engine.index}")
+                self._thread.start()
         self._wake.set()
 
     def stop(self) -> None:
@@ -447,13 +481,20 @@ class StreamOps:
 
     def _run_ring(self, ring: Ring, gap: float) -> bool:
         """Launch the calls appended to a poller ring since the last look, in its order; the
-        head goes past each entry as it is read (the trigger kernels wait for room by it)."""
+        head goes past each entry as it is read (the trigger kernels wait for room by it).
+        At most LL_RING entries per look, so one busy ring cannot hold the others' launches;
+        a tail further ahead than LL_RING is not a trigger kernel's (it waits for room) but
+        a client writing its counter page: `_corrupt_ring`."""
         ran = False
-        while True:
+        for _ in range(abi.LL_RING):
             with self._lock:  # (a disarm frees the ring's slot under it: never write it after)
                 if self.rings.get(id(ring.member)) is not ring:
                     return ran
-                if ring.head == int(ring.words[abi.LL_RING_TAIL]):
+                tail = int(ring.words[abi.LL_RING_TAIL])
+                if ring.head == tail:
+                    return ran
+                if (tail - ring.head) & MASK32 > abi.LL_RING:
+                    self._corrupt_ring(ring, tail)
                     return ran
                 # (the trigger kernel writes the entry, fences, then the tail: reading the
                 # tail first suffices on x86, whose loads are not reordered; a weakly ordered
@@ -465,6 +506,20 @@ class StreamOps:
             if op is not None:  # (else released, or a stale entry of a disarmed op)
                 self._fire(op, entry >> 8 & 0xFF, gap)
                 ran = True
+        return ran
+
+    def _corrupt_ring(self, ring: Ring, tail: int) -> None:
+        """(Under self._lock.) A ring whose tail is more than LL_RING entries past the head:
+        its entries cannot be trusted, so none of them runs; the head catches up with the tail
+        and every op of the member fails its waiting stream (the client's own calls only)."""
+        log.warning("group %r: a trigger ring's tail (%d) is %d entries past its head (at most "
+                    "%d pending); its entries are dropped and its ops fail", ring.member.spec.name,
+                    tail, (tail - ring.head) & MASK32, abi.LL_RING)
+        ring.head = tail
+        ring.words[abi.LL_RING_HEAD] = tail
+        for op in ring.ops.values():
+            if op.armed:
+                op.words[DONE] = DONE_FAILED | (0xFF << 8)
 
     def _top_up(self, rings: list[Ring]) -> bool:
         """Keep every chain's instances enqueued; count the calls the chains ran."""

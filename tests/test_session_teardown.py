@@ -1,0 +1,71 @@
+"""An engine's session teardown goes to the end when a step fails: a comm whose close raises
+(a broken CUDA context, a backend bug) must not leave the session counted against
+--max-sessions, its other groups open or its peers' ranks held."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from epd.server.engine import core
+from epd.server.engine.executor import EngineState, SessionExecutor
+from epd.server.engine.state import Session
+from epd.server.engine.stream_ops import StreamOps
+
+
+class _Comm:
+    def __init__(self, name: str, log: list[str], fail_close: bool) -> None:
+        self.name, self.log, self.fail_close = name, log, fail_close
+        self.spec = types.SimpleNamespace(shrink=False)
+
+    def abort_reason(self) -> None:
+        return None
+
+    def abort(self, text: str) -> None:
+        self.log.append(f"abort {self.name}")
+
+    def release_stream(self, slot: object) -> None:
+        self.log.append(f"release {self.name}")
+
+    def close(self) -> None:
+        self.log.append(f"close {self.name}")
+        if self.fail_close:
+            raise RuntimeError(f"{self.name}: the context is gone")
+
+
+def _member(name: str, slot: int, log: list[str], fail_close: bool) -> types.SimpleNamespace:
+    return types.SimpleNamespace(group_id=name, rank=0, counter_slot=slot,
+                                 spec=types.SimpleNamespace(name=name, shrink=False),
+                                 comm=_Comm(name, log, fail_close))
+
+
+def test_a_failing_step_does_not_stop_the_teardown() -> None:
+    log: list[str] = []
+    released: list[str] = []
+    engine = core.Engine.__new__(core.Engine)
+    engine.sessions = {}
+    engine.stream_ops = StreamOps(types.SimpleNamespace(index=0))
+    engine.backend = types.SimpleNamespace(close_events=lambda events: log.append("events"))
+    engine._refresh_gauges = lambda: None
+
+    async def release_rank(member, text, left=False) -> None:
+        released.append(member.group_id)
+    engine._release_rank = release_rank
+    page = types.SimpleNamespace(slot=lambda i: i, close=lambda: log.append("page"))
+    region = types.SimpleNamespace(borrowed=False, region_id="r1",
+                                   close=lambda: log.append("region"))
+
+    async def run() -> None:
+        s = Session("s" * 16, "client", 1, page, SessionExecutor(EngineState(0), "s0"))
+        s.members = {"a": _member("a", 0, log, fail_close=True),
+                     "b": _member("b", 1, log, fail_close=False)}
+        s.regions = {"r1": region}
+        engine.sessions[s.session_id] = s
+        await engine.close_session(s, "went away")
+        assert engine.sessions == {}
+        assert not s.members and not s.regions
+    asyncio.run(run())
+    # every step ran though closing group a failed, and both ranks went back to the node
+    assert log == ["abort a", "release a", "abort b", "release b", "close a", "close b",
+                   "region", "page", "events"], log
+    assert released == ["a", "b"]
