@@ -183,11 +183,12 @@ class Buffer(LowLatencyMixin):
         self.timeout = timeout
         self._comm_stream: Any = None
         self._client_name = f"{group_name}-rank{rank}"
+        plain_ops = plain_op_limit()  # (InvalidArgument before a session is opened)
         if session is None:
             if engine is None:
                 engine = C.default_engine()
             session = Session(endpoint, socket_dir=socket_dir, engine=engine,
-                              client_name=self._client_name,
+                              client_name=self._client_name, timeout=timeout,
                               service_class=service_class)
             self._owns_session = True
         else:
@@ -200,7 +201,7 @@ class Buffer(LowLatencyMixin):
         self._num_experts: int | None = None
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         # Armed low-latency calls by the tensors they read (cuda backend).
-        self._stream_ops = StreamOpCache(session.device_ordinal, plain_op_limit())
+        self._stream_ops = StreamOpCache(session.device_ordinal, plain_ops)
         self._ll_buffer = 0  # DeepEP's double buffer: low-latency dispatches alternate
         self._pending_masks: set[int] = set()
         self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
@@ -432,7 +433,7 @@ class Buffer(LowLatencyMixin):
             g = handle.handle.group
             out, event = self._run(
                 x, lambda: g.dispatch(x, x_scales=x_scales, handle=handle.handle,
-                                      expert_alignment=expert_alignment,
+                                      expert_alignment=expert_alignment, timeout=self.timeout,
                                       num_worst_tokens=num_worst_tokens,
                                       num_sms=self._sms(g, config)),
                 previous_event, async_finish, allocate_on_comm_stream, (x, x_scales))
@@ -460,7 +461,7 @@ class Buffer(LowLatencyMixin):
         g, (out, event) = self._dispatch_growing(
             g, num_worst_tokens, lambda g: self._run(
                 x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
-                                      expert_alignment=expert_alignment,
+                                      expert_alignment=expert_alignment, timeout=self.timeout,
                                       num_worst_tokens=num_worst_tokens,
                                       num_sms=self._sms(g, config)),
                 previous_event, async_finish, allocate_on_comm_stream,
@@ -494,7 +495,7 @@ class Buffer(LowLatencyMixin):
         g, (out, event) = self._dispatch_growing(
             g, num_worst_tokens, lambda g: self._run(
                 x, lambda: g.dispatch(x, x_scales=x_scales, expert_alignment=expert_alignment,
-                                      num_worst_tokens=num_worst_tokens,
+                                      num_worst_tokens=num_worst_tokens, timeout=self.timeout,
                                       is_token_in_rank=is_token_in_rank,
                                       num_tokens_per_expert=num_tokens_per_expert),
                 previous_event, async_finish, allocate_on_comm_stream,
@@ -523,21 +524,32 @@ class Buffer(LowLatencyMixin):
         g = handle.handle.group
         (cx, cw), event = self._run(
             x, lambda: g.combine(x, handle.handle, topk_weights=topk_weights, bias_0=bias_0,
-                                 bias_1=bias_1, num_sms=self._sms(g, config)),
+                                 bias_1=bias_1, timeout=self.timeout,
+                                 num_sms=self._sms(g, config)),
             previous_event, async_finish, allocate_on_comm_stream,
             (x, topk_weights, bias_0, bias_1))
         return cx, cw, event
 
     def destroy(self) -> None:
-        """Leave every group and close the session (idempotent)."""
-        for g in [*self._groups.values(), *self._retired]:
-            if not g._left:
-                g.leave()
-        self._groups.clear()
-        self._retired.clear()
-        self._stream_ops.clear()
-        if self._owns_session:
-            self.session.close()
+        """Leave every group and close the session (idempotent). Every group is left and the
+        session closed even when a leave fails (the daemon went away); the first failure is
+        raised after that."""
+        failed: EpdError | None = None
+        try:
+            for g in [*self._groups.values(), *self._retired]:
+                if not g._left:
+                    try:
+                        g.leave()
+                    except EpdError as e:
+                        failed = failed or e
+        finally:
+            self._groups.clear()
+            self._retired.clear()
+            self._stream_ops.clear()
+            if self._owns_session:
+                self.session.close()
+        if failed is not None:
+            raise failed
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True):

@@ -143,3 +143,66 @@ def test_memory_strategy_is_chosen_at_open(daemon) -> None:
         assert isinstance(a, np.ndarray) and s._user_regions
         with pytest.raises(EpdError, match="need the cuda backend"):
             s.memory.counter_page_device_ptr()
+
+
+def test_buffer_destroy_closes_its_session_when_a_leave_fails(daemon, monkeypatch) -> None:
+    """A Buffer whose engine went away cannot leave its groups: destroy() still closes the
+    session it opened (its channel, ring and mappings), then raises the leave's error."""
+    from epd.client.group import Group
+
+    buf = Buffer(None, rank=0, num_ranks=1, endpoint=daemon.socket(0),
+                 group_name="destroy-buf", max_tokens_per_rank=8)
+    idx = np.array([[0, 1], [2, 3]], np.int64)
+    buf.get_dispatch_layout(idx, 4)
+
+    def gone(self) -> None:
+        raise EpdError(grpc.StatusCode.UNAVAILABLE, "session lost: the engine went away")
+    monkeypatch.setattr(Group, "leave", gone)
+    with pytest.raises(EpdError, match="went away"):
+        buf.destroy()
+    assert not buf.session.alive and not buf._groups
+
+
+def test_a_buffer_that_fails_to_start_opens_no_session(daemon, monkeypatch) -> None:
+    """Buffer's own argument errors come before it opens a session: none is left counting
+    against the engine's --max-sessions."""
+    with Session(daemon.socket(0), fast_path=False) as s:
+        before = s.stats().sessions
+        monkeypatch.setenv("EPD_LL_PLAIN_OPS", "0")
+        with pytest.raises(EpdError):
+            Buffer(None, rank=0, num_ranks=1, endpoint=daemon.socket(0),
+                   group_name="no-start", max_tokens_per_rank=8)
+        assert s.stats().sessions == before
+
+
+def test_a_buffers_timeout_bounds_its_normal_mode_calls(daemon) -> None:
+    """Buffer(timeout=...) is the deadline of its dispatch and combine too, not only of its
+    joins: a dispatch whose peer never comes fails after it (the daemon's default is 3 s)."""
+    import time
+
+    idx = np.array([[0, 1], [2, 3]], np.int64)
+    x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+    bufs = [Buffer(None, rank=r, num_ranks=2, endpoint=daemon.socket(r), timeout=0.5,
+                   group_name="short-deadline", max_tokens_per_rank=8) for r in range(2)]
+    try:
+        done: list = [None, None]
+
+        def layer(r: int) -> None:  # (the first dispatch forms the group)
+            n_exp = bufs[r].get_dispatch_layout(idx, 4)[2]
+            bufs[r].dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=n_exp)
+            done[r] = n_exp
+        threads = [threading.Thread(target=layer, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(d is not None for d in done)
+        t0 = time.monotonic()
+        with pytest.raises(EpdError) as ei:  # rank 1 never dispatches again
+            bufs[0].dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_expert=done[0])
+        assert time.monotonic() - t0 < 2.0, ei.value
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
+    finally:
+        for b in bufs:
+            with contextlib.suppress(EpdError):
+                b.destroy()
