@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -275,9 +275,10 @@ class CudaIpcMemory(Memory):
         self._register, self._unregister = register, unregister
         self._counter_file, self.device = counter_file, device
         self._regions: OrderedDict[bytes, str] = OrderedDict()  # IPC handle -> region id
-        # Allocation buffer id -> (base, region id): a registered allocation is found with one
-        # driver query per tensor (cuda_driver.allocation_info), not an IPC handle export.
-        self._by_buffer: dict[int, tuple[int, str]] = {}
+        # Allocation buffer id -> (base, region id, IPC handle): a registered allocation is
+        # found with one driver query per tensor (cuda_driver.allocation_info), not an IPC
+        # handle export.
+        self._by_buffer: dict[int, tuple[int, str, bytes]] = {}
         self._heaps: dict[bytes, cuda_ipc.MappedHeap] = {}  # engine output heaps, by handle
         self._heap_region: dict[bytes, str] = {}  # heap handle -> its latest region id
         self._ready_event: cuda_ipc.ReadyEvent | None = None
@@ -290,8 +291,11 @@ class CudaIpcMemory(Memory):
             raise FailedPrecondition(f"{name}: an empty tensor before any group was joined")
         return rid
 
-    def _region_of(self, v: cuda_ipc.DeviceView) -> tuple[str, int, int]:
-        """(region id, base, size) of the allocation (or engine heap) holding the tensor."""
+    def _region_of(self, v: cuda_ipc.DeviceView, in_use: Collection[str] = ()
+                   ) -> tuple[str, int, int]:
+        """(region id, base, size) of the allocation (or engine heap) holding the tensor.
+        Registrations are kept least recently used first; `in_use`: regions the call being
+        described names already, never the one dropped for a new registration."""
 
         for handle, heap in self._heaps.items():  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
@@ -300,6 +304,7 @@ class CudaIpcMemory(Memory):
         if info is not None:
             known = self._by_buffer.get(info[2])
             if known is not None:
+                self._regions.move_to_end(known[2])
                 return known[1], known[0], info[1]
             base, size = info[0], info[1]
         else:
@@ -310,12 +315,21 @@ class CudaIpcMemory(Memory):
             rid = self._regions[handle] = self._register(epd_pb2.RegisterRegionRequest(
                 cuda_ipc_handle=handle, size_bytes=size, device_ordinal=v.device))
             if len(self._regions) > MAX_DEVICE_REGIONS:
-                _, old = self._regions.popitem(last=False)
-                self._unregister(old)
-                self._by_buffer = {b: e for b, e in self._by_buffer.items() if e[1] != old}
+                self._drop_oldest({*in_use, rid})
+        else:
+            self._regions.move_to_end(handle)
         if info is not None:
-            self._by_buffer[info[2]] = (base, rid)
+            self._by_buffer[info[2]] = (base, rid, handle)
         return rid, base, size
+
+    def _drop_oldest(self, keep: Collection[str]) -> None:
+        """Unregister the least recently used registration that is not in `keep`."""
+        old = next((h for h, r in self._regions.items() if r not in keep), None)
+        if old is None:
+            return
+        rid = self._regions.pop(old)
+        self._unregister(rid)
+        self._by_buffer = {b: e for b, e in self._by_buffer.items() if e[1] != rid}
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
 
@@ -337,7 +351,7 @@ class CudaIpcMemory(Memory):
             if v.ptr and all(v.shape):
                 hit = next(((b, r) for b, e, r in seen if b <= v.ptr < e), None)
                 if hit is None:
-                    rid, base, size = self._region_of(v)
+                    rid, base, size = self._region_of(v, [r for _, _, r in seen])
                     seen.append((base, base + size, rid))
                 else:
                     base, rid = hit

@@ -25,7 +25,13 @@ import socket
 import struct
 import threading
 
-from .errors import EpdError, InvalidArgument, Unavailable, from_status_value
+from .errors import (
+    DeadlineExceeded,
+    EpdError,
+    InvalidArgument,
+    Unavailable,
+    from_status_value,
+)
 from .v1 import epd_pb2
 
 # fcntl's sealing constants (missing from Python's fcntl module before 3.8 / on some builds).
@@ -37,6 +43,7 @@ F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 F_SEAL_WRITE = getattr(fcntl, "F_SEAL_WRITE", 0x0008)
 MFD_CLOEXEC = getattr(os, "MFD_CLOEXEC", 0x0001)
 MFD_ALLOW_SEALING = getattr(os, "MFD_ALLOW_SEALING", 0x0002)
+REQUEST_SECONDS = 60.0  # a client's longest wait for one answer on the descriptor channel
 
 CLIENT_SEALS = F_SEAL_SHRINK  # client memory: the engine requires at least this
 ENGINE_SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL  # engine-owned objects: fixed size
@@ -149,12 +156,18 @@ def recv(sock: socket.socket, msg_type):
 
 
 class Channel:
-    """The client end of an engine's descriptor channel, bound to one session."""
+    """The client end of an engine's descriptor channel, bound to one session. Every request
+    waits at most `timeout` seconds for its answer (an engine alive but stopped must not hang
+    the client); one that times out closes the channel, since a late answer would be taken for
+    the next request's."""
 
-    def __init__(self, path: str, session_id: str, token: bytes) -> None:
+    def __init__(self, path: str, session_id: str, token: bytes,
+                 timeout: float = REQUEST_SECONDS) -> None:
         self.path, self.session_id, self.token = path, session_id, token
+        self.timeout = timeout
         self._lock = threading.Lock()  # one request/answer pair at a time
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(timeout)
         try:
             self.sock.connect(path)
         except OSError as e:
@@ -165,9 +178,17 @@ class Channel:
                 ) -> tuple[epd_pb2.FdResponse, int | None]:
         req.session_id, req.session_token = self.session_id, self.token
         try:
-            with self._lock:
+            if not self._lock.acquire(timeout=self.timeout):  # (another request's, at most
+                raise TimeoutError("waiting for another request")  # its own timeout)
+            try:
                 send(self.sock, req, fd)
                 resp, got = recv(self.sock, epd_pb2.FdResponse)
+            finally:
+                self._lock.release()
+        except TimeoutError:
+            self.close()
+            raise DeadlineExceeded(f"descriptor channel {self.path}: no answer within "
+                                   f"{self.timeout:g} s (the channel is closed)") from None
         except OSError as e:
             raise Unavailable(f"descriptor channel {self.path}: {e}") from None
         if resp is None:

@@ -149,6 +149,39 @@ def test_describe_finds_each_allocation_once_per_call(monkeypatch) -> None:
     assert asked[-1] == 0x10100 and d["b"].region_id == "r1" and len(registered) == 2
 
 
+def test_registrations_are_dropped_least_recently_used_and_never_in_use(monkeypatch) -> None:
+    """Past MAX_DEVICE_REGIONS registrations the client unregisters one: the least recently
+    used (a hot allocation is reused, not registered again and again), and never one the call
+    being described names already (it would go out naming an unregistered region)."""
+    from epd.client import cuda_ipc, memory
+
+    monkeypatch.setattr(memory, "MAX_DEVICE_REGIONS", 2)
+    allocations = {p << 16: (p << 16, 4096, p) for p in range(1, 8)}
+    monkeypatch.setattr(cuda_driver, "allocation_info", lambda ptr: allocations[ptr & ~0xfff])
+    monkeypatch.setattr(cuda_ipc, "ipc_handle", lambda base, device: base.to_bytes(8, "little"))
+    registered: list[int] = []
+    dropped: list[str] = []
+
+    def register(req) -> str:
+        registered.append(int.from_bytes(req.cuda_ipc_handle, "little"))
+        return f"r{registered[-1] >> 16}"
+    mem = memory.CudaIpcMemory(register, dropped.append, None, 0)
+
+    def describe(*ptrs: int) -> list[str]:
+        d = mem.describe({f"t{i}": _Dev(p, 4) for i, p in enumerate(ptrs)}, event=False)
+        return [d[f"t{i}"].region_id for i in range(len(ptrs))]
+    assert describe(0x10000) == ["r1"] and describe(0x20000) == ["r2"]
+    assert describe(0x10000) == ["r1"]  # r1 used again: r2 is the least recently used now
+    assert describe(0x30000) == ["r3"] and dropped == ["r2"]
+    # a call whose first tensor is in the oldest registration (r1) and whose second is new:
+    # r1 stays (the call names it), r3 goes
+    assert describe(0x10000 + 0x100, 0x40000) == ["r1", "r4"] and dropped == ["r2", "r3"]
+    assert describe(0x10000) == ["r1"] and registered == [0x10000, 0x20000, 0x30000, 0x40000]
+    # a call naming more new allocations than the limit keeps every one of them
+    assert describe(0x50000, 0x60000, 0x70000) == ["r5", "r6", "r7"]
+    assert dropped == ["r2", "r3", "r4", "r1"]
+
+
 def test_normal_mode_refuses_a_capturing_stream() -> None:
     """A stream-ordered normal-mode call made while the caller's stream captures a CUDA graph
     fails with FAILED_PRECONDITION before it reaches the engine or the counter slot (the engine

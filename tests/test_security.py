@@ -208,3 +208,34 @@ def test_descriptor_channel_drops_a_silent_connection(daemon) -> None:
         idle.close()
     assert closed, "the engine kept a silent descriptor-channel connection"
     assert FIRST_REQUEST_SECONDS - 1 <= waited <= FIRST_REQUEST_SECONDS + 5, waited
+
+
+def test_the_descriptor_channel_waits_a_bounded_time_for_an_answer(tmp_path) -> None:
+    """An engine that accepts the channel and never answers (stopped, stuck) must not hang the
+    client: the request fails DEADLINE_EXCEEDED after the channel's timeout, and the channel,
+    whose late answer would pair with the next request, is closed (UNAVAILABLE after)."""
+    import socket
+    import threading
+    import time
+
+    path = str(tmp_path / "silent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(1)
+    accepted: list[socket.socket] = []
+    t = threading.Thread(target=lambda: accepted.append(server.accept()[0]))
+    t.start()
+    try:
+        ch = fdc.Channel(path, "session", b"token", timeout=0.3)
+        t0 = time.monotonic()
+        with pytest.raises(EpdError) as ei:
+            ch.fetch("counters")
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(EpdError) as again:
+            ch.fetch("counters")
+        assert again.value.code == grpc.StatusCode.UNAVAILABLE, again.value
+    finally:
+        t.join(5)
+        for s in (*accepted, server):
+            s.close()
