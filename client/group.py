@@ -104,8 +104,16 @@ class PendingDispatch:
         try:
             resp = cast(epd_pb2.DispatchResponse, self._future.result())
         finally:
-            self._group._session._busy = False
+            self._group._session._in_flight = None
         return self._group._dispatch_result(resp, self._copy, self._template)
+
+    def __del__(self) -> None:
+        # Dropped unread (counts() raised, the caller gave up): the session's next
+        # dispatch_async takes its answer; until then the fast-path ring may take it when it
+        # needs the slot (else every later call of the session would wait for that slot).
+        abandon = getattr(self._future, "abandon", None)
+        if abandon is not None and self._group._session._in_flight is not None:
+            abandon()
 
 
 SERVICE_CLASSES = ("latency", "throughput")  # epd.proto ServiceClass, by name
@@ -324,8 +332,16 @@ class Group:
                        num_tokens_per_expert: Array = None) -> PendingDispatch:
         """Start a dispatch; read the receive counts with `.counts()` while it runs."""
         s = self._session
-        if s._busy:
-            raise FailedPrecondition("a dispatch of this session is still in flight")
+        if s._in_flight is not None:
+            pending, future = s._in_flight
+            if pending() is not None:
+                raise FailedPrecondition("a dispatch of this session is still in flight "
+                                         "(its PendingDispatch.result() was not taken yet)")
+            # Its PendingDispatch was dropped unread: let it finish first (within its own
+            # deadline; its outcome is nobody's), so that the counts read next are ours.
+            with contextlib.suppress(EpdError):
+                future.result()
+            s._in_flight = None
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
                                                   timeout, is_token_in_rank,
@@ -333,9 +349,10 @@ class Group:
         # One dispatch in flight per session, and the engine publishes every dispatch it runs
         # (failures too, with a status): ours is the first sequence after the current one.
         expected = int(self._counter[counter_page.SEQ]) + 1
-        s._busy = True
         fut = s._transport.call_async("Dispatch", req, rpc_timeout)
-        return PendingDispatch(self, fut, expected, copy, x)
+        pending = PendingDispatch(self, fut, expected, copy, x)
+        s._in_flight = (weakref.ref(pending), fut)
+        return pending
 
     def _dispatch_result(self, resp: epd_pb2.DispatchResponse, copy: bool,
                          template: Array) -> DispatchResult:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -99,7 +100,8 @@ class Session:
         self._ready = threading.Event()
         self._groups: dict[str, Group] = {}
         self._stream_ops: dict[int, StreamOp] = {}  # armed stream-ordered calls (stream_ops.py)
-        self._busy = False  # a dispatch_async in flight
+        # The dispatch_async in flight: (its PendingDispatch, weakly; its call)
+        self._in_flight: tuple[Callable[[], object], PendingCall] | None = None
         self._memory: M.Memory | None = None
         self._counter_file: T.ShmFile | None = None
         self._channel: fdc.Channel | None = None  # the engine's descriptor channel

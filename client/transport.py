@@ -10,8 +10,9 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Iterator
-from typing import Protocol
+import weakref
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from google.protobuf.message import Message
@@ -22,6 +23,9 @@ from ..proto import ring as R
 from ..proto.errors import EpdError, ResourceExhausted, Unavailable, from_status_value
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import host_cpu
+
+if TYPE_CHECKING:
+    import numpy as np
 
 MAX_MESSAGE_BYTES = 64 << 20  # gRPC messages, both directions
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -138,19 +142,33 @@ class _RingCall:
         self.submitted = time.perf_counter()
         self._value: Message | EpdError | None = None
         self._done = False
+        self._taking = threading.Lock()  # result() and the ring's reclaim never both take it
 
     def done(self) -> bool:
         words, _, _ = self.t.ring.slot(self.slot)
         return self._done or int(words[R.S_STATE]) == R.DONE
 
     def result(self, timeout: float | None = None) -> Message:
-        if not self._done:
-            self._value = self.t._finish(self)
-            self._done = True
+        with self._taking:
+            if not self._done:
+                self._value = self.t._finish(self)
+                self._done = True
         if isinstance(self._value, EpdError):
             raise self._value
         assert self._value is not None
         return self._value
+
+    def abandon(self) -> None:
+        """Its answer may be taken by the ring when it needs the slot (its holder stopped
+        waiting for it; a later result() still returns it)."""
+        if not self._done:
+            self.t._orphans[self.slot] = (self.seq, weakref.ref(self))
+
+    def __del__(self) -> None:
+        # Dropped before its answer was taken (an exception in the caller, an abandoned async
+        # call): its slot goes back to the ring once answered, or the ring would stall there.
+        if not self._done:
+            self.t._orphans[self.slot] = (self.seq, None)
 
 
 class FastPathTransport(Transport):
@@ -171,6 +189,10 @@ class FastPathTransport(Transport):
         self.spin = spin.SpinWindow(spin_seconds, reply_spin_max_seconds)
         self._lock = threading.Lock()
         self._next = 1
+        # slot -> (sequence, the call or None) of a call dropped or abandoned unanswered
+        # (_RingCall.__del__ / abandon, any thread: a dict store, no lock); the slot is freed
+        # once the engine answered it (_reclaim)
+        self._orphans: dict[int, tuple[int, Callable[[], _RingCall | None] | None]] = {}
         self.broken: str | None = None
         # Set once the session's lease ended (the engine died or the session closed): every ring
         # call then fails with UNAVAILABLE, waiting ones within one wait slice.
@@ -201,7 +223,7 @@ class FastPathTransport(Transport):
             seq = self._next
             slot = (seq - 1) % self.ring.slots
             words, payload, _ = self.ring.slot(slot)
-            while int(words[R.S_STATE]) != R.FREE:
+            while int(words[R.S_STATE]) != R.FREE and not self._reclaim(slot, words):
                 # Every slot holds a call in flight: wait for the oldest to be consumed.
                 if self.lost is not None:
                     raise self._lost_error()
@@ -220,6 +242,25 @@ class FastPathTransport(Transport):
             if self.ring.header[R.ENGINE_WAITING]:
                 R.futex_wake(self.ring.doorbell_addr)
         return _RingCall(self, op, slot, seq, deadline)
+
+    def _reclaim(self, slot: int, words: np.ndarray) -> bool:
+        """(Under self._lock.) Free `slot` if it holds the answer of a call dropped or
+        abandoned unanswered; an abandoned call keeps its answer for a later result()."""
+        orphan = self._orphans.get(slot)
+        if orphan is None or int(words[R.S_STATE]) != R.DONE or R.seq_of(words) != orphan[0]:
+            return False
+        call = orphan[1]() if orphan[1] is not None else None
+        if call is None:
+            R.set_seq(words, 0)
+            words[R.S_STATE] = R.FREE
+        elif call._taking.acquire(blocking=False):  # (else its result() is taking it now)
+            try:
+                if not call._done:
+                    call._value, call._done = self._take(call), True
+            finally:
+                call._taking.release()
+        del self._orphans[slot]
+        return int(words[R.S_STATE]) == R.FREE
 
     def _finish(self, call: _RingCall) -> Message | EpdError:
         with host_cpu.waiting():

@@ -206,3 +206,35 @@ def test_a_buffers_timeout_bounds_its_normal_mode_calls(daemon) -> None:
         for b in bufs:
             with contextlib.suppress(EpdError):
                 b.destroy()
+
+
+def test_a_dropped_async_dispatch_does_not_stall_the_fast_path(daemon_factory) -> None:
+    """A PendingDispatch dropped unread (its counts() raised and the caller gave up) held its
+    fast-path slot forever: once the ring came round to it, every call of the session waited
+    its whole deadline and failed. Its answer is now taken when the slot is needed, and the
+    next dispatch_async goes ahead (after it, so the counts it reads are its own)."""
+    import gc
+
+    from epd.proto.v1 import epd_pb2
+
+    idx = np.array([[0, 1], [2, 3]], np.int64)
+    x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+    with (daemon_factory(engines=1, extra=["--fast-path-slots", "4"]) as d,
+          Session(d.socket(0)) as s):
+        assert s.transport == "fastpath"
+        g = s.join("dropped", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2)
+        pd = g.dispatch_async(x, idx, w)
+        pd.counts()
+        del pd
+        gc.collect()
+        for _ in range(6):  # round the 4-slot ring, past the dropped call's slot
+            s._transport.call("Ping", epd_pb2.PingRequest(), 1.0)
+        again = g.dispatch_async(x, idx, w)
+        assert again.counts()[0] == again.result().num_recv_tokens == 2  # (both tokens)
+        # any ring call dropped unanswered (an exception while it waited) gives its slot back
+        dropped = s._transport.call_async("Ping", epd_pb2.PingRequest(), 1.0)
+        del dropped
+        for _ in range(6):
+            s._transport.call("Ping", epd_pb2.PingRequest(), 1.0)
+        assert s.transport == "fastpath"
