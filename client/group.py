@@ -101,10 +101,13 @@ class PendingDispatch:
         return got
 
     def result(self) -> DispatchResult:
+        s = self._group._session
         try:
             resp = cast(epd_pb2.DispatchResponse, self._future.result())
         finally:
-            self._group._session._in_flight = None
+            if s._in_flight is not None:
+                s._in_flight = None
+                s.memory.release_staging()
         return self._group._dispatch_result(resp, self._copy, self._template)
 
     def __del__(self) -> None:
@@ -342,6 +345,7 @@ class Group:
             with contextlib.suppress(EpdError):
                 future.result()
             s._in_flight = None
+            s.memory.release_staging()
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
                                                   timeout, is_token_in_rank,
@@ -352,6 +356,7 @@ class Group:
         fut = s._transport.call_async("Dispatch", req, rpc_timeout)
         pending = PendingDispatch(self, fut, expected, copy, x)
         s._in_flight = (weakref.ref(pending), fut)
+        s.memory.hold_staging()  # (its inputs may be staged copies the engine reads later)
         return pending
 
     def _dispatch_result(self, resp: epd_pb2.DispatchResponse, copy: bool,

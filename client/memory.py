@@ -96,6 +96,13 @@ class Memory(abc.ABC):
     def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
         """An output as a NumPy array (`dtype`: the logical type, for bits CuPy carries)."""
 
+    def hold_staging(self) -> None:  # noqa: B027  (a no-op unless inputs are staged)
+        """A call whose inputs were just described is in flight past this one (an async
+        dispatch): later calls must not reuse the staged copies it has not read yet."""
+
+    def release_staging(self) -> None:  # noqa: B027
+        """That call is done: staging may be reused from its start."""
+
     def counter_page_device_ptr(self) -> int:
         """The counter page's address for this process's CUDA streams (stream-ordered calls)."""
         raise FailedPrecondition("stream-ordered calls need the cuda backend")
@@ -145,6 +152,7 @@ class ShmMemory(Memory):
         self._register_fd, self._unregister, self._fetch = register_fd, unregister, fetch
         self.staging = T.Staging()
         self.staged: dict[str, np.ndarray] = {}  # the last call's staged copies, by name
+        self._held = 0  # calls in flight whose staged inputs the engine may not have read
         self.user_regions: list[T.ShmFile] = []  # from empty()
 
     def _register_file(self, f: T.ShmFile) -> None:
@@ -195,7 +203,8 @@ class ShmMemory(Memory):
                                   wire, T.element_strides(arr))
             else:
                 staged[name] = np.ascontiguousarray(arr)
-        self.staging.reset()
+        if not self._held:  # (else after the copies of the call in flight: a bump, or a
+            self.staging.reset()  # new file, the old one unregistered after that call ran)
         total = sum(T.Staging.footprint(a) for a in staged.values())
         if staged and self.staging.need(total):
             self._grow_staging(total)
@@ -205,6 +214,12 @@ class ShmMemory(Memory):
                               dtypes.from_numpy(dst.dtype), T.element_strides(dst))
             self.staged[name] = dst
         return out
+
+    def hold_staging(self) -> None:
+        self._held += 1
+
+    def release_staging(self) -> None:
+        self._held = max(self._held - 1, 0)
 
     def write_back(self, name: str, user: Array) -> None:
         dst = self.staged.get(name)

@@ -176,7 +176,8 @@ class ShmFile:
 
 
 class Staging:
-    """A bump allocator over one registered file, reset at the start of every call."""
+    """A bump allocator over one registered file, reset at the start of every call but while
+    an async call's copies are held (ShmMemory.hold_staging)."""
 
     def __init__(self) -> None:
         self.file: ShmFile | None = None

@@ -238,3 +238,29 @@ def test_a_dropped_async_dispatch_does_not_stall_the_fast_path(daemon_factory) -
         for _ in range(6):
             s._transport.call("Ping", epd_pb2.PingRequest(), 1.0)
         assert s.transport == "fastpath"
+
+
+def test_staged_inputs_of_an_async_call_are_not_reused_while_it_is_in_flight(daemon) -> None:
+    """The cpu backend copies a call's host inputs into one staging file, reused from its start
+    by every call: an async dispatch's copies must survive the session's next calls until the
+    engine has run it (it reads them only once its peers have arrived)."""
+    with Session(daemon.socket(0), fast_path=False) as s:
+        m = s.memory
+        first, second = np.arange(64, dtype=np.float32), -np.arange(64, dtype=np.float32)
+        d1 = m.describe({"x": first})["x"]
+        m.hold_staging()  # (what dispatch_async does after its describe)
+        d2 = m.describe({"x": second})["x"]
+        assert d2.region_id != d1.region_id or d2.offset_bytes >= d1.offset_bytes + 256
+        if d2.region_id == d1.region_id:
+            assert (m.staging.file.view(d1.offset_bytes, (64,), np.float32) == first).all()
+        m.release_staging()  # (PendingDispatch.result())
+        assert m.describe({"x": second})["x"].offset_bytes == 0
+        # through the group: the pending dispatch holds the staging until its result is taken
+        g = s.join("staged", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2)
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+        pd = g.dispatch_async(x, idx, w)
+        assert m._held == 1
+        pd.result()
+        assert m._held == 0
