@@ -24,12 +24,16 @@ from typing import Any
 
 import numpy as np
 
-from ..proto import cuda_driver, dtypes
+from ..proto import cuda_driver, dtypes, spin
 from ..proto.errors import InvalidArgument
 from ..proto.v1 import epd_pb2
 from .frameworks import torch_if_loaded as _torch
 
 MAX_CACHED_VIEWS = 256  # output views kept per mapped heap (cleared when full)
+# A host wait for a plain low-latency call's event (Buffer.check, evicting an op): longer than
+# any call's deadline (the engine fails a late call through its done word, and a lost session
+# releases its streams), so only a stream held by the caller's own work reaches it.
+EVENT_WAIT_SECONDS = 900.0
 
 
 def _cupy():
@@ -373,9 +377,10 @@ class StreamEvent:
     def done(self) -> bool:
         return bool(self._event.done)
 
-    def wait(self) -> bool:
-        self._event.synchronize()
-        return True
+    def wait(self, timeout: float = EVENT_WAIT_SECONDS) -> bool:
+        """Whether the work before the event passed within `timeout` seconds (polled, not a
+        blocking synchronize: a stream held by the caller's own work must not hang us)."""
+        return spin.wait_until(self.done, timeout, nap=1e-4)
 
 
 class BufferKeys:

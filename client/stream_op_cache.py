@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from ..proto.errors import EpdError
+from ..proto.errors import DeadlineExceeded, EpdError
 from . import cuda_ipc
 from .stream_ops import StreamOp, done_error
 
@@ -163,8 +163,13 @@ class StreamOpCache:
     def _drop(self, e: Entry) -> None:
         for u in list(e.users):
             self._drop(u)
-        if e.event is not None:
-            e.event.wait()  # the op's last trigger has passed: nothing will fire it again
+        if e.event is not None and not e.event.wait():  # its last trigger has passed, so
+            # nothing will fire it again (disarmed under a pending trigger, the caller's stream
+            # would wait for a done word no one writes)
+            raise DeadlineExceeded(
+                f"stream op {e.op.op_id} cannot be evicted: its last trigger has not passed "
+                f"within {cuda_ipc.EVENT_WAIT_SECONDS:g} s (the stream it was enqueued on is "
+                f"held by work before it)")
         with contextlib.suppress(EpdError):  # the session may be gone already
             e.op.disarm()
         if e.source is not None and e in e.source.users:

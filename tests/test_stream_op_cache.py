@@ -183,3 +183,33 @@ def test_buffer_keys_are_computed_once_per_live_array(monkeypatch) -> None:
     assert keys(None) == ()
     b = FakeTensor(0x2000, (2, 8))  # another object at the same address: its own key
     assert keys(b)[1] != keys(a)[1]
+
+
+def test_an_op_whose_trigger_never_passes_is_not_evicted() -> None:
+    """Evicting an op waits for its last trigger's event (disarmed under a pending trigger, the
+    stream would wait for a done word no one writes); a wait that runs out raises
+    DEADLINE_EXCEEDED and leaves the op armed, instead of blocking forever."""
+    log: list = []
+    c = _cache(1)
+    a = c.arm(("a",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    c.triggered(a, 1)
+    a.event.complete = False
+    a.event.wait = lambda: False  # (StreamEvent.wait's deadline ran out)
+    with pytest.raises(EpdError) as ei:
+        c.arm(("b",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
+    assert log == [] and a.op.armed and c.get(("a",), pin=False) is a
+
+
+def test_a_stream_events_host_wait_has_a_deadline() -> None:
+    import time
+    import types
+
+    from epd.client import cuda_ipc
+
+    e = cuda_ipc.StreamEvent.__new__(cuda_ipc.StreamEvent)
+    e._event = types.SimpleNamespace(done=False)  # a stream that never gets there
+    t0 = time.monotonic()
+    assert e.wait(0.05) is False and time.monotonic() - t0 < 1.0
+    e._event.done = True
+    assert e.wait(0.05) is True
