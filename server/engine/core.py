@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import faulthandler
+import functools
 import hmac
 import logging
 import math
@@ -450,19 +451,33 @@ class Engine(StreamCalls, DataPlane):
             return  # the session's teardown has it
         text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
         if why == "left":  # a clean leave: let peers finish reading what this rank published
-            await asyncio.to_thread(member.comm.quiesce, time.monotonic() + QUIESCE_SECONDS)
+            try:
+                await asyncio.to_thread(member.comm.quiesce, time.monotonic() + QUIESCE_SECONDS)
+            except Exception:  # (its session's teardown closed the comm meanwhile)
+                log.debug("quiescing rank %d of %r failed", member.rank, member.spec.name,
+                          exc_info=True)
+        if session.teardown_done:  # the session's teardown, begun meanwhile, has the member
+            return
         self._abort(member, text, why)
         if any(o.member is member for o in session.stream_ops.values()):
             await asyncio.to_thread(self.stream_ops.release_member, session, member)
 
-        def close() -> None:
+        def close() -> bool:
+            if session.teardown_done:  # (it closes the comm and releases the rank itself)
+                return False
             # (an op armed for it after the pass above, by an arm that was running then)
             self.stream_ops.release_member(session, member, locked=True)
             session.members.pop(member.group_id, None)
-            member.comm.release_stream(session.counter_page.slot(member.counter_slot))
-            member.comm.close()
+            try:  # (a comm whose context broke: logged, and the rank is released anyway)
+                member.comm.release_stream(session.counter_page.slot(member.counter_slot))
+                member.comm.close()
+            except Exception:
+                log.exception("closing rank %d of group %r failed", member.rank,
+                              member.spec.name)
             session.free_slots.append(member.counter_slot)
-        await asyncio.to_thread(session.executor.exclusive, close)
+            return True
+        if await asyncio.to_thread(session.executor.exclusive, close) is False:
+            return
         session.members.pop(member.group_id, None)
         await self._release_rank(member, text, left=why == "left")
         self._refresh_gauges()
@@ -619,13 +634,21 @@ class Engine(StreamCalls, DataPlane):
     # -- stream-ordered calls -----------------------------------------------------------------
     async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest
                             ) -> epd_pb2.ArmStreamOpResponse:
-        if len(session.stream_ops) >= self.config.max_stream_ops_per_session:
-            raise ResourceExhausted(f"{session.describe()} has {len(session.stream_ops)} armed "
-                                    f"stream ops, the maximum (--max-stream-ops-per-session)")
-        return await session.executor.run(self.stream_ops.arm, session, req)
+        def arm(session: Session, req: epd_pb2.ArmStreamOpRequest
+                ) -> epd_pb2.ArmStreamOpResponse:
+            # (counted under the operation lock: arms of one session at once see each other)
+            if len(session.stream_ops) >= self.config.max_stream_ops_per_session:
+                raise ResourceExhausted(
+                    f"{session.describe()} has {len(session.stream_ops)} armed stream ops, "
+                    f"the maximum (--max-stream-ops-per-session)")
+            return self.stream_ops.arm(session, req)
+        return await session.executor.run(arm, session, req)
 
     async def disarm_stream_op(self, session: Session, op_id: int) -> None:
-        await asyncio.to_thread(self.stream_ops.disarm, session, op_id)
+        # In the session's order, under its operation lock: an arm of a combine that reads
+        # this dispatch cannot slip between disarm's check and its removal.
+        await session.executor.run(functools.partial(self.stream_ops.disarm, locked=True),
+                                   session, op_id)
 
     def stats(self, session: Session | None) -> epd_pb2.GetStatsResponse:
         """Counters of one session's memberships; without a session, engine-wide counts only

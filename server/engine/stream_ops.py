@@ -272,14 +272,15 @@ class StreamOps:
                  op.op_id, slot, ring.slot)
         return resp
 
-    def disarm(self, session: Session, op_id: int) -> None:
+    def disarm(self, session: Session, op_id: int, *, locked: bool = False) -> None:
+        """`locked`: the caller holds the session's operation lock (the executor runs it)."""
         op = session.stream_ops.get(op_id)
         if op is None:
             raise NotFound(f"stream op {op_id} is not armed by {session.describe()}")
         if any(o.dispatch_op is op for o in session.stream_ops.values()):
             raise FailedPrecondition(f"stream op {op_id} still has an armed combine; disarm "
                                      f"that first")
-        self._remove(op)
+        self._remove(op, locked=locked)
 
     def release_session(self, session: Session, *, locked: bool = False) -> None:
         """The session is closing: release any stream waiting on its ops, free the slots.
