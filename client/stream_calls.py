@@ -192,6 +192,7 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
                                           f"dispatch #{resp.counter_sequence}")
     if got is None or int(group._counter[counter_page.STATUS]):
         slot.end(stream, seq)  # the stream passes the call either way
+        group._requeue([resp.handle])  # (the engine's handle of a call that failed)
         if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
             slot.settle(seq, max(req.timeout_seconds, 1.0))
         slot.check()
