@@ -25,6 +25,8 @@ import socket
 import struct
 import threading
 
+from google.protobuf.message import DecodeError
+
 from .errors import (
     DeadlineExceeded,
     EpdError,
@@ -41,6 +43,7 @@ F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
 F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
 F_SEAL_WRITE = getattr(fcntl, "F_SEAL_WRITE", 0x0008)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 MFD_CLOEXEC = getattr(os, "MFD_CLOEXEC", 0x0001)
 MFD_ALLOW_SEALING = getattr(os, "MFD_ALLOW_SEALING", 0x0002)
 REQUEST_SECONDS = 60.0  # a client's longest wait for one answer on the descriptor channel
@@ -96,6 +99,10 @@ def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "mem
     if st.st_size < size:
         raise InvalidArgument(f"{what}: the memfd has {st.st_size} bytes, fewer than the "
                               f"{size} declared")
+    if have & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE) or fcntl.fcntl(fd, fcntl.F_GETFL) & \
+            os.O_ACCMODE != os.O_RDWR:
+        raise InvalidArgument(f"{what}: the memfd is not writable (sealed against writes, or "
+                              f"opened read-only): the engine maps regions read-write")
 
 
 def close_mapping(mm: mmap.mmap) -> bool:
@@ -148,11 +155,18 @@ def recv(sock: socket.socket, msg_type):
     fd = fds[0] if fds else None
     for extra in fds[1:]:
         os.close(extra)
-    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise InvalidArgument("descriptor channel: packet or control data truncated")
+        try:
+            return msg_type.FromString(data), fd
+        except DecodeError:
+            raise InvalidArgument(f"descriptor channel: not a {msg_type.__name__} "
+                                  f"({len(data)} bytes)") from None
+    except BaseException:  # (the descriptor of a refused packet is nobody's: never kept)
         if fd is not None:
             os.close(fd)
-        raise InvalidArgument("descriptor channel: packet or control data truncated")
-    return msg_type.FromString(data), fd
+        raise
 
 
 class Channel:

@@ -81,6 +81,9 @@ class Coordinator:
         if g is None or g.aborted is not None:
             g = self._new_instance(spec, req.spec)
         elif g.spec != spec:
+            # (only a session the group would admit may fail it: another tenant's join of the
+            # same name with another spec is refused and changes nothing)
+            self._may_join(g, req)
             err = FailedPrecondition(f"group {spec.name!r} exists with a different spec: "
                                      f"{_spec_text(g.spec)}; rank {req.rank} asked for "
                                      f"{_spec_text(spec)}")
@@ -119,10 +122,16 @@ class Coordinator:
                 g.members.pop(req.rank, None)
                 g.nodes.pop(req.rank, None)
                 self._drop_if_empty(g)
+            elif g.group_id in self.by_id:  # formed, but its engine never learns the group's
+                # id to release the rank: released here (the peers' attach barrier fails)
+                self.release(g.group_id, req.rank, f"rank {req.rank} went away while the "
+                                                   f"group formed")
             raise
-        if g.failure is not None:
-            raise EpdError(g.failure.code, g.failure.message)
-        if g.aborted is not None:
+        if g.failure is not None or g.aborted is not None:
+            if g.group_id in self.by_id:  # (formed, then aborted: this rank, told so, is done
+                self.release(g.group_id, req.rank, "")  # with it; its engine never attached)
+            if g.failure is not None:
+                raise EpdError(g.failure.code, g.failure.message)
             raise FailedPrecondition(f"group {spec.name!r} was aborted while forming: "
                                      f"{g.aborted}")
         return self._placement(g)
@@ -164,11 +173,17 @@ class Coordinator:
         """The group's admission policy: the first member sets its owner uid; later members
         must have it, or a uid / primary gid the configuration admits (PERMISSION_DENIED naming
         the policy otherwise)."""
+        self._may_join(g, req)
+        if g.owner_uid is None or not g.members:
+            g.owner_uid = req.peer_uid
+
+    def _may_join(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
+        """`_admit`'s check alone (nothing changes): PERMISSION_DENIED unless the policy admits
+        the joining session to `g`."""
         if not req.has_peer:
             raise PermissionDenied(f"group {g.spec.name!r}: the joining session's credentials "
                                    f"are unknown (its descriptor channel is not connected)")
         if g.owner_uid is None or not g.members:
-            g.owner_uid = req.peer_uid
             return
         if (req.peer_uid == g.owner_uid or req.peer_uid in self.allow_uids
                 or req.peer_gid in self.allow_gids):
@@ -269,6 +284,9 @@ class Coordinator:
             for r in ranks:
                 g.members.pop(r, None)
                 g.nodes.pop(r, None)
+            # (aborted above: the ranks waiting for it to form fail now, naming why, instead
+            # of at their deadline naming the lost rank as one that "did not join")
+            g.formed.set()
         if len(g.released) >= len(g.members):
             self._remove(g)
 

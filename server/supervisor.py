@@ -73,7 +73,8 @@ class EngineProc:
 
     def backoff(self, base: float, longest: float) -> float:
         """Delay before the next start: `base`, doubled for each failed start in a row."""
-        return min(base * 2 ** max(self.failed_starts - 1, 0), max(longest, base))
+        doublings = min(max(self.failed_starts - 1, 0), 62)  # (2**1024 overflows a float)
+        return min(base * 2 ** doublings, max(longest, base))
 
 
 class NodeService(epd_pb2_grpc.NodeServicer):
@@ -322,34 +323,48 @@ class Supervisor:
             return False
 
     async def _monitor(self) -> None:
-        from . import metrics
         while not self.stopping:
             for e in self.engines:
                 if e.proc is None:
                     continue
-                code = e.proc.poll()
-                if code is not None and not self.stopping and self.world_mode:
-                    # Its world is lost for every node: stop the others, report generation 0,
-                    # and start again in the next world node 0 forms.
-                    if self.world_generation:
-                        self._note_exit(e, code)
-                        self.leave_world(f"engine {e.index} (pid {e.proc.pid}) exited with "
-                                         f"code {code}: {e.last_failure}")
-                    continue
-                if code is not None and not self.stopping:
-                    # Restarts wait without blocking this loop (the other engines are still
-                    # watched); a failing start waits longer each time (EngineProc.backoff).
-                    if e.restart_at is None:
-                        self._exited(e, code)
-                    elif time.monotonic() >= e.restart_at:
-                        self._restart(e)
-                elif not e.ready and await self._probe(e):
-                    e.ready = True
-                    e.failed_starts = 0
-                    metrics.ENGINE_UP.labels(str(e.index)).set(1)
-                    metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(0)
-                    log.info("engine %d ready on %s", e.index, e.socket_path)
+                try:
+                    await self._watch(e)
+                except Exception as err:  # (a failed spawn: EAGAIN, ENOMEM; a bug): logged,
+                    # the others still watched, this one tried again after its backoff
+                    e.failed_starts += 1
+                    e.last_failure = f"{type(err).__name__}: {err}"
+                    delay = e.backoff(self.cfg.restart_backoff_seconds,
+                                      self.cfg.restart_backoff_max_seconds)
+                    e.restart_at = time.monotonic() + delay
+                    log.exception("supervising engine %d failed; trying again in %.1f s",
+                                  e.index, delay)
             await asyncio.sleep(0.1)
+
+    async def _watch(self, e: EngineProc) -> None:
+        """One look of the monitor at one engine: its exit, its restart, its readiness."""
+        from . import metrics
+        code = e.proc.poll()
+        if code is not None and not self.stopping and self.world_mode:
+            # Its world is lost for every node: stop the others, report generation 0,
+            # and start again in the next world node 0 forms.
+            if self.world_generation:
+                self._note_exit(e, code)
+                self.leave_world(f"engine {e.index} (pid {e.proc.pid}) exited with "
+                                 f"code {code}: {e.last_failure}")
+            return
+        if code is not None and not self.stopping:
+            # Restarts wait without blocking this loop (the other engines are still
+            # watched); a failing start waits longer each time (EngineProc.backoff).
+            if e.restart_at is None:
+                self._exited(e, code)
+            elif time.monotonic() >= e.restart_at:
+                self._restart(e)
+        elif not e.ready and await self._probe(e):
+            e.ready = True
+            e.failed_starts = 0
+            metrics.ENGINE_UP.labels(str(e.index)).set(1)
+            metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(0)
+            log.info("engine %d ready on %s", e.index, e.socket_path)
 
     def _engine_gone(self, x: EngineProc) -> None:
         """An engine is down (exited, or killed with its world): stop it if it still runs,

@@ -462,3 +462,82 @@ def test_stage_peers_name_each_stage_rank_where_it_is() -> None:
     assert remote == {0: (heap + off + slot, 1)}  # node 0's engine 1 is PE 1
     bases, remote = place.peers([2, 3], off, slot)
     assert bases == [(7 << 40) + off + 2 * slot, (9 << 40) + off + 3 * slot] and not remote
+
+
+def _request(spec: epd_pb2.GroupSpec, rank: int, *, engine: int = 0, uid: int | None = None,
+             timeout: float = 20.0) -> epd_pb2.RendezvousRequest:
+    return epd_pb2.RendezvousRequest(
+        spec=spec, rank=rank, engine_index=engine, session_id=f"s{rank}",
+        timeout_seconds=timeout, peer_uid=os.getuid() if uid is None else uid,
+        peer_gid=os.getgid(), has_peer=True)
+
+
+def test_an_engine_lost_while_its_group_forms_fails_the_waiting_ranks_at_once(tmp_path) -> None:
+    """Ranks 0 (engine 0) and 1 (engine 1) wait for rank 2; engine 0 exits: rank 1 learns it
+    now, naming the engine, instead of at its 20 s deadline naming rank 0 as one that "did not
+    join"; the name forms afresh after."""
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
+    spec = _proto(4, 2, name="forming")  # (ranks 0 and 1 wait; 2 and 3 come later)
+
+    async def run():
+        waiting = [asyncio.ensure_future(coord.rendezvous(_request(spec, r, engine=r)))
+                   for r in range(2)]
+        await asyncio.sleep(0.1)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        coord.engine_lost(0)
+        got = await asyncio.gather(*waiting, return_exceptions=True)
+        return got, loop.time() - t0
+    got, took = asyncio.run(run())
+    assert took < 2.0
+    for r in got:
+        assert isinstance(r, EpdError) and r.code == grpc.StatusCode.FAILED_PRECONDITION, r
+        assert "aborted while forming" in r.message and "engine 0" in r.message
+    results, _ = asyncio.run(_all_ranks(coord, spec))
+    assert all(isinstance(r, epd_pb2.RendezvousResponse) for r in results), results
+
+
+def test_another_tenants_join_cannot_fail_a_forming_group(tmp_path) -> None:
+    """A join of another uid that names a forming group with another spec is refused
+    (PERMISSION_DENIED) and changes nothing: the owner's group still forms."""
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
+    spec = _proto(2, 2, name="train")
+    other = _proto(2, 2, name="train", hidden=2048)
+
+    async def run():
+        rank0 = asyncio.ensure_future(coord.rendezvous(_request(spec, 0)))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EpdError) as ei:
+            await coord.rendezvous(_request(other, 1, uid=os.getuid() + 4242))
+        assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED, ei.value
+        rank1 = await coord.rendezvous(_request(spec, 1))
+        return await rank0, rank1
+    r0, r1 = asyncio.run(run())
+    assert r0.group_id == r1.group_id and r0.plan
+
+
+def test_a_rank_cancelled_once_its_group_formed_is_released(tmp_path) -> None:
+    """The last rank's arrival forms the group; a rank whose join is cancelled then (its client
+    went away before its engine learned the group's id) is released by the coordinator, which
+    aborts the group: the other rank learns it at once, and the group and its plan go (nothing
+    else would free them)."""
+    waiting: list[asyncio.Task] = []
+
+    class _CancelsRank0(cpu_plan.CpuPlanner):  # (its client goes as the group forms)
+        def plan_group(self, group_id, spec, rank_nodes=()) -> bytes:
+            waiting[0].cancel()
+            return super().plan_group(group_id, spec, rank_nodes)
+    coord = Coordinator(_CancelsRank0(str(tmp_path)))
+    spec = _proto(2, 2, name="cancelled")
+
+    async def run():
+        waiting.append(asyncio.ensure_future(coord.rendezvous(_request(spec, 0))))
+        await asyncio.sleep(0.05)
+        with pytest.raises(EpdError) as ei:
+            await coord.rendezvous(_request(spec, 1))  # forms it
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION, ei.value
+        assert "rank 0 went away" in ei.value.message
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+    asyncio.run(run())
+    assert not coord.by_id and not coord.by_name

@@ -50,6 +50,8 @@ def test_backoff_doubles_up_to_its_cap() -> None:
     assert delays == [0.5, 0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
     e.failed_starts = 3
     assert e.backoff(2.0, 0.0) == 2.0  # a cap below the base is the base
+    e.failed_starts = 5000  # (a daemon whose engine never starts, for days: no overflow)
+    assert e.backoff(1.0, 60.0) == 60.0
 
 
 def test_engine_that_cannot_start_is_reported_then_recovers(tmp_path, monkeypatch) -> None:

@@ -239,3 +239,28 @@ def test_the_descriptor_channel_waits_a_bounded_time_for_an_answer(tmp_path) -> 
         t.join(5)
         for s in (*accepted, server):
             s.close()
+
+
+def test_a_malformed_packet_with_a_descriptor_leaks_nothing(daemon) -> None:
+    """Anyone who can connect to an engine's descriptor channel (before any session token):
+    a packet that is not an FdRequest, with a memfd attached, is answered INVALID_ARGUMENT and
+    its descriptor closed (each one was kept open by the engine, with the memory behind it)."""
+    import socket
+
+    pid = daemon.engine_pid(0)
+
+    def open_fds() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(fdc.socket_path_for(daemon.socket(0)))
+        before = open_fds()
+        for _ in range(20):
+            mfd = os.memfd_create("epd-test-junk", os.MFD_CLOEXEC)
+            try:
+                socket.send_fds(s, [b"\xff\xff\xff"], [mfd])
+            finally:
+                os.close(mfd)
+            resp, fd = fdc.recv(s, epd_pb2.FdResponse)
+            assert fd is None and resp.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp
+        assert open_fds() <= before + 2  # (not one per packet)

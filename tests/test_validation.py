@@ -7,8 +7,10 @@ engine 1), driven from threads; malformed requests are crafted as raw protobuf m
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import gc
 import itertools
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +23,7 @@ from epd.client import Session
 from epd.client.group import Handle
 from epd.client.tensors import ShmFile
 from epd.proto import dtypes
+from epd.proto import fd_channel as fdc
 from epd.proto.errors import EpdError
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
@@ -308,6 +311,16 @@ RAW_BAD = {
     "strides rank": (lambda p, r: {"x": {"strides": [1]}}, INVALID, "1 strides for 2"),
     "negative dimension": (lambda p, r: {"x": {"shape": [-1, H]}}, INVALID,
                            "negative dimension"),
+    # in bounds, but more than NumPy can index (were INTERNAL, with a traceback each)
+    "empty, 2**63 rows": (lambda p, r: {"x": {"shape": [2**63 - 1, 0], "strides": []}},
+                          INVALID, "cannot be viewed"),
+    "stride past the limit": (lambda p, r: {"x": {"shape": [1, H], "strides": [2**62, 1]}},
+                              INVALID, "cannot be viewed"),
+    # a broadcast view: 2**38 rows in a few bytes, which the value checks would walk for hours
+    "broadcast rows": (lambda p, r: {"x": {"shape": [2**38, H], "strides": [0, 1]},
+                                     "topk_idx": {"shape": [2**38, K], "strides": [0, 1]},
+                                     "topk_weights": {"shape": [2**38, K], "strides": [0, 1]}},
+                       INVALID, "zero strides"),
     "unknown dtype": (lambda p, r: {"topk_weights": {"dtype": 99}}, INVALID,
                       "topk_weights: unknown dtype"),
     "fp8 routing weights": (lambda p, r: {"topk_weights": {"dtype": epd_pb2.FLOAT8_E4M3}},
@@ -378,6 +391,28 @@ def test_bad_region_registration(pair):
         assert ei.value.code == INVALID and "fewer than the" in ei.value.details
     finally:
         small.close()
+    # sealed against writes, or opened read-only: the engine maps regions read-write (was
+    # INTERNAL from the mapping's EPERM / EACCES)
+    sealed = os.memfd_create("epd-test-sealed", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(sealed, 4096)
+        fcntl.fcntl(sealed, fdc.F_ADD_SEALS, fdc.F_SEAL_SHRINK | fdc.F_SEAL_WRITE)
+        with pytest.raises(EpdError) as ei:
+            s._channel.register(sealed, 4096)
+        assert ei.value.code == INVALID and "not writable" in ei.value.details, ei.value
+    finally:
+        os.close(sealed)
+    read_only = ShmFile.create(4096)
+    try:
+        fd = os.open(f"/proc/self/fd/{read_only.fd}", os.O_RDONLY)
+        try:
+            with pytest.raises(EpdError) as ei:
+                s._channel.register(fd, 4096)
+            assert ei.value.code == INVALID and "not writable" in ei.value.details, ei.value
+        finally:
+            os.close(fd)
+    finally:
+        read_only.close()
     valid_round(pair)
 
 

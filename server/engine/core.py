@@ -11,6 +11,7 @@ engine's `EngineState` (refused once it drains, counted in flight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import faulthandler
 import functools
@@ -565,10 +566,11 @@ class Engine(StreamCalls, DataPlane):
         membership = Membership.from_rendezvous(req.rank, resp)
         try:
             comm = await session.executor.run(self.backend.attach, spec, membership)
-        except Exception as e:
-            await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
-                group_id=resp.group_id, rank=req.rank, reason=f"attach failed: {e}"),
-                timeout=NODE_RPC_SECONDS)
+        except BaseException as e:  # (cancelled too: the client went away during the attach)
+            with contextlib.suppress(Exception):
+                await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
+                    group_id=resp.group_id, rank=req.rank,
+                    reason=f"attach failed: {e!r}"), timeout=NODE_RPC_SECONDS)
             raise
         return comm, spec, spec_proto, membership, timeout
 

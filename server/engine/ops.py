@@ -218,12 +218,12 @@ class DataPlane:
                             req.num_worst_tokens,
                             cached.backend_handle if cached is not None else None,
                             in_rank, per_expert)
-        self._release(member, req.release_handles)
-        self._check_handle_budget(session)
-        if req.stream_ordered:
+        if req.stream_ordered:  # (it releases req.release_handles once it checked the call)
             return self.dispatch_stream(session, member, req, args, cached, timeout, path)
         if req.num_sms:
             raise InvalidArgument("num_sms is for stream-ordered calls")
+        self._release(member, req.release_handles)  # (the call is checked: a refused one
+        self._check_handle_budget(session)  # frees nothing)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
@@ -521,9 +521,9 @@ class DataPlane:
         self._queued(session, member)
         spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
             args.num_max_dispatch_tokens_per_rank
-        self._release(member, req.release_handles)
-        self._check_handle_budget(session)
         timeout = self._timeout(req.timeout_seconds)
+        self._release(member, req.release_handles)  # (checked, but for the ids' values)
+        self._check_handle_budget(session)
 
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)

@@ -46,6 +46,10 @@ SEQ_MASK = 0xFFFFFFFF  # stream sequences are the 32-bit words the stream operat
 
 
 def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
+    """Whether a (resolved: checked) descriptor is dense row-major; no strides say so, as
+    tensors.resolve reads them, and so does an empty tensor's (they carry no meaning)."""
+    if not desc.strides or not all(desc.shape):
+        return True
     acc = 1
     for n, s in zip(reversed(desc.shape), reversed(desc.strides), strict=True):
         if n > 1 and s != acc:
@@ -56,7 +60,7 @@ def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
 
 class StreamCalls:
     """Mixed into Engine (with ops.DataPlane): needs `config`, `backend`, `_timeout()`,
-    `_store_handle()` and `_count_traffic()`."""
+    `_store_handle()`, `_count_traffic()`, `_release()` and `_check_handle_budget()`."""
 
     def _next_stream_seq(self, member: GroupMember) -> int:
         member.stream_seq = (member.stream_seq % SEQ_MASK) + 1
@@ -257,8 +261,10 @@ class StreamCalls:
         spec = member.spec
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
-        self._resolve_all(session, member)  # the slot is about to take this call's counts
         num_sms = self._num_sms(member, req.num_sms)
+        self._release(member, req.release_handles)  # (checked: a refused call frees nothing)
+        self._check_handle_budget(session)
+        self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         seq = self._next_stream_seq(member)

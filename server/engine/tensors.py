@@ -61,6 +61,11 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
             raise InvalidArgument(f"{what}: {len(strides)} strides for {ndim} dimensions")
         if any(s < 0 for s in strides):
             raise InvalidArgument(f"{what}: negative strides {list(strides)} are not supported")
+        if any(s == 0 and d > 1 for s, d in zip(strides, shape, strict=True)):
+            # (a broadcast view: a few bytes of a region standing for any number of rows,
+            # which the checks that read values would then walk)
+            raise InvalidArgument(f"{what}: zero strides {list(strides)} (a broadcast view) "
+                                  f"are not supported; pass a dense tensor")
     else:
         strides = dtypes.contiguous_strides(shape)
     # The innermost dimension must be dense: kernels copy whole rows.
@@ -80,7 +85,12 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
     if end > region.size:
         raise InvalidArgument(f"{what}: bytes [{offset}, {end}) fall outside region "
                               f"{desc.region_id!r} of {region.size} bytes")
-    return region.view(offset, shape, np_dtype, strides)
+    try:
+        return region.view(offset, shape, np_dtype, strides)
+    except (ValueError, OverflowError) as e:  # (sizes NumPy cannot index, though in bounds:
+        # an empty tensor of 2**63 rows, a stride past the dimension limit)
+        raise InvalidArgument(f"{what}: shape {list(shape)} with strides {list(strides)} "
+                              f"cannot be viewed ({e})") from None
 
 
 MAX_RESOLVED = 512  # cached views per region (cleared when full)
