@@ -484,3 +484,20 @@ def test_joins_at_once_keep_a_session_within_its_group_limit(daemon_factory):
         next(iter(s._groups.values())).leave()
         assert join("after-leave") == "ok"
         assert join("one-too-many") == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+
+def test_a_groups_engine_outputs_count_against_the_sessions_bytes(daemon_factory):
+    """The cpu backend allocates each membership's outputs in engine memory, sized from the
+    spec the client sends: they count against --max-region-bytes-per-session, so one client
+    cannot make the engine allocate (and zero-fill) any amount of host memory."""
+    with (daemon_factory(engines=1, extra=["--max-region-bytes-per-session", str(8 << 20)])
+          as d, Session(d.socket(0), fast_path=False) as s):
+        with pytest.raises(EpdError) as ei:
+            s.join("huge", rank=0, num_ranks=1, num_experts=8, hidden=8192,
+                   max_tokens_per_rank=65536, num_topk=2, dtype="float32",
+                   low_latency_mode=True, timeout=10)
+        assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+        assert "--max-region-bytes-per-session" in ei.value.message
+        s.join("small", rank=0, num_ranks=1, num_experts=4, hidden=64,
+               max_tokens_per_rank=8, num_topk=2, timeout=10)  # (within the budget)

@@ -599,6 +599,11 @@ class Backend(abc.ABC):
         """Raise InvalidArgument naming the backend limit the spec exceeds."""
         self.planner.validate_spec(spec)
 
+    def output_bytes(self, spec: GroupSpec) -> int:
+        """Engine memory a membership of `spec` allocates for its outputs (a session's budget
+        counts it); 0 where outputs come from a fixed reserve (cuda: the symmetric heap)."""
+        return 0
+
     @abc.abstractmethod
     def device_info(self) -> dict[str, Any]:
         """name, uuid, ordinal of the device this engine drives."""

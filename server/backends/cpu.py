@@ -871,6 +871,9 @@ class CpuBackend(Backend):
     def attach(self, spec: GroupSpec, membership: Membership) -> RankComm:
         return CpuRankComm(spec, membership)
 
+    def output_bytes(self, spec: GroupSpec) -> int:
+        return OutputArena.bytes_for(spec)  # (a memfd of this process per membership)
+
 
 def as_array(a: Array) -> np.ndarray:
     return np.asarray(a)

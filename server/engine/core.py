@@ -233,12 +233,34 @@ class Engine(StreamCalls, DataPlane):
                                     f"the maximum (--max-regions-per-session)")
         if size <= 0:
             raise InvalidArgument("size_bytes must be positive")
-        held = sum(r.size for r in session.regions.values() if not r.borrowed)
+        held = self._held_bytes(session)
         limit = self.config.max_region_bytes_per_session
         if held + size > limit:
-            raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions; "
-                                    f"{size} more exceed the maximum of {limit} "
+            raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions and "
+                                    f"group outputs; {size} more exceed the maximum of {limit} "
                                     f"(--max-region-bytes-per-session)")
+
+    def _held_bytes(self, session: Session) -> int:
+        """The session's registered regions and the engine memory its memberships' outputs
+        take (those joined and those joining)."""
+        return (sum(r.size for r in session.regions.values() if not r.borrowed)
+                + sum(self.backend.output_bytes(m.spec) for m in session.members.values())
+                + sum(self.backend.output_bytes(s) for s in session.joining.values()))
+
+    def _check_output_budget(self, session: Session, spec: GroupSpec) -> None:
+        """A membership's engine-allocated outputs count against the session's region bytes
+        (the cpu backend sizes them from the spec: one client could otherwise make the engine
+        allocate and fill any amount of host memory)."""
+        need = self.backend.output_bytes(spec)
+        if not need:
+            return
+        held = self._held_bytes(session)
+        limit = self.config.max_region_bytes_per_session
+        if held + need > limit:
+            raise ResourceExhausted(
+                f"group {spec.name!r}: its outputs take {need} bytes of engine memory and "
+                f"{session.describe()} holds {held} bytes of regions and outputs; together "
+                f"they exceed the maximum of {limit} (--max-region-bytes-per-session)")
 
     def register_memfd(self, session: Session, fd: int, size: int) -> Region:
         """A client memfd as a region: checked (sealed against shrinking, large enough),
@@ -514,14 +536,15 @@ class Engine(StreamCalls, DataPlane):
         if held >= self.config.max_groups_per_session:
             raise ResourceExhausted(f"{session.describe()} holds {held} groups, the maximum "
                                     f"(--max-groups-per-session)")
+        self._check_output_budget(session, spec)
         # The name and the counter slot are the join's from here, across its awaits: two
         # joins of one session at once must not both pass the checks above.
-        session.joining.add(spec.name)
+        session.joining[spec.name] = spec
         slot = session.free_slots.pop(0)
         try:
             return await self._join(session, req, spec, slot)
         finally:
-            session.joining.discard(spec.name)
+            session.joining.pop(spec.name, None)
 
     async def _join(self, session: Session, req: epd_pb2.JoinGroupRequest, spec: GroupSpec,
                     slot: int) -> GroupMember:

@@ -149,7 +149,7 @@ class Session:
     regions: dict[str, Region] = field(default_factory=dict)
     members: dict[str, GroupMember] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=lambda: list(range(counter_page.NUM_SLOTS)))
-    joining: set[str] = field(default_factory=set)  # groups whose JoinGroup is under way
+    joining: dict[str, GroupSpec] = field(default_factory=dict)  # JoinGroups under way
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     teardown_done: bool = False
     events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
