@@ -54,7 +54,8 @@ class Config:
         "help": "registered regions per session (each holds a mapping; RESOURCE_EXHAUSTED "
                 "beyond it)"})
     max_region_bytes_per_session: int = field(default=64 << 30, metadata={
-        "help": "bytes of registered regions per session"})
+        "help": "bytes of registered regions per session, with the engine memory its groups' "
+                "outputs take (cpu backend)"})
     max_groups_per_session: int = field(default=64, metadata={
         "help": "group memberships per session (also bounded by the counter page's slots)"})
     max_stream_ops_per_session: int = field(default=256, metadata={
