@@ -73,6 +73,10 @@ class Config:
                 "that fails before the engine is ready)"})
     restart_backoff_max_seconds: float = field(default=60.0, metadata={
         "help": "longest delay between restarts of an engine that keeps failing to start"})
+    engine_start_timeout_seconds: float = field(default=900.0, metadata={
+        "help": "an engine not serving this long after its start is killed and counts as a "
+                "failed start (restarted after its backoff): one stuck in its device's set-up "
+                "would otherwise stay 'not ready' for good; 0: no limit"})
     drain_seconds: float = field(default=15.0, metadata={
         "help": "on SIGTERM, how long running collectives may take to finish"})
     log_level: str = field(default="info", metadata={

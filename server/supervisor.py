@@ -365,6 +365,17 @@ class Supervisor:
             metrics.ENGINE_UP.labels(str(e.index)).set(1)
             metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(0)
             log.info("engine %d ready on %s", e.index, e.socket_path)
+        elif (not e.ready and code is None and self.cfg.engine_start_timeout_seconds > 0
+              and time.monotonic() - e.started_at > self.cfg.engine_start_timeout_seconds):
+            # Stuck in its set-up: killed; the next look sees the exit, counted as a failed
+            # start with this reason (the failure file the engine did not get to write).
+            why = (f"not serving {self.cfg.engine_start_timeout_seconds:g} s after its start "
+                   f"(--engine-start-timeout-seconds): killed")
+            log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
+            with (contextlib.suppress(OSError),
+                  open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
+                f.write(why)
+            e.proc.kill()
 
     def _engine_gone(self, x: EngineProc) -> None:
         """An engine is down (exited, or killed with its world): stop it if it still runs,

@@ -114,3 +114,44 @@ def test_a_daemon_that_does_not_start_leaves_nothing() -> None:
     with pytest.raises(RuntimeError, match="daemon exited with 2"), d:
         pass
     assert not os.path.exists(d.dir)
+
+
+HANGING = '''
+import os, time
+flag = os.environ.get("EPD_TEST_BACKEND_HANGS_WHILE")
+if os.environ.get("EPD_SUPERVISOR_PID") and flag and os.path.exists(flag):
+    import epd.server.backends as backends
+
+    def make_backend(cfg, index, device=None):
+        while True:  # (stuck in its device's set-up; SIGTERM is not handled yet)
+            time.sleep(1)
+
+    backends.make_backend = make_backend
+'''
+
+
+def test_an_engine_stuck_at_start_is_killed_and_counted(tmp_path, monkeypatch) -> None:
+    """An engine that never comes up and never exits (stuck opening its device) was 'not
+    ready' for good with no reason: after --engine-start-timeout-seconds it is killed, the
+    failed start is reported with that reason, and a later start serves."""
+    (tmp_path / "sitecustomize.py").write_text(HANGING)
+    flag = tmp_path / "hangs"
+    flag.write_text("")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("EPD_TEST_BACKEND_HANGS_WHILE", str(flag))
+    d = TestDaemon(engines=1, extra=["--engine-start-timeout-seconds", "2",
+                                     "--restart-backoff-seconds", "0.1"])
+    try:
+        def reported() -> bool:
+            try:
+                e = _topology(d).engines[0]
+            except grpc.RpcError:
+                return False
+            return e.failed_starts >= 1 and "engine-start-timeout-seconds" in e.last_failure
+        wait_until(reported, 60, "a start killed for its deadline, reported")
+        flag.unlink()
+        d.wait_ready(60, give_up_after_failed_starts=0)
+        assert _topology(d).engines[0].ready
+    finally:
+        d.stop_and_check()
