@@ -119,6 +119,7 @@ class Mps:
         """Decide the mode and start a private server if needed; MpsError when `--mps on`
         cannot be honoured (auto falls back to off with a log line)."""
         flag = f"--mps {self.requested}"
+        self._reap_stale()
         if self.requested == "off":
             log.info("MPS off (--mps off): the engines run with the environment as given")
             return
@@ -167,16 +168,24 @@ class Mps:
         return res.returncode == 0
 
     # -- private server ----------------------------------------------------------------------
-    def _start_private(self) -> None:
+    def _reap_stale(self) -> None:
+        """A private server an earlier daemon on this socket folder left (it died without
+        stopping it; this daemon holds the folder's lock, so it is no one else's) is quit and
+        its folder removed, whatever mode this daemon runs in."""
         pipe, logs = os.path.join(self.root, "pipe"), os.path.join(self.root, "log")
-        env = {PIPE_ENV: pipe, LOG_ENV: logs}
-        # A server left by an earlier daemon on this socket folder that died without stopping
-        # it (this daemon holds the folder's lock, so it is no one else's).
         stale = control_pid(pipe)
         if stale is not None:
             log.warning("MPS: quitting the private control daemon (pid %d) an earlier daemon "
                         "left in %s", stale, pipe)
-            self._quit(stale, env)
+            if self._binary is None:
+                self._binary = shutil.which(CONTROL_BINARY, path=self.environ.get("PATH"))
+            self._quit(stale, {PIPE_ENV: pipe, LOG_ENV: logs})
+        if os.path.isdir(self.root):
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def _start_private(self) -> None:
+        pipe, logs = os.path.join(self.root, "pipe"), os.path.join(self.root, "log")
+        env = {PIPE_ENV: pipe, LOG_ENV: logs}
         shutil.rmtree(self.root, ignore_errors=True)
         try:
             for d in (self.root, pipe, logs):

@@ -321,6 +321,25 @@ def test_a_private_server_left_by_an_earlier_daemon_is_replaced(root, fake):
         m.stop()
 
 
+@pytest.mark.parametrize("requested", ["off", "cpu"])
+def test_a_private_server_left_by_an_earlier_daemon_goes_whatever_the_mode(root, fake,
+                                                                           requested):
+    """An earlier daemon killed without stopping its private server: the next daemon on the
+    socket folder quits it even when it runs without MPS itself (--mps off, the cpu backend),
+    and removes its folder."""
+    (root / "sock").mkdir()
+    pipe = str(root / "sock" / "mps" / "pipe")
+    os.makedirs(pipe)
+    fake.run(pipe, "-d")
+    old = mps.control_pid(pipe)
+    assert old is not None and mps._alive(old)
+    m = (_mps(root, "off", fake) if requested == "off"
+         else _mps(root, "auto", fake, cuda=False))
+    m.start()
+    assert m.mode == "off" and not mps._alive(old)
+    assert not (root / "sock" / "mps").exists()
+
+
 # -- the daemon ------------------------------------------------------------------------------
 class MpsDaemon(HarnessDaemon):
     """`epd serve` (cpu engines) started through BOOT in `root`, with the fake on PATH."""
