@@ -891,6 +891,49 @@ def test_a_ring_tail_far_past_its_head_runs_nothing_and_fails_its_ops() -> None:
     assert ring.head == int(ring.words[abi.LL_RING_TAIL]) == abi.LL_RING + 5
 
 
+def test_a_session_running_an_operation_holds_only_its_own_triggers() -> None:
+    """One poller serves every session of an engine, and launches under the op's session
+    lock: while session A runs an operation (a collective may take up to its deadline), its
+    triggers wait, and session B's are launched meanwhile; A's run once its operation ends,
+    in their order."""
+    import threading
+    import types
+
+    from epd.server.engine import stream_ops as S
+
+    launched: list = []
+    b_done = threading.Event()
+    a, _, _, a_session, _ = _stand_in_op("busy-a", lambda p, b: launched.append(("a", b)))
+    b, _, _, _, _ = _stand_in_op("free-b", lambda p, b: (launched.append(("b", b)),
+                                                         b_done.set()))
+    engine = types.SimpleNamespace(
+        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
+        config=types.SimpleNamespace(stream_op_spin_us=1_000_000, stream_op_busy_spin_us=0,
+                                     stream_op_poll_us=1000),
+        state=types.SimpleNamespace(last_call=0.0, inflight=0))
+    ops = S.StreamOps(engine)
+    ring_a, ring_b = _ringed(ops, a), _ringed(ops, b)  # (two members, two rings)
+    assert ring_a is not ring_b
+    a_session.op_lock.acquire()  # A's operation runs
+    try:
+        ops._ensure_thread()
+        _trigger(ring_a, a.entry)
+        _trigger(ring_a, a.entry | 1 << 8)
+        _trigger(ring_b, b.entry)
+        assert b_done.wait(5)
+        time.sleep(0.05)
+        assert launched == [("b", 0)]  # A's wait for its lock, B's went
+    finally:
+        a_session.op_lock.release()
+    try:
+        deadline = time.monotonic() + 5
+        while len(launched) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert launched == [("b", 0), ("a", 0), ("a", 1)]
+    finally:
+        ops.stop()
+
+
 def test_two_sessions_arming_at_once_start_one_poller(monkeypatch) -> None:
     """Sessions arm on their own workers: the first arms of two at once start one poller (two
     would launch one member's ring entries out of order)."""

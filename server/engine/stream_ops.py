@@ -501,11 +501,19 @@ class StreamOps:
                 # tail first suffices on x86, whose loads are not reordered; a weakly ordered
                 # host such as aarch64 would need a load barrier here, not built)
                 entry = int(ring.words[ring.head % abi.LL_RING])
+                op = ring.op_of(entry)
+                # Its session is running an operation (a collective may take up to its
+                # deadline): the entry stays, and this ring with it, while the poller goes on
+                # with the other rings; one session cannot hold every session's launches.
+                if op is not None and not op.session.op_lock.acquire(blocking=False):
+                    return ran
                 ring.head = (ring.head + 1) & MASK32
                 ring.words[abi.LL_RING_HEAD] = ring.head
-                op = ring.op_of(entry)
             if op is not None:  # (else released, or a stale entry of a disarmed op)
-                self._fire(op, entry >> 8 & 0xFF, gap)
+                try:
+                    self._fire(op, entry >> 8 & 0xFF, gap, locked=True)
+                finally:
+                    op.session.op_lock.release()
                 ran = True
         return ran
 
@@ -544,18 +552,21 @@ class StreamOps:
             ran = ran or bool(kinds)
         return ran
 
-    def _fire(self, op: StreamOp, buffer: int, gap: float = 0.0) -> None:
+    def _fire(self, op: StreamOp, buffer: int, gap: float = 0.0, *,
+              locked: bool = False) -> None:
         """Launch an op triggered with receive buffer `buffer` (from its ring entry), seen `gap`
-        seconds after the poller's previous look."""
+        seconds after the poller's previous look, under its session's operation lock (`locked`:
+        the caller holds it)."""
         code = "OK"
         t0, cpu0 = time.perf_counter(), time.thread_time()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
                    else contextlib.nullcontext())
+        lock = contextlib.nullcontext() if locked else op.session.op_lock
         try:
             if not 0 <= buffer < abi.LL_BUFFERS:
                 raise InvalidArgument(f"receive buffer {buffer} in a ring entry: a trigger "
                                       f"appends 0 or 1")
-            with latency, op.session.op_lock:
+            with latency, lock:
                 if not op.armed:
                     return
                 op.member.comm.launch_prepared(op.prepared, buffer)
@@ -569,8 +580,8 @@ class StreamOps:
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
-            with op.session.op_lock:  # (not into a slot a release freed, maybe reused)
-                if op.armed:
+            with (contextlib.nullcontext() if locked else op.session.op_lock):
+                if op.armed:  # (not into a slot a release freed, maybe reused)
                     op.words[DONE] = DONE_FAILED | (0xFF << 8)
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
