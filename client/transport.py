@@ -301,7 +301,7 @@ class FastPathTransport(Transport):
         R.set_seq(words, 0)
         words[R.S_STATE] = R.FREE
         if status:
-            return from_status_value(status, data.decode())
+            return from_status_value(status, data.decode(errors="replace"))
         return call.op.response.FromString(data)
 
     def _use_ring(self, method: str, data: bytes) -> bool:

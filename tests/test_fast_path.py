@@ -265,3 +265,16 @@ def test_engine_threads_sleep_without_timer_slack(daemon) -> None:
                 continue
     assert len(slack) > 3
     assert set(slack.values()) == {spin.ENGINE_TIMER_SLACK_NS}, slack
+
+
+def test_an_error_cut_to_its_slot_still_decodes(daemon_factory) -> None:
+    """An engine error longer than the ring slot is cut to it; cut inside a UTF-8 character it
+    made the client raise UnicodeDecodeError instead of the call's EpdError."""
+    with (daemon_factory(engines=1, extra=["--fast-path-slot-bytes", "4096"]) as d,
+          Session(d.socket(0)) as s):
+        assert s.transport == "fastpath"
+        for n in (1003, 1004, 1005, 1006):  # (one of these cuts a 4-byte character)
+            with pytest.raises(EpdError) as ei:
+                s._transport.call("GetStats", epd_pb2.GetStatsRequest(session_id="😀" * n), 5)
+            assert ei.value.code == grpc.StatusCode.NOT_FOUND, ei.value
+        assert s.transport == "fastpath"

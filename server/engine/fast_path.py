@@ -201,7 +201,9 @@ class FastPathServer:
         except Exception as e:  # one mapping; a bug is logged and serving goes on
             err = as_epd_error(method, e)
             code = err.code
-            failed = status_value(err.code), err.message.encode()[:self.ring.capacity]
+            # (cut to the slot at a character boundary: the client decodes it as UTF-8)
+            message = err.message.encode()[:self.ring.capacity].decode(errors="ignore")
+            failed = status_value(err.code), message.encode()
             # `err` may be `e`: its traceback holds this frame and the loop's, whose slot views
             # would keep the ring mapped after the session closes (a reference cycle).
             del err
