@@ -456,6 +456,33 @@ def test_a_rejoin_nobody_completes_leaves_the_group_going(daemon) -> None:
             s.close()
 
 
+def test_a_rejoin_met_by_another_collective_fails_at_once_and_the_group_goes_on(daemon):
+    """Rank 0 calls Rejoin for the gone rank 2 while rank 1 makes a low-latency dispatch: both
+    fail at once with FAILED_PRECONDITION (rank 0 waited for the replacement until its
+    deadline, and rank 1's next call, waiting for rank 0's slot, then aborted the group), and
+    the group goes on."""
+    sessions = _sessions(daemon)
+    name = f"shrink-{next(_names)}"
+    try:
+        groups = _join_all(sessions, name)
+        sessions[2].close()
+        for r, got in _steps(groups, [0, 1], 0).items():
+            _check(got, 0, r, {2})
+        x, idx, _ = _inputs(1, 1)
+        t0 = time.monotonic()
+        got = _rejoin_all({0: lambda: groups[0].rejoin(2, timeout=10),
+                           1: lambda: groups[1].low_latency_dispatch(x, idx, M, timeout=10)})
+        assert time.monotonic() - t0 < 5, got
+        for r in (0, 1):
+            assert isinstance(got[r], EpdError), got
+            assert got[r].code.name == "FAILED_PRECONDITION", got[r]
+        for r, out in _steps(groups, [0, 1], 2).items():
+            _check(out, 2, r, {2})
+    finally:
+        for s in sessions:
+            s.close()
+
+
 @pytest.mark.parametrize(("takes_back", "same_engine", "engine", "want"), [
     (False, False, 0, "cannot take a rank back"),
     (True, True, 1, "its replacement must join there"),  # the CUDA planner's rule

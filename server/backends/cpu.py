@@ -301,10 +301,18 @@ class CpuRankComm(RankComm):
             seq = self._begin(deadline, "rejoin")
         self._take_part(seq, CallHeader(REJOIN, ref=rank), lambda: None)
         self._wait_all(2 * seq - 1, "rejoin", deadline)
+        # The ranks making this call agree on it before any waits for the replacement: one
+        # that made another collective fails with them now, not after this one's deadline
+        # (which its next call, waiting for this one's slot, would have turned into an abort).
+        self._agree(seq, [s for s in range(self.spec.num_ranks)
+                          if s != rank and self._mask[s] != self.MASK_GONE])
         late = 0
         while int(self._arrivals[rank]) < 2 * seq - 1:  # (gone until it arrives: not waited for)
-            if read_abort(self._header) is not None:
-                self._wait_all(2 * seq - 1, "rejoin", deadline)  # raises the abort
+            reason = read_abort(self._header)
+            if self._stopped is not None or reason is not None:
+                self._arrive(seq, 2)
+                raise Aborted(f"group {self.spec.name!r}: "
+                              f"{self._stopped or f'aborted: {reason}'}")
             if time.monotonic() > deadline:
                 self._arrive(seq, 2)
                 raise DeadlineExceeded(f"group {self.spec.name!r}: rank {rank} did not come "
@@ -340,6 +348,8 @@ class CpuRankComm(RankComm):
             reason = read_abort(self._header)
             if reason is not None:
                 raise Aborted(f"group {self.spec.name!r} aborted: {reason}")
+            if self._stopped is not None:  # (its session closed: it must not come back)
+                raise Aborted(f"group {self.spec.name!r}: {self._stopped}")
             if time.monotonic() > deadline:
                 raise DeadlineExceeded(f"group {self.spec.name!r}: not every rank called "
                                        f"Rejoin for rank {self.rank} before the deadline")
