@@ -303,7 +303,12 @@ def test_bad_input(daemon, fast: bool) -> None:
             unknown = type(d.handle)(g, 999, d.handle.num_tokens, 8, E, H)
             bad_idx = idx[0].copy()
             bad_idx[0] = [e for e in range(E) if e not in idx[0][0]][:K]
+            dup_c = idx[0].copy()  # a row naming one of its dispatched experts twice
+            t_dup = next(t for t in range(len(dup_c)) if dup_c[t, 0] >= 0)
+            dup_c[t_dup, 1] = dup_c[t_dup, 0]
             cases = {
+                "combine duplicate expert": lambda: g.low_latency_combine(y, dup_c, w[0],
+                                                                          d.handle),
                 "unknown handle": lambda: g.low_latency_combine(y, idx[0], w[0], unknown),
                 "x wrong rows": lambda: g.low_latency_combine(y[:, :-1], idx[0], w[0],
                                                               d.handle),
@@ -358,6 +363,7 @@ def test_bad_input(daemon, fast: bool) -> None:
         "weights wrong shape": (INV, "topk_weights has shape [5, 3], expected [6, 3]"),
         "out wrong shape": (INV, "out has shape [1, 256], expected [6, 256]"),
         "expert not dispatched": (INV, "was not dispatched to that expert"),
+        "combine duplicate expert": (INV, "twice; low-latency mode needs distinct experts"),
         "not found group": (grpc.StatusCode.NOT_FOUND, "group 'nope' is not joined"),
         "normal handle to ll combine": (PRE, "comes from a normal dispatch; pass it to Combine"),
         "ll handle to combine": (PRE, "comes from a low-latency dispatch; pass it to "

@@ -585,6 +585,7 @@ class DataPlane:
 
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
+            self._check_distinct(args.topk_idx_host)  # (as the dispatch: a row per expert)
             return member.comm.low_latency_combine(args, time.monotonic() + timeout)
 
         res = self._timed(member, metrics.COMBINE_SECONDS, path, run)
