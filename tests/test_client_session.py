@@ -264,3 +264,21 @@ def test_staged_inputs_of_an_async_call_are_not_reused_while_it_is_in_flight(dae
         assert m._held == 1
         pd.result()
         assert m._held == 0
+
+
+def test_counts_of_a_dispatch_refused_for_num_worst_tokens_raise(daemon) -> None:
+    """A dispatch that receives more than num_worst_tokens fails; its counts were published as
+    good before that check, so PendingDispatch.counts() returned them: they are published
+    only once the call is accepted, and counts() raises (result() names the cause)."""
+    with Session(daemon.socket(0), fast_path=False) as s:
+        g = s.join("worst", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2)
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+        pd = g.dispatch_async(x, idx, w, num_worst_tokens=1)
+        with pytest.raises(EpdError) as ei:
+            pd.counts(timeout=10)
+        assert ei.value.code == grpc.StatusCode.ABORTED, ei.value
+        with pytest.raises(EpdError, match="more than num_worst_tokens=1"):
+            pd.result()
+        assert g.dispatch(x, idx, w).num_recv_tokens == 2  # (the group goes on)

@@ -504,7 +504,6 @@ class CpuRankComm(RankComm):
             num_recv = int(rank_prefix[:, me].sum())
             align = max(args.expert_alignment, 1)
             aligned = [int(-(-c // align) * align) for c in per_expert]
-            counter_page.publish(counter_slot, sequence, num_recv, aligned)
             order = self._order  # rows by source in this order (flat: rank order)
             recv_src_rank = np.concatenate(
                 [np.full(len(src_rows[s]), s, np.int32) for s in order]
@@ -520,7 +519,6 @@ class CpuRankComm(RankComm):
             rank_prefix = cached.rank_prefix
             num_recv = cached.num_recv_tokens
             aligned = []
-            counter_page.publish(counter_slot, sequence, num_recv, aligned)
             recv_src_rank, recv_src_idx = cached.recv_src_rank, cached.recv_src_idx
             shown_src_idx = cached.shown_src_idx
             in_rank = cached.is_token_in_rank
@@ -528,10 +526,11 @@ class CpuRankComm(RankComm):
         rows_out = num_recv
         if args.num_worst_tokens:
             if num_recv > args.num_worst_tokens:
-                self._arrive(seq, 2)
+                self._arrive(seq, 2)  # (its counts unpublished: the engine marks them failed)
                 raise InvalidArgument(f"received {num_recv} tokens, more than num_worst_tokens="
                                       f"{args.num_worst_tokens}")
             rows_out = args.num_worst_tokens
+        counter_page.publish(counter_slot, sequence, num_recv, aligned)
 
         # Data: pull the rows, block by block in source order (hierarchical: self._order).
         out = self._out
