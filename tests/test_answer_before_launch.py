@@ -280,3 +280,31 @@ def test_a_pass_that_cannot_be_launched_fails_the_call_through_the_slot(ex) -> N
     assert f is not None and f.seq == 3 and f.code == abi.ERR_ABORTED  # the stream goes on
     assert counter_page.stream_done(session.counter_page.words) == 3
     assert member.comm.aborted is not None
+
+
+@pytest.mark.parametrize(("n", "per_expert", "ok"), [
+    (7, [3, 4], True), (-1, [], False), (10**9, [], False), (5, [-2, 7], False)])
+def test_a_count_no_notify_writes_marks_the_dispatch_failed(n, per_expert, ok) -> None:
+    """A stream-ordered dispatch's receive count comes back from the session's counter page,
+    which its client can write: a count outside the group's receive buffer (or a negative
+    one) is not trusted to size anything; the handle is marked failed instead."""
+    import types
+
+    from epd.proto import abi, counter_page
+    from epd.server.engine.stream_calls import StreamCalls
+
+    words = np.zeros(abi.SLOT_BYTES // 8, np.int64)
+    counter_page.publish(words, 5, n, per_expert)
+    info = types.SimpleNamespace(sequence=5, failed=False, num_recv_tokens=-1, rows_out=-1,
+                                 backend_handle=types.SimpleNamespace(num_recv=-1))
+    member = types.SimpleNamespace(
+        counter_slot=0, pending=info, rank=0, bytes_received=0,
+        spec=types.SimpleNamespace(name="g", max_recv_tokens=64, hidden=8,
+                                   x_numpy_dtype=np.dtype(np.float32), num_local_experts=2))
+    session = types.SimpleNamespace(counter_page=types.SimpleNamespace(slot=lambda i: words),
+                                    describe=lambda: "session")
+    engine = types.SimpleNamespace(_timeout=lambda t: 1.0, backend=types.SimpleNamespace(
+        peer_class="shm"), config=types.SimpleNamespace(per_expert_metrics=False))
+    StreamCalls._resolve(engine, session, member, info)
+    assert info.failed is (not ok) and member.pending is None
+    assert info.num_recv_tokens == (n if ok else 0) and info.rows_out == (n if ok else 0)

@@ -410,6 +410,9 @@ class CudaRankComm(RankComm):
             raise counter_page.capacity_error(
                 spec.name, spec.max_tokens_per_rank, num_recv,
                 int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
+        if not 0 <= num_recv <= spec.max_recv_tokens:  # (the client can write its page)
+            raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "
+                          f"page ({num_recv}) is not one the notify kernel writes")
         return num_recv, per_expert
 
     def _staged_dispatch(self, args: DispatchArgs, counter_slot: CounterSlot, sequence: int,

@@ -210,11 +210,21 @@ class StreamCalls:
             info.rows_out = info.rows_out if info.rows_out >= 0 else 0
             return
         n, per_expert = got
+        spec = member.spec
+        if not 0 <= n <= spec.max_recv_tokens or any(c < 0 for c in per_expert):
+            # (words of the session's own counter page, which its client can write: never
+            # trusted past the buffer they size)
+            log.warning("%s: group %r's dispatch counts in its counter page are not ones a "
+                        "notify writes (%d rows); the call is marked failed",
+                        session.describe(), spec.name, n)
+            info.failed = True
+            info.num_recv_tokens = 0
+            info.rows_out = info.rows_out if info.rows_out >= 0 else 0
+            return
         info.num_recv_tokens = n
         if info.rows_out < 0:
             info.rows_out = n
         info.backend_handle.num_recv = n
-        spec = member.spec
         nbytes = n * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_received += nbytes
         metrics.inc(metrics.BYTES_RECEIVED, (spec.name, self.backend.peer_class), nbytes)
