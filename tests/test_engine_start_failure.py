@@ -41,6 +41,18 @@ def _topology(d: TestDaemon) -> epd_pb2.GetTopologyResponse:
         return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(), timeout=10)
 
 
+def _engines_import(tmp_path, monkeypatch, source: str, flag_env: str):
+    """Make the daemon's Python processes import `source` (a sitecustomize.py on PYTHONPATH)
+    and give it a flag file, present until the test removes it, named by `flag_env`."""
+    (tmp_path / "sitecustomize.py").write_text(source)
+    flag = tmp_path / "flag"
+    flag.write_text("")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv(flag_env, str(flag))
+    return flag
+
+
 def test_backoff_doubles_up_to_its_cap() -> None:
     e = EngineProc(0, "gpu0.sock")
     delays = []
@@ -55,12 +67,8 @@ def test_backoff_doubles_up_to_its_cap() -> None:
 
 
 def test_engine_that_cannot_start_is_reported_then_recovers(tmp_path, monkeypatch) -> None:
-    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    flag = tmp_path / "broken"
-    flag.write_text("")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    monkeypatch.setenv("EPD_TEST_BACKEND_BROKEN_WHILE", str(flag))
+    flag = _engines_import(tmp_path, monkeypatch, SITECUSTOMIZE,
+                           "EPD_TEST_BACKEND_BROKEN_WHILE")
     d = TestDaemon(engines=1, extra=["--restart-backoff-seconds", "0.1",
                                      "--restart-backoff-max-seconds", "0.8"])
     try:
@@ -134,12 +142,7 @@ def test_an_engine_stuck_at_start_is_killed_and_counted(tmp_path, monkeypatch) -
     """An engine that never comes up and never exits (stuck opening its device) was 'not
     ready' for good with no reason: after --engine-start-timeout-seconds it is killed, the
     failed start is reported with that reason, and a later start serves."""
-    (tmp_path / "sitecustomize.py").write_text(HANGING)
-    flag = tmp_path / "hangs"
-    flag.write_text("")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    monkeypatch.setenv("EPD_TEST_BACKEND_HANGS_WHILE", str(flag))
+    flag = _engines_import(tmp_path, monkeypatch, HANGING, "EPD_TEST_BACKEND_HANGS_WHILE")
     d = TestDaemon(engines=1, extra=["--engine-start-timeout-seconds", "2",
                                      "--restart-backoff-seconds", "0.1"])
     try:

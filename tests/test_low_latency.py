@@ -656,6 +656,18 @@ def _ringed(ops, op, ring=None):
     return ring
 
 
+def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0):
+    """A stand-in engine for StreamOps's poller thread: its spin and poll settings, and the
+    engine state whose calls in flight shorten the spin (none here unless `inflight`)."""
+    import types
+
+    return types.SimpleNamespace(
+        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
+        config=types.SimpleNamespace(stream_op_spin_us=spin_us, stream_op_busy_spin_us=0,
+                                     stream_op_poll_us=poll_us),
+        state=types.SimpleNamespace(last_call=0.0, inflight=inflight))
+
+
 def _trigger(ring, value: int) -> None:
     """What the client's trigger kernel does: append an entry, publish the tail."""
     from epd.proto import abi
@@ -670,7 +682,6 @@ def test_stream_op_poller_reports_how_late_it_saw_a_trigger() -> None:
     between looks (no spin), a trigger appended meanwhile is seen up to one sleep later, and the
     gap it reports is that sleep, not the microseconds of the launch."""
     import threading
-    import types
 
     import prometheus_client
 
@@ -678,12 +689,7 @@ def test_stream_op_poller_reports_how_late_it_saw_a_trigger() -> None:
 
     launched = threading.Event()
     op, _, _, _, _ = _stand_in_op("detect-g", lambda p, b: launched.set())
-    engine = types.SimpleNamespace(
-        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
-        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=30_000),
-        state=types.SimpleNamespace(last_call=0.0, inflight=0))
-    ops = S.StreamOps(engine)
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=30_000))
     ring = _ringed(ops, op)
     ops._ensure_thread()
     try:
@@ -707,7 +713,6 @@ def test_stream_op_poller_spins_long_only_while_no_session_call_is_served(busy: 
     (a session's thread wants the GIL) it spins stream_op_busy_spin_us (0) and then sleeps
     between 30 ms looks, so the same trigger is seen up to a sleep later."""
     import threading
-    import types
 
     import prometheus_client
 
@@ -716,12 +721,7 @@ def test_stream_op_poller_spins_long_only_while_no_session_call_is_served(busy: 
     launched = threading.Semaphore(0)
     name = f"spin-g-{busy}"
     op, _, _, _, _ = _stand_in_op(name, lambda p, b: launched.release())
-    engine = types.SimpleNamespace(
-        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
-        config=types.SimpleNamespace(stream_op_spin_us=5_000_000, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=30_000),
-        state=types.SimpleNamespace(last_call=0.0, inflight=int(busy)))
-    ops = S.StreamOps(engine)
+    ops = S.StreamOps(_poller_engine(spin_us=5_000_000, poll_us=30_000, inflight=int(busy)))
     ring = _ringed(ops, op)
     labels = {"group": name, "kind": S.KIND_DISPATCH}
     value = prometheus_client.REGISTRY.get_sample_value
@@ -833,7 +833,6 @@ def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> 
     replayed graph's two micro-batches), both seen at one look: launched D1 first, as on the
     GPU. (The poller of the doorbell design launched them in the order it scanned its ops.)"""
     import threading
-    import types
 
     from epd.server.engine import stream_ops as S
 
@@ -846,12 +845,7 @@ def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> 
             both.set()
     d0, _, member, session, _ = _stand_in_op("order-thread-g", launch)
     d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, np.zeros(8, np.int32), "d1")
-    engine = types.SimpleNamespace(
-        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
-        config=types.SimpleNamespace(stream_op_spin_us=0, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=30_000),
-        state=types.SimpleNamespace(last_call=0.0, inflight=0))
-    ops = S.StreamOps(engine)
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=30_000))
     ring = _ringed(ops, d0)
     _ringed(ops, d1, ring)
     ops._ensure_thread()
@@ -903,7 +897,6 @@ def test_a_session_running_an_operation_holds_only_its_own_triggers() -> None:
     triggers wait, and session B's are launched meanwhile; A's run once its operation ends,
     in their order."""
     import threading
-    import types
 
     from epd.server.engine import stream_ops as S
 
@@ -912,12 +905,7 @@ def test_a_session_running_an_operation_holds_only_its_own_triggers() -> None:
     a, _, _, a_session, _ = _stand_in_op("busy-a", lambda p, b: launched.append(("a", b)))
     b, _, _, _, _ = _stand_in_op("free-b", lambda p, b: (launched.append(("b", b)),
                                                          b_done.set()))
-    engine = types.SimpleNamespace(
-        index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
-        config=types.SimpleNamespace(stream_op_spin_us=1_000_000, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=1000),
-        state=types.SimpleNamespace(last_call=0.0, inflight=0))
-    ops = S.StreamOps(engine)
+    ops = S.StreamOps(_poller_engine(spin_us=1_000_000, poll_us=1000))
     ring_a, ring_b = _ringed(ops, a), _ringed(ops, b)  # (two members, two rings)
     assert ring_a is not ring_b
     a_session.op_lock.acquire()  # A's operation runs
