@@ -105,7 +105,7 @@ class PendingDispatch:
         try:
             resp = cast(epd_pb2.DispatchResponse, self._future.result())
         finally:
-            if s._in_flight is not None:
+            if s._in_flight is not None and s._in_flight[1] is self._future:  # (ours, once)
                 s._in_flight = None
                 s.memory.release_staging()
         return self._group._dispatch_result(resp, self._copy, self._template)
@@ -115,7 +115,8 @@ class PendingDispatch:
         # dispatch_async takes its answer; until then the fast-path ring may take it when it
         # needs the slot (else every later call of the session would wait for that slot).
         abandon = getattr(self._future, "abandon", None)
-        if abandon is not None and self._group._session._in_flight is not None:
+        flight = self._group._session._in_flight
+        if abandon is not None and flight is not None and flight[1] is self._future:
             abandon()
 
 

@@ -17,6 +17,7 @@ backend it talks to.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 
@@ -24,7 +25,7 @@ import numpy as np
 
 from ..proto import cuda_driver, dtypes
 from ..proto import fd_channel as fdc
-from ..proto.errors import FailedPrecondition, InvalidArgument
+from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from . import tensors as T
@@ -153,6 +154,7 @@ class ShmMemory(Memory):
         self.staging = T.Staging()
         self.staged: dict[str, np.ndarray] = {}  # the last call's staged copies, by name
         self._held = 0  # calls in flight whose staged inputs the engine may not have read
+        self._retired: list[T.ShmFile] = []  # staging files replaced while held
         self.user_regions: list[T.ShmFile] = []  # from empty()
 
     def _register_file(self, f: T.ShmFile) -> None:
@@ -185,8 +187,14 @@ class ShmMemory(Memory):
         self.staging.file = f
         self.staging.reset()
         if old is not None:
-            self._unregister(old.region_id)
-            old.close(unlink=True)
+            if self._held:  # (a call in flight still names it: unregistered once released)
+                self._retired.append(old)
+            else:
+                self._drop_staging(old)
+
+    def _drop_staging(self, f: T.ShmFile) -> None:
+        self._unregister(f.region_id)
+        f.close(unlink=True)
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
         self.staged = {}
@@ -220,6 +228,12 @@ class ShmMemory(Memory):
 
     def release_staging(self) -> None:
         self._held = max(self._held - 1, 0)
+        if not self._held:
+            retired, self._retired = self._retired, []
+            for f in retired:
+                with contextlib.suppress(EpdError):  # (the session is gone: so is the region)
+                    self._unregister(f.region_id)
+                f.close(unlink=True)
 
     def write_back(self, name: str, user: Array) -> None:
         dst = self.staged.get(name)
@@ -236,10 +250,11 @@ class ShmMemory(Memory):
         return T.to_numpy(a, "output")
 
     def close(self) -> None:
-        for f in [*self.user_regions, self.staging.file]:
+        for f in [*self.user_regions, *self._retired, self.staging.file]:
             if f is not None:
                 f.close(unlink=True)
         self.user_regions.clear()
+        self._retired.clear()
         self.staging.file = None
 
 

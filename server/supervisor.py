@@ -45,6 +45,7 @@ from .mps import Mps, MpsError
 from .service_classes import LATENCY, THROUGHPUT
 
 log = logging.getLogger("epd.supervisor")
+WATCH_ERROR_LOG_SECONDS = 10.0  # a failing look at an engine is logged this often
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
@@ -66,6 +67,7 @@ class EngineProc:
     failed_starts: int = 0  # starts in a row that ended before the engine was ready
     last_failure: str = ""  # why the last of them ended (the engine's own words, or its exit)
     restart_at: float | None = None  # exited: when it is started again (monotonic)
+    watch_error_logged: float = -1e9  # when a failed look at it was last logged (monotonic)
 
     def __post_init__(self) -> None:
         if self.slot is None:
@@ -330,15 +332,27 @@ class Supervisor:
                 try:
                     await self._watch(e)
                 except Exception as err:  # (a failed spawn: EAGAIN, ENOMEM; a bug): logged,
-                    # the others still watched, this one tried again after its backoff
-                    e.failed_starts += 1
-                    e.last_failure = f"{type(err).__name__}: {err}"
-                    delay = e.backoff(self.cfg.restart_backoff_seconds,
-                                      self.cfg.restart_backoff_max_seconds)
-                    e.restart_at = time.monotonic() + delay
-                    log.exception("supervising engine %d failed; trying again in %.1f s",
-                                  e.index, delay)
+                    # the others still watched
+                    self._watch_failed(e, err)
             await asyncio.sleep(0.1)
+
+    def _watch_failed(self, e: EngineProc, err: Exception) -> None:
+        """A look at engine `e` raised. A restart that could not spawn (the process is the
+        exited one still) counts as a failed start and is tried again after its backoff;
+        anything else is logged, at most every WATCH_ERROR_LOG_SECONDS."""
+        if e.restart_at is not None and e.proc is not None and e.proc.poll() is not None:
+            e.failed_starts += 1
+            e.last_failure = f"{type(err).__name__}: {err}"
+            delay = e.backoff(self.cfg.restart_backoff_seconds,
+                              self.cfg.restart_backoff_max_seconds)
+            e.restart_at = time.monotonic() + delay
+            log.exception("engine %d could not be started again; trying in %.1f s", e.index,
+                          delay)
+            return
+        now = time.monotonic()
+        if now - e.watch_error_logged >= WATCH_ERROR_LOG_SECONDS:
+            e.watch_error_logged = now
+            log.exception("supervising engine %d failed; watching it again", e.index)
 
     async def _watch(self, e: EngineProc) -> None:
         """One look of the monitor at one engine: its exit, its restart, its readiness."""

@@ -264,6 +264,21 @@ def test_staged_inputs_of_an_async_call_are_not_reused_while_it_is_in_flight(dae
         assert m._held == 1
         pd.result()
         assert m._held == 0
+        # a second result() of a dispatch done releases nothing of the next one in flight
+        pd2 = g.dispatch_async(x, idx, w)
+        pd.result()
+        assert m._held == 1
+        with pytest.raises(EpdError, match="still in flight"):
+            g.dispatch_async(x, idx, w)
+        pd2.result()
+        assert m._held == 0
+        # a staging file outgrown while held stays registered until the call is done
+        held = m.staging.file
+        m.hold_staging()
+        m.describe({"x": np.zeros(1 << 20, np.float32)})  # (more than the file holds)
+        assert m.staging.file is not held and m._retired == [held]
+        m.release_staging()
+        assert m._retired == []
 
 
 def test_counts_of_a_dispatch_refused_for_num_worst_tokens_raise(daemon) -> None:

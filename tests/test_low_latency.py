@@ -1065,6 +1065,30 @@ def test_an_arm_and_a_join_at_once_take_different_slots(monkeypatch) -> None:
         ops.stop()
 
 
+def test_a_first_release_pass_lets_every_stream_go_and_waits_once(monkeypatch) -> None:
+    """Teardown's first pass (without the session's lock) lets every op's waiting stream go
+    at once, then removes what it can: while an operation holds the session it waits once,
+    not once per op (the locked last pass removes the rest)."""
+    from epd.server.engine import stream_ops as S
+
+    ops, session, _, mem, _ = _stand_in_arming(monkeypatch)
+    monkeypatch.setattr(S, "RELEASE_WAIT_SECONDS", 0.2)
+    try:
+        armed = [ops.arm(session, _arm_request()) for _ in range(2)]
+        with session.op_lock:  # (an operation of the session runs)
+            t0 = time.monotonic()
+            ops.release_session(session)
+            assert time.monotonic() - t0 < 0.35
+        for r in armed:
+            assert mem[r.counter_slot].view(np.int32)[S.DONE] == S.DONE_RELEASED
+        assert len(ops.ops) == 2  # (not removed yet)
+        with session.op_lock:
+            ops.release_session(session, locked=True)
+        assert not ops.ops and sorted(session.free_slots) == [2, 3, 5]
+    finally:
+        ops.stop()
+
+
 def test_releasing_a_session_under_its_lock_frees_every_op(monkeypatch) -> None:
     """Teardown's last pass runs with the session's operation lock held (an arm that was
     still running during the first pass registered its op after it): it removes every op

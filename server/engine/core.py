@@ -400,7 +400,7 @@ class Engine(StreamCalls, DataPlane):
             member.comm.release_stream(session.counter_page.slot(member.counter_slot))
 
         async def interrupt() -> None:
-            for member in session.members.values():
+            for member in list(session.members.values()):
                 step(f"aborting group {member.spec.name!r}", lambda m=member: interrupt_member(m))
             if session.stream_ops:  # release client streams waiting on them
                 await asyncio.to_thread(step, "releasing stream ops",
@@ -408,12 +408,13 @@ class Engine(StreamCalls, DataPlane):
 
         def release() -> None:
             # (under the operation lock: an op that an arm still running during interrupt()
-            # registered goes here, while its comm and counter page are still open)
+            # registered goes here, while its comm and counter page are still open; copies
+            # of the dicts, which a join finishing on the event loop may change meanwhile)
             step("releasing stream ops",
                  lambda: self.stream_ops.release_session(session, locked=True))
-            for member in session.members.values():  # streams released by interrupt()
+            for member in list(session.members.values()):  # streams released by interrupt()
                 step(f"closing group {member.spec.name!r}", member.comm.close)
-            for region in session.regions.values():
+            for region in list(session.regions.values()):
                 if not region.borrowed:
                     step(f"closing region {region.region_id}", region.close)
             step("closing the counter page", session.counter_page.close)
@@ -486,8 +487,8 @@ class Engine(StreamCalls, DataPlane):
             await asyncio.to_thread(self.stream_ops.release_member, session, member)
 
         def close() -> bool:
-            if session.teardown_done:  # (it closes the comm and releases the rank itself)
-                return False
+            if session.teardown_done or session.members.get(member.group_id) is not member:
+                return False  # (the teardown, or another leave of it, has it)
             # (an op armed for it after the pass above, by an arm that was running then)
             self.stream_ops.release_member(session, member, locked=True)
             session.members.pop(member.group_id, None)
@@ -499,11 +500,15 @@ class Engine(StreamCalls, DataPlane):
                               member.spec.name)
             session.free_slots.append(member.counter_slot)
             return True
-        if await asyncio.to_thread(session.executor.exclusive, close) is False:
-            return
-        session.members.pop(member.group_id, None)
-        await self._release_rank(member, text, left=why == "left")
-        self._refresh_gauges()
+        async def finish() -> None:
+            if await asyncio.to_thread(session.executor.exclusive, close) is False:
+                return
+            session.members.pop(member.group_id, None)
+            await self._release_rank(member, text, left=why == "left")
+            self._refresh_gauges()
+        # Shielded: a leave whose client stops waiting (its deadline) still releases the rank
+        # once its comm is closed, or the group and its plan would never be freed.
+        await asyncio.shield(finish())
 
     # -- groups ------------------------------------------------------------------------------
     def _check_class_engine(self, group: str, cls: int) -> None:
@@ -537,10 +542,14 @@ class Engine(StreamCalls, DataPlane):
             raise ResourceExhausted(f"{session.describe()} holds {held} groups, the maximum "
                                     f"(--max-groups-per-session)")
         self._check_output_budget(session, spec)
+        try:  # (an arm on the session's worker may have taken the last one since the check)
+            slot = session.free_slots.pop(0)
+        except IndexError:
+            raise ResourceExhausted(f"a session can join at most {counter_page.NUM_SLOTS} "
+                                    f"groups") from None
         # The name and the counter slot are the join's from here, across its awaits: two
         # joins of one session at once must not both pass the checks above.
         session.joining[spec.name] = spec
-        slot = session.free_slots.pop(0)
         try:
             return await self._join(session, req, spec, slot)
         finally:

@@ -223,7 +223,10 @@ class StreamOps:
                 f"{counter_page.NUM_SLOTS} groups, rings and armed ops together)")
         # Taken now, and given back if the arm fails: a join on the event loop takes slots of
         # the same list while this runs on the session's worker.
-        slot = session.free_slots.pop(0)
+        try:
+            slot = session.free_slots.pop(0)
+        except IndexError:  # (a join took the last one since the check above)
+            raise ResourceExhausted(f"{session.describe()} has no free counter slot") from None
         try:
             page = session.counter_page.slot(slot)
             done_ptr = int(page.device_ptr) + 4 * DONE
@@ -294,11 +297,14 @@ class StreamOps:
         self._release(session, member, locked)
 
     def _release(self, session: Session, member: GroupMember | None, locked: bool) -> None:
-        ops = [o for o in list(session.stream_ops.values())
-               if member is None or o.member is member]
-        for op in sorted(ops, key=lambda o: o.kind != KIND_COMBINE):
+        ops = sorted((o for o in list(session.stream_ops.values())
+                      if member is None or o.member is member),
+                     key=lambda o: o.kind != KIND_COMBINE)
+        for op in ops:  # every waiting stream let go first, then the ops removed
             op.words[DONE] = DONE_RELEASED
-            self._remove(op, locked=locked)
+        for op in ops:
+            if not self._remove(op, locked=locked):
+                return  # (an operation holds the session: the locked pass takes the rest)
 
     def _take(self, ring: Ring, op: StreamOp) -> int:
         """A poller op's entry in its member's ring, of the engine's next generation."""
@@ -306,15 +312,15 @@ class StreamOps:
             self._gen = self._gen % 0xFFFF + 1
             return ring.take(op, self._gen)
 
-    def _remove(self, op: StreamOp, *, locked: bool = False) -> None:
+    def _remove(self, op: StreamOp, *, locked: bool = False) -> bool:
         """Disarm `op` (never while the poller launches it: under the session's operation
         lock, which `locked` says the caller holds; waited for at most RELEASE_WAIT_SECONDS,
-        after which teardown's locked pass removes it)."""
+        after which teardown's locked pass removes it). False: not removed (that wait)."""
         lock = op.session.op_lock
         if not locked and not lock.acquire(timeout=RELEASE_WAIT_SECONDS):
             log.warning("%s: stream op %d not released yet (an operation holds the session "
                         "for %.0f s)", op.session.describe(), op.op_id, RELEASE_WAIT_SECONDS)
-            return
+            return False
         try:
             last = self._remove_unlocked(op)
         finally:
@@ -322,6 +328,7 @@ class StreamOps:
                 lock.release()
         if last is not None:
             self._close_ring(op.session, last)
+        return True
 
     def _remove_unlocked(self, op: StreamOp) -> Ring | None:
         """`_remove`'s work under the operation lock; the member's ring when `op` was its last
