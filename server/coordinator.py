@@ -123,9 +123,12 @@ class Coordinator:
                 g.nodes.pop(req.rank, None)
                 self._drop_if_empty(g)
             elif g.group_id in self.by_id:  # formed, but its engine never learns the group's
-                # id to release the rank: released here (the peers' attach barrier fails)
-                self.release(g.group_id, req.rank, f"rank {req.rank} went away while the "
-                                                   f"group formed")
+                # id to release the rank: released here. Before every rank attached the group
+                # cannot start, shrink or not: it is aborted, so the peers learn it now.
+                why = f"rank {req.rank} went away while the group formed"
+                if not g.all_attached.is_set():
+                    self._abort(g, why)
+                self.release(g.group_id, req.rank, why)
             raise
         if g.failure is not None or g.aborted is not None:
             if g.group_id in self.by_id:  # (formed, then aborted: this rank, told so, is done
