@@ -101,13 +101,10 @@ class PendingDispatch:
         return got
 
     def result(self) -> DispatchResult:
-        s = self._group._session
         try:
             resp = cast(epd_pb2.DispatchResponse, self._future.result())
         finally:
-            if s._in_flight is not None and s._in_flight[1] is self._future:  # (ours, once)
-                s._in_flight = None
-                s.memory.release_staging()
+            self._group._session._dispatch_done(self._future)
         return self._group._dispatch_result(resp, self._copy, self._template)
 
     def __del__(self) -> None:
@@ -345,8 +342,7 @@ class Group:
             # deadline; its outcome is nobody's), so that the counts read next are ours.
             with contextlib.suppress(EpdError):
                 future.result()
-            s._in_flight = None
-            s.memory.release_staging()
+            s._dispatch_done(future)
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                   expert_alignment, num_worst_tokens, handle,
                                                   timeout, is_token_in_rank,

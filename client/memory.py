@@ -193,8 +193,10 @@ class ShmMemory(Memory):
                 self._drop_staging(old)
 
     def _drop_staging(self, f: T.ShmFile) -> None:
-        self._unregister(f.region_id)
-        f.close(unlink=True)
+        try:
+            self._unregister(f.region_id)
+        finally:
+            f.close(unlink=True)
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
         self.staged = {}
@@ -232,8 +234,7 @@ class ShmMemory(Memory):
             retired, self._retired = self._retired, []
             for f in retired:
                 with contextlib.suppress(EpdError):  # (the session is gone: so is the region)
-                    self._unregister(f.region_id)
-                f.close(unlink=True)
+                    self._drop_staging(f)
 
     def write_back(self, name: str, user: Array) -> None:
         dst = self.staged.get(name)

@@ -196,6 +196,13 @@ class Session:
                 lease_lost(f"{who} was closed" if self._closed else
                            f"the engine went away: {who}: {self._lost}")
 
+    def _dispatch_done(self, future: PendingCall) -> None:
+        """The dispatch_async of `future` has its answer: it is no longer in flight and its
+        staged inputs may be reused (once: a second result() of it changes nothing)."""
+        if self._in_flight is not None and self._in_flight[1] is future:
+            self._in_flight = None
+            self.memory.release_staging()
+
     @property
     def alive(self) -> bool:
         return self._lost is None and not self._closed

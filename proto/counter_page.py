@@ -64,6 +64,13 @@ def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
     words[SEQ] = sequence
 
 
+def counts_in_range(num_recv_tokens: int, per_expert: list[int], max_rows: int) -> bool:
+    """Whether counts read back could be a notify's for a receive buffer of `max_rows` rows:
+    the page is its client's to write too, so an engine never sizes anything by it unchecked."""
+    return 0 <= num_recv_tokens <= max_rows and min(per_expert, default=0) >= 0  # (per call:
+    # `min` walks a few hundred counts in C)
+
+
 def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[int]] | None:
     """Spin (then back off) until the slot carries `sequence`; None on timeout. The spin lets
     go of the GIL at every look (spin.py: the engine's other sessions need it)."""

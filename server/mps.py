@@ -180,13 +180,11 @@ class Mps:
             if self._binary is None:
                 self._binary = shutil.which(CONTROL_BINARY, path=self.environ.get("PATH"))
             self._quit(stale, {PIPE_ENV: pipe, LOG_ENV: logs})
-        if os.path.isdir(self.root):
-            shutil.rmtree(self.root, ignore_errors=True)
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def _start_private(self) -> None:
         pipe, logs = os.path.join(self.root, "pipe"), os.path.join(self.root, "log")
-        env = {PIPE_ENV: pipe, LOG_ENV: logs}
-        shutil.rmtree(self.root, ignore_errors=True)
+        env = {PIPE_ENV: pipe, LOG_ENV: logs}  # (start() removed any earlier folder)
         try:
             for d in (self.root, pipe, logs):
                 os.makedirs(d, exist_ok=True)

@@ -6,6 +6,7 @@ by (source rank, source token); combine results bit-exactly."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -619,12 +620,16 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     launched: list = []
     op, comm, member, session, words = _stand_in_op("g", lambda p, b: launched.append((p, b)))
     ops = S.StreamOps(types.SimpleNamespace(index=0))
-    ops._fire(op, 0)  # the receive buffer of the ring entry
-    ops._fire(op, 1)
+
+    def fire(buffer: int) -> None:  # (as the poller does: under the session's lock)
+        with session.op_lock:
+            ops._fire(op, buffer)
+    fire(0)  # the receive buffer of the ring entry
+    fire(1)
     assert launched == [("prepared", 0), ("prepared", 1)] and member.dispatches == 2
     for bad in (2, -1, 1 << 20):  # a buffer no trigger appends: the op fails, no launch
         words[S.DONE] = 0
-        ops._fire(op, bad)
+        fire(bad)
         assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)
     assert len(launched) == 2
 
@@ -632,13 +637,13 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
         raise RuntimeError("launch failed")
     comm.launch_prepared = fail
     words[S.DONE] = 0
-    ops._fire(op, 1)
+    fire(1)
     assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)
     session.stream_ops[1] = ops.ops[1] = op
     ops.release_session(session)
     assert words[S.DONE] == S.DONE_RELEASED and not ops.ops and not session.stream_ops
     assert session.free_slots == [3] and not op.armed
-    ops._fire(op, 1)  # a trigger seen after the release launches nothing
+    fire(1)  # a trigger seen after the release launches nothing
     assert len(launched) == 2
 
 
@@ -969,6 +974,7 @@ def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
     import types
 
     from epd.server.engine import stream_ops as S
+    from epd.server.engine.state import Session
 
     monkeypatch.setattr(S, "ll_dispatch_response",
                         lambda *a: epd_pb2.LowLatencyDispatchResponse())
@@ -989,12 +995,13 @@ def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(ll_chain=chain, ll_chain_members=4, timeout_seconds=1.0,
                                      stream_op_spin_us=0, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=1000),
+                                     stream_op_poll_us=1000, max_stream_ops_per_session=64),
         state=types.SimpleNamespace(last_call=0.0, inflight=0),
         ll_dispatch_args=lambda session, inner: (member, args, None),
         _timeout=lambda t: 1.0)
     session = types.SimpleNamespace(free_slots=[2, 3, 5], counter_page=page, stream_ops={},
                                     op_lock=threading.Lock(), describe=lambda: "session")
+    session.take_slot = functools.partial(Session.take_slot, session)
     return S.StreamOps(engine), session, member, mem, closed
 
 

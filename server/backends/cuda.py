@@ -410,7 +410,7 @@ class CudaRankComm(RankComm):
             raise counter_page.capacity_error(
                 spec.name, spec.max_tokens_per_rank, num_recv,
                 int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
-        if not 0 <= num_recv <= spec.max_recv_tokens:  # (the client can write its page)
+        if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens):
             raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "
                           f"page ({num_recv}) is not one the notify kernel writes")
         return num_recv, per_expert

@@ -45,7 +45,6 @@ from ..backends.base import (
     Backend,
     GroupSpec,
     Membership,
-    RankComm,
     Region,
 )
 from ..config import Config, node_metadata
@@ -233,34 +232,21 @@ class Engine(StreamCalls, DataPlane):
                                     f"the maximum (--max-regions-per-session)")
         if size <= 0:
             raise InvalidArgument("size_bytes must be positive")
-        held = self._held_bytes(session)
+        self._check_bytes(session, size, f"{size} more")
+
+    def _check_bytes(self, session: Session, size: int, what: str) -> None:
+        """`size` more bytes fit the session's --max-region-bytes-per-session, which counts its
+        registered regions and the engine memory its memberships' outputs take (the cpu
+        backend sizes them from the spec: one client could otherwise make the engine allocate
+        and fill any amount of host memory)."""
+        held = (sum(r.size for r in session.regions.values() if not r.borrowed)
+                + sum(self.backend.output_bytes(m.spec) for m in session.members.values())
+                + sum(self.backend.output_bytes(s) for s in session.joining.values()))
         limit = self.config.max_region_bytes_per_session
         if held + size > limit:
             raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions and "
-                                    f"group outputs; {size} more exceed the maximum of {limit} "
+                                    f"group outputs; {what} exceed the maximum of {limit} "
                                     f"(--max-region-bytes-per-session)")
-
-    def _held_bytes(self, session: Session) -> int:
-        """The session's registered regions and the engine memory its memberships' outputs
-        take (those joined and those joining)."""
-        return (sum(r.size for r in session.regions.values() if not r.borrowed)
-                + sum(self.backend.output_bytes(m.spec) for m in session.members.values())
-                + sum(self.backend.output_bytes(s) for s in session.joining.values()))
-
-    def _check_output_budget(self, session: Session, spec: GroupSpec) -> None:
-        """A membership's engine-allocated outputs count against the session's region bytes
-        (the cpu backend sizes them from the spec: one client could otherwise make the engine
-        allocate and fill any amount of host memory)."""
-        need = self.backend.output_bytes(spec)
-        if not need:
-            return
-        held = self._held_bytes(session)
-        limit = self.config.max_region_bytes_per_session
-        if held + need > limit:
-            raise ResourceExhausted(
-                f"group {spec.name!r}: its outputs take {need} bytes of engine memory and "
-                f"{session.describe()} holds {held} bytes of regions and outputs; together "
-                f"they exceed the maximum of {limit} (--max-region-bytes-per-session)")
 
     def register_memfd(self, session: Session, fd: int, size: int) -> Region:
         """A client memfd as a region: checked (sealed against shrinking, large enough),
@@ -541,12 +527,11 @@ class Engine(StreamCalls, DataPlane):
         if held >= self.config.max_groups_per_session:
             raise ResourceExhausted(f"{session.describe()} holds {held} groups, the maximum "
                                     f"(--max-groups-per-session)")
-        self._check_output_budget(session, spec)
-        try:  # (an arm on the session's worker may have taken the last one since the check)
-            slot = session.free_slots.pop(0)
-        except IndexError:
-            raise ResourceExhausted(f"a session can join at most {counter_page.NUM_SLOTS} "
-                                    f"groups") from None
+        need = self.backend.output_bytes(spec)
+        if need:
+            self._check_bytes(session, need, f"group {spec.name!r}'s outputs, {need} bytes of "
+                                             f"engine memory,")
+        slot = session.take_slot(f"a session can join at most {counter_page.NUM_SLOTS} groups")
         # The name and the counter slot are the join's from here, across its awaits: two
         # joins of one session at once must not both pass the checks above.
         session.joining[spec.name] = spec
@@ -559,64 +544,51 @@ class Engine(StreamCalls, DataPlane):
                     slot: int) -> GroupMember:
         """join_group after its checks, with the counter slot it reserved: the slot goes back
         if no member is made of it (a member's teardown returns its own)."""
+        member: GroupMember | None = None
         try:
-            comm, spec, spec_proto, membership, timeout = await self._rendezvous_and_attach(
-                session, req, spec)
-        except BaseException:
-            session.free_slots.append(slot)
-            raise
-        member = GroupMember(spec, membership, comm, slot)
-        return await self._attached(session, req, member, spec_proto, timeout)
-
-    async def _rendezvous_and_attach(self, session: Session, req: epd_pb2.JoinGroupRequest,
-                                     spec: GroupSpec) -> tuple[RankComm, GroupSpec,
-                                                               epd_pb2.GroupSpec, Membership,
-                                                               float]:
-        timeout = self._timeout(req.timeout_seconds)
-        if session.peer is None:
-            raise FailedPrecondition(
-                f"{session.describe()} has not connected its descriptor channel "
-                f"({fdc.socket_path_for(self.socket_path)}): a group's "
-                f"admission policy needs the client's credentials")
-        _, uid, gid = session.peer
-        # The class is decided here, before the rendezvous (PERMISSION_DENIED naming the rule
-        # changes nothing), and travels in the spec: ranks that disagree fail together.
-        cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
-        self._check_class_engine(spec.name, cls)
-        spec = dataclasses.replace(spec, service_class=cls)
-        spec_proto = epd_pb2.GroupSpec()
-        spec_proto.CopyFrom(req.spec)
-        spec_proto.service_class = cls
-        try:
-            resp = await self._node().Rendezvous(epd_pb2.RendezvousRequest(
-                spec=spec_proto, rank=req.rank, engine_index=self.index,
-                session_id=session.session_id, timeout_seconds=timeout,
-                peer_uid=uid, peer_gid=gid, has_peer=True),
-                timeout=timeout + NODE_RPC_SECONDS)
-        except grpc.aio.AioRpcError as e:
-            raise EpdError(e.code(), e.details() or "rendezvous failed") from None
-        membership = Membership.from_rendezvous(req.rank, resp)
-        try:
-            comm = await session.executor.run(self.backend.attach, spec, membership)
-        except BaseException as e:  # (cancelled too: the client went away during the attach)
-            with contextlib.suppress(Exception):
-                await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
-                    group_id=resp.group_id, rank=req.rank,
-                    reason=f"attach failed: {e!r}"), timeout=NODE_RPC_SECONDS)
-            raise
-        return comm, spec, spec_proto, membership, timeout
-
-    async def _attached(self, session: Session, req: epd_pb2.JoinGroupRequest,
-                        member: GroupMember, spec_proto: epd_pb2.GroupSpec,
-                        timeout: float) -> GroupMember:
-        """The attach barrier: every rank attached, or the member goes again."""
-        spec, comm = member.spec, member.comm
+            timeout = self._timeout(req.timeout_seconds)
+            if session.peer is None:
+                raise FailedPrecondition(
+                    f"{session.describe()} has not connected its descriptor channel "
+                    f"({fdc.socket_path_for(self.socket_path)}): a group's "
+                    f"admission policy needs the client's credentials")
+            _, uid, gid = session.peer
+            # The class is decided here, before the rendezvous (PERMISSION_DENIED naming the
+            # rule changes nothing), and travels in the spec: ranks that disagree fail together.
+            cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
+            self._check_class_engine(spec.name, cls)
+            spec = dataclasses.replace(spec, service_class=cls)
+            spec_proto = epd_pb2.GroupSpec()
+            spec_proto.CopyFrom(req.spec)
+            spec_proto.service_class = cls
+            try:
+                resp = await self._node().Rendezvous(epd_pb2.RendezvousRequest(
+                    spec=spec_proto, rank=req.rank, engine_index=self.index,
+                    session_id=session.session_id, timeout_seconds=timeout,
+                    peer_uid=uid, peer_gid=gid, has_peer=True),
+                    timeout=timeout + NODE_RPC_SECONDS)
+            except grpc.aio.AioRpcError as e:
+                raise EpdError(e.code(), e.details() or "rendezvous failed") from None
+            membership = Membership.from_rendezvous(req.rank, resp)
+            try:
+                comm = await session.executor.run(self.backend.attach, spec, membership)
+            except BaseException as e:  # (cancelled too: the client went away meanwhile)
+                with contextlib.suppress(Exception):
+                    await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
+                        group_id=resp.group_id, rank=req.rank,
+                        reason=f"attach failed: {e!r}"), timeout=NODE_RPC_SECONDS)
+                raise
+            member = GroupMember(spec, membership, comm, slot)
+        finally:
+            if member is None:
+                session.free_slots.append(slot)
+        # The attach barrier: every rank attached, or the member goes again.
         session.members[member.group_id] = member
         try:
             await self._node().Rendezvous(epd_pb2.RendezvousRequest(
                 spec=spec_proto, rank=req.rank, engine_index=self.index,
                 session_id=session.session_id, timeout_seconds=timeout, attached=True,
-                group_id=member.group_id), timeout=timeout + NODE_RPC_SECONDS)
+                group_id=resp.group_id), timeout=timeout + NODE_RPC_SECONDS)
         except grpc.aio.AioRpcError as e:
             await self._drop_member(session, member, f"attach barrier failed: {e.details()}")
             raise EpdError(e.code(), e.details() or "attach barrier failed") from None
@@ -668,15 +640,8 @@ class Engine(StreamCalls, DataPlane):
     # -- stream-ordered calls -----------------------------------------------------------------
     async def arm_stream_op(self, session: Session, req: epd_pb2.ArmStreamOpRequest
                             ) -> epd_pb2.ArmStreamOpResponse:
-        def arm(session: Session, req: epd_pb2.ArmStreamOpRequest
-                ) -> epd_pb2.ArmStreamOpResponse:
-            # (counted under the operation lock: arms of one session at once see each other)
-            if len(session.stream_ops) >= self.config.max_stream_ops_per_session:
-                raise ResourceExhausted(
-                    f"{session.describe()} has {len(session.stream_ops)} armed stream ops, "
-                    f"the maximum (--max-stream-ops-per-session)")
-            return self.stream_ops.arm(session, req)
-        return await session.executor.run(arm, session, req)
+        # (StreamOps.arm counts the session's ops under its operation lock)
+        return await session.executor.run(self.stream_ops.arm, session, req)
 
     async def disarm_stream_op(self, session: Session, op_id: int) -> None:
         # In the session's order, under its operation lock: an arm of a combine that reads

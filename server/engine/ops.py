@@ -222,8 +222,7 @@ class DataPlane:
             return self.dispatch_stream(session, member, req, args, cached, timeout, path)
         if req.num_sms:
             raise InvalidArgument("num_sms is for stream-ordered calls")
-        self._release(member, req.release_handles)  # (the call is checked: a refused one
-        self._check_handle_budget(session)  # frees nothing)
+        self._check_handle_budget(session, member, req.release_handles)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
@@ -287,9 +286,13 @@ class DataPlane:
                 f"{member.spec.name!r}: it was released (the client dropped its handle "
                 f"object) or came from another group")
 
-    def _check_handle_budget(self, session: Session) -> None:
-        """A dispatch stores one more handle: refuse it (before the collective) when the session
-        holds --max-handles-per-session already. Handles are never dropped silently."""
+    def _check_handle_budget(self, session: Session, member: GroupMember,
+                             releases) -> None:
+        """A dispatch stores one more handle: first free those it carries (`releases`; only
+        once the call is checked, so a refused call frees nothing), then refuse it (before the
+        collective) when the session holds --max-handles-per-session already. Handles are never
+        dropped silently."""
+        self._release(member, releases)
         held = sum(len(m.handles) for m in session.members.values())
         limit = self.config.max_handles_per_session
         if held >= limit:
@@ -522,8 +525,7 @@ class DataPlane:
         spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
             args.num_max_dispatch_tokens_per_rank
         timeout = self._timeout(req.timeout_seconds)
-        self._release(member, req.release_handles)  # (checked, but for the ids' values)
-        self._check_handle_budget(session)
+        self._check_handle_budget(session, member, req.release_handles)  # (but the ids' values)
 
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...proto import counter_page, dtypes
-from ...proto.errors import InvalidArgument
+from ...proto.errors import InvalidArgument, ResourceExhausted
 from ...proto.v1 import epd_pb2
 from .. import service_classes
 from ..backends.base import (
@@ -161,6 +161,15 @@ class Session:
     # (pid, uid, gid) of the client, from SO_PEERCRED of its first descriptor-channel
     # connection; a group's admission policy is decided on it.
     peer: tuple[int, int, int] | None = None
+
+    def take_slot(self, why: str) -> int:
+        """A free counter slot, now the caller's (joins on the event loop and arms on the
+        session's worker take from the same list: one pop, never a check then a pop);
+        RESOURCE_EXHAUSTED `why` when none is left."""
+        try:
+            return self.free_slots.pop(0)
+        except IndexError:
+            raise ResourceExhausted(why) from None
 
     @property
     def op_lock(self) -> threading.Lock:

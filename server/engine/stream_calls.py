@@ -60,7 +60,7 @@ def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
 
 class StreamCalls:
     """Mixed into Engine (with ops.DataPlane): needs `config`, `backend`, `_timeout()`,
-    `_store_handle()`, `_count_traffic()`, `_release()` and `_check_handle_budget()`."""
+    `_store_handle()`, `_count_traffic()` and `_check_handle_budget()`."""
 
     def _next_stream_seq(self, member: GroupMember) -> int:
         member.stream_seq = (member.stream_seq % SEQ_MASK) + 1
@@ -204,23 +204,19 @@ class StreamCalls:
         info.sequence = 0
         if member.pending is info:
             member.pending = None
-        if got is None or stale or int(slot[counter_page.STATUS]):
+        spec = member.spec
+        implausible = got is not None and not counter_page.counts_in_range(
+            *got, spec.max_recv_tokens)
+        if implausible:
+            log.warning("%s: group %r's dispatch counts in its counter page are not ones a "
+                        "notify writes (%d rows); the call is marked failed",
+                        session.describe(), spec.name, got[0])
+        if got is None or stale or int(slot[counter_page.STATUS]) or implausible:
             info.failed = True
             info.num_recv_tokens = 0
             info.rows_out = info.rows_out if info.rows_out >= 0 else 0
             return
         n, per_expert = got
-        spec = member.spec
-        if not 0 <= n <= spec.max_recv_tokens or any(c < 0 for c in per_expert):
-            # (words of the session's own counter page, which its client can write: never
-            # trusted past the buffer they size)
-            log.warning("%s: group %r's dispatch counts in its counter page are not ones a "
-                        "notify writes (%d rows); the call is marked failed",
-                        session.describe(), spec.name, n)
-            info.failed = True
-            info.num_recv_tokens = 0
-            info.rows_out = info.rows_out if info.rows_out >= 0 else 0
-            return
         info.num_recv_tokens = n
         if info.rows_out < 0:
             info.rows_out = n
@@ -272,8 +268,7 @@ class StreamCalls:
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
         num_sms = self._num_sms(member, req.num_sms)
-        self._release(member, req.release_handles)  # (checked: a refused call frees nothing)
-        self._check_handle_budget(session)
+        self._check_handle_budget(session, member, req.release_handles)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence

@@ -183,6 +183,9 @@ class StreamOps:
         if which is None:
             raise InvalidArgument("ArmStreamOp needs low_latency_dispatch or "
                                   "low_latency_combine")
+        if len(session.stream_ops) >= e.config.max_stream_ops_per_session:
+            raise ResourceExhausted(f"{session.describe()} has {len(session.stream_ops)} armed "
+                                    f"stream ops, the maximum (--max-stream-ops-per-session)")
         if not session.free_slots:
             raise ResourceExhausted(f"{session.describe()} has no free counter slot (at most "
                                     f"{counter_page.NUM_SLOTS} groups and armed ops together)")
@@ -223,10 +226,7 @@ class StreamOps:
                 f"{counter_page.NUM_SLOTS} groups, rings and armed ops together)")
         # Taken now, and given back if the arm fails: a join on the event loop takes slots of
         # the same list while this runs on the session's worker.
-        try:
-            slot = session.free_slots.pop(0)
-        except IndexError:  # (a join took the last one since the check above)
-            raise ResourceExhausted(f"{session.describe()} has no free counter slot") from None
+        slot = session.take_slot(f"{session.describe()} has no free counter slot")
         try:
             page = session.counter_page.slot(slot)
             done_ptr = int(page.device_ptr) + 4 * DONE
@@ -379,10 +379,8 @@ class StreamOps:
             cfg = self.engine.config
             chained = cfg.ll_chain and sum(r.chain is not None for r in self.rings.values()) \
                 < cfg.ll_chain_members
-        if not session.free_slots:  # (a join took the one the arm saw free)
-            raise ResourceExhausted(f"{session.describe()} has no free counter slot for the "
-                                    f"trigger ring of group {member.spec.name!r}")
-        slot = session.free_slots.pop(0)
+        slot = session.take_slot(f"{session.describe()} has no free counter slot for the "
+                                 f"trigger ring of group {member.spec.name!r}")
         page = session.counter_page.slot(slot)
         backend_chain = None
         try:
@@ -518,7 +516,7 @@ class StreamOps:
                 ring.words[abi.LL_RING_HEAD] = ring.head
             if op is not None:  # (else released, or a stale entry of a disarmed op)
                 try:
-                    self._fire(op, entry >> 8 & 0xFF, gap, locked=True)
+                    self._fire(op, entry >> 8 & 0xFF, gap)
                 finally:
                     op.session.op_lock.release()
                 ran = True
@@ -559,21 +557,19 @@ class StreamOps:
             ran = ran or bool(kinds)
         return ran
 
-    def _fire(self, op: StreamOp, buffer: int, gap: float = 0.0, *,
-              locked: bool = False) -> None:
+    def _fire(self, op: StreamOp, buffer: int, gap: float = 0.0) -> None:
         """Launch an op triggered with receive buffer `buffer` (from its ring entry), seen `gap`
-        seconds after the poller's previous look, under its session's operation lock (`locked`:
-        the caller holds it)."""
+        seconds after the poller's previous look. The caller holds the op's session's operation
+        lock (`_run_ring`)."""
         code = "OK"
         t0, cpu0 = time.perf_counter(), time.thread_time()
         latency = (self.engine.pacer.latency() if op.latency and self.engine.pacer.enabled
                    else contextlib.nullcontext())
-        lock = contextlib.nullcontext() if locked else op.session.op_lock
         try:
             if not 0 <= buffer < abi.LL_BUFFERS:
                 raise InvalidArgument(f"receive buffer {buffer} in a ring entry: a trigger "
                                       f"appends 0 or 1")
-            with latency, lock:
+            with latency:
                 if not op.armed:
                     return
                 op.member.comm.launch_prepared(op.prepared, buffer)
@@ -587,9 +583,8 @@ class StreamOps:
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
-            with (contextlib.nullcontext() if locked else op.session.op_lock):
-                if op.armed:  # (not into a slot a release freed, maybe reused)
-                    op.words[DONE] = DONE_FAILED | (0xFF << 8)
+            if op.armed:  # (not into a slot a release freed, maybe reused)
+                op.words[DONE] = DONE_FAILED | (0xFF << 8)
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
