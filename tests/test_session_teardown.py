@@ -5,8 +5,13 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import types
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
+from epd.proto.errors import Aborted
 from epd.server.engine import core
 from epd.server.engine.executor import EngineState, SessionExecutor
 from epd.server.engine.state import Session
@@ -69,3 +74,44 @@ def test_a_failing_step_does_not_stop_the_teardown() -> None:
     assert log == ["abort a", "release a", "abort b", "release b", "close a", "close b",
                    "region", "page", "events"], log
     assert released == ["a", "b"]
+
+
+class _SlowBackend:
+    """attach() waits until the test lets it finish (a CUDA attach takes seconds)."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log, self.go = log, threading.Event()
+
+    def attach(self, spec: object, membership: object) -> _Comm:
+        assert self.go.wait(10)
+        return _Comm("attached", self.log, fail_close=False)
+
+
+def test_an_attach_its_join_left_is_closed_once() -> None:
+    """A join that goes away while its rank attaches (cancelled by its client, or its
+    session's teardown stopped waiting) leaves no comm open: the attach closes its own when
+    it ends after the join went, and the join closes one the attach had already made."""
+    with ThreadPoolExecutor(1) as worker:
+        # gone while attaching: the attach closes its comm, and the join gets none
+        log: list[str] = []
+        backend, handoff = _SlowBackend(log), core.AttachHandoff()
+        fut = worker.submit(handoff.attach, backend, None, None)
+        assert handoff.abandon() is None
+        backend.go.set()
+        with pytest.raises(Aborted, match="went away while its rank attached"):
+            fut.result(10)
+        assert log == ["close attached"]
+
+        # gone after the attach made its comm: the join takes it, to close it
+        log = []
+        backend, handoff = _SlowBackend(log), core.AttachHandoff()
+        backend.go.set()
+        comm = worker.submit(handoff.attach, backend, None, None).result(10)
+        assert handoff.abandon() is comm and log == []
+        assert handoff.abandon() is None  # (once)
+
+    # a join that stays: its comm, open
+    log = []
+    backend = _SlowBackend(log)
+    backend.go.set()
+    assert core.AttachHandoff().attach(backend, None, None).name == "attached" and log == []

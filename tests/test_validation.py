@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import pytest
-from ranklib import BF16, FP8, Case, case_round, check_case, join
+from ranklib import BF16, FP8, Case, case_round, check_case, comm_arrivals, join, wait_until
 
 from epd.client import Session
 from epd.client.group import Handle
 from epd.client.tensors import ShmFile
-from epd.proto import dtypes
+from epd.proto import counter_page, dtypes
 from epd.proto import fd_channel as fdc
 from epd.proto.errors import EpdError
 from epd.proto.v1 import epd_pb2
@@ -163,6 +163,60 @@ def test_bad_layout_inputs(pair):
     expect(INVALID, "valid ids are -1", g.get_dispatch_layout, np.full((4, K), E, np.int64))
     _, idx33, _ = inputs(33)
     expect(INVALID, "max_tokens_per_rank=32", g.get_dispatch_layout, idx33)
+    valid_round(pair)
+
+
+def _garble_after_the_check(p: Pair, idx: np.ndarray, call, peer_call):
+    """Start `call` on rank 0, wait until its engine checked the call and took part (its
+    arrival word moved: it now waits for rank 1), overwrite `idx` (rank 0's topk_idx, in
+    memory the engine reads without a copy) with ids far out of range, then make rank 1's
+    call. Returns both results."""
+    gid = p.groups[0].group_id
+    before = comm_arrivals("", gid, 2)
+    assert before is not None
+    with ThreadPoolExecutor(1) as ex:
+        first = ex.submit(call)
+        wait_until(lambda: (a := comm_arrivals("", gid, 2)) is not None and a[0] > before[0],
+                   10, "rank 0 takes part")
+        idx[...] = np.where(idx >= 0, E + 1000, -5)
+        second = peer_call()
+        return first.result(timeout=30), second
+
+
+def test_topk_idx_changed_after_the_check(pair):
+    """The cpu backend reads the topk_idx values the engine checked (its own copy), not the
+    client's shared memory again: a client rewriting them after the check gets the dispatch of
+    the checked values, and its peer too (before, rank 0 raised on the rewritten ids and rank 1
+    waited out its deadline)."""
+    g0, g1 = pair.groups
+    (x0, idx0, w0), (x1, idx1, w1) = inputs(T), inputs(T - 3)
+    shared = pair.sessions[0].empty(idx0.shape, idx0.dtype)
+    shared[...] = idx0
+    out0, out1 = _garble_after_the_check(
+        pair, shared, lambda: g0.dispatch(x0, shared, w0, timeout=10),
+        lambda: g1.dispatch(x1, idx1, w1, timeout=10))
+    want = ref.dispatch([x0, x1], [idx0, idx1], [w0, w1], E)
+    for out, rd in zip((out0, out1), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(out.recv_topk_idx), rd.recv_topk_idx)
+        np.testing.assert_array_equal(np.asarray(out.recv_x).view(np.uint16),
+                                      rd.recv_x.view(np.uint16))
+    valid_round(pair)
+
+
+def test_low_latency_topk_idx_changed_after_the_check(pair):
+    g0, g1 = pair.groups
+    rng = np.random.default_rng(next(_seeds))
+    xs = [ref.random_x(rng, t, H, BF16) for t in (T, T - 3)]
+    idxs = [ref.random_routing(rng, t, E, K, drop_prob=0.1)[0] for t in (T, T - 3)]
+    shared = pair.sessions[0].empty(idxs[0].shape, idxs[0].dtype)
+    shared[...] = idxs[0]
+    out0, out1 = _garble_after_the_check(
+        pair, shared, lambda: g0.low_latency_dispatch(xs[0], shared, T, timeout=10),
+        lambda: g1.low_latency_dispatch(xs[1], idxs[1], T, timeout=10))
+    want = ref.low_latency_dispatch(xs, idxs, E, T)
+    for out, rd in zip((out0, out1), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(out.recv_count), rd.recv_count)
+        np.testing.assert_array_equal(np.asarray(out.recv_src_idx), rd.recv_src_idx)
     valid_round(pair)
 
 
@@ -336,6 +390,9 @@ RAW_BAD = {
                                  "is not joined by session"),
     "unknown session": (lambda p, r: {"session_id": "00000000deadbeef"}, NOT_FOUND,
                         "session '00000000deadbeef' is not open"),
+    # refused before the dispatch takes its sequence (it took one, and published a failure)
+    "ready event on the cpu backend": (lambda p, r: {"ready_event": b"\x01" * 64}, INVALID,
+                                       "ready_event is for the cuda backend"),
 }
 
 
@@ -357,8 +414,10 @@ def test_raw_bad_dispatch(pair, name):
         else:
             setattr(req, k, v)
     before = dispatches(pair)
+    seq = int(pair.groups[0]._counter[counter_page.SEQ])
     expect(code, text, call, pair, req)
     assert dispatches(pair) == before
+    assert int(pair.groups[0]._counter[counter_page.SEQ]) == seq  # no sequence taken
     valid_round(pair)
 
 

@@ -594,6 +594,10 @@ class Backend(abc.ABC):
     # A call's collective runs on the engine's host cores (cpu): a client spinning for the
     # answer would take CPU from it, so clients are not asked to spin longer than the base.
     collectives_on_host: bool = False
+    # The backend reads a call's inputs with the host (cpu), from memory the client shares: it
+    # must read the values the engine checked, so the engine hands it its checked host copies
+    # (a client changing topk_idx after the check would otherwise feed its group unchecked ids).
+    inputs_on_host: bool = False
 
     def validate_spec(self, spec: GroupSpec) -> None:
         """Raise InvalidArgument naming the backend limit the spec exceeds."""
@@ -633,16 +637,22 @@ class Backend(abc.ABC):
         """Run once on every session worker thread (the CUDA backend selects its device)."""
 
     def to_host(self, array: Array) -> np.ndarray:
-        """A host copy of a (small) device array; identity on the CPU backend."""
-        return np.asarray(array)
+        """A private host copy of a (small) array: a copy on the CPU backend too, since the
+        client may change shared memory after the engine checked the copy."""
+        return np.array(array, copy=True)
 
-    def wait_event(self, cache: dict[bytes, Any], handle: bytes) -> None:
-        """Block the calling worker until the client's interprocess event has completed (its
-        inputs are ready). `cache` is per session: open each handle once."""
+    def check_event(self, handle: bytes) -> None:
+        """Refuse a ready event this backend cannot wait for, before a call takes anything (a
+        dispatch's sequence): events are CUDA interprocess events."""
         if handle:
             from ...proto.errors import InvalidArgument
             raise InvalidArgument(f"ready_event is for the cuda backend; this engine runs "
                                   f"{self.name}")
+
+    def wait_event(self, cache: dict[bytes, Any], handle: bytes) -> None:
+        """Block the calling worker until the client's interprocess event has completed (its
+        inputs are ready). `cache` is per session: open each handle once."""
+        self.check_event(handle)
 
     def close_events(self, cache: dict[bytes, Any]) -> None:  # noqa: B027  (optional hook)
         """Release a session's opened event handles."""

@@ -854,6 +854,7 @@ class CpuBackend(Backend):
     supports_dispatch_without_topk = True
     agrees_on_capacity = True
     collectives_on_host = True
+    inputs_on_host = True
 
     def __init__(self, engine_index: int = 0, allowed_dirs: tuple[str, ...] = ()):
         self.planner = CpuPlanner()

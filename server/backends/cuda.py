@@ -1113,6 +1113,9 @@ class CudaBackend(Backend):
         with cp.cuda.Device(self.device):
             return cp.asnumpy(array)
 
+    def check_event(self, handle: bytes) -> None:
+        pass  # (a handle is opened, and checked, by the wait)
+
     def wait_event(self, cache: dict[bytes, Any], handle: bytes) -> None:
         if not handle:
             return

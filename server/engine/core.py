@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable
 
@@ -45,6 +46,7 @@ from ..backends.base import (
     Backend,
     GroupSpec,
     Membership,
+    RankComm,
     Region,
 )
 from ..config import Config, node_metadata
@@ -83,6 +85,43 @@ class _NodeToken(grpc.aio.UnaryUnaryClientInterceptor):
         details = grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                              details.credentials, details.wait_for_ready)
         return await continuation(details, request)
+
+
+class AttachHandoff:
+    """The comm a join's attach makes on the session's worker. The join may go away while the
+    worker attaches (its client cancelled it, or its session's teardown stopped waiting for
+    the worker): whichever of the two comes second closes the comm, so it is never left open
+    holding the group's memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._comm: RankComm | None = None
+
+    def attach(self, backend: Backend, spec: GroupSpec, membership: Membership) -> RankComm:
+        """On the worker: attach, and hand the comm over unless the join went away."""
+        comm = backend.attach(spec, membership)
+        with self._lock:
+            if not self._abandoned:
+                self._comm = comm
+                return comm
+        close_quietly(comm)
+        raise Aborted("the join went away while its rank attached")
+
+    def abandon(self) -> RankComm | None:
+        """The join goes away: returns the comm the attach made already, for the caller to
+        close (None: there is none, or the attach closes its own when it ends)."""
+        with self._lock:
+            self._abandoned = True
+            comm, self._comm = self._comm, None
+            return comm
+
+
+def close_quietly(comm: RankComm) -> None:
+    try:
+        comm.close()
+    except Exception:  # (a comm whose context broke: nothing more to free here)
+        log.exception("closing an abandoned attach's comm failed")
 
 
 class Engine(StreamCalls, DataPlane):
@@ -570,9 +609,16 @@ class Engine(StreamCalls, DataPlane):
             except grpc.aio.AioRpcError as e:
                 raise EpdError(e.code(), e.details() or "rendezvous failed") from None
             membership = Membership.from_rendezvous(req.rank, resp)
+            handoff = AttachHandoff()
             try:
-                comm = await session.executor.run(self.backend.attach, spec, membership)
+                comm = await session.executor.run(handoff.attach, self.backend, spec,
+                                                  membership)
+                if session.closed.is_set():  # (its teardown began meanwhile: it would not
+                    raise Aborted("session closed during join")  # see this comm)
             except BaseException as e:  # (cancelled too: the client went away meanwhile)
+                left = handoff.abandon()
+                if left is not None:  # (off the event loop: a cuda comm frees device memory)
+                    asyncio.get_running_loop().run_in_executor(None, close_quietly, left)
                 with contextlib.suppress(Exception):
                     await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
                         group_id=resp.group_id, rank=req.rank,

@@ -124,8 +124,8 @@ class DataPlane:
         if req.stream_ordered:
             return self.layout_stream(session, member, req, idx, path)
         t0 = time.perf_counter()
-        self._check_values(session, req.ready_event, spec, idx)
-        out = member.comm.layout(idx)
+        host = self._check_values(session, req.ready_event, spec, idx)
+        out = member.comm.layout(host if self.backend.inputs_on_host else idx)
         metrics.observe(metrics.LAYOUT_SECONDS, (spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
         per_expert = self.backend.to_host(out.num_tokens_per_expert)
@@ -222,18 +222,23 @@ class DataPlane:
             return self.dispatch_stream(session, member, req, args, cached, timeout, path)
         if req.num_sms:
             raise InvalidArgument("num_sms is for stream-ordered calls")
+        self.backend.check_event(req.ready_event)
         self._check_handle_budget(session, member, req.release_handles)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
         slot = session.counter_page.slot(member.counter_slot)
         def run():
-            self._check_values(session, req.ready_event, spec, idx)
+            host = self._check_values(session, req.ready_event, spec, idx)
+            if host is not None and self.backend.inputs_on_host:
+                args.topk_idx = host
             if per_expert is not None:
                 host = self.backend.to_host(per_expert)
                 if host.size and int(host.min()) < 0:
                     raise InvalidArgument(f"num_tokens_per_expert holds a negative count "
                                           f"({int(host.min())})")
+                if self.backend.inputs_on_host:
+                    args.num_tokens_per_expert = host
             return member.comm.dispatch(args, slot, sequence, time.monotonic() + timeout)
 
         def failed():
@@ -530,6 +535,8 @@ class DataPlane:
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
             self._check_distinct(args.topk_idx_host)
+            if self.backend.inputs_on_host:
+                args.topk_idx = args.topk_idx_host
             return member.comm.low_latency_dispatch(args, time.monotonic() + timeout)
 
         out = self._timed(member, metrics.DISPATCH_SECONDS, path, run)
@@ -588,6 +595,8 @@ class DataPlane:
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
             self._check_distinct(args.topk_idx_host)  # (as the dispatch: a row per expert)
+            if self.backend.inputs_on_host:
+                args.topk_idx = args.topk_idx_host
             return member.comm.low_latency_combine(args, time.monotonic() + timeout)
 
         res = self._timed(member, metrics.COMBINE_SECONDS, path, run)
