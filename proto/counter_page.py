@@ -155,6 +155,12 @@ def seq_reached(value: int, seq: int) -> bool:
     return value != 0 and ((value - seq) & 0xFFFFFFFF) < 1 << 31
 
 
+def stream_ready(words: np.ndarray, seq: int) -> bool:
+    """Whether the client's stream wrote READY of stream call `seq` (it reached the call)."""
+    ready = int(words.view(np.int32)[abi.SLOT32_READY + seq % READY_RING]) & 0xFFFFFFFF
+    return seq_reached(ready, seq)
+
+
 def stream_done(words: np.ndarray) -> int:
     """The latest stream sequence whose last kernel ran (host view)."""
     return int(words.view(np.int32)[abi.SLOT32_DONE]) & 0xFFFFFFFF

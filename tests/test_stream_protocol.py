@@ -5,15 +5,20 @@ backend answers to stream-ordered requests. The GPU side is tests/gpu/test_strea
 
 from __future__ import annotations
 
+import threading
+import time
+import types
+
 import grpc
 import numpy as np
 import pytest
 
 from epd.client import EpdError, Session
 from epd.proto import abi, counter_page, dtypes
-from epd.proto.errors import InvalidArgument
+from epd.proto.errors import DeadlineExceeded, InvalidArgument
 from epd.proto.v1 import epd_pb2
 from epd.server.backends.cpu_memory import ShmRegion
+from epd.server.backends.cuda import CudaRankComm
 from epd.server.engine import tensors
 
 BF16 = dtypes.BFLOAT16
@@ -106,6 +111,52 @@ def test_release_lets_waiting_streams_go_once() -> None:
     words = _slot()
     counter_page.release_stream(words, 0xFFFFFFFE)
     assert counter_page.stream_done(words) == 0xFFFFFFFE
+
+
+def _write_ready(words: np.ndarray, seq: int) -> None:
+    """What the client's stream writes when it reaches stream call `seq`."""
+    words.view(np.int32)[abi.SLOT32_READY + seq % abi.READY_RING] = np.int32(np.uint32(seq))
+
+
+def test_ready_ring_says_which_calls_the_client_stream_reached() -> None:
+    words = _slot()
+    assert not counter_page.stream_ready(words, 1)
+    _write_ready(words, 1)
+    assert counter_page.stream_ready(words, 1) and not counter_page.stream_ready(words, 2)
+    _write_ready(words, 33)  # (the entry of 1, one ring later)
+    assert counter_page.stream_ready(words, 33) and counter_page.stream_ready(words, 1)
+    _write_ready(words, 0xFFFFFFFF)
+    assert counter_page.stream_ready(words, 0xFFFFFFFF)
+
+
+def test_a_synchronous_call_waits_for_ready_words_with_a_deadline() -> None:
+    """The cuda engine's check before a synchronous call (its kernels would queue behind the
+    stream-ordered calls given before it, and its synchronisation would wait for a READY word
+    the client never writes, holding the session's worker): immediate when the client's
+    stream reached the latest call, DEADLINE_EXCEEDED naming it when it does not by the
+    deadline, and passed once a teardown released the stream (CudaRankComm's own methods on
+    a stand-in for the comm: they need no GPU)."""
+    words = _slot()
+    comm = types.SimpleNamespace(_stream_issued=0, _stream_slot=None,
+                                 spec=types.SimpleNamespace(name="g"))
+    wait = CudaRankComm.await_stream_ready
+    wait(comm, time.monotonic())  # no stream-ordered call yet
+    comm._stream_issued, comm._stream_slot = 7, words
+    for seq in range(1, 7):
+        _write_ready(words, seq)
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="stream-ordered call #7 has not started"):
+        wait(comm, time.monotonic() + 0.2)
+    assert 0.15 < time.monotonic() - t0 < 5
+    # written while it waits
+    writer = threading.Timer(0.1, _write_ready, (words, 7))
+    writer.start()
+    wait(comm, time.monotonic() + 10)
+    writer.join()
+    # a teardown's release passes every READY wait
+    comm._stream_issued = 40
+    CudaRankComm.release_stream(comm, words)
+    wait(comm, time.monotonic())
 
 
 def test_descriptor_checks_are_cached_per_region_and_never_skipped() -> None:

@@ -519,6 +519,11 @@ class RankComm(abc.ABC):
     def release_stream(self, counter_slot: Any) -> None:  # noqa: B027  (nothing to release)
         """Teardown: let the rank's stream pass every READY wait it was given."""
 
+    def await_stream_ready(self, deadline: float) -> None:  # noqa: B027  (no stream here)
+        """Before a synchronous call: wait (until `deadline`, then FailedPrecondition) for the
+        client's stream to reach the stream-ordered calls given before it, which the call's
+        work would queue behind without a deadline."""
+
     def quiesce(self, deadline: float) -> None:  # noqa: B027  (push designs need nothing)
         """A clean leave is next: wait (until `deadline`, never raising) for the peers to
         finish reading what this rank published in the last collective, so its abort word does

@@ -242,6 +242,7 @@ class CudaRankComm(RankComm):
         self._reason: str | None = None
         self._written = False  # this rank already raised the group's abort word
         self._stream_issued = 0  # the latest stream-ordered call's sequence (0: none)
+        self._stream_slot: CounterSlot | None = None  # its counter slot (the READY ring)
         self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
         self._done_slot = 0
         # A stream-ordered dispatch's output views by (rows, with top-k): fixed places of this
@@ -724,7 +725,20 @@ class CudaRankComm(RankComm):
         """Order the rank's stream after the client's: a GPU-side wait for READY, no host wait."""
         word = slot.device_ptr + 4 * (abi.SLOT32_READY + stream_seq % abi.READY_RING)
         cuda_driver.stream_wait_geq(self.runner.stream.ptr, word, stream_seq)
-        self._stream_issued = stream_seq
+        self._stream_issued, self._stream_slot = stream_seq, slot
+
+    def await_stream_ready(self, deadline: float) -> None:
+        # A synchronous call synchronises the rank's stream: behind a READY wait the client
+        # never satisfies, that would hold the session's worker with no deadline.
+        seq, slot = self._stream_issued, self._stream_slot
+        if not seq or slot is None or counter_page.stream_ready(slot, seq):
+            return
+        if not spin.wait_until(lambda: counter_page.stream_ready(slot, seq),
+                               max(deadline - time.monotonic(), 0.0)):
+            raise DeadlineExceeded(
+                f"group {self.spec.name!r}: stream-ordered call #{seq} has not started by the "
+                f"deadline (the client's stream has not reached it: its READY word is "
+                f"unwritten), and a synchronous call runs after it on the rank's stream")
 
     def _stream_end(self, slot: CounterSlot, stream_seq: int) -> None:
         done = self._done_launch

@@ -94,11 +94,13 @@ class DataPlane:
             raise InvalidArgument(f"topk_weights has shape {list(topk_weights.shape)}, expected "
                                   f"{list(topk_idx.shape)}")
 
-    def _check_values(self, session: Session, ready_event: bytes, spec: GroupSpec,
-                      topk_idx) -> np.ndarray | None:
+    def _check_values(self, session: Session, ready_event: bytes, member: GroupMember,
+                      topk_idx, timeout: float) -> np.ndarray | None:
         """Wait for the client's inputs, then check what needs reading them (before the rank
         takes part in the collective). Returns the host copy of topk_idx: one device-to-host
         copy serves every check (each synchronisation costs more than the bytes)."""
+        spec = member.spec
+        member.comm.await_stream_ready(time.monotonic() + timeout)
         self.backend.wait_event(session.events, ready_event)
         if topk_idx is None:
             return None
@@ -124,7 +126,8 @@ class DataPlane:
         if req.stream_ordered:
             return self.layout_stream(session, member, req, idx, path)
         t0 = time.perf_counter()
-        host = self._check_values(session, req.ready_event, spec, idx)
+        host = self._check_values(session, req.ready_event, member, idx,
+                                  self.config.timeout_seconds)
         out = member.comm.layout(host if self.backend.inputs_on_host else idx)
         metrics.observe(metrics.LAYOUT_SECONDS, (spec.name, path, self.backend.name),
                         time.perf_counter() - t0)
@@ -229,7 +232,7 @@ class DataPlane:
         sequence = member.dispatch_sequence
         slot = session.counter_page.slot(member.counter_slot)
         def run():
-            host = self._check_values(session, req.ready_event, spec, idx)
+            host = self._check_values(session, req.ready_event, member, idx, timeout)
             if host is not None and self.backend.inputs_on_host:
                 args.topk_idx = host
             if per_expert is not None:
@@ -446,7 +449,7 @@ class DataPlane:
             raise InvalidArgument("num_sms and out are for stream-ordered calls")
 
         def run():
-            self._check_values(session, req.ready_event, spec, None)
+            self._check_values(session, req.ready_event, member, None, timeout)
             return member.comm.combine(args, time.monotonic() + timeout)
 
         out = self._timed(member, metrics.COMBINE_SECONDS, path, run)
@@ -533,7 +536,8 @@ class DataPlane:
         self._check_handle_budget(session, member, req.release_handles)  # (but the ids' values)
 
         def run():
-            args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
+            args.topk_idx_host = self._check_values(session, req.ready_event, member, idx,
+                                                    timeout)
             self._check_distinct(args.topk_idx_host)
             if self.backend.inputs_on_host:
                 args.topk_idx = args.topk_idx_host
@@ -593,7 +597,8 @@ class DataPlane:
         timeout = self._timeout(req.timeout_seconds)
 
         def run():
-            args.topk_idx_host = self._check_values(session, req.ready_event, spec, idx)
+            args.topk_idx_host = self._check_values(session, req.ready_event, member, idx,
+                                                    timeout)
             self._check_distinct(args.topk_idx_host)  # (as the dispatch: a row per expert)
             if self.backend.inputs_on_host:
                 args.topk_idx = args.topk_idx_host

@@ -199,3 +199,58 @@ def test_stream_ordered_layers(daemon, no_wait) -> None:
             assert "combine x has shape" in res["refused_msg"], res
             np.testing.assert_array_equal(res["after_refusal_cx"], comb[r][0].view(np.uint16))
 
+
+
+def _rank_mixed(rank: int, socket: str, device: int, q) -> None:
+    """A synchronous call (dispatch_async) after stream-ordered calls the client's stream has
+    not reached yet (they wait behind ~1 s of GPU sleep): with a short deadline it fails with
+    DEADLINE_EXCEEDED and changes nothing (the engine waits for the READY word on the host, with
+    the call's deadline, instead of synchronising its stream behind it without one); with a
+    long one it waits for the stream and is exact; the group goes on."""
+    import torch
+
+    from epd.client import EpdError, Session
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank}
+    wl = _workload(0)
+    x, idx, w = wl.inputs(rank)
+    tx, tidx, tw = _to_torch(x, device), _to_torch(idx, device), _to_torch(w, device)
+    with Session(socket, client_name=f"mixed-{rank}", timeout=30) as s:
+        g = s.join("stream-mixed", rank=rank, num_ranks=2, num_experts=16, hidden=1024,
+                   max_tokens_per_rank=256, num_topk=4, timeout=30)
+        out = g.dispatch(tx, tidx, tw)
+        torch.cuda.synchronize()
+        for deadline in (0.3, 30.0):
+            torch.cuda._sleep(int(1.0 * 1.98e9))  # ~1 s at the H200's clock
+            cx, _ = g.combine(out.recv_x, out.handle, topk_weights=out.recv_topk_weights)
+            t0 = time.perf_counter()
+            try:
+                got = g.dispatch_async(tx, tidx, tw, timeout=deadline).result()
+                res[f"async_{deadline}"] = "OK"
+                res[f"async_{deadline}_x"] = _bits(got.recv_x)
+            except EpdError as e:
+                res[f"async_{deadline}"], res[f"async_{deadline}_msg"] = e.code.name, e.details
+            res[f"async_{deadline}_s"] = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            res[f"cx_{deadline}"] = _bits(cx)
+        again = g.dispatch(tx, tidx, tw)
+        res["again_x"] = _bits(again.recv_x)
+    q.put(res)
+
+
+def test_synchronous_call_behind_unstarted_stream_calls(daemon) -> None:
+    results = _spawn_ranks(daemon, _rank_mixed, 2)
+    wl = _workload(0)
+    xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
+    disp = ref.dispatch(xs, idx, w, wl.num_experts)
+    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    for r, res in enumerate(results):
+        assert res["async_0.3"] == "DEADLINE_EXCEEDED", res
+        assert "has not started" in res["async_0.3_msg"], res
+        assert res["async_0.3_s"] < 0.9, res  # at its deadline, not behind the GPU's sleep
+        assert res["async_30.0"] == "OK", res
+        np.testing.assert_array_equal(res["async_30.0_x"], disp[r].recv_x.view(np.uint16))
+        for d in ("0.3", "30.0"):
+            np.testing.assert_array_equal(res[f"cx_{d}"], comb[r][0].view(np.uint16))
+        np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
