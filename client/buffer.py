@@ -83,6 +83,31 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+MAX_INT32 = 2**31 - 1  # (token counts travel as int32)
+DEFAULT_GROUP_NAME = "deep_ep"
+
+
+def agreed_group_name(group: Any, comm: Any) -> str:
+    """A daemon group name prefix for one Buffer, the same on all its ranks and unlike any
+    other Buffer's: the daemon's rendezvous is node-wide by name, so two EP groups, two jobs or
+    two Buffers of one group must not share one (their ranks would meet in one daemon group).
+    Rank 0's random token, shared with a collective over the Buffer's group (as DeepEP's
+    constructor exchanges its IPC handles); a Buffer made with rank=/num_ranks= only (no
+    group to agree over) uses "deep_ep", and its caller names it with group_name=."""
+    import secrets
+    token = secrets.token_hex(6)
+    if comm is not None and group is None and hasattr(comm, "bcast"):  # mpi4py
+        return f"{DEFAULT_GROUP_NAME}-{comm.bcast(token, root=0)}"
+    torch = torch_if_loaded()
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if (group is not None and dist is not None and dist.is_available() and dist.is_initialized()
+            and isinstance(group, dist.ProcessGroup)):
+        tokens: list[Any] = [None] * group.size()
+        dist.all_gather_object(tokens, token, group=group)
+        return f"{DEFAULT_GROUP_NAME}-{tokens[0]}"
+    return DEFAULT_GROUP_NAME
+
+
 @dataclass(frozen=True)
 class _GroupKey:
     """The shape a daemon group is formed for (a Buffer forms one per shape, lazily)."""
@@ -134,9 +159,14 @@ class Buffer(LowLatencyMixin):
 
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
     (default: `EPD_ENGINE`, else the current CUDA device when torch CUDA is available, else
-    `LOCAL_RANK`, else 0), `group_name`, `max_tokens_per_rank` (the normal-mode token capacity
-    per rank and call that groups start with; default `EPD_MAX_TOKENS_PER_RANK`, else 4096;
-    a call beyond it grows the group, see `_grow`), `timeout`, `session`,
+    `LOCAL_RANK`, else 0), `group_name` (the prefix of this Buffer's daemon group names,
+    which the daemon's rendezvous matches node-wide; default: one its ranks agree on over
+    `group` / `comm` at construction, a collective as DeepEP's constructor is, so no two
+    Buffers share a daemon group; "deep_ep" for a Buffer made with rank= and num_ranks=, whose
+    caller names it when several share a node), `max_tokens_per_rank` (the normal-mode
+    token capacity per rank and call that groups start with; default
+    `EPD_MAX_TOKENS_PER_RANK`, else 4096; a call beyond it grows the group, see `_grow`),
+    `timeout`, `session`,
     `service_class` ("latency" for decode, "throughput" for prefill and training; default
     `EPD_SERVICE_CLASS`, else the daemon's policy default for the group's name): every group
     this Buffer joins gets it.
@@ -152,7 +182,7 @@ class Buffer(LowLatencyMixin):
                  enable_shrink: bool = False, comm: Any = None, *, rank: int | None = None,
                  num_ranks: int | None = None, endpoint: str | None = None,
                  socket_dir: str | None = None, engine: int | None = None,
-                 group_name: str = "deep_ep", max_tokens_per_rank: int | None = None,
+                 group_name: str | None = None, max_tokens_per_rank: int | None = None,
                  timeout: float | None = None, session: Session | None = None,
                  service_class: str | None = None) -> None:
         if group is not None:
@@ -164,6 +194,8 @@ class Buffer(LowLatencyMixin):
                                   "rank= and num_ranks=")
         self.group = group if group is not None else comm
         self.rank, self.group_size = int(rank), int(num_ranks)
+        if group_name is None:  # (one name per Buffer, agreed by its ranks: collective)
+            group_name = agreed_group_name(group, comm)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
@@ -285,12 +317,22 @@ class Buffer(LowLatencyMixin):
         that every rank passes alike), so all join the same new group; the old group stays for
         the handles made on it."""
         key = next(k for k, g in self._groups.items() if g is old)
-        del self._groups[key]
         cap = max(needed, 2 * old.spec.max_tokens_per_rank)
-        self.max_tokens_per_rank = max(self.max_tokens_per_rank, cap)
+        if cap > MAX_INT32:
+            raise InvalidArgument(f"a group of {cap} tokens per rank is more than the daemon "
+                                  f"takes ({MAX_INT32})")
+        before = self.max_tokens_per_rank
+        self.max_tokens_per_rank = max(before, cap)
+        del self._groups[key]
+        try:  # (a join that fails changes nothing: the old group stays this shape's)
+            new = self._group(key.hidden, key.num_topk, dtypes.to_numpy(old.spec.x_dtype),
+                              key.num_experts)
+        except BaseException:
+            self.max_tokens_per_rank = before
+            self._groups[key] = old
+            raise
         self._retired.append(old)
-        return self._group(key.hidden, key.num_topk, dtypes.to_numpy(old.spec.x_dtype),
-                           key.num_experts)
+        return new
 
     def _leave_retired(self) -> None:
         """Leave the replaced groups of which this rank holds no handle any more: every call on
@@ -309,6 +351,9 @@ class Buffer(LowLatencyMixin):
         whose handles are all gone are left first."""
         if self._retired:
             self._leave_retired()
+        if not 0 <= num_worst_tokens <= MAX_INT32:
+            raise InvalidArgument(f"num_worst_tokens={num_worst_tokens} must lie in "
+                                  f"[0, {MAX_INT32}]")
         if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
             g = self._grow(g, -(-num_worst_tokens // g.num_ranks))
         try:

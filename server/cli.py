@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from . import __version__
@@ -164,12 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     topo = sub.add_parser("topology", help="show what a running daemon serves")
-    topo.add_argument("--socket-dir", default="/run/epd")
+    topo.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
+                      help="default: EPD_SOCKET_DIR, else /run/epd")
     topo.set_defaults(func=_topology)
 
     env = sub.add_parser("env", help="print the exports a client needs to share the daemon's "
                          "CUDA MPS server: eval \"$(epd env)\"")
-    env.add_argument("--socket-dir", default="/run/epd")
+    env.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
+                     help="default: EPD_SOCKET_DIR, else /run/epd")
     env.set_defaults(func=_env)
 
     from .bench import add_parser as add_bench_parser

@@ -248,6 +248,11 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                 f"node {request.node_rank} holds no lease with node 0 "
                                 f"(incarnation {request.incarnation!r}); its supervisor "
                                 f"registers first")
+        engines = len(self.nodes[request.node_rank].engines)
+        if not request.request.attached and not 0 <= request.request.engine_index < engines:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"engine index {request.request.engine_index} out of range: "
+                                f"node {request.node_rank} has {engines} engine(s)")
         try:
             return await self.sup.coordinator.rendezvous(request.request,
                                                          node=request.node_rank)
@@ -256,8 +261,11 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
 
     async def ReleaseRank(self, request, context):
         await self._check_token(context, "ReleaseRank")
-        r = request.request
-        self.sup.coordinator.release(r.group_id, r.rank, r.reason, left=r.left)
+        # (a node whose lease ended had its ranks released then: node_lost)
+        if self._live(request.node_rank, request.incarnation):
+            r = request.request
+            self.sup.coordinator.release(r.group_id, r.rank, r.reason, left=r.left,
+                                         node=request.node_rank)
         return epd_pb2.ReleaseRankResponse()
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -384,8 +385,18 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
             if raw is not None:
                 values[name] = raw
     cfg = Config(**{k: _convert(fields[k], v) for k, v in values.items()})
+    for f in dataclasses.fields(Config):  # (NaN passes every `<` check below: no deadline,
+        v = getattr(cfg, f.name)            # a backoff no clock ever reaches)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{f.name} must be a finite number, got {v}")
     if cfg.timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
+    if cfg.max_timeout_seconds <= 0:
+        raise ValueError("max_timeout_seconds must be positive")
+    _check_range(cfg, "metrics_port", 0, 65535)
+    for name in ("restart_backoff_seconds", "restart_backoff_max_seconds",
+                 "engine_start_timeout_seconds", "drain_seconds"):
+        _check_range(cfg, name, 0)
     if cfg.engines < 0:
         raise ValueError("engines must be >= 0")
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)

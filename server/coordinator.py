@@ -71,7 +71,7 @@ class Coordinator:
                          node: int = 0) -> epd_pb2.RendezvousResponse:
         """`node`: the node rank of the joining engine (engine_index is local to it)."""
         if req.attached:
-            return await self._attached(req)
+            return await self._attached(req, node)
         spec = spec_from_proto(req.spec)
         if not 0 <= req.rank < spec.num_ranks:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
@@ -123,12 +123,10 @@ class Coordinator:
                 g.nodes.pop(req.rank, None)
                 self._drop_if_empty(g)
             elif g.group_id in self.by_id:  # formed, but its engine never learns the group's
-                # id to release the rank: released here. Before every rank attached the group
-                # cannot start, shrink or not: it is aborted, so the peers learn it now.
-                why = f"rank {req.rank} went away while the group formed"
-                if not g.all_attached.is_set():
-                    self._abort(g, why)
-                self.release(g.group_id, req.rank, why)
+                # id to release the rank: released here (before every rank attached, that
+                # aborts a shrink group too: _shrinks).
+                self.release(g.group_id, req.rank,
+                             f"rank {req.rank} went away while the group formed")
             raise
         if g.failure is not None or g.aborted is not None:
             if g.group_id in self.by_id:  # (formed, then aborted: this rank, told so, is done
@@ -197,10 +195,18 @@ class Coordinator:
             f"{sorted(self.allow_gids)}; rank {req.rank} comes from uid {req.peer_uid} "
             f"gid {req.peer_gid}")
 
-    async def _attached(self, req: epd_pb2.RendezvousRequest) -> epd_pb2.RendezvousResponse:
+    async def _attached(self, req: epd_pb2.RendezvousRequest,
+                        node: int) -> epd_pb2.RendezvousResponse:
         g = self.by_id.get(req.group_id)
         if g is None:
             raise FailedPrecondition(f"group {req.group_id!r} is gone")
+        # Only the session that holds a rank attaches it: an attach naming another rank (or
+        # one out of range) would open the barrier before that rank's control blocks are clean.
+        if (g.members.get(req.rank) != (req.engine_index, req.session_id)
+                or g.nodes.get(req.rank, 0) != node):
+            raise PermissionDenied(f"group {g.spec.name!r}: rank {req.rank} is not held by "
+                                   f"session {req.session_id} on engine {req.engine_index} of "
+                                   f"node {node}")
         g.attached.add(req.rank)
         if len(g.attached) == g.spec.num_ranks:
             g.all_attached.set()
@@ -241,9 +247,17 @@ class Coordinator:
         log.info("group %r (%s) formed: %d ranks on engines %s", g.spec.name, g.group_id,
                  g.spec.num_ranks, [g.members[r][0] for r in range(g.spec.num_ranks)])
 
-    def release(self, group_id: str, rank: int, reason: str, left: bool = False) -> None:
+    def release(self, group_id: str, rank: int, reason: str, left: bool = False,
+                node: int | None = None) -> None:
+        """A rank's engine is done with the group (`reason`: it went away). `node`: the node
+        the release came from, when another node forwards it (it may release its own ranks
+        only)."""
         g = self.by_id.get(group_id)
         if g is None:
+            return
+        if node is not None and (rank not in g.members or g.nodes.get(rank, 0) != node):
+            log.warning("group %r (%s): node %d released rank %d, which is not its own; "
+                        "ignored", g.spec.name, group_id, node, rank)
             return
         if reason and g.aborted is None and len(g.released) < g.spec.num_ranks - 1:
             if self._shrinks(g):
@@ -295,8 +309,10 @@ class Coordinator:
 
     def _shrinks(self, g: GroupInstance) -> bool:
         """Whether the group masks a rank that goes away rather than aborting (DeepEP's shrink
-        mode: a formed low-latency group joined with spec.shrink, on a backend that can)."""
-        return (g.spec.shrink and g.planned and g.formed.is_set()
+        mode: a low-latency group joined with spec.shrink, on a backend that can, once every
+        rank attached: before that the group cannot start without the rank, and its peers
+        waiting at the attach barrier must learn it now, not at their deadline)."""
+        return (g.spec.shrink and g.planned and g.formed.is_set() and g.all_attached.is_set()
                 and self.planner.supports_rank_masking)
 
     def _mark_gone(self, g: GroupInstance, ranks: list[int], reason: str) -> None:

@@ -11,8 +11,9 @@ Bounded label sets: every metric labelled by `group` maps the group name through
 256), later ones become group="_overflow". The cap counts every name a process has used, not
 only live groups: in multiprocess mode prometheus_client cannot remove a series (`remove()`
 warns "not implemented in multi-process mode" and drops only the in-process child; the sample
-stays in the process's mmap file and keeps being exported until the process exits), so freeing
-a slot when a group ends would not bound the files, the scrape or the memory.
+stays in the process's mmap file and keeps being exported after the process exits, until the
+supervisor marks it dead, which removes only its live gauges), so freeing a slot when a group
+ends would not bound the files, the scrape or the memory.
 """
 
 from __future__ import annotations
@@ -52,17 +53,21 @@ def group_label(name: str) -> str:
 
 class _GroupLabelled:
     """A metric whose first label is `group`: its values go through group_label(). Children
-    asked for by position are cached by their raw values: prometheus_client validates and
+    asked for by position are cached by their label values: prometheus_client validates and
     converts the labels on every call, microseconds a hot-path call cannot spare (a group
-    name's label never changes once given: the set of names only grows)."""
+    name's label never changes once given: the set of names only grows). A name over the cap
+    is cached as _overflow, not as itself: the cache stays as bounded as the label set (else
+    a tenant making groups of new names would grow every engine's memory without end)."""
 
     def labels(self, *values, **kw):
         if values and not kw:
             cache = self.__dict__.setdefault("_epd_children", {})
             child = cache.get(values)
             if child is None:
-                child = cache[values] = super().labels(group_label(str(values[0])),
-                                                       *values[1:])
+                key = (group_label(str(values[0])), *values[1:])
+                child = cache.get(key)
+                if child is None:
+                    child = cache[key] = super().labels(*key)
             return child
         if "group" in kw:
             kw["group"] = group_label(str(kw["group"]))

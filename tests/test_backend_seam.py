@@ -544,3 +544,96 @@ def test_a_rank_cancelled_once_its_group_formed_is_released(tmp_path, shrink: bo
             await waiting[0]
     asyncio.run(run())
     assert not coord.by_id and not coord.by_name
+
+
+@pytest.mark.parametrize("how", ["engine_lost", "node_lost", "attach failed"])
+def test_a_shrink_groups_rank_lost_before_the_attach_barrier_aborts_it(tmp_path,
+                                                                        how: str) -> None:
+    """A shrink group masks a rank that goes away once it runs; one lost after it formed but
+    before every rank attached (its engine exits, its node's lease ends, its attach fails)
+    aborts it: the rank waiting at the attach barrier learns it at once, naming why, instead
+    of waiting out its deadline to be told rank 1 "did not attach". Once all attached, a
+    rank that goes is masked and the others go on."""
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
+    spec = _proto(2, 2, name=f"shrinking-{how.replace(' ', '-')}")
+    spec.shrink = spec.low_latency_mode = True
+
+    def barrier(rank: int, gid: str) -> epd_pb2.RendezvousRequest:
+        req = _request(spec, rank, engine=rank)
+        req.attached, req.group_id = True, gid
+        return req
+
+    async def run():
+        formed = await asyncio.gather(*(coord.rendezvous(_request(spec, r, engine=r))
+                                        for r in range(2)))
+        gid = formed[0].group_id
+        rank0 = asyncio.ensure_future(coord.rendezvous(barrier(0, gid)))
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if how == "engine_lost":
+            coord.engine_lost(1)
+        elif how == "node_lost":
+            coord.by_id[gid].nodes[1] = 1  # (rank 1 on node 1)
+            coord.node_lost(1, "its lease ended")
+        else:
+            coord.release(gid, 1, "attach failed: OSError()")
+        with pytest.raises(EpdError) as ei:
+            await rank0
+        assert loop.time() - t0 < 2.0
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION, ei.value
+        assert "aborted while forming" in ei.value.message
+        coord.release(gid, 0, "")
+        assert gid not in coord.by_id
+
+        # all attached: a rank that goes is masked, the group stays for the other
+        spec.name = spec.name + "-running"
+        formed = await asyncio.gather(*(coord.rendezvous(_request(spec, r, engine=r))
+                                        for r in range(2)))
+        gid = formed[0].group_id
+        await asyncio.gather(*(coord.rendezvous(barrier(r, gid)) for r in range(2)))
+        coord.engine_lost(1)
+        g = coord.by_id[gid]
+        assert g.aborted is None and g.released == {1}
+        coord.release(gid, 0, "")
+    asyncio.run(run())
+    assert not coord.by_id and not coord.by_name
+
+
+def test_only_the_session_holding_a_rank_attaches_or_another_node_releases_it(tmp_path) -> None:
+    """The attach barrier counts a rank only from the session that joined it, on its engine and
+    node: an attach naming another rank (or one out of range) is PERMISSION_DENIED and opens
+    nothing (it would let the group start before that rank's control blocks are clean). A
+    release forwarded by another node for a rank it does not hold is ignored."""
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
+    spec = _proto(2, 2, name="attach-owners")
+
+    def barrier(rank: int, gid: str, *, engine: int | None = None,
+                session: str | None = None) -> epd_pb2.RendezvousRequest:
+        req = _request(spec, rank, engine=rank if engine is None else engine)
+        req.attached, req.group_id = True, gid
+        if session is not None:
+            req.session_id = session
+        return req
+
+    async def run():
+        formed = await asyncio.gather(*(coord.rendezvous(_request(spec, r, engine=r))
+                                        for r in range(2)))
+        gid = formed[0].group_id
+        g = coord.by_id[gid]
+        for bad, node in ((barrier(1, gid, session="s0"), 0), (barrier(1, gid, engine=0), 0),
+                          (barrier(5, gid), 0), (barrier(1, gid), 1)):
+            with pytest.raises(EpdError) as ei:
+                await coord.rendezvous(bad, node=node)
+            assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED, ei.value
+            assert "is not held by session" in ei.value.message
+        assert not g.attached and not g.all_attached.is_set()
+        coord.release(gid, 1, "evil", node=1)  # (rank 1 lives on node 0)
+        coord.release(gid, 7, "evil", node=0)
+        assert g.aborted is None and not g.released
+        await asyncio.gather(*(coord.rendezvous(barrier(r, gid)) for r in range(2)))
+        assert g.all_attached.is_set() and g.aborted is None
+        for r in range(2):
+            coord.release(gid, r, "", node=0)
+    asyncio.run(run())
+    assert not coord.by_id and not coord.by_name

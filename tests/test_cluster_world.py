@@ -4,11 +4,14 @@ and the CUDA planner's sizes: no GPU."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
+import grpc
 import pytest
 
 from epd.proto.errors import FailedPrecondition
+from epd.proto.v1 import epd_pb2
 from epd.server.backends.cuda_plan import CudaPlanner
 from epd.server.cluster_world import NodeState, WorldKeeper
 
@@ -102,7 +105,6 @@ class _Sup:
 
 
 def test_node_0_and_a_member_follow_the_world_through_a_loss() -> None:
-    from epd.proto.v1 import epd_pb2
     from epd.server.cluster import ClusterHub, ClusterMember, NodeLease
 
     sup0, sup1 = _Sup(0), _Sup(1, engines=3)
@@ -143,3 +145,54 @@ def test_node_0_and_a_member_follow_the_world_through_a_loss() -> None:
     assert sup0.world_generation == 0 and "node 1 went away" in sup0.log[-1][1]
     member._follow_world(hub._event())
     assert sup1.world_generation == 0 and sup1.log[-1][0] == "leave"
+
+
+class _Context:
+    """A gRPC servicer context: the cluster token sent, abort raising as grpc.aio's does."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def invocation_metadata(self):
+        return (("epd-cluster-token", self.token),)
+
+    def peer(self) -> str:
+        return "ipv4:10.0.0.2:5555"
+
+    async def abort(self, code, details):
+        raise AssertionError((code, details))
+
+
+def test_node_0_checks_what_another_node_asks_of_its_coordinator() -> None:
+    """A rendezvous naming an engine its node does not have is INVALID_ARGUMENT (the engine
+    index picks the rank's PE); a release from a node without a live lease is not passed on
+    (node_lost released its ranks); a release from a live one goes on naming its node (the
+    coordinator lets a node release its own ranks only)."""
+    from epd.server.cluster import ClusterHub, NodeLease
+
+    sup0 = _Sup(0)
+    released: list[tuple] = []
+    sup0.coordinator = SimpleNamespace(
+        release=lambda *a, **kw: released.append((a, kw)),
+        rendezvous=lambda *a, **kw: None)
+    hub = ClusterHub(sup0, "t")
+    hub.nodes[1] = NodeLease(1, "inc1", "n1", [epd_pb2.EngineInfo()] * 3)
+    ctx = _Context("t")
+
+    def call(method: str, req):
+        return asyncio.run(getattr(hub, method)(req, ctx))
+
+    rv = epd_pb2.ClusterRendezvousRequest(node_rank=1, incarnation="inc1",
+                                          request=epd_pb2.RendezvousRequest(engine_index=3))
+    with pytest.raises(AssertionError) as ei:
+        call("Rendezvous", rv)
+    code, details = ei.value.args[0]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "node 1 has 3 engine(s)" in details
+    rel = epd_pb2.ClusterReleaseRequest(
+        node_rank=1, incarnation="old", request=epd_pb2.ReleaseRankRequest(
+            group_id="g1", rank=2, reason="gone"))
+    call("ReleaseRank", rel)
+    assert released == []  # (another incarnation: no lease)
+    rel.incarnation = "inc1"
+    call("ReleaseRank", rel)
+    assert released == [(("g1", 2, "gone"), {"left": False, "node": 1})]

@@ -63,6 +63,13 @@ def test_toml_epd_table_and_env_config(tmp_path: Path):
     (["--cuda-max-connections", "64"], {}, None, "cuda_max_connections"),
     ([], {"EPD_CUDA_MAX_CONNECTIONS": "0"}, None, "cuda_max_connections"),
     (["--slow-operation-seconds", "-1"], {}, None, "slow_operation_seconds"),
+    # NaN passed every `<= 0` check: no default deadline, engines never restarted
+    ([], {"EPD_TIMEOUT_SECONDS": "nan"}, None, "timeout_seconds must be a finite"),
+    ([], {"EPD_RESTART_BACKOFF_SECONDS": "nan"}, None, "restart_backoff_seconds"),
+    ([], {"EPD_CLUSTER_HEARTBEAT_SECONDS": "inf"}, None, "cluster_heartbeat_seconds"),
+    ([], {"EPD_MAX_TIMEOUT_SECONDS": "0"}, None, "max_timeout_seconds"),
+    (["--metrics-port", "70000"], {}, None, "metrics_port"),
+    ([], {"EPD_DRAIN_SECONDS": "-1"}, None, "drain_seconds"),
 ])
 def test_bad_values_name_the_setting(tmp_path, argv, env, toml, setting):
     if toml is not None:
@@ -116,3 +123,12 @@ def test_serve_rejects_a_bad_setting():
 def test_topology_without_daemon(tmp_path):
     r = _run(sys.executable, "-m", "epd.server.cli", "topology", "--socket-dir", str(tmp_path))
     assert r.returncode == 1 and "no daemon answers" in r.stderr
+
+
+def test_topology_and_env_follow_epd_socket_dir(tmp_path):
+    """As the client library does: EPD_SOCKET_DIR names the daemon (was: /run/epd always)."""
+    for cmd in ("topology", "env"):
+        r = subprocess.run([sys.executable, "-m", "epd.server.cli", cmd], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "EPD_SOCKET_DIR":
+                                                       str(tmp_path / "sock")})
+        assert r.returncode != 0 and str(tmp_path / "sock") in r.stderr, (cmd, r.stderr)

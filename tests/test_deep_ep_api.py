@@ -532,3 +532,86 @@ def test_receive_hook_holds_the_inputs_until_it_ran() -> None:
     gc.collect()
     assert calls == [("signal", 1), ("wait",)]
     assert all(r() is None for r in refs), "the hook kept the inputs after it ran"
+
+
+def two_buffers_rank(endpoint: str, rank: int, port: int) -> dict:
+    """Two Buffers on one torch.distributed group (gloo), as a framework with two EP groups of
+    the same shape (or two models) makes them: each must get a daemon group of its own."""
+    import torch.distributed as dist
+
+    from epd.client.buffer import Buffer
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    bufs = []
+    try:
+        out: dict = {"names": [], "recv_x": []}
+        for i in range(2):
+            buf = Buffer(dist.group.WORLD, int(1e9), 0, endpoint=endpoint, max_tokens_per_rank=16)
+            bufs.append(buf)
+            c = TWO_BUFFERS[i]
+            inp = c.inputs(rank)
+            n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(inp["topk_idx"],
+                                                                   c.num_experts)
+            recv_x, *_ = buf.dispatch(inp["x"], num_tokens_per_rank=n_rank,
+                                      is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
+                                      topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
+            out["names"].append(buf.group_name)
+            out["recv_x"].append(np.asarray(recv_x).copy())
+        return out
+    finally:
+        for buf in bufs:
+            buf.destroy()
+        dist.destroy_process_group()
+
+
+TWO_BUFFERS = [Case(group="unused", num_ranks=2, num_experts=8, hidden=128, num_topk=2,
+                    tokens=(6, 9), max_tokens=16, seed=s) for s in (71, 72)]
+
+
+def test_buffers_of_one_group_get_groups_of_their_own(daemon, ranks) -> None:
+    """The default group name is agreed by a Buffer's ranks over its torch group at
+    construction (rank 0's token): two Buffers of one shape on one group (or two jobs on one
+    node) no longer meet in one daemon group (the second one's join was refused, "rank 0 ...
+    is already taken", or worse, ranks of two jobs formed one group)."""
+    from epd.server.demo import _free_port
+    port = _free_port()
+    results = ranks.run_ok([(two_buffers_rank, daemon.socket(r), r, port) for r in range(2)],
+                           timeout=120)
+    names = [res["names"] for res in results]
+    assert names[0] == names[1] and names[0][0] != names[0][1], names
+    assert all(n.startswith("deep_ep-") for n in names[0])
+    for i, c in enumerate(TWO_BUFFERS):
+        want = reference(c)
+        for r, res in enumerate(results):
+            assert_exact(res["recv_x"][i], want["disp"][r].recv_x, f"buffer {i} rank {r}")
+
+
+def test_a_growth_that_fails_changes_nothing(daemon) -> None:
+    """A dispatch whose num_worst_tokens the daemon cannot hold (a group of 2**30 tokens per
+    rank: refused at its join), or that no int32 carries, raises InvalidArgument and leaves the
+    Buffer as it was: its capacity, its group, and the next call of the shape runs (it kept
+    asking for the huge group, and failed, for the life of the process)."""
+    from epd.client.buffer import Buffer
+    from epd.proto.errors import EpdError
+
+    buf = Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0,
+                 group_name="api-failed-growth", max_tokens_per_rank=8)
+    try:
+        idx, w = np.zeros((4, 1), np.int64), np.ones((4, 1), np.float32)
+        x = np.arange(4 * 64, dtype=np.float32).reshape(4, 64)
+
+        def dispatch(**kw):
+            n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+            return buf.dispatch(x, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                                num_tokens_per_expert=n_exp, topk_idx=idx, topk_weights=w,
+                                **kw)[0]
+        assert_exact(dispatch(), x, "before")
+        groups = dict(buf._groups)
+        with pytest.raises(InvalidArgument, match="num_worst_tokens=4294967296"):
+            dispatch(num_worst_tokens=2**32)
+        with pytest.raises(EpdError):
+            dispatch(num_worst_tokens=2**30)
+        assert buf.max_tokens_per_rank == 8 and buf._groups == groups and not buf._retired
+        assert_exact(dispatch(), x, "after")
+    finally:
+        buf.destroy()

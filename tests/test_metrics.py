@@ -175,3 +175,28 @@ def test_a_flush_observes_as_observe_would():
     finite = [v for v in values if not math.isnan(v) and not math.isinf(v)]
     metrics.observe_all(hs[1].labels("c"), finite)
     assert regs[1].get_sample_value("t_all_seconds_sum", {"g": "c"}) == math.fsum(finite)
+
+
+def test_group_names_over_the_cap_do_not_grow_the_label_cache():
+    """A name over --max-group-label-values shares the _overflow child: the per-metric cache of
+    children stays as bounded as the exported label set however many names a tenant uses."""
+    from prometheus_client import CollectorRegistry
+
+    from epd.server import metrics
+
+    saved_cap, saved_names = metrics._group_cap, set(metrics._group_names)
+    try:
+        metrics.set_group_label_cap(len(metrics._group_names) + 3)
+        reg = CollectorRegistry()
+        c = metrics.GroupCounter("t_group_cap", "t", ["group", "peer"], registry=reg)
+        for i in range(2000):
+            c.labels(f"tenant-job-{i}", "shm").inc()
+        assert len(c._epd_children) <= 4  # three names, and _overflow
+        assert reg.get_sample_value("t_group_cap_total",
+                                    {"group": metrics.OVERFLOW_GROUP, "peer": "shm"}) == 1997
+        assert reg.get_sample_value("t_group_cap_total",
+                                    {"group": "tenant-job-0", "peer": "shm"}) == 1
+    finally:
+        metrics._group_cap = saved_cap
+        metrics._group_names.clear()
+        metrics._group_names.update(saved_names)

@@ -528,6 +528,11 @@ def test_rejoin_needs_a_backend_that_takes_ranks_back(takes_back: bool, same_eng
                                              timeout_seconds=5, has_peer=True, peer_uid=1)
         first = await asyncio.gather(c.rendezvous(req(0)), c.rendezvous(req(1)))
         assert not first[1].rejoining
+        attached = []  # (the group runs: a rank gone before all attached aborts it)
+        for r in range(2):
+            attached.append(req(r))
+            attached[-1].attached, attached[-1].group_id = True, first[0].group_id
+        await asyncio.gather(*(c.rendezvous(a) for a in attached))
         c.release(first[0].group_id, 1, "rank 1 went away")
         again = req(1)
         again.engine_index = engine
