@@ -467,7 +467,8 @@ class Buffer(LowLatencyMixin):
         DeepEP's tuple (see BufferHandle)."""
         self._check_config(config)
         x, x_scales = x if isinstance(x, tuple) else (x, None)
-        x_scales = T.rows_dense(x_scales)  # DeepEP's tests pass them column-major
+        # (DeepEP's tests pass scales column-major: the call makes them row-dense, inside the
+        # call so that the copy runs on the stream the call runs on, after previous_event)
         x_shape, x_dtype = T.meta(x, "x")
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
@@ -477,7 +478,7 @@ class Buffer(LowLatencyMixin):
                 raise InvalidArgument("handle must be one a dispatch of this Buffer returned")
             g = handle.handle.group
             out, event = self._run(
-                x, lambda: g.dispatch(x, x_scales=x_scales, handle=handle.handle,
+                x, lambda: g.dispatch(x, x_scales=T.rows_dense(x_scales), handle=handle.handle,
                                       expert_alignment=expert_alignment, timeout=self.timeout,
                                       num_worst_tokens=num_worst_tokens,
                                       num_sms=self._sms(g, config)),
@@ -505,7 +506,8 @@ class Buffer(LowLatencyMixin):
         g = self._group(x_shape[1], idx_shape[1], combine_dtype, int(num_experts))
         g, (out, event) = self._dispatch_growing(
             g, num_worst_tokens, lambda g: self._run(
-                x, lambda: g.dispatch(x, topk_idx, topk_weights, x_scales=x_scales,
+                x, lambda: g.dispatch(x, topk_idx, topk_weights,
+                                      x_scales=T.rows_dense(x_scales),
                                       expert_alignment=expert_alignment, timeout=self.timeout,
                                       num_worst_tokens=num_worst_tokens,
                                       num_sms=self._sms(g, config)),
@@ -539,7 +541,8 @@ class Buffer(LowLatencyMixin):
             g = self._group(x_shape[1], 1, combine_dtype, int(num_experts))
         g, (out, event) = self._dispatch_growing(
             g, num_worst_tokens, lambda g: self._run(
-                x, lambda: g.dispatch(x, x_scales=x_scales, expert_alignment=expert_alignment,
+                x, lambda: g.dispatch(x, x_scales=T.rows_dense(x_scales),
+                                      expert_alignment=expert_alignment,
                                       num_worst_tokens=num_worst_tokens, timeout=self.timeout,
                                       is_token_in_rank=is_token_in_rank,
                                       num_tokens_per_expert=num_tokens_per_expert),

@@ -16,6 +16,7 @@ nothing and waiting on it returns at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -147,6 +148,9 @@ def _tensors(obj: Any) -> Iterator[Any]:
     elif isinstance(obj, (tuple, list)):
         for o in obj:
             yield from _tensors(o)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a call's results
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
 
 
 def run_on_streams(get_comm_stream: Callable[[], Any], template: Any, call: Callable[[], Any],
@@ -190,6 +194,12 @@ def run_on_streams(get_comm_stream: Callable[[], Any], template: Any, call: Call
     for t in _tensors(inputs):  # read on the comm stream: not reused before it passes
         with contextlib.suppress(RuntimeError):
             t.record_stream(comm)
+    # The outputs were made on the comm stream and are used on the compute stream: freed, the
+    # allocator must not give their memory to the next comm-stream call before the compute
+    # stream's work queued by then passed (DeepEP records the compute stream alike).
+    for t in _tensors(result):
+        with contextlib.suppress(RuntimeError):
+            t.record_stream(compute)
     return result, EventOverlap(EventHandle(stream=comm))
 
 

@@ -201,11 +201,11 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
         lease = NodeLease(rank, first.incarnation, first.node_name, list(first.engines),
                           world_generation=first.world_generation)
         self.nodes[rank] = lease
-        self.tend_world()
         log.info("node %d (%s, incarnation %s) registered with %d engine(s)", rank,
                  first.node_name, first.incarnation, len(first.engines))
         why = "its lease stream ended"
-        try:
+        try:  # (from here on the lease ends with the stream, whatever fails: _lease_ended)
+            self.tend_world()
             yield self._event()
             while True:
                 try:
@@ -298,6 +298,7 @@ class ClusterMember:
         self.connected = False
         self.view: epd_pb2.ClusterInfo | None = None
         self.last_error = ""
+        self.node0_incarnation = ""  # the node 0 whose worlds this node follows
         self.groups: dict[str, AdoptedGroup] = {}
         self._channel: grpc.aio.Channel | None = None
         self._stub: epd_pb2_grpc.ClusterStub | None = None
@@ -349,25 +350,34 @@ class ClusterMember:
 
     async def _lease(self) -> str:
         """One lease: returns why it ended."""
-        period = self.cfg.cluster_heartbeat_seconds
+        # Node 0 ends a lease after MISSED_HEARTBEATS of its own periods: beat at the shorter
+        # of the two (its period comes with every event).
+        period = [self.cfg.cluster_heartbeat_seconds]
         call = self._stub.Lease(metadata=self.metadata)
 
         async def beat() -> None:
             while True:
                 await call.write(self._heartbeat())
-                await asyncio.sleep(period)
+                await asyncio.sleep(period[0])
 
         sender = asyncio.create_task(beat())
         try:
             while True:
+                wait = MISSED_HEARTBEATS * max(period[0], self.cfg.cluster_heartbeat_seconds)
                 try:
-                    ev = await asyncio.wait_for(call.read(), timeout=MISSED_HEARTBEATS * period)
+                    ev = await asyncio.wait_for(call.read(), timeout=wait)
                 except TimeoutError:
-                    return f"no answer from node 0 within {MISSED_HEARTBEATS * period:g} s"
+                    return f"no answer from node 0 within {wait:g} s"
                 if ev is grpc.aio.EOF:
                     return "node 0 ended the lease"
+                if ev.heartbeat_seconds > 0:
+                    period[0] = min(self.cfg.cluster_heartbeat_seconds, ev.heartbeat_seconds)
                 self.view = ev.cluster
-                self._follow_world(ev)
+                try:
+                    self._follow_world(ev)
+                except Exception as e:  # (an engine that cannot start: end this lease and
+                    log.exception("following node 0's world failed")  # register again)
+                    return f"following node 0's world failed: {e!r}"
                 if not self.connected:
                     self.connected = True
                     self.last_error = ""
@@ -389,6 +399,11 @@ class ClusterMember:
         sup = self.sup
         if not sup.world_mode:
             return
+        node0 = ev.cluster.nodes[0].incarnation if ev.cluster.nodes else ""
+        if node0 and node0 != self.node0_incarnation:
+            if self.node0_incarnation:  # node 0 restarted: its worlds count from 1 again
+                sup.world_left = 0
+            self.node0_incarnation = node0
         if ev.HasField("world"):
             if ev.world.generation > max(sup.world_generation, sup.world_left):
                 sup.enter_world(ev.world)
@@ -449,6 +464,7 @@ class ClusterMember:
                                                           tuple(resp.rank_nodes),
                                                           shrink=req.spec.shrink)
         g.local[req.rank] = req.engine_index
+        g.released.discard(req.rank)  # (a replacement of a rank that went away: held again)
         out = epd_pb2.RendezvousResponse()
         out.CopyFrom(resp)
         out.plan = g.plan

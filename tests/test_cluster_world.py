@@ -196,3 +196,27 @@ def test_node_0_checks_what_another_node_asks_of_its_coordinator() -> None:
     rel.incarnation = "inc1"
     call("ReleaseRank", rel)
     assert released == [(("g1", 2, "gone"), {"left": False, "node": 1})]
+
+
+def test_a_member_follows_a_restarted_node_0s_worlds() -> None:
+    """A restarted node 0 numbers its worlds from 1 again: a member that left world 1 of the
+    old node 0 must enter world 1 of the new one (it ignored every world up to the one it had
+    left, so the new node 0's engines waited for it until their start timeout, each time)."""
+    from epd.server.cluster import ClusterHub, ClusterMember, NodeLease
+
+    sup1 = _Sup(1, engines=3)
+    member = ClusterMember(sup1, "t")
+    for restart in range(2):
+        sup0 = _Sup(0)
+        sup0.incarnation = f"inc0-{restart}"
+        hub = sup0.hub = ClusterHub(sup0, "t")
+        hub.nodes[1] = NodeLease(1, sup1.incarnation, "n1", [epd_pb2.EngineInfo()] * 3)
+        hub.tend_world()
+        assert hub._event().world.generation == 1
+        member._follow_world(hub._event())
+        assert sup1.world_generation == 1 and sup1.log[-1] == ("enter", 1), sup1.log
+        member._coordinator_lost("node 0 went away")  # (its lease stream broke)
+        assert sup1.world_generation == 0 and sup1.world_left == 1
+        # the old node 0's world, seen again, is still not entered
+        member._follow_world(hub._event())
+        assert sup1.world_generation == 0

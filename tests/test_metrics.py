@@ -67,7 +67,22 @@ def test_gauges(daemon, traffic):
         assert value(ss, "epd_sessions", engine=e) == 0  # all sessions closed
     assert value(ss, "epd_build_info", backend="cpu") == 1
     assert ss["epd_build_info"][0].labels["version"]
-    assert value(ss, "epd_expert_load_imbalance_ratio", group="metrics-g") >= 1.0
+    # (the group is gone: its imbalance reads 0, and its alert stops firing)
+    assert value(ss, "epd_expert_load_imbalance_ratio", group="metrics-g") == 0
+
+
+def test_load_imbalance_while_the_group_lives(daemon):
+    """max / mean of the last layout's tokens per expert while the group is held; 0 once the
+    group is gone (it stayed at its last value, and EpdExpertLoadImbalance kept firing)."""
+    with Session(daemon.socket(0), timeout=5) as s:
+        g = s.join("metrics-skewed", rank=0, num_ranks=1, num_experts=4, hidden=128,
+                   max_tokens_per_rank=8, num_topk=1)
+        g.get_dispatch_layout(np.array([[0]] * 7 + [[1]], np.int64))  # 7, 1, 0, 0 tokens
+        assert value(samples(daemon), "epd_expert_load_imbalance_ratio",
+                     group="metrics-skewed") == 3.5
+        g.leave()
+        assert value(samples(daemon), "epd_expert_load_imbalance_ratio",
+                     group="metrics-skewed") == 0
 
 
 def test_sessions_gauge_counts_open_sessions(daemon):

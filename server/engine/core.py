@@ -342,6 +342,8 @@ class Engine(StreamCalls, DataPlane):
                 sms[(key[0], mode)] = max(sms.get((key[0], mode), 0), n)
         for label in self._held_series - set(held):
             metrics.GROUP_HELD_BYTES.labels(label).set(0)
+            # (a group gone has no load to be imbalanced: its alert must stop firing)
+            metrics.LOAD_IMBALANCE.labels(label).set(0)
         for label, n in held.items():
             metrics.GROUP_HELD_BYTES.labels(label).set(n)
         self._held_series |= set(held)
