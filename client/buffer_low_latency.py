@@ -5,7 +5,8 @@ On the cpu backend a call is synchronous (its data has arrived when it returns; 
 nothing). On the cuda backend every call goes through an armed op (client/stream_ops.py) kept
 by the Buffer's cache (client/stream_op_cache.py): "plain" calls copy their outputs for the
 caller on the stream, calls with `return_recv_hook=True` and calls captured into a CUDA graph
-return the engine's views and are pinned (a graph bakes in the op's counter slot). README
+return the engine's views; a graph's op is pinned (it bakes in the op's counter slot), a
+hook's is held until the hook ran and then kept as plain ones are. README
 "Low-latency (decode) mode" and docs/DESIGN_NOTES.md "Plain low-latency calls" have the rest.
 """
 
@@ -136,7 +137,8 @@ class LowLatencyMixin:
                 scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
                 hook, event = self._trigger(op, x, return_recv_hook, async_finish,
                                             scales.fill if scales is not None else None, buffer,
-                                            (x, topk_idx, cumulative_local_expert_recv_stats))
+                                            (x, topk_idx, cumulative_local_expert_recv_stats),
+                                            held=e if mode == "hook" else None)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
                 return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
                         event, hook)
@@ -194,7 +196,8 @@ class LowLatencyMixin:
                     (x, topk_idx, topk_weights), buffer)
                 return result, event, None
             hook, event = self._trigger(op, x, return_recv_hook, async_finish, buffer=buffer,
-                                        inputs=(x, topk_idx, topk_weights))
+                                        inputs=(x, topk_idx, topk_weights),
+                                        held=e if mode == "hook" else None)
             return op.result, event, hook
         cx, event = self._run(
             x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
@@ -302,11 +305,13 @@ class LowLatencyMixin:
         cache = self._stream_ops
         if mode == "plain":
             cache.check()
-        e = cache.get(key, pin=mode != "plain")
+        # (a graph's op is pinned for good; a hook's held until the hook ran: _trigger)
+        pin, hold = mode == "graph", mode == "hook"
+        e = cache.get(key, pin=pin, hold=hold)
         if e is None:
             with cuda_ipc.relaxed_capture(mode == "graph"):
-                e = cache.arm(key, arm, pin=mode != "plain", capturing=mode == "graph",
-                              source=source)
+                e = cache.arm(key, arm, pin=pin, capturing=mode == "graph", source=source,
+                              hold=hold)
             if mode == "plain":  # its copy-out kernel compiled now, off the calls that follow
                 received_rows.load(self.session.device_ordinal)
         return e
@@ -351,7 +356,8 @@ class LowLatencyMixin:
             g.check()
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
-                 after: Any = None, buffer: int = 0, inputs: tuple = ()):
+                 after: Any = None, buffer: int = 0, inputs: tuple = (),
+                 held: Entry | None = None):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
         half is enqueued now and the hook enqueues the receive half. Else both halves, on the
         comm stream with an event after them when `async_finish` (run_on_streams). `after`
@@ -362,11 +368,14 @@ class LowLatencyMixin:
         back to its allocator and could be rewritten by the caller's next work before the
         engine read it (seen on 2x H200: a freed topk_idx reused for the next micro-batch's x).
         So the hook holds them until it has made the stream wait for the op's end (work after
-        that is ordered after the engine's read); on the comm stream they are recorded there."""
+        that is ordered after the engine's read); on the comm stream they are recorded there.
+        `held`: the cache entry the call holds until its hook ran (then evictable)."""
         def receive() -> None:
-            op.wait()  # the receive half, on the stream current then
+            stream = op.wait()  # the receive half, on the stream current then
             if after is not None:
                 after()
+            if held is not None:
+                self._stream_ops.release(held, stream)
 
         if return_recv_hook:
             op.signal(buffer=buffer)

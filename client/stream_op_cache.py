@@ -6,12 +6,15 @@ to the daemon. Tensors are named by address *and* CUDA buffer id, so an allocati
 replaced at the same address arms a new op instead of reading through a stale mapping.
 
 Two kinds of entries:
-- **pinned**: ops used while a CUDA graph was captured or with a receive hook. A graph bakes in
-  the op's counter slot, so these stay armed for the Buffer's life.
-- **plain**: ops of plain calls, kept least-recently-used, at most `limit`. Evicting one disarms
-  it (its counter slot goes back to the session); that waits until the op's last trigger has
-  passed on the GPU (an event recorded behind it), so no trigger is ever dropped. A combine is
-  evicted with the dispatch it reads.
+- **pinned**: ops used while a CUDA graph was captured. A graph bakes in the op's counter slot,
+  so these stay armed for the Buffer's life.
+- **plain**: ops of plain calls and of calls with a receive hook, kept least-recently-used, at
+  most `limit`. Evicting one disarms it (its counter slot goes back to the session); that waits
+  until the op's last trigger has passed on the GPU (an event recorded behind it), so no
+  trigger is ever dropped. A call with a hook holds its op until the hook ran (the hook
+  enqueues the op's receive half; an event is recorded behind it then). A combine is evicted
+  with the dispatch it reads. (Hook ops were pinned: a server in eager mode, whose every new
+  batch size is a new call, ran out of the session's counter slots after ~60 steps.)
 
 Failures the GPU reports in a plain op's done word raise `EpdError` at the Buffer's next
 low-latency call once that trigger is known to be complete (the plain call's asynchronous error,
@@ -44,6 +47,7 @@ class Entry:
     event: Any = None  # cuda_ipc.StreamEvent recorded behind the op's last plain trigger
     triggers: int = 0
     reported: int = 0  # the trigger whose failure was raised
+    holds: int = 0  # calls with a receive hook that has not run yet (not evicted meanwhile)
     users: list[Entry] = field(default_factory=list)  # combines reading this dispatch
 
 
@@ -59,7 +63,9 @@ class StreamOpCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: tuple, *, pin: bool) -> Entry | None:
+    def get(self, key: tuple, *, pin: bool, hold: bool = False) -> Entry | None:
+        """The armed entry of `key` (None: none); `pin` pins it for good, `hold` until
+        `release()`."""
         e = self._entries.get(key)
         if e is None:
             return None
@@ -67,12 +73,14 @@ class StreamOpCache:
             self._entries.move_to_end(key)
             if pin:
                 self._pin(e)
+            if hold:
+                e.holds += 1
             return e
         self._forget(e)  # disarmed elsewhere (its group left)
         return None
 
     def arm(self, key: tuple, arm: Callable[[], StreamOp], *, pin: bool, capturing: bool,
-            source: Entry | None = None) -> Entry | None:
+            source: Entry | None = None, hold: bool = False) -> Entry | None:
         """Arm a new op with `arm()`, evicting plain ops first while the cache is full or the
         session is out of counter slots. Nothing is evicted while a graph is captured (the
         wait for an op's last trigger is no capturable work). None when a plain call finds no
@@ -97,7 +105,17 @@ class StreamOpCache:
             source.users.append(e)
         if pin:
             self._pin(e)
+        if hold:
+            e.holds += 1
         return e
+
+    def release(self, e: Entry, stream: int) -> None:
+        """A receive hook of a call on `e` ran, enqueuing the op's receive half on `stream`:
+        the op may be evicted once that has passed (an event recorded behind it)."""
+        e.holds = max(e.holds - 1, 0)
+        if e.event is None:
+            e.event = self._new_event(self.device)
+        e.event.record(stream)
 
     def ops(self) -> list[StreamOp]:
         """The armed ops, least recently used first."""
@@ -154,7 +172,8 @@ class StreamOpCache:
         """Disarm the least recently used plain dispatch (with its combines) or plain combine;
         never `keep` (the dispatch a combine being armed reads)."""
         for e in list(self._entries.values()):
-            if e.pinned or e is keep or any(u.pinned for u in e.users):
+            if (e.pinned or e.holds or e is keep
+                    or any(u.pinned or u.holds for u in e.users)):
                 continue
             self._drop(e)
             return True

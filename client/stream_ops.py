@@ -97,9 +97,12 @@ class StreamOp:
         cuda_driver.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
         return h
 
-    def wait(self, stream: Any = None) -> None:
-        """The receive half: later work on the stream waits for the op's outputs."""
-        cuda_driver.stream_wait_geq(self._stream(stream), self._done, DONE_OK)
+    def wait(self, stream: Any = None) -> int:
+        """The receive half: later work on the stream waits for the op's outputs. Returns the
+        stream's handle."""
+        h = self._stream(stream)
+        cuda_driver.stream_wait_geq(h, self._done, DONE_OK)
+        return h
 
     def launch(self, stream: Any = None, buffer: int = 0) -> Any:
         """signal() then wait(); returns the op's outputs in that buffer (fixed views)."""

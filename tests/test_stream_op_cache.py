@@ -213,3 +213,41 @@ def test_a_stream_events_host_wait_has_a_deadline() -> None:
     assert e.wait(0.05) is False and time.monotonic() - t0 < 1.0
     e._event.done = True
     assert e.wait(0.05) is True
+
+
+def test_a_hook_op_is_held_until_its_hook_ran_then_kept_lru() -> None:
+    """A call with a receive hook holds its op until the hook ran (its receive half), then the
+    op is evicted like a plain one, after an event recorded behind that half. (Pinned for good
+    before: a server in eager mode, whose every new batch size is a new call with a hook, ran
+    out of counter slots after ~60 steps.) A dispatch whose combine holds is kept."""
+    log: list = []
+    c = _cache(2)
+    h = c.arm(("h",), lambda: FakeOp(log=log), pin=False, capturing=False, hold=True)
+    assert h.holds == 1 and not h.pinned
+    a = c.arm(("a",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    c.arm(("b",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert log == [("disarm", a.op.op_id)]  # h, held, was passed over
+    c.release(h, 7)
+    assert h.holds == 0 and h.event.recorded == 1
+    c.arm(("c",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert log[-1] == ("disarm", h.op.op_id) and h.event.waited == 1
+    # a dispatch held by its combine's pending hook stays; once released, both may go
+    d = c.arm(("d",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    comb = c.arm(("dc",), lambda: FakeOp("combine", log), pin=False, capturing=False,
+                 source=d, hold=True)
+    n = len(log)
+    c.arm(("e",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert d.op.armed and comb.op.armed and len(log) == n and len(c) == 3  # (over the
+    # limit for a while: nothing could go)
+    assert c.get(("dc",), pin=False, hold=True) is comb and comb.holds == 2
+    c.release(comb, 7)
+    c.release(comb, 7)
+    c.arm(("f",), lambda: FakeOp(log=log), pin=False, capturing=False)
+    assert not d.op.armed and not comb.op.armed  # (evicted together)
+    assert comb.event.waited == 1 and len(c) == 2
+
+    def full() -> FakeOp:
+        raise ResourceExhausted("no free counter slot")
+
+    # out of slots with nothing evictable: a hook call takes the synchronous path
+    assert _cache(8).arm(("x",), full, pin=False, capturing=False, hold=True) is None

@@ -300,3 +300,47 @@ def test_two_micro_batches_in_flight(daemon) -> None:
                 np.testing.assert_array_equal(
                     got["cx"][b], _combined(xs, idx, w, r, True),
                     err_msg=f"mode {mode} iteration {it} micro-batch {b} rank {r}")
+
+
+def _eager_hooks_rank(rank: int, socket: str, device: int, q) -> None:
+    """A server in eager mode (vLLM's DeepEP low-latency path): every step a dispatch and a
+    combine with return_recv_hook=True on fresh tensors of a new batch size. 80 steps, more
+    than the session's 64 counter slots: the hook ops are kept LRU once their hooks ran (they
+    were pinned, and the session ran out of slots after ~60 steps). Each step exact."""
+    os.environ["EPD_LL_PLAIN_OPS"] = "4"
+    import torch
+
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "steps": []}
+    with Session(socket, client_name=f"gpu-ll-eager-{rank}", timeout=30) as s:
+        buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                     group_name="gpu-ll-eager")
+        for step in range(80):
+            t = 1 + step % M
+            x, idx, w = _inputs(200 + step, rank, t)
+            tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
+            recv, _, handle, _, hook = buf.low_latency_dispatch(tx, tidx, M, E,
+                                                                return_recv_hook=True)
+            hook()
+            cx, _, chook = buf.low_latency_combine(recv, tidx, tw, handle,
+                                                   return_recv_hook=True)
+            chook()
+            torch.cuda.synchronize()
+            res["steps"].append(_bits(cx))
+        buf.check()
+        res["armed"] = len(buf._stream_ops)
+    q.put(res)
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_hook_calls_of_new_batch_sizes_do_not_run_out_of_slots(daemon) -> None:
+    results = _spawn_ranks(daemon, _eager_hooks_rank, R)
+    for step in range(80):
+        ins = [_inputs(200 + step, r, 1 + step % M) for r in range(R)]
+        xs, idx, w = ([i[j] for i in ins] for j in range(3))
+        for r, res in enumerate(results):
+            np.testing.assert_array_equal(res["steps"][step], _combined(xs, idx, w, r, True))
+    for res in results:
+        assert res["armed"] <= 4 + 2, res["armed"]
