@@ -388,7 +388,7 @@ class Buffer(LowLatencyMixin):
                            timeout=self.timeout, service_class=self.service_class,
                            shrink=self.enable_shrink and bool(low_latency_tokens))
             self._groups[key] = g
-            if low_latency_tokens and self._pending_masks:
+            if low_latency_tokens and self.enable_shrink:
                 self._apply_pending_masks(g)
         return g
 
@@ -418,7 +418,7 @@ class Buffer(LowLatencyMixin):
         """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
         is_token_in_rank, event). num_tokens_per_rdma_rank (tokens per destination node, in
         ascending node order) is None unless the group spans nodes, as DeepEP intranode."""
-        self._num_experts = num_experts
+        C.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(idx_shape) != 2:
             raise InvalidArgument(f"topk_idx must be 2-D, got shape {list(idx_shape)}")
@@ -447,6 +447,7 @@ class Buffer(LowLatencyMixin):
             call = lambda: g.get_dispatch_layout(topk_idx)  # noqa: E731
         (per_rank, per_expert, in_rank), event = self._run(
             topk_idx, call, previous_event, async_finish, allocate_on_comm_stream, (topk_idx,))
+        self._num_experts = num_experts  # (a dispatch without num_tokens_per_expert)
         per_node = None
         if len(set(g.rank_nodes)) > 1:  # cluster mode, a group over several nodes
             per_node = C.tokens_per_node(in_rank, g.rank_nodes)
@@ -466,6 +467,15 @@ class Buffer(LowLatencyMixin):
         (recv_x, None, None, None, None, event), as DeepEP does. The handle is indexable as
         DeepEP's tuple (see BufferHandle)."""
         self._check_config(config)
+        C.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        for name, v in (("expert_alignment", expert_alignment),
+                        ("num_worst_tokens", num_worst_tokens)):
+            if not 0 <= int(v) <= MAX_INT32:  # (before a group is joined for the call)
+                raise InvalidArgument(f"{name}={v} must lie in [0, {MAX_INT32}] (it does not "
+                                      f"fit in 32 bits otherwise)")
+        if isinstance(x, tuple) and len(x) != 2:
+            raise InvalidArgument(f"x is a tensor or an (fp8 x, scales) pair, got a tuple of "
+                                  f"{len(x)}")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         # (DeepEP's tests pass scales column-major: the call makes them row-dense, inside the
         # call so that the copy runs on the stream the call runs on, after previous_event)
@@ -530,7 +540,11 @@ class Buffer(LowLatencyMixin):
                                   "needs num_tokens_per_expert (both from get_dispatch_layout)")
         if len(x_shape) != 2:
             raise InvalidArgument(f"x must be 2-D, got shape {list(x_shape)}")
-        (num_experts,), _ = T.meta(num_tokens_per_expert, "num_tokens_per_expert")
+        per_expert_shape, _ = T.meta(num_tokens_per_expert, "num_tokens_per_expert")
+        if len(per_expert_shape) != 1:
+            raise InvalidArgument(f"num_tokens_per_expert must be 1-D, got shape "
+                                  f"{list(per_expert_shape)}")
+        (num_experts,) = per_expert_shape
         combine_dtype = dtypes.BFLOAT16 if x_scales is not None else x_dtype
         # Any normal-mode group of this shape serves (its top-k only sizes buffers that a
         # top-k-free dispatch does not use); the first call of a shape forms one with top-1.
@@ -559,6 +573,7 @@ class Buffer(LowLatencyMixin):
                 allocate_on_comm_stream: bool = False):
         """(combined_x, combined_topk_weights, event)."""
         self._check_config(config)
+        C.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
         if not isinstance(handle, BufferHandle):
             raise InvalidArgument("handle must be one a dispatch of this Buffer returned")
         if bias is None:
@@ -594,6 +609,7 @@ class Buffer(LowLatencyMixin):
             self._groups.clear()
             self._retired.clear()
             self._stream_ops.clear()
+            self._combine_buffers.clear()  # (cuda: freed; cpu: regions until the session ends)
             if self._owns_session:
                 self.session.close()
         if failed is not None:

@@ -98,6 +98,17 @@ class LowLatencyMixin:
             raise InvalidArgument(f"x and topk_idx must be 2-D, got shapes {list(x_shape)} and "
                                   f"{list(idx_shape)}")
         num_max = int(num_max_dispatch_tokens_per_rank)
+        # Checked before anything changes (a group joined, the receive buffer flipped, the
+        # stats added to): DeepEP's own limits on the arguments.
+        if not 0 < num_max <= 2**31 - 1:
+            raise InvalidArgument(f"num_max_dispatch_tokens_per_rank must lie in "
+                                  f"[1, {2**31 - 1}], got {num_max}")
+        if use_fp8 and x_shape[1] % 128:
+            raise InvalidArgument(f"use_fp8 quantises blocks of 128: hidden must be a multiple "
+                                  f"of 128, got {x_shape[1]}")
+        if use_fp8 and use_ue8m0 and x_shape[1] % 512:
+            raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
+                                  f"multiple of 512, got {x_shape[1]}")
         mode = self._stream_mode(x, return_recv_hook)
         with cuda_ipc.relaxed_capture(mode == "graph"):  # the first call may be in a capture
             g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
@@ -138,7 +149,7 @@ class LowLatencyMixin:
                 hook, event = self._trigger(op, x, return_recv_hook, async_finish,
                                             scales.fill if scales is not None else None, buffer,
                                             (x, topk_idx, cumulative_local_expert_recv_stats),
-                                            held=e if mode == "hook" else None)
+                                            entry=e if mode == "hook" else None)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
                 return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
                         event, hook)
@@ -197,7 +208,7 @@ class LowLatencyMixin:
                 return result, event, None
             hook, event = self._trigger(op, x, return_recv_hook, async_finish, buffer=buffer,
                                         inputs=(x, topk_idx, topk_weights),
-                                        held=e if mode == "hook" else None)
+                                        entry=e if mode == "hook" else None)
             return op.result, event, hook
         cx, event = self._run(
             x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
@@ -228,12 +239,13 @@ class LowLatencyMixin:
         self._check_shrink()
         if not 0 <= rank_to_mask < self.group_size:
             raise InvalidArgument(f"rank_to_mask {rank_to_mask} outside [0, {self.group_size})")
+        for g in self._ll_groups():
+            g.rank_mask(**{"mask" if mask else "unmask": rank_to_mask})
+        # (kept for groups formed later; once one exists, its shared mask is what counts)
         if mask:
             self._pending_masks.add(rank_to_mask)
         else:
             self._pending_masks.discard(rank_to_mask)
-        for g in self._ll_groups():
-            g.rank_mask(**{"mask" if mask else "unmask": rank_to_mask})
 
     def low_latency_query_mask_buffer(self, mask_status: Array) -> None:
         """Write 1 for every masked rank (by a call, or because it went away), else 0, into
@@ -242,9 +254,12 @@ class LowLatencyMixin:
         shape, _ = T.meta(mask_status, "mask_status")
         if tuple(shape) != (self.group_size,):
             raise InvalidArgument(f"mask_status must be [{self.group_size}], got {list(shape)}")
+        groups = self._ll_groups()
         masked = [r in self._pending_masks for r in range(self.group_size)]
-        for g in self._ll_groups():
-            masked = [a or b != 0 for a, b in zip(masked, g.rank_mask(), strict=True)]
+        if groups:  # the group's mask, which its ranks share (another rank may have changed it)
+            masked = [False] * self.group_size
+            for g in groups:
+                masked = [a or b != 0 for a, b in zip(masked, g.rank_mask(), strict=True)]
         values = [int(m) for m in masked]
         if T.is_torch(mask_status):
             import torch
@@ -279,8 +294,15 @@ class LowLatencyMixin:
         self._ll_buffer = 0
 
     def _apply_pending_masks(self, g: Group) -> None:
-        """A low-latency group just formed: the mask changes made before it existed."""
-        for rank in sorted(self._pending_masks):
+        """A low-latency group just formed: the ranks masked by a call in this Buffer's other
+        low-latency groups (their mask is shared by the ranks: another rank may have unmasked
+        one since), or, where it has none yet, the mask changes made before any existed."""
+        others = [o for o in self._ll_groups() if o is not g]
+        if others:
+            ranks = [r for r, state in enumerate(others[0].rank_mask()) if state == 1]
+        else:
+            ranks = sorted(self._pending_masks)
+        for rank in ranks:
             g.rank_mask(mask=rank)
 
     # -- stream-ordered low-latency calls (cuda backend) -------------------------------------
@@ -357,7 +379,7 @@ class LowLatencyMixin:
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
                  after: Any = None, buffer: int = 0, inputs: tuple = (),
-                 held: Entry | None = None):
+                 entry: Entry | None = None):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
         half is enqueued now and the hook enqueues the receive half. Else both halves, on the
         comm stream with an event after them when `async_finish` (run_on_streams). `after`
@@ -369,13 +391,13 @@ class LowLatencyMixin:
         engine read it (seen on 2x H200: a freed topk_idx reused for the next micro-batch's x).
         So the hook holds them until it has made the stream wait for the op's end (work after
         that is ordered after the engine's read); on the comm stream they are recorded there.
-        `held`: the cache entry the call holds until its hook ran (then evictable)."""
+        `entry`: the cache entry the call holds until its hook ran (then evictable)."""
         def receive() -> None:
             stream = op.wait()  # the receive half, on the stream current then
             if after is not None:
                 after()
-            if held is not None:
-                self._stream_ops.release(held, stream)
+            if entry is not None:
+                self._stream_ops.release(entry, stream)
 
         if return_recv_hook:
             op.signal(buffer=buffer)

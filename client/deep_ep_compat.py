@@ -153,6 +153,15 @@ def _tensors(obj: Any) -> Iterator[Any]:
             yield from _tensors(getattr(obj, f.name))
 
 
+def check_stream_args(previous_event: EventOverlap | None, async_finish: bool,
+                      allocate_on_comm_stream: bool) -> None:
+    """DeepEP's rule for the stream arguments (a call checks it before anything changes)."""
+    if allocate_on_comm_stream:
+        _require(previous_event is not None and async_finish,
+                 "allocate_on_comm_stream=True needs previous_event and async_finish=True "
+                 "(as in DeepEP)")
+
+
 def run_on_streams(get_comm_stream: Callable[[], Any], template: Any, call: Callable[[], Any],
                    previous_event: EventOverlap | None, async_finish: bool,
                    allocate_on_comm_stream: bool, inputs: tuple[Any, ...] = ()
@@ -168,10 +177,7 @@ def run_on_streams(get_comm_stream: Callable[[], Any], template: Any, call: Call
     amounts to. Without CUDA every call has finished when it returns: the event is an
     `EventOverlap` of an `EventHandle` that waits for nothing (async), or of None.
     `allocate_on_comm_stream` needs `previous_event` and `async_finish`, as in DeepEP."""
-    if allocate_on_comm_stream:
-        _require(previous_event is not None and async_finish,
-                 "allocate_on_comm_stream=True needs previous_event and async_finish=True "
-                 "(as in DeepEP)")
+    check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
     torch = torch_if_loaded()
     cuda = (torch is not None and isinstance(template, torch.Tensor)
             and template.device.type == "cuda")

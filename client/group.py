@@ -267,6 +267,10 @@ class Group:
                           event: bool = True) -> tuple[epd_pb2.DispatchRequest, float]:
         if handle is not None and handle.group is not self:
             raise InvalidArgument("the handle belongs to another group")
+        for name, v in (("expert_alignment", expert_alignment),
+                        ("num_worst_tokens", num_worst_tokens)):
+            if not -2**31 <= int(v) < 2**31:  # (the wire's int32: protobuf's ValueError else)
+                raise InvalidArgument(f"{name}={v} does not fit in 32 bits")
         arrays = {"x": x, "x_scales": x_scales, "topk_idx": topk_idx,
                   "topk_weights": topk_weights}
         if topk_idx is None and topk_weights is None and handle is None:

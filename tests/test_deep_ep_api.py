@@ -21,6 +21,7 @@ from ranklib import Case, assert_exact, expert_out, reference
 
 from epd.client import buffer as B
 from epd.client import deep_ep_compat as C
+from epd.proto import dtypes
 from epd.proto.errors import InvalidArgument
 from epd.server import reference as ref
 
@@ -615,3 +616,70 @@ def test_a_growth_that_fails_changes_nothing(daemon) -> None:
         assert_exact(dispatch(), x, "after")
     finally:
         buf.destroy()
+
+
+def test_bad_facade_arguments_change_nothing(daemon) -> None:
+    """Arguments DeepEP refuses are refused before the call changes anything (no group joined,
+    no statistics added, the low-latency double buffer not flipped, the layout's expert count
+    not kept), with InvalidArgument (some raised ValueError, from a tuple unpacked or from
+    protobuf)."""
+    from epd.client.buffer import Buffer
+
+    buf = Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0,
+                 group_name="api-bad-args", max_tokens_per_rank=8, low_latency_mode=True)
+    try:
+        x = np.ones((4, 256), dtypes.BFLOAT16)
+        idx, w = np.zeros((4, 1), np.int64), np.ones((4, 1), np.float32)
+        stats = np.zeros(2, np.int32)
+        bad = [
+            (lambda: buf.low_latency_dispatch(
+                x, idx, 8, 2, cumulative_local_expert_recv_stats=stats, use_fp8=True,
+                use_ue8m0=True), "multiple of 512"),
+            (lambda: buf.low_latency_dispatch(x, idx, 0, 2), "num_max_dispatch_tokens_per_rank"),
+            (lambda: buf.get_dispatch_layout(np.zeros(4, np.int64), 99), "must be 2-D"),
+            (lambda: buf.get_dispatch_layout(idx, 2, allocate_on_comm_stream=True),
+             "allocate_on_comm_stream"),
+            (lambda: buf.dispatch((x, x, x), topk_idx=idx, topk_weights=w,
+                                  num_tokens_per_expert=np.zeros(2, np.int32)), "tuple of 3"),
+            (lambda: buf.dispatch(x, is_token_in_rank=np.ones((4, 1), bool),
+                                  num_tokens_per_expert=np.zeros((2, 1), np.int32)),
+             "must be 1-D"),
+            (lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, expert_alignment=2**31,
+                                  num_tokens_per_expert=np.zeros(2, np.int32)),
+             "does not fit in 32 bits"),
+        ]
+        for i, (call, text) in enumerate(bad):
+            with pytest.raises(InvalidArgument, match=text):
+                call()
+            assert not buf._groups, (i, list(buf._groups))
+        assert not stats.any() and buf._ll_buffer == 0 and buf._num_experts is None
+    finally:
+        buf.destroy()
+
+
+def test_a_hook_releases_the_op_it_held() -> None:
+    """The receive hook of a call on a held armed op (hook mode) lets the cache evict it once
+    the hook's receive half is on the stream: an event recorded there (stand-ins for the op
+    and the CUDA event)."""
+    from types import SimpleNamespace
+
+    from epd.client.stream_op_cache import StreamOpCache
+
+    class Event:
+        def __init__(self, device: int) -> None:
+            self.streams: list = []
+
+        def record(self, stream: int) -> None:
+            self.streams.append(stream)
+
+    calls: list = []
+    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)),
+                         "wait": lambda self: calls.append(("wait",)) or 42,
+                         "armed": True, "op_id": 1})()
+    cache = StreamOpCache(0, 2, new_event=Event)
+    e = cache.arm(("k",), lambda: op, pin=False, capturing=False, hold=True)
+    me = SimpleNamespace(_stream_ops=cache)
+    hook, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
+    assert e.holds == 1 and e.event is None
+    hook()
+    assert calls == [("signal", 0), ("wait",)] and e.holds == 0 and e.event.streams == [42]

@@ -595,3 +595,36 @@ def test_a_replacement_rejoins_through_the_facade(daemon) -> None:
     finally:
         for b in bufs.values():
             b.destroy()
+
+
+def test_the_facades_mask_is_the_groups_shared_one(daemon) -> None:
+    """DeepEP's mask calls through the facade: rank 0 masks rank 1, rank 2 unmasks it again
+    (the mask is the group's, shared by its ranks): every rank's query then says nobody is
+    masked, and a low-latency group formed afterwards (a new num_max) leaves nobody out. (Each
+    Buffer kept its own record of its own mask calls: rank 0 still reported rank 1 masked, and
+    masked it again in every group it formed later, dropping its tokens for all.)"""
+    name = f"facade-shared-mask-{next(_names)}"
+    bufs = _rejoin_all({r: (lambda r=r: Buffer(
+        rank=r, num_ranks=R, endpoint=daemon.socket(r % daemon.engines), low_latency_mode=True,
+        enable_shrink=True, group_name=name, timeout=20)) for r in range(R)})
+
+    def step(r: int, num_max: int) -> dict:
+        x, idx, _ = _inputs(5, r)
+        _, count, _, _, _ = bufs[r].low_latency_dispatch(x, idx, num_max, E, use_fp8=False)
+        return {"count": np.asarray(count).copy()}
+
+    try:
+        _rejoin_all({r: (lambda r=r: step(r, M)) for r in range(R)})
+        bufs[0].low_latency_update_mask_buffer(1, True)
+        bufs[2].low_latency_update_mask_buffer(1, False)
+        for r in range(R):
+            mask = np.full(R, 7, np.int32)
+            bufs[r].low_latency_query_mask_buffer(mask)
+            np.testing.assert_array_equal(mask, [0, 0, 0], err_msg=f"rank {r}")
+        got = _rejoin_all({r: (lambda r=r: step(r, M + 4)) for r in range(R)})
+        full = _rejoin_all({r: (lambda r=r: step(r, M)) for r in range(R)})  # nobody left out
+        for r in range(R):
+            np.testing.assert_array_equal(got[r]["count"], full[r]["count"])
+    finally:
+        for b in bufs.values():
+            b.destroy()
