@@ -41,6 +41,7 @@ log = logging.getLogger("epd.cluster")
 MISSED_HEARTBEATS = 3  # a lease ends after this many heartbeat periods without one
 FORWARD_MARGIN_SECONDS = 5.0  # a forwarded call's deadline beyond the rendezvous's own
 RELEASE_TIMEOUT_SECONDS = 5.0
+RELEASE_RETRY_SECONDS, RELEASE_RETRY_MAX_SECONDS = 0.2, 5.0  # backoff of a lost release
 
 
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -299,6 +300,7 @@ class ClusterMember:
         self.view: epd_pb2.ClusterInfo | None = None
         self.last_error = ""
         self.node0_incarnation = ""  # the node 0 whose worlds this node follows
+        self.leases = 0  # leases held so far (a release is retried within its own)
         self.groups: dict[str, AdoptedGroup] = {}
         self._channel: grpc.aio.Channel | None = None
         self._stub: epd_pb2_grpc.ClusterStub | None = None
@@ -380,6 +382,7 @@ class ClusterMember:
                     return f"following node 0's world failed: {e!r}"
                 if not self.connected:
                     self.connected = True
+                    self.leases += 1
                     self.last_error = ""
                     log.info("registered with node 0 at %s (node %d of %d)",
                              self.cfg.cluster_address, self.cfg.node_rank, self.cfg.num_nodes)
@@ -499,12 +502,23 @@ class ClusterMember:
             del self.groups[group_id]
 
     async def _forward_release(self, req: epd_pb2.ClusterReleaseRequest) -> None:
-        try:
-            await self._stub.ReleaseRank(req, metadata=self.metadata,
-                                         timeout=RELEASE_TIMEOUT_SECONDS)
-        except grpc.aio.AioRpcError as e:
-            log.debug("forwarding the release of rank %d of %s failed: %s", req.request.rank,
-                      req.request.group_id, e.details())
+        """Tell node 0, again (backing off) until it answers while this lease lives: a release
+        lost to a blip would keep the group, its memory and its name there with a rank that is
+        gone. Once the lease ends node 0 releases every rank of this node itself (node_lost)."""
+        lease, delay = self.leases, RELEASE_RETRY_SECONDS
+        while True:
+            try:
+                await self._stub.ReleaseRank(req, metadata=self.metadata,
+                                             timeout=RELEASE_TIMEOUT_SECONDS)
+                return
+            except grpc.aio.AioRpcError as e:
+                log.warning("forwarding the release of rank %d of %s failed (%s); retrying "
+                            "while the lease lives", req.request.rank, req.request.group_id,
+                            e.details())
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RELEASE_RETRY_MAX_SECONDS)
+            if not self.connected or self.leases != lease:
+                return
 
     def engine_lost(self, engine: int) -> None:
         """An engine of this node died: its ranks of forwarded groups go away."""

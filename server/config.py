@@ -78,6 +78,14 @@ class Config:
         "help": "an engine not serving this long after its start is killed and counts as a "
                 "failed start (restarted after its backoff): one stuck in its device's set-up "
                 "would otherwise stay 'not ready' for good; 0: no limit"})
+    engine_unresponsive_seconds: float = field(default=15.0, metadata={
+        "help": "a ready engine that has not answered its health check (every few seconds) "
+                "this long is marked not ready (/readyz, epd_engine_up 0) until it answers "
+                "again"})
+    engine_hung_seconds: float = field(default=300.0, metadata={
+        "help": "... and killed (then restarted, its groups aborted) once it has not answered "
+                "this long: a wedged engine otherwise holds its clients to their deadlines for "
+                "good; 0: never killed"})
     drain_seconds: float = field(default=15.0, metadata={
         "help": "on SIGTERM, how long running collectives may take to finish"})
     log_level: str = field(default="info", metadata={
@@ -234,6 +242,11 @@ class Config:
         "help": "cluster mode, mutual TLS: the CA certificates (PEM) a peer's certificate must "
                 "chain to (node 0 refuses a node without one, a node refuses a node 0 without "
                 "one)"})
+    cluster_plaintext: bool = field(default=False, metadata={
+        "help": "cluster mode: allow the Cluster port without TLS on an address other than "
+                "loopback; the cluster token then crosses the network in the clear (anyone "
+                "who sees it can pose as a node, or as node 0): for a network only the "
+                "cluster's nodes reach"})
     cluster_heartbeat_seconds: float = field(default=1.0, metadata={
         "help": "cluster mode: heartbeat period of a node's lease; node 0 ends a lease after "
                 "3 missed heartbeats (a broken stream ends it at once)"})
@@ -395,8 +408,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError("max_timeout_seconds must be positive")
     _check_range(cfg, "metrics_port", 0, 65535)
     for name in ("restart_backoff_seconds", "restart_backoff_max_seconds",
-                 "engine_start_timeout_seconds", "drain_seconds"):
+                 "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds"):
         _check_range(cfg, name, 0)
+    _check_range(cfg, "engine_unresponsive_seconds", 1)
     if cfg.engines < 0:
         raise ValueError("engines must be >= 0")
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
@@ -484,6 +498,22 @@ def check_cluster(cfg: Config) -> None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"num_nodes {cfg.num_nodes} needs cluster_address host:port of node "
                          f"0's Cluster service, got {cfg.cluster_address!r}")
+    if not any(tls.values()) and not cfg.cluster_plaintext and not _loopback(host):
+        raise ValueError(f"cluster_address {cfg.cluster_address} is not loopback: the Cluster "
+                         f"port needs mutual TLS there (cluster_tls_cert, cluster_tls_key, "
+                         f"cluster_tls_ca), or cluster_plaintext on a network only the "
+                         f"cluster's nodes reach (the token would cross it in the clear)")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def read_pem(setting: str, path: str) -> bytes:

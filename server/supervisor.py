@@ -46,6 +46,9 @@ from .service_classes import LATENCY, THROUGHPUT
 
 log = logging.getLogger("epd.supervisor")
 WATCH_ERROR_LOG_SECONDS = 10.0  # a failing look at an engine is logged this often
+# A ready engine's health check: at most this often (a third of --engine-unresponsive-seconds
+# when that is shorter), each waiting at most its timeout (the monitor waits with it).
+HEALTH_CHECK_SECONDS, HEALTH_CHECK_TIMEOUT_SECONDS = 5.0, 2.0
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
@@ -68,6 +71,9 @@ class EngineProc:
     last_failure: str = ""  # why the last of them ended (the engine's own words, or its exit)
     restart_at: float | None = None  # exited: when it is started again (monotonic)
     watch_error_logged: float = -1e9  # when a failed look at it was last logged (monotonic)
+    answered_at: float = 0.0  # its last answered health check (monotonic)
+    next_check_at: float = 0.0  # when a ready engine's health is checked next (monotonic)
+    unresponsive: bool = False  # ready once, then stopped answering (not ready meanwhile)
 
     def __post_init__(self) -> None:
         if self.slot is None:
@@ -250,7 +256,7 @@ class Supervisor:
                                    "--index", str(e.index), "--device", str(e.slot.device),
                                    "--service-class", e.slot.service_class or "any"],
                                   env=env, pass_fds=keep)
-        e.ready = False
+        e.ready, e.unresponsive = False, False
         e.started_at = time.monotonic()
         log.info("%s started (pid %d)", e.slot.describe(), e.proc.pid)
 
@@ -315,14 +321,34 @@ class Supervisor:
         where the backend's world cannot take a replacement."""
         return [x for x in self.engines if x.slot.world == e.slot.world]
 
-    async def _probe(self, e: EngineProc) -> bool:
+    async def _probe(self, e: EngineProc, timeout: float = 1.0) -> bool:
         try:
             async with grpc.aio.insecure_channel(f"unix://{e.socket_path}") as ch:
                 resp = await health_pb2_grpc.HealthStub(ch).Check(
-                    health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             return False
+
+    async def _check_ready(self, e: EngineProc) -> None:
+        """A ready engine's health, checked every HEALTH_CHECK_SECONDS: one that stopped
+        answering (its event loop wedged, the process stopped) is marked not ready after
+        --engine-unresponsive-seconds, then answering again makes it ready (_watch)."""
+        from . import metrics
+        now = time.monotonic()
+        if now < e.next_check_at:
+            return
+        period = min(HEALTH_CHECK_SECONDS, self.cfg.engine_unresponsive_seconds / 3)
+        e.next_check_at = now + period
+        if await self._probe(e, timeout=min(HEALTH_CHECK_TIMEOUT_SECONDS, period)):
+            e.answered_at = time.monotonic()
+        elif now - e.answered_at >= self.cfg.engine_unresponsive_seconds:
+            e.ready, e.unresponsive = False, True
+            metrics.ENGINE_UP.labels(str(e.index)).set(0)
+            log.error("engine %d (pid %d) has not answered its health check for %.0f s: not "
+                      "ready until it answers%s", e.index, e.proc.pid, now - e.answered_at,
+                      f" (killed after {self.cfg.engine_hung_seconds:g} s)"
+                      if self.cfg.engine_hung_seconds else "")
 
     async def _monitor(self) -> None:
         while not self.stopping:
@@ -373,13 +399,28 @@ class Supervisor:
                 self._exited(e, code)
             elif time.monotonic() >= e.restart_at:
                 self._restart(e)
+        elif e.ready and code is None:
+            await self._check_ready(e)
         elif not e.ready and await self._probe(e):
             e.ready = True
             e.failed_starts = 0
+            e.answered_at = time.monotonic()
             metrics.ENGINE_UP.labels(str(e.index)).set(1)
             metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(0)
-            log.info("engine %d ready on %s", e.index, e.socket_path)
-        elif (not e.ready and code is None and self.cfg.engine_start_timeout_seconds > 0
+            log.info("engine %d %s on %s", e.index,
+                     "answers again: ready" if e.unresponsive else "ready", e.socket_path)
+            e.unresponsive = False
+        elif (e.unresponsive and code is None and self.cfg.engine_hung_seconds > 0
+              and time.monotonic() - e.answered_at > self.cfg.engine_hung_seconds):
+            why = (f"not answering its health check for {self.cfg.engine_hung_seconds:g} s "
+                   f"(--engine-hung-seconds): killed")
+            log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
+            with (contextlib.suppress(OSError),
+                  open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
+                f.write(why)
+            e.proc.kill()
+        elif (not e.ready and not e.unresponsive and code is None
+              and self.cfg.engine_start_timeout_seconds > 0
               and time.monotonic() - e.started_at > self.cfg.engine_start_timeout_seconds):
             # Stuck in its set-up: killed; the next look sees the exit, counted as a failed
             # start with this reason (the failure file the engine did not get to write).

@@ -302,8 +302,12 @@ def test_cluster_settings_come_from_env_and_toml(tmp_path):
     from epd.server import config
     (tmp_path / "epd.toml").write_text('num_nodes = 3\nnode_rank = 2\n'
                                         'cluster_address = "10.0.0.1:9470"\n')
-    cfg = config.load(env={"EPD_CONFIG": str(tmp_path / "epd.toml"),
-                           "EPD_CLUSTER_TOKEN_FILE": "/etc/epd/cluster.token"})
+    env = {"EPD_CONFIG": str(tmp_path / "epd.toml"),
+           "EPD_CLUSTER_TOKEN_FILE": "/etc/epd/cluster.token"}
+    # Off loopback the token would cross the network in the clear: TLS, or the explicit opt-in
+    with pytest.raises(ValueError, match="needs mutual TLS there"):
+        config.load(env=env)
+    cfg = config.load(env={**env, "EPD_CLUSTER_PLAINTEXT": "1"})
     assert (cfg.num_nodes, cfg.node_rank, cfg.cluster_mode) == (3, 2, True)
     assert cfg.cluster_address == "10.0.0.1:9470"
     assert cfg.cluster_token_file == "/etc/epd/cluster.token"

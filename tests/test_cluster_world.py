@@ -220,3 +220,42 @@ def test_a_member_follows_a_restarted_node_0s_worlds() -> None:
         # the old node 0's world, seen again, is still not entered
         member._follow_world(hub._event())
         assert sup1.world_generation == 0
+
+
+def test_a_forwarded_release_is_retried_while_the_lease_lives() -> None:
+    """A release node 0 did not answer (a blip) is sent again, backing off, until it answers;
+    a lease that ended stops it (node 0 released the node's ranks itself then)."""
+    from epd.server import cluster
+
+    class Stub:
+        def __init__(self, fail: int) -> None:
+            self.calls, self.fail = 0, fail
+
+        async def ReleaseRank(self, req, metadata, timeout):
+            self.calls += 1
+            if self.calls <= self.fail:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None,
+                                           details="node 0 unreachable")
+            return epd_pb2.ReleaseRankResponse()
+
+    member = cluster.ClusterMember(_Sup(1), "t")
+    member.connected, member.leases = True, 1
+    req = epd_pb2.ClusterReleaseRequest(node_rank=1, incarnation="inc1",
+                                        request=epd_pb2.ReleaseRankRequest(group_id="g", rank=2))
+    saved = cluster.RELEASE_RETRY_SECONDS
+    cluster.RELEASE_RETRY_SECONDS = 0.01
+    try:
+        member._stub = Stub(fail=2)
+        asyncio.run(member._forward_release(req))
+        assert member._stub.calls == 3  # two lost, the third answered
+        member._stub = Stub(fail=100)
+
+        async def lease_ends() -> None:
+            task = asyncio.ensure_future(member._forward_release(req))
+            await asyncio.sleep(0.05)
+            member.connected = False
+            await asyncio.wait_for(task, 2)
+        asyncio.run(lease_ends())
+        assert 1 <= member._stub.calls < 100
+    finally:
+        cluster.RELEASE_RETRY_SECONDS = saved

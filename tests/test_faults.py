@@ -316,3 +316,28 @@ def test_engine_that_hangs_at_stop_is_killed_and_its_sockets_removed():
     finally:
         d.stop()
         shutil.rmtree(d.shm_dir, ignore_errors=True)
+
+
+def test_an_engine_that_stops_answering_is_not_ready_then_killed(daemon_factory):
+    """A ready engine whose health check goes unanswered (here: stopped with SIGSTOP, as a
+    wedged event loop looks from outside) is marked not ready after
+    --engine-unresponsive-seconds (/readyz 503, epd_engine_up 0), ready again once it answers,
+    and killed, then restarted, after --engine-hung-seconds. (Ready engines were never checked
+    again: a wedged one stayed "ready" and held its clients to their deadlines for good.)"""
+    with daemon_factory(engines=2, extra=["--engine-unresponsive-seconds", "1.5",
+                                          "--engine-hung-seconds", "5"]) as d:
+        pid = topology(d).engines[1].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: not topology(d).engines[1].ready, 10, "engine 1 not ready")
+            assert d.get("/readyz")[0] == 503
+            assert 'epd_engine_up{engine="1"} 0.0' in d.get("/metrics")[1]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda: topology(d).engines[1].ready, 10, "engine 1 answers again")
+        assert topology(d).engines[1].pid == pid and d.get("/readyz")[0] == 200
+        os.kill(pid, signal.SIGSTOP)  # for good this time: killed, restarted
+        after = wait_until(lambda: (e := topology(d).engines[1]).ready and e.pid != pid and e,
+                           30, "engine 1 killed and restarted")
+        assert after.restarts == 1
+        wait_until(lambda: d.get("/readyz")[0] == 200, 10, "daemon ready again")

@@ -80,7 +80,7 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     fds.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    metrics.ENGINE_UP.labels(str(index)).set(1)
+    # (epd_engine_up is the supervisor's, which sees an engine that stopped answering)
     metrics.ENGINE_INFO.labels(str(index), str(slot.device), slot.service_class or "any").set(1)
     gc_pauses.install(cfg.gc_freeze)
     info = backend.device_info()
