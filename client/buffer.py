@@ -51,7 +51,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from ..proto import dtypes, engine_sockets
+from ..proto import dtypes, engine_sockets, group_names
 from ..proto.errors import EpdError, InvalidArgument, TokenCapacityExceeded
 from . import cuda_ipc
 from . import deep_ep_compat as C
@@ -87,25 +87,25 @@ MAX_INT32 = 2**31 - 1  # (token counts travel as int32)
 DEFAULT_GROUP_NAME = "deep_ep"
 
 
-def agreed_group_name(group: Any, comm: Any) -> str:
-    """A daemon group name prefix for one Buffer, the same on all its ranks and unlike any
-    other Buffer's: the daemon's rendezvous is node-wide by name, so two EP groups, two jobs or
-    two Buffers of one group must not share one (their ranks would meet in one daemon group).
-    Rank 0's random token, shared with a collective over the Buffer's group (as DeepEP's
-    constructor exchanges its IPC handles); a Buffer made with rank=/num_ranks= only (no
-    group to agree over) uses "deep_ep", and its caller names it with group_name=."""
+def agreed_instance_tag(group: Any, comm: Any) -> str:
+    """An instance tag for one Buffer's daemon groups (proto/group_names.py), the same on all
+    its ranks and unlike any other Buffer's: the daemon's rendezvous is node-wide by name, so
+    two EP groups, two jobs or two Buffers of one group must not share one (their ranks would
+    meet in one daemon group). Rank 0's random token, shared with a collective over the
+    Buffer's group (as DeepEP's constructor exchanges its IPC handles); none for a Buffer made
+    with rank=/num_ranks= only (no group to agree over: its caller names it, group_name=)."""
     import secrets
     token = secrets.token_hex(6)
     if comm is not None and group is None and hasattr(comm, "bcast"):  # mpi4py
-        return f"{DEFAULT_GROUP_NAME}-{comm.bcast(token, root=0)}"
+        return str(comm.bcast(token, root=0))
     torch = torch_if_loaded()
     dist = getattr(torch, "distributed", None) if torch is not None else None
     if (group is not None and dist is not None and dist.is_available() and dist.is_initialized()
             and isinstance(group, dist.ProcessGroup)):
         tokens: list[Any] = [None] * group.size()
         dist.all_gather_object(tokens, token, group=group)
-        return f"{DEFAULT_GROUP_NAME}-{tokens[0]}"
-    return DEFAULT_GROUP_NAME
+        return str(tokens[0])
+    return ""
 
 
 @dataclass(frozen=True)
@@ -160,11 +160,14 @@ class Buffer(LowLatencyMixin):
     EPD's own keyword-only arguments: `rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`
     (default: `EPD_ENGINE`, else the current CUDA device when torch CUDA is available, else
     `LOCAL_RANK`, else 0), `group_name` (the prefix of this Buffer's daemon group names,
-    which the daemon's rendezvous matches node-wide; default: one its ranks agree on over
-    `group` / `comm` at construction, a collective as DeepEP's constructor is, so no two
-    Buffers share a daemon group; "deep_ep" for a Buffer made with rank= and num_ranks=, whose
-    caller names it when several share a node), `max_tokens_per_rank` (the normal-mode
-    token capacity per rank and call that groups start with; default
+    which the daemon's rendezvous matches node-wide; default "deep_ep", and then, built with
+    `group` / `comm`, its groups also carry an instance tag its ranks agree on at
+    construction, a collective as DeepEP's constructor is, so that no two Buffers meet in one
+    daemon group (not with `enable_shrink`: a replacement finds the groups by name); a caller
+    that passes rank= and num_ranks= names its Buffers where several share a node; the
+    service-class policy and the metrics see the name without its tag),
+    `max_tokens_per_rank` (the normal-mode token capacity per rank and call that groups
+    start with; default
     `EPD_MAX_TOKENS_PER_RANK`, else 4096; a call beyond it grows the group, see `_grow`),
     `timeout`, `session`,
     `service_class` ("latency" for decode, "throughput" for prefill and training; default
@@ -194,8 +197,11 @@ class Buffer(LowLatencyMixin):
                                   "rank= and num_ranks=")
         self.group = group if group is not None else comm
         self.rank, self.group_size = int(rank), int(num_ranks)
-        if group_name is None:  # (one name per Buffer, agreed by its ranks: collective)
-            group_name = agreed_group_name(group, comm)
+        # This Buffer's groups carry an instance tag its ranks agree on (a collective, as
+        # DeepEP's constructor is), unless named, or found again by a replacement (shrink).
+        self._instance = (agreed_instance_tag(group, comm)
+                          if group_name is None and not enable_shrink else "")
+        group_name = group_name or DEFAULT_GROUP_NAME
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.num_qps_per_rank = num_qps_per_rank
@@ -380,6 +386,7 @@ class Buffer(LowLatencyMixin):
                 name += f"-ll{low_latency_tokens}"
             elif self.max_tokens_per_rank != self._first_max_tokens:  # grown (see _grow)
                 name += f"-t{self.max_tokens_per_rank}"
+            name = group_names.tagged(name, self._instance)
             g = self._join(name, rank=self.rank, num_ranks=self.group_size,
                            num_experts=num_experts, hidden=hidden,
                            max_tokens_per_rank=low_latency_tokens or self.max_tokens_per_rank,

@@ -393,14 +393,22 @@ class LowLatencyMixin:
         that is ordered after the engine's read); on the comm stream they are recorded there.
         `entry`: the cache entry the call holds until its hook ran (then evictable)."""
         def receive() -> None:
-            stream = op.wait()  # the receive half, on the stream current then
-            if after is not None:
-                after()
-            if entry is not None:
-                self._stream_ops.release(entry, stream)
+            stream = None
+            try:
+                stream = op.wait()  # the receive half, on the stream current then
+                if after is not None:
+                    after()
+            finally:
+                if entry is not None:  # (held no more, whatever happened)
+                    self._stream_ops.release(entry, stream)
 
         if return_recv_hook:
-            op.signal(buffer=buffer)
+            try:
+                op.signal(buffer=buffer)
+            except BaseException:
+                if entry is not None:
+                    self._stream_ops.release(entry, None)
+                raise
             held = [inputs]
 
             def hook() -> None:

@@ -203,9 +203,13 @@ def run_on_streams(get_comm_stream: Callable[[], Any], template: Any, call: Call
     # The outputs were made on the comm stream and are used on the compute stream: freed, the
     # allocator must not give their memory to the next comm-stream call before the compute
     # stream's work queued by then passed (DeepEP records the compute stream alike).
+    seen: set[int] = set()  # (a call's outputs are views of one allocation: once each)
     for t in _tensors(result):
         with contextlib.suppress(RuntimeError):
-            t.record_stream(compute)
+            base = t.untyped_storage().data_ptr()
+            if base not in seen:
+                seen.add(base)
+                t.record_stream(compute)
     return result, EventOverlap(EventHandle(stream=comm))
 
 

@@ -109,10 +109,13 @@ class StreamOpCache:
             e.holds += 1
         return e
 
-    def release(self, e: Entry, stream: int) -> None:
+    def release(self, e: Entry, stream: int | None) -> None:
         """A receive hook of a call on `e` ran, enqueuing the op's receive half on `stream`:
-        the op may be evicted once that has passed (an event recorded behind it)."""
+        the op may be evicted once that has passed (an event recorded behind it). None: the
+        call failed before anything was enqueued."""
         e.holds = max(e.holds - 1, 0)
+        if stream is None:
+            return
         if e.event is None:
             e.event = self._new_event(self.device)
         e.event.record(stream)

@@ -377,9 +377,15 @@ class ClusterMember:
                 self.view = ev.cluster
                 try:
                     self._follow_world(ev)
-                except Exception as e:  # (an engine that cannot start: end this lease and
-                    log.exception("following node 0's world failed")  # register again)
-                    return f"following node 0's world failed: {e!r}"
+                except Exception as e:  # (an engine that cannot start: leave the world half
+                    # entered, end this lease and register again; node 0 forms the next one)
+                    why = f"following node 0's world failed: {e!r}"
+                    if why != self.last_error:
+                        log.exception("following node 0's world failed")
+                    if self.sup.world_generation:
+                        with contextlib.suppress(Exception):
+                            self.sup.leave_world(why)
+                    return why
                 if not self.connected:
                     self.connected = True
                     self.leases += 1

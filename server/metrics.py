@@ -27,6 +27,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from ..proto import group_names
+
 OVERFLOW_GROUP = "_overflow"
 _group_cap = 256
 _group_names: set[str] = set()
@@ -39,7 +41,9 @@ def set_group_label_cap(cap: int) -> None:
 
 
 def group_label(name: str) -> str:
-    """The `group` label value for a group name: itself while under the cap, else _overflow."""
+    """The `group` label value for a group name: itself (less an instance tag: group_names)
+    while under the cap, else _overflow."""
+    name = group_names.base_name(name)
     if name in _group_names:
         return name
     with _group_lock:

@@ -26,6 +26,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
+from ..proto import group_names
 from ..proto.errors import InvalidArgument, PermissionDenied
 from ..proto.v1 import epd_pb2
 
@@ -68,7 +69,8 @@ class Rule:
     index: int  # 1-based position in the policy (0: the built-in fallback)
 
     def matches(self, group: str, uid: int | None) -> bool:
-        return fnmatch.fnmatchcase(group, self.pattern) and (
+        # (a group's instance tag is left out: a pattern names a kind of group)
+        return fnmatch.fnmatchcase(group_names.base_name(group), self.pattern) and (
             not self.uids or (uid is not None and uid in self.uids))
 
     @property

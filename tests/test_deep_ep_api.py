@@ -556,7 +556,7 @@ def two_buffers_rank(endpoint: str, rank: int, port: int) -> dict:
             recv_x, *_ = buf.dispatch(inp["x"], num_tokens_per_rank=n_rank,
                                       is_token_in_rank=in_rank, num_tokens_per_expert=n_exp,
                                       topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"])
-            out["names"].append(buf.group_name)
+            out["names"].append(sorted(g.spec.name for g in buf._groups.values()))
             out["recv_x"].append(np.asarray(recv_x).copy())
         return out
     finally:
@@ -578,9 +578,11 @@ def test_buffers_of_one_group_get_groups_of_their_own(daemon, ranks) -> None:
     port = _free_port()
     results = ranks.run_ok([(two_buffers_rank, daemon.socket(r), r, port) for r in range(2)],
                            timeout=120)
-    names = [res["names"] for res in results]
-    assert names[0] == names[1] and names[0][0] != names[0][1], names
-    assert all(n.startswith("deep_ep-") for n in names[0])
+    names = [res["names"] for res in results]  # per Buffer, its daemon groups' names
+    assert names[0] == names[1], names  # (agreed by the ranks)
+    tags = [{n.split("@")[1] for n in buf_names} for buf_names in names[0]]
+    assert all(len(t) == 1 for t in tags) and tags[0] != tags[1], names
+    assert all(n.startswith("deep_ep/h128-") for buf_names in names[0] for n in buf_names)
     for i, c in enumerate(TWO_BUFFERS):
         want = reference(c)
         for r, res in enumerate(results):

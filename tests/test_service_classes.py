@@ -371,3 +371,15 @@ def test_buffer_service_class(daemon, monkeypatch):
         assert "rule 2 'svc-prefill-*=throughput'" in ei.value.details
     finally:
         buf.destroy()
+
+
+def test_instance_tags_are_left_out_of_policy_and_labels() -> None:
+    """The DeepEP facade tags each Buffer's groups (`name@tag`): a policy pattern names the
+    kind of group, and the metrics label it without the tag (the label budget is not spent on
+    every new job)."""
+    from epd.server import metrics
+
+    policy = sc.parse_policy("deep_ep/*-ll*=latency/latency")
+    tagged = "deep_ep/h7168-k8-bfloat16-e256-ll128@0a1b2c3d4e5f"
+    assert policy.resolve(tagged, 1000, 0) == epd_pb2.LATENCY
+    assert metrics.group_label(tagged) == "deep_ep/h7168-k8-bfloat16-e256-ll128"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -87,31 +88,65 @@ class _SlowBackend:
         return _Comm("attached", self.log, fail_close=False)
 
 
-def test_an_attach_its_join_left_is_closed_once() -> None:
+def test_an_attach_its_join_left_is_closed_once_then_released() -> None:
     """A join that goes away while its rank attaches (cancelled by its client, or its
-    session's teardown stopped waiting) leaves no comm open: the attach closes its own when
-    it ends after the join went, and the join closes one the attach had already made."""
+    session's teardown stopped waiting) leaves no comm open, and its rank is released only once
+    the comm is closed (a release lets the group's memory go): the attach closes its comm when
+    it ends and then releases; a comm the attach had made already the join closes, then
+    releases; a join gone before the attach began has nothing to close."""
     with ThreadPoolExecutor(1) as worker:
-        # gone while attaching: the attach closes its comm, and the join gets none
+        # gone while attaching: the attach closes its comm, then the release
         log: list[str] = []
         backend, handoff = _SlowBackend(log), core.AttachHandoff()
         fut = worker.submit(handoff.attach, backend, None, None)
-        assert handoff.abandon() is None
+        assert _wait_running(handoff)
+        assert handoff.abandon(lambda: log.append("released")) == (None, True)
         backend.go.set()
         with pytest.raises(Aborted, match="went away while its rank attached"):
             fut.result(10)
-        assert log == ["close attached"]
+        assert log == ["close attached", "released"]
 
-        # gone after the attach made its comm: the join takes it, to close it
+        # gone after the attach made its comm: the join takes it (closes, then releases)
         log = []
         backend, handoff = _SlowBackend(log), core.AttachHandoff()
         backend.go.set()
         comm = worker.submit(handoff.attach, backend, None, None).result(10)
-        assert handoff.abandon() is comm and log == []
-        assert handoff.abandon() is None  # (once)
+        assert handoff.abandon(lambda: log.append("released")) == (comm, False) and log == []
+        assert handoff.abandon(lambda: None) == (None, False)  # (once)
+
+        # gone before the worker began: nothing attached, nothing to close
+        log = []
+        backend, handoff = _SlowBackend(log), core.AttachHandoff()
+        backend.go.set()
+        assert handoff.abandon(lambda: log.append("released")) == (None, False)
+        with pytest.raises(Aborted, match="before its rank attached"):
+            worker.submit(handoff.attach, backend, None, None).result(10)
+        assert log == []
+
+        # an attach that fails after its join went: released all the same
+        log = []
+        handoff = core.AttachHandoff()
+        failing = _SlowBackend(log)
+        failing.attach = lambda spec, m: (failing.go.wait(10), 1 / 0)  # type: ignore[method-assign]
+        fut = worker.submit(handoff.attach, failing, None, None)
+        assert _wait_running(handoff)
+        handoff.abandon(lambda: log.append("released"))
+        failing.go.set()
+        with pytest.raises(ZeroDivisionError):
+            fut.result(10)
+        assert log == ["released"]
 
     # a join that stays: its comm, open
     log = []
     backend = _SlowBackend(log)
     backend.go.set()
     assert core.AttachHandoff().attach(backend, None, None).name == "attached" and log == []
+
+
+def _wait_running(handoff: core.AttachHandoff) -> bool:
+    deadline = time.monotonic() + 10
+    while not handoff._running:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True

@@ -137,7 +137,7 @@ def test_a_synchronous_call_waits_for_ready_words_with_a_deadline() -> None:
     deadline, and passed once a teardown released the stream (CudaRankComm's own methods on
     a stand-in for the comm: they need no GPU)."""
     words = _slot()
-    comm = types.SimpleNamespace(_stream_issued=0, _stream_slot=None,
+    comm = types.SimpleNamespace(_stream_issued=0, _stream_slot=None, _stream_ready_seen=0,
                                  spec=types.SimpleNamespace(name="g"))
     wait = CudaRankComm.await_stream_ready
     wait(comm, time.monotonic())  # no stream-ordered call yet

@@ -520,7 +520,7 @@ class RankComm(abc.ABC):
         """Teardown: let the rank's stream pass every READY wait it was given."""
 
     def await_stream_ready(self, deadline: float) -> None:  # noqa: B027  (no stream here)
-        """Before a synchronous call: wait (until `deadline`, then FailedPrecondition) for the
+        """Before a synchronous call: wait (until `deadline`, then DeadlineExceeded) for the
         client's stream to reach the stream-ordered calls given before it, which the call's
         work would queue behind without a deadline."""
 

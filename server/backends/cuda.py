@@ -35,6 +35,7 @@ from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
     EpdError,
+    FailedPrecondition,
     Internal,
     InvalidArgument,
     ResourceExhausted,
@@ -193,9 +194,15 @@ class CudaRankComm(RankComm):
         self.mlayout = membership_layout(spec, remote=backend.multi_node,
                                          two_stage=self.two_stage)
         slot = self.mlayout.slot_bytes
-        base, _ = decode_plan(membership.plan)  # the group's range of every engine's heap
-        if base + group_bytes(spec, remote=backend.multi_node,
-                              hierarchy=stages) > backend.heap_bytes:
+        base, planned = decode_plan(membership.plan)  # the group's range of every heap
+        need = group_bytes(spec, remote=backend.multi_node, hierarchy=stages)
+        if need > planned:  # (node 0 planned it: a node laying it out larger would write
+            # into the next group's range, e.g. nodes with different --cuda-hierarchical)
+            raise FailedPrecondition(
+                f"group {spec.name!r}: this engine lays the group out in {need} bytes, more "
+                f"than the {planned} its plan reserved (do the nodes' --cuda-hierarchical "
+                f"and versions differ?)")
+        if base + need > backend.heap_bytes:
             raise ResourceExhausted("group buffers do not fit in the symmetric heap")
         peers, remote = peer_table(membership.rank_nodes, membership.rank_engines,
                                    backend.node_rank, base, slot, backend.peer_bases,
@@ -243,6 +250,7 @@ class CudaRankComm(RankComm):
         self._written = False  # this rank already raised the group's abort word
         self._stream_issued = 0  # the latest stream-ordered call's sequence (0: none)
         self._stream_slot: CounterSlot | None = None  # its counter slot (the READY ring)
+        self._stream_ready_seen = 0  # the latest of them seen ready (no look again)
         self._done_launch: ck.Launch | None = None  # epd_call_done, packed for one slot
         self._done_slot = 0
         # A stream-ordered dispatch's output views by (rows, with top-k): fixed places of this
@@ -731,7 +739,10 @@ class CudaRankComm(RankComm):
         # A synchronous call synchronises the rank's stream: behind a READY wait the client
         # never satisfies, that would hold the session's worker with no deadline.
         seq, slot = self._stream_issued, self._stream_slot
-        if not seq or slot is None or counter_page.stream_ready(slot, seq):
+        if seq == self._stream_ready_seen or slot is None:
+            return
+        if counter_page.stream_ready(slot, seq):
+            self._stream_ready_seen = seq
             return
         if not spin.wait_until(lambda: counter_page.stream_ready(slot, seq),
                                max(deadline - time.monotonic(), 0.0)):
@@ -739,6 +750,7 @@ class CudaRankComm(RankComm):
                 f"group {self.spec.name!r}: stream-ordered call #{seq} has not started by the "
                 f"deadline (the client's stream has not reached it: its READY word is "
                 f"unwritten), and a synchronous call runs after it on the rank's stream")
+        self._stream_ready_seen = seq
 
     def _stream_end(self, slot: CounterSlot, stream_seq: int) -> None:
         done = self._done_launch

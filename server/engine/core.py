@@ -90,31 +90,53 @@ class _NodeToken(grpc.aio.UnaryUnaryClientInterceptor):
 class AttachHandoff:
     """The comm a join's attach makes on the session's worker. The join may go away while the
     worker attaches (its client cancelled it, or its session's teardown stopped waiting for
-    the worker): whichever of the two comes second closes the comm, so it is never left open
-    holding the group's memory."""
+    the worker); the comm is then closed by whichever of the two comes second, and the rank
+    released only after that, as everywhere (a release lets the group, and its memory, go
+    while the comm would still write there)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._abandoned = False
+        self._running = False
         self._comm: RankComm | None = None
+        self._after_close: Callable[[], None] | None = None
 
     def attach(self, backend: Backend, spec: GroupSpec, membership: Membership) -> RankComm:
         """On the worker: attach, and hand the comm over unless the join went away."""
-        comm = backend.attach(spec, membership)
         with self._lock:
+            if self._abandoned:  # (gone before the worker got here: nothing to undo)
+                raise Aborted("the join went away before its rank attached")
+            self._running = True
+        try:
+            comm = backend.attach(spec, membership)
+        except BaseException:
+            with self._lock:
+                self._running = False
+                after = self._after_close
+            if after is not None:  # (the join went meanwhile: its rank is released now)
+                after()
+            raise
+        with self._lock:
+            self._running = False
             if not self._abandoned:
                 self._comm = comm
                 return comm
+            after = self._after_close
         close_quietly(comm)
+        if after is not None:
+            after()
         raise Aborted("the join went away while its rank attached")
 
-    def abandon(self) -> RankComm | None:
-        """The join goes away: returns the comm the attach made already, for the caller to
-        close (None: there is none, or the attach closes its own when it ends)."""
+    def abandon(self, after_close: Callable[[], None]) -> tuple[RankComm | None, bool]:
+        """The join goes away: (the comm the attach made already, for the caller to close
+        before it releases the rank; whether the attach still runs, in which case it closes
+        its comm itself and then calls `after_close` (from the worker), which releases)."""
         with self._lock:
             self._abandoned = True
             comm, self._comm = self._comm, None
-            return comm
+            if self._running:
+                self._after_close = after_close
+            return comm, self._running
 
 
 def close_quietly(comm: RankComm) -> None:
@@ -139,6 +161,7 @@ class Engine(StreamCalls, DataPlane):
         self.config = config
         self.index = index
         self.backend = backend
+        self._background: set[asyncio.Task] = set()  # (_spawn: work no cancel may stop)
         # Its device and, with class engines, the one service class whose groups it runs.
         self.slot = slot or EngineSlot(index, index)
         self.socket_path = config.engine_socket(self.slot.device, self.slot.service_class)
@@ -618,13 +641,13 @@ class Engine(StreamCalls, DataPlane):
                 if session.closed.is_set():  # (its teardown began meanwhile: it would not
                     raise Aborted("session closed during join")  # see this comm)
             except BaseException as e:  # (cancelled too: the client went away meanwhile)
-                left = handoff.abandon()
-                if left is not None:  # (off the event loop: a cuda comm frees device memory)
-                    asyncio.get_running_loop().run_in_executor(None, close_quietly, left)
-                with contextlib.suppress(Exception):
-                    await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
-                        group_id=resp.group_id, rank=req.rank,
-                        reason=f"attach failed: {e!r}"), timeout=NODE_RPC_SECONDS)
+                loop = asyncio.get_running_loop()
+                release = functools.partial(self._release_unattached, resp.group_id,
+                                            req.rank, f"attach failed: {e!r}")
+                left, running = handoff.abandon(
+                    lambda: loop.call_soon_threadsafe(self._spawn, release()))
+                if not running:  # (else the worker closes its comm, then releases)
+                    self._spawn(self._close_then_release(left, release()))
                 raise
             member = GroupMember(spec, membership, comm, slot)
         finally:
@@ -651,6 +674,23 @@ class Engine(StreamCalls, DataPlane):
                  (", hierarchical normal mode over nodes"
                   + (" in two stages" if comm.two_stage else "")) if comm.hierarchical else "")
         return member
+
+    async def _release_unattached(self, group_id: str, rank: int, reason: str) -> None:
+        with contextlib.suppress(Exception):
+            await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
+                group_id=group_id, rank=rank, reason=reason), timeout=NODE_RPC_SECONDS)
+
+    async def _close_then_release(self, comm: RankComm | None, release) -> None:
+        if comm is not None:  # (off the event loop: a cuda comm frees device memory)
+            await asyncio.to_thread(close_quietly, comm)
+        await release
+
+    def _spawn(self, coro) -> None:
+        """Run `coro` to its end whatever happens to the task that started it (a join being
+        cancelled): kept referenced until done."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def leave_group(self, session: Session, group_id: str) -> None:
         member = self.member(session, group_id)
