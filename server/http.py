@@ -13,6 +13,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, multiprocess
 
+from . import metrics
+
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
@@ -39,7 +41,8 @@ def make_app(ready: Callable[[], tuple[bool, str]]):
                            [("Content-Type", "text/plain")])
             return [text.encode() + b"\n"]
         if path in ("/metrics", "/"):
-            return metrics_app(environ, start_response)
+            with metrics.COLLECT_LOCK:  # (not while a dead engine's files are folded)
+                return metrics_app(environ, start_response)
         start_response("404 Not Found", [("Content-Type", "text/plain")])
         return [b"not found: try /metrics, /healthz or /readyz\n"]
 

@@ -11,9 +11,10 @@ Bounded label sets: every metric labelled by `group` maps the group name through
 256), later ones become group="_overflow". The cap counts every name a process has used, not
 only live groups: in multiprocess mode prometheus_client cannot remove a series (`remove()`
 warns "not implemented in multi-process mode" and drops only the in-process child; the sample
-stays in the process's mmap file and keeps being exported after the process exits, until the
-supervisor marks it dead, which removes only its live gauges), so freeing a slot when a group
-ends would not bound the files, the scrape or the memory.
+stays in the process's mmap file and keeps being exported after the process exits; the
+supervisor folds a dead engine's counters and histograms into an archive file and
+mark_process_dead removes its live gauges), so freeing a slot when a group ends would not
+bound the files, the scrape or the memory.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import math
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +35,37 @@ OVERFLOW_GROUP = "_overflow"
 _group_cap = 256
 _group_names: set[str] = set()
 _group_lock = threading.Lock()
+
+
+# Held while the supervisor's endpoint collects the folder and while a dead engine's files
+# are folded into the archive: a scrape sees its samples in one place or the other, never in
+# both or neither (a counter that seemed to drop would read as a reset).
+COLLECT_LOCK = threading.Lock()
+_ARCHIVED_TYPES = ("counter", "histogram", "summary")
+
+
+def archive_dead_process(pid: int, folder: str | None = None) -> None:
+    """Fold a dead process's counter, histogram and summary files into `<type>_archive.db` of
+    the multiprocess folder and remove them: its totals stay exported (counters must not go
+    down), but an engine that keeps restarting no longer adds a file per start to every
+    scrape. (Its live gauges are prometheus_client's mark_process_dead's.)"""
+    from prometheus_client.mmap_dict import MmapedDict
+    folder = folder or os.environ.get("PROMETHEUS_MULTIPROC_DIR", "")
+    if not folder:
+        return
+    with COLLECT_LOCK:
+        for typ in _ARCHIVED_TYPES:
+            src = os.path.join(folder, f"{typ}_{pid}.db")
+            if not os.path.exists(src):
+                continue
+            archive = MmapedDict(os.path.join(folder, f"{typ}_archive.db"))
+            try:
+                for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(src):
+                    old, _ts = archive.read_value(key)
+                    archive.write_value(key, old + value, timestamp)
+            finally:
+                archive.close()
+            os.unlink(src)
 
 
 def set_group_label_cap(cap: int) -> None:

@@ -445,6 +445,7 @@ class Supervisor:
             x.proc.kill()
             x.proc.wait()
         multiprocess.mark_process_dead(x.proc.pid)
+        metrics.archive_dead_process(x.proc.pid)
         metrics.ENGINE_UP.labels(str(x.index)).set(0)
         x.ready = False
         self.coordinator.engine_lost(x.index, self.cfg.node_rank)

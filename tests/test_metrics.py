@@ -215,3 +215,36 @@ def test_group_names_over_the_cap_do_not_grow_the_label_cache():
         metrics._group_cap = saved_cap
         metrics._group_names.clear()
         metrics._group_names.update(saved_names)
+
+
+def test_a_dead_engines_files_are_folded_into_the_archive(tmp_path):
+    """The counters and histograms of an engine gone are folded into one archive file per type
+    (an engine restarting in a loop added a file per start, each re-read by every scrape);
+    every total the endpoint exports stays the same, twice over (the archive accumulates)."""
+    from prometheus_client import multiprocess
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from epd.server import metrics
+
+    def write(pid: int, typ: str, name: str, labels: dict, value: float) -> None:
+        d = MmapedDict(str(tmp_path / f"{typ}_{pid}.db"))
+        d.write_value(mmap_key(name, name, list(labels), list(labels.values()), ""), value,
+                      0.0)
+        d.close()
+
+    def totals() -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in multiprocess.MultiProcessCollector(None, path=str(tmp_path)).collect()
+                for s in f.samples}
+
+    for pid in (101, 102):
+        write(pid, "counter", "epd_t_total", {"group": "g"}, 3.0)
+        write(pid, "histogram", "epd_t_seconds_bucket", {"le": "+Inf"}, 2.0)
+    write(103, "counter", "epd_t_total", {"group": "g"}, 5.0)  # (alive)
+    before = totals()
+    assert before[("epd_t_total", (("group", "g"),))] == 11.0
+    for pid in (101, 102):
+        metrics.archive_dead_process(pid, str(tmp_path))
+        assert totals() == before
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["counter_103.db", "counter_archive.db", "histogram_archive.db"], names
