@@ -87,6 +87,25 @@ MAX_INT32 = 2**31 - 1  # (token counts travel as int32)
 DEFAULT_GROUP_NAME = "deep_ep"
 
 
+def job_instance_tag(group: Any) -> str:
+    """An instance tag for a shrink Buffer's groups that a replacement process recomputes: from
+    the job (torchelastic's run id, else the rendezvous address) and the group's global ranks,
+    so that two EP groups, or two jobs, do not meet in one daemon group. None without a job
+    identity (the caller names its Buffers, group_name=)."""
+    import hashlib
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or ":".join(
+        v for v in (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) if v)
+    if not job:
+        return ""
+    ranks: Any = None
+    torch = torch_if_loaded()
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if (group is not None and dist is not None and dist.is_available() and dist.is_initialized()
+            and isinstance(group, dist.ProcessGroup)):
+        ranks = dist.get_process_group_ranks(group)
+    return "s" + hashlib.sha256(f"{job}|{ranks}".encode()).hexdigest()[:12]
+
+
 def agreed_instance_tag(group: Any, comm: Any) -> str:
     """An instance tag for one Buffer's daemon groups (proto/group_names.py), the same on all
     its ranks and unlike any other Buffer's: the daemon's rendezvous is node-wide by name, so
@@ -163,7 +182,8 @@ class Buffer(LowLatencyMixin):
     which the daemon's rendezvous matches node-wide; default "deep_ep", and then, built with
     `group` / `comm`, its groups also carry an instance tag its ranks agree on at
     construction, a collective as DeepEP's constructor is, so that no two Buffers meet in one
-    daemon group (not with `enable_shrink`: a replacement finds the groups by name); a caller
+    daemon group (with `enable_shrink` a tag a replacement recomputes: the job's
+    torchelastic run id or rendezvous address, and the group's global ranks); a caller
     that passes rank= and num_ranks= names its Buffers where several share a node; the
     service-class policy and the metrics see the name without its tag),
     `max_tokens_per_rank` (the normal-mode token capacity per rank and call that groups
@@ -199,8 +219,15 @@ class Buffer(LowLatencyMixin):
         self.rank, self.group_size = int(rank), int(num_ranks)
         # This Buffer's groups carry an instance tag its ranks agree on (a collective, as
         # DeepEP's constructor is), unless named, or found again by a replacement (shrink).
-        self._instance = (agreed_instance_tag(group, comm)
-                          if group_name is None and not enable_shrink else "")
+        if group_name is not None and group_names.INSTANCE_SEP in group_name:
+            raise InvalidArgument(f"group_name {group_name!r}: {group_names.INSTANCE_SEP!r} "
+                                  f"starts the instance tag of a group name")
+        if group_name is not None:
+            self._instance = ""
+        elif enable_shrink:  # (a replacement must find the groups: a tag it can recompute)
+            self._instance = job_instance_tag(group)
+        else:
+            self._instance = agreed_instance_tag(group, comm)
         group_name = group_name or DEFAULT_GROUP_NAME
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode = low_latency_mode

@@ -12,7 +12,9 @@ hook's is held until the hook ran and then kept as plain ones are. README
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..proto import dtypes
@@ -145,11 +147,14 @@ class LowLatencyMixin:
                     (rx, rs, count, src_rank, src_idx), event = got
                     h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
-                scales = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
-                hook, event = self._trigger(op, x, return_recv_hook, async_finish,
-                                            scales.fill if scales is not None else None, buffer,
-                                            (x, topk_idx, cumulative_local_expert_recv_stats),
-                                            entry=e if mode == "hook" else None)
+                with self._held_until_hook(e, mode):
+                    scales = (C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8
+                              else None)
+                    hook, event = self._trigger(
+                        op, x, return_recv_hook, async_finish,
+                        scales.fill if scales is not None else None, buffer,
+                        (x, topk_idx, cumulative_local_expert_recv_stats),
+                        entry=e if mode == "hook" else None)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
                 return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
                         event, hook)
@@ -206,9 +211,10 @@ class LowLatencyMixin:
                     op.result if out is not None else T.clone(op.result)),
                     (x, topk_idx, topk_weights), buffer)
                 return result, event, None
-            hook, event = self._trigger(op, x, return_recv_hook, async_finish, buffer=buffer,
-                                        inputs=(x, topk_idx, topk_weights),
-                                        entry=e if mode == "hook" else None)
+            with self._held_until_hook(e, mode):
+                hook, event = self._trigger(op, x, return_recv_hook, async_finish,
+                                            buffer=buffer, inputs=(x, topk_idx, topk_weights),
+                                            entry=e if mode == "hook" else None)
             return op.result, event, hook
         cx, event = self._run(
             x, lambda: g.low_latency_combine(x, topk_idx, topk_weights, handle.handle, out=out,
@@ -392,28 +398,26 @@ class LowLatencyMixin:
         So the hook holds them until it has made the stream wait for the op's end (work after
         that is ordered after the engine's read); on the comm stream they are recorded there.
         `entry`: the cache entry the call holds until its hook ran (then evictable)."""
-        def receive() -> None:
+        def receive(sent: int | None = None) -> None:
             stream = None
             try:
                 stream = op.wait()  # the receive half, on the stream current then
                 if after is not None:
                     after()
             finally:
-                if entry is not None:  # (held no more, whatever happened)
-                    self._stream_ops.release(entry, stream)
+                if entry is not None:  # (held no more, whatever happened; a failed wait
+                    # leaves the event behind the send half)
+                    self._stream_ops.release(entry, stream if stream is not None else sent)
 
         if return_recv_hook:
-            try:
-                op.signal(buffer=buffer)
-            except BaseException:
-                if entry is not None:
-                    self._stream_ops.release(entry, None)
-                raise
+            sent = op.signal(buffer=buffer)
             held = [inputs]
 
             def hook() -> None:
-                receive()
+                if not held:  # (once: a second call would release another call's hold)
+                    return
                 held.clear()
+                receive(sent)
 
             return hook, EventOverlap()
 
@@ -423,6 +427,17 @@ class LowLatencyMixin:
 
         _, event = self._run(x, both, None, async_finish, inputs=inputs)
         return None, event
+
+    @contextlib.contextmanager
+    def _held_until_hook(self, e: Entry, mode: str) -> Iterator[None]:
+        """A hook call's hold on its op (taken by _armed) goes back if the call fails before
+        it returned its hook (the hook releases it otherwise)."""
+        try:
+            yield
+        except BaseException:
+            if mode == "hook":
+                self._stream_ops.release(e, None)
+            raise
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer

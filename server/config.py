@@ -411,6 +411,10 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
                  "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds"):
         _check_range(cfg, name, 0)
     _check_range(cfg, "engine_unresponsive_seconds", 1)
+    if 0 < cfg.engine_hung_seconds < cfg.engine_unresponsive_seconds:
+        raise ValueError(f"engine_hung_seconds ({cfg.engine_hung_seconds:g}) must be 0 or at "
+                         f"least engine_unresponsive_seconds "
+                         f"({cfg.engine_unresponsive_seconds:g})")
     if cfg.engines < 0:
         raise ValueError("engines must be >= 0")
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)

@@ -58,9 +58,14 @@ def archive_dead_process(pid: int, folder: str | None = None) -> None:
             src = os.path.join(folder, f"{typ}_{pid}.db")
             if not os.path.exists(src):
                 continue
+            try:  # (read whole first: a file cut short adds nothing, and is set aside)
+                values = list(MmapedDict.read_all_values_from_file(src))
+            except (OSError, RuntimeError, ValueError) as e:
+                os.replace(src, src + ".unreadable")  # (not *.db: no scrape reads it)
+                raise ValueError(f"{src}: {e}") from None
             archive = MmapedDict(os.path.join(folder, f"{typ}_archive.db"))
             try:
-                for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(src):
+                for key, value, timestamp, _ in values:
                     old, _ts = archive.read_value(key)
                     archive.write_value(key, old + value, timestamp)
             finally:

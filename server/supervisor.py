@@ -49,6 +49,7 @@ WATCH_ERROR_LOG_SECONDS = 10.0  # a failing look at an engine is logged this oft
 # A ready engine's health check: at most this often (a third of --engine-unresponsive-seconds
 # when that is shorter), each waiting at most its timeout (the monitor waits with it).
 HEALTH_CHECK_SECONDS, HEALTH_CHECK_TIMEOUT_SECONDS = 5.0, 2.0
+KILL_AGAIN_SECONDS = 30.0  # a killed engine that has not exited yet is killed again this often
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
@@ -74,6 +75,8 @@ class EngineProc:
     answered_at: float = 0.0  # its last answered health check (monotonic)
     next_check_at: float = 0.0  # when a ready engine's health is checked next (monotonic)
     unresponsive: bool = False  # ready once, then stopped answering (not ready meanwhile)
+    killed_at: float | None = None  # when the supervisor killed it for not answering
+    missed: int = 0  # health checks in a row it did not answer
 
     def __post_init__(self) -> None:
         if self.slot is None:
@@ -256,7 +259,7 @@ class Supervisor:
                                    "--index", str(e.index), "--device", str(e.slot.device),
                                    "--service-class", e.slot.service_class or "any"],
                                   env=env, pass_fds=keep)
-        e.ready, e.unresponsive = False, False
+        e.ready, e.unresponsive, e.killed_at = False, False, None
         e.started_at = time.monotonic()
         log.info("%s started (pid %d)", e.slot.describe(), e.proc.pid)
 
@@ -271,7 +274,7 @@ class Supervisor:
         """Why engine `e` exited: its own words where it could not start (the failure file it
         leaves, engine/app.py), else its exit status; a start that never came up counts."""
         from . import metrics
-        if e.ready:
+        if e.ready or e.unresponsive:  # (it had served: not a failed start)
             e.failed_starts = 0
         else:  # it never came up: a start that failed, counted for the backoff
             e.failed_starts += 1
@@ -330,6 +333,18 @@ class Supervisor:
         except grpc.aio.AioRpcError:
             return False
 
+    async def _probe_due(self, e: EngineProc) -> bool:
+        """A not-ready engine's probe: every look while it starts; one that stopped answering
+        only every check period (each probe it does not answer costs the monitor a timeout)."""
+        if not e.unresponsive:
+            return await self._probe(e)
+        now = time.monotonic()
+        if now < e.next_check_at:
+            return False
+        period = min(HEALTH_CHECK_SECONDS, self.cfg.engine_unresponsive_seconds / 3)
+        e.next_check_at = now + period
+        return await self._probe(e, timeout=min(HEALTH_CHECK_TIMEOUT_SECONDS, period))
+
     async def _check_ready(self, e: EngineProc) -> None:
         """A ready engine's health, checked every HEALTH_CHECK_SECONDS: one that stopped
         answering (its event loop wedged, the process stopped) is marked not ready after
@@ -341,8 +356,10 @@ class Supervisor:
         period = min(HEALTH_CHECK_SECONDS, self.cfg.engine_unresponsive_seconds / 3)
         e.next_check_at = now + period
         if await self._probe(e, timeout=min(HEALTH_CHECK_TIMEOUT_SECONDS, period)):
-            e.answered_at = time.monotonic()
-        elif now - e.answered_at >= self.cfg.engine_unresponsive_seconds:
+            e.answered_at, e.missed = time.monotonic(), 0
+            return
+        e.missed += 1  # (two in a row at least: one slow answer is no verdict)
+        if e.missed >= 2 and now - e.answered_at >= self.cfg.engine_unresponsive_seconds:
             e.ready, e.unresponsive = False, True
             metrics.ENGINE_UP.labels(str(e.index)).set(0)
             log.error("engine %d (pid %d) has not answered its health check for %.0f s: not "
@@ -401,23 +418,27 @@ class Supervisor:
                 self._restart(e)
         elif e.ready and code is None:
             await self._check_ready(e)
-        elif not e.ready and await self._probe(e):
+        elif not e.ready and await self._probe_due(e):
             e.ready = True
             e.failed_starts = 0
-            e.answered_at = time.monotonic()
+            e.answered_at, e.missed = time.monotonic(), 0
             metrics.ENGINE_UP.labels(str(e.index)).set(1)
             metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(0)
             log.info("engine %d %s on %s", e.index,
                      "answers again: ready" if e.unresponsive else "ready", e.socket_path)
             e.unresponsive = False
         elif (e.unresponsive and code is None and self.cfg.engine_hung_seconds > 0
-              and time.monotonic() - e.answered_at > self.cfg.engine_hung_seconds):
+              and time.monotonic() - e.answered_at > self.cfg.engine_hung_seconds
+              and (e.killed_at is None or time.monotonic() - e.killed_at > KILL_AGAIN_SECONDS)):
+            # (a process stuck in the driver may outlive SIGKILL a while: not every look)
             why = (f"not answering its health check for {self.cfg.engine_hung_seconds:g} s "
                    f"(--engine-hung-seconds): killed")
-            log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
-            with (contextlib.suppress(OSError),
-                  open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
-                f.write(why)
+            if e.killed_at is None:
+                log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
+                with (contextlib.suppress(OSError),
+                      open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
+                    f.write(why)
+            e.killed_at = time.monotonic()
             e.proc.kill()
         elif (not e.ready and not e.unresponsive and code is None
               and self.cfg.engine_start_timeout_seconds > 0
@@ -445,7 +466,10 @@ class Supervisor:
             x.proc.kill()
             x.proc.wait()
         multiprocess.mark_process_dead(x.proc.pid)
-        metrics.archive_dead_process(x.proc.pid)
+        try:  # (a metrics file it left unreadable must not stop its restart)
+            metrics.archive_dead_process(x.proc.pid)
+        except Exception:
+            log.exception("folding engine %d's metrics into the archive failed", x.index)
         metrics.ENGINE_UP.labels(str(x.index)).set(0)
         x.ready = False
         self.coordinator.engine_lost(x.index, self.cfg.node_rank)
@@ -632,9 +656,11 @@ def sessions_without_mps() -> dict[str, int]:
     """epd_sessions_without_mps per engine label, from the multiprocess metrics folder."""
     from prometheus_client import multiprocess
 
+    from . import metrics
     out: dict[str, int] = {}
     try:
-        families = multiprocess.MultiProcessCollector(None).collect()
+        with metrics.COLLECT_LOCK:  # (not while a dead engine's files are folded)
+            families = list(multiprocess.MultiProcessCollector(None).collect())
         for family in families:
             if family.name == "epd_sessions_without_mps":
                 for sample in family.samples:

@@ -675,7 +675,7 @@ def test_a_hook_releases_the_op_it_held() -> None:
             self.streams.append(stream)
 
     calls: list = []
-    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)),
+    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)) or 7,
                          "wait": lambda self: calls.append(("wait",)) or 42,
                          "armed": True, "op_id": 1})()
     cache = StreamOpCache(0, 2, new_event=Event)
@@ -685,3 +685,27 @@ def test_a_hook_releases_the_op_it_held() -> None:
     assert e.holds == 1 and e.event is None
     hook()
     assert calls == [("signal", 0), ("wait",)] and e.holds == 0 and e.event.streams == [42]
+    # a hook called twice enqueues nothing again and releases no other call's hold
+    assert cache.get(("k",), pin=False, hold=True) is e and e.holds == 1
+    hook()
+    assert e.holds == 1 and len(calls) == 2
+    # a call that fails before returning its hook gives its hold back
+    with pytest.raises(RuntimeError), B.Buffer._held_until_hook(me, e, "hook"):
+        raise RuntimeError("the trigger failed")
+    assert e.holds == 0
+
+
+def test_shrink_buffers_tag_their_groups_by_job(monkeypatch) -> None:
+    """A shrink Buffer's instance tag is recomputed by a replacement (no collective with peers
+    that went away): the job's identity and the group's ranks; none without a job identity
+    (the caller names its Buffers); '@' is refused in a name (it starts the tag)."""
+    for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert B.job_instance_tag(None) == ""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    a = B.job_instance_tag(None)
+    assert a.startswith("s") and len(a) == 13 and a == B.job_instance_tag(None)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    assert B.job_instance_tag(None) != a
+    with pytest.raises(InvalidArgument, match="starts the instance tag"):
+        B.Buffer(rank=0, num_ranks=1, group_name="job@exp1")

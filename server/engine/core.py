@@ -22,7 +22,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from google.protobuf.message import Message
@@ -645,9 +645,9 @@ class Engine(StreamCalls, DataPlane):
                 release = functools.partial(self._release_unattached, resp.group_id,
                                             req.rank, f"attach failed: {e!r}")
                 left, running = handoff.abandon(
-                    lambda: loop.call_soon_threadsafe(self._spawn, release()))
+                    lambda: self._spawn_from_thread(loop, release))
                 if not running:  # (else the worker closes its comm, then releases)
-                    self._spawn(self._close_then_release(left, release()))
+                    self._spawn(self._close_then_release(left, release))
                 raise
             member = GroupMember(spec, membership, comm, slot)
         finally:
@@ -663,6 +663,12 @@ class Engine(StreamCalls, DataPlane):
         except grpc.aio.AioRpcError as e:
             await self._drop_member(session, member, f"attach barrier failed: {e.details()}")
             raise EpdError(e.code(), e.details() or "attach barrier failed") from None
+        except BaseException:  # (the join cancelled there: the member goes, or the session
+            # would hold the group's name until it ends)
+            await asyncio.shield(self._drop_member(session, member,
+                                                   "the join was cancelled at the attach "
+                                                   "barrier"))
+            raise
         if comm.output_region.borrowed:  # outputs may come back as inputs (combine(recv_x))
             session.regions.setdefault(comm.output_region.region_id, comm.output_region)
         if session.closed.is_set():  # the client vanished while we waited for its peers
@@ -680,10 +686,18 @@ class Engine(StreamCalls, DataPlane):
             await self._node().ReleaseRank(epd_pb2.ReleaseRankRequest(
                 group_id=group_id, rank=rank, reason=reason), timeout=NODE_RPC_SECONDS)
 
-    async def _close_then_release(self, comm: RankComm | None, release) -> None:
+    async def _close_then_release(self, comm: RankComm | None,
+                                  release: Callable[[], Awaitable[None]]) -> None:
         if comm is not None:  # (off the event loop: a cuda comm frees device memory)
             await asyncio.to_thread(close_quietly, comm)
-        await release
+        await release()
+
+    def _spawn_from_thread(self, loop: asyncio.AbstractEventLoop,
+                           release: Callable[[], Awaitable[None]]) -> None:
+        """From a worker thread: run `release()` on the loop (gone at exit: the engine's end
+        releases its ranks anyway, engine_lost)."""
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(lambda: self._spawn(release()))
 
     def _spawn(self, coro) -> None:
         """Run `coro` to its end whatever happens to the task that started it (a join being
