@@ -42,6 +42,27 @@ MISSED_HEARTBEATS = 3  # a lease ends after this many heartbeat periods without 
 FORWARD_MARGIN_SECONDS = 5.0  # a forwarded call's deadline beyond the rendezvous's own
 RELEASE_TIMEOUT_SECONDS = 5.0
 RELEASE_RETRY_SECONDS, RELEASE_RETRY_MAX_SECONDS = 0.2, 5.0  # backoff of a lost release
+# Settings every node must share: how a group spanning nodes is planned (node 0) and laid out
+# and run (every node's engines). One that differs would hang or corrupt such groups.
+AGREED_SETTINGS = ("cuda_cluster", "cuda_hierarchical", "nvshmem_heap_bytes")
+
+
+def agreed_settings(sup: Supervisor) -> str:
+    """This node's agreed settings (and resolved backend) as "name=value;...". """
+    items = [f"backend={sup.backend}"]
+    items += [f"{name}={getattr(sup.cfg, name, '')}" for name in AGREED_SETTINGS]
+    return ";".join(items)
+
+
+def settings_difference(mine: str, theirs: str) -> str:
+    """The settings that differ, "name: node 0's value vs the node's" (empty: none; an older
+    node that sends none is not refused)."""
+    if not theirs:
+        return ""
+    a = dict(i.split("=", 1) for i in mine.split(";") if "=" in i)
+    b = dict(i.split("=", 1) for i in theirs.split(";") if "=" in i)
+    return ", ".join(f"{k}: {a.get(k)} on node 0, {b.get(k)} there"
+                     for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
 
 
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -192,6 +213,12 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"node_rank {rank}: this cluster has nodes 1..{num_nodes - 1} "
                                 f"besides node 0")
+        differ = settings_difference(agreed_settings(self.sup), first.agreed_settings)
+        if differ:
+            log.error("node %d refused: its settings differ from node 0's (%s)", rank, differ)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"node {rank}'s settings differ from node 0's: {differ} "
+                                f"(every node of a cluster must run with the same)")
         old = self.nodes.get(rank)
         if old is not None and old.live:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
@@ -348,7 +375,8 @@ class ClusterMember:
                                         incarnation=self.sup.incarnation,
                                         node_name=socket.gethostname(),
                                         engines=engine_infos(self.sup),
-                                        world_generation=self.sup.world_generation)
+                                        world_generation=self.sup.world_generation,
+                                        agreed_settings=agreed_settings(self.sup))
 
     async def _lease(self) -> str:
         """One lease: returns why it ended."""

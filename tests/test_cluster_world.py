@@ -259,3 +259,38 @@ def test_a_forwarded_release_is_retried_while_the_lease_lives() -> None:
         assert 1 <= member._stub.calls < 100
     finally:
         cluster.RELEASE_RETRY_SECONDS = saved
+
+
+def test_node_0_refuses_a_node_whose_settings_differ() -> None:
+    """A node whose engines would lay out or run groups spanning nodes differently (another
+    --cuda-hierarchical, heap, backend) is refused at registration, naming the setting (such
+    groups hung, or wrote into another group's heap range); one that agrees is registered."""
+    from epd.server.cluster import ClusterHub, agreed_settings, settings_difference
+
+    sup0 = _Sup(0)
+    sup0.backend, sup0.cfg.cuda_hierarchical = "cuda", "auto"
+    sup0.coordinator = SimpleNamespace(node_lost=lambda rank, why: [])
+    hub = ClusterHub(sup0, "t")
+    mine = agreed_settings(sup0)
+    theirs = mine.replace("cuda_hierarchical=auto", "cuda_hierarchical=stages")
+    assert settings_difference(mine, mine) == "" and settings_difference(mine, "") == ""
+    assert settings_difference(mine, theirs) == ("cuda_hierarchical: auto on node 0, stages "
+                                                 "there")
+
+    async def register(settings: str):
+        async def beats():
+            yield epd_pb2.ClusterHeartbeat(node_rank=1, incarnation="i1", node_name="n1",
+                                           agreed_settings=settings)
+            await asyncio.sleep(10)
+        stream = hub.Lease(beats(), _Context("t"))
+        try:
+            return await stream.__anext__()
+        finally:
+            await stream.aclose()
+
+    with pytest.raises(AssertionError) as ei:
+        asyncio.run(register(theirs))
+    code, details = ei.value.args[0]
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "cuda_hierarchical" in details
+    assert 1 not in hub.nodes
+    assert asyncio.run(register(mine)).cluster.nodes[1].node_name == "n1"
