@@ -32,6 +32,9 @@ $(TORCH_STAMP): | $(STAMP)
 demo: $(STAMP)  ## daemon + 4 client processes doing dispatch/combine, verified
 	$(BIN)/epd demo
 
+bench: $(STAMP) $(TORCH_STAMP)  ## epd bench: EPD through its DeepEP facade beside DeepEP and NCCL (GPU)
+	$(BIN)/epd bench
+
 # promtool checks deploy/prometheus/ in the tests: taken from Debian's prometheus package (the
 # binary only, unpacked into the venv; no service is installed). Best effort: without apt the
 # two promtool tests skip and say so.

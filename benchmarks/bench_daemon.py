@@ -11,6 +11,8 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import platform
+import sys
 import time
 
 import numpy as np
@@ -40,15 +42,23 @@ def _rank(rank: int, socket: str, wl: Workload, name: str, iters: int, q) -> Non
                 import cProfile
                 prof = cProfile.Profile()
                 prof.enable()
+            # Every call is stream-ordered on this process's current stream and returns
+            # before the GPU ran it: each phase ends when the stream is done.
+            sync = torch.cuda.synchronize
             for it in range(iters + 5):
+                sync()
                 t0 = time.perf_counter()
                 g.get_dispatch_layout(tidx, copy=False)
+                sync()
                 t1 = time.perf_counter()
                 out = g.dispatch(tx, tidx, tw, copy=False)
+                sync()
                 t2 = time.perf_counter()
                 g.combine(out.recv_x, out.handle, copy=False)
+                sync()
                 t3 = time.perf_counter()
                 g.dispatch(tx, handle=out.handle, copy=False)
+                sync()
                 t4 = time.perf_counter()
                 if it >= 5:
                     times["layout"].append(t1 - t0)
@@ -100,9 +110,14 @@ def main() -> int:
     import cupy as cp
     ngpu = cp.cuda.runtime.getDeviceCount()
     ranks = min(ngpu, 8)
-    results = {}
+    results: dict = {"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                     "host": platform.node(), "gpus": ngpu}
+    failed = False
+    # (no MPS: the clients here are not put on the engines' server; bench_low_latency.py and
+    # `epd bench --mps on` measure under MPS)
     with Daemon(backend="cuda", engines=ngpu, timeout_seconds=20,
-                extra=["--num-sms", str(ns.num_sms), "--nvshmem-heap-bytes", str(8 << 30)]) as d:
+                extra=["--num-sms", str(ns.num_sms), "--nvshmem-heap-bytes", str(8 << 30),
+                       "--mps", "off"]) as d:
         d.wait_ready(180)
         for cfg, tokens in CONFIGS.items():
             wl = Workload(ranks, [tokens] * ranks, 7168, 256, 8, seed=1, drop_prob=0.0)
@@ -119,10 +134,12 @@ def main() -> int:
             engine = _engine_means(d.get("/metrics")[1], name)
             results[cfg] = {"tokens_per_rank": tokens, "ranks": ranks, "clients": got,
                             "engine_mean_us": engine}
-            r0 = got[0]
-            if "error" in r0:
-                print(f"{cfg}: ERROR {r0['error']}")
+            errors = [r["error"] for r in got if "error" in r]
+            if errors:  # (any rank's: no figure for a run that failed)
+                print(f"{cfg}: ERROR {errors[0]}")
+                failed = True
                 continue
+            r0 = got[0]
             m = r0["median_us"]
             print(f"config {cfg} ({tokens} tok/rank, {ranks} ranks, {ns.num_sms} SMs): client "
                   f"median layout {m['layout']:.0f} us, dispatch {m['dispatch']:.0f} us, "
@@ -132,7 +149,7 @@ def main() -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(results, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

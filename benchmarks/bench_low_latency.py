@@ -169,13 +169,17 @@ def _client(rank: int, socket: str, iters: int, q: Any) -> None:
         q.put({"rank": rank, "error": f"{e}\n{traceback.format_exc()}"})
 
 
-def bench_daemon(iters: int, num_sms: int) -> dict[str, Any]:
+def bench_daemon(iters: int, num_sms: int, mps: bool = False) -> dict[str, Any]:
     import bench_daemon as bd
 
     from epd.server.demo import Daemon
 
+    # Under --mps the engines use the server mps_server() started (the clients inherit its
+    # pipe folder); without, no MPS at all (the daemon's own `auto` would put the engines on a
+    # private server and leave the clients outside it: neither setup).
     with Daemon(backend="cuda", engines=2, timeout_seconds=20,
-                extra=["--ll-num-sms", str(num_sms), "--nvshmem-heap-bytes", str(4 << 30)]) as d:
+                extra=["--ll-num-sms", str(num_sms), "--nvshmem-heap-bytes", str(4 << 30),
+                       "--mps", "on" if mps else "off"]) as d:
         d.wait_ready(180)
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
@@ -240,6 +244,7 @@ def mps_server():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)  # (its pipes and logs: nothing left in /tmp)
 
 
 def main() -> int:
@@ -267,7 +272,7 @@ def main() -> int:
         if ns.mps:
             with mps_server() as ok:
                 if ok:
-                    res["daemon_mps"] = bench_daemon(ns.iters, ns.num_sms)
+                    res["daemon_mps"] = bench_daemon(ns.iters, ns.num_sms, mps=True)
         else:
             res["daemon"] = bench_daemon(ns.iters, ns.num_sms)
     if "nccl" not in skip:

@@ -17,7 +17,9 @@ HERE = Path(__file__).resolve().parent
 KERNELS = HERE / "results_2026-11-30_h200x2.json"
 DAEMON = HERE / "results_2026-11-30_daemon_h200x2.json"
 OUT = HERE.parent / "docs" / "benchmarks_h200x2.png"
-DEEPEP_P = {"dispatch": 325.7, "combine": 403.2, "end to end": 999.0}  # DESIGN.md §9
+# DeepEP's figures from ../shared/DESIGN.md §9: an earlier run (2x H200, 2026-11-30), not
+# the run plotted beside them
+DEEPEP_P = {"dispatch": 325.7, "combine": 403.2, "end to end": 999.0}
 TARGET_P = {"dispatch": 283.0, "combine": 350.0, "end to end": 900.0}
 
 

@@ -304,6 +304,16 @@ def stream_handle(stream: Any, template: Any, device: int) -> int:
     return int(_cupy().cuda.get_current_stream().ptr)
 
 
+def synchronize(template: Any, device: int) -> None:
+    """Wait for the caller's current stream (the template's array type's), where stream-ordered
+    calls run: what a caller timing them does before reading the clock."""
+    t = _torch()
+    if t is not None and isinstance(template, t.Tensor):
+        t.cuda.current_stream(device).synchronize()
+        return
+    _cupy().cuda.get_current_stream().synchronize()
+
+
 class MappedPage:
     """The session's counter page registered in this process's CUDA context, so this
     process's streams can write and wait on its words (stream memory operations)."""

@@ -97,6 +97,10 @@ class Memory(abc.ABC):
     def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
         """An output as a NumPy array (`dtype`: the logical type, for bits CuPy carries)."""
 
+    def synchronize(self, template: Array) -> None:  # noqa: B027  (host calls: done)
+        """Wait until the calls made so far on the caller's stream are done (cuda: they are
+        stream-ordered; a host timing them synchronises first)."""
+
     def hold_staging(self) -> None:  # noqa: B027  (a no-op unless inputs are staged)
         """A call whose inputs were just described is in flight past this one (an async
         dispatch): later calls must not reuse the staged copies it has not read yet."""
@@ -407,6 +411,9 @@ class CudaIpcMemory(Memory):
 
     def to_host(self, a: Array, dtype: np.dtype | None = None) -> np.ndarray:
         return cuda_ipc.host_copy(a, dtype)
+
+    def synchronize(self, template: Array) -> None:
+        cuda_ipc.synchronize(template, self.device)
 
     def outputs(self, resp: epd_pb2.JoinGroupResponse) -> OutputRegion:
 

@@ -48,6 +48,7 @@ class Entry:
     triggers: int = 0
     reported: int = 0  # the trigger whose failure was raised
     holds: int = 0  # calls with a receive hook that has not run yet (not evicted meanwhile)
+    reported_status: int = 0  # the done word whose failure check_all raised
     users: list[Entry] = field(default_factory=list)  # combines reading this dispatch
 
 
@@ -153,6 +154,22 @@ class StreamOpCache:
                 e.reported = e.triggers
                 failure = err
         self._unchecked = pending
+        if failure is not None:
+            raise failure
+
+    def check_all(self) -> None:
+        """After the caller's stream is synchronised: raise the first failure any armed op's
+        done word holds and that was not raised yet (hook and graph ops too, whose triggers
+        no event follows)."""
+        failure: EpdError | None = None
+        for e in self._entries.values():
+            if not e.op.armed:
+                continue
+            status = e.op.status()
+            err = done_error(status, f"stream op {e.op.op_id} ({e.op.kind})")
+            if err is not None and e.reported_status != status and failure is None:
+                e.reported_status = status
+                failure = err
         if failure is not None:
             raise failure
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -176,17 +177,25 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
                        hidden=wl.hidden, max_tokens_per_rank=max(wl.tokens),
                        num_topk=wl.num_topk, dtype=wl.dtype)
             times: dict[str, list[float]] = {"layout": [], "dispatch": [], "combine": []}
+            # On cuda the calls are ordered on the caller's stream and return before the GPU
+            # ran them: each phase ends when the stream is done (host wall clock).
+            sync = functools.partial(s.memory.synchronize, x)
             for it in range(iters + 1):  # the first round warms up and is not timed
+                sync()
                 t0 = time.perf_counter()
                 g.get_dispatch_layout(idx)
+                sync()
                 t1 = time.perf_counter()
                 out = g.dispatch(x, idx, w)
+                sync()
                 t2 = time.perf_counter()
                 y = to_dev(expert_transform(to_host(out.recv_x, x_np.dtype),
                                             to_host(out.recv_topk_idx),
                                             to_host(out.recv_topk_weights), rank, lx))
+                sync()
                 t3 = time.perf_counter()
                 cx, cw = g.combine(y, out.handle, topk_weights=out.recv_topk_weights)
+                sync()
                 t4 = time.perf_counter()
                 if it:
                     times["layout"].append(t1 - t0)

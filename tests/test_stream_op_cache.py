@@ -251,3 +251,24 @@ def test_a_hook_op_is_held_until_its_hook_ran_then_kept_lru() -> None:
 
     # out of slots with nothing evictable: a hook call takes the synchronous path
     assert _cache(8).arm(("x",), full, pin=False, capturing=False, hold=True) is None
+
+
+def test_check_all_reads_every_armed_ops_done_word() -> None:
+    """After a synchronise, Buffer.check() also raises a failure in the done word of a hook or
+    graph op (no event follows their triggers; epd bench's low-latency rows passed on the last
+    good output of a trigger that failed), once per failure."""
+    c = _cache(4)
+    graph = c.arm(("g",), lambda: FakeOp(), pin=True, capturing=True)
+    hook = c.arm(("h",), lambda: FakeOp(), pin=False, capturing=False, hold=True)
+    c.check_all()  # all fine
+    hook.op.done = abi.DONE_FAILED | (4 << 8)
+    with pytest.raises(EpdError) as ei:
+        c.check_all()
+    assert "expert id" in ei.value.details
+    c.check_all()  # raised once
+    graph.op.done = abi.DONE_RELEASED
+    with pytest.raises(EpdError) as ei:
+        c.check_all()
+    assert ei.value.code == grpc.StatusCode.UNAVAILABLE
+    graph.op.done = 0  # a trigger in flight: nothing to say
+    c.check_all()

@@ -601,8 +601,10 @@ class RankRun:
             for row in (ROW_LL_PLAIN, ROW_LL_HOOK):
                 rec, got[row] = r.timed(impl, "D", row, steps[row], pids)
                 self.result["records"].append(rec)
+                got[row] = self._settled(impl, buf, got[row])
             if p.graphs:
-                got[ROW_LL_GRAPH] = self._graph_row(impl, steps[ROW_LL_HOOK], pids)
+                got[ROW_LL_GRAPH] = self._settled(
+                    impl, buf, self._graph_row(impl, steps[ROW_LL_HOOK], pids))
             outs[impl] = got
             r.sync()
             r.barrier()
@@ -617,6 +619,16 @@ class RankRun:
             r.barrier()
             self.epd_ll_buf.destroy()
             self.epd_ll_buf = None
+
+    def _settled(self, impl: str, buf: Any, combined: Any) -> Any:
+        """A row's last output, once its calls are done: a copy (with a hook or in a graph,
+        EPD returns the armed op's own output, which the next row's calls write), and on EPD
+        any failure its ops' done words hold raised (a failed trigger leaves the last good
+        output in place: the row would pass on a stale result)."""
+        self.r.sync()
+        if impl == EPD:
+            buf.check()
+        return combined.clone()
 
     def _graph_row(self, impl: str, step: Callable[[], Any], pids: list[int] | None) -> Any:
         """Capture one hooked dispatch + combine into a CUDA graph (after a warm-up call outside
