@@ -501,3 +501,24 @@ def test_a_groups_engine_outputs_count_against_the_sessions_bytes(daemon_factory
         assert "--max-region-bytes-per-session" in ei.value.message
         s.join("small", rank=0, num_ranks=1, num_experts=4, hidden=64,
                max_tokens_per_rank=8, num_topk=2, timeout=10)  # (within the budget)
+
+
+def test_a_reused_counter_slot_starts_from_zero(daemon):
+    """A session has 64 counter slots, given back when a group is left and taken again by a
+    later join: the new membership counts its dispatches from 1 again, so the slot must not
+    keep its last owner's words (the 65th join's first async dispatch waited out its deadline
+    for a count the page already seemed past)."""
+    from epd.server import reference as ref
+    rng = np.random.default_rng(3)
+    idx, w = ref.random_routing(rng, 4, 8, 2, drop_prob=0.0)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
+    with Session(daemon.socket(0), timeout=5) as s:
+        for i in range(66):
+            g = s.join(f"slot-reuse-{i}", rank=0, num_ranks=1, num_experts=8, hidden=16,
+                       num_topk=2, max_tokens_per_rank=8, dtype="float32")
+            for _ in range(3 if i == 0 else 1):
+                pending = g.dispatch_async(x, idx, w)
+                num_recv, _ = pending.counts(timeout=5)
+                out = pending.result()
+                assert num_recv == out.num_recv_tokens == 4, i
+            g.leave()

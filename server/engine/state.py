@@ -167,9 +167,13 @@ class Session:
         session's worker take from the same list: one pop, never a check then a pop);
         RESOURCE_EXHAUSTED `why` when none is left."""
         try:
-            return self.free_slots.pop(0)
+            slot = self.free_slots.pop(0)
         except IndexError:
             raise ResourceExhausted(why) from None
+        # A slot comes back with its last owner's words (a sequence N, DONE, FAIL_SEQ): the
+        # new owner counts from 0, so every ">= n" look would pass at once on them.
+        self.counter_page.slot(slot)[:] = 0
+        return slot
 
     @property
     def op_lock(self) -> threading.Lock:
