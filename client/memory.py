@@ -358,13 +358,18 @@ class CudaIpcMemory(Memory):
         return rid, base, size
 
     def _drop_oldest(self, keep: Collection[str]) -> None:
-        """Unregister the least recently used registration that is not in `keep`."""
-        old = next((h for h, r in self._regions.items() if r not in keep), None)
-        if old is None:
+        """Unregister the least recently used registration that is not in `keep`, nor read by
+        an armed op (the engine refuses those: FAILED_PRECONDITION; they stay, as recent)."""
+        for old in [h for h, r in self._regions.items() if r not in keep]:
+            rid = self._regions[old]
+            try:
+                self._unregister(rid)
+            except FailedPrecondition:
+                self._regions.move_to_end(old)
+                continue
+            del self._regions[old]
+            self._by_buffer = {b: e for b, e in self._by_buffer.items() if e[1] != rid}
             return
-        rid = self._regions.pop(old)
-        self._unregister(rid)
-        self._by_buffer = {b: e for b, e in self._by_buffer.items() if e[1] != rid}
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
 

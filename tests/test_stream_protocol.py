@@ -212,3 +212,71 @@ def test_cpu_backend_refuses_stream_ordered_requests(daemon) -> None:
         assert cx.shape == (2, 64)
         with pytest.raises(InvalidArgument, match="num_sms"):
             g.combine(out.recv_x, out.handle, num_sms=2)
+
+
+def test_routing_tensors_must_be_dense_where_the_kernels_take_an_address() -> None:
+    """The cuda kernels read topk_idx (and weights, is_token_in_rank) from their base address as
+    dense rows: a row-strided slice (misread) or overlapping rows (read past the client's
+    memory, an illegal address that would end the engine's GPU context) are refused under
+    `dense`; a dimension of one element may carry any stride (torch gives some)."""
+    buf = np.zeros(4096, np.uint8)
+
+    class Region(ShmRegion):
+        def __init__(self) -> None:
+            self.region_id, self.size, self.resolved = "r", buf.nbytes, {}
+
+        def view(self, offset, shape, dtype, strides):
+            return np.lib.stride_tricks.as_strided(
+                buf[offset:].view(dtype), shape, [s * dtype.itemsize for s in strides])
+
+    regions = {"r": Region()}
+
+    def desc(shape, strides):
+        return epd_pb2.TensorDesc(region_id="r", offset_bytes=0, shape=shape, strides=strides,
+                                  dtype=epd_pb2.INT64)
+    for shape, strides in (([4, 8], [16, 1]), ([4, 8], [1, 1]), ([4, 8], [4, 1])):
+        tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2)  # (host: fine)
+        with pytest.raises(InvalidArgument, match="dense rows"):
+            tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2, dense=True)
+    for shape, strides in (([4, 8], [8, 1]), ([1, 8], [64, 1]), ([4, 1], [1, 7]), ([0, 8], [3, 1])):
+        tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2, dense=True)
+    assert tensors.is_dense((2, 3, 4), (12, 4, 1)) and not tensors.is_dense((2, 3, 4), (12, 5, 1))
+
+
+def test_a_region_an_armed_op_reads_is_not_unmapped_under_it() -> None:
+    """An armed op's launches carry its tensors' addresses from arm time: UnregisterRegion of a
+    region it reads is refused (FAILED_PRECONDITION naming the op) while it is armed (a
+    trigger after the unmap would fault the engine's GPU context, every session's); the
+    client's CUDA IPC registrations, dropped least recently used, pass over such a region."""
+    from collections import OrderedDict
+
+    from epd.client.memory import CudaIpcMemory
+    from epd.proto.errors import FailedPrecondition
+    from epd.server.engine.core import Engine
+
+    closed: list[str] = []
+    region = types.SimpleNamespace(borrowed=False, close=lambda: closed.append("r1"))
+    op = types.SimpleNamespace(op_id=7, armed=True, regions=frozenset({"r1", "r3"}))
+    session = types.SimpleNamespace(
+        regions={"r1": region}, stream_ops={7: op}, describe=lambda: "session s",
+        executor=types.SimpleNamespace(later=lambda fn: fn()))
+    engine = types.SimpleNamespace(_refresh_gauges=lambda: None)
+    with pytest.raises(FailedPrecondition, match=r"armed low-latency op\(s\) \[7\]"):
+        Engine.unregister_region(engine, session, "r1")
+    assert "r1" in session.regions and not closed
+    op.armed = False
+    Engine.unregister_region(engine, session, "r1")
+    assert "r1" not in session.regions and closed == ["r1"]
+
+    mem = object.__new__(CudaIpcMemory)
+    mem._regions = OrderedDict((f"h{i}", f"r{i}") for i in range(4))
+    mem._by_buffer = {}
+    gone: list[str] = []
+
+    def unregister(rid: str) -> None:
+        if rid in ("r0", "r1"):  # (read by armed ops)
+            raise FailedPrecondition(f"region {rid!r} is read by armed low-latency op(s)")
+        gone.append(rid)
+    mem._unregister = unregister
+    mem._drop_oldest(keep={"r3"})
+    assert gone == ["r2"] and list(mem._regions.values()) == ["r3", "r0", "r1"]

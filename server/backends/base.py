@@ -603,6 +603,10 @@ class Backend(abc.ABC):
     # must read the values the engine checked, so the engine hands it its checked host copies
     # (a client changing topk_idx after the check would otherwise feed its group unchecked ids).
     inputs_on_host: bool = False
+    # The kernels read topk_idx, topk_weights and is_token_in_rank from their base address as
+    # dense rows (cuda): a strided or overlapping view is refused (it would be misread, or read
+    # past the client's memory).
+    dense_routing: bool = False
 
     def validate_spec(self, spec: GroupSpec) -> None:
         """Raise InvalidArgument naming the backend limit the spec exceeds."""

@@ -1003,6 +1003,7 @@ class CudaBackend(Backend):
     peer_class = "nvlink"
     supports_dispatch_without_topk = True  # epd_notify routes by is_token_in_rank
     agrees_on_capacity = True  # epd_notify fails a call over capacity on every rank
+    dense_routing = True  # (the kernels take topk_idx / weights / is_token_in_rank by address)
 
     def __init__(self, cfg: Any, index: int, device: int | None = None) -> None:
         if cp is None:

@@ -795,9 +795,17 @@ class Engine(StreamCalls, DataPlane):
         region = session.regions.get(region_id)
         if region is not None and region.borrowed:
             raise FailedPrecondition(f"region {region_id!r} belongs to the engine")
-        region = session.regions.pop(region_id, None)
-        if region is None:
+        if region_id not in session.regions:
             raise NotFound(f"region {region_id!r} is not registered by {session.describe()}")
+        # An armed op addresses its tensors on every trigger (its launches were packed at
+        # arm time): unmapped under it, a trigger would fault the engine's GPU context.
+        users = sorted(op.op_id for op in list(session.stream_ops.values())
+                       if op.armed and region_id in op.regions)
+        if users:
+            raise FailedPrecondition(f"region {region_id!r} is read by armed low-latency "
+                                     f"op(s) {users}: release them first (ReleaseStreamOp, or "
+                                     f"leave their group)")
+        region = session.regions.pop(region_id)
         # A queued call may still read it: close it in worker order.
         session.executor.later(region.close)
         self._refresh_gauges()

@@ -118,7 +118,7 @@ class DataPlane:
         self._queued(session, member)
         spec = member.spec
         idx = tensors.resolve(req.topk_idx, session.regions, "topk_idx", ndim=2,
-                              dtype=INDEX_DTYPES)
+                              dtype=INDEX_DTYPES, dense=self.backend.dense_routing)
         if idx.shape[0] > spec.max_tokens_per_rank:
             raise InvalidArgument(f"{idx.shape[0]} tokens exceed the group's "
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
@@ -210,9 +210,10 @@ class DataPlane:
                 raise InvalidArgument("is_token_in_rank/num_tokens_per_expert are only for "
                                       "dispatch without top-k; with topk_idx the engine "
                                       "computes the layout")
-            idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+            idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES,
+                                  dense=self.backend.dense_routing)
             weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                      dtype=epd_pb2.FLOAT32)
+                                      dtype=epd_pb2.FLOAT32, dense=self.backend.dense_routing)
             self._check_routing(spec, idx, weights, t)
         else:
             in_rank, per_expert = self._no_topk_routing(session, spec, req, t)
@@ -278,7 +279,7 @@ class DataPlane:
             raise InvalidArgument("num_worst_tokens needs topk_idx (as in DeepEP, dispatch "
                                   "without top-k has no worst-case mode)")
         in_rank = tensors.resolve(req.is_token_in_rank, session.regions, "is_token_in_rank",
-                                  ndim=2, dtype=epd_pb2.BOOL)
+                                  ndim=2, dtype=epd_pb2.BOOL, dense=self.backend.dense_routing)
         if in_rank.shape != (t, spec.num_ranks):
             raise InvalidArgument(f"is_token_in_rank has shape {list(in_rank.shape)}, expected "
                                   f"[{t}, {spec.num_ranks}]")
@@ -427,7 +428,7 @@ class DataPlane:
         weights = None
         if tensors.is_set(req.topk_weights):
             weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                      dtype=epd_pb2.FLOAT32)
+                                      dtype=epd_pb2.FLOAT32, dense=self.backend.dense_routing)
             if weights.shape != (info.rows_out, spec.num_topk):
                 raise InvalidArgument(f"combine topk_weights has shape {list(weights.shape)}, "
                                       f"expected [{info.rows_out}, {spec.num_topk}]")
@@ -507,7 +508,8 @@ class DataPlane:
                                   "use_fp8")
         if not tensors.is_set(req.topk_idx):
             raise InvalidArgument("low-latency dispatch needs topk_idx")
-        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES,
+                              dense=self.backend.dense_routing)
         self._check_routing(spec, idx, None, t)
         stats = None
         if tensors.is_set(req.cumulative_local_expert_recv_stats):
@@ -571,9 +573,10 @@ class DataPlane:
                                   f"num_max_dispatch_tokens_per_rank, hidden] of the dispatch)")
         if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
             raise InvalidArgument("low-latency combine needs topk_idx and topk_weights")
-        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES)
+        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES,
+                              dense=self.backend.dense_routing)
         weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                  dtype=epd_pb2.FLOAT32)
+                                  dtype=epd_pb2.FLOAT32, dense=self.backend.dense_routing)
         self._check_routing(spec, idx, weights, num_tokens)
         out = None
         if tensors.is_set(req.out):

@@ -105,6 +105,7 @@ class StreamOp:
     dispatch_op: StreamOp | None = None  # combine: whose result it brings back
     armed: bool = field(default=True)
     latency: bool = False  # of a latency-class group: the pacer holds throughput calls for it
+    regions: frozenset[str] = frozenset()  # the client regions its launches address
     chained: Any = None  # its descriptor in the member's chain (cuda_chain.ChainOp), or None
     entry: int = 0  # its entry in the member's ring (the trigger adds the buffer)
 
@@ -249,7 +250,8 @@ class StreamOps:
         words = page.view(np.int32)
         words[DONE] = DONE_OK
         op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
-                      latency=member.service_class == service_classes.LATENCY)
+                      latency=member.service_class == service_classes.LATENCY,
+                      regions=tensors.region_ids(inner) | (src.regions if src else frozenset()))
         try:
             ring = self._ring_for(session, member)
             if ring.chain is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from google.protobuf.message import Message
 
 from ...proto import dtypes
 from ...proto.errors import InvalidArgument, NotFound
@@ -22,22 +23,47 @@ def is_set(desc: epd_pb2.TensorDesc) -> bool:
 
 
 def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
-            ndim: int, dtype: int | Sequence[int] | None = None) -> Array:
+            ndim: int, dtype: int | Sequence[int] | None = None, dense: bool = False) -> Array:
     """The array a descriptor names, or InvalidArgument/NotFound saying what is wrong. Checked
-    once per distinct descriptor of a region: later calls get the cached view."""
+    once per distinct descriptor of a region: later calls get the cached view. `dense`: it
+    must be row-major without gaps or overlaps (kernels that take only its base address)."""
     region = regions.get(desc.region_id)
     if region is None:
         raise NotFound(f"{what}: region {desc.region_id!r} is not registered by this session")
     key = (desc.offset_bytes, tuple(desc.shape), tuple(desc.strides), desc.dtype, ndim,
-           dtype if dtype is None or isinstance(dtype, int) else tuple(dtype))
+           dtype if dtype is None or isinstance(dtype, int) else tuple(dtype), dense)
     hit = region.resolved.get(key)
     if hit is not None:
         return hit
     view = _resolve(desc, region, what, ndim, dtype)
+    if dense and desc.strides and not is_dense(tuple(desc.shape), tuple(desc.strides)):
+        raise InvalidArgument(f"{what}: the kernels read it as dense rows; shape "
+                              f"{list(desc.shape)} with strides {list(desc.strides)} is not "
+                              f"(pass a contiguous tensor)")
     if len(region.resolved) >= MAX_RESOLVED:
         region.resolved.clear()
     region.resolved[key] = view
     return view
+
+
+def region_ids(msg: Message) -> frozenset[str]:
+    """The regions the tensor descriptors of a request name (those an armed op reads or
+    writes on every trigger)."""
+    return frozenset(v.region_id for _, v in msg.ListFields()
+                     if isinstance(v, epd_pb2.TensorDesc) and v.region_id)
+
+
+def is_dense(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Row-major without gaps or overlaps (element strides; a dimension of one element, or an
+    empty tensor, may carry any stride)."""
+    if not all(shape):
+        return True
+    want = 1
+    for d, s in zip(reversed(shape), reversed(strides), strict=True):
+        if d > 1 and s != want:
+            return False
+        want *= d
+    return True
 
 
 def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
