@@ -45,6 +45,9 @@ MAX_LOCAL_EXPERTS = SLOT_BYTES // 8 - HEADER_WORDS - READY_RING // 2  # 488
 PAGE_BYTES = SLOT_BYTES * NUM_SLOTS
 
 
+INT32_MAX = 2**31 - 1  # (a notify's counts are int32)
+
+
 def slot_words(buf: memoryview | np.ndarray, slot: int) -> np.ndarray:
     """An int64 view of one slot of a mapped page (host side)."""
     arr = np.frombuffer(buf, dtype=np.int64, count=SLOT_BYTES // 8, offset=slot * SLOT_BYTES)
@@ -64,11 +67,16 @@ def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
     words[SEQ] = sequence
 
 
-def counts_in_range(num_recv_tokens: int, per_expert: list[int], max_rows: int) -> bool:
-    """Whether counts read back could be a notify's for a receive buffer of `max_rows` rows:
-    the page is its client's to write too, so an engine never sizes anything by it unchecked."""
-    return 0 <= num_recv_tokens <= max_rows and min(per_expert, default=0) >= 0  # (per call:
-    # `min` walks a few hundred counts in C)
+def counts_in_range(num_recv_tokens: int, per_expert: list[int], max_rows: int,
+                    num_experts: int | None = None) -> bool:
+    """Whether counts read back could be a notify's for a receive buffer of `max_rows` rows
+    (and `num_experts` local experts, or none): the page is its client's to write too, so an engine
+    never sizes, counts or labels anything by it unchecked."""
+    return (0 <= num_recv_tokens <= max_rows
+            and (num_experts is None or len(per_expert) in (0, num_experts))  # (0: cached,
+            # or refused for capacity)
+            and min(per_expert, default=0) >= 0  # (per call: `min` / `max` walk a few
+            and max(per_expert, default=0) <= INT32_MAX)  # hundred counts in C)
 
 
 def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[int]] | None:

@@ -280,3 +280,15 @@ def test_a_region_an_armed_op_reads_is_not_unmapped_under_it() -> None:
     mem._unregister = unregister
     mem._drop_oldest(keep={"r3"})
     assert gone == ["r2"] and list(mem._regions.values()) == ["r3", "r0", "r1"]
+
+
+def test_counts_read_back_are_bounded() -> None:
+    """Counts an engine reads back from a counter page its client may write: the receive count
+    within the buffer, no negative or past-int32 per-expert count, and as many as the rank's
+    local experts (or none: a cached dispatch, one refused for capacity); a client writing its
+    page made the engine label up to ~500 expert series with any increments."""
+    ok = counter_page.counts_in_range
+    assert ok(10, [4, 6], 100, 2) and ok(10, [], 100, 2) and ok(0, [0, 0], 0, 2)
+    assert not ok(101, [4, 6], 100, 2) and not ok(10, [-1, 6], 100, 2)
+    assert not ok(10, [4, 6, 0], 100, 2) and not ok(10, [2**31, 0], 100, 2)
+    assert ok(10, [4, 6, 0], 100)  # (no expert count given: not checked)

@@ -650,6 +650,10 @@ class Backend(abc.ABC):
         client may change shared memory after the engine checked the copy."""
         return np.array(array, copy=True)
 
+    def settle(self) -> None:  # noqa: B027  (host arrays: done when written)
+        """Wait for array work this thread enqueued (cuda: on its current stream), before an
+        answer lets the client read the result."""
+
     def check_event(self, handle: bytes) -> None:
         """Refuse a ready event this backend cannot wait for, before a call takes anything (a
         dispatch's sequence): events are CUDA interprocess events."""

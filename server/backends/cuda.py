@@ -419,7 +419,8 @@ class CudaRankComm(RankComm):
             raise counter_page.capacity_error(
                 spec.name, spec.max_tokens_per_rank, num_recv,
                 int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
-        if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens):
+        if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens,
+                                            spec.num_local_experts):
             raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "
                           f"page ({num_recv}) is not one the notify kernel writes")
         return num_recv, per_expert
@@ -1038,7 +1039,7 @@ class CudaBackend(Backend):
                 initializer_method="uid")
         self.comms: weakref.WeakSet[CudaRankComm] = weakref.WeakSet()
         self.closer = QuietCloser(
-            self._quiet, metrics.CUDA_CLOSES_PENDING.labels(str(index)).set)
+            self._quiet, metrics.CUDA_CLOSES_PENDING.labels(str(index)).set, self.thread_init)
         self.heap_bytes = boot.heap_bytes or cfg.nvshmem_heap_bytes  # (latency engines' own)
         self.heap = nc.array((self.heap_bytes,), dtype="uint8")  # collective, same order
         self.heap.fill(0)
@@ -1142,6 +1143,10 @@ class CudaBackend(Backend):
 
     def check_event(self, handle: bytes) -> None:
         pass  # (a handle is opened, and checked, by the wait)
+
+    def settle(self) -> None:
+        with cp.cuda.Device(self.device):
+            cp.cuda.get_current_stream().synchronize()
 
     def wait_event(self, cache: dict[bytes, Any], handle: bytes) -> None:
         if not handle:

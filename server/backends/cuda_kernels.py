@@ -388,9 +388,14 @@ class Kernels:
 
     def compile_all(self) -> None:
         """Compile the module and load every kernel into the current context now (`fn`
-        loads: see `cuda_driver.load_function`)."""
+        loads: see `cuda_driver.load_function`); also CuPy's int32 add, which an armed
+        dispatch's statistics (`stats += counts`) launch from the poller: loaded lazily at
+        that first launch, it could wait behind a rank's kernel spinning for its peer."""
         for n in (*self.NAMES, *self.TEMPLATES):
             self.fn(n)
+        a = cp.zeros(1, cp.int32)
+        a += a
+        cp.cuda.Device().synchronize()
 
     # -- layout ----------------------------------------------------------------------------
     def layout(self, topk_idx: Any, num_experts: int, num_ranks: int, *,

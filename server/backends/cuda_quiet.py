@@ -36,9 +36,12 @@ class QuietCloser:
     """Queue of IPC mappings to close when the engine is quiet (see the module docstring)."""
 
     def __init__(self, quiet: Callable[[], bool],
-                 pending: Callable[[int], None] = lambda n: None) -> None:
-        """`pending(n)` hears the queue's length whenever it changes (a gauge)."""
-        self._quiet, self._report = quiet, pending
+                 pending: Callable[[int], None] = lambda n: None,
+                 thread_init: Callable[[], None] = lambda: None) -> None:
+        """`pending(n)` hears the queue's length whenever it changes (a gauge); `thread_init`
+        runs first on its thread (the engine's device: a CUDA call there would otherwise make
+        device 0's context current, one more context on that GPU)."""
+        self._quiet, self._report, self._thread_init = quiet, pending, thread_init
         self._launching = InFlight()  # calls under way that may launch GPU work
         self._lock = self._launching.lock
         self._pending: list[Callable[[], None]] = []
@@ -79,6 +82,10 @@ class QuietCloser:
         return len(closes)
 
     def _run(self) -> None:
+        try:
+            self._thread_init()
+        except Exception:
+            log.exception("selecting the engine's device on the IPC-close thread")
         while not self._stopped:
             self._wake.wait(POLL_SECONDS)
             self._wake.clear()

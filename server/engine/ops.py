@@ -548,6 +548,7 @@ class DataPlane:
         out = self._timed(member, metrics.DISPATCH_SECONDS, path, run)
         if stats is not None:
             stats += out.recv_count
+            self.backend.settle()  # (the client reads them once answered)
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
                                                           kind=LOW_LATENCY, num_max=m))
         member.dispatches += 1

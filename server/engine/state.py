@@ -11,6 +11,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ...proto import counter_page, dtypes
 from ...proto.errors import InvalidArgument, ResourceExhausted
 from ...proto.v1 import epd_pb2
@@ -172,7 +174,7 @@ class Session:
             raise ResourceExhausted(why) from None
         # A slot comes back with its last owner's words (a sequence N, DONE, FAIL_SEQ): the
         # new owner counts from 0, so every ">= n" look would pass at once on them.
-        self.counter_page.slot(slot)[:] = 0
+        self.counter_page.slot(slot).view(np.uint8)[:] = 0
         return slot
 
     @property

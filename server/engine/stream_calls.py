@@ -206,7 +206,7 @@ class StreamCalls:
             member.pending = None
         spec = member.spec
         implausible = got is not None and not counter_page.counts_in_range(
-            *got, spec.max_recv_tokens)
+            *got, spec.max_recv_tokens, spec.num_local_experts)
         if implausible:
             log.warning("%s: group %r's dispatch counts in its counter page are not ones a "
                         "notify writes (%d rows); the call is marked failed",
