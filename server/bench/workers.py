@@ -287,7 +287,7 @@ class FacadeCalls:
             st["combined"], st["recv_x"], st["recv_w"], st["handle"] = layer(x)
 
         def cached() -> None:
-            buf.dispatch(x, handle=st["handle"])
+            st["cached"] = buf.dispatch(x, handle=st["handle"])[0]
 
         def combine() -> None:
             st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
@@ -525,6 +525,9 @@ class RankRun:
                     self.result["sessions_without_mps"] = [int(e.sessions_without_mps)
                                                            for e in topo.engines]
                 combined[impl] = calls.state["combined"]
+                if "cached" in calls.state:  # the handle's routing again: the same rows
+                    self.check(shape, "cached dispatch", impl, "its full dispatch",
+                               calls.state["cached"], calls.state["recv_x"], exact=True)
                 if mlp is not None:
                     layers[impl] = {row: calls.state[row] for row in LAYER_ROWS}
                 calls.state.clear()  # free the outputs before the next implementation
