@@ -11,12 +11,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
-import sys
 import time
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
 from epd.server.demo import Daemon, Workload
 
 CONFIGS = {"P": 4096, "D": 128}
@@ -110,8 +109,7 @@ def main() -> int:
     import cupy as cp
     ngpu = cp.cuda.runtime.getDeviceCount()
     ranks = min(ngpu, 8)
-    results: dict = {"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                     "host": platform.node(), "gpus": ngpu}
+    results: dict = {**provenance(), "gpus": ngpu}
     failed = False
     # (no MPS: the clients here are not put on the engines' server; bench_low_latency.py and
     # `epd bench --mps on` measure under MPS)

@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 H, E, K = 7168, 256, 8
 CONFIGS = {"P": 4096, "D": 128}
@@ -300,7 +302,7 @@ def main() -> int:
         res["nccl_pipeline_us"] = bench_nccl(args, res["epd"]["devices"])
         print(f"[nccl] pipeline: {res['nccl_pipeline_us']}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        Path(args.json).write_text(json.dumps({**provenance(), **res}, indent=1))
     return 0
 
 

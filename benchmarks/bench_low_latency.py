@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 H, E, K, M = 7168, 256, 8, 128
 
@@ -280,7 +282,7 @@ def main() -> int:
         res["nccl_pipeline_us"] = bk.bench_nccl(argparse.Namespace(iters=ns.iters), 2)
         print(f"[nccl] pipeline (P and D): {res['nccl_pipeline_us']}", flush=True)
     if ns.json:
-        Path(ns.json).write_text(json.dumps(res, indent=1))
+        Path(ns.json).write_text(json.dumps({**provenance(), **res}, indent=1))
     return 0
 
 

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from epd.client import Session
+from epd.server.bench.runner import provenance
 
 # The engine CPU measurement is a test helper (tests/daemon_harness.py), not part of `epd demo`.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -97,7 +98,7 @@ def main() -> int:
         print(f"idle engine with an open fast-path session: {idle:.2%} of one core")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump({**provenance(), **out}, f, indent=1)
     return 0
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
+
 POLICY = "decode-*=latency,prefill-*=throughput"
 TARGETS = {"decode_p50_ratio": 1.2, "decode_p99_ratio": 2.0, "prefill_ratio": 0.85}
 
@@ -349,7 +351,8 @@ def main() -> int:
               f"{TARGETS[k]}  {'pass' if ok else 'MISS'}")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(ns), "decode": {"alone": dec_alone, "loaded": dec_loaded},
+            json.dump({**provenance(), "args": vars(ns),
+                       "decode": {"alone": dec_alone, "loaded": dec_loaded},
                        "prefill": {"alone": pre_alone, "loaded": pre_loaded},
                        "ratios": ratios, "targets": TARGETS, "decode_engine_host": host,
                        "engine_gc": gc_pauses, "decode_chain_us": chain,

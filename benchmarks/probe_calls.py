@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
+
 
 def _cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
@@ -215,8 +217,8 @@ def main() -> int:
               f"{'-' if ew is None else f'{ew:6.1f}'} us/call")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(ns), "mps_mode": topo.mps_mode, "ranks": results}, f,
-                      indent=1)
+            json.dump({**provenance(), "args": vars(ns), "mps_mode": topo.mps_mode,
+                       "ranks": results}, f, indent=1)
     return 0
 
 

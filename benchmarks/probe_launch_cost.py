@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
+
 SRC = r"""
 extern "C" __global__ void empty_kernel(int x) {}
 extern "C" __global__ void gate(const unsigned* w, unsigned n) {
@@ -118,7 +120,7 @@ def main() -> None:
                   f"{out[key]['p90_us']:8.1f} us", flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(ns), "results": out}, f, indent=1)
+            json.dump({**provenance(), "args": vars(ns), "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":

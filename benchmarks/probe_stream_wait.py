@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from epd.server.bench.runner import provenance
+
 SRC = r"""
 extern "C" __global__ void set_flag(unsigned* f, unsigned n) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(f), "r"(n) : "memory");
@@ -78,7 +80,7 @@ def main() -> None:
               f"{out[variant]['p99_us']:8.1f} us  max {out[variant]['max_us']:8.1f} us")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(ns), "results": out}, f, indent=1)
+            json.dump({**provenance(), "args": vars(ns), "results": out}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,30 @@ def versions() -> dict[str, str]:
     return out
 
 
+def source_commit() -> str | None:
+    """The git commit of the source tree this runs from (None outside a git checkout)."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--",
+                                    "."], capture_output=True, text=True, timeout=10).stdout
+            return out.stdout.strip() + ("+changes" if dirty.strip() else "")
+    return None
+
+
+def provenance() -> dict[str, Any]:
+    """What a benchmark record says about its run: the command, the date, the machine, the
+    versions and the source commit (every script under benchmarks/ writes it too)."""
+    return {"command": sys.argv,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "machine": {"node": platform.node(), "platform": platform.platform(),
+                        "cpus": os.cpu_count()},
+            "versions": versions(), "commit": source_commit()}
+
+
 def daemon_mps_pipe(topo: epd_pb2.GetTopologyResponse) -> str:
     """The pipe folder of the daemon's MPS server ("" when it runs without MPS): the ranks
     join it as `eval "$(epd env)"` would, so engines and clients share the GPU concurrently."""
@@ -423,12 +447,9 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
     checks = [c for r in results for c in r["checks"]]
     args = {k: v for k, v in vars(ns).items() if k != "func"}
     summary: dict[str, Any] = {
-        "bench": "epd bench",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"node": platform.node(), "platform": platform.platform(),
-                    "cpus": os.cpu_count()},
+        "bench": "epd bench", **provenance(), "daemon_version": topo.version,
         "gpu": results[0].get("device_name"), "gpus": setup.gpus,
-        "versions": versions(), "args": args, "backend": backend,
+        "args": args, "backend": backend,
         "device": setup.device_type, "ranks": setup.ranks,
         "engines": len(topo.engines), "daemon": daemon_note,
         "shapes": [{"name": n, "tokens_per_rank": t} for n, t in setup.shapes],
