@@ -15,6 +15,7 @@ all_to_all_single + permute + all_to_all_single back + index_add.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -277,9 +278,15 @@ def bench_nccl(args: argparse.Namespace, world: int) -> dict[str, float]:
              for r in range(world)]
     for p in procs:
         p.start()
-    got = [q.get(timeout=300) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        got = [q.get(timeout=300) for _ in procs]
+    finally:  # (a failed worker must leave neither processes nor the init file behind)
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(init_file)
     # The pipeline's time is the slowest rank's.
     return {name: max(r[1][name] for r in got) for name in CONFIGS}
 

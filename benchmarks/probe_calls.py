@@ -20,6 +20,8 @@ import numpy as np
 
 from epd.server.bench.runner import provenance
 
+BARRIER_SECONDS = 120  # (a rank that failed breaks the barrier for the others: no hang)
+
 
 def _cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
@@ -125,12 +127,12 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
             for _ in range(ns.warmup):
                 fn()
             torch.cuda.synchronize()
-            barrier.wait()
+            barrier.wait(BARRIER_SECONDS)
             times, work = [], 0.0
             c0, e0 = time.process_time(), _cpu(engine_pid)
             m0 = engine_host.read(metrics_url) if rank == 0 else None
             for _ in range(ns.iters):
-                barrier.wait()
+                barrier.wait(BARRIER_SECONDS)
                 t0 = time.perf_counter()
                 tc0, s0 = time.thread_time(), host_cpu.wait_seconds()
                 fn()
@@ -195,9 +197,13 @@ def main() -> int:
                  for r in range(ns.ranks)]
         for p in procs:
             p.start()
-        results = sorted((q.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
-        for p in procs:
-            p.join(timeout=30)
+        try:
+            results = sorted((q.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
+        finally:  # (a rank that failed leaves its peers at the barrier: none may outlive us)
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
     finally:
         d.stop()
     r0 = results[0]
