@@ -261,7 +261,8 @@ def test_local_layout_compiles_the_engines_kernel_from_its_own_file() -> None:
     assert "epd_layout(" in src and "#include" not in src
     assert "epd_notify" not in src  # only the layout: a client compiles little
     kernel = (kernel_sources.CUDA_DIR / "epd_layout.cu").read_text().split("#include")[1]
-    assert kernel.split("\n", 1)[1] in cuda_kernels._source()
+    body = kernel.split("\n", 1)[1]  # the file after its #include line
+    assert body in cuda_kernels._source() and body in src  # (both: no stale copy anywhere)
 
 
 def test_local_layout_error_words_are_zeroed_distinct_and_never_reused(monkeypatch) -> None:

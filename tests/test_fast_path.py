@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from daemon_harness import HarnessDaemon as Daemon  # demo's Daemon + engine CPU measurement
 from daemon_harness import memfds
+from ranklib import comm_arrivals, wait_until
 
 from epd.client import EpdError, Session
 from epd.proto.v1 import epd_pb2
@@ -128,9 +129,11 @@ def test_full_ring_is_resource_exhausted(daemon) -> None:
             except EpdError as e:
                 outcome.append(e.code.name)
 
+        arrived = comm_arrivals("", g.group_id, 2)
         stuck = threading.Thread(target=blocked_dispatch)
         stuck.start()
-        time.sleep(0.2)
+        wait_until(lambda: (a := comm_arrivals("", g.group_id, 2)) is not None
+                   and a[0] > arrived[0], 10, "the dispatch inside its collective")
         pings = [s._transport._submit("Ping", b"", 10) for _ in range(3)]  # slots 2..4
         with pytest.raises(EpdError) as ei:
             s._transport.call("Ping", epd_pb2.PingRequest(), 0.5)  # slot 1 still busy

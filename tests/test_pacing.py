@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from daemon_harness import samples, value
+from ranklib import comm_arrivals, wait_until
 
 from epd.client import EpdError, Session
 from epd.server.engine.pacing import Pacer
@@ -110,8 +111,10 @@ def test_a_throughput_call_waits_while_a_latency_collective_runs(daemon) -> None
         assert gb.service_class == "throughput"
         gb.dispatch(*_inputs(1))  # warm: nothing in flight, so no pacing
         before = samples(daemon)
+        arrived = comm_arrivals("", ga0.group_id, 2)
         stuck = pool.submit(ga0.dispatch, *_inputs(2), timeout=2.0)
-        time.sleep(0.2)  # rank 0 is inside its collective now
+        wait_until(lambda: (a := comm_arrivals("", ga0.group_id, 2)) is not None
+                   and a[0] > arrived[0], 10, "rank 0 inside its collective")
         t0 = time.perf_counter()
         out = gb.dispatch(*_inputs(1))
         took = time.perf_counter() - t0

@@ -17,7 +17,8 @@ def _blocked_elsewhere(started: threading.Event, release: threading.Event) -> No
 
 def test_a_long_section_counts_every_other_thread_once_per_stall(tmp_path) -> None:
     path = tmp_path / "stalls.json"
-    probe = StallProbe(str(path), threshold=2e-3, period=2e-4)
+    probe = StallProbe(str(path), threshold=0.03, period=2e-4)  # (a loaded CI host may
+    # deschedule a short section for a few ms: the short ones below sleep nothing)
     started, release = threading.Event(), threading.Event()
     other = threading.Thread(target=_blocked_elsewhere, args=(started, release),
                              name="prefill-like")
@@ -25,13 +26,13 @@ def test_a_long_section_counts_every_other_thread_once_per_stall(tmp_path) -> No
     started.wait(5)
     try:
         with probe.watch("top_up"):
-            time.sleep(0.001)  # under the threshold: nothing
+            pass  # under the threshold: nothing
         with probe.watch("launch"):
-            time.sleep(0.001)
+            pass
         assert probe.summary()["stalls"] == {}
         for _ in range(2):
             with probe.watch("top_up"):
-                time.sleep(0.05)  # over it: one stall each, several looks
+                time.sleep(0.3)  # over it: one stall each, several looks
     finally:
         release.set()
         other.join()

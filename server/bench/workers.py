@@ -286,8 +286,12 @@ class FacadeCalls:
             # Experts = identity (DeepEP's own tests combine recv_x): the row is communication.
             st["combined"], st["recv_x"], st["recv_w"], st["handle"] = layer(x)
 
+        # The cached row sends other rows (x doubled, exact in bf16) along the handle's
+        # routing: the full dispatch's rows, still in the receive buffer, would pass a check.
+        x2 = x * 2
+
         def cached() -> None:
-            st["cached"] = buf.dispatch(x, handle=st["handle"])[0]
+            st["cached"] = buf.dispatch(x2, handle=st["handle"])[0]
 
         def combine() -> None:
             st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
@@ -525,9 +529,9 @@ class RankRun:
                     self.result["sessions_without_mps"] = [int(e.sessions_without_mps)
                                                            for e in topo.engines]
                 combined[impl] = calls.state["combined"]
-                if "cached" in calls.state:  # the handle's routing again: the same rows
-                    self.check(shape, "cached dispatch", impl, "its full dispatch",
-                               calls.state["cached"], calls.state["recv_x"], exact=True)
+                if "cached" in calls.state:  # the handle's routing again: x2's rows
+                    self.check(shape, "cached dispatch", impl, "its full dispatch, doubled",
+                               calls.state["cached"], calls.state["recv_x"] * 2, exact=True)
                 if mlp is not None:
                     layers[impl] = {row: calls.state[row] for row in LAYER_ROWS}
                 calls.state.clear()  # free the outputs before the next implementation
