@@ -37,6 +37,11 @@ def _i32_scales(rank: int, shape: tuple[int, ...]) -> np.ndarray:
     return rng.integers(-2 ** 31, 2 ** 31, shape, dtype=np.int64).astype(np.int32)
 
 
+def _doubled(rows: np.ndarray) -> np.ndarray:
+    """The bf16 bits of 2 * rows (exact in bf16): what a cached dispatch of x doubled receives."""
+    return (rows.astype(np.float32) * 2).astype(rows.dtype).view(np.uint16)
+
+
 def _to_torch(a: np.ndarray, device: int):
     import torch
 
@@ -88,7 +93,8 @@ def _rank(rank: int, socket: str, device: int, wl: Workload, scenario: str, q) -
         y = out.recv_x  # experts = identity, weights applied by combine's caller
         bias = _to_torch(np.full(x.shape, 0.5, x.dtype), device)
         cx, cw = g.combine(y, out.handle, topk_weights=out.recv_topk_weights, bias_0=bias)
-        cached = g.dispatch(tx, handle=out.handle)
+        cached = g.dispatch(tx * 2, handle=out.handle)  # (other rows than the full one's,
+        # which are still in the receive buffer: doubled, exact in bf16)
         res.update(per_rank=_bits(per_rank), per_expert=_bits(per_expert),
                    in_rank=_bits(in_rank), recv_x=_bits(out.recv_x),
                    recv_idx=_bits(out.recv_topk_idx), recv_w=_bits(out.recv_topk_weights),
@@ -173,7 +179,7 @@ def _check(wl: Workload, results: list[dict], full: bool) -> None:
         assert res["counts"] == disp[r].num_recv_tokens_per_expert
         np.testing.assert_array_equal(res["cx"], comb[r][0].view(np.uint16))
         np.testing.assert_array_equal(res["cw"], comb[r][1])
-        np.testing.assert_array_equal(res["cached_x"], disp[r].recv_x.view(np.uint16))
+        np.testing.assert_array_equal(res["cached_x"], _doubled(disp[r].recv_x))
         assert res["out_type"].startswith("torch")
         if full:
             n = len(disp[r].recv_src_idx)
@@ -541,7 +547,7 @@ def _no_topk_rank(rank: int, socket: str, device: int, q) -> None:
                 tx, num_tokens_per_rank=n_rank, is_token_in_rank=tin,
                 num_tokens_per_expert=tpe, expert_alignment=align)
             combined, combined_w, _ = buf.combine(recv_x, handle)
-            cached_x = buf.dispatch(tx, handle=handle)[0]
+            cached_x = buf.dispatch(tx * 2, handle=handle)[0]  # (other rows: doubled)
             held.append((recv_x, recv_idx, recv_w, list(counts), handle, combined,
                          combined_w, cached_x))
         torch.cuda.synchronize()
@@ -590,7 +596,7 @@ def test_daemon_dispatch_without_topk(daemon) -> None:
         for r in range(2):
             got = results[r]["layers"][layer]
             np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16))
-            np.testing.assert_array_equal(got["cached_x"], disp[r].recv_x.view(np.uint16))
+            np.testing.assert_array_equal(got["cached_x"], _doubled(disp[r].recv_x))
             assert got["none"], "recv_topk_idx / weights / combined weights must be None"
             assert got["counts"] == disp[r].num_recv_tokens_per_expert, (layer, r)
             np.testing.assert_array_equal(got["prefix"], prefix)

@@ -11,7 +11,7 @@ import pytest
 from epd.server import reference as ref
 from epd.server.demo import Workload
 
-from .test_daemon import _bits, _spawn_ranks, _to_torch
+from .test_daemon import _bits, _doubled, _spawn_ranks, _to_torch
 
 pytestmark = pytest.mark.gpu
 LAYERS = 6
@@ -118,7 +118,7 @@ def _growing_rank(rank: int, socket: str, device: int, q) -> None:
                 num_tokens_per_expert=n_expert, topk_idx=tidx, topk_weights=tw,
                 previous_event=ev, async_finish=True)
             ev.current_stream_wait()
-            again, *_ = buf.dispatch(tx, handle=handle)
+            again, *_ = buf.dispatch(tx * 2, handle=handle)  # (other rows: doubled)
             got = {"layout": (n_rank.cpu().numpy(), n_expert.cpu().numpy(),
                               in_rank.cpu().numpy()),
                    "recv_x": _bits(recv_x), "counts": list(counts), "again": _bits(again)}
@@ -160,7 +160,7 @@ def test_token_capacity_grows_on_the_cuda_engine(daemon) -> None:
             np.testing.assert_array_equal(got["layout"][2], lay.is_token_in_rank, tag)
             np.testing.assert_array_equal(got["recv_x"], disp[r].recv_x.view(np.uint16), tag)
             assert got["counts"] == disp[r].num_recv_tokens_per_expert, tag
-            np.testing.assert_array_equal(got["again"], disp[r].recv_x.view(np.uint16), tag)
+            np.testing.assert_array_equal(got["again"], _doubled(disp[r].recv_x), tag)
             want = comb[r] if i else None
             if i:
                 np.testing.assert_array_equal(got["combined"], want[0].view(np.uint16), tag)

@@ -16,7 +16,7 @@ import pytest
 from epd.server import reference as ref
 from epd.server.demo import Workload
 
-from .test_daemon import _bits, _spawn_ranks, _to_torch
+from .test_daemon import _bits, _doubled, _spawn_ranks, _to_torch
 
 pytestmark = pytest.mark.gpu
 LAYERS = 6
@@ -57,7 +57,7 @@ def _rank(rank: int, socket: str, device: int, no_wait: bool, q) -> None:
                 poison.recv_src_idx.fill_(-5)
             n_rank, n_expert, in_rank = g.get_dispatch_layout(tidx)
             out = g.dispatch(tx, tidx, tw, expert_alignment=2)
-            cached = g.dispatch(tx, handle=out.handle)
+            cached = g.dispatch(tx * 2, handle=out.handle)  # (other rows: doubled)
             held.append((layer, out, cached, tw))
             res["layers"].append({
                 "n_rank": _bits(n_rank), "n_expert": _bits(n_expert),
@@ -164,7 +164,7 @@ def test_stream_ordered_layers(daemon, no_wait) -> None:
             prefix = [[int(disp[d].src_offsets[src + 1]) for d in range(2)] for src in range(2)]
             np.testing.assert_array_equal(got["prefix"], np.array(prefix, np.int32))
             assert got["counts"] == disp[r].num_recv_tokens_per_expert
-            np.testing.assert_array_equal(got["cached"], disp[r].recv_x.view(np.uint16))
+            np.testing.assert_array_equal(got["cached"], _doubled(disp[r].recv_x))
             cx, cw = res["combined"][layer]
             np.testing.assert_array_equal(cx, comb[r][0].view(np.uint16))
             np.testing.assert_array_equal(cw, comb[r][1])
