@@ -28,6 +28,15 @@ def _workload(layer: int) -> Workload:
     return Workload(2, [t0, t1], 1024, 16, 4, seed=100 + layer, drop_prob=0.1)
 
 
+def _reference(wl: Workload) -> tuple[list, list, list]:
+    """(every rank's topk_idx, the reference's dispatch and its combine of the workload)."""
+    xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
+    disp = ref.dispatch(xs, idx, w, wl.num_experts)
+    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
+                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    return idx, disp, comb
+
+
 def _rank(rank: int, socket: str, device: int, no_wait: bool, q) -> None:
     import os
 
@@ -170,9 +179,7 @@ def test_stream_ordered_layers(daemon, no_wait) -> None:
             np.testing.assert_array_equal(cw, comb[r][1])
     wl = _workload(0)
     xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
-    disp = ref.dispatch(xs, idx, w, wl.num_experts)
-    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
-                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    _, disp, comb = _reference(wl)
     for r, res in enumerate(results):
         assert res["host_s"] < 0.1 < res["gpu_s"] + res["host_s"], res
         lay = ref.get_dispatch_layout(idx[r], wl.num_experts, 2)
@@ -240,11 +247,7 @@ def _rank_mixed(rank: int, socket: str, device: int, q) -> None:
 
 def test_synchronous_call_behind_unstarted_stream_calls(daemon) -> None:
     results = _spawn_ranks(daemon, _rank_mixed, 2)
-    wl = _workload(0)
-    xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
-    disp = ref.dispatch(xs, idx, w, wl.num_experts)
-    comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
-                       recv_topk_weights=[d.recv_topk_weights for d in disp])
+    _, disp, comb = _reference(_workload(0))
     for r, res in enumerate(results):
         assert res["async_0.3"] == "DEADLINE_EXCEEDED", res
         assert "has not started" in res["async_0.3_msg"], res
