@@ -87,6 +87,17 @@ MAX_INT32 = 2**31 - 1  # (token counts travel as int32)
 DEFAULT_GROUP_NAME = "deep_ep"
 
 
+def _distributed_of(group: Any) -> Any:
+    """torch.distributed when `group` is one of its initialised process groups, else None (a
+    stand-in object, an mpi4py comm, no group)."""
+    torch = torch_if_loaded()
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if (group is not None and dist is not None and dist.is_available() and dist.is_initialized()
+            and isinstance(group, dist.ProcessGroup)):
+        return dist
+    return None
+
+
 def job_instance_tag(group: Any) -> str:
     """An instance tag for a shrink Buffer's groups that a replacement process recomputes: from
     the job (torchelastic's run id, else the rendezvous address) and the group's global ranks,
@@ -97,12 +108,8 @@ def job_instance_tag(group: Any) -> str:
         v for v in (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) if v)
     if not job:
         return ""
-    ranks: Any = None
-    torch = torch_if_loaded()
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if (group is not None and dist is not None and dist.is_available() and dist.is_initialized()
-            and isinstance(group, dist.ProcessGroup)):
-        ranks = dist.get_process_group_ranks(group)
+    dist = _distributed_of(group)
+    ranks = dist.get_process_group_ranks(group) if dist is not None else None
     return "s" + hashlib.sha256(f"{job}|{ranks}".encode()).hexdigest()[:12]
 
 
@@ -117,10 +124,8 @@ def agreed_instance_tag(group: Any, comm: Any) -> str:
     token = secrets.token_hex(6)
     if comm is not None and group is None and hasattr(comm, "bcast"):  # mpi4py
         return str(comm.bcast(token, root=0))
-    torch = torch_if_loaded()
-    dist = getattr(torch, "distributed", None) if torch is not None else None
-    if (group is not None and dist is not None and dist.is_available() and dist.is_initialized()
-            and isinstance(group, dist.ProcessGroup)):
+    dist = _distributed_of(group)
+    if dist is not None:
         tokens: list[Any] = [None] * group.size()
         dist.all_gather_object(tokens, token, group=group)
         return str(tokens[0])

@@ -333,17 +333,22 @@ class Supervisor:
         except grpc.aio.AioRpcError:
             return False
 
-    async def _probe_due(self, e: EngineProc) -> bool:
-        """A not-ready engine's probe: every look while it starts; one that stopped answering
-        only every check period (each probe it does not answer costs the monitor a timeout)."""
-        if not e.unresponsive:
-            return await self._probe(e)
+    async def _probe_periodic(self, e: EngineProc) -> bool | None:
+        """The health check of an engine that served once: at most every check period (each
+        probe it does not answer costs the monitor its timeout); None: not due yet."""
         now = time.monotonic()
         if now < e.next_check_at:
-            return False
+            return None
         period = min(HEALTH_CHECK_SECONDS, self.cfg.engine_unresponsive_seconds / 3)
         e.next_check_at = now + period
         return await self._probe(e, timeout=min(HEALTH_CHECK_TIMEOUT_SECONDS, period))
+
+    async def _probe_due(self, e: EngineProc) -> bool:
+        """A not-ready engine's probe: every look while it starts; one that stopped answering
+        only every check period."""
+        if not e.unresponsive:
+            return await self._probe(e)
+        return bool(await self._probe_periodic(e))
 
     async def _check_ready(self, e: EngineProc) -> None:
         """A ready engine's health, checked every HEALTH_CHECK_SECONDS: one that stopped
@@ -351,11 +356,10 @@ class Supervisor:
         --engine-unresponsive-seconds, then answering again makes it ready (_watch)."""
         from . import metrics
         now = time.monotonic()
-        if now < e.next_check_at:
+        answered = await self._probe_periodic(e)
+        if answered is None:
             return
-        period = min(HEALTH_CHECK_SECONDS, self.cfg.engine_unresponsive_seconds / 3)
-        e.next_check_at = now + period
-        if await self._probe(e, timeout=min(HEALTH_CHECK_TIMEOUT_SECONDS, period)):
+        if answered:
             e.answered_at, e.missed = time.monotonic(), 0
             return
         e.missed += 1  # (two in a row at least: one slow answer is no verdict)
@@ -431,27 +435,28 @@ class Supervisor:
               and time.monotonic() - e.answered_at > self.cfg.engine_hung_seconds
               and (e.killed_at is None or time.monotonic() - e.killed_at > KILL_AGAIN_SECONDS)):
             # (a process stuck in the driver may outlive SIGKILL a while: not every look)
-            why = (f"not answering its health check for {self.cfg.engine_hung_seconds:g} s "
-                   f"(--engine-hung-seconds): killed")
             if e.killed_at is None:
-                log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
-                with (contextlib.suppress(OSError),
-                      open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
-                    f.write(why)
+                self._kill(e, f"not answering its health check for "
+                              f"{self.cfg.engine_hung_seconds:g} s (--engine-hung-seconds)")
+            else:
+                e.proc.kill()
             e.killed_at = time.monotonic()
-            e.proc.kill()
         elif (not e.ready and not e.unresponsive and code is None
               and self.cfg.engine_start_timeout_seconds > 0
               and time.monotonic() - e.started_at > self.cfg.engine_start_timeout_seconds):
             # Stuck in its set-up: killed; the next look sees the exit, counted as a failed
             # start with this reason (the failure file the engine did not get to write).
-            why = (f"not serving {self.cfg.engine_start_timeout_seconds:g} s after its start "
-                   f"(--engine-start-timeout-seconds): killed")
-            log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
-            with (contextlib.suppress(OSError),
-                  open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
-                f.write(why)
-            e.proc.kill()
+            self._kill(e, f"not serving {self.cfg.engine_start_timeout_seconds:g} s after its "
+                          f"start (--engine-start-timeout-seconds)")
+
+    def _kill(self, e: EngineProc, why: str) -> None:
+        """Kill engine `e` for `why`, logged and left in its failure file (its exit reads it)."""
+        why += ": killed"
+        log.error("engine %d (pid %d) %s", e.index, e.proc.pid, why)
+        with (contextlib.suppress(OSError),
+              open(self.cfg.engine_failure_file(e.socket_path), "w") as f):
+            f.write(why)
+        e.proc.kill()
 
     def _engine_gone(self, x: EngineProc) -> None:
         """An engine is down (exited, or killed with its world): stop it if it still runs,

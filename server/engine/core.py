@@ -793,19 +793,19 @@ class Engine(StreamCalls, DataPlane):
 
     def unregister_region(self, session: Session, region_id: str) -> None:
         region = session.regions.get(region_id)
-        if region is not None and region.borrowed:
-            raise FailedPrecondition(f"region {region_id!r} belongs to the engine")
-        if region_id not in session.regions:
+        if region is None:
             raise NotFound(f"region {region_id!r} is not registered by {session.describe()}")
+        if region.borrowed:
+            raise FailedPrecondition(f"region {region_id!r} belongs to the engine")
         # An armed op addresses its tensors on every trigger (its launches were packed at
         # arm time): unmapped under it, a trigger would fault the engine's GPU context.
         users = sorted(op.op_id for op in list(session.stream_ops.values())
                        if op.armed and region_id in op.regions)
         if users:
             raise FailedPrecondition(f"region {region_id!r} is read by armed low-latency "
-                                     f"op(s) {users}: release them first (ReleaseStreamOp, or "
+                                     f"op(s) {users}: disarm them first (DisarmStreamOp, or "
                                      f"leave their group)")
-        region = session.regions.pop(region_id)
+        del session.regions[region_id]
         # A queued call may still read it: close it in worker order.
         session.executor.later(region.close)
         self._refresh_gauges()

@@ -24,6 +24,7 @@ from ...proto.errors import (
 from ...proto.v1 import epd_pb2
 from .. import metrics
 from ..backends.base import (
+    Array,
     CombineArgs,
     DispatchArgs,
     GroupSpec,
@@ -86,6 +87,12 @@ class DataPlane:
         if reason is not None:
             raise Aborted(f"group {member.spec.name!r} is aborted: {reason}")
 
+    def _routing(self, desc: epd_pb2.TensorDesc, regions: dict, what: str, dtype) -> Array:
+        """A routing tensor (topk_idx, topk_weights, is_token_in_rank: 2-D): dense where the
+        backend's kernels read it by address (Backend.dense_routing)."""
+        return tensors.resolve(desc, regions, what, ndim=2, dtype=dtype,
+                               dense=self.backend.dense_routing)
+
     def _check_routing(self, spec: GroupSpec, topk_idx, topk_weights, num_tokens: int) -> None:
         if topk_idx.shape != (num_tokens, spec.num_topk):
             raise InvalidArgument(f"topk_idx has shape {list(topk_idx.shape)}, expected "
@@ -117,8 +124,7 @@ class DataPlane:
         member = self.member(session, req.group_id)
         self._queued(session, member)
         spec = member.spec
-        idx = tensors.resolve(req.topk_idx, session.regions, "topk_idx", ndim=2,
-                              dtype=INDEX_DTYPES, dense=self.backend.dense_routing)
+        idx = self._routing(req.topk_idx, session.regions, "topk_idx", INDEX_DTYPES)
         if idx.shape[0] > spec.max_tokens_per_rank:
             raise InvalidArgument(f"{idx.shape[0]} tokens exceed the group's "
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
@@ -210,10 +216,8 @@ class DataPlane:
                 raise InvalidArgument("is_token_in_rank/num_tokens_per_expert are only for "
                                       "dispatch without top-k; with topk_idx the engine "
                                       "computes the layout")
-            idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES,
-                                  dense=self.backend.dense_routing)
-            weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                      dtype=epd_pb2.FLOAT32, dense=self.backend.dense_routing)
+            idx = self._routing(req.topk_idx, regions, "topk_idx", INDEX_DTYPES)
+            weights = self._routing(req.topk_weights, regions, "topk_weights", epd_pb2.FLOAT32)
             self._check_routing(spec, idx, weights, t)
         else:
             in_rank, per_expert = self._no_topk_routing(session, spec, req, t)
@@ -278,8 +282,8 @@ class DataPlane:
         if req.num_worst_tokens:
             raise InvalidArgument("num_worst_tokens needs topk_idx (as in DeepEP, dispatch "
                                   "without top-k has no worst-case mode)")
-        in_rank = tensors.resolve(req.is_token_in_rank, session.regions, "is_token_in_rank",
-                                  ndim=2, dtype=epd_pb2.BOOL, dense=self.backend.dense_routing)
+        in_rank = self._routing(req.is_token_in_rank, session.regions, "is_token_in_rank",
+                                epd_pb2.BOOL)
         if in_rank.shape != (t, spec.num_ranks):
             raise InvalidArgument(f"is_token_in_rank has shape {list(in_rank.shape)}, expected "
                                   f"[{t}, {spec.num_ranks}]")
@@ -427,8 +431,7 @@ class DataPlane:
                                   f"dispatch of handle {req.handle})")
         weights = None
         if tensors.is_set(req.topk_weights):
-            weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                      dtype=epd_pb2.FLOAT32, dense=self.backend.dense_routing)
+            weights = self._routing(req.topk_weights, regions, "topk_weights", epd_pb2.FLOAT32)
             if weights.shape != (info.rows_out, spec.num_topk):
                 raise InvalidArgument(f"combine topk_weights has shape {list(weights.shape)}, "
                                       f"expected [{info.rows_out}, {spec.num_topk}]")
@@ -508,8 +511,7 @@ class DataPlane:
                                   "use_fp8")
         if not tensors.is_set(req.topk_idx):
             raise InvalidArgument("low-latency dispatch needs topk_idx")
-        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES,
-                              dense=self.backend.dense_routing)
+        idx = self._routing(req.topk_idx, regions, "topk_idx", INDEX_DTYPES)
         self._check_routing(spec, idx, None, t)
         stats = None
         if tensors.is_set(req.cumulative_local_expert_recv_stats):
@@ -574,10 +576,8 @@ class DataPlane:
                                   f"num_max_dispatch_tokens_per_rank, hidden] of the dispatch)")
         if not tensors.is_set(req.topk_idx) or not tensors.is_set(req.topk_weights):
             raise InvalidArgument("low-latency combine needs topk_idx and topk_weights")
-        idx = tensors.resolve(req.topk_idx, regions, "topk_idx", ndim=2, dtype=INDEX_DTYPES,
-                              dense=self.backend.dense_routing)
-        weights = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                                  dtype=epd_pb2.FLOAT32, dense=self.backend.dense_routing)
+        idx = self._routing(req.topk_idx, regions, "topk_idx", INDEX_DTYPES)
+        weights = self._routing(req.topk_weights, regions, "topk_weights", epd_pb2.FLOAT32)
         self._check_routing(spec, idx, weights, num_tokens)
         out = None
         if tensors.is_set(req.out):

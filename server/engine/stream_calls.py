@@ -47,15 +47,8 @@ SEQ_MASK = 0xFFFFFFFF  # stream sequences are the 32-bit words the stream operat
 
 def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
     """Whether a (resolved: checked) descriptor is dense row-major; no strides say so, as
-    tensors.resolve reads them, and so does an empty tensor's (they carry no meaning)."""
-    if not desc.strides or not all(desc.shape):
-        return True
-    acc = 1
-    for n, s in zip(reversed(desc.shape), reversed(desc.strides), strict=True):
-        if n > 1 and s != acc:
-            return False
-        acc *= max(n, 1)
-    return True
+    tensors.resolve reads them."""
+    return not desc.strides or tensors.is_dense(tuple(desc.shape), tuple(desc.strides))
 
 
 class StreamCalls:
