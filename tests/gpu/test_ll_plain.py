@@ -321,7 +321,7 @@ def _eager_hooks_rank(rank: int, socket: str, device: int, q) -> None:
             t = 1 + step % M
             x, idx, w = _inputs(200 + step, rank, t)
             tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
-            recv, _, handle, _, hook = buf.low_latency_dispatch(tx, tidx, M, E,
+            recv, _, handle, _, hook = buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False,
                                                                 return_recv_hook=True)
             hook()
             cx, _, chook = buf.low_latency_combine(recv, tidx, tw, handle,
