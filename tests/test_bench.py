@@ -109,6 +109,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
         ("P", "normal combine", "pipeline"), ("D", "normal combine", "pipeline"),
         ("P", "normal combine", "reference"), ("D", "normal combine", "reference"),
         ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference"),
+        ("D", "low latency: each token's rows (bf16, untimed)", "reference"),
         *((s, row, "pipeline") for s in ("P", "D") for row in ROWS[3:])}
     assert rec["expert_intermediate"] == 32 and "layer rows (no target" in proc.stdout
     assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
@@ -163,3 +164,52 @@ def test_plan_deep_ep_on_shared_gpu(monkeypatch, shared) -> None:
     else:
         assert setup.impls == ["epd"] and "--deep-ep-shared-gpu" in setup.skipped["deep_ep"]
         assert setup.shared_gpu_note == ""
+
+
+def test_ll_rows_check_catches_a_wrong_row_of_the_right_expert() -> None:
+    """The untimed low-latency check (bench/workers.py `_ll_rows_check`): experts that scale
+    their received rows by a per-expert power of two. The reference's combine of those outputs
+    matches `ll_reference` bit for bit; two rows of one expert swapped (the timed rows'
+    per-expert constants cannot see it) fail the check, and so does another expert's scale."""
+    import numpy as np
+    import torch
+
+    from epd.proto import dtypes
+    from epd.server import reference as ref
+    from epd.server.bench import workers
+
+    ranks, tokens, hidden, experts, topk = 2, 12, 32, 8, 3
+    local = experts // ranks
+    rng = np.random.default_rng(5)
+    xs, idxs, ws = [], [], []
+    for _ in range(ranks):
+        idx, w = ref.random_routing(rng, tokens, experts, topk, drop_prob=0.0)
+        xs.append(ref.random_x(rng, tokens, hidden, dtypes.BFLOAT16))
+        idxs.append(idx)
+        ws.append(w)
+    disp = ref.low_latency_dispatch(xs, idxs, experts, tokens)
+    scale = workers.expert_scale(experts)
+
+    def bf16(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
+
+    # two rows of rank 0's tokens in one expert's buffer (on rank d)
+    d, e, rows = next((d, e, np.nonzero(disp[d].recv_src_rank[e] == 0)[0][:2])
+                      for d in range(ranks) for e in range(local)
+                      if (disp[d].recv_src_rank[e] == 0).sum() >= 2)
+
+    def combined(scales: np.ndarray, swap: bool = False) -> torch.Tensor:
+        ys = [(x.recv_x.astype(np.float32) * scales[r * local:(r + 1) * local, None, None])
+              .astype(dtypes.BFLOAT16) for r, x in enumerate(disp)]
+        if swap:
+            ys[d][e, rows] = ys[d][e, rows[::-1]]
+        return bf16(ref.low_latency_combine(ys, disp, idxs, ws, experts)[0])
+
+    want = workers.ll_reference(torch, torch.from_numpy(idxs[0]), torch.from_numpy(ws[0]),
+                                bf16(xs[0]), torch.from_numpy(scale))
+    good = workers.compare(torch, combined(scale), want, exact=False)
+    assert good["passed"] and good["exact"], good
+    swapped = workers.compare(torch, combined(scale, swap=True), want, exact=False)
+    assert not swapped["passed"], swapped
+    wrong_scale = workers.compare(torch, combined(np.roll(scale, 1)), want, exact=False)
+    assert not wrong_scale["passed"], wrong_scale

@@ -46,6 +46,8 @@ ROW_LL_HOOK = "low latency: with recv hooks"
 ROW_LL_GRAPH = "low latency: CUDA graph replay"
 NORMAL_ROWS = (ROW_FULL, ROW_CACHED, ROW_COMBINE)
 LL_ROWS = (ROW_LL_PLAIN, ROW_LL_HOOK, ROW_LL_GRAPH)
+# The low-latency check that is not a timed row: each token's rows through bf16 experts.
+LL_ROWS_CHECK = "low latency: each token's rows (bf16, untimed)"
 # API calls per iteration: what client and engine CPU are divided by (hooks not counted).
 CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LAYER: 3, ROW_LAYER_PROJ: 3,
                   ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
@@ -97,9 +99,18 @@ def inputs(seed: int, rank: int, shape_index: int, tokens: int, hidden: int, exp
 
 
 def expert_value(experts: int) -> np.ndarray:
-    """What the stand-in low-latency experts return for every row of expert e: (e % 8 + 1) / 8,
-    exact in bf16, so a wrong row in combine changes the sum."""
+    """What the timed rows' stand-in low-latency experts return for every row of expert e:
+    (e % 8 + 1) / 8, exact in bf16, so a combine that reads another expert's rows changes the
+    sum. A wrong row of the right expert does not (where a row lands in an expert's receive
+    buffer is the implementation's choice, and not deterministic): `RankRun._ll_rows_check`
+    covers that, untimed."""
     return ((np.arange(experts) % 8) + 1).astype(np.float32) / 8
+
+
+def expert_scale(experts: int) -> np.ndarray:
+    """The untimed check's experts: each multiplies its received rows by 2 ** -(e % 4) (exact
+    in bf16), so every token's combined row depends on its own x and on each expert's scale."""
+    return np.exp2(-(np.arange(experts) % 4)).astype(np.float32)
 
 
 class ExpertMlp:
@@ -417,15 +428,17 @@ def compare(torch: Any, got: Any, want: Any, *, exact: bool) -> dict:
     return {"passed": passed, "exact": same, "max_abs_diff": diff, "detail": detail}
 
 
-def ll_reference(torch: Any, idx: Any, w: Any, hidden: int, experts: int) -> Any:
-    """The low-latency combine of the stand-in experts: sum_k w[t,k] * value(e_k) in fp32, in
-    k order, rounded to bf16, on every hidden column."""
-    val = torch.from_numpy(expert_value(experts)).to(idx.device)
-    acc = torch.zeros(idx.shape[0], dtype=torch.float32, device=idx.device)
+def ll_reference(torch: Any, idx: Any, w: Any, rows: Any, per_expert: Any) -> Any:
+    """A low-latency combine as the kernels compute it: for k in order, acc += w[t,k] * y, in
+    fp32, where y = rows[t] * per_expert[idx[t,k]] is the expert's (exact) bf16 output; rounded
+    to bf16 once. `rows` `[T, H]`, or `[T, 1]` for outputs the same on every column;
+    `per_expert` one float32 value per expert."""
+    acc = torch.zeros(rows.shape, dtype=torch.float32, device=idx.device)
     for k in range(idx.shape[1]):
-        valid = idx[:, k] >= 0
-        acc = acc + torch.where(valid, w[:, k] * val[idx[:, k].clamp(min=0)], 0.0)
-    return acc[:, None].expand(-1, hidden).to(torch.bfloat16)
+        e = idx[:, k]
+        y = rows.float() * per_expert[e.clamp(min=0)][:, None]
+        acc = acc + torch.where((e >= 0)[:, None], w[:, k, None] * y, 0.0)
+    return acc.to(torch.bfloat16)
 
 
 # -- one rank ------------------------------------------------------------------------------------
@@ -593,10 +606,11 @@ class RankRun:
         x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, p.ll_tokens, p.hidden,
                                                  p.experts, p.topk, p.num_ranks))
         local = p.experts // p.num_ranks
-        val = expert_value(p.experts)[p.rank * local:(p.rank + 1) * local]
-        y = torch.from_numpy(val).to(r.device)[:, None, None].expand(
+        val = torch.from_numpy(expert_value(p.experts)).to(r.device)
+        y = val[p.rank * local:(p.rank + 1) * local, None, None].expand(
             local, p.num_ranks * p.ll_tokens, p.hidden).to(torch.bfloat16).contiguous()
-        want = ll_reference(torch, idx, w, p.hidden, p.experts)
+        ones = torch.ones(idx.shape[0], 1, device=r.device)
+        want = ll_reference(torch, idx, w, ones, val).expand(-1, p.hidden)
         outs: dict[str, dict[str, Any]] = {}
         for impl in (i for i in p.impls if i == EPD or (i == DEEP_EP and p.deep_ep_ll)):
             buf = self._epd_buffer(True) if impl == EPD else self._deep_ep_buffer(True)
@@ -613,6 +627,7 @@ class RankRun:
                 got[ROW_LL_GRAPH] = self._settled(
                     impl, buf, self._graph_row(impl, steps[ROW_LL_HOOK], pids))
             outs[impl] = got
+            self._ll_rows_check(impl, buf, x, idx, w)
             r.sync()
             r.barrier()
             if impl == DEEP_EP:
@@ -626,6 +641,24 @@ class RankRun:
             r.barrier()
             self.epd_ll_buf.destroy()
             self.epd_ll_buf = None
+
+    def _ll_rows_check(self, impl: str, buf: Any, x: Any, idx: Any, w: Any) -> None:
+        """Untimed: a bf16 dispatch, experts that scale each received row by their own factor
+        (`expert_scale`), the combine: every token's output depends on its own rows, so a
+        combine that reads a wrong row inside the right (expert, source rank) block fails
+        here, where the timed rows' per-block constants cannot tell."""
+        p, torch = self.plan, self.r.torch
+        local = p.experts // p.num_ranks
+        scale = torch.from_numpy(expert_scale(p.experts)).to(self.r.device)
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, p.ll_tokens, p.experts,
+                                                           use_fp8=False)
+        mine = scale[p.rank * local:(p.rank + 1) * local]
+        y = (recv_x.float() * mine[:, None, None]).to(torch.bfloat16)
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+        got = self._settled(impl, buf, combined)
+        self.check("D", LL_ROWS_CHECK, impl, "reference", got,
+                   ll_reference(torch, idx, w, x, scale), exact=False)
+        self.r.barrier()  # (every rank's combine done before the next use of the buffer)
 
     def _settled(self, impl: str, buf: Any, combined: Any) -> Any:
         """A row's last output, once its calls are done: a copy (with a hook or in a graph,
