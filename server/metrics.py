@@ -8,19 +8,22 @@ mode). Gauges say how they aggregate across processes.
 
 Bounded label sets: every metric labelled by `group` maps the group name through
 `group_label()`: a process labels at most `--max-group-label-values` distinct names (default
-256), later ones become group="_overflow". The cap counts every name a process has used, not
-only live groups: in multiprocess mode prometheus_client cannot remove a series (`remove()`
-warns "not implemented in multi-process mode" and drops only the in-process child; the sample
-stays in the process's mmap file and keeps being exported after the process exits; the
-supervisor folds a dead engine's counters and histograms into an archive file and
-mark_process_dead removes its live gauges), so freeing a slot when a group ends would not
-bound the files, the scrape or the memory.
+256), later ones become group="_overflow". The cap counts every name a process has used, and
+the names already in the folder when it starts (`set_group_label_cap`: an engine restarting
+in a loop would otherwise add up to the cap each time), not only live groups: in
+multiprocess mode prometheus_client cannot remove a series (`remove()` warns "not
+implemented in multi-process mode" and drops only the in-process child; the sample stays in
+the process's mmap file and keeps being exported after the process exits; the supervisor
+folds a dead engine's counters and histograms into an archive file and mark_process_dead
+removes its live gauges), so freeing a slot when a group ends would not bound the files, the
+scrape or the memory.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import json
 import math
 import os
 import threading
@@ -73,9 +76,36 @@ def archive_dead_process(pid: int, folder: str | None = None) -> None:
             os.unlink(src)
 
 
-def set_group_label_cap(cap: int) -> None:
+def set_group_label_cap(cap: int, folder: str | None = None) -> None:
+    """The cap of this process's group label values. The names already in the multiprocess
+    folder's files (`folder`, default PROMETHEUS_MULTIPROC_DIR: the archive of dead engines,
+    the other live processes) count against it: an engine that restarts (or a new one) adds
+    at most `cap` minus those, so restarts cannot grow the node's label set past the cap."""
     global _group_cap
     _group_cap = max(0, int(cap))
+    names = labels_in_folder(folder or os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""))
+    with _group_lock:
+        room = max(0, _group_cap - len(_group_names))
+        _group_names.update(sorted(names - _group_names - {OVERFLOW_GROUP})[:room])
+
+
+def labels_in_folder(folder: str, label: str = "group") -> set[str]:
+    """The values of `label` in the multiprocess folder's sample files (empty without one; a
+    file that cannot be read is skipped: counting names is best effort, serving is not)."""
+    from prometheus_client.mmap_dict import MmapedDict
+    if not folder or not os.path.isdir(folder):
+        return set()
+    found: set[str] = set()
+    with COLLECT_LOCK:  # (not while this process folds a dead engine's files)
+        for entry in os.scandir(folder):
+            if not entry.name.endswith(".db"):
+                continue
+            with contextlib.suppress(OSError, RuntimeError, ValueError):
+                for key, *_ in MmapedDict.read_all_values_from_file(entry.path):
+                    value = json.loads(key)[2].get(label)
+                    if isinstance(value, str):
+                        found.add(value)
+    return found
 
 
 def group_label(name: str) -> str:

@@ -217,6 +217,39 @@ def test_group_names_over_the_cap_do_not_grow_the_label_cache():
         metrics._group_names.update(saved_names)
 
 
+def test_a_restarted_engine_counts_the_names_its_predecessors_labelled(tmp_path):
+    """The label cap holds across restarts: names already in the multiprocess folder (the
+    archive of dead engines, other live processes' files) count against a new process's cap,
+    so an engine restarting in a loop cannot label `cap` new names each time."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from epd.server import metrics
+
+    archive = MmapedDict(str(tmp_path / "counter_archive.db"))
+    for i in range(5):
+        archive.write_value(mmap_key("epd_calls_total", "epd_calls_total", ["group", "op"],
+                                     [f"old-{i}", "dispatch"], "h"), 1.0, 0.0)
+    archive.write_value(mmap_key("epd_up", "epd_up", [], [], "h"), 1.0, 0.0)  # no group label
+    archive.close()
+    (tmp_path / "gauge_livesum_1.db").write_bytes(b"not a sample file")  # skipped, not fatal
+    saved_cap, saved_names = metrics._group_cap, set(metrics._group_names)
+    try:
+        metrics._group_names.clear()
+        assert metrics.labels_in_folder(str(tmp_path)) == {f"old-{i}" for i in range(5)}
+        metrics.set_group_label_cap(7, str(tmp_path))
+        assert metrics.group_label("old-3") == "old-3"  # (already counted)
+        assert [metrics.group_label(f"new-{i}") for i in range(3)] == [
+            "new-0", "new-1", metrics.OVERFLOW_GROUP]
+        metrics._group_names.clear()
+        metrics.set_group_label_cap(3, str(tmp_path))  # more names than the cap: none new
+        assert len(metrics._group_names) == 3
+        assert metrics.group_label("new-9") == metrics.OVERFLOW_GROUP
+    finally:
+        metrics._group_cap = saved_cap
+        metrics._group_names.clear()
+        metrics._group_names.update(saved_names)
+
+
 def test_a_dead_engines_files_are_folded_into_the_archive(tmp_path):
     """The counters and histograms of an engine gone are folded into one archive file per type
     (an engine restarting in a loop added a file per start, each re-read by every scrape);
