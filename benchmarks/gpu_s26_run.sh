@@ -4,11 +4,13 @@
 #        host time goes: the facade's FP8 dispatch + bf16 combine at D, two ranks, rank 0's
 #        client under cProfile (top by own time, and the epd functions by cumulative time),
 #        then the same rows unprofiled
+#   bash benchmarks/gpu_s26_run.sh llab [ROUNDS]  # the low-latency pairs on .whl/old (a
+#        `git archive` of the baseline's server proto client cuda) and on this tree, alternated
 #   bash benchmarks/gpu_s26_run.sh shared  # = gpu_s22_run.sh shared (EPD beside DeepEP)
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, merge_json)
-llrows() {  # llrows LABEL [PROFILE]: the facade's low-latency pairs at D (probe_calls.py)
-  EPD_PROBE_PROFILE=${2:-} timeout 150 python3 -P benchmarks/probe_calls.py --low-latency \
+llrows() {  # llrows LABEL [PROFILE] [PKG]: the facade's low-latency pairs at D (probe_calls.py)
+  EPD_PROBE_PROFILE=${2:-} PYTHONPATH=${3:-/tmp/pkg}:/tmp/site timeout 150 python3 -P benchmarks/probe_calls.py --low-latency \
       --tokens 128 --iters 300 --mps on --ranks 2 --rows "ll plain pair,ll hook pair" \
       --json "$OUT/ll_$1.json" 2>&1 | clean | tail -6
 }
@@ -26,6 +28,16 @@ s.sort_stats('cumulative').print_stats('epd', 80)" >> "$OUT/ll_profile.txt" 2>&1
     merge_json ll ll_rows
     head -60 "$OUT/ll_profile.txt" | cut -c1-200
     ;;
+  llab)
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in $(seq 1 "${2:-3}"); do
+      echo "== round $round"
+      llrows "old_$round" "" /tmp/pkg_old
+      llrows "new_$round" "" /tmp/pkg
+    done
+    merge_json ll ll_ab
+    ;;
   shared) bash benchmarks/gpu_s22_run.sh shared ;;
-  *) echo "usage: $0 llprof|shared" >&2; exit 2 ;;
+  *) echo "usage: $0 llprof|llab|shared" >&2; exit 2 ;;
 esac

@@ -174,10 +174,6 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         self._ordered = session.memory.supports_stream_ops
-        # cuda, opt-in (EPD_COMBINE_NO_WAIT=1): combine returns once its request is sent; the
-        # answer, read at this rank's next call, raises a refusal there (client/stream_calls.py).
-        self._combine_no_wait = self._ordered and stream_calls.combine_no_wait()
-        self._pending_combine: tuple[PendingCall, int, int, float] | None = None
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None
         if self._ordered:  # run-time kernels compiled here, not mid-call or in a capture:
@@ -592,18 +588,12 @@ class Group:
         """Leave the group. Its other ranks' later collectives fail with ABORTED."""
         if self._left:
             return
-        if self._pending_combine is not None and self._stream_slot is not None:
-            # (its answer frees its ring slot; a refusal no longer matters to a rank leaving)
-            with contextlib.suppress(EpdError):
-                stream_calls._settle_combine(self, self._stream_slot)
         self._session._call("LeaveGroup", epd_pb2.LeaveGroupRequest(
             session_id=self._session.session_id, group_id=self.group_id))
         self._release()
 
     def _release_stream(self) -> None:
-        """No stream of ours may wait for DONE of a call the engine will never finish (a
-        combine sent without waiting included: its sequence is the slot's latest)."""
-        self._pending_combine = None
+        """No stream of ours may wait for DONE of a call the engine will never finish."""
         if self._stream_slot is not None:
             self._stream_slot.release()
 

@@ -16,7 +16,6 @@ DONE itself.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -32,7 +31,6 @@ if TYPE_CHECKING:
     from .group import Group, Handle
 
 RING = abi.READY_RING
-SEQ_MASK = 0xFFFFFFFF  # stream sequences run 1..SEQ_MASK, as the engine counts them
 _I32, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_)
 # A dispatch's outputs with one row per received token (rank_prefix_matrix is whole).
 _DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
@@ -83,43 +81,9 @@ class StreamSlot:
         counter_page.release_stream(self.words, self.issued)
 
 
-def combine_no_wait() -> bool:
-    """EPD_COMBINE_NO_WAIT=1: a stream-ordered combine returns once its request is sent."""
-    return os.environ.get("EPD_COMBINE_NO_WAIT", "") == "1"
-
-
-def _settle_combine(group: Group, slot: StreamSlot) -> None:
-    """Read the answer of the combine sent without waiting, if one is out: raise its refusal
-    (the engine took its sequence and its stream passed it) or its error status (the engine
-    took nothing: once the calls before it are done, let our stream pass it from here)."""
-    pending = group._pending_combine
-    if pending is None:
-        return
-    group._pending_combine = None
-    call, seq, before, timeout = pending
-    what = f"group {group.name!r}: combine #{seq} (sent without waiting for its answer)"
-    try:
-        resp = cast(epd_pb2.CombineResponse, call.result(timeout))
-    except EpdError as e:
-        if before:  # (the engine writes DONE in order: not over an earlier call's)
-            slot.settle(before, timeout)
-        counter_page.pass_stream(slot.words, seq)
-        raise EpdError(e.code, f"{what}: {e.message}") from None
-    if resp.refused_code:
-        raise EpdError(_CODES.get(resp.refused_code, grpc.StatusCode.UNKNOWN),
-                       f"{what}: {resp.refused_message}")
-    if resp.stream_seq != seq:  # (cannot happen while both sides count the same calls)
-        raise EpdError(grpc.StatusCode.INTERNAL, f"{what}: the engine numbered it "
-                                                 f"#{resp.stream_seq}")
-
-
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
 def _slot(group: Group) -> StreamSlot:
     if group._stream_slot is None:
         group._stream_slot = StreamSlot(group)
-    _settle_combine(group, group._stream_slot)
     group._stream_slot.check()
     if group._local_layout is not None:
         group._local_layout.check()
@@ -233,14 +197,6 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
     req = epd_pb2.CombineRequest(
         session_id=s.session_id, group_id=group.group_id, handle=handle.handle_id,
         timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d)
-    if group._combine_no_wait:  # the membership's next sequence, claimed; the answer later
-        before = slot.issued
-        seq = req.claimed_stream_seq = (before % SEQ_MASK) + 1
-        call = s._call_async("Combine", req, rpc_timeout)
-        slot.begin(stream, seq)
-        slot.end(stream, seq)
-        group._pending_combine = (call, seq, before, rpc_timeout)
-        return out, out_w
     resp = cast(epd_pb2.CombineResponse, s._call("Combine", req, rpc_timeout))
     slot.begin(stream, resp.stream_seq)
     slot.end(stream, resp.stream_seq)

@@ -174,13 +174,6 @@ def stream_done(words: np.ndarray) -> int:
     return int(words.view(np.int32)[abi.SLOT32_DONE]) & 0xFFFFFFFF
 
 
-def pass_stream(words: np.ndarray, seq: int) -> None:
-    """Client side: let a stream waiting for DONE of call `seq` go on, recording no failure (a
-    combine sent without waiting whose sequence the engine did not take; the client raises its
-    error itself). Only once every earlier call's DONE is in: nothing writes DONE after this."""
-    words.view(np.int32)[abi.SLOT32_DONE] = np.int32(np.uint32(seq))
-
-
 def release_stream(words: np.ndarray, last_seq: int) -> None:
     """Client side, when its session or engine is gone: record the release as a failure and
     let any stream waiting for DONE of a call up to `last_seq` go on."""

@@ -451,7 +451,7 @@ class DispatchResponse(_message.Message):
     def __init__(self, recv_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_x_scales: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., recv_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., num_recv_tokens_per_expert: _Optional[_Iterable[int]] = ..., handle: _Optional[int] = ..., num_recv_tokens: _Optional[int] = ..., recv_src_idx: _Optional[_Union[TensorDesc, _Mapping]] = ..., rank_prefix_matrix: _Optional[_Union[TensorDesc, _Mapping]] = ..., counter_sequence: _Optional[int] = ..., stream_seq: _Optional[int] = ...) -> None: ...
 
 class CombineRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds", "ready_event", "stream_ordered", "num_sms", "out", "out_topk_weights", "claimed_stream_seq")
+    __slots__ = ("session_id", "group_id", "x", "handle", "topk_weights", "bias_0", "bias_1", "timeout_seconds", "ready_event", "stream_ordered", "num_sms", "out", "out_topk_weights")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     X_FIELD_NUMBER: _ClassVar[int]
@@ -465,7 +465,6 @@ class CombineRequest(_message.Message):
     NUM_SMS_FIELD_NUMBER: _ClassVar[int]
     OUT_FIELD_NUMBER: _ClassVar[int]
     OUT_TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
-    CLAIMED_STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     x: TensorDesc
@@ -479,22 +478,17 @@ class CombineRequest(_message.Message):
     num_sms: int
     out: TensorDesc
     out_topk_weights: TensorDesc
-    claimed_stream_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., stream_ordered: _Optional[bool] = ..., num_sms: _Optional[int] = ..., out: _Optional[_Union[TensorDesc, _Mapping]] = ..., out_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., claimed_stream_seq: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., x: _Optional[_Union[TensorDesc, _Mapping]] = ..., handle: _Optional[int] = ..., topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_0: _Optional[_Union[TensorDesc, _Mapping]] = ..., bias_1: _Optional[_Union[TensorDesc, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., stream_ordered: _Optional[bool] = ..., num_sms: _Optional[int] = ..., out: _Optional[_Union[TensorDesc, _Mapping]] = ..., out_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class CombineResponse(_message.Message):
-    __slots__ = ("combined_x", "combined_topk_weights", "stream_seq", "refused_code", "refused_message")
+    __slots__ = ("combined_x", "combined_topk_weights", "stream_seq")
     COMBINED_X_FIELD_NUMBER: _ClassVar[int]
     COMBINED_TOPK_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     STREAM_SEQ_FIELD_NUMBER: _ClassVar[int]
-    REFUSED_CODE_FIELD_NUMBER: _ClassVar[int]
-    REFUSED_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     combined_x: TensorDesc
     combined_topk_weights: TensorDesc
     stream_seq: int
-    refused_code: int
-    refused_message: str
-    def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., stream_seq: _Optional[int] = ..., refused_code: _Optional[int] = ..., refused_message: _Optional[str] = ...) -> None: ...
+    def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., combined_topk_weights: _Optional[_Union[TensorDesc, _Mapping]] = ..., stream_seq: _Optional[int] = ...) -> None: ...
 
 class LowLatencyDispatchRequest(_message.Message):
     __slots__ = ("session_id", "group_id", "x", "topk_idx", "num_max_dispatch_tokens_per_rank", "num_experts", "use_fp8", "round_scale", "use_ue8m0", "cumulative_local_expert_recv_stats", "timeout_seconds", "ready_event", "release_handles", "buffer")

@@ -504,12 +504,6 @@ class RankComm(abc.ABC):
         """The launch of a combine into the caller's `out` (and `out_weights`)."""
         raise self._no_stream_ops()
 
-    def stream_pass(self, counter_slot: Any, stream_seq: int) -> None:
-        """Call `stream_seq` was refused after its sequence was taken (a combine sent without
-        waiting for its answer): the rank's stream waits for its READY and writes its DONE,
-        with no kernels in between, in order with the calls before and after it."""
-        raise self._no_stream_ops()
-
     def drain_stream(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds, never raising) until the rank's stream has run
         everything enqueued on it; False if it did not (or cannot be asked). The failure path

@@ -842,12 +842,6 @@ class CudaRankComm(RankComm):
                 _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             self._stream_end(counter_slot, stream_seq)
 
-    @_launches
-    def stream_pass(self, counter_slot: CounterSlot, stream_seq: int) -> None:
-        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
-            self._stream_begin(counter_slot, stream_seq)
-            self._stream_end(counter_slot, stream_seq)
-
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: CounterSlot, deadline: float, stream_seq: int,
                        num_sms: int) -> Callable[[], None]:

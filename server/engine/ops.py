@@ -408,8 +408,6 @@ class DataPlane:
     def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
                    path: str) -> epd_pb2.CombineResponse:
         member = self.member(session, req.group_id)
-        if req.claimed_stream_seq:  # sent without waiting: the sequence is taken either way
-            return self.combine_claimed(session, member, req, path)
         return self._combine(session, member, req, path)
 
     def _combine(self, session: Session, member: GroupMember, req: epd_pb2.CombineRequest,

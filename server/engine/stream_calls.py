@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ...proto import abi, counter_page
-from ...proto.errors import Aborted, EpdError, FailedPrecondition, InvalidArgument
+from ...proto.errors import Aborted, FailedPrecondition, InvalidArgument
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
 from ..backends.base import CombineArgs, DispatchArgs
@@ -143,47 +143,6 @@ class StreamCalls:
         if dispatch_sequence:
             slot[abi.SLOT_ERR_RANK] = -1
             counter_page.publish(slot, dispatch_sequence, 0, [], status=abi.ERR_ABORTED)
-
-    # -- a combine sent without waiting for its answer ---------------------------------------
-    def combine_claimed(self, session: Session, member: GroupMember,
-                        req: epd_pb2.CombineRequest, path: str) -> epd_pb2.CombineResponse:
-        """The client's stream already waits for DONE of `claimed_stream_seq` (the membership's
-        next sequence) and the client reads this answer only at its next call: the call takes
-        the sequence whatever happens. Refused, its sequence passes on the rank's stream without
-        kernels (READY, then DONE, so later calls stay in order) and the refusal goes back in
-        the answer. A claim that is not the next sequence is refused with an error status
-        instead, which tells the client nothing was taken."""
-        if not req.stream_ordered:
-            raise InvalidArgument("claimed_stream_seq is for stream-ordered combines")
-        self._check_ordered(member)
-        expected = (member.stream_seq % SEQ_MASK) + 1
-        if req.claimed_stream_seq != expected:
-            raise FailedPrecondition(
-                f"group {member.spec.name!r}: the combine claims stream call "
-                f"#{req.claimed_stream_seq}, but rank {member.rank}'s next is #{expected}")
-        before = member.stream_seq
-        try:
-            return self._combine(session, member, req, path)
-        except EpdError as e:
-            # (taken already if the refusal came after combine_stream numbered the call)
-            seq = member.stream_seq if member.stream_seq != before else \
-                self._next_stream_seq(member)
-            self._pass_after_answer(session, member, seq)
-            log.info("group %r: rank %d's combine #%d (sent without waiting) refused: %s",
-                     member.spec.name, member.rank, seq, e.message)
-            return epd_pb2.CombineResponse(stream_seq=seq, refused_code=e.code.value[0],
-                                           refused_message=e.message)
-
-    def _pass_after_answer(self, session: Session, member: GroupMember, seq: int) -> None:
-        """Let the rank's stream pass call `seq` without kernels, in order with the others."""
-        slot = session.counter_page.slot(member.counter_slot)
-
-        def run() -> None:
-            try:
-                member.comm.stream_pass(slot, seq)
-            except Exception as e:
-                self._launch_failed(member, slot, seq, "combine", e)
-        session.executor.after_answer(run)
 
     # -- handles whose receive count is still on its way -------------------------------------
     def _resolve(self, session: Session, member: GroupMember, info: HandleInfo) -> None:

@@ -37,15 +37,13 @@ def _reference(wl: Workload) -> tuple[list, list, list]:
     return idx, disp, comb
 
 
-def _rank(rank: int, socket: str, device: int, no_wait: bool, q) -> None:
+def _rank(rank: int, socket: str, device: int, q) -> None:
     import os
 
     import torch
 
     # The daemon's layout path (test_local_layout.py covers the default, the caller's stream).
     os.environ["EPD_LOCAL_LAYOUT"] = "0"
-    if no_wait:  # combines return once sent; their answers are read at the next call
-        os.environ["EPD_COMBINE_NO_WAIT"] = "1"
 
     from epd.client import EpdError, Session
     torch.cuda.set_device(device)
@@ -128,31 +126,22 @@ def _rank(rank: int, socket: str, device: int, no_wait: bool, q) -> None:
                 res["captured"][what] = e.code.name
         after = g.dispatch(tx, tidx, tw)
         res["after_capture_x"] = _bits(after.recv_x)
-        if no_wait:
-            # A combine the engine refuses (x one row short, on both ranks: no rank waits for
-            # the other) returns at once; the refusal comes at the next call, naming it; the
-            # group goes on, exact.
-            try:
-                g.combine(after.recv_x[:-1] if after.recv_x.shape[0] else
-                          torch.empty((1, 1024), dtype=after.recv_x.dtype, device=device),
-                          after.handle)
-                res["refused_at_call"] = "no error"
-            except EpdError as e:
-                res["refused_at_call"] = e.code.name
-            torch.cuda.synchronize()
-            try:
-                g.check()
-                res["refused"] = "no error"
-            except EpdError as e:
-                res["refused"], res["refused_msg"] = e.code.name, e.details
-            cx, _ = g.combine(after.recv_x, after.handle, topk_weights=after.recv_topk_weights)
-            res["after_refusal_cx"] = _bits(cx)
+        # A combine the engine refuses (x one row short, on both ranks: no rank waits for
+        # the other) raises at the call, naming the shape; the group goes on, exact.
+        try:
+            g.combine(after.recv_x[:-1] if after.recv_x.shape[0] else
+                      torch.empty((1, 1024), dtype=after.recv_x.dtype, device=device),
+                      after.handle)
+            res["refused"] = "no error"
+        except EpdError as e:
+            res["refused"], res["refused_msg"] = e.code.name, e.message
+        cx, _ = g.combine(after.recv_x, after.handle, topk_weights=after.recv_topk_weights)
+        res["after_refusal_cx"] = _bits(cx)
     q.put(res)
 
 
-@pytest.mark.parametrize("no_wait", [False, True], ids=["answered", "without-waiting"])
-def test_stream_ordered_layers(daemon, no_wait) -> None:
-    results = _spawn_ranks(daemon, _rank, 2, no_wait)
+def test_stream_ordered_layers(daemon) -> None:
+    results = _spawn_ranks(daemon, _rank, 2)
     for layer in range(LAYERS):
         wl = _workload(layer)
         xs, idx, w = (list(v) for v in zip(*wl.all_inputs(), strict=True))
@@ -198,13 +187,10 @@ def test_stream_ordered_layers(daemon, no_wait) -> None:
         assert res["captured"] == dict.fromkeys(("layout", "dispatch", "combine"),
                                                 "FAILED_PRECONDITION"), res["captured"]
         np.testing.assert_array_equal(res["after_capture_x"], disp[r].recv_x.view(np.uint16))
-    if no_wait:
-        for r, res in enumerate(results):
-            assert res["refused_at_call"] == "no error", res  # returned at once
-            assert res["refused"] == "INVALID_ARGUMENT", res
-            assert "sent without waiting" in res["refused_msg"], res
-            assert "combine x has shape" in res["refused_msg"], res
-            np.testing.assert_array_equal(res["after_refusal_cx"], comb[r][0].view(np.uint16))
+    for r, res in enumerate(results):
+        assert res["refused"] == "INVALID_ARGUMENT", res
+        assert "combine x has shape" in res["refused_msg"], res
+        np.testing.assert_array_equal(res["after_refusal_cx"], comb[r][0].view(np.uint16))
 
 
 
