@@ -7,6 +7,10 @@
 #   bash benchmarks/gpu_s26_run.sh llab [ROUNDS]  # the low-latency pairs on .whl/old (a
 #        `git archive` of the baseline's server proto client cuda) and on this tree, alternated
 #   bash benchmarks/gpu_s26_run.sh shared  # = gpu_s22_run.sh shared (EPD beside DeepEP)
+#   bash benchmarks/gpu_s26_run.sh check   # the GPU tests of what this session changed: the
+#        client's packed launches (trigger, copy-out, local layout), the raw stream handle,
+#        the scales' allocation, the engine's packed arguments, the refused combine
+#   bash benchmarks/gpu_s26_run.sh abcheck # llab (3 rounds), then check
 set -u
 source benchmarks/gpu_env.sh  # (pt, step, clean, probe, merge_json)
 llrows() {  # llrows LABEL [PROFILE] [PKG]: the facade's low-latency pairs at D (probe_calls.py)
@@ -38,6 +42,13 @@ s.sort_stats('cumulative').print_stats('epd', 80)" >> "$OUT/ll_profile.txt" 2>&1
     done
     merge_json ll ll_ab
     ;;
+  check|abcheck)
+    [ "$1" = abcheck ] && bash "$0" llab 3
+    STEP_TEST_SECONDS=150 step check $(( 580 - SECONDS < 420 ? 580 - SECONDS : 420 )) \
+        "tests/gpu/test_ll_plain.py tests/gpu/test_received_rows.py \
+        tests/gpu/test_local_layout.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_deep_ep_facade.py"
+    ;;
   shared) bash benchmarks/gpu_s22_run.sh shared ;;
-  *) echo "usage: $0 llprof|llab|shared" >&2; exit 2 ;;
+  *) echo "usage: $0 llprof|llab|shared|check|abcheck" >&2; exit 2 ;;
 esac

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -300,6 +301,9 @@ def stream_handle(stream: Any, template: Any, device: int) -> int:
         return int(stream)
     t = _torch()
     if t is not None and isinstance(template, t.Tensor):
+        raw = getattr(t._C, "_cuda_getCurrentRawStream", None)  # (no Stream object made)
+        if raw is not None:
+            return int(raw(device))
         return int(t.cuda.current_stream(device).cuda_stream)
     return int(_cupy().cuda.get_current_stream().ptr)
 
@@ -362,6 +366,27 @@ def launch_kernel(fn: int, grid: tuple[int, int], block: int, stream: int,
     with cupy.cuda.Device(device):  # the function belongs to the device's primary context
         cupy.cuda.driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, shared,
                                       int(stream), ctypes.addressof(argv), 0)
+
+
+_packed = threading.local()  # per thread: (fmt) -> cuda_driver.PackedArguments
+
+
+def launch_packed(fn: int, grid: tuple[int, int], block: int, stream: int, fmt: str,
+                  values: tuple[int, ...], device: int, shared: int = 0) -> None:
+    """`launch_kernel` with the arguments given as plain ints and their struct codes (`fmt`,
+    cuda_driver.PackedArguments): one `pack_into` into this thread's buffer for `fmt`
+    instead of a ctypes object per argument."""
+    import cupy
+
+    by_fmt = getattr(_packed, "by_fmt", None)
+    if by_fmt is None:
+        by_fmt = _packed.by_fmt = {}
+    args = by_fmt.get(fmt)
+    if args is None:
+        args = by_fmt[fmt] = cuda_driver.PackedArguments(fmt)
+    with cupy.cuda.Device(device):  # the function belongs to the device's primary context
+        cupy.cuda.driver.launchKernel(fn, grid[0], grid[1], 1, block, 1, 1, shared,
+                                      int(stream), args.pack(*values), 0)
 
 
 def memset_async(ptr: int, nbytes: int, stream: int, device: int) -> None:

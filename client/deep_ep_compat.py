@@ -460,7 +460,7 @@ class LowLatencyScales:
 
     def __init__(self, scales: Any, use_ue8m0: bool) -> None:
         self.src, self.use_ue8m0 = scales, use_ue8m0
-        lx, n, s = (int(d) for d in scales.shape)
+        lx, n, s = scales.shape
         if use_ue8m0 and s % 4:
             raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
                                   f"multiple of 512, got {s * 128}")
@@ -468,8 +468,9 @@ class LowLatencyScales:
         torch = torch_if_loaded()
         if torch is not None and isinstance(scales, torch.Tensor):
             dtype = torch.int32 if use_ue8m0 else torch.float32
-            self.out = torch.empty((lx, cols, n), dtype=dtype,
-                                   device=scales.device).transpose(1, 2)
+            # ([lx, cols, n] transposed in its last two dimensions, in one allocation call)
+            self.out = torch.empty_strided((lx, n, cols), (cols * n, 1, n), dtype=dtype,
+                                           device=scales.device)
         else:
             dtype = np.int32 if use_ue8m0 else np.float32
             self.out = np.empty((lx, cols, n), dtype=dtype).transpose(0, 2, 1)

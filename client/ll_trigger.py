@@ -14,10 +14,8 @@ of overwriting an entry.
 
 from __future__ import annotations
 
-import ctypes
-
 from ..proto import abi
-from .cuda_ipc import compiled_kernel, launch_kernel
+from .cuda_ipc import compiled_kernel, launch_packed
 
 _SOURCE = rf"""
 extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsigned entry,
@@ -44,7 +42,7 @@ extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsign
 }}
 """
 
-_P, _U32, _I64 = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int64
+TRIGGER_ARGS = "QQIq"  # the kernel's parameters: done, ring, entry (u32), timeout (ns)
 
 
 def load(device: int) -> None:
@@ -57,6 +55,6 @@ def trigger(stream: int, device: int, done_ptr: int, ring_ptr: int, entry: int,
             timeout: float) -> None:
     """Enqueue the trigger on `stream` (a raw handle); pointers as this process's streams
     address the counter page."""
-    launch_kernel(compiled_kernel(_SOURCE, "epd_ll_trigger", device), (1, 1), 32, stream,
-                  (_P(done_ptr), _P(ring_ptr), _U32(entry & 0xFFFFFFFF),
-                   _I64(int(timeout * 1e9))), device)
+    launch_packed(compiled_kernel(_SOURCE, "epd_ll_trigger", device), (1, 1), 32, stream,
+                  TRIGGER_ARGS, (done_ptr, ring_ptr, entry & 0xFFFFFFFF, int(timeout * 1e9)),
+                  device)

@@ -21,7 +21,6 @@ the daemon's path covered with EPD_LOCAL_LAYOUT=0.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import warnings
@@ -106,7 +105,7 @@ class LocalLayout:
         self.device = group._session.device_ordinal
         self._fn = cuda_ipc.compiled_kernel(source(), "epd_layout", self.device)
         self.words, ptr = _error_words()
-        self._err_ptr = ctypes.c_uint64(ptr)
+        self._err_ptr = ptr
 
     def check(self) -> None:
         """Raise (once) a bad expert id an earlier layout of this rank skipped."""
@@ -138,12 +137,11 @@ class LocalLayout:
         counts, per_expert = cuda_ipc.data_ptr(outs[0]), cuda_ipc.data_ptr(outs[1])
         cuda_ipc.memset_async(counts, per_expert - counts + 4 * e, stream, self.device)
         if t:
-            args = (ctypes.c_uint64(cuda_ipc.data_ptr(topk_idx)), ctypes.c_int32(t),
-                    ctypes.c_int32(k), ctypes.c_int32(e), ctypes.c_int32(r),
-                    ctypes.c_uint64(counts), ctypes.c_uint64(per_expert),
-                    ctypes.c_uint64(cuda_ipc.data_ptr(outs[2])), self._err_ptr)
-            cuda_ipc.launch_kernel(self._fn, ((t + THREADS - 1) // THREADS, 1), THREADS,
-                                   stream, args, self.device, shared=4 * e)
+            args = (cuda_ipc.data_ptr(topk_idx), t, k, e, r, counts, per_expert,
+                    cuda_ipc.data_ptr(outs[2]), self._err_ptr)
+            cuda_ipc.launch_packed(self._fn, ((t + THREADS - 1) // THREADS, 1), THREADS,
+                                   stream, kernel_sources.LAYOUT_ARGS, args, self.device,
+                                   shared=4 * e)
         return outs
 
     def _check_input(self, topk_idx: Any, beyond_capacity: bool) -> tuple[int, int]:

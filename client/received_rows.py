@@ -10,19 +10,18 @@ GPU (the host learns nothing and waits for nothing), writes their FP8 scales str
 DeepEP's layout (column-major, optionally UE8M0 exponents packed four to an int32), and copies
 the small arrays (counts, source rank and token of every row) whole.
 
-One launch per call, its arguments packed with ctypes and handed to the driver with the
-caller's raw stream handle: a CuPy kernel call per array, plus a clone per small array, cost
-the host more than the copy costs the GPU. The kernel runs after the op's GPU-side wait, on the
-stream the call runs on, into tensors allocated on that stream.
+One launch per call, its arguments packed into one buffer (cuda_ipc.launch_packed) and handed
+to the driver with the caller's raw stream handle: a CuPy kernel call per array, plus a clone
+per small array, cost the host more than the copy costs the GPU. The kernel runs after the
+op's GPU-side wait, on the stream the call runs on, into tensors allocated on that stream.
 """
 
 from __future__ import annotations
 
-import ctypes
 from typing import Any
 
 from . import tensors as T
-from .cuda_ipc import compiled_kernel, data_ptr, launch_kernel
+from .cuda_ipc import compiled_kernel, data_ptr, launch_packed
 
 _SOURCE = r"""
 typedef long long i64;
@@ -76,7 +75,9 @@ extern "C" __global__ void epd_copy_received(const int4* __restrict__ src_x,
 
 _THREADS = 256
 _TARGET_BLOCKS = 264  # two waves on an H100/H200 (132 SMs); the grid is (per expert, experts)
-_P, _I64, _I32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
+# The kernel's parameters (struct codes): src_x, dst_x, rows, row_vecs, src_sc, dst_sc, S,
+# ue8m0, counts, src_rank, src_idx, out_counts, out_rank, out_idx.
+COPY_ARGS = "QQqqQQiiQQQQQQ"
 
 
 def load(device: int) -> None:
@@ -116,12 +117,12 @@ def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: A
     if L == 0 or rows == 0:
         return x, scales_out, out_counts, out_rank, out_idx
     S = int(scales.shape[2]) if scales is not None else 0
-    vals = (_P(data_ptr(recv_x)), _P(data_ptr(x)), _I64(rows), _I64(row_bytes // 16),
-            _P(data_ptr(scales) if scales is not None else 0),
-            _P(data_ptr(scales_out) if scales is not None else 0), _I32(S),
-            _I32(1 if use_ue8m0 else 0), _P(data_ptr(counts)), _P(data_ptr(src_rank)),
-            _P(data_ptr(src_idx)), _P(data_ptr(out_counts)), _P(data_ptr(out_rank)),
-            _P(data_ptr(out_idx)))
-    launch_kernel(compiled_kernel(_SOURCE, "epd_copy_received", device),
-                  (max(1, _TARGET_BLOCKS // L), L), _THREADS, stream, vals, device)
+    small_ptr = data_ptr(small)
+    vals = (data_ptr(recv_x), data_ptr(x), rows, row_bytes // 16,
+            data_ptr(scales) if scales is not None else 0,
+            data_ptr(scales_out) if scales is not None else 0, S, 1 if use_ue8m0 else 0,
+            data_ptr(counts), data_ptr(src_rank), data_ptr(src_idx),
+            small_ptr, small_ptr + 4 * L, small_ptr + 4 * (L + L * rows))
+    launch_packed(compiled_kernel(_SOURCE, "epd_copy_received", device),
+                  (max(1, _TARGET_BLOCKS // L), L), _THREADS, stream, COPY_ARGS, vals, device)
     return x, scales_out, out_counts, out_rank, out_idx

@@ -18,6 +18,7 @@ cuda-python.
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 from typing import Any
 
@@ -101,6 +102,28 @@ def stream_write(stream: int, addr: int, value: int) -> None:
     """`stream` writes the 32-bit word at `addr`, ordered after its earlier work."""
     _check(_fns()["cuStreamWriteValue32"](stream, addr, value & 0xFFFFFFFF,
                                           STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+
+class PackedArguments:
+    """A kernel's arguments, the struct codes `fmt` in parameter order (Q a pointer or u64, q
+    i64, i i32, I u32), written by one `struct.pack_into` into a fixed 8-byte aligned buffer
+    that the driver reads through a fixed `void*` array (`pack` returns its address). The
+    driver copies the values at the launch, so the buffer is reused at once; not thread-safe:
+    one per thread. (A ctypes object per argument, or CuPy's conversion, costs about a
+    microsecond per argument.)"""
+
+    def __init__(self, fmt: str) -> None:
+        self._st = struct.Struct("@" + fmt)
+        self._buf = (ctypes.c_uint64 * max(1, -(-self._st.size // 8)))()
+        base = ctypes.addressof(self._buf)
+        offsets = [struct.calcsize("@" + fmt[:i + 1]) - struct.calcsize("@" + c)
+                   for i, c in enumerate(fmt)]
+        self._argv = (ctypes.c_void_p * len(fmt))(*(base + o for o in offsets))
+        self.argv = ctypes.addressof(self._argv)
+
+    def pack(self, *values: int) -> int:
+        self._st.pack_into(self._buf, 0, *values)
+        return self.argv
 
 
 def load_function(function: int, name: str = "") -> None:

@@ -10,6 +10,9 @@ from pathlib import Path
 # The repository checkout (<root>/cuda) and the installed package (epd/cuda) alike: next to proto/.
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 HEADER = "epd_common.cuh"
+# The parameters of cuda/epd_layout.cu's kernel as struct codes (proto/cuda_driver.py
+# PackedArguments), which the engine and a client's local layout both launch.
+LAYOUT_ARGS = "QiiiiQQQQ"
 
 
 def source(files: tuple[str, ...]) -> str:

@@ -108,13 +108,75 @@ def test_receive_buffer_arguments(kernel: str, args: dict[int, str]) -> None:
 
 def test_packed_offsets_follow_native_alignment() -> None:
     """Each argument's pointer lands on its own bytes: an int between 8-byte values is padded."""
-    fn = type("Fn", (), {"ptr": 1})()
-    p = ck.Packed(fn, "iqiQ")
+    from epd.proto.cuda_driver import PackedArguments
+
+    p = PackedArguments("iqiQ")
     base = ctypes.addressof(p._buf)
     assert [a - base for a in p._argv] == [0, 8, 16, 24]
-    p._st.pack_into(p._buf, 0, -3, -(1 << 40), 7, (1 << 63) + 5)
+    assert p.pack(-3, -(1 << 40), 7, (1 << 63) + 5) == p.argv == ctypes.addressof(p._argv)
     raw = bytes(p._buf)
     assert struct.unpack_from("<i", raw, 0)[0] == -3
     assert struct.unpack_from("<q", raw, 8)[0] == -(1 << 40)
     assert struct.unpack_from("<i", raw, 16)[0] == 7
     assert struct.unpack_from("<Q", raw, 24)[0] == (1 << 63) + 5
+
+
+def _declared(source: str, kernel: str) -> list[str]:
+    """A kernel's parameter declarations in `source`: comments removed, up to the parenthesis
+    that closes its parameter list, where the body follows."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", source, flags=re.S)
+    for m in re.finditer(rf"\b{re.escape(kernel)}\s*\(", text):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        if re.match(r"\s*\{", text[i:]):
+            return [p.strip() for p in text[m.end():i - 1].split(",")]
+    raise AssertionError(f"{kernel} not defined in the source")
+
+
+def _codes(params: list[str]) -> str:
+    """A kernel's parameter declarations as struct codes: a pointer Q, 64-bit q or Q, int i,
+    unsigned I."""
+    codes = []
+    for p in params:
+        decl = p.split("=")[0].strip()
+        if "*" in decl:
+            codes.append("Q")
+            continue
+        words = decl.replace("const", "").split()[:-1]  # (the type, without the name)
+        kind = " ".join(words)
+        codes.append({"i64": "q", "long long": "q", "u64": "Q", "unsigned long long": "Q",
+                      "int": "i", "unsigned": "I", "unsigned int": "I", "u32": "I"}[kind])
+    return "".join(codes)
+
+
+@pytest.mark.parametrize(("module", "kernel", "codes"), [
+    ("received_rows", "epd_copy_received", "COPY_ARGS"),
+    ("ll_trigger", "epd_ll_trigger", "TRIGGER_ARGS"),
+    ("local_layout", "epd_layout", None),
+])
+def test_client_packed_launches_match_their_kernels(module: str, kernel: str,
+                                                    codes: str | None) -> None:
+    """The struct codes a client launch packs are its kernel's parameters, in order and size
+    (a wrong code shifts every argument after it)."""
+    import importlib
+
+    from epd.proto import kernel_sources
+
+    m = importlib.import_module(f"epd.client.{module}")
+    source = m.source() if hasattr(m, "source") else m._SOURCE
+    fmt = getattr(m, codes) if codes else kernel_sources.LAYOUT_ARGS
+    assert _codes(_declared(source, kernel)) == fmt
+
+
+@pytest.mark.parametrize(("kernel", "codes"), [
+    ("epd_layout", "LAYOUT_ARGS"), ("epd_notify", "NOTIFY_ARGS"),
+    ("epd_wide_notify", "WIDE_NOTIFY_ARGS"), ("epd_stage_errors", "STAGE_ERRORS_ARGS"),
+    ("epd_dispatch", "DISPATCH_ARGS"), ("epd_combine_push", "COMBINE_PUSH_ARGS"),
+    ("epd_combine_reduce", "COMBINE_REDUCE_ARGS"),
+])
+def test_engine_packed_launches_match_their_kernels(kernel: str, codes: str) -> None:
+    """The engine's packed launches (cuda_kernels.Packed) against the kernels they launch."""
+    params = _declared(SOURCE, kernel)
+    assert _codes(params) == getattr(ck, codes), (kernel, params)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -312,23 +311,16 @@ class Packed:
 
     def __init__(self, fn: Any, fmt: str) -> None:
         self._fn = _function_of(fn)
-        self._st = struct.Struct("@" + fmt)
-        self._buf = (ctypes.c_uint64 * (-(-self._st.size // 8)))()  # 8-byte aligned
-        base = ctypes.addressof(self._buf)
-        offsets = [struct.calcsize("@" + fmt[:i + 1]) - struct.calcsize("@" + c)
-                   for i, c in enumerate(fmt)]
-        self._argv = (ctypes.c_void_p * len(fmt))(*(base + o for o in offsets))
-        self._argv_addr = ctypes.addressof(self._argv)
+        self._args = cuda_driver.PackedArguments(fmt)
 
     def __call__(self, grid: int, block: int, shared: int, stream: int, *values: int) -> None:
-        self._st.pack_into(self._buf, 0, *values)
         cp.cuda.driver.launchKernel(self._fn, grid, 1, 1, block, 1, 1, shared, stream,
-                                    self._argv_addr, 0)
+                                    self._args.pack(*values), 0)
 
 
 # Parameter codes of the normal-mode kernels (cuda/epd_intranode.cu): Q a pointer or u64,
-# q i64, i int. tests/test_cuda_compile.py checks them against the kernels' signatures.
-LAYOUT_ARGS = "QiiiiQQQQ"
+# q i64, i int. tests/test_kernel_layouts.py checks them against the kernels' signatures.
+LAYOUT_ARGS = kernel_sources.LAYOUT_ARGS
 NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQ"
 WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
 STAGE_ERRORS_ARGS = "QiQQi"
