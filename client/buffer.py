@@ -45,8 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -132,9 +131,9 @@ def agreed_instance_tag(group: Any, comm: Any) -> str:
     return ""
 
 
-@dataclass(frozen=True)
-class _GroupKey:
-    """The shape a daemon group is formed for (a Buffer forms one per shape, lazily)."""
+class _GroupKey(NamedTuple):
+    """The shape a daemon group is formed for (a Buffer forms one per shape, lazily; a named
+    tuple: made and hashed on every call, which a frozen dataclass does several times slower)."""
 
     hidden: int
     num_topk: int

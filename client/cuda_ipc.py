@@ -75,12 +75,18 @@ def _torch_wire(t: Any) -> dict[Any, int]:
     return _TORCH_WIRE
 
 
+def torch_wire(t: Any, dtype: Any, what: str) -> int:
+    """The wire enum of a torch dtype; InvalidArgument for one EPD does not carry."""
+    wire = _torch_wire(t).get(dtype)
+    if wire is None:
+        raise InvalidArgument(f"{what}: torch dtype {dtype} is not carried by EPD")
+    return wire
+
+
 def describe_device(x: Any, what: str) -> DeviceView:
     t = _torch()
     if t is not None and isinstance(x, t.Tensor):
-        wire = _torch_wire(t).get(x.dtype)
-        if wire is None:
-            raise InvalidArgument(f"{what}: torch dtype {x.dtype} is not carried by EPD")
+        wire = torch_wire(t, x.dtype, what)
         return DeviceView(x.data_ptr(), tuple(x.shape), tuple(x.stride()), wire,
                           x.element_size(), x.device.index)
     cai = x.__cuda_array_interface__

@@ -75,6 +75,9 @@ def meta(x: Array, what: str) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and logical element type of a host or device array, without touching its data."""
     from . import cuda_ipc
 
+    t = _torch()
+    if t is not None and isinstance(x, t.Tensor) and x.is_cuda:  # (the calls' common case)
+        return tuple(x.shape), dtypes.to_numpy(cuda_ipc.torch_wire(t, x.dtype, what))
     if cuda_ipc.is_device_array(x):
         v = cuda_ipc.describe_device(x, what)
         return v.shape, dtypes.to_numpy(v.dtype)
