@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical. EPD_COMBINE_NO_WAIT, set by its "nowait" steps, was removed in the twenty-sixth
+# session: those steps now measure the ordinary, answered combine.)
 # Thirteenth session (2026-12-02, one H200). carry [".whl"] (fetch-wheels.sh
 # nvidia-cuda-cccl==13.3.5.0.6; for `ab`, .whl/old: `git archive REV server proto client cuda`).
 #   bash benchmarks/gpu_s14_run.sh first  # what the twelfth session built after its device time

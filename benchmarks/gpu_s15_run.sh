@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (Historical. EPD_COMBINE_NO_WAIT, set by its "nowait" steps, was removed in the twenty-sixth
+# session: those steps now measure the ordinary, answered combine.)
 # Fifteenth session (2026-12-03, one H200). carry [".whl"] (fetch-wheels.sh
 # nvidia-cuda-cccl==13.3.5.0.6). What the thirteenth and fourteenth sessions built after their
 # device time, in three calls:

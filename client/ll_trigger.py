@@ -43,6 +43,7 @@ extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsign
 """
 
 TRIGGER_ARGS = "QQIq"  # the kernel's parameters: done, ring, entry (u32), timeout (ns)
+MAX_TIMEOUT_NS = 2**63 - 1  # (a finite deadline of centuries still packs as an i64)
 
 
 def load(device: int) -> None:
@@ -56,5 +57,5 @@ def trigger(stream: int, device: int, done_ptr: int, ring_ptr: int, entry: int,
     """Enqueue the trigger on `stream` (a raw handle); pointers as this process's streams
     address the counter page."""
     launch_packed(compiled_kernel(_SOURCE, "epd_ll_trigger", device), (1, 1), 32, stream,
-                  TRIGGER_ARGS, (done_ptr, ring_ptr, entry & 0xFFFFFFFF, int(timeout * 1e9)),
-                  device)
+                  TRIGGER_ARGS, (done_ptr, ring_ptr, entry & 0xFFFFFFFF,
+                                 min(int(timeout * 1e9), MAX_TIMEOUT_NS)), device)

@@ -79,32 +79,35 @@ def archive_dead_process(pid: int, folder: str | None = None) -> None:
 def set_group_label_cap(cap: int, folder: str | None = None) -> None:
     """The cap of this process's group label values. The names already in the multiprocess
     folder's files (`folder`, default PROMETHEUS_MULTIPROC_DIR: the archive of dead engines,
-    the other live processes) count against it: an engine that restarts (or a new one) adds
-    at most `cap` minus those, so restarts cannot grow the node's label set past the cap."""
+    the other live processes) count against it and keep their label (their series exist
+    already: an active group must not move to _overflow because an engine restarted); a new
+    name gets its own label only while the names known here are fewer than `cap`. So an engine
+    that restarts in a loop cannot grow the node's label set past the cap."""
     global _group_cap
     _group_cap = max(0, int(cap))
     names = labels_in_folder(folder or os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""))
     with _group_lock:
-        room = max(0, _group_cap - len(_group_names))
-        _group_names.update(sorted(names - _group_names - {OVERFLOW_GROUP})[:room])
+        _group_names.update(names - {OVERFLOW_GROUP})
 
 
 def labels_in_folder(folder: str, label: str = "group") -> set[str]:
-    """The values of `label` in the multiprocess folder's sample files (empty without one; a
-    file that cannot be read is skipped: counting names is best effort, serving is not)."""
+    """The values of `label` in the multiprocess folder's sample files (empty without one).
+    Best effort: a file another process is creating or folding right now, or one that cannot
+    be read, is skipped (counting names must never stop an engine from starting)."""
     from prometheus_client.mmap_dict import MmapedDict
     if not folder or not os.path.isdir(folder):
         return set()
     found: set[str] = set()
-    with COLLECT_LOCK:  # (not while this process folds a dead engine's files)
-        for entry in os.scandir(folder):
-            if not entry.name.endswith(".db"):
-                continue
-            with contextlib.suppress(OSError, RuntimeError, ValueError):
-                for key, *_ in MmapedDict.read_all_values_from_file(entry.path):
-                    value = json.loads(key)[2].get(label)
-                    if isinstance(value, str):
-                        found.add(value)
+    for entry in os.scandir(folder):
+        if not entry.name.endswith(".db"):
+            continue
+        try:
+            for key, *_ in MmapedDict.read_all_values_from_file(entry.path):
+                value = json.loads(key)[2].get(label)
+                if isinstance(value, str):
+                    found.add(value)
+        except Exception:  # (struct.error for a file cut short, OSError, bad JSON, ...)
+            continue
     return found
 
 

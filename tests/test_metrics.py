@@ -232,6 +232,8 @@ def test_a_restarted_engine_counts_the_names_its_predecessors_labelled(tmp_path)
     archive.write_value(mmap_key("epd_up", "epd_up", [], [], "h"), 1.0, 0.0)  # no group label
     archive.close()
     (tmp_path / "gauge_livesum_1.db").write_bytes(b"not a sample file")  # skipped, not fatal
+    (tmp_path / "counter_2.db").write_bytes(b"")  # (being created by another process)
+    (tmp_path / "counter_3.db").write_bytes(b"\x01")  # (cut short: struct.error)
     saved_cap, saved_names = metrics._group_cap, set(metrics._group_names)
     try:
         metrics._group_names.clear()
@@ -241,8 +243,10 @@ def test_a_restarted_engine_counts_the_names_its_predecessors_labelled(tmp_path)
         assert [metrics.group_label(f"new-{i}") for i in range(3)] == [
             "new-0", "new-1", metrics.OVERFLOW_GROUP]
         metrics._group_names.clear()
-        metrics.set_group_label_cap(3, str(tmp_path))  # more names than the cap: none new
-        assert len(metrics._group_names) == 3
+        metrics.set_group_label_cap(3, str(tmp_path))  # more names than the cap: none new,
+        # and the existing ones keep their label (their series exist; no split to _overflow)
+        assert [metrics.group_label(f"old-{i}") for i in range(5)] == [
+            f"old-{i}" for i in range(5)]
         assert metrics.group_label("new-9") == metrics.OVERFLOW_GROUP
     finally:
         metrics._group_cap = saved_cap
