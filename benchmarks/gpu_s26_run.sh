@@ -11,6 +11,8 @@
 #        client's packed launches (trigger, copy-out, local layout), the raw stream handle,
 #        the scales' allocation, the engine's packed arguments, the refused combine
 #   bash benchmarks/gpu_s26_run.sh abcheck # llab (3 rounds), then check
+#   bash benchmarks/gpu_s26_run.sh normalab  # one rank's normal-mode rows at D on .whl/old and
+#        this tree, two alternated rounds (the raw stream handle is on that path too)
 #   bash benchmarks/gpu_s26_run.sh adaptive  # a third round of gpu_s24_run.sh adaptive's
 #        poller policies beside a prefill pool (one round each, ~5 minutes)
 set -u
@@ -51,6 +53,11 @@ s.sort_stats('cumulative').print_stats('epd', 80)" >> "$OUT/ll_profile.txt" 2>&1
         tests/gpu/test_local_layout.py tests/gpu/test_stream_ordered.py \
         tests/gpu/test_deep_ep_facade.py"
     ;;
+  normalab)
+    probe_ab 1 2
+    merge normal_ab > /dev/null
+    grep -a -h "dispatch\|combine\|layout" "$OUT/probes_normal_ab.txt" | cut -c1-200
+    ;;
   adaptive)
     pools adaptive_3
     pools long_3 --serve-arg=--stream-op-busy-spin-us=5000
@@ -58,5 +65,5 @@ s.sort_stats('cumulative').print_stats('epd', 80)" >> "$OUT/ll_profile.txt" 2>&1
     merge_json pool pools_adaptive_3
     ;;
   shared) bash benchmarks/gpu_s22_run.sh shared ;;
-  *) echo "usage: $0 llprof|llab|shared|check|abcheck|adaptive" >&2; exit 2 ;;
+  *) echo "usage: $0 llprof|llab|shared|check|abcheck|normalab|adaptive" >&2; exit 2 ;;
 esac
