@@ -658,7 +658,6 @@ class RankRun:
         got = self._settled(impl, buf, combined)
         self.check("D", LL_ROWS_CHECK, impl, "reference", got,
                    ll_reference(torch, idx, w, x, scale), exact=False)
-        self.r.barrier()  # (every rank's combine done before the next use of the buffer)
 
     def _settled(self, impl: str, buf: Any, combined: Any) -> Any:
         """A row's last output, once its calls are done: a copy (with a hook or in a graph,
