@@ -47,6 +47,17 @@ COLLECT_LOCK = threading.Lock()
 _ARCHIVED_TYPES = ("counter", "histogram", "summary")
 
 
+def _samples(path: str) -> list[tuple[str, float, float]]:
+    """(key, value, timestamp) of every sample in a multiprocess file, read whole; ValueError
+    for a file that cannot be read (cut short, being created, not a sample file: prometheus
+    reports those as struct.error, RuntimeError, OSError...)."""
+    from prometheus_client.mmap_dict import MmapedDict
+    try:
+        return [(k, v, ts) for k, v, ts, _ in MmapedDict.read_all_values_from_file(path)]
+    except Exception as e:
+        raise ValueError(f"{path}: {type(e).__name__}: {e}") from None
+
+
 def archive_dead_process(pid: int, folder: str | None = None) -> None:
     """Fold a dead process's counter, histogram and summary files into `<type>_archive.db` of
     the multiprocess folder and remove them: its totals stay exported (counters must not go
@@ -62,13 +73,13 @@ def archive_dead_process(pid: int, folder: str | None = None) -> None:
             if not os.path.exists(src):
                 continue
             try:  # (read whole first: a file cut short adds nothing, and is set aside)
-                values = list(MmapedDict.read_all_values_from_file(src))
-            except (OSError, RuntimeError, ValueError) as e:
+                values = _samples(src)
+            except ValueError:
                 os.replace(src, src + ".unreadable")  # (not *.db: no scrape reads it)
-                raise ValueError(f"{src}: {e}") from None
+                raise
             archive = MmapedDict(os.path.join(folder, f"{typ}_archive.db"))
             try:
-                for key, value, timestamp, _ in values:
+                for key, value, timestamp in values:
                     old, _ts = archive.read_value(key)
                     archive.write_value(key, old + value, timestamp)
             finally:
@@ -94,20 +105,17 @@ def labels_in_folder(folder: str, label: str = "group") -> set[str]:
     """The values of `label` in the multiprocess folder's sample files (empty without one).
     Best effort: a file another process is creating or folding right now, or one that cannot
     be read, is skipped (counting names must never stop an engine from starting)."""
-    from prometheus_client.mmap_dict import MmapedDict
     if not folder or not os.path.isdir(folder):
         return set()
     found: set[str] = set()
     for entry in os.scandir(folder):
         if not entry.name.endswith(".db"):
             continue
-        try:
-            for key, *_ in MmapedDict.read_all_values_from_file(entry.path):
+        with contextlib.suppress(ValueError):  # (also json's, for a key that is not JSON)
+            for key, _, _ in _samples(entry.path):
                 value = json.loads(key)[2].get(label)
                 if isinstance(value, str):
                     found.add(value)
-        except Exception:  # (struct.error for a file cut short, OSError, bad JSON, ...)
-            continue
     return found
 
 

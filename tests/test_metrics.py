@@ -285,3 +285,16 @@ def test_a_dead_engines_files_are_folded_into_the_archive(tmp_path):
         assert totals() == before
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["counter_103.db", "counter_archive.db", "histogram_archive.db"], names
+
+
+@pytest.mark.parametrize("content", [b"", b"\x01", b"\x10\x00\x00\x00garbage-of-a-file"])
+def test_a_dead_engines_unreadable_file_is_set_aside(tmp_path, content):
+    """A file cut short (prometheus_client raises struct.error, RuntimeError, ...) is moved
+    out of every scrape's way (*.unreadable) with a ValueError naming it, not left in place."""
+    from epd.server import metrics
+
+    src = tmp_path / "counter_4242.db"
+    src.write_bytes(content)
+    with pytest.raises(ValueError, match=r"counter_4242\.db"):
+        metrics.archive_dead_process(4242, str(tmp_path))
+    assert not src.exists() and (tmp_path / "counter_4242.db.unreadable").exists()
