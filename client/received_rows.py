@@ -117,12 +117,11 @@ def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: A
     if L == 0 or rows == 0:
         return x, scales_out, out_counts, out_rank, out_idx
     S = int(scales.shape[2]) if scales is not None else 0
-    small_ptr = data_ptr(small)
     vals = (data_ptr(recv_x), data_ptr(x), rows, row_bytes // 16,
             data_ptr(scales) if scales is not None else 0,
             data_ptr(scales_out) if scales is not None else 0, S, 1 if use_ue8m0 else 0,
             data_ptr(counts), data_ptr(src_rank), data_ptr(src_idx),
-            small_ptr, small_ptr + 4 * L, small_ptr + 4 * (L + L * rows))
+            data_ptr(out_counts), data_ptr(out_rank), data_ptr(out_idx))
     launch_packed(compiled_kernel(_SOURCE, "epd_copy_received", device),
                   (max(1, _TARGET_BLOCKS // L), L), _THREADS, stream, COPY_ARGS, vals, device)
     return x, scales_out, out_counts, out_rank, out_idx
