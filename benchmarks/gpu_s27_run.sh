@@ -5,6 +5,9 @@
 #        outputs, the low-latency chain (plain and graph)
 #   bash benchmarks/gpu_s27_run.sh suite_b  # the rest: masking and rejoin, NVSHMEM worlds,
 #        the low-latency kernels, MPS, security, service classes, the CUDA cluster
+#   bash benchmarks/gpu_s27_run.sh chainab [ROUNDS]  # the low-latency rows of `epd bench` at D
+#        (plain, hooks, graph; two ranks on the GPU) on the poller and on the chain
+#        (--ll-chain), alternated; then the two pools on class engines, poller and chain
 # (test_ll_plain, test_received_rows, test_local_layout, test_stream_ordered and the facade are
 # gpu_s26_run.sh check; test_framework_replays_gpu needs two GPUs.)
 set -u
@@ -20,5 +23,23 @@ case "${1:-}" in
         tests/gpu/test_security_cuda.py tests/gpu/test_service_classes_gpu.py \
         tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 suite_a|suite_b" >&2; exit 2 ;;
+  chainab)
+    llbench() {  # llbench LABEL [SERVE-ARGS...]: the D rows with the low-latency pair
+      local label=$1; shift
+      echo "== $label"
+      timeout 150 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
+          --low-latency --expert-intermediate 0 --json "$OUT/llbench_$label.json" "$@" 2>&1 \
+          | clean | grep -a -E "low latency|hooks|graph|host work|PASS|FAIL|check" | cut -c1-200
+    }
+    for round in $(seq 1 "${2:-2}"); do
+      llbench "poller_$round"
+      llbench "chain_$round" --serve-arg=--ll-chain
+    done
+    merge_json llbench ll_chain_ab
+    export POOLS_SECONDS=${POOLS_SECONDS:-80}
+    pools class_engines --class-engines
+    pools class_engines_chain --class-engines --serve-arg=--ll-chain
+    merge_json pool pools_chain
+    ;;
+  *) echo "usage: $0 suite_a|suite_b|chainab" >&2; exit 2 ;;
 esac
