@@ -133,13 +133,16 @@ class Config:
                 "armed low-latency launches stay outside it); several threads of one process "
                 "launching at once made each launch 2.5-4x slower on the H200 "
                 "(docs/BENCHMARKS.md)"})
-    ll_chain: bool = field(default=False, metadata={
-        "help": "cuda backend, experimental: run a member's armed low-latency ops on a GPU "
-                "chain (the client's trigger kernel publishes the call, kernels enqueued "
-                "ahead run it, no engine host on the call's path; under MPS as fast as the "
-                "poller alone and steadier at p50 under a prefill pool, but with a p99 tail "
-                "and 15x slower without MPS: docs/BENCHMARKS.md); off: the poller launches "
-                "each call"})
+    ll_chain: str = field(default="off", metadata={
+        "help": "cuda backend: run a member's armed low-latency ops on a GPU chain (the "
+                "client's trigger kernel publishes the call, kernels enqueued ahead run it, "
+                "no engine host on the call's path) instead of the engine's poller. on, off, "
+                "or auto: on for a member whose client shares the engine's MPS server (without "
+                "MPS a chained pair is ~15x slower), except in shrink groups (a rejoin takes "
+                "the ranks' sequences from the engines' hosts); a bare --ll-chain is on. A "
+                "chained member refuses synchronous low-latency calls (docs/BENCHMARKS.md, "
+                "DESIGN_NOTES \"The low-latency chain\")",
+        "choices": ("auto", "on", "off"), "const": "on"})
     ll_chain_gate: bool = field(default=False, metadata={
         "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "
                 "instead of a GPU stream wait"})

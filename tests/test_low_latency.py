@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -966,7 +967,8 @@ def test_two_sessions_arming_at_once_start_one_poller(monkeypatch) -> None:
     assert len(started) == 1
 
 
-def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
+def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps: bool = False,
+                     shrink: bool = False):
     """StreamOps around a stand-in engine, session and counter page whose dispatches arm
     without a GPU (the backend's preparation and output views are stand-ins): arming's
     checks and its counter-slot accounting."""
@@ -988,7 +990,8 @@ def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
         open_chain=open_chain or (lambda words, ptr: None),
         close_chain=lambda timeout: closed.append(timeout),
         launch_prepared=lambda p, b: None)
-    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="arm-g"),
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="arm-g",
+                                                                         shrink=shrink),
                                    service_class="throughput", dispatches=0, combines=0)
     args = types.SimpleNamespace(num_max_dispatch_tokens_per_rank=8, use_fp8=False)
     engine = types.SimpleNamespace(
@@ -1000,7 +1003,8 @@ def _stand_in_arming(monkeypatch, *, chain: bool = False, open_chain=None):
         ll_dispatch_args=lambda session, inner: (member, args, None),
         _timeout=lambda t: 1.0)
     session = types.SimpleNamespace(free_slots=[2, 3, 5], counter_page=page, stream_ops={},
-                                    op_lock=threading.Lock(), describe=lambda: "session")
+                                    op_lock=threading.Lock(), describe=lambda: "session",
+                                    on_engine_mps=on_mps)
     session.take_slot = functools.partial(Session.take_slot, session)
     return S.StreamOps(engine), session, member, mem, closed
 
@@ -1130,7 +1134,7 @@ def test_arming_gives_the_slots_back_when_the_chain_fails_to_open(monkeypatch) -
     backend without a chain (open_chain gives None) leaves the member on the poller."""
     def fail(words, ptr):
         raise RuntimeError("no chain here")
-    ops, session, member, _, _ = _stand_in_arming(monkeypatch, chain=True, open_chain=fail)
+    ops, session, member, _, _ = _stand_in_arming(monkeypatch, chain="on", open_chain=fail)
     try:
         with pytest.raises(RuntimeError, match="no chain here"):
             ops.arm(session, _arm_request())
@@ -1138,5 +1142,34 @@ def test_arming_gives_the_slots_back_when_the_chain_fails_to_open(monkeypatch) -
         member.comm.open_chain = lambda words, ptr: None
         resp = ops.arm(session, _arm_request())
         assert resp.ordered and not resp.chained and ops.rings[id(member)].chain is None
+    finally:
+        ops.stop()
+
+
+@pytest.mark.parametrize(("mode", "on_mps", "shrink", "chained"), [
+    ("auto", True, False, True),  # a client on the engine's MPS server
+    ("auto", False, False, False),  # time-sliced contexts: the poller
+    ("auto", True, True, False),  # a shrink group: a rejoin needs the host's sequences
+    ("on", False, True, True),  # asked for: whatever the case
+    ("off", True, False, False),
+])
+def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink: bool,
+                                   chained: bool) -> None:
+    """--ll-chain auto chains a member's armed ops only where a chain pays and nothing needs
+    the host's sequences; on and off decide for every member."""
+    opened: list = []
+    chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
+                                  remove=lambda *a: None, busy=lambda: False, top_up=lambda: [],
+                                  enqueue_seconds=0.0)
+
+    def open_chain(words, ptr):
+        opened.append(ptr)
+        return chain
+    ops, session, member, _, _ = _stand_in_arming(monkeypatch, chain=mode, open_chain=open_chain,
+                                                  on_mps=on_mps, shrink=shrink)
+    try:
+        ops.arm(session, _arm_request())
+        assert (ops.rings[id(member)].chain is chain) == chained
+        assert len(opened) == int(chained)
     finally:
         ops.stop()

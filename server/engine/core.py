@@ -409,6 +409,7 @@ class Engine(StreamCalls, DataPlane):
             return False
         on = bool(client_pipe_present and client_pipe_directory
                   and os.path.normpath(client_pipe_directory) == os.path.normpath(mine))
+        session.on_engine_mps = on
         if not on:
             self._without_mps.add(session.session_id)
             self._refresh_gauges()

@@ -92,6 +92,17 @@ def spin_window(config: Any, last_call: float, inflight: int, now: float) -> flo
     return spin
 
 
+def chain_wanted(mode: str, session: Session, member: GroupMember) -> bool:
+    """Whether a member's armed ops should run on a GPU chain (`--ll-chain` on, off or auto).
+    auto: only for a client on the engine's MPS server (without MPS the client's and the
+    engine's contexts time-slice the GPU and a chained pair took 3.7 ms against the poller's
+    1 ms), and not in a shrink group (a rejoin reads the ranks' low-latency sequences from the
+    engines' hosts; a chain keeps them on the GPU)."""
+    if mode != "auto":
+        return mode == "on"
+    return session.on_engine_mps and not member.spec.shrink
+
+
 @dataclass
 class StreamOp:
     op_id: int
@@ -379,8 +390,8 @@ class StreamOps:
             if ring is not None:
                 return ring
             cfg = self.engine.config
-            chained = cfg.ll_chain and sum(r.chain is not None for r in self.rings.values()) \
-                < cfg.ll_chain_members
+            chained = chain_wanted(cfg.ll_chain, session, member) and sum(
+                r.chain is not None for r in self.rings.values()) < cfg.ll_chain_members
         slot = session.take_slot(f"{session.describe()} has no free counter slot for the "
                                  f"trigger ring of group {member.spec.name!r}")
         page = session.counter_page.slot(slot)

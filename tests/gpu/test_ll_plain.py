@@ -87,6 +87,8 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
         torch.cuda.synchronize()
         buf.check()
         res["armed"] = len(buf._stream_ops)
+        # whether the engine ran these ops on a GPU chain (--ll-chain on, or auto under MPS)
+        res["chained"] = any(getattr(h.handle, "chained", False) for _, _, h, _ in held)
         for recv, count, handle, cx in held:  # every layer's outputs, read at the end
             rx, scales = recv if isinstance(recv, tuple) else (recv, None)
             out = SimpleNamespace(recv_x=rx, recv_count=count, recv_x_scales=scales,
@@ -133,8 +135,12 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     # launch); on the GPU chain (--ll-chain) the engine's host launched none of them.
     from epd.server.bench import engine_host
     host = engine_host.totals(daemon.get("/metrics")[1])
+    chained = {r["chained"] for r in results}
+    assert len(chained) == 1, "both ranks' ops run on chains, or neither's"
+    if "--ll-chain" in daemon.extra:
+        assert chained == {True}
     for name, (total, count) in host.items():
-        if "--ll-chain" in daemon.extra:
+        if chained == {True}:
             assert count == 0, (name, count)
             continue
         assert count >= R * 2 * len(LAYERS), (name, count)  # a dispatch and a combine each
