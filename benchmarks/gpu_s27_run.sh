@@ -8,6 +8,9 @@
 #   bash benchmarks/gpu_s27_run.sh chainab [ROUNDS]  # the low-latency rows of `epd bench` at D
 #        (plain, hooks, graph; two ranks on the GPU) on the poller and on the chain
 #        (--ll-chain), alternated; then the two pools on class engines, poller and chain
+#   bash benchmarks/gpu_s27_run.sh autocheck  # the GPU tests of low-latency paths with
+#        EPD_LL_CHAIN=auto on the daemons (members on the daemon's MPS server chained, shrink
+#        groups on the poller): plain calls, graphs, the facade, masking, service classes
 # (test_ll_plain, test_received_rows, test_local_layout, test_stream_ordered and the facade are
 # gpu_s26_run.sh check; test_framework_replays_gpu needs two GPUs.)
 set -u
@@ -41,5 +44,12 @@ case "${1:-}" in
     pools class_engines_chain --class-engines --serve-arg=--ll-chain
     merge_json pool pools_chain
     ;;
-  *) echo "usage: $0 suite_a|suite_b|chainab" >&2; exit 2 ;;
+  autocheck)
+    EPD_LL_CHAIN=auto STEP_TEST_SECONDS=150 step autocheck 570 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_rank_masking_gpu.py \
+        tests/gpu/test_service_classes_gpu.py \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
+    ;;
+  *) echo "usage: $0 suite_a|suite_b|chainab|autocheck" >&2; exit 2 ;;
 esac
