@@ -132,3 +132,20 @@ def test_topology_and_env_follow_epd_socket_dir(tmp_path):
                            text=True, timeout=60, env={**os.environ, "EPD_SOCKET_DIR":
                                                        str(tmp_path / "sock")})
         assert r.returncode != 0 and str(tmp_path / "sock") in r.stderr, (cmd, r.stderr)
+
+
+@pytest.mark.parametrize(("argv", "env", "want"), [
+    ([], {}, config.Config().ll_chain),
+    (["--ll-chain"], {}, "on"),  # the bare flag of the opt-in days
+    (["--ll-chain", "auto"], {}, "auto"),
+    ([], {"EPD_LL_CHAIN": "1"}, "on"),
+    ([], {"EPD_LL_CHAIN": "no"}, "off"),
+    (["--ll-chain=off"], {"EPD_LL_CHAIN": "on"}, "off"),  # the flag wins
+])
+def test_ll_chain_switch(argv, env, want):
+    assert load(argv, env).ll_chain == want
+
+
+def test_ll_chain_refuses_other_words():
+    with pytest.raises(ValueError, match="ll_chain"):
+        load(["--ll-chain", "maybe"])
