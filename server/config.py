@@ -133,15 +133,16 @@ class Config:
                 "armed low-latency launches stay outside it); several threads of one process "
                 "launching at once made each launch 2.5-4x slower on the H200 "
                 "(docs/BENCHMARKS.md)"})
-    ll_chain: str = field(default="off", metadata={
+    ll_chain: str = field(default="auto", metadata={
         "help": "cuda backend: run a member's armed low-latency ops on a GPU chain (the "
                 "client's trigger kernel publishes the call, kernels enqueued ahead run it, "
                 "no engine host on the call's path) instead of the engine's poller. on, off, "
                 "or auto: on for a member whose client shares the engine's MPS server (without "
                 "MPS a chained pair is ~15x slower), except in shrink groups (a rejoin takes "
-                "the ranks' sequences from the engines' hosts); a bare --ll-chain is on. A "
-                "chained member refuses synchronous low-latency calls (docs/BENCHMARKS.md, "
-                "DESIGN_NOTES \"The low-latency chain\")",
+                "the ranks' sequences from the engines' hosts); a bare --ll-chain is on. On "
+                "one H200 under MPS the chain took a sixth off a graph-replayed decode pair "
+                "and a fifth off the decode pool's p50 (docs/BENCHMARKS.md, twenty-seventh "
+                "session). A chained member refuses synchronous low-latency calls",
         "choices": ("auto", "on", "off"), "const": "on"})
     ll_chain_gate: bool = field(default=False, metadata={
         "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "

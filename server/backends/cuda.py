@@ -704,8 +704,9 @@ class CudaRankComm(RankComm):
         if self.chain is not None:
             raise FailedPrecondition(
                 f"group {self.spec.name!r}: rank {self.rank} runs its armed low-latency ops on "
-                f"a GPU chain (--ll-chain); a synchronous low-latency call is refused while "
-                f"they are armed (disarm them, or use an armed op)")
+                f"a GPU chain (--ll-chain on, or auto for a client on the engine's MPS "
+                f"server); a synchronous low-latency call is refused while they are armed "
+                f"(disarm them, use an armed op, or serve with --ll-chain off)")
 
     @_launches
     def open_chain(self, ring_words: np.ndarray, ring_ptr: int) -> LowLatencyChain:

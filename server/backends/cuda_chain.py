@@ -13,12 +13,15 @@ client's trigger and the kernels.
 What the host still does: write a descriptor when an op is armed and clear it when disarmed
 (an entry carries the descriptor's generation, so a stale entry runs nothing), and drain the
 pending instances when the member's last op goes (`close`), handing the sequences back to
-the runner. Off by default (`--ll-chain`). On one H200 under MPS it matches the poller alone
-and holds decode's p50 under a prefill pool where the poller's doubles. Three things keep it
-opt-in: a p99 tail when the host's top-up stalls behind the other pool's work in the engine
-process; a 15x slower pair without MPS; and a parked chain can hold up other streams of the
-engine that share its hardware queue (docs/DESIGN_NOTES.md, "The low-latency chain, built
-and measured"; docs/BENCHMARKS.md, nineteenth session).
+the runner. `--ll-chain auto` (the default) chains a member whose client shares the engine's
+MPS server, outside shrink groups (stream_ops.chain_wanted): on one H200 under MPS it took a
+sixth off a graph-replayed decode pair. What it costs: a p99 tail when the host's top-up
+stalls behind another pool's work in the same engine process (class engines remove it); a
+15x slower pair without MPS (auto leaves those members on the poller); a parked chain can hold
+up other streams of the engine that share its hardware queue (at most `--ll-chain-members`
+chains per engine of 32 queues); and a chained member refuses synchronous low-latency calls
+(docs/DESIGN_NOTES.md, "The low-latency chain, built and measured"; docs/BENCHMARKS.md,
+nineteenth and twenty-seventh sessions).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from epd.proto.dtypes import BFLOAT16
+from epd.server import config
 from epd.server import reference as ref
 
 from .conftest import GPU_COUNT
@@ -137,8 +138,11 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     host = engine_host.totals(daemon.get("/metrics")[1])
     chained = {r["chained"] for r in results}
     assert len(chained) == 1, "both ranks' ops run on chains, or neither's"
-    if "--ll-chain" in daemon.extra:
-        assert chained == {True}
+    # --ll-chain (on) chains them; auto (the default) does for clients on the daemon's MPS
+    # server, which the fixture's clients share when it runs one
+    mode = "on" if "--ll-chain" in daemon.extra else config.load(None, {
+        k: v for k, v in os.environ.items() if k == "EPD_LL_CHAIN"}).ll_chain
+    assert chained == {mode == "on" or (mode == "auto" and bool(daemon.client_env()))}
     for name, (total, count) in host.items():
         if chained == {True}:
             assert count == 0, (name, count)
