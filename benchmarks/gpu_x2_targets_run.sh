@@ -44,9 +44,13 @@ case "${1:-}" in
     # chain on them; pools2: the chain on one engine, class engines without MPS, class
     # engines with prefill's engines at 75% of the SMs, one engine without MPS (the chain's
     # runs give the daemon and its private MPS server 32 connections)
-    chain="--serve-arg=--ll-chain --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32"
+    # (--ll-chain is auto by default since the twenty-seventh session: the poller's runs say
+    # off, the chain's on)
+    chain="--serve-arg=--ll-chain=on --daemon-env CUDA_DEVICE_MAX_CONNECTIONS=32"
+    poller="--serve-arg=--ll-chain=off"
     if [ "$1" = pools ]; then
-      variants=("classes:" "noclasses:--no-classes" "class_engines:--class-engines"
+      variants=("classes:$poller" "noclasses:--no-classes $poller"
+                "class_engines:--class-engines $poller"
                 "chain_class_engines:$chain --class-engines")
     else
       variants=("chain:$chain" "class_engines_nomps:--class-engines --mps=off"
