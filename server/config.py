@@ -142,7 +142,9 @@ class Config:
                 "the ranks' sequences from the engines' hosts); a bare --ll-chain is on. On "
                 "one H200 under MPS the chain took a sixth off a graph-replayed decode pair "
                 "and a fifth off the decode pool's p50 (docs/BENCHMARKS.md, twenty-seventh "
-                "session). A chained member refuses synchronous low-latency calls",
+                "session). auto chains at most a quarter of --cuda-max-connections members "
+                "per engine (each parks a hardware queue). A chained member refuses "
+                "synchronous low-latency calls",
         "choices": ("auto", "on", "off"), "const": "on"})
     ll_chain_gate: bool = field(default=False, metadata={
         "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "
@@ -371,6 +373,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif "const" in f.metadata:  # (the flag alone means its const: --class-engines)
             parser.add_argument(flag, type=str, default=None, help=help_text, nargs="?",
                                 const=f.metadata["const"], metavar=f.name.upper())
+            # (and --no-FLAG off, as for the booleans: --ll-chain was one until it had auto)
+            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const",
+                                const="off", default=None, help=f"the same as {flag} off")
         else:
             parser.add_argument(flag, type=str, default=None, help=help_text,
                                 metavar=f.name.upper())

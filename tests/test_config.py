@@ -135,8 +135,9 @@ def test_topology_and_env_follow_epd_socket_dir(tmp_path):
 
 
 @pytest.mark.parametrize(("argv", "env", "want"), [
-    ([], {}, config.Config().ll_chain),
+    ([], {}, "auto"),
     (["--ll-chain"], {}, "on"),  # the bare flag of the opt-in days
+    (["--no-ll-chain"], {"EPD_LL_CHAIN": "on"}, "off"),  # and its boolean negation
     (["--ll-chain", "auto"], {}, "auto"),
     ([], {"EPD_LL_CHAIN": "1"}, "on"),
     ([], {"EPD_LL_CHAIN": "no"}, "off"),
@@ -144,6 +145,11 @@ def test_topology_and_env_follow_epd_socket_dir(tmp_path):
 ])
 def test_ll_chain_switch(argv, env, want):
     assert load(argv, env).ll_chain == want
+
+
+def test_no_flag_of_every_switch():
+    assert load(["--no-class-engines"]).class_engines == "off"
+    assert load(["--class-engines"]).class_engines == "on"
 
 
 def test_ll_chain_refuses_other_words():

@@ -968,7 +968,7 @@ def test_two_sessions_arming_at_once_start_one_poller(monkeypatch) -> None:
 
 
 def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps: bool = False,
-                     shrink: bool = False):
+                     shrink: bool = False, spans_nodes: bool = False):
     """StreamOps around a stand-in engine, session and counter page whose dispatches arm
     without a GPU (the backend's preparation and output views are stand-ins): arming's
     checks and its counter-slot accounting."""
@@ -989,7 +989,7 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
         prepare_low_latency_dispatch=lambda *a: "prepared",
         open_chain=open_chain or (lambda words, ptr: None),
         close_chain=lambda timeout: closed.append(timeout),
-        launch_prepared=lambda p, b: None)
+        launch_prepared=lambda p, b: None, spans_nodes=spans_nodes)
     member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="arm-g",
                                                                          shrink=shrink),
                                    service_class="throughput", dispatches=0, combines=0)
@@ -997,6 +997,7 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
     engine = types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(ll_chain=chain, ll_chain_members=4, timeout_seconds=1.0,
+                                     cuda_max_connections=32,
                                      stream_op_spin_us=0, stream_op_busy_spin_us=0,
                                      stream_op_poll_us=1000, max_stream_ops_per_session=64),
         state=types.SimpleNamespace(last_call=0.0, inflight=0),
@@ -1146,15 +1147,16 @@ def test_arming_gives_the_slots_back_when_the_chain_fails_to_open(monkeypatch) -
         ops.stop()
 
 
-@pytest.mark.parametrize(("mode", "on_mps", "shrink", "chained"), [
-    ("auto", True, False, True),  # a client on the engine's MPS server
-    ("auto", False, False, False),  # time-sliced contexts: the poller
-    ("auto", True, True, False),  # a shrink group: a rejoin needs the host's sequences
-    ("on", False, True, True),  # asked for: whatever the case
-    ("off", True, False, False),
+@pytest.mark.parametrize(("mode", "on_mps", "shrink", "spans_nodes", "chained"), [
+    ("auto", True, False, False, True),  # a client on the engine's MPS server
+    ("auto", False, False, False, False),  # time-sliced contexts: the poller
+    ("auto", True, True, False, False),  # a shrink group: a rejoin needs the host's sequences
+    ("auto", True, False, True, False),  # a group over nodes: not run on a GPU chained
+    ("on", False, True, True, True),  # asked for: whatever the case
+    ("off", True, False, False, False),
 ])
 def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink: bool,
-                                   chained: bool) -> None:
+                                   spans_nodes: bool, chained: bool) -> None:
     """--ll-chain auto chains a member's armed ops only where a chain pays and nothing needs
     the host's sequences; on and off decide for every member."""
     opened: list = []
@@ -1166,10 +1168,23 @@ def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink:
         opened.append(ptr)
         return chain
     ops, session, member, _, _ = _stand_in_arming(monkeypatch, chain=mode, open_chain=open_chain,
-                                                  on_mps=on_mps, shrink=shrink)
+                                                  on_mps=on_mps, shrink=shrink,
+                                                  spans_nodes=spans_nodes)
     try:
         ops.arm(session, _arm_request())
         assert (ops.rings[id(member)].chain is chain) == chained
         assert len(opened) == int(chained)
     finally:
         ops.stop()
+
+
+@pytest.mark.parametrize(("mode", "members", "queues", "limit"), [
+    ("auto", 8, 32, 8), ("auto", 8, 8, 2), ("auto", 2, 32, 2), ("auto", 8, 3, 0),
+    ("on", 8, 8, 8),  # asked for: as many as --ll-chain-members says
+])
+def test_chains_per_engine(mode: str, members: int, queues: int, limit: int) -> None:
+    """auto leaves three of every four hardware queues free of parked chains."""
+    from epd.server.engine import stream_ops as S
+    cfg = types.SimpleNamespace(ll_chain=mode, ll_chain_members=members,
+                                cuda_max_connections=queues)
+    assert S.chain_limit(cfg) == limit

@@ -22,10 +22,10 @@ the peers' calls of the same sequence number: a rank that launched D1 before D0 
 buffer-1 dispatch with its peers' buffer-0 one (receive counts of one micro-batch mixed with
 the other's; seen on an H200). The ring keeps the stream's order, as the GPU chain always did.
 
-With `--ll-chain` (experimental, off by default) a member's armed ops run on its GPU chain
-instead (server/backends/cuda_chain.py): the same ring, read by kernels enqueued ahead, and this
-thread only keeps the chain's instances enqueued (`_top_up`). All of a member's armed ops take
-one path, fixed by its first arming.
+With `--ll-chain` (auto by default: clients on the engine's MPS server, `chain_wanted`) a
+member's armed ops run on its GPU chain instead (server/backends/cuda_chain.py): the same ring,
+read by kernels enqueued ahead, and this thread only keeps the chain's instances enqueued
+(`_top_up`). All of a member's armed ops take one path, fixed by its first arming.
 
 The poller launches under the session executor's operation lock (`Session.op_lock`), like any
 other operation of the session; a session's teardown releases its ops (`armed = False`) under
@@ -96,11 +96,23 @@ def chain_wanted(mode: str, session: Session, member: GroupMember) -> bool:
     """Whether a member's armed ops should run on a GPU chain (`--ll-chain` on, off or auto).
     auto: only for a client on the engine's MPS server (without MPS the client's and the
     engine's contexts time-slice the GPU and a chained pair took 3.7 ms against the poller's
-    1 ms), and not in a shrink group (a rejoin reads the ranks' low-latency sequences from the
-    engines' hosts; a chain keeps them on the GPU)."""
+    1 ms), not in a shrink group (a rejoin reads the ranks' low-latency sequences from the
+    engines' hosts; a chain keeps them on the GPU), and not in a group over nodes (the chain's
+    NVSHMEM build has not run on a GPU)."""
     if mode != "auto":
         return mode == "on"
-    return session.on_engine_mps and not member.spec.shrink
+    return (session.on_engine_mps and not member.spec.shrink
+            and not getattr(member.comm, "spans_nodes", False))
+
+
+def chain_limit(config: Any) -> int:
+    """Chains per engine: each parks one of the engine's hardware queues in a GPU wait, and a
+    stream that shares a queue with a parked chain stalls behind it (5-7 ms pairs on one H200
+    with the default queues, docs/DESIGN_NOTES.md). `on` takes --ll-chain-members as given;
+    auto keeps three of every four queues free of chains (8 of the default 32)."""
+    if config.ll_chain == "on":
+        return config.ll_chain_members
+    return min(config.ll_chain_members, config.cuda_max_connections // 4)
 
 
 @dataclass
@@ -391,7 +403,7 @@ class StreamOps:
                 return ring
             cfg = self.engine.config
             chained = chain_wanted(cfg.ll_chain, session, member) and sum(
-                r.chain is not None for r in self.rings.values()) < cfg.ll_chain_members
+                r.chain is not None for r in self.rings.values()) < chain_limit(cfg)
         slot = session.take_slot(f"{session.describe()} has no free counter slot for the "
                                  f"trigger ring of group {member.spec.name!r}")
         page = session.counter_page.slot(slot)

@@ -1,4 +1,4 @@
-"""Armed low-latency ops on the member's GPU chain (`--ll-chain`, experimental;
+"""Armed low-latency ops on the member's GPU chain (`--ll-chain on`; auto by default under MPS;
 server/backends/cuda_chain.py): the client's trigger kernel publishes each call in the
 member's ring and kernels enqueued ahead run it, with the collective sequence kept on the GPU.
 Checked against the reference on fresh inputs each step, with outputs poisoned first: the ops

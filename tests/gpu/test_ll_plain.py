@@ -15,6 +15,7 @@ import pytest
 from epd.proto.dtypes import BFLOAT16
 from epd.server import config
 from epd.server import reference as ref
+from epd.server.cli import build_parser
 
 from .conftest import GPU_COUNT
 from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
@@ -140,8 +141,8 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     assert len(chained) == 1, "both ranks' ops run on chains, or neither's"
     # --ll-chain (on) chains them; auto (the default) does for clients on the daemon's MPS
     # server, which the fixture's clients share when it runs one
-    mode = "on" if "--ll-chain" in daemon.extra else config.load(None, {
-        k: v for k, v in os.environ.items() if k == "EPD_LL_CHAIN"}).ll_chain
+    mode = config.load(build_parser().parse_args(["serve", *daemon.extra]),
+                       dict(os.environ)).ll_chain
     assert chained == {mode == "on" or (mode == "auto" and bool(daemon.client_env()))}
     for name, (total, count) in host.items():
         if chained == {True}:
