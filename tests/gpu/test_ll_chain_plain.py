@@ -1,7 +1,7 @@
 """The armed low-latency tests of test_ll_plain.py again with the GPU chain forced on
 (`--ll-chain`, whatever MPS the clients use): the client's trigger kernel publishes each call
-in the member's ring and kernels enqueued ahead run it (server/backends/cuda_chain.py). Outputs exact as with the
-poller, the engine's host launched none of the calls."""
+in the member's ring and kernels enqueued ahead run it (server/backends/cuda_chain.py).
+Outputs exact as with the poller, the engine's host launched none of the calls."""
 
 from __future__ import annotations
 
