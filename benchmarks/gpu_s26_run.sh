@@ -59,9 +59,10 @@ s.sort_stats('cumulative').print_stats('epd', 80)" >> "$OUT/ll_profile.txt" 2>&1
     grep -a -h "dispatch\|combine\|layout" "$OUT/probes_normal_ab.txt" | cut -c1-200
     ;;
   adaptive)
-    pools adaptive_3
-    pools long_3 --serve-arg=--stream-op-busy-spin-us=5000
-    pools short_3 --serve-arg=--stream-op-spin-us=200
+    off=--serve-arg=--ll-chain=off  # (the poller's policies: auto chains decode since s27)
+    pools adaptive_3 $off
+    pools long_3 --serve-arg=--stream-op-busy-spin-us=5000 $off
+    pools short_3 --serve-arg=--stream-op-spin-us=200 $off
     merge_json pool pools_adaptive_3
     ;;
   shared) bash benchmarks/gpu_s22_run.sh shared ;;

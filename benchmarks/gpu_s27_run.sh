@@ -35,12 +35,12 @@ case "${1:-}" in
           | clean | grep -a -E "low latency|hooks|graph|host work|PASS|FAIL|check" | cut -c1-200
     }
     for round in $(seq 1 "${2:-2}"); do
-      llbench "poller_$round"
+      llbench "poller_$round" --serve-arg=--ll-chain=off  # (auto since this session)
       llbench "chain_$round" --serve-arg=--ll-chain
     done
     merge_json llbench ll_chain_ab
     export POOLS_SECONDS=${POOLS_SECONDS:-80}
-    pools class_engines --class-engines
+    pools class_engines --class-engines --serve-arg=--ll-chain=off
     pools class_engines_chain --class-engines --serve-arg=--ll-chain
     merge_json pool pools_chain
     ;;

@@ -54,7 +54,7 @@ case "${1:-}" in
                 "chain_class_engines:$chain --class-engines")
     else
       variants=("chain:$chain" "class_engines_nomps:--class-engines --mps=off"
-                "class_engines_tp75:--class-engines --serve-arg=--throughput-mps-percentage=75"
+                "class_engines_tp75:--class-engines --serve-arg=--throughput-mps-percentage=75 $poller"
                 "nomps:--mps=off")
     fi
     for v in "${variants[@]}"; do
