@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_s27_run.sh autocheck  # the GPU tests of low-latency paths with
 #        EPD_LL_CHAIN=auto on the daemons (members on the daemon's MPS server chained, shrink
 #        groups on the poller): plain calls, graphs, the facade, masking, service classes
+#   bash benchmarks/gpu_s27_run.sh next  # the GPU tests of what came after the device time
 # (test_ll_plain, test_received_rows, test_local_layout, test_stream_ordered and the facade are
 # gpu_s26_run.sh check; test_framework_replays_gpu needs two GPUs.)
 set -u
@@ -51,5 +52,11 @@ case "${1:-}" in
         tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \
         tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
     ;;
-  *) echo "usage: $0 suite_a|suite_b|chainab|autocheck" >&2; exit 2 ;;
+  next)  # what came after the device time: the default auto's stricter plain-call check, the
+         # poller's plain calls (--ll-chain off), the chain forced on, the cluster tests
+         # (groups over nodes stay on the poller under auto)
+    STEP_TEST_SECONDS=200 step next 560 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_poller_plain.py tests/gpu/test_ll_chain.py tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 suite_a|suite_b|chainab|autocheck|next" >&2; exit 2 ;;
 esac
