@@ -56,7 +56,7 @@ case "${1:-}" in
          # poller's plain calls (--ll-chain off), the chain forced on, the cluster tests
          # (groups over nodes stay on the poller under auto)
     STEP_TEST_SECONDS=200 step next 560 "tests/gpu/test_ll_plain.py \
-        tests/gpu/test_ll_poller_plain.py tests/gpu/test_ll_chain.py tests/gpu/test_cuda_cluster.py"
+        tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_chain.py tests/gpu/test_cuda_cluster.py"
     ;;
   *) echo "usage: $0 suite_a|suite_b|chainab|autocheck|next" >&2; exit 2 ;;
 esac
