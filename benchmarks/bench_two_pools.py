@@ -91,6 +91,8 @@ def _rank(pool: str, rank: int, ns: argparse.Namespace, socket: str, cuda: bool,
             if pool == "decode" and cuda:  # stream-ordered, as a serving engine calls it
                 dop = g.arm_low_latency_dispatch(x, idx, m, use_fp8=True)
                 ops = (dop, g.arm_low_latency_combine(y, idx, w, dop))
+                # who runs them: the member's GPU chain (--ll-chain) or the engine's poller
+                res["ll_path"] = "chain" if dop.chained else "poller"
 
             def step() -> None:
                 if ops is not None:
@@ -315,9 +317,11 @@ def main() -> int:
     ratios = {"decode_p50_ratio": dec_loaded["p50_us"] / dec_alone["p50_us"],
               "decode_p99_ratio": dec_loaded["p99_us"] / dec_alone["p99_us"],
               "prefill_ratio": pre_loaded["per_s"] / pre_alone["per_s"]}
+    ll_path = dec.get("ll_path", "synchronous")
+    how = "synchronous calls" if ll_path == "synchronous" else f"armed ops on the {ll_path}"
     print(f"backend {ns.backend}, {ns.ranks} ranks per pool, classes "
-          f"{'off' if ns.no_classes else POLICY}: decode {rank0['decode']['service_class']}, "
-          f"prefill {rank0['prefill']['service_class']}")
+          f"{'off' if ns.no_classes else POLICY}: decode {rank0['decode']['service_class']} "
+          f"({how}), prefill {rank0['prefill']['service_class']}")
     print(f"  decode pair   alone p50 {dec_alone['p50_us']:9.1f} us p99 {dec_alone['p99_us']:9.1f}"
           f" | under prefill p50 {dec_loaded['p50_us']:9.1f} p99 {dec_loaded['p99_us']:9.1f}")
     print("  decode tails  " + " | ".join(
@@ -359,7 +363,8 @@ def main() -> int:
                        "decode_chain_tails": chain_tails, "decode_chain_starved": starved,
                        "poller_slow_rounds": slow_rounds,
                        "samples": _samples(rank0),
-                       "classes": {p: rank0[p]["service_class"] for p in rank0}}, f, indent=1)
+                       "classes": {p: rank0[p]["service_class"] for p in rank0},
+                       "decode_ll_path": ll_path}, f, indent=1)
     return 0
 
 

@@ -68,6 +68,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
     assert "EPD host work CPU per call" in proc.stdout
+    assert "EPD's armed low-latency ops ran on (per rank): " in proc.stdout
     if os.path.isdir("/dev/shm"):
         new_shm = [n for n in set(os.listdir("/dev/shm")) - shm_before
                    if n.startswith(("epd", "sem.mp", "torch"))
@@ -99,6 +100,9 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
         assert 0 < work <= epd["client_cpu_us_per_call"] * 1.05 + 5, (key, epd)
         assert engine_work is not None and engine_work > 0, (key, epd)
         assert row["ratios"]["epd_over_pipeline"] is not None
+        # who ran the armed low-latency ops: none are armed on the cpu backend
+        assert epd["low_latency_path"] == (["synchronous"] * 2 if key[1] in LL_ROWS
+                                           else None), (key, epd)
         if key[1].startswith("layer"):  # (a forward pass's layer: compared, no target)
             assert row["targets"] == [], row["targets"]
         else:

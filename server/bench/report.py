@@ -78,6 +78,10 @@ def fold(results: list[dict], num_ranks: int) -> list[dict]:
                 "engine_host_us_per_op": next((rec["engine_host_us"] for rec in recs
                                                if rec.get("engine_host_us", {}).get(
                                                    "launch_us") is not None), None),
+                # armed low-latency ops only: who ran them (the GPU chain or the poller), each
+                # rank's own view, e.g. ["chain", "chain"]
+                "low_latency_path": [rec["ll_path"] for rec in recs if rec.get("ll_path")]
+                                    or None,
             }
         rows.append({"shape": shape, "row": row, "results": figures})
     return rows
@@ -186,6 +190,12 @@ def table(summary: dict) -> str:
         lines.append("\nengine host per armed op (mean µs): "
                      + "; ".join(f"{row['shape']} {row['row']}: detect {h['detect_us']:.1f}, "
                                  f"launch {h['launch_us']:.1f}" for row, h in host))
+    paths = [(row, row["results"].get(EPD, {}).get("low_latency_path"))
+             for row in summary["rows"]]
+    paths = [(row, ps) for row, ps in paths if ps]
+    if paths:
+        lines.append("\nEPD's armed low-latency ops ran on (per rank): "
+                     + "; ".join(f"{row['row']}: {', '.join(ps)}" for row, ps in paths))
     work = [(row, row["results"].get(EPD, {})) for row in summary["rows"]]
     work = [(row, e) for row, e in work if e.get("client_work_cpu_us_per_call") is not None]
     if work:  # (the targets are on the process CPU above; this is where it goes)

@@ -623,9 +623,11 @@ class RankRun:
                 rec, got[row] = r.timed(impl, "D", row, steps[row], pids)
                 self.result["records"].append(rec)
                 got[row] = self._settled(impl, buf, got[row])
+                rec["ll_path"] = _ll_path(buf) if impl == EPD else None
             if p.graphs:
                 got[ROW_LL_GRAPH] = self._settled(
                     impl, buf, self._graph_row(impl, steps[ROW_LL_HOOK], pids))
+                self.result["records"][-1]["ll_path"] = _ll_path(buf) if impl == EPD else None
             outs[impl] = got
             self._ll_rows_check(impl, buf, x, idx, w)
             r.sync()
@@ -685,6 +687,15 @@ class RankRun:
         rec, _ = r.timed(impl, "D", ROW_LL_GRAPH, graph.replay, pids)
         self.result["records"].append(rec)
         return combined
+
+
+def _ll_path(buf: Any) -> str:
+    """Which path ran an EPD Buffer's armed low-latency ops: "chain" (the member's GPU chain,
+    `--ll-chain`), "poller" (the engine's poller), "mixed", or "synchronous" (none armed)."""
+    chained = {op.chained for op in buf._stream_ops.ops()}
+    if not chained:
+        return "synchronous"
+    return "mixed" if len(chained) > 1 else ("chain" if chained == {True} else "poller")
 
 
 def rank_main(plan: RankPlan, queue: Any) -> None:
