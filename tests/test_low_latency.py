@@ -1188,3 +1188,39 @@ def test_chains_per_engine(mode: str, members: int, queues: int, limit: int) -> 
     cfg = types.SimpleNamespace(ll_chain=mode, ll_chain_members=members,
                                 cuda_max_connections=queues)
     assert S.chain_limit(cfg) == limit
+
+
+def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
+    """Two members' first arms at once, one chain left in the engine's budget: the chain being
+    opened by the first counts, so the second's ring goes to the poller."""
+    import threading
+
+    from epd.server.engine.state import Session
+    opening, release = threading.Event(), threading.Event()
+    chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
+                                  remove=lambda *a: None, busy=lambda: False, top_up=lambda: [],
+                                  enqueue_seconds=0.0)
+
+    def slow_open(words, ptr):
+        opening.set()
+        assert release.wait(5)
+        return chain
+    ops, session, member, _, _ = _stand_in_arming(monkeypatch, chain="auto", open_chain=slow_open,
+                                                  on_mps=True)
+    ops.engine.config.ll_chain_members = 1
+    other = types.SimpleNamespace(**{**vars(member), "spec": types.SimpleNamespace(
+        name="arm-h", shrink=False)})
+    session2 = types.SimpleNamespace(**{**vars(session), "free_slots": [7]})
+    session2.take_slot = functools.partial(Session.take_slot, session2)
+    rings = {}
+    first = threading.Thread(target=lambda: rings.setdefault(1, ops._ring_for(session, member)))
+    first.start()
+    try:
+        assert opening.wait(5)
+        rings[2] = ops._ring_for(session2, other)  # while the first chain is being opened
+    finally:
+        release.set()
+        first.join(5)
+    assert rings[1].chain is chain and rings[2].chain is None
+    assert ops._opening == 0
+    ops.stop()

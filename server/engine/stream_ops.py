@@ -196,6 +196,7 @@ class StreamOps:
         self._next_id = 1
         self._gen = 0  # the last ring entry generation handed out (engine-wide, wraps)
         self._lock = threading.Lock()
+        self._opening = 0  # chains being opened (_ring_for), counted against chain_limit
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -402,18 +403,24 @@ class StreamOps:
             if ring is not None:
                 return ring
             cfg = self.engine.config
-            chained = chain_wanted(cfg.ll_chain, session, member) and sum(
+            # (a chain being opened counts from here: two first arms at once stay within the
+            # limit; the reservation ends when its ring is in, or the open failed)
+            chained = chain_wanted(cfg.ll_chain, session, member) and self._opening + sum(
                 r.chain is not None for r in self.rings.values()) < chain_limit(cfg)
-        slot = session.take_slot(f"{session.describe()} has no free counter slot for the "
-                                 f"trigger ring of group {member.spec.name!r}")
-        page = session.counter_page.slot(slot)
-        backend_chain = None
+            self._opening += chained
+        backend_chain, slot = None, None
         try:
+            slot = session.take_slot(f"{session.describe()} has no free counter slot for the "
+                                     f"trigger ring of group {member.spec.name!r}")
+            page = session.counter_page.slot(slot)
             if chained:
                 backend_chain = member.comm.open_chain(page.view(np.int32),
                                                        int(page.device_ptr))
         except BaseException:
-            session.free_slots.append(slot)
+            if slot is not None:
+                session.free_slots.append(slot)
+            with self._lock:
+                self._opening -= chained
             raise
         words = page.view(np.uint32)
         if backend_chain is None:
@@ -421,6 +428,7 @@ class StreamOps:
         ring = Ring(member, slot, words, backend_chain)
         with self._lock:
             self.rings[id(member)] = ring
+            self._opening -= chained
         log.info("%s: group %r's armed low-latency ops run %s (ring in slot %d)",
                  session.describe(), member.spec.name,
                  "on a GPU chain" if backend_chain is not None else "by the poller", slot)
