@@ -139,12 +139,13 @@ class Config:
                 "no engine host on the call's path) instead of the engine's poller. on, off, "
                 "or auto: on for a member whose client shares the engine's MPS server (without "
                 "MPS a chained pair is ~15x slower), except in shrink groups (a rejoin takes "
-                "the ranks' sequences from the engines' hosts); a bare --ll-chain is on. On "
+                "the ranks' sequences from the engines' hosts) and groups over nodes (not run "
+                "on a GPU chained), and only with --cuda-max-connections of at least 32 (fewer "
+                "hardware queues: parked chains stall other streams); a bare --ll-chain is on. "
+                "At most --ll-chain-members chains per engine, later members on the poller. On "
                 "one H200 under MPS the chain took a sixth off a graph-replayed decode pair "
                 "and a fifth off the decode pool's p50 (docs/BENCHMARKS.md, twenty-seventh "
-                "session). auto chains at most a quarter of --cuda-max-connections members "
-                "per engine (each parks a hardware queue). A chained member refuses "
-                "synchronous low-latency calls",
+                "session). A chained member refuses synchronous low-latency calls",
         "choices": ("auto", "on", "off"), "const": "on"})
     ll_chain_gate: bool = field(default=False, metadata={
         "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "
@@ -170,7 +171,8 @@ class Config:
                 "queues; each rank's stream may park in a GPU-side wait for its client, so "
                 "one queue per rank keeps one wait from stalling another). Under MPS every "
                 "client's queues come from one pool per GPU, so the engine's share leaves "
-                "fewer clients: lower it on nodes with many client processes (1-32)"})
+                "fewer clients: lower it on nodes with many client processes (1-32; below 32 "
+                "--ll-chain auto leaves decode's armed ops on the poller)"})
     nvshmem_heap_bytes: int = field(default=4 << 30, metadata={
         "help": "cuda backend: symmetric heap per engine"})
     latency_heap_bytes: int = field(default=0, metadata={
@@ -373,12 +375,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif "const" in f.metadata:  # (the flag alone means its const: --class-engines)
             parser.add_argument(flag, type=str, default=None, help=help_text, nargs="?",
                                 const=f.metadata["const"], metavar=f.name.upper())
-            # (and --no-FLAG off, as for the booleans: --ll-chain was one until it had auto)
-            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const",
-                                const="off", default=None, help=f"the same as {flag} off")
         else:
             parser.add_argument(flag, type=str, default=None, help=help_text,
                                 metavar=f.name.upper())
+        if f.metadata.get("choices") == _SWITCH:  # (--no-FLAG is off, as for the booleans:
+            # --ll-chain was one until it had auto)
+            parser.add_argument("--no-" + flag[2:], dest=f.name, action="store_const",
+                                const="off", default=None, help=f"the same as {flag} off")
 
 
 def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None) -> Config:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -148,8 +149,13 @@ def test_ll_chain_switch(argv, env, want):
 
 
 def test_no_flag_of_every_switch():
-    assert load(["--no-class-engines"]).class_engines == "off"
-    assert load(["--class-engines"]).class_engines == "on"
+    switches = [f.name for f in dataclasses.fields(config.Config)
+                if f.metadata.get("choices") == ("auto", "on", "off")]
+    assert {"ll_chain", "class_engines", "mps"} <= set(switches)
+    for name in switches:
+        flag = name.replace("_", "-")
+        assert getattr(load([f"--no-{flag}"], {f"EPD_{name.upper()}": "on"}), name) == "off"
+        assert getattr(load([f"--{flag}", "on"]), name) == "on"
 
 
 def test_ll_chain_refuses_other_words():

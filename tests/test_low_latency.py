@@ -1140,6 +1140,7 @@ def test_arming_gives_the_slots_back_when_the_chain_fails_to_open(monkeypatch) -
         with pytest.raises(RuntimeError, match="no chain here"):
             ops.arm(session, _arm_request())
         assert sorted(session.free_slots) == [2, 3, 5] and not ops.rings and not ops.ops
+        assert ops._opening == 0  # the chain it was opening no longer counts
         member.comm.open_chain = lambda words, ptr: None
         resp = ops.arm(session, _arm_request())
         assert resp.ordered and not resp.chained and ops.rings[id(member)].chain is None
@@ -1179,11 +1180,12 @@ def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink:
 
 
 @pytest.mark.parametrize(("mode", "members", "queues", "limit"), [
-    ("auto", 8, 32, 8), ("auto", 8, 8, 2), ("auto", 2, 32, 2), ("auto", 8, 3, 0),
+    ("auto", 8, 32, 8), ("auto", 2, 32, 2), ("auto", 8, 31, 0), ("auto", 8, 8, 0),
     ("on", 8, 8, 8),  # asked for: as many as --ll-chain-members says
 ])
 def test_chains_per_engine(mode: str, members: int, queues: int, limit: int) -> None:
-    """auto leaves three of every four hardware queues free of parked chains."""
+    """auto chains only with the 32 hardware queues its chains were measured with (on CUDA's
+    default 8, two parked chains stalled each other's pairs for milliseconds)."""
     from epd.server.engine import stream_ops as S
     cfg = types.SimpleNamespace(ll_chain=mode, ll_chain_members=members,
                                 cuda_max_connections=queues)
@@ -1195,6 +1197,7 @@ def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
     opened by the first counts, so the second's ring goes to the poller."""
     import threading
 
+    from epd.proto.errors import ResourceExhausted
     from epd.server.engine.state import Session
     opening, release = threading.Event(), threading.Event()
     chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
@@ -1218,9 +1221,20 @@ def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
     try:
         assert opening.wait(5)
         rings[2] = ops._ring_for(session2, other)  # while the first chain is being opened
-    finally:
         release.set()
         first.join(5)
-    assert rings[1].chain is chain and rings[2].chain is None
-    assert ops._opening == 0
-    ops.stop()
+        assert not first.is_alive(), "the first arm did not finish"
+        assert rings[1].chain is chain and rings[2].chain is None
+        assert ops._opening == 0
+        # a third member whose session has no slot left: refused, nothing stays reserved
+        session3 = types.SimpleNamespace(**{**vars(session), "free_slots": []})
+        session3.take_slot = functools.partial(Session.take_slot, session3)
+        third = types.SimpleNamespace(**{**vars(member), "spec": types.SimpleNamespace(
+            name="arm-i", shrink=False)})
+        ops.engine.config.ll_chain_members = 3
+        with pytest.raises(ResourceExhausted):
+            ops._ring_for(session3, third)
+        assert ops._opening == 0 and id(third) not in ops.rings
+    finally:
+        release.set()
+        ops.stop()

@@ -194,7 +194,8 @@ def table(summary: dict) -> str:
              for row in summary["rows"]]
     paths = [(row, ps) for row, ps in paths if ps]
     if paths:
-        lines.append("\nEPD's armed low-latency ops ran on (per rank): "
+        lines.append("\nEPD's low-latency calls, per rank (armed ops on the GPU chain or the "
+                     "engine's poller, or synchronous calls): "
                      + "; ".join(f"{row['row']}: {', '.join(ps)}" for row, ps in paths))
     work = [(row, row["results"].get(EPD, {})) for row in summary["rows"]]
     work = [(row, e) for row, e in work if e.get("client_work_cpu_us_per_call") is not None]

@@ -77,6 +77,7 @@ RELEASE_WAIT_SECONDS = 5.0  # releasing an op: longest wait for the session's ru
 # after it). A chain runs dry, and a poller-path call waits, when rounds are this slow.
 SLOW_POLL_SECONDS = 1e-3
 _NO_WATCH = contextlib.nullcontext()  # (reusable)
+AUTO_CHAIN_QUEUES = 32  # --ll-chain auto chains nothing with fewer hardware queues (chain_limit)
 
 
 def spin_window(config: Any, last_call: float, inflight: int, now: float) -> float:
@@ -106,13 +107,15 @@ def chain_wanted(mode: str, session: Session, member: GroupMember) -> bool:
 
 
 def chain_limit(config: Any) -> int:
-    """Chains per engine: each parks one of the engine's hardware queues in a GPU wait, and a
-    stream that shares a queue with a parked chain stalls behind it (5-7 ms pairs on one H200
-    with the default queues, docs/DESIGN_NOTES.md). `on` takes --ll-chain-members as given;
-    auto keeps three of every four queues free of chains (8 of the default 32)."""
-    if config.ll_chain == "on":
+    """Chains per engine. Each parks one of the engine's hardware queues in a GPU wait, and a
+    stream that shares a queue with a parked chain stalls behind it: on one H200 under MPS two
+    ranks' chains on CUDA's default 8 queues stalled each other for 5-7 ms per pair, and on
+    EPD's 32 (`--cuda-max-connections`) they did not (docs/DESIGN_NOTES.md, "The low-latency
+    chain, built and measured"). So auto chains only with at least those 32 queues, at most
+    --ll-chain-members; `on` takes --ll-chain-members as given."""
+    if config.ll_chain == "on" or config.cuda_max_connections >= AUTO_CHAIN_QUEUES:
         return config.ll_chain_members
-    return min(config.ll_chain_members, config.cuda_max_connections // 4)
+    return 0
 
 
 @dataclass
@@ -416,16 +419,18 @@ class StreamOps:
             if chained:
                 backend_chain = member.comm.open_chain(page.view(np.int32),
                                                        int(page.device_ptr))
+            words = page.view(np.uint32)
+            if backend_chain is None:
+                words[:abi.LL_RING_HEAD + 1] = 0  # (the chain clears its own)
+            ring = Ring(member, slot, words, backend_chain)
         except BaseException:
+            if backend_chain is not None:
+                member.comm.close_chain(self.engine.config.timeout_seconds)
             if slot is not None:
                 session.free_slots.append(slot)
             with self._lock:
                 self._opening -= chained
             raise
-        words = page.view(np.uint32)
-        if backend_chain is None:
-            words[:abi.LL_RING_HEAD + 1] = 0  # (the chain clears its own)
-        ring = Ring(member, slot, words, backend_chain)
         with self._lock:
             self.rings[id(member)] = ring
             self._opening -= chained

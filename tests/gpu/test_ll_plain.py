@@ -16,6 +16,7 @@ from epd.proto.dtypes import BFLOAT16
 from epd.server import config
 from epd.server import reference as ref
 from epd.server.cli import build_parser
+from epd.server.engine import stream_ops
 
 from .conftest import GPU_COUNT
 from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
@@ -141,9 +142,9 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     assert len(chained) == 1, "both ranks' ops run on chains, or neither's"
     # --ll-chain (on) chains them; auto (the default) does for clients on the daemon's MPS
     # server, which the fixture's clients share when it runs one
-    mode = config.load(build_parser().parse_args(["serve", *daemon.extra]),
-                       dict(os.environ)).ll_chain
-    assert chained == {mode == "on" or (mode == "auto" and bool(daemon.client_env()))}
+    cfg = config.load(build_parser().parse_args(["serve", *daemon.extra]), dict(os.environ))
+    assert chained == {stream_ops.chain_limit(cfg) > 0 and (
+        cfg.ll_chain == "on" or (cfg.ll_chain == "auto" and bool(daemon.client_env())))}
     for name, (total, count) in host.items():
         if chained == {True}:
             assert count == 0, (name, count)
