@@ -1238,3 +1238,36 @@ def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
     finally:
         release.set()
         ops.stop()
+
+
+def test_chain_top_ups_count_as_engine_work(monkeypatch) -> None:
+    """The chains' top-ups are the engine's host work per chained call (after it, not before):
+    their thread CPU goes into epd_request_cpu_seconds (path chain), as the poller's launches
+    do, so `epd bench`'s engine work per call covers both paths; a failing top-up too."""
+    from epd.proto import abi
+    from epd.server import metrics
+    from epd.server.engine import stream_ops as S
+    seen: list[tuple] = []
+    monkeypatch.setattr(metrics, "inc", lambda metric, labels, value=1.0: seen.append(
+        (metric, labels, value)))
+
+    def busy_top_up():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.002:  # 2 ms of this thread's CPU
+            pass
+        return [abi.LLX_DISPATCH, abi.LLX_COMBINE]
+
+    def failing_top_up():
+        raise RuntimeError("the chain closed under it")
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="g"), dispatches=0,
+                                   combines=0)
+    rings = [types.SimpleNamespace(chain=types.SimpleNamespace(top_up=f), member=member)
+             for f in (busy_top_up, failing_top_up)]
+    rings.append(types.SimpleNamespace(chain=None, member=member))  # a poller ring: nothing
+    ops = S.StreamOps(types.SimpleNamespace(index=0))
+    assert ops._top_up(rings) is True
+    work = [v for m, labels, v in seen if m is metrics.REQUEST_CPU_SECONDS]
+    assert len(work) == 2 and work[0] >= 0.002 and work[1] >= 0.0
+    assert {labels for m, labels, _ in seen if m is metrics.REQUEST_CPU_SECONDS} == {
+        (S.TOP_UP_METHOD, "chain")}
+    assert (member.dispatches, member.combines) == (1, 1)

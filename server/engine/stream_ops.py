@@ -78,6 +78,7 @@ RELEASE_WAIT_SECONDS = 5.0  # releasing an op: longest wait for the session's ru
 SLOW_POLL_SECONDS = 1e-3
 _NO_WATCH = contextlib.nullcontext()  # (reusable)
 AUTO_CHAIN_QUEUES = 32  # --ll-chain auto chains nothing with fewer hardware queues (chain_limit)
+TOP_UP_METHOD = "LowLatencyChainTopUp"  # epd_request_cpu_seconds{method}: the chains' top-ups
 
 
 def spin_window(config: Any, last_call: float, inflight: int, now: float) -> float:
@@ -574,17 +575,24 @@ class StreamOps:
                 op.words[DONE] = DONE_FAILED | (0xFF << 8)
 
     def _top_up(self, rings: list[Ring]) -> bool:
-        """Keep every chain's instances enqueued; count the calls the chains ran."""
+        """Keep every chain's instances enqueued; count the calls the chains ran. The top-ups'
+        CPU (an instance enqueued for each call a chain ran) counts as engine work, as the
+        poller's detection and launch do, under method TOP_UP_METHOD: no call waits for it,
+        but the engine spends it per call all the same."""
         ran = False
         for c in rings:
             if c.chain is None:
                 continue
+            cpu0 = time.thread_time()
             try:
                 kinds = c.chain.top_up()
             except Exception:  # (a chain closing under it, a dead context): keep polling
                 log.exception("topping up the low-latency chain of %r failed",
                               c.member.spec.name)
                 continue
+            finally:
+                metrics.inc(metrics.REQUEST_CPU_SECONDS, (TOP_UP_METHOD, "chain"),
+                            time.thread_time() - cpu0)
             for kind in kinds:
                 name = KIND_DISPATCH if kind == abi.LLX_DISPATCH else KIND_COMBINE
                 metrics.inc(metrics.REQUESTS, (f"Stream{name}", "OK"))
