@@ -170,10 +170,9 @@ class Engine(StreamCalls, DataPlane):
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
         # CUDA MPS: the pipe folder of the server this engine's context is on (empty: none;
-        # the supervisor says, mps.ENGINE_ENV), the sessions whose client is not on it, the
-        # client pids already warned about.
+        # the supervisor says, mps.ENGINE_ENV; each session knows whether its client is on it,
+        # Session.on_engine_mps), the client pids already warned about.
         self.mps_pipe_directory = os.environ.get(MPS_ENGINE_ENV, "")
-        self._without_mps: set[str] = set()
         self._mps_warned: set[int] = set()
         # Service classes: the policy joins are resolved by (parsed once; config.load checked
         # it), and the (group, class) series of epd_group_service_class this engine has set.
@@ -347,8 +346,8 @@ class Engine(StreamCalls, DataPlane):
         members = [m for s in sessions for m in list(s.members.values())]
         regions = [r for s in sessions for r in list(s.regions.values())]
         metrics.SESSIONS.labels(self._label).set(len(sessions))
-        self._without_mps.intersection_update(list(self.sessions))  # closed sessions drop out
-        metrics.SESSIONS_WITHOUT_MPS.labels(self._label).set(len(self._without_mps))
+        metrics.SESSIONS_WITHOUT_MPS.labels(self._label).set(
+            sum(s.on_engine_mps is False for s in sessions) if self.mps_pipe_directory else 0)
         metrics.GROUPS.labels(self._label).set(len(members))
         metrics.REGIONS.labels(self._label).set(len(regions))
         metrics.REGION_BYTES.labels(self._label).set(sum(r.size for r in regions))
@@ -405,13 +404,10 @@ class Engine(StreamCalls, DataPlane):
         works, only slower (time-sliced): counted in epd_sessions_without_mps and logged once
         per client pid."""
         mine = self.mps_pipe_directory
-        if not mine:
-            return False
-        on = bool(client_pipe_present and client_pipe_directory
+        on = bool(mine and client_pipe_present and client_pipe_directory
                   and os.path.normpath(client_pipe_directory) == os.path.normpath(mine))
         session.on_engine_mps = on
-        if not on:
-            self._without_mps.add(session.session_id)
+        if mine and not on:
             self._refresh_gauges()
             if session.pid not in self._mps_warned:
                 if len(self._mps_warned) >= MPS_WARNED_PIDS:

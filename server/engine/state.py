@@ -163,9 +163,10 @@ class Session:
     # (pid, uid, gid) of the client, from SO_PEERCRED of its first descriptor-channel
     # connection; a group's admission policy is decided on it.
     peer: tuple[int, int, int] | None = None
-    # Whether the client shares the engine's MPS server (Engine.session_mps, at open): a GPU
-    # chain for its armed ops pays only then (--ll-chain auto).
-    on_engine_mps: bool = False
+    # Whether the client shares the engine's MPS server (Engine.session_mps, right after open;
+    # None until then): a GPU chain for its armed ops pays only then (--ll-chain auto), and
+    # epd_sessions_without_mps counts the sessions it is False for.
+    on_engine_mps: bool | None = None
 
     def take_slot(self, why: str) -> int:
         """A free counter slot, now the caller's (joins on the event loop and arms on the

@@ -94,16 +94,16 @@ def spin_window(config: Any, last_call: float, inflight: int, now: float) -> flo
     return spin
 
 
-def chain_wanted(mode: str, session: Session, member: GroupMember) -> bool:
+def chain_wanted(config: Any, session: Session, member: GroupMember) -> bool:
     """Whether a member's armed ops should run on a GPU chain (`--ll-chain` on, off or auto).
     auto: only for a client on the engine's MPS server (without MPS the client's and the
     engine's contexts time-slice the GPU and a chained pair took 3.7 ms against the poller's
     1 ms), not in a shrink group (a rejoin reads the ranks' low-latency sequences from the
     engines' hosts; a chain keeps them on the GPU), and not in a group over nodes (the chain's
     NVSHMEM build has not run on a GPU)."""
-    if mode != "auto":
-        return mode == "on"
-    return (session.on_engine_mps and not member.spec.shrink
+    if config.ll_chain != "auto":
+        return config.ll_chain == "on"
+    return (session.on_engine_mps is True and not member.spec.shrink
             and not getattr(member.comm, "spans_nodes", False))
 
 
@@ -409,7 +409,7 @@ class StreamOps:
             cfg = self.engine.config
             # (a chain being opened counts from here: two first arms at once stay within the
             # limit; the reservation ends when its ring is in, or the open failed)
-            chained = chain_wanted(cfg.ll_chain, session, member) and self._opening + sum(
+            chained = chain_wanted(cfg, session, member) and self._opening + sum(
                 r.chain is not None for r in self.rings.values()) < chain_limit(cfg)
             self._opening += chained
         backend_chain, slot = None, None
@@ -575,10 +575,11 @@ class StreamOps:
                 op.words[DONE] = DONE_FAILED | (0xFF << 8)
 
     def _top_up(self, rings: list[Ring]) -> bool:
-        """Keep every chain's instances enqueued; count the calls the chains ran. The top-ups'
-        CPU (an instance enqueued for each call a chain ran) counts as engine work, as the
-        poller's detection and launch do, under method TOP_UP_METHOD: no call waits for it,
-        but the engine spends it per call all the same."""
+        """Keep every chain's instances enqueued; count the calls the chains ran. The CPU of
+        a top-up that found calls run (it enqueues an instance for each) counts as engine work,
+        as the poller's launches do, under method TOP_UP_METHOD: no call waits for it, but the
+        engine spends it per call all the same. Looks that found nothing are the poller's
+        spin, not counted (as for the poller's own looks)."""
         ran = False
         for c in rings:
             if c.chain is None:
@@ -590,7 +591,7 @@ class StreamOps:
                 log.exception("topping up the low-latency chain of %r failed",
                               c.member.spec.name)
                 continue
-            finally:
+            if kinds:
                 metrics.inc(metrics.REQUEST_CPU_SECONDS, (TOP_UP_METHOD, "chain"),
                             time.thread_time() - cpu0)
             for kind in kinds:
