@@ -14,8 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 HERE = Path(__file__).resolve().parent
-KERNELS = HERE / "results_2026-11-30_h200x2.json"
-DAEMON = HERE / "results_2026-11-30_daemon_h200x2.json"
+KERNELS = HERE / "results" / "results_2026-11-30_h200x2.json"
+DAEMON = HERE / "results" / "results_2026-11-30_daemon_h200x2.json"
 OUT = HERE.parent / "docs" / "benchmarks_h200x2.png"
 # DeepEP's figures from ../shared/DESIGN.md §9: an earlier run (2x H200, 2026-11-30), not
 # the run plotted beside them

@@ -43,7 +43,8 @@ def test_uneven_dropped_and_repeated(num_ranks: int) -> None:
     not exported to every process: MPS clients with 32 each leave no room for a third)."""
     if int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")) < num_ranks:
         pytest.skip(f"{num_ranks} ranks' streams in one process need "
-                    f"CUDA_DEVICE_MAX_CONNECTIONS >= {num_ranks} (gpu_s7_run.sh sets it)")
+                    f"CUDA_DEVICE_MAX_CONNECTIONS >= {num_ranks} "
+                    f"(benchmarks/device/gpu_s7_run.sh sets it)")
     rng = np.random.default_rng(40 + num_ranks)
     g = _group(num_ranks, 32, 4, 2048, 24)
     tokens = [(24, 0, 7, 19)[r % 4] for r in range(num_ranks)]
