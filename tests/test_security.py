@@ -251,11 +251,11 @@ def test_a_malformed_packet_with_a_descriptor_leaks_nothing(daemon) -> None:
 
     def open_fds() -> int:
         return len(os.listdir(f"/proc/{pid}/fd"))
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-        s.settimeout(10)
-        s.connect(fdc.socket_path_for(daemon.socket(0)))
-        before = open_fds()
-        for _ in range(20):
+    before = open_fds()
+    for _ in range(20):  # (a connection refused at its first packet is closed: one each)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(10)
+            s.connect(fdc.socket_path_for(daemon.socket(0)))
             mfd = os.memfd_create("epd-test-junk", os.MFD_CLOEXEC)
             try:
                 socket.send_fds(s, [b"\xff\xff\xff"], [mfd])
@@ -263,4 +263,143 @@ def test_a_malformed_packet_with_a_descriptor_leaks_nothing(daemon) -> None:
                 os.close(mfd)
             resp, fd = fdc.recv(s, epd_pb2.FdResponse)
             assert fd is None and resp.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp
-        assert open_fds() <= before + 2  # (not one per packet)
+            assert fdc.recv(s, epd_pb2.FdResponse) == (None, None)  # then closed
+    assert open_fds() <= before + 2  # (not one per packet)
+
+
+def _closed_within(s, seconds: float) -> bool:
+    """Whether the engine closes its end of `s` within `seconds`."""
+    s.settimeout(seconds)
+    try:
+        return s.recv(16) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_refused_at_authentication_is_closed(daemon) -> None:
+    """The descriptor channel answers a first request with a wrong token and closes the
+    connection: an unauthenticated connection cannot stay open by sending bad requests (each
+    one restarted its first-request timer before)."""
+    import socket
+
+    with Session(daemon.socket(0), timeout=10) as victim, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(fdc.socket_path_for(daemon.socket(0)))
+        fdc.send(s, epd_pb2.FdRequest(session_id=victim.session_id, session_token=b"x" * 32,
+                                      fetch=epd_pb2.FetchFd(name="counters")))
+        resp, fd = fdc.recv(s, epd_pb2.FdResponse)
+        assert fd is None and resp.code == DENIED.value[0], resp
+        assert _closed_within(s, 5.0)
+        solo_round(victim, "sec-refused-channel")  # the session it named is untouched
+
+
+def test_unauthenticated_channel_connections_are_capped_per_uid(daemon) -> None:
+    """One uid holds at most MAX_UNBOUND_PER_UID descriptor-channel connections that have not
+    authenticated: the next is closed at once (not after the first-request timeout), so one
+    tenant's silent connections cannot fill the engine-wide cap; closed, they free the slots."""
+    import socket
+    import time
+
+    from epd.server.engine.fd_server import FIRST_REQUEST_SECONDS, MAX_UNBOUND_PER_UID
+
+    path = fdc.socket_path_for(daemon.socket(0))
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_UNBOUND_PER_UID):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            held.append(c)
+            c.connect(path)
+        time.sleep(0.3)  # (the engine accepts them in its own thread)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
+            extra.connect(path)
+            t0 = time.monotonic()
+            assert _closed_within(extra, FIRST_REQUEST_SECONDS / 2)
+            assert time.monotonic() - t0 < FIRST_REQUEST_SECONDS / 2
+    finally:
+        for c in held:
+            c.close()
+    deadline = time.monotonic() + 10
+    while True:  # the engine notices the closed ones shortly
+        try:
+            with Session(daemon.socket(0), timeout=10) as s:
+                solo_round(s, "sec-unbound-cap")
+            break
+        except EpdError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_a_session_has_a_bounded_number_of_channel_connections(daemon) -> None:
+    """A session's client keeps one descriptor-channel connection; more authenticate up to
+    MAX_PER_SESSION and the next is RESOURCE_EXHAUSTED (and closed)."""
+    from epd.server.engine.fd_server import MAX_PER_SESSION
+
+    with Session(daemon.socket(0), timeout=10) as s:
+        solo_round(s, "sec-session-channels")  # (its own connection is bound)
+        path = fdc.socket_path_for(daemon.socket(0))
+        extra = [fdc.Channel(path, s.session_id, s._channel.token) for _ in range(MAX_PER_SESSION)]
+        try:
+            for i, ch in enumerate(extra):
+                if i < MAX_PER_SESSION - 1:
+                    fd, _size = ch.fetch(fdc.COUNTERS)
+                    os.close(fd)
+                else:
+                    with pytest.raises(EpdError) as ei:
+                        ch.fetch(fdc.COUNTERS)
+                    assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+                    assert str(MAX_PER_SESSION) in ei.value.message
+        finally:
+            for ch in extra:
+                ch.close()
+        solo_round(s, "sec-session-channels-after")
+
+
+def test_a_drain_refusal_on_a_ring_names_only_its_own_session() -> None:
+    """While the engine drains, a collective refused on the fast path aborts the group it
+    names (its peers would wait for it otherwise): the ring's ownership is checked first, so
+    a request on one session's ring naming another session's group aborts nothing
+    (PERMISSION_DENIED)."""
+    import threading
+    import types
+
+    from epd.proto import operations
+    from epd.server.engine.core import Engine
+    from epd.server.engine.executor import EngineState
+    from epd.server.engine.fast_path import FastPathServer
+
+    aborted: list[str] = []
+
+    def session(sid: str, gid: str):
+        comm = types.SimpleNamespace(abort_reason=lambda: None, known_abort_reason=lambda: None,
+                                     abort=aborted.append, supports_rank_masking=False)
+        member = types.SimpleNamespace(rank=0, comm=comm,
+                                       spec=types.SimpleNamespace(name=gid, shrink=False))
+        ex = types.SimpleNamespace(op_lock=threading.Lock(), closing=None)
+        return types.SimpleNamespace(session_id=sid, members={gid: member}, executor=ex,
+                                     op_lock=ex.op_lock, closed=threading.Event(),
+                                     describe=lambda: sid)
+    engine = Engine.__new__(Engine)  # (only what refuse() and session() read)
+    engine.index = 0
+    engine.state = EngineState(0)
+    engine.state.draining = True
+    engine._abort = lambda m, text, why: m.comm.abort(text)
+    victim, thief = session("victim", "g-victim"), session("thief", "g-thief")
+    engine.sessions = {"victim": victim, "thief": thief}
+    fp = FastPathServer.__new__(FastPathServer)
+    fp.engine, fp.session = engine, thief
+    fp._ops = {rid: (op, None) for rid, op in operations.BY_RING_ID.items()}
+    fp.ring = types.SimpleNamespace(capacity=4096)
+    rid = operations.OPERATIONS["Dispatch"].ring_id
+    req = epd_pb2.DispatchRequest(session_id="victim", group_id="g-victim")
+    code, message = fp._handle(rid, req.SerializeToString(), lambda *a: None)
+    assert code == DENIED.value[0] and b"does not own this ring" in message, (code, message)
+    assert aborted == []
+    # The thief's own group, refused while draining, is aborted as before.
+    req = epd_pb2.DispatchRequest(session_id="thief", group_id="g-thief")
+    code, message = fp._handle(rid, req.SerializeToString(), lambda *a: None)
+    assert code == grpc.StatusCode.UNAVAILABLE.value[0], (code, message)
+    assert len(aborted) == 1 and "g-thief" in aborted[0]

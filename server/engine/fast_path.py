@@ -183,6 +183,12 @@ class FastPathServer:
                                f"unknown fast-path operation id {ring_id}")
             op, fn = entry
             req = decode(op.name, op.request, data, "fastpath")  # INVALID_ARGUMENT if garbage
+            # The same lookup (and message) as gRPC; a ring only serves its own session. Before
+            # anything acts on the request's ids: a refusal while draining aborts the group
+            # the request names, which must be this session's own.
+            sid = getattr(req, "session_id", None)
+            if sid is not None and self.engine.session(sid) is not self.session:
+                raise PermissionDenied(f"session {sid!r} does not own this ring")
             state = self.engine.state
             try:
                 state.enter()
@@ -190,10 +196,6 @@ class FastPathServer:
                 self.engine.refuse(method, req, refused)
                 raise
             try:
-                # The same lookup (and message) as gRPC; a ring only serves its own session.
-                sid = getattr(req, "session_id", None)
-                if sid is not None and self.engine.session(sid) is not self.session:
-                    raise PermissionDenied(f"session {sid!r} does not own this ring")
                 self.session.executor.call(fn, self.session, req, "fastpath", answer=reply)
             finally:
                 state.leave()

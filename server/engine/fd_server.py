@@ -34,9 +34,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("epd.engine")
 CALL_SECONDS = 60.0  # longest a request may take on the event loop
 # A connection costs a thread: connections are capped, and one that does not authenticate in
-# time is closed, so no client can exhaust the engine's threads for the others.
+# time, or fails to, is closed, so no client can exhaust the engine's threads for the others.
+# Caps per peer uid before authentication and per session after it keep one tenant's
+# connections from filling the engine-wide cap (a session's client keeps one open).
 MAX_CONNECTIONS = 1024
+MAX_UNBOUND_PER_UID = 16
+MAX_PER_SESSION = 4
 FIRST_REQUEST_SECONDS = 10.0
+IDLE_CHECK_SECONDS = 30.0  # how often a bound, idle connection checks its session is open
 
 
 class FdServer:
@@ -50,6 +55,8 @@ class FdServer:
         self.sock.listen(64)
         self._stop = False
         self._conns: set[socket.socket] = set()
+        self._unbound: dict[int, int] = {}  # peer uid -> its connections not yet bound
+        self._bound: dict[str, int] = {}  # session id -> its bound connections
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._accept, daemon=True, name="epd-fds")
 
@@ -74,33 +81,68 @@ class FdServer:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
+            try:
+                peer = fdc.peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            uid = peer[1]
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
-                    log.warning("descriptor channel: %d connections open, refusing another",
-                                len(self._conns))
+                unbound = self._unbound.get(uid, 0)
+                if len(self._conns) >= MAX_CONNECTIONS or unbound >= MAX_UNBOUND_PER_UID:
+                    log.warning("descriptor channel: %d connections open (%d of uid %d not "
+                                "authenticated), refusing another", len(self._conns),
+                                unbound, uid)
                     conn.close()
                     continue
                 self._conns.add(conn)
+                self._unbound[uid] = unbound + 1
             conn.settimeout(FIRST_REQUEST_SECONDS)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
                              name="epd-fds-conn").start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _count_bound(self, uid: int, session_id: str) -> bool:
+        """Move a connection from its uid's unbound count to its session's bound count;
+        False (nothing moved) when the session has its cap of connections already."""
+        with self._lock:
+            if self._bound.get(session_id, 0) >= MAX_PER_SESSION:
+                return False
+            self._bound[session_id] = self._bound.get(session_id, 0) + 1
+            self._uncount_unbound(uid)
+            return True
+
+    def _uncount_unbound(self, uid: int) -> None:  # (under the lock)
+        left = self._unbound.get(uid, 0) - 1
+        if left > 0:
+            self._unbound[uid] = left
+        else:
+            self._unbound.pop(uid, None)
+
+    def _serve(self, conn: socket.socket, peer: tuple[int, int, int]) -> None:
         session: Session | None = None
         try:
-            peer = fdc.peer_credentials(conn)
             while not self._stop:
                 fd = None
                 try:
                     try:
                         req, fd = fdc.recv(conn, epd_pb2.FdRequest)
-                    except OSError:  # the peer went away, or never spoke in time: close
+                    except TimeoutError:
+                        if session is not None and not session.closed.is_set():
+                            continue  # bound and idle: its session is still open
+                        return  # never spoke in time, or its session ended: close
+                    except OSError:  # the peer went away
                         return
                     if req is None:
                         return
                     if session is None:
-                        session = self._call(self._bind, req, peer)
-                        conn.settimeout(None)  # bound: a session's channel may idle
+                        bound = self._call(self._bind, req, peer)
+                        if not self._count_bound(peer[1], bound.session_id):
+                            raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                           f"session {bound.session_id!r} has "
+                                           f"{MAX_PER_SESSION} descriptor-channel connections "
+                                           f"open already")
+                        session = bound
+                        conn.settimeout(IDLE_CHECK_SECONDS)  # bound: may idle, not forever
                     elif req.session_id and req.session_id != session.session_id:
                         raise PermissionDenied("this descriptor channel belongs to another "
                                                "session")
@@ -121,11 +163,21 @@ class FdServer:
                 finally:
                     if out_fd is not None:
                         os.close(out_fd)  # our duplicate (Engine.fetch_fd)
+                if session is None:
+                    return  # refused at its first request: a connection authenticates once
         except OSError:
             return
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if session is None:
+                    self._uncount_unbound(peer[1])
+                else:
+                    left = self._bound.get(session.session_id, 0) - 1
+                    if left > 0:
+                        self._bound[session.session_id] = left
+                    else:
+                        self._bound.pop(session.session_id, None)
             conn.close()
 
     def _call(self, fn, *args):
