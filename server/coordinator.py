@@ -95,6 +95,9 @@ class Coordinator:
                 g.formed.set()
                 self._remove(g)
             raise err
+        # Admission before anything about the group's ranks: a session the group would not
+        # admit learns nothing of its members (a taken rank's message names its session).
+        self._may_join(g, req)
         if g.formed.is_set() and req.rank in g.released and self._shrinks(g):
             return self._rejoin(g, req, node)
         if req.rank in g.members:

@@ -87,6 +87,41 @@ def test_forming_failure_is_told_to_every_rank(tmp_path, exc, code) -> None:
     assert all(isinstance(r, epd_pb2.RendezvousResponse) and r.plan for r in results)
 
 
+def test_a_session_the_group_would_not_admit_learns_nothing_of_its_ranks(tmp_path) -> None:
+    """Another uid asking for a rank of a group (taken, or of a formed group) gets
+    PERMISSION_DENIED from the admission policy, not a message naming the session that holds
+    the rank (a session id is what a ring request of another tenant would need)."""
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
+    spec = _proto(2, 2, name="owned")
+
+    def req(rank: int, uid: int, sid: str) -> epd_pb2.RendezvousRequest:
+        return epd_pb2.RendezvousRequest(spec=spec, rank=rank, engine_index=0, session_id=sid,
+                                         timeout_seconds=5, peer_uid=uid, peer_gid=uid,
+                                         has_peer=True)
+
+    async def run() -> tuple[EpdError, EpdError, EpdError]:
+        owner = asyncio.ensure_future(coord.rendezvous(req(0, 1000, "secret-session")))
+        await asyncio.sleep(0.05)  # (rank 0 waits for rank 1)
+        errors = []
+        for r in (0, 1):  # rank 0 is taken; rank 1 is free, but not for this uid
+            try:
+                await coord.rendezvous(req(r, 2000, "thief"))
+            except EpdError as e:
+                errors.append(e)
+        partner = await coord.rendezvous(req(1, 1000, "partner"))
+        assert (await owner).group_id == partner.group_id
+        try:  # formed: the same answer
+            await coord.rendezvous(req(0, 2000, "thief"))
+        except EpdError as e:
+            errors.append(e)
+        return tuple(errors)
+    errors = asyncio.run(run())
+    assert len(errors) == 3
+    for e in errors:
+        assert e.code == grpc.StatusCode.PERMISSION_DENIED, e
+        assert "secret-session" not in e.message and "partner" not in e.message, e.message
+
+
 def test_cpu_plan_travels_and_is_freed(tmp_path) -> None:
     planner = make_planner(SimpleNamespace(backend="cpu", shm_dir=str(tmp_path)))
     assert isinstance(planner, cpu_plan.CpuPlanner) and planner.proto_kind == epd_pb2.CPU
