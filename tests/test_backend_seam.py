@@ -672,3 +672,83 @@ def test_only_the_session_holding_a_rank_attaches_or_another_node_releases_it(tm
             coord.release(gid, r, "", node=0)
     asyncio.run(run())
     assert not coord.by_id and not coord.by_name
+
+
+@pytest.mark.parametrize("routing", ["is_token_in_rank", "topk_idx"])
+def test_routing_changed_by_the_client_during_a_dispatch_changes_nothing(routing) -> None:
+    """The cpu backend copies a rank's routing into its slot (what its peers read) and waits
+    for them; the client's memory may change meanwhile. The handle takes the slot's copy, as
+    the counts did: the call's combine is exact for the routing the call sent and the group
+    keeps working (the live memory's routing made combine fail INTERNAL, leave the rank's
+    arrival word short and time the peer's next collective out; or add wrong rows)."""
+    import threading
+    import time
+
+    from epd.server.backends.base import CombineArgs, DispatchArgs, Membership
+    from epd.server.backends.cpu import CpuBackend
+    from epd.server.backends.cpu_memory import ShmCounterPage
+
+    b = CpuBackend()
+    spec = GroupSpec("toctou", 2, 2, 128, 8, 1, epd_pb2.FLOAT32)
+    plan = b.planner.plan_group("gtoctou", spec)
+    comms = [b.attach(spec, Membership("gtoctou", r, (0, 0), plan)) for r in range(2)]
+    pages = [ShmCounterPage() for _ in range(2)]
+    t = 4
+    xs = [np.full((t, 128), r + 1, np.float32) for r in range(2)]
+    in_rank = [np.zeros((t, 2), bool) for _ in range(2)]  # every token to its own rank
+    in_rank[0][:, 0] = in_rank[1][:, 1] = True
+    per_expert = [np.array([t, 0], np.int32), np.array([0, t], np.int32)]
+    idx = [np.full((t, 1), r, np.int64) for r in range(2)]
+    w = [np.ones((t, 1), np.float32) for _ in range(2)]
+
+    def args(r: int) -> DispatchArgs:
+        if routing == "is_token_in_rank":
+            return DispatchArgs(xs[r], None, None, None, 1, 0, None, in_rank[r], per_expert[r])
+        return DispatchArgs(xs[r], None, idx[r], w[r], 1, 0, None)
+    try:
+        for seq in (1, 2):  # (the second round: the group still works)
+            res: dict[int, object] = {}
+
+            def dispatch(r: int, seq: int = seq, res: dict = res) -> None:
+                try:
+                    res[r] = comms[r].dispatch(args(r), pages[r].slot(0), seq,
+                                               time.monotonic() + 5)
+                except Exception as e:  # (reported below)
+                    res[r] = e
+            first = threading.Thread(target=dispatch, args=(0,))
+            first.start()
+            time.sleep(0.3)  # rank 0 has written its slot and waits for rank 1
+            original = (in_rank[0].copy(), idx[0].copy())
+            in_rank[0][:, 1] = True  # the client rewrites its routing meanwhile
+            idx[0][:] = 1  # (expert 1: rank 1's)
+            dispatch(1)
+            first.join(10)
+            in_rank[0][:], idx[0][:] = original
+            out: dict[int, object] = {}
+
+            def combine(r: int, res: dict = res, out: dict = out) -> None:
+                try:
+                    d = res[r]
+                    y = np.full((d.num_recv_tokens, 128), 10 * (r + 1), np.float32)
+                    wts = None if routing == "is_token_in_rank" else d.recv_topk_weights
+                    out[r] = comms[r].combine(CombineArgs(y, d.handle, wts, None, None),
+                                              time.monotonic() + 5)
+                except Exception as e:
+                    out[r] = e
+            threads = [threading.Thread(target=combine, args=(r,)) for r in range(2)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(10)
+            for r in range(2):
+                assert not isinstance(res[r], Exception), res[r]
+                assert res[r].num_recv_tokens == t  # its own tokens only, as sent
+                assert not isinstance(out[r], Exception), out[r]
+                # every token went to its own rank, whose expert output is 10 * (rank + 1)
+                np.testing.assert_array_equal(out[r].combined_x, np.full((t, 128), 10 * (r + 1)))
+    finally:
+        for c in comms:
+            c.close()
+        for p in pages:
+            p.close()
+        b.planner.free_group(plan)

@@ -511,10 +511,13 @@ class CpuRankComm(RankComm):
             recv_src_idx = np.concatenate([src_rows[s] for s in order]).astype(np.int32)
             shown_src_idx = (recv_src_idx if hier is None else
                              cpu_hierarchical.forwarder_rows(hier, me, node_rows, src_rows))
+            # This rank's routing as its slot holds it, the copy its peers read (the
+            # client's memory could have changed since: the handle must match the counts).
             if no_topk:
-                in_rank = np.asarray(args.is_token_in_rank, dtype=np.bool_)
+                in_rank = self._slot_array(me, "in_rank", (t, r), np.bool_)
             else:
-                _, _, in_rank = layout_of(args.topk_idx, spec)
+                _, _, in_rank = layout_of(self._slot_array(me, "topk_idx", (t, k), np.int64),
+                                          spec)
         else:
             rank_prefix = cached.rank_prefix
             num_recv = cached.num_recv_tokens
