@@ -84,20 +84,27 @@ def _check_weights(weights: np.ndarray, shape: tuple[int, ...], what: str) -> np
 
 
 def _check_scales(x_scales: list, xs: list[np.ndarray], hidden: int) -> list[np.ndarray]:
-    """FP8 scales per rank, [T_s, hidden/128]: floating ones as float32, or int32 words (e.g.
-    packed UE8M0 exponents, vLLM's MXFP8) kept bit for bit; every rank's of one dtype."""
+    """FP8 scales per rank, [T_s, S]: floating ones as float32, or int32 words (e.g. packed
+    UE8M0 exponents, vLLM's MXFP8) kept bit for bit; every rank's of one dtype and one width S
+    (any S >= 1, as DeepEP's: per token [T, 1], per 128 channels [T, hidden/128], packed
+    [T, hidden/512]; carried with their rows, never read)."""
+    del hidden  # (the width is the caller's; the daemon bounds it by its buffers)
     out = []
+    widths = set()
     for s, sc in enumerate(x_scales):
         arr = np.asarray(sc)
-        want = (xs[s].shape[0], hidden // FP8_BLOCK)
-        if arr.shape != want:
-            raise ValueError(f"x_scales[{s}] has shape {arr.shape}, expected {want}")
+        if arr.ndim != 2 or arr.shape[0] != xs[s].shape[0] or arr.shape[1] < 1:
+            raise ValueError(f"x_scales[{s}] has shape {arr.shape}, expected "
+                             f"({xs[s].shape[0]}, S) with S >= 1")
+        widths.add(arr.shape[1])
         if arr.dtype == np.int32:
             out.append(arr)
         elif np.issubdtype(arr.dtype, np.floating) or not arr.size:
             out.append(arr.astype(np.float32))
         else:
             raise ValueError(f"x_scales[{s}] must be floating or int32, got {arr.dtype}")
+    if len(widths) > 1:
+        raise ValueError(f"x_scales differ in width across ranks: {sorted(widths)}")
     kinds = {a.dtype for a in out if a.size}
     if len(kinds) > 1:
         raise ValueError(f"x_scales mix dtypes across ranks: {sorted(str(k) for k in kinds)}")
@@ -173,7 +180,7 @@ class RankDispatch:
     """What destination rank d receives from all sources in normal dispatch."""
 
     recv_x: np.ndarray                 # [N, H], dtype of x (carried bit-exactly)
-    recv_x_scales: np.ndarray | None   # [N, H/128] float32 or int32 (as x_scales) when given
+    recv_x_scales: np.ndarray | None   # [N, S] float32 or int32 (as x_scales) when given
     recv_topk_idx: np.ndarray | None   # [N, K] int64: local expert id e - d*L, else -1
     recv_topk_weights: np.ndarray | None  # [N, K] float32: weight where e lives on d, else 0
     # (both None for a dispatch without top-k)
@@ -253,7 +260,7 @@ def dispatch(xs: list[np.ndarray], topk_idx: list[np.ndarray] | None,
         out.append(RankDispatch(
             recv_x=np.concatenate(parts_x).reshape(-1, hidden).astype(dtype, copy=False),
             recv_x_scales=(None if scales is None else
-                           np.concatenate(parts_scales).reshape(-1, hidden // FP8_BLOCK)),
+                           np.concatenate(parts_scales).reshape(-1, scales[0].shape[1])),
             recv_topk_idx=recv_topk_idx,
             recv_topk_weights=np.concatenate(parts_w).astype(np.float32).reshape(-1, num_topk),
             num_recv_tokens_per_expert=[_ceil_to(int(c), expert_alignment) for c in counts],
@@ -336,7 +343,7 @@ def _dispatch_without_topk(xs: list[np.ndarray], topk_weights: list[np.ndarray] 
             recv_x=np.concatenate([xs[s][t] for s, t in enumerate(rows)]).reshape(-1, hidden)
             .astype(dtype, copy=False),
             recv_x_scales=(None if scales is None else np.concatenate(
-                [scales[s][t] for s, t in enumerate(rows)]).reshape(-1, hidden // FP8_BLOCK)),
+                [scales[s][t] for s, t in enumerate(rows)]).reshape(-1, scales[0].shape[1])),
             recv_topk_idx=None, recv_topk_weights=None,
             num_recv_tokens_per_expert=[_ceil_to(int(c), expert_alignment) for c in counts],
             recv_src_rank=np.concatenate([np.full(len(t), s, np.int32)

@@ -1,5 +1,6 @@
 """FP8 dispatch with int32 scale words (issue 11: vLLM's MXFP8 high-throughput path sends packed
-UE8M0 scales as int32 [T, H/128], 4 exponent bytes per word). The daemon carries them as
+UE8M0 scales as int32 [T, H/128], 4 exponent bytes per word), and scales of any width S
+(1 <= S <= H/128, every rank's the same), as DeepEP takes them. The daemon carries them as
 opaque 4-byte columns, bit for bit, and returns recv_x_scales int32; all ranks of a call must
 use the same scale dtype (else every rank fails with FAILED_PRECONDITION).
 
@@ -122,6 +123,58 @@ def test_scale_dtype_mismatch_fails_every_rank(groups):
     for out in res:
         assert isinstance(out, EpdError) and out.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "x_scales dtype" in out.details, out.details
+
+
+@pytest.mark.parametrize(("cols", "dtype"), [(1, np.float32), (H // 512 or 1, np.int32),
+                                           (H // 128 - 1, np.float32)])
+def test_scales_of_any_width_up_to_hidden_over_128(groups, cols, dtype):
+    """DeepEP takes scales of any width S and returns recv_x_scales [N, S]: per token
+    ([T, 1], vLLM's per_act_token), packed UE8M0 words ([T, H/512] int32, DeepGEMM on
+    Blackwell), or any S up to the receive buffers' H/128 columns a row; fresh and cached,
+    exact bit for bit."""
+    xs, words, idx, w = inputs(seed=21 + cols)
+    sc = [np.ascontiguousarray(a[:, :cols]).view(dtype) for a in words]
+    disp = ref.dispatch(xs, idx, w, E, x_scales=sc)
+
+    def fn(r, g):
+        fresh = g.dispatch(xs[r], idx[r], w[r], x_scales=sc[r])
+        fresh_s = np.array(fresh.recv_x_scales)
+        cached = g.dispatch(xs[r], x_scales=sc[r], handle=fresh.handle)
+        return np.array(fresh.recv_x), fresh_s, np.array(cached.recv_x_scales)
+
+    for r, out in enumerate(both(fn, groups)):
+        assert not isinstance(out, EpdError), f"rank {r}: {out.code.name}: {out.details}"
+        x, fresh_s, cached_s = out
+        assert disp[r].recv_x_scales.shape == (x.shape[0], cols)
+        np.testing.assert_array_equal(bits(x), bits(disp[r].recv_x))
+        for s in (fresh_s, cached_s):
+            assert s.dtype == np.dtype(dtype) and s.shape == (x.shape[0], cols)
+            np.testing.assert_array_equal(bits(s), bits(disp[r].recv_x_scales))
+
+
+def test_scale_widths_differ_across_ranks_fails_every_rank(groups):
+    xs, words, idx, w = inputs(seed=31)
+    sc = [words[0][:, :1].copy(), words[1][:, :2].copy()]
+    res = both(lambda r, g: g.dispatch(xs[r], idx[r], w[r], x_scales=sc[r]), groups)
+    for r, out in enumerate(res):
+        assert isinstance(out, EpdError), f"rank {r} answered OK"
+        assert out.code == grpc.StatusCode.FAILED_PRECONDITION, (r, out.code, out.details)
+        assert "x_scales columns: 1 on rank 0, 2 on rank 1" in out.details, out.details
+    ok = both(lambda r, g: g.dispatch(xs[r], idx[r], w[r], x_scales=words[r]), groups)
+    assert not any(isinstance(o, EpdError) for o in ok), ok
+
+
+@pytest.mark.parametrize("cols", [0, H // 128 + 1])
+def test_scales_wider_than_the_buffers_or_empty_are_refused(groups, cols):
+    xs, words, idx, w = inputs(seed=37)
+    sc = np.zeros((xs[0].shape[0], cols), np.int32)
+    with pytest.raises(EpdError, match=rf"x_scales has shape \[{xs[0].shape[0]}, {cols}\], "
+                                       rf"expected \[{xs[0].shape[0]}, S\] with 1 <= S <= "
+                                       rf"hidden/128 = {H // 128}") as e:
+        groups[0].dispatch(xs[0], idx[0], w[0], x_scales=sc)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    ok = both(lambda r, g: g.dispatch(xs[r], idx[r], w[r], x_scales=words[r]), groups)
+    assert not any(isinstance(o, EpdError) for o in ok), ok
 
 
 def test_other_scale_dtypes_rejected_before_the_collective(groups):

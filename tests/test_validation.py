@@ -133,7 +133,8 @@ BAD_DISPATCH = {
                            "FP8 dispatch needs x_scales"),
     "fp8 scales wrong shape": (lambda: _bad(x=lambda a: a["x"].astype(FP8),
                                             x_scales=np.ones((T, 3), np.float32)),
-                               INVALID, "x_scales has shape [20, 3], expected [20, 2]"),
+                               INVALID, "x_scales has shape [20, 3], expected [20, S] with "
+                                        "1 <= S <= hidden/128 = 2"),
     "fp8 scales float16": (lambda: _bad(x=lambda a: a["x"].astype(FP8),
                                         x_scales=np.ones((T, 2), np.float16)),
                            INVALID, "x_scales: dtype float16"),
@@ -375,6 +376,10 @@ RAW_BAD = {
                                      "topk_idx": {"shape": [2**38, K], "strides": [0, 1]},
                                      "topk_weights": {"shape": [2**38, K], "strides": [0, 1]}},
                        INVALID, "zero strides"),
+    # rows that overlap: in bounds, but more elements than the region holds (the host copy
+    # of topk_idx for the value checks was up to num_topk times the region)
+    "overlapping rows": (lambda p, r: {"topk_idx": {"strides": [1, 1]}}, INVALID,
+                         f"topk_idx: shape [{T}, {K}] with strides [1, 1] overlaps itself"),
     "unknown dtype": (lambda p, r: {"topk_weights": {"dtype": 99}}, INVALID,
                       "topk_weights: unknown dtype"),
     "fp8 routing weights": (lambda p, r: {"topk_weights": {"dtype": epd_pb2.FLOAT8_E4M3}},

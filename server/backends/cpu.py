@@ -87,6 +87,7 @@ from .cpu_comm_file import (
     REASON_MAX,
     REJECTED,
     REJOIN,
+    SCALE_COLS_SHIFT,
     TIMED_OUT,
     SlotLayout,
     abort_kind,
@@ -439,7 +440,8 @@ class CpuRankComm(RankComm):
         k = spec.num_topk
         no_topk = cached is None and args.topk_idx is None
         flags = ((F_FP8 if has_scales else 0) | (F_NO_TOPK if no_topk else 0)
-                 | (F_INT32_SCALES if int32_scales else 0))
+                 | (F_INT32_SCALES if int32_scales else 0)
+                 | (args.x_scales.shape[1] << SCALE_COLS_SHIFT if has_scales else 0))
         # More tokens than the slot holds: this rank writes nothing and every rank fails the
         # collective together (_agree), so that all can grow the group alike.
         overflow = cached is None and t > spec.max_tokens_per_rank

@@ -29,6 +29,7 @@ from .cpu_comm_file import (
     H_WORST,
     KIND_NAMES,
     REJECTED,
+    SCALE_COLS_SHIFT,
 )
 
 
@@ -73,6 +74,7 @@ _AGREED_ARGS = (
     ("FP8 payload (x_scales)", lambda c: bool(c.flags & F_FP8), lambda v: "yes" if v else "no"),
     ("x_scales dtype", lambda c: ("int32" if c.flags & F_INT32_SCALES else "float32")
      if c.flags & F_FP8 else "none", str),
+    ("x_scales columns", lambda c: c.flags >> SCALE_COLS_SHIFT, str),
     ("topk_weights", lambda c: bool(c.flags & F_WEIGHTS),
      lambda v: "passed" if v else "not passed"),
     ("top-k routing", lambda c: not c.flags & F_NO_TOPK,

@@ -47,8 +47,10 @@ KIND_NAMES = {DISPATCH: "dispatch", CACHED_DISPATCH: "cached dispatch", COMBINE:
               LL_DISPATCH: "low-latency dispatch", LL_COMBINE: "low-latency combine",
               REJOIN: "rejoin"}
 # H_FLAGS bits: FP8 payload (+ scales); combine with topk_weights; dispatch without top-k;
-# FP8 scales are int32 words (packed UE8M0) rather than float32
+# FP8 scales are int32 words (packed UE8M0) rather than float32; from bit SCALE_COLS_SHIFT up,
+# the number of scale columns (DeepEP takes any width: [T, 1], packed [T, H/512], [T, H/128])
 F_FP8, F_WEIGHTS, F_NO_TOPK, F_INT32_SCALES = 1, 2, 4, 8
+SCALE_COLS_SHIFT = 8
 ARRIVED, REJECTED = 1, 2  # H_STATUS
 
 

@@ -488,10 +488,12 @@ class CudaRankComm(RankComm):
             # FP8 payload: the same bytes, viewed as one byte per element
             recv_x = cp.ndarray((rows, spec.hidden), np.uint8, memptr=recv_x.data)
         recv_scales = outs.get("recv_x_scales") if args.x_scales is not None else None
-        if recv_scales is not None and np.dtype(args.x_scales.dtype) == np.int32:
-            # epd_dispatch copies scale rows as bytes (cols * itemsize, 4 either way): int32
-            # words (packed UE8M0) arrive bit for bit; only the view's dtype follows the call.
-            recv_scales = recv_scales.view(np.int32)
+        if recv_scales is not None:
+            # epd_dispatch copies scale rows as bytes, packed at the call's row width (S
+            # columns of 4 bytes, S <= hidden/128: every rank's the same, as DeepEP's): int32
+            # words (packed UE8M0) arrive bit for bit; the view follows the call's S and dtype.
+            recv_scales = cp.ndarray((recv_scales.shape[0], int(args.x_scales.shape[1])),
+                                     np.dtype(args.x_scales.dtype), memptr=recv_scales.data)
         t = int(args.x.shape[0])
         no_topk = args.cached is None and args.topk_idx is None  # DeepEP returns None for them
         return DispatchOutputs(

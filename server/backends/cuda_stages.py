@@ -130,6 +130,9 @@ class StagedRunner:
         if fwd_x.dtype.itemsize != x.dtype.itemsize:  # FP8 rows in the bf16-sized buffer
             fwd_x = cp.ndarray((rows, x.shape[1]), x.dtype, memptr=fwd_x.data)
         fwd_scales = got.get("recv_x_scales") if x_scales is not None else None
+        if fwd_scales is not None:  # (rows packed at the call's scale width: cuda.py)
+            fwd_scales = cp.ndarray((rows, int(x_scales.shape[1])), x_scales.dtype,
+                                    memptr=fwd_scales.data)
         node = self.node.dispatch(fwd_x, fwd_scales, got.get("recv_topk_idx"),
                                   got.get("recv_topk_weights"), alignment=alignment,
                                   num_worst_tokens=num_worst_tokens, timeout_ns=timeout_ns,

@@ -175,15 +175,18 @@ class DataPlane:
                                       f"the group's hidden is {spec.hidden}")
             if not tensors.is_set(req.x_scales):
                 raise InvalidArgument("FP8 dispatch needs x_scales (float32 or int32 "
-                                      "[T, hidden/128])")
+                                      "[T, S], S <= hidden/128)")
             # float32 scales, or int32 words (e.g. 4 packed UE8M0 exponents, vLLM's MXFP8):
-            # either way 4-byte columns carried bit-exactly, returned in the same dtype.
+            # either way 4-byte columns carried bit-exactly, returned in the same dtype. Any
+            # width, as DeepEP's: per token [T, 1], per 128 channels [T, H/128], packed
+            # [T, H/512]; the receive buffers hold H/128 columns a row.
             scales = tensors.resolve(req.x_scales, regions, "x_scales", ndim=2,
                                      dtype=(epd_pb2.FLOAT32, epd_pb2.INT32))
-            want = (t, spec.hidden // dtypes.FP8_BLOCK)
-            if scales.shape != want:
+            most = spec.hidden // dtypes.FP8_BLOCK
+            if scales.shape[0] != t or not 1 <= scales.shape[1] <= most:
                 raise InvalidArgument(f"x_scales has shape {list(scales.shape)}, expected "
-                                      f"{list(want)}")
+                                      f"[{t}, S] with 1 <= S <= hidden/128 = {most} (the "
+                                      f"receive buffers' scale columns a row)")
         elif tensors.is_set(req.x_scales):
             raise InvalidArgument(f"x_scales is only for FP8 payloads; x is "
                                   f"{dtypes.name(req.x.dtype)}")

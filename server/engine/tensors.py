@@ -106,6 +106,11 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
     if all(s > 0 for s in shape):
         last = sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
         end = offset + (last + 1) * item
+        if int(np.prod(shape, dtype=object)) > last + 1:
+            # More elements than positions: rows that overlap. Never a real tensor, and a
+            # copy of it (the host checks read topk_idx) would be larger than its region.
+            raise InvalidArgument(f"{what}: shape {list(shape)} with strides {list(strides)} "
+                                  f"overlaps itself; pass a dense tensor")
     else:
         end = offset
     if end > region.size:

@@ -118,6 +118,18 @@ def _rank(rank: int, socket: str, device: int, wl: Workload, scenario: str, q) -
             res["i32_dtype"] = str(i8.recv_x_scales.dtype)
             res["i32_scales"], res["i32_cached"] = (_bits(i8.recv_x_scales),
                                                     _bits(i8c.recv_x_scales))
+            # Narrower scales, as DeepEP takes them: per token [T, 1] float32, packed
+            # [T, H/512] int32 (DeepGEMM's UE8M0 on Blackwell); fresh and cached.
+            for name, cols in (("w1", 1), ("wpack", max(sc.shape[1] // 4, 1))):
+                narrow = np.ascontiguousarray(words[:, :cols])
+                if name == "w1":
+                    narrow = narrow.view(np.float32)
+                n1 = g.dispatch(_to_torch(xq, device), tidx, tw,
+                                x_scales=_to_torch(narrow, device))
+                n2 = g.dispatch(_to_torch(xq, device), x_scales=_to_torch(narrow, device),
+                                handle=n1.handle)
+                res[name] = (_bits(n1.recv_x_scales), _bits(n2.recv_x_scales),
+                             tuple(n1.recv_x_scales.shape))
             # Bad expert ids are found on the GPU (stream-ordered calls read no data on
             # the host): the call fails, reported once the stream has passed it, and the
             # group still works after it.
@@ -196,6 +208,16 @@ def _check(wl: Workload, results: list[dict], full: bool) -> None:
             assert res["i32_dtype"] == "torch.int32", res["i32_dtype"]
             np.testing.assert_array_equal(res["i32_scales"], d32[r].recv_x_scales)
             np.testing.assert_array_equal(res["i32_cached"], d32[r].recv_x_scales)
+            for name, cols in (("w1", 1), ("wpack", max(words[0].shape[1] // 4, 1))):
+                narrow = [np.ascontiguousarray(a[:, :cols]) for a in words]
+                if name == "w1":
+                    narrow = [a.view(np.float32) for a in narrow]
+                dn = ref.dispatch([a for a, _ in q], idx, w, wl.num_experts, x_scales=narrow)
+                fresh, cached, shape = res[name]
+                assert shape == dn[r].recv_x_scales.shape, (name, shape)
+                for got in (fresh, cached):
+                    np.testing.assert_array_equal(np.ascontiguousarray(got).view(np.uint32),
+                                                  dn[r].recv_x_scales.view(np.uint32))
             assert res["bad"] == "INVALID_ARGUMENT", res
             assert f"rank {r}" in res["bad_msg"] and "expert id" in res["bad_msg"], res
             np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
