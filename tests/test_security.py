@@ -403,3 +403,59 @@ def test_a_drain_refusal_on_a_ring_names_only_its_own_session() -> None:
     code, message = fp._handle(rid, req.SerializeToString(), lambda *a: None)
     assert code == grpc.StatusCode.UNAVAILABLE.value[0], (code, message)
     assert len(aborted) == 1 and "g-thief" in aborted[0]
+
+
+def test_registrations_at_once_cannot_pass_the_region_budget_together() -> None:
+    """RegisterRegion checks the session's budget, then awaits the open on the session's
+    worker: registrations in flight count against the budget, so calls at once cannot all
+    pass the check (five at once with room for two: two regions, three RESOURCE_EXHAUSTED);
+    one that finishes after its session closed is closed, not kept."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from epd.server.engine.core import Engine
+
+    opened: list[str] = []
+    closed: list[str] = []
+
+    def open_region(rid: str, **_kw):
+        time.sleep(0.2)
+        opened.append(rid)
+        return SimpleNamespace(region_id=rid, size=1024, borrowed=False,
+                               close=lambda: closed.append(rid))
+
+    async def run(fn):
+        return await asyncio.to_thread(fn)
+    session = SimpleNamespace(regions={}, registering={}, members={}, joining={},
+                              teardown_done=False, describe=lambda: "session s",
+                              executor=SimpleNamespace(run=run, closing=None),
+                              op_lock=threading.Lock())
+    engine = Engine.__new__(Engine)  # (only what register_region reads)
+    engine.config = SimpleNamespace(max_regions_per_session=2,
+                                    max_region_bytes_per_session=1 << 40)
+    engine.backend = SimpleNamespace(open_region=open_region, output_bytes=lambda spec: 0)
+    engine._refresh_gauges = lambda: None
+    req = epd_pb2.RegisterRegionRequest(session_id="s", cuda_ipc_handle=b"h" * 64,
+                                        size_bytes=1024)
+
+    async def five():
+        return await asyncio.gather(*(engine.register_region(session, req) for _ in range(5)),
+                                    return_exceptions=True)
+    out = asyncio.run(five())
+    ok = [r for r in out if not isinstance(r, BaseException)]
+    refused = [r for r in out if isinstance(r, EpdError)]
+    assert len(ok) == 2 and len(refused) == 3, out
+    assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED for e in refused), refused
+    assert len(session.regions) == 2 and session.registering == {}
+
+    async def closing():
+        task = asyncio.ensure_future(engine.register_region(session, req))
+        await asyncio.sleep(0.05)
+        session.teardown_done = True
+        return await asyncio.gather(task, return_exceptions=True)
+    session.regions.clear()
+    (late,) = asyncio.run(closing())
+    assert isinstance(late, EpdError) and late.code == grpc.StatusCode.ABORTED, late
+    assert closed == [opened[-1]] and session.regions == {}

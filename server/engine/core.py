@@ -288,8 +288,9 @@ class Engine(StreamCalls, DataPlane):
     def _check_region_budget(self, session: Session, size: int) -> None:
         """One more region of `size` bytes fits the session's budgets (count and bytes), for
         memfds and CUDA IPC regions alike."""
-        if len(session.regions) >= self.config.max_regions_per_session:
-            raise ResourceExhausted(f"{session.describe()} has {len(session.regions)} regions, "
+        count = len(session.regions) + len(session.registering)
+        if count >= self.config.max_regions_per_session:
+            raise ResourceExhausted(f"{session.describe()} has {count} regions, "
                                     f"the maximum (--max-regions-per-session)")
         if size <= 0:
             raise InvalidArgument("size_bytes must be positive")
@@ -301,6 +302,7 @@ class Engine(StreamCalls, DataPlane):
         backend sizes them from the spec: one client could otherwise make the engine allocate
         and fill any amount of host memory)."""
         held = (sum(r.size for r in session.regions.values() if not r.borrowed)
+                + sum(session.registering.values())
                 + sum(self.backend.output_bytes(m.spec) for m in session.members.values())
                 + sum(self.backend.output_bytes(s) for s in session.joining.values()))
         limit = self.config.max_region_bytes_per_session
@@ -781,9 +783,19 @@ class Engine(StreamCalls, DataPlane):
                                   "sealed memfd sent over the descriptor channel "
                                   "(FdRequest.register_memfd)")
         rid = "r" + secrets.token_hex(8)
-        region = await session.executor.run(lambda: self.backend.open_region(
-            rid, ipc_handle=req.cuda_ipc_handle, size=req.size_bytes,
-            device_ordinal=req.device_ordinal))
+        session.registering[rid] = req.size_bytes  # (held across the await: see Session)
+        try:
+            region = await session.executor.run(lambda: self.backend.open_region(
+                rid, ipc_handle=req.cuda_ipc_handle, size=req.size_bytes,
+                device_ordinal=req.device_ordinal))
+        finally:
+            session.registering.pop(rid, None)
+        if session.teardown_done:  # (closed while it opened: nobody would close it later)
+            try:
+                await asyncio.to_thread(region.close)
+            except Exception:
+                log.exception("closing region %s of a closed session failed", rid)
+            raise Aborted(f"{session.describe()} closed while region {rid} was registered")
         session.regions[rid] = region
         self._refresh_gauges()
         return region

@@ -152,6 +152,9 @@ class Session:
     members: dict[str, GroupMember] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=lambda: list(range(counter_page.NUM_SLOTS)))
     joining: dict[str, GroupSpec] = field(default_factory=dict)  # JoinGroups under way
+    # RegisterRegions under way (region id -> bytes): counted in the budgets while they open,
+    # so that calls at once cannot all pass the check
+    registering: dict[str, int] = field(default_factory=dict)
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     teardown_done: bool = False
     events: dict[bytes, Any] = field(default_factory=dict)  # opened client events (cuda)
