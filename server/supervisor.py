@@ -53,6 +53,13 @@ KILL_AGAIN_SECONDS = 30.0  # a killed engine that has not exited yet is killed a
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
+DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long before SIGKILL
+# A SIGKILLed engine is waited for this long at most (one stuck in the kernel, in a driver call,
+# may not exit for a long time): then logged with its pid and left, the daemon going on without
+# it. On the event loop (an engine lost while serving) the wait is shorter: it blocks the loop.
+KILLED_EXIT_SECONDS, KILLED_EXIT_ON_LOOP_SECONDS = 5.0, 0.5
+# Signals that stop the daemon gracefully (SIGHUP: its terminal or session went away).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 class StartupError(Exception):
@@ -182,6 +189,8 @@ class Supervisor:
         self.device_names: dict[int, tuple[str, str]] = {}
         self.policy_text = cfg.service_classes.text  # canonical (GetTopology)
         self.stopping = False
+        self._stop: asyncio.Event | None = None  # set: run() drains and returns (request_stop)
+        self.early_stop: EarlyStop | None = None  # a signal before run() (the module's run())
         self.class_engines_why = ""  # (logged at start: run() sets it from check_backend)
         self._http = None
         self.lock_fd: int | None = None
@@ -308,16 +317,44 @@ class Supervisor:
             x.restart_at = time.monotonic() + delay
 
     def _restart(self, e: EngineProc) -> None:
+        """Start engine `e` again (with its world, where the backend rebuilds it). A restart
+        counts only once its process runs; one that cannot spawn (fork's EAGAIN or ENOMEM, a
+        world that cannot be made) is a failed start, tried again after its backoff."""
         from . import metrics
         lost = ([x for x in self._world_of(e) if x.restart_at is not None]
                 if self.planner.restart_all_on_engine_loss else [e])
-        if self.planner.restart_all_on_engine_loss:
-            self.planner.new_world(e.slot.world)
+        started: list[EngineProc] = []
+        trying = e
+        try:
+            if self.planner.restart_all_on_engine_loss:
+                self.planner.new_world(e.slot.world)
+            for trying in lost:
+                self._spawn(trying)
+                started.append(trying)
+        except Exception as err:
+            self._restart_failed(trying, err, lost, started)
+            return
         for x in lost:
             x.restart_at = None
             x.restarts += 1
             metrics.ENGINE_RESTARTS.labels(str(x.index)).inc()
-            self._spawn(x)
+
+    def _restart_failed(self, e: EngineProc, err: Exception, lost: list[EngineProc],
+                        started: list[EngineProc]) -> None:
+        """Engine `e` could not be started again: a failed start (its reason kept, its backoff
+        longer); the engines of its world started meanwhile are stopped again, and all of them
+        are tried again together after the backoff."""
+        from . import metrics
+        e.failed_starts += 1
+        e.last_failure = f"cannot start its process: {type(err).__name__}: {err}"
+        metrics.ENGINE_START_FAILURES.labels(str(e.index)).set(e.failed_starts)
+        delay = e.backoff(self.cfg.restart_backoff_seconds, self.cfg.restart_backoff_max_seconds)
+        log.error("engine %d could not be started again (%s); next start in %.1f s", e.index,
+                  e.last_failure, delay, exc_info=err)
+        for x in started:
+            self._engine_gone(x)
+        for x in lost:
+            x.restart_at = time.monotonic() + delay
 
     def _world_of(self, e: EngineProc) -> list[EngineProc]:
         """The engines of e's world (engine_slots.py): those that go down and restart with it
@@ -378,24 +415,13 @@ class Supervisor:
                     continue
                 try:
                     await self._watch(e)
-                except Exception as err:  # (a failed spawn: EAGAIN, ENOMEM; a bug): logged,
-                    # the others still watched
+                except Exception as err:  # (a bug): logged, the others still watched
                     self._watch_failed(e, err)
             await asyncio.sleep(0.1)
 
     def _watch_failed(self, e: EngineProc, err: Exception) -> None:
-        """A look at engine `e` raised. A restart that could not spawn (the process is the
-        exited one still) counts as a failed start and is tried again after its backoff;
-        anything else is logged, at most every WATCH_ERROR_LOG_SECONDS."""
-        if e.restart_at is not None and e.proc is not None and e.proc.poll() is not None:
-            e.failed_starts += 1
-            e.last_failure = f"{type(err).__name__}: {err}"
-            delay = e.backoff(self.cfg.restart_backoff_seconds,
-                              self.cfg.restart_backoff_max_seconds)
-            e.restart_at = time.monotonic() + delay
-            log.exception("engine %d could not be started again; trying in %.1f s", e.index,
-                          delay)
-            return
+        """A look at engine `e` raised (a bug: a restart that cannot spawn is _restart's):
+        logged, at most every WATCH_ERROR_LOG_SECONDS."""
         now = time.monotonic()
         if now - e.watch_error_logged >= WATCH_ERROR_LOG_SECONDS:
             e.watch_error_logged = now
@@ -469,7 +495,7 @@ class Supervisor:
             return
         if x.proc.poll() is None:
             x.proc.kill()
-            x.proc.wait()
+            _wait_killed(x, KILLED_EXIT_ON_LOOP_SECONDS)  # (bounded: this is the event loop)
         multiprocess.mark_process_dead(x.proc.pid)
         try:  # (a metrics file it left unreadable must not stop its restart)
             metrics.archive_dead_process(x.proc.pid)
@@ -482,6 +508,13 @@ class Supervisor:
             self.cluster_member.engine_lost(x.index)
         sweep_engine_files(self.cfg.shm_dir, x.index)
         _remove_engine_sockets(x.socket_path)
+
+    def _remove_engine_files(self, e: EngineProc) -> None:
+        """What a stopped engine may leave in the socket folder: its sockets (it crashed, was
+        killed, or failed while stopping) and its failure file (it could not start)."""
+        _remove_engine_sockets(e.socket_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.cfg.engine_failure_file(e.socket_path))
 
     def enter_world(self, world: epd_pb2.ClusterWorld) -> None:
         """Start every engine in `world` (after leaving an older one)."""
@@ -527,35 +560,58 @@ class Supervisor:
         host, port = self._http.server_address[:2]
         self.metrics_url = f"http://{host}:{port}/metrics"
 
+    def request_stop(self) -> None:
+        """A graceful stop (what SIGTERM, SIGINT and SIGHUP do): drain, then exit."""
+        if self._stop is not None:
+            self._stop.set()
+
     async def run(self) -> int:
         from . import metrics
 
-        cfg = self.cfg
         if self._http is None:
             self.bind_http()
         metrics.BUILD_INFO.labels(__version__, self.backend).set(1)
 
         # Signals first: a SIGTERM from here on drains (and so stops a private MPS server).
-        stop = asyncio.Event()
+        self._stop = stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
+        if self.early_stop is not None and self.early_stop.signum is not None:
+            log.info("signal %d before the daemon started: stopping",
+                     self.early_stop.signum)  # (the module's run() noted it before the loop)
+            stop.set()
+        servers = _Servers()
+        try:
+            await self._start(stop, servers)
+            await stop.wait()
+        finally:
+            # Every exit, a failed start's too: stop the engines already started and remove
+            # what this daemon made (node.sock; the module's run() the lock and metrics).
+            await self._shutdown(servers)
+        log.info("stopped")
+        return 0
+
+    async def _start(self, stop: asyncio.Event, servers: _Servers) -> None:
+        """MPS, the cluster, node.sock, then the engines (unless asked to stop meanwhile)."""
+        cfg = self.cfg
         try:
             await asyncio.to_thread(self.mps.start)
         except MpsError as e:
             raise StartupError(str(e)) from None
 
-        cluster_server, member_task = await self._start_cluster()  # a bad address fails here
-        server = grpc.aio.server()
+        # a bad cluster address fails here
+        servers.cluster, servers.member_task = await self._start_cluster()
+        server = servers.node = grpc.aio.server()
         epd_pb2_grpc.add_NodeServicer_to_server(NodeService(self), server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        servers.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servers.health, server)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(cfg.node_socket)
         server.add_insecure_port(f"unix://{cfg.node_socket}")
         await server.start()
         os.chmod(cfg.node_socket, 0o660)
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        await servers.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
         log.info("EPD %s: backend %s, %d engine(s), sockets in %s, metrics at %s, MPS %s",
                  __version__, self.backend, len(self.engines), cfg.socket_dir, self.metrics_url,
@@ -569,52 +625,77 @@ class Supervisor:
                         "; --throughput-mps-percentage has no effect"
                         if cfg.throughput_mps_percentage else "")
         if not stop.is_set() and not self.world_mode:  # (not asked to stop while MPS started)
-            for world in sorted({e.slot.world for e in self.engines}):
-                self.planner.new_world(world)
-            for e in self.engines:
-                self._spawn(e)
+            starting = None
+            try:
+                for world in sorted({e.slot.world for e in self.engines}):
+                    self.planner.new_world(world)
+                for starting in self.engines:
+                    self._spawn(starting)
+            except Exception as err:  # fork's EAGAIN or ENOMEM, a world that cannot be made
+                what = (f"cannot start engine {starting.index}'s process"
+                        if starting is not None else "cannot set up the engines' world")
+                raise StartupError(f"{what} ({type(err).__name__}: {err}); the daemon stopped "
+                                   f"the engines it had started") from None
         elif self.cluster_hub is not None:  # engines start in the first world over all nodes
             self.cluster_hub.tend_world()
-        monitor = asyncio.create_task(self._monitor())
-        await stop.wait()
+        servers.monitor = asyncio.create_task(self._monitor())
 
-        log.info("draining: no new sessions; running collectives get %.0f s",
-                 self.cfg.drain_seconds)
+    async def _shutdown(self, servers: _Servers) -> None:
+        """The drain: no new sessions, the engines stopped, the servers closed, node.sock
+        removed. Runs on every exit of run(), whatever of it had started."""
+        if servers.node is not None:  # (a start-up error before it is one line on stderr)
+            log.info("draining: no new sessions; running collectives get %.0f s",
+                     self.cfg.drain_seconds)
         self.stopping = True
-        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        monitor.cancel()
-        for e in self.engines:
-            if e.proc and e.proc.poll() is None:
-                e.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.cfg.drain_seconds + 5
-        for e in self.engines:
-            if e.proc is None:
-                continue
-            while e.proc.poll() is None and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            if e.proc.poll() is None:
-                log.warning("engine %d did not stop in time; killing it", e.index)
-                e.proc.kill()
-                e.proc.wait()
-            if e.proc.returncode:  # (a clean stop removes its own sockets; this one did not)
-                log.warning("engine %d exited with code %s while stopping", e.index,
-                            e.proc.returncode)
-            _remove_engine_sockets(e.socket_path)
-        if member_task is not None:
-            member_task.cancel()
+        if servers.health is not None:
+            await servers.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if servers.monitor is not None:
+            servers.monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await member_task
-        if cluster_server is not None:
-            await cluster_server.stop(grace=0.5)
+                await servers.monitor
+        await self.stop_engines()
+        if servers.member_task is not None:
+            servers.member_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await servers.member_task
+        if servers.cluster is not None:
+            await servers.cluster.stop(grace=0.5)
         if self.cluster is not None:
             self.cluster.close()
         self.coordinator.close()
-        await server.stop(grace=0.5)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(cfg.node_socket)
+        if servers.node is not None:
+            await servers.node.stop(grace=0.5)
+        with contextlib.suppress(FileNotFoundError):  # (ours or stale: this daemon holds the lock)
+            os.unlink(self.cfg.node_socket)
         self._http.shutdown()
-        log.info("stopped")
-        return 0
+
+    async def stop_engines(self) -> None:
+        """SIGTERM every engine; one still running after --drain-seconds (and a margin) is
+        killed, and one that does not exit even then (stuck in the kernel) is logged with its
+        pid and left. Every engine's sockets and failure file are removed."""
+        live = [e for e in self.engines if e.proc is not None and e.proc.poll() is None]
+        for e in live:
+            e.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.drain_seconds + DRAIN_EXTRA_SECONDS
+        while any(e.proc.poll() is None for e in live) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stuck = [e for e in live if e.proc.poll() is None]
+        for e in stuck:
+            log.warning("engine %d did not stop in time; killing it", e.index)
+            e.proc.kill()
+        deadline = time.monotonic() + KILLED_EXIT_SECONDS
+        while any(e.proc.poll() is None for e in stuck) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for e in stuck:
+            if e.proc.poll() is None:
+                _log_not_exited(e, KILLED_EXIT_SECONDS)
+        for e in self.engines:
+            if e.proc is None:
+                continue
+            if e.proc.poll():  # (a clean stop removes its own sockets; this one did not)
+                log.warning("engine %d exited with code %s while stopping", e.index,
+                            e.proc.returncode)
+            self._remove_engine_files(e)
 
     async def _start_cluster(self) -> tuple[grpc.aio.Server | None, asyncio.Task | None]:
         """Node 0: the Cluster service on TCP (token-checked); other nodes: the lease task."""
@@ -643,18 +724,80 @@ class Supervisor:
         return server, None
 
     def stop_leftover_engines(self) -> None:
-        """After a failure inside run(): engines still running get SIGTERM, then SIGKILL after
-        a deadline (they must be gone before a private MPS server is quit)."""
-        live = [e.proc for e in self.engines if e.proc is not None and e.proc.poll() is None]
-        for p in live:
-            p.send_signal(signal.SIGTERM)
+        """After run(), whichever way it ended: engines still running get SIGTERM, then SIGKILL
+        after a deadline (they must be gone before a private MPS server is quit); one that does
+        not exit even then is logged with its pid and left. Their files are removed."""
+        live = [e for e in self.engines if e.proc is not None and e.proc.poll() is None]
+        for e in live:
+            e.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + LEFTOVER_ENGINE_SECONDS
-        for p in live:
+        killed = []
+        for e in live:
             try:
-                p.wait(max(0.0, deadline - time.monotonic()))
+                e.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                e.proc.kill()
+                killed.append(e)
+        deadline = time.monotonic() + KILLED_EXIT_SECONDS
+        for e in killed:
+            _wait_killed(e, max(0.0, deadline - time.monotonic()))
+        for e in self.engines:
+            if e.proc is not None:
+                self._remove_engine_files(e)
+
+
+@dataclass
+class _Servers:
+    """What Supervisor.run started, for its shutdown (None: not started)."""
+    node: grpc.aio.Server | None = None
+    health: health.aio.HealthServicer | None = None
+    cluster: grpc.aio.Server | None = None
+    member_task: asyncio.Task | None = None
+    monitor: asyncio.Task | None = None
+
+
+def _log_not_exited(e: EngineProc, seconds: float) -> None:
+    log.error("engine %d (pid %d) has not exited %.1f s after SIGKILL (stuck in the kernel, "
+              "in a driver call?); going on without it", e.index, e.proc.pid, seconds)
+
+
+def _wait_killed(e: EngineProc, seconds: float) -> bool:
+    """Wait at most `seconds` for engine `e`, just SIGKILLed, to exit; False (logged with its
+    pid) if it has not."""
+    try:
+        e.proc.wait(seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        _log_not_exited(e, seconds)
+        return False
+
+
+class EarlyStop:
+    """A stop signal (STOP_SIGNALS) while no event loop handles them, before it starts and
+    after it ended: noted, never fatal, so that what the daemon creates before its loop (the
+    lock, the metrics folder) is always removed after it. Supervisor.run reads `signum`: a
+    daemon asked to stop before its loop stops at once, starting no engine."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._saved: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # (only the main thread sets handlers; a daemon always runs there)
+        for sig in STOP_SIGNALS:
+            old = signal.signal(sig, self._note)
+            self._saved.setdefault(sig, old)
+
+    def _note(self, signum: int, frame) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def restore(self) -> None:
+        for sig, handler in self._saved.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        self._saved.clear()
 
 
 def sessions_without_mps() -> dict[str, int]:
@@ -771,11 +914,11 @@ def _event_loop_run(coro) -> int:
 
 
 def _stop_mps(sup: Supervisor) -> None:
-    """Quit a private MPS server once no engine is left. The event loop (and its signal
-    handlers) is gone by now: a SIGTERM or SIGINT must not cut this bounded teardown short."""
+    """Stop the engines left (after a failure) and quit a private MPS server once no engine is
+    left. The event loop (and its signal handlers) is gone by now: a stop signal must not cut
+    this bounded teardown short."""
     main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)} \
-        if main else {}
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if main else {}
     try:
         sup.stop_leftover_engines()
         sup.mps.stop()
@@ -790,6 +933,11 @@ def run(cfg: Config) -> int:
     lock_fd: int | None = None
     metrics_dir, owned = "", False
     sup: Supervisor | None = None
+    # Before any file is made: a stop signal from now until the loop handles it is noted, and
+    # the daemon stops at once and cleanly (EarlyStop); the same after the loop, until the
+    # teardown below is done.
+    early = EarlyStop()
+    early.install()
     # Engines inherit the timer slack of the thread that forks them, this one: fine from their
     # first instruction, so every engine thread has it (one an import starts too; proto/spin.py).
     spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
@@ -807,6 +955,7 @@ def run(cfg: Config) -> int:
             raise StartupError(f"--backend {cfg.backend}: {e}; install what it needs or use "
                                f"--backend cpu") from None
         sup.lock_fd = lock_fd
+        sup.early_stop = early
         sup.class_engines_why = class_engines_why
         sup.check_cluster()
         os.chmod(cfg.socket_dir, 0o750)  # keep the folder (clients may bind-mount it); tighten
@@ -816,13 +965,17 @@ def run(cfg: Config) -> int:
         print(f"epd serve: {e}", file=sys.stderr)
         return 2
     finally:
-        if sup is not None and sup.mps.mode == "private":
-            _stop_mps(sup)
-        if owned:
-            shutil.rmtree(metrics_dir, ignore_errors=True)
-        if lock_fd is not None:
-            # Still holding the lock: a daemon starting now either fails on this inode or
-            # creates a fresh file, so removing it leaves nothing behind and no window.
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(cfg.socket_dir, LOCK_NAME))
-            os.close(lock_fd)
+        early.install()  # (the loop removed its handlers: SIG_DFL would cut this short)
+        try:
+            if sup is not None:  # (engines a failed start left; their files; private MPS)
+                _stop_mps(sup)
+            if owned:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
+            if lock_fd is not None:
+                # Still holding the lock: a daemon starting now either fails on this inode or
+                # creates a fresh file, so removing it leaves nothing behind and no window.
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(cfg.socket_dir, LOCK_NAME))
+                os.close(lock_fd)
+        finally:
+            early.restore()

@@ -229,10 +229,13 @@ def test_routing_tensors_must_be_dense_where_the_kernels_take_an_address() -> No
     def desc(shape, strides):
         return epd_pb2.TensorDesc(region_id="r", offset_bytes=0, shape=shape, strides=strides,
                                   dtype=epd_pb2.INT64)
-    for shape, strides in (([4, 8], [16, 1]), ([4, 8], [1, 1]), ([4, 8], [4, 1])):
-        tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2)  # (host: fine)
-        with pytest.raises(InvalidArgument, match="dense rows"):
-            tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2, dense=True)
+    tensors.resolve(desc([4, 8], [16, 1]), regions, "topk_idx", ndim=2)  # (host: fine)
+    with pytest.raises(InvalidArgument, match="dense rows"):
+        tensors.resolve(desc([4, 8], [16, 1]), regions, "topk_idx", ndim=2, dense=True)
+    for shape, strides in (([4, 8], [1, 1]), ([4, 8], [4, 1])):  # overlapping: never a tensor
+        for dense in (False, True):
+            with pytest.raises(InvalidArgument, match="overlaps itself"):
+                tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2, dense=dense)
     for shape, strides in (([4, 8], [8, 1]), ([1, 8], [64, 1]), ([4, 1], [1, 7]), ([0, 8], [3, 1])):
         tensors.resolve(desc(shape, strides), regions, "topk_idx", ndim=2, dense=True)
     assert tensors.is_dense((2, 3, 4), (12, 4, 1)) and not tensors.is_dense((2, 3, 4), (12, 5, 1))

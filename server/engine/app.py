@@ -16,6 +16,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,6 +39,10 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20),
                 ("grpc.so_reuseport", 0)]
 STOP_GRACE_SECONDS = 1.0  # after the drain: what gRPC calls still open get before they end
+# After serve() ends: the longest the process's own exit may take (joining its threads) before
+# it is cut short with os._exit (a thread stuck in an operation would hold it forever).
+EXIT_SECONDS = 10.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 STARTUP_FAILED = 3  # exit status of an engine that could not start (reason: failure file)
@@ -89,7 +95,7 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     while not stop.is_set():  # (the collector's pauses go into their metric from here)
         with contextlib.suppress(TimeoutError):
@@ -105,6 +111,45 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     log.info("engine %d stopped", index)
+
+
+def exit_within(seconds: float, code: int) -> None:
+    """Arm the end of the engine's life, once serve() is done. Its exit joins threads: each
+    session's worker (concurrent.futures joins them at exit) and asyncio's default executor.
+    One stuck in an operation that never returns (a driver call the drain gave up on) would
+    keep the process forever, holding its device: if it has not exited `seconds` from now, the
+    threads still running are logged, the logs flushed, and the process ends with `code`.
+    (Metrics need no flush: their files are shared mappings.)"""
+    def cut_short() -> None:
+        time.sleep(seconds)
+        me = threading.current_thread()
+        stuck = [t.name for t in threading.enumerate()
+                 if t is not me and t is not threading.main_thread() and not t.daemon]
+        log.error("still not exited %.0f s after it stopped serving: thread(s) %s never "
+                  "returned (a stuck operation); exiting now with code %d", seconds,
+                  ", ".join(stuck) or "(none)", code)
+        for handler in logging.getLogger().handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+    threading.Thread(target=cut_short, name="epd-exit-deadline", daemon=True).start()
+
+
+async def serve_then_exit(cfg: config_mod.Config, slot: EngineSlot) -> None:
+    """serve(), then the bounded exit (exit_within) with the status the process means to end
+    with: 0 after a stop, STARTUP_FAILED (or another SystemExit's), 1 after an error."""
+    code = 1
+    try:
+        await serve(cfg, slot)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        raise
+    finally:
+        exit_within(EXIT_SECONDS, code)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -143,9 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import uvloop  # optional: only its absence falls back, not an ImportError inside
     except ImportError:
-        asyncio.run(serve(cfg, slot))
+        asyncio.run(serve_then_exit(cfg, slot))
     else:
-        uvloop.run(serve(cfg, slot))
+        uvloop.run(serve_then_exit(cfg, slot))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
 import grpc
@@ -196,10 +196,11 @@ class SessionExecutor:
         return await asyncio.get_running_loop().run_in_executor(
             self.worker, self._call, time.perf_counter(), fn, *args)
 
-    def exclusive(self, fn: Callable[[], T], timeout: float = QUIESCE_SECONDS) -> T | None:
+    def exclusive(self, fn: Callable[[], T], timeout: float | None = None) -> T | None:
         """Run `fn` with no operation running (even while closing): teardown steps, such as
         closing a comm. Blocks; returns None, without running `fn`, if an operation still holds
-        the lock after `timeout` seconds."""
+        the lock after `timeout` seconds (default QUIESCE_SECONDS)."""
+        timeout = QUIESCE_SECONDS if timeout is None else timeout
         if not self.op_lock.acquire(timeout=timeout):
             log.error("%s: an operation is still running after %.0f s; not releasing its "
                       "resources under it", self.name, timeout)
@@ -209,10 +210,21 @@ class SessionExecutor:
         finally:
             self.op_lock.release()
 
-    def later(self, fn: Callable[[], object]) -> None:
+    def later(self, fn: Callable[[], object]) -> Future:
         """Run `fn` on the worker after the operations queued before it (a region a queued
-        call may still read)."""
-        self.worker.submit(fn)
+        call may still read), under the operation lock: the fast path runs operations on its
+        own thread, and one of those could be viewing the region (a CUDA mapping closed under
+        a kernel launch faults the context every session shares). No caller waits for it: a
+        failure is logged; a lock never freed (`exclusive`) leaves `fn` undone, logged."""
+        future = self.worker.submit(self.exclusive, fn)
+        what = getattr(fn, "__qualname__", None) or repr(fn)
+        future.add_done_callback(lambda f: self._later_done(what, f))
+        return future
+
+    def _later_done(self, what: str, future: Future) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            log.error("%s: background work %s failed", self.name, what,
+                      exc_info=future.exception())
 
     def attach(self, transport: Transport) -> None:
         self.transports.append(transport)
