@@ -51,7 +51,7 @@ import grpc
 import numpy as np
 
 from ..proto import dtypes, engine_sockets, group_names
-from ..proto.errors import EpdError, InvalidArgument, TokenCapacityExceeded
+from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, TokenCapacityExceeded
 from . import cuda_ipc
 from . import deep_ep_compat as C
 from . import tensors as T
@@ -221,6 +221,7 @@ class Buffer(LowLatencyMixin):
                                   "rank= and num_ranks=")
         self.group = group if group is not None else comm
         self.rank, self.group_size = int(rank), int(num_ranks)
+        self._destroyed = False  # destroy() ran: the handles made here fail (_owner_of)
         # This Buffer's groups carry an instance tag its ranks agree on (a collective, as
         # DeepEP's constructor is), unless named, or found again by a replacement (shrink).
         if group_name is not None and group_names.INSTANCE_SEP in group_name:
@@ -522,9 +523,8 @@ class Buffer(LowLatencyMixin):
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("cached dispatch (handle given) takes no "
                                       "topk_idx/topk_weights")
-            if not isinstance(handle, BufferHandle):
-                raise InvalidArgument("handle must be one a dispatch of this Buffer returned")
-            g = handle.handle.group
+            self._owner_of(handle, BufferHandle, "dispatch")
+            g = handle.handle.group  # (the group of the Buffer that made it: _owner_of)
             out, event = self._run(
                 x, lambda: g.dispatch(x, x_scales=T.rows_dense(x_scales), handle=handle.handle,
                                       expert_alignment=expert_alignment, timeout=self.timeout,
@@ -565,7 +565,7 @@ class Buffer(LowLatencyMixin):
         counts = [] if num_worst_tokens else out.num_recv_tokens_per_expert
         h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
                          recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank,
-                         topk_idx=topk_idx)
+                         topk_idx=topk_idx, owner=self)
         return recv, out.recv_topk_idx, out.recv_topk_weights, counts, h, event
 
     def _dispatch_without_topk(self, x, x_scales, x_shape, x_dtype, is_token_in_rank,
@@ -602,18 +602,20 @@ class Buffer(LowLatencyMixin):
                 (x, x_scales, is_token_in_rank, num_tokens_per_expert)))
         recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
         h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
-                         recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank)
+                         recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank,
+                         owner=self)
         return recv, None, None, out.num_recv_tokens_per_expert, h, event
 
     def combine(self, x: Array, handle: BufferHandle, topk_weights: Array = None,
                 bias: Array = None, config: Config | None = None,
                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False):
-        """(combined_x, combined_topk_weights, event)."""
+        """(combined_x, combined_topk_weights, event). `handle` may come from another Buffer
+        of the same group (a framework that replaced its Buffer between forward and backward,
+        as Megatron-LM's fused_a2a does): the call runs on the handle's own daemon group."""
         self._check_config(config)
         C.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        if not isinstance(handle, BufferHandle):
-            raise InvalidArgument("handle must be one a dispatch of this Buffer returned")
+        self._owner_of(handle, BufferHandle, "dispatch")
         if bias is None:
             bias_0 = bias_1 = None
         elif isinstance(bias, tuple):
@@ -622,7 +624,7 @@ class Buffer(LowLatencyMixin):
             bias_0, bias_1 = (*bias, None, None)[:2]
         else:
             bias_0, bias_1 = bias, None
-        g = handle.handle.group
+        g = handle.handle.group  # (the group of the Buffer that made it: _owner_of)
         (cx, cw), event = self._run(
             x, lambda: g.combine(x, handle.handle, topk_weights=topk_weights, bias_0=bias_0,
                                  bias_1=bias_1, timeout=self.timeout,
@@ -631,10 +633,34 @@ class Buffer(LowLatencyMixin):
             (x, topk_weights, bias_0, bias_1))
         return cx, cw, event
 
+    def _owner_of(self, handle: Any, cls: type, made_by: str) -> Buffer:
+        """The Buffer that made `handle`: this one, or another Buffer of the same group (same
+        group object, rank and size), whose daemon group the call then runs on, as DeepEP's
+        handle (plain tensors) works with any Buffer of its group. The handle keeps that
+        Buffer alive (client/handles.py); only its destroy() ends the handle."""
+        if not isinstance(handle, cls):
+            raise InvalidArgument(f"handle must be one a {made_by} of a Buffer of this group "
+                                  f"returned, got {type(handle).__name__}")
+        owner = handle.owner if handle.owner is not None else self
+        if owner is not self and ((owner.rank, owner.group_size) != (self.rank, self.group_size)
+                                  or (owner.group is not self.group
+                                      and owner.group != self.group)):
+            raise InvalidArgument(
+                f"handle made by a Buffer of another group (rank {owner.rank} of "
+                f"{owner.group_size}): this Buffer is rank {self.rank} of {self.group_size} of "
+                f"its own group; a handle goes to a Buffer of the group that made it")
+        if owner._destroyed:
+            raise FailedPrecondition(
+                "this handle's Buffer was destroyed (destroy()): it left the daemon groups its "
+                "handles name; destroy a Buffer once no handle of it is used any more")
+        return owner
+
     def destroy(self) -> None:
         """Leave every group and close the session (idempotent). Every group is left and the
         session closed even when a leave fails (the daemon went away); the first failure is
-        raised after that."""
+        raised after that. The handles of this Buffer fail from then on (FAILED_PRECONDITION),
+        with this Buffer or any other."""
+        self._destroyed = True
         failed: EpdError | None = None
         try:
             for g in [*self._groups.values(), *self._retired]:
@@ -654,6 +680,7 @@ class Buffer(LowLatencyMixin):
             raise failed
 
     def __del__(self) -> None:
+        # (not while a handle of this Buffer lives: each holds it, client/handles.py)
         if not getattr(self, "explicitly_destroy", True):
             with contextlib.suppress(Exception):
                 self.destroy()

@@ -26,7 +26,7 @@ from .deep_ep_compat import EventOverlap
 from .group import LowLatencyHandle
 from .handles import LowLatencyBufferHandle
 from .stream_op_cache import DEFAULT_LIMIT, Entry, StreamOpCache
-from .stream_ops import StreamOp
+from .stream_ops import StreamOp, on_stream, stream_place
 from .tensors import Array
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ class LowLatencyMixin:
                  async_finish: bool, allocate_on_comm_stream: bool = False,
                  inputs: tuple = ()) -> tuple[Any, EventOverlap]: ...
 
+        def _owner_of(self, handle: Any, cls: type, made_by: str) -> Any: ...
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Nothing to clean: the daemon's low-latency buffers need no zeroing between modes."""
@@ -92,7 +94,8 @@ class LowLatencyMixin:
         `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` (bf16), or
         with use_fp8 a tuple (e4m3 x, float32 scales `[..., hidden // 128]`); recv_count is
         int32 `[num_local_experts]`. With return_recv_hook, hook is the receive half: on the
-        cuda backend calling it makes the current stream wait for the data (stream-ordered
+        cuda backend calling it makes the stream that was current at this call wait for the
+        data (DeepEP's: whichever stream is current when the hook is called; stream-ordered
         path); on the cpu backend the data has arrived already and it does nothing. Else None."""
         x_shape, x_dtype = T.meta(x, "x")
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
@@ -126,7 +129,7 @@ class LowLatencyMixin:
             return LowLatencyBufferHandle(h, x, src_rank=src_rank, src_idx=src_idx,
                                           num_max_dispatch_tokens_per_rank=num_max,
                                           hidden=int(x_shape[1]), num_experts=int(num_experts),
-                                          buffer=buffer)
+                                          buffer=buffer, owner=self)
 
         if mode is not None:
             key = ("dispatch", g.group_id, num_max, use_fp8, round_scale, use_ue8m0,
@@ -183,10 +186,14 @@ class LowLatencyMixin:
                             return_recv_hook: bool = False, out: Array = None,
                             combine_wait_recv_cost_stats: Array = None):
         """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
-        of each token's expert outputs; written into `out` (and returned) when given."""
-        if not isinstance(handle, LowLatencyBufferHandle):
-            raise InvalidArgument("handle must be one a low_latency_dispatch of this Buffer "
-                                  "returned")
+        of each token's expert outputs; written into `out` (and returned) when given. A handle
+        of another Buffer of the same group is combined by that Buffer (its armed calls and its
+        daemon group)."""
+        owner = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
+        if owner is not self:
+            return owner.low_latency_combine(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                return_recv_hook, out, combine_wait_recv_cost_stats)
         g = handle.handle.group
         if isinstance(handle.handle, StreamOp):  # a stream-ordered dispatch: so is its combine
             src = self._stream_ops.entry_of(handle.handle)
@@ -390,9 +397,11 @@ class LowLatencyMixin:
                  after: Any = None, buffer: int = 0, inputs: tuple = (),
                  entry: Entry | None = None):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
-        half is enqueued now and the hook enqueues the receive half. Else both halves, on the
-        comm stream with an event after them when `async_finish` (run_on_streams). `after`
-        (no arguments) is enqueued behind the receive half: work on the received data.
+        half is enqueued now and the hook enqueues the receive half on the same stream, the
+        one current at the call (as DeepEP fixes its launch stream then), whatever stream is
+        current when the hook is called. Else both halves, on the comm stream with an event
+        after them when `async_finish` (run_on_streams). `after` (no arguments) is enqueued
+        behind the receive half, on its stream: work on the received data.
 
         `inputs` are the arrays the engine reads. Its kernels run after the trigger, in another
         process, while the caller's stream goes on: an input the caller drops at once would go
@@ -401,16 +410,17 @@ class LowLatencyMixin:
         So the hook holds them until it has made the stream wait for the op's end (work after
         that is ordered after the engine's read); on the comm stream they are recorded there.
         `entry`: the cache entry the call holds until its hook ran (then evictable)."""
-        def receive(sent: int | None = None) -> None:
-            stream = None
+        place = stream_place(x) if after is not None else None  # (not x: see inputs)
+
+        def receive(sent: int) -> None:
             try:
-                stream = op.wait()  # the receive half, on the stream current then
+                op.wait(sent)  # the receive half, on the stream the call was made on
                 if after is not None:
-                    after()
+                    with on_stream(sent, place):
+                        after()
             finally:
-                if entry is not None:  # (held no more, whatever happened; a failed wait
-                    # leaves the event behind the send half)
-                    self._stream_ops.release(entry, stream if stream is not None else sent)
+                if entry is not None:  # (held no more, whatever happened)
+                    self._stream_ops.release(entry, sent)
 
         if return_recv_hook:
             sent = op.signal(buffer=buffer)
@@ -425,8 +435,7 @@ class LowLatencyMixin:
             return hook, EventOverlap()
 
         def both() -> None:
-            op.signal(buffer=buffer)
-            receive()
+            receive(op.signal(buffer=buffer))
 
         _, event = self._run(x, both, None, async_finish, inputs=inputs)
         return None, event
@@ -445,7 +454,11 @@ class LowLatencyMixin:
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer
         to write expert outputs into; it lives in a region the daemon already maps, so passing
-        it to `low_latency_combine` costs no staging copy. One buffer per shape, reused."""
+        it to `low_latency_combine` costs no staging copy. One buffer per shape, reused (by the
+        Buffer that made the handle, which combines it)."""
+        owner = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
+        if owner is not self:
+            return owner.get_next_low_latency_combine_buffer(handle)
         h = handle.handle
         spec = h.group.spec
         shape = (spec.num_experts // spec.num_ranks,

@@ -3,11 +3,19 @@
 `dispatch` returns a `BufferHandle`, `low_latency_dispatch` a `LowLatencyBufferHandle`; each
 wraps EPD's own handle (what `combine` needs) plus what DeepEP's tuple positions expose, and
 raises `Unsupported` naming a position EPD does not produce.
+
+DeepEP's handle is plain tensors, usable with any Buffer of the group: Megatron-LM's fused_a2a
+replaces its global Buffer when the hidden size grows, and backward combines a handle of the
+old Buffer on the new one. EPD's handle names a daemon group of the Buffer that made it, so it
+holds that Buffer (`owner`): a Buffer that is dropped is not collected, and does not leave its
+groups and close its session, while one of its handles lives; the calls of another Buffer of
+the same group run a handle on its own group (client/buffer.py). `owner.destroy()` still ends
+them: a handle used after it fails with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import deep_ep_compat as C
@@ -62,6 +70,7 @@ class BufferHandle(_TupleLike):
     recv_src_idx: Array = None
     is_token_in_rank: Array = None
     topk_idx: Array = None  # to derive is_token_in_rank when the caller did not pass it
+    owner: Any = field(default=None, repr=False)  # the Buffer that made it, kept alive
 
     def _field(self, name: str) -> Any:
         if name == "is_token_in_rank" and self.is_token_in_rank is None:
@@ -91,6 +100,7 @@ class LowLatencyBufferHandle(_TupleLike):
     hidden: int = 0
     num_experts: int = 0
     buffer: int = 0  # the receive buffer the dispatch filled (its combine brings it back)
+    owner: Any = field(default=None, repr=False)  # the Buffer that made it, kept alive
 
     def _field(self, name: str) -> Any:
         if name == "src_info":

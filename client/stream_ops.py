@@ -29,6 +29,8 @@ next combine.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -38,6 +40,7 @@ from ..proto import abi, counter_page, cuda_driver
 from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import cuda_ipc, ll_trigger
+from .frameworks import torch_if_loaded
 from .tensors import Array
 
 if TYPE_CHECKING:
@@ -150,3 +153,51 @@ def done_error(value: int, what: str) -> EpdError | None:
                   255: "the engine could not launch it (see its log)"}.get(code, f"code {code}")
         return EpdError(grpc.StatusCode.ABORTED, f"{what} failed: {reason}")
     return None
+
+
+def stream_place(template: Any) -> tuple[str, Any, int] | None:
+    """The current stream of the template's array type, taken at a call: ("torch", stream,
+    device) for a torch CUDA tensor, ("cupy", stream, device id) for a CuPy array, None for
+    host arrays. (A receive hook keeps this, not the template: it must not keep the caller's
+    tensors alive.)"""
+    torch = torch_if_loaded()
+    if torch is not None and isinstance(template, torch.Tensor):
+        if not template.is_cuda:
+            return None
+        return "torch", torch.cuda.current_stream(template.device), template.device.index
+    cupy = sys.modules.get("cupy")  # (a CuPy array: CuPy is loaded)
+    if cupy is not None and isinstance(template, cupy.ndarray):
+        device = int(template.device.id)
+        with cupy.cuda.Device(device):
+            return "cupy", cupy.cuda.get_current_stream(), device
+    return None
+
+
+def on_stream(handle: int, place: tuple[str, Any, int] | None) -> contextlib.AbstractContextManager:
+    """A context in which the raw CUDA stream `handle` is the current stream of the array type
+    of `place` (`stream_place`, taken when `handle` was current: its stream object is used, so
+    that torch's allocator sees the stream it knows), so that the work enqueued in it goes where
+    a call's receive half went: a receive hook runs whenever its caller calls it, maybe with
+    another stream current, and DeepEP orders the receive phase, and the work on its outputs,
+    on the stream the call was made on. Nothing changes for host arrays or when `handle` is
+    current already."""
+    if place is None:
+        return contextlib.nullcontext()
+    kind, stream, device = place
+    if kind == "torch":
+        torch = sys.modules["torch"]
+        if int(torch.cuda.current_stream(device).cuda_stream) == handle:
+            return contextlib.nullcontext()
+        if int(stream.cuda_stream) != handle:
+            stream = torch.cuda.ExternalStream(handle, device=device)
+        return torch.cuda.stream(stream)
+    cupy = sys.modules["cupy"]
+    if int(stream.ptr) != handle:
+        stream = cupy.cuda.ExternalStream(handle)
+    return _cupy_stream(cupy, stream, device)
+
+
+@contextlib.contextmanager
+def _cupy_stream(cupy: Any, stream: Any, device: int):
+    with cupy.cuda.Device(device), stream:
+        yield

@@ -211,6 +211,12 @@ _PROBE = textwrap.dedent("""
     assert deep_ep.Buffer is Buffer and deep_ep.Config().num_sms == 20
     assert isinstance(deep_ep.Buffer.capture(), deep_ep.EventOverlap)
     assert deep_ep.utils.EventHandle().event is None  # no CUDA here
+    # DeepEP's submodules, as code imports them (Mooncake's tests: deep_ep.buffer)
+    from deep_ep.buffer import Buffer as from_buffer, Config, EventOverlap
+    from deep_ep.utils import EventHandle, check_nvlink_connections
+    assert from_buffer is Buffer and Config is deep_ep.Config
+    assert EventOverlap is deep_ep.EventOverlap and deep_ep.buffer.EventHandle is EventHandle
+    assert check_nvlink_connections(None) is None
     print("OK", deep_ep.__file__)
 """)
 
@@ -511,27 +517,45 @@ def test_capacity_from_the_environment(daemon, monkeypatch) -> None:
         buf.destroy()
 
 
-def test_receive_hook_holds_the_inputs_until_it_ran() -> None:
+def test_receive_hook_holds_the_inputs_until_it_ran(monkeypatch) -> None:
     """A hook-mode low-latency call's engine reads the caller's tensors after the trigger, in
     another process: the hook keeps them alive until it has made the stream wait for the op
     (a caller that drops topk_idx at once must not see its block reused before the engine's
-    read, as happened on 2x H200). The op is a stand-in recording signal/wait."""
+    read, as happened on 2x H200). The receive half and the work after it (the FP8 scales'
+    re-layout) go on the stream the call was made on, not the one current when the hook is
+    called (DeepEP fixes the stream at the call). The op is a stand-in recording signal/wait,
+    the stream switch a stand-in recording where `after` ran."""
+    import contextlib
     import gc
     import weakref
 
+    from epd.client import buffer_low_latency as BLL
+
     calls: list = []
-    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)),
-                         "wait": lambda self: calls.append(("wait",))})()
+    current: list = ["hook caller's stream"]
+
+    @contextlib.contextmanager
+    def on_stream(handle, place):
+        calls.append(("on_stream", handle))
+        current.append(handle)
+        yield
+        current.pop()
+
+    monkeypatch.setattr(BLL, "on_stream", on_stream)
+    op = type("Op", (), {
+        "signal": lambda self, buffer: calls.append(("signal", buffer)) or 0x51,
+        "wait": lambda self, stream=None: calls.append(("wait", stream)) or 0x51})()
     x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int64)
     refs = [weakref.ref(a) for a in (x, idx)]
-    hook, event = B.Buffer._trigger(None, op, x, True, False, buffer=1, inputs=(x, idx))
+    after = lambda: calls.append(("after", current[-1]))  # noqa: E731
+    hook, event = B.Buffer._trigger(None, op, x, True, False, after, buffer=1, inputs=(x, idx))
     assert calls == [("signal", 1)] and event.event is None
     del x, idx
     gc.collect()
     assert all(r() is not None for r in refs), "an input was dropped before the hook ran"
     hook()
     gc.collect()
-    assert calls == [("signal", 1), ("wait",)]
+    assert calls == [("signal", 1), ("wait", 0x51), ("on_stream", 0x51), ("after", 0x51)], calls
     assert all(r() is None for r in refs), "the hook kept the inputs after it ran"
 
 
@@ -676,7 +700,7 @@ def test_a_hook_releases_the_op_it_held() -> None:
 
     calls: list = []
     op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)) or 7,
-                         "wait": lambda self: calls.append(("wait",)) or 42,
+                         "wait": lambda self, stream: calls.append(("wait", stream)) or 42,
                          "armed": True, "op_id": 1})()
     cache = StreamOpCache(0, 2, new_event=Event)
     e = cache.arm(("k",), lambda: op, pin=False, capturing=False, hold=True)
@@ -684,7 +708,8 @@ def test_a_hook_releases_the_op_it_held() -> None:
     hook, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
     assert e.holds == 1 and e.event is None
     hook()
-    assert calls == [("signal", 0), ("wait",)] and e.holds == 0 and e.event.streams == [42]
+    # (the receive half on the stream the send half went on; the event recorded there)
+    assert calls == [("signal", 0), ("wait", 7)] and e.holds == 0 and e.event.streams == [7]
     # a hook called twice enqueues nothing again and releases no other call's hold
     assert cache.get(("k",), pin=False, hold=True) is e and e.holds == 1
     hook()

@@ -1,8 +1,10 @@
 """`import deep_ep` resolving to EPD (opt-in: `pip install ./client/deep_ep_shim`).
 
 DeepEP V1's public names (deep_ep/__init__.py at commit 567632dd5981) over EPD's daemon:
-`Buffer`, `Config`, `EventOverlap`, `topk_idx_t`, and `deep_ep.utils.EventHandle`. What EPD
-supports and what raises is tabled in EPD's README (DeepEP section).
+`Buffer`, `Config`, `EventOverlap`, `topk_idx_t`, and its submodules `deep_ep.buffer`
+(`Buffer`, where DeepEP defines it) and `deep_ep.utils` (`EventHandle`, `EventOverlap`,
+`check_nvlink_connections`). What EPD supports and what raises is tabled in EPD's README
+(DeepEP section).
 """
 
 from ._guard import check as _check
@@ -14,10 +16,10 @@ import torch  # noqa: E402
 from epd.client.buffer import Buffer, BufferHandle, LowLatencyBufferHandle  # noqa: E402
 from epd.client.deep_ep_compat import Config, EventOverlap, Unsupported  # noqa: E402
 
-from . import utils  # noqa: E402
+from . import buffer, utils  # noqa: E402
 
 topk_idx_t = torch.int64
 IS_EPD = True  # tells EPD's shim apart from DeepEP
 
 __all__ = ["IS_EPD", "Buffer", "BufferHandle", "Config", "EventOverlap",
-           "LowLatencyBufferHandle", "Unsupported", "topk_idx_t", "utils"]
+           "LowLatencyBufferHandle", "Unsupported", "buffer", "topk_idx_t", "utils"]
