@@ -134,6 +134,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
         self.nodes: dict[int, NodeLease] = {}
         self.keeper = WorldKeeper(sup.cfg.num_nodes)  # (backends with a world over all nodes)
         self.world: epd_pb2.ClusterWorld | None = None
+        self._tending = False  # (tend_world is not re-entered: see there)
 
     async def _check_token(self, context, method: str) -> None:
         sent = dict(context.invocation_metadata() or ()).get(CLUSTER_TOKEN_METADATA)
@@ -181,22 +182,42 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
 
     def tend_world(self) -> None:
         """After any change of the leases or of node 0's engines: lose the world if a node
-        left it, form the next once every node holds a lease and runs no engines."""
+        left it, form the next once every node holds a lease and runs no engines. Node 0's
+        own failure here is logged, never raised: it runs inside a node's Lease stream,
+        whose end would blame that node (and abort its groups)."""
         sup = self.sup
-        if not sup.world_mode or sup.stopping:
-            return
-        why = self.keeper.lost(self._node_states())
+        if not sup.world_mode or sup.stopping or self._tending:
+            return  # (called again from leave_world / enter_world: this call goes on)
+        self._tending = True
+        try:
+            self._tend_world()
+        except Exception:
+            log.exception("cluster world: node 0 could not tend it (the next heartbeat tries "
+                          "again)")
+        finally:
+            self._tending = False
+
+    def _tend_world(self) -> None:
+        sup, keeper = self.sup, self.keeper
+        why = keeper.lost(self._node_states())
+        if why is None and keeper.world is not None and sup.world_left >= keeper.generation:
+            # node 0 left it itself (an engine could not start): it reports no generation,
+            # which `lost` reads as not started yet, and would keep advertising it
+            why = keeper.abandon(f"node 0's engines left world {keeper.generation}")
         if why is not None:
             self.world = None
             if sup.world_generation:
-                sup.leave_world(why)  # (which tends the world again)
-                return
-        world = self.keeper.form(self._node_states())
+                sup.leave_world(why)
+        world = keeper.form(self._node_states())
         if world is not None:
-            self.world = sup.planner.form_world(world)
+            try:
+                self.world = sup.planner.form_world(world)
+            except Exception:
+                keeper.abandon("node 0 could not make it")
+                raise
             log.info("cluster world %d formed over %d node(s), %d PE(s)", world.generation,
                      sup.cfg.num_nodes, world.num_pes)
-            sup.enter_world(self.world)
+            sup.enter_world(self.world)  # (a failure leaves it: abandoned at the next tend)
 
     async def Lease(self, request_iterator, context):
         await self._check_token(context, "Lease")

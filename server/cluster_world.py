@@ -63,6 +63,13 @@ class WorldKeeper:
             self._joined.clear()
         return why
 
+    def abandon(self, why: str) -> str:
+        """Node 0 lost the current world itself (its engine could not start, the world could
+        not be made): gone, as `lost` would say, and `why` returned."""
+        self.world = None
+        self._joined.clear()
+        return why
+
     def form(self, nodes: dict[int, NodeState]) -> World | None:
         """A new world when none is formed, every node holds a lease and none runs engines."""
         if self.world is not None or any(

@@ -525,8 +525,15 @@ class Supervisor:
         log.info("cluster world %d: %d PE(s), this node's engines are PEs %d..%d",
                  world.generation, world.num_pes, world.node_first_pe[self.cfg.node_rank],
                  world.node_first_pe[self.cfg.node_rank] + len(self.engines) - 1)
-        for e in self.engines:
-            self._spawn(e)
+        try:
+            for e in self.engines:
+                self._spawn(e)
+        except Exception as err:  # fork's EAGAIN or ENOMEM: a PE of the world cannot start,
+            # so the world is lost (as when one dies) and this node never enters it again
+            log.error("cluster world %d: engine %d cannot start (%s: %s)", world.generation,
+                      e.index, type(err).__name__, err)
+            e.last_failure = f"cannot start its process: {type(err).__name__}: {err}"
+            self.leave_world(f"engine {e.index} of node {self.cfg.node_rank} cannot start")
 
     def leave_world(self, why: str) -> None:
         """The world is lost: every engine of this node stops (a PE cannot be replaced)."""

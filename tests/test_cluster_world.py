@@ -294,3 +294,37 @@ def test_node_0_refuses_a_node_whose_settings_differ() -> None:
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "cuda_hierarchical" in details
     assert 1 not in hub.nodes
     assert asyncio.run(register(mine)).cluster.nodes[1].node_name == "n1"
+
+
+def test_node_0_abandons_a_world_its_own_engine_could_not_start_in() -> None:
+    """Node 0's engine cannot start in world g (its supervisor leaves g: world_left = g,
+    generation 0, which alone reads as "not started yet"): node 0 stops advertising g at its
+    next tend, and forms g + 1 once every node runs no engines. A failure of node 0's own while
+    tending (the NVSHMEM id cannot be made) is logged, never raised into a node's lease."""
+    from epd.server.cluster import ClusterHub, NodeLease
+
+    class FailingOnce(_Sup):
+        fail = True
+
+        def enter_world(self, world) -> None:
+            super().enter_world(world)
+            if self.fail:  # (as Supervisor.enter_world does when a spawn fails)
+                self.fail = False
+                self.leave_world("engine 1 of node 0 cannot start")
+
+    sup0, sup1 = FailingOnce(0), _Sup(1)
+    hub = sup0.hub = ClusterHub(sup0, "t")
+    hub.nodes[1] = NodeLease(1, sup1.incarnation, "n1", [epd_pb2.EngineInfo()] * 2)
+    hub.tend_world()
+    assert sup0.log[:2] == [("enter", 1), ("leave", "engine 1 of node 0 cannot start")]
+    assert (sup0.world_generation, sup0.world_left) == (0, 1)
+    hub.tend_world()  # the next heartbeat: world 1 is given up, world 2 formed and entered
+    assert hub.keeper.generation == 2 and sup0.log[-1] == ("enter", 2)
+    assert hub._event().world.generation == 2
+
+    def cannot(world):
+        raise RuntimeError("nvshmem: no unique id")
+    sup0.planner.form_world = cannot
+    sup0.leave_world("test")  # (node 0 again without a world; node 1 at 0)
+    hub.tend_world()  # logged, not raised; the keeper holds no half-made world
+    assert hub.keeper.world is None and hub.world is None

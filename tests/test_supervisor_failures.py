@@ -26,6 +26,7 @@ from conftest import TestDaemon
 from prometheus_client import REGISTRY
 from ranklib import wait_until
 
+from epd.proto.v1 import epd_pb2
 from epd.server import config
 from epd.server import supervisor as sup_mod
 from epd.server.backends.cpu_plan import CpuPlanner
@@ -435,3 +436,27 @@ def test_work_left_for_later_waits_for_an_operation_on_another_thread():
         release.set()
         t.join(5)
         ex.worker.shutdown(wait=True)
+
+
+def test_a_world_whose_engine_cannot_start_is_left(folder, monkeypatch, caplog):
+    """Cluster world mode: an engine that cannot be spawned (fork's EAGAIN) loses the world,
+    as one that dies does: the engines started for it are stopped, the world is never entered
+    again, and nothing escapes into the cluster's lease handling."""
+    sup = _supervisor(folder, monkeypatch, engines=2)
+    monkeypatch.setattr(sup.planner, "adopt_world", lambda world: None, raising=False)
+    monkeypatch.setattr(sup.planner, "leave_world", lambda: None, raising=False)
+    monkeypatch.setattr(sup.coordinator, "engine_lost", lambda index, node: None)
+    started: list[FakeProc] = []
+
+    def spawn(e) -> None:
+        if e.index == 1:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        e.proc = FakeProc(NO_PID)
+        started.append(e.proc)
+    monkeypatch.setattr(sup, "_spawn", spawn)
+    sup.enter_world(epd_pb2.ClusterWorld(generation=3, num_pes=4, node_first_pe=[0, 2]))
+    assert (sup.world_generation, sup.world_left) == (0, 3)
+    assert len(started) == 1 and started[0].signals == [signal.SIGKILL]
+    assert all(e.proc is None for e in sup.engines)
+    assert "engine 1 cannot start" in _errors(caplog)
+    assert "EAGAIN" in sup.engines[1].last_failure or "temporarily" in sup.engines[1].last_failure
