@@ -43,8 +43,11 @@ FORWARD_MARGIN_SECONDS = 5.0  # a forwarded call's deadline beyond the rendezvou
 RELEASE_TIMEOUT_SECONDS = 5.0
 RELEASE_RETRY_SECONDS, RELEASE_RETRY_MAX_SECONDS = 0.2, 5.0  # backoff of a lost release
 # Settings every node must share: how a group spanning nodes is planned (node 0) and laid out
-# and run (every node's engines). One that differs would hang or corrupt such groups.
-AGREED_SETTINGS = ("cuda_cluster", "cuda_hierarchical", "nvshmem_heap_bytes")
+# and run (every node's engines). One that differs would hang or corrupt such groups. The
+# heartbeat too: a node beating slower than node 0 waits (3 of node 0's periods) lost its
+# lease after every registration, each loss aborting its groups; and the number of nodes.
+AGREED_SETTINGS = ("cuda_cluster", "cuda_hierarchical", "nvshmem_heap_bytes",
+                   "cluster_heartbeat_seconds", "num_nodes")
 
 
 def agreed_settings(sup: Supervisor) -> str:

@@ -257,7 +257,8 @@ class Config:
                 "cluster's nodes reach"})
     cluster_heartbeat_seconds: float = field(default=1.0, metadata={
         "help": "cluster mode: heartbeat period of a node's lease; node 0 ends a lease after "
-                "3 missed heartbeats (a broken stream ends it at once)"})
+                "3 missed heartbeats (a broken stream ends it at once); the same on every "
+                "node (node 0 refuses a node whose period differs)"})
     cuda_cluster: bool = field(default=False, metadata={
         "help": "experimental, cluster mode with the cuda backend: the engines of every node "
                 "form one NVSHMEM world; groups may span nodes (low-latency mode up to 64 "

@@ -293,6 +293,13 @@ def test_node_0_refuses_a_node_whose_settings_differ() -> None:
     code, details = ei.value.args[0]
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "cuda_hierarchical" in details
     assert 1 not in hub.nodes
+    for name in ("cluster_heartbeat_seconds", "num_nodes"):  # (lease timing; the ranks)
+        assert f"{name}=" in mine
+        other = ";".join(f"{k}=7" if k == name else f"{k}={v}" for k, v in
+                         (i.split("=", 1) for i in mine.split(";")))
+        with pytest.raises(AssertionError) as ei:
+            asyncio.run(register(other))
+        assert name in ei.value.args[0][1]
     assert asyncio.run(register(mine)).cluster.nodes[1].node_name == "n1"
 
 
