@@ -86,9 +86,26 @@ class ClusterTls:
         """The configured files (None without them); ValueError naming a bad one."""
         if not cfg.cluster_tls_cert:
             return None
-        return cls(read_pem("cluster_tls_cert", cfg.cluster_tls_cert),
-                   read_pem("cluster_tls_key", cfg.cluster_tls_key),
-                   read_pem("cluster_tls_ca", cfg.cluster_tls_ca))
+        tls = cls(read_pem("cluster_tls_cert", cfg.cluster_tls_cert),
+                  read_pem("cluster_tls_key", cfg.cluster_tls_key),
+                  read_pem("cluster_tls_ca", cfg.cluster_tls_ca))
+        # gRPC reports a key that does not match its certificate, or a block that is not one,
+        # only as "Failed to bind" (node 0) or a peer it cannot reach (the others): checked
+        # here, naming the settings, on every node.
+        import ssl
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            ctx.load_cert_chain(cfg.cluster_tls_cert, cfg.cluster_tls_key)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"cluster_tls_cert {cfg.cluster_tls_cert} and cluster_tls_key "
+                             f"{cfg.cluster_tls_key}: not a certificate and its private key "
+                             f"({e})") from None
+        try:
+            ctx.load_verify_locations(cfg.cluster_tls_ca)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"cluster_tls_ca {cfg.cluster_tls_ca}: no CA certificate in it "
+                             f"({e})") from None
+        return tls
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Node 0: present our certificate, require one from every client node."""
@@ -356,6 +373,9 @@ class ClusterMember:
         self._channel: grpc.aio.Channel | None = None
         self._stub: epd_pb2_grpc.ClusterStub | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Calls forwarded to node 0 and waiting; those cut when its lease ended, with why
+        self._forwarded: set = set()
+        self._cut: dict[object, str] = {}
 
     def info(self) -> epd_pb2.ClusterInfo:
         cfg = self.cfg
@@ -472,6 +492,11 @@ class ClusterMember:
             sup.leave_world(f"node 0 says world {sup.world_generation} is lost")
 
     def _coordinator_lost(self, why: str) -> None:
+        # A forwarded rendezvous waiting on node 0 ends now, saying why (not at its own
+        # deadline, up to its timeout + 5 s later, as a bare "Deadline Exceeded").
+        for call in list(self._forwarded):
+            self._cut[call] = why
+            call.cancel()
         if self.sup.world_mode and self.sup.world_generation:
             self.sup.leave_world(f"node 0 went away ({why})")
         me = self.cfg.node_rank
@@ -503,15 +528,27 @@ class ClusterMember:
         timeout = (req.timeout_seconds or self.cfg.timeout_seconds) + FORWARD_MARGIN_SECONDS
         fwd = epd_pb2.ClusterRendezvousRequest(node_rank=self.cfg.node_rank,
                                                incarnation=self.sup.incarnation, request=req)
+        call = self._stub.Rendezvous(fwd, metadata=self.metadata, timeout=timeout)
+        self._forwarded.add(call)
         try:
-            resp = await self._stub.Rendezvous(fwd, metadata=self.metadata, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
+            resp = await call
+        except (asyncio.CancelledError, grpc.aio.AioRpcError) as e:
+            why = self._cut.get(call)
+            if why is not None:  # (node 0's lease ended under it: _coordinator_lost)
+                raise EpdError(grpc.StatusCode.UNAVAILABLE,
+                               f"node 0 (the cluster coordinator) went away ({why}) while "
+                               f"this node's call waited for it") from None
+            if isinstance(e, asyncio.CancelledError):
+                raise
             code = e.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 raise EpdError(grpc.StatusCode.UNAVAILABLE,
                                f"node 0 (the cluster coordinator) is unreachable: "
                                f"{e.details()}") from None
             raise EpdError(code, e.details() or code.name) from None
+        finally:
+            self._forwarded.discard(call)
+            self._cut.pop(call, None)
         if req.attached:
             return resp
         g = self.groups.get(resp.group_id)

@@ -141,12 +141,28 @@ def test_a_node_without_the_clusters_certificate_is_not_registered(intruder):
     (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1", "--cluster-token-file", "TOKEN",
       "--cluster-tls-cert", "TOKEN", "--cluster-tls-key", "KEY", "--cluster-tls-ca",
       "CA"], "no PEM block"),
+    # another node's key with this node's certificate: named at start on every node (gRPC
+    # said only "cannot listen there" on node 0, and nothing but an unreachable peer elsewhere)
+    *[(["--num-nodes", "2", "--node-rank", rank, "--cluster-address", "127.0.0.1:1",
+        "--cluster-token-file", "TOKEN", "--cluster-tls-cert", "CERT", "--cluster-tls-key",
+        "OTHER_KEY", "--cluster-tls-ca", "CA"], "not a certificate and its private key")
+      for rank in ("0", "1")],
+    (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1", "--cluster-token-file", "TOKEN",
+      "--cluster-tls-cert", "CERT", "--cluster-tls-key", "KEY", "--cluster-tls-ca",
+      "GARBLED"], "no CA certificate in it"),
 ])
 def test_tls_settings_are_checked_at_start(tmp_path, args, needle):
     (tmp_path / "token").write_text("s3cret\n")
-    cert, key, ca = Ca("epd-test-ca").issue(str(tmp_path), "node0")
+    ca_ = Ca("epd-test-ca")
+    cert, key, ca = ca_.issue(str(tmp_path), "node0")
+    other = tmp_path / "other"
+    other.mkdir()
+    _, other_key, _ = ca_.issue(str(other), "node1")
+    (tmp_path / "garbled.pem").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n"
+                                          "-----END CERTIFICATE-----\n")
     subst = {"TOKEN": str(tmp_path / "token"), "CERT": cert, "KEY": key, "CA": ca,
-             "MISSING": str(tmp_path / "missing")}
+             "MISSING": str(tmp_path / "missing"), "OTHER_KEY": other_key,
+             "GARBLED": str(tmp_path / "garbled.pem")}
     res = serve(tmp_path, *[subst.get(a, a) for a in args])
     lines = res.stderr.strip().splitlines()
     assert res.returncode != 0, res.stderr

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from epd.proto.errors import FailedPrecondition
+from epd.proto.errors import EpdError, FailedPrecondition
 from epd.proto.v1 import epd_pb2
 from epd.server.backends.cuda_plan import CudaPlanner
 from epd.server.cluster_world import NodeState, WorldKeeper
@@ -335,3 +335,45 @@ def test_node_0_abandons_a_world_its_own_engine_could_not_start_in() -> None:
     sup0.leave_world("test")  # (node 0 again without a world; node 1 at 0)
     hub.tend_world()  # logged, not raised; the keeper holds no half-made world
     assert hub.keeper.world is None and hub.world is None
+
+
+def test_a_forwarded_rendezvous_ends_when_node_0s_lease_does() -> None:
+    """A rendezvous forwarded to node 0 that waits (node 0 hung or cut off) ends as soon as
+    the lease with node 0 does, UNAVAILABLE naming why, not at its own deadline (the
+    rendezvous timeout + 5 s) as a bare "Deadline Exceeded"."""
+    import time
+
+    from epd.server.cluster import ClusterMember
+
+    class Call:  # (what a grpc.aio unary call is to the member: awaitable, cancellable)
+        def __init__(self) -> None:
+            self.fut = asyncio.get_running_loop().create_future()
+
+        def __await__(self):
+            return self.fut.__await__()
+
+        def cancel(self) -> bool:
+            return self.fut.cancel()
+
+    sup1 = _Sup(1)
+    sup1.cfg.timeout_seconds = 600.0
+    member = ClusterMember(sup1, "t")
+    member._stub = SimpleNamespace(Rendezvous=lambda *a, **kw: Call())
+
+    async def run():
+        spec = epd_pb2.GroupSpec(name="g", num_ranks=2)
+        task = asyncio.ensure_future(member.rendezvous(epd_pb2.RendezvousRequest(
+            spec=spec, rank=1, timeout_seconds=600)))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        member._coordinator_lost("no heartbeat within 3 s")
+        try:
+            await asyncio.wait_for(task, 2)
+        except EpdError as e:
+            return e, time.monotonic() - t0
+        raise AssertionError("the forwarded rendezvous answered")
+    err, took = asyncio.run(run())
+    assert took < 0.5
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert "node 0 (the cluster coordinator) went away (no heartbeat within 3 s)" in err.message
+    assert member._forwarded == set() and member._cut == {}
