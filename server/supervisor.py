@@ -542,6 +542,9 @@ class Supervisor:
         self.planner.leave_world()
         self.world_left = max(self.world_left, self.world_generation)
         self.world_generation = 0
+        for e in self.engines:  # (all killed first: each one's bounded wait then overlaps)
+            if e.proc is not None and e.proc.poll() is None:
+                e.proc.kill()
         for e in self.engines:
             self._engine_gone(e)
             e.proc = None
