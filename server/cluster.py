@@ -142,6 +142,7 @@ class NodeLease:
     last_seen: float = field(default_factory=time.monotonic)
     live: bool = True
     world_generation: int = 0  # the world its engines run in (heartbeat)
+    world_left: int = 0  # the latest world it left (heartbeat)
 
 
 class ClusterHub(epd_pb2_grpc.ClusterServicer):
@@ -194,10 +195,12 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
 
     def _node_states(self) -> dict[int, NodeState]:
         sup = self.sup
-        nodes = {0: NodeState(sup.incarnation, len(sup.engines), sup.world_generation)}
+        nodes = {0: NodeState(sup.incarnation, len(sup.engines), sup.world_generation,
+                              sup.world_left)}
         for rank, n in self.nodes.items():
             if n.live:
-                nodes[rank] = NodeState(n.incarnation, len(n.engines), n.world_generation)
+                nodes[rank] = NodeState(n.incarnation, len(n.engines), n.world_generation,
+                                        n.world_left)
         return nodes
 
     def tend_world(self) -> None:
@@ -219,11 +222,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
 
     def _tend_world(self) -> None:
         sup, keeper = self.sup, self.keeper
-        why = keeper.lost(self._node_states())
-        if why is None and keeper.world is not None and sup.world_left >= keeper.generation:
-            # node 0 left it itself (an engine could not start): it reports no generation,
-            # which `lost` reads as not started yet, and would keep advertising it
-            why = keeper.abandon(f"node 0's engines left world {keeper.generation}")
+        why = keeper.lost(self._node_states())  # (node 0's own leaving included)
         if why is not None:
             self.world = None
             if sup.world_generation:
@@ -268,7 +267,8 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                 f"--node-rank, or a restart before the old lease ended "
                                 f"(retry after {deadline:g} s)")
         lease = NodeLease(rank, first.incarnation, first.node_name, list(first.engines),
-                          world_generation=first.world_generation)
+                          world_generation=first.world_generation,
+                          world_left=first.world_left)
         self.nodes[rank] = lease
         log.info("node %d (%s, incarnation %s) registered with %d engine(s)", rank,
                  first.node_name, first.incarnation, len(first.engines))
@@ -287,6 +287,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                 lease.last_seen = time.monotonic()
                 lease.engines = list(hb.engines)
                 lease.world_generation = hb.world_generation
+                lease.world_left = hb.world_left
                 self.tend_world()
                 yield self._event()
         except asyncio.CancelledError:
@@ -420,6 +421,7 @@ class ClusterMember:
                                         node_name=socket.gethostname(),
                                         engines=engine_infos(self.sup),
                                         world_generation=self.sup.world_generation,
+                                        world_left=self.sup.world_left,
                                         agreed_settings=agreed_settings(self.sup))
 
     async def _lease(self) -> str:

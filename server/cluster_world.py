@@ -21,6 +21,7 @@ class NodeState:
     incarnation: str
     engines: int
     generation: int  # the world its engines run in (0: none)
+    left: int = 0  # the latest world it left (its engine died or could not start there)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class WorldKeeper:
             elif n.generation == self.generation:
                 self._joined.add(rank)
                 continue
+            elif n.left >= self.generation:
+                why = f"node {rank}'s engines could not run in world {self.generation}"
             elif rank in self._joined:
                 why = f"node {rank}'s engines left the world (one of them exited)"
             else:

@@ -377,3 +377,34 @@ def test_a_forwarded_rendezvous_ends_when_node_0s_lease_does() -> None:
     assert err.code == grpc.StatusCode.UNAVAILABLE, err
     assert "node 0 (the cluster coordinator) went away (no heartbeat within 3 s)" in err.message
     assert member._forwarded == set() and member._cut == {}
+
+
+def test_a_node_whose_engine_could_not_start_in_the_world_loses_it() -> None:
+    """Node 1 is told of world g and cannot start an engine in it: it leaves g (runs no
+    engines, reports generation 0 as a node not started yet would) and says so in its
+    heartbeat (world_left = g); node 0 loses g at once and forms g + 1, not waiting out the
+    other nodes' engine start timeout."""
+    from epd.server.cluster import ClusterHub, ClusterMember, NodeLease
+
+    class CannotStart(_Sup):
+        def enter_world(self, world) -> None:
+            super().enter_world(world)
+            self.leave_world("engine 0 cannot start")  # (as Supervisor.enter_world does)
+
+    sup0, sup1 = _Sup(0), CannotStart(1)
+    sup1.backend = "cuda"  # (its heartbeat's agreed settings)
+    hub = sup0.hub = ClusterHub(sup0, "t")
+    member = ClusterMember(sup1, "t")
+    lease = NodeLease(1, sup1.incarnation, "n1", [epd_pb2.EngineInfo()] * 2)
+    hub.nodes[1] = lease
+    hub.tend_world()
+    assert sup0.log == [("enter", 1)]
+    member._follow_world(hub._event())
+    assert (sup1.world_generation, sup1.world_left) == (0, 1)
+    hb = member._heartbeat()
+    assert (hb.world_generation, hb.world_left) == (0, 1)
+    lease.world_generation, lease.world_left = hb.world_generation, hb.world_left
+    hub.tend_world()
+    assert sup0.log[1][0] == "leave" and "node 1's engines could not run in world 1" in \
+        sup0.log[1][1]
+    assert sup0.log[2] == ("enter", 2) and hub._event().world.generation == 2

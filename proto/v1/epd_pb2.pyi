@@ -801,20 +801,22 @@ class FdResponse(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class ClusterHeartbeat(_message.Message):
-    __slots__ = ("node_rank", "incarnation", "node_name", "engines", "world_generation", "agreed_settings")
+    __slots__ = ("node_rank", "incarnation", "node_name", "engines", "world_generation", "agreed_settings", "world_left")
     NODE_RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     WORLD_GENERATION_FIELD_NUMBER: _ClassVar[int]
     AGREED_SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    WORLD_LEFT_FIELD_NUMBER: _ClassVar[int]
     node_rank: int
     incarnation: str
     node_name: str
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     world_generation: int
     agreed_settings: str
-    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., world_generation: _Optional[int] = ..., agreed_settings: _Optional[str] = ...) -> None: ...
+    world_left: int
+    def __init__(self, node_rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., node_name: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., world_generation: _Optional[int] = ..., agreed_settings: _Optional[str] = ..., world_left: _Optional[int] = ...) -> None: ...
 
 class ClusterWorld(_message.Message):
     __slots__ = ("nvshmem_uid", "generation", "node_first_pe", "num_pes")
