@@ -58,8 +58,19 @@ DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long b
 # may not exit for a long time): then logged with its pid and left, the daemon going on without
 # it. On the event loop (an engine lost while serving) the wait is shorter: it blocks the loop.
 KILLED_EXIT_SECONDS, KILLED_EXIT_ON_LOOP_SECONDS = 5.0, 0.5
-# Signals that stop the daemon gracefully (SIGHUP: its terminal or session went away).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Signals that stop the daemon gracefully (SIGHUP: its terminal or session went away), SIGHUP
+# not where the daemon was started ignoring it (nohup: it must outlive its terminal).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + (
+    () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,))
+
+
+class Stopped(BaseException):
+    """A stop signal while the daemon starts up, in a step that may hang (a wedged driver):
+    the start ends there, and what it made is removed (EarlyStop.interruptible)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class StartupError(Exception):
@@ -784,13 +795,26 @@ def _wait_killed(e: EngineProc, seconds: float) -> bool:
 
 class EarlyStop:
     """A stop signal (STOP_SIGNALS) while no event loop handles them, before it starts and
-    after it ended: noted, never fatal, so that what the daemon creates before its loop (the
-    lock, the metrics folder) is always removed after it. Supervisor.run reads `signum`: a
-    daemon asked to stop before its loop stops at once, starting no engine."""
+    after it ended: noted, so that what the daemon creates before its loop (the lock, the
+    metrics folder) is always removed after it. Supervisor.run reads `signum`: a daemon asked
+    to stop before its loop stops at once, starting no engine. In a step that may hang and
+    makes no file (`interruptible`: the backend's checks, the engines' detection) the signal
+    ends the start at once (Stopped), as it did before the daemon handled it."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self._saved: dict[int, object] = {}
+        self._fatal = False
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        if self.signum is not None:
+            raise Stopped(self.signum)
+        self._fatal = True
+        try:
+            yield
+        finally:
+            self._fatal = False
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -802,6 +826,9 @@ class EarlyStop:
     def _note(self, signum: int, frame) -> None:
         if self.signum is None:
             self.signum = signum
+        if self._fatal:
+            self._fatal = False
+            raise Stopped(signum)
 
     def restore(self) -> None:
         for sig, handler in self._saved.items():
@@ -954,13 +981,16 @@ def run(cfg: Config) -> int:
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)
-        cfg, class_engines_why = check_backend(cfg)
+        with early.interruptible():
+            cfg, class_engines_why = check_backend(cfg)
         metrics_dir, owned = prepare_metrics_dir()
         from .backends import make_planner
 
         try:
-            planner = make_planner(cfg)
-            sup = Supervisor(cfg, planner, cfg.engines or planner.detect_engines())
+            with early.interruptible():
+                planner = make_planner(cfg)
+                engines = cfg.engines or planner.detect_engines()
+            sup = Supervisor(cfg, planner, engines)
         except ImportError as e:
             raise StartupError(f"--backend {cfg.backend}: {e}; install what it needs or use "
                                f"--backend cpu") from None
@@ -974,6 +1004,9 @@ def run(cfg: Config) -> int:
     except StartupError as e:
         print(f"epd serve: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:
+        log.info("signal %d before the daemon started: stopping", e.signum)
+        return 0
     finally:
         early.install()  # (the loop removed its handlers: SIG_DFL would cut this short)
         try:

@@ -340,6 +340,59 @@ def test_a_stop_signal_before_the_event_loop_leaves_nothing(folder, tmpdir_env, 
     assert os.listdir(tmpdir_env) == []  # no metrics folder
 
 
+HUNG_START = textwrap.dedent('''
+    import os, signal, sys, time
+    from epd.server import cli, supervisor
+
+    def check_backend(cfg):  # (a backend check stuck in a wedged driver)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        raise AssertionError("the stop signal did not end the start")
+
+    supervisor.check_backend = check_backend
+    sys.exit(cli.main(["serve", "--backend", "cpu", "--engines", "1", "--socket-dir",
+                       sys.argv[1], "--shm-dir", sys.argv[2], "--metrics-port", "0"]))
+''')
+
+
+def test_a_stop_signal_ends_a_start_stuck_before_the_event_loop(folder, tmpdir_env):
+    """SIGTERM while a start-up step hangs (the backend's checks, the engines' detection:
+    steps that make no file) ends the start there, as it did before the daemon noted early
+    signals, and removes the lock it already holds (systemd's stop would wait out its timeout)."""
+    sock, shm = os.path.join(folder, "sock"), os.path.join(folder, "shm")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("EPD_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", HUNG_START, sock, shm], env=env,
+                         capture_output=True, text=True, timeout=50)
+    assert time.monotonic() - t0 < 30
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "did not end the start" not in out.stderr
+    assert os.listdir(sock) == [] and os.listdir(tmpdir_env) == []
+
+
+def test_a_daemon_started_under_nohup_outlives_sighup(tmpdir_env):
+    """A daemon started ignoring SIGHUP (nohup) keeps ignoring it, and so do its engines: it
+    must outlive the terminal it was started from. SIGTERM still stops it cleanly."""
+    saved = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (inherited by the daemon)
+    try:
+        d = TestDaemon(engines=1)
+    finally:
+        signal.signal(signal.SIGHUP, saved)
+    try:
+        d.wait_ready(60)
+        engine = d.engine_pid(0)
+        d.proc.send_signal(signal.SIGHUP)
+        os.kill(engine, signal.SIGHUP)
+        time.sleep(1.0)
+        assert d.proc.poll() is None and not _gone(engine), d.log()[-3000:]
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0, d.log()[-3000:]
+        assert _gone(engine)
+    finally:
+        d.stop_and_check()
+
+
 # -- 2. an engine whose worker is stuck in an operation ------------------------------------------
 ENGINE = textwrap.dedent('''
     import asyncio, sys, threading

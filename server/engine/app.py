@@ -42,7 +42,9 @@ STOP_GRACE_SECONDS = 1.0  # after the drain: what gRPC calls still open get befo
 # After serve() ends: the longest the process's own exit may take (joining its threads) before
 # it is cut short with os._exit (a thread stuck in an operation would hold it forever).
 EXIT_SECONDS = 10.0
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# (SIGHUP not where the engine's supervisor was started ignoring it: nohup; inherited)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + (
+    () if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else (signal.SIGHUP,))
 
 
 STARTUP_FAILED = 3  # exit status of an engine that could not start (reason: failure file)
