@@ -6,14 +6,16 @@ answer to the join."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 
 from ..proto import abi, counter_page
-from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument
+from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgument
 from ..proto.v1 import epd_pb2
 from . import stream_calls
 from . import tensors as T
@@ -27,6 +29,20 @@ if TYPE_CHECKING:
     from .stream_ops import StreamOp
 
 RPC_MARGIN = 5.0  # the engine's own deadline fires first and names the missing rank
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _staged_call(method: _F) -> _F:
+    """A call that stages its inputs: from their description to its answer it is inside the
+    session memory's call scope, so no other thread's call reuses that staging meanwhile
+    (Memory.call_scope)."""
+
+    @functools.wraps(method)
+    def call(self: Group, *args: Any, **kwargs: Any) -> Any:
+        with self._session.memory.call_scope():
+            return method(self, *args, **kwargs)
+    return cast(_F, call)
 
 
 @dataclass
@@ -101,10 +117,13 @@ class PendingDispatch:
         return got
 
     def result(self) -> DispatchResult:
+        s = self._group._session
         try:
+            if s._closed:  # (its outputs are unmapped: no answer can be read)
+                raise FailedPrecondition("the session is closed")
             resp = cast(epd_pb2.DispatchResponse, self._future.result())
         finally:
-            self._group._session._dispatch_done(self._future)
+            s._dispatch_done(self._future)
         return self._group._dispatch_result(resp, self._copy, self._template)
 
     def __del__(self) -> None:
@@ -167,7 +186,20 @@ class Group:
         # stream-ordered as on one node: a stage's failure reaches the stream's done word).
         self.two_stage: bool = bool(resp.two_stage)
         self._outputs = session.memory.outputs(resp)
+        try:
+            self._init_rest(session, spec, resp)
+        except BaseException:
+            self._outputs.close()  # (the session leaves the membership: Session.join)
+            raise
+
+    def _init_rest(self, session: Session, spec: epd_pb2.GroupSpec,
+                   resp: epd_pb2.JoinGroupResponse) -> None:
         assert session._counter_file is not None
+        page = session._counter_file.size
+        if not 0 <= resp.counter_slot < page // counter_page.SLOT_BYTES:
+            raise Internal(f"the engine gave group {resp.group_id} counter slot "
+                           f"{resp.counter_slot}, outside the session's counter page "
+                           f"({page // counter_page.SLOT_BYTES} slots)")
         self._counter_slot = resp.counter_slot
         self._counter = counter_page.slot_words(session._counter_file.mm, resp.counter_slot)
         self._left = False
@@ -241,6 +273,7 @@ class Group:
     def _timeout(self, timeout: float | None) -> float:
         return self._session._deadline(timeout)
 
+    @_staged_call
     def get_dispatch_layout(self, topk_idx: Array, *,
                             copy: bool = True) -> tuple[Array, Array, Array]:
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
@@ -283,6 +316,7 @@ class Group:
             **d)
         return req, t + RPC_MARGIN
 
+    @_staged_call
     def dispatch(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
                  x_scales: Array = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  handle: Handle | None = None, timeout: float | None = None,
@@ -325,6 +359,7 @@ class Group:
             raise
         return self._dispatch_result(resp, copy, x)
 
+    @_staged_call
     def dispatch_async(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
                        x_scales: Array = None, expert_alignment: int = 1,
                        num_worst_tokens: int = 0, handle: Handle | None = None,
@@ -352,8 +387,7 @@ class Group:
         expected = int(self._counter[counter_page.SEQ]) + 1
         fut = s._transport.call_async("Dispatch", req, rpc_timeout)
         pending = PendingDispatch(self, fut, expected, copy, x)
-        s._in_flight = (weakref.ref(pending), fut)
-        s.memory.hold_staging()  # (its inputs may be staged copies the engine reads later)
+        s._dispatch_started(pending, fut)  # (its inputs may be staged copies read later)
         return pending
 
     def _dispatch_result(self, resp: epd_pb2.DispatchResponse, copy: bool,
@@ -374,6 +408,7 @@ class Group:
             rank_prefix_matrix=v(resp.rank_prefix_matrix, copy, template),
             num_recv_tokens=resp.num_recv_tokens)
 
+    @_staged_call
     def combine(self, x: Array, handle: Handle, topk_weights: Array = None, bias_0: Array = None,
                 bias_1: Array = None, *, timeout: float | None = None,
                 copy: bool = True, num_sms: int = 0) -> tuple[Array, Array | None]:
@@ -401,6 +436,7 @@ class Group:
         return cx, cw
 
     # -- low-latency mode (DeepEP low_latency_dispatch / low_latency_combine) ------------------
+    @_staged_call
     def low_latency_dispatch(self, x: Array, topk_idx: Array, num_max_dispatch_tokens_per_rank: int,
                              *, num_experts: int | None = None, use_fp8: bool = False,
                              round_scale: bool = False, use_ue8m0: bool = False,
@@ -450,6 +486,7 @@ class Group:
             recv_src_rank=v(resp.recv_src_rank, copy, x),
             recv_src_idx=v(resp.recv_src_idx, copy, x))
 
+    @_staged_call
     def low_latency_combine(self, x: Array, topk_idx: Array, topk_weights: Array,
                             handle: LowLatencyHandle, *, out: Array = None,
                             timeout: float | None = None, copy: bool = True) -> Array:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 
@@ -25,7 +27,7 @@ import numpy as np
 
 from ..proto import cuda_driver, dtypes
 from ..proto import fd_channel as fdc
-from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument
+from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from . import tensors as T
@@ -108,6 +110,12 @@ class Memory(abc.ABC):
     def release_staging(self) -> None:  # noqa: B027
         """That call is done: staging may be reused from its start."""
 
+    def call_scope(self) -> _CallScope:
+        """`with memory.call_scope():` around a synchronous call, from the description of its
+        inputs to its answer (and write_back): while any such call is inside one, no other
+        thread's call reuses the staging it was given (cpu backend; a no-op elsewhere)."""
+        return _NO_SCOPE
+
     def counter_page_device_ptr(self) -> int:
         """The counter page's address for this process's CUDA streams (stream-ordered calls)."""
         raise FailedPrecondition("stream-ordered calls need the cuda backend")
@@ -119,6 +127,26 @@ class Memory(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release what the session mapped or allocated (the session is ending)."""
+
+
+class _CallScope:
+    """The context manager of Memory.call_scope (one per strategy: entered by any thread)."""
+
+    __slots__ = ("_memory",)
+
+    def __init__(self, memory: ShmMemory | None) -> None:
+        self._memory = memory
+
+    def __enter__(self) -> None:
+        if self._memory is not None:
+            self._memory._enter_call()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._memory is not None:
+            self._memory._exit_call()
+
+
+_NO_SCOPE = _CallScope(None)
 
 
 def for_backend(backend: int, register: Register, unregister: Unregister,
@@ -156,10 +184,22 @@ class ShmMemory(Memory):
     def __init__(self, register_fd: RegisterFd, unregister: Unregister, fetch: Fetch) -> None:
         self._register_fd, self._unregister, self._fetch = register_fd, unregister, fetch
         self.staging = T.Staging()
-        self.staged: dict[str, np.ndarray] = {}  # the last call's staged copies, by name
+        # Staging is shared by the session's threads: its allocation and bookkeeping run under
+        # this lock, and it is reset (or a file it outgrew unregistered) only while no other
+        # call's staged copies may still be read: none held by an async dispatch, none of a
+        # synchronous call between its describe and its answer (`call_scope`).
+        self._lock = threading.Lock()
+        self._local = threading.local()  # .staged: this thread's last call's copies, by name
         self._held = 0  # calls in flight whose staged inputs the engine may not have read
-        self._retired: list[T.ShmFile] = []  # staging files replaced while held
+        self._busy = 0  # synchronous calls inside call_scope (their answer not come yet)
+        self._retired: list[T.ShmFile] = []  # staging files replaced while in use
         self.user_regions: list[T.ShmFile] = []  # from empty()
+        self._scope = _CallScope(self)
+
+    @property
+    def staged(self) -> dict[str, np.ndarray]:
+        """The staged copies of this thread's last described call, by name."""
+        return getattr(self._local, "staged", {})
 
     def _register_file(self, f: T.ShmFile) -> None:
         try:
@@ -172,8 +212,13 @@ class ShmMemory(Memory):
         f.release_fd()
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: Array = None) -> Array:
-        nbytes = max(int(np.prod(shape)) * dtype.itemsize, 1)
-        f = T.ShmFile.create(nbytes)
+        shape = T.check_shape(shape, dtype, "empty()")  # (before anything is registered)
+        nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+        try:
+            f = T.ShmFile.create(nbytes)
+        except OSError as e:
+            raise ResourceExhausted(f"empty(): no shared memory of {nbytes} bytes for shape "
+                                    f"{shape}: {e}") from None
         self._register_file(f)
         self.user_regions.append(f)
         return T.like(f.view(0, shape, dtype), like)
@@ -184,14 +229,22 @@ class ShmMemory(Memory):
         lo = arr.ctypes.data
         return next((f for f in self.user_regions if f.base <= lo < f.base + f.size), None)
 
+    def _others(self) -> int:
+        """(Under the lock.) Calls other than this thread's own that may still read staging."""
+        return self._held + self._busy - int(getattr(self._local, "in_call", False))
+
     def _grow_staging(self, nbytes: int) -> None:
         old = self.staging.file
-        f = T.ShmFile.create(max(MIN_STAGING_BYTES, 1 << (2 * nbytes - 1).bit_length()))
+        size = max(MIN_STAGING_BYTES, 1 << (2 * nbytes - 1).bit_length())
+        in_use = old is not None and self._others()
+        if in_use:  # (at least double: calls made while others run replace few files)
+            size = max(size, 2 * old.size)
+        f = T.ShmFile.create(size)
         self._register_file(f)
         self.staging.file = f
         self.staging.reset()
         if old is not None:
-            if self._held:  # (a call in flight still names it: unregistered once released)
+            if in_use:  # (a call in flight still names it: unregistered once done)
                 self._retired.append(old)
             else:
                 self._drop_staging(old)
@@ -203,7 +256,7 @@ class ShmMemory(Memory):
             f.close(unlink=True)
 
     def describe(self, arrays: Mapping[str, Array | None], *, event: bool = True) -> Descs:
-        self.staged = {}
+        self._local.staged = {}
         out: Descs = {}
         staged: dict[str, np.ndarray] = {}
         for name, a in arrays.items():
@@ -217,28 +270,54 @@ class ShmMemory(Memory):
                                   wire, T.element_strides(arr))
             else:
                 staged[name] = np.ascontiguousarray(arr)
-        if not self._held:  # (else after the copies of the call in flight: a bump, or a
-            self.staging.reset()  # new file, the old one unregistered after that call ran)
-        total = sum(T.Staging.footprint(a) for a in staged.values())
-        if staged and self.staging.need(total):
-            self._grow_staging(total)
-        for name, arr in staged.items():
-            off, dst = self.staging.put(arr)
-            out[name] = _desc(self.staging.region_id, off, dst.shape,
-                              dtypes.from_numpy(dst.dtype), T.element_strides(dst))
-            self.staged[name] = dst
+        if not staged:
+            return out
+        mine = self._local.staged
+        with self._lock:
+            if not self._others():  # (else after the copies of the calls in flight: a bump,
+                self.staging.reset()  # or a new file, the old one unregistered after them)
+            total = sum(T.Staging.footprint(a) for a in staged.values())
+            if self.staging.need(total):
+                self._grow_staging(total)
+            for name, arr in staged.items():
+                off, dst = self.staging.put(arr)
+                out[name] = _desc(self.staging.region_id, off, dst.shape,
+                                  dtypes.from_numpy(dst.dtype), T.element_strides(dst))
+                mine[name] = dst
         return out
 
+    def call_scope(self) -> _CallScope:
+        return self._scope
+
+    def _enter_call(self) -> None:
+        with self._lock:
+            self._busy += 1
+        self._local.in_call = True
+
+    def _exit_call(self) -> None:
+        self._local.in_call = False
+        with self._lock:
+            self._busy = max(self._busy - 1, 0)
+        self._drop_retired()
+
     def hold_staging(self) -> None:
-        self._held += 1
+        with self._lock:
+            self._held += 1
 
     def release_staging(self) -> None:
-        self._held = max(self._held - 1, 0)
-        if not self._held:
+        with self._lock:
+            self._held = max(self._held - 1, 0)
+        self._drop_retired()
+
+    def _drop_retired(self) -> None:
+        """Unregister the staging files outgrown while in use, once nothing may read them."""
+        with self._lock:
+            if self._held or self._busy or not self._retired:
+                return
             retired, self._retired = self._retired, []
-            for f in retired:
-                with contextlib.suppress(EpdError):  # (the session is gone: so is the region)
-                    self._drop_staging(f)
+        for f in retired:
+            with contextlib.suppress(EpdError):  # (the session is gone: so is the region)
+                self._drop_staging(f)
 
     def write_back(self, name: str, user: Array) -> None:
         dst = self.staged.get(name)

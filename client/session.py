@@ -18,8 +18,10 @@ that is no array at all.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
@@ -35,7 +37,14 @@ from . import memory as M
 from . import tensors as T
 from .group import RPC_MARGIN, Group, service_class_value
 from .tensors import Array
-from .transport import FastPathTransport, GrpcTransport, PendingCall, SessionStream, Transport
+from .transport import (
+    FastPathTransport,
+    GrpcTransport,
+    PendingCall,
+    SessionStream,
+    Transport,
+    check_fast_path_ring,
+)
 
 if TYPE_CHECKING:
     from .stream_ops import StreamOp
@@ -45,6 +54,8 @@ CONTROL_TIMEOUT = 30.0  # calls that wait for no peer (open, register, leave, st
 DEFAULT_TIMEOUT = 10.0  # collective deadline when the daemon does not say (it always does)
 WATCHER_JOIN_TIMEOUT = 5.0  # closing: how long to wait for the lease thread to end
 CLOSE_LEAVE_TIMEOUT = 2.0  # closing: a clean leave of each group, else the lease's end aborts it
+
+log = logging.getLogger("epd.client")
 
 
 def engine_socket(socket_dir: str | None = None, engine: int = 0,
@@ -102,6 +113,7 @@ class Session:
         self._stream_ops: dict[int, StreamOp] = {}  # armed stream-ordered calls (stream_ops.py)
         # The dispatch_async in flight: (its PendingDispatch, weakly; its call)
         self._in_flight: tuple[Callable[[], object], PendingCall] | None = None
+        self._holding: PendingCall | None = None  # the dispatch whose staged inputs are held
         self._memory: M.Memory | None = None
         self._counter_file: T.ShmFile | None = None
         self._channel: fdc.Channel | None = None  # the engine's descriptor channel
@@ -156,6 +168,12 @@ class Session:
                 fp = cast(epd_pb2.OpenFastPathResponse, self._transport.call(
                     "OpenFastPath", epd_pb2.OpenFastPathRequest(session_id=self.session_id),
                     CONTROL_TIMEOUT))
+                try:  # (an offer this client cannot use: refused before the ring is fetched)
+                    check_fast_path_ring(fp.slots, fp.slot_bytes)
+                except ValueError as e:
+                    log.warning("session %s: fast path refused, gRPC carries every call: %s",
+                                self.session_id, e)
+                    raise
                 ring_fd, _ = self._channel.fetch(fdc.RING)  # a sealed memfd, never a path
                 self._transport = FastPathTransport(self._transport, ring_fd, fp.slots,
                                                     fp.slot_bytes, fp.spin_seconds,
@@ -196,12 +214,41 @@ class Session:
                 lease_lost(f"{who} was closed" if self._closed else
                            f"the engine went away: {who}: {self._lost}")
 
+    def _dispatch_started(self, pending: object, future: PendingCall) -> None:
+        """A dispatch_async is in flight: its staged inputs are held until it is answered."""
+        self._in_flight = (weakref.ref(pending), future)
+        self._holding = future
+        self.memory.hold_staging()
+
+    def _release_hold(self, future: PendingCall) -> None:
+        """The engine is done with the staged inputs of `future`'s dispatch (once)."""
+        if self._holding is future:
+            self._holding = None
+            if self._memory is not None and not self._closed:
+                self._memory.release_staging()
+
     def _dispatch_done(self, future: PendingCall) -> None:
         """The dispatch_async of `future` has its answer: it is no longer in flight and its
         staged inputs may be reused (once: a second result() of it changes nothing)."""
         if self._in_flight is not None and self._in_flight[1] is future:
             self._in_flight = None
-            self.memory.release_staging()
+        self._release_hold(future)
+
+    def _reap_in_flight(self) -> None:
+        """Before a call stages its inputs: a dispatch_async the engine has answered no longer
+        holds the staging, even while its result is not taken; one whose PendingDispatch was
+        dropped is no longer in flight at all. (Without this, a dropped or never-read
+        PendingDispatch kept staging from being reset for the rest of the session, and every
+        staging file outgrown meanwhile stayed registered.)"""
+        flight = self._in_flight
+        if flight is None:
+            return
+        pending, future = flight
+        if (self._holding is not future and pending() is not None) or not future.done():
+            return
+        self._release_hold(future)
+        if pending() is None and self._in_flight is flight:
+            self._in_flight = None
 
     @property
     def alive(self) -> bool:
@@ -233,8 +280,7 @@ class Session:
         cuda backend it is a device array on the engine's GPU."""
         dt = np.dtype(dtype)
         T.wire_dtype(dt, "empty()")
-        shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        return self.memory.empty(shape, dt, like)
+        return self.memory.empty(T.check_shape(shape, dt, "empty()"), dt, like)
 
     def _register_region(self, req: epd_pb2.RegisterRegionRequest) -> str:
         req.session_id = self.session_id
@@ -247,7 +293,9 @@ class Session:
 
     def _descs(self, arrays: dict[str, Array | None], event: bool = True) -> M.Descs:
         """Descriptors for a call's inputs (the memory strategy's `describe`)."""
-        return self.memory.describe(arrays, event=event)
+        memory = self.memory
+        self._reap_in_flight()
+        return memory.describe(arrays, event=event)
 
     def _write_back(self, name: str, user: Array) -> None:
         self.memory.write_back(name, user)
@@ -284,9 +332,24 @@ class Session:
         resp = cast(epd_pb2.JoinGroupResponse, self._call("JoinGroup", epd_pb2.JoinGroupRequest(
             session_id=self.session_id, spec=spec, rank=rank, timeout_seconds=wait),
             wait + RPC_MARGIN))
-        g = Group(self, spec, resp)
+        try:
+            g = Group(self, spec, resp)
+        except BaseException:
+            # The engine made the membership; its peers would wait on this rank until the
+            # session ends: leave it now (bounded, best effort; the lease's end is the backstop).
+            self._leave_quietly(resp.group_id)
+            raise
         self._groups[g.group_id] = g
         return g
+
+    def _leave_quietly(self, group_id: str) -> None:
+        """LeaveGroup within CLOSE_LEAVE_TIMEOUT; a failure is logged, never raised."""
+        try:
+            self._transport.call("LeaveGroup", epd_pb2.LeaveGroupRequest(
+                session_id=self.session_id, group_id=group_id), CLOSE_LEAVE_TIMEOUT)
+        except Exception as e:
+            log.warning("session %s: could not leave group %s: %s", self.session_id,
+                        group_id, e)
 
     def _deadline(self, timeout: float | None) -> float:
         """A call's deadline: its own, else the session's, else the daemon's default."""

@@ -10,9 +10,12 @@ the cpu backend, raises `InvalidArgument`; an object that is no array at all rai
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
+import operator
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +67,25 @@ def wire_dtype(dtype: np.dtype, what: str) -> int:
         return dtypes.from_numpy(dtype)
     except ValueError as e:
         raise InvalidArgument(f"{what}: {e}") from None
+
+
+def check_shape(shape: Any, dtype: np.dtype, what: str) -> tuple[int, ...]:
+    """A shape to allocate: an int or a sequence of ints, each >= 0, whose bytes fit in an
+    index (Python's arithmetic: NumPy's product wraps around silently); InvalidArgument
+    naming it otherwise."""
+    try:
+        dims = (operator.index(shape),) if not hasattr(shape, "__iter__") else tuple(
+            operator.index(d) for d in shape)
+    except TypeError:
+        raise InvalidArgument(f"{what}: shape must be an int or a sequence of ints, got "
+                              f"{shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise InvalidArgument(f"{what}: shape {dims} has a negative dimension")
+    nbytes = math.prod(dims) * dtype.itemsize
+    if nbytes > sys.maxsize:
+        raise InvalidArgument(f"{what}: shape {dims} of {dtype} is {nbytes} bytes, more than "
+                              f"can be addressed")
+    return dims
 
 
 def element_strides(arr: np.ndarray) -> tuple[int, ...]:

@@ -8,6 +8,9 @@ for a failed call."""
 from __future__ import annotations
 
 import abc
+import logging
+import math
+import os
 import threading
 import time
 import weakref
@@ -15,12 +18,19 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from ..proto import fd_channel as fdc
 from ..proto import operations, spin
 from ..proto import ring as R
-from ..proto.errors import EpdError, ResourceExhausted, Unavailable, from_status_value
+from ..proto.errors import (
+    EpdError,
+    FailedPrecondition,
+    Internal,
+    ResourceExhausted,
+    Unavailable,
+    from_status_value,
+)
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import host_cpu
 
@@ -34,6 +44,37 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 RING_FULL_POLL_SECONDS = 20e-6  # a full ring: how often to look for a freed slot
 FUTEX_WAIT_SECONDS = 0.05  # a waiting call wakes at least this often to check the ring
 # (and the lease: see FastPathTransport.lease_lost)
+# The most a client spins for an answer, whatever the engine's OpenFastPathResponse says (its
+# defaults: 50 µs, and 1 ms for answers predicted to come that quickly); never past a call's
+# deadline either.
+MAX_SPIN_SECONDS = 0.01
+CLOSED_MESSAGE = "the session is closed"
+
+log = logging.getLogger("epd.client")
+
+
+def fast_path_spins(spin_seconds: float, reply_spin_max_seconds: float
+                    ) -> tuple[float, float, str]:
+    """The engine's spin windows as the client uses them: each within [0, MAX_SPIN_SECONDS]
+    (NaN: 0); and what was clamped ("" when nothing was), for a warning."""
+    out, notes = [], []
+    for name, v in (("spin_seconds", spin_seconds),
+                    ("reply_spin_max_seconds", reply_spin_max_seconds)):
+        v = float(v)
+        c = 0.0 if math.isnan(v) else min(max(v, 0.0), MAX_SPIN_SECONDS)
+        if c != v:
+            notes.append(f"{name}={v!r} taken as {c}")
+        out.append(c)
+    return out[0], out[1], "; ".join(notes)
+
+
+def check_fast_path_ring(slots: int, slot_bytes: int) -> None:
+    """ValueError unless the engine's ring has a shape this client can use (the limits the
+    engine itself checks a request against, proto/ring.py)."""
+    if not (1 <= slots <= R.MAX_SLOTS and R.MIN_SLOT_BYTES <= slot_bytes <= R.MAX_SLOT_BYTES):
+        raise ValueError(f"the engine offered a fast-path ring of {slots} slots of {slot_bytes} "
+                         f"bytes (slots must lie in [1, {R.MAX_SLOTS}], slot_bytes in "
+                         f"[{R.MIN_SLOT_BYTES}, {R.MAX_SLOT_BYTES}])")
 
 
 class PendingCall(Protocol):
@@ -145,13 +186,21 @@ class _RingCall:
         self._taking = threading.Lock()  # result() and the ring's reclaim never both take it
 
     def done(self) -> bool:
+        """Whether result() returns (or raises) at once: answered, or the transport closed."""
+        if self._done or self.t.closed:
+            return True
         words, _, _ = self.t.ring.slot(self.slot)
-        return self._done or int(words[R.S_STATE]) == R.DONE
+        answered = int(words[R.S_STATE]) == R.DONE and R.seq_of(words) == self.seq
+        return answered or self._done  # (the ring may have moved its answer out meanwhile)
 
     def result(self, timeout: float | None = None) -> Message:
         with self._taking:
             if not self._done:
-                self._value = self.t._finish(self)
+                try:
+                    self._value = self.t._finish(self)
+                except Exception as e:  # (a bug here: fail this call once, never spin again)
+                    self._value = Internal(f"{self.op.name}: the fast-path answer could not "
+                                           f"be read: {type(e).__name__}: {e}")
                 self._done = True
         if isinstance(self._value, EpdError):
             raise self._value
@@ -159,8 +208,9 @@ class _RingCall:
         return self._value
 
     def abandon(self) -> None:
-        """Its answer may be taken by the ring when it needs the slot (its holder stopped
-        waiting for it; a later result() still returns it)."""
+        """Its holder stopped waiting for it: the ring may take its answer when it needs the
+        slot (a later result() still returns it). Every call is so from its submission on
+        (FastPathTransport._reclaim); this stays for callers."""
         if not self._done:
             self.t._orphans[self.slot] = (self.seq, weakref.ref(self))
 
@@ -184,15 +234,27 @@ class FastPathTransport(Transport):
         up to `reply_spin_max_seconds` where the recent answers of the same operation came
         within that (the caller's thread is blocked on the call anyway; a futex sleep adds a
         wake-up to every answer that takes longer than the base spin)."""
+        try:
+            check_fast_path_ring(slots, slot_bytes)
+        except ValueError:
+            if not isinstance(ring, R.Ring):
+                os.close(ring)
+            raise
+        base, longest, clamped = fast_path_spins(spin_seconds, reply_spin_max_seconds)
+        if clamped:
+            log.warning("fast path: the engine's spin windows were clamped (%s)", clamped)
         self.inner = inner
         self.ring = ring if isinstance(ring, R.Ring) else R.Ring.from_fd(ring, slots, slot_bytes)
-        self.spin = spin.SpinWindow(spin_seconds, reply_spin_max_seconds)
+        self.spin = spin.SpinWindow(base, longest)
         self._lock = threading.Lock()
         self._next = 1
-        # slot -> (sequence, the call or None) of a call dropped or abandoned unanswered
-        # (_RingCall.__del__ / abandon, any thread: a dict store, no lock); the slot is freed
-        # once the engine answered it (_reclaim)
+        # slot -> (sequence, the call or None) of the call submitted there: its weak reference
+        # (set at submission), or None once it was dropped unanswered (_RingCall.__del__, any
+        # thread: a dict store, no lock). A slot the ring needs again is freed once the engine
+        # answered it (_reclaim): the answer of a live call moves into that call, which
+        # result() then returns; that of a dropped call is thrown away.
         self._orphans: dict[int, tuple[int, Callable[[], _RingCall | None] | None]] = {}
+        self.closed = False  # close() ran: no call may touch the ring any more
         self.broken: str | None = None
         # Set once the session's lease ended (the engine died or the session closed): every ring
         # call then fails with UNAVAILABLE, waiting ones within one wait slice.
@@ -220,13 +282,18 @@ class FastPathTransport(Transport):
         assert op.ring_id is not None, f"{method} does not travel on the ring"
         deadline = time.monotonic() + timeout
         with self._lock:
+            if self.closed:
+                raise FailedPrecondition(CLOSED_MESSAGE)
             seq = self._next
             slot = (seq - 1) % self.ring.slots
             words, payload, _ = self.ring.slot(slot)
             while int(words[R.S_STATE]) != R.FREE and not self._reclaim(slot, words):
-                # Every slot holds a call in flight: wait for the oldest to be consumed.
+                # Every slot holds a call the engine has not answered yet (or whose answer
+                # result() is taking now): wait for the oldest to be consumed.
                 if self.lost is not None:
                     raise self._lost_error()
+                if self.closed:
+                    raise FailedPrecondition(CLOSED_MESSAGE)
                 if time.monotonic() > deadline:
                     raise ResourceExhausted(
                         f"fast-path ring full ({self.ring.slots} calls in flight)")
@@ -241,16 +308,20 @@ class FastPathTransport(Transport):
             self.ring.header[R.DOORBELL] += 1
             if self.ring.header[R.ENGINE_WAITING]:
                 R.futex_wake(self.ring.doorbell_addr)
-        return _RingCall(self, op, slot, seq, deadline)
+            call = _RingCall(self, op, slot, seq, deadline)
+            self._orphans[slot] = (seq, weakref.ref(call))
+        return call
 
     def _reclaim(self, slot: int, words: np.ndarray) -> bool:
-        """(Under self._lock.) Free `slot` if it holds the answer of a call dropped or
-        abandoned unanswered; an abandoned call keeps its answer for a later result()."""
+        """(Under self._lock.) Free `slot` if it holds an answer nobody is taking now: that of
+        a dropped call is thrown away, that of a live one (an async call not read yet, e.g. a
+        PendingDispatch) moves into the call for its later result(). So a call whose answer
+        sits unread never blocks the call that comes round to its slot."""
         orphan = self._orphans.get(slot)
         if orphan is None or int(words[R.S_STATE]) != R.DONE or R.seq_of(words) != orphan[0]:
             return False
         call = orphan[1]() if orphan[1] is not None else None
-        if call is None:
+        if call is None or call._done:  # (done: it failed already, e.g. its deadline passed)
             R.set_seq(words, 0)
             words[R.S_STATE] = R.FREE
         elif call._taking.acquire(blocking=False):  # (else its result() is taking it now)
@@ -269,11 +340,17 @@ class FastPathTransport(Transport):
 
     def _wait(self, call: _RingCall) -> EpdError | None:
         """Until the engine answered (None), or why it never will."""
+        if self.closed:
+            return FailedPrecondition(CLOSED_MESSAGE)
         words, _, state_addr = self.ring.slot(call.slot)
         header = self.ring.header
         ring_id = call.op.ring_id
-        spin_until = call.submitted + self.spin.window(ring_id)
+        # Spin for the operation's window, never past the call's own deadline.
+        spin_until = min(call.submitted + self.spin.window(ring_id),
+                         time.perf_counter() + (call.deadline - time.monotonic()))
         while words[R.S_STATE] != R.DONE:
+            if self.closed:
+                return FailedPrecondition(CLOSED_MESSAGE)
             if header[R.CLOSED]:
                 self.broken = "the engine closed the fast path"
                 return Unavailable(self.broken)
@@ -302,7 +379,14 @@ class FastPathTransport(Transport):
         words[R.S_STATE] = R.FREE
         if status:
             return from_status_value(status, data.decode(errors="replace"))
-        return call.op.response.FromString(data)
+        if n > self.ring.capacity:
+            return Internal(f"{call.op.name}: the engine's answer could not be decoded (it "
+                            f"claims {n} bytes; a slot holds {self.ring.capacity})")
+        try:
+            return call.op.response.FromString(data)
+        except DecodeError as e:
+            return Internal(f"{call.op.name}: the engine's answer could not be decoded "
+                            f"({n} bytes: {e})")
 
     def _use_ring(self, method: str, data: bytes) -> bool:
         op = operations.OPERATIONS.get(method)
@@ -310,6 +394,8 @@ class FastPathTransport(Transport):
                 and len(data) <= self.ring.capacity)
 
     def call(self, method: str, request: Message, timeout: float) -> Message:
+        if self.closed:
+            raise FailedPrecondition(CLOSED_MESSAGE)
         if self.lost is not None:
             raise self._lost_error()
         data = request.SerializeToString()
@@ -318,6 +404,8 @@ class FastPathTransport(Transport):
         return self._submit(method, data, timeout).result()
 
     def call_async(self, method: str, request: Message, timeout: float) -> PendingCall:
+        if self.closed:
+            return _Failed(FailedPrecondition(CLOSED_MESSAGE))
         if self.lost is not None:
             return _Failed(self._lost_error())
         data = request.SerializeToString()
@@ -329,5 +417,9 @@ class FastPathTransport(Transport):
         return self.inner.open_stream(request)
 
     def close(self) -> None:
-        self.ring.close(unlink=False)
+        """Unmap the ring: a call not answered yet, and any later call, fails with
+        FAILED_PRECONDITION ("the session is closed"); an answer already taken stays."""
+        self.closed = True
+        with self._lock:  # (no submission is writing into a slot now)
+            self.ring.close(unlink=False)
         self.inner.close()

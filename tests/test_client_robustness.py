@@ -1,0 +1,400 @@
+"""The client under bad answers and misuse (twenty-eighth session): an engine answer that does not
+decode, an OpenFastPathResponse the client cannot use, empty() with a bad shape, calls after the
+session closed, a membership whose Group cannot be built, a PendingDispatch dropped or never
+read, an answered-but-unread ring call in the slot the next call needs.
+
+The ring tests drive a FastPathTransport without an engine: the test maps the engine's side of
+the ring and writes the answers itself."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import ranklib
+
+from epd.client import EpdError, Session
+from epd.client import transport as TR
+from epd.client.transport import FastPathTransport, GrpcTransport
+from epd.proto import dtypes, spin
+from epd.proto import ring as R
+from epd.proto.errors import FailedPrecondition, Internal, InvalidArgument
+from epd.proto.v1 import epd_pb2
+
+BF16 = dtypes.BFLOAT16
+SLOTS = 4
+
+
+class _NoGrpc:
+    """The gRPC side of a ring-only transport: nothing may fall back to it."""
+
+    def call(self, *a, **k):
+        raise AssertionError("fell back to gRPC")
+
+    call_async = call
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def ring_transport(spin_seconds: float = 20e-6):
+    """(the engine's Ring, a FastPathTransport on it); both closed afterwards."""
+    eng = R.Ring.create(SLOTS, R.MIN_SLOT_BYTES)
+    t = None
+    try:
+        t = FastPathTransport(_NoGrpc(), os.dup(eng.fd), SLOTS, R.MIN_SLOT_BYTES, spin_seconds)
+        yield eng, t
+    finally:
+        if t is not None:
+            t.close()
+        eng.close()
+
+
+def _answer(eng: R.Ring, slot: int, status: int, length: int, payload: bytes = b"") -> None:
+    """What the engine does: the answer into the slot, DONE, wake the client."""
+    words, p, addr = eng.slot(slot)
+    p[:len(payload)] = payload
+    words[R.S_STATUS] = status
+    words[R.S_LENGTH] = length
+    words[R.S_STATE] = R.DONE
+    R.futex_wake(addr)
+
+
+@contextlib.contextmanager
+def answering_engine(eng: R.Ring, first: int = 1):
+    """A thread that answers every request from sequence `first` on with an empty OK message,
+    in sequence order (as the engine serves its ring)."""
+    stop = threading.Event()
+
+    def serve() -> None:
+        seq = first
+        while not stop.is_set():
+            words, _, _ = eng.slot((seq - 1) % SLOTS)
+            if words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq:
+                _answer(eng, (seq - 1) % SLOTS, 0, 0)
+                seq += 1
+            else:
+                time.sleep(1e-4)
+
+    th = threading.Thread(target=serve, name="fake-engine", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join(5)
+        assert not th.is_alive()
+
+
+# -- 1. an OK answer that does not decode ---------------------------------------------------------
+
+@pytest.mark.parametrize("length,payload", [(64, b"\xff" * 64), (0xFFFFFFFF, b"\x08\x01")],
+                         ids=["not-a-message", "longer-than-the-slot"])
+def test_an_answer_that_does_not_decode_is_internal_once(length: int, payload: bytes) -> None:
+    """protobuf's DecodeError escaped from result() (no EpdError), and the call was never marked
+    done: a second result() spun until the call's deadline. Now: INTERNAL naming the method,
+    once; the slot goes back to the ring, which goes on."""
+    with ring_transport() as (eng, t):
+        fut = t.call_async("Dispatch", epd_pb2.DispatchRequest(), 30.0)
+        _answer(eng, 0, 0, length, payload)
+        with pytest.raises(Internal, match="Dispatch: the engine's answer could not be decoded"):
+            fut.result()
+        t0 = time.monotonic()
+        with pytest.raises(Internal, match="could not be decoded"):
+            fut.result()
+        assert time.monotonic() - t0 < 1.0
+        assert fut.done()
+        words, _, _ = eng.slot(0)
+        assert int(words[R.S_STATE]) == R.FREE
+        with answering_engine(eng, first=2):
+            for _ in range(2 * SLOTS):
+                t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        assert t.broken is None
+
+
+# -- 2. the engine's OpenFastPathResponse -----------------------------------------------------
+
+def test_a_ring_the_client_cannot_use_is_refused() -> None:
+    """slots=0 gave ZeroDivisionError at the first call: the transport refuses it (ValueError,
+    which the session turns into gRPC) and closes the ring's descriptor."""
+    eng = R.Ring.create(1, R.MIN_SLOT_BYTES)
+    try:
+        for slots, slot_bytes in ((0, R.MIN_SLOT_BYTES), (R.MAX_SLOTS + 1, R.MIN_SLOT_BYTES),
+                                  (1, R.MIN_SLOT_BYTES - 1), (1, R.MAX_SLOT_BYTES + 1)):
+            fd = os.dup(eng.fd)
+            with pytest.raises(ValueError, match="fast-path ring of"):
+                FastPathTransport(_NoGrpc(), fd, slots, slot_bytes, 0.0)
+            with pytest.raises(OSError):
+                os.fstat(fd)  # (closed)
+    finally:
+        eng.close()
+
+
+def test_a_spin_never_outlasts_the_calls_deadline() -> None:
+    """A huge spin_seconds from the engine made a call spin past its own deadline at 100% CPU:
+    a spin ends at the call's deadline whatever its window."""
+    with ring_transport() as (_, t):
+        t.spin = spin.SpinWindow(10.0, 10.0)  # (a window longer than the call's deadline)
+        t0 = time.monotonic()
+        with pytest.raises(EpdError) as ei:
+            t.call("Ping", epd_pb2.PingRequest(), 0.3)  # nobody answers
+        assert time.monotonic() - t0 < 3.0
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_the_engines_spin_windows_are_clamped(caplog) -> None:
+    """... and the engine's windows are clamped to MAX_SPIN_SECONDS (NaN: 0), with a warning."""
+    with caplog.at_level(logging.WARNING, logger="epd.client"), \
+            ring_transport(spin_seconds=1e9) as (_, t):
+        assert t.spin.base == t.spin.longest == TR.MAX_SPIN_SECONDS
+        assert "spin windows were clamped" in caplog.text
+    for spins, expect in (((float("nan"), -1.0), (0.0, 0.0)),
+                          ((float("inf"), 1e-3), (TR.MAX_SPIN_SECONDS, 1e-3)),
+                          ((50e-6, 1e-3), (50e-6, 1e-3))):
+        assert TR.fast_path_spins(*spins)[:2] == expect
+
+
+class _OfferingTransport(GrpcTransport):
+    """gRPC, with fields of some answers overwritten (an engine that says what it should not);
+    records the methods called."""
+
+    def __init__(self, target: str, method: str, **fields) -> None:
+        super().__init__(target)
+        self.method, self.fields, self.calls = method, fields, []
+
+    def call(self, method, request, timeout):
+        self.calls.append(method)
+        resp = super().call(method, request, timeout)
+        if method == self.method:
+            for k, v in self.fields.items():
+                setattr(resp, k, v)
+        return resp
+
+
+def test_an_unusable_fast_path_offer_falls_back_to_grpc(daemon, caplog) -> None:
+    """Session level: a ring of 0 slots is refused with a logged warning and gRPC carries every
+    call; a spin window of 1e9 s is clamped and the fast path used."""
+    with caplog.at_level(logging.WARNING, logger="epd.client"):
+        inner = _OfferingTransport(daemon.socket(0), "OpenFastPath", slots=0)
+        with Session(daemon.socket(0), transport=inner, fast_path=True) as s:
+            assert s.transport == "grpc"
+            assert "0 slots" in s.fast_path_error
+            assert "fast path refused" in caplog.text
+            s.ping()
+        caplog.clear()
+        inner = _OfferingTransport(daemon.socket(0), "OpenFastPath", spin_seconds=1e9,
+                                   reply_spin_max_seconds=1e9)
+        with Session(daemon.socket(0), transport=inner, fast_path=True) as s:
+            assert s.transport == "fastpath"
+            assert s._transport.spin.base == TR.MAX_SPIN_SECONDS
+            assert "clamped" in caplog.text
+            t0 = time.monotonic()
+            s.ping()
+            assert time.monotonic() - t0 < 5.0
+
+
+# -- 3. empty() with a bad shape ------------------------------------------------------------------
+
+def test_empty_with_a_bad_shape_registers_nothing(daemon) -> None:
+    """A negative or overflowing shape registered a region (NumPy's product wraps around), then
+    NumPy raised a plain ValueError: now InvalidArgument naming the shape, nothing registered."""
+    with Session(daemon.socket(0), fast_path=False) as s:
+        before = s.stats().regions
+        for shape, text in (((-1, 4), r"\(-1, 4\) has a negative dimension"),
+                            ((2**40, 2**40), r"shape \(1099511627776, 1099511627776\).*bytes"),
+                            ((2.5,), "shape must be an int or a sequence of ints")):
+            with pytest.raises(InvalidArgument, match=text):
+                s.empty(shape, np.float32)
+            with pytest.raises(InvalidArgument, match=text):  # (the strategy itself too)
+                s.memory.empty(shape, np.dtype(np.float32))
+        assert s.stats().regions == before and s._user_regions == []
+        a = s.empty((0, 4), np.float32)  # (empty is a shape too)
+        assert a.shape == (0, 4) and s.stats().regions == before + 1
+
+
+# -- 4. calls after close -------------------------------------------------------------------------
+
+def test_a_ring_call_after_the_transport_closed() -> None:
+    """done() and result() of a ring call raised IndexError once the transport had closed (the
+    ring's slots gone): done() is True and result() raises FAILED_PRECONDITION, every time."""
+    with ring_transport() as (_, t):
+        fut = t.call_async("Ping", epd_pb2.PingRequest(), 5.0)
+        t.close()
+        assert fut.done()
+        for _ in range(2):
+            with pytest.raises(FailedPrecondition, match="the session is closed"):
+                fut.result()
+        with pytest.raises(FailedPrecondition, match="the session is closed"):
+            t.call("Ping", epd_pb2.PingRequest(), 1.0)
+        with pytest.raises(FailedPrecondition, match="the session is closed"):
+            t.call_async("Ping", epd_pb2.PingRequest(), 1.0).result()
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fastpath", "grpc"])
+def test_pending_dispatch_result_after_the_session_closed(daemon, fast: bool) -> None:
+    """PendingDispatch.result() after Session.close() raised FAILED_PRECONDITION once, then
+    IndexError out of the closed ring: now FAILED_PRECONDITION every time."""
+    s = Session(daemon.socket(0), fast_path=fast)
+    try:
+        assert s.transport == ("fastpath" if fast else "grpc")
+        g = s.join(f"closed-{fast}", rank=0, num_ranks=1, num_experts=4, hidden=64,
+                   max_tokens_per_rank=8, num_topk=2)
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        pd = g.dispatch_async(np.ones((2, 64), BF16), idx, np.ones((2, 2), np.float32))
+    finally:
+        s.close()
+    for _ in range(2):
+        with pytest.raises(FailedPrecondition, match="the session is closed"):
+            pd.result()
+
+
+# -- 5. a membership whose Group cannot be built --------------------------------------------------
+
+def test_a_join_whose_group_cannot_be_built_leaves_the_group(daemon) -> None:
+    """JoinGroup succeeded, then building the Group failed (here: a counter slot outside the
+    session's page): the membership lived until the session closed. Now the client sends
+    LeaveGroup before it raises; the engine holds no membership, and the rank can join again."""
+    inner = _OfferingTransport(daemon.socket(0), "JoinGroup", counter_slot=1 << 20)
+    with Session(daemon.socket(0), transport=inner, fast_path=False) as s:
+        spec = dict(rank=0, num_ranks=1, num_experts=4, hidden=64, max_tokens_per_rank=8,
+                    num_topk=2)
+        with pytest.raises(Internal, match="counter slot 1048576"):
+            s.join("unbuilt", **spec)
+        assert inner.calls[-2:] == ["JoinGroup", "LeaveGroup"]
+        assert list(s.stats().groups) == [] and s._groups == {}
+        inner.method = ""  # (the engine's answers untouched from here)
+        g = s.join("unbuilt", **spec)
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        assert g.dispatch(np.ones((2, 64), BF16), idx,
+                          np.ones((2, 2), np.float32)).num_recv_tokens == 2
+
+
+# -- 6. a PendingDispatch dropped or never read ---------------------------------------------------
+
+def test_a_dropped_pending_dispatch_releases_the_staging(daemon) -> None:
+    """A dropped (or never read) PendingDispatch held the staging for the rest of the session
+    unless a dispatch_async followed: staging was never reset, and every file it outgrew stayed
+    registered. Once the engine answered, the next call that stages inputs releases it."""
+    s0 = Session(daemon.socket(0), fast_path=False)
+    s1 = Session(daemon.socket(1), fast_path=False)
+    try:
+        spec = dict(num_ranks=2, num_experts=4, hidden=64, max_tokens_per_rank=8, num_topk=2)
+        out: list = [None, None]
+
+        def join(r: int, s: Session) -> None:
+            out[r] = s.join("dropped-staging", rank=r, **spec)
+
+        threads = [threading.Thread(target=join, args=(r, s)) for r, s in enumerate((s0, s1))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert all(g is not None for g in out)
+        g0, m = out[0], s0.memory
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        x, w = np.ones((2, 64), BF16), np.ones((2, 2), np.float32)
+        # rank 1 never dispatches: the engine answers rank 0 at the call's deadline
+        pd = g0.dispatch_async(x, idx, w, timeout=1.0)
+        fut = s0._in_flight[1]
+        del pd
+        gc.collect()
+        regions = s0.stats().regions
+        old = m.staging.file
+        s0._descs({"x": np.zeros(1 << 20, np.float32)})  # still in flight: a new file
+        assert m._held == 1 and m._retired == [old]
+        assert s0.stats().regions == regions + 1
+        ranklib.wait_until(fut.done, 15, "the dropped dispatch answered")
+        d = s0._descs({"x": np.zeros(16, np.float32)})["x"]
+        assert m._held == 0 and m._retired == [] and s0._in_flight is None
+        assert d.offset_bytes == 0  # (staging reset)
+        assert s0.stats().regions == regions  # (the outgrown file unregistered)
+        # one answered but never read: the hold goes, the dispatch stays in flight until read
+        pd = g0.dispatch_async(x, idx, w, timeout=1.0)
+        ranklib.wait_until(s0._in_flight[1].done, 15, "the unread dispatch answered")
+        assert m._held == 1
+        s0._descs({"x": np.zeros(16, np.float32)})
+        assert m._held == 0 and s0._in_flight is not None
+        with pytest.raises(EpdError, match="still in flight"):
+            g0.dispatch_async(x, idx, w)
+        with pytest.raises(EpdError):
+            pd.result()  # (its peer never came)
+        assert s0._in_flight is None and m._held == 0
+    finally:
+        s1.close()
+        s0.close()
+
+
+# -- 7. an answered-but-unread ring call ----------------------------------------------------------
+
+def test_an_unread_answer_does_not_block_the_next_call_on_its_slot() -> None:
+    """A ring call answered but not read (a live PendingDispatch) made the call that came round
+    to its slot wait its whole deadline under the transport's lock, then fail "ring full" with
+    one call in flight. Its answer now moves into the call, and the slot is used."""
+    with ring_transport() as (eng, t), answering_engine(eng):
+        pending = t.call_async("Ping", epd_pb2.PingRequest(), 5.0)
+        for _ in range(SLOTS - 1):
+            t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        t0 = time.monotonic()
+        t.call("Ping", epd_pb2.PingRequest(), 5.0)  # (the pending call's slot)
+        assert time.monotonic() - t0 < 2.0
+        assert pending.done()
+        assert isinstance(pending.result(), epd_pb2.PingResponse)
+        for _ in range(2 * SLOTS):
+            t.call("Ping", epd_pb2.PingRequest(), 5.0)
+
+
+# -- 8. two threads' calls on one session ---------------------------------------------------------
+
+def test_concurrent_calls_never_share_staged_inputs(daemon) -> None:
+    """Two threads' synchronous calls on one session (cpu backend) shared the staging file: each
+    call reset it, so one thread's staged inputs were overwritten by the other's before the
+    engine read them. Staging is reset only while no other call may read it."""
+    with Session(daemon.socket(0)) as s:
+        m = s.memory
+        a, b = np.full(64, 1.0, np.float32), np.full(64, 2.0, np.float32)
+        with m.call_scope():  # (thread A's call, between its describe and its answer)
+            da = s._descs({"x": a})["x"]
+            got: list = []
+
+            def other() -> None:
+                with m.call_scope():
+                    got.append(s._descs({"x": b})["x"])
+
+            th = threading.Thread(target=other)
+            th.start()
+            th.join(10)
+            assert len(got) == 1
+            assert (m.staging.file.view(da.offset_bytes, (64,), np.dtype(np.float32)) == 1).all()
+            db = got[0]
+            assert db.region_id != da.region_id or db.offset_bytes >= da.offset_bytes + 256
+        assert m._busy == 0 and s._descs({"x": b})["x"].offset_bytes == 0
+        # through the calls: two threads dispatch on two groups of one session
+        spec = dict(rank=0, num_ranks=1, num_experts=4, hidden=64, max_tokens_per_rank=8,
+                    num_topk=2)
+        groups = [s.join(f"threads-{i}", **spec) for i in range(2)]
+        idx = np.array([[0, 1], [2, 3]], np.int64)
+        w = np.ones((2, 2), np.float32)
+        wrong: list = []
+
+        def run(i: int) -> None:
+            for n in range(150):
+                x = np.full((2, 64), i * 1000 + n, np.float32).astype(BF16)
+                out = groups[i].dispatch(x, idx, w)
+                if not (out.recv_x.view(np.uint16) == x.view(np.uint16)[0, 0]).all():
+                    wrong.append((i, n))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads)
+        assert not wrong, f"calls that received another thread's inputs: {wrong[:5]}"
