@@ -95,7 +95,9 @@ class ClusterTls:
         import ssl
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         try:
-            ctx.load_cert_chain(cfg.cluster_tls_cert, cfg.cluster_tls_key)
+            # (no passphrase: an encrypted key is refused here, as gRPC cannot use one,
+            # instead of OpenSSL prompting for it on the daemon's terminal)
+            ctx.load_cert_chain(cfg.cluster_tls_cert, cfg.cluster_tls_key, password=lambda: b"")
         except (ssl.SSLError, OSError) as e:
             raise ValueError(f"cluster_tls_cert {cfg.cluster_tls_cert} and cluster_tls_key "
                              f"{cfg.cluster_tls_key}: not a certificate and its private key "

@@ -147,6 +147,10 @@ def test_a_node_without_the_clusters_certificate_is_not_registered(intruder):
         "--cluster-token-file", "TOKEN", "--cluster-tls-cert", "CERT", "--cluster-tls-key",
         "OTHER_KEY", "--cluster-tls-ca", "CA"], "not a certificate and its private key")
       for rank in ("0", "1")],
+    # an encrypted key (gRPC cannot use one): named, never a passphrase prompt
+    (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1", "--cluster-token-file", "TOKEN",
+      "--cluster-tls-cert", "CERT", "--cluster-tls-key", "ENC_KEY", "--cluster-tls-ca", "CA"],
+     "not a certificate and its private key"),
     (["--num-nodes", "2", "--cluster-address", "127.0.0.1:1", "--cluster-token-file", "TOKEN",
       "--cluster-tls-cert", "CERT", "--cluster-tls-key", "KEY", "--cluster-tls-ca",
       "GARBLED"], "no CA certificate in it"),
@@ -160,9 +164,14 @@ def test_tls_settings_are_checked_at_start(tmp_path, args, needle):
     _, other_key, _ = ca_.issue(str(other), "node1")
     (tmp_path / "garbled.pem").write_text("-----BEGIN CERTIFICATE-----\nnot base64\n"
                                           "-----END CERTIFICATE-----\n")
+    with open(key, "rb") as f:
+        plain = serialization.load_pem_private_key(f.read(), None)
+    (tmp_path / "enc.key").write_bytes(plain.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"passphrase")))
     subst = {"TOKEN": str(tmp_path / "token"), "CERT": cert, "KEY": key, "CA": ca,
              "MISSING": str(tmp_path / "missing"), "OTHER_KEY": other_key,
-             "GARBLED": str(tmp_path / "garbled.pem")}
+             "GARBLED": str(tmp_path / "garbled.pem"), "ENC_KEY": str(tmp_path / "enc.key")}
     res = serve(tmp_path, *[subst.get(a, a) for a in args])
     lines = res.stderr.strip().splitlines()
     assert res.returncode != 0, res.stderr

@@ -38,7 +38,7 @@ CALL_SECONDS = 60.0  # longest a request may take on the event loop
 # Caps per peer uid before authentication and per session after it keep one tenant's
 # connections from filling the engine-wide cap (a session's client keeps one open).
 MAX_CONNECTIONS = 1024
-MAX_UNBOUND_PER_UID = 16
+MAX_UNBOUND_PER_UID = 64  # (sessions of one uid opening at once each hold one briefly)
 MAX_PER_SESSION = 4
 FIRST_REQUEST_SECONDS = 10.0
 IDLE_CHECK_SECONDS = 30.0  # how often a bound, idle connection checks its session is open
