@@ -280,6 +280,48 @@ def test_a_region_an_armed_op_reads_is_not_unmapped_under_it() -> None:
     assert gone == ["r2"] and list(mem._regions.values()) == ["r3", "r0", "r1"]
 
 
+def test_unregister_region_waits_for_an_arm_running_on_the_worker() -> None:
+    """UnregisterRegion runs on the session's worker, in order with its operations: an
+    ArmStreamOp there packs its tensors' addresses before it publishes the op, and a check made
+    meanwhile on the event loop found no armed user and unmapped a region the op then read
+    (a fault in the GPU context every session shares)."""
+    import asyncio
+
+    from epd.proto.v1 import epd_pb2
+    from epd.server.engine import service
+    from epd.server.engine.executor import EngineState, SessionExecutor
+
+    ex = SessionExecutor(EngineState(0), "session-u")
+    session = types.SimpleNamespace(executor=ex)
+    events: list[str] = []
+    arming, release = threading.Event(), threading.Event()
+
+    def arm() -> None:  # (as StreamOps.arm: the op is published at its end)
+        arming.set()
+        release.wait(5)
+        events.append("op armed")
+    engine = types.SimpleNamespace(
+        session=lambda sid: session,
+        unregister_region=lambda s, rid: events.append(f"unregister {rid}"))
+
+    async def run() -> None:
+        armed = asyncio.ensure_future(ex.run(arm))
+        while not arming.is_set():
+            await asyncio.sleep(0.01)
+        unreg = asyncio.ensure_future(service._unregister_region(
+            engine, epd_pb2.UnregisterRegionRequest(session_id="s", region_id="r1")))
+        await asyncio.sleep(0.2)
+        assert events == []  # (waits behind the arm)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(armed, unreg), 5)
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        ex.worker.shutdown(wait=True)
+    assert events == ["op armed", "unregister r1"]
+
+
 def test_counts_read_back_are_bounded() -> None:
     """Counts an engine reads back from a counter page its client may write: the receive count
     within the buffer, no negative or past-int32 per-expert count, and as many as the rank's

@@ -532,7 +532,7 @@ class Engine(StreamCalls, DataPlane):
         if session.teardown_done:  # the session's teardown, begun meanwhile, has the member
             return
         self._abort(member, text, why)
-        if any(o.member is member for o in session.stream_ops.values()):
+        if any(o.member is member for o in list(session.stream_ops.values())):
             await asyncio.to_thread(self.stream_ops.release_member, session, member)
 
         def close() -> bool:

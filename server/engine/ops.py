@@ -309,7 +309,8 @@ class DataPlane:
         collective) when the session holds --max-handles-per-session already. Handles are never
         dropped silently."""
         self._release(member, releases)
-        held = sum(len(m.handles) for m in session.members.values())
+        held = sum(len(m.handles) for m in list(session.members.values()))  # (a join on
+        # the event loop may add a member meanwhile: iterate a copy)
         limit = self.config.max_handles_per_session
         if held >= limit:
             raise ResourceExhausted(f"{session.describe()} holds {held} dispatch handles, the "

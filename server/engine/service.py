@@ -57,7 +57,11 @@ async def _register_region(e: Engine, request: epd_pb2.RegisterRegionRequest
 
 async def _unregister_region(e: Engine, request: epd_pb2.UnregisterRegionRequest
                              ) -> epd_pb2.UnregisterRegionResponse:
-    e.unregister_region(e.session(request.session_id), request.region_id)
+    # On the session's worker, in order with its operations: an ArmStreamOp running there
+    # packs its tensors' addresses before it publishes the op, so a check made meanwhile on
+    # the event loop found no armed user and unmapped a region the op then read.
+    s = e.session(request.session_id)
+    await s.executor.run(e.unregister_region, s, request.region_id)
     return epd_pb2.UnregisterRegionResponse()
 
 
