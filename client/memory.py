@@ -389,6 +389,9 @@ class CudaIpcMemory(Memory):
         self._register, self._unregister = register, unregister
         self._counter_file, self.device = counter_file, device
         self._regions: OrderedDict[bytes, str] = OrderedDict()  # IPC handle -> region id
+        # The registrations are the session's, used by every thread that calls (vLLM's
+        # dual-batch overlap runs micro-batches on two): their bookkeeping under one lock.
+        self._lock = threading.Lock()
         # Allocation buffer id -> (base, region id, IPC handle): a registered allocation is
         # found with one driver query per tensor (cuda_driver.allocation_info), not an IPC
         # handle export.
@@ -411,9 +414,15 @@ class CudaIpcMemory(Memory):
         Registrations are kept least recently used first; `in_use`: regions the call being
         described names already, never the one dropped for a new registration."""
 
-        for handle, heap in self._heaps.items():  # an output of ours passed back in
+        for handle, heap in list(self._heaps.items()):  # an output of ours passed back in
             if heap.ptr <= v.ptr < heap.ptr + heap.size:
                 return self._heap_region[handle], heap.ptr, heap.size
+        with self._lock:
+            return self._registered(v, in_use)
+
+    def _registered(self, v: cuda_ipc.DeviceView, in_use: Collection[str]
+                    ) -> tuple[str, int, int]:
+        """(Under self._lock.) `_region_of` for a tensor in one of the caller's allocations."""
         info = cuda_driver.allocation_info(v.ptr)
         if info is not None:
             known = self._by_buffer.get(info[2])

@@ -398,3 +398,58 @@ def test_concurrent_calls_never_share_staged_inputs(daemon) -> None:
             th.join(60)
         assert not any(th.is_alive() for th in threads)
         assert not wrong, f"calls that received another thread's inputs: {wrong[:5]}"
+
+
+def test_cuda_registrations_are_safe_from_several_threads(monkeypatch) -> None:
+    """The CUDA IPC registrations of a session are used by every thread that calls (vLLM's
+    dual-batch overlap: two): registering, reusing and dropping the least recently used from
+    two threads at once keeps one consistent table (an OrderedDict changed under another
+    thread's iteration raised, or lost a registration)."""
+    import types
+    from collections import OrderedDict
+
+    from epd.client import cuda_ipc
+    from epd.client import memory as M
+    from epd.proto import cuda_driver
+
+    monkeypatch.setattr(M, "MAX_DEVICE_REGIONS", 6)
+    # Allocations of 4 KiB at 1 MiB strides; buffer id = allocation index.
+    monkeypatch.setattr(cuda_driver, "allocation_info",
+                        lambda ptr: (ptr & ~0xFFFFF, 4096, ptr >> 20))
+    monkeypatch.setattr(cuda_ipc, "ipc_handle", lambda base, dev: b"h%d" % (base >> 20))
+    mem = object.__new__(M.CudaIpcMemory)
+    mem._regions, mem._by_buffer, mem._heaps, mem._heap_region = OrderedDict(), {}, {}, {}
+    mem._lock = threading.Lock()
+    live: set[str] = set()
+    count = iter(range(10**6))
+
+    def register(req) -> str:
+        time.sleep(0.0005)  # (an RPC: other threads run meanwhile)
+        rid = f"r{next(count)}"
+        live.add(rid)
+        return rid
+
+    def unregister(rid: str) -> None:
+        time.sleep(0.0005)
+        live.discard(rid)
+    mem._register, mem._unregister = register, unregister
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                alloc = int(rng.integers(1, 12))
+                v = types.SimpleNamespace(ptr=(alloc << 20) + 64, device=0)
+                rid, base, size = mem._region_of(v)
+                assert rid in live and base == alloc << 20 and size == 4096
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+    assert len(mem._regions) <= M.MAX_DEVICE_REGIONS
+    assert set(mem._regions.values()) == live  # nothing registered twice or lost
