@@ -19,6 +19,7 @@ from ..proto import engine_sockets
 from .service_classes import MAX_NUM_SMS, Policy, parse_policy, policy_text
 
 ENV_PREFIX = "EPD_"
+MAX_ENGINES = 256  # engine processes of one node: more is a typo, not a node's devices
 # The secret the supervisor gives each engine at spawn (environment), sent by the engine as gRPC
 # metadata on the Node RPCs that only engines may call (Rendezvous, ReleaseRank, GetBootstrap).
 NODE_TOKEN_ENV = "EPD_NODE_TOKEN"
@@ -155,10 +156,10 @@ class Config:
                 "blocked in a GPU wait, i.e. one of the engine's hardware queues); later "
                 "members' ops use the poller"})
     fast_path_slots: int = field(default=16, metadata={
-        "help": "fast path: requests in flight per session"})
+        "help": "fast path: requests in flight per session (1-1024)"})
     fast_path_slot_bytes: int = field(default=16384, metadata={
         "help": "fast path: bytes of a ring slot when the client asks for no size (a message "
-                "larger than a slot goes by gRPC)"})
+                "larger than a slot goes by gRPC; 4096-1048576)"})
     max_timeout_seconds: float = field(default=600.0, metadata={
         "help": "longest deadline a call may ask for (timeout_seconds of a request)"})
     num_sms: int = field(default=0, metadata={
@@ -419,6 +420,9 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError("timeout_seconds must be positive")
     if cfg.max_timeout_seconds <= 0:
         raise ValueError("max_timeout_seconds must be positive")
+    if cfg.timeout_seconds > cfg.max_timeout_seconds:  # (was: every default deadline clamped)
+        raise ValueError(f"timeout_seconds ({cfg.timeout_seconds:g}) must be at most "
+                         f"max_timeout_seconds ({cfg.max_timeout_seconds:g})")
     _check_range(cfg, "metrics_port", 0, 65535)
     for name in ("restart_backoff_seconds", "restart_backoff_max_seconds",
                  "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds"):
@@ -428,8 +432,8 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError(f"engine_hung_seconds ({cfg.engine_hung_seconds:g}) must be 0 or at "
                          f"least engine_unresponsive_seconds "
                          f"({cfg.engine_unresponsive_seconds:g})")
-    if cfg.engines < 0:
-        raise ValueError("engines must be >= 0")
+    _check_range(cfg, "engines", 0, MAX_ENGINES, "0: one per device; cpu backend 2")
+    _check_limits(cfg)
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
     cfg.service_classes  # noqa: B018  (ValueError naming the rule)
     for name in ("latency_num_sms", "throughput_num_sms"):
@@ -473,6 +477,26 @@ def resolve_class_engines(cfg: Config, backend: str, pays: bool) -> tuple[Config
     if cfg.throughput_mps_percentage and not on:
         raise ValueError(f"{_NO_SHARE} (class engines are off: {why})")
     return dataclasses.replace(cfg, class_engines="on" if on else "off"), why
+
+
+def _check_limits(cfg: Config) -> None:
+    """The engines' sizes and counts: each in the range its user takes (the fast-path ring's
+    limits are the ones the engine checks a client's request against, proto/ring.py)."""
+    from ..proto import ring
+
+    for name in ("max_sessions", "max_regions_per_session", "max_region_bytes_per_session",
+                 "max_groups_per_session", "max_handles_per_session", "nvshmem_heap_bytes"):
+        _check_range(cfg, name, 1)
+    _check_range(cfg, "max_stream_ops_per_session", 0, note="0: none armed")
+    _check_range(cfg, "fast_path_slots", 1, ring.MAX_SLOTS)
+    _check_range(cfg, "fast_path_slot_bytes", ring.MIN_SLOT_BYTES, ring.MAX_SLOT_BYTES)
+    for name in ("num_sms", "ll_num_sms"):
+        _check_range(cfg, name, 0, MAX_NUM_SMS, "0: the per-GPU default")
+    _check_range(cfg, "max_group_label_values", 0, note="0: every group labelled _overflow")
+    _check_range(cfg, "ll_chain_members", 0, note="0: no chain")
+    for name in ("fast_path_spin_us", "fast_path_spin_max_us", "gil_switch_us",
+                 "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us"):
+        _check_range(cfg, name, 0)
 
 
 def _check_range(cfg: Config, name: str, low: float, high: float | None = None,

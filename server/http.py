@@ -1,15 +1,17 @@
 """The supervisor's HTTP endpoint: /metrics (all processes), /healthz and /readyz.
 
 prometheus_client's WSGI app does the exposition; the standard library's WSGI server runs it in
-a thread so a slow scrape never touches the event loop.
+a thread so a slow scrape never touches the event loop. The address family is the host's
+(getaddrinfo): an IPv6 address (a pod IP on an IPv6 cluster, ::1) binds as IPv4 ones do.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app, multiprocess
 
@@ -17,7 +19,11 @@ from . import metrics
 
 
 class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+    daemon_threads = True  # (address_family AF_INET, socketserver's)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -50,7 +56,19 @@ def make_app(ready: Callable[[], tuple[bool, str]]):
 
 
 def start(host: str, port: int, ready: Callable[[], tuple[bool, str]]) -> _Server:
-    server = make_server(host, port, make_app(ready), server_class=_Server,
-                         handler_class=_QuietHandler)
+    """Serve on host:port (an IPv4 or IPv6 address or a name: the first address getaddrinfo
+    gives; "": every IPv4 address, as before). OSError (socket.gaierror for a host that does
+    not resolve) where it cannot listen there."""
+    family, _, _, _, address = socket.getaddrinfo(
+        host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server_class = _Server6 if family == socket.AF_INET6 else _Server
+    server = server_class(address, _QuietHandler)
+    server.set_app(make_app(ready))
     threading.Thread(target=server.serve_forever, name="epd-http", daemon=True).start()
     return server
+
+
+def url(server: _Server, path: str = "/metrics") -> str:
+    """http://HOST:PORT<path> of a started server (an IPv6 host in brackets)."""
+    host, port = server.server_address[:2]
+    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"

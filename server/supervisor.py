@@ -258,6 +258,10 @@ class Supervisor:
         return True, f"ready: {len(self.engines)} engine(s), backend {self.backend}"
 
     def _spawn(self, e: EngineProc) -> None:
+        from . import metrics
+        # Down until it serves (_watch sets 1): an engine stuck in its first start has a series
+        # of 0 for EpdEngineDown to see, not none until --engine-start-timeout-seconds.
+        metrics.ENGINE_UP.labels(str(e.index)).set(0)
         env = dict(os.environ)
         env.update(self.cfg.to_env())
         env["EPD_BACKEND"] = self.backend
@@ -578,8 +582,7 @@ class Supervisor:
             raise StartupError(
                 f"--metrics-host {cfg.metrics_host} / --metrics-port {cfg.metrics_port}: cannot "
                 f"listen there ({e.strerror or e}); fix the address or port") from None
-        host, port = self._http.server_address[:2]
-        self.metrics_url = f"http://{host}:{port}/metrics"
+        self.metrics_url = http.url(self._http)  # (an IPv6 host in brackets)
 
     def request_stop(self) -> None:
         """A graceful stop (what SIGTERM, SIGINT and SIGHUP do): drain, then exit."""

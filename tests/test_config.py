@@ -81,6 +81,74 @@ def test_bad_values_name_the_setting(tmp_path, argv, env, toml, setting):
         load(argv, env)
 
 
+# (setting, a value outside its range, the bound just inside it): the engines' limits, which
+# load() once took unchecked (a negative session cap, a ring the engine refuses to make).
+_RING = ("fast_path_slots", "fast_path_slot_bytes")
+OUT_OF_RANGE = [
+    ("max_sessions", "0", "1"),
+    ("max_sessions", "-5", "1"),
+    ("fast_path_slots", "0", "1"),
+    ("fast_path_slots", "1025", "1024"),
+    ("fast_path_slot_bytes", "4095", "4096"),
+    ("fast_path_slot_bytes", "1048577", "1048576"),
+    ("fast_path_slot_bytes", "-1", "4096"),
+    ("num_sms", "-1", "0"),
+    ("num_sms", "1025", "1024"),
+    ("ll_num_sms", "-1", "0"),
+    ("nvshmem_heap_bytes", "0", "1"),
+    ("nvshmem_heap_bytes", "-4294967296", "1"),
+    ("max_group_label_values", "-1", "0"),
+    ("engines", "-1", "0"),
+    ("engines", "257", "256"),
+    ("ll_chain_members", "-1", "0"),
+    ("max_regions_per_session", "0", "1"),
+    ("max_region_bytes_per_session", "-1", "1"),
+    ("max_groups_per_session", "0", "1"),
+    ("max_stream_ops_per_session", "-1", "0"),
+    ("max_handles_per_session", "0", "1"),
+    ("fast_path_spin_us", "-1", "0"),
+    ("stream_op_poll_us", "-1", "0"),
+]
+
+
+@pytest.mark.parametrize(("name", "bad", "edge"), OUT_OF_RANGE,
+                         ids=[f"{n}={b}" for n, b, _ in OUT_OF_RANGE])
+def test_limits_out_of_range_are_one_line_errors_naming_the_setting(name, bad, edge):
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=rf"^{name} must ") as err:
+        load([flag, bad])
+    assert "\n" not in str(err.value) and f"got {bad}" in str(err.value)
+    with pytest.raises(ValueError, match=rf"^{name} must "):  # (the env names it alike)
+        load([], {f"EPD_{name.upper()}": bad})
+    assert getattr(load([flag, edge]), name) == int(edge)  # the bound itself is accepted
+
+
+def test_ring_limits_are_the_engines():
+    """The fast-path defaults lie in the ring's limits, which the help texts quote."""
+    from epd.proto import ring
+
+    fields = {f.name: f for f in dataclasses.fields(config.Config)}
+    assert f"1-{ring.MAX_SLOTS}" in fields["fast_path_slots"].metadata["help"]
+    assert f"{ring.MIN_SLOT_BYTES}-{ring.MAX_SLOT_BYTES}" in \
+        fields["fast_path_slot_bytes"].metadata["help"]
+    cfg = load()
+    assert 1 <= cfg.fast_path_slots <= ring.MAX_SLOTS
+    assert ring.MIN_SLOT_BYTES <= cfg.fast_path_slot_bytes <= ring.MAX_SLOT_BYTES
+    with pytest.raises(ValueError, match="fast_path_slots"):
+        load(["--fast-path-slots", str(ring.MAX_SLOTS + 1)])
+
+
+def test_a_default_deadline_above_the_longest_is_an_error():
+    """timeout_seconds above max_timeout_seconds was clamped to it without a word."""
+    with pytest.raises(ValueError, match=r"^timeout_seconds \(700\) must be at most "
+                                         r"max_timeout_seconds \(600\)$"):
+        load([], {"EPD_TIMEOUT_SECONDS": "700"})
+    with pytest.raises(ValueError, match="max_timeout_seconds"):
+        load(["--max-timeout-seconds", "5", "--timeout-seconds", "6"])
+    cfg = load(["--max-timeout-seconds", "5", "--timeout-seconds", "5"])
+    assert cfg.timeout_seconds == cfg.max_timeout_seconds == 5.0
+
+
 def test_to_env_roundtrip():
     cfg = load(["--engines", "3", "--per-expert-metrics", "--timeout-seconds", "2.5"])
     assert config.load(None, cfg.to_env()) == cfg

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from epd.server import config as config_mod
+from epd.server import mps as mps_mod
+from epd.server import supervisor as supervisor_mod
 from epd.server.config import Config
 
 yaml = pytest.importorskip("yaml")
@@ -24,8 +27,11 @@ JSON_FILES = sorted(DEPLOY.rglob("*.json"))
 ALERTS = DEPLOY / "prometheus" / "alerts.yaml"
 DASHBOARD = DEPLOY / "grafana" / "epd-dashboard.json"
 UNIT = DEPLOY / "systemd" / "epd.service"
+CLUSTER_DROPIN = DEPLOY / "systemd" / "epd-cluster.conf"
 ENV_FILE = DEPLOY / "systemd" / "epd.env"
+README = DEPLOY / "README.md"
 K8S = DEPLOY / "kubernetes"
+SCRAPE = DEPLOY / "prometheus" / "scrape.yaml"
 
 # Metrics the daemon exports (name -> type). Histograms also expose _bucket/_count/_sum.
 METRICS = {
@@ -134,6 +140,101 @@ def parse_unit(path: Path) -> dict[str, list[tuple[str, str]]]:
     return sections
 
 
+WORKLOAD_KINDS = {"DaemonSet", "StatefulSet", "Deployment", "ReplicaSet", "Job", "Pod"}
+
+
+def pod_spec(doc: dict) -> dict:
+    return doc["spec"] if doc["kind"] == "Pod" else doc["spec"]["template"]["spec"]
+
+
+def pod_labels(doc: dict) -> dict:
+    meta = doc["metadata"] if doc["kind"] == "Pod" else doc["spec"]["template"]["metadata"]
+    return meta.get("labels", {})
+
+
+def pod_templates() -> list[tuple[Path, dict]]:
+    """Every workload of every manifest under deploy/kubernetes."""
+    return [(path, doc) for path in sorted(K8S.rglob("*.yaml"))
+            for doc in load_yaml_docs(path) if doc.get("kind") in WORKLOAD_KINDS]
+
+
+def kustomizations() -> list[Path]:
+    return sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+
+
+def kustomization_docs(folder: Path) -> list[dict]:
+    kust = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    return [d for res in kust["resources"] for d in load_yaml_docs(folder / res)]
+
+
+def relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | None:
+    """Prometheus' relabelling (replace, keep, drop; anchored regexes) of one target's labels,
+    for configs in either spelling (scrape config snake_case, ServiceMonitor camelCase);
+    None: the target is dropped."""
+    def get(c: dict, key: str, default=None):
+        camel = re.sub(r"_(\w)", lambda m: m.group(1).upper(), key)
+        return c.get(key, c.get(camel, default))
+
+    labels = dict(labels)
+    for c in configs:
+        value = get(c, "separator", ";").join(
+            labels.get(n, "") for n in get(c, "source_labels", []))
+        m = re.fullmatch(str(get(c, "regex", "(.*)")), value)
+        action = get(c, "action", "replace").lower()
+        if (action == "keep" and not m) or (action == "drop" and m):
+            return None
+        if action == "replace" and m:
+            repl = get(c, "replacement", "$1")
+            labels[get(c, "target_label")] = m.expand(
+                re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", repl))
+    return labels
+
+
+def pod_targets(doc: dict) -> list[dict[str, str]]:
+    """The discovery labels Prometheus' role "pod" gives each metrics port of a workload's pod."""
+    base = {"__meta_kubernetes_namespace": doc["metadata"]["namespace"],
+            "__meta_kubernetes_pod_node_name": "gpu-a"}
+    for k, v in pod_labels(doc).items():
+        base["__meta_kubernetes_pod_label_" + re.sub(r"[^A-Za-z0-9_]", "_", k)] = v
+    return [{**base, "__meta_kubernetes_pod_container_port_name": port.get("name", ""),
+             "job": "epd-k8s"}
+            for c in pod_spec(doc)["containers"] for port in c.get("ports", [])
+            if port.get("name") == "metrics"]
+
+
+def servicemonitor_jobs(doc: dict, docs: list[dict]) -> list[str]:
+    """The job label of each ServiceMonitor endpoint among `docs` that scrapes the workload
+    `doc`'s metrics port through a Service (the Operator: jobLabel's value on the Service, else
+    the Service's name, then the endpoint's relabelings)."""
+    labels, ns = pod_labels(doc), doc["metadata"]["namespace"]
+    ports = {p["name"]: p["containerPort"] for c in pod_spec(doc)["containers"]
+             for p in c.get("ports", []) if "name" in p}
+    jobs = []
+    for svc in docs:
+        if svc["kind"] != "Service" or svc["metadata"]["namespace"] != ns:
+            continue
+        if not svc["spec"].get("selector") or not svc["spec"]["selector"].items() <= labels.items():
+            continue
+        svc_ports = [p["name"] for p in svc["spec"]["ports"]
+                     if p.get("targetPort") in ("metrics", ports.get("metrics"))]
+        for sm in docs:
+            if sm["kind"] != "ServiceMonitor":
+                continue
+            spec = sm["spec"]
+            if ns not in spec.get("namespaceSelector", {}).get("matchNames",
+                                                                [sm["metadata"]["namespace"]]):
+                continue
+            if not spec["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items():
+                continue
+            job = svc["metadata"]["labels"].get(spec.get("jobLabel", ""), svc["metadata"]["name"])
+            for ep in spec["endpoints"]:
+                if ep.get("port") in svc_ports:
+                    out = relabel({"job": job, "__meta_kubernetes_pod_node_name": "gpu-a"},
+                                  ep.get("relabelings", []))
+                    jobs.append(out["job"] if out else None)
+    return jobs
+
+
 def daemonset() -> dict:
     docs = load_yaml_docs(K8S / "daemonset.yaml")
     (ds,) = [d for d in docs if d["kind"] == "DaemonSet"]
@@ -148,6 +249,7 @@ def test_deploy_tree_has_expected_files():
         "README.md",
         "systemd/epd.service",
         "systemd/epd.env",
+        "systemd/epd-cluster.conf",
         "kubernetes/daemonset.yaml",
         "kubernetes/service.yaml",
         "kubernetes/servicemonitor.yaml",
@@ -155,6 +257,7 @@ def test_deploy_tree_has_expected_files():
         "kubernetes/multinode/kustomization.yaml",
         "kubernetes/multinode/statefulset.yaml",
         "kubernetes/multinode/service.yaml",
+        "kubernetes/multinode/servicemonitor.yaml",
         "prometheus/scrape.yaml",
         "prometheus/alerts.yaml",
         "grafana/epd-dashboard.json",
@@ -224,6 +327,13 @@ def test_alert_thresholds():
     assert re.search(r">\s*4\b", imbalance["expr"]) and imbalance["for"] == "10m"
     p99 = rules["EpdDispatchP99High"]["expr"]
     assert "histogram_quantile(0.99" in p99 and "epd_dispatch_seconds_bucket" in p99
+
+
+def test_readme_names_every_alert():
+    readme = README.read_text()
+    missing = [r["alert"] for r in alert_rules()
+               if not re.search(rf"\b{re.escape(r['alert'])}\b", readme)]
+    assert not missing, f"deploy/README.md does not name {missing}"
 
 
 def test_alert_metrics_exist():
@@ -330,6 +440,54 @@ def test_dashboard_metrics_exist():
 
 # ---------------------------------------------------------------- systemd
 
+# The two gRPC servers' stop(grace=0.5) in Supervisor._shutdown (no constant to import).
+SERVERS_STOP_SECONDS = 1.0
+# What a stop timeout must leave beyond the worst case computed below.
+STOP_MARGIN_SECONDS = 15.0
+
+
+def stop_bound(env: dict[str, str]) -> float:
+    """The longest a graceful stop (SIGTERM to the supervisor) can take, from the code's own
+    constants, with the drain that `env` sets (else Config's default): Supervisor.stop_engines
+    (the drain, then SIGKILL, then the wait for the killed), the servers' grace,
+    stop_leftover_engines for an engine that still had not exited (SIGTERM, SIGKILL, wait),
+    then Mps.stop's quit of a private server (the command, the wait, SIGTERM and its wait)."""
+    drain = float(env.get("EPD_DRAIN_SECONDS", Config.drain_seconds))
+    sup, mps = supervisor_mod, mps_mod
+    return (drain + sup.DRAIN_EXTRA_SECONDS + sup.KILLED_EXIT_SECONDS
+            + SERVERS_STOP_SECONDS
+            + sup.LEFTOVER_ENGINE_SECONDS + sup.KILLED_EXIT_SECONDS
+            + mps.COMMAND_SECONDS + mps.STOP_SECONDS + mps.KILL_SECONDS
+            + STOP_MARGIN_SECONDS)
+
+
+def unit_env(path: Path) -> dict[str, str]:
+    env = {}
+    for k, v in parse_unit(path).get("Service", []):
+        if k == "Environment":
+            for item in v.split():
+                name, _, value = item.strip('"').partition("=")
+                env[name] = value
+    return env
+
+
+def test_stop_timeouts_cover_the_worst_case_drain():
+    """systemd's TimeoutStopSec and every pod's terminationGracePeriodSeconds outlast the
+    daemon's worst-case stop (computed from server/supervisor.py, server/mps.py and
+    server/config.py), and the comments and README quote that figure."""
+    keys = dict(parse_unit(UNIT)["Service"])
+    assert int(keys["TimeoutStopSec"]) >= stop_bound(unit_env(UNIT)), keys["TimeoutStopSec"]
+    templates = pod_templates()
+    assert {path.name for path, _ in templates} >= {"daemonset.yaml", "statefulset.yaml"}
+    for path, doc in templates:
+        pod = pod_spec(doc)
+        env = {e["name"]: e.get("value", "") for c in pod["containers"] for e in c.get("env", [])}
+        grace = pod.get("terminationGracePeriodSeconds", 30)
+        assert grace >= stop_bound(env), f"{path.name}: {grace} < {stop_bound(env)}"
+    worst = stop_bound({}) - STOP_MARGIN_SECONDS
+    for path in [UNIT, README, K8S / "daemonset.yaml", K8S / "multinode" / "statefulset.yaml"]:
+        assert f"about {worst:.0f} s" in " ".join(path.read_text().split()), path.name
+
 
 def test_systemd_unit():
     unit = parse_unit(UNIT)
@@ -350,22 +508,56 @@ def test_systemd_unit():
     assert keys["RuntimeDirectory"] == "epd" and keys["RuntimeDirectoryMode"] == "0750"
     assert keys["Restart"] == "on-failure"
     assert keys["KillSignal"] == "SIGTERM"
-    assert int(keys["TimeoutStopSec"]) > 10  # longer than the default collective deadline
+    assert int(keys["TimeoutStopSec"]) >= stop_bound(env)  # (test_stop_timeouts_...)
     assert keys["ExecStart"].split()[1:] == ["serve"]
     assert env["EPD_SOCKET_DIR"] == "/run/" + keys["RuntimeDirectory"]
     assert keys.get("PrivateDevices", "no") == "no"  # the GPUs must stay visible
     assert unit["Install"] == [("WantedBy", "multi-user.target")]
 
 
-def test_env_file_uses_known_flags():
-    names = set()
+def env_file_settings() -> dict[str, str]:
+    """epd.env's setting lines (#EPD_NAME=value, commented out) -> value; prose lines ("# ...")
+    are not settings."""
+    settings: dict[str, str] = {}
     for raw in ENV_FILE.read_text().splitlines():
-        line = raw.strip().lstrip("#").strip()
-        m = re.fullmatch(r"(EPD_[A-Z_]+)=.*", line)
+        m = re.fullmatch(r"(#?)(EPD_[A-Z0-9_]+)=(.*)", raw.strip())
         if m:
-            names.add(m.group(1))
-    assert names, "no EPD_ settings documented"
-    assert names <= EPD_ENV_VARS, names - EPD_ENV_VARS
+            assert m.group(1), f"epd.env sets {m.group(2)}: every line is commented out"
+            assert m.group(2) not in settings, f"epd.env lists {m.group(2)} twice"
+            settings[m.group(2)] = m.group(3)
+    return settings
+
+
+def test_env_file_lists_every_setting_with_its_default():
+    """epd.env names every setting of server/config.py's Config (and EPD_CONFIG), each with
+    the value the daemon takes by default, read back the way the daemon reads it."""
+    settings = env_file_settings()
+    assert set(settings) <= EPD_ENV_VARS, set(settings) - EPD_ENV_VARS
+    wanted = {"EPD_" + f.name.upper() for f in dataclasses.fields(Config)} | {"EPD_CONFIG"}
+    assert set(settings) == wanted, f"missing {sorted(wanted - set(settings))}"
+    assert settings["EPD_CONFIG"] == ""  # (no file by default)
+    default = Config()
+    for f in dataclasses.fields(Config):
+        name = "EPD_" + f.name.upper()
+        loaded = config_mod.load(env={name: settings[name]})
+        assert getattr(loaded, f.name) == getattr(default, f.name), (
+            f"epd.env: {name}={settings[name]} but the default is {getattr(default, f.name)!r}")
+
+
+def test_cluster_dropin():
+    """The cluster drop-in starts after the network is up (node 0 binds its cluster address
+    and exits 2 otherwise) and uses mutual TLS, its files as systemd credentials."""
+    unit = parse_unit(CLUSTER_DROPIN)
+    after = [w for k, v in unit["Unit"] if k == "After" for w in v.split()]
+    wants = [w for k, v in unit["Unit"] if k == "Wants" for w in v.split()]
+    assert "network-online.target" in after and "network-online.target" in wants
+    env = unit_env(CLUSTER_DROPIN)
+    assert int(env["EPD_NUM_NODES"]) > 1
+    assert "EPD_CLUSTER_PLAINTEXT" not in env
+    creds = {v.partition(":")[0] for k, v in unit["Service"] if k == "LoadCredential"}
+    for name in ["EPD_CLUSTER_TOKEN_FILE", "EPD_CLUSTER_TLS_CERT", "EPD_CLUSTER_TLS_KEY",
+                 "EPD_CLUSTER_TLS_CA"]:
+        assert env[name].startswith("%d/") and env[name][3:] in creds, name
 
 
 # ---------------------------------------------------------------- Kubernetes
@@ -480,6 +672,61 @@ def test_multinode_statefulset_takes_rank_address_and_token():
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
 
 
+def test_relabel_simulation():
+    cfg = [{"source_labels": ["a"], "regex": "x|y", "action": "keep"},
+           {"sourceLabels": ["a"], "targetLabel": "b", "replacement": "<$1>"},
+           {"target_label": "job", "replacement": "epd"}]
+    assert relabel({"a": "x", "job": "j"}, cfg) == {"a": "x", "b": "<x>", "job": "epd"}
+    assert relabel({"a": "xy"}, cfg) is None  # (anchored)
+
+
+@pytest.mark.parametrize("folder", kustomizations(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_workload_is_scraped_as_job_epd(folder):
+    """Each workload of a kustomization is scraped with job="epd" (what the alert rules and
+    the dashboard select) both under the Operator (a ServiceMonitor of the same kustomization,
+    through a Service) and without it (scrape.yaml's Kubernetes job)."""
+    docs = kustomization_docs(folder)
+    workloads = [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+    assert workloads
+    jobs = {j["job_name"]: j for j in yaml.safe_load(SCRAPE.read_text())["scrape_configs"]}
+    (k8s_job,) = [j for j in jobs.values() if "kubernetes_sd_configs" in j]
+    (sd,) = k8s_job["kubernetes_sd_configs"]
+    for doc in workloads:
+        name = f"{folder.name}/{doc['kind']}/{doc['metadata']['name']}"
+        sm_jobs = servicemonitor_jobs(doc, docs)
+        assert sm_jobs and set(sm_jobs) == {"epd"}, f"{name}: ServiceMonitor jobs {sm_jobs}"
+        targets = pod_targets(doc)
+        assert targets, f"{name}: no container port named metrics"
+        assert sd["role"] == "pod" and doc["metadata"]["namespace"] in sd["namespaces"]["names"]
+        for t in targets:
+            out = relabel(t, k8s_job["relabel_configs"])
+            assert out is not None, f"{name}: dropped by scrape job {k8s_job['job_name']}"
+            assert out["job"] == "epd", name
+
+
+def test_no_plaintext_cluster_port_on_host_network():
+    """A hostNetwork pod's Cluster port is on the node's address, where no NetworkPolicy
+    applies: no shipped manifest opts into plaintext there, and every cluster-mode workload
+    takes mutual TLS from a mounted Secret."""
+    for path, doc in pod_templates():
+        pod = pod_spec(doc)
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            argv = " ".join(c.get("command", []) + c.get("args", []))
+            if pod.get("hostNetwork"):
+                assert "EPD_CLUSTER_PLAINTEXT" not in env and "--cluster-plaintext" not in argv, (
+                    f"{path.name}: plaintext Cluster port with hostNetwork")
+            if int(env.get("EPD_NUM_NODES", {}).get("value", 1)) <= 1:
+                continue
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+            for name in ["EPD_CLUSTER_TLS_CERT", "EPD_CLUSTER_TLS_KEY", "EPD_CLUSTER_TLS_CA"]:
+                folder, _, _ = env[name]["value"].rpartition("/")
+                assert mounts.get(folder) in secrets, f"{path.name}: {name} not from a Secret"
+                secret = secrets[mounts[folder]]
+                assert not secret.get("defaultMode", 0o644) & 0o007, f"{path.name}: {name}"
+
+
 KUBECTL = shutil.which("kubectl")
 
 
@@ -498,4 +745,4 @@ def test_multinode_kustomize_builds():
         [KUBECTL, "kustomize", str(K8S / "multinode")], capture_output=True, text=True,
         check=True).stdout
     kinds = sorted(d["kind"] for d in yaml.safe_load_all(out) if d)
-    assert kinds == ["Service", "ServiceAccount", "StatefulSet"]
+    assert kinds == ["Service", "ServiceAccount", "ServiceMonitor", "StatefulSet"]

@@ -1,0 +1,238 @@
+"""What operators see of the daemon: `epd_engine_up` from an engine's start, the HTTP endpoint
+on an IPv6 address, and README.md's metrics table against server/metrics.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import re
+import socket
+import urllib.request
+import warnings
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.metrics import MetricWrapperBase
+
+from epd.server import config, http, metrics
+from epd.server import supervisor as sup_mod
+from epd.server.backends.cpu_plan import CpuPlanner
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_PID = 1 << 22  # above the largest pid_max: the fake engine is never a real process
+
+
+def _cfg(tmp_path: Path, **env: str) -> config.Config:
+    for sub in ("sock", "shm"):
+        (tmp_path / sub).mkdir(exist_ok=True)
+    return config.load(None, {"EPD_BACKEND": "cpu", "EPD_SOCKET_DIR": str(tmp_path / "sock"),
+                              "EPD_SHM_DIR": str(tmp_path / "shm"), "EPD_METRICS_PORT": "0",
+                              "EPD_MPS": "off", **env})
+
+
+# -- epd_engine_up from the start ----------------------------------------------------------------
+class _StartingProc:
+    """A Popen stand-in for an engine stuck in its set-up: it runs and never serves."""
+
+    def __init__(self) -> None:
+        self.pid, self.returncode = NO_PID, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        self.returncode = -9
+
+
+def _engine_up(index: int) -> float | None:
+    return REGISTRY.get_sample_value("epd_engine_up", {"engine": str(index)})
+
+
+def _forget_engine_up(index: int) -> None:
+    """No epd_engine_up series for the engine in this process (as in a daemon that just began)."""
+    with warnings.catch_warnings(), contextlib.suppress(KeyError):
+        warnings.simplefilter("ignore")  # (multiprocess mode: only the in-process child goes)
+        metrics.ENGINE_UP.remove(str(index))
+
+
+def test_an_engine_that_never_becomes_ready_reads_down(tmp_path, monkeypatch):
+    """An engine stuck in its first start had no epd_engine_up series (so no EpdEngineDown)
+    until --engine-start-timeout-seconds killed it: the spawn sets 0, being ready sets 1."""
+    sup = sup_mod.Supervisor(_cfg(tmp_path), CpuPlanner(str(tmp_path / "shm")), 1)
+    e = sup.engines[0]
+    monkeypatch.setattr(sup_mod.subprocess, "Popen",
+                        lambda argv, env, pass_fds: _StartingProc())
+    serving = False
+
+    async def probe(engine, timeout: float = 1.0) -> bool:
+        return serving
+    monkeypatch.setattr(sup, "_probe", probe)
+    _forget_engine_up(e.index)
+    try:
+        assert _engine_up(e.index) is None  # (the premise: no series before the start)
+        sup._spawn(e)
+        assert _engine_up(e.index) == 0
+        asyncio.run(sup._watch(e))  # starting, not answering: still down, not missing
+        assert not e.ready and _engine_up(e.index) == 0
+        serving = True
+        asyncio.run(sup._watch(e))
+        assert e.ready and _engine_up(e.index) == 1
+    finally:
+        _forget_engine_up(e.index)
+
+
+# -- the HTTP endpoint on IPv6 -------------------------------------------------------------------
+def _ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def metrics_dir(tmp_path, monkeypatch) -> Path:
+    """A multiprocess folder (the endpoint collects it) holding one engine's gauge sample."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    d = MmapedDict(str(folder / "gauge_livemax_4242.db"))
+    d.write_value(mmap_key("epd_engine_up", "epd_engine_up", ["engine"], ["0"], "up"), 1.0,
+                  0.0)
+    d.close()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    return folder
+
+
+def _stop(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+@needs_ipv6
+def test_the_endpoint_serves_on_an_ipv6_address(metrics_dir):
+    """wsgiref's server is AF_INET only: "::1" (a pod IP on an IPv6 cluster) raised gaierror
+    and the daemon did not start (exit 2)."""
+    server = http.start("::1", 0, lambda: (False, "engines not ready: [0]"))
+    try:
+        assert server.socket.family == socket.AF_INET6
+        assert http.url(server).startswith("http://[::1]:")
+        status, body = _get(http.url(server))
+        assert status == 200 and 'epd_engine_up{engine="0"} 1.0' in body
+        assert _get(http.url(server, "/readyz")) == (503, "engines not ready: [0]\n")
+        assert _get(http.url(server, "/healthz")) == (200, "ok\n")
+    finally:
+        _stop(server)
+
+
+def test_the_endpoint_on_ipv4_and_by_name_as_before(metrics_dir):
+    server = http.start("127.0.0.1", 0, lambda: (True, "ready"))
+    try:
+        assert server.socket.family == socket.AF_INET
+        assert http.url(server).startswith("http://127.0.0.1:")
+        assert _get(http.url(server, "/readyz")) == (200, "ready\n")
+    finally:
+        _stop(server)
+    server = http.start("localhost", 0, lambda: (True, "ready"))
+    try:
+        assert _get(http.url(server, "/healthz")) == (200, "ok\n")
+    finally:
+        _stop(server)
+
+
+@needs_ipv6
+def test_the_supervisor_binds_ipv6_and_names_a_used_or_bad_address(tmp_path, metrics_dir):
+    """Through the daemon's start-up: ::1 binds; a port in use there, or an address that is
+    none, is still the one-line start-up error naming the setting."""
+    sup = sup_mod.Supervisor(_cfg(tmp_path, EPD_METRICS_HOST="::1"),
+                             CpuPlanner(str(tmp_path / "shm")), 1)
+    sup.bind_http()
+    try:
+        port = sup._http.server_address[1]
+        assert _get(f"http://[::1]:{port}/healthz") == (200, "ok\n")
+        assert sup.metrics_url == f"http://[::1]:{port}/metrics"  # (topology, logs, bench)
+        busy = sup_mod.Supervisor(_cfg(tmp_path, EPD_METRICS_HOST="::1",
+                                       EPD_METRICS_PORT=str(port)),
+                                  CpuPlanner(str(tmp_path / "shm")), 1)
+        with pytest.raises(sup_mod.StartupError, match=r"^--metrics-port \d+: ::1:\d+ is "
+                                                       r"already in use") as err:
+            busy.bind_http()
+        assert "\n" not in str(err.value)
+    finally:
+        _stop(sup._http)
+    bad = sup_mod.Supervisor(_cfg(tmp_path, EPD_METRICS_HOST="no-such-host.invalid"),
+                             CpuPlanner(str(tmp_path / "shm")), 1)
+    with pytest.raises(sup_mod.StartupError,
+                       match=r"^--metrics-host no-such-host\.invalid / --metrics-port 0: ") as err:
+        bad.bind_http()
+    assert "\n" not in str(err.value) and "cannot listen there" in str(err.value)
+
+
+def test_a_used_address_is_an_oserror(metrics_dir):
+    """(What bind_http turns into its EADDRINUSE line.)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(OSError) as err:
+            _stop(http.start("127.0.0.1", s.getsockname()[1], lambda: (True, "")))
+    assert err.value.errno == errno.EADDRINUSE
+
+
+# -- README.md's metrics table -------------------------------------------------------------------
+def _metrics_table() -> list[tuple[str, str]]:
+    """(metric cell, labels cell) of each row of README.md's metrics table."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Metrics and health\n", 1)[1].split("\n## ", 1)[0]
+    lines = section.split("\n")
+    start = lines.index("| metric | type | labels |") + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        rows.append((cells[0], cells[-1]))
+    return rows
+
+
+def _defined_metrics() -> dict[str, MetricWrapperBase]:
+    """The exported name (a counter's with _total) of every metric server/metrics.py defines."""
+    out = {}
+    for obj in vars(metrics).values():
+        if isinstance(obj, MetricWrapperBase):
+            out[obj._name + ("_total" if obj._type == "counter" else "")] = obj
+    return out
+
+
+def test_every_metric_is_in_the_readme_table():
+    """The table omitted epd_stream_op_launch_seconds and epd_stream_op_detect_seconds: every
+    metric of server/metrics.py has a row naming it (and its labels), and every metric a row
+    names exists."""
+    rows = _metrics_table()
+    defined = _defined_metrics()
+    assert len(rows) >= 20 and len(defined) >= 30  # (the parse found the table and the module)
+    named = {n for cell, _ in rows for n in re.findall(r"`(epd_\w+)`", cell)}
+    missing = sorted(set(defined) - named)
+    assert not missing, f"metrics README.md's metrics table does not name: {missing}"
+    stale = sorted(named - set(defined))
+    assert not stale, f"README.md's metrics table names metrics server/metrics.py lacks: {stale}"
+    for name, metric in defined.items():
+        labels = [cell for first, cell in rows if f"`{name}`" in first]
+        want = set(metric._labelnames)
+        assert any(want <= set(re.findall(r"\w+", cell)) for cell in labels), \
+            f"{name}: README.md's labels column does not list {sorted(want)}"
