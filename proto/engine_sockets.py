@@ -11,6 +11,7 @@ process (docs/DESIGN_NOTES.md, "Class engines").
 from __future__ import annotations
 
 import os
+import re
 
 LATENCY = "latency"  # (service_classes.LATENCY; the client cannot import the server)
 # How a class engine's refusal of a group of the other class names the socket to use: the
@@ -33,9 +34,11 @@ def failure_file(socket: str) -> str:
 
 
 def hinted_socket(message: str) -> str | None:
-    """The socket a class engine's refusal names (OTHER_ENGINE_HINT), if any."""
-    at = message.find(OTHER_ENGINE_HINT)
+    """The socket a class engine's refusal names (OTHER_ENGINE_HINT), if any: the path after
+    the hint's last occurrence (a group name before it may hold the phrase), up to the
+    `.sock` that ends it (a socket folder may hold spaces)."""
+    at = message.rfind(OTHER_ENGINE_HINT)
     if at < 0:
         return None
-    rest = message[at + len(OTHER_ENGINE_HINT):].split()
-    return rest[0].rstrip(".,;:)") if rest else None
+    m = re.match(r"(.+?\.sock)(?=[\s.,;:)]|$)", message[at + len(OTHER_ENGINE_HINT):])
+    return m.group(1) if m else None

@@ -194,6 +194,10 @@ def policy_text(raw: Any) -> str:
         most = entry.get("most")
         if most is not None and not isinstance(most, str):
             raise ValueError(f"{where}: most must be a string (latency or throughput)")
+        for key, v in (("class", cls), ("most", most or "")):
+            if any(c in v for c in ",=@/"):  # (pasted into the rule text: one entry, one rule)
+                raise ValueError(f"{where}: {key} {v!r} is not a class name (latency or "
+                                 f"throughput)")
         out.append(f"{pattern}{who}={cls}" + (f"/{most}" if most else ""))
     return ", ".join(out)
 

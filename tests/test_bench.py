@@ -113,6 +113,8 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert {(c["shape"], c["what"], c["against"]) for c in checks} >= {
         ("P", "normal combine", "pipeline"), ("D", "normal combine", "pipeline"),
         ("P", "normal combine", "reference"), ("D", "normal combine", "reference"),
+        ("P", "layout + dispatch + combine", "reference"),  # (that row's own output)
+        ("D", "layout + dispatch + combine", "reference"),
         ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference"),
         ("D", "low latency: each token's rows (bf16, untimed)", "reference"),
         *((s, row, "pipeline") for s in ("P", "D") for row in ROWS[3:])}

@@ -42,6 +42,11 @@ def test_slots_sockets_and_config():
     msg = f"... runs only latency groups: {engine_sockets.OTHER_ENGINE_HINT}/x/gpu0.sock (Buf"
     assert engine_sockets.hinted_socket(msg) == "/x/gpu0.sock"
     assert engine_sockets.hinted_socket("no hint here") is None
+    # a socket folder with a space; a group name holding the phrase (before the real hint)
+    spaced = engine_sockets.socket_path("/run/my epd", 0, "latency")
+    msg = (f"group 'open the session on /tmp/x.sock' is a latency group and engine 0 runs "
+           f"only throughput groups: {engine_sockets.OTHER_ENGINE_HINT}{spaced} (Buffer(...")
+    assert engine_sockets.hinted_socket(msg) == "/run/my epd/gpu0.latency.sock"
     cfg = config.load(build_parser().parse_args(["serve", "--class-engines"]), {})
     assert cfg.class_engines_on and cfg.engine_socket(0, "latency").endswith("gpu0.latency.sock")
     assert config.load(None, {"EPD_CLASS_ENGINES": "1"}).class_engines == "on"

@@ -103,6 +103,11 @@ def test_policy_from_toml_tables_env_and_flag(tmp_path):
      "uids must be a list of numbers"),
     ('service_class_policy = [{groups = "a", class = "latency"}, '
      '{groups = "b", class = "slow"}]\n', "rule 2 'b=slow': unknown service class 'slow'"),
+    # a value pasted into the rule text must not make more rules (it widened the allowlist)
+    ('service_class_policy = [{groups = "d-*", class = "throughput, *=latency"}]\n',
+     "entry 1: class 'throughput, *=latency' is not a class name"),
+    ('service_class_policy = [{groups = "d-*", class = "throughput", '
+     'most = "latency, *=latency"}]\n', "entry 1: most 'latency, *=latency' is not"),
     ('throughput_num_sms = -1\n', "throughput_num_sms must lie in [0, 1024]"),
     ('latency_num_sms = 5000\n', "latency_num_sms must lie in [0, 1024]"),
 ])

@@ -296,6 +296,7 @@ class FacadeCalls:
         def full() -> None:
             # Experts = identity (DeepEP's own tests combine recv_x): the row is communication.
             st["combined"], st["recv_x"], st["recv_w"], st["handle"] = layer(x)
+            st["full_combined"] = st["combined"]  # (the combine row overwrites "combined")
 
         # The cached row sends other rows (x doubled, exact in bf16) along the handle's
         # routing: the full dispatch's rows, still in the receive buffer, would pass a check.
@@ -523,6 +524,7 @@ class RankRun:
             x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, tokens, p.hidden,
                                                      p.experts, p.topk, p.num_ranks))
             combined: dict[str, Any] = {}
+            full: dict[str, Any] = {}  # the "layout + dispatch + combine" row's own output
             layers: dict[str, Any] = {}
             for impl in p.impls:
                 if impl == EPD:
@@ -542,6 +544,8 @@ class RankRun:
                     self.result["sessions_without_mps"] = [int(e.sessions_without_mps)
                                                            for e in topo.engines]
                 combined[impl] = calls.state["combined"]
+                if "full_combined" in calls.state:
+                    full[impl] = calls.state["full_combined"]
                 if "cached" in calls.state:  # the handle's routing again: x2's rows
                     self.check(shape, "cached dispatch", impl, "its full dispatch, doubled",
                                calls.state["cached"], calls.state["recv_x"] * 2, exact=True)
@@ -549,6 +553,9 @@ class RankRun:
                     layers[impl] = {row: calls.state[row] for row in LAYER_ROWS}
                 calls.state.clear()  # free the outputs before the next implementation
             self._check_normal(shape, combined, si, tokens)
+            if EPD in full:  # (checked as well: the combine row's output is checked above)
+                self.check(shape, "layout + dispatch + combine", EPD, "reference", full[EPD],
+                           self._normal_reference(si, tokens), exact=True)
             self._check_layer(shape, layers)
         _destroy(self.dep_buf)
         self.dep_buf = None
