@@ -89,6 +89,11 @@ class Config:
                 "good; 0: never killed"})
     drain_seconds: float = field(default=15.0, metadata={
         "help": "on SIGTERM, how long running collectives may take to finish"})
+    session_keepalive_seconds: float = field(default=20.0, metadata={
+        "help": "how often an engine pings a client's connection while it is idle; a client "
+                "that does not answer within as long again (a stopped or frozen process) loses "
+                "its session, and its groups are aborted (0: off; the OS's TCP keepalive, "
+                "hours, then decides)"})
     log_level: str = field(default="info", metadata={
         "help": "debug, info, warning or error",
         "choices": ("debug", "info", "warning", "error")})
@@ -425,7 +430,8 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
                          f"max_timeout_seconds ({cfg.max_timeout_seconds:g})")
     _check_range(cfg, "metrics_port", 0, 65535)
     for name in ("restart_backoff_seconds", "restart_backoff_max_seconds",
-                 "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds"):
+                 "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds",
+                 "session_keepalive_seconds"):
         _check_range(cfg, name, 0)
     _check_range(cfg, "engine_unresponsive_seconds", 1)
     if 0 < cfg.engine_hung_seconds < cfg.engine_unresponsive_seconds:

@@ -341,3 +341,50 @@ def test_an_engine_that_stops_answering_is_not_ready_then_killed(daemon_factory)
                            30, "engine 1 killed and restarted")
         assert after.restarts == 1
         wait_until(lambda: d.get("/readyz")[0] == 200, 10, "daemon ready again")
+
+
+STOPPED_CLIENT = (
+    "import sys, time\n"
+    "from epd.client import Session\n"
+    "s = Session(sys.argv[1], timeout=10)\n"
+    "print('open', flush=True)\n"
+    "time.sleep(120)\n")
+
+
+def test_a_stopped_client_loses_its_session_to_the_keepalive() -> None:
+    """A client process that stops answering (SIGSTOP, a frozen process) loses its session
+    within about 2 x --session-keepalive-seconds: the engine's pings go unanswered and the
+    lease stream ends (gRPC's own server keepalive is two hours, and stops after two pings
+    without data), so its ranks are released instead of held for hours. A client that is
+    merely idle keeps its session."""
+    import subprocess
+    import sys
+
+    d = TestDaemon(engines=1, extra=["--session-keepalive-seconds", "1"])
+    procs = []
+    try:
+        d.wait_ready(60)
+
+        def sessions() -> int:
+            with grpc.insecure_channel(f"unix://{d.socket(0)}") as ch:
+                return epd_pb2_grpc.EngineStub(ch).GetStats(epd_pb2.GetStatsRequest(),
+                                                            timeout=10).sessions
+        for _ in range(2):
+            p = subprocess.Popen([sys.executable, "-c", STOPPED_CLIENT, d.socket(0)],
+                                 stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert p.stdout.readline().strip() == "open"
+        assert sessions() == 2
+        time.sleep(4)  # idle, answering pings: kept
+        assert sessions() == 2
+        procs[0].send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_until(lambda: sessions() == 1, 20, "the stopped client's session ended")
+        assert time.monotonic() - t0 < 15
+        assert sessions() == 1  # (the idle one still holds its own)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+            p.stdout.close()
+        d.stop_and_check()

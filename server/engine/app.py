@@ -63,6 +63,22 @@ def report_startup_failure(cfg: config_mod.Config, slot: EngineSlot,
     raise SystemExit(STARTUP_FAILED)
 
 
+def keepalive_options(seconds: float) -> list[tuple[str, int]]:
+    """gRPC server options that end the connection of a client that stops answering pings:
+    its session's stream (the lease) ends with it, so a stopped or frozen client process
+    releases its ranks within about 2 x `seconds` (gRPC's default server keepalive is 2 hours,
+    and stops pinging after two pings without data)."""
+    if seconds <= 0:
+        return []
+    ms = max(int(seconds * 1000), 1)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # (this grpc times a keepalive ping's ack with the ping timeout, 60 s by default,
+            # not with keepalive_timeout_ms: seen with grpcio 1.85)
+            ("grpc.http2.ping_timeout_ms", ms)]
+
+
 async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     # The CUDA backend joins the node's NVSHMEM world here, which blocks until every engine
     # arrives: keep it off the event loop.
@@ -73,7 +89,8 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     except Exception as e:  # a missing toolchain, a device that will not open, ...
         report_startup_failure(cfg, slot, e)
     engine = Engine(cfg, index, backend, slot)
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=GRPC_OPTIONS + keepalive_options(
+        cfg.session_keepalive_seconds))
     add_to_server(EngineService(engine), server)  # malformed bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
