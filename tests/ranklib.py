@@ -310,6 +310,33 @@ def client_files(pid: int) -> list[str]:
 # comparisons
 # ------------------------------------------------------------------------------------------------
 
+class ProcessGroup:
+    """The stand-in for a torch.distributed ProcessGroup that frameworks hand DeepEP: all the
+    facade reads of it is rank() / size() (ranks as threads of one test)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+class NoGrpc:
+    """The gRPC side of a ring-only transport (a ring without a daemon): nothing may fall back
+    to it."""
+
+    def call(self, *a, **k):
+        raise AssertionError("fell back to gRPC")
+
+    call_async = call
+
+    def close(self) -> None:
+        pass
+
+
 def bits(a: Any) -> np.ndarray:
     """A bit-pattern view (bf16 as uint16, fp8 as uint8, float32 as uint32, ...)."""
     a = np.ascontiguousarray(a)

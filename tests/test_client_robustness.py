@@ -32,25 +32,14 @@ BF16 = dtypes.BFLOAT16
 SLOTS = 4
 
 
-class _NoGrpc:
-    """The gRPC side of a ring-only transport: nothing may fall back to it."""
-
-    def call(self, *a, **k):
-        raise AssertionError("fell back to gRPC")
-
-    call_async = call
-
-    def close(self) -> None:
-        pass
-
-
 @contextlib.contextmanager
 def ring_transport(spin_seconds: float = 20e-6):
     """(the engine's Ring, a FastPathTransport on it); both closed afterwards."""
     eng = R.Ring.create(SLOTS, R.MIN_SLOT_BYTES)
     t = None
     try:
-        t = FastPathTransport(_NoGrpc(), os.dup(eng.fd), SLOTS, R.MIN_SLOT_BYTES, spin_seconds)
+        t = FastPathTransport(ranklib.NoGrpc(), os.dup(eng.fd), SLOTS, R.MIN_SLOT_BYTES,
+                              spin_seconds)
         yield eng, t
     finally:
         if t is not None:
@@ -131,7 +120,7 @@ def test_a_ring_the_client_cannot_use_is_refused() -> None:
                                   (1, R.MIN_SLOT_BYTES - 1), (1, R.MAX_SLOT_BYTES + 1)):
             fd = os.dup(eng.fd)
             with pytest.raises(ValueError, match="fast-path ring of"):
-                FastPathTransport(_NoGrpc(), fd, slots, slot_bytes, 0.0)
+                FastPathTransport(ranklib.NoGrpc(), fd, slots, slot_bytes, 0.0)
             with pytest.raises(OSError):
                 os.fstat(fd)  # (closed)
     finally:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from ranklib import assert_exact
+from ranklib import ProcessGroup, assert_exact
 
 from epd.client import buffer as B
 from epd.client.buffer import Buffer
@@ -29,19 +29,6 @@ from epd.server import reference as ref
 BF16 = dtypes.BFLOAT16
 NUM_RANKS, EXPERTS, TOPK, LL_MAX = 2, 8, 2, 8
 TOKENS = (7, 5)
-
-
-class ProcessGroup:
-    """The stand-in for a torch.distributed ProcessGroup: all the facade reads is rank()/size()."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
 
 
 @pytest.fixture

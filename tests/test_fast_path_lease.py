@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from ranklib import comm_arrivals, wait_until
+from ranklib import NoGrpc, comm_arrivals, wait_until
 
 from epd.client import EpdError, Session
 from epd.client.transport import FUTEX_WAIT_SECONDS, FastPathTransport
@@ -23,18 +23,6 @@ from epd.server.demo import Workload
 
 DETECT_LIMIT = 0.5  # seconds from the kill to the failed call (the target is 0.1)
 AT_ONCE = 1.0  # a later call (not its 30 s deadline; a loaded host may be slow)
-
-
-class _NoGrpc:
-    """The inner transport of a ring without a daemon: nothing may fall back to it."""
-
-    def call(self, *a, **k):
-        raise AssertionError("fell back to gRPC")
-
-    call_async = call
-
-    def close(self) -> None:
-        pass
 
 
 def _waiting_call(t: FastPathTransport, out: list) -> threading.Thread:
@@ -63,7 +51,7 @@ def _ring_without_engine(tmp_path, slots: int, slot_bytes: int):
     else:
         where = str(tmp_path / "lease.ring")
         engine_side = R.Ring(where, slots, slot_bytes, create=True)
-    t = FastPathTransport(_NoGrpc(), where, slots, slot_bytes, 20e-6)  # type: ignore
+    t = FastPathTransport(NoGrpc(), where, slots, slot_bytes, 20e-6)  # type: ignore
     return engine_side, t
 
 

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from ranklib import ProcessGroup
 
 torch = pytest.importorskip("torch")
 
@@ -51,19 +52,6 @@ MEGATRON = "NVIDIA/Megatron-LM@d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 # ------------------------------------------------------------------------------------------------
 # harness
 # ------------------------------------------------------------------------------------------------
-
-class ProcessGroup:
-    """What the frameworks hand DeepEP: a torch.distributed ProcessGroup (rank()/size())."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self._rank, self._size = rank, size
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._size
-
 
 @pytest.fixture
 def env(daemon, monkeypatch):
