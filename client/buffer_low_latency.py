@@ -410,7 +410,9 @@ class LowLatencyMixin:
         So the hook holds them until it has made the stream wait for the op's end (work after
         that is ordered after the engine's read); on the comm stream they are recorded there.
         `entry`: the cache entry the call holds until its hook ran (then evictable)."""
-        place = stream_place(x) if after is not None else None  # (not x: see inputs)
+        # The stream of the call, for the hook's work on the outputs (not x: see inputs); a
+        # call without a hook runs that work at once, on the stream current then.
+        place = stream_place(x) if after is not None and return_recv_hook else None
 
         def receive(sent: int) -> None:
             try:

@@ -40,6 +40,8 @@ def _staged_call(method: _F) -> _F:
 
     @functools.wraps(method)
     def call(self: Group, *args: Any, **kwargs: Any) -> Any:
+        if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
+            return method(self, *args, **kwargs)
         with self._session.memory.call_scope():
             return method(self, *args, **kwargs)
     return cast(_F, call)

@@ -491,9 +491,12 @@ class CudaRankComm(RankComm):
         if recv_scales is not None:
             # epd_dispatch copies scale rows as bytes, packed at the call's row width (S
             # columns of 4 bytes, S <= hidden/128: every rank's the same, as DeepEP's): int32
-            # words (packed UE8M0) arrive bit for bit; the view follows the call's S and dtype.
-            recv_scales = cp.ndarray((recv_scales.shape[0], int(args.x_scales.shape[1])),
-                                     np.dtype(args.x_scales.dtype), memptr=recv_scales.data)
+            # words (packed UE8M0) arrive bit for bit; the view follows the call's S and dtype
+            # (made anew only where they differ from the buffer's [rows, hidden/128] float32).
+            cols, sdt = int(args.x_scales.shape[1]), np.dtype(args.x_scales.dtype)
+            if cols != recv_scales.shape[1] or sdt != recv_scales.dtype:
+                recv_scales = cp.ndarray((recv_scales.shape[0], cols), sdt,
+                                         memptr=recv_scales.data)
         t = int(args.x.shape[0])
         no_topk = args.cached is None and args.topk_idx is None  # DeepEP returns None for them
         return DispatchOutputs(
