@@ -633,6 +633,33 @@ class Buffer(LowLatencyMixin):
             (x, topk_weights, bias_0, bias_1))
         return cx, cw, event
 
+    # DeepEP V1's Buffer has these as public methods (its `dispatch` / `combine` call them when
+    # the group spans nodes), with the same parameters in the same order; callers may call them
+    # directly. EPD's dispatch and combine serve every placement (internode included, with the
+    # intranode-shaped handle: README, DeepEP section), so they are the same calls.
+    def internode_dispatch(self, x: Array, handle: BufferHandle | None = None,
+                           num_tokens_per_rank: Array = None,
+                           num_tokens_per_rdma_rank: Array = None,
+                           is_token_in_rank: Array = None, num_tokens_per_expert: Array = None,
+                           topk_idx: Array = None, topk_weights: Array = None,
+                           expert_alignment: int = 1, num_worst_tokens: int = 0,
+                           config: Config | None = None,
+                           previous_event: EventOverlap | None = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP V1's internode dispatch: `dispatch`, the same arguments and results."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, num_worst_tokens, config, previous_event,
+                             async_finish, allocate_on_comm_stream)
+
+    def internode_combine(self, x: Array, handle: BufferHandle, topk_weights: Array = None,
+                          bias: Array = None, config: Config | None = None,
+                          previous_event: EventOverlap | None = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP V1's internode combine: `combine`, the same arguments and results."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event,
+                            async_finish, allocate_on_comm_stream)
+
     def _owner_of(self, handle: Any, cls: type, made_by: str) -> Buffer:
         """The Buffer that made `handle`: this one, or another Buffer of the same group (same
         group object, rank and size), whose daemon group the call then runs on, as DeepEP's

@@ -255,6 +255,12 @@ class Config:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Config) and vars(self) == vars(other)
 
+    def __hash__(self) -> int:
+        # DeepEP's Config is a pybind11 class and so hashable (a caller may key a dict or an
+        # lru_cache by it); defining __eq__ alone would make this one unhashable. Hash what
+        # __eq__ compares, so that equal configs hash alike.
+        return hash(tuple(sorted(vars(self).items())))
+
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of the intranode (NVLink) buffer this config needs for tokens of
         `hidden_bytes` across `num_ranks` ranks (DeepEP's formula)."""

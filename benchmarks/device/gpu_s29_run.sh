@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Twenty-ninth session's GPU runs (one H100 or H200, whichever is lent; carry .whl). The
+# twenty-eighth session's work had no device, so these are its checks, cut into calls that
+# each fit one device command (at most 600 s):
+#   bash benchmarks/device/gpu_s29_run.sh verify  # FP8 scales of any width (test_daemon's
+#        roundtrips), the receive hook on the dispatch's stream (test_ll_plain, the facade)
+#   bash benchmarks/device/gpu_s29_run.sh chain   # the twenty-seventh session's unverified
+#        checks: plain calls on the chain and on the poller, the chain's own tests
+#   bash benchmarks/device/gpu_s29_run.sh bench   # the default low-latency path's rows at D
+#        (`epd bench`; its JSON's low_latency_path must say chain under MPS)
+#   bash benchmarks/device/gpu_s29_run.sh cluster # the CUDA cluster tests (two logical nodes)
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean)
+case "${1:-}" in
+  verify)
+    STEP_TEST_SECONDS=200 step verify 400 "tests/gpu/test_daemon.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_deep_ep_facade.py"
+    ;;
+  chain)
+    STEP_TEST_SECONDS=150 step chain 300 "tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_chain.py"
+    ;;
+  bench)
+    bash benchmarks/device/gpu_s28_run.sh bench
+    ;;
+  cluster)
+    STEP_TEST_SECONDS=200 step cluster 560 "tests/gpu/test_cuda_cluster.py"
+    ;;
+  *) echo "usage: $0 verify|chain|bench|cluster" >&2; exit 2 ;;
+esac
