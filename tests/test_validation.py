@@ -564,3 +564,26 @@ def test_unsupported_element_type_is_rejected_client_side(pair):
 def test_dtype_names_roundtrip():
     for name in ("bfloat16", "float16", "float32", "float8_e4m3"):
         assert dtypes.name(dtypes.from_name(name)) == name
+
+
+def test_raw_handle_of_another_group_of_the_same_session(pair):
+    """One session in two groups: a combine sent to group B naming group A's handle (a raw
+    caller; the client refuses it itself) finds no handle, though B holds a handle made as
+    many dispatches in (ids are unique in the engine, not numbered per group)."""
+    s = pair.other
+    specs = [_spec(f"twin-{next(_names)}", num_ranks=1, num_experts=2, tokens=(4,))
+             for _ in range(2)]
+    ga, gb = (join(s, c, 0, timeout=5) for c in specs)
+    try:
+        rng = np.random.default_rng(4)
+        idx, w = ref.random_routing(rng, 4, 2, 2, drop_prob=0.0)
+        x = ref.random_x(rng, 4, 128, BF16)
+        oa, ob = ga.dispatch(x, idx, w), gb.dispatch(x, idx, w)
+        forged = Handle(gb, oa.handle.handle_id, oa.handle.num_tokens,
+                        oa.handle.num_recv_tokens, oa.handle.rows)
+        expect(FAILED, f"handle {oa.handle.handle_id} is not known", gb.combine,
+               oa.recv_x, forged)
+        gb.combine(ob.recv_x, ob.handle)  # (B's own handle still works)
+    finally:
+        ga.leave()
+        gb.leave()

@@ -9,6 +9,7 @@ binds the registry's operation names to these functions.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -33,6 +34,12 @@ from ..backends.base import (
 )
 from . import tensors
 from .state import LOW_LATENCY, NORMAL, GroupMember, HandleInfo, Session
+
+# Handle ids are unique in the engine, not per membership: a raw request naming another
+# group's handle (one session may hold several groups) then finds no handle, where per-group
+# numbers would have matched that group's handle of the same number and run on its routing.
+# (next() on a count is atomic under the GIL: the sessions' threads share it.)
+_HANDLE_IDS = itertools.count(1)
 
 INDEX_DTYPES = (epd_pb2.INT64,)
 
@@ -404,8 +411,7 @@ class DataPlane:
         return info
 
     def _store_handle(self, member: GroupMember, info: HandleInfo) -> int:
-        hid = member.next_handle
-        member.next_handle += 1
+        hid = next(_HANDLE_IDS)
         member.handles[hid] = info
         return hid
 

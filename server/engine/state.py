@@ -111,7 +111,6 @@ class GroupMember:
     comm: RankComm
     counter_slot: int
     handles: OrderedDict[int, HandleInfo] = field(default_factory=OrderedDict)
-    next_handle: int = 1
     dispatch_sequence: int = 0
     stream_seq: int = 0  # the latest stream-ordered call's sequence (READY/DONE words)
     # The stream-ordered dispatch whose receive count the engine has not read yet: at most one,
