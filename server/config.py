@@ -168,10 +168,12 @@ class Config:
     max_timeout_seconds: float = field(default=600.0, metadata={
         "help": "longest deadline a call may ask for (timeout_seconds of a request)"})
     num_sms: int = field(default=0, metadata={
-        "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default)"})
+        "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default; above the "
+                "GPU's SM count the engine refuses to start)"})
     ll_num_sms: int = field(default=64, metadata={
         "help": "cuda backend: blocks of the low-latency kernels (latency-bound: more blocks, "
-                "more rows in flight; keep two ranks' worth under the GPU's SM count)"})
+                "more rows in flight; keep two ranks' worth under the GPU's SM count; the default "
+                "is cut to the GPU's count, a larger value set is refused at start)"})
     cuda_max_connections: int = field(default=32, metadata={
         "help": "cuda backend: CUDA_DEVICE_MAX_CONNECTIONS of the engines (hardware work "
                 "queues; each rank's stream may park in a GPU-side wait for its client, so "

@@ -223,6 +223,21 @@ def kernel_blocks(config: Any, service_class: int, num_sms: int,
     return budget, min(budget, ll_num_sms)
 
 
+def check_blocks(config: Any, device_sms: int, device: int, default_ll: int) -> None:
+    """Refuse block counts above the GPU's SMs (ValueError naming the setting): the data
+    kernels spin on their peers' blocks, so a grid that cannot be resident at once waits for
+    blocks that never start, until the call's deadline. Checked when an engine opens its GPU,
+    the first moment the count is known. The low-latency default (64, `default_ll`) is not
+    refused: the engine takes at most the GPU's SMs for it, so a smaller GPU starts."""
+    for name in ("num_sms", "ll_num_sms", "latency_num_sms", "throughput_num_sms"):
+        n = int(getattr(config, name) or 0)
+        if name == "ll_num_sms" and n == default_ll:
+            continue
+        if n > device_sms:
+            raise ValueError(f"--{name.replace('_', '-')}={n} exceeds the {device_sms} SMs "
+                             f"of GPU {device}")
+
+
 def stream_priority(service_class: int, least: int, greatest: int) -> int:
     """The CUDA priority of a rank stream of this class, from the device's range (least,
     greatest; lower numbers are more urgent): latency the greatest, throughput the least (the

@@ -173,6 +173,22 @@ def test_sm_budgets_and_stream_priorities():
     assert StreamCalls._num_sms(member, 0) == 0  # 0: the group's own
     with pytest.raises(InvalidArgument):
         StreamCalls._num_sms(member, -1)
+
+
+@pytest.mark.parametrize("name", ["num_sms", "ll_num_sms", "latency_num_sms",
+                                  "throughput_num_sms"])
+def test_block_counts_above_the_gpus_sms_are_refused_at_start(name):
+    """A grid larger than the GPU's SMs could not be resident at once (the kernels spin on
+    their peers' blocks): the engine refuses the setting when it opens its GPU, naming it."""
+    cfg = SimpleNamespace(num_sms=0, ll_num_sms=64, latency_num_sms=0, throughput_num_sms=0)
+    sc.check_blocks(cfg, 132, 0, 64)  # the defaults pass
+    sc.check_blocks(cfg, 40, 0, 64)  # the low-latency default too (the engine takes <= 40)
+    setattr(cfg, name, 133)
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{flag}=133 exceeds the 132 SMs of GPU 1"):
+        sc.check_blocks(cfg, 132, 1, 64)
+    setattr(cfg, name, 132)
+    sc.check_blocks(cfg, 132, 1, 64)
     # CUDA's range (least, greatest) is e.g. (0, -5): lower is more urgent
     assert sc.stream_priority(LAT, 0, -5) == -5 and sc.stream_priority(THR, 0, -5) == 0
 

@@ -1022,6 +1022,9 @@ class CudaBackend(Backend):
         self.enqueue: contextlib.AbstractContextManager[Any] = (
             threading.Lock() if cfg.serial_enqueue else contextlib.nullcontext())
         self.ll_num_sms = cfg.ll_num_sms or abi.DEFAULT_LL_NUM_SMS
+        sms = int(cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+        service_classes.check_blocks(cfg, sms, device, abi.DEFAULT_LL_NUM_SMS)
+        self.ll_num_sms = min(self.ll_num_sms, sms)  # (the default on a GPU of fewer SMs)
         boot = _bootstrap(cfg, index)
         dev = Device(device)
         dev.set_current()
