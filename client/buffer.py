@@ -60,7 +60,7 @@ from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
 from .group import Group, service_class_value
 from .handles import BufferHandle, LowLatencyBufferHandle
-from .session import Session
+from .session import UNANSWERED, Session
 from .stream_op_cache import StreamOpCache
 from .tensors import Array
 
@@ -696,6 +696,9 @@ class Buffer(LowLatencyMixin):
                         g.leave()
                     except EpdError as e:
                         failed = failed or e
+                        if e.code in UNANSWERED:  # (a stopped or wedged engine: each leave
+                            break  # would wait its whole deadline; the session's close, or
+                            # its lease's end, takes the rest)
         finally:
             self._groups.clear()
             self._retired.clear()

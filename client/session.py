@@ -17,7 +17,6 @@ that is no array at all.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -54,6 +53,8 @@ CONTROL_TIMEOUT = 30.0  # calls that wait for no peer (open, register, leave, st
 DEFAULT_TIMEOUT = 10.0  # collective deadline when the daemon does not say (it always does)
 WATCHER_JOIN_TIMEOUT = 5.0  # closing: how long to wait for the lease thread to end
 CLOSE_LEAVE_TIMEOUT = 2.0  # closing: a clean leave of each group, else the lease's end aborts it
+# A leave that failed so: the engine is not answering, and the next one would wait as long.
+UNANSWERED = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
 
 log = logging.getLogger("epd.client")
 
@@ -80,6 +81,18 @@ def _check_timeout(t: float) -> float:
     if not (0 < value < float("inf")):  # also false for NaN
         raise InvalidArgument(f"timeout must be a positive finite number of seconds, got {t!r}")
     return value
+
+
+def _engine_timeout(value: float) -> float:
+    """The engine's default deadline, checked, not trusted: NaN, inf or <= 0 (0: an engine that
+    does not say) is DEFAULT_TIMEOUT, since every wait of a call without its own ends by it
+    (a NaN deadline made counter-page waits spin forever)."""
+    if 0 < value < float("inf"):
+        return float(value)
+    if value:
+        log.warning("the engine's default deadline %r is not a positive finite number of "
+                    "seconds: %s s is used", value, DEFAULT_TIMEOUT)
+    return DEFAULT_TIMEOUT
 
 
 class Session:
@@ -144,7 +157,7 @@ class Session:
         self.engine_index = o.engine_index
         self.device_ordinal = o.device_ordinal
         self.server_version = o.version
-        self.default_timeout = o.default_timeout_seconds or DEFAULT_TIMEOUT
+        self.default_timeout = _engine_timeout(o.default_timeout_seconds)
         # Whether this process shares the engine's CUDA MPS server (warned once if not).
         self.mps_pipe_directory = o.mps_pipe_directory
         self.on_engine_mps = o.client_on_engine_mps
@@ -381,13 +394,14 @@ class Session:
         for op in list(self._stream_ops.values()):
             op.release()
         self._stream_ops.clear()
+        answering = self._lost is None
         for g in list(self._groups.values()):
             # A clean close leaves its groups (counted as leaves, not aborts); if that cannot
-            # be done quickly, the end of the lease aborts them as for a crashed client.
-            if self._lost is None:
-                with contextlib.suppress(EpdError):
-                    self._transport.call("LeaveGroup", epd_pb2.LeaveGroupRequest(
-                        session_id=self.session_id, group_id=g.group_id), CLOSE_LEAVE_TIMEOUT)
+            # be done quickly, the end of the lease aborts them as for a crashed client. An
+            # engine that let one leave run out (stopped, wedged) is not asked again: each
+            # would wait CLOSE_LEAVE_TIMEOUT, and close() took that times the groups.
+            if answering:
+                answering = self._leave_on_close(g.group_id)
             g._release()
         if self._stream is not None:
             self._stream.cancel()
@@ -400,6 +414,16 @@ class Session:
             self._memory.close()  # before the counter page goes (CUDA maps it)
         if self._counter_file is not None:
             self._counter_file.close(unlink=False)
+
+    def _leave_on_close(self, group_id: str) -> bool:
+        """close(): LeaveGroup within CLOSE_LEAVE_TIMEOUT; False when the engine did not answer
+        in time (DEADLINE_EXCEEDED, UNAVAILABLE): the remaining groups go with the lease."""
+        try:
+            self._transport.call("LeaveGroup", epd_pb2.LeaveGroupRequest(
+                session_id=self.session_id, group_id=group_id), CLOSE_LEAVE_TIMEOUT)
+        except EpdError as e:
+            return e.code not in UNANSWERED
+        return True
 
     def __enter__(self) -> Session:
         return self

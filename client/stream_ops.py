@@ -78,6 +78,10 @@ class StreamOp:
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
         if not self.armed:
             raise FailedPrecondition(f"stream op {self.op_id} was disarmed")
+        # Nothing is enqueued once the session is closed or its lease ended: a trigger clears
+        # the done word that the release (Session.close / the lease thread) set, and no engine
+        # will write it again, so a stream waiting on it would wait forever.
+        self.group._session._check_open()
         return cuda_ipc.stream_handle(stream, self._template, self._device)
 
     @property

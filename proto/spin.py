@@ -62,6 +62,8 @@ def wait_until(ready: Callable[[], bool], timeout: float, *, spin: float = 5e-4,
                nap: float = 20e-6) -> bool:
     """Until `ready()` (True) or `timeout` seconds (False): `relax()` between looks for the
     first `spin` seconds, then sleep `nap` between looks."""
+    if not timeout >= 0:  # NaN: no comparison with it is ever true, so the loop never ended
+        timeout = 0.0
     start = time.perf_counter()
     deadline = start + timeout
     spin_until = start + min(spin, timeout)
