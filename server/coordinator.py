@@ -77,6 +77,10 @@ class Coordinator:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
                                   f"{spec.num_ranks}")
         self.planner.validate_spec(spec)  # every rank learns at once, none waits for the rest
+        if not req.has_peer:  # (before a new instance is registered under the name: refused,
+            # it would stay there, empty, and fail the next join of another spec)
+            raise PermissionDenied(f"group {spec.name!r}: the joining session's credentials "
+                                   f"are unknown (its descriptor channel is not connected)")
         g = self.by_name.get(spec.name)
         if g is None or g.aborted is not None:
             g = self._new_instance(spec, req.spec)

@@ -650,8 +650,8 @@ class Engine(StreamCalls, DataPlane):
                 raise
             member = GroupMember(spec, membership, comm, slot)
         finally:
-            if member is None:
-                session.free_slots.append(slot)
+            if member is None:  # (back where it was taken: a refused join changes nothing,
+                session.free_slots.insert(0, slot)  # not even which slot the next join gets)
         # The attach barrier: every rank attached, or the member goes again.
         session.members[member.group_id] = member
         try:

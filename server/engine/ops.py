@@ -545,6 +545,9 @@ class DataPlane:
         spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
             args.num_max_dispatch_tokens_per_rank
         timeout = self._timeout(req.timeout_seconds)
+        # A ready event this backend cannot wait for is known from the request alone: refused
+        # before the handles the call carries are released (as a normal dispatch does).
+        self.backend.check_event(req.ready_event)
         self._check_handle_budget(session, member, req.release_handles)  # (but the ids' values)
 
         def run():

@@ -55,9 +55,12 @@ class StreamCalls:
     """Mixed into Engine (with ops.DataPlane): needs `config`, `backend`, `_timeout()`,
     `_store_handle()`, `_count_traffic()` and `_check_handle_budget()`."""
 
-    def _next_stream_seq(self, member: GroupMember) -> int:
-        member.stream_seq = (member.stream_seq % SEQ_MASK) + 1
-        return member.stream_seq
+    @staticmethod
+    def _next_stream_seq(member: GroupMember) -> int:
+        """The member's next stream sequence, not yet taken: the caller takes it
+        (`member.stream_seq = seq`) once the backend accepted the call, so a call the backend
+        refuses (a normal-mode call on a group beyond the kernels' ranks) changes nothing."""
+        return (member.stream_seq % SEQ_MASK) + 1
 
     @staticmethod
     def _num_sms(member: GroupMember, requested: int) -> int:
@@ -204,6 +207,7 @@ class StreamCalls:
         self._check_stream_alive(member, slot)
         seq = self._next_stream_seq(member)
         launch = member.comm.stream_layout(idx, outs, slot, seq)
+        member.stream_seq = seq  # (taken once the backend accepted the call)
         self._launch_after_answer(session, member, slot, seq, "layout", metrics.LAYOUT_SECONDS,
                                   path, launch)
         return epd_pb2.GetDispatchLayoutResponse(
@@ -222,11 +226,16 @@ class StreamCalls:
         num_sms = self._num_sms(member, req.num_sms)
         self._check_handle_budget(session, member, req.release_handles)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
-        member.dispatch_sequence += 1
-        sequence = member.dispatch_sequence
+        sequence = member.dispatch_sequence + 1
         seq = self._next_stream_seq(member)
         out, launch = member.comm.stream_dispatch(args, slot, sequence,
                                                   time.monotonic() + timeout, seq, num_sms)
+        # Both sequences are taken only now: a dispatch the backend refuses (beyond the
+        # kernels' ranks, without top-k over nodes) leaves the member's counters as they were.
+        # (The backend refuses before it publishes a cached dispatch's count; a failure after
+        # that is no refusal but a broken launch, which aborts the group (cuda.py `_launches`),
+        # so no live call of the group reuses a published number.)
+        member.dispatch_sequence, member.stream_seq = sequence, seq
         self._launch_after_answer(session, member, slot, seq, "dispatch",
                                   metrics.DISPATCH_SECONDS, path, launch,
                                   dispatch_sequence=sequence if out.num_recv_tokens < 0 else 0)
@@ -262,6 +271,7 @@ class StreamCalls:
         seq = self._next_stream_seq(member)
         launch = member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout,
                                             seq, num_sms)
+        member.stream_seq = seq  # (taken once the backend accepted the call)
         self._launch_after_answer(session, member, slot, seq, "combine",
                                   metrics.COMBINE_SECONDS, path, launch)
         nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
