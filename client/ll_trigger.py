@@ -1,7 +1,9 @@
 """The trigger of an armed low-latency op (cuda engine): one single-thread kernel on the
 caller's stream.
 
-It clears the op's done word, takes the member's next ring entry (the ring, its tail and head
+It clears the op's done word (or, once the client's session has ended and set the ring's
+released word, reports RELEASED there and stops: nothing would run it), takes the member's
+next ring entry (the ring, its tail and head
 are int32 words of the member's ring slot in the session's counter page, mapped host memory),
 writes `entry` there and publishes `tail = k + 1`; the engine's poller (server/engine/
 stream_ops.py), or the member's GPU chain waiting for that tail (server/backends/cuda_chain.py),
@@ -23,6 +25,14 @@ extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsign
     if (threadIdx.x != 0) return;
     volatile unsigned* r = ring;
     *reinterpret_cast<volatile unsigned*>(done) = 0u;
+    // Cleared first, then the released word read after a system fence: the client sets that
+    // word before it writes RELEASED into the done word, so either this thread sees it, or
+    // the client's RELEASED lands after the clear (release() and the trigger cannot both miss).
+    __threadfence_system();
+    if (r[{abi.LL_RING_RELEASED}] != 0u) {{
+        *reinterpret_cast<volatile unsigned*>(done) = {abi.DONE_RELEASED}u;
+        return;
+    }}
     const unsigned k = r[{abi.LL_RING_TAIL}];
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));

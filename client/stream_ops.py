@@ -70,9 +70,12 @@ class StreamOp:
         base = page_device_ptr + slot * counter_page.SLOT_BYTES
         self._request, self._done = base + 4 * REQUEST, base + 4 * DONE
         self._ring: tuple[int, int, float] | None = None
+        self._ring_words: np.ndarray | None = None  # (the ring slot as the host maps it)
         if ring is not None:
             ring_slot, entry, timeout = ring
             self._ring = (page_device_ptr + ring_slot * counter_page.SLOT_BYTES, entry, timeout)
+            self._ring_words = counter_page.slot_words(s._counter_file.mm,
+                                                       ring_slot).view(np.uint32)
         self.armed = True
 
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
@@ -128,7 +131,11 @@ class StreamOp:
             raise err
 
     def release(self) -> None:
-        """Let any stream waiting on this op go on (session closing)."""
+        """Let any stream waiting on this op go on (session closing), and any trigger still to
+        run (a graph replayed later) report RELEASED instead of waiting: the ring's released
+        word first, then the done word (client/ll_trigger.py reads them in the other order)."""
+        if self._ring_words is not None:
+            self._ring_words[abi.LL_RING_RELEASED] = 1
         self._words[DONE] = DONE_RELEASED
 
     def disarm(self) -> None:

@@ -144,6 +144,10 @@ DONE_CODE_SHIFT = 8
 LL_RING = 64
 LL_RING_TAIL = 64
 LL_RING_HEAD = 65
+# Set by the client when its session ends (StreamOp.release): a trigger that runs after it (a
+# CUDA graph replayed once the engine died) reports RELEASED in its done word instead of
+# clearing it for an engine that will never write it.
+LL_RING_RELEASED = 66
 LL_CHAIN_OPS = 64  # armed ops per member; an entry naming an index beyond runs nothing
 LL_ENTRY_RELEASED = 0xFF  # the entry the engine writes to drain pending instances
 LLX_WORDS = 64  # u64 words of a descriptor (device memory)

@@ -20,6 +20,7 @@ import time
 import types
 
 import grpc
+import numpy as np
 import pytest
 
 from epd.client import Session
@@ -27,7 +28,7 @@ from epd.client import session as S
 from epd.client import stream_ops as SO
 from epd.client.buffer import Buffer
 from epd.client.transport import GrpcTransport
-from epd.proto import counter_page, spin
+from epd.proto import abi, counter_page, spin
 from epd.proto.errors import EpdError, FailedPrecondition, Unavailable
 
 pytestmark = pytest.mark.timeout(120)
@@ -92,6 +93,19 @@ def test_a_stream_op_enqueues_nothing_after_the_session_closed(stream_op) -> Non
     with pytest.raises(FailedPrecondition, match="session is closed"):
         op.launch()
     assert enqueued == [] and op.status() == SO.DONE_RELEASED
+
+
+def test_a_release_marks_the_ring_for_triggers_still_to_run(stream_op) -> None:
+    """A trigger enqueued earlier (or a CUDA graph replayed later) runs after the release: the
+    released word of the member's ring slot, set before the done word, makes the trigger
+    kernel report RELEASED instead of clearing the done word (client/ll_trigger.py; its GPU
+    side: tests/gpu/test_ll_plain.py::test_graph_replayed_after_the_session_ended)."""
+    op, s, _ = stream_op
+    ring = counter_page.slot_words(s._counter_file.mm, 5).view(np.uint32)
+    assert ring[abi.LL_RING_RELEASED] == 0
+    assert abi.LL_RING_RELEASED > abi.LL_RING_HEAD  # (a word of its own in the slot)
+    op.release()
+    assert ring[abi.LL_RING_RELEASED] == 1 and op.status() == SO.DONE_RELEASED
 
 
 # -- 2. closing against an engine that does not answer --------------------------------------------

@@ -117,7 +117,7 @@ class LowLatencyChain:
             self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
-        self.words[:abi.LL_RING_HEAD + 1] = 0
+        self.words[:abi.LL_RING_RELEASED + 1] = 0
         self.ops: dict[int, ChainOp] = {}
         self._free = list(range(abi.LL_CHAIN_OPS))
         self._gen = [0] * abi.LL_CHAIN_OPS

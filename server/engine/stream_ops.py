@@ -422,7 +422,7 @@ class StreamOps:
                                                        int(page.device_ptr))
             words = page.view(np.uint32)
             if backend_chain is None:
-                words[:abi.LL_RING_HEAD + 1] = 0  # (the chain clears its own)
+                words[:abi.LL_RING_RELEASED + 1] = 0  # (the chain clears its own)
             ring = Ring(member, slot, words, backend_chain)
         except BaseException:
             if backend_chain is not None:

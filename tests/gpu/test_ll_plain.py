@@ -6,6 +6,7 @@ CUDA graph on its first appearance (no earlier call on those tensors) works."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from types import SimpleNamespace
 
@@ -201,6 +202,72 @@ def test_low_latency_graph_capture_on_first_appearance(daemon) -> None:
         for r in range(R):
             np.testing.assert_array_equal(results[r]["cx"][it], _combined(xs, idx, w, r, True),
                                           err_msg=f"replay {it} rank {r}")
+
+
+def _replay_after_release_rank(rank: int, socket: str, device: int, q) -> None:
+    """A captured dispatch (hook) + combine, replayed once (exact), then the session's lease
+    ends (the client cancels it; the engine tears the session down, as when it dies) and the
+    graph is replayed again: its triggers must report RELEASED instead of waiting for an
+    engine that no longer serves the ring."""
+    import time
+
+    import torch
+
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    from epd.client.stream_ops import DONE_RELEASED
+    torch.cuda.set_device(device)
+    t = (M, M - 7)[rank]
+    x, idx, w = _inputs(300, rank, t)
+    sx, sidx, sw = (_to_torch(a, device) for a in (x, idx, w))
+    dest = torch.empty((t, H), dtype=torch.bfloat16, device=device)
+    res: dict = {"rank": rank}
+    s = Session(socket, client_name=f"gpu-ll-released-{rank}", timeout=30)
+    buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                 group_name="gpu-ll-graph-released")
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        recv, _, handle, _, hook = buf.low_latency_dispatch(
+            sx, sidx, M, E, use_fp8=False, return_recv_hook=True)
+        hook()
+        buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+    graph.replay()
+    torch.cuda.synchronize()
+    res["cx"] = _bits(dest)
+    ops = list(buf._stream_ops.ops())
+    s._stream.cancel()  # the lease ends: the engine closes the session, the client releases
+    end = time.monotonic() + 10
+    while s._lost is None and time.monotonic() < end:
+        time.sleep(0.01)
+    res["lost"] = s._lost is not None
+    res["released"] = [op.status() == DONE_RELEASED for op in ops]
+    with torch.cuda.stream(stream):
+        graph.replay()
+        done = torch.cuda.Event()
+        done.record(stream)
+    end = time.monotonic() + 20
+    while not done.query() and time.monotonic() < end:
+        time.sleep(0.01)
+    res["finished"] = done.query()
+    res["after"] = [op.status() for op in ops]
+    q.put(res)  # (before closing: a stream stuck on the old code would hang the close)
+    with contextlib.suppress(Exception):  # (reported already: one report per rank)
+        s.close()
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_graph_replayed_after_the_session_ended(daemon) -> None:
+    from epd.client.stream_ops import DONE_RELEASED
+    results = _spawn_ranks(daemon, _replay_after_release_rank, R)
+    inputs = [_inputs(300, r, (M, M - 7)[r]) for r in range(R)]
+    xs, idx, w = ([i[j] for i in inputs] for j in range(3))
+    for r in range(R):
+        got = results[r]
+        np.testing.assert_array_equal(got["cx"], _combined(xs, idx, w, r, True))
+        assert got["lost"] and all(got["released"]), got
+        assert got["finished"], f"rank {r}: the replay after the release never finished"
+        assert got["after"] and all(v == DONE_RELEASED for v in got["after"]), got["after"]
 
 
 # -- two micro-batches in flight (vLLM DBO, SGLang two-batch overlap): D0 D1 C0 C1 -------------
