@@ -16,6 +16,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ HEALTH_CHECK_SECONDS, HEALTH_CHECK_TIMEOUT_SECONDS = 5.0, 2.0
 KILL_AGAIN_SECONDS = 30.0  # a killed engine that has not exited yet is killed again this often
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
+METRICS_PREFIX = "epd-metrics-"  # the metrics folder a daemon makes (tempfile.mkdtemp)
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
 DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long before SIGKILL
 # A SIGKILLed engine is waited for this long at most (one stuck in the kernel, in a driver call,
@@ -648,6 +650,12 @@ class Supervisor:
                         "instead of running side by side (--mps on)%s",
                         "; --throughput-mps-percentage has no effect"
                         if cfg.throughput_mps_percentage else "")
+        # Files an earlier daemon on this folder left when it was killed (this one holds the
+        # lock: they are nobody's): a stale gpu<N>.failed would stay until this daemon's stop
+        # and be read as the reason of its engine's first exit. (Sockets are unlinked by
+        # whoever binds them.)
+        for e in self.engines:
+            self._remove_engine_files(e)
         if not stop.is_set() and not self.world_mode:  # (not asked to stop while MPS started)
             starting = None
             try:
@@ -863,12 +871,16 @@ def prepare_metrics_dir() -> tuple[str, bool]:
     Returns (folder, whether this daemon created it and so removes it at exit)."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
-        path = tempfile.mkdtemp(prefix="epd-metrics-")
+        path = tempfile.mkdtemp(prefix=METRICS_PREFIX)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
         return path, True
     Path(path).mkdir(parents=True, exist_ok=True)
-    for f in Path(path).glob("*.db"):  # stale samples of an earlier run
-        f.unlink()
+    # Stale samples of an earlier run, and the files archive_dead_process set aside as
+    # unreadable (*.db.unreadable: no scrape reads them, and nothing else ever removed them,
+    # so a folder given by the operator gathered one per such engine death across restarts).
+    for pattern in ("*.db", "*.db.unreadable"):
+        for f in Path(path).glob(pattern):
+            f.unlink()
     return path, False
 
 
@@ -909,22 +921,67 @@ def lock_socket_dir(socket_dir: str) -> int:
     """Hold the socket folder's lock for the daemon's life (the fd is inherited by the engines).
     A second daemon on the same folder fails here, naming the pid that holds it."""
     path = os.path.join(socket_dir, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-    except OSError as e:
-        raise StartupError(f"--socket-dir {socket_dir}: cannot create {LOCK_NAME} "
-                           f"({e.strerror or e}); make the folder writable") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        except OSError as e:
+            raise StartupError(f"--socket-dir {socket_dir}: cannot create {LOCK_NAME} "
+                               f"({e.strerror or e}); make the folder writable") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = (os.pread(fd, 32, 0).decode(errors="replace").strip().split("\n")[0]
+                      or "?")
+            os.close(fd)
+            raise StartupError(f"--socket-dir {socket_dir}: another epd daemon (pid {holder}) "
+                               f"serves this folder; stop it first or use another "
+                               f"--socket-dir") from None
+        # The daemon that held it unlinks the file at its exit: opened before that and locked
+        # after, this lock is on a file no longer in the folder, and a third daemon creating
+        # a fresh one would lock that too (two daemons on one folder). Locked, the file must
+        # still be the folder's; else take the one there now.
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
         os.close(fd)
-        raise StartupError(f"--socket-dir {socket_dir}: another epd daemon (pid {holder}) "
-                           f"serves this folder; stop it first or use another "
-                           f"--socket-dir") from None
+    # The lock is ours: every process of an earlier daemon on this folder is gone (its engines
+    # held the lock too). One that was SIGKILLed (OOM killer, kill -9) never ran its teardown:
+    # the metrics folder it made in /tmp is removed here, named in the lock file
+    # (record_metrics_dir), or each such death left one there for good.
+    _remove_stale_metrics_dir(os.pread(fd, 4096, 0).decode(errors="replace"))
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def record_metrics_dir(lock_fd: int, folder: str) -> None:
+    """Name the metrics folder this daemon made (and removes at exit) in its lock file, on the
+    line after its pid: the next daemon on the socket folder removes it if this one dies
+    without its teardown (lock_socket_dir)."""
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n{folder}\n".encode(), 0)
+
+
+def _remove_stale_metrics_dir(lock_text: str) -> None:
+    """Remove the metrics folder an earlier daemon named in the lock file: only a real folder
+    (not a link) of ours whose name is one mkdtemp made for it (METRICS_PREFIX)."""
+    lines = lock_text.split("\n")
+    folder = lines[1].strip() if len(lines) > 1 else ""
+    if not (folder and os.path.isabs(folder)
+            and os.path.basename(folder).startswith(METRICS_PREFIX)):
+        return
+    try:
+        st = os.lstat(folder)
+    except OSError:
+        return  # (its daemon removed it)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return
+    log.warning("removing %s, the metrics folder of an earlier daemon on this socket folder "
+                "that did not stop cleanly (killed?)", folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_backend(cfg: Config) -> tuple[Config, str]:
@@ -987,6 +1044,8 @@ def run(cfg: Config) -> int:
         with early.interruptible():
             cfg, class_engines_why = check_backend(cfg)
         metrics_dir, owned = prepare_metrics_dir()
+        if owned:  # (removed by the next daemon here if this one is killed: lock_socket_dir)
+            record_metrics_dir(lock_fd, metrics_dir)
         from .backends import make_planner
 
         try:
