@@ -118,12 +118,19 @@ class Coordinator:
             await asyncio.wait_for(g.formed.wait(),
                                    timeout=req.timeout_seconds or self.default_timeout)
         except TimeoutError:
-            missing = sorted(set(range(spec.num_ranks)) - set(g.members))
-            g.members.pop(req.rank, None)
-            g.nodes.pop(req.rank, None)
-            self._drop_if_empty(g)
-            raise DeadlineExceeded(f"group {spec.name!r}: rank(s) {missing} did not join "
-                                   f"within {req.timeout_seconds:g} s") from None
+            # The deadline and the last rank's arrival can land in one turn of the event loop:
+            # the timer fires, then the last rank forms the group before this task wakes. The
+            # group then holds this rank (its peers have its placement and wait for it at the
+            # attach barrier): it goes on as formed. (Dropped here, it failed naming no missing
+            # rank, "rank(s) [] did not join", the last rank's _placement raised KeyError, and
+            # the instance, released by nobody, held the name for good: "already formed".)
+            if not g.formed.is_set():
+                missing = sorted(set(range(spec.num_ranks)) - set(g.members))
+                g.members.pop(req.rank, None)
+                g.nodes.pop(req.rank, None)
+                self._drop_if_empty(g)
+                raise DeadlineExceeded(f"group {spec.name!r}: rank(s) {missing} did not join "
+                                       f"within {req.timeout_seconds:g} s") from None
         except asyncio.CancelledError:  # the joining client went away
             if not g.formed.is_set():
                 g.members.pop(req.rank, None)
@@ -221,9 +228,13 @@ class Coordinator:
             await asyncio.wait_for(g.all_attached.wait(),
                                    timeout=req.timeout_seconds or self.default_timeout)
         except TimeoutError:
-            missing = sorted(set(range(g.spec.num_ranks)) - g.attached)
-            raise DeadlineExceeded(f"group {g.spec.name!r}: rank(s) {missing} did not attach "
-                                   f"within {req.timeout_seconds:g} s") from None
+            # (as in rendezvous: the last attach may come in the turn the deadline fired; the
+            # barrier is then open and this rank goes on with its peers, rather than failing
+            # "rank(s) [] did not attach" and aborting the group they just started)
+            if not g.all_attached.is_set():
+                missing = sorted(set(range(g.spec.num_ranks)) - g.attached)
+                raise DeadlineExceeded(f"group {g.spec.name!r}: rank(s) {missing} did not "
+                                       f"attach within {req.timeout_seconds:g} s") from None
         if g.aborted is not None:
             raise FailedPrecondition(f"group {g.spec.name!r} was aborted while forming: "
                                      f"{g.aborted}")

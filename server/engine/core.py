@@ -139,6 +139,26 @@ class AttachHandoff:
             return comm, self._running
 
 
+def _rejoin_refusal(comm: RankComm, spec: GroupSpec, rank: int, group_id: str) -> str | None:
+    """Why a replacement placed in a shrink group (rendezvous `rejoining`) can never take part
+    there, or None. Such a join fails (its rank goes back) rather than hold a rank of a dead
+    instance, every call of it refused; the name forms afresh once the old members have left.
+    - the group's abort word is up (a rank's deadline, a failed launch: the group failed as a
+      whole; the coordinator, seeing only masked ranks go, does not know);
+    - every other rank is gone (went away, or is a replacement itself still waiting to be
+      brought in): no rank is left to make the Rejoin collective with it."""
+    reason = comm.abort_reason()
+    if reason is not None:
+        return (f"group {spec.name!r} ({group_id}) was aborted ({reason}): a replacement "
+                f"cannot rejoin it; the name forms afresh once every rank of it has left")
+    states = comm.mask_states()
+    if all(s == comm.MASK_GONE for r, s in enumerate(states) if r != rank):
+        return (f"no rank of group {spec.name!r} ({group_id}) takes part any more (every "
+                f"other rank went away or waits to rejoin): none can bring rank {rank} back; "
+                f"the name forms afresh once every rank of it has left")
+    return None
+
+
 def close_quietly(comm: RankComm) -> None:
     try:
         comm.close()
@@ -637,8 +657,16 @@ class Engine(StreamCalls, DataPlane):
             try:
                 comm = await session.executor.run(handoff.attach, self.backend, spec,
                                                   membership)
+                # A replacement can only be brought in by ranks that take part (the Rejoin
+                # collective); the coordinator, which sees ranks go but neither a group's abort
+                # word nor who came back, may place it in an instance where none does (read on
+                # the worker: a cuda comm reads its control block from the device).
+                dead = (await session.executor.run(_rejoin_refusal, comm, spec, req.rank,
+                                                   resp.group_id) if resp.rejoining else None)
                 if session.closed.is_set():  # (its teardown began meanwhile: it would not
                     raise Aborted("session closed during join")  # see this comm)
+                if dead is not None:
+                    raise FailedPrecondition(dead)
             except BaseException as e:  # (cancelled too: the client went away meanwhile)
                 loop = asyncio.get_running_loop()
                 release = functools.partial(self._release_unattached, resp.group_id,
