@@ -429,7 +429,7 @@ def test_registrations_at_once_cannot_pass_the_region_budget_together() -> None:
     async def run(fn):
         return await asyncio.to_thread(fn)
     session = SimpleNamespace(regions={}, registering={}, members={}, joining={},
-                              teardown_done=False, describe=lambda: "session s",
+                              fast_path=None, teardown_done=False, describe=lambda: "session s",
                               executor=SimpleNamespace(run=run, closing=None),
                               op_lock=threading.Lock())
     engine = Engine.__new__(Engine)  # (only what register_region reads)

@@ -324,7 +324,10 @@ class Engine(StreamCalls, DataPlane):
         held = (sum(r.size for r in session.regions.values() if not r.borrowed)
                 + sum(session.registering.values())
                 + sum(self.backend.output_bytes(m.spec) for m in session.members.values())
-                + sum(self.backend.output_bytes(s) for s in session.joining.values()))
+                + sum(self.backend.output_bytes(s) for s in session.joining.values())
+                # The fast-path ring: engine memory sized by OpenFastPath's request (up to
+                # 1 GiB) that its client maps read-write and can fill, so it counts too.
+                + (session.fast_path.ring.size if session.fast_path is not None else 0))
         limit = self.config.max_region_bytes_per_session
         if held + size > limit:
             raise ResourceExhausted(f"{session.describe()} holds {held} bytes of regions and "
@@ -753,6 +756,8 @@ class Engine(StreamCalls, DataPlane):
             raise InvalidArgument(f"slots must lie in [1, {ring_format.MAX_SLOTS}] and "
                                   f"slot_bytes in [{ring_format.MIN_SLOT_BYTES}, "
                                   f"{ring_format.MAX_SLOT_BYTES}]")
+        self._check_bytes(session, ring_format.ring_bytes(slots, slot_bytes),
+                          f"a fast-path ring of {slots} slots of {slot_bytes} bytes")
         window = spin_mod.SpinWindow(self.config.fast_path_spin_us * 1e-6,
                                      self.config.fast_path_spin_max_us * 1e-6)
         # The ring is a sealed memfd the client fetches as "ring" over the descriptor channel.
