@@ -3,7 +3,11 @@
 # twenty-eighth session's work had no device, so these are its checks, cut into calls that
 # each fit one device command (at most 600 s):
 #   bash benchmarks/device/gpu_s29_run.sh verify  # FP8 scales of any width (test_daemon's
-#        roundtrips), the receive hook on the dispatch's stream (test_ll_plain, the facade)
+#        roundtrips), the receive hook on the dispatch's stream (test_ll_plain, the facade),
+#        a graph replayed after its session ended, the replacement refusal (rank masking)
+# The session ran them from a `git archive` of HEAD carried in .whl (helpers' uncommitted
+# edits stayed home): mkdir /tmp/head && tar -xzf .whl/head.tar.gz -C /tmp/head &&
+# cp -r .whl /tmp/head && cd /tmp/head && bash benchmarks/device/gpu_s29_run.sh verify
 #   bash benchmarks/device/gpu_s29_run.sh chain   # the twenty-seventh session's unverified
 #        checks: plain calls on the chain and on the poller, the chain's own tests
 #   bash benchmarks/device/gpu_s29_run.sh bench   # the default low-latency path's rows at D
@@ -13,8 +17,8 @@ set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
   verify)
-    STEP_TEST_SECONDS=200 step verify 400 "tests/gpu/test_daemon.py tests/gpu/test_ll_plain.py \
-        tests/gpu/test_deep_ep_facade.py"
+    STEP_TEST_SECONDS=180 step verify 330 "tests/gpu/test_ll_plain.py tests/gpu/test_daemon.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_rank_masking_gpu.py"
     ;;
   chain)
     STEP_TEST_SECONDS=150 step chain 300 "tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_chain.py"
