@@ -461,3 +461,33 @@ def test_a_replacement_is_not_placed_where_no_rank_takes_part(daemon) -> None:
     finally:
         for s in [*sessions, *later]:
             s.close()
+
+
+def test_a_mask_change_never_overwrites_a_rank_gone_meanwhile() -> None:
+    """RankMask reads the mask, then writes the rank's new state; the supervisor may mark that
+    rank gone in between (it went away). The write must keep GONE: written over with IN, the
+    peers would wait for a rank that is not there until the deadline aborted the group."""
+    import tempfile
+
+    from epd.proto.v1 import epd_pb2
+    from epd.server.backends import base
+    from epd.server.backends.cpu import CpuBackend
+    from epd.server.backends.cpu_plan import CpuPlanner
+
+    spec = base.GroupSpec("mask-race", 2, 4, 128, 8, 2, epd_pb2.BFLOAT16,
+                          low_latency_mode=True, shrink=True)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        planner = CpuPlanner(d)
+        plan = planner.plan_group("gmaskrace", spec)
+        comm = CpuBackend().attach(spec, base.Membership("gmaskrace", 0, (0, 0), plan))
+        try:
+            assert comm.mask_states()[1] == comm.MASK_IN  # what RankMask read
+            planner.mark_gone(plan, 1, "its session ended")  # the supervisor, meanwhile
+            comm.set_mask(1, comm.MASK_MASKED)  # the write decided from the stale read
+            assert comm.mask_states()[1] == comm.MASK_GONE
+            comm.set_mask(1, comm.MASK_IN)  # (an unmask likewise)
+            assert comm.mask_states()[1] == comm.MASK_GONE
+            comm.set_mask(0, comm.MASK_MASKED)  # a live rank's change still takes
+            assert comm.mask_states()[0] == comm.MASK_MASKED
+        finally:
+            comm.close()

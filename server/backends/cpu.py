@@ -94,6 +94,7 @@ from .cpu_comm_file import (
     comm_file_bytes,
     header_words,
     ll_max_rows,
+    mask_locked,
     open_comm_file,
     read_abort,
     write_abort,
@@ -252,7 +253,11 @@ class CpuRankComm(RankComm):
         return [int(v) for v in self._mask]
 
     def set_mask(self, rank: int, state: int) -> None:
-        self._mask[rank] = state
+        # (the engine decided from a mask it read before: a rank marked gone since stays gone
+        # until a replacement rejoins; the supervisor writes GONE under the same lock)
+        with open(comm_path(self.membership.plan), "r+b") as f, mask_locked(f.fileno(), rank):
+            if self._mask[rank] != self.MASK_GONE:
+                self._mask[rank] = state
 
     def stop(self, reason: str) -> None:
         self._stopped = reason

@@ -7,8 +7,11 @@ collectives are cpu.py's."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,7 +182,22 @@ def abort_comm_file(path: str, reason: str) -> None:
 def mark_gone_in_comm_file(path: str, rank: int) -> None:
     """Mask a rank for good from outside any rank (the supervisor, when it went away)."""
     try:
-        with open(path, "r+b") as f, mmap.mmap(f.fileno(), HEADER_BYTES) as mm:
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), HEADER_BYTES) as mm, \
+                mask_locked(f.fileno(), rank):
             mm[MASK + rank] = RankComm.MASK_GONE
     except (FileNotFoundError, ValueError, IndexError):
         pass
+
+
+@contextlib.contextmanager
+def mask_locked(fd: int, rank: int) -> Iterator[None]:
+    """Hold a record lock on one rank's mask byte of a comm file (`fd`: the file opened by the
+    caller). The supervisor marks a rank gone while an engine's RankMask may be changing the
+    same byte from a state it read just before: under the lock the engine sees GONE and keeps
+    it (set_mask), rather than writing IN over it (peers would then wait for a rank that
+    went away, until the deadline aborted the group)."""
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, MASK + rank)
+    try:
+        yield
+    finally:
+        fcntl.lockf(fd, fcntl.LOCK_UN, 1, MASK + rank)
