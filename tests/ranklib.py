@@ -324,6 +324,43 @@ class ProcessGroup:
         return self._size
 
 
+def facade_env(daemon, monkeypatch, prefix: str):
+    """The DeepEP facade's Buffers built as a framework builds them: the daemon from
+    EPD_SOCKET_DIR, engine 0; each Buffer's groups get the instance tag its ranks would agree
+    on over a real torch group (the stand-in has no collective): the n-th Buffer a rank makes,
+    the same on every rank (`prefix` + n)."""
+    import threading
+
+    from epd.client import buffer as B
+    monkeypatch.setenv("EPD_SOCKET_DIR", daemon.socket_dir)
+    for k in ("EPD_ENGINE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    made: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def agreed_instance_tag(group, comm) -> str:
+        with lock:
+            made[group.rank()] = made.get(group.rank(), 0) + 1
+            return f"{prefix}{made[group.rank()]}"
+
+    monkeypatch.setattr(B, "agreed_instance_tag", agreed_instance_tag)
+    return daemon
+
+
+def run_rank_threads(fn, num_ranks: int) -> list:
+    """fn(rank, group) on every rank at once (threads), each rank with its own ProcessGroup;
+    the ranks' results, or one AssertionError naming every rank that raised."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(num_ranks) as ex:
+        futs = [ex.submit(fn, r, ProcessGroup(r, num_ranks)) for r in range(num_ranks)]
+        errors = [(r, f.exception(timeout=120)) for r, f in enumerate(futs)]
+    failed = [(r, e) for r, e in errors if e is not None]
+    if failed:
+        raise AssertionError("; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                                       for r, e in failed)) from failed[0][1]
+    return [f.result() for f in futs]
+
+
 class NoGrpc:
     """The gRPC side of a ring-only transport (a ring without a daemon): nothing may fall back
     to it."""

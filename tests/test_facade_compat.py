@@ -14,13 +14,11 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from ranklib import ProcessGroup, assert_exact
+from ranklib import ProcessGroup, assert_exact, facade_env, run_rank_threads
 
-from epd.client import buffer as B
 from epd.client.buffer import Buffer
 from epd.proto import dtypes
 from epd.proto.errors import FailedPrecondition, InvalidArgument
@@ -33,32 +31,11 @@ TOKENS = (7, 5)
 
 @pytest.fixture
 def env(daemon, monkeypatch):
-    """Buffers built as a framework builds them: the daemon from EPD_SOCKET_DIR, engine 0. Each
-    Buffer's groups get the instance tag its ranks would agree on over a real torch group (the
-    stand-in has no collective): the n-th Buffer a rank makes, the same on every rank."""
-    monkeypatch.setenv("EPD_SOCKET_DIR", daemon.socket_dir)
-    for k in ("EPD_ENGINE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    made: dict[int, int] = {}
-
-    def agreed_instance_tag(group, comm) -> str:
-        made[group.rank()] = made.get(group.rank(), 0) + 1
-        return f"compat{made[group.rank()]}"
-
-    monkeypatch.setattr(B, "agreed_instance_tag", agreed_instance_tag)
-    return daemon
+    return facade_env(daemon, monkeypatch, "compat")
 
 
 def run_ranks(fn) -> list:
-    """fn(rank, group) on every rank at once (threads), each rank with its own group object."""
-    with ThreadPoolExecutor(NUM_RANKS) as ex:
-        futs = [ex.submit(fn, r, ProcessGroup(r, NUM_RANKS)) for r in range(NUM_RANKS)]
-        errors = [(r, f.exception(timeout=120)) for r, f in enumerate(futs)]
-    failed = [(r, e) for r, e in errors if e is not None]
-    if failed:
-        raise AssertionError("; ".join(f"rank {r}: {type(e).__name__}: {e}"
-                                       for r, e in failed)) from failed[0][1]
-    return [f.result() for f in futs]
+    return run_rank_threads(fn, NUM_RANKS)
 
 
 def workload(hidden: int, seed: int):

@@ -9,14 +9,11 @@ hashable. Outputs exact against server/reference.py.
 from __future__ import annotations
 
 import inspect
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from ranklib import ProcessGroup, assert_exact
+from ranklib import assert_exact, facade_env, run_rank_threads
 
-from epd.client import buffer as B
 from epd.client.buffer import Buffer
 from epd.client.deep_ep_compat import Config
 from epd.proto import dtypes
@@ -29,34 +26,11 @@ TOKENS = (7, 5)
 
 @pytest.fixture
 def env(daemon, monkeypatch):
-    """Buffers built as a framework builds them: the daemon from EPD_SOCKET_DIR, engine 0, each
-    Buffer's instance tag the one its ranks would agree on over a real torch group (the n-th
-    Buffer a rank makes; the stand-in group has no collective)."""
-    monkeypatch.setenv("EPD_SOCKET_DIR", daemon.socket_dir)
-    for k in ("EPD_ENGINE", "LOCAL_RANK"):
-        monkeypatch.delenv(k, raising=False)
-    made: dict[int, int] = {}
-    lock = threading.Lock()
-
-    def agreed_instance_tag(group, comm) -> str:
-        with lock:
-            made[group.rank()] = made.get(group.rank(), 0) + 1
-            return f"dropin{made[group.rank()]}"
-
-    monkeypatch.setattr(B, "agreed_instance_tag", agreed_instance_tag)
-    return daemon
+    return facade_env(daemon, monkeypatch, "dropin")
 
 
 def run_ranks(fn) -> list:
-    """fn(rank, group) on every rank at once (threads), each rank with its own group object."""
-    with ThreadPoolExecutor(NUM_RANKS) as ex:
-        futs = [ex.submit(fn, r, ProcessGroup(r, NUM_RANKS)) for r in range(NUM_RANKS)]
-        errors = [(r, f.exception(timeout=120)) for r, f in enumerate(futs)]
-    failed = [(r, e) for r, e in errors if e is not None]
-    if failed:
-        raise AssertionError("; ".join(f"rank {r}: {type(e).__name__}: {e}"
-                                       for r, e in failed)) from failed[0][1]
-    return [f.result() for f in futs]
+    return run_rank_threads(fn, NUM_RANKS)
 
 
 def times2(a) -> np.ndarray:
