@@ -52,6 +52,9 @@ class Config:
     timeout_seconds: float = field(default=10.0, metadata={
         "help": "default deadline of a collective and of a group rendezvous"})
     max_sessions: int = field(default=256, metadata={"help": "sessions per engine"})
+    max_sessions_per_uid: int = field(default=64, metadata={
+        "help": "sessions per engine of one client uid (0 = no cap below --max-sessions): one "
+                "tenant cannot hold all of an engine's sessions"})
     max_regions_per_session: int = field(default=256, metadata={
         "help": "registered regions per session (each holds a mapping; RESOURCE_EXHAUSTED "
                 "beyond it)"})
@@ -501,6 +504,7 @@ def _check_limits(cfg: Config) -> None:
     for name in ("num_sms", "ll_num_sms"):
         _check_range(cfg, name, 0, MAX_NUM_SMS, "0: the per-GPU default")
     _check_range(cfg, "max_group_label_values", 0, note="0: every group labelled _overflow")
+    _check_range(cfg, "max_sessions_per_uid", 0, note="0: no cap below --max-sessions")
     _check_range(cfg, "ll_chain_members", 0, note="0: no chain")
     for name in ("fast_path_spin_us", "fast_path_spin_max_us", "gil_switch_us",
                  "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us"):

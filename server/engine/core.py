@@ -65,6 +65,10 @@ from .stream_calls import StreamCalls
 from .watchdog import SlowOperations
 
 log = logging.getLogger("epd.engine")
+# A session that has not connected its descriptor channel this long after opening may be
+# closed for a new session when the engine is full (Engine._make_room): a client connects it
+# within milliseconds of OpenSession.
+UNBOUND_GRACE_SECONDS = 2.0
 # A clean leave waits at most this long for peers still inside the last collective (within the
 # client's own leave timeout, session.CLOSE_LEAVE_TIMEOUT); then it aborts the group anyway.
 QUIESCE_SECONDS = 1.0
@@ -279,10 +283,40 @@ class Engine(StreamCalls, DataPlane):
                                    f"client that opened it)")
         return s
 
+    def _make_room(self) -> None:
+        """Refuse a new session when the engine holds --max-sessions, unless one of them never
+        connected its descriptor channel within UNBOUND_GRACE_SECONDS: the oldest such session
+        is closed for the new one. A session's uid is known only once that channel connects
+        (grpcio does not give the gRPC peer's credentials), so sessions opened and left
+        unbound are the one way a client could hold places past --max-sessions-per-uid."""
+        live = [s for s in self.sessions.values() if not (s.teardown_done or s.evicted)]
+        if len(live) < self.config.max_sessions:
+            return
+        now = time.monotonic()
+        idle = [s for s in live if s.peer is None and now - s.opened_at >= UNBOUND_GRACE_SECONDS]
+        if not idle:
+            raise ResourceExhausted(f"engine {self.index} has {len(live)} sessions, the maximum "
+                                    f"(--max-sessions)")
+        oldest = min(idle, key=lambda s: s.opened_at)
+        oldest.evicted = True
+        log.warning("%s never connected its descriptor channel (%.1f s): closed for a new "
+                    "session (the engine holds --max-sessions)", oldest.describe(),
+                    now - oldest.opened_at)
+        asyncio.get_running_loop().create_task(self.close_session(
+            oldest, "closed: its descriptor channel never connected and the engine was full"))
+
     def record_peer(self, session: Session, peer: tuple[int, int, int]) -> None:
         """A descriptor-channel connection of this session: (pid, uid, gid) from SO_PEERCRED.
-        The first one is recorded; a connection of other credentials is refused."""
+        The first one is recorded, within the uid's cap of sessions (--max-sessions-per-uid);
+        a connection of other credentials is refused."""
         if session.peer is None:
+            cap, uid = self.config.max_sessions_per_uid, peer[1]
+            held = sum(1 for s in self.sessions.values()
+                       if s.peer is not None and s.peer[1] == uid and not s.teardown_done)
+            if cap and held >= cap:
+                raise ResourceExhausted(f"uid {uid} holds {held} sessions of engine "
+                                        f"{self.index}, the most one uid may "
+                                        f"(--max-sessions-per-uid)")
             session.peer = peer
             log.info("%s: peer pid %d uid %d gid %d", session.describe(), *peer)
         elif session.peer != peer:
@@ -408,9 +442,7 @@ class Engine(StreamCalls, DataPlane):
     # -- sessions ----------------------------------------------------------------------------
     def open_session(self, client_name: str, pid: int) -> Session:
         self.state.check_open()
-        if len(self.sessions) >= self.config.max_sessions:
-            raise ResourceExhausted(f"engine {self.index} has {len(self.sessions)} sessions, "
-                                    f"the maximum (--max-sessions)")
+        self._make_room()
         sid = secrets.token_hex(8)
         page = self.backend.open_counter_page()  # a sealed memfd, fetched over the channel
         s = Session(sid, client_name[:64], pid, page,

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -169,6 +170,11 @@ class Session:
     # None until then): a GPU chain for its armed ops pays only then (--ll-chain auto), and
     # epd_sessions_without_mps counts the sessions it is False for.
     on_engine_mps: bool | None = None
+    # When it opened (monotonic), and whether it is being evicted: a session whose client
+    # never connects its descriptor channel (so of no known uid) gives its place to a new one
+    # once the engine is full (Engine._make_room).
+    opened_at: float = field(default_factory=time.monotonic)
+    evicted: bool = False
 
     def take_slot(self, why: str) -> int:
         """A free counter slot, now the caller's (joins on the event loop and arms on the
