@@ -81,7 +81,7 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_HEAD == NOTIFY_TOKENS + 1
 #define DONE_CODE_SHIFT 8
 
 // FP8: one float32 scale per FP8_BLOCK channels; amax clamped to FP8_AMAX_MIN, scale =
-// amax / FP8_MAX.
+// amax * (1 / FP8_MAX) (DeepEP's product, see block_quantize_scatter).
 #define FP8_BLOCK 128
 #define FP8_MAX 448.f
 #define FP8_AMAX_MIN 1e-4f

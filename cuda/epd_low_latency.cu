@@ -102,9 +102,10 @@ __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
 }
 
 // Quantise one bf16 row (H elements, H % 128 == 0) once and store it into every destination
-// row of the token: e4m3 + one float scale per 128 channels (amax clamped to 1e-4, scale =
-// amax / 448, optionally rounded up to a power of two, q = clip(x / scale, +-448), round to
-// nearest even). 16 threads per 128-channel block, 8 channels per thread; all threads of the
+// row of the token: e4m3 + one float scale per 128 channels, DeepEP's arithmetic (utils.cuh
+// calculate_fp8_scales; server/reference.py quantize_fp8): amax clamped to 1e-4, scale =
+// amax * fl(1/448), q = clip(x * fl(448 / amax), +-448); with round_scale scale rounded up to
+// a power of two and q = x * (1 / scale), exact; round to nearest even. 16 threads per 128-channel block, 8 channels per thread; all threads of the
 // block call it (the shuffles need whole warps).
 __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __restrict__ src,
                                                        const u64* dst, const u64* dst_scales,
@@ -130,13 +131,17 @@ __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __r
         for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
         if (!active) continue;
         amax = fmaxf(amax, FP8_AMAX_MIN);
-        float scale = __fdiv_rn(amax, FP8_MAX);
-        if (round_scale) scale = pow2_ceil(scale);
+        float scale = __fmul_rn(amax, __frcp_rn(FP8_MAX));  // DeepEP: amax * (1 / 448.0f)
+        float mul = __fdiv_rn(FP8_MAX, amax);                // DeepEP: 448.0f / amax
+        if (round_scale) {
+            scale = pow2_ceil(scale);
+            mul = __frcp_rn(scale);  // a power of two: exact
+        }
         unsigned short q[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            float lo = fminf(fmaxf(__fdiv_rn(f[2 * j], scale), -FP8_MAX), FP8_MAX);
-            float hi = fminf(fmaxf(__fdiv_rn(f[2 * j + 1], scale), -FP8_MAX), FP8_MAX);
+            float lo = fminf(fmaxf(__fmul_rn(f[2 * j], mul), -FP8_MAX), FP8_MAX);
+            float hi = fminf(fmaxf(__fmul_rn(f[2 * j + 1], mul), -FP8_MAX), FP8_MAX);
             q[j] = f32x2_to_e4m3x2(lo, hi);
         }
         uint2 out;

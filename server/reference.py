@@ -584,8 +584,11 @@ def hierarchical_combine(ys: list[np.ndarray], dispatched: HierarchicalDispatch,
 def quantize_fp8(x: np.ndarray, round_scale: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per-token, per-128-channel FP8 quantisation; returns (q e4m3 [T, H], scales f32 [T, H/128]).
 
-    amax = max|x| in fp32 per block, clamped to >= 1e-4; scale = amax / 448; with round_scale,
-    scale = 2**ceil(log2(scale)); q = x / scale cast to e4m3, so x ~= q * scale.
+    DeepEP's low-latency arithmetic, float32 throughout (internode_ll.cu's FP8 cast, utils.cuh
+    calculate_fp8_scales): amax = max|x| per block, clamped to >= 1e-4; scale = amax * fl(1/448)
+    (a product with the float 1/448, not a division) and q = x * fl(448 / amax); with
+    round_scale, scale = 2**ceil(log2(amax * fl(1/448))) and q = x / scale, exactly. q is cast to
+    e4m3 (nearest even, saturating at 448), so x ~= q * scale.
     """
     x = np.asarray(x)
     if x.ndim != 2:
@@ -595,12 +598,16 @@ def quantize_fp8(x: np.ndarray, round_scale: bool = False) -> tuple[np.ndarray, 
         raise ValueError(f"hidden ({hidden}) must be a multiple of {FP8_BLOCK} for FP8")
     blocks = x.astype(np.float32).reshape(num_tokens, hidden // FP8_BLOCK, FP8_BLOCK)
     amax = np.maximum(np.abs(blocks).max(axis=2, initial=0.0), np.float32(_FP8_AMAX_MIN))
-    scale = (amax / np.float32(FP8_MAX)).astype(np.float32)
+    # DeepEP multiplies by the float constants 1/448.0f and 448.0f/amax; the correctly rounded
+    # amax / 448 and x / scale differ from them in the last bit (about half the scales).
+    scale = (amax * (np.float32(1.0) / np.float32(FP8_MAX))).astype(np.float32)
+    multiplier = (np.float32(FP8_MAX) / amax).astype(np.float32)
     if round_scale:  # 2**ceil(log2(scale)) from the bits: float32 log2 rounds near powers of 2
         mant, expo = np.frexp(scale)  # scale = mant * 2**expo, mant in [0.5, 1)
         scale = np.ldexp(np.float32(1.0), np.where(mant == 0.5, expo - 1, expo)
                          ).astype(np.float32)
-    q = np.clip(blocks / scale[:, :, None], -FP8_MAX, FP8_MAX).astype(np.float32)
+        multiplier = (np.float32(1.0) / scale).astype(np.float32)  # a power of two: exact
+    q = np.clip((blocks * multiplier[:, :, None]).astype(np.float32), -FP8_MAX, FP8_MAX)
     return q.reshape(num_tokens, hidden).astype(FLOAT8_E4M3), scale
 
 

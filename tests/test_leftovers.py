@@ -167,3 +167,35 @@ def test_a_lock_taken_on_a_removed_lock_file_is_taken_again(tmp_path, monkeypatc
         assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / sup_mod.LOCK_NAME))
     finally:
         os.close(fd)
+
+
+def test_a_channel_connection_that_gets_no_thread_is_let_go(tmp_path, monkeypatch) -> None:
+    """The descriptor channel serves each connection on a thread of its own; when none can
+    start (the process's thread limit), the connection is closed and uncounted, else it stayed
+    counted against the engine's and its uid's caps for good."""
+    import socket
+    import threading
+    import time
+
+    from epd.server.engine import fd_server
+    server = fd_server.FdServer(None, str(tmp_path / "fds.sock"), None)  # type: ignore[arg-type]
+    real_start = threading.Thread.start
+
+    def start(self) -> None:
+        if self.name == "epd-fds-conn":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+            c.settimeout(5)
+            c.connect(server.path)
+            assert c.recv(16) == b""  # (closed by the engine)
+        deadline = time.monotonic() + 5
+        while (server._conns or server._unbound) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not server._conns and not server._unbound
+    finally:
+        server.close()
+        server.thread.join(5)

@@ -98,8 +98,17 @@ class FdServer:
                 self._conns.add(conn)
                 self._unbound[uid] = unbound + 1
             conn.settimeout(FIRST_REQUEST_SECONDS)
-            threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                             name="epd-fds-conn").start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                                 name="epd-fds-conn").start()
+            except RuntimeError as e:  # (no thread could start: the connection is let go, and
+                # its counts with it, or they stayed counted against the caps for good)
+                log.warning("descriptor channel: cannot serve a connection of uid %d (%s)",
+                            uid, e)
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._uncount_unbound(uid)
+                conn.close()
 
     def _count_bound(self, uid: int, session_id: str) -> bool:
         """Move a connection from its uid's unbound count to its session's bound count;
