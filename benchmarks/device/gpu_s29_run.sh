@@ -13,6 +13,9 @@
 #   bash benchmarks/device/gpu_s29_run.sh bench   # the default low-latency path's rows at D
 #        (`epd bench`; its JSON's low_latency_path must say chain under MPS)
 #   bash benchmarks/device/gpu_s29_run.sh cluster # the CUDA cluster tests (two logical nodes)
+#   bash benchmarks/device/gpu_s29_run.sh next    # what came after the device time: DeepEP's FP8
+#        cast in the low-latency kernel against the reference (the kernels in-process, the
+#        daemon's low-latency cases, plain calls), and the trigger's released word again
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -26,8 +29,12 @@ case "${1:-}" in
   bench)
     bash benchmarks/device/gpu_s28_run.sh bench
     ;;
+  next)
+    STEP_TEST_SECONDS=200 step next 560 "tests/gpu/test_low_latency_kernels.py \
+        tests/gpu/test_ll_plain.py tests/gpu/test_daemon.py tests/gpu/test_intranode.py"
+    ;;
   cluster)
     STEP_TEST_SECONDS=200 step cluster 560 "tests/gpu/test_cuda_cluster.py"
     ;;
-  *) echo "usage: $0 verify|chain|bench|cluster" >&2; exit 2 ;;
+  *) echo "usage: $0 verify|chain|bench|cluster|next" >&2; exit 2 ;;
 esac
