@@ -34,6 +34,13 @@ from .backends.base import GroupPlanner, GroupSpec
 from .engine.state import spec_from_proto
 
 log = logging.getLogger("epd.coordinator")
+# A formed group's rank that has neither attached nor been released this long after its peers'
+# attach deadline is released by the coordinator: its engine never got the placement (its
+# Rendezvous call was cancelled after the answer was sent: the client went away mid-join) and
+# so will never release it, which kept the instance and its plan (a heap range on the GPU)
+# until that engine was lost. Long after the deadline, so that a slow attach (which writes
+# the rank's control blocks in the plan's range) is over before the range can be reused.
+LATE_ATTACH_SECONDS = 60.0
 
 
 @dataclass
@@ -52,6 +59,7 @@ class GroupInstance:
     aborted: str | None = None
     released: set[int] = field(default_factory=set)
     owner_uid: int | None = None  # uid of the first member's client: the admission policy
+    reaping: bool = False  # a release of the ranks that never attached is scheduled
 
 
 class Coordinator:
@@ -233,12 +241,29 @@ class Coordinator:
             # "rank(s) [] did not attach" and aborting the group they just started)
             if not g.all_attached.is_set():
                 missing = sorted(set(range(g.spec.num_ranks)) - g.attached)
+                self._reap_unattached(g)
                 raise DeadlineExceeded(f"group {g.spec.name!r}: rank(s) {missing} did not "
                                        f"attach within {req.timeout_seconds:g} s") from None
         if g.aborted is not None:
             raise FailedPrecondition(f"group {g.spec.name!r} was aborted while forming: "
                                      f"{g.aborted}")
         return epd_pb2.RendezvousResponse(group_id=g.group_id)
+
+    def _reap_unattached(self, g: GroupInstance) -> None:
+        """Once, at a formed group's first attach deadline: LATE_ATTACH_SECONDS later, release
+        every rank that has neither attached nor been released by then (see the constant)."""
+        if g.reaping:
+            return
+        g.reaping = True
+
+        def reap() -> None:
+            if self.by_id.get(g.group_id) is not g:
+                return  # (removed meanwhile)
+            for rank in sorted(set(g.members) - g.attached - g.released):
+                log.warning("group %r (%s): rank %d never attached nor was released; "
+                            "released by the coordinator", g.spec.name, g.group_id, rank)
+                self.release(g.group_id, rank, f"rank {rank} never attached")
+        asyncio.get_running_loop().call_later(LATE_ATTACH_SECONDS, reap)
 
     def _new_instance(self, spec: GroupSpec, proto: epd_pb2.GroupSpec) -> GroupInstance:
         g = GroupInstance("g" + secrets.token_hex(6), spec, proto)

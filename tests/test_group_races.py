@@ -491,3 +491,27 @@ def test_a_mask_change_never_overwrites_a_rank_gone_meanwhile() -> None:
             assert comm.mask_states()[0] == comm.MASK_MASKED
         finally:
             comm.close()
+
+
+def test_a_rank_that_never_attaches_is_released_after_a_grace(monkeypatch) -> None:
+    """A formed group whose rank 1 never attaches nor releases (its engine's Rendezvous call
+    was cancelled after the answer went out: it never learnt it holds the rank): rank 0
+    fails at its attach deadline and releases; rank 1 is released by the coordinator
+    LATE_ATTACH_SECONDS later, so the instance and its plan go, where they stayed until
+    rank 1's engine was lost."""
+    from epd.server import coordinator as C
+    monkeypatch.setattr(C, "LATE_ATTACH_SECONDS", 0.3)
+    coord = Coordinator(cpu_plan.CpuPlanner())
+    spec = _spec(_name("never-attached"))
+
+    async def run():
+        got = await asyncio.gather(*(coord.rendezvous(_req(spec, r, 5)) for r in range(2)))
+        gid = got[0].group_id
+        with pytest.raises(EpdError, match=r"rank\(s\) \[1\] did not attach"):
+            await coord.rendezvous(_req(spec, 0, 0.2, attached=True, group_id=gid))
+        coord.release(gid, 0, "its attach deadline passed")  # (what rank 0's engine does)
+        assert gid in coord.by_id  # (rank 1 is still held)
+        await asyncio.sleep(0.6)
+        assert gid not in coord.by_id and not coord.by_name
+    asyncio.run(run())
+    coord.close()
