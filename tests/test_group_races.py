@@ -75,14 +75,17 @@ def _req(spec: epd_pb2.GroupSpec, rank: int, timeout: float, *, attached: bool =
 
 async def _late_in_the_deadlines_turn(first, last) -> list:
     """`first()` waits with a 0.3 s deadline; `last()` (the arrival it waits for) starts from
-    a timer due just after that deadline, and the loop is held until both are due: in the
-    turn that runs them the deadline fires first, then the last arrival completes the wait
-    before the waiting task wakes."""
+    a timer due just before that deadline, and the loop is held until both are due: in the
+    turn that runs them the deadline fires while the last arrival's task has yet to run, and
+    that task completes the wait before the waiting task resumes. (Its timer is due first so
+    that its task runs before the waiting one on every asyncio: from Python 3.12 wait_for's
+    timeout cancels the waiting task at once, and an arrival due after the deadline would
+    come only after that task had resumed and given up.)"""
     loop = asyncio.get_running_loop()
+    t0 = loop.time()  # (first's deadline: its wait starts after this, so later than t0 + 0.3)
     tasks = [asyncio.ensure_future(first())]
-    await asyncio.sleep(0.05)  # (the first waits; its deadline is due before t + 0.3)
-    t = loop.time()
-    loop.call_at(t + 0.31, lambda: tasks.append(asyncio.ensure_future(last())))
+    loop.call_at(t0 + 0.29, lambda: tasks.append(asyncio.ensure_future(last())))
+    await asyncio.sleep(0.05)  # (the first waits)
     time.sleep(0.5)  # (holds the loop: both timers fall due in its next turn)
     await asyncio.sleep(0.1)
     return await asyncio.gather(*tasks, return_exceptions=True)

@@ -302,7 +302,7 @@ class Engine(StreamCalls, DataPlane):
         log.warning("%s never connected its descriptor channel (%.1f s): closed for a new "
                     "session (the engine holds --max-sessions)", oldest.describe(),
                     now - oldest.opened_at)
-        asyncio.get_running_loop().create_task(self.close_session(
+        self._spawn(self.close_session(  # (kept referenced until done, as every such task)
             oldest, "closed: its descriptor channel never connected and the engine was full"))
 
     def record_peer(self, session: Session, peer: tuple[int, int, int]) -> None:
