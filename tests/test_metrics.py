@@ -298,3 +298,103 @@ def test_a_dead_engines_unreadable_file_is_set_aside(tmp_path, content):
     with pytest.raises(ValueError, match=r"counter_4242\.db"):
         metrics.archive_dead_process(4242, str(tmp_path))
     assert not src.exists() and (tmp_path / "counter_4242.db.unreadable").exists()
+
+
+def _requests(daemon) -> dict[tuple[str, str], float]:
+    return {(s.labels["method"], s.labels["code"]): s.value
+            for s in samples(daemon).get("epd_requests_total", [])}
+
+
+def test_a_call_whose_client_deadline_passed_is_not_counted_ok(daemon):
+    """A gRPC call cancelled under its handler (the client's deadline passed, or it cancelled)
+    is counted with the status the client got, not OK: the handler's CancelledError skipped
+    the error mapping and the count said OK for a JoinGroup the client saw fail."""
+    import time
+
+    from epd.proto import fd_channel as fdc
+    from epd.proto.v1 import epd_pb2, epd_pb2_grpc
+
+    with Session(daemon.socket(0), timeout=5) as s:
+        grpc_transport = getattr(s._transport, "inner", s._transport)
+        before = _requests(daemon)
+        spec = epd_pb2.GroupSpec(name="metrics-deadline", num_ranks=2, num_experts=4,
+                                 hidden=128, max_tokens_per_rank=8, num_topk=1, x_dtype=1)
+        with grpc.insecure_channel(f"unix://{daemon.socket(0)}") as ch, \
+                pytest.raises(grpc.RpcError) as ei:
+            epd_pb2_grpc.EngineStub(ch).JoinGroup(  # its peer never comes: waits 2 s
+                epd_pb2.JoinGroupRequest(session_id=s.session_id, spec=spec, rank=0,
+                                         timeout_seconds=2), timeout=0.3,
+                metadata=((fdc.TOKEN_METADATA, grpc_transport.metadata[0][1]),))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(2.5)  # (past the engine's own wait: whatever it would count, it has)
+        after = _requests(daemon)
+    changed = {k: after.get(k, 0) - before.get(k, 0) for k in after
+               if k[0] == "JoinGroup" and after.get(k, 0) != before.get(k, 0)}
+    assert changed == {("JoinGroup", "DEADLINE_EXCEEDED"): 1}, changed
+
+
+def test_a_refusal_on_the_descriptor_channel_is_counted(daemon_factory):
+    """A session refused when its descriptor channel binds (--max-sessions-per-uid: the uid is
+    known only then) failed for its client with RESOURCE_EXHAUSTED; the requests showed only
+    an OpenSession OK (the channel's requests, region registrations included, were counted
+    nowhere). They are counted by method (FdFetch, FdRegisterMemfd) and code."""
+    import time
+
+    from epd.proto.errors import ResourceExhausted
+
+    with daemon_factory(engines=1, extra=["--max-sessions-per-uid", "1"]) as d, \
+            Session(d.socket(0), timeout=5):
+        before = _requests(d)
+        with pytest.raises(ResourceExhausted, match="max-sessions-per-uid"):
+            Session(d.socket(0), timeout=5)
+        time.sleep(0.5)
+        after = _requests(d)
+        assert after.get(("FdFetch", "OK"), 0) >= 1  # (the first session's ring, counters)
+    refused = {k: after[k] - before.get(k, 0) for k in after
+               if k[1] == "RESOURCE_EXHAUSTED" and after[k] != before.get(k, 0)}
+    assert sum(refused.values()) == 1, refused
+
+
+def test_an_engines_counters_survive_its_restart_once(daemon_factory):
+    """A killed engine's counters stay exported exactly once (archived, neither lost nor
+    double counted) and its live gauges go (mark_process_dead), on a real daemon."""
+    import os
+    import signal
+    import time
+
+    with daemon_factory(engines=1) as d:
+        with Session(d.socket(0), timeout=5) as s:
+            for _ in range(3):
+                s.ping()
+            time.sleep(0.5)  # (the ring thread flushes its batch once idle)
+            before = samples(d)
+            assert value(before, "epd_sessions", engine="0") == 1
+            os.kill(d.engine_pid(0), signal.SIGKILL)
+            time.sleep(1)
+        d.wait_ready(30)
+        after = samples(d)
+    totals = {(s.name, tuple(sorted(s.labels.items()))): s.value
+              for s in before["epd_requests_total"]}
+    assert totals and totals == {(s.name, tuple(sorted(s.labels.items()))): s.value
+                                 for s in after["epd_requests_total"]}
+    assert value(after, "epd_engine_restarts_total", engine="0") == 1
+    assert all(s.value == 0 for s in after.get("epd_sessions", []))
+
+
+def test_promtool_checks_a_scrape(daemon, traffic):
+    """The exposition after real traffic passes `promtool check metrics` (names, types, help,
+    histogram series), where promtool is installed (`make test` puts it in the venv)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    promtool = (shutil.which("promtool")
+                or shutil.which("promtool", path=os.path.dirname(sys.executable)))
+    if promtool is None:
+        pytest.skip("promtool not installed")
+    status, body = daemon.get("/metrics")
+    assert status == 200
+    p = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr

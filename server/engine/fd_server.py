@@ -25,6 +25,7 @@ import grpc
 from ...proto import fd_channel as fdc
 from ...proto.errors import EpdError, InvalidArgument, PermissionDenied, status_value
 from ...proto.v1 import epd_pb2
+from .. import metrics
 from .executor import as_epd_error
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.engine")
 CALL_SECONDS = 60.0  # longest a request may take on the event loop
+# epd_requests_total's method of each request kind (a refusal when a connection binds, the
+# --max-sessions-per-uid cap's included, is counted with the request that was refused).
+_METHODS = {"fetch": "FdFetch", "register_memfd": "FdRegisterMemfd"}
 # A connection costs a thread: connections are capped, and one that does not authenticate in
 # time, or fails to, is closed, so no client can exhaust the engine's threads for the others.
 # Caps per peer uid before authentication and per session after it keep one tenant's
@@ -132,6 +136,7 @@ class FdServer:
         try:
             while not self._stop:
                 fd = None
+                method, code = "FdChannel", grpc.StatusCode.OK  # (epd_requests_total)
                 try:
                     try:
                         req, fd = fdc.recv(conn, epd_pb2.FdRequest)
@@ -143,6 +148,7 @@ class FdServer:
                         return
                     if req is None:
                         return
+                    method = _METHODS.get(req.WhichOneof("op"), method)
                     if session is None:
                         bound = self._call(self._bind, req, peer)
                         if not self._count_bound(peer[1], bound.session_id):
@@ -158,15 +164,18 @@ class FdServer:
                     given, fd = fd, None  # handed over: the handler closes it, always
                     resp, out_fd = self._call(self._handle, session, req, given)
                 except EpdError as e:
+                    code = e.code
                     resp, out_fd = epd_pb2.FdResponse(code=status_value(e.code),
                                                       message=e.message), None
                 except Exception as e:  # a bug: logged, answered, serving goes on
                     err = as_epd_error("FdChannel", e)
+                    code = err.code
                     resp, out_fd = epd_pb2.FdResponse(code=status_value(err.code),
                                                       message=err.message), None
                 finally:
                     if fd is not None:
                         os.close(fd)
+                metrics.REQUESTS.labels(method, code.name).inc()
                 try:
                     fdc.send(conn, resp, out_fd)
                 finally:

@@ -165,6 +165,12 @@ def _unary(engine: Engine, name: str, fn: Handler):
                 engine.state.leave()
         except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError:  # the client's deadline passed or it cancelled: counted
+            # as the status it got, not OK
+            remaining = context.time_remaining()
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0
+                    else grpc.StatusCode.CANCELLED)
+            raise
         except Exception as exc:  # one mapping: a bug is logged and serving goes on
             err = as_epd_error(name, exc)
             code = err.code
