@@ -105,14 +105,26 @@ class AttachHandoff:
         self._comm: RankComm | None = None
         self._after_close: Callable[[], None] | None = None
 
-    def attach(self, backend: Backend, spec: GroupSpec, membership: Membership) -> RankComm:
-        """On the worker: attach, and hand the comm over unless the join went away."""
+    def attach(self, backend: Backend, spec: GroupSpec, membership: Membership,
+               refusal: Callable[[RankComm], str | None] | None = None) -> RankComm:
+        """On the worker: attach, and hand the comm over unless the join went away.
+        `refusal(comm)`: a check of the attached comm, made before it is handed over (so
+        never on a comm the join's going away closes meanwhile); a reason it gives closes the
+        comm and fails the attach with FAILED_PRECONDITION."""
         with self._lock:
             if self._abandoned:  # (gone before the worker got here: nothing to undo)
                 raise Aborted("the join went away before its rank attached")
             self._running = True
         try:
             comm = backend.attach(spec, membership)
+            try:
+                why = refusal(comm) if refusal is not None else None
+            except BaseException:
+                close_quietly(comm)
+                raise
+            if why is not None:
+                close_quietly(comm)
+                raise FailedPrecondition(why)
         except BaseException:
             with self._lock:
                 self._running = False
@@ -690,18 +702,18 @@ class Engine(StreamCalls, DataPlane):
             membership = Membership.from_rendezvous(req.rank, resp)
             handoff = AttachHandoff()
             try:
-                comm = await session.executor.run(handoff.attach, self.backend, spec,
-                                                  membership)
                 # A replacement can only be brought in by ranks that take part (the Rejoin
                 # collective); the coordinator, which sees ranks go but neither a group's abort
-                # word nor who came back, may place it in an instance where none does (read on
-                # the worker: a cuda comm reads its control block from the device).
-                dead = (await session.executor.run(_rejoin_refusal, comm, spec, req.rank,
-                                                   resp.group_id) if resp.rejoining else None)
+                # word nor who came back, may place it in an instance where none does (checked
+                # on the worker within the attach: a cuda comm reads its control block from the
+                # device, and a join going away meanwhile must not close the comm under it).
+                refusal = (functools.partial(_rejoin_refusal, spec=spec, rank=req.rank,
+                                             group_id=resp.group_id)
+                           if resp.rejoining else None)
+                comm = await session.executor.run(handoff.attach, self.backend, spec,
+                                                  membership, refusal)
                 if session.closed.is_set():  # (its teardown began meanwhile: it would not
                     raise Aborted("session closed during join")  # see this comm)
-                if dead is not None:
-                    raise FailedPrecondition(dead)
             except BaseException as e:  # (cancelled too: the client went away meanwhile)
                 loop = asyncio.get_running_loop()
                 release = functools.partial(self._release_unattached, resp.group_id,
