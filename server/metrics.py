@@ -134,6 +134,9 @@ def group_label(name: str) -> str:
         return name
 
 
+RAW_LABEL_CACHE = 4096  # label-value tuples a group-labelled metric remembers as asked for
+
+
 class _GroupLabelled:
     """A metric whose first label is `group`: its values go through group_label(). Children
     asked for by position are cached by their label values: prometheus_client validates and
@@ -144,13 +147,21 @@ class _GroupLabelled:
 
     def labels(self, *values, **kw):
         if values and not kw:
-            cache = self.__dict__.setdefault("_epd_children", {})
-            child = cache.get(values)
+            # By the values asked for (a facade group's name carries an instance tag, `name@tag`,
+            # which the label drops: cached only by its label, every call of such a group paid
+            # the mapping again); this cache is cleared when it reaches RAW_LABEL_CACHE, so
+            # names a tenant makes up cannot grow it without end.
+            raw = self.__dict__.setdefault("_epd_raw", {})
+            child = raw.get(values)
             if child is None:
+                cache = self.__dict__.setdefault("_epd_children", {})
                 key = (group_label(str(values[0])), *values[1:])
                 child = cache.get(key)
                 if child is None:
                     child = cache[key] = super().labels(*key)
+                if len(raw) >= RAW_LABEL_CACHE:
+                    raw.clear()
+                raw[values] = child
             return child
         if "group" in kw:
             kw["group"] = group_label(str(kw["group"]))

@@ -207,6 +207,9 @@ def test_group_names_over_the_cap_do_not_grow_the_label_cache():
         for i in range(2000):
             c.labels(f"tenant-job-{i}", "shm").inc()
         assert len(c._epd_children) <= 4  # three names, and _overflow
+        for i in range(metrics.RAW_LABEL_CACHE + 10):  # (the cache by asked-for values too)
+            c.labels(f"more-{i}", "shm")
+        assert len(c._epd_raw) <= metrics.RAW_LABEL_CACHE
         assert reg.get_sample_value("t_group_cap_total",
                                     {"group": metrics.OVERFLOW_GROUP, "peer": "shm"}) == 1997
         assert reg.get_sample_value("t_group_cap_total",
@@ -398,3 +401,23 @@ def test_promtool_checks_a_scrape(daemon, traffic):
     p = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_tagged_group_names_label_is_mapped_once(monkeypatch):
+    """The facade's group names carry an instance tag (`name@tag`) that the label drops: the
+    child is found by the name as asked for, without mapping it again on every call (a
+    hot-path call makes several metric updates)."""
+    from prometheus_client import CollectorRegistry
+
+    from epd.server import metrics
+
+    calls: list[str] = []
+    real = metrics.group_label
+    monkeypatch.setattr(metrics, "group_label", lambda n: calls.append(n) or real(n))
+    c = metrics.GroupCounter("t_group_tagged", "t", ["group", "op"],
+                             registry=CollectorRegistry())
+    for _ in range(5):
+        c.labels("model-a@b3", "dispatch").inc()
+    assert calls == ["model-a@b3"]
+    assert c.labels("model-a@b3", "dispatch") is c.labels("model-a", "dispatch")
+
