@@ -81,13 +81,21 @@ def test_reference_low_latency_fp8_dispatch_rows_as_deepep() -> None:
     xs = [_bf16_rows(s, 5, 256) for s in range(2)]
     idx = [np.array([[0, 3], [1, -1], [2, 0], [-1, -1], [3, 1]], np.int64),
            np.array([[2, 1], [0, 3], [3, -1], [1, 2], [0, 2]], np.int64)]
-    for d in ref.low_latency_dispatch(xs, idx, 4, 8, use_fp8=True):
-        for e in range(d.recv_count.shape[0]):
+    seen = []
+    for dst, d in enumerate(ref.low_latency_dispatch(xs, idx, 4, 8, use_fp8=True)):
+        local = d.recv_count.shape[0]
+        for e in range(local):
             for row in range(int(d.recv_count[e])):
                 s, t = int(d.recv_src_rank[e, row]), int(d.recv_src_idx[e, row])
                 q, sc = deepep_ll_fp8(xs[s][t:t + 1], False)
                 assert d.recv_x[e, row].view(np.uint8).tobytes() == q.view(np.uint8).tobytes()
                 assert d.recv_x_scales[e, row].tobytes() == sc[0].tobytes()
+                seen.append((s, t, dst * local + e))
+    # every (token, expert) pair of the routing was delivered once, where it was sent (the
+    # loops above could not fail on rows that never came, or on a wrong source mapping)
+    want = [(s, t, int(e)) for s, i in enumerate(idx) for t in range(len(i)) for e in i[t]
+            if e >= 0]
+    assert sorted(seen) == sorted(want) and len(want) == 16
 
 
 @pytest.mark.slow
@@ -116,8 +124,8 @@ def test_cpu_daemon_low_latency_fp8_as_deepep(daemon, round_scale: bool) -> None
     finally:
         for s in sessions:
             s.close()
-    checked = 0
-    for recv_x, scales, count, src_rank, src_idx in got:
+    seen = []
+    for dst, (recv_x, scales, count, src_rank, src_idx) in enumerate(got):
         for e in range(count.shape[0]):
             for row in range(int(count[e])):
                 s, t = int(src_rank[e, row]), int(src_idx[e, row])
@@ -125,8 +133,10 @@ def test_cpu_daemon_low_latency_fp8_as_deepep(daemon, round_scale: bool) -> None
                 assert recv_x[e, row].view(np.uint8).tobytes() == q.view(np.uint8).tobytes()
                 np.testing.assert_array_equal(scales[e, row].view(np.uint32),
                                               sc[0].view(np.uint32))
-                checked += 1
-    assert checked == num_ranks * 6 * topk
+                seen.append((s, t, dst * count.shape[0] + e))
+    # each (token, expert) pair once, at the expert it was sent to (not only as many rows)
+    want = [(s, t, int(e)) for s in range(num_ranks) for t in range(6) for e in idx[s][t]]
+    assert sorted(seen) == sorted(want) and len(want) == num_ranks * 6 * topk
 
 
 # ------------------------------------------------------------------------------------------------

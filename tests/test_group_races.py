@@ -169,6 +169,14 @@ def _round_exact(sessions: list[Session], groups: list, case: ranklib.Case) -> N
     ranklib.check_case(case, [res[r] for r in range(case.num_ranks)])
 
 
+def _live_groups(daemon) -> int:
+    """Groups formed or forming on the daemon (the coordinator's count, GetTopology)."""
+    from epd.proto.v1 import epd_pb2_grpc
+    with grpc.insecure_channel(f"unix://{daemon.node_socket}") as ch:
+        topo = epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(), timeout=5)
+    return topo.latency_groups + topo.throughput_groups
+
+
 def test_a_session_closed_during_its_rendezvous_frees_its_rank(daemon) -> None:
     """Rank 0's session closes while its join waits for rank 1: the rank is free again, so a
     new session takes rank 0 and the group forms with it, exact; nothing of the closed
@@ -182,9 +190,12 @@ def test_a_session_closed_during_its_rendezvous_frees_its_rank(daemon) -> None:
             out["g"] = ranklib.join(s0, case, 0, timeout=10)
         except Exception as e:  # (checked below)
             out["e"] = e
+    before = _live_groups(daemon)
     t = threading.Thread(target=join0)
     t.start()
-    time.sleep(0.3)  # rank 0 waits at the rendezvous
+    # rank 0 waits at the rendezvous: its forming instance is counted (not a guessed sleep,
+    # after which a loaded host's join might not have started and the race not be run)
+    ranklib.wait_until(lambda: _live_groups(daemon) > before, 10, "rank 0 at the rendezvous")
     s0.close()
     t.join(15)
     assert not t.is_alive() and "g" not in out, out
@@ -259,9 +270,12 @@ def _leave_rejoin_once(daemon, i: int) -> None:
             except EpdError as e:
                 result["e"] = e
             result["took"] = time.monotonic() - t0
+        arrived = ranklib.comm_arrivals("", old, 2)
         t = threading.Thread(target=waiting_dispatch)
         t.start()
-        time.sleep(0.2)
+        # rank 1 inside its collective (its arrival counted), not a guess of how long it takes
+        ranklib.wait_until(lambda: (a := ranklib.comm_arrivals("", old, 2)) is not None
+                           and a[1] > arrived[1], 10, "rank 1's dispatch in its collective")
         groups[0].leave()
         fresh: dict[int, object] = {}
         j0 = threading.Thread(target=lambda: fresh.__setitem__(

@@ -1085,14 +1085,14 @@ def test_a_first_release_pass_lets_every_stream_go_and_waits_once(monkeypatch) -
     from epd.server.engine import stream_ops as S
 
     ops, session, _, mem, _ = _stand_in_arming(monkeypatch)
-    monkeypatch.setattr(S, "RELEASE_WAIT_SECONDS", 0.3)
+    monkeypatch.setattr(S, "RELEASE_WAIT_SECONDS", 1.0)  # (a loaded host's margin: 1 s)
     session.free_slots.append(6)
     try:
         armed = [ops.arm(session, _arm_request()) for _ in range(3)]
         with session.op_lock:  # (an operation of the session runs)
             t0 = time.monotonic()
             ops.release_session(session)
-            assert time.monotonic() - t0 < 0.7  # (one wait, not three: 0.9 s)
+            assert time.monotonic() - t0 < 2.0  # (one wait, not two or three: 2 s, 3 s)
         for r in armed:
             assert mem[r.counter_slot].view(np.int32)[S.DONE] == S.DONE_RELEASED
         assert len(ops.ops) == 3  # (not removed yet)
