@@ -364,6 +364,10 @@ def _convert(f: dataclasses.Field, raw: Any) -> Any:
             return "on"
         if text in _FALSE[:-1]:
             return "off"
+    if ((kind in (int, float) and isinstance(raw, bool))
+            or (kind is int and isinstance(raw, float))):
+        # (TOML: `engines = 2.7` was 2, `timeout_seconds = true` 1.0, without a word)
+        raise ValueError(f"{f.name}: expected {kind.__name__}, got {raw!r}")
     try:
         value = kind(raw)
     except (TypeError, ValueError):
@@ -403,9 +407,18 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     path = getattr(ns, "config", None) if ns is not None else env.get(ENV_PREFIX + "CONFIG")
     fields = {f.name: f for f in dataclasses.fields(Config)}
     if path:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as e:
+            raise ValueError(f"--config {path}: cannot read it ({e.strerror or e}): give an "
+                             f"existing TOML file") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"--config {path}: not a TOML file ({e}): fix its syntax") from None
         data = data.get("epd", data)
+        if not isinstance(data, dict):
+            raise ValueError(f"--config {path}: `epd` must be a table ([epd]) of settings, "
+                             f"got {type(data).__name__}")
         unknown = set(data) - set(fields)
         if unknown:
             raise ValueError(f"{path}: unknown settings {sorted(unknown)}")

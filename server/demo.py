@@ -222,28 +222,54 @@ def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) ->
                    "times": {k: float(np.median(v)) for k, v in times.items()}})
     except Exception as e:  # report, never hang the parent
         q.put({"rank": rank, "ok": False, "error": f"{type(e).__name__}: {e}"})
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole group: the parent says it, once
+        pass
+
+
+def _usage_error(ns: argparse.Namespace) -> str | None:
+    """What is wrong with the demo's arguments, before a daemon starts (was: a traceback for
+    --ranks 0, a daemon and per-rank errors for --topk above --experts, NaN for --iters 0)."""
+    from .config import MAX_ENGINES
+    for name, low in (("ranks", 1), ("tokens", 1), ("hidden", 1), ("experts", 1),
+                      ("topk", 1), ("iters", 1), ("engines", 0), ("metrics_port", 0)):
+        if getattr(ns, name) < low:
+            return f"--{name.replace('_', '-')} must be >= {low}, got {getattr(ns, name)}"
+    if ns.topk > ns.experts:
+        return f"--topk {ns.topk} must be at most --experts {ns.experts}"
+    if ns.experts % ns.ranks:
+        return f"--experts {ns.experts} must be a multiple of --ranks {ns.ranks}"
+    if ns.engines > MAX_ENGINES:
+        return f"--engines must be at most {MAX_ENGINES}, got {ns.engines}"
+    if ns.metrics_port > 65535:
+        return f"--metrics-port must lie in [0, 65535] (0: a free port), got {ns.metrics_port}"
+    return None
 
 
 def run_demo(ns: argparse.Namespace) -> int:
     from .backends import make_planner, resolve_backend_name
     from .config import Config
+    if (why := _usage_error(ns)) is not None:
+        print(f"epd demo: {why}", file=sys.stderr)
+        return 2
     backend = resolve_backend_name(ns.backend)
     planner = make_planner(Config(backend=backend))
     engines = ns.engines or planner.detect_engines()  # as `epd serve` decides
     wl = Workload(ns.ranks, [ns.tokens] * ns.ranks, ns.hidden, ns.experts, ns.topk, ns.seed)
-    if ns.experts % ns.ranks:
-        print(f"epd demo: --experts {ns.experts} must be a multiple of --ranks {ns.ranks}",
-              file=sys.stderr)
-        return 2
     print(f"epd demo: starting a daemon (backend {backend}, {engines} engine(s)) and "
           f"{ns.ranks} client processes ...", flush=True)
     daemon = Daemon(backend=backend, engines=engines, metrics_port=ns.metrics_port)
+    procs: list = []
     try:
-        daemon.wait_ready(60)
+        try:
+            daemon.wait_ready(60)
+        except (RuntimeError, TimeoutError) as e:  # one line: the daemon's last words
+            lines = [ln for ln in daemon.log().splitlines() if ln.strip()] or [str(e)]
+            print(f"epd demo: the daemon did not start: {lines[-1]}", file=sys.stderr)
+            return 1
         os.environ.update(daemon.client_env())  # the client processes share its MPS server
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        procs = [ctx.Process(target=_demo_rank,
+        procs += [ctx.Process(target=_demo_rank,
                              args=(r, daemon.socket(r % engines), wl, ns.iters, q))
                  for r in range(ns.ranks)]
         for p in procs:
@@ -280,5 +306,18 @@ def run_demo(ns: argparse.Namespace) -> int:
             with contextlib.suppress(KeyboardInterrupt):
                 daemon.proc.wait()
         return 0 if ok else 1
+    except KeyboardInterrupt:
+        print("epd demo: interrupted", file=sys.stderr)
+        return 130
     finally:
-        daemon.stop()
+        # (a second Ctrl-C must not cut the cleanup short: it left the daemon's temporary
+        # folder behind, and tracebacks)
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join(10)
+            daemon.stop()
+        finally:
+            signal.signal(signal.SIGINT, old_int)

@@ -122,15 +122,15 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
 
 
-@pytest.mark.parametrize("args,reason", [
-    (["--socket-dir", "{tmp}"], "no daemon answers on"),
-    (["--backend", "cpu", "--experts", "15"], "must be a multiple of the 2 ranks"),
-    (["--backend", "cpu", "--shapes", "P,X"], "--shapes takes distinct names"),
+@pytest.mark.parametrize("args,reason,code", [
+    (["--socket-dir", "{tmp}"], "no daemon answers on", 1),
+    (["--backend", "cpu", "--experts", "15"], "must be a multiple of the 2 ranks", 2),  # usage
+    (["--backend", "cpu", "--shapes", "P,X"], "--shapes takes distinct names", 2),
 ])
-def test_bench_fails_with_one_line(tmp_path, args, reason) -> None:
+def test_bench_fails_with_one_line(tmp_path, args, reason, code) -> None:
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     proc, _ = _run(args, tmp_path, timeout=60)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == code, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("epd bench: ") and reason in lines[0], \
         proc.stderr

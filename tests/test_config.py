@@ -229,3 +229,37 @@ def test_no_flag_of_every_switch():
 def test_ll_chain_refuses_other_words():
     with pytest.raises(ValueError, match="ll_chain"):
         load(["--ll-chain", "maybe"])
+
+
+@pytest.mark.parametrize(("content", "words"), [
+    (None, "cannot read it"),                      # no such file
+    (b"engines = [1\n", "not a TOML file"),       # was: "Unclosed array ...", no file named
+    (b"\xff\xfe", "not a TOML file"),             # was: a bare codec error
+    (b"epd = 1\n", "must be a table"),            # was: TypeError traceback
+])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, content, words):
+    path = tmp_path / "epd.toml"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"^--config {path}: .*{words}") as err:
+        load(["--config", str(path)])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=rf"^--config {tmp_path}: cannot read it"):
+        load(["--config", str(tmp_path)])  # a folder
+
+
+@pytest.mark.parametrize("toml", ["engines = 2.7\n", "engines = true\n",
+                                  "timeout_seconds = true\n", "metrics_port = 9464.5\n"])
+def test_toml_numbers_of_the_wrong_type_are_refused(tmp_path, toml):
+    """`engines = 2.7` ran 2 engines, `timeout_seconds = true` a 1 s deadline, without a word."""
+    path = tmp_path / "epd.toml"
+    path.write_text(toml)
+    with pytest.raises(ValueError, match=rf"^{toml.split()[0]}: expected "):
+        load(["--config", str(path)])
+
+
+def test_toml_numbers_of_the_right_type_still_load(tmp_path):
+    path = tmp_path / "epd.toml"
+    path.write_text("engines = 3\ntimeout_seconds = 2\ndrain_seconds = 1.5\n")
+    cfg = load(["--config", str(path)])
+    assert (cfg.engines, cfg.timeout_seconds, cfg.drain_seconds) == (3, 2.0, 1.5)

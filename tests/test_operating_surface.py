@@ -236,3 +236,89 @@ def test_every_metric_is_in_the_readme_table():
         want = set(metric._labelnames)
         assert any(want <= set(re.findall(r"\w+", cell)) for cell in labels), \
             f"{name}: README.md's labels column does not list {sorted(want)}"
+
+
+# -- epd demo / epd bench: usage errors and Ctrl-C -----------------------------------------------
+def _cli(args: list[str], tmp_path: Path, timeout: float = 60):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    return subprocess.run([sys.executable, "-m", "epd.server.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+_SMALL = ["--tokens", "8", "--hidden", "64", "--experts", "8", "--topk", "2", "--ranks", "2"]
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--ranks", "0"], "--ranks must be >= 1"),          # was: ZeroDivisionError traceback
+    (["--topk", "9"], "--topk 9 must be at most --experts 8"),  # was: a daemon, rank errors
+    (["--tokens", "0"], "--tokens must be >= 1"),
+    (["--hidden", "-1"], "--hidden must be >= 1"),
+    (["--iters", "0"], "--iters must be >= 1"),          # was: NaN table, RuntimeWarnings, 0
+    (["--engines", "-1"], "--engines must be >= 0"),     # was: RuntimeError traceback
+    (["--metrics-port", "99999"], "--metrics-port must lie in [0, 65535]"),
+])
+def test_demo_usage_errors_are_one_line_exit_2(tmp_path, args, words):
+    r = _cli(["demo", "--backend", "cpu", *_SMALL, *args], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("epd demo: ") and words in r.stderr
+    assert "\n" not in r.stderr.strip() and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []  # no daemon was started
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--tokens", "abc"], "--tokens takes whole numbers"),  # was: ValueError traceback
+    (["--shapes", "X"], "--shapes takes distinct names"),  # (was: exit code 1)
+    (["--ranks", "1"], "--ranks must be >= 2"),
+])
+def test_bench_usage_errors_are_one_line_exit_2(tmp_path, args, words):
+    r = _cli(["bench", "--backend", "cpu", "--hidden", "64", "--experts", "8", "--topk", "2",
+              *args], tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("epd bench: ") and words in lines[0]
+
+
+def test_ctrl_c_during_demo_leaves_nothing(tmp_path):
+    """Ctrl-C (SIGINT to the foreground group) during `epd demo`: one line, exit 130, no
+    traceback, no process or temporary folder left (was: tracebacks from every process, and
+    the daemon's folder in TMPDIR when a second SIGINT cut the cleanup short)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import signal, sys; signal.signal(signal.SIGINT, "
+         "signal.default_int_handler); from epd.server.cli import main; sys.exit(main())",
+         "demo", "--backend", "cpu", "--ranks", "2", "--tokens", "1024", "--hidden", "1024",
+         "--experts", "8", "--topk", "2", "--iters", "100000"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the ranks run (the daemon's log is there)
+            if len(subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()) >= 6:
+                break
+            time.sleep(0.2)
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)  # an impatient second Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "epd demo: interrupted" in err, err
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and subprocess.run(
+            ["pgrep", "-g", str(proc.pid)], capture_output=True).returncode == 0:
+        time.sleep(0.2)
+    assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode != 0
+    assert list(tmp_path.iterdir()) == []

@@ -37,6 +37,10 @@ class BenchError(Exception):
     """A reason to stop, printed as one line."""
 
 
+class BenchUsage(BenchError):
+    """A bad argument: one line, exit code 2 (argparse's convention; was 1)."""
+
+
 @dataclass
 class Setup:
     """What this run does, decided once in the parent."""
@@ -67,17 +71,21 @@ def _shapes(ns: Any) -> list[tuple[str, int]]:
     names = [s.strip().upper() for s in ns.shapes.split(",") if s.strip()]
     unknown = [n for n in names if n not in SHAPES]
     if not names or unknown or len(set(names)) != len(names):
-        raise BenchError(f"--shapes takes distinct names among {', '.join(SHAPES)}, "
+        raise BenchUsage(f"--shapes takes distinct names among {', '.join(SHAPES)}, "
                          f"got {ns.shapes!r}")
-    tokens = [int(t) for t in ns.tokens.split(",") if t.strip()] if ns.tokens else []
+    try:
+        tokens = [int(t) for t in ns.tokens.split(",") if t.strip()] if ns.tokens else []
+    except ValueError:  # (was: a traceback)
+        raise BenchUsage(f"--tokens takes whole numbers, one or one per shape, got "
+                         f"{ns.tokens!r}") from None
     if len(tokens) == 1:
         tokens = tokens * len(names)
     if tokens and len(tokens) != len(names):
-        raise BenchError(f"--tokens takes one value or one per shape ({len(names)}), "
+        raise BenchUsage(f"--tokens takes one value or one per shape ({len(names)}), "
                          f"got {ns.tokens!r}")
     out = list(zip(names, tokens or [SHAPES[n] for n in names], strict=True))
     if any(t < 1 for _, t in out):
-        raise BenchError(f"--tokens must be positive, got {ns.tokens!r}")
+        raise BenchUsage(f"--tokens must be positive, got {ns.tokens!r}")
     return out
 
 
@@ -103,10 +111,10 @@ def plan_run(ns: Any, backend: str) -> Setup:
         raise BenchError("the bench runs every implementation with torch tensors: install "
                          "torch (pip install 'epd[torch]')") from None
     if ns.experts < 1 or ns.topk < 1 or ns.topk > ns.experts or ns.hidden < 1:
-        raise BenchError(f"need 1 <= --topk <= --experts and --hidden >= 1, got topk "
+        raise BenchUsage(f"need 1 <= --topk <= --experts and --hidden >= 1, got topk "
                          f"{ns.topk}, experts {ns.experts}, hidden {ns.hidden}")
     if ns.iters < 1 or ns.warmup < 0:
-        raise BenchError("--iters must be >= 1 and --warmup >= 0")
+        raise BenchUsage("--iters must be >= 1 and --warmup >= 0")
     device = torch.device(DEVICE_OF_BACKEND[backend])
     gpu = device.type == "cuda"
     gpus = torch.cuda.device_count() if gpu else 0
@@ -114,13 +122,13 @@ def plan_run(ns: Any, backend: str) -> Setup:
         raise BenchError("the daemon's backend is cuda but torch sees no GPU here")
     ranks = ns.ranks or max(gpus, 2)  # one GPU: two EPD ranks share it (one engine)
     if ranks < 2:
-        raise BenchError(f"--ranks must be >= 2 (an all-to-all between ranks), got {ranks}")
+        raise BenchUsage(f"--ranks must be >= 2 (an all-to-all between ranks), got {ranks}")
     if ns.experts % ranks:
-        raise BenchError(f"--experts {ns.experts} must be a multiple of the {ranks} ranks")
+        raise BenchUsage(f"--experts {ns.experts} must be a multiple of the {ranks} ranks")
     skip = {s.strip() for s in ns.skip.split(",") if s.strip()}
     bad = skip - {DEEP_EP, "deep_ep_ll", PIPELINE, "graph"}
     if bad:
-        raise BenchError(f"--skip takes deep_ep, deep_ep_ll, pipeline, graph; got {sorted(bad)}")
+        raise BenchUsage(f"--skip takes deep_ep, deep_ep_ll, pipeline, graph; got {sorted(bad)}")
     setup = Setup(backend, device.type, gpus, ranks, _shapes(ns), [EPD])
     one_per_gpu = gpu and ranks <= gpus
     shared = gpu and not one_per_gpu and ns.deep_ep_shared_gpu
@@ -145,7 +153,7 @@ def plan_run(ns: Any, backend: str) -> Setup:
         setup.impls.append(PIPELINE)
     inter = ns.expert_intermediate
     if inter is not None and inter < 0:
-        raise BenchError(f"--expert-intermediate must be >= 0, got {inter}")
+        raise BenchUsage(f"--expert-intermediate must be >= 0, got {inter}")
     setup.expert_intermediate = inter if inter is not None else (2048 if gpu else 0)
     if not setup.expert_intermediate:
         setup.skipped["layer rows"] = (
@@ -424,7 +432,7 @@ def run_bench(ns: Any) -> int:
         print(f"epd bench: {e.args[0]}", file=sys.stderr, flush=True)
         if ns.verbose and len(e.args) > 1 and e.args[1]:
             print(e.args[1], file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, BenchUsage) else 1
     except KeyboardInterrupt:
         print("epd bench: interrupted", file=sys.stderr)
         return 130
