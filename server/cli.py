@@ -51,7 +51,11 @@ def _ask_topology(socket_dir: str, command: str):
             return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
                                                          timeout=5)
     except grpc.RpcError as e:
-        print(f"epd {command}: no daemon answers on {path}: {e.details()}", file=sys.stderr)
+        why = ("no such socket" if not os.path.exists(path) else
+               (e.details() or e.code().name).split("; last error:")[0])
+        print(f"epd {command}: no daemon answers on {path} ({why}); start one with `epd serve "
+              f"--socket-dir {socket_dir}`, or name its folder with --socket-dir or "
+              f"EPD_SOCKET_DIR", file=sys.stderr)
         return None
 
 
@@ -147,30 +151,42 @@ def build_parser() -> argparse.ArgumentParser:
     config_mod.add_arguments(serve)
     serve.set_defaults(func=_serve)
 
-    demo = sub.add_parser("demo", help="daemon + client processes doing real dispatch/combine")
+    demo = sub.add_parser(
+        "demo", help="daemon + client processes doing real dispatch/combine",
+        description="Start a daemon and --ranks client processes that dispatch tokens, apply a "
+                    "per-expert transform, combine, check every byte against the NumPy "
+                    "reference and print latency per phase; the daemon stops afterwards.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .backends import BACKEND_NAMES  # the one list of backend names
     demo.add_argument("--backend", default="auto", choices=("auto", *BACKEND_NAMES))
     demo.add_argument("--ranks", type=int, default=4, help="client processes (EP ranks)")
     demo.add_argument("--engines", type=int, default=0,
-                      help="engines (default: 2 on the cpu backend, one per GPU on cuda)")
+                      help="engines (0: 2 on the cpu backend, one per GPU on cuda)")
     demo.add_argument("--tokens", type=int, default=256, help="tokens per rank")
-    demo.add_argument("--hidden", type=int, default=1024)
-    demo.add_argument("--experts", type=int, default=32)
-    demo.add_argument("--topk", type=int, default=4)
+    demo.add_argument("--hidden", type=int, default=1024, help="hidden size of a token (bf16)")
+    demo.add_argument("--experts", type=int, default=32,
+                      help="experts in all (a multiple of --ranks)")
+    demo.add_argument("--topk", type=int, default=4, help="experts per token")
     demo.add_argument("--iters", type=int, default=5, help="timed dispatch/combine rounds")
     demo.add_argument("--metrics-port", type=int, default=0, help="0 picks a free port")
     demo.add_argument("--keep", action="store_true",
                       help="leave the daemon running afterwards (Ctrl-C to stop)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     demo.set_defaults(func=_demo)
 
-    topo = sub.add_parser("topology", help="show what a running daemon serves")
+    topo = sub.add_parser(
+        "topology", help="show what a running daemon serves",
+        description="Ask a running daemon (its node.sock in --socket-dir) for its engines, "
+                    "devices, groups and sessions.")
     topo.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
                       help="default: EPD_SOCKET_DIR, else /run/epd")
     topo.set_defaults(func=_topology)
 
     env = sub.add_parser("env", help="print the exports a client needs to share the daemon's "
-                         "CUDA MPS server: eval \"$(epd env)\"")
+                         "CUDA MPS server: eval \"$(epd env)\"",
+                         description="Print the shell exports (EPD_SOCKET_DIR, the MPS pipe "
+                                     "folder) a client process needs to use a running daemon "
+                                     "and share its CUDA MPS server: eval \"$(epd env)\".")
     env.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
                      help="default: EPD_SOCKET_DIR, else /run/epd")
     env.set_defaults(func=_env)

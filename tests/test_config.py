@@ -192,6 +192,9 @@ def test_serve_rejects_a_bad_setting():
 def test_topology_without_daemon(tmp_path):
     r = _run(sys.executable, "-m", "epd.server.cli", "topology", "--socket-dir", str(tmp_path))
     assert r.returncode == 1 and "no daemon answers" in r.stderr
+    # one line, with what to do (not gRPC's connection wording)
+    assert r.stderr.count("\n") == 1 and "(no such socket)" in r.stderr
+    assert f"epd serve --socket-dir {tmp_path}" in r.stderr and "last error" not in r.stderr
 
 
 def test_topology_and_env_follow_epd_socket_dir(tmp_path):
