@@ -332,7 +332,9 @@ LOAD_IMBALANCE = GroupGauge("epd_expert_load_imbalance_ratio",
 TIMEOUTS = GroupCounter("epd_collective_timeouts", "Collectives that hit their deadline", ["group"])
 ABORTS = Counter("epd_group_aborts", "Groups aborted (faults: a member's session ended while "
                  "holding it, an engine lost, a drain)", ["reason"])
-LEAVES = Counter("epd_group_leaves", "Group memberships ended by a clean leave() (not an abort)")
+LEAVES = Counter("epd_group_leaves", "Groups ended by a member's clean leave() (not an abort): "
+                 "once per group, whose first leave ends it; in a shrink group, each rank "
+                 "that leaves")
 RANKS_MASKED = Counter("epd_ranks_masked", "Ranks of shrink groups masked instead of aborting "
                        "the group (why: gone = it went away, call = a RankMask call)", ["why"])
 SESSIONS = Gauge("epd_sessions", "Open sessions", ["engine"], multiprocess_mode="livesum")
