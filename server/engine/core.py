@@ -119,12 +119,11 @@ class AttachHandoff:
             comm = backend.attach(spec, membership)
             try:
                 why = refusal(comm) if refusal is not None else None
+                if why is not None:
+                    raise FailedPrecondition(why)
             except BaseException:
                 close_quietly(comm)
                 raise
-            if why is not None:
-                close_quietly(comm)
-                raise FailedPrecondition(why)
         except BaseException:
             with self._lock:
                 self._running = False
