@@ -361,6 +361,22 @@ def run_rank_threads(fn, num_ranks: int) -> list:
     return [f.result() for f in futs]
 
 
+def plain_regions(nbytes: int) -> dict:
+    """Region "r" over a plain buffer (no memfd needed for the engine's descriptor checks)."""
+    from epd.server.backends.cpu_memory import ShmRegion
+    buf = np.zeros(nbytes, np.uint8)
+
+    class Region(ShmRegion):
+        def __init__(self) -> None:
+            self.region_id, self.size, self.resolved = "r", buf.nbytes, {}
+
+        def view(self, offset, shape, dtype, strides):
+            return np.lib.stride_tricks.as_strided(
+                buf[offset:].view(dtype), shape, [s * dtype.itemsize for s in strides])
+
+    return {"r": Region()}
+
+
 class NoGrpc:
     """The gRPC side of a ring-only transport (a ring without a daemon): nothing may fall back
     to it."""

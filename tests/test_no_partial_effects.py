@@ -23,14 +23,13 @@ import types
 import grpc
 import numpy as np
 import pytest
-from ranklib import BF16, Case, join
+from ranklib import BF16, Case, join, plain_regions
 
 from epd.client import Session
 from epd.proto import abi
 from epd.proto.errors import EpdError, FailedPrecondition
 from epd.proto.v1 import epd_pb2
 from epd.server.backends import cpu_plan
-from epd.server.backends.cpu_memory import ShmRegion
 from epd.server.coordinator import Coordinator
 from epd.server.engine.stream_calls import StreamCalls
 
@@ -152,18 +151,8 @@ class _Engine(StreamCalls):
 
 
 def _stream_setup():
-    buf = np.zeros(4096, np.uint8)
-
-    class Region(ShmRegion):
-        def __init__(self) -> None:
-            self.region_id, self.size, self.resolved = "r", buf.nbytes, {}
-
-        def view(self, offset, shape, dtype, strides):
-            return np.lib.stride_tricks.as_strided(
-                buf[offset:].view(dtype), shape, [s * dtype.itemsize for s in strides])
-
     words = np.zeros(abi.SLOT_BYTES // 8, np.int64)
-    session = types.SimpleNamespace(regions={"r": Region()},
+    session = types.SimpleNamespace(regions=plain_regions(4096),
                                     counter_page=types.SimpleNamespace(slot=lambda i: words))
     spec = types.SimpleNamespace(name="g", num_ranks=16, num_experts=32, hidden=8,
                                  num_topk=2, x_dtype=WIRE_BF16,

@@ -12,12 +12,12 @@ import types
 import grpc
 import numpy as np
 import pytest
+from ranklib import plain_regions
 
 from epd.client import EpdError, Session
 from epd.proto import abi, counter_page, dtypes
 from epd.proto.errors import DeadlineExceeded, InvalidArgument
 from epd.proto.v1 import epd_pb2
-from epd.server.backends.cpu_memory import ShmRegion
 from epd.server.backends.cuda import CudaRankComm
 from epd.server.engine import tensors
 
@@ -159,23 +159,8 @@ def test_a_synchronous_call_waits_for_ready_words_with_a_deadline() -> None:
     wait(comm, time.monotonic())
 
 
-def _plain_regions(nbytes: int) -> dict[str, ShmRegion]:
-    """Region "r" over a plain buffer (no memfd needed for the descriptor checks)."""
-    buf = np.zeros(nbytes, np.uint8)
-
-    class Region(ShmRegion):
-        def __init__(self) -> None:
-            self.region_id, self.size, self.resolved = "r", buf.nbytes, {}
-
-        def view(self, offset, shape, dtype, strides):
-            return np.lib.stride_tricks.as_strided(
-                buf[offset:].view(dtype), shape, [s * dtype.itemsize for s in strides])
-
-    return {"r": Region()}
-
-
 def test_descriptor_checks_are_cached_per_region_and_never_skipped() -> None:
-    regions = _plain_regions(8 * (tensors.MAX_RESOLVED + 8))
+    regions = plain_regions(8 * (tensors.MAX_RESOLVED + 8))
     desc = epd_pb2.TensorDesc(region_id="r", offset_bytes=0, shape=[4, 8], strides=[8, 1],
                               dtype=epd_pb2.INT64)
     a = tensors.resolve(desc, regions, "x", ndim=2, dtype=epd_pb2.INT64)
@@ -224,7 +209,7 @@ def test_routing_tensors_must_be_dense_where_the_kernels_take_an_address() -> No
     dense rows: a row-strided slice (misread) or overlapping rows (read past the client's
     memory, an illegal address that would end the engine's GPU context) are refused under
     `dense`; a dimension of one element may carry any stride (torch gives some)."""
-    regions = _plain_regions(4096)
+    regions = plain_regions(4096)
 
     def desc(shape, strides):
         return epd_pb2.TensorDesc(region_id="r", offset_bytes=0, shape=shape, strides=strides,
