@@ -196,11 +196,12 @@ class Config:
                 "on PATH, else off) or off; clients join with eval \"$(epd env)\"",
         "choices": ("auto", "on", "off")})
     allow_uids: str = field(default="", metadata={
-        "help": "comma-separated uids admitted to any group (shared pools); by default a "
-                "group admits only sessions of its first member's uid"})
+        "help": "comma-separated uids whose group names are one namespace (a shared pool: "
+                "list its every uid); by default each uid's group names are its own, so "
+                "only its sessions meet in them"})
     allow_gids: str = field(default="", metadata={
-        "help": "comma-separated gids whose members (primary gid of the client) are admitted "
-                "to any group"})
+        "help": "comma-separated gids whose members (primary gid of the client) share the "
+                "--allow-uids namespace"})
     service_class_policy: str = field(default="", metadata={
         "help": "service classes of groups: comma-separated rules "
                 "PATTERN[@UID[+UID...]]=CLASS[/MOST], first match wins: groups whose name "

@@ -41,6 +41,9 @@ log = logging.getLogger("epd.coordinator")
 # until that engine was lost. Long after the deadline, so that a slow attach (which writes
 # the rank's control blocks in the plan's range) is over before the range can be reused.
 LATE_ATTACH_SECONDS = 60.0
+# The namespace of the names that --allow-uids / --allow-gids sessions join (shared pools);
+# every other uid's names are its own (`Coordinator._scope`).
+SHARED = -1
 
 
 @dataclass
@@ -58,7 +61,7 @@ class GroupInstance:
     failure: EpdError | None = None  # forming failed: every waiting rank gets this
     aborted: str | None = None
     released: set[int] = field(default_factory=set)
-    owner_uid: int | None = None  # uid of the first member's client: the admission policy
+    scope: int = 0  # the name's namespace: the owner's uid, or SHARED (`Coordinator._scope`)
     reaping: bool = False  # a release of the ranks that never attached is scheduled
 
 
@@ -67,12 +70,14 @@ class Coordinator:
                  allow_uids: frozenset[int] = frozenset(),
                  allow_gids: frozenset[int] = frozenset()) -> None:
         self.planner = planner
-        # Admission: a group admits sessions of its first member's uid, and of these uids /
-        # primary gids (--allow-uids / --allow-gids: pools shared by several users).
+        # Admission: a uid's group names are its own; these uids / primary gids share one
+        # namespace (--allow-uids / --allow-gids: pools shared by several users).
         self.allow_uids, self.allow_gids = allow_uids, allow_gids
         # Engines always send their deadline; this covers a request that names none.
         self.default_timeout = default_timeout
-        self.by_name: dict[str, GroupInstance] = {}
+        # (scope, name) -> the live instance: names are each uid's own, so that one tenant
+        # cannot take a name another will ask for (nor learn that it exists).
+        self.by_name: dict[tuple[int, str], GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
 
     async def rendezvous(self, req: epd_pb2.RendezvousRequest,
@@ -89,13 +94,12 @@ class Coordinator:
             # it would stay there, empty, and fail the next join of another spec)
             raise PermissionDenied(f"group {spec.name!r}: the joining session's credentials "
                                    f"are unknown (its descriptor channel is not connected)")
-        g = self.by_name.get(spec.name)
+        g = self.by_name.get((self._scope(req), spec.name))
         if g is None or g.aborted is not None:
-            g = self._new_instance(spec, req.spec)
+            g = self._new_instance(spec, req.spec, self._scope(req))
         elif g.spec != spec:
-            # (only a session the group would admit may fail it: another tenant's join of the
-            # same name with another spec is refused and changes nothing)
-            self._may_join(g, req)
+            # (only a join of the same namespace reaches it: another tenant's join of the name
+            # with another spec is another group's)
             err = FailedPrecondition(f"group {spec.name!r} exists with a different spec: "
                                      f"{_spec_text(g.spec)}; rank {req.rank} asked for "
                                      f"{_spec_text(spec)}")
@@ -107,9 +111,6 @@ class Coordinator:
                 g.formed.set()
                 self._remove(g)
             raise err
-        # Admission before anything about the group's ranks: a session the group would not
-        # admit learns nothing of its members (a taken rank's message names its session).
-        self._may_join(g, req)
         if g.formed.is_set() and req.rank in g.released and self._shrinks(g):
             return self._rejoin(g, req, node)
         if req.rank in g.members:
@@ -117,7 +118,6 @@ class Coordinator:
                                      f"taken (by session {g.members[req.rank][1]})")
         if g.formed.is_set():
             raise FailedPrecondition(f"group {spec.name!r} is already formed")
-        self._admit(g, req)
         g.members[req.rank] = (req.engine_index, req.session_id)
         g.nodes[req.rank] = node
         if len(g.members) == spec.num_ranks:
@@ -182,7 +182,6 @@ class Coordinator:
                 f"rank {req.rank} of group {g.spec.name!r} lived on engine {old_engine} of node "
                 f"{old_node}: its replacement must join there (the other ranks reach its "
                 f"buffers on that engine), not on engine {req.engine_index} of node {node}")
-        self._admit(g, req)
         g.members[req.rank] = (req.engine_index, req.session_id)
         g.nodes[req.rank] = node
         g.released.discard(req.rank)
@@ -192,30 +191,16 @@ class Coordinator:
         resp.rejoining = True
         return resp
 
-    def _admit(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
-        """The group's admission policy: the first member sets its owner uid; later members
-        must have it, or a uid / primary gid the configuration admits (PERMISSION_DENIED naming
-        the policy otherwise)."""
-        self._may_join(g, req)
-        if g.owner_uid is None or not g.members:
-            g.owner_uid = req.peer_uid
-
-    def _may_join(self, g: GroupInstance, req: epd_pb2.RendezvousRequest) -> None:
-        """`_admit`'s check alone (nothing changes): PERMISSION_DENIED unless the policy admits
-        the joining session to `g`."""
-        if not req.has_peer:
-            raise PermissionDenied(f"group {g.spec.name!r}: the joining session's credentials "
-                                   f"are unknown (its descriptor channel is not connected)")
-        if g.owner_uid is None or not g.members:
-            return
-        if (req.peer_uid == g.owner_uid or req.peer_uid in self.allow_uids
-                or req.peer_gid in self.allow_gids):
-            return
-        raise PermissionDenied(
-            f"group {g.spec.name!r} admits sessions of uid {g.owner_uid} (its first member) "
-            f"and of --allow-uids {sorted(self.allow_uids)} / --allow-gids "
-            f"{sorted(self.allow_gids)}; rank {req.rank} comes from uid {req.peer_uid} "
-            f"gid {req.peer_gid}")
+    def _scope(self, req: epd_pb2.RendezvousRequest) -> int:
+        """The namespace of the joining session's group names: SHARED for the uids and
+        primary gids of --allow-uids / --allow-gids (a pool's members meet by name), else
+        its own uid. So a name taken first by one uid holds nothing against another's join
+        (PERMISSION_DENIED for as long as it held the name, before names were scoped), and a
+        join tells nothing of other tenants' names. A pool lists every uid it has: one left
+        out forms its groups alone."""
+        if req.peer_uid in self.allow_uids or req.peer_gid in self.allow_gids:
+            return SHARED
+        return req.peer_uid
 
     async def _attached(self, req: epd_pb2.RendezvousRequest,
                         node: int) -> epd_pb2.RendezvousResponse:
@@ -265,9 +250,10 @@ class Coordinator:
                 self.release(g.group_id, rank, f"rank {rank} never attached")
         asyncio.get_running_loop().call_later(LATE_ATTACH_SECONDS, reap)
 
-    def _new_instance(self, spec: GroupSpec, proto: epd_pb2.GroupSpec) -> GroupInstance:
-        g = GroupInstance("g" + secrets.token_hex(6), spec, proto)
-        self.by_name[spec.name] = g
+    def _new_instance(self, spec: GroupSpec, proto: epd_pb2.GroupSpec,
+                      scope: int) -> GroupInstance:
+        g = GroupInstance("g" + secrets.token_hex(6), spec, proto, scope=scope)
+        self.by_name[(scope, spec.name)] = g
         self.by_id[g.group_id] = g
         return g
 
@@ -382,8 +368,8 @@ class Coordinator:
 
     def _remove(self, g: GroupInstance) -> None:
         self.by_id.pop(g.group_id, None)
-        if self.by_name.get(g.spec.name) is g:
-            del self.by_name[g.spec.name]
+        if self.by_name.get((g.scope, g.spec.name)) is g:
+            del self.by_name[(g.scope, g.spec.name)]
         if g.planned:
             g.planned = False
             self.planner.free_group(g.plan)

@@ -87,10 +87,10 @@ def test_forming_failure_is_told_to_every_rank(tmp_path, exc, code) -> None:
     assert all(isinstance(r, epd_pb2.RendezvousResponse) and r.plan for r in results)
 
 
-def test_a_session_the_group_would_not_admit_learns_nothing_of_its_ranks(tmp_path) -> None:
-    """Another uid asking for a rank of a group (taken, or of a formed group) gets
-    PERMISSION_DENIED from the admission policy, not a message naming the session that holds
-    the rank (a session id is what a ring request of another tenant would need)."""
+def test_another_uids_joins_of_a_name_form_their_own_group(tmp_path) -> None:
+    """Group names are each uid's own: another uid joining the ranks of a name in use (one
+    taken, one free, then of the formed group) neither takes a rank of it nor learns of it (no
+    refusal naming its session or uid): its ranks form a group of their own."""
     coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
     spec = _proto(2, 2, name="owned")
 
@@ -99,27 +99,75 @@ def test_a_session_the_group_would_not_admit_learns_nothing_of_its_ranks(tmp_pat
                                          timeout_seconds=5, peer_uid=uid, peer_gid=uid,
                                          has_peer=True)
 
-    async def run() -> tuple[EpdError, EpdError, EpdError]:
+    async def run():
         owner = asyncio.ensure_future(coord.rendezvous(req(0, 1000, "secret-session")))
         await asyncio.sleep(0.05)  # (rank 0 waits for rank 1)
-        errors = []
-        for r in (0, 1):  # rank 0 is taken; rank 1 is free, but not for this uid
-            try:
-                await coord.rendezvous(req(r, 2000, "thief"))
-            except EpdError as e:
-                errors.append(e)
+        thieves = await asyncio.gather(*(coord.rendezvous(req(r, 2000, f"thief{r}"))
+                                         for r in (0, 1)))
         partner = await coord.rendezvous(req(1, 1000, "partner"))
-        assert (await owner).group_id == partner.group_id
-        try:  # formed: the same answer
-            await coord.rendezvous(req(0, 2000, "thief"))
-        except EpdError as e:
-            errors.append(e)
-        return tuple(errors)
-    errors = asyncio.run(run())
-    assert len(errors) == 3
-    for e in errors:
-        assert e.code == grpc.StatusCode.PERMISSION_DENIED, e
-        assert "secret-session" not in e.message and "partner" not in e.message, e.message
+        return await owner, partner, thieves
+    owner, partner, thieves = asyncio.run(run())
+    assert owner.group_id == partner.group_id
+    assert thieves[0].group_id == thieves[1].group_id != owner.group_id
+    assert owner.plan != thieves[0].plan  # (two groups' memory, not one)
+    assert sorted(coord.by_name) == [(1000, "owned"), (2000, "owned")]
+
+
+def test_a_name_taken_first_by_another_uid_stays_free_for_its_owner(tmp_path) -> None:
+    """Taking a name first holds nothing against another uid: the other uid's group of that
+    name forms while the first one's waits (before names were scoped, its joins were
+    PERMISSION_DENIED for as long as the squatter held the name)."""
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
+    spec = _proto(2, 2, name="ep0")
+
+    async def run():
+        squat = asyncio.ensure_future(coord.rendezvous(_request(spec, 0, uid=os.getuid() + 4242,
+                                                                timeout=0.5)))
+        await asyncio.sleep(0.05)
+        results, _ = await _all_ranks(coord, spec)
+        with pytest.raises(EpdError) as ei:
+            await squat
+        return results, ei.value
+    results, squat_error = asyncio.run(run())
+    assert all(isinstance(r, epd_pb2.RendezvousResponse) for r in results), results
+    assert results[0].group_id == results[1].group_id
+    assert squat_error.code == grpc.StatusCode.DEADLINE_EXCEEDED, squat_error
+    assert list(coord.by_name) == [(os.getuid(), "ep0")]
+
+
+def test_a_shared_pools_uids_meet_by_name_and_only_they(tmp_path) -> None:
+    """--allow-uids: the listed uids share one namespace, so a pool's ranks of several uids
+    form one group; an unlisted uid's join of the name forms its own. A pool lists every uid
+    it has: a listed uid does not meet an unlisted one's group either."""
+    owner, member, outsider = 3000, 3001, 3002
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)),
+                        allow_uids=frozenset({owner, member}))
+    spec = _proto(3, 2, experts=48, name="pool")
+
+    async def run():
+        first = asyncio.ensure_future(coord.rendezvous(_request(spec, 0, uid=owner)))
+        await asyncio.sleep(0.05)
+        alone = asyncio.ensure_future(coord.rendezvous(_request(spec, 1, uid=outsider,
+                                                                timeout=0.5)))
+        rest = await asyncio.gather(*(coord.rendezvous(_request(spec, r, uid=member))
+                                      for r in (1, 2)))
+        with pytest.raises(EpdError) as ei:
+            await alone
+        return [await first, *rest], ei.value
+    joined, alone_error = asyncio.run(run())
+    assert len({r.group_id for r in joined}) == 1
+    assert alone_error.code == grpc.StatusCode.DEADLINE_EXCEEDED, alone_error
+
+    unlisted = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)), allow_uids=frozenset({member}))
+    pair = _proto(2, 2, name="pair")
+
+    async def apart():
+        return await asyncio.gather(
+            unlisted.rendezvous(_request(pair, 0, uid=owner, timeout=0.5)),
+            unlisted.rendezvous(_request(pair, 1, uid=member, timeout=0.5)),
+            return_exceptions=True)
+    for r in asyncio.run(apart()):
+        assert isinstance(r, EpdError) and r.code == grpc.StatusCode.DEADLINE_EXCEEDED, r
 
 
 def test_cpu_plan_travels_and_is_freed(tmp_path) -> None:
@@ -533,8 +581,8 @@ def test_an_engine_lost_while_its_group_forms_fails_the_waiting_ranks_at_once(tm
 
 
 def test_another_tenants_join_cannot_fail_a_forming_group(tmp_path) -> None:
-    """A join of another uid that names a forming group with another spec is refused
-    (PERMISSION_DENIED) and changes nothing: the owner's group still forms."""
+    """A join of another uid that names a forming group with another spec does not reach it
+    (it waits in its own namespace) and changes nothing: the owner's group still forms."""
     coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)))
     spec = _proto(2, 2, name="train")
     other = _proto(2, 2, name="train", hidden=2048)
@@ -543,8 +591,8 @@ def test_another_tenants_join_cannot_fail_a_forming_group(tmp_path) -> None:
         rank0 = asyncio.ensure_future(coord.rendezvous(_request(spec, 0)))
         await asyncio.sleep(0.05)
         with pytest.raises(EpdError) as ei:
-            await coord.rendezvous(_request(other, 1, uid=os.getuid() + 4242))
-        assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED, ei.value
+            await coord.rendezvous(_request(other, 1, uid=os.getuid() + 4242, timeout=0.3))
+        assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
         rank1 = await coord.rendezvous(_request(spec, 1))
         return await rank0, rank1
     r0, r1 = asyncio.run(run())
