@@ -11,7 +11,8 @@ runs the op, in ring order. A kernel rather than stream memory writes because k 
 on the GPU: a CUDA graph replays the same writes, and the same kernel reads the tail anew each
 time. The ring holds 64 entries; when the engine is that far behind, the kernel waits for the
 head (back-pressure) up to its deadline, then fails the call through the done word instead
-of overwriting an entry.
+of overwriting an entry; a session that ends during that wait (the released word) ends it
+at once with RELEASED.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsign
     unsigned long long start, now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
     while (k - r[{abi.LL_RING_HEAD}] >= {abi.LL_RING}u) {{
+        if (r[{abi.LL_RING_RELEASED}] != 0u) {{  // the session ended meanwhile: nobody will
+            // free an entry, so waiting out the deadline would only hold the caller's stream
+            *reinterpret_cast<volatile unsigned*>(done) = {abi.DONE_RELEASED}u;
+            return;
+        }}
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
         if ((long long)(now - start) > timeout_ns) {{
             __threadfence_system();
