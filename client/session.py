@@ -111,8 +111,10 @@ class Session:
 
         A session that cannot be opened raises `EpdError` with the daemon's status (UNAVAILABLE
         when nothing listens, RESOURCE_EXHAUSTED at --max-sessions, ...) and leaves no thread,
-        connection or file behind."""
+        connection or file behind. The endpoint is an engine's unix socket (`.../gpu<N>.sock`,
+        or `unix://` and that path): the engine's descriptor channel is beside it."""
         self.endpoint = endpoint or engine_socket(socket_dir, engine, service_class)
+        fd_socket = self._fd_socket_path()  # (INVALID_ARGUMENT before anything is opened)
         self.timeout = None if timeout is None else _check_timeout(timeout)
         self.fast_path_error = ""
         # Every attribute exists before the lease thread starts: it, and close() after a failed
@@ -134,18 +136,26 @@ class Session:
         self._watcher: threading.Thread | None = None
         self._transport: Transport = transport or GrpcTransport(self.endpoint)
         try:
-            self._open(client_name or f"pid{os.getpid()}", fast_path)
+            self._open(client_name or f"pid{os.getpid()}", fast_path, fd_socket)
         except BaseException:
             self.close()
             raise
 
-    def _open(self, client_name: str, fast_path: bool | None) -> None:
+    def _open(self, client_name: str, fast_path: bool | None, fd_socket: str) -> None:
         from . import mps  # the client's view of CUDA MPS (sent, and compared by the engine)
+        where = f"could not open a session on {self.endpoint}"
+        # The descriptor channel first: OpenSession needs the ticket of its hello, through
+        # which the engine knows this process's uid (SO_PEERCRED) before the session exists.
+        try:
+            self._channel = fdc.Channel(fd_socket)
+            ticket = self._channel.hello()
+        except EpdError as e:
+            raise error(e.code, f"{where}: {e.message}") from None
         self._stream = self._transport.open_stream(epd_pb2.OpenSessionRequest(
-            client_name=client_name, pid=os.getpid(), **mps.request_fields()))
+            client_name=client_name, pid=os.getpid(), channel_ticket=ticket,
+            **mps.request_fields()))
         self._watcher = threading.Thread(target=self._watch, name="epd-session", daemon=True)
         self._watcher.start()
-        where = f"could not open a session on {self.endpoint}"
         if not self._ready.wait(CONTROL_TIMEOUT):
             raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"{where}: no answer within {CONTROL_TIMEOUT} s")
@@ -166,8 +176,8 @@ class Session:
         set_token = getattr(self._transport, "set_token", None)
         if set_token is not None:
             set_token(o.session_token)
-        self._channel = fdc.Channel(self._fd_socket_path(o), self.session_id, o.session_token)
-        fd, _ = self._channel.fetch(fdc.COUNTERS)
+        self._channel.bind(self.session_id, o.session_token)
+        fd, _ = self._channel.fetch(fdc.COUNTERS)  # (binds the connection to the session)
         self._counter_file = T.ShmFile.from_fd(fd, o.counter_page_bytes, fdc.COUNTERS)
         self._memory = M.for_backend(o.backend, self._register_region, self._unregister_region,
                                      self._counter_file, o.device_ordinal,
@@ -194,13 +204,21 @@ class Session:
             except (EpdError, OSError, ValueError) as e:
                 self.fast_path_error = str(e)  # stay on gRPC, which carries everything
 
-    def _fd_socket_path(self, o: epd_pb2.SessionOpened) -> str:
-        """The engine's descriptor channel: beside the gRPC socket this process connected to
-        (the engine's own path for it may differ under a bind mount), else what it says."""
-        ep = self.endpoint.removeprefix("unix://")
-        if ep.startswith("/") and ep.endswith(".sock"):
-            return fdc.socket_path_for(ep)
-        return o.fd_socket_path
+    def _fd_socket_path(self) -> str:
+        """The engine's descriptor channel, beside the gRPC socket this process connects to
+        (gpu0.sock -> gpu0.fds; the engine's own path for it may differ under a bind mount).
+        It is connected before OpenSession, so an endpoint that is no such path is refused."""
+        ep = self.endpoint
+        if ep.startswith("unix:"):
+            ep = ep.removeprefix("unix://") if ep.startswith("unix://") else ep[len("unix:"):]
+        elif not ep.startswith("/"):
+            ep = ""  # (host:port, a name: nothing beside it)
+        if not ep.endswith(".sock"):
+            raise InvalidArgument(f"endpoint {self.endpoint!r} is not an engine's unix socket "
+                                  f"(a path ending in .sock, e.g. /run/epd/gpu0.sock, or "
+                                  f"unix:// and that path): a session needs the engine's "
+                                  f"descriptor channel beside it")
+        return fdc.socket_path_for(ep)
 
     # -- lease -------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -7,8 +7,10 @@ unix SOCK_SEQPACKET socket beside the engine's gRPC socket (`<socket-dir>/gpu<N>
 SCM_RIGHTS. The receiver checks the seals and the size, maps it and closes the descriptor.
 
 Wire: one protobuf per packet (`FdRequest` from the client, `FdResponse` from the engine), each
-with at most one descriptor. The first request of a connection carries the session id and its
-secret token; the engine reads the peer's credentials (SO_PEERCRED) from the connection.
+with at most one descriptor. A client connects before it opens its session: its first request
+is `hello`, answered with a one-use ticket for OpenSession (the engine reads the peer's
+credentials, SO_PEERCRED, from the connection and gives them to the session the ticket opens);
+the next request carries the session id and its secret token, and binds the connection to it.
 Engine-owned objects (counter page, ring, output regions) are sealed against shrinking and
 growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) and fetched by name: "counters", "ring",
 "outputs/<group_id>".
@@ -170,12 +172,13 @@ def recv(sock: socket.socket, msg_type):
 
 
 class Channel:
-    """The client end of an engine's descriptor channel, bound to one session. Every request
-    waits at most `timeout` seconds for its answer (an engine alive but stopped must not hang
-    the client); one that times out closes the channel, since a late answer would be taken for
-    the next request's."""
+    """The client end of an engine's descriptor channel, bound to one session: given its id
+    and token, or later (`hello()` for the ticket OpenSession needs, then `bind()`). Every
+    request waits at most `timeout` seconds for its answer (an engine alive but stopped must
+    not hang the client); one that times out closes the channel, since a late answer would be
+    taken for the next request's."""
 
-    def __init__(self, path: str, session_id: str, token: bytes,
+    def __init__(self, path: str, session_id: str = "", token: bytes = b"",
                  timeout: float = REQUEST_SECONDS) -> None:
         self.path, self.session_id, self.token = path, session_id, token
         self.timeout = timeout
@@ -212,6 +215,21 @@ class Channel:
                 os.close(got)
             raise from_status_value(resp.code, resp.message)
         return resp, got
+
+    def hello(self) -> bytes:
+        """The first request of an unbound connection: the engine's ticket for OpenSession
+        (OpenSessionRequest.channel_ticket); then `bind()` to the session it opened."""
+        resp, fd = self.request(epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+        if fd is not None:
+            os.close(fd)
+        if not resp.ticket:
+            raise EpdError(None, f"descriptor channel {self.path}: no ticket came with the "
+                                 f"answer to hello")
+        return resp.ticket
+
+    def bind(self, session_id: str, token: bytes) -> None:
+        """Every later request names this session (the next one binds the connection to it)."""
+        self.session_id, self.token = session_id, token
 
     def fetch(self, name: str) -> tuple[int, int]:
         """(descriptor, size) of an engine-owned object; the caller maps and closes it."""

@@ -337,10 +337,11 @@ def test_a_call_whose_client_deadline_passed_is_not_counted_ok(daemon):
 
 
 def test_a_refusal_on_the_descriptor_channel_is_counted(daemon_factory):
-    """A session refused when its descriptor channel binds (--max-sessions-per-uid: the uid is
-    known only then) failed for its client with RESOURCE_EXHAUSTED; the requests showed only
-    an OpenSession OK (the channel's requests, region registrations included, were counted
-    nowhere). They are counted by method (FdFetch, FdRegisterMemfd) and code."""
+    """A refused session is counted once, with its code: refused when its descriptor channel
+    bound (--max-sessions-per-uid, before the channel connected ahead of OpenSession), the
+    requests showed only an OpenSession OK (the channel's requests were counted nowhere); now
+    the refusal is OpenSession's, and the channel's requests count by method (FdHello,
+    FdFetch, FdRegisterMemfd) and code."""
     import time
 
     from epd.proto.errors import ResourceExhausted
@@ -353,6 +354,7 @@ def test_a_refusal_on_the_descriptor_channel_is_counted(daemon_factory):
         time.sleep(0.5)
         after = _requests(d)
         assert after.get(("FdFetch", "OK"), 0) >= 1  # (the first session's ring, counters)
+        assert after.get(("FdHello", "OK"), 0) - before.get(("FdHello", "OK"), 0) == 1
     refused = {k: after[k] - before.get(k, 0) for k in after
                if k[1] == "RESOURCE_EXHAUSTED" and after[k] != before.get(k, 0)}
     assert sum(refused.values()) == 1, refused

@@ -3,16 +3,25 @@ test_validation, test_fuzz and test_fast_path do not reach. Each test failed bef
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
 import time
 
 import grpc
 import pytest
+import ranklib
 
 from epd.client import Session
+from epd.proto import fd_channel as fdc
 from epd.proto import ring as R
 from epd.proto.errors import EpdError
-from epd.proto.v1 import epd_pb2
+from epd.proto.v1 import epd_pb2, epd_pb2_grpc
 
 pytestmark = pytest.mark.slow
 BUDGET = 8 << 20  # --max-region-bytes-per-session of the daemons below
@@ -39,21 +48,61 @@ def test_a_fast_path_ring_counts_against_the_sessions_bytes(daemon_factory) -> N
         s.empty((BUDGET - (6 << 20),), "uint8")
 
 
-def _unbound_session(endpoint: str):
-    """OpenSession as a hostile client makes it: the lease stream opened, its first event read,
-    the descriptor channel never connected (so the engine never learns its uid)."""
-    from epd.client.transport import GrpcTransport
-    t = GrpcTransport(endpoint)
-    stream = t.open_stream(epd_pb2.OpenSessionRequest(client_name="squatter", pid=os.getpid()))
-    first = next(stream)
-    assert first.HasField("opened")
-    return t, stream
+def _hello(path: str) -> tuple[socket.socket, bytes]:
+    """A descriptor-channel connection that said hello (never bound), and its ticket."""
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    c.settimeout(10)
+    try:
+        c.connect(path)
+        fdc.send(c, epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+        resp, fd = fdc.recv(c, epd_pb2.FdResponse)
+        assert fd is None and resp.code == 0 and len(resp.ticket) >= 16, resp
+    except BaseException:
+        c.close()
+        raise
+    return c, resp.ticket
+
+
+class _Opens:
+    """OpenSession as a hostile client makes it (raw gRPC, any channel_ticket); the streams of
+    the sessions it opened stay open (their leases) until close()."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.channel = grpc.insecure_channel(f"unix://{endpoint}")
+        self.stub = epd_pb2_grpc.EngineStub(self.channel)
+        self.held: list = []
+
+    def open(self, ticket: bytes) -> tuple[grpc.StatusCode, str]:
+        """(OK, session id) or the refusal's (code, details)."""
+        stream = self.stub.OpenSession(epd_pb2.OpenSessionRequest(
+            client_name="squatter", pid=os.getpid(), channel_ticket=ticket), timeout=120)
+        try:
+            first = next(stream)
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+        self.held.append(stream)
+        assert first.HasField("opened"), first
+        return grpc.StatusCode.OK, first.opened.session_id
+
+    def close(self) -> None:
+        for stream in self.held:
+            stream.cancel()
+        self.channel.close()
+
+
+def _sessions(s: Session, want: int) -> int:
+    """The engine's count of sessions (GetStats), once it is `want` (a lease that ended is torn
+    down a moment later), or as it is after a bounded wait."""
+    with contextlib.suppress(TimeoutError):
+        ranklib.wait_until(lambda: s.stats().sessions == want, 5, f"{want} sessions")
+    return s.stats().sessions
 
 
 def test_one_uid_cannot_hold_all_of_an_engines_sessions(daemon_factory) -> None:
-    """--max-sessions-per-uid: a uid's sessions beyond the cap are refused when their
-    descriptor channel connects (where the engine learns the uid), naming the flag; the
-    engine's other places stay for other tenants, and a closed session frees its place."""
+    """--max-sessions-per-uid: a uid's sessions beyond the cap are refused by OpenSession
+    (the engine knows the uid from the ticket of the client's descriptor-channel hello),
+    naming the flag; the engine's other places stay for other tenants, and a closed session
+    frees its place."""
     with daemon_factory(engines=1, extra=["--max-sessions", "8",
                                           "--max-sessions-per-uid", "2"]) as d:
         held = [Session(d.socket(0), timeout=5) for _ in range(2)]
@@ -76,31 +125,174 @@ def test_one_uid_cannot_hold_all_of_an_engines_sessions(daemon_factory) -> None:
                 s.close()
 
 
-def test_sessions_left_unbound_give_their_places_to_new_ones(daemon_factory) -> None:
-    """Sessions opened and never bound (no uid known, so no per-uid cap) filled
-    --max-sessions and refused every other tenant for as long as their streams stayed open.
-    Once the engine is full, the oldest one unbound past the grace period is closed for a new
-    session; bound sessions are never taken, and a full engine of them still refuses."""
-    from epd.server.engine import core
-    with daemon_factory(engines=1, extra=["--max-sessions", "2"]) as d:
-        squatters = [_unbound_session(d.socket(0)) for _ in range(2)]
+def test_open_session_needs_a_ticket_of_the_clients_channel(daemon_factory) -> None:
+    """A session's uid was known only once its descriptor channel connected, after
+    OpenSession: a session opened and never bound had no uid, escaped --max-sessions-per-uid
+    and held a place of --max-sessions. OpenSession now needs the ticket of a hello on the
+    channel (which gives the session its uid before it exists): without one, with a made-up
+    one, or with one already used it is PERMISSION_DENIED, saying what to do, and opens
+    nothing."""
+    with daemon_factory(engines=1) as d, Session(d.socket(0), timeout=5) as legit:
+        path = fdc.socket_path_for(d.socket(0))
+        raw = _Opens(d.socket(0))
         try:
-            time.sleep(core.UNBOUND_GRACE_SECONDS + 0.5)
-            with Session(d.socket(0), timeout=5) as s:
-                s.ping()
-                deadline = time.monotonic() + 5  # (the oldest was closed: its stream ends)
-                while not squatters[0][1].done() and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                assert squatters[0][1].done() and not squatters[1][1].done()
-                time.sleep(core.UNBOUND_GRACE_SECONDS + 0.5)
-                with Session(d.socket(0), timeout=5) as s2:  # (the other squatter's place)
-                    s2.ping()
-                    with pytest.raises(EpdError) as err:  # two bound sessions: full
-                        Session(d.socket(0), timeout=5)
-                    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                    assert "--max-sessions" in err.value.message
-                    s.ping()
+            for ticket in (b"", secrets.token_bytes(16), b"x"):
+                code, details = raw.open(ticket)
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (ticket, code, details)
+                assert path in details and "hello" in details, details
+            assert _sessions(legit, 1) == 1
+            conn, ticket = _hello(path)
+            try:
+                code, _ = raw.open(ticket)
+                assert code == grpc.StatusCode.OK  # (a hostile client's own session: one)
+                code, details = raw.open(ticket)  # used: it opens no second one
+                assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+            finally:
+                conn.close()
+            assert _sessions(legit, 2) == 2
+            legit.ping()
         finally:
-            for t, stream in squatters:
-                stream.cancel()
-                t.close()
+            raw.close()
+
+
+def test_a_ticket_dies_with_its_connection(daemon_factory) -> None:
+    """A ticket opens a session only while the connection that got it is open: one closed by
+    its client is dead at once, one that does not bind within FIRST_REQUEST_SECONDS of its
+    hello is closed by the engine, and a second hello closes its connection (tickets cannot
+    pile up beyond the connections a uid may hold unbound)."""
+    from epd.server.engine.fd_server import FIRST_REQUEST_SECONDS
+    with daemon_factory(engines=1) as d, Session(d.socket(0), timeout=5) as legit:
+        path = fdc.socket_path_for(d.socket(0))
+        raw = _Opens(d.socket(0))
+        try:
+            conn, closed = _hello(path)
+            conn.close()
+            code, details = raw.open(closed)  # (at once: no wait for the engine to notice)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
+
+            twice, ticket = _hello(path)
+            with twice:
+                fdc.send(twice, epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+                resp, _ = fdc.recv(twice, epd_pb2.FdResponse)
+                assert resp.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp
+                assert fdc.recv(twice, epd_pb2.FdResponse) == (None, None)  # closed
+            assert raw.open(ticket)[0] == grpc.StatusCode.PERMISSION_DENIED
+
+            idle, ticket = _hello(path)
+            with idle:
+                t0 = time.monotonic()
+                idle.settimeout(FIRST_REQUEST_SECONDS + 10)
+                with contextlib.suppress(ConnectionResetError):  # (or closed: reset)
+                    assert idle.recv(16) == b""
+                assert time.monotonic() - t0 <= FIRST_REQUEST_SECONDS + 5
+            assert raw.open(ticket)[0] == grpc.StatusCode.PERMISSION_DENIED
+            assert _sessions(legit, 1) == 1
+        finally:
+            raw.close()
+
+
+def test_a_hello_binds_its_connection_to_its_own_session(daemon_factory) -> None:
+    """The connection that got a ticket binds only to the session that ticket opened (with
+    that session's token): not to another session of the same process, whose token it has."""
+    with daemon_factory(engines=1) as d:
+        path = fdc.socket_path_for(d.socket(0))
+        raw = _Opens(d.socket(0))
+        a, ticket_a = _hello(path)
+        b, _ticket_b = _hello(path)
+        try:
+            code, sid = raw.open(ticket_a)
+            assert code == grpc.StatusCode.OK, sid
+            with Session(d.socket(0), timeout=5) as other:  # (a session of this process)
+                fdc.send(b, epd_pb2.FdRequest(session_id=other.session_id,
+                                              session_token=other._channel.token,
+                                              fetch=epd_pb2.FetchFd(name=fdc.COUNTERS)))
+                resp, fd = fdc.recv(b, epd_pb2.FdResponse)
+                assert fd is None and resp.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+                assert "ticket" in resp.message, resp
+                other.ping()
+        finally:
+            raw.close()
+            a.close()
+            b.close()
+
+
+OTHER_TENANT = 41031  # a uid of no one (run by the test, as root, in the socket's group)
+TENANT = r"""
+import json, sys
+from epd.client import EpdError, Session
+held = []
+for _ in sys.stdin:  # a line: open one more session (and keep it), say how it went
+    try:
+        held.append(Session(sys.argv[1], timeout=5))
+        held[-1].ping()
+        print(json.dumps({"code": "OK"}), flush=True)
+    except EpdError as e:
+        print(json.dumps({"code": e.code.name, "details": e.message}), flush=True)
+for s in held:
+    s.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runs the other tenant as its uid)")
+def test_a_flood_of_one_uid_leaves_other_tenants_their_places(daemon_factory) -> None:
+    """One uid floods the engine without pause: OpenSessions without a ticket or with made-up
+    ones, then also every descriptor-channel connection it may hold unbound, each with a
+    ticket, and sessions up to --max-sessions-per-uid. Another uid's sessions still open, at
+    once (before, the flood's sessions, opened and never bound, filled --max-sessions, and a
+    flood faster than their 2 s grace refused every other tenant)."""
+    from test_multi_user import become
+
+    from epd.server.engine.fd_server import MAX_UNBOUND_PER_UID
+    with daemon_factory(engines=1, extra=["--max-sessions", "4",
+                                          "--max-sessions-per-uid", "2"]) as d:
+        path = fdc.socket_path_for(d.socket(0))
+        tenant = subprocess.Popen(
+            [sys.executable, "-c", TENANT, d.socket(0)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=become(OTHER_TENANT, OTHER_TENANT, [os.getgid()]))
+
+        def tenant_opens() -> dict:
+            tenant.stdin.write("open\n")
+            tenant.stdin.flush()
+            line = tenant.stdout.readline()
+            assert line, f"the other tenant ended (rc {tenant.poll()}): {tenant.stderr.read()}"
+            return json.loads(line)
+
+        raw = _Opens(d.socket(0))
+        hellos: list[socket.socket] = []
+        refused: list[grpc.StatusCode] = []
+        stop = threading.Event()
+
+        def flood() -> None:
+            while not stop.is_set():
+                refused.append(raw.open(secrets.token_bytes(16) if len(refused) % 2 else b"")[0])
+        flooding = threading.Thread(target=flood, daemon=True)
+        flooding.start()
+        try:
+            ranklib.wait_until(lambda: len(refused) >= 8, 30, "a flood under way")
+            assert tenant_opens() == {"code": "OK"}
+            assert set(refused) == {grpc.StatusCode.PERMISSION_DENIED}, set(refused)
+            tickets = []
+            for _ in range(MAX_UNBOUND_PER_UID):  # (this uid's whole cap of unbound ones)
+                conn, ticket = _hello(path)
+                hellos.append(conn)
+                tickets.append(ticket)
+            for ticket in tickets[:2]:
+                code, details = raw.open(ticket)
+                assert code == grpc.StatusCode.OK, details
+            code, details = raw.open(tickets[2])
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+            assert "--max-sessions-per-uid" in details, details
+            assert tenant_opens() == {"code": "OK"}  # (the engine's last place)
+            assert set(refused) == {grpc.StatusCode.PERMISSION_DENIED}, set(refused)
+        finally:
+            stop.set()
+            flooding.join(30)
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+                tenant.communicate("", timeout=30)
+            if tenant.poll() is None:
+                tenant.kill()
+                tenant.wait(10)
+            raw.close()
+            for c in hellos:
+                c.close()

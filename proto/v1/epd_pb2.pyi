@@ -223,16 +223,18 @@ class ReleaseRankResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("client_name", "pid", "mps_pipe_directory", "mps_pipe_present")
+    __slots__ = ("client_name", "pid", "mps_pipe_directory", "mps_pipe_present", "channel_ticket")
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     MPS_PIPE_DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     MPS_PIPE_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_TICKET_FIELD_NUMBER: _ClassVar[int]
     client_name: str
     pid: int
     mps_pipe_directory: str
     mps_pipe_present: bool
-    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., mps_pipe_directory: _Optional[str] = ..., mps_pipe_present: _Optional[bool] = ...) -> None: ...
+    channel_ticket: bytes
+    def __init__(self, client_name: _Optional[str] = ..., pid: _Optional[int] = ..., mps_pipe_directory: _Optional[str] = ..., mps_pipe_present: _Optional[bool] = ..., channel_ticket: _Optional[bytes] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("opened", "group_aborted")
@@ -776,29 +778,37 @@ class RegisterMemfd(_message.Message):
     size_bytes: int
     def __init__(self, size_bytes: _Optional[int] = ...) -> None: ...
 
+class FdHello(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class FdRequest(_message.Message):
-    __slots__ = ("session_id", "session_token", "fetch", "register_memfd")
+    __slots__ = ("session_id", "session_token", "fetch", "register_memfd", "hello")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
     REGISTER_MEMFD_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: bytes
     fetch: FetchFd
     register_memfd: RegisterMemfd
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., fetch: _Optional[_Union[FetchFd, _Mapping]] = ..., register_memfd: _Optional[_Union[RegisterMemfd, _Mapping]] = ...) -> None: ...
+    hello: FdHello
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[bytes] = ..., fetch: _Optional[_Union[FetchFd, _Mapping]] = ..., register_memfd: _Optional[_Union[RegisterMemfd, _Mapping]] = ..., hello: _Optional[_Union[FdHello, _Mapping]] = ...) -> None: ...
 
 class FdResponse(_message.Message):
-    __slots__ = ("code", "message", "region_id", "size_bytes")
+    __slots__ = ("code", "message", "region_id", "size_bytes", "ticket")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     region_id: str
     size_bytes: int
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    ticket: bytes
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., region_id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., ticket: _Optional[bytes] = ...) -> None: ...
 
 class ClusterHeartbeat(_message.Message):
     __slots__ = ("node_rank", "incarnation", "node_name", "engines", "world_generation", "agreed_settings", "world_left")

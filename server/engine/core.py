@@ -56,6 +56,7 @@ from .executor import EngineState, SessionExecutor
 from .fast_path import FastPathServer
 from .ops import DataPlane
 from .state import (
+    ChannelTicket,
     GroupMember,
     Session,
     spec_from_proto,
@@ -65,10 +66,7 @@ from .stream_calls import StreamCalls
 from .watchdog import SlowOperations
 
 log = logging.getLogger("epd.engine")
-# A session that has not connected its descriptor channel this long after opening may be
-# closed for a new session when the engine is full (Engine._make_room): a client connects it
-# within milliseconds of OpenSession.
-UNBOUND_GRACE_SECONDS = 2.0
+TICKET_BYTES = 16  # a descriptor-channel hello's ticket (FdResponse.ticket)
 # A clean leave waits at most this long for peers still inside the last collective (within the
 # client's own leave timeout, session.CLOSE_LEAVE_TIMEOUT); then it aborts the group anyway.
 QUIESCE_SECONDS = 1.0
@@ -201,6 +199,9 @@ class Engine(StreamCalls, DataPlane):
         self.slot = slot or EngineSlot(index, index)
         self.socket_path = config.engine_socket(self.slot.device, self.slot.service_class)
         self.sessions: dict[str, Session] = {}
+        # Tickets of descriptor-channel hellos, until OpenSession takes one or its connection
+        # closes (fd_server.py: at most MAX_UNBOUND_PER_UID connections of a uid hold one).
+        self.tickets: dict[bytes, ChannelTicket] = {}
         self.state = EngineState(index)
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
@@ -294,45 +295,49 @@ class Engine(StreamCalls, DataPlane):
                                    f"client that opened it)")
         return s
 
-    def _make_room(self) -> None:
-        """Refuse a new session when the engine holds --max-sessions, unless one of them never
-        connected its descriptor channel within UNBOUND_GRACE_SECONDS: the oldest such session
-        is closed for the new one. A session's uid is known only once that channel connects
-        (grpcio does not give the gRPC peer's credentials), so sessions opened and left
-        unbound are the one way a client could hold places past --max-sessions-per-uid."""
-        live = [s for s in self.sessions.values() if not (s.teardown_done or s.evicted)]
-        if len(live) < self.config.max_sessions:
-            return
-        now = time.monotonic()
-        idle = [s for s in live if s.peer is None and now - s.opened_at >= UNBOUND_GRACE_SECONDS]
-        if not idle:
-            raise ResourceExhausted(f"engine {self.index} has {len(live)} sessions, the maximum "
-                                    f"(--max-sessions)")
-        oldest = min(idle, key=lambda s: s.opened_at)
-        oldest.evicted = True
-        log.warning("%s never connected its descriptor channel (%.1f s): closed for a new "
-                    "session (the engine holds --max-sessions)", oldest.describe(),
-                    now - oldest.opened_at)
-        self._spawn(self.close_session(  # (kept referenced until done, as every such task)
-            oldest, "closed: its descriptor channel never connected and the engine was full"))
+    def issue_ticket(self, peer: tuple[int, int, int], alive: Callable[[], bool]) -> bytes:
+        """A descriptor-channel connection's hello (peer: its SO_PEERCRED pid, uid, gid): a
+        fresh secret that OpenSession must carry, so the engine knows a session's uid before
+        it exists (grpcio does not give the gRPC peer's credentials). One use; withdrawn when
+        its connection closes (`alive` says whether it is still open)."""
+        self.state.check_open()
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        self.tickets[ticket] = ChannelTicket(peer, alive)
+        return ticket
 
-    def record_peer(self, session: Session, peer: tuple[int, int, int]) -> None:
-        """A descriptor-channel connection of this session: (pid, uid, gid) from SO_PEERCRED.
-        The first one is recorded, within the uid's cap of sessions (--max-sessions-per-uid);
-        a connection of other credentials is refused."""
-        if session.peer is None:
-            cap, uid = self.config.max_sessions_per_uid, peer[1]
-            held = sum(1 for s in self.sessions.values()
-                       if s.peer is not None and s.peer[1] == uid and not s.teardown_done)
-            if cap and held >= cap:
-                raise ResourceExhausted(f"uid {uid} holds {held} sessions of engine "
-                                        f"{self.index}, the most one uid may "
-                                        f"(--max-sessions-per-uid)")
-            session.peer = peer
-            log.info("%s: peer pid %d uid %d gid %d", session.describe(), *peer)
-        elif session.peer != peer:
+    def withdraw_ticket(self, ticket: bytes) -> None:
+        """The connection of `ticket` closed: it opens nothing any more (if not used yet)."""
+        self.tickets.pop(ticket, None)
+
+    def _ticket(self, ticket: bytes) -> ChannelTicket:
+        """The hello of an OpenSession's channel_ticket, if it is outstanding and its
+        connection still open; PERMISSION_DENIED otherwise (missing, made up, used, or its
+        connection gone)."""
+        held = self.tickets.get(ticket) if ticket else None
+        if held is not None and not held.alive():  # (closed, its thread not yet told)
+            self.withdraw_ticket(ticket)
+            held = None
+        if held is None:
+            raise PermissionDenied(
+                f"OpenSession carries no ticket of an open descriptor-channel connection: "
+                f"connect the engine's descriptor channel "
+                f"{fdc.socket_path_for(self.socket_path)} first and send hello "
+                f"(OpenSessionRequest.channel_ticket; a ticket opens one session and dies "
+                f"with its connection)")
+        return held
+
+    def check_peer(self, session: Session, peer: tuple[int, int, int], ticket: bytes) -> None:
+        """A descriptor-channel connection binding to `session` ((pid, uid, gid) from
+        SO_PEERCRED; `ticket`: its hello's, b"" if it sent none) is refused unless its
+        credentials are the session's (those of the connection whose ticket opened it), and a
+        connection that said hello binds only to the session its ticket opened."""
+        if ticket and not hmac.compare_digest(ticket, session.channel_ticket):
+            raise PermissionDenied(f"this descriptor-channel connection's ticket did not open "
+                                   f"{session.describe()} (a connection that said hello binds "
+                                   f"to the session its ticket opened)")
+        if session.peer != peer:
             raise PermissionDenied(f"{session.describe()} belongs to another process "
-                                   f"(pid/uid/gid differ from its first connection)")
+                                   f"(pid/uid/gid differ from its descriptor channel's)")
 
     def fetch_fd(self, session: Session, name: str) -> tuple[int, int]:
         """(a duplicate of the descriptor, size) of an engine-owned memfd of the session;
@@ -451,18 +456,31 @@ class Engine(StreamCalls, DataPlane):
         self._class_series |= set(ranks)
 
     # -- sessions ----------------------------------------------------------------------------
-    def open_session(self, client_name: str, pid: int) -> Session:
+    def open_session(self, client_name: str, pid: int, ticket: bytes) -> Session:
+        """A new session for the holder of `ticket` (a descriptor-channel hello's, taken: one
+        use), whose uid is the ticket's: within --max-sessions-per-uid and --max-sessions.
+        Refused, it changes nothing (the ticket stays the connection's)."""
         self.state.check_open()
-        self._make_room()
+        peer = self._ticket(ticket).peer
+        live = [s for s in self.sessions.values() if not s.teardown_done]
+        cap, uid = self.config.max_sessions_per_uid, peer[1]
+        held = sum(1 for s in live if s.peer is not None and s.peer[1] == uid)
+        if cap and held >= cap:
+            raise ResourceExhausted(f"uid {uid} holds {held} sessions of engine {self.index}, "
+                                    f"the most one uid may (--max-sessions-per-uid)")
+        if len(live) >= self.config.max_sessions:
+            raise ResourceExhausted(f"engine {self.index} has {len(live)} sessions, the maximum "
+                                    f"(--max-sessions)")
         sid = secrets.token_hex(8)
         page = self.backend.open_counter_page()  # a sealed memfd, fetched over the channel
+        del self.tickets[ticket]
         s = Session(sid, client_name[:64], pid, page,
                     SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init,
                                     self.slow_ops),
-                    token=secrets.token_bytes(32))
+                    token=secrets.token_bytes(32), peer=peer, channel_ticket=ticket)
         self.sessions[sid] = s
         self._refresh_gauges()
-        log.info("opened %s", s.describe())
+        log.info("opened %s: peer pid %d uid %d gid %d", s.describe(), *peer)
         return s
 
     def session_mps(self, session: Session, client_pipe_directory: str,
@@ -676,11 +694,12 @@ class Engine(StreamCalls, DataPlane):
         member: GroupMember | None = None
         try:
             timeout = self._timeout(req.timeout_seconds)
-            if session.peer is None:
+            if session.peer is None:  # (a session opens with its channel's: never, but
+                # the policy below must not run without them)
                 raise FailedPrecondition(
-                    f"{session.describe()} has not connected its descriptor channel "
-                    f"({fdc.socket_path_for(self.socket_path)}): a group's "
-                    f"admission policy needs the client's credentials")
+                    f"{session.describe()} has no client credentials (its descriptor "
+                    f"channel's, {fdc.socket_path_for(self.socket_path)}): a group's "
+                    f"admission policy needs them")
             _, uid, gid = session.peer
             # The class is decided here, before the rendezvous (PERMISSION_DENIED naming the
             # rule changes nothing), and travels in the spec: ranks that disagree fail together.

@@ -3,11 +3,15 @@
 
 One thread accepts, one thread per connection reads requests; each request is handled on the
 engine's event loop (where gRPC handlers run, so sessions and regions change in one place).
-The first request of a connection must name a session and carry its token; the connection is
-then bound to that session and the peer's credentials (SO_PEERCRED) are recorded on it: a later
-connection of other credentials is refused. Requests: fetch an engine-owned memfd by name
-("counters", "ring", "outputs/<group_id>"), or register a client memfd (sealed F_SEAL_SHRINK)
-as a region; the engine maps it and closes the descriptor.
+A client connects before it opens its session: the connection's first request is `hello`,
+answered with a one-use ticket that records the peer's credentials (SO_PEERCRED: pid, uid, gid;
+Engine.issue_ticket). OpenSession must carry it, so a session's uid is known before it exists
+(--max-sessions-per-uid is applied there); the connection then binds to that session (its next
+request carries the session's id and token) within FIRST_REQUEST_SECONDS, or it is closed, and
+a ticket not used yet dies with its connection. Another connection's first request names a
+session and carries its token, and binds only if its credentials are the session's. Requests:
+fetch an engine-owned memfd by name ("counters", "ring", "outputs/<group_id>"), or register a
+client memfd (sealed F_SEAL_SHRINK) as a region; the engine maps it and closes the descriptor.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
 from typing import TYPE_CHECKING
@@ -34,17 +39,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.engine")
 CALL_SECONDS = 60.0  # longest a request may take on the event loop
-# epd_requests_total's method of each request kind (a refusal when a connection binds, the
-# --max-sessions-per-uid cap's included, is counted with the request that was refused).
-_METHODS = {"fetch": "FdFetch", "register_memfd": "FdRegisterMemfd"}
+# epd_requests_total's method of each request kind (a refusal when a connection binds is
+# counted with the request that was refused).
+_METHODS = {"fetch": "FdFetch", "register_memfd": "FdRegisterMemfd", "hello": "FdHello"}
 # A connection costs a thread: connections are capped, and one that does not authenticate in
 # time, or fails to, is closed, so no client can exhaust the engine's threads for the others.
 # Caps per peer uid before authentication and per session after it keep one tenant's
-# connections from filling the engine-wide cap (a session's client keeps one open).
+# connections from filling the engine-wide cap (a session's client keeps one open). A
+# connection with a ticket not used yet is unbound: the uid cap bounds its tickets too.
 MAX_CONNECTIONS = 1024
 MAX_UNBOUND_PER_UID = 64  # (sessions of one uid opening at once each hold one briefly)
 MAX_PER_SESSION = 4
-FIRST_REQUEST_SECONDS = 10.0
+FIRST_REQUEST_SECONDS = 10.0  # to the first request, and from a hello to the binding one
 IDLE_CHECK_SECONDS = 30.0  # how often a bound, idle connection checks its session is open
 
 
@@ -133,10 +139,12 @@ class FdServer:
 
     def _serve(self, conn: socket.socket, peer: tuple[int, int, int]) -> None:
         session: Session | None = None
+        ticket: bytes | None = None  # its hello's, once it said hello
         try:
             while not self._stop:
                 fd = None
                 method, code = "FdChannel", grpc.StatusCode.OK  # (epd_requests_total)
+                greeted = False  # this request was a hello, answered
                 try:
                     try:
                         req, fd = fdc.recv(conn, epd_pb2.FdRequest)
@@ -148,21 +156,25 @@ class FdServer:
                         return
                     if req is None:
                         return
-                    method = _METHODS.get(req.WhichOneof("op"), method)
-                    if session is None:
-                        bound = self._call(self._bind, req, peer)
-                        if not self._count_bound(peer[1], bound.session_id):
-                            raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                           f"session {bound.session_id!r} has "
-                                           f"{MAX_PER_SESSION} descriptor-channel connections "
-                                           f"open already")
-                        session = bound
-                        conn.settimeout(IDLE_CHECK_SECONDS)  # bound: may idle, not forever
-                    elif req.session_id and req.session_id != session.session_id:
-                        raise PermissionDenied("this descriptor channel belongs to another "
-                                               "session")
-                    given, fd = fd, None  # handed over: the handler closes it, always
-                    resp, out_fd = self._call(self._handle, session, req, given)
+                    which = req.WhichOneof("op")
+                    method = _METHODS.get(which, method)
+                    if which == "hello":
+                        if session is not None or ticket is not None:
+                            raise InvalidArgument("hello is a descriptor-channel connection's "
+                                                  "first request, once")
+                        ticket = self._call(self.engine.issue_ticket, peer,
+                                            lambda: _still_open(conn))
+                        conn.settimeout(FIRST_REQUEST_SECONDS)  # to bind, from now
+                        resp, out_fd, greeted = epd_pb2.FdResponse(ticket=ticket), None, True
+                    else:
+                        if session is None:
+                            session = self._bind_connection(req, peer, ticket or b"")
+                            conn.settimeout(IDLE_CHECK_SECONDS)  # bound: may idle, not forever
+                        elif req.session_id and req.session_id != session.session_id:
+                            raise PermissionDenied("this descriptor channel belongs to another "
+                                                   "session")
+                        given, fd = fd, None  # handed over: the handler closes it, always
+                        resp, out_fd = self._call(self._handle, session, req, given)
                 except EpdError as e:
                     code = e.code
                     resp, out_fd = epd_pb2.FdResponse(code=status_value(e.code),
@@ -181,11 +193,15 @@ class FdServer:
                 finally:
                     if out_fd is not None:
                         os.close(out_fd)  # our duplicate (Engine.fetch_fd)
-                if session is None:
-                    return  # refused at its first request: a connection authenticates once
+                if session is None and not greeted:
+                    return  # refused before it bound: a connection authenticates once
         except OSError:
             return
         finally:
+            if ticket is not None and session is None and not self._stop:
+                # (before the close: while the engine holds a ticket, its socket is open)
+                with contextlib.suppress(Exception):
+                    self._call(self.engine.withdraw_ticket, ticket)
             with self._lock:
                 self._conns.discard(conn)
                 if session is None:
@@ -198,6 +214,17 @@ class FdServer:
                         self._bound.pop(session.session_id, None)
             conn.close()
 
+    def _bind_connection(self, req: epd_pb2.FdRequest, peer: tuple[int, int, int],
+                         ticket: bytes) -> Session:
+        """The session a connection's first request after its hello (if any) binds it to,
+        counted as bound; refused (raises) if the request may not bind it."""
+        bound = self._call(self._bind, req, peer, ticket)
+        if not self._count_bound(peer[1], bound.session_id):
+            raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"session {bound.session_id!r} has {MAX_PER_SESSION} "
+                           f"descriptor-channel connections open already")
+        return bound
+
     def _call(self, fn, *args):
         """Run fn(*args) on the event loop (where the engine's state changes)."""
         async def run():
@@ -207,9 +234,10 @@ class FdServer:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(CALL_SECONDS)
 
     # -- on the event loop ---------------------------------------------------------------------
-    def _bind(self, req: epd_pb2.FdRequest, peer: tuple[int, int, int]) -> Session:
+    def _bind(self, req: epd_pb2.FdRequest, peer: tuple[int, int, int],
+              ticket: bytes) -> Session:
         s = self.engine.authenticate(req.session_id, req.session_token)
-        self.engine.record_peer(s, peer)
+        self.engine.check_peer(s, peer, ticket)
         return s
 
     def _handle(self, s: Session, req: epd_pb2.FdRequest,
@@ -235,3 +263,15 @@ class FdServer:
         if fd is not None:
             os.close(fd)
         raise InvalidArgument("an FdRequest needs fetch or register_memfd")
+
+
+def _still_open(conn: socket.socket) -> bool:
+    """Whether the peer still holds its end of `conn`: a hang-up is seen here at once, before
+    the connection's thread reads the end of the stream (a ticket dies with its connection)."""
+    fd = conn.fileno()
+    if fd < 0:
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLRDHUP)  # (POLLHUP, POLLERR and POLLNVAL come unasked)
+    gone = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
+    return not any(events & gone for _, events in poll.poll(0))

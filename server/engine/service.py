@@ -196,7 +196,10 @@ class EngineService(epd_pb2_grpc.EngineServicer):
         e = self.engine
         try:
             check("OpenSession", epd_pb2.OpenSessionRequest, request)
-            session = e.open_session(request.client_name, request.pid)
+            # The ticket of the client's descriptor-channel hello: the session's uid, known
+            # before it opens (Engine.open_session).
+            session = e.open_session(request.client_name, request.pid,
+                                     request.channel_ticket)
         except Exception as exc:  # the same mapping as every other method
             err = as_epd_error("OpenSession", exc)
             metrics.REQUESTS.labels("OpenSession", err.code.name).inc()

@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import os
 import threading
-import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -141,6 +141,14 @@ class GroupMember:
 
 
 @dataclass
+class ChannelTicket:
+    """What a descriptor-channel connection's hello left on the engine (Engine.issue_ticket),
+    until OpenSession takes it or the connection closes."""
+    peer: tuple[int, int, int]  # (pid, uid, gid) of the connection (SO_PEERCRED)
+    alive: Callable[[], bool]  # whether that connection is still open
+
+
+@dataclass
 class Session:
     session_id: str
     client_name: str
@@ -163,18 +171,17 @@ class Session:
     # The session's secret (OpenSession answers it, only to the client that opened it): every
     # session-scoped call carries it. Never logged, never compared but in constant time.
     token: bytes = field(default=b"", repr=False)
-    # (pid, uid, gid) of the client, from SO_PEERCRED of its first descriptor-channel
-    # connection; a group's admission policy is decided on it.
+    # (pid, uid, gid) of the client, from SO_PEERCRED of the descriptor-channel connection
+    # whose ticket opened it (a session never exists without it: --max-sessions-per-uid and a
+    # group's admission policy are decided on it; None only for sessions made in tests).
     peer: tuple[int, int, int] | None = None
+    # That ticket (FdResponse.ticket): the connection that got it binds to this session only.
+    # Never logged, compared only in constant time.
+    channel_ticket: bytes = field(default=b"", repr=False)
     # Whether the client shares the engine's MPS server (Engine.session_mps, right after open;
     # None until then): a GPU chain for its armed ops pays only then (--ll-chain auto), and
     # epd_sessions_without_mps counts the sessions it is False for.
     on_engine_mps: bool | None = None
-    # When it opened (monotonic), and whether it is being evicted: a session whose client
-    # never connects its descriptor channel (so of no known uid) gives its place to a new one
-    # once the engine is full (Engine._make_room).
-    opened_at: float = field(default_factory=time.monotonic)
-    evicted: bool = False
 
     def take_slot(self, why: str) -> int:
         """A free counter slot, now the caller's (joins on the event loop and arms on the
