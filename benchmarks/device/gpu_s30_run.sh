@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Thirtieth session's GPU runs (one H100 or H200, whichever is lent; carry .whl). Run from a
+# `git archive` of HEAD carried in .whl: mkdir /tmp/head && tar -xzf .whl/head.tar.gz -C
+# /tmp/head && cp -r .whl /tmp/head && cd /tmp/head && bash benchmarks/device/gpu_s30_run.sh verify
+#   verify  # the session's changes on a GPU: the trigger kernel alone (an entry published, a
+#           # full ring failing at its deadline, a release ending that wait), and sessions
+#           # opened through their descriptor channel's hello on every daemon test's path
+#           # (the daemon roundtrips, plain and hooked low-latency calls, the facade, the
+#           # CUDA engine's tenant checks and MPS)
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean)
+case "${1:-}" in
+  verify)
+    STEP_TEST_SECONDS=180 step verify 420 "tests/gpu/test_ll_trigger.py tests/gpu/test_daemon.py \
+        tests/gpu/test_ll_plain.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_security_cuda.py tests/gpu/test_mps_gpu.py"
+    ;;
+  *) echo "usage: $0 verify" >&2; exit 2 ;;
+esac
