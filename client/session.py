@@ -154,8 +154,9 @@ class Session:
         self._stream = self._transport.open_stream(epd_pb2.OpenSessionRequest(
             client_name=client_name, pid=os.getpid(), channel_ticket=ticket,
             **mps.request_fields()))
-        self._watcher = threading.Thread(target=self._watch, name="epd-session", daemon=True)
-        self._watcher.start()
+        watcher = threading.Thread(target=self._watch, name="epd-session", daemon=True)
+        watcher.start()  # (kept once started: close() after a failed open joins it)
+        self._watcher = watcher
         if not self._ready.wait(CONTROL_TIMEOUT):
             raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"{where}: no answer within {CONTROL_TIMEOUT} s")

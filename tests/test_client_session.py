@@ -297,3 +297,30 @@ def test_counts_of_a_dispatch_refused_for_num_worst_tokens_raise(daemon) -> None
         with pytest.raises(EpdError, match="more than num_worst_tokens=1"):
             pd.result()
         assert g.dispatch(x, idx, w).num_recv_tokens == 2  # (the group goes on)
+
+
+def test_an_open_whose_lease_thread_cannot_start_closes_what_it_opened(daemon,
+                                                                       monkeypatch) -> None:
+    """When the lease thread cannot start (the process's thread limit), the open fails with
+    that error and closes what it opened: the descriptor channel (connected first, for the
+    ticket) and the gRPC channel. close() joined the thread that never started, which raised
+    over the open's error and left both open."""
+    from epd.proto import fd_channel as fdc
+    closed: list[str] = []
+    real_close = fdc.Channel.close
+    real_start = threading.Thread.start
+
+    def close(self) -> None:
+        closed.append(self.path)
+        real_close(self)
+
+    def start(self) -> None:
+        if self.name == "epd-session":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+    monkeypatch.setattr(fdc.Channel, "close", close)
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError) as err:
+        Session(daemon.socket(0), timeout=5)
+    assert "can't start new thread" in str(err.value), err.value
+    assert closed == [fdc.socket_path_for(daemon.socket(0))], closed

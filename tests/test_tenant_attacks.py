@@ -216,6 +216,45 @@ def test_a_hello_binds_its_connection_to_its_own_session(daemon_factory) -> None
             b.close()
 
 
+def test_a_sessions_channel_connections_end_with_it(daemon_factory) -> None:
+    """A connection bound to a session stayed open after the session ended: until its idle
+    check (30 s), or for good while its client kept sending requests (each answered
+    NOT_FOUND). So one uid, opening and closing sessions and keeping their connections, held
+    connections beyond --max-sessions-per-uid and its unbound cap, up to the engine's 1,024:
+    every other tenant's next session (which connects the channel first) was refused. They
+    are closed with their session."""
+    with daemon_factory(engines=1) as d:
+        path = fdc.socket_path_for(d.socket(0))
+        s = Session(d.socket(0), timeout=5)
+        kept = [fdc.Channel(path, s.session_id, s._channel.token, timeout=5) for _ in range(2)]
+        try:
+            for ch in kept:  # (bound: the session's, as its client's own)
+                fd, _ = ch.fetch(fdc.COUNTERS)
+                os.close(fd)
+            s.close()
+            idle, busy = kept
+            deadline = time.monotonic() + 5
+            answers = []
+            while time.monotonic() < deadline:  # a client that keeps asking
+                try:
+                    fd, _ = busy.fetch(fdc.COUNTERS)
+                    os.close(fd)
+                    answers.append("OK")
+                except EpdError as e:
+                    answers.append(e.code.name)
+                    if e.code == grpc.StatusCode.UNAVAILABLE:  # (closed by the engine)
+                        break
+                time.sleep(0.5)
+            assert answers[-1] == "UNAVAILABLE", answers
+            idle.sock.settimeout(max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(ConnectionResetError):  # (or closed: reset)
+                assert idle.sock.recv(16) == b""  # (socket.timeout: still open)
+        finally:
+            s.close()
+            for ch in kept:
+                ch.close()
+
+
 OTHER_TENANT = 41031  # a uid of no one (run by the test, as root, in the socket's group)
 TENANT = r"""
 import json, sys

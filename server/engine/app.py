@@ -102,6 +102,7 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     os.chmod(path, 0o660)
     # The descriptor channel beside it (gpu<N>.fds, same permissions): memory by descriptor.
     fds = FdServer(engine, fd_channel.socket_path_for(path), asyncio.get_running_loop())
+    engine.on_session_closed = fds.drop_session
     fds.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

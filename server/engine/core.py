@@ -188,6 +188,9 @@ class Engine(StreamCalls, DataPlane):
         "LowLatencyDispatch": "ll_dispatch_op", "LowLatencyCombine": "ll_combine_op",
         "GetStats": "stats_op", "Ping": "ping_op", "ReleaseHandles": "release_handles_op",
         "RankMask": "rank_mask_op", "Rejoin": "rejoin_op"}
+    # The descriptor channel's FdServer.drop_session (app.py sets it): a session's
+    # connections end with it.
+    on_session_closed: Callable[[str], None] | None = None
 
     def __init__(self, config: Config, index: int, backend: Backend,
                  slot: EngineSlot | None = None) -> None:
@@ -515,6 +518,8 @@ class Engine(StreamCalls, DataPlane):
             return
         session.teardown_done = True
         session.closed.set()
+        if self.on_session_closed is not None:
+            self.on_session_closed(session.session_id)
         text = f"{session.describe()} {reason}"
 
         # Each step is logged and passed if it fails (a comm whose context broke), so the

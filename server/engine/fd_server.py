@@ -66,7 +66,8 @@ class FdServer:
         self._stop = False
         self._conns: set[socket.socket] = set()
         self._unbound: dict[int, int] = {}  # peer uid -> its connections not yet bound
-        self._bound: dict[str, int] = {}  # session id -> its bound connections
+        # session id -> its bound connections (shut down when it ends: drop_session)
+        self._bound: dict[str, set[socket.socket]] = {}
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._accept, daemon=True, name="epd-fds")
 
@@ -120,15 +121,27 @@ class FdServer:
                     self._uncount_unbound(uid)
                 conn.close()
 
-    def _count_bound(self, uid: int, session_id: str) -> bool:
-        """Move a connection from its uid's unbound count to its session's bound count;
+    def _count_bound(self, uid: int, session_id: str, conn: socket.socket) -> bool:
+        """Move a connection from its uid's unbound count to its session's bound ones;
         False (nothing moved) when the session has its cap of connections already."""
         with self._lock:
-            if self._bound.get(session_id, 0) >= MAX_PER_SESSION:
+            bound = self._bound.setdefault(session_id, set())
+            if len(bound) >= MAX_PER_SESSION:
                 return False
-            self._bound[session_id] = self._bound.get(session_id, 0) + 1
+            bound.add(conn)
             self._uncount_unbound(uid)
             return True
+
+    def drop_session(self, session_id: str) -> None:
+        """The session ended (Engine.close_session, on the event loop): its connections are
+        shut down, so their threads end now. (Left to their idle check, they stayed open up
+        to IDLE_CHECK_SECONDS, or for good while their client kept sending requests: one uid
+        opening and closing sessions so held connections beyond its caps, up to
+        MAX_CONNECTIONS, and every other tenant's next session was refused.)"""
+        with self._lock:
+            for c in self._bound.get(session_id, ()):
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
 
     def _uncount_unbound(self, uid: int) -> None:  # (under the lock)
         left = self._unbound.get(uid, 0) - 1
@@ -168,7 +181,7 @@ class FdServer:
                         resp, out_fd, greeted = epd_pb2.FdResponse(ticket=ticket), None, True
                     else:
                         if session is None:
-                            session = self._bind_connection(req, peer, ticket or b"")
+                            session = self._bind_connection(conn, req, peer, ticket or b"")
                             conn.settimeout(IDLE_CHECK_SECONDS)  # bound: may idle, not forever
                         elif req.session_id and req.session_id != session.session_id:
                             raise PermissionDenied("this descriptor channel belongs to another "
@@ -207,22 +220,24 @@ class FdServer:
                 if session is None:
                     self._uncount_unbound(peer[1])
                 else:
-                    left = self._bound.get(session.session_id, 0) - 1
-                    if left > 0:
-                        self._bound[session.session_id] = left
-                    else:
+                    bound = self._bound.get(session.session_id, set())
+                    bound.discard(conn)
+                    if not bound:
                         self._bound.pop(session.session_id, None)
             conn.close()
 
-    def _bind_connection(self, req: epd_pb2.FdRequest, peer: tuple[int, int, int],
-                         ticket: bytes) -> Session:
+    def _bind_connection(self, conn: socket.socket, req: epd_pb2.FdRequest,
+                         peer: tuple[int, int, int], ticket: bytes) -> Session:
         """The session a connection's first request after its hello (if any) binds it to,
         counted as bound; refused (raises) if the request may not bind it."""
         bound = self._call(self._bind, req, peer, ticket)
-        if not self._count_bound(peer[1], bound.session_id):
+        if not self._count_bound(peer[1], bound.session_id, conn):
             raise EpdError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"session {bound.session_id!r} has {MAX_PER_SESSION} "
                            f"descriptor-channel connections open already")
+        if bound.closed.is_set():  # (ended meanwhile: its drop_session may have come before
+            with contextlib.suppress(OSError):  # this connection was counted)
+                conn.shutdown(socket.SHUT_RDWR)
         return bound
 
     def _call(self, fn, *args):
