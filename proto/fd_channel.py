@@ -134,8 +134,10 @@ def map_fd(fd: int, size: int) -> mmap.mmap:
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a unix socket (SO_PEERCRED)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
+    # struct ucred: pid_t (signed), uid_t and gid_t (unsigned: a uid of 2**31 or more must not
+    # read as negative, nor 2**32 - 1 as -1)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, gid = struct.unpack("iII", raw)
     return pid, uid, gid
 
 

@@ -459,3 +459,38 @@ def test_registrations_at_once_cannot_pass_the_region_budget_together() -> None:
     (late,) = asyncio.run(closing())
     assert isinstance(late, EpdError) and late.code == grpc.StatusCode.ABORTED, late
     assert closed == [opened[-1]] and session.regions == {}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="takes another uid (needs root)")
+def test_peer_credentials_of_a_uid_above_two_to_the_31() -> None:
+    """SO_PEERCRED's uid_t and gid_t are unsigned: a client of uid 3,000,000,000 read as a
+    negative number, which matched no --allow-uids entry nor @UID rule (and uid 2**32 - 1
+    would have read as the coordinator's shared namespace, -1)."""
+    import socket as S
+
+    from epd.proto import fd_channel as fdc
+
+    big = 3_000_000_000
+    name = f"\0epd-test-peercred-{os.getpid()}"  # (abstract: no file, no permissions)
+    with S.socket(S.AF_UNIX, S.SOCK_SEQPACKET) as server:
+        server.bind(name)
+        server.listen(1)
+        pid = os.fork()
+        if pid == 0:  # the child: another uid and gid, then connect and wait to be read
+            try:
+                os.setgid(big + 1)
+                os.setuid(big)
+                c = S.socket(S.AF_UNIX, S.SOCK_SEQPACKET)
+                c.connect(name)
+                c.recv(1)
+            finally:
+                os._exit(0)
+        try:
+            server.settimeout(10)
+            conn, _ = server.accept()
+            with conn:
+                got = fdc.peer_credentials(conn)
+                conn.send(b"x")
+        finally:
+            os.waitpid(pid, 0)
+    assert got == (pid, big, big + 1), got
