@@ -337,11 +337,16 @@ class Config:
 
 
 def parse_ids(name: str, text: str) -> frozenset[int]:
-    """"1001,1002" -> {1001, 1002}; ValueError naming the setting otherwise."""
+    """"1001,1002" -> {1001, 1002}; ValueError naming the setting otherwise (an id is a
+    uid_t / gid_t: 0 to 2**32 - 2, since 2**32 - 1 is the kernel's "no id")."""
     try:
-        return frozenset(int(t) for t in str(text).replace(" ", "").split(",") if t)
+        ids = frozenset(int(t) for t in str(text).replace(" ", "").split(",") if t)
     except ValueError:
         raise ValueError(f"{name}: expected comma-separated numeric ids, got {text!r}") from None
+    bad = sorted(i for i in ids if not 0 <= i < 2**32 - 1)
+    if bad:
+        raise ValueError(f"{name}: ids lie in [0, {2**32 - 2}], got {bad}")
+    return ids
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")

@@ -71,6 +71,9 @@ def test_toml_epd_table_and_env_config(tmp_path: Path):
     ([], {"EPD_MAX_TIMEOUT_SECONDS": "0"}, None, "max_timeout_seconds"),
     (["--metrics-port", "70000"], {}, None, "metrics_port"),
     ([], {"EPD_DRAIN_SECONDS": "-1"}, None, "drain_seconds"),
+    # (a uid_t is unsigned: -1 matched no client, and now names no namespace either)
+    (["--allow-uids", "1001,-1"], {}, None, "allow_uids: ids lie in"),
+    ([], {"EPD_ALLOW_GIDS": "4294967295"}, None, "allow_gids: ids lie in"),
 ])
 def test_bad_values_name_the_setting(tmp_path, argv, env, toml, setting):
     if toml is not None:
