@@ -27,11 +27,13 @@ import socket
 import struct
 import threading
 
+import grpc
 from google.protobuf.message import DecodeError
 
 from .errors import (
     DeadlineExceeded,
     EpdError,
+    FailedPrecondition,
     InvalidArgument,
     Unavailable,
     from_status_value,
@@ -221,7 +223,16 @@ class Channel:
     def hello(self) -> bytes:
         """The first request of an unbound connection: the engine's ticket for OpenSession
         (OpenSessionRequest.channel_ticket); then `bind()` to the session it opened."""
-        resp, fd = self.request(epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+        try:
+            resp, fd = self.request(epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+        except EpdError as e:
+            if e.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            # An engine from before the hello reads it as a binding request naming no session
+            raise FailedPrecondition(
+                f"descriptor channel {self.path}: the engine does not know hello ({e.message}):"
+                f" it is older than this client, which opens its session through the channel "
+                f"first; run a daemon of this client's version") from None
         if fd is not None:
             os.close(fd)
         if not resp.ticket:

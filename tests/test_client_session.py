@@ -324,3 +324,37 @@ def test_an_open_whose_lease_thread_cannot_start_closes_what_it_opened(daemon,
         Session(daemon.socket(0), timeout=5)
     assert "can't start new thread" in str(err.value), err.value
     assert closed == [fdc.socket_path_for(daemon.socket(0))], closed
+
+
+def test_a_hello_to_an_engine_older_than_the_client_says_so() -> None:
+    """A client opens its session through the descriptor channel's hello; an engine from
+    before it took the hello for a binding request naming no session and answered NOT_FOUND
+    "session '' is not open", which told the user nothing. The client says what it is."""
+    import socket as S
+
+    from epd.proto import fd_channel as fdc
+    from epd.proto.errors import FailedPrecondition, status_value
+    from epd.proto.v1 import epd_pb2
+
+    name = f"\0epd-test-old-engine-{os.getpid()}"  # (abstract: no file)
+    with S.socket(S.AF_UNIX, S.SOCK_SEQPACKET) as server:
+        server.bind(name)
+        server.listen(1)
+        server.settimeout(10)
+
+        def old_engine() -> None:  # the old FdServer's answer to a first request without a session
+            conn, _ = server.accept()
+            with conn:
+                fdc.recv(conn, epd_pb2.FdRequest)
+                fdc.send(conn, epd_pb2.FdResponse(
+                    code=status_value(grpc.StatusCode.NOT_FOUND),
+                    message="session '' is not open on engine 0"))
+        t = threading.Thread(target=old_engine, daemon=True)
+        t.start()
+        channel = fdc.Channel(name)
+        try:
+            with pytest.raises(FailedPrecondition, match="older than this client"):
+                channel.hello()
+        finally:
+            channel.close()
+            t.join(10)
