@@ -335,3 +335,50 @@ def test_a_flood_of_one_uid_leaves_other_tenants_their_places(daemon_factory) ->
             raw.close()
             for c in hellos:
                 c.close()
+
+
+def test_a_ticket_the_engine_took_too_late_is_still_withdrawn(tmp_path, monkeypatch) -> None:
+    """A hello whose ticket the event loop took only after the connection's thread gave up
+    waiting (a loop stalled past CALL_SECONDS): the thread answered the error and closed the
+    connection, and the ticket, issued afterwards, stayed on the engine for good (its thread
+    never learned it). The thread draws the ticket itself now and withdraws it at close."""
+    import asyncio
+    import socket as S
+    import threading
+
+    from epd.proto import fd_channel as fdc
+    from epd.server.engine import fd_server
+
+    class _SlowEngine:  # (only what a hello reaches)
+        def __init__(self) -> None:
+            self.tickets: dict[bytes, object] = {}
+
+        def issue_ticket(self, ticket, peer, alive) -> None:
+            time.sleep(0.5)  # (the loop stalls; the thread's wait is 0.1 s)
+            self.tickets[ticket] = peer
+
+        def withdraw_ticket(self, ticket) -> None:
+            self.tickets.pop(ticket, None)
+
+    monkeypatch.setattr(fd_server, "CALL_SECONDS", 0.1)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    engine = _SlowEngine()
+    server = fd_server.FdServer(engine, str(tmp_path / "gpu0.fds"), loop)
+    server.start()
+    try:
+        with S.socket(S.AF_UNIX, S.SOCK_SEQPACKET) as c:
+            c.settimeout(10)
+            c.connect(str(tmp_path / "gpu0.fds"))
+            fdc.send(c, epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+            resp, _ = fdc.recv(c, epd_pb2.FdResponse)
+            assert resp.code != 0 and not resp.ticket, resp  # (the thread gave up)
+            assert fdc.recv(c, epd_pb2.FdResponse)[0] is None  # (and closed the connection)
+        time.sleep(1.0)  # (the late issue has run, and whatever the thread queued after it)
+        assert engine.tickets == {}
+    finally:
+        server.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

@@ -66,7 +66,6 @@ from .stream_calls import StreamCalls
 from .watchdog import SlowOperations
 
 log = logging.getLogger("epd.engine")
-TICKET_BYTES = 16  # a descriptor-channel hello's ticket (FdResponse.ticket)
 # A clean leave waits at most this long for peers still inside the last collective (within the
 # client's own leave timeout, session.CLOSE_LEAVE_TIMEOUT); then it aborts the group anyway.
 QUIESCE_SECONDS = 1.0
@@ -298,15 +297,16 @@ class Engine(StreamCalls, DataPlane):
                                    f"client that opened it)")
         return s
 
-    def issue_ticket(self, peer: tuple[int, int, int], alive: Callable[[], bool]) -> bytes:
+    def issue_ticket(self, ticket: bytes, peer: tuple[int, int, int],
+                     alive: Callable[[], bool]) -> None:
         """A descriptor-channel connection's hello (peer: its SO_PEERCRED pid, uid, gid): a
-        fresh secret that OpenSession must carry, so the engine knows a session's uid before
-        it exists (grpcio does not give the gRPC peer's credentials). One use; withdrawn when
-        its connection closes (`alive` says whether it is still open)."""
+        fresh secret (drawn by the connection's thread, fd_server.py, so that it can
+        withdraw it even when this call came too late for it) that OpenSession must carry,
+        so the engine knows a session's uid before it exists (grpcio does not give the gRPC
+        peer's credentials). One use; withdrawn when its connection closes (`alive` says
+        whether it is still open)."""
         self.state.check_open()
-        ticket = secrets.token_bytes(TICKET_BYTES)
         self.tickets[ticket] = ChannelTicket(peer, alive)
-        return ticket
 
     def withdraw_ticket(self, ticket: bytes) -> None:
         """The connection of `ticket` closed: it opens nothing any more (if not used yet)."""

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import select
 import socket
 import threading
@@ -50,6 +51,7 @@ _METHODS = {"fetch": "FdFetch", "register_memfd": "FdRegisterMemfd", "hello": "F
 MAX_CONNECTIONS = 1024
 MAX_UNBOUND_PER_UID = 64  # (sessions of one uid opening at once each hold one briefly)
 MAX_PER_SESSION = 4
+TICKET_BYTES = 16  # a hello's ticket (FdResponse.ticket)
 FIRST_REQUEST_SECONDS = 10.0  # to the first request, and from a hello to the binding one
 IDLE_CHECK_SECONDS = 30.0  # how often a bound, idle connection checks its session is open
 
@@ -175,8 +177,11 @@ class FdServer:
                         if session is not None or ticket is not None:
                             raise InvalidArgument("hello is a descriptor-channel connection's "
                                                   "first request, once")
-                        ticket = self._call(self.engine.issue_ticket, peer,
-                                            lambda: _still_open(conn))
+                        # (drawn here: should the engine take it only after this thread
+                        # gave up waiting, the close below still withdraws it)
+                        ticket = secrets.token_bytes(TICKET_BYTES)
+                        self._call(self.engine.issue_ticket, ticket, peer,
+                                   lambda: _still_open(conn))
                         conn.settimeout(FIRST_REQUEST_SECONDS)  # to bind, from now
                         resp, out_fd, greeted = epd_pb2.FdResponse(ticket=ticket), None, True
                     else:
