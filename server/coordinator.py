@@ -53,6 +53,7 @@ class GroupInstance:
     spec_proto: epd_pb2.GroupSpec
     members: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (engine, session)
     nodes: dict[int, int] = field(default_factory=dict)  # rank -> node rank (cluster mode)
+    uids: dict[int, int] = field(default_factory=dict)  # rank -> its client's uid
     formed: asyncio.Event = field(default_factory=asyncio.Event)
     attached: set[int] = field(default_factory=set)
     all_attached: asyncio.Event = field(default_factory=asyncio.Event)
@@ -115,12 +116,16 @@ class Coordinator:
         if g.formed.is_set() and req.rank in g.released and self._shrinks(g):
             return self._rejoin(g, req, node)
         if req.rank in g.members:
+            # (the holder's session id for a join of its own uid; in a shared pool another
+            # uid's is not the joiner's to know)
+            holder = (f"session {g.members[req.rank][1]}"
+                      if g.uids.get(req.rank) == req.peer_uid else "a session of another uid")
             raise FailedPrecondition(f"rank {req.rank} of group {spec.name!r} is already "
-                                     f"taken (by session {g.members[req.rank][1]})")
+                                     f"taken (by {holder})")
         if g.formed.is_set():
             raise FailedPrecondition(f"group {spec.name!r} is already formed")
         g.members[req.rank] = (req.engine_index, req.session_id)
-        g.nodes[req.rank] = node
+        g.nodes[req.rank], g.uids[req.rank] = node, req.peer_uid
         if len(g.members) == spec.num_ranks:
             self._form(g)
         try:
@@ -184,7 +189,7 @@ class Coordinator:
                 f"{old_node}: its replacement must join there (the other ranks reach its "
                 f"buffers on that engine), not on engine {req.engine_index} of node {node}")
         g.members[req.rank] = (req.engine_index, req.session_id)
-        g.nodes[req.rank] = node
+        g.nodes[req.rank], g.uids[req.rank] = node, req.peer_uid
         g.released.discard(req.rank)
         log.warning("group %r (%s): rank %d rejoins (session %s); it takes part after the "
                     "group's Rejoin call", g.spec.name, g.group_id, req.rank, req.session_id)

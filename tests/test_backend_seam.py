@@ -800,3 +800,35 @@ def test_routing_changed_by_the_client_during_a_dispatch_changes_nothing(routing
         for p in pages:
             p.close()
         b.planner.free_group(plan)
+
+
+def test_a_taken_rank_names_its_session_only_to_its_own_uid(tmp_path) -> None:
+    """In a shared pool's namespace, "rank 0 is already taken (by session ...)" named the
+    holder's session id to a member of another uid (a session id is half of what a request
+    of another tenant would need); the holder's own uid still learns which of its sessions."""
+    holder, member = 4000, 4001
+    coord = Coordinator(cpu_plan.CpuPlanner(str(tmp_path)),
+                        allow_uids=frozenset({holder, member}))
+    spec = _proto(2, 2, name="pool")
+
+    def req(uid: int, sid: str) -> epd_pb2.RendezvousRequest:
+        return epd_pb2.RendezvousRequest(spec=spec, rank=0, engine_index=0, session_id=sid,
+                                         timeout_seconds=0.5, peer_uid=uid, peer_gid=uid,
+                                         has_peer=True)
+
+    async def run():
+        first = asyncio.ensure_future(coord.rendezvous(req(holder, "held-session")))
+        await asyncio.sleep(0.05)
+        errors = []
+        for uid in (member, holder):
+            with pytest.raises(EpdError) as ei:
+                await coord.rendezvous(req(uid, "second"))
+            errors.append(ei.value)
+        with pytest.raises(EpdError):  # (rank 1 never came)
+            await first
+        return errors
+    other, own = asyncio.run(run())
+    for e in (other, own):
+        assert e.code == grpc.StatusCode.FAILED_PRECONDITION and "already taken" in e.message
+    assert "held-session" not in other.message and "another uid" in other.message
+    assert "held-session" in own.message
