@@ -17,6 +17,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -359,6 +360,27 @@ def run_rank_threads(fn, num_ranks: int) -> list:
         raise AssertionError("; ".join(f"rank {r}: {type(e).__name__}: {e}"
                                        for r, e in failed)) from failed[0][1]
     return [f.result() for f in futs]
+
+
+def all_at_once(calls: dict[int, Any], join: float = 60) -> dict[int, Any]:
+    """Run `calls[r]()` for every r at once (threads started together: a collective); the
+    results, or the exceptions raised, by r. Every call must return within `join` seconds."""
+    out: dict[int, Any] = {}
+    go = threading.Barrier(len(calls))
+
+    def run(r: int) -> None:
+        try:
+            go.wait(10)
+            out[r] = calls[r]()
+        except Exception as e:  # returned for the caller to check
+            out[r] = e
+    threads = [threading.Thread(target=run, args=(r,)) for r in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join)
+    assert not any(t.is_alive() for t in threads), "a rank's call did not return"
+    return out
 
 
 def plain_regions(nbytes: int) -> dict:

@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 import ranklib
+from ranklib import all_at_once
 
 from epd.client import EpdError, Session
 from epd.proto import dtypes
@@ -32,26 +33,6 @@ _names = itertools.count()
 
 def _name(what: str) -> str:
     return f"race-{what}-{os.getpid()}-{next(_names)}"
-
-
-def _all(calls: dict[int, object], join: float = 60) -> dict[int, object]:
-    """Run `calls[r]()` for every r at once; results or exceptions by r."""
-    out: dict[int, object] = {}
-    go = threading.Barrier(len(calls))
-
-    def run(r: int) -> None:
-        try:
-            go.wait(10)
-            out[r] = calls[r]()  # type: ignore[operator]
-        except Exception as e:  # returned for the caller to check
-            out[r] = e
-    threads = [threading.Thread(target=run, args=(r,)) for r in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(join)
-    assert not any(t.is_alive() for t in threads), "a rank's call did not return"
-    return out
 
 
 def _code(x: object) -> str | None:
@@ -163,7 +144,7 @@ def _case(name: str, seed: int = 0, ranks: int = 2) -> ranklib.Case:
 
 
 def _round_exact(sessions: list[Session], groups: list, case: ranklib.Case) -> None:
-    res = _all({r: (lambda r=r: ranklib.case_round(sessions[r], groups[r], case, r))
+    res = all_at_once({r: (lambda r=r: ranklib.case_round(sessions[r], groups[r], case, r))
                 for r in range(case.num_ranks)})
     assert not any(isinstance(v, Exception) for v in res.values()), res
     ranklib.check_case(case, [res[r] for r in range(case.num_ranks)])
@@ -202,7 +183,7 @@ def test_a_session_closed_during_its_rendezvous_frees_its_rank(daemon) -> None:
     sessions = [Session(daemon.socket(r)) for r in range(2)]
     try:
         t0 = time.monotonic()
-        groups = _all({r: (lambda r=r: ranklib.join(sessions[r], case, r, timeout=10))
+        groups = all_at_once({r: (lambda r=r: ranklib.join(sessions[r], case, r, timeout=10))
                        for r in range(2)})
         assert not any(isinstance(g, Exception) for g in groups.values()), groups
         assert time.monotonic() - t0 < 5
@@ -226,7 +207,7 @@ def _same_rank_once(daemon, i: int) -> None:
                 Session(daemon.socket(1))]
     try:
         t0 = time.monotonic()
-        got = _all({0: lambda s=sessions[0]: ranklib.join(s, case, 0, timeout=8),
+        got = all_at_once({0: lambda s=sessions[0]: ranklib.join(s, case, 0, timeout=8),
                     1: lambda s=sessions[2]: ranklib.join(s, case, 0, timeout=8),
                     2: lambda s=sessions[1]: ranklib.join(s, case, 1, timeout=8)})
         assert time.monotonic() - t0 < 5, got
@@ -255,7 +236,7 @@ def _leave_rejoin_once(daemon, i: int) -> None:
     case = _case(_name("leave-rejoin"), seed=i)
     sessions = [Session(daemon.socket(r)) for r in range(2)]
     try:
-        groups = _all({r: (lambda r=r: ranklib.join(sessions[r], case, r, timeout=10))
+        groups = all_at_once({r: (lambda r=r: ranklib.join(sessions[r], case, r, timeout=10))
                        for r in range(2)})
         _round_exact(sessions, [groups[0], groups[1]], case)
         old = groups[0].group_id
@@ -313,7 +294,7 @@ def _incarnation(daemon, case: ranklib.Case, prev: list[Session]) -> tuple[list[
     closer = threading.Thread(target=lambda: [s.close() for s in prev])
     closer.start()  # the previous incarnation goes while this one joins
     until = time.monotonic() + 8
-    groups = _all({r: (lambda r=r: _join_retrying(sessions[r], case, r, until))
+    groups = all_at_once({r: (lambda r=r: _join_retrying(sessions[r], case, r, until))
                    for r in range(2)})
     closer.join(15)
     assert not any(isinstance(g, Exception) for g in groups.values()), groups
@@ -394,13 +375,13 @@ def _masked_in_flight_once(daemon) -> None:
     name = _name("mask")
     sessions = [Session(daemon.socket(r % daemon.engines)) for r in range(R)]
     try:
-        groups = _all({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
-        got = _all({r: (lambda r=r: _ll_step(groups[r], 0, r)) for r in range(R)})
+        groups = all_at_once({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
+        got = all_at_once({r: (lambda r=r: _ll_step(groups[r], 0, r)) for r in range(R)})
         _ll_check(got, 0, set())
         t0 = time.monotonic()
         closer = threading.Timer(0.2, sessions[2].close)
         closer.start()
-        got = _all({r: (lambda r=r: _ll_step(groups[r], 1, r, timeout=8)) for r in (0, 1)})
+        got = all_at_once({r: (lambda r=r: _ll_step(groups[r], 1, r, timeout=8)) for r in (0, 1)})
         closer.join(10)
         assert not any(isinstance(v, Exception) for v in got.values()), got
         assert time.monotonic() - t0 < 5
@@ -419,9 +400,9 @@ def test_a_shrink_group_aborted_as_a_whole_is_not_rejoined(daemon) -> None:
     name = _name("dead-shrink")
     sessions = [Session(daemon.socket(r % daemon.engines)) for r in range(R)]
     try:
-        groups = _all({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
+        groups = all_at_once({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
         old = groups[0].group_id
-        got = _all({r: (lambda r=r: _ll_step(groups[r], 0, r, timeout=1)) for r in (0, 1)})
+        got = all_at_once({r: (lambda r=r: _ll_step(groups[r], 0, r, timeout=1)) for r in (0, 1)})
         assert all(_code(v) == "DEADLINE_EXCEEDED" for v in got.values()), got
         groups[0].leave()
         t0 = time.monotonic()
@@ -433,10 +414,11 @@ def test_a_shrink_group_aborted_as_a_whole_is_not_rejoined(daemon) -> None:
         assert not [g for g in sessions[0].stats().groups if g.name == name]
         groups[1].leave()
         groups[2].leave()
-        fresh = _all({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
+        fresh = all_at_once({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
         assert not any(isinstance(g, Exception) for g in fresh.values()), fresh
         assert len({g.group_id for g in fresh.values()}) == 1 and fresh[0].group_id != old
-        _ll_check(_all({r: (lambda r=r: _ll_step(fresh[r], 1, r)) for r in range(R)}), 1, set())
+        _ll_check(all_at_once({r: (lambda r=r: _ll_step(fresh[r], 1, r))
+                               for r in range(R)}), 1, set())
     finally:
         for s in sessions:
             s.close()
@@ -452,7 +434,7 @@ def test_a_replacement_is_not_placed_where_no_rank_takes_part(daemon) -> None:
     sessions = [Session(daemon.socket(r % daemon.engines)) for r in range(R)]
     later: list[Session] = []
     try:
-        groups = _all({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
+        groups = all_at_once({r: (lambda r=r: _ll_join(sessions[r], name, r)) for r in range(R)})
         old = groups[0].group_id
         sessions[2].close()
         later.append(Session(daemon.socket(0)))
@@ -471,10 +453,11 @@ def test_a_replacement_is_not_placed_where_no_rank_takes_part(daemon) -> None:
         third = Session(daemon.socket(0))
         later.append(third)
         members = [*restart, third]
-        fresh = _all({r: (lambda r=r: _ll_join(members[r], name, r)) for r in range(R)})
+        fresh = all_at_once({r: (lambda r=r: _ll_join(members[r], name, r)) for r in range(R)})
         assert not any(isinstance(g, Exception) for g in fresh.values()), fresh
         assert len({g.group_id for g in fresh.values()}) == 1 and fresh[0].group_id != old
-        _ll_check(_all({r: (lambda r=r: _ll_step(fresh[r], 2, r)) for r in range(R)}), 2, set())
+        _ll_check(all_at_once({r: (lambda r=r: _ll_step(fresh[r], 2, r))
+                               for r in range(R)}), 2, set())
     finally:
         for s in [*sessions, *later]:
             s.close()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import ranklib
 from daemon_harness import samples
+from ranklib import all_at_once
 
 from epd.client import EpdError, Session
 from epd.client.buffer import Buffer
@@ -358,23 +359,6 @@ def test_mask_changes_during_collectives_give_one_set_per_collective(daemon) -> 
             s.close()
 
 
-def _rejoin_all(calls: dict[int, object]) -> dict[int, object]:
-    """Run `calls[r]()` for every rank at once (a collective); results or exceptions by rank."""
-    out: dict[int, object] = {}
-
-    def run(r: int) -> None:
-        try:
-            out[r] = calls[r]()  # type: ignore[operator]
-        except Exception as e:  # returned for the caller to check
-            out[r] = e
-    threads = [threading.Thread(target=run, args=(r,)) for r in calls]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
-
-
 def _replace(daemon, name: str, rank: int = 2) -> tuple[Session, object]:
     s = Session(daemon.socket(rank % daemon.engines))
     g = s.join(name, rank=rank, num_ranks=R, num_experts=E, hidden=H, max_tokens_per_rank=M,
@@ -409,7 +393,7 @@ def test_a_replacement_rejoins_its_shrink_group(daemon) -> None:
         groups[2] = g2
         # Rank 1 comes late: the replacement must not come in (and stop being gone) before
         # every rank that takes part arrived, or rank 1 would find nothing to rejoin.
-        back = _rejoin_all({0: lambda: groups[0].rejoin(2),
+        back = all_at_once({0: lambda: groups[0].rejoin(2),
                             1: lambda: (time.sleep(0.5), groups[1].rejoin(2))[1],
                             2: lambda: g2.rejoin()})
         assert back == {0: [IN, IN, IN], 1: [IN, IN, IN], 2: [IN, IN, IN]}, back
@@ -432,7 +416,7 @@ def test_a_rejoin_nobody_completes_leaves_the_group_going(daemon) -> None:
         sessions[2].close()
         for r, got in _steps(groups, [0, 1], 0).items():
             _check(got, 0, r, {2})
-        late = _rejoin_all({0: lambda: groups[0].rejoin(2, timeout=1),
+        late = all_at_once({0: lambda: groups[0].rejoin(2, timeout=1),
                             1: lambda: groups[1].rejoin(2, timeout=1)})
         for r in (0, 1):
             assert isinstance(late[r], EpdError) and late[r].code.name == "DEADLINE_EXCEEDED"
@@ -446,7 +430,7 @@ def test_a_rejoin_nobody_completes_leaves_the_group_going(daemon) -> None:
         for r, got in _steps(groups, [0, 1], 2).items():
             _check(got, 2, r, {2})
         groups[2] = g2  # and it can still come back afterwards
-        back = _rejoin_all({0: lambda: groups[0].rejoin(2), 1: lambda: groups[1].rejoin(2),
+        back = all_at_once({0: lambda: groups[0].rejoin(2), 1: lambda: groups[1].rejoin(2),
                             2: lambda: g2.rejoin()})
         assert all(v == [IN, IN, IN] for v in back.values()), back
         for r, got in _steps(groups, [0, 1, 2], 3).items():
@@ -470,7 +454,7 @@ def test_a_rejoin_met_by_another_collective_fails_at_once_and_the_group_goes_on(
             _check(got, 0, r, {2})
         x, idx, _ = _inputs(1, 1)
         t0 = time.monotonic()
-        got = _rejoin_all({0: lambda: groups[0].rejoin(2, timeout=10),
+        got = all_at_once({0: lambda: groups[0].rejoin(2, timeout=10),
                            1: lambda: groups[1].low_latency_dispatch(x, idx, M, timeout=10)})
         assert time.monotonic() - t0 < 5, got
         for r in (0, 1):
@@ -569,19 +553,19 @@ def test_a_replacement_rejoins_through_the_facade(daemon) -> None:
                 "src_idx": np.asarray(handle.src_idx).copy(),
                 "cx": np.asarray(cx).view(np.uint16).copy()}
 
-    bufs = _rejoin_all({r: (lambda r=r: buffer(r)) for r in range(R)})
+    bufs = all_at_once({r: (lambda r=r: buffer(r)) for r in range(R)})
     try:
-        for r, got in _rejoin_all({r: (lambda r=r: step(bufs[r], 0, r))
+        for r, got in all_at_once({r: (lambda r=r: step(bufs[r], 0, r))
                                    for r in range(R)}).items():
             _check(got, 0, r, set())
         bufs[2].destroy()
-        for r, got in _rejoin_all({r: (lambda r=r: step(bufs[r], 1, r)) for r in (0, 1)}).items():
+        for r, got in all_at_once({r: (lambda r=r: step(bufs[r], 1, r)) for r in (0, 1)}).items():
             _check(got, 1, r, {2})
         bufs[2] = buffer(2)
         with pytest.raises(EpdError, match="rejoins group") as e:
             step(bufs[2], 2, 2)
         assert e.value.code.name == "FAILED_PRECONDITION"
-        back = _rejoin_all({0: lambda: bufs[0].low_latency_rejoin(2),
+        back = all_at_once({0: lambda: bufs[0].low_latency_rejoin(2),
                             1: lambda: bufs[1].low_latency_rejoin(2),
                             2: lambda: bufs[2].low_latency_rejoin()})
         assert back == {0: None, 1: None, 2: None}, back
@@ -589,7 +573,7 @@ def test_a_replacement_rejoins_through_the_facade(daemon) -> None:
         bufs[0].low_latency_query_mask_buffer(mask)
         np.testing.assert_array_equal(mask, [0, 0, 0])
         for n in (3, 4):
-            for r, got in _rejoin_all({r: (lambda r=r, n=n: step(bufs[r], n, r))
+            for r, got in all_at_once({r: (lambda r=r, n=n: step(bufs[r], n, r))
                                        for r in range(R)}).items():
                 _check(got, n, r, set())
     finally:
@@ -604,7 +588,7 @@ def test_the_facades_mask_is_the_groups_shared_one(daemon) -> None:
     Buffer kept its own record of its own mask calls: rank 0 still reported rank 1 masked, and
     masked it again in every group it formed later, dropping its tokens for all.)"""
     name = f"facade-shared-mask-{next(_names)}"
-    bufs = _rejoin_all({r: (lambda r=r: Buffer(
+    bufs = all_at_once({r: (lambda r=r: Buffer(
         rank=r, num_ranks=R, endpoint=daemon.socket(r % daemon.engines), low_latency_mode=True,
         enable_shrink=True, group_name=name, timeout=20)) for r in range(R)})
 
@@ -614,14 +598,14 @@ def test_the_facades_mask_is_the_groups_shared_one(daemon) -> None:
         return {"count": np.asarray(count).copy()}
 
     try:
-        _rejoin_all({r: (lambda r=r: step(r, M)) for r in range(R)})
+        all_at_once({r: (lambda r=r: step(r, M)) for r in range(R)})
         bufs[0].low_latency_update_mask_buffer(1, True)
         bufs[2].low_latency_update_mask_buffer(1, False)
         for r in range(R):
             mask = np.full(R, 7, np.int32)
             bufs[r].low_latency_query_mask_buffer(mask)
             np.testing.assert_array_equal(mask, [0, 0, 0], err_msg=f"rank {r}")
-        got = _rejoin_all({r: (lambda r=r: step(r, M + 4)) for r in range(R)})
+        got = all_at_once({r: (lambda r=r: step(r, M + 4)) for r in range(R)})
         want, _ = _expected(5, set())  # (nobody left out: the reference's counts)
         for r in range(R):
             np.testing.assert_array_equal(got[r]["count"], want[r].recv_count)
