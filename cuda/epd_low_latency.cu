@@ -105,8 +105,9 @@ __device__ __forceinline__ unsigned short f32x2_to_e4m3x2(float lo, float hi) {
 // row of the token: e4m3 + one float scale per 128 channels, DeepEP's arithmetic (utils.cuh
 // calculate_fp8_scales; server/reference.py quantize_fp8): amax clamped to 1e-4, scale =
 // amax * fl(1/448), q = clip(x * fl(448 / amax), +-448); with round_scale scale rounded up to
-// a power of two and q = x * (1 / scale), exact; round to nearest even. 16 threads per 128-channel block, 8 channels per thread; all threads of the
-// block call it (the shuffles need whole warps).
+// a power of two and q = x * (1 / scale), exact; round to nearest even. 16 threads per
+// 128-channel block, 8 channels per thread; all threads of the block call it (the shuffles
+// need whole warps).
 __device__ __forceinline__ void block_quantize_scatter(const unsigned short* __restrict__ src,
                                                        const u64* dst, const u64* dst_scales,
                                                        int K, int H, int round_scale) {
