@@ -211,7 +211,7 @@ class Session:
         It is connected before OpenSession, so an endpoint that is no such path is refused."""
         ep = self.endpoint
         if ep.startswith("unix:"):
-            ep = ep.removeprefix("unix://") if ep.startswith("unix://") else ep[len("unix:"):]
+            ep = ep.removeprefix("unix://").removeprefix("unix:")
         elif not ep.startswith("/"):
             ep = ""  # (host:port, a name: nothing beside it)
         if not ep.endswith(".sock"):
