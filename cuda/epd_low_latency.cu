@@ -22,7 +22,7 @@
 // this rank's flag in every peer, waits for every source's flag, then publishes recv_count and
 // marks the rows beyond it with -1.
 // Combine: the expert side pushes each valid row back to (src_rank, token, k) of the source;
-// the source waits for every peer, then sums w[t,k] * y in fp32 in k order (no FMA, as NumPy).
+// the source waits for every peer, then sums w[t,k] * y in fp32 in k order, one FMA a term.
 //
 // Why one histogram area is safe: a source posts call n+1's histogram only after every
 // destination published call n (the entry wait), and a destination publishes after all its
@@ -558,7 +558,7 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
                 const word* vw = reinterpret_cast<const word*>(&v);
 #pragma unroll
                 for (int j = 0; j < V; ++j)
-                    acc[j] = __fadd_rn(acc[j], __fmul_rn(ww, Tr::to_f32(vw[j])));
+                    acc[j] = __fmaf_rn(ww, Tr::to_f32(vw[j]), acc[j]);  // (DeepEP's FMA)
             }
             int4 o;
             word* ow = reinterpret_cast<word*>(&o);

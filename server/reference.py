@@ -27,6 +27,7 @@ __all__ = [
     "RankDispatch",
     "combine",
     "dispatch",
+    "fma_f32",
     "get_dispatch_layout",
     "low_latency_combine",
     "low_latency_dispatch",
@@ -40,6 +41,32 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _FP8_AMAX_MIN = 1e-4
 _PAYLOAD_DTYPES = (BFLOAT16, np.dtype(np.float16), np.dtype(np.float32), FLOAT8_E4M3)
 _COMPUTE_DTYPES = (BFLOAT16, np.dtype(np.float16), np.dtype(np.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# arithmetic
+# --------------------------------------------------------------------------------------------
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a * b + c in float32 with one rounding (to nearest even), as the GPU's fmaf.
+
+    DeepEP's low-latency combine accumulates `acc += float(x) * w`, which nvcc contracts into
+    one fused multiply-add (its default --fmad=true), so EPD's kernel and this reference do too.
+    NumPy has no fused multiply-add: the product of two float32 is exact in float64; the float64
+    sum is rounded to odd (TwoSum gives its exact error, and an inexact even result moves one
+    float64 ulp towards the error), and rounding that to float32 is then the correctly rounded
+    result (rounding to odd with 2 or more extra bits does not double-round)."""
+    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
+    c64 = np.asarray(c, np.float32).astype(np.float64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    with np.errstate(invalid="ignore"):  # (inf - inf in err where s is inf: not inexact)
+        odd = np.isfinite(s) & (err != 0) & ((s.view(np.int64) & 1) == 0)
+    if np.any(odd):
+        s = np.where(odd, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
+    with np.errstate(over="ignore"):  # (beyond float32: inf, as the GPU's)
+        return s.astype(np.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -717,7 +744,8 @@ def low_latency_combine(ys: list[np.ndarray], dispatched: list[LowLatencyDispatc
     """Low-latency combine: out[s][t] = cast(sum_k fp32(w[t,k]) * fp32(y[e_k][row of (s,t)])).
 
     ys[d] is [L, R*max_tokens, H]; rows are found by (src_rank, src_idx) in ``dispatched``, so
-    any row order works. Accumulation is in fp32 in k order, skipping -1; cast to ys' dtype.
+    any row order works. Accumulation is in fp32 in k order, skipping -1, each term added with
+    one fused multiply-add (``fma_f32``, as DeepEP's kernel compiles); cast to ys' dtype.
     """
     num_ranks = len(dispatched)
     local = _check_experts(num_experts, num_ranks)
@@ -768,7 +796,8 @@ def low_latency_combine(ys: list[np.ndarray], dispatched: list[LowLatencyDispatc
             y = np.stack([ys[e // local][e % local, r] for e, r in
                           zip(experts, rows, strict=True)]) if len(tokens) else \
                 np.zeros((0, hidden), dtype=dtype)
-            acc[tokens] = acc[tokens] + weights[s][tokens, k][:, None] * y.astype(np.float32)
+            acc[tokens] = fma_f32(weights[s][tokens, k][:, None], y.astype(np.float32),
+                                  acc[tokens])
         out.append(acc.astype(dtype))
     return out
 

@@ -370,6 +370,72 @@ def test_low_latency_hand_example() -> None:
                                                   0.625 * 4 * 10 + 0.375 * 1 * 10]])
 
 
+def _exact_fma_f32(a: float, b: float, c: float) -> np.float32:
+    """a * b + c rounded once to float32, from exact rational arithmetic."""
+    from fractions import Fraction
+    v = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    if v == 0:
+        return np.float32(float(a) * float(b) + float(c))  # (the signed zero of IEEE's rule)
+    lo = np.float32(float(v))  # a float64 near v, rounded to float32: within one ulp of RN(v)
+    best = min((np.nextafter(lo, np.float32(-np.inf)), lo, np.nextafter(lo, np.float32(np.inf))),
+               key=lambda q: (abs(Fraction(float(q)) - v),
+                              int(np.array(q, np.float32).view(np.int32)) & 1))
+    return np.float32(best)
+
+
+def test_fma_f32_rounds_once() -> None:
+    # 2^24 + 2 + (1 + 2^-23)(1 - 2^-23) = 2^24 + 3 - 2^-46: just below a float32 midpoint. The
+    # float64 sum rounds onto the midpoint, and float32's tie to even then gives 2^24 + 4; the
+    # once-rounded result is 2^24 + 2.
+    a, b, c = np.float32(1 + 2 ** -23), np.float32(1 - 2 ** -23), np.float32(2 ** 24 + 2)
+    assert np.float32(np.float64(a) * np.float64(b) + np.float64(c)) == 2 ** 24 + 4
+    assert ref.fma_f32(a, b, c) == 2 ** 24 + 2 == _exact_fma_f32(a, b, c)
+    # the fused product: w * y + acc differs from round(round(w * y) + acc) here
+    w, y, acc = np.float32(0.1), np.float32(3.3), np.float32(1e-8)
+    assert ref.fma_f32(w, y, acc) == _exact_fma_f32(w, y, acc)
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal(4000) * np.exp2(rng.integers(-30, 30, 4000))).astype(F32)
+    b = rng.standard_normal(4000).astype(F32)
+    c = np.concatenate([(a * b)[:2000] * np.float32(-1.0000001),  # cancellation
+                        rng.standard_normal(2000).astype(F32)]).astype(F32)
+    got = ref.fma_f32(a, b, c)
+    want = np.array([_exact_fma_f32(*t) for t in zip(a, b, c, strict=True)], F32)
+    np.testing.assert_array_equal(got.view(np.int32), want.view(np.int32))
+    assert np.any(got != (a * b + c))  # (not the unfused sum: the inputs exercise the rounding)
+    special = ref.fma_f32(np.array([np.inf, 3e38, np.nan, -0.0], F32),
+                          np.array([1, 10, 1, 1], F32), np.array([1, 0, 0, 0.0], F32))
+    assert special[0] == np.inf and special[1] == np.inf and np.isnan(special[2])
+    assert special[3] == 0 and not np.signbit(special[3])  # -0 + +0 is +0
+
+
+def test_low_latency_combine_fuses_each_term() -> None:
+    """Each k adds w * y with one rounding, as DeepEP's compiled `acc += float(x) * w`."""
+    rng = np.random.default_rng(11)
+    t, h, k, experts = 64, 128, 4, 8
+    routes = [ref.random_routing(rng, t, experts, k, drop_prob=0.1) for _ in range(2)]
+    idx, ws = [r[0] for r in routes], [r[1] for r in routes]
+    xs = [ref.random_x(rng, t, h, dtype=F32) for _ in range(2)]
+    disp = ref.low_latency_dispatch(xs, idx, experts, t)
+    ys = [d.recv_x * np.float32(1.37) for d in disp]
+    out = ref.low_latency_combine(ys, disp, idx, ws, experts)
+    unfused_differs = False
+    for s in range(2):  # the same sum, term by term, with the exact FMA
+        acc, plain = np.zeros((t, h), F32), np.zeros((t, h), F32)
+        for kk in range(k):
+            for tok in range(t):
+                e = int(idx[s][tok, kk])
+                if e < 0:
+                    continue
+                d, le = divmod(e, experts // 2)
+                row = int(np.nonzero((disp[d].recv_src_rank[le] == s)
+                                     & (disp[d].recv_src_idx[le] == tok))[0][0])
+                acc[tok] = ref.fma_f32(ws[s][tok, kk], ys[d][le, row], acc[tok])
+                plain[tok] = plain[tok] + ws[s][tok, kk] * ys[d][le, row]
+        np.testing.assert_array_equal(out[s].view(np.int32), acc.view(np.int32))
+        unfused_differs |= not np.array_equal(out[s], plain)
+    assert unfused_differs  # (rounding the product apart gives other sums: the test can fail)
+
+
 def test_low_latency_fp8_dispatch() -> None:
     rng = np.random.default_rng(11)
     xs = [ref.random_x(rng, 4, 256, BFLOAT16) for _ in range(2)]
@@ -619,7 +685,7 @@ def test_low_latency_invariants(wl: dict, max_extra: int) -> None:
             for k in range(wl["num_topk"]):
                 e = int(idx[s][t, k])
                 if e >= 0:
-                    acc = acc + w[s][t, k] * (xs[s][t].astype(F32) * F32(e + 1))
+                    acc = ref.fma_f32(w[s][t, k], xs[s][t].astype(F32) * F32(e + 1), acc)
             np.testing.assert_array_equal(out[t], acc)
     # same routing through ys of bf16: the result is cast once, to bf16
     outs_bf = ref.low_latency_combine([y.astype(BFLOAT16) for y in ys], shuffled, idx, w, E)

@@ -38,7 +38,7 @@ from ...proto.errors import (
     InvalidArgument,
 )
 from ...proto.v1 import epd_pb2
-from ..reference import quantize_fp8  # the one FP8 quantisation (server/reference.py)
+from ..reference import fma_f32, quantize_fp8  # one FP8 cast, one combine FMA (reference.py)
 from . import cpu_hierarchical
 from .base import (
     Array,
@@ -809,7 +809,7 @@ class CpuRankComm(RankComm):
         peers = [self._slot_array(d, "ll_y", (ll_max_rows(spec), h), dt) for d in range(r)]
         bytes_received = 0
         weights = np.asarray(args.topk_weights, dtype=np.float32)
-        for kk in range(k):  # k order, skipping -1, accumulated in fp32 (as the reference)
+        for kk in range(k):  # k order, skipping -1, fp32 FMA (as the reference)
             tokens = np.nonzero(comb[:, kk] >= 0)[0]
             d_of, r_of = dests[tokens, kk], rows[tokens, kk]
             # an entry whose expert's rank was left out (at dispatch: dest -1; or now) adds
@@ -823,7 +823,8 @@ class CpuRankComm(RankComm):
                 sel = d_of == d
                 yk[sel] = peers[int(d)][r_of[sel]]
             bytes_received += len(tokens) * h * dt.itemsize
-            acc[tokens] = acc[tokens] + weights[tokens, kk][:, None] * yk.astype(np.float32)
+            acc[tokens] = fma_f32(weights[tokens, kk][:, None], yk.astype(np.float32),
+                                  acc[tokens])
         self._arrive(seq, 2)
         out = args.out if args.out is not None else self._out.get("ll_combined_x", (t, h), dt)
         out[...] = acc.astype(dt)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Thirty-first session's GPU runs (one H100 or H200, whichever is lent; carry .whl). Run from a
+# `git archive` of HEAD carried in .whl: mkdir /tmp/head && tar -xzf .whl/head.tar.gz -C
+# /tmp/head && cp -r .whl /tmp/head && cd /tmp/head && bash benchmarks/device/gpu_s31_run.sh fma
+#   fma  # the low-latency combine's fused multiply-add (DeepEP's rounding) against the
+#        # reference bit for bit: the kernels in-process, the chain's reduce, plain and hook
+#        # calls through the daemon, the daemon's low-latency cases
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean)
+case "${1:-}" in
+  fma)
+    STEP_TEST_SECONDS=150 step fma 330 "tests/gpu/test_low_latency_kernels.py \
+        tests/gpu/test_ll_chain.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
+    ;;
+  *) echo "usage: $0 fma" >&2; exit 2 ;;
+esac
