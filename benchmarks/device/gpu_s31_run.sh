@@ -5,6 +5,7 @@
 #   fma  # the low-latency combine's fused multiply-add (DeepEP's rounding) against the
 #        # reference bit for bit: the kernels in-process, the chain's reduce, plain and hook
 #        # calls through the daemon, the daemon's low-latency cases
+#   unfused  # the same kernels' test with the old separate rounding put back: must fail
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -14,5 +15,14 @@ case "${1:-}" in
         tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \
         tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
     ;;
-  *) echo "usage: $0 fma" >&2; exit 2 ;;
+  unfused)  # the check can fail: the kernel's old separate rounding against the new reference
+    # (expected: the exactness tests fail)
+    sed -i 's|acc\[j\] = __fmaf_rn(ww, Tr::to_f32(vw\[j\]), acc\[j\]);|acc[j] = __fadd_rn(acc[j], __fmul_rn(ww, Tr::to_f32(vw[j])));|' \
+        cuda/epd_low_latency.cu && grep -c "__fadd_rn(acc\[j\]" cuda/epd_low_latency.cu \
+        && rm -rf /tmp/cupy_cache && STEP_TEST_SECONDS=100 step unfused 120 \
+        "tests/gpu/test_low_latency_kernels.py::test_decode_config"
+    git checkout -q -- cuda/epd_low_latency.cu 2>/dev/null || sed -i 's|acc\[j\] = __fadd_rn(acc\[j\], __fmul_rn(ww, Tr::to_f32(vw\[j\])));|acc[j] = __fmaf_rn(ww, Tr::to_f32(vw[j]), acc[j]);|' cuda/epd_low_latency.cu
+    rm -rf /tmp/cupy_cache
+    ;;
+  *) echo "usage: $0 fma|unfused" >&2; exit 2 ;;
 esac
