@@ -6,6 +6,8 @@
 #        # reference bit for bit: the kernels in-process, the chain's reduce, plain and hook
 #        # calls through the daemon, the daemon's low-latency cases
 #   unfused  # the same kernels' test with the old separate rounding put back: must fail
+#   fma2  # the daemon's graph and decode tests and the class engines' (their sums now fused),
+#         # then `epd bench` at D with the low-latency rows (its check of them fused too)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -24,5 +26,14 @@ case "${1:-}" in
     git checkout -q -- cuda/epd_low_latency.cu 2>/dev/null || sed -i 's|acc\[j\] = __fadd_rn(acc\[j\], __fmul_rn(ww, Tr::to_f32(vw\[j\])));|acc[j] = __fmaf_rn(ww, Tr::to_f32(vw[j]), acc[j]);|' cuda/epd_low_latency.cu
     rm -rf /tmp/cupy_cache
     ;;
-  *) echo "usage: $0 fma|unfused" >&2; exit 2 ;;
+  fma2)  # the GPU tests' own fused sums (they summed apart), and the bench's check of the rows
+    STEP_TEST_SECONDS=150 step fma2 240 "tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config \
+        tests/gpu/test_service_classes_gpu.py::test_latency_and_throughput_groups_concurrently"
+    timeout 300 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
+        --low-latency --expert-intermediate 0 --json "$OUT/llbench.json" 2>&1 \
+        | clean | tail -40 > "$OUT/llbench.txt"
+    cat "$OUT/llbench.txt"
+    ;;
+  *) echo "usage: $0 fma|unfused|fma2" >&2; exit 2 ;;
 esac

@@ -430,16 +430,21 @@ def compare(torch: Any, got: Any, want: Any, *, exact: bool) -> dict:
 
 
 def ll_reference(torch: Any, idx: Any, w: Any, rows: Any, per_expert: Any) -> Any:
-    """A low-latency combine as the kernels compute it: for k in order, acc += w[t,k] * y, in
-    fp32, where y = rows[t] * per_expert[idx[t,k]] is the expert's (exact) bf16 output; rounded
-    to bf16 once. `rows` `[T, H]`, or `[T, 1]` for outputs the same on every column;
-    `per_expert` one float32 value per expert."""
-    acc = torch.zeros(rows.shape, dtype=torch.float32, device=idx.device)
-    for k in range(idx.shape[1]):
-        e = idx[:, k]
-        y = rows.float() * per_expert[e.clamp(min=0)][:, None]
-        acc = acc + torch.where((e >= 0)[:, None], w[:, k, None] * y, 0.0)
-    return acc.to(torch.bfloat16)
+    """A low-latency combine as the kernels (EPD's and DeepEP's) compute it: for k in order,
+    acc = fma(w[t,k], y, acc) in fp32, where y = rows[t] * per_expert[idx[t,k]] is the expert's
+    (exact) bf16 output; rounded to bf16 once. `rows` `[T, H]`, or `[T, 1]` for outputs the
+    same on every column; `per_expert` one float32 value per expert. On the host: torch has no
+    fused multiply-add, NumPy has `reference.fma_f32`."""
+    def host(a: Any) -> np.ndarray:
+        return a.detach().float().cpu().numpy() if a.is_floating_point() else a.cpu().numpy()
+
+    e_all, wn, yn, pe = host(idx), host(w), host(rows), host(per_expert)
+    acc = np.zeros(yn.shape, np.float32)
+    for k in range(e_all.shape[1]):
+        sel = e_all[:, k] >= 0
+        y = yn[sel] * pe[e_all[sel, k]][:, None]
+        acc[sel] = ref.fma_f32(wn[sel, k][:, None], y, acc[sel])
+    return torch.from_numpy(acc).to(idx.device).to(torch.bfloat16)
 
 
 # -- one rank ------------------------------------------------------------------------------------

@@ -381,7 +381,8 @@ def test_daemon_low_latency_decode_config(daemon) -> None:
         acc = np.zeros(xs[r].shape, np.float32)  # identity experts: y row of (r, t) = x[r][t]
         for k in range(wl.num_topk):
             sel = idx[r][:, k] >= 0
-            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
+            acc[sel] = ref.fma_f32(w[r][sel, k][:, None], xs[r][sel].astype(np.float32),
+                                   acc[sel])  # (one FMA a term, as DeepEP's kernel)
         np.testing.assert_array_equal(results[r]["cx"], acc.astype(xs[r].dtype).view(np.uint16))
 
 
@@ -484,8 +485,8 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
             acc = np.zeros((t, h), np.float32)
             for kk in range(k):
                 sel = idxs[rank][:, kk] >= 0
-                acc[sel] = acc[sel] + ws[rank][sel, kk][:, None] * xs[rank][sel].astype(
-                    np.float32)
+                acc[sel] = ref.fma_f32(ws[rank][sel, kk][:, None],
+                                       xs[rank][sel].astype(np.float32), acc[sel])
             try:
                 np.testing.assert_array_equal(got["recv_count"], exp.recv_count)
                 for le in range(lx):

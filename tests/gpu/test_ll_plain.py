@@ -42,7 +42,8 @@ def _expert_value(e: int) -> float:
 
 
 def _combined(xs, idx, w, rank: int, identity: bool) -> np.ndarray:
-    """Reference combine: sum over k of w * (expert output), fp32 in k order, one rounding."""
+    """Reference combine: sum over k of w * (expert output), fp32 in k order, one FMA a term,
+    one rounding to the output type."""
     acc = np.zeros(xs[rank].shape, np.float32)
     for k in range(K):
         sel = idx[rank][:, k] >= 0
@@ -51,7 +52,7 @@ def _combined(xs, idx, w, rank: int, identity: bool) -> np.ndarray:
         else:
             y = np.array([_expert_value(int(e)) for e in idx[rank][sel, k]],
                          np.float32)[:, None]
-        acc[sel] = acc[sel] + w[rank][sel, k][:, None] * y
+        acc[sel] = ref.fma_f32(w[rank][sel, k][:, None], y, acc[sel])
     return acc.astype(BFLOAT16).view(np.uint16)
 
 

@@ -153,7 +153,8 @@ def test_latency_and_throughput_groups_concurrently(daemon) -> None:
         acc = np.zeros(xs[r].shape, np.float32)  # identity experts, fp32 in k order
         for k in range(DECODE.num_topk):
             sel = idx[r][:, k] >= 0
-            acc[sel] = acc[sel] + w[r][sel, k][:, None] * xs[r][sel].astype(np.float32)
+            acc[sel] = ref.fma_f32(w[r][sel, k][:, None], xs[r][sel].astype(np.float32),
+                                   acc[sel])
         np.testing.assert_array_equal(res["cx"], acc.astype(xs[r].dtype).view(np.uint16))
     inputs = PREFILL.all_inputs()
     xs, idx, w = ([i[k] for i in inputs] for k in range(3))
