@@ -22,6 +22,20 @@ def raw(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def ll_combined(x: np.ndarray, idx: np.ndarray, w: np.ndarray,
+                expert_value: Any = None) -> np.ndarray:
+    """One rank's low-latency combine (bits, x's dtype) where every expert returns the rows it
+    received (or, with `expert_value(e)`, that value on every column): fp32 in k order,
+    skipping -1, one fused multiply-add a term as the kernels (reference.fma_f32)."""
+    acc = np.zeros(x.shape, np.float32)
+    for k in range(idx.shape[1]):
+        sel = idx[:, k] >= 0
+        y = (x[sel].astype(np.float32) if expert_value is None else
+             np.array([expert_value(int(e)) for e in idx[sel, k]], np.float32)[:, None])
+        acc[sel] = ref.fma_f32(w[sel, k][:, None], y, acc[sel])
+    return raw(acc.astype(x.dtype))
+
+
 def ranks_of(group: Any) -> list[tuple[int, Any]]:
     """(global rank, runner) pairs this process drives (all of them for a LocalGroup)."""
     ids = getattr(group, "rank_ids", None)

@@ -14,6 +14,7 @@ import pytest
 from epd.server import reference as ref
 from epd.server.demo import Daemon, Workload
 
+from .common import ll_combined
 from .conftest import DAEMON_TIMEOUT, GPU_COUNT
 
 pytestmark = pytest.mark.gpu
@@ -378,12 +379,8 @@ def test_daemon_low_latency_decode_config(daemon) -> None:
     for r in range(2):
         _check_ll(exp[r], results[r]["again"], lx)
         assert results[r]["bad"] == "INVALID_ARGUMENT"
-        acc = np.zeros(xs[r].shape, np.float32)  # identity experts: y row of (r, t) = x[r][t]
-        for k in range(wl.num_topk):
-            sel = idx[r][:, k] >= 0
-            acc[sel] = ref.fma_f32(w[r][sel, k][:, None], xs[r][sel].astype(np.float32),
-                                   acc[sel])  # (one FMA a term, as DeepEP's kernel)
-        np.testing.assert_array_equal(results[r]["cx"], acc.astype(xs[r].dtype).view(np.uint16))
+        # identity experts: y row of (r, t) = x[r][t]
+        np.testing.assert_array_equal(results[r]["cx"], ll_combined(xs[r], idx[r], w[r]))
 
 
 # -- stream-ordered calls captured into a CUDA graph, replayed with fresh inputs --------------
@@ -482,11 +479,6 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
             xs, idxs, ws = ([inp[j] for inp in inputs] for j in range(3))
             exp = ref.low_latency_dispatch(xs, idxs, e, m)[rank]
             got = {n: _bits(v) for n, v in views.items()}
-            acc = np.zeros((t, h), np.float32)
-            for kk in range(k):
-                sel = idxs[rank][:, kk] >= 0
-                acc[sel] = ref.fma_f32(ws[rank][sel, kk][:, None],
-                                       xs[rank][sel].astype(np.float32), acc[sel])
             try:
                 np.testing.assert_array_equal(got["recv_count"], exp.recv_count)
                 for le in range(lx):
@@ -500,8 +492,8 @@ def _graph_rank(rank: int, socket: str, device: int, facade: bool, q) -> None:
                     np.testing.assert_array_equal(
                         got["recv_x"][le][:c], exp.recv_x[le][[want[kk] for kk in keys]]
                         .view(np.uint16))
-                np.testing.assert_array_equal(_bits(dest), acc.astype(xs[rank].dtype)
-                                              .view(np.uint16))
+                np.testing.assert_array_equal(_bits(dest),
+                                              ll_combined(xs[rank], idxs[rank], ws[rank]))
             except AssertionError as err:
                 res["failures"].append(f"replay {it}: {str(err)[:300]}")
         res["seconds"] = time.perf_counter() - t0

@@ -19,6 +19,7 @@ from epd.server import reference as ref
 from epd.server.cli import build_parser
 from epd.server.engine import stream_ops
 
+from .common import ll_combined
 from .conftest import GPU_COUNT
 from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
 
@@ -42,18 +43,8 @@ def _expert_value(e: int) -> float:
 
 
 def _combined(xs, idx, w, rank: int, identity: bool) -> np.ndarray:
-    """Reference combine: sum over k of w * (expert output), fp32 in k order, one FMA a term,
-    one rounding to the output type."""
-    acc = np.zeros(xs[rank].shape, np.float32)
-    for k in range(K):
-        sel = idx[rank][:, k] >= 0
-        if identity:
-            y = xs[rank][sel].astype(np.float32)
-        else:
-            y = np.array([_expert_value(int(e)) for e in idx[rank][sel, k]],
-                         np.float32)[:, None]
-        acc[sel] = ref.fma_f32(w[rank][sel, k][:, None], y, acc[sel])
-    return acc.astype(BFLOAT16).view(np.uint16)
+    """Reference combine: identity experts, or each expert's `_expert_value` on every column."""
+    return ll_combined(xs[rank], idx[rank], w[rank], None if identity else _expert_value)
 
 
 def _plain_rank(rank: int, socket: str, device: int, q) -> None:

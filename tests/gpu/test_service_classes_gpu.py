@@ -19,6 +19,7 @@ from epd.proto.dtypes import BFLOAT16
 from epd.server import reference as ref
 from epd.server.demo import Workload
 
+from .common import ll_combined
 from .conftest import GPU_COUNT, cuda_daemon
 from .test_daemon import _bits, _check_ll, _compact, _spawn_ranks, _to_torch
 
@@ -150,12 +151,8 @@ def test_latency_and_throughput_groups_concurrently(daemon) -> None:
     exp = ref.low_latency_dispatch(xs, idx, DECODE.num_experts, M)
     for r, res in enumerate(decode):
         _check_ll(exp[r], res["dispatch"], lx)
-        acc = np.zeros(xs[r].shape, np.float32)  # identity experts, fp32 in k order
-        for k in range(DECODE.num_topk):
-            sel = idx[r][:, k] >= 0
-            acc[sel] = ref.fma_f32(w[r][sel, k][:, None], xs[r][sel].astype(np.float32),
-                                   acc[sel])
-        np.testing.assert_array_equal(res["cx"], acc.astype(xs[r].dtype).view(np.uint16))
+        # identity experts
+        np.testing.assert_array_equal(res["cx"], ll_combined(xs[r], idx[r], w[r]))
     inputs = PREFILL.all_inputs()
     xs, idx, w = ([i[k] for i in inputs] for k in range(3))
     disp = ref.dispatch(xs, idx, w, PREFILL.num_experts)
