@@ -622,6 +622,7 @@ extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int ra
 #define LL_RING 64             // ring entries (int32 words 0..63 of the chain slot)
 #define LL_RING_TAIL 64        // chain slot int32 word: entries the client published
 #define LL_RING_HEAD 65        // chain slot int32 word: entries the chain finished
+#define LL_RING_LOG 128        // chain slot int32 words: the entry last finished at each position
 #define LL_CHAIN_OPS 64        // descriptors per member; an entry's index beyond: no op
 #define LLX_WORDS 64           // u64 words per descriptor
 #define LLX_KIND 0             // 0 free, LLX_DISPATCH, LLX_COMBINE
@@ -640,6 +641,7 @@ extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int ra
 #define LLS_SEQ_D 0            // member state: last low-latency dispatch sequence
 #define LLS_SEQ_C 1            // last low-latency combine sequence
 #define LLS_FILLED 2           // [LL_BUFFERS] the dispatch sequence that last filled buffer b
+#define LLS_K 4                // instances finished: the head the next finish publishes, less 1
 #define ERR_NOT_FILLED 6       // a combine whose buffer holds another dispatch (not launched)
 #define ERR_RING_FULL 7        // the client's trigger found no ring entry free in time
 
@@ -799,7 +801,11 @@ epd_ll_exec_reduce_F32(const unsigned* ring, u64 k, const u64* __restrict__ tabl
 }
 
 // One block: the dispatch's cumulative stats, the sequences and stamps, the op's done word,
-// then head = k + 1 (the client's trigger may reuse the entry; the engine tops the chain up).
+// then the entry logged and cleared, and head = instances finished (the client's trigger may
+// reuse the entry; the engine tops the chain up). The head comes from the member's state, not
+// from k: an instance launched as a CUDA graph is one of LL_RING fixed ones, its k the ring
+// position (cuda_chain.py), and waits for its entry to be nonzero, which the clear makes false
+// until the trigger publishes the next call there (after this head).
 extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* table,
                                               u64* state, unsigned* head) {
     int b = 0;
@@ -839,8 +845,15 @@ extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* 
         }
     }
     if (threadIdx.x == 0) {
+        unsigned* slot = head - LL_RING_HEAD;  // (the ring in host memory: `ring` may be a copy)
+        const unsigned j = (unsigned)(k % LL_RING);
+        volatile unsigned* v = slot;
+        v[LL_RING_LOG + j] = reinterpret_cast<const volatile unsigned*>(ring)[j];
+        v[j] = 0u;
+        const u64 finished = state[LLS_K] + 1;
+        state[LLS_K] = finished;
         __threadfence_system();
-        st_release_sys_u32(head, (unsigned)(k + 1));
+        st_release_sys_u32(head, (unsigned)finished);
     }
 }
 

@@ -148,6 +148,10 @@ LL_RING_HEAD = 65
 # CUDA graph replayed once the engine died) reports RELEASED in its done word instead of
 # clearing it for an engine that will never write it.
 LL_RING_RELEASED = 66
+# The chain's log: int32 words LL_RING_LOG + j hold the entry the chain last finished at ring
+# position j (its last kernel then clears ring[j]: an instance launched as a CUDA graph waits for
+# ring[j] to be nonzero, i.e. published; every entry is nonzero). The host reads which op ran here.
+LL_RING_LOG = 128
 LL_CHAIN_OPS = 64  # armed ops per member; an entry naming an index beyond runs nothing
 LL_ENTRY_RELEASED = 0xFF  # the entry the engine writes to drain pending instances
 LLX_WORDS = 64  # u64 words of a descriptor (device memory)
@@ -167,7 +171,8 @@ LLX_ARGS2 = 40
 LLS_SEQ_D = 0  # member state (device u64 words)
 LLS_SEQ_C = 1
 LLS_FILLED = 2
-LLS_WORDS = 4
+LLS_K = 4  # the chain instances finished (the next one's k): the head the last kernel publishes
+LLS_WORDS = 5
 
 # -- FP8 (DeepEP's per-token, per-128-channel e4m3 with float32 scales) -------------------------
 FP8_BLOCK = 128  # channels per scale

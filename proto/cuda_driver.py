@@ -29,7 +29,9 @@ POINTER_ATTRIBUTE_BUFFER_ID = 7
 POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 POINTER_ATTRIBUTE_RANGE_SIZE = 12
 STREAM_WAIT_VALUE_GEQ = 0
+STREAM_WAIT_VALUE_AND = 2
 STREAM_WRITE_VALUE_DEFAULT = 0
+STREAM_CAPTURE_MODE_RELAXED = 2  # (other threads' CUDA calls during a capture stay legal)
 
 _u32, _u64, _ptr = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
 # name -> (argument types): every function returns a CUresult (int).
@@ -38,6 +40,12 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuStreamWriteValue32": (_ptr, _u64, _u32, ctypes.c_uint),
     "cuPointerGetAttributes": (ctypes.c_uint, _ptr, _ptr, _u64),
     "cuMemcpyDtoDAsync": (_u64, _u64, ctypes.c_size_t, _ptr),
+    "cuStreamBeginCapture": (_ptr, ctypes.c_uint),
+    "cuStreamEndCapture": (_ptr, ctypes.POINTER(ctypes.c_void_p)),
+    "cuGraphInstantiateWithFlags": (ctypes.POINTER(ctypes.c_void_p), _ptr, ctypes.c_ulonglong),
+    "cuGraphLaunch": (_ptr, _ptr),
+    "cuGraphExecDestroy": (_ptr,),
+    "cuGraphDestroy": (_ptr,),
 }
 
 
@@ -98,10 +106,52 @@ def stream_wait_geq(stream: int, addr: int, value: int) -> None:
                                          STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
 
 
+def stream_wait_nonzero(stream: int, addr: int) -> None:
+    """`stream` waits, on the GPU, until the 32-bit word at `addr` is not 0."""
+    _check(_fns()["cuStreamWaitValue32"](stream, addr, 0xFFFFFFFF, STREAM_WAIT_VALUE_AND),
+           "cuStreamWaitValue32")
+
+
 def stream_write(stream: int, addr: int, value: int) -> None:
     """`stream` writes the 32-bit word at `addr`, ordered after its earlier work."""
     _check(_fns()["cuStreamWriteValue32"](stream, addr, value & 0xFFFFFFFF,
                                           STREAM_WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+
+class Graph:
+    """The work `enqueue(stream)` puts on a stream, captured once as a CUDA graph and then
+    launched with one driver call (`launch`), where enqueueing it anew costs a call per
+    kernel or stream operation. `capture` must be a stream with no other work being added
+    (relaxed mode: other threads may go on calling CUDA meanwhile). Not thread-safe."""
+
+    def __init__(self, capture: int, enqueue: Any) -> None:
+        fns = _fns()
+        self.graph = self.exec = None
+        _check(fns["cuStreamBeginCapture"](capture, STREAM_CAPTURE_MODE_RELAXED),
+               "cuStreamBeginCapture")
+        graph = ctypes.c_void_p()
+        try:
+            enqueue(capture)
+        finally:  # (ended whatever happened: a stream left capturing refuses all later work)
+            rc = fns["cuStreamEndCapture"](capture, ctypes.byref(graph))
+        _check(rc, "cuStreamEndCapture")
+        self.graph = graph.value
+        exe = ctypes.c_void_p()
+        _check(fns["cuGraphInstantiateWithFlags"](ctypes.byref(exe), self.graph, 0),
+               "cuGraphInstantiateWithFlags")
+        self.exec = exe.value
+
+    def launch(self, stream: int) -> None:
+        _check(_fns()["cuGraphLaunch"](self.exec, stream), "cuGraphLaunch")
+
+    def close(self) -> None:
+        """Free the graph (its launches already enqueued still run)."""
+        fns = _fns()
+        if self.exec:
+            fns["cuGraphExecDestroy"](self.exec)
+        if self.graph:
+            fns["cuGraphDestroy"](self.graph)
+        self.exec = self.graph = None
 
 
 class PackedArguments:

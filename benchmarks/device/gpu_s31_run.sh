@@ -8,6 +8,8 @@
 #   unfused  # the same kernels' test with the old separate rounding put back: must fail
 #   fma2  # the daemon's graph and decode tests and the class engines' (their sums now fused),
 #         # then `epd bench` at D with the low-latency rows (its check of them fused too)
+#   chaingraph  # the chain's instances launched as CUDA graphs: the chain's GPU tests, then
+#               # the low-latency rows A/B against the launches, two rounds
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -35,5 +37,19 @@ case "${1:-}" in
         | clean | tail -40 > "$OUT/llbench.txt"
     cat "$OUT/llbench.txt"
     ;;
-  *) echo "usage: $0 fma|unfused|fma2" >&2; exit 2 ;;
+  chaingraph)  # the chain's instances as CUDA graph launches (the default now): its tests,
+    # then the low-latency rows at D alternated with the launches (EPD_CHAIN_GRAPH=0)
+    STEP_TEST_SECONDS=150 step chaingraph 260 "tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_plain.py"
+    for round in 1 2; do
+      for g in 0 1; do
+        EPD_CHAIN_GRAPH=$g timeout 150 python3 -P -m epd.server.cli bench --ranks 2 \
+            --shapes D --iters 100 --low-latency --expert-intermediate 0 \
+            --json "$OUT/chaingraph_${g}_${round}.json" 2>&1 | clean \
+            | grep -E "low latency|PASS|FAIL|host work" > "$OUT/chaingraph_${g}_${round}.txt"
+        echo "== EPD_CHAIN_GRAPH=$g round $round"; cat "$OUT/chaingraph_${g}_${round}.txt"
+      done
+    done
+    ;;
+  *) echo "usage: $0 fma|unfused|fma2|chaingraph" >&2; exit 2 ;;
 esac

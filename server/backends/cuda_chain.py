@@ -10,6 +10,12 @@ state. The engine's host only keeps `DEPTH` instances enqueued ahead of the ring
 stream-op poller calls `top_up`): no host look, no interpreter and no launch between the
 client's trigger and the kernels.
 
+Each instance is one CUDA graph launch: LL_RING graphs, one per ring position j, each a stream
+wait for ring[j] to be nonzero (published) and the kernels with k = j; the last kernel logs
+the entry (LL_RING_LOG, where the host reads which op ran), clears ring[j] and publishes the
+head from the member's device state (LLS_K). So a top-up is one driver call per call, where a
+stream wait on the tail and four launches were five (EPD_CHAIN_GRAPH=0 keeps those).
+
 What the host still does: write a descriptor when an op is armed and clear it when disarmed
 (an entry carries the descriptor's generation, so a stale entry runs nothing), and drain the
 pending instances when the member's last op goes (`close`), handing the sequences back to
@@ -59,6 +65,11 @@ DEPTH = min(max(int(_depth), 2), abi.LL_RING) if _depth.isdigit() else abi.LL_RI
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
+# An instance as one CUDA graph launch (of LL_RING fixed ones, by ring position: the wait for
+# its entry and its kernels) instead of a stream wait and four launches: the host's top-up
+# is then one driver call per call. EPD_CHAIN_GRAPH=0: the launches (A/B). Off with the
+# timeline (events between the kernels) and with the gate kernel (its want is k).
+GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "1") != "0"
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 
@@ -106,7 +117,8 @@ class LowLatencyChain:
         self.tail_ptr = ring_ptr + 4 * abi.LL_RING_TAIL
         with cp.cuda.Device(runner.device_id):
             self.table = cp.zeros((abi.LL_CHAIN_OPS, abi.LLX_WORDS), np.uint64)
-            state = [runner.seq["ll_dispatch"], runner.seq["ll_combine"], *runner.ll_filled]
+            state = [runner.seq["ll_dispatch"], runner.seq["ll_combine"], *runner.ll_filled,
+                     0]  # (LLS_K: no instance finished yet)
             assert len(state) == abi.LLS_WORDS
             self.state = cp.asarray(np.array(state, np.uint64))
             self.stream = cp.cuda.Stream(non_blocking=True, priority=priority)
@@ -117,6 +129,22 @@ class LowLatencyChain:
             self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
+            # (k is the ring position in a graph's kernels: they read only ring[k % LL_RING],
+            # and the last one takes the head from the member's state)
+            self.graphs = None
+            if GRAPH and not TIMELINE and not gate:
+                # (captured on a stream of the chain's priority: the kernels keep it)
+                capture = cp.cuda.Stream(non_blocking=True, priority=priority)
+                graphs: list[cuda_driver.Graph] = []
+                try:
+                    for j in range(abi.LL_RING):
+                        graphs.append(self._graph(capture, j))
+                    self.graphs = graphs
+                except Exception as e:  # (a driver that cannot capture: the launches)
+                    log.warning("the low-latency chain of group %r enqueues its instances "
+                                "one launch at a time: capturing them failed (%s)", group, e)
+                    for g in graphs:
+                        g.close()
         self.words[:abi.LL_RING_RELEASED + 1] = 0
         self.ops: dict[int, ChainOp] = {}
         self._free = list(range(abi.LL_CHAIN_OPS))
@@ -203,7 +231,8 @@ class LowLatencyChain:
             done = (head - self.seen) & 0xFFFFFFFF
             kinds = []
             for i in range(min(done, abi.LL_RING)):
-                op = self.ops.get(self._word((self.seen + i) % abi.LL_RING) & 0xFF)
+                op = self.ops.get(self._word(abi.LL_RING_LOG + (self.seen + i) % abi.LL_RING)
+                                  & 0xFF)
                 if op is not None:
                     kinds.append(op.kind)
             self.seen = head
@@ -219,7 +248,27 @@ class LowLatencyChain:
             self.enqueue_seconds = time.perf_counter() - t0
             return kinds
 
+    def _graph(self, capture: Any, j: int) -> cuda_driver.Graph:
+        """Instance j of the LL_RING graphs: wait for ring[j] to be published (nonzero), then
+        the instance's kernels with k = j."""
+        def enqueue(stream: int) -> None:
+            cuda_driver.stream_wait_nonzero(stream, self.ring_ptr + 4 * j)
+            for launch in self.launches:
+                launch.set(ck.CHAIN_K, j)
+                launch(capture)
+
+        return cuda_driver.Graph(capture.ptr, enqueue)
+
+    def _close_graphs(self) -> None:
+        """(Once the chain's stream is done: no launch of them is pending.)"""
+        for g in self.graphs or ():
+            g.close()
+        self.graphs = None
+
     def _enqueue(self, k: int) -> None:
+        if self.graphs is not None:
+            self.graphs[k % abi.LL_RING].launch(self.stream.ptr)
+            return
         if self.gate is not None:
             self.gate.set(ck.CHAIN_K, (k + 1) & 0xFFFFFFFF)
             self.gate(self.stream)
@@ -247,7 +296,8 @@ class LowLatencyChain:
             if len(ev) < len(self.segments) or not ev[-1].done:
                 break
             del self._events[k]
-            op = self.ops.get(self._word(k % abi.LL_RING) & 0xFF)  # (read before 64 more)
+            op = self.ops.get(self._word(abi.LL_RING_LOG + k % abi.LL_RING)
+                              & 0xFF)  # (read before 64 more)
             kind = ("released" if op is None else
                     "dispatch" if op.kind == abi.LLX_DISPATCH else "combine")
             starts = [self._last_finish, *ev[:-1]]
@@ -286,6 +336,7 @@ class LowLatencyChain:
         if self._drained(lambda: self._word(abi.LL_RING_HEAD) == end, timeout,
                          "did not drain"):
             self.stream.synchronize()
+            self._close_graphs()
             self._to_runner()  # a later chain, or a host-launched call, goes on from here
             _prune()
 
@@ -302,4 +353,6 @@ class LowLatencyChain:
 
 def _prune() -> None:
     done = [c for c in _lingering if c.stream.done]
+    for c in done:
+        c._close_graphs()
     _lingering[:] = [c for c in _lingering if c not in done]
