@@ -351,6 +351,33 @@ class LowLatencyChain:
         return False
 
 
+def warm_up_graphs(kernels: Any, device: int) -> None:
+    """Capture, instantiate and run one graph of the chain's node kinds (a stream wait on a
+    nonzero word, a kernel) before the engine serves. The process's first graph loads what
+    the driver needs for graphs, and like a kernel's lazy load that can wait for the
+    context's running kernels: a chain built while a peer's low-latency kernel spun for this
+    rank then stalled until that kernel's deadline (once per fresh engine, docs/BENCHMARKS.md,
+    thirty-first session)."""
+    if not GRAPH:
+        return
+    with cp.cuda.Device(device):
+        word = cp.ones(1, np.uint32)
+        gate = kernels.chain_gate(0)  # (its want 0 is met at once by the word's 1)
+        gate.set(0, word.data.ptr)
+        capture = cp.cuda.Stream(non_blocking=True)
+
+        def enqueue(stream: int) -> None:
+            cuda_driver.stream_wait_nonzero(stream, word.data.ptr)
+            gate(capture)
+
+        graph = cuda_driver.Graph(capture.ptr, enqueue)
+        try:
+            graph.launch(capture.ptr)
+            capture.synchronize()
+        finally:
+            graph.close()
+
+
 def _prune() -> None:
     done = [c for c in _lingering if c.stream.done]
     for c in done:
