@@ -63,7 +63,7 @@ from .base import (
     Region,
     check_combine_routing,
 )
-from .cuda_chain import LowLatencyChain, warm_up_graphs
+from .cuda_chain import LowLatencyChain
 from .cuda_memory import (
     CounterSlot,
     DeviceRegion,
@@ -1081,7 +1081,6 @@ class CudaBackend(Backend):
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
         self.host_words = HostControlWords(device)
         self.kernels = ck.kernels_for_device(device)  # compiled and loaded before serving
-        warm_up_graphs(self.kernels, device)  # (the driver's graph support loaded too)
         if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
             from .cuda_remote import remote_kernels_for_device
             remote_kernels_for_device(device)

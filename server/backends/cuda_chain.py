@@ -10,11 +10,12 @@ state. The engine's host only keeps `DEPTH` instances enqueued ahead of the ring
 stream-op poller calls `top_up`): no host look, no interpreter and no launch between the
 client's trigger and the kernels.
 
-Each instance is one CUDA graph launch: LL_RING graphs, one per ring position j, each a stream
-wait for ring[j] to be nonzero (published) and the kernels with k = j; the last kernel logs
-the entry (LL_RING_LOG, where the host reads which op ran), clears ring[j] and publishes the
-head from the member's device state (LLS_K). So a top-up is one driver call per call, where a
-stream wait on the tail and four launches were five (EPD_CHAIN_GRAPH=0 keeps those).
+The last kernel logs the entry (LL_RING_LOG, where the host reads which op ran), clears
+ring[j] and publishes the head from the member's device state (LLS_K), so that an instance can
+also be one CUDA graph launch (EPD_CHAIN_GRAPH=1, opt-in): LL_RING graphs, one per ring
+position j, each a stream wait for ring[j] to be nonzero (published) and the kernels with
+k = j; a top-up is then one driver call per call where a stream wait on the tail and four
+launches are five.
 
 What the host still does: write a descriptor when an op is armed and clear it when disarmed
 (an entry carries the descriptor's generation, so a stale entry runs nothing), and drain the
@@ -65,11 +66,14 @@ DEPTH = min(max(int(_depth), 2), abi.LL_RING) if _depth.isdigit() else abi.LL_RI
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
-# An instance as one CUDA graph launch (of LL_RING fixed ones, by ring position: the wait for
-# its entry and its kernels) instead of a stream wait and four launches: the host's top-up
-# is then one driver call per call. EPD_CHAIN_GRAPH=0: the launches (A/B). Off with the
-# timeline (events between the kernels) and with the gate kernel (its want is k).
-GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "1") != "0"
+# EPD_CHAIN_GRAPH=1 (opt-in): an instance as one CUDA graph launch (of LL_RING fixed ones, by
+# ring position: the wait for its entry and its kernels) instead of a stream wait and four
+# launches, so the host's top-up is one driver call per call (engine work per low-latency op
+# 33-47 -> 14-26 µs on one H100). Not the default: on a fresh engine the first chain's
+# capture stalled its ArmStreamOp past the call's deadline in 4 of 4 device calls, once per
+# call (docs/BENCHMARKS.md, thirty-first session). Off with the timeline (events between the
+# kernels) and with the gate kernel (its want is k).
+GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "") == "1"
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 
@@ -349,33 +353,6 @@ class LowLatencyChain:
                     "stream is done", what, timeout)
         _lingering.append(self)
         return False
-
-
-def warm_up_graphs(kernels: Any, device: int) -> None:
-    """Capture, instantiate and run one graph of the chain's node kinds (a stream wait on a
-    nonzero word, a kernel) before the engine serves. The process's first graph loads what
-    the driver needs for graphs, and like a kernel's lazy load that can wait for the
-    context's running kernels: a chain built while a peer's low-latency kernel spun for this
-    rank then stalled until that kernel's deadline (once per fresh engine, docs/BENCHMARKS.md,
-    thirty-first session)."""
-    if not GRAPH:
-        return
-    with cp.cuda.Device(device):
-        word = cp.ones(1, np.uint32)
-        gate = kernels.chain_gate(0)  # (its want 0 is met at once by the word's 1)
-        gate.set(0, word.data.ptr)
-        capture = cp.cuda.Stream(non_blocking=True)
-
-        def enqueue(stream: int) -> None:
-            cuda_driver.stream_wait_nonzero(stream, word.data.ptr)
-            gate(capture)
-
-        graph = cuda_driver.Graph(capture.ptr, enqueue)
-        try:
-            graph.launch(capture.ptr)
-            capture.synchronize()
-        finally:
-            graph.close()
 
 
 def _prune() -> None:
