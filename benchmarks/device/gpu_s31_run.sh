@@ -9,7 +9,10 @@
 #   fma2  # the daemon's graph and decode tests and the class engines' (their sums now fused),
 #         # then `epd bench` at D with the low-latency rows (its check of them fused too)
 #   chaingraph  # the chain's instances launched as CUDA graphs: the chain's GPU tests, then
-#               # the low-latency rows A/B against the launches, two rounds
+#               # the low-latency rows A/B against the launches, two rounds (EPD_CHAIN_GRAPH
+#               # was the default in that tree; now opt-in: the A/B sets it both ways)
+#   graphfirst  # graph mode's first chain on a fresh engine, twice, with -v
+#   chainlaunch  # the chain's tests on the default launches with the new last kernel
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -51,5 +54,19 @@ case "${1:-}" in
       done
     done
     ;;
-  *) echo "usage: $0 fma|unfused|fma2|chaingraph" >&2; exit 2 ;;
+  graphfirst)  # the first chain of a fresh engine in graph mode: two benches, -v, short
+    # deadlines (the first stalled its ArmStreamOp past the deadline in each device call)
+    for r in 1 2; do
+      EPD_CHAIN_GRAPH=1 timeout 100 python3 -P -m epd.server.cli bench --ranks 2 --shapes D \
+          --iters 30 --warmup 5 --low-latency --expert-intermediate 0 -v --call-timeout 20 \
+          --collective-timeout 20 --json "$OUT/w_$r.json" > "$OUT/w_$r.log" 2>&1
+      echo "rc=$?"; grep -E "Traceback|Error|low latency|host work|PASS|FAIL" "$OUT/w_$r.log" \
+          | grep -v " INFO " | head -14
+    done
+    ;;
+  chainlaunch)  # the chain's tests on the default (launches) with the new last kernel
+    STEP_TEST_SECONDS=100 step chainlaunch 125 "tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py::test_plain_low_latency_calls_through_armed_ops"
+    ;;
+  *) echo "usage: $0 fma|unfused|fma2|chaingraph|graphfirst|chainlaunch" >&2; exit 2 ;;
 esac
