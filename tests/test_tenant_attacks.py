@@ -191,6 +191,44 @@ def test_a_ticket_dies_with_its_connection(daemon_factory) -> None:
             raw.close()
 
 
+def test_a_connection_waits_for_the_session_its_ticket_opened(daemon_factory) -> None:
+    """The bind window after a hello (FIRST_REQUEST_SECONDS) ends once the ticket opens a
+    session: the client binds when OpenSession's answer reaches it, however late (a stalled
+    loop, a slow client), for as long as that session is open; once the session ends, the
+    connection that never bound is closed."""
+    from epd.server.engine.fd_server import FIRST_REQUEST_SECONDS
+    with daemon_factory(engines=1) as d:
+        path = fdc.socket_path_for(d.socket(0))
+        channel = grpc.insecure_channel(f"unix://{d.socket(0)}")
+        stub = epd_pb2_grpc.EngineStub(channel)
+        late, ticket = _hello(path)
+        idle, idle_ticket = _hello(path)
+        try:
+            opened = []
+            streams = []
+            for t in (ticket, idle_ticket):
+                streams.append(stub.OpenSession(epd_pb2.OpenSessionRequest(
+                    client_name="late-binder", pid=os.getpid(), channel_ticket=t), timeout=120))
+                opened.append(next(streams[-1]).opened)
+            time.sleep(FIRST_REQUEST_SECONDS + 2)  # (the answer reached the client this late)
+            fdc.send(late, epd_pb2.FdRequest(session_id=opened[0].session_id,
+                                             session_token=opened[0].session_token,
+                                             fetch=epd_pb2.FetchFd(name=fdc.COUNTERS)))
+            resp, fd = fdc.recv(late, epd_pb2.FdResponse)
+            assert resp.code == 0 and fd is not None, resp
+            os.close(fd)
+            streams[1].cancel()  # the idle one's session ends: its connection goes
+            t0 = time.monotonic()
+            idle.settimeout(FIRST_REQUEST_SECONDS + 10)
+            with contextlib.suppress(ConnectionResetError):
+                assert idle.recv(16) == b""
+            assert time.monotonic() - t0 <= FIRST_REQUEST_SECONDS + 5
+        finally:
+            for c in (late, idle):
+                c.close()
+            channel.close()
+
+
 def test_a_hello_binds_its_connection_to_its_own_session(daemon_factory) -> None:
     """The connection that got a ticket binds only to the session that ticket opened (with
     that session's token): not to another session of the same process, whose token it has."""

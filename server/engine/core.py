@@ -308,6 +308,12 @@ class Engine(StreamCalls, DataPlane):
         self.state.check_open()
         self.tickets[ticket] = ChannelTicket(peer, alive)
 
+    def ticket_opened_session(self, ticket: bytes) -> bool:
+        """Whether `ticket` opened a session that is still open (its client binds the ticket's
+        connection once OpenSession's answer reaches it)."""
+        return any(s.channel_ticket and hmac.compare_digest(ticket, s.channel_ticket)
+                   and not s.closed.is_set() for s in self.sessions.values())
+
     def withdraw_ticket(self, ticket: bytes) -> None:
         """The connection of `ticket` closed: it opens nothing any more (if not used yet)."""
         self.tickets.pop(ticket, None)

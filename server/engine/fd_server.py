@@ -52,7 +52,9 @@ MAX_CONNECTIONS = 1024
 MAX_UNBOUND_PER_UID = 64  # (sessions of one uid opening at once each hold one briefly)
 MAX_PER_SESSION = 4
 TICKET_BYTES = 16  # a hello's ticket (FdResponse.ticket)
-FIRST_REQUEST_SECONDS = 10.0  # to the first request, and from a hello to the binding one
+# to the first request, and from a hello to the binding one unless the hello's ticket opened
+# a session meanwhile (then for as long as that session is open)
+FIRST_REQUEST_SECONDS = 10.0
 IDLE_CHECK_SECONDS = 30.0  # how often a bound, idle connection checks its session is open
 
 
@@ -166,6 +168,10 @@ class FdServer:
                     except TimeoutError:
                         if session is not None and not session.closed.is_set():
                             continue  # bound and idle: its session is still open
+                        if session is None and ticket is not None and \
+                                self._ticket_session_open(ticket):
+                            continue  # its session is open; the client binds once
+                            # OpenSession's answer reaches it, however late that is
                         return  # never spoke in time, or its session ended: close
                     except OSError:  # the peer went away
                         return
@@ -244,6 +250,12 @@ class FdServer:
             with contextlib.suppress(OSError):  # this connection was counted)
                 conn.shutdown(socket.SHUT_RDWR)
         return bound
+
+    def _ticket_session_open(self, ticket: bytes) -> bool:
+        try:
+            return bool(self._call(self.engine.ticket_opened_session, ticket))
+        except Exception:  # (the engine stopping, its loop stalled a minute: close)
+            return False
 
     def _call(self, fn, *args):
         """Run fn(*args) on the event loop (where the engine's state changes)."""
