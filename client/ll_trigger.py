@@ -3,16 +3,16 @@ caller's stream.
 
 It clears the op's done word (or, once the client's session has ended and set the ring's
 released word, reports RELEASED there and stops: nothing would run it), takes the member's
-next ring entry (the ring, its tail and head
-are int32 words of the member's ring slot in the session's counter page, mapped host memory),
-writes `entry` there and publishes `tail = k + 1`; the engine's poller (server/engine/
-stream_ops.py), or the member's GPU chain waiting for that tail (server/backends/cuda_chain.py),
-runs the op, in ring order. A kernel rather than stream memory writes because k is only known
-on the GPU: a CUDA graph replays the same writes, and the same kernel reads the tail anew each
-time. The ring holds 64 entries; when the engine is that far behind, the kernel waits for the
-head (back-pressure) up to its deadline, then fails the call through the done word instead
-of overwriting an entry; a session that ends during that wait (the released word) ends it
-at once with RELEASED.
+next ring entry (the ring, its tail and head are int32 words of the member's ring slot in the
+session's counter page, mapped host memory), writes `entry` there and publishes
+`tail = k + 1`; the engine's poller (server/engine/stream_ops.py), or the member's GPU chain
+waiting for that tail (or, with EPD_CHAIN_GRAPH=1, for the entry itself:
+server/backends/cuda_chain.py), runs the op, in ring order. A kernel rather than stream
+memory writes because k is only known on the GPU: a CUDA graph replays the same writes, and
+the same kernel reads the tail anew each time. The ring holds 64 entries; when the engine is
+that far behind, the kernel waits for the head (back-pressure) up to its deadline, then fails
+the call through the done word instead of overwriting an entry; a session that ends during
+that wait (the released word) ends it at once with RELEASED.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ extern "C" __global__ void epd_ll_trigger(unsigned* done, unsigned* ring, unsign
             return;
         }}
     }}
+    // The head read above before the entry's store (a read and a fence: an acquire), as the
+    // chain's last kernel clears this position before it publishes that head.
+    __threadfence_system();
     r[k % {abi.LL_RING}u] = entry;
     __threadfence_system();
     asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(ring + {abi.LL_RING_TAIL}),

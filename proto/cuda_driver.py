@@ -132,14 +132,22 @@ class Graph:
         graph = ctypes.c_void_p()
         try:
             enqueue(capture)
-        finally:  # (ended whatever happened: a stream left capturing refuses all later work)
-            rc = fns["cuStreamEndCapture"](capture, ctypes.byref(graph))
-        _check(rc, "cuStreamEndCapture")
+        except BaseException:  # (ended: a stream left capturing refuses all later work)
+            fns["cuStreamEndCapture"](capture, ctypes.byref(graph))
+            self.graph = graph.value
+            self.close()
+            raise
+        rc = fns["cuStreamEndCapture"](capture, ctypes.byref(graph))
         self.graph = graph.value
-        exe = ctypes.c_void_p()
-        _check(fns["cuGraphInstantiateWithFlags"](ctypes.byref(exe), self.graph, 0),
-               "cuGraphInstantiateWithFlags")
-        self.exec = exe.value
+        try:
+            _check(rc, "cuStreamEndCapture")
+            exe = ctypes.c_void_p()
+            _check(fns["cuGraphInstantiateWithFlags"](ctypes.byref(exe), self.graph, 0),
+                   "cuGraphInstantiateWithFlags")
+            self.exec = exe.value
+        except BaseException:
+            self.close()
+            raise
 
     def launch(self, stream: int) -> None:
         _check(_fns()["cuGraphLaunch"](self.exec, stream), "cuGraphLaunch")

@@ -13,6 +13,7 @@
 #               # was the default in that tree; now opt-in: the A/B sets it both ways)
 #   graphfirst  # graph mode's first chain on a fresh engine, twice, with -v
 #   chainlaunch  # the chain's tests on the default launches with the new last kernel
+#   next  # the review's fixes after the device time (not yet run on a GPU), ~8 minutes
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -68,5 +69,14 @@ case "${1:-}" in
     STEP_TEST_SECONDS=100 step chainlaunch 125 "tests/gpu/test_ll_chain.py \
         tests/gpu/test_ll_chain_plain.py::test_plain_low_latency_calls_through_armed_ops"
     ;;
-  *) echo "usage: $0 fma|unfused|fma2|chaingraph|graphfirst|chainlaunch" >&2; exit 2 ;;
+  next)  # what changed after this session's device time: the chain's slot kept until its
+    # stream is done, engine-wide generations, the trigger's fence after its head read, the
+    # graph-mode drain; the trigger's and the chain's tests, launches then graphs
+    STEP_TEST_SECONDS=150 step next 300 "tests/gpu/test_ll_trigger.py tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
+    EPD_CHAIN_GRAPH=1 STEP_TEST_SECONDS=120 step next_graphs 200 "tests/gpu/test_ll_chain.py \
+        tests/gpu/test_ll_chain_plain.py"
+    ;;
+  *) echo "usage: $0 fma|unfused|fma2|chaingraph|graphfirst|chainlaunch|next" >&2; exit 2 ;;
 esac

@@ -473,9 +473,11 @@ class RankComm(abc.ABC):
         engine's host; server/backends/cuda_chain.py), or None where the backend has none."""
         return None
 
-    def close_chain(self, timeout: float) -> None:
-        """Drain and free the member's chain (no-op without one)."""
-        return None
+    def close_chain(self, timeout: float, freed: Callable[[], None] | None = None) -> None:
+        """Drain and free the member's chain; `freed()` once its kernels are done with its
+        ring slot (at once without a chain)."""
+        if freed is not None:
+            freed()
 
     stream_ordered = False  # whether the stream_* calls below are implemented
 

@@ -259,6 +259,7 @@ class CudaRankComm(RankComm):
         self._stream_views: dict[tuple[int, bool], dict[str, Any]] = {}
         self._prefix: Any = None  # the copy of a dispatch's rank prefix matrix (an extra)
         self.chain: LowLatencyChain | None = None  # armed ops run by the GPU (cuda_chain.py)
+        self._closed_chain: LowLatencyChain | None = None  # the last one closed (may linger)
         # A chain's close (the member's last op went) and the next open (its next first op)
         # run on different threads: the open waits for the drain and makes a new chain.
         self._chain_lock = threading.Lock()
@@ -728,12 +729,18 @@ class CudaRankComm(RankComm):
                         group=self.spec.name)
             return self.chain
 
-    def close_chain(self, timeout: float) -> None:
+    def close_chain(self, timeout: float, freed: Callable[[], None] | None = None) -> None:
         with self._chain_lock:
             if self.chain is not None:
                 with cp.cuda.Device(self.backend.device):
                     self.chain.close(timeout)
-                self.chain = None
+                self._closed_chain, self.chain = self.chain, None
+            closed = self._closed_chain  # (closed here or before, drained or lingering)
+        if freed is not None:
+            if closed is not None:
+                closed.on_released(freed)
+            else:
+                freed()
 
     # -- stream-ordered normal-mode calls (engine/stream_calls.py) ---------------------------
     def _stream_begin(self, slot: CounterSlot, stream_seq: int) -> None:

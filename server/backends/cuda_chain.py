@@ -33,6 +33,7 @@ nineteenth and twenty-seventh sessions).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -76,6 +77,10 @@ TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
 GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "") == "1"
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
+# Descriptor generations from one counter for the engine process (as the poller's): a stale
+# trigger (a client's graph replayed after its op was disarmed) that lands in a later chain on
+# the same ring slot names a generation no new descriptor has, until 65,535 more arms.
+_generations = itertools.count(1)
 
 
 _launched: list[tuple[str, Any, Any]] = []  # TIMELINE: the poller's launches not yet read
@@ -137,8 +142,9 @@ class LowLatencyChain:
             # and the last one takes the head from the member's state)
             self.graphs = None
             if GRAPH and not TIMELINE and not gate:
-                # (captured on a stream of the chain's priority: the kernels keep it)
-                capture = cp.cuda.Stream(non_blocking=True, priority=priority)
+                # (a graph's kernels run at the priority of the stream it is launched into,
+                # the chain's: instantiated without per-node priorities)
+                capture = cp.cuda.Stream(non_blocking=True)
                 graphs: list[cuda_driver.Graph] = []
                 try:
                     for j in range(abi.LL_RING):
@@ -152,13 +158,14 @@ class LowLatencyChain:
         self.words[:abi.LL_RING_RELEASED + 1] = 0
         self.ops: dict[int, ChainOp] = {}
         self._free = list(range(abi.LL_CHAIN_OPS))
-        self._gen = [0] * abi.LL_CHAIN_OPS
         self.enqueued = 0
         self.seen = 0  # the head at the last top_up
         # the last top_up's time in the driver calls that enqueue instances (the poller
         # reports it in a slow round: epd_stream_poller_slow_seconds{part="enqueue"})
         self.enqueue_seconds = 0.0
         self.closed = False
+        self._released = False  # (no kernel of the chain can write its slot any more)
+        self._callbacks: list[Callable[[], None]] = []  # on_released's
         self._lock = threading.Lock()  # top_up (the poller) against close
         # TIMELINE: instance k's events (after its wait and after each kernel), and the
         # event after the last instance read back (the start of the next one's wait)
@@ -173,7 +180,7 @@ class LowLatencyChain:
         if not self._free:
             raise ResourceExhausted(f"a member's chain holds at most {abi.LL_CHAIN_OPS} ops")
         idx = self._free.pop(0)
-        gen = self._gen[idx] = (self._gen[idx] % 0xFFFF) + 1
+        gen = next(_generations) % 0xFFFF + 1
         d = np.zeros(abi.LLX_WORDS, np.uint64)
         d[abi.LLX_GEN], d[abi.LLX_DONE] = gen, done_ptr
         d[abi.LLX_BUFFER_STRIDE] = self.runner.ll.buffer_stride
@@ -301,7 +308,7 @@ class LowLatencyChain:
                 break
             del self._events[k]
             op = self.ops.get(self._word(abi.LL_RING_LOG + k % abi.LL_RING)
-                              & 0xFF)  # (read before 64 more)
+                              & 0xFF)  # (a diagnostic: k + 64 may have logged over it)
             kind = ("released" if op is None else
                     "dispatch" if op.kind == abi.LLX_DISPATCH else "combine")
             starts = [self._last_finish, *ev[:-1]]
@@ -327,7 +334,11 @@ class LowLatencyChain:
     # -- teardown -------------------------------------------------------------------------
     def close(self, timeout: float) -> None:
         """Drain: publish a released entry for every pending instance, wait for the chain to
-        pass them (the group's abort word ends a kernel stuck waiting for a peer)."""
+        pass them (the group's abort word ends a kernel stuck waiting for a peer). Once the
+        chain's kernels are done with its ring slot (at once when it drained, else when its
+        stream is done) the `on_released` callbacks run: a lingering chain's instances still
+        write the slot, and given to another ring or call before that, they would clear its
+        words."""
         with self._lock:
             self.closed = True
         tail = self._word(abi.LL_RING_TAIL)
@@ -337,12 +348,36 @@ class LowLatencyChain:
                 self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
             self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
         end = self.enqueued & 0xFFFFFFFF
+        if self.graphs is not None:  # graph instances wait on their entries, not the tail:
+            # every pending position still 0 gets one (an entry the trigger published before
+            # its tail, and a client's 0, would otherwise leave an instance parked for good)
+            head = self._word(abi.LL_RING_HEAD)
+            for i in range(min((end - head) & 0xFFFFFFFF, abi.LL_RING)):
+                pos = (head + i) % abi.LL_RING
+                if self._word(pos) == 0:
+                    self.words[pos] = abi.LL_ENTRY_RELEASED
         if self._drained(lambda: self._word(abi.LL_RING_HEAD) == end, timeout,
                          "did not drain"):
             self.stream.synchronize()
             self._close_graphs()
             self._to_runner()  # a later chain, or a host-launched call, goes on from here
-            _prune()
+            self._release_slot()
+        _prune()
+
+    def on_released(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once no kernel of the chain can write its ring slot any more."""
+        with self._lock:
+            if not self._released:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def _release_slot(self) -> None:
+        with self._lock:
+            self._released = True
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
 
     def _drained(self, done: Callable[[], bool], timeout: float, what: str) -> bool:
         """Until `done()` within `timeout`; else the chain lingers, its buffers kept until its
@@ -356,7 +391,9 @@ class LowLatencyChain:
 
 
 def _prune() -> None:
+    """Free the lingering chains whose streams are done (their ring slots go back now)."""
     done = [c for c in _lingering if c.stream.done]
     for c in done:
         c._close_graphs()
+        c._release_slot()
     _lingering[:] = [c for c in _lingering if c not in done]

@@ -382,10 +382,13 @@ class StreamOps:
 
     def _close_ring(self, session: Session, ring: Ring) -> None:
         """A dropped ring's chain is drained (outside the locks: it may wait); its slot is
-        free again."""
+        free again once no kernel of the chain can write it (a chain that did not drain
+        keeps it until its stream is done)."""
         if ring.chain is not None:
-            ring.member.comm.close_chain(self.engine.config.timeout_seconds)
-        session.free_slots.append(ring.slot)
+            ring.member.comm.close_chain(self.engine.config.timeout_seconds,
+                                         lambda: session.free_slots.append(ring.slot))
+        else:
+            session.free_slots.append(ring.slot)
 
     def _drop_unused_ring(self, session: Session, member: GroupMember) -> None:
         """An arm failed (the caller holds the session's lock): drop the member's ring if it
@@ -425,9 +428,10 @@ class StreamOps:
                 words[:abi.LL_RING_RELEASED + 1] = 0  # (the chain clears its own)
             ring = Ring(member, slot, words, backend_chain)
         except BaseException:
-            if backend_chain is not None:
-                member.comm.close_chain(self.engine.config.timeout_seconds)
-            if slot is not None:
+            if backend_chain is not None:  # (its slot goes back once the chain cannot write it)
+                member.comm.close_chain(self.engine.config.timeout_seconds,
+                                        lambda: session.free_slots.append(slot))
+            elif slot is not None:
                 session.free_slots.append(slot)
             with self._lock:
                 self._opening -= chained
