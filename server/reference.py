@@ -52,20 +52,29 @@ def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
     DeepEP's low-latency combine accumulates `acc += float(x) * w`, which nvcc contracts into
     one fused multiply-add (its default --fmad=true), so EPD's kernel and this reference do too.
-    NumPy has no fused multiply-add: the product of two float32 is exact in float64; the float64
-    sum is rounded to odd (TwoSum gives its exact error, and an inexact even result moves one
-    float64 ulp towards the error), and rounding that to float32 is then the correctly rounded
-    result (rounding to odd with 2 or more extra bits does not double-round)."""
-    p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
-    c64 = np.asarray(c, np.float32).astype(np.float64)
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)
-    with np.errstate(invalid="ignore"):  # (inf - inf in err where s is inf: not inexact)
-        odd = np.isfinite(s) & (err != 0) & ((s.view(np.int64) & 1) == 0)
-    if np.any(odd):
-        s = np.where(odd, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    with np.errstate(over="ignore"):  # (beyond float32: inf, as the GPU's)
+    NumPy has no fused multiply-add: the product of two float32 is exact in float64, and the
+    float64 sum rounded to float32 is the correctly rounded result unless that sum was itself
+    rounded onto a float32 midpoint (or into float32's subnormal range, where fewer bits are
+    kept). Only those elements are redone: their float64 sum is rounded to odd (TwoSum gives
+    its exact error; an inexact result with an even last bit moves one float64 ulp towards the
+    error), which rounds to float32 correctly, as rounding to odd with 2 or more extra bits
+    cannot round twice."""
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf - inf: not a candidate below)
+        p = np.asarray(a, np.float32).astype(np.float64) * np.asarray(b, np.float32)
+        c64 = np.asarray(c, np.float32).astype(np.float64)
+        s = np.asarray(p + c64)
+        # float64 -> float32 drops 29 mantissa bits of a normal result: a midpoint keeps
+        # exactly the highest of them
+        bits = s.view(np.int64)
+        maybe = (bits & 0x1FFFFFFF) == 0x10000000
+        maybe |= np.abs(s) < 2.0 ** -126
+        if np.any(maybe):
+            p, c64 = np.broadcast_arrays(p, c64)
+            ps, cs, ss = p[maybe], c64[maybe], s[maybe]
+            bb = ss - ps
+            err = (ps - (ss - bb)) + (cs - bb)
+            odd = np.isfinite(ss) & (err != 0) & ((ss.view(np.int64) & 1) == 0)
+            s[maybe] = np.where(odd, np.nextafter(ss, np.where(err > 0, np.inf, -np.inf)), ss)
         return s.astype(np.float32)
 
 

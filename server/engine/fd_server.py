@@ -7,8 +7,10 @@ A client connects before it opens its session: the connection's first request is
 answered with a one-use ticket that records the peer's credentials (SO_PEERCRED: pid, uid, gid;
 Engine.issue_ticket). OpenSession must carry it, so a session's uid is known before it exists
 (--max-sessions-per-uid is applied there); the connection then binds to that session (its next
-request carries the session's id and token) within FIRST_REQUEST_SECONDS, or it is closed, and
-a ticket not used yet dies with its connection. Another connection's first request names a
+request carries the session's id and token): within FIRST_REQUEST_SECONDS of the hello while
+the ticket is unused, then for as long as the session it opened is open (checked every
+FIRST_REQUEST_SECONDS; the session's end closes it), and a ticket not used yet dies with its
+connection. Another connection's first request names a
 session and carries its token, and binds only if its credentials are the session's. Requests:
 fetch an engine-owned memfd by name ("counters", "ring", "outputs/<group_id>"), or register a
 client memfd (sealed F_SEAL_SHRINK) as a region; the engine maps it and closes the descriptor.
@@ -49,7 +51,9 @@ _METHODS = {"fetch": "FdFetch", "register_memfd": "FdRegisterMemfd", "hello": "F
 # connections from filling the engine-wide cap (a session's client keeps one open). A
 # connection with a ticket not used yet is unbound: the uid cap bounds its tickets too.
 MAX_CONNECTIONS = 1024
-MAX_UNBOUND_PER_UID = 64  # (sessions of one uid opening at once each hold one briefly)
+# (a session opening holds one until its client binds: briefly, or for the session's life
+# if its client never does; so --max-sessions-per-uid above 64 needs clients that bind)
+MAX_UNBOUND_PER_UID = 64
 MAX_PER_SESSION = 4
 TICKET_BYTES = 16  # a hello's ticket (FdResponse.ticket)
 # to the first request, and from a hello to the binding one unless the hello's ticket opened
