@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+import time
 from typing import Any
 
 CUDA_VERSION = 12000  # the API version whose semantics these calls expect (the _v2 memops)
@@ -127,6 +128,7 @@ class Graph:
     def __init__(self, capture: int, enqueue: Any) -> None:
         fns = _fns()
         self.graph = self.exec = None
+        t0 = time.perf_counter()
         _check(fns["cuStreamBeginCapture"](capture, STREAM_CAPTURE_MODE_RELAXED),
                "cuStreamBeginCapture")
         graph = ctypes.c_void_p()
@@ -139,12 +141,16 @@ class Graph:
             raise
         rc = fns["cuStreamEndCapture"](capture, ctypes.byref(graph))
         self.graph = graph.value
+        t1 = time.perf_counter()
         try:
             _check(rc, "cuStreamEndCapture")
             exe = ctypes.c_void_p()
             _check(fns["cuGraphInstantiateWithFlags"](ctypes.byref(exe), self.graph, 0),
                    "cuGraphInstantiateWithFlags")
             self.exec = exe.value
+            # (how long each step took: a diagnostic of the opt-in chain graphs' first-arm
+            # stall, docs/DESIGN_NOTES.md "Chain instances as CUDA graphs")
+            self.capture_seconds, self.instantiate_seconds = t1 - t0, time.perf_counter() - t1
         except BaseException:
             self.close()
             raise

@@ -146,10 +146,17 @@ class LowLatencyChain:
                 # the chain's: instantiated without per-node priorities)
                 capture = cp.cuda.Stream(non_blocking=True)
                 graphs: list[cuda_driver.Graph] = []
+                t0 = time.perf_counter()
                 try:
                     for j in range(abi.LL_RING):
                         graphs.append(self._graph(capture, j))
                     self.graphs = graphs
+                    slow = max(graphs, key=lambda g: g.capture_seconds + g.instantiate_seconds)
+                    log.log(logging.WARNING if time.perf_counter() - t0 > 1.0 else logging.INFO,
+                            "group %r: the chain's %d graphs built in %.1f ms (slowest: "
+                            "capture %.1f ms, instantiate %.1f ms)", group, len(graphs),
+                            (time.perf_counter() - t0) * 1e3, slow.capture_seconds * 1e3,
+                            slow.instantiate_seconds * 1e3)
                 except Exception as e:  # (a driver that cannot capture: the launches)
                     log.warning("the low-latency chain of group %r enqueues its instances "
                                 "one launch at a time: capturing them failed (%s)", group, e)
