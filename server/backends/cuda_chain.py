@@ -180,6 +180,9 @@ class LowLatencyChain:
         self._last_finish: Any = None
         self._looked: float | None = None  # TIMELINE: the host's previous top_up
         self.top_up()
+        if self.enqueue_seconds > 1.0:  # (the first launches of the graphs: uploads)
+            log.warning("group %r: the chain's first %d instances took %.1f s to enqueue",
+                        group, DEPTH, self.enqueue_seconds)
 
     # -- descriptors (arm / disarm) -------------------------------------------------------
     def add(self, prepared: Any, done_ptr: int, source: ChainOp | None = None) -> ChainOp:
