@@ -237,6 +237,8 @@ class LowLatencyChain:
     def top_up(self) -> list[int]:
         """Keep DEPTH instances enqueued ahead of the head; returns the kinds of the entries
         the chain finished since the last call (for the request counters)."""
+        if _lingering:  # (a closed chain's slot goes back once its stream is done)
+            _prune()
         with self._lock:
             self.enqueue_seconds = 0.0
             head = self._word(abi.LL_RING_HEAD)
