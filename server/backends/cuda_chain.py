@@ -77,6 +77,7 @@ TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
 GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "") == "1"
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
+_lingering_lock = threading.Lock()  # (closes on sessions' threads, prunes on the poller's)
 # Descriptor generations from one counter for the engine process (as the poller's): a stale
 # trigger (a client's graph replayed after its op was disarmed) that lands in a later chain on
 # the same ring slot names a generation no new descriptor has, until 65,535 more arms.
@@ -398,14 +399,16 @@ class LowLatencyChain:
             return True
         log.warning("a low-latency chain %s within %.1f s; its buffers are kept until its "
                     "stream is done", what, timeout)
-        _lingering.append(self)
+        with _lingering_lock:
+            _lingering.append(self)
         return False
 
 
 def _prune() -> None:
     """Free the lingering chains whose streams are done (their ring slots go back now)."""
-    done = [c for c in _lingering if c.stream.done]
+    with _lingering_lock:
+        done = [c for c in _lingering if c.stream.done]
+        _lingering[:] = [c for c in _lingering if c not in done]
     for c in done:
         c._close_graphs()
         c._release_slot()
-    _lingering[:] = [c for c in _lingering if c not in done]
