@@ -13,7 +13,8 @@
 #               # was the default in that tree; now opt-in: the A/B sets it both ways)
 #   graphfirst  # graph mode's first chain on a fresh engine, twice, with -v
 #   chainlaunch  # the chain's tests on the default launches with the new last kernel
-#   next  # the review's fixes after the device time (not yet run on a GPU), ~8 minutes
+#   next  # the review's fixes after the device time (not yet run on a GPU), ~9 minutes,
+#         # then the low-latency rows with the trigger's fence
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -77,6 +78,11 @@ case "${1:-}" in
         tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
     EPD_CHAIN_GRAPH=1 STEP_TEST_SECONDS=120 step next_graphs 200 "tests/gpu/test_ll_chain.py \
         tests/gpu/test_ll_chain_plain.py"
+    # the low-latency rows with the trigger's new fence (the default launches)
+    timeout 150 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 100 \
+        --low-latency --expert-intermediate 0 --json "$OUT/next_bench.json" 2>&1 | clean \
+        | grep -E "low latency|PASS|FAIL|host work" > "$OUT/next_bench.txt"
+    cat "$OUT/next_bench.txt"
     ;;
   *) echo "usage: $0 fma|unfused|fma2|chaingraph|graphfirst|chainlaunch|next" >&2; exit 2 ;;
 esac
