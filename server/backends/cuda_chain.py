@@ -299,13 +299,25 @@ class LowLatencyChain:
         else:
             cuda_driver.stream_wait_geq(self.stream.ptr, self.tail_ptr, (k + 1) & 0xFFFFFFFF)
         events = self._events.setdefault(k, []) if TIMELINE else None
-        if events is not None:
-            events.append(self._record())
-        for launch in self.launches:
-            launch.set(ck.CHAIN_K, k)
-            launch(self.stream)
+        try:
             if events is not None:
                 events.append(self._record())
+            for launch in self.launches:
+                launch.set(ck.CHAIN_K, k)
+                launch(self.stream)
+                if events is not None:
+                    events.append(self._record())
+        except BaseException:
+            # Part of instance k is enqueued: enqueueing it again would run its collective
+            # twice (and its finish would count twice in the head). The chain takes no more
+            # instances, and k counts as enqueued, so that the drain releases its entry and
+            # its wait passes (else the stream would stay parked for good); its pending calls
+            # fail at their deadlines.
+            self.closed = True
+            self.enqueued = k + 1
+            log.error("group %r: the low-latency chain stopped: instance %d was enqueued in "
+                      "part", self.group, k)
+            raise
 
     def _record(self) -> Any:
         e = cp.cuda.Event()
