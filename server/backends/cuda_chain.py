@@ -33,7 +33,6 @@ nineteenth and twenty-seventh sessions).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -78,10 +77,6 @@ GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "") == "1"
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 _lingering_lock = threading.Lock()  # (closes on sessions' threads, prunes on the poller's)
-# Descriptor generations from one counter for the engine process (as the poller's): a stale
-# trigger (a client's graph replayed after its op was disarmed) that lands in a later chain on
-# the same ring slot names a generation no new descriptor has, until 65,535 more arms.
-_generations = itertools.count(1)
 
 
 _launched: list[tuple[str, Any, Any]] = []  # TIMELINE: the poller's launches not yet read
@@ -139,30 +134,8 @@ class LowLatencyChain:
             self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
-            # (k is the ring position in a graph's kernels: they read only ring[k % LL_RING],
-            # and the last one takes the head from the member's state)
-            self.graphs = None
-            if GRAPH and not TIMELINE and not gate:
-                # (a graph's kernels run at the priority of the stream it is launched into,
-                # the chain's: instantiated without per-node priorities)
-                capture = cp.cuda.Stream(non_blocking=True)
-                graphs: list[cuda_driver.Graph] = []
-                t0 = time.perf_counter()
-                try:
-                    for j in range(abi.LL_RING):
-                        graphs.append(self._graph(capture, j))
-                    self.graphs = graphs
-                    slow = max(graphs, key=lambda g: g.capture_seconds + g.instantiate_seconds)
-                    log.log(logging.WARNING if time.perf_counter() - t0 > 1.0 else logging.INFO,
-                            "group %r: the chain's %d graphs built in %.1f ms (slowest: "
-                            "capture %.1f ms, instantiate %.1f ms)", group, len(graphs),
-                            (time.perf_counter() - t0) * 1e3, slow.capture_seconds * 1e3,
-                            slow.instantiate_seconds * 1e3)
-                except Exception as e:  # (a driver that cannot capture: the launches)
-                    log.warning("the low-latency chain of group %r enqueues its instances "
-                                "one launch at a time: capturing them failed (%s)", group, e)
-                    for g in graphs:
-                        g.close()
+            self.graphs = (self._build_graphs(group) if GRAPH and not TIMELINE and not gate
+                           else None)
         self.words[:abi.LL_RING_RELEASED + 1] = 0
         self.ops: dict[int, ChainOp] = {}
         self._free = list(range(abi.LL_CHAIN_OPS))
@@ -186,12 +159,13 @@ class LowLatencyChain:
                         group, DEPTH, self.enqueue_seconds)
 
     # -- descriptors (arm / disarm) -------------------------------------------------------
-    def add(self, prepared: Any, done_ptr: int, source: ChainOp | None = None) -> ChainOp:
-        """Write the descriptor of an armed op (cuda.py's _PreparedDispatch/_PreparedCombine)."""
+    def add(self, prepared: Any, done_ptr: int, gen: int,
+            source: ChainOp | None = None) -> ChainOp:
+        """Write the descriptor of an armed op (cuda.py's _PreparedDispatch/_PreparedCombine),
+        of generation `gen` (1..0xFFFF: the engine's, stream_ops.StreamOps._next_gen)."""
         if not self._free:
             raise ResourceExhausted(f"a member's chain holds at most {abi.LL_CHAIN_OPS} ops")
         idx = self._free.pop(0)
-        gen = next(_generations) % 0xFFFF + 1
         d = np.zeros(abi.LLX_WORDS, np.uint64)
         d[abi.LLX_GEN], d[abi.LLX_DONE] = gen, done_ptr
         d[abi.LLX_BUFFER_STRIDE] = self.runner.ll.buffer_stride
@@ -271,6 +245,31 @@ class LowLatencyChain:
                     self.enqueued += 1
             self.enqueue_seconds = time.perf_counter() - t0
             return kinds
+
+    def _build_graphs(self, group: str) -> list[cuda_driver.Graph] | None:
+        """The LL_RING instance graphs (k is the ring position in their kernels: they read
+        only ring[k % LL_RING], and the last one takes the head from the member's state), or
+        None where capturing fails (the launches then). A graph's kernels run at the priority
+        of the stream it is launched into, the chain's (no per-node priorities)."""
+        capture = cp.cuda.Stream(non_blocking=True)
+        graphs: list[cuda_driver.Graph] = []
+        t0 = time.perf_counter()
+        try:
+            for j in range(abi.LL_RING):
+                graphs.append(self._graph(capture, j))
+        except Exception as e:
+            log.warning("the low-latency chain of group %r enqueues its instances one launch "
+                        "at a time: capturing them failed (%s)", group, e)
+            for g in graphs:
+                g.close()
+            return None
+        took = time.perf_counter() - t0
+        slow = max(graphs, key=lambda g: g.capture_seconds + g.instantiate_seconds)
+        log.log(logging.WARNING if took > 1.0 else logging.INFO,
+                "group %r: the chain's %d graphs built in %.1f ms (slowest: capture %.1f ms, "
+                "instantiate %.1f ms)", group, len(graphs), took * 1e3,
+                slow.capture_seconds * 1e3, slow.instantiate_seconds * 1e3)
+        return graphs
 
     def _graph(self, capture: Any, j: int) -> cuda_driver.Graph:
         """Instance j of the LL_RING graphs: wait for ring[j] to be published (nonzero), then

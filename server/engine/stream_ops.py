@@ -283,7 +283,7 @@ class StreamOps:
         try:
             ring = self._ring_for(session, member)
             if ring.chain is not None:
-                op.chained = ring.chain.add(prepared, done_ptr,
+                op.chained = ring.chain.add(prepared, done_ptr, self._next_gen(),
                                             src.chained if src is not None else None)
                 op.entry = op.chained.entry
             else:
@@ -336,11 +336,19 @@ class StreamOps:
             if not self._remove(op, locked=locked):
                 return  # (an operation holds the session: the locked pass takes the rest)
 
+    def _next_gen(self) -> int:
+        """The engine's next ring entry generation (1..0xFFFF), for poller and chained ops
+        alike: a stale trigger landing in a later ring on the same slot, the poller's or a
+        chain's, names a generation no op of that ring has, until 65,535 more arms."""
+        with self._lock:
+            self._gen = self._gen % 0xFFFF + 1
+            return self._gen
+
     def _take(self, ring: Ring, op: StreamOp) -> int:
         """A poller op's entry in its member's ring, of the engine's next generation."""
+        gen = self._next_gen()
         with self._lock:  # (the poller reads ring.ops)
-            self._gen = self._gen % 0xFFFF + 1
-            return ring.take(op, self._gen)
+            return ring.take(op, gen)
 
     def _remove(self, op: StreamOp, *, locked: bool = False) -> bool:
         """Disarm `op` (never while the poller launches it: under the session's operation
