@@ -14,7 +14,8 @@
 #   graphfirst  # graph mode's first chain on a fresh engine, twice, with -v
 #   chainlaunch  # the chain's tests on the default launches with the new last kernel
 #   next  # the review's fixes after the device time (not yet run on a GPU), ~9 minutes,
-#         # then the low-latency rows with the trigger's fence
+#         # (the tests, launches then graphs)
+#   nextbench  # the low-latency rows with the trigger's fence
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -70,7 +71,7 @@ case "${1:-}" in
     STEP_TEST_SECONDS=100 step chainlaunch 125 "tests/gpu/test_ll_chain.py \
         tests/gpu/test_ll_chain_plain.py::test_plain_low_latency_calls_through_armed_ops"
     ;;
-  next)  # what changed after this session's device time: the chain's slot kept until its
+  next)  # (then nextbench) what changed after this session's device time: the chain's slot kept until its
     # stream is done, engine-wide generations, the trigger's fence after its head read, the
     # graph-mode drain; the trigger's and the chain's tests, launches then graphs
     STEP_TEST_SECONDS=150 step next 300 "tests/gpu/test_ll_trigger.py tests/gpu/test_ll_chain.py \
@@ -78,11 +79,12 @@ case "${1:-}" in
         tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph"
     EPD_CHAIN_GRAPH=1 STEP_TEST_SECONDS=120 step next_graphs 200 "tests/gpu/test_ll_chain.py \
         tests/gpu/test_ll_chain_plain.py"
-    # the low-latency rows with the trigger's new fence (the default launches)
+    ;;
+  nextbench)  # the low-latency rows with the trigger's new fence (the default launches)
     timeout 150 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 100 \
         --low-latency --expert-intermediate 0 --json "$OUT/next_bench.json" 2>&1 | clean \
         | grep -E "low latency|PASS|FAIL|host work" > "$OUT/next_bench.txt"
     cat "$OUT/next_bench.txt"
     ;;
-  *) echo "usage: $0 fma|unfused|fma2|chaingraph|graphfirst|chainlaunch|next" >&2; exit 2 ;;
+  *) echo "usage: $0 fma|unfused|fma2|chaingraph|graphfirst|chainlaunch|next|nextbench" >&2; exit 2 ;;
 esac
