@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 
 from . import __version__
@@ -31,6 +33,7 @@ def _serve(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # (stacks on demand, as engines)
     from .supervisor import run
     return run(cfg)
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s engine{ns.index} %(levelname)s %(message)s")
     die_with_supervisor()
+    # `kill -USR1 <engine pid>` writes every thread's stack to the log: a call that hangs in a
+    # driver call shows where, without stopping the engine.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     # Several threads serve calls (one fast-path thread per session, the stream-op poller, the
     # event loop): a thread that wakes for a call must not wait the default 5 ms for the GIL.
     sys.setswitchinterval(max(cfg.gil_switch_us, 1) * 1e-6)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Thirty-second session's GPU runs (one H100 or H200; carry .whl), from a `git archive` of HEAD
+# carried in .whl: mkdir /tmp/head && tar -xzf .whl/head.tar.gz -C /tmp/head && cp -r .whl
+# /tmp/head && cd /tmp/head && bash benchmarks/device/gpu_s32_run.sh graphstall
+#   graphstall  # graph mode's first arm (it stalls for good): the chain's first test with the
+#               # daemon's whole log, every engine thread's stack (SIGUSR1) 50 s in, then the
+#               # same test with CUDA_MODULE_LOADING=EAGER
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean)
+stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
+  ( sleep "$1"; pkill -USR1 -f "epd.server.engine.app"; nvidia-smi > "$OUT/smi_$2.txt" 2>&1 ) &
+}
+case "${1:-}" in
+  graphstall)
+    for mode in lazy eager; do
+      mkdir -p "$OUT/logs_$mode"
+      stacks 50 "$mode"
+      [ $mode = eager ] && export CUDA_MODULE_LOADING=EAGER
+      EPD_GPU_LOG_DIR="$OUT/logs_$mode" EPD_CHAIN_GRAPH=1 STEP_TEST_SECONDS=70 \
+          step "graphstall_$mode" 95 tests/gpu/test_ll_chain.py::test_armed_ops_on_the_chain
+      sleep 2; pkill -9 -f "epd.server" ; sleep 3; wait
+      grep -h -E "graphs built|enqueue|Thread|File|WARN|ERROR" "$OUT"/logs_$mode/*.log | head -80
+    done
+    ;;
+  *) echo "usage: $0 graphstall" >&2; exit 2 ;;
+esac
