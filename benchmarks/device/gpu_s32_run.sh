@@ -5,6 +5,8 @@
 #   graphstall  # graph mode's first arm (it stalls for good): the chain's first test with the
 #               # daemon's whole log, every engine thread's stack (SIGUSR1) 50 s in, then the
 #               # same test with CUDA_MODULE_LOADING=EAGER
+#   probe  # benchmarks/graph_instantiate_probe.py: which driver calls wait for a running
+#          # kernel (idle, then while one spins), without MPS and under MPS
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
@@ -22,5 +24,12 @@ case "${1:-}" in
       grep -h -E "graphs built|enqueue|Thread|File|WARN|ERROR" "$OUT"/logs_$mode/*.log | head -80
     done
     ;;
-  *) echo "usage: $0 graphstall" >&2; exit 2 ;;
+  probe)  # which driver calls wait for a running kernel, without MPS and under a private one
+    timeout 60 python3 -P benchmarks/graph_instantiate_probe.py --json "$OUT/probe_nomps.json"
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mpsp CUDA_MPS_LOG_DIRECTORY=/tmp/mpsl
+    mkdir -p /tmp/mpsp /tmp/mpsl && nvidia-cuda-mps-control -d && sleep 1
+    timeout 60 python3 -P benchmarks/graph_instantiate_probe.py --json "$OUT/probe_mps.json"
+    echo quit | nvidia-cuda-mps-control; sleep 1
+    ;;
+  *) echo "usage: $0 graphstall|probe" >&2; exit 2 ;;
 esac
