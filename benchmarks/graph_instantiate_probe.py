@@ -7,7 +7,7 @@ driver call that the chain's graph build and top-ups make: a capture, an instant
 kernel node; a stream wait node), a graph's first and second launch, a plain launch, an
 allocation. A call that waits for the spinner takes about SPIN seconds.
 
-    python benchmarks/graph_instantiate_probe.py [--spin 2.0] [--json out.json]
+    python benchmarks/graph_instantiate_probe.py [--spin 1.0] [--json out.json]
 """
 from __future__ import annotations
 
@@ -26,16 +26,24 @@ extern "C" __global__ void spin(unsigned long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
 extern "C" __global__ void touch(int* p) { p[threadIdx.x] += 1; }
+// a large per-thread stack (local memory the context may have to grow for)
+#define BIG(name) extern "C" __global__ void name(int* p, int n) {                     \
+    volatile int a[8192];                                                             \
+    for (int i = 0; i < 8192; ++i) a[(i * 7 + n) & 8191] = i + p[threadIdx.x];        \
+    p[threadIdx.x] = a[n & 8191]; }
+BIG(big1)
+BIG(big2)
 """
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--spin", type=float, default=2.0, help="the spinner's seconds")
+    ap.add_argument("--spin", type=float, default=1.0, help="the spinner's seconds")
     ap.add_argument("--json", help="write the timings here")
     ns = ap.parse_args()
     mod = cp.RawModule(code=SPIN_SRC)
     spin, touch = mod.get_function("spin"), mod.get_function("touch")
+    big1, big2 = mod.get_function("big1"), mod.get_function("big2")
     buf = cp.zeros(32, cp.int32)
     flag = cp.zeros(1, cp.uint32)
     side, capture, run = (cp.cuda.Stream(non_blocking=True) for _ in range(3))
@@ -56,32 +64,46 @@ def main() -> None:
             capture.ptr, wait_graph),
         "graph's first launch": None, "graph's second launch": None,
         "kernel launch": lambda: touch((1,), (32,), (buf,), stream=run),
-        "cupy allocation (64 MiB, new)": lambda: cp.cuda.runtime.free(
-            cp.cuda.runtime.malloc(64 << 20)),
+        "cudaMalloc (64 MiB)": lambda: allocs.append(cp.cuda.runtime.malloc(64 << 20)),
+        "cudaFree (64 MiB)": lambda: cp.cuda.runtime.free(allocs.pop()),
+        "first launch of a kernel with a 32 KiB stack": lambda: big1(
+            (1,), (32,), (buf, cp.int32(3)), stream=run),
+        "instantiate a graph of another 32 KiB-stack kernel": lambda: cuda_driver.Graph(
+            capture.ptr, lambda s: big2((1,), (32,), (buf, cp.int32(3)), stream=capture)),
+        "256 more instantiations (the slowest)": lambda: many(256),
     }
+    allocs: list[int] = []
+
+    def many(n: int) -> None:
+        worst = (0.0, -1)
+        for i in range(n):
+            t0 = time.perf_counter()
+            cuda_driver.Graph(capture.ptr, kernel_graph).close()
+            worst = max(worst, (time.perf_counter() - t0, i))
+        print(f"   the slowest of {n} instantiations: #{worst[1]}, {worst[0] * 1e3:.2f} ms")
     results: dict[str, dict[str, float]] = {}
-    for idle in (True, False):
+    for idle in (False, True):  # (spinning first: the kernels' first uses)
         ready = cuda_driver.Graph(capture.ptr, kernel_graph)
-        if not idle:
-            spin((1,), (1,), (int(ns.spin * 1e9),), stream=side)
-            time.sleep(0.05)  # (running)
         got: dict[str, float] = {}
         for name, fn in steps.items():
+            if not idle:  # (a spinner of its own for each step: one that waited ended it)
+                spin((1,), (1,), (int(ns.spin * 1e9),), stream=side)
+                time.sleep(0.05)  # (running)
             t0 = time.perf_counter()
-            if name == "graph's first launch" or name == "graph's second launch":
+            if fn is None:  # the graph's launches
                 ready.launch(run.ptr)
             else:
                 out = fn()
                 if isinstance(out, cuda_driver.Graph):
                     out.close()
             got[name] = time.perf_counter() - t0
-        side.synchronize()
-        run.synchronize()
+            side.synchronize()
+            run.synchronize()
         ready.close()
         label = "idle GPU" if idle else f"while a kernel spins {ns.spin:.1f} s"
         results[label] = got
         for name, sec in got.items():
-            print(f"{label:>28} | {name:<44} {sec * 1e3:10.2f} ms", flush=True)
+            print(f"{label:>28} | {name:<52} {sec * 1e3:10.2f} ms", flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(results, f, indent=1)
