@@ -70,17 +70,29 @@ def main() -> None:
             (1,), (32,), (buf, cp.int32(3)), stream=run),
         "instantiate a graph of another 32 KiB-stack kernel": lambda: cuda_driver.Graph(
             capture.ptr, lambda s: big2((1,), (32,), (buf, cp.int32(3)), stream=capture)),
-        "256 more instantiations (the slowest)": lambda: many(256),
+        "256 instantiations, closed at once (the slowest)": lambda: many(256, False),
+        "512 instantiations kept (the slowest)": lambda: many(512, True),
     }
     allocs: list[int] = []
 
-    def many(n: int) -> None:
-        worst = (0.0, -1)
+    def many(n: int, keep: bool) -> None:
+        """n graphs of a stream wait and four kernels (a chain instance's shape)."""
+        worst, kept = (0.0, -1), []
+
+        def instance(s: int) -> None:
+            cuda_driver.stream_wait_nonzero(s, flag.data.ptr)
+            for _ in range(4):
+                touch((1,), (32,), (buf,), stream=capture)
+
         for i in range(n):
             t0 = time.perf_counter()
-            cuda_driver.Graph(capture.ptr, kernel_graph).close()
+            g = cuda_driver.Graph(capture.ptr, instance)
             worst = max(worst, (time.perf_counter() - t0, i))
-        print(f"   the slowest of {n} instantiations: #{worst[1]}, {worst[0] * 1e3:.2f} ms")
+            kept.append(g) if keep else g.close()
+        for g in kept:
+            g.close()
+        print(f"   the slowest of {n} instantiations ({'kept' if keep else 'closed'}): "
+              f"#{worst[1]}, {worst[0] * 1e3:.2f} ms")
     results: dict[str, dict[str, float]] = {}
     for idle in (False, True):  # (spinning first: the kernels' first uses)
         ready = cuda_driver.Graph(capture.ptr, kernel_graph)
