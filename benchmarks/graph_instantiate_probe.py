@@ -72,8 +72,21 @@ def main() -> None:
             capture.ptr, lambda s: big2((1,), (32,), (buf, cp.int32(3)), stream=capture)),
         "256 instantiations, closed at once (the slowest)": lambda: many(256, False),
         "512 instantiations kept (the slowest)": lambda: many(512, True),
+        "1024 kept, after 512 were kept and closed": lambda: many(1024, True),
+        "64 graphs made before the spinner, closed beside it": lambda: close_all(),
     }
     allocs: list[int] = []
+
+    made: list[cuda_driver.Graph] = []
+
+    def close_all() -> None:
+        worst = 0.0
+        for g in made:
+            t0 = time.perf_counter()
+            g.close()
+            worst = max(worst, time.perf_counter() - t0)
+        made.clear()
+        print(f"   the slowest close: {worst * 1e3:.2f} ms")
 
     def many(n: int, keep: bool) -> None:
         """n graphs of a stream wait and four kernels (a chain instance's shape)."""
@@ -98,6 +111,8 @@ def main() -> None:
         ready = cuda_driver.Graph(capture.ptr, kernel_graph)
         got: dict[str, float] = {}
         for name, fn in steps.items():
+            if name.startswith("64 graphs made"):
+                made.extend(cuda_driver.Graph(capture.ptr, kernel_graph) for _ in range(64))
             if not idle:  # (a spinner of its own for each step: one that waited ended it)
                 spin((1,), (1,), (int(ns.spin * 1e9),), stream=side)
                 time.sleep(0.05)  # (running)
