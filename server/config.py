@@ -159,6 +159,11 @@ class Config:
     ll_chain_gate: bool = field(default=False, metadata={
         "help": "cuda backend: a chain waits for each trigger in a spinning one-thread kernel "
                 "instead of a GPU stream wait"})
+    ll_chain_graphs: bool = field(default=True, metadata={
+        "help": "cuda backend: a chain enqueues each instance as one CUDA graph launch (64 "
+                "graphs per chain, room for --ll-chain-members chains' made before the engine "
+                "serves) instead of a stream wait and four launches: the engine's host work "
+                "per low-latency call about halves (docs/BENCHMARKS.md, thirty-first session)"})
     ll_chain_members: int = field(default=8, metadata={
         "help": "cuda backend: members per engine with a chain (each holds one stream "
                 "blocked in a GPU wait, i.e. one of the engine's hardware queues); later "

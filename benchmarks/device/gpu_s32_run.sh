@@ -7,6 +7,8 @@
 #               # same test with CUDA_MODULE_LOADING=EAGER
 #   probe  # benchmarks/graph_instantiate_probe.py: which driver calls wait for a running
 #          # kernel (idle, then while one spins), without MPS and under MPS
+#   reserve  # the chain's graphs (now the default) in room made before serving: the chain's
+#            # tests, then the low-latency rows with graphs and with launches (~6 minutes)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
@@ -31,5 +33,21 @@ case "${1:-}" in
     timeout 60 python3 -P benchmarks/graph_instantiate_probe.py --json "$OUT/probe_mps.json"
     echo quit | nvidia-cuda-mps-control; sleep 1
     ;;
-  *) echo "usage: $0 graphstall|probe" >&2; exit 2 ;;
+  reserve)  # graphs by default, in room made before serving: the chain's tests (daemon logs
+    # kept), then the low-latency rows at D with graphs (a fresh device call's first bench,
+    # where the first arm stalled) and with launches (EPD_LL_CHAIN_GRAPHS=0)
+    mkdir -p "$OUT/logs_reserve"
+    EPD_GPU_LOG_DIR="$OUT/logs_reserve" STEP_TEST_SECONDS=90 step reserve 200 \
+        "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+    grep -h -E "room for|graphs built|by launches|enqueue" "$OUT"/logs_reserve/*.log | head
+    for g in 1 0; do
+      EPD_LL_CHAIN_GRAPHS=$g timeout 120 python3 -P -m epd.server.cli bench --ranks 2 \
+          --shapes D --iters 80 --low-latency --expert-intermediate 0 \
+          --json "$OUT/reserve_bench_$g.json" > "$OUT/reserve_bench_$g.log" 2>&1
+      echo "== EPD_LL_CHAIN_GRAPHS=$g rc=$?"
+      clean < "$OUT/reserve_bench_$g.log" | grep -E "low latency|PASS|FAIL|host work|Error" | head
+      grep -E "room for|graphs built" "$OUT/reserve_bench_$g.log" | head -3
+    done
+    ;;
+  *) echo "usage: $0 graphstall|probe|reserve" >&2; exit 2 ;;
 esac

@@ -726,7 +726,7 @@ class CudaRankComm(RankComm):
                         self.runner, self.runner.k, ring_words, ring_ptr, self.ll_num_sms,
                         self.stream_priority, gate=self.backend.cfg.ll_chain_gate,
                         trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)),
-                        group=self.spec.name)
+                        group=self.spec.name, reserve=self.backend.graph_reserve)
             return self.chain
 
     def close_chain(self, timeout: float, freed: Callable[[], None] | None = None) -> None:
@@ -1088,6 +1088,13 @@ class CudaBackend(Backend):
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
         self.host_words = HostControlWords(device)
         self.kernels = ck.kernels_for_device(device)  # compiled and loaded before serving
+        # Room for the chains' graphs, made now: later, growing it would wait for running
+        # kernels (cuda_chain.GraphReserve). (No chain when its limit is 0, and none with the
+        # timeline or the gate kernel, which take launches.)
+        self.graph_reserve = (
+            cuda_chain.GraphReserve(self.kernels, self.ll_num_sms, cfg.ll_chain_members)
+            if cfg.ll_chain_graphs and cfg.ll_chain != "off" and cfg.ll_chain_members > 0
+            and not cfg.ll_chain_gate and not cuda_chain.TIMELINE else None)
         if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
             from .cuda_remote import remote_kernels_for_device
             remote_kernels_for_device(device)

@@ -12,10 +12,14 @@ client's trigger and the kernels.
 
 The last kernel logs the entry (LL_RING_LOG, where the host reads which op ran), clears
 ring[j] and publishes the head from the member's device state (LLS_K), so that an instance can
-also be one CUDA graph launch (EPD_CHAIN_GRAPH=1, opt-in): LL_RING graphs, one per ring
-position j, each a stream wait for ring[j] to be nonzero (published) and the kernels with
+also be one CUDA graph launch (`--ll-chain-graphs`, on by default): LL_RING graphs, one per
+ring position j, each a stream wait for ring[j] to be nonzero (published) and the kernels with
 k = j; a top-up is then one driver call per call where a stream wait on the tail and four
 launches are five.
+The driver grows a context's room for live graph executables in steps, and a growth waits for
+every kernel running on the device (a peer's low-latency kernel spinning for this rank
+included), so the graphs are only instantiated in room the engine made before it served
+(`GraphReserve`).
 
 What the host still does: write a descriptor when an op is armed and clear it when disarmed
 (an entry carries the descriptor's generation, so a stale entry runs nothing), and drain the
@@ -66,14 +70,6 @@ DEPTH = min(max(int(_depth), 2), abi.LL_RING) if _depth.isdigit() else abi.LL_RI
 # Diagnostic (docs/GPU_NOTES.md): CUDA events around each instance's wait and kernels, their
 # GPU times into epd_ll_chain_seconds{segment}, read back by the poller off the call's path.
 TIMELINE = os.environ.get("EPD_CHAIN_TIMELINE", "") not in ("", "0")
-# EPD_CHAIN_GRAPH=1 (opt-in): an instance as one CUDA graph launch (of LL_RING fixed ones, by
-# ring position: the wait for its entry and its kernels) instead of a stream wait and four
-# launches, so the host's top-up is one driver call per call (engine work per low-latency op
-# 33-47 -> 14-26 µs on one H100). Not the default: on a fresh engine the first chain's
-# capture stalled its ArmStreamOp past the call's deadline in 4 of 4 device calls, once per
-# call (docs/BENCHMARKS.md, thirty-first session). Off with the timeline (events between the
-# kernels) and with the gate kernel (its want is k).
-GRAPH = os.environ.get("EPD_CHAIN_GRAPH", "") == "1"
 TRAITS = {"Bf16": 0, "F16": 1, "F32": 2}
 _lingering: list[LowLatencyChain] = []  # closed with kernels still queued: freed when done
 _lingering_lock = threading.Lock()  # (closes on sessions' threads, prunes on the poller's)
@@ -99,12 +95,69 @@ class ChainOp:
     entry: int  # index | generation << 16 (the trigger adds buffer << 8)
 
 
+class GraphReserve:
+    """Room for the chains' CUDA graphs, made while the device is idle.
+
+    The driver keeps room for a number of live graph executables per context and grows it in
+    steps (on an H200: at the 32nd, then past 512 once 512 had been made); a growth waits for
+    every kernel running on the device to end (benchmarks/graph_instantiate_probe.py). A chain
+    built while a peer's low-latency kernel spun for this rank stalled in
+    cuGraphInstantiateWithFlags until that kernel's deadline, holding the driver's lock
+    against every other thread of the engine (docs/DESIGN_NOTES.md, "Chain instances as CUDA
+    graphs"). The room stays once grown, so before the engine serves, this instantiates
+    `chains` x LL_RING graphs of an instance's shape (the chain's own kernels on scratch
+    buffers; never launched) and frees them; a chain then takes LL_RING of that room or
+    enqueues its instances by launches."""
+
+    def __init__(self, kernels: Any, num_sms: int, chains: int) -> None:
+        self._lock = threading.Lock()
+        self.free = 0
+        ring = cp.zeros(abi.LL_RING_RELEASED + 1, np.uint32)
+        table = cp.zeros((abi.LL_CHAIN_OPS, abi.LLX_WORDS), np.uint64)
+        state = cp.zeros(abi.LLS_WORDS, np.uint64)
+        entry = cp.zeros(abi.LL_RING, np.uint32)
+        launches = [launch for _, launch in kernels.chain_launches(
+            ring.data.ptr, table, state, num_sms, "Bf16", False, entry)]
+        capture = cp.cuda.Stream(non_blocking=True)
+
+        def instance(stream: int) -> None:
+            cuda_driver.stream_wait_nonzero(stream, ring.data.ptr)
+            for launch in launches:
+                launch(capture)
+
+        t0 = time.perf_counter()
+        graphs = []
+        try:
+            for _ in range(chains * abi.LL_RING):
+                graphs.append(cuda_driver.Graph(capture.ptr, instance))
+        finally:
+            for g in graphs:
+                g.close()
+        self.free = chains
+        log.info("room for %d chains' graphs (%d) made in %.1f ms", chains, len(graphs),
+                 (time.perf_counter() - t0) * 1e3)
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.free <= 0:
+                return False
+            self.free -= 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.free += 1
+
+
 class LowLatencyChain:
     def __init__(self, runner: Any, kernels: Any, ring_words: np.ndarray, ring_ptr: int,
                  num_sms: int, priority: int, gate: bool = False,
-                 trait: str | None = None, group: str = "") -> None:
+                 trait: str | None = None, group: str = "",
+                 reserve: GraphReserve | None = None) -> None:
         """`ring_words`: the chain slot as int32 host words; `ring_ptr`: its device address;
-        `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait; `trait`:
+        `gate`: wait for the tail in a spinning one-thread kernel, not a stream wait;
+        `reserve`: the engine's room for graphs (instances as graph launches where it has
+        LL_RING left; None: launches); `trait`:
         the element type of the member's combines (its group's dtype), whose reduce kernel
         alone the chain launches (None, or EPD_CHAIN_REDUCE=generic: the one for any type);
         `group`: the group's name (its metrics)."""
@@ -134,8 +187,14 @@ class LowLatencyChain:
             self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
-            self.graphs = (self._build_graphs(group) if GRAPH and not TIMELINE and not gate
-                           else None)
+            # (not with the timeline's events between the kernels, nor the gate kernel,
+            # whose want is k)
+            self.reserve = (reserve if reserve is not None and not TIMELINE and not gate
+                            and reserve.take() else None)
+            if reserve is not None and self.reserve is None and not TIMELINE and not gate:
+                log.info("group %r: the chain enqueues its instances by launches (the "
+                         "engine's room for graphs is taken: --ll-chain-members)", group)
+            self.graphs = self._build_graphs(group) if self.reserve is not None else None
         self.words[:abi.LL_RING_RELEASED + 1] = 0
         self.ops: dict[int, ChainOp] = {}
         self._free = list(range(abi.LL_CHAIN_OPS))
@@ -154,7 +213,7 @@ class LowLatencyChain:
         self._last_finish: Any = None
         self._looked: float | None = None  # TIMELINE: the host's previous top_up
         self.top_up()
-        if self.enqueue_seconds > 1.0:  # (the first launches of the graphs: uploads)
+        if self.enqueue_seconds > 1.0:  # (the graphs' first launches upload them)
             log.warning("group %r: the chain's first %d instances took %.1f s to enqueue",
                         group, DEPTH, self.enqueue_seconds)
 
@@ -262,6 +321,7 @@ class LowLatencyChain:
                         "at a time: capturing them failed (%s)", group, e)
             for g in graphs:
                 g.close()
+            self._give_back()
             return None
         took = time.perf_counter() - t0
         slow = max(graphs, key=lambda g: g.capture_seconds + g.instantiate_seconds)
@@ -286,7 +346,14 @@ class LowLatencyChain:
         """(Once the chain's stream is done: no launch of them is pending.)"""
         for g in self.graphs or ():
             g.close()
+        if self.graphs is not None:
+            self._give_back()
         self.graphs = None
+
+    def _give_back(self) -> None:
+        if self.reserve is not None:
+            self.reserve.give()
+            self.reserve = None
 
     def _enqueue(self, k: int) -> None:
         if self.graphs is not None:
