@@ -164,6 +164,11 @@ class Config:
                 "graphs per chain, room for --ll-chain-members chains' made before the engine "
                 "serves) instead of a stream wait and four launches: the engine's host work "
                 "per low-latency call about halves (docs/BENCHMARKS.md, thirty-first session)"})
+    ll_chain_poll_us: int = field(default=500, metadata={
+        "help": "cuda backend: while every armed ring of an engine is chained, the poller "
+                "tops the chains up every this many microseconds instead of spinning (a chain "
+                "holds 64 instances ahead: no call waits for the look); 0 spins as for the "
+                "poller's own rings"})
     ll_chain_members: int = field(default=8, metadata={
         "help": "cuda backend: members per engine with a chain (each holds one stream "
                 "blocked in a GPU wait, i.e. one of the engine's hardware queues); later "
@@ -531,7 +536,8 @@ def _check_limits(cfg: Config) -> None:
     _check_range(cfg, "max_sessions_per_uid", 0, note="0: no cap below --max-sessions")
     _check_range(cfg, "ll_chain_members", 0, note="0: no chain")
     for name in ("fast_path_spin_us", "fast_path_spin_max_us", "gil_switch_us",
-                 "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us"):
+                 "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us",
+                 "ll_chain_poll_us"):
         _check_range(cfg, name, 0)
 
 

@@ -662,7 +662,7 @@ def _ringed(ops, op, ring=None):
     return ring
 
 
-def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0):
+def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0, chain_poll_us: int = 500):
     """A stand-in engine for StreamOps's poller thread: its spin and poll settings, and the
     engine state whose calls in flight shorten the spin (none here unless `inflight`)."""
     import types
@@ -670,7 +670,8 @@ def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0):
     return types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(stream_op_spin_us=spin_us, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=poll_us),
+                                     stream_op_poll_us=poll_us,
+                                     ll_chain_poll_us=chain_poll_us),
         state=types.SimpleNamespace(last_call=0.0, inflight=inflight))
 
 
@@ -999,7 +1000,8 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
         config=types.SimpleNamespace(ll_chain=chain, ll_chain_members=4, timeout_seconds=1.0,
                                      cuda_max_connections=32,
                                      stream_op_spin_us=0, stream_op_busy_spin_us=0,
-                                     stream_op_poll_us=1000, max_stream_ops_per_session=64),
+                                     stream_op_poll_us=1000, max_stream_ops_per_session=64,
+                                     ll_chain_poll_us=500),
         state=types.SimpleNamespace(last_call=0.0, inflight=0),
         ll_dispatch_args=lambda session, inner: (member, args, None),
         _timeout=lambda t: 1.0)
@@ -1238,6 +1240,47 @@ def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
     finally:
         release.set()
         ops.stop()
+
+
+def test_the_poller_naps_only_while_every_ring_is_a_deep_chain() -> None:
+    """A chain holds its instances enqueued ahead, so no call waits for the poller's look: it
+    naps --ll-chain-poll-us between top-ups. A poller ring (its calls launched by the look),
+    a shallow chain, or 0 keeps the spin."""
+    from epd.server.engine import stream_ops as S
+    cfg = types.SimpleNamespace(ll_chain_poll_us=500)
+    deep = types.SimpleNamespace(chain=types.SimpleNamespace(depth=64))
+    shallow = types.SimpleNamespace(chain=types.SimpleNamespace(depth=S.CHAIN_NAP_DEPTH - 1))
+    poller = types.SimpleNamespace(chain=None)
+    assert S.chain_nap(cfg, [deep, deep]) == pytest.approx(500e-6)
+    assert S.chain_nap(cfg, [deep, poller]) == 0.0
+    assert S.chain_nap(cfg, [deep, shallow]) == 0.0
+    assert S.chain_nap(types.SimpleNamespace(ll_chain_poll_us=0), [deep]) == 0.0
+
+
+@pytest.mark.parametrize("chain_poll_us", [0, 20_000])
+def test_a_poller_of_chains_only_looks_every_nap(chain_poll_us: int) -> None:
+    """With every ring chained and calls running (each top-up finds some), the poller that
+    would spin for 5 s looks once per 20 ms nap; with naps off it looks without pause."""
+    from epd.proto import abi
+    from epd.server.engine import stream_ops as S
+
+    looks = []
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-g"), dispatches=0,
+                                   combines=0)
+    chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0,
+                                  top_up=lambda: looks.append(1) or [abi.LLX_DISPATCH])
+    ops = S.StreamOps(_poller_engine(spin_us=5_000_000, poll_us=50,
+                                     chain_poll_us=chain_poll_us))
+    ops.rings[1] = types.SimpleNamespace(chain=chain, member=member)
+    ops._ensure_thread()
+    try:
+        time.sleep(0.3)
+    finally:
+        ops.stop()
+    if chain_poll_us:
+        assert 3 <= len(looks) <= 16, len(looks)  # ~15 naps of 20 ms in 0.3 s
+    else:
+        assert len(looks) > 100, len(looks)
 
 
 def test_chain_top_ups_count_as_engine_work(monkeypatch) -> None:

@@ -9,6 +9,8 @@
 #          # kernel (idle, then while one spins), without MPS and under MPS
 #   reserve  # the chain's graphs (now the default) in room made before serving: the chain's
 #            # tests, then the low-latency rows with graphs and with launches (~6 minutes)
+#   nap  # the poller's nap while every ring is chained: the chain's tests, the low-latency
+#        # rows with the nap and with the spin (~3 minutes)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
@@ -49,5 +51,16 @@ case "${1:-}" in
       grep -E "room for|graphs built" "$OUT/reserve_bench_$g.log" | head -3
     done
     ;;
-  *) echo "usage: $0 graphstall|probe|reserve" >&2; exit 2 ;;
+  nap)  # the poller naps between top-ups while every ring is chained: the chain's tests,
+    # then the low-latency rows with the nap (the default) and with the spin (POLL_US=0)
+    STEP_TEST_SECONDS=90 step nap 200 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
+    for us in 500 0; do
+      EPD_LL_CHAIN_POLL_US=$us timeout 120 python3 -P -m epd.server.cli bench --ranks 2 \
+          --shapes D --iters 80 --low-latency --expert-intermediate 0 \
+          --json "$OUT/nap_bench_$us.json" > "$OUT/nap_bench_$us.log" 2>&1
+      echo "== EPD_LL_CHAIN_POLL_US=$us rc=$?"
+      clean < "$OUT/nap_bench_$us.log" | grep -E "low latency|PASS|FAIL|host work|Error" | head
+    done
+    ;;
+  *) echo "usage: $0 graphstall|probe|reserve|nap" >&2; exit 2 ;;
 esac

@@ -199,6 +199,7 @@ class LowLatencyChain:
         self.ops: dict[int, ChainOp] = {}
         self._free = list(range(abi.LL_CHAIN_OPS))
         self.enqueued = 0
+        self.depth = DEPTH  # (instances kept enqueued ahead: the poller's nap reads it)
         self.seen = 0  # the head at the last top_up
         # the last top_up's time in the driver calls that enqueue instances (the poller
         # reports it in a slow round: epd_stream_poller_slow_seconds{part="enqueue"})

@@ -76,6 +76,9 @@ RELEASE_WAIT_SECONDS = 5.0  # releasing an op: longest wait for the session's ru
 # chains' top-ups, the rings' launches, the sleep or yield (with the wait for the interpreter
 # after it). A chain runs dry, and a poller-path call waits, when rounds are this slow.
 SLOW_POLL_SECONDS = 1e-3
+# A chain this deep (instances enqueued ahead of its head) outlasts the poller's nap
+# (--ll-chain-poll-us): at one instance per ~100 µs call, 16 hold 1.6 ms.
+CHAIN_NAP_DEPTH = 16
 _NO_WATCH = contextlib.nullcontext()  # (reusable)
 AUTO_CHAIN_QUEUES = 32  # --ll-chain auto chains nothing with fewer hardware queues (chain_limit)
 TOP_UP_METHOD = "LowLatencyChainTopUp"  # epd_request_cpu_seconds{method}: the chains' top-ups
@@ -92,6 +95,19 @@ def spin_window(config: Any, last_call: float, inflight: int, now: float) -> flo
     if inflight or now - last_call < spin:
         return min(spin, config.stream_op_busy_spin_us * 1e-6)
     return spin
+
+
+def chain_nap(config: Any, rings: list[Ring]) -> float:
+    """Seconds the poller may stay away after a look, 0 to go on as for the poller's own
+    rings (spin after a trigger, poll when idle). While every armed ring is chained with at
+    least CHAIN_NAP_DEPTH instances enqueued ahead, no call waits for the poller (it only
+    tops the chains up), so spinning would cost a core per engine for nothing (the engine's
+    CPU per graph-replayed low-latency pair was the pair's whole time, ~240 µs, on one H100;
+    docs/BENCHMARKS.md, thirty-second session)."""
+    if config.ll_chain_poll_us <= 0 or not all(
+            r.chain is not None and r.chain.depth >= CHAIN_NAP_DEPTH for r in rings):
+        return 0.0
+    return config.ll_chain_poll_us * 1e-6
 
 
 def chain_wanted(config: Any, session: Session, member: GroupMember) -> bool:
@@ -512,6 +528,7 @@ class StreamOps:
                     if ring.chain is None and self._run_ring(ring, gap):
                         fired = True
             now = time.perf_counter()
+            idle = False
             if fired:
                 last = now
                 launched += 1
@@ -519,8 +536,13 @@ class StreamOps:
                     self._flush_metrics()
             elif now - last > spin_window(cfg, state.last_call, state.inflight, now):
                 self._flush_metrics()
+                idle = True
+            nap = chain_nap(cfg, rings)
+            if nap:  # (chains only: no call waits for this thread's look)
+                time.sleep(nap)
+            elif idle:
                 time.sleep(period)
-            else:
+            elif not fired:
                 spin.relax()  # without the GIL (the sessions' threads need it), no timer
             end = time.perf_counter()
             if end - top > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
