@@ -1,6 +1,6 @@
 """Does a CUDA driver call wait for a kernel that is still running? (device diagnostic)
 
-The opt-in chain graphs (EPD_CHAIN_GRAPH=1) stalled in cuGraphInstantiateWithFlags while a
+The chain graphs (then opt-in, EPD_CHAIN_GRAPH=1) stalled in cuGraphInstantiateWithFlags while a
 peer's low-latency kernel spun on the same GPU (docs/DESIGN_NOTES.md, "Chain instances as CUDA
 graphs"). This times, while a one-block kernel spins for SPIN seconds on another stream, each
 driver call that the chain's graph build and top-ups make: a capture, an instantiation (a

@@ -6,7 +6,7 @@ released word, reports RELEASED there and stops: nothing would run it), takes th
 next ring entry (the ring, its tail and head are int32 words of the member's ring slot in the
 session's counter page, mapped host memory), writes `entry` there and publishes
 `tail = k + 1`; the engine's poller (server/engine/stream_ops.py), or the member's GPU chain
-waiting for that tail (or, with EPD_CHAIN_GRAPH=1, for the entry itself:
+waiting for that tail (or, with its instances as CUDA graphs, for the entry itself:
 server/backends/cuda_chain.py), runs the op, in ring order. A kernel rather than stream
 memory writes because k is only known on the GPU: a CUDA graph replays the same writes, and
 the same kernel reads the tail anew each time. The ring holds 64 entries; when the engine is

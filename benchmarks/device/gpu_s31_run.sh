@@ -16,6 +16,8 @@
 #   next  # the review's fixes after the device time (not yet run on a GPU), ~9 minutes,
 #         # (the tests, launches then graphs)
 #   nextbench  # the low-latency rows with the trigger's fence
+# (EPD_CHAIN_GRAPH is gone since the thirty-second session: graphs are the default, in room
+# made before serving; EPD_LL_CHAIN_GRAPHS=0 turns them off.)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in

@@ -4,7 +4,8 @@
 # /tmp/head && cd /tmp/head && bash benchmarks/device/gpu_s32_run.sh graphstall
 #   graphstall  # graph mode's first arm (it stalls for good): the chain's first test with the
 #               # daemon's whole log, every engine thread's stack (SIGUSR1) 50 s in, then the
-#               # same test with CUDA_MODULE_LOADING=EAGER
+#               # same test with CUDA_MODULE_LOADING=EAGER (ran on tree cfe6900,
+#               # before GraphReserve; EPD_CHAIN_GRAPH has no effect since)
 #   probe  # benchmarks/graph_instantiate_probe.py: which driver calls wait for a running
 #          # kernel (idle, then while one spins), without MPS and under MPS
 #   reserve  # the chain's graphs (now the default) in room made before serving: the chain's
