@@ -117,6 +117,26 @@ def test_client_cannot_release_a_rank_on_node_sock(daemon):
         s1.close()
 
 
+def test_sigusr1_writes_every_threads_stack_and_the_daemon_goes_on(daemon):
+    """`kill -USR1` on an engine or the supervisor writes every thread's stack into the log
+    (a hang in a driver call shows where), and neither process stops: calls still run."""
+    pids = [int(p) for p in re.findall(r"engine 0 \(.*?\) started \(pid (\d+)\)",
+                                         daemon.log())]
+    assert pids, daemon.log()[-2000:]
+    before = daemon.log().count("most recent call first")
+    os.kill(pids[-1], signal.SIGUSR1)
+    wait_until(lambda: daemon.log().count("most recent call first") > before, 10,
+               "the engine's stacks in the log")
+    assert "in _serve" in daemon.log() or "in run" in daemon.log()  # (the engine's threads)
+    seen = daemon.log().count("most recent call first")
+    os.kill(daemon.proc.pid, signal.SIGUSR1)
+    wait_until(lambda: daemon.log().count("most recent call first") > seen, 10,
+               "the supervisor's stacks in the log")
+    assert daemon.proc.poll() is None
+    with Session(daemon.socket(0)) as s:  # the engine still serves
+        assert s.empty((16,), np.float32) is not None
+
+
 # -- 7: budgets per session --------------------------------------------------------------------
 def test_one_sessions_region_budget_does_not_refuse_another(daemon):
     with Session(daemon.socket(0)) as greedy, Session(daemon.socket(0)) as other:
