@@ -68,6 +68,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
     assert "EPD host work CPU per call" in proc.stdout
+    assert "EPD engine process CPU per call by thread, µs: " in proc.stdout
     assert "EPD's low-latency calls, per rank (armed ops on the GPU chain or the engine's " \
         "poller, or synchronous calls): " in proc.stdout
     if os.path.isdir("/dev/shm"):
@@ -100,6 +101,9 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
                              epd["engine_work_cpu_us_per_call"])
         assert 0 < work <= epd["client_cpu_us_per_call"] * 1.05 + 5, (key, epd)
         assert engine_work is not None and engine_work > 0, (key, epd)
+        # the engine's process CPU by thread name: the named threads that served the calls
+        by_thread = epd["engine_cpu_us_per_call_by_thread"]
+        assert by_thread and any(n.startswith("epd-") for n in by_thread), (key, by_thread)
         assert row["ratios"]["epd_over_pipeline"] is not None
         # who ran the armed low-latency ops: none are armed on the cpu backend
         assert epd["low_latency_path"] == (["synchronous"] * 2 if key[1] in LL_ROWS

@@ -26,6 +26,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from ...proto.thread_names import NamedThread
 from ..in_flight import InFlight
 
 log = logging.getLogger("epd.cuda")
@@ -61,8 +62,8 @@ class QuietCloser:
             self._pending.append(close)
             self._report(len(self._pending))
             if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._run, name="epd-ipc-close",
-                                                 daemon=True)
+                self._thread = NamedThread(target=self._run, name="epd-ipc-close",
+                                            daemon=True)
                 self._thread.start()
         self._wake.set()
 

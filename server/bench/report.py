@@ -67,6 +67,10 @@ def fold(results: list[dict], num_ranks: int) -> list[dict]:
                                                              for rec in recs]))),
                 "engine_cpu_us_per_call": (_us(engine[0] / (calls * num_ranks)) if engine
                                            else None),
+                "engine_cpu_us_per_call_by_thread": next(
+                    ({name: _us(sec / (calls * num_ranks)) for name, sec in
+                      sorted(rec["engine_cpu_by_thread_s"].items(), key=lambda kv: -kv[1])}
+                     for rec in recs if rec.get("engine_cpu_by_thread_s")), None),
                 # issue 10's "host CPU per call": the work, without waits and spins
                 "client_work_cpu_us_per_call": _us(float(np.mean(
                     [rec.get("client_work_cpu_s", rec["client_cpu_s"]) / calls
@@ -206,6 +210,15 @@ def table(summary: dict) -> str:
                                  f"{_fmt(e.get('client_work_cpu_us_per_call'))} / "
                                  f"{_fmt(e.get('engine_work_cpu_us_per_call'))}"
                                  for row, e in work))
+    threads = [(row, row["results"].get(EPD, {}).get("engine_cpu_us_per_call_by_thread"))
+               for row in summary["rows"]]
+    threads = [(row, t) for row, t in threads if t]
+    if threads:  # (the engine process's CPU above, by its threads' names: the top four)
+        lines.append("\nEPD engine process CPU per call by thread, µs: "
+                     + "; ".join(f"{row['shape']} {row['row']}: "
+                                 + ", ".join(f"{name} {us:.1f}"
+                                             for name, us in list(t.items())[:4])
+                                 for row, t in threads))
     return "\n".join(lines)
 
 

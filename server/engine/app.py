@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ...proto import fd_channel
+from ...proto.thread_names import name_this_thread
 from .. import config as config_mod
 from .. import metrics
 from ..backends import make_backend
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s engine{ns.index} %(levelname)s %(message)s")
     die_with_supervisor()
+    name_this_thread(f"epd-engine{ns.index}")  # (the process's name in ps and top too)
     # `kill -USR1 <engine pid>` writes every thread's stack to the log: a call that hangs in a
     # driver call shows where, without stopping the engine.
     faulthandler.register(signal.SIGUSR1, all_threads=True)

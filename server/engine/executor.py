@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 import grpc
 
 from ...proto.errors import Aborted, EpdError, Unavailable
+from ...proto.thread_names import named_initializer
 from .watchdog import SlowOperations
 
 log = logging.getLogger("epd.engine")
@@ -141,7 +142,8 @@ class SessionExecutor:
         self.slow = slow  # the engine's watchdog of operations that run too long
         self.op_lock = threading.Lock()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-{name}",
-                                         initializer=thread_init)
+                                         initializer=named_initializer(f"epd-{name}",
+                                                                       thread_init))
         self.transports: list[Transport] = []
         self.closing: str | None = None  # why later calls are refused
         # Seconds the running operation waited for the worker and the lock before it ran.

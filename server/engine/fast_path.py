@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ import grpc
 from ...proto import operations, spin
 from ...proto import ring as R
 from ...proto.errors import EpdError, PermissionDenied, ResourceExhausted, status_value
+from ...proto.thread_names import NamedThread
 from .. import metrics
 from .decoding import decode
 from .executor import as_epd_error
@@ -52,8 +52,8 @@ class FastPathServer:
         # Ring id -> (registry operation, the engine's function for it).
         self._ops: dict[int, tuple[operations.Operation, OperationFn]] = {
             rid: (op, engine.operation(op.name)) for rid, op in operations.BY_RING_ID.items()}
-        self.thread = threading.Thread(target=self._serve, daemon=True,
-                                       name=f"epd-fast-{session.session_id[:6]}")
+        self.thread = NamedThread(target=self._serve, daemon=True,
+                                  name=f"epd-fast-{session.session_id[:6]}")
         # The thread's metric updates (request counts, their CPU, the operations' own), added
         # to Prometheus in batches when it is about to sleep, every FLUSH_EVERY requests and at
         # stop: one multiprocess update costs several microseconds, a round trip's budget.

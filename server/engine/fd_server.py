@@ -32,6 +32,7 @@ import grpc
 
 from ...proto import fd_channel as fdc
 from ...proto.errors import EpdError, InvalidArgument, PermissionDenied, status_value
+from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics
 from .executor import as_epd_error
@@ -77,7 +78,7 @@ class FdServer:
         # session id -> its bound connections (shut down when it ends: drop_session)
         self._bound: dict[str, set[socket.socket]] = {}
         self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._accept, daemon=True, name="epd-fds")
+        self.thread = NamedThread(target=self._accept, daemon=True, name="epd-fds")
 
     def start(self) -> None:
         self.thread.start()
@@ -118,8 +119,8 @@ class FdServer:
                 self._unbound[uid] = unbound + 1
             conn.settimeout(FIRST_REQUEST_SECONDS)
             try:
-                threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                                 name="epd-fds-conn").start()
+                NamedThread(target=self._serve, args=(conn, peer), daemon=True,
+                            name="epd-fds-conn").start()
             except RuntimeError as e:  # (no thread could start: the connection is let go, and
                 # its counts with it, or they stayed counted against the caps for good)
                 log.warning("descriptor channel: cannot serve a connection of uid %d (%s)",

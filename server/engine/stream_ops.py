@@ -52,6 +52,7 @@ from ...proto.errors import (
     NotFound,
     ResourceExhausted,
 )
+from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
 from . import tensors
@@ -477,8 +478,8 @@ class StreamOps:
     def _ensure_thread(self) -> None:
         with self._lock:  # (sessions arm on their own workers: one poller, whoever is first)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._poll, daemon=True,
-                                                name=f"epd-streamops-{self.engine.index}")
+                self._thread = NamedThread(target=self._poll, daemon=True,
+                                           name=f"epd-poller-{self.engine.index}")
                 self._thread.start()
         self._wake.set()
 

@@ -18,6 +18,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ...proto.thread_names import NamedThread
+
 log = logging.getLogger("epd.engine")
 
 STACK_FRAMES = 12  # the innermost frames: where it waits
@@ -42,7 +44,7 @@ class SlowOperations:
         self.threshold, self.period = threshold, period
         self._running: dict[int, _Running] = {}  # thread ident -> its operation
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="epd-slow-ops", daemon=True)
+        self._thread = NamedThread(target=self._watch, name="epd-slow-ops", daemon=True)
         self._thread.start()
 
     def begin(self, name: str, session: str) -> None:

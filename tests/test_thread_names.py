@@ -1,0 +1,58 @@
+"""EPD's threads carry their names into the OS (proto/thread_names.py), where `top -H`, `ps -L`
+and `epd bench`'s engine CPU by thread read them."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from epd.proto.thread_names import NamedThread, named_initializer
+from epd.server.bench.workers import cpu_by_thread
+
+
+def _comm() -> str:
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+        return f.read().strip()
+
+
+def test_a_named_thread_has_its_name_in_the_os_cut_to_15_bytes() -> None:
+    seen: list[str] = []
+    t = NamedThread(target=lambda: seen.append(_comm()), name="epd-poller-0")
+    t.start()
+    t.join(5)
+    long = NamedThread(target=lambda: seen.append(_comm()), name="epd-a-rather-long-name")
+    long.start()
+    long.join(5)
+    assert seen == ["epd-poller-0", "epd-a-rather-lo"]
+
+
+def test_an_executor_worker_is_named_then_runs_the_given_initializer() -> None:
+    ran: list[str] = []
+    with ThreadPoolExecutor(1, initializer=named_initializer(
+            "epd-s1a2b3c", lambda: ran.append("init"))) as ex:
+        assert ex.submit(_comm).result(5) == "epd-s1a2b3c"
+    assert ran == ["init"]
+
+
+def test_cpu_by_thread_folds_session_ids_and_counts_a_busy_thread() -> None:
+    import os
+
+    def burn() -> None:
+        t = time.thread_time()
+        while time.thread_time() - t < 0.05:
+            pass
+    t = NamedThread(target=lambda: (burn(), done.wait(5)), name="epd-fast-abc123")
+    done = threading.Event()
+    t.start()
+    try:
+        deadline = time.monotonic() + 5
+        got = cpu_by_thread([os.getpid()])
+        while got.get("epd-fast-*", 0.0) < 0.04 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            got = cpu_by_thread([os.getpid()])
+        assert got.get("epd-fast-*", 0.0) >= 0.04, got
+        assert "epd-fast-abc123" not in got
+    finally:
+        done.set()
+        t.join(5)
