@@ -955,7 +955,7 @@ def test_two_sessions_arming_at_once_start_one_poller(monkeypatch) -> None:
             started.append(self)
 
     ops = S.StreamOps(types.SimpleNamespace(index=0))
-    monkeypatch.setattr(S, "threading", types.SimpleNamespace(Thread=SlowThread))
+    monkeypatch.setattr(S, "NamedThread", SlowThread)
 
     def arm() -> None:
         gate.wait()
