@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..proto import abi, kernel_sources
+from ..proto import abi, host_order, kernel_sources
 from ..proto.errors import InvalidArgument
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
@@ -109,8 +109,10 @@ class LocalLayout:
 
     def check(self) -> None:
         """Raise (once) a bad expert id an earlier layout of this rank skipped."""
-        if not self.words[abi.CTRL_CALL_ERR]:
+        code = int(self.words[abi.CTRL_CALL_ERR])
+        if not code or code == abi.CALL_ERR_CLAIMED:  # (claimed: the kernel is writing it)
             return
+        host_order.consume()  # (the code seen before the value is read)
         value = int(self.words[abi.CTRL_CALL_ERR_VALUE])
         self.words[abi.CTRL_CALL_ERR_VALUE] = 0
         self.words[abi.CTRL_CALL_ERR] = 0

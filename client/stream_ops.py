@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver
+from ..proto import abi, counter_page, cuda_driver, host_order
 from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import cuda_ipc, ll_trigger
@@ -136,6 +136,7 @@ class StreamOp:
         word first, then the done word (client/ll_trigger.py reads them in the other order)."""
         if self._ring_words is not None:
             self._ring_words[abi.LL_RING_RELEASED] = 1
+            host_order.publish()
         self._words[DONE] = DONE_RELEASED
 
     def disarm(self) -> None:

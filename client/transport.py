@@ -21,7 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from ..proto import fd_channel as fdc
-from ..proto import operations, spin
+from ..proto import host_order, operations, spin
 from ..proto import ring as R
 from ..proto.errors import (
     EpdError,
@@ -304,8 +304,10 @@ class FastPathTransport(Transport):
             words[R.S_LENGTH] = len(data)
             words[R.S_STATUS] = 0
             R.set_seq(words, seq)
+            host_order.publish()  # (the request before its state)
             words[R.S_STATE] = R.SUBMITTED
             self.ring.header[R.DOORBELL] += 1
+            host_order.full()  # (our stores before the engine's waiting word is read)
             if self.ring.header[R.ENGINE_WAITING]:
                 R.futex_wake(self.ring.doorbell_addr)
             call = _RingCall(self, op, slot, seq, deadline)
@@ -372,6 +374,7 @@ class FastPathTransport(Transport):
     def _take(self, call: _RingCall) -> Message | EpdError:
         """The answer in the call's slot, which goes back to the ring."""
         words, payload, _ = self.ring.slot(call.slot)
+        host_order.consume()  # (the DONE seen before the answer is read)
         status = int(words[R.S_STATUS])
         n = int(words[R.S_LENGTH])
         data = bytes(payload[:n])

@@ -21,6 +21,7 @@ typedef unsigned long long u64;
 #define CTRL_ERR_SEQ 4         // sequence of the failed collective
 #define CTRL_CALL_ERR 5        // bad input of the current stream-ordered call (cleared when reported)
 #define CTRL_CALL_ERR_VALUE 7  // the offending value (an expert id)
+#define CALL_ERR_CLAIMED 0xFFFF  // CTRL_CALL_ERR while its first reporter writes the value
 #define CTRL_TICKET 6          // last-block ticket of the data kernels (u32 in the low half)
 #define CTRL_NOTIFY_FLAG 8     // [R] notify payload from source s has arrived (value = seq)
 #define CTRL_DISPATCH_FLAG 16  // [R] source s finished its dispatch pushes
@@ -219,12 +220,18 @@ __device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int 
 
 // A bad value in a call's inputs (an expert id out of range): the entry is skipped, so every rank
 // still moves consistent data, and the call's last kernel reports it (epd_call_done).
+// The first reporter claims the word, writes the value, then the code: a host reading the
+// words while the kernel still runs (the client's layout check) never takes a code with
+// another call's value.
 __device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value,
                                                  int code = ERR_BAD_INPUT) {
     if (ctrl != nullptr &&
         atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_CALL_ERR), 0ull,
-                  (unsigned long long)code) == 0ull)
+                  (unsigned long long)CALL_ERR_CLAIMED) == 0ull) {
         ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
+        __threadfence_system();
+        reinterpret_cast<volatile u64*>(ctrl)[CTRL_CALL_ERR] = (u64)code;
+    }
 }
 
 // Token t's destination ranks (bit d: rank d holds one of its top-k experts, each rank once),

@@ -32,6 +32,9 @@ CTRL_ERR_PHASE = 3  # which wait failed (PHASE_*)
 CTRL_ERR_SEQ = 4  # sequence of the failed collective
 CTRL_CALL_ERR = 5  # bad input of the current stream-ordered call (code; cleared when reported)
 CTRL_CALL_ERR_VALUE = 7  # the offending value (an expert id)
+# CTRL_CALL_ERR while its first reporter writes the value (then the code): a host that reads
+# the words while the kernel runs (the client's layout check) waits for the code
+CALL_ERR_CLAIMED = 0xFFFF
 CTRL_TICKET = 6
 CTRL_NOTIFY_FLAG = 8
 CTRL_DISPATCH_FLAG = 16

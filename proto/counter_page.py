@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import abi, spin
+from . import abi, host_order, spin
 from .abi import NUM_SLOTS, READY_RING, SLOT_BYTES
 from .abi import SLOT_HEADER as HEADER_WORDS
 from .abi import SLOT_NUM_EXPERTS as NUM_EXPERTS
@@ -56,14 +56,14 @@ def slot_words(buf: memoryview | np.ndarray, slot: int) -> np.ndarray:
 
 def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
             per_expert: list[int] | np.ndarray, status: int = 0) -> None:
-    """Host-side writer (CPU backend). x86 stores are not reordered with other stores, and NumPy
-    writes the payload before the sequence store below, so a reader that sees the new sequence
-    sees the payload too."""
+    """Host-side writer (the CPU backend, the engines' cached and refused calls): the counts,
+    then the sequence, so that a reader that sees the new sequence sees the counts too."""
     n = len(per_expert)
     words[HEADER_WORDS:HEADER_WORDS + n] = per_expert
     words[NUM_RECV] = num_recv_tokens
     words[NUM_EXPERTS] = n
     words[STATUS] = status
+    host_order.publish()
     words[SEQ] = sequence
 
 
@@ -84,6 +84,7 @@ def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[in
     go of the GIL at every look (spin.py: the engine's other sessions need it)."""
     if not spin.wait_until(lambda: int(words[SEQ]) >= sequence, timeout):
         return None
+    host_order.consume()  # (the sequence seen before the counts are read)
     n = int(words[NUM_EXPERTS])
     return int(words[NUM_RECV]), words[HEADER_WORDS:HEADER_WORDS + n].tolist()
 
@@ -147,12 +148,15 @@ def stream_failure(words: np.ndarray) -> StreamFailure | None:
     """The latest failure recorded in a slot (int64 words), or None."""
     w32 = words.view(np.int32)
     while True:
+        host_order.consume()  # (a DONE or READY the caller saw before this read)
         seq = int(w32[abi.SLOT32_FAIL_SEQ]) & 0xFFFFFFFF
         if not seq:
             return None
+        host_order.consume()  # (the sequence before the failure's words)
         code = int(w32[abi.SLOT32_FAIL_CODE]) & 0xFFFFFFFF
         f = StreamFailure(seq, code & 0xFF, code >> 8, int(w32[abi.SLOT32_FAIL_RANK]),
                           int(words[abi.SLOT_FAIL_VALUE]))
+        host_order.consume()  # (those words before the sequence is read again)
         if int(w32[abi.SLOT32_FAIL_SEQ]) & 0xFFFFFFFF == seq:  # not rewritten meanwhile
             return f
 
@@ -190,5 +194,7 @@ def fail_stream(words: np.ndarray, seq: int, code: int, rank: int) -> None:
     w32[abi.SLOT32_FAIL_CODE] = code
     w32[abi.SLOT32_FAIL_RANK] = rank
     words[abi.SLOT_FAIL_VALUE] = 0
+    host_order.publish()  # (the failure's words before its sequence, that before DONE)
     w32[abi.SLOT32_FAIL_SEQ] = np.int32(np.uint32(seq))
+    host_order.publish()
     w32[abi.SLOT32_DONE] = np.int32(np.uint32(seq))

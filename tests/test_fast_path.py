@@ -79,6 +79,55 @@ def test_both_paths_give_the_reference(daemon, fast: bool) -> None:
             s.close()
 
 
+def test_the_protocols_with_host_fences_on(monkeypatch) -> None:
+    """What a weakly ordered host (aarch64) runs, forced on here (EPD_HOST_FENCES=1): the
+    fences between data and flags on both sides of the rings, the counter pages and the comm
+    file (proto/host_order.py). Results stay exact and the client's fences ran."""
+    from epd.proto import host_order
+
+    monkeypatch.setenv("EPD_HOST_FENCES", "1")  # (the daemon's engines, at import)
+    ran = {"publish": 0, "consume": 0}
+
+    def counted(kind: str):
+        def fence() -> None:
+            ran[kind] += 1
+            host_order.full()
+        return fence
+    monkeypatch.setattr(host_order, "publish", counted("publish"))
+    monkeypatch.setattr(host_order, "consume", counted("consume"))
+    d = Daemon(backend="cpu", engines=2, timeout_seconds=3, extra=["--fast-path-slots", "4"])
+    try:
+        d.wait_ready(30)
+        sessions = [Session(d.socket(r)) for r in range(2)]
+        try:
+            with ThreadPoolExecutor(2) as ex:
+                res = list(ex.map(lambda r: _round(sessions[r], "fenced", r, WL, rounds=8),
+                                  range(2)))
+            _check(res, WL)
+        finally:
+            for s in sessions:
+                s.close()
+        assert ran["publish"] >= 8 * 3 and ran["consume"] >= 8 * 3, ran
+        assert d.log().count("host memory fences on the shared-memory protocols") == 2
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_fence_is_per_thread_and_never_blocks() -> None:
+    """full() releases and takes again a lock of the calling thread's own: threads never
+    wait for each other's."""
+    from epd.proto import host_order
+
+    def many() -> None:
+        for _ in range(20_000):
+            host_order.full()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as ex:
+        for f in [ex.submit(many) for _ in range(4)]:
+            f.result(10)
+    assert time.perf_counter() - t0 < 10
+
+
 def test_ring_wraps_around_many_times(daemon) -> None:
     """4 slots, 40 rounds of 3 ring calls each: the ring wraps ~30 times, results stay exact."""
     sessions = [Session(daemon.socket(r)) for r in range(2)]

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import counter_page, dtypes
+from ...proto import counter_page, dtypes, host_order
 from ...proto import fd_channel as fdc
 from ...proto.errors import (
     Aborted,
@@ -194,6 +194,7 @@ class CpuRankComm(RankComm):
         shrink = self.spec.shrink
         while True:
             if self._reached(target):
+                host_order.consume()  # (the arrivals seen before the peers' slots are read)
                 return
             if self._stopped is not None:
                 raise Aborted(f"group {self.spec.name!r}: {self._stopped}")
@@ -223,6 +224,9 @@ class CpuRankComm(RankComm):
         return seq
 
     def _arrive(self, seq: int, phase: int) -> None:
+        # (this rank's slot writes, and its reads of the peers' slots, before its arrival:
+        # a peer that sees it may overwrite what was read)
+        host_order.publish()
         self._arrivals[self.rank] = 2 * seq - 2 + phase
 
     # -- call headers: collectives agree or fail together ------------------------------------
@@ -325,6 +329,7 @@ class CpuRankComm(RankComm):
                                        f"back before the deadline (the group goes on without it)")
             late += 1
             time.sleep(20e-6 if late < 5000 else 200e-6)
+        host_order.consume()  # (its arrival seen before its header is read)
         self._agree(seq, [s for s in range(self.spec.num_ranks)
                           if self._mask[s] != self.MASK_GONE])
         self._arrive(seq, 2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...proto import dtypes
+from ...proto import dtypes, host_order
 from ...proto import fd_channel as fdc
 from ...proto.errors import InvalidArgument
 from .base import GroupSpec, RankComm
@@ -154,12 +154,14 @@ def write_abort(header: np.ndarray, reason: str, kind: int = ABORTED) -> None:
     raw = reason.encode()[:ABORT_TEXT_MAX]
     header.view(np.uint8)[ABORT_TEXT:ABORT_TEXT + len(raw)] = np.frombuffer(raw, np.uint8)
     header[_ABORT_LEN] = len(raw)
+    host_order.publish()  # (the reason before its flag)
     header[_ABORT_FLAG] = kind
 
 
 def read_abort(header: np.ndarray) -> str | None:
     if not header[_ABORT_FLAG]:
         return None
+    host_order.consume()
     n = int(header[_ABORT_LEN])
     return bytes(header.view(np.uint8)[ABORT_TEXT:ABORT_TEXT + n]).decode(errors="replace")
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import abi, cuda_driver, spin
+from ...proto import abi, cuda_driver, host_order, spin
 from ...proto.errors import FailedPrecondition, ResourceExhausted
 from .. import metrics
 from . import cuda_kernels as ck
@@ -277,6 +277,7 @@ class LowLatencyChain:
         with self._lock:
             self.enqueue_seconds = 0.0
             head = self._word(abi.LL_RING_HEAD)
+            host_order.consume()  # (the head read before the log the last kernel wrote)
             if head == self.enqueued & 0xFFFFFFFF and self.busy():
                 # (ran dry, a call waits)
                 metrics.inc(metrics.LL_CHAIN_STARVED, (self.group,))
@@ -438,12 +439,14 @@ class LowLatencyChain:
         if ahead <= DEPTH:  # (else the tail is past every instance: each has its entry)
             for i in range(ahead):
                 self.words[(tail + i) % abi.LL_RING] = abi.LL_ENTRY_RELEASED
+            host_order.publish()  # (the entries before the tail)
             self.words[abi.LL_RING_TAIL] = np.int32(np.uint32(self.enqueued & 0xFFFFFFFF))
         end = self.enqueued & 0xFFFFFFFF
         if self.graphs is not None:  # graph instances wait on their entries, not the tail:
             # every pending position still 0 gets one (an entry the trigger published before
             # its tail, and a client's 0, would otherwise leave an instance parked for good)
             head = self._word(abi.LL_RING_HEAD)
+            host_order.consume()  # (the head before the entries the last kernel cleared)
             for i in range(min((end - head) & 0xFFFFFFFF, abi.LL_RING)):
                 pos = (head + i) % abi.LL_RING
                 if self._word(pos) == 0:

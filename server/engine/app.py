@@ -15,6 +15,7 @@ import ctypes
 import faulthandler
 import logging
 import os
+import platform
 import signal
 import sys
 import threading
@@ -23,7 +24,7 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ...proto import fd_channel
+from ...proto import fd_channel, host_order
 from ...proto.thread_names import name_this_thread
 from .. import config as config_mod
 from .. import metrics
@@ -114,6 +115,9 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     info = backend.device_info()
     log.info("engine %d serving on %s (backend %s, device %s, pid %d)", index, path,
              backend.name, info.get("name"), os.getpid())
+    if host_order.FENCES:  # (a weakly ordered host, or EPD_HOST_FENCES=1)
+        log.info("engine %d: host memory fences on the shared-memory protocols (%s)", index,
+                 platform.machine())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

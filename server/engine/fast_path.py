@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from ...proto import operations, spin
+from ...proto import host_order, operations, spin
 from ...proto import ring as R
 from ...proto.errors import EpdError, PermissionDenied, ResourceExhausted, status_value
 from ...proto.thread_names import NamedThread
@@ -87,6 +87,7 @@ class FastPathServer:
         spin_until = answered + self.window.window(after)
         while self._running():
             if words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq:
+                host_order.consume()  # (the state seen before the request is read)
                 if after is not None:
                     self.window.seen(after, time.perf_counter() - answered)
                 return True
@@ -98,6 +99,7 @@ class FastPathServer:
             self._flush_metrics()
             bell = int(ring.header[R.DOORBELL])
             ring.header[R.ENGINE_WAITING] = 1
+            host_order.full()  # (that store before the state is read: the client's mirror)
             if not (words[R.S_STATE] == R.SUBMITTED and R.seq_of(words) == seq):
                 R.futex_wait(ring.doorbell_addr, bell, SLEEP_SLICE)
             ring.header[R.ENGINE_WAITING] = 0
@@ -155,6 +157,7 @@ class FastPathServer:
         payload[:len(out)] = out
         words[R.S_LENGTH] = len(out)
         words[R.S_STATUS] = status
+        host_order.publish()  # (the answer before its state)
         words[R.S_STATE] = R.DONE
         R.futex_wake(state_addr)
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...proto import abi, counter_page, spin
+from ...proto import abi, counter_page, host_order, spin
 from ...proto.errors import (
     EpdError,
     FailedPrecondition,
@@ -576,9 +576,9 @@ class StreamOps:
                 if (tail - ring.head) & MASK32 > abi.LL_RING:
                     self._corrupt_ring(ring, tail)
                     return ran
-                # (the trigger kernel writes the entry, fences, then the tail: reading the
-                # tail first suffices on x86, whose loads are not reordered; a weakly ordered
-                # host such as aarch64 would need a load barrier here, not built)
+                # (the trigger kernel writes the entry, fences, then the tail: the tail read
+                # first, then the entry)
+                host_order.consume()
                 entry = int(ring.words[ring.head % abi.LL_RING])
                 op = ring.op_of(entry)
                 # Its session is running an operation (a collective may take up to its
@@ -587,6 +587,7 @@ class StreamOps:
                 if op is not None and not op.session.op_lock.acquire(blocking=False):
                     return ran
                 ring.head = (ring.head + 1) & MASK32
+                host_order.publish()  # (the entry read before the trigger may reuse it)
                 ring.words[abi.LL_RING_HEAD] = ring.head
             if op is not None:  # (else released, or a stale entry of a disarmed op)
                 try:
