@@ -12,6 +12,9 @@
 #            # tests, then the low-latency rows with graphs and with launches (~6 minutes)
 #   nap  # the poller's nap while every ring is chained: the chain's tests, the low-latency
 #        # rows with the nap and with the spin (~3 minutes)
+#   next  # after the device time: the graph reserve's test, the bad-input claim, the chain's
+#         # tests (~6 minutes)
+#   napab  # the nap against the spin, alternated twice, the engine's CPU by thread
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
@@ -63,5 +66,25 @@ case "${1:-}" in
       clean < "$OUT/nap_bench_$us.log" | grep -E "low latency|PASS|FAIL|host work|Error" | head
     done
     ;;
-  *) echo "usage: $0 graphstall|probe|reserve|nap" >&2; exit 2 ;;
+  next)  # what changed after the device time (not yet run on a GPU), ~6 minutes: the graph
+    # reserve's own test, the bad-input word's claim (the layout's, the stream-ordered calls'
+    # and the daemon's bad-id cases), the chain's tests; then the low-latency rows, the nap
+    # and the spin alternated twice, with the engine's CPU by thread
+    STEP_TEST_SECONDS=120 step next 330 "tests/gpu/test_graph_reserve.py \
+        tests/gpu/test_local_layout.py tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_ll_chain.py tests/gpu/test_ll_plain.py"
+    ;;
+  napab)  # the nap against the spin, alternated twice (~5 minutes)
+    for round in 1 2; do
+      for us in 500 0; do
+        EPD_LL_CHAIN_POLL_US=$us timeout 100 python3 -P -m epd.server.cli bench --ranks 2 \
+            --shapes D --iters 80 --low-latency --expert-intermediate 0 \
+            --json "$OUT/napab_${us}_$round.json" > "$OUT/napab_${us}_$round.log" 2>&1
+        echo "== EPD_LL_CHAIN_POLL_US=$us round $round rc=$?"
+        clean < "$OUT/napab_${us}_$round.log" \
+            | grep -E "^\| D low|PASS|FAIL|host work|by thread|Error" | head -12
+      done
+    done
+    ;;
+  *) echo "usage: $0 graphstall|probe|reserve|nap|next|napab" >&2; exit 2 ;;
 esac
