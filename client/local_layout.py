@@ -115,6 +115,7 @@ class LocalLayout:
         host_order.consume()  # (the code seen before the value is read)
         value = int(self.words[abi.CTRL_CALL_ERR_VALUE])
         self.words[abi.CTRL_CALL_ERR_VALUE] = 0
+        host_order.publish()  # (cleared before the word a later report claims)
         self.words[abi.CTRL_CALL_ERR] = 0
         spec = self.group.spec
         raise InvalidArgument(

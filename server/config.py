@@ -168,7 +168,7 @@ class Config:
         "help": "cuda backend: while every armed ring of an engine is chained, the poller "
                 "tops the chains up every this many microseconds instead of spinning (a chain "
                 "holds 64 instances ahead: no call waits for the look); 0 spins as for the "
-                "poller's own rings"})
+                "poller's own rings; at most 2000"})
     ll_chain_members: int = field(default=8, metadata={
         "help": "cuda backend: members per engine with a chain (each holds one stream "
                 "blocked in a GPU wait, i.e. one of the engine's hardware queues); later "
@@ -536,9 +536,11 @@ def _check_limits(cfg: Config) -> None:
     _check_range(cfg, "max_sessions_per_uid", 0, note="0: no cap below --max-sessions")
     _check_range(cfg, "ll_chain_members", 0, note="0: no chain")
     for name in ("fast_path_spin_us", "fast_path_spin_max_us", "gil_switch_us",
-                 "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us",
-                 "ll_chain_poll_us"):
+                 "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us"):
         _check_range(cfg, name, 0)
+    # (a chain holds 64 instances, a pair uses 2: naps much longer would let a busy decode
+    # loop's chain run dry, and its calls wait for the poller again)
+    _check_range(cfg, "ll_chain_poll_us", 0, 2000)
 
 
 def _check_range(cfg: Config, name: str, low: float, high: float | None = None,

@@ -1165,6 +1165,7 @@ def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink:
     opened: list = []
     chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
                                   remove=lambda *a: None, busy=lambda: False, top_up=lambda: [],
+                                  finished=lambda: [],
                                   enqueue_seconds=0.0)
 
     def open_chain(words, ptr):
@@ -1204,6 +1205,7 @@ def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
     opening, release = threading.Event(), threading.Event()
     chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
                                   remove=lambda *a: None, busy=lambda: False, top_up=lambda: [],
+                                  finished=lambda: [],
                                   enqueue_seconds=0.0)
 
     def slow_open(words, ptr):
@@ -1281,6 +1283,50 @@ def test_a_poller_of_chains_only_looks_every_nap(chain_poll_us: int) -> None:
         assert 3 <= len(looks) <= 16, len(looks)  # ~15 naps of 20 ms in 0.3 s
     else:
         assert len(looks) > 100, len(looks)
+
+
+def test_a_disarm_counts_the_calls_its_chain_ran_since_the_last_look() -> None:
+    """The poller counts a chain's calls at its top-ups (up to a nap apart); an op disarmed in
+    between has its last calls counted first, while the chain's log can still name them."""
+    from epd.proto import abi
+    from epd.server.engine import stream_ops as S
+
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="g"), dispatches=0,
+                                   combines=0)
+    removed: list = []
+    chain = types.SimpleNamespace(
+        finished=lambda: [abi.LLX_DISPATCH, abi.LLX_COMBINE, abi.LLX_DISPATCH],
+        remove=removed.append)
+    ring = S.Ring(member, 9, np.zeros(1024, np.uint32), chain)
+    ring.release(types.SimpleNamespace(chained="row 3", entry=0))
+    assert (member.dispatches, member.combines) == (2, 1) and removed == ["row 3"]
+
+
+def test_an_arm_ends_the_pollers_nap_at_once() -> None:
+    """A poller napping 2 s between its chains' top-ups: a poller ring armed meanwhile (its
+    calls wait for the poller's look) is looked at at once, not after the nap."""
+    import threading
+
+    from epd.server.engine import stream_ops as S
+
+    chain_member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-c"),
+                                         dispatches=0, combines=0)
+    chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0, top_up=lambda: [])
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=50, chain_poll_us=2_000_000))
+    ops.rings[1] = types.SimpleNamespace(chain=chain, member=chain_member)
+    launched = threading.Event()
+    op, _, _, _, _ = _stand_in_op("nap-p", lambda p, b: launched.set())
+    ops._ensure_thread()
+    try:
+        time.sleep(0.2)  # (the poller is in its 2 s nap now)
+        ring = _ringed(ops, op)
+        _trigger(ring, op.entry)
+        t0 = time.perf_counter()
+        ops._ensure_thread()  # (what an arm does)
+        assert launched.wait(5)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        ops.stop()
 
 
 def test_chain_top_ups_count_as_engine_work(monkeypatch) -> None:

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from epd.proto.thread_names import NamedThread, named_initializer
-from epd.server.bench.workers import cpu_by_thread
+from epd.server.bench.workers import cpu_by_thread, thread_cpu
 
 
 def _comm() -> str:
@@ -42,17 +42,22 @@ def test_cpu_by_thread_folds_session_ids_and_counts_a_busy_thread() -> None:
         t = time.thread_time()
         while time.thread_time() - t < 0.05:
             pass
-    t = NamedThread(target=lambda: (burn(), done.wait(5)), name="epd-fast-abc123")
+    before = thread_cpu([os.getpid()])
     done = threading.Event()
-    t.start()
+    busy = NamedThread(target=lambda: (burn(), done.wait(5)), name="epd-fast-abc123")
+    short = NamedThread(target=burn, name="epd-gone")  # (ends before the second read)
+    busy.start()
+    short.start()
+    short.join(5)
     try:
         deadline = time.monotonic() + 5
-        got = cpu_by_thread([os.getpid()])
+        got = cpu_by_thread(before, thread_cpu([os.getpid()]))
         while got.get("epd-fast-*", 0.0) < 0.04 and time.monotonic() < deadline:
             time.sleep(0.01)
-            got = cpu_by_thread([os.getpid()])
+            got = cpu_by_thread(before, thread_cpu([os.getpid()]))
         assert got.get("epd-fast-*", 0.0) >= 0.04, got
-        assert "epd-fast-abc123" not in got
+        assert "epd-fast-abc123" not in got and "epd-gone" not in got
+        assert all(sec >= 0 for sec in got.values()), got
     finally:
         done.set()
-        t.join(5)
+        busy.join(5)

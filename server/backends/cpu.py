@@ -299,7 +299,9 @@ class CpuRankComm(RankComm):
                 raise FailedPrecondition(f"rank {rank} of group {self.spec.name!r} takes part "
                                          f"already: only a replacement rejoins")
             seq = self._rejoin_number(deadline)
+            host_order.publish()  # (the headers read, this rank's slot written, before)
             self._arrivals[self.rank] = 2 * seq - 2  # done with n - 1, as its peers
+            host_order.publish()  # (its place taken before it counts in every wait)
             self._mask[self.rank] = self.MASK_IN
             self._rejoining = False
         else:

@@ -1088,13 +1088,7 @@ class CudaBackend(Backend):
         self.heap_region.borrowed = True  # shared by all sessions; never closed by one
         self.host_words = HostControlWords(device)
         self.kernels = ck.kernels_for_device(device)  # compiled and loaded before serving
-        # Room for the chains' graphs, made now: later, growing it would wait for running
-        # kernels (cuda_chain.GraphReserve). (No chain when its limit is 0, and none with the
-        # timeline or the gate kernel, which take launches.)
-        self.graph_reserve = (
-            cuda_chain.GraphReserve(self.kernels, self.ll_num_sms, cfg.ll_chain_members)
-            if cfg.ll_chain_graphs and cfg.ll_chain != "off" and cfg.ll_chain_members > 0
-            and not cfg.ll_chain_gate and not cuda_chain.TIMELINE else None)
+        self.graph_reserve = self._graph_reserve(cfg)
         if self.multi_node:  # the NVSHMEM build too, loaded before any stream waits on a client
             from .cuda_remote import remote_kernels_for_device
             remote_kernels_for_device(device)
@@ -1104,6 +1098,24 @@ class CudaBackend(Backend):
         self._uuid = "GPU-" + bytes(raw).hex() if raw else f"GPU{index}"
         log.info("engine %d: device %d, NVSHMEM PE %d/%d, heap %.1f GiB, %s", index, device,
                  boot.pe, boot.num_pes, self.heap_bytes / 2**30, self._name)
+
+    def _graph_reserve(self, cfg: Any) -> cuda_chain.GraphReserve | None:
+        """Room for the chains' graphs, made now: later, growing it would wait for running
+        kernels (cuda_chain.GraphReserve). None where no chain can use graphs (no chain on
+        this engine, the timeline's or the gate kernel's launches), or where making the room
+        failed: the chains then enqueue by launches."""
+        from ..engine.stream_ops import chain_limit  # (the engine's rule for chains at all)
+
+        chains = chain_limit(cfg)
+        if (not cfg.ll_chain_graphs or cfg.ll_chain == "off" or chains <= 0
+                or cfg.ll_chain_gate or cuda_chain.TIMELINE):
+            return None
+        try:
+            return cuda_chain.GraphReserve(self.kernels, self.ll_num_sms, chains)
+        except Exception as e:  # (a driver or memory error: launches still work)
+            log.warning("engine %d: no room for the low-latency chains' CUDA graphs (%s); "
+                        "the chains enqueue their instances by launches", self.index, e)
+            return None
 
     def thread_init(self) -> None:
         cp.cuda.Device(self.device).use()

@@ -37,6 +37,7 @@ nineteenth and twenty-seventh sessions).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -188,7 +189,9 @@ class LowLatencyChain:
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
             # (not with the timeline's events between the kernels, nor the gate kernel,
-            # whose want is k)
+            # whose want is k; a lingering chain done by now gives its room back first)
+            if _lingering:
+                _prune()
             self.reserve = (reserve if reserve is not None and not TIMELINE and not gate
                             and reserve.take() else None)
             if reserve is not None and self.reserve is None and not TIMELINE and not gate:
@@ -213,7 +216,14 @@ class LowLatencyChain:
         self._events: dict[int, list[Any]] = {}
         self._last_finish: Any = None
         self._looked: float | None = None  # TIMELINE: the host's previous top_up
-        self.top_up()
+        try:
+            self.top_up()
+        except BaseException:
+            # (no ring holds this chain: drain what was enqueued, then its graphs and room go,
+            # at once or once its stream is done)
+            with contextlib.suppress(Exception):
+                self.close(1.0)
+            raise
         if self.enqueue_seconds > 1.0:  # (the graphs' first launches upload them)
             log.warning("group %r: the chain's first %d instances took %.1f s to enqueue",
                         group, DEPTH, self.enqueue_seconds)
@@ -276,8 +286,7 @@ class LowLatencyChain:
             _prune()
         with self._lock:
             self.enqueue_seconds = 0.0
-            head = self._word(abi.LL_RING_HEAD)
-            host_order.consume()  # (the head read before the log the last kernel wrote)
+            head, kinds = self._finished()
             if head == self.enqueued & 0xFFFFFFFF and self.busy():
                 # (ran dry, a call waits)
                 metrics.inc(metrics.LL_CHAIN_STARVED, (self.group,))
@@ -287,14 +296,6 @@ class LowLatencyChain:
                     metrics.observe(metrics.LL_CHAIN_SECONDS, ("host", "topup_gap"),
                                     now - self._looked)
                 self._looked = now
-            done = (head - self.seen) & 0xFFFFFFFF
-            kinds = []
-            for i in range(min(done, abi.LL_RING)):
-                op = self.ops.get(self._word(abi.LL_RING_LOG + (self.seen + i) % abi.LL_RING)
-                                  & 0xFF)
-                if op is not None:
-                    kinds.append(op.kind)
-            self.seen = head
             if self._events:
                 self._read_timeline()
             if self.closed or (self.enqueued - head) & 0xFFFFFFFF >= DEPTH:
@@ -306,6 +307,27 @@ class LowLatencyChain:
                     self.enqueued += 1
             self.enqueue_seconds = time.perf_counter() - t0
             return kinds
+
+    def finished(self) -> list[int]:
+        """The kinds of the entries the chain finished since the last look (top_up's, or
+        this: a disarm counts its op's last calls before the op's descriptor goes)."""
+        with self._lock:
+            return self._finished()[1]
+
+    def _finished(self) -> tuple[int, list[int]]:
+        """(Under self._lock.) The head, and the kinds of the entries finished before it
+        since the last look, read from the last kernel's log."""
+        head = self._word(abi.LL_RING_HEAD)
+        host_order.consume()  # (the head read before the log the last kernel wrote)
+        done = (head - self.seen) & 0xFFFFFFFF
+        kinds = []
+        for i in range(min(done, abi.LL_RING)):
+            op = self.ops.get(self._word(abi.LL_RING_LOG + (self.seen + i) % abi.LL_RING)
+                              & 0xFF)
+            if op is not None:
+                kinds.append(op.kind)
+        self.seen = head
+        return head, kinds
 
     def _build_graphs(self, group: str) -> list[cuda_driver.Graph] | None:
         """The LL_RING instance graphs (k is the ring position in their kernels: they read

@@ -166,11 +166,11 @@ def cpu_seconds(pids: list[int]) -> float | None:
     return total
 
 
-def cpu_by_thread(pids: list[int]) -> dict[str, float]:
-    """CPU seconds of the processes' threads by OS thread name (proto/thread_names.py), a
-    session's id in a name folded into `*` (epd-fast-*, epd-s*: one entry per kind of
-    thread); {} where /proc cannot be read."""
-    out: dict[str, float] = {}
+def thread_cpu(pids: list[int]) -> dict[tuple[int, int], tuple[str, float]]:
+    """(pid, tid) -> (OS thread name, CPU seconds) of the processes' threads, a session's id in
+    a name folded into `*` (epd-fast-*, epd-s*: one entry per kind of thread, once grouped);
+    {} where /proc cannot be read."""
+    out: dict[tuple[int, int], tuple[str, float]] = {}
     for pid in pids:
         with contextlib.suppress(OSError):
             for tid in os.listdir(f"/proc/{pid}/task"):
@@ -178,8 +178,17 @@ def cpu_by_thread(pids: list[int]) -> dict[str, float]:
                     with open(f"/proc/{pid}/task/{tid}/comm") as f:
                         name = _SESSION_ID_TAIL.sub("*", f.read().strip())
                     with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                        run_ns = int(f.read().split()[0])
-                    out[name] = out.get(name, 0.0) + run_ns * 1e-9
+                        out[(pid, int(tid))] = (name, int(f.read().split()[0]) * 1e-9)
+    return out
+
+
+def cpu_by_thread(before: dict[tuple[int, int], tuple[str, float]],
+                  after: dict[tuple[int, int], tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds by thread name between two `thread_cpu` reads (per thread, then summed by
+    name: a thread that ended between them drops out instead of going negative)."""
+    out: dict[str, float] = {}
+    for key, (name, sec) in after.items():
+        out[name] = out.get(name, 0.0) + sec - before.get(key, (name, 0.0))[1]
     return out
 
 
@@ -256,7 +265,7 @@ class Rank:
             self.sync()
         self.barrier()
         e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
-        t0_threads = cpu_by_thread(engine_pids) if e0 is not None else {}
+        t0_threads = thread_cpu(engine_pids) if e0 is not None else {}
         m0 = engine_host.read(p.metrics_url) if e0 is not None and p.metrics_url else None
         times, cpu, work, last = [], 0.0, 0.0, None
         for _ in range(p.iters):
@@ -272,7 +281,7 @@ class Rank:
             work += (tc1 - tc0) - (s1 - s0)  # this thread's CPU, without its spins for replies
         self.barrier()
         e1 = cpu_seconds(engine_pids) if e0 is not None else None
-        t1_threads = cpu_by_thread(engine_pids) if e1 is not None else {}
+        t1_threads = thread_cpu(engine_pids) if e1 is not None else {}
         m1 = engine_host.read(p.metrics_url) if m0 is not None else None
         h0, h1, w0, w1 = ((engine_host.totals(m0), engine_host.totals(m1),
                            engine_host.work_totals(m0), engine_host.work_totals(m1))
@@ -282,8 +291,7 @@ class Rank:
                "client_cpu_s": cpu, "client_work_cpu_s": work, "calls": calls,
                "engine_cpu_s": None if e0 is None or e1 is None else e1 - e0,
                # (where that CPU went: by thread name, e.g. the poller, the fast path's)
-               "engine_cpu_by_thread_s": {n: t1_threads[n] - t0_threads.get(n, 0.0)
-                                          for n in t1_threads},
+               "engine_cpu_by_thread_s": cpu_by_thread(t0_threads, t1_threads),
                "engine_host_us": engine_host.means_us(h0, h1),
                "engine_work_us": engine_host.work_us(w0, w1)}
         self.progress(f"{shape:>2} {row:<36} {impl:<8} p50 {np.median(times) * 1e6:9.1f} us "

@@ -98,6 +98,18 @@ def spin_window(config: Any, last_call: float, inflight: int, now: float) -> flo
     return spin
 
 
+def count_chain_calls(member: GroupMember, kinds: list[int]) -> None:
+    """The calls a member's chain ran (their kinds, abi.LLX_*): requests and the member's
+    counters (GetStats)."""
+    for kind in kinds:
+        name = KIND_DISPATCH if kind == abi.LLX_DISPATCH else KIND_COMBINE
+        metrics.inc(metrics.REQUESTS, (f"Stream{name}", "OK"))
+        if kind == abi.LLX_DISPATCH:
+            member.dispatches += 1
+        else:
+            member.combines += 1
+
+
 def chain_nap(config: Any, rings: list[Ring]) -> float:
     """Seconds the poller may stay away after a look, 0 to go on as for the poller's own
     rings (spin after a trigger, poll when idle). While every armed ring is chained with at
@@ -184,6 +196,9 @@ class Ring:
     def release(self, op: StreamOp) -> None:
         if self.chain is not None:
             if op.chained is not None:
+                # (its calls the chain ran since the poller's last look, counted while the
+                # log can still name them)
+                count_chain_calls(self.member, self.chain.finished())
                 self.chain.remove(op.chained)
             return
         index = op.entry & 0xFF
@@ -539,8 +554,11 @@ class StreamOps:
                 self._flush_metrics()
                 idle = True
             nap = chain_nap(cfg, rings)
-            if nap:  # (chains only: no call waits for this thread's look)
-                time.sleep(nap)
+            if nap:  # (chains only: no call waits for this thread's look; an arm, which
+                # may add a poller ring, or a stop ends the nap at once)
+                self._wake.wait(timeout=nap)
+                self._wake.clear()
+                now = time.perf_counter()  # (a nap asked for is no late look)
             elif idle:
                 time.sleep(period)
             elif not fired:
@@ -630,13 +648,7 @@ class StreamOps:
             if kinds:
                 metrics.inc(metrics.REQUEST_CPU_SECONDS, (TOP_UP_METHOD, "chain"),
                             time.thread_time() - cpu0)
-            for kind in kinds:
-                name = KIND_DISPATCH if kind == abi.LLX_DISPATCH else KIND_COMBINE
-                metrics.inc(metrics.REQUESTS, (f"Stream{name}", "OK"))
-                if kind == abi.LLX_DISPATCH:
-                    c.member.dispatches += 1
-                else:
-                    c.member.combines += 1
+            count_chain_calls(c.member, kinds)
             ran = ran or bool(kinds)
         return ran
 
