@@ -23,11 +23,18 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     src = tmp_path / "epd_all.cu"
     src.write_text(_source())
     obj = tmp_path / "k.o"
-    proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(obj)],
-                          capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(obj),
+                           "-Xptxas", "-v"], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     warnings = [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()]
     assert not warnings, warnings
+    # No kernel's first launch may grow the context's local memory: that growth waits for
+    # every running kernel, a peer's spinning for this engine's next launch included
+    # (benchmarks/graph_instantiate_probe.py: 950 ms beside a 1 s spinner). Under CUDA's
+    # default stack of 1024 bytes a thread, no launch grows it.
+    frames = [int(n) for n in re.findall(r"(\d+) bytes stack frame", proc.stderr)]
+    assert len(frames) >= 20, proc.stderr[-2000:]
+    assert max(frames) < 1024, [ln for ln in proc.stderr.splitlines() if "stack frame" in ln]
     if shutil.which("cuobjdump"):
         names = subprocess.run(["cuobjdump", "-symbols", str(obj)], capture_output=True,
                                text=True, timeout=60).stdout

@@ -46,6 +46,17 @@ def _round(s: Session, group: str, rank: int, wl: Workload, rounds: int = 1):
     return out, cx, cw
 
 
+def _rounds(sessions: list[Session], group: str, wl: Workload, rounds: int = 1) -> list:
+    """Every rank's `_round` at once (rank r on sessions[r]), then the sessions closed."""
+    try:
+        with ThreadPoolExecutor(len(sessions)) as ex:
+            return list(ex.map(lambda r: _round(sessions[r], group, r, wl, rounds=rounds),
+                               range(len(sessions))))
+    finally:
+        for s in sessions:
+            s.close()
+
+
 def _expected(wl: Workload):
     ins = wl.all_inputs()
     disp = ref.dispatch([i[0] for i in ins], [i[1] for i in ins], [i[2] for i in ins],
@@ -98,15 +109,7 @@ def test_the_protocols_with_host_fences_on(monkeypatch) -> None:
     d = Daemon(backend="cpu", engines=2, timeout_seconds=3, extra=["--fast-path-slots", "4"])
     try:
         d.wait_ready(30)
-        sessions = [Session(d.socket(r)) for r in range(2)]
-        try:
-            with ThreadPoolExecutor(2) as ex:
-                res = list(ex.map(lambda r: _round(sessions[r], "fenced", r, WL, rounds=8),
-                                  range(2)))
-            _check(res, WL)
-        finally:
-            for s in sessions:
-                s.close()
+        _check(_rounds([Session(d.socket(r)) for r in range(2)], "fenced", WL, rounds=8), WL)
         assert ran["publish"] >= 8 * 3 and ran["consume"] >= 8 * 3, ran
         assert d.log().count("host memory fences on the shared-memory protocols") == 2
     finally:
@@ -145,15 +148,7 @@ def test_ring_wraps_around_many_times(daemon) -> None:
 
 def test_many_clients_on_one_engine(daemon) -> None:
     wl = Workload(4, [5, 0, 11, 7], 128, 8, 2, seed=4, drop_prob=0.2)
-    sessions = [Session(daemon.socket(0)) for _ in range(4)]
-    try:
-        with ThreadPoolExecutor(4) as ex:
-            res = list(ex.map(lambda r: _round(sessions[r], "many", r, wl, rounds=5),
-                              range(4)))
-        _check(res, wl)
-    finally:
-        for s in sessions:
-            s.close()
+    _check(_rounds([Session(daemon.socket(0)) for _ in range(4)], "many", wl, rounds=5), wl)
 
 
 def test_full_ring_is_resource_exhausted(daemon) -> None:
