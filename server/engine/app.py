@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -82,13 +83,21 @@ def keepalive_options(seconds: float) -> list[tuple[str, int]]:
             ("grpc.http2.ping_timeout_ms", ms)]
 
 
+def _init_backend(cfg: config_mod.Config, index: int, device: int) -> Any:
+    """The backend, made on a thread named epd-init: the threads its libraries start meanwhile
+    (NVSHMEM's, CUDA's) inherit that name, so a CPU breakdown by thread tells them from the
+    engine's own."""
+    name_this_thread("epd-init")
+    return make_backend(cfg, index, device)
+
+
 async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     # The CUDA backend joins the node's NVSHMEM world here, which blocks until every engine
     # arrives: keep it off the event loop.
     metrics.set_group_label_cap(cfg.max_group_label_values)
     index = slot.index
     try:
-        backend = await asyncio.to_thread(make_backend, cfg, index, slot.device)
+        backend = await asyncio.to_thread(_init_backend, cfg, index, slot.device)
     except Exception as e:  # a missing toolchain, a device that will not open, ...
         report_startup_failure(cfg, slot, e)
     engine = Engine(cfg, index, backend, slot)
