@@ -14,7 +14,8 @@
 #        # rows with the nap and with the spin (~3 minutes)
 #   next  # after the device time: the graph reserve's test, the bad-input claim, the chain's
 #         # tests (~6 minutes)
-#   napab  # the nap against the spin, alternated twice, the engine's CPU by thread
+#   napab  # the nap against the spin, alternated twice, and without NVSHMEM's proxy thread;
+#          # the engine's CPU by thread
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
@@ -74,14 +75,18 @@ case "${1:-}" in
         tests/gpu/test_local_layout.py tests/gpu/test_stream_ordered.py \
         tests/gpu/test_ll_chain.py tests/gpu/test_ll_plain.py"
     ;;
-  napab)  # the nap against the spin, alternated twice (~5 minutes)
+  napab)  # the nap against the spin, alternated twice, and the nap with NVSHMEM's host proxy
+    # thread off (NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1: the engines inherit it; on one node EPD
+    # uses neither of what it serves, device-side global exit and wait timeouts) (~7 minutes)
     for round in 1 2; do
-      for us in 500 0; do
-        EPD_LL_CHAIN_POLL_US=$us timeout 100 python3 -P -m epd.server.cli bench --ranks 2 \
+      for v in 500 0 noproxy; do
+        us=${v/noproxy/500}
+        env EPD_LL_CHAIN_POLL_US=$us $( [ $v = noproxy ] && echo NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1 ) \
+            timeout 100 python3 -P -m epd.server.cli bench --ranks 2 \
             --shapes D --iters 80 --low-latency --expert-intermediate 0 \
-            --json "$OUT/napab_${us}_$round.json" > "$OUT/napab_${us}_$round.log" 2>&1
-        echo "== EPD_LL_CHAIN_POLL_US=$us round $round rc=$?"
-        clean < "$OUT/napab_${us}_$round.log" \
+            --json "$OUT/napab_${v}_$round.json" > "$OUT/napab_${v}_$round.log" 2>&1
+        echo "== $v round $round rc=$?"
+        clean < "$OUT/napab_${v}_$round.log" \
             | grep -E "^\| D low|PASS|FAIL|host work|by thread|Error" | head -12
       done
     done
