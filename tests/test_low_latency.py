@@ -1280,7 +1280,7 @@ def test_a_poller_of_chains_only_looks_every_nap(chain_poll_us: int) -> None:
     finally:
         ops.stop()
     if chain_poll_us:
-        assert 3 <= len(looks) <= 16, len(looks)  # ~15 naps of 20 ms in 0.3 s
+        assert 3 <= len(looks) <= 20, len(looks)  # ~15 naps of 20 ms in 0.3 s, and the first
     else:
         assert len(looks) > 100, len(looks)
 
