@@ -148,8 +148,9 @@ class Graph:
             _check(fns["cuGraphInstantiateWithFlags"](ctypes.byref(exe), self.graph, 0),
                    "cuGraphInstantiateWithFlags")
             self.exec = exe.value
-            # (how long each step took: a diagnostic of the opt-in chain graphs' first-arm
-            # stall, docs/DESIGN_NOTES.md "Chain instances as CUDA graphs")
+            # (how long each step took: the chain logs its slowest; an instantiation that
+            # waits for running kernels shows there, docs/DESIGN_NOTES.md "Chain instances
+            # as CUDA graphs")
             self.capture_seconds, self.instantiate_seconds = t1 - t0, time.perf_counter() - t1
         except BaseException:
             self.close()

@@ -21,6 +21,15 @@ source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 stacks() {  # stacks AFTER: every engine's threads into its log after AFTER seconds
   ( sleep "$1"; pkill -USR1 -f "epd.server.engine.app"; nvidia-smi > "$OUT/smi_$2.txt" 2>&1 ) &
 }
+ll_rows() {  # ll_rows LABEL [VAR=VALUE...]: the low-latency rows at D (2 ranks, 80 iterations)
+  # with those variables set for the daemon, its log and JSON as $OUT/LABEL.*, a summary
+  local label=$1; shift
+  env "$@" timeout 100 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 80 \
+      --low-latency --expert-intermediate 0 --json "$OUT/$label.json" > "$OUT/$label.log" 2>&1
+  echo "== $label ($*) rc=$?"
+  clean < "$OUT/$label.log" | grep -E "^\| D low|PASS|FAIL|host work|by thread|Error" | head -12
+  grep -E "room for|graphs built" "$OUT/$label.log" | head -3
+}
 case "${1:-}" in
   graphstall)
     for mode in lazy eager; do
@@ -47,30 +56,16 @@ case "${1:-}" in
     EPD_GPU_LOG_DIR="$OUT/logs_reserve" STEP_TEST_SECONDS=90 step reserve 200 \
         "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
     grep -h -E "room for|graphs built|by launches|enqueue" "$OUT"/logs_reserve/*.log | head
-    for g in 1 0; do
-      EPD_LL_CHAIN_GRAPHS=$g timeout 120 python3 -P -m epd.server.cli bench --ranks 2 \
-          --shapes D --iters 80 --low-latency --expert-intermediate 0 \
-          --json "$OUT/reserve_bench_$g.json" > "$OUT/reserve_bench_$g.log" 2>&1
-      echo "== EPD_LL_CHAIN_GRAPHS=$g rc=$?"
-      clean < "$OUT/reserve_bench_$g.log" | grep -E "low latency|PASS|FAIL|host work|Error" | head
-      grep -E "room for|graphs built" "$OUT/reserve_bench_$g.log" | head -3
-    done
+    for g in 1 0; do ll_rows "reserve_bench_$g" "EPD_LL_CHAIN_GRAPHS=$g"; done
     ;;
   nap)  # the poller naps between top-ups while every ring is chained: the chain's tests,
     # then the low-latency rows with the nap (the default) and with the spin (POLL_US=0)
     STEP_TEST_SECONDS=90 step nap 200 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py"
-    for us in 500 0; do
-      EPD_LL_CHAIN_POLL_US=$us timeout 120 python3 -P -m epd.server.cli bench --ranks 2 \
-          --shapes D --iters 80 --low-latency --expert-intermediate 0 \
-          --json "$OUT/nap_bench_$us.json" > "$OUT/nap_bench_$us.log" 2>&1
-      echo "== EPD_LL_CHAIN_POLL_US=$us rc=$?"
-      clean < "$OUT/nap_bench_$us.log" | grep -E "low latency|PASS|FAIL|host work|Error" | head
-    done
+    for us in 500 0; do ll_rows "nap_bench_$us" "EPD_LL_CHAIN_POLL_US=$us"; done
     ;;
   next)  # what changed after the device time (not yet run on a GPU), ~6 minutes: the graph
-    # reserve's own test, the bad-input word's claim (the layout's, the stream-ordered calls'
-    # and the daemon's bad-id cases), the chain's tests; then the low-latency rows, the nap
-    # and the spin alternated twice, with the engine's CPU by thread
+    # reserve's own test, the bad-input word's claim (the layout's and the stream-ordered
+    # calls' bad-id cases), the chain's and the plain calls' tests (then napab)
     STEP_TEST_SECONDS=120 step next 330 "tests/gpu/test_graph_reserve.py \
         tests/gpu/test_local_layout.py tests/gpu/test_stream_ordered.py \
         tests/gpu/test_ll_chain.py tests/gpu/test_ll_plain.py"
@@ -79,16 +74,9 @@ case "${1:-}" in
     # thread off (NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1: the engines inherit it; on one node EPD
     # uses neither of what it serves, device-side global exit and wait timeouts) (~7 minutes)
     for round in 1 2; do
-      for v in 500 0 noproxy; do
-        us=${v/noproxy/500}
-        env EPD_LL_CHAIN_POLL_US=$us $( [ $v = noproxy ] && echo NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1 ) \
-            timeout 100 python3 -P -m epd.server.cli bench --ranks 2 \
-            --shapes D --iters 80 --low-latency --expert-intermediate 0 \
-            --json "$OUT/napab_${v}_$round.json" > "$OUT/napab_${v}_$round.log" 2>&1
-        echo "== $v round $round rc=$?"
-        clean < "$OUT/napab_${v}_$round.log" \
-            | grep -E "^\| D low|PASS|FAIL|host work|by thread|Error" | head -12
-      done
+      ll_rows "napab_500_$round" EPD_LL_CHAIN_POLL_US=500
+      ll_rows "napab_0_$round" EPD_LL_CHAIN_POLL_US=0
+      ll_rows "napab_noproxy_$round" EPD_LL_CHAIN_POLL_US=500 NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=1
     done
     ;;
   *) echo "usage: $0 graphstall|probe|reserve|nap|next|napab" >&2; exit 2 ;;

@@ -96,6 +96,18 @@ class ChainOp:
     entry: int  # index | generation << 16 (the trigger adds buffer << 8)
 
 
+def instance_graph(capture: Any, wait_ptr: int, launches: list[Any], k: int) -> Any:
+    """One chain instance as a CUDA graph (captured on stream `capture`): wait until the
+    word at `wait_ptr` is nonzero (its ring entry published), then `launches` with k."""
+    def enqueue(stream: int) -> None:
+        cuda_driver.stream_wait_nonzero(stream, wait_ptr)
+        for launch in launches:
+            launch.set(ck.CHAIN_K, k)
+            launch(capture)
+
+    return cuda_driver.Graph(capture.ptr, enqueue)
+
+
 class GraphReserve:
     """Room for the chains' CUDA graphs, made while the device is idle.
 
@@ -120,17 +132,11 @@ class GraphReserve:
         launches = [launch for _, launch in kernels.chain_launches(
             ring.data.ptr, table, state, num_sms, "Bf16", False, entry)]
         capture = cp.cuda.Stream(non_blocking=True)
-
-        def instance(stream: int) -> None:
-            cuda_driver.stream_wait_nonzero(stream, ring.data.ptr)
-            for launch in launches:
-                launch(capture)
-
         t0 = time.perf_counter()
         graphs = []
         try:
             for _ in range(chains * abi.LL_RING):
-                graphs.append(cuda_driver.Graph(capture.ptr, instance))
+                graphs.append(instance_graph(capture, ring.data.ptr, launches, 0))
         finally:
             for g in graphs:
                 g.close()
@@ -188,13 +194,12 @@ class LowLatencyChain:
             self.segments = ("wait", *(name for name, _ in named))  # (the timeline's)
             self.launches = [launch for _, launch in named]
             self.gate = kernels.chain_gate(ring_ptr) if gate else None
-            # (not with the timeline's events between the kernels, nor the gate kernel,
-            # whose want is k; a lingering chain done by now gives its room back first)
+            # (the engine gives no reserve with the timeline or the gate kernel, whose
+            # launches graphs cannot be; a lingering chain done by now gives its room back)
             if _lingering:
                 _prune()
-            self.reserve = (reserve if reserve is not None and not TIMELINE and not gate
-                            and reserve.take() else None)
-            if reserve is not None and self.reserve is None and not TIMELINE and not gate:
+            self.reserve = reserve if reserve is not None and reserve.take() else None
+            if reserve is not None and self.reserve is None:
                 log.info("group %r: the chain enqueues its instances by launches (the "
                          "engine's room for graphs is taken: --ll-chain-members)", group)
             self.graphs = self._build_graphs(group) if self.reserve is not None else None
@@ -338,8 +343,9 @@ class LowLatencyChain:
         graphs: list[cuda_driver.Graph] = []
         t0 = time.perf_counter()
         try:
-            for j in range(abi.LL_RING):
-                graphs.append(self._graph(capture, j))
+            for j in range(abi.LL_RING):  # (instance k waits for ring[k % LL_RING])
+                graphs.append(instance_graph(capture, self.ring_ptr + 4 * j, self.launches,
+                                             j))
         except Exception as e:
             log.warning("the low-latency chain of group %r enqueues its instances one launch "
                         "at a time: capturing them failed (%s)", group, e)
@@ -354,17 +360,6 @@ class LowLatencyChain:
                 "instantiate %.1f ms)", group, len(graphs), took * 1e3,
                 slow.capture_seconds * 1e3, slow.instantiate_seconds * 1e3)
         return graphs
-
-    def _graph(self, capture: Any, j: int) -> cuda_driver.Graph:
-        """Instance j of the LL_RING graphs: wait for ring[j] to be published (nonzero), then
-        the instance's kernels with k = j."""
-        def enqueue(stream: int) -> None:
-            cuda_driver.stream_wait_nonzero(stream, self.ring_ptr + 4 * j)
-            for launch in self.launches:
-                launch.set(ck.CHAIN_K, j)
-                launch(capture)
-
-        return cuda_driver.Graph(capture.ptr, enqueue)
 
     def _close_graphs(self) -> None:
         """(Once the chain's stream is done: no launch of them is pending.)"""

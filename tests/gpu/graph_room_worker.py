@@ -23,9 +23,9 @@ def main(mode: str, chains: int, spin_seconds: float) -> dict:
     import cupy as cp
     import numpy as np
 
-    from epd.proto import abi, cuda_driver
+    from epd.proto import abi
     from epd.server.backends import cuda_kernels as ck
-    from epd.server.backends.cuda_chain import GraphReserve
+    from epd.server.backends.cuda_chain import GraphReserve, instance_graph
 
     kernels = ck.kernels_for_device(0)
     if mode == "reserve":
@@ -39,19 +39,13 @@ def main(mode: str, chains: int, spin_seconds: float) -> dict:
     entry = cp.zeros(abi.LL_RING, np.uint32)
     launches = [launch for _, launch in kernels.chain_launches(
         ring.data.ptr, table, state, 8, "Bf16", False, entry)]
-
-    def instance(stream: int) -> None:
-        cuda_driver.stream_wait_nonzero(stream, ring.data.ptr)
-        for launch in launches:
-            launch(capture)
-
     spin((1,), (1,), (int(spin_seconds * 1e9),), stream=side)
     time.sleep(0.05)
     graphs = []
     t0 = time.perf_counter()
     try:
         for _ in range(chains * abi.LL_RING):
-            graphs.append(cuda_driver.Graph(capture.ptr, instance))
+            graphs.append(instance_graph(capture, ring.data.ptr, launches, 0))
         took = time.perf_counter() - t0
         spinning = not side.done
     finally:
