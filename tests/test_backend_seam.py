@@ -226,6 +226,8 @@ def test_cuda_planner_heap_ranges() -> None:
     assert planner.engine_env()["NVSHMEM_DISABLE_CUDA_VMM"] == "1"
     # the engines' hardware queues, from --cuda-max-connections (an MPS pool share)
     assert planner.engine_env()["CUDA_DEVICE_MAX_CONNECTIONS"] == "12"
+    # one node: no NVSHMEM host proxy thread (it would spin a core per engine for nothing)
+    assert planner.engine_env()["NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"] == "1"
 
 
 def test_backends_expose_their_kinds() -> None:

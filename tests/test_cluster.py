@@ -324,12 +324,16 @@ def test_only_a_cluster_capable_planner_may_span_nodes():
     from epd.server.backends.cuda_plan import CudaPlanner
 
     def cuda(**kw):
-        return CudaPlanner(SimpleNamespace(nvshmem_heap_bytes=1 << 30, node_rank=0, **kw))
+        return CudaPlanner(SimpleNamespace(nvshmem_heap_bytes=1 << 30, node_rank=0,
+                                           cuda_max_connections=32, **kw))
     assert CpuPlanner.cluster_capable and not CpuPlanner.world_spans_nodes
     assert not cuda(num_nodes=2).cluster_capable
     assert not cuda(num_nodes=1, cuda_cluster=True).cluster_capable
     p = cuda(num_nodes=2, cuda_cluster=True)
     assert p.cluster_capable and p.world_spans_nodes
+    # a world over nodes keeps NVSHMEM's proxy (remote transports need it) and its fabric
+    assert not {"NVSHMEM_DISABLE_LOCAL_ONLY_PROXY", "NVSHMEM_REMOTE_TRANSPORT"} & set(
+        p.engine_env())
     assert p.adopt_plan("g0", b"plan") == b"plan"  # node 0's offsets: one symmetric heap
 
 

@@ -349,9 +349,13 @@ class CudaPlanner(GroupPlanner):
     def engine_env(self, world: int = 0) -> dict[str, str]:
         # One node: no IB probing, loopback bootstrap (a world over several nodes keeps
         # NVSHMEM's own defaults, or what the node's environment sets for its fabric); a heap
-        # clients can map over CUDA IPC.
+        # clients can map over CUDA IPC. No host proxy thread: over NVLink alone it serves only
+        # device-side global exit and device wait timeouts, which EPD does not use, and it
+        # spins a core the whole time (the engine's process CPU per low-latency call fell from
+        # 125-320 to 21-31 µs without it; docs/BENCHMARKS.md, thirty-third session).
         one_node = {} if self.world_spans_nodes else {
-            "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}
+            "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
+            "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
         return {**one_node,
                 "NVSHMEM_DISABLE_CUDA_VMM": "1",
                 # Stream-ordered calls park each rank's stream in a GPU-side wait for its
