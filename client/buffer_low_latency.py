@@ -146,7 +146,7 @@ class LowLatencyMixin:
                 if mode == "plain":  # DeepEP's lifetime: the outputs are the caller's own,
                     # allocated on the stream the call runs on (the comm stream with async_finish)
                     got = self._plain(e, x, async_finish, lambda stream: self._copy_received(
-                        res, use_fp8, use_ue8m0, stream), (x, topk_idx), buffer)
+                        op, buffer, use_fp8, use_ue8m0, stream), (x, topk_idx), buffer)
                     (rx, rs, count, src_rank, src_idx), event = got
                     h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
@@ -373,15 +373,24 @@ class LowLatencyMixin:
 
         return self._run(x, run, None, async_finish, inputs=inputs)
 
-    def _copy_received(self, res: Any, use_fp8: bool, use_ue8m0: bool, stream: int) -> tuple:
+    def _copy_received(self, op: StreamOp, buffer: int, use_fp8: bool, use_ue8m0: bool,
+                       stream: int) -> tuple:
         """A plain dispatch's outputs, the caller's own: the received rows of recv_x (and their
         scales in DeepEP's layout), the counts and the source info, copied by one kernel that
-        reads the counts on the GPU (client/received_rows.py)."""
-        fmt = C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8 else None
-        return received_rows.copy_out(
-            res.recv_x, res.recv_x_scales if use_fp8 else None,
-            fmt.out if fmt is not None else None, res.recv_count, res.recv_src_rank,
-            res.recv_src_idx, use_ue8m0, stream, self.session.device_ordinal)
+        reads the counts on the GPU (client/received_rows.py), through the op's plan for that
+        receive buffer and format (made at its first call)."""
+        key = (buffer, use_fp8, use_ue8m0)
+        plan = op.plans.get(key)
+        if plan is None:
+            res = op.results[buffer]
+            plan = op.plans[key] = (
+                received_rows.CopyPlan(res.recv_x, res.recv_x_scales if use_fp8 else None,
+                                       res.recv_count, res.recv_src_rank, res.recv_src_idx,
+                                       use_ue8m0, self.session.device_ordinal),
+                C.LowLatencyScales.allocator(res.recv_x_scales, use_ue8m0) if use_fp8
+                else None)
+        copy, scales_out = plan
+        return copy(scales_out() if scales_out is not None else None, stream)
 
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for

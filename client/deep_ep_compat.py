@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -480,6 +481,19 @@ class LowLatencyScales:
         else:
             dtype = np.int32 if use_ue8m0 else np.float32
             self.out = np.empty((lx, cols, n), dtype=dtype).transpose(0, 2, 1)
+
+    @staticmethod
+    def allocator(scales: Any, use_ue8m0: bool) -> Callable[[], Any]:
+        """A function that allocates `out` for `scales` as `__init__` does (on the current
+        stream), for a caller that makes one per call for the same source (a plain
+        dispatch's copy-out): one allocator call instead of the checks and the layout each
+        time."""
+        out = LowLatencyScales(scales, use_ue8m0).out
+        torch = torch_if_loaded()
+        if torch is not None and isinstance(out, torch.Tensor):
+            return functools.partial(torch.empty_strided, tuple(out.shape), out.stride(),
+                                     dtype=out.dtype, device=out.device)
+        return lambda: LowLatencyScales(scales, use_ue8m0).out
 
     def fill(self) -> Any:
         src = self.src

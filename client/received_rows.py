@@ -96,6 +96,51 @@ def _empty(like: Any, shape: tuple[int, ...], dtype: Any = None) -> Any:
     return cupy.empty(shape, dtype if dtype is not None else like.dtype)
 
 
+class CopyPlan:
+    """`copy_out` for one set of source arrays (an armed op's receive buffer: the same views
+    for every call), with what repeats done once: the checks, the source addresses, the grid,
+    the kernel and the layout of the scales' output. A call allocates the outputs on the
+    stream and launches (a plain dispatch's client work, docs/BENCHMARKS.md thirty-third
+    session). The plan holds the sources: their addresses are in it."""
+
+    def __init__(self, recv_x: Any, scales: Any, counts: Any, src_rank: Any, src_idx: Any,
+                 use_ue8m0: bool, device: int) -> None:
+        L, rows = int(recv_x.shape[0]), int(recv_x.shape[1])
+        nbytes = recv_x.numel() * recv_x.element_size() if T.is_torch(recv_x) else recv_x.nbytes
+        row_bytes = nbytes // max(L * rows, 1)
+        if row_bytes % 16 or not all(contiguous(a) for a in (recv_x, counts, src_rank, src_idx)) \
+                or (scales is not None and not contiguous(scales)):
+            raise ValueError("copy_out needs contiguous arrays and rows of 16-byte multiples")
+        self.sources = (recv_x, scales, counts, src_rank, src_idx)
+        self.L, self.rows, self.device = L, rows, device
+        self.x_shape = tuple(recv_x.shape)
+        self.small = L + 2 * L * rows  # one allocation for the three int32 arrays
+        self.fn = compiled_kernel(_SOURCE, "epd_copy_received", device) if L and rows else 0
+        self.grid = (max(1, _TARGET_BLOCKS // max(L, 1)), L)
+        S = int(scales.shape[2]) if scales is not None else 0
+        self.head = (data_ptr(recv_x), rows, row_bytes // 16,
+                     data_ptr(scales) if scales is not None else 0)
+        self.tail = (S, 1 if use_ue8m0 else 0, data_ptr(counts), data_ptr(src_rank),
+                     data_ptr(src_idx))
+        self.has_scales = scales is not None
+
+    def __call__(self, scales_out: Any, stream: int) -> tuple:
+        """(recv_x, scales_out, counts, source rank, source token), as `copy_out`."""
+        recv_x, _, counts, _, _ = self.sources
+        L, rows = self.L, self.rows
+        x = _empty(recv_x, self.x_shape)
+        small = _empty(counts, (self.small,))
+        out_counts, out_rank, out_idx = (small[:L], small[L:L + L * rows].reshape(L, rows),
+                                         small[L + L * rows:].reshape(L, rows))
+        if self.fn:
+            sc = data_ptr(scales_out) if self.has_scales else 0
+            launch_packed(self.fn, self.grid, _THREADS, stream, COPY_ARGS,
+                          (self.head[0], data_ptr(x), *self.head[1:], sc, *self.tail,
+                           data_ptr(out_counts), data_ptr(out_rank), data_ptr(out_idx)),
+                          self.device)
+        return x, scales_out, out_counts, out_rank, out_idx
+
+
 def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: Any,
              src_idx: Any, use_ue8m0: bool, stream: int, device: int) -> tuple:
     """The caller's own copies of a plain low-latency dispatch's outputs, enqueued on `stream`
@@ -103,25 +148,7 @@ def copy_out(recv_x: Any, scales: Any, scales_out: Any, counts: Any, src_rank: A
     (recv_x `[L, N, H]` with rows [0, counts[e]) of each expert, the rest as allocated;
     `scales_out` (DeepEP's layout, see deep_ep_compat.LowLatencyScales) filled for those rows,
     or None when `scales` is None; counts `[L]`; source rank and token `[L, N]`, whole).
-    Every source array must be contiguous (the engine's views are)."""
-    L, rows = int(recv_x.shape[0]), int(recv_x.shape[1])
-    nbytes = recv_x.numel() * recv_x.element_size() if T.is_torch(recv_x) else recv_x.nbytes
-    row_bytes = nbytes // max(L * rows, 1)
-    if row_bytes % 16 or not all(contiguous(a) for a in (recv_x, counts, src_rank, src_idx)) \
-            or (scales is not None and not contiguous(scales)):
-        raise ValueError("copy_out needs contiguous arrays and rows of 16-byte multiples")
-    x = _empty(recv_x, tuple(recv_x.shape))
-    small = _empty(counts, (L + 2 * L * rows,))  # one allocation for the three int32 arrays
-    out_counts, out_rank, out_idx = (small[:L], small[L:L + L * rows].reshape(L, rows),
-                                     small[L + L * rows:].reshape(L, rows))
-    if L == 0 or rows == 0:
-        return x, scales_out, out_counts, out_rank, out_idx
-    S = int(scales.shape[2]) if scales is not None else 0
-    vals = (data_ptr(recv_x), data_ptr(x), rows, row_bytes // 16,
-            data_ptr(scales) if scales is not None else 0,
-            data_ptr(scales_out) if scales is not None else 0, S, 1 if use_ue8m0 else 0,
-            data_ptr(counts), data_ptr(src_rank), data_ptr(src_idx),
-            data_ptr(out_counts), data_ptr(out_rank), data_ptr(out_idx))
-    launch_packed(compiled_kernel(_SOURCE, "epd_copy_received", device),
-                  (max(1, _TARGET_BLOCKS // L), L), _THREADS, stream, COPY_ARGS, vals, device)
-    return x, scales_out, out_counts, out_rank, out_idx
+    Every source array must be contiguous (the engine's views are). A caller that copies out
+    of the same arrays again keeps the `CopyPlan`."""
+    return CopyPlan(recv_x, scales, counts, src_rank, src_idx, use_ue8m0, device)(
+        scales_out if scales is not None else None, stream)

@@ -77,6 +77,9 @@ class StreamOp:
             self._ring_words = counter_page.slot_words(s._counter_file.mm,
                                                        ring_slot).view(np.uint32)
         self.armed = True
+        # What a caller computes once per op (the facade's copy-out plans, by receive buffer
+        # and format: client/received_rows.CopyPlan); it lives and goes with the op.
+        self.plans: dict[Any, Any] = {}
 
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
         if not self.armed:
