@@ -8,10 +8,13 @@
 #         # (~3 minutes)
 #   suite  # the one-GPU test files that start daemons, on the new default (~9 minutes)
 #   rows  # the daemon's rows at D (normal and low latency), 2 ranks, twice (~4 minutes)
+#   llab [ROUNDS]  # the facade's low-latency pairs on .whl/old (a `git archive` of the
+#        # baseline's server proto client cuda: the commit before the copy-out plan) and on
+#        # this tree, alternated, old first (2 rounds, ~3 minutes), then one round of `rows`
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, profile_rows)
-llrows() {  # llrows LABEL [PROFILE]: the facade's low-latency pairs at D (probe_calls.py)
-  EPD_PROBE_PROFILE=${2:-} timeout 150 python3 -P benchmarks/probe_calls.py --low-latency \
+llrows() {  # llrows LABEL [PROFILE] [PKG]: the facade's low-latency pairs at D (probe_calls.py)
+  EPD_PROBE_PROFILE=${2:-} PYTHONPATH=${3:-/tmp/pkg}:/tmp/site timeout 150 python3 -P benchmarks/probe_calls.py --low-latency \
       --tokens 128 --iters 300 --mps on --ranks 2 --rows "ll plain pair,ll hook pair" \
       --json "$OUT/ll_$1.json" 2>&1 | clean | tail -6
 }
@@ -37,8 +40,18 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
         tests/gpu/test_security_cuda.py tests/gpu/test_ll_trigger.py \
         tests/gpu/test_ll_chain_plain.py"
     ;;
+  llab)
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in $(seq 1 "${2:-2}"); do
+      echo "== old $round"; llrows "old_$round" "" /tmp/pkg_old
+      echo "== new $round"; llrows "new_$round" "" /tmp/pkg
+    done
+    merge_json ll ll_ab
+    ROUNDS=1 bash "$0" rows
+    ;;
   rows)
-    for round in 1 2; do
+    for round in $(seq 1 "${ROUNDS:-2}"); do
       timeout 110 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 80 \
           --low-latency --expert-intermediate 0 --json "$OUT/rows_$round.json" \
           > "$OUT/rows_$round.log" 2>&1
@@ -46,5 +59,5 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
       clean < "$OUT/rows_$round.log" | grep -E "^\| D |PASS|FAIL|host work|by thread|Error"
     done
     ;;
-  *) echo "usage: $0 prof|suite|rows" >&2; exit 2 ;;
+  *) echo "usage: $0 prof|suite|rows|llab" >&2; exit 2 ;;
 esac
