@@ -8,9 +8,9 @@
 #         # (~3 minutes)
 #   suite  # the one-GPU test files that start daemons, on the new default (~9 minutes)
 #   rows  # the daemon's rows at D (normal and low latency), 2 ranks, twice (~4 minutes)
-#   llab [ROUNDS]  # the facade's low-latency pairs on .whl/old (a `git archive` of the
-#        # baseline's server proto client cuda: the commit before the copy-out plan) and on
-#        # this tree, alternated, old first (2 rounds, ~3 minutes), then one round of `rows`
+#   llab [ROUNDS]  # the facade's low-latency pairs (2 ranks) on this tree, on it with
+#        # NVSHMEM's proxy thread on, and on .whl/old (a `git archive` of server proto client
+#        # cuda at the commit before the copy-out plan), alternated (2 rounds, ~4 minutes)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, profile_rows)
 llrows() {  # llrows LABEL [PROFILE] [PKG]: the facade's low-latency pairs at D (probe_calls.py)
@@ -46,11 +46,12 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
     mkdir -p /tmp/pkg_old/epd
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
     for round in $(seq 1 "${2:-2}"); do
-      echo "== old $round"; llrows "old_$round" "" /tmp/pkg_old
-      echo "== new $round"; llrows "new_$round" "" /tmp/pkg
+      echo "== new $round (proxy off, the default)"; llrows "new_$round" "" /tmp/pkg
+      echo "== proxy $round (NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=0)"
+      NVSHMEM_DISABLE_LOCAL_ONLY_PROXY=0 llrows "proxy_$round" "" /tmp/pkg
+      echo "== old $round (before the copy-out plan)"; llrows "old_$round" "" /tmp/pkg_old
     done
     merge_json ll ll_ab
-    ROUNDS=1 bash "$0" rows
     ;;
   rows)
     for round in $(seq 1 "${ROUNDS:-2}"); do
