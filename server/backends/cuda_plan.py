@@ -352,7 +352,8 @@ class CudaPlanner(GroupPlanner):
         # clients can map over CUDA IPC. No host proxy thread: over NVLink alone it serves only
         # device-side global exit and device wait timeouts, which EPD does not use, and it
         # spins a core the whole time (the engine's process CPU per low-latency call fell from
-        # 125-320 to 21-31 µs without it; docs/BENCHMARKS.md, thirty-third session).
+        # 200-225 to 11-14 µs without it, latency the same; docs/BENCHMARKS.md, thirty-third
+        # session).
         one_node = {} if self.world_spans_nodes else {
             "NVSHMEM_REMOTE_TRANSPORT": "none", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
             "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY": "1"}
