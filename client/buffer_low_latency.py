@@ -151,8 +151,9 @@ class LowLatencyMixin:
                     h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
                 with self._held_until_hook(e, mode):
-                    scales = (C.LowLatencyScales(res.recv_x_scales, use_ue8m0) if use_fp8
-                              else None)
+                    scales = (C.LowLatencyScales(res.recv_x_scales, use_ue8m0,
+                                                 out=self._scales_out(op, buffer, use_ue8m0))
+                              if use_fp8 else None)
                     hook, event = self._trigger(
                         op, x, return_recv_hook, async_finish,
                         scales.fill if scales is not None else None, buffer,
@@ -380,17 +381,25 @@ class LowLatencyMixin:
         reads the counts on the GPU (client/received_rows.py), through the op's plan for that
         receive buffer and format (made at its first call)."""
         key = (buffer, use_fp8, use_ue8m0)
-        plan = op.plans.get(key)
-        if plan is None:
+        copy = op.plans.get(key)
+        if copy is None:
             res = op.results[buffer]
-            plan = op.plans[key] = (
-                received_rows.CopyPlan(res.recv_x, res.recv_x_scales if use_fp8 else None,
-                                       res.recv_count, res.recv_src_rank, res.recv_src_idx,
-                                       use_ue8m0, self.session.device_ordinal),
-                C.LowLatencyScales.allocator(res.recv_x_scales, use_ue8m0) if use_fp8
-                else None)
-        copy, scales_out = plan
-        return copy(scales_out() if scales_out is not None else None, stream)
+            copy = op.plans[key] = received_rows.CopyPlan(
+                res.recv_x, res.recv_x_scales if use_fp8 else None, res.recv_count,
+                res.recv_src_rank, res.recv_src_idx, use_ue8m0, self.session.device_ordinal)
+        return copy(self._scales_out(op, buffer, use_ue8m0) if use_fp8 else None, stream)
+
+    @staticmethod
+    def _scales_out(op: StreamOp, buffer: int, use_ue8m0: bool) -> Any:
+        """A new array for a call's FP8 scales in DeepEP's layout (the caller keeps it),
+        through the op's allocator for that receive buffer and format (made at its first call:
+        deep_ep_compat.LowLatencyScales.allocator)."""
+        key = ("scales", buffer, use_ue8m0)
+        alloc = op.plans.get(key)
+        if alloc is None:
+            alloc = op.plans[key] = C.LowLatencyScales.allocator(
+                op.results[buffer].recv_x_scales, use_ue8m0)
+        return alloc()
 
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for

@@ -472,15 +472,20 @@ def buffer_key(x: Any, device: int) -> tuple:
     return (v.ptr, info[2] if info is not None else -1, v.shape, v.strides, v.dtype)
 
 
-@contextlib.contextmanager
-def relaxed_capture(active: bool = True) -> Iterator[None]:
+_NOT_RELAXED = contextlib.nullcontext()  # (reusable: a low-latency call enters it every time)
+
+
+def relaxed_capture(active: bool = True) -> contextlib.AbstractContextManager:
     """While a stream captures a CUDA graph (torch's default, global mode), set-up calls such
     as cudaHostRegister or cudaIpcOpenMemHandle are refused and invalidate the capture. Set-up
     that enqueues nothing (forming a group, arming an op, mapping the counter page) runs with
-    this thread in relaxed mode, so a call can be captured on its first appearance."""
-    if not active:
-        yield
-        return
+    this thread in relaxed mode, so a call can be captured on its first appearance. Inactive,
+    a shared null context (a generator-based one cost every call a few µs)."""
+    return _relaxed() if active else _NOT_RELAXED
+
+
+@contextlib.contextmanager
+def _relaxed() -> Iterator[None]:
     from cuda.bindings import driver
 
     err, old = driver.cuThreadExchangeStreamCaptureMode(

@@ -465,8 +465,12 @@ class LowLatencyScales:
     `out` is allocated once per call, before the data has arrived (a receive hook returns it at
     once); `fill()` writes it on the current stream, after the data (the hook's wait)."""
 
-    def __init__(self, scales: Any, use_ue8m0: bool) -> None:
+    def __init__(self, scales: Any, use_ue8m0: bool, out: Any = None) -> None:
+        """`out`: made by `allocator(scales, use_ue8m0)` (the checks were done then)."""
         self.src, self.use_ue8m0 = scales, use_ue8m0
+        if out is not None:
+            self.out = out
+            return
         lx, n, s = scales.shape
         if use_ue8m0 and s % 4:
             raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "

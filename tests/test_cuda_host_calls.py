@@ -312,3 +312,20 @@ def test_a_local_layout_that_cannot_be_built_falls_back_to_the_daemon(monkeypatc
     group = SimpleNamespace(name="g", _session=SimpleNamespace(device_ordinal=0))
     with pytest.warns(RuntimeWarning, match="through the daemon"):
         assert local_layout.build(group) is None
+
+
+def test_relaxed_capture_off_touches_no_driver(monkeypatch) -> None:
+    """Every low-latency call enters relaxed_capture(False): one shared null context, no
+    driver call (the relaxed mode is set only around set-up inside a capture)."""
+    from epd.client import cuda_ipc
+
+    calls: list[str] = []
+    monkeypatch.setattr(cuda_ipc, "_relaxed", lambda: calls.append("relaxed"))
+    ctx = cuda_ipc.relaxed_capture(False)
+    assert ctx is cuda_ipc.relaxed_capture(False)
+    for _ in range(2):
+        with ctx:
+            pass
+    assert not calls
+    cuda_ipc.relaxed_capture(True)
+    assert calls == ["relaxed"]
