@@ -124,7 +124,24 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
         ("D", "low latency: each token's rows (bf16, untimed)", "reference"),
         *((s, row, "pipeline") for s in ("P", "D") for row in ROWS[3:])}
     assert rec["expert_intermediate"] == 32 and "layer rows (no target" in proc.stdout
+    assert rec["fresh_inputs"] is False
     assert all(c["passed"] for c in checks) and {c["rank"] for c in checks} == {0, 1}
+
+
+def test_bench_fresh_inputs(tmp_path) -> None:
+    """--fresh-inputs: every call gets new tensor objects of its inputs (what a model's next
+    layer hands the facade); the rows and their checks are the same."""
+    out = tmp_path / "bench.json"
+    proc, _ = _run(["--backend", "cpu", "--ranks", "2", "--shapes", "D", "--tokens", "8",
+                    "--hidden", "256", "--experts", "16", "--topk", "4", "--iters", "2",
+                    "--warmup", "1", "--low-latency", "--fresh-inputs", "--skip", "pipeline",
+                    "--json", str(out), "--timeout", "120"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "new input tensor objects every call" in proc.stdout
+    rec = json.loads(out.read_text())
+    assert rec["fresh_inputs"] is True and rec["correctness_passed"] is True
+    assert {r["row"] for r in rec["rows"]} == {*ROWS[:3], *LL_ROWS}
+    assert all(r["results"]["epd"]["p50_us"] > 0 for r in rec["rows"])
 
 
 @pytest.mark.parametrize("args,reason,code", [

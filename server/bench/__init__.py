@@ -71,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip", default="",
                    help="comma list of parts not to run: deep_ep, deep_ep_ll (DeepEP's "
                         "low-latency rows only), pipeline, graph")
+    p.add_argument("--fresh-inputs", action="store_true",
+                   help="hand every timed call new tensor objects (views of the same data, as "
+                        "a model's next layer makes new activations at addresses its allocator "
+                        "reuses) instead of the same objects each iteration: what a caller "
+                        "pays where a per-object cache misses")
     p.add_argument("--json", default="", help="write every figure and check to this file")
     p.add_argument("--plot", default="", help="write a bar chart (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=900.0,

@@ -378,7 +378,8 @@ def run_bench(ns: Any) -> int:
         model = f"hidden {ns.hidden}, top-{ns.topk} of {ns.experts} experts, bf16"
         say(f"epd bench: backend {backend}, {setup.ranks} ranks, {model}; shapes "
             + ", ".join(f"{n} = {t} tokens/rank" for n, t in setup.shapes)
-            + f"; {ns.warmup} warm-up + {ns.iters} timed iterations")
+            + f"; {ns.warmup} warm-up + {ns.iters} timed iterations"
+            + ("; new input tensor objects every call" if ns.fresh_inputs else ""))
         for what, why in setup.skipped.items():
             say(f"  skipped {what}: {why}")
         if setup.shared_gpu_note:
@@ -422,7 +423,8 @@ def run_bench(ns: Any) -> int:
             and (DEEP_EP in setup.impls or PIPELINE in setup.impls),
             low_latency=setup.low_latency, deep_ep_ll=setup.deep_ep_ll, ll_tokens=d_tokens,
             graphs=setup.graphs, expert_intermediate=setup.expert_intermediate,
-            engine_pids=engine_pids, metrics_url=topo.metrics_url, mps_pipe_directory=mps_pipe,
+            fresh_inputs=ns.fresh_inputs, engine_pids=engine_pids,
+            metrics_url=topo.metrics_url, mps_pipe_directory=mps_pipe,
             collective_timeout=ns.collective_timeout,
             call_timeout=ns.call_timeout) for r in range(setup.ranks)]
         workers = _Workers(plans, ns.quiet)
@@ -468,6 +470,7 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
         "skipped": setup.skipped,
         "deep_ep_shared_gpu": setup.shared_gpu_note,
         "expert_intermediate": setup.expert_intermediate,
+        "fresh_inputs": ns.fresh_inputs,
         "pipeline_name": "NCCL pipeline" if setup.gpus else "gloo pipeline",
         "rows": rows, "correctness": checks,
         "correctness_passed": bool(checks) and all(c["passed"] for c in checks),

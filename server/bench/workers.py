@@ -83,6 +83,7 @@ class RankPlan:
     ll_tokens: int           # num_max_dispatch_tokens_per_rank (shape D's tokens)
     graphs: bool
     expert_intermediate: int = 0  # > 0: the layer row, expert MLPs of this size between calls
+    fresh_inputs: bool = False  # every call gets new tensor objects (views) of its inputs
     engine_pids: list[int] = field(default_factory=list)
     metrics_url: str = ""  # the daemon's /metrics: the engine's host time per armed op
     mps_pipe_directory: str = ""  # the daemon's MPS server, joined before CUDA starts here
@@ -306,25 +307,38 @@ class Rank:
 
 
 # -- the calls ----------------------------------------------------------------------------------
-class FacadeCalls:
-    """DeepEP V1's calls, identical for EPD's facade and DeepEP: the same code times both."""
+def _same(t: Any) -> Any:
+    return t
 
-    def __init__(self, buf: Any, experts: int) -> None:
+
+def _fresh(t: Any) -> Any:
+    """A new tensor object over the same data (a model's next layer hands the facade new
+    activations, often at addresses its allocator reuses: a cache keyed by the object misses)."""
+    return t.view(t.shape)
+
+
+class FacadeCalls:
+    """DeepEP V1's calls, identical for EPD's facade and DeepEP: the same code times both.
+    `fresh`: every call gets new tensor objects of its inputs (`epd bench --fresh-inputs`)."""
+
+    def __init__(self, buf: Any, experts: int, fresh: bool = False) -> None:
         self.buf, self.experts = buf, experts
         self.state: dict[str, Any] = {}
+        self.inp = _fresh if fresh else _same
 
     def normal(self, x: Any, idx: Any, w: Any,
                mlp: ExpertMlp | None = None) -> dict[str, Callable[[], None]]:
-        buf, st, e = self.buf, self.state, self.experts
+        buf, st, e, new = self.buf, self.state, self.experts, self.inp
 
         def layer(inp: Any, experts: Callable[[Any], Any] | None = None) -> tuple:
             """(combined, recv_x, recv_topk_weights, handle) of one MoE layer's calls."""
-            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+            i = new(idx)
+            n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(i, e)
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-                inp, num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=n_expert, topk_idx=idx, topk_weights=w)
+                new(inp), num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_expert, topk_idx=i, topk_weights=new(w))
             y = recv_x if experts is None else experts(recv_x)
-            combined, _, _ = buf.combine(y, handle, topk_weights=recv_w)
+            combined, _, _ = buf.combine(new(y), handle, topk_weights=recv_w)
             return combined, recv_x, recv_w, handle
 
         def full() -> None:
@@ -337,10 +351,10 @@ class FacadeCalls:
         x2 = x * 2
 
         def cached() -> None:
-            st["cached"] = buf.dispatch(x2, handle=st["handle"])[0]
+            st["cached"] = buf.dispatch(new(x2), handle=st["handle"])[0]
 
         def combine() -> None:
-            st["combined"], _, _ = buf.combine(st["recv_x"], st["handle"],
+            st["combined"], _, _ = buf.combine(new(st["recv_x"]), st["handle"],
                                                topk_weights=st["recv_w"])
 
         def with_experts(inp: Callable[[], Any], row: str) -> Callable[[], None]:
@@ -358,18 +372,21 @@ class FacadeCalls:
                     num_max: int) -> dict[str, Callable[[], Any]]:
         """FP8 dispatch + bf16 combine of the stand-in expert outputs `y` `[L, R*num_max, H]`;
         each step returns the combined tensor."""
-        buf, e = self.buf, self.experts
+        buf, e, new = self.buf, self.experts, self.inp
 
         def plain() -> Any:
-            _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, num_max, e, use_fp8=True)
-            combined, _, _ = buf.low_latency_combine(y, idx, w, handle)
+            i = new(idx)
+            _, _, handle, _, _ = buf.low_latency_dispatch(new(x), i, num_max, e, use_fp8=True)
+            combined, _, _ = buf.low_latency_combine(new(y), i, new(w), handle)
             return combined
 
         def hooked() -> Any:
-            _, _, handle, _, hook = buf.low_latency_dispatch(x, idx, num_max, e, use_fp8=True,
+            i = new(idx)
+            _, _, handle, _, hook = buf.low_latency_dispatch(new(x), i, num_max, e,
+                                                             use_fp8=True,
                                                              return_recv_hook=True)
             hook()
-            combined, _, hook = buf.low_latency_combine(y, idx, w, handle,
+            combined, _, hook = buf.low_latency_combine(new(y), i, new(w), handle,
                                                         return_recv_hook=True)
             hook()
             return combined
@@ -567,9 +584,9 @@ class RankRun:
             layers: dict[str, Any] = {}
             for impl in p.impls:
                 if impl == EPD:
-                    calls = FacadeCalls(self.epd_buf, p.experts)
+                    calls = FacadeCalls(self.epd_buf, p.experts, p.fresh_inputs)
                 elif impl == DEEP_EP:
-                    calls = FacadeCalls(self.dep_buf, p.experts)
+                    calls = FacadeCalls(self.dep_buf, p.experts, p.fresh_inputs)
                 else:
                     calls = PipelineCalls(r, pipe_group, p.experts)
                 steps = calls.normal(x, idx, w, mlp)
@@ -662,7 +679,8 @@ class RankRun:
             buf = self._epd_buffer(True) if impl == EPD else self._deep_ep_buffer(True)
             if impl == EPD:
                 self.epd_ll_buf = buf
-            steps = FacadeCalls(buf, p.experts).low_latency(x, idx, w, y, p.ll_tokens)
+            steps = FacadeCalls(buf, p.experts, p.fresh_inputs).low_latency(x, idx, w, y,
+                                                                            p.ll_tokens)
             got: dict[str, Any] = {}
             pids = p.engine_pids if impl == EPD else None
             for row in (ROW_LL_PLAIN, ROW_LL_HOOK):
