@@ -8,6 +8,8 @@
 #         # (~3 minutes)
 #   suite  # the one-GPU test files that start daemons, on the new default (~9 minutes)
 #   rows  # the daemon's rows at D (normal and low latency), 2 ranks, twice (~4 minutes)
+#   final  # the client's last changes (the hook's scales allocator, the null relaxed_capture):
+#          # the plain/hook/graph tests, then the bench with --fresh-inputs and without (~3 min)
 #   llab [ROUNDS]  # the facade's low-latency pairs (2 ranks) on this tree, on it with
 #        # NVSHMEM's proxy thread on, and on .whl/old (a `git archive` of server proto client
 #        # cuda at the commit before the copy-out plan), alternated (2 rounds, ~4 minutes)
@@ -53,6 +55,17 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
     done
     merge_json ll ll_ab
     ;;
+  final)
+    STEP_TEST_SECONDS=100 step final 150 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py -k 'low_latency or facade'"
+    for fresh in --fresh-inputs ""; do
+      timeout 60 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
+          --low-latency --expert-intermediate 0 $fresh --json "$OUT/final${fresh:+_fresh}.json" \
+          > /tmp/b.log 2>&1
+      echo "== bench ${fresh:-(same objects)} rc=$?"
+      clean < /tmp/b.log | grep -E "^\| D |host work|FAIL" | cut -c1-200
+    done
+    ;;
   rows)
     for round in $(seq 1 "${ROUNDS:-2}"); do
       timeout 110 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 80 \
@@ -62,5 +75,5 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
       clean < "$OUT/rows_$round.log" | grep -E "^\| D |PASS|FAIL|host work|by thread|Error"
     done
     ;;
-  *) echo "usage: $0 prof|suite|rows|llab" >&2; exit 2 ;;
+  *) echo "usage: $0 prof|suite|rows|llab|final" >&2; exit 2 ;;
 esac
