@@ -57,7 +57,9 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
     ;;
   final)
     STEP_TEST_SECONDS=100 step final 150 "tests/gpu/test_ll_plain.py \
-        tests/gpu/test_deep_ep_facade.py tests/gpu/test_daemon.py -k 'low_latency or facade'"
+        tests/gpu/test_deep_ep_facade.py::test_facade_v1_pattern_with_events \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_cuda_graph \
+        tests/gpu/test_daemon.py::test_daemon_low_latency_decode_config"
     for fresh in --fresh-inputs ""; do
       timeout 60 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
           --low-latency --expert-intermediate 0 $fresh --json "$OUT/final${fresh:+_fresh}.json" \
