@@ -78,7 +78,8 @@ class Coordinator:
         self.default_timeout = default_timeout
         # (scope, name) -> the live instance: names are each uid's own, so that one tenant
         # cannot take a name another will ask for (nor learn from a join that it exists; the
-        # metrics' group label is another matter: /metrics is the operator's).
+        # metrics' group label names the owner's uid, metrics.owned_label: /metrics is the
+        # operator's).
         self.by_name: dict[tuple[int, str], GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
 

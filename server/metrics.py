@@ -119,6 +119,15 @@ def labels_in_folder(folder: str, label: str = "group") -> set[str]:
     return found
 
 
+def owned_label(name: str, uid: int, shared: bool) -> str:
+    """The `group` label of a group named `name`, joined by `uid`: group names are each uid's
+    own (coordinator.py), so two tenants' groups of one name are two groups, and two series.
+    The name alone (less its instance tag) for the daemon's own uid and a shared pool's
+    (`shared`: --allow-uids / --allow-gids), else `name (uid N)`."""
+    base = group_names.base_name(name)
+    return base if shared or uid == os.getuid() else f"{base} (uid {uid})"
+
+
 def group_label(name: str) -> str:
     """The `group` label value for a group name: itself (less an instance tag: group_names)
     while under the cap, else _overflow."""

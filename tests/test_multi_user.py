@@ -133,6 +133,13 @@ class UserDaemon:
         with open(self.log.name) as f:
             return f.read()
 
+    def dispatch_groups(self) -> set[str]:
+        """The `group` labels of the daemon's dispatch latency series."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {line.split('group="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+                if line.startswith("epd_dispatch_seconds_count{")}
+
     def socket(self, engine: int) -> str:
         return os.path.join(self.sock, f"gpu{engine}.sock")
 
@@ -175,6 +182,16 @@ def test_multi_user() -> None:
         b = d.client(USER_B, [SOCKET_GROUP], "mu-solo-b", 0, 1, engine=1)
         assert result(a) == {"code": "OK"}
         assert result(b) == {"code": "OK"}
+        # Two users' groups of one name are two groups, and two series: their metrics'
+        # group label carries the owner's uid (not the daemon's own, nor a pool's).
+        a = d.client(USER_A, [SOCKET_GROUP], "mu-same", 0, 1)
+        b = d.client(USER_B, [SOCKET_GROUP], "mu-same", 0, 1, engine=1)
+        assert result(a) == {"code": "OK"}
+        assert result(b) == {"code": "OK"}
+        labels = d.dispatch_groups()
+        assert {f"mu-same (uid {USER_A})", f"mu-same (uid {USER_B})",
+                f"mu-solo-a (uid {USER_A})"} <= labels, labels
+        assert "mu-same" not in labels, labels
         # An outsider cannot even connect.
         o = result(d.client(OUTSIDER, [], "mu-out", 0, 1))
         assert o["code"] == "UNAVAILABLE", o
@@ -195,5 +212,7 @@ def test_multi_user() -> None:
         b = d.client(USER_B, [SOCKET_GROUP], "mu-shared", 1, 2, engine=1)
         assert result(a) == {"code": "OK"}
         assert result(b) == {"code": "OK"}
+        # (a pool's one namespace: one group, labelled by its name alone)
+        assert "mu-shared" in d.dispatch_groups()
     finally:
         d.close()

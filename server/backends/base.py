@@ -48,6 +48,15 @@ class GroupSpec:
     # Rank masking (DeepEP's shrink mode, low-latency groups only): a rank that goes away is
     # masked instead of aborting the group (RankComm.mask_states / set_mask).
     shrink: bool = False
+    # The metrics' `group` label, set by the engine at join (`metrics.owned_label`): the name
+    # (less its instance tag), and its owner's uid where that is a tenant's own namespace.
+    # Not part of the spec's identity (ranks compare specs).
+    metrics_name: str = field(default="", compare=False)
+
+    @property
+    def label(self) -> str:
+        """What the metrics label this group with (the name where none was set)."""
+        return self.metrics_name or self.name
 
     @property
     def num_local_experts(self) -> int:

@@ -726,7 +726,7 @@ class CudaRankComm(RankComm):
                         self.runner, self.runner.k, ring_words, ring_ptr, self.ll_num_sms,
                         self.stream_priority, gate=self.backend.cfg.ll_chain_gate,
                         trait=ck._trait_for(storage_dtype(self.spec.x_numpy_dtype)),
-                        group=self.spec.name, reserve=self.backend.graph_reserve)
+                        group=self.spec.label, reserve=self.backend.graph_reserve)
             return self.chain
 
     def close_chain(self, timeout: float, freed: Callable[[], None] | None = None) -> None:

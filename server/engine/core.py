@@ -240,7 +240,7 @@ class Engine(StreamCalls, DataPlane):
             member = session.members.get(getattr(req, "group_id", ""))
             if member is None:
                 return fn(session, req, path)
-            return self.pacer.run(member.service_class, member.spec.name,
+            return self.pacer.run(member.service_class, member.spec.label,
                                   lambda: fn(session, req, path))
         return paced
 
@@ -441,7 +441,7 @@ class Engine(StreamCalls, DataPlane):
         held: dict[str, int] = {}
         sms: dict[tuple[str, str], int] = {}
         for m in members:
-            key = (metrics.group_label(m.spec.name), m.service_class)
+            key = (metrics.group_label(m.spec.label), m.service_class)
             ranks[key] = ranks.get(key, 0) + 1
             held[key[0]] = held.get(key[0], 0) + m.comm.held_bytes
             for mode, n in (("normal", m.comm.num_sms), ("low_latency", m.comm.ll_num_sms)):
@@ -716,7 +716,9 @@ class Engine(StreamCalls, DataPlane):
             # rule changes nothing), and travels in the spec: ranks that disagree fail together.
             cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
             self._check_class_engine(spec.name, cls)
-            spec = dataclasses.replace(spec, service_class=cls)
+            shared = uid in self.config.allowed_uids or gid in self.config.allowed_gids
+            spec = dataclasses.replace(spec, service_class=cls,
+                                       metrics_name=metrics.owned_label(spec.name, uid, shared))
             spec_proto = epd_pb2.GroupSpec()
             spec_proto.CopyFrom(req.spec)
             spec_proto.service_class = cls

@@ -59,9 +59,9 @@ class DataPlane:
             if on_error is not None:
                 on_error()
             if isinstance(e, DeadlineExceeded):
-                metrics.TIMEOUTS.labels(member.spec.name).inc()
+                metrics.TIMEOUTS.labels(member.spec.label).inc()
             raise
-        metrics.observe(histogram, (member.spec.name, path, self.backend.name),
+        metrics.observe(histogram, (member.spec.label, path, self.backend.name),
                         time.perf_counter() - t0)
         self._count_traffic(member, out)
         return out
@@ -71,8 +71,8 @@ class DataPlane:
         member.bytes_sent += out.bytes_sent
         member.bytes_received += out.bytes_received
         peer = self.backend.peer_class
-        metrics.inc(metrics.BYTES_SENT, (member.spec.name, peer), out.bytes_sent)
-        metrics.inc(metrics.BYTES_RECEIVED, (member.spec.name, peer), out.bytes_received)
+        metrics.inc(metrics.BYTES_SENT, (member.spec.label, peer), out.bytes_sent)
+        metrics.inc(metrics.BYTES_RECEIVED, (member.spec.label, peer), out.bytes_received)
 
     @staticmethod
     def _queued(session: Session, member: GroupMember) -> None:
@@ -81,7 +81,7 @@ class DataPlane:
         waited = session.executor.waited
         member.queued_calls += 1
         member.queue_wait_seconds += waited
-        metrics.observe(metrics.QUEUE_WAIT_SECONDS, (member.spec.name, member.service_class),
+        metrics.observe(metrics.QUEUE_WAIT_SECONDS, (member.spec.label, member.service_class),
                         waited)
 
     def _check_alive(self, member: GroupMember, stream_ordered: bool = False) -> None:
@@ -142,11 +142,11 @@ class DataPlane:
         host = self._check_values(session, req.ready_event, member, idx,
                                   self.config.timeout_seconds)
         out = member.comm.layout(host if self.backend.inputs_on_host else idx)
-        metrics.observe(metrics.LAYOUT_SECONDS, (spec.name, path, self.backend.name),
+        metrics.observe(metrics.LAYOUT_SECONDS, (spec.label, path, self.backend.name),
                         time.perf_counter() - t0)
         per_expert = self.backend.to_host(out.num_tokens_per_expert)
         if per_expert.size and per_expert.mean() > 0:
-            metrics.LOAD_IMBALANCE.labels(spec.name).set(float(per_expert.max() /
+            metrics.LOAD_IMBALANCE.labels(spec.label).set(float(per_expert.max() /
                                                                per_expert.mean()))
         r = member.comm.output_region
         return epd_pb2.GetDispatchLayoutResponse(
@@ -268,11 +268,11 @@ class DataPlane:
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_tokens,
                                                           rows_out))
         member.dispatches += 1
-        metrics.inc(metrics.RECV_TOKENS, (spec.name,), out.num_recv_tokens)
+        metrics.inc(metrics.RECV_TOKENS, (spec.label,), out.num_recv_tokens)
         if self.config.per_expert_metrics and out.num_recv_tokens_per_expert:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(out.num_recv_tokens_per_expert):
-                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.name, str(base + i)), c)
+                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.label, str(base + i)), c)
         return dispatch_response(member, req, out, handle_id, sequence)
 
     def _no_topk_routing(self, session: Session, spec: GroupSpec, req: epd_pb2.DispatchRequest,
@@ -565,11 +565,11 @@ class DataPlane:
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
                                                           kind=LOW_LATENCY, num_max=m))
         member.dispatches += 1
-        metrics.inc(metrics.RECV_TOKENS, (spec.name,), out.num_recv_rows)
+        metrics.inc(metrics.RECV_TOKENS, (spec.label,), out.num_recv_rows)
         if self.config.per_expert_metrics and out.num_recv_rows:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(self.backend.to_host(out.recv_count)):
-                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.name, str(base + i)), int(c))
+                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.label, str(base + i)), int(c))
         return ll_dispatch_response(member, out, req.use_fp8, handle_id)
 
     def ll_combine_args(self, session: Session, member: GroupMember,

@@ -108,7 +108,7 @@ class StreamCalls:
         client's stream operations and next request overlap the launches). Everything that
         could refuse the call has been checked; a launch that still fails is `_launch_failed`.
         `dispatch_sequence`: a dispatch whose receive count the notify kernel would publish."""
-        name = member.spec.name
+        name = member.spec.label  # (the metrics' group label)
         pacer = getattr(self, "pacer", None)
         latency = (pacer.latency() if pacer is not None and pacer.enabled
                    and member.service_class == service_classes.LATENCY
@@ -178,12 +178,12 @@ class StreamCalls:
         info.backend_handle.num_recv = n
         nbytes = n * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_received += nbytes
-        metrics.inc(metrics.BYTES_RECEIVED, (spec.name, self.backend.peer_class), nbytes)
-        metrics.inc(metrics.RECV_TOKENS, (spec.name,), n)
+        metrics.inc(metrics.BYTES_RECEIVED, (spec.label, self.backend.peer_class), nbytes)
+        metrics.inc(metrics.RECV_TOKENS, (spec.label,), n)
         if self.config.per_expert_metrics and per_expert:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(per_expert):
-                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.name, str(base + i)), c)
+                metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.label, str(base + i)), c)
 
     def _resolve_all(self, session: Session, member: GroupMember) -> None:
         """Before the counter slot takes another dispatch's counts."""
@@ -240,7 +240,7 @@ class StreamCalls:
                                   metrics.DISPATCH_SECONDS, path, launch,
                                   dispatch_sequence=sequence if out.num_recv_tokens < 0 else 0)
         member.bytes_sent += out.bytes_sent
-        metrics.inc(metrics.BYTES_SENT, (spec.name, self.backend.peer_class), out.bytes_sent)
+        metrics.inc(metrics.BYTES_SENT, (spec.label, self.backend.peer_class), out.bytes_sent)
         t = int(args.x.shape[0])
         pending = out.num_recv_tokens < 0
         info = HandleInfo(out.handle, t, out.num_recv_tokens,
@@ -276,7 +276,7 @@ class StreamCalls:
                                   metrics.COMBINE_SECONDS, path, launch)
         nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_sent += nbytes
-        metrics.inc(metrics.BYTES_SENT, (spec.name, self.backend.peer_class), nbytes)
+        metrics.inc(metrics.BYTES_SENT, (spec.label, self.backend.peer_class), nbytes)
         member.combines += 1
         resp = epd_pb2.CombineResponse(combined_x=req.out, stream_seq=seq)
         if out_w is not None:

@@ -672,9 +672,9 @@ class StreamOps:
                     op.member.dispatches += 1
                 else:
                     op.member.combines += 1
-            metrics.observe(metrics.STREAM_OP_LAUNCH_SECONDS, (op.member.spec.name, op.kind),
+            metrics.observe(metrics.STREAM_OP_LAUNCH_SECONDS, (op.member.spec.label, op.kind),
                             time.perf_counter() - t0)
-            metrics.observe(metrics.STREAM_OP_DETECT_SECONDS, (op.member.spec.name, op.kind), gap)
+            metrics.observe(metrics.STREAM_OP_DETECT_SECONDS, (op.member.spec.label, op.kind), gap)
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
