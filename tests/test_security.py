@@ -333,6 +333,46 @@ def test_unauthenticated_channel_connections_are_capped_per_uid(daemon) -> None:
             time.sleep(0.2)
 
 
+def test_one_uid_holds_at_most_its_share_of_channel_connections(daemon_factory) -> None:
+    """All of one uid's descriptor-channel connections, authenticated or not, are capped
+    (fd_server.per_uid_cap: two per session the uid may open, at least the unauthenticated
+    cap): before, four uids at their session and unauthenticated caps filled the engine's
+    1,024 and locked every other tenant out. Here (2 sessions a uid: 64) a session's own
+    connection and 63 silent ones are the uid's whole share; the next is closed at once, and
+    the session goes on."""
+    import socket
+    import time
+
+    from epd.server.engine.fd_server import (
+        FIRST_REQUEST_SECONDS,
+        MAX_CONNECTIONS,
+        MAX_UNBOUND_PER_UID,
+        per_uid_cap,
+    )
+
+    assert per_uid_cap(64) == MAX_CONNECTIONS // 8 and per_uid_cap(0) == MAX_CONNECTIONS
+    cap = per_uid_cap(2)
+    assert cap == MAX_UNBOUND_PER_UID  # (so the unauthenticated cap alone would let one more)
+    with daemon_factory(engines=1, extra=["--max-sessions-per-uid", "2"]) as d, \
+            Session(d.socket(0), timeout=10) as s:
+        solo_round(s, "sec-uid-share")  # (its channel connection is bound)
+        path = fdc.socket_path_for(d.socket(0))
+        held: list[socket.socket] = []
+        try:
+            for _ in range(cap - 1):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                held.append(c)
+                c.connect(path)
+            time.sleep(0.3)  # (the engine accepts them in its own thread)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
+                extra.connect(path)
+                assert _closed_within(extra, FIRST_REQUEST_SECONDS / 2)
+            solo_round(s, "sec-uid-share-after")
+        finally:
+            for c in held:
+                c.close()
+
+
 def test_a_session_has_a_bounded_number_of_channel_connections(daemon) -> None:
     """A session's client keeps one descriptor-channel connection; more authenticate up to
     MAX_PER_SESSION and the next is RESOURCE_EXHAUSTED (and closed)."""

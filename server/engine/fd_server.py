@@ -56,6 +56,17 @@ MAX_CONNECTIONS = 1024
 # if its client never does; so --max-sessions-per-uid above 64 needs clients that bind)
 MAX_UNBOUND_PER_UID = 64
 MAX_PER_SESSION = 4
+
+
+def per_uid_cap(max_sessions_per_uid: int) -> int:
+    """The connections one uid may hold, bound and not: two per session it may open (its
+    client keeps one; a hello waits for the next), at least the unbound cap; all of them where
+    a uid's sessions are not capped (--max-sessions-per-uid 0: the operator has one tenant).
+    With the default 64 sessions, 128: eight uids, not four, to fill MAX_CONNECTIONS."""
+    if not max_sessions_per_uid:
+        return MAX_CONNECTIONS
+    return min(MAX_CONNECTIONS, max(MAX_UNBOUND_PER_UID, 2 * max_sessions_per_uid))
+
 TICKET_BYTES = 16  # a hello's ticket (FdResponse.ticket)
 # to the first request, and from a hello to the binding one unless the hello's ticket opened
 # a session meanwhile (then for as long as that session is open)
@@ -75,6 +86,8 @@ class FdServer:
         self._stop = False
         self._conns: set[socket.socket] = set()
         self._unbound: dict[int, int] = {}  # peer uid -> its connections not yet bound
+        self._of_uid: dict[int, int] = {}  # peer uid -> all its connections
+        self.per_uid = per_uid_cap(engine.config.max_sessions_per_uid)
         # session id -> its bound connections (shut down when it ends: drop_session)
         self._bound: dict[str, set[socket.socket]] = {}
         self._lock = threading.Lock()
@@ -108,15 +121,17 @@ class FdServer:
                 continue
             uid = peer[1]
             with self._lock:
-                unbound = self._unbound.get(uid, 0)
-                if len(self._conns) >= MAX_CONNECTIONS or unbound >= MAX_UNBOUND_PER_UID:
-                    log.warning("descriptor channel: %d connections open (%d of uid %d not "
-                                "authenticated), refusing another", len(self._conns),
-                                unbound, uid)
+                unbound, held = self._unbound.get(uid, 0), self._of_uid.get(uid, 0)
+                if len(self._conns) >= MAX_CONNECTIONS or unbound >= MAX_UNBOUND_PER_UID \
+                        or held >= self.per_uid:
+                    log.warning("descriptor channel: %d connections open (%d of uid %d, %d "
+                                "of them not authenticated), refusing another",
+                                len(self._conns), held, uid, unbound)
                     conn.close()
                     continue
                 self._conns.add(conn)
                 self._unbound[uid] = unbound + 1
+                self._of_uid[uid] = held + 1
             conn.settimeout(FIRST_REQUEST_SECONDS)
             try:
                 NamedThread(target=self._serve, args=(conn, peer), daemon=True,
@@ -128,6 +143,7 @@ class FdServer:
                 with self._lock:
                     self._conns.discard(conn)
                     self._uncount_unbound(uid)
+                    self._uncount(uid)
                 conn.close()
 
     def _count_bound(self, uid: int, session_id: str, conn: socket.socket) -> bool:
@@ -153,11 +169,10 @@ class FdServer:
                     c.shutdown(socket.SHUT_RDWR)
 
     def _uncount_unbound(self, uid: int) -> None:  # (under the lock)
-        left = self._unbound.get(uid, 0) - 1
-        if left > 0:
-            self._unbound[uid] = left
-        else:
-            self._unbound.pop(uid, None)
+        _decrement(self._unbound, uid)
+
+    def _uncount(self, uid: int) -> None:  # (under the lock) a connection of uid closed
+        _decrement(self._of_uid, uid)
 
     def _serve(self, conn: socket.socket, peer: tuple[int, int, int]) -> None:
         session: Session | None = None
@@ -233,6 +248,7 @@ class FdServer:
                     self._call(self.engine.withdraw_ticket, ticket)
             with self._lock:
                 self._conns.discard(conn)
+                self._uncount(peer[1])
                 if session is None:
                     self._uncount_unbound(peer[1])
                 else:
@@ -312,3 +328,11 @@ def _still_open(conn: socket.socket) -> bool:
     poll.register(fd, select.POLLRDHUP)  # (POLLHUP, POLLERR and POLLNVAL come unasked)
     gone = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
     return not any(events & gone for _, events in poll.poll(0))
+
+
+def _decrement(counts: dict[int, int], uid: int) -> None:
+    left = counts.get(uid, 0) - 1
+    if left > 0:
+        counts[uid] = left
+    else:
+        counts.pop(uid, None)
