@@ -466,7 +466,8 @@ class LowLatencyScales:
     once); `fill()` writes it on the current stream, after the data (the hook's wait)."""
 
     def __init__(self, scales: Any, use_ue8m0: bool, out: Any = None) -> None:
-        """`out`: made by `allocator(scales, use_ue8m0)` (the checks were done then)."""
+        """`out`: made by `allocator(scales, use_ue8m0)` for these scales and this format
+        (the checks were done then; nothing here checks it again)."""
         self.src, self.use_ue8m0 = scales, use_ue8m0
         if out is not None:
             self.out = out
@@ -492,12 +493,18 @@ class LowLatencyScales:
         stream), for a caller that makes one per call for the same source (a plain
         dispatch's copy-out): one allocator call instead of the checks and the layout each
         time."""
-        out = LowLatencyScales(scales, use_ue8m0).out
         torch = torch_if_loaded()
-        if torch is not None and isinstance(out, torch.Tensor):
-            return functools.partial(torch.empty_strided, tuple(out.shape), out.stride(),
-                                     dtype=out.dtype, device=out.device)
-        return lambda: LowLatencyScales(scales, use_ue8m0).out
+        if torch is None or not isinstance(scales, torch.Tensor):
+            return lambda: LowLatencyScales(scales, use_ue8m0).out
+        lx, n, s = scales.shape
+        if use_ue8m0 and s % 4:
+            raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
+                                  f"multiple of 512, got {s * 128}")
+        cols = s // 4 if use_ue8m0 else s
+        # (__init__'s layout, without making an array to read it from)
+        return functools.partial(torch.empty_strided, (lx, n, cols), (cols * n, 1, n),
+                                 dtype=torch.int32 if use_ue8m0 else torch.float32,
+                                 device=scales.device)
 
     def fill(self) -> Any:
         src = self.src

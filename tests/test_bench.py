@@ -144,6 +144,39 @@ def test_bench_fresh_inputs(tmp_path) -> None:
     assert all(r["results"]["epd"]["p50_us"] > 0 for r in rec["rows"])
 
 
+@pytest.mark.parametrize("fresh", [False, True])
+def test_fresh_inputs_reach_every_facade_call(fresh) -> None:
+    """FacadeCalls with `fresh` hands each call new tensor objects over the inputs' data
+    (same address and strides); without it, the inputs themselves."""
+    import torch
+
+    from epd.server.bench.workers import FacadeCalls
+
+    seen: list[tuple[str, object]] = []
+
+    class Recording:  # (a DeepEP Buffer's calls, recording their tensor arguments)
+        def low_latency_dispatch(self, x, idx, num_max, experts, **kw):
+            seen.extend([("x", x), ("idx", idx)])
+            return None, None, "handle", None, (lambda: None)
+
+        def low_latency_combine(self, y, idx, w, handle, **kw):
+            seen.extend([("y", y), ("idx", idx), ("w", w)])
+            return "combined", None, (lambda: None)
+
+    x, idx, w, y = (torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64), torch.ones(4, 2),
+                    torch.zeros(2, 8, 8))
+    given = {"x": x, "idx": idx, "w": w, "y": y}
+    steps = FacadeCalls(Recording(), 4, fresh).low_latency(x, idx, w, y, 4)
+    for _ in range(2):
+        for step in steps.values():
+            step()
+    assert len(seen) == 2 * 2 * 5
+    for name, t in seen:
+        assert (t is given[name]) is not fresh, name
+        assert (t.data_ptr(), t.stride(), t.shape) == (given[name].data_ptr(),
+                                                       given[name].stride(), given[name].shape)
+
+
 @pytest.mark.parametrize("args,reason,code", [
     (["--socket-dir", "{tmp}"], "no daemon answers on", 1),
     (["--backend", "cpu", "--experts", "15"], "must be a multiple of the 2 ranks", 2),  # usage

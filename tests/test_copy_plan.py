@@ -4,10 +4,14 @@ runs in tests/gpu/test_received_rows.py and every plain call of tests/gpu/test_l
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from epd.client import deep_ep_compat as C
 from epd.client import received_rows as rr
+from epd.client.buffer_low_latency import LowLatencyMixin
+from epd.proto import cuda_driver
 
 torch = pytest.importorskip("torch")
 
@@ -15,10 +19,13 @@ torch = pytest.importorskip("torch")
 @pytest.fixture
 def launches(monkeypatch):
     got: list[tuple] = []
+
+    def launch(fn, grid, block, stream, fmt, values, device):
+        cuda_driver.PackedArguments(fmt).pack(*values)  # (each value fits its struct code)
+        got.append((fn, grid, block, stream, fmt, values, device))
+
     monkeypatch.setattr(rr, "compiled_kernel", lambda source, name, device: 77)
-    monkeypatch.setattr(rr, "launch_packed",
-                        lambda fn, grid, block, stream, fmt, values, device: got.append(
-                            (fn, grid, block, stream, fmt, values, device)))
+    monkeypatch.setattr(rr, "launch_packed", launch)
     return got
 
 
@@ -46,8 +53,8 @@ def test_each_call_packs_its_own_outputs_beside_the_fixed_sources(launches, ue8m
         assert rx.shape == x.shape and rx.dtype == x.dtype
         assert oc.shape == (4,) and orank.shape == oidx.shape == (4, 16)
     # fresh outputs every call: the caller keeps each
-    assert outs[0][0].data_ptr() != outs[1][0].data_ptr()
-    assert outs[0][1].data_ptr() != outs[1][1].data_ptr()
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert a.data_ptr() != b.data_ptr()
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -74,3 +81,33 @@ def test_what_it_cannot_copy_is_refused_when_planned(launches) -> None:
     with pytest.raises(ValueError, match="contiguous"):
         rr.CopyPlan(x, None, cnt, rk.t(), ix, False, 0)
     assert not launches
+
+
+def _results(L: int = 4, N: int = 16, H: int = 512, S: int = 4) -> SimpleNamespace:
+    x, sc, cnt, rk, ix = _sources(L, N, H, S)
+    return SimpleNamespace(recv_x=x, recv_x_scales=sc, recv_count=cnt, recv_src_rank=rk,
+                           recv_src_idx=ix)
+
+
+def test_the_facades_plans_follow_the_receive_buffer_and_format(launches) -> None:
+    """Buffer's plain copy-out (`_copy_received`) and its scales (`_scales_out`) keep one plan
+    per receive buffer and format of the op: a call of buffer b copies b's rows, a ue8m0 call
+    gets int32 scales, and the hook path's scales (`out=`) fill as a fresh layout does."""
+    op = SimpleNamespace(results=[_results(), _results()], plans={})
+    me = SimpleNamespace(session=SimpleNamespace(device_ordinal=0),
+                         _scales_out=LowLatencyMixin._scales_out)
+    outs = [LowLatencyMixin._copy_received(me, op, b, True, False, 5) for b in (0, 1, 0, 1)]
+    for (*_, values, _), b in zip(launches, (0, 1, 0, 1), strict=True):
+        assert values[0] == op.results[b].recv_x.data_ptr()
+        assert values[4] == op.results[b].recv_x_scales.data_ptr() and values[7] == 0
+    assert len({o[1].data_ptr() for o in outs}) == 4  # (a new scales array every call)
+    ue = LowLatencyMixin._copy_received(me, op, 0, True, True, 5)
+    assert ue[1].dtype == torch.int32 and launches[-1][5][7] == 1
+    bf16 = LowLatencyMixin._copy_received(me, op, 1, False, False, 5)
+    assert bf16[1] is None and launches[-1][5][4:6] == (0, 0)
+    src = op.results[1].recv_x_scales
+    src.copy_(2.0 ** torch.randint(-3, 3, tuple(src.shape)).float())
+    for ue8m0 in (False, True):
+        hook = C.LowLatencyScales(src, ue8m0, out=LowLatencyMixin._scales_out(op, 1, ue8m0))
+        want = C.LowLatencyScales(src, ue8m0).fill()
+        assert torch.equal(hook.fill(), want) and hook.out.stride() == want.stride()

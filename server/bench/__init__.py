@@ -75,7 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="hand every timed call new tensor objects (views of the same data, as "
                         "a model's next layer makes new activations at addresses its allocator "
                         "reuses) instead of the same objects each iteration: what a caller "
-                        "pays where a per-object cache misses")
+                        "pays where a per-object cache misses (the facade's rows; a CUDA "
+                        "graph's replay and the pipeline take none)")
     p.add_argument("--json", default="", help="write every figure and check to this file")
     p.add_argument("--plot", default="", help="write a bar chart (needs matplotlib)")
     p.add_argument("--timeout", type=float, default=900.0,

@@ -113,7 +113,8 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     await server.start()
     os.chmod(path, 0o660)
     # The descriptor channel beside it (gpu<N>.fds, same permissions): memory by descriptor.
-    fds = FdServer(engine, fd_channel.socket_path_for(path), asyncio.get_running_loop())
+    fds = FdServer(engine, fd_channel.socket_path_for(path), asyncio.get_running_loop(),
+                   cfg.max_sessions_per_uid)
     engine.on_session_closed = fds.drop_session
     fds.start()
     for name in ("", SERVICE_NAME):

@@ -75,7 +75,9 @@ IDLE_CHECK_SECONDS = 30.0  # how often a bound, idle connection checks its sessi
 
 
 class FdServer:
-    def __init__(self, engine: Engine, path: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, engine: Engine, path: str, loop: asyncio.AbstractEventLoop,
+                 max_sessions_per_uid: int = 0) -> None:
+        """`max_sessions_per_uid`: the engine's --max-sessions-per-uid (`per_uid_cap`)."""
         self.engine, self.path, self.loop = engine, path, loop
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -87,7 +89,7 @@ class FdServer:
         self._conns: set[socket.socket] = set()
         self._unbound: dict[int, int] = {}  # peer uid -> its connections not yet bound
         self._of_uid: dict[int, int] = {}  # peer uid -> all its connections
-        self.per_uid = per_uid_cap(engine.config.max_sessions_per_uid)
+        self.per_uid = per_uid_cap(max_sessions_per_uid)
         # session id -> its bound connections (shut down when it ends: drop_session)
         self._bound: dict[str, set[socket.socket]] = {}
         self._lock = threading.Lock()
