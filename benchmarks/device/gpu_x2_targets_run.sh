@@ -5,6 +5,9 @@
 #        intranode-only (prepare .deepep here with ../shared/device/deepep-anchor.sh), then
 #        `epd bench` at P and D with the low-latency rows, with and without MPS, beside DeepEP
 #        in-process and the NCCL pipeline (JSON + plot under $OUT)
+#   bash benchmarks/device/gpu_x2_targets_run.sh bench_fresh   # carry [".whl", ".deepep"]: the
+#        same bench with MPS, each call given new tensor objects (--fresh-inputs: what an
+#        eager model hands the facade; thirty-third session)
 #   bash benchmarks/device/gpu_x2_targets_run.sh pools   # carry [".whl"]: the two-pool benchmark
 #        (issue 14's targets) with classes, without, on class engines (--class-engines: an
 #        engine process per GPU and class), and the chain on class engines (each with the
@@ -24,7 +27,7 @@ set -u
 source benchmarks/device/gpu_env.sh
 clean() { grep -v " INFO \|WARNING\|MpsWarning\|with Session\|warnings.warn\|resource_tracker"; }
 case "${1:-}" in
-  bench)
+  bench|bench_fresh)
     if [ -d .deepep ]; then
       rm -rf /tmp/deepep && cp -r .deepep /tmp/deepep
       (cd /tmp/deepep && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 timeout 240 \
@@ -32,6 +35,12 @@ case "${1:-}" in
         && export PYTHONPATH=$PYTHONPATH:/tmp/deepep || tail -5 "$OUT/deepep_build.txt"
     fi
     # DeepEP's intranode-only build has no low-latency mode: its LL rows are skipped.
+    if [ "$1" = bench_fresh ]; then
+      timeout 300 python3 -P -m epd.server.cli bench --shapes P,D --iters 40 --low-latency \
+          --skip deep_ep_ll --fresh-inputs --json "$OUT/bench_fresh_mps.json" 2>&1 \
+          | clean | tail -30
+      exit
+    fi
     timeout 200 python3 -P -m epd.server.cli bench --shapes P,D --iters 40 --low-latency \
         --skip deep_ep_ll --json "$OUT/bench_mps.json" --plot "$OUT/bench_mps.png" 2>&1 \
         | clean | tail -30
