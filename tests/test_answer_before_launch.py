@@ -195,7 +195,7 @@ def test_a_count_no_notify_writes_marks_the_dispatch_failed(n, per_expert, ok) -
                                  backend_handle=types.SimpleNamespace(num_recv=-1))
     member = types.SimpleNamespace(
         counter_slot=0, pending=info, rank=0, bytes_received=0,
-        spec=types.SimpleNamespace(name="g", max_recv_tokens=64, hidden=8,
+        spec=types.SimpleNamespace(name="g", label="g", max_recv_tokens=64, hidden=8,
                                    x_numpy_dtype=np.dtype(np.float32), num_local_experts=2))
     session = types.SimpleNamespace(counter_page=types.SimpleNamespace(slot=lambda i: words),
                                     describe=lambda: "session")

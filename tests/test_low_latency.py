@@ -601,7 +601,7 @@ def _stand_in_op(group: str, launch):
     from epd.server.engine import stream_ops as S
 
     comm = types.SimpleNamespace(launch_prepared=launch)
-    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name=group),
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name=group, label=group),
                                    dispatches=0, combines=0)
     session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
                                     describe=lambda: "session")
@@ -991,8 +991,8 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
         open_chain=open_chain or (lambda words, ptr: None),
         close_chain=lambda timeout: closed.append(timeout),
         launch_prepared=lambda p, b: None, spans_nodes=spans_nodes)
-    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(name="arm-g",
-                                                                         shrink=shrink),
+    member = types.SimpleNamespace(comm=comm, spec=types.SimpleNamespace(
+        name="arm-g", label="arm-g", shrink=shrink),
                                    service_class="throughput", dispatches=0, combines=0)
     args = types.SimpleNamespace(num_max_dispatch_tokens_per_rank=8, use_fp8=False)
     engine = types.SimpleNamespace(
@@ -1267,8 +1267,8 @@ def test_a_poller_of_chains_only_looks_every_nap(chain_poll_us: int) -> None:
     from epd.server.engine import stream_ops as S
 
     looks = []
-    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-g"), dispatches=0,
-                                   combines=0)
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-g", label="nap-g"),
+                                   dispatches=0, combines=0)
     chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0,
                                   top_up=lambda: looks.append(1) or [abi.LLX_DISPATCH])
     ops = S.StreamOps(_poller_engine(spin_us=5_000_000, poll_us=50,
@@ -1291,7 +1291,7 @@ def test_a_disarm_counts_the_calls_its_chain_ran_since_the_last_look() -> None:
     from epd.proto import abi
     from epd.server.engine import stream_ops as S
 
-    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="g"), dispatches=0,
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="g", label="g"), dispatches=0,
                                    combines=0)
     removed: list = []
     chain = types.SimpleNamespace(
@@ -1309,7 +1309,7 @@ def test_an_arm_ends_the_pollers_nap_at_once() -> None:
 
     from epd.server.engine import stream_ops as S
 
-    chain_member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-c"),
+    chain_member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-c", label="nap-c"),
                                          dispatches=0, combines=0)
     chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0, top_up=lambda: [])
     ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=50, chain_poll_us=2_000_000))
@@ -1349,7 +1349,7 @@ def test_chain_top_ups_count_as_engine_work(monkeypatch) -> None:
 
     def failing_top_up():
         raise RuntimeError("the chain closed under it")
-    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="g"), dispatches=0,
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="g", label="g"), dispatches=0,
                                    combines=0)
     rings = [types.SimpleNamespace(chain=types.SimpleNamespace(top_up=f), member=member)
              for f in (busy_top_up, failing_top_up, lambda: [])]
