@@ -66,8 +66,9 @@ class Config:
     max_stream_ops_per_session: int = field(default=256, metadata={
         "help": "armed stream-ordered calls per session"})
     max_group_label_values: int = field(default=256, metadata={
-        "help": "distinct group names a process labels metrics with; later groups are "
-                "labelled group=\"_overflow\""})
+        "help": "distinct group labels (a name with its owner: each tenant's copy of a "
+                "name is one) a process labels metrics with; later groups are labelled "
+                "group=\"_overflow\""})
     max_handles_per_session: int = field(default=4096, metadata={
         "help": "dispatch handles a session holds at once, over all its groups (kept until "
                 "the client releases them or the session ends; RESOURCE_EXHAUSTED beyond it)"})

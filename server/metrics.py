@@ -26,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -119,13 +120,22 @@ def labels_in_folder(folder: str, label: str = "group") -> set[str]:
     return found
 
 
+_OWNER_SUFFIX = re.compile(r" \((uid \d+|pool)\)$")
+
+
 def owned_label(name: str, uid: int, shared: bool) -> str:
-    """The `group` label of a group named `name`, joined by `uid`: group names are each uid's
-    own (coordinator.py), so two tenants' groups of one name are two groups, and two series.
-    The name alone (less its instance tag) for the daemon's own uid and a shared pool's
-    (`shared`: --allow-uids / --allow-gids), else `name (uid N)`."""
+    """The `group` label of a group named `name`, joined by `uid`: group names are each
+    namespace's own (coordinator.py: a uid's, or the pool of --allow-uids / --allow-gids,
+    `shared`), so two namespaces' groups of one name are two groups, and two series. The name
+    (less its instance tag) with its owner: ` (pool)`, ` (uid N)`, or nothing for the
+    daemon's own uid, unless the name itself ends like an owner (then it gets its own: no
+    name can take another owner's label)."""
     base = group_names.base_name(name)
-    return base if shared or uid == os.getuid() else f"{base} (uid {uid})"
+    if shared:
+        return f"{base} (pool)"
+    if uid == os.geteuid() and not _OWNER_SUFFIX.search(base):
+        return base
+    return f"{base} (uid {uid})"
 
 
 def group_label(name: str) -> str:

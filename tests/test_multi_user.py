@@ -183,7 +183,7 @@ def test_multi_user() -> None:
         assert result(a) == {"code": "OK"}
         assert result(b) == {"code": "OK"}
         # Two users' groups of one name are two groups, and two series: their metrics'
-        # group label carries the owner's uid (not the daemon's own, nor a pool's).
+        # group label carries the owner's uid (the daemon's own uid's would not).
         a = d.client(USER_A, [SOCKET_GROUP], "mu-same", 0, 1)
         b = d.client(USER_B, [SOCKET_GROUP], "mu-same", 0, 1, engine=1)
         assert result(a) == {"code": "OK"}
@@ -212,7 +212,7 @@ def test_multi_user() -> None:
         b = d.client(USER_B, [SOCKET_GROUP], "mu-shared", 1, 2, engine=1)
         assert result(a) == {"code": "OK"}
         assert result(b) == {"code": "OK"}
-        # (a pool's one namespace: one group, labelled by its name alone)
-        assert "mu-shared" in d.dispatch_groups()
+        # (a pool's one namespace: one group, labelled as the pool's)
+        assert "mu-shared (pool)" in d.dispatch_groups()
     finally:
         d.close()
