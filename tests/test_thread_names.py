@@ -49,6 +49,11 @@ def test_cpu_by_thread_folds_session_ids_and_counts_a_busy_thread() -> None:
     busy.start()
     short.start()
     short.join(5)
+    # (join returns before the OS thread is gone: wait until /proc no longer lists it, or
+    # the second read still sees it, as a CI run once did)
+    gone_by = time.monotonic() + 5
+    while os.path.exists(f"/proc/self/task/{short.native_id}") and time.monotonic() < gone_by:
+        time.sleep(0.005)
     try:
         deadline = time.monotonic() + 5
         got = cpu_by_thread(before, thread_cpu([os.getpid()]))
