@@ -5,6 +5,7 @@ outsider) is tests/test_multi_user.py."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -278,6 +279,34 @@ def _closed_within(s, seconds: float) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _silent_connections(path: str, n: int):
+    """`n` descriptor-channel connections that never speak, held for the block."""
+    import socket
+    import time
+
+    held: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            held.append(c)
+            c.connect(path)
+        time.sleep(0.3)  # (the engine accepts them in its own thread)
+        yield
+    finally:
+        for c in held:
+            c.close()
+
+
+def _next_connection_closed(path: str, seconds: float) -> bool:
+    """Whether the engine closes one more connection within `seconds`."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
+        extra.connect(path)
+        return _closed_within(extra, seconds)
+
+
 def test_a_connection_refused_at_authentication_is_closed(daemon) -> None:
     """The descriptor channel answers a first request with a wrong token and closes the
     connection: an unauthenticated connection cannot stay open by sending bad requests (each
@@ -300,27 +329,15 @@ def test_unauthenticated_channel_connections_are_capped_per_uid(daemon) -> None:
     """One uid holds at most MAX_UNBOUND_PER_UID descriptor-channel connections that have not
     authenticated: the next is closed at once (not after the first-request timeout), so one
     tenant's silent connections cannot fill the engine-wide cap; closed, they free the slots."""
-    import socket
     import time
 
     from epd.server.engine.fd_server import FIRST_REQUEST_SECONDS, MAX_UNBOUND_PER_UID
 
     path = fdc.socket_path_for(daemon.socket(0))
-    held: list[socket.socket] = []
-    try:
-        for _ in range(MAX_UNBOUND_PER_UID):
-            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            held.append(c)
-            c.connect(path)
-        time.sleep(0.3)  # (the engine accepts them in its own thread)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
-            extra.connect(path)
-            t0 = time.monotonic()
-            assert _closed_within(extra, FIRST_REQUEST_SECONDS / 2)
-            assert time.monotonic() - t0 < FIRST_REQUEST_SECONDS / 2
-    finally:
-        for c in held:
-            c.close()
+    with _silent_connections(path, MAX_UNBOUND_PER_UID):
+        t0 = time.monotonic()
+        assert _next_connection_closed(path, FIRST_REQUEST_SECONDS / 2)
+        assert time.monotonic() - t0 < FIRST_REQUEST_SECONDS / 2
     deadline = time.monotonic() + 10
     while True:  # the engine notices the closed ones shortly
         try:
@@ -340,8 +357,6 @@ def test_one_uid_holds_at_most_its_share_of_channel_connections(daemon_factory) 
     1,024 and locked every other tenant out. Here (2 sessions a uid: 64) a session's own
     connection and 63 silent ones are the uid's whole share; the next is closed at once, and
     the session goes on."""
-    import socket
-    import time
 
     from epd.server.engine.fd_server import (
         FIRST_REQUEST_SECONDS,
@@ -357,20 +372,9 @@ def test_one_uid_holds_at_most_its_share_of_channel_connections(daemon_factory) 
             Session(d.socket(0), timeout=10) as s:
         solo_round(s, "sec-uid-share")  # (its channel connection is bound)
         path = fdc.socket_path_for(d.socket(0))
-        held: list[socket.socket] = []
-        try:
-            for _ in range(cap - 1):
-                c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-                held.append(c)
-                c.connect(path)
-            time.sleep(0.3)  # (the engine accepts them in its own thread)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as extra:
-                extra.connect(path)
-                assert _closed_within(extra, FIRST_REQUEST_SECONDS / 2)
+        with _silent_connections(path, cap - 1):
+            assert _next_connection_closed(path, FIRST_REQUEST_SECONDS / 2)
             solo_round(s, "sec-uid-share-after")
-        finally:
-            for c in held:
-                c.close()
 
 
 def test_a_session_has_a_bounded_number_of_channel_connections(daemon) -> None:
