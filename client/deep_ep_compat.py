@@ -469,9 +469,13 @@ class LowLatencyScales:
         """`out`: made by `allocator(scales, use_ue8m0)` for these scales and this format
         (the checks were done then; nothing here checks it again)."""
         self.src, self.use_ue8m0 = scales, use_ue8m0
-        if out is not None:
-            self.out = out
-            return
+        self.out = out if out is not None else LowLatencyScales.allocator(scales, use_ue8m0)()
+
+    @staticmethod
+    def allocator(scales: Any, use_ue8m0: bool) -> Callable[[], Any]:
+        """A function that allocates `out` for `scales` (on the current stream): `__init__`'s,
+        and that of a caller that makes one per call for the same source (a plain dispatch's
+        copy-out: the checks and the layout once)."""
         lx, n, s = scales.shape
         if use_ue8m0 and s % 4:
             raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
@@ -479,32 +483,12 @@ class LowLatencyScales:
         cols = s // 4 if use_ue8m0 else s
         torch = torch_if_loaded()
         if torch is not None and isinstance(scales, torch.Tensor):
-            dtype = torch.int32 if use_ue8m0 else torch.float32
             # ([lx, cols, n] transposed in its last two dimensions, in one allocation call)
-            self.out = torch.empty_strided((lx, n, cols), (cols * n, 1, n), dtype=dtype,
-                                           device=scales.device)
-        else:
-            dtype = np.int32 if use_ue8m0 else np.float32
-            self.out = np.empty((lx, cols, n), dtype=dtype).transpose(0, 2, 1)
-
-    @staticmethod
-    def allocator(scales: Any, use_ue8m0: bool) -> Callable[[], Any]:
-        """A function that allocates `out` for `scales` as `__init__` does (on the current
-        stream), for a caller that makes one per call for the same source (a plain
-        dispatch's copy-out): one allocator call instead of the checks and the layout each
-        time."""
-        torch = torch_if_loaded()
-        if torch is None or not isinstance(scales, torch.Tensor):
-            return lambda: LowLatencyScales(scales, use_ue8m0).out
-        lx, n, s = scales.shape
-        if use_ue8m0 and s % 4:
-            raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
-                                  f"multiple of 512, got {s * 128}")
-        cols = s // 4 if use_ue8m0 else s
-        # (__init__'s layout, without making an array to read it from)
-        return functools.partial(torch.empty_strided, (lx, n, cols), (cols * n, 1, n),
-                                 dtype=torch.int32 if use_ue8m0 else torch.float32,
-                                 device=scales.device)
+            return functools.partial(torch.empty_strided, (lx, n, cols), (cols * n, 1, n),
+                                     dtype=torch.int32 if use_ue8m0 else torch.float32,
+                                     device=scales.device)
+        dtype = np.int32 if use_ue8m0 else np.float32
+        return lambda: np.empty((lx, cols, n), dtype=dtype).transpose(0, 2, 1)
 
     def fill(self) -> Any:
         src = self.src

@@ -59,10 +59,17 @@ def test_each_call_packs_its_own_outputs_beside_the_fixed_sources(launches, ue8m
 
 @pytest.mark.parametrize("ue8m0", [False, True])
 def test_the_scales_allocator_makes_deep_eps_layout(ue8m0) -> None:
+    """[L, N, C] column-major in its last two dimensions (storage [L, C, N]): C = S float32
+    scales, or S / 4 int32 words of packed UE8M0 exponents; a new array every call."""
     sc = torch.empty((3, 32, 8))
-    want = C.LowLatencyScales(sc, ue8m0).out
-    got = C.LowLatencyScales.allocator(sc, ue8m0)()
-    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+    alloc = C.LowLatencyScales.allocator(sc, ue8m0)
+    got, again = alloc(), alloc()
+    cols = 2 if ue8m0 else 8
+    assert got.shape == (3, 32, cols) and got.stride() == (cols * 32, 1, 32)
+    assert got.dtype == (torch.int32 if ue8m0 else torch.float32)
+    assert got.data_ptr() != again.data_ptr()
+    host = C.LowLatencyScales.allocator(sc.numpy(), ue8m0)()  # (host arrays: the same)
+    assert host.shape == (3, 32, cols) and host.strides == (cols * 32 * 4, 4, 32 * 4)
 
 
 def test_without_scales_and_empty_buffers(launches) -> None:
