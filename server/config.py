@@ -347,6 +347,13 @@ class Config:
         return out
 
 
+def in_pool(uid: int, gid: int, allow_uids: frozenset[int], allow_gids: frozenset[int]) -> bool:
+    """Whether a client of `uid` (primary `gid`) names its groups in the shared pool of
+    --allow-uids / --allow-gids, not in its uid's own namespace (the coordinator's scope, the
+    metrics' owner label)."""
+    return uid in allow_uids or gid in allow_gids
+
+
 def parse_ids(name: str, text: str) -> frozenset[int]:
     """"1001,1002" -> {1001, 1002}; ValueError naming the setting otherwise (an id is a
     uid_t / gid_t: 0 to 2**32 - 2, since 2**32 - 1 is the kernel's "no id")."""

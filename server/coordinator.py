@@ -31,6 +31,7 @@ from ..proto.errors import (
 from ..proto.v1 import epd_pb2
 from . import metrics, service_classes
 from .backends.base import GroupPlanner, GroupSpec
+from .config import in_pool
 from .engine.state import spec_from_proto
 
 log = logging.getLogger("epd.coordinator")
@@ -205,7 +206,7 @@ class Coordinator:
         (PERMISSION_DENIED for as long as it held the name, before names were scoped), and a
         join tells nothing of other tenants' names. A pool lists every uid it has: one left
         out forms its groups alone."""
-        if req.peer_uid in self.allow_uids or req.peer_gid in self.allow_gids:
+        if in_pool(req.peer_uid, req.peer_gid, self.allow_uids, self.allow_gids):
             return SHARED
         return req.peer_uid
 

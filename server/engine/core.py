@@ -49,7 +49,7 @@ from ..backends.base import (
     RankComm,
     Region,
 )
-from ..config import Config, node_metadata
+from ..config import Config, in_pool, node_metadata
 from ..engine_slots import EngineSlot
 from ..mps import ENGINE_ENV as MPS_ENGINE_ENV
 from .executor import EngineState, SessionExecutor
@@ -716,7 +716,7 @@ class Engine(StreamCalls, DataPlane):
             # rule changes nothing), and travels in the spec: ranks that disagree fail together.
             cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
             self._check_class_engine(spec.name, cls)
-            shared = uid in self.config.allowed_uids or gid in self.config.allowed_gids
+            shared = in_pool(uid, gid, self.config.allowed_uids, self.config.allowed_gids)
             spec = dataclasses.replace(spec, service_class=cls,
                                        metrics_name=metrics.owned_label(spec.name, uid, shared))
             spec_proto = epd_pb2.GroupSpec()
