@@ -347,6 +347,21 @@ class Config:
         return out
 
 
+AUTO_CHAIN_QUEUES = 32  # --ll-chain auto chains nothing with fewer hardware queues
+
+
+def chain_limit(config: Any) -> int:
+    """Chains per engine. Each parks one of the engine's hardware queues in a GPU wait, and a
+    stream that shares a queue with a parked chain stalls behind it: on one H200 under MPS two
+    ranks' chains on CUDA's default 8 queues stalled each other for 5-7 ms per pair, and on
+    EPD's 32 (`--cuda-max-connections`) they did not (docs/DESIGN_NOTES.md, "The low-latency
+    chain, built and measured"). So auto chains only with at least those 32 queues, at most
+    --ll-chain-members; `on` takes --ll-chain-members as given."""
+    if config.ll_chain == "on" or config.cuda_max_connections >= AUTO_CHAIN_QUEUES:
+        return config.ll_chain_members
+    return 0
+
+
 def in_pool(uid: int, gid: int, allow_uids: frozenset[int], allow_gids: frozenset[int]) -> bool:
     """Whether a client of `uid` (primary `gid`) names its groups in the shared pool of
     --allow-uids / --allow-gids, not in its uid's own namespace (the coordinator's scope, the

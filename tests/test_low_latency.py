@@ -1189,10 +1189,10 @@ def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink:
 def test_chains_per_engine(mode: str, members: int, queues: int, limit: int) -> None:
     """auto chains only with the 32 hardware queues its chains were measured with (on CUDA's
     default 8, two parked chains stalled each other's pairs for milliseconds)."""
-    from epd.server.engine import stream_ops as S
+    from epd.server.config import chain_limit
     cfg = types.SimpleNamespace(ll_chain=mode, ll_chain_members=members,
                                 cuda_max_connections=queues)
-    assert S.chain_limit(cfg) == limit
+    assert chain_limit(cfg) == limit
 
 
 def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:

@@ -42,6 +42,7 @@ from ...proto.errors import (
 )
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
+from ..config import chain_limit
 from . import cuda_chain, cuda_rejoin, cuda_stages
 from . import cuda_kernels as ck
 from .base import (
@@ -1104,8 +1105,6 @@ class CudaBackend(Backend):
         kernels (cuda_chain.GraphReserve). None where no chain can use graphs (no chain on
         this engine, the timeline's or the gate kernel's launches), or where making the room
         failed: the chains then enqueue by launches."""
-        from ..engine.stream_ops import chain_limit  # (the engine's rule for chains at all)
-
         chains = chain_limit(cfg)
         if (not cfg.ll_chain_graphs or cfg.ll_chain == "off" or chains <= 0
                 or cfg.ll_chain_gate or cuda_chain.TIMELINE):

@@ -55,6 +55,7 @@ from ...proto.errors import (
 from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
+from ..config import chain_limit
 from . import tensors
 from .executor import as_epd_error
 from .ops import ll_dispatch_response
@@ -81,7 +82,6 @@ SLOW_POLL_SECONDS = 1e-3
 # (--ll-chain-poll-us): at one instance per ~100 µs call, 16 hold 1.6 ms.
 CHAIN_NAP_DEPTH = 16
 _NO_WATCH = contextlib.nullcontext()  # (reusable)
-AUTO_CHAIN_QUEUES = 32  # --ll-chain auto chains nothing with fewer hardware queues (chain_limit)
 TOP_UP_METHOD = "LowLatencyChainTopUp"  # epd_request_cpu_seconds{method}: the chains' top-ups
 
 
@@ -134,18 +134,6 @@ def chain_wanted(config: Any, session: Session, member: GroupMember) -> bool:
         return config.ll_chain == "on"
     return (session.on_engine_mps is True and not member.spec.shrink
             and not getattr(member.comm, "spans_nodes", False))
-
-
-def chain_limit(config: Any) -> int:
-    """Chains per engine. Each parks one of the engine's hardware queues in a GPU wait, and a
-    stream that shares a queue with a parked chain stalls behind it: on one H200 under MPS two
-    ranks' chains on CUDA's default 8 queues stalled each other for 5-7 ms per pair, and on
-    EPD's 32 (`--cuda-max-connections`) they did not (docs/DESIGN_NOTES.md, "The low-latency
-    chain, built and measured"). So auto chains only with at least those 32 queues, at most
-    --ll-chain-members; `on` takes --ll-chain-members as given."""
-    if config.ll_chain == "on" or config.cuda_max_connections >= AUTO_CHAIN_QUEUES:
-        return config.ll_chain_members
-    return 0
 
 
 @dataclass

@@ -17,7 +17,6 @@ from epd.proto.dtypes import BFLOAT16
 from epd.server import config
 from epd.server import reference as ref
 from epd.server.cli import build_parser
-from epd.server.engine import stream_ops
 
 from .common import ll_combined
 from .conftest import GPU_COUNT
@@ -136,7 +135,7 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     # --ll-chain (on) chains them; auto (the default) does for clients on the daemon's MPS
     # server, which the fixture's clients share when it runs one
     cfg = config.load(build_parser().parse_args(["serve", *daemon.extra]), dict(os.environ))
-    assert chained == {stream_ops.chain_limit(cfg) > 0 and (
+    assert chained == {config.chain_limit(cfg) > 0 and (
         cfg.ll_chain == "on" or (cfg.ll_chain == "auto" and bool(daemon.client_env())))}
     for name, (total, count) in host.items():
         if chained == {True}:
