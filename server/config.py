@@ -72,6 +72,9 @@ class Config:
     max_handles_per_session: int = field(default=4096, metadata={
         "help": "dispatch handles a session holds at once, over all its groups (kept until "
                 "the client releases them or the session ends; RESOURCE_EXHAUSTED beyond it)"})
+    max_handle_bytes_per_session: int = field(default=4 << 30, metadata={
+        "help": "engine memory (host and GPU) a session's dispatch handles may hold at once: "
+                "a handle's routing arrays grow with its tokens (RESOURCE_EXHAUSTED beyond it)"})
     per_expert_metrics: bool = field(default=False, metadata={
         "help": "export per-expert receive counts (high cardinality)"})
     restart_backoff_seconds: float = field(default=1.0, metadata={
@@ -548,7 +551,8 @@ def _check_limits(cfg: Config) -> None:
     from ..proto import ring
 
     for name in ("max_sessions", "max_regions_per_session", "max_region_bytes_per_session",
-                 "max_groups_per_session", "max_handles_per_session", "nvshmem_heap_bytes"):
+                 "max_groups_per_session", "max_handles_per_session",
+                 "max_handle_bytes_per_session", "nvshmem_heap_bytes"):
         _check_range(cfg, name, 1)
     _check_range(cfg, "max_stream_ops_per_session", 0, note="0: none armed")
     _check_range(cfg, "fast_path_slots", 1, ring.MAX_SLOTS)

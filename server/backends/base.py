@@ -539,6 +539,13 @@ class RankComm(abc.ABC):
         """Engine memory this rank holds for its group (its buffer slot, its outputs)."""
         return 0
 
+    def handle_bytes(self, low_latency: bool, num_tokens: int, num_topk: int) -> int:
+        """At most the engine memory (host and device) the handle of one new dispatch of
+        `num_tokens` tokens keeps until it is released: the engine charges it to the session's
+        --max-handle-bytes-per-session before the collective (a handle's arrays grow with its
+        tokens, so a count of handles alone does not bound them)."""
+        raise NotImplementedError(f"{type(self).__name__} does not size its handles")
+
     def known_abort_reason(self) -> str | None:
         """Why the group failed, as far as this engine's host knows (no device read)."""
         return None

@@ -846,6 +846,15 @@ class CpuRankComm(RankComm):
         # Its slot of the group's communication memfd, and its output region.
         return self._slot.size + self.output_region.size
 
+    def handle_bytes(self, low_latency: bool, num_tokens: int, num_topk: int) -> int:
+        spec, t = self.spec, num_tokens
+        if low_latency:  # _LowLatencyHandle: topk_idx, dest and row [T, K] int64, counts [L]
+            return 24 * t * num_topk + 8 * spec.num_local_experts
+        # _Handle: is_token_in_rank [T, R] bool, rank_prefix [R, R] int64, and three [N]
+        # source rows (int32; N <= R * max_tokens_per_rank, or the collective failed)
+        r = spec.num_ranks
+        return t * r + 8 * r * r + 12 * spec.max_recv_tokens
+
     def quiesce(self, deadline: float) -> None:
         """The deferred slot-freeing barrier, taken now: peers pull from this rank's slot after
         it returned, and the abort word of its leave would fail them mid-read."""

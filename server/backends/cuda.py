@@ -898,6 +898,20 @@ class CudaRankComm(RankComm):
         # a two-stage group's rail and node slots).
         return self.mlayout.slot_bytes + (self._stage_bytes if self.stages is not None else 0)
 
+    def handle_bytes(self, low_latency: bool, num_tokens: int, num_topk: int) -> int:
+        if low_latency:  # _LowLatencyHandle: the host copy of topk_idx, [T, K] int64
+            return 8 * num_tokens * num_topk
+        # _Handle: device arrays (DispatchHandle), one per stage runner (dispatch_result)
+        if self.stages is None:
+            sized = ((self.runner, num_tokens),)
+        else:
+            st = self.stages
+            sized = ((st.flat, num_tokens), (st.rail, num_tokens),
+                     (st.node, st.rail.layout.max_recv))
+        return sum(ck.DispatchHandle.nbytes_for(t, run.layout.num_ranks,
+                                                run.layout.num_local_experts, run.num_nodes)
+                   for run, t in sized)
+
     @_launches
     def abort(self, reason: str) -> None:
         if self._reason is None:

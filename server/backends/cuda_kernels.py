@@ -257,6 +257,14 @@ class DispatchHandle:
     node_pos: Any = None   # [T, N] int32 my tokens before t with an expert on node b, or -1
     node_base: Any = None  # [R] int32 the rail rows before source s's at its forwarder here
 
+    @staticmethod
+    def nbytes_for(num_tokens: int, num_ranks: int, num_local_experts: int,
+                   num_nodes: int = 1) -> int:
+        """The device bytes `allocate` takes for these sizes (the engine's handle budget)."""
+        r, t = num_ranks, max(num_tokens, 1)
+        hier = 4 * t * num_nodes + 4 * r if num_nodes > 1 else 0
+        return t + 4 * t * r + 8 * r * r + 4 * (4 + num_local_experts) + hier
+
     @classmethod
     def allocate(cls, num_tokens: int, num_ranks: int, num_local_experts: int,
                  num_nodes: int = 1) -> DispatchHandle:

@@ -241,7 +241,8 @@ class DataPlane:
         if req.num_sms:
             raise InvalidArgument("num_sms is for stream-ordered calls")
         self.backend.check_event(req.ready_event)
-        self._check_handle_budget(session, member, req.release_handles)
+        nbytes = self._new_handle_bytes(member, args, cached)
+        self._check_handle_budget(session, member, req.release_handles, nbytes)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
         member.dispatch_sequence += 1
         sequence = member.dispatch_sequence
@@ -266,7 +267,7 @@ class DataPlane:
         out = self._timed(member, metrics.DISPATCH_SECONDS, path, run, failed)
         rows_out = req.num_worst_tokens or out.num_recv_tokens
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_tokens,
-                                                          rows_out))
+                                                          rows_out, nbytes=nbytes))
         member.dispatches += 1
         metrics.inc(metrics.RECV_TOKENS, (spec.label,), out.num_recv_tokens)
         if self.config.per_expert_metrics and out.num_recv_tokens_per_expert:
@@ -310,25 +311,48 @@ class DataPlane:
                 f"object) or came from another group")
 
     def _check_handle_budget(self, session: Session, member: GroupMember,
-                             releases) -> None:
-        """A dispatch stores one more handle: first free those it carries (`releases`; only
-        once the call is checked, so a refused call frees nothing), then refuse it (before the
-        collective) when the session holds --max-handles-per-session already. Handles are never
-        dropped silently."""
+                             releases, nbytes: int) -> None:
+        """A dispatch stores one more handle of at most `nbytes` of engine memory: first free
+        those it carries (`releases`; only once the call is checked, so a refused call frees
+        nothing), then refuse it (before the collective) when the session would hold more
+        than --max-handles-per-session handles or --max-handle-bytes-per-session bytes of them.
+        Handles are never dropped silently."""
         self._release(member, releases)
-        held = sum(len(m.handles) for m in list(session.members.values()))  # (a join on
-        # the event loop may add a member meanwhile: iterate a copy)
+        members = list(session.members.values())  # (a join on the event loop may add one
+        # meanwhile: iterate a copy)
+        held = sum(len(m.handles) for m in members)
         limit = self.config.max_handles_per_session
         if held >= limit:
             raise ResourceExhausted(f"{session.describe()} holds {held} dispatch handles, the "
                                     f"maximum (--max-handles-per-session={limit}); a handle is "
                                     f"freed when the client drops its handle object")
+        held = sum(m.handle_bytes for m in members)
+        limit = self.config.max_handle_bytes_per_session
+        if held + nbytes > limit:
+            raise ResourceExhausted(f"{session.describe()} holds {held} bytes of dispatch "
+                                    f"handles; this dispatch's handle ({nbytes} bytes for "
+                                    f"its tokens) would exceed the maximum of {limit} "
+                                    f"(--max-handle-bytes-per-session); a handle is freed "
+                                    f"when the client drops its handle object")
+
+    @staticmethod
+    def _new_handle_bytes(member: GroupMember, args: DispatchArgs,
+                          cached: HandleInfo | None) -> int:
+        """What a normal-mode dispatch's handle is charged. A cached dispatch's shares the
+        arrays of the handle it reuses, and is charged as much again: it keeps them alive
+        once that one is released."""
+        if cached is not None:
+            return cached.nbytes
+        k = int(args.topk_idx.shape[1]) if args.topk_idx is not None else 0
+        return member.comm.handle_bytes(False, int(args.x.shape[0]), k)
 
     @staticmethod
     def _release(member: GroupMember, handles) -> None:
         """Free handles the client no longer holds (unknown ids: already freed, ignored)."""
         for h in handles:
-            member.handles.pop(h, None)
+            info = member.handles.pop(h, None)
+            if info is not None:
+                member.handle_bytes -= info.nbytes
 
     @staticmethod
     def _check_normal_mode(member: GroupMember, what: str) -> None:
@@ -413,6 +437,7 @@ class DataPlane:
     def _store_handle(self, member: GroupMember, info: HandleInfo) -> int:
         hid = next(_HANDLE_IDS)
         member.handles[hid] = info
+        member.handle_bytes += info.nbytes
         return hid
 
     def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
@@ -548,7 +573,9 @@ class DataPlane:
         # A ready event this backend cannot wait for is known from the request alone: refused
         # before the handles the call carries are released (as a normal dispatch does).
         self.backend.check_event(req.ready_event)
-        self._check_handle_budget(session, member, req.release_handles)  # (but the ids' values)
+        nbytes = member.comm.handle_bytes(True, int(t), int(idx.shape[1]))
+        self._check_handle_budget(session, member, req.release_handles,  # (but the ids' values)
+                                  nbytes)
 
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, member, idx,
@@ -563,7 +590,8 @@ class DataPlane:
             stats += out.recv_count
             self.backend.settle()  # (the client reads them once answered)
         handle_id = self._store_handle(member, HandleInfo(out.handle, t, out.num_recv_rows, 0,
-                                                          kind=LOW_LATENCY, num_max=m))
+                                                          kind=LOW_LATENCY, num_max=m,
+                                                          nbytes=nbytes))
         member.dispatches += 1
         metrics.inc(metrics.RECV_TOKENS, (spec.label,), out.num_recv_rows)
         if self.config.per_expert_metrics and out.num_recv_rows:

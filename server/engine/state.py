@@ -101,6 +101,7 @@ class HandleInfo:
     # awaits (0: known; num_recv_tokens / rows_out are -1 until then), and whether it failed.
     sequence: int = 0
     failed: bool = False
+    nbytes: int = 0  # engine memory charged to the session's handle bytes (RankComm.handle_bytes)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class GroupMember:
     comm: RankComm
     counter_slot: int
     handles: OrderedDict[int, HandleInfo] = field(default_factory=OrderedDict)
+    handle_bytes: int = 0  # the handles' nbytes, summed
     dispatch_sequence: int = 0
     stream_seq: int = 0  # the latest stream-ordered call's sequence (READY/DONE words)
     # The stream-ordered dispatch whose receive count the engine has not read yet: at most one,

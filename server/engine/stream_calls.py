@@ -53,7 +53,7 @@ def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
 
 class StreamCalls:
     """Mixed into Engine (with ops.DataPlane): needs `config`, `backend`, `_timeout()`,
-    `_store_handle()`, `_count_traffic()` and `_check_handle_budget()`."""
+    `_store_handle()`, `_count_traffic()`, `_new_handle_bytes()` and `_check_handle_budget()`."""
 
     @staticmethod
     def _next_stream_seq(member: GroupMember) -> int:
@@ -224,7 +224,8 @@ class StreamCalls:
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
         num_sms = self._num_sms(member, req.num_sms)
-        self._check_handle_budget(session, member, req.release_handles)
+        nbytes = self._new_handle_bytes(member, args, cached)
+        self._check_handle_budget(session, member, req.release_handles, nbytes)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
         sequence = member.dispatch_sequence + 1
         seq = self._next_stream_seq(member)
@@ -245,7 +246,7 @@ class StreamCalls:
         pending = out.num_recv_tokens < 0
         info = HandleInfo(out.handle, t, out.num_recv_tokens,
                           req.num_worst_tokens or out.num_recv_tokens,
-                          sequence=sequence if pending else 0)
+                          sequence=sequence if pending else 0, nbytes=nbytes)
         handle_id = self._store_handle(member, info)
         if pending:
             member.pending = info
