@@ -120,9 +120,12 @@ def _env(ns: argparse.Namespace) -> int:
     t = _ask_topology(ns.socket_dir, "env")
     if t is None:
         return 1
+    # The folder the client's Session/Buffer finds the daemon in (client/session.py).
+    folder = f"export EPD_SOCKET_DIR={shlex.quote(os.path.abspath(ns.socket_dir))}"
     if not _mps_on(t):
         print(f"# the EPD daemon on {ns.socket_dir} runs without CUDA MPS "
-              f"(mps {t.mps_mode or 'off'}): nothing to export")
+              f"(mps {t.mps_mode or 'off'})")
+        print(folder)
         return 0
     # An MPS server serves one uid at a time: a client of another uid would be queued until
     # the engines' server ends, i.e. its CUDA would not start. Never export that.
@@ -138,6 +141,7 @@ def _env(ns: argparse.Namespace) -> int:
         return 1
     print(f"# the EPD daemon on {ns.socket_dir} runs on CUDA MPS ({t.mps_mode}); set before "
           f"CUDA initialises in the client")
+    print(folder)
     print(f"export CUDA_MPS_PIPE_DIRECTORY={shlex.quote(t.mps_pipe_directory)}")
     return 0
 
@@ -180,16 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     topo = sub.add_parser(
         "topology", help="show what a running daemon serves",
         description="Ask a running daemon (its node.sock in --socket-dir) for its engines, "
-                    "devices, groups and sessions.")
+                    "devices, service classes and group counts, MPS, and its cluster.")
     topo.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
                       help="default: EPD_SOCKET_DIR, else /run/epd")
     topo.set_defaults(func=_topology)
 
-    env = sub.add_parser("env", help="print the exports a client needs to share the daemon's "
-                         "CUDA MPS server: eval \"$(epd env)\"",
-                         description="Print the shell exports (EPD_SOCKET_DIR, the MPS pipe "
-                                     "folder) a client process needs to use a running daemon "
-                                     "and share its CUDA MPS server: eval \"$(epd env)\".")
+    env = sub.add_parser("env", help="print the exports a client needs to use the daemon and "
+                         "share its CUDA MPS server: eval \"$(epd env)\"",
+                         description="Print the shell exports (EPD_SOCKET_DIR; the MPS pipe "
+                                     "folder where the daemon runs on MPS) a client process "
+                                     "needs to use a running daemon and share its CUDA MPS "
+                                     "server: eval \"$(epd env)\".")
     env.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
                      help="default: EPD_SOCKET_DIR, else /run/epd")
     env.set_defaults(func=_env)

@@ -44,7 +44,8 @@ class Config:
     socket_dir: str = field(default="/run/epd", metadata={
         "help": "folder for the unix sockets (node.sock, gpu<N>.sock), created 0750"})
     shm_dir: str = field(default="/dev/shm", metadata={
-        "help": "folder for counter pages, output regions and group files"})
+        "help": "must be a writable folder; nothing is created in it (shared memory travels "
+                "as memfds): only files of engines of older versions are swept from it"})
     metrics_host: str = field(default="127.0.0.1", metadata={
         "help": "address of the HTTP endpoint (/metrics, /healthz, /readyz)"})
     metrics_port: int = field(default=9464, metadata={

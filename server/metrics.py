@@ -334,8 +334,9 @@ REQUESTS = Counter("epd_requests", "Engine requests by method and status code",
 # divided by epd_requests_total of the same method it is the CPU per call.
 REQUEST_CPU_SECONDS = Counter(
     "epd_request_cpu_seconds", "Engine thread CPU time spent serving requests (the work, "
-    "without the waits between them), by method and path (fastpath, poller; chain: the GPU "
-    "chains' top-ups, method LowLatencyChainTopUp, an instance enqueued per call a chain ran)",
+    "without the waits between them), by method and path (fastpath; grpc: the operation on the "
+    "session's worker, not gRPC's decoding; poller; chain: the GPU chains' top-ups, method "
+    "LowLatencyChainTopUp, an instance enqueued per call a chain ran)",
     ["method", "path"])
 BYTES_SENT = GroupCounter("epd_bytes_sent", "Payload bytes sent to other ranks",
                      ["group", "peer_class"])

@@ -50,6 +50,19 @@ def test_request_counters_by_method_and_code(daemon, traffic):
     assert value(ss, "epd_requests_total", method="Dispatch", code="INVALID_ARGUMENT") >= 1
 
 
+def test_request_cpu_on_both_transports(daemon, traffic):
+    """epd_request_cpu_seconds_total counts the operations' CPU over the ring and over gRPC,
+    so that divided by epd_requests_total it is the CPU per call whichever transport came."""
+    with Session(daemon.socket(0), timeout=5, fast_path=False) as s:
+        g = s.join("metrics-grpc", rank=0, num_ranks=1, num_experts=2, hidden=128,
+                   max_tokens_per_rank=4, num_topk=1, dtype="float32")
+        g.dispatch(np.zeros((4, 128), np.float32), np.zeros((4, 1), np.int64),
+                   np.ones((4, 1), np.float32))
+    ss = samples(daemon)
+    assert value(ss, "epd_request_cpu_seconds_total", method="Dispatch", path="fastpath") > 0
+    assert value(ss, "epd_request_cpu_seconds_total", method="Dispatch", path="grpc") > 0
+
+
 def test_bytes_and_tokens(daemon, traffic):
     ss = samples(daemon)
     recv = sum(r["num_recv_tokens"] for r in traffic)

@@ -446,7 +446,7 @@ def test_private_server_with_the_daemon(root, fake, monkeypatch):
         res = epd("env", "--socket-dir", d.socket_dir)
         assert res.returncode == 0, res.stderr
         exports = [ln for ln in res.stdout.splitlines() if not ln.startswith("#")]
-        assert exports == [f"export {mps.PIPE_ENV}={pipe}"]
+        assert exports == [f"export EPD_SOCKET_DIR={d.socket_dir}", f"export {mps.PIPE_ENV}={pipe}"]
         top = epd("topology", "--socket-dir", d.socket_dir)
         assert f"CUDA MPS: private, pipe folder {pipe}" in top.stdout, top.stdout
 
@@ -542,7 +542,8 @@ def test_cpu_backend_auto_is_off_and_epd_env_says_so(root, fake):
         res = epd("env", "--socket-dir", d.socket_dir)
         assert res.returncode == 0 and res.stderr == ""
         assert res.stdout.startswith("#") and "without CUDA MPS" in res.stdout
-        assert len(res.stdout.splitlines()) == 1  # nothing to export
+        # (the socket folder only: nothing of MPS)
+        assert res.stdout.splitlines()[1:] == [f"export EPD_SOCKET_DIR={d.socket_dir}"]
         with Session(d.socket(0)) as s:
             assert not s.on_engine_mps and s.mps_pipe_directory == ""
         assert "CUDA MPS: off" in epd("topology", "--socket-dir", d.socket_dir).stdout
