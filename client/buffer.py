@@ -59,7 +59,7 @@ from .buffer_low_latency import LowLatencyMixin, plain_op_limit
 from .deep_ep_compat import Config, EventHandle, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
 from .group import Group, service_class_value
-from .handles import BufferHandle, LowLatencyBufferHandle
+from .handles import BufferHandle, LowLatencyBufferHandle, repacked
 from .session import UNANSWERED, Session
 from .stream_op_cache import StreamOpCache
 from .tensors import Array
@@ -523,6 +523,7 @@ class Buffer(LowLatencyMixin):
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("cached dispatch (handle given) takes no "
                                       "topk_idx/topk_weights")
+            handle = repacked(handle, BufferHandle)
             self._owner_of(handle, BufferHandle, "dispatch")
             g = handle.handle.group  # (the group of the Buffer that made it: _owner_of)
             out, event = self._run(
@@ -615,6 +616,7 @@ class Buffer(LowLatencyMixin):
         as Megatron-LM's fused_a2a does): the call runs on the handle's own daemon group."""
         self._check_config(config)
         C.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
+        handle = repacked(handle, BufferHandle)
         self._owner_of(handle, BufferHandle, "dispatch")
         if bias is None:
             bias_0 = bias_1 = None
@@ -667,7 +669,8 @@ class Buffer(LowLatencyMixin):
         Buffer alive (client/handles.py); only its destroy() ends the handle."""
         if not isinstance(handle, cls):
             raise InvalidArgument(f"handle must be one a {made_by} of a Buffer of this group "
-                                  f"returned, got {type(handle).__name__}")
+                                  f"returned (or its parts, tuple(handle)), got "
+                                  f"{type(handle).__name__}")
         owner = handle.owner if handle.owner is not None else self
         if owner is not self and ((owner.rank, owner.group_size) != (self.rank, self.group_size)
                                   or (owner.group is not self.group

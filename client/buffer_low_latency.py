@@ -24,7 +24,7 @@ from . import deep_ep_compat as C
 from . import tensors as T
 from .deep_ep_compat import EventOverlap
 from .group import LowLatencyHandle
-from .handles import LowLatencyBufferHandle
+from .handles import LowLatencyBufferHandle, repacked
 from .stream_op_cache import DEFAULT_LIMIT, Entry, StreamOpCache
 from .stream_ops import StreamOp, on_stream, stream_place
 from .tensors import Array
@@ -190,6 +190,7 @@ class LowLatencyMixin:
         of each token's expert outputs; written into `out` (and returned) when given. A handle
         of another Buffer of the same group is combined by that Buffer (its armed calls and its
         daemon group)."""
+        handle = repacked(handle, LowLatencyBufferHandle)
         owner = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.low_latency_combine(
@@ -476,6 +477,7 @@ class LowLatencyMixin:
         to write expert outputs into; it lives in a region the daemon already maps, so passing
         it to `low_latency_combine` costs no staging copy. One buffer per shape, reused (by the
         Buffer that made the handle, which combines it)."""
+        handle = repacked(handle, LowLatencyBufferHandle)
         owner = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.get_next_low_latency_combine_buffer(handle)

@@ -15,6 +15,7 @@ them: a handle used after it fails with FAILED_PRECONDITION.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,9 +33,16 @@ _LOW_LATENCY_HANDLE_FIELDS = ("src_info", "layout_range", "num_max_dispatch_toke
 
 class _TupleLike:
     """Indexable like the tuple DeepEP returns as a handle: `handle[i]`, slices, `len()`,
-    iteration. A position EPD does not produce raises `Unsupported` naming it."""
+    iteration. A position EPD does not produce raises `Unsupported` naming it when indexed;
+    unpacked (`tuple(handle)`, `*handle`) it is None, so that a caller can keep the parts and
+    pass them back as the handle, as DeepEP's tuple allows: xtuner's autograd functions
+    `ctx.save_for_backward(*handle)` and give `ctx.saved_tensors` to combine and cached
+    dispatch. Unpacking marks the first part (a tensor) with the handle it came from
+    (`_epd_handle`), which `repacked` finds again; the mark keeps the handle, and so its
+    daemon state, alive as long as that tensor lives."""
 
     _FIELDS: tuple[str, ...] = ()
+    _UNPRODUCED: frozenset[str] = frozenset()
 
     def _field(self, name: str) -> Any:
         raise NotImplementedError
@@ -51,7 +59,23 @@ class _TupleLike:
         return self._field(self._FIELDS[i % n])
 
     def __iter__(self):
-        return (self[i] for i in range(len(self)))
+        parts = tuple(None if name in self._UNPRODUCED else self._field(name)
+                      for name in self._FIELDS)
+        # (only here, not at creation: the mark is a reference cycle, which only the cyclic
+        # collector frees, and a handle's daemon state is released when it is freed)
+        with contextlib.suppress(AttributeError, TypeError):  # (a NumPy array takes no mark)
+            parts[0]._epd_handle = self
+        return iter(parts)
+
+
+def repacked(handle: Any, cls: type) -> Any:
+    """The `cls` handle whose unpacked parts `handle` is (a tuple or list, as
+    `ctx.saved_tensors` gives them back), else `handle` itself."""
+    if isinstance(handle, (tuple, list)) and len(handle) == len(cls._FIELDS):
+        h = getattr(handle[0], "_epd_handle", None)
+        if isinstance(h, cls) and h._field(cls._FIELDS[0]) is handle[0]:
+            return h
+    return handle
 
 
 @dataclass(eq=False)
@@ -64,6 +88,7 @@ class BufferHandle(_TupleLike):
     1, 2 and 5 are DeepEP kernel-channel bookkeeping EPD does not have (Unsupported)."""
 
     _FIELDS = _NORMAL_HANDLE_FIELDS
+    _UNPRODUCED = frozenset(("channel_prefix_matrix", "recv_channel_prefix_matrix", "send_head"))
     handle: Handle
     num_experts: int
     rank_prefix_matrix: Array = None

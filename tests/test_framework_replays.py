@@ -22,6 +22,7 @@ missing piece, so that it turns into a failure (to be un-marked) the day EPD doe
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -1100,3 +1101,204 @@ def test_megatron_fused_dispatch_combine_100_layers_forward_backward(env) -> Non
             exact(g_y, gdisp[r].recv_x, f"{tag} combine backward (cached dispatch)")
             exact(grad_x, gcomb[r][0], f"{tag} dispatch backward grad_x")
             exact(grad_probs, gcomb[r][1], f"{tag} dispatch backward grad_token_probs")
+
+
+XTUNER = "InternLM/xtuner@02d761bd648ee4d99d23887820e9b93fdaffe6e0"
+
+
+class XtunerDeepEP:
+    """xtuner/v1/ops/comm/deepep_op.py @ 02d761b: DeepEPDispatch and DeepEPCombine, autograd
+    functions that keep DeepEP's handle as its parts, `ctx.save_for_backward(*handle)`, and
+    give `ctx.saved_tensors` (a tuple of tensors and Nones) back to `combine` (dispatch
+    backward) and to a cached `dispatch` (combine backward). `get_buffer`, `buffer_capture`
+    and the four *_forward/*_backward helpers as there (normal-mode Buffer, async_finish=True,
+    allocate_on_comm_stream when a previous event is given)."""
+
+    def __init__(self, group) -> None:
+        self.buffer = deep_ep.Buffer(group, int(1e9), 0)
+        outer = self
+
+        class Dispatch(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, topk_idx, topk_weights, num_experts, group, previous_event=None):
+                (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+                 handle, event) = outer.dispatch_forward(x, topk_idx, topk_weights, num_experts,
+                                                         previous_event)
+                ctx.save_for_backward(*handle)
+                ctx.num_experts = num_experts
+                return (recv_x, recv_topk_idx, recv_topk_weights,
+                        num_recv_tokens_per_expert_list, handle, event)
+
+            @staticmethod
+            def backward(ctx, grad_recv_x, grad_recv_topk_idx, grad_recv_topk_weights, *args):
+                handle = ctx.saved_tensors
+                combined_grad_x, combined_grad_recv_topk_weights, event = \
+                    outer.dispatch_backward(grad_recv_x, grad_recv_topk_weights, handle,
+                                            outer.buffer_capture())
+                event.current_stream_wait()
+                return combined_grad_x, None, combined_grad_recv_topk_weights, None, None, None
+
+        class Combine(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, num_experts, handle, group, previous_event=None):
+                combined_x, event = outer.combine_forward(x, handle, previous_event)
+                ctx.save_for_backward(*handle)
+                ctx.num_experts = num_experts
+                return combined_x, event
+
+            @staticmethod
+            def backward(ctx, grad_combined_x, *args):
+                handle = ctx.saved_tensors
+                grad_x, event = outer.combine_backward(grad_combined_x, handle,
+                                                       outer.buffer_capture())
+                event.current_stream_wait()
+                return grad_x, None, None, None, None
+
+        self.Dispatch, self.Combine = Dispatch, Combine
+
+    def buffer_capture(self):
+        return EventOverlap(EventHandle())
+
+    def dispatch_forward(self, x, topk_idx, topk_weights, num_experts, previous_event=None):
+        (num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank,
+         previous_event) = self.buffer.get_dispatch_layout(
+            topk_idx, num_experts, previous_event=previous_event, async_finish=True,
+            allocate_on_comm_stream=previous_event is not None)
+        return self.buffer.dispatch(
+            x, topk_idx=topk_idx, topk_weights=topk_weights,
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+            previous_event=previous_event, async_finish=True, allocate_on_comm_stream=True)
+
+    def dispatch_backward(self, grad_recv_x, grad_recv_topk_weights, handle, previous_event=None):
+        return self.buffer.combine(grad_recv_x, handle, topk_weights=grad_recv_topk_weights,
+                                   async_finish=True, previous_event=previous_event,
+                                   allocate_on_comm_stream=previous_event is not None)
+
+    def combine_forward(self, x, handle, previous_event=None):
+        combined_x, _, event = self.buffer.combine(
+            x, handle, async_finish=True, previous_event=previous_event,
+            allocate_on_comm_stream=previous_event is not None)
+        return combined_x, event
+
+    def combine_backward(self, grad_combined_x, handle, previous_event=None):
+        grad_x, _, _, _, _, event = self.buffer.dispatch(
+            grad_combined_x, handle=handle, async_finish=True, previous_event=previous_event,
+            allocate_on_comm_stream=previous_event is not None)
+        return grad_x, event
+
+
+XTUNER_LAYERS = 4
+
+
+def test_xtuner_autograd_functions_keep_the_handle_as_saved_tensors(env) -> None:
+    """xtuner's DeepEPDispatch / DeepEPCombine (XTUNER) over several chained MoE layers (each
+    layer's input the previous one's combined output), forward then one autograd backward
+    through all of them: each function saves the handle's parts with
+    `save_for_backward(*handle)` (the positions EPD does not produce unpack as None) and its
+    backward passes `ctx.saved_tensors` as the handle. Forward outputs and every layer's input
+    gradient exact against the reference; once the graph is dropped the engine holds no
+    handle (the saved parts kept them alive, nothing more)."""
+    hidden, experts, topk = 128, 8, 2
+    tokens = [7, 10]
+    routing = [workload(tokens, hidden, experts, topk, drop=0.1) for _ in range(XTUNER_LAYERS)]
+    rng = np.random.default_rng(23)
+    grad_out = [ref.random_x(rng, t, hidden, BF16) for t in tokens]
+
+    def rank(r, group):
+        m = XtunerDeepEP(group)
+        try:
+            h = tt(routing[0][0][r]).requires_grad_(True)
+            inputs, outs = [], []
+            for _, idx, w in routing:
+                h.retain_grad()
+                inputs.append(h)
+                recv_x, _, recv_w, tpe, handle, _ = m.Dispatch.apply(
+                    h, tt(idx[r]), tt(w[r]), experts, group)
+                y = recv_x * 2.0  # the experts (exact in bf16), differentiable
+                h, _ = m.Combine.apply(y, experts, handle, group)
+                outs.append((nd(recv_x), nd(recv_w), list(tpe), nd(h)))
+            h.backward(tt(grad_out[r]))
+            grads = [nd(t.grad) for t in inputs]
+            del h, recv_x, recv_w, handle, y, inputs
+            gc.collect()
+            held = [g.release_handles() for g in m.buffer._groups.values()]
+            return outs, grads, held
+        finally:
+            m.buffer.destroy()
+
+    res = run_ranks(rank)
+    xs, disps = routing[0][0], []
+    for layer, (_, idx, w) in enumerate(routing):  # the forward, layer by layer
+        disp = ref.dispatch(xs, idx, w, experts)
+        comb = ref.combine([times(d.recv_x, 2.0) for d in disp], disp, tokens)
+        for r in range(NUM_RANKS):
+            recv_x, recv_w, tpe, combined = res[r][0][layer]
+            tag = f"{XTUNER} layer {layer} rank {r}"
+            exact(recv_x, disp[r].recv_x, f"{tag} recv_x")
+            exact(recv_w, disp[r].recv_topk_weights, f"{tag} recv_topk_weights")
+            assert tpe == disp[r].num_recv_tokens_per_expert, tag
+            exact(combined, comb[r][0], f"{tag} combined")
+        disps.append(disp)
+        xs = [c[0] for c in comb]
+    g = grad_out
+    for layer in reversed(range(XTUNER_LAYERS)):  # the backward: combine's is a cached
+        # dispatch of the gradient, the experts' a factor 2, dispatch's a combine (with the
+        # gradient of the received weights, zeros: nothing used them)
+        _, idx, w = routing[layer]
+        gdisp = ref.dispatch(g, idx, w, experts)
+        zeros = [np.zeros_like(d.recv_topk_weights) for d in disps[layer]]
+        g = [c[0] for c in ref.combine([times(d.recv_x, 2.0) for d in gdisp], disps[layer],
+                                       tokens, recv_topk_weights=zeros)]
+        for r in range(NUM_RANKS):
+            exact(res[r][1][layer], g[r], f"{XTUNER} layer {layer} rank {r} input gradient")
+    for r in range(NUM_RANKS):
+        assert res[r][2] and res[r][2] == [0] * len(res[r][2]), (r, res[r][2])
+
+
+def test_handles_unpacked_and_passed_back_as_tuples(env) -> None:
+    """DeepEP's handles are tuples, so a caller may unpack one and pass the parts back:
+    `tuple(handle)` to combine and to a cached dispatch (normal mode), and to
+    low_latency_combine. Unpacked, the positions EPD does not produce are None; indexed, they
+    still raise Unsupported naming them. A tuple whose parts are not a handle's is refused."""
+    hidden, experts, topk = 128, 8, 2
+    tokens = [6, 9]
+    xs, idx, w = workload(tokens, hidden, experts, topk)
+    lxs, lidx, lw = ll_workload(tokens, LL_HIDDEN, experts, topk)
+
+    def rank(r, group):
+        buf = deep_ep.Buffer(group, int(1e9), 0)
+        lbuf = _vllm_ll_buffer(group, 16, LL_HIDDEN, experts)
+        try:
+            n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(tt(idx[r]), experts)
+            recv_x, _, _, _, handle, _ = buf.dispatch(
+                tt(xs[r]), topk_idx=tt(idx[r]), topk_weights=tt(w[r]),
+                num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
+                num_tokens_per_expert=n_exp)
+            parts = tuple(handle)
+            assert [p is None for p in parts] == [False, True, True, False, False, True]
+            with pytest.raises(deep_ep.Unsupported, match="channel_prefix_matrix"):
+                handle[1]
+            combined, _, _ = buf.combine(recv_x, list(parts))
+            cached = buf.dispatch(tt(xs[r]), handle=parts)[0]
+            with pytest.raises(deep_ep.InvalidArgument, match="tuple"):
+                buf.combine(recv_x, (parts[0].clone(), *parts[1:]))
+            recv, _, lhandle, _, _ = lbuf.low_latency_dispatch(
+                tt(lxs[r]), tt(lidx[r]), 16, experts, use_fp8=False)
+            lcombined, _, _ = lbuf.low_latency_combine(recv, tt(lidx[r]), tt(lw[r]),
+                                                       tuple(lhandle))
+            lwant, _, _ = lbuf.low_latency_combine(recv, tt(lidx[r]), tt(lw[r]), lhandle)
+            return nd(combined), nd(cached), nd(recv_x), nd(lcombined), nd(lwant)
+        finally:
+            buf.destroy()
+            lbuf.destroy()
+
+    res = run_ranks(rank)
+    disp = ref.dispatch(xs, idx, w, experts)
+    comb = ref.combine([d.recv_x for d in disp], disp, tokens)
+    for r in range(NUM_RANKS):
+        combined, cached, recv_x, lcombined, lwant = res[r]
+        exact(combined, comb[r][0], f"rank {r} combine of tuple(handle)")
+        exact(cached, recv_x, f"rank {r} cached dispatch of tuple(handle)")
+        exact(lcombined, lwant, f"rank {r} low_latency_combine of tuple(handle)")
