@@ -43,6 +43,7 @@ class _TupleLike:
 
     _FIELDS: tuple[str, ...] = ()
     _UNPRODUCED: frozenset[str] = frozenset()
+    _KEPT: tuple[int, ...] = (0,)  # positions whose objects the handle keeps (not computed)
 
     def _field(self, name: str) -> Any:
         raise NotImplementedError
@@ -73,7 +74,7 @@ def repacked(handle: Any, cls: type) -> Any:
     `ctx.saved_tensors` gives them back), else `handle` itself."""
     if isinstance(handle, (tuple, list)) and len(handle) == len(cls._FIELDS):
         h = getattr(handle[0], "_epd_handle", None)
-        if isinstance(h, cls) and h._field(cls._FIELDS[0]) is handle[0]:
+        if isinstance(h, cls) and all(h._field(cls._FIELDS[i]) is handle[i] for i in cls._KEPT):
             return h
     return handle
 
@@ -89,6 +90,7 @@ class BufferHandle(_TupleLike):
 
     _FIELDS = _NORMAL_HANDLE_FIELDS
     _UNPRODUCED = frozenset(("channel_prefix_matrix", "recv_channel_prefix_matrix", "send_head"))
+    _KEPT = (0, 3)
     handle: Handle
     num_experts: int
     rank_prefix_matrix: Array = None
