@@ -502,7 +502,9 @@ class Buffer(LowLatencyMixin):
         """(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event); recv_x is a (fp8, scales) tuple when x was (scales float32 or int32 [T, H/128],
         e.g. vLLM's MXFP8 packed UE8M0 words: carried bit for bit, returned in the same dtype;
-        every rank the same dtype). Cached mode (handle given) returns
+        every rank the same dtype). The tuple's payload may be any one-byte type, as DeepEP's
+        (int8 or uint8 of int8 block quantisation, float8_e5m2): its bytes travel as e4m3 and
+        recv_x comes back in the caller's type. Cached mode (handle given) returns
         (recv_x, None, None, None, None, event), as DeepEP does. The handle is indexable as
         DeepEP's tuple (see BufferHandle)."""
         self._check_config(config)
@@ -516,6 +518,9 @@ class Buffer(LowLatencyMixin):
             raise InvalidArgument(f"x is a tensor or an (fp8 x, scales) pair, got a tuple of "
                                   f"{len(x)}")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
+        payload = None  # a one-byte type other than e4m3: carried as e4m3 bytes, returned as
+        if x_scales is not None:  # the caller's type
+            x, payload = T.as_fp8_bytes(x)
         # (DeepEP's tests pass scales column-major: the call makes them row-dense, inside the
         # call so that the copy runs on the stream the call runs on, after previous_event)
         x_shape, x_dtype = T.meta(x, "x")
@@ -532,13 +537,17 @@ class Buffer(LowLatencyMixin):
                                       num_worst_tokens=num_worst_tokens,
                                       num_sms=self._sms(g, config)),
                 previous_event, async_finish, allocate_on_comm_stream, (x, x_scales))
-            recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
+            recv = ((T.viewed_as(out.recv_x, payload), out.recv_x_scales)
+                    if x_scales is not None else out.recv_x)
             return recv, None, None, None, None, event
         if topk_idx is None and topk_weights is None:
-            return self._dispatch_without_topk(
+            recv, *rest = self._dispatch_without_topk(
                 x, x_scales, x_shape, x_dtype, is_token_in_rank, num_tokens_per_expert,
                 expert_alignment, num_worst_tokens, previous_event, async_finish,
                 allocate_on_comm_stream)
+            if payload is not None:
+                recv = (T.viewed_as(recv[0], payload), recv[1])
+            return (recv, *rest)
         if topk_idx is None or topk_weights is None:
             raise InvalidArgument("dispatch needs both topk_idx and topk_weights (or neither, "
                                   "routing by is_token_in_rank; or a cached handle)")
@@ -562,7 +571,8 @@ class Buffer(LowLatencyMixin):
                                       num_sms=self._sms(g, config)),
                 previous_event, async_finish, allocate_on_comm_stream,
                 (x, x_scales, topk_idx, topk_weights)))
-        recv = (out.recv_x, out.recv_x_scales) if x_scales is not None else out.recv_x
+        recv = ((T.viewed_as(out.recv_x, payload), out.recv_x_scales)
+                if x_scales is not None else out.recv_x)
         counts = [] if num_worst_tokens else out.num_recv_tokens_per_expert
         h = BufferHandle(out.handle, int(num_experts), rank_prefix_matrix=out.rank_prefix_matrix,
                          recv_src_idx=out.recv_src_idx, is_token_in_rank=is_token_in_rank,

@@ -123,6 +123,28 @@ def rows_dense(x: Array) -> Array:
     return x
 
 
+def as_fp8_bytes(x: Array) -> tuple[Array, Any]:
+    """A quantised payload of another one-byte type (int8 or uint8 as int8 block
+    quantisation makes, float8_e5m2) viewed as float8_e4m3, whose bytes dispatch carries bit
+    for bit as DeepEP carries any one-byte payload with scales; and the type to view the
+    received rows back as (None where x needs no view)."""
+    if is_torch(x):
+        torch = _torch()
+        if x.element_size() == 1 and x.dtype not in (torch.float8_e4m3fn, torch.bool):
+            return x.view(torch.float8_e4m3fn), x.dtype
+        return x, None
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype) and dtype.itemsize == 1 and dtype != dtypes.FLOAT8_E4M3 \
+            and dtype.kind != "b":
+        return x.view(dtypes.FLOAT8_E4M3), dtype
+    return x, None
+
+
+def viewed_as(x: Array, dtype: Any) -> Array:
+    """`x` viewed as `dtype` (as_fp8_bytes's second part; None: x itself)."""
+    return x if dtype is None else x.view(dtype)
+
+
 def clone(x: Array) -> Array:
     """A new array with x's contents, of x's kind (a torch tensor's copy is enqueued on the
     current stream)."""

@@ -365,6 +365,45 @@ def test_vllm_high_throughput_mxfp8_packed_int32_scales(env) -> None:
         exact(res[r][1], want, f"rank {r} packed scales")
 
 
+
+@pytest.mark.parametrize("payload", ["int8", "uint8", "float8_e5m2"])
+def test_vllm_high_throughput_one_byte_payloads_other_than_e4m3(env, payload: str) -> None:
+    """vLLM HT dispatch (deepep_ht.py @ 055e47c) quantises to its quant config's dtype before
+    dispatch: int8 with an int8 block-quantised config. DeepEP carries any one-byte payload
+    with float32 scales and returns the caller's type; so does the facade (the bytes travel as
+    e4m3, bit for bit), the cached dispatch of the handle too."""
+    hidden, experts, topk = 256, 8, 2
+    xs, idx, w = workload([8, 6], hidden, experts, topk)
+    rng = np.random.default_rng(4)
+    raw = [rng.integers(0, 256, (len(x), hidden), dtype=np.uint8) for x in xs]  # every byte
+    scales = [rng.random((len(x), hidden // 128), dtype=np.float32) for x in xs]
+    dtype = getattr(torch, payload)
+
+    def rank(r, group):
+        pf = VllmHT(_vllm_ht_buffer(group, hidden), group.size(), r * experts // group.size())
+        try:
+            q = tt(raw[r]).view(dtype)
+            rx, rs, *_ = pf.prepare_async(q, tt(scales[r]), tt(idx[r]), tt(w[r]), experts)()
+            assert rx.dtype == dtype, rx.dtype
+            (cx, cs), *_ = pf.buffer.dispatch((q, tt(scales[r])), handle=pf.handles[0])
+            assert cx.dtype == dtype, cx.dtype
+            return [nd(t.view(torch.uint8)) for t in (rx, rs.view(torch.uint8), cx,
+                                                      cs.view(torch.uint8))]
+        finally:
+            pf.buffer.destroy()
+
+    res = run_ranks(rank)
+    fp8 = [b.view(dtypes.FLOAT8_E4M3) for b in raw]
+    disp = ref.dispatch(fp8, idx, w, experts, x_scales=scales)
+    for r in range(NUM_RANKS):
+        rx, rs, cx, cs = res[r]
+        want_x = disp[r].recv_x.view(np.uint8)
+        want_s = disp[r].recv_x_scales.view(np.uint8)
+        for got, want, what in ((rx, want_x, "expert_x"), (rs, want_s, "scales"),
+                                (cx, want_x, "cached expert_x"), (cs, want_s, "cached scales")):
+            exact(got, want, f"rank {r} {payload} {what}")
+
+
 # ------------------------------------------------------------------------------------------------
 # vLLM, low-latency prepare/finalize
 # ------------------------------------------------------------------------------------------------
