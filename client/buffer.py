@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any, NamedTuple
 
 import grpc
@@ -699,8 +700,13 @@ class Buffer(LowLatencyMixin):
         """Leave every group and close the session (idempotent). Every group is left and the
         session closed even when a leave fails (the daemon went away); the first failure is
         raised after that. The handles of this Buffer fail from then on (FAILED_PRECONDITION),
-        with this Buffer or any other."""
+        with this Buffer or any other. In a forked child (whose copy of the session is the
+        parent's: client/fork_guard.py) it only forgets them."""
         self._destroyed = True
+        if not self.session.usable_here:
+            self._groups.clear()
+            self._retired.clear()
+            return
         failed: EpdError | None = None
         try:
             for g in [*self._groups.values(), *self._retired]:
@@ -723,7 +729,12 @@ class Buffer(LowLatencyMixin):
             raise failed
 
     def __del__(self) -> None:
-        # (not while a handle of this Buffer lives: each holds it, client/handles.py)
+        # (not while a handle of this Buffer lives: each holds it, client/handles.py). Not at
+        # interpreter exit either: closing the session's gRPC channel then waits for threads
+        # that no longer run, and the process hung; its exit ends the lease anyway, which
+        # leaves its groups as a crashed client's.
+        if sys.is_finalizing():
+            return
         if not getattr(self, "explicitly_destroy", True):
             with contextlib.suppress(Exception):
                 self.destroy()

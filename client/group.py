@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,13 +37,16 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _staged_call(method: _F) -> _F:
     """A call that stages its inputs: from their description to its answer it is inside the
     session memory's call scope, so no other thread's call reuses that staging meanwhile
-    (Memory.call_scope)."""
+    (Memory.call_scope); and it holds the group's answered-call lock, since the engine writes
+    every answered call's outputs into the membership's one output region and the client
+    copies them out after the answer: another thread's call of the same group in between
+    overwrote them (one thread got another's recv_x)."""
 
     @functools.wraps(method)
     def call(self: Group, *args: Any, **kwargs: Any) -> Any:
         if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
             return method(self, *args, **kwargs)
-        with self._session.memory.call_scope():
+        with self._answered, self._session.memory.call_scope():
             return method(self, *args, **kwargs)
     return cast(_F, call)
 
@@ -109,8 +113,9 @@ class PendingDispatch:
         s._check_open()
         timeout = s._deadline(timeout)
         words = self._group._counter
-        got = counter_page.wait(words, self._sequence, timeout)
+        got = counter_page.wait(words, self._sequence, timeout, stop=lambda: not s.alive)
         if got is None:
+            s._check_open()  # (the lease ended meanwhile: UNAVAILABLE now, not at the deadline)
             raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"receive counts not published within {timeout} s")
         if int(words[counter_page.STATUS]):
@@ -125,8 +130,10 @@ class PendingDispatch:
                 raise FailedPrecondition("the session is closed")
             resp = cast(epd_pb2.DispatchResponse, self._future.result())
         finally:
-            s._dispatch_done(self._future)
-        return self._group._dispatch_result(resp, self._copy, self._template)
+            if self._future.done():  # (not when an exception cut the wait short: the
+                s._dispatch_done(self._future)  # engine may still read the staged inputs)
+        with self._group._answered:
+            return self._group._dispatch_result(resp, self._copy, self._template)
 
     def __del__(self) -> None:
         # Dropped unread (counts() raised, the caller gave up): the session's next
@@ -187,6 +194,7 @@ class Group:
         # ... with DeepEP's traffic, in two stages (the cuda engine across nodes; every call
         # stream-ordered as on one node: a stage's failure reaches the stream's done word).
         self.two_stage: bool = bool(resp.two_stage)
+        self._answered = threading.RLock()  # (_staged_call)
         self._outputs = session.memory.outputs(resp)
         try:
             self._init_rest(session, spec, resp)
@@ -370,26 +378,27 @@ class Group:
                        num_tokens_per_expert: Array = None) -> PendingDispatch:
         """Start a dispatch; read the receive counts with `.counts()` while it runs."""
         s = self._session
-        if s._in_flight is not None:
-            pending, future = s._in_flight
-            if pending() is not None:
-                raise FailedPrecondition("a dispatch of this session is still in flight "
-                                         "(its PendingDispatch.result() was not taken yet)")
-            # Its PendingDispatch was dropped unread: let it finish first (within its own
-            # deadline; its outcome is nobody's), so that the counts read next are ours.
-            with contextlib.suppress(EpdError):
-                future.result()
-            s._dispatch_done(future)
-        req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
-                                                  expert_alignment, num_worst_tokens, handle,
-                                                  timeout, is_token_in_rank,
-                                                  num_tokens_per_expert)
-        # One dispatch in flight per session, and the engine publishes every dispatch it runs
-        # (failures too, with a status): ours is the first sequence after the current one.
-        expected = int(self._counter[counter_page.SEQ]) + 1
-        fut = s._transport.call_async("Dispatch", req, rpc_timeout)
-        pending = PendingDispatch(self, fut, expected, copy, x)
-        s._dispatch_started(pending, fut)  # (its inputs may be staged copies read later)
+        with s._flight_lock:  # (two threads' checks must not both find none in flight)
+            if s._in_flight is not None:
+                pending, future = s._in_flight
+                if pending() is not None:
+                    raise FailedPrecondition("a dispatch of this session is still in flight "
+                                             "(its PendingDispatch.result() was not taken yet)")
+                # Its PendingDispatch was dropped unread: let it finish first (within its own
+                # deadline; its outcome is nobody's), so that the counts read next are ours.
+                with contextlib.suppress(EpdError):
+                    future.result()
+                s._dispatch_done(future)
+            req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
+                                                      expert_alignment, num_worst_tokens,
+                                                      handle, timeout, is_token_in_rank,
+                                                      num_tokens_per_expert)
+            # One dispatch in flight per session, and the engine publishes every dispatch it
+            # runs (failures too, with a status): ours is the first sequence after the current.
+            expected = int(self._counter[counter_page.SEQ]) + 1
+            fut = s._transport.call_async("Dispatch", req, rpc_timeout)
+            pending = PendingDispatch(self, fut, expected, copy, x)
+            s._dispatch_started(pending, fut)  # (its inputs may be staged copies read later)
         return pending
 
     def _dispatch_result(self, resp: epd_pb2.DispatchResponse, copy: bool,

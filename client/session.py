@@ -32,6 +32,7 @@ from ..proto import dtypes, engine_sockets
 from ..proto import fd_channel as fdc
 from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable, error
 from ..proto.v1 import epd_pb2
+from . import fork_guard
 from . import memory as M
 from . import tensors as T
 from .group import RPC_MARGIN, Group, service_class_value
@@ -120,6 +121,7 @@ class Session:
         # Every attribute exists before the lease thread starts: it, and close() after a failed
         # open, may look at any of them.
         self._closed = False
+        self._pid, self._fork_generation = os.getpid(), fork_guard.generation()
         self._lost: str | None = None  # why the lease ended (None while it holds)
         self._lost_error: EpdError | None = None  # the status it ended with, if any
         self._opened: epd_pb2.SessionOpened | None = None
@@ -129,6 +131,7 @@ class Session:
         # The dispatch_async in flight: (its PendingDispatch, weakly; its call)
         self._in_flight: tuple[Callable[[], object], PendingCall] | None = None
         self._holding: PendingCall | None = None  # the dispatch whose staged inputs are held
+        self._flight_lock = threading.Lock()  # (dispatch_async's check and start, together)
         self._memory: M.Memory | None = None
         self._counter_file: T.ShmFile | None = None
         self._channel: fdc.Channel | None = None  # the engine's descriptor channel
@@ -286,10 +289,17 @@ class Session:
     def alive(self) -> bool:
         return self._lost is None and not self._closed
 
+    @property
+    def usable_here(self) -> bool:
+        """False in a forked child: the session is the parent's (client/fork_guard.py)."""
+        return not fork_guard.inherited(self._fork_generation)
+
     def _check_open(self) -> None:
         """Raise unless calls can go to the engine (before touching any mapped memory)."""
         if self._closed:
             raise FailedPrecondition("the session is closed")
+        if fork_guard.inherited(self._fork_generation):
+            raise FailedPrecondition(fork_guard.refusal(self._pid))
         if self._lost is not None:
             raise Unavailable(f"session lost: {self._lost}")
 
@@ -410,6 +420,8 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        if fork_guard.inherited(self._fork_generation):
+            return  # (a forked child's copy: the lease, ring and groups are the parent's)
         for op in list(self._stream_ops.values()):
             op.release()
         self._stream_ops.clear()

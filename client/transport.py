@@ -212,13 +212,21 @@ class _RingCall:
         slot (a later result() still returns it). Every call is so from its submission on
         (FastPathTransport._reclaim); this stays for callers."""
         if not self._done:
-            self.t._orphans[self.slot] = (self.seq, weakref.ref(self))
+            self._mark(weakref.ref(self))
 
     def __del__(self) -> None:
         # Dropped before its answer was taken (an exception in the caller, an abandoned async
         # call): its slot goes back to the ring once answered, or the ring would stall there.
-        if not self._done:
-            self.t._orphans[self.slot] = (self.seq, None)
+        # (An __init__ cut short set nothing: its submission registered the slot itself.)
+        if not getattr(self, "_done", True):
+            self._mark(None)
+
+    def _mark(self, ref: Callable[[], _RingCall | None] | None) -> None:
+        # (only while the slot's entry is still this call's: a newer call may own it now)
+        orphans = self.t._orphans
+        held = orphans.get(self.slot)
+        if held is not None and held[0] == self.seq:
+            orphans[self.slot] = (self.seq, ref)
 
 
 class FastPathTransport(Transport):
@@ -298,21 +306,35 @@ class FastPathTransport(Transport):
                     raise ResourceExhausted(
                         f"fast-path ring full ({self.ring.slots} calls in flight)")
                 time.sleep(RING_FULL_POLL_SECONDS)
-            self._next += 1
-            payload[:len(data)] = data
-            words[R.S_METHOD] = op.ring_id
-            words[R.S_LENGTH] = len(data)
-            words[R.S_STATUS] = 0
-            R.set_seq(words, seq)
-            host_order.publish()  # (the request before its state)
-            words[R.S_STATE] = R.SUBMITTED
-            self.ring.header[R.DOORBELL] += 1
-            host_order.full()  # (our stores before the engine's waiting word is read)
-            if self.ring.header[R.ENGINE_WAITING]:
-                R.futex_wake(self.ring.doorbell_addr)
+            # An exception can land between any two steps (a KeyboardInterrupt from a signal
+            # handler): the slot is reclaimable as a dropped call's from its publication on,
+            # and a sequence is taken only once published (the engine serves them in order:
+            # one taken and never published would stall every later call).
+            self._orphans[slot] = (seq, None)
+            try:
+                payload[:len(data)] = data
+                words[R.S_METHOD] = op.ring_id
+                words[R.S_LENGTH] = len(data)
+                words[R.S_STATUS] = 0
+                R.set_seq(words, seq)
+                host_order.publish()  # (the request before its state)
+                words[R.S_STATE] = R.SUBMITTED
+                self._next = seq + 1
+            finally:
+                if int(words[R.S_STATE]) == R.SUBMITTED and R.seq_of(words) == seq:
+                    self._next = seq + 1
+                    self._ring_doorbell()
+                else:  # (not published: the slot stays free, the sequence untaken)
+                    self._orphans.pop(slot, None)
             call = _RingCall(self, op, slot, seq, deadline)
             self._orphans[slot] = (seq, weakref.ref(call))
         return call
+
+    def _ring_doorbell(self) -> None:
+        self.ring.header[R.DOORBELL] += 1
+        host_order.full()  # (our stores before the engine's waiting word is read)
+        if self.ring.header[R.ENGINE_WAITING]:
+            R.futex_wake(self.ring.doorbell_addr)
 
     def _reclaim(self, slot: int, words: np.ndarray) -> bool:
         """(Under self._lock.) Free `slot` if it holds an answer nobody is taking now: that of
@@ -345,6 +367,10 @@ class FastPathTransport(Transport):
         if self.closed:
             return FailedPrecondition(CLOSED_MESSAGE)
         words, _, state_addr = self.ring.slot(call.slot)
+        if R.seq_of(words) != call.seq:  # (its answer was taken by a read an exception cut
+            # short: the slot is free, or another call's now; never read that one's answer)
+            return Internal(f"{call.op.name}: its fast-path answer was lost (a read of it was "
+                            f"interrupted); the call itself ran")
         header = self.ring.header
         ring_id = call.op.ring_id
         # Spin for the operation's window, never past the call's own deadline.

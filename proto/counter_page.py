@@ -20,6 +20,7 @@ Slot layout (little-endian, 8-byte words):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,10 +80,14 @@ def counts_in_range(num_recv_tokens: int, per_expert: list[int], max_rows: int,
             and max(per_expert, default=0) <= INT32_MAX)  # hundred counts in C)
 
 
-def wait(words: np.ndarray, sequence: int, timeout: float) -> tuple[int, list[int]] | None:
-    """Spin (then back off) until the slot carries `sequence`; None on timeout. The spin lets
-    go of the GIL at every look (spin.py: the engine's other sessions need it)."""
-    if not spin.wait_until(lambda: int(words[SEQ]) >= sequence, timeout):
+def wait(words: np.ndarray, sequence: int, timeout: float,
+         stop: Callable[[], bool] | None = None) -> tuple[int, list[int]] | None:
+    """Spin (then back off) until the slot carries `sequence`; None on timeout, or once
+    `stop()` is true. The spin lets go of the GIL at every look (spin.py: the engine's other
+    sessions need it)."""
+    def ready() -> bool:
+        return int(words[SEQ]) >= sequence or (stop is not None and stop())
+    if not spin.wait_until(ready, timeout) or int(words[SEQ]) < sequence:
         return None
     host_order.consume()  # (the sequence seen before the counts are read)
     n = int(words[NUM_EXPERTS])

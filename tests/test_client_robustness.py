@@ -442,3 +442,70 @@ def test_cuda_registrations_are_safe_from_several_threads(monkeypatch) -> None:
     assert not errors, errors[0]
     assert len(mem._regions) <= M.MAX_DEVICE_REGIONS
     assert set(mem._regions.values()) == live  # nothing registered twice or lost
+
+
+# -- an exception inside a ring submission (a KeyboardInterrupt from a signal handler) ----------
+
+def test_an_exception_after_a_submission_is_published_leaves_the_ring_in_step(monkeypatch) -> None:
+    """A SIGINT storm wedged the ring for good (a review, thirty-fourth session): an exception
+    after a request was published (SUBMITTED) but before its call was registered left an
+    answered slot nothing reclaimed, and every later call waited its deadline for it ("ring
+    full"). The slot is reclaimable from its publication on: the calls after go on."""
+    real = TR._RingCall.__init__
+    hits = []
+
+    def interrupted_once(self, *a, **kw):
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        real(self, *a, **kw)
+
+    monkeypatch.setattr(TR._RingCall, "__init__", interrupted_once)
+    with ring_transport() as (eng, t), answering_engine(eng, first=1):
+        with pytest.raises(KeyboardInterrupt):
+            t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        assert t._next == 2  # (published: its sequence was taken, the engine answers it)
+        t0 = time.monotonic()
+        for _ in range(3 * SLOTS):  # (round the ring: its slot is needed again)
+            t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        assert time.monotonic() - t0 < 2.0 and t.broken is None
+
+
+def test_an_exception_before_a_submission_is_published_takes_no_sequence(monkeypatch) -> None:
+    """An exception while the request is written (before SUBMITTED) publishes nothing: its
+    sequence is not taken (the engine serves sequences in order, so one taken and never
+    published would stall every call after it) and the slot stays free."""
+    real = R.set_seq
+    hits = []
+
+    def interrupted_once(words, seq):
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        real(words, seq)
+
+    monkeypatch.setattr(R, "set_seq", interrupted_once)
+    with ring_transport() as (eng, t):
+        with pytest.raises(KeyboardInterrupt):
+            t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        assert t._next == 1 and 0 not in t._orphans
+        assert int(eng.slot(0)[0][R.S_STATE]) == R.FREE
+        with answering_engine(eng, first=1):
+            for _ in range(2 * SLOTS):
+                t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        assert t.broken is None
+
+
+def test_a_dropped_call_never_unregisters_a_newer_call_of_its_slot() -> None:
+    """A call object dropped late (its answer already reclaimed, its slot now a newer call's)
+    marked the slot's entry as its own, so the newer call's answer was thrown away."""
+    with ring_transport() as (eng, t), answering_engine(eng, first=1):
+        old = t.call_async("Ping", epd_pb2.PingRequest(), 5.0)
+        assert old.result() is not None
+        old._done = False  # (as if its answer had been taken by the ring's reclaim)
+        newer = [t.call_async("Ping", epd_pb2.PingRequest(), 5.0) for _ in range(SLOTS)]
+        assert t._orphans[0][0] == SLOTS + 1  # (slot 0 is the newest call's)
+        old.__del__()
+        assert t._orphans[0][1] is not None and t._orphans[0][0] == SLOTS + 1
+        for c in newer:
+            c.result()

@@ -15,6 +15,7 @@ what would be enqueued (the trigger's effect on the done word included)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -23,7 +24,7 @@ import grpc
 import numpy as np
 import pytest
 
-from epd.client import Session
+from epd.client import Session, fork_guard
 from epd.client import session as S
 from epd.client import stream_ops as SO
 from epd.client.buffer import Buffer
@@ -56,6 +57,7 @@ def stream_op(monkeypatch):
     """(an armed StreamOp of a session without an engine, its session, what was enqueued)."""
     s = object.__new__(Session)
     s._closed, s._lost, s.device_ordinal = False, None, 0
+    s._pid, s._fork_generation = os.getpid(), fork_guard.generation()
     s._counter_file = types.SimpleNamespace(mm=bytearray(counter_page.PAGE_BYTES))
     group = types.SimpleNamespace(_session=s)
     op = SO.StreamOp(group, 7, 3, 0x10000, "dispatch", [None, None], None, ring=(5, 2, 1.0))
