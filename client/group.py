@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 
 from ..proto import abi, counter_page
 from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgument
@@ -229,6 +230,7 @@ class Group:
         # thread): the next dispatch of this group carries them (release_handles), or
         # release_handles() sends them now. The engine keeps a handle until then.
         self._released: list[int] = []
+        self._unanswered: list[PendingCall] = []  # interrupted dispatches (_answered_dispatch)
         self._live: set[int] = set()  # ids of the handle objects not yet collected
 
     def _track(self, handle: Handle | LowLatencyHandle) -> None:
@@ -359,15 +361,46 @@ class Group:
         if num_sms:
             raise InvalidArgument("num_sms is for stream-ordered calls (the cuda backend; "
                                   "not a two-stage group's dispatch and combine)")
+        self._settle_unanswered(wait=False)
         released = self._take_released()
         req.release_handles.extend(released)
         try:
-            resp = cast(epd_pb2.DispatchResponse,
-                        self._session._call("Dispatch", req, rpc_timeout))
+            resp = cast(epd_pb2.DispatchResponse, self._answered_dispatch("Dispatch", req,
+                                                                          rpc_timeout))
         except BaseException:
             self._requeue(released)
             raise
         return self._dispatch_result(resp, copy, x)
+
+    def _answered_dispatch(self, method: str, req: Message, timeout: float) -> Message:
+        """A dispatch's answer. One whose wait an exception other than the engine's cut
+        short (a KeyboardInterrupt) still runs in the engine: it is kept, so that the handle
+        only its answer names is released at this group's next dispatch, and a
+        dispatch_async's counts are read after it (_settle_unanswered)."""
+        fut = self._session._call_async(method, req, timeout)
+        try:
+            return fut.result()
+        except EpdError:
+            raise
+        except BaseException:
+            self._unanswered.append(fut)
+            raise
+
+    def _settle_unanswered(self, wait: bool) -> None:
+        """Queue the release of the handles of interrupted dispatches answered by now (`wait`:
+        of all of them, each waited for within its own deadline)."""
+        if not self._unanswered:
+            return
+        keep = []
+        for fut in self._unanswered:
+            if not (wait or fut.done()):
+                keep.append(fut)
+                continue
+            with contextlib.suppress(EpdError):
+                handle = getattr(fut.result(), "handle", 0)
+                if handle:
+                    self._released.append(handle)
+        self._unanswered = keep
 
     @_staged_call
     def dispatch_async(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
@@ -394,7 +427,9 @@ class Group:
                                                       handle, timeout, is_token_in_rank,
                                                       num_tokens_per_expert)
             # One dispatch in flight per session, and the engine publishes every dispatch it
-            # runs (failures too, with a status): ours is the first sequence after the current.
+            # runs (failures too, with a status): ours is the first sequence after the current
+            # once this group's interrupted dispatches have theirs.
+            self._settle_unanswered(wait=True)
             expected = int(self._counter[counter_page.SEQ]) + 1
             fut = s._transport.call_async("Dispatch", req, rpc_timeout)
             pending = PendingDispatch(self, fut, expected, copy, x)
@@ -469,9 +504,10 @@ class Group:
         d = s._descs({"x": x, "topk_idx": topk_idx,
                       "cumulative_local_expert_recv_stats": stats})
         t = self._timeout(timeout)
+        self._settle_unanswered(wait=False)
         released = self._take_released()
         try:
-            resp = cast(epd_pb2.LowLatencyDispatchResponse, s._call(
+            resp = cast(epd_pb2.LowLatencyDispatchResponse, self._answered_dispatch(
                 "LowLatencyDispatch", epd_pb2.LowLatencyDispatchRequest(
                     session_id=s.session_id, group_id=self.group_id,
                     num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank,

@@ -307,6 +307,10 @@ class Session:
         self._check_open()
         return self._transport.call(method, request, timeout or CONTROL_TIMEOUT)
 
+    def _call_async(self, method: str, request: Message, timeout: float) -> PendingCall:
+        self._check_open()
+        return self._transport.call_async(method, request, timeout)
+
     # -- memory ------------------------------------------------------------------------------
     @property
     def memory(self) -> M.Memory:

@@ -7,6 +7,7 @@ daemon; each must finish well within its deadline (the bugs they guard against w
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -220,3 +221,56 @@ def test_counts_fail_at_once_when_the_engine_goes_away(daemon_factory) -> None:
             assert time.monotonic() - t0 < 10  # (the deadline: 20 s)
         finally:
             peer.close()
+
+
+def test_an_interrupted_dispatch_is_settled_by_the_groups_next_dispatch(daemon) -> None:
+    """Rank 0's dispatch is interrupted (KeyboardInterrupt) while it waits for rank 1; the
+    engine still runs it once rank 1 comes. Its handle, which only its answer names, is
+    released by rank 0's next dispatch (it stayed in the engine until the session ended), and
+    a dispatch_async after it reads its own counts, not the interrupted one's (it read those:
+    the client expected the sequence after the one it had seen)."""
+    import _thread
+
+    s0, s1 = Session(daemon.socket(0)), Session(daemon.socket(1))
+    try:
+        gs: list = [None, None]
+
+        def join(k: int, sess: Session) -> None:
+            gs[k] = sess.join("interrupted", rank=k, num_ranks=2, num_experts=E, hidden=H,
+                              max_tokens_per_rank=T, num_topk=K, dtype="float32")
+
+        ths = [threading.Thread(target=join, args=(k, ss)) for k, ss in enumerate((s0, s1))]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(30)
+        g0, g1 = gs
+        a0, a1 = _inputs(21), _inputs(22)
+        b = _inputs(23)
+        b0 = (b[0][:3], b[1][:3], b[2][:3])  # (other counts than dispatch A's)
+        interrupted = threading.Event()
+        out1: dict = {}
+
+        def rank1() -> None:
+            interrupted.wait(30)
+            out1["a"] = g1.dispatch(*a1)
+            out1["b"] = g1.dispatch(*b)
+
+        th = threading.Thread(target=rank1)
+        th.start()
+        threading.Timer(0.3, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            g0.dispatch(*a0)
+        interrupted.set()
+        pending = g0.dispatch_async(*b0)
+        n, per_expert = pending.counts()
+        got = pending.result()
+        th.join(30)
+        assert (n, per_expert) == (got.num_recv_tokens, got.num_recv_tokens_per_expert)
+        del got, pending
+        out1.clear()
+        gc.collect()
+        assert g0.release_handles() == 0  # (dispatch A's handle too: released, not kept)
+    finally:
+        s0.close()
+        s1.close()
