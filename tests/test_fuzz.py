@@ -206,10 +206,25 @@ class World:
     def _capture(self, fn) -> None:
         """Run fn with the session's transport recording every (method, request, response)."""
         t = self.s._transport
-        inner = t.call
+        inner, inner_async = t.call, t.call_async
+
+        class Answered:  # (a started call, recorded once its answer is taken)
+            def __init__(self, method: str, request: Message, fut) -> None:
+                self.method, self.request, self.fut = method, request, fut
+
+            def done(self) -> bool:
+                return self.fut.done()
+
+            def result(self, timeout: float | None = None) -> Message:
+                return record(self.method, self.request, self.fut.result(timeout))
 
         def spy(method: str, request: Message, timeout: float) -> Message:
-            resp = inner(method, request, timeout)
+            return record(method, request, inner(method, request, timeout))
+
+        def spy_async(method: str, request: Message, timeout: float) -> Answered:
+            return Answered(method, request, inner_async(method, request, timeout))
+
+        def record(method: str, request: Message, resp: Message) -> Message:
             req = type(request)()
             req.CopyFrom(request)
             self.templates[method] = req
@@ -221,11 +236,11 @@ class World:
                                                              shape=v.shape, dtype=v.dtype,
                                                              strides=v.strides))
             return resp
-        t.call = spy
+        t.call, t.call_async = spy, spy_async
         try:
             fn()
         finally:
-            del t.call  # back to the class's method
+            del t.call, t.call_async  # back to the class's methods
 
     def refresh(self) -> None:
         """A valid round, checked; its requests become the templates."""

@@ -189,15 +189,15 @@ def test_bad_timeouts_are_invalid_on_the_fast_path(daemon):
             pytest.skip(f"no fast path: {s.fast_path_error}")
         g = join(s, "nan-ring")
         sent = {}
-        call = s._transport.call
+        call_async = s._transport.call_async
 
         def spy(method, request, timeout):
             sent.setdefault(method, request)
-            return call(method, request, timeout)
-        s._transport.call = spy
+            return call_async(method, request, timeout)
+        s._transport.call_async = spy
         x, idx, w = inputs()
         g.dispatch(x, idx, w)  # a valid request, captured
-        s._transport.call = call
+        s._transport.call_async = call_async
         req = sent["Dispatch"]
         for bad in (math.nan, math.inf, -5.0):
             req.timeout_seconds = bad
