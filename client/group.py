@@ -45,10 +45,14 @@ def _staged_call(method: _F) -> _F:
 
     @functools.wraps(method)
     def call(self: Group, *args: Any, **kwargs: Any) -> Any:
-        if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
-            return method(self, *args, **kwargs)
-        with self._answered, self._session.memory.call_scope():
-            return method(self, *args, **kwargs)
+        # (first: a forked child, whose copies of these locks another thread of the parent
+        # may have held at the fork, is refused before it waits on one)
+        self._session._check_open()
+        with self._answered:
+            if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
+                return method(self, *args, **kwargs)
+            with self._session.memory.call_scope():
+                return method(self, *args, **kwargs)
     return cast(_F, call)
 
 
@@ -383,6 +387,7 @@ class Group:
         except EpdError:
             raise
         except BaseException:
+            self._session.memory.hold_staging()  # (the engine may still read its inputs)
             self._unanswered.append(fut)
             raise
 
@@ -400,6 +405,8 @@ class Group:
                 handle = getattr(fut.result(), "handle", 0)
                 if handle:
                     self._released.append(handle)
+            if not self._session._closed:
+                self._session.memory.release_staging()
         self._unanswered = keep
 
     @_staged_call

@@ -320,8 +320,8 @@ class FastPathTransport(Transport):
                 host_order.publish()  # (the request before its state)
                 words[R.S_STATE] = R.SUBMITTED
                 self._next = seq + 1
-            finally:
-                if int(words[R.S_STATE]) == R.SUBMITTED and R.seq_of(words) == seq:
+            finally:  # (published: the engine may have answered it already)
+                if int(words[R.S_STATE]) != R.FREE and R.seq_of(words) == seq:
                     self._next = seq + 1
                     self._ring_doorbell()
                 else:  # (not published: the slot stays free, the sequence untaken)
@@ -346,8 +346,8 @@ class FastPathTransport(Transport):
             return False
         call = orphan[1]() if orphan[1] is not None else None
         if call is None or call._done:  # (done: it failed already, e.g. its deadline passed)
-            R.set_seq(words, 0)
-            words[R.S_STATE] = R.FREE
+            words[R.S_STATE] = R.FREE  # (free before its sequence is cleared: an exception
+            R.set_seq(words, 0)  # between the two leaves a free slot, not an unmatched answer)
         elif call._taking.acquire(blocking=False):  # (else its result() is taking it now)
             try:
                 if not call._done:
@@ -404,8 +404,8 @@ class FastPathTransport(Transport):
         status = int(words[R.S_STATUS])
         n = int(words[R.S_LENGTH])
         data = bytes(payload[:n])
+        words[R.S_STATE] = R.FREE  # (then its sequence: as in _reclaim)
         R.set_seq(words, 0)
-        words[R.S_STATE] = R.FREE
         if status:
             return from_status_value(status, data.decode(errors="replace"))
         if n > self.ring.capacity:

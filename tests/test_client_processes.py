@@ -115,6 +115,44 @@ def test_a_forked_child_cannot_use_or_end_the_parents_session(daemon) -> None:
     assert "transport fastpath groups 1" in r.stdout, r.stdout
 
 
+def test_a_fork_while_another_thread_is_in_a_call_is_refused_in_the_child(daemon) -> None:
+    """The parent forks while another of its threads is inside a call of a group (it waits
+    for a peer): the child inherits that group's lock held, and its call of the group waited
+    on it for ever. The child's call is refused first (FAILED_PRECONDITION), before any lock."""
+    r = _script("""
+        import threading, time
+        s0, s1 = Session(SOCKET), Session(SOCKET)
+        gs = [None, None]
+        def join(k, s):
+            gs[k] = s.join("forklock", rank=k, num_ranks=2, num_experts=4, hidden=64,
+                           max_tokens_per_rank=8, num_topk=2, dtype="float32")
+        ths = [threading.Thread(target=join, args=(k, s)) for k, s in enumerate((s0, s1))]
+        [t.start() for t in ths]; [t.join(30) for t in ths]
+        g0 = gs[0]
+        def blocked():  # (rank 1 never dispatches: this waits in the call, holding its lock)
+            try:
+                g0.dispatch(x, idx, w, timeout=3)
+            except EpdError:
+                pass
+        th = threading.Thread(target=blocked); th.start()
+        time.sleep(0.5)
+        pid = os.fork()
+        if pid == 0:
+            import signal
+            signal.alarm(10)
+            try:
+                g0.dispatch(x, idx, w, timeout=1)
+                os._exit(3)
+            except EpdError as e:
+                os._exit(0 if e.code.name == "FAILED_PRECONDITION" else 4)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status), flush=True)
+        th.join(30)
+        s0.close(); s1.close()
+        """, daemon.socket(0))
+    assert r.returncode == 0 and "child 0" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
 def test_threads_sharing_a_group_each_get_their_own_outputs(daemon) -> None:
     """Four threads dispatch and combine their own inputs on one Group: the engine writes each
     answered call's outputs into the membership's one output region and the client copies them

@@ -509,3 +509,36 @@ def test_a_dropped_call_never_unregisters_a_newer_call_of_its_slot() -> None:
         assert t._orphans[0][1] is not None and t._orphans[0][0] == SLOTS + 1
         for c in newer:
             c.result()
+
+
+def test_an_exception_after_the_engine_already_answered_leaves_the_ring_in_step() -> None:
+    """The engine can answer a request (DONE) before the submitting thread's next step: an
+    exception landing there must still count the request as published (its sequence taken,
+    its slot reclaimable), not as never sent (a review found the first fix's check looked for
+    SUBMITTED only: the slot then stayed DONE with nothing to reclaim it). Here the engine
+    answers, and the exception lands, as the submission takes its sequence."""
+    with ring_transport() as (eng, t):
+        state = {"armed": True, "next": t.__dict__.pop("_next")}
+
+        class AnsweredAtOnce(type(t)):
+            @property
+            def _next(self) -> int:
+                return state["next"]
+
+            @_next.setter
+            def _next(self, v: int) -> None:
+                if state["armed"] and v == 2:
+                    state["armed"] = False
+                    _answer(eng, 0, 0, 0)  # (the engine was faster than this thread)
+                    raise KeyboardInterrupt
+                state["next"] = v
+
+        t.__class__ = AnsweredAtOnce
+        with pytest.raises(KeyboardInterrupt):
+            t.call("Ping", epd_pb2.PingRequest(), 5.0)
+        assert t._next == 2 and t._orphans[0][0] == 1
+        with answering_engine(eng, first=2):
+            t0 = time.monotonic()
+            for _ in range(3 * SLOTS):
+                t.call("Ping", epd_pb2.PingRequest(), 5.0)
+            assert time.monotonic() - t0 < 2.0 and t.broken is None

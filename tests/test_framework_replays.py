@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -1261,8 +1262,12 @@ def test_xtuner_autograd_functions_keep_the_handle_as_saved_tensors(env) -> None
             h.backward(tt(grad_out[r]))
             grads = [nd(t.grad) for t in inputs]
             del h, recv_x, recv_w, handle, y, inputs
-            gc.collect()
-            held = [g.release_handles() for g in m.buffer._groups.values()]
+            for _ in range(100):  # (gc.collect() returns at once while another rank's thread
+                gc.collect()  # collects: the cycles may be freed a moment later)
+                held = [g.release_handles() for g in m.buffer._groups.values()]
+                if not any(held):
+                    break
+                time.sleep(0.02)
             return outs, grads, held
         finally:
             m.buffer.destroy()

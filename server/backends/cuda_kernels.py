@@ -260,10 +260,13 @@ class DispatchHandle:
     @staticmethod
     def nbytes_for(num_tokens: int, num_ranks: int, num_local_experts: int,
                    num_nodes: int = 1) -> int:
-        """The device bytes `allocate` takes for these sizes (the engine's handle budget)."""
+        """The device bytes `allocate` takes for these sizes (the engine's handle budget),
+        each array rounded up as CuPy's memory pool rounds an allocation (512 bytes)."""
         r, t = num_ranks, max(num_tokens, 1)
-        hier = 4 * t * num_nodes + 4 * r if num_nodes > 1 else 0
-        return t + 4 * t * r + 8 * r * r + 4 * (4 + num_local_experts) + hier
+        sizes = [t, 4 * t * r, 4 * r * r, 4 * r * r, 4 * (4 + num_local_experts)]
+        if num_nodes > 1:
+            sizes += [4 * t * num_nodes, 4 * r]
+        return sum(-(-n // 512) * 512 for n in sizes)
 
     @classmethod
     def allocate(cls, num_tokens: int, num_ranks: int, num_local_experts: int,

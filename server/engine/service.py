@@ -96,7 +96,8 @@ async def _release_handles(e: Engine, request: epd_pb2.ReleaseHandlesRequest
                            ) -> epd_pb2.ReleaseHandlesResponse:
     # Under the session's operation lock, like the operations that create and use handles.
     s = e.session(request.session_id)
-    return await s.executor.run(e.operation("ReleaseHandles"), s, request, "grpc")
+    return await s.executor.run(_cpu_counted("ReleaseHandles", e.operation("ReleaseHandles")),
+                                s, request, "grpc")
 
 
 async def _rank_mask(e: Engine, request: epd_pb2.RankMaskRequest) -> epd_pb2.RankMaskResponse:

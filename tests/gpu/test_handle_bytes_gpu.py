@@ -19,5 +19,6 @@ def test_nbytes_for_is_what_allocate_takes(tokens: int, ranks: int, local_expert
     h = ck.DispatchHandle.allocate(tokens, ranks, local_experts, nodes)
     arrays = [h.token_mask, h.pos, h.count_matrix, h.rank_prefix, h.recv_info, h.node_pos,
               h.node_base]
-    assert sum(a.nbytes for a in arrays if a is not None) == \
-        ck.DispatchHandle.nbytes_for(tokens, ranks, local_experts, nodes)
+    held = [a.nbytes for a in arrays if a is not None]
+    assert sum(-(-n // 512) * 512 for n in held) == \
+        ck.DispatchHandle.nbytes_for(tokens, ranks, local_experts, nodes) >= sum(held)
