@@ -43,17 +43,27 @@ def _staged_call(method: _F) -> _F:
     copies them out after the answer: another thread's call of the same group in between
     overwrote them (one thread got another's recv_x)."""
 
+    answered_on_cuda = method.__name__ in _ANSWERED_ON_CUDA
+
     @functools.wraps(method)
     def call(self: Group, *args: Any, **kwargs: Any) -> Any:
         # (first: a forked child, whose copies of these locks another thread of the parent
         # may have held at the fork, is refused before it waits on one)
         self._session._check_open()
-        with self._answered:
-            if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
+        if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
+            if not answered_on_cuda:  # (stream-ordered: new outputs per call; and a lock held
+                # across its wait for the receive count could wait on another thread's work)
                 return method(self, *args, **kwargs)
-            with self._session.memory.call_scope():
+            with self._answered:
                 return method(self, *args, **kwargs)
+        with self._answered, self._session.memory.call_scope():
+            return method(self, *args, **kwargs)
     return cast(_F, call)
+
+
+# The calls that stay answered on the CUDA engine (their outputs are copied out of the
+# membership's buffers after the answer), where the others are stream-ordered.
+_ANSWERED_ON_CUDA = frozenset({"low_latency_dispatch", "low_latency_combine"})
 
 
 @dataclass

@@ -1166,7 +1166,7 @@ def test_which_members_get_a_chain(monkeypatch, mode: str, on_mps: bool, shrink:
     chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
                                   remove=lambda *a: None, busy=lambda: False, top_up=lambda: [],
                                   finished=lambda: [],
-                                  enqueue_seconds=0.0)
+                                  enqueue_seconds=0.0, depth=0)
 
     def open_chain(words, ptr):
         opened.append(ptr)
@@ -1206,7 +1206,7 @@ def test_chains_being_opened_count_against_the_limit(monkeypatch) -> None:
     chain = types.SimpleNamespace(add=lambda *a: types.SimpleNamespace(entry=1),
                                   remove=lambda *a: None, busy=lambda: False, top_up=lambda: [],
                                   finished=lambda: [],
-                                  enqueue_seconds=0.0)
+                                  enqueue_seconds=0.0, depth=0)
 
     def slow_open(words, ptr):
         opening.set()
