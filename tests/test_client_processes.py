@@ -41,6 +41,22 @@ def _join(s: Session, name: str):
                   num_topk=K, dtype="float32")
 
 
+def _join_two(name: str, sessions: tuple[Session, Session]) -> list:
+    """Both ranks of a two-rank group, joined at once (one thread each)."""
+    groups: list = [None, None]
+
+    def join(k: int) -> None:
+        groups[k] = sessions[k].join(name, rank=k, num_ranks=2, num_experts=E, hidden=H,
+                                     max_tokens_per_rank=T, num_topk=K, dtype="float32")
+
+    threads = [threading.Thread(target=join, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return groups
+
+
 def _script(body: str, socket: str) -> subprocess.CompletedProcess:
     """Run `body` in a fresh interpreter (SOCKET: the engine's socket); its outcome."""
     prelude = textwrap.dedent(f"""
@@ -238,17 +254,7 @@ def test_counts_fail_at_once_when_the_engine_goes_away(daemon_factory) -> None:
             Session(d.socket(0), timeout=20) as s:
         peer = Session(d.socket(0), timeout=20)
         try:
-            joined: list = [None, None]
-
-            def join(k: int, sess: Session) -> None:
-                joined[k] = sess.join("counts", rank=k, num_ranks=2, num_experts=E, hidden=H,
-                                      max_tokens_per_rank=T, num_topk=K, dtype="float32")
-
-            ths = [threading.Thread(target=join, args=(k, ss)) for k, ss in enumerate((s, peer))]
-            for th in ths:
-                th.start()
-            for th in ths:
-                th.join(30)
+            joined = _join_two("counts", (s, peer))
             x, idx, w = _inputs(5)
             pending = joined[0].dispatch_async(x, idx, w)  # (rank 1 never comes)
             threading.Timer(0.5, os.kill, (d.engine_pid(0), signal.SIGKILL)).start()
@@ -271,18 +277,7 @@ def test_an_interrupted_dispatch_is_settled_by_the_groups_next_dispatch(daemon) 
 
     s0, s1 = Session(daemon.socket(0)), Session(daemon.socket(1))
     try:
-        gs: list = [None, None]
-
-        def join(k: int, sess: Session) -> None:
-            gs[k] = sess.join("interrupted", rank=k, num_ranks=2, num_experts=E, hidden=H,
-                              max_tokens_per_rank=T, num_topk=K, dtype="float32")
-
-        ths = [threading.Thread(target=join, args=(k, ss)) for k, ss in enumerate((s0, s1))]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(30)
-        g0, g1 = gs
+        g0, g1 = _join_two("interrupted", (s0, s1))
         a0, a1 = _inputs(21), _inputs(22)
         b = _inputs(23)
         b0 = (b[0][:3], b[1][:3], b[2][:3])  # (other counts than dispatch A's)
