@@ -7,6 +7,7 @@ daemon; each must finish well within its deadline (the bugs they guard against w
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -69,8 +70,20 @@ def _script(body: str, socket: str) -> subprocess.CompletedProcess:
         idx = np.stack([rng.permutation({E})[:{K}] for _ in range({T})]).astype(np.int64)
         w = rng.random(({T}, {K})).astype(np.float32)
         """)
-    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(body)],
-                          capture_output=True, text=True, timeout=CHILD_SECONDS)
+    # (its own process group: a script that forks and hangs leaves no process behind)
+    p = subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(body)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=CHILD_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return subprocess.CompletedProcess(p.args, -signal.SIGKILL, out, err + "\n(timed out)")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # (what the script forked and left)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
 def test_a_buffer_alive_at_interpreter_exit_does_not_hang(daemon) -> None:
