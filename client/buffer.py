@@ -529,8 +529,7 @@ class Buffer(LowLatencyMixin):
             if topk_idx is not None or topk_weights is not None:
                 raise InvalidArgument("cached dispatch (handle given) takes no "
                                       "topk_idx/topk_weights")
-            handle = repacked(handle, BufferHandle)
-            self._owner_of(handle, BufferHandle, "dispatch")
+            _, handle = self._owner_of(handle, BufferHandle, "dispatch")
             g = handle.handle.group  # (the group of the Buffer that made it: _owner_of)
             out, event = self._run(
                 x, lambda: g.dispatch(x, x_scales=T.rows_dense(x_scales), handle=handle.handle,
@@ -627,8 +626,7 @@ class Buffer(LowLatencyMixin):
         as Megatron-LM's fused_a2a does): the call runs on the handle's own daemon group."""
         self._check_config(config)
         C.check_stream_args(previous_event, async_finish, allocate_on_comm_stream)
-        handle = repacked(handle, BufferHandle)
-        self._owner_of(handle, BufferHandle, "dispatch")
+        _, handle = self._owner_of(handle, BufferHandle, "dispatch")
         if bias is None:
             bias_0 = bias_1 = None
         elif isinstance(bias, tuple):
@@ -673,11 +671,13 @@ class Buffer(LowLatencyMixin):
         return self.combine(x, handle, topk_weights, bias, config, previous_event,
                             async_finish, allocate_on_comm_stream)
 
-    def _owner_of(self, handle: Any, cls: type, made_by: str) -> Buffer:
-        """The Buffer that made `handle`: this one, or another Buffer of the same group (same
+    def _owner_of(self, handle: Any, cls: type, made_by: str) -> tuple[Buffer, Any]:
+        """(the Buffer that made `handle`, the `cls` handle): `handle` may be its unpacked parts
+        (handles.repacked). The owner is this Buffer, or another Buffer of the same group (same
         group object, rank and size), whose daemon group the call then runs on, as DeepEP's
         handle (plain tensors) works with any Buffer of its group. The handle keeps that
         Buffer alive (client/handles.py); only its destroy() ends the handle."""
+        handle = repacked(handle, cls)
         if not isinstance(handle, cls):
             raise InvalidArgument(f"handle must be one a {made_by} of a Buffer of this group "
                                   f"returned (or its parts, tuple(handle)), got "
@@ -694,7 +694,7 @@ class Buffer(LowLatencyMixin):
             raise FailedPrecondition(
                 "this handle's Buffer was destroyed (destroy()): it left the daemon groups its "
                 "handles name; destroy a Buffer once no handle of it is used any more")
-        return owner
+        return owner, handle
 
     def destroy(self) -> None:
         """Leave every group and close the session (idempotent). Every group is left and the

@@ -24,7 +24,7 @@ from . import deep_ep_compat as C
 from . import tensors as T
 from .deep_ep_compat import EventOverlap
 from .group import LowLatencyHandle
-from .handles import LowLatencyBufferHandle, repacked
+from .handles import LowLatencyBufferHandle
 from .stream_op_cache import DEFAULT_LIMIT, Entry, StreamOpCache
 from .stream_ops import StreamOp, on_stream, stream_place
 from .tensors import Array
@@ -78,7 +78,7 @@ class LowLatencyMixin:
                  async_finish: bool, allocate_on_comm_stream: bool = False,
                  inputs: tuple = ()) -> tuple[Any, EventOverlap]: ...
 
-        def _owner_of(self, handle: Any, cls: type, made_by: str) -> Any: ...
+        def _owner_of(self, handle: Any, cls: type, made_by: str) -> tuple[Any, Any]: ...
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -190,8 +190,7 @@ class LowLatencyMixin:
         of each token's expert outputs; written into `out` (and returned) when given. A handle
         of another Buffer of the same group is combined by that Buffer (its armed calls and its
         daemon group)."""
-        handle = repacked(handle, LowLatencyBufferHandle)
-        owner = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
+        owner, handle = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.low_latency_combine(
                 x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
@@ -477,8 +476,7 @@ class LowLatencyMixin:
         to write expert outputs into; it lives in a region the daemon already maps, so passing
         it to `low_latency_combine` costs no staging copy. One buffer per shape, reused (by the
         Buffer that made the handle, which combines it)."""
-        handle = repacked(handle, LowLatencyBufferHandle)
-        owner = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
+        owner, handle = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.get_next_low_latency_combine_buffer(handle)
         h = handle.handle

@@ -35,35 +35,33 @@ RPC_MARGIN = 5.0  # the engine's own deadline fires first and names the missing 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _staged_call(method: _F) -> _F:
+def _staged_call(*, answered_on_cuda: bool = False) -> Callable[[_F], _F]:
     """A call that stages its inputs: from their description to its answer it is inside the
     session memory's call scope, so no other thread's call reuses that staging meanwhile
     (Memory.call_scope); and it holds the group's answered-call lock, since the engine writes
     every answered call's outputs into the membership's one output region and the client
     copies them out after the answer: another thread's call of the same group in between
-    overwrote them (one thread got another's recv_x)."""
+    overwrote them (one thread got another's recv_x). `answered_on_cuda`: the call stays
+    answered on the CUDA engine too (its outputs are copied out of the membership's buffers
+    after the answer), where the others are stream-ordered there and take no lock."""
 
-    answered_on_cuda = method.__name__ in _ANSWERED_ON_CUDA
-
-    @functools.wraps(method)
-    def call(self: Group, *args: Any, **kwargs: Any) -> Any:
-        # (first: a forked child, whose copies of these locks another thread of the parent
-        # may have held at the fork, is refused before it waits on one)
-        self._session._check_open()
-        if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
-            if not answered_on_cuda:  # (stream-ordered: new outputs per call; and a lock held
-                # across its wait for the receive count could wait on another thread's work)
+    def decorate(method: _F) -> _F:
+        @functools.wraps(method)
+        def call(self: Group, *args: Any, **kwargs: Any) -> Any:
+            # (first: a forked child, whose copies of these locks another thread of the parent
+            # may have held at the fork, is refused before it waits on one)
+            self._session._check_open()
+            if self._ordered:  # (CUDA IPC memory stages nothing: the scope is for staging)
+                if not answered_on_cuda:  # (stream-ordered: new outputs per call; and a lock
+                    # held across its wait for the receive count could wait on another
+                    # thread's work)
+                    return method(self, *args, **kwargs)
+                with self._answered:
+                    return method(self, *args, **kwargs)
+            with self._answered, self._session.memory.call_scope():
                 return method(self, *args, **kwargs)
-            with self._answered:
-                return method(self, *args, **kwargs)
-        with self._answered, self._session.memory.call_scope():
-            return method(self, *args, **kwargs)
-    return cast(_F, call)
-
-
-# The calls that stay answered on the CUDA engine (their outputs are copied out of the
-# membership's buffers after the answer), where the others are stream-ordered.
-_ANSWERED_ON_CUDA = frozenset({"low_latency_dispatch", "low_latency_combine"})
+        return cast(_F, call)
+    return decorate
 
 
 @dataclass
@@ -299,7 +297,7 @@ class Group:
     def _timeout(self, timeout: float | None) -> float:
         return self._session._deadline(timeout)
 
-    @_staged_call
+    @_staged_call()
     def get_dispatch_layout(self, topk_idx: Array, *,
                             copy: bool = True) -> tuple[Array, Array, Array]:
         """(num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
@@ -342,7 +340,7 @@ class Group:
             **d)
         return req, t + RPC_MARGIN
 
-    @_staged_call
+    @_staged_call()
     def dispatch(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
                  x_scales: Array = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  handle: Handle | None = None, timeout: float | None = None,
@@ -419,7 +417,7 @@ class Group:
                 self._session.memory.release_staging()
         self._unanswered = keep
 
-    @_staged_call
+    @_staged_call()
     def dispatch_async(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
                        x_scales: Array = None, expert_alignment: int = 1,
                        num_worst_tokens: int = 0, handle: Handle | None = None,
@@ -471,7 +469,7 @@ class Group:
             rank_prefix_matrix=v(resp.rank_prefix_matrix, copy, template),
             num_recv_tokens=resp.num_recv_tokens)
 
-    @_staged_call
+    @_staged_call()
     def combine(self, x: Array, handle: Handle, topk_weights: Array = None, bias_0: Array = None,
                 bias_1: Array = None, *, timeout: float | None = None,
                 copy: bool = True, num_sms: int = 0) -> tuple[Array, Array | None]:
@@ -499,7 +497,7 @@ class Group:
         return cx, cw
 
     # -- low-latency mode (DeepEP low_latency_dispatch / low_latency_combine) ------------------
-    @_staged_call
+    @_staged_call(answered_on_cuda=True)
     def low_latency_dispatch(self, x: Array, topk_idx: Array, num_max_dispatch_tokens_per_rank: int,
                              *, num_experts: int | None = None, use_fp8: bool = False,
                              round_scale: bool = False, use_ue8m0: bool = False,
@@ -550,7 +548,7 @@ class Group:
             recv_src_rank=v(resp.recv_src_rank, copy, x),
             recv_src_idx=v(resp.recv_src_idx, copy, x))
 
-    @_staged_call
+    @_staged_call(answered_on_cuda=True)
     def low_latency_combine(self, x: Array, topk_idx: Array, topk_weights: Array,
                             handle: LowLatencyHandle, *, out: Array = None,
                             timeout: float | None = None, copy: bool = True) -> Array:
