@@ -13,8 +13,8 @@ from epd.client import EpdError
 
 
 class ThreadGroup:
-    """rank()/size() as a torch.distributed ProcessGroup, plus all_gather/all_reduce between the
-    rank threads of one `run_ranks` call."""
+    """rank()/size() as a torch.distributed ProcessGroup, plus all_gather/all_reduce/barrier
+    between the rank threads of one `run_ranks` call."""
 
     def __init__(self, rank: int, size: int, shared: dict) -> None:
         self._rank, self._size, self._shared = rank, size, shared
@@ -31,6 +31,9 @@ class ThreadGroup:
         parts = list(self._shared["parts"])
         self._shared["barrier"].wait(timeout=60)
         return parts
+
+    def barrier(self) -> None:
+        self._shared["barrier"].wait(timeout=60)
 
     def all_gather(self, t):
         return torch.stack(self._exchange(t))

@@ -217,6 +217,18 @@ _PROBE = textwrap.dedent("""
     assert from_buffer is Buffer and Config is deep_ep.Config
     assert EventOverlap is deep_ep.EventOverlap and deep_ep.buffer.EventHandle is EventHandle
     assert check_nvlink_connections(None) is None
+    # DeepEP V2's names (deep_ep 2.1.0: from deep_ep import ElasticBuffer, EPHandle)
+    from deep_ep import ElasticBuffer, EPHandle, EventHandle as V2EventHandle
+    from epd.client import elastic_buffer
+    assert ElasticBuffer is elastic_buffer.ElasticBuffer and EPHandle is elastic_buffer.EPHandle
+    assert V2EventHandle is EventHandle
+
+    class Group:
+        def size(self):
+            return 4
+    assert deep_ep.get_logical_domain_size(Group()) == (1, 4)
+    assert deep_ep.get_physical_domain_size(Group()) == (1, 4)
+    assert ElasticBuffer.get_buffer_size_hint(Group(), 128, 7168, 8) % (2 << 20) == 0
     print("OK", deep_ep.__file__)
 """)
 

@@ -1,0 +1,515 @@
+"""DeepEP V2's `ElasticBuffer` and `EPHandle` over an EPD daemon.
+
+DeepEP 2.x (deep_ep 2.1.0; read at deepseek-ai/DeepEP@dd758ca, deep_ep/buffers/elastic.py and
+tests/elastic/test_ep.py) folds normal and low-latency expert parallelism into one buffer:
+`dispatch` returns `(recv_x, recv_topk_idx, recv_topk_weights, handle, event)` and `combine`
+`(combined_x, combined_topk_weights, event)`, with a handle that carries the layout (prefix
+sums per source rank and per local expert, each received row's global source index) and an
+optional "expanded" layout (one row per token and local expert, grouped by expert and padded
+to `expert_alignment`: the next grouped GEMM's input).
+
+EPD's V1 facade (`client/buffer.py`) already runs the collective part: layout, dispatch with
+or without a host wait for the receive count (`num_worst_tokens`), cached dispatch, combine
+with biases. This module is the V2 shape over it: each V2 call is one V1 call plus tensor
+work on the same stream (no host synchronisation unless `do_cpu_sync`), so V2 callers get the
+daemon's kernels and the V1 facade's stream semantics. Rows arrive ordered by source rank, then
+source token (DeepEP's `deterministic=True` order, which EPD gives always: its kernels place
+rows by prefix, not by atomics); the expanded layout orders each expert's rows the same way.
+
+What V2 has that this does not: Engram, pipeline-parallel send/recv, all-gather
+reduce-scatter and CPU buffer bytes raise `Unsupported`; `num_qps`, `sl_idx`,
+`previous_event_before_epilogue` and the hybrid-mode switches are accepted and change
+nothing (the daemon chooses its transports). Combine's sum over ranks runs in EPD's order
+(bias, then ranks ascending, in float32), where DeepEP V2 adds the ranks in the order of each
+token's top-k slots: the same bf16 result unless a partial sum is inexact in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..proto.errors import FailedPrecondition, InvalidArgument
+from . import deep_ep_compat as C
+from .buffer import Buffer
+from .deep_ep_compat import Config, EventOverlap, Unsupported
+from .frameworks import torch_if_loaded
+
+Array = Any
+BUFFER_ALIGNMENT = 2 << 20  # DeepEP V2's buffer sizes are multiples of 2 MiB
+TMA_SF_ALIGNMENT = 4  # rows of a column-major scale tensor, padded to 16 bytes of float32
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+class EPHandle:
+    """What `ElasticBuffer.dispatch` returns for `combine` and for a cached dispatch; DeepEP
+    V2's attributes (see its docstring), plus the V1 handle EPD's calls run on (`v1`).
+
+    `recv_src_metadata` is `[num_recv_tokens, 2 + num_topk]` int32: column 0 the row's global
+    source index (`src_rank * num_max_tokens_per_rank + src_token`), column 1
+    `src_rank * num_topk + k` for the first top-k slot of the row that is local, columns 2...
+    in expanded mode each slot's row in the expanded tensors (-1: not local), else -1.
+    `dst_buffer_slot_idx` is `[num_tokens, num_topk]` int32: the row each top-k slot's token
+    lands in at its destination rank (-1 for a slot of -1)."""
+
+    def __init__(self, *, v1: Any, do_expand: bool, num_experts: int, expert_alignment: int,
+                 num_max_tokens_per_rank: int, num_sms: int, topk_idx: Array,
+                 num_recv_tokens: int, num_expanded_tokens: int,
+                 num_recv_tokens_per_expert_list: list[int],
+                 psum_num_recv_tokens_per_scaleup_rank: Array,
+                 psum_num_recv_tokens_per_expert: Array,
+                 num_unaligned_recv_tokens_per_expert: Array,
+                 recv_src_metadata: Array, dst_buffer_slot_idx: Array,
+                 recv_topk_idx: Array) -> None:
+        self.v1 = v1
+        self.do_expand = do_expand
+        self.num_experts = num_experts
+        self.expert_alignment = expert_alignment
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_sms = num_sms
+        self.topk_idx = topk_idx
+        self.num_recv_tokens = num_recv_tokens  # exact with do_cpu_sync, else the worst case
+        self.num_expanded_tokens = num_expanded_tokens
+        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
+        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
+        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
+        self.recv_src_metadata = recv_src_metadata
+        self.dst_buffer_slot_idx = dst_buffer_slot_idx
+        self.token_metadata_at_forward = None  # (DeepEP's hybrid mode only)
+        self.channel_linked_list = None
+        self.recv_topk_idx = recv_topk_idx  # (returned again by a cached dispatch, as V2 does)
+        self.cached_recv_src_metadata_before_sort = None
+        self._unaligned: Array = None  # per local expert, for cumulative stats
+        self._worst = 0  # the dispatch's num_worst_tokens (0: rows counted on the host)
+
+    @property
+    def expanded_slots(self) -> Array:
+        """`[rows, num_topk]` int64: each received row's expanded row per top-k slot (-1)."""
+        return self.recv_src_metadata[:, 2:].long()
+
+
+class ElasticBuffer:
+    """DeepEP V2's `deep_ep.ElasticBuffer` over an EPD daemon (see the module docstring).
+
+    Constructor arguments are DeepEP's, in its order; `num_max_tokens_per_rank` is the
+    capacity the daemon's groups start with (they grow beyond it, as the V1 facade's do).
+    EPD's keyword-only arguments (`rank`, `num_ranks`, `endpoint`, `socket_dir`, `engine`,
+    `group_name`, `timeout`, `session`, `service_class`) are the V1 `Buffer`'s."""
+
+    def __init__(self, group: Any = None, num_bytes: int | None = None, num_cpu_bytes: int = 0,
+                 num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
+                 use_fp8_dispatch: bool = False, deterministic: bool = False,
+                 allow_hybrid_mode: bool = True, allow_multiple_reduction: bool = True,
+                 prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
+                 num_allocated_qps: int = 0, num_cpu_timeout_secs: int = 300,
+                 num_gpu_timeout_secs: int = 100, explicitly_destroy: bool = False,
+                 **epd: Any) -> None:
+        if num_cpu_bytes:
+            raise Unsupported("num_cpu_bytes: CPU buffer bytes are for DeepEP's Engram "
+                              "storage, which EPD does not provide")
+        if num_max_tokens_per_rank < 0:
+            raise InvalidArgument(f"num_max_tokens_per_rank must be >= 0, got "
+                                  f"{num_max_tokens_per_rank}")
+        epd.setdefault("timeout", float(num_cpu_timeout_secs))
+        self._buffer = Buffer(group, int(num_bytes or 0), 0, explicitly_destroy=explicitly_destroy,
+                              max_tokens_per_rank=num_max_tokens_per_rank or None, **epd)
+        b = self._buffer
+        self.group = group
+        self.rank_idx, self.num_ranks = b.rank, b.group_size
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.deterministic = deterministic  # (EPD's order is DeepEP's deterministic one)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.num_bytes = int(num_bytes) if num_bytes is not None else _size_hint(
+            self.num_ranks, num_max_tokens_per_rank, hidden, num_topk, use_fp8_dispatch)
+        self.num_allocated_qps = num_allocated_qps or 17
+        self.sl_idx = sl_idx
+        self.num_gpu_timeout_secs = num_gpu_timeout_secs
+        self.explicitly_destroy = explicitly_destroy
+        self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
+        self.runtime = b  # (DeepEP's C++ runtime; None after destroy, as there)
+
+    # -- DeepEP V2's helpers -----------------------------------------------------------------
+    def destroy(self) -> None:
+        """Leave the daemon's groups and close the session (idempotent)."""
+        if self.runtime is not None:
+            self._buffer.destroy()
+            self.runtime = None
+
+    @staticmethod
+    def get_buffer_size_hint(group: Any, num_max_tokens_per_rank: int, hidden: int,
+                             num_topk: int = 0, use_fp8_dispatch: bool = False,
+                             allow_hybrid_mode: bool = True,
+                             allow_multiple_reduction: bool = True) -> int:
+        """A 2 MiB-aligned byte count for these settings: the bytes a rank's receive side
+        holds at most. EPD's daemon owns and sizes its buffers, so this only answers callers
+        that compare it with `num_bytes` to decide whether to rebuild their buffer."""
+        return _size_hint(group.size(), num_max_tokens_per_rank, hidden, num_topk,
+                          use_fp8_dispatch)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event on the current stream, for `previous_event`."""
+        return Buffer.capture()
+
+    def get_comm_stream(self) -> Any:
+        return self._buffer.get_comm_stream()
+
+    def get_physical_domain_size(self) -> tuple[int, int]:
+        """(RDMA ranks, NVLink ranks): one NVLink domain of every rank."""
+        return self.num_rdma_ranks, self.num_nvlink_ranks
+
+    def get_logical_domain_size(self) -> tuple[int, int]:
+        """(scale-out ranks, scale-up ranks): one scale-up domain of every rank."""
+        return self.num_scaleout_ranks, self.num_scaleup_ranks
+
+    def get_theoretical_num_sms(self, num_experts: int, num_topk: int, *args: Any,
+                                **kwargs: Any) -> int:
+        """The SM count EPD's kernels are asked for by default (`Buffer.num_sms`); the daemon
+        bounds every request by its own policy."""
+        return int(Buffer.num_sms)
+
+    def get_theoretical_num_qps(self, num_sms: int) -> int:
+        return min(num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9),
+                   self.num_allocated_qps)
+
+    def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
+                sequential: bool = True) -> None:
+        """Every rank reaches this point: a collective through the torch.distributed group."""
+        if self.group is None:
+            raise Unsupported("barrier needs the torch.distributed group the buffer was built "
+                              "with")
+        self.group.barrier()
+
+    def _unsupported(self, what: str) -> Unsupported:
+        return Unsupported(f"{what}: DeepEP V2's experimental {what} is not part of EPD "
+                           f"(expert-parallel dispatch and combine only)")
+
+    def engram_write(self, *args: Any, **kwargs: Any) -> None:
+        raise self._unsupported("Engram")
+
+    def engram_fetch(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("Engram")
+
+    def pp_set_config(self, *args: Any, **kwargs: Any) -> None:
+        raise self._unsupported("pipeline-parallel send/recv")
+
+    def pp_send(self, *args: Any, **kwargs: Any) -> None:
+        raise self._unsupported("pipeline-parallel send/recv")
+
+    def pp_recv(self, *args: Any, **kwargs: Any) -> None:
+        raise self._unsupported("pipeline-parallel send/recv")
+
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        raise self._unsupported("all-gather reduce-scatter")
+
+    # -- dispatch and combine ----------------------------------------------------------------
+    def dispatch(self, x: Array, topk_idx: Array = None, topk_weights: Array = None,
+                 cumulative_local_expert_recv_stats: Array = None,
+                 num_experts: int | None = None, num_max_tokens_per_rank: int | None = None,
+                 expert_alignment: int | None = None, num_sms: int = 0, num_qps: int = 0,
+                 previous_event: EventOverlap | None = None,
+                 previous_event_before_epilogue: EventOverlap | None = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 handle: EPHandle | None = None, do_handle_copy: bool = True,
+                 do_cpu_sync: bool | None = None, do_expand: bool = False,
+                 do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False):
+        """(recv_x, recv_topk_idx, recv_topk_weights, handle, event), as DeepEP V2's. recv_x is
+        an (e4m3 x, scales) pair when x is. Without `do_cpu_sync` (and always with a handle)
+        the outputs have the worst case's rows (`num_ranks * num_max_tokens_per_rank`, or the
+        expanded worst case) and `handle.psum_num_recv_tokens_per_scaleup_rank[-1]` (on the
+        device) says how many are received. In expanded mode recv_topk_idx is None and
+        recv_topk_weights is `[rows]`."""
+        if self.runtime is None:
+            raise FailedPrecondition("this ElasticBuffer was destroyed")
+        t = torch_if_loaded()
+        if t is None:
+            raise InvalidArgument("ElasticBuffer takes torch tensors (DeepEP V2's API)")
+        cached = handle is not None
+        if cached:
+            if not isinstance(handle, EPHandle):
+                raise InvalidArgument(f"handle must be an EPHandle a dispatch returned, got "
+                                      f"{type(handle).__name__}")
+            if topk_idx is not None:
+                raise InvalidArgument("a cached dispatch (handle given) takes no topk_idx: it "
+                                      "routes as the handle's dispatch did")
+            if do_cpu_sync:
+                raise InvalidArgument("a cached dispatch cannot do a CPU sync (do_cpu_sync)")
+            given = (num_experts, expert_alignment, num_max_tokens_per_rank)
+            own = (handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank)
+            if any(g is not None and g != o for g, o in zip(given, own, strict=True)):
+                raise InvalidArgument(f"(num_experts, expert_alignment, "
+                                      f"num_max_tokens_per_rank) {given} differ from the "
+                                      f"handle's {own}")
+            if do_expand != handle.do_expand:
+                raise InvalidArgument(f"do_expand={do_expand}: the handle was made with "
+                                      f"do_expand={handle.do_expand}")
+            num_experts, expert_alignment = handle.num_experts, handle.expert_alignment
+            num_max_tokens_per_rank = handle.num_max_tokens_per_rank
+            topk_idx, do_cpu_sync = handle.topk_idx, False
+        else:
+            if topk_idx is None:
+                raise InvalidArgument("dispatch needs topk_idx (or a cached handle)")
+            if num_experts is None:
+                raise InvalidArgument("dispatch needs num_experts (or a cached handle)")
+            if num_max_tokens_per_rank is None:
+                num_max_tokens_per_rank = self.num_max_tokens_per_rank
+            expert_alignment = 1 if expert_alignment is None else int(expert_alignment)
+            do_cpu_sync = True if do_cpu_sync is None else bool(do_cpu_sync)
+        num_experts, max_tokens = int(num_experts), int(num_max_tokens_per_rank)
+        if expert_alignment < 1:
+            raise InvalidArgument(f"expert_alignment must be >= 1, got {expert_alignment}")
+        if num_experts <= 0 or num_experts % self.num_ranks:
+            raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of "
+                                  f"the {self.num_ranks} ranks")
+        x_rows = int((x[0] if isinstance(x, tuple) else x).shape[0])
+        if max_tokens <= 0 or x_rows > max_tokens:
+            raise InvalidArgument(f"num_max_tokens_per_rank={max_tokens} must be positive and "
+                                  f"at least this rank's {x_rows} tokens (it numbers the "
+                                  f"source rows: src_rank * num_max_tokens_per_rank + token)")
+        if do_zero_padding and not do_expand:
+            raise InvalidArgument("do_zero_padding is for the expanded layout (do_expand)")
+        num_sms = int(num_sms) or self.get_theoretical_num_sms(num_experts, topk_idx.shape[1])
+        config = Config(num_sms)
+        worst = 0 if do_cpu_sync else self.num_ranks * max_tokens
+        b = self._buffer
+
+        def call():
+            # (inside run_on_streams: the V1 calls run on the stream current here, in order)
+            if cached and topk_weights is None:
+                recv_x, *_ = b.dispatch(x, handle=handle.v1, config=config)
+                recv_idx, recv_w, v1, counts = handle.recv_topk_idx, None, handle.v1, None
+            else:
+                per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx,
+                                                                           num_experts)
+                recv_x, recv_idx, recv_w, counts, v1, _ = b.dispatch(
+                    x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                    num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                    topk_weights=topk_weights, expert_alignment=expert_alignment,
+                    num_worst_tokens=handle._worst if cached else worst,
+                    config=config)
+                if cached:  # (weights given: dispatched anew, routed as the handle's call)
+                    recv_idx, v1 = handle.recv_topk_idx, handle.v1
+            if cached:
+                h = handle
+            else:
+                h = self._handle(t, v1, recv_idx, counts, topk_idx, in_rank, num_experts,
+                                 expert_alignment, max_tokens, num_sms, do_expand, do_cpu_sync,
+                                 do_handle_copy)
+                stats = cumulative_local_expert_recv_stats
+                if stats is not None:  # (in place: the caller's running counts)
+                    stats.add_(h._unaligned.to(stats.dtype))
+            if do_expand:
+                recv_x, recv_w = _expand(t, h, recv_x, recv_w, do_zero_padding)
+                recv_idx = None
+            recv_x = _with_scales_layout(t, recv_x, use_tma_aligned_col_major_sf)
+            return recv_x, recv_idx, recv_w, h
+
+        template = x[0] if isinstance(x, tuple) else x
+        (recv_x, recv_idx, recv_w, h), event = C.run_on_streams(
+            b.get_comm_stream, template, call, previous_event, async_with_compute_stream,
+            _on_comm(previous_event, async_with_compute_stream, allocate_on_comm_stream),
+            (x, topk_idx, topk_weights))
+        return recv_x, recv_idx, recv_w, h, event
+
+    def combine(self, x: Array, handle: EPHandle, topk_weights: Array = None,
+                bias: Any = None, num_sms: int = 0, num_qps: int = 0,
+                previous_event: EventOverlap | None = None,
+                previous_event_before_epilogue: EventOverlap | None = None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+        """(combined_x, combined_topk_weights, event), as DeepEP V2's: each token's rows summed
+        over the ranks it went to, plus the bias(es); the top-k weights come back with each
+        slot's weight from the rank that holds its expert (0 for a slot of -1). In expanded
+        mode x has a row per expanded slot (summed per token here, in top-k order, before
+        the ranks' sum) and topk_weights is `[rows]`."""
+        if self.runtime is None:
+            raise FailedPrecondition("this ElasticBuffer was destroyed")
+        if not isinstance(handle, EPHandle):
+            raise InvalidArgument(f"handle must be an EPHandle a dispatch returned, got "
+                                  f"{type(handle).__name__}")
+        t = torch_if_loaded()
+        config = Config(int(num_sms) or handle.num_sms)
+        b = self._buffer
+
+        def call():
+            if handle.do_expand:
+                y, w = _fold(t, handle, x, topk_weights)
+            else:
+                y, w = x, topk_weights
+                if w is not None:  # (each slot's weight once: from the rank of its expert)
+                    w = t.where(handle.recv_topk_idx >= 0, w, t.zeros_like(w))
+            cx, cw, _ = b.combine(y, handle.v1, topk_weights=w, bias=bias, config=config)
+            return cx, cw
+
+        (cx, cw), event = C.run_on_streams(
+            b.get_comm_stream, x, call, previous_event, async_with_compute_stream,
+            _on_comm(previous_event, async_with_compute_stream, allocate_on_comm_stream),
+            (x, topk_weights, bias))
+        return cx, cw, event
+
+    def _handle(self, t: Any, v1: Any, recv_idx: Array, counts: list[int] | None,
+                topk_idx: Array, in_rank: Array, num_experts: int, alignment: int,
+                max_tokens: int, num_sms: int, do_expand: bool, do_cpu_sync: bool,
+                do_handle_copy: bool) -> EPHandle:
+        """The V2 handle of a (non-cached) dispatch, computed on the device from the V1
+        handle and the received top-k ids: no host synchronisation unless do_cpu_sync."""
+        dev = recv_idx.device
+        me, ranks = self.rank_idx, self.num_ranks
+        local = num_experts // ranks
+        rows, topk = int(recv_idx.shape[0]), int(recv_idx.shape[1])
+        prefix = v1.rank_prefix_matrix.to(t.int64)  # [R, R]: rows at r from sources <= s
+        mine = prefix[:, me].contiguous()
+        psum_ranks = mine.to(t.int32)
+        # Each row's source rank: rows come grouped by source, ascending.
+        row_ids = t.arange(rows, device=dev, dtype=t.int64)
+        src_rank = t.searchsorted(mine, row_ids, right=True)
+        valid = recv_idx >= 0
+        first_local = valid.to(t.int32).argmax(dim=1).to(t.int64)
+        meta = t.full((rows, 2 + topk), -1, dtype=t.int32, device=dev)
+        meta[:, 0] = (src_rank * max_tokens + v1.recv_src_idx.to(t.int64)).to(t.int32)
+        meta[:, 1] = (src_rank * topk + first_local).to(t.int32)
+        received = row_ids < mine[-1]  # (the worst case's padding rows stay -1)
+        meta[~received, :2] = -1
+        unaligned = t.zeros(local, dtype=t.int64, device=dev)
+        unaligned.scatter_add_(0, recv_idx[valid].to(t.int64), t.ones_like(recv_idx[valid],
+                                                                          dtype=t.int64))
+        aligned = (unaligned + alignment - 1) // alignment * alignment
+        ends = t.cumsum(aligned, 0)
+        starts = ends - aligned
+        if do_expand:
+            psum_experts = (starts + unaligned).to(t.int32)
+            flat = recv_idx.reshape(-1).to(t.int64)
+            keys = t.where(flat >= 0, flat, t.full_like(flat, local))
+            order = t.sort(keys, stable=True).indices
+            sorted_e = keys[order]
+            ok = sorted_e < local
+            pos = t.arange(flat.numel(), device=dev, dtype=t.int64)
+            before = t.cumsum(unaligned, 0) - unaligned  # pairs of earlier experts
+            slots = t.full_like(flat, -1)
+            slots[order[ok]] = starts[sorted_e[ok]] + pos[ok] - before[sorted_e[ok]]
+            meta[:, 2:] = slots.view(rows, topk).to(t.int32)
+        else:
+            psum_experts = ends.to(t.int32)
+        if do_cpu_sync:
+            counts_list = [int(c) for c in aligned.tolist()]
+            expanded = int(sum(counts_list))
+            num_recv = rows
+        else:
+            counts_list = []
+            expanded = _align(ranks * max_tokens * min(topk, local) + (alignment - 1) * local,
+                              alignment)
+            num_recv = rows
+        # Where each of this rank's (token, slot) lands at the slot's destination rank.
+        dest = t.where(topk_idx >= 0, topk_idx // local, t.full_like(topk_idx, -1)).to(t.int64)
+        order_at = t.cumsum(in_rank.to(t.int64), 0) - 1  # [T, R]: this token's place among ours
+        before_me = prefix[me - 1] if me > 0 else t.zeros(ranks, dtype=t.int64, device=dev)
+        slot_at = (before_me.unsqueeze(0) + order_at)  # [T, R]
+        safe = dest.clamp(min=0)
+        dst_slot = t.gather(slot_at, 1, safe)
+        dst_slot = t.where(dest >= 0, dst_slot, t.full_like(dst_slot, -1)).to(t.int32)
+        h = EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
+                     expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
+                     num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
+                     num_recv_tokens=num_recv, num_expanded_tokens=expanded,
+                     num_recv_tokens_per_expert_list=counts_list,
+                     psum_num_recv_tokens_per_scaleup_rank=psum_ranks,
+                     psum_num_recv_tokens_per_expert=psum_experts,
+                     num_unaligned_recv_tokens_per_expert=(unaligned.to(t.int32) if do_expand
+                                                           else None),
+                     recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot,
+                     recv_topk_idx=recv_idx)
+        h._unaligned = unaligned
+        h._worst = 0 if do_cpu_sync else num_recv
+        return h
+
+
+def _on_comm(previous_event: Any, async_: bool, allocate_on_comm_stream: bool) -> bool:
+    """V2's stream rule: `previous_event` comes with `allocate_on_comm_stream`, with or
+    without `async_with_compute_stream` (V1 asks for async_finish too); a call that is not
+    async runs on the current stream, where allocating on the comm stream means nothing."""
+    if previous_event is not None and not allocate_on_comm_stream:
+        raise InvalidArgument("previous_event needs allocate_on_comm_stream=True (as in "
+                              "DeepEP V2)")
+    return allocate_on_comm_stream and async_
+
+
+def _size_hint(ranks: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -> int:
+    """Receive-side bytes at most: every rank's tokens, each row with its scales, top-k ids
+    and weights and its metadata."""
+    row = hidden * (1 if fp8 else 2) + (math.ceil(hidden / 128) * 4 if fp8 else 0) \
+        + topk * (8 + 4 + 4) + 8
+    return _align(max(ranks * max_tokens * row, 1), BUFFER_ALIGNMENT)
+
+
+def _expand(t: Any, h: EPHandle, recv_x: Any, recv_w: Array, zero_padding: bool):
+    """The expanded layout's rows and weights from the received rows: row r's copy for each
+    local top-k slot at its expanded row (padding rows zero; DeepEP leaves them unset unless
+    do_zero_padding, and zero is one of the values it may leave)."""
+    slots = h.expanded_slots
+    ok = slots >= 0
+    src_rows = t.arange(slots.shape[0], device=slots.device).unsqueeze(1).expand_as(slots)[ok]
+    dst = slots[ok]
+
+    def spread(a: Array) -> Array:
+        out = t.zeros((h.num_expanded_tokens, *a.shape[1:]), dtype=a.dtype, device=a.device)
+        out[dst] = a[src_rows]
+        return out
+
+    recv_x = tuple(spread(a) for a in recv_x) if isinstance(recv_x, tuple) else spread(recv_x)
+    if recv_w is not None:
+        w = t.zeros(h.num_expanded_tokens, dtype=recv_w.dtype, device=recv_w.device)
+        w[dst] = recv_w[ok]
+        recv_w = w
+    return recv_x, recv_w
+
+
+def _fold(t: Any, h: EPHandle, x: Array, w: Array):
+    """Expanded rows back to one row per received token (summed in top-k order in float32,
+    then rounded once, as DeepEP's local reduction) and `[rows]` weights back to
+    `[rows, num_topk]` (0 where a slot is not local)."""
+    slots = h.expanded_slots
+    acc = t.zeros((slots.shape[0], x.shape[1]), dtype=t.float32, device=x.device)
+    for k in range(slots.shape[1]):
+        ok = slots[:, k] >= 0
+        acc[ok] += x[slots[ok, k]].float()
+    y = acc.to(x.dtype)
+    if w is None:
+        return y, None
+    if w.dim() != 1:
+        raise InvalidArgument(f"expanded combine takes topk_weights [rows], got shape "
+                              f"{list(w.shape)}")
+    full = t.zeros(slots.shape, dtype=w.dtype, device=w.device)
+    ok = slots >= 0
+    full[ok] = w[slots[ok]]
+    return y, full
+
+
+def _with_scales_layout(t: Any, recv_x: Any, col_major: bool) -> Any:
+    """(x, scales) with the scales column-major, rows padded to 4 (DeepEP's TMA-aligned
+    layout for the next GEMM) when asked for."""
+    if not col_major or not isinstance(recv_x, tuple):
+        return recv_x
+    data, sf = recv_x
+    n, packs = sf.shape
+    out = t.empty_strided((n, packs), (1, _align(max(n, 1), TMA_SF_ALIGNMENT)), dtype=sf.dtype,
+                          device=sf.device)
+    out.copy_(sf)
+    return data, out
+
+
+def get_physical_domain_size(group: Any) -> tuple[int, int]:
+    """DeepEP V2's `deep_ep.get_physical_domain_size`: (RDMA ranks, NVLink ranks), one
+    domain of every rank (the daemon moves rows between its engines)."""
+    return 1, int(group.size())
+
+
+def get_logical_domain_size(group: Any, allow_hybrid_mode: bool = True) -> tuple[int, int]:
+    """DeepEP V2's `deep_ep.get_logical_domain_size`: (scale-out ranks, scale-up ranks)."""
+    return 1, int(group.size())

@@ -1,0 +1,284 @@
+"""DeepEP V2's `ElasticBuffer` through EPD's facade on the CPU backend: the checks of DeepEP's
+own V2 test replayed (deepseek-ai/DeepEP@dd758ca, tests/elastic/test_ep.py,
+`test_dispatch_combine`), against a reference written here from DeepEP's reference semantics
+(deep_ep/utils/refs.py: rows ordered by global source index, top-k ids made local with -1
+for other ranks' experts, combine = the ranks' sums plus the biases).
+
+One buffer for every case; per case: dispatch, expanded dispatch, cached dispatch, cached
+expanded dispatch with zero padding, combine and expanded combine, with and without a
+captured previous event, async and not, bf16 and FP8, 0/1/2 biases, expert alignment 1 and
+8, masked top-k slots (-1), with and without the CPU sync. Data are small integers in bf16
+(and FP8 rows of exact values), so every sum is exact in any order and every output is
+compared exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from deepep_replay import run_ranks, use_daemon  # noqa: E402
+
+from epd.client import elastic_buffer as deep_ep  # noqa: E402  (deep_ep.ElasticBuffer)
+from epd.client.deep_ep_compat import Unsupported  # noqa: E402
+from epd.proto.errors import InvalidArgument  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NUM_RANKS, MAX_TOKENS, HIDDEN, EXPERTS, TOPK = 2, 40, 256, 8, 3
+LOCAL = EXPERTS // NUM_RANKS
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _inputs(rank: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    tokens = MAX_TOKENS - 3 * rank  # (ranks hold different counts, as DeepEP's test does)
+    scores = torch.rand((tokens, EXPERTS), generator=g)
+    topk_weights, topk_idx = torch.topk(scores, TOPK, dim=-1, sorted=False)
+    topk_idx = topk_idx.to(torch.int64)
+    masked = torch.rand(topk_idx.shape, generator=g) < 0.2
+    topk_idx[masked] = -1
+    topk_weights[masked] = 0
+    x = torch.randint(-8, 9, (tokens, HIDDEN), generator=g).to(torch.bfloat16)
+    bias = [torch.randint(-4, 5, (tokens, HIDDEN), generator=g).to(torch.bfloat16)
+            for _ in range(2)]
+    return {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "bias": bias}
+
+
+def _to_fp8(x):
+    """Exact e4m3 rows (small integers) with power-of-two scales per 128 channels."""
+    scales = torch.ones((x.shape[0], x.shape[1] // 128), dtype=torch.float32) * 2.0
+    return (x.float() / 2.0).to(torch.float8_e4m3fn), scales
+
+
+def _reference(all_inputs: list[dict], rank: int) -> dict:
+    """What rank `rank` receives (DeepEP's refs.dispatch): rows ordered by global source
+    index, top-k ids local (-1 for other ranks' experts), weights as sent."""
+    lo, hi = rank * LOCAL, (rank + 1) * LOCAL
+    rows, idx, w, src = [], [], [], []
+    for s, inp in enumerate(all_inputs):
+        mine = ((inp["topk_idx"] >= lo) & (inp["topk_idx"] < hi)).any(dim=1)
+        for t in mine.nonzero().flatten().tolist():
+            rows.append(inp["x"][t])
+            ids = inp["topk_idx"][t]
+            idx.append(torch.where((ids >= lo) & (ids < hi), ids - lo, torch.full_like(ids, -1)))
+            w.append(inp["topk_weights"][t])
+            src.append(s * MAX_TOKENS + t)
+    return {"x": torch.stack(rows), "idx": torch.stack(idx), "w": torch.stack(w),
+            "src": torch.tensor(src, dtype=torch.int32),
+            "per_rank": [int(((i["topk_idx"] >= lo) & (i["topk_idx"] < hi)).any(dim=1).sum())
+                         for i in all_inputs]}
+
+
+def _expert_outputs(src: torch.Tensor) -> torch.Tensor:
+    """[rows, TOPK, HIDDEN] small-integer expert outputs of a row's global source index."""
+    k = torch.arange(TOPK).view(1, TOPK, 1)
+    h = torch.arange(HIDDEN).view(1, 1, HIDDEN)
+    return ((src.view(-1, 1, 1).long() * 7 + k * 3 + h) % 9 - 4).to(torch.bfloat16)
+
+
+def _rank(rank: int, group, all_inputs: list[dict]) -> int:
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                   num_topk=TOPK, explicitly_destroy=True)
+    cases = 0
+    try:
+        assert buffer.get_logical_domain_size() == (1, NUM_RANKS)
+        assert buffer.num_bytes % deep_ep.BUFFER_ALIGNMENT == 0
+        inp = all_inputs[rank]
+        ref = _reference(all_inputs, rank)
+        n = ref["x"].shape[0]
+        for (alignment, fp8, num_bias, prev, async_, cpu_sync) in itertools.product(
+                (8, 1), (True, False), (0, 1, 2), (False, True), (False, True), (True, False)):
+            cases += 1
+            x = _to_fp8(inp["x"]) if fp8 else inp["x"]
+            bias = (None, inp["bias"][0], tuple(inp["bias"]))[num_bias]
+
+            def launch(name, prev=prev, async_=async_, **kw):
+                if prev:
+                    kw.update(previous_event=buffer.capture(), allocate_on_comm_stream=True)
+                out = getattr(buffer, name)(async_with_compute_stream=async_, **kw)
+                if async_:
+                    out[-1].current_stream_wait()
+                return out
+
+            common = dict(num_max_tokens_per_rank=MAX_TOKENS, num_experts=EXPERTS,
+                          expert_alignment=alignment, do_cpu_sync=cpu_sync)
+            recv_x, recv_idx, recv_w, handle, _ = launch(
+                "dispatch", x=x, topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                **common)
+            ex_x, ex_idx, ex_w, ex_handle, _ = launch(
+                "dispatch", x=x, topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
+                do_expand=True, use_tma_aligned_col_major_sf=True, **common)
+            c_x, c_idx, c_w, c_handle, _ = launch("dispatch", x=x, handle=handle)
+            ce_x, _, ce_w, _, _ = launch("dispatch", x=x, handle=ex_handle,
+                                         topk_weights=inp["topk_weights"], do_expand=True,
+                                         use_tma_aligned_col_major_sf=True,
+                                         do_zero_padding=True)
+
+            # Counts, prefix sums and the handle's metadata.
+            rows = n if cpu_sync else NUM_RANKS * MAX_TOKENS
+            got_x = recv_x[0] if fp8 else recv_x
+            assert got_x.shape == (rows, HIDDEN)
+            assert handle.num_recv_tokens == rows
+            psum = handle.psum_num_recv_tokens_per_scaleup_rank.tolist()
+            assert psum == np.cumsum(ref["per_rank"]).tolist()
+            assert ex_handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == psum
+            assert torch.equal(handle.recv_src_metadata[:n, 0], ref["src"])
+            assert (handle.recv_src_metadata[n:, :2] == -1).all()
+            src_rank = ref["src"] // MAX_TOKENS
+            first = (ref["idx"] >= 0).int().argmax(dim=1)
+            assert torch.equal(handle.recv_src_metadata[:n, 1], (src_rank * TOPK + first).int())
+            counts = [int((ref["idx"] == e).sum()) for e in range(LOCAL)]
+            aligned = [_align(c, alignment) for c in counts]
+            assert handle.psum_num_recv_tokens_per_expert.tolist() == np.cumsum(aligned).tolist()
+            assert handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
+            starts = np.cumsum([0, *aligned])[:-1]
+            assert ex_handle.psum_num_recv_tokens_per_expert.tolist() == \
+                (starts + np.array(counts)).tolist()
+            assert ex_handle.num_unaligned_recv_tokens_per_expert.tolist() == counts
+            # dst_buffer_slot_idx: each slot's row at its destination, checked there below.
+            assert handle.dst_buffer_slot_idx.shape == inp["topk_idx"].shape
+
+            # Received rows, ids and weights exactly (the weights where the id is local).
+            local = ref["idx"] >= 0
+            if fp8:
+                assert torch.equal(recv_x[0][:n].view(torch.uint8),
+                                   _to_fp8(ref["x"])[0].view(torch.uint8))
+                assert torch.equal(recv_x[1][:n], _to_fp8(ref["x"])[1])
+            else:
+                assert torch.equal(recv_x[:n], ref["x"])
+            assert torch.equal(recv_idx[:n], ref["idx"])
+            assert (recv_idx[n:] == -1).all()
+            assert torch.equal(recv_w[:n][local], ref["w"][local])
+            # Cached: the same rows, the handle's ids, the same handle.
+            assert c_handle is handle and c_w is None
+            assert torch.equal(c_idx, recv_idx)
+            if fp8:  # (rows past n: the worst case's padding, unspecified)
+                assert torch.equal(c_x[0][:n].view(torch.uint8), recv_x[0][:n].view(torch.uint8))
+                assert torch.equal(c_x[1][:n], recv_x[1][:n])
+            else:
+                assert torch.equal(c_x[:n], recv_x[:n])
+
+            # The expanded layout: each local slot's row at its slot, grouped by expert in
+            # source order, padding zero.
+            assert ex_idx is None
+            slots = ex_handle.recv_src_metadata[:n, 2:].long()
+            assert torch.equal(slots >= 0, local)
+            ex0 = ex_x[0] if fp8 else ex_x
+            expect_rows = sum(aligned) if cpu_sync else _align(
+                NUM_RANKS * MAX_TOKENS * min(TOPK, LOCAL) + (alignment - 1) * LOCAL, alignment)
+            assert ex0.shape[0] == expect_rows == ex_handle.num_expanded_tokens
+            for e in range(LOCAL):
+                r, k = (ref["idx"] == e).nonzero(as_tuple=True)
+                assert slots[r, k].tolist() == list(range(int(starts[e]),
+                                                          int(starts[e]) + counts[e]))
+                for out, w in ((ex_x, ex_w), (ce_x, ce_w)):
+                    o = out[0].float() * out[1][:, :1] if fp8 else out
+                    assert torch.equal(o[slots[r, k]].float(), ref["x"][r].float())
+                    assert torch.equal(w[slots[r, k]], ref["w"][r, k])
+                pad = slice(int(starts[e]) + counts[e], int(starts[e]) + aligned[e])
+                assert (ce_x[0] if fp8 else ce_x)[pad].float().abs().sum() == 0
+                assert ce_w[pad].abs().sum() == 0
+            if fp8:  # DeepEP's TMA-aligned column-major scales
+                assert ex_x[1].stride() == (1, _align(ex_x[1].shape[0], 4))
+
+            # Combine: the expert outputs summed per row here (non-expanded) or per slot
+            # (expanded), then over the ranks, plus the biases; the weights come back.
+            y = _expert_outputs(ref["src"])
+            y[~local] = 0
+            per_row = y.float().sum(dim=1).to(torch.bfloat16)
+            comb_in = torch.zeros((rows, HIDDEN), dtype=torch.bfloat16)
+            comb_in[:n] = per_row
+            ex_in = torch.zeros((ex0.shape[0], HIDDEN), dtype=torch.bfloat16)
+            ex_in[slots[local]] = y[local]
+            # (DeepEP V2 returns every slot's weight, other ranks' experts' too, so a caller's
+            # weights there are not zero: only the local slots' count)
+            noisy_w = torch.where(recv_idx >= 0, recv_w, torch.full_like(recv_w, 99.0))
+            cx, cw, _ = launch("combine", x=comb_in, handle=handle, topk_weights=noisy_w,
+                               bias=bias)
+            rx, rw, _ = launch("combine", x=ex_in, handle=ex_handle, topk_weights=ex_w,
+                               bias=bias)
+            result = {"combined": cx, "weights": cw, "reduced": rx, "reduced_weights": rw,
+                      "dst_slot": handle.dst_buffer_slot_idx, "src": ref["src"]}
+            _check_combine(rank, all_inputs, result, bias)
+        buffer.barrier()
+    finally:
+        buffer.destroy()
+    return cases
+
+
+def _check_combine(rank: int, all_inputs: list[dict], got: dict, bias) -> None:
+    inp = all_inputs[rank]
+    tokens = inp["x"].shape[0]
+    src = rank * MAX_TOKENS + torch.arange(tokens)
+    y = _expert_outputs(src)  # this rank's tokens' expert outputs, by global source index
+    y[inp["topk_idx"] < 0] = 0
+    expect = y.float().sum(dim=1)
+    if isinstance(bias, tuple):
+        expect += bias[0].float() + bias[1].float()
+    elif bias is not None:
+        expect += bias.float()
+    expect = expect.to(torch.bfloat16)
+    sent = (inp["topk_idx"] >= 0).any(dim=1)
+    for key in ("combined", "reduced"):
+        assert torch.equal(got[key][sent], expect[sent]), key
+    for key in ("weights", "reduced_weights"):
+        assert torch.equal(got[key], inp["topk_weights"]), key
+    # dst_buffer_slot_idx: the slot's token is the row it names at that destination.
+    slot = got["dst_slot"]
+    assert ((slot >= 0) == (inp["topk_idx"] >= 0)).all()
+    refs = [_reference(all_inputs, d)["src"] for d in range(NUM_RANKS)]
+    for t, k in (slot >= 0).nonzero().tolist():
+        dest = int(inp["topk_idx"][t, k]) // LOCAL
+        assert int(refs[dest][slot[t, k]]) == rank * MAX_TOKENS + t
+
+
+def test_deepep_v2_test_ep_checks_on_the_facade(daemon, monkeypatch) -> None:
+    use_daemon(daemon, monkeypatch)
+    all_inputs = [_inputs(r, seed=1) for r in range(NUM_RANKS)]
+    results = run_ranks(lambda r, g: _rank(r, g, all_inputs), NUM_RANKS, timeout=600)
+    assert results == [96] * NUM_RANKS
+
+
+def _bad_calls(rank: int, group) -> None:
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                   explicitly_destroy=True)
+    try:
+        inp = _inputs(rank, seed=2)
+        with pytest.raises(Unsupported, match="Engram"):
+            buffer.engram_fetch(torch.zeros(1))
+        with pytest.raises(InvalidArgument, match="num_max_tokens_per_rank"):
+            buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=EXPERTS,
+                            num_max_tokens_per_rank=4)
+        with pytest.raises(InvalidArgument, match="multiple of"):
+            buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=EXPERTS - 1)
+        # (both ranks make the same good call after the refusals: nothing changed)
+        _, _, _, h, _ = buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"],
+                                        topk_weights=inp["topk_weights"], num_experts=EXPERTS)
+        with pytest.raises(InvalidArgument, match="takes no topk_idx"):
+            buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"], handle=h)
+        with pytest.raises(InvalidArgument, match="do_expand"):
+            buffer.dispatch(inp["x"], handle=h, do_expand=True)
+        with pytest.raises(InvalidArgument, match="differ from the handle"):
+            buffer.dispatch(inp["x"], handle=h, expert_alignment=4)
+        recv, *_ = buffer.dispatch(inp["x"], handle=h)
+        combined, _, _ = buffer.combine(recv, h)
+        sent = (inp["topk_idx"] >= 0).any(dim=1)
+        ranks_of = [len({int(e) // LOCAL for e in row if e >= 0}) for row in inp["topk_idx"]]
+        expect = inp["x"].float() * torch.tensor(ranks_of).view(-1, 1)
+        assert torch.equal(combined[sent].float(), expect[sent])
+    finally:
+        buffer.destroy()
+    with pytest.raises(Exception, match="destroyed"):
+        buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"], num_experts=EXPERTS)
+
+
+def test_elastic_buffer_refusals_change_nothing(daemon, monkeypatch) -> None:
+    use_daemon(daemon, monkeypatch)
+    run_ranks(_bad_calls, NUM_RANKS)
