@@ -373,13 +373,15 @@ class ElasticBuffer:
         valid = recv_idx >= 0
         first_local = valid.to(t.int32).argmax(dim=1).to(t.int64)
         meta = t.full((rows, 2 + topk), -1, dtype=t.int32, device=dev)
-        meta[:, 0] = (src_rank * max_tokens + v1.recv_src_idx.to(t.int64)).to(t.int32)
-        meta[:, 1] = (src_rank * topk + first_local).to(t.int32)
+        # (no boolean indexing here or below: it asks the host for a count, a synchronisation)
         received = row_ids < mine[-1]  # (the worst case's padding rows stay -1)
-        meta[~received, :2] = -1
+        none = t.full_like(row_ids, -1)
+        meta[:, 0] = t.where(received, src_rank * max_tokens + v1.recv_src_idx.to(t.int64),
+                             none).to(t.int32)
+        meta[:, 1] = t.where(received, src_rank * topk + first_local, none).to(t.int32)
         unaligned = t.zeros(local, dtype=t.int64, device=dev)
-        unaligned.scatter_add_(0, recv_idx[valid].to(t.int64), t.ones_like(recv_idx[valid],
-                                                                          dtype=t.int64))
+        unaligned.scatter_add_(0, recv_idx.clamp(min=0).reshape(-1).to(t.int64),
+                               valid.reshape(-1).to(t.int64))
         aligned = (unaligned + alignment - 1) // alignment * alignment
         ends = t.cumsum(aligned, 0)
         starts = ends - aligned
@@ -392,8 +394,9 @@ class ElasticBuffer:
             ok = sorted_e < local
             pos = t.arange(flat.numel(), device=dev, dtype=t.int64)
             before = t.cumsum(unaligned, 0) - unaligned  # pairs of earlier experts
-            slots = t.full_like(flat, -1)
-            slots[order[ok]] = starts[sorted_e[ok]] + pos[ok] - before[sorted_e[ok]]
+            e = sorted_e.clamp(max=local - 1)
+            placed = t.where(ok, starts[e] + pos - before[e], t.full_like(pos, -1))
+            slots = t.empty_like(flat).scatter_(0, order, placed)
             meta[:, 2:] = slots.view(rows, topk).to(t.int32)
         else:
             psum_experts = ends.to(t.int32)
@@ -451,22 +454,24 @@ def _size_hint(ranks: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -
 def _expand(t: Any, h: EPHandle, recv_x: Any, recv_w: Array, zero_padding: bool):
     """The expanded layout's rows and weights from the received rows: row r's copy for each
     local top-k slot at its expanded row (padding rows zero; DeepEP leaves them unset unless
-    do_zero_padding, and zero is one of the values it may leave)."""
+    do_zero_padding, and zero is one of the values it may leave). Slots that are not local
+    write a spare last row, dropped: no boolean indexing (a host synchronisation)."""
+    n = h.num_expanded_tokens
     slots = h.expanded_slots
-    ok = slots >= 0
-    src_rows = t.arange(slots.shape[0], device=slots.device).unsqueeze(1).expand_as(slots)[ok]
-    dst = slots[ok]
+    dst = t.where(slots >= 0, slots, t.full_like(slots, n))
 
     def spread(a: Array) -> Array:
-        out = t.zeros((h.num_expanded_tokens, *a.shape[1:]), dtype=a.dtype, device=a.device)
-        out[dst] = a[src_rows]
-        return out
+        out = t.zeros((n + 1, *a.shape[1:]), dtype=a.dtype, device=a.device)
+        for k in range(dst.shape[1]):
+            out[dst[:, k]] = a
+        return out[:n]
 
     recv_x = tuple(spread(a) for a in recv_x) if isinstance(recv_x, tuple) else spread(recv_x)
     if recv_w is not None:
-        w = t.zeros(h.num_expanded_tokens, dtype=recv_w.dtype, device=recv_w.device)
-        w[dst] = recv_w[ok]
-        recv_w = w
+        w = t.zeros(n + 1, dtype=recv_w.dtype, device=recv_w.device)
+        for k in range(dst.shape[1]):
+            w[dst[:, k]] = recv_w[:, k]
+        recv_w = w[:n]
     return recv_x, recv_w
 
 
@@ -475,20 +480,24 @@ def _fold(t: Any, h: EPHandle, x: Array, w: Array):
     then rounded once, as DeepEP's local reduction) and `[rows]` weights back to
     `[rows, num_topk]` (0 where a slot is not local)."""
     slots = h.expanded_slots
+    n = int(x.shape[0])
+    if n != h.num_expanded_tokens or x.dim() != 2:
+        raise InvalidArgument(f"expanded combine takes x [{h.num_expanded_tokens}, hidden] (the "
+                              f"expanded dispatch's rows), got shape {list(x.shape)}")
+    ok = slots >= 0
+    src = t.where(ok, slots, t.full_like(slots, n))  # (row n: a zero row appended)
+    xz = t.cat([x, t.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)])
     acc = t.zeros((slots.shape[0], x.shape[1]), dtype=t.float32, device=x.device)
     for k in range(slots.shape[1]):
-        ok = slots[:, k] >= 0
-        acc[ok] += x[slots[ok, k]].float()
+        acc += xz[src[:, k]].float()
     y = acc.to(x.dtype)
     if w is None:
         return y, None
-    if w.dim() != 1:
-        raise InvalidArgument(f"expanded combine takes topk_weights [rows], got shape "
-                              f"{list(w.shape)}")
-    full = t.zeros(slots.shape, dtype=w.dtype, device=w.device)
-    ok = slots >= 0
-    full[ok] = w[slots[ok]]
-    return y, full
+    if w.dim() != 1 or int(w.shape[0]) != n:
+        raise InvalidArgument(f"expanded combine takes topk_weights [{n}] (one per expanded "
+                              f"row), got shape {list(w.shape)}")
+    wz = t.cat([w, t.zeros(1, dtype=w.dtype, device=w.device)])
+    return y, wz[src]
 
 
 def _with_scales_layout(t: Any, recv_x: Any, col_major: bool) -> Any:

@@ -83,133 +83,169 @@ def _expert_outputs(src: torch.Tensor) -> torch.Tensor:
     return ((src.view(-1, 1, 1).long() * 7 + k * 3 + h) % 9 - 4).to(torch.bfloat16)
 
 
+COMBOS = list(itertools.product((8, 1), (True, False), (0, 1, 2), (False, True), (False, True),
+                                (True, False)))  # alignment, fp8, biases, event, async, sync
+
+
+def _on(a, device: str):
+    """`a` (a tensor, a tuple of them, or None) on `device`."""
+    if isinstance(a, tuple):
+        return tuple(_on(t, device) for t in a)
+    return a.to(device) if a is not None else None
+
+
+class _HostView:
+    """A handle's tensors on the host, for the checks (the handle itself stays for the calls)."""
+
+    def __init__(self, h) -> None:
+        for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                     "num_unaligned_recv_tokens_per_expert", "recv_src_metadata",
+                     "dst_buffer_slot_idx"):
+            setattr(self, name, _on(getattr(h, name), "cpu"))
+        for name in ("num_recv_tokens", "num_expanded_tokens",
+                     "num_recv_tokens_per_expert_list"):
+            setattr(self, name, getattr(h, name))
+
+
 def _rank(rank: int, group, all_inputs: list[dict]) -> int:
     buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
                                    num_topk=TOPK, explicitly_destroy=True)
-    cases = 0
     try:
         assert buffer.get_logical_domain_size() == (1, NUM_RANKS)
         assert buffer.num_bytes % deep_ep.BUFFER_ALIGNMENT == 0
-        inp = all_inputs[rank]
-        ref = _reference(all_inputs, rank)
-        n = ref["x"].shape[0]
-        for (alignment, fp8, num_bias, prev, async_, cpu_sync) in itertools.product(
-                (8, 1), (True, False), (0, 1, 2), (False, True), (False, True), (True, False)):
-            cases += 1
-            x = _to_fp8(inp["x"]) if fp8 else inp["x"]
-            bias = (None, inp["bias"][0], tuple(inp["bias"]))[num_bias]
-
-            def launch(name, prev=prev, async_=async_, **kw):
-                if prev:
-                    kw.update(previous_event=buffer.capture(), allocate_on_comm_stream=True)
-                out = getattr(buffer, name)(async_with_compute_stream=async_, **kw)
-                if async_:
-                    out[-1].current_stream_wait()
-                return out
-
-            common = dict(num_max_tokens_per_rank=MAX_TOKENS, num_experts=EXPERTS,
-                          expert_alignment=alignment, do_cpu_sync=cpu_sync)
-            recv_x, recv_idx, recv_w, handle, _ = launch(
-                "dispatch", x=x, topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
-                **common)
-            ex_x, ex_idx, ex_w, ex_handle, _ = launch(
-                "dispatch", x=x, topk_idx=inp["topk_idx"], topk_weights=inp["topk_weights"],
-                do_expand=True, use_tma_aligned_col_major_sf=True, **common)
-            c_x, c_idx, c_w, c_handle, _ = launch("dispatch", x=x, handle=handle)
-            ce_x, _, ce_w, _, _ = launch("dispatch", x=x, handle=ex_handle,
-                                         topk_weights=inp["topk_weights"], do_expand=True,
-                                         use_tma_aligned_col_major_sf=True,
-                                         do_zero_padding=True)
-
-            # Counts, prefix sums and the handle's metadata.
-            rows = n if cpu_sync else NUM_RANKS * MAX_TOKENS
-            got_x = recv_x[0] if fp8 else recv_x
-            assert got_x.shape == (rows, HIDDEN)
-            assert handle.num_recv_tokens == rows
-            psum = handle.psum_num_recv_tokens_per_scaleup_rank.tolist()
-            assert psum == np.cumsum(ref["per_rank"]).tolist()
-            assert ex_handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == psum
-            assert torch.equal(handle.recv_src_metadata[:n, 0], ref["src"])
-            assert (handle.recv_src_metadata[n:, :2] == -1).all()
-            src_rank = ref["src"] // MAX_TOKENS
-            first = (ref["idx"] >= 0).int().argmax(dim=1)
-            assert torch.equal(handle.recv_src_metadata[:n, 1], (src_rank * TOPK + first).int())
-            counts = [int((ref["idx"] == e).sum()) for e in range(LOCAL)]
-            aligned = [_align(c, alignment) for c in counts]
-            assert handle.psum_num_recv_tokens_per_expert.tolist() == np.cumsum(aligned).tolist()
-            assert handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
-            starts = np.cumsum([0, *aligned])[:-1]
-            assert ex_handle.psum_num_recv_tokens_per_expert.tolist() == \
-                (starts + np.array(counts)).tolist()
-            assert ex_handle.num_unaligned_recv_tokens_per_expert.tolist() == counts
-            # dst_buffer_slot_idx: each slot's row at its destination, checked there below.
-            assert handle.dst_buffer_slot_idx.shape == inp["topk_idx"].shape
-
-            # Received rows, ids and weights exactly (the weights where the id is local).
-            local = ref["idx"] >= 0
-            if fp8:
-                assert torch.equal(recv_x[0][:n].view(torch.uint8),
-                                   _to_fp8(ref["x"])[0].view(torch.uint8))
-                assert torch.equal(recv_x[1][:n], _to_fp8(ref["x"])[1])
-            else:
-                assert torch.equal(recv_x[:n], ref["x"])
-            assert torch.equal(recv_idx[:n], ref["idx"])
-            assert (recv_idx[n:] == -1).all()
-            assert torch.equal(recv_w[:n][local], ref["w"][local])
-            # Cached: the same rows, the handle's ids, the same handle.
-            assert c_handle is handle and c_w is None
-            assert torch.equal(c_idx, recv_idx)
-            if fp8:  # (rows past n: the worst case's padding, unspecified)
-                assert torch.equal(c_x[0][:n].view(torch.uint8), recv_x[0][:n].view(torch.uint8))
-                assert torch.equal(c_x[1][:n], recv_x[1][:n])
-            else:
-                assert torch.equal(c_x[:n], recv_x[:n])
-
-            # The expanded layout: each local slot's row at its slot, grouped by expert in
-            # source order, padding zero.
-            assert ex_idx is None
-            slots = ex_handle.recv_src_metadata[:n, 2:].long()
-            assert torch.equal(slots >= 0, local)
-            ex0 = ex_x[0] if fp8 else ex_x
-            expect_rows = sum(aligned) if cpu_sync else _align(
-                NUM_RANKS * MAX_TOKENS * min(TOPK, LOCAL) + (alignment - 1) * LOCAL, alignment)
-            assert ex0.shape[0] == expect_rows == ex_handle.num_expanded_tokens
-            for e in range(LOCAL):
-                r, k = (ref["idx"] == e).nonzero(as_tuple=True)
-                assert slots[r, k].tolist() == list(range(int(starts[e]),
-                                                          int(starts[e]) + counts[e]))
-                for out, w in ((ex_x, ex_w), (ce_x, ce_w)):
-                    o = out[0].float() * out[1][:, :1] if fp8 else out
-                    assert torch.equal(o[slots[r, k]].float(), ref["x"][r].float())
-                    assert torch.equal(w[slots[r, k]], ref["w"][r, k])
-                pad = slice(int(starts[e]) + counts[e], int(starts[e]) + aligned[e])
-                assert (ce_x[0] if fp8 else ce_x)[pad].float().abs().sum() == 0
-                assert ce_w[pad].abs().sum() == 0
-            if fp8:  # DeepEP's TMA-aligned column-major scales
-                assert ex_x[1].stride() == (1, _align(ex_x[1].shape[0], 4))
-
-            # Combine: the expert outputs summed per row here (non-expanded) or per slot
-            # (expanded), then over the ranks, plus the biases; the weights come back.
-            y = _expert_outputs(ref["src"])
-            y[~local] = 0
-            per_row = y.float().sum(dim=1).to(torch.bfloat16)
-            comb_in = torch.zeros((rows, HIDDEN), dtype=torch.bfloat16)
-            comb_in[:n] = per_row
-            ex_in = torch.zeros((ex0.shape[0], HIDDEN), dtype=torch.bfloat16)
-            ex_in[slots[local]] = y[local]
-            # (DeepEP V2 returns every slot's weight, other ranks' experts' too, so a caller's
-            # weights there are not zero: only the local slots' count)
-            noisy_w = torch.where(recv_idx >= 0, recv_w, torch.full_like(recv_w, 99.0))
-            cx, cw, _ = launch("combine", x=comb_in, handle=handle, topk_weights=noisy_w,
-                               bias=bias)
-            rx, rw, _ = launch("combine", x=ex_in, handle=ex_handle, topk_weights=ex_w,
-                               bias=bias)
-            result = {"combined": cx, "weights": cw, "reduced": rx, "reduced_weights": rw,
-                      "dst_slot": handle.dst_buffer_slot_idx, "src": ref["src"]}
-            _check_combine(rank, all_inputs, result, bias)
+        cases = run_cases(buffer, rank, all_inputs, "cpu", COMBOS)
         buffer.barrier()
     finally:
         buffer.destroy()
+    return cases
+
+
+def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) -> int:
+    """DeepEP V2's test_ep checks for each combination, the calls on `device` (the CPU here,
+    a GPU in tests/gpu/test_elastic_buffer_gpu.py), the checks on the host."""
+    cases = 0
+    inp = all_inputs[rank]
+    ref = _reference(all_inputs, rank)
+    n = ref["x"].shape[0]
+    idx_d, w_d = _on(inp["topk_idx"], device), _on(inp["topk_weights"], device)
+    cpu = lambda a: _on(a, "cpu")  # noqa: E731
+    for (alignment, fp8, num_bias, prev, async_, cpu_sync) in combos:
+        cases += 1
+        x = _on(_to_fp8(inp["x"]) if fp8 else inp["x"], device)
+        bias = _on((None, inp["bias"][0], tuple(inp["bias"]))[num_bias], device)
+
+        def launch(name, prev=prev, async_=async_, **kw):
+            if prev:
+                kw.update(previous_event=buffer.capture(), allocate_on_comm_stream=True)
+            out = getattr(buffer, name)(async_with_compute_stream=async_, **kw)
+            if async_:
+                out[-1].current_stream_wait()
+            return out
+
+        common = dict(num_max_tokens_per_rank=MAX_TOKENS, num_experts=EXPERTS,
+                      expert_alignment=alignment, do_cpu_sync=cpu_sync)
+        recv_x, recv_idx, recv_w, handle_d, _ = launch(
+            "dispatch", x=x, topk_idx=idx_d, topk_weights=w_d, **common)
+        ex_x, ex_idx, ex_w, ex_handle_d, _ = launch(
+            "dispatch", x=x, topk_idx=idx_d, topk_weights=w_d,
+            do_expand=True, use_tma_aligned_col_major_sf=True, **common)
+        c_x, c_idx, c_w, c_handle, _ = launch("dispatch", x=x, handle=handle_d)
+        ce_x, _, ce_w, _, _ = launch("dispatch", x=x, handle=ex_handle_d,
+                                     topk_weights=w_d, do_expand=True,
+                                     use_tma_aligned_col_major_sf=True,
+                                     do_zero_padding=True)
+        assert c_handle is handle_d and c_w is None
+        ex_scales_stride = ex_x[1].stride() if fp8 else None
+        recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w = map(
+            cpu, (recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w))
+        handle, ex_handle = _HostView(handle_d), _HostView(ex_handle_d)
+
+        # Counts, prefix sums and the handle's metadata.
+        rows = n if cpu_sync else NUM_RANKS * MAX_TOKENS
+        got_x = recv_x[0] if fp8 else recv_x
+        assert got_x.shape == (rows, HIDDEN)
+        assert handle.num_recv_tokens == rows
+        psum = handle.psum_num_recv_tokens_per_scaleup_rank.tolist()
+        assert psum == np.cumsum(ref["per_rank"]).tolist()
+        assert ex_handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == psum
+        assert torch.equal(handle.recv_src_metadata[:n, 0], ref["src"])
+        assert (handle.recv_src_metadata[n:, :2] == -1).all()
+        src_rank = ref["src"] // MAX_TOKENS
+        first = (ref["idx"] >= 0).int().argmax(dim=1)
+        assert torch.equal(handle.recv_src_metadata[:n, 1], (src_rank * TOPK + first).int())
+        counts = [int((ref["idx"] == e).sum()) for e in range(LOCAL)]
+        aligned = [_align(c, alignment) for c in counts]
+        assert handle.psum_num_recv_tokens_per_expert.tolist() == np.cumsum(aligned).tolist()
+        assert handle.num_recv_tokens_per_expert_list == (aligned if cpu_sync else [])
+        starts = np.cumsum([0, *aligned])[:-1]
+        assert ex_handle.psum_num_recv_tokens_per_expert.tolist() == \
+            (starts + np.array(counts)).tolist()
+        assert ex_handle.num_unaligned_recv_tokens_per_expert.tolist() == counts
+        # dst_buffer_slot_idx: each slot's row at its destination, checked there below.
+        assert handle.dst_buffer_slot_idx.shape == inp["topk_idx"].shape
+
+        # Received rows, ids and weights exactly (the weights where the id is local).
+        local = ref["idx"] >= 0
+        if fp8:
+            assert torch.equal(recv_x[0][:n].view(torch.uint8),
+                               _to_fp8(ref["x"])[0].view(torch.uint8))
+            assert torch.equal(recv_x[1][:n], _to_fp8(ref["x"])[1])
+        else:
+            assert torch.equal(recv_x[:n], ref["x"])
+        assert torch.equal(recv_idx[:n], ref["idx"])
+        assert (recv_idx[n:] == -1).all()
+        assert torch.equal(recv_w[:n][local], ref["w"][local])
+        # Cached: the same rows, the handle's ids, the same handle (checked above).
+        assert torch.equal(c_idx, recv_idx)
+        if fp8:  # (rows past n: the worst case's padding, unspecified)
+            assert torch.equal(c_x[0][:n].view(torch.uint8), recv_x[0][:n].view(torch.uint8))
+            assert torch.equal(c_x[1][:n], recv_x[1][:n])
+        else:
+            assert torch.equal(c_x[:n], recv_x[:n])
+
+        # The expanded layout: each local slot's row at its slot, grouped by expert in
+        # source order, padding zero.
+        assert ex_idx is None
+        slots = ex_handle.recv_src_metadata[:n, 2:].long()
+        assert torch.equal(slots >= 0, local)
+        ex0 = ex_x[0] if fp8 else ex_x
+        expect_rows = sum(aligned) if cpu_sync else _align(
+            NUM_RANKS * MAX_TOKENS * min(TOPK, LOCAL) + (alignment - 1) * LOCAL, alignment)
+        assert ex0.shape[0] == expect_rows == ex_handle.num_expanded_tokens
+        for e in range(LOCAL):
+            r, k = (ref["idx"] == e).nonzero(as_tuple=True)
+            assert slots[r, k].tolist() == list(range(int(starts[e]),
+                                                      int(starts[e]) + counts[e]))
+            for out, w in ((ex_x, ex_w), (ce_x, ce_w)):
+                o = out[0].float() * out[1][:, :1] if fp8 else out
+                assert torch.equal(o[slots[r, k]].float(), ref["x"][r].float())
+                assert torch.equal(w[slots[r, k]], ref["w"][r, k])
+            pad = slice(int(starts[e]) + counts[e], int(starts[e]) + aligned[e])
+            assert (ce_x[0] if fp8 else ce_x)[pad].float().abs().sum() == 0
+            assert ce_w[pad].abs().sum() == 0
+        if fp8:  # DeepEP's TMA-aligned column-major scales
+            assert ex_scales_stride == (1, _align(ex_x[1].shape[0], 4))
+
+        # Combine: the expert outputs summed per row here (non-expanded) or per slot
+        # (expanded), then over the ranks, plus the biases; the weights come back.
+        y = _expert_outputs(ref["src"])
+        y[~local] = 0
+        per_row = y.float().sum(dim=1).to(torch.bfloat16)
+        comb_in = torch.zeros((rows, HIDDEN), dtype=torch.bfloat16)
+        comb_in[:n] = per_row
+        ex_in = torch.zeros((ex0.shape[0], HIDDEN), dtype=torch.bfloat16)
+        ex_in[slots[local]] = y[local]
+        # (DeepEP V2 returns every slot's weight, other ranks' experts' too, so a caller's
+        # weights there are not zero: only the local slots' count)
+        noisy_w = torch.where(recv_idx >= 0, recv_w, torch.full_like(recv_w, 99.0))
+        cx, cw, _ = launch("combine", x=_on(comb_in, device), handle=handle_d,
+                           topk_weights=_on(noisy_w, device), bias=bias)
+        rx, rw, _ = launch("combine", x=_on(ex_in, device), handle=ex_handle_d,
+                           topk_weights=_on(ex_w, device), bias=bias)
+        result = {"combined": cpu(cx), "weights": cpu(cw), "reduced": cpu(rx),
+                  "reduced_weights": cpu(rw), "dst_slot": handle.dst_buffer_slot_idx,
+                  "src": ref["src"]}
+        _check_combine(rank, all_inputs, result, cpu(bias))
     return cases
 
 
