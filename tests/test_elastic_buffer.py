@@ -155,6 +155,11 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
                                      use_tma_aligned_col_major_sf=True,
                                      do_zero_padding=True)
         assert c_handle is handle_d and c_w is None
+        if cases == 1:  # the cumulative per-expert counts (added to, on the call's stream)
+            stats = torch.full((LOCAL,), 5, dtype=torch.int32, device=device)
+            launch("dispatch", x=x, topk_idx=idx_d, topk_weights=w_d,
+                   cumulative_local_expert_recv_stats=stats, **common)
+            assert stats.tolist() == [5 + int((ref["idx"] == e).sum()) for e in range(LOCAL)]
         ex_scales_stride = ex_x[1].stride() if fp8 else None
         recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w = map(
             cpu, (recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w))
