@@ -7,7 +7,7 @@
 #                # changes cost host time, or was its run's host slower?
 #   llprof       # rank 0's client under cProfile for the facade's low-latency pairs
 #   elastic      # DeepEP V2's ElasticBuffer on the CUDA engine (tests/gpu/test_elastic_buffer_gpu.py,
-#                # ~2 minutes), then one round of `ab`
+#                # ~2 minutes)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
 rows() {  # rows LABEL PKG: the bench's rows at D once, its summary lines
@@ -41,7 +41,6 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
     ;;
   elastic)
     STEP_TEST_SECONDS=200 step elastic 240 "tests/gpu/test_elastic_buffer_gpu.py"
-    bash "$0" ab 1
     ;;
   *) echo "usage: $0 ab [ROUNDS] | llprof | elastic" >&2; exit 2 ;;
 esac
