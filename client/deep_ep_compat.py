@@ -99,17 +99,37 @@ class EventOverlap:
                  extra_tensors: tuple[Any, ...] | None = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
+        self.hook_after_wait: Callable[[], Any] | None = None  # (DeepEP V2's)
+        self._release_handle_by_call = False
 
-    def current_stream_wait(self) -> None:
+    def current_stream_wait(self, release_handle: bool = False) -> None:
+        """The current stream waits for the event; then the hook registered (V2), once; with
+        `release_handle` (V2) the event is dropped."""
         if self.event is not None:
             self.event.current_stream_wait()
+        if self.hook_after_wait is not None:
+            hook, self.hook_after_wait = self.hook_after_wait, None
+            hook()
+        if release_handle:
+            self.event = None
+
+    def register_hook_after_wait(self, hook_after_wait: Callable[[], Any]) -> None:
+        """DeepEP V2's: `hook_after_wait()` runs after the next `current_stream_wait()`."""
+        if self.hook_after_wait is not None:
+            raise InvalidArgument("a hook is already registered on this EventOverlap")
+        self.hook_after_wait = hook_after_wait
+
+    def __call__(self, release_handle: bool = False) -> EventOverlap:
+        """DeepEP V2's `with event(release_handle=True):`."""
+        self._release_handle_by_call = release_handle
+        return self
 
     def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.event is not None:
-            self.event.current_stream_wait()
+        release, self._release_handle_by_call = self._release_handle_by_call, False
+        self.current_stream_wait(release)
 
 
 class HostStream:
@@ -152,6 +172,8 @@ def _tensors(obj: Any) -> Iterator[Any]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a call's results
         for f in dataclasses.fields(obj):
             yield from _tensors(getattr(obj, f.name))
+    elif hasattr(obj, "stream_tensors"):  # (a V2 handle: elastic_buffer.EPHandle)
+        yield from _tensors(obj.stream_tensors())
 
 
 def check_stream_args(previous_event: EventOverlap | None, async_finish: bool,

@@ -9,19 +9,30 @@ optional "expanded" layout (one row per token and local expert, grouped by exper
 to `expert_alignment`: the next grouped GEMM's input).
 
 EPD's V1 facade (`client/buffer.py`) already runs the collective part: layout, dispatch with
-or without a host wait for the receive count (`num_worst_tokens`), cached dispatch, combine
-with biases. This module is the V2 shape over it: each V2 call is one V1 call plus tensor
-work on the same stream (no host synchronisation unless `do_cpu_sync`), so V2 callers get the
-daemon's kernels and the V1 facade's stream semantics. Rows arrive ordered by source rank, then
-source token (DeepEP's `deterministic=True` order, which EPD gives always: its kernels place
-rows by prefix, not by atomics); the expanded layout orders each expert's rows the same way.
+exact or worst-case rows (`num_worst_tokens`), cached dispatch, combine with biases. This
+module is the V2 shape over it: each V2 call is one V1 call plus tensor work on the same
+stream (no torch synchronisation unless `do_cpu_sync`), so V2 callers get the daemon's
+kernels and the V1 facade's stream semantics. One host wait stays where DeepEP V2 has none:
+on the CUDA engine a stream-ordered dispatch, worst-case rows included, waits (spinning on
+the counter page) for the notify kernel's receive count before it returns, and so is not
+capturable in a CUDA graph; a V2 caller that captures `do_cpu_sync=False` dispatches
+(DeepGEMM's mega-MoE baseline) is refused with FAILED_PRECONDITION.
+
+Rows arrive ordered by source rank, then source token (DeepEP's `deterministic=True` order,
+which EPD gives always: its kernels place rows by prefix, not by atomics); the expanded layout
+orders each expert's rows the same way.
 
 What V2 has that this does not: Engram, pipeline-parallel send/recv, all-gather
 reduce-scatter and CPU buffer bytes raise `Unsupported`; `num_qps`, `sl_idx`,
 `previous_event_before_epilogue` and the hybrid-mode switches are accepted and change
 nothing (the daemon chooses its transports). Combine's sum over ranks runs in EPD's order
 (bias, then ranks ascending, in float32), where DeepEP V2 adds the ranks in the order of each
-token's top-k slots: the same bf16 result unless a partial sum is inexact in float32.
+token's top-k slots: the same bf16 result unless a partial sum is inexact in float32. With
+`allow_multiple_reduction=False` DeepEP sums an expanded combine's slots across ranks in
+float32 and rounds once; here each rank's slots are rounded to bf16 before the ranks' sum
+(the V1 combine carries bf16). `recv_topk_weights` are 0 where the expert is another rank's
+(V1's), where V2 copies every weight. FP8 scales are one float32 (or packed UE8M0 int32) per
+128 channels, V1's layouts, where V2 takes any number of packs.
 """
 
 from __future__ import annotations
@@ -50,10 +61,11 @@ class EPHandle:
 
     `recv_src_metadata` is `[num_recv_tokens, 2 + num_topk]` int32: column 0 the row's global
     source index (`src_rank * num_max_tokens_per_rank + src_token`), column 1
-    `src_rank * num_topk + k` for the first top-k slot of the row that is local, columns 2...
-    in expanded mode each slot's row in the expanded tensors (-1: not local), else -1.
-    `dst_buffer_slot_idx` is `[num_tokens, num_topk]` int32: the row each top-k slot's token
-    lands in at its destination rank (-1 for a slot of -1)."""
+    `src_rank * num_topk + k` for the last top-k slot of the row that is local (DeepEP's
+    master lane), columns 2... in expanded mode each slot's row in the expanded tensors (-1:
+    not local), else -1. `dst_buffer_slot_idx` is `[num_tokens, num_topk]` int32, as DeepEP
+    writes it: on the last slot of each destination rank, `this_rank * num_max_tokens_per_rank
+    + i` where the token is the i-th this rank sends there; -1 on the other slots."""
 
     def __init__(self, *, v1: Any, do_expand: bool, num_experts: int, expert_alignment: int,
                  num_max_tokens_per_rank: int, num_sms: int, topk_idx: Array,
@@ -81,10 +93,18 @@ class EPHandle:
         self.dst_buffer_slot_idx = dst_buffer_slot_idx
         self.token_metadata_at_forward = None  # (DeepEP's hybrid mode only)
         self.channel_linked_list = None
-        self.recv_topk_idx = recv_topk_idx  # (returned again by a cached dispatch, as V2 does)
+        # The received top-k ids, the handle's own copy: combine masks the weights with it, and a
+        # cached dispatch returns a copy (the caller may write the one it was given).
+        self.recv_topk_idx = recv_topk_idx
         self.cached_recv_src_metadata_before_sort = None
         self._unaligned: Array = None  # per local expert, for cumulative stats
         self._worst = 0  # the dispatch's num_worst_tokens (0: rows counted on the host)
+
+    def stream_tensors(self) -> tuple:
+        """The handle's tensors, recorded on the streams that use them (deep_ep_compat)."""
+        return (self.topk_idx, self.psum_num_recv_tokens_per_scaleup_rank,
+                self.psum_num_recv_tokens_per_expert, self.num_unaligned_recv_tokens_per_expert,
+                self.recv_src_metadata, self.dst_buffer_slot_idx, self.recv_topk_idx)
 
     @property
     def expanded_slots(self) -> Array:
@@ -155,9 +175,10 @@ class ElasticBuffer:
                           use_fp8_dispatch)
 
     @staticmethod
-    def capture() -> EventOverlap:
-        """An event on the current stream, for `previous_event`."""
-        return Buffer.capture()
+    def capture() -> C.EventHandle:
+        """An event on the current stream, for `previous_event` (V2 returns the EventHandle;
+        an EventOverlap is taken too)."""
+        return Buffer.capture().event
 
     def get_comm_stream(self) -> Any:
         return self._buffer.get_comm_stream()
@@ -210,6 +231,24 @@ class ElasticBuffer:
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
         raise self._unsupported("all-gather reduce-scatter")
 
+    create_agrs_session = destroy_agrs_session = agrs_new_session = agrs_set_config = \
+        agrs_get_inplace_tensor = all_gather
+
+    @staticmethod
+    def get_engram_storage_size_hint(*args: Any, **kwargs: Any) -> Any:
+        raise Unsupported("get_engram_storage_size_hint: DeepEP V2's Engram is not part of EPD")
+
+    @staticmethod
+    def get_pp_buffer_size_hint(*args: Any, **kwargs: Any) -> Any:
+        raise Unsupported("get_pp_buffer_size_hint: DeepEP V2's pipeline-parallel send/recv "
+                          "is not part of EPD")
+
+    @staticmethod
+    def get_agrs_num_max_session_bytes(*args: Any, **kwargs: Any) -> Any:
+        raise Unsupported("all-gather reduce-scatter is not part of EPD")
+
+    get_agrs_buffer_size_hint = get_agrs_num_max_session_bytes
+
     # -- dispatch and combine ----------------------------------------------------------------
     def dispatch(self, x: Array, topk_idx: Array = None, topk_weights: Array = None,
                  cumulative_local_expert_recv_stats: Array = None,
@@ -229,6 +268,7 @@ class ElasticBuffer:
         recv_topk_weights is `[rows]`."""
         if self.runtime is None:
             raise FailedPrecondition("this ElasticBuffer was destroyed")
+        previous_event = _overlap(previous_event)
         t = torch_if_loaded()
         if t is None:
             raise InvalidArgument("ElasticBuffer takes torch tensors (DeepEP V2's API)")
@@ -284,19 +324,25 @@ class ElasticBuffer:
         def call():
             # (inside run_on_streams: the V1 calls run on the stream current here, in order)
             if cached and topk_weights is None:
-                recv_x, *_ = b.dispatch(x, handle=handle.v1, config=config)
-                recv_idx, recv_w, v1, counts = handle.recv_topk_idx, None, handle.v1, None
+                recv_x, *_ = b.dispatch(x, handle=handle.v1, num_worst_tokens=handle._worst,
+                                        config=config)
+                recv_idx, recv_w, v1, counts = handle.recv_topk_idx.clone(), None, handle.v1, None
             else:
                 per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx,
                                                                            num_experts)
+                # (V1 dispatches weights with the ids; V2's are optional: zeros, not returned)
+                weights = topk_weights if topk_weights is not None else t.zeros(
+                    topk_idx.shape, dtype=t.float32, device=topk_idx.device)
                 recv_x, recv_idx, recv_w, counts, v1, _ = b.dispatch(
                     x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                     num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                    topk_weights=topk_weights, expert_alignment=expert_alignment,
+                    topk_weights=weights, expert_alignment=expert_alignment,
                     num_worst_tokens=handle._worst if cached else worst,
                     config=config)
+                if topk_weights is None:
+                    recv_w = None
                 if cached:  # (weights given: dispatched anew, routed as the handle's call)
-                    recv_idx, v1 = handle.recv_topk_idx, handle.v1
+                    recv_idx, v1 = handle.recv_topk_idx.clone(), handle.v1
             if cached:
                 h = handle
             else:
@@ -334,6 +380,7 @@ class ElasticBuffer:
         if not isinstance(handle, EPHandle):
             raise InvalidArgument(f"handle must be an EPHandle a dispatch returned, got "
                                   f"{type(handle).__name__}")
+        previous_event = _overlap(previous_event)
         t = torch_if_loaded()
         config = Config(int(num_sms) or handle.num_sms)
         b = self._buffer
@@ -371,14 +418,15 @@ class ElasticBuffer:
         row_ids = t.arange(rows, device=dev, dtype=t.int64)
         src_rank = t.searchsorted(mine, row_ids, right=True)
         valid = recv_idx >= 0
-        first_local = valid.to(t.int32).argmax(dim=1).to(t.int64)
+        # DeepEP's master lane: the last local slot of the row
+        last_local = (topk - 1 - valid.flip(1).to(t.int32).argmax(dim=1)).to(t.int64)
         meta = t.full((rows, 2 + topk), -1, dtype=t.int32, device=dev)
         # (no boolean indexing here or below: it asks the host for a count, a synchronisation)
         received = row_ids < mine[-1]  # (the worst case's padding rows stay -1)
         none = t.full_like(row_ids, -1)
         meta[:, 0] = t.where(received, src_rank * max_tokens + v1.recv_src_idx.to(t.int64),
                              none).to(t.int32)
-        meta[:, 1] = t.where(received, src_rank * topk + first_local, none).to(t.int32)
+        meta[:, 1] = t.where(received, src_rank * topk + last_local, none).to(t.int32)
         unaligned = t.zeros(local, dtype=t.int64, device=dev)
         unaligned.scatter_add_(0, recv_idx.clamp(min=0).reshape(-1).to(t.int64),
                                valid.reshape(-1).to(t.int64))
@@ -409,14 +457,16 @@ class ElasticBuffer:
             expanded = _align(ranks * max_tokens * min(topk, local) + (alignment - 1) * local,
                               alignment)
             num_recv = rows
-        # Where each of this rank's (token, slot) lands at the slot's destination rank.
+        # Where each token goes at each destination (DeepEP's encoding: this rank's slot
+        # range, the token's place among those this rank sends there), on the last slot of
+        # each destination rank only.
         dest = t.where(topk_idx >= 0, topk_idx // local, t.full_like(topk_idx, -1)).to(t.int64)
         order_at = t.cumsum(in_rank.to(t.int64), 0) - 1  # [T, R]: this token's place among ours
-        before_me = prefix[me - 1] if me > 0 else t.zeros(ranks, dtype=t.int64, device=dev)
-        slot_at = (before_me.unsqueeze(0) + order_at)  # [T, R]
-        safe = dest.clamp(min=0)
-        dst_slot = t.gather(slot_at, 1, safe)
-        dst_slot = t.where(dest >= 0, dst_slot, t.full_like(dst_slot, -1)).to(t.int32)
+        dst_slot = me * max_tokens + t.gather(order_at, 1, dest.clamp(min=0))
+        later = t.triu(t.ones((topk, topk), dtype=t.bool, device=dev), diagonal=1)  # [k, k']
+        same_later = ((dest.unsqueeze(2) == dest.unsqueeze(1)) & later).any(dim=2)
+        keep = (dest >= 0) & ~same_later
+        dst_slot = t.where(keep, dst_slot, t.full_like(dst_slot, -1)).to(t.int32)
         h = EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
                      expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
                      num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
@@ -424,13 +474,17 @@ class ElasticBuffer:
                      num_recv_tokens_per_expert_list=counts_list,
                      psum_num_recv_tokens_per_scaleup_rank=psum_ranks,
                      psum_num_recv_tokens_per_expert=psum_experts,
-                     num_unaligned_recv_tokens_per_expert=(unaligned.to(t.int32) if do_expand
-                                                           else None),
+                     num_unaligned_recv_tokens_per_expert=unaligned.to(t.int32),
                      recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot,
-                     recv_topk_idx=recv_idx)
+                     recv_topk_idx=recv_idx.clone())
         h._unaligned = unaligned
         h._worst = 0 if do_cpu_sync else num_recv
         return h
+
+
+def _overlap(event: Any) -> EventOverlap | None:
+    """A `previous_event` as V1's calls take it: V2 passes the EventHandle `capture()` gives."""
+    return EventOverlap(event) if isinstance(event, C.EventHandle) else event
 
 
 def _on_comm(previous_event: Any, async_: bool, allocate_on_comm_stream: bool) -> bool:
@@ -440,7 +494,9 @@ def _on_comm(previous_event: Any, async_: bool, allocate_on_comm_stream: bool) -
     if previous_event is not None and not allocate_on_comm_stream:
         raise InvalidArgument("previous_event needs allocate_on_comm_stream=True (as in "
                               "DeepEP V2)")
-    return allocate_on_comm_stream and async_
+    # (V1's run_on_streams asks for previous_event with it; V2 does not: the flag only
+    # names where the outputs are allocated, the comm stream, which an async call uses anyway)
+    return allocate_on_comm_stream and async_ and previous_event is not None
 
 
 def _size_hint(ranks: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -> int:
@@ -481,9 +537,9 @@ def _fold(t: Any, h: EPHandle, x: Array, w: Array):
     `[rows, num_topk]` (0 where a slot is not local)."""
     slots = h.expanded_slots
     n = int(x.shape[0])
-    if n != h.num_expanded_tokens or x.dim() != 2:
-        raise InvalidArgument(f"expanded combine takes x [{h.num_expanded_tokens}, hidden] (the "
-                              f"expanded dispatch's rows), got shape {list(x.shape)}")
+    if n < h.num_expanded_tokens or x.dim() != 2:
+        raise InvalidArgument(f"expanded combine takes x [>= {h.num_expanded_tokens}, hidden] "
+                              f"(the expanded dispatch's rows), got shape {list(x.shape)}")
     ok = slots >= 0
     src = t.where(ok, slots, t.full_like(slots, n))  # (row n: a zero row appended)
     xz = t.cat([x, t.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)])
@@ -493,11 +549,13 @@ def _fold(t: Any, h: EPHandle, x: Array, w: Array):
     y = acc.to(x.dtype)
     if w is None:
         return y, None
-    if w.dim() != 1 or int(w.shape[0]) != n:
-        raise InvalidArgument(f"expanded combine takes topk_weights [{n}] (one per expanded "
-                              f"row), got shape {list(w.shape)}")
-    wz = t.cat([w, t.zeros(1, dtype=w.dtype, device=w.device)])
-    return y, wz[src]
+    if w.dim() != 1 or int(w.shape[0]) < h.num_expanded_tokens:
+        raise InvalidArgument(f"expanded combine takes topk_weights [>= "
+                              f"{h.num_expanded_tokens}] (one per expanded row), got shape "
+                              f"{list(w.shape)}")
+    m = h.num_expanded_tokens
+    wz = t.cat([w[:m], t.zeros(1, dtype=w.dtype, device=w.device)])
+    return y, wz[t.where(ok, slots, t.full_like(slots, m))]
 
 
 def _with_scales_layout(t: Any, recv_x: Any, col_major: bool) -> Any:

@@ -135,8 +135,10 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
         bias = _on((None, inp["bias"][0], tuple(inp["bias"]))[num_bias], device)
 
         def launch(name, prev=prev, async_=async_, **kw):
-            if prev:
+            if prev:  # (V2's capture(): an EventHandle)
                 kw.update(previous_event=buffer.capture(), allocate_on_comm_stream=True)
+            else:  # (V2 takes allocate_on_comm_stream without previous_event, V1 does not)
+                kw.update(allocate_on_comm_stream=async_)
             out = getattr(buffer, name)(async_with_compute_stream=async_, **kw)
             if async_:
                 out[-1].current_stream_wait()
@@ -155,14 +157,18 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
                                      use_tma_aligned_col_major_sf=True,
                                      do_zero_padding=True)
         assert c_handle is handle_d and c_w is None
+        ce2_x, _, ce2_w, _, _ = launch("dispatch", x=x, handle=ex_handle_d, do_expand=True)
+        assert ce2_w is None
         if cases == 1:  # the cumulative per-expert counts (added to, on the call's stream)
             stats = torch.full((LOCAL,), 5, dtype=torch.int32, device=device)
             launch("dispatch", x=x, topk_idx=idx_d, topk_weights=w_d,
                    cumulative_local_expert_recv_stats=stats, **common)
             assert stats.tolist() == [5 + int((ref["idx"] == e).sum()) for e in range(LOCAL)]
         ex_scales_stride = ex_x[1].stride() if fp8 else None
-        recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w = map(
-            cpu, (recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w))
+        recv_idx_d = recv_idx
+        recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w, ce2_x = map(
+            cpu, (recv_x, recv_idx, recv_w, ex_x, ex_w, c_x, c_idx, ce_x, ce_w, ce2_x))
+        recv_idx = recv_idx.clone()  # (the device tensor is overwritten below)
         handle, ex_handle = _HostView(handle_d), _HostView(ex_handle_d)
 
         # Counts, prefix sums and the handle's metadata.
@@ -176,8 +182,8 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
         assert torch.equal(handle.recv_src_metadata[:n, 0], ref["src"])
         assert (handle.recv_src_metadata[n:, :2] == -1).all()
         src_rank = ref["src"] // MAX_TOKENS
-        first = (ref["idx"] >= 0).int().argmax(dim=1)
-        assert torch.equal(handle.recv_src_metadata[:n, 1], (src_rank * TOPK + first).int())
+        last = TOPK - 1 - (ref["idx"] >= 0).flip(1).int().argmax(dim=1)  # DeepEP's master lane
+        assert torch.equal(handle.recv_src_metadata[:n, 1], (src_rank * TOPK + last).int())
         counts = [int((ref["idx"] == e).sum()) for e in range(LOCAL)]
         aligned = [_align(c, alignment) for c in counts]
         assert handle.psum_num_recv_tokens_per_expert.tolist() == np.cumsum(aligned).tolist()
@@ -186,6 +192,7 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
         assert ex_handle.psum_num_recv_tokens_per_expert.tolist() == \
             (starts + np.array(counts)).tolist()
         assert ex_handle.num_unaligned_recv_tokens_per_expert.tolist() == counts
+        assert handle.num_unaligned_recv_tokens_per_expert.tolist() == counts
         # dst_buffer_slot_idx: each slot's row at its destination, checked there below.
         assert handle.dst_buffer_slot_idx.shape == inp["topk_idx"].shape
 
@@ -202,6 +209,7 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
         assert torch.equal(recv_w[:n][local], ref["w"][local])
         # Cached: the same rows, the handle's ids, the same handle (checked above).
         assert torch.equal(c_idx, recv_idx)
+        assert (c_x[0] if fp8 else c_x).shape[0] == rows  # (the handle's rows, as DeepEP)
         if fp8:  # (rows past n: the worst case's padding, unspecified)
             assert torch.equal(c_x[0][:n].view(torch.uint8), recv_x[0][:n].view(torch.uint8))
             assert torch.equal(c_x[1][:n], recv_x[1][:n])
@@ -221,10 +229,11 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
             r, k = (ref["idx"] == e).nonzero(as_tuple=True)
             assert slots[r, k].tolist() == list(range(int(starts[e]),
                                                       int(starts[e]) + counts[e]))
-            for out, w in ((ex_x, ex_w), (ce_x, ce_w)):
+            for out, w in ((ex_x, ex_w), (ce_x, ce_w), (ce2_x, None)):
                 o = out[0].float() * out[1][:, :1] if fp8 else out
                 assert torch.equal(o[slots[r, k]].float(), ref["x"][r].float())
-                assert torch.equal(w[slots[r, k]], ref["w"][r, k])
+                if w is not None:
+                    assert torch.equal(w[slots[r, k]], ref["w"][r, k])
             pad = slice(int(starts[e]) + counts[e], int(starts[e]) + aligned[e])
             assert (ce_x[0] if fp8 else ce_x)[pad].float().abs().sum() == 0
             assert ce_w[pad].abs().sum() == 0
@@ -243,6 +252,7 @@ def run_cases(buffer, rank: int, all_inputs: list[dict], device: str, combos) ->
         # (DeepEP V2 returns every slot's weight, other ranks' experts' too, so a caller's
         # weights there are not zero: only the local slots' count)
         noisy_w = torch.where(recv_idx >= 0, recv_w, torch.full_like(recv_w, 99.0))
+        recv_idx_d.fill_(-1)  # (a caller's write to its outputs does not reach the handle)
         cx, cw, _ = launch("combine", x=_on(comb_in, device), handle=handle_d,
                            topk_weights=_on(noisy_w, device), bias=bias)
         rx, rw, _ = launch("combine", x=_on(ex_in, device), handle=ex_handle_d,
@@ -271,13 +281,19 @@ def _check_combine(rank: int, all_inputs: list[dict], got: dict, bias) -> None:
         assert torch.equal(got[key][sent], expect[sent]), key
     for key in ("weights", "reduced_weights"):
         assert torch.equal(got[key], inp["topk_weights"]), key
-    # dst_buffer_slot_idx: the slot's token is the row it names at that destination.
+    # dst_buffer_slot_idx (DeepEP's encoding): on the last slot of each destination rank,
+    # rank * MAX_TOKENS + the token's place among those this rank sends there.
     slot = got["dst_slot"]
-    assert ((slot >= 0) == (inp["topk_idx"] >= 0)).all()
-    refs = [_reference(all_inputs, d)["src"] for d in range(NUM_RANKS)]
-    for t, k in (slot >= 0).nonzero().tolist():
-        dest = int(inp["topk_idx"][t, k]) // LOCAL
-        assert int(refs[dest][slot[t, k]]) == rank * MAX_TOKENS + t
+    refs = [_reference(all_inputs, d) for d in range(NUM_RANKS)]
+    for t in range(tokens):
+        dests = [int(e) // LOCAL if e >= 0 else -1 for e in inp["topk_idx"][t]]
+        for k, dest in enumerate(dests):
+            if dest < 0 or dest in dests[k + 1:]:
+                assert slot[t, k] == -1
+                continue
+            place = int(slot[t, k]) - rank * MAX_TOKENS
+            row = sum(refs[dest]["per_rank"][:rank]) + place
+            assert int(refs[dest]["src"][row]) == rank * MAX_TOKENS + t
 
 
 def test_deepep_v2_test_ep_checks_on_the_facade(daemon, monkeypatch) -> None:
@@ -302,6 +318,11 @@ def _bad_calls(rank: int, group) -> None:
         # (both ranks make the same good call after the refusals: nothing changed)
         _, _, _, h, _ = buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"],
                                         topk_weights=inp["topk_weights"], num_experts=EXPERTS)
+        _, _, no_w, _, _ = buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"],
+                                           num_experts=EXPERTS)  # (V2: weights optional)
+        assert no_w is None
+        with pytest.raises(Unsupported):
+            buffer.get_agrs_buffer_size_hint(group, 1 << 20)
         with pytest.raises(InvalidArgument, match="takes no topk_idx"):
             buffer.dispatch(inp["x"], topk_idx=inp["topk_idx"], handle=h)
         with pytest.raises(InvalidArgument, match="do_expand"):

@@ -1,8 +1,9 @@
 """DeepEP V2's `ElasticBuffer` on the CUDA engine: the checks of tests/test_elastic_buffer.py
 (DeepEP's V2 test_ep replayed: dispatch, expanded, cached and cached expanded dispatch,
 combine and expanded combine, exact) with CUDA tensors, each rank its own process, one
-buffer for every case. Also: a dispatch without the CPU sync makes no host synchronisation
-(the handle's layout is computed on the device), checked by the CUDA sync debug mode."""
+buffer for every case. Also: a dispatch without the CPU sync makes no torch synchronisation
+(the handle's layout is computed on the device), checked by torch's CUDA sync debug mode (the
+V1 path's wait for the receive count, a spin on mapped memory, is not a torch call)."""
 
 from __future__ import annotations
 
