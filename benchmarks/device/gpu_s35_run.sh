@@ -40,7 +40,7 @@ s.sort_stats('cumulative').print_stats('epd', 80)" > "$OUT/ll_profile.txt" 2>&1
     head -60 "$OUT/ll_profile.txt" | cut -c1-200
     ;;
   elastic)
-    STEP_TEST_SECONDS=200 step elastic 240 "tests/gpu/test_elastic_buffer_gpu.py"
+    STEP_TEST_SECONDS=150 step elastic 170 "tests/gpu/test_elastic_buffer_gpu.py"
     ;;
   *) echo "usage: $0 ab [ROUNDS] | llprof | elastic" >&2; exit 2 ;;
 esac
