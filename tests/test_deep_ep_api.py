@@ -177,6 +177,29 @@ def test_events_without_cuda() -> None:
         C.run_on_streams(C.HostStream, None, lambda: 0, None, True, True)
 
 
+def test_event_overlap_v2_methods() -> None:
+    """DeepEP V2's EventOverlap: a hook after the next wait (once), release_handle, and
+    `with event(release_handle=True):`."""
+    ran = []
+    ev = B.Buffer.capture()
+    ev.register_hook_after_wait(lambda: ran.append(1))
+    with pytest.raises(InvalidArgument, match="already registered"):
+        ev.register_hook_after_wait(lambda: None)
+    ev.current_stream_wait()
+    ev.current_stream_wait()
+    assert ran == [1] and ev.event is not None
+    ev.current_stream_wait(release_handle=True)
+    assert ev.event is None
+    ev = B.Buffer.capture()
+    with ev(release_handle=True):
+        pass
+    assert ev.event is None
+    ev = B.Buffer.capture()
+    with ev:
+        pass
+    assert ev.event is not None
+
+
 def test_engine_choice(monkeypatch) -> None:
     """EPD_ENGINE wins; then the current CUDA device (physical, through CUDA_VISIBLE_DEVICES);
     then LOCAL_RANK; then 0."""
