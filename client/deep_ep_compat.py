@@ -172,8 +172,6 @@ def _tensors(obj: Any) -> Iterator[Any]:
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a call's results
         for f in dataclasses.fields(obj):
             yield from _tensors(getattr(obj, f.name))
-    elif hasattr(obj, "stream_tensors"):  # (a V2 handle: elastic_buffer.EPHandle)
-        yield from _tensors(obj.stream_tensors())
 
 
 def check_stream_args(previous_event: EventOverlap | None, async_finish: bool,

@@ -38,6 +38,7 @@ float32 and rounds once; here each rank's slots are rounded to bf16 before the r
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..proto.errors import FailedPrecondition, InvalidArgument
@@ -55,6 +56,15 @@ def _align(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
+def _not_provided(feature: str) -> Any:
+    """A method (of the class or an instance) that raises Unsupported naming `feature`."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Unsupported(f"{feature}: DeepEP V2's experimental {feature} is not part of EPD "
+                          f"(expert-parallel dispatch and combine only)")
+    return staticmethod(refuse)
+
+
+@dataclass(eq=False, kw_only=True)
 class EPHandle:
     """What `ElasticBuffer.dispatch` returns for `combine` and for a cached dispatch; DeepEP
     V2's attributes (see its docstring), plus the V1 handle EPD's calls run on (`v1`).
@@ -65,46 +75,32 @@ class EPHandle:
     master lane), columns 2... in expanded mode each slot's row in the expanded tensors (-1:
     not local), else -1. `dst_buffer_slot_idx` is `[num_tokens, num_topk]` int32, as DeepEP
     writes it: on the last slot of each destination rank, `this_rank * num_max_tokens_per_rank
-    + i` where the token is the i-th this rank sends there; -1 on the other slots."""
+    + i` where the token is the i-th this rank sends there; -1 on the other slots.
+    `recv_topk_idx` is the handle's own copy of the received top-k ids: combine masks the
+    weights with it, and a cached dispatch returns a copy (the caller may write the one it was
+    given). A dataclass, so that run_on_streams records its tensors on the streams using them."""
 
-    def __init__(self, *, v1: Any, do_expand: bool, num_experts: int, expert_alignment: int,
-                 num_max_tokens_per_rank: int, num_sms: int, topk_idx: Array,
-                 num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: list[int],
-                 psum_num_recv_tokens_per_scaleup_rank: Array,
-                 psum_num_recv_tokens_per_expert: Array,
-                 num_unaligned_recv_tokens_per_expert: Array,
-                 recv_src_metadata: Array, dst_buffer_slot_idx: Array,
-                 recv_topk_idx: Array) -> None:
-        self.v1 = v1
-        self.do_expand = do_expand
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
-        self.topk_idx = topk_idx
-        self.num_recv_tokens = num_recv_tokens  # exact with do_cpu_sync, else the worst case
-        self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.recv_src_metadata = recv_src_metadata
-        self.dst_buffer_slot_idx = dst_buffer_slot_idx
-        self.token_metadata_at_forward = None  # (DeepEP's hybrid mode only)
-        self.channel_linked_list = None
-        # The received top-k ids, the handle's own copy: combine masks the weights with it, and a
-        # cached dispatch returns a copy (the caller may write the one it was given).
-        self.recv_topk_idx = recv_topk_idx
-        self.cached_recv_src_metadata_before_sort = None
-        self._unaligned: Array = None  # per local expert, for cumulative stats
-        self._worst = 0  # the dispatch's num_worst_tokens (0: rows counted on the host)
-
-    def stream_tensors(self) -> tuple:
-        """The handle's tensors, recorded on the streams that use them (deep_ep_compat)."""
-        return (self.topk_idx, self.psum_num_recv_tokens_per_scaleup_rank,
-                self.psum_num_recv_tokens_per_expert, self.num_unaligned_recv_tokens_per_expert,
-                self.recv_src_metadata, self.dst_buffer_slot_idx, self.recv_topk_idx)
+    v1: Any
+    do_expand: bool
+    num_experts: int
+    expert_alignment: int
+    num_max_tokens_per_rank: int
+    num_sms: int
+    topk_idx: Array
+    num_recv_tokens: int  # exact with do_cpu_sync, else the worst case
+    num_expanded_tokens: int
+    num_recv_tokens_per_expert_list: list[int]
+    psum_num_recv_tokens_per_scaleup_rank: Array
+    psum_num_recv_tokens_per_expert: Array
+    num_unaligned_recv_tokens_per_expert: Array
+    recv_src_metadata: Array
+    dst_buffer_slot_idx: Array
+    recv_topk_idx: Array
+    token_metadata_at_forward: Array = None  # (DeepEP's hybrid mode only)
+    channel_linked_list: Array = None
+    cached_recv_src_metadata_before_sort: Array = None
+    _unaligned: Array = field(default=None, repr=False)  # per local expert: cumulative stats
+    _worst: int = 0  # the dispatch's num_worst_tokens (0: rows counted on the host)
 
     @property
     def expanded_slots(self) -> Array:
@@ -209,45 +205,13 @@ class ElasticBuffer:
                               "with")
         self.group.barrier()
 
-    def _unsupported(self, what: str) -> Unsupported:
-        return Unsupported(f"{what}: DeepEP V2's experimental {what} is not part of EPD "
-                           f"(expert-parallel dispatch and combine only)")
-
-    def engram_write(self, *args: Any, **kwargs: Any) -> None:
-        raise self._unsupported("Engram")
-
-    def engram_fetch(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("Engram")
-
-    def pp_set_config(self, *args: Any, **kwargs: Any) -> None:
-        raise self._unsupported("pipeline-parallel send/recv")
-
-    def pp_send(self, *args: Any, **kwargs: Any) -> None:
-        raise self._unsupported("pipeline-parallel send/recv")
-
-    def pp_recv(self, *args: Any, **kwargs: Any) -> None:
-        raise self._unsupported("pipeline-parallel send/recv")
-
-    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        raise self._unsupported("all-gather reduce-scatter")
-
-    create_agrs_session = destroy_agrs_session = agrs_new_session = agrs_set_config = \
-        agrs_get_inplace_tensor = all_gather
-
-    @staticmethod
-    def get_engram_storage_size_hint(*args: Any, **kwargs: Any) -> Any:
-        raise Unsupported("get_engram_storage_size_hint: DeepEP V2's Engram is not part of EPD")
-
-    @staticmethod
-    def get_pp_buffer_size_hint(*args: Any, **kwargs: Any) -> Any:
-        raise Unsupported("get_pp_buffer_size_hint: DeepEP V2's pipeline-parallel send/recv "
-                          "is not part of EPD")
-
-    @staticmethod
-    def get_agrs_num_max_session_bytes(*args: Any, **kwargs: Any) -> Any:
-        raise Unsupported("all-gather reduce-scatter is not part of EPD")
-
-    get_agrs_buffer_size_hint = get_agrs_num_max_session_bytes
+    # DeepEP V2's experimental features beside EP: refused, naming the feature.
+    engram_write = engram_fetch = get_engram_storage_size_hint = _not_provided("Engram")
+    pp_set_config = pp_send = pp_recv = get_pp_buffer_size_hint = _not_provided(
+        "pipeline-parallel send/recv")
+    all_gather = create_agrs_session = destroy_agrs_session = agrs_new_session = \
+        agrs_set_config = agrs_get_inplace_tensor = get_agrs_num_max_session_bytes = \
+        get_agrs_buffer_size_hint = _not_provided("all-gather reduce-scatter")
 
     # -- dispatch and combine ----------------------------------------------------------------
     def dispatch(self, x: Array, topk_idx: Array = None, topk_weights: Array = None,
