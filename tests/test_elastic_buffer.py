@@ -344,3 +344,75 @@ def _bad_calls(rank: int, group) -> None:
 def test_elastic_buffer_refusals_change_nothing(daemon, monkeypatch) -> None:
     use_daemon(daemon, monkeypatch)
     run_ranks(_bad_calls, NUM_RANKS)
+
+
+# -- vLLM's DeepEP V2 prepare/finalize, replayed ---------------------------------------------
+# The call sequence of vLLM's `DeepEPV2PrepareAndFinalize` (fused_moe; read in public vLLM
+# trees of 2026): prefill mode dispatches with do_expand=True, do_cpu_sync=True and builds
+# each expanded row's global expert id with repeat_interleave over
+# `handle.num_recv_tokens_per_expert_list`; decode mode dispatches with do_expand=False,
+# do_cpu_sync=False and `num_max_tokens_per_rank` the next power of two of the batch, then
+# rewrites `recv_topk_idx` in place to global ids (-1 past the received rows, read from
+# `psum_num_recv_tokens_per_scaleup_rank[-1]` on the device). Both apply the router weights
+# per row and combine with `topk_weights=None`. The experts here scale rows by 1 + expert id,
+# weights are powers of two and data small integers: every product and sum is exact.
+
+
+def _vllm_layer(buffer, rank: int, inp: dict, decode: bool) -> torch.Tensor:
+    x, idx, w = inp["x"], inp["topk_idx"], inp["w2"]
+    offset = rank * LOCAL
+    if decode:
+        num_max = 1 << max(x.shape[0] - 1, 0).bit_length()
+        recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
+            x=x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS,
+            num_max_tokens_per_rank=num_max, do_expand=False, do_cpu_sync=False,
+            async_with_compute_stream=False)
+        if event.event is not None:
+            event.current_stream_wait()
+        n = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+        rows = torch.arange(recv_idx.shape[0]).unsqueeze(1)
+        recv_idx.copy_(torch.where((recv_idx >= 0) & (rows < n), recv_idx + offset,
+                                   torch.full_like(recv_idx, -1)))  # (in place, as vLLM)
+        scale = torch.where(recv_idx >= 0, (1 + recv_idx).float() * recv_w, 0).sum(dim=1)
+        out = (recv_x.float() * scale.unsqueeze(1)).to(torch.bfloat16)
+    else:
+        recv_x, recv_idx, recv_w, handle, event = buffer.dispatch(
+            x=x, topk_idx=idx, topk_weights=w, num_experts=EXPERTS,
+            num_max_tokens_per_rank=MAX_TOKENS, do_expand=True, do_cpu_sync=True,
+            async_with_compute_stream=False)
+        assert recv_idx is None
+        counts = handle.num_recv_tokens_per_expert_list
+        ids = torch.repeat_interleave(torch.arange(LOCAL) + offset, torch.tensor(counts),
+                                      output_size=sum(counts))
+        assert recv_x.shape[0] == sum(counts)
+        out = (recv_x.float() * ((1 + ids).float() * recv_w).unsqueeze(1)).to(torch.bfloat16)
+    combined, _, _ = buffer.combine(x=out, handle=handle, topk_weights=None,
+                                    async_with_compute_stream=False)
+    return combined
+
+
+def _vllm_rank(rank: int, group, all_inputs: list[dict]) -> list[torch.Tensor]:
+    buffer = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+                                   num_topk=TOPK, explicitly_destroy=True)
+    try:
+        return [_vllm_layer(buffer, rank, all_inputs[rank], decode)
+                for decode in (False, True, False, True, True)]
+    finally:
+        buffer.destroy()
+
+
+def test_vllm_deepep_v2_prepare_finalize_replay(daemon, monkeypatch) -> None:
+    use_daemon(daemon, monkeypatch)
+    all_inputs = [_inputs(r, seed=4) for r in range(NUM_RANKS)]
+    g = torch.Generator().manual_seed(5)
+    for inp in all_inputs:
+        inp["w2"] = 2.0 ** -torch.randint(0, 3, inp["topk_idx"].shape, generator=g).float()
+    results = run_ranks(lambda r, grp: _vllm_rank(r, grp, all_inputs), NUM_RANKS)
+    for rank, layers in enumerate(results):
+        inp = all_inputs[rank]
+        idx, w = inp["topk_idx"], inp["w2"]
+        per_slot = torch.where(idx >= 0, (1 + idx).float() * w, 0).sum(dim=1, keepdim=True)
+        expect = (inp["x"].float() * per_slot).to(torch.bfloat16)
+        sent = (idx >= 0).any(dim=1)
+        for combined in layers:
+            assert torch.equal(combined[sent], expect[sent])
