@@ -38,7 +38,7 @@ float32 and rounds once; here each rank's slots are rounded to bf16 before the r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..proto.errors import FailedPrecondition, InvalidArgument
@@ -99,8 +99,12 @@ class EPHandle:
     token_metadata_at_forward: Array = None  # (DeepEP's hybrid mode only)
     channel_linked_list: Array = None
     cached_recv_src_metadata_before_sort: Array = None
-    _unaligned: Array = field(default=None, repr=False)  # per local expert: cumulative stats
-    _worst: int = 0  # the dispatch's num_worst_tokens (0: rows counted on the host)
+
+    @property
+    def worst_rows(self) -> int:
+        """The dispatch's num_worst_tokens: 0 when its rows were counted on the host (the CPU
+        sync, whose per-expert list is never empty), else its worst case's rows."""
+        return 0 if self.num_recv_tokens_per_expert_list else self.num_recv_tokens
 
     @property
     def expanded_slots(self) -> Array:
@@ -131,9 +135,11 @@ class ElasticBuffer:
             raise InvalidArgument(f"num_max_tokens_per_rank must be >= 0, got "
                                   f"{num_max_tokens_per_rank}")
         epd.setdefault("timeout", float(num_cpu_timeout_secs))
-        self._buffer = Buffer(group, int(num_bytes or 0), 0, explicitly_destroy=explicitly_destroy,
-                              max_tokens_per_rank=num_max_tokens_per_rank or None, **epd)
-        b = self._buffer
+        # (DeepEP's C++ runtime: here the V1 facade, None after destroy, as there)
+        self.runtime: Buffer | None = Buffer(
+            group, int(num_bytes or 0), 0, explicitly_destroy=explicitly_destroy,
+            max_tokens_per_rank=num_max_tokens_per_rank or None, **epd)
+        b = self.runtime
         self.group = group
         self.rank_idx, self.num_ranks = b.rank, b.group_size
         self.allow_hybrid_mode = allow_hybrid_mode
@@ -150,13 +156,12 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self.num_rdma_ranks, self.num_nvlink_ranks = 1, self.num_ranks
-        self.runtime = b  # (DeepEP's C++ runtime; None after destroy, as there)
 
     # -- DeepEP V2's helpers -----------------------------------------------------------------
     def destroy(self) -> None:
         """Leave the daemon's groups and close the session (idempotent)."""
         if self.runtime is not None:
-            self._buffer.destroy()
+            self.runtime.destroy()
             self.runtime = None
 
     @staticmethod
@@ -177,7 +182,7 @@ class ElasticBuffer:
         return Buffer.capture().event
 
     def get_comm_stream(self) -> Any:
-        return self._buffer.get_comm_stream()
+        return self._live().get_comm_stream()
 
     def get_physical_domain_size(self) -> tuple[int, int]:
         """(RDMA ranks, NVLink ranks): one NVLink domain of every rank."""
@@ -196,6 +201,11 @@ class ElasticBuffer:
     def get_theoretical_num_qps(self, num_sms: int) -> int:
         return min(num_sms * 16 + 1 if self.allow_hybrid_mode else min(num_sms, 9),
                    self.num_allocated_qps)
+
+    def _live(self) -> Buffer:
+        if self.runtime is None:
+            raise FailedPrecondition("this ElasticBuffer was destroyed")
+        return self.runtime
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
                 sequential: bool = True) -> None:
@@ -230,8 +240,7 @@ class ElasticBuffer:
         expanded worst case) and `handle.psum_num_recv_tokens_per_scaleup_rank[-1]` (on the
         device) says how many are received. In expanded mode recv_topk_idx is None and
         recv_topk_weights is `[rows]`."""
-        if self.runtime is None:
-            raise FailedPrecondition("this ElasticBuffer was destroyed")
+        b = self._live()
         previous_event = _overlap(previous_event)
         t = torch_if_loaded()
         if t is None:
@@ -273,7 +282,8 @@ class ElasticBuffer:
         if num_experts <= 0 or num_experts % self.num_ranks:
             raise InvalidArgument(f"num_experts={num_experts} must be a positive multiple of "
                                   f"the {self.num_ranks} ranks")
-        x_rows = int((x[0] if isinstance(x, tuple) else x).shape[0])
+        template = x[0] if isinstance(x, tuple) else x
+        x_rows = int(template.shape[0])
         if max_tokens <= 0 or x_rows > max_tokens:
             raise InvalidArgument(f"num_max_tokens_per_rank={max_tokens} must be positive and "
                                   f"at least this rank's {x_rows} tokens (it numbers the "
@@ -283,13 +293,12 @@ class ElasticBuffer:
         num_sms = int(num_sms) or self.get_theoretical_num_sms(num_experts, topk_idx.shape[1])
         config = Config(num_sms)
         worst = 0 if do_cpu_sync else self.num_ranks * max_tokens
-        b = self._buffer
 
         def call():
             # (inside run_on_streams: the V1 calls run on the stream current here, in order)
             if cached and topk_weights is None:
-                recv_x, *_ = b.dispatch(x, handle=handle.v1, num_worst_tokens=handle._worst,
-                                        config=config)
+                recv_x, *_ = b.dispatch(x, handle=handle.v1,
+                                        num_worst_tokens=handle.worst_rows, config=config)
                 recv_idx, recv_w, v1, counts = handle.recv_topk_idx.clone(), None, handle.v1, None
             else:
                 per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(topk_idx,
@@ -301,7 +310,7 @@ class ElasticBuffer:
                     x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
                     num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                     topk_weights=weights, expert_alignment=expert_alignment,
-                    num_worst_tokens=handle._worst if cached else worst,
+                    num_worst_tokens=handle.worst_rows if cached else worst,
                     config=config)
                 if topk_weights is None:
                     recv_w = None
@@ -315,14 +324,13 @@ class ElasticBuffer:
                                  do_handle_copy)
                 stats = cumulative_local_expert_recv_stats
                 if stats is not None:  # (in place: the caller's running counts)
-                    stats.add_(h._unaligned.to(stats.dtype))
+                    stats.add_(h.num_unaligned_recv_tokens_per_expert.to(stats.dtype))
             if do_expand:
                 recv_x, recv_w = _expand(t, h, recv_x, recv_w, do_zero_padding)
                 recv_idx = None
             recv_x = _with_scales_layout(t, recv_x, use_tma_aligned_col_major_sf)
             return recv_x, recv_idx, recv_w, h
 
-        template = x[0] if isinstance(x, tuple) else x
         (recv_x, recv_idx, recv_w, h), event = C.run_on_streams(
             b.get_comm_stream, template, call, previous_event, async_with_compute_stream,
             _on_comm(previous_event, async_with_compute_stream, allocate_on_comm_stream),
@@ -339,15 +347,13 @@ class ElasticBuffer:
         slot's weight from the rank that holds its expert (0 for a slot of -1). In expanded
         mode x has a row per expanded slot (summed per token here, in top-k order, before
         the ranks' sum) and topk_weights is `[rows]`."""
-        if self.runtime is None:
-            raise FailedPrecondition("this ElasticBuffer was destroyed")
+        b = self._live()
         if not isinstance(handle, EPHandle):
             raise InvalidArgument(f"handle must be an EPHandle a dispatch returned, got "
                                   f"{type(handle).__name__}")
         previous_event = _overlap(previous_event)
         t = torch_if_loaded()
         config = Config(int(num_sms) or handle.num_sms)
-        b = self._buffer
 
         def call():
             if handle.do_expand:
@@ -412,15 +418,13 @@ class ElasticBuffer:
             meta[:, 2:] = slots.view(rows, topk).to(t.int32)
         else:
             psum_experts = ends.to(t.int32)
-        if do_cpu_sync:
-            counts_list = [int(c) for c in aligned.tolist()]
-            expanded = int(sum(counts_list))
-            num_recv = rows
+        if do_cpu_sync:  # (V1's list: the aligned counts, read on the host already)
+            counts_list = list(counts)
+            expanded = sum(counts_list)
         else:
             counts_list = []
             expanded = _align(ranks * max_tokens * min(topk, local) + (alignment - 1) * local,
                               alignment)
-            num_recv = rows
         # Where each token goes at each destination (DeepEP's encoding: this rank's slot
         # range, the token's place among those this rank sends there), on the last slot of
         # each destination rank only.
@@ -431,19 +435,16 @@ class ElasticBuffer:
         same_later = ((dest.unsqueeze(2) == dest.unsqueeze(1)) & later).any(dim=2)
         keep = (dest >= 0) & ~same_later
         dst_slot = t.where(keep, dst_slot, t.full_like(dst_slot, -1)).to(t.int32)
-        h = EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
+        return EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
                      expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
                      num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
-                     num_recv_tokens=num_recv, num_expanded_tokens=expanded,
+                     num_recv_tokens=rows, num_expanded_tokens=expanded,
                      num_recv_tokens_per_expert_list=counts_list,
                      psum_num_recv_tokens_per_scaleup_rank=psum_ranks,
                      psum_num_recv_tokens_per_expert=psum_experts,
                      num_unaligned_recv_tokens_per_expert=unaligned.to(t.int32),
                      recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot,
                      recv_topk_idx=recv_idx.clone())
-        h._unaligned = unaligned
-        h._worst = 0 if do_cpu_sync else num_recv
-        return h
 
 
 def _overlap(event: Any) -> EventOverlap | None:
