@@ -6,6 +6,7 @@ and in the engine (/proc/<pid>/stat). Ranks share GPU 0 when there is one GPU.
     python3 benchmarks/probe_calls.py --tokens 128 --iters 200 [--mps on|off] [--json out.json]
     EPD_PROBE_PROFILE=rank0.prof python3 benchmarks/probe_calls.py --low-latency \
         --rows "ll plain pair"      # rank 0's client under cProfile (benchmarks/pstats_top.py)
+    python3 benchmarks/probe_calls.py --elastic --rows "v1 facade layer,v2 layer cpu-sync"
 """
 
 from __future__ import annotations
@@ -83,6 +84,32 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
 
             rows.update({"ll plain pair": ll(False), "ll hook pair": ll(True)})
             calls.update({"ll plain pair": 2, "ll hook pair": 2})
+        if ns.elastic:  # a normal-mode layer through DeepEP V1's facade and V2's ElasticBuffer
+            from epd.client.buffer import Buffer
+            from epd.client.elastic_buffer import ElasticBuffer
+            v1 = Buffer(rank=rank, num_ranks=ns.ranks, session=s, group_name="probe-v1")
+            v2 = ElasticBuffer(num_max_tokens_per_rank=ns.tokens, hidden=ns.hidden,
+                               num_topk=ns.topk, rank=rank, num_ranks=ns.ranks, session=s,
+                               group_name="probe-v2")
+
+            def v1_layer() -> None:
+                per_rank, _, per_expert, in_rank, _ = v1.get_dispatch_layout(tidx, ns.experts)
+                rx, _, rw, _, h, _ = v1.dispatch(
+                    x, topk_idx=tidx, topk_weights=tw, num_tokens_per_rank=per_rank,
+                    num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
+                v1.combine(rx, h, topk_weights=rw)
+
+            def v2_layer(sync: bool):
+                def layer() -> None:
+                    rx, _, rw, h, _ = v2.dispatch(x, topk_idx=tidx, topk_weights=tw,
+                                                  num_experts=ns.experts, do_cpu_sync=sync)
+                    v2.combine(rx, h, topk_weights=rw)
+                return layer
+
+            rows.update({"v1 facade layer": v1_layer, "v2 layer cpu-sync": v2_layer(True),
+                         "v2 layer worst-case": v2_layer(False)})
+            calls.update({"v1 facade layer": 3, "v2 layer cpu-sync": 2,
+                          "v2 layer worst-case": 2})
         if ns.rows:
             rows = {k: v for k, v in rows.items() if k in ns.rows.split(",")}
         # Phases of one layout call (where the host time goes), p50 over --iters.
@@ -172,6 +199,9 @@ def main() -> int:
     ap.add_argument("--mps", choices=["on", "off"], default="on")
     ap.add_argument("--low-latency", action="store_true",
                     help="add the facade's low-latency pair, plain and with hooks")
+    ap.add_argument("--elastic", action="store_true",
+                    help="add a normal-mode layer through DeepEP V1's facade (Buffer) and V2's "
+                         "ElasticBuffer, with and without the CPU sync")
     ap.add_argument("--rows", help="comma-separated row names to run (default: all)")
     ap.add_argument("--json")
     ns = ap.parse_args()

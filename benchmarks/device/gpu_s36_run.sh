@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Thirty-sixth session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says), with .whl/old a `git archive` of server proto client cuda at ba3c521:
+#   first    # the thirty-fifth session's unrun work in one call (~7 minutes): DeepEP V2's
+#            # ElasticBuffer GPU test, one A/B round of the bench's rows at D (this tree, then
+#            # ba3c521: gpu_s35_run.sh ab), and the V1 facade / V2 ElasticBuffer layer rows
+#   elastic_rows  # the layer rows alone (probe_calls.py --elastic, one rank per process, D)
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
+elastic_rows() {
+  timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 200 --mps on \
+      --ranks 2 --elastic --rows "layout + dispatch + combine,v1 facade layer,v2 layer cpu-sync,v2 layer worst-case" \
+      --json "$OUT/elastic_rows.json" 2>&1 | clean | tail -8
+}
+case "${1:-}" in
+  first)
+    bash benchmarks/device/gpu_s35_run.sh elastic
+    echo "== elastic rows"; elastic_rows
+    bash benchmarks/device/gpu_s35_run.sh ab 1
+    ;;
+  elastic_rows) elastic_rows ;;
+  *) echo "usage: $0 first | elastic_rows" >&2; exit 2 ;;
+esac
