@@ -43,6 +43,7 @@ from typing import Any
 
 from ..proto.errors import FailedPrecondition, InvalidArgument
 from . import deep_ep_compat as C
+from . import elastic_layout
 from .buffer import Buffer
 from .deep_ep_compat import Config, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
@@ -377,47 +378,12 @@ class ElasticBuffer:
                 do_handle_copy: bool) -> EPHandle:
         """The V2 handle of a (non-cached) dispatch, computed on the device from the V1
         handle and the received top-k ids: no host synchronisation unless do_cpu_sync."""
-        dev = recv_idx.device
         me, ranks = self.rank_idx, self.num_ranks
         local = num_experts // ranks
         rows, topk = int(recv_idx.shape[0]), int(recv_idx.shape[1])
-        prefix = v1.rank_prefix_matrix.to(t.int64)  # [R, R]: rows at r from sources <= s
-        mine = prefix[:, me].contiguous()
-        psum_ranks = mine.to(t.int32)
-        # Each row's source rank: rows come grouped by source, ascending.
-        row_ids = t.arange(rows, device=dev, dtype=t.int64)
-        src_rank = t.searchsorted(mine, row_ids, right=True)
-        valid = recv_idx >= 0
-        # DeepEP's master lane: the last local slot of the row
-        last_local = (topk - 1 - valid.flip(1).to(t.int32).argmax(dim=1)).to(t.int64)
-        meta = t.full((rows, 2 + topk), -1, dtype=t.int32, device=dev)
-        # (no boolean indexing here or below: it asks the host for a count, a synchronisation)
-        received = row_ids < mine[-1]  # (the worst case's padding rows stay -1)
-        none = t.full_like(row_ids, -1)
-        meta[:, 0] = t.where(received, src_rank * max_tokens + v1.recv_src_idx.to(t.int64),
-                             none).to(t.int32)
-        meta[:, 1] = t.where(received, src_rank * topk + last_local, none).to(t.int32)
-        unaligned = t.zeros(local, dtype=t.int64, device=dev)
-        unaligned.scatter_add_(0, recv_idx.clamp(min=0).reshape(-1).to(t.int64),
-                               valid.reshape(-1).to(t.int64))
-        aligned = (unaligned + alignment - 1) // alignment * alignment
-        ends = t.cumsum(aligned, 0)
-        starts = ends - aligned
-        if do_expand:
-            psum_experts = (starts + unaligned).to(t.int32)
-            flat = recv_idx.reshape(-1).to(t.int64)
-            keys = t.where(flat >= 0, flat, t.full_like(flat, local))
-            order = t.sort(keys, stable=True).indices
-            sorted_e = keys[order]
-            ok = sorted_e < local
-            pos = t.arange(flat.numel(), device=dev, dtype=t.int64)
-            before = t.cumsum(unaligned, 0) - unaligned  # pairs of earlier experts
-            e = sorted_e.clamp(max=local - 1)
-            placed = t.where(ok, starts[e] + pos - before[e], t.full_like(pos, -1))
-            slots = t.empty_like(flat).scatter_(0, order, placed)
-            meta[:, 2:] = slots.view(rows, topk).to(t.int32)
-        else:
-            psum_experts = ends.to(t.int32)
+        lay = elastic_layout.compute(t, v1.rank_prefix_matrix, v1.recv_src_idx, recv_idx,
+                                     topk_idx, in_rank, me, ranks, num_experts, alignment,
+                                     max_tokens, do_expand)
         if do_cpu_sync:  # (V1's list: the aligned counts, read on the host already)
             counts_list = list(counts)
             expanded = sum(counts_list)
@@ -425,25 +391,15 @@ class ElasticBuffer:
             counts_list = []
             expanded = _align(ranks * max_tokens * min(topk, local) + (alignment - 1) * local,
                               alignment)
-        # Where each token goes at each destination (DeepEP's encoding: this rank's slot
-        # range, the token's place among those this rank sends there), on the last slot of
-        # each destination rank only.
-        dest = t.where(topk_idx >= 0, topk_idx // local, t.full_like(topk_idx, -1)).to(t.int64)
-        order_at = t.cumsum(in_rank.to(t.int64), 0) - 1  # [T, R]: this token's place among ours
-        dst_slot = me * max_tokens + t.gather(order_at, 1, dest.clamp(min=0))
-        later = t.triu(t.ones((topk, topk), dtype=t.bool, device=dev), diagonal=1)  # [k, k']
-        same_later = ((dest.unsqueeze(2) == dest.unsqueeze(1)) & later).any(dim=2)
-        keep = (dest >= 0) & ~same_later
-        dst_slot = t.where(keep, dst_slot, t.full_like(dst_slot, -1)).to(t.int32)
         return EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
                      expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
                      num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
                      num_recv_tokens=rows, num_expanded_tokens=expanded,
                      num_recv_tokens_per_expert_list=counts_list,
-                     psum_num_recv_tokens_per_scaleup_rank=psum_ranks,
-                     psum_num_recv_tokens_per_expert=psum_experts,
-                     num_unaligned_recv_tokens_per_expert=unaligned.to(t.int32),
-                     recv_src_metadata=meta, dst_buffer_slot_idx=dst_slot,
+                     psum_num_recv_tokens_per_scaleup_rank=lay.psum_ranks,
+                     psum_num_recv_tokens_per_expert=lay.psum_experts,
+                     num_unaligned_recv_tokens_per_expert=lay.unaligned,
+                     recv_src_metadata=lay.meta, dst_buffer_slot_idx=lay.dst_slot,
                      recv_topk_idx=recv_idx.clone())
 
 

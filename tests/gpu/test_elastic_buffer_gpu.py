@@ -67,3 +67,69 @@ def test_elastic_buffer_on_the_cuda_engine(daemon) -> None:
     inputs = [T._inputs(r, seed=3) for r in range(T.NUM_RANKS)]
     for r, res in enumerate(results):
         assert res["received"] == T._reference(inputs, r)["x"].shape[0]
+
+
+def _v1_outputs(torch, rng, ranks: int, local: int, topk: int, tokens: int, max_tokens: int,
+                me: int, worst: bool):
+    """A V1 dispatch's outputs as rank `me` would hold them (for the handle's layout): every
+    rank's routing drawn at random (-1 slots included), the rows received at `me` ordered by
+    source then token, padding rows (-1 ids) to the worst case when `worst`."""
+    experts = ranks * local
+    idx = []
+    for _ in range(ranks):
+        ids = torch.from_numpy(rng.integers(0, experts, (tokens, topk))).to(torch.int64)
+        ids[torch.from_numpy(rng.random((tokens, topk)) < 0.2)] = -1
+        idx.append(ids)
+    counts = torch.zeros((ranks, ranks), dtype=torch.int64)
+    src_idx, recv = [], []
+    for s, ids in enumerate(idx):
+        dest = torch.where(ids >= 0, ids // local, torch.full_like(ids, -1))
+        for d in range(ranks):
+            counts[s, d] = int((dest == d).any(dim=1).sum())
+        mine = (dest == me).any(dim=1).nonzero().flatten()
+        src_idx.append(mine.to(torch.int32))
+        part = ids[mine]
+        recv.append(torch.where(part // local == me, part - me * local, torch.full_like(part, -1)))
+    recv_idx, recv_src = torch.cat(recv), torch.cat(src_idx)
+    if worst:
+        pad = ranks * max_tokens - recv_idx.shape[0]
+        recv_idx = torch.cat([recv_idx, torch.full((pad, topk), -1, dtype=torch.int64)])
+        recv_src = torch.cat([recv_src, torch.full((pad,), -1, dtype=torch.int32)])
+    prefix = torch.cumsum(counts, 0).to(torch.int32)
+    in_rank = torch.stack([((idx[me] >= 0) & (idx[me] // local == d)).any(dim=1)
+                           for d in range(ranks)], dim=1)
+    return prefix, recv_src, recv_idx, idx[me], in_rank
+
+
+SHAPES = [  # ranks, local experts, top-k, tokens (max_tokens), alignment, expand, worst
+    (2, 4, 3, 40, 1, False, False), (2, 4, 3, 40, 8, True, True), (4, 32, 8, 128, 1, True, False),
+    (8, 32, 8, 1025, 128, False, True), (8, 32, 8, 1025, 128, True, True),
+    (16, 2, 1, 7, 1, False, True), (2, 128, 8, 3000, 64, True, False), (3, 5, 2, 0, 1, False, True)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_handle_layout_kernel_matches_the_torch_operations(shape) -> None:
+    """client/elastic_layout.py: the kernel's tensors equal the torch path's exactly (the
+    torch path is the one checked against DeepEP's reference on the CPU), on fresh random
+    routings, its output allocation poisoned first (a word it failed to write would show)."""
+    import numpy as np
+    import torch
+
+    from epd.client import elastic_layout as EL
+    ranks, local, topk, tokens, align, expand, worst = shape
+    rng = np.random.default_rng([*shape[:4], align])
+    for me in sorted({0, ranks - 1, ranks // 2}):
+        prefix, src, ridx, tidx, in_rank = _v1_outputs(torch, rng, ranks, local, topk, tokens,
+                                                       max(tokens, 1), me, worst)
+        args = (prefix, src, ridx, tidx, in_rank, me, ranks, ranks * local, align,
+                max(tokens, 1), expand)
+        want = EL.compute(torch, *args)
+        n = ranks + 2 * local + ridx.shape[0] * (2 + topk) + tidx.shape[0] * topk
+        poison = torch.full((n,), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
+        del poison  # (the caching allocator hands this block to the kernel's outputs)
+        got = EL.compute(torch, *(a.cuda() if isinstance(a, torch.Tensor) else a
+                                  for a in args))
+        torch.cuda.synchronize()
+        for name, w, g in zip(EL.HandleLayout._fields, want, got, strict=True):
+            assert g.is_cuda and g.dtype == w.dtype and g.shape == w.shape, name
+            assert torch.equal(g.cpu(), w), (name, me)
