@@ -106,10 +106,21 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                     v2.combine(rx, h, topk_weights=rw)
                 return layer
 
+            from epd.client import elastic_layout
+            by_kernel = elastic_layout._by_kernel
+
+            def torch_handle() -> None:  # the handle's layout by torch operations, as before
+                elastic_layout._by_kernel = elastic_layout.by_torch
+                try:
+                    v2_layer(False)()
+                finally:
+                    elastic_layout._by_kernel = by_kernel
+
             rows.update({"v1 facade layer": v1_layer, "v2 layer cpu-sync": v2_layer(True),
-                         "v2 layer worst-case": v2_layer(False)})
+                         "v2 layer worst-case": v2_layer(False),
+                         "v2 layer torch-handle": torch_handle})
             calls.update({"v1 facade layer": 3, "v2 layer cpu-sync": 2,
-                          "v2 layer worst-case": 2})
+                          "v2 layer worst-case": 2, "v2 layer torch-handle": 2})
         if ns.rows:
             rows = {k: v for k, v in rows.items() if k in ns.rows.split(",")}
         # Phases of one layout call (where the host time goes), p50 over --iters.
