@@ -43,7 +43,7 @@ from typing import Any
 
 from ..proto.errors import FailedPrecondition, InvalidArgument
 from . import deep_ep_compat as C
-from . import elastic_layout
+from . import elastic_expand, elastic_layout
 from .buffer import Buffer
 from .deep_ep_compat import Config, EventOverlap, Unsupported
 from .frameworks import torch_if_loaded
@@ -106,11 +106,6 @@ class EPHandle:
         """The dispatch's num_worst_tokens: 0 when its rows were counted on the host (the CPU
         sync, whose per-expert list is never empty), else its worst case's rows."""
         return 0 if self.num_recv_tokens_per_expert_list else self.num_recv_tokens
-
-    @property
-    def expanded_slots(self) -> Array:
-        """`[rows, num_topk]` int64: each received row's expanded row per top-k slot (-1)."""
-        return self.recv_src_metadata[:, 2:].long()
 
 
 class ElasticBuffer:
@@ -327,7 +322,8 @@ class ElasticBuffer:
                 if stats is not None:  # (in place: the caller's running counts)
                     stats.add_(h.num_unaligned_recv_tokens_per_expert.to(stats.dtype))
             if do_expand:
-                recv_x, recv_w = _expand(t, h, recv_x, recv_w, do_zero_padding)
+                recv_x, recv_w = elastic_expand.spread(t, h.recv_src_metadata,
+                                                        h.num_expanded_tokens, recv_x, recv_w)
                 recv_idx = None
             recv_x = _with_scales_layout(t, recv_x, use_tma_aligned_col_major_sf)
             return recv_x, recv_idx, recv_w, h
@@ -358,7 +354,8 @@ class ElasticBuffer:
 
         def call():
             if handle.do_expand:
-                y, w = _fold(t, handle, x, topk_weights)
+                y, w = elastic_expand.fold(t, handle.recv_src_metadata,
+                                          handle.num_expanded_tokens, x, topk_weights)
             else:
                 y, w = x, topk_weights
                 if w is not None:  # (each slot's weight once: from the rank of its expert)
@@ -426,57 +423,6 @@ def _size_hint(ranks: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -
     row = hidden * (1 if fp8 else 2) + (math.ceil(hidden / 128) * 4 if fp8 else 0) \
         + topk * (8 + 4 + 4) + 8
     return _align(max(ranks * max_tokens * row, 1), BUFFER_ALIGNMENT)
-
-
-def _expand(t: Any, h: EPHandle, recv_x: Any, recv_w: Array, zero_padding: bool):
-    """The expanded layout's rows and weights from the received rows: row r's copy for each
-    local top-k slot at its expanded row (padding rows zero; DeepEP leaves them unset unless
-    do_zero_padding, and zero is one of the values it may leave). Slots that are not local
-    write a spare last row, dropped: no boolean indexing (a host synchronisation)."""
-    n = h.num_expanded_tokens
-    slots = h.expanded_slots
-    dst = t.where(slots >= 0, slots, t.full_like(slots, n))
-
-    def spread(a: Array) -> Array:
-        out = t.zeros((n + 1, *a.shape[1:]), dtype=a.dtype, device=a.device)
-        for k in range(dst.shape[1]):
-            out[dst[:, k]] = a
-        return out[:n]
-
-    recv_x = tuple(spread(a) for a in recv_x) if isinstance(recv_x, tuple) else spread(recv_x)
-    if recv_w is not None:
-        w = t.zeros(n + 1, dtype=recv_w.dtype, device=recv_w.device)
-        for k in range(dst.shape[1]):
-            w[dst[:, k]] = recv_w[:, k]
-        recv_w = w[:n]
-    return recv_x, recv_w
-
-
-def _fold(t: Any, h: EPHandle, x: Array, w: Array):
-    """Expanded rows back to one row per received token (summed in top-k order in float32,
-    then rounded once, as DeepEP's local reduction) and `[rows]` weights back to
-    `[rows, num_topk]` (0 where a slot is not local)."""
-    slots = h.expanded_slots
-    n = int(x.shape[0])
-    if n < h.num_expanded_tokens or x.dim() != 2:
-        raise InvalidArgument(f"expanded combine takes x [>= {h.num_expanded_tokens}, hidden] "
-                              f"(the expanded dispatch's rows), got shape {list(x.shape)}")
-    ok = slots >= 0
-    src = t.where(ok, slots, t.full_like(slots, n))  # (row n: a zero row appended)
-    xz = t.cat([x, t.zeros((1, x.shape[1]), dtype=x.dtype, device=x.device)])
-    acc = t.zeros((slots.shape[0], x.shape[1]), dtype=t.float32, device=x.device)
-    for k in range(slots.shape[1]):
-        acc += xz[src[:, k]].float()
-    y = acc.to(x.dtype)
-    if w is None:
-        return y, None
-    if w.dim() != 1 or int(w.shape[0]) < h.num_expanded_tokens:
-        raise InvalidArgument(f"expanded combine takes topk_weights [>= "
-                              f"{h.num_expanded_tokens}] (one per expanded row), got shape "
-                              f"{list(w.shape)}")
-    m = h.num_expanded_tokens
-    wz = t.cat([w[:m], t.zeros(1, dtype=w.dtype, device=w.device)])
-    return y, wz[t.where(ok, slots, t.full_like(slots, m))]
 
 
 def _with_scales_layout(t: Any, recv_x: Any, col_major: bool) -> Any:

@@ -133,3 +133,52 @@ def test_the_handle_layout_kernel_matches_the_torch_operations(shape) -> None:
         for name, w, g in zip(EL.HandleLayout._fields, want, got, strict=True):
             assert g.is_cuda and g.dtype == w.dtype and g.shape == w.shape, name
             assert torch.equal(g.cpu(), w), (name, me)
+
+
+@pytest.mark.parametrize(("shape", "hidden", "fp8"), [
+    (SHAPES[1], 256, False), (SHAPES[2], 7168, True), (SHAPES[4], 130, False),
+    (SHAPES[6], 512, True), (SHAPES[7], 256, False)])
+def test_the_expanded_layout_kernels_match_the_torch_operations(shape, hidden, fp8) -> None:
+    """client/elastic_expand.py: spread (received rows to expanded rows, weights to [n]) and
+    fold (expanded rows summed per token in float32, rounded once; weights back to [rows, K])
+    by the kernels equal the torch index copies exactly, on random bf16 values (rounding
+    included), FP8 pairs and rows that are not 16-byte multiples; fold's outputs poisoned."""
+    import numpy as np
+    import torch
+
+    from epd.client import elastic_expand as EX
+    from epd.client import elastic_layout as EL
+    ranks, local, topk, tokens, align, _, worst = shape
+    rng = np.random.default_rng([*shape[:4], hidden])
+    prefix, src, ridx, tidx, in_rank = _v1_outputs(torch, rng, ranks, local, topk, tokens,
+                                                   max(tokens, 1), 0, worst)
+    lay = EL.compute(torch, prefix, src, ridx, tidx, in_rank, 0, ranks, ranks * local, align,
+                     max(tokens, 1), True)
+    meta = lay.meta
+    rows = meta.shape[0]
+    n = int(lay.psum_experts[-1]) if local else 0  # (the last expert's end: every slot below)
+    n = max(n, int(meta[:, 2:].max()) + 1 if rows else 0)
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    x = torch.randn((rows, hidden), generator=g).to(torch.bfloat16)
+    if fp8:
+        x = (torch.randn((rows, hidden), generator=g).to(torch.float8_e4m3fn),
+             torch.rand((rows, hidden // 128), generator=g))
+    w = torch.rand((rows, topk), generator=g)
+
+    def cuda(a):
+        return tuple(cuda(b) for b in a) if isinstance(a, tuple) else a.cuda()
+    want_x, want_w = EX.spread(torch, meta, n, x, w)
+    got_x, got_w = EX.spread(torch, meta.cuda(), n, cuda(x), w.cuda())
+    for a, b in zip(want_x if fp8 else (want_x,), got_x if fp8 else (got_x,), strict=True):
+        assert b.is_cuda and torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
+    assert torch.equal(want_w, got_w.cpu())
+
+    y = torch.randn((n + 3, hidden), generator=g).to(torch.bfloat16)  # (more rows: allowed)
+    yw = torch.rand(n + 3, generator=g)
+    want_y, want_yw = EX.fold(torch, meta, n, y, yw)
+    poison = torch.full((rows * hidden + rows * topk + 64,), -7.0, device="cuda")
+    del poison  # (the caching allocator hands this block to fold's outputs)
+    got_y, got_yw = EX.fold(torch, meta.cuda(), n, y.cuda(), yw.cuda())
+    torch.cuda.synchronize()
+    assert got_y.is_cuda and torch.equal(want_y.view(torch.int16), got_y.cpu().view(torch.int16))
+    assert torch.equal(want_yw, got_yw.cpu())
