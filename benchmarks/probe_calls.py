@@ -99,10 +99,11 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                     num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
                 v1.combine(rx, h, topk_weights=rw)
 
-            def v2_layer(sync: bool):
+            def v2_layer(sync: bool, expand: bool = False):
                 def layer() -> None:
                     rx, _, rw, h, _ = v2.dispatch(x, topk_idx=tidx, topk_weights=tw,
-                                                  num_experts=ns.experts, do_cpu_sync=sync)
+                                                  num_experts=ns.experts, do_cpu_sync=sync,
+                                                  do_expand=expand)
                     v2.combine(rx, h, topk_weights=rw)
                 return layer
 
@@ -118,9 +119,11 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
 
             rows.update({"v1 facade layer": v1_layer, "v2 layer cpu-sync": v2_layer(True),
                          "v2 layer worst-case": v2_layer(False),
-                         "v2 layer torch-handle": torch_handle})
+                         "v2 layer torch-handle": torch_handle,
+                         "v2 expanded layer": v2_layer(True, expand=True)})
             calls.update({"v1 facade layer": 3, "v2 layer cpu-sync": 2,
-                          "v2 layer worst-case": 2, "v2 layer torch-handle": 2})
+                          "v2 layer worst-case": 2, "v2 layer torch-handle": 2,
+                          "v2 expanded layer": 2})
         if ns.rows:
             rows = {k: v for k, v in rows.items() if k in ns.rows.split(",")}
         # Phases of one layout call (where the host time goes), p50 over --iters.

@@ -9,7 +9,7 @@ set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
 elastic_rows() {
   timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 200 --mps on \
-      --ranks 2 --elastic --rows "layout + dispatch + combine,v1 facade layer,v2 layer cpu-sync,v2 layer worst-case,v2 layer torch-handle" \
+      --ranks 2 --elastic --rows "layout + dispatch + combine,v1 facade layer,v2 layer cpu-sync,v2 layer worst-case,v2 layer torch-handle,v2 expanded layer" \
       --json "$OUT/elastic_rows.json" 2>&1 | clean | tail -8
 }
 case "${1:-}" in
