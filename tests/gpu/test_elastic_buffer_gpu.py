@@ -124,11 +124,11 @@ def test_the_handle_layout_kernel_matches_the_torch_operations(shape) -> None:
         args = (prefix, src, ridx, tidx, in_rank, me, ranks, ranks * local, align,
                 max(tokens, 1), expand)
         want = EL.compute(torch, *args)
+        on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
         n = ranks + 2 * local + ridx.shape[0] * (2 + topk) + tidx.shape[0] * topk
         poison = torch.full((n,), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
         del poison  # (the caching allocator hands this block to the kernel's outputs)
-        got = EL.compute(torch, *(a.cuda() if isinstance(a, torch.Tensor) else a
-                                  for a in args))
+        got = EL.compute(torch, *on_gpu)
         torch.cuda.synchronize()
         for name, w, g in zip(EL.HandleLayout._fields, want, got, strict=True):
             assert g.is_cuda and g.dtype == w.dtype and g.shape == w.shape, name
@@ -176,9 +176,10 @@ def test_the_expanded_layout_kernels_match_the_torch_operations(shape, hidden, f
     y = torch.randn((n + 3, hidden), generator=g).to(torch.bfloat16)  # (more rows: allowed)
     yw = torch.rand(n + 3, generator=g)
     want_y, want_yw = EX.fold(torch, meta, n, y, yw)
+    on_gpu = (meta.cuda(), n, y.cuda(), yw.cuda())
     poison = torch.full((rows * hidden + rows * topk + 64,), -7.0, device="cuda")
     del poison  # (the caching allocator hands this block to fold's outputs)
-    got_y, got_yw = EX.fold(torch, meta.cuda(), n, y.cuda(), yw.cuda())
+    got_y, got_yw = EX.fold(torch, *on_gpu)
     torch.cuda.synchronize()
     assert got_y.is_cuda and torch.equal(want_y.view(torch.int16), got_y.cpu().view(torch.int16))
     assert torch.equal(want_yw, got_yw.cpu())
