@@ -359,7 +359,7 @@ class ElasticBuffer:
             else:
                 y, w = x, topk_weights
                 if w is not None:  # (each slot's weight once: from the rank of its expert)
-                    w = t.where(handle.recv_topk_idx >= 0, w, t.zeros_like(w))
+                    w = w.masked_fill(handle.recv_topk_idx < 0, 0.0)
             cx, cw, _ = b.combine(y, handle.v1, topk_weights=w, bias=bias, config=config)
             return cx, cw
 
