@@ -5,6 +5,7 @@
 #            # ElasticBuffer GPU test, one A/B round of the bench's rows at D (this tree, then
 #            # ba3c521: gpu_s35_run.sh ab), and the V1 facade / V2 ElasticBuffer layer rows
 #   elastic_rows  # the layer rows alone (probe_calls.py --elastic, one rank per process, D)
+#   v2prof   # rank 0's client under cProfile: the V1 facade layer, then the V2 layer (CPU sync)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
 elastic_rows() {
@@ -19,5 +20,20 @@ case "${1:-}" in
     bash benchmarks/device/gpu_s35_run.sh ab 1
     ;;
   elastic_rows) elastic_rows ;;
-  *) echo "usage: $0 first | elastic_rows" >&2; exit 2 ;;
+  v2prof)
+    for row in "v1 facade layer" "v2 layer cpu-sync"; do
+      label=${row// /_}
+      EPD_PROBE_PROFILE=/tmp/p.prof timeout 120 python3 -P benchmarks/probe_calls.py --tokens 128 \
+          --iters 200 --mps on --ranks 2 --elastic --rows "$row" \
+          --json "$OUT/prof_rows_$label.json" 2>&1 | clean | tail -2
+      python3 -c "
+import pstats
+s = pstats.Stats('/tmp/p.prof')
+s.sort_stats('tottime').print_stats(40)
+s.sort_stats('cumulative').print_stats('epd', 70)" > "$OUT/profile_$label.txt" 2>&1
+      rm -f /tmp/p.prof
+    done
+    merge_json prof_rows prof_rows
+    ;;
+  *) echo "usage: $0 first | elastic_rows | v2prof" >&2; exit 2 ;;
 esac
