@@ -380,7 +380,7 @@ class ElasticBuffer:
         rows, topk = int(recv_idx.shape[0]), int(recv_idx.shape[1])
         lay = elastic_layout.compute(t, v1.rank_prefix_matrix, v1.recv_src_idx, recv_idx,
                                      topk_idx, in_rank, me, ranks, num_experts, alignment,
-                                     max_tokens, do_expand)
+                                     max_tokens, do_expand, do_handle_copy)
         if do_cpu_sync:  # (V1's list: the aligned counts, read on the host already)
             counts_list = list(counts)
             expanded = sum(counts_list)
@@ -390,14 +390,14 @@ class ElasticBuffer:
                               alignment)
         return EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
                      expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
-                     num_sms=num_sms, topk_idx=topk_idx.clone() if do_handle_copy else topk_idx,
+                     num_sms=num_sms, topk_idx=lay.topk_idx,
                      num_recv_tokens=rows, num_expanded_tokens=expanded,
                      num_recv_tokens_per_expert_list=counts_list,
                      psum_num_recv_tokens_per_scaleup_rank=lay.psum_ranks,
                      psum_num_recv_tokens_per_expert=lay.psum_experts,
                      num_unaligned_recv_tokens_per_expert=lay.unaligned,
                      recv_src_metadata=lay.meta, dst_buffer_slot_idx=lay.dst_slot,
-                     recv_topk_idx=recv_idx.clone())
+                     recv_topk_idx=lay.recv_idx)
 
 
 def _overlap(event: Any) -> EventOverlap | None:

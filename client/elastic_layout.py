@@ -29,6 +29,8 @@ class HandleLayout(NamedTuple):
     unaligned: Array     # [L] int32: received (token, local expert) pairs per expert
     meta: Array          # [rows, 2 + K] int32: recv_src_metadata
     dst_slot: Array      # [T, K] int32: dst_buffer_slot_idx
+    recv_idx: Array      # [rows, K] int64: the handle's own copy of the received ids
+    topk_idx: Array      # [T, K] int64: the handle's copy of the sent ids (or them: no copy)
 
 
 _SOURCE = r"""
@@ -40,7 +42,8 @@ extern "C" __global__ void __launch_bounds__(1024) epd_v2_handle(
         const bool* __restrict__ in_rank,        // [T, R]
         int R, int me, int rows, int K, int T, int L, int M, int align, int expand,
         int* __restrict__ psum_ranks, int* __restrict__ psum_experts,
-        int* __restrict__ unaligned, int* __restrict__ meta, int* __restrict__ dst_slot) {
+        int* __restrict__ unaligned, int* __restrict__ meta, int* __restrict__ dst_slot,
+        long long* __restrict__ ridx_copy, long long* __restrict__ tidx_copy) {
     extern __shared__ int sm[];
     int* s_psum = sm;                 // [R]
     int* s_cnt = s_psum + R;          // [L]
@@ -57,12 +60,16 @@ extern "C" __global__ void __launch_bounds__(1024) epd_v2_handle(
     for (int e = tid; e < L; e += nthreads) s_cnt[e] = 0;
     __syncthreads();
 
-    // Received (row, slot) pairs per local expert (a count: the order of the adds is free).
+    // Received (row, slot) pairs per local expert (a count: the order of the adds is free),
+    // and the handle's copies of the ids.
     const long long pairs = (long long)rows * K;
     for (long long i = tid; i < pairs; i += nthreads) {
         const long long e = ridx[i];
+        ridx_copy[i] = e;
         if (e >= 0 && e < L) atomicAdd(&s_cnt[e], 1);
     }
+    if (tidx_copy != nullptr)
+        for (long long i = tid; i < (long long)T * K; i += nthreads) tidx_copy[i] = tidx[i];
     __syncthreads();
     if (tid == 0) {
         int acc = 0;
@@ -137,7 +144,7 @@ extern "C" __global__ void __launch_bounds__(1024) epd_v2_handle(
     }
 }
 """
-_ARGS = "QQQQQ" + "i" * 9 + "QQQQQ"
+_ARGS = "QQQQQ" + "i" * 9 + "QQQQQQQ"
 
 
 def shared_bytes(ranks: int, local: int) -> int:
@@ -151,19 +158,20 @@ def load(device: int) -> None:
 
 def compute(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array, topk_idx: Array,
             in_rank: Array, me: int, ranks: int, num_experts: int, alignment: int,
-            max_tokens: int, do_expand: bool) -> HandleLayout:
+            max_tokens: int, do_expand: bool, copy_topk: bool = True) -> HandleLayout:
     """The handle's layout tensors (see HandleLayout) by the kernel where it applies (CUDA
     tensors of the dtypes V1 returns, its shared memory within the default limit), else by
-    torch operations."""
+    torch operations. `copy_topk`: the handle gets a copy of topk_idx (V2's
+    do_handle_copy), else topk_idx itself."""
     local = num_experts // ranks
     if (recv_idx.is_cuda and recv_idx.dtype == t.int64 and topk_idx.dtype == t.int64
             and rank_prefix.dtype == t.int32 and recv_src_idx.dtype == t.int32
             and in_rank.dtype == t.bool and shared_bytes(ranks, local) <= SHARED_LIMIT):
         out = _by_kernel(t, rank_prefix, recv_src_idx, recv_idx, topk_idx, in_rank, me, ranks,
-                         local, alignment, max_tokens, do_expand)
+                         local, alignment, max_tokens, do_expand, copy_topk)
     else:
         out = by_torch(t, rank_prefix, recv_src_idx, recv_idx, topk_idx, in_rank, me, ranks,
-                       local, alignment, max_tokens, do_expand)
+                       local, alignment, max_tokens, do_expand, copy_topk)
     if do_expand:
         unaligned = out.unaligned.to(t.int64)
         starts = out.psum_experts.to(t.int64) - unaligned
@@ -173,17 +181,19 @@ def compute(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array, to
 
 def _by_kernel(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array,
                topk_idx: Array, in_rank: Array, me: int, ranks: int, local: int,
-               alignment: int, max_tokens: int, do_expand: bool) -> HandleLayout:
+               alignment: int, max_tokens: int, do_expand: bool,
+               copy_topk: bool) -> HandleLayout:
     dev = recv_idx.device
     rows, topk = int(recv_idx.shape[0]), int(recv_idx.shape[1])
     tokens = int(topk_idx.shape[0])
-    sizes = (ranks, local, local, rows * (2 + topk), tokens * topk)
-    buf = t.empty(sum(sizes), dtype=t.int32, device=dev)
-    parts, at = [], 0
-    for n in sizes:
-        parts.append(buf[at:at + n])
-        at += n
-    psum_ranks, psum_experts, unaligned, meta, dst_slot = parts
+    # One allocation: the int64 copies first (8-byte aligned), then the int32 tensors.
+    wide = rows * topk + (tokens * topk if copy_topk else 0)
+    sizes = [2 * wide, ranks, local, local, rows * (2 + topk), tokens * topk]
+    copies, psum_ranks, psum_experts, unaligned, meta, dst_slot = t.empty(
+        sum(sizes), dtype=t.int32, device=dev).split(sizes)
+    copies = copies.view(t.int64)
+    ridx_copy = copies[:rows * topk].view(rows, topk)
+    tidx_copy = copies[rows * topk:].view(tokens, topk) if copy_topk else topk_idx
     inputs = [a.contiguous() for a in (rank_prefix, recv_src_idx, recv_idx, topk_idx, in_rank)]
     device = dev.index if dev.index is not None else t.cuda.current_device()
     fn = compiled_kernel(_SOURCE, "epd_v2_handle", device)
@@ -191,15 +201,16 @@ def _by_kernel(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array,
                   (*(a.data_ptr() for a in inputs), ranks, me, rows, topk, tokens, local,
                    max_tokens, alignment, int(do_expand),
                    *(p.data_ptr() for p in (psum_ranks, psum_experts, unaligned, meta,
-                                            dst_slot))),
+                                            dst_slot, ridx_copy)),
+                   tidx_copy.data_ptr() if copy_topk else 0),
                   device, shared_bytes(ranks, local))
     return HandleLayout(psum_ranks, psum_experts, unaligned, meta.view(rows, 2 + topk),
-                        dst_slot.view(tokens, topk))
+                        dst_slot.view(tokens, topk), ridx_copy, tidx_copy)
 
 
 def by_torch(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array, topk_idx: Array,
              in_rank: Array, me: int, ranks: int, local: int, alignment: int, max_tokens: int,
-             do_expand: bool) -> HandleLayout:
+             do_expand: bool, copy_topk: bool = True) -> HandleLayout:
     """The same tensors by torch operations (the expanded slots are left -1: `compute` writes
     them). No boolean indexing: it asks the host for a count, a synchronisation."""
     dev = recv_idx.device
@@ -234,7 +245,7 @@ def by_torch(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array, t
     keep = (dest >= 0) & ~same_later
     dst_slot = t.where(keep, dst_slot, t.full_like(dst_slot, -1)).to(t.int32)
     return HandleLayout(mine.to(t.int32), psum_experts.to(t.int32), unaligned.to(t.int32), meta,
-                        dst_slot)
+                        dst_slot, recv_idx.clone(), topk_idx.clone() if copy_topk else topk_idx)
 
 
 def _expanded_slots(t: Any, recv_idx: Array, unaligned: Array, starts: Array,

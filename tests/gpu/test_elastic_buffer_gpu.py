@@ -125,7 +125,8 @@ def test_the_handle_layout_kernel_matches_the_torch_operations(shape) -> None:
                 max(tokens, 1), expand)
         want = EL.compute(torch, *args)
         on_gpu = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-        n = ranks + 2 * local + ridx.shape[0] * (2 + topk) + tidx.shape[0] * topk
+        n = ranks + 2 * local + (ridx.shape[0] * (2 + topk) + tidx.shape[0] * topk) * 3 - \
+            ridx.shape[0] * 2 * 2  # (int32 words: the int64 copies of both id tensors too)
         poison = torch.full((n,), 0x7F7F7F7F, dtype=torch.int32, device="cuda")
         del poison  # (the caching allocator hands this block to the kernel's outputs)
         got = EL.compute(torch, *on_gpu)
