@@ -6,6 +6,7 @@
 #            # ba3c521: gpu_s35_run.sh ab), and the V1 facade / V2 ElasticBuffer layer rows
 #   elastic_rows  # the layer rows alone (probe_calls.py --elastic, one rank per process, D)
 #   v2prof   # rank 0's client under cProfile: the V1 facade layer, then the V2 layer (CPU sync)
+#   final    # the ElasticBuffer GPU tests, the layer rows and v2prof (~4 minutes)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
 elastic_rows() {
@@ -20,6 +21,11 @@ case "${1:-}" in
     bash benchmarks/device/gpu_s35_run.sh ab 1
     ;;
   elastic_rows) elastic_rows ;;
+  final)
+    bash benchmarks/device/gpu_s35_run.sh elastic
+    echo "== elastic rows"; elastic_rows
+    bash "$0" v2prof
+    ;;
   v2prof)
     for row in "v1 facade layer" "v2 layer cpu-sync"; do
       label=${row// /_}
@@ -35,5 +41,5 @@ s.sort_stats('cumulative').print_stats('epd', 70)" > "$OUT/profile_$label.txt" 2
     done
     merge_json prof_rows prof_rows
     ;;
-  *) echo "usage: $0 first | elastic_rows | v2prof" >&2; exit 2 ;;
+  *) echo "usage: $0 first | elastic_rows | v2prof | final" >&2; exit 2 ;;
 esac
