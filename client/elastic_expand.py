@@ -24,6 +24,7 @@ THREADS = 256  # 8 warps a block, a warp per received row
 
 _SOURCE = r"""
 // bf16 by its bits (no toolkit headers under NVRTC), rounded to nearest even as torch does
+// (cuda/epd_common.cuh has the same two for the engine's kernels)
 __device__ __forceinline__ float bf16_f32(unsigned short h) {
     return __uint_as_float(((unsigned)h) << 16);
 }
