@@ -359,7 +359,7 @@ class ElasticBuffer:
             else:
                 y, w = x, topk_weights
                 if w is not None:  # (each slot's weight once: from the rank of its expert)
-                    w = w.masked_fill(handle.recv_topk_idx < 0, 0.0)
+                    w = elastic_expand.local_weights(t, handle.recv_topk_idx, w)
             cx, cw, _ = b.combine(y, handle.v1, topk_weights=w, bias=bias, config=config)
             return cx, cw
 

@@ -9,7 +9,9 @@ order in float32 and rounds once (DeepEP's local reduction), its weights back to
 (0 where the slot is not local). On CUDA tensors each is one kernel launch after the zeroed
 outputs (`epd_v2_spread`, `epd_v2_fold`: a warp per received row, 16-byte vectors where the
 rows allow); elsewhere, and for dtypes the kernels do not take, torch index copies (K of them
-per tensor: no boolean indexing, which would ask the host for a count).
+per tensor: no boolean indexing, which would ask the host for a count). `local_weights` masks
+a non-expanded combine's weights the same way (one launch: torch's compare and masked_fill took
+~280 µs of host time per combine on one H100, profiled in the thirty-sixth session).
 """
 
 from __future__ import annotations
@@ -100,8 +102,19 @@ extern "C" __global__ void epd_v2_fold(
         }
     }
 }
+
+// w_out[i] = ids[i] >= 0 ? w[i] : 0 (a non-expanded combine's weights: each slot's weight from
+// the rank of its expert only)
+extern "C" __global__ void epd_v2_local_weights(const long long* __restrict__ ids,
+                                                const float* __restrict__ w,
+                                                float* __restrict__ w_out, long long n) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        w_out[i] = ids[i] >= 0 ? w[i] : 0.f;
+}
 """
 _SPREAD_ARGS = "Qii" + "QqQ" * 2 + "QQ"
+_MASK_ARGS = "QQQq"
 _FOLD_ARGS = "QiiiQQQQ"
 
 
@@ -194,3 +207,17 @@ def fold(t: Any, meta: Array, expanded: int, x: Array, w: Array) -> tuple[Array,
         return y, None
     wz = t.cat([w[:expanded], t.zeros(1, dtype=w.dtype, device=w.device)])
     return y, wz[t.where(ok, slots, t.full_like(slots, expanded))]
+
+
+def local_weights(t: Any, ids: Array, w: Array) -> Array:
+    """`w` where `ids >= 0`, else 0 (both `[rows, K]`): a combine's weights, each slot's from
+    the rank that holds its expert only."""
+    if (w.is_cuda and ids.is_cuda and w.dtype == t.float32 and ids.dtype == t.int64
+            and w.shape == ids.shape and _dense(w, ids)):
+        out = t.empty_like(w)
+        n = w.numel()
+        if n:
+            _launch(t, "epd_v2_local_weights", w, _MASK_ARGS,
+                    (ids.data_ptr(), w.data_ptr(), out.data_ptr(), n), -(-n // 32))
+        return out
+    return w.masked_fill(ids < 0, 0.0)

@@ -7,6 +7,7 @@
 #   elastic_rows  # the layer rows alone (probe_calls.py --elastic, one rank per process, D)
 #   v2prof   # rank 0's client under cProfile: the V1 facade layer, then the V2 layer (CPU sync)
 #   final    # the ElasticBuffer GPU tests, the layer rows and v2prof (~4 minutes)
+#   verify   # the ElasticBuffer GPU tests and three layer rows (~2 minutes)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
 elastic_rows() {
@@ -26,6 +27,12 @@ case "${1:-}" in
     echo "== elastic rows"; elastic_rows
     bash "$0" v2prof
     ;;
+  verify)
+    bash benchmarks/device/gpu_s35_run.sh elastic
+    timeout 100 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 200 --mps on \
+        --ranks 2 --elastic --rows "v1 facade layer,v2 layer cpu-sync,v2 layer worst-case" \
+        --json "$OUT/verify_rows.json" 2>&1 | clean | tail -4
+    ;;
   v2prof)
     for row in "v1 facade layer" "v2 layer cpu-sync"; do
       label=${row// /_}
@@ -41,5 +48,5 @@ s.sort_stats('cumulative').print_stats('epd', 70)" > "$OUT/profile_$label.txt" 2
     done
     merge_json prof_rows prof_rows
     ;;
-  *) echo "usage: $0 first | elastic_rows | v2prof | final" >&2; exit 2 ;;
+  *) echo "usage: $0 first | elastic_rows | v2prof | final | verify" >&2; exit 2 ;;
 esac

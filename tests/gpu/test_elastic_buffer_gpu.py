@@ -184,3 +184,22 @@ def test_the_expanded_layout_kernels_match_the_torch_operations(shape, hidden, f
     torch.cuda.synchronize()
     assert got_y.is_cuda and torch.equal(want_y.view(torch.int16), got_y.cpu().view(torch.int16))
     assert torch.equal(want_yw, got_yw.cpu())
+
+
+@pytest.mark.parametrize(("rows", "topk"), [(0, 8), (1, 1), (256, 8), (4099, 3)])
+def test_the_combine_weights_mask_kernel_matches_torch(rows, topk) -> None:
+    """client/elastic_expand.py `local_weights`: the kernel's masked weights equal torch's
+    masked_fill (its output poisoned first)."""
+    import torch
+
+    from epd.client import elastic_expand as EX
+    g = torch.Generator().manual_seed(rows * 10 + topk)
+    ids = torch.randint(-1, 4, (rows, topk), generator=g)
+    w = torch.rand((rows, topk), generator=g)
+    want = EX.local_weights(torch, ids, w)
+    on_gpu = (ids.cuda(), w.cuda())
+    poison = torch.full((max(rows * topk, 1),), -7.0, device="cuda")
+    del poison
+    got = EX.local_weights(torch, *on_gpu)
+    torch.cuda.synchronize()
+    assert got.is_cuda and torch.equal(got.cpu(), want)
