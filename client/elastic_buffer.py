@@ -136,6 +136,11 @@ class ElasticBuffer:
             group, int(num_bytes or 0), 0, explicitly_destroy=explicitly_destroy,
             max_tokens_per_rank=num_max_tokens_per_rank or None, **epd)
         b = self.runtime
+        if getattr(b.session.memory, "backend", "") == "cuda":
+            # The V2 kernels loaded now: loading waits for the context's running work, which
+            # must not happen inside a call (cuda_driver.load_function).
+            elastic_layout.load(b.session.device_ordinal)
+            elastic_expand.load(b.session.device_ordinal)
         self.group = group
         self.rank_idx, self.num_ranks = b.rank, b.group_size
         self.allow_hybrid_mode = allow_hybrid_mode

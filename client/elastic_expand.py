@@ -51,8 +51,10 @@ __device__ __forceinline__ void copy_row(char* __restrict__ dst, const char* __r
 }
 
 // slots: [rows, 2 + K] int32 recv_src_metadata; columns 2.. each slot's expanded row (-1).
+// A slot at or past `n` (duplicate ids in a token's top-k overflowing the worst case) is
+// dropped, as are the slots that are not local.
 extern "C" __global__ void epd_v2_spread(
-        const int* __restrict__ meta, int rows, int K,
+        const int* __restrict__ meta, int rows, int K, int n,
         const char* __restrict__ a, long long a_row, char* __restrict__ a_out,
         const char* __restrict__ b, long long b_row, char* __restrict__ b_out,
         const float* __restrict__ w, float* __restrict__ w_out) {
@@ -63,7 +65,7 @@ extern "C" __global__ void epd_v2_spread(
         const int* s = meta + (long long)r * (2 + K) + 2;
         for (int k = 0; k < K; ++k) {
             const int slot = s[k];
-            if (slot < 0) continue;
+            if (slot < 0 || slot >= n) continue;
             copy_row(a_out + (long long)slot * a_row, a + (long long)r * a_row, a_row, lane);
             if (b != nullptr)
                 copy_row(b_out + (long long)slot * b_row, b + (long long)r * b_row, b_row, lane);
@@ -75,7 +77,7 @@ extern "C" __global__ void epd_v2_spread(
 // out[r] = bf16(sum over local slots k, in order, of float(x[slot])); w_out[r, k] = w[slot]
 // or 0 where the slot is not local.
 extern "C" __global__ void epd_v2_fold(
-        const int* __restrict__ meta, int rows, int K, int H,
+        const int* __restrict__ meta, int rows, int K, int H, int n,
         const unsigned short* __restrict__ x, unsigned short* __restrict__ out,
         const float* __restrict__ w, float* __restrict__ w_out) {
     const int lane = threadIdx.x & 31;
@@ -88,7 +90,7 @@ extern "C" __global__ void epd_v2_fold(
             const bool pair = h + 1 < H;
             for (int k = 0; k < K; ++k) {
                 const int slot = s[k];
-                if (slot < 0) continue;
+                if (slot < 0 || slot >= n) continue;
                 const unsigned short* row = x + (long long)slot * H;
                 acc0 += bf16_f32(row[h]);
                 if (pair) acc1 += bf16_f32(row[h + 1]);
@@ -98,7 +100,7 @@ extern "C" __global__ void epd_v2_fold(
         }
         if (w != nullptr && lane < K) {
             const int slot = s[lane];
-            w_out[(long long)r * K + lane] = slot >= 0 ? w[slot] : 0.f;
+            w_out[(long long)r * K + lane] = slot >= 0 && slot < n ? w[slot] : 0.f;
         }
     }
 }
@@ -113,9 +115,9 @@ extern "C" __global__ void epd_v2_local_weights(const long long* __restrict__ id
         w_out[i] = ids[i] >= 0 ? w[i] : 0.f;
 }
 """
-_SPREAD_ARGS = "Qii" + "QqQ" * 2 + "QQ"
+_SPREAD_ARGS = "Qiii" + "QqQ" * 2 + "QQ"
 _MASK_ARGS = "QQQq"
-_FOLD_ARGS = "QiiiQQQQ"
+_FOLD_ARGS = "QiiiiQQQQ"
 
 
 def _grid(rows: int) -> tuple[int, int]:
@@ -133,6 +135,17 @@ def _dense(*arrays: Array) -> bool:
     return all(a is None or a.is_contiguous() for a in arrays)
 
 
+def _on(device: Any, *arrays: Array) -> bool:
+    """Every array given is on `device` (the kernels take their addresses as that device's)."""
+    return all(a is None or a.device == device for a in arrays)
+
+
+def load(device: int) -> None:
+    """Compile and load the kernels now (at an ElasticBuffer's making: never on a call)."""
+    for name in ("epd_v2_spread", "epd_v2_fold", "epd_v2_local_weights"):
+        compiled_kernel(_SOURCE, name, device)
+
+
 def spread(t: Any, meta: Array, n: int, recv_x: Any, recv_w: Array) -> tuple[Any, Array]:
     """(recv_x as `n` expanded rows, recv_w as `[n]`): each received row at its slots' rows
     (`meta[:, 2:]`), zero rows elsewhere. recv_x is a tensor or an (FP8 data, scales) pair."""
@@ -141,6 +154,7 @@ def spread(t: Any, meta: Array, n: int, recv_x: Any, recv_w: Array) -> tuple[Any
     w_out = t.zeros(n, dtype=recv_w.dtype, device=recv_w.device) if recv_w is not None else None
     rows, topk = int(meta.shape[0]), int(meta.shape[1]) - 2
     if (meta.is_cuda and len(parts) <= 2 and _dense(meta, *parts, recv_w)
+            and _on(meta.device, *parts, recv_w)
             and (recv_w is None or recv_w.dtype == t.float32)):
         if rows and n:
             a, a_out = parts[0], outs[0]
@@ -152,11 +166,12 @@ def spread(t: Any, meta: Array, n: int, recv_x: Any, recv_w: Array) -> tuple[Any
             def row_bytes(x: Array | None) -> int:
                 return x[0].numel() * x.element_size() if x is not None else 0
             _launch(t, "epd_v2_spread", meta, _SPREAD_ARGS,
-                    (meta.data_ptr(), rows, topk, ptr(a), row_bytes(a), ptr(a_out), ptr(b),
+                    (meta.data_ptr(), rows, topk, n, ptr(a), row_bytes(a), ptr(a_out), ptr(b),
                      row_bytes(b), ptr(b_out), ptr(recv_w), ptr(w_out)), rows)
     else:
         slots = meta[:, 2:].long()
-        dst = t.where(slots >= 0, slots, t.full_like(slots, n))  # (row n: a spare, dropped)
+        dst = t.where((slots >= 0) & (slots < n), slots, t.full_like(slots, n))  # (row n:
+        # a spare, dropped)
         spare = [t.cat([o, t.zeros((1, *o.shape[1:]), dtype=o.dtype, device=o.device)])
                  for o in outs]
         for a, o in zip(parts, spare, strict=True):
@@ -184,19 +199,19 @@ def fold(t: Any, meta: Array, expanded: int, x: Array, w: Array) -> tuple[Array,
                               f"expanded row), got shape {list(w.shape)}")
     hidden = int(x.shape[1])
     if (meta.is_cuda and x.dtype == t.bfloat16 and _dense(meta, x, w) and topk <= 32
-            and (w is None or w.dtype == t.float32)):
+            and _on(meta.device, x, w) and (w is None or w.dtype == t.float32)):
         y = t.empty((rows, hidden), dtype=x.dtype, device=x.device)
         w_out = t.empty((rows, topk), dtype=t.float32, device=x.device) \
             if w is not None else None
         if rows:
             _launch(t, "epd_v2_fold", meta, _FOLD_ARGS,
-                    (meta.data_ptr(), rows, topk, hidden, x.data_ptr(), y.data_ptr(),
+                    (meta.data_ptr(), rows, topk, hidden, expanded, x.data_ptr(), y.data_ptr(),
                      w.data_ptr() if w is not None else 0,
                      w_out.data_ptr() if w_out is not None else 0), rows)
         return y, w_out
     slots = meta[:, 2:].long()
     n = int(x.shape[0])
-    ok = slots >= 0
+    ok = (slots >= 0) & (slots < expanded)
     src = t.where(ok, slots, t.full_like(slots, n))  # (row n: a zero row appended)
     xz = t.cat([x, t.zeros((1, hidden), dtype=x.dtype, device=x.device)])
     acc = t.zeros((rows, hidden), dtype=t.float32, device=x.device)
@@ -212,7 +227,7 @@ def fold(t: Any, meta: Array, expanded: int, x: Array, w: Array) -> tuple[Array,
 def local_weights(t: Any, ids: Array, w: Array) -> Array:
     """`w` where `ids >= 0`, else 0 (both `[rows, K]`): a combine's weights, each slot's from
     the rank that holds its expert only."""
-    if (w.is_cuda and ids.is_cuda and w.dtype == t.float32 and ids.dtype == t.int64
+    if (w.is_cuda and _on(w.device, ids) and w.dtype == t.float32 and ids.dtype == t.int64
             and w.shape == ids.shape and _dense(w, ids)):
         out = t.empty_like(w)
         n = w.numel()

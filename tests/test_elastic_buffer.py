@@ -416,3 +416,22 @@ def test_vllm_deepep_v2_prepare_finalize_replay(daemon, monkeypatch) -> None:
         sent = (idx >= 0).any(dim=1)
         for combined in layers:
             assert torch.equal(combined[sent], expect[sent])
+
+
+def test_expanded_slots_past_the_worst_case_are_dropped_not_written() -> None:
+    """Duplicate expert ids in a token's top-k (outside DeepEP's contract; V1's normal mode
+    takes them) count one slot each, so a worst-case expanded layout (sized for distinct ids)
+    can get slots at or past its row count: spread and fold drop those (the kernels would
+    write and read past the tensors), as they drop slots that are not local."""
+    from epd.client import elastic_expand as EX
+    meta = torch.tensor([[0, 1, 0, 1], [1, 1, 2, 5], [-1, -1, -1, -1]], dtype=torch.int32)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).to(torch.bfloat16)
+    w = torch.tensor([[0.5, 0.25], [0.125, 2.0], [0.0, 0.0]])
+    out, out_w = EX.spread(torch, meta, 3, x, w)  # (3 rows: slot 5 is past them)
+    assert torch.equal(out.float(), torch.tensor([[1.0, 2.0], [1.0, 2.0], [3.0, 4.0]]))
+    assert torch.equal(out_w, torch.tensor([0.5, 0.25, 0.125]))
+    y = torch.tensor([[1.0, 1.0], [2.0, 2.0], [4.0, 4.0], [8.0, 8.0]]).to(torch.bfloat16)
+    yw = torch.tensor([0.5, 0.25, 0.125, 9.0])
+    folded, folded_w = EX.fold(torch, meta, 3, y, yw)
+    assert torch.equal(folded.float(), torch.tensor([[3.0, 3.0], [4.0, 4.0], [0.0, 0.0]]))
+    assert torch.equal(folded_w, torch.tensor([[0.5, 0.25], [0.125, 0.0], [0.0, 0.0]]))

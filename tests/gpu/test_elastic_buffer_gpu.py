@@ -203,3 +203,23 @@ def test_the_combine_weights_mask_kernel_matches_torch(rows, topk) -> None:
     got = EX.local_weights(torch, *on_gpu)
     torch.cuda.synchronize()
     assert got.is_cuda and torch.equal(got.cpu(), want)
+
+
+def test_the_expanded_kernels_drop_slots_past_the_rows() -> None:
+    """A slot at or past the expanded rows (duplicate ids overflowing the worst case) is
+    dropped by the kernels as by the torch path (tests/test_elastic_buffer.py has the values),
+    not written or read past the tensors."""
+    import torch
+
+    from epd.client import elastic_expand as EX
+    meta = torch.tensor([[0, 1, 0, 1], [1, 1, 2, 5], [-1, -1, -1, -1]], dtype=torch.int32)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]).repeat(1, 64).to(torch.bfloat16)
+    w = torch.tensor([[0.5, 0.25], [0.125, 2.0], [0.0, 0.0]])
+    want = EX.spread(torch, meta, 3, x, w)
+    got = EX.spread(torch, meta.cuda(), 3, x.cuda(), w.cuda())
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got, strict=True))
+    y = torch.arange(8.0).view(4, 2).repeat(1, 64).to(torch.bfloat16)
+    yw = torch.tensor([0.5, 0.25, 0.125, 9.0])
+    want = EX.fold(torch, meta, 3, y, yw)
+    got = EX.fold(torch, meta.cuda(), 3, y.cuda(), yw.cuda())
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(want, got, strict=True))
