@@ -117,6 +117,27 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                 finally:
                     elastic_layout._by_kernel = by_kernel
 
+            # Why did torch's compare + masked_fill cost ~280 µs of host time inside V2's
+            # combine (thirty-sixth session's profile)? The same two operations alone, and
+            # right after a V1 dispatch (whose stream then waits for the engine's DONE).
+            ids = torch.randint(-1, 4, (ns.ranks * ns.tokens, ns.topk), device=dev)
+            wts = torch.rand((ns.ranks * ns.tokens, ns.topk), device=dev)
+
+            def mask_ops() -> None:
+                wts.masked_fill(ids < 0, 0.0)
+
+            def v1_dispatch() -> None:
+                per_rank, _, per_expert, in_rank, _ = v1.get_dispatch_layout(tidx, ns.experts)
+                v1.dispatch(x, topk_idx=tidx, topk_weights=tw, num_tokens_per_rank=per_rank,
+                            num_tokens_per_expert=per_expert, is_token_in_rank=in_rank)
+
+            def v1_dispatch_mask_ops() -> None:
+                v1_dispatch()
+                mask_ops()
+
+            rows.update({"torch mask ops": mask_ops, "v1 dispatch": v1_dispatch,
+                         "v1 dispatch + torch mask ops": v1_dispatch_mask_ops})
+            calls.update({"v1 dispatch": 2, "v1 dispatch + torch mask ops": 2})
             rows.update({"v1 facade layer": v1_layer, "v2 layer cpu-sync": v2_layer(True),
                          "v2 layer worst-case": v2_layer(False),
                          "v2 layer torch-handle": torch_handle,

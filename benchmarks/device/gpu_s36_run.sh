@@ -8,6 +8,8 @@
 #   v2prof   # rank 0's client under cProfile: the V1 facade layer, then the V2 layer (CPU sync)
 #   final    # the ElasticBuffer GPU tests, the layer rows and v2prof (~4 minutes)
 #   verify   # the ElasticBuffer GPU tests and three layer rows (~2 minutes)
+#   torchops # torch's compare + masked_fill alone and after a V1 dispatch (was ~280 µs in V2's
+#            # combine): the client's host time per call (~1 minute)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
 elastic_rows() {
@@ -33,6 +35,11 @@ case "${1:-}" in
         --ranks 2 --elastic --rows "v1 facade layer,v2 layer cpu-sync,v2 layer worst-case" \
         --json "$OUT/verify_rows.json" 2>&1 | clean | tail -4
     ;;
+  torchops)
+    timeout 100 python3 -P benchmarks/probe_calls.py --tokens 128 --iters 200 --mps on \
+        --ranks 2 --elastic --rows "torch mask ops,v1 dispatch,v1 dispatch + torch mask ops" \
+        --json "$OUT/torchops_rows.json" 2>&1 | clean | tail -4
+    ;;
   v2prof)
     for row in "v1 facade layer" "v2 layer cpu-sync"; do
       label=${row// /_}
@@ -48,5 +55,5 @@ s.sort_stats('cumulative').print_stats('epd', 70)" > "$OUT/profile_$label.txt" 2
     done
     merge_json prof_rows prof_rows
     ;;
-  *) echo "usage: $0 first | elastic_rows | v2prof | final | verify" >&2; exit 2 ;;
+  *) echo "usage: $0 first | elastic_rows | v2prof | final | verify | torchops" >&2; exit 2 ;;
 esac
