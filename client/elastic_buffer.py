@@ -136,7 +136,7 @@ class ElasticBuffer:
             group, int(num_bytes or 0), 0, explicitly_destroy=explicitly_destroy,
             max_tokens_per_rank=num_max_tokens_per_rank or None, **epd)
         b = self.runtime
-        if getattr(b.session.memory, "backend", "") == "cuda":
+        if b.session.memory.supports_stream_ops:  # (CUDA tensors: the V2 kernels' calls)
             # The V2 kernels loaded now: loading waits for the context's running work, which
             # must not happen inside a call (cuda_driver.load_function).
             elastic_layout.load(b.session.device_ordinal)
