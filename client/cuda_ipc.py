@@ -389,6 +389,16 @@ def launch_packed(fn: int, grid: tuple[int, int], block: int, stream: int, fmt: 
     _launch(fn, grid, block, stream, args.pack(*values), device, shared)
 
 
+def launch_on_current_stream(source: str, name: str, template: Any, grid: tuple[int, int],
+                             block: int, fmt: str, values: tuple[int, ...],
+                             shared: int = 0) -> None:
+    """`launch_packed` of kernel `name` of `source` on the caller's current stream of the torch
+    CUDA tensor `template`'s device (the client's kernels that work on a caller's tensors)."""
+    device = template.device.index
+    launch_packed(compiled_kernel(source, name, device), grid, block,
+                  stream_handle(None, template, device), fmt, values, device, shared)
+
+
 def _launch(fn: int, grid: tuple[int, int], block: int, stream: int, argv: int, device: int,
             shared: int) -> None:
     import cupy

@@ -53,10 +53,6 @@ BUFFER_ALIGNMENT = 2 << 20  # DeepEP V2's buffer sizes are multiples of 2 MiB
 TMA_SF_ALIGNMENT = 4  # rows of a column-major scale tensor, padded to 16 bytes of float32
 
 
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
 def _not_provided(feature: str) -> Any:
     """A method (of the class or an instance) that raises Unsupported naming `feature`."""
     def refuse(*args: Any, **kwargs: Any) -> Any:
@@ -391,8 +387,8 @@ class ElasticBuffer:
             expanded = sum(counts_list)
         else:
             counts_list = []
-            expanded = _align(ranks * max_tokens * min(topk, local) + (alignment - 1) * local,
-                              alignment)
+            expanded = C._align_up(
+                ranks * max_tokens * min(topk, local) + (alignment - 1) * local, alignment)
         return EPHandle(v1=v1, do_expand=do_expand, num_experts=num_experts,
                      expert_alignment=alignment, num_max_tokens_per_rank=max_tokens,
                      num_sms=num_sms, topk_idx=lay.topk_idx,
@@ -427,7 +423,7 @@ def _size_hint(ranks: int, max_tokens: int, hidden: int, topk: int, fp8: bool) -
     and weights and its metadata."""
     row = hidden * (1 if fp8 else 2) + (math.ceil(hidden / 128) * 4 if fp8 else 0) \
         + topk * (8 + 4 + 4) + 8
-    return _align(max(ranks * max_tokens * row, 1), BUFFER_ALIGNMENT)
+    return C._align_up(max(ranks * max_tokens * row, 1), BUFFER_ALIGNMENT)
 
 
 def _with_scales_layout(t: Any, recv_x: Any, col_major: bool) -> Any:
@@ -437,8 +433,8 @@ def _with_scales_layout(t: Any, recv_x: Any, col_major: bool) -> Any:
         return recv_x
     data, sf = recv_x
     n, packs = sf.shape
-    out = t.empty_strided((n, packs), (1, _align(max(n, 1), TMA_SF_ALIGNMENT)), dtype=sf.dtype,
-                          device=sf.device)
+    out = t.empty_strided((n, packs), (1, C._align_up(max(n, 1), TMA_SF_ALIGNMENT)),
+                          dtype=sf.dtype, device=sf.device)
     out.copy_(sf)
     return data, out
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..proto.errors import InvalidArgument
-from .cuda_ipc import compiled_kernel, launch_packed
+from .cuda_ipc import compiled_kernel, launch_on_current_stream
 
 Array = Any
 THREADS = 256  # 8 warps a block, a warp per received row
@@ -120,15 +120,11 @@ _MASK_ARGS = "QQQq"
 _FOLD_ARGS = "QiiiiQQQQ"
 
 
-def _grid(rows: int) -> tuple[int, int]:
-    return (max(1, min(-(-rows // (THREADS // 32)), 1024)), 1)
-
-
-def _launch(t: Any, name: str, like: Array, fmt: str, values: tuple, rows: int) -> None:
-    dev = like.device
-    device = dev.index if dev.index is not None else t.cuda.current_device()
-    launch_packed(compiled_kernel(_SOURCE, name, device), _grid(rows), THREADS,
-                  t.cuda.current_stream(dev).cuda_stream, fmt, values, device)
+def _launch(name: str, like: Array, fmt: str, values: tuple, warps: int) -> None:
+    """Kernel `name` on the caller's current stream with about `warps` warps (at most 1024
+    blocks: the kernels loop)."""
+    blocks = max(1, min(-(-warps // (THREADS // 32)), 1024))
+    launch_on_current_stream(_SOURCE, name, like, (blocks, 1), THREADS, fmt, values)
 
 
 def _dense(*arrays: Array) -> bool:
@@ -150,12 +146,15 @@ def spread(t: Any, meta: Array, n: int, recv_x: Any, recv_w: Array) -> tuple[Any
     """(recv_x as `n` expanded rows, recv_w as `[n]`): each received row at its slots' rows
     (`meta[:, 2:]`), zero rows elsewhere. recv_x is a tensor or an (FP8 data, scales) pair."""
     parts = list(recv_x) if isinstance(recv_x, tuple) else [recv_x]
-    outs = [t.zeros((n, *a.shape[1:]), dtype=a.dtype, device=a.device) for a in parts]
-    w_out = t.zeros(n, dtype=recv_w.dtype, device=recv_w.device) if recv_w is not None else None
     rows, topk = int(meta.shape[0]), int(meta.shape[1]) - 2
-    if (meta.is_cuda and len(parts) <= 2 and _dense(meta, *parts, recv_w)
-            and _on(meta.device, *parts, recv_w)
-            and (recv_w is None or recv_w.dtype == t.float32)):
+    kernel = (meta.is_cuda and len(parts) <= 2 and _dense(meta, *parts, recv_w)
+              and _on(meta.device, *parts, recv_w)
+              and (recv_w is None or recv_w.dtype == t.float32))
+    spare = 0 if kernel else 1  # (the torch path's row n: where dropped slots are written)
+    outs = [t.zeros((n + spare, *a.shape[1:]), dtype=a.dtype, device=a.device) for a in parts]
+    w_out = t.zeros(n + spare, dtype=recv_w.dtype, device=recv_w.device) \
+        if recv_w is not None else None
+    if kernel:
         if rows and n:
             a, a_out = parts[0], outs[0]
             b, b_out = (parts[1], outs[1]) if len(parts) == 2 else (None, None)
@@ -165,24 +164,20 @@ def spread(t: Any, meta: Array, n: int, recv_x: Any, recv_w: Array) -> tuple[Any
 
             def row_bytes(x: Array | None) -> int:
                 return x[0].numel() * x.element_size() if x is not None else 0
-            _launch(t, "epd_v2_spread", meta, _SPREAD_ARGS,
+            _launch("epd_v2_spread", meta, _SPREAD_ARGS,
                     (meta.data_ptr(), rows, topk, n, ptr(a), row_bytes(a), ptr(a_out), ptr(b),
                      row_bytes(b), ptr(b_out), ptr(recv_w), ptr(w_out)), rows)
     else:
         slots = meta[:, 2:].long()
-        dst = t.where((slots >= 0) & (slots < n), slots, t.full_like(slots, n))  # (row n:
-        # a spare, dropped)
-        spare = [t.cat([o, t.zeros((1, *o.shape[1:]), dtype=o.dtype, device=o.device)])
-                 for o in outs]
-        for a, o in zip(parts, spare, strict=True):
+        dst = t.where((slots >= 0) & (slots < n), slots, t.full_like(slots, n))
+        for a, o in zip(parts, outs, strict=True):
             for k in range(topk):
                 o[dst[:, k]] = a
-        outs = [o[:n] for o in spare]
-        if recv_w is not None:
-            w = t.zeros(n + 1, dtype=recv_w.dtype, device=recv_w.device)
+        outs = [o[:n] for o in outs]
+        if w_out is not None:
             for k in range(topk):
-                w[dst[:, k]] = recv_w[:, k]
-            w_out = w[:n]
+                w_out[dst[:, k]] = recv_w[:, k]
+            w_out = w_out[:n]
     return (tuple(outs) if isinstance(recv_x, tuple) else outs[0]), w_out
 
 
@@ -204,7 +199,7 @@ def fold(t: Any, meta: Array, expanded: int, x: Array, w: Array) -> tuple[Array,
         w_out = t.empty((rows, topk), dtype=t.float32, device=x.device) \
             if w is not None else None
         if rows:
-            _launch(t, "epd_v2_fold", meta, _FOLD_ARGS,
+            _launch("epd_v2_fold", meta, _FOLD_ARGS,
                     (meta.data_ptr(), rows, topk, hidden, expanded, x.data_ptr(), y.data_ptr(),
                      w.data_ptr() if w is not None else 0,
                      w_out.data_ptr() if w_out is not None else 0), rows)
@@ -232,7 +227,7 @@ def local_weights(t: Any, ids: Array, w: Array) -> Array:
         out = t.empty_like(w)
         n = w.numel()
         if n:
-            _launch(t, "epd_v2_local_weights", w, _MASK_ARGS,
+            _launch("epd_v2_local_weights", w, _MASK_ARGS,
                     (ids.data_ptr(), w.data_ptr(), out.data_ptr(), n), -(-n // 32))
         return out
     return w.masked_fill(ids < 0, 0.0)

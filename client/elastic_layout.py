@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .cuda_ipc import compiled_kernel, launch_packed
+from .cuda_ipc import compiled_kernel, launch_on_current_stream
 
 Array = Any
 THREADS = 1024  # one block: phases separated by block barriers, no grid-wide sync
@@ -152,7 +152,7 @@ def shared_bytes(ranks: int, local: int) -> int:
 
 
 def load(device: int) -> None:
-    """Compile and load the kernel now (at a buffer's first dispatch on `device`)."""
+    """Compile and load the kernel now (at an ElasticBuffer's making: never on a call)."""
     compiled_kernel(_SOURCE, "epd_v2_handle", device)
 
 
@@ -195,15 +195,13 @@ def _by_kernel(t: Any, rank_prefix: Array, recv_src_idx: Array, recv_idx: Array,
     ridx_copy = copies[:rows * topk].view(rows, topk)
     tidx_copy = copies[rows * topk:].view(tokens, topk) if copy_topk else topk_idx
     inputs = [a.contiguous() for a in (rank_prefix, recv_src_idx, recv_idx, topk_idx, in_rank)]
-    device = dev.index if dev.index is not None else t.cuda.current_device()
-    fn = compiled_kernel(_SOURCE, "epd_v2_handle", device)
-    launch_packed(fn, (1, 1), THREADS, t.cuda.current_stream(dev).cuda_stream, _ARGS,
-                  (*(a.data_ptr() for a in inputs), ranks, me, rows, topk, tokens, local,
-                   max_tokens, alignment, int(do_expand),
-                   *(p.data_ptr() for p in (psum_ranks, psum_experts, unaligned, meta,
-                                            dst_slot, ridx_copy)),
-                   tidx_copy.data_ptr() if copy_topk else 0),
-                  device, shared_bytes(ranks, local))
+    launch_on_current_stream(
+        _SOURCE, "epd_v2_handle", recv_idx, (1, 1), THREADS, _ARGS,
+        (*(a.data_ptr() for a in inputs), ranks, me, rows, topk, tokens, local, max_tokens,
+         alignment, int(do_expand),
+         *(p.data_ptr() for p in (psum_ranks, psum_experts, unaligned, meta, dst_slot,
+                                  ridx_copy)),
+         tidx_copy.data_ptr() if copy_topk else 0), shared_bytes(ranks, local))
     return HandleLayout(psum_ranks, psum_experts, unaligned, meta.view(rows, 2 + topk),
                         dst_slot.view(tokens, topk), ridx_copy, tidx_copy)
 
