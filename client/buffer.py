@@ -395,9 +395,15 @@ class Buffer(LowLatencyMixin):
                                   f"[0, {MAX_INT32}]")
         if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
             g = self._grow(g, -(-num_worst_tokens // g.num_ranks))
+        if g.capacity_owed:  # (an earlier worst-case dispatch's failure, raised already)
+            g = self._grow(g, g.capacity_owed)
         try:
             return g, run(g)
         except TokenCapacityExceeded as e:
+            if e.earlier:  # an earlier worst-case dispatch failed, not this call (not sent):
+                # grow for the next call, and tell the caller of the lost one
+                self._grow(g, e.tokens_needed)
+                raise
             g = self._grow(g, e.tokens_needed)
             return g, run(g)
 

@@ -228,6 +228,9 @@ class Group:
         self._left = False
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
+        # Tokens per rank an earlier worst-case dispatch needed, found after the call returned
+        # (its TokenCapacityExceeded raised at a later call): the facade grows before its next.
+        self.capacity_owed = 0
         self._ordered = session.memory.supports_stream_ops
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None

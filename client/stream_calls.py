@@ -16,6 +16,7 @@ DONE itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import grpc
@@ -37,6 +38,17 @@ _DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights
                   "recv_src_idx")
 
 
+@dataclass(frozen=True)
+class UnwaitedDispatch:
+    """A worst-case dispatch (`num_worst_tokens`) whose receive count the host did not wait
+    for, as DeepEP's does not: its status is read at the membership's next call, and waited
+    for before the next dispatch (whose notify overwrites the count)."""
+
+    sequence: int  # the counter sequence notify publishes
+    seq: int  # the call's stream sequence
+    timeout: float  # the call's deadline, seconds
+
+
 class StreamSlot:
     """A membership's counter-slot words, as the host and this process's streams see them."""
 
@@ -50,6 +62,8 @@ class StreamSlot:
         self.issued = 0  # the latest sequence the engine answered
         f = counter_page.stream_failure(self.words)
         self.reported = f.seq if f is not None else 0  # failures already raised (or older)
+        self.unwaited: UnwaitedDispatch | None = None
+        self.released = False
 
     def begin(self, stream: int, seq: int) -> None:
         """Our stream has produced the call's inputs: let the engine's stream go."""
@@ -77,13 +91,18 @@ class StreamSlot:
         raise f.error(spec.name, spec.num_experts)
 
     def release(self) -> None:
-        """The session or engine is gone: no stream may wait for DONE forever."""
+        """The session or engine is gone: no stream may wait for DONE forever (nor the host
+        for an unwaited count: the release is the failure the next call raises)."""
+        self.released = True
         counter_page.release_stream(self.words, self.issued)
 
 
-def _slot(group: Group) -> StreamSlot:
+def _slot(group: Group, wait: bool = False) -> StreamSlot:
+    """The membership's slot, once earlier failures are raised: a worst-case dispatch's count
+    status if published by now (`wait`: waited for within its deadline), the GPU's reports."""
     if group._stream_slot is None:
         group._stream_slot = StreamSlot(group)
+    _settle_unwaited(group, group._stream_slot, wait)
     group._stream_slot.check()
     if group._local_layout is not None:
         group._local_layout.check()
@@ -126,14 +145,62 @@ def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
     return outs
 
 
+def _failed(group: Group, got: tuple[int, list[int]] | None) -> bool:
+    """Whether the dispatch whose count wait gave `got` failed (None: no count by its
+    deadline)."""
+    return got is None or int(group._counter[counter_page.STATUS]) != 0
+
+
+def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | None,
+                   sequence: int, seq: int, timeout: float, earlier: bool) -> EpdError:
+    """The error of failed dispatch `sequence` (stream sequence `seq`) by its count `got`
+    (None: none came by its deadline); raises the GPU's own report of it where that comes
+    first. `earlier`: a worst-case dispatch the caller went on from."""
+    words = group._counter
+    name = f"dispatch #{sequence}"
+    lost = (" (num_worst_tokens: the call returned without waiting for its count, as "
+            "DeepEP's; its outputs and the combine of its handle hold no data)" if earlier else "")
+    if got is not None and int(words[counter_page.STATUS]) == abi.ERR_CAPACITY:
+        err = counter_page.capacity_error(group.name, group.spec.max_tokens_per_rank, got[0],
+                                          int(words[abi.SLOT_ERR_RANK]), name + lost)
+        err.earlier = earlier
+        if earlier:
+            group.capacity_owed = max(group.capacity_owed, err.tokens_needed)
+        return err
+    if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
+        slot.settle(seq, timeout)
+    slot.check()
+    missing = int(words[abi.SLOT_ERR_RANK]) if got is not None else -1
+    who = f": rank {missing} did not arrive" if missing >= 0 else ""
+    return EpdError(grpc.StatusCode.DEADLINE_EXCEEDED if got is None or missing >= 0 else
+                    grpc.StatusCode.ABORTED,
+                    f"group {group.name!r}: {name} got no receive counts{who}{lost}")
+
+
+def _settle_unwaited(group: Group, slot: StreamSlot, wait: bool) -> None:
+    """Raise (once) the failure of the worst-case dispatch the host did not wait for, once
+    its count is published (`wait`: waiting for it within the call's deadline)."""
+    u = slot.unwaited
+    if u is None or not (wait or counter_page.published(group._counter, u.sequence)):
+        return
+    slot.unwaited = None
+    got = counter_page.wait(group._counter, u.sequence, u.timeout, stop=lambda: slot.released)
+    if slot.released:
+        got = None  # (no count will come: the release's failure is raised below)
+    if _failed(group, got):
+        raise _count_failure(group, slot, got, u.sequence, u.seq, u.timeout, earlier=True)
+
+
 def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, template: Array,
              copy: bool, num_sms: int) -> tuple[epd_pb2.DispatchResponse, int, list[int], int,
                                                 dict[str, Any]]:
     """(response, num_recv_tokens, per-expert counts, rows, outputs by response field name);
-    the Group makes its DispatchResult and Handle of them."""
+    the Group makes its DispatchResult and Handle of them. A worst-case dispatch
+    (num_worst_tokens) does not wait for its count, as DeepEP's does not: its count is -1
+    and its per-expert counts empty, and a failure raises at the membership's next call."""
     s = group._session
     stream = _stream(group, template, "dispatch")
-    slot = _slot(group)
+    slot = _slot(group, wait=True)  # (this call's notify overwrites an unwaited count)
     req.stream_ordered = True
     req.num_sms = num_sms
     released = group._take_released()
@@ -145,30 +212,22 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
         raise
     seq = resp.stream_seq
     slot.begin(stream, seq)
-    # The receive count, published by the notify kernel (by the engine for a cached dispatch).
-    got = counter_page.wait(group._counter, resp.counter_sequence,
-                            max(req.timeout_seconds, 1.0))  # the call's deadline, >= 1 s
-    if got is not None and int(group._counter[counter_page.STATUS]) == abi.ERR_CAPACITY:
-        slot.end(stream, seq)  # every rank failed the call before any row moved
-        group._requeue([resp.handle])  # (the engine's handle of a call that did not run)
-        raise counter_page.capacity_error(group.name, group.spec.max_tokens_per_rank, got[0],
-                                          int(group._counter[abi.SLOT_ERR_RANK]),
-                                          f"dispatch #{resp.counter_sequence}")
-    if got is None or int(group._counter[counter_page.STATUS]):
+    timeout = max(req.timeout_seconds, 1.0)  # the call's deadline, >= 1 s
+    if req.num_worst_tokens and not req.cached_handle:  # (a cached count is known at once)
+        slot.end(stream, seq)
+        slot.unwaited = UnwaitedDispatch(resp.counter_sequence, seq, timeout)
+        n, per_expert, rows = -1, [], req.num_worst_tokens
+    else:
+        # The receive count, published by the notify kernel (by the engine for a cached one).
+        got = counter_page.wait(group._counter, resp.counter_sequence, timeout)
         slot.end(stream, seq)  # the stream passes the call either way
-        group._requeue([resp.handle])  # (the engine's handle of a call that failed)
-        if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
-            slot.settle(seq, max(req.timeout_seconds, 1.0))
-        slot.check()
-        missing = int(group._counter[abi.SLOT_ERR_RANK]) if got is not None else -1
-        who = f": rank {missing} did not arrive" if missing >= 0 else ""
-        raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED if got is None or missing >= 0 else
-                       grpc.StatusCode.ABORTED,
-                       f"group {group.name!r}: dispatch #{resp.counter_sequence} got no receive "
-                       f"counts{who}")
-    n, per_expert = got
-    rows = req.num_worst_tokens or n
-    slot.end(stream, seq)
+        if _failed(group, got):  # (every rank failed it; the engine's handle of it goes back)
+            group._requeue([resp.handle])
+            raise _count_failure(group, slot, got, resp.counter_sequence, seq, timeout,
+                                 earlier=False)
+        assert got is not None
+        n, per_expert = got
+        rows = req.num_worst_tokens or n
 
     names = [name for name in _DISPATCH_ROWS if getattr(resp, name).region_id]
     parts: list[tuple[epd_pb2.TensorDesc, int | None]] = [

@@ -941,7 +941,12 @@ epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
                    const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,
                    const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
                    const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
-                   i64 timeout_ns, int num_nodes) {
+                   i64 timeout_ns, int num_nodes, const int* __restrict__ recv_info) {
+    // A dispatch that failed alike on every rank (its capacity: recv_info[1]) moved no row, and
+    // its combine's push kernels skipped: no flag will come, and the handle's positions are not
+    // this call's. The engine may launch such a combine before it knows (a worst-case
+    // dispatch's receive count is not waited for on the host).
+    if (recv_info[1] != 0) return;
     combine_reduce_any<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1, b1_stride,
                            out_w, w, w_stride, T, H, K, R, rank, token_mask, pos,
                            count_matrix, rank_prefix, peers, off_stage_y, off_stage_w, seq,
@@ -952,7 +957,7 @@ epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
 template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::word*, i64,
     const Bf16::word*, i64, const Bf16::word*, i64, float*, const float*, i64, int, int, int,
     int, int, const unsigned char*, const int*, const int*, const int*, const u64*, i64, i64,
-    u64, i64, int);
+    u64, i64, int, const int*);
 #endif
 
 #ifdef EPD_NVSHMEM  // a linked module is searched by plain names: one per combine element type
@@ -965,7 +970,8 @@ template __global__ void epd_combine_reduce<Bf16>(Bf16::word*, i64, const Bf16::
         const unsigned char* __restrict__ token_mask, const int* __restrict__ pos,             \
         const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,             \
         const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,              \
-        i64 timeout_ns, int num_nodes) {                                                       \
+        i64 timeout_ns, int num_nodes, const int* __restrict__ recv_info) {                    \
+        if (recv_info[1] != 0) return; /* (as epd_combine_reduce) */                           \
         combine_reduce_any<Tr>(out, out_stride, y, y_stride, bias0, b0_stride, bias1,          \
                                b1_stride, out_w, w, w_stride, T, H, K, R, rank, token_mask,    \
                                pos, count_matrix, rank_prefix, peers, off_stage_y,             \

@@ -80,6 +80,11 @@ def counts_in_range(num_recv_tokens: int, per_expert: list[int], max_rows: int,
             and max(per_expert, default=0) <= INT32_MAX)  # hundred counts in C)
 
 
+def published(words: np.ndarray, sequence: int) -> bool:
+    """Whether the slot carries `sequence` (or a later one) now: `wait` returns at once."""
+    return int(words[SEQ]) >= sequence
+
+
 def wait(words: np.ndarray, sequence: int, timeout: float,
          stop: Callable[[], bool] | None = None) -> tuple[int, list[int]] | None:
     """Spin (then back off) until the slot carries `sequence`; None on timeout, or once

@@ -73,6 +73,10 @@ class TokenCapacityExceeded(ResourceExhausted):
     number travels inside the message, after CAPACITY_MARK, because a status carries only a
     code and a message."""
 
+    # Raised for an earlier worst-case dispatch whose count the caller did not wait for (its
+    # outputs hold no data): growing the group cannot redo that call (client/stream_calls.py).
+    earlier = False
+
     def __init__(self, message: str = "", tokens_needed: int | None = None) -> None:
         if tokens_needed is None:
             found = _CAPACITY_RE.search(message)

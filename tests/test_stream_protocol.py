@@ -317,3 +317,139 @@ def test_counts_read_back_are_bounded() -> None:
     assert not ok(101, [4, 6], 100, 2) and not ok(10, [-1, 6], 100, 2)
     assert not ok(10, [4, 6, 0], 100, 2) and not ok(10, [2**31, 0], 100, 2)
     assert ok(10, [4, 6, 0], 100)  # (no expert count given: not checked)
+
+
+# -- worst-case dispatches: the host does not wait for the count (as DeepEP's) ----------------
+def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
+    """A Group as stream_calls sees it, with the driver calls recorded and the engine's
+    answers taken from `answers`."""
+    from epd.client import stream_calls
+
+    ops: list[tuple] = []
+    monkeypatch.setattr(stream_calls.cuda_ipc, "stream_handle", lambda *a: 0)
+    monkeypatch.setattr(stream_calls.cuda_driver, "stream_write",
+                        lambda s, p, v: ops.append(("write", v)))
+    monkeypatch.setattr(stream_calls.cuda_driver, "stream_wait_geq",
+                        lambda s, p, v: ops.append(("wait", v)))
+    sent: list = []
+
+    def call(method, req, timeout=None):
+        sent.append(req)
+        return answers.pop(0)
+    memory = types.SimpleNamespace(is_capturing=lambda t: False, device_ordinal=0,
+                                   counter_page_device_ptr=lambda: 0x1000)
+    session = types.SimpleNamespace(memory=memory, device_ordinal=0, _call=call)
+    requeued: list[int] = []
+    group = types.SimpleNamespace(
+        _session=session, name="g", _counter=_slot(), _counter_slot=0, _stream_slot=None,
+        _local_layout=None, capacity_owed=0, _take_released=lambda: [],
+        _requeue=requeued.extend,
+        spec=types.SimpleNamespace(name="g", num_experts=8, max_tokens_per_rank=16),
+        _outputs=types.SimpleNamespace(rows=lambda parts, copy, t, s: [p[1] for p in parts]))
+    return group, ops, sent, requeued
+
+
+def _answer(seq: int, sequence: int) -> epd_pb2.DispatchResponse:
+    return epd_pb2.DispatchResponse(stream_seq=seq, counter_sequence=sequence, handle=seq,
+                                    recv_x=epd_pb2.TensorDesc(region_id="r"))
+
+
+def test_a_worst_case_dispatch_returns_without_its_count(monkeypatch) -> None:
+    """With num_worst_tokens the client neither waits for the receive count nor reads it (as
+    DeepEP's, no CPU sync): the rows are the worst case's, the count -1, the per-expert list
+    empty. Its status is read at the next call once published, and waited for (bounded)
+    before the next dispatch, whose notify overwrites it; a failure raises once."""
+    from epd.client import stream_calls
+    from epd.proto.errors import TokenCapacityExceeded
+
+    group, ops, _, requeued = _fake_group(monkeypatch, [_answer(1, 1), _answer(3, 2)])
+    req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=5.0)
+    t0 = time.monotonic()
+    _, n, per_expert, rows, outs = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    assert time.monotonic() - t0 < 0.5  # no count came: not waited for
+    assert (n, per_expert, rows, outs["recv_x"]) == (-1, [], 32, 32)
+    assert ops == [("write", 1), ("wait", 1)]  # READY, then DONE: the stream is ordered
+    # Not published: the next call (a combine, layout) goes on without waiting.
+    stream_calls._slot(group)
+    # Every rank failed it for capacity (notify: count, error rank, status, then sequence).
+    counter_page.publish(group._counter, 1, 40, [], status=abi.ERR_CAPACITY)
+    group._counter[abi.SLOT_ERR_RANK] = 1
+    with pytest.raises(TokenCapacityExceeded, match="no data") as e:
+        stream_calls._slot(group)
+    assert e.value.earlier and e.value.tokens_needed == 40 and group.capacity_owed == 40
+    assert "rank 1 dispatched 40 tokens" in e.value.message
+    stream_calls._slot(group)  # raised once
+    assert requeued == []  # (the caller holds its handle: released when dropped)
+
+    # The next dispatch waits for an unwaited count before it is sent (a notify publishing it
+    # 50 ms later), then goes on.
+    group, ops, sent, _ = _fake_group(monkeypatch, [_answer(1, 1), _answer(2, 2)])
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+
+    def notify() -> None:
+        time.sleep(0.05)
+        counter_page.publish(group._counter, 1, 20, [10, 10])
+    th = threading.Thread(target=notify)
+    th.start()
+    t0 = time.monotonic()
+    _, n, _, _, _ = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    th.join()
+    assert time.monotonic() - t0 >= 0.04 and len(sent) == 2 and n == -1
+
+
+def test_an_unwaited_count_never_holds_a_released_slot(monkeypatch) -> None:
+    """The session or engine went away with a worst-case dispatch's count unpublished: the
+    next dispatch does not wait out the deadline for it; the release is what it raises."""
+    from epd.client import stream_calls
+
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=30.0)
+    stream_calls.dispatch(group, req, 30.0, object(), True, 0)
+    group._stream_slot.release()
+    t0 = time.monotonic()
+    with pytest.raises(EpdError) as e:
+        stream_calls.dispatch(group, req, 30.0, object(), True, 0)
+    assert time.monotonic() - t0 < 2.0 and e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert len(sent) == 1
+
+
+def test_a_dispatch_that_waits_still_fails_at_once_for_capacity(monkeypatch) -> None:
+    """Without num_worst_tokens the count is waited for: a capacity failure raises from the
+    call itself (the facade grows and calls again) and its handle goes back."""
+    from epd.client import stream_calls
+    from epd.proto.errors import TokenCapacityExceeded
+
+    group, _, _, requeued = _fake_group(monkeypatch, [_answer(1, 1)])
+    counter_page.publish(group._counter, 1, 40, [], status=abi.ERR_CAPACITY)
+    with pytest.raises(TokenCapacityExceeded) as e:
+        stream_calls.dispatch(group, epd_pb2.DispatchRequest(timeout_seconds=5.0), 5.0,
+                              object(), True, 0)
+    assert not e.value.earlier and group.capacity_owed == 0 and requeued == [1]
+
+
+def test_the_engine_counts_a_combine_launched_before_its_dispatch_count() -> None:
+    """The engine's combine of a worst-case dispatch does not wait for notify's count
+    (`_resolve(wait=False)`: False while unpublished, the handle still pending); once the
+    count is published the dispatch's and those combines' bytes are counted, once."""
+    from epd.server.engine.state import HandleInfo
+    from epd.server.engine.stream_calls import StreamCalls
+
+    words = _slot()
+    spec = types.SimpleNamespace(label="g", name="g", hidden=8, max_recv_tokens=64,
+                                 num_local_experts=2, x_numpy_dtype=np.dtype(np.float32))
+    info = HandleInfo(types.SimpleNamespace(num_recv=-1), 4, -1, 32, sequence=3)
+    member = types.SimpleNamespace(spec=spec, counter_slot=0, pending=info, rank=0,
+                                   bytes_received=0, bytes_sent=0)
+    session = types.SimpleNamespace(counter_page=types.SimpleNamespace(slot=lambda i: words))
+    engine = types.SimpleNamespace(_timeout=lambda t: 5.0, backend=types.SimpleNamespace(
+        peer_class="nvlink"), config=types.SimpleNamespace(per_expert_metrics=False))
+    t0 = time.monotonic()
+    assert not StreamCalls._resolve(engine, session, member, info, wait=False)
+    assert time.monotonic() - t0 < 0.5 and member.pending is info and info.sequence == 3
+    info.unresolved_combines = 2  # (two combines launched meanwhile, combine_stream)
+    counter_page.publish(words, 3, 20, [12, 8])
+    assert StreamCalls._resolve(engine, session, member, info, wait=False)
+    assert (info.num_recv_tokens, info.rows_out, info.sequence, member.pending) == (20, 32, 0,
+                                                                                    None)
+    assert member.bytes_received == 20 * 8 * 4 and member.bytes_sent == 2 * 20 * 8 * 4
+    assert info.unresolved_combines == 0

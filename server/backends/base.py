@@ -490,6 +490,14 @@ class RankComm(abc.ABC):
 
     stream_ordered = False  # whether the stream_* calls below are implemented
 
+    @property
+    def combine_skips_failed_dispatch(self) -> bool:
+        """Whether a stream-ordered combine may be launched before its dispatch's receive
+        count is known: its kernels skip the call, alike on every rank, when that dispatch
+        failed without aborting the group (its capacity). Else the engine waits for the count
+        first (a worst-case dispatch's client does not)."""
+        return False
+
     # Stream-ordered normal-mode calls (engine/stream_calls.py): the rank's stream waits on the
     # GPU for the client's READY word, the kernels follow, a last kernel writes the failure
     # words and DONE; nothing waits on the host. `stream_seq` is the call's sequence. Each

@@ -176,6 +176,12 @@ class CudaRankComm(RankComm):
     backend_name = "cuda"
     stream_ordered = True  # layout/dispatch/combine may be stream-ordered (stream_calls.py)
 
+    @property
+    def combine_skips_failed_dispatch(self) -> bool:
+        # The flat kernels read the handle's status (epd_combine_push, epd_combine_reduce);
+        # a two-stage group's stage handles are not all checked so.
+        return self.stages is None
+
     def __init__(self, backend: CudaBackend, spec: GroupSpec, membership: Membership) -> None:
         from . import cuda_runtime as rt
 

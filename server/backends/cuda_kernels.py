@@ -337,7 +337,7 @@ WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
 STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
 COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
-COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqi"
+COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqiQ"
 
 
 def _trait_for(dtype: Any) -> str:
@@ -529,7 +529,7 @@ class Kernels:
             _addr(recv_topk_weights), w_stride, handle.num_tokens, h, k, r, rank,
             _addr(handle.token_mask), _addr(handle.pos), _addr(handle.count_matrix),
             _addr(handle.rank_prefix), _addr(peers), o["stage_y"], o["stage_w"], seq,
-            timeout_ns, handle.num_nodes)
+            timeout_ns, handle.num_nodes, _addr(handle.recv_info))
 
     # -- low-latency mode: packed launches (see `Launch`) ------------------------------------
     def ll_dispatch_launch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int,

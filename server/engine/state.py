@@ -101,6 +101,9 @@ class HandleInfo:
     # awaits (0: known; num_recv_tokens / rows_out are -1 until then), and whether it failed.
     sequence: int = 0
     failed: bool = False
+    # Combines of it launched before its count was known (a worst-case dispatch, whose count
+    # the client does not wait for): their bytes are counted when the count is.
+    unresolved_combines: int = 0
     nbytes: int = 0  # engine memory charged to the session's handle bytes (RankComm.handle_bytes)
 
 

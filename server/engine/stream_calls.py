@@ -148,12 +148,16 @@ class StreamCalls:
             counter_page.publish(slot, dispatch_sequence, 0, [], status=abi.ERR_ABORTED)
 
     # -- handles whose receive count is still on its way -------------------------------------
-    def _resolve(self, session: Session, member: GroupMember, info: HandleInfo) -> None:
+    def _resolve(self, session: Session, member: GroupMember, info: HandleInfo,
+                 wait: bool = True) -> bool:
         """Learn a stream-ordered dispatch's receive count from the counter slot (the client
-        has normally read it already; else wait for notify, with the call's deadline)."""
+        has normally read it already; else wait for notify, with the call's deadline).
+        `wait=False`: only if notify has published it by now. Whether the count is known."""
         if not info.sequence:
-            return
+            return True
         slot = session.counter_page.slot(member.counter_slot)
+        if not wait and not counter_page.published(slot, info.sequence):
+            return False
         got = counter_page.wait(slot, info.sequence, self._timeout(0.0))
         stale = int(slot[counter_page.SEQ]) != info.sequence
         info.sequence = 0
@@ -170,7 +174,7 @@ class StreamCalls:
             info.failed = True
             info.num_recv_tokens = 0
             info.rows_out = info.rows_out if info.rows_out >= 0 else 0
-            return
+            return True
         n, per_expert = got
         info.num_recv_tokens = n
         if info.rows_out < 0:
@@ -179,11 +183,17 @@ class StreamCalls:
         nbytes = n * spec.hidden * spec.x_numpy_dtype.itemsize
         member.bytes_received += nbytes
         metrics.inc(metrics.BYTES_RECEIVED, (spec.label, self.backend.peer_class), nbytes)
+        if info.unresolved_combines:  # (combines launched before the count was known)
+            sent = info.unresolved_combines * nbytes
+            info.unresolved_combines = 0
+            member.bytes_sent += sent
+            metrics.inc(metrics.BYTES_SENT, (spec.label, self.backend.peer_class), sent)
         metrics.inc(metrics.RECV_TOKENS, (spec.label,), n)
         if self.config.per_expert_metrics and per_expert:
             base = member.rank * spec.num_local_experts
             for i, c in enumerate(per_expert):
                 metrics.inc(metrics.EXPERT_RECV_TOKENS, (spec.label, str(base + i)), c)
+        return True
 
     def _resolve_all(self, session: Session, member: GroupMember) -> None:
         """Before the counter slot takes another dispatch's counts."""
@@ -275,9 +285,12 @@ class StreamCalls:
         member.stream_seq = seq  # (taken once the backend accepted the call)
         self._launch_after_answer(session, member, slot, seq, "combine",
                                   metrics.COMBINE_SECONDS, path, launch)
-        nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
-        member.bytes_sent += nbytes
-        metrics.inc(metrics.BYTES_SENT, (spec.label, self.backend.peer_class), nbytes)
+        if info.sequence:  # (its count not published yet: counted once it is, _resolve)
+            info.unresolved_combines += 1
+        else:
+            nbytes = info.num_recv_tokens * spec.hidden * spec.x_numpy_dtype.itemsize
+            member.bytes_sent += nbytes
+            metrics.inc(metrics.BYTES_SENT, (spec.label, self.backend.peer_class), nbytes)
         member.combines += 1
         resp = epd_pb2.CombineResponse(combined_x=req.out, stream_seq=seq)
         if out_w is not None:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Thirty-seventh session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says), with .whl/old a `git archive` of server proto client cuda at a21fbb7
+# (the tree before the worst-case dispatch stopped waiting for its count):
+#   verify   # the new test (tests/gpu/test_worst_case_no_wait.py), then every GPU test that
+#            # runs a normal-mode combine (the reduce kernel reads the handle's status now)
+#   ab [ROUNDS]  # the V1 facade's layer with exact and worst-case rows and V2's layers, this
+#            # tree and .whl/old alternated (2 ranks on one GPU, D)
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
+ROWS_AB="v1 facade layer,v1 facade layer worst-case,v2 layer cpu-sync,v2 layer worst-case"
+layer_rows() {  # layer_rows LABEL PKG
+  PYTHONPATH=$2:/tmp/site timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 200 --mps on --ranks 2 --elastic --rows "$ROWS_AB" \
+      --json "$OUT/rows_$1.json" > /tmp/r.log 2>&1
+  echo "== $1 rc=$?"
+  clean < /tmp/r.log | grep -E "p50" | cut -c1-200
+}
+case "${1:-}" in
+  verify)
+    STEP_TEST_SECONDS=150 step nowait 170 "tests/gpu/test_worst_case_no_wait.py"
+    STEP_TEST_SECONDS=200 step combines 420 "tests/gpu/test_intranode.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_elastic_buffer_gpu.py"
+    ;;
+  ab)
+    mkdir -p /tmp/pkg_old/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for round in $(seq 1 "${2:-2}"); do
+      layer_rows "new_$round" /tmp/pkg
+      layer_rows "old_$round" /tmp/pkg_old
+    done
+    merge_json rows rows_ab
+    ;;
+  *) echo "usage: $0 verify | ab [ROUNDS]" >&2; exit 2 ;;
+esac
