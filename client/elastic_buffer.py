@@ -12,11 +12,12 @@ EPD's V1 facade (`client/buffer.py`) already runs the collective part: layout, d
 exact or worst-case rows (`num_worst_tokens`), cached dispatch, combine with biases. This
 module is the V2 shape over it: each V2 call is one V1 call plus tensor work on the same
 stream (no torch synchronisation unless `do_cpu_sync`), so V2 callers get the daemon's
-kernels and the V1 facade's stream semantics. One host wait stays where DeepEP V2 has none:
-on the CUDA engine a stream-ordered dispatch, worst-case rows included, waits (spinning on
-the counter page) for the notify kernel's receive count before it returns, and so is not
-capturable in a CUDA graph; a V2 caller that captures `do_cpu_sync=False` dispatches
-(DeepGEMM's mega-MoE baseline) is refused with FAILED_PRECONDITION.
+kernels and the V1 facade's stream semantics. Without `do_cpu_sync` the dispatch is V1's
+worst-case one, which on the CUDA engine does not wait on the host for the receive count
+either (its failure raises at a later call: client/stream_calls.py). It is still not
+capturable in a CUDA graph (the engine launches a normal-mode call's kernels per call, not
+per replay): a V2 caller that captures `do_cpu_sync=False` dispatches (DeepGEMM's mega-MoE
+baseline) is refused with FAILED_PRECONDITION.
 
 Rows arrive ordered by source rank, then source token (DeepEP's `deterministic=True` order,
 which EPD gives always: its kernels place rows by prefix, not by atomics); the expanded layout

@@ -358,7 +358,9 @@ class Group:
         The engine keeps the dispatch's handle until the returned handle object is garbage
         collected (then the next dispatch of this group releases it).
         On the cuda backend the call is stream-ordered on the caller's current stream (the host
-        waits only for the receive count); with copy=True (default) the outputs are new
+        waits only for the receive count, and not for that with num_worst_tokens: then
+        num_recv_tokens is -1, the per-expert list empty, and a failure raises at this
+        group's next call); with copy=True (default) the outputs are new
         tensors, with copy=False views of the engine's receive buffers, valid until this rank's
         next dispatch. `num_sms`: blocks of the data kernel (0: the daemon's; at most that)."""
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
