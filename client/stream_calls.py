@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from ..proto import abi, counter_page, cuda_driver, dtypes, spin
-from ..proto.errors import EpdError, FailedPrecondition
+from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from .tensors import Array
@@ -47,6 +47,7 @@ class UnwaitedDispatch:
     sequence: int  # the counter sequence notify publishes
     seq: int  # the call's stream sequence
     timeout: float  # the call's deadline, seconds
+    num_worst: int  # its num_worst_tokens (for the message of a receive count above it)
 
 
 class StreamSlot:
@@ -152,7 +153,8 @@ def _failed(group: Group, got: tuple[int, list[int]] | None) -> bool:
 
 
 def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | None,
-                   sequence: int, seq: int, timeout: float, earlier: bool) -> EpdError:
+                   sequence: int, seq: int, timeout: float, earlier: bool,
+                   num_worst: int = 0) -> EpdError:
     """The error of failed dispatch `sequence` (stream sequence `seq`) by its count `got`
     (None: none came by its deadline); raises the GPU's own report of it where that comes
     first. `earlier`: a worst-case dispatch the caller went on from."""
@@ -167,6 +169,12 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
         if earlier:
             group.capacity_owed = max(group.capacity_owed, err.tokens_needed)
         return err
+    if got is not None and int(words[counter_page.STATUS]) == abi.ERR_WORST_OVERFLOW:
+        return InvalidArgument(  # (as the cpu backend's: the argument was too small)
+            f"group {group.name!r}, {name}: rank {int(words[abi.SLOT_ERR_RANK])} receives "
+            f"{got[0]} tokens, more than num_worst_tokens={num_worst}; no rank's dispatch ran "
+            f"and the group goes on (every rank must pass a num_worst_tokens that each "
+            f"rank's receive count fits, e.g. num_ranks * max tokens per rank){lost}")
     if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
         slot.settle(seq, timeout)
     slot.check()
@@ -188,7 +196,8 @@ def _settle_unwaited(group: Group, slot: StreamSlot, wait: bool) -> None:
     if slot.released:
         got = None  # (no count will come: the release's failure is raised below)
     if _failed(group, got):
-        raise _count_failure(group, slot, got, u.sequence, u.seq, u.timeout, earlier=True)
+        raise _count_failure(group, slot, got, u.sequence, u.seq, u.timeout, earlier=True,
+                             num_worst=u.num_worst)
 
 
 def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, template: Array,
@@ -215,7 +224,8 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     timeout = max(req.timeout_seconds, 1.0)  # the call's deadline, >= 1 s
     if req.num_worst_tokens and not req.cached_handle:  # (a cached count is known at once)
         slot.end(stream, seq)
-        slot.unwaited = UnwaitedDispatch(resp.counter_sequence, seq, timeout)
+        slot.unwaited = UnwaitedDispatch(resp.counter_sequence, seq, timeout,
+                                         req.num_worst_tokens)
         n, per_expert, rows = -1, [], req.num_worst_tokens
     else:
         # The receive count, published by the notify kernel (by the engine for a cached one).

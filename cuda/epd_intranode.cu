@@ -112,12 +112,14 @@ __device__ void node_rows(const unsigned char* __restrict__ token_mask, int T, i
 // (`code`), the sources' payloads at `payload_bytes` of this rank's control block, `stride` words
 // each: the count per destination rank first, the source's token count at word `tokens_at`,
 // this rank's per-expert counts from word `experts_at`. A failed wait, or a source with more
-// tokens than the group holds, fails the call (every rank reads the same payloads: alike),
-// before any row moves; else the count and prefix matrices, recv_info and the counter slot
-// (payload, system fence, sequence word). Returns whether the call goes on.
+// tokens than the group holds, or (num_worst > 0) a destination receiving more rows than
+// num_worst, fails the call (every rank reads the same payloads: alike), before any row
+// moves; else the count and prefix matrices, recv_info and the counter slot (payload, system
+// fence, sequence word). Returns whether the call goes on.
 __device__ __forceinline__ bool notify_publish(
         u64* my_ctrl, int code, int payload_bytes, int stride, int tokens_at, int experts_at,
-        int R, int L, int rank, int max_tokens, int alignment, int* __restrict__ recv_info,
+        int R, int L, int rank, int max_tokens, int num_worst, int alignment,
+        int* __restrict__ recv_info,
         int* __restrict__ count_matrix, int* __restrict__ rank_prefix, i64* counter_slot,
         u64 counter_seq) {
     const int tid = threadIdx.x;
@@ -141,13 +143,23 @@ __device__ __forceinline__ bool notify_publish(
         int ts = payload[s * stride + tokens_at];
         if (ts > need) { need = ts; needy = s; }
     }
-    if (need > max_tokens) {  // (the data kernels skip the call: recv_info[1]; the group goes on)
+    int fail = need > max_tokens ? ERR_CAPACITY : 0;
+    if (!fail && num_worst > 0) {  // every destination's rows: alike where num_worst is
+        need = 0; needy = -1;       // (DeepEP's rule: every rank passes the same)
+        for (int d = 0; d < R; ++d) {
+            int n = 0;
+            for (int s = 0; s < R; ++s) n += payload[s * stride + d];
+            if (n > need) { need = n; needy = d; }
+        }
+        if (need > num_worst) fail = ERR_WORST_OVERFLOW;
+    }
+    if (fail) {  // (the data and combine kernels skip the call: recv_info[1]; the group goes on)
         if (tid == 0) {
-            recv_info[0] = -1; recv_info[1] = ERR_CAPACITY; recv_info[2] = needy;
+            recv_info[0] = -1; recv_info[1] = fail; recv_info[2] = needy;
             if (counter_slot != nullptr) {
                 counter_slot[SLOT_NUM_RECV] = need;
                 counter_slot[SLOT_NUM_EXPERTS] = 0;
-                counter_slot[SLOT_STATUS] = ERR_CAPACITY;
+                counter_slot[SLOT_STATUS] = fail;
                 counter_slot[SLOT_ERR_RANK] = needy;
                 __threadfence_system();
                 reinterpret_cast<volatile i64*>(counter_slot)[SLOT_SEQ] = (i64)counter_seq;
@@ -218,7 +230,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            const int* __restrict__ experts_in,     // [E] without top-k (else null): per expert
            int num_nodes,                          // > 1: hierarchical (see the top)
            int* __restrict__ node_base,            // [R] hierarchical: rail rows before s
-           int* __restrict__ node_pos) {           // [T, N] hierarchical: see node_rows
+           int* __restrict__ node_pos,             // [T, N] hierarchical: see node_rows
+           int num_worst) {                        // > 0: no destination receives more
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     __shared__ int s_node[EPD_MAX_RANKS];  // hierarchical: tokens with an expert on node b
@@ -331,7 +344,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     // Phase C: wait for every source (deadline + abort word); phase D: the counts.
     int code = block_wait_all(my_ctrl, CTRL_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
     if (!notify_publish(my_ctrl, code, CTRL_PAYLOAD_BYTES, stride, NOTIFY_TOKENS, NOTIFY_HEAD, R,
-                        L, rank, max_tokens, alignment, recv_info, count_matrix, rank_prefix,
+                        L, rank, max_tokens, num_worst, alignment, recv_info, count_matrix,
+                        rank_prefix,
                         counter_slot, counter_seq))
         return;
     if (num_nodes > 1 && tid < R) {  // the rail rows of forwarder (my node, i) before source s
@@ -415,7 +429,8 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
 
     int code = block_wait_all(my_ctrl, WIDE_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
     notify_publish(my_ctrl, code, WIDE_PAYLOAD_BYTES, stride, R, R + 1, R, L, rank, max_tokens,
-                   alignment, recv_info, count_matrix, rank_prefix, counter_slot, counter_seq);
+                   0, alignment, recv_info, count_matrix, rank_prefix, counter_slot,
+                   counter_seq);
 }
 
 // 16-byte copy of one row by one warp to up to R destinations (read once, store R times).

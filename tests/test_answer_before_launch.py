@@ -192,7 +192,8 @@ def test_a_count_no_notify_writes_marks_the_dispatch_failed(n, per_expert, ok) -
     words = np.zeros(abi.SLOT_BYTES // 8, np.int64)
     counter_page.publish(words, 5, n, per_expert)
     info = types.SimpleNamespace(sequence=5, failed=False, num_recv_tokens=-1, rows_out=-1,
-                                 backend_handle=types.SimpleNamespace(num_recv=-1))
+                                 backend_handle=types.SimpleNamespace(num_recv=-1),
+                                 unresolved_combines=0)
     member = types.SimpleNamespace(
         counter_slot=0, pending=info, rank=0, bytes_received=0,
         spec=types.SimpleNamespace(name="g", label="g", max_recv_tokens=64, hidden=8,

@@ -380,6 +380,15 @@ def test_a_worst_case_dispatch_returns_without_its_count(monkeypatch) -> None:
     assert "rank 1 dispatched 40 tokens" in e.value.message
     stream_calls._slot(group)  # raised once
     assert requeued == []  # (the caller holds its handle: released when dropped)
+    # A receive count above num_worst_tokens fails alike in notify: INVALID_ARGUMENT, later.
+    group, _, _, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    counter_page.publish(group._counter, 1, 50, [], status=abi.ERR_WORST_OVERFLOW)
+    group._counter[abi.SLOT_ERR_RANK] = 0
+    with pytest.raises(InvalidArgument, match=r"rank 0 receives 50 tokens, more than "
+                                              r"num_worst_tokens=32; .*goes on"):
+        stream_calls._slot(group)
+    assert group.capacity_owed == 0
 
     # The next dispatch waits for an unwaited count before it is sent (a notify publishing it
     # 50 ms later), then goes on.

@@ -132,7 +132,8 @@ class RankRunner:
                 handle = result.handle
                 self.notify(topk_idx, result, alignment=alignment,
                             counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
-                            timeout_ns=timeout_ns, layout_out=layout_out, routing=routing)
+                            timeout_ns=timeout_ns, layout_out=layout_out, routing=routing,
+                            num_worst=num_worst_tokens)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1
@@ -147,10 +148,11 @@ class RankRunner:
                counter_slot_ptr: int = 0, counter_seq: int | None = None,
                timeout_ns: int = DEFAULT_TIMEOUT_NS,
                layout_out: tuple[Any, Any, Any] | None = None,
-               routing: tuple[Any, Any] | None = None) -> None:
+               routing: tuple[Any, Any] | None = None, num_worst: int = 0) -> None:
         """The layout exchange alone into `result`'s handle (counts, rank prefix matrix, the
         receive count published in the counter slot): a dispatch's first kernel, or a
-        two-stage group's whole-group notify (cuda_stages.py)."""
+        two-stage group's whole-group notify (cuda_stages.py). `num_worst` > 0: a rank
+        receiving more rows fails the call on every rank, before any row moves."""
         lay = self.layout
         with cp.cuda.Device(self.device_id):
             self.seq["notify"] += 1
@@ -170,7 +172,7 @@ class RankRunner:
                           timeout_ns=timeout_ns, alignment=alignment,
                           counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
                           stream=self.stream, counter_seq=counter_seq, routing=routing,
-                          max_tokens=lay.max_recv // lay.num_ranks)
+                          max_tokens=lay.max_recv // lay.num_ranks, num_worst=num_worst)
 
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
                         num_worst_tokens: int) -> DispatchResult:

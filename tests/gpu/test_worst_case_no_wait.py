@@ -1,9 +1,11 @@
 """A worst-case dispatch (`num_worst_tokens`) on the CUDA engine does not wait on the host for
 its receive count, as DeepEP's does not (no CPU sync): through the DeepEP facade, one Buffer
 for every layer, the outputs exact against the reference; a dispatch behind a long kernel on
-the caller's stream returns before that kernel ends (the exact-rows dispatch cannot); a call
-over capacity fails on every rank without a hang, raises TokenCapacityExceeded at a later
-call (once per rank), and the next calls run exact on the grown group."""
+the caller's stream returns before that kernel ends (the exact-rows dispatch cannot); a
+num_worst_tokens below a rank's receive count fails on every rank in notify, raises
+INVALID_ARGUMENT at a later call and leaves the group working; a call over capacity fails on
+every rank without a hang, raises TokenCapacityExceeded at a later call (once per rank), and
+the next calls run exact on the grown group."""
 
 from __future__ import annotations
 
@@ -78,6 +80,27 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             torch.cuda.synchronize(device)
             res["returned_s"][name + "_combined"] = _bits(combined)
 
+        # num_worst_tokens too small (8 rows; each rank receives ~50): every rank's call fails
+        # in notify, INVALID_ARGUMENT raised once at a later call, and the group goes on.
+        small = _workload(LAYERS + 1)
+        recv_x, _, recv_w, _, handle, _ = layer(small, num_worst=8)
+        res["small"] = []
+        try:
+            buf.combine(recv_x, handle, topk_weights=recv_w)
+        except EpdError as e:
+            res["small"].append(("combine", e.code.name, "num_worst_tokens=8" in e.message))
+        torch.cuda.synchronize(device)
+        for _ in range(2):
+            try:
+                got = layer(small)
+                break
+            except EpdError as e:
+                res["small"].append(("dispatch", e.code.name, "num_worst_tokens=8" in e.message))
+        recv_x, _, recv_w, _, handle, _ = got
+        combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        torch.cuda.synchronize(device)
+        res["after_small"] = (buf.max_tokens_per_rank, _bits(combined))
+
         # Over capacity on rank 1 (70 > 64 tokens): every rank's call fails in notify, and
         # neither host waited for it; the combine of its handle must not hang.
         over = _workload(LAYERS, tokens=(40, 70))
@@ -138,6 +161,16 @@ def test_a_worst_case_dispatch_does_not_wait_for_its_count(daemon) -> None:
         assert res["earlier"] in ([("combine", True, 70)], [("dispatch", True, 70)]), (
             r, res["earlier"])
         assert res.get("refused", "FAILED_PRECONDITION") == "FAILED_PRECONDITION", r
+    _, comb_small = _expected(_workload(LAYERS + 1))
+    for r, res in enumerate(results):
+        # one error per rank: the engine's refusal of the combine of a failed dispatch (if it
+        # saw the count first), and the dispatch's own INVALID_ARGUMENT, at one call or two
+        small = [e for e in res["small"] if e[1] != "FAILED_PRECONDITION"]
+        assert small in ([("combine", "INVALID_ARGUMENT", True)],
+                         [("dispatch", "INVALID_ARGUMENT", True)]), (r, res["small"])
+        cap, combined = res["after_small"]
+        assert cap == MAX_TOKENS, (r, cap)  # the same group: not aborted, not grown
+        np.testing.assert_array_equal(combined, comb_small[r][0].view(np.uint16), r)
     over = _workload(LAYERS, tokens=(40, 70))
     disp, comb = _expected(over)
     for r, res in enumerate(results):
