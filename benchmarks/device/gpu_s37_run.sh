@@ -4,6 +4,8 @@
 # (the tree before the worst-case dispatch stopped waiting for its count):
 #   verify   # the new test (tests/gpu/test_worst_case_no_wait.py), then every GPU test that
 #            # runs a normal-mode combine (the reduce kernel reads the handle's status now)
+#   notify   # after notify took num_worst_tokens (dd1f5e6): verify's tests, then the NVSHMEM
+#            # builds' normal mode across logical nodes and the daemon's roundtrips
 #   ab [ROUNDS]  # the V1 facade's layer with exact and worst-case rows and V2's layers, this
 #            # tree and .whl/old alternated (2 ranks on one GPU, D)
 set -u
@@ -23,6 +25,11 @@ case "${1:-}" in
         tests/gpu/test_stream_ordered.py tests/gpu/test_deep_ep_facade.py \
         tests/gpu/test_elastic_buffer_gpu.py"
     ;;
+  notify)
+    bash "$0" verify
+    STEP_TEST_SECONDS=200 step nvshmem 300 "tests/gpu/test_nvshmem.py tests/gpu/test_daemon.py \
+        -k 'normal_mode or roundtrip'"
+    ;;
   ab)
     mkdir -p /tmp/pkg_old/epd
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
@@ -32,5 +39,5 @@ case "${1:-}" in
     done
     merge_json rows rows_ab
     ;;
-  *) echo "usage: $0 verify | ab [ROUNDS]" >&2; exit 2 ;;
+  *) echo "usage: $0 verify | notify | ab [ROUNDS]" >&2; exit 2 ;;
 esac
