@@ -80,20 +80,21 @@ json.dump(got, open(f'{out}/{name}.json', 'w'), indent=1)
 for f in parts:
     os.remove(f)" "$1" "$2"
 }
-probe_ab() {  # probe_ab FIRST LAST [new-first]: rounds FIRST..LAST of one rank's rows, each
+ab_rounds() {  # ab_rounds FIRST LAST FN [new-first]: `FN LABEL PKG` for rounds FIRST..LAST, each
   # on .whl/old (a `git archive` of the baseline's server proto client cuda) and on this tree,
   # the baseline first unless told otherwise
   mkdir -p /tmp/pkg_old/epd
   for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
   local round
   for round in $(seq "$1" "$2"); do
-    if [ "${3:-}" = new-first ]; then
-      probe "new_$round" /tmp/pkg; probe "old_$round" /tmp/pkg_old
+    if [ "${4:-}" = new-first ]; then
+      "$3" "new_$round" /tmp/pkg; "$3" "old_$round" /tmp/pkg_old
     else
-      probe "old_$round" /tmp/pkg_old; probe "new_$round" /tmp/pkg
+      "$3" "old_$round" /tmp/pkg_old; "$3" "new_$round" /tmp/pkg
     fi
   done
 }
+probe_ab() { ab_rounds "$1" "$2" probe "${3:-}"; }  # one rank's rows (probe), A/B
 merge() {  # merge NAME: every probe's text and JSON into probes_NAME.{txt,json}
   for f in "$OUT"/probe_*.txt; do echo "== $f"; cat "$f"; done > "$OUT/probes_$1.txt"
   rm -f "$OUT"/probe_*.txt

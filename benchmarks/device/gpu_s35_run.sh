@@ -19,12 +19,7 @@ rows() {  # rows LABEL PKG: the bench's rows at D once, its summary lines
 }
 case "${1:-}" in
   ab)
-    mkdir -p /tmp/pkg_old/epd
-    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
-    for round in $(seq 1 "${2:-2}"); do
-      rows "new_$round" /tmp/pkg
-      rows "old_$round" /tmp/pkg_old
-    done
+    ab_rounds 1 "${2:-2}" rows new-first
     merge_json ab rows_ab
     ;;
   llprof)

@@ -31,12 +31,7 @@ case "${1:-}" in
         -k 'normal_mode or roundtrip'"
     ;;
   ab)
-    mkdir -p /tmp/pkg_old/epd
-    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
-    for round in $(seq 1 "${2:-2}"); do
-      layer_rows "new_$round" /tmp/pkg
-      layer_rows "old_$round" /tmp/pkg_old
-    done
+    ab_rounds 1 "${2:-2}" layer_rows new-first
     merge_json rows rows_ab
     ;;
   *) echo "usage: $0 verify | notify | ab [ROUNDS]" >&2; exit 2 ;;
