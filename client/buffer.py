@@ -393,15 +393,16 @@ class Buffer(LowLatencyMixin):
         if not 0 <= num_worst_tokens <= MAX_INT32:
             raise InvalidArgument(f"num_worst_tokens={num_worst_tokens} must lie in "
                                   f"[0, {MAX_INT32}]")
-        if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
-            g = self._grow(g, -(-num_worst_tokens // g.num_ranks))
-        if g.capacity_owed:  # (an earlier worst-case dispatch's failure, raised already)
-            g = self._grow(g, g.capacity_owed)
         try:
+            g.settle_dispatches()  # (an earlier worst-case dispatch's failure, before growing)
+            if g.capacity_owed:  # (raised already)
+                g = self._grow(g, g.capacity_owed)
+            if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
+                g = self._grow(g, -(-num_worst_tokens // g.num_ranks))
             return g, run(g)
         except TokenCapacityExceeded as e:
-            if e.earlier:  # an earlier worst-case dispatch failed, not this call (not sent):
-                # grow for the next call, and tell the caller of the lost one
+            if e.earlier:  # an earlier worst-case dispatch failed, not this call (not sent on
+                # any rank): grow for the next call, and tell the caller of the lost one
                 self._grow(g, e.tokens_needed)
                 raise
             g = self._grow(g, e.tokens_needed)

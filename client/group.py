@@ -229,7 +229,7 @@ class Group:
         # cuda: the counter-slot words of stream-ordered calls (client/stream_calls.py).
         self._stream_slot: StreamSlot | None = None
         # Tokens per rank an earlier worst-case dispatch needed, found after the call returned
-        # (its TokenCapacityExceeded raised at a later call): the facade grows before its next.
+        # (its TokenCapacityExceeded raised at the next dispatch): the facade grows first.
         self.capacity_owed = 0
         self._ordered = session.memory.supports_stream_ops
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
@@ -684,9 +684,17 @@ class Group:
     def check(self) -> None:
         """Raise the failure the GPU reported for an earlier stream-ordered call of this rank
         (once the stream has passed it: e.g. after synchronising), if any not raised yet. Calls
-        check too, so a failure surfaces at the next call at the latest."""
+        check too, so a failure surfaces at the next call at the latest; a worst-case
+        dispatch's (num_worst_tokens) at the next dispatch, on every rank alike."""
         if self._ordered:
             stream_calls._slot(self)
+
+    def settle_dispatches(self) -> None:
+        """What a dispatch does first: wait (within its deadline) for the receive count of an
+        earlier worst-case dispatch, and raise its failure. For a caller about to dispatch on
+        another group (the facade's growth) instead, so that the failure is not lost."""
+        if self._ordered:
+            stream_calls._slot(self, dispatching=True)
 
     def leave(self) -> None:
         """Leave the group. Its other ranks' later collectives fail with ABORTED."""

@@ -98,12 +98,16 @@ class StreamSlot:
         counter_page.release_stream(self.words, self.issued)
 
 
-def _slot(group: Group, wait: bool = False) -> StreamSlot:
-    """The membership's slot, once earlier failures are raised: a worst-case dispatch's count
-    status if published by now (`wait`: waited for within its deadline), the GPU's reports."""
+def _slot(group: Group, dispatching: bool = False) -> StreamSlot:
+    """The membership's slot, once the failures the GPU reported for earlier calls are
+    raised. `dispatching`: also an earlier worst-case dispatch's, its count waited for first
+    (within its deadline). Only a dispatch raises that one: every rank reaches its next
+    dispatch after the same calls, so every rank fails the same call and none sends it (one
+    rank raising at a combine that another sent would leave their collectives one apart)."""
     if group._stream_slot is None:
         group._stream_slot = StreamSlot(group)
-    _settle_unwaited(group, group._stream_slot, wait)
+    if dispatching:
+        _settle_unwaited(group, group._stream_slot)
     group._stream_slot.check()
     if group._local_layout is not None:
         group._local_layout.check()
@@ -185,16 +189,15 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
                     f"group {group.name!r}: {name} got no receive counts{who}{lost}")
 
 
-def _settle_unwaited(group: Group, slot: StreamSlot, wait: bool) -> None:
-    """Raise (once) the failure of the worst-case dispatch the host did not wait for, once
-    its count is published (`wait`: waiting for it within the call's deadline)."""
+def _settle_unwaited(group: Group, slot: StreamSlot) -> None:
+    """Wait (within its deadline) for the count of the worst-case dispatch the host did not
+    wait for, and raise its failure, once. A released slot stops the wait: its failure (the
+    session or engine gone) is what raises then."""
     u = slot.unwaited
-    if u is None or not (wait or counter_page.published(group._counter, u.sequence)):
+    if u is None:
         return
     slot.unwaited = None
     got = counter_page.wait(group._counter, u.sequence, u.timeout, stop=lambda: slot.released)
-    if slot.released:
-        got = None  # (no count will come: the release's failure is raised below)
     if _failed(group, got):
         raise _count_failure(group, slot, got, u.sequence, u.seq, u.timeout, earlier=True,
                              num_worst=u.num_worst)
@@ -209,7 +212,7 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     and its per-expert counts empty, and a failure raises at the membership's next call."""
     s = group._session
     stream = _stream(group, template, "dispatch")
-    slot = _slot(group, wait=True)  # (this call's notify overwrites an unwaited count)
+    slot = _slot(group, dispatching=True)  # (its notify overwrites an unwaited count)
     req.stream_ordered = True
     req.num_sms = num_sms
     released = group._take_released()

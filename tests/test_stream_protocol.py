@@ -324,6 +324,7 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
     """A Group as stream_calls sees it, with the driver calls recorded and the engine's
     answers taken from `answers`."""
     from epd.client import stream_calls
+    from epd.client.group import Group
 
     ops: list[tuple] = []
     monkeypatch.setattr(stream_calls.cuda_ipc, "stream_handle", lambda *a: 0)
@@ -334,7 +335,7 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
     sent: list = []
 
     def call(method, req, timeout=None):
-        sent.append(req)
+        sent.append((req, counter_page.published(group._counter, 1)))
         return answers.pop(0)
     memory = types.SimpleNamespace(is_capturing=lambda t: False, device_ordinal=0,
                                    counter_page_device_ptr=lambda: 0x1000)
@@ -343,9 +344,12 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
     group = types.SimpleNamespace(
         _session=session, name="g", _counter=_slot(), _counter_slot=0, _stream_slot=None,
         _local_layout=None, capacity_owed=0, _take_released=lambda: [],
-        _requeue=requeued.extend,
+        _requeue=requeued.extend, _ordered=True,
         spec=types.SimpleNamespace(name="g", num_experts=8, max_tokens_per_rank=16),
         _outputs=types.SimpleNamespace(rows=lambda parts, copy, t, s: [p[1] for p in parts]))
+    # (the Group methods under test, on the fake)
+    group.check = lambda: Group.check(group)
+    group.settle_dispatches = lambda: Group.settle_dispatches(group)
     return group, ops, sent, requeued
 
 
@@ -357,38 +361,41 @@ def _answer(seq: int, sequence: int) -> epd_pb2.DispatchResponse:
 def test_a_worst_case_dispatch_returns_without_its_count(monkeypatch) -> None:
     """With num_worst_tokens the client neither waits for the receive count nor reads it (as
     DeepEP's, no CPU sync): the rows are the worst case's, the count -1, the per-expert list
-    empty. Its status is read at the next call once published, and waited for (bounded)
-    before the next dispatch, whose notify overwrites it; a failure raises once."""
+    empty. Its failure raises at the next dispatch, before that one is sent, on every rank
+    alike (a combine or layout in between does not raise it: one rank raising there while
+    another sent the combine would leave their collectives one call apart); once."""
     from epd.client import stream_calls
     from epd.proto.errors import TokenCapacityExceeded
 
-    group, ops, _, requeued = _fake_group(monkeypatch, [_answer(1, 1), _answer(3, 2)])
+    group, ops, sent, requeued = _fake_group(monkeypatch, [_answer(1, 1), _answer(3, 2)])
     req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=5.0)
     t0 = time.monotonic()
     _, n, per_expert, rows, outs = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
     assert time.monotonic() - t0 < 0.5  # no count came: not waited for
     assert (n, per_expert, rows, outs["recv_x"]) == (-1, [], 32, 32)
     assert ops == [("write", 1), ("wait", 1)]  # READY, then DONE: the stream is ordered
-    # Not published: the next call (a combine, layout) goes on without waiting.
-    stream_calls._slot(group)
     # Every rank failed it for capacity (notify: count, error rank, status, then sequence).
     counter_page.publish(group._counter, 1, 40, [], status=abi.ERR_CAPACITY)
     group._counter[abi.SLOT_ERR_RANK] = 1
+    stream_calls._slot(group)  # a combine's or layout's look: not raised there
+    group.check()
     with pytest.raises(TokenCapacityExceeded, match="no data") as e:
-        stream_calls._slot(group)
+        stream_calls.dispatch(group, req, 5.0, object(), True, 0)
     assert e.value.earlier and e.value.tokens_needed == 40 and group.capacity_owed == 40
     assert "rank 1 dispatched 40 tokens" in e.value.message
-    stream_calls._slot(group)  # raised once
-    assert requeued == []  # (the caller holds its handle: released when dropped)
-    # A receive count above num_worst_tokens fails alike in notify: INVALID_ARGUMENT, later.
-    group, _, _, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    assert len(sent) == 1 and requeued == []  # not sent; the caller holds the lost handle
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)  # raised once: this one goes
+    assert len(sent) == 2
+
+    # A receive count above num_worst_tokens fails alike in notify: INVALID_ARGUMENT.
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 1)])
     stream_calls.dispatch(group, req, 5.0, object(), True, 0)
     counter_page.publish(group._counter, 1, 50, [], status=abi.ERR_WORST_OVERFLOW)
     group._counter[abi.SLOT_ERR_RANK] = 0
     with pytest.raises(InvalidArgument, match=r"rank 0 receives 50 tokens, more than "
                                               r"num_worst_tokens=32; .*goes on"):
-        stream_calls._slot(group)
-    assert group.capacity_owed == 0
+        group.settle_dispatches()
+    assert group.capacity_owed == 0 and len(sent) == 1
 
     # The next dispatch waits for an unwaited count before it is sent (a notify publishing it
     # 50 ms later), then goes on.
@@ -400,10 +407,9 @@ def test_a_worst_case_dispatch_returns_without_its_count(monkeypatch) -> None:
         counter_page.publish(group._counter, 1, 20, [10, 10])
     th = threading.Thread(target=notify)
     th.start()
-    t0 = time.monotonic()
     _, n, _, _, _ = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
     th.join()
-    assert time.monotonic() - t0 >= 0.04 and len(sent) == 2 and n == -1
+    assert [published for _, published in sent] == [False, True] and n == -1
 
 
 def test_an_unwaited_count_never_holds_a_released_slot(monkeypatch) -> None:
@@ -420,6 +426,14 @@ def test_an_unwaited_count_never_holds_a_released_slot(monkeypatch) -> None:
         stream_calls.dispatch(group, req, 30.0, object(), True, 0)
     assert time.monotonic() - t0 < 2.0 and e.value.code == grpc.StatusCode.UNAVAILABLE
     assert len(sent) == 1
+    # One whose count did come before the release is no failure: nothing raises.
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    stream_calls.dispatch(group, req, 30.0, object(), True, 0)
+    counter_page.publish(group._counter, 1, 20, [10, 10])
+    _gpu_done = group._counter.view(np.int32)
+    _gpu_done[abi.SLOT32_DONE] = 1  # (its last kernel ran)
+    group._stream_slot.release()
+    group.settle_dispatches()
 
 
 def test_a_dispatch_that_waits_still_fails_at_once_for_capacity(monkeypatch) -> None:

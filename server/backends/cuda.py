@@ -392,7 +392,7 @@ class CudaRankComm(RankComm):
                 cached=cached.result if cached else None,
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
                 timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms,
-                routing=_routing(args))
+                routing=_routing(args), worst_in_notify=True)
             if cached is None:
                 num_recv, per_expert = self._counts(counter_slot, sequence, deadline)
             else:
@@ -427,6 +427,12 @@ class CudaRankComm(RankComm):
             raise counter_page.capacity_error(
                 spec.name, spec.max_tokens_per_rank, num_recv,
                 int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
+        if counter_slot[counter_page.STATUS] == abi.ERR_WORST_OVERFLOW:
+            self.runner.stream.synchronize()  # (the data kernels skip the call)
+            raise InvalidArgument(
+                f"group {spec.name!r}, dispatch #{sequence}: rank "
+                f"{int(counter_slot[abi.SLOT_ERR_RANK])} receives {num_recv} tokens, more than "
+                f"num_worst_tokens; no rank's dispatch ran and the group goes on")
         if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens,
                                             spec.num_local_experts):
             raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "
@@ -858,7 +864,7 @@ class CudaRankComm(RankComm):
                 _copy_prefix(prefix, res.flat.handle.rank_prefix, runner.stream)
             else:
                 runner.dispatch(args.x, args.x_scales, args.topk_idx, args.topk_weights,
-                                routing=_routing(args), **common)
+                                routing=_routing(args), worst_in_notify=True, **common)
                 _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             self._stream_end(counter_slot, stream_seq)
 

@@ -121,9 +121,13 @@ class RankRunner:
                  timeout_ns: int = DEFAULT_TIMEOUT_NS, num_sms: int = ck.DEFAULT_NUM_SMS,
                  layout_out: tuple[Any, Any, Any] | None = None,
                  routing: tuple[Any, Any] | None = None,
-                 result: DispatchResult | None = None) -> DispatchResult:
+                 result: DispatchResult | None = None,
+                 worst_in_notify: bool = False) -> DispatchResult:
         """`routing`: (is_token_in_rank, num_tokens_per_expert) of a dispatch without top-k;
-        `result`: the one `dispatch_result` made for this call (else made here)."""
+        `result`: the one `dispatch_result` made for this call (else made here);
+        `worst_in_notify`: notify fails the call on every rank alike when a rank would receive
+        more than num_worst_tokens (a whole group's dispatch; a stage's pads its own rows,
+        and its data kernel's sticky error is what reaches the group)."""
         lay = self.layout
         if result is None:
             result = self.dispatch_result(int(x.shape[0]), cached, num_worst_tokens)
@@ -133,7 +137,7 @@ class RankRunner:
                 self.notify(topk_idx, result, alignment=alignment,
                             counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
                             timeout_ns=timeout_ns, layout_out=layout_out, routing=routing,
-                            num_worst=num_worst_tokens)
+                            num_worst=num_worst_tokens if worst_in_notify else 0)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1

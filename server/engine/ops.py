@@ -453,11 +453,14 @@ class DataPlane:
         self._check_alive(member, req.stream_ordered)
         info = self._handle(member, req.handle, NORMAL)
         # A worst-case dispatch's client goes on without its count (its rows are known): its
-        # combine does not wait for notify either where the kernels skip a failed dispatch.
-        self._resolve(session, member, info, wait=not (
-            req.stream_ordered and info.rows_out >= 0
-            and member.comm.combine_skips_failed_dispatch))
-        if info.failed:
+        # combine does not wait for notify either where the kernels skip a failed dispatch,
+        # and is launched even if the count came back failed: whether this host saw it yet
+        # differs from rank to rank, and every rank must make the same calls (the kernels
+        # skip it alike; the client raises the failure at its next dispatch).
+        skips = (req.stream_ordered and info.rows_out >= 0
+                 and member.comm.combine_skips_failed_dispatch)
+        self._resolve(session, member, info, wait=not skips)
+        if info.failed and not skips:
             raise FailedPrecondition(f"handle {req.handle} belongs to a dispatch that failed")
         regions = session.regions
         combine_dtype = spec.x_dtype
