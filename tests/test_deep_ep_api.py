@@ -769,3 +769,73 @@ def test_shrink_buffers_tag_their_groups_by_job(monkeypatch) -> None:
     assert B.job_instance_tag(None) != a
     with pytest.raises(InvalidArgument, match="starts the instance tag"):
         B.Buffer(rank=0, num_ranks=1, group_name="job@exp1")
+
+
+def test_growth_after_an_earlier_worst_case_failure() -> None:
+    """The facade's dispatch (`_dispatch_growing`) with a worst-case dispatch's failure found
+    after that call returned (CUDA engine: raised by the next dispatch, every rank alike): it
+    grows the group once and raises, without making the call; a failure raised outside a
+    dispatch (`capacity_owed`) grows before the next; a growth by num_worst_tokens settles the
+    old group first (its failure would be lost with it); a failure of the call itself grows
+    and calls again, as before."""
+    import types
+
+    from epd.client.buffer import Buffer
+    from epd.proto.errors import TokenCapacityExceeded
+
+    grown: list[tuple[str, int]] = []
+
+    def group(name: str, failure: Exception | None = None, owed: int = 0):
+        def settle() -> None:
+            events.append(("settle", name))
+            if failure is not None:
+                raise failure
+        return types.SimpleNamespace(name=name, num_ranks=2, capacity_owed=owed,
+                                     spec=types.SimpleNamespace(max_tokens_per_rank=16),
+                                     settle_dispatches=settle)
+
+    def grow(old, needed: int):
+        grown.append((old.name, needed))
+        events.append(("grow", old.name))
+        return group(f"{old.name}+")
+    buf = Buffer.__new__(Buffer)
+    buf._retired = []
+    buf._grow = grow
+    calls: list[str] = []
+
+    def run(g):
+        calls.append(g.name)
+        events.append(("run", g.name))
+        return "out"
+
+    events: list[tuple[str, str]] = []
+    earlier = TokenCapacityExceeded("dispatch #3 ... no data", tokens_needed=70)
+    earlier.earlier = True
+    with pytest.raises(TokenCapacityExceeded) as e:
+        buf._dispatch_growing(group("a", earlier), 0, run)
+    assert e.value is earlier and grown == [("a", 70)] and calls == []
+
+    grown.clear()
+    g, out = buf._dispatch_growing(group("b", owed=70), 0, run)
+    assert out == "out" and g.name == "b+" and grown == [("b", 70)] and calls == ["b+"]
+
+    grown.clear()
+    calls.clear()
+    events.clear()
+    g, out = buf._dispatch_growing(group("c"), 64, run)  # 64 > 2 ranks x 16: grown first
+    assert out == "out" and g.name == "c+" and grown == [("c", 32)]
+    assert events == [("settle", "c"), ("grow", "c"), ("run", "c+")]
+
+    grown.clear()
+    calls.clear()
+    now = TokenCapacityExceeded("dispatch #4", tokens_needed=40)
+    attempts = iter([now, None])
+
+    def run_once_failing(g):
+        calls.append(g.name)
+        err = next(attempts)
+        if err is not None:
+            raise err
+        return "again"
+    g, out = buf._dispatch_growing(group("d"), 0, run_once_failing)
+    assert out == "again" and grown == [("d", 40)] and calls == ["d", "d+"]
