@@ -20,6 +20,7 @@ MARK = "EPD_BENCH_TEST_MARK"
 ROWS = ["layout + dispatch + combine", "cached dispatch", "combine", "layer with expert MLPs",
         "layer with projection + expert MLPs"]
 LL_ROWS = ["low latency: FP8 dispatch + combine", "low latency: with recv hooks"]
+WORST = "layout + dispatch + combine, num_worst_tokens"  # (EPD and DeepEP only)
 
 
 def _marked_processes(token: str) -> list[int]:
@@ -85,10 +86,12 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert all(rec["skipped"].values())
     assert "plot" in rec  # a path, or why it was skipped (matplotlib missing)
     got = {(r["shape"], r["row"]): r for r in rec["rows"]}
-    want = [(s, row) for s in ("P", "D") for row in ROWS] + [("D", row) for row in LL_ROWS]
+    want = ([(s, row) for s in ("P", "D") for row in (*ROWS, WORST)]
+            + [("D", row) for row in LL_ROWS])
     assert sorted(got) == sorted(want)
     for key, row in got.items():
-        impls = ("epd",) if key[1] in LL_ROWS else ("epd", "pipeline")
+        impls = ("epd",) if key[1] in (*LL_ROWS, WORST) else ("epd", "pipeline")
+        assert "pipeline" in row["results"] or key[1] in (*LL_ROWS, WORST), key
         for impl in impls:
             fig = row["results"][impl]
             assert fig["p50_us"] > 0 and fig["p90_us"] >= fig["p50_us"], (key, impl, fig)
@@ -120,6 +123,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
         ("P", "normal combine", "reference"), ("D", "normal combine", "reference"),
         ("P", "layout + dispatch + combine", "reference"),  # (that row's own output)
         ("D", "layout + dispatch + combine", "reference"),
+        ("P", WORST, "reference"), ("D", WORST, "reference"),  # (that row's own output)
         ("D", LL_ROWS[0], "reference"), ("D", LL_ROWS[1], "reference"),
         ("D", "low latency: each token's rows (bf16, untimed)", "reference"),
         *((s, row, "pipeline") for s in ("P", "D") for row in ROWS[3:])}
@@ -140,7 +144,7 @@ def test_bench_fresh_inputs(tmp_path) -> None:
     assert "new input tensor objects every call" in proc.stdout
     rec = json.loads(out.read_text())
     assert rec["fresh_inputs"] is True and rec["correctness_passed"] is True
-    assert {r["row"] for r in rec["rows"]} == {*ROWS[:3], *LL_ROWS}
+    assert {r["row"] for r in rec["rows"]} == {*ROWS[:3], WORST, *LL_ROWS}
     assert all(r["results"]["epd"]["p50_us"] > 0 for r in rec["rows"])
 
 

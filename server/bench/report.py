@@ -20,6 +20,7 @@ from .workers import (
     ROW_LL_GRAPH,
     ROW_LL_HOOK,
     ROW_LL_PLAIN,
+    ROW_WORST,
 )
 
 # Issue 10's targets. Ratios are EPD / DeepEP p50 per row; absolute ones are EPD p50 in µs.
@@ -98,17 +99,19 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def judge(rows: list[dict]) -> None:
     """Adds `ratios` and `targets` (each: what, value, passed or None where a figure is
     missing) to every row. The pipeline figure for low-latency rows is the pipeline's full
-    row at D, the whole MoE all-to-all any user could write instead."""
-    pipe_full_d = next((r["results"][PIPELINE]["p50_us"] for r in rows
-                        if r["shape"] == "D" and r["row"] == ROW_FULL
-                        and PIPELINE in r["results"]), None)
+    row at D, the whole MoE all-to-all any user could write instead; for the worst-case row,
+    its full row of the same shape (it has no call without the count)."""
+    pipe_full = {r["shape"]: r["results"][PIPELINE]["p50_us"] for r in rows
+                 if r["row"] == ROW_FULL and PIPELINE in r["results"]}
     for row in rows:
         res = row["results"]
         epd = res.get(EPD, {}).get("p50_us")
         dep = res.get(DEEP_EP, {}).get("p50_us")
         pipe = res.get(PIPELINE, {}).get("p50_us")
         if row["row"] in LL_ROWS:
-            pipe = pipe_full_d
+            pipe = pipe_full.get("D")
+        elif row["row"] == ROW_WORST:
+            pipe = pipe_full.get(row["shape"])
         row["pipeline_reference_us"] = pipe
         row["ratios"] = {"epd_over_deep_ep": _ratio(epd, dep),
                          "epd_over_pipeline": _ratio(epd, pipe)}
@@ -161,9 +164,9 @@ def table(summary: dict) -> str:
     lines = [head, "|" + "---|" * 9]
     for row in summary["rows"]:
         res = row["results"]
-        pipe = (res.get(PIPELINE, {}).get("p50_us") if row["row"] not in LL_ROWS
-                else row["pipeline_reference_us"])
-        pipe_s = _fmt(pipe) + ("*" if row["row"] in LL_ROWS and pipe is not None else "")
+        borrowed = row["row"] in LL_ROWS or row["row"] == ROW_WORST  # (its reference row's)
+        pipe = row["pipeline_reference_us"] if borrowed else res.get(PIPELINE, {}).get("p50_us")
+        pipe_s = _fmt(pipe) + ("*" if borrowed and pipe is not None else "")
         e = res.get(EPD, {})
         lines.append(
             f"| {row['shape']} {row['row']} | {_fmt(res.get(DEEP_EP, {}).get('p50_us'))} | "
@@ -180,6 +183,8 @@ def table(summary: dict) -> str:
                                   for i in (DEEP_EP, EPD, PIPELINE)) + " |")
     if any(row["row"] in LL_ROWS for row in summary["rows"]):
         lines.append(f"\n* low-latency rows: the {pipe_name}'s {ROW_FULL} at D")
+    if any(row["row"] == ROW_WORST for row in summary["rows"]):
+        lines.append(f"\n* {ROW_WORST}: the {pipe_name}'s {ROW_FULL} of the same shape")
     inter = summary.get("expert_intermediate")
     if inter:
         lines.append(f"\nlayer rows (no target: what a forward pass sees): {ROW_FULL} with "

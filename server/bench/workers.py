@@ -37,6 +37,9 @@ from .. import reference as ref
 from . import engine_host
 
 ROW_FULL = "layout + dispatch + combine"
+# The same with DeepEP's num_worst_tokens (ranks x tokens): no CPU sync for the count. The
+# pipeline has no such call: its reference is its own ROW_FULL (report.judge).
+ROW_WORST = "layout + dispatch + combine, num_worst_tokens"
 ROW_CACHED = "cached dispatch"
 ROW_COMBINE = "combine"
 ROW_LAYER = "layer with expert MLPs"
@@ -45,13 +48,13 @@ LAYER_ROWS = (ROW_LAYER, ROW_LAYER_PROJ)
 ROW_LL_PLAIN = "low latency: FP8 dispatch + combine"
 ROW_LL_HOOK = "low latency: with recv hooks"
 ROW_LL_GRAPH = "low latency: CUDA graph replay"
-NORMAL_ROWS = (ROW_FULL, ROW_CACHED, ROW_COMBINE)
+NORMAL_ROWS = (ROW_FULL, ROW_CACHED, ROW_COMBINE, ROW_WORST)
 LL_ROWS = (ROW_LL_PLAIN, ROW_LL_HOOK, ROW_LL_GRAPH)
 # The low-latency check that is not a timed row: each token's rows through bf16 experts.
 LL_ROWS_CHECK = "low latency: each token's rows (bf16, untimed)"
 # API calls per iteration: what client and engine CPU are divided by (hooks not counted).
-CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_LAYER: 3, ROW_LAYER_PROJ: 3,
-                  ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
+CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_WORST: 3, ROW_LAYER: 3,
+                  ROW_LAYER_PROJ: 3, ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
 
 EPD, DEEP_EP, PIPELINE = "epd", "deep_ep", "pipeline"
 IMPLS = (EPD, DEEP_EP, PIPELINE)
@@ -326,17 +329,20 @@ class FacadeCalls:
         self.state: dict[str, Any] = {}
         self.inp = _fresh if fresh else _same
 
-    def normal(self, x: Any, idx: Any, w: Any,
-               mlp: ExpertMlp | None = None) -> dict[str, Callable[[], None]]:
+    def normal(self, x: Any, idx: Any, w: Any, mlp: ExpertMlp | None = None,
+               num_worst_tokens: int = 0) -> dict[str, Callable[[], None]]:
+        """The rows' steps; `num_worst_tokens` (> 0) adds ROW_WORST's."""
         buf, st, e, new = self.buf, self.state, self.experts, self.inp
 
-        def layer(inp: Any, experts: Callable[[Any], Any] | None = None) -> tuple:
+        def layer(inp: Any, experts: Callable[[Any], Any] | None = None,
+                  worst: int = 0) -> tuple:
             """(combined, recv_x, recv_topk_weights, handle) of one MoE layer's calls."""
             i = new(idx)
             n_rank, _, n_expert, in_rank, _ = buf.get_dispatch_layout(i, e)
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(
                 new(inp), num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
-                num_tokens_per_expert=n_expert, topk_idx=i, topk_weights=new(w))
+                num_tokens_per_expert=n_expert, topk_idx=i, topk_weights=new(w),
+                num_worst_tokens=worst)
             y = recv_x if experts is None else experts(recv_x)
             combined, _, _ = buf.combine(new(y), handle, topk_weights=recv_w)
             return combined, recv_x, recv_w, handle
@@ -362,7 +368,12 @@ class FacadeCalls:
                 st[row] = layer(inp(), mlp)[0]
             return step
 
+        def worst() -> None:
+            st[ROW_WORST] = layer(x, worst=num_worst_tokens)[0]
+
         steps = {ROW_FULL: full, ROW_CACHED: cached, ROW_COMBINE: combine}
+        if num_worst_tokens:
+            steps[ROW_WORST] = worst
         if mlp is not None:
             steps[ROW_LAYER] = with_experts(lambda: x, ROW_LAYER)
             steps[ROW_LAYER_PROJ] = with_experts(lambda: mlp.project(x), ROW_LAYER_PROJ)
@@ -589,11 +600,13 @@ class RankRun:
                     calls = FacadeCalls(self.dep_buf, p.experts, p.fresh_inputs)
                 else:
                     calls = PipelineCalls(r, pipe_group, p.experts)
-                steps = calls.normal(x, idx, w, mlp)
+                steps = (calls.normal(x, idx, w, mlp, p.num_ranks * tokens)
+                         if isinstance(calls, FacadeCalls) else calls.normal(x, idx, w, mlp))
                 pids = p.engine_pids if impl == EPD else None
                 for row in rows:
-                    self.result["records"].append(r.timed(impl, shape, row, steps[row],
-                                                          pids)[0])
+                    if row in steps:  # (the pipeline has no worst-case row)
+                        self.result["records"].append(r.timed(impl, shape, row, steps[row],
+                                                              pids)[0])
                 if impl == EPD and p.rank == 0 and "sessions_without_mps" not in self.result:
                     # Read while every rank's session is open (after they close, 0 says nothing).
                     topo = topology(p.socket_dir, 5.0)
@@ -605,6 +618,9 @@ class RankRun:
                 if "cached" in calls.state:  # the handle's routing again: x2's rows
                     self.check(shape, "cached dispatch", impl, "its full dispatch, doubled",
                                calls.state["cached"], calls.state["recv_x"] * 2, exact=True)
+                if ROW_WORST in calls.state:  # (the combined tokens do not depend on it)
+                    self.check(shape, ROW_WORST, impl, "reference", calls.state[ROW_WORST],
+                               self._normal_reference(si, tokens), exact=impl == EPD)
                 if mlp is not None:
                     layers[impl] = {row: calls.state[row] for row in LAYER_ROWS}
                 calls.state.clear()  # free the outputs before the next implementation
