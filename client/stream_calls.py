@@ -41,8 +41,8 @@ _DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights
 @dataclass(frozen=True)
 class UnwaitedDispatch:
     """A worst-case dispatch (`num_worst_tokens`) whose receive count the host did not wait
-    for, as DeepEP's does not: its status is read at the membership's next call, and waited
-    for before the next dispatch (whose notify overwrites the count)."""
+    for, as DeepEP's does not: the membership's next dispatch waits for that count (its own
+    notify overwrites it) and raises its failure, before it is sent."""
 
     sequence: int  # the counter sequence notify publishes
     seq: int  # the call's stream sequence
