@@ -395,10 +395,12 @@ class Buffer(LowLatencyMixin):
                                   f"[0, {MAX_INT32}]")
         try:
             g.settle_dispatches()  # (an earlier worst-case dispatch's failure, before growing)
-            if g.capacity_owed:  # (raised already)
-                g = self._grow(g, g.capacity_owed)
-            if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank:
-                g = self._grow(g, -(-num_worst_tokens // g.num_ranks))
+            # One growth for both: what an earlier worst-case dispatch needed (its failure
+            # raised already) and this call's num_worst_tokens.
+            need = max(g.capacity_owed, -(-num_worst_tokens // g.num_ranks)
+                       if num_worst_tokens > g.num_ranks * g.spec.max_tokens_per_rank else 0)
+            if need:
+                g = self._grow(g, need)
             return g, run(g)
         except TokenCapacityExceeded as e:
             if e.earlier:  # an earlier worst-case dispatch failed, not this call (not sent on

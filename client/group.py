@@ -360,7 +360,7 @@ class Group:
         On the cuda backend the call is stream-ordered on the caller's current stream (the host
         waits only for the receive count, and not for that with num_worst_tokens: then
         num_recv_tokens is -1, the per-expert list empty, and a failure raises at this
-        group's next call); with copy=True (default) the outputs are new
+        group's next dispatch); with copy=True (default) the outputs are new
         tensors, with copy=False views of the engine's receive buffers, valid until this rank's
         next dispatch. `num_sms`: blocks of the data kernel (0: the daemon's; at most that)."""
         req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
@@ -448,8 +448,10 @@ class Group:
                                                       num_tokens_per_expert)
             # One dispatch in flight per session, and the engine publishes every dispatch it
             # runs (failures too, with a status): ours is the first sequence after the current
-            # once this group's interrupted dispatches have theirs.
+            # once this group's interrupted dispatches have theirs, and an unwaited worst-case
+            # dispatch its own (its failure raises here, as at any next dispatch).
             self._settle_unanswered(wait=True)
+            self.settle_dispatches()
             expected = int(self._counter[counter_page.SEQ]) + 1
             fut = s._transport.call_async("Dispatch", req, rpc_timeout)
             pending = PendingDispatch(self, fut, expected, copy, x)

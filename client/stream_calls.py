@@ -209,7 +209,7 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     """(response, num_recv_tokens, per-expert counts, rows, outputs by response field name);
     the Group makes its DispatchResult and Handle of them. A worst-case dispatch
     (num_worst_tokens) does not wait for its count, as DeepEP's does not: its count is -1
-    and its per-expert counts empty, and a failure raises at the membership's next call."""
+    and its per-expert counts empty, and a failure raises at the membership's next dispatch."""
     s = group._session
     stream = _stream(group, template, "dispatch")
     slot = _slot(group, dispatching=True)  # (its notify overwrites an unwaited count)

@@ -91,7 +91,10 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert sorted(got) == sorted(want)
     for key, row in got.items():
         impls = ("epd",) if key[1] in (*LL_ROWS, WORST) else ("epd", "pipeline")
-        assert "pipeline" in row["results"] or key[1] in (*LL_ROWS, WORST), key
+        assert ("pipeline" in row["results"]) is (key[1] not in (*LL_ROWS, WORST)), key
+        if key[1] == WORST:  # (the pipeline's full row of the shape is its reference)
+            full = got[(key[0], ROWS[0])]["results"]["pipeline"]["p50_us"]
+            assert row["pipeline_reference_us"] == full, (key, row["pipeline_reference_us"])
         for impl in impls:
             fig = row["results"][impl]
             assert fig["p50_us"] > 0 and fig["p90_us"] >= fig["p50_us"], (key, impl, fig)

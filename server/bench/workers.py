@@ -342,7 +342,7 @@ class FacadeCalls:
             recv_x, _, recv_w, _, handle, _ = buf.dispatch(
                 new(inp), num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
                 num_tokens_per_expert=n_expert, topk_idx=i, topk_weights=new(w),
-                num_worst_tokens=worst)
+                **({"num_worst_tokens": worst} if worst else {}))
             y = recv_x if experts is None else experts(recv_x)
             combined, _, _ = buf.combine(new(y), handle, topk_weights=recv_w)
             return combined, recv_x, recv_w, handle
@@ -536,6 +536,7 @@ class RankRun:
                                        "checks": []}
         self.epd_buf = self.epd_ll_buf = self.dep_buf = None
         self.deep_ep: Any = None
+        self._references: dict[tuple[int, int], Any] = {}  # (shape index, tokens) -> combine
 
     def check(self, shape: str, what: str, impl: str, against: str, got: Any, want: Any, *,
               exact: bool) -> None:
@@ -641,7 +642,13 @@ class RankRun:
     def _normal_reference(self, shape_index: int, tokens: int) -> Any:
         """This rank's combine of the identity experts by server/reference.py, from every
         rank's inputs (they are generated from the seed): x times the number of ranks that
-        received the token, summed in fp32, rounded once to bf16."""
+        received the token, summed in fp32, rounded once to bf16. Computed once per shape."""
+        key = (shape_index, tokens)
+        if key not in self._references:
+            self._references[key] = self._compute_reference(shape_index, tokens)
+        return self._references[key]
+
+    def _compute_reference(self, shape_index: int, tokens: int) -> Any:
         p, torch = self.plan, self.r.torch
         xs, idx, w = zip(*(inputs(p.seed, r, shape_index, tokens, p.hidden, p.experts, p.topk,
                                   p.num_ranks) for r in range(p.num_ranks)), strict=True)
