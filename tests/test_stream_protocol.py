@@ -476,3 +476,50 @@ def test_the_engine_counts_a_combine_launched_before_its_dispatch_count() -> Non
                                                                                     None)
     assert member.bytes_received == 20 * 8 * 4 and member.bytes_sent == 2 * 20 * 8 * 4
     assert info.unresolved_combines == 0
+
+
+def test_dispatch_async_settles_an_unwaited_worst_case_dispatch_first(monkeypatch) -> None:
+    """`Group.dispatch_async` after a worst-case dispatch whose count the host did not wait
+    for: it waits for that count before it reads the slot's sequence (else its counts() would
+    be the earlier call's), and raises the earlier call's failure instead of sending, as the
+    next stream dispatch does."""
+    import threading as th
+
+    from epd.client import stream_calls
+    from epd.client.group import Group
+    from epd.proto.errors import TokenCapacityExceeded
+
+    group, _, _, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=5.0)
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    started: list[int] = []
+    s = group._session
+    s._flight_lock, s._in_flight = th.Lock(), None
+    s._transport = types.SimpleNamespace(
+        call_async=lambda m, r, t: started.append(int(group._counter[counter_page.SEQ])))
+    s._dispatch_started = lambda pending, fut: None
+    group._unanswered = []
+    group._dispatch_request = lambda *a: (epd_pb2.DispatchRequest(), 5.0)
+    group._settle_unanswered = lambda wait: None
+
+    def notify() -> None:  # the earlier call's notify publishes its count 50 ms later
+        time.sleep(0.05)
+        counter_page.publish(group._counter, 1, 20, [10, 10])
+    t = th.Thread(target=notify)
+    t.start()
+    pending = Group.dispatch_async.__wrapped__(group, object())  # (the decorator: a session)
+    t.join()
+    assert started == [1] and pending._sequence == 2  # (its own: after the earlier one)
+
+    # An earlier capacity failure raises here, and nothing is sent.
+    group, _, _, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    counter_page.publish(group._counter, 1, 40, [], status=abi.ERR_CAPACITY)
+    s = group._session
+    s._flight_lock, s._in_flight = th.Lock(), None
+    s._transport = types.SimpleNamespace(call_async=lambda *a: started.append(-1))
+    group._dispatch_request = lambda *a: (epd_pb2.DispatchRequest(), 5.0)
+    group._settle_unanswered = lambda wait: None
+    with pytest.raises(TokenCapacityExceeded):
+        Group.dispatch_async.__wrapped__(group, object())
+    assert started == [1]
