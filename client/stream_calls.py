@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from ..proto import abi, counter_page, cuda_driver, dtypes, spin
-from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument
+from ..proto.errors import EpdError, FailedPrecondition
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from .tensors import Array
@@ -166,19 +166,17 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
     name = f"dispatch #{sequence}"
     lost = (" (num_worst_tokens: the call returned without waiting for its count, as "
             "DeepEP's; its outputs and the combine of its handle hold no data)" if earlier else "")
-    if got is not None and int(words[counter_page.STATUS]) == abi.ERR_CAPACITY:
+    status = int(words[counter_page.STATUS]) if got is not None else -1
+    if status == abi.ERR_CAPACITY:
         err = counter_page.capacity_error(group.name, group.spec.max_tokens_per_rank, got[0],
-                                          int(words[abi.SLOT_ERR_RANK]), name + lost)
-        err.earlier = earlier
+                                          int(words[abi.SLOT_ERR_RANK]), name + lost, earlier)
         if earlier:
             group.capacity_owed = max(group.capacity_owed, err.tokens_needed)
         return err
-    if got is not None and int(words[counter_page.STATUS]) == abi.ERR_WORST_OVERFLOW:
-        return InvalidArgument(  # (as the cpu backend's: the argument was too small)
-            f"group {group.name!r}, {name}: rank {int(words[abi.SLOT_ERR_RANK])} receives "
-            f"{got[0]} tokens, more than num_worst_tokens={num_worst}; no rank's dispatch ran "
-            f"and the group goes on (every rank must pass a num_worst_tokens that each "
-            f"rank's receive count fits, e.g. num_ranks * max tokens per rank){lost}")
+    if status == abi.ERR_WORST_OVERFLOW:  # (INVALID_ARGUMENT, as the cpu backend's)
+        return counter_page.worst_overflow_error(group.name, name + lost,
+                                                 int(words[abi.SLOT_ERR_RANK]), got[0],
+                                                 num_worst)
     if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
         slot.settle(seq, timeout)
     slot.check()

@@ -91,7 +91,7 @@ def wait(words: np.ndarray, sequence: int, timeout: float,
     `stop()` is true. The spin lets go of the GIL at every look (spin.py: the engine's other
     sessions need it)."""
     def ready() -> bool:
-        return int(words[SEQ]) >= sequence or (stop is not None and stop())
+        return published(words, sequence) or (stop is not None and stop())
     if not spin.wait_until(ready, timeout) or int(words[SEQ]) < sequence:
         return None
     host_order.consume()  # (the sequence seen before the counts are read)
@@ -144,14 +144,28 @@ class StreamFailure:
 
 
 def capacity_error(group: str, max_tokens: int, needed: int, rank: int,
-                   call: str) -> TokenCapacityExceeded:
+                   call: str, earlier: bool = False) -> TokenCapacityExceeded:
     """The error of a dispatch (`call`: "dispatch #n") that a rank's token count failed on
     every rank: the largest count (`needed`; a notify kernel leaves it in the slot's NUM_RECV)
-    and the rank that passed it (ERR_RANK)."""
-    return TokenCapacityExceeded(
+    and the rank that passed it (ERR_RANK). `earlier`: TokenCapacityExceeded.earlier."""
+    err = TokenCapacityExceeded(
         f"group {group!r}, {call}: rank {rank} dispatched {needed} tokens, more "
         f"than its max_tokens_per_rank={max_tokens}; no rank's dispatch ran (join a group with "
         f"a larger capacity and call again)", tokens_needed=needed)
+    err.earlier = earlier
+    return err
+
+
+def worst_overflow_error(group: str, call: str, rank: int, received: int,
+                         num_worst: int) -> InvalidArgument:
+    """The error of a dispatch (`call`) that notify failed on every rank because `rank` would
+    receive `received` rows, more than the call's num_worst_tokens (ERR_WORST_OVERFLOW; the
+    slot's ERR_RANK and NUM_RECV)."""
+    return InvalidArgument(
+        f"group {group!r}, {call}: rank {rank} receives {received} tokens, more than "
+        f"num_worst_tokens={num_worst}; no rank's dispatch ran and the group goes on (every "
+        f"rank must pass a num_worst_tokens that each rank's receive count fits, e.g. "
+        f"num_ranks * max tokens per rank)")
 
 
 def stream_failure(words: np.ndarray) -> StreamFailure | None:

@@ -394,7 +394,8 @@ class CudaRankComm(RankComm):
                 timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms,
                 routing=_routing(args), worst_in_notify=True)
             if cached is None:
-                num_recv, per_expert = self._counts(counter_slot, sequence, deadline)
+                num_recv, per_expert = self._counts(counter_slot, sequence, deadline,
+                                                    args.num_worst_tokens)
             else:
                 num_recv, per_expert = cached.num_recv, []
                 counter_page.publish(counter_slot, sequence, num_recv, [])
@@ -411,10 +412,11 @@ class CudaRankComm(RankComm):
         return self._dispatch_outputs(args, res, outs, rows, prefix, num_recv, per_expert,
                                       bytes_received=num_recv * spec.hidden * item)
 
-    def _counts(self, counter_slot: CounterSlot, sequence: int,
-                deadline: float) -> tuple[int, list[int]]:
+    def _counts(self, counter_slot: CounterSlot, sequence: int, deadline: float,
+                num_worst: int = 0) -> tuple[int, list[int]]:
         """The receive counts notify publishes in the mapped page (the host learns them while
-        the GPU goes on); a call every rank fails alike (capacity) raises here."""
+        the GPU goes on); a call every rank fails alike (capacity, `num_worst` receive rows
+        exceeded) raises here."""
         spec = self.spec
         got = counter_page.wait(counter_slot, sequence, max(deadline - time.monotonic(), 0) + 1.0)
         if got is None:
@@ -429,10 +431,9 @@ class CudaRankComm(RankComm):
                 int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
         if counter_slot[counter_page.STATUS] == abi.ERR_WORST_OVERFLOW:
             self.runner.stream.synchronize()  # (the data kernels skip the call)
-            raise InvalidArgument(
-                f"group {spec.name!r}, dispatch #{sequence}: rank "
-                f"{int(counter_slot[abi.SLOT_ERR_RANK])} receives {num_recv} tokens, more than "
-                f"num_worst_tokens; no rank's dispatch ran and the group goes on")
+            raise counter_page.worst_overflow_error(
+                spec.name, f"dispatch #{sequence}", int(counter_slot[abi.SLOT_ERR_RANK]),
+                num_recv, num_worst)
         if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens,
                                             spec.num_local_experts):
             raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "

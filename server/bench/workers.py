@@ -415,8 +415,10 @@ class PipelineCalls:
         self.r, self.group, self.experts = r, group, experts
         self.state: dict[str, Any] = {}
 
-    def normal(self, x: Any, idx: Any, w: Any,
-               mlp: ExpertMlp | None = None) -> dict[str, Callable[[], None]]:
+    def normal(self, x: Any, idx: Any, w: Any, mlp: ExpertMlp | None = None,
+               num_worst_tokens: int = 0) -> dict[str, Callable[[], None]]:
+        """FacadeCalls.normal's steps but ROW_WORST's (a pipeline has no call without the
+        count; `num_worst_tokens` is not used)."""
         torch, dist, g, st = self.r.torch, self.r.dist, self.group, self.state
         world = self.r.plan.num_ranks
         local = self.experts // world
@@ -601,8 +603,7 @@ class RankRun:
                     calls = FacadeCalls(self.dep_buf, p.experts, p.fresh_inputs)
                 else:
                     calls = PipelineCalls(r, pipe_group, p.experts)
-                steps = (calls.normal(x, idx, w, mlp, p.num_ranks * tokens)
-                         if isinstance(calls, FacadeCalls) else calls.normal(x, idx, w, mlp))
+                steps = calls.normal(x, idx, w, mlp, p.num_ranks * tokens)
                 pids = p.engine_pids if impl == EPD else None
                 for row in rows:
                     if row in steps:  # (the pipeline has no worst-case row)
