@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Thirty-eighth session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says):
+#   recheck  # what the thirty-seventh session left unrun: the worst-case test and the
+#            # facade's after the second review's mends, the normal-mode kernel tests after
+#            # the combine reduce kernel took recv_info, and `epd bench` at D (2 ranks on one
+#            # GPU: EPD's rows only, the worst-case row among them)
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean)
+case "${1:-}" in
+  recheck)
+    STEP_TEST_SECONDS=150 step review 200 "tests/gpu/test_worst_case_no_wait.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_elastic_buffer_gpu.py \
+        tests/gpu/test_stream_ordered.py"
+    STEP_TEST_SECONDS=150 step intranode 200 "tests/gpu/test_intranode.py"
+    timeout 150 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 60 \
+        --json "$OUT/bench_D.json" 2>&1 | clean | tail -30 > "$OUT/bench_D.txt"
+    echo "bench rc=${PIPESTATUS[0]}"; cat "$OUT/bench_D.txt"
+    ;;
+  *) echo "usage: $0 recheck" >&2; exit 2 ;;
+esac
