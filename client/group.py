@@ -687,9 +687,10 @@ class Group:
         """Raise the failure the GPU reported for an earlier stream-ordered call of this rank
         (once the stream has passed it: e.g. after synchronising), if any not raised yet. Calls
         check too, so a failure surfaces at the next call at the latest; a worst-case
-        dispatch's (num_worst_tokens) at the next dispatch, on every rank alike."""
+        dispatch's (num_worst_tokens) at the next dispatch, on every rank alike; a layout's bad
+        expert id here only (this rank's alone: stream_calls.py)."""
         if self._ordered:
-            stream_calls._slot(self)
+            stream_calls._slot(self, explicit=True)
 
     def settle_dispatches(self) -> None:
         """What a dispatch does first: wait (within its deadline) for the receive count of an

@@ -9,10 +9,11 @@ microseconds; here it is one allocation, one memset and one launch of the same k
 (cuda/epd_layout.cu) on the caller's current stream, as DeepEP's layout is. It stays
 capturable in a CUDA graph (nothing waits on the host).
 
-Bad expert ids are handled as the engine does: the entry is skipped, the kernel records the
-first one in this group's error words (pinned host memory the kernel writes through its
-unified address), and the group's next call (or `Group.check()`) raises INVALID_ARGUMENT naming
-the rank and the id: asynchronously, as the engine's stream-ordered calls report it.
+Bad expert ids are handled as the engine's layout does: the entry is skipped, the kernel records
+the first one in this group's error words (pinned host memory the kernel writes through its
+unified address), and `Group.check()` raises INVALID_ARGUMENT naming the rank and the id
+(asynchronously; not at the group's next collective, which would leave this rank one call behind
+its peers: client/stream_calls.py). A dispatch of the same ids fails on every rank alike.
 
 `tests/gpu/test_local_layout.py` checks it against server/reference.py on the GPU (exact over
 many shapes with poisoned outputs, in a CUDA graph, a bad id); `test_stream_ordered.py` keeps
@@ -122,6 +123,13 @@ class LocalLayout:
             f"group {spec.name!r}: rank {self.group.rank} passed expert id {value} in the "
             f"topk_idx of an earlier get_dispatch_layout; valid ids are -1 (none) and "
             f"[0, {spec.num_experts}); the entry was skipped")
+
+    def drop(self) -> None:
+        """Forget a bad id an earlier layout skipped (stream_calls._drop_layout_failures)."""
+        if int(self.words[abi.CTRL_CALL_ERR]) not in (0, abi.CALL_ERR_CLAIMED):
+            self.words[abi.CTRL_CALL_ERR_VALUE] = 0
+            host_order.publish()
+            self.words[abi.CTRL_CALL_ERR] = 0
 
     def __call__(self, topk_idx: Array, *,
                  beyond_capacity: bool = False) -> tuple[Array, Array, Array]:

@@ -7,11 +7,15 @@ waits for DONE >= n (stream memory operations on the membership's counter slot,
 proto/counter_page.py). The host waits only where DeepEP's does: a dispatch needs its receive
 count to shape recv_x, which the notify kernel writes into the counter page this process maps.
 
-Errors found on the GPU (an expert id out of range; a peer missing its deadline; an aborted
-group) are written by the call's last kernel; they raise `EpdError` at this membership's next
-call, or at `Group.check()` once the stream has passed the call (CUDA's asynchronous-error
-model). A stream never waits forever: when the session or engine goes away the client releases
-DONE itself.
+Errors found on the GPU (a peer missing its deadline; an aborted group) are written by the
+call's last kernel; they raise `EpdError` at this membership's next call, or at `Group.check()`
+once the stream has passed the call (CUDA's asynchronous-error model). A dispatch's bad expert
+id or count fails that dispatch on every rank alike (its notify carries each source's verdict):
+at the call, or for a worst-case dispatch at the next dispatch. A layout's bad id is this rank's
+alone (layout is no collective) and raises at `Group.check()` only: raised at a later
+collective, before it is sent, it would leave this rank one collective behind its peers, and a
+dispatch of the same ids fails alike anyway. A stream never waits forever: when the session or
+engine goes away the client releases DONE itself.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class StreamSlot:
         self.issued = 0  # the latest sequence the engine answered
         f = counter_page.stream_failure(self.words)
         self.reported = f.seq if f is not None else 0  # failures already raised (or older)
+        self.layouts: set[int] = set()  # layouts' stream sequences: rank-local calls
         self.unwaited: UnwaitedDispatch | None = None
         self.released = False
 
@@ -82,14 +87,28 @@ class StreamSlot:
         spin.wait_until(lambda: counter_page.seq_reached(counter_page.stream_done(self.words),
                                                          seq), timeout)
 
-    def check(self) -> None:
-        """Raise a failure the GPU reported for an earlier call, once."""
+    def layout_sent(self, seq: int) -> None:
+        if len(self.layouts) >= 256:  # (those the stream has passed without a failure)
+            done = counter_page.stream_done(self.words)
+            self.layouts = {n for n in self.layouts if not counter_page.seq_reached(done, n)}
+        self.layouts.add(seq)
+
+    def check(self, explicit: bool = False) -> None:
+        """Raise a failure the GPU reported for an earlier call, once; a layout's only when
+        `explicit` (Group.check: see the module docstring)."""
         f = counter_page.stream_failure(self.words)
-        if f is None or f.seq == self.reported:
+        if f is None or f.seq == self.reported or (f.seq in self.layouts and not explicit):
             return
         self.reported = f.seq
+        self.layouts = {n for n in self.layouts if not counter_page.seq_reached(f.seq, n)}
         spec = self.group.spec
         raise f.error(spec.name, spec.num_experts)
+
+    def drop_layout_failure(self) -> None:
+        """A layout's failure not yet raised is not raised (_drop_layout_failures)."""
+        f = counter_page.stream_failure(self.words)
+        if f is not None and f.seq in self.layouts:
+            self.reported = f.seq
 
     def release(self) -> None:
         """The session or engine is gone: no stream may wait for DONE forever (nor the host
@@ -98,18 +117,19 @@ class StreamSlot:
         counter_page.release_stream(self.words, self.issued)
 
 
-def _slot(group: Group, dispatching: bool = False) -> StreamSlot:
+def _slot(group: Group, dispatching: bool = False, explicit: bool = False) -> StreamSlot:
     """The membership's slot, once the failures the GPU reported for earlier calls are
     raised. `dispatching`: also an earlier worst-case dispatch's, its count waited for first
     (within its deadline). Only a dispatch raises that one: every rank reaches its next
     dispatch after the same calls, so every rank fails the same call and none sends it (one
-    rank raising at a combine that another sent would leave their collectives one apart)."""
+    rank raising at a combine that another sent would leave their collectives one apart).
+    `explicit` (Group.check): also a layout's, which is this rank's alone."""
     if group._stream_slot is None:
         group._stream_slot = StreamSlot(group)
     if dispatching:
         _settle_unwaited(group, group._stream_slot)
-    group._stream_slot.check()
-    if group._local_layout is not None:
+    group._stream_slot.check(explicit)
+    if explicit and group._local_layout is not None:
         group._local_layout.check()
     return group._stream_slot
 
@@ -145,6 +165,7 @@ def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
     resp = cast(epd_pb2.GetDispatchLayoutResponse, s._call(
         "GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
             session_id=s.session_id, group_id=group.group_id, stream_ordered=True, **d)))
+    slot.layout_sent(resp.stream_seq)
     slot.begin(stream, resp.stream_seq)
     slot.end(stream, resp.stream_seq)
     return outs
@@ -177,6 +198,11 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
         return counter_page.worst_overflow_error(group.name, name + lost,
                                                  int(words[abi.SLOT_ERR_RANK]), got[0],
                                                  num_worst)
+    if status in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT):
+        if int(words[abi.SLOT_ERR_RANK]) == group.rank:
+            _drop_layout_failures(group)
+        return counter_page.bad_input_error(group.name, name + lost, words,
+                                            group.spec.num_experts)
     if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
         slot.settle(seq, timeout)
     slot.check()
@@ -185,6 +211,21 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
     return EpdError(grpc.StatusCode.DEADLINE_EXCEEDED if got is None or missing >= 0 else
                     grpc.StatusCode.ABORTED,
                     f"group {group.name!r}: {name} got no receive counts{who}{lost}")
+
+
+def _drop_layout_failures(group: Group) -> None:
+    """A dispatch failed on every rank for this rank's bad input: the failure a layout of the
+    same ids reported (layout, then dispatch) is not raised again at Group.check(), in this
+    group or another of this session with the same routing (the DeepEP facade lays out on one
+    group and dispatches on another)."""
+    spec = group.spec
+    same = [g for g in list(group._session._groups.values())
+            if g.spec.num_experts == spec.num_experts and g.spec.num_topk == spec.num_topk]
+    for g in {id(g): g for g in [group, *same]}.values():
+        if g._stream_slot is not None:
+            g._stream_slot.drop_layout_failure()
+        if g._local_layout is not None:
+            g._local_layout.drop()
 
 
 def _settle_unwaited(group: Group, slot: StreamSlot) -> None:

@@ -57,12 +57,14 @@ typedef unsigned long long u64;
 #define HOST_WORD_GONE 1          // bit r: rank r went away (shrink groups)
 #define HOST_POLL_AFTER_NS 1000000  // a wait reads the host words after 1 ms, not sooner
 #define CTRL_PAYLOAD_BYTES 4096 // notify payload: [R_MAX][NOTIFY_HEAD + L] int32 per source slot
-// A notify payload from one source: R_MAX per-destination counts, the source's token count, then
-// its L per-expert counts for the destination.
+// A notify payload from one source: R_MAX per-destination counts, the source's token count, its
+// bad input (a whole group's dispatch: 0, ERR_BAD_INPUT or ERR_BAD_COUNT, then the first bad
+// value's low and high 32 bits), then its L per-expert counts for the destination.
 #define NOTIFY_TOKENS 8  // EPD_MAX_RANKS
-#define NOTIFY_HEAD 9
-static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_HEAD == NOTIFY_TOKENS + 1,
-              "notify payload layout");
+#define NOTIFY_BAD 9
+#define NOTIFY_HEAD 12
+static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 &&
+              NOTIFY_HEAD == NOTIFY_BAD + 3, "notify payload layout");
 
 #define ERR_DEADLINE 1
 #define ERR_ABORTED 2
@@ -218,19 +220,31 @@ __device__ __forceinline__ void record_error(u64* ctrl, int code, int rank, int 
     }
 }
 
-// A bad value in a call's inputs (an expert id out of range): the entry is skipped, so every rank
-// still moves consistent data, and the call's last kernel reports it (epd_call_done).
-// The first reporter claims the word, writes the value, then the code: a host reading the
-// words while the kernel still runs (the client's layout check) never takes a code with
-// another call's value.
-__device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value,
+// Where a bad value in a call's inputs (an expert id out of range) is recorded: the rank's
+// control block (CTRL_CALL_ERR / _VALUE: the call's last kernel reports it, epd_call_done, on
+// this rank alone), or a whole group's notify's own pair in shared memory, which its payload
+// carries to every rank (every rank then fails the dispatch alike). Null: not recorded.
+struct BadInput {
+    u64* code;
+    u64* value;
+};
+__device__ __forceinline__ BadInput call_err_words(u64* ctrl) {
+    return ctrl == nullptr ? BadInput{nullptr, nullptr}
+                           : BadInput{ctrl + CTRL_CALL_ERR, ctrl + CTRL_CALL_ERR_VALUE};
+}
+
+// A bad value in a call's inputs: the entry is skipped, so every rank still moves consistent
+// data. The first reporter claims the code word, writes the value, then the code: a host
+// reading the words while the kernel still runs (the client's layout check) never takes a code
+// with another call's value.
+__device__ __forceinline__ void report_bad_input(BadInput to, i64 value,
                                                  int code = ERR_BAD_INPUT) {
-    if (ctrl != nullptr &&
-        atomicCAS(reinterpret_cast<unsigned long long*>(ctrl + CTRL_CALL_ERR), 0ull,
+    if (to.code != nullptr &&
+        atomicCAS(reinterpret_cast<unsigned long long*>(to.code), 0ull,
                   (unsigned long long)CALL_ERR_CLAIMED) == 0ull) {
-        ctrl[CTRL_CALL_ERR_VALUE] = (u64)value;
+        *to.value = (u64)value;
         __threadfence_system();
-        reinterpret_cast<volatile u64*>(ctrl)[CTRL_CALL_ERR] = (u64)code;
+        *reinterpret_cast<volatile u64*>(to.code) = (u64)code;
     }
 }
 
@@ -238,11 +252,11 @@ __device__ __forceinline__ void report_bad_input(u64* ctrl, i64 value,
 // counting each of its experts in s_expert; an id outside [-1, E) is reported and skipped.
 // (The layout and both notify kernels: one rule for routing and for bad ids.)
 __device__ __forceinline__ u64 token_ranks(const i64* topk_idx, int t, int K, int E, int L,
-                                           int* s_expert, u64* ctrl) {
+                                           int* s_expert, BadInput bad) {
     u64 mask = 0;
     for (int k = 0; k < K; ++k) {
         const i64 e = topk_idx[(i64)t * K + k];
-        if (e < -1 || e >= E) { report_bad_input(ctrl, e); continue; }
+        if (e < -1 || e >= E) { report_bad_input(bad, e); continue; }
         if (e >= 0) {
             mask |= 1ull << (int)(e / L);
             atomicAdd(&s_expert[e], 1);

@@ -111,14 +111,15 @@ __device__ void node_rows(const unsigned char* __restrict__ token_mask, int T, i
 // The end of a notify (epd_notify, epd_wide_notify), every thread of the block: after the wait
 // (`code`), the sources' payloads at `payload_bytes` of this rank's control block, `stride` words
 // each: the count per destination rank first, the source's token count at word `tokens_at`,
-// this rank's per-expert counts from word `experts_at`. A failed wait, or a source with more
-// tokens than the group holds, or (num_worst > 0) a destination receiving more rows than
-// num_worst, fails the call (every rank reads the same payloads: alike), before any row
+// (bad_at >= 0) its bad input's code and value at word `bad_at` (NOTIFY_BAD), this rank's
+// per-expert counts from word `experts_at`. A failed wait, or a source's bad input, or a source
+// with more tokens than the group holds, or (num_worst > 0) a destination receiving more rows
+// than num_worst, fails the call (every rank reads the same payloads: alike), before any row
 // moves; else the count and prefix matrices, recv_info and the counter slot (payload, system
 // fence, sequence word). Returns whether the call goes on.
 __device__ __forceinline__ bool notify_publish(
-        u64* my_ctrl, int code, int payload_bytes, int stride, int tokens_at, int experts_at,
-        int R, int L, int rank, int max_tokens, int num_worst, int alignment,
+        u64* my_ctrl, int code, int payload_bytes, int stride, int tokens_at, int bad_at,
+        int experts_at, int R, int L, int rank, int max_tokens, int num_worst, int alignment,
         int* __restrict__ recv_info,
         int* __restrict__ count_matrix, int* __restrict__ rank_prefix, i64* counter_slot,
         u64 counter_seq) {
@@ -138,12 +139,21 @@ __device__ __forceinline__ bool notify_publish(
     }
     const volatile int* payload = reinterpret_cast<const volatile int*>(
         reinterpret_cast<const char*>(my_ctrl) + payload_bytes);
-    int need = 0, needy = -1;
-    for (int s = 0; s < R; ++s) {
+    i64 need = 0;  // (the counter slot's NUM_RECV of a failed call: what failed it)
+    int needy = -1, fail = 0;
+    for (int s = 0; bad_at >= 0 && s < R && !fail; ++s) {  // the lowest rank's first bad value
+        const volatile int* p = payload + s * stride + bad_at;
+        if (p[0]) {
+            fail = p[0];
+            needy = s;
+            need = (i64)(((u64)(unsigned)p[2] << 32) | (u64)(unsigned)p[1]);
+        }
+    }
+    for (int s = 0; !fail && s < R; ++s) {
         int ts = payload[s * stride + tokens_at];
         if (ts > need) { need = ts; needy = s; }
     }
-    int fail = need > max_tokens ? ERR_CAPACITY : 0;
+    if (!fail && need > max_tokens) fail = ERR_CAPACITY;
     if (!fail && num_worst > 0) {  // every destination's rows: alike where num_worst is
         need = 0; needy = -1;       // (DeepEP's rule: every rank passes the same)
         for (int d = 0; d < R; ++d) {
@@ -231,22 +241,29 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            int num_nodes,                          // > 1: hierarchical (see the top)
            int* __restrict__ node_base,            // [R] hierarchical: rail rows before s
            int* __restrict__ node_pos,             // [T, N] hierarchical: see node_rows
-           int num_worst) {                        // > 0: no destination receives more
+           int num_worst,                          // > 0: no destination receives more
+           int bad_alike) {  // a whole group's dispatch: a bad input fails it on every rank
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     __shared__ int s_node[EPD_MAX_RANKS];  // hierarchical: tokens with an expert on node b
     __shared__ int s_warp[32][EPD_MAX_RANKS];
+    __shared__ u64 s_bad[2];  // bad_alike: this source's bad input (code, value) for the payload
     const int L = E / R;
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     u64* my_ctrl = ctrl_of(peers, rank);
+    // (Else reported on this rank alone, by the call's last kernel: a stage's notify, whose
+    // whole group's notify reports the same ids.)
+    const BadInput bad = bad_alike ? BadInput{&s_bad[0], &s_bad[1]} : call_err_words(my_ctrl);
+    if (tid < 2) s_bad[tid] = 0;
+    __syncthreads();
 
     // Without top-k (DeepEP's topk_idx=None) the caller declares its tokens per expert.
     for (int i = tid; i < E; i += blockDim.x) {
         int v = 0;
         if (experts_in != nullptr) {  // (not topk_idx == nullptr: an empty array has no data)
             v = experts_in[i];
-            if (v < 0) { report_bad_input(my_ctrl, v, ERR_BAD_COUNT); v = 0; }
+            if (v < 0) { report_bad_input(bad, v, ERR_BAD_COUNT); v = 0; }
         }
         s_expert[i] = v;
     }
@@ -263,7 +280,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
         unsigned mask = 0;
         if (experts_in != nullptr)  // routed by is_token_in_rank alone
             for (int d = 0; d < R; ++d) mask |= (routing_in[(i64)t * R + d] ? 1u : 0u) << d;
-        mask |= (unsigned)token_ranks(topk_idx, t, K, E, L, s_expert, my_ctrl);  // (R <= 8)
+        mask |= (unsigned)token_ranks(topk_idx, t, K, E, L, s_expert, bad);  // (R <= 8)
         token_mask[t] = (unsigned char)mask;
 #pragma unroll
         for (int d = 0; d < EPD_MAX_RANKS; ++d) cnt[d] += (mask >> d) & 1u;
@@ -304,13 +321,18 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     for (int d = 0; d < EPD_MAX_RANKS; ++d)
         off[d] = incl[d] - cnt[d] + (warp > 0 ? s_warp[warp - 1][d] : 0);
 
-    // Phase B: push [per-rank counts (R_MAX ints) | T | destination's L expert counts] to every
-    // peer's slot for this source, fence, then raise the flag.
+    // Phase B: push [per-rank counts (R_MAX ints) | T | bad input (code, value low, high) |
+    // destination's L expert counts] to every peer's slot for this source, fence, then raise
+    // the flag. (s_bad is complete: the scan's barriers came after every report.)
     const int stride = NOTIFY_HEAD + L;
     for (int i = tid; i < R * stride; i += blockDim.x) {
         int r = i / stride, j = i % stride;
         int v = j < EPD_MAX_RANKS ? (j < R ? s_rank[j] : 0)
-              : j == NOTIFY_TOKENS ? T : s_expert[r * L + (j - NOTIFY_HEAD)];
+              : j == NOTIFY_TOKENS ? T
+              : j == NOTIFY_BAD ? (int)s_bad[0]
+              : j == NOTIFY_BAD + 1 ? (int)(unsigned)s_bad[1]
+              : j == NOTIFY_BAD + 2 ? (int)(unsigned)(s_bad[1] >> 32)
+              : s_expert[r * L + (j - NOTIFY_HEAD)];
         const i64 at = CTRL_PAYLOAD_BYTES + ((i64)rank * stride + j) * 4;
 #ifdef EPD_NVSHMEM
         if (peer_remote(peers, r)) {  // another node: a put of the int (quiet below)
@@ -343,10 +365,9 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
 
     // Phase C: wait for every source (deadline + abort word); phase D: the counts.
     int code = block_wait_all(my_ctrl, CTRL_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
-    if (!notify_publish(my_ctrl, code, CTRL_PAYLOAD_BYTES, stride, NOTIFY_TOKENS, NOTIFY_HEAD, R,
-                        L, rank, max_tokens, num_worst, alignment, recv_info, count_matrix,
-                        rank_prefix,
-                        counter_slot, counter_seq))
+    if (!notify_publish(my_ctrl, code, CTRL_PAYLOAD_BYTES, stride, NOTIFY_TOKENS, NOTIFY_BAD,
+                        NOTIFY_HEAD, R, L, rank, max_tokens, num_worst, alignment, recv_info,
+                        count_matrix, rank_prefix, counter_slot, counter_seq))
         return;
     if (num_nodes > 1 && tid < R) {  // the rail rows of forwarder (my node, i) before source s
         const int per_node = R / num_nodes, s = tid;
@@ -401,7 +422,7 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
     if (tid < LL_MAX_RANKS) s_rank[tid] = 0;
     __syncthreads();
     for (int t = tid; t < T; t += blockDim.x) {
-        u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, my_ctrl);
+        u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, call_err_words(my_ctrl));
         for (; mask; mask &= mask - 1) atomicAdd(&s_rank[__ffsll((long long)mask) - 1], 1);
     }
     __syncthreads();
@@ -428,8 +449,8 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
     if (tid < R) peer_signal(peers, R, tid, WIDE_NOTIFY_FLAG + rank, seq);
 
     int code = block_wait_all(my_ctrl, WIDE_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
-    notify_publish(my_ctrl, code, WIDE_PAYLOAD_BYTES, stride, R, R + 1, R, L, rank, max_tokens,
-                   0, alignment, recv_info, count_matrix, rank_prefix, counter_slot,
+    notify_publish(my_ctrl, code, WIDE_PAYLOAD_BYTES, stride, R, -1, R + 1, R, L, rank,
+                   max_tokens, 0, alignment, recv_info, count_matrix, rank_prefix, counter_slot,
                    counter_seq);
 }
 

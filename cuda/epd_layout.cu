@@ -21,7 +21,7 @@ epd_layout(const i64* __restrict__ topk_idx, int T, int K, int E, int R,
     __syncthreads();
     int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t < T) {
-        const u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, call_err);
+        const u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, call_err_words(call_err));
         for (int d = 0; d < R; ++d) {
             bool in = (mask >> d) & 1ull;
             is_token_in_rank[(i64)t * R + d] = in;

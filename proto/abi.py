@@ -65,7 +65,8 @@ CTRL_LL_HIST_FLAG = 384  # source s posted its low-latency dispatch histogram
 CTRL_LL_SEEN = 448  # the ranks source s saw masked or gone when it posted its histogram
 CTRL_PAYLOAD_BYTES = 4096  # notify payload: [MAX_RANKS][NOTIFY_HEAD + L] int32 per source slot
 NOTIFY_TOKENS = 8  # EPD_MAX_RANKS: a payload's word holding the source's token count
-NOTIFY_HEAD = 9  # words before a payload's per-expert counts (the counts, then the tokens)
+NOTIFY_BAD = 9  # then its bad input: code, value's low and high 32 bits (a whole group's dispatch)
+NOTIFY_HEAD = 12  # words before a payload's per-expert counts (counts, tokens, bad input)
 # A notify-only slot of more than MAX_RANKS ranks (a two-stage group's whole-group notify,
 # epd_wide_notify): its flags, then [R][R + 1 + L] int32 per source, in the payload region.
 WIDE_NOTIFY_FLAG = CTRL_PAYLOAD_BYTES // 8  # u64 word: [LL_MAX_RANKS] flags

@@ -7,10 +7,12 @@ a reader spins on the sequence word reaching the value it expects, then reads th
 
 Slot layout (little-endian, 8-byte words):
     word 0      sequence (u64): the dispatch sequence number the payload belongs to
-    word 1      num_recv_tokens (i64)
+    word 1      num_recv_tokens (i64); of a dispatch notify failed on every rank, what failed
+                it: the largest token count, receive count, or the bad expert id or count
     word 2      num_local_experts (i64)
     word 3      status (i64): 0 ok, otherwise an error code (the RPC carries the message)
-    word 4      on error: the rank that did not arrive (-1 when unknown), written by the GPU
+    word 4      on error: the rank that did not arrive, or whose input failed the dispatch (-1
+                when unknown), written by the GPU
     word 5..6   int32 words of stream-ordered calls (abi.SLOT32_*): done, failed sequence,
                 its code and rank
     word 7      the failed call's offending value
@@ -120,15 +122,10 @@ class StreamFailure:
 
     def error(self, group: str, num_experts: int | None = None) -> EpdError:
         where = f"group {group!r}, call #{self.seq}"
-        if self.code == abi.ERR_BAD_INPUT:
-            valid = f"[0, {num_experts})" if num_experts else "[0, num_experts)"
-            return InvalidArgument(f"{where}: rank {self.rank} passed expert id {self.value} in "
-                                   f"topk_idx; valid ids are -1 (none) and {valid}; the entry "
-                                   f"was skipped on every rank and the group goes on")
-        if self.code == abi.ERR_BAD_COUNT:
-            return InvalidArgument(f"{where}: rank {self.rank} passed {self.value} in "
-                                   f"num_tokens_per_expert (a dispatch without top-k); counts "
-                                   f"must be >= 0; it was taken as 0 and the group goes on")
+        if self.code in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT):
+            bad = _bad_value(self.code, self.rank, self.value, num_experts)
+            what = "the entry was skipped" if self.code == abi.ERR_BAD_INPUT else "taken as 0"
+            return InvalidArgument(f"{where}: {bad}; {what} and the group goes on")
         if self.code == abi.ERR_DEADLINE:
             phase = abi.PHASE_NAMES.get(self.phase, "a collective")
             return DeadlineExceeded(f"{where}: rank {self.rank} did not arrive at {phase} "
@@ -154,6 +151,25 @@ def capacity_error(group: str, max_tokens: int, needed: int, rank: int,
         f"a larger capacity and call again)", tokens_needed=needed)
     err.earlier = earlier
     return err
+
+
+def _bad_value(code: int, rank: int, value: int, num_experts: int | None) -> str:
+    if code == abi.ERR_BAD_COUNT:
+        return (f"rank {rank} passed {value} in num_tokens_per_expert (a dispatch without "
+                f"top-k); counts must be >= 0")
+    valid = f"[0, {num_experts})" if num_experts else "[0, num_experts)"
+    return f"rank {rank} passed expert id {value} in topk_idx; valid ids are -1 (none) and {valid}"
+
+
+def bad_input_error(group: str, call: str, words: np.ndarray,
+                    num_experts: int | None = None) -> InvalidArgument:
+    """The error of a dispatch (`call`) that notify failed on every rank because a rank passed
+    a bad expert id or count (ERR_BAD_INPUT / ERR_BAD_COUNT in the slot `words`: that rank in
+    ERR_RANK, its first bad value in NUM_RECV)."""
+    bad = _bad_value(int(words[STATUS]), int(words[abi.SLOT_ERR_RANK]), int(words[NUM_RECV]),
+                     num_experts)
+    return InvalidArgument(f"group {group!r}, {call}: {bad}; no rank's dispatch ran and the "
+                           f"group goes on")
 
 
 def worst_overflow_error(group: str, call: str, rank: int, received: int,

@@ -339,13 +339,14 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
         return answers.pop(0)
     memory = types.SimpleNamespace(is_capturing=lambda t: False, device_ordinal=0,
                                    counter_page_device_ptr=lambda: 0x1000)
-    session = types.SimpleNamespace(memory=memory, device_ordinal=0, _call=call)
+    session = types.SimpleNamespace(memory=memory, device_ordinal=0, _call=call, _groups={})
     requeued: list[int] = []
     group = types.SimpleNamespace(
-        _session=session, name="g", _counter=_slot(), _counter_slot=0, _stream_slot=None,
+        _session=session, name="g", rank=0, _counter=_slot(), _counter_slot=0,
+        _stream_slot=None,
         _local_layout=None, capacity_owed=0, _take_released=lambda: [],
         _requeue=requeued.extend, _ordered=True,
-        spec=types.SimpleNamespace(name="g", num_experts=8, max_tokens_per_rank=16),
+        spec=types.SimpleNamespace(name="g", num_experts=8, num_topk=4, max_tokens_per_rank=16),
         _outputs=types.SimpleNamespace(rows=lambda parts, copy, t, s: [p[1] for p in parts]))
     # (the Group methods under test, on the fake)
     group.check = lambda: Group.check(group)
@@ -523,3 +524,114 @@ def test_dispatch_async_settles_an_unwaited_worst_case_dispatch_first(monkeypatc
     with pytest.raises(TokenCapacityExceeded):
         Group.dispatch_async.__wrapped__(group, object())
     assert started == [1]
+
+
+# -- bad input: a dispatch fails on every rank alike; a layout's is this rank's alone ---------
+def _bad(words: np.ndarray, sequence: int, code: int, rank: int, value: int) -> None:
+    """What notify writes when a source's payload carries bad input (notify_publish)."""
+    counter_page.publish(words, sequence, value, [], status=code)
+    words[abi.SLOT_ERR_RANK] = rank
+
+
+@pytest.mark.parametrize("code,value,text", [
+    (abi.ERR_BAD_INPUT, 1000, "rank 1 passed expert id 1000 in topk_idx; valid ids are -1 "
+                              "(none) and [0, 8); no rank's dispatch ran and the group goes on"),
+    (abi.ERR_BAD_INPUT, -(2**40), f"expert id {-(2**40)} in topk_idx"),
+    (abi.ERR_BAD_COUNT, -3, "rank 1 passed -3 in num_tokens_per_expert (a dispatch without "
+                            "top-k); counts must be >= 0; no rank's dispatch ran")])
+def test_a_bad_input_fails_the_dispatch_on_every_rank(monkeypatch, code, value, text) -> None:
+    """A bad expert id (or count) on one rank: notify fails that dispatch on every rank alike
+    (each source's payload carries its verdict), so every rank raises INVALID_ARGUMENT naming
+    the rank and the value at the same call: the call itself when it waits for its count, the
+    next dispatch for a worst-case one (never a combine or layout in between)."""
+    from epd.client import stream_calls
+
+    group, _, sent, requeued = _fake_group(monkeypatch, [_answer(1, 1)])
+    _bad(group._counter, 1, code, 1, value)
+    with pytest.raises(InvalidArgument) as e:
+        stream_calls.dispatch(group, epd_pb2.DispatchRequest(timeout_seconds=5.0), 5.0,
+                              object(), True, 0)
+    assert text in e.value.message and "dispatch #1" in e.value.message, e.value.message
+    assert requeued == [1]  # (its handle goes back)
+
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 1), _answer(3, 2)])
+    req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=5.0)
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    _bad(group._counter, 1, code, 1, value)
+    stream_calls._slot(group)  # a combine's or layout's look: not raised there
+    with pytest.raises(InvalidArgument) as e:
+        stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    assert text in e.value.message and "num_worst_tokens" in e.value.message
+    assert len(sent) == 1  # not sent
+    stream_calls.dispatch(group, req, 5.0, object(), True, 0)  # raised once: this one goes
+    assert len(sent) == 2
+
+
+def test_a_layout_failure_raises_at_check_only(monkeypatch) -> None:
+    """A layout's bad expert id is this rank's alone (layout is no collective): raised by
+    Group.check(), never at the next dispatch or combine, which this rank would then not send
+    while its peers do (their collectives one apart). A dispatch that fails on every rank for
+    this rank's bad input (the same ids) takes its place: check() does not raise it again. A
+    collective's failure still raises at the next call."""
+    from epd.client import stream_calls
+
+    group, _, _, _ = _fake_group(monkeypatch, [])
+    words = group._counter
+    slot = stream_calls._slot(group)
+    slot.layout_sent(5)
+    _gpu_failure(words, 5, abi.ERR_BAD_INPUT, 0, 77)
+    stream_calls._slot(group)  # a combine's look
+    stream_calls._slot(group, dispatching=True)  # a dispatch's
+    with pytest.raises(InvalidArgument, match="rank 0 passed expert id 77"):
+        group.check()
+    group.check()  # once
+
+    slot.layout_sent(7)
+    _gpu_failure(words, 7, abi.ERR_BAD_INPUT, 0, 78)
+    group._stream_slot.drop_layout_failure()  # (a dispatch failed alike for rank 0's ids)
+    group.check()
+
+    _gpu_failure(words, 8, abi.ERR_DEADLINE, 1, 3, abi.PHASE_NOTIFY)  # a collective's
+    with pytest.raises(DeadlineExceeded, match="rank 1 did not arrive"):
+        stream_calls._slot(group)
+
+    # Pruned: layouts the stream passed without a failure are forgotten, pending ones kept.
+    w32 = words.view(np.int32)
+    w32[abi.SLOT32_DONE] = 300
+    for n in range(10, 266):
+        slot.layout_sent(n)
+    slot.layout_sent(400)
+    assert slot.layouts == {400}
+
+
+def test_dispatch_alike_failure_drops_this_ranks_layout_failure(monkeypatch) -> None:
+    """Layout then dispatch of the same bad ids on rank 0: the dispatch raises on every rank;
+    rank 0's Group.check() afterwards has nothing left to raise (the same ids' failure)."""
+    from epd.client import stream_calls
+
+    group, _, _, _ = _fake_group(monkeypatch, [_answer(2, 1)])
+    slot = stream_calls._slot(group)
+    slot.layout_sent(1)
+    _gpu_failure(group._counter, 1, abi.ERR_BAD_INPUT, 0, 99)
+    # (the facade lays out on another group of the session: its layout failure too)
+    other, _, _, _ = _fake_group(monkeypatch, [])
+    other_slot = stream_calls._slot(other)
+    other_slot.layout_sent(3)
+    _gpu_failure(other._counter, 3, abi.ERR_BAD_INPUT, 0, 99)
+    group._session._groups.update({1: group, 2: other})
+    _bad(group._counter, 1, abi.ERR_BAD_INPUT, 0, 99)
+    with pytest.raises(InvalidArgument, match="rank 0 passed expert id 99"):
+        stream_calls.dispatch(group, epd_pb2.DispatchRequest(timeout_seconds=5.0), 5.0,
+                              object(), True, 0)
+    group.check()
+    other.check()
+    # Another rank's bad input leaves this rank's own layout failure to check().
+    group, _, _, _ = _fake_group(monkeypatch, [_answer(2, 1)])
+    stream_calls._slot(group).layout_sent(1)
+    _gpu_failure(group._counter, 1, abi.ERR_BAD_INPUT, 0, 98)
+    _bad(group._counter, 1, abi.ERR_BAD_INPUT, 1, 99)
+    with pytest.raises(InvalidArgument, match="rank 1 passed expert id 99"):
+        stream_calls.dispatch(group, epd_pb2.DispatchRequest(timeout_seconds=5.0), 5.0,
+                              object(), True, 0)
+    with pytest.raises(InvalidArgument, match="rank 0 passed expert id 98"):
+        group.check()

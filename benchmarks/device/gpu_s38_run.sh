@@ -5,6 +5,9 @@
 #            # facade's after the second review's mends, the normal-mode kernel tests after
 #            # the combine reduce kernel took recv_info, and `epd bench` at D (2 ranks on one
 #            # GPU: EPD's rows only, the worst-case row among them)
+#   bad      # bad input fails a dispatch on every rank alike (notify carries each source's
+#            # verdict): the new facade test, the stream-ordered, local-layout and worst-case
+#            # tests, the kernel tests, and the NVSHMEM build across two logical nodes
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -17,5 +20,13 @@ case "${1:-}" in
         --json "$OUT/bench_D.json" 2>&1 | clean | tail -30 > "$OUT/bench_D.txt"
     echo "bench rc=${PIPESTATUS[0]}"; cat "$OUT/bench_D.txt"
     ;;
-  *) echo "usage: $0 recheck" >&2; exit 2 ;;
+  bad)
+    STEP_TEST_SECONDS=150 step bad 270 "tests/gpu/test_bad_input_alike.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_local_layout.py \
+        tests/gpu/test_worst_case_no_wait.py"
+    STEP_TEST_SECONDS=120 step intranode 130 "tests/gpu/test_intranode.py"
+    STEP_TEST_SECONDS=170 step across 190 "tests/gpu/test_cuda_cluster.py \
+        -k low_latency_group_across"
+    ;;
+  *) echo "usage: $0 recheck | bad" >&2; exit 2 ;;
 esac

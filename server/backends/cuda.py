@@ -392,7 +392,7 @@ class CudaRankComm(RankComm):
                 cached=cached.result if cached else None,
                 counter_slot_ptr=0 if cached else counter_slot.device_ptr, counter_seq=sequence,
                 timeout_ns=self._timeout_ns(deadline), num_sms=self.num_sms,
-                routing=_routing(args), worst_in_notify=True)
+                routing=_routing(args), whole_group=True)
             if cached is None:
                 num_recv, per_expert = self._counts(counter_slot, sequence, deadline,
                                                     args.num_worst_tokens)
@@ -416,7 +416,7 @@ class CudaRankComm(RankComm):
                 num_worst: int = 0) -> tuple[int, list[int]]:
         """The receive counts notify publishes in the mapped page (the host learns them while
         the GPU goes on); a call every rank fails alike (capacity, `num_worst` receive rows
-        exceeded) raises here."""
+        exceeded, a rank's bad expert id or count) raises here."""
         spec = self.spec
         got = counter_page.wait(counter_slot, sequence, max(deadline - time.monotonic(), 0) + 1.0)
         if got is None:
@@ -434,6 +434,10 @@ class CudaRankComm(RankComm):
             raise counter_page.worst_overflow_error(
                 spec.name, f"dispatch #{sequence}", int(counter_slot[abi.SLOT_ERR_RANK]),
                 num_recv, num_worst)
+        if counter_slot[counter_page.STATUS] in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT):
+            self.runner.stream.synchronize()  # (the data kernels skip the call)
+            raise counter_page.bad_input_error(spec.name, f"dispatch #{sequence}",
+                                               counter_slot, spec.num_experts)
         if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens,
                                             spec.num_local_experts):
             raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "
@@ -865,7 +869,7 @@ class CudaRankComm(RankComm):
                 _copy_prefix(prefix, res.flat.handle.rank_prefix, runner.stream)
             else:
                 runner.dispatch(args.x, args.x_scales, args.topk_idx, args.topk_weights,
-                                routing=_routing(args), worst_in_notify=True, **common)
+                                routing=_routing(args), whole_group=True, **common)
                 _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             self._stream_end(counter_slot, stream_seq)
 

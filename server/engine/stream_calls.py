@@ -164,13 +164,14 @@ class StreamCalls:
         if member.pending is info:
             member.pending = None
         spec = member.spec
-        implausible = got is not None and not counter_page.counts_in_range(
+        status = int(slot[counter_page.STATUS])  # (a failed call's NUM_RECV is its cause)
+        implausible = got is not None and not status and not counter_page.counts_in_range(
             *got, spec.max_recv_tokens, spec.num_local_experts)
         if implausible:
             log.warning("%s: group %r's dispatch counts in its counter page are not ones a "
                         "notify writes (%d rows); the call is marked failed",
                         session.describe(), spec.name, got[0])
-        if got is None or stale or int(slot[counter_page.STATUS]) or implausible:
+        if got is None or stale or status or implausible:
             info.failed = True
             info.num_recv_tokens = 0
             info.rows_out = info.rows_out if info.rows_out >= 0 else 0

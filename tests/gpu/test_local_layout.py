@@ -3,7 +3,7 @@ through a CUDA daemon, the way callers use it: one group, many shapes, fresh ran
 call, the caching allocator's blocks poisoned before each call (the outputs are new tensors
 from it), every output compared exactly with server/reference.py; a dispatch after it stays
 exact; a layout captured in a CUDA graph replays on new ids; a bad expert id is skipped and
-raised at the rank's next call, naming the rank and the id."""
+raised by the rank's Group.check(), naming the rank and the id."""
 
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             torch.cuda.synchronize()
             replays.append(tuple(_bits(a) for a in cap))
         res["replays"] = replays
-        # A bad id on rank 1: skipped now, raised at the next call.
+        # A bad id on rank 1: skipped now, raised by check() (this rank's alone).
         bad = _to_torch(_ids(rank, 60, 32), device)
         if rank == 1:
             bad[3, 1] = 1000

@@ -3,7 +3,8 @@ server/engine/stream_calls.py), through the daemon, the way callers use them: on
 layers and shapes, fresh inputs per layer, handles held across layers and combined in reverse
 (Megatron's backward), engine buffers poisoned between calls, every output compared exactly with
 the NumPy reference. Plus: the host does not wait for the GPU in layout/combine, a bad expert id
-fails only the call of the rank that passed it and the group goes on, and num_sms reaches the
+on one rank fails that dispatch on every rank alike (a worst-case one at the next dispatch; a
+layout's is the rank's alone, raised by check()) and the group goes on, and num_sms reaches the
 kernels."""
 
 from __future__ import annotations
@@ -96,19 +97,33 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
         torch.cuda.synchronize()
         res["gpu_s"] = time.perf_counter() - t1
         res["late_n_rank"], res["late_cx"] = _bits(n_rank), _bits(cx)
-        # A bad expert id on rank 1 only: its call fails (once its stream passed it); rank
-        # 0's call succeeds with the entry skipped; the group goes on.
+        # A bad expert id on rank 1 only: notify fails the dispatch on every rank alike,
+        # raised by the call itself, naming rank 1 and the id; the group goes on.
         bad = tidx.clone()
         if rank == 1 and bad.shape[0]:
             bad[0, 0] = 1000
-        try:
-            out = g.dispatch(tx, bad, tw, num_sms=2)
-            res["bad_recv_x"] = _bits(out.recv_x)
-            torch.cuda.synchronize()
-            g.check()
-            res["bad"] = "OK"
-        except EpdError as e:
-            res["bad"], res["bad_msg"] = e.code.name, e.details
+
+        def outcome(call) -> str:
+            try:
+                call()
+                torch.cuda.synchronize()
+                return "OK"
+            except EpdError as e:
+                return f"{e.code.name}: {e.details}"
+        res["bad"] = outcome(lambda: g.dispatch(tx, bad, tw, num_sms=2))
+        # The daemon's layout of the same ids first: its failure is this rank's alone and is
+        # not raised at the dispatch (which fails alike), nor again at check() afterwards.
+        res["bad_layout_then_dispatch"] = outcome(
+            lambda: (g.get_dispatch_layout(bad), g.dispatch(tx, bad, tw)))
+        res["check_after_dispatch"] = outcome(g.check)
+        # A layout's bad id alone: raised by check() on rank 1 only.
+        res["bad_layout_check"] = outcome(lambda: (g.get_dispatch_layout(bad),
+                                                   torch.cuda.synchronize(), g.check()))
+        # A worst-case dispatch of it: returns on every rank, its combine is skipped, and the
+        # next dispatch raises it on every rank before it is sent.
+        wc = g.dispatch(tx, bad, tw, num_worst_tokens=512)
+        g.combine(wc.recv_x, wc.handle, topk_weights=wc.recv_topk_weights)
+        res["bad_worst_next"] = outcome(lambda: g.dispatch(tx, tidx, tw))
         again = g.dispatch(tx, tidx, tw, num_sms=1)
         res["again_x"] = _bits(again.recv_x)
         # Normal mode inside a CUDA graph capture is refused before anything reaches the
@@ -174,14 +189,19 @@ def test_stream_ordered_layers(daemon) -> None:
         lay = ref.get_dispatch_layout(idx[r], wl.num_experts, 2)
         np.testing.assert_array_equal(res["late_n_rank"], lay.num_tokens_per_rank)
         np.testing.assert_array_equal(res["late_cx"], comb[r][0].view(np.uint16))
-    # The bad id: rank 1's call fails naming it, rank 0's succeeds without that entry.
-    assert results[1]["bad"] == "INVALID_ARGUMENT", results[1]
-    assert "rank 1" in results[1]["bad_msg"] and "1000" in results[1]["bad_msg"]
-    assert results[0]["bad"] == "OK", results[0]
-    skipped = [i.copy() for i in idx]
-    skipped[1][0, 0] = -1
-    d_bad = ref.dispatch(xs, skipped, w, wl.num_experts)
-    np.testing.assert_array_equal(results[0]["bad_recv_x"], d_bad[0].recv_x.view(np.uint16))
+    # The bad id: every rank's dispatch fails naming rank 1 and the id; a layout's alone is
+    # rank 1's (check()); a worst-case dispatch's raises at the next dispatch on every rank.
+    named = "INVALID_ARGUMENT: group 'stream-ordered', dispatch #"
+    for r, res in enumerate(results):
+        for key in ("bad", "bad_layout_then_dispatch", "bad_worst_next"):
+            assert res[key].startswith(named), (r, key, res[key])
+            assert "rank 1 passed expert id 1000 in topk_idx" in res[key], (r, key, res[key])
+            assert "no rank's dispatch ran and the group goes on" in res[key], (r, key)
+        assert "num_worst_tokens" in res["bad_worst_next"], (r, res["bad_worst_next"])
+        assert res["check_after_dispatch"] == "OK", (r, res["check_after_dispatch"])
+    assert results[0]["bad_layout_check"] == "OK", results[0]["bad_layout_check"]
+    assert results[1]["bad_layout_check"].startswith("INVALID_ARGUMENT"), results[1]
+    assert "rank 1 passed expert id 1000" in results[1]["bad_layout_check"], results[1]
     for r, res in enumerate(results):
         np.testing.assert_array_equal(res["again_x"], disp[r].recv_x.view(np.uint16))
         assert res["captured"] == dict.fromkeys(("layout", "dispatch", "combine"),
