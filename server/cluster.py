@@ -24,8 +24,9 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 
@@ -66,6 +67,17 @@ def settings_difference(mine: str, theirs: str) -> str:
     b = dict(i.split("=", 1) for i in theirs.split(";") if "=" in i)
     return ", ".join(f"{k}: {a.get(k)} on node 0, {b.get(k)} there"
                      for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k))
+
+
+T = TypeVar("T")
+
+
+async def within(aw: Awaitable[T], seconds: float) -> T:
+    """`await aw`, TimeoutError after `seconds`. Not asyncio.wait_for: up to Python 3.11 it
+    swallows a cancellation that comes just as `aw` completes (it returns the result instead),
+    so a stop's cancellation of a lease loop was lost and the daemon never exited."""
+    async with asyncio.timeout(seconds):
+        return await aw
 
 
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -245,7 +257,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
         deadline = MISSED_HEARTBEATS * self.heartbeat
         it = request_iterator.__aiter__()
         try:
-            first = await asyncio.wait_for(it.__anext__(), timeout=deadline)
+            first = await within(it.__anext__(), deadline)
         except (TimeoutError, StopAsyncIteration):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no registration heartbeat within {deadline:g} s")
@@ -280,7 +292,7 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
             yield self._event()
             while True:
                 try:
-                    hb = await asyncio.wait_for(it.__anext__(), timeout=deadline)
+                    hb = await within(it.__anext__(), deadline)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -443,7 +455,7 @@ class ClusterMember:
             while True:
                 wait = MISSED_HEARTBEATS * max(period[0], self.cfg.cluster_heartbeat_seconds)
                 try:
-                    ev = await asyncio.wait_for(call.read(), timeout=wait)
+                    ev = await within(call.read(), wait)
                 except TimeoutError:
                     return f"no answer from node 0 within {wait:g} s"
                 if ev is grpc.aio.EOF:
@@ -472,11 +484,13 @@ class ClusterMember:
             return f"{e.code().name}: {e.details()}"
         finally:
             sender.cancel()
+            call.cancel()
             # The sender ends with the call in any way (cancelled, or writing to a finished
             # RPC: InvalidStateError); the reader above already said why the lease ended.
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sender
-            call.cancel()
+            # Waited for, not awaited: a stop cancelling this task meanwhile is not swallowed.
+            await asyncio.wait({sender})
+            if not sender.cancelled():
+                sender.exception()  # (retrieved: not logged as never retrieved)
 
     def _follow_world(self, ev: epd_pb2.ClusterLeaseEvent) -> None:
         """Start the engines in the world node 0 formed; stop them when it says it is lost.

@@ -5,6 +5,7 @@ its spanning groups fail naming it while other groups keep working; a restarted 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
@@ -296,6 +297,62 @@ def test_wrong_or_missing_token_is_refused(three):
     e = _lease_call(three.address, ok, node_rank=1)
     assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "node 1" in e.details()
     assert all(n.healthy for n in topology(three.nodes[0]).cluster.nodes)
+
+
+class _LeaseCall:
+    """Node 0's end of a lease stream, by hand: each read() is a future (the first completed by
+    the test); every later heartbeat is answered at once, as a live node 0 does."""
+
+    def __init__(self) -> None:
+        self.reads: list[asyncio.Future] = []
+        self.cancelled = False
+
+    def read(self) -> asyncio.Future:
+        self.reads.append(asyncio.get_running_loop().create_future())
+        return self.reads[-1]
+
+    async def write(self, heartbeat: epd_pb2.ClusterHeartbeat) -> None:
+        if len(self.reads) > 1 and not self.reads[-1].done():
+            self.reads[-1].set_result(epd_pb2.ClusterLeaseEvent(heartbeat_seconds=HEARTBEAT))
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("when", ["as node 0 answers", "as the lease ends"])
+def test_a_stop_ends_the_lease_whenever_it_comes(when):
+    """A stopping node cancels its lease (Supervisor._shutdown) while node 0 lives on (a
+    cluster stops node 0 last). The cancellation ends it even when it comes in the loop
+    iteration node 0's answer arrives in (asyncio.wait_for of Python 3.11 returned the answer
+    instead: the lease went on and the daemon never exited), or while the lease ends."""
+    from types import SimpleNamespace
+
+    from epd.server.cluster import ClusterMember
+
+    async def main() -> bool:
+        cfg = SimpleNamespace(cluster_heartbeat_seconds=HEARTBEAT, node_rank=1, num_nodes=2,
+                              cluster_address="127.0.0.1:1")
+        sup = SimpleNamespace(cfg=cfg, cluster_tls=None, incarnation="x", engines=[],
+                              world_generation=0, world_left=0, world_mode=False,
+                              backend="cpu")
+        member, call = ClusterMember(sup, "token"), _LeaseCall()
+        member._stub = SimpleNamespace(Lease=lambda metadata: call)
+        task = asyncio.create_task(member._lease())
+        while not call.reads:
+            await asyncio.sleep(0)
+        if when == "as node 0 answers":
+            call.reads[0].set_result(epd_pb2.ClusterLeaseEvent(heartbeat_seconds=HEARTBEAT))
+        else:
+            call.reads[0].set_result(grpc.aio.EOF)
+            for _ in range(100):  # until the lease waits for its heartbeat sender to end
+                if call.cancelled:
+                    break
+                await asyncio.sleep(0)
+        task.cancel()  # (in the same loop iteration)
+        await asyncio.wait({task}, timeout=2 * HEARTBEAT)
+        return task.cancelled()
+
+    assert asyncio.run(main()), "the lease went on after its cancellation"
 
 
 def test_cluster_settings_come_from_env_and_toml(tmp_path):

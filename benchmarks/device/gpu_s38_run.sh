@@ -8,6 +8,8 @@
 #   bad      # bad input fails a dispatch on every rank alike (notify carries each source's
 #            # verdict): the new facade test, the stream-ordered, local-layout and worst-case
 #            # tests, the kernel tests, and the NVSHMEM build across two logical nodes
+#   bad2     # then the daemon's roundtrips (every rank's ids bad: named the lowest rank) and
+#            # the NVSHMEM build's normal mode across logical nodes
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -28,5 +30,9 @@ case "${1:-}" in
     STEP_TEST_SECONDS=170 step across 190 "tests/gpu/test_cuda_cluster.py \
         -k low_latency_group_across"
     ;;
-  *) echo "usage: $0 recheck | bad" >&2; exit 2 ;;
+  bad2)
+    STEP_TEST_SECONDS=200 step bad2 330 "tests/gpu/test_nvshmem.py tests/gpu/test_daemon.py \
+        -k 'normal_mode or roundtrip'"
+    ;;
+  *) echo "usage: $0 recheck | bad | bad2" >&2; exit 2 ;;
 esac
