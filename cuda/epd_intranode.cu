@@ -242,7 +242,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            int* __restrict__ node_base,            // [R] hierarchical: rail rows before s
            int* __restrict__ node_pos,             // [T, N] hierarchical: see node_rows
            int num_worst,                          // > 0: no destination receives more
-           int bad_alike) {  // a whole group's dispatch: a bad input fails it on every rank
+           int bad_alike,    // a whole group's dispatch: a bad input fails it on every rank
+           const int* __restrict__ fail_from) {  // a stage's: its whole group's recv_info
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     __shared__ int s_node[EPD_MAX_RANKS];  // hierarchical: tokens with an expert on node b
@@ -255,6 +256,18 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     // (Else reported on this rank alone, by the call's last kernel: a stage's notify, whose
     // whole group's notify reports the same ids.)
     const BadInput bad = bad_alike ? BadInput{&s_bad[0], &s_bad[1]} : call_err_words(my_ctrl);
+    // A two-stage group's stage (cuda_stages.py): a call its whole group's notify failed on
+    // every rank alike (bad input, capacity) is skipped by every stage alike, so no flag is
+    // raised or awaited (flags only grow: the next call's wait is for its own sequence).
+    if (fail_from != nullptr) {
+        const int failed = fail_from[1];
+        if (failed == ERR_BAD_INPUT || failed == ERR_BAD_COUNT || failed == ERR_CAPACITY) {
+            if (tid == 0) {
+                recv_info[0] = -1; recv_info[1] = failed; recv_info[2] = fail_from[2];
+            }
+            return;
+        }
+    }
     if (tid < 2) s_bad[tid] = 0;
     __syncthreads();
 
@@ -397,13 +410,14 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
 // (up to LL_MAX_RANKS: N <= 8 nodes x L <= 8 ranks; server/backends/cuda_stages.py). The
 // counting and publishing half of notify alone, since such a group's rows move in its stage
 // groups: no positions, no hierarchical node counts, no layout outputs. Each source pushes
-// [a count per destination rank | its token count | the destination's per-expert counts]
+// [a count per destination rank | its token count | its bad input (code, value low, high) |
+// the destination's per-expert counts]
 // into the payload region of every rank's notify-only slot, behind the region's own flags
 // (notify's flags hold EPD_MAX_RANKS ranks); recv_info, the count and prefix matrices, the
 // capacity check and the counter slot are notify's.
 // ------------------------------------------------------------------------------------------
 #define WIDE_NOTIFY_FLAG 512      // u64 word of the notify-only slot: [LL_MAX_RANKS] flags
-#define WIDE_PAYLOAD_BYTES 4608   // then the payload: [R][R + 1 + L] int32 per source
+#define WIDE_PAYLOAD_BYTES 4608   // then the payload: [R][R + 4 + L] int32 per source
 static_assert(WIDE_NOTIFY_FLAG * 8 == CTRL_PAYLOAD_BYTES &&
               WIDE_PAYLOAD_BYTES == CTRL_PAYLOAD_BYTES + LL_MAX_RANKS * 8, "wide notify layout");
 
@@ -416,21 +430,26 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
                 int* __restrict__ rank_prefix) {  // [R, R]: rows from sources <= s on d
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[LL_MAX_RANKS];
+    __shared__ u64 s_bad[2];  // this source's bad input (code, value): the payload carries it
     const int L = E / R, tid = threadIdx.x;
     u64* my_ctrl = ctrl_of(peers, rank);
     for (int i = tid; i < E; i += blockDim.x) s_expert[i] = 0;
     if (tid < LL_MAX_RANKS) s_rank[tid] = 0;
+    if (tid < 2) s_bad[tid] = 0;
     __syncthreads();
     for (int t = tid; t < T; t += blockDim.x) {
-        u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, call_err_words(my_ctrl));
+        u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, BadInput{&s_bad[0], &s_bad[1]});
         for (; mask; mask &= mask - 1) atomicAdd(&s_rank[__ffsll((long long)mask) - 1], 1);
     }
     __syncthreads();
 
-    const int stride = R + 1 + L;
+    const int stride = R + 4 + L;
     for (int i = tid; i < R * stride; i += blockDim.x) {
         const int r = i / stride, j = i % stride;
-        const int v = j < R ? s_rank[j] : j == R ? T : s_expert[r * L + (j - R - 1)];
+        const int v = j < R ? s_rank[j] : j == R ? T : j == R + 1 ? (int)s_bad[0]
+                    : j == R + 2 ? (int)(unsigned)s_bad[1]
+                    : j == R + 3 ? (int)(unsigned)(s_bad[1] >> 32)
+                    : s_expert[r * L + (j - R - 4)];
         const i64 at = WIDE_PAYLOAD_BYTES + ((i64)rank * stride + j) * 4;
 #ifdef EPD_NVSHMEM
         if (peer_remote(peers, r)) {
@@ -449,7 +468,7 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
     if (tid < R) peer_signal(peers, R, tid, WIDE_NOTIFY_FLAG + rank, seq);
 
     int code = block_wait_all(my_ctrl, WIDE_NOTIFY_FLAG, R, seq, timeout_ns, PHASE_NOTIFY);
-    notify_publish(my_ctrl, code, WIDE_PAYLOAD_BYTES, stride, R, -1, R + 1, R, L, rank,
+    notify_publish(my_ctrl, code, WIDE_PAYLOAD_BYTES, stride, R, R + 1, R + 4, R, L, rank,
                    max_tokens, 0, alignment, recv_info, count_matrix, rank_prefix, counter_slot,
                    counter_seq);
 }

@@ -116,7 +116,7 @@ class RankBufferLayout:
         if low_latency_only:
             ctrl = CTRL_PAYLOAD_BYTES
         elif num_ranks > MAX_RANKS:  # (notify_only) epd_wide_notify's flags and payloads
-            ctrl = WIDE_PAYLOAD_BYTES + num_ranks * (num_ranks + 1 + local) * 4
+            ctrl = WIDE_PAYLOAD_BYTES + num_ranks * (num_ranks + 4 + local) * 4
         else:
             ctrl = CTRL_PAYLOAD_BYTES + MAX_RANKS * (NOTIFY_HEAD + local) * 4
         sizes = [
@@ -332,7 +332,7 @@ class Packed:
 # Parameter codes of the normal-mode kernels (cuda/epd_intranode.cu): Q a pointer or u64,
 # q i64, i int. tests/test_kernel_layouts.py checks them against the kernels' signatures.
 LAYOUT_ARGS = kernel_sources.LAYOUT_ARGS
-NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQii"
+NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQiiQ"
 WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
 STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
@@ -432,14 +432,16 @@ class Kernels:
                layout_out: tuple[Any, Any, Any] | None = None, stream: Any = None,
                counter_seq: int | None = None,
                routing: tuple[Any, Any] | None = None, max_tokens: int = 1 << 30,
-               num_worst: int = 0, bad_alike: bool = False) -> None:
+               num_worst: int = 0, bad_alike: bool = False, fail_from: Any = None) -> None:
         """`counter_seq` is the value published in the counter slot's sequence word (the
         engine's dispatch sequence); it defaults to the notify sequence `seq`. A source with
         more than `max_tokens` tokens fails the call on every rank (ERR_CAPACITY), as does a
         destination receiving more than `num_worst` rows (> 0; ERR_WORST_OVERFLOW), and with
         `bad_alike` a source's bad expert id or count (ERR_BAD_INPUT / ERR_BAD_COUNT, the rank
         in ERR_RANK, the value in NUM_RECV; else reported in this rank's control block alone,
-        for the call's last kernel). Without top-k
+        for the call's last kernel). `fail_from`: a two-stage group's stage, the recv_info
+        of its whole group's notify: a call that one failed alike (bad input, capacity) is
+        skipped by every stage alike, no flag raised. Without top-k
         (`topk_idx` None), `routing` is (is_token_in_rank bool [T, R], num_tokens_per_expert
         int32 [E]): tokens go where the first says, the receive counts per expert are the
         sources' declared ones."""
@@ -460,7 +462,7 @@ class Kernels:
             _addr(handle.count_matrix), _addr(handle.rank_prefix), _addr(handle.token_mask),
             _addr(handle.pos), _addr(ntpr), _addr(ntpe), _addr(itr), _addr(in_rank),
             _addr(per_expert), handle.num_nodes, _addr(handle.node_base),
-            _addr(handle.node_pos), num_worst, int(bad_alike))
+            _addr(handle.node_pos), num_worst, int(bad_alike), _addr(fail_from))
 
     def wide_notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int,
                     peers: Any, seq: int, handle: DispatchHandle, *, timeout_ns: int,
@@ -469,7 +471,8 @@ class Kernels:
         """The whole-group notify of a two-stage group of more than MAX_RANKS ranks (a
         notify-only slot; cuda/epd_intranode.cu, epd_wide_notify): `handle`'s recv_info,
         count and prefix matrices and the counter slot as `notify` writes them, no positions
-        (the stages have their own). Top-k ids only (a two-stage group refuses routing
+        (the stages have their own); a source's bad expert id fails the call on every rank
+        alike, as notify's `bad_alike`. Top-k ids only (a two-stage group refuses routing
         without them)."""
         t, k = topk_idx.shape
         self._packed("epd_wide_notify", WIDE_NOTIFY_ARGS)(

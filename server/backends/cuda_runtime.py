@@ -122,13 +122,14 @@ class RankRunner:
                  layout_out: tuple[Any, Any, Any] | None = None,
                  routing: tuple[Any, Any] | None = None,
                  result: DispatchResult | None = None,
-                 whole_group: bool = False) -> DispatchResult:
+                 whole_group: bool = False, fail_from: Any = None) -> DispatchResult:
         """`routing`: (is_token_in_rank, num_tokens_per_expert) of a dispatch without top-k;
         `result`: the one `dispatch_result` made for this call (else made here);
         `whole_group`: a whole group's dispatch (not a stage's): notify fails the call on every
         rank alike when a rank would receive more than num_worst_tokens or any rank passed a
         bad expert id or count (a stage pads its own rows, its data kernel's sticky error is
-        what reaches the group, and its whole group's notify reports the bad ids)."""
+        what reaches the group, and its whole group's notify reports the bad ids);
+        `fail_from`: a stage's, the whole group's notify's recv_info (kernels.notify)."""
         lay = self.layout
         if result is None:
             result = self.dispatch_result(int(x.shape[0]), cached, num_worst_tokens)
@@ -139,7 +140,7 @@ class RankRunner:
                             counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
                             timeout_ns=timeout_ns, layout_out=layout_out, routing=routing,
                             num_worst=num_worst_tokens if whole_group else 0,
-                            bad_alike=whole_group)
+                            bad_alike=whole_group, fail_from=fail_from)
             else:
                 handle = cached.handle
             self.seq["dispatch"] += 1
@@ -155,7 +156,7 @@ class RankRunner:
                timeout_ns: int = DEFAULT_TIMEOUT_NS,
                layout_out: tuple[Any, Any, Any] | None = None,
                routing: tuple[Any, Any] | None = None, num_worst: int = 0,
-               bad_alike: bool = False) -> None:
+               bad_alike: bool = False, fail_from: Any = None) -> None:
         """The layout exchange alone into `result`'s handle (counts, rank prefix matrix, the
         receive count published in the counter slot): a dispatch's first kernel, or a
         two-stage group's whole-group notify (cuda_stages.py). `num_worst` > 0: a rank
@@ -181,7 +182,7 @@ class RankRunner:
                           counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
                           stream=self.stream, counter_seq=counter_seq, routing=routing,
                           max_tokens=lay.max_recv // lay.num_ranks, num_worst=num_worst,
-                          bad_alike=bad_alike)
+                          bad_alike=bad_alike, fail_from=fail_from)
 
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
                         num_worst_tokens: int) -> DispatchResult:

@@ -111,20 +111,23 @@ class StagedRunner:
         if result is None:
             result = self.dispatch_result(int(x.shape[0]), cached, num_worst_tokens)
         flat = result.flat
+        # A call the whole group's notify fails on every rank alike (bad input, capacity) is
+        # skipped alike by both stages (their notifies read its status: `fail_from`).
+        failed = None
         if cached is None:
             self.flat.notify(topk_idx, flat, alignment=alignment,
                              counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
-                             timeout_ns=timeout_ns)
-            # A call over capacity fails every rank alike, but only the rail holding the
-            # oversized source skips its rows: its forwarders must then pass nothing on, not
-            # what their buffers held before (ids -1: the node stage sends such a row nowhere).
+                             timeout_ns=timeout_ns, bad_alike=True)
+            failed = flat.handle.recv_info
+            # The padding rows a forwarder did not receive: ids -1 (the node stage sends such
+            # a row nowhere).
             ids = self.rail.views["recv_topk_idx"]
             cp.cuda.runtime.memsetAsync(ids.data.ptr, 0xFF, ids.nbytes, self.rail.stream.ptr)
         rows = self.rail.layout.max_recv  # N x T: the rail outputs padded (module docstring)
         rail = self.rail.dispatch(x, x_scales, topk_idx, topk_weights, timeout_ns=timeout_ns,
                                   num_sms=num_sms, num_worst_tokens=rows,
                                   cached=cached.rail if cached is not None else None,
-                                  result=result.rail)
+                                  result=result.rail, fail_from=failed)
         got = self.rail.output_views(rail, rows)
         fwd_x = got["recv_x"]
         if fwd_x.dtype.itemsize != x.dtype.itemsize:  # FP8 rows in the bf16-sized buffer
@@ -138,7 +141,7 @@ class StagedRunner:
                                   num_worst_tokens=num_worst_tokens, timeout_ns=timeout_ns,
                                   num_sms=num_sms,
                                   cached=cached.node if cached is not None else None,
-                                  result=result.node)
+                                  result=result.node, fail_from=failed)
         assert rail is result.rail and node is result.node
         if cached is None:
             yield self.flat  # (a failed notify fails the call on every rank alike)

@@ -238,12 +238,15 @@ def roundtrip(group: StageGroup, rng: np.random.Generator, tokens: list[int], e:
     return differs
 
 
-def over_capacity(group: StageGroup, rng: np.random.Generator, e: int, k: int, h: int,
-                  m: int, npes: int, num_sms: int) -> None:
-    """Rank 0 passes m + 1 tokens to a group of m per rank, right after a call that filled the
-    rail buffers: the call fails on every rank alike (the whole group's notify says
-    ERR_CAPACITY), no error word is set anywhere, and the rail that skipped its rows (local
-    index 0's) forwards nothing stale to the node stage. Then the group goes on, exact."""
+def failed_alike(group: StageGroup, rng: np.random.Generator, e: int, k: int, h: int,
+                 m: int, npes: int, num_sms: int) -> None:
+    """Calls the whole group's notify fails on every rank alike, each right after a call that
+    filled the stage buffers: rank 0 passes m + 1 tokens to a group of m per rank
+    (ERR_CAPACITY), then the last rank an expert id out of range (ERR_BAD_INPUT, naming that
+    rank and the id in the counter slot). Every rank's both stages skip the call alike (their
+    recv_info says the whole group's status: nothing forwarded, nothing received), no error
+    word is set anywhere (the lock-step driver asserts it) and no flag is waited for; the
+    group goes on, exact."""
     import cupy as cp
     from common import make_inputs
 
@@ -251,16 +254,23 @@ def over_capacity(group: StageGroup, rng: np.random.Generator, e: int, k: int, h
 
     r = group.num_ranks
     tokens = [m] * r
-    roundtrip(group, rng, tokens, e, k, h, npes=npes, num_sms=num_sms)  # (rail rows filled)
-    inp = make_inputs(rng, [m + 1, *tokens[1:]], e, k, h)
-    res = _dispatch(group, inp, alignment=1, worst=0, num_sms=num_sms)  # (no error word)
-    for g, st in group.staged.items():
-        status = int(cp.asnumpy(res[g].flat.handle.recv_info)[1])
-        assert status == abi.ERR_CAPACITY, f"rank {g}: notify status {status}"
-        got = st.outputs(res[g])
-        src = cp.asnumpy(got["recv_src_rank"][:got["num_recv"]])
-        assert not np.any(src == 0), (f"rank {g}: {int(np.sum(src == 0))} rows forwarded by the "
-                                      f"rail that skipped the call")
+    bad_id = e + 1000
+    for code, case in ((abi.ERR_CAPACITY, "capacity"), (abi.ERR_BAD_INPUT, "bad id")):
+        roundtrip(group, rng, tokens, e, k, h, npes=npes, num_sms=num_sms)  # (buffers filled)
+        if code == abi.ERR_CAPACITY:
+            inp = make_inputs(rng, [m + 1, *tokens[1:]], e, k, h)
+        else:
+            inp = make_inputs(rng, tokens, e, k, h)
+            inp["idx"][r - 1] = inp["idx"][r - 1].copy()
+            inp["idx"][r - 1][0, 0] = bad_id
+        res = _dispatch(group, inp, alignment=1, worst=0, num_sms=num_sms)
+        for g in group.staged:
+            for stage in ("flat", "rail", "node"):
+                info = cp.asnumpy(getattr(res[g], stage).handle.recv_info)
+                assert info[1] == code and info[0] == -1, \
+                    f"{case}, rank {g}, {stage}: recv_info {info[:3]}"
+            who = int(cp.asnumpy(res[g].flat.handle.recv_info)[2])
+            assert who == (0 if code == abi.ERR_CAPACITY else r - 1), f"{case}: named {who}"
     roundtrip(group, rng, tokens, e, k, h, npes=npes, num_sms=num_sms)
 
 
@@ -375,8 +385,9 @@ def main() -> int:
                 differs[what] |= hit
             group.close()
         group = StageGroup(pe, npes, per_pe, 64, 2048, 8, 32, gpu)
-        failures += failed(pe, "a call over capacity, then the next", over_capacity, group,
-                           np.random.default_rng(5), 64, 8, 2048, 32, npes, min(8, sms_cap))
+        failures += failed(pe, "a call over capacity, one with a bad id, then the next",
+                           failed_alike, group, np.random.default_rng(5), 64, 8, 2048, 32, npes,
+                           min(8, sms_cap))
         group.close()
         if "--timing" in sys.argv:
             failures += failed(pe, "timing", timing, pe, npes, per_pe, gpu)
