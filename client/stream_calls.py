@@ -88,16 +88,21 @@ class StreamSlot:
                                                          seq), timeout)
 
     def layout_sent(self, seq: int) -> None:
-        if len(self.layouts) >= 256:  # (those the stream has passed without a failure)
-            done = counter_page.stream_done(self.words)
-            self.layouts = {n for n in self.layouts if not counter_page.seq_reached(done, n)}
+        if len(self.layouts) >= 256:  # (those the stream has passed, but not a failure's
+            done = counter_page.stream_done(self.words)  # not yet raised: check() needs it)
+            f = counter_page.stream_failure(self.words)
+            keep = f.seq if f is not None and f.seq != self.reported else None
+            self.layouts = {n for n in self.layouts
+                            if n == keep or not counter_page.seq_reached(done, n)}
         self.layouts.add(seq)
 
     def check(self, explicit: bool = False) -> None:
-        """Raise a failure the GPU reported for an earlier call, once; a layout's only when
-        `explicit` (Group.check: see the module docstring)."""
+        """Raise a failure the GPU reported for an earlier call, once; a layout's bad input
+        only when `explicit` (Group.check: see the module docstring; a fatal failure written
+        at a layout's sequence, an abort or release, raises at any call)."""
         f = counter_page.stream_failure(self.words)
-        if f is None or f.seq == self.reported or (f.seq in self.layouts and not explicit):
+        if f is None or f.seq == self.reported or (
+                not explicit and not f.fatal and f.seq in self.layouts):
             return
         self.reported = f.seq
         self.layouts = {n for n in self.layouts if not counter_page.seq_reached(f.seq, n)}
@@ -107,7 +112,7 @@ class StreamSlot:
     def drop_layout_failure(self) -> None:
         """A layout's failure not yet raised is not raised (_drop_layout_failures)."""
         f = counter_page.stream_failure(self.words)
-        if f is not None and f.seq in self.layouts:
+        if f is not None and not f.fatal and f.seq in self.layouts:
             self.reported = f.seq
 
     def release(self) -> None:

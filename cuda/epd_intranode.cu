@@ -1057,13 +1057,16 @@ extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank
     if (call || code || aborted) {
         unsigned c;
         int who;
-        i64 value;
-        if (call) {
-            c = (unsigned)call;
-            who = rank;
-            value = (i64)ctrl[CTRL_CALL_ERR_VALUE];
+        i64 value = (i64)ctrl[CTRL_CALL_ERR_VALUE];
+        if (call) {  // (reported once, whatever is reported: the group goes on after it)
             ctrl[CTRL_CALL_ERR_VALUE] = 0;
             ctrl[CTRL_CALL_ERR] = 0;
+        }
+        // A fatal failure first: the bad input of a layout must not hide a deadline or an
+        // abort from the host, which refuses later calls by the latest failure it reads.
+        if (!code && !aborted) {
+            c = (unsigned)call;
+            who = rank;
         } else if (code) {
             c = (unsigned)code | ((unsigned)ctrl[CTRL_ERR_PHASE] << 8);
             who = (int)(i64)ctrl[CTRL_ERR_RANK];

@@ -6,10 +6,11 @@ but reads no tensor data and never waits for the GPU: it enqueues, on the rank's
 GPU-side wait for the client's READY word, the kernels, and a last kernel that writes the
 call's failure words and DONE (proto/counter_page.py), then answers with the call's stream
 sequence. The client's stream writes READY after the answer and waits for DONE. Values are
-checked on the GPU (an expert id out of range is skipped on every rank and fails the call of
-the rank that passed it). The one host wait is the one DeepEP has: a dispatch's receive count,
-which the notify kernel writes into the client's counter page; the engine learns it from the
-same page when it needs it (combine's shape check, the next dispatch).
+checked on the GPU (an expert id out of range fails a dispatch on every rank alike, through
+notify; a layout's is that rank's alone). The one host wait is the one DeepEP has: a
+dispatch's receive count, which the notify kernel writes into the client's counter page; the
+engine learns it from the same page when it needs it (combine's shape check, the next
+dispatch).
 
 The answer goes out before the kernels are enqueued (`_launch_after_answer`, run by the session's
 executor under its operation lock once the transport has answered): the client's stream

@@ -83,8 +83,8 @@ def test_two_stage_normal_mode_across_logical_nodes(tmp_path: Path, ranks_per_no
     repeated calls on the same buffers, poisoned before each (bf16 with bias, FP8 with
     alignment, cached, worst-token padding, empty and hot ranks); the cases must tell the flat
     semantics apart. Then a call over capacity and one with a bad expert id fail on every rank
-    alike, both stages skipping them (nothing forwarded), and the group goes on. EPD_STAGES_TIMING=1 also prints the wall clock against direct
-    puts."""
+    alike, both stages skipping them (nothing forwarded), and the group goes on.
+    EPD_STAGES_TIMING=1 also prints the wall clock against direct puts."""
     _across_logical_nodes(tmp_path, ranks_per_node, "nvshmem_stages_worker.py",
                           ["--timing"] if os.environ.get("EPD_STAGES_TIMING") == "1"
                           and ranks_per_node <= 2 else [])
