@@ -10,6 +10,9 @@
 #            # tests, the kernel tests, and the NVSHMEM build across two logical nodes
 #   bad2     # then the daemon's roundtrips (every rank's ids bad: named the lowest rank) and
 #            # the NVSHMEM build's normal mode across logical nodes
+#   stages   # two-stage groups fail alike too (the stages skip what the whole group's notify
+#            # failed), after a review's mends (epd_call_done reports a fatal failure first):
+#            # the two-stage tests across logical nodes, the stream-ordered tests again
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -34,5 +37,12 @@ case "${1:-}" in
     STEP_TEST_SECONDS=200 step bad2 330 "tests/gpu/test_nvshmem.py tests/gpu/test_daemon.py \
         -k 'normal_mode or roundtrip'"
     ;;
-  *) echo "usage: $0 recheck | bad | bad2" >&2; exit 2 ;;
+  stages)
+    STEP_TEST_SECONDS=200 step stages 300 "tests/gpu/test_nvshmem.py \
+        tests/gpu/test_cuda_cluster.py -k 'two_stage or sixteen or stage_deadline'"
+    STEP_TEST_SECONDS=150 step bad 190 "tests/gpu/test_bad_input_alike.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_local_layout.py"
+    STEP_TEST_SECONDS=90 step intranode 100 "tests/gpu/test_intranode.py"
+    ;;
+  *) echo "usage: $0 recheck | bad | bad2 | stages" >&2; exit 2 ;;
 esac
