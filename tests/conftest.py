@@ -57,10 +57,13 @@ class TestDaemon(HarnessDaemon):
         leak (the shutdown race itself is test_faults.py::test_sigterm_right_after_close)."""
         with contextlib.suppress(TimeoutError):
             ranklib.wait_until(lambda: not daemon_files(self.shm_dir), 5, "sessions closed")
+        hung = ""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+            try:
                 self.proc.wait(30)
+            except subprocess.TimeoutExpired:  # (then stop() kills it: -9 alone says less)
+                hung = " (it had not exited 30 s after SIGTERM)"
         log = self.log()
         rc = self.stop()
         leaked = daemon_files(self.shm_dir)
@@ -68,7 +71,7 @@ class TestDaemon(HarnessDaemon):
             leftovers = os.listdir(self.shm_dir)
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             assert not leftovers, f"daemon left files in its shm folder: {leftovers}\n{log}"
-        assert rc == 0, f"daemon exited with {rc}\n{log[-4000:]}"
+        assert rc == 0, f"daemon exited with {rc}{hung}\n{log[-4000:]}"
         assert not leaked, f"daemon leaked shm files: {leaked}"
 
 

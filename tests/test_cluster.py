@@ -119,9 +119,9 @@ class Cluster:
             for d in reversed(self.nodes):  # node 0 last
                 if d is not None:
                     d.stop_and_check()
-        finally:
+        finally:  # (every node: one that died, or is after a failed check, left its folders)
             for d in self.nodes:
-                if d is not None and d.proc.poll() is None:
+                if d is not None:
                     d.stop()
                     shutil.rmtree(d.shm_dir, ignore_errors=True)
             shutil.rmtree(self.dir, ignore_errors=True)
