@@ -203,8 +203,8 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
         return counter_page.worst_overflow_error(group.name, name + lost,
                                                  int(words[abi.SLOT_ERR_RANK]), got[0],
                                                  num_worst)
-    if status in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT):
-        if int(words[abi.SLOT_ERR_RANK]) == group.rank:
+    if status in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT, abi.ERR_REFUSED):
+        if status != abi.ERR_REFUSED and int(words[abi.SLOT_ERR_RANK]) == group.rank:
             _drop_layout_failures(group)
         return counter_page.bad_input_error(group.name, name + lost, words,
                                             group.spec.num_experts)

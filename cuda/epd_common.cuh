@@ -74,6 +74,9 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 // A source's dispatch has more tokens than max_tokens_per_rank: every rank fails the call (its
 // counter slot: NUM_RECV = the largest token count, ERR_RANK = its rank); nothing moved.
 #define ERR_CAPACITY 8
+// A rank's engine refused its part of a stream-ordered dispatch (bad descriptors): it takes part
+// with no tokens and this code as its payload's verdict, so every rank fails the call.
+#define ERR_REFUSED 9
 
 // Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
 #define ABORT_RANK_SHIFT 8

@@ -243,7 +243,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
            int* __restrict__ node_pos,             // [T, N] hierarchical: see node_rows
            int num_worst,                          // > 0: no destination receives more
            int bad_alike,    // a whole group's dispatch: a bad input fails it on every rank
-           const int* __restrict__ fail_from) {  // a stage's: its whole group's recv_info
+           const int* __restrict__ fail_from,  // a stage's: its whole group's recv_info
+           int refused) {  // (bad_alike) ERR_REFUSED: this rank's part was refused (T = 0)
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[EPD_MAX_RANKS];
     __shared__ int s_node[EPD_MAX_RANKS];  // hierarchical: tokens with an expert on node b
@@ -268,7 +269,7 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
             return;
         }
     }
-    if (tid < 2) s_bad[tid] = 0;
+    if (tid < 2) s_bad[tid] = tid == 0 ? (u64)refused : 0;  // (a report cannot claim it then)
     __syncthreads();
 
     // Without top-k (DeepEP's topk_idx=None) the caller declares its tokens per expert.

@@ -86,12 +86,16 @@ ERR_RING_FULL = 7  # a trigger found no free entry in its member's ring before i
 # a source dispatched more tokens than max_tokens_per_rank: every rank fails the call alike
 # (counter slot: NUM_RECV = the largest token count, ERR_RANK = its rank); the group goes on
 ERR_CAPACITY = 8
+# A rank's engine refused its part of a stream-ordered dispatch (its descriptors): it took part
+# with no tokens and this verdict, so every rank fails the call (counter slot: ERR_RANK = it).
+ERR_REFUSED = 9
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
                ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
                ERR_NOT_FILLED: "the receive buffer holds another dispatch",
                ERR_RING_FULL: "the member's trigger ring stayed full",
-               ERR_CAPACITY: "more tokens than max_tokens_per_rank"}
+               ERR_CAPACITY: "more tokens than max_tokens_per_rank",
+               ERR_REFUSED: "a rank's engine refused its part of the call"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2

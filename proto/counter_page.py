@@ -38,6 +38,7 @@ from .errors import (
     Aborted,
     DeadlineExceeded,
     EpdError,
+    FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
     TokenCapacityExceeded,
@@ -154,6 +155,9 @@ def capacity_error(group: str, max_tokens: int, needed: int, rank: int,
 
 
 def _bad_value(code: int, rank: int, value: int, num_experts: int | None) -> str:
+    if code == abi.ERR_REFUSED:
+        return (f"rank {rank}'s engine refused its part of the call (that rank's caller got "
+                f"the reason)")
     if code == abi.ERR_BAD_COUNT:
         return (f"rank {rank} passed {value} in num_tokens_per_expert (a dispatch without "
                 f"top-k); counts must be >= 0")
@@ -162,14 +166,15 @@ def _bad_value(code: int, rank: int, value: int, num_experts: int | None) -> str
 
 
 def bad_input_error(group: str, call: str, words: np.ndarray,
-                    num_experts: int | None = None) -> InvalidArgument:
+                    num_experts: int | None = None) -> EpdError:
     """The error of a dispatch (`call`) that notify failed on every rank because a rank passed
     a bad expert id or count (ERR_BAD_INPUT / ERR_BAD_COUNT in the slot `words`: that rank in
-    ERR_RANK, its first bad value in NUM_RECV)."""
-    bad = _bad_value(int(words[STATUS]), int(words[abi.SLOT_ERR_RANK]), int(words[NUM_RECV]),
-                     num_experts)
-    return InvalidArgument(f"group {group!r}, {call}: {bad}; no rank's dispatch ran and the "
-                           f"group goes on")
+    ERR_RANK, its first bad value in NUM_RECV): INVALID_ARGUMENT; or because a rank's engine
+    refused its part (ERR_REFUSED): FAILED_PRECONDITION, this caller's input being fine."""
+    status = int(words[STATUS])
+    bad = _bad_value(status, int(words[abi.SLOT_ERR_RANK]), int(words[NUM_RECV]), num_experts)
+    kind = FailedPrecondition if status == abi.ERR_REFUSED else InvalidArgument
+    return kind(f"group {group!r}, {call}: {bad}; no rank's dispatch ran and the group goes on")
 
 
 def worst_overflow_error(group: str, call: str, rank: int, received: int,

@@ -635,3 +635,52 @@ def test_dispatch_alike_failure_drops_this_ranks_layout_failure(monkeypatch) -> 
                               object(), True, 0)
     with pytest.raises(InvalidArgument, match="rank 0 passed expert id 98"):
         group.check()
+
+
+def test_a_refused_stream_dispatch_takes_part() -> None:
+    """A fresh stream-ordered dispatch the engine refuses (bad descriptors) still takes part,
+    with no tokens and the verdict ERR_REFUSED, so that its peers fail at once instead of at
+    their deadline; not a cached or synchronous one, nor one refused for a failed group, nor
+    one whose call was already taken (its launch registered)."""
+    from epd.proto.errors import Aborted
+    from epd.server.engine.ops import DataPlane
+
+    refused: list[float] = []
+    member = types.SimpleNamespace(
+        dispatch_sequence=4, rank=1, spec=types.SimpleNamespace(name="g"),
+        comm=types.SimpleNamespace(refuse_stream_dispatch=lambda d: refused.append(d) or True))
+    engine = types.SimpleNamespace(member=lambda s, gid: member, _queued=lambda s, m: None,
+                                   _timeout=lambda t: 5.0)
+    engine._refused_in_step = lambda *a: DataPlane._refused_in_step(engine, *a)
+
+    def run(req, err, take=False):
+        def dispatch(*a):
+            if take:
+                member.dispatch_sequence += 1
+            raise err
+        engine._dispatch = dispatch
+        with pytest.raises(type(err)):
+            DataPlane.dispatch_op(engine, None, req, "grpc")
+
+    fresh = epd_pb2.DispatchRequest(stream_ordered=True, timeout_seconds=5.0)
+    run(fresh, InvalidArgument("topk_weights: dtype float16"))
+    assert len(refused) == 1 and refused[0] > time.monotonic()
+    run(epd_pb2.DispatchRequest(stream_ordered=True, cached_handle=3), InvalidArgument("x"))
+    run(epd_pb2.DispatchRequest(), InvalidArgument("x"))
+    run(fresh, Aborted("group 'g' is aborted"))
+    run(fresh, InvalidArgument("after the launch"), take=True)
+    assert len(refused) == 1
+
+
+def test_a_refused_part_fails_the_peers_dispatch() -> None:
+    """The peers' side: notify's ERR_REFUSED names the rank whose engine refused its part;
+    their own input was fine, so FAILED_PRECONDITION."""
+    from epd.proto.errors import FailedPrecondition
+
+    words = _slot()
+    _bad(words, 7, abi.ERR_REFUSED, 1, 0)
+    err = counter_page.bad_input_error("g", "dispatch #7", words, 8)
+    assert isinstance(err, FailedPrecondition), err
+    assert err.message == ("group 'g', dispatch #7: rank 1's engine refused its part of the "
+                           "call (that rank's caller got the reason); no rank's dispatch ran "
+                           "and the group goes on")

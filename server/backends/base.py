@@ -523,6 +523,13 @@ class RankComm(abc.ABC):
         """The launch of a combine into the caller's `out` (and `out_weights`)."""
         raise self._no_stream_ops()
 
+    def refuse_stream_dispatch(self, deadline: float) -> bool:
+        """Take part in a stream-ordered dispatch this engine refused (bad descriptors), so
+        that every rank fails it alike at once instead of the peers waiting out their deadline
+        for this rank. False where this group cannot (then the peers wait, as for a
+        synchronous call refused before taking part)."""
+        return False
+
     def drain_stream(self, timeout: float) -> bool:
         """Wait (at most `timeout` seconds, never raising) until the rank's stream has run
         everything enqueued on it; False if it did not (or cannot be asked). The failure path

@@ -434,7 +434,8 @@ class CudaRankComm(RankComm):
             raise counter_page.worst_overflow_error(
                 spec.name, f"dispatch #{sequence}", int(counter_slot[abi.SLOT_ERR_RANK]),
                 num_recv, num_worst)
-        if counter_slot[counter_page.STATUS] in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT):
+        if counter_slot[counter_page.STATUS] in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT,
+                                                 abi.ERR_REFUSED):
             self.runner.stream.synchronize()  # (the data kernels skip the call)
             raise counter_page.bad_input_error(spec.name, f"dispatch #{sequence}",
                                                counter_slot, spec.num_experts)
@@ -872,6 +873,14 @@ class CudaRankComm(RankComm):
                                 routing=_routing(args), whole_group=True, **common)
                 _copy_prefix(prefix, res.handle.rank_prefix, runner.stream)
             self._stream_end(counter_slot, stream_seq)
+
+    @_launches
+    def refuse_stream_dispatch(self, deadline: float) -> bool:
+        if self.stages is not None or self.spec.num_ranks > abi.MAX_RANKS:
+            return False  # (no whole-group notify of its own: not built for two stages)
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
+            self.runner.refuse_dispatch(self.spec.num_topk, self._timeout_ns(deadline))
+        return True
 
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: CounterSlot, deadline: float, stream_seq: int,

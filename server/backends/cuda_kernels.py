@@ -42,6 +42,7 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     ERR_BAD_INPUT,
     ERR_CAPACITY,
     ERR_DEADLINE,
+    ERR_REFUSED,
     ERR_WORST_OVERFLOW,
     ERROR_NAMES,
     FP8_BLOCK,
@@ -332,7 +333,7 @@ class Packed:
 # Parameter codes of the normal-mode kernels (cuda/epd_intranode.cu): Q a pointer or u64,
 # q i64, i int. tests/test_kernel_layouts.py checks them against the kernels' signatures.
 LAYOUT_ARGS = kernel_sources.LAYOUT_ARGS
-NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQiiQ"
+NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQiiQi"
 WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
 STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
@@ -432,7 +433,8 @@ class Kernels:
                layout_out: tuple[Any, Any, Any] | None = None, stream: Any = None,
                counter_seq: int | None = None,
                routing: tuple[Any, Any] | None = None, max_tokens: int = 1 << 30,
-               num_worst: int = 0, bad_alike: bool = False, fail_from: Any = None) -> None:
+               num_worst: int = 0, bad_alike: bool = False, fail_from: Any = None,
+               refused: int = 0) -> None:
         """`counter_seq` is the value published in the counter slot's sequence word (the
         engine's dispatch sequence); it defaults to the notify sequence `seq`. A source with
         more than `max_tokens` tokens fails the call on every rank (ERR_CAPACITY), as does a
@@ -441,7 +443,9 @@ class Kernels:
         in ERR_RANK, the value in NUM_RECV; else reported in this rank's control block alone,
         for the call's last kernel). `fail_from`: a two-stage group's stage, the recv_info
         of its whole group's notify: a call that one failed alike (bad input, capacity) is
-        skipped by every stage alike, no flag raised. Without top-k
+        skipped by every stage alike, no flag raised. `refused` (ERR_REFUSED, with
+        `bad_alike` and no tokens): this rank's engine refused its part, and every rank fails
+        the call naming it. Without top-k
         (`topk_idx` None), `routing` is (is_token_in_rank bool [T, R], num_tokens_per_expert
         int32 [E]): tokens go where the first says, the receive counts per expert are the
         sources' declared ones."""
@@ -462,7 +466,7 @@ class Kernels:
             _addr(handle.count_matrix), _addr(handle.rank_prefix), _addr(handle.token_mask),
             _addr(handle.pos), _addr(ntpr), _addr(ntpe), _addr(itr), _addr(in_rank),
             _addr(per_expert), handle.num_nodes, _addr(handle.node_base),
-            _addr(handle.node_pos), num_worst, int(bad_alike), _addr(fail_from))
+            _addr(handle.node_pos), num_worst, int(bad_alike), _addr(fail_from), refused)
 
     def wide_notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int,
                     peers: Any, seq: int, handle: DispatchHandle, *, timeout_ns: int,

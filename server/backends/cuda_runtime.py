@@ -108,6 +108,7 @@ class RankRunner:
         # a combine brings back a dispatch only while its buffer still holds it
         self.ll_filled = [0] * abi.LL_BUFFERS
         self._keep: tuple = ()
+        self._refused: tuple = ()  # a refused dispatch's notify handle and ids (refuse_dispatch)
 
     def reset_ctrl(self) -> None:
         with cp.cuda.Device(self.device_id):  # (the control block ends where recv_x starts)
@@ -156,7 +157,7 @@ class RankRunner:
                timeout_ns: int = DEFAULT_TIMEOUT_NS,
                layout_out: tuple[Any, Any, Any] | None = None,
                routing: tuple[Any, Any] | None = None, num_worst: int = 0,
-               bad_alike: bool = False, fail_from: Any = None) -> None:
+               bad_alike: bool = False, fail_from: Any = None, refused: int = 0) -> None:
         """The layout exchange alone into `result`'s handle (counts, rank prefix matrix, the
         receive count published in the counter slot): a dispatch's first kernel, or a
         two-stage group's whole-group notify (cuda_stages.py). `num_worst` > 0: a rank
@@ -182,7 +183,19 @@ class RankRunner:
                           counter_slot_ptr=counter_slot_ptr, layout_out=layout_out,
                           stream=self.stream, counter_seq=counter_seq, routing=routing,
                           max_tokens=lay.max_recv // lay.num_ranks, num_worst=num_worst,
-                          bad_alike=bad_alike, fail_from=fail_from)
+                          bad_alike=bad_alike, fail_from=fail_from, refused=refused)
+
+    def refuse_dispatch(self, num_topk: int, timeout_ns: int) -> None:
+        """This rank's part of a dispatch its engine refused: a notify of no tokens whose
+        payload says so (every rank then fails the call alike, its data kernels skipping it),
+        and the data kernel's sequence, which the peers' skipping kernels take too."""
+        with cp.cuda.Device(self.device_id):
+            res = self.dispatch_result(0, None, 0)
+            idx = cp.empty((0, num_topk), cp.int64)
+            self.notify(idx, res, timeout_ns=timeout_ns, bad_alike=True,
+                        refused=ck.ERR_REFUSED)
+            self.seq["dispatch"] += 1
+            self._refused = (res, idx)  # (they outlive the launch: kept until the next one)
 
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
                         num_worst_tokens: int) -> DispatchResult:

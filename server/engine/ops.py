@@ -10,14 +10,17 @@ binds the registry's operation names to these functions.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
+import grpc
 import numpy as np
 
 from ...proto import abi, counter_page, dtypes
 from ...proto.errors import (
     Aborted,
     DeadlineExceeded,
+    EpdError,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -42,6 +45,12 @@ from .state import LOW_LATENCY, NORMAL, GroupMember, HandleInfo, Session
 _HANDLE_IDS = itertools.count(1)
 
 INDEX_DTYPES = (epd_pb2.INT64,)
+# A stream-ordered dispatch refused for these still takes part, failing alike on every rank
+# (`_refused_in_step`); not for a failed group or a deadline, which no part can mend.
+_CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                  grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  grpc.StatusCode.OUT_OF_RANGE)
+log = logging.getLogger("epd.engine")
 
 
 class DataPlane:
@@ -159,6 +168,37 @@ class DataPlane:
         """Validate (nothing changes on bad input), then notify + dispatch."""
         member = self.member(session, req.group_id)
         self._queued(session, member)
+        taken = member.dispatch_sequence
+        try:
+            return self._dispatch(session, member, req, path)
+        except EpdError as e:
+            if (req.stream_ordered and not req.cached_handle and e.code in _CALLER_ERRORS
+                    and member.dispatch_sequence == taken):  # (refused: nothing launched)
+                self._refused_in_step(member, req, e)
+            raise
+
+    def _refused_in_step(self, member: GroupMember, req: epd_pb2.DispatchRequest,
+                         err: EpdError) -> None:
+        """A fresh stream-ordered dispatch this engine refused takes part all the same, with no
+        tokens and the verdict ERR_REFUSED in its notify payload: every peer fails the call at
+        once (FAILED_PRECONDITION naming this rank) instead of waiting out its deadline, and
+        the group goes on; this caller gets the reason. As the peers' calls are stream-ordered
+        too (SPMD), every rank raises at the same call. A backend that cannot leaves the peers
+        waiting, as for a synchronous call refused before taking part."""
+        try:
+            timeout = self._timeout(req.timeout_seconds)
+        except EpdError:
+            timeout = self._timeout(0.0)
+        try:
+            if member.comm.refuse_stream_dispatch(time.monotonic() + timeout):
+                log.info("group %r: rank %d's dispatch refused (%s); it took part as refused",
+                         member.spec.name, member.rank, err.message)
+        except Exception as again:  # (the call's own error is what the caller needs)
+            log.error("group %r: rank %d could not take part in its refused dispatch: %s",
+                      member.spec.name, member.rank, again)
+
+    def _dispatch(self, session: Session, member: GroupMember, req: epd_pb2.DispatchRequest,
+                  path: str) -> epd_pb2.DispatchResponse:
         spec = member.spec
         self._check_normal_mode(member, "dispatch")
         self._check_alive(member, req.stream_ordered)

@@ -4,8 +4,8 @@ layers and shapes, fresh inputs per layer, handles held across layers and combin
 (Megatron's backward), engine buffers poisoned between calls, every output compared exactly with
 the NumPy reference. Plus: the host does not wait for the GPU in layout/combine, a bad expert id
 on one rank fails that dispatch on every rank alike (a worst-case one at the next dispatch; a
-layout's is the rank's alone, raised by check()) and the group goes on, and num_sms reaches the
-kernels."""
+layout's is the rank's alone, raised by check()), so does a dispatch one rank's engine refuses,
+and the group goes on, and num_sms reaches the kernels."""
 
 from __future__ import annotations
 
@@ -124,6 +124,11 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
         wc = g.dispatch(tx, bad, tw, num_worst_tokens=512)
         g.combine(wc.recv_x, wc.handle, topk_weights=wc.recv_topk_weights)
         res["bad_worst_next"] = outcome(lambda: g.dispatch(tx, tidx, tw))
+        # A dispatch rank 1's engine refuses (float16 weights): rank 1 gets the reason, and
+        # its part is taken with no tokens, so rank 0 fails at once (not at its deadline).
+        t0 = time.perf_counter()
+        res["one_refused"] = outcome(lambda: g.dispatch(tx, tidx, tw.half() if rank else tw))
+        res["one_refused_s"] = time.perf_counter() - t0
         again = g.dispatch(tx, tidx, tw, num_sms=1)
         res["again_x"] = _bits(again.recv_x)
         # Normal mode inside a CUDA graph capture is refused before anything reaches the
@@ -199,6 +204,12 @@ def test_stream_ordered_layers(daemon) -> None:
             assert "no rank's dispatch ran and the group goes on" in res[key], (r, key)
         assert "num_worst_tokens" in res["bad_worst_next"], (r, res["bad_worst_next"])
         assert res["check_after_dispatch"] == "OK", (r, res["check_after_dispatch"])
+    # The refused part: rank 1 the reason, rank 0 a failure naming rank 1, at once.
+    assert results[1]["one_refused"].startswith("INVALID_ARGUMENT"), results[1]
+    assert "topk_weights" in results[1]["one_refused"], results[1]["one_refused"]
+    assert results[0]["one_refused"].startswith("FAILED_PRECONDITION"), results[0]
+    assert "rank 1's engine refused its part" in results[0]["one_refused"], results[0]
+    assert results[0]["one_refused_s"] < 10, results[0]["one_refused_s"]  # (deadline: 30 s)
     assert results[0]["bad_layout_check"] == "OK", results[0]["bad_layout_check"]
     assert results[1]["bad_layout_check"].startswith("INVALID_ARGUMENT"), results[1]
     assert "rank 1 passed expert id 1000" in results[1]["bad_layout_check"], results[1]
