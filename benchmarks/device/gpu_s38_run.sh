@@ -13,6 +13,9 @@
 #   stages   # two-stage groups fail alike too (the stages skip what the whole group's notify
 #            # failed), after a review's mends (epd_call_done reports a fatal failure first):
 #            # the two-stage tests across logical nodes, the stream-ordered tests again
+#   refused  # a dispatch one rank's engine refuses takes part (ERR_REFUSED): the stream-ordered
+#            # tests with it, the bad-input and worst-case ones, the kernel tests, the facade's
+#            # and NVSHMEM normal mode across logical nodes (the notify's new parameter)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -44,5 +47,12 @@ case "${1:-}" in
         tests/gpu/test_stream_ordered.py tests/gpu/test_local_layout.py"
     STEP_TEST_SECONDS=90 step intranode 100 "tests/gpu/test_intranode.py"
     ;;
-  *) echo "usage: $0 recheck | bad | bad2 | stages" >&2; exit 2 ;;
+  refused)
+    STEP_TEST_SECONDS=150 step refused 180 "tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_bad_input_alike.py tests/gpu/test_worst_case_no_wait.py"
+    STEP_TEST_SECONDS=80 step intranode 90 "tests/gpu/test_intranode.py"
+    STEP_TEST_SECONDS=140 step facade 150 "tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_nvshmem.py -k 'facade or normal_mode_across'"
+    ;;
+  *) echo "usage: $0 recheck | bad | bad2 | stages | refused" >&2; exit 2 ;;
 esac
