@@ -640,15 +640,17 @@ def test_dispatch_alike_failure_drops_this_ranks_layout_failure(monkeypatch) -> 
 def test_a_refused_stream_dispatch_takes_part() -> None:
     """A fresh stream-ordered dispatch the engine refuses (bad descriptors) still takes part,
     with no tokens and the verdict ERR_REFUSED, so that its peers fail at once instead of at
-    their deadline; not a cached or synchronous one, nor one refused for a failed group, nor
-    one whose call was already taken (its launch registered)."""
-    from epd.proto.errors import Aborted
+    their deadline; not a cached, synchronous or worst-case one, nor one refused for a failed
+    group or on a shrink group, nor one whose call was already taken (its launch
+    registered)."""
+    from epd.proto.errors import Aborted, FailedPrecondition, ResourceExhausted
     from epd.server.engine.ops import DataPlane
 
     refused: list[float] = []
     member = types.SimpleNamespace(
-        dispatch_sequence=4, rank=1, spec=types.SimpleNamespace(name="g"),
-        comm=types.SimpleNamespace(refuse_stream_dispatch=lambda d: refused.append(d) or True))
+        dispatch_sequence=4, rank=1, spec=types.SimpleNamespace(name="g", shrink=False),
+        comm=types.SimpleNamespace(refuse_stream_dispatch=lambda d: refused.append(d) or True,
+                                   known_abort_reason=lambda: None))
     engine = types.SimpleNamespace(member=lambda s, gid: member, _queued=lambda s, m: None,
                                    _timeout=lambda t: 5.0)
     engine._refused_in_step = lambda *a: DataPlane._refused_in_step(engine, *a)
@@ -669,6 +671,13 @@ def test_a_refused_stream_dispatch_takes_part() -> None:
     run(epd_pb2.DispatchRequest(), InvalidArgument("x"))
     run(fresh, Aborted("group 'g' is aborted"))
     run(fresh, InvalidArgument("after the launch"), take=True)
+    # A worst-case one: its peers' callers would combine a handle this caller never got.
+    run(epd_pb2.DispatchRequest(stream_ordered=True, num_worst_tokens=64), InvalidArgument("x"))
+    member.spec.shrink = True  # (normal mode is refused on every rank of a shrink group)
+    run(fresh, FailedPrecondition("shrink"))
+    member.spec.shrink = False
+    member.comm.known_abort_reason = lambda: "rank 0 left"
+    run(fresh, ResourceExhausted("received more than num_worst_tokens"))
     assert len(refused) == 1
 
 

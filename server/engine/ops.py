@@ -172,8 +172,10 @@ class DataPlane:
         try:
             return self._dispatch(session, member, req, path)
         except EpdError as e:
-            if (req.stream_ordered and not req.cached_handle and e.code in _CALLER_ERRORS
-                    and member.dispatch_sequence == taken):  # (refused: nothing launched)
+            if (req.stream_ordered and not req.cached_handle and not req.num_worst_tokens
+                    and e.code in _CALLER_ERRORS and not member.spec.shrink
+                    and member.dispatch_sequence == taken  # (refused: nothing launched)
+                    and member.comm.known_abort_reason() is None):
                 self._refused_in_step(member, req, e)
             raise
 
@@ -184,7 +186,10 @@ class DataPlane:
         once (FAILED_PRECONDITION naming this rank) instead of waiting out its deadline, and
         the group goes on; this caller gets the reason. As the peers' calls are stream-ordered
         too (SPMD), every rank raises at the same call. A backend that cannot leaves the peers
-        waiting, as for a synchronous call refused before taking part."""
+        waiting, as for a synchronous call refused before taking part. Not a worst-case
+        dispatch (num_worst_tokens): its peers' callers go on to the combine of a handle this
+        caller never got, and the combine sequences would part; not a shrink group's (normal
+        mode is refused on every rank there) nor a failed group's."""
         try:
             timeout = self._timeout(req.timeout_seconds)
         except EpdError:
