@@ -14,10 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from epd.server import reference as ref
 from epd.server.demo import Workload
 
 from .test_daemon import _bits, _spawn_ranks, _to_torch
+from .test_worst_case_no_wait import _expected
 
 pytestmark = pytest.mark.gpu
 MAX_TOKENS = 64
@@ -89,12 +89,7 @@ def test_bad_input_fails_the_dispatch_on_every_rank_and_the_layers_go_on(daemon)
     for i in range(len(PLAN)):
         if i in failed or i == 3:  # (layer 3's combine ran on no data: its dispatch failed)
             continue
-        wl = _workload(i)
-        inputs = wl.all_inputs()
-        xs, idx, w = ([inp[j] for inp in inputs] for j in range(3))
-        disp = ref.dispatch(xs, idx, w, wl.num_experts)
-        comb = ref.combine([d.recv_x for d in disp], disp, wl.tokens,
-                           recv_topk_weights=[d.recv_topk_weights for d in disp])
+        _, comb = _expected(_workload(i))
         for r, res in enumerate(results):
             got_x, got_w = res["layers"][i]
             np.testing.assert_array_equal(got_x, comb[r][0].view(np.uint16), (r, i))
