@@ -16,6 +16,8 @@
 #   refused  # a dispatch one rank's engine refuses takes part (ERR_REFUSED): the stream-ordered
 #            # tests with it, the bad-input and worst-case ones, the kernel tests, the facade's
 #            # and NVSHMEM normal mode across logical nodes (the notify's new parameter)
+#   failures # the daemon's failure scenarios (a missing rank, a killed one) after
+#            # epd_call_done reports a fatal failure before a layout's bad input
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean)
 case "${1:-}" in
@@ -54,5 +56,8 @@ case "${1:-}" in
     STEP_TEST_SECONDS=140 step facade 150 "tests/gpu/test_deep_ep_facade.py \
         tests/gpu/test_nvshmem.py -k 'facade or normal_mode_across'"
     ;;
-  *) echo "usage: $0 recheck | bad | bad2 | stages | refused" >&2; exit 2 ;;
+  failures)
+    STEP_TEST_SECONDS=100 step failures 190 "tests/gpu/test_daemon.py -k failure"
+    ;;
+  *) echo "usage: $0 recheck | bad | bad2 | stages | refused | failures" >&2; exit 2 ;;
 esac
