@@ -573,8 +573,8 @@ def _no_topk_rank(rank: int, socket: str, device: int, q) -> None:
                 "prefix": _bits(handle[0]) if hasattr(handle[0], "detach")
                 else np.asarray(handle[0]),
                 "combined": _bits(combined), "cached_x": _bits(cx)})
-        # A negative declared count is bad input found on the GPU: the call fails on
-        # this rank naming it, and the Buffer goes on working.
+        # A negative declared count is bad input found on the GPU: notify fails the call on
+        # every rank alike, naming the rank and the count, and the Buffer goes on working.
         x, in_rank, per_expert = _no_topk_inputs(rank, 0)
         if rank == 0:
             per_expert[3] = -5
@@ -586,7 +586,7 @@ def _no_topk_rank(rank: int, socket: str, device: int, q) -> None:
             buf.check()
             res["bad"] = "accepted"
         except EpdError as e:
-            res["bad"] = e.code.name
+            res["bad"], res["bad_msg"] = e.code.name, e.details
     finally:
         buf.destroy()
     q.put(res)
@@ -616,4 +616,6 @@ def test_daemon_dispatch_without_topk(daemon) -> None:
             assert got["counts"] == disp[r].num_recv_tokens_per_expert, (layer, r)
             np.testing.assert_array_equal(got["prefix"], prefix)
             np.testing.assert_array_equal(got["combined"], comb[r][0].view(np.uint16))
-    assert results[0]["bad"] == "INVALID_ARGUMENT", results[0]
+    for r in range(2):  # (every rank: the payload carries rank 0's verdict)
+        assert results[r]["bad"] == "INVALID_ARGUMENT", results[r]
+        assert "rank 0 passed -5 in num_tokens_per_expert" in results[r]["bad_msg"], results[r]
