@@ -404,8 +404,9 @@ class LowLatencyMixin:
     def check(self) -> None:
         """Raise a failure the GPU reported for an earlier plain low-latency call, waiting for
         the calls in flight, or for a call with a hook or replayed from a graph once the
-        caller's stream is synchronised (an EPD addition: DeepEP has no asynchronous errors to
-        collect)."""
+        caller's stream is synchronised, and through each group's `check()` a stream-ordered
+        normal-mode call's, a layout's bad expert id among them (raised only here) (an EPD
+        addition: DeepEP has no asynchronous errors to collect)."""
         self._stream_ops.check(wait=True)
         self._stream_ops.check_all()
         for g in self._groups.values():

@@ -998,7 +998,8 @@ epd_combine_reduce(typename Tr::word* __restrict__ out, i64 out_stride,
                    const int* __restrict__ count_matrix, const int* __restrict__ rank_prefix,
                    const u64* __restrict__ peers, i64 off_stage_y, i64 off_stage_w, u64 seq,
                    i64 timeout_ns, int num_nodes, const int* __restrict__ recv_info) {
-    // A dispatch that failed alike on every rank (its capacity: recv_info[1]) moved no row, and
+    // A dispatch that failed alike on every rank (capacity, num_worst_tokens, bad input, a
+    // refused part: recv_info[1]) moved no row, and
     // its combine's push kernels skipped: no flag will come, and the handle's positions are not
     // this call's. The engine may launch such a combine before it knows (a worst-case
     // dispatch's receive count is not waited for on the host).

@@ -30,7 +30,7 @@ CTRL_ERR_CODE = 1  # first error seen by this rank's kernels
 CTRL_ERR_RANK = 2  # the rank that did not arrive (or -1)
 CTRL_ERR_PHASE = 3  # which wait failed (PHASE_*)
 CTRL_ERR_SEQ = 4  # sequence of the failed collective
-CTRL_CALL_ERR = 5  # bad input of the current stream-ordered call (code; cleared when reported)
+CTRL_CALL_ERR = 5  # a layout's bad input, this rank's own (code; cleared when reported)
 CTRL_CALL_ERR_VALUE = 7  # the offending value (an expert id)
 # CTRL_CALL_ERR while its first reporter writes the value (then the code): a host that reads
 # the words while the kernel runs (the client's layout check) waits for the code
@@ -68,7 +68,8 @@ NOTIFY_TOKENS = 8  # EPD_MAX_RANKS: a payload's word holding the source's token 
 NOTIFY_BAD = 9  # then its bad input: code, value's low and high 32 bits (a whole group's dispatch)
 NOTIFY_HEAD = 12  # words before a payload's per-expert counts (counts, tokens, bad input)
 # A notify-only slot of more than MAX_RANKS ranks (a two-stage group's whole-group notify,
-# epd_wide_notify): its flags, then [R][R + 1 + L] int32 per source, in the payload region.
+# epd_wide_notify): its flags, then [R][R + 4 + L] int32 per source (counts, tokens, bad
+# input, experts), in the payload region.
 WIDE_NOTIFY_FLAG = CTRL_PAYLOAD_BYTES // 8  # u64 word: [LL_MAX_RANKS] flags
 WIDE_PAYLOAD_BYTES = CTRL_PAYLOAD_BYTES + LL_MAX_RANKS * 8
 
@@ -116,7 +117,7 @@ SLOT_SEQ = 0
 SLOT_NUM_RECV = 1
 SLOT_NUM_EXPERTS = 2
 SLOT_STATUS = 3
-SLOT_ERR_RANK = 4  # on error: the rank that did not arrive (-1 when unknown)
+SLOT_ERR_RANK = 4  # on error: the rank that did not arrive, or whose input failed it (or -1)
 SLOT_HEADER = 8  # per-expert counts start at this word
 
 # Stream-ordered normal-mode calls: int32 words of the membership's counter slot (after the

@@ -118,7 +118,7 @@ class StreamFailure:
 
     @property
     def fatal(self) -> bool:
-        """The group cannot go on (a bad input fails only its call)."""
+        """The group cannot go on (a bad input fails that call, not the group)."""
         return self.code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT)
 
     def error(self, group: str, num_experts: int | None = None) -> EpdError:

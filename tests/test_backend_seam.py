@@ -431,7 +431,7 @@ def test_a_group_beyond_max_ranks_runs_normal_mode_in_two_stages(rank_nodes, hie
     mode runs in two stages when both stage groups are within the flat kernels' limit (at
     most 8 nodes of at most 8 ranks), its whole-group
     notify in a notify-only slot for epd_wide_notify (its own flags and a payload per source
-    of R + 1 + L words); any other placement of a normal-mode group is refused when it forms,
+    of R + 4 + L words); any other placement of a normal-mode group is refused when it forms,
     naming the nodes, and a low-latency group keeps its low-latency-only slots."""
     from epd.proto import abi
     from epd.server.config import Config

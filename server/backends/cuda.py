@@ -372,7 +372,8 @@ class CudaRankComm(RankComm):
     def _no_topk_refused(self, args: DispatchArgs) -> None:
         """As on the CPU backend: a hierarchical group's node stage routes by top-k ids, so a
         dispatch without top-k is refused there (before any kernel: peers that called with
-        top-k wait for this rank until their deadline, which names it)."""
+        top-k wait for this rank until their deadline, which names it; a stream-ordered one
+        of a direct-puts group takes part as refused instead, ops._refused_in_step)."""
         if self.hierarchy is not None and _routing(args) is not None:
             raise self.hierarchy.no_topk_error(self.spec.name)
 
@@ -455,7 +456,7 @@ class CudaRankComm(RankComm):
 
         def wait(runner: Any) -> None:
             if runner is st.flat:
-                counts.append(self._counts(counter_slot, sequence, deadline))  # (capacity: raised)
+                counts.append(self._counts(counter_slot, sequence, deadline))  # (alike: raised)
                 status = int(counter_slot[counter_page.STATUS])
                 if status:
                     # Notify failed (a rank missing, an abort): abort and raise now (the stage

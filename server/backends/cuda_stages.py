@@ -5,7 +5,8 @@ A group of N nodes x L ranks placed node-major (rank = node * L + local index) r
 rank, three flat collectives (docs/DESIGN_NOTES.md, "Hierarchical normal mode in two stages"):
 - the whole group's **notify** (its flat slot, notify-only; beyond MAX_RANKS ranks
   `epd_wide_notify`): the receive counts published to the caller's counter page as on one
-  node, the rank prefix matrix, a call every rank fails alike (capacity);
+  node, the rank prefix matrix, a call every rank fails alike (capacity, bad input), which
+  both stages then skip alike;
 - the **rail** stage: a flat group of the N ranks with this local index, one per node, rank b
   holding node b's E / N experts. A token crosses the network once per destination node, to
   the rank with its own local index there (the forwarder); its top-k ids arrive node-local;
