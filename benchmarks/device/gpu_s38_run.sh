@@ -18,8 +18,21 @@
 #            # and NVSHMEM normal mode across logical nodes (the notify's new parameter)
 #   failures # the daemon's failure scenarios (a missing rank, a killed one) after
 #            # epd_call_done reports a fatal failure before a layout's bad input
+#   next     # for the next session (about 9 minutes): what this one left unrun, i.e. the
+#            # daemon's dispatch without top-k (every rank's failure asserted now), the
+#            # low-latency suites and the daemon's graph tests as a regression check, then an
+#            # A/B of the layer rows against .whl/old = `git archive d548938 server proto
+#            # client cuda` (extracted), the tree before this session (notify's payload grew)
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean)
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json)
+ROWS_AB="v1 facade layer,v1 facade layer worst-case,v2 layer cpu-sync,v2 layer worst-case"
+layer_rows() {  # layer_rows LABEL PKG (as gpu_s37_run.sh's)
+  PYTHONPATH=$2:/tmp/site timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 200 --mps on --ranks 2 --elastic --rows "$ROWS_AB" \
+      --json "$OUT/rows_$1.json" > /tmp/r.log 2>&1
+  echo "== $1 rc=$?"
+  clean < /tmp/r.log | grep -E "p50" | cut -c1-200
+}
 case "${1:-}" in
   recheck)
     STEP_TEST_SECONDS=150 step review 200 "tests/gpu/test_worst_case_no_wait.py \
@@ -59,5 +72,12 @@ case "${1:-}" in
   failures)
     STEP_TEST_SECONDS=100 step failures 190 "tests/gpu/test_daemon.py -k failure"
     ;;
-  *) echo "usage: $0 recheck | bad | bad2 | stages | refused | failures" >&2; exit 2 ;;
+  next)
+    STEP_TEST_SECONDS=100 step notopk 110 "tests/gpu/test_daemon.py -k without_topk"
+    STEP_TEST_SECONDS=150 step ll 240 "tests/gpu/test_low_latency_kernels.py \
+        tests/gpu/test_ll_plain.py tests/gpu/test_daemon.py -k 'low_latency or plain'"
+    ab_rounds 1 1 layer_rows new-first
+    merge_json rows rows_ab
+    ;;
+  *) echo "usage: $0 recheck | bad | bad2 | stages | refused | failures | next" >&2; exit 2 ;;
 esac
