@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from ..proto import abi, counter_page, cuda_driver, dtypes, spin
-from ..proto.errors import EpdError, FailedPrecondition
+from ..proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from .tensors import Array
@@ -192,22 +192,17 @@ def _count_failure(group: Group, slot: StreamSlot, got: tuple[int, list[int]] | 
     name = f"dispatch #{sequence}"
     lost = (" (num_worst_tokens: the call returned without waiting for its count, as "
             "DeepEP's; its outputs and the combine of its handle hold no data)" if earlier else "")
-    status = int(words[counter_page.STATUS]) if got is not None else -1
-    if status == abi.ERR_CAPACITY:
-        err = counter_page.capacity_error(group.name, group.spec.max_tokens_per_rank, got[0],
-                                          int(words[abi.SLOT_ERR_RANK]), name + lost, earlier)
-        if earlier:
+    err = None if got is None else counter_page.alike_failure(
+        words, group.name, name + lost, group.spec.max_tokens_per_rank, num_worst,
+        group.spec.num_experts, earlier)
+    if err is not None:
+        status = int(words[counter_page.STATUS])
+        if isinstance(err, TokenCapacityExceeded) and earlier:
             group.capacity_owed = max(group.capacity_owed, err.tokens_needed)
-        return err
-    if status == abi.ERR_WORST_OVERFLOW:  # (INVALID_ARGUMENT, as the cpu backend's)
-        return counter_page.worst_overflow_error(group.name, name + lost,
-                                                 int(words[abi.SLOT_ERR_RANK]), got[0],
-                                                 num_worst)
-    if status in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT, abi.ERR_REFUSED):
-        if status != abi.ERR_REFUSED and int(words[abi.SLOT_ERR_RANK]) == group.rank:
+        if (status in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT)
+                and int(words[abi.SLOT_ERR_RANK]) == group.rank):
             _drop_layout_failures(group)
-        return counter_page.bad_input_error(group.name, name + lost, words,
-                                            group.spec.num_experts)
+        return err
     if got is not None:  # failed on the GPU: its last kernel names the cause, shortly
         slot.settle(seq, timeout)
     slot.check()

@@ -189,6 +189,27 @@ def worst_overflow_error(group: str, call: str, rank: int, received: int,
         f"num_ranks * max tokens per rank)")
 
 
+# Statuses notify writes alike on every rank: the call fails, nothing moved, the group goes on.
+ALIKE = (abi.ERR_CAPACITY, abi.ERR_WORST_OVERFLOW, abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT,
+         abi.ERR_REFUSED)
+
+
+def alike_failure(words: np.ndarray, group: str, call: str, max_tokens: int, num_worst: int = 0,
+                  num_experts: int | None = None, earlier: bool = False) -> EpdError | None:
+    """The error of a dispatch (`call`) whose notify failed it on every rank alike, from the
+    slot `words` (status, ERR_RANK, NUM_RECV: what failed it); None for any other status (a
+    deadline or abort, which the rank's own failure words name). The client's stream-ordered
+    dispatch and the engine's synchronous one raise the same."""
+    status, rank, value = int(words[STATUS]), int(words[abi.SLOT_ERR_RANK]), int(words[NUM_RECV])
+    if status == abi.ERR_CAPACITY:
+        return capacity_error(group, max_tokens, value, rank, call, earlier)
+    if status == abi.ERR_WORST_OVERFLOW:
+        return worst_overflow_error(group, call, rank, value, num_worst)
+    if status in ALIKE:
+        return bad_input_error(group, call, words, num_experts)
+    return None
+
+
 def stream_failure(words: np.ndarray) -> StreamFailure | None:
     """The latest failure recorded in a slot (int64 words), or None."""
     w32 = words.view(np.int32)

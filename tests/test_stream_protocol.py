@@ -693,3 +693,25 @@ def test_a_refused_part_fails_the_peers_dispatch() -> None:
     assert err.message == ("group 'g', dispatch #7: rank 1's engine refused its part of the "
                            "call (that rank's caller got the reason); no rank's dispatch ran "
                            "and the group goes on")
+
+
+def test_alike_failures_map_to_one_error_each() -> None:
+    """counter_page.alike_failure, shared by the client's stream-ordered dispatch and the
+    engine's synchronous one: each status notify writes alike names its cause; a deadline or
+    an abort is none of them (the failure words say more)."""
+    from epd.proto.errors import FailedPrecondition, TokenCapacityExceeded
+
+    want = {abi.ERR_CAPACITY: (TokenCapacityExceeded, "rank 1 dispatched 40 tokens"),
+            abi.ERR_WORST_OVERFLOW: (InvalidArgument, "rank 1 receives 40 tokens"),
+            abi.ERR_BAD_INPUT: (InvalidArgument, "rank 1 passed expert id 40"),
+            abi.ERR_BAD_COUNT: (InvalidArgument, "rank 1 passed 40 in num_tokens_per_expert"),
+            abi.ERR_REFUSED: (FailedPrecondition, "rank 1's engine refused its part")}
+    for code in (*want, abi.ERR_DEADLINE, abi.ERR_ABORTED):
+        words = _slot()
+        _bad(words, 3, code, 1, 40)
+        err = counter_page.alike_failure(words, "g", "dispatch #3", 16, 32, 8)
+        if code not in want:
+            assert err is None, code
+            continue
+        kind, text = want[code]
+        assert isinstance(err, kind) and text in err.message, (code, err)

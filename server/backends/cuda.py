@@ -425,21 +425,11 @@ class CudaRankComm(RankComm):
             raise DeadlineExceeded(f"group {spec.name!r}: notify did not publish its counts "
                                    f"before the deadline")
         num_recv, per_expert = got
-        if counter_slot[counter_page.STATUS] == abi.ERR_CAPACITY:
+        err = counter_page.alike_failure(counter_slot, spec.name, f"dispatch #{sequence}",
+                                         spec.max_tokens_per_rank, num_worst, spec.num_experts)
+        if err is not None:
             self.runner.stream.synchronize()  # (the data kernels skip the call)
-            raise counter_page.capacity_error(
-                spec.name, spec.max_tokens_per_rank, num_recv,
-                int(counter_slot[abi.SLOT_ERR_RANK]), f"dispatch #{sequence}")
-        if counter_slot[counter_page.STATUS] == abi.ERR_WORST_OVERFLOW:
-            self.runner.stream.synchronize()  # (the data kernels skip the call)
-            raise counter_page.worst_overflow_error(
-                spec.name, f"dispatch #{sequence}", int(counter_slot[abi.SLOT_ERR_RANK]),
-                num_recv, num_worst)
-        if counter_slot[counter_page.STATUS] in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT,
-                                                 abi.ERR_REFUSED):
-            self.runner.stream.synchronize()  # (the data kernels skip the call)
-            raise counter_page.bad_input_error(spec.name, f"dispatch #{sequence}",
-                                               counter_slot, spec.num_experts)
+            raise err
         if not counter_page.counts_in_range(num_recv, per_expert, spec.max_recv_tokens,
                                             spec.num_local_experts):
             raise Aborted(f"group {spec.name!r}: dispatch #{sequence}'s count in the counter "
