@@ -12,15 +12,7 @@
 #   ab [ROUNDS]  # the V1 facade's layer with exact and worst-case rows and V2's layers, this
 #            # tree and .whl/old alternated (2 ranks on one GPU, D)
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json)
-ROWS_AB="v1 facade layer,v1 facade layer worst-case,v2 layer cpu-sync,v2 layer worst-case"
-layer_rows() {  # layer_rows LABEL PKG
-  PYTHONPATH=$2:/tmp/site timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 \
-      --iters 200 --mps on --ranks 2 --elastic --rows "$ROWS_AB" \
-      --json "$OUT/rows_$1.json" > /tmp/r.log 2>&1
-  echo "== $1 rc=$?"
-  clean < /tmp/r.log | grep -E "p50" | cut -c1-200
-}
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, merge_json, layer_rows)
 case "${1:-}" in
   verify)
     STEP_TEST_SECONDS=150 step nowait 170 "tests/gpu/test_worst_case_no_wait.py"

@@ -24,15 +24,7 @@
 #            # A/B of the layer rows against .whl/old = `git archive d548938 server proto
 #            # client cuda` (extracted), the tree before this session (notify's payload grew)
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json)
-ROWS_AB="v1 facade layer,v1 facade layer worst-case,v2 layer cpu-sync,v2 layer worst-case"
-layer_rows() {  # layer_rows LABEL PKG (as gpu_s37_run.sh's)
-  PYTHONPATH=$2:/tmp/site timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 \
-      --iters 200 --mps on --ranks 2 --elastic --rows "$ROWS_AB" \
-      --json "$OUT/rows_$1.json" > /tmp/r.log 2>&1
-  echo "== $1 rc=$?"
-  clean < /tmp/r.log | grep -E "p50" | cut -c1-200
-}
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 case "${1:-}" in
   recheck)
     STEP_TEST_SECONDS=150 step review 200 "tests/gpu/test_worst_case_no_wait.py \
