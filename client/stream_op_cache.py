@@ -18,7 +18,11 @@ Two kinds of entries:
 
 Failures the GPU reports in a plain op's done word raise `EpdError` at the Buffer's next
 low-latency call once that trigger is known to be complete (the plain call's asynchronous error,
-as with the normal-mode stream-ordered calls), or at `Buffer.check()`.
+as with the normal-mode stream-ordered calls), or at `Buffer.check()`. One kind is raised at a
+fixed call instead: a dispatch that a source's bad ids failed on every rank (its verdict; the
+group goes on) raises at the Buffer's next low-latency dispatch, which waits for that verdict
+before it is sent (`settle_dispatch`), so that every rank raises at the same call and the ranks
+stay in step; a graph's replays raise it at `Buffer.check()` only.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from typing import Any
 
 import grpc
 
+from ..proto import spin
 from ..proto.errors import DeadlineExceeded, EpdError
 from . import cuda_ipc
-from .stream_ops import StreamOp, done_error
+from .stream_ops import StreamOp, is_verdict
 
 DEFAULT_LIMIT = 16  # plain ops per Buffer (the session has 64 counter slots for all of it)
 
@@ -60,6 +65,10 @@ class StreamOpCache:
         self._entries: OrderedDict[tuple, Entry] = OrderedDict()
         self._by_op: dict[int, Entry] = {}  # op_id -> entry (a combine finds its dispatch)
         self._unchecked: list[Entry] = []  # plain entries triggered since their last check
+        # The last plain or hook low-latency dispatch, whose verdict the next dispatch raises
+        # (its entry, and an event behind its trigger), and the event a hook's trigger records.
+        self._unsettled: tuple[Entry, Any] | None = None
+        self._sent_event: Any = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -138,9 +147,47 @@ class StreamOpCache:
         if e not in self._unchecked:
             self._unchecked.append(e)
 
+    def dispatched(self, e: Entry, stream: int | None) -> None:
+        """A plain (`stream` None: its event recorded by `triggered`) or hook low-latency
+        dispatch of `e` was sent on `stream`: the next dispatch settles its verdict."""
+        event = e.event
+        if stream is not None:
+            if self._sent_event is None:
+                self._sent_event = self._new_event(self.device)
+            event = self._sent_event
+            event.record(stream)
+        self._unsettled = (e, event)
+
+    def settle_dispatch(self, timeout: float) -> None:
+        """Before a low-latency dispatch is sent: wait (at most `timeout` seconds) for the
+        previous plain or hook dispatch's done word and raise its verdict (a source's bad ids
+        failed it on every rank). Every rank makes the same calls, so every rank raises here,
+        at the same call, before sending it: the ranks stay in step. Usually free: the
+        previous dispatch ended before its combine was even sent."""
+        pending, self._unsettled = self._unsettled, None
+        if pending is None:
+            return
+        e, event = pending
+        if not e.op.armed or event is None:
+            return
+        # The trigger has run (it clears the done word) once the event has passed; then the
+        # engine's last kernel writes the word (or the session's release does).
+        if not spin.wait_until(lambda: event.done() and e.op.status() != 0, timeout):
+            raise DeadlineExceeded(
+                f"stream op {e.op.op_id} ({e.op.kind}): its done word was not written within "
+                f"{timeout:g} s (the engine ran none of its kernels: see its log)")
+        status = e.op.status()
+        if is_verdict(status):
+            e.reported, e.reported_status = e.triggers, status  # (not again at check())
+            err = e.op.error(status)
+            assert err is not None
+            raise err
+
     def check(self, *, wait: bool = False) -> None:
         """Raise the first failure of a completed plain trigger not raised yet. With `wait`,
-        waits for the triggers in flight first (Buffer.check after a synchronise: immediate)."""
+        waits for the triggers in flight first (Buffer.check after a synchronise: immediate).
+        Without it a dispatch's verdict is left to `settle_dispatch` (raised here when it
+        completes, a rank whose GPU is ahead would raise a call before its peers)."""
         pending: list[Entry] = []
         failure: EpdError | None = None
         for e in self._unchecked:
@@ -149,10 +196,16 @@ class StreamOpCache:
             if e.event is None or not (e.event.done() or (wait and e.event.wait())):
                 pending.append(e)
                 continue
-            err = done_error(e.op.status(), f"stream op {e.op.op_id} ({e.op.kind})")
+            status = e.op.status()
+            if not wait and is_verdict(status):
+                if self._unsettled is not None and self._unsettled[0] is e:
+                    pending.append(e)  # (still to be settled: checked again after that)
+                continue
+            err = e.op.error(status)
             if err is not None and e.reported != e.triggers and failure is None:
                 e.reported = e.triggers
                 failure = err
+                self._settled(e)
         self._unchecked = pending
         if failure is not None:
             raise failure
@@ -166,10 +219,11 @@ class StreamOpCache:
             if not e.op.armed:
                 continue
             status = e.op.status()
-            err = done_error(status, f"stream op {e.op.op_id} ({e.op.kind})")
+            err = e.op.error(status)
             if err is not None and e.reported_status != status and failure is None:
                 e.reported_status = status
                 failure = err
+                self._settled(e)
         if failure is not None:
             raise failure
 
@@ -178,8 +232,14 @@ class StreamOpCache:
         self._entries.clear()
         self._by_op.clear()
         self._unchecked.clear()
+        self._unsettled = None
 
     # -- internals ---------------------------------------------------------------------------
+    def _settled(self, e: Entry) -> None:
+        """`e`'s failure was raised: the next dispatch does not raise it again."""
+        if self._unsettled is not None and self._unsettled[0] is e:
+            self._unsettled = None
+
     def _plain_count(self) -> int:
         return sum(1 for e in self._entries.values() if not e.pinned)
 
@@ -222,3 +282,5 @@ class StreamOpCache:
             del self._by_op[e.op.op_id]
         if e in self._unchecked:
             self._unchecked.remove(e)
+        if self._unsettled is not None and self._unsettled[0] is e:
+            self._unsettled = None

@@ -127,9 +127,15 @@ class StreamOp:
         """The done word as the host sees it now (0 while a trigger is in flight)."""
         return int(self._words[DONE])
 
+    def error(self, status: int | None = None) -> EpdError | None:
+        """The failure the done word (`status`, or as the host sees it now) reports, or None."""
+        return done_error(self.status() if status is None else status,
+                          f"stream op {self.op_id} ({self.kind})", self._words,
+                          self.group.spec.num_experts)
+
     def check(self) -> None:
         """Raise if the last completed trigger failed (call after synchronising the stream)."""
-        err = done_error(self.status(), f"stream op {self.op_id} ({self.kind})")
+        err = self.error()
         if err is not None:
             raise err
 
@@ -152,12 +158,28 @@ class StreamOp:
         s._stream_ops.pop(self.op_id, None)
 
 
-def done_error(value: int, what: str) -> EpdError | None:
-    """The error a done word reports (None: completed, or still in flight when 0)."""
+def is_verdict(value: int) -> bool:
+    """Whether a done word reports a low-latency dispatch that a source's bad ids failed on
+    every rank alike (the group goes on): raised at the same call on every rank."""
+    return (value & 0xFF == DONE_FAILED and value >> abi.DONE_RANK_SHIFT != 0
+            and (value >> abi.DONE_CODE_SHIFT) & 0xFF in counter_page.LL_VERDICTS)
+
+
+def done_error(value: int, what: str, words: np.ndarray | None = None,
+               num_experts: int | None = None) -> EpdError | None:
+    """The error a done word reports (None: completed, or still in flight when 0); `words`:
+    the op's slot (int32), where a low-latency dispatch's verdict leaves the id and its token."""
     if value == DONE_RELEASED:
         return EpdError(grpc.StatusCode.UNAVAILABLE, f"{what}: the session or engine went away")
+    if is_verdict(value):
+        host_order.consume()  # (the done word before the words written ahead of it)
+        token = int(words[abi.STREAM_FAIL_TOKEN]) if words is not None else -1
+        bad = int(words.view(np.int64)[abi.STREAM_FAIL_VALUE]) if words is not None else 0
+        return counter_page.ll_verdict_error(
+            what, (value >> abi.DONE_CODE_SHIFT) & 0xFF, (value >> abi.DONE_RANK_SHIFT) - 1,
+            token, bad, num_experts)
     if value & 0xFF == DONE_FAILED:
-        code = value >> 8
+        code = (value >> abi.DONE_CODE_SHIFT) & 0xFF
         reason = {abi.ERR_DEADLINE: "a peer did not arrive before the deadline",
                   abi.ERR_ABORTED: "the group was aborted",
                   abi.ERR_BAD_INPUT: "an expert id was out of range or never dispatched",

@@ -77,14 +77,24 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 // A rank's engine refused its part of a stream-ordered dispatch (bad descriptors): it takes part
 // with no tokens and this code as its payload's verdict, so every rank fails the call.
 #define ERR_REFUSED 9
+// A low-latency dispatch's token names one expert twice (its verdict; ERR_BAD_INPUT: an id
+// outside [-1, E)): every rank fails the call, nothing moves.
+#define ERR_BAD_DUPLICATE 10
 
 // Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
 #define ABORT_RANK_SHIFT 8
 
-// Stream-ordered calls: the done word is DONE_OK, or DONE_FAILED | code << DONE_CODE_SHIFT.
+// Stream-ordered calls: the done word is DONE_OK, or DONE_FAILED | code << DONE_CODE_SHIFT
+// (| (source + 1) << DONE_RANK_SHIFT for a low-latency dispatch a source's bad ids failed, with
+// the id in int64 word STREAM_FAIL_VALUE and its token in int32 word STREAM_FAIL_TOKEN of the
+// op's counter slot; STREAM_DONE is the done word's int32 index there).
 #define DONE_OK 1u
 #define DONE_FAILED 2u
 #define DONE_CODE_SHIFT 8
+#define DONE_RANK_SHIFT 16
+#define STREAM_DONE 1
+#define STREAM_FAIL_TOKEN 2
+#define STREAM_FAIL_VALUE 2
 
 // FP8: one float32 scale per FP8_BLOCK channels; amax clamped to FP8_AMAX_MIN, scale =
 // amax * (1 / FP8_MAX) (DeepEP's product, see block_quantize_scatter).

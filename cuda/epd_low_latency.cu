@@ -44,13 +44,18 @@
 #define FULL_MASK 0xffffffffu
 #define LL_MAX_LOCAL_EXPERTS 1024  // (proto/abi.py)
 #define LL_ROW_OVERFLOW -4611686018427387904LL  // -(1 << 62) (proto/abi.py)
-#define LL_TOPK_HEADER 16  // bytes before a buffer's topk copy: the dispatch's left-out set
+// Bytes before a buffer's topk copy: the dispatch's left-out set, its verdict (0, or
+// code | source << 8 | token << 32) and the verdict's value (proto/abi.py).
+#define LL_TOPK_HEADER 32
+// A source's histogram row is its E counts, then its verdict on its own ids: code (0,
+// ERR_BAD_INPUT, ERR_BAD_DUPLICATE), the token, the expert id's low and high 32 bits.
+#define LL_HIST_VERDICT 4
 
-// Bad input seen on the GPU (stream-ordered calls have no host check): record it here, with
-// the offending value (an expert id, or LL_ROW_OVERFLOW - row for a row past the m rows a
-// source may send, which only duplicate ids in one token cause), and abort the group in every
-// peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host writes it), since the
-// peers have already exchanged data with this rank.
+// Bad input the dispatch's verdict does not cover (a combine's entry its dispatch never sent;
+// a row past the m rows a source may send, which the verdict's duplicate check rules out):
+// record it here, with the offending value (an expert id, or LL_ROW_OVERFLOW - row), and abort
+// the group in every peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host
+// writes it), since the peers have already exchanged data with this rank.
 __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank, int phase,
                                                u64 seq, i64 value) {
     record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq, true, value);
@@ -76,6 +81,15 @@ __device__ __forceinline__ u64 left_out(const u64* ctrl, int R, u64 posted) {
     for (int s = 0; s < R; ++s)
         left |= ((posted >> s) & 1ull) ? ld_acquire_sys(ctrl + CTRL_LL_SEEN + s) : (1ull << s);
     return left;
+}
+
+// The lowest source among `among` whose histogram row carries a verdict (bad ids), or -1.
+// Every rank reads the same rows, so every rank fails the dispatch alike.
+__device__ __forceinline__ int first_bad_source(const int* hist, int HS, int E, int R,
+                                                u64 among) {
+    for (int s = 0; s < R; ++s)
+        if (((among >> s) & 1ull) && hist[(i64)s * HS + E] != 0) return s;
+    return -1;
 }
 
 // Block-uniform "go on?": the entry wait passed and the group has not failed. Thread 0 decides
@@ -168,12 +182,13 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
                  i64 o_send_x, i64 o_send_scales) {
     const int rows = R * m;  // rows per local expert in the output
     const int E = L * R;
+    const int HS = E + LL_HIST_VERDICT;  // a source's histogram row: counts, then its verdict
     const i64 out_row_bytes = fp8 ? (i64)H : row_bytes;
     u64* my_ctrl = ctrl_of(peers, rank);
     char* my_base = reinterpret_cast<char*>(peers[rank]);
     // (the topk copy follows the LL_TOPK_HEADER bytes that hold the set this call left out)
     i64* my_topk = reinterpret_cast<i64*>(my_base + o_topk + LL_TOPK_HEADER);
-    const int* hist = reinterpret_cast<const int*>(my_base + o_hist);  // [R][E], posted here
+    const int* hist = reinterpret_cast<const int*>(my_base + o_hist);  // [R][HS], posted here
     __shared__ int s_run[LL_MAX_LOCAL_EXPERTS * EPD_MAX_RANKS];  // this rank's rows so far, by e
     __shared__ u64 s_dst[33];     // destination row of each k (0: not sent), [K]: staging
     __shared__ u64 s_scales[33];  // its scales row (FP8)
@@ -185,6 +200,9 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
 #endif
     __shared__ u64 s_present;  // bit s: source s's histogram arrived
     __shared__ u64 s_left;  // the ranks this call leaves out (left_out)
+    __shared__ int s_fail;  // the lowest source with bad ids (every block skips the call), or -1
+    __shared__ int s_bad;   // block 0: this rank's first bad id's index t * K + k, or T * K
+    __shared__ int s_verdict[LL_HIST_VERDICT];  // block 0: what it posts after its counts
     // This block's tokens: a contiguous range, so that "rows before" is a prefix count.
     const int per = (T + (int)gridDim.x - 1) / (int)gridDim.x;
     const int t0 = min(T, (int)blockIdx.x * per), t1 = min(T, t0 + per);
@@ -199,22 +217,44 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         if (blockIdx.x == 0) {
             // The whole call's histogram, without the ranks this rank sees gone or masked
             // now (they are in every rank's left-out set: it posts what it saw), posted to
-            // every peer with what it saw. Bad ids are skipped here, reported in the token loop.
-            if (threadIdx.x == 0)
+            // every peer with what it saw and its verdict on its ids: the first id outside
+            // [-1, E) or named twice in a token (DeepEP's low-latency mode takes distinct
+            // experts per token; the reference refuses a repeat). Every rank reads every
+            // source's verdict after the histogram wait and skips a call with one, alike.
+            if (threadIdx.x == 0) {
                 s_left = gone_ranks(my_ctrl) | ld_acquire_sys(my_ctrl + CTRL_LIVE_MASK);
+                s_bad = T * K;
+            }
             __syncthreads();
             const u64 seen = s_left;
             for (int i = threadIdx.x; i < T * K; i += blockDim.x) {
                 const i64 e = topk_idx[i];
-                if (e >= 0 && e < (i64)E && !((seen >> (int)(e / L)) & 1ull))
-                    atomicAdd(&s_run[(int)e], 1);
+                if (e >= 0 && e < (i64)E) {
+                    if (!((seen >> (int)(e / L)) & 1ull)) atomicAdd(&s_run[(int)e], 1);
+                    const int k = i % K;
+                    for (int j = i - k; j < i; ++j)
+                        if (topk_idx[j] == e) { atomicMin(&s_bad, i); break; }
+                } else if (e != -1) {
+                    atomicMin(&s_bad, i);
+                }
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const int i = s_bad;
+                const i64 e = i < T * K ? topk_idx[i] : 0;
+                s_verdict[0] = i == T * K ? 0 : (e < -1 || e >= (i64)E) ? ERR_BAD_INPUT
+                                                                         : ERR_BAD_DUPLICATE;
+                s_verdict[1] = i / K;
+                s_verdict[2] = (int)(unsigned)((u64)e & 0xffffffffull);
+                s_verdict[3] = (int)(unsigned)((u64)e >> 32);
             }
             __syncthreads();
             for (int r = 0; r < R; ++r) {  // (this rank's own row first: it is the put source)
                 if (peer_remote(peers, r)) continue;
                 int* dst = reinterpret_cast<int*>(reinterpret_cast<char*>(peers[r]) + o_hist) +
-                           (i64)rank * E;
-                for (int e = threadIdx.x; e < E; e += blockDim.x) dst[e] = s_run[e];
+                           (i64)rank * HS;
+                for (int e = threadIdx.x; e < HS; e += blockDim.x)
+                    dst[e] = e < E ? s_run[e] : s_verdict[e - E];
             }
             if ((int)threadIdx.x < R) {  // what it saw, before its histogram's flag
                 peer_signal(peers, R, threadIdx.x, CTRL_LL_SEEN + rank, seen);
@@ -227,10 +267,10 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
 #ifdef EPD_NVSHMEM
             for (int r = 0; r < R; ++r) {
                 if (!peer_remote(peers, r)) continue;
-                const i64 off = o_hist + (i64)rank * E * 4;
+                const i64 off = o_hist + (i64)rank * HS * 4;
                 nvshmemx_putmem_signal_nbi_block(
                     reinterpret_cast<void*>(peer_sym(peers, R, r) + off), my_base + off,
-                    (size_t)E * 4,
+                    (size_t)HS * 4,
                     reinterpret_cast<unsigned long*>(peer_sym(peers, R, r)) + CTRL_LL_HIST_FLAG +
                         rank,
                     (unsigned long)seq, NVSHMEM_SIGNAL_SET, peer_pe(peers, R, r));
@@ -245,12 +285,14 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         if (mine && threadIdx.x == 0) {
             s_present = hist_posted(my_ctrl, R, seq);
             s_left = left_out(my_ctrl, R, s_present);
+            s_fail = hist_wait == 0 ? first_bad_source(hist, HS, E, R, s_present & ~s_left) : -1;
         }
         __syncthreads();
         const u64 gone = s_left;  // nothing goes to or comes from these ranks
+        const bool failed = mine && s_fail >= 0;  // (block-uniform) a source's bad ids
         // The other blocks: this rank's rows of the tokens before t0, for the ranks not left
         // out (block 0's histogram counted all of those: what it left out is in `gone`).
-        if (mine && blockIdx.x != 0 && hist_wait == 0) {
+        if (mine && blockIdx.x != 0 && hist_wait == 0 && !failed) {
             for (int i = threadIdx.x; i < t0 * K; i += blockDim.x) {
                 const i64 e = topk_idx[i];
                 if (e >= 0 && e < (i64)E && !((gone >> (int)(e / L)) & 1ull))
@@ -258,7 +300,8 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
             }
             __syncthreads();
         }
-        const bool sends = !((gone >> rank) & 1ull);  // a rank left out sends nothing
+        // A rank left out sends nothing; nor does any rank in a call some source's ids fail.
+        const bool sends = !((gone >> rank) & 1ull) && !failed;
         for (int t = t0; t < t1 && hist_wait == 0 && sends; ++t) {
             if ((int)threadIdx.x < K) {
                 const int k = threadIdx.x;
@@ -269,17 +312,15 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
 #ifdef EPD_NVSHMEM
                 s_rpe[k] = -1;
 #endif
-                if (e >= (i64)E || e < -1) {
-                    fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq, e);
-                } else if (e >= 0 && !((gone >> (int)(e / L)) & 1ull)) {
+                if (e >= 0 && e < (i64)E && !((gone >> (int)(e / L)) & 1ull)) {
                     const int d = (int)(e / L), le = (int)(e - (i64)d * L);
                     // Place: rows of the sources before this one, this rank's earlier rows,
                     // and an earlier k of this token with the same expert (a duplicate id).
                     int p = s_run[(int)e];
                     for (int s = 0; s < rank; ++s)
-                        if (!((gone >> s) & 1ull)) p += hist[(i64)s * E + e];
+                        if (!((gone >> s) & 1ull)) p += hist[(i64)s * HS + e];
                     for (int j = 0; j < k; ++j) p += topk_idx[(i64)t * K + j] == e;
-                    if (p >= rows) {  // only duplicate ids overflow m rows per source
+                    if (p >= rows) {  // only duplicate ids overflow (the verdict's check)
                         fail_bad_input(peers, R, rank, PHASE_LL_DISPATCH, seq,
                                        LL_ROW_OVERFLOW - (i64)p);
                     } else if (!peer_remote(peers, d)) {
@@ -367,9 +408,25 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         return;
     __shared__ int s_count[LL_MAX_LOCAL_EXPERTS];
     if (threadIdx.x == 0) {
-        s_left = left_out(my_ctrl, R, hist_posted(my_ctrl, R, seq));
-        // for this rank's combine of this buffer: which ranks took no part
-        *reinterpret_cast<u64*>(my_base + o_topk) = s_left;
+        const u64 posted = hist_posted(my_ctrl, R, seq);
+        u64 left = left_out(my_ctrl, R, posted);
+        // A call a source's bad ids failed moved nothing: it leaves every rank out (no counts,
+        // and its combine sums nothing: zeros), and says why in the header.
+        const int bad = first_bad_source(hist, HS, E, R, posted & ~left);
+        u64 verdict = 0, value = 0;
+        if (bad >= 0) {
+            const int* v = hist + (i64)bad * HS + E;
+            left = R >= 64 ? ~0ull : (1ull << R) - 1;
+            verdict = (u64)(unsigned)v[0] | (u64)bad << 8 | (u64)(unsigned)v[1] << 32;
+            value = (u64)(unsigned)v[2] | (u64)(unsigned)v[3] << 32;
+        }
+        s_left = left;
+        // for this rank's combine of this buffer: which ranks took no part; for the done
+        // word (the stream op's end): the verdict
+        u64* header = reinterpret_cast<u64*>(my_base + o_topk);
+        header[0] = left;
+        header[1] = verdict;
+        header[2] = value;
     }
     __syncthreads();
     const u64 left = s_left;
@@ -377,7 +434,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
     for (int le = threadIdx.x; le < L; le += blockDim.x) {
         int c = 0;
         for (int s = 0; s < R && !((left >> rank) & 1ull); ++s)
-            if (!((left >> s) & 1ull)) c += hist[(i64)s * E + (i64)rank * L + le];
+            if (!((left >> s) & 1ull)) c += hist[(i64)s * HS + (i64)rank * L + le];
         c = min(c, rows);
         recv_count[le] = c;
         s_count[le] = c;
@@ -600,10 +657,32 @@ __device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int rank,
-                                           unsigned* done) {
-    if (threadIdx.x != 0) return;
+// A low-latency dispatch's done word: as stream_done_value, then its verdict (the receive
+// buffer's header, written by the dispatch's last block: a source's bad ids failed the call on
+// every rank, the group goes on): DONE_FAILED | code << 8 | (source + 1) << 16, the id and its
+// token in the op's slot (`write`: one thread writes them, before the done word).
+__device__ __forceinline__ unsigned ll_dispatch_done_value(const u64* peers, int rank,
+                                                           const u64* header, unsigned* done,
+                                                           bool write) {
     const unsigned v = stream_done_value(peers, rank);
+    if (v != DONE_OK || header == nullptr) return v;
+    const u64 verdict = reinterpret_cast<const volatile u64*>(header)[1];
+    if (verdict == 0) return v;
+    if (write) {
+        unsigned* slot = done - STREAM_DONE;
+        slot[STREAM_FAIL_TOKEN] = (unsigned)(verdict >> 32);
+        reinterpret_cast<i64*>(slot)[STREAM_FAIL_VALUE] =
+            (i64)reinterpret_cast<const volatile u64*>(header)[2];
+    }
+    return DONE_FAILED | (unsigned)(verdict & 0xffull) << DONE_CODE_SHIFT |
+           ((unsigned)((verdict >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT;
+}
+
+// `header`: a low-latency dispatch's receive-buffer header (its verdict), null for a combine.
+extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int rank,
+                                           unsigned* done, const u64* header) {
+    if (threadIdx.x != 0) return;
+    const unsigned v = ll_dispatch_done_value(peers, rank, header, done, true);
     __threadfence_system();
     st_release_sys_u32(done, v);
 }
@@ -824,7 +903,11 @@ extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* 
                 for (int le = threadIdx.x; le < (int)a[6]; le += blockDim.x)
                     stats[(i64)le * (i64)d[LLX_STATS_STRIDE]] += counts[le];
             }
-            v = stream_done_value(peers, rank);
+            const u64* header = reinterpret_cast<const u64*>(
+                reinterpret_cast<const char*>(peers[rank]) + (i64)a[21] + bo);
+            v = ll_dispatch_done_value(peers, rank, header,
+                                       reinterpret_cast<unsigned*>(d[LLX_DONE]),
+                                       threadIdx.x == 0);
             __syncthreads();
             if (threadIdx.x == 0) {
                 const u64 seq = state[LLS_SEQ_D] + 1;

@@ -90,13 +90,17 @@ ERR_CAPACITY = 8
 # A rank's engine refused its part of a stream-ordered dispatch (its descriptors): it took part
 # with no tokens and this verdict, so every rank fails the call (counter slot: ERR_RANK = it).
 ERR_REFUSED = 9
+# A low-latency dispatch's token names one expert twice (its verdict, as ERR_BAD_INPUT for an id
+# outside [-1, E)): every rank fails the call, nothing moves, the group goes on.
+ERR_BAD_DUPLICATE = 10
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
                ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
                ERR_NOT_FILLED: "the receive buffer holds another dispatch",
                ERR_RING_FULL: "the member's trigger ring stayed full",
                ERR_CAPACITY: "more tokens than max_tokens_per_rank",
-               ERR_REFUSED: "a rank's engine refused its part of the call"}
+               ERR_REFUSED: "a rank's engine refused its part of the call",
+               ERR_BAD_DUPLICATE: "an expert named twice in a token's top-k"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2
@@ -137,14 +141,26 @@ SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 # (STREAM_REQUEST: the request word of the earlier doorbell design, which the engine no longer
 # reads; the ring below replaced it. STREAM_DONE: the done word the op's last kernel writes.)
 STREAM_REQUEST, STREAM_DONE = 0, 1
+# A low-latency dispatch that a source's bad ids failed on every rank (done = DONE_FAILED | code
+# << DONE_CODE_SHIFT | (source + 1) << DONE_RANK_SHIFT): the id (int64 word) and its token
+# (int32 word) in the op's slot, written before the done word.
+STREAM_FAIL_TOKEN = 2  # int32 word
+STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
 # The earlier design's trigger wrote request = REQUEST_BUFFER0 + b (a client still does, facing
 # an engine of that design). b is the low-latency receive buffer (0 or 1; now in the ring entry)
 # the dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).
 REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
-LL_TOPK_HEADER = 16  # bytes before a receive buffer's topk copy: the dispatch's left-out set
+# Bytes before a receive buffer's topk copy: u64 words of the dispatch's left-out set, its
+# verdict (0, or code | source << 8 | token << 32: a source's bad ids failed it on every rank)
+# and the verdict's value (the expert id).
+LL_TOPK_HEADER = 32
+# A source's low-latency histogram row: its E per-expert counts, then its verdict on its own ids
+# (int32: code, token, the id's low and high halves), which every rank reads.
+LL_HIST_VERDICT = 4
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
 DONE_CODE_SHIFT = 8
+DONE_RANK_SHIFT = 16  # a low-latency dispatch's verdict: the failing source + 1
 
 # -- a member's trigger ring (client/ll_trigger.py; run by server/engine/stream_ops.py's poller
 # or the GPU chain, cuda/epd_low_latency.cu and server/backends/cuda_chain.py) ----------------

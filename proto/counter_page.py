@@ -210,6 +210,27 @@ def alike_failure(words: np.ndarray, group: str, call: str, max_tokens: int, num
     return None
 
 
+LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE)  # a low-latency dispatch's verdicts
+
+
+def ll_verdict_error(what: str, code: int, source: int, token: int, value: int,
+                     num_experts: int | None = None) -> InvalidArgument:
+    """The error of a low-latency dispatch (`what`) that a source's bad ids failed on every
+    rank (its verdict, read from the receive buffer's header or the op's done word): rank
+    `source`'s token `token` named expert `value` out of range (ERR_BAD_INPUT) or twice
+    (ERR_BAD_DUPLICATE). Nothing moved: every rank's outputs of the call are empty and the
+    combine of its handle gives zeros; the group goes on."""
+    if code == abi.ERR_BAD_DUPLICATE:
+        bad = (f"rank {source}'s topk_idx[{token}] names expert {value} twice (low-latency mode "
+               f"takes distinct experts per token)")
+    else:
+        valid = f"[0, {num_experts})" if num_experts else "[0, num_experts)"
+        bad = (f"rank {source} passed expert id {value} in topk_idx[{token}]; valid ids are -1 "
+               f"(none) and {valid}")
+    return InvalidArgument(f"{what}: {bad}; no rank's dispatch moved a row (its outputs are "
+                           f"empty and its combine gives zeros) and the group goes on")
+
+
 def stream_failure(words: np.ndarray) -> StreamFailure | None:
     """The latest failure recorded in a slot (int64 words), or None."""
     w32 = words.view(np.int32)

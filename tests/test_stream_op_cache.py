@@ -6,11 +6,13 @@ ops and CUDA events; the GPU test (tests/gpu/test_ll_plain.py) runs the real thi
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from epd.client.stream_op_cache import StreamOpCache
+from epd.client.stream_ops import done_error
 from epd.proto import abi
-from epd.proto.errors import EpdError, ResourceExhausted
+from epd.proto.errors import DeadlineExceeded, EpdError, ResourceExhausted
 
 
 class FakeOp:
@@ -19,9 +21,21 @@ class FakeOp:
     def __init__(self, kind: str = "dispatch", log: list | None = None) -> None:
         self.op_id, FakeOp.next_id = FakeOp.next_id, FakeOp.next_id + 1
         self.kind, self.armed, self.done, self.log = kind, True, abi.DONE_OK, log
+        self.words = np.zeros(8, np.int32)  # the op's counter slot (int32 words)
 
     def status(self) -> int:
         return self.done
+
+    def error(self, status: int | None = None) -> EpdError | None:
+        return done_error(self.status() if status is None else status, f"op {self.op_id}",
+                          self.words, 16)
+
+    def fail_alike(self, code: int, source: int, token: int, value: int) -> None:
+        """What the engine's done kernel writes for a dispatch a source's bad ids failed."""
+        self.words[abi.STREAM_FAIL_TOKEN] = token
+        self.words.view(np.int64)[abi.STREAM_FAIL_VALUE] = value
+        self.done = (abi.DONE_FAILED | code << abi.DONE_CODE_SHIFT
+                     | (source + 1) << abi.DONE_RANK_SHIFT)
 
     def disarm(self) -> None:
         self.armed = False
@@ -272,3 +286,62 @@ def test_check_all_reads_every_armed_ops_done_word() -> None:
     assert ei.value.code == grpc.StatusCode.UNAVAILABLE
     graph.op.done = 0  # a trigger in flight: nothing to say
     c.check_all()
+
+
+def test_a_dispatch_verdict_raises_at_the_next_dispatch_only() -> None:
+    """A dispatch that a source's bad ids failed on every rank (its verdict in the done word)
+    raises at the Buffer's next low-latency dispatch, which waits for that done word before it
+    is sent: never at a plain call in between, whose check sees only what has completed (a rank
+    whose GPU ran ahead would raise a call before its peers, and the ranks would part)."""
+    c = _cache(4)
+    d = c.arm(("d",), lambda: FakeOp(), pin=False, capturing=False)
+    c.triggered(d, 7)
+    c.dispatched(d, None)
+    d.op.fail_alike(abi.ERR_BAD_INPUT, 1, 5, 300)
+    c.check()  # the combine's plain call: not here, though the trigger has completed
+    with pytest.raises(EpdError) as ei:
+        c.settle_dispatch(1.0)  # the next dispatch
+    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "rank 1 passed expert id 300 in topk_idx[5]" in ei.value.details
+    assert "[0, 16)" in ei.value.details and "group goes on" in ei.value.details
+    c.settle_dispatch(1.0)  # raised once: the retried dispatch goes on
+    c.check()
+    c.check(wait=True)
+    c.check_all()  # Buffer.check(): not again either
+    # A repeated expert: its own message. A hook dispatch's event is the cache's own, recorded
+    # behind the send half; until the trigger has run the done word is not this call's.
+    h = c.arm(("h",), lambda: FakeOp(), pin=False, capturing=False, hold=True)
+    c.dispatched(h, 9)
+    h.op.fail_alike(abi.ERR_BAD_DUPLICATE, 0, 2, 7)
+    with pytest.raises(EpdError) as ei:
+        c.settle_dispatch(1.0)
+    assert "rank 0's topk_idx[2] names expert 7 twice" in ei.value.details
+    # Buffer.check() raises it first: the next dispatch then does not raise it again.
+    c.dispatched(h, 9)
+    h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5)
+    h.op.done += 1 << 24  # (another done value than the one raised above)
+    with pytest.raises(EpdError, match="expert id -5"):
+        c.check_all()
+    c.settle_dispatch(1.0)
+
+
+def test_settling_a_dispatch_waits_for_its_trigger_then_its_done_word() -> None:
+    c = _cache(4)
+    h = c.arm(("h",), lambda: FakeOp(), pin=False, capturing=False)
+    c.dispatched(h, 3)
+    c._sent_event.complete = False  # the trigger has not run: the word is an earlier call's
+    h.op.fail_alike(abi.ERR_BAD_INPUT, 0, 0, 99)
+    with pytest.raises(DeadlineExceeded, match="not written within"):
+        c.settle_dispatch(0.05)
+    c.dispatched(h, 3)
+    c._sent_event.complete = True
+    h.op.done = 0  # its trigger ran; the engine's kernels have not written the word yet
+    with pytest.raises(DeadlineExceeded):
+        c.settle_dispatch(0.05)
+    c.dispatched(h, 3)
+    h.op.done = abi.DONE_FAILED | abi.ERR_DEADLINE << abi.DONE_CODE_SHIFT
+    c.settle_dispatch(0.05)  # not a verdict: left to the call's check (the group failed)
+    c.dispatched(h, 3)
+    h.op.armed = False  # disarmed meanwhile: its slot may hold another op's word
+    h.op.fail_alike(abi.ERR_BAD_INPUT, 0, 0, 99)
+    c.settle_dispatch(0.05)

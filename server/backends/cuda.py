@@ -156,7 +156,7 @@ class _PreparedDispatch:
 
     args: Any  # LowLatencyDispatchArgs (keeps the packed arrays alive)
     launch: Any
-    done: Any
+    done: tuple[Any, Any]  # the done kernel of a trigger into each receive buffer (its verdict)
     stats: Any
     counts: tuple[Any, Any]  # recv_count views of both receive buffers (for stats)
     # the sequence of the latest trigger into each receive buffer (0: none yet)
@@ -579,6 +579,14 @@ class CudaRankComm(RankComm):
                                      num_sms=self.ll_num_sms, buffer=args.buffer)
             runner.stream.synchronize()
             self._raise_if_failed()
+            # (the engine checked this rank's ids; another source's verdict fails it alike)
+            verdict = cp.asnumpy(runner.ll_view("topk", (3,), np.uint64, args.buffer))
+            if int(verdict[1]):
+                v = int(verdict[1])
+                raise counter_page.ll_verdict_error(
+                    f"group {spec.name!r}, low-latency dispatch #{seq}", v & 0xFF,
+                    (v >> 8) & 0xFF, v >> 32, int(verdict.view(np.int64)[2]),
+                    spec.num_experts)
             outs = runner.ll_outputs(m, args.use_fp8, args.buffer)
             counts = cp.asnumpy(outs["recv_count"])
         row = spec.hidden * (1 if args.use_fp8 else spec.x_numpy_dtype.itemsize) + (
@@ -640,8 +648,9 @@ class CudaRankComm(RankComm):
                                      done_ptr: int, timeout: float) -> _PreparedDispatch:
         self._check_taking_part()
         # No host checks of the data at trigger time (the inputs are only ready once the
-        # client's stream got there): the kernel skips out-of-range ids, reports them in the
-        # done word and aborts the group.
+        # client's stream got there): every rank's kernel reads every source's verdict on its
+        # ids (out of range, or an expert twice in a token), fails the call alike and moves
+        # nothing, and the done word carries the verdict (the group goes on).
         runner = self.runner
         with cp.cuda.Device(self.backend.device):
             try:
@@ -652,7 +661,10 @@ class CudaRankComm(RankComm):
                     num_sms=self.ll_num_sms)
             except ValueError as e:
                 raise InvalidArgument(f"stream-ordered dispatch: {e}") from None
-            done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
+            done = tuple(runner.k.stream_done_launch(
+                runner.peers, self.rank, done_ptr,
+                runner.ll_view("topk", (4,), np.uint64, b).data.ptr)
+                for b in range(abi.LL_BUFFERS))
             counts = tuple(runner.ll_view("recv_count", (self.spec.num_local_experts,),
                                           np.int32, b) for b in range(abi.LL_BUFFERS))
         return _PreparedDispatch(args, launch, done, stats, counts)
@@ -700,7 +712,7 @@ class CudaRankComm(RankComm):
             if prepared.stats is not None:
                 with runner.stream:
                     prepared.stats += prepared.counts[buffer]
-            prepared.done(runner.stream)
+            prepared.done[buffer](runner.stream)
             return
         mine = prepared.dispatch.sequences[buffer]
         if not mine or runner.ll_filled[buffer] != mine:

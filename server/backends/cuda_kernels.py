@@ -46,6 +46,7 @@ from ...proto.abi import (  # noqa: F401  (re-exported: the driver's names for t
     ERR_WORST_OVERFLOW,
     ERROR_NAMES,
     FP8_BLOCK,
+    LL_HIST_VERDICT,
     LL_MAX_EXPERTS,
     LL_MAX_LOCAL_EXPERTS,
     LL_MAX_RANKS,
@@ -216,8 +217,9 @@ class LowLatencyLayout:
                       "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
                       "recv_count": lx * 4, "topk": LL_TOPK_HEADER + m * k * 8}
         offsets, cur = {}, _align(start)
-        offsets["hist"] = cur  # [R][L*R] int32: every source's rows per expert
-        cur += _align(r * r * lx * 4)
+        # [R][L*R + LL_HIST_VERDICT] int32: every source's rows per expert, and its verdict
+        offsets["hist"] = cur
+        cur += _align(r * (r * lx + LL_HIST_VERDICT) * 4)
         first = cur
         for name in cls.PER_BUFFER:
             offsets[name] = cur
@@ -647,10 +649,13 @@ class Kernels:
         return Launch(self.fn("epd_ll_gate"), 1, 32,
                       [(_P, ring_ptr + 4 * LL_RING_TAIL), (_U32, 0)])
 
-    def stream_done_launch(self, peers: Any, rank: int, done_ptr: int) -> Launch:
-        """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it."""
+    def stream_done_launch(self, peers: Any, rank: int, done_ptr: int,
+                           header_ptr: int = 0) -> Launch:
+        """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it;
+        `header_ptr`: a low-latency dispatch's receive-buffer header, whose verdict (a source's
+        bad ids) fails it too (0: a combine)."""
         return Launch(self.fn("epd_stream_done"), 1, 32,
-                      [(_P, peers.data.ptr), (_I32, rank), (_P, done_ptr)])
+                      [(_P, peers.data.ptr), (_I32, rank), (_P, done_ptr), (_P, header_ptr)])
 
     def call_done_launch(self, peers: Any, rank: int, slot_ptr: int) -> Launch:
         """The last kernel of a stream-ordered normal-mode call: failure words, then DONE = seq
