@@ -1,7 +1,8 @@
 """Plain low-latency calls through the DeepEP facade on the CUDA engine (issue 10): every call
 goes through an armed op (no round trip to the daemon once its tensors were seen), outputs are
 the caller's own and stay valid while held, ops are evicted LRU (a tiny limit here, so the
-eviction path runs), a bad expert id surfaces at `Buffer.check()`, and a call captured into a
+eviction path runs), a bad expert id fails that dispatch on every rank alike (raised at the next
+dispatch, or at `Buffer.check()`) and the calls after it are exact, and a call captured into a
 CUDA graph on its first appearance (no earlier call on those tensors) works."""
 
 from __future__ import annotations
@@ -90,19 +91,53 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                                   recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
             res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx),
                                   "layout_range": handle[1].cpu().numpy()})
-        # A bad expert id on rank 0: both calls end (no hang), rank 0's check raises; rank
-        # 1 may see the group aborted already when it arms its call.
-        x, idx, w = _inputs(99, rank, 8)
-        if rank == 0:
-            idx[0, 0] = E + 3
-        tx, tidx = _to_torch(x, device), _to_torch(idx, device)
-        try:
-            buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False)
+        # A bad expert id on rank 0 fails that dispatch on both ranks alike (nothing moves, its
+        # combine gives zeros, the group goes on); each rank raises it at its next dispatch,
+        # before sending it, and the retried call is exact. Then an expert twice in a token
+        # on rank 1, raised by Buffer.check() after a synchronise, and the next layer exact;
+        # then an id below -1 in calls with receive hooks, raised at the next dispatch.
+        def layer0():
+            x, idx, w = _inputs(0, rank, LAYERS[0][rank])
+            return tuple(_to_torch(a, device) for a in (x, idx, w))
+
+        def run(tx, tidx, tw, hook=False):
+            recv, count, handle, _, h = buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False,
+                                                                 return_recv_hook=hook)
+            if hook:
+                h()
+            cx, _, h = buf.low_latency_combine(recv, tidx, tw, handle, return_recv_hook=hook)
+            if hook:
+                h()
+            return recv, count, handle, cx
+
+        def outputs(recv, count, handle, cx):
+            out = SimpleNamespace(recv_x=recv, recv_count=count, recv_x_scales=None,
+                                  recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
+            return {"compact": _compact(out, LX), "cx": _bits(cx)}
+
+        for step, (who, bad_at) in enumerate(((0, (0, 0)), (1, (3, 1)), (1, (6, 1)))):
+            hook = step == 2
+            x, idx, w = _inputs(99 + step, rank, 8)
+            if rank == who and step == 1:
+                idx[bad_at[0], :2] = 5  # (named twice, whatever the router dropped)
+            elif rank == who:
+                idx[bad_at] = (E + 3, None, -3)[step]
+            _, count, _, cx = run(*(_to_torch(a, device) for a in (x, idx, w)), hook=hook)
+            try:
+                if step != 1:
+                    got = run(*layer0(), hook=hook)  # raises before it is sent
+                else:
+                    torch.cuda.synchronize()
+                    buf.check()
+                res[f"bad{step}"] = "accepted"
+            except EpdError as e:
+                res[f"bad{step}"] = (e.code.name, e.details)
+            torch.cuda.synchronize()
+            res[f"bad{step}_outputs"] = (int(count.sum()), bool((cx == 0).all()))
+            got = run(*layer0(), hook=hook)
             torch.cuda.synchronize()
             buf.check()
-            res["bad"] = "accepted"
-        except EpdError as e:
-            res["bad"] = e.code.name
+            res[f"after{step}"] = outputs(*got)
     q.put(res)
 
 
@@ -125,7 +160,24 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
                                           err_msg=f"layer {layer} rank {r}")
     for r in range(R):
         assert results[r]["armed"] <= 3 + 2  # the LRU bound held
-    assert results[0]["bad"] != "accepted"
+    inputs = [_inputs(0, r, LAYERS[0][r]) for r in range(R)]
+    xs, idx, w = ([i[j] for i in inputs] for j in range(3))
+    exp = ref.low_latency_dispatch(xs, idx, E, M)
+    for r in range(R):  # both ranks raised the same failures, and went on exact
+        code, msg = results[r]["bad0"]
+        assert code == "INVALID_ARGUMENT" and f"rank 0 passed expert id {E + 3}" in msg, msg
+        assert "topk_idx[0]" in msg and "group goes on" in msg, msg
+        code, msg = results[r]["bad1"]
+        assert code == "INVALID_ARGUMENT", msg
+        assert "rank 1's topk_idx[3] names expert 5 twice" in msg, msg
+        code, msg = results[r]["bad2"]
+        assert code == "INVALID_ARGUMENT", msg
+        assert "rank 1 passed expert id -3 in topk_idx[6]" in msg, msg
+        for step in (0, 1, 2):
+            assert results[r][f"bad{step}_outputs"] == (0, True), results[r]
+            _check_ll(exp[r], results[r][f"after{step}"]["compact"], LX)
+            np.testing.assert_array_equal(results[r][f"after{step}"]["cx"],
+                                          _combined(xs, idx, w, r, True))
     # With the poller, the engine timed each armed op's host hop (its detection gap and the
     # launch); on the GPU chain (--ll-chain) the engine's host launched none of them.
     from epd.server.bench import engine_host

@@ -54,20 +54,69 @@ def test_uneven_dropped_and_repeated(num_ranks: int) -> None:
     g.close()
 
 
-def test_bad_expert_id_is_reported_not_fatal_to_the_gpu() -> None:
+def _verdict(runner, buffer: int = 0) -> tuple[int, int, int, int]:
+    """(code, source, token, id) of the receive buffer's header: a dispatch's verdict."""
     import cupy as cp
 
-    from epd.server.backends import cuda_kernels as ck
+    with cp.cuda.Device(runner.device_id):
+        words = cp.asnumpy(runner.ll_view("topk", (3,), np.uint64, buffer))
+    v = int(words[1])
+    return v & 0xFF, (v >> 8) & 0xFF, v >> 32, int(words.view(np.int64)[2])
 
-    rng = np.random.default_rng(5)
-    g = _group(2, 16, 2, 256, 8)
-    xs = [ref.random_x(rng, 8, 256, BFLOAT16) for _ in range(2)]
-    bad = np.full((8, 2), 3, np.int64)
-    bad[:, 1] = 99  # out of range
+
+@pytest.mark.parametrize("case", ["range", "duplicate", "both"])
+def test_bad_expert_ids_fail_the_dispatch_alike_and_the_group_goes_on(case: str) -> None:
+    """A source's bad ids (out of range, or an expert twice in a token) fail the dispatch on
+    every rank alike: no error in the control block (nothing aborted), every rank's header
+    names the lowest such source, its token and id, no rank received a row (counts 0, outputs
+    poisoned before stay untouched), the combine of it gives zeros, and the next calls are exact."""
+    import cupy as cp
+
+    from epd.proto import abi
+
+    rng = np.random.default_rng(5 + len(case))
+    r, e, k, h, m = 2, 16, 2, 256, 8
+    g = _group(r, e, k, h, m)
+    ll_roundtrip(g, rng, [8, 8], e, k, h, m)  # (one good call first)
+    idxs = [ref.random_routing(rng, m, e, k)[0] for _ in range(r)]
+    want = None
+    if case in ("range", "both"):
+        idxs[1][5, 1] = 99  # out of range, rank 1 token 5
+        want = (abi.ERR_BAD_INPUT, 1, 5, 99)
+    if case in ("duplicate", "both"):
+        idxs[0][3, 1] = idxs[0][3, 0] = 7  # expert 7 twice, rank 0 token 3: the lowest rank
+        want = (abi.ERR_BAD_DUPLICATE, 0, 3, 7)
+    xs = [ref.random_x(rng, m, h, BFLOAT16) for _ in range(r)]
+    ins = {}
     for s, runner in enumerate(g.runners):
         with cp.cuda.Device(runner.device_id), runner.stream:
-            runner.ll_dispatch(cp.asarray(raw(xs[s])), cp.asarray(bad), 8,
-                               timeout_ns=TIMEOUT_NS, num_sms=2)
+            ins[s] = (cp.asarray(raw(xs[s])), cp.asarray(idxs[s]))
+            runner.ll_view("recv_count", (e // r,), np.int32).fill(-7)
     g.synchronize()
-    assert g.runners[0].error()[0] == ck.ERR_BAD_INPUT
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.ll_dispatch(*ins[s], m, timeout_ns=TIMEOUT_NS, num_sms=2)
+    g.synchronize()
+    for s, runner in enumerate(g.runners):
+        assert runner.error() is None, (s, runner.error())  # not aborted
+        assert _verdict(runner) == want, (s, _verdict(runner))
+        with cp.cuda.Device(runner.device_id):
+            counts = cp.asnumpy(runner.ll_view("recv_count", (e // r,), np.int32))
+        np.testing.assert_array_equal(counts, 0)
+    # Its combine moves nothing and sums nothing: zeros (every rank, alike).
+    outs = {}
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            y = cp.zeros((e // r, r * m, h), cp.uint16)
+            outs[s] = cp.full((m, h), 0xFFFF, cp.uint16)
+            w = cp.asarray(np.ones((m, k), np.float32))
+            runner.ll_combine(y, ins[s][1], w, outs[s], m, timeout_ns=TIMEOUT_NS, num_sms=2)
+    g.synchronize()
+    for s, runner in enumerate(g.runners):
+        assert runner.error() is None, (s, runner.error())
+        np.testing.assert_array_equal(cp.asnumpy(outs[s]), 0)
+    for i in range(2):  # the group goes on, both receive buffers, exact; the verdict clears
+        ll_roundtrip(g, rng, [8, 5], e, k, h, m, fp8=bool(i), buffer=i)
+        for runner in g.runners:
+            assert _verdict(runner, i) == (0, 0, 0, 0)
     g.close()
