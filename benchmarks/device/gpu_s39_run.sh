@@ -7,8 +7,22 @@
 #            # low-latency tests as a regression baseline, then an A/B of the layer rows against
 #            # .whl/old = `git archive d548938 server proto client cuda` (extracted), the tree
 #            # before the thirty-eighth session (notify's payload grew by three words)
+#   ll       # low-latency bad input fails the dispatch on every rank alike (each source's
+#            # histogram row carries its verdict): the kernel tests, the facade's plain and
+#            # hook calls on the chain, the poller and the default, the daemon's graph replay,
+#            # the NVSHMEM build across two logical nodes
+#   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
+#            # archive e8b3d64 server proto client cuda` (extracted): the tree before the
+#            # verdict (its duplicate check, the next dispatch's settle)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
+ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
+  PYTHONPATH=$2:/tmp/site timeout 120 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 300 --mps on --ranks 2 --low-latency --rows "ll plain pair,ll hook pair" \
+      --json "$OUT/llrows_$1.json" > /tmp/r.log 2>&1
+  echo "== $1 rc=$?"
+  clean < /tmp/r.log | grep -E "p50" | cut -c1-200
+}
 case "${1:-}" in
   next)
     STEP_TEST_SECONDS=100 step daemon 200 "tests/gpu/test_daemon.py -k 'roundtrip or without_topk'"
@@ -17,5 +31,16 @@ case "${1:-}" in
     ab_rounds 1 1 layer_rows new-first
     merge_json rows rows_ab
     ;;
-  *) echo "usage: $0 next"; exit 2 ;;
+  ll)
+    STEP_TEST_SECONDS=120 step kernels 150 "tests/gpu/test_low_latency_kernels.py -k 'bad or decode'"
+    STEP_TEST_SECONDS=150 step plain 330 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    STEP_TEST_SECONDS=120 step graph 140 "tests/gpu/test_daemon.py -k low_latency_cuda_graph"
+    STEP_TEST_SECONDS=150 step across 170 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
+    ;;
+  llab)
+    ab_rounds 1 2 ll_rows
+    merge_json llrows llrows_ab
+    ;;
+  *) echo "usage: $0 next|ll|llab"; exit 2 ;;
 esac
