@@ -414,7 +414,10 @@ class LowLatencyMixin:
         the calls in flight, or for a call with a hook or replayed from a graph once the
         caller's stream is synchronised, and through each group's `check()` a stream-ordered
         normal-mode call's, a layout's bad expert id among them (raised only here) (an EPD
-        addition: DeepEP has no asynchronous errors to collect)."""
+        addition: DeepEP has no asynchronous errors to collect). The last low-latency
+        dispatch's verdict first, its done word waited for: every rank raises it here, not
+        one here and another at its next dispatch."""
+        self._stream_ops.settle_dispatch(self.session._deadline(self.timeout) + SETTLE_MARGIN)
         self._stream_ops.check(wait=True)
         self._stream_ops.check_all()
         for g in self._groups.values():

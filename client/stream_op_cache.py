@@ -203,7 +203,7 @@ class StreamOpCache:
                 continue
             err = e.op.error(status)
             if err is not None and e.reported != e.triggers and failure is None:
-                e.reported = e.triggers
+                e.reported, e.reported_status = e.triggers, status  # (not again at check_all)
                 failure = err
                 self._settled(e)
         self._unchecked = pending

@@ -161,7 +161,7 @@ class StreamOp:
 def is_verdict(value: int) -> bool:
     """Whether a done word reports a low-latency dispatch that a source's bad ids failed on
     every rank alike (the group goes on): raised at the same call on every rank."""
-    return (value & 0xFF == DONE_FAILED and value >> abi.DONE_RANK_SHIFT != 0
+    return (value & 0xFF == DONE_FAILED and (value >> abi.DONE_RANK_SHIFT) & 0xFF != 0
             and (value >> abi.DONE_CODE_SHIFT) & 0xFF in counter_page.LL_VERDICTS)
 
 
@@ -176,7 +176,8 @@ def done_error(value: int, what: str, words: np.ndarray | None = None,
         token = int(words[abi.STREAM_FAIL_TOKEN]) if words is not None else -1
         bad = int(words.view(np.int64)[abi.STREAM_FAIL_VALUE]) if words is not None else 0
         return counter_page.ll_verdict_error(
-            what, (value >> abi.DONE_CODE_SHIFT) & 0xFF, (value >> abi.DONE_RANK_SHIFT) - 1,
+            what, (value >> abi.DONE_CODE_SHIFT) & 0xFF,
+            ((value >> abi.DONE_RANK_SHIFT) & 0xFF) - 1,
             token, bad, num_experts)
     if value & 0xFF == DONE_FAILED:
         code = (value >> abi.DONE_CODE_SHIFT) & 0xFF

@@ -85,13 +85,15 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 #define ABORT_RANK_SHIFT 8
 
 // Stream-ordered calls: the done word is DONE_OK, or DONE_FAILED | code << DONE_CODE_SHIFT
-// (| (source + 1) << DONE_RANK_SHIFT for a low-latency dispatch a source's bad ids failed, with
+// (| (source + 1) << DONE_RANK_SHIFT | (sequence & 0x7f) << DONE_SEQ_SHIFT for a low-latency
+// dispatch a source's bad ids failed, with
 // the id in int64 word STREAM_FAIL_VALUE and its token in int32 word STREAM_FAIL_TOKEN of the
 // op's counter slot; STREAM_DONE is the done word's int32 index there).
 #define DONE_OK 1u
 #define DONE_FAILED 2u
 #define DONE_CODE_SHIFT 8
 #define DONE_RANK_SHIFT 16
+#define DONE_SEQ_SHIFT 24
 #define STREAM_DONE 1
 #define STREAM_FAIL_TOKEN 2
 #define STREAM_FAIL_VALUE 2

@@ -7,7 +7,8 @@
 //   recv_x   [L][R*m][H]  payload rows, packed per local expert, in (source rank, token) order
 //   scales   [L][R*m][H/128] float32 (FP8 calls)
 //   src_rank, src_idx, src_k [L][R*m] int32: who sent each row and which of its top-k it was
-//   hist     [R][E] int32: every source's rows per global expert for this call (E = L*R)
+//   hist     [R][E + 4] int32: every source's rows per global expert for this call (E = L*R),
+//            then its verdict on its own ids (LL_HIST_VERDICT)
 //   recv_count [L] int32
 //   comb     [M][K][H]  combine rows coming back to this rank as a source, by (token, k)
 //   topk     [M][K] int64  this rank's dispatch topk_idx (combine finds k of each expert)
@@ -45,7 +46,8 @@
 #define LL_MAX_LOCAL_EXPERTS 1024  // (proto/abi.py)
 #define LL_ROW_OVERFLOW -4611686018427387904LL  // -(1 << 62) (proto/abi.py)
 // Bytes before a buffer's topk copy: the dispatch's left-out set, its verdict (0, or
-// code | source << 8 | token << 32) and the verdict's value (proto/abi.py).
+// code | source << 8 | token << 32), the verdict's value and the dispatch's sequence
+// (proto/abi.py).
 #define LL_TOPK_HEADER 32
 // A source's histogram row is its E counts, then its verdict on its own ids: code (0,
 // ERR_BAD_INPUT, ERR_BAD_DUPLICATE), the token, the expert id's low and high 32 bits.
@@ -427,6 +429,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         header[0] = left;
         header[1] = verdict;
         header[2] = value;
+        header[3] = seq;
     }
     __syncthreads();
     const u64 left = s_left;
@@ -659,8 +662,10 @@ __device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
 
 // A low-latency dispatch's done word: as stream_done_value, then its verdict (the receive
 // buffer's header, written by the dispatch's last block: a source's bad ids failed the call on
-// every rank, the group goes on): DONE_FAILED | code << 8 | (source + 1) << 16, the id and its
-// token in the op's slot (`write`: one thread writes them, before the done word).
+// every rank, the group goes on): DONE_FAILED | code << 8 | (source + 1) << 16 | (sequence &
+// 0x7f) << 24 (two failed triggers of one op differ; bit 31 stays clear, as the client's stream
+// waits for done >= 1 with a cyclic comparison), the id and its token in the op's slot
+// (`write`: one thread writes them, before the done word).
 __device__ __forceinline__ unsigned ll_dispatch_done_value(const u64* peers, int rank,
                                                            const u64* header, unsigned* done,
                                                            bool write) {
@@ -674,8 +679,10 @@ __device__ __forceinline__ unsigned ll_dispatch_done_value(const u64* peers, int
         reinterpret_cast<i64*>(slot)[STREAM_FAIL_VALUE] =
             (i64)reinterpret_cast<const volatile u64*>(header)[2];
     }
+    const u64 seq = reinterpret_cast<const volatile u64*>(header)[3];
     return DONE_FAILED | (unsigned)(verdict & 0xffull) << DONE_CODE_SHIFT |
-           ((unsigned)((verdict >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT;
+           ((unsigned)((verdict >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT |
+           (unsigned)(seq & 0x7full) << DONE_SEQ_SHIFT;
 }
 
 // `header`: a low-latency dispatch's receive-buffer header (its verdict), null for a combine.

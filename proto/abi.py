@@ -142,7 +142,8 @@ SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 # reads; the ring below replaced it. STREAM_DONE: the done word the op's last kernel writes.)
 STREAM_REQUEST, STREAM_DONE = 0, 1
 # A low-latency dispatch that a source's bad ids failed on every rank (done = DONE_FAILED | code
-# << DONE_CODE_SHIFT | (source + 1) << DONE_RANK_SHIFT): the id (int64 word) and its token
+# << DONE_CODE_SHIFT | (source + 1) << DONE_RANK_SHIFT | (sequence & 0x7F) << DONE_SEQ_SHIFT):
+# the id (int64 word) and its token
 # (int32 word) in the op's slot, written before the done word.
 STREAM_FAIL_TOKEN = 2  # int32 word
 STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
@@ -152,15 +153,18 @@ STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
 REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
 # Bytes before a receive buffer's topk copy: u64 words of the dispatch's left-out set, its
-# verdict (0, or code | source << 8 | token << 32: a source's bad ids failed it on every rank)
-# and the verdict's value (the expert id).
+# verdict (0, or code | source << 8 | token << 32: a source's bad ids failed it on every rank),
+# the verdict's value (the expert id) and the dispatch's sequence.
 LL_TOPK_HEADER = 32
 # A source's low-latency histogram row: its E per-expert counts, then its verdict on its own ids
 # (int32: code, token, the id's low and high halves), which every rank reads.
 LL_HIST_VERDICT = 4
 DONE_OK, DONE_FAILED, DONE_RELEASED = 1, 2, 3  # done = DONE_FAILED | code << DONE_CODE_SHIFT
 DONE_CODE_SHIFT = 8
-DONE_RANK_SHIFT = 16  # a low-latency dispatch's verdict: the failing source + 1
+DONE_RANK_SHIFT = 16  # a low-latency dispatch's verdict: the failing source + 1, 8 bits
+# ... and its sequence's low 7 bits (two failed triggers differ; bit 31 stays clear: a stream
+# waits for done >= 1, a cyclic comparison that a set bit 31 would never satisfy)
+DONE_SEQ_SHIFT = 24
 
 # -- a member's trigger ring (client/ll_trigger.py; run by server/engine/stream_ops.py's poller
 # or the GPU chain, cuda/epd_low_latency.cu and server/backends/cuda_chain.py) ----------------

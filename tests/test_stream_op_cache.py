@@ -30,12 +30,14 @@ class FakeOp:
         return done_error(self.status() if status is None else status, f"op {self.op_id}",
                           self.words, 16)
 
-    def fail_alike(self, code: int, source: int, token: int, value: int) -> None:
-        """What the engine's done kernel writes for a dispatch a source's bad ids failed."""
+    def fail_alike(self, code: int, source: int, token: int, value: int, seq: int = 1) -> None:
+        """What the engine's done kernel writes for a dispatch a source's bad ids failed (the
+        slot's words are int32: the done word as the host reads it)."""
         self.words[abi.STREAM_FAIL_TOKEN] = token
         self.words.view(np.int64)[abi.STREAM_FAIL_VALUE] = value
         self.done = (abi.DONE_FAILED | code << abi.DONE_CODE_SHIFT
-                     | (source + 1) << abi.DONE_RANK_SHIFT)
+                     | (source + 1) << abi.DONE_RANK_SHIFT | (seq & 0x7F) << abi.DONE_SEQ_SHIFT)
+        assert 0 < self.done < 2**31  # a stream's wait for done >= 1 is a cyclic comparison
 
     def disarm(self) -> None:
         self.armed = False
@@ -318,11 +320,29 @@ def test_a_dispatch_verdict_raises_at_the_next_dispatch_only() -> None:
     assert "rank 0's topk_idx[2] names expert 7 twice" in ei.value.details
     # Buffer.check() raises it first: the next dispatch then does not raise it again.
     c.dispatched(h, 9)
-    h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5)
-    h.op.done += 1 << 24  # (another done value than the one raised above)
+    h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5, seq=200)
     with pytest.raises(EpdError, match="expert id -5"):
         c.check_all()
     c.settle_dispatch(1.0)
+    # The same bad input again (another trigger, another sequence): raised again, once.
+    h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5, seq=201)
+    with pytest.raises(EpdError, match="expert id -5"):
+        c.check_all()
+    c.check_all()
+
+
+def test_a_verdict_raised_by_check_is_not_raised_again() -> None:
+    """Buffer.check() runs check(wait=True) then check_all(): a plain dispatch's verdict
+    raised by the first is not raised again by the second, nor by any later check()."""
+    c = _cache(16)
+    d = c.arm(("d",), lambda: FakeOp(), pin=False, capturing=False)
+    c.triggered(d, 7)
+    d.op.fail_alike(abi.ERR_BAD_DUPLICATE, 1, 4, 3)
+    with pytest.raises(EpdError, match="names expert 3 twice"):
+        c.check(wait=True)
+    c.check_all()
+    c.check(wait=True)
+    c.check_all()
 
 
 def test_settling_a_dispatch_waits_for_its_trigger_then_its_done_word() -> None:
