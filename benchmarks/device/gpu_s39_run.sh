@@ -14,6 +14,7 @@
 #   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
 #            # archive e8b3d64 server proto client cuda` (extracted): the tree before the
 #            # verdict (its duplicate check, the next dispatch's settle)
+#   llprof   # rank 0's client under cProfile in those pairs, this tree and .whl/old
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
@@ -42,5 +43,17 @@ case "${1:-}" in
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
-  *) echo "usage: $0 next|ll|llab"; exit 2 ;;
+  llprof)  # rank 0's client under cProfile in the facade's low-latency pairs, new and old
+    for label in new old; do
+      pkg=/tmp/pkg; [ $label = old ] && pkg=/tmp/pkg_old
+      mkdir -p /tmp/pkg_old/epd
+      for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+      EPD_PROBE_PROFILE=/tmp/ll_$label.prof ll_rows "prof_$label" $pkg
+      python3 -c "
+import pstats, sys
+st = pstats.Stats(sys.argv[1]); st.sort_stats('tottime').print_stats(40)
+st.sort_stats('cumulative').print_stats(60)" /tmp/ll_$label.prof > "$OUT/llprof_$label.txt" 2>&1
+    done
+    ;;
+  *) echo "usage: $0 next|ll|llab|llprof"; exit 2 ;;
 esac
