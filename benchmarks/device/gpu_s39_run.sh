@@ -15,6 +15,7 @@
 #            # archive e8b3d64 server proto client cuda` (extracted): the tree before the
 #            # verdict (its duplicate check, the next dispatch's settle)
 #   llprof   # rank 0's client under cProfile in those pairs, this tree and .whl/old
+#   llcount  # how often the next dispatch's settle waited in those pairs, and for what
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
@@ -55,5 +56,13 @@ st = pstats.Stats(sys.argv[1]); st.sort_stats('tottime').print_stats(40)
 st.sort_stats('cumulative').print_stats(60)" /tmp/ll_$label.prof > "$OUT/llprof_$label.txt" 2>&1
     done
     ;;
-  *) echo "usage: $0 next|ll|llab|llprof"; exit 2 ;;
+  llcount)  # how often the next dispatch's settle waited, and for what (this tree)
+    ll_rows count /tmp/pkg
+    python3 -c "
+import json, sys
+for r in json.load(open(sys.argv[1]))['ranks']:
+    print(r.get('rank'), {k: v for k, v in r.items() if 'settles' in k})
+" "$OUT/llrows_count.json"
+    ;;
+  *) echo "usage: $0 next|ll|llab|llprof|llcount"; exit 2 ;;
 esac
