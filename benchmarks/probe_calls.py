@@ -287,7 +287,7 @@ def main() -> int:
     for name, v in r0.items():
         if name == "rank":
             continue
-        if "phases" in name:
+        if "phases" in name or "settles" in name:
             print(f"  {name}: " + ", ".join(f"{k} {x:.1f}" for k, x in v.items()))
             continue
         ew = v["engine_work_us_per_call"]

@@ -23,7 +23,7 @@ ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the
       --iters 300 --mps on --ranks 2 --low-latency --rows "ll plain pair,ll hook pair" \
       --json "$OUT/llrows_$1.json" > /tmp/r.log 2>&1
   echo "== $1 rc=$?"
-  clean < /tmp/r.log | grep -E "p50" | cut -c1-200
+  clean < /tmp/r.log | grep -E "p50|settles|Error|error" | cut -c1-200
 }
 case "${1:-}" in
   next)
