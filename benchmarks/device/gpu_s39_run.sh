@@ -16,6 +16,8 @@
 #            # verdict (its duplicate check, the next dispatch's settle)
 #   llprof   # rank 0's client under cProfile in those pairs, this tree and .whl/old
 #   llcount  # how often the next dispatch's settle waited in those pairs, and for what
+#   llsplit  # those pairs with .whl/old's client over this tree's engine (no settle) beside
+#            # this tree and .whl/old: the client's share of the difference and the kernels'
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
@@ -64,5 +66,17 @@ for r in json.load(open(sys.argv[1]))['ranks']:
     print(r.get('rank'), {k: v for k, v in r.items() if 'settles' in k})
 " "$OUT/llrows_count.json"
     ;;
-  *) echo "usage: $0 next|ll|llab|llprof|llcount"; exit 2 ;;
+  llsplit)  # where the pairs' difference lies: this tree, .whl/old's client over this tree's
+    # engine and kernels (no settle), and .whl/old, twice each
+    mkdir -p /tmp/pkg_old/epd /tmp/pkg_hyb/epd
+    for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
+    for d in server proto cuda; do ln -sfn "$PWD/$d" /tmp/pkg_hyb/epd/$d; done
+    ln -sfn "$PWD/.whl/old/client" /tmp/pkg_hyb/epd/client
+    for round in 1 2; do
+      ll_rows "new_$round" /tmp/pkg; ll_rows "oldclient_$round" /tmp/pkg_hyb
+      ll_rows "old_$round" /tmp/pkg_old
+    done
+    merge_json llrows llrows_split
+    ;;
+  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit"; exit 2 ;;
 esac
