@@ -72,7 +72,7 @@ for r in json.load(open(sys.argv[1]))['ranks']:
     for d in server proto cuda client; do ln -sfn "$PWD/.whl/old/$d" /tmp/pkg_old/epd/$d; done
     for d in server proto cuda; do ln -sfn "$PWD/$d" /tmp/pkg_hyb/epd/$d; done
     ln -sfn "$PWD/.whl/old/client" /tmp/pkg_hyb/epd/client
-    for round in 1 2; do
+    for round in ${LLSPLIT_ROUNDS:-1 2}; do
       ll_rows "new_$round" /tmp/pkg; ll_rows "oldclient_$round" /tmp/pkg_hyb
       ll_rows "old_$round" /tmp/pkg_old
     done
