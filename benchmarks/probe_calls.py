@@ -212,9 +212,6 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
             c1, e1 = time.process_time(), _cpu(engine_pid)
             m1 = engine_host.read(metrics_url) if rank == 0 else None
             n = ns.iters * calls.get(name, 1)
-            counts = getattr(buf._stream_ops, "settle_counts", None) if ns.low_latency else None
-            if counts is not None:  # how often a dispatch waited for the previous one's verdict
-                res[f"{name} settles"] = dict(counts)
             res[name] = {"p50_us": float(np.percentile(times, 50) * 1e6),
                          "p90_us": float(np.percentile(times, 90) * 1e6),
                          "client_cpu_us_per_call": (c1 - c0) / n * 1e6,
@@ -288,7 +285,7 @@ def main() -> int:
     for name, v in r0.items():
         if name == "rank":
             continue
-        if "phases" in name or "settles" in name:
+        if "phases" in name:
             print(f"  {name}: " + ", ".join(f"{k} {x:.1f}" for k, x in v.items()))
             continue
         ew = v["engine_work_us_per_call"]

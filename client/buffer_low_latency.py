@@ -34,9 +34,6 @@ if TYPE_CHECKING:
     from .session import Session
 
 PLAIN_OPS_ENV = "EPD_LL_PLAIN_OPS"  # armed plain low-latency calls kept per Buffer
-# Seconds beyond the call's deadline that a dispatch waits for the previous one's done word
-# (the engine's kernels end by their deadline and then write it)
-SETTLE_MARGIN = 5.0
 
 
 def plain_op_limit() -> int:
@@ -118,8 +115,6 @@ class LowLatencyMixin:
             raise InvalidArgument(f"use_ue8m0 packs 4 scales per int32: hidden must be a "
                                   f"multiple of 512, got {x_shape[1]}")
         mode = self._stream_mode(x, return_recv_hook)
-        if mode in ("plain", "hook"):  # the previous dispatch's verdict, before anything moves
-            self._stream_ops.settle_dispatch(self.session._deadline(self.timeout) + SETTLE_MARGIN)
         with cuda_ipc.relaxed_capture(mode == "graph"):  # the first call may be in a capture
             g = self._group(x_shape[1], idx_shape[1], x_dtype, int(num_experts),
                             low_latency_tokens=num_max)
@@ -152,7 +147,6 @@ class LowLatencyMixin:
                     # allocated on the stream the call runs on (the comm stream with async_finish)
                     got = self._plain(e, x, async_finish, lambda stream: self._copy_received(
                         op, buffer, use_fp8, use_ue8m0, stream), (x, topk_idx), buffer)
-                    self._stream_ops.dispatched(e, None)  # (its event: recorded behind it)
                     (rx, rs, count, src_rank, src_idx), event = got
                     h = handle_of(op, src_rank, src_idx)
                     return (rx, rs) if use_fp8 else rx, count, h, event, None
@@ -164,9 +158,7 @@ class LowLatencyMixin:
                         op, x, return_recv_hook, async_finish,
                         scales.fill if scales is not None else None, buffer,
                         (x, topk_idx, cumulative_local_expert_recv_stats),
-                        entry=e if mode == "hook" else None,
-                        sent=(lambda stream: self._stream_ops.dispatched(e, stream))
-                        if mode == "hook" else None)
+                        entry=e if mode == "hook" else None)
                 recv = (res.recv_x, scales.out) if scales is not None else res.recv_x
                 return (recv, res.recv_count, handle_of(op, res.recv_src_rank, res.recv_src_idx),
                         event, hook)
@@ -414,10 +406,10 @@ class LowLatencyMixin:
         the calls in flight, or for a call with a hook or replayed from a graph once the
         caller's stream is synchronised, and through each group's `check()` a stream-ordered
         normal-mode call's, a layout's bad expert id among them (raised only here) (an EPD
-        addition: DeepEP has no asynchronous errors to collect). The last low-latency
-        dispatch's verdict first, its done word waited for: every rank raises it here, not
-        one here and another at its next dispatch."""
-        self._stream_ops.settle_dispatch(self.session._deadline(self.timeout) + SETTLE_MARGIN)
+        addition: DeepEP has no asynchronous errors to collect). A low-latency dispatch that
+        a rank's bad expert ids failed on every rank (nothing moved, the group went on) raises
+        here only, after the caller's stream is synchronised and its hooks called: every rank
+        then raises at the same call."""
         self._stream_ops.check(wait=True)
         self._stream_ops.check_all()
         for g in self._groups.values():
@@ -425,7 +417,7 @@ class LowLatencyMixin:
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,
                  after: Any = None, buffer: int = 0, inputs: tuple = (),
-                 entry: Entry | None = None, sent: Any = None):
+                 entry: Entry | None = None):
         """(hook, event). With a hook (DeepEP: the current stream, no async event) the send
         half is enqueued now and the hook enqueues the receive half on the same stream, the
         one current at the call (as DeepEP fixes its launch stream then), whatever stream is
@@ -439,9 +431,7 @@ class LowLatencyMixin:
         engine read it (seen on 2x H200: a freed topk_idx reused for the next micro-batch's x).
         So the hook holds them until it has made the stream wait for the op's end (work after
         that is ordered after the engine's read); on the comm stream they are recorded there.
-        `entry`: the cache entry the call holds until its hook ran (then evictable); `sent`
-        (the stream) is called once a hook call's send half is enqueued (a dispatch's verdict
-        is settled behind it: StreamOpCache.dispatched)."""
+        `entry`: the cache entry the call holds until its hook ran (then evictable)."""
         # The stream of the call, for the hook's work on the outputs (not x: see inputs); a
         # call without a hook runs that work at once, on the stream current then.
         place = stream_place(x) if after is not None and return_recv_hook else None
@@ -458,8 +448,6 @@ class LowLatencyMixin:
 
         if return_recv_hook:
             stream = op.signal(buffer=buffer)
-            if sent is not None:
-                sent(stream)
             held = [inputs]
 
             def hook() -> None:

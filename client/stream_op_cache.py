@@ -20,14 +20,17 @@ Failures the GPU reports in a plain op's done word raise `EpdError` at the Buffe
 low-latency call once that trigger is known to be complete (the plain call's asynchronous error,
 as with the normal-mode stream-ordered calls), or at `Buffer.check()`. One kind is raised at a
 fixed call instead: a dispatch that a source's bad ids failed on every rank (its verdict; the
-group goes on) raises at the Buffer's next low-latency dispatch, which waits for that verdict
-before it is sent (`settle_dispatch`), so that every rank raises at the same call and the ranks
-stay in step; a graph's replays raise it at `Buffer.check()` only.
+group goes on) raises at `Buffer.check()` only, from the op's sticky verdict word, so that every
+rank raises at the same call: raised at a later call once seen complete, a rank whose GPU ran
+ahead would raise one call before its peers, and a caller that goes on from the error would be
+a collective off them. A plain call that sees one logs it once (a serving loop that never calls
+check() is not left silent).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,10 +38,11 @@ from typing import Any
 
 import grpc
 
-from ..proto import spin
 from ..proto.errors import DeadlineExceeded, EpdError
 from . import cuda_ipc
 from .stream_ops import StreamOp, is_verdict
+
+log = logging.getLogger("epd.client")
 
 DEFAULT_LIMIT = 16  # plain ops per Buffer (the session has 64 counter slots for all of it)
 
@@ -54,6 +58,8 @@ class Entry:
     reported: int = 0  # the trigger whose failure was raised
     holds: int = 0  # calls with a receive hook that has not run yet (not evicted meanwhile)
     reported_status: int = 0  # the done word whose failure check_all raised
+    verdict_seen: int = 0  # the sticky verdict word raised (a dispatch's bad ids)
+    verdict_logged: int = 0  # ... and the one a plain call logged
     users: list[Entry] = field(default_factory=list)  # combines reading this dispatch
 
 
@@ -65,13 +71,8 @@ class StreamOpCache:
         self._entries: OrderedDict[tuple, Entry] = OrderedDict()
         self._by_op: dict[int, Entry] = {}  # op_id -> entry (a combine finds its dispatch)
         self._unchecked: list[Entry] = []  # plain entries triggered since their last check
-        # The last plain or hook low-latency dispatch, whose verdict the next dispatch raises
-        # (its entry, and an event behind its trigger), and the event a hook's trigger records.
-        self._unsettled: tuple[Entry, Any] | None = None
-        self._sent_event: Any = None
-        # settle_dispatch's waits (what the settle costs a caller, benchmarks/probe_calls.py):
-        # calls, and those that found the trigger not yet run / its done word not yet written
-        self.settle_counts = {"settled": 0, "trigger_waits": 0, "word_waits": 0}
+        # verdicts of ops evicted before a check_all raised them (raised by the next one)
+        self._evicted_verdicts: list[EpdError] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,53 +151,10 @@ class StreamOpCache:
         if e not in self._unchecked:
             self._unchecked.append(e)
 
-    def dispatched(self, e: Entry, stream: int | None) -> None:
-        """A plain (`stream` None: its event recorded by `triggered`) or hook low-latency
-        dispatch of `e` was sent on `stream`: the next dispatch settles its verdict."""
-        event = e.event
-        if stream is not None:
-            if self._sent_event is None:
-                self._sent_event = self._new_event(self.device)
-            event = self._sent_event
-            event.record(stream)
-        self._unsettled = (e, event)
-
-    def settle_dispatch(self, timeout: float) -> None:
-        """Before a low-latency dispatch is sent: wait (at most `timeout` seconds) for the
-        previous plain or hook dispatch's done word and raise its verdict (a source's bad ids
-        failed it on every rank). Every rank makes the same calls, so every rank raises here,
-        at the same call, before sending it: the ranks stay in step. Usually free: the
-        previous dispatch ended before its combine was even sent."""
-        pending, self._unsettled = self._unsettled, None
-        if pending is None:
-            return
-        e, event = pending
-        if not e.op.armed or event is None:
-            return
-        # The trigger has run (it clears the done word) once the event has passed; then the
-        # engine's last kernel writes the word (or the session's release does).
-        counts = self.settle_counts
-        counts["settled"] += 1
-        if not event.done():
-            counts["trigger_waits"] += 1
-        elif e.op.status() == 0:
-            counts["word_waits"] += 1
-        if not spin.wait_until(lambda: event.done() and e.op.status() != 0, timeout):
-            raise DeadlineExceeded(
-                f"stream op {e.op.op_id} ({e.op.kind}): its done word was not written within "
-                f"{timeout:g} s (the engine ran none of its kernels: see its log)")
-        status = e.op.status()
-        if is_verdict(status):
-            e.reported, e.reported_status = e.triggers, status  # (not again at check())
-            err = e.op.error(status)
-            assert err is not None
-            raise err
-
     def check(self, *, wait: bool = False) -> None:
         """Raise the first failure of a completed plain trigger not raised yet. With `wait`,
         waits for the triggers in flight first (Buffer.check after a synchronise: immediate).
-        Without it a dispatch's verdict is left to `settle_dispatch` (raised here when it
-        completes, a rank whose GPU is ahead would raise a call before its peers)."""
+        A dispatch's verdict is left to `check_all` (without `wait`, logged once)."""
         pending: list[Entry] = []
         failure: EpdError | None = None
         for e in self._unchecked:
@@ -206,33 +164,38 @@ class StreamOpCache:
                 pending.append(e)
                 continue
             status = e.op.status()
-            if not wait and is_verdict(status):
-                if self._unsettled is not None and self._unsettled[0] is e:
-                    pending.append(e)  # (still to be settled: checked again after that)
+            if is_verdict(status):
+                if not wait and e.verdict_logged != status and e.verdict_seen != status:
+                    e.verdict_logged = status
+                    log.warning("%s (raised at Buffer.check())", e.op.error(status))
                 continue
             err = e.op.error(status)
             if err is not None and e.reported != e.triggers and failure is None:
                 e.reported, e.reported_status = e.triggers, status  # (not again at check_all)
                 failure = err
-                self._settled(e)
         self._unchecked = pending
         if failure is not None:
             raise failure
 
     def check_all(self) -> None:
-        """After the caller's stream is synchronised: raise the first failure any armed op's
-        done word holds and that was not raised yet (hook and graph ops too, whose triggers
-        no event follows)."""
-        failure: EpdError | None = None
+        """After the caller's stream is synchronised (and every hook called): raise the first
+        failure any armed op's done word holds and that was not raised yet (hook and graph ops
+        too, whose triggers no event follows), or the last verdict a dispatch op recorded in
+        its sticky word since (its done word may hold a later trigger's success)."""
+        failure = self._evicted_verdicts.pop(0) if self._evicted_verdicts else None
         for e in self._entries.values():
-            if not e.op.armed:
+            if not e.op.armed or failure is not None:
+                continue
+            verdict = e.op.last_verdict()
+            if verdict and verdict != e.verdict_seen:
+                e.verdict_seen = verdict
+                failure = e.op.error(verdict)
                 continue
             status = e.op.status()
-            err = e.op.error(status)
-            if err is not None and e.reported_status != status and failure is None:
+            err = None if is_verdict(status) else e.op.error(status)
+            if err is not None and e.reported_status != status:
                 e.reported_status = status
                 failure = err
-                self._settled(e)
         if failure is not None:
             raise failure
 
@@ -241,14 +204,9 @@ class StreamOpCache:
         self._entries.clear()
         self._by_op.clear()
         self._unchecked.clear()
-        self._unsettled = None
+        self._evicted_verdicts.clear()
 
     # -- internals ---------------------------------------------------------------------------
-    def _settled(self, e: Entry) -> None:
-        """`e`'s failure was raised: the next dispatch does not raise it again."""
-        if self._unsettled is not None and self._unsettled[0] is e:
-            self._unsettled = None
-
     def _plain_count(self) -> int:
         return sum(1 for e in self._entries.values() if not e.pinned)
 
@@ -278,6 +236,11 @@ class StreamOpCache:
                 f"stream op {e.op.op_id} cannot be evicted: its last trigger has not passed "
                 f"within {cuda_ipc.EVENT_WAIT_SECONDS:g} s (the stream it was enqueued on is "
                 f"held by work before it)")
+        verdict = e.op.last_verdict()  # (final: its last trigger has passed)
+        if verdict and verdict != e.verdict_seen:
+            err = e.op.error(verdict)
+            assert err is not None
+            self._evicted_verdicts.append(err)
         with contextlib.suppress(EpdError):  # the session may be gone already
             e.op.disarm()
         if e.source is not None and e in e.source.users:
@@ -291,5 +254,3 @@ class StreamOpCache:
             del self._by_op[e.op.op_id]
         if e in self._unchecked:
             self._unchecked.remove(e)
-        if self._unsettled is not None and self._unsettled[0] is e:
-            self._unsettled = None

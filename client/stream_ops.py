@@ -133,6 +133,11 @@ class StreamOp:
                           f"stream op {self.op_id} ({self.kind})", self._words,
                           self.group.spec.num_experts)
 
+    def last_verdict(self) -> int:
+        """The done word of the last trigger a source's bad ids failed (sticky: a later
+        trigger's success does not clear it; 0: none)."""
+        return int(self._words[abi.STREAM_FAIL_DONE])
+
     def check(self) -> None:
         """Raise if the last completed trigger failed (call after synchronising the stream)."""
         err = self.error()

@@ -87,8 +87,9 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 // Stream-ordered calls: the done word is DONE_OK, or DONE_FAILED | code << DONE_CODE_SHIFT
 // (| (source + 1) << DONE_RANK_SHIFT | (sequence & 0x7f) << DONE_SEQ_SHIFT for a low-latency
 // dispatch a source's bad ids failed, with
-// the id in int64 word STREAM_FAIL_VALUE and its token in int32 word STREAM_FAIL_TOKEN of the
-// op's counter slot; STREAM_DONE is the done word's int32 index there).
+// the id in int64 word STREAM_FAIL_VALUE, its token in int32 word STREAM_FAIL_TOKEN and the failed
+// done value, which no trigger clears, in int32 word STREAM_FAIL_DONE of the op's counter slot;
+// STREAM_DONE is the done word's int32 index there).
 #define DONE_OK 1u
 #define DONE_FAILED 2u
 #define DONE_CODE_SHIFT 8
@@ -97,6 +98,7 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 #define STREAM_DONE 1
 #define STREAM_FAIL_TOKEN 2
 #define STREAM_FAIL_VALUE 2
+#define STREAM_FAIL_DONE 6
 
 // FP8: one float32 scale per FP8_BLOCK channels; amax clamped to FP8_AMAX_MIN, scale =
 // amax * (1 / FP8_MAX) (DeepEP's product, see block_quantize_scatter).

@@ -664,8 +664,8 @@ __device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
 // buffer's header, written by the dispatch's last block: a source's bad ids failed the call on
 // every rank, the group goes on): DONE_FAILED | code << 8 | (source + 1) << 16 | (sequence &
 // 0x7f) << 24 (two failed triggers of one op differ; bit 31 stays clear, as the client's stream
-// waits for done >= 1 with a cyclic comparison), the id and its token in the op's slot
-// (`write`: one thread writes them, before the done word).
+// waits for done >= 1 with a cyclic comparison), the id, its token and the same value (sticky,
+// no trigger clears it) in the op's slot (`write`: one thread writes them, before the done word).
 __device__ __forceinline__ unsigned ll_dispatch_done_value(const u64* peers, int rank,
                                                            const u64* header, unsigned* done,
                                                            bool write) {
@@ -673,16 +673,18 @@ __device__ __forceinline__ unsigned ll_dispatch_done_value(const u64* peers, int
     if (v != DONE_OK || header == nullptr) return v;
     const u64 verdict = reinterpret_cast<const volatile u64*>(header)[1];
     if (verdict == 0) return v;
+    const u64 seq = reinterpret_cast<const volatile u64*>(header)[3];
+    const unsigned failed = DONE_FAILED | (unsigned)(verdict & 0xffull) << DONE_CODE_SHIFT |
+                            ((unsigned)((verdict >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT |
+                            (unsigned)(seq & 0x7full) << DONE_SEQ_SHIFT;
     if (write) {
         unsigned* slot = done - STREAM_DONE;
         slot[STREAM_FAIL_TOKEN] = (unsigned)(verdict >> 32);
         reinterpret_cast<i64*>(slot)[STREAM_FAIL_VALUE] =
             (i64)reinterpret_cast<const volatile u64*>(header)[2];
+        slot[STREAM_FAIL_DONE] = failed;  // (sticky: the client raises it at check())
     }
-    const u64 seq = reinterpret_cast<const volatile u64*>(header)[3];
-    return DONE_FAILED | (unsigned)(verdict & 0xffull) << DONE_CODE_SHIFT |
-           ((unsigned)((verdict >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT |
-           (unsigned)(seq & 0x7full) << DONE_SEQ_SHIFT;
+    return failed;
 }
 
 // `header`: a low-latency dispatch's receive-buffer header (its verdict), null for a combine.

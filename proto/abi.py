@@ -147,6 +147,7 @@ STREAM_REQUEST, STREAM_DONE = 0, 1
 # (int32 word) in the op's slot, written before the done word.
 STREAM_FAIL_TOKEN = 2  # int32 word
 STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
+STREAM_FAIL_DONE = 6  # int32 word: that failed done value again, sticky (no trigger clears it)
 # The earlier design's trigger wrote request = REQUEST_BUFFER0 + b (a client still does, facing
 # an engine of that design). b is the low-latency receive buffer (0 or 1; now in the ring entry)
 # the dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).

@@ -18,6 +18,8 @@
 #   llcount  # how often the next dispatch's settle waited in those pairs, and for what
 #   llsplit  # those pairs with .whl/old's client over this tree's engine (no settle) beside
 #            # this tree and .whl/old: the client's share of the difference and the kernels'
+#   final    # the verdict raised at Buffer.check() only (the settle at the next dispatch cost
+#            # the client tens of µs a call): its tests again, and the pairs' A/B once
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
@@ -78,5 +80,14 @@ for r in json.load(open(sys.argv[1]))['ranks']:
     done
     merge_json llrows llrows_split
     ;;
-  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit"; exit 2 ;;
+  final)  # the verdict raised at check() only (no settle at the next dispatch): its tests,
+    # then the pairs against .whl/old once
+    STEP_TEST_SECONDS=60 step kernels2 80 "tests/gpu/test_low_latency_kernels.py -k bad"
+    STEP_TEST_SECONDS=150 step plain2 300 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    STEP_TEST_SECONDS=120 step graph2 140 "tests/gpu/test_daemon.py -k 'low_latency_cuda_graph and native'"
+    ab_rounds 4 4 ll_rows new-first
+    merge_json llrows llrows_final
+    ;;
+  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit|final"; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """Plain low-latency calls through the DeepEP facade on the CUDA engine (issue 10): every call
 goes through an armed op (no round trip to the daemon once its tensors were seen), outputs are
 the caller's own and stay valid while held, ops are evicted LRU (a tiny limit here, so the
-eviction path runs), a bad expert id fails that dispatch on every rank alike (raised at the next
-dispatch, or at `Buffer.check()`) and the calls after it are exact, and a call captured into a
+eviction path runs), a bad expert id fails that dispatch on every rank alike (raised at
+`Buffer.check()`) and the calls after it are exact, and a call captured into a
 CUDA graph on its first appearance (no earlier call on those tensors) works."""
 
 from __future__ import annotations
@@ -91,11 +91,10 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                                   recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
             res["layers"].append({"compact": _compact(out, LX), "cx": _bits(cx),
                                   "layout_range": handle[1].cpu().numpy()})
-        # A bad expert id on rank 0 fails that dispatch on both ranks alike (nothing moves, its
-        # combine gives zeros, the group goes on); each rank raises it at its next dispatch,
-        # before sending it, and the retried call is exact. Then an expert twice in a token
-        # on rank 1, raised by Buffer.check() after a synchronise, and the next layer exact;
-        # then an id below -1 in calls with receive hooks, raised at the next dispatch.
+        # Bad input fails a dispatch on both ranks alike (nothing moves, its combine gives
+        # zeros) and the group goes on: the next layer is exact on both, and Buffer.check()
+        # after a synchronise raises it on both, once. Rank 0: an id out of range (plain
+        # calls); rank 1: an expert twice in a token (plain), then an id below -1 (hooks).
         def layer0():
             x, idx, w = _inputs(0, rank, LAYERS[0][rank])
             return tuple(_to_torch(a, device) for a in (x, idx, w))
@@ -123,21 +122,17 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
             elif rank == who:
                 idx[bad_at] = (E + 3, None, -3)[step]
             _, count, _, cx = run(*(_to_torch(a, device) for a in (x, idx, w)), hook=hook)
+            torch.cuda.synchronize()  # (hook outputs are views: read before the next call)
+            res[f"bad{step}_outputs"] = (int(count.sum()), bool((cx == 0).all()))
+            got = run(*layer0(), hook=hook)  # the group goes on: nothing raised here
+            torch.cuda.synchronize()
+            res[f"after{step}"] = outputs(*got)
             try:
-                if step != 1:
-                    got = run(*layer0(), hook=hook)  # raises before it is sent
-                else:
-                    torch.cuda.synchronize()
-                    buf.check()
+                buf.check()
                 res[f"bad{step}"] = "accepted"
             except EpdError as e:
                 res[f"bad{step}"] = (e.code.name, e.details)
-            torch.cuda.synchronize()
-            res[f"bad{step}_outputs"] = (int(count.sum()), bool((cx == 0).all()))
-            got = run(*layer0(), hook=hook)
-            torch.cuda.synchronize()
-            buf.check()
-            res[f"after{step}"] = outputs(*got)
+            buf.check()  # (once)
     q.put(res)
 
 
