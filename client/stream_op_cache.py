@@ -20,11 +20,12 @@ Failures the GPU reports in a plain op's done word raise `EpdError` at the Buffe
 low-latency call once that trigger is known to be complete (the plain call's asynchronous error,
 as with the normal-mode stream-ordered calls), or at `Buffer.check()`. One kind is raised at a
 fixed call instead: a dispatch that a source's bad ids failed on every rank (its verdict; the
-group goes on) raises at `Buffer.check()` only, from the op's sticky verdict word, so that every
-rank raises at the same call: raised at a later call once seen complete, a rank whose GPU ran
-ahead would raise one call before its peers, and a caller that goes on from the error would be
-a collective off them. A plain call that sees one logs it once (a serving loop that never calls
-check() is not left silent).
+group goes on) raises at `Buffer.check()` only, from the ops' sticky verdict words, all taken
+at once and before any failure of the rank's own, so that every rank raises at the same call.
+Raised at a later call once seen complete, a rank whose GPU ran ahead would raise one call
+before its peers, and a caller that goes on from the error would be a collective off them. A
+plain call that sees one logs it once (a serving loop that never calls check() is not left
+silent).
 """
 
 from __future__ import annotations
@@ -58,8 +59,7 @@ class Entry:
     reported: int = 0  # the trigger whose failure was raised
     holds: int = 0  # calls with a receive hook that has not run yet (not evicted meanwhile)
     reported_status: int = 0  # the done word whose failure check_all raised
-    verdict_seen: int = 0  # the sticky verdict word raised (a dispatch's bad ids)
-    verdict_logged: int = 0  # ... and the one a plain call logged
+    verdict_logged: int = 0  # the done word of a dispatch's verdict a plain call logged
     users: list[Entry] = field(default_factory=list)  # combines reading this dispatch
 
 
@@ -71,8 +71,8 @@ class StreamOpCache:
         self._entries: OrderedDict[tuple, Entry] = OrderedDict()
         self._by_op: dict[int, Entry] = {}  # op_id -> entry (a combine finds its dispatch)
         self._unchecked: list[Entry] = []  # plain entries triggered since their last check
-        # verdicts of ops evicted before a check_all raised them (raised by the next one)
-        self._evicted_verdicts: list[EpdError] = []
+        # the first verdict of an op evicted before Buffer.check() took it
+        self._evicted_verdict: EpdError | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -165,7 +165,7 @@ class StreamOpCache:
                 continue
             status = e.op.status()
             if is_verdict(status):
-                if not wait and e.verdict_logged != status and e.verdict_seen != status:
+                if not wait and e.verdict_logged != status:
                     e.verdict_logged = status
                     log.warning("%s (raised at Buffer.check())", e.op.error(status))
                 continue
@@ -177,19 +177,33 @@ class StreamOpCache:
         if failure is not None:
             raise failure
 
+    def wait_plain(self) -> None:
+        """Wait for the plain triggers in flight (Buffer.check after a synchronise: at once)."""
+        for e in self._unchecked:
+            if e.op.armed and e.event is not None:
+                e.event.wait()
+
+    def take_verdicts(self) -> None:
+        """After the caller's stream is synchronised (its hooks called, its plain triggers
+        passed: `wait_plain`): raise one error if any dispatch's verdict (bad ids, every rank
+        alike) was recorded since the last take, taking them all. Every rank raises here exactly
+        when some dispatch failed since its last check, whichever of its ops recorded it (how
+        its tensors map to ops is its own), before any failure of its own."""
+        failure, self._evicted_verdict = self._evicted_verdict, None
+        for e in self._entries.values():
+            if e.op.armed:
+                err = e.op.take_verdict()
+                failure = failure or err
+        if failure is not None:
+            raise failure
+
     def check_all(self) -> None:
         """After the caller's stream is synchronised (and every hook called): raise the first
         failure any armed op's done word holds and that was not raised yet (hook and graph ops
-        too, whose triggers no event follows), or the last verdict a dispatch op recorded in
-        its sticky word since (its done word may hold a later trigger's success)."""
-        failure = self._evicted_verdicts.pop(0) if self._evicted_verdicts else None
+        too, whose triggers no event follows); verdicts are `take_verdicts`'."""
+        failure: EpdError | None = None
         for e in self._entries.values():
             if not e.op.armed or failure is not None:
-                continue
-            verdict = e.op.last_verdict()
-            if verdict and verdict != e.verdict_seen:
-                e.verdict_seen = verdict
-                failure = e.op.error(verdict)
                 continue
             status = e.op.status()
             err = None if is_verdict(status) else e.op.error(status)
@@ -204,7 +218,7 @@ class StreamOpCache:
         self._entries.clear()
         self._by_op.clear()
         self._unchecked.clear()
-        self._evicted_verdicts.clear()
+        self._evicted_verdict = None
 
     # -- internals ---------------------------------------------------------------------------
     def _plain_count(self) -> int:
@@ -236,11 +250,9 @@ class StreamOpCache:
                 f"stream op {e.op.op_id} cannot be evicted: its last trigger has not passed "
                 f"within {cuda_ipc.EVENT_WAIT_SECONDS:g} s (the stream it was enqueued on is "
                 f"held by work before it)")
-        verdict = e.op.last_verdict()  # (final: its last trigger has passed)
-        if verdict and verdict != e.verdict_seen:
-            err = e.op.error(verdict)
-            assert err is not None
-            self._evicted_verdicts.append(err)
+        err = e.op.take_verdict()  # (final: its last trigger has passed)
+        if err is not None and self._evicted_verdict is None:
+            self._evicted_verdict = err
         with contextlib.suppress(EpdError):  # the session may be gone already
             e.op.disarm()
         if e.source is not None and e in e.source.users:

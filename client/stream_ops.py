@@ -129,18 +129,29 @@ class StreamOp:
 
     def error(self, status: int | None = None) -> EpdError | None:
         """The failure the done word (`status`, or as the host sees it now) reports, or None."""
-        return done_error(self.status() if status is None else status,
-                          f"stream op {self.op_id} ({self.kind})", self._words,
+        value = self.status() if status is None else status
+        if value in (0, DONE_OK):  # (the common case, without building a message)
+            return None
+        return done_error(value, f"stream op {self.op_id} ({self.kind})", self._words,
                           self.group.spec.num_experts)
 
-    def last_verdict(self) -> int:
-        """The done word of the last trigger a source's bad ids failed (sticky: a later
-        trigger's success does not clear it; 0: none)."""
-        return int(self._words[abi.STREAM_FAIL_DONE])
+    def take_verdict(self) -> EpdError | None:
+        """The failure of the last trigger a source's bad ids failed since the last take
+        (sticky: a later trigger's success does not clear it), and clear it. Only while no
+        trigger of the op is in flight (after a synchronise; a trigger that fails writes it)."""
+        value = int(self._words[abi.STREAM_FAIL_DONE])
+        if not value:
+            return None
+        self._words[abi.STREAM_FAIL_DONE] = 0
+        return self.error(value)
 
     def check(self) -> None:
-        """Raise if the last completed trigger failed (call after synchronising the stream)."""
-        err = self.error()
+        """Raise if a trigger failed (call after synchronising the stream): the last trigger's
+        failure, or a dispatch's verdict (bad ids) since the last check, once."""
+        err = self.take_verdict()
+        status = self.status()
+        if err is None and not is_verdict(status):
+            err = self.error(status)
         if err is not None:
             raise err
 

@@ -30,8 +30,10 @@ class FakeOp:
         return done_error(self.status() if status is None else status, f"op {self.op_id}",
                           self.words, 16)
 
-    def last_verdict(self) -> int:
-        return int(self.words[abi.STREAM_FAIL_DONE])
+    def take_verdict(self) -> EpdError | None:  # (as StreamOp's)
+        value = int(self.words[abi.STREAM_FAIL_DONE])
+        self.words[abi.STREAM_FAIL_DONE] = 0
+        return self.error(value) if value else None
 
     def fail_alike(self, code: int, source: int, token: int, value: int, seq: int = 1) -> None:
         """What the engine's done kernel writes for a dispatch a source's bad ids failed (the
@@ -294,12 +296,19 @@ def test_check_all_reads_every_armed_ops_done_word() -> None:
     c.check_all()
 
 
+def _buffer_check(c: StreamOpCache) -> None:
+    """What Buffer.check() runs (client/buffer_low_latency.py)."""
+    c.wait_plain()
+    c.take_verdicts()
+    c.check(wait=True)
+    c.check_all()
+
+
 def test_a_dispatch_verdict_raises_at_check_only(caplog) -> None:
     """A dispatch that a source's bad ids failed on every rank (its verdict in the done word,
-    and sticky in the op's slot) raises at Buffer.check() only (check(wait) + check_all), once
-    per failed trigger: never at a plain call, whose check sees only what has completed (a rank
-    whose GPU ran ahead would raise a call before its peers, and the ranks would part); a
-    plain call logs it once instead."""
+    and sticky in the op's slot) raises at Buffer.check() only, once: never at a plain call,
+    whose check sees only what has completed (a rank whose GPU ran ahead would raise a call
+    before its peers, and the ranks would part); a plain call logs it once instead."""
     import logging
 
     c = _cache(16)
@@ -310,54 +319,81 @@ def test_a_dispatch_verdict_raises_at_check_only(caplog) -> None:
         c.check()  # a later plain call: logged, not raised
         c.check()
     assert len(caplog.records) == 1 and "expert id 300" in caplog.records[0].getMessage()
-    c.check(wait=True)  # Buffer.check(): the verdict is check_all's
     with pytest.raises(EpdError) as ei:
-        c.check_all()
+        _buffer_check(c)
     assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "rank 1 passed expert id 300 in topk_idx[5]" in ei.value.details
     assert "[0, 16)" in ei.value.details and "group goes on" in ei.value.details
-    c.check(wait=True)
-    c.check_all()  # once
+    _buffer_check(c)  # once
     # A later trigger of the op succeeds before anyone checked: the sticky word still says
-    # what failed (another sequence: raised again).
-    c.triggered(d, 7)
-    d.op.fail_alike(abi.ERR_BAD_DUPLICATE, 0, 2, 7, seq=9)
-    d.op.done = abi.DONE_OK
-    c.check(wait=True)
-    with pytest.raises(EpdError, match="rank 0's topk_idx\\[2\\] names expert 7 twice"):
-        c.check_all()
-    c.check_all()
-    # A hook's or a graph's op: the same, after the synchronise.
+    # what failed. The same failure again, 128 dispatches later (the same done value): raised.
+    for seq in (9, 9 + 128):
+        c.triggered(d, 7)
+        d.op.fail_alike(abi.ERR_BAD_DUPLICATE, 0, 2, 7, seq=seq)
+        d.op.done = abi.DONE_OK
+        with pytest.raises(EpdError, match="rank 0's topk_idx\\[2\\] names expert 7 twice"):
+            _buffer_check(c)
+        _buffer_check(c)
+    # A graph's op: the same, after the synchronise; the same bad input replayed: again.
     h = c.arm(("h",), lambda: FakeOp(), pin=True, capturing=True)
-    h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5, seq=200)
-    with pytest.raises(EpdError, match="expert id -5"):
-        c.check_all()
-    h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5, seq=201)  # the same bad input replayed
-    with pytest.raises(EpdError, match="expert id -5"):
-        c.check_all()
-    c.check_all()
+    for _ in range(2):
+        h.op.fail_alike(abi.ERR_BAD_INPUT, 1, 0, -5, seq=200)
+        with pytest.raises(EpdError, match="expert id -5"):
+            _buffer_check(c)
+        _buffer_check(c)
 
 
-def test_a_verdict_beside_other_failures() -> None:
-    """A deadline in the done word is raised as before (by a plain call's check); a verdict
-    of another op waits for check_all, one failure per check."""
+def test_verdicts_of_one_window_raise_once_before_a_ranks_own_failure() -> None:
+    """Every rank raises exactly when some dispatch failed since its last check, however its
+    tensors map to ops: two failed dispatches on two ops (another rank may have had them on
+    one) raise once; a verdict goes before a failure of this rank's own (a deadline), which
+    the next check raises."""
     c = _cache(16)
-    d = c.arm(("d",), lambda: FakeOp(), pin=False, capturing=False)
+    d1 = c.arm(("d1",), lambda: FakeOp(), pin=False, capturing=False)
+    d2 = c.arm(("d2",), lambda: FakeOp(), pin=False, capturing=False)
     x = c.arm(("x",), lambda: FakeOp("combine"), pin=False, capturing=False)
-    c.triggered(d, 7)
-    c.triggered(x, 7)
-    d.op.fail_alike(abi.ERR_BAD_INPUT, 0, 0, 99)
+    for e in (d1, d2, x):
+        c.triggered(e, 7)
+    d1.op.fail_alike(abi.ERR_BAD_INPUT, 0, 0, 99)
+    d2.op.fail_alike(abi.ERR_BAD_INPUT, 0, 1, 98)
     x.op.done = abi.DONE_FAILED | abi.ERR_DEADLINE << abi.DONE_CODE_SHIFT
-    with pytest.raises(EpdError, match="deadline"):
-        c.check()
     with pytest.raises(EpdError, match="expert id 99"):
-        c.check_all()
-    c.check_all()
+        _buffer_check(c)
+    with pytest.raises(EpdError, match="deadline"):
+        _buffer_check(c)
+    _buffer_check(c)
+
+
+def test_the_native_ops_check_raises_a_verdict_once() -> None:
+    """StreamOp.check() (the native API, after a synchronise): a dispatch's verdict once, even
+    when its done word still holds it, and one recorded before a later successful trigger."""
+    from types import SimpleNamespace
+
+    from epd.client.stream_ops import StreamOp
+
+    op = StreamOp.__new__(StreamOp)
+    op.op_id, op.kind = 4, "dispatch"
+    op.group = SimpleNamespace(spec=SimpleNamespace(num_experts=16))
+    fake = FakeOp()
+    op._words = fake.words
+    fake.fail_alike(abi.ERR_BAD_INPUT, 1, 3, 44)
+    op._words[abi.STREAM_DONE] = fake.done
+    with pytest.raises(EpdError, match="expert id 44 in topk_idx\\[3\\]"):
+        op.check()
+    op.check()  # the done word still holds it: not again
+    fake.fail_alike(abi.ERR_BAD_INPUT, 1, 3, 45, seq=2)
+    op._words[abi.STREAM_DONE] = abi.DONE_OK  # a later trigger succeeded
+    with pytest.raises(EpdError, match="expert id 45"):
+        op.check()
+    op.check()
+    op._words[abi.STREAM_DONE] = abi.DONE_FAILED | abi.ERR_ABORTED << abi.DONE_CODE_SHIFT
+    with pytest.raises(EpdError, match="aborted"):
+        op.check()
 
 
 def test_an_evicted_ops_verdict_is_still_raised_at_check() -> None:
     """A plain dispatch evicted (LRU) before Buffer.check() ran: its sticky verdict, final once
-    its last trigger has passed, is kept and raised by the next check_all."""
+    its last trigger has passed, is kept and raised by the next check."""
     log: list = []
     c = _cache(1)
     d = c.arm(("d",), lambda: FakeOp(log=log), pin=False, capturing=False)
@@ -366,5 +402,5 @@ def test_an_evicted_ops_verdict_is_still_raised_at_check() -> None:
     c.arm(("e",), lambda: FakeOp(log=log), pin=False, capturing=False)  # evicts d
     assert log == [("disarm", d.op.op_id)]
     with pytest.raises(EpdError, match="expert id 77 in topk_idx\\[2\\]"):
-        c.check_all()
-    c.check_all()
+        _buffer_check(c)
+    _buffer_check(c)
