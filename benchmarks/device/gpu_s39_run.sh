@@ -20,6 +20,8 @@
 #            # this tree and .whl/old: the client's share of the difference and the kernels'
 #   final    # the verdict raised at Buffer.check() only (the settle at the next dispatch cost
 #            # the client tens of µs a call): its tests again, and the pairs' A/B once
+#   recheck  # after a review's mends (every verdict taken at once; StreamOp.check()): the
+#            # facade's plain and hook calls, and the native graph replay
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
@@ -89,5 +91,9 @@ for r in json.load(open(sys.argv[1]))['ranks']:
     ab_rounds 4 4 ll_rows new-first
     merge_json llrows llrows_final
     ;;
-  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit|final"; exit 2 ;;
+  recheck)  # after a review: Buffer.check() takes every verdict at once, StreamOp.check()
+    STEP_TEST_SECONDS=100 step plain3 130 "tests/gpu/test_ll_plain.py -k plain_low_latency_calls"
+    STEP_TEST_SECONDS=60 step graph3 80 "tests/gpu/test_daemon.py -k 'low_latency_cuda_graph and native'"
+    ;;
+  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit|final|recheck"; exit 2 ;;
 esac
