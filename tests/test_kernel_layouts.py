@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from epd.proto import dtypes
+from epd.proto import abi, dtypes
 from epd.server.backends import cuda_kernels as ck
 from epd.server.backends.base import GroupSpec
 
@@ -56,9 +56,11 @@ def test_low_latency_layout_is_aligned_and_disjoint() -> None:
                                     num_topk=8, max_tokens=128, itemsize=2)
     # every buffer of both receive buffers and the shared ones, each at least its size
     rows = 128 * 2 * 128
-    sizes = {"hist": 2 * 2 * 128 * 4, "recv_x": rows * 7168 * 2, "scales": rows * 56 * 4,
-             "src_rank": rows * 4, "src_idx": rows * 4, "src_k": rows * 4,
-             "recv_count": 128 * 4, "topk": 128 * 8 * 8, "comb": 128 * 8 * 7168 * 2,
+    # (hist: each source's counts and its verdict; topk: the header, then the ids)
+    sizes = {"hist": 2 * (2 * 128 + abi.LL_HIST_VERDICT) * 4, "recv_x": rows * 7168 * 2,
+             "scales": rows * 56 * 4, "src_rank": rows * 4, "src_idx": rows * 4,
+             "src_k": rows * 4, "recv_count": 128 * 4,
+             "topk": abi.LL_TOPK_HEADER + 128 * 8 * 8, "comb": 128 * 8 * 7168 * 2,
              "combined_x": 128 * 7168 * 2}
     spans = sorted((lay.offset(n, b), sizes[n], f"{n}/{b}") for n in sizes
                    for b in ((0, 1) if n in lay.PER_BUFFER else (0,)))
