@@ -22,6 +22,7 @@
 #            # the client tens of µs a call): its tests again, and the pairs' A/B once
 #   recheck  # after a review's mends (every verdict taken at once; StreamOp.check()): the
 #            # facade's plain and hook calls, and the native graph replay
+#   next40   # for the next session: the one-GPU suite after the verdict, the 16-rank kernels
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
 ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
@@ -95,5 +96,16 @@ for r in json.load(open(sys.argv[1]))['ranks']:
     STEP_TEST_SECONDS=100 step plain3 130 "tests/gpu/test_ll_plain.py -k plain_low_latency_calls"
     STEP_TEST_SECONDS=60 step graph3 80 "tests/gpu/test_daemon.py -k 'low_latency_cuda_graph and native'"
     ;;
-  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit|final|recheck"; exit 2 ;;
+  next40)  # for the next session (about 9 minutes): the one-GPU suite after the verdict
+    # (rank masking and a dispatch's verdict share the left-out set; MPS, service classes,
+    # security, the call outputs), and the 16-rank kernel test this script left skipped
+    STEP_TEST_SECONDS=150 step suite 420 "tests/gpu/test_ll_chain_plain.py \
+        tests/gpu/test_deep_ep_facade.py tests/gpu/test_received_rows.py \
+        tests/gpu/test_daemon.py tests/gpu/test_call_outputs.py tests/gpu/test_mps_gpu.py \
+        tests/gpu/test_security_cuda.py tests/gpu/test_service_classes_gpu.py \
+        tests/gpu/test_rank_masking_gpu.py tests/gpu/test_ll_trigger.py"
+    CUDA_DEVICE_MAX_CONNECTIONS=32 STEP_TEST_SECONDS=100 step ll16 120 \
+        "tests/gpu/test_low_latency_kernels.py -k 16"
+    ;;
+  *) echo "usage: $0 next|ll|llab|llprof|llcount|llsplit|final|recheck|next40"; exit 2 ;;
 esac
