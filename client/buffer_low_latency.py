@@ -410,7 +410,6 @@ class LowLatencyMixin:
         a rank's bad expert ids failed on every rank (nothing moved, the group went on) raises
         here only, after the caller's stream is synchronised and its hooks called: every rank
         then raises at the same call."""
-        self._stream_ops.wait_plain()
         self._stream_ops.take_verdicts()
         self._stream_ops.check(wait=True)
         self._stream_ops.check_all()

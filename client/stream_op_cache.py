@@ -177,18 +177,16 @@ class StreamOpCache:
         if failure is not None:
             raise failure
 
-    def wait_plain(self) -> None:
-        """Wait for the plain triggers in flight (Buffer.check after a synchronise: at once)."""
+    def take_verdicts(self) -> None:
+        """After the caller's stream is synchronised (its hooks called), once its plain
+        triggers have passed (waited for here: at once then): raise one error if any dispatch's
+        verdict (bad ids, every rank alike) was recorded since the last take, taking them all.
+        Every rank raises here exactly when some dispatch failed since its last check, whichever
+        of its ops recorded it (how its tensors map to ops is its own), before any failure of
+        its own."""
         for e in self._unchecked:
             if e.op.armed and e.event is not None:
                 e.event.wait()
-
-    def take_verdicts(self) -> None:
-        """After the caller's stream is synchronised (its hooks called, its plain triggers
-        passed: `wait_plain`): raise one error if any dispatch's verdict (bad ids, every rank
-        alike) was recorded since the last take, taking them all. Every rank raises here exactly
-        when some dispatch failed since its last check, whichever of its ops recorded it (how
-        its tensors map to ops is its own), before any failure of its own."""
         failure, self._evicted_verdict = self._evicted_verdict, None
         for e in self._entries.values():
             if e.op.armed:

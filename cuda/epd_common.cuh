@@ -86,10 +86,9 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 
 // Stream-ordered calls: the done word is DONE_OK, or DONE_FAILED | code << DONE_CODE_SHIFT
 // (| (source + 1) << DONE_RANK_SHIFT | (sequence & 0x7f) << DONE_SEQ_SHIFT for a low-latency
-// dispatch a source's bad ids failed, with
-// the id in int64 word STREAM_FAIL_VALUE, its token in int32 word STREAM_FAIL_TOKEN and the failed
-// done value, which no trigger clears, in int32 word STREAM_FAIL_DONE of the op's counter slot;
-// STREAM_DONE is the done word's int32 index there).
+// dispatch a source's bad ids failed, with the id in int64 word STREAM_FAIL_VALUE, its token in
+// int32 word STREAM_FAIL_TOKEN and the failed done value, which no trigger clears, in int32 word
+// STREAM_FAIL_DONE of the op's counter slot; STREAM_DONE is the done word's int32 index there).
 #define DONE_OK 1u
 #define DONE_FAILED 2u
 #define DONE_CODE_SHIFT 8

@@ -143,8 +143,7 @@ SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 STREAM_REQUEST, STREAM_DONE = 0, 1
 # A low-latency dispatch that a source's bad ids failed on every rank (done = DONE_FAILED | code
 # << DONE_CODE_SHIFT | (source + 1) << DONE_RANK_SHIFT | (sequence & 0x7F) << DONE_SEQ_SHIFT):
-# the id (int64 word) and its token
-# (int32 word) in the op's slot, written before the done word.
+# the id (int64 word) and its token (int32 word) in the op's slot, written before the done word.
 STREAM_FAIL_TOKEN = 2  # int32 word
 STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
 STREAM_FAIL_DONE = 6  # int32 word: that failed done value again, sticky (no trigger clears it)

@@ -213,6 +213,14 @@ def alike_failure(words: np.ndarray, group: str, call: str, max_tokens: int, num
 LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE)  # a low-latency dispatch's verdicts
 
 
+def ll_header_verdict(header: np.ndarray) -> tuple[int, int, int, int]:
+    """(code, source, token, expert id) of a low-latency receive buffer's header (its first
+    three uint64 words, `LL_TOPK_HEADER`: left-out set, verdict = code | source << 8 | token <<
+    32, id); code 0: the dispatch there had no verdict."""
+    v = int(header[1])
+    return v & 0xFF, (v >> 8) & 0xFF, v >> 32, int(header[:3].view(np.int64)[2])
+
+
 def ll_verdict_error(what: str, code: int, source: int, token: int, value: int,
                      num_experts: int | None = None) -> InvalidArgument:
     """The error of a low-latency dispatch (`what`) that a source's bad ids failed on every

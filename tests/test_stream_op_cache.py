@@ -298,7 +298,6 @@ def test_check_all_reads_every_armed_ops_done_word() -> None:
 
 def _buffer_check(c: StreamOpCache) -> None:
     """What Buffer.check() runs (client/buffer_low_latency.py)."""
-    c.wait_plain()
     c.take_verdicts()
     c.check(wait=True)
     c.check_all()
@@ -404,3 +403,15 @@ def test_an_evicted_ops_verdict_is_still_raised_at_check() -> None:
     with pytest.raises(EpdError, match="expert id 77 in topk_idx\\[2\\]"):
         _buffer_check(c)
     _buffer_check(c)
+
+
+def test_a_receive_buffers_header_verdict_decodes() -> None:
+    """The header words the dispatch's last block writes (left-out set, code | source << 8 |
+    token << 32, the id as two's complement), as the engine's synchronous dispatch and the GPU
+    tests read them."""
+    from epd.proto import counter_page
+
+    header = np.array([3, abi.ERR_BAD_DUPLICATE | 5 << 8 | 77 << 32, 0, 9], np.uint64)
+    header[2] = np.int64(-3).astype(np.uint64)
+    assert counter_page.ll_header_verdict(header) == (abi.ERR_BAD_DUPLICATE, 5, 77, -3)
+    assert counter_page.ll_header_verdict(np.zeros(3, np.uint64)) == (0, 0, 0, 0)

@@ -580,13 +580,12 @@ class CudaRankComm(RankComm):
             runner.stream.synchronize()
             self._raise_if_failed()
             # (the engine checked this rank's ids; another source's verdict fails it alike)
-            verdict = cp.asnumpy(runner.ll_view("topk", (3,), np.uint64, args.buffer))
-            if int(verdict[1]):
-                v = int(verdict[1])
+            code, source, token, value = counter_page.ll_header_verdict(
+                cp.asnumpy(runner.ll_view("topk", (3,), np.uint64, args.buffer)))
+            if code:
                 raise counter_page.ll_verdict_error(
-                    f"group {spec.name!r}, low-latency dispatch #{seq}", v & 0xFF,
-                    (v >> 8) & 0xFF, v >> 32, int(verdict.view(np.int64)[2]),
-                    spec.num_experts)
+                    f"group {spec.name!r}, low-latency dispatch #{seq}", code, source, token,
+                    value, spec.num_experts)
             outs = runner.ll_outputs(m, args.use_fp8, args.buffer)
             counts = cp.asnumpy(outs["recv_count"])
         row = spec.hidden * (1 if args.use_fp8 else spec.x_numpy_dtype.itemsize) + (

@@ -83,7 +83,7 @@ def bad_id_fails_alike_on_every_node(g: NodeGroup, pe: int, h: int, m: int, k: i
     import cupy as cp
     from common import TIMEOUT_NS, ll_roundtrip
 
-    from epd.proto import abi
+    from epd.proto import abi, counter_page
 
     g.barrier()
     t0 = time.monotonic()
@@ -98,9 +98,7 @@ def bad_id_fails_alike_on_every_node(g: NodeGroup, pe: int, h: int, m: int, k: i
     took = time.monotonic() - t0
     for s, runner in zip(g.rank_ids, g.runners, strict=True):
         assert runner.error() is None, f"rank {s}: error {runner.error()}"
-        words = cp.asnumpy(runner.ll_view("topk", (3,), np.uint64))
-        v = int(words[1])
-        got = (v & 0xFF, (v >> 8) & 0xFF, v >> 32, int(words.view(np.int64)[2]))
+        got = counter_page.ll_header_verdict(cp.asnumpy(runner.ll_view("topk", (3,), np.uint64)))
         assert got == (abi.ERR_BAD_INPUT, 0, 2, 10_000), f"rank {s}: verdict {got}"
         counts = cp.asnumpy(runner.ll_view("recv_count", (g.layout.num_local_experts,),
                                            np.int32))

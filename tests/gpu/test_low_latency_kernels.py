@@ -58,10 +58,11 @@ def _verdict(runner, buffer: int = 0) -> tuple[int, int, int, int]:
     """(code, source, token, id) of the receive buffer's header: a dispatch's verdict."""
     import cupy as cp
 
+    from epd.proto import counter_page
+
     with cp.cuda.Device(runner.device_id):
-        words = cp.asnumpy(runner.ll_view("topk", (3,), np.uint64, buffer))
-    v = int(words[1])
-    return v & 0xFF, (v >> 8) & 0xFF, v >> 32, int(words.view(np.int64)[2])
+        return counter_page.ll_header_verdict(
+            cp.asnumpy(runner.ll_view("topk", (3,), np.uint64, buffer)))
 
 
 @pytest.mark.parametrize("case", ["range", "duplicate", "both"])
