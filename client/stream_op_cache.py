@@ -71,8 +71,9 @@ class StreamOpCache:
         self._entries: OrderedDict[tuple, Entry] = OrderedDict()
         self._by_op: dict[int, Entry] = {}  # op_id -> entry (a combine finds its dispatch)
         self._unchecked: list[Entry] = []  # plain entries triggered since their last check
-        # the first verdict of an op evicted before Buffer.check() took it
-        self._evicted_verdict: EpdError | None = None
+        # by op kind ("dispatch", "combine"): the first verdict taken and not raised yet (an
+        # evicted op's, or a combine's behind a dispatch's)
+        self._kept_verdicts: dict[str, EpdError] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -179,19 +180,22 @@ class StreamOpCache:
 
     def take_verdicts(self) -> None:
         """After the caller's stream is synchronised (its hooks called), once its plain
-        triggers have passed (waited for here: at once then): raise one error if any dispatch's
-        verdict (bad ids, every rank alike) was recorded since the last take, taking them all.
-        Every rank raises here exactly when some dispatch failed since its last check, whichever
-        of its ops recorded it (how its tensors map to ops is its own), before any failure of
-        its own."""
+        triggers have passed (waited for here: at once then): raise one error if any verdict
+        was recorded since the last take, taking them all. Every rank raises here exactly when
+        some dispatch failed (bad ids, every rank alike) since its last check, whichever of its
+        ops recorded it (how its tensors map to ops is its own), before any failure of its own;
+        a combine's verdict (its own top-k: this rank's alone) comes after the dispatches' (at
+        the next check when both are there)."""
         for e in self._unchecked:
             if e.op.armed and e.event is not None:
                 e.event.wait()
-        failure, self._evicted_verdict = self._evicted_verdict, None
+        kept = self._kept_verdicts
         for e in self._entries.values():
             if e.op.armed:
                 err = e.op.take_verdict()
-                failure = failure or err
+                if err is not None:
+                    kept.setdefault(e.op.kind, err)
+        failure = kept.pop("dispatch", None) or kept.pop("combine", None)
         if failure is not None:
             raise failure
 
@@ -216,7 +220,7 @@ class StreamOpCache:
         self._entries.clear()
         self._by_op.clear()
         self._unchecked.clear()
-        self._evicted_verdict = None
+        self._kept_verdicts.clear()
 
     # -- internals ---------------------------------------------------------------------------
     def _plain_count(self) -> int:
@@ -249,8 +253,8 @@ class StreamOpCache:
                 f"within {cuda_ipc.EVENT_WAIT_SECONDS:g} s (the stream it was enqueued on is "
                 f"held by work before it)")
         err = e.op.take_verdict()  # (final: its last trigger has passed)
-        if err is not None and self._evicted_verdict is None:
-            self._evicted_verdict = err
+        if err is not None:
+            self._kept_verdicts.setdefault(e.op.kind, err)
         with contextlib.suppress(EpdError):  # the session may be gone already
             e.op.disarm()
         if e.source is not None and e in e.source.users:
@@ -264,3 +268,4 @@ class StreamOpCache:
             del self._by_op[e.op.op_id]
         if e in self._unchecked:
             self._unchecked.remove(e)
+

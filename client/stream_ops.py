@@ -133,7 +133,7 @@ class StreamOp:
         if value in (0, DONE_OK):  # (the common case, without building a message)
             return None
         return done_error(value, f"stream op {self.op_id} ({self.kind})", self._words,
-                          self.group.spec.num_experts)
+                          self.group.spec.num_experts, combine=self.kind == "combine")
 
     def take_verdict(self) -> EpdError | None:
         """The failure of the last trigger a source's bad ids failed since the last take
@@ -175,16 +175,18 @@ class StreamOp:
 
 
 def is_verdict(value: int) -> bool:
-    """Whether a done word reports a low-latency dispatch that a source's bad ids failed on
-    every rank alike (the group goes on): raised at the same call on every rank."""
+    """Whether a done word reports a low-latency call's verdict (the group goes on): a dispatch
+    that a source's bad ids failed on every rank alike (raised at the same call on every
+    rank), or a combine whose own top-k had a bad entry (this rank's alone)."""
     return (value & 0xFF == DONE_FAILED and (value >> abi.DONE_RANK_SHIFT) & 0xFF != 0
             and (value >> abi.DONE_CODE_SHIFT) & 0xFF in counter_page.LL_VERDICTS)
 
 
 def done_error(value: int, what: str, words: np.ndarray | None = None,
-               num_experts: int | None = None) -> EpdError | None:
+               num_experts: int | None = None, combine: bool = False) -> EpdError | None:
     """The error a done word reports (None: completed, or still in flight when 0); `words`:
-    the op's slot (int32), where a low-latency dispatch's verdict leaves the id and its token."""
+    the op's slot (int32), where a low-latency call's verdict leaves the id and its token
+    (`combine`: a combine's)."""
     if value == DONE_RELEASED:
         return EpdError(grpc.StatusCode.UNAVAILABLE, f"{what}: the session or engine went away")
     if is_verdict(value):
@@ -194,12 +196,12 @@ def done_error(value: int, what: str, words: np.ndarray | None = None,
         return counter_page.ll_verdict_error(
             what, (value >> abi.DONE_CODE_SHIFT) & 0xFF,
             ((value >> abi.DONE_RANK_SHIFT) & 0xFF) - 1,
-            token, bad, num_experts)
+            token, bad, num_experts, combine)
     if value & 0xFF == DONE_FAILED:
         code = (value >> abi.DONE_CODE_SHIFT) & 0xFF
         reason = {abi.ERR_DEADLINE: "a peer did not arrive before the deadline",
                   abi.ERR_ABORTED: "the group was aborted",
-                  abi.ERR_BAD_INPUT: "an expert id was out of range or never dispatched",
+                  abi.ERR_BAD_INPUT: "its kernels found a bad expert id and aborted the group",
                   abi.ERR_NOT_FILLED: "its receive buffer holds another dispatch (trigger "
                                       "the dispatch into that buffer first)",
                   abi.ERR_RING_FULL: "the engine ran none of its member's calls for the "

@@ -69,7 +69,7 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 #define ERR_DEADLINE 1
 #define ERR_ABORTED 2
 #define ERR_WORST_OVERFLOW 3
-#define ERR_BAD_INPUT 4  // an expert id out of range, or a combine entry never dispatched
+#define ERR_BAD_INPUT 4  // an expert id out of range
 #define ERR_BAD_COUNT 5  // a negative num_tokens_per_expert of a dispatch without top-k
 // A source's dispatch has more tokens than max_tokens_per_rank: every rank fails the call (its
 // counter slot: NUM_RECV = the largest token count, ERR_RANK = its rank); nothing moved.
@@ -80,6 +80,10 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 // A low-latency dispatch's token names one expert twice (its verdict; ERR_BAD_INPUT: an id
 // outside [-1, E)): every rank fails the call, nothing moves.
 #define ERR_BAD_DUPLICATE 10
+// A low-latency combine's top-k entry names an expert its dispatch did not send that token to
+// (its verdict, as ERR_BAD_DUPLICATE for an expert twice in a row): that rank's combine fails,
+// its output leaves the entry out; the other ranks' combines are exact and nothing aborts.
+#define ERR_NOT_DISPATCHED 11
 
 // Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
 #define ABORT_RANK_SHIFT 8

@@ -45,19 +45,22 @@
 #define FULL_MASK 0xffffffffu
 #define LL_MAX_LOCAL_EXPERTS 1024  // (proto/abi.py)
 #define LL_ROW_OVERFLOW -4611686018427387904LL  // -(1 << 62) (proto/abi.py)
-// Bytes before a buffer's topk copy: the dispatch's left-out set, its verdict (0, or
-// code | source << 8 | token << 32), the verdict's value and the dispatch's sequence
-// (proto/abi.py).
-#define LL_TOPK_HEADER 32
+// Bytes before a buffer's topk copy (proto/abi.py): u64 words of the dispatch's left-out set,
+// its verdict (0, or code | source << 8 | token << 32), the verdict's value and the dispatch's
+// sequence; then from word LL_COMBINE_VERDICT the same three words of the last combine of the
+// buffer's dispatch that found a bad entry in its own top-k (written by its reduce, read and
+// cleared by the kernel that writes that combine's done word).
+#define LL_TOPK_HEADER 64
+#define LL_COMBINE_VERDICT 4
 // A source's histogram row is its E counts, then its verdict on its own ids: code (0,
 // ERR_BAD_INPUT, ERR_BAD_DUPLICATE), the token, the expert id's low and high 32 bits.
 #define LL_HIST_VERDICT 4
 
-// Bad input the dispatch's verdict does not cover (a combine's entry its dispatch never sent;
-// a row past the m rows a source may send, which the verdict's duplicate check rules out):
-// record it here, with the offending value (an expert id, or LL_ROW_OVERFLOW - row), and abort
-// the group in every peer at once (abort word = (rank + 1) << 8 | ERR_ABORTED, as the host
-// writes it), since the peers have already exchanged data with this rank.
+// Bad input no verdict covers (a row past the m rows a source may send, which the dispatch
+// verdict's duplicate check rules out; kept as a guard): record it here, with the offending
+// value (LL_ROW_OVERFLOW - row), and abort the group in every peer at once (abort word =
+// (rank + 1) << 8 | ERR_ABORTED, as the host writes it), since the peers have already
+// exchanged data with this rank.
 __device__ __forceinline__ void fail_bad_input(const u64* peers, int R, int rank, int phase,
                                                u64 seq, i64 value) {
     record_error(ctrl_of(peers, rank), ERR_BAD_INPUT, -1, phase, seq, true, value);
@@ -538,6 +541,19 @@ epd_ll_combine_push(const char* __restrict__ y, i64 y_stride, i64 y_expert_strid
                          o_send_y);
 }
 
+// A combine's verdict on its own top-k (the first bad entry a thread found wins the word): the
+// same words as a dispatch's verdict in its header (code | source << 8 | token << 32, the id,
+// the sequence), read and cleared by the kernel that writes the combine's done word.
+__device__ __forceinline__ void post_combine_verdict(u64* area, int code, int rank, int t, i64 e,
+                                                     u64 seq) {
+    const u64 v = (u64)(unsigned)code | (u64)(unsigned)rank << 8 | (u64)(unsigned)t << 32;
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(area + 1), 0ull,
+                  (unsigned long long)v) == 0ull) {
+        area[2] = (u64)e;
+        area[3] = seq;
+    }
+}
+
 // ------------------------------------------------------------------------------------------
 // low-latency combine, source side: out[t] = sum over k (in order, skipping -1) of
 // w[t,k] * comb[t][k'] where k' is the dispatch position of expert topk_idx[t,k].
@@ -576,6 +592,8 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
     const bool out_all = (left >> rank) & 1ull;
     const word* comb = reinterpret_cast<const word*>(my_base + o_comb);
     const i64* disp = reinterpret_cast<const i64*>(my_base + o_topk + LL_TOPK_HEADER);
+    u64* verdict_area = reinterpret_cast<u64*>(const_cast<char*>(my_base) + o_topk) +
+                        LL_COMBINE_VERDICT;
     const int lane = threadIdx.x & 31;
     const int warps = blockDim.x >> 5;
     const int gw = blockIdx.x * warps + (threadIdx.x >> 5), nw = gridDim.x * warps;
@@ -590,16 +608,27 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
     for (int item = gw; item < T * nch; item += nw) {
         const int t = item / nch, c = item - t * nch;
         const int i0 = c * per, i1 = min(nvec, i0 + per);
-        // Lane k < K: the dispatch position of this token's k-th combine expert, or -1.
+        // Lane k < K: the dispatch position of this token's k-th combine expert, or -1. An
+        // entry the dispatch did not send (or named twice in the row) is left out and fails
+        // this rank's combine alone (its verdict): the top-k of a combine shapes only its own
+        // output, so the peers' combines are exact and nothing aborts.
         if (lane < K) {
             int kd = -1;
             float wk = 0.f;
             const i64 e = topk_idx[(i64)t * K + lane];
-            if (e >= 0 && !out_all && !((gone >> (int)(e / L)) & 1ull)) {  // (masked: nothing)
-                for (int j = 0; j < K; ++j)
-                    if (disp[(i64)t * K + j] == e) { kd = j; break; }
-                if (kd < 0) fail_bad_input(peers, R, rank, PHASE_LL_COMBINE, seq, e);
-                wk = w[(i64)t * w_stride + lane];
+            if (e >= 0 && !out_all) {
+                int bad = 0;
+                for (int j = 0; j < lane; ++j)
+                    if (topk_idx[(i64)t * K + j] == e) bad = ERR_BAD_DUPLICATE;
+                if (bad == 0 && (e >= (i64)L * R || !((gone >> (int)(e / L)) & 1ull))) {
+                    for (int j = 0; j < K; ++j)  // (a masked or gone expert's rank: nothing)
+                        if (disp[(i64)t * K + j] == e) { kd = j; break; }
+                    if (kd < 0) bad = ERR_NOT_DISPATCHED;
+                }
+                if (bad != 0)
+                    post_combine_verdict(verdict_area, bad, rank, t, e, seq);
+                else if (kd >= 0)
+                    wk = w[(i64)t * w_stride + lane];
             }
             kds[lane] = kd;
             ws[lane] = wk;
@@ -660,38 +689,42 @@ __device__ __forceinline__ void st_release_sys_u32(unsigned* p, unsigned v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-// A low-latency dispatch's done word: as stream_done_value, then its verdict (the receive
-// buffer's header, written by the dispatch's last block: a source's bad ids failed the call on
-// every rank, the group goes on): DONE_FAILED | code << 8 | (source + 1) << 16 | (sequence &
-// 0x7f) << 24 (two failed triggers of one op differ; bit 31 stays clear, as the client's stream
-// waits for done >= 1 with a cyclic comparison), the id, its token and the same value (sticky,
-// no trigger clears it) in the op's slot (`write`: one thread writes them, before the done word).
-__device__ __forceinline__ unsigned ll_dispatch_done_value(const u64* peers, int rank,
-                                                           const u64* header, unsigned* done,
-                                                           bool write) {
+// A low-latency call's done word: as stream_done_value, then its verdict, at `verdict` (the
+// receive buffer's header for a dispatch, written by its last block: a source's bad ids failed
+// the call on every rank; the header's combine words for a combine, written by its reduce: a
+// bad entry of this rank's top-k failed its combine alone; the group goes on): DONE_FAILED |
+// code << 8 | (source + 1) << 16 | (sequence & 0x7f) << 24 (two failed triggers of one op
+// differ; bit 31 stays clear, as the client's stream waits for done >= 1 with a cyclic
+// comparison), the id, its token and the same value (sticky, no trigger clears it) in the op's
+// slot (`write`: one thread writes them, before the done word; with `clear`, a combine's, it
+// also clears the verdict: the next combine of the same dispatch starts without one).
+__device__ __forceinline__ unsigned ll_done_value(const u64* peers, int rank, u64* verdict,
+                                                  unsigned* done, bool write, bool clear) {
     const unsigned v = stream_done_value(peers, rank);
-    if (v != DONE_OK || header == nullptr) return v;
-    const u64 verdict = reinterpret_cast<const volatile u64*>(header)[1];
-    if (verdict == 0) return v;
-    const u64 seq = reinterpret_cast<const volatile u64*>(header)[3];
-    const unsigned failed = DONE_FAILED | (unsigned)(verdict & 0xffull) << DONE_CODE_SHIFT |
-                            ((unsigned)((verdict >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT |
+    if (verdict == nullptr) return v;
+    const u64 word = reinterpret_cast<const volatile u64*>(verdict)[1];
+    if (clear && write && word != 0) verdict[1] = 0;
+    if (v != DONE_OK || word == 0) return v;
+    const u64 seq = reinterpret_cast<const volatile u64*>(verdict)[3];
+    const unsigned failed = DONE_FAILED | (unsigned)(word & 0xffull) << DONE_CODE_SHIFT |
+                            ((unsigned)((word >> 8) & 0xffull) + 1u) << DONE_RANK_SHIFT |
                             (unsigned)(seq & 0x7full) << DONE_SEQ_SHIFT;
     if (write) {
         unsigned* slot = done - STREAM_DONE;
-        slot[STREAM_FAIL_TOKEN] = (unsigned)(verdict >> 32);
+        slot[STREAM_FAIL_TOKEN] = (unsigned)(word >> 32);
         reinterpret_cast<i64*>(slot)[STREAM_FAIL_VALUE] =
-            (i64)reinterpret_cast<const volatile u64*>(header)[2];
+            (i64)reinterpret_cast<const volatile u64*>(verdict)[2];
         slot[STREAM_FAIL_DONE] = failed;  // (sticky: the client raises it at check())
     }
     return failed;
 }
 
-// `header`: a low-latency dispatch's receive-buffer header (its verdict), null for a combine.
+// `verdict`: a low-latency call's verdict words (ll_done_value; null: none), `combine`: they
+// are a combine's (read once: cleared here).
 extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int rank,
-                                           unsigned* done, const u64* header) {
+                                           unsigned* done, u64* verdict, int combine) {
     if (threadIdx.x != 0) return;
-    const unsigned v = ll_dispatch_done_value(peers, rank, header, done, true);
+    const unsigned v = ll_done_value(peers, rank, verdict, done, true, combine != 0);
     __threadfence_system();
     st_release_sys_u32(done, v);
 }
@@ -912,11 +945,10 @@ extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* 
                 for (int le = threadIdx.x; le < (int)a[6]; le += blockDim.x)
                     stats[(i64)le * (i64)d[LLX_STATS_STRIDE]] += counts[le];
             }
-            const u64* header = reinterpret_cast<const u64*>(
-                reinterpret_cast<const char*>(peers[rank]) + (i64)a[21] + bo);
-            v = ll_dispatch_done_value(peers, rank, header,
-                                       reinterpret_cast<unsigned*>(d[LLX_DONE]),
-                                       threadIdx.x == 0);
+            u64* header = reinterpret_cast<u64*>(
+                reinterpret_cast<char*>(peers[rank]) + (i64)a[21] + bo);
+            v = ll_done_value(peers, rank, header, reinterpret_cast<unsigned*>(d[LLX_DONE]),
+                              threadIdx.x == 0, false);
             __syncthreads();
             if (threadIdx.x == 0) {
                 const u64 seq = state[LLS_SEQ_D] + 1;
@@ -925,7 +957,13 @@ extern "C" __global__ void epd_ll_exec_finish(const unsigned* ring, u64 k, u64* 
                 d[LLX_STAMP + b] = seq;
             }
         } else if (combine_holds(d, table, state, b)) {
-            v = stream_done_value(reinterpret_cast<const u64*>(a[9]), (int)a[6]);
+            const u64* r = d + LLX_ARGS2;  // (epd_ll_combine_reduce's: peers, rank, o_topk)
+            const u64* peers = reinterpret_cast<const u64*>(r[10]);
+            const int rank = (int)r[9];
+            u64* verdict = reinterpret_cast<u64*>(reinterpret_cast<char*>(peers[rank]) +
+                                                  (i64)r[12] + bo) + LL_COMBINE_VERDICT;
+            v = ll_done_value(peers, rank, verdict, reinterpret_cast<unsigned*>(d[LLX_DONE]),
+                              threadIdx.x == 0, true);
             __syncthreads();
             if (threadIdx.x == 0) state[LLS_SEQ_C] += 1;
         } else {

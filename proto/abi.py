@@ -80,7 +80,7 @@ ABORT_RANK_SHIFT = 8
 ERR_DEADLINE = 1
 ERR_ABORTED = 2
 ERR_WORST_OVERFLOW = 3
-ERR_BAD_INPUT = 4  # an expert id out of range, or a combine entry never dispatched
+ERR_BAD_INPUT = 4  # an expert id out of range
 ERR_BAD_COUNT = 5  # a negative num_tokens_per_expert of a dispatch without top-k
 ERR_NOT_FILLED = 6  # a chained combine whose receive buffer holds another dispatch (not run)
 ERR_RING_FULL = 7  # a trigger found no free entry in its member's ring before its deadline
@@ -93,6 +93,10 @@ ERR_REFUSED = 9
 # A low-latency dispatch's token names one expert twice (its verdict, as ERR_BAD_INPUT for an id
 # outside [-1, E)): every rank fails the call, nothing moves, the group goes on.
 ERR_BAD_DUPLICATE = 10
+# A low-latency combine's top-k names an expert its dispatch did not send that token to (its
+# verdict; ERR_BAD_DUPLICATE: an expert twice in the row): that rank's combine fails and its
+# output leaves the entry out; the other ranks' combines are exact, nothing aborts.
+ERR_NOT_DISPATCHED = 11
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
                ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
@@ -100,7 +104,8 @@ ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_RING_FULL: "the member's trigger ring stayed full",
                ERR_CAPACITY: "more tokens than max_tokens_per_rank",
                ERR_REFUSED: "a rank's engine refused its part of the call",
-               ERR_BAD_DUPLICATE: "an expert named twice in a token's top-k"}
+               ERR_BAD_DUPLICATE: "an expert named twice in a token's top-k",
+               ERR_NOT_DISPATCHED: "a combine entry its dispatch did not send"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2
@@ -154,8 +159,11 @@ REQUEST_BUFFER0 = 1
 LL_BUFFERS = 2
 # Bytes before a receive buffer's topk copy: u64 words of the dispatch's left-out set, its
 # verdict (0, or code | source << 8 | token << 32: a source's bad ids failed it on every rank),
-# the verdict's value (the expert id) and the dispatch's sequence.
-LL_TOPK_HEADER = 32
+# the verdict's value (the expert id) and the dispatch's sequence; from word LL_COMBINE_VERDICT
+# on, the same three words of a combine of that dispatch whose own top-k had a bad entry (its
+# reduce writes them, the kernel that writes its done word reads and clears them).
+LL_TOPK_HEADER = 64
+LL_COMBINE_VERDICT = 4
 # A source's low-latency histogram row: its E per-expert counts, then its verdict on its own ids
 # (int32: code, token, the id's low and high halves), which every rank reads.
 LL_HIST_VERDICT = 4

@@ -210,7 +210,8 @@ def alike_failure(words: np.ndarray, group: str, call: str, max_tokens: int, num
     return None
 
 
-LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE)  # a low-latency dispatch's verdicts
+# a low-latency call's verdicts: a dispatch's (bad ids: every rank), a combine's (its own top-k)
+LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE, abi.ERR_NOT_DISPATCHED)
 
 
 def ll_header_verdict(header: np.ndarray) -> tuple[int, int, int, int]:
@@ -222,12 +223,20 @@ def ll_header_verdict(header: np.ndarray) -> tuple[int, int, int, int]:
 
 
 def ll_verdict_error(what: str, code: int, source: int, token: int, value: int,
-                     num_experts: int | None = None) -> InvalidArgument:
+                     num_experts: int | None = None, combine: bool = False) -> InvalidArgument:
     """The error of a low-latency dispatch (`what`) that a source's bad ids failed on every
     rank (its verdict, read from the receive buffer's header or the op's done word): rank
     `source`'s token `token` named expert `value` out of range (ERR_BAD_INPUT) or twice
     (ERR_BAD_DUPLICATE). Nothing moved: every rank's outputs of the call are empty and the
-    combine of its handle gives zeros; the group goes on."""
+    combine of its handle gives zeros; the group goes on. With `combine`: a combine's own
+    top-k (this rank's alone) named an expert its dispatch did not send that token to
+    (ERR_NOT_DISPATCHED) or twice; its output leaves the entry out."""
+    if combine:
+        why = ("its dispatch did not send that token to it" if code == abi.ERR_NOT_DISPATCHED
+               else "named twice (low-latency mode takes distinct experts per token)")
+        return InvalidArgument(f"{what}: rank {source}'s topk_idx[{token}] names expert "
+                               f"{value}, {why}; this rank's combined output leaves that entry "
+                               f"out, the other ranks' combines are exact and the group goes on")
     if code == abi.ERR_BAD_DUPLICATE:
         bad = (f"rank {source}'s topk_idx[{token}] names expert {value} twice (low-latency mode "
                f"takes distinct experts per token)")

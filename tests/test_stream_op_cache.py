@@ -28,7 +28,7 @@ class FakeOp:
 
     def error(self, status: int | None = None) -> EpdError | None:
         return done_error(self.status() if status is None else status, f"op {self.op_id}",
-                          self.words, 16)
+                          self.words, 16, combine=self.kind == "combine")
 
     def take_verdict(self) -> EpdError | None:  # (as StreamOp's)
         value = int(self.words[abi.STREAM_FAIL_DONE])
@@ -36,8 +36,9 @@ class FakeOp:
         return self.error(value) if value else None
 
     def fail_alike(self, code: int, source: int, token: int, value: int, seq: int = 1) -> None:
-        """What the engine's done kernel writes for a dispatch a source's bad ids failed (the
-        slot's words are int32: the done word as the host reads it)."""
+        """What the engine's done kernel writes for a dispatch a source's bad ids failed, or a
+        combine whose own top-k had a bad entry (the slot's words are int32: the done word as
+        the host reads it)."""
         self.words[abi.STREAM_FAIL_TOKEN] = token
         self.words.view(np.int64)[abi.STREAM_FAIL_VALUE] = value
         self.done = (abi.DONE_FAILED | code << abi.DONE_CODE_SHIFT
@@ -359,6 +360,45 @@ def test_verdicts_of_one_window_raise_once_before_a_ranks_own_failure() -> None:
     with pytest.raises(EpdError, match="expert id 99"):
         _buffer_check(c)
     with pytest.raises(EpdError, match="deadline"):
+        _buffer_check(c)
+    _buffer_check(c)
+
+
+def test_a_combines_verdict_is_its_ranks_own_and_comes_after_a_dispatchs() -> None:
+    """A combine whose own top-k named an expert its dispatch did not send the token to (or one
+    twice): its rank's Buffer.check() raises it, once, naming the entry; with a dispatch's
+    verdict in the same window (every rank has that one), the dispatch's goes first and the
+    combine's is kept for the next check, also when its op was evicted meanwhile."""
+    c = _cache(16)
+    x = c.arm(("x",), lambda: FakeOp("combine"), pin=False, capturing=False)
+    c.triggered(x, 7)
+    x.op.fail_alike(abi.ERR_NOT_DISPATCHED, 1, 4, 9)
+    c.check()  # a plain call: not raised
+    with pytest.raises(EpdError) as ei:
+        _buffer_check(c)
+    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert ("rank 1's topk_idx[4] names expert 9, its dispatch did not send that token to it"
+            in ei.value.details), ei.value.details
+    assert "the other ranks' combines are exact" in ei.value.details
+    _buffer_check(c)
+    d = c.arm(("d",), lambda: FakeOp(), pin=False, capturing=False)
+    c.triggered(d, 7)
+    c.triggered(x, 7)
+    x.op.fail_alike(abi.ERR_BAD_DUPLICATE, 1, 2, 3, seq=2)
+    d.op.fail_alike(abi.ERR_BAD_INPUT, 0, 0, 99)
+    with pytest.raises(EpdError, match="expert id 99"):
+        _buffer_check(c)
+    with pytest.raises(EpdError, match="names expert 3, named twice"):
+        _buffer_check(c)
+    _buffer_check(c)
+    log: list = []
+    c = _cache(1)
+    x = c.arm(("x",), lambda: FakeOp("combine", log), pin=False, capturing=False)
+    c.triggered(x, 7)
+    x.op.fail_alike(abi.ERR_NOT_DISPATCHED, 0, 1, 5)
+    c.arm(("e",), lambda: FakeOp(log=log), pin=False, capturing=False)  # evicts x
+    assert log == [("disarm", x.op.op_id)]
+    with pytest.raises(EpdError, match="topk_idx\\[1\\] names expert 5"):
         _buffer_check(c)
     _buffer_check(c)
 

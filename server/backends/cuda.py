@@ -167,7 +167,7 @@ class _PreparedDispatch:
 class _PreparedCombine:
     args: Any
     launches: tuple[Any, Any]
-    done: Any
+    done: tuple[Any, ...]  # by receive buffer
     dispatch: _PreparedDispatch
     out: Any
 
@@ -682,7 +682,12 @@ class CudaRankComm(RankComm):
                     num_sms=self.ll_num_sms)
             except ValueError as e:
                 raise InvalidArgument(f"stream-ordered combine: {e}") from None
-            done = runner.k.stream_done_launch(runner.peers, self.rank, done_ptr)
+            # (per receive buffer: the verdict words of the combine of its dispatch)
+            done = tuple(runner.k.stream_done_launch(
+                runner.peers, self.rank, done_ptr,
+                runner.ll_view("topk", (abi.LL_TOPK_HEADER // 8,), np.uint64, b).data.ptr
+                + 8 * abi.LL_COMBINE_VERDICT, combine=True)
+                for b in range(abi.LL_BUFFERS))
         return _PreparedCombine(args, launches, done, dispatch, out)
 
     @_launches
@@ -720,7 +725,7 @@ class CudaRankComm(RankComm):
                 + (_overwritten(mine, buffer, runner.ll_filled[buffer]) if mine else
                    "it was never triggered into that buffer (trigger the dispatch first)"))
         runner.ll_combine_again(prepared.launches, buffer)
-        prepared.done(runner.stream)
+        prepared.done[buffer](runner.stream)
 
     def _no_chain(self) -> None:
         """A synchronous low-latency call launches from the engine's host with the host's

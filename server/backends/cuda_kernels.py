@@ -649,13 +649,15 @@ class Kernels:
         return Launch(self.fn("epd_ll_gate"), 1, 32,
                       [(_P, ring_ptr + 4 * LL_RING_TAIL), (_U32, 0)])
 
-    def stream_done_launch(self, peers: Any, rank: int, done_ptr: int,
-                           header_ptr: int = 0) -> Launch:
+    def stream_done_launch(self, peers: Any, rank: int, done_ptr: int, verdict_ptr: int = 0,
+                           combine: bool = False) -> Launch:
         """Write a stream op's done word (1 ok, 2 | code << 8 failed) after the work before it;
-        `header_ptr`: a low-latency dispatch's receive-buffer header, whose verdict (a source's
-        bad ids) fails it too (0: a combine)."""
+        `verdict_ptr`: a low-latency call's verdict words, which fail it too: a dispatch's
+        receive-buffer header (a source's bad ids), or with `combine` the header's combine words
+        (a bad entry of this rank's own top-k; read once, cleared)."""
         return Launch(self.fn("epd_stream_done"), 1, 32,
-                      [(_P, peers.data.ptr), (_I32, rank), (_P, done_ptr), (_P, header_ptr)])
+                      [(_P, peers.data.ptr), (_I32, rank), (_P, done_ptr), (_P, verdict_ptr),
+                       (_I32, int(combine))])
 
     def call_done_launch(self, peers: Any, rank: int, slot_ptr: int) -> Launch:
         """The last kernel of a stream-ordered normal-mode call: failure words, then DONE = seq

@@ -331,11 +331,15 @@ def _combine_exact(group: Any, results: dict[int, Any], ys: list[np.ndarray],
 
 def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k: int, h: int,
                  m: int, *, fp8: bool = False, round_scale: bool = False, drop: float = 0.0,
-                 combine_drop: float = 0.0, num_sms: int = 16, buffer: int = 0) -> None:
+                 combine_drop: float = 0.0, num_sms: int = 16, buffer: int = 0,
+                 spoil: Any = None) -> None:
     """One low-latency dispatch + combine of the ranks `g` drives (ranks_of: every rank of a
     LocalGroup, one PE's of a multi-process group), fresh inputs of every rank from `rng`,
     outputs poisoned first, everything bit-exact against the reference. A group with a
-    `barrier` (several processes) waits there between poisoning and launching."""
+    `barrier` (several processes) waits there between poisoning and launching. Every rank's
+    combine verdict must be none, or with `spoil(comb_idx, idxs)` -> (sent, reference,
+    verdicts): the combine gets `sent`, the reference `reference` (a spoiled entry left out)
+    and rank s's verdict must be verdicts[s] (code, rank, token, id)."""
     import cupy as cp
 
     r = len(tokens)
@@ -370,7 +374,10 @@ def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k:
     # some entries dropped only at combine time. (The reference reads only the rows below the
     # counts, which check_ll_dispatch found equal to the GPU's.)
     ys, comb_idx = ll_combine_inputs(rng, want, idxs, lx, m, h, combine_drop)
-    expected = ref.low_latency_combine(ys, want, comb_idx, ws, e)
+    verdicts: dict[int, tuple] = {}
+    if spoil is not None:
+        comb_idx, ref_idx, verdicts = spoil(comb_idx, idxs)
+    expected = ref.low_latency_combine(ys, want, ref_idx if spoil else comb_idx, ws, e)
     outs, ins = {}, {}
     for s, runner in mine:  # (inputs and poisoned outputs first, as for the dispatch)
         with cp.cuda.Device(runner.device_id), runner.stream:
@@ -382,10 +389,28 @@ def ll_roundtrip(g: Any, rng: np.random.Generator, tokens: list[int], e: int, k:
             runner.ll_combine(*ins[s], outs[s], m, timeout_ns=TIMEOUT_NS, num_sms=num_sms,
                               buffer=buffer)
     g.synchronize()
-    for _, runner in mine:
-        assert runner.error() is None, runner.error()
+    for s, runner in mine:
+        assert runner.error() is None, runner.error()  # (a combine's verdict aborts nothing)
+        got = take_combine_verdict(runner, buffer)
+        assert got == verdicts.get(s, (0, 0, 0, 0)), (s, got)
     for s, out in outs.items():
         np.testing.assert_array_equal(cp.asnumpy(out), raw(expected[s]))
+
+
+def take_combine_verdict(runner: Any, buffer: int = 0) -> tuple[int, int, int, int]:
+    """(code, rank, token, id) of the combine verdict in a receive buffer's header (a bad entry
+    of the rank's own combine top-k; zeros: none), cleared as the done kernel of a
+    stream-ordered combine clears it (the synchronous runner has none)."""
+    import cupy as cp
+
+    from epd.proto import abi, counter_page
+
+    with cp.cuda.Device(runner.device_id):
+        words = runner.ll_view("topk", (abi.LL_TOPK_HEADER // 8,), np.uint64, buffer)
+        got = counter_page.ll_header_verdict(cp.asnumpy(words)[abi.LL_COMBINE_VERDICT:])
+        words[abi.LL_COMBINE_VERDICT + 1:abi.LL_COMBINE_VERDICT + 2].fill(0)
+        cp.cuda.Device(runner.device_id).synchronize()
+    return got
 
 
 def check_ll_dispatch(out: dict[str, np.ndarray], exp: Any, fp8: bool) -> None:

@@ -2,8 +2,9 @@
 goes through an armed op (no round trip to the daemon once its tensors were seen), outputs are
 the caller's own and stay valid while held, ops are evicted LRU (a tiny limit here, so the
 eviction path runs), a bad expert id fails that dispatch on every rank alike (raised at
-`Buffer.check()`) and the calls after it are exact, and a call captured into a
-CUDA graph on its first appearance (no earlier call on those tensors) works."""
+`Buffer.check()`) and the calls after it are exact, a bad entry in a combine's own top-k fails
+that rank's combine alone, and a call captured into a CUDA graph on its first appearance (no
+earlier call on those tensors) works."""
 
 from __future__ import annotations
 
@@ -45,6 +46,23 @@ def _expert_value(e: int) -> float:
 def _combined(xs, idx, w, rank: int, identity: bool) -> np.ndarray:
     """Reference combine: identity experts, or each expert's `_expert_value` on every column."""
     return ll_combined(xs[rank], idx[rank], w[rank], None if identity else _expert_value)
+
+
+# A combine whose own top-k is bad (after the dispatches' bad ids): (step, rank, token, plain or
+# hook); step 3 names an expert the dispatch did not send the token to, step 4 one twice.
+BAD_COMBINES = ((3, 0, 2, False), (4, 1, 1, True))
+
+
+def _spoiled(step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """(the combine top-k sent, the reference's with the bad entry left out, its expert) of
+    step 3's or step 4's bad combine, from its dispatch's `idx`."""
+    _, _, t, _ = next(b for b in BAD_COMBINES if b[0] == step)
+    sent, kept = idx.copy(), idx.copy()
+    k0 = int(np.flatnonzero(idx[t] >= 0)[0])
+    k1 = next(k for k in range(K) if k != k0)
+    ex = (next(x for x in range(E) if x not in idx[t]) if step == 3 else int(idx[t, k0]))
+    sent[t, k1], kept[t, k1] = ex, -1
+    return sent, kept, ex
 
 
 def _plain_rank(rank: int, socket: str, device: int, q) -> None:
@@ -99,12 +117,13 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
             x, idx, w = _inputs(0, rank, LAYERS[0][rank])
             return tuple(_to_torch(a, device) for a in (x, idx, w))
 
-        def run(tx, tidx, tw, hook=False):
+        def run(tx, tidx, tw, hook=False, cidx=None):
             recv, count, handle, _, h = buf.low_latency_dispatch(tx, tidx, M, E, use_fp8=False,
                                                                  return_recv_hook=hook)
             if hook:
                 h()
-            cx, _, h = buf.low_latency_combine(recv, tidx, tw, handle, return_recv_hook=hook)
+            cx, _, h = buf.low_latency_combine(recv, tidx if cidx is None else cidx, tw, handle,
+                                               return_recv_hook=hook)
             if hook:
                 h()
             return recv, count, handle, cx
@@ -125,6 +144,24 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
             torch.cuda.synchronize()  # (hook outputs are views: read before the next call)
             res[f"bad{step}_outputs"] = (int(count.sum()), bool((cx == 0).all()))
             got = run(*layer0(), hook=hook)  # the group goes on: nothing raised here
+            torch.cuda.synchronize()
+            res[f"after{step}"] = outputs(*got)
+            try:
+                buf.check()
+                res[f"bad{step}"] = "accepted"
+            except EpdError as e:
+                res[f"bad{step}"] = (e.code.name, e.details)
+            buf.check()  # (once)
+        # A bad entry in a combine's own top-k fails that rank's combine alone (raised at its
+        # check), leaves the entry out of its sum; the other rank's is exact; the group goes on.
+        for step, who, _, hook in BAD_COMBINES:
+            x, idx, w = _inputs(99 + step, rank, 8)
+            cidx = _spoiled(step, idx)[0] if rank == who else idx
+            _, _, _, cx = run(*(_to_torch(a, device) for a in (x, idx, w)), hook=hook,
+                              cidx=_to_torch(cidx, device))
+            torch.cuda.synchronize()
+            res[f"bad{step}_cx"] = _bits(cx)
+            got = run(*layer0(), hook=hook)
             torch.cuda.synchronize()
             res[f"after{step}"] = outputs(*got)
             try:
@@ -170,9 +207,25 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
         assert "rank 1 passed expert id -3 in topk_idx[6]" in msg, msg
         for step in (0, 1, 2):
             assert results[r][f"bad{step}_outputs"] == (0, True), results[r]
+        for step in (0, 1, 2, 3, 4):
             _check_ll(exp[r], results[r][f"after{step}"]["compact"], LX)
             np.testing.assert_array_equal(results[r][f"after{step}"]["cx"],
                                           _combined(xs, idx, w, r, True))
+    for step, who, t, _ in BAD_COMBINES:  # only the rank whose combine top-k was bad raised
+        for r in range(R):
+            x, i, wt = _inputs(99 + step, r, 8)
+            kept = i
+            if r == who:
+                _, kept, ex = _spoiled(step, i)
+                code, msg = results[r][f"bad{step}"]
+                why = "its dispatch did not send" if step == 3 else "named twice"
+                assert code == "INVALID_ARGUMENT", msg
+                assert f"rank {who}'s topk_idx[{t}] names expert {ex}, {why}" in msg, msg
+                assert "other ranks' combines are exact" in msg, msg
+            else:
+                assert results[r][f"bad{step}"] == "accepted", results[r][f"bad{step}"]
+            np.testing.assert_array_equal(results[r][f"bad{step}_cx"],
+                                          ll_combined(x, kept, wt), err_msg=f"step {step}")
     # With the poller, the engine timed each armed op's host hop (its detection gap and the
     # launch); on the GPU chain (--ll-chain) the engine's host launched none of them.
     from epd.server.bench import engine_host

@@ -121,3 +121,39 @@ def test_bad_expert_ids_fail_the_dispatch_alike_and_the_group_goes_on(case: str)
         for runner in g.runners:
             assert _verdict(runner, i) == (0, 0, 0, 0)
     g.close()
+
+
+def test_a_combines_bad_entry_fails_its_rank_alone() -> None:
+    """A combine's own top-k naming an expert its dispatch did not send that token to (in range
+    or not), or one expert twice: that rank's combine records the entry as its verdict (read
+    and cleared by the done kernel of a stream-ordered combine), leaves it out of the sum and
+    aborts nothing; the other rank's combine is exact, and the next calls too."""
+    from epd.proto import abi
+
+    rng = np.random.default_rng(77)
+    r, e, k, h, m = 2, 16, 4, 256, 8
+
+    def spoil(cases):
+        def run(comb_idx, idxs):
+            sent, kept, verdicts = [c.copy() for c in comb_idx], [c.copy() for c in comb_idx], {}
+            for s, (code, t, ex) in cases.items():
+                if code == abi.ERR_BAD_DUPLICATE:  # the last entry names the first's expert
+                    sent[s][t, k - 1] = ex = int(sent[s][t, 0])
+                    kept[s][t, k - 1] = -1
+                else:
+                    ex = ex if ex is not None else next(
+                        x for x in range(e) if x not in idxs[s][t])
+                    sent[s][t, 1], kept[s][t, 1] = ex, -1
+                verdicts[s] = (code, s, t, ex)
+            return sent, kept, verdicts
+        return run
+
+    g = _group(r, e, k, h, m)
+    ll_roundtrip(g, rng, [8, 8], e, k, h, m)
+    for i, cases in enumerate((
+            {0: (abi.ERR_NOT_DISPATCHED, 2, None), 1: (abi.ERR_BAD_DUPLICATE, 3, None)},
+            {1: (abi.ERR_NOT_DISPATCHED, 5, e + 7)})):  # out of range: not dispatched either
+        ll_roundtrip(g, rng, [8, 8], e, k, h, m, buffer=i, spoil=spoil(cases))
+    for i in range(2):
+        ll_roundtrip(g, rng, [8, 6], e, k, h, m, fp8=bool(i), buffer=i)
+    g.close()

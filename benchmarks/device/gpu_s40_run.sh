@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Fortieth session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says):
+#   combine  # a bad entry in a low-latency combine's own top-k (an expert its dispatch did not
+#            # send the token to, or one twice) fails that rank's combine alone instead of
+#            # aborting the group: the kernel tests (every roundtrip now asserts no verdict),
+#            # the facade's plain and hook calls on the default path, the chain and the poller,
+#            # the daemon's graph replays, the NVSHMEM build across two logical nodes
+#   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
+#            # archive 64bed80 server proto client cuda` (extracted): the tree before this
+#            # change (the reduce's duplicate and range checks, a done kernel per buffer)
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
+ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
+  PYTHONPATH=$2:/tmp/site timeout 120 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 300 --mps on --ranks 2 --low-latency --rows "ll plain pair,ll hook pair" \
+      --json "$OUT/llrows_$1.json" > /tmp/r.log 2>&1
+  echo "== $1 rc=$?"
+  clean < /tmp/r.log | grep -E "p50|Error|error" | cut -c1-200
+}
+case "${1:-}" in
+  combine)
+    STEP_TEST_SECONDS=150 step kernels 200 "tests/gpu/test_low_latency_kernels.py \
+        -k 'bad or combines or decode or uneven'"
+    STEP_TEST_SECONDS=150 step plain 330 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    STEP_TEST_SECONDS=120 step graph 140 "tests/gpu/test_daemon.py -k low_latency_cuda_graph"
+    STEP_TEST_SECONDS=150 step across 170 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
+    ;;
+  llab)
+    ab_rounds 1 2 ll_rows
+    merge_json llrows llrows_ab
+    ;;
+  *) echo "usage: $0 combine|llab"; exit 2 ;;
+esac
