@@ -49,7 +49,8 @@
 // its verdict (0, or code | source << 8 | token << 32), the verdict's value and the dispatch's
 // sequence; then from word LL_COMBINE_VERDICT the same three words of the last combine of the
 // buffer's dispatch that found a bad entry in its own top-k (written by its reduce, read and
-// cleared by the kernel that writes that combine's done word).
+// cleared by the kernel that writes that combine's done word; cleared by the dispatch's last
+// block too, so a fresh or poisoned buffer, or a combine no done kernel followed, leaves none).
 #define LL_TOPK_HEADER 64
 #define LL_COMBINE_VERDICT 4
 // A source's histogram row is its E counts, then its verdict on its own ids: code (0,
@@ -433,6 +434,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         header[1] = verdict;
         header[2] = value;
         header[3] = seq;
+        header[LL_COMBINE_VERDICT + 1] = 0;  // (no combine of this dispatch has one yet)
     }
     __syncthreads();
     const u64 left = s_left;

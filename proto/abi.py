@@ -161,7 +161,8 @@ LL_BUFFERS = 2
 # verdict (0, or code | source << 8 | token << 32: a source's bad ids failed it on every rank),
 # the verdict's value (the expert id) and the dispatch's sequence; from word LL_COMBINE_VERDICT
 # on, the same three words of a combine of that dispatch whose own top-k had a bad entry (its
-# reduce writes them, the kernel that writes its done word reads and clears them).
+# reduce writes them, the kernel that writes its done word reads and clears them; the
+# dispatch's last block clears them too).
 LL_TOPK_HEADER = 64
 LL_COMBINE_VERDICT = 4
 # A source's low-latency histogram row: its E per-expert counts, then its verdict on its own ids
