@@ -618,11 +618,11 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
             int kd = -1;
             float wk = 0.f;
             const i64 e = topk_idx[(i64)t * K + lane];
-            if (e >= 0 && !out_all) {
-                int bad = 0;
-                for (int j = 0; j < lane; ++j)
+            if (e != -1 && !out_all) {  // (the host path's order: range, twice, dispatched)
+                int bad = (e < -1 || e >= (i64)L * R) ? ERR_BAD_INPUT : 0;
+                for (int j = 0; j < lane && bad == 0; ++j)
                     if (topk_idx[(i64)t * K + j] == e) bad = ERR_BAD_DUPLICATE;
-                if (bad == 0 && (e >= (i64)L * R || !((gone >> (int)(e / L)) & 1ull))) {
+                if (bad == 0 && !((gone >> (int)(e / L)) & 1ull)) {
                     for (int j = 0; j < K; ++j)  // (a masked or gone expert's rank: nothing)
                         if (disp[(i64)t * K + j] == e) { kd = j; break; }
                     if (kd < 0) bad = ERR_NOT_DISPATCHED;

@@ -229,11 +229,14 @@ def ll_verdict_error(what: str, code: int, source: int, token: int, value: int,
     `source`'s token `token` named expert `value` out of range (ERR_BAD_INPUT) or twice
     (ERR_BAD_DUPLICATE). Nothing moved: every rank's outputs of the call are empty and the
     combine of its handle gives zeros; the group goes on. With `combine`: a combine's own
-    top-k (this rank's alone) named an expert its dispatch did not send that token to
-    (ERR_NOT_DISPATCHED) or twice; its output leaves the entry out."""
+    top-k (this rank's alone) named an expert out of range, twice, or one its dispatch did not
+    send that token to (ERR_NOT_DISPATCHED); its output leaves the entry out."""
     if combine:
-        why = ("its dispatch did not send that token to it" if code == abi.ERR_NOT_DISPATCHED
-               else "named twice (low-latency mode takes distinct experts per token)")
+        valid = f"[0, {num_experts})" if num_experts else "[0, num_experts)"
+        why = {abi.ERR_NOT_DISPATCHED: "its dispatch did not send that token to it",
+               abi.ERR_BAD_DUPLICATE: "named twice (low-latency mode takes distinct experts "
+                                      "per token)"}.get(
+            code, f"out of range (valid ids are -1 (none) and {valid})")
         return InvalidArgument(f"{what}: rank {source}'s topk_idx[{token}] names expert "
                                f"{value}, {why}; this rank's combined output leaves that entry "
                                f"out, the other ranks' combines are exact and the group goes on")

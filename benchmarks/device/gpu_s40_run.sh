@@ -7,6 +7,8 @@
 #            # the facade's plain and hook calls on the default path, the chain and the poller,
 #            # the daemon's graph replays, the NVSHMEM build across two logical nodes; and
 #            # next40's one failure again (test_mps_gpu: epd env's exports, a stale test)
+#   combine2 # the same after the first run's and a review's mends, and the other low-latency
+#            # suites (chain, graph reserve, framework replays, elastic buffer)
 #   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
 #            # archive 64bed80 server proto client cuda` (extracted): the tree before this
 #            # change (the reduce's duplicate and range checks, a done kernel per buffer)
@@ -29,9 +31,19 @@ case "${1:-}" in
     STEP_TEST_SECONDS=150 step across 170 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
     STEP_TEST_SECONDS=120 step mps 150 "tests/gpu/test_mps_gpu.py -k private_server_and"
     ;;
+  combine2)  # after the first run (the dispatch clears its buffer's combine verdict) and a
+    # review (ids outside [-1, E) at combine, a second combine of one handle), and the other
+    # low-latency suites not run since the thirty-eighth session
+    STEP_TEST_SECONDS=150 step kernels2 200 "tests/gpu/test_low_latency_kernels.py"
+    STEP_TEST_SECONDS=150 step plain2 330 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    STEP_TEST_SECONDS=150 step across2 170 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
+    STEP_TEST_SECONDS=150 step rest 420 "tests/gpu/test_ll_chain.py tests/gpu/test_graph_reserve.py \
+        tests/gpu/test_framework_replays_gpu.py tests/gpu/test_elastic_buffer_gpu.py"
+    ;;
   llab)
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
-  *) echo "usage: $0 combine|llab"; exit 2 ;;
+  *) echo "usage: $0 combine|combine2|llab"; exit 2 ;;
 esac

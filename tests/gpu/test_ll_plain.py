@@ -58,10 +58,9 @@ def _spoiled(step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     step 3's or step 4's bad combine, from its dispatch's `idx`."""
     _, _, t, _ = next(b for b in BAD_COMBINES if b[0] == step)
     sent, kept = idx.copy(), idx.copy()
-    k0 = int(np.flatnonzero(idx[t] >= 0)[0])
-    k1 = next(k for k in range(K) if k != k0)
+    k0 = int(np.flatnonzero(idx[t, :K - 1] >= 0)[0])  # (the kernels flag a repeat's later k)
     ex = (next(x for x in range(E) if x not in idx[t]) if step == 3 else int(idx[t, k0]))
-    sent[t, k1], kept[t, k1] = ex, -1
+    sent[t, K - 1], kept[t, K - 1] = ex, -1
     return sent, kept, ex
 
 
@@ -153,14 +152,21 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                 res[f"bad{step}"] = (e.code.name, e.details)
             buf.check()  # (once)
         # A bad entry in a combine's own top-k fails that rank's combine alone (raised at its
-        # check), leaves the entry out of its sum; the other rank's is exact; the group goes on.
+        # check), leaves the entry out of its sum; the other rank's is exact; a good combine of
+        # the same handle after it is exact and raises nothing (its verdict was cleared); the
+        # group goes on.
         for step, who, _, hook in BAD_COMBINES:
             x, idx, w = _inputs(99 + step, rank, 8)
             cidx = _spoiled(step, idx)[0] if rank == who else idx
-            _, _, _, cx = run(*(_to_torch(a, device) for a in (x, idx, w)), hook=hook,
-                              cidx=_to_torch(cidx, device))
+            tx, tidx, tw = (_to_torch(a, device) for a in (x, idx, w))
+            recv, _, handle, cx = run(tx, tidx, tw, hook=hook, cidx=_to_torch(cidx, device))
             torch.cuda.synchronize()
             res[f"bad{step}_cx"] = _bits(cx)
+            cx, _, h = buf.low_latency_combine(recv, tidx, tw, handle, return_recv_hook=hook)
+            if hook:
+                h()
+            torch.cuda.synchronize()
+            res[f"again{step}_cx"] = _bits(cx)
             got = run(*layer0(), hook=hook)
             torch.cuda.synchronize()
             res[f"after{step}"] = outputs(*got)
@@ -226,6 +232,8 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
                 assert results[r][f"bad{step}"] == "accepted", results[r][f"bad{step}"]
             np.testing.assert_array_equal(results[r][f"bad{step}_cx"],
                                           ll_combined(x, kept, wt), err_msg=f"step {step}")
+            np.testing.assert_array_equal(results[r][f"again{step}_cx"],
+                                          ll_combined(x, i, wt), err_msg=f"step {step} again")
     # With the poller, the engine timed each armed op's host hop (its detection gap and the
     # launch); on the GPU chain (--ll-chain) the engine's host launched none of them.
     from epd.server.bench import engine_host

@@ -124,10 +124,10 @@ def test_bad_expert_ids_fail_the_dispatch_alike_and_the_group_goes_on(case: str)
 
 
 def test_a_combines_bad_entry_fails_its_rank_alone() -> None:
-    """A combine's own top-k naming an expert its dispatch did not send that token to (in range
-    or not), or one expert twice: that rank's combine records the entry as its verdict (read
-    and cleared by the done kernel of a stream-ordered combine), leaves it out of the sum and
-    aborts nothing; the other rank's combine is exact, and the next calls too."""
+    """A combine's own top-k naming an expert its dispatch did not send that token to, one
+    expert twice, or an id outside [-1, E): that rank's combine records the entry as its
+    verdict (read and cleared by the done kernel of a stream-ordered combine), leaves it out of
+    the sum and aborts nothing; the other rank's combine is exact, and the next calls too."""
     from epd.proto import abi
 
     rng = np.random.default_rng(77)
@@ -152,8 +152,9 @@ def test_a_combines_bad_entry_fails_its_rank_alone() -> None:
     ll_roundtrip(g, rng, [8, 8], e, k, h, m)
     for i, cases in enumerate((
             {0: (abi.ERR_NOT_DISPATCHED, 2, None), 1: (abi.ERR_BAD_DUPLICATE, 3, None)},
-            {1: (abi.ERR_NOT_DISPATCHED, 5, e + 7)})):  # out of range: not dispatched either
-        ll_roundtrip(g, rng, [8, 8], e, k, h, m, buffer=i, spoil=spoil(cases))
+            {1: (abi.ERR_BAD_INPUT, 5, e + 7)},
+            {0: (abi.ERR_BAD_INPUT, 6, -3)})):
+        ll_roundtrip(g, rng, [8, 8], e, k, h, m, buffer=i % 2, spoil=spoil(cases))
     for i in range(2):
         ll_roundtrip(g, rng, [8, 6], e, k, h, m, fp8=bool(i), buffer=i)
     g.close()
