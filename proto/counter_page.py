@@ -217,8 +217,10 @@ LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE, abi.ERR_NOT_DISPATCHED)
 def ll_header_verdict(header: np.ndarray) -> tuple[int, int, int, int]:
     """(code, source, token, expert id) of a low-latency receive buffer's header (its first
     three uint64 words, `LL_TOPK_HEADER`: left-out set, verdict = code | source << 8 | token <<
-    32, id); code 0: the dispatch there had no verdict."""
+    32, id); zeros: the call there had no verdict (its other words are not read then)."""
     v = int(header[1])
+    if not v & 0xFF:
+        return 0, 0, 0, 0
     return v & 0xFF, (v >> 8) & 0xFF, v >> 32, int(header[:3].view(np.int64)[2])
 
 
