@@ -48,9 +48,13 @@ case "${1:-}" in
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
+  llab2)  # two more rounds, this tree first
+    ab_rounds 3 4 ll_rows new-first
+    merge_json llrows llrows_ab2
+    ;;
   llab)
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
-  *) echo "usage: $0 combine|combine2|combine3|llab"; exit 2 ;;
+  *) echo "usage: $0 combine|combine2|combine3|llab|llab2"; exit 2 ;;
 esac
