@@ -613,24 +613,36 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
         // Lane k < K: the dispatch position of this token's k-th combine expert, or -1. An
         // entry the dispatch did not send (or named twice in the row) is left out and fails
         // this rank's combine alone (its verdict): the top-k of a combine shapes only its own
-        // output, so the peers' combines are exact and nothing aborts.
+        // output, so the peers' combines are exact and nothing aborts. The row's ids, the
+        // dispatch's and the weights are loaded once, a lane each, and compared by shuffles
+        // (the whole warp takes part: the item loop is warp-uniform).
+        const i64 e = lane < K ? topk_idx[(i64)t * K + lane] : -1;
+        const i64 de = lane < K ? disp[(i64)t * K + lane] : -1;
+        const float wl = lane < K ? w[(i64)t * w_stride + lane] : 0.f;
+        int kd = -1;
+        bool twice = false;
+        for (int j = 0; j < K; ++j) {
+            const i64 ej = __shfl_sync(FULL_MASK, e, j), dj = __shfl_sync(FULL_MASK, de, j);
+            twice |= j < lane && ej == e;
+            if (kd < 0 && dj == e) kd = j;
+        }
         if (lane < K) {
-            int kd = -1;
             float wk = 0.f;
-            const i64 e = topk_idx[(i64)t * K + lane];
-            if (e != -1 && !out_all) {  // (the host path's order: range, twice, dispatched)
-                int bad = (e < -1 || e >= (i64)L * R) ? ERR_BAD_INPUT : 0;
-                for (int j = 0; j < lane && bad == 0; ++j)
-                    if (topk_idx[(i64)t * K + j] == e) bad = ERR_BAD_DUPLICATE;
-                if (bad == 0 && !((gone >> (int)(e / L)) & 1ull)) {
-                    for (int j = 0; j < K; ++j)  // (a masked or gone expert's rank: nothing)
-                        if (disp[(i64)t * K + j] == e) { kd = j; break; }
-                    if (kd < 0) bad = ERR_NOT_DISPATCHED;
-                }
-                if (bad != 0)
+            if (e == -1 || out_all) {
+                kd = -1;
+            } else {  // (the host path's order: range, twice, dispatched)
+                int bad = (e < -1 || e >= (i64)L * R) ? ERR_BAD_INPUT
+                          : twice                     ? ERR_BAD_DUPLICATE : 0;
+                if (bad == 0 && ((gone >> (int)(e / L)) & 1ull))
+                    kd = -1;  // (a masked or gone expert's rank: nothing)
+                else if (bad == 0 && kd < 0)
+                    bad = ERR_NOT_DISPATCHED;
+                if (bad != 0) {
+                    kd = -1;
                     post_combine_verdict(verdict_area, bad, rank, t, e, seq);
-                else if (kd >= 0)
-                    wk = w[(i64)t * w_stride + lane];
+                } else if (kd >= 0) {
+                    wk = wl;
+                }
             }
             kds[lane] = kd;
             ws[lane] = wk;

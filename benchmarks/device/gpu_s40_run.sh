@@ -9,6 +9,8 @@
 #            # next40's one failure again (test_mps_gpu: epd env's exports, a stale test)
 #   combine2 # the same after the first run's and a review's mends, and the other low-latency
 #            # suites (chain, graph reserve, framework replays, elastic buffer)
+#   combine3 # the kernel and NVSHMEM tests again, then llab; llab2: two more rounds
+#   shfl     # the reduce's checks by warp shuffles: its tests, four A/B rounds
 #   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
 #            # archive 64bed80 server proto client cuda` (extracted): the tree before this
 #            # change (the reduce's duplicate and range checks, a done kernel per buffer)
@@ -48,6 +50,15 @@ case "${1:-}" in
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
+  shfl)  # the reduce's checks by warp shuffles (two parallel loads, not up to 2K dependent
+    # ones): the kernel tests, the facade's calls, then four A/B rounds (two each order)
+    STEP_TEST_SECONDS=150 step kernels4 200 "tests/gpu/test_low_latency_kernels.py"
+    STEP_TEST_SECONDS=150 step plain4 330 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    ab_rounds 5 6 ll_rows
+    ab_rounds 7 8 ll_rows new-first
+    merge_json llrows llrows_ab3
+    ;;
   llab2)  # two more rounds, this tree first
     ab_rounds 3 4 ll_rows new-first
     merge_json llrows llrows_ab2
@@ -56,5 +67,5 @@ case "${1:-}" in
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
-  *) echo "usage: $0 combine|combine2|combine3|llab|llab2"; exit 2 ;;
+  *) echo "usage: $0 combine|combine2|combine3|llab|llab2|shfl"; exit 2 ;;
 esac
