@@ -11,6 +11,7 @@
 #            # suites (chain, graph reserve, framework replays, elastic buffer)
 #   combine3 # the kernel and NVSHMEM tests again, then llab; llab2: two more rounds
 #   shfl     # the reduce's checks by warp shuffles: its tests, four A/B rounds
+#   recheck40 # the graph replays, NVSHMEM across nodes, chain suites after the shuffles
 #   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
 #            # archive 64bed80 server proto client cuda` (extracted): the tree before this
 #            # change (the reduce's duplicate and range checks, a done kernel per buffer)
@@ -59,6 +60,12 @@ case "${1:-}" in
     ab_rounds 7 8 ll_rows new-first
     merge_json llrows llrows_ab3
     ;;
+  recheck40)  # what the shuffles' run left out: the daemon's graph replays, the NVSHMEM build
+    # across two logical nodes, the chain and graph-reserve suites
+    STEP_TEST_SECONDS=120 step graph5 140 "tests/gpu/test_daemon.py -k low_latency_cuda_graph"
+    STEP_TEST_SECONDS=150 step across5 170 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
+    STEP_TEST_SECONDS=120 step chain5 150 "tests/gpu/test_ll_chain.py tests/gpu/test_graph_reserve.py"
+    ;;
   llab2)  # two more rounds, this tree first
     ab_rounds 3 4 ll_rows new-first
     merge_json llrows llrows_ab2
@@ -67,5 +74,5 @@ case "${1:-}" in
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
-  *) echo "usage: $0 combine|combine2|combine3|llab|llab2|shfl"; exit 2 ;;
+  *) echo "usage: $0 combine|combine2|combine3|llab|llab2|shfl|recheck40"; exit 2 ;;
 esac
