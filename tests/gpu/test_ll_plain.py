@@ -132,6 +132,19 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                                   recv_src_rank=handle.src_rank, recv_src_idx=handle.src_idx)
             return {"compact": _compact(out, LX), "cx": _bits(cx)}
 
+        def goes_on(step, hook):
+            """The group goes on: the next layer (nothing raised at the call), then
+            Buffer.check() raises the step's failure, once."""
+            got = run(*layer0(), hook=hook)
+            torch.cuda.synchronize()
+            res[f"after{step}"] = outputs(*got)
+            try:
+                buf.check()
+                res[f"bad{step}"] = "accepted"
+            except EpdError as e:
+                res[f"bad{step}"] = (e.code.name, e.details)
+            buf.check()  # (once)
+
         for step, (who, bad_at) in enumerate(((0, (0, 0)), (1, (3, 1)), (1, (6, 1)))):
             hook = step == 2
             x, idx, w = _inputs(99 + step, rank, 8)
@@ -142,15 +155,7 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
             _, count, _, cx = run(*(_to_torch(a, device) for a in (x, idx, w)), hook=hook)
             torch.cuda.synchronize()  # (hook outputs are views: read before the next call)
             res[f"bad{step}_outputs"] = (int(count.sum()), bool((cx == 0).all()))
-            got = run(*layer0(), hook=hook)  # the group goes on: nothing raised here
-            torch.cuda.synchronize()
-            res[f"after{step}"] = outputs(*got)
-            try:
-                buf.check()
-                res[f"bad{step}"] = "accepted"
-            except EpdError as e:
-                res[f"bad{step}"] = (e.code.name, e.details)
-            buf.check()  # (once)
+            goes_on(step, hook)
         # A bad entry in a combine's own top-k fails that rank's combine alone (raised at its
         # check), leaves the entry out of its sum; the other rank's is exact; a good combine of
         # the same handle after it is exact and raises nothing (its verdict was cleared); the
@@ -167,15 +172,7 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
                 h()
             torch.cuda.synchronize()
             res[f"again{step}_cx"] = _bits(cx)
-            got = run(*layer0(), hook=hook)
-            torch.cuda.synchronize()
-            res[f"after{step}"] = outputs(*got)
-            try:
-                buf.check()
-                res[f"bad{step}"] = "accepted"
-            except EpdError as e:
-                res[f"bad{step}"] = (e.code.name, e.details)
-            buf.check()  # (once)
+            goes_on(step, hook)
     q.put(res)
 
 
