@@ -633,10 +633,10 @@ ll_combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
             } else {  // (the host path's order: range, twice, dispatched)
                 int bad = (e < -1 || e >= (i64)L * R) ? ERR_BAD_INPUT
                           : twice                     ? ERR_BAD_DUPLICATE : 0;
-                if (bad == 0 && ((gone >> (int)(e / L)) & 1ull))
-                    kd = -1;  // (a masked or gone expert's rank: nothing)
-                else if (bad == 0 && kd < 0)
-                    bad = ERR_NOT_DISPATCHED;
+                if (bad == 0 && kd < 0)
+                    bad = ERR_NOT_DISPATCHED;  // (whatever became of the expert's rank)
+                else if (bad == 0 && ((gone >> (int)(e / L)) & 1ull))
+                    kd = -1;  // (a masked or gone expert's rank: its rows never came)
                 if (bad != 0) {
                     kd = -1;
                     post_combine_verdict(verdict_area, bad, rank, t, e, seq);

@@ -12,6 +12,7 @@
 #   combine3 # the kernel and NVSHMEM tests again, then llab; llab2: two more rounds
 #   shfl     # the reduce's checks by warp shuffles: its tests, four A/B rounds
 #   recheck40 # the graph replays, NVSHMEM across nodes, chain suites after the shuffles
+#   final40  # a combine entry never dispatched fails whatever became of its expert's rank
 #   llab     # the facade's low-latency pairs (plain, hook), A/B against .whl/old = `git
 #            # archive 64bed80 server proto client cuda` (extracted): the tree before this
 #            # change (the reduce's duplicate and range checks, a done kernel per buffer)
@@ -66,6 +67,14 @@ case "${1:-}" in
     STEP_TEST_SECONDS=150 step across5 170 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
     STEP_TEST_SECONDS=120 step chain5 150 "tests/gpu/test_ll_chain.py tests/gpu/test_graph_reserve.py"
     ;;
+  final40)  # an entry its dispatch did not send fails a combine whatever became of the
+    # expert's rank (as the host path): the kernel tests, the facade's calls (one helper now),
+    # rank masking (masked and gone ranks' dispatched experts are still skipped)
+    STEP_TEST_SECONDS=100 step kernels6 120 "tests/gpu/test_low_latency_kernels.py"
+    STEP_TEST_SECONDS=150 step plain6 200 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    STEP_TEST_SECONDS=100 step masking6 150 "tests/gpu/test_rank_masking_gpu.py"
+    ;;
   llab2)  # two more rounds, this tree first
     ab_rounds 3 4 ll_rows new-first
     merge_json llrows llrows_ab2
@@ -74,5 +83,5 @@ case "${1:-}" in
     ab_rounds 1 2 ll_rows
     merge_json llrows llrows_ab
     ;;
-  *) echo "usage: $0 combine|combine2|combine3|llab|llab2|shfl|recheck40"; exit 2 ;;
+  *) echo "usage: $0 combine|combine2|combine3|llab|llab2|shfl|recheck40|final40"; exit 2 ;;
 esac
