@@ -455,3 +455,14 @@ def test_a_receive_buffers_header_verdict_decodes() -> None:
     header[2] = np.int64(-3).astype(np.uint64)
     assert counter_page.ll_header_verdict(header) == (abi.ERR_BAD_DUPLICATE, 5, 77, -3)
     assert counter_page.ll_header_verdict(np.zeros(3, np.uint64)) == (0, 0, 0, 0)
+    # No verdict: the other words are not read (a combine's value word is never cleared; the
+    # GPU tests poison the whole buffer).
+    poisoned = np.full(3, 0xABABABABABABABAB, np.uint64)
+    poisoned[1] = 0xAB << 8
+    assert counter_page.ll_header_verdict(poisoned) == (0, 0, 0, 0)
+    # A combine's verdict words (from LL_COMBINE_VERDICT on) decode alike.
+    words = np.zeros(abi.LL_TOPK_HEADER // 8, np.uint64)
+    words[abi.LL_COMBINE_VERDICT + 1] = abi.ERR_NOT_DISPATCHED | 1 << 8 | 4 << 32
+    words[abi.LL_COMBINE_VERDICT + 2] = 9
+    assert counter_page.ll_header_verdict(words[abi.LL_COMBINE_VERDICT:]) == (
+        abi.ERR_NOT_DISPATCHED, 1, 4, 9)
