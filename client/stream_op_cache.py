@@ -268,4 +268,3 @@ class StreamOpCache:
             del self._by_op[e.op.op_id]
         if e in self._unchecked:
             self._unchecked.remove(e)
-

@@ -136,8 +136,9 @@ class StreamOp:
                           self.group.spec.num_experts, combine=self.kind == "combine")
 
     def take_verdict(self) -> EpdError | None:
-        """The failure of the last trigger a source's bad ids failed since the last take
-        (sticky: a later trigger's success does not clear it), and clear it. Only while no
+        """The verdict of the last trigger that one failed since the last take (a dispatch: a
+        source's bad ids; a combine: its own top-k's bad entry; sticky: a later trigger's
+        success does not clear it), and clear it. Only while no
         trigger of the op is in flight (after a synchronise; a trigger that fails writes it)."""
         value = int(self._words[abi.STREAM_FAIL_DONE])
         if not value:
@@ -147,7 +148,8 @@ class StreamOp:
 
     def check(self) -> None:
         """Raise if a trigger failed (call after synchronising the stream): the last trigger's
-        failure, or a dispatch's verdict (bad ids) since the last check, once."""
+        failure, or a verdict (a dispatch's bad ids, a combine's bad top-k entry) since the
+        last check, once."""
         err = self.take_verdict()
         status = self.status()
         if err is None and not is_verdict(status):
