@@ -49,6 +49,22 @@ def plain_op_limit() -> int:
     return n
 
 
+def _branch_features_off(call: str, **features: Any) -> None:
+    """Keywords of DeepEP's feature branches that SGLang and vLLM pass by name when they find
+    such a build (hybrid-ep's NVFP4 dispatch, the single-batch-overlap combine of hybrid-ep and
+    antgroup-opt): taken at their off values, as those builds do; on, Unsupported naming the
+    feature (EPD's kernels have neither), before anything changes."""
+    on = [k for k, v in features.items() if v is not None and v is not False]
+    if not on:
+        return
+    what = ("NVFP4 dispatch (use_nvfp4, x_global_scale, use_ue8m0_for_sf)"
+            if call == "low_latency_dispatch" else
+            "the overlapped combine of single-batch overlap (overlap and its signals)")
+    raise C.Unsupported(f"{call}: {', '.join(on)} ask for {what}, a feature of DeepEP's "
+                        f"hybrid-ep / antgroup-opt branches that EPD does not have; call "
+                        f"without it")
+
+
 def _no_op_hook() -> None:
     """The receive hook: the call it came from has already received its data."""
     return None
@@ -89,14 +105,20 @@ class LowLatencyMixin:
                              num_experts: int, cumulative_local_expert_recv_stats: Array = None,
                              dispatch_wait_recv_cost_stats: Array = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False,
-                             async_finish: bool = False, return_recv_hook: bool = False):
+                             async_finish: bool = False, return_recv_hook: bool = False, *,
+                             x_global_scale: Array = None, use_nvfp4: bool = False,
+                             use_ue8m0_for_sf: bool = False):
         """(recv_x, recv_count, handle, event, hook). recv_x is
         `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` (bf16), or
         with use_fp8 a tuple (e4m3 x, float32 scales `[..., hidden // 128]`); recv_count is
         int32 `[num_local_experts]`. With return_recv_hook, hook is the receive half: on the
         cuda backend calling it makes the stream that was current at this call wait for the
         data (DeepEP's: whichever stream is current when the hook is called; stream-ordered
-        path); on the cpu backend the data has arrived already and it does nothing. Else None."""
+        path); on the cpu backend the data has arrived already and it does nothing. Else None.
+        `x_global_scale`, `use_nvfp4`, `use_ue8m0_for_sf`: DeepEP hybrid-ep's NVFP4 keywords,
+        accepted off (`_branch_features_off`)."""
+        _branch_features_off("low_latency_dispatch", x_global_scale=x_global_scale,
+                             use_nvfp4=use_nvfp4, use_ue8m0_for_sf=use_ue8m0_for_sf)
         x_shape, x_dtype = T.meta(x, "x")
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(x_shape) != 2 or len(idx_shape) != 2:
@@ -185,11 +207,20 @@ class LowLatencyMixin:
                             handle: LowLatencyBufferHandle, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Array = None,
-                            combine_wait_recv_cost_stats: Array = None):
+                            combine_wait_recv_cost_stats: Array = None, *,
+                            overlap: bool = False, src_signals: Array = None,
+                            src_signal_expect_value: int = 0, packed_recv_count: Array = None,
+                            comp_signal: Array = None, block_m: int = 64, threshold: int = 0,
+                            num_sms: int = 3):
         """(combined_x, event, hook): combined_x `[num_tokens, hidden]` bf16, the weighted sum
         of each token's expert outputs; written into `out` (and returned) when given. A handle
         of another Buffer of the same group is combined by that Buffer (its armed calls and its
-        daemon group)."""
+        daemon group). `overlap` and its signals (`src_signals`, `src_signal_expect_value`;
+        `packed_recv_count`, `comp_signal`, `block_m`, `threshold`, `num_sms`): the
+        single-batch-overlap keywords of DeepEP's hybrid-ep / antgroup-opt branches, accepted
+        off (`_branch_features_off`; the last four only shape an overlapped combine)."""
+        _branch_features_off("low_latency_combine", overlap=overlap, src_signals=src_signals,
+                             packed_recv_count=packed_recv_count, comp_signal=comp_signal)
         owner, handle = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.low_latency_combine(
