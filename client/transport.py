@@ -316,6 +316,7 @@ class FastPathTransport(Transport):
                 words[R.S_METHOD] = op.ring_id
                 words[R.S_LENGTH] = len(data)
                 words[R.S_STATUS] = 0
+                R.set_deadline(words, deadline)  # (the engine does not start it later)
                 R.set_seq(words, seq)
                 host_order.publish()  # (the request before its state)
                 words[R.S_STATE] = R.SUBMITTED

@@ -21,6 +21,9 @@ Layout (little-endian):
         u32 method           ring id of the operation (operations.RING_METHODS)
         u32 length           bytes of the request, then of the response
         i32 status           gRPC status code of the response (0 = OK)
+        u64 deadline         when the client stops waiting: CLOCK_MONOTONIC ns (one clock on
+                             one host); 0 from an older client (none). A request still queued
+                             then is answered DEADLINE_EXCEEDED and not run.
         payload              request, replaced by the response (or an error message)
 """
 
@@ -44,6 +47,7 @@ FREE, SUBMITTED, DONE = 0, 1, 2
 # Word indices (u32) in the header and in a slot header.
 DOORBELL, ENGINE_WAITING, CLOSED = 0, 1, 2
 S_SEQ_LO, S_SEQ_HI, S_STATE, S_METHOD, S_LENGTH, S_STATUS = 0, 1, 2, 3, 4, 5
+S_DEADLINE_LO, S_DEADLINE_HI = 6, 7
 
 # Limits of a ring (the engine checks a client's request against them) and the default slot size.
 MAX_SLOTS = 1024
@@ -187,3 +191,16 @@ def seq_of(words: np.ndarray) -> int:
 def set_seq(words: np.ndarray, seq: int) -> None:
     words[S_SEQ_LO] = seq & 0xFFFFFFFF
     words[S_SEQ_HI] = seq >> 32
+
+
+def set_deadline(words: np.ndarray, deadline: float) -> None:
+    """The request's deadline: `deadline` on time.monotonic()'s clock (CLOCK_MONOTONIC)."""
+    ns = max(int(deadline * 1e9), 1)
+    words[S_DEADLINE_LO] = ns & 0xFFFFFFFF
+    words[S_DEADLINE_HI] = ns >> 32
+
+
+def deadline_of(words: np.ndarray) -> float | None:
+    """The request's deadline on time.monotonic()'s clock, None if its client set none."""
+    ns = int(words[S_DEADLINE_LO]) | (int(words[S_DEADLINE_HI]) << 32)
+    return ns / 1e9 if ns else None

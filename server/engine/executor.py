@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
+import functools
 import logging
 import threading
 import time
@@ -36,7 +38,7 @@ from typing import Protocol, TypeVar
 
 import grpc
 
-from ...proto.errors import Aborted, EpdError, Unavailable
+from ...proto.errors import Aborted, DeadlineExceeded, EpdError, Unavailable
 from ...proto.thread_names import named_initializer
 from .watchdog import SlowOperations
 
@@ -131,6 +133,13 @@ class EngineState:
         return self._inflight
 
 
+# When the client of the gRPC call being served stops waiting (time.monotonic()'s clock; None:
+# no deadline), set by the gRPC transport for the call's task; the fast path reads its own from
+# the request's ring slot. `SessionExecutor.run` takes it along.
+CLIENT_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "epd_client_deadline", default=None)
+
+
 class SessionExecutor:
     """The worker, operation lock, transports and teardown of one session."""
 
@@ -152,12 +161,14 @@ class SessionExecutor:
         self._after: list[Callable[[], None]] = []
 
     # -- running operations ------------------------------------------------------------------
-    def call(self, fn: Callable[..., T], *args, answer: Callable[[T], None] | None = None) -> T:
+    def call(self, fn: Callable[..., T], *args, answer: Callable[[T], None] | None = None,
+             deadline: float | None = None) -> T:
         """Run one operation on the calling thread under the operation lock (the fast-path
         thread, the worker). The caller's transport has admitted it (EngineState.admit).
         `answer`: hands the operation's result to its client before the work it left for
-        after its answer (`after_answer`) runs, still under the lock."""
-        return self._call(time.perf_counter(), fn, *args, answer=answer)
+        after its answer (`after_answer`) runs, still under the lock. `deadline`: when its
+        client stops waiting (time.monotonic()); passed by then, it is not run."""
+        return self._call(time.perf_counter(), fn, *args, answer=answer, deadline=deadline)
 
     def after_answer(self, fn: Callable[[], None]) -> None:
         """Called by the running operation: run `fn` once its answer is on its way, before
@@ -168,12 +179,19 @@ class SessionExecutor:
         self._after.append(fn)
 
     def _call(self, queued: float, fn: Callable[..., T], *args,
-              answer: Callable[[T], None] | None = None) -> T:
+              answer: Callable[[T], None] | None = None, deadline: float | None = None) -> T:
         with self.op_lock:
             # Read by the operation itself (under the lock): the per-group queueing delay.
             self.waited = time.perf_counter() - queued
             if self.closing is not None:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
+            if deadline is not None and time.monotonic() >= deadline:
+                # Its client has been told DEADLINE_EXCEEDED (or is about to be): run now, the
+                # call would change what the client believes failed (a handle nobody holds, a
+                # collective its peers pair with their next one, a region unregistered).
+                raise DeadlineExceeded(
+                    f"not run: the client's deadline passed while the call waited "
+                    f"{self.waited:.3g} s behind the session's earlier operations")
             if self.slow is not None:
                 self.slow.begin(getattr(fn, "__name__", "operation"), self.name)
             try:
@@ -194,9 +212,11 @@ class SessionExecutor:
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the
-        event loop. Its wait in the worker's queue counts in `waited`."""
+        event loop. Its wait in the worker's queue counts in `waited`; the call's client
+        deadline (CLIENT_DEADLINE) goes with it."""
         return await asyncio.get_running_loop().run_in_executor(
-            self.worker, self._call, time.perf_counter(), fn, *args)
+            self.worker, functools.partial(self._call, time.perf_counter(), fn, *args,
+                                           deadline=CLIENT_DEADLINE.get()))
 
     def exclusive(self, fn: Callable[[], T], timeout: float | None = None) -> T | None:
         """Run `fn` with no operation running (even while closing): teardown steps, such as

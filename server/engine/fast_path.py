@@ -137,9 +137,10 @@ class FastPathServer:
                 break
             data = bytes(payload[:int(words[R.S_LENGTH])])
             method = int(words[R.S_METHOD])
+            deadline = R.deadline_of(words)
             last = method if method in self._ops else None  # (a client picks the number)
             slot = (words, payload, state_addr)
-            failed = self._handle(method, data, functools.partial(self._answer, slot))
+            failed = self._handle(method, data, functools.partial(self._answer, slot), deadline)
             if failed is not None:  # (answered already otherwise: the client may own it now)
                 self._answer(slot, *failed)
             seq += 1
@@ -165,12 +166,12 @@ class FastPathServer:
         if self._batch is not None:
             self._batch.flush()
 
-    def _handle(self, ring_id: int, data: bytes,
-                answer: Callable[[int, bytes], None]) -> tuple[int, bytes] | None:
+    def _handle(self, ring_id: int, data: bytes, answer: Callable[[int, bytes], None],
+                deadline: float | None = None) -> tuple[int, bytes] | None:
         """One request. A successful operation's response goes to `answer` as soon as it
         exists, before the work the operation left for after its answer
         (SessionExecutor.after_answer), and None is returned; a failure returns (status value,
-        error message) for the caller to answer."""
+        error message) for the caller to answer. `deadline`: its client's (the slot's)."""
         cpu0 = time.thread_time()
         entry = self._ops.get(ring_id)
         method = entry[0].name if entry is not None else "?"
@@ -199,7 +200,8 @@ class FastPathServer:
                 self.engine.refuse(method, req, refused)
                 raise
             try:
-                self.session.executor.call(fn, self.session, req, "fastpath", answer=reply)
+                self.session.executor.call(fn, self.session, req, "fastpath", answer=reply,
+                                           deadline=deadline)
             finally:
                 state.leave()
             return None

@@ -26,7 +26,7 @@ from ...proto.v1 import epd_pb2, epd_pb2_grpc
 from .. import __version__, metrics
 from .core import Engine
 from .decoding import check, deserializer
-from .executor import as_epd_error
+from .executor import CLIENT_DEADLINE, as_epd_error
 
 log = logging.getLogger("epd.engine")
 Handler = Callable[[Engine, Message], Awaitable[Message]]
@@ -176,6 +176,8 @@ def _unary(engine: Engine, name: str, fn: Handler):
             except EpdError as refused:
                 await asyncio.to_thread(engine.refuse, name, request, refused)
                 raise
+            remaining = context.time_remaining()
+            CLIENT_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
             try:
                 return await fn(engine, request)
             finally:
