@@ -276,6 +276,31 @@ def run_group(endpoint: str, case: Case, rank: int, service_class: str | None) -
         return res
 
 
+def test_a_refused_call_is_not_counted_as_queued(daemon) -> None:
+    """GetStats' queued_calls / queue_wait_seconds (and epd_queue_wait_seconds) count the calls
+    of a rank that ran: a call refused by its request's checks (a review found four kinds
+    counted) is not, whatever its wait."""
+    case = Case("svc-refused-count", 1, 4, 128, 2, (6,), max_tokens=8)
+    with Session(daemon.socket(0)) as s:
+        g = join(s, case, 0)
+        wide = s._descs({"i": np.zeros((6, 3), np.int64)})["i"]  # (the group's top-k is 2)
+        refused = {
+            "GetDispatchLayout": epd_pb2.GetDispatchLayoutRequest(
+                session_id=s.session_id, group_id=g.group_id, topk_idx=wide),
+            "Dispatch": epd_pb2.DispatchRequest(
+                session_id=s.session_id, group_id=g.group_id, x=wide, expert_alignment=-1),
+            "Combine": epd_pb2.CombineRequest(
+                session_id=s.session_id, group_id=g.group_id, handle=424242, x=wide)}
+        for method, req in refused.items():
+            with pytest.raises(EpdError):
+                s._call(method, req)
+        st = next(x for x in s.stats().groups if x.name == case.group)
+        assert (st.queued_calls, st.queue_wait_seconds) == (0, 0), st
+        g.get_dispatch_layout(case.inputs(0)["topk_idx"])
+        st = next(x for x in s.stats().groups if x.name == case.group)
+        assert st.queued_calls == 1, st
+
+
 def test_two_classes_concurrently_exact(daemon, ranks):
     decode = Case(group="svc-decode-mix", num_ranks=2, num_experts=8, hidden=256, num_topk=2,
                   tokens=(24, 17), seed=11, rounds=4)

@@ -86,7 +86,8 @@ class DataPlane:
     @staticmethod
     def _queued(session: Session, member: GroupMember) -> None:
         """Account the time this call waited for the session's executor to its group (the
-        per-group queueing delay, by service class)."""
+        per-group queueing delay, by service class): once its request passed its checks, so
+        a refused call is not counted (GetStats: "calls of this rank that ran")."""
         waited = session.executor.waited
         member.queued_calls += 1
         member.queue_wait_seconds += waited
@@ -138,13 +139,13 @@ class DataPlane:
     def layout_op(self, session: Session, req: epd_pb2.GetDispatchLayoutRequest,
                   path: str) -> epd_pb2.GetDispatchLayoutResponse:
         member = self.member(session, req.group_id)
-        self._queued(session, member)
         spec = member.spec
         idx = self._routing(req.topk_idx, session.regions, "topk_idx", INDEX_DTYPES)
         if idx.shape[0] > spec.max_tokens_per_rank:
             raise InvalidArgument(f"{idx.shape[0]} tokens exceed the group's "
                                   f"max_tokens_per_rank={spec.max_tokens_per_rank}")
         self._check_routing(spec, idx, None, idx.shape[0])
+        self._queued(session, member)
         if req.stream_ordered:
             return self.layout_stream(session, member, req, idx, path)
         t0 = time.perf_counter()
@@ -167,7 +168,6 @@ class DataPlane:
                     path: str) -> epd_pb2.DispatchResponse:
         """Validate (nothing changes on bad input), then notify + dispatch."""
         member = self.member(session, req.group_id)
-        self._queued(session, member)
         taken = member.dispatch_sequence
         try:
             return self._dispatch(session, member, req, path)
@@ -281,6 +281,7 @@ class DataPlane:
                             req.num_worst_tokens,
                             cached.backend_handle if cached is not None else None,
                             in_rank, per_expert)
+        self._queued(session, member)
         if req.stream_ordered:  # (it releases req.release_handles once it checked the call)
             return self.dispatch_stream(session, member, req, args, cached, timeout, path)
         if req.num_sms:
@@ -492,7 +493,6 @@ class DataPlane:
 
     def _combine(self, session: Session, member: GroupMember, req: epd_pb2.CombineRequest,
                  path: str) -> epd_pb2.CombineResponse:
-        self._queued(session, member)
         spec = member.spec
         self._check_normal_mode(member, "combine")
         self._check_alive(member, req.stream_ordered)
@@ -532,6 +532,7 @@ class DataPlane:
             biases.append(b)
         timeout = self._timeout(req.timeout_seconds)
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
+        self._queued(session, member)
         if req.stream_ordered:
             return self.combine_stream(session, member, req, info, args, timeout, path)
         if req.num_sms or tensors.is_set(req.out):
@@ -682,7 +683,6 @@ class DataPlane:
                       path: str) -> epd_pb2.LowLatencyCombineResponse:
         """DeepEP low_latency_combine (weighted). Validate, then run."""
         member = self.member(session, req.group_id)
-        self._queued(session, member)
         spec = member.spec
         self._check_alive(member)
         info = self._handle(member, req.handle, LOW_LATENCY)
@@ -690,6 +690,7 @@ class DataPlane:
                                     info.backend_handle)
         idx, out = args.topk_idx, args.out
         timeout = self._timeout(req.timeout_seconds)
+        self._queued(session, member)
 
         def run():
             args.topk_idx_host = self._check_values(session, req.ready_event, member, idx,
