@@ -431,7 +431,12 @@ class FastPathTransport(Transport):
         data = request.SerializeToString()
         if not self._use_ring(method, data):
             return self.inner.call(method, request, timeout)
-        return self._submit(method, data, timeout).result()
+        try:
+            return self._submit(method, data, timeout).result()
+        except ResourceExhausted as e:  # (a large GetStats: many groups, long abort reasons)
+            if method in R.READ_ONLY and R.is_oversize(e.message):
+                return self.inner.call(method, request, timeout)
+            raise
 
     def call_async(self, method: str, request: Message, timeout: float) -> PendingCall:
         if self.closed:

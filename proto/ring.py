@@ -193,6 +193,16 @@ def set_seq(words: np.ndarray, seq: int) -> None:
     words[S_SEQ_HI] = seq >> 32
 
 
+# The engine's answer to a request whose response does not fit its slot (RESOURCE_EXHAUSTED; the
+# operation ran): a read-only one is asked again over gRPC by the client.
+OVERSIZE = "response of {} bytes exceeds the ring slot ({})"
+READ_ONLY = frozenset({"Ping", "GetStats"})
+
+
+def is_oversize(message: str) -> bool:
+    return message.startswith(OVERSIZE.split("{")[0]) and "exceeds the ring slot" in message
+
+
 def set_deadline(words: np.ndarray, deadline: float) -> None:
     """The request's deadline: `deadline` on time.monotonic()'s clock (CLOCK_MONOTONIC)."""
     ns = max(int(deadline * 1e9), 1)

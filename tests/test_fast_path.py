@@ -325,3 +325,21 @@ def test_an_error_cut_to_its_slot_still_decodes(daemon_factory) -> None:
                 s._transport.call("GetStats", epd_pb2.GetStatsRequest(session_id="😀" * n), 5)
             assert ei.value.code == grpc.StatusCode.NOT_FOUND, ei.value
         assert s.transport == "fastpath"
+
+
+def test_a_stats_answer_larger_than_its_slot_comes_over_grpc(daemon_factory) -> None:
+    """An answer that does not fit its ring slot is RESOURCE_EXHAUSTED from the ring (the
+    operation ran); for a read-only call (GetStats: many groups, long abort reasons) the client
+    asks again over gRPC, and the ring goes on serving. (A review: GetStats failed so.)"""
+    from ranklib import Case, join
+
+    with (daemon_factory(engines=1, extra=["--fast-path-slot-bytes", "4096"]) as d,
+          Session(d.socket(0)) as s):
+        assert s.transport == "fastpath"
+        for i in range(40):
+            join(s, Case(f"{'long-group-name-' * 6}{i}", 1, 4, 128, 2, (2,)), 0)
+        st = s.stats()
+        assert len(st.groups) == 40 and st.ByteSize() > 4096
+        assert s.transport == "fastpath"
+        s.ping()
+

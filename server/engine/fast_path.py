@@ -152,8 +152,7 @@ class FastPathServer:
         """Write a response (or error) into the request's slot and wake the client."""
         words, payload, state_addr = slot
         if len(out) > self.ring.capacity:
-            err = ResourceExhausted(f"response of {len(out)} bytes exceeds the ring slot "
-                                    f"({self.ring.capacity})")
+            err = ResourceExhausted(R.OVERSIZE.format(len(out), self.ring.capacity))
             status, out = status_value(err.code), err.message.encode()
         payload[:len(out)] = out
         words[R.S_LENGTH] = len(out)
