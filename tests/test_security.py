@@ -147,6 +147,19 @@ def test_another_client_cannot_act_as_a_session(daemon) -> None:
 
 
 # -- finding 4: no client-supplied paths ---------------------------------------------------------
+def test_a_client_name_cannot_forge_log_lines(daemon) -> None:
+    """The client's name goes into the engine's log lines and into the abort reasons other
+    tenants read: control characters become "?" (a review forged a log line with a newline),
+    and the pid shown is the descriptor channel's (SO_PEERCRED), not the one the client
+    claims."""
+    with Session(daemon.socket(0), client_name="evil\nINFO epd.engine: forged line") as s:
+        sid = s.session_id
+    text = daemon.log()
+    assert not any(line.startswith("INFO epd.engine: forged") for line in text.splitlines())
+    opened = next(line for line in text.splitlines() if f"opened session {sid}" in line)
+    assert f"(evil?INFO epd.engine: forged line, pid {os.getpid()})" in opened, opened
+
+
 def test_register_region_takes_no_path(daemon) -> None:
     assert "shm_path" not in epd_pb2.RegisterRegionRequest.DESCRIPTOR.fields_by_name
     with Session(daemon.socket(0), timeout=10) as s:

@@ -483,7 +483,9 @@ class Engine(StreamCalls, DataPlane):
         sid = secrets.token_hex(8)
         page = self.backend.open_counter_page()  # a sealed memfd, fetched over the channel
         del self.tickets[ticket]
-        s = Session(sid, client_name[:64], pid, page,
+        # (printable only: the name goes into log lines and other tenants' abort reasons)
+        name = "".join(c if c.isprintable() else "?" for c in client_name[:64])
+        s = Session(sid, name, pid, page,
                     SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init,
                                     self.slow_ops),
                     token=secrets.token_bytes(32), peer=peer, channel_ticket=ticket)

@@ -207,5 +207,7 @@ class Session:
         return self.executor.op_lock
 
     def describe(self) -> str:
-        return f"session {self.session_id} ({self.client_name or 'client'}, pid {self.pid})"
+        # The pid the descriptor channel saw (SO_PEERCRED), not the one the client claims.
+        pid = self.peer[0] if self.peer is not None else self.pid
+        return f"session {self.session_id} ({self.client_name or 'client'}, pid {pid})"
 
