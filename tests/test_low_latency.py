@@ -385,6 +385,34 @@ def test_bad_input(daemon, fast: bool) -> None:
         np.testing.assert_array_equal(_bits(cx), _bits(comb[r]))
 
 
+def test_a_combine_of_an_overwritten_receive_buffer_is_refused(daemon) -> None:
+    """DeepEP's double buffer on the CPU backend as on the CUDA engine: two dispatches may be
+    in flight, one per receive buffer (D0 D1 C0 C1: exact); a third into a buffer overwrites
+    the dispatch there, whose combine is then refused with FAILED_PRECONDITION on every rank,
+    before taking part; the group goes on."""
+    xs, idx, w = _workload([6, 5, 4], seed=21)
+    _, comb = _reference(xs, idx, w, 8, "bf16")
+
+    def fn(r, s, g):
+        d0 = g.low_latency_dispatch(xs[r], idx[r], 8, buffer=0)
+        d1 = g.low_latency_dispatch(xs[r], idx[r], 8, buffer=1)
+        c0 = g.low_latency_combine(_expert(r, d0.recv_x, None), idx[r], w[r], d0.handle)
+        c1 = g.low_latency_combine(_expert(r, d1.recv_x, None), idx[r], w[r], d1.handle)
+        d2 = g.low_latency_dispatch(xs[r], idx[r], 8, buffer=0)
+        stale = _code(lambda: g.low_latency_combine(_expert(r, d0.recv_x, None), idx[r], w[r],
+                                                    d0.handle))
+        c2 = g.low_latency_combine(_expert(r, d2.recv_x, None), idx[r], w[r], d2.handle)
+        return stale, c0, c1, c2
+
+    res = _run(daemon, fn)
+    for r in range(R):
+        (code, msg), *cs = res[r]
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, msg
+        assert "in receive buffer 0 was overwritten by dispatch" in msg, msg
+        for c in cs:
+            np.testing.assert_array_equal(_bits(c), _bits(comb[r]))
+
+
 def test_arguments_that_differ_across_ranks(daemon) -> None:
     """num_max_dispatch_tokens_per_rank / use_fp8 must agree: every rank gets
     FAILED_PRECONDITION naming the disagreement, and the group stays usable (see

@@ -326,6 +326,14 @@ class LowLatencyCombineOutputs:
     bytes_received: int = 0
 
 
+def ll_overwritten(sequence: int, buffer: int, latest: int) -> str:
+    """Why a low-latency combine is refused (FAILED_PRECONDITION, before taking part): its
+    dispatch's receive buffer holds a later dispatch now (both backends)."""
+    return (f"low-latency dispatch #{sequence} in receive buffer {buffer} was overwritten by "
+            f"dispatch #{latest}; two dispatches can be in flight, one per buffer (DeepEP's "
+            f"double buffer): combine each before a third dispatch reuses its buffer")
+
+
 def check_combine_routing(dispatched: np.ndarray, combine: np.ndarray) -> np.ndarray:
     """Low-latency combine entries must each name one of the token's dispatched experts (any k
     position, -1 allowed). Returns, per entry, the k position in the dispatch."""

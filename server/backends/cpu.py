@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import counter_page, dtypes, host_order
+from ...proto import abi, counter_page, dtypes, host_order
 from ...proto import fd_channel as fdc
 from ...proto.errors import (
     Aborted,
@@ -59,6 +59,7 @@ from .base import (
     RankComm,
     Region,
     check_combine_routing,
+    ll_overwritten,
 )
 from .cpu_calls import CallHeader, call_disagreement, capacity_overflow
 from .cpu_comm_file import (
@@ -131,6 +132,7 @@ class _LowLatencyHandle:
     dest: np.ndarray  # [T, K] destination rank of each pair, -1 for none
     row: np.ndarray  # [T, K] row of the pair in the destination's compacted combine input
     recv_count: np.ndarray  # [L] rows this rank received per local expert
+    buffer: int = 0  # the receive buffer the dispatch filled
 
 
 def layout_of(topk_idx: np.ndarray, spec: GroupSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -160,6 +162,9 @@ class CpuRankComm(RankComm):
                                        OutputArena.bytes_for(spec), create=True)
         self._out = OutputArena(self.output_region, spec)
         self._sequence = 0  # collectives this rank has started
+        # The low-latency dispatch each receive buffer holds (its collective number; DeepEP's
+        # double buffer, as the CUDA engine's: a combine of an overwritten one is refused).
+        self._ll_filled = [0] * abi.LL_BUFFERS
         self._mask = np.frombuffer(self._mm, np.uint8, spec.num_ranks, MASK)  # shrink groups
         self._stopped: str | None = None  # this rank went away (shrink groups): why
         # A replacement taking the place of a rank that went away: it waits for the group's
@@ -771,7 +776,9 @@ class CpuRankComm(RankComm):
         row[tt, kk] = expert_off[g] + before[g] + (np.arange(len(g)) - first[g])
         dest = np.where(valid, mine // lx, -1)
         handle = _LowLatencyHandle(sequence=seq, num_tokens=t, num_max=m, topk_idx=mine,
-                                   dest=dest, row=row, recv_count=fill.copy())
+                                   dest=dest, row=row, recv_count=fill.copy(),
+                                   buffer=args.buffer)
+        self._ll_filled[args.buffer] = seq
         return LowLatencyDispatchOutputs(
             recv_x=recv_x, recv_x_scales=recv_scales, recv_count=recv_count,
             recv_src_rank=src_rank, recv_src_idx=src_idx, num_recv_rows=int(fill.sum()),
@@ -782,6 +789,9 @@ class CpuRankComm(RankComm):
         spec, me = self.spec, self.rank
         r, lx, h = spec.num_ranks, spec.num_local_experts, spec.hidden
         handle: _LowLatencyHandle = args.handle
+        if self._ll_filled[handle.buffer] != handle.sequence:
+            raise FailedPrecondition(ll_overwritten(handle.sequence, handle.buffer,
+                                                    self._ll_filled[handle.buffer]))
         dt = spec.x_numpy_dtype
         comb = np.asarray(args.topk_idx)
         t, k = comb.shape

@@ -63,6 +63,7 @@ from .base import (
     RankComm,
     Region,
     check_combine_routing,
+    ll_overwritten,
 )
 from .cuda_chain import LowLatencyChain
 from .cuda_memory import (
@@ -111,12 +112,6 @@ def _launches(method: Callable[..., Any]) -> Callable[..., Any]:
                     log.error("group %r: the abort failed as well: %s", self.spec.name, again)
                 raise
     return wrapper
-
-
-def _overwritten(sequence: int, buffer: int, latest: int) -> str:
-    return (f"low-latency dispatch #{sequence} in receive buffer {buffer} was overwritten by "
-            f"dispatch #{latest}; two dispatches can be in flight, one per buffer (DeepEP's "
-            f"double buffer): combine each before a third dispatch reuses its buffer")
 
 
 def _copy_prefix(prefix: Any, rank_prefix: Any, stream: Any) -> None:
@@ -607,7 +602,7 @@ class CudaRankComm(RankComm):
         h: _LowLatencyHandle = args.handle
         self._no_chain()
         if runner.ll_filled[h.buffer] != h.sequence:
-            raise FailedPrecondition(_overwritten(h.sequence, h.buffer,
+            raise FailedPrecondition(ll_overwritten(h.sequence, h.buffer,
                                                   runner.ll_filled[h.buffer]))
         with cp.cuda.Device(self.backend.device):
             check_combine_routing(h.topk_idx, args.topk_idx_host if args.topk_idx_host is not None
@@ -722,7 +717,7 @@ class CudaRankComm(RankComm):
         if not mine or runner.ll_filled[buffer] != mine:
             raise FailedPrecondition(
                 f"receive buffer {buffer} does not hold the armed dispatch: "
-                + (_overwritten(mine, buffer, runner.ll_filled[buffer]) if mine else
+                + (ll_overwritten(mine, buffer, runner.ll_filled[buffer]) if mine else
                    "it was never triggered into that buffer (trigger the dispatch first)"))
         runner.ll_combine_again(prepared.launches, buffer)
         prepared.done[buffer](runner.stream)
