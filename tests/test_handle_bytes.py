@@ -138,7 +138,8 @@ def test_low_latency_handle_bytes_are_budgeted(daemon_factory) -> None:
     """One session keeps low-latency handles of 4096 tokens x top-8 (three [T, K] int64 arrays,
     768 KiB each on the cpu backend, though no row travels): with a 3 MiB budget the fourth
     dispatch is refused RESOURCE_EXHAUSTED naming the flag and the bytes, before the collective
-    (nothing changes: the handles held stay usable), and dropping one makes room."""
+    (nothing changes: the dispatch each receive buffer holds still combines), and dropping one
+    makes room."""
     per = 24 * T * K + 8 * E
     budget = ["--max-handle-bytes-per-session", str(3 * per + per // 2)]
     with daemon_factory(engines=1, extra=budget) as d, Session(d.socket(0), timeout=TIMEOUT) as s:
@@ -149,16 +150,18 @@ def test_low_latency_handle_bytes_are_budgeted(daemon_factory) -> None:
         idx = s.empty((T, K), np.int64)
         idx[:] = -1
         idx[:, 0] = np.arange(T) % E
-        held = [g.low_latency_dispatch(x, idx, T, copy=False) for _ in range(3)]
+        # (receive buffers 0, 1, 0: the third overwrites the first's, which it keeps a
+        # handle of all the same; DeepEP's double buffer)
+        held = [g.low_latency_dispatch(x, idx, T, copy=False, buffer=i % 2) for i in range(3)]
         with pytest.raises(EpdError) as ei:
-            g.low_latency_dispatch(x, idx, T, copy=False)
+            g.low_latency_dispatch(x, idx, T, copy=False, buffer=1)
         assert ei.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-handle-bytes-per-session" in ei.value.details
         assert f"holds {3 * per} bytes of dispatch handles" in ei.value.details
         assert s.stats().groups[0].handles == 3
         w = np.ones((T, K), np.float32)
-        for out in held:  # the refused call changed nothing: every handle combines
-            y = g.low_latency_combine(out.recv_x, idx, w, out.handle)
+        for out in held[1:]:  # the refused call changed nothing: each buffer's dispatch
+            y = g.low_latency_combine(out.recv_x, idx, w, out.handle)  # combines
             np.testing.assert_array_equal(np.asarray(y, np.float32), 1.0)
         held.pop(0)
         gc.collect()

@@ -319,13 +319,15 @@ def test_backend_without_the_kernels_refuses_dispatch_without_topk() -> None:
 
 def test_two_low_latency_micro_batches_in_flight(daemon) -> None:
     """vLLM DBO / SGLang two-batch overlap: D0 D1 C0 C1 on one group (outputs copied, the
-    default). Each combine is exact against the reference of its own micro-batch."""
+    default), one receive buffer each (DeepEP's double buffer, which the facade alternates by
+    itself). Each combine is exact against the reference of its own micro-batch."""
     num_ranks, experts, num_max = 3, 12, 16
     batches = [_workload(60, [9, 16, 0], experts, num_ranks),
                _workload(61, [14, 3, 11], experts, num_ranks)]
 
     def fn(r, s, g):
-        outs = [g.low_latency_dispatch(xs[r], idx[r], num_max) for xs, idx, _ in batches]
+        outs = [g.low_latency_dispatch(xs[r], idx[r], num_max, buffer=b)
+                for b, (xs, idx, _) in enumerate(batches)]
         combined = []
         for b, (out, (_, idx, w)) in enumerate(zip(outs, batches, strict=True)):
             y = (out.recv_x.astype(np.float32) * np.float32(b + 2)).astype(BF16)

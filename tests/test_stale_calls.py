@@ -17,7 +17,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from ranklib import Case, join
+from ranklib import Case, comm_arrivals, join, wait_until
 
 from epd.client import Session
 from epd.client import group as client_group
@@ -52,9 +52,12 @@ def _hold(g, two: Case) -> tuple[threading.Thread, dict]:
             out["a"] = g.dispatch(i0["x"], i0["topk_idx"], i0["topk_weights"], timeout=20)
         except EpdError as e:
             out["a"] = e
+    arrived = comm_arrivals("", g.group_id, 2)
     th = threading.Thread(target=run)
     th.start()
-    time.sleep(0.3)  # (it holds the operation lock now)
+    # It holds the operation lock once it is inside its collective (its arrival counted).
+    wait_until(lambda: (a := comm_arrivals("", g.group_id, 2)) is not None
+               and a[0] > arrived[0], 10, "the dispatch inside its collective")
     return th, out
 
 

@@ -138,6 +138,11 @@ class EngineState:
 # the request's ring slot. `SessionExecutor.run` takes it along.
 CLIENT_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "epd_client_deadline", default=None)
+# A call that gets its turn this close to its client's deadline is refused too: its answer
+# would come too late, and on gRPC the engine's view of the deadline (from the call's arrival)
+# lies a transit time after the client's own (a test saw the call run a few ms after its
+# client gave up).
+STALE_MARGIN_SECONDS = 0.05
 
 
 class SessionExecutor:
@@ -185,7 +190,7 @@ class SessionExecutor:
             self.waited = time.perf_counter() - queued
             if self.closing is not None:
                 raise Aborted(f"{self.name} is closing: {self.closing}")
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and time.monotonic() >= deadline - STALE_MARGIN_SECONDS:
                 # Its client has been told DEADLINE_EXCEEDED (or is about to be): run now, the
                 # call would change what the client believes failed (a handle nobody holds, a
                 # collective its peers pair with their next one, a region unregistered).
