@@ -43,16 +43,16 @@ def no_thread_errors():
 def test_open_refused_by_the_engine(daemon_factory) -> None:
     """Regression (defect 5): the watcher thread crashed with AttributeError and the error said
     UNAVAILABLE whatever the engine answered. Now: the daemon's status and message, and
-    nothing left behind (thread, shm file)."""
+    nothing left behind (thread, shared memory)."""
     with (daemon_factory(engines=1, extra=["--max-sessions", "1"]) as d, no_thread_errors(),
           Session(d.socket(0), timeout=5) as first):
-        files = ranklib.client_files(os.getpid())
+        held = ranklib.client_memfds(os.getpid())
         with pytest.raises(EpdError) as err:
             Session(d.socket(0), timeout=5)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
         assert "--max-sessions" in err.value.message
         assert d.socket(0) in err.value.message
-        assert ranklib.client_files(os.getpid()) == files
+        assert ranklib.client_memfds(os.getpid()) == held
         first.ping()  # the open session is untouched
 
 

@@ -4,6 +4,7 @@ within the deadline, and the daemon stays up and usable."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -43,8 +44,11 @@ def finish(pool, tids, ranks_alive):
     return pool.gather([tids[r] for r in ranks_alive], 30)
 
 
-def session_files(shm_dir: str, session_id: str) -> list[str]:
-    return [f for f in os.listdir(shm_dir) if session_id in f]
+def engine_maps_of(d, pid: int) -> list[str]:
+    """The client's memory (its `epd-client-<pid>-*` regions) the daemon's engines still
+    hold: none once its session is torn down. (Shared memory is memfds: no file names.)"""
+    return [n for e in range(d.engines) for n in ranklib.memfd_names(
+        topology(d).engines[e].pid, f"epd-client-{pid}-")]
 
 
 def topology(d) -> epd_pb2.GetTopologyResponse:
@@ -64,11 +68,6 @@ def new_group_works(pool, d, num_ranks: int = 4) -> None:
                                for r, ep in enumerate(d.endpoints(num_ranks))]))
 
 
-def _forget_client_files(pid: int) -> None:
-    for f in ranklib.client_files(pid):  # a SIGKILLed client cannot remove its own
-        os.unlink(f)
-
-
 def test_client_killed_before_a_collective(daemon, ranks):
     c = case()
     tids, infos = start_members(ranks, daemon.endpoints(4), c)
@@ -76,24 +75,22 @@ def test_client_killed_before_a_collective(daemon, ranks):
         ranks.cmd(r, "round")
     check_case(c, [ranks.event(r) for r in range(4)])
     victim = infos[3]
+    assert engine_maps_of(daemon, victim["pid"])  # (its regions, mapped by its engine)
     ranks.kill(3)
-    try:
-        gid = infos[0]["group_id"]
-        reason = wait_until(lambda: ranklib.comm_abort_reason(daemon.shm_dir, gid), 5,
-                            "the group is aborted after its rank 3 died")
-        assert "rank 3" in reason
-        for r in range(3):
-            ranks.cmd(r, "dispatch")
-        for r in range(3):
-            assert_aborted_naming(ranks.event(r), "rank 3", f"rank {r}")
-        finish(ranks, tids, range(3))
-        wait_until(lambda: not session_files(daemon.shm_dir, victim["session_id"]), 5,
-                   "the dead client's session files are removed")
-        assert daemon.get("/readyz")[0] == 200
-        new_group_works(ranks, daemon)
-        assert not [f for f in os.listdir(daemon.shm_dir) if gid in f]
-    finally:
-        _forget_client_files(victim["pid"])
+    gid = infos[0]["group_id"]
+    reason = wait_until(lambda: ranklib.comm_abort_reason(daemon.shm_dir, gid), 5,
+                        "the group is aborted after its rank 3 died")
+    assert "rank 3" in reason
+    for r in range(3):
+        ranks.cmd(r, "dispatch")
+    for r in range(3):
+        assert_aborted_naming(ranks.event(r), "rank 3", f"rank {r}")
+    finish(ranks, tids, range(3))
+    wait_until(lambda: not engine_maps_of(daemon, victim["pid"]), 5,
+               "the dead client's memory unmapped by the engines")
+    assert daemon.get("/readyz")[0] == 200
+    new_group_works(ranks, daemon)
+    assert not [f for f in os.listdir(daemon.shm_dir) if gid in f]
 
 
 def test_client_killed_during_a_collective(daemon, ranks):
@@ -101,45 +98,39 @@ def test_client_killed_during_a_collective(daemon, ranks):
     tids, infos = start_members(ranks, daemon.endpoints(4), c)
     victim = infos[3]
     gid = infos[0]["group_id"]
-    try:
-        for r in range(3):
-            ranks.cmd(r, "dispatch")
-        # Ranks 0-2 are inside the dispatch (arrived in the group's file), waiting for rank 3.
-        wait_until(lambda: (a := ranklib.comm_arrivals(daemon.shm_dir, gid, 4)) is not None
-                   and (a[:3] >= 1).all(), 10, "ranks 0-2 arrive in dispatch")
-        killed = time.monotonic()
-        ranks.kill(3)
-        for r in range(3):
-            res = ranks.event(r, timeout=DAEMON_TIMEOUT + 5)
-            assert_aborted_naming(res, "rank 3", f"rank {r}")
-        assert time.monotonic() - killed < DAEMON_TIMEOUT + SLACK
-        finish(ranks, tids, range(3))
-        wait_until(lambda: not session_files(daemon.shm_dir, victim["session_id"]), 5,
-                   "the dead client's session files are removed")
-        assert daemon.get("/readyz")[0] == 200
-        new_group_works(ranks, daemon)
-    finally:
-        _forget_client_files(victim["pid"])
+    for r in range(3):
+        ranks.cmd(r, "dispatch")
+    # Ranks 0-2 are inside the dispatch (arrived in the group's file), waiting for rank 3.
+    wait_until(lambda: (a := ranklib.comm_arrivals(daemon.shm_dir, gid, 4)) is not None
+               and (a[:3] >= 1).all(), 10, "ranks 0-2 arrive in dispatch")
+    killed = time.monotonic()
+    ranks.kill(3)
+    for r in range(3):
+        res = ranks.event(r, timeout=DAEMON_TIMEOUT + 5)
+        assert_aborted_naming(res, "rank 3", f"rank {r}")
+    assert time.monotonic() - killed < DAEMON_TIMEOUT + SLACK
+    finish(ranks, tids, range(3))
+    wait_until(lambda: not engine_maps_of(daemon, victim["pid"]), 5,
+               "the dead client's memory unmapped by the engines")
+    assert daemon.get("/readyz")[0] == 200
+    new_group_works(ranks, daemon)
 
 
-def test_killed_client_leaves_no_shm_files(daemon, ranks):
+def test_killed_client_leaves_nothing_mapped(daemon, ranks):
+    """A SIGKILLed client's shared memory is memfds (no file name can leak); the engine that
+    mapped its regions unmaps them once the session is torn down, and holds no descriptor."""
     c = case(2)
     tids, infos = start_members(ranks, daemon.endpoints(2), c)
     for r in range(2):
         ranks.cmd(r, "round")
     [ranks.event(r) for r in range(2)]
     pid = infos[1]["pid"]
-    # Regions were registered (a round ran), yet their names are already gone: the client
-    # unlinks each file once the engine has mapped it, so a SIGKILL cannot leak them.
-    assert ranklib.client_files(pid) == []
-    ranks.kill(1, cleanup=False)
-    try:
-        finish(ranks, tids, [0])
-        wait_until(lambda: not session_files(daemon.shm_dir, infos[1]["session_id"]), 5,
-                   "the dead client's session is torn down")
-        assert ranklib.client_files(pid) == []
-    finally:
-        _forget_client_files(pid)
+    assert engine_maps_of(daemon, pid)  # (a round ran: its regions are mapped)
+    assert not [f for f in os.listdir(daemon.shm_dir) if str(pid) in f]
+    ranks.kill(1)
+    finish(ranks, tids, [0])
+    wait_until(lambda: not engine_maps_of(daemon, pid), 5,
+               "the dead client's memory unmapped by the engines")
 
 
 def _never_dispatches(pool, d) -> list[dict]:
@@ -214,29 +205,36 @@ def test_engine_killed(daemon_factory, ranks):
                   tokens=(12, 13), seed=c.seed)
         check_case(c2, ranks.run_ok([(run_case, ep, c2, r)
                                      for r, ep in enumerate(d.endpoints(2))]))
-        # The dead engine's files of rank 1's session leak (test_dead_engine_files_removed):
-        # remove them so that the daemon's stop check looks at the rest.
-        for f in session_files(d.shm_dir, infos[1]["session_id"]):
-            os.unlink(os.path.join(d.shm_dir, f))
 
 
 def test_dead_engine_files_removed(daemon_factory, ranks):
+    """Engines create no files (their shared memory is memfds, gone with them), but an older
+    engine's files would be left: the supervisor sweeps the folder of a dead engine's files
+    before it restarts it (a stale file planted here; another engine's stays)."""
+    from epd.server.engine.state import engine_files_prefix
+
     with daemon_factory(engines=2) as d:
+        stale = os.path.join(d.shm_dir, f"{engine_files_prefix(1)}stale.counters")
+        other = os.path.join(d.shm_dir, f"{engine_files_prefix(0)}stale.counters")
+        for path in (stale, other):
+            with open(path, "wb") as f:
+                f.write(b"x")
         c = case(2)
-        tids, infos = start_members(ranks, d.endpoints(2), c)
+        tids, _ = start_members(ranks, d.endpoints(2), c)
         pid = topology(d).engines[1].pid
         os.kill(pid, signal.SIGKILL)
         ranks.cmd(1, "wait_lost")
         ranks.event(1)
         finish(ranks, tids, range(2))
-        wait_until(lambda: topology(d).engines[1].ready, 30, "engine 1 restarted")
-        dead = infos[1]["session_id"]
+        wait_until(lambda: (e := topology(d).engines[1]).ready and e.restarts == 1, 30,
+                   "engine 1 restarted and ready")
         try:
-            wait_until(lambda: not session_files(d.shm_dir, dead), 3,
-                       "files of the dead engine's session removed")
+            assert not os.path.exists(stale)
+            assert os.path.exists(other)
         finally:
-            for f in session_files(d.shm_dir, dead):
-                os.unlink(os.path.join(d.shm_dir, f))
+            for path in (stale, other):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def _thread_round(session, c: Case, rank: int) -> dict:

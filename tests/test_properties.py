@@ -8,7 +8,7 @@ import itertools
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ranklib import Case, check_case, client_files, serve_rounds
+from ranklib import Case, check_case, client_memfds, serve_rounds
 
 pytestmark = pytest.mark.slow
 R = 3
@@ -25,7 +25,7 @@ def rank_loops(daemon, rank_pool):
         rank_pool.cmd(r, None)
     outs = rank_pool.gather(tids, 30)
     assert all(o.ok for o in outs), [o.describe() for o in outs]
-    assert not any(client_files(rank_pool.pid(r)) for r in range(R))
+    assert not any(client_memfds(rank_pool.pid(r)) for r in range(R))
 
 
 @st.composite

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import ranklib
-from conftest import daemon_files, running_daemon
+from conftest import running_daemon
 from ranklib import Case
 
 pytestmark = pytest.mark.slow
@@ -54,6 +54,11 @@ def _engine_usage(pid: int) -> tuple[int, int]:
     return fds, rss
 
 
+def _client_maps(engine_pids: list[int]) -> list[str]:
+    """Clients' regions the engines still hold (none once every session is torn down)."""
+    return [n for p in engine_pids for n in ranklib.memfd_names(p, "epd-client-")]
+
+
 def test_soak_many_clients_many_groups() -> None:
     pool = ranklib.RankPool(size=GROUPS * RANKS)
     try:
@@ -64,7 +69,7 @@ def test_soak_many_clients_many_groups() -> None:
             # Warm up (lazily created per-process state), then take the baseline.
             pool.run_ok([(soak_rank, endpoint[i], i // RANKS, i % RANKS, 1)
                          for i in range(GROUPS * RANKS)], timeout=120)
-            ranklib.wait_until(lambda: not daemon_files(d.shm_dir), 10, "sessions closed")
+            ranklib.wait_until(lambda: not _client_maps(pids), 10, "sessions closed")
             before = [_engine_usage(p) for p in pids]
             t0 = time.monotonic()
             results = pool.run_ok([(soak_rank, endpoint[i], i // RANKS, i % RANKS, ROUNDS)
@@ -77,7 +82,7 @@ def test_soak_many_clients_many_groups() -> None:
                     ranklib.check_case(_case(g, rnd),
                                        [results[g * RANKS + r][rnd] for r in range(RANKS)])
                     checked += 1
-            ranklib.wait_until(lambda: not daemon_files(d.shm_dir), 10, "sessions closed")
+            ranklib.wait_until(lambda: not _client_maps(pids), 10, "sessions closed")
             # Closed connections and session threads settle within a moment; a leak does not.
             deadline = time.monotonic() + 10
             while True:
