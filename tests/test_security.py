@@ -147,13 +147,22 @@ def test_another_client_cannot_act_as_a_session(daemon) -> None:
 
 
 # -- finding 4: no client-supplied paths ---------------------------------------------------------
-def test_a_client_name_cannot_forge_log_lines(daemon) -> None:
+def test_a_client_name_cannot_forge_log_lines(daemon, monkeypatch) -> None:
     """The client's name goes into the engine's log lines and into the abort reasons other
     tenants read: control characters become "?" (a review forged a log line with a newline),
     and the pid shown is the descriptor channel's (SO_PEERCRED), not the one the client
-    claims."""
+    claims (OpenSessionRequest.pid, forged here)."""
+    import types
+
+    from epd.client import session as client_session
+
+    forged = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os)
+                                      if not k.startswith("__")})
+    forged.getpid = lambda: 4242  # (OpenSession's pid; the socket's credentials stay real)
+    monkeypatch.setattr(client_session, "os", forged)
     with Session(daemon.socket(0), client_name="evil\nINFO epd.engine: forged line") as s:
         sid = s.session_id
+    monkeypatch.undo()
     text = daemon.log()
     assert not any(line.startswith("INFO epd.engine: forged") for line in text.splitlines())
     opened = next(line for line in text.splitlines() if f"opened session {sid}" in line)
