@@ -33,45 +33,21 @@ README = DEPLOY / "README.md"
 K8S = DEPLOY / "kubernetes"
 SCRAPE = DEPLOY / "prometheus" / "scrape.yaml"
 
-# Metrics the daemon exports (name -> type). Histograms also expose _bucket/_count/_sum.
-METRICS = {
-    "epd_dispatch_seconds": "histogram",
-    "epd_combine_seconds": "histogram",
-    "epd_layout_seconds": "histogram",
-    "epd_requests_total": "counter",
-    "epd_request_cpu_seconds_total": "counter",
-    "epd_engine_gc_pause_seconds": "histogram",
-    "epd_ll_chain_seconds": "histogram",
-    "epd_ll_chain_starved_total": "counter",
-    "epd_paced_seconds_total": "counter",
-    "epd_paced_calls_total": "counter",
-    "epd_bytes_sent_total": "counter",
-    "epd_bytes_received_total": "counter",
-    "epd_recv_tokens_total": "counter",
-    "epd_expert_load_imbalance_ratio": "gauge",
-    "epd_engine_start_failures": "gauge",
-    "epd_collective_timeouts_total": "counter",
-    "epd_group_aborts_total": "counter",
-    "epd_group_leaves_total": "counter",
-    "epd_ranks_masked_total": "counter",
-    "epd_sessions": "gauge",
-    "epd_sessions_without_mps": "gauge",
-    "epd_cuda_closes_pending": "gauge",
-    "epd_group_held_bytes": "gauge",
-    "epd_group_sms": "gauge",
-    "epd_groups": "gauge",
-    "epd_regions": "gauge",
-    "epd_region_bytes": "gauge",
-    "epd_engine_restarts_total": "counter",
-    "epd_engine_up": "gauge",
-    "epd_engine_info": "gauge",
-    "epd_build_info": "gauge",
-    "epd_group_service_class": "gauge",
-    "epd_queue_wait_seconds": "histogram",
-    "epd_stream_op_detect_seconds": "histogram",
-    "epd_stream_op_launch_seconds": "histogram",
-    "epd_stream_poller_slow_seconds": "histogram",
-}
+def _exported_metrics() -> dict[str, str]:
+    """Every metric family the daemon exports (name as scraped -> type), from the collectors
+    server/metrics.py defines (not a list kept by hand: a new metric is checked at once).
+    Histograms also expose _bucket/_count/_sum; a counter's samples end in _total."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from epd.server import metrics as m
+    out = {}
+    for v in vars(m).values():
+        if isinstance(v, MetricWrapperBase):
+            out[v._name + ("_total" if v._type == "counter" else "")] = v._type
+    return out
+
+
+METRICS = _exported_metrics()
 # Series Prometheus itself attaches to every target.
 PROMETHEUS_BUILTINS = {"up"}
 # Flags of `epd serve`; each one is also settable as EPD_<FLAG_UPPER_SNAKE>.
