@@ -35,12 +35,12 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     frames = [int(n) for n in re.findall(r"(\d+) bytes stack frame", proc.stderr)]
     assert len(frames) >= 20, proc.stderr[-2000:]
     assert max(frames) < 1024, [ln for ln in proc.stderr.splitlines() if "stack frame" in ln]
-    if shutil.which("cuobjdump"):
-        names = subprocess.run(["cuobjdump", "-symbols", str(obj)], capture_output=True,
-                               text=True, timeout=60).stdout
-        from epd.server.backends.cuda_kernels import Kernels
-        for name in Kernels.NAMES:  # (templates are mangled; their compile is checked above)
-            assert re.search(rf"\b{name}\b", names), f"kernel {name} missing from the object"
+    # Every kernel the driver launches is an entry of the object (ptxas -v names each one it
+    # compiles; no cuobjdump needed, which this toolkit lacks).
+    entries = set(re.findall(r"Compiling entry function '(\w+)'", proc.stderr))
+    from epd.server.backends.cuda_kernels import Kernels
+    missing = [n for n in Kernels.NAMES if n not in entries]  # (templates: mangled, above)
+    assert not missing, f"kernels missing from the object: {missing}"
 
 
 @needs_nvcc
@@ -59,10 +59,8 @@ def test_client_kernels_compile_for_sm90(tmp_path: Path, module: str, kernel: st
     src = tmp_path / f"{module}.cu"
     src.write_text(source)
     proc = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-c", str(src), "-o",
-                           str(tmp_path / "r.o")], capture_output=True, text=True, timeout=240)
+                           str(tmp_path / "r.o"), "-Xptxas", "-v"], capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert not [ln for ln in proc.stderr.splitlines() if "warning" in ln.lower()]
-    if shutil.which("cuobjdump"):
-        names = subprocess.run(["cuobjdump", "-symbols", str(tmp_path / "r.o")],
-                               capture_output=True, text=True, timeout=60).stdout
-        assert re.search(rf"\b{kernel}\b", names)
+    assert kernel in re.findall(r"Compiling entry function '(\w+)'", proc.stderr), proc.stderr
