@@ -67,6 +67,8 @@ def run_ranks(fn, num_ranks: int, timeout: float = 240) -> list[Any]:
         t.start()
     for t in threads:
         t.join(timeout)
+    hung = [r for r, t in enumerate(threads) if t.is_alive()]
+    assert not hung, f"ranks {hung} did not finish within {timeout} s"
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise min(errors, key=lambda e: isinstance(e, EpdError) and e.code.name == "ABORTED")
