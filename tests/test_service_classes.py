@@ -278,22 +278,28 @@ def run_group(endpoint: str, case: Case, rank: int, service_class: str | None) -
 
 def test_a_refused_call_is_not_counted_as_queued(daemon) -> None:
     """GetStats' queued_calls / queue_wait_seconds (and epd_queue_wait_seconds) count the calls
-    of a rank that ran: a call refused by its request's checks (a review found four kinds
-    counted) is not, whatever its wait."""
+    of a rank that ran: a call refused by its request's checks (a layout, a dispatch and a
+    combine here; a review found those and a low-latency combine counted) is not."""
     case = Case("svc-refused-count", 1, 4, 128, 2, (6,), max_tokens=8)
     with Session(daemon.socket(0)) as s:
         g = join(s, case, 0)
-        wide = s._descs({"i": np.zeros((6, 3), np.int64)})["i"]  # (the group's top-k is 2)
-        refused = {
-            "GetDispatchLayout": epd_pb2.GetDispatchLayoutRequest(
-                session_id=s.session_id, group_id=g.group_id, topk_idx=wide),
-            "Dispatch": epd_pb2.DispatchRequest(
-                session_id=s.session_id, group_id=g.group_id, x=wide, expert_alignment=-1),
-            "Combine": epd_pb2.CombineRequest(
-                session_id=s.session_id, group_id=g.group_id, handle=424242, x=wide)}
-        for method, req in refused.items():
-            with pytest.raises(EpdError):
+        inp = case.inputs(0)
+        d = s._descs({"i": np.zeros((6, 3), np.int64), "x": inp["x"],
+                      "idx": inp["topk_idx"], "w": inp["topk_weights"]})
+        refused = {  # method: (request, the refusal's words)
+            "GetDispatchLayout": (epd_pb2.GetDispatchLayoutRequest(
+                session_id=s.session_id, group_id=g.group_id, topk_idx=d["i"]),
+                "topk_idx has shape [6, 3], expected [6, 2]"),  # (the group's top-k is 2)
+            "Dispatch": (epd_pb2.DispatchRequest(
+                session_id=s.session_id, group_id=g.group_id, x=d["x"], topk_idx=d["idx"],
+                topk_weights=d["w"], expert_alignment=-1), "expert_alignment"),
+            "Combine": (epd_pb2.CombineRequest(
+                session_id=s.session_id, group_id=g.group_id, handle=424242, x=d["x"]),
+                "handle 424242 is not known")}
+        for method, (req, words) in refused.items():
+            with pytest.raises(EpdError) as ei:
                 s._call(method, req)
+            assert words in ei.value.details, (method, ei.value)
         st = next(x for x in s.stats().groups if x.name == case.group)
         assert (st.queued_calls, st.queue_wait_seconds) == (0, 0), st
         g.get_dispatch_layout(case.inputs(0)["topk_idx"])
