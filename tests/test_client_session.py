@@ -169,7 +169,7 @@ def test_a_buffer_that_fails_to_start_opens_no_session(daemon, monkeypatch) -> N
     with Session(daemon.socket(0), fast_path=False) as s:
         before = s.stats().sessions
         monkeypatch.setenv("EPD_LL_PLAIN_OPS", "0")
-        with pytest.raises(EpdError):
+        with pytest.raises(EpdError, match="EPD_LL_PLAIN_OPS"):
             Buffer(None, rank=0, num_ranks=1, endpoint=daemon.socket(0),
                    group_name="no-start", max_tokens_per_rank=8)
         assert s.stats().sessions == before

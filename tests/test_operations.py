@@ -207,8 +207,9 @@ def test_bad_timeouts_are_invalid_on_the_fast_path(daemon):
             with pytest.raises(EpdError) as ei:
                 g.dispatch(x, idx, w, timeout=bad)
             assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(EpdError):
+    with pytest.raises(EpdError) as ei:
         Session(daemon.socket(0), timeout=math.nan)
+    assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT, ei.value
 
 
 # -- 13: malformed requests ------------------------------------------------------------------------
