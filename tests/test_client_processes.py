@@ -108,14 +108,19 @@ def test_a_forked_child_cannot_use_or_end_the_parents_session(daemon) -> None:
     child's calls raise FAILED_PRECONDITION naming the parent; its close(), destroy() and its
     exit with the Buffer alive touch nothing of the parent's (they used to leave the parent's
     groups, mark its ring closed, or take its ring sequence numbers so that the parent's next
-    call waited out its deadline). The parent's calls before and after stay exact."""
+    call waited out its deadline). The parent's calls before and after stay exact (against
+    the reference; a second Buffer the child destroyed still serves the parent)."""
     r = _script("""
+        from epd.server import reference as ref
+        want = ref.dispatch([x], [idx], [w], 4)[0]
         s = Session(SOCKET)
         g = s.join("fork", rank=0, num_ranks=1, num_experts=4, hidden=64,
                    max_tokens_per_rank=8, num_topk=2, dtype="float32")
         buf = Buffer(rank=0, num_ranks=1, endpoint=SOCKET, group_name="forkbuf")
+        buf2 = Buffer(rank=0, num_ranks=1, endpoint=SOCKET, group_name="forkbuf2")
         n_rank, _, n_exp, in_rank, _ = buf.get_dispatch_layout(idx, 4)
         before = g.dispatch(x, idx, w)
+        assert np.array_equal(before.recv_x, want.recv_x)
         pid = os.fork()
         if pid == 0:
             ok = True
@@ -126,17 +131,20 @@ def test_a_forked_child_cannot_use_or_end_the_parents_session(daemon) -> None:
                     ok = False
                 except EpdError as e:
                     ok &= e.code.name == "FAILED_PRECONDITION" and "forked child" in e.details
+            buf2.destroy()
             s.close()
-            sys.exit(0 if ok else 3)  # (the Buffer is still alive: its __del__ runs at exit)
+            sys.exit(0 if ok else 3)  # (`buf` is still alive: its __del__ runs at exit)
         _, status = os.waitpid(pid, 0)
         print("child", os.waitstatus_to_exitcode(status), flush=True)
-        for _ in range(3):
+        for b in (buf, buf2, buf, buf2):
             after = g.dispatch(x, idx, w)
-            assert np.array_equal(after.recv_x, before.recv_x)
-            out = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
-                               is_token_in_rank=in_rank, num_tokens_per_expert=n_exp)
+            assert np.array_equal(after.recv_x, want.recv_x)
+            out = b.dispatch(x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=n_rank,
+                             is_token_in_rank=in_rank, num_tokens_per_expert=n_exp)
+            assert np.array_equal(np.asarray(out[0]), want.recv_x)
         print("transport", s.transport, "groups", len(s.stats().groups), flush=True)
         buf.destroy()
+        buf2.destroy()
         s.close()
         """, daemon.socket(0))
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
