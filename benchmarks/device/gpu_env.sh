@@ -95,6 +95,15 @@ ab_rounds() {  # ab_rounds FIRST LAST FN [new-first]: `FN LABEL PKG` for rounds 
   done
 }
 probe_ab() { ab_rounds "$1" "$2" probe "${3:-}"; }  # one rank's rows (probe), A/B
+# The facade's low-latency pairs, plain and hook (2 ranks on the GPU, D; the thirty-ninth
+# session on): ll_rows LABEL PKG, for ab_rounds.
+ll_rows() {
+  PYTHONPATH=$2:/tmp/site timeout 120 python3 -P benchmarks/probe_calls.py --tokens 128 \
+      --iters 300 --mps on --ranks 2 --low-latency --rows "ll plain pair,ll hook pair" \
+      --json "$OUT/llrows_$1.json" > /tmp/r.log 2>&1
+  echo "== $1 rc=$?"
+  clean < /tmp/r.log | grep -E "p50|settles|Error|error" | cut -c1-200
+}
 # The facade's layers, exact and worst-case rows, V1 and V2 (2 ranks on the GPU, D; the
 # thirty-seventh session on): layer_rows LABEL PKG, for ab_rounds.
 ROWS_AB="v1 facade layer,v1 facade layer worst-case,v2 layer cpu-sync,v2 layer worst-case"

@@ -24,14 +24,8 @@
 #            # facade's plain and hook calls, and the native graph replay
 #   next40   # for the next session: the one-GPU suite after the verdict, the 16-rank kernels
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
-ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
-  PYTHONPATH=$2:/tmp/site timeout 120 python3 -P benchmarks/probe_calls.py --tokens 128 \
-      --iters 300 --mps on --ranks 2 --low-latency --rows "ll plain pair,ll hook pair" \
-      --json "$OUT/llrows_$1.json" > /tmp/r.log 2>&1
-  echo "== $1 rc=$?"
-  clean < /tmp/r.log | grep -E "p50|settles|Error|error" | cut -c1-200
-}
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows,
+#  ll_rows)
 case "${1:-}" in
   next)
     STEP_TEST_SECONDS=100 step daemon 200 "tests/gpu/test_daemon.py -k 'roundtrip or without_topk'"

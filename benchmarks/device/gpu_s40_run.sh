@@ -17,14 +17,8 @@
 #            # archive 64bed80 server proto client cuda` (extracted): the tree before this
 #            # change (the reduce's duplicate and range checks, a done kernel per buffer)
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows)
-ll_rows() {  # ll_rows LABEL PKG: the facade's low-latency pairs, 2 ranks on the GPU, D
-  PYTHONPATH=$2:/tmp/site timeout 120 python3 -P benchmarks/probe_calls.py --tokens 128 \
-      --iters 300 --mps on --ranks 2 --low-latency --rows "ll plain pair,ll hook pair" \
-      --json "$OUT/llrows_$1.json" > /tmp/r.log 2>&1
-  echo "== $1 rc=$?"
-  clean < /tmp/r.log | grep -E "p50|Error|error" | cut -c1-200
-}
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows,
+#  ll_rows)
 case "${1:-}" in
   combine)
     STEP_TEST_SECONDS=150 step kernels 200 "tests/gpu/test_low_latency_kernels.py \
