@@ -157,6 +157,33 @@ def test_released_handle_is_gone_and_release_rides_on_dispatch(daemon) -> None:
     assert _run(daemon, fn, num_ranks=1, experts=experts) == [True]
 
 
+def test_a_release_list_longer_than_a_session_can_hold_is_refused(daemon) -> None:
+    """ReleaseHandles (and a dispatch's release_handles) with far more ids than a session may
+    hold is refused INVALID_ARGUMENT naming the limit, before any is freed (the loop would
+    hold the interpreter lock every tenant's calls share); a list of ordinary length frees."""
+    experts = 4
+    xs, idx, w = _workload(8, [10], experts, 1)
+
+    def fn(r, s, g):
+        a = g.dispatch(xs[0], idx[0], w[0])
+        b = g.dispatch(xs[0], idx[0], w[0])
+        many = [a.handle.handle_id, *range(1 << 40, (1 << 40) + 70_000)]
+        with pytest.raises(EpdError) as ei:
+            s._call("ReleaseHandles", epd_pb2.ReleaseHandlesRequest(
+                session_id=s.session_id, group_id=g.group_id, handles=many))
+        assert ei.value.code == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+        assert "--max-handles-per-session" in ei.value.details
+        assert _handles(s) == 2  # nothing freed
+        g.combine(a.recv_x, a.handle)
+        resp = s._call("ReleaseHandles", epd_pb2.ReleaseHandlesRequest(
+            session_id=s.session_id, group_id=g.group_id, handles=many[:1000]))
+        assert resp.handles == 1 and _handles(s) == 1
+        g.combine(b.recv_x, b.handle)
+        return True
+
+    assert _run(daemon, fn, num_ranks=1, experts=experts) == [True]
+
+
 def test_handle_budget_is_resource_exhausted_never_reuse(daemon_factory) -> None:
     """--max-handles-per-session: the dispatch beyond it fails RESOURCE_EXHAUSTED naming the
     flag (before the collective: nothing changes), the held handles stay exact, and dropping

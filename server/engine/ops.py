@@ -392,9 +392,16 @@ class DataPlane:
         k = int(args.topk_idx.shape[1]) if args.topk_idx is not None else 0
         return member.comm.handle_bytes(False, int(args.x.shape[0]), k)
 
-    @staticmethod
-    def _release(member: GroupMember, handles) -> None:
-        """Free handles the client no longer holds (unknown ids: already freed, ignored)."""
+    def _release(self, member: GroupMember, handles) -> None:
+        """Free handles the client no longer holds (unknown ids: already freed, ignored). A list
+        far longer than a session can hold is refused before any is freed: freeing runs on the
+        session's worker under the interpreter lock, which every tenant's calls share (a review:
+        one request of millions of ids)."""
+        most = max(4 * self.config.max_handles_per_session, 65536)
+        if len(handles) > most:
+            raise InvalidArgument(f"{len(handles)} handle ids to release in one request; at most "
+                                  f"{most} (a session holds at most --max-handles-per-session="
+                                  f"{self.config.max_handles_per_session} handles)")
         for h in handles:
             info = member.handles.pop(h, None)
             if info is not None:
