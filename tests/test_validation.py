@@ -24,7 +24,7 @@ from epd.client.group import Handle
 from epd.client.tensors import ShmFile
 from epd.proto import counter_page, dtypes
 from epd.proto import fd_channel as fdc
-from epd.proto.errors import EpdError
+from epd.proto.errors import EpdError, InvalidArgument
 from epd.proto.v1 import epd_pb2
 from epd.server import reference as ref
 
@@ -587,3 +587,34 @@ def test_raw_handle_of_another_group_of_the_same_session(pair):
     finally:
         ga.leave()
         gb.leave()
+
+
+def test_a_descriptor_whose_elements_share_positions_is_refused() -> None:
+    """Interleaved aliasing: no more elements than the span holds (the count check passed it),
+    yet two share a position (a review: [2, 2, 2] with strides [3, 4, 1]); the views of dense
+    memory callers pass (permuted, sliced, strided) are accepted."""
+    from epd.server.backends.base import Region
+    from epd.server.engine import tensors
+
+    class Bytes(Region):
+        def __init__(self) -> None:
+            super().__init__("r", 4096)
+            self.buf = np.zeros(4096, np.uint8)
+
+        def close(self) -> None:
+            pass
+
+        def view(self, offset, shape, dtype, strides):
+            item = np.dtype(dtype).itemsize
+            return np.lib.stride_tricks.as_strided(
+                self.buf[offset:].view(dtype), shape, tuple(s * item for s in strides))
+
+    def desc(shape, strides):
+        return epd_pb2.TensorDesc(region_id="r", shape=shape, strides=strides,
+                                  dtype=epd_pb2.FLOAT32)
+    with pytest.raises(InvalidArgument, match="overlaps itself"):
+        tensors.resolve(desc([2, 2, 2], [3, 4, 1]), {"r": Bytes()}, "x", ndim=3)
+    for shape, strides in (([2, 3, 4], [12, 4, 1]), ([3, 2, 4], [4, 12, 1]),
+                           ([2, 2, 4], [24, 8, 1]), ([4, 1, 2], [2, 1, 1])):
+        tensors.resolve(desc(shape, strides), {"r": Bytes()}, "x", ndim=3)
+

@@ -106,9 +106,10 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
     if all(s > 0 for s in shape):
         last = sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
         end = offset + (last + 1) * item
-        if int(np.prod(shape, dtype=object)) > last + 1:
-            # More elements than positions: rows that overlap. Never a real tensor, and a
-            # copy of it (the host checks read topk_idx) would be larger than its region.
+        if _overlaps(shape, strides):
+            # Elements sharing a position. Never a real tensor (a permuted, sliced or strided
+            # view of dense memory never does), and a copy of it (the host checks read
+            # topk_idx) would be larger than its region; an output so would be written twice.
             raise InvalidArgument(f"{what}: shape {list(shape)} with strides {list(strides)} "
                                   f"overlaps itself; pass a dense tensor")
     else:
@@ -122,6 +123,19 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
         # an empty tensor of 2**63 rows, a stride past the dimension limit)
         raise InvalidArgument(f"{what}: shape {list(shape)} with strides {list(strides)} "
                               f"cannot be viewed ({e})") from None
+
+
+def _overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether two elements share a position: taken by increasing stride, each dimension's
+    stride must step past every position the smaller ones reach (the layout of any permuted,
+    sliced or strided view of dense memory). Counting elements against the span missed
+    interleaved aliasing (a review: shape [2, 2, 2], strides [3, 4, 1])."""
+    reach = 1  # positions the dimensions taken so far cover, from the first
+    for s, d in sorted((s, d) for s, d in zip(strides, shape, strict=True) if d > 1):
+        if s < reach:
+            return True
+        reach += (d - 1) * s
+    return False
 
 
 MAX_RESOLVED = 512  # cached views per region (cleared when full)
