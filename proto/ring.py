@@ -205,7 +205,7 @@ def is_oversize(message: str) -> bool:
 
 def set_deadline(words: np.ndarray, deadline: float) -> None:
     """The request's deadline: `deadline` on time.monotonic()'s clock (CLOCK_MONOTONIC)."""
-    ns = max(int(deadline * 1e9), 1)
+    ns = min(max(int(deadline * 1e9), 1), (1 << 64) - 1)  # (a timeout of centuries: the end)
     words[S_DEADLINE_LO] = ns & 0xFFFFFFFF
     words[S_DEADLINE_HI] = ns >> 32
 

@@ -719,10 +719,11 @@ def test_bad_facade_arguments_change_nothing(daemon) -> None:
 
 def test_branch_keywords_are_taken_off_and_refused_on(daemon) -> None:
     """SGLang and vLLM pass the keywords of DeepEP's hybrid-ep / antgroup-opt builds by name
-    when they find one (NVFP4 dispatch: use_nvfp4, x_global_scale, use_ue8m0_for_sf; the
-    single-batch-overlap combine: overlap and its signals). Off, the call is V1's (the same
-    outputs as without them); on, Unsupported naming the feature, before anything changes (no
-    group joined, the double buffer not flipped)."""
+    when they find one (NVFP4 dispatch: use_nvfp4, with x_global_scale, use_ue8m0_for_sf; the
+    single-batch-overlap combine: overlap, with its signals, which SGLang passes even with
+    overlap off). With the switch off the call is V1's (the same outputs as without them),
+    whatever the other keywords hold; on, Unsupported naming the feature, before anything
+    changes (no group joined, the double buffer not flipped)."""
     from epd.client.buffer import Buffer
 
     buf = Buffer(rank=0, num_ranks=1, socket_dir=daemon.socket_dir, engine=0,
@@ -731,15 +732,14 @@ def test_branch_keywords_are_taken_off_and_refused_on(daemon) -> None:
         rng = np.random.default_rng(5)
         x = ref.random_x(rng, 4, 256, dtypes.BFLOAT16)
         idx, w = ref.random_routing(rng, 4, 4, 2)
-        for kw in ({"use_nvfp4": True}, {"x_global_scale": np.ones(1, np.float32)},
-                   {"use_ue8m0_for_sf": True}):
-            with pytest.raises(C.Unsupported, match=f"{next(iter(kw))} ask for NVFP4"):
-                buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False, **kw)
+        with pytest.raises(C.Unsupported, match="use_nvfp4=True asks for NVFP4 dispatch"):
+            buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False, use_nvfp4=True,
+                                     x_global_scale=np.ones(1, np.float32))
         assert not buf._groups and buf._ll_buffer == 0
         plain = buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
         recv, count, handle, _, _ = buf.low_latency_dispatch(
-            x, idx, 8, 4, use_fp8=False, use_nvfp4=False, x_global_scale=None,
-            use_ue8m0_for_sf=False)
+            x, idx, 8, 4, use_fp8=False, use_nvfp4=False,
+            x_global_scale=np.ones(1, np.float32), use_ue8m0_for_sf=True)
         np.testing.assert_array_equal(np.asarray(count), np.asarray(plain[1]))
         for le in range(len(count)):
             c = int(count[le])
@@ -747,18 +747,17 @@ def test_branch_keywords_are_taken_off_and_refused_on(daemon) -> None:
                                           np.asarray(plain[0][le][:c]).view(np.uint16))
         want = np.asarray(buf.low_latency_combine(recv, idx, w, handle)[0]).copy()
         flipped = buf._ll_buffer
-        for kw in ({"overlap": True}, {"src_signals": np.zeros(1, np.int32)},
-                   {"packed_recv_count": np.zeros(4, np.int32)},
-                   {"comp_signal": np.zeros(1, np.int32)}):
-            with pytest.raises(C.Unsupported, match="overlapped combine"):
-                buf.low_latency_combine(recv, idx, w, handle, **kw)
+        with pytest.raises(C.Unsupported, match="overlap=True asks for the overlapped combine"):
+            buf.low_latency_combine(recv, idx, w, handle, overlap=True,
+                                    packed_recv_count=np.asarray(count))
         assert buf._ll_buffer == flipped
-        cx, _, _ = buf.low_latency_combine(recv, idx, w, handle, overlap=False,
-                                           src_signals=None, src_signal_expect_value=0,
-                                           packed_recv_count=None, comp_signal=None,
-                                           block_m=64, threshold=0, num_sms=3)
-        np.testing.assert_array_equal(np.asarray(cx).view(np.uint16), want.view(np.uint16))
-        assert np.asarray(cx).any()
+        for kw in ({"packed_recv_count": np.asarray(count), "comp_signal": None, "block_m": 64,
+                    "threshold": 0, "num_sms": 3},  # (SGLang on Hopper, overlap off)
+                   {"src_signals": None, "src_signal_expect_value": 0}):  # (Blackwell)
+            cx, _, _ = buf.low_latency_combine(recv, idx, w, handle, overlap=False, **kw)
+            np.testing.assert_array_equal(np.asarray(cx).view(np.uint16),
+                                          want.view(np.uint16))
+        assert want.any()
     finally:
         buf.destroy()
 

@@ -360,6 +360,7 @@ class World:
             words[R.S_METHOD] = ring_id
             words[R.S_LENGTH] = len(data) if length is None else length
             words[R.S_STATUS] = 0
+            words[R.S_DEADLINE_LO] = words[R.S_DEADLINE_HI] = 0  # (none: not an earlier call's)
             R.set_seq(words, seq)
             words[R.S_STATE] = R.SUBMITTED
             t.ring.header[R.DOORBELL] += 1

@@ -122,3 +122,16 @@ def test_an_unregister_its_client_gave_up_on_is_not_run(daemon) -> None:
     finally:
         s.close()
         p.close()
+
+
+def test_a_timeout_of_centuries_still_travels_on_the_fast_path(daemon) -> None:
+    """A finite timeout puts the deadline the slot carries past its 64 bits: it is clamped (a
+    review: the client raised OverflowError from the ring write)."""
+    one = Case("stale-far", 1, E, H, K, (T,), max_tokens=8)
+    with Session(daemon.socket(0), timeout=10) as s:
+        g = join(s, one, 0, timeout=10)
+        io = one.inputs(0)
+        d = g.dispatch(io["x"], io["topk_idx"], io["topk_weights"], timeout=1e11)
+        assert s.transport == "fastpath"
+        assert d.num_recv_tokens == int((io["topk_idx"] >= 0).any(axis=1).sum())
+

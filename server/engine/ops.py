@@ -86,8 +86,8 @@ class DataPlane:
     @staticmethod
     def _queued(session: Session, member: GroupMember) -> None:
         """Account the time this call waited for the session's executor to its group (the
-        per-group queueing delay, by service class): once its request passed its checks, so
-        a refused call is not counted (GetStats: "calls of this rank that ran")."""
+        per-group queueing delay, by service class): once its request passed its argument
+        checks, so a call they refuse is not counted (GetStats' queued_calls)."""
         waited = session.executor.waited
         member.queued_calls += 1
         member.queue_wait_seconds += waited
