@@ -49,20 +49,18 @@ def plain_op_limit() -> int:
     return n
 
 
-def _branch_feature_off(call: str, switch: str, on: bool) -> None:
-    """A feature of DeepEP's branches that SGLang and vLLM switch by keyword when they find
-    such a build (hybrid-ep's NVFP4 dispatch, `use_nvfp4`; the single-batch-overlap combine of
-    hybrid-ep and antgroup-opt, `overlap`): off, the call goes on and the feature's other
-    keywords are ignored, as those builds ignore them then (SGLang passes its
-    `packed_recv_count` with overlap off); on, Unsupported naming it (EPD's kernels have
-    neither), before anything changes."""
-    if not on:
-        return
+def _branch_feature(call: str, switch: str) -> C.Unsupported:
+    """The error of a feature of DeepEP's branches that SGLang and vLLM switch on by keyword
+    when they find such a build (hybrid-ep's NVFP4 dispatch, `use_nvfp4`; the
+    single-batch-overlap combine of hybrid-ep and antgroup-opt, `overlap`), raised before
+    anything changes (EPD's kernels have neither). Switched off, the call goes on and the
+    feature's other keywords are ignored, as those builds ignore them then (SGLang passes its
+    `packed_recv_count` with overlap off)."""
     what = ("NVFP4 dispatch" if call == "low_latency_dispatch" else
             "the overlapped combine of single-batch overlap")
-    raise C.Unsupported(f"{call}: {switch}=True asks for {what}, a feature of DeepEP's "
-                        f"hybrid-ep / antgroup-opt branches that EPD does not have; call "
-                        f"without it")
+    return C.Unsupported(f"{call}: {switch}=True asks for {what}, a feature of DeepEP's "
+                         f"hybrid-ep / antgroup-opt branches that EPD does not have; call "
+                         f"without it")
 
 
 def _no_op_hook() -> None:
@@ -116,8 +114,9 @@ class LowLatencyMixin:
         data (DeepEP's: whichever stream is current when the hook is called; stream-ordered
         path); on the cpu backend the data has arrived already and it does nothing. Else None.
         `x_global_scale`, `use_nvfp4`, `use_ue8m0_for_sf`: DeepEP hybrid-ep's NVFP4 keywords:
-        with use_nvfp4 off the others are ignored (`_branch_feature_off`)."""
-        _branch_feature_off("low_latency_dispatch", "use_nvfp4", bool(use_nvfp4))
+        with use_nvfp4 off the others are ignored (`_branch_feature`)."""
+        if use_nvfp4:
+            raise _branch_feature("low_latency_dispatch", "use_nvfp4")
         x_shape, x_dtype = T.meta(x, "x")
         idx_shape, _ = T.meta(topk_idx, "topk_idx")
         if len(x_shape) != 2 or len(idx_shape) != 2:
@@ -217,8 +216,9 @@ class LowLatencyMixin:
         daemon group). `overlap` and its signals (`src_signals`, `src_signal_expect_value`;
         `packed_recv_count`, `comp_signal`, `block_m`, `threshold`, `num_sms`): the
         single-batch-overlap keywords of DeepEP's hybrid-ep / antgroup-opt branches: with
-        overlap off the others are ignored (`_branch_feature_off`)."""
-        _branch_feature_off("low_latency_combine", "overlap", bool(overlap))
+        overlap off the others are ignored (`_branch_feature`)."""
+        if overlap:
+            raise _branch_feature("low_latency_combine", "overlap")
         owner, handle = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.low_latency_combine(

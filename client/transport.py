@@ -434,7 +434,7 @@ class FastPathTransport(Transport):
         try:
             return self._submit(method, data, timeout).result()
         except ResourceExhausted as e:  # (a large GetStats: many groups, long abort reasons)
-            if method in R.READ_ONLY and R.is_oversize(e.message):
+            if method in operations.READ_ONLY and R.is_oversize(e.message):
                 return self.inner.call(method, request, timeout)
             raise
 

@@ -24,6 +24,10 @@ RING_METHODS = ("Ping", "GetDispatchLayout", "Dispatch", "Combine", "GetStats",
 COLLECTIVES = frozenset({"GetDispatchLayout", "Dispatch", "Combine", "LowLatencyDispatch",
                          "LowLatencyCombine"})
 
+# Operations that change nothing: a client may send one again (the fast path's answer that
+# did not fit its slot is asked for over gRPC).
+READ_ONLY = frozenset({"Ping", "GetStats"})
+
 
 @dataclass(frozen=True)
 class Operation:

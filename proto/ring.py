@@ -194,9 +194,8 @@ def set_seq(words: np.ndarray, seq: int) -> None:
 
 
 # The engine's answer to a request whose response does not fit its slot (RESOURCE_EXHAUSTED; the
-# operation ran): a read-only one is asked again over gRPC by the client.
+# operation ran): a read-only one (operations.READ_ONLY) is asked again over gRPC by the client.
 OVERSIZE = "response of {} bytes exceeds the ring slot ({})"
-READ_ONLY = frozenset({"Ping", "GetStats"})
 
 
 def is_oversize(message: str) -> bool:

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # ranklib, also for spawned rank processes
 
 import ranklib
-from daemon_harness import HarnessDaemon
+from daemon_harness import HarnessDaemon, memfd_names
 
 DAEMON_TIMEOUT = 3.0  # the daemon's --timeout-seconds in the shared fixtures
 class TestDaemon(HarnessDaemon):
@@ -43,7 +43,7 @@ class TestDaemon(HarnessDaemon):
     def stop_and_check(self) -> None:
         """SIGTERM; the daemon must exit 0 and leave no files in its (private) shm folder.
         (Its shared memory is memfds, gone with its processes: tests that a live engine
-        releases a closed session's memory check its mappings, ranklib.memfd_names.)"""
+        releases a closed session's memory check its mappings, daemon_harness.memfd_names.)"""
         hung = ""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -103,7 +103,7 @@ def ranks(rank_pool):
     rank_pool.clear()
     yield rank_pool
     rank_pool.clear()  # a task still running (a failed test) is killed
-    leaked = {pid: ranklib.client_memfds(pid) for pid in rank_pool.live_pids()}
+    leaked = {pid: memfd_names(pid) for pid in rank_pool.live_pids()}
     leaked = {k: v for k, v in leaked.items() if v}
     assert not leaked, f"rank processes still hold EPD shared memory: {leaked}"
 

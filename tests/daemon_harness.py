@@ -5,6 +5,7 @@ Benchmarks import it with tests/ on sys.path (see benchmarks/bench_transport.py)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -41,6 +42,24 @@ def memfds(pid: int, name: str) -> list[int]:
         if link.startswith(f"/memfd:{name}"):
             out.append(int(fd))
     return out
+
+
+def memfd_names(pid: int, prefix: str = "epd-") -> list[str]:
+    """The memfds process `pid` holds, by a descriptor (`memfds`) or a mapping, whose names
+    start with `prefix`: EPD's shared memory has no file names (client regions
+    `epd-client-<pid>-*`, the engine's counter pages, rings, outputs and group memory), so a
+    leak is one of these."""
+    names: set[str] = set()
+    for fd in memfds(pid, prefix):
+        with contextlib.suppress(OSError):
+            names.add(os.readlink(f"/proc/{pid}/fd/{fd}")[len("/memfd:"):])
+    tag = f"/memfd:{prefix}"
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            at = line.find(tag)
+            if at >= 0:
+                names.add(line[at + len("/memfd:"):].strip())
+    return sorted(n.removesuffix(" (deleted)") for n in names)
 
 
 class HarnessDaemon(Daemon):

@@ -108,9 +108,10 @@ def _worker_main(conn: mpc.Connection) -> None:
         except BaseException:
             out = Outcome(False, tb=traceback.format_exc())
         out.elapsed = time.monotonic() - t0
-        # The task's objects are gone now, cycles too: what is still mapped (client_memfds)
-        # is held by something alive, i.e. a leak. (A Session's counter page goes with the
-        # last array viewing it, e.g. a Group in a traceback's frames.)
+        # The task's objects are gone now, cycles too: what is still mapped
+        # (daemon_harness.memfd_names) is held by something alive, i.e. a leak. (A Session's
+        # counter page goes with the last array viewing it, e.g. a Group in a traceback's
+        # frames.)
         del fn, args, kwargs
         gc.collect()
         try:
@@ -301,31 +302,6 @@ class RankPool:
                 self.kill(i)
             else:
                 self._dead(i)
-
-
-def memfd_names(pid: int, prefix: str = "epd-") -> list[str]:
-    """The memfds process `pid` holds, by a descriptor or a mapping, whose names start with
-    `prefix`: EPD's shared memory has no file names (client regions `epd-client-<pid>-*`, and
-    the engine's counter pages, rings, outputs and group memory), so a leak is one of these."""
-    names: set[str] = set()
-    tag = f"/memfd:{prefix}"
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith(tag):
-                    names.add(link[len("/memfd:"):].removesuffix(" (deleted)"))
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
-        for line in maps:
-            at = line.find(tag)
-            if at >= 0:
-                names.add(line[at + len("/memfd:"):].strip().removesuffix(" (deleted)"))
-    return sorted(names)
-
-
-def client_memfds(pid: int) -> list[str]:
-    """EPD shared memory a client process still holds (none once its sessions are closed)."""
-    return memfd_names(pid)
 
 
 # ------------------------------------------------------------------------------------------------

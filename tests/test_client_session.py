@@ -10,7 +10,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-import ranklib
+from daemon_harness import memfd_names
 
 from epd.client import Buffer, EpdError, Session
 from epd.proto import dtypes
@@ -46,13 +46,13 @@ def test_open_refused_by_the_engine(daemon_factory) -> None:
     nothing left behind (thread, shared memory)."""
     with (daemon_factory(engines=1, extra=["--max-sessions", "1"]) as d, no_thread_errors(),
           Session(d.socket(0), timeout=5) as first):
-        held = ranklib.client_memfds(os.getpid())
+        held = memfd_names(os.getpid())
         with pytest.raises(EpdError) as err:
             Session(d.socket(0), timeout=5)
         assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
         assert "--max-sessions" in err.value.message
         assert d.socket(0) in err.value.message
-        assert ranklib.client_memfds(os.getpid()) == held
+        assert memfd_names(os.getpid()) == held
         first.ping()  # the open session is untouched
 
 

@@ -16,6 +16,7 @@ import grpc
 import pytest
 import ranklib
 from conftest import DAEMON_TIMEOUT, TestDaemon
+from daemon_harness import memfd_names
 from ranklib import Case, check_case, member, run_case, wait_until
 
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
@@ -47,7 +48,7 @@ def finish(pool, tids, ranks_alive):
 def engine_maps_of(d, pid: int) -> list[str]:
     """The client's memory (its `epd-client-<pid>-*` regions) the daemon's engines still
     hold: none once its session is torn down. (Shared memory is memfds: no file names.)"""
-    return [n for e in range(d.engines) for n in ranklib.memfd_names(
+    return [n for e in range(d.engines) for n in memfd_names(
         topology(d).engines[e].pid, f"epd-client-{pid}-")]
 
 

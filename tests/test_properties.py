@@ -6,9 +6,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from daemon_harness import memfd_names
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ranklib import Case, check_case, client_memfds, serve_rounds
+from ranklib import Case, check_case, serve_rounds
 
 pytestmark = pytest.mark.slow
 R = 3
@@ -25,7 +26,7 @@ def rank_loops(daemon, rank_pool):
         rank_pool.cmd(r, None)
     outs = rank_pool.gather(tids, 30)
     assert all(o.ok for o in outs), [o.describe() for o in outs]
-    assert not any(client_memfds(rank_pool.pid(r)) for r in range(R))
+    assert not any(memfd_names(rank_pool.pid(r)) for r in range(R))
 
 
 @st.composite

@@ -14,6 +14,7 @@ import time
 import pytest
 import ranklib
 from conftest import running_daemon
+from daemon_harness import memfd_names
 from ranklib import Case
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def _engine_usage(pid: int) -> tuple[int, int]:
 
 def _client_maps(engine_pids: list[int]) -> list[str]:
     """Clients' regions the engines still hold (none once every session is torn down)."""
-    return [n for p in engine_pids for n in ranklib.memfd_names(p, "epd-client-")]
+    return [n for p in engine_pids for n in memfd_names(p, "epd-client-")]
 
 
 def test_soak_many_clients_many_groups() -> None:
