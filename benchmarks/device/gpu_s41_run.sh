@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Forty-first session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says):
+#   first41  # the fortieth session's request-path changes, never run on a GPU (a call's client
+#            # deadline in the fast-path slot and the gRPC context, refused stale calls, the
+#            # read-only retry over gRPC, the facade's branch keywords): the daemon, the facade,
+#            # stream-ordered normal mode, bad input alike, worst-case, plain low-latency calls,
+#            # security; then the elastic buffer, call outputs, the local layout
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows,
+#  ll_rows)
+case "${1:-}" in
+  first41)
+    STEP_TEST_SECONDS=150 step suite 380 "tests/gpu/test_daemon.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_bad_input_alike.py \
+        tests/gpu/test_worst_case_no_wait.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_security_cuda.py"
+    STEP_TEST_SECONDS=100 step rest 170 "tests/gpu/test_elastic_buffer_gpu.py \
+        tests/gpu/test_call_outputs.py tests/gpu/test_local_layout.py"
+    ;;
+  *) echo "usage: $0 first41"; exit 2 ;;
+esac
