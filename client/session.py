@@ -108,15 +108,36 @@ class Session:
 
         `service_class` picks the engine when the daemon runs class engines (`epd serve
         --class-engines`): "latency" opens the session on the device's latency engine, any
-        other value or None on its default engine; an endpoint given wins.
+        other value or None on its default engine; an endpoint given wins. Where the daemon
+        runs tenant pools (`epd serve --tenant-pools`), an engine that does not serve this
+        process's uid answers with the socket of the one that does, and the session opens
+        there (once; not with a `transport` of the caller's).
 
         A session that cannot be opened raises `EpdError` with the daemon's status (UNAVAILABLE
         when nothing listens, RESOURCE_EXHAUSTED at --max-sessions, ...) and leaves no thread,
         connection or file behind. The endpoint is an engine's unix socket (`.../gpu<N>.sock`,
         or `unix://` and that path): the engine's descriptor channel is beside it."""
-        self.endpoint = endpoint or engine_socket(socket_dir, engine, service_class)
-        fd_socket = self._fd_socket_path()  # (INVALID_ARGUMENT before anything is opened)
         self.timeout = None if timeout is None else _check_timeout(timeout)
+        self._start(endpoint or engine_socket(socket_dir, engine, service_class), client_name,
+                    fast_path, transport)
+        if self._redirect is not None:  # a tenant pool's uid on another engine (and back)
+            other, self._redirect = self._redirect, None
+            log.info("session: %s sends this uid's sessions to %s (--tenant-pools)",
+                     self.endpoint, other)
+            self._start(other, client_name, fast_path, None)
+            if self._redirect is not None:
+                raise FailedPrecondition(f"could not open a session on {other}: it sends this "
+                                         f"uid's sessions on to {self._redirect}")
+
+    def _start(self, endpoint: str, client_name: str, fast_path: bool | None,
+               transport: Transport | None) -> None:
+        """Open the session on `endpoint`. An engine that serves only another tenant pool's
+        sessions (or only a pool's, and this uid is in none) refuses naming the socket of the
+        one that serves this uid: `_redirect` is set to it and nothing stays open, where the
+        caller gave no transport of its own (which is bound to its endpoint)."""
+        self.endpoint = endpoint
+        self._redirect: str | None = None
+        fd_socket = self._fd_socket_path()  # (INVALID_ARGUMENT before anything is opened)
         self.fast_path_error = ""
         # Every attribute exists before the lease thread starts: it, and close() after a failed
         # open, may look at any of them.
@@ -140,9 +161,14 @@ class Session:
         self._transport: Transport = transport or GrpcTransport(self.endpoint)
         try:
             self._open(client_name or f"pid{os.getpid()}", fast_path, fd_socket)
-        except BaseException:
+        except BaseException as e:
             self.close()
-            raise
+            other = (engine_sockets.hinted_socket(e.details) if isinstance(e, EpdError)
+                     and e.code == grpc.StatusCode.FAILED_PRECONDITION and transport is None
+                     and "--tenant-pools" in e.details else None)
+            if other is None:
+                raise
+            self._redirect = other
 
     def _open(self, client_name: str, fast_path: bool | None, fd_socket: str) -> None:
         from . import mps  # the client's view of CUDA MPS (sent, and compared by the engine)

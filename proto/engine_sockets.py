@@ -5,7 +5,10 @@ beside it (`gpu<D>.fds`, fd_channel.socket_path_for). With class engines (`epd s
 --class-engines`) each device has a second engine that runs only latency groups, on
 `gpu<D>.latency.sock`; the engine on `gpu<D>.sock` then runs only throughput groups. A
 latency group's launches thus never wait behind a throughput group's driver calls in the same
-process (docs/DESIGN_NOTES.md, "Class engines").
+process (docs/DESIGN_NOTES.md, "Class engines"). A tenant pool (`epd serve --tenant-pools`)
+has engines of its own on every device, on `gpu<D>.tenant-<pool>.sock` (and
+`gpu<D>.latency.tenant-<pool>.sock`): its sessions' memory lies in its own processes and heaps
+(docs/DESIGN_NOTES.md, "Tenant pools").
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ LATENCY = "latency"  # (service_classes.LATENCY; the client cannot import the se
 OTHER_ENGINE_HINT = "open the session on "
 
 
-def socket_name(device: int, service_class: str = "") -> str:
-    """gpu<D>.sock, or gpu<D>.latency.sock for a latency class engine."""
-    return f"gpu{device}.latency.sock" if service_class == LATENCY else f"gpu{device}.sock"
+def socket_name(device: int, service_class: str = "", tenant_pool: str = "") -> str:
+    """gpu<D>.sock; gpu<D>.latency.sock for a latency class engine; .tenant-<pool> before
+    .sock for a tenant pool's engine."""
+    latency = ".latency" if service_class == LATENCY else ""
+    pool = f".tenant-{tenant_pool}" if tenant_pool else ""
+    return f"gpu{device}{latency}{pool}.sock"
 
 
-def socket_path(folder: str, device: int, service_class: str = "") -> str:
-    return os.path.join(folder, socket_name(device, service_class))
+def socket_path(folder: str, device: int, service_class: str = "", tenant_pool: str = "") -> str:
+    return os.path.join(folder, socket_name(device, service_class, tenant_pool))
 
 
 def failure_file(socket: str) -> str:
@@ -34,9 +40,9 @@ def failure_file(socket: str) -> str:
 
 
 def hinted_socket(message: str) -> str | None:
-    """The socket a class engine's refusal names (OTHER_ENGINE_HINT), if any: the path after
-    the hint's last occurrence (a group name before it may hold the phrase), up to the
-    `.sock` that ends it (a socket folder may hold spaces)."""
+    """The socket a class or tenant pool engine's refusal names (OTHER_ENGINE_HINT), if any:
+    the path after the hint's last occurrence (a group name before it may hold the phrase), up
+    to the `.sock` that ends it (a socket folder may hold spaces)."""
     at = message.rfind(OTHER_ENGINE_HINT)
     if at < 0:
         return None

@@ -85,6 +85,7 @@ def _topology(ns: argparse.Namespace) -> int:
     for e in t.engines:
         off_mps = f" sessions-without-mps={e.sessions_without_mps}" if _mps_on(t) else ""
         runs = f" {e.service_class} groups only" if e.service_class else ""
+        runs += f" tenant pool {e.tenant_pool} only" if e.tenant_pool else ""
         print(f"  engine {e.index}: {e.socket_path} {epd_pb2.Backend.Name(e.backend).lower()} "
               f"device {e.device}{runs} {'ready' if e.ready else 'NOT READY'} pid={e.pid} "
               f"restarts={e.restarts}{off_mps}")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..proto import engine_sockets
+from . import tenant_pools
 from .service_classes import MAX_NUM_SMS, Policy, parse_policy, policy_text
 
 ENV_PREFIX = "EPD_"
@@ -217,6 +218,13 @@ class Config:
     allow_gids: str = field(default="", metadata={
         "help": "comma-separated gids whose members (primary gid of the client) share the "
                 "--allow-uids namespace"})
+    tenant_pools: str = field(default="", metadata={
+        "help": "tenants that get engines of their own on every device (their own processes "
+                "and GPU heaps: on the cuda backend the tenants of one engine can read each "
+                "other's buffers): semicolon-separated NAME=ID[,ID...], an ID a uid or gid:N "
+                "(primary gid), e.g. \"team-a=1001,1002;team-b=gid:2000\"; a pool's uids share "
+                "group names and open sessions only on gpu<D>.tenant-NAME.sock (a client that "
+                "opens one on gpu<D>.sock is sent there), other uids never there. One node"})
     service_class_policy: str = field(default="", metadata={
         "help": "service classes of groups: comma-separated rules "
                 "PATTERN[@UID[+UID...]]=CLASS[/MOST], first match wins: groups whose name "
@@ -317,6 +325,10 @@ class Config:
         return parse_ids("allow_gids", self.allow_gids)
 
     @property
+    def tenants(self) -> tuple[tenant_pools.TenantPool, ...]:
+        return tenant_pools.parse(self.tenant_pools)
+
+    @property
     def class_engines_on(self) -> bool:
         """Two engines per device (resolved: `resolve_class_engines` decides auto)."""
         return self.class_engines == "on"
@@ -329,9 +341,10 @@ class Config:
     def socket_path(self) -> Path:
         return Path(self.socket_dir)
 
-    def engine_socket(self, device: int, service_class: str = "") -> str:
-        """gpu<D>.sock; a latency class engine's (--class-engines) gpu<D>.latency.sock."""
-        return engine_sockets.socket_path(self.socket_dir, device, service_class)
+    def engine_socket(self, device: int, service_class: str = "", tenant_pool: str = "") -> str:
+        """gpu<D>.sock; a latency class engine's (--class-engines) gpu<D>.latency.sock; a tenant
+        pool's engine's gpu<D>[.latency].tenant-<pool>.sock."""
+        return engine_sockets.socket_path(self.socket_dir, device, service_class, tenant_pool)
 
     @staticmethod
     def engine_failure_file(socket: str) -> str:
@@ -502,6 +515,10 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     _check_range(cfg, "engines", 0, MAX_ENGINES, "0: one per device; cpu backend 2")
     _check_limits(cfg)
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
+    tenant_pools.check_apart(cfg.tenants, cfg.allowed_uids, cfg.allowed_gids)
+    if cfg.tenants and cfg.num_nodes > 1:
+        raise ValueError("tenant_pools is for one node (num_nodes 1): a world over several "
+                         "nodes has one engine per device")
     cfg.service_classes  # noqa: B018  (ValueError naming the rule)
     for name in ("latency_num_sms", "throughput_num_sms"):
         _check_range(cfg, name, 0, MAX_NUM_SMS, "0: the daemon's defaults")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..proto.errors import (
@@ -29,10 +30,11 @@ from ..proto.errors import (
     PermissionDenied,
 )
 from ..proto.v1 import epd_pb2
-from . import metrics, service_classes
+from . import metrics, service_classes, tenant_pools
 from .backends.base import GroupPlanner, GroupSpec
 from .config import in_pool
 from .engine.state import spec_from_proto
+from .tenant_pools import TenantPool
 
 log = logging.getLogger("epd.coordinator")
 # A formed group's rank that has neither attached nor been released this long after its peers'
@@ -43,8 +45,16 @@ log = logging.getLogger("epd.coordinator")
 # the rank's control blocks in the plan's range) is over before the range can be reused.
 LATE_ATTACH_SECONDS = 60.0
 # The namespace of the names that --allow-uids / --allow-gids sessions join (shared pools);
-# every other uid's names are its own (`Coordinator._scope`).
+# a tenant pool's (--tenant-pools) is TENANT_POOLS - its place in the list; every other uid's
+# names are its own (`Coordinator._scope`).
 SHARED = -1
+TENANT_POOLS = -2
+# A name's scope: (the world of the engines its groups run on, its namespace). Engines of two
+# worlds (class engines, tenant pools: engine_slots.py) never share a group: their heaps are
+# apart. A group's ranks all come to engines of one world anyway (a class engine refuses the
+# other class's groups, a pool's engines other uids' sessions), except for the daemon's own uid,
+# which any engine takes: its joins of one name on two worlds make two groups.
+Scope = tuple[int, int]
 
 
 @dataclass
@@ -63,25 +73,31 @@ class GroupInstance:
     failure: EpdError | None = None  # forming failed: every waiting rank gets this
     aborted: str | None = None
     released: set[int] = field(default_factory=set)
-    scope: int = 0  # the name's namespace: the owner's uid, or SHARED (`Coordinator._scope`)
+    scope: Scope = (0, 0)  # the name's world and namespace (`Coordinator._scope`)
     reaping: bool = False  # a release of the ranks that never attached is scheduled
 
 
 class Coordinator:
     def __init__(self, planner: GroupPlanner, default_timeout: float = 10.0, *,
                  allow_uids: frozenset[int] = frozenset(),
-                 allow_gids: frozenset[int] = frozenset()) -> None:
+                 allow_gids: frozenset[int] = frozenset(),
+                 tenant_pools: Sequence[TenantPool] = (),
+                 world_of: Callable[[int], int] | None = None) -> None:
+        """`world_of`: the world of an engine index (engine_slots.py), where the engines form
+        several; None: one world, or the planner decides by the group's class (tests)."""
         self.planner = planner
         # Admission: a uid's group names are its own; these uids / primary gids share one
         # namespace (--allow-uids / --allow-gids: pools shared by several users).
         self.allow_uids, self.allow_gids = allow_uids, allow_gids
+        self.tenant_pools = tuple(tenant_pools)
+        self.world_of = world_of
         # Engines always send their deadline; this covers a request that names none.
         self.default_timeout = default_timeout
         # (scope, name) -> the live instance: names are each uid's own, so that one tenant
         # cannot take a name another will ask for (nor learn from a join that it exists; the
         # metrics' group label names the owner's uid, metrics.owned_label: /metrics is the
         # operator's).
-        self.by_name: dict[tuple[int, str], GroupInstance] = {}
+        self.by_name: dict[tuple[Scope, str], GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
 
     async def rendezvous(self, req: epd_pb2.RendezvousRequest,
@@ -199,16 +215,21 @@ class Coordinator:
         resp.rejoining = True
         return resp
 
-    def _scope(self, req: epd_pb2.RendezvousRequest) -> int:
-        """The namespace of the joining session's group names: SHARED for the uids and
+    def _scope(self, req: epd_pb2.RendezvousRequest) -> Scope:
+        """The world of the joining engine, and the namespace of the joining session's group
+        names: a tenant pool's for its uids and gids (--tenant-pools), SHARED for the uids and
         primary gids of --allow-uids / --allow-gids (a pool's members meet by name), else
         its own uid. So a name taken first by one uid holds nothing against another's join
         (PERMISSION_DENIED for as long as it held the name, before names were scoped), and a
         join tells nothing of other tenants' names. A pool lists every uid it has: one left
         out forms its groups alone."""
+        world = self.world_of(req.engine_index) if self.world_of is not None else 0
+        pool = tenant_pools.pool_of(self.tenant_pools, req.peer_uid, req.peer_gid)
+        if pool:
+            return world, TENANT_POOLS - [p.name for p in self.tenant_pools].index(pool)
         if in_pool(req.peer_uid, req.peer_gid, self.allow_uids, self.allow_gids):
-            return SHARED
-        return req.peer_uid
+            return world, SHARED
+        return world, req.peer_uid
 
     async def _attached(self, req: epd_pb2.RendezvousRequest,
                         node: int) -> epd_pb2.RendezvousResponse:
@@ -259,7 +280,7 @@ class Coordinator:
         asyncio.get_running_loop().call_later(LATE_ATTACH_SECONDS, reap)
 
     def _new_instance(self, spec: GroupSpec, proto: epd_pb2.GroupSpec,
-                      scope: int) -> GroupInstance:
+                      scope: Scope) -> GroupInstance:
         g = GroupInstance("g" + secrets.token_hex(6), spec, proto, scope=scope)
         self.by_name[(scope, spec.name)] = g
         self.by_id[g.group_id] = g
@@ -267,9 +288,10 @@ class Coordinator:
 
     def _form(self, g: GroupInstance) -> None:
         try:
+            worlds = {"world": g.scope[0]} if self.world_of is not None else {}
             g.plan = self.planner.plan_group(
                 g.group_id, g.spec, [g.nodes.get(r, 0) for r in range(g.spec.num_ranks)]
-                if g.nodes else ())
+                if g.nodes else (), **worlds)
             g.planned = True
         except Exception as e:  # every waiting rank is told, not just the last one
             if not isinstance(e, EpdError):

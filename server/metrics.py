@@ -120,17 +120,19 @@ def labels_in_folder(folder: str, label: str = "group") -> set[str]:
     return found
 
 
-_OWNER_SUFFIX = re.compile(r" \((uid \d+|pool)\)$")
+_OWNER_SUFFIX = re.compile(r" \((uid \d+|pool|tenant [a-z0-9-]+)\)$")
 
 
-def owned_label(name: str, uid: int, shared: bool) -> str:
+def owned_label(name: str, uid: int, shared: bool, tenant_pool: str = "") -> str:
     """The `group` label of a group named `name`, joined by `uid`: group names are each
-    namespace's own (coordinator.py: a uid's, or the pool of --allow-uids / --allow-gids,
-    `shared`), so two namespaces' groups of one name are two groups, and two series. The name
-    (less its instance tag) with its owner: ` (pool)`, ` (uid N)`, or nothing for the
-    daemon's own uid, unless the name itself ends like an owner (then it gets its own: no
-    name can take another owner's label)."""
+    namespace's own (coordinator.py: a uid's, the pool of --allow-uids / --allow-gids,
+    `shared`, or a tenant pool's), so two namespaces' groups of one name are two groups, and
+    two series. The name (less its instance tag) with its owner: ` (tenant P)`, ` (pool)`,
+    ` (uid N)`, or nothing for the daemon's own uid, unless the name itself ends like an owner
+    (then it gets its own: no name can take another owner's label)."""
     base = group_names.base_name(name)
+    if tenant_pool:
+        return f"{base} (tenant {tenant_pool})"
     if shared:
         return f"{base} (pool)"
     if uid == os.geteuid() and not _OWNER_SUFFIX.search(base):

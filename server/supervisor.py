@@ -137,7 +137,8 @@ class NodeService(epd_pb2_grpc.NodeServicer):
                 pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
                 sessions_without_mps=without_mps.get(str(e.index), 0),
                 failed_starts=e.failed_starts, last_failure=e.last_failure,
-                device=e.slot.device, service_class=e.slot.service_class))
+                device=e.slot.device, service_class=e.slot.service_class,
+                tenant_pool=e.slot.tenant_pool))
         by_class = s.coordinator.groups_by_class()
         cluster = s.cluster.info() if s.cluster is not None else None
         return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
@@ -194,10 +195,15 @@ class Supervisor:
         self.cfg = cfg
         self.planner = planner
         self.backend = planner.name  # for logs and metrics only
-        self.engines = [EngineProc(x.index, cfg.engine_socket(x.device, x.service_class), x)
-                        for x in engine_slots(num_engines, cfg.class_engines_on)]
+        self.engines = [EngineProc(x.index, cfg.engine_socket(x.device, x.service_class,
+                                                              x.tenant_pool), x)
+                        for x in engine_slots(num_engines, cfg.class_engines_on,
+                                              [p.name for p in cfg.tenants])]
+        worlds = {e.index: e.slot.world for e in self.engines}
         self.coordinator = Coordinator(planner, cfg.timeout_seconds, allow_uids=cfg.allowed_uids,
-                                       allow_gids=cfg.allowed_gids)
+                                       allow_gids=cfg.allowed_gids, tenant_pools=cfg.tenants,
+                                       world_of=(worlds.__getitem__ if len(set(worlds.values()))
+                                                 > 1 else None))
         self.metrics_url = ""
         self.device_names: dict[int, tuple[str, str]] = {}
         self.policy_text = cfg.service_classes.text  # canonical (GetTopology)
@@ -283,7 +289,8 @@ class Supervisor:
         keep = (self.lock_fd,) if self.lock_fd is not None else ()
         e.proc = subprocess.Popen([sys.executable, "-m", "epd.server.engine.app",
                                    "--index", str(e.index), "--device", str(e.slot.device),
-                                   "--service-class", e.slot.service_class or "any"],
+                                   "--service-class", e.slot.service_class or "any",
+                                   "--tenant-pool", e.slot.tenant_pool],
                                   env=env, pass_fds=keep)
         e.ready, e.unresponsive, e.killed_at = False, False, None
         e.started_at = time.monotonic()
@@ -644,6 +651,10 @@ class Supervisor:
                  self.mps.mode)
         if self.class_engines_why:
             log.info("class engines %s (%s)", cfg.class_engines, self.class_engines_why)
+        for pool in cfg.tenants:
+            log.info("tenant pool %s (uids %s, gids %s): engines %s", pool.name,
+                     sorted(pool.uids) or "-", sorted(pool.gids) or "-",
+                     [e.index for e in self.engines if e.slot.tenant_pool == pool.name])
         cuda = self.planner.proto_kind == epd_pb2.CUDA
         if cfg.class_engines_on and cuda and self.mps.mode == "off":
             log.warning("--class-engines without MPS: the two engines of a GPU time-slice it "

@@ -110,7 +110,7 @@ def test_another_uids_joins_of_a_name_form_their_own_group(tmp_path) -> None:
     assert owner.group_id == partner.group_id
     assert thieves[0].group_id == thieves[1].group_id != owner.group_id
     assert owner.plan != thieves[0].plan  # (two groups' memory, not one)
-    assert sorted(coord.by_name) == [(1000, "owned"), (2000, "owned")]
+    assert sorted(coord.by_name) == [((0, 1000), "owned"), ((0, 2000), "owned")]
 
 
 def test_a_name_taken_first_by_another_uid_stays_free_for_its_owner(tmp_path) -> None:
@@ -132,7 +132,7 @@ def test_a_name_taken_first_by_another_uid_stays_free_for_its_owner(tmp_path) ->
     assert all(isinstance(r, epd_pb2.RendezvousResponse) for r in results), results
     assert results[0].group_id == results[1].group_id
     assert squat_error.code == grpc.StatusCode.DEADLINE_EXCEEDED, squat_error
-    assert list(coord.by_name) == [(os.getuid(), "ep0")]
+    assert list(coord.by_name) == [((0, os.getuid()), "ep0")]
 
 
 def test_a_shared_pools_uids_meet_by_name_and_only_they(tmp_path) -> None:

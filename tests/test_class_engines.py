@@ -185,8 +185,7 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
 
     def new_world(world: int = 0) -> None:  # (the real one asks NVSHMEM for a unique id)
         worlds.append(world)
-        if world:
-            planner.latency_world = (b"u" * 8, planner.latency_world[1] + 1)
+        planner.start_world(world, b"u" * 8)
 
     planner.new_world = new_world
     sup = Supervisor(cfg, planner, 2)
@@ -224,7 +223,7 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
     assert (plan_world(lat), plan_world(thr)) == (1, 0)
     assert decode_plan(lat)[0] == decode_plan(thr)[0] == 0
     planner.free_group(lat)
-    assert not planner.latency_heap.used and planner.heap.used
+    assert not planner.heap_of(1).used and planner.heap.used
     # a 1.8 GiB decode group: over the latency heap (1 GiB), named by its flag; the same
     # group as throughput, or not yet resolved (an engine's check), fits the 4 GiB heap
     decode = GroupSpec("d", 2, 256, 7168, 128, 8, epd_pb2.BFLOAT16, True, epd_pb2.LATENCY)
@@ -235,7 +234,7 @@ def test_a_lost_cuda_class_engine_restarts_its_own_world_only(tmp_path, monkeypa
     big = GroupSpec("big", 8, 256, 7168, 1024, 8, epd_pb2.BFLOAT16, True, epd_pb2.LATENCY)
     with pytest.raises(EpdError, match="raise --latency-heap-bytes"):
         planner.plan_group("big", big)
-    assert not planner.latency_heap.used  # (nothing taken)
+    assert not planner.heap_of(1).used  # (nothing taken)
 
 
 def test_a_buffer_whose_groups_span_both_classes_is_told_which_socket(daemon_factory):

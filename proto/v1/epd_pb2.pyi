@@ -65,7 +65,7 @@ class GetTopologyRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("index", "socket_path", "backend", "device_name", "device_uuid", "ready", "pid", "restarts", "sessions_without_mps", "failed_starts", "last_failure", "device", "service_class")
+    __slots__ = ("index", "socket_path", "backend", "device_name", "device_uuid", "ready", "pid", "restarts", "sessions_without_mps", "failed_starts", "last_failure", "device", "service_class", "tenant_pool")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SOCKET_PATH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class EngineInfo(_message.Message):
     LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     SERVICE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_POOL_FIELD_NUMBER: _ClassVar[int]
     index: int
     socket_path: str
     backend: Backend
@@ -92,7 +93,8 @@ class EngineInfo(_message.Message):
     last_failure: str
     device: int
     service_class: str
-    def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., sessions_without_mps: _Optional[int] = ..., failed_starts: _Optional[int] = ..., last_failure: _Optional[str] = ..., device: _Optional[int] = ..., service_class: _Optional[str] = ...) -> None: ...
+    tenant_pool: str
+    def __init__(self, index: _Optional[int] = ..., socket_path: _Optional[str] = ..., backend: _Optional[_Union[Backend, str]] = ..., device_name: _Optional[str] = ..., device_uuid: _Optional[str] = ..., ready: _Optional[bool] = ..., pid: _Optional[int] = ..., restarts: _Optional[int] = ..., sessions_without_mps: _Optional[int] = ..., failed_starts: _Optional[int] = ..., last_failure: _Optional[str] = ..., device: _Optional[int] = ..., service_class: _Optional[str] = ..., tenant_pool: _Optional[str] = ...) -> None: ...
 
 class GetTopologyResponse(_message.Message):
     __slots__ = ("version", "node_name", "engines", "metrics_url", "mps_mode", "mps_pipe_directory", "service_class_policy", "latency_num_sms", "throughput_num_sms", "latency_groups", "throughput_groups", "cluster")

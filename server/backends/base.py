@@ -169,11 +169,13 @@ class GroupPlanner(abc.ABC):
         """Raise InvalidArgument naming the backend limit the spec exceeds."""
 
     @abc.abstractmethod
-    def plan_group(self, group_id: str, spec: GroupSpec,
-                   rank_nodes: Sequence[int] = ()) -> bytes:
+    def plan_group(self, group_id: str, spec: GroupSpec, rank_nodes: Sequence[int] = (),
+                   world: int | None = None) -> bytes:
         """Allocate a forming group's shared resources; raises an EpdError when it cannot.
         `rank_nodes`: the node of each rank (cluster mode; empty on one node), for backends
-        whose memory depends on placement (the cuda engine's two-stage hierarchical mode)."""
+        whose memory depends on placement (the cuda engine's two-stage hierarchical mode).
+        `world`: the world of the engines its ranks joined on (engine_slots.py), where the
+        engines form several; None: the backend's own rule (one world, or by class)."""
 
     @abc.abstractmethod
     def free_group(self, plan: bytes) -> None:

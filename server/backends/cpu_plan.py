@@ -40,8 +40,8 @@ class CpuPlanner(GroupPlanner):
     def validate_spec(self, spec: GroupSpec) -> None:
         check_spec(spec)
 
-    def plan_group(self, group_id: str, spec: GroupSpec,
-                   rank_nodes: Sequence[int] = ()) -> bytes:
+    def plan_group(self, group_id: str, spec: GroupSpec, rank_nodes: Sequence[int] = (),
+                   world: int | None = None) -> bytes:
         fd = create_comm_file(group_id, spec)
         plan = f"/proc/{os.getpid()}/fd/{fd}".encode()
         self._fds[plan] = fd

@@ -15,6 +15,7 @@ from typing import Any
 from ...proto import abi
 from ...proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from ...proto.v1 import epd_pb2
+from ..engine_slots import world_is_latency
 from .base import GroupPlanner, GroupSpec, Hierarchy
 from .cuda_kernels import LowLatencyLayout, RankBufferLayout
 
@@ -239,7 +240,9 @@ def decode_plan(plan: bytes) -> tuple[int, int]:
 
 
 def plan_world(plan: bytes) -> int:
-    """The NVSHMEM world whose heaps hold the group (1: the latency class engines')."""
+    """The NVSHMEM world whose heaps hold the group (engine_slots.py: 0 the shared engines'
+    or their throughput class's, 1 their latency class's with class engines, then the tenant
+    pools')."""
     return struct.unpack("<QQQ", plan)[2]
 
 
@@ -270,8 +273,9 @@ class HeapAllocator:
 
 
 class CudaPlanner(GroupPlanner):
-    """One NVSHMEM world per node (every engine a PE); groups get a range of every engine's
-    symmetric heap at the same offset."""
+    """One NVSHMEM world per node (every engine a PE; with class engines or tenant pools, one
+    per set of engines: engine_slots.py); groups get a range of every engine's symmetric heap
+    of their world at the same offset."""
 
     name = "cuda"
     proto_kind = epd_pb2.CUDA
@@ -292,12 +296,13 @@ class CudaPlanner(GroupPlanner):
         self.heap = HeapAllocator(self.heap_bytes)
         self.uid = b""
         self.generation = 0
-        # Class engines (engine_slots.py): the latency engines form world 1, with their own
-        # heaps, unique id and generation; world 0 is the throughput engines (or all).
+        # Class engines and tenant pools (engine_slots.py): every other set of engines forms a
+        # world of its own (1: the latency engines with class engines), with its own heaps,
+        # unique id and generation; world 0 is the shared (throughput) engines'. One node.
         self.class_engines = getattr(cfg, "class_engines", "off") == "on"
         self.latency_heap_bytes = getattr(cfg, "latency_heap_bytes", 0) or self.heap_bytes
-        self.latency_heap = HeapAllocator(self.latency_heap_bytes)
-        self.latency_world = (b"", 0)  # (unique id, generation)
+        self.side_heaps: dict[int, HeapAllocator] = {}  # world > 0 -> its heap's allocator
+        self.side_worlds: dict[int, tuple[bytes, int]] = {}  # world > 0 -> (unique id, generation)
 
     def validate_spec(self, spec: GroupSpec) -> None:
         heap, flag = self._heap_limit(spec)
@@ -315,8 +320,8 @@ class CudaPlanner(GroupPlanner):
         return (max(self.heap_bytes, self.latency_heap_bytes),
                 "--nvshmem-heap-bytes or --latency-heap-bytes")
 
-    def plan_group(self, group_id: str, spec: GroupSpec,
-                   rank_nodes: Sequence[int] = ()) -> bytes:
+    def plan_group(self, group_id: str, spec: GroupSpec, rank_nodes: Sequence[int] = (),
+                   world: int | None = None) -> bytes:
         stages = two_stage_hierarchy(spec, list(rank_nodes), self.hierarchical_mode,
                                      self.world_spans_nodes)
         if stages is None and needs_stages(spec):
@@ -326,17 +331,30 @@ class CudaPlanner(GroupPlanner):
         except ValueError as e:  # a kernel limit of a stage group
             raise InvalidArgument(f"group {spec.name!r}: the cuda engine cannot run its two "
                                   f"stages: {e}") from None
-        world = int(self.class_engines and spec.service_class == epd_pb2.LATENCY)
-        offset = (self.latency_heap if world else self.heap).alloc(size)
+        if world is None:  # (a coordinator that does not say: by the class)
+            world = int(self.class_engines and spec.service_class == epd_pb2.LATENCY)
+        offset = self.heap_of(world).alloc(size)
         if offset is None:
-            flag = "--latency-heap-bytes" if world else "--nvshmem-heap-bytes"
+            flag = "--latency-heap-bytes" if self._latency(world) else "--nvshmem-heap-bytes"
             raise ResourceExhausted(f"group {spec.name!r}: the symmetric heap has no room for "
                                     f"{size} bytes (raise {flag} or lower "
                                     f"max_tokens_per_rank)")
         return encode_plan(offset, size, world)
 
+    def heap_of(self, world: int) -> HeapAllocator:
+        """The allocator of `world`'s heaps."""
+        if not world:
+            return self.heap
+        heap = self.side_heaps.get(world)
+        if heap is None:
+            heap = self.side_heaps[world] = HeapAllocator(self.world_heap_bytes(world))
+        return heap
+
+    def _latency(self, world: int) -> bool:
+        return world_is_latency(world, self.class_engines)
+
     def free_group(self, plan: bytes) -> None:
-        (self.latency_heap if plan_world(plan) else self.heap).free(decode_plan(plan)[0])
+        self.heap_of(plan_world(plan)).free(decode_plan(plan)[0])
 
     # A rank of a shrink group that goes away is masked by its own engine (CudaRankComm.stop
     # sets its bit in every rank's control block, which only an engine of the world can
@@ -366,15 +384,18 @@ class CudaPlanner(GroupPlanner):
                 "NVSHMEM_SYMMETRIC_SIZE": str(self.world_heap_bytes(world) + (1 << 30))}
 
     def world_heap_bytes(self, world: int) -> int:
-        """The heap each engine of `world` reserves (1: the latency class engines')."""
-        return self.latency_heap_bytes if world else self.heap_bytes
+        """The heap each engine of `world` reserves (a latency class world's its own size)."""
+        return self.latency_heap_bytes if self._latency(world) else self.heap_bytes
 
     def new_world(self, world: int = 0) -> None:
         import nvshmem.core  # the [cuda] extra
 
-        uid = nvshmem.core.get_unique_id()._data.tobytes()
+        self.start_world(world, nvshmem.core.get_unique_id()._data.tobytes())
+
+    def start_world(self, world: int, uid: bytes) -> None:
+        """`world`'s engines (re)start in a new NVSHMEM world of unique id `uid`."""
         if world:
-            self.latency_world = (uid, self.latency_world[1] + 1)
+            self.side_worlds[world] = (uid, self.side_worlds.get(world, (b"", 0))[1] + 1)
             return
         self.uid = uid
         self.generation += 1
@@ -383,14 +404,14 @@ class CudaPlanner(GroupPlanner):
                   world: int = 0) -> epd_pb2.GetBootstrapResponse:
         if not 0 <= engine_index < num_engines:
             raise InvalidArgument(f"engine index {engine_index} out of range")
-        if world:  # the latency class engines' own world (one node)
-            uid, generation = self.latency_world
+        if world:  # a class's or a tenant pool's own world (one node)
+            uid, generation = self.side_worlds.get(world, (b"", 0))
             if not uid:
-                raise FailedPrecondition("the latency engines' NVSHMEM world is not created "
-                                         "yet")
+                raise FailedPrecondition(f"the NVSHMEM world {world} of the engines is not "
+                                         f"created yet")
             return epd_pb2.GetBootstrapResponse(nvshmem_uid=uid, pe=engine_index,
                                                 num_pes=num_engines, generation=generation,
-                                                heap_bytes=self.latency_heap_bytes)
+                                                heap_bytes=self.world_heap_bytes(world))
         if self.world_spans_nodes:  # PE = the node's first PE + the engine's index
             w = self.world
             if w is None:

@@ -61,7 +61,8 @@ def report_startup_failure(cfg: config_mod.Config, slot: EngineSlot,
     `epd topology`), then exit with STARTUP_FAILED; the traceback goes to the log."""
     log.exception("engine %d could not start", slot.index)
     text = f"{type(error).__name__}: {error}"[:FAILURE_TEXT_BYTES]
-    failure = cfg.engine_failure_file(cfg.engine_socket(slot.device, slot.service_class))
+    failure = cfg.engine_failure_file(cfg.engine_socket(slot.device, slot.service_class,
+                                                        slot.tenant_pool))
     with contextlib.suppress(OSError), open(failure, "w") as f:
         f.write(text)
     raise SystemExit(STARTUP_FAILED)
@@ -211,9 +212,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", type=int, help="the device it drives (default: --index)")
     parser.add_argument("--service-class", choices=("any", *CLASS_NAMES), default="any",
                         help="with class engines: the only class of groups it runs")
+    parser.add_argument("--tenant-pool", default="",
+                        help="with tenant pools: the only pool whose sessions it serves")
     ns = parser.parse_args(argv)
     slot = EngineSlot(ns.index, ns.index if ns.device is None else ns.device,
-                      "" if ns.service_class == "any" else ns.service_class)
+                      "" if ns.service_class == "any" else ns.service_class,
+                      tenant_pool=ns.tenant_pool)
     cfg = config_mod.load()
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s engine{ns.index} %(levelname)s %(message)s")

@@ -41,7 +41,7 @@ from ...proto.errors import (
     ResourceExhausted,
 )
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
-from .. import metrics, service_classes
+from .. import metrics, service_classes, tenant_pools
 from ..backends.base import (
     Backend,
     GroupSpec,
@@ -199,7 +199,8 @@ class Engine(StreamCalls, DataPlane):
         self._background: set[asyncio.Task] = set()  # (_spawn: work no cancel may stop)
         # Its device and, with class engines, the one service class whose groups it runs.
         self.slot = slot or EngineSlot(index, index)
-        self.socket_path = config.engine_socket(self.slot.device, self.slot.service_class)
+        self.socket_path = config.engine_socket(self.slot.device, self.slot.service_class,
+                                                self.slot.tenant_pool)
         self.sessions: dict[str, Session] = {}
         # Tickets of descriptor-channel hellos, until OpenSession takes one or its connection
         # closes (fd_server.py: at most MAX_UNBOUND_PER_UID connections of a uid hold one).
@@ -215,6 +216,7 @@ class Engine(StreamCalls, DataPlane):
         # Service classes: the policy joins are resolved by (parsed once; config.load checked
         # it), and the (group, class) series of epd_group_service_class this engine has set.
         self.policy = config.service_classes
+        self.tenants = config.tenants  # (parsed once: a session's open checks its uid)
         self._class_series: set[tuple[str, str]] = set()
         self._held_series: set[str] = set()  # group labels of epd_group_held_bytes
         self._sms_series: set[tuple[str, str]] = set()  # (group, mode) of epd_group_sms
@@ -471,6 +473,7 @@ class Engine(StreamCalls, DataPlane):
         Refused, it changes nothing (the ticket stays the connection's)."""
         self.state.check_open()
         peer = self._ticket(ticket).peer
+        self._check_tenant_pool(peer[1], peer[2])
         live = [s for s in self.sessions.values() if not s.teardown_done]
         cap, uid = self.config.max_sessions_per_uid, peer[1]
         held = sum(1 for s in live if s.peer is not None and s.peer[1] == uid)
@@ -493,6 +496,20 @@ class Engine(StreamCalls, DataPlane):
         self._refresh_gauges()
         log.info("opened %s: peer pid %d uid %d gid %d", s.describe(), *peer)
         return s
+
+    def _check_tenant_pool(self, uid: int, gid: int) -> None:
+        """A tenant pool's engine serves only that pool's uids, and a pool's uids only its own
+        engines (tenant_pools.py), the daemon's own uid excepted: FAILED_PRECONDITION naming
+        the socket of the engine this client's sessions open on (its Session follows it)."""
+        theirs, mine = tenant_pools.pool_of(self.tenants, uid, gid), self.slot.tenant_pool
+        if theirs == mine or uid == os.geteuid():
+            return
+        other = self.config.engine_socket(self.slot.device, self.slot.service_class, theirs)
+        whose = f"tenant pool {theirs!r}" if theirs else "no tenant pool"
+        raise FailedPrecondition(
+            f"uid {uid} is in {whose} and engine {self.index} serves only "
+            f"{f'tenant pool {mine!r}' if mine else 'the uids of no tenant pool'} "
+            f"(--tenant-pools): {engine_sockets.OTHER_ENGINE_HINT}{other}")
 
     def session_mps(self, session: Session, client_pipe_directory: str,
                     client_pipe_present: bool) -> bool:
@@ -664,7 +681,7 @@ class Engine(StreamCalls, DataPlane):
         mine, theirs = self.slot.service_class, service_classes.name(cls)
         if not mine or mine == theirs:
             return
-        other = self.config.engine_socket(self.slot.device, theirs)
+        other = self.config.engine_socket(self.slot.device, theirs, self.slot.tenant_pool)
         raise FailedPrecondition(
             f"group {group!r} is a {theirs} group and engine {self.index} (device "
             f"{self.slot.device}) runs only {mine} groups (--class-engines): "
@@ -719,8 +736,9 @@ class Engine(StreamCalls, DataPlane):
             cls = self.policy.resolve(spec.name, uid, req.spec.service_class)
             self._check_class_engine(spec.name, cls)
             shared = in_pool(uid, gid, self.config.allowed_uids, self.config.allowed_gids)
-            spec = dataclasses.replace(spec, service_class=cls,
-                                       metrics_name=metrics.owned_label(spec.name, uid, shared))
+            pool = tenant_pools.pool_of(self.tenants, uid, gid)
+            spec = dataclasses.replace(spec, service_class=cls, metrics_name=metrics.owned_label(
+                spec.name, uid, shared, pool))
             spec_proto = epd_pb2.GroupSpec()
             spec_proto.CopyFrom(req.spec)
             spec_proto.service_class = cls
