@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 DEFAULT_SOCKET_DIR = "/run/epd"
 CONTROL_TIMEOUT = 30.0  # calls that wait for no peer (open, register, leave, stats)
 DEFAULT_TIMEOUT = 10.0  # collective deadline when the daemon does not say (it always does)
+MAX_TIMEOUT = 1e8  # seconds (three years): a call's longest deadline (_check_timeout)
 WATCHER_JOIN_TIMEOUT = 5.0  # closing: how long to wait for the lease thread to end
 CLOSE_LEAVE_TIMEOUT = 2.0  # closing: a clean leave of each group, else the lease's end aborts it
 # A leave that failed so: the engine is not answering, and the next one would wait as long.
@@ -74,14 +75,16 @@ def engine_socket(socket_dir: str | None = None, engine: int = 0,
 
 
 def _check_timeout(t: float) -> float:
-    """A deadline in seconds: positive and finite (NaN would disable it, inf never end)."""
+    """A deadline in seconds: positive and finite (NaN would disable it, inf never end), at
+    most MAX_TIMEOUT (a longer one is that: gRPC refuses deadlines from about 1e10 s on, and the
+    engine bounds every call's by its --max-timeout-seconds anyway)."""
     try:
         value = float(t)
     except (TypeError, ValueError):
         raise InvalidArgument(f"timeout must be a number of seconds, got {t!r}") from None
     if not (0 < value < float("inf")):  # also false for NaN
         raise InvalidArgument(f"timeout must be a positive finite number of seconds, got {t!r}")
-    return value
+    return min(value, MAX_TIMEOUT)
 
 
 def _engine_timeout(value: float) -> float:

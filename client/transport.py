@@ -24,6 +24,7 @@ from ..proto import fd_channel as fdc
 from ..proto import host_order, operations, spin
 from ..proto import ring as R
 from ..proto.errors import (
+    DeadlineExceeded,
     EpdError,
     FailedPrecondition,
     Internal,
@@ -431,11 +432,16 @@ class FastPathTransport(Transport):
         data = request.SerializeToString()
         if not self._use_ring(method, data):
             return self.inner.call(method, request, timeout)
+        start = time.monotonic()
         try:
             return self._submit(method, data, timeout).result()
         except ResourceExhausted as e:  # (a large GetStats: many groups, long abort reasons)
             if method in operations.READ_ONLY and R.is_oversize(e.message):
-                return self.inner.call(method, request, timeout)
+                left = timeout - (time.monotonic() - start)  # (the caller's wait, not twice it)
+                if left <= 0:
+                    raise DeadlineExceeded(f"{method}: its answer did not fit the ring slot "
+                                           f"and no time was left to ask over gRPC") from None
+                return self.inner.call(method, request, left)
             raise
 
     def call_async(self, method: str, request: Message, timeout: float) -> PendingCall:

@@ -204,7 +204,8 @@ def is_oversize(message: str) -> bool:
 
 def set_deadline(words: np.ndarray, deadline: float) -> None:
     """The request's deadline: `deadline` on time.monotonic()'s clock (CLOCK_MONOTONIC)."""
-    ns = min(max(int(deadline * 1e9), 1), (1 << 64) - 1)  # (a timeout of centuries: the end)
+    # (clamped as a float first: a deadline of centuries, or one whose ns overflow a float)
+    ns = int(min(max(deadline * 1e9, 1.0), float((1 << 64) - 1 - 4096)))
     words[S_DEADLINE_LO] = ns & 0xFFFFFFFF
     words[S_DEADLINE_HI] = ns >> 32
 

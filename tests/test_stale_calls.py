@@ -124,14 +124,69 @@ def test_an_unregister_its_client_gave_up_on_is_not_run(daemon) -> None:
         p.close()
 
 
-def test_a_timeout_of_centuries_still_travels_on_the_fast_path(daemon) -> None:
-    """A finite timeout puts the deadline the slot carries past its 64 bits: it is clamped (a
-    review: the client raised OverflowError from the ring write)."""
-    one = Case("stale-far", 1, E, H, K, (T,), max_tokens=8)
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fastpath", "grpc"])
+def test_a_timeout_of_centuries_still_travels(daemon, fast_path: bool) -> None:
+    """A finite timeout puts the deadline the slot carries past its 64 bits (from about 1.8e10
+    s), then past a float's range in nanoseconds (from about 1.8e299 s), and gRPC refuses a
+    deadline from about 1e10 s on: a call's timeout is at most MAX_TIMEOUT (reviews: the
+    client raised OverflowError from the ring write, and gRPC DEADLINE_EXCEEDED at once)."""
+    one = Case(f"stale-far-{fast_path}", 1, E, H, K, (T,), max_tokens=8)
+    with Session(daemon.socket(0), timeout=10, fast_path=fast_path) as s:
+        g = join(s, one, 0, timeout=10)
+        io = one.inputs(0)
+        for timeout in (1e11, 1e300):
+            d = g.dispatch(io["x"], io["topk_idx"], io["topk_weights"], timeout=timeout)
+            assert s.transport == ("fastpath" if fast_path else "grpc")
+            assert d.num_recv_tokens == int((io["topk_idx"] >= 0).any(axis=1).sum())
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fastpath", "grpc"])
+def test_a_short_timeout_runs_on_an_idle_session(daemon, fast_path: bool) -> None:
+    """The margin before a client's deadline is at most half the time a call had left when it
+    came: a call of a 40 ms timeout that gets its turn at once runs (a review: every call of a
+    timeout under 50 ms was refused as stale on an idle session)."""
+    one = Case(f"stale-short-{fast_path}", 1, E, H, K, (T,), max_tokens=8)
+    with Session(daemon.socket(0), timeout=10, fast_path=fast_path) as s:
+        g = join(s, one, 0, timeout=10)
+        io = one.inputs(0)
+        req = epd_pb2.GetDispatchLayoutRequest(session_id=s.session_id, group_id=g.group_id,
+                                               topk_idx=s._descs({"i": io["topk_idx"]})["i"])
+        s._call("GetDispatchLayout", req, 5)  # (warm)
+        ran = sum(1 for _ in range(5) if s._call("GetDispatchLayout", req, 0.04))
+        assert ran == 5
+
+
+def test_the_margin_is_half_the_time_left_at_most() -> None:
+    from epd.server.engine.executor import STALE_MARGIN_SECONDS, stale
+    assert not stale(None, 100.0, 1e9)
+    # came with 1 s left: the full margin
+    assert not stale(101.0, 0.0, 100.0) and stale(101.0, 0.96, 100.96)
+    assert not stale(101.0, 0.9, 100.9)
+    # came with 40 ms left: 20 ms
+    assert not stale(100.04, 0.0, 100.0) and not stale(100.04, 0.019, 100.019)
+    assert stale(100.04, 0.021, 100.021) and stale(100.04, 0.05, 100.05)
+    assert STALE_MARGIN_SECONDS == 0.05
+
+
+def test_a_call_its_arguments_refuse_is_not_counted_as_queued(daemon) -> None:
+    """A synchronous dispatch with an SM count, or a combine naming an output (stream-ordered
+    features), is refused by its arguments and not counted in queued_calls (a review found
+    these checks after the count)."""
+    one = Case("stale-count", 1, E, H, K, (T,), max_tokens=8)
     with Session(daemon.socket(0), timeout=10) as s:
         g = join(s, one, 0, timeout=10)
         io = one.inputs(0)
-        d = g.dispatch(io["x"], io["topk_idx"], io["topk_weights"], timeout=1e11)
-        assert s.transport == "fastpath"
-        assert d.num_recv_tokens == int((io["topk_idx"] >= 0).any(axis=1).sum())
+        req, t = g._dispatch_request(io["x"], io["topk_idx"], io["topk_weights"], None, 1, 0,
+                                     None, 5, None, None, True)
+        req.num_sms = 4
+        with pytest.raises(EpdError, match="num_sms is for stream-ordered calls"):
+            s._call("Dispatch", req, t)
+        d = g.dispatch(io["x"], io["topk_idx"], io["topk_weights"])
+        creq = epd_pb2.CombineRequest(session_id=s.session_id, group_id=g.group_id,
+                                      handle=d.handle.handle_id, timeout_seconds=5,
+                                      **s._descs({"x": d.recv_x, "out": d.recv_x}))
+        with pytest.raises(EpdError, match="num_sms and out are for stream-ordered calls"):
+            s._call("Combine", creq, 5)
+        stats = next(x for x in s.stats().groups if x.name == one.group)
+        assert stats.queued_calls == 1, stats  # (the dispatch that ran)
 

@@ -178,6 +178,11 @@ def close_quietly(comm: RankComm) -> None:
         log.exception("closing an abandoned attach's comm failed")
 
 
+def printable(text: str) -> str:
+    """A client's words as they may go into a log line or another tenant's message."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 class Engine(StreamCalls, DataPlane):
     # The registry's operations that run on a session's executor, by name: the gRPC servicer
     # runs the collectives through them, the fast-path ring every operation it carries
@@ -487,7 +492,7 @@ class Engine(StreamCalls, DataPlane):
         page = self.backend.open_counter_page()  # a sealed memfd, fetched over the channel
         del self.tickets[ticket]
         # (printable only: the name goes into log lines and other tenants' abort reasons)
-        name = "".join(c if c.isprintable() else "?" for c in client_name[:64])
+        name = printable(client_name[:64])
         s = Session(sid, name, pid, page,
                     SessionExecutor(self.state, f"s{sid[:6]}", self.backend.thread_init,
                                     self.slow_ops),
@@ -523,11 +528,14 @@ class Engine(StreamCalls, DataPlane):
         session.on_engine_mps = on
         if mine and not on:
             self._refresh_gauges()
-            if session.pid not in self._mps_warned:
+            pid = session.peer[0] if session.peer is not None else session.pid  # (SO_PEERCRED)
+            if pid not in self._mps_warned:
                 if len(self._mps_warned) >= MPS_WARNED_PIDS:
                     self._mps_warned.clear()
-                self._mps_warned.add(session.pid)
-                where = (f"MPS pipe folder {client_pipe_directory or '(none)'}"
+                self._mps_warned.add(pid)
+                # (the client's words, printable only: a newline would forge a log line)
+                folder = printable(client_pipe_directory[:256]) or "(none)"
+                where = (f"MPS pipe folder {folder}"
                          f"{'' if client_pipe_present else ', no MPS server there'}")
                 log.warning("%s is not on engine %d's CUDA MPS server (%s; the engine's: %s): "
                             "its calls share the GPU by time slices, much slower; run the "

@@ -281,12 +281,15 @@ class DataPlane:
                             req.num_worst_tokens,
                             cached.backend_handle if cached is not None else None,
                             in_rank, per_expert)
+        if req.stream_ordered:
+            self._num_sms(member, req.num_sms)  # (checked before the call counts as queued)
+        else:
+            if req.num_sms:
+                raise InvalidArgument("num_sms is for stream-ordered calls")
+            self.backend.check_event(req.ready_event)
         self._queued(session, member)
         if req.stream_ordered:  # (it releases req.release_handles once it checked the call)
             return self.dispatch_stream(session, member, req, args, cached, timeout, path)
-        if req.num_sms:
-            raise InvalidArgument("num_sms is for stream-ordered calls")
-        self.backend.check_event(req.ready_event)
         nbytes = self._new_handle_bytes(member, args, cached)
         self._check_handle_budget(session, member, req.release_handles, nbytes)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
@@ -539,11 +542,11 @@ class DataPlane:
             biases.append(b)
         timeout = self._timeout(req.timeout_seconds)
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
-        self._queued(session, member)
-        if req.stream_ordered:
+        if req.stream_ordered:  # (it counts the call as queued once its outputs are checked)
             return self.combine_stream(session, member, req, info, args, timeout, path)
         if req.num_sms or tensors.is_set(req.out):
             raise InvalidArgument("num_sms and out are for stream-ordered calls")
+        self._queued(session, member)
 
         def run():
             self._check_values(session, req.ready_event, member, None, timeout)
@@ -626,13 +629,13 @@ class DataPlane:
                        path: str) -> epd_pb2.LowLatencyDispatchResponse:
         """DeepEP low_latency_dispatch. Validate (nothing changes on bad input), then run."""
         member, args, stats = self.ll_dispatch_args(session, req)
-        self._queued(session, member)
         spec, idx, t, m = member.spec, args.topk_idx, args.x.shape[0], \
             args.num_max_dispatch_tokens_per_rank
         timeout = self._timeout(req.timeout_seconds)
         # A ready event this backend cannot wait for is known from the request alone: refused
         # before the handles the call carries are released (as a normal dispatch does).
         self.backend.check_event(req.ready_event)
+        self._queued(session, member)
         nbytes = member.comm.handle_bytes(True, int(t), int(idx.shape[1]))
         self._check_handle_budget(session, member, req.release_handles,  # (but the ids' values)
                                   nbytes)

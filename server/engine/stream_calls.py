@@ -281,6 +281,7 @@ class StreamCalls:
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
         num_sms = self._num_sms(member, req.num_sms)
+        self._queued(session, member)
         seq = self._next_stream_seq(member)
         launch = member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout,
                                             seq, num_sms)

@@ -107,11 +107,12 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
         last = sum((d - 1) * s for d, s in zip(shape, strides, strict=True))
         end = offset + (last + 1) * item
         if _overlaps(shape, strides):
-            # Elements sharing a position. Never a real tensor (a permuted, sliced or strided
-            # view of dense memory never does), and a copy of it (the host checks read
+            # Elements that may share a position. Never a real tensor (a permuted, sliced or
+            # strided view of dense memory never does), and a copy of it (the host checks read
             # topk_idx) would be larger than its region; an output so would be written twice.
             raise InvalidArgument(f"{what}: shape {list(shape)} with strides {list(strides)} "
-                                  f"overlaps itself; pass a dense tensor")
+                                  f"is not a layout of dense memory (its elements may "
+                                  f"overlap); pass a dense tensor or a view of one")
     else:
         end = offset
     if end > region.size:
@@ -126,10 +127,13 @@ def _resolve(desc: epd_pb2.TensorDesc, region: Region, what: str, ndim: int,
 
 
 def _overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """Whether two elements share a position: taken by increasing stride, each dimension's
-    stride must step past every position the smaller ones reach (the layout of any permuted,
-    sliced or strided view of dense memory). Counting elements against the span missed
-    interleaved aliasing (a review: shape [2, 2, 2], strides [3, 4, 1])."""
+    """Whether the layout is not one of dense memory's views, which covers every layout whose
+    elements share a position: taken by increasing stride, each dimension's stride must step
+    past every position the smaller ones reach (true of any permuted, sliced or strided view
+    of dense memory). Conservative: a few layouts only `as_strided` makes, whose elements do
+    not meet, are refused too (shape [2, 3, 2], strides [6, 4, 1]); exact overlap is a
+    costlier question. Counting elements against the span missed interleaved aliasing (a
+    review: shape [2, 2, 2], strides [3, 4, 1])."""
     reach = 1  # positions the dimensions taken so far cover, from the first
     for s, d in sorted((s, d) for s, d in zip(strides, shape, strict=True) if d > 1):
         if s < reach:
