@@ -19,6 +19,7 @@ growing (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) and fetched by name: "counte
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import gc
 import mmap
@@ -86,12 +87,33 @@ def seals_of(fd: int) -> int:
         return 0
 
 
+TMPFS_MAGIC = 0x01021994  # statfs f_type of shared memory (memfd_create without MFD_HUGETLB)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def filesystem_type(fd: int) -> int | None:
+    """fstatfs(fd)'s f_type (None where the call is not there)."""
+    buf = ctypes.create_string_buffer(256)  # (struct statfs is 120 bytes on 64-bit Linux)
+    fstatfs = getattr(_libc, "fstatfs", None)
+    if fstatfs is None or fstatfs(fd, buf) != 0:
+        return None
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
 def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "memory") -> None:
     """Refuse a descriptor that is not a sealed shared-memory object of at least `size` bytes
     (InvalidArgument naming the missing seal or the size)."""
     st = os.fstat(fd)
     if not (st.st_mode & 0o170000) == 0o100000:
         raise InvalidArgument(f"{what}: the descriptor is not a memfd")
+    kind = filesystem_type(fd)
+    if kind is not None and kind != TMPFS_MAGIC:
+        # A huge-page memfd (MFD_HUGETLB) passes every seal check, yet its client can punch
+        # its pages out and take the pool's free pages: the engine's next read is a SIGBUS
+        # that kills it and every tenant's sessions with it (a review).
+        raise InvalidArgument(f"{what}: the memfd is not plain shared memory (filesystem "
+                              f"{kind:#x}; a huge-page memfd, MFD_HUGETLB, can lose its pages "
+                              f"under the engine): create it without MFD_HUGETLB")
     have = seals_of(fd)
     missing = seals & ~have
     if missing:

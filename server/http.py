@@ -18,8 +18,36 @@ from prometheus_client import CollectorRegistry, make_wsgi_app, multiprocess
 from . import metrics
 
 
+# Connections served at once: a thread each (a scrape, a probe, `epd topology` take one for a
+# moment); beyond this a new connection is closed at once. And how long one may stay silent:
+# a review held 300 idle connections open, 300 supervisor threads for good, enough under the
+# unit's task limit to keep the engines from starting threads for new sessions.
+MAX_CONNECTIONS = 32
+IDLE_SECONDS = 10.0
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # (address_family AF_INET, socketserver's)
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # (busy: the client may try again)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Server6(_Server):
@@ -27,6 +55,8 @@ class _Server6(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = IDLE_SECONDS  # (a read that waits longer ends the connection and its thread)
+
     def log_message(self, format, *args):  # scrapes every few seconds: not worth a log line
         pass
 

@@ -8,6 +8,8 @@ import contextlib
 import errno
 import re
 import socket
+import threading
+import time
 import urllib.request
 import warnings
 from pathlib import Path
@@ -153,6 +155,30 @@ def test_the_endpoint_on_ipv4_and_by_name_as_before(metrics_dir):
     try:
         assert _get(http.url(server, "/healthz")) == (200, "ok\n")
     finally:
+        _stop(server)
+
+
+def test_idle_connections_hold_no_threads_for_long(metrics_dir, monkeypatch):
+    """Connections to the endpoint that say nothing: at most MAX_CONNECTIONS are served at
+    once (a thread each), a silent one ends after IDLE_SECONDS, and the endpoint answers again
+    after them (a review: 300 idle connections held 300 supervisor threads for good)."""
+    monkeypatch.setattr(http, "MAX_CONNECTIONS", 4)
+    monkeypatch.setattr(http._QuietHandler, "timeout", 0.5)
+    server = http.start("127.0.0.1", 0, lambda: (True, "ready"))
+    idle = []
+    try:
+        before = threading.active_count()
+        for _ in range(20):
+            c = socket.create_connection(server.server_address[:2], timeout=5)
+            idle.append(c)
+        time.sleep(0.2)
+        assert threading.active_count() - before <= 4
+        time.sleep(0.8)  # (the silent ones timed out)
+        assert _get(http.url(server, "/readyz")) == (200, "ready\n")
+        assert threading.active_count() - before <= 1
+    finally:
+        for c in idle:
+            c.close()
         _stop(server)
 
 

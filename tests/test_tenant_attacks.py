@@ -420,3 +420,79 @@ def test_a_ticket_the_engine_took_too_late_is_still_withdrawn(tmp_path, monkeypa
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+def test_the_descriptor_channel_outlives_a_full_descriptor_table(tmp_path, monkeypatch) -> None:
+    """A failed accept (EMFILE: another tenant's connections filled the engine's descriptor
+    table) does not end the channel: it accepts again once there is room, and the next hello
+    is answered (a review: the accept thread returned, and every later session of the engine
+    waited for a channel that never answered, while /readyz said ready)."""
+    import asyncio
+    import errno
+
+    from epd.server.engine import fd_server
+
+    class _Engine:  # (only what a hello reaches)
+        def __init__(self) -> None:
+            self.tickets: dict[bytes, object] = {}
+
+        def issue_ticket(self, ticket, peer, alive) -> None:
+            self.tickets[ticket] = peer
+
+        def withdraw_ticket(self, ticket) -> None:
+            self.tickets.pop(ticket, None)
+
+    class _FullTable:  # the listening socket, whose first accepts find no descriptor left
+        def __init__(self, sock) -> None:
+            self.sock, self.failures = sock, 3
+
+        def accept(self):
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.EMFILE, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    monkeypatch.setattr(fd_server, "ACCEPT_RETRY_SECONDS", 0.01)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    engine = _Engine()
+    server = fd_server.FdServer(engine, str(tmp_path / "gpu0.fds"), loop)
+    full = server.sock = _FullTable(server.sock)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as c:
+            c.settimeout(10)
+            c.connect(str(tmp_path / "gpu0.fds"))
+            fdc.send(c, epd_pb2.FdRequest(hello=epd_pb2.FdHello()))
+            resp, _ = fdc.recv(c, epd_pb2.FdResponse)
+            assert resp.code == 0 and resp.ticket, resp
+        assert full.failures == 0 and len(engine.tickets) == 1
+    finally:
+        server.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+
+
+def test_an_unauthenticated_request_cannot_be_tens_of_megabytes(daemon) -> None:
+    """A request is parsed before its session's token is checked: one of more than the
+    engine's MAX_REQUEST_BYTES is refused by gRPC unread (a review grew an engine to 7.6 GiB
+    with 25 MB requests of no session), and the engine answers the next one."""
+    from epd.server.engine.app import MAX_REQUEST_BYTES
+
+    with grpc.insecure_channel(f"unix://{daemon.socket(0)}", options=[
+            ("grpc.max_send_message_length", 64 << 20)]) as ch:
+        stub = epd_pb2_grpc.EngineStub(ch)
+        big = epd_pb2.GetDispatchLayoutRequest(session_id="x" * (MAX_REQUEST_BYTES + 1))
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.GetDispatchLayout(big, timeout=10)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+        with pytest.raises(grpc.RpcError) as ei:  # (a small one is read: no such session)
+            stub.GetDispatchLayout(epd_pb2.GetDispatchLayoutRequest(session_id="x"),
+                                   timeout=10)
+        assert ei.value.code() in (grpc.StatusCode.NOT_FOUND,
+                                   grpc.StatusCode.UNAUTHENTICATED), ei.value

@@ -7,6 +7,7 @@ engine 1), driven from threads; malformed requests are crafted as raw protobuf m
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import fcntl
 import gc
 import itertools
@@ -478,6 +479,24 @@ def test_bad_region_registration(pair):
             os.close(fd)
     finally:
         read_only.close()
+    # a huge-page memfd, sealed as asked: its client can punch its pages out and take the
+    # pool's free pages, and the engine's next read would be a SIGBUS (a review crashed the
+    # engine so): refused as not plain shared memory (creating one needs no huge page)
+    try:
+        huge = os.memfd_create("epd-test-huge", os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC
+                               | os.MFD_HUGETLB)
+    except OSError:  # (a kernel without hugetlbfs: no such memfd can be made here)
+        huge = None
+    if huge is not None:
+        try:
+            os.ftruncate(huge, 2 << 20)
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(huge, fdc.F_ADD_SEALS, fdc.F_SEAL_SHRINK | fdc.F_SEAL_GROW)
+            with pytest.raises(EpdError) as ei:
+                s._channel.register(huge, 2 << 20)
+            assert ei.value.code == INVALID and "MFD_HUGETLB" in ei.value.details, ei.value
+        finally:
+            os.close(huge)
     valid_round(pair)
 
 

@@ -39,8 +39,14 @@ from .service import EngineService, add_to_server
 
 log = logging.getLogger("epd.engine")
 SERVICE_NAME = "epd.v1.Engine"
+# A request is parsed before its session's token is checked, so its size is what anyone in the
+# socket group can make the engine hold: every request EPD sends is small (a release list of
+# the most ids an engine takes, 65,536, is under 1 MiB), and a review's 32 senders of 25 MB
+# requests grew an engine to 7.6 GiB and slowed other tenants' calls to seconds. Answers
+# (GetStats of many groups) may be larger.
+MAX_REQUEST_BYTES = 4 << 20
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20),
-                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
                 ("grpc.so_reuseport", 0)]
 STOP_GRACE_SECONDS = 1.0  # after the drain: what gRPC calls still open get before they end
 # After serve() ends: the longest the process's own exit may take (joining its threads) before

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import select
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING
 
 import grpc
@@ -56,6 +58,10 @@ MAX_CONNECTIONS = 1024
 # if its client never does; so --max-sessions-per-uid above 64 needs clients that bind)
 MAX_UNBOUND_PER_UID = 64
 MAX_PER_SESSION = 4
+# accept()'s errors that pass (the process's or the system's descriptors or memory, for now):
+# the channel waits this long and accepts again.
+ACCEPT_BUSY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_RETRY_SECONDS = 0.1
 
 
 def per_uid_cap(max_sessions_per_uid: int) -> int:
@@ -114,8 +120,17 @@ class FdServer:
         while not self._stop:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stop or e.errno not in ACCEPT_BUSY:
+                    return  # (closed)
+                # Out of descriptors or memory for now (another tenant's connections filled
+                # the table): the channel stays, and accepts again once there is room; a
+                # review found one failed accept ended it for good, every later session of
+                # the engine then waiting for a channel that never answered.
+                log.warning("descriptor channel: cannot accept a connection (%s); trying "
+                            "again in %.1f s", e, ACCEPT_RETRY_SECONDS)
+                time.sleep(ACCEPT_RETRY_SECONDS)
+                continue
             try:
                 peer = fdc.peer_credentials(conn)
             except OSError:
