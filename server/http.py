@@ -17,7 +17,6 @@ from prometheus_client import CollectorRegistry, make_wsgi_app, multiprocess
 
 from . import metrics
 
-
 # Connections served at once: a thread each (a scrape, a probe, `epd topology` take one for a
 # moment); beyond this a new connection is closed at once. And how long one may stay silent:
 # a review held 300 idle connections open, 300 supervisor threads for good, enough under the

@@ -8,7 +8,8 @@ mode). Gauges say how they aggregate across processes.
 
 Bounded label sets: every metric labelled by `group` maps the group name through
 `group_label()`: a process labels at most `--max-group-label-values` distinct names (default
-256), later ones become group="_overflow". The cap counts every name a process has used, and
+256; one owner, a uid, pool or tenant pool, at most a quarter of it), later ones become
+group="_overflow". The cap counts every name a process has used, and
 the names already in the folder when it starts (`set_group_label_cap`: an engine restarting
 in a loop would otherwise add up to the cap each time), not only live groups: in
 multiprocess mode prometheus_client cannot remove a series (`remove()` warns "not
@@ -140,16 +141,32 @@ def owned_label(name: str, uid: int, shared: bool, tenant_pool: str = "") -> str
     return f"{base} (uid {uid})"
 
 
+def owner_of(label: str) -> str:
+    """The owner part of an owned label (` (uid N)`, ` (pool)`, ` (tenant P)`; "" for the
+    daemon's own uid's groups)."""
+    m = _OWNER_SUFFIX.search(label)
+    return m.group(1) if m else ""
+
+
+def owner_share(cap: int) -> int:
+    """The label values one owner may take of a process's `cap`: a quarter (at least 16), so
+    that one tenant's many groups cannot push every other tenant's into _overflow (a review
+    did, with 260 one-rank groups)."""
+    return min(cap, max(16, cap // 4))
+
+
 def group_label(name: str) -> str:
     """The `group` label value for a group name: itself (less an instance tag: group_names)
-    while under the cap, else _overflow."""
+    while under the cap and under its owner's share of it (`owner_share`), else _overflow."""
     name = group_names.base_name(name)
     if name in _group_names:
         return name
     with _group_lock:
         if name in _group_names:
             return name
-        if len(_group_names) >= _group_cap:
+        owner = owner_of(name)  # (counted anew: a new name is rare, a group's first call)
+        if (len(_group_names) >= _group_cap or sum(
+                owner_of(n) == owner for n in _group_names) >= owner_share(_group_cap)):
             return OVERFLOW_GROUP
         _group_names.add(name)
         return name

@@ -436,3 +436,30 @@ def test_a_tagged_group_names_label_is_mapped_once(monkeypatch):
     assert calls == ["model-a@b3"]
     assert c.labels("model-a@b3", "dispatch") is c.labels("model-a", "dispatch")
 
+
+
+def test_one_owners_names_cannot_take_every_label():
+    """One owner (a uid, a pool, a tenant pool, the daemon's own uid) labels at most a
+    quarter of the cap (at least 16): a tenant's many groups leave room for the others' (a
+    review pushed another tenant's group into _overflow with 260 one-rank groups)."""
+    from epd.server import metrics
+
+    saved_cap, saved_names = metrics._group_cap, set(metrics._group_names)
+    try:
+        metrics._group_names.clear()
+        metrics._group_cap = 256
+        got = [metrics.group_label(f"job-{i} (uid 1001)") for i in range(100)]
+        assert got[:64] == [f"job-{i} (uid 1001)" for i in range(64)]
+        assert set(got[64:]) == {metrics.OVERFLOW_GROUP}
+        assert metrics.group_label("decode (uid 1002)") == "decode (uid 1002)"
+        assert metrics.group_label("decode (tenant a)") == "decode (tenant a)"
+        assert metrics.group_label("decode") == "decode"
+        assert metrics.group_label("job-3 (uid 1001)") == "job-3 (uid 1001)"  # (has its own)
+        metrics._group_cap = 8  # (a small cap: one owner may take it all, at most 16)
+        metrics._group_names.clear()
+        assert [metrics.group_label(f"j{i}") for i in range(9)][-1] == metrics.OVERFLOW_GROUP
+        assert metrics.group_label("j7") == "j7"
+    finally:
+        metrics._group_cap = saved_cap
+        metrics._group_names.clear()
+        metrics._group_names.update(saved_names)

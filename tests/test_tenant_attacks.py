@@ -496,3 +496,52 @@ def test_an_unauthenticated_request_cannot_be_tens_of_megabytes(daemon) -> None:
                                    timeout=10)
         assert ei.value.code() in (grpc.StatusCode.NOT_FOUND,
                                    grpc.StatusCode.UNAUTHENTICATED), ei.value
+
+
+def _quietly(fn):
+    """`fn` for a thread, whose EpdError (a deadline, a closed session) is expected."""
+    def run() -> None:
+        with contextlib.suppress(EpdError):
+            fn()
+    return run
+
+
+def test_one_tenants_waiting_leaves_do_not_hold_anothers(daemon_factory) -> None:
+    """Leaves whose close waits for the session's running operation (a collective its peer
+    never joins) wait on their session's own threads: with more of them than the engine's
+    shared thread pool has threads (min(32, CPUs + 4)), another tenant's join, round and leave
+    still take well under a second (a review: they queued behind, 28 s, then the leave's
+    deadline)."""
+    n = min(32, (os.cpu_count() or 1) + 4) + 1
+    spec = dict(num_experts=4, hidden=128, max_tokens_per_rank=4, num_topk=2)
+    with daemon_factory(engines=1, extra=["--timeout-seconds", "3"]) as d:
+        held: list[Session] = []
+        try:
+            for i in range(n):
+                s, peer = Session(d.socket(0), timeout=60), Session(d.socket(0), timeout=60)
+                held += [s, peer]
+                threading.Thread(target=lambda p=peer, i=i: p.join(
+                    f"hold{i}", rank=1, num_ranks=2, **spec), daemon=True).start()
+                g = s.join(f"hold{i}", rank=0, num_ranks=2, **spec)
+                spare = s.join(f"spare{i}", rank=0, num_ranks=1, **spec)
+                hc = ranklib.Case(group=f"hold{i}", num_ranks=2, num_experts=4, hidden=128,
+                                  num_topk=2, tokens=(4, 4))
+                inp = hc.inputs(0)
+                threading.Thread(target=_quietly(lambda g=g, inp=inp: g.dispatch(
+                    inp["x"], inp["topk_idx"], inp["topk_weights"], timeout=20)),
+                    daemon=True).start()
+                time.sleep(0.2)  # (its dispatch holds the session's operations)
+                threading.Thread(target=_quietly(spare.leave), daemon=True).start()
+            time.sleep(1.0)
+            c = ranklib.Case(group="bystander", num_ranks=1, num_experts=4, hidden=128,
+                             num_topk=2, tokens=(4,))
+            with Session(d.socket(0), timeout=10) as v:
+                t0 = time.monotonic()
+                g = ranklib.join(v, c, 0)
+                ranklib.check_case(c, [ranklib.case_round(v, g, c, 0)])
+                g.leave()
+                took = time.monotonic() - t0
+            assert took < 5.0, took
+        finally:
+            for s in held:
+                s.close()

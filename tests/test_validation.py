@@ -6,8 +6,8 @@ engine 1), driven from threads; malformed requests are crafted as raw protobuf m
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import itertools

@@ -574,8 +574,8 @@ class Engine(StreamCalls, DataPlane):
             for member in list(session.members.values()):
                 step(f"aborting group {member.spec.name!r}", lambda m=member: interrupt_member(m))
             if session.stream_ops:  # release client streams waiting on them
-                await asyncio.to_thread(step, "releasing stream ops",
-                                        lambda: self.stream_ops.release_session(session))
+                await session.executor.off_loop(step, "releasing stream ops",
+                                                lambda: self.stream_ops.release_session(session))
 
         def release() -> None:
             # (under the operation lock: an op that an arm still running during interrupt()
@@ -647,7 +647,8 @@ class Engine(StreamCalls, DataPlane):
         text = f"rank {member.rank} of group {member.spec.name!r} went away: {reason}"
         if why == "left":  # a clean leave: let peers finish reading what this rank published
             try:
-                await asyncio.to_thread(member.comm.quiesce, time.monotonic() + QUIESCE_SECONDS)
+                await session.executor.off_loop(member.comm.quiesce,
+                                                time.monotonic() + QUIESCE_SECONDS)
             except Exception:  # (its session's teardown closed the comm meanwhile)
                 log.debug("quiescing rank %d of %r failed", member.rank, member.spec.name,
                           exc_info=True)
@@ -655,7 +656,7 @@ class Engine(StreamCalls, DataPlane):
             return
         self._abort(member, text, why)
         if any(o.member is member for o in list(session.stream_ops.values())):
-            await asyncio.to_thread(self.stream_ops.release_member, session, member)
+            await session.executor.off_loop(self.stream_ops.release_member, session, member)
 
         def close() -> bool:
             if session.teardown_done or session.members.get(member.group_id) is not member:
@@ -672,7 +673,7 @@ class Engine(StreamCalls, DataPlane):
             session.free_slots.append(member.counter_slot)
             return True
         async def finish() -> None:
-            if await asyncio.to_thread(session.executor.exclusive, close) is False:
+            if await session.executor.off_loop(session.executor.exclusive, close) is False:
                 return
             session.members.pop(member.group_id, None)
             await self._release_rank(member, text, left=why == "left")

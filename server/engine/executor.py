@@ -46,6 +46,7 @@ log = logging.getLogger("epd.engine")
 T = TypeVar("T")
 
 QUIESCE_SECONDS = 30.0  # teardown: longest wait for a running operation before giving up on it
+WAIT_THREADS = 4  # a session's threads for its waits off the event loop (`off_loop`)
 IDLE_POLL_SECONDS = 0.01  # drain: how often the in-flight count is looked at
 
 
@@ -169,6 +170,14 @@ class SessionExecutor:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-{name}",
                                          initializer=named_initializer(f"epd-{name}",
                                                                        thread_init))
+        # The session's waits off the event loop (a leave's quiesce and its wait for the
+        # operation lock, its teardown's steps): its own threads, not the loop's default pool
+        # every session shares, where a review's tenant held all of them with leaves that
+        # wait up to QUIESCE_SECONDS each, and other tenants' leaves and teardowns queued.
+        self._waits = ThreadPoolExecutor(max_workers=WAIT_THREADS,
+                                         thread_name_prefix=f"epd-{name}-wait",
+                                         initializer=named_initializer(f"epd-{name}-wait",
+                                                                       thread_init))
         self.transports: list[Transport] = []
         self.closing: str | None = None  # why later calls are refused
         # Seconds the running operation waited for the worker and the lock before it ran.
@@ -234,6 +243,17 @@ class SessionExecutor:
             self.worker, functools.partial(self._call, time.perf_counter(), fn, *args,
                                            deadline=CLIENT_DEADLINE.get()))
 
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """Run a blocking step of this session's (a wait for its operations, a close) on its
+        own wait threads (asyncio.to_thread for one session: see `_waits`)."""
+        call = functools.partial(fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._waits, call)
+        except RuntimeError:  # (its teardown ended, and with it these threads: a leave that
+            if not self._waits._shutdown:  # raced it finishes on the loop's shared ones)
+                raise
+            return await asyncio.to_thread(call)
+
     def exclusive(self, fn: Callable[[], T], timeout: float | None = None) -> T | None:
         """Run `fn` with no operation running (even while closing): teardown steps, such as
         closing a comm. Blocks; returns None, without running `fn`, if an operation still holds
@@ -275,11 +295,10 @@ class SessionExecutor:
         self.closing = reason
         await interrupt()
         for t in self.transports:
-            await asyncio.to_thread(t.stop)
+            await self.off_loop(t.stop)
         self.transports.clear()
         try:  # (the operation running on it was interrupted above; exclusive() waits again)
-            await asyncio.wait_for(asyncio.to_thread(self.worker.shutdown, wait=True),
-                                   QUIESCE_SECONDS)
+            await asyncio.wait_for(self.off_loop(self.worker.shutdown, True), QUIESCE_SECONDS)
         except TimeoutError:
             log.error("%s: its worker still runs an operation after %.0f s", self.name,
                       QUIESCE_SECONDS)
@@ -287,5 +306,8 @@ class SessionExecutor:
         def release_all() -> bool:
             release()
             return True
-        if await asyncio.to_thread(self.exclusive, release_all) is None:
-            log.error("%s: left mapped (an operation never finished)", self.name)
+        try:
+            if await self.off_loop(self.exclusive, release_all) is None:
+                log.error("%s: left mapped (an operation never finished)", self.name)
+        finally:
+            self._waits.shutdown(wait=False)  # (its threads end once idle: this was the last)
