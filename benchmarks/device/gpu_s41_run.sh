@@ -6,6 +6,10 @@
 #            # read-only retry over gRPC, the facade's branch keywords): the daemon, the facade,
 #            # stream-ordered normal mode, bad input alike, worst-case, plain low-latency calls,
 #            # security; then the elastic buffer, call outputs, the local layout
+#   pools41  # tenant pools on the CUDA engine (a pool's engine: its own process, NVSHMEM
+#            # world and heap), the class engines (the planner's worlds changed), MPS, the
+#            # daemon and security suites after the reviews' mends (a session's waits on its own
+#            # threads, huge-page regions refused, request size), the low-latency facade calls
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, merge_json, layer_rows,
 #  ll_rows)
@@ -18,5 +22,12 @@ case "${1:-}" in
     STEP_TEST_SECONDS=100 step rest 170 "tests/gpu/test_elastic_buffer_gpu.py \
         tests/gpu/test_call_outputs.py tests/gpu/test_local_layout.py"
     ;;
-  *) echo "usage: $0 first41"; exit 2 ;;
+  pools41)
+    STEP_TEST_SECONDS=150 step pools 200 "tests/gpu/test_tenant_pools_gpu.py \
+        tests/gpu/test_service_classes_gpu.py"
+    STEP_TEST_SECONDS=150 step after 380 "tests/gpu/test_mps_gpu.py tests/gpu/test_daemon.py \
+        tests/gpu/test_security_cuda.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_ll_chain_plain.py"
+    ;;
+  *) echo "usage: $0 first41|pools41"; exit 2 ;;
 esac
