@@ -29,5 +29,20 @@ case "${1:-}" in
         tests/gpu/test_security_cuda.py tests/gpu/test_deep_ep_facade.py \
         tests/gpu/test_ll_chain_plain.py"
     ;;
-  *) echo "usage: $0 first41|pools41"; exit 2 ;;
+  a41)  # the two above in two calls of at most 600 s: tenant pools and class engines, then
+    # the daemon, the facade, stream-ordered normal mode, bad input alike, security
+    STEP_TEST_SECONDS=150 step pools 200 "tests/gpu/test_tenant_pools_gpu.py \
+        tests/gpu/test_service_classes_gpu.py"
+    STEP_TEST_SECONDS=150 step suite 380 "tests/gpu/test_daemon.py tests/gpu/test_deep_ep_facade.py \
+        tests/gpu/test_stream_ordered.py tests/gpu/test_bad_input_alike.py \
+        tests/gpu/test_security_cuda.py"
+    ;;
+  b41)  # worst-case, plain low-latency calls (poller and chain), MPS, the elastic buffer,
+    # call outputs, the local layout
+    STEP_TEST_SECONDS=150 step rest 560 "tests/gpu/test_worst_case_no_wait.py \
+        tests/gpu/test_ll_plain.py tests/gpu/test_ll_chain_plain.py tests/gpu/test_mps_gpu.py \
+        tests/gpu/test_elastic_buffer_gpu.py tests/gpu/test_call_outputs.py \
+        tests/gpu/test_local_layout.py"
+    ;;
+  *) echo "usage: $0 first41|pools41|a41|b41"; exit 2 ;;
 esac
