@@ -84,6 +84,9 @@ static_assert(NOTIFY_TOKENS == EPD_MAX_RANKS && NOTIFY_BAD == NOTIFY_TOKENS + 1 
 // (its verdict, as ERR_BAD_DUPLICATE for an expert twice in a row): that rank's combine fails,
 // its output leaves the entry out; the other ranks' combines are exact and nothing aborts.
 #define ERR_NOT_DISPATCHED 11
+// The ranks of a low-latency dispatch passed different num_max_dispatch_tokens_per_rank or
+// use_fp8 (its verdict): every rank fails the call, nothing moves, the group goes on.
+#define ERR_DISAGREE 12
 
 // Abort word a rank writes when it leaves: ((rank + 1) << ABORT_RANK_SHIFT) | ERR_ABORTED.
 #define ABORT_RANK_SHIFT 8

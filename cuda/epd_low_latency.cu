@@ -54,7 +54,9 @@
 #define LL_TOPK_HEADER 64
 #define LL_COMBINE_VERDICT 4
 // A source's histogram row is its E counts, then its verdict on its own ids: code (0,
-// ERR_BAD_INPUT, ERR_BAD_DUPLICATE), the token, the expert id's low and high 32 bits.
+// ERR_BAD_INPUT, ERR_BAD_DUPLICATE), the token, the expert id's low and high 32 bits; with code
+// 0, its num_max (m) and fp8 in the token and low words instead (every rank compares them:
+// ERR_DISAGREE, call_verdict).
 #define LL_HIST_VERDICT 4
 
 // Bad input no verdict covers (a row past the m rows a source may send, which the dispatch
@@ -89,12 +91,20 @@ __device__ __forceinline__ u64 left_out(const u64* ctrl, int R, u64 posted) {
     return left;
 }
 
-// The lowest source among `among` whose histogram row carries a verdict (bad ids), or -1.
-// Every rank reads the same rows, so every rank fails the dispatch alike.
-__device__ __forceinline__ int first_bad_source(const int* hist, int HS, int E, int R,
-                                                u64 among) {
+// The source whose row fails the dispatch, or -1: the lowest among `among` whose histogram
+// row carries a verdict (bad ids); else the lowest whose m or fp8 differs from the lowest
+// source's (the ranks disagree on the call's arguments: each would lay its rows out by its
+// own m and format). Every rank reads the same rows, so every rank fails the dispatch alike.
+__device__ __forceinline__ int call_verdict(const int* hist, int HS, int E, int R, u64 among) {
     for (int s = 0; s < R; ++s)
         if (((among >> s) & 1ull) && hist[(i64)s * HS + E] != 0) return s;
+    if (!among) return -1;
+    const int first = __ffsll((long long)among) - 1;
+    const int* f = hist + (i64)first * HS + E;
+    for (int s = first + 1; s < R; ++s) {
+        const int* v = hist + (i64)s * HS + E;
+        if (((among >> s) & 1ull) && (v[1] != f[1] || v[2] != f[2])) return s;
+    }
     return -1;
 }
 
@@ -248,11 +258,12 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
             if (threadIdx.x == 0) {
                 const int i = s_bad;
                 const i64 e = i < T * K ? topk_idx[i] : 0;
-                s_verdict[0] = i == T * K ? 0 : (e < -1 || e >= (i64)E) ? ERR_BAD_INPUT
-                                                                         : ERR_BAD_DUPLICATE;
-                s_verdict[1] = i / K;
-                s_verdict[2] = (int)(unsigned)((u64)e & 0xffffffffull);
-                s_verdict[3] = (int)(unsigned)((u64)e >> 32);
+                const bool ok = i == T * K;  // (then its arguments, for call_verdict)
+                s_verdict[0] = ok ? 0 : (e < -1 || e >= (i64)E) ? ERR_BAD_INPUT
+                                                                 : ERR_BAD_DUPLICATE;
+                s_verdict[1] = ok ? m : i / K;
+                s_verdict[2] = ok ? fp8 : (int)(unsigned)((u64)e & 0xffffffffull);
+                s_verdict[3] = ok ? 0 : (int)(unsigned)((u64)e >> 32);
             }
             __syncthreads();
             for (int r = 0; r < R; ++r) {  // (this rank's own row first: it is the put source)
@@ -291,7 +302,7 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         if (mine && threadIdx.x == 0) {
             s_present = hist_posted(my_ctrl, R, seq);
             s_left = left_out(my_ctrl, R, s_present);
-            s_fail = hist_wait == 0 ? first_bad_source(hist, HS, E, R, s_present & ~s_left) : -1;
+            s_fail = hist_wait == 0 ? call_verdict(hist, HS, E, R, s_present & ~s_left) : -1;
         }
         __syncthreads();
         const u64 gone = s_left;  // nothing goes to or comes from these ranks
@@ -418,13 +429,23 @@ ll_dispatch_body(const char* __restrict__ x, i64 x_stride, i64 row_bytes,
         u64 left = left_out(my_ctrl, R, posted);
         // A call a source's bad ids failed moved nothing: it leaves every rank out (no counts,
         // and its combine sums nothing: zeros), and says why in the header.
-        const int bad = first_bad_source(hist, HS, E, R, posted & ~left);
+        const u64 among = posted & ~left;
+        const int bad = call_verdict(hist, HS, E, R, among);
         u64 verdict = 0, value = 0;
         if (bad >= 0) {
             const int* v = hist + (i64)bad * HS + E;
             left = R >= 64 ? ~0ull : (1ull << R) - 1;
-            verdict = (u64)(unsigned)v[0] | (u64)bad << 8 | (u64)(unsigned)v[1] << 32;
-            value = (u64)(unsigned)v[2] | (u64)(unsigned)v[3] << 32;
+            if (v[0] != 0) {  // its bad ids: code, source, token; the id
+                verdict = (u64)(unsigned)v[0] | (u64)bad << 8 | (u64)(unsigned)v[1] << 32;
+                value = (u64)(unsigned)v[2] | (u64)(unsigned)v[3] << 32;
+            } else {  // its arguments differ from the lowest source's: ERR_DISAGREE, source,
+                // its m; its fp8 | the lowest's fp8 << 1 | the lowest source << 8, the lowest's m
+                const int first = __ffsll((long long)among) - 1;
+                const int* f = hist + (i64)first * HS + E;
+                verdict = (u64)ERR_DISAGREE | (u64)bad << 8 | (u64)(unsigned)v[1] << 32;
+                value = (u64)(unsigned)(v[2] | f[2] << 1 | first << 8) |
+                        (u64)(unsigned)f[1] << 32;
+            }
         }
         s_left = left;
         // for this rank's combine of this buffer: which ranks took no part; for the done

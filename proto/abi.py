@@ -97,6 +97,9 @@ ERR_BAD_DUPLICATE = 10
 # verdict; ERR_BAD_DUPLICATE: an expert twice in the row): that rank's combine fails and its
 # output leaves the entry out; the other ranks' combines are exact, nothing aborts.
 ERR_NOT_DISPATCHED = 11
+# The ranks of a low-latency dispatch passed different num_max_dispatch_tokens_per_rank or
+# use_fp8 (its verdict): every rank fails the call, nothing moves, the group goes on.
+ERR_DISAGREE = 12
 ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_WORST_OVERFLOW: "more tokens received than num_worst_tokens",
                ERR_BAD_INPUT: "bad expert id", ERR_BAD_COUNT: "negative token count",
@@ -105,7 +108,8 @@ ERROR_NAMES = {ERR_DEADLINE: "deadline exceeded", ERR_ABORTED: "aborted",
                ERR_CAPACITY: "more tokens than max_tokens_per_rank",
                ERR_REFUSED: "a rank's engine refused its part of the call",
                ERR_BAD_DUPLICATE: "an expert named twice in a token's top-k",
-               ERR_NOT_DISPATCHED: "a combine entry its dispatch did not send"}
+               ERR_NOT_DISPATCHED: "a combine entry its dispatch did not send",
+               ERR_DISAGREE: "the ranks passed different arguments"}
 
 PHASE_NOTIFY = 1
 PHASE_DISPATCH_ENTRY = 2

@@ -211,7 +211,8 @@ def alike_failure(words: np.ndarray, group: str, call: str, max_tokens: int, num
 
 
 # a low-latency call's verdicts: a dispatch's (bad ids: every rank), a combine's (its own top-k)
-LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE, abi.ERR_NOT_DISPATCHED)
+LL_VERDICTS = (abi.ERR_BAD_INPUT, abi.ERR_BAD_DUPLICATE, abi.ERR_NOT_DISPATCHED,
+               abi.ERR_DISAGREE)
 
 
 def ll_header_verdict(header: np.ndarray) -> tuple[int, int, int, int]:
@@ -225,14 +226,25 @@ def ll_header_verdict(header: np.ndarray) -> tuple[int, int, int, int]:
 
 
 def ll_verdict_error(what: str, code: int, source: int, token: int, value: int,
-                     num_experts: int | None = None, combine: bool = False) -> InvalidArgument:
+                     num_experts: int | None = None, combine: bool = False) -> EpdError:
     """The error of a low-latency dispatch (`what`) that a source's bad ids failed on every
     rank (its verdict, read from the receive buffer's header or the op's done word): rank
     `source`'s token `token` named expert `value` out of range (ERR_BAD_INPUT) or twice
     (ERR_BAD_DUPLICATE). Nothing moved: every rank's outputs of the call are empty and the
     combine of its handle gives zeros; the group goes on. With `combine`: a combine's own
     top-k (this rank's alone) named an expert out of range, twice, or one its dispatch did not
-    send that token to (ERR_NOT_DISPATCHED); its output leaves the entry out."""
+    send that token to (ERR_NOT_DISPATCHED); its output leaves the entry out. ERR_DISAGREE:
+    rank `source` passed num_max `token` and use_fp8 `value & 1` where the lowest rank of the
+    call, `value >> 8 & 0xFF`, passed `value >> 32` and `value >> 1 & 1` (FAILED_PRECONDITION,
+    as the CPU backend's refusal of a collective whose ranks disagree)."""
+    if code == abi.ERR_DISAGREE and not combine:
+        first = (value >> 8) & 0xFF
+        return FailedPrecondition(
+            f"{what}: the ranks passed different arguments: rank {source} "
+            f"num_max_dispatch_tokens_per_rank={token}, use_fp8={bool(value & 1)}; rank {first} "
+            f"{value >> 32}, use_fp8={bool(value >> 1 & 1)} (they must be the same on every "
+            f"rank); no rank's dispatch moved a row (its outputs are empty and its combine "
+            f"gives zeros) and the group goes on")
     if combine:
         valid = f"[0, {num_experts})" if num_experts else "[0, num_experts)"
         why = {abi.ERR_NOT_DISPATCHED: "its dispatch did not send that token to it",

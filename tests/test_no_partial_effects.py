@@ -153,6 +153,10 @@ class _Engine(StreamCalls):
     def _new_handle_bytes(member, args, cached) -> int:
         return 0
 
+    @staticmethod
+    def _queued(session, member) -> None:
+        pass
+
 
 def _stream_setup():
     words = np.zeros(abi.SLOT_BYTES // 8, np.int64)

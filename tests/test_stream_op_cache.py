@@ -460,3 +460,27 @@ def test_a_receive_buffers_header_verdict_decodes() -> None:
     words[abi.LL_COMBINE_VERDICT + 2] = 9
     assert counter_page.ll_header_verdict(words[abi.LL_COMBINE_VERDICT:]) == (
         abi.ERR_NOT_DISPATCHED, 1, 4, 9)
+
+
+def test_a_disagreement_verdict_raises_failed_precondition_at_check() -> None:
+    """Ranks that passed different num_max or use_fp8 to a low-latency dispatch fail it alike
+    (ERR_DISAGREE, decoded from the header the dispatch's last block writes: source, its
+    num_max; its fp8 | the lowest rank's fp8 << 1 | the lowest rank << 8 | its num_max << 32):
+    FAILED_PRECONDITION at Buffer.check(), as the CPU backend refuses such a collective."""
+    from epd.proto import counter_page
+
+    header = np.array([3, abi.ERR_DISAGREE | 1 << 8 | 4 << 32, 0 | 1 << 1 | 0 << 8 | 8 << 32,
+                       9], np.uint64)
+    code, source, token, value = counter_page.ll_header_verdict(header)
+    err = counter_page.ll_verdict_error("dispatch #3", code, source, token, value, 16)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert ("rank 1 num_max_dispatch_tokens_per_rank=4, use_fp8=False; rank 0 8, use_fp8=True"
+            in err.message), err.message
+    c = _cache(16)
+    d = c.arm(("d",), lambda: FakeOp(), pin=False, capturing=False)
+    c.triggered(d, 7)
+    d.op.fail_alike(abi.ERR_DISAGREE, 1, 4, 1 << 1 | 8 << 32)
+    c.check()  # a plain call: not raised
+    with pytest.raises(EpdError) as ei:
+        _buffer_check(c)
+    assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION, ei.value

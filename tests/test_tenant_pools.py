@@ -208,3 +208,29 @@ def test_a_pools_sessions_run_on_its_own_engines_and_no_one_elses_there() -> Non
     finally:
         d.close()
 
+
+
+def test_a_pools_class_engines_send_each_other_their_groups(daemon_factory) -> None:
+    """With class engines too, a pool has a throughput and a latency engine per device: a
+    latency group joined on the pool's throughput engine is refused naming the pool's latency
+    engine's socket (not the shared one's), and runs there (as the daemon's own uid, which
+    every engine admits)."""
+    from epd.client import Session
+
+    policy = "tp-decode*=latency, *=throughput"
+    with daemon_factory(engines=1, extra=["--class-engines", "--service-class-policy", policy,
+                                          "--tenant-pools", "team-a=41002"]) as d:
+        pool = os.path.join(d.socket_dir, "gpu0.tenant-team-a.sock")
+        latency = os.path.join(d.socket_dir, "gpu0.latency.tenant-team-a.sock")
+        spec = dict(rank=0, num_ranks=1, num_experts=4, hidden=128, max_tokens_per_rank=4,
+                    num_topk=2)
+        with Session(pool, timeout=10) as s:
+            assert s.engine_index == 2  # (shared: 0 throughput, 1 latency; the pool's: 2, 3)
+            with pytest.raises(EpdError) as ei:
+                s.join("tp-decode", **spec)
+            assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION, ei.value
+            assert engine_sockets.hinted_socket(ei.value.details) == latency
+            s.join("tp-prefill", **spec)
+        with Session(latency, timeout=10) as s:
+            assert s.engine_index == 3
+            s.join("tp-decode", **spec)

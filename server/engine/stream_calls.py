@@ -54,7 +54,8 @@ def _contiguous(desc: epd_pb2.TensorDesc) -> bool:
 
 class StreamCalls:
     """Mixed into Engine (with ops.DataPlane): needs `config`, `backend`, `_timeout()`,
-    `_store_handle()`, `_count_traffic()`, `_new_handle_bytes()` and `_check_handle_budget()`."""
+    `_store_handle()`, `_count_traffic()`, `_new_handle_bytes()`, `_check_handle_budget()` and
+    `_queued()`."""
 
     @staticmethod
     def _next_stream_seq(member: GroupMember) -> int:

@@ -123,6 +123,50 @@ def test_bad_expert_ids_fail_the_dispatch_alike_and_the_group_goes_on(case: str)
     g.close()
 
 
+@pytest.mark.parametrize("case", ["num_max", "fp8"])
+def test_ranks_that_disagree_fail_the_dispatch_alike(case: str) -> None:
+    """Rank 1 passes another num_max (4 where rank 0 passes 8) or use_fp8: every rank's header
+    names rank 1 with its arguments and rank 0's (ERR_DISAGREE), nothing aborted, no rank
+    received a row, and the next calls are exact (before, each rank laid its rows out by its
+    own num_max and format: wrong rows, or a row past the m it counted, which aborted)."""
+    import cupy as cp
+
+    from epd.proto import abi, counter_page
+
+    rng = np.random.default_rng(71 + len(case))
+    r, e, k, h, m = 2, 16, 2, 256, 8
+    g = _group(r, e, k, h, m)
+    ll_roundtrip(g, rng, [8, 8], e, k, h, m)  # (one good call first)
+    ms = [m, 4] if case == "num_max" else [m, m]
+    fp8 = [False, case == "fp8"]
+    idxs = [ref.random_routing(rng, 4, e, k)[0] for _ in range(r)]
+    xs = [ref.random_x(rng, 4, h, BFLOAT16) for _ in range(r)]
+    ins = {}
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            ins[s] = (cp.asarray(raw(xs[s])), cp.asarray(idxs[s]))
+            runner.ll_view("recv_count", (e // r,), np.int32).fill(-7)
+    g.synchronize()
+    for s, runner in enumerate(g.runners):
+        with cp.cuda.Device(runner.device_id), runner.stream:
+            runner.ll_dispatch(*ins[s], ms[s], fp8=fp8[s], timeout_ns=TIMEOUT_NS, num_sms=2)
+    g.synchronize()
+    value = int(fp8[1]) | int(fp8[0]) << 1 | 0 << 8 | ms[0] << 32
+    for s, runner in enumerate(g.runners):
+        assert runner.error() is None, (s, runner.error())  # not aborted
+        assert _verdict(runner) == (abi.ERR_DISAGREE, 1, ms[1], value), (s, _verdict(runner))
+        with cp.cuda.Device(runner.device_id):
+            counts = cp.asnumpy(runner.ll_view("recv_count", (e // r,), np.int32))
+        np.testing.assert_array_equal(counts, 0)
+    err = counter_page.ll_verdict_error("dispatch #2", *_verdict(g.runners[0]), e)
+    assert err.code.name == "FAILED_PRECONDITION" and "rank 1" in err.message, err
+    for i in range(2):  # the group goes on, both receive buffers, exact; the verdict clears
+        ll_roundtrip(g, rng, [8, 5], e, k, h, m, fp8=bool(i), buffer=i)
+        for runner in g.runners:
+            assert _verdict(runner, i) == (0, 0, 0, 0)
+    g.close()
+
+
 def test_a_combines_bad_entry_fails_its_rank_alone() -> None:
     """A combine's own top-k naming an expert its dispatch did not send that token to, one
     expert twice, or an id outside [-1, E): that rank's combine records the entry as its
