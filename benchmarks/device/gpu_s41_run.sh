@@ -44,5 +44,16 @@ case "${1:-}" in
         tests/gpu/test_elastic_buffer_gpu.py tests/gpu/test_call_outputs.py \
         tests/gpu/test_local_layout.py"
     ;;
-  *) echo "usage: $0 first41|pools41|a41|b41"; exit 2 ;;
+  c41)  # ranks that disagree on a low-latency dispatch's num_max or use_fp8 fail it alike
+    # (ERR_DISAGREE): the kernel tests (16 ranks with the queues they need), the facade's
+    # plain and hook calls on the poller and the chain, rank masking (the verdict's set of
+    # sources), the NVSHMEM build across two logical nodes
+    CUDA_DEVICE_MAX_CONNECTIONS=32 STEP_TEST_SECONDS=120 step kernels 150 \
+        "tests/gpu/test_low_latency_kernels.py"
+    STEP_TEST_SECONDS=150 step plain 200 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    STEP_TEST_SECONDS=100 step masking 120 "tests/gpu/test_rank_masking_gpu.py"
+    STEP_TEST_SECONDS=90 step across 100 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
+    ;;
+  *) echo "usage: $0 first41|pools41|a41|b41|c41"; exit 2 ;;
 esac
