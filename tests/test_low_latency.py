@@ -644,6 +644,9 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     through the done word, and releasing the session frees the slot and lets waiters go."""
     import types
 
+    from epd.client import stream_ops as C
+    from epd.proto import abi
+    from epd.server.backends.base import NotFilled
     from epd.server.engine import stream_ops as S
 
     launched: list = []
@@ -668,6 +671,14 @@ def test_stream_op_fire_and_release_bookkeeping() -> None:
     words[S.DONE] = 0
     fire(1)
     assert words[S.DONE] == S.DONE_FAILED | (0xFF << 8)
+
+    def not_filled(_prepared, _buffer) -> None:  # (the poller's combine into a buffer that
+        raise NotFilled("receive buffer 1 does not hold the armed dispatch")  # holds another)
+    comm.launch_prepared = not_filled
+    words[S.DONE] = 0
+    fire(1)  # the chain's code for the case, so the client's message is the same on both
+    assert words[S.DONE] == S.DONE_FAILED | (abi.ERR_NOT_FILLED << 8)
+    assert "holds another dispatch" in str(C.done_error(int(words[S.DONE]), "op 3"))
     session.stream_ops[1] = ops.ops[1] = op
     ops.release_session(session)
     assert words[S.DONE] == S.DONE_RELEASED and not ops.ops and not session.stream_ops

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from ...proto import counter_page, dtypes
+from ...proto import abi, counter_page, dtypes
 from ...proto import fd_channel as fdc
-from ...proto.errors import InvalidArgument
+from ...proto.errors import FailedPrecondition, InvalidArgument
 
 Array = Any  # numpy.ndarray (cpu) or cupy.ndarray (cuda)
 
@@ -326,6 +326,14 @@ class LowLatencyCombineOutputs:
     combined_x: Array  # [T, H]
     bytes_sent: int = 0
     bytes_received: int = 0
+
+
+class NotFilled(FailedPrecondition):
+    """An armed low-latency combine whose receive buffer does not hold its dispatch: the
+    poller reports it in the op's done word with the code the GPU chain's kernel writes for
+    the same case (ERR_NOT_FILLED), so the client's message does not depend on the path."""
+
+    done_code = abi.ERR_NOT_FILLED
 
 
 def ll_overwritten(sequence: int, buffer: int, latest: int) -> str:

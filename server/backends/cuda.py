@@ -60,6 +60,7 @@ from .base import (
     LowLatencyDispatchArgs,
     LowLatencyDispatchOutputs,
     Membership,
+    NotFilled,
     RankComm,
     Region,
     check_combine_routing,
@@ -704,7 +705,6 @@ class CudaRankComm(RankComm):
         cuda_chain.time_launch(kind, start, end)
 
     def _launch_prepared(self, prepared: Any, buffer: int) -> None:
-        from ...proto.errors import FailedPrecondition
         runner = self.runner
         if isinstance(prepared, _PreparedDispatch):
             prepared.sequences[buffer] = runner.ll_dispatch_again(prepared.launch, buffer)
@@ -715,7 +715,7 @@ class CudaRankComm(RankComm):
             return
         mine = prepared.dispatch.sequences[buffer]
         if not mine or runner.ll_filled[buffer] != mine:
-            raise FailedPrecondition(
+            raise NotFilled(
                 f"receive buffer {buffer} does not hold the armed dispatch: "
                 + (ll_overwritten(mine, buffer, runner.ll_filled[buffer]) if mine else
                    "it was never triggered into that buffer (trigger the dispatch first)"))

@@ -666,8 +666,9 @@ class StreamOps:
         except Exception as e:  # answer through the done word, keep polling
             err = as_epd_error(f"stream op {op.op_id} ({op.kind})", e)
             code = err.code.name
-            if op.armed:  # (not into a slot a release freed, maybe reused)
-                op.words[DONE] = DONE_FAILED | (0xFF << 8)
+            if op.armed:  # (not into a slot a release freed, maybe reused; the chain's code
+                # where it has one for the case: NotFilled)
+                op.words[DONE] = DONE_FAILED | (getattr(e, "done_code", 0xFF) << 8)
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
