@@ -449,7 +449,7 @@ class Buffer(LowLatencyMixin):
         try:
             return self.session.join(name, **kw)
         except EpdError as e:
-            other = (engine_sockets.hinted_socket(e.details)
+            other = (engine_sockets.hinted_socket(e.details, self.session.endpoint)
                      if e.code == grpc.StatusCode.FAILED_PRECONDITION else None)
             if other is None or not self._owns_session or self._groups or self._retired:
                 raise

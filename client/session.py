@@ -166,7 +166,7 @@ class Session:
             self._open(client_name or f"pid{os.getpid()}", fast_path, fd_socket)
         except BaseException as e:
             self.close()
-            other = (engine_sockets.hinted_socket(e.details) if isinstance(e, EpdError)
+            other = (engine_sockets.hinted_socket(e.details, endpoint) if isinstance(e, EpdError)
                      and e.code == grpc.StatusCode.FAILED_PRECONDITION and transport is None
                      and "--tenant-pools" in e.details else None)
             if other is None:

@@ -39,12 +39,24 @@ def failure_file(socket: str) -> str:
     return (socket[:-len(".sock")] if socket.endswith(".sock") else socket) + ".failed"
 
 
-def hinted_socket(message: str) -> str | None:
-    """The socket a class or tenant pool engine's refusal names (OTHER_ENGINE_HINT), if any:
-    the path after the hint's last occurrence (a group name before it may hold the phrase), up
-    to the `.sock` that ends it (a socket folder may hold spaces)."""
+# An engine socket's own name (socket_name): what a followed hint may name.
+_ENGINE_SOCKET = r"gpu\d+(?:\.latency)?(?:\.tenant-[a-z0-9][a-z0-9-]*)?\.sock"
+
+
+def hinted_socket(message: str, beside: str) -> str | None:
+    """The socket a class or tenant pool engine's refusal names (OTHER_ENGINE_HINT), if any, in
+    the folder of `beside` (the endpoint the client used): only an engine socket's own name
+    (`gpu<D>[.latency][.tenant-<pool>].sock`) after the hint's last occurrence is taken, never
+    its folder. The refusal may carry other clients' words (a group's abort reason names its
+    sessions' client names), so a peer could otherwise send a Buffer to a socket of its own
+    making (a review); and the client may see the socket folder at another path than the
+    daemon (a bind mount), or the folder's name may itself hold `.sock`."""
     at = message.rfind(OTHER_ENGINE_HINT)
     if at < 0:
         return None
-    m = re.match(r"(.+?\.sock)(?=[\s.,;:)]|$)", message[at + len(OTHER_ENGINE_HINT):])
-    return m.group(1) if m else None
+    m = re.match(r"(?:.*/)?(" + _ENGINE_SOCKET + r")(?=[\s.,;:)]|$)",
+                 message[at + len(OTHER_ENGINE_HINT):])
+    if m is None:
+        return None
+    folder = os.path.dirname(beside.removeprefix("unix://").removeprefix("unix:"))
+    return os.path.join(folder, m.group(1))

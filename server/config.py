@@ -516,6 +516,7 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
     _check_limits(cfg)
     cfg.allowed_uids, cfg.allowed_gids  # noqa: B018  (ValueError naming the setting)
     tenant_pools.check_apart(cfg.tenants, cfg.allowed_uids, cfg.allowed_gids)
+    _check_socket_paths(cfg)
     if cfg.tenants and cfg.num_nodes > 1:
         raise ValueError("tenant_pools is for one node (num_nodes 1): a world over several "
                          "nodes has one engine per device")
@@ -534,6 +535,25 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError("class_engines is for one node (num_nodes 1): a world over several "
                          "nodes has one engine per device")
     return cfg
+
+
+MAX_SOCKET_PATH = 107  # bytes of a unix socket's path (sun_path, its NUL excluded)
+
+
+def _check_socket_paths(cfg: Config) -> None:
+    """Every engine's socket path fits a unix socket (up to --engines devices, else 10): a
+    longer one failed only when its engine bound it, which then restarted for ever (a review,
+    with a tenant pool's longer names)."""
+    pools = [""] + [p.name for p in cfg.tenants]
+    classes = ("",) if cfg.class_engines == "off" else ("", "latency")
+    device = cfg.engines - 1 if cfg.engines > 0 else 9
+    longest = max((cfg.engine_socket(device, cls, pool) for pool in pools for cls in classes),
+                  key=lambda p: len(os.fsencode(p)))
+    if len(os.fsencode(longest)) > MAX_SOCKET_PATH:
+        raise ValueError(f"socket_dir: an engine's socket path would be "
+                         f"{len(os.fsencode(longest))} bytes ({longest}), more than a unix "
+                         f"socket takes ({MAX_SOCKET_PATH}): use a shorter --socket-dir"
+                         f"{' or shorter --tenant-pools names' if cfg.tenants else ''}")
 
 
 _NO_SHARE = ("throughput_mps_percentage needs class_engines: on one engine per GPU it would "

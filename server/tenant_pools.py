@@ -10,8 +10,12 @@ pool's bytes are out of reach of every other tenant (the daemon's own uid except
 everything anyway). A pool's uids share one namespace of group names, as the pool of
 --allow-uids does.
 
-The text: `NAME=ID[,ID...][;NAME=...]`, an ID a uid or `gid:N` (a primary gid); a NAME is
-lowercase letters, digits and '-' (it goes into socket file names and metric labels).
+The text: `NAME=ID[,ID...][;NAME=...]`, an ID a uid or `gid:N` (a primary gid: the kernel's
+peer credentials carry no supplementary groups, so on systems with a private group per user a
+team's group is no client's primary one, and its tenants are best listed by uid); a NAME is
+lowercase letters, digits and '-' (it goes into socket file names and metric labels). The
+daemon's own uid, which every client on the daemon's MPS server runs as, is served by the
+shared engines, and by a pool's only where the pool lists it.
 """
 
 from __future__ import annotations
@@ -29,10 +33,7 @@ _NO_ID = 2**32 - 1  # the kernel's "no id" (uid_t / gid_t)
 class TenantPool:
     name: str
     uids: frozenset[int]
-    gids: frozenset[int]
-
-    def admits(self, uid: int, gid: int) -> bool:
-        return uid in self.uids or gid in self.gids
+    gids: frozenset[int]  # primary gids (SO_PEERCRED's): a supplementary group does not count
 
 
 def parse(text: str) -> tuple[TenantPool, ...]:

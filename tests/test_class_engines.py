@@ -40,13 +40,20 @@ def test_slots_sockets_and_config():
     assert engine_sockets.socket_name(1, "throughput") == engine_sockets.socket_name(1)
     assert engine_sockets.failure_file("/x/gpu1.latency.sock") == "/x/gpu1.latency.failed"
     msg = f"... runs only latency groups: {engine_sockets.OTHER_ENGINE_HINT}/x/gpu0.sock (Buf"
-    assert engine_sockets.hinted_socket(msg) == "/x/gpu0.sock"
-    assert engine_sockets.hinted_socket("no hint here") is None
+    assert engine_sockets.hinted_socket(msg, "/x/gpu1.sock") == "/x/gpu0.sock"
+    assert engine_sockets.hinted_socket("no hint here", "/x/gpu1.sock") is None
     # a socket folder with a space; a group name holding the phrase (before the real hint)
     spaced = engine_sockets.socket_path("/run/my epd", 0, "latency")
     msg = (f"group 'open the session on /tmp/x.sock' is a latency group and engine 0 runs "
            f"only throughput groups: {engine_sockets.OTHER_ENGINE_HINT}{spaced} (Buffer(...")
-    assert engine_sockets.hinted_socket(msg) == "/run/my epd/gpu0.latency.sock"
+    assert engine_sockets.hinted_socket(msg, spaced) == "/run/my epd/gpu0.latency.sock"
+    # only an engine socket's own name, in the client's folder (a peer's words may hold the
+    # phrase and any path; the client may see the folder elsewhere; a folder may hold .sock)
+    assert engine_sockets.hinted_socket(f"{engine_sockets.OTHER_ENGINE_HINT}/evil/e.sock",
+                                        spaced) is None
+    assert engine_sockets.hinted_socket(
+        f"{engine_sockets.OTHER_ENGINE_HINT}/run/epd.sock.d/gpu1.tenant-a.sock",
+        "unix:///mnt/epd/gpu0.sock") == "/mnt/epd/gpu1.tenant-a.sock"
     cfg = config.load(build_parser().parse_args(["serve", "--class-engines"]), {})
     assert cfg.class_engines_on and cfg.engine_socket(0, "latency").endswith("gpu0.latency.sock")
     assert config.load(None, {"EPD_CLASS_ENGINES": "1"}).class_engines == "on"
@@ -100,7 +107,7 @@ def test_a_group_on_the_other_class_engine_is_refused_naming_its_socket(daemon):
             _join1(s, "ce-decode-wrong")  # the policy makes it latency
         e = ei.value
         assert e.code.name == "FAILED_PRECONDITION", e
-        assert engine_sockets.hinted_socket(e.details) == daemon.socket(1, "latency"), e.details
+        assert engine_sockets.hinted_socket(e.details, s.endpoint) == daemon.socket(1, "latency")
         assert "runs only throughput groups" in e.details and "EPD_SERVICE_CLASS=latency" \
             in e.details
         assert not s.stats().groups  # nothing changed: the session goes on
@@ -108,7 +115,7 @@ def test_a_group_on_the_other_class_engine_is_refused_naming_its_socket(daemon):
     with Session(daemon.socket(1, "latency"), timeout=10) as s:
         with pytest.raises(EpdError) as ei:
             _join1(s, "ce-prefill-wrong")
-        assert engine_sockets.hinted_socket(ei.value.details) == daemon.socket(1)
+        assert engine_sockets.hinted_socket(ei.value.details, s.endpoint) == daemon.socket(1)
         assert _join1(s, "ce-decode-right").service_class == "latency"
     with Session(socket_dir=daemon.socket_dir, engine=0, service_class="latency",
                  timeout=10) as s:
@@ -255,7 +262,8 @@ def test_a_buffer_whose_groups_span_both_classes_is_told_which_socket(daemon_fac
             with pytest.raises(EpdError) as ei:
                 buf.low_latency_dispatch(x, idx, 8, 4, use_fp8=False)
             assert ei.value.code.name == "FAILED_PRECONDITION"
-            assert engine_sockets.hinted_socket(ei.value.details) == d.socket(0, "latency")
+            assert engine_sockets.hinted_socket(ei.value.details,
+                                                buf.session.endpoint) == d.socket(0, "latency")
             recv_x, *_ = buf.dispatch(x, topk_idx=idx, topk_weights=w,
                                       num_tokens_per_rank=n_rank, is_token_in_rank=in_rank,
                                       num_tokens_per_expert=n_expert)

@@ -57,7 +57,9 @@ def test_the_daemon_refuses_pools_it_cannot_keep_apart() -> None:
                        ({"EPD_TENANT_POOLS": "a=1001", "EPD_NUM_NODES": "2",
                          "EPD_NODE_RANK": "0", "EPD_CLUSTER_ADDRESS": "127.0.0.1:1"},
                         "one node"),
-                       ({"EPD_TENANT_POOLS": "a=1001=2"}, "an id is")]:
+                       ({"EPD_TENANT_POOLS": "a=1001=2"}, "an id is"),
+                       ({"EPD_TENANT_POOLS": "p" * 24 + "=1001", "EPD_SOCKET_DIR": "/" + "x" * 70},
+                        "more than a unix socket takes")]:
         with pytest.raises(ValueError, match=words):
             config.load(None, env)
 
@@ -79,7 +81,7 @@ def test_each_pool_has_a_set_of_engines_per_class_in_a_world_of_its_own() -> Non
     assert slots[6].describe() == "engine 6 (device 0, tenant pool a, latency groups)"
     # (a refusal's hint names the socket, and the client finds it again)
     hint = f"... (--tenant-pools): {engine_sockets.OTHER_ENGINE_HINT}/run/x/gpu0.tenant-a.sock"
-    assert engine_sockets.hinted_socket(hint) == "/run/x/gpu0.tenant-a.sock"
+    assert engine_sockets.hinted_socket(hint, "/run/x/gpu0.sock") == "/run/x/gpu0.tenant-a.sock"
 
 
 def test_each_world_has_its_own_heap_and_unique_id() -> None:
@@ -213,13 +215,13 @@ def test_a_pools_sessions_run_on_its_own_engines_and_no_one_elses_there() -> Non
 def test_a_pools_class_engines_send_each_other_their_groups(daemon_factory) -> None:
     """With class engines too, a pool has a throughput and a latency engine per device: a
     latency group joined on the pool's throughput engine is refused naming the pool's latency
-    engine's socket (not the shared one's), and runs there (as the daemon's own uid, which
-    every engine admits)."""
+    engine's socket (not the shared one's), and runs there (as the daemon's own uid, which the
+    pool lists)."""
     from epd.client import Session
 
     policy = "tp-decode*=latency, *=throughput"
     with daemon_factory(engines=1, extra=["--class-engines", "--service-class-policy", policy,
-                                          "--tenant-pools", "team-a=41002"]) as d:
+                                          "--tenant-pools", f"team-a=41002,{os.geteuid()}"]) as d:
         pool = os.path.join(d.socket_dir, "gpu0.tenant-team-a.sock")
         latency = os.path.join(d.socket_dir, "gpu0.latency.tenant-team-a.sock")
         spec = dict(rank=0, num_ranks=1, num_experts=4, hidden=128, max_tokens_per_rank=4,
@@ -229,8 +231,32 @@ def test_a_pools_class_engines_send_each_other_their_groups(daemon_factory) -> N
             with pytest.raises(EpdError) as ei:
                 s.join("tp-decode", **spec)
             assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION, ei.value
-            assert engine_sockets.hinted_socket(ei.value.details) == latency
+            assert engine_sockets.hinted_socket(ei.value.details, pool) == latency
             s.join("tp-prefill", **spec)
         with Session(latency, timeout=10) as s:
             assert s.engine_index == 3
             s.join("tp-decode", **spec)
+
+
+def test_the_daemons_uid_enters_a_pools_engines_only_where_the_pool_lists_it(
+        daemon_factory) -> None:
+    """Every client on the daemon's MPS server runs as the daemon's uid: a pool that does not
+    list it sends its sessions to the shared engines (a review: admitted everywhere, every MPS
+    client reached every pool's heap). A pool engine's engine-wide counts go to its sessions
+    only."""
+    from epd.client import Session
+    from epd.proto.v1 import epd_pb2_grpc
+
+    with daemon_factory(engines=1, extra=["--tenant-pools", "team-a=41002"]) as d:
+        pool = os.path.join(d.socket_dir, "gpu0.tenant-team-a.sock")
+        with Session(pool, timeout=10) as s:
+            assert s.endpoint == d.socket(0) and s.engine_index == 0
+        for sock, allowed in ((d.socket(0), True), (pool, False)):
+            with grpc.insecure_channel(f"unix://{sock}") as ch:
+                call = epd_pb2_grpc.EngineStub(ch).GetStats
+                if allowed:
+                    call(epd_pb2.GetStatsRequest(), timeout=10)
+                    continue
+                with pytest.raises(grpc.RpcError) as ei:
+                    call(epd_pb2.GetStatsRequest(), timeout=10)
+                assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED, ei.value

@@ -6,6 +6,8 @@
 #            # read-only retry over gRPC, the facade's branch keywords): the daemon, the facade,
 #            # stream-ordered normal mode, bad input alike, worst-case, plain low-latency calls,
 #            # security; then the elastic buffer, call outputs, the local layout
+#   a41, b41 # the two above in two calls; c41: the low-latency disagreement verdict; d41:
+#            # after the tenant pools' review
 #   pools41  # tenant pools on the CUDA engine (a pool's engine: its own process, NVSHMEM
 #            # world and heap), the class engines (the planner's worlds changed), MPS, the
 #            # daemon and security suites after the reviews' mends (a session's waits on its own
@@ -55,5 +57,14 @@ case "${1:-}" in
     STEP_TEST_SECONDS=100 step masking 120 "tests/gpu/test_rank_masking_gpu.py"
     STEP_TEST_SECONDS=90 step across 100 "tests/gpu/test_nvshmem.py -k 'low_latency_across and 2'"
     ;;
-  *) echo "usage: $0 first41|pools41|a41|b41|c41"; exit 2 ;;
+  d41)  # after a review of tenant pools (the daemon's uid served by a pool's engines only
+    # where the pool lists it; a refusal's socket followed only as an engine socket's name in
+    # the client's own folder, class engines' too) and the poller's NotFilled code: the pools
+    # and service classes, the facade's plain low-latency calls
+    STEP_TEST_SECONDS=150 step pools2 200 "tests/gpu/test_tenant_pools_gpu.py \
+        tests/gpu/test_service_classes_gpu.py"
+    STEP_TEST_SECONDS=150 step plain2 200 "tests/gpu/test_ll_plain.py \
+        tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
+    ;;
+  *) echo "usage: $0 first41|pools41|a41|b41|c41|d41"; exit 2 ;;
 esac

@@ -116,7 +116,10 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     path = engine.socket_path
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    server.add_insecure_port(f"unix://{path}")
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    except RuntimeError as e:  # (a path a unix socket cannot take, a folder gone: said where
+        report_startup_failure(cfg, slot, e)  # the supervisor shows it, not only in the log)
     await server.start()
     os.chmod(path, 0o660)
     # The descriptor channel beside it (gpu<N>.fds, same permissions): memory by descriptor.

@@ -504,10 +504,13 @@ class Engine(StreamCalls, DataPlane):
 
     def _check_tenant_pool(self, uid: int, gid: int) -> None:
         """A tenant pool's engine serves only that pool's uids, and a pool's uids only its own
-        engines (tenant_pools.py), the daemon's own uid excepted: FAILED_PRECONDITION naming
-        the socket of the engine this client's sessions open on (its Session follows it)."""
+        engines (tenant_pools.py): FAILED_PRECONDITION naming the socket of the engine this
+        client's sessions open on (its Session follows it). The daemon's own uid (the
+        operator's tools) is served by the shared engines too; by a pool's only where the pool
+        lists it, since every client on the daemon's MPS server runs as that uid (a review:
+        exempt everywhere, every MPS client reached every pool's heap)."""
         theirs, mine = tenant_pools.pool_of(self.tenants, uid, gid), self.slot.tenant_pool
-        if theirs == mine or uid == os.geteuid():
+        if theirs == mine or (uid == os.geteuid() and not mine):
             return
         other = self.config.engine_socket(self.slot.device, self.slot.service_class, theirs)
         whose = f"tenant pool {theirs!r}" if theirs else "no tenant pool"

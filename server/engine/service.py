@@ -21,7 +21,7 @@ from google.protobuf.message import Message
 
 from ...proto import counter_page, operations
 from ...proto import fd_channel as fdc
-from ...proto.errors import EpdError
+from ...proto.errors import EpdError, PermissionDenied
 from ...proto.v1 import epd_pb2, epd_pb2_grpc
 from .. import __version__, metrics
 from .core import Engine
@@ -68,8 +68,15 @@ async def _unregister_region(e: Engine, request: epd_pb2.UnregisterRegionRequest
 
 
 async def _get_stats(e: Engine, request: epd_pb2.GetStatsRequest) -> epd_pb2.GetStatsResponse:
-    # Without a session id: engine-wide counts only, no session's groups.
-    return e.stats(e.session(request.session_id) if request.session_id else None)
+    # Without a session id: engine-wide counts only, no session's groups; not of a tenant
+    # pool's engine, whose activity is its tenants' own (anyone in the socket group may ask;
+    # gRPC gives no peer credentials to tell the pool's uids from others).
+    if request.session_id:
+        return e.stats(e.session(request.session_id))
+    if e.slot.tenant_pool:
+        raise PermissionDenied(f"engine {e.index} serves tenant pool {e.slot.tenant_pool!r}: "
+                               f"its counts go to its sessions only (GetStats with a session)")
+    return e.stats(None)
 
 
 async def _open_fast_path(e: Engine, request: epd_pb2.OpenFastPathRequest

@@ -1,9 +1,10 @@
 """Tenant pools on the CUDA engine (`epd serve --tenant-pools`): the pool's engine on the GPU is a
-process of its own with its own NVSHMEM world and heap. Run as the daemon's uid, which every
-engine admits (the uid checks themselves are the CPU tests', tests/test_tenant_pools.py: the
-request path is the same Python): a session on each engine gets exact results, the two
-sessions map no heap in common (a session maps only its engine's), and one name joined on both
-engines makes two groups, not one across two worlds; both engines keep working after."""
+process of its own with its own NVSHMEM world and heap. Run as the daemon's uid, which the pool
+lists and the shared engine serves anyway (the uid checks themselves are the CPU tests',
+tests/test_tenant_pools.py: the request path is the same Python): a session on each engine gets
+exact results, the two sessions map no heap in common (a session maps only its engine's), and
+one name joined on both engines makes two groups, not one across two worlds; both engines keep
+working after."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ POOL = "gpu-pool"
 
 @pytest.fixture(scope="module")
 def pool_daemon():
-    yield from cuda_daemon(("--tenant-pools", f"{POOL}=41002"))
+    # (the daemon's own uid, this test's, is served by a pool's engines only where the pool
+    # lists it; the shared engines serve it anyway)
+    yield from cuda_daemon(("--tenant-pools", f"{POOL}=41002,{os.geteuid()}"))
 
 
 def test_a_pools_engine_has_its_own_process_heap_and_groups(pool_daemon) -> None:
