@@ -44,6 +44,7 @@ The daemon group behind a Buffer is formed lazily at the first call, from the ca
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from typing import Any, NamedTuple
@@ -68,6 +69,7 @@ from .tensors import Array
 SERVICE_CLASS_ENV = "EPD_SERVICE_CLASS"  # a Buffer's service class when it names none
 MAX_TOKENS_ENV = "EPD_MAX_TOKENS_PER_RANK"  # a Buffer's normal-mode capacity when it names none
 DEFAULT_MAX_TOKENS = 4096
+log = logging.getLogger("epd.client")
 LAYOUT_GROUP_HIDDEN = 128  # hidden size of a group formed only to compute layouts
 
 __all__ = ["Buffer", "BufferHandle", "Config", "EventHandle", "EventOverlap",
@@ -100,15 +102,25 @@ def _distributed_of(group: Any) -> Any:
 
 def job_instance_tag(group: Any) -> str:
     """An instance tag for a shrink Buffer's groups that a replacement process recomputes: from
-    the job (torchelastic's run id, else the rendezvous address) and the group's global ranks,
-    so that two EP groups, or two jobs, do not meet in one daemon group. None without a job
-    identity (the caller names its Buffers, group_name=)."""
+    the job (torchelastic's run id, else the rendezvous address: MASTER_ADDR / MASTER_PORT, or
+    the default store's, as a `tcp://` init method makes it) and the group's global ranks, so
+    that two EP groups, or two jobs, do not meet in one daemon group. "" without a job
+    identity."""
     import hashlib
+    dist = _distributed_of(group)
     job = os.environ.get("TORCHELASTIC_RUN_ID") or ":".join(
         v for v in (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")) if v)
+    if not job and dist is not None:
+        try:  # (vLLM's workers rendezvous by init_method="tcp://host:port", no environment)
+            store = dist.distributed_c10d._get_default_store()
+            while hasattr(store, "underlying_store"):  # (PrefixStores around the TCPStore)
+                store = store.underlying_store
+            host, port = getattr(store, "host", ""), getattr(store, "port", 0)
+            job = f"{host}:{port}" if host and port else ""
+        except Exception:  # (no default store, or a store without an address)
+            job = ""
     if not job:
         return ""
-    dist = _distributed_of(group)
     ranks = dist.get_process_group_ranks(group) if dist is not None else None
     return "s" + hashlib.sha256(f"{job}|{ranks}".encode()).hexdigest()[:12]
 
@@ -232,6 +244,15 @@ class Buffer(LowLatencyMixin):
             self._instance = ""
         elif enable_shrink:  # (a replacement must find the groups: a tag it can recompute)
             self._instance = job_instance_tag(group)
+            if not self._instance:
+                # No job identity: the tag its ranks agree on now, as for any Buffer. Two jobs
+                # of no identity met in one daemon group and swapped tokens (a review); a
+                # replacement cannot find these groups again (it needs group_name= then).
+                self._instance = agreed_instance_tag(group, comm)
+                log.warning("Buffer(enable_shrink=True) without a job identity "
+                            "(TORCHELASTIC_RUN_ID, MASTER_ADDR/MASTER_PORT or a tcp:// store): "
+                            "a replacement rank cannot find its groups; pass group_name= to "
+                            "let it")
         else:
             self._instance = agreed_instance_tag(group, comm)
         group_name = group_name or DEFAULT_GROUP_NAME

@@ -508,8 +508,10 @@ class LowLatencyMixin:
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyBufferHandle) -> Array:
         """A `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank, hidden]` buffer
         to write expert outputs into; it lives in a region the daemon already maps, so passing
-        it to `low_latency_combine` costs no staging copy. One buffer per shape, reused (by the
-        Buffer that made the handle, which combines it)."""
+        it to `low_latency_combine` costs no staging copy. One buffer per shape and receive
+        buffer, reused (by the Buffer that made the handle, which combines it): two
+        micro-batches in flight (D0 D1 C0 C1) get two, as DeepEP's double buffer gives (a
+        review: one per shape let both write the same memory)."""
         owner, handle = self._owner_of(handle, LowLatencyBufferHandle, "low_latency_dispatch")
         if owner is not self:
             return owner.get_next_low_latency_combine_buffer(handle)
@@ -517,7 +519,7 @@ class LowLatencyMixin:
         spec = h.group.spec
         shape = (spec.num_experts // spec.num_ranks,
                  spec.num_ranks * handle.num_max_dispatch_tokens_per_rank, spec.hidden)
-        key = (h.group.group_id, shape, T.is_torch(handle.template))
+        key = (h.group.group_id, shape, T.is_torch(handle.template), handle.buffer)
         buf = self._combine_buffers.get(key)
         if buf is None:
             buf = self._combine_buffers[key] = self.session.empty(

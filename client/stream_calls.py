@@ -146,10 +146,12 @@ def _stream(group: Group, template: Array, what: str) -> int:
     capture the engine's stream would wait for a READY that only a replay writes)."""
     if group._session.memory.is_capturing(template):
         raise FailedPrecondition(
-            f"group {group.name!r}: normal-mode {what} cannot be captured in a CUDA graph (the "
-            f"engine runs its kernels once per call, not per replay; DeepEP's normal mode is "
-            f"not captured either): capture low_latency_dispatch / low_latency_combine, or "
-            f"call {what} outside the graph")
+            f"group {group.name!r}: normal-mode {what} cannot be captured in a CUDA graph on "
+            f"EPD (the engine runs its kernels once per call, not per replay; DeepEP captures "
+            f"a worst-case dispatch, num_worst_tokens or V2's do_cpu_sync=False, and its "
+            f"combine, EPD does not yet): capture low_latency_dispatch / low_latency_combine, "
+            f"or call {what} outside the graph (vLLM: --enforce-eager for its deepep_v2 "
+            f"backend)")
     return cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
 
 

@@ -252,6 +252,11 @@ _PROBE = textwrap.dedent("""
     assert deep_ep.get_logical_domain_size(Group()) == (1, 4)
     assert deep_ep.get_physical_domain_size(Group()) == (1, 4)
     assert ElasticBuffer.get_buffer_size_hint(Group(), 128, 7168, 8) % (2 << 20) == 0
+    # DeepEP's extension module by name (xtuner: from deep_ep_cpp import EventHandle)
+    from deep_ep_cpp import Config as CppConfig, EventHandle as CppEventHandle
+    import deep_ep_cpp
+    assert CppEventHandle is EventHandle and CppConfig is Config and deep_ep_cpp.IS_EPD
+    assert deep_ep_cpp.topk_idx_t is torch.int64
     print("OK", deep_ep.__file__)
 """)
 
@@ -883,3 +888,46 @@ def test_growth_after_an_earlier_worst_case_failure() -> None:
         return "again"
     g, out = buf._dispatch_growing(group("d"), 0, run_once_failing)
     assert out == "again" and grown == [("d", 40)] and calls == ["d", "d+"]
+
+
+def shrink_job_rank(endpoint: str, job: int, rank: int, port: int) -> dict:
+    """A rank of a two-rank job whose processes rendezvous by init_method="tcp://..." and set
+    none of TORCHELASTIC_RUN_ID, MASTER_ADDR, MASTER_PORT (vLLM's workers), with a shrink
+    Buffer: its low-latency dispatch of x filled with job + 1."""
+    import torch
+    import torch.distributed as dist
+
+    from epd.client.buffer import Buffer
+    for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(k, None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    buf = Buffer(dist.group.WORLD, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=1,
+                 enable_shrink=True, endpoint=endpoint)
+    try:
+        gen = torch.Generator().manual_seed(100 * job + rank)
+        idx = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(4)])
+        x = torch.full((4, 128), float(job + 1)).to(torch.bfloat16)
+        recv, count, *_ = buf.low_latency_dispatch(x, idx, 8, 8, use_fp8=False)
+        seen = {float(recv[e, i, 0]) for e in range(recv.shape[0]) for i in range(int(count[e]))}
+        return {"names": sorted(g.spec.name for g in buf._groups.values()), "seen": sorted(seen)}
+    finally:
+        buf.destroy()
+        dist.destroy_process_group()
+
+
+def test_shrink_buffers_of_two_jobs_without_a_job_identity_stay_apart(daemon, ranks) -> None:
+    """Two jobs whose ranks rendezvous by a tcp:// init method, with none of the job variables
+    set, each with a shrink Buffer: each job's groups carry a tag of its own (from the default
+    store's address, which a replacement recomputes), so each rank receives its own job's rows
+    only (a review: both jobs' tag was "", job 0's rank 1 and job 1's rank 0 formed one group
+    and swapped tokens)."""
+    from epd.server.demo import _free_port
+    ports = [_free_port(), _free_port()]
+    results = ranks.run_ok([(shrink_job_rank, daemon.socket(r), job, r, ports[job])
+                            for job in (0, 1) for r in range(2)], timeout=120)
+    names = [res["names"] for res in results]
+    assert names[0] == names[1] and names[2] == names[3] and names[0] != names[2], names
+    for job in (0, 1):
+        for r in range(2):
+            assert results[2 * job + r]["seen"] == [float(job + 1)], (job, r, results)

@@ -521,6 +521,28 @@ def test_deepep_low_latency_call_sequence(daemon, use_torch: bool) -> None:
         np.testing.assert_array_equal(stats, 2 * disp[r].recv_count)
 
 
+def test_two_micro_batches_get_two_combine_buffers(daemon) -> None:
+    """get_next_low_latency_combine_buffer gives the two dispatches in flight (D0 D1, one per
+    receive buffer) buffers of their own, and the same one again to a handle of the same
+    receive buffer (a review: one per shape, so C0's and C1's expert outputs shared memory)."""
+    xs, idx, w = _workload([6], seed=19)
+    buf = Buffer(None, 0, 1 << 20, low_latency_mode=True, num_qps_per_rank=E, rank=0,
+                 num_ranks=1, endpoint=daemon.socket(0), group_name="ll-two-buffers",
+                 max_tokens_per_rank=MAX_T)
+    try:
+        handles = [buf.low_latency_dispatch(xs[0], idx[0], 8, E, use_fp8=False)[2]
+                   for _ in range(2)]
+        y0, y1 = (buf.get_next_low_latency_combine_buffer(h) for h in handles)
+        assert not np.shares_memory(y0, y1)
+        assert buf.get_next_low_latency_combine_buffer(handles[0]) is y0
+        for h, y in zip(handles, (y0, y1), strict=True):  # (each combines its own)
+            y[...] = 0
+            cx, _, _ = buf.low_latency_combine(y, idx[0], w[0], h)
+            assert not np.asarray(cx).any()
+    finally:
+        buf.destroy()
+
+
 # ------------------------------------------------------------------------------------------------
 # metrics and backends without low-latency kernels
 # ------------------------------------------------------------------------------------------------

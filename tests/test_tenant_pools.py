@@ -6,15 +6,12 @@ uids at the end (needs root, as tests/test_multi_user.py)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import grpc
 import pytest
-from test_multi_user import SOCKET_GROUP, TESTS, USER_A, USER_B, UserDaemon, become
+from test_multi_user import SOCKET_GROUP, USER_A, USER_B, UserDaemon, result
 
 from epd.proto import engine_sockets
 from epd.proto.errors import EpdError
@@ -146,56 +143,21 @@ def test_a_pools_groups_are_labelled_as_the_pools() -> None:
 
 
 # -- the daemon, with real uids (root) -------------------------------------------------------
-CLIENT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import ranklib
-from epd.client import EpdError, Session
-sock, group, rank, nranks = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-c = ranklib.Case(group=group, num_ranks=nranks, num_experts=4 * nranks, hidden=128, num_topk=2,
-                 tokens=(12,) * nranks, use_empty=True)
-try:
-    with Session(sock, timeout=4) as s:
-        g = ranklib.join(s, c, rank)
-        res = ranklib.case_round(s, g, c, rank)
-        want = ranklib.reference(c)  # (this rank's part, bit for bit)
-        ranklib.assert_exact(res["recv_x"], want["disp"][rank].recv_x, "recv_x")
-        ranklib.assert_exact(res["combined_x"], want["comb"][rank][0], "combined_x")
-        print(json.dumps({"code": "OK", "endpoint": s.endpoint, "engine": s.engine_index}))
-except EpdError as e:
-    print(json.dumps({"code": e.code.name, "details": e.details}))
-"""
-
-
-def _client(d: UserDaemon, uid: int, sock: str, group: str, rank: int = 0,
-            nranks: int = 1) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", CLIENT, TESTS, os.path.join(d.sock, sock),
-                             group, str(rank), str(nranks)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=become(uid, uid, [SOCKET_GROUP]), umask=0o022)
-
-
-def _result(p: subprocess.Popen) -> dict:
-    out, err = p.communicate(timeout=60)
-    lines = out.strip().splitlines()
-    assert lines, f"client printed nothing (rc {p.returncode}):\n{err[-3000:]}"
-    return json.loads(lines[-1])
-
-
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (it runs processes as other uids)")
 def test_a_pools_sessions_run_on_its_own_engines_and_no_one_elses_there() -> None:
     d = UserDaemon(["--tenant-pools", f"team-a={USER_A}"])
     try:
         # user A opens on the shared socket and is sent to its pool's engine; user B on the
         # pool's socket is sent to the shared one; both work
-        a = _result(_client(d, USER_A, "gpu0.sock", "tp-solo"))
-        b = _result(_client(d, USER_B, "gpu0.tenant-team-a.sock", "tp-solo"))
+        a = result(d.client(USER_A, [SOCKET_GROUP], "tp-solo", 0, 1, socket="gpu0.sock"))
+        b = result(d.client(USER_B, [SOCKET_GROUP], "tp-solo", 0, 1,
+                            socket="gpu0.tenant-team-a.sock"))
         assert a["code"] == b["code"] == "OK", (a, b)
         assert a["endpoint"].endswith("/gpu0.tenant-team-a.sock") and a["engine"] == 2, a
         assert b["endpoint"].endswith("/gpu0.sock") and b["engine"] == 0, b
         # a two-rank group of the pool across both devices: both ranks on the pool's engines
-        both = [_client(d, USER_A, f"gpu{r}.sock", "tp-pair", r, 2) for r in range(2)]
-        pair = [_result(p) for p in both]
+        both = [d.client(USER_A, [SOCKET_GROUP], "tp-pair", r, 2, engine=r) for r in range(2)]
+        pair = [result(p) for p in both]
         assert [(r["code"], r["engine"]) for r in pair] == [("OK", 2), ("OK", 3)], pair
         # the daemon's topology: four engines, two processes of the pool's
         with grpc.insecure_channel(f"unix://{d.sock}/node.sock") as ch:

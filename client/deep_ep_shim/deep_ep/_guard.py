@@ -3,9 +3,10 @@ silently shadow the other, depending on sys.path order."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.metadata
-import importlib.util
 import os
+import sys
 
 SHIM_DISTRIBUTION = "epd-deep-ep-shim"
 _DEEPEP_NAMES = {"deep-ep", "deepep"}
@@ -15,12 +16,20 @@ def _normalize(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
+def _ours(origin: str | None) -> bool:
+    """Whether a `deep_ep_cpp` found is this shim's own module (beside the package)."""
+    mine = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "deep_ep_cpp.py")
+    return origin is not None and os.path.realpath(origin) == os.path.realpath(mine)
+
+
 def real_deepep() -> str | None:
     """Where a real DeepEP is installed (its extension module, or a distribution other than
     this shim named deep_ep / providing the `deep_ep` package), else None."""
-    spec = importlib.util.find_spec("deep_ep_cpp")
-    if spec is not None:
-        return f"its extension deep_ep_cpp at {spec.origin}"
+    for entry in sys.path:  # (every one: the shim's own deep_ep_cpp may come first)
+        spec = importlib.machinery.PathFinder.find_spec("deep_ep_cpp", [entry or "."])
+        if spec is not None and not _ours(spec.origin):
+            return f"its extension deep_ep_cpp at {spec.origin}"
     for dist in importlib.metadata.distributions():
         name = dist.metadata.get("Name") or ""
         if _normalize(name) == SHIM_DISTRIBUTION:
