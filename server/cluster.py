@@ -33,7 +33,7 @@ import grpc
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from .cluster_world import NodeState, WorldKeeper
-from .config import CLUSTER_TOKEN_METADATA, Config, read_pem
+from .config import CLUSTER_TOKEN_METADATA, Config, parse_ids, read_pem
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
@@ -47,14 +47,20 @@ RELEASE_RETRY_SECONDS, RELEASE_RETRY_MAX_SECONDS = 0.2, 5.0  # backoff of a lost
 # and run (every node's engines). One that differs would hang or corrupt such groups. The
 # heartbeat too: a node beating slower than node 0 waits (3 of node 0's periods) lost its
 # lease after every registration, each loss aborting its groups; and the number of nodes.
+# And the shared pool of group names (--allow-uids / --allow-gids): node 0 scopes every
+# forwarded join by its own, a member by its own while node 0 is away, so uids a member's
+# operator never pooled shared names through node 0 (a review).
 AGREED_SETTINGS = ("cuda_cluster", "cuda_hierarchical", "nvshmem_heap_bytes",
                    "cluster_heartbeat_seconds", "num_nodes")
+AGREED_ID_SETTINGS = ("allow_uids", "allow_gids")  # (compared as sets of ids)
 
 
 def agreed_settings(sup: Supervisor) -> str:
     """This node's agreed settings (and resolved backend) as "name=value;...". """
     items = [f"backend={sup.backend}"]
     items += [f"{name}={getattr(sup.cfg, name, '')}" for name in AGREED_SETTINGS]
+    items += [f"{name}={','.join(map(str, sorted(parse_ids(name, getattr(sup.cfg, name, '')))))}"
+              for name in AGREED_ID_SETTINGS]
     return ";".join(items)
 
 
@@ -368,6 +374,9 @@ class AdoptedGroup:
     released: set[int] = field(default_factory=set)
     aborted: bool = False
     shrink: bool = False  # a low-latency group that masks a rank that goes away (spec.shrink)
+    # The node 0 (its incarnation) that formed it: once another leads the cluster, this node
+    # alone tells the group's ranks that one went away (the new node 0 never knew the group)
+    owner: str = ""
 
 
 class ClusterMember:
@@ -463,6 +472,11 @@ class ClusterMember:
                 if ev.heartbeat_seconds > 0:
                     period[0] = min(self.cfg.cluster_heartbeat_seconds, ev.heartbeat_seconds)
                 self.view = ev.cluster
+                node0 = ev.cluster.nodes[0].incarnation if ev.cluster.nodes else ""
+                if node0 and node0 != self.node0_incarnation:
+                    if self.node0_incarnation and self.sup.world_mode:  # (node 0 restarted:
+                        self.sup.world_left = 0  # its worlds count from 1 again)
+                    self.node0_incarnation = node0
                 try:
                     self._follow_world(ev)
                 except Exception as e:  # (an engine that cannot start: leave the world half
@@ -498,11 +512,6 @@ class ClusterMember:
         sup = self.sup
         if not sup.world_mode:
             return
-        node0 = ev.cluster.nodes[0].incarnation if ev.cluster.nodes else ""
-        if node0 and node0 != self.node0_incarnation:
-            if self.node0_incarnation:  # node 0 restarted: its worlds count from 1 again
-                sup.world_left = 0
-            self.node0_incarnation = node0
         if ev.HasField("world"):
             if ev.world.generation > max(sup.world_generation, sup.world_left):
                 sup.enter_world(ev.world)
@@ -521,8 +530,11 @@ class ClusterMember:
         aborted = []
         for g in self.groups.values():
             nodes = sorted(set(g.rank_nodes))
-            if nodes == [me] or g.aborted:
-                continue  # node-local: its memory is held here, it keeps working
+            if nodes == [me]:  # node-local: its memory is held here, it keeps working, and
+                g.owner = ""  # this node alone tells its ranks when one goes (node 0 lets it
+                continue      # go: Coordinator.node_lost)
+            if g.aborted:
+                continue
             reason = (f"node 0 (the cluster coordinator) went away ({why}); the group spans "
                       f"nodes {nodes}")
             if self._masks(g):  # this node's ranks leave it; the other nodes' ranks go on
@@ -578,7 +590,8 @@ class ClusterMember:
                 raise
             g = self.groups[resp.group_id] = AdoptedGroup(req.spec.name, plan,
                                                           tuple(resp.rank_nodes),
-                                                          shrink=req.spec.shrink)
+                                                          shrink=req.spec.shrink,
+                                                          owner=self.node0_incarnation)
         g.local[req.rank] = req.engine_index
         g.released.discard(req.rank)  # (a replacement of a rank that went away: held again)
         out = epd_pb2.RendezvousResponse()
@@ -589,8 +602,13 @@ class ClusterMember:
     def release_rank(self, group_id: str, rank: int, reason: str, left: bool = False,
                      forward_only: bool = False) -> None:
         """A rank of a forwarded group went away: tell node 0 (best effort, in the background)
-        and drop this node's hold once all its ranks of the group are gone."""
-        if self.connected:
+        and drop this node's hold once all its ranks of the group are gone. A group formed by
+        an earlier node 0 (it restarted since) is this node's alone to tell: the new one
+        never knew it and would ignore the release (a review: the peers of a rank that died
+        then waited for their deadline, and a shrink group's rank was never masked)."""
+        g = self.groups.get(group_id)
+        led = self.connected and (g is None or g.owner == self.node0_incarnation)
+        if led:
             req = epd_pb2.ClusterReleaseRequest(
                 node_rank=self.cfg.node_rank, incarnation=self.sup.incarnation,
                 request=epd_pb2.ReleaseRankRequest(group_id=group_id, rank=rank, reason=reason,
@@ -598,10 +616,9 @@ class ClusterMember:
             task = asyncio.get_running_loop().create_task(self._forward_release(req))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        g = self.groups.get(group_id)
         if forward_only or g is None:
             return
-        if (reason and not g.aborted and not self.connected
+        if (reason and not g.aborted and not led
                 and len(g.released) < len(g.rank_nodes) - 1):
             # Node 0 cannot tell the peers: this node's shared plan can (node-local groups).
             if self._masks(g):

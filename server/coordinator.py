@@ -343,10 +343,22 @@ class Coordinator:
         names = []
         for g in list(self.by_id.values()):
             ranks = sorted(r for r in g.members if g.nodes.get(r, 0) == node)
-            if ranks:
-                names.append(g.spec.name)
-                self._lose_ranks(g, ranks, "node_lost",
-                                 f"node {node} holding rank(s) {ranks} went away ({why})")
+            if not ranks:
+                continue
+            if (g.formed.is_set() and g.aborted is None and len(ranks) == g.spec.num_ranks
+                    and len(g.members) == g.spec.num_ranks):
+                # Every rank on that node: it keeps serving the group on its own (its lease
+                # ended on its side too, or will), so this node lets go of it without an
+                # abort, which would reach the memory the node's engines still use (a review:
+                # a node 0 resumed after a pause aborted a member's working node-local group,
+                # blaming the member)
+                log.info("group %r (%s): every rank on node %d, whose lease ended; left to it",
+                         g.spec.name, g.group_id, node)
+                self._remove(g)
+                continue
+            names.append(g.spec.name)
+            self._lose_ranks(g, ranks, "node_lost",
+                             f"node {node} holding rank(s) {ranks} went away ({why})")
         return names
 
     def _lose_ranks(self, g: GroupInstance, ranks: list[int], kind: str, reason: str) -> None:

@@ -528,6 +528,56 @@ def test_node0_killed_other_nodes_keep_local_groups_and_rejoin(ranks):
         run(ranks, case(2), [cl.ep(1), cl.ep(0)])  # (not node-major: flat)
 
 
+@pytest.mark.parametrize("restart_node0", [False, True], ids=["node0-down", "node0-back"])
+def test_a_node_local_group_learns_a_lost_rank_whoever_leads(ranks, restart_node0):
+    """A group with both ranks on node 1, formed by node 0, which is then killed (the group
+    keeps working) and maybe restarted (node 1 registers again): an engine of node 1 dies and
+    the other rank fails at once, naming it, not at its deadline (a review: with node 0
+    restarted node 1 forwarded the release to a node 0 that never knew the group)."""
+    with cluster([1, 2]) as cl:
+        local = case(2)
+        t_local = start_members(ranks, [cl.ep(1, 0), cl.ep(1, 1)], local)
+        rounds_ok(ranks, local, [0, 1])
+        cl.kill(0)
+        wait_until(lambda: "lease with node 0 ended" in cl.nodes[1].log(),
+                   3 * HEARTBEAT + SLACK, "node 1 notices node 0 is gone")
+        rounds_ok(ranks, local, [0, 1])
+        if restart_node0:
+            cl.start(0)
+            cl.wait_registered()
+            rounds_ok(ranks, local, [0, 1])
+        os.kill(topology(cl.nodes[1]).engines[1].pid, signal.SIGKILL)
+        ranks.kill(1)
+        t0 = time.monotonic()
+        res = dispatch(ranks, [0])[0]
+        assert res["code"] == "ABORTED" and "engine 1" in res["details"], res
+        assert time.monotonic() - t0 < TIMEOUT, res
+        finish(ranks, [t_local[0]], [0])
+
+
+def test_a_paused_node0_leaves_a_members_node_local_groups_alone(ranks):
+    """Node 0 pauses (SIGSTOP) long enough for node 1's lease to end on both sides: node 1's
+    node-local group (formed by node 0) keeps working, and when node 0 resumes and ends the
+    old lease it lets that group go instead of aborting it and blaming node 1 (a review)."""
+    with cluster([1, 2]) as cl:
+        local = case(2)
+        t_local = start_members(ranks, [cl.ep(1, 0), cl.ep(1, 1)], local)
+        rounds_ok(ranks, local, [0, 1])
+        sup0 = cl.nodes[0].proc.pid
+        os.kill(sup0, signal.SIGSTOP)
+        try:
+            wait_until(lambda: "lease with node 0 ended" in cl.nodes[1].log(),
+                       3 * HEARTBEAT + TIMEOUT + SLACK, "node 1 notices node 0 paused")
+            rounds_ok(ranks, local, [0, 1])
+        finally:
+            os.kill(sup0, signal.SIGCONT)
+        wait_until(lambda: "node 1 lease ended" in cl.nodes[0].log(), 10,
+                   "node 0 ends node 1's old lease")
+        time.sleep(0.5)
+        rounds_ok(ranks, local, [0, 1])
+        finish(ranks, t_local, [0, 1])
+
+
 def test_a_hung_node_loses_its_lease_and_comes_back(ranks):
     """A node whose supervisor stops answering (SIGSTOP: its stream stays open, its heartbeats
     stop) loses its lease after the missed heartbeats; node 0 aborts the groups spanning it,

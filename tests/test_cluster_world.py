@@ -293,6 +293,15 @@ def test_node_0_refuses_a_node_whose_settings_differ() -> None:
     code, details = ei.value.args[0]
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "cuda_hierarchical" in details
     assert 1 not in hub.nodes
+    # the shared pool of names: compared as sets of ids (a member pooling other uids than
+    # node 0 is refused, naming the setting; the same ids in another order agree)
+    sup0.cfg.allow_uids = "1002,1001"
+    pooled = agreed_settings(sup0)
+    assert "allow_uids=1001,1002" in pooled
+    sup0.cfg.allow_uids = "1001, 1002"
+    assert settings_difference(agreed_settings(sup0), pooled) == ""
+    assert settings_difference(pooled, mine) == "allow_uids: 1001,1002 on node 0,  there"
+    sup0.cfg.allow_uids = ""
     for name in ("cluster_heartbeat_seconds", "num_nodes"):  # (lease timing; the ranks)
         assert f"{name}=" in mine
         other = ";".join(f"{k}=7" if k == name else f"{k}={v}" for k, v in
