@@ -472,11 +472,6 @@ class ClusterMember:
                 if ev.heartbeat_seconds > 0:
                     period[0] = min(self.cfg.cluster_heartbeat_seconds, ev.heartbeat_seconds)
                 self.view = ev.cluster
-                node0 = ev.cluster.nodes[0].incarnation if ev.cluster.nodes else ""
-                if node0 and node0 != self.node0_incarnation:
-                    if self.node0_incarnation and self.sup.world_mode:  # (node 0 restarted:
-                        self.sup.world_left = 0  # its worlds count from 1 again)
-                    self.node0_incarnation = node0
                 try:
                     self._follow_world(ev)
                 except Exception as e:  # (an engine that cannot start: leave the world half
@@ -510,6 +505,11 @@ class ClusterMember:
         """Start the engines in the world node 0 formed; stop them when it says it is lost.
         A world this node left (its engine died) is never entered again."""
         sup = self.sup
+        node0 = ev.cluster.nodes[0].incarnation if ev.cluster.nodes else ""
+        if node0 and node0 != self.node0_incarnation:  # (also where no world is followed: the
+            if self.node0_incarnation and sup.world_mode:  # node 0 that leads, AdoptedGroup)
+                sup.world_left = 0  # (node 0 restarted: its worlds count from 1 again)
+            self.node0_incarnation = node0
         if not sup.world_mode:
             return
         if ev.HasField("world"):
