@@ -201,39 +201,58 @@ class Channel:
     """The client end of an engine's descriptor channel, bound to one session: given its id
     and token, or later (`hello()` for the ticket OpenSession needs, then `bind()`). Every
     request waits at most `timeout` seconds for its answer (an engine alive but stopped must
-    not hang the client); one that times out closes the channel, since a late answer would be
-    taken for the next request's."""
+    not hang the client). A request that does not get its answer (a timeout, or an exception
+    such as KeyboardInterrupt between sending and reading) drops the connection, since a late
+    answer would be taken for the next request's (a review: an interrupted registration gave
+    the next one the earlier's region id, and a dispatch read the wrong memory); a bound
+    channel connects again at its next request."""
 
     def __init__(self, path: str, session_id: str = "", token: bytes = b"",
                  timeout: float = REQUEST_SECONDS) -> None:
         self.path, self.session_id, self.token = path, session_id, token
         self.timeout = timeout
         self._lock = threading.Lock()  # one request/answer pair at a time
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        self.sock.settimeout(timeout)
+        self.sock: socket.socket | None = self._connect()
+
+    def _connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.settimeout(self.timeout)
         try:
-            self.sock.connect(path)
+            sock.connect(self.path)
         except OSError as e:
-            self.sock.close()
-            raise Unavailable(f"cannot connect to the descriptor channel {path}: {e}") from None
+            sock.close()
+            raise Unavailable(f"cannot connect to the descriptor channel {self.path}: "
+                              f"{e}") from None
+        return sock
 
     def request(self, req: epd_pb2.FdRequest, fd: int | None = None
                 ) -> tuple[epd_pb2.FdResponse, int | None]:
         req.session_id, req.session_token = self.session_id, self.token
+        if not self._lock.acquire(timeout=self.timeout):  # (another request's, at most its
+            raise DeadlineExceeded(f"descriptor channel {self.path}: another request of this "
+                                   f"process held it for {self.timeout:g} s")
         try:
-            if not self._lock.acquire(timeout=self.timeout):  # (another request's, at most
-                raise TimeoutError("waiting for another request")  # its own timeout)
+            if self.sock is None:  # (an earlier request's answer never came: a new one)
+                if not self.session_id:
+                    raise Unavailable(f"descriptor channel {self.path}: an earlier request "
+                                      f"was interrupted before the session was bound")
+                self.sock = self._connect()
+            answered = False
             try:
                 send(self.sock, req, fd)
                 resp, got = recv(self.sock, epd_pb2.FdResponse)
+                answered = True
             finally:
-                self._lock.release()
+                if not answered:  # (whatever stopped it: never read its answer as the next's)
+                    self._drop()
         except TimeoutError:
-            self.close()
             raise DeadlineExceeded(f"descriptor channel {self.path}: no answer within "
-                                   f"{self.timeout:g} s (the channel is closed)") from None
+                                   f"{self.timeout:g} s (the next request connects again)"
+                                   ) from None
         except OSError as e:
             raise Unavailable(f"descriptor channel {self.path}: {e}") from None
+        finally:
+            self._lock.release()
         if resp is None:
             raise Unavailable(f"descriptor channel {self.path}: the engine closed it")
         if resp.code:
@@ -241,6 +260,12 @@ class Channel:
                 os.close(got)
             raise from_status_value(resp.code, resp.message)
         return resp, got
+
+    def _drop(self) -> None:
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
 
     def hello(self) -> bytes:
         """The first request of an unbound connection: the engine's ticket for OpenSession
@@ -282,5 +307,4 @@ class Channel:
         return resp.region_id
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        self._drop()

@@ -235,8 +235,9 @@ def test_descriptor_channel_drops_a_silent_connection(daemon) -> None:
 
 def test_the_descriptor_channel_waits_a_bounded_time_for_an_answer(tmp_path) -> None:
     """An engine that accepts the channel and never answers (stopped, stuck) must not hang the
-    client: the request fails DEADLINE_EXCEEDED after the channel's timeout, and the channel,
-    whose late answer would pair with the next request, is closed (UNAVAILABLE after)."""
+    client: the request fails DEADLINE_EXCEEDED after the channel's timeout, and its connection,
+    whose late answer would pair with the next request, is closed: the next request connects
+    anew (here the server stays silent, so it times out too)."""
     import socket
     import threading
     import time
@@ -255,9 +256,11 @@ def test_the_descriptor_channel_waits_a_bounded_time_for_an_answer(tmp_path) -> 
             ch.fetch("counters")
         assert ei.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
         assert time.monotonic() - t0 < 2.0
+        assert ch.sock is None  # (dropped: its late answer is never read)
+        assert accepted[0].recv(4096) and accepted[0].recv(4096) == b""  # (the request; EOF)
         with pytest.raises(EpdError) as again:
             ch.fetch("counters")
-        assert again.value.code == grpc.StatusCode.UNAVAILABLE, again.value
+        assert again.value.code == grpc.StatusCode.DEADLINE_EXCEEDED, again.value
     finally:
         t.join(5)
         for s in (*accepted, server):
@@ -560,3 +563,35 @@ def test_peer_credentials_of_a_uid_above_two_to_the_31() -> None:
         finally:
             os.waitpid(pid, 0)
     assert got == (pid, big, big + 1), got
+
+
+def test_an_interrupted_channel_request_never_answers_the_next(daemon, monkeypatch) -> None:
+    """An exception between a channel request's send and its answer (Ctrl-C, an alarm) left
+    the answer queued, and every later request read the one before it: the next registration
+    got the interrupted one's region id, and a dispatch read the wrong memory (a review). The
+    connection is dropped instead; the next request connects again, bound to the session."""
+    from epd.server import reference as ref
+
+    real_recv = fdc.recv
+    calls = {"n": 0}
+
+    def interrupted_once(sock, msg_type):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real_recv(sock, msg_type)
+
+    c = Case("sec-interrupted", 1, 4, 128, 2, (6,), max_tokens=8)
+    with Session(daemon.socket(0), timeout=10) as s:
+        g = join(s, c, 0, timeout=10)
+        monkeypatch.setattr(fdc, "recv", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            s.empty((4,), np.float32)
+        monkeypatch.setattr(fdc, "recv", real_recv)
+        inp = c.inputs(0)
+        x = s.empty(inp["x"].shape, inp["x"].dtype)
+        x[...] = inp["x"]
+        out = g.dispatch(x, inp["topk_idx"], inp["topk_weights"])
+        want = ref.dispatch([inp["x"]], [inp["topk_idx"]], [inp["topk_weights"]],
+                            c.num_experts)[0]
+        np.testing.assert_array_equal(np.asarray(out.recv_x), want.recv_x)
