@@ -22,9 +22,10 @@ TOKENS, HIDDEN, EXPERTS, TOPK = 2048, 4096, 8, 2
 OK_ENDINGS = {"UNAVAILABLE", "ABORTED"}
 
 
-def _loop_until_lost(endpoint: str, group: str, rank: int) -> dict:
-    """Join, then loop dispatch + combine through the fast path until a call fails; report
-    after the first round. Returns the rounds done and the failure's code and message."""
+def _loop_until_lost(endpoint: str, group: str, rank: int, fast: bool = True) -> dict:
+    """Join, then loop dispatch + combine through the fast path (or gRPC) until a call fails;
+    report after the first round. Returns the rounds done and the failure's code and
+    message."""
     import numpy as np
 
     from epd.client import EpdError, Session
@@ -33,7 +34,7 @@ def _loop_until_lost(endpoint: str, group: str, rank: int) -> dict:
     rng = np.random.default_rng([rank, 9])
     idx, w = ref.random_routing(rng, TOKENS, EXPERTS, TOPK, drop_prob=0.0)
     x = ref.random_x(rng, TOKENS, HIDDEN, ranklib.BF16)
-    s = Session(endpoint, timeout=10)
+    s = Session(endpoint, timeout=10, fast_path=fast)
     rounds = 0
     try:
         transport = s.transport
@@ -58,22 +59,24 @@ def _engine_lines(log: str) -> str:
     return "\n".join(line for line in log.splitlines() if " engine" in line)[-6000:]
 
 
-@pytest.mark.parametrize("attempt", range(3))
-def test_sigterm_during_fast_path_collectives(ranks, attempt: int) -> None:
-    """Two clients loop dispatch + combine (2048 x 4096 bf16) through the fast path; SIGTERM
-    to the daemon: the engines drain and stop cleanly (no crash, 'engine N stopped' logged),
-    every client's last call fails with UNAVAILABLE or ABORTED (never a crash or a hang), and
-    the shm and socket folders are empty afterwards. The old engine closed the group comm
-    while the fast-path thread was still combining on it (segfault, files left behind)."""
+@pytest.mark.parametrize("transport,attempt", [("fastpath", a) for a in range(3)]
+                         + [("grpc", a) for a in range(2)])
+def test_sigterm_during_collectives(ranks, transport: str, attempt: int) -> None:
+    """Two clients loop dispatch + combine (2048 x 4096 bf16) through the fast path or gRPC;
+    SIGTERM to the daemon: the engines drain and stop cleanly (no crash, 'engine N stopped'
+    logged), every client's last call fails with UNAVAILABLE or ABORTED (never a crash or a
+    hang), and the shm and socket folders are empty afterwards. The old engine closed the
+    group comm while the fast-path thread was still combining on it (segfault, files left
+    behind); a gRPC call whose session the drain had closed got NOT_FOUND (a review)."""
     d = TestDaemon(engines=2)
     try:
         d.wait_ready(60)
-        group = f"drain-{attempt}"
-        tids = [ranks.submit(r, _loop_until_lost, ep, group, r)
+        group = f"drain-{transport}-{attempt}"
+        tids = [ranks.submit(r, _loop_until_lost, ep, group, r, transport == "fastpath")
                 for r, ep in enumerate(d.endpoints(2))]
         for r in range(2):
             ev = ranks.event(r, timeout=60)
-            assert ev == {"looping": True, "transport": "fastpath"}, ev
+            assert ev == {"looping": True, "transport": transport}, ev
         time.sleep(0.3 + 0.2 * attempt)  # a collective is in flight on each engine
         d.proc.send_signal(signal.SIGTERM)
         rc = d.proc.wait(60)

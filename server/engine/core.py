@@ -291,6 +291,8 @@ class Engine(StreamCalls, DataPlane):
     def session(self, session_id: str) -> Session:
         s = self.sessions.get(session_id)
         if s is None or s.closed.is_set():
+            if self.state.draining:  # (its session was closed by the drain: the engine's
+                self.state.check_open()  # state, UNAVAILABLE, not the client's NOT_FOUND)
             raise NotFound(f"session {session_id!r} is not open on engine {self.index}")
         return s
 
