@@ -163,8 +163,9 @@ def expert_transform(recv_x: np.ndarray, recv_topk_idx: np.ndarray,
 
 
 def _demo_rank(rank: int, socket: str, wl: Workload, iters: int, q: mp.Queue) -> None:
-    from ..client import Session
     try:
+        from ..client import Session  # (inside: a Ctrl-C while it imports is handled too)
+
         x, idx, w = wl.inputs(rank)
         x_np = x
         lx = wl.num_experts // wl.num_ranks
