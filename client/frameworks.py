@@ -11,5 +11,9 @@ from types import ModuleType
 
 
 def torch_if_loaded() -> ModuleType | None:
-    """torch if this process has imported it, else None."""
-    return sys.modules.get("torch")
+    """torch if this process has imported it, else None. A torch another thread is still
+    importing (in sys.modules from the import's start, without its names yet) is not loaded:
+    no object can be one of its tensors yet (a fuzzer's NumPy calls raised AttributeError on
+    `torch.Tensor` meanwhile)."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "Tensor") else None

@@ -518,9 +518,11 @@ class Group:
         With use_fp8 the tokens are quantised on the source (e4m3 + float32 scales per 128
         channels); round_scale / use_ue8m0 make the scales powers of two (float32 here).
         `cumulative_local_expert_recv_stats` (int32 [local experts]) gets recv_count added in
-        place. Views (copy=False) stay valid until the next low-latency dispatch into the same
-        receive `buffer` (0 or 1, the same on every rank: two micro-batches in flight use one
-        each, as DeepEP's double buffer; the cuda backend's, the cpu backend copies)."""
+        place. Views (copy=False) stay valid on the cuda backend until the next low-latency
+        dispatch into the same receive `buffer` (0 or 1, the same on every rank: two
+        micro-batches in flight use one each, as DeepEP's double buffer); on the cpu backend,
+        whose engine keeps one output area, until the next low-latency dispatch (copy=True, the
+        default, gives arrays of the caller's own on both)."""
         s = self._session
         stats = cumulative_local_expert_recv_stats
         d = s._descs({"x": x, "topk_idx": topk_idx,

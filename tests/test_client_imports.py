@@ -27,3 +27,20 @@ def test_numpy_client_does_not_import_torch(daemon) -> None:
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False", "the client imported torch for a NumPy caller"
+
+
+def test_a_torch_still_being_imported_is_not_loaded(monkeypatch) -> None:
+    """Another thread's `import torch` puts the module in sys.modules before its names exist:
+    a NumPy caller's call meanwhile must not look for `torch.Tensor` (a fuzzer's calls raised
+    AttributeError: partially initialized module 'torch')."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from epd.client import frameworks, tensors
+
+    partial = types.ModuleType("torch")  # (as sys.modules holds it mid-import: no names yet)
+    monkeypatch.setitem(sys.modules, "torch", partial)
+    assert frameworks.torch_if_loaded() is None
+    assert tensors.is_torch(np.zeros(2)) is False
