@@ -206,7 +206,8 @@ def test_engine_choice(monkeypatch) -> None:
     import types
     for k in ("EPD_ENGINE", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(k, raising=False)
-    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: True,
+    fake = types.SimpleNamespace(Tensor=type("Tensor", (), {}),  # (an imported torch)
+                                 cuda=types.SimpleNamespace(is_available=lambda: True,
                                                             current_device=lambda: 1))
     monkeypatch.setitem(sys.modules, "torch", fake)
     monkeypatch.setenv("LOCAL_RANK", "0")  # torch.multiprocessing.spawn's would be wrong
