@@ -90,6 +90,7 @@ class Coordinator:
         # namespace (--allow-uids / --allow-gids: pools shared by several users).
         self.allow_uids, self.allow_gids = allow_uids, allow_gids
         self.tenant_pools = tuple(tenant_pools)
+        self._pool_namespace = {p.name: TENANT_POOLS - i for i, p in enumerate(tenant_pools)}
         self.world_of = world_of
         # Engines always send their deadline; this covers a request that names none.
         self.default_timeout = default_timeout
@@ -226,7 +227,7 @@ class Coordinator:
         world = self.world_of(req.engine_index) if self.world_of is not None else 0
         pool = tenant_pools.pool_of(self.tenant_pools, req.peer_uid, req.peer_gid)
         if pool:
-            return world, TENANT_POOLS - [p.name for p in self.tenant_pools].index(pool)
+            return world, self._pool_namespace[pool]
         if in_pool(req.peer_uid, req.peer_gid, self.allow_uids, self.allow_gids):
             return world, SHARED
         return world, req.peer_uid

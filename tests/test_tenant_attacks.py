@@ -48,6 +48,22 @@ def test_a_fast_path_ring_counts_against_the_sessions_bytes(daemon_factory) -> N
         s.empty((BUDGET - (6 << 20),), "uint8")
 
 
+class _TicketEngine:
+    """An engine as far as a descriptor-channel hello reaches it (its tickets), whose issue
+    may stall the event loop `stall` seconds."""
+
+    def __init__(self, stall: float = 0.0) -> None:
+        self.tickets: dict[bytes, object] = {}
+        self.stall = stall
+
+    def issue_ticket(self, ticket, peer, alive) -> None:
+        time.sleep(self.stall)
+        self.tickets[ticket] = peer
+
+    def withdraw_ticket(self, ticket) -> None:
+        self.tickets.pop(ticket, None)
+
+
 def _hello(path: str) -> tuple[socket.socket, bytes]:
     """A descriptor-channel connection that said hello (never bound), and its ticket."""
     c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -387,22 +403,11 @@ def test_a_ticket_the_engine_took_too_late_is_still_withdrawn(tmp_path, monkeypa
     from epd.proto import fd_channel as fdc
     from epd.server.engine import fd_server
 
-    class _SlowEngine:  # (only what a hello reaches)
-        def __init__(self) -> None:
-            self.tickets: dict[bytes, object] = {}
-
-        def issue_ticket(self, ticket, peer, alive) -> None:
-            time.sleep(0.5)  # (the loop stalls; the thread's wait is 0.1 s)
-            self.tickets[ticket] = peer
-
-        def withdraw_ticket(self, ticket) -> None:
-            self.tickets.pop(ticket, None)
-
     monkeypatch.setattr(fd_server, "CALL_SECONDS", 0.1)
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    engine = _SlowEngine()
+    engine = _TicketEngine(stall=0.5)  # (the loop stalls; the thread's wait is 0.1 s)
     server = fd_server.FdServer(engine, str(tmp_path / "gpu0.fds"), loop)
     server.start()
     try:
@@ -432,16 +437,6 @@ def test_the_descriptor_channel_outlives_a_full_descriptor_table(tmp_path, monke
 
     from epd.server.engine import fd_server
 
-    class _Engine:  # (only what a hello reaches)
-        def __init__(self) -> None:
-            self.tickets: dict[bytes, object] = {}
-
-        def issue_ticket(self, ticket, peer, alive) -> None:
-            self.tickets[ticket] = peer
-
-        def withdraw_ticket(self, ticket) -> None:
-            self.tickets.pop(ticket, None)
-
     class _FullTable:  # the listening socket, whose first accepts find no descriptor left
         def __init__(self, sock) -> None:
             self.sock, self.failures = sock, 3
@@ -459,7 +454,7 @@ def test_the_descriptor_channel_outlives_a_full_descriptor_table(tmp_path, monke
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    engine = _Engine()
+    engine = _TicketEngine()
     server = fd_server.FdServer(engine, str(tmp_path / "gpu0.fds"), loop)
     full = server.sock = _FullTable(server.sock)
     server.start()

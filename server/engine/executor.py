@@ -178,6 +178,7 @@ class SessionExecutor:
                                          thread_name_prefix=f"epd-{name}-wait",
                                          initializer=named_initializer(f"epd-{name}-wait",
                                                                        thread_init))
+        self._waits_done = False  # (the teardown shut `_waits` down)
         self.transports: list[Transport] = []
         self.closing: str | None = None  # why later calls are refused
         # Seconds the running operation waited for the worker and the lock before it ran.
@@ -247,12 +248,9 @@ class SessionExecutor:
         """Run a blocking step of this session's (a wait for its operations, a close) on its
         own wait threads (asyncio.to_thread for one session: see `_waits`)."""
         call = functools.partial(fn, *args)
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._waits, call)
-        except RuntimeError:  # (its teardown ended, and with it these threads: a leave that
-            if not self._waits._shutdown:  # raced it finishes on the loop's shared ones)
-                raise
-            return await asyncio.to_thread(call)
+        if self._waits_done:  # (its teardown ended, and with it these threads: a leave that
+            return await asyncio.to_thread(call)  # raced it finishes on the loop's shared ones)
+        return await asyncio.get_running_loop().run_in_executor(self._waits, call)
 
     def exclusive(self, fn: Callable[[], T], timeout: float | None = None) -> T | None:
         """Run `fn` with no operation running (even while closing): teardown steps, such as
@@ -310,4 +308,5 @@ class SessionExecutor:
             if await self.off_loop(self.exclusive, release_all) is None:
                 log.error("%s: left mapped (an operation never finished)", self.name)
         finally:
+            self._waits_done = True
             self._waits.shutdown(wait=False)  # (its threads end once idle: this was the last)

@@ -281,15 +281,13 @@ class DataPlane:
                             req.num_worst_tokens,
                             cached.backend_handle if cached is not None else None,
                             in_rank, per_expert)
-        if req.stream_ordered:
-            self._num_sms(member, req.num_sms)  # (checked before the call counts as queued)
-        else:
-            if req.num_sms:
-                raise InvalidArgument("num_sms is for stream-ordered calls")
-            self.backend.check_event(req.ready_event)
-        self._queued(session, member)
-        if req.stream_ordered:  # (it releases req.release_handles once it checked the call)
+        if req.stream_ordered:  # (it releases req.release_handles once it checked the call,
+            # and counts it as queued once its arguments are checked)
             return self.dispatch_stream(session, member, req, args, cached, timeout, path)
+        if req.num_sms:
+            raise InvalidArgument("num_sms is for stream-ordered calls")
+        self.backend.check_event(req.ready_event)
+        self._queued(session, member)
         nbytes = self._new_handle_bytes(member, args, cached)
         self._check_handle_budget(session, member, req.release_handles, nbytes)
         self._resolve_all(session, member)  # the slot is about to take this call's counts

@@ -237,6 +237,7 @@ class StreamCalls:
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
         num_sms = self._num_sms(member, req.num_sms)
+        self._queued(session, member)
         nbytes = self._new_handle_bytes(member, args, cached)
         self._check_handle_budget(session, member, req.release_handles, nbytes)
         self._resolve_all(session, member)  # the slot is about to take this call's counts
