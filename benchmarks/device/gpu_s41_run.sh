@@ -66,5 +66,12 @@ case "${1:-}" in
     STEP_TEST_SECONDS=150 step plain2 200 "tests/gpu/test_ll_plain.py \
         tests/gpu/test_ll_chain_plain.py -k 'plain_low_latency_calls'"
     ;;
-  *) echo "usage: $0 first41|pools41|a41|b41|c41|d41"; exit 2 ;;
+  e41)  # the last read's simplifications (a stream dispatch counted as queued inside
+    # dispatch_stream, a session's wait threads' flag) and the Python mends after d41: the
+    # stream-ordered calls, bad input alike, the daemon's roundtrips, tenant pools
+    STEP_TEST_SECONDS=120 step last 280 "tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_bad_input_alike.py tests/gpu/test_tenant_pools_gpu.py \
+        tests/gpu/test_daemon.py -k 'roundtrip or stream or bad or pool'"
+    ;;
+  *) echo "usage: $0 first41|pools41|a41|b41|c41|d41|e41"; exit 2 ;;
 esac
