@@ -102,7 +102,7 @@ class StreamSlot:
         at a layout's sequence, an abort or release, raises at any call)."""
         f = counter_page.stream_failure(self.words)
         if f is None or f.seq == self.reported or (
-                not explicit and not f.fatal and f.seq in self.layouts):
+                not explicit and (f.check_only or (not f.fatal and f.seq in self.layouts))):
             return
         self.reported = f.seq
         self.layouts = {n for n in self.layouts if not counter_page.seq_reached(f.seq, n)}

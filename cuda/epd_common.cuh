@@ -29,6 +29,7 @@ typedef unsigned long long u64;
 #define CTRL_COMBINE_FLAG 32   // [R] source s finished its combine pushes
 #define CTRL_COMBINE_ENTRY 40  // [R] source s entered combine (buffer free barrier)
 #define CTRL_NODE_TOKENS 48    // [R] hierarchical notify: source s's tokens with an expert on this node
+#define CTRL_COMBINE_REFUSED 56  // [R] source s's engine refused its part of combine #value
 #define CTRL_MASK 80              // bit r: rank r went away (shrink groups): waits skip it
 #define CTRL_HOST_WORDS 96        // device address of this rank's host words (0: none), below
 #define CTRL_REJOIN_HELLO 98       // rejoin: the replacement's nonce, in each taking-part rank's block

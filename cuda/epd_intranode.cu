@@ -811,6 +811,22 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
 
     if (block_wait_all(my_ctrl, CTRL_COMBINE_FLAG, R, seq, timeout_ns, PHASE_COMBINE_DONE))
         return;
+    // A source whose engine refused its part pushed nothing (epd_combine_refused): this
+    // call's output is left unwritten and the call reported (the group goes on).
+    {
+        __shared__ int s_refused;
+        if (threadIdx.x == 0) s_refused = EPD_MAX_RANKS;
+        __syncthreads();
+        if ((int)threadIdx.x < R && ld_acquire_sys(my_ctrl + CTRL_COMBINE_REFUSED + threadIdx.x) == seq)
+            atomicMin(&s_refused, (int)threadIdx.x);
+        __syncthreads();
+        const int refused = s_refused;
+        if (refused < R) {
+            if (blockIdx.x == 0 && threadIdx.x == 0)
+                report_bad_input(call_err_words(my_ctrl), refused, ERR_REFUSED);
+            return;
+        }
+    }
 
     const char* stage_y = reinterpret_cast<const char*>(my_ctrl) + off_stage_y;
     const float* stage_w = reinterpret_cast<const float*>(
@@ -1040,6 +1056,25 @@ EPD_REDUCE_BY_NAME(F32)
 #endif
 
 // ------------------------------------------------------------------------------------------
+// combine_refused: this rank's part of a stream-ordered combine its engine refused (bad
+// descriptors): it enters the combine (its staging is free: its earlier reduce ran before
+// this kernel on the same stream), says in every peer's block that it refused this sequence,
+// then raises its push flag. Every peer's reduce then reports ERR_REFUSED naming this rank
+// instead of waiting out its deadline for pushes that never come. One block, R threads.
+// ------------------------------------------------------------------------------------------
+extern "C" __global__ void epd_combine_refused(const u64* __restrict__ peers, int R, int rank,
+                                               u64 seq) {
+    const int r = threadIdx.x;
+    if (r >= R) return;
+    peer_signal(peers, R, r, CTRL_COMBINE_ENTRY + rank, seq);
+    peer_signal(peers, R, r, CTRL_COMBINE_REFUSED + rank, seq);
+#ifdef EPD_NVSHMEM
+    if (peer_remote(peers, r)) nvshmem_fence();  // (the verdict lands before the flag)
+#endif
+    peer_signal(peers, R, r, CTRL_COMBINE_FLAG + rank, seq);
+}
+
+// ------------------------------------------------------------------------------------------
 // abort: raise the abort word of every rank of the group (launched on a side stream while the
 // group's own stream may be stuck in a wait).
 // ------------------------------------------------------------------------------------------
@@ -1068,7 +1103,8 @@ extern "C" __global__ void epd_call_done(const u64* __restrict__ peers, int rank
         // abort from the host, which refuses later calls by the latest failure it reads.
         if (!code && !aborted) {
             c = (unsigned)call;
-            who = rank;
+            // (a combine a peer's engine refused: the value is that rank)
+            who = call == ERR_REFUSED ? (int)value : rank;
         } else if (code) {
             c = (unsigned)code | ((unsigned)ctrl[CTRL_ERR_PHASE] << 8);
             who = (int)(i64)ctrl[CTRL_ERR_RANK];

@@ -44,6 +44,9 @@ CTRL_COMBINE_ENTRY = 40
 # [R] hierarchical normal mode (a group over nodes placed node-major): source s's tokens with
 # an expert on this rank's node, posted by its notify (the forwarder's rail rows before it)
 CTRL_NODE_TOKENS = 48
+# [R] source s's engine refused its part of the combine of this sequence (its refused kernel
+# writes it before its push flag; the peers' reduces report ERR_REFUSED naming s)
+CTRL_COMBINE_REFUSED = 56
 CTRL_MASK = 80  # bit r: rank r went away (shrink groups): the kernels' waits skip it
 CTRL_HOST_WORDS = 96  # device address of the rank's host words (mapped host memory; 0: none)
 HOST_WORD_ABORT = 0  # host word: the group's abort code, written by the engine's host

@@ -119,7 +119,14 @@ class StreamFailure:
     @property
     def fatal(self) -> bool:
         """The group cannot go on (a bad input fails that call, not the group)."""
-        return self.code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT)
+        return self.code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT, abi.ERR_REFUSED)
+
+    @property
+    def check_only(self) -> bool:
+        """Raised by Group.check() alone: a combine a peer's engine refused (that peer raised
+        at the call; this rank raising at a later call, before sending it, would leave it one
+        collective behind)."""
+        return self.code == abi.ERR_REFUSED
 
     def error(self, group: str, num_experts: int | None = None) -> EpdError:
         where = f"group {group!r}, call #{self.seq}"
@@ -127,6 +134,11 @@ class StreamFailure:
             bad = _bad_value(self.code, self.rank, self.value, num_experts)
             what = "the entry was skipped" if self.code == abi.ERR_BAD_INPUT else "taken as 0"
             return InvalidArgument(f"{where}: {bad}; {what} and the group goes on")
+        if self.code == abi.ERR_REFUSED:
+            return FailedPrecondition(
+                f"{where}: rank {self.rank}'s engine refused its part of the combine (that "
+                f"rank's caller got the reason); this rank's combined output of that call was "
+                f"not written, and the group goes on")
         if self.code == abi.ERR_DEADLINE:
             phase = abi.PHASE_NAMES.get(self.phase, "a collective")
             return DeadlineExceeded(f"{where}: rank {self.rank} did not arrive at {phase} "

@@ -70,13 +70,17 @@ def test_no_failure_on_a_fresh_slot() -> None:
     (abi.ERR_ABORTED, 0, grpc.StatusCode.ABORTED, ["rank 1 left or failed"]),
     (abi.ERR_WORST_OVERFLOW, 0, grpc.StatusCode.RESOURCE_EXHAUSTED, ["num_worst_tokens"]),
     (counter_page.RELEASED, 0, grpc.StatusCode.UNAVAILABLE, ["went away"]),
+    (abi.ERR_REFUSED, 0, grpc.StatusCode.FAILED_PRECONDITION,
+     ["rank 1's engine refused its part of the combine", "not written", "goes on"]),
 ])
 def test_gpu_failure_becomes_a_precise_error(code: int, phase: int, status, words) -> None:
     slot = _slot()
     _gpu_failure(slot, 9, code, 1, 1000, phase)
     f = counter_page.stream_failure(slot)
     assert f is not None and f.seq == 9 and f.code == code and f.rank == 1
-    assert f.fatal == (code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT))  # only its call
+    # (only its call)
+    assert f.fatal == (code not in (abi.ERR_BAD_INPUT, abi.ERR_BAD_COUNT, abi.ERR_REFUSED))
+    assert f.check_only == (code == abi.ERR_REFUSED)
     err = f.error("moe", 256)
     assert err.code == status
     assert "group 'moe', call #9" in err.message
@@ -693,6 +697,72 @@ def test_a_refused_part_fails_the_peers_dispatch() -> None:
     assert err.message == ("group 'g', dispatch #7: rank 1's engine refused its part of the "
                            "call (that rank's caller got the reason); no rank's dispatch ran "
                            "and the group goes on")
+
+
+def test_a_refused_stream_combine_takes_part() -> None:
+    """A stream-ordered combine the engine refuses (bad descriptors, an unknown handle) still
+    takes part, pushing nothing, so that its peers' reduces fail at once instead of at their
+    deadline; not a synchronous one, nor one refused for a failed group or on a shrink group,
+    nor one whose call was already taken (its launch registered)."""
+    from epd.proto.errors import Aborted, FailedPrecondition, NotFound
+    from epd.server.engine.ops import DataPlane
+
+    refused: list[int] = []
+    member = types.SimpleNamespace(
+        stream_seq=4, rank=1, spec=types.SimpleNamespace(name="g", shrink=False),
+        comm=types.SimpleNamespace(refuse_stream_combine=lambda: refused.append(1) or True,
+                                   known_abort_reason=lambda: None))
+    engine = types.SimpleNamespace(member=lambda s, gid: member)
+    engine._combine_refused = lambda *a: DataPlane._combine_refused(engine, *a)
+
+    def run(req, err, take=False):
+        def combine(*a):
+            if take:
+                member.stream_seq += 1
+            raise err
+        engine._combine = combine
+        with pytest.raises(type(err)):
+            DataPlane.combine_op(engine, None, req, "grpc")
+
+    ordered = epd_pb2.CombineRequest(stream_ordered=True, handle=3)
+    run(ordered, InvalidArgument("combine x has shape [3, 8]"))
+    run(ordered, NotFound("handle 3 is not known"))
+    assert len(refused) == 2
+    run(epd_pb2.CombineRequest(handle=3), InvalidArgument("x"))
+    run(ordered, Aborted("group 'g' is aborted"))
+    run(ordered, InvalidArgument("after the launch"), take=True)
+    member.spec.shrink = True
+    run(ordered, FailedPrecondition("shrink"))
+    member.spec.shrink = False
+    member.comm.known_abort_reason = lambda: "rank 0 left"
+    run(ordered, InvalidArgument("x"))
+    assert len(refused) == 2
+    # A backend that cannot take part (the CPU one, a two-stage group) leaves it at that.
+    member.comm = types.SimpleNamespace(refuse_stream_combine=lambda: False,
+                                        known_abort_reason=lambda: None)
+    run(ordered, InvalidArgument("x"))
+
+
+def test_a_peers_refused_combine_raises_at_check_only(monkeypatch) -> None:
+    """The peers' side of a refused combine: their reduce reported ERR_REFUSED at the
+    combine's sequence (epd_call_done: the refusing rank in FAIL_RANK). Raised by
+    Group.check() alone, once: the refusing rank raised at the call itself, so raising at a
+    later call, before sending it, would leave this rank one collective behind it."""
+    from epd.client import stream_calls
+    from epd.proto.errors import FailedPrecondition
+
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(6, 2)])
+    stream_calls._slot(group)
+    _gpu_failure(group._counter, 5, abi.ERR_REFUSED, 1, 1)
+    stream_calls._slot(group)  # a combine's or layout's look
+    stream_calls.dispatch(group, epd_pb2.DispatchRequest(num_worst_tokens=8,
+                                                         timeout_seconds=5.0),
+                          5.0, object(), True, 0)
+    assert len(sent) == 1  # sent: not raised at the next dispatch either
+    with pytest.raises(FailedPrecondition, match=r"call #5: rank 1's engine refused its part "
+                                                 r"of the combine"):
+        group.check()
+    group.check()  # once
 
 
 def test_alike_failures_map_to_one_error_each() -> None:

@@ -541,6 +541,12 @@ class RankComm(abc.ABC):
         """The launch of a combine into the caller's `out` (and `out_weights`)."""
         raise self._no_stream_ops()
 
+    def refuse_stream_combine(self) -> bool:
+        """Take part in a stream-ordered combine this engine refused: every peer's combine
+        then fails naming this rank (raised at its Group.check()) instead of waiting out its
+        deadline, and the group goes on. False where this group cannot."""
+        return False
+
     def refuse_stream_dispatch(self, deadline: float) -> bool:
         """Take part in a stream-ordered dispatch this engine refused (bad descriptors), so
         that every rank fails it alike at once instead of the peers waiting out their deadline

@@ -884,6 +884,13 @@ class CudaRankComm(RankComm):
             self.runner.refuse_dispatch(self.spec.num_topk, self._timeout_ns(deadline))
         return True
 
+    def refuse_stream_combine(self) -> bool:
+        if self.stages is not None or self.spec.num_ranks > abi.MAX_RANKS:
+            return False  # (its stages' reduces do not read the verdict: not built)
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
+            self.runner.refuse_combine()
+        return True
+
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: CounterSlot, deadline: float, stream_seq: int,
                        num_sms: int) -> Callable[[], None]:

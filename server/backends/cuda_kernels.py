@@ -341,6 +341,7 @@ STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
 COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
 COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqiQ"
+COMBINE_REFUSED_ARGS = "QiiQ"
 
 
 def _trait_for(dtype: Any) -> str:
@@ -361,6 +362,7 @@ class Kernels:
     NAMES = ("epd_layout", "epd_notify", "epd_wide_notify", "epd_dispatch", "epd_combine_push",
              "epd_abort", "epd_stage_errors", "epd_mask_rank", "epd_live_mask", "epd_unmask_rank",
              "epd_ll_dispatch", "epd_ll_combine_push", "epd_stream_done", "epd_call_done",
+             "epd_combine_refused",
              "epd_ll_exec", "epd_ll_exec_fetch", "epd_ll_exec_dispatch", "epd_ll_exec_push",
              "epd_ll_exec_reduce", "epd_ll_exec_reduce_Bf16",
              "epd_ll_exec_reduce_F16", "epd_ll_exec_reduce_F32", "epd_ll_exec_finish",
@@ -544,6 +546,14 @@ class Kernels:
             _addr(handle.token_mask), _addr(handle.pos), _addr(handle.count_matrix),
             _addr(handle.rank_prefix), _addr(peers), o["stage_y"], o["stage_w"], seq,
             timeout_ns, handle.num_nodes, _addr(handle.recv_info))
+
+    def combine_refused(self, peers: Any, num_ranks: int, rank: int, seq: int, *,
+                        stream: Any = None) -> None:
+        """This rank's part of combine `seq`, which its engine refused: it enters the combine
+        and tells every peer so, whose reduce then fails the call naming this rank
+        (ERR_REFUSED) instead of waiting for pushes that never come."""
+        self._packed("epd_combine_refused", COMBINE_REFUSED_ARGS)(
+            1, 32, 0, _handle_of(stream), _addr(peers), num_ranks, rank, seq)
 
     # -- low-latency mode: packed launches (see `Launch`) ------------------------------------
     def ll_dispatch_launch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int,

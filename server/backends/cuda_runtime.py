@@ -197,6 +197,14 @@ class RankRunner:
             self.seq["dispatch"] += 1
             self._refused = (res, idx)  # (they outlive the launch: kept until the next one)
 
+    def refuse_combine(self) -> None:
+        """This rank's part of a combine its engine refused: the combine's sequence, taken by
+        a kernel that tells every peer (their reduces fail the call naming this rank)."""
+        with cp.cuda.Device(self.device_id):
+            self.seq["combine"] += 1
+            self.k.combine_refused(self.peers, self.layout.num_ranks, self.rank,
+                                   self.seq["combine"], stream=self.stream)
+
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
                         num_worst_tokens: int) -> DispatchResult:
         """What a dispatch will fill, before it is launched: a new handle (the layout notify

@@ -497,7 +497,30 @@ class DataPlane:
     def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
                    path: str) -> epd_pb2.CombineResponse:
         member = self.member(session, req.group_id)
-        return self._combine(session, member, req, path)
+        taken = member.stream_seq
+        try:
+            return self._combine(session, member, req, path)
+        except EpdError as e:
+            if (req.stream_ordered and e.code in _CALLER_ERRORS and not member.spec.shrink
+                    and member.stream_seq == taken  # (refused: nothing launched)
+                    and member.comm.known_abort_reason() is None):
+                self._combine_refused(member, e)
+            raise
+
+    def _combine_refused(self, member: GroupMember, err: EpdError) -> None:
+        """A stream-ordered combine this engine refused takes part all the same, pushing
+        nothing: every peer's reduce fails the call naming this rank (raised by its
+        Group.check(): a combine's failure raised at a later call, before it is sent, would
+        leave that rank one collective behind this one, which the refusal raises at once)
+        instead of waiting out its deadline, and the group goes on. Where every rank refuses
+        (the same bad input everywhere) each takes its part and no reduce runs."""
+        try:
+            if member.comm.refuse_stream_combine():
+                log.info("group %r: rank %d's combine refused (%s); it took part as refused",
+                         member.spec.name, member.rank, err.message)
+        except Exception as again:  # (the call's own error is what the caller needs)
+            log.error("group %r: rank %d could not take part in its refused combine: %s",
+                      member.spec.name, member.rank, again)
 
     def _combine(self, session: Session, member: GroupMember, req: epd_pb2.CombineRequest,
                  path: str) -> epd_pb2.CombineResponse:

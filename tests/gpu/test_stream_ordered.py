@@ -5,7 +5,8 @@ layers and shapes, fresh inputs per layer, handles held across layers and combin
 the NumPy reference. Plus: the host does not wait for the GPU in layout/combine, a bad expert id
 on one rank fails that dispatch on every rank alike (a worst-case one at the next dispatch; a
 layout's is the rank's alone, raised by check()), so does a dispatch one rank's engine refuses,
-and the group goes on, and num_sms reaches the kernels."""
+a combine one rank's engine refuses fails at once on the others (raised by their check()), and
+the group goes on, and num_sms reaches the kernels."""
 
 from __future__ import annotations
 
@@ -157,6 +158,20 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             res["refused"], res["refused_msg"] = e.code.name, e.message
         cx, _ = g.combine(after.recv_x, after.handle, topk_weights=after.recv_topk_weights)
         res["after_refusal_cx"] = _bits(cx)
+        # A combine only rank 1's engine refuses (x one row short there): rank 1 gets the
+        # reason at the call, its part is taken pushing nothing, so rank 0's combine ends at
+        # once (not at its deadline) and its check() names rank 1; the group goes on, exact.
+        one = g.dispatch(tx, tidx, tw)
+        short = (one.recv_x[:-1] if one.recv_x.shape[0] else
+                 torch.empty((1, 1024), dtype=one.recv_x.dtype, device=device))
+        t0 = time.perf_counter()
+        res["one_combine"] = outcome(lambda: g.combine(short if rank else one.recv_x,
+                                                       one.handle))
+        res["one_combine_s"] = time.perf_counter() - t0
+        res["one_combine_next"] = outcome(lambda: g.dispatch(tx, tidx, tw))  # (not raised)
+        res["one_combine_check"] = outcome(g.check)
+        cx, _ = g.combine(one.recv_x, one.handle, topk_weights=one.recv_topk_weights)
+        res["after_one_combine_cx"] = _bits(cx)
     q.put(res)
 
 
@@ -222,6 +237,17 @@ def test_stream_ordered_layers(daemon) -> None:
         assert res["refused"] == "INVALID_ARGUMENT", res
         assert "combine x has shape" in res["refused_msg"], res
         np.testing.assert_array_equal(res["after_refusal_cx"], comb[r][0].view(np.uint16))
+        np.testing.assert_array_equal(res["after_one_combine_cx"], comb[r][0].view(np.uint16))
+        assert res["one_combine_next"] == "OK", (r, res["one_combine_next"])
+    # The combine rank 1's engine alone refused: rank 1 the reason at the call, rank 0 a
+    # failure naming rank 1 at check() (its combine and next dispatch returned), at once.
+    assert results[1]["one_combine"].startswith("INVALID_ARGUMENT"), results[1]["one_combine"]
+    assert "combine x has shape" in results[1]["one_combine"], results[1]["one_combine"]
+    assert results[1]["one_combine_check"] == "OK", results[1]["one_combine_check"]
+    assert results[0]["one_combine"] == "OK", results[0]["one_combine"]
+    assert results[0]["one_combine_check"].startswith("FAILED_PRECONDITION"), results[0]
+    assert "rank 1's engine refused its part of the combine" in results[0]["one_combine_check"]
+    assert results[0]["one_combine_s"] < 10, results[0]["one_combine_s"]  # (deadline: 30 s)
 
 
 
