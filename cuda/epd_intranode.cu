@@ -1057,16 +1057,23 @@ EPD_REDUCE_BY_NAME(F32)
 
 // ------------------------------------------------------------------------------------------
 // combine_refused: this rank's part of a stream-ordered combine its engine refused (bad
-// descriptors): it enters the combine (its staging is free: its earlier reduce ran before
-// this kernel on the same stream), says in every peer's block that it refused this sequence,
-// then raises its push flag. Every peer's reduce then reports ERR_REFUSED naming this rank
-// instead of waiting out its deadline for pushes that never come. One block, R threads.
+// descriptors): it passes the combine's entry barrier as a push would (so it never runs ahead
+// of a peer still reducing the previous combine, whose refused word it would overwrite), says
+// in every peer's block that it refused this sequence, then raises its push flag. Every peer's
+// reduce then reports ERR_REFUSED naming this rank instead of waiting out its deadline for
+// pushes that never come. Skipped as the push is: a failed group, or the combine of a dispatch
+// that failed alike (`recv_info`, when the engine knows the handle). One block.
 // ------------------------------------------------------------------------------------------
 extern "C" __global__ void epd_combine_refused(const u64* __restrict__ peers, int R, int rank,
-                                               u64 seq) {
+                                               u64 seq, i64 timeout_ns,
+                                               const int* __restrict__ recv_info) {
+    if (group_failed(ctrl_of(peers, rank)) || (recv_info != nullptr && recv_info[1] != 0))
+        return;
+    if (entry_barrier(peers, R, rank, CTRL_COMBINE_ENTRY, seq, timeout_ns,
+                      PHASE_COMBINE_ENTRY))
+        return;
     const int r = threadIdx.x;
     if (r >= R) return;
-    peer_signal(peers, R, r, CTRL_COMBINE_ENTRY + rank, seq);
     peer_signal(peers, R, r, CTRL_COMBINE_REFUSED + rank, seq);
 #ifdef EPD_NVSHMEM
     if (peer_remote(peers, r)) nvshmem_fence();  // (the verdict lands before the flag)

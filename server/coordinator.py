@@ -28,6 +28,7 @@ from ..proto.errors import (
     Internal,
     InvalidArgument,
     PermissionDenied,
+    Unavailable,
 )
 from ..proto.v1 import epd_pb2
 from . import metrics, service_classes, tenant_pools
@@ -100,12 +101,15 @@ class Coordinator:
         # operator's).
         self.by_name: dict[tuple[Scope, str], GroupInstance] = {}
         self.by_id: dict[str, GroupInstance] = {}
+        self.closing: str | None = None  # the daemon drains: no group forms any more
 
     async def rendezvous(self, req: epd_pb2.RendezvousRequest,
                          node: int = 0) -> epd_pb2.RendezvousResponse:
         """`node`: the node rank of the joining engine (engine_index is local to it)."""
         if req.attached:
             return await self._attached(req, node)
+        if self.closing is not None:
+            raise Unavailable(f"no group forms any more: {self.closing}")
         spec = spec_from_proto(req.spec)
         if not 0 <= req.rank < spec.num_ranks:
             raise InvalidArgument(f"rank {req.rank} is out of range for num_ranks="
@@ -426,6 +430,19 @@ class Coordinator:
                 cls = service_classes.name(g.spec.service_class)
                 out[cls] = out.get(cls, 0) + 1
         return out
+
+    def stop_forming(self, reason: str) -> None:
+        """The daemon drains: a group still forming never will (the engines refuse its other
+        ranks' joins), so the ranks waiting for it fail now with UNAVAILABLE instead of at
+        their deadline, which held the drain that long; later joins are refused alike.
+        Formed groups are left to their members and the drain."""
+        self.closing = reason
+        for g in list(self.by_id.values()):
+            if not g.formed.is_set():
+                g.failure = Unavailable(f"group {g.spec.name!r} cannot form: {reason}")
+                g.aborted = g.failure.message
+                g.formed.set()
+                self._remove(g)
 
     def close(self) -> None:
         for g in list(self.by_id.values()):

@@ -690,6 +690,7 @@ class Supervisor:
             log.info("draining: no new sessions; running collectives get %.0f s",
                      self.cfg.drain_seconds)
         self.stopping = True
+        self.coordinator.stop_forming("the daemon is shutting down (draining)")
         if servers.health is not None:
             await servers.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         if servers.monitor is not None:

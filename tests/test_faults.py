@@ -297,6 +297,45 @@ def test_sigterm_exits_cleanly(ranks):
         d.stop()
 
 
+def test_sigterm_fails_joins_that_can_no_longer_form():
+    """SIGTERM while a rank waits at a group's rendezvous for a peer that can no longer join
+    (the draining engines refuse new calls): its join fails at once with UNAVAILABLE naming
+    the drain, and the daemon exits without waiting for the join's deadline (60 s here; it
+    held the drain until --drain-seconds, then the engine was killed)."""
+    import threading
+
+    from epd.client import EpdError, Session
+
+    d = TestDaemon(engines=1, extra=["--drain-seconds", "30"])
+    try:
+        d.wait_ready(60)
+        out: dict = {}
+
+        def join() -> None:
+            with Session(d.socket(0), client_name="drain-join", timeout=60) as s:
+                try:
+                    s.join("drain-join", rank=0, num_ranks=2, num_experts=4, hidden=16,
+                           max_tokens_per_rank=8, num_topk=2, timeout=60)
+                    out["res"] = "joined"
+                except EpdError as e:
+                    out["res"] = e
+        th = threading.Thread(target=join, daemon=True)
+        th.start()
+        wait_until(lambda: topology(d).throughput_groups + topology(d).latency_groups == 1,
+                   30, "the join at the rendezvous")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        th.join(20)
+        assert not th.is_alive()
+        err = out["res"]
+        assert isinstance(err, EpdError) and err.code == grpc.StatusCode.UNAVAILABLE, err
+        assert "group 'drain-join' cannot form: the daemon is shutting down" in err.message, err
+        assert d.proc.wait(30) == 0, d.log()[-3000:]
+        assert time.monotonic() - t0 < 12, time.monotonic() - t0
+    finally:
+        d.stop()
+
+
 def test_engine_that_hangs_at_stop_is_killed_and_its_sockets_removed():
     """An engine that does not stop (SIGSTOPped: it never sees the SIGTERM) is killed after the
     drain deadline, and the supervisor removes the sockets it could not (gpu0.sock and its

@@ -176,7 +176,7 @@ def test_client_packed_launches_match_their_kernels(module: str, kernel: str,
     ("epd_layout", "LAYOUT_ARGS"), ("epd_notify", "NOTIFY_ARGS"),
     ("epd_wide_notify", "WIDE_NOTIFY_ARGS"), ("epd_stage_errors", "STAGE_ERRORS_ARGS"),
     ("epd_dispatch", "DISPATCH_ARGS"), ("epd_combine_push", "COMBINE_PUSH_ARGS"),
-    ("epd_combine_reduce", "COMBINE_REDUCE_ARGS"),
+    ("epd_combine_reduce", "COMBINE_REDUCE_ARGS"), ("epd_combine_refused", "COMBINE_REFUSED_ARGS"),
 ])
 def test_engine_packed_launches_match_their_kernels(kernel: str, codes: str) -> None:
     """The engine's packed launches (cuda_kernels.Packed) against the kernels they launch."""

@@ -707,12 +707,20 @@ def test_a_refused_stream_combine_takes_part() -> None:
     from epd.proto.errors import Aborted, FailedPrecondition, NotFound
     from epd.server.engine.ops import DataPlane
 
-    refused: list[int] = []
+    refused: list[tuple] = []
     member = types.SimpleNamespace(
         stream_seq=4, rank=1, spec=types.SimpleNamespace(name="g", shrink=False),
-        comm=types.SimpleNamespace(refuse_stream_combine=lambda: refused.append(1) or True,
-                                   known_abort_reason=lambda: None))
-    engine = types.SimpleNamespace(member=lambda s, gid: member)
+        comm=types.SimpleNamespace(
+            refuse_stream_combine=lambda h, d: refused.append((h, d)) or True,
+            known_abort_reason=lambda: None))
+    known = types.SimpleNamespace(backend_handle="backend handle 3")
+
+    def handle(m, handle_id, kind):
+        if handle_id != 3:
+            raise NotFound(f"handle {handle_id} is not known")
+        return known
+    engine = types.SimpleNamespace(member=lambda s, gid: member, _timeout=lambda t: 5.0,
+                                   _handle=handle)
     engine._combine_refused = lambda *a: DataPlane._combine_refused(engine, *a)
 
     def run(req, err, take=False):
@@ -726,8 +734,11 @@ def test_a_refused_stream_combine_takes_part() -> None:
 
     ordered = epd_pb2.CombineRequest(stream_ordered=True, handle=3)
     run(ordered, InvalidArgument("combine x has shape [3, 8]"))
-    run(ordered, NotFound("handle 3 is not known"))
-    assert len(refused) == 2
+    run(epd_pb2.CombineRequest(stream_ordered=True, handle=9), NotFound("handle 9"))
+    # The handle's, where the engine knows it (the kernel skips a failed dispatch's combine);
+    # the call's deadline for its entry barrier.
+    assert [h for h, _ in refused] == ["backend handle 3", None]
+    assert all(d > time.monotonic() for _, d in refused)
     run(epd_pb2.CombineRequest(handle=3), InvalidArgument("x"))
     run(ordered, Aborted("group 'g' is aborted"))
     run(ordered, InvalidArgument("after the launch"), take=True)
@@ -738,7 +749,7 @@ def test_a_refused_stream_combine_takes_part() -> None:
     run(ordered, InvalidArgument("x"))
     assert len(refused) == 2
     # A backend that cannot take part (the CPU one, a two-stage group) leaves it at that.
-    member.comm = types.SimpleNamespace(refuse_stream_combine=lambda: False,
+    member.comm = types.SimpleNamespace(refuse_stream_combine=lambda h, d: False,
                                         known_abort_reason=lambda: None)
     run(ordered, InvalidArgument("x"))
 

@@ -541,10 +541,11 @@ class RankComm(abc.ABC):
         """The launch of a combine into the caller's `out` (and `out_weights`)."""
         raise self._no_stream_ops()
 
-    def refuse_stream_combine(self) -> bool:
+    def refuse_stream_combine(self, handle: Any, deadline: float) -> bool:
         """Take part in a stream-ordered combine this engine refused: every peer's combine
         then fails naming this rank (raised at its Group.check()) instead of waiting out its
-        deadline, and the group goes on. False where this group cannot."""
+        deadline, and the group goes on. `handle`: the backend handle named, when it is
+        known. False where this group cannot."""
         return False
 
     def refuse_stream_dispatch(self, deadline: float) -> bool:

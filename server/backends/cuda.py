@@ -536,6 +536,7 @@ class CudaRankComm(RankComm):
                                     timeout_ns=self._timeout_ns(deadline),
                                     num_sms=self.num_sms)
                 self._finish(self.runner)
+                self._raise_if_refused()
         nbytes = h.num_recv * spec.hidden * spec.x_numpy_dtype.itemsize
         return CombineOutputs(out, out_w, bytes_sent=nbytes, bytes_received=nbytes)
 
@@ -884,12 +885,32 @@ class CudaRankComm(RankComm):
             self.runner.refuse_dispatch(self.spec.num_topk, self._timeout_ns(deadline))
         return True
 
-    def refuse_stream_combine(self) -> bool:
+    @_launches
+    def refuse_stream_combine(self, handle: Any, deadline: float) -> bool:
         if self.stages is not None or self.spec.num_ranks > abi.MAX_RANKS:
             return False  # (its stages' reduces do not read the verdict: not built)
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
-            self.runner.refuse_combine()
+            self.runner.refuse_combine(None if handle is None else handle.result,
+                                       self._timeout_ns(deadline))
         return True
+
+    def _raise_if_refused(self) -> None:
+        """A synchronous combine whose peer's engine refused its stream-ordered part: the
+        reduce wrote nothing and recorded ERR_REFUSED as a call's bad input, which no
+        epd_call_done reports on this path. Raised here, the words cleared (else the rank's
+        next stream-ordered call would report it as its own)."""
+        ctrl = self.runner.views["ctrl"]
+        words = cp.asnumpy(ctrl[:abi.CTRL_CALL_ERR_VALUE + 1])
+        if int(words[abi.CTRL_CALL_ERR]) != abi.ERR_REFUSED:
+            return
+        stream = self.runner.stream
+        for w in (abi.CTRL_CALL_ERR, abi.CTRL_CALL_ERR_VALUE):  # (not the ticket between)
+            cp.cuda.runtime.memsetAsync(ctrl.data.ptr + 8 * w, 0, 8, stream.ptr)
+        stream.synchronize()
+        raise FailedPrecondition(
+            f"group {self.spec.name!r}: rank {int(words[abi.CTRL_CALL_ERR_VALUE])}'s engine "
+            f"refused its part of the combine (that rank's caller got the reason); nothing was "
+            f"combined and the group goes on")
 
     def stream_combine(self, args: CombineArgs, out: Any, out_weights: Any | None,
                        counter_slot: CounterSlot, deadline: float, stream_seq: int,

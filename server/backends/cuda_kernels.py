@@ -341,7 +341,7 @@ STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
 COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
 COMBINE_REDUCE_ARGS = "QqQqQqQqQQqiiiiiQQQQQqqQqiQ"
-COMBINE_REFUSED_ARGS = "QiiQ"
+COMBINE_REFUSED_ARGS = "QiiQqQ"
 
 
 def _trait_for(dtype: Any) -> str:
@@ -548,12 +548,14 @@ class Kernels:
             timeout_ns, handle.num_nodes, _addr(handle.recv_info))
 
     def combine_refused(self, peers: Any, num_ranks: int, rank: int, seq: int, *,
-                        stream: Any = None) -> None:
+                        timeout_ns: int, recv_info: Any = None, stream: Any = None) -> None:
         """This rank's part of combine `seq`, which its engine refused: it enters the combine
         and tells every peer so, whose reduce then fails the call naming this rank
-        (ERR_REFUSED) instead of waiting for pushes that never come."""
+        (ERR_REFUSED) instead of waiting for pushes that never come. `recv_info`: the
+        handle's, when known (the combine of a dispatch that failed alike is skipped)."""
         self._packed("epd_combine_refused", COMBINE_REFUSED_ARGS)(
-            1, 32, 0, _handle_of(stream), _addr(peers), num_ranks, rank, seq)
+            1, 32, 0, _handle_of(stream), _addr(peers), num_ranks, rank, seq, timeout_ns,
+            _addr(recv_info))
 
     # -- low-latency mode: packed launches (see `Launch`) ------------------------------------
     def ll_dispatch_launch(self, x: Any, topk_idx: Any, lay: LowLatencyLayout, rank: int,

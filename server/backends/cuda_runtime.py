@@ -197,13 +197,16 @@ class RankRunner:
             self.seq["dispatch"] += 1
             self._refused = (res, idx)  # (they outlive the launch: kept until the next one)
 
-    def refuse_combine(self) -> None:
+    def refuse_combine(self, res: DispatchResult | None, timeout_ns: int) -> None:
         """This rank's part of a combine its engine refused: the combine's sequence, taken by
-        a kernel that tells every peer (their reduces fail the call naming this rank)."""
+        a kernel that passes its entry barrier and tells every peer (their reduces fail the
+        call naming this rank). `res`: the handle's result, when the engine knows it."""
         with cp.cuda.Device(self.device_id):
             self.seq["combine"] += 1
             self.k.combine_refused(self.peers, self.layout.num_ranks, self.rank,
-                                   self.seq["combine"], stream=self.stream)
+                                   self.seq["combine"], timeout_ns=timeout_ns,
+                                   recv_info=None if res is None else res.handle.recv_info,
+                                   stream=self.stream)
 
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
                         num_worst_tokens: int) -> DispatchResult:

@@ -504,10 +504,11 @@ class DataPlane:
             if (req.stream_ordered and e.code in _CALLER_ERRORS and not member.spec.shrink
                     and member.stream_seq == taken  # (refused: nothing launched)
                     and member.comm.known_abort_reason() is None):
-                self._combine_refused(member, e)
+                self._combine_refused(member, req, e)
             raise
 
-    def _combine_refused(self, member: GroupMember, err: EpdError) -> None:
+    def _combine_refused(self, member: GroupMember, req: epd_pb2.CombineRequest,
+                         err: EpdError) -> None:
         """A stream-ordered combine this engine refused takes part all the same, pushing
         nothing: every peer's reduce fails the call naming this rank (raised by its
         Group.check(): a combine's failure raised at a later call, before it is sent, would
@@ -515,7 +516,18 @@ class DataPlane:
         instead of waiting out its deadline, and the group goes on. Where every rank refuses
         (the same bad input everywhere) each takes its part and no reduce runs."""
         try:
-            if member.comm.refuse_stream_combine():
+            timeout = self._timeout(req.timeout_seconds)
+        except EpdError:
+            timeout = self._timeout(0.0)
+        try:
+            info = self._handle(member, req.handle, NORMAL)
+        except EpdError:
+            info = None  # (a handle this engine does not know: the kernel cannot skip a
+            # combine of a dispatch that failed alike, and waits at its entry barrier)
+        try:
+            if member.comm.refuse_stream_combine(
+                    info.backend_handle if info is not None else None,
+                    time.monotonic() + timeout):
                 log.info("group %r: rank %d's combine refused (%s); it took part as refused",
                          member.spec.name, member.rank, err.message)
         except Exception as again:  # (the call's own error is what the caller needs)

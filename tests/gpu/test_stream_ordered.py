@@ -172,6 +172,18 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
         res["one_combine_check"] = outcome(g.check)
         cx, _ = g.combine(one.recv_x, one.handle, topk_weights=one.recv_topk_weights)
         res["after_one_combine_cx"] = _bits(cx)
+        # Two combines rank 1's engine refuses back to back while rank 0's stream is ~200 ms
+        # behind: each refused part waits at the combine's entry barrier, so the second does
+        # not overwrite the first's verdict before rank 0 reduced it; rank 0's check() after
+        # each of its combines names rank 1.
+        if rank == 0:
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(200e-3 * 1.98e9))
+        for key in ("two_a", "two_b"):
+            res[key] = outcome(lambda: g.combine(short if rank else one.recv_x, one.handle))
+            res[key + "_check"] = outcome(g.check)
+        cx, _ = g.combine(one.recv_x, one.handle, topk_weights=one.recv_topk_weights)
+        res["after_two_cx"] = _bits(cx)
     q.put(res)
 
 
@@ -248,6 +260,13 @@ def test_stream_ordered_layers(daemon) -> None:
     assert results[0]["one_combine_check"].startswith("FAILED_PRECONDITION"), results[0]
     assert "rank 1's engine refused its part of the combine" in results[0]["one_combine_check"]
     assert results[0]["one_combine_s"] < 10, results[0]["one_combine_s"]  # (deadline: 30 s)
+    for key in ("two_a", "two_b"):
+        assert results[1][key].startswith("INVALID_ARGUMENT"), (key, results[1][key])
+        assert results[1][key + "_check"] == "OK", (key, results[1][key + "_check"])
+        assert results[0][key] == "OK", (key, results[0][key])
+        assert "rank 1's engine refused its part of the combine" in results[0][key + "_check"]
+    for r, res in enumerate(results):
+        np.testing.assert_array_equal(res["after_two_cx"], comb[r][0].view(np.uint16))
 
 
 
