@@ -20,6 +20,7 @@ engine goes away the client releases DONE itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -35,6 +36,7 @@ from .tensors import Array
 if TYPE_CHECKING:
     from .group import Group, Handle
 
+log = logging.getLogger("epd.client")
 RING = abi.READY_RING
 _I32, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_)
 # A dispatch's outputs with one row per received token (rank_prefix_matrix is whole).
@@ -70,6 +72,7 @@ class StreamSlot:
         self.layouts: set[int] = set()  # layouts' stream sequences: rank-local calls
         self.unwaited: UnwaitedDispatch | None = None
         self.released = False
+        self.logged = 0  # a check-only failure logged (once) at a call
 
     def begin(self, stream: int, seq: int) -> None:
         """Our stream has produced the call's inputs: let the engine's stream go."""
@@ -101,6 +104,12 @@ class StreamSlot:
         only when `explicit` (Group.check: see the module docstring; a fatal failure written
         at a layout's sequence, an abort or release, raises at any call)."""
         f = counter_page.stream_failure(self.words)
+        if f is not None and f.check_only and not explicit and f.seq not in (self.reported,
+                                                                            self.logged):
+            self.logged = f.seq  # (a serving loop that never calls check() is not left silent;
+            # a log line needs no rank to agree)
+            log.warning("%s (raised by Group.check() / Buffer.check())",
+                        f.error(self.group.spec.name, self.group.spec.num_experts).message)
         if f is None or f.seq == self.reported or (
                 not explicit and (f.check_only or (not f.fatal and f.seq in self.layouts))):
             return

@@ -812,7 +812,7 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
     if (block_wait_all(my_ctrl, CTRL_COMBINE_FLAG, R, seq, timeout_ns, PHASE_COMBINE_DONE))
         return;
     // A source whose engine refused its part pushed nothing (epd_combine_refused): this
-    // call's output is left unwritten and the call reported (the group goes on).
+    // call's output is zeros and the call reported (the group goes on).
     {
         __shared__ int s_refused;
         if (threadIdx.x == 0) s_refused = EPD_MAX_RANKS;
@@ -824,6 +824,14 @@ combine_reduce_body(typename Tr::word* __restrict__ out, i64 out_stride,
         if (refused < R) {
             if (blockIdx.x == 0 && threadIdx.x == 0)
                 report_bad_input(call_err_words(my_ctrl), refused, ERR_REFUSED);
+            // Its output is zeros, not whatever the caller's new tensor held: a caller that
+            // never calls check() combines nothing rather than stale memory.
+            for (int t = gwarp; t < T; t += nwarps) {
+                for (int i = lane; i < H / V; i += 32)
+                    *reinterpret_cast<int4*>(out + (i64)t * out_stride + (i64)i * V) =
+                        make_int4(0, 0, 0, 0);
+                if (out_w != nullptr && lane < K) out_w[(i64)t * K + lane] = 0.f;
+            }
             return;
         }
     }

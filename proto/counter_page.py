@@ -137,8 +137,8 @@ class StreamFailure:
         if self.code == abi.ERR_REFUSED:
             return FailedPrecondition(
                 f"{where}: rank {self.rank}'s engine refused its part of the combine (that "
-                f"rank's caller got the reason); this rank's combined output of that call was "
-                f"not written, and the group goes on")
+                f"rank's caller got the reason); this rank's combined output of that call is "
+                f"zeros, and the group goes on")
         if self.code == abi.ERR_DEADLINE:
             phase = abi.PHASE_NAMES.get(self.phase, "a collective")
             return DeadlineExceeded(f"{where}: rank {self.rank} did not arrive at {phase} "

@@ -71,7 +71,7 @@ def test_no_failure_on_a_fresh_slot() -> None:
     (abi.ERR_WORST_OVERFLOW, 0, grpc.StatusCode.RESOURCE_EXHAUSTED, ["num_worst_tokens"]),
     (counter_page.RELEASED, 0, grpc.StatusCode.UNAVAILABLE, ["went away"]),
     (abi.ERR_REFUSED, 0, grpc.StatusCode.FAILED_PRECONDITION,
-     ["rank 1's engine refused its part of the combine", "not written", "goes on"]),
+     ["rank 1's engine refused its part of the combine", "zeros", "goes on"]),
 ])
 def test_gpu_failure_becomes_a_precise_error(code: int, phase: int, status, words) -> None:
     slot = _slot()
@@ -754,7 +754,7 @@ def test_a_refused_stream_combine_takes_part() -> None:
     run(ordered, InvalidArgument("x"))
 
 
-def test_a_peers_refused_combine_raises_at_check_only(monkeypatch) -> None:
+def test_a_peers_refused_combine_raises_at_check_only(monkeypatch, caplog) -> None:
     """The peers' side of a refused combine: their reduce reported ERR_REFUSED at the
     combine's sequence (epd_call_done: the refusing rank in FAIL_RANK). Raised by
     Group.check() alone, once: the refusing rank raised at the call itself, so raising at a
@@ -765,7 +765,11 @@ def test_a_peers_refused_combine_raises_at_check_only(monkeypatch) -> None:
     group, _, sent, _ = _fake_group(monkeypatch, [_answer(6, 2)])
     stream_calls._slot(group)
     _gpu_failure(group._counter, 5, abi.ERR_REFUSED, 1, 1)
-    stream_calls._slot(group)  # a combine's or layout's look
+    with caplog.at_level("WARNING", logger="epd.client"):
+        stream_calls._slot(group)  # a combine's or layout's look: logged (once), not raised
+        stream_calls._slot(group)
+    logged = [r.getMessage() for r in caplog.records if "refused its part" in r.getMessage()]
+    assert len(logged) == 1 and "raised by Group.check()" in logged[0], logged
     stream_calls.dispatch(group, epd_pb2.DispatchRequest(num_worst_tokens=8,
                                                          timeout_seconds=5.0),
                           5.0, object(), True, 0)

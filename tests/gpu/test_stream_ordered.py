@@ -164,10 +164,15 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
         one = g.dispatch(tx, tidx, tw)
         short = (one.recv_x[:-1] if one.recv_x.shape[0] else
                  torch.empty((1, 1024), dtype=one.recv_x.dtype, device=device))
+        junk = torch.full(tuple(tx.shape), -1.0, dtype=tx.dtype, device=device)
+        del junk  # (its block, -1s, is what the combine's new output tensor likely gets)
         t0 = time.perf_counter()
-        res["one_combine"] = outcome(lambda: g.combine(short if rank else one.recv_x,
-                                                       one.handle))
+        got: list = []
+        res["one_combine"] = outcome(lambda: got.append(g.combine(
+            short if rank else one.recv_x, one.handle)))
         res["one_combine_s"] = time.perf_counter() - t0
+        # (rank 0's output of it: zeros, not what its new tensor held)
+        res["one_combine_zeros"] = bool(got) and not bool(got[0][0].view(torch.int16).any())
         res["one_combine_next"] = outcome(lambda: g.dispatch(tx, tidx, tw))  # (not raised)
         res["one_combine_check"] = outcome(g.check)
         cx, _ = g.combine(one.recv_x, one.handle, topk_weights=one.recv_topk_weights)
@@ -260,6 +265,7 @@ def test_stream_ordered_layers(daemon) -> None:
     assert results[0]["one_combine_check"].startswith("FAILED_PRECONDITION"), results[0]
     assert "rank 1's engine refused its part of the combine" in results[0]["one_combine_check"]
     assert results[0]["one_combine_s"] < 10, results[0]["one_combine_s"]  # (deadline: 30 s)
+    assert results[0]["one_combine_zeros"], "rank 0's refused combine is not zeros"
     for key in ("two_a", "two_b"):
         assert results[1][key].startswith("INVALID_ARGUMENT"), (key, results[1][key])
         assert results[1][key + "_check"] == "OK", (key, results[1][key + "_check"])
