@@ -13,8 +13,8 @@ case "${1:-}" in
   refuse42)
     STEP_TEST_SECONDS=150 step stream 220 "tests/gpu/test_stream_ordered.py \
         tests/gpu/test_bad_input_alike.py tests/gpu/test_worst_case_no_wait.py"
-    STEP_TEST_SECONDS=120 step kernels 120 "tests/gpu/test_intranode.py"
     STEP_TEST_SECONDS=90 step across 120 "tests/gpu/test_nvshmem.py -k 'normal_mode_across and (1 or 2)'"
+    STEP_TEST_SECONDS=120 step kernels 120 "tests/gpu/test_intranode.py"
     STEP_TEST_SECONDS=120 step facade 100 "tests/gpu/test_deep_ep_facade.py \
         tests/gpu/test_daemon.py -k 'roundtrip or stream or combine'"
     ;;
