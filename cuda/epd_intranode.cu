@@ -262,7 +262,8 @@ epd_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, int ran
     // raised or awaited (flags only grow: the next call's wait is for its own sequence).
     if (fail_from != nullptr) {
         const int failed = fail_from[1];
-        if (failed == ERR_BAD_INPUT || failed == ERR_BAD_COUNT || failed == ERR_CAPACITY) {
+        if (failed == ERR_BAD_INPUT || failed == ERR_BAD_COUNT || failed == ERR_CAPACITY ||
+            failed == ERR_REFUSED) {
             if (tid == 0) {
                 recv_info[0] = -1; recv_info[1] = failed; recv_info[2] = fail_from[2];
             }
@@ -428,7 +429,8 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
                 int max_tokens, i64* counter_slot, u64 counter_seq,
                 int* __restrict__ recv_info,      // [4 + L], as notify's
                 int* __restrict__ count_matrix,   // [R, R]: tokens s -> d
-                int* __restrict__ rank_prefix) {  // [R, R]: rows from sources <= s on d
+                int* __restrict__ rank_prefix,    // [R, R]: rows from sources <= s on d
+                int refused) {  // ERR_REFUSED: this rank's part was refused (T = 0), as notify's
     extern __shared__ int s_expert[];  // [E]
     __shared__ int s_rank[LL_MAX_RANKS];
     __shared__ u64 s_bad[2];  // this source's bad input (code, value): the payload carries it
@@ -436,7 +438,7 @@ epd_wide_notify(const i64* __restrict__ topk_idx, int T, int K, int E, int R, in
     u64* my_ctrl = ctrl_of(peers, rank);
     for (int i = tid; i < E; i += blockDim.x) s_expert[i] = 0;
     if (tid < LL_MAX_RANKS) s_rank[tid] = 0;
-    if (tid < 2) s_bad[tid] = 0;
+    if (tid < 2) s_bad[tid] = tid == 0 ? (u64)refused : 0;  // (a report cannot claim it then)
     __syncthreads();
     for (int t = tid; t < T; t += blockDim.x) {
         u64 mask = token_ranks(topk_idx, t, K, E, L, s_expert, BadInput{&s_bad[0], &s_bad[1]});

@@ -878,11 +878,18 @@ class CudaRankComm(RankComm):
             self._stream_end(counter_slot, stream_seq)
 
     @_launches
+    @_launches
     def refuse_stream_dispatch(self, deadline: float) -> bool:
-        if self.stages is not None or self.spec.num_ranks > abi.MAX_RANKS:
-            return False  # (no whole-group notify of its own: not built for two stages)
+        spec = self.spec
+        if self.stages is None and spec.num_ranks > abi.MAX_RANKS:
+            return False  # (no normal mode there: every rank's call is refused alike)
         with self.backend.enqueue, cp.cuda.Device(self.backend.device):
-            self.runner.refuse_dispatch(self.spec.num_topk, self._timeout_ns(deadline))
+            if self.stages is not None:  # (the whole group's notify, then both stages)
+                self.stages.launch(self.stages.refused_dispatch(
+                    spec.num_topk, spec.hidden, spec.x_numpy_dtype.itemsize, ck.ERR_REFUSED,
+                    self._timeout_ns(deadline)))
+            else:
+                self.runner.refuse_dispatch(spec.num_topk, self._timeout_ns(deadline))
         return True
 
     @_launches

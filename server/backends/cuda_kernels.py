@@ -336,7 +336,7 @@ class Packed:
 # q i64, i int. tests/test_kernel_layouts.py checks them against the kernels' signatures.
 LAYOUT_ARGS = kernel_sources.LAYOUT_ARGS
 NOTIFY_ARGS = "QiiiiiQQqiiQQQQQQQQQQQQiQQiiQi"
-WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQ"
+WIDE_NOTIFY_ARGS = "QiiiiiQQqiiQQQQQi"
 STAGE_ERRORS_ARGS = "QiQQi"
 DISPATCH_ARGS = "QqqQqqQQiiiiiQQQQQqqqqqqiiiiQqqQiQQ"
 COMBINE_PUSH_ARGS = "QqqQqiiiQQQQqqiQqqi"
@@ -475,20 +475,21 @@ class Kernels:
     def wide_notify(self, topk_idx: Any, num_experts: int, num_ranks: int, rank: int,
                     peers: Any, seq: int, handle: DispatchHandle, *, timeout_ns: int,
                     alignment: int = 1, counter_slot_ptr: int = 0, stream: Any = None,
-                    counter_seq: int | None = None, max_tokens: int = 1 << 30) -> None:
+                    counter_seq: int | None = None, max_tokens: int = 1 << 30,
+                    refused: int = 0) -> None:
         """The whole-group notify of a two-stage group of more than MAX_RANKS ranks (a
         notify-only slot; cuda/epd_intranode.cu, epd_wide_notify): `handle`'s recv_info,
         count and prefix matrices and the counter slot as `notify` writes them, no positions
         (the stages have their own); a source's bad expert id fails the call on every rank
-        alike, as notify's `bad_alike`. Top-k ids only (a two-stage group refuses routing
-        without them)."""
+        alike, as notify's `bad_alike`, and so does `refused` (notify's). Top-k ids only (a
+        two-stage group refuses routing without them)."""
         t, k = topk_idx.shape
         self._packed("epd_wide_notify", WIDE_NOTIFY_ARGS)(
             1, NOTIFY_THREADS, 4 * num_experts, _handle_of(stream),
             _addr(topk_idx), t, k, num_experts, num_ranks, rank, _addr(peers), seq,
             timeout_ns, alignment, max_tokens, counter_slot_ptr,
             seq if counter_seq is None else counter_seq, _addr(handle.recv_info),
-            _addr(handle.count_matrix), _addr(handle.rank_prefix))
+            _addr(handle.count_matrix), _addr(handle.rank_prefix), refused)
 
     # -- dispatch --------------------------------------------------------------------------
     def dispatch(self, x: Any, x_scales: Any | None, topk_idx: Any | None,

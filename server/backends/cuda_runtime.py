@@ -175,7 +175,7 @@ class RankRunner:
                                    result.handle, timeout_ns=timeout_ns, alignment=alignment,
                                    counter_slot_ptr=counter_slot_ptr, stream=self.stream,
                                    counter_seq=counter_seq,
-                                   max_tokens=lay.max_recv // lay.num_ranks)
+                                   max_tokens=lay.max_recv // lay.num_ranks, refused=refused)
                 return
             self.k.notify(topk_idx, lay.num_ranks * lay.num_local_experts, lay.num_ranks,
                           self.rank, self.peers, self.seq["notify"], result.handle,

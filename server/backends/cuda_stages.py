@@ -101,12 +101,13 @@ class StagedRunner:
                  topk_weights: Any | None, *, alignment: int = 1, num_worst_tokens: int = 0,
                  cached: StagedResult | None = None, counter_slot_ptr: int = 0,
                  counter_seq: int | None = None, timeout_ns: int, num_sms: int,
-                 result: StagedResult | None = None) -> Steps[StagedResult]:
+                 result: StagedResult | None = None, refused: int = 0) -> Steps[StagedResult]:
         """Notify (new dispatches), rail stage, node stage, in stream order; then yields the
         three runners (notify's first: the driver reads the published counts while the stages
         run). A cached dispatch reuses both stages' handles (no notify). `result`: the one
         `dispatch_result` made for this call (else made here). Everything is launched by the
-        first step, so a stream-ordered call takes that step alone."""
+        first step, so a stream-ordered call takes that step alone. `refused`: the whole
+        group's notify carries it as this rank's verdict (`refused_dispatch`)."""
         import cupy as cp
 
         if result is None:
@@ -118,7 +119,7 @@ class StagedRunner:
         if cached is None:
             self.flat.notify(topk_idx, flat, alignment=alignment,
                              counter_slot_ptr=counter_slot_ptr, counter_seq=counter_seq,
-                             timeout_ns=timeout_ns, bad_alike=True)
+                             timeout_ns=timeout_ns, bad_alike=True, refused=refused)
             failed = flat.handle.recv_info
             # The padding rows a forwarder did not receive: ids -1 (the node stage sends such
             # a row nowhere).
@@ -166,6 +167,21 @@ class StagedRunner:
                           timeout_ns=timeout_ns, num_sms=num_sms)
         yield self.node  # (one stream: both are done; each runner's error is checked)
         yield self.rail
+
+    def refused_dispatch(self, num_topk: int, hidden: int, itemsize: int, refused: int,
+                         timeout_ns: int) -> Steps[StagedResult]:
+        """This rank's part of a dispatch its engine refused: the whole group's notify of no
+        tokens with the verdict `refused` (ERR_REFUSED: every rank fails the call alike) and
+        both stages, which skip it alike (their notifies read that status), so that every
+        stage's sequences stay every rank's. The empty inputs are kept until the next one."""
+        import cupy as cp
+
+        x = cp.empty((0, hidden), {1: cp.uint8, 2: cp.uint16, 4: cp.float32}[itemsize])
+        idx = cp.empty((0, num_topk), cp.int64)
+        w = cp.empty((0, num_topk), cp.float32)
+        self._refused = (x, idx, w)
+        return self.dispatch(x, None, idx, w, timeout_ns=timeout_ns, num_sms=1,
+                             refused=refused)
 
     def outputs(self, res: StagedResult) -> dict[str, Any]:
         """As `RankRunner.outputs` (host reads; after the node stage): the node stage's rows

@@ -44,7 +44,7 @@ class StageGroup:
         from epd.server.backends.cuda_remote import remote_kernels_for_device
 
         r = npes * per_pe
-        self.num_ranks, self.hidden = r, hidden
+        self.num_ranks, self.hidden, self.num_topk = r, hidden, num_topk
         spec = GroupSpec("two-stage", r, num_experts, hidden, max_tokens, num_topk,
                          dtypes.from_numpy(BFLOAT16))
         h = Hierarchy(npes, per_pe)
@@ -128,7 +128,9 @@ class StageGroup:
 
 
 def _dispatch(group: StageGroup, inp: dict, *, alignment: int, worst: int, cached=None,
-              num_sms: int) -> dict[int, Any]:
+              num_sms: int, refused_by: int = -1) -> dict[int, Any]:
+    """Every rank's staged dispatch in lock-step; rank `refused_by` takes its part as one its
+    engine refused (StagedRunner.refused_dispatch: no tokens, the verdict ERR_REFUSED)."""
     import cupy as cp
     from common import TIMEOUT_NS, raw
 
@@ -140,9 +142,14 @@ def _dispatch(group: StageGroup, inp: dict, *, alignment: int, worst: int, cache
                       None if cached else cp.asarray(inp["idx"][g]),
                       None if cached else cp.asarray(inp["w"][g]))
     group.barrier()
-    res = group.lockstep({g: st.dispatch(*dev[g], alignment=alignment, num_worst_tokens=worst,
-                                         cached=None if cached is None else cached[g],
-                                         timeout_ns=TIMEOUT_NS, num_sms=num_sms)
+    from epd.proto import abi
+
+    res = group.lockstep({g: st.refused_dispatch(group.num_topk, group.hidden, 2,
+                                                 abi.ERR_REFUSED, TIMEOUT_NS)
+                          if g == refused_by else
+                          st.dispatch(*dev[g], alignment=alignment, num_worst_tokens=worst,
+                                      cached=None if cached is None else cached[g],
+                                      timeout_ns=TIMEOUT_NS, num_sms=num_sms)
                           for g, st in group.staged.items()})
     group._keep = dev  # (the inputs outlive the launches)
     return res
@@ -246,7 +253,8 @@ def failed_alike(group: StageGroup, rng: np.random.Generator, e: int, k: int, h:
     rank and the id in the counter slot). Every rank's both stages skip the call alike (their
     recv_info says the whole group's status: nothing forwarded, nothing received), no error
     word is set anywhere (the lock-step driver asserts it) and no flag is waited for; the
-    group goes on, exact."""
+    group goes on, exact. Then the last rank's part taken as refused by its engine
+    (ERR_REFUSED naming it; forty-second session): the same on every rank."""
     import cupy as cp
     from common import make_inputs
 
@@ -255,15 +263,18 @@ def failed_alike(group: StageGroup, rng: np.random.Generator, e: int, k: int, h:
     r = group.num_ranks
     tokens = [m] * r
     bad_id = e + 1000
-    for code, case in ((abi.ERR_CAPACITY, "capacity"), (abi.ERR_BAD_INPUT, "bad id")):
+    for code, case in ((abi.ERR_CAPACITY, "capacity"), (abi.ERR_BAD_INPUT, "bad id"),
+                       (abi.ERR_REFUSED, "refused")):
         roundtrip(group, rng, tokens, e, k, h, npes=npes, num_sms=num_sms)  # (buffers filled)
         if code == abi.ERR_CAPACITY:
             inp = make_inputs(rng, [m + 1, *tokens[1:]], e, k, h)
         else:
             inp = make_inputs(rng, tokens, e, k, h)
+        if code == abi.ERR_BAD_INPUT:
             inp["idx"][r - 1] = inp["idx"][r - 1].copy()
             inp["idx"][r - 1][0, 0] = bad_id
-        res = _dispatch(group, inp, alignment=1, worst=0, num_sms=num_sms)
+        res = _dispatch(group, inp, alignment=1, worst=0, num_sms=num_sms,
+                        refused_by=r - 1 if code == abi.ERR_REFUSED else -1)
         for g in group.staged:
             for stage in ("flat", "rail", "node"):
                 info = cp.asnumpy(getattr(res[g], stage).handle.recv_info)
