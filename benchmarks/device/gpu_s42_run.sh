@@ -20,13 +20,11 @@ case "${1:-}" in
     ;;
   stages42)  # a two-stage group's dispatch one rank's engine refuses takes part (the whole
     # group's notify with the verdict, epd_wide_notify's new argument beyond 8 ranks; both
-    # stages skip it): the two-stage suite across logical nodes (2, 4 and 16 ranks), the
-    # flat one, the kernel tests (notify's skip list), the stream-ordered suite
-    STEP_TEST_SECONDS=150 step stages 260 "tests/gpu/test_nvshmem.py -k 'normal_mode_across \
+    # stages skip it): the two-stage suite across logical nodes (2, 4 and 16 ranks) and the
+    # flat one; the 16-rank group through the daemons and the facade (a refused dispatch)
+    STEP_TEST_SECONDS=150 step stages 240 "tests/gpu/test_nvshmem.py -k 'normal_mode_across \
         and (1 or 2 or 8)'"
-    STEP_TEST_SECONDS=120 step kernels2 120 "tests/gpu/test_intranode.py"
-    STEP_TEST_SECONDS=150 step stream2 170 "tests/gpu/test_stream_ordered.py \
-        tests/gpu/test_bad_input_alike.py"
+    STEP_TEST_SECONDS=200 step cluster16 220 "tests/gpu/test_cuda_cluster.py -k sixteen"
     ;;
   *) echo "usage: $0 refuse42|stages42"; exit 2 ;;
 esac

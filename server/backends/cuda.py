@@ -878,7 +878,6 @@ class CudaRankComm(RankComm):
             self._stream_end(counter_slot, stream_seq)
 
     @_launches
-    @_launches
     def refuse_stream_dispatch(self, deadline: float) -> bool:
         spec = self.spec
         if self.stages is None and spec.num_ranks > abi.MAX_RANKS:

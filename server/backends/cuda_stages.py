@@ -173,15 +173,17 @@ class StagedRunner:
         """This rank's part of a dispatch its engine refused: the whole group's notify of no
         tokens with the verdict `refused` (ERR_REFUSED: every rank fails the call alike) and
         both stages, which skip it alike (their notifies read that status), so that every
-        stage's sequences stay every rank's. The empty inputs are kept until the next one."""
+        stage's sequences stay every rank's. Its inputs and handles are kept until the next
+        one (the kernels read them after this returns)."""
         import cupy as cp
 
         x = cp.empty((0, hidden), {1: cp.uint8, 2: cp.uint16, 4: cp.float32}[itemsize])
         idx = cp.empty((0, num_topk), cp.int64)
         w = cp.empty((0, num_topk), cp.float32)
-        self._refused = (x, idx, w)
+        result = self.dispatch_result(0, None, 0)
+        self._refused = (x, idx, w, result)
         return self.dispatch(x, None, idx, w, timeout_ns=timeout_ns, num_sms=1,
-                             refused=refused)
+                             result=result, refused=refused)
 
     def outputs(self, res: StagedResult) -> dict[str, Any]:
         """As `RankRunner.outputs` (host reads; after the node stage): the node stage's rows

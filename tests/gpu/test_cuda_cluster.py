@@ -315,6 +315,7 @@ def test_low_latency_group_across_two_logical_nodes(tmp_path) -> None:
 
 # Normal mode beyond MAX_RANKS: 2 logical nodes x 8 ranks in two stages (epd_wide_notify).
 W, WE, WK, WH, WT = 16, 64, 4, 2048, 64
+WREFUSER = 13  # its engine refuses one dispatch (float16 weights): node 1, local index 5
 WTOKENS = tuple((64, 37, 0, 51, 64, 9, 22, 40)[r % 8] for r in range(W))
 
 
@@ -346,6 +347,24 @@ def _wide_rank(rank: int, socket_path: str, device: int, group: str, q) -> None:
             "recv_w": recv_w.cpu().numpy(), "prefix": handle[0].cpu().numpy(),
             "combined": _bits(combined), "combined_w": combined_w.cpu().numpy(),
             "again": _bits(again)})
+    # A dispatch WREFUSER's engine refuses takes part all the same (the whole group's notify
+    # with the verdict, both stages skip it): that rank gets the reason, every other one a
+    # failure naming it, at once (not at the 60 s deadline); the group goes on, exact.
+    import time
+
+    from epd.client import EpdError
+    x, idx, w = (_to_torch(a, device) for a in _wide_inputs(0, rank))
+    t0 = time.perf_counter()
+    try:
+        _layout_dispatch(buf, x, idx, w.half() if rank == WREFUSER else w, WE)
+        res["refused"] = "OK"
+    except EpdError as e:
+        res["refused"] = f"{e.code.name}: {e.details}"
+    res["refused_s"] = time.perf_counter() - t0
+    _, (recv_x, _, recv_w, _, handle, _) = _layout_dispatch(buf, x, idx, w, WE)
+    combined, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    torch.cuda.synchronize()
+    res["after_refusal"] = _bits(combined)
     buf.destroy()
     q.put(res)
 
@@ -380,6 +399,15 @@ def _check_wide(results: list[dict]) -> None:
                                           comb[r][1].view(np.uint32), what)
             np.testing.assert_array_equal(got["again"],
                                           again.received(r).recv_x.view(np.uint16), what)
+    for r, res in enumerate(results):
+        if r == WREFUSER:
+            assert res["refused"].startswith("INVALID_ARGUMENT"), res["refused"]
+            assert "topk_weights" in res["refused"], res["refused"]
+        else:
+            assert res["refused"].startswith("FAILED_PRECONDITION"), (r, res["refused"])
+            assert f"rank {WREFUSER}'s engine refused its part" in res["refused"], r
+        assert res["refused_s"] < 30, (r, res["refused_s"])
+        np.testing.assert_array_equal(res["after_refusal"], results[r]["steps"][0]["combined"])
 
 
 def test_sixteen_rank_normal_mode_in_two_stages_across_two_logical_nodes(tmp_path) -> None:
@@ -388,9 +416,10 @@ def test_sixteen_rank_normal_mode_in_two_stages_across_two_logical_nodes(tmp_pat
     --cuda-hierarchical auto decides for it: layout with
     num_tokens_per_rdma_rank, dispatch, combine, cached dispatch, twice, every output exact
     against reference.hierarchical_dispatch / hierarchical_combine and the rank prefix
-    matrix's column. On one GPU the data kernels get 4 blocks a rank (--num-sms), so that all
-    of a stage's ranks stay resident while they wait for each other, and the clients take
-    two hardware queues each (the MPS pool is shared)."""
+    matrix's column; then a dispatch one rank's engine refuses fails on every rank at once,
+    and the next layer is exact. On one GPU the data kernels get 4 blocks a rank
+    (--num-sms), so that all of a stage's ranks stay resident while they wait for each other,
+    and the clients take two hardware queues each (the MPS pool is shared)."""
     with _logical_nodes() as (nodes, clients):
         for r in (0, 1):
             nodes.start(r, ("--cuda-hierarchical", "auto", "--num-sms", "4"))  # (the default)
