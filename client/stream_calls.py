@@ -72,7 +72,8 @@ class StreamSlot:
         self.layouts: set[int] = set()  # layouts' stream sequences: rank-local calls
         self.unwaited: UnwaitedDispatch | None = None
         self.released = False
-        self.logged = 0  # a check-only failure logged (once) at a call
+        self.logged = 0  # the latest check-only failure seen (logged once, at a call)
+        self.held: counter_page.StreamFailure | None = None  # and kept for check()
 
     def begin(self, stream: int, seq: int) -> None:
         """Our stream has produced the call's inputs: let the engine's stream go."""
@@ -104,18 +105,25 @@ class StreamSlot:
         only when `explicit` (Group.check: see the module docstring; a fatal failure written
         at a layout's sequence, an abort or release, raises at any call)."""
         f = counter_page.stream_failure(self.words)
-        if f is not None and f.check_only and not explicit and f.seq not in (self.reported,
-                                                                            self.logged):
-            self.logged = f.seq  # (a serving loop that never calls check() is not left silent;
-            # a log line needs no rank to agree)
-            log.warning("%s (raised by Group.check() / Buffer.check())",
-                        f.error(self.group.spec.name, self.group.spec.num_experts).message)
+        spec = self.group.spec
+        if f is not None and f.check_only and f.seq not in (self.reported, self.logged):
+            # Kept for check() (the slot holds only the latest failure, which a later call's
+            # may replace) and, seen at a call, logged: a serving loop that never calls
+            # check() is not left silent (a log line needs no rank to agree).
+            self.logged, self.held = f.seq, f
+            if not explicit:
+                log.warning("%s (raised by Group.check() / Buffer.check())",
+                            f.error(spec.name, spec.num_experts).message)
+        if explicit and self.held is not None and (f is None or self.held.seq != f.seq):
+            held, self.held = self.held, None  # (replaced in the slot since: raised first)
+            raise held.error(spec.name, spec.num_experts)
         if f is None or f.seq == self.reported or (
                 not explicit and (f.check_only or (not f.fatal and f.seq in self.layouts))):
             return
         self.reported = f.seq
+        if self.held is not None and self.held.seq == f.seq:
+            self.held = None
         self.layouts = {n for n in self.layouts if not counter_page.seq_reached(f.seq, n)}
-        spec = self.group.spec
         raise f.error(spec.name, spec.num_experts)
 
     def drop_layout_failure(self) -> None:

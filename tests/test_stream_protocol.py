@@ -778,6 +778,17 @@ def test_a_peers_refused_combine_raises_at_check_only(monkeypatch, caplog) -> No
                                                  r"of the combine"):
         group.check()
     group.check()  # once
+    # Seen at a call, it is kept for check() though a later call's failure replaced it in the
+    # slot (which holds only the latest); that one raises at the check after.
+    _gpu_failure(group._counter, 7, abi.ERR_REFUSED, 0, 0)
+    stream_calls._slot(group)
+    _gpu_failure(group._counter, 8, abi.ERR_BAD_INPUT, 1, 99)
+    group._stream_slot.layouts.add(8)  # (a layout's bad id: check() only too)
+    with pytest.raises(FailedPrecondition, match=r"call #7: rank 0's engine refused"):
+        group.check()
+    with pytest.raises(InvalidArgument, match=r"call #8: rank 1 passed expert id 99"):
+        group.check()
+    group.check()
 
 
 def test_alike_failures_map_to_one_error_each() -> None:
