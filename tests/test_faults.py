@@ -334,6 +334,7 @@ def test_sigterm_fails_joins_that_can_no_longer_form():
         assert time.monotonic() - t0 < 12, time.monotonic() - t0
     finally:
         d.stop()
+        shutil.rmtree(d.shm_dir, ignore_errors=True)
 
 
 def test_engine_that_hangs_at_stop_is_killed_and_its_sockets_removed():
