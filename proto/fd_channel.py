@@ -100,9 +100,11 @@ def filesystem_type(fd: int) -> int | None:
     return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "memory") -> None:
-    """Refuse a descriptor that is not a sealed shared-memory object of at least `size` bytes
-    (InvalidArgument naming the missing seal or the size)."""
+def check_shared_memory(fd: int, what: str = "memory") -> os.stat_result:
+    """Refuse a descriptor that is not a regular file of plain shared memory (a memfd made
+    without MFD_HUGETLB): InvalidArgument. Its stat. Such a descriptor's close never waits,
+    which a socket's (SO_LINGER with unsent data) or a FUSE file's may: the engine screens a
+    received descriptor so on the connection's own thread, before its event loop touches it."""
     st = os.fstat(fd)
     if not (st.st_mode & 0o170000) == 0o100000:
         raise InvalidArgument(f"{what}: the descriptor is not a memfd")
@@ -114,6 +116,13 @@ def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "mem
         raise InvalidArgument(f"{what}: the memfd is not plain shared memory (filesystem "
                               f"{kind:#x}; a huge-page memfd, MFD_HUGETLB, can lose its pages "
                               f"under the engine): create it without MFD_HUGETLB")
+    return st
+
+
+def check_sealed(fd: int, size: int, seals: int = CLIENT_SEALS, what: str = "memory") -> None:
+    """Refuse a descriptor that is not a sealed shared-memory object of at least `size` bytes
+    (InvalidArgument naming the missing seal or the size)."""
+    st = check_shared_memory(fd, what)
     have = seals_of(fd)
     missing = seals & ~have
     if missing:

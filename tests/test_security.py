@@ -595,3 +595,71 @@ def test_an_interrupted_channel_request_never_answers_the_next(daemon, monkeypat
         want = ref.dispatch([inp["x"]], [inp["topk_idx"]], [inp["topk_weights"]],
                             c.num_experts)[0]
         np.testing.assert_array_equal(np.asarray(out.recv_x), want.recv_x)
+
+
+def test_a_lingering_socket_sent_as_a_region_stops_no_other_session(daemon) -> None:
+    """A client sends, as a register_memfd's memfd, the last reference to a TCP socket with
+    SO_LINGER and unsent data its peer never reads, whose close waits out the linger time.
+    The engine refuses it (INVALID_ARGUMENT: not a memfd) and closes it on that connection's
+    own thread: another session's calls meanwhile are answered at once (before, its event
+    loop made that close, and every session of the engine waited; a fuzzer found it). A
+    descriptor with any other request is refused the same way."""
+    import socket
+    import struct
+    import threading
+    import time
+
+    linger = 4
+    with Session(daemon.socket(0), client_name="attacker", timeout=30) as s, \
+            Session(daemon.socket(0), client_name="bystander", timeout=30) as other, \
+            socket.socket() as lst:
+        lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        c = socket.create_connection(lst.getsockname())
+        peer, _ = lst.accept()  # (never reads)
+        with peer:
+            c.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    c.send(b"x" * 65536)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
+            got: dict = {}
+            ch = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ch.settimeout(30)
+            ch.connect(fdc.socket_path_for(daemon.socket(0)))
+
+            def attack() -> None:
+                fdc.send(ch, epd_pb2.FdRequest(
+                    session_id=s.session_id, session_token=s._channel.token,
+                    register_memfd=epd_pb2.RegisterMemfd(size_bytes=4096)), c.fileno())
+                c.close()  # (the engine holds the last reference now)
+                got["resp"] = fdc.recv(ch, epd_pb2.FdResponse)
+            th = threading.Thread(target=attack)
+            th.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            for i in range(3):
+                other.stats()
+                solo_round(other, f"lingering-bystander-{i}")
+            assert time.monotonic() - t0 < linger - 1, time.monotonic() - t0
+            th.join(30)
+            ch.close()
+        resp, fd = got["resp"]
+        assert fd is None and resp.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp
+        assert "not a memfd" in resp.message, resp.message
+        # A descriptor with a fetch: refused as well, nothing fetched.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as ch2:
+            ch2.settimeout(10)
+            ch2.connect(fdc.socket_path_for(daemon.socket(0)))
+            mfd = os.memfd_create("epd-test-fetch", os.MFD_CLOEXEC)
+            try:
+                fdc.send(ch2, epd_pb2.FdRequest(
+                    session_id=s.session_id, session_token=s._channel.token,
+                    fetch=epd_pb2.FetchFd(name=fdc.COUNTERS)), mfd)
+            finally:
+                os.close(mfd)
+            resp, fd = fdc.recv(ch2, epd_pb2.FdResponse)
+            assert fd is None and resp.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], resp
+        assert s.stats().regions == 0
+        solo_round(s, "lingering-attacker-after")

@@ -234,6 +234,8 @@ class FdServer:
                         elif req.session_id and req.session_id != session.session_id:
                             raise PermissionDenied("this descriptor channel belongs to another "
                                                    "session")
+                        if fd is not None:
+                            _screen(which, fd)  # (refused: closed below, on this thread)
                         given, fd = fd, None  # handed over: the handler closes it, always
                         resp, out_fd = self._call(self._handle, session, req, given)
                 except EpdError as e:
@@ -333,6 +335,18 @@ class FdServer:
         if fd is not None:
             os.close(fd)
         raise InvalidArgument("an FdRequest needs fetch or register_memfd")
+
+
+def _screen(which: str | None, fd: int) -> None:
+    """A descriptor a request carries goes to the event loop only if closing it there cannot
+    wait: a register_memfd's memfd (plain shared memory). Anything else is refused here and
+    closed by this connection's thread, whose close may wait (before, the loop closed it: a
+    TCP socket sent with SO_LINGER and unsent data stopped every session of the engine for
+    the linger time, and past --engine-hung-seconds the supervisor killed it; a fuzzer)."""
+    if which != "register_memfd":
+        raise InvalidArgument(f"an FdRequest carries a descriptor only with register_memfd "
+                              f"(this one: {which or 'no op'})")
+    fdc.check_shared_memory(fd, "region")
 
 
 def _still_open(conn: socket.socket) -> bool:
