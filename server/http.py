@@ -7,6 +7,7 @@ a thread so a slow scrape never touches the event loop. The address family is th
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable
@@ -23,6 +24,10 @@ from . import metrics
 # unit's task limit to keep the engines from starting threads for new sessions.
 MAX_CONNECTIONS = 32
 IDLE_SECONDS = 10.0
+# And how long one may take in all: a read timeout alone let a client that sends a byte every
+# few seconds hold its slot, and forty such held /healthz shut (a fuzzer). Past this the
+# connection is shut down, whatever it is doing.
+REQUEST_SECONDS = 5.0
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -43,10 +48,20 @@ class _Server(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        cut = threading.Timer(REQUEST_SECONDS, _shut, (request,))
+        cut.daemon = True
+        cut.start()
         try:
             super().process_request_thread(request, client_address)
         finally:
+            cut.cancel()
             self._slots.release()
+
+
+def _shut(request: socket.socket) -> None:
+    """End a connection past REQUEST_SECONDS: its thread's read or write fails and it ends."""
+    with contextlib.suppress(OSError):  # (closed meanwhile)
+        request.shutdown(socket.SHUT_RDWR)
 
 
 class _Server6(_Server):

@@ -182,6 +182,36 @@ def test_idle_connections_hold_no_threads_for_long(metrics_dir, monkeypatch):
         _stop(server)
 
 
+def test_a_slow_connection_holds_its_slot_a_bounded_time(metrics_dir, monkeypatch):
+    """A client that sends a byte every little while never meets the read timeout, yet its
+    connection ends REQUEST_SECONDS after it came, and its slot with it (a fuzzer held
+    /healthz shut with forty such connections)."""
+    monkeypatch.setattr(http, "MAX_CONNECTIONS", 2)
+    monkeypatch.setattr(http, "REQUEST_SECONDS", 1.0)
+    monkeypatch.setattr(http._QuietHandler, "timeout", 0.5)
+    server = http.start("127.0.0.1", 0, lambda: (True, "ready"))
+    slow = []
+    try:
+        for _ in range(2):
+            slow.append(socket.create_connection(server.server_address[:2], timeout=5))
+        t0 = time.monotonic()
+        ended = [False, False]
+        while time.monotonic() - t0 < 3 and not all(ended):
+            for i, c in enumerate(slow):
+                if not ended[i]:
+                    try:
+                        c.sendall(b"G")  # (within every read timeout)
+                    except OSError:
+                        ended[i] = True
+            time.sleep(0.2)
+        assert all(ended) and time.monotonic() - t0 < 2.5, (ended, time.monotonic() - t0)
+        assert _get(http.url(server, "/healthz")) == (200, "ok\n")
+    finally:
+        for c in slow:
+            c.close()
+        _stop(server)
+
+
 @needs_ipv6
 def test_the_supervisor_binds_ipv6_and_names_a_used_or_bad_address(tmp_path, metrics_dir):
     """Through the daemon's start-up: ::1 binds; a port in use there, or an address that is
