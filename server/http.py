@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -36,6 +37,27 @@ class _Server(ThreadingMixIn, WSGIServer):
     def server_activate(self) -> None:
         super().server_activate()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._deadlines: dict[socket.socket, float] = {}  # connection -> when it is cut
+        self._deadline_lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._cut_late, name="epd-http-deadlines", daemon=True).start()
+
+    def server_close(self) -> None:
+        closed = getattr(self, "_closed", None)  # (a failed bind closes before activating)
+        if closed is not None:
+            closed.set()
+        super().server_close()
+
+    def _cut_late(self) -> None:
+        """One thread for every connection's REQUEST_SECONDS (not a timer thread each)."""
+        while not self._closed.wait(0.25):
+            now = time.monotonic()
+            with self._deadline_lock:
+                late = [r for r, t in self._deadlines.items() if t <= now]
+                for r in late:
+                    del self._deadlines[r]
+            for r in late:
+                _shut(r)
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
@@ -48,13 +70,13 @@ class _Server(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
-        cut = threading.Timer(REQUEST_SECONDS, _shut, (request,))
-        cut.daemon = True
-        cut.start()
+        with self._deadline_lock:
+            self._deadlines[request] = time.monotonic() + REQUEST_SECONDS
         try:
             super().process_request_thread(request, client_address)
         finally:
-            cut.cancel()
+            with self._deadline_lock:
+                self._deadlines.pop(request, None)
             self._slots.release()
 
 
