@@ -62,6 +62,31 @@ def _ask_topology(socket_dir: str, command: str):
         return None
 
 
+def _health(ns: argparse.Namespace) -> int:
+    """Exit 0 when the daemon's node.sock answers its gRPC health check SERVING, else 1 with
+    the reason on stderr: a liveness probe (Kubernetes `exec`) that clients flooding the HTTP
+    endpoint with slow connections cannot crowd out, as they could /healthz's few slots."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    path = f"{ns.socket_dir}/node.sock"
+    try:
+        with grpc.insecure_channel(f"unix://{path}") as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                        timeout=ns.timeout)
+    except grpc.RpcError as e:
+        why = ("no such socket" if not os.path.exists(path) else
+               (e.details() or e.code().name).split("; last error:")[0])
+        print(f"epd health: no daemon answers on {path} ({why})", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        print(f"epd health: the daemon on {path} is {status}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0
+
+
 def _mps_on(t) -> bool:
     return bool(t.mps_mode and t.mps_mode != "off" and t.mps_pipe_directory)
 
@@ -189,6 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
     topo.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
                       help="default: EPD_SOCKET_DIR, else /run/epd")
     topo.set_defaults(func=_topology)
+
+    check = sub.add_parser(
+        "health", help="exit 0 if a running daemon is serving (a liveness probe)",
+        description="Ask a running daemon's node.sock for its gRPC health (exit 0: SERVING; "
+                    "1: not serving, or no daemon answers). A Kubernetes exec liveness probe: "
+                    "unlike /healthz, no client can crowd it out with slow HTTP connections.")
+    check.add_argument("--socket-dir", default=os.environ.get("EPD_SOCKET_DIR", "/run/epd"),
+                       help="default: EPD_SOCKET_DIR, else /run/epd")
+    check.add_argument("--timeout", type=float, default=3.0,
+                       help="seconds to wait for the answer (default 3)")
+    check.set_defaults(func=_health)
 
     env = sub.add_parser("env", help="print the exports a client needs to use the daemon and "
                          "share its CUDA MPS server: eval \"$(epd env)\"",

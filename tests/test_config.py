@@ -202,6 +202,24 @@ def test_topology_without_daemon(tmp_path):
     assert f"epd serve --socket-dir {tmp_path}" in r.stderr and "last error" not in r.stderr
 
 
+def test_health_without_daemon_and_with_one(tmp_path):
+    """`epd health` (the exec liveness probe): 1 and one line without a daemon; 0 and SERVING
+    with one (a CPU daemon here), 1 once it stopped."""
+    r = _run(sys.executable, "-m", "epd.server.cli", "health", "--socket-dir", str(tmp_path))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r
+    assert "no daemon answers" in r.stderr and "(no such socket)" in r.stderr, r.stderr
+    from conftest import TestDaemon
+    d = TestDaemon(engines=1)
+    try:
+        d.wait_ready(60)
+        r = _run(sys.executable, "-m", "epd.server.cli", "health", "--socket-dir", d.socket_dir)
+        assert r.returncode == 0 and r.stdout.strip() == "SERVING", r
+    finally:
+        d.stop_and_check()
+    r = _run(sys.executable, "-m", "epd.server.cli", "health", "--socket-dir", d.socket_dir)
+    assert r.returncode == 1, r
+
+
 def test_topology_and_env_follow_epd_socket_dir(tmp_path):
     """As the client library does: EPD_SOCKET_DIR names the daemon (was: /run/epd always)."""
     for cmd in ("topology", "env"):

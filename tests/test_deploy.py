@@ -578,7 +578,10 @@ def test_daemonset():
 
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["metrics"] == int(env["EPD_METRICS_PORT"]["value"])
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # Liveness through node.sock (`epd health`: no HTTP client can crowd it out), readiness
+    # through /readyz (its reason text).
+    for probe in ("startupProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"][:2] == ["epd", "health"], probe
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
 
     host_paths = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
