@@ -164,7 +164,8 @@ def test_a_synchronous_call_waits_for_ready_words_with_a_deadline() -> None:
 
 
 def test_descriptor_checks_are_cached_per_region_and_never_skipped() -> None:
-    regions = plain_regions(8 * (tensors.MAX_RESOLVED + 8))
+    cap = tensors.MAX_RESOLVED
+    regions = plain_regions(8 * (cap + 8))
     desc = epd_pb2.TensorDesc(region_id="r", offset_bytes=0, shape=[4, 8], strides=[8, 1],
                               dtype=epd_pb2.INT64)
     a = tensors.resolve(desc, regions, "x", ndim=2, dtype=epd_pb2.INT64)
@@ -178,10 +179,24 @@ def test_descriptor_checks_are_cached_per_region_and_never_skipped() -> None:
     # The same descriptor under another dtype rule is checked under that rule.
     with pytest.raises(InvalidArgument, match="dtype"):
         tensors.resolve(desc, regions, "x", ndim=2, dtype=epd_pb2.FLOAT32)
-    for i in range(tensors.MAX_RESOLVED + 5):  # bounded
+    for i in range(cap + 5):  # bounded
         d = epd_pb2.TensorDesc(region_id="r", offset_bytes=8 * i, shape=[1], dtype=epd_pb2.INT64)
         tensors.resolve(d, regions, "x", ndim=1)
-    assert len(regions["r"].resolved) <= tensors.MAX_RESOLVED
+    assert len(regions["r"].resolved) <= cap
+    # And over a session's regions (a session of many regions held 512 views each, whatever
+    # their number: the fuzzer's refused calls).
+    many = {}
+    for k in range(8):
+        r = plain_regions(8 * (cap + 8))["r"]
+        r.region_id = f"r{k}"
+        many[r.region_id] = r
+    for k in range(8):
+        for i in range(2500):
+            d = epd_pb2.TensorDesc(region_id=f"r{k}", offset_bytes=8 * i, shape=[1],
+                                   dtype=epd_pb2.INT64)
+            tensors.resolve(d, many, "x", ndim=1)
+            assert sum(len(r.resolved) for r in many.values()) <= tensors.SESSION_RESOLVED
+    assert tensors.SESSION_RESOLVED < 8 * 2500
 
 
 def test_cpu_backend_refuses_stream_ordered_requests(daemon) -> None:

@@ -40,7 +40,8 @@ def resolve(desc: epd_pb2.TensorDesc, regions: dict[str, Region], what: str, *,
         raise InvalidArgument(f"{what}: the kernels read it as dense rows; shape "
                               f"{list(desc.shape)} with strides {list(desc.strides)} is not "
                               f"(pass a contiguous tensor)")
-    if len(region.resolved) >= MAX_RESOLVED:
+    if len(region.resolved) >= MAX_RESOLVED or (  # (the sum only on a miss: rare once warm)
+            sum(len(r.resolved) for r in regions.values()) >= SESSION_RESOLVED):
         region.resolved.clear()
     region.resolved[key] = view
     return view
@@ -142,7 +143,13 @@ def _overlaps(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return False
 
 
-MAX_RESOLVED = 512  # cached views per region (cleared when full)
+# Cached views of descriptors (a region's cache is cleared when full): at most MAX_RESOLVED a
+# region and SESSION_RESOLVED over a session's regions (~350 bytes each). Before, 512 a region
+# for any number of regions let a session's refused calls (a descriptor is cached before the
+# request's later checks) hold ~45 MB of views at the region budget (a fuzzer: 131k refused
+# calls, 43 MiB), while a model of many layers in one allocation outgrew 512 a forward pass.
+MAX_RESOLVED = 4096
+SESSION_RESOLVED = 16384
 
 
 def describe(array: Array, region: Region, dtype: int | None = None) -> epd_pb2.TensorDesc:
