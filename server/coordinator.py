@@ -16,6 +16,7 @@ supervisors forward their engines' rendezvous here (server/cluster.py), so a mem
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -28,6 +29,7 @@ from ..proto.errors import (
     Internal,
     InvalidArgument,
     PermissionDenied,
+    ResourceExhausted,
     Unavailable,
 )
 from ..proto.v1 import epd_pb2
@@ -299,6 +301,11 @@ class Coordinator:
                 if g.nodes else (), **worlds)
             g.planned = True
         except Exception as e:  # every waiting rank is told, not just the last one
+            if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+                # (a precise code: the daemon is out of descriptors, not broken; a fuzzer)
+                e = ResourceExhausted(f"group {g.spec.name!r} could not be formed: the daemon "
+                                      f"has no descriptor left ({e.strerror}); raise its "
+                                      f"LimitNOFILE or lower its session budgets")
             if not isinstance(e, EpdError):
                 log.exception("group %r (%s): planning failed", g.spec.name, g.group_id)
                 e = Internal(f"group {g.spec.name!r} could not be formed: {e}")

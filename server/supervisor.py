@@ -1036,6 +1036,22 @@ def _stop_mps(sup: Supervisor) -> None:
             signal.signal(s, handler)
 
 
+def raise_open_files_limit() -> None:
+    """The soft limit of open descriptors up to the hard one, for this process and the engines
+    it forks (as Go's runtime does): every session holds descriptors (a region's mapping, a
+    group's, channel connections), and a shell's 1024 lets a few sessions exhaust an engine
+    (a fuzzer: another tenant's OpenSession then failed with "Too many open files"). The
+    budgets do not count descriptors: size LimitNOFILE to the sessions and regions allowed
+    (README, "Operating it")."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # (Linux's default nr_open)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
 def run(cfg: Config) -> int:
     """The daemon's life; every start-up error is one line on stderr and exit code 2, and the
     metrics folder this daemon created is removed on every exit path."""
@@ -1050,6 +1066,7 @@ def run(cfg: Config) -> int:
     # Engines inherit the timer slack of the thread that forks them, this one: fine from their
     # first instruction, so every engine thread has it (one an import starts too; proto/spin.py).
     spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
+    raise_open_files_limit()
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)

@@ -122,6 +122,38 @@ def test_refused_rendezvous_registers_no_group(tmp_path) -> None:
     coord.close()
 
 
+def test_a_daemon_out_of_descriptors_forms_no_group_and_says_so(tmp_path, monkeypatch) -> None:
+    """The planner failing with EMFILE (a fuzzer filled the supervisor's descriptor table):
+    every waiting rank gets RESOURCE_EXHAUSTED naming the cause (it was INTERNAL), nothing is
+    registered under the name, and the next join forms once descriptors are back."""
+    import errno
+
+    planner = cpu_plan.CpuPlanner(str(tmp_path))
+    coord = Coordinator(planner)
+    real = planner.plan_group
+
+    def out_of_fds(*a, **k):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(planner, "plan_group", out_of_fds)
+    req = epd_pb2.RendezvousRequest(
+        spec=epd_pb2.GroupSpec(name="no-fds", num_ranks=1, num_experts=4, hidden=128,
+                               max_tokens_per_rank=8, num_topk=2, x_dtype=WIRE_BF16),
+        rank=0, engine_index=0, session_id="s0", timeout_seconds=5,
+        peer_uid=os.getuid(), peer_gid=os.getgid(), has_peer=True)
+
+    async def run() -> epd_pb2.RendezvousResponse:
+        with pytest.raises(EpdError) as err:
+            await coord.rendezvous(req)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert "no descriptor left" in err.value.message and "LimitNOFILE" in err.value.message
+        assert coord.by_name == {} and coord.by_id == {}
+        monkeypatch.setattr(planner, "plan_group", real)
+        return await coord.rendezvous(req)
+
+    assert asyncio.run(run()).group_id
+    coord.close()
+
+
 # -- stream-ordered calls (cuda backend), on stand-ins -------------------------------------------
 class _RefusingComm:
     """A cuda comm whose stream-ordered calls the backend refuses (as CudaRankComm's

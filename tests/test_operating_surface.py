@@ -8,6 +8,8 @@ import contextlib
 import errno
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -378,3 +380,17 @@ def test_ctrl_c_during_demo_leaves_nothing(tmp_path):
         time.sleep(0.2)
     assert subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).returncode != 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_daemon_raises_its_open_files_soft_limit():
+    """`epd serve` takes the hard limit of open descriptors as its soft one (engines inherit
+    it): a shell's 1024 let a few sessions exhaust an engine (a fuzzer)."""
+    code = ("import resource\n"
+            "from epd.server.supervisor import raise_open_files_limit\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+            "raise_open_files_limit()\n"
+            "want = hard if hard != resource.RLIM_INFINITY else 1 << 20\n"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (want, hard))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r
