@@ -56,6 +56,9 @@ LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's li
 METRICS_PREFIX = "epd-metrics-"  # the metrics folder a daemon makes (tempfile.mkdtemp)
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
 DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long before SIGKILL
+# GetTopology's sessions-off-MPS counts are read from every process's metrics file under the
+# collection lock: at most once this often (any client of node.sock may ask in a loop).
+TOPOLOGY_METRICS_SECONDS = 1.0
 # A SIGKILLed engine is waited for this long at most (one stuck in the kernel, in a driver call,
 # may not exit for a long time): then logged with its pid and left, the daemon going on without
 # it. On the event loop (an engine lost while serving) the wait is shorter: it blocks the loop.
@@ -114,6 +117,20 @@ class NodeService(epd_pb2_grpc.NodeServicer):
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
+        self._off_mps: tuple[float, dict[str, int]] | None = None  # (when read, counts)
+        self._off_mps_lock = asyncio.Lock()
+
+    async def _sessions_without_mps(self) -> dict[str, int]:
+        """The engines' counts of sessions off the MPS server, read (off the event loop) at
+        most every TOPOLOGY_METRICS_SECONDS, one read at a time (a review of a fuzzer's run: a
+        GetTopology flood ran a whole collection per call under the lock that the event loop
+        takes when an engine dies)."""
+        async with self._off_mps_lock:
+            cached = self._off_mps
+            if cached is None or time.monotonic() - cached[0] >= TOPOLOGY_METRICS_SECONDS:
+                cached = self._off_mps = (time.monotonic(),
+                                          await asyncio.to_thread(sessions_without_mps))
+            return cached[1]
 
     async def _engine_only(self, context, method: str) -> None:
         sent = dict(context.invocation_metadata() or ()).get(NODE_TOKEN_METADATA, "")
@@ -126,7 +143,7 @@ class NodeService(epd_pb2_grpc.NodeServicer):
         s = self.sup
         # The engines count their sessions off the MPS server in a gauge; read it from the
         # shared metrics folder (off the event loop: it reads every process's file).
-        without_mps = await asyncio.to_thread(sessions_without_mps)
+        without_mps = await self._sessions_without_mps()
         engines = []
         for e in s.engines:
             info = s.device_names.get(e.index, ("", ""))

@@ -394,3 +394,28 @@ def test_the_daemon_raises_its_open_files_soft_limit():
             "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (want, hard))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "True", r
+
+
+def test_a_get_topology_flood_reads_the_metrics_files_once_a_second(tmp_path, metrics_dir,
+                                                                   monkeypatch):
+    """Any client of node.sock may call GetTopology in a loop: the sessions-off-MPS counts
+    (a whole collection of every process's metrics file, under the collection lock) are read
+    at most every TOPOLOGY_METRICS_SECONDS, one read at a time, however many calls come."""
+    from epd.proto.v1 import epd_pb2
+
+    reads = []
+    monkeypatch.setattr(sup_mod, "sessions_without_mps", lambda: reads.append(1) or {"0": 2})
+    sup = sup_mod.Supervisor(_cfg(tmp_path), CpuPlanner(str(tmp_path / "shm")), 1)
+    node = sup_mod.NodeService(sup)
+
+    async def flood() -> list:
+        return await asyncio.gather(*(node.GetTopology(epd_pb2.GetTopologyRequest(), None)
+                                      for _ in range(50)))
+
+    async def run() -> None:
+        answers = await flood()
+        assert len(reads) == 1 and all(a.engines[0].sessions_without_mps == 2 for a in answers)
+        monkeypatch.setattr(sup_mod, "TOPOLOGY_METRICS_SECONDS", 0.0)
+        await flood()
+        assert len(reads) > 1  # (read again once the counts are older than that)
+    asyncio.run(run())
