@@ -56,9 +56,7 @@ LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's li
 METRICS_PREFIX = "epd-metrics-"  # the metrics folder a daemon makes (tempfile.mkdtemp)
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
 DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long before SIGKILL
-# GetTopology's sessions-off-MPS counts are read from every process's metrics file under the
-# collection lock: at most once this often (any client of node.sock may ask in a loop).
-TOPOLOGY_METRICS_SECONDS = 1.0
+
 # A SIGKILLed engine is waited for this long at most (one stuck in the kernel, in a driver call,
 # may not exit for a long time): then logged with its pid and left, the daemon going on without
 # it. On the event loop (an engine lost while serving) the wait is shorter: it blocks the loop.
@@ -117,20 +115,26 @@ class NodeService(epd_pb2_grpc.NodeServicer):
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
-        self._off_mps: tuple[float, dict[str, int]] | None = None  # (when read, counts)
+        self._reads = 0  # reads of the counts below started so far
+        self._off_mps: tuple[int, dict[str, int]] | None = None  # (its read's number, counts)
         self._off_mps_lock = asyncio.Lock()
 
     async def _sessions_without_mps(self) -> dict[str, int]:
-        """The engines' counts of sessions off the MPS server, read (off the event loop) at
-        most every TOPOLOGY_METRICS_SECONDS, one read at a time (a review of a fuzzer's run: a
-        GetTopology flood ran a whole collection per call under the lock that the event loop
-        takes when an engine dies)."""
+        """The engines' counts of sessions off the MPS server (a whole collection of every
+        process's metrics file, off the event loop): one read at a time, shared by every call
+        that came before it started, so each call gets counts read after it came and a flood
+        of calls makes one read after another, not one each (a fuzzer's report: each call
+        read under the lock that the event loop takes when an engine dies)."""
+        came = self._reads
         async with self._off_mps_lock:
-            cached = self._off_mps
-            if cached is None or time.monotonic() - cached[0] >= TOPOLOGY_METRICS_SECONDS:
-                cached = self._off_mps = (time.monotonic(),
-                                          await asyncio.to_thread(sessions_without_mps))
-            return cached[1]
+            done = self._off_mps
+            if done is not None and done[0] > came:  # (started after this call came)
+                return done[1]
+            self._reads += 1
+            number = self._reads
+            counts = await asyncio.to_thread(sessions_without_mps)
+            self._off_mps = (number, counts)
+            return counts
 
     async def _engine_only(self, context, method: str) -> None:
         sent = dict(context.invocation_metadata() or ()).get(NODE_TOKEN_METADATA, "")
