@@ -72,8 +72,8 @@ class StreamSlot:
         self.layouts: set[int] = set()  # layouts' stream sequences: rank-local calls
         self.unwaited: UnwaitedDispatch | None = None
         self.released = False
-        self.logged = 0  # the latest check-only failure seen (logged once, at a call)
-        self.held: counter_page.StreamFailure | None = None  # and kept for check()
+        # A check-only failure seen (logged once, at a call) and kept for check()
+        self.held: counter_page.StreamFailure | None = None
 
     def begin(self, stream: int, seq: int) -> None:
         """Our stream has produced the call's inputs: let the engine's stream go."""
@@ -105,12 +105,15 @@ class StreamSlot:
         only when `explicit` (Group.check: see the module docstring; a fatal failure written
         at a layout's sequence, an abort or release, raises at any call)."""
         f = counter_page.stream_failure(self.words)
+        if f is None and self.held is None:  # (every call: nothing failed)
+            return
         spec = self.group.spec
-        if f is not None and f.check_only and f.seq not in (self.reported, self.logged):
+        if (f is not None and f.check_only and f.seq != self.reported
+                and (self.held is None or self.held.seq != f.seq)):
             # Kept for check() (the slot holds only the latest failure, which a later call's
             # may replace) and, seen at a call, logged: a serving loop that never calls
             # check() is not left silent (a log line needs no rank to agree).
-            self.logged, self.held = f.seq, f
+            self.held = f
             if not explicit:
                 log.warning("%s (raised by Group.check() / Buffer.check())",
                             f.error(spec.name, spec.num_experts).message)

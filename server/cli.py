@@ -3,6 +3,7 @@
     epd serve      run the daemon (supervisor + one engine per GPU, or --engines N on the CPU)
     epd demo       start a daemon, run client processes doing dispatch/combine, verify, report
     epd topology   ask a running daemon what it serves
+    epd health     exit 0 if a running daemon is serving (a liveness probe)
     epd bench      end to end through the DeepEP facade, beside DeepEP and an NCCL pipeline
     epd env        the environment a client process needs to share the daemon's CUDA MPS server
 """
@@ -15,9 +16,13 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from . import __version__
 from . import config as config_mod
+
+if TYPE_CHECKING:
+    import grpc
 
 EPILOG = """\
 Settings come from (later wins): defaults, a TOML file (--config), EPD_* environment variables,
@@ -54,12 +59,17 @@ def _ask_topology(socket_dir: str, command: str):
             return epd_pb2_grpc.NodeStub(ch).GetTopology(epd_pb2.GetTopologyRequest(),
                                                          timeout=5)
     except grpc.RpcError as e:
-        why = ("no such socket" if not os.path.exists(path) else
-               (e.details() or e.code().name).split("; last error:")[0])
-        print(f"epd {command}: no daemon answers on {path} ({why}); start one with `epd serve "
-              f"--socket-dir {socket_dir}`, or name its folder with --socket-dir or "
-              f"EPD_SOCKET_DIR", file=sys.stderr)
+        print(f"epd {command}: no daemon answers on {path} ({_why_no_answer(path, e)}); start "
+              f"one with `epd serve --socket-dir {socket_dir}`, or name its folder with "
+              f"--socket-dir or EPD_SOCKET_DIR", file=sys.stderr)
         return None
+
+
+def _why_no_answer(path: str, e: grpc.RpcError) -> str:
+    """A failed call to node.sock in a few words (not gRPC's connection wording)."""
+    if not os.path.exists(path):
+        return "no such socket"
+    return (e.details() or e.code().name).split("; last error:")[0]
 
 
 def _health(ns: argparse.Namespace) -> int:
@@ -75,9 +85,8 @@ def _health(ns: argparse.Namespace) -> int:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                         timeout=ns.timeout)
     except grpc.RpcError as e:
-        why = ("no such socket" if not os.path.exists(path) else
-               (e.details() or e.code().name).split("; last error:")[0])
-        print(f"epd health: no daemon answers on {path} ({why})", file=sys.stderr)
+        print(f"epd health: no daemon answers on {path} ({_why_no_answer(path, e)})",
+              file=sys.stderr)
         return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
     if resp.status != health_pb2.HealthCheckResponse.SERVING:

@@ -656,6 +656,18 @@ def test_dispatch_alike_failure_drops_this_ranks_layout_failure(monkeypatch) -> 
         group.check()
 
 
+def _refusing_engine(member, **attrs):
+    """A stand-in engine for DataPlane's dispatch_op / combine_op: `member`, a 5 s deadline,
+    DataPlane's own refusal rule and handle lookup, and `attrs`."""
+    from epd.server.engine.ops import DataPlane
+
+    engine = types.SimpleNamespace(member=lambda s, gid: member, _timeout=lambda t: 5.0,
+                                   **attrs)
+    engine._refused_takes_part = lambda *a, **k: DataPlane._refused_takes_part(engine, *a, **k)
+    engine._known_handle = lambda *a: DataPlane._known_handle(engine, *a)
+    return engine
+
+
 def test_a_refused_stream_dispatch_takes_part() -> None:
     """A fresh stream-ordered dispatch the engine refuses (bad descriptors) still takes part,
     with no tokens and the verdict ERR_REFUSED, so that its peers fail at once instead of at
@@ -670,9 +682,7 @@ def test_a_refused_stream_dispatch_takes_part() -> None:
         dispatch_sequence=4, rank=1, spec=types.SimpleNamespace(name="g", shrink=False),
         comm=types.SimpleNamespace(refuse_stream_dispatch=lambda d: refused.append(d) or True,
                                    known_abort_reason=lambda: None))
-    engine = types.SimpleNamespace(member=lambda s, gid: member, _queued=lambda s, m: None,
-                                   _timeout=lambda t: 5.0)
-    engine._refused_in_step = lambda *a: DataPlane._refused_in_step(engine, *a)
+    engine = _refusing_engine(member)
 
     def run(req, err, take=False):
         def dispatch(*a):
@@ -734,9 +744,7 @@ def test_a_refused_stream_combine_takes_part() -> None:
         if handle_id != 3:
             raise NotFound(f"handle {handle_id} is not known")
         return known
-    engine = types.SimpleNamespace(member=lambda s, gid: member, _timeout=lambda t: 5.0,
-                                   _handle=handle)
-    engine._combine_refused = lambda *a: DataPlane._combine_refused(engine, *a)
+    engine = _refusing_engine(member, _handle=handle)
 
     def run(req, err, take=False):
         def combine(*a):

@@ -369,7 +369,7 @@ class CudaRankComm(RankComm):
         """As on the CPU backend: a hierarchical group's node stage routes by top-k ids, so a
         dispatch without top-k is refused there (before any kernel: peers that called with
         top-k wait for this rank until their deadline, which names it; a stream-ordered one
-        of a direct-puts group takes part as refused instead, ops._refused_in_step)."""
+        of a direct-puts group takes part as refused instead, ops._refused_takes_part)."""
         if self.hierarchy is not None and _routing(args) is not None:
             raise self.hierarchy.no_topk_error(self.spec.name)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -46,7 +48,7 @@ _HANDLE_IDS = itertools.count(1)
 
 INDEX_DTYPES = (epd_pb2.INT64,)
 # A stream-ordered dispatch refused for these still takes part, failing alike on every rank
-# (`_refused_in_step`); not for a failed group or a deadline, which no part can mend.
+# (`_refused_takes_part`); not for a failed group or a deadline, which no part can mend.
 _CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                   grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                   grpc.StatusCode.OUT_OF_RANGE)
@@ -172,35 +174,44 @@ class DataPlane:
         try:
             return self._dispatch(session, member, req, path)
         except EpdError as e:
-            if (req.stream_ordered and not req.cached_handle and not req.num_worst_tokens
-                    and e.code in _CALLER_ERRORS and not member.spec.shrink
-                    and member.dispatch_sequence == taken  # (refused: nothing launched)
-                    and member.comm.known_abort_reason() is None):
-                self._refused_in_step(member, req, e)
+            # Not a cached dispatch (no payload exchange before its data moves) nor a
+            # worst-case one: its peers' callers go on to the combine of a handle this caller
+            # never got, and the combine sequences would part.
+            self._refused_takes_part(
+                member, req, e, "dispatch", member.comm.refuse_stream_dispatch,
+                fresh=(not req.cached_handle and not req.num_worst_tokens
+                       and member.dispatch_sequence == taken))
             raise
 
-    def _refused_in_step(self, member: GroupMember, req: epd_pb2.DispatchRequest,
-                         err: EpdError) -> None:
-        """A fresh stream-ordered dispatch this engine refused takes part all the same, with no
-        tokens and the verdict ERR_REFUSED in its notify payload: every peer fails the call at
-        once (FAILED_PRECONDITION naming this rank) instead of waiting out its deadline, and
-        the group goes on; this caller gets the reason. As the peers' calls are stream-ordered
-        too (SPMD), every rank raises at the same call. A backend that cannot leaves the peers
-        waiting, as for a synchronous call refused before taking part. Not a worst-case
-        dispatch (num_worst_tokens): its peers' callers go on to the combine of a handle this
-        caller never got, and the combine sequences would part; not a shrink group's (normal
-        mode is refused on every rank there) nor a failed group's."""
+    def _refused_takes_part(self, member: GroupMember,
+                            req: epd_pb2.DispatchRequest | epd_pb2.CombineRequest,
+                            err: EpdError, what: str, take_part: Callable[[float], bool],
+                            fresh: bool) -> None:
+        """A stream-ordered call this engine refused for its caller's input (`fresh`: before it
+        took its sequence; `take_part(deadline)` the backend's) takes part all the same,
+        moving nothing: a dispatch with no tokens and the verdict ERR_REFUSED in its notify
+        payload (every peer fails it at once, FAILED_PRECONDITION naming this rank), a combine
+        pushing nothing (every peer's reduce fails it, raised by the peer's Group.check(): a
+        combine's failure raised at a later call, before it is sent, would leave that rank one
+        collective behind this one). Not for a failed group, nor a shrink group's (normal mode
+        is refused on every rank there). The peers do not wait out their deadline and the
+        group goes on; this caller gets the reason. A backend that cannot leaves the peers
+        waiting, as for a synchronous call refused before taking part."""
+        if not (req.stream_ordered and fresh
+                and err.code in _CALLER_ERRORS and not member.spec.shrink
+                and member.comm.known_abort_reason() is None):
+            return
         try:
             timeout = self._timeout(req.timeout_seconds)
         except EpdError:
             timeout = self._timeout(0.0)
         try:
-            if member.comm.refuse_stream_dispatch(time.monotonic() + timeout):
-                log.info("group %r: rank %d's dispatch refused (%s); it took part as refused",
-                         member.spec.name, member.rank, err.message)
+            if take_part(time.monotonic() + timeout):
+                log.info("group %r: rank %d's %s refused (%s); it took part as refused",
+                         member.spec.name, member.rank, what, err.message)
         except Exception as again:  # (the call's own error is what the caller needs)
-            log.error("group %r: rank %d could not take part in its refused dispatch: %s",
-                      member.spec.name, member.rank, again)
+            log.error("group %r: rank %d could not take part in its refused %s: %s",
+                      member.spec.name, member.rank, what, again)
 
     def _dispatch(self, session: Session, member: GroupMember, req: epd_pb2.DispatchRequest,
                   path: str) -> epd_pb2.DispatchResponse:
@@ -501,38 +512,21 @@ class DataPlane:
         try:
             return self._combine(session, member, req, path)
         except EpdError as e:
-            if (req.stream_ordered and e.code in _CALLER_ERRORS and not member.spec.shrink
-                    and member.stream_seq == taken  # (refused: nothing launched)
-                    and member.comm.known_abort_reason() is None):
-                self._combine_refused(member, req, e)
+            self._refused_takes_part(
+                member, req, e, "combine",
+                lambda deadline: member.comm.refuse_stream_combine(
+                    self._known_handle(member, req.handle), deadline),
+                fresh=member.stream_seq == taken)
             raise
 
-    def _combine_refused(self, member: GroupMember, req: epd_pb2.CombineRequest,
-                         err: EpdError) -> None:
-        """A stream-ordered combine this engine refused takes part all the same, pushing
-        nothing: every peer's reduce fails the call naming this rank (raised by its
-        Group.check(): a combine's failure raised at a later call, before it is sent, would
-        leave that rank one collective behind this one, which the refusal raises at once)
-        instead of waiting out its deadline, and the group goes on. Where every rank refuses
-        (the same bad input everywhere) each takes its part and no reduce runs."""
+    def _known_handle(self, member: GroupMember, handle_id: int) -> Any:
+        """The backend handle of a refused combine, where this engine knows it (its kernel
+        skips the combine of a dispatch that failed alike); None: it waits at the combine's
+        entry barrier."""
         try:
-            timeout = self._timeout(req.timeout_seconds)
+            return self._handle(member, handle_id, NORMAL).backend_handle
         except EpdError:
-            timeout = self._timeout(0.0)
-        try:
-            info = self._handle(member, req.handle, NORMAL)
-        except EpdError:
-            info = None  # (a handle this engine does not know: the kernel cannot skip a
-            # combine of a dispatch that failed alike, and waits at its entry barrier)
-        try:
-            if member.comm.refuse_stream_combine(
-                    info.backend_handle if info is not None else None,
-                    time.monotonic() + timeout):
-                log.info("group %r: rank %d's combine refused (%s); it took part as refused",
-                         member.spec.name, member.rank, err.message)
-        except Exception as again:  # (the call's own error is what the caller needs)
-            log.error("group %r: rank %d could not take part in its refused combine: %s",
-                      member.spec.name, member.rank, again)
+            return None
 
     def _combine(self, session: Session, member: GroupMember, req: epd_pb2.CombineRequest,
                  path: str) -> epd_pb2.CombineResponse:
