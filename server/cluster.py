@@ -86,6 +86,12 @@ async def within(aw: Awaitable[T], seconds: float) -> T:
         return await aw
 
 
+def current_task_cancelling() -> bool:
+    """Whether this task was asked to stop, even where a library swallowed the CancelledError."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((CLUSTER_TOKEN_METADATA, token),)
 
@@ -426,6 +432,13 @@ class ClusterMember:
         try:
             while True:
                 why = await self._lease()
+                # gRPC's stream set-up task swallows a cancellation that lands while this task
+                # waits on it (grpc.aio's _prepare_rpc); when the call has already failed (a
+                # wrong token: at once), the read then raises the RPC's error, not the
+                # cancellation, and a stop's cancel was lost: the daemon never exited. The
+                # task still counts the request.
+                if current_task_cancelling():
+                    raise asyncio.CancelledError
                 if self.connected:
                     self.connected = False
                     self._coordinator_lost(why)

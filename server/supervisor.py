@@ -61,6 +61,7 @@ DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long b
 # may not exit for a long time): then logged with its pid and left, the daemon going on without
 # it. On the event loop (an engine lost while serving) the wait is shorter: it blocks the loop.
 KILLED_EXIT_SECONDS, KILLED_EXIT_ON_LOOP_SECONDS = 5.0, 0.5
+CANCEL_TRIES = 5  # a stop cancels a background task at most this many times, one second apart
 # Signals that stop the daemon gracefully (SIGHUP: its terminal or session went away), SIGHUP
 # not where the daemon was started ignoring it (nohup: it must outlive its terminal).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT) + (
@@ -720,9 +721,7 @@ class Supervisor:
                 await servers.monitor
         await self.stop_engines()
         if servers.member_task is not None:
-            servers.member_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await servers.member_task
+            await _cancel_and_wait(servers.member_task, "the lease with node 0")
         if servers.cluster is not None:
             await servers.cluster.stop(grace=0.5)
         if self.cluster is not None:
@@ -819,6 +818,20 @@ class _Servers:
     cluster: grpc.aio.Server | None = None
     member_task: asyncio.Task | None = None
     monitor: asyncio.Task | None = None
+
+
+async def _cancel_and_wait(task: asyncio.Task, what: str) -> None:
+    """Cancel `task` and wait for it to end, cancelling again every second: a library may
+    swallow one cancellation (grpc.aio's stream set-up does), and a stop must not hang on it."""
+    for _ in range(CANCEL_TRIES):
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if done:
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("%s ended with %r", what, task.exception())
+            return
+    log.error("%s did not stop after %d cancellations; the daemon stops without it", what,
+              CANCEL_TRIES)
 
 
 def _log_not_exited(e: EngineProc, seconds: float) -> None:

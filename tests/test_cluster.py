@@ -717,3 +717,47 @@ def test_a_hung_node_in_a_shrink_group_is_masked_and_stays_out(ranks):
             ranks.cmd(r, "done")
         assert all(o.ok for o in ranks.gather(tids, 30))
         cl.wait_registered()  # the resumed node registers again
+
+
+def test_a_stop_is_not_lost_where_grpc_swallows_the_cancellation():
+    """grpc.aio's stream set-up task swallows a cancellation that lands while the lease waits on
+    it; when the call has already failed (a wrong token), the lease returns the RPC's error
+    instead. The loop must still stop (CI once saw a daemon ignore SIGTERM this way)."""
+    from types import SimpleNamespace
+
+    from epd.server.cluster import ClusterMember
+    from epd.server.supervisor import _cancel_and_wait
+
+    cfg = SimpleNamespace(cluster_address="127.0.0.1:1", cluster_heartbeat_seconds=0.01)
+    sup = SimpleNamespace(cfg=cfg, cluster_tls=None)
+    leases = []
+
+    async def swallowing_lease() -> str:
+        leases.append(1)
+        with contextlib.suppress(asyncio.CancelledError):  # what grpc.aio's set-up does
+            await asyncio.sleep(30)
+        return "PERMISSION_DENIED: Cluster.Lease: wrong cluster token"
+
+    async def main() -> None:
+        m = ClusterMember(sup, "token")
+        m._lease = swallowing_lease
+        task = asyncio.create_task(m.run())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done and task.cancelled(), "the lease loop went on after its cancellation"
+        assert len(leases) == 1
+
+        # And a stop bounds its wait on a task that swallows one cancellation outright
+        async def swallow_once() -> None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(30)
+            await asyncio.sleep(30)
+
+        stubborn = asyncio.create_task(swallow_once())
+        await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        await _cancel_and_wait(stubborn, "a test task")
+        assert stubborn.cancelled() and time.monotonic() - t0 < 3
+
+    asyncio.run(main())
