@@ -39,7 +39,7 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # (stacks on demand, as engines)
-    from .supervisor import run
+    from .startup import run
     return run(cfg)
 
 

@@ -1,6 +1,7 @@
 """The supervisor: one per node. Starts an engine process per GPU (or `--engines N` on the CPU
 backend), restarts crashed engines, serves the Node service (topology + group rendezvous) on
-<socket-dir>/node.sock and the HTTP endpoint (/metrics, /healthz, /readyz).
+<socket-dir>/node.sock (node_service.py) and the HTTP endpoint (/metrics, /healthz, /readyz).
+The process around it, from `epd serve` to exit, is startup.py.
 """
 
 from __future__ import annotations
@@ -8,42 +9,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
-import hmac
 import logging
 import os
 import secrets
-import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ..proto import fd_channel, spin
-from ..proto.errors import EpdError, InvalidArgument
+from ..proto import fd_channel
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from . import __version__
 from .backends.base import GroupPlanner
 from .cluster import ClusterHub, ClusterMember, ClusterTls, new_incarnation
 from .config import (
     NODE_TOKEN_ENV,
-    NODE_TOKEN_METADATA,
     Config,
     read_cluster_token,
-    resolve_class_engines,
 )
 from .engine_slots import EngineSlot, engine_slots
 from .mps import Mps, MpsError
-from .service_classes import LATENCY, THROUGHPUT
+from .node_service import NodeService
+from .service_classes import THROUGHPUT
+
+if TYPE_CHECKING:
+    from .startup import EarlyStop
 
 log = logging.getLogger("epd.supervisor")
 WATCH_ERROR_LOG_SECONDS = 10.0  # a failing look at an engine is logged this often
@@ -52,8 +47,6 @@ WATCH_ERROR_LOG_SECONDS = 10.0  # a failing look at an engine is logged this oft
 HEALTH_CHECK_SECONDS, HEALTH_CHECK_TIMEOUT_SECONDS = 5.0, 2.0
 KILL_AGAIN_SECONDS = 30.0  # a killed engine that has not exited yet is killed again this often
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
-METRICS_PREFIX = "epd-metrics-"  # the metrics folder a daemon makes (tempfile.mkdtemp)
 LEFTOVER_ENGINE_SECONDS = 5.0  # exit after a failure: engines get this long before SIGKILL
 DRAIN_EXTRA_SECONDS = 5.0  # a stop: engines get --drain-seconds and this long before SIGKILL
 
@@ -110,106 +103,6 @@ class EngineProc:
         return min(base * 2 ** doublings, max(longest, base))
 
 
-class NodeService(epd_pb2_grpc.NodeServicer):
-    """GetTopology is open to every client of node.sock; the RPCs engines use (Rendezvous,
-    ReleaseRank, GetBootstrap) need the secret the supervisor gave its engines at spawn."""
-
-    def __init__(self, sup: Supervisor) -> None:
-        self.sup = sup
-        self._reads = 0  # reads of the counts below started so far
-        self._off_mps: tuple[int, dict[str, int]] | None = None  # (its read's number, counts)
-        self._off_mps_lock = asyncio.Lock()
-
-    async def _sessions_without_mps(self) -> dict[str, int]:
-        """The engines' counts of sessions off the MPS server (a whole collection of every
-        process's metrics file, off the event loop): one read at a time, shared by every call
-        that came before it started, so each call gets counts read after it came and a flood
-        of calls makes one read after another, not one each (a fuzzer's report: each call
-        read under the lock that the event loop takes when an engine dies)."""
-        came = self._reads
-        async with self._off_mps_lock:
-            done = self._off_mps
-            if done is not None and done[0] > came:  # (started after this call came)
-                return done[1]
-            self._reads += 1
-            number = self._reads
-            counts = await asyncio.to_thread(sessions_without_mps)
-            self._off_mps = (number, counts)
-            return counts
-
-    async def _engine_only(self, context, method: str) -> None:
-        sent = dict(context.invocation_metadata() or ()).get(NODE_TOKEN_METADATA, "")
-        if not (isinstance(sent, str)
-                and hmac.compare_digest(sent.encode(), self.sup.node_token.encode())):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"Node.{method} is for the daemon's engines only")
-
-    async def GetTopology(self, request, context):
-        s = self.sup
-        # The engines count their sessions off the MPS server in a gauge; read it from the
-        # shared metrics folder (off the event loop: it reads every process's file).
-        without_mps = await self._sessions_without_mps()
-        engines = []
-        for e in s.engines:
-            info = s.device_names.get(e.index, ("", ""))
-            engines.append(epd_pb2.EngineInfo(
-                index=e.index, socket_path=e.socket_path,
-                backend=s.planner.proto_kind,
-                device_name=info[0], device_uuid=info[1], ready=e.ready,
-                pid=e.proc.pid if e.proc else 0, restarts=e.restarts,
-                sessions_without_mps=without_mps.get(str(e.index), 0),
-                failed_starts=e.failed_starts, last_failure=e.last_failure,
-                device=e.slot.device, service_class=e.slot.service_class,
-                tenant_pool=e.slot.tenant_pool))
-        by_class = s.coordinator.groups_by_class()
-        cluster = s.cluster.info() if s.cluster is not None else None
-        return epd_pb2.GetTopologyResponse(version=__version__, node_name=socket.gethostname(),
-                                           engines=engines, metrics_url=s.metrics_url,
-                                           mps_mode=s.mps.mode,
-                                           mps_pipe_directory=s.mps.pipe_directory,
-                                           service_class_policy=s.policy_text,
-                                           latency_num_sms=s.cfg.latency_num_sms,
-                                           throughput_num_sms=s.cfg.throughput_num_sms,
-                                           latency_groups=by_class[LATENCY],
-                                           throughput_groups=by_class[THROUGHPUT],
-                                           cluster=cluster)
-
-    async def Rendezvous(self, request, context):
-        await self._engine_only(context, "Rendezvous")
-        member = self.sup.cluster_member
-        try:
-            # Cluster mode, node > 0: node 0 forms the group while the lease is alive (and
-            # always for a group it formed); otherwise the group forms on this node alone.
-            if member is not None and (member.owns(request.group_id) if request.attached
-                                       else member.connected):
-                return await member.rendezvous(request)
-            return await self.sup.coordinator.rendezvous(request, node=self.sup.cfg.node_rank)
-        except EpdError as e:
-            await context.abort(e.code, e.message)
-
-    async def ReleaseRank(self, request, context):
-        await self._engine_only(context, "ReleaseRank")
-        member = self.sup.cluster_member
-        if member is not None and member.owns(request.group_id):
-            member.release_rank(request.group_id, request.rank, request.reason,
-                                left=request.left)
-            return epd_pb2.ReleaseRankResponse()
-        self.sup.coordinator.release(request.group_id, request.rank, request.reason,
-                                     left=request.left)
-        return epd_pb2.ReleaseRankResponse()
-
-    async def GetBootstrap(self, request, context):
-        await self._engine_only(context, "GetBootstrap")
-        s = self.sup
-        try:
-            if not 0 <= request.engine_index < len(s.engines):
-                raise InvalidArgument(f"engine index {request.engine_index} out of range")
-            slot = s.engines[request.engine_index].slot
-            return s.planner.bootstrap(slot.pe, s.world_size(slot.world), slot.world)
-        except EpdError as e:
-            await context.abort(e.code, e.message)
-
-
 class Supervisor:
     def __init__(self, cfg: Config, planner: GroupPlanner, num_engines: int) -> None:
         from .coordinator import Coordinator  # after PROMETHEUS_MULTIPROC_DIR is set
@@ -231,12 +124,12 @@ class Supervisor:
         self.policy_text = cfg.service_classes.text  # canonical (GetTopology)
         self.stopping = False
         self._stop: asyncio.Event | None = None  # set: run() drains and returns (request_stop)
-        self.early_stop: EarlyStop | None = None  # a signal before run() (the module's run())
+        self.early_stop: EarlyStop | None = None  # a signal before run() (startup.run())
         self.class_engines_why = ""  # (logged at start: run() sets it from check_backend)
         self._http = None
         self.lock_fd: int | None = None
         self.node_token = secrets.token_hex(32)  # given to engines at spawn, never to clients
-        # Started in run() before the engines, stopped by the module's run() after them.
+        # Started in run() before the engines, stopped by startup.run() after them.
         self.mps = Mps(cfg.mps, cfg.socket_dir, planner.name, planner.proto_kind)
         # Cluster mode: node 0 serves the Cluster service, the other nodes hold a lease there.
         self.incarnation = new_incarnation()
@@ -634,7 +527,7 @@ class Supervisor:
             loop.add_signal_handler(sig, stop.set)
         if self.early_stop is not None and self.early_stop.signum is not None:
             log.info("signal %d before the daemon started: stopping",
-                     self.early_stop.signum)  # (the module's run() noted it before the loop)
+                     self.early_stop.signum)  # (startup.run() noted it before the loop)
             stop.set()
         servers = _Servers()
         try:
@@ -642,7 +535,7 @@ class Supervisor:
             await stop.wait()
         finally:
             # Every exit, a failed start's too: stop the engines already started and remove
-            # what this daemon made (node.sock; the module's run() the lock and metrics).
+            # what this daemon made (node.sock; startup.run() the lock and metrics).
             await self._shutdown(servers)
         log.info("stopped")
         return 0
@@ -850,86 +743,6 @@ def _wait_killed(e: EngineProc, seconds: float) -> bool:
         return False
 
 
-class EarlyStop:
-    """A stop signal (STOP_SIGNALS) while no event loop handles them, before it starts and
-    after it ended: noted, so that what the daemon creates before its loop (the lock, the
-    metrics folder) is always removed after it. Supervisor.run reads `signum`: a daemon asked
-    to stop before its loop stops at once, starting no engine. In a step that may hang and
-    makes no file (`interruptible`: the backend's checks, the engines' detection) the signal
-    ends the start at once (Stopped), as it did before the daemon handled it."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._saved: dict[int, object] = {}
-        self._fatal = False
-
-    @contextlib.contextmanager
-    def interruptible(self):
-        if self.signum is not None:
-            raise Stopped(self.signum)
-        self._fatal = True
-        try:
-            yield
-        finally:
-            self._fatal = False
-
-    def install(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # (only the main thread sets handlers; a daemon always runs there)
-        for sig in STOP_SIGNALS:
-            old = signal.signal(sig, self._note)
-            self._saved.setdefault(sig, old)
-
-    def _note(self, signum: int, frame) -> None:
-        if self.signum is None:
-            self.signum = signum
-        if self._fatal:
-            self._fatal = False
-            raise Stopped(signum)
-
-    def restore(self) -> None:
-        for sig, handler in self._saved.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-        self._saved.clear()
-
-
-def sessions_without_mps() -> dict[str, int]:
-    """epd_sessions_without_mps per engine label, from the multiprocess metrics folder."""
-    from prometheus_client import multiprocess
-
-    from . import metrics
-    out: dict[str, int] = {}
-    try:
-        with metrics.COLLECT_LOCK:  # (not while a dead engine's files are folded)
-            families = list(multiprocess.MultiProcessCollector(None).collect())
-        for family in families:
-            if family.name == "epd_sessions_without_mps":
-                for sample in family.samples:
-                    out[sample.labels.get("engine", "")] = int(sample.value)
-    except Exception:  # a file being written or removed: report 0, never fail the call
-        log.debug("reading epd_sessions_without_mps failed", exc_info=True)
-    return out
-
-
-def prepare_metrics_dir() -> tuple[str, bool]:
-    """Multiprocess metrics: must be set before prometheus_client is imported anywhere.
-    Returns (folder, whether this daemon created it and so removes it at exit)."""
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if not path:
-        path = tempfile.mkdtemp(prefix=METRICS_PREFIX)
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-        return path, True
-    Path(path).mkdir(parents=True, exist_ok=True)
-    # Stale samples of an earlier run, and the files archive_dead_process set aside as
-    # unreadable (*.db.unreadable: no scrape reads them, and nothing else ever removed them,
-    # so a folder given by the operator gathered one per such engine death across restarts).
-    for pattern in ("*.db", "*.db.unreadable"):
-        for f in Path(path).glob(pattern):
-            f.unlink()
-    return path, False
-
-
 def _remove_engine_sockets(grpc_socket: str) -> None:
     """An engine's gRPC socket and its descriptor channel beside it, if it left them (it
     crashed, was killed, or failed while stopping)."""
@@ -937,213 +750,3 @@ def _remove_engine_sockets(grpc_socket: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
 
-
-def _probe_writable(folder: str, setting: str) -> None:
-    try:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".epd-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise StartupError(f"{setting} {folder}: not a writable folder "
-                           f"({e.strerror or e}); create it writable for the daemon's user "
-                           f"or choose another") from None
-
-
-def check_folders(cfg: Config) -> None:
-    """Start-up checks of the folders: one line naming the setting and the fix.
-
-    --shm-dir only has to be a writable folder now (the engine sweeps files of earlier versions
-    there): shared memory travels as memfds over the descriptor channel, so the tmpfs/hugetlbfs
-    check it once needed (cudaHostRegister of a counter page on disk failed at the first CUDA
-    session) is moot."""
-    _probe_writable(cfg.socket_dir, "--socket-dir")
-    shm_dir = getattr(cfg, "shm_dir", None)
-    if shm_dir:
-        _probe_writable(shm_dir, "--shm-dir")
-
-
-def lock_socket_dir(socket_dir: str) -> int:
-    """Hold the socket folder's lock for the daemon's life (the fd is inherited by the engines).
-    A second daemon on the same folder fails here, naming the pid that holds it."""
-    path = os.path.join(socket_dir, LOCK_NAME)
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-        except OSError as e:
-            raise StartupError(f"--socket-dir {socket_dir}: cannot create {LOCK_NAME} "
-                               f"({e.strerror or e}); make the folder writable") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = (os.pread(fd, 32, 0).decode(errors="replace").strip().split("\n")[0]
-                      or "?")
-            os.close(fd)
-            raise StartupError(f"--socket-dir {socket_dir}: another epd daemon (pid {holder}) "
-                               f"serves this folder; stop it first or use another "
-                               f"--socket-dir") from None
-        # The daemon that held it unlinks the file at its exit: opened before that and locked
-        # after, this lock is on a file no longer in the folder, and a third daemon creating
-        # a fresh one would lock that too (two daemons on one folder). Locked, the file must
-        # still be the folder's; else take the one there now.
-        try:
-            same = os.path.samestat(os.fstat(fd), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    # The lock is ours: every process of an earlier daemon on this folder is gone (its engines
-    # held the lock too). One that was SIGKILLed (OOM killer, kill -9) never ran its teardown:
-    # the metrics folder it made in /tmp is removed here, named in the lock file
-    # (record_metrics_dir), or each such death left one there for good.
-    _remove_stale_metrics_dir(os.pread(fd, 4096, 0).decode(errors="replace"))
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def record_metrics_dir(lock_fd: int, folder: str) -> None:
-    """Name the metrics folder this daemon made (and removes at exit) in its lock file, on the
-    line after its pid: the next daemon on the socket folder removes it if this one dies
-    without its teardown (lock_socket_dir)."""
-    os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{os.getpid()}\n{folder}\n".encode(), 0)
-
-
-def _remove_stale_metrics_dir(lock_text: str) -> None:
-    """Remove the metrics folder an earlier daemon named in the lock file: only a real folder
-    (not a link) of ours whose name is one mkdtemp made for it (METRICS_PREFIX)."""
-    lines = lock_text.split("\n")
-    folder = lines[1].strip() if len(lines) > 1 else ""
-    if not (folder and os.path.isabs(folder)
-            and os.path.basename(folder).startswith(METRICS_PREFIX)):
-        return
-    try:
-        st = os.lstat(folder)
-    except OSError:
-        return  # (its daemon removed it)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        return
-    log.warning("removing %s, the metrics folder of an earlier daemon on this socket folder "
-                "that did not stop cleanly (killed?)", folder)
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def check_backend(cfg: Config) -> tuple[Config, str]:
-    """`cfg` with the settings that depend on the backend resolved (--class-engines auto) and
-    why class engines are on or off; StartupError where the backend cannot run here."""
-    from .backends import class_engines_pay, missing_requirements, resolve_backend_name
-    try:
-        name = resolve_backend_name(cfg.backend)
-    except ValueError as e:
-        raise StartupError(f"--backend: {e}") from None
-    missing = missing_requirements(name)
-    if missing:
-        raise StartupError(f"--backend {name}: {missing}")
-    try:
-        cfg, why = resolve_class_engines(cfg, name, class_engines_pay(name))
-    except ValueError as e:
-        raise StartupError(str(e)) from None
-    return cfg, why
-
-
-def _event_loop_run(coro) -> int:
-    try:
-        import uvloop  # optional: only its absence falls back, not an ImportError inside
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-def _stop_mps(sup: Supervisor) -> None:
-    """Stop the engines left (after a failure) and quit a private MPS server once no engine is
-    left. The event loop (and its signal handlers) is gone by now: a stop signal must not cut
-    this bounded teardown short."""
-    main = threading.current_thread() is threading.main_thread()
-    saved = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS} if main else {}
-    try:
-        sup.stop_leftover_engines()
-        sup.mps.stop()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-
-
-def raise_open_files_limit() -> None:
-    """The soft limit of open descriptors up to the hard one, for this process and the engines
-    it forks (as Go's runtime does): every session holds descriptors (a region's mapping, a
-    group's, channel connections), and a shell's 1024 lets a few sessions exhaust an engine
-    (a fuzzer: another tenant's OpenSession then failed with "Too many open files"). The
-    budgets do not count descriptors: size LimitNOFILE to the sessions and regions allowed
-    (README, "Operating it")."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # (Linux's default nr_open)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
-def run(cfg: Config) -> int:
-    """The daemon's life; every start-up error is one line on stderr and exit code 2, and the
-    metrics folder this daemon created is removed on every exit path."""
-    lock_fd: int | None = None
-    metrics_dir, owned = "", False
-    sup: Supervisor | None = None
-    # Before any file is made: a stop signal from now until the loop handles it is noted, and
-    # the daemon stops at once and cleanly (EarlyStop); the same after the loop, until the
-    # teardown below is done.
-    early = EarlyStop()
-    early.install()
-    # Engines inherit the timer slack of the thread that forks them, this one: fine from their
-    # first instruction, so every engine thread has it (one an import starts too; proto/spin.py).
-    spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
-    raise_open_files_limit()
-    try:
-        check_folders(cfg)
-        lock_fd = lock_socket_dir(cfg.socket_dir)
-        with early.interruptible():
-            cfg, class_engines_why = check_backend(cfg)
-        metrics_dir, owned = prepare_metrics_dir()
-        if owned:  # (removed by the next daemon here if this one is killed: lock_socket_dir)
-            record_metrics_dir(lock_fd, metrics_dir)
-        from .backends import make_planner
-
-        try:
-            with early.interruptible():
-                planner = make_planner(cfg)
-                engines = cfg.engines or planner.detect_engines()
-            sup = Supervisor(cfg, planner, engines)
-        except ImportError as e:
-            raise StartupError(f"--backend {cfg.backend}: {e}; install what it needs or use "
-                               f"--backend cpu") from None
-        sup.lock_fd = lock_fd
-        sup.early_stop = early
-        sup.class_engines_why = class_engines_why
-        sup.check_cluster()
-        os.chmod(cfg.socket_dir, 0o750)  # keep the folder (clients may bind-mount it); tighten
-        sup.bind_http()
-        return _event_loop_run(sup.run())
-    except StartupError as e:
-        print(f"epd serve: {e}", file=sys.stderr)
-        return 2
-    except Stopped as e:
-        log.info("signal %d before the daemon started: stopping", e.signum)
-        return 0
-    finally:
-        early.install()  # (the loop removed its handlers: SIG_DFL would cut this short)
-        try:
-            if sup is not None:  # (engines a failed start left; their files; private MPS)
-                _stop_mps(sup)
-            if owned:
-                shutil.rmtree(metrics_dir, ignore_errors=True)
-            if lock_fd is not None:
-                # Still holding the lock: a daemon starting now either fails on this inode or
-                # creates a fresh file, so removing it leaves nothing behind and no window.
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(cfg.socket_dir, LOCK_NAME))
-                os.close(lock_fd)
-        finally:
-            early.restore()

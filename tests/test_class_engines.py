@@ -335,9 +335,9 @@ def test_an_mps_share_without_class_engines_refuses_to_start(tmp_path):
                                          "auto: the service-class policy gives no group"):
         config.resolve_class_engines(
             config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70"}), "cuda", True)
-    from epd.server import supervisor as sup_mod
+    from epd.server import startup
     cfg = config.load(None, {"EPD_THROUGHPUT_MPS_PERCENTAGE": "70", "EPD_BACKEND": "cpu"})
-    with pytest.raises(sup_mod.StartupError, match="needs class_engines"):
-        sup_mod.check_backend(cfg)
-    cfg, why = sup_mod.check_backend(config.load(None, {"EPD_BACKEND": "cpu"}))
+    with pytest.raises(startup.StartupError, match="needs class_engines"):
+        startup.check_backend(cfg)
+    cfg, why = startup.check_backend(config.load(None, {"EPD_BACKEND": "cpu"}))
     assert cfg.class_engines == "off" and why.startswith("auto: the cpu backend")

@@ -15,7 +15,7 @@ import ranklib
 from conftest import TestDaemon
 
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
-from epd.server import supervisor as sup_mod
+from epd.server import startup
 
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -118,7 +118,7 @@ def test_set_aside_metrics_files_do_not_pile_up_in_a_given_folder(tmp_path, monk
     for name in ("counter_12.db", "histogram_13.db.unreadable", "keep.txt"):
         (folder / name).write_bytes(b"x")
     monkeypatch.setenv(METRICS_ENV, str(folder))
-    path, owned = sup_mod.prepare_metrics_dir()
+    path, owned = startup.prepare_metrics_dir()
     assert (path, owned) == (str(folder), False)
     assert sorted(os.listdir(folder)) == ["keep.txt"]
 
@@ -126,14 +126,14 @@ def test_set_aside_metrics_files_do_not_pile_up_in_a_given_folder(tmp_path, monk
 def test_the_lock_file_names_the_metrics_folder_and_a_refusal_the_pid(tmp_path):
     """The lock file's first line stays the holder's pid (a refused second daemon names it);
     the second line is the folder the next daemon removes if this one is killed."""
-    fd = sup_mod.lock_socket_dir(str(tmp_path))
+    fd = startup.lock_socket_dir(str(tmp_path))
     try:
-        sup_mod.record_metrics_dir(fd, "/nonexistent/epd-metrics-x")
-        with open(tmp_path / sup_mod.LOCK_NAME) as f:
+        startup.record_metrics_dir(fd, "/nonexistent/epd-metrics-x")
+        with open(tmp_path / startup.LOCK_NAME) as f:
             assert f.read() == f"{os.getpid()}\n/nonexistent/epd-metrics-x\n"
         try:
-            sup_mod.lock_socket_dir(str(tmp_path))
-        except sup_mod.StartupError as e:
+            startup.lock_socket_dir(str(tmp_path))
+        except startup.StartupError as e:
             assert f"(pid {os.getpid()})" in str(e), e
         else:
             raise AssertionError("a second lock of the folder succeeded")
@@ -142,8 +142,8 @@ def test_the_lock_file_names_the_metrics_folder_and_a_refusal_the_pid(tmp_path):
     # only a folder named like ours is ever removed, never another path the file names
     other = tmp_path / "not-ours"
     other.mkdir()
-    (tmp_path / sup_mod.LOCK_NAME).write_text(f"1\n{other}\n")
-    os.close(sup_mod.lock_socket_dir(str(tmp_path)))
+    (tmp_path / startup.LOCK_NAME).write_text(f"1\n{other}\n")
+    os.close(startup.lock_socket_dir(str(tmp_path)))
     assert other.is_dir()
 
 
@@ -153,20 +153,20 @@ def test_a_lock_taken_on_a_removed_lock_file_is_taken_again(tmp_path, monkeypatc
     file before that and locks it after holds a lock on a file no longer in the folder: a
     third daemon would create a fresh file and lock it too. The lock taken must be on the
     folder's file."""
-    real = sup_mod.fcntl.flock
+    real = startup.fcntl.flock
     calls = []
 
     def flock(fd, op):  # the first lock lands just after the old holder removed the file
         if not calls:
-            os.unlink(tmp_path / sup_mod.LOCK_NAME)
+            os.unlink(tmp_path / startup.LOCK_NAME)
         calls.append(op)
         return real(fd, op)
-    monkeypatch.setattr(sup_mod.fcntl, "flock", flock)
-    fd = sup_mod.lock_socket_dir(str(tmp_path))
+    monkeypatch.setattr(startup.fcntl, "flock", flock)
+    fd = startup.lock_socket_dir(str(tmp_path))
     try:
         # the removal really ran (the patched flock was reached) and the lock was taken again
         assert len(calls) >= 2, calls
-        assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / sup_mod.LOCK_NAME))
+        assert os.path.samestat(os.fstat(fd), os.stat(tmp_path / startup.LOCK_NAME))
     finally:
         os.close(fd)
 

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
-from epd.server import config, http, metrics
+from epd.server import config, http, metrics, node_service
 from epd.server import supervisor as sup_mod
 from epd.server.backends.cpu_plan import CpuPlanner
 
@@ -386,7 +386,7 @@ def test_the_daemon_raises_its_open_files_soft_limit():
     """`epd serve` takes the hard limit of open descriptors as its soft one (engines inherit
     it): a shell's 1024 let a few sessions exhaust an engine (a fuzzer)."""
     code = ("import resource\n"
-            "from epd.server.supervisor import raise_open_files_limit\n"
+            "from epd.server.startup import raise_open_files_limit\n"
             "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
             "raise_open_files_limit()\n"
@@ -405,9 +405,9 @@ def test_a_get_topology_flood_shares_its_reads_of_the_metrics_files(tmp_path, me
     from epd.proto.v1 import epd_pb2
 
     reads = []
-    monkeypatch.setattr(sup_mod, "sessions_without_mps", lambda: reads.append(1) or {"0": 2})
+    monkeypatch.setattr(node_service, "sessions_without_mps", lambda: reads.append(1) or {"0": 2})
     sup = sup_mod.Supervisor(_cfg(tmp_path), CpuPlanner(str(tmp_path / "shm")), 1)
-    node = sup_mod.NodeService(sup)
+    node = node_service.NodeService(sup)
 
     async def flood() -> list:
         return await asyncio.gather(*(node.GetTopology(epd_pb2.GetTopologyRequest(), None)

@@ -27,7 +27,7 @@ from prometheus_client import REGISTRY
 from ranklib import wait_until
 
 from epd.proto.v1 import epd_pb2
-from epd.server import config
+from epd.server import config, startup
 from epd.server import supervisor as sup_mod
 from epd.server.backends.cpu_plan import CpuPlanner
 from epd.server.engine.executor import EngineState, SessionExecutor
@@ -183,20 +183,20 @@ def test_a_failed_first_spawn_stops_the_engines_and_leaves_nothing(folder, monke
     and the metrics folder are removed, and `epd serve` exits 2 with one line saying why."""
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")  # (restored afterwards; run() sets it)
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
-    monkeypatch.setattr(sup_mod.spin, "set_timer_slack_ns", lambda ns: None)
+    monkeypatch.setattr(startup.spin, "set_timer_slack_ns", lambda ns: None)
     for sub in ("sock", "shm"):
         os.makedirs(os.path.join(folder, sub))
     cfg = config.load(None, {"EPD_BACKEND": "cpu", "EPD_SOCKET_DIR": f"{folder}/sock",
                              "EPD_SHM_DIR": f"{folder}/shm", "EPD_METRICS_PORT": "0",
                              "EPD_ENGINES": "2", "EPD_DRAIN_SECONDS": "0.2"})
     made: list[str] = []
-    prepare = sup_mod.prepare_metrics_dir
+    prepare = startup.prepare_metrics_dir
 
     def prepare_metrics_dir():
         path, owned = prepare()
         made.append(path)
         return path, owned
-    monkeypatch.setattr(sup_mod, "prepare_metrics_dir", prepare_metrics_dir)
+    monkeypatch.setattr(startup, "prepare_metrics_dir", prepare_metrics_dir)
     started: list[FakeProc] = []
 
     def spawn(self, e: sup_mod.EngineProc) -> None:
@@ -206,7 +206,7 @@ def test_a_failed_first_spawn_stops_the_engines_and_leaves_nothing(folder, monke
         started.append(e.proc)
     monkeypatch.setattr(sup_mod.Supervisor, "_spawn", spawn)
     try:
-        rc = sup_mod.run(cfg)
+        rc = startup.run(cfg)
     finally:
         for path in made:  # (the metrics folder, if the run left it: reported below)
             leftover = os.path.exists(path)
@@ -309,16 +309,16 @@ def test_sighup_stops_the_daemon_cleanly(tmpdir_env):
 
 EARLY_SIGNAL = textwrap.dedent('''
     import os, signal, sys
-    from epd.server import cli, supervisor
+    from epd.server import cli, startup
 
-    prepare = supervisor.prepare_metrics_dir
+    prepare = startup.prepare_metrics_dir
 
     def prepare_metrics_dir():  # (the window between the first files and the event loop)
         made = prepare()
         os.kill(os.getpid(), int(sys.argv[1]))
         return made
 
-    supervisor.prepare_metrics_dir = prepare_metrics_dir
+    startup.prepare_metrics_dir = prepare_metrics_dir
     sys.exit(cli.main(["serve", "--backend", "cpu", "--engines", "1", "--socket-dir",
                        sys.argv[2], "--shm-dir", sys.argv[3], "--metrics-port", "0"]))
 ''')
@@ -342,14 +342,14 @@ def test_a_stop_signal_before_the_event_loop_leaves_nothing(folder, tmpdir_env, 
 
 HUNG_START = textwrap.dedent('''
     import os, signal, sys, time
-    from epd.server import cli, supervisor
+    from epd.server import cli, startup
 
     def check_backend(cfg):  # (a backend check stuck in a wedged driver)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(60)
         raise AssertionError("the stop signal did not end the start")
 
-    supervisor.check_backend = check_backend
+    startup.check_backend = check_backend
     sys.exit(cli.main(["serve", "--backend", "cpu", "--engines", "1", "--socket-dir",
                        sys.argv[1], "--shm-dir", sys.argv[2], "--metrics-port", "0"]))
 ''')
