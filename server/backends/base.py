@@ -344,18 +344,31 @@ def ll_overwritten(sequence: int, buffer: int, latest: int) -> str:
             f"double buffer): combine each before a third dispatch reuses its buffer")
 
 
+COMBINE_CHECK_ELEMENTS = 1 << 22  # check_combine_routing compares this many pairs at a time
+
+
 def check_combine_routing(dispatched: np.ndarray, combine: np.ndarray) -> np.ndarray:
     """Low-latency combine entries must each name one of the token's dispatched experts (any k
     position, -1 allowed). Returns, per entry, the k position in the dispatch."""
     from ...proto.errors import InvalidArgument
-    eq = (dispatched[:, None, :] == combine[:, :, None]) & (combine[:, :, None] >= 0)
-    missing = (combine >= 0) & ~eq.any(axis=2)
-    if missing.any():
-        tok, kk = (int(v) for v in np.argwhere(missing)[0])
-        raise InvalidArgument(f"topk_idx[{tok}, {kk}] = {int(combine[tok, kk])}: token {tok} "
-                              f"was not dispatched to that expert by the dispatch of this "
-                              f"handle")
-    return eq.argmax(axis=2)
+    t, k = combine.shape
+    # The comparison is [rows, K, K]: by chunks of rows, so that its memory stays bounded
+    # (whole, T = 2^20 and K = 64 made 8 GiB of temporaries that no budget counted: a tenant
+    # could have the engine OOM-killed with every other tenant's sessions).
+    rows = max(1, COMBINE_CHECK_ELEMENTS // max(1, k * dispatched.shape[1]))
+    out = np.empty((t, k), dtype=np.int64)
+    for start in range(0, t, rows):
+        c, d = combine[start:start + rows], dispatched[start:start + rows]
+        eq = (d[:, None, :] == c[:, :, None]) & (c[:, :, None] >= 0)
+        missing = (c >= 0) & ~eq.any(axis=2)
+        if missing.any():
+            tok, kk = (int(v) for v in np.argwhere(missing)[0])
+            tok += start
+            raise InvalidArgument(f"topk_idx[{tok}, {kk}] = {int(combine[tok, kk])}: token "
+                                  f"{tok} was not dispatched to that expert by the dispatch of "
+                                  f"this handle")
+        out[start:start + rows] = eq.argmax(axis=2)
+    return out
 
 
 class Region(abc.ABC):

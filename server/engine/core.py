@@ -52,6 +52,7 @@ from ..backends.base import (
 from ..config import Config, in_pool, node_metadata
 from ..engine_slots import EngineSlot
 from ..mps import ENGINE_ENV as MPS_ENGINE_ENV
+from .backlog import CallBacklog
 from .executor import EngineState, SessionExecutor
 from .fast_path import FastPathServer
 from .ops import DataPlane
@@ -211,6 +212,7 @@ class Engine(StreamCalls, DataPlane):
         # closes (fd_server.py: at most MAX_UNBOUND_PER_UID connections of a uid hold one).
         self.tickets: dict[bytes, ChannelTicket] = {}
         self.state = EngineState(index)
+        self.backlog = CallBacklog()  # gRPC calls under way per session (backlog.py)
         self._label = str(index)
         self._node_channel: grpc.aio.Channel | None = None
         # CUDA MPS: the pipe folder of the server this engine's context is on (empty: none;

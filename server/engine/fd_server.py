@@ -37,6 +37,7 @@ from ...proto.errors import EpdError, InvalidArgument, PermissionDenied, status_
 from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics
+from .decoding import RateLimitedLog
 from .executor import as_epd_error
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ MAX_PER_SESSION = 4
 # the channel waits this long and accepts again.
 ACCEPT_BUSY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_RETRY_SECONDS = 0.1
+REFUSALS = RateLimitedLog()  # refused connections: one line per uid a second
 
 
 def per_uid_cap(max_sessions_per_uid: int) -> int:
@@ -141,9 +143,11 @@ class FdServer:
                 unbound, held = self._unbound.get(uid, 0), self._of_uid.get(uid, 0)
                 if len(self._conns) >= MAX_CONNECTIONS or unbound >= MAX_UNBOUND_PER_UID \
                         or held >= self.per_uid:
-                    log.warning("descriptor channel: %d connections open (%d of uid %d, %d "
-                                "of them not authenticated), refusing another",
-                                len(self._conns), held, uid, unbound)
+                    # (rate-limited: a client that connects in a loop wrote 30,000 lines a
+                    # second, filling the disk or hiding other tenants' lines)
+                    REFUSALS.warning(f"refused:{uid}", f"descriptor channel: {len(self._conns)} "
+                                     f"connections open ({held} of uid {uid}, {unbound} of "
+                                     f"them not authenticated), refusing another")
                     conn.close()
                     continue
                 self._conns.add(conn)

@@ -11,6 +11,7 @@ have a handler in `CONTROL`. OpenSession, the session's lease, is the one stream
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -176,19 +177,12 @@ def _unary(engine: Engine, name: str, fn: Handler):
             # Before anything else (even the drain's refusal, which aborts the named session's
             # group): a call naming a session must carry that session's token.
             sid = getattr(request, "session_id", "")
-            if sid:
-                engine.authenticate(sid, session_token(context))
-            try:
-                engine.state.enter()
-            except EpdError as refused:
-                await asyncio.to_thread(engine.refuse, name, request, refused)
-                raise
-            remaining = context.time_remaining()
-            CLIENT_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
-            try:
-                return await fn(engine, request)
-            finally:
-                engine.state.leave()
+            held: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if sid:  # (and a bounded backlog of its calls under way: backlog.py)
+                held = engine.backlog.hold(engine.authenticate(sid, session_token(context)),
+                                           name, request)
+            with held:
+                return await _admitted(engine, name, request, context, fn)
         except grpc.aio.AbortError:
             raise
         except asyncio.CancelledError:  # the client's deadline passed or it cancelled: counted
@@ -206,6 +200,22 @@ def _unary(engine: Engine, name: str, fn: Handler):
 
     method.__name__ = name
     return method
+
+
+async def _admitted(engine: Engine, name: str, request: Message,
+                    context: grpc.aio.ServicerContext, fn: Handler) -> Message:
+    """Run a call unless the engine refuses calls (its drain)."""
+    try:
+        engine.state.enter()
+    except EpdError as refused:
+        await asyncio.to_thread(engine.refuse, name, request, refused)
+        raise
+    remaining = context.time_remaining()
+    CLIENT_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
+    try:
+        return await fn(engine, request)
+    finally:
+        engine.state.leave()
 
 
 class EngineService(epd_pb2_grpc.EngineServicer):
