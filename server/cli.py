@@ -39,8 +39,11 @@ def _serve(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format="%(asctime)s supervisor %(levelname)s %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # (stacks on demand, as engines)
-    from .startup import run
-    return run(cfg)
+    from .exit_deadline import exit_within
+    from .startup import EXIT_SECONDS, log, run
+    code = run(cfg)
+    exit_within(EXIT_SECONDS, code, log)  # (everything is removed by now: see startup.run)
+    return code
 
 
 def _demo(ns: argparse.Namespace) -> int:

@@ -154,8 +154,11 @@ class Coordinator:
         if len(g.members) == spec.num_ranks:
             self._form(g)
         try:
-            await asyncio.wait_for(g.formed.wait(),
-                                   timeout=req.timeout_seconds or self.default_timeout)
+            # (Not asyncio.wait_for: on Python 3.11 a cancellation that lands as the wait ends
+            # is lost, and a rank whose engine gave up stayed in the formed group, its peers
+            # waiting out the attach deadline: the release below never ran.)
+            async with asyncio.timeout(req.timeout_seconds or self.default_timeout):
+                await g.formed.wait()
         except TimeoutError:
             # The deadline and the last rank's arrival can land in one turn of the event loop:
             # the timer fires, then the last rank forms the group before this task wakes. The
@@ -254,8 +257,8 @@ class Coordinator:
         if len(g.attached) == g.spec.num_ranks:
             g.all_attached.set()
         try:
-            await asyncio.wait_for(g.all_attached.wait(),
-                                   timeout=req.timeout_seconds or self.default_timeout)
+            async with asyncio.timeout(req.timeout_seconds or self.default_timeout):
+                await g.all_attached.wait()  # (not wait_for: as in rendezvous)
         except TimeoutError:
             # (as in rendezvous: the last attach may come in the turn the deadline fired; the
             # barrier is then open and this rank goes on with its peers, rather than failing

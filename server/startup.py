@@ -26,6 +26,10 @@ from .supervisor import STOP_SIGNALS, StartupError, Stopped, Supervisor
 log = logging.getLogger("epd.supervisor")
 LOCK_NAME = "epd.lock"  # in the socket folder: held (flock) for the daemon's life
 METRICS_PREFIX = "epd-metrics-"  # the metrics folder a daemon makes (tempfile.mkdtemp)
+LOOP_CLOSE_SECONDS = 2.0  # tasks left when the supervisor's run() ends get this long to end
+# `epd serve`'s process ends this long after run() returned, whatever thread is still running
+# (exit_deadline): a stop ends in a bounded time even if something hangs at interpreter exit.
+EXIT_SECONDS = 5.0
 
 
 class EarlyStop:
@@ -201,11 +205,35 @@ def check_backend(cfg: Config) -> tuple[Config, str]:
 
 
 def _event_loop_run(coro) -> int:
+    """Run the supervisor on a fresh loop (uvloop where installed), closed within a bound:
+    asyncio.run's close waits without a limit for every task left to end its cancellation
+    and for the default executor's threads, so one task that swallowed its cancellation (as
+    grpc.aio's stream set-up can) or one read stuck in a thread kept the daemon from exiting,
+    and from the teardown after its loop (leftover engines, private MPS, lock, metrics
+    folder)."""
     try:
         import uvloop  # optional: only its absence falls back, not an ImportError inside
+        loop = uvloop.new_event_loop()
     except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        try:
+            left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            for t in left:
+                t.cancel()
+            if left:
+                loop.run_until_complete(asyncio.wait(left, timeout=LOOP_CLOSE_SECONDS))
+            stuck = [t.get_name() for t in left if not t.done()]
+            if stuck:
+                log.error("task(s) %s did not end %.0f s after their cancellation; the daemon "
+                          "exits without them", ", ".join(stuck), LOOP_CLOSE_SECONDS)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()  # (its default executor shut down without waiting for its threads)
 
 
 def _stop_mps(sup: Supervisor) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from epd.server import config as config_mod
 from epd.server import mps as mps_mod
+from epd.server import startup
 from epd.server import supervisor as supervisor_mod
 from epd.server.config import Config
 
@@ -425,16 +426,18 @@ STOP_MARGIN_SECONDS = 15.0
 def stop_bound(env: dict[str, str]) -> float:
     """The longest a graceful stop (SIGTERM to the supervisor) can take, from the code's own
     constants, with the drain that `env` sets (else Config's default): Supervisor.stop_engines
-    (the drain, then SIGKILL, then the wait for the killed), the servers' grace,
+    (the drain, then SIGKILL, then the wait for the killed), the cancellations of the lease
+    with node 0, the servers' grace, the loop's close (tasks that ignore their cancellation),
     stop_leftover_engines for an engine that still had not exited (SIGTERM, SIGKILL, wait),
-    then Mps.stop's quit of a private server (the command, the wait, SIGTERM and its wait)."""
+    then Mps.stop's quit of a private server (the command, the wait, SIGTERM and its wait), and
+    the process's exit deadline (threads still running at exit)."""
     drain = float(env.get("EPD_DRAIN_SECONDS", Config.drain_seconds))
     sup, mps = supervisor_mod, mps_mod
     return (drain + sup.DRAIN_EXTRA_SECONDS + sup.KILLED_EXIT_SECONDS
-            + SERVERS_STOP_SECONDS
+            + sup.CANCEL_TRIES * 1.0 + SERVERS_STOP_SECONDS + startup.LOOP_CLOSE_SECONDS
             + sup.LEFTOVER_ENGINE_SECONDS + sup.KILLED_EXIT_SECONDS
             + mps.COMMAND_SECONDS + mps.STOP_SECONDS + mps.KILL_SECONDS
-            + STOP_MARGIN_SECONDS)
+            + startup.EXIT_SECONDS + STOP_MARGIN_SECONDS)
 
 
 def unit_env(path: Path) -> dict[str, str]:

@@ -98,6 +98,35 @@ def test_a_rendezvous_deadline_racing_the_last_arrival_keeps_the_rank() -> None:
     coord.close()
 
 
+def test_a_join_cancelled_as_the_group_forms_releases_its_rank() -> None:
+    """Rank 0's engine gives up (gRPC cancels its Rendezvous) in the turns after the last rank
+    formed the group, before rank 0's wait resumed: the rank must be released (its engine
+    never learns the group's id), not kept in the group for its peers to wait out the attach
+    deadline. asyncio.wait_for on Python 3.11 returned the placement instead (a review)."""
+    async def trial(turns: int) -> bool:
+        coord = Coordinator(cpu_plan.CpuPlanner())
+        spec = _spec(_name(f"cancel-formed-{turns}"))
+        first = asyncio.ensure_future(coord.rendezvous(_req(spec, 0, 5)))
+        await asyncio.sleep(0.05)
+        last = asyncio.ensure_future(coord.rendezvous(_req(spec, 1, 5)))
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        answered = first.done()  # (then its placement went out: nothing to release)
+        first.cancel()
+        got = await asyncio.gather(first, last, return_exceptions=True)
+        g = next(iter(coord.by_id.values()), None)
+        if not answered:
+            assert isinstance(got[0], asyncio.CancelledError), (turns, got[0])
+            assert g is None or 0 in g.released, (turns, g.released)
+        coord.close()
+        return not answered
+
+    async def run():
+        cut = [await trial(turns) for turns in range(5)]
+        assert cut[0] and cut[1], cut  # (the turns where wait_for lost the cancellation)
+    asyncio.run(run())
+
+
 def test_an_attach_deadline_racing_the_last_attach_opens_the_barrier() -> None:
     """The same at the attach barrier: the last rank attaches in the turn rank 0's attach
     deadline fires. Rank 0 failed "rank(s) [] did not attach" (and its engine's drop then

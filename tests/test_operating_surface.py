@@ -420,3 +420,23 @@ def test_a_get_topology_flood_shares_its_reads_of_the_metrics_files(tmp_path, me
         await node.GetTopology(epd_pb2.GetTopologyRequest(), None)
         assert len(reads) == 3  # (a later call: read again)
     asyncio.run(run())
+
+    # Callers whose deadline cuts their wait short leave the read running, still one at a time
+    running, most = [0], [0]
+
+    def slow_read() -> dict:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        time.sleep(0.02)
+        running[0] -= 1
+        return {"0": 1}
+    monkeypatch.setattr(node_service, "sessions_without_mps", slow_read)
+
+    async def cut_short() -> None:
+        for _ in range(60):
+            call = asyncio.ensure_future(node.GetTopology(epd_pb2.GetTopologyRequest(), None))
+            await asyncio.sleep(0.002)
+            call.cancel()
+        await asyncio.sleep(0.1)
+    asyncio.run(cut_short())
+    assert most[0] == 1, most

@@ -447,6 +447,52 @@ def test_an_engine_without_stuck_work_exits_at_once():
     assert took < 25  # (well before the 30 s deadline would cut it short)
 
 
+SUPERVISOR_EXIT = textwrap.dedent('''
+    import asyncio, contextlib, sys, threading
+    from epd.server import cli, startup
+
+    startup.EXIT_SECONDS = 1.0
+
+    async def stubborn():  # a task that swallows every cancellation (as grpc.aio's set-up can)
+        while True:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    async def supervisor_run():
+        asyncio.ensure_future(stubborn())
+        threading.Thread(target=threading.Event().wait, name="stuck-read").start()
+        await asyncio.sleep(0.1)
+        return 0
+
+    def run(cfg):  # the loop as startup.run drives it, then its return
+        code = startup._event_loop_run(supervisor_run())
+        print("run returned", flush=True)
+        return code
+
+    startup.run = run
+    sys.exit(cli.main(["serve", "--backend", "cpu", "--engines", "1", "--socket-dir",
+                       sys.argv[1], "--metrics-port", "0"]))
+''')
+
+
+def test_the_supervisor_exits_despite_a_stubborn_task_and_a_stuck_thread(folder):
+    """A task left on the supervisor's loop that ignores its cancellation, and a thread that
+    never returns: asyncio.run's close waited for both without a limit (CI once saw a daemon
+    keep running 30 s after SIGTERM). The loop closes within LOOP_CLOSE_SECONDS, the process
+    ends EXIT_SECONDS after run() returned, with run()'s code, naming the thread."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("EPD_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", SUPERVISOR_EXIT, os.path.join(folder, "sock")],
+                         env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert "run returned" in out.stdout, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "did not end 2 s after their cancellation" in out.stderr, out.stderr[-3000:]
+    assert "exiting now with code 0" in out.stderr and "stuck-read" in out.stderr
+    assert took < 30
+
+
 # -- 7. background work of a session that fails --------------------------------------------------
 def test_a_failing_region_close_is_logged(caplog):
     ex = SessionExecutor(EngineState(0), "session-b")

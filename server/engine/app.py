@@ -18,8 +18,6 @@ import os
 import platform
 import signal
 import sys
-import threading
-import time
 from typing import Any
 
 import grpc
@@ -31,6 +29,7 @@ from .. import config as config_mod
 from .. import metrics
 from ..backends import make_backend
 from ..engine_slots import EngineSlot
+from ..exit_deadline import exit_within
 from ..service_classes import CLASS_NAMES
 from . import gc_pauses
 from .core import Engine
@@ -159,31 +158,6 @@ async def serve(cfg: config_mod.Config, slot: EngineSlot) -> None:
     log.info("engine %d stopped", index)
 
 
-def exit_within(seconds: float, code: int) -> None:
-    """Arm the end of the engine's life, once serve() is done. Its exit joins threads: each
-    session's worker (concurrent.futures joins them at exit) and asyncio's default executor.
-    One stuck in an operation that never returns (a driver call the drain gave up on) would
-    keep the process forever, holding its device: if it has not exited `seconds` from now, the
-    threads still running are logged, the logs flushed, and the process ends with `code`.
-    (Metrics need no flush: their files are shared mappings.)"""
-    def cut_short() -> None:
-        time.sleep(seconds)
-        me = threading.current_thread()
-        stuck = [t.name for t in threading.enumerate()
-                 if t is not me and t is not threading.main_thread() and not t.daemon]
-        log.error("still not exited %.0f s after it stopped serving: thread(s) %s never "
-                  "returned (a stuck operation); exiting now with code %d", seconds,
-                  ", ".join(stuck) or "(none)", code)
-        for handler in logging.getLogger().handlers:
-            with contextlib.suppress(Exception):
-                handler.flush()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
-    threading.Thread(target=cut_short, name="epd-exit-deadline", daemon=True).start()
-
-
 async def serve_then_exit(cfg: config_mod.Config, slot: EngineSlot) -> None:
     """serve(), then the bounded exit (exit_within) with the status the process means to end
     with: 0 after a stop, STARTUP_FAILED (or another SystemExit's), 1 after an error."""
@@ -195,7 +169,7 @@ async def serve_then_exit(cfg: config_mod.Config, slot: EngineSlot) -> None:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
         raise
     finally:
-        exit_within(EXIT_SECONDS, code)
+        exit_within(EXIT_SECONDS, code, log)
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
