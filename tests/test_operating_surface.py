@@ -440,3 +440,20 @@ def test_a_get_topology_flood_shares_its_reads_of_the_metrics_files(tmp_path, me
         await asyncio.sleep(0.1)
     asyncio.run(cut_short())
     assert most[0] == 1, most
+
+
+def test_a_short_open_files_limit_is_named_at_start(tmp_path):
+    """The budgets do not count descriptors: `epd serve` under a limit that cannot cover the
+    sessions they allow says so at start, with the value it needs."""
+    code = ("import logging, resource, sys\n"
+            "logging.basicConfig(level='INFO', format='%(message)s')\n"
+            "from epd.server import config, startup\n"
+            "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), min(4096, hard)))\n"
+            "startup.check_open_files_limit(config.load(None, {}))\n"
+            "startup.check_open_files_limit(config.load(None, {'EPD_MAX_SESSIONS': '4'}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "open-files limit" in ln]
+    assert len(lines) == 1, r.stderr  # (4 sessions fit in 4096)
+    assert "not --max-sessions 256" in lines[0] and "to 116992 or more" in lines[0], lines[0]

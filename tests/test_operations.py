@@ -165,7 +165,7 @@ def test_systemd_unit_limits_fds():
     with open(os.path.join(os.path.dirname(__file__), "..", "deploy", "systemd",
                            "epd.service")) as f:
         unit = f.read()
-    assert re.search(r"^LimitNOFILE=65536$", unit, re.M)
+    assert re.search(r"^LimitNOFILE=1048576$", unit, re.M)
 
 
 # -- 8: deadlines are finite numbers -------------------------------------------------------------
