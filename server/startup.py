@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..proto import spin
 from .config import Config, resolve_class_engines
+from .open_files import raise_open_files_limit
 from .supervisor import STOP_SIGNALS, StartupError, Stopped, Supervisor
 
 log = logging.getLogger("epd.supervisor")
@@ -250,46 +251,6 @@ def _stop_mps(sup: Supervisor) -> None:
             signal.signal(s, handler)
 
 
-def raise_open_files_limit() -> None:
-    """The soft limit of open descriptors up to the hard one, for this process and the engines
-    it forks (as Go's runtime does): every session holds descriptors (a region's mapping, a
-    group's, channel connections), and a shell's 1024 lets a few sessions exhaust an engine
-    (a fuzzer: another tenant's OpenSession then failed with "Too many open files"). The
-    budgets do not count descriptors: size LimitNOFILE to the sessions and regions allowed
-    (README, "Operating it")."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20  # (Linux's default nr_open)
-    if soft != resource.RLIM_INFINITY and soft < want:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
-# What one session can hold open in an engine at its budgets: a descriptor per region (its
-# mapping keeps one), about three per group, and its own few (counter page, fast-path ring,
-# descriptor-channel connections); the engine's own take the reserve.
-SESSION_DESCRIPTORS, GROUP_DESCRIPTORS, RESERVED_DESCRIPTORS = 8, 3, 256
-
-
-def check_open_files_limit(cfg: Config) -> None:
-    """Warn when the open-files limit does not cover the sessions the budgets allow: the
-    budgets do not count descriptors, so past the limit the engine refuses whoever comes next
-    (RESOURCE_EXHAUSTED), another tenant as likely as the one that used them up."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    per_session = (cfg.max_regions_per_session + GROUP_DESCRIPTORS * cfg.max_groups_per_session
-                   + SESSION_DESCRIPTORS)
-    need = cfg.max_sessions * per_session + RESERVED_DESCRIPTORS
-    if soft != resource.RLIM_INFINITY and soft < need:
-        log.warning("the open-files limit (%d) covers about %d full sessions of an engine at the "
-                    "per-session budgets (~%d descriptors each), not --max-sessions %d: raise "
-                    "LimitNOFILE (ulimit -n) to %d or more, or lower the budgets", soft,
-                    max(0, soft - RESERVED_DESCRIPTORS) // per_session, per_session,
-                    cfg.max_sessions, need)
-
-
 def run(cfg: Config) -> int:
     """The daemon's life; every start-up error is one line on stderr and exit code 2, and the
     metrics folder this daemon created is removed on every exit path."""
@@ -305,7 +266,6 @@ def run(cfg: Config) -> int:
     # first instruction, so every engine thread has it (one an import starts too; proto/spin.py).
     spin.set_timer_slack_ns(spin.ENGINE_TIMER_SLACK_NS)
     raise_open_files_limit()
-    check_open_files_limit(cfg)
     try:
         check_folders(cfg)
         lock_fd = lock_socket_dir(cfg.socket_dir)

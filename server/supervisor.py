@@ -35,6 +35,7 @@ from .config import (
 from .engine_slots import EngineSlot, engine_slots
 from .mps import Mps, MpsError
 from .node_service import NodeService
+from .open_files import check_open_files_limit
 from .service_classes import THROUGHPUT
 
 if TYPE_CHECKING:
@@ -566,6 +567,7 @@ class Supervisor:
                  self.mps.mode)
         if self.class_engines_why:
             log.info("class engines %s (%s)", cfg.class_engines, self.class_engines_why)
+        check_open_files_limit(cfg)
         for pool in cfg.tenants:
             log.info("tenant pool %s (uids %s, gids %s): engines %s", pool.name,
                      sorted(pool.uids) or "-", sorted(pool.gids) or "-",

@@ -386,7 +386,7 @@ def test_the_daemon_raises_its_open_files_soft_limit():
     """`epd serve` takes the hard limit of open descriptors as its soft one (engines inherit
     it): a shell's 1024 let a few sessions exhaust an engine (a fuzzer)."""
     code = ("import resource\n"
-            "from epd.server.startup import raise_open_files_limit\n"
+            "from epd.server.open_files import raise_open_files_limit\n"
             "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
             "raise_open_files_limit()\n"
@@ -447,11 +447,11 @@ def test_a_short_open_files_limit_is_named_at_start(tmp_path):
     sessions they allow says so at start, with the value it needs."""
     code = ("import logging, resource, sys\n"
             "logging.basicConfig(level='INFO', format='%(message)s')\n"
-            "from epd.server import config, startup\n"
+            "from epd.server import config, open_files\n"
             "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), min(4096, hard)))\n"
-            "startup.check_open_files_limit(config.load(None, {}))\n"
-            "startup.check_open_files_limit(config.load(None, {'EPD_MAX_SESSIONS': '4'}))\n")
+            "open_files.check_open_files_limit(config.load(None, {}))\n"
+            "open_files.check_open_files_limit(config.load(None, {'EPD_MAX_SESSIONS': '4'}))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if "open-files limit" in ln]
