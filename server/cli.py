@@ -41,9 +41,12 @@ def _serve(ns: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # (stacks on demand, as engines)
     from .exit_deadline import exit_within
     from .startup import EXIT_SECONDS, log, run
-    code = run(cfg)
-    exit_within(EXIT_SECONDS, code, log)  # (everything is removed by now: see startup.run)
-    return code
+    code = 1  # (an exception out of run(): a bug; the traceback follows)
+    try:
+        code = run(cfg)
+        return code
+    finally:  # (everything is removed by now: see startup.run)
+        exit_within(EXIT_SECONDS, code, log)
 
 
 def _demo(ns: argparse.Namespace) -> int:

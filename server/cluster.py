@@ -449,7 +449,8 @@ class ClusterMember:
                 await asyncio.sleep(self.cfg.cluster_heartbeat_seconds)
         finally:
             self.connected = False
-            await self._channel.close()
+            # (shielded: a stop cancels this task again each second, and the close goes on)
+            await asyncio.shield(self._channel.close())
 
     def _heartbeat(self) -> epd_pb2.ClusterHeartbeat:
         return epd_pb2.ClusterHeartbeat(node_rank=self.cfg.node_rank,

@@ -159,6 +159,11 @@ class Coordinator:
             # waiting out the attach deadline: the release below never ran.)
             async with asyncio.timeout(req.timeout_seconds or self.default_timeout):
                 await g.formed.wait()
+            # One turn before the placement: a peer whose join was cancelled as the group
+            # formed (its client went away) is released then, aborting the group, and this
+            # rank is told here rather than at the attach barrier. (An already-set event
+            # returns without yielding; wait_for's inner task gave this turn.)
+            await asyncio.sleep(0)
         except TimeoutError:
             # The deadline and the last rank's arrival can land in one turn of the event loop:
             # the timer fires, then the last rank forms the group before this task wakes. The

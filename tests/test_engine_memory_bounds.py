@@ -182,3 +182,35 @@ def test_refused_descriptor_connections_are_logged_rate_limited():
             for c in held:
                 c.close()
         _bystander_round(d, "after-flood")
+
+
+def test_calls_cancelled_while_they_wait_for_the_worker_leave_no_job_behind():
+    """The backlog counts calls under way; a call cancelled (its deadline) while it waited in
+    the worker's queue stayed there with its request, uncounted, until the worker got to it:
+    a review grew an engine by 1.4 GiB with short-deadline calls behind a blocked dispatch.
+    Now one call of the session is in the worker at a time, the others wait as coroutines,
+    and a cancelled one is gone at once; one already in the worker is not run."""
+    import asyncio
+
+    from epd.server.engine import executor
+
+    ex = executor.SessionExecutor(executor.EngineState(0), "session-t")
+    release, ran = threading.Event(), []
+
+    async def main() -> None:
+        blocked = asyncio.ensure_future(ex.run(release.wait, 30))
+        await asyncio.sleep(0.05)
+        for i in range(300):
+            call = asyncio.ensure_future(ex.run(ran.append, i))
+            await asyncio.sleep(0)
+            call.cancel()
+        assert ex.worker._work_queue.qsize() == 0  # (only the blocked call, running)
+        queued = asyncio.ensure_future(ex.run(ran.append, "last"))
+        await asyncio.sleep(0.05)
+        release.set()
+        assert await blocked is True
+        await queued
+    asyncio.run(main())
+    ex.worker.shutdown(wait=True)
+    ex._waits.shutdown(wait=True)
+    assert ran == ["last"], ran[:5]

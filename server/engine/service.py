@@ -28,6 +28,7 @@ from .. import __version__, metrics
 from .core import Engine
 from .decoding import check, deserializer
 from .executor import CLIENT_DEADLINE, as_epd_error
+from .state import Session
 
 log = logging.getLogger("epd.engine")
 Handler = Callable[[Engine, Message], Awaitable[Message]]
@@ -177,12 +178,8 @@ def _unary(engine: Engine, name: str, fn: Handler):
             # Before anything else (even the drain's refusal, which aborts the named session's
             # group): a call naming a session must carry that session's token.
             sid = getattr(request, "session_id", "")
-            held: contextlib.AbstractContextManager = contextlib.nullcontext()
-            if sid:  # (and a bounded backlog of its calls under way: backlog.py)
-                held = engine.backlog.hold(engine.authenticate(sid, session_token(context)),
-                                           name, request)
-            with held:
-                return await _admitted(engine, name, request, context, fn)
+            session = engine.authenticate(sid, session_token(context)) if sid else None
+            return await _admitted(engine, name, request, context, fn, session)
         except grpc.aio.AbortError:
             raise
         except asyncio.CancelledError:  # the client's deadline passed or it cancelled: counted
@@ -203,8 +200,10 @@ def _unary(engine: Engine, name: str, fn: Handler):
 
 
 async def _admitted(engine: Engine, name: str, request: Message,
-                    context: grpc.aio.ServicerContext, fn: Handler) -> Message:
-    """Run a call unless the engine refuses calls (its drain)."""
+                    context: grpc.aio.ServicerContext, fn: Handler,
+                    session: Session | None) -> Message:
+    """Run a call unless the engine refuses calls (its drain: refused first, so that its
+    group is aborted for its peers) or the session has too many under way (backlog.py)."""
     try:
         engine.state.enter()
     except EpdError as refused:
@@ -213,7 +212,9 @@ async def _admitted(engine: Engine, name: str, request: Message,
     remaining = context.time_remaining()
     CLIENT_DEADLINE.set(None if remaining is None else time.monotonic() + remaining)
     try:
-        return await fn(engine, request)
+        with (engine.backlog.hold(session, name, request) if session is not None
+              else contextlib.nullcontext()):
+            return await fn(engine, request)
     finally:
         engine.state.leave()
 
