@@ -33,14 +33,20 @@ import grpc
 from ..proto.errors import EpdError
 from ..proto.v1 import epd_pb2, epd_pb2_grpc
 from .cluster_world import NodeState, WorldKeeper
-from .config import CLUSTER_TOKEN_METADATA, Config, parse_ids, read_pem
+from .config import CLUSTER_TOKEN_METADATA, MAX_ENGINES, Config, parse_ids, read_pem
+from .rate_limited_log import RateLimitedLog
 
 if TYPE_CHECKING:
     from .supervisor import Supervisor
 
 log = logging.getLogger("epd.cluster")
+WRONG_TOKEN = RateLimitedLog(log)  # Cluster calls refused for a wrong token
 MISSED_HEARTBEATS = 3  # a lease ends after this many heartbeat periods without one
 FORWARD_MARGIN_SECONDS = 5.0  # a forwarded call's deadline beyond the rendezvous's own
+# What node 0 takes of a node's heartbeat (heartbeat_problem), and the lease events a node
+# takes from node 0 (every node's engines: MAX_NODES heartbeats' worth fit)
+MAX_NODE_NAME_BYTES, MAX_HEARTBEAT_BYTES = 255, 64 << 10
+CLUSTER_MESSAGE_BYTES = 128 << 20
 RELEASE_TIMEOUT_SECONDS = 5.0
 RELEASE_RETRY_SECONDS, RELEASE_RETRY_MAX_SECONDS = 0.2, 5.0  # backoff of a lost release
 # Settings every node must share: how a group spanning nodes is planned (node 0) and laid out
@@ -90,6 +96,21 @@ def current_task_cancelling() -> bool:
     """Whether this task was asked to stop, even where a library swallowed the CancelledError."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+def heartbeat_problem(hb: epd_pb2.ClusterHeartbeat) -> str | None:
+    """Why node 0 refuses a heartbeat, or None. Every node's engines go into every lease's
+    events: unbounded, one token-holding node's 2.5 MB name cut every other node's lease
+    (events past gRPC's message limit) and node 0's topology."""
+    name = len(hb.node_name.encode())
+    if name > MAX_NODE_NAME_BYTES:
+        return f"node_name of {name} bytes: at most {MAX_NODE_NAME_BYTES}"
+    if len(hb.engines) > MAX_ENGINES:
+        return f"{len(hb.engines)} engines: a node runs at most {MAX_ENGINES}"
+    size = hb.ByteSize()
+    if size > MAX_HEARTBEAT_BYTES:
+        return f"a heartbeat of {size} bytes: at most {MAX_HEARTBEAT_BYTES}"
+    return None
 
 
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -191,8 +212,9 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                                 f"(metadata {CLUSTER_TOKEN_METADATA!r})")
         if not (isinstance(sent, str)
                 and hmac.compare_digest(sent.encode(), self.token.encode())):
-            log.warning("Cluster.%s from %s refused: wrong cluster token", method,
-                        context.peer())
+            # (rate-limited: any peer reaching the port could write thousands a second)
+            WRONG_TOKEN.warning("wrong-token", f"Cluster.{method} from {context.peer()} "
+                                               f"refused: wrong cluster token")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"Cluster.{method}: wrong cluster token")
 
@@ -273,6 +295,8 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
         except (TimeoutError, StopAsyncIteration):
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no registration heartbeat within {deadline:g} s")
+        if (problem := heartbeat_problem(first)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         rank = first.node_rank
         num_nodes = self.sup.cfg.num_nodes
         if not 0 < rank < num_nodes:
@@ -309,6 +333,9 @@ class ClusterHub(epd_pb2_grpc.ClusterServicer):
                     break
                 except TimeoutError:
                     why = f"no heartbeat within {deadline:g} s"
+                    break
+                if (problem := heartbeat_problem(hb)) is not None:
+                    why = problem
                     break
                 lease.last_seen = time.monotonic()
                 lease.engines = list(hb.engines)
@@ -425,9 +452,12 @@ class ClusterMember:
     async def run(self) -> None:
         """Hold the lease; after it ends, register again (every period) until stopped."""
         tls = self.sup.cluster_tls
+        options = [("grpc.max_receive_message_length", CLUSTER_MESSAGE_BYTES)]
         self._channel = (grpc.aio.secure_channel(self.cfg.cluster_address,
-                                                 tls.channel_credentials()) if tls is not None
-                         else grpc.aio.insecure_channel(self.cfg.cluster_address))
+                                                 tls.channel_credentials(), options=options)
+                         if tls is not None
+                         else grpc.aio.insecure_channel(self.cfg.cluster_address,
+                                                        options=options))
         self._stub = epd_pb2_grpc.ClusterStub(self._channel)
         try:
             while True:

@@ -21,6 +21,7 @@ from .service_classes import MAX_NUM_SMS, Policy, parse_policy, policy_text
 
 ENV_PREFIX = "EPD_"
 MAX_ENGINES = 256  # engine processes of one node: more is a typo, not a node's devices
+MAX_NODES = 1024  # nodes of one cluster (node 0's lease events carry every node's engines)
 # The secret the supervisor gives each engine at spawn (environment), sent by the engine as gRPC
 # metadata on the Node RPCs that only engines may call (Rendezvous, ReleaseRank, GetBootstrap).
 NODE_TOKEN_ENV = "EPD_NODE_TOKEN"
@@ -503,10 +504,15 @@ def load(ns: argparse.Namespace | None = None, env: dict[str, str] | None = None
         raise ValueError(f"timeout_seconds ({cfg.timeout_seconds:g}) must be at most "
                          f"max_timeout_seconds ({cfg.max_timeout_seconds:g})")
     _check_range(cfg, "metrics_port", 0, 65535)
+    if not cfg.metrics_host.strip():  # (an empty one bound every interface, unsaid: /metrics
+        # names every tenant's groups)
+        raise ValueError("metrics_host must be an address (0.0.0.0 or :: to serve the HTTP "
+                         "endpoint on every interface)")
     for name in ("restart_backoff_seconds", "restart_backoff_max_seconds",
-                 "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds",
-                 "session_keepalive_seconds"):
+                 "engine_start_timeout_seconds", "drain_seconds", "engine_hung_seconds"):
         _check_range(cfg, name, 0)
+    # (gRPC takes the keepalive in int32 milliseconds: beyond, every engine start failed)
+    _check_range(cfg, "session_keepalive_seconds", 0, 86400)
     _check_range(cfg, "engine_unresponsive_seconds", 1)
     if 0 < cfg.engine_hung_seconds < cfg.engine_unresponsive_seconds:
         raise ValueError(f"engine_hung_seconds ({cfg.engine_hung_seconds:g}) must be 0 or at "
@@ -544,6 +550,10 @@ def _check_socket_paths(cfg: Config) -> None:
     """Every engine's socket path fits a unix socket (up to --engines devices, else 10): a
     longer one failed only when its engine bound it, which then restarted for ever (a review,
     with a tenant pool's longer names)."""
+    for name in ("socket_dir", "shm_dir"):  # (an empty or NUL-bearing path was a traceback)
+        value = getattr(cfg, name)
+        if not value or "\0" in value:
+            raise ValueError(f"{name} {value!r}: must name a folder (non-empty, no NUL byte)")
     pools = [""] + [p.name for p in cfg.tenants]
     classes = ("",) if cfg.class_engines == "off" else ("", "latency")
     device = cfg.engines - 1 if cfg.engines > 0 else 9
@@ -600,9 +610,11 @@ def _check_limits(cfg: Config) -> None:
     _check_range(cfg, "max_group_label_values", 0, note="0: every group labelled _overflow")
     _check_range(cfg, "max_sessions_per_uid", 0, note="0: no cap below --max-sessions")
     _check_range(cfg, "ll_chain_members", 0, note="0: no chain")
-    for name in ("fast_path_spin_us", "fast_path_spin_max_us", "gil_switch_us",
+    for name in ("fast_path_spin_us", "fast_path_spin_max_us",
                  "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us"):
         _check_range(cfg, name, 0)
+    # (2^63 µs aborted every engine in CPython's GIL wait: a restart loop, not an error)
+    _check_range(cfg, "gil_switch_us", 0, 1_000_000)
     # (a chain holds 64 instances, a pair uses 2: naps much longer would let a busy decode
     # loop's chain run dry, and its calls wait for the poller again)
     _check_range(cfg, "ll_chain_poll_us", 0, 2000)
@@ -623,6 +635,9 @@ def check_cluster(cfg: Config) -> None:
     and a shared secret, never an open port by default."""
     if cfg.num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {cfg.num_nodes}")
+    if cfg.num_nodes > MAX_NODES:  # (node 0's topology answer grows with it: 10^6 passed
+        # gRPC's 4 MiB and took seconds of the supervisor's loop per GetTopology)
+        raise ValueError(f"num_nodes must be at most {MAX_NODES}, got {cfg.num_nodes}")
     if not 0 <= cfg.node_rank < cfg.num_nodes:
         raise ValueError(f"node_rank {cfg.node_rank} is out of range for num_nodes "
                          f"{cfg.num_nodes} (0..{cfg.num_nodes - 1})")

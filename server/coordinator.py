@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -108,6 +109,11 @@ class Coordinator:
     async def rendezvous(self, req: epd_pb2.RendezvousRequest,
                          node: int = 0) -> epd_pb2.RendezvousResponse:
         """`node`: the node rank of the joining engine (engine_index is local to it)."""
+        if not (math.isfinite(req.timeout_seconds) and req.timeout_seconds >= 0):
+            # (engines check their clients' deadlines; a node holding the cluster token
+            # forwards its own: NaN failed as UNKNOWN with a traceback)
+            raise InvalidArgument(f"timeout_seconds must be a finite number >= 0, not "
+                                  f"{req.timeout_seconds!r}")
         if req.attached:
             return await self._attached(req, node)
         if self.closing is not None:

@@ -247,12 +247,15 @@ def _usage_error(ns: argparse.Namespace) -> str | None:
 
 
 def run_demo(ns: argparse.Namespace) -> int:
-    from .backends import make_planner, resolve_backend_name
+    from .backends import make_planner, missing_requirements, resolve_backend_name
     from .config import Config
     if (why := _usage_error(ns)) is not None:
         print(f"epd demo: {why}", file=sys.stderr)
         return 2
     backend = resolve_backend_name(ns.backend)
+    if (missing := missing_requirements(backend)) is not None:  # (was an ImportError's
+        print(f"epd demo: --backend {backend}: {missing}", file=sys.stderr)  # traceback)
+        return 2
     planner = make_planner(Config(backend=backend))
     engines = ns.engines or planner.detect_engines()  # as `epd serve` decides
     wl = Workload(ns.ranks, [ns.tokens] * ns.ranks, ns.hidden, ns.experts, ns.topk, ns.seed)

@@ -24,6 +24,7 @@ import pytest
 from conftest import TestDaemon
 from ranklib import Case, assert_exact, check_case, member, run_case, wait_until
 
+from epd.proto.errors import EpdError
 from epd.proto.v1 import epd_pb2, epd_pb2_grpc
 from epd.server import reference as ref
 
@@ -297,6 +298,62 @@ def test_wrong_or_missing_token_is_refused(three):
     e = _lease_call(three.address, ok, node_rank=1)
     assert e.code() == grpc.StatusCode.ALREADY_EXISTS and "node 1" in e.details()
     assert all(n.healthy for n in topology(three.nodes[0]).cluster.nodes)
+
+
+def test_what_a_peer_of_the_cluster_port_sends_is_bounded(three):
+    """(An adversarial round.) Wrong-token calls are logged one line a second, not one each
+    (15,000 lines in 10 s from one client); a heartbeat with an oversized name or too many
+    engines is refused, not copied into every other node's lease events (a 2.5 MB name cut
+    them all: events past gRPC's message limit); a forwarded rendezvous with a NaN deadline is
+    INVALID_ARGUMENT, not UNKNOWN with a traceback. The cluster goes on."""
+    from epd.server import cluster as cluster_mod
+
+    before = three.nodes[0].log().count("wrong cluster token")
+    wrong = (("epd-cluster-token", "not-the-token"),)
+    req = epd_pb2.ClusterRendezvousRequest(node_rank=1, incarnation="x")
+    with grpc.insecure_channel(three.address) as ch:
+        stub = epd_pb2_grpc.ClusterStub(ch)
+        t0, calls = time.monotonic(), 0
+        while time.monotonic() - t0 < 2.5:  # (past the second a line just before may hold)
+            with pytest.raises(grpc.RpcError):
+                stub.Rendezvous(req, metadata=wrong, timeout=5)
+            calls += 1
+        took = time.monotonic() - t0
+    time.sleep(0.2)
+    lines = three.nodes[0].log().count("wrong cluster token") - before
+    assert calls > 50 and 1 <= lines <= took + 2, (calls, lines, took)
+
+    ok = (("epd-cluster-token", three.token),)
+    for hb, words in [
+            (epd_pb2.ClusterHeartbeat(node_rank=2, incarnation="x", node_name="n" * 300),
+             "node_name of 300 bytes"),
+            (epd_pb2.ClusterHeartbeat(node_rank=2, incarnation="x",
+                                      engines=[epd_pb2.EngineInfo()] * 257), "257 engines"),
+            (epd_pb2.ClusterHeartbeat(node_rank=2, incarnation="x", engines=[
+                epd_pb2.EngineInfo(socket_path="s" * 1000)] * 100), "a heartbeat of")]:
+        with grpc.insecure_channel(three.address) as ch, pytest.raises(grpc.RpcError) as e:
+            next(iter(epd_pb2_grpc.ClusterStub(ch).Lease(iter([hb]), metadata=ok, timeout=5)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert words in e.value.details(), e.value.details()
+    assert cluster_mod.heartbeat_problem(epd_pb2.ClusterHeartbeat(
+        node_name="h" * 255, engines=[epd_pb2.EngineInfo(socket_path="s" * 100)] * 256)) is None
+    assert all(n.healthy for n in topology(three.nodes[0]).cluster.nodes)
+
+
+def test_a_rendezvous_deadline_must_be_a_finite_number():
+    from epd.server.backends import cpu_plan
+    from epd.server.coordinator import Coordinator
+
+    coord = Coordinator(cpu_plan.CpuPlanner())
+    spec = epd_pb2.GroupSpec(name="nan", num_ranks=2, num_experts=8, hidden=128,
+                             max_tokens_per_rank=8, num_topk=2, x_dtype=epd_pb2.BFLOAT16)
+    for bad in (float("nan"), float("inf"), -1.0):
+        req = epd_pb2.RendezvousRequest(spec=spec, rank=0, timeout_seconds=bad, has_peer=True)
+        with pytest.raises(EpdError) as e:
+            asyncio.run(coord.rendezvous(req))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "finite" in e.value.message
+    assert not coord.by_name
+    coord.close()
 
 
 class _LeaseCall:

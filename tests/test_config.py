@@ -113,6 +113,10 @@ OUT_OF_RANGE = [
     ("stream_op_poll_us", "-1", "0"),
     ("ll_chain_poll_us", "-1", "0"),
     ("ll_chain_poll_us", "2001", "2000"),
+    # (an adversarial round: beyond these an engine restarted for ever instead of a one-line
+    # error: gRPC's int32 keepalive milliseconds, CPython's GIL wait)
+    ("session_keepalive_seconds", "86401", "86400"),
+    ("gil_switch_us", "1000001", "1000000"),
 ]
 
 
@@ -289,3 +293,18 @@ def test_toml_numbers_of_the_right_type_still_load(tmp_path):
     path.write_text("engines = 3\ntimeout_seconds = 2\ndrain_seconds = 1.5\n")
     cfg = load(["--config", str(path)])
     assert (cfg.engines, cfg.timeout_seconds, cfg.drain_seconds) == (3, 2.0, 1.5)
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--num-nodes", "1025"], "num_nodes must be at most 1024"),
+    (["--socket-dir", ""], "socket_dir '': must name a folder"),
+    (["--shm-dir", "/tmp/a\0b"], "must name a folder (non-empty, no NUL byte)"),
+    (["--metrics-host", ""], "metrics_host must be an address"),
+    (["--metrics-host", "  "], "metrics_host must be an address"),
+])
+def test_paths_hosts_and_node_counts_that_cannot_work_are_refused(argv, words):
+    """Each was a traceback, a silent bind of every interface, or a node 0 whose topology
+    answer passed gRPC's message limit (an adversarial round)."""
+    with pytest.raises(ValueError) as err:
+        load(argv)
+    assert words in str(err.value) and "\n" not in str(err.value), err.value

@@ -12,41 +12,17 @@ decodes with `decode()`.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 from google.protobuf.message import Message
 
 from ...proto.errors import InvalidArgument
+from ..rate_limited_log import RateLimitedLog
 
 log = logging.getLogger("epd.engine")
-LOG_INTERVAL = 1.0  # seconds between two log lines about one method's malformed requests
 
 
-class RateLimitedLog:
-    """At most one line per key per `interval`; the next line says how many were dropped."""
-
-    def __init__(self, interval: float = LOG_INTERVAL) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._dropped: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, text: str) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -1e18) < self.interval:
-                self._dropped[key] = self._dropped.get(key, 0) + 1
-                return False
-            self._last[key] = now
-            dropped = self._dropped.pop(key, 0)
-        more = f" ({dropped} more since the last line)" if dropped else ""
-        log.warning("%s%s", text, more)
-        return True
-
-
-CLIENT_ERRORS = RateLimitedLog()
+CLIENT_ERRORS = RateLimitedLog(log)  # one line per method a second
 
 
 class Malformed:

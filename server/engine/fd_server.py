@@ -37,7 +37,7 @@ from ...proto.errors import EpdError, InvalidArgument, PermissionDenied, status_
 from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics
-from .decoding import RateLimitedLog
+from ..rate_limited_log import RateLimitedLog
 from .executor import as_epd_error
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ MAX_PER_SESSION = 4
 # the channel waits this long and accepts again.
 ACCEPT_BUSY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_RETRY_SECONDS = 0.1
-REFUSALS = RateLimitedLog()  # refused connections: one line per uid a second
+REFUSALS = RateLimitedLog(log)  # refused connections: one line per uid a second
 
 
 def per_uid_cap(max_sessions_per_uid: int) -> int:
