@@ -178,9 +178,12 @@ def test_a_channel_connection_that_gets_no_thread_is_let_go(tmp_path, monkeypatc
     import socket
     import threading
     import time
+    from types import SimpleNamespace
 
     from epd.server.engine import fd_server
-    server = fd_server.FdServer(None, str(tmp_path / "fds.sock"), None)  # type: ignore[arg-type]
+
+    engine = SimpleNamespace(serves=lambda uid, gid: True)  # (all accept asks of it)
+    server = fd_server.FdServer(engine, str(tmp_path / "fds.sock"), None)  # type: ignore[arg-type]
     real_start = threading.Thread.start
 
     def start(self) -> None:

@@ -52,9 +52,13 @@ class _TicketEngine:
     """An engine as far as a descriptor-channel hello reaches it (its tickets), whose issue
     may stall the event loop `stall` seconds."""
 
-    def __init__(self, stall: float = 0.0) -> None:
+    def __init__(self, stall: float = 0.0, serves: bool = True) -> None:
         self.tickets: dict[bytes, object] = {}
         self.stall = stall
+        self._serves = serves
+
+    def serves(self, uid: int, gid: int) -> bool:  # (Engine.serves: its tenant pool's uids)
+        return self._serves
 
     def issue_ticket(self, ticket, peer, alive) -> None:
         time.sleep(self.stall)
@@ -541,3 +545,46 @@ def test_one_tenants_waiting_leaves_do_not_hold_anothers(daemon_factory) -> None
         finally:
             for s in held:
                 s.close()
+
+
+def test_uids_an_engine_serves_no_session_share_a_few_connections(tmp_path) -> None:
+    """A tenant pool's engine opens no session for uids outside the pool; they connect only to
+    be told where to go. Outsiders share MAX_OUTSIDER_CONNECTIONS: 17 outsider uids holding 64
+    connections each filled the engine's 1024 and locked the pool's own uid out (an
+    adversarial round). Here every connection is an outsider's (the stand-in engine serves
+    none): past the cap they are closed at once."""
+    import asyncio
+
+    from epd.server.engine import fd_server
+
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    server = fd_server.FdServer(_TicketEngine(serves=False), str(tmp_path / "gpu0.fds"), loop)
+    server.start()
+    held: list[socket.socket] = []
+    try:
+        cap = fd_server.MAX_OUTSIDER_CONNECTIONS
+        for _ in range(cap + 5):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.connect(str(tmp_path / "gpu0.fds"))
+            held.append(c)
+        time.sleep(0.5)
+        closed = 0
+        for c in held:
+            c.settimeout(0.2)
+            with contextlib.suppress(TimeoutError):
+                closed += c.recv(1) == b""
+        assert closed == 5, closed
+        assert len(server._outsiders) == cap
+        for c in held:
+            c.close()
+        time.sleep(0.5)
+        assert not server._outsiders and not server._conns
+    finally:
+        for c in held:
+            c.close()
+        server.close()
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()

@@ -506,6 +506,11 @@ class Engine(StreamCalls, DataPlane):
         log.info("opened %s: peer pid %d uid %d gid %d", s.describe(), *peer)
         return s
 
+    def serves(self, uid: int, gid: int) -> bool:
+        """Whether this engine opens sessions for `uid` (_check_tenant_pool); any thread."""
+        theirs, mine = tenant_pools.pool_of(self.tenants, uid, gid), self.slot.tenant_pool
+        return theirs == mine or (uid == os.geteuid() and not mine)
+
     def _check_tenant_pool(self, uid: int, gid: int) -> None:
         """A tenant pool's engine serves only that pool's uids, and a pool's uids only its own
         engines (tenant_pools.py): FAILED_PRECONDITION naming the socket of the engine this
@@ -513,9 +518,10 @@ class Engine(StreamCalls, DataPlane):
         operator's tools) is served by the shared engines too; by a pool's only where the pool
         lists it, since every client on the daemon's MPS server runs as that uid (a review:
         exempt everywhere, every MPS client reached every pool's heap)."""
-        theirs, mine = tenant_pools.pool_of(self.tenants, uid, gid), self.slot.tenant_pool
-        if theirs == mine or (uid == os.geteuid() and not mine):
+        if self.serves(uid, gid):
             return
+        theirs = tenant_pools.pool_of(self.tenants, uid, gid)
+        mine = self.slot.tenant_pool
         other = self.config.engine_socket(self.slot.device, self.slot.service_class, theirs)
         whose = f"tenant pool {theirs!r}" if theirs else "no tenant pool"
         raise FailedPrecondition(

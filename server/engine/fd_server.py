@@ -59,6 +59,7 @@ MAX_CONNECTIONS = 1024
 # if its client never does; so --max-sessions-per-uid above 64 needs clients that bind)
 MAX_UNBOUND_PER_UID = 64
 MAX_PER_SESSION = 4
+MAX_OUTSIDER_CONNECTIONS = 16  # open at once, of all the uids this engine serves no session
 # accept()'s errors that pass (the process's or the system's descriptors or memory, for now):
 # the channel waits this long and accepts again.
 ACCEPT_BUSY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -95,6 +96,7 @@ class FdServer:
         self.sock.listen(64)
         self._stop = False
         self._conns: set[socket.socket] = set()
+        self._outsiders: set[socket.socket] = set()  # of uids this engine serves no session
         self._unbound: dict[int, int] = {}  # peer uid -> its connections not yet bound
         self._of_uid: dict[int, int] = {}  # peer uid -> all its connections
         self.per_uid = per_uid_cap(max_sessions_per_uid)
@@ -139,10 +141,15 @@ class FdServer:
                 conn.close()
                 continue
             uid = peer[1]
+            # (a uid this engine opens no session for, e.g. outside its tenant pool, needs a
+            # connection only to be told where to go: outsiders share a few, or they could
+            # fill the table and lock the pool out of its own engine)
+            outsider = not self.engine.serves(uid, peer[2])
             with self._lock:
                 unbound, held = self._unbound.get(uid, 0), self._of_uid.get(uid, 0)
                 if len(self._conns) >= MAX_CONNECTIONS or unbound >= MAX_UNBOUND_PER_UID \
-                        or held >= self.per_uid:
+                        or held >= self.per_uid \
+                        or (outsider and len(self._outsiders) >= MAX_OUTSIDER_CONNECTIONS):
                     # (rate-limited: a client that connects in a loop wrote 30,000 lines a
                     # second, filling the disk or hiding other tenants' lines)
                     REFUSALS.warning(f"refused:{uid}", f"descriptor channel: {len(self._conns)} "
@@ -151,6 +158,8 @@ class FdServer:
                     conn.close()
                     continue
                 self._conns.add(conn)
+                if outsider:
+                    self._outsiders.add(conn)
                 self._unbound[uid] = unbound + 1
                 self._of_uid[uid] = held + 1
             conn.settimeout(FIRST_REQUEST_SECONDS)
@@ -163,6 +172,7 @@ class FdServer:
                             uid, e)
                 with self._lock:
                     self._conns.discard(conn)
+                    self._outsiders.discard(conn)
                     self._uncount_unbound(uid)
                     self._uncount(uid)
                 conn.close()
@@ -271,6 +281,7 @@ class FdServer:
                     self._call(self.engine.withdraw_ticket, ticket)
             with self._lock:
                 self._conns.discard(conn)
+                self._outsiders.discard(conn)
                 self._uncount(peer[1])
                 if session is None:
                     self._uncount_unbound(peer[1])
