@@ -21,6 +21,7 @@ from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgume
 from ..proto.v1 import epd_pb2
 from . import stream_calls
 from . import tensors as T
+from .memory import check_output
 from .tensors import Array
 from .transport import PendingCall
 
@@ -173,6 +174,9 @@ def service_class_value(name: str | None) -> int:
 
 def service_class_name(value: int) -> str:
     """"latency" / "throughput" ("" when the daemon did not say: an older daemon)."""
+    if value and value not in epd_pb2.ServiceClass.values():  # (a newer or broken daemon)
+        raise EpdError(grpc.StatusCode.INTERNAL,
+                       f"the engine answered an unknown service class ({value})")
     return epd_pb2.ServiceClass.Name(value).lower() if value else ""
 
 
@@ -295,6 +299,7 @@ class Group:
         """An output as the caller's array type (NumPy/torch CPU, or CuPy/torch CUDA)."""
         if d.region_id != self._outputs.region_id:
             raise EpdError(grpc.StatusCode.INTERNAL, f"output in unknown region {d.region_id}")
+        check_output(d, self._outputs.size)
         return self._outputs.view(d, copy, template)
 
     def _timeout(self, timeout: float | None) -> float:

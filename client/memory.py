@@ -23,6 +23,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Mapping
 
+import grpc
 import numpy as np
 
 from ..proto import cuda_driver, dtypes
@@ -53,11 +54,35 @@ def _desc(region_id: str, offset: int, shape: tuple[int, ...], dtype: int,
                               dtype=dtype, strides=list(strides))
 
 
+def check_output(d: epd_pb2.TensorDesc, size: int) -> None:
+    """An output descriptor the engine answered names a known dtype and lies inside its
+    region of `size` bytes: else INTERNAL naming it, not a NumPy or torch error (or, on the
+    GPU, a view past the mapping). (An adversarial round's man in the middle.)"""
+    shape, strides = d.shape, d.strides
+    try:
+        itemsize = dtypes.to_numpy(d.dtype).itemsize
+    except ValueError as e:
+        raise EpdError(grpc.StatusCode.INTERNAL, f"the engine answered an output of {e}") from None
+    if len(shape) != len(strides) or d.offset_bytes < 0 or min(shape, default=0) < 0 \
+            or min(strides, default=0) < 0:
+        bad = "a shape and strides that do not match, or a negative size"
+    else:
+        span = (0 if 0 in shape
+                else sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) + 1)
+        if d.offset_bytes + span * itemsize <= size:
+            return
+        bad = f"bytes past the end of its region ({size} bytes)"
+    raise EpdError(grpc.StatusCode.INTERNAL,
+                   f"the engine answered a malformed output (offset {d.offset_bytes}, shape "
+                   f"{list(shape)}, strides {list(strides)}): {bad}")
+
+
 class OutputRegion(abc.ABC):
     """The region the engine writes one group membership's outputs into."""
 
-    def __init__(self, region_id: str) -> None:
+    def __init__(self, region_id: str, size: int) -> None:
         self.region_id = region_id
+        self.size = size  # (bytes: check_output)
 
     @abc.abstractmethod
     def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
@@ -164,7 +189,7 @@ def for_backend(backend: int, register: Register, unregister: Unregister,
 
 class MappedFileOutputs(OutputRegion):
     def __init__(self, resp: epd_pb2.JoinGroupResponse, fetch: Fetch) -> None:
-        super().__init__(resp.output_region_id)
+        super().__init__(resp.output_region_id, resp.output_region_bytes)
         name = f"{fdc.OUTPUTS}{resp.group_id}"
         fd, _ = fetch(name)
         self._file = T.ShmFile.from_fd(fd, resp.output_region_bytes, name)
@@ -348,7 +373,7 @@ class ShmMemory(Memory):
 
 class HeapOutputs(OutputRegion):
     def __init__(self, region_id: str, heap: cuda_ipc.MappedHeap) -> None:
-        super().__init__(region_id)
+        super().__init__(region_id, heap.size)
         self._heap = heap  # shared by the session's memberships; the strategy closes it
 
     def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
@@ -361,6 +386,8 @@ class HeapOutputs(OutputRegion):
         launch on `stream` (after the call's DONE wait there; client/call_outputs.py), or with
         copy=False views of the heap."""
 
+        for d, _ in parts:
+            check_output(d, self.size)
         shapes = [tuple(d.shape) if n is None else (n, *d.shape[1:]) for d, n in parts]
         if not copy:
             out = []

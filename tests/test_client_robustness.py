@@ -542,3 +542,43 @@ def test_an_exception_after_the_engine_already_answered_leaves_the_ring_in_step(
             for _ in range(3 * SLOTS):
                 t.call("Ping", epd_pb2.PingRequest(), 5.0)
             assert time.monotonic() - t0 < 2.0 and t.broken is None
+
+
+class _MangledOutputs(GrpcTransport):
+    """gRPC, with the first output descriptor of each GetDispatchLayout answer changed by
+    `mangle` (a broken or hostile engine)."""
+
+    def __init__(self, target: str, mangle) -> None:
+        super().__init__(target)
+        self.mangle = mangle
+
+    def call(self, method, request, timeout):
+        resp = super().call(method, request, timeout)
+        if method == "GetDispatchLayout":
+            self.mangle(resp.num_tokens_per_rank)
+        return resp
+
+
+@pytest.mark.parametrize("mangle,words", [
+    (lambda d: setattr(d, "offset_bytes", (1 << 63) - 1), "past the end of its region"),
+    (lambda d: setattr(d, "offset_bytes", 1 << 40), "past the end of its region"),
+    (lambda d: d.shape.append(3), "do not match"),
+    (lambda d: setattr(d, "dtype", 99), "unsupported dtype enum 99"),
+    (lambda d: d.shape.__setitem__(0, 1 << 40), "past the end of its region"),
+])
+def test_a_malformed_output_descriptor_is_an_internal_error(daemon, mangle, words) -> None:
+    """An answer's output descriptor outside its region, with a shape its strides do not
+    match, or of an unknown dtype: EpdError INTERNAL naming it (it was NumPy's ValueError or
+    OverflowError: an adversarial round's man in the middle; on the GPU a view past the
+    mapping). The session goes on."""
+    inner = _MangledOutputs(daemon.socket(0), mangle)
+    with Session(daemon.socket(0), transport=inner, fast_path=False) as s:
+        g = s.join(f"mangled-{abs(hash(words)) % 10**6}", rank=0, num_ranks=1, num_experts=4,
+                   hidden=16, num_topk=2, max_tokens_per_rank=8, dtype="float32")
+        idx = np.array([[0, 1], [2, 3]], dtype=np.int64)
+        with pytest.raises(EpdError) as e:
+            g.get_dispatch_layout(idx)
+        assert e.value.code == grpc.StatusCode.INTERNAL and words in e.value.details, e.value
+        inner.mangle = lambda d: None
+        per_rank, per_expert, _ = g.get_dispatch_layout(idx)
+        assert list(per_rank) == [2] and list(per_expert) == [1, 1, 1, 1]
