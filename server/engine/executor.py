@@ -256,6 +256,8 @@ class SessionExecutor:
         await self._turn.acquire()
         gave_up = threading.Event()
         try:
+            if self.closing is not None:  # (its worker may be shut down by now)
+                raise Aborted(f"{self.name} is closing: {self.closing}")
             job = self.worker.submit(self._call, queued, fn, *args,
                                      deadline=CLIENT_DEADLINE.get(), gave_up=gave_up)
         except BaseException:
