@@ -29,6 +29,7 @@ from ..proto import cuda_driver, dtypes, spin
 from ..proto.errors import InvalidArgument
 from ..proto.v1 import epd_pb2
 from .frameworks import torch_if_loaded as _torch
+from .output_desc import check_output
 
 MAX_CACHED_VIEWS = 256  # output views kept per mapped heap (cleared when full)
 # A host wait for a plain low-latency call's event (Buffer.check, evicting an op): longer than
@@ -184,6 +185,7 @@ class MappedHeap:
         return v
 
     def _make_view(self, d: epd_pb2.TensorDesc, copy: bool, template: Any) -> Any:
+        check_output(d, self.size)  # (a view's miss only: hits were checked when made)
         logical = dtypes.to_numpy(d.dtype)
         storage = storage_dtype(logical)
         shape = tuple(d.shape)

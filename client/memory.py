@@ -32,6 +32,7 @@ from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Resour
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc
 from . import tensors as T
+from .output_desc import check_output
 from .tensors import Array
 
 MAX_DEVICE_REGIONS = 1024  # cached CUDA IPC registrations per session (oldest dropped)
@@ -52,29 +53,6 @@ def _desc(region_id: str, offset: int, shape: tuple[int, ...], dtype: int,
           strides: tuple[int, ...]) -> epd_pb2.TensorDesc:
     return epd_pb2.TensorDesc(region_id=region_id, offset_bytes=offset, shape=list(shape),
                               dtype=dtype, strides=list(strides))
-
-
-def check_output(d: epd_pb2.TensorDesc, size: int) -> None:
-    """An output descriptor the engine answered names a known dtype and lies inside its
-    region of `size` bytes: else INTERNAL naming it, not a NumPy or torch error (or, on the
-    GPU, a view past the mapping). (An adversarial round's man in the middle.)"""
-    shape, strides = d.shape, d.strides
-    try:
-        itemsize = dtypes.to_numpy(d.dtype).itemsize
-    except ValueError as e:
-        raise EpdError(grpc.StatusCode.INTERNAL, f"the engine answered an output of {e}") from None
-    if len(shape) != len(strides) or d.offset_bytes < 0 or min(shape, default=0) < 0 \
-            or min(strides, default=0) < 0:
-        bad = "a shape and strides that do not match, or a negative size"
-    else:
-        span = (0 if 0 in shape
-                else sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) + 1)
-        if d.offset_bytes + span * itemsize <= size:
-            return
-        bad = f"bytes past the end of its region ({size} bytes)"
-    raise EpdError(grpc.StatusCode.INTERNAL,
-                   f"the engine answered a malformed output (offset {d.offset_bytes}, shape "
-                   f"{list(shape)}, strides {list(strides)}): {bad}")
 
 
 class OutputRegion(abc.ABC):
@@ -195,6 +173,7 @@ class MappedFileOutputs(OutputRegion):
         self._file = T.ShmFile.from_fd(fd, resp.output_region_bytes, name)
 
     def view(self, d: epd_pb2.TensorDesc, copy: bool, template: Array) -> Array:
+        check_output(d, self.size)
         arr = self._file.view(d.offset_bytes, tuple(d.shape), dtypes.to_numpy(d.dtype),
                               tuple(d.strides))
         return T.like(arr.copy() if copy else arr, template)
@@ -386,8 +365,10 @@ class HeapOutputs(OutputRegion):
         launch on `stream` (after the call's DONE wait there; client/call_outputs.py), or with
         copy=False views of the heap."""
 
-        for d, _ in parts:
-            check_output(d, self.size)
+        for d, n in parts:  # (the full check where a view is made: MappedHeap._make_view)
+            if n is not None and not 0 <= n <= (d.shape[0] if d.shape else 0):
+                raise EpdError(grpc.StatusCode.INTERNAL, f"the engine counted {n} rows of an "
+                                                         f"output of shape {list(d.shape)}")
         shapes = [tuple(d.shape) if n is None else (n, *d.shape[1:]) for d, n in parts]
         if not copy:
             out = []
@@ -400,6 +381,11 @@ class HeapOutputs(OutputRegion):
         heap = self._heap
         plan = call_outputs.plan([(shape, dtypes.to_numpy(d.dtype))
                                   for (d, _), shape in zip(parts, shapes, strict=True)])
+        for (d, _), nbytes in zip(parts, plan.sizes, strict=True):  # (what the copy reads)
+            if not 0 <= d.offset_bytes <= heap.size - nbytes:
+                raise EpdError(grpc.StatusCode.INTERNAL,
+                               f"the engine answered an output of {nbytes} bytes at offset "
+                               f"{d.offset_bytes}, past its heap ({heap.size} bytes)")
         out = call_outputs.allocate(plan, heap.device, call_outputs.uses_torch(template))
         # The engine's buffers are row-major and dense: each part is one run of bytes.
         call_outputs.copy([(heap.ptr + d.offset_bytes, o, n) for (d, _), o, n in

@@ -27,6 +27,7 @@ _TO_NUMPY: dict[int, np.dtype] = {
     epd_pb2.UINT8: np.dtype(np.uint8),
 }
 _FROM_NUMPY: dict[np.dtype, int] = {v: k for k, v in _TO_NUMPY.items()}
+ITEMSIZE: dict[int, int] = {k: v.itemsize for k, v in _TO_NUMPY.items()}  # bytes, by enum
 
 # dtypes a dispatched payload (x) may have: DeepEP carries bf16, or fp8 with float32 scales.
 PAYLOAD_DTYPES = frozenset({epd_pb2.BFLOAT16, epd_pb2.FLOAT16, epd_pb2.FLOAT32,
