@@ -549,10 +549,12 @@ def test_one_tenants_waiting_leaves_do_not_hold_anothers(daemon_factory) -> None
 
 def test_uids_an_engine_serves_no_session_share_a_few_connections(tmp_path) -> None:
     """A tenant pool's engine opens no session for uids outside the pool; they connect only to
-    be told where to go. Outsiders share MAX_OUTSIDER_CONNECTIONS: 17 outsider uids holding 64
-    connections each filled the engine's 1024 and locked the pool's own uid out (an
-    adversarial round). Here every connection is an outsider's (the stand-in engine serves
-    none): past the cap they are closed at once."""
+    be told where to go (at their hello). Outsiders share MAX_OUTSIDER_CONNECTIONS, and one uid
+    holds at most MAX_OUTSIDER_PER_UID: 17 outsider uids holding 64 connections each filled
+    the engine's 1024 and locked the pool's own uid out (an adversarial round), and one uid
+    holding a small shared cap locked every pool tenant's first open out (a review). Here
+    every connection is this test's uid's, an outsider's (the stand-in engine serves none):
+    past the per-uid cap they are closed at once."""
     import asyncio
 
     from epd.server.engine import fd_server
@@ -564,7 +566,7 @@ def test_uids_an_engine_serves_no_session_share_a_few_connections(tmp_path) -> N
     server.start()
     held: list[socket.socket] = []
     try:
-        cap = fd_server.MAX_OUTSIDER_CONNECTIONS
+        cap = fd_server.MAX_OUTSIDER_PER_UID
         for _ in range(cap + 5):
             c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             c.connect(str(tmp_path / "gpu0.fds"))

@@ -317,6 +317,9 @@ class Engine(StreamCalls, DataPlane):
         peer's credentials). One use; withdrawn when its connection closes (`alive` says
         whether it is still open)."""
         self.state.check_open()
+        # (a uid this engine opens no session for is sent on now, its connection closed: it
+        # held one of the few outsiders' connections until OpenSession otherwise)
+        self._check_tenant_pool(peer[1], peer[2])
         self.tickets[ticket] = ChannelTicket(peer, alive)
 
     def ticket_opened_session(self, ticket: bytes) -> bool:

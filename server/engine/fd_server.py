@@ -59,7 +59,10 @@ MAX_CONNECTIONS = 1024
 # if its client never does; so --max-sessions-per-uid above 64 needs clients that bind)
 MAX_UNBOUND_PER_UID = 64
 MAX_PER_SESSION = 4
-MAX_OUTSIDER_CONNECTIONS = 16  # open at once, of all the uids this engine serves no session
+# Open at once, of the uids this engine serves no session (told where to go at their hello):
+# in all, and of one uid (so that one cannot hold them all, every other pool tenant's first
+# open then failing instead of being sent on)
+MAX_OUTSIDER_CONNECTIONS, MAX_OUTSIDER_PER_UID = 128, 8
 # accept()'s errors that pass (the process's or the system's descriptors or memory, for now):
 # the channel waits this long and accepts again.
 ACCEPT_BUSY = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -96,7 +99,9 @@ class FdServer:
         self.sock.listen(64)
         self._stop = False
         self._conns: set[socket.socket] = set()
-        self._outsiders: set[socket.socket] = set()  # of uids this engine serves no session
+        # Connections of uids this engine serves no session (their uid): each is refused at
+        # its hello, naming the engine that serves it (Engine.issue_ticket)
+        self._outsiders: dict[socket.socket, int] = {}
         self._unbound: dict[int, int] = {}  # peer uid -> its connections not yet bound
         self._of_uid: dict[int, int] = {}  # peer uid -> all its connections
         self.per_uid = per_uid_cap(max_sessions_per_uid)
@@ -142,14 +147,16 @@ class FdServer:
                 continue
             uid = peer[1]
             # (a uid this engine opens no session for, e.g. outside its tenant pool, needs a
-            # connection only to be told where to go: outsiders share a few, or they could
-            # fill the table and lock the pool out of its own engine)
+            # connection only to be told where to go, at its hello: outsiders share a few, or
+            # they could fill the table and lock the pool out of its own engine)
             outsider = not self.engine.serves(uid, peer[2])
             with self._lock:
                 unbound, held = self._unbound.get(uid, 0), self._of_uid.get(uid, 0)
                 if len(self._conns) >= MAX_CONNECTIONS or unbound >= MAX_UNBOUND_PER_UID \
                         or held >= self.per_uid \
-                        or (outsider and len(self._outsiders) >= MAX_OUTSIDER_CONNECTIONS):
+                        or (outsider and (len(self._outsiders) >= MAX_OUTSIDER_CONNECTIONS
+                                          or sum(u == uid for u in self._outsiders.values())
+                                          >= MAX_OUTSIDER_PER_UID)):
                     # (rate-limited: a client that connects in a loop wrote 30,000 lines a
                     # second, filling the disk or hiding other tenants' lines)
                     REFUSALS.warning(f"refused:{uid}", f"descriptor channel: {len(self._conns)} "
@@ -159,7 +166,7 @@ class FdServer:
                     continue
                 self._conns.add(conn)
                 if outsider:
-                    self._outsiders.add(conn)
+                    self._outsiders[conn] = uid
                 self._unbound[uid] = unbound + 1
                 self._of_uid[uid] = held + 1
             conn.settimeout(FIRST_REQUEST_SECONDS)
@@ -172,7 +179,7 @@ class FdServer:
                             uid, e)
                 with self._lock:
                     self._conns.discard(conn)
-                    self._outsiders.discard(conn)
+                    self._outsiders.pop(conn, None)
                     self._uncount_unbound(uid)
                     self._uncount(uid)
                 conn.close()
@@ -281,7 +288,7 @@ class FdServer:
                     self._call(self.engine.withdraw_ticket, ticket)
             with self._lock:
                 self._conns.discard(conn)
-                self._outsiders.discard(conn)
+                self._outsiders.pop(conn, None)
                 self._uncount(peer[1])
                 if session is None:
                     self._uncount_unbound(peer[1])
