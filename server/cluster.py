@@ -107,7 +107,9 @@ def heartbeat_problem(hb: epd_pb2.ClusterHeartbeat) -> str | None:
         return f"node_name of {name} bytes: at most {MAX_NODE_NAME_BYTES}"
     if len(hb.engines) > MAX_ENGINES:
         return f"{len(hb.engines)} engines: a node runs at most {MAX_ENGINES}"
-    size = hb.ByteSize()
+    # (less its agreed settings: compared with node 0's own, never passed on, and as long as
+    # every node's --allow-uids list; a long one must not keep the cluster from forming)
+    size = hb.ByteSize() - len(hb.agreed_settings.encode())
     if size > MAX_HEARTBEAT_BYTES:
         return f"a heartbeat of {size} bytes: at most {MAX_HEARTBEAT_BYTES}"
     return None
