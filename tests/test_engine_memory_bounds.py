@@ -214,3 +214,38 @@ def test_calls_cancelled_while_they_wait_for_the_worker_leave_no_job_behind():
     ex.worker.shutdown(wait=True)
     ex._waits.shutdown(wait=True)
     assert ran == ["last"], ran[:5]
+
+
+def test_what_a_call_made_after_its_client_gave_up_is_discarded():
+    """A call cancelled while it runs in the worker (a RegisterRegion whose client's deadline
+    passed while the region opened): its result goes to `discard`, or the region stayed open,
+    held by nobody and counted in no budget (a review)."""
+    import asyncio
+
+    from epd.server.engine import executor
+
+    ex = executor.SessionExecutor(executor.EngineState(0), "session-t")
+    started, release, dropped = threading.Event(), threading.Event(), []
+
+    def open_region() -> str:
+        started.set()
+        release.wait(10)
+        return "region r1"
+
+    async def main() -> None:
+        call = asyncio.ensure_future(ex.run(open_region, discard=dropped.append))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        call.cancel()
+        release.set()
+        for _ in range(200):
+            if dropped:
+                break
+            await asyncio.sleep(0.01)
+        assert call.cancelled()
+        # A call that completes normally is not discarded
+        assert await ex.run(lambda: "region r2", discard=dropped.append) == "region r2"
+    asyncio.run(main())
+    ex.worker.shutdown(wait=True)
+    ex._waits.shutdown(wait=True)
+    assert dropped == ["region r1"], dropped

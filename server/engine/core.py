@@ -937,10 +937,16 @@ class Engine(StreamCalls, DataPlane):
                                   "(FdRequest.register_memfd)")
         rid = "r" + secrets.token_hex(8)
         session.registering[rid] = req.size_bytes  # (held across the await: see Session)
+        def drop(region: Region) -> None:  # (its client gave up while it opened: nobody
+            try:  # would close it, nor count it in the budgets)
+                session.executor.later(region.close)
+            except RuntimeError:  # (the session's worker is shut down by now)
+                asyncio.get_running_loop().run_in_executor(None, region.close)
+
         try:
             region = await session.executor.run(lambda: self.backend.open_region(
                 rid, ipc_handle=req.cuda_ipc_handle, size=req.size_bytes,
-                device_ordinal=req.device_ordinal))
+                device_ordinal=req.device_ordinal), discard=drop)
         finally:
             session.registering.pop(rid, None)
         if session.teardown_done:  # (closed while it opened: nobody would close it later)

@@ -240,7 +240,8 @@ class SessionExecutor:
                 if self.slow is not None:
                     self.slow.end()
 
-    async def run(self, fn: Callable[..., T], *args) -> T:
+    async def run(self, fn: Callable[..., T], *args,
+                  discard: Callable[[T], object] | None = None) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the
         event loop. Its wait for its turn counts in `waited`; the call's client deadline
         (CLIENT_DEADLINE) goes with it.
@@ -251,7 +252,9 @@ class SessionExecutor:
         one cancelled in the worker keeps the turn until the worker is done with it (it is
         not run if it had not started). Handed to the worker at once, cancelled calls stayed
         queued there with their requests, uncounted by the backlog (backlog.py): a review
-        grew an engine by 1.4 GiB with short-deadline calls behind a blocked dispatch."""
+        grew an engine by 1.4 GiB with short-deadline calls behind a blocked dispatch.
+        `discard`: given the result of a call whose caller was cancelled while it ran (what it
+        made that nobody will hold, such as an opened region), on the event loop."""
         queued = time.perf_counter()
         await self._turn.acquire()
         gave_up = threading.Event()
@@ -269,6 +272,8 @@ class SessionExecutor:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
             gave_up.set()
+            if discard is not None:
+                done.add_done_callback(functools.partial(_discard_result, discard))
             raise
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
@@ -337,3 +342,13 @@ class SessionExecutor:
         finally:
             self._waits_done = True
             self._waits.shutdown(wait=False)  # (its threads end once idle: this was the last)
+
+
+def _discard_result(discard: Callable[[T], object], done: asyncio.Future) -> None:
+    """A call's result nobody awaits any more (SessionExecutor.run's `discard`)."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    try:
+        discard(done.result())
+    except Exception:
+        log.exception("discarding the result of a call its client gave up on failed")
