@@ -940,7 +940,7 @@ class Engine(StreamCalls, DataPlane):
         def drop(region: Region) -> None:  # (its client gave up while it opened: nobody
             try:  # would close it, nor count it in the budgets)
                 session.executor.later(region.close)
-            except RuntimeError:  # (the session's worker is shut down by now)
+            except Aborted:  # (the session's worker is shut down by now)
                 asyncio.get_running_loop().run_in_executor(None, region.close)
 
         try:

@@ -25,6 +25,7 @@ stream-op poller, as uvicorn's `ServerState` is shared by its protocol implement
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import errno
@@ -167,7 +168,10 @@ class SessionExecutor:
         self.name = name
         self.slow = slow  # the engine's watchdog of operations that run too long
         self.op_lock = threading.Lock()
-        self._turn = asyncio.Lock()  # a gRPC call's turn in the worker (run)
+        # Calls and later() work for the worker, which takes them itself (run, _pump)
+        self._queue: collections.deque[_Queued] = collections.deque()
+        self._queue_lock = threading.Lock()
+        self._pumping = False  # (a _pump is submitted or running)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"epd-{name}",
                                          initializer=named_initializer(f"epd-{name}",
                                                                        thread_init))
@@ -243,38 +247,63 @@ class SessionExecutor:
     async def run(self, fn: Callable[..., T], *args,
                   discard: Callable[[T], object] | None = None) -> T:
         """Run one operation on the session's worker (gRPC): in the client's order, off the
-        event loop. Its wait for its turn counts in `waited`; the call's client deadline
+        event loop. Its wait for the worker counts in `waited`; the call's client deadline
         (CLIENT_DEADLINE) goes with it.
 
-        One call of the session is in the worker at a time; the others wait for their turn
-        here, as coroutines (an asyncio.Lock is first come, first served). A call cancelled
-        while it waits (its deadline, its client) then leaves at once with its request, while
-        one cancelled in the worker keeps the turn until the worker is done with it (it is
-        not run if it had not started). Handed to the worker at once, cancelled calls stayed
-        queued there with their requests, uncounted by the backlog (backlog.py): a review
-        grew an engine by 1.4 GiB with short-deadline calls behind a blocked dispatch.
-        `discard`: given the result of a call whose caller was cancelled while it ran (what it
-        made that nobody will hold, such as an opened region), on the event loop."""
-        queued = time.perf_counter()
-        await self._turn.acquire()
-        gave_up = threading.Event()
+        Calls wait in the session's own queue, which the worker takes from itself, one after
+        the other (`_pump`). A call cancelled before it started (its deadline, its client)
+        leaves that queue at once, and its request with it: handed to the executor at once,
+        cancelled calls stayed queued there with their requests, uncounted by the backlog
+        (backlog.py; a review grew an engine by 1.4 GiB with short-deadline calls behind a
+        blocked dispatch). (An asyncio lock in front of the executor did the same, but every
+        call queued behind another then waited for an event-loop handoff.) `discard`: given
+        the result of a call whose caller was cancelled while it ran (what it made that
+        nobody will hold, such as an opened region), on the event loop."""
+        loop = asyncio.get_running_loop()
+        gave_up = threading.Event()  # (one that started but waits for the op lock: not run)
+        entry = _Queued(loop.create_future(), functools.partial(
+            self._call, time.perf_counter(), fn, *args, deadline=CLIENT_DEADLINE.get(),
+            gave_up=gave_up))
+        self._enqueue(entry)
         try:
-            if self.closing is not None:  # (its worker may be shut down by now)
-                raise Aborted(f"{self.name} is closing: {self.closing}")
-            job = self.worker.submit(self._call, queued, fn, *args,
-                                     deadline=CLIENT_DEADLINE.get(), gave_up=gave_up)
-        except BaseException:
-            self._turn.release()
-            raise
-        done = asyncio.wrap_future(job)
-        done.add_done_callback(lambda _: self._turn.release())
-        try:
-            return await asyncio.shield(done)
+            return await asyncio.shield(entry.future)
         except asyncio.CancelledError:
             gave_up.set()
+            with self._queue_lock, contextlib.suppress(ValueError):
+                self._queue.remove(entry)  # (not started: gone, with its request)
+                entry.future.cancel()
             if discard is not None:
-                done.add_done_callback(functools.partial(_discard_result, discard))
+                entry.future.add_done_callback(functools.partial(_discard_result, discard))
             raise
+
+    def _enqueue(self, entry: _Queued) -> None:
+        """Queue a call or later() work; start the worker's pump unless it runs."""
+        with self._queue_lock:
+            if self.closing is not None and entry.aborts_on_close:
+                raise Aborted(f"{self.name} is closing: {self.closing}")
+            self._queue.append(entry)
+            if self._pumping:
+                return
+            self._pumping = True
+        try:
+            self.worker.submit(self._pump)
+        except RuntimeError:  # (the worker is shut down: the session closed)
+            with self._queue_lock:
+                self._pumping = False
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(entry)
+            raise Aborted(f"{self.name} is closing: {self.closing or 'its worker stopped'}") \
+                from None
+
+    def _pump(self) -> None:
+        """The worker: the queued calls, in order, until none is left."""
+        while True:
+            with self._queue_lock:
+                if not self._queue:
+                    self._pumping = False
+                    return
+                entry = self._queue.popleft()
+            entry.run()
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """Run a blocking step of this session's (a wait for its operations, a close) on its
@@ -304,7 +333,9 @@ class SessionExecutor:
         own thread, and one of those could be viewing the region (a CUDA mapping closed under
         a kernel launch faults the context every session shares). No caller waits for it: a
         failure is logged; a lock never freed (`exclusive`) leaves `fn` undone, logged."""
-        future = self.worker.submit(self.exclusive, fn)
+        future: Future = Future()
+        self._enqueue(_Queued(future, functools.partial(self.exclusive, fn),
+                              aborts_on_close=False))
         what = getattr(fn, "__qualname__", None) or repr(fn)
         future.add_done_callback(lambda f: self._later_done(what, f))
         return future
@@ -352,3 +383,45 @@ def _discard_result(discard: Callable[[T], object], done: asyncio.Future) -> Non
         discard(done.result())
     except Exception:
         log.exception("discarding the result of a call its client gave up on failed")
+
+
+class _Queued:
+    """A call or later() work in a session's queue: run by the worker, its result (or error)
+    set on `future`, an asyncio one on its loop (run) or a concurrent one (later)."""
+
+    __slots__ = ("aborts_on_close", "future", "work")
+
+    def __init__(self, future: asyncio.Future | Future, work: Callable[[], object],
+                 aborts_on_close: bool = True) -> None:
+        self.future, self.work, self.aborts_on_close = future, work, aborts_on_close
+
+    def run(self) -> None:
+        future = self.future
+        if isinstance(future, Future):  # (later(): a concurrent future)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self.work())
+                except BaseException as e:
+                    future.set_exception(e)
+            return
+        if future.cancelled():  # (its caller left the queue as it was taken: not run)
+            return
+        try:
+            result = self.work()
+        except BaseException as e:
+            _settle(future, None, e)
+        else:
+            _settle(future, result, None)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    """Hand a call's outcome to its waiting coroutine, on its loop (gone: nobody waits)."""
+    def settle() -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    with contextlib.suppress(RuntimeError):  # (the loop is closed)
+        future.get_loop().call_soon_threadsafe(settle)
