@@ -495,7 +495,7 @@ def test_registrations_at_once_cannot_pass_the_region_budget_together() -> None:
         return SimpleNamespace(region_id=rid, size=1024, borrowed=False,
                                close=lambda: closed.append(rid))
 
-    async def run(fn):
+    async def run(fn, discard=None):  # (SessionExecutor.run: discard is for cancelled calls)
         return await asyncio.to_thread(fn)
     session = SimpleNamespace(regions={}, registering={}, members={}, joining={},
                               fast_path=None, teardown_done=False, describe=lambda: "session s",
