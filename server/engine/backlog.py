@@ -24,9 +24,7 @@ class CallBacklog:
     """Counts of calls under way per session and their request bytes per uid (event loop only:
     no lock)."""
 
-    def __init__(self, max_calls: int = MAX_CALLS_PER_SESSION,
-                 max_bytes: int = MAX_BYTES_PER_UID) -> None:
-        self.max_calls, self.max_bytes = max_calls, max_bytes
+    def __init__(self) -> None:
         self._calls: dict[str, int] = {}
         self._bytes: dict[int, int] = {}
 
@@ -35,31 +33,30 @@ class CallBacklog:
         sid = session.session_id
         uid = session.peer[1] if session.peer is not None else -1
         calls = self._calls.get(sid, 0)
-        if calls >= self.max_calls:
+        if calls >= MAX_CALLS_PER_SESSION:
             raise ResourceExhausted(
                 f"{method}: session {sid!r} has {calls} calls under way already (at most "
-                f"{self.max_calls}: its calls run one at a time, the others wait); wait for "
+                f"{MAX_CALLS_PER_SESSION}: its calls run one at a time, the others wait); wait for "
                 f"their answers before sending more")
         size = request.ByteSize()
         held = self._bytes.get(uid, 0)
-        if held + size > self.max_bytes:
+        if held + size > MAX_BYTES_PER_UID:
             raise ResourceExhausted(
                 f"{method}: the calls under way of uid {uid}'s sessions hold {held} bytes of "
                 f"requests; this one's {size} would pass the engine's bound of "
-                f"{self.max_bytes} a uid; wait for their answers before sending more")
+                f"{MAX_BYTES_PER_UID} a uid; wait for their answers before sending more")
         self._calls[sid] = calls + 1
         self._bytes[uid] = held + size
         try:
             yield
         finally:
-            _decrement(self._calls, sid, 1)
-            _decrement(self._bytes, uid, size)
-
-    def calls(self, session_id: str) -> int:
-        return self._calls.get(session_id, 0)
+            decrement(self._calls, sid)
+            decrement(self._bytes, uid, size)
 
 
-def _decrement(counts: dict, key, by: int) -> None:
+def decrement(counts: dict, key: object, by: int = 1) -> None:
+    """Take `by` off `counts[key]`, dropping the entry at zero: count dictionaries that hold
+    only what is under way (also the descriptor channel's, fd_server.py)."""
     left = counts.get(key, 0) - by
     if left > 0:
         counts[key] = left

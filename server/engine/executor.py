@@ -404,9 +404,7 @@ class _Queued:
                 except BaseException as e:
                     future.set_exception(e)
             return
-        if future.cancelled():  # (its caller left the queue as it was taken: not run)
-            return
-        try:
+        try:  # (a cancelled call left the queue before the pump could take it)
             result = self.work()
         except BaseException as e:
             _settle(future, None, e)

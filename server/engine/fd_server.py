@@ -38,6 +38,7 @@ from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics
 from ..rate_limited_log import RateLimitedLog
+from .backlog import decrement
 from .executor import as_epd_error
 
 if TYPE_CHECKING:
@@ -207,10 +208,10 @@ class FdServer:
                     c.shutdown(socket.SHUT_RDWR)
 
     def _uncount_unbound(self, uid: int) -> None:  # (under the lock)
-        _decrement(self._unbound, uid)
+        decrement(self._unbound, uid)
 
     def _uncount(self, uid: int) -> None:  # (under the lock) a connection of uid closed
-        _decrement(self._of_uid, uid)
+        decrement(self._of_uid, uid)
 
     def _serve(self, conn: socket.socket, peer: tuple[int, int, int]) -> None:
         session: Session | None = None
@@ -381,11 +382,3 @@ def _still_open(conn: socket.socket) -> bool:
     poll.register(fd, select.POLLRDHUP)  # (POLLHUP, POLLERR and POLLNVAL come unasked)
     gone = select.POLLHUP | select.POLLRDHUP | select.POLLERR | select.POLLNVAL
     return not any(events & gone for _, events in poll.poll(0))
-
-
-def _decrement(counts: dict[int, int], uid: int) -> None:
-    left = counts.get(uid, 0) - 1
-    if left > 0:
-        counts[uid] = left
-    else:
-        counts.pop(uid, None)
