@@ -8,7 +8,8 @@
 #   ab44      # host CPU per call, this tree against .whl/old = `git archive ce04310 server
 #             # proto client cuda` (extracted), the tree before the forty-third session: one
 #             # rank's normal-mode rows at D and the facade's low-latency pairs (2 ranks),
-#             # two rounds each, then one rank's rows under cProfile
+#             # two rounds each, then one rank's rows and rank 0's low-latency pairs under
+#             # cProfile
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, probe_ab, ll_rows, merge)
 case "${1:-}" in
@@ -20,10 +21,12 @@ case "${1:-}" in
     ;;
   ab44)
     probe_ab 1 2
+    profile_rows new /tmp/pkg
     merge ab44
     ab_rounds 1 2 ll_rows new-first
+    EPD_PROBE_PROFILE=/tmp/ll.prof ll_rows prof /tmp/pkg
     merge_json llrows llrows_ab44
-    profile_rows new /tmp/pkg
+    python3 benchmarks/pstats_top.py /tmp/ll.prof > "$OUT/profile_ll.txt" 2>&1
     ;;
   *) echo "usage: $0 verify44|ab44"; exit 2 ;;
 esac
