@@ -188,7 +188,7 @@ class Config:
     max_timeout_seconds: float = field(default=600.0, metadata={
         "help": "longest deadline a call may ask for (timeout_seconds of a request)"})
     num_sms: int = field(default=0, metadata={
-        "help": "cuda backend: SMs used by the data kernels (0 = per-GPU default; above the "
+        "help": "cuda backend: SMs used by the data kernels (0 = 24; above the "
                 "GPU's SM count the engine refuses to start)"})
     ll_num_sms: int = field(default=64, metadata={
         "help": "cuda backend: blocks of the low-latency kernels (latency-bound: more blocks, "
