@@ -1,7 +1,9 @@
-"""CPU this process spends spinning for the engine's replies, so that a benchmark can tell the
-client's own work per call (Python: descriptors, requests, stream operations) from its waits
-(issue 10's "host CPU per call", which counts the work). The fast-path transport spins briefly
-for each reply before it sleeps on a futex; that spin is CPU time but not work.
+"""CPU this process spends spinning for the engine's replies and for a dispatch's receive
+count, so that a benchmark can tell the client's own work per call (Python: descriptors,
+requests, stream operations) from its waits (issue 10's "host CPU per call", which counts the
+work). The fast-path transport spins briefly for each reply before it sleeps on a futex, and a
+dispatch spins for the count its notify kernel publishes (the host wait DeepEP's dispatch has
+too): CPU time, but not work.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import numpy as np
 from ..proto import abi, counter_page, cuda_driver, dtypes, spin
 from ..proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
-from . import call_outputs, cuda_ipc
+from . import call_outputs, cuda_ipc, host_cpu
 from .tensors import Array
 
 if TYPE_CHECKING:
@@ -258,7 +258,9 @@ def _settle_unwaited(group: Group, slot: StreamSlot) -> None:
     if u is None:
         return
     slot.unwaited = None
-    got = counter_page.wait(group._counter, u.sequence, u.timeout, stop=lambda: slot.released)
+    with host_cpu.waiting():
+        got = counter_page.wait(group._counter, u.sequence, u.timeout,
+                                stop=lambda: slot.released)
     if _failed(group, got):
         raise _count_failure(group, slot, got, u.sequence, u.seq, u.timeout, earlier=True,
                              num_worst=u.num_worst)
@@ -292,8 +294,10 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
                                          req.num_worst_tokens)
         n, per_expert, rows = -1, [], req.num_worst_tokens
     else:
-        # The receive count, published by the notify kernel (by the engine for a cached one).
-        got = counter_page.wait(group._counter, resp.counter_sequence, timeout)
+        # The receive count, published by the notify kernel (by the engine for a cached one):
+        # the host wait DeepEP's dispatch has too, counted as waiting, not work (host_cpu)
+        with host_cpu.waiting():
+            got = counter_page.wait(group._counter, resp.counter_sequence, timeout)
         slot.end(stream, seq)  # the stream passes the call either way
         if _failed(group, got):  # (every rank failed it; the engine's handle of it goes back)
             group._requeue([resp.handle])
