@@ -119,6 +119,7 @@ class PendingDispatch:
                  x_template: Array) -> None:
         self._group, self._future, self._sequence = group, future, sequence
         self._copy, self._template = copy, x_template
+        self._taken = False  # result() read the answer (its handle is the caller's then)
 
     def counts(self, timeout: float | None = None) -> tuple[int, list[int]]:
         """(num_recv_tokens, per-expert counts). `timeout` defaults to the session's deadline."""
@@ -126,7 +127,13 @@ class PendingDispatch:
         s._check_open()
         timeout = s._deadline(timeout)
         words = self._group._counter
-        got = counter_page.wait(words, self._sequence, timeout, stop=lambda: not s.alive)
+        future = self._future
+        got = counter_page.wait(words, self._sequence, timeout,
+                                stop=lambda: not s.alive or future.done())
+        if got is None and future.done():  # (answered: its counts were published before)
+            got = counter_page.wait(words, self._sequence, 0)
+            if got is None:  # refused before it took part (a bad shape, a full budget):
+                future.result()  # the engine's error now, not a wait for counts that never come
         if got is None:
             s._check_open()  # (the lease ended meanwhile: UNAVAILABLE now, not at the deadline)
             raise EpdError(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -141,7 +148,12 @@ class PendingDispatch:
         try:
             if s._closed:  # (its outputs are unmapped: no answer can be read)
                 raise FailedPrecondition("the session is closed")
-            resp = cast(epd_pb2.DispatchResponse, self._future.result())
+            try:
+                resp = cast(epd_pb2.DispatchResponse, self._future.result())
+            except EpdError:
+                self._taken = True  # (failed: no handle)
+                raise
+            self._taken = True
         finally:
             if self._future.done():  # (not when an exception cut the wait short: the
                 s._dispatch_done(self._future)  # engine may still read the staged inputs)
@@ -150,12 +162,20 @@ class PendingDispatch:
 
     def __del__(self) -> None:
         # Dropped unread (counts() raised, the caller gave up): the session's next
-        # dispatch_async takes its answer; until then the fast-path ring may take it when it
-        # needs the slot (else every later call of the session would wait for that slot).
-        abandon = getattr(self._future, "abandon", None)
-        flight = self._group._session._in_flight
-        if abandon is not None and flight is not None and flight[1] is self._future:
-            abandon()
+        # dispatch_async takes its answer (the ring moves it into the call when it needs the
+        # slot), and the group's next dispatch releases the handle that only this answer
+        # names (the engine kept it for good before: a fuzzer's 50 dropped calls held 50).
+        if not getattr(self, "_taken", True):
+            self._group._dropped.append(self._future)
+
+
+def _wait_out(future: PendingCall) -> None:
+    """Wait for a call whose outcome is nobody's (within its own deadline). A function of its
+    own: the error it may raise keeps the frames it passed through in its traceback, so a
+    caller's frame that goes on to make a new PendingDispatch would keep that one alive (a
+    reference cycle through the call's stored error) and refuse the next dispatch_async."""
+    with contextlib.suppress(EpdError):
+        future.result()
 
 
 SERVICE_CLASSES = ("latency", "throughput")  # epd.proto ServiceClass, by name
@@ -249,6 +269,8 @@ class Group:
         # release_handles() sends them now. The engine keeps a handle until then.
         self._released: list[int] = []
         self._unanswered: list[PendingCall] = []  # interrupted dispatches (_answered_dispatch)
+        self._dropped: list[PendingCall] = []  # dispatch_async calls dropped unread (appended
+        # by PendingDispatch.__del__, on any thread)
         self._live: set[int] = set()  # ids of the handle objects not yet collected
 
     def _track(self, handle: Handle | LowLatencyHandle) -> None:
@@ -408,12 +430,21 @@ class Group:
             raise
 
     def _settle_unanswered(self, wait: bool) -> None:
-        """Queue the release of the handles of interrupted dispatches answered by now (`wait`:
-        of all of them, each waited for within its own deadline)."""
-        if not self._unanswered:
-            return
+        """Queue the release of the handles of interrupted dispatches, and of dispatch_async
+        calls dropped unread, answered by now (`wait`: of all of them, each waited for within
+        its own deadline)."""
+        if self._dropped:
+            dropped, self._dropped = self._dropped, []  # (swapped: __del__ may append meanwhile)
+            self._dropped.extend(self._answers_settled(dropped, wait, holds_staging=False))
+        if self._unanswered:
+            self._unanswered = self._answers_settled(self._unanswered, wait, holds_staging=True)
+
+    def _answers_settled(self, futures: list[PendingCall], wait: bool,
+                         holds_staging: bool) -> list[PendingCall]:
+        """The futures not answered yet; the others' handles queued for release (and, where
+        `holds_staging`, their hold on the staged inputs let go)."""
         keep = []
-        for fut in self._unanswered:
+        for fut in futures:
             if not (wait or fut.done()):
                 keep.append(fut)
                 continue
@@ -421,9 +452,9 @@ class Group:
                 handle = getattr(fut.result(), "handle", 0)
                 if handle:
                     self._released.append(handle)
-            if not self._session._closed:
+            if holds_staging and not self._session._closed:
                 self._session.memory.release_staging()
-        self._unanswered = keep
+        return keep
 
     @_staged_call()
     def dispatch_async(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
@@ -442,8 +473,7 @@ class Group:
                                              "(its PendingDispatch.result() was not taken yet)")
                 # Its PendingDispatch was dropped unread: let it finish first (within its own
                 # deadline; its outcome is nobody's), so that the counts read next are ours.
-                with contextlib.suppress(EpdError):
-                    future.result()
+                _wait_out(future)
                 s._dispatch_done(future)
             req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                       expert_alignment, num_worst_tokens,

@@ -44,6 +44,7 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.enable_retries", 0)]
 RING_FULL_POLL_SECONDS = 20e-6  # a full ring: how often to look for a freed slot
 FUTEX_WAIT_SECONDS = 0.05  # a waiting call wakes at least this often to check the ring
+GRPC_WAIT_MARGIN_SECONDS = 5.0  # a gRPC future's wait past its call's own deadline
 # (and the lease: see FastPathTransport.lease_lost)
 # The most a client spins for an answer, whatever the engine's OpenFastPathResponse says (its
 # defaults: 50 µs, and 1 ms for answers predicted to come that quickly); never past a call's
@@ -116,17 +117,29 @@ class Transport(abc.ABC):
 
 
 class _Future:
-    def __init__(self, fut: grpc.Future) -> None:
-        self._fut = fut
+    def __init__(self, fut: grpc.Future, method: str, timeout: float) -> None:
+        self._fut, self._method = fut, method
+        self._deadline = time.monotonic() + timeout + GRPC_WAIT_MARGIN_SECONDS
 
     def done(self) -> bool:
         return self._fut.done()
 
     def result(self, timeout: float | None = None) -> Message:
+        # Never past the call's own deadline and a margin: gRPC's deadline fires first, unless
+        # an exception raised inside grpc's code (a signal handler's KeyboardInterrupt in an
+        # earlier call of this thread) left its channel lock held, and then nothing else
+        # would end the wait (a fuzzer's run hung there).
+        left = min(max(self._deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)
         try:
-            return self._fut.result(timeout=timeout)
+            return self._fut.result(timeout=left if timeout is None else min(timeout, left))
         except grpc.RpcError as e:
             raise EpdError.from_rpc(e) from None
+        except grpc.FutureTimeoutError:
+            if timeout is not None and timeout < left:
+                raise
+            self._fut.cancel()
+            raise DeadlineExceeded(f"{self._method}: gRPC did not end the call within its "
+                                   f"deadline (+{GRPC_WAIT_MARGIN_SECONDS:g} s)") from None
 
 
 class GrpcTransport(Transport):
@@ -145,14 +158,12 @@ class GrpcTransport(Transport):
         self.metadata = ((fdc.TOKEN_METADATA, token),)
 
     def call(self, method: str, request: Message, timeout: float) -> Message:
-        try:
-            return getattr(self.stub, method)(request, timeout=timeout, metadata=self.metadata)
-        except grpc.RpcError as e:
-            raise EpdError.from_rpc(e) from None
+        return self.call_async(method, request, timeout).result()  # (its wait is bounded)
 
     def call_async(self, method: str, request: Message, timeout: float) -> _Future:
         return _Future(getattr(self.stub, method).future(request, timeout=timeout,
-                                                         metadata=self.metadata))
+                                                         metadata=self.metadata),
+                       method, timeout)
 
     def open_stream(self, request: epd_pb2.OpenSessionRequest) -> SessionStream:
         return self.stub.OpenSession(request)
@@ -191,8 +202,9 @@ class _RingCall:
         if self._done or self.t.closed:
             return True
         words, _, _ = self.t.ring.slot(self.slot)
-        answered = int(words[R.S_STATE]) == R.DONE and R.seq_of(words) == self.seq
-        return answered or self._done  # (the ring may have moved its answer out meanwhile)
+        if R.seq_of(words) != self.seq:  # (its answer was taken: by the ring into this call,
+            return True  # or by a read an exception cut short, which result() reports)
+        return int(words[R.S_STATE]) == R.DONE or self._done
 
     def result(self, timeout: float | None = None) -> Message:
         with self._taking:
@@ -204,7 +216,7 @@ class _RingCall:
                                            f"be read: {type(e).__name__}: {e}")
                 self._done = True
         if isinstance(self._value, EpdError):
-            raise self._value
+            raise self._value.copy()  # (a copy: each raise's frames stay out of the stored one)
         assert self._value is not None
         return self._value
 

@@ -38,6 +38,14 @@ class EpdError(RuntimeError):
     def details(self) -> str:
         return self.message
 
+    def copy(self) -> EpdError:
+        """The same error as a new object, with no traceback (an error kept and raised again
+        would otherwise gather every raise's frames, and keep them alive)."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin.args = self.args
+        return twin
+
     @classmethod
     def from_rpc(cls, err: grpc.RpcError) -> EpdError:
         return error(err.code(), err.details() or "")

@@ -34,7 +34,10 @@ def full() -> None:
     lock = getattr(_local, "lock", None)
     if lock is None:
         lock = _local.lock = threading.Lock()
-        lock.acquire()
+    # Held from here on whatever the last call left: an exception raised between its release
+    # and acquire (a signal handler's KeyboardInterrupt) left it free, and a release of a free
+    # lock raised RuntimeError in every later call of the thread. (Per thread: never blocks.)
+    lock.acquire(blocking=False)
     lock.release()
     lock.acquire()
 

@@ -364,7 +364,7 @@ def test_concurrent_calls_never_share_staged_inputs(daemon) -> None:
             assert (m.staging.file.view(da.offset_bytes, (64,), np.dtype(np.float32)) == 1).all()
             db = got[0]
             assert db.region_id != da.region_id or db.offset_bytes >= da.offset_bytes + 256
-        assert m._busy == 0 and s._descs({"x": b})["x"].offset_bytes == 0
+        assert not m._scopes and s._descs({"x": b})["x"].offset_bytes == 0
         # through the calls: two threads dispatch on two groups of one session
         spec = dict(rank=0, num_ranks=1, num_experts=4, hidden=64, max_tokens_per_rank=8,
                     num_topk=2)
@@ -582,3 +582,154 @@ def test_a_malformed_output_descriptor_is_an_internal_error(daemon, mangle, word
         inner.mangle = lambda d: None
         per_rank, per_expert, _ = g.get_dispatch_layout(idx)
         assert list(per_rank) == [2] and list(per_expert) == [1, 1, 1, 1]
+
+
+# -- interrupts and dropped async dispatches (a fuzzer's round, forty-fourth session) -----------
+
+def test_a_fence_interrupted_between_its_release_and_acquire_still_works() -> None:
+    """host_order.full() releases and takes a per-thread lock; an exception between the two (a
+    signal handler's KeyboardInterrupt) left it free, and every later fence of the thread, in
+    every ring doorbell, raised RuntimeError after its request was published."""
+    from epd.proto import host_order
+    host_order.full()
+    host_order._local.lock.release()  # (the state that exception left)
+    host_order.full()
+    host_order.full()
+    assert host_order._local.lock.locked()
+
+
+def _one_rank(s: Session, name: str):
+    g = s.join(name, rank=0, num_ranks=1, num_experts=4, hidden=16, num_topk=2,
+               max_tokens_per_rank=8, dtype="float32")
+    idx = np.array([[0, 1], [2, 3]], np.int64)
+    return g, np.ones((2, 16), np.float32), idx, np.ones((2, 2), np.float32)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "grpc"])
+def test_a_dropped_pending_dispatch_gives_its_handle_back(daemon, fast: bool) -> None:
+    """A PendingDispatch dropped without result() (the caller's code raised between
+    dispatch_async and result()) left its handle in the engine for good: 50 such calls held 50,
+    and --max-handles-per-session of them refused every dispatch after. Its group's next
+    dispatch releases it."""
+    with Session(daemon.socket(0), fast_path=fast) as s:
+        g, x, idx, w = _one_rank(s, f"dropped-handle-{int(fast)}")
+        for _ in range(5):
+            p = g.dispatch_async(x, idx, w)
+            p.counts()
+            del p
+        gc.collect()
+        r = g.dispatch(x, idx, w)
+        assert g.release_handles() == 1  # (r's alone)
+        del r
+        gc.collect()
+        assert g.release_handles() == 0
+        p = g.dispatch_async(x, idx, w)  # read: its handle is the caller's
+        res = p.result()
+        del p
+        gc.collect()
+        g.dispatch(x, idx, w)
+        assert g.release_handles() == 1 and res.handle.handle_id
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "grpc"])
+def test_counts_of_a_refused_dispatch_raise_its_error_at_once(daemon, fast: bool) -> None:
+    """counts() of a dispatch the engine refused before it took part (x of the wrong hidden
+    size) waited out its whole deadline and raised DEADLINE_EXCEEDED; result() had the reason.
+    counts() raises that reason as soon as the answer is in."""
+    with Session(daemon.socket(0), fast_path=fast) as s:
+        g, x, idx, w = _one_rank(s, f"refused-counts-{int(fast)}")
+        p = g.dispatch_async(np.ones((2, 17), np.float32), idx, w, timeout=20.0)
+        t0 = time.monotonic()
+        with pytest.raises(EpdError) as e:
+            p.counts()
+        assert time.monotonic() - t0 < 5.0
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "hidden" in e.value.details
+        with pytest.raises(EpdError) as e2:
+            p.result()
+        assert e2.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        n, _ = g.dispatch_async(x, idx, w).counts()  # (a new one goes on)
+        assert n == 2
+
+
+def test_a_dropped_refused_dispatch_does_not_block_the_next(daemon) -> None:
+    """A refused dispatch_async dropped unread, then another dropped unread: the second was
+    kept alive by a reference cycle (the first's stored error, raised again, held the frame
+    that made the second), so the next dispatch_async was refused "still in flight" until a
+    garbage collection. The stored error is raised as a copy, and waited out in a function of
+    its own."""
+    with Session(daemon.socket(0)) as s:
+        g, x, idx, w = _one_rank(s, "dropped-refused")
+        gc.disable()
+        try:
+            g.dispatch_async(np.ones((2, 17), np.float32), idx, w)  # refused, dropped
+            g.dispatch_async(x, idx, w)  # dropped
+            p = g.dispatch_async(x, idx, w)
+            assert p.result().num_recv_tokens == 2
+        finally:
+            gc.enable()
+
+
+def test_an_answer_taken_by_an_interrupted_read_counts_as_done() -> None:
+    """An exception inside the read of an answer, after the slot was freed but before the call
+    kept the answer, left done() False for good: an interrupted dispatch's hold on the staged
+    inputs was never let go, and staging grew for the rest of the session."""
+    with ring_transport() as (eng, t), answering_engine(eng, first=1):
+        call = t.call_async("Ping", epd_pb2.PingRequest(), 5.0)
+        ranklib.wait_until(call.done, 5, "answered")
+        words, _, _ = t.ring.slot(call.slot)
+        words[R.S_STATE] = R.FREE  # (what the cut-short read left: freed, not kept)
+        R.set_seq(words, 0)
+        assert call.done()
+        with pytest.raises(EpdError) as e:
+            call.result()
+        assert e.value.code == grpc.StatusCode.INTERNAL and "interrupted" in e.value.details
+        t.call("Ping", epd_pb2.PingRequest(), 5.0)
+
+
+def test_a_call_scope_whose_exit_was_cut_short_ends_with_its_object(daemon) -> None:
+    """An exception as a call scope's __exit__ began (before it could count the call out) left
+    the session's count of calls inside one too high for good: staging was never reset and every
+    call grew it (256 MiB after 300 calls). A scope counts while its object lives."""
+    with Session(daemon.socket(0)) as s:
+        m = s.memory
+        scope = m.call_scope()
+        scope.__enter__()  # (and no __exit__: the exception's state)
+        other: list = []
+        th = threading.Thread(target=lambda: other.append(m._others()))
+        th.start()
+        th.join(5)
+        assert other == [1]
+        del scope
+        gc.collect()
+        assert not m._scopes
+        s._descs({"x": np.zeros(1 << 20, np.float32)})
+        assert s._descs({"x": np.zeros(16, np.float32)})["x"].offset_bytes == 0
+
+
+def test_a_grpc_wait_ends_at_its_deadline_even_if_grpc_never_answers() -> None:
+    """A wait on a gRPC future had no deadline of its own: with grpc's channel lock left held
+    by an exception inside grpc's code (a signal handler's KeyboardInterrupt), no deadline event
+    was ever delivered and the next call hung for good. The wait ends at the call's deadline
+    plus a margin, DEADLINE_EXCEEDED, and the future is cancelled."""
+
+    class Stuck:
+        cancelled = False
+
+        def result(self, timeout=None):
+            time.sleep(timeout)
+            raise grpc.FutureTimeoutError()
+
+        def cancel(self):
+            Stuck.cancelled = True
+            return True
+
+        def done(self):
+            return False
+
+    fut = TR._Future(Stuck(), "Dispatch", 0.05)
+    fut._deadline = time.monotonic() + 0.1  # (the call's deadline and a shortened margin)
+    t0 = time.monotonic()
+    with pytest.raises(EpdError) as e:
+        fut.result()
+    assert time.monotonic() - t0 < 2.0 and Stuck.cancelled
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "Dispatch" in e.value.details
