@@ -116,9 +116,10 @@ class PendingDispatch:
     the receive counts in the counter page, before the data has arrived."""
 
     def __init__(self, group: Group, future: PendingCall, sequence: int, copy: bool,
-                 x_template: Array) -> None:
+                 x_template: Array, released: list[int]) -> None:
         self._group, self._future, self._sequence = group, future, sequence
         self._copy, self._template = copy, x_template
+        self._released = released  # the handle releases it carries (sent again if it failed)
         self._taken = False  # result() read the answer (its handle is the caller's then)
 
     def counts(self, timeout: float | None = None) -> tuple[int, list[int]]:
@@ -151,7 +152,8 @@ class PendingDispatch:
             try:
                 resp = cast(epd_pb2.DispatchResponse, self._future.result())
             except EpdError:
-                self._taken = True  # (failed: no handle)
+                self._taken = True  # (failed: no handle; its releases go with a later call)
+                self._group._requeue(self._released)
                 raise
             self._taken = True
         finally:
@@ -166,6 +168,7 @@ class PendingDispatch:
         # slot), and the group's next dispatch releases the handle that only this answer
         # names (the engine kept it for good before: a fuzzer's 50 dropped calls held 50).
         if not getattr(self, "_taken", True):
+            self._group._requeue(self._released)  # (releases are idempotent: if it failed)
             self._group._dropped.append(self._future)
 
 
@@ -433,28 +436,26 @@ class Group:
         """Queue the release of the handles of interrupted dispatches, and of dispatch_async
         calls dropped unread, answered by now (`wait`: of all of them, each waited for within
         its own deadline)."""
-        if self._dropped:
-            dropped, self._dropped = self._dropped, []  # (swapped: __del__ may append meanwhile)
-            self._dropped.extend(self._answers_settled(dropped, wait, holds_staging=False))
-        if self._unanswered:
-            self._unanswered = self._answers_settled(self._unanswered, wait, holds_staging=True)
+        self._settle(self._dropped, wait, holds_staging=False)
+        self._settle(self._unanswered, wait, holds_staging=True)
 
-    def _answers_settled(self, futures: list[PendingCall], wait: bool,
-                         holds_staging: bool) -> list[PendingCall]:
-        """The futures not answered yet; the others' handles queued for release (and, where
-        `holds_staging`, their hold on the staged inputs let go)."""
-        keep = []
-        for fut in futures:
-            if not (wait or fut.done()):
-                keep.append(fut)
-                continue
-            with contextlib.suppress(EpdError):
-                handle = getattr(fut.result(), "handle", 0)
-                if handle:
-                    self._released.append(handle)
-            if holds_staging and not self._session._closed:
-                self._session.memory.release_staging()
-        return keep
+    def _settle(self, futures: list[PendingCall], wait: bool, holds_staging: bool) -> None:
+        """Settle the answered `futures` (all with `wait`), in place: each one's handle queued
+        for release (and, where `holds_staging`, its hold on the staged inputs let go), then
+        it leaves the list; one an exception cut short stays for the next pass. (In place:
+        PendingDispatch.__del__ may append to the list meanwhile, on any thread.)"""
+        for fut in [f for f in futures if wait or f.done()]:
+            futures.remove(fut)
+            try:
+                with contextlib.suppress(EpdError):
+                    handle = getattr(fut.result(), "handle", 0)
+                    if handle:
+                        self._released.append(handle)
+                if holds_staging and not self._session._closed:
+                    self._session.memory.release_staging()
+            except BaseException:
+                futures.append(fut)
+                raise
 
     @_staged_call()
     def dispatch_async(self, x: Array, topk_idx: Array = None, topk_weights: Array = None, *,
@@ -486,8 +487,14 @@ class Group:
             self._settle_unanswered(wait=True)
             self.settle_dispatches()
             expected = int(self._counter[counter_page.SEQ]) + 1
-            fut = s._transport.call_async("Dispatch", req, rpc_timeout)
-            pending = PendingDispatch(self, fut, expected, copy, x)
+            released = self._take_released()  # (a code that only dispatch_asyncs frees too)
+            req.release_handles.extend(released)
+            try:
+                fut = s._transport.call_async("Dispatch", req, rpc_timeout)
+            except BaseException:
+                self._requeue(released)
+                raise
+            pending = PendingDispatch(self, fut, expected, copy, x, released)
             s._dispatch_started(pending, fut)  # (its inputs may be staged copies read later)
         return pending
 

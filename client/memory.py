@@ -141,11 +141,11 @@ class _CallScope:
     every later call grew the staging instead of reusing it (a fuzzer: 256 MiB after 300
     calls)."""
 
-    __slots__ = ("__weakref__", "_memory", "thread")
+    __slots__ = ("__weakref__", "_memory", "outer")
 
     def __init__(self, memory: ShmMemory | None) -> None:
         self._memory = memory
-        self.thread = threading.get_ident()
+        self.outer: weakref.ref[_CallScope] | None = None  # the thread's scope it is inside
 
     def __enter__(self) -> None:
         if self._memory is not None:
@@ -200,7 +200,8 @@ class ShmMemory(Memory):
         # call's staged copies may still be read: none held by an async dispatch, none of a
         # synchronous call between its describe and its answer (`call_scope`).
         self._lock = threading.Lock()
-        self._local = threading.local()  # .staged: this thread's last call's copies, by name
+        self._local = threading.local()  # .staged: this thread's last call's copies, by name;
+        # .scope: its innermost call scope (a weak reference)
         self._held = 0  # calls in flight whose staged inputs the engine may not have read
         # synchronous calls inside call_scope (their answer not come yet)
         self._scopes: weakref.WeakSet[_CallScope] = weakref.WeakSet()
@@ -242,8 +243,11 @@ class ShmMemory(Memory):
 
     def _others(self) -> int:
         """(Under the lock.) Calls other than this thread's own that may still read staging."""
-        me = threading.get_ident()
-        return self._held + sum(1 for s in self._scopes if s.thread != me)
+        # every call inside a scope but the one this thread describes for now (its innermost:
+        # a call made inside another, from a signal handler, must leave the outer's inputs)
+        current = getattr(self._local, "scope", None)
+        mine = current() if current is not None else None
+        return self._held + len(self._scopes) - int(mine is not None and mine in self._scopes)
 
     def _grow_staging(self, nbytes: int) -> None:
         old = self.staging.file
@@ -304,8 +308,11 @@ class ShmMemory(Memory):
     def _enter_call(self, scope: _CallScope) -> None:
         with self._lock:
             self._scopes.add(scope)
+        scope.outer = getattr(self._local, "scope", None)
+        self._local.scope = weakref.ref(scope)
 
     def _exit_call(self, scope: _CallScope) -> None:
+        self._local.scope = scope.outer
         with self._lock:
             self._scopes.discard(scope)
         self._drop_retired()

@@ -120,26 +120,39 @@ class _Future:
     def __init__(self, fut: grpc.Future, method: str, timeout: float) -> None:
         self._fut, self._method = fut, method
         self._deadline = time.monotonic() + timeout + GRPC_WAIT_MARGIN_SECONDS
+        self._expired: EpdError | None = None  # the wait ran out and the call was cancelled
 
     def done(self) -> bool:
-        return self._fut.done()
+        return self._expired is not None or self._fut.done()
 
     def result(self, timeout: float | None = None) -> Message:
         # Never past the call's own deadline and a margin: gRPC's deadline fires first, unless
         # an exception raised inside grpc's code (a signal handler's KeyboardInterrupt in an
         # earlier call of this thread) left its channel lock held, and then nothing else
         # would end the wait (a fuzzer's run hung there).
+        if self._expired is not None:  # (a cancelled future raises grpc's own error)
+            raise self._expired.copy()
         left = min(max(self._deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)
         try:
-            return self._fut.result(timeout=left if timeout is None else min(timeout, left))
-        except grpc.RpcError as e:
-            raise EpdError.from_rpc(e) from None
+            return self._outcome(left if timeout is None else min(timeout, left))
         except grpc.FutureTimeoutError:
             if timeout is not None and timeout < left:
                 raise
-            self._fut.cancel()
-            raise DeadlineExceeded(f"{self._method}: gRPC did not end the call within its "
-                                   f"deadline (+{GRPC_WAIT_MARGIN_SECONDS:g} s)") from None
+        if not self._fut.cancel():  # (it ended as the wait did: that outcome stands)
+            return self._outcome(0.0)
+        self._expired = DeadlineExceeded(f"{self._method}: gRPC did not end the call within "
+                                         f"its deadline (+{GRPC_WAIT_MARGIN_SECONDS:g} s)")
+        raise self._expired.copy()
+
+    def _outcome(self, timeout: float) -> Message:
+        try:
+            return self._fut.result(timeout=timeout)
+        except grpc.RpcError as e:
+            # grpc raises its future itself, so its traceback would gather every raise's
+            # frames, a caller's that went on to make a new PendingDispatch too (a cycle that
+            # kept it alive and refused the next dispatch_async)
+            e.__traceback__ = None
+            raise EpdError.from_rpc(e) from None
 
 
 class GrpcTransport(Transport):
@@ -182,7 +195,7 @@ class _Failed:
         return True
 
     def result(self, timeout: float | None = None) -> Message:
-        raise self.error
+        raise self.error.copy()
 
 
 class _RingCall:
@@ -202,8 +215,11 @@ class _RingCall:
         if self._done or self.t.closed:
             return True
         words, _, _ = self.t.ring.slot(self.slot)
-        if R.seq_of(words) != self.seq:  # (its answer was taken: by the ring into this call,
-            return True  # or by a read an exception cut short, which result() reports)
+        # (a call exists only once published: a free slot, or another call's, means its
+        # answer was taken, by the ring into this call or by a read an exception cut short,
+        # which result() reports)
+        if R.seq_of(words) != self.seq or int(words[R.S_STATE]) == R.FREE:
+            return True
         return int(words[R.S_STATE]) == R.DONE or self._done
 
     def result(self, timeout: float | None = None) -> Message:
@@ -381,8 +397,9 @@ class FastPathTransport(Transport):
         if self.closed:
             return FailedPrecondition(CLOSED_MESSAGE)
         words, _, state_addr = self.ring.slot(call.slot)
-        if R.seq_of(words) != call.seq:  # (its answer was taken by a read an exception cut
-            # short: the slot is free, or another call's now; never read that one's answer)
+        if R.seq_of(words) != call.seq or int(words[R.S_STATE]) == R.FREE:  # (its answer was
+            # taken by a read an exception cut short: the slot is free, or another call's
+            # now; never read that one's answer)
             return Internal(f"{call.op.name}: its fast-path answer was lost (a read of it was "
                             f"interrupted); the call itself ran")
         header = self.ring.header

@@ -651,14 +651,15 @@ def test_counts_of_a_refused_dispatch_raise_its_error_at_once(daemon, fast: bool
         assert n == 2
 
 
-def test_a_dropped_refused_dispatch_does_not_block_the_next(daemon) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-path", "grpc"])
+def test_a_dropped_refused_dispatch_does_not_block_the_next(daemon, fast: bool) -> None:
     """A refused dispatch_async dropped unread, then another dropped unread: the second was
     kept alive by a reference cycle (the first's stored error, raised again, held the frame
     that made the second), so the next dispatch_async was refused "still in flight" until a
-    garbage collection. The stored error is raised as a copy, and waited out in a function of
-    its own."""
-    with Session(daemon.socket(0)) as s:
-        g, x, idx, w = _one_rank(s, "dropped-refused")
+    garbage collection. The ring's stored error is raised as a copy, grpc's (its future itself)
+    loses its traceback, and a dropped call is waited out in a function of its own."""
+    with Session(daemon.socket(0), fast_path=fast) as s:
+        g, x, idx, w = _one_rank(s, f"dropped-refused-{int(fast)}")
         gc.disable()
         try:
             g.dispatch_async(np.ones((2, 17), np.float32), idx, w)  # refused, dropped
@@ -669,20 +670,25 @@ def test_a_dropped_refused_dispatch_does_not_block_the_next(daemon) -> None:
             gc.enable()
 
 
-def test_an_answer_taken_by_an_interrupted_read_counts_as_done() -> None:
+@pytest.mark.parametrize("seq_cleared", [True, False], ids=["seq-cleared", "seq-left"])
+def test_an_answer_taken_by_an_interrupted_read_counts_as_done(seq_cleared: bool) -> None:
     """An exception inside the read of an answer, after the slot was freed but before the call
-    kept the answer, left done() False for good: an interrupted dispatch's hold on the staged
-    inputs was never let go, and staging grew for the rest of the session."""
+    kept the answer (and before or after the slot's sequence was cleared), left done() False
+    for good: an interrupted dispatch's hold on the staged inputs was never let go, and
+    staging grew for the rest of the session; a second result() waited out its deadline."""
     with ring_transport() as (eng, t), answering_engine(eng, first=1):
         call = t.call_async("Ping", epd_pb2.PingRequest(), 5.0)
         ranklib.wait_until(call.done, 5, "answered")
         words, _, _ = t.ring.slot(call.slot)
         words[R.S_STATE] = R.FREE  # (what the cut-short read left: freed, not kept)
-        R.set_seq(words, 0)
+        if seq_cleared:
+            R.set_seq(words, 0)
         assert call.done()
+        t0 = time.monotonic()
         with pytest.raises(EpdError) as e:
             call.result()
         assert e.value.code == grpc.StatusCode.INTERNAL and "interrupted" in e.value.details
+        assert time.monotonic() - t0 < 1.0 and t.broken is None
         t.call("Ping", epd_pb2.PingRequest(), 5.0)
 
 
@@ -704,6 +710,67 @@ def test_a_call_scope_whose_exit_was_cut_short_ends_with_its_object(daemon) -> N
         assert not m._scopes
         s._descs({"x": np.zeros(1 << 20, np.float32)})
         assert s._descs({"x": np.zeros(16, np.float32)})["x"].offset_bytes == 0
+
+
+def test_a_call_inside_another_on_one_thread_leaves_the_outers_inputs(daemon) -> None:
+    """A call made inside another on the same thread (a signal handler's, during the outer
+    call's wait) must not reset the staging the outer call's inputs are in: the first form of
+    the scope objects counted none of the thread's own scopes, and the inner call overwrote
+    the outer's staged x."""
+    with Session(daemon.socket(0)) as s:
+        m = s.memory
+        with m.call_scope():
+            outer = s._descs({"x": np.full(64, 1.0, np.float32)})["x"]
+            with m.call_scope():
+                inner = s._descs({"x": np.full(64, 2.0, np.float32)})["x"]
+            assert (inner.region_id, inner.offset_bytes) != (outer.region_id, outer.offset_bytes)
+            assert (m.staging.file.view(outer.offset_bytes, (64,), np.dtype(np.float32))
+                    == 1).all()
+        assert s._descs({"x": np.zeros(16, np.float32)})["x"].offset_bytes == 0
+
+
+def test_a_dispatch_async_only_loop_gives_dropped_handles_back(daemon_factory) -> None:
+    """Code that only calls dispatch_async (dropping some unread) never sent the releases its
+    group queued: only dispatch, low_latency_dispatch or release_handles() carried them, and
+    the session ran into --max-handles-per-session. dispatch_async carries them too."""
+    with daemon_factory(engines=1, extra=["--max-handles-per-session", "4"]) as d, \
+            Session(d.socket(0)) as s:
+        g, x, idx, w = _one_rank(s, "async-only-releases")
+        for _ in range(12):
+            g.dispatch_async(x, idx, w).counts()  # dropped unread
+            gc.collect()
+            r = g.dispatch_async(x, idx, w).result()
+            del r
+            gc.collect()
+        assert g.release_handles() == 0
+
+
+def test_an_interrupted_settle_keeps_the_calls_it_had_not_settled(daemon) -> None:
+    """An exception inside the settling of dropped dispatches lost the ones it had taken off
+    the group's list: their handles stayed in the engine for good. A call leaves the list
+    once settled (one whose settling was cut short stays for the next pass)."""
+    with Session(daemon.socket(0)) as s:
+        g, x, idx, w = _one_rank(s, "interrupted-settle")
+        g.dispatch_async(x, idx, w).counts()
+        gc.collect()
+        assert len(g._dropped) == 1
+        first = g._dropped[0]
+        real = first.result
+        calls: list = []
+
+        def interrupted(*a, **kw):
+            if not calls:
+                calls.append(1)
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        first.result = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            g._settle_unanswered(wait=True)
+        assert first in g._dropped
+        g.dispatch(x, idx, w)
+        gc.collect()
+        assert not g._dropped and g.release_handles() == 0
 
 
 def test_a_grpc_wait_ends_at_its_deadline_even_if_grpc_never_answers() -> None:
@@ -733,3 +800,33 @@ def test_a_grpc_wait_ends_at_its_deadline_even_if_grpc_never_answers() -> None:
         fut.result()
     assert time.monotonic() - t0 < 2.0 and Stuck.cancelled
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "Dispatch" in e.value.details
+    assert fut.done()
+    with pytest.raises(EpdError) as again:  # (not grpc's FutureCancelledError)
+        fut.result()
+    assert again.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_grpc_call_that_ends_as_its_wait_runs_out_keeps_its_outcome() -> None:
+    """The wait's limit ran out as the call ended: cancel() came too late, and the answer (a
+    dispatch's, naming a handle) stands instead of a DEADLINE_EXCEEDED that lost it."""
+    answer = epd_pb2.PingResponse()
+
+    class JustInTime:
+        def __init__(self):
+            self.ended = False
+
+        def result(self, timeout=None):
+            if not self.ended:
+                self.ended = True
+                raise grpc.FutureTimeoutError()
+            return answer
+
+        def cancel(self):
+            return False  # (already done)
+
+        def done(self):
+            return self.ended
+
+    fut = TR._Future(JustInTime(), "Ping", 0.0)
+    fut._deadline = time.monotonic()
+    assert fut.result() is answer
