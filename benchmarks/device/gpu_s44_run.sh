@@ -13,7 +13,7 @@
 #   final44   # after the session's client mends (the doorbell's fence, dropped and interrupted
 #             # dispatches, gRPC waits with a deadline, a dispatch's count wait counted as
 #             # waiting): the stream-ordered suite, the daemon's roundtrips, the facade's V1
-#             # pattern and low-latency calls; one rank's rows and the low-latency pairs once
+#             # pattern and low-latency calls; one rank's rows once
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, probe_ab, ll_rows, merge)
 case "${1:-}" in
@@ -33,13 +33,11 @@ case "${1:-}" in
     python3 benchmarks/pstats_top.py /tmp/ll.prof > "$OUT/profile_ll.txt" 2>&1
     ;;
   final44)
-    STEP_TEST_SECONDS=150 step final 300 "tests/gpu/test_stream_ordered.py \
+    STEP_TEST_SECONDS=120 step final 200 "tests/gpu/test_stream_ordered.py \
         tests/gpu/test_daemon.py tests/gpu/test_deep_ep_facade.py tests/gpu/test_ll_plain.py \
         -k 'stream or roundtrip or v1_pattern or plain'"
     probe final /tmp/pkg
     merge final44
-    ll_rows final /tmp/pkg
-    merge_json llrows llrows_final44
     ;;
   *) echo "usage: $0 verify44|ab44|final44"; exit 2 ;;
 esac
