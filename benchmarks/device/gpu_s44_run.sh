@@ -14,6 +14,7 @@
 #             # dispatches, gRPC waits with a deadline, a dispatch's count wait counted as
 #             # waiting): the stream-ordered suite, the daemon's roundtrips, the facade's V1
 #             # pattern and low-latency calls; one rank's rows once
+#   mini44    # final44's stream-ordered and roundtrip tests alone
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ab_rounds, probe_ab, ll_rows, merge)
 case "${1:-}" in
@@ -39,5 +40,9 @@ case "${1:-}" in
     probe final /tmp/pkg
     merge final44
     ;;
-  *) echo "usage: $0 verify44|ab44|final44"; exit 2 ;;
+  mini44)  # final44's tests alone (the device time left)
+    STEP_TEST_SECONDS=100 step mini 140 "tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_daemon.py -k 'stream or roundtrip'"
+    ;;
+  *) echo "usage: $0 verify44|ab44|final44|mini44"; exit 2 ;;
 esac
