@@ -518,7 +518,7 @@ def test_dispatch_async_settles_an_unwaited_worst_case_dispatch_first(monkeypatc
     s._transport = types.SimpleNamespace(
         call_async=lambda m, r, t: started.append(int(group._counter[counter_page.SEQ])))
     s._dispatch_started = lambda pending, fut: None
-    group._unanswered = []
+    group._unanswered, group._dropped = [], []
     group._dispatch_request = lambda *a: (epd_pb2.DispatchRequest(), 5.0)
     group._settle_unanswered = lambda wait: None
 
