@@ -236,26 +236,16 @@ class _RingCall:
         assert self._value is not None
         return self._value
 
-    def abandon(self) -> None:
-        """Its holder stopped waiting for it: the ring may take its answer when it needs the
-        slot (a later result() still returns it). Every call is so from its submission on
-        (FastPathTransport._reclaim); this stays for callers."""
-        if not self._done:
-            self._mark(weakref.ref(self))
-
     def __del__(self) -> None:
         # Dropped before its answer was taken (an exception in the caller, an abandoned async
         # call): its slot goes back to the ring once answered, or the ring would stall there.
         # (An __init__ cut short set nothing: its submission registered the slot itself.)
         if not getattr(self, "_done", True):
-            self._mark(None)
-
-    def _mark(self, ref: Callable[[], _RingCall | None] | None) -> None:
-        # (only while the slot's entry is still this call's: a newer call may own it now)
-        orphans = self.t._orphans
-        held = orphans.get(self.slot)
-        if held is not None and held[0] == self.seq:
-            orphans[self.slot] = (self.seq, ref)
+            # (only while the slot's entry is still this call's: a newer call may own it now)
+            orphans = self.t._orphans
+            held = orphans.get(self.slot)
+            if held is not None and held[0] == self.seq:
+                orphans[self.slot] = (self.seq, None)
 
 
 class FastPathTransport(Transport):
