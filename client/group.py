@@ -172,15 +172,6 @@ class PendingDispatch:
             self._group._dropped.append(self._future)
 
 
-def _wait_out(future: PendingCall) -> None:
-    """Wait for a call whose outcome is nobody's (within its own deadline). A function of its
-    own: the error it may raise keeps the frames it passed through in its traceback, so a
-    caller's frame that goes on to make a new PendingDispatch would keep that one alive (a
-    reference cycle through the call's stored error) and refuse the next dispatch_async."""
-    with contextlib.suppress(EpdError):
-        future.result()
-
-
 SERVICE_CLASSES = ("latency", "throughput")  # epd.proto ServiceClass, by name
 
 
@@ -474,7 +465,8 @@ class Group:
                                              "(its PendingDispatch.result() was not taken yet)")
                 # Its PendingDispatch was dropped unread: let it finish first (within its own
                 # deadline; its outcome is nobody's), so that the counts read next are ours.
-                _wait_out(future)
+                with contextlib.suppress(EpdError):
+                    future.result()
                 s._dispatch_done(future)
             req, rpc_timeout = self._dispatch_request(x, topk_idx, topk_weights, x_scales,
                                                       expert_alignment, num_worst_tokens,

@@ -656,8 +656,8 @@ def test_a_dropped_refused_dispatch_does_not_block_the_next(daemon, fast: bool) 
     """A refused dispatch_async dropped unread, then another dropped unread: the second was
     kept alive by a reference cycle (the first's stored error, raised again, held the frame
     that made the second), so the next dispatch_async was refused "still in flight" until a
-    garbage collection. The ring's stored error is raised as a copy, grpc's (its future itself)
-    loses its traceback, and a dropped call is waited out in a function of its own."""
+    garbage collection. The ring's stored error is raised as a copy, and grpc's (its future
+    itself) loses its traceback."""
     with Session(daemon.socket(0), fast_path=fast) as s:
         g, x, idx, w = _one_rank(s, f"dropped-refused-{int(fast)}")
         gc.disable()
