@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from ..proto import abi, counter_page
 from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgument
 from ..proto.v1 import epd_pb2
-from . import stream_calls
+from . import captured_calls, stream_calls
 from . import tensors as T
 from .tensors import Array
 from .transport import PendingCall
@@ -73,6 +73,7 @@ class Handle:
     num_tokens: int
     num_recv_tokens: int
     rows: int  # rows of recv_x (num_worst_tokens when set)
+    op: StreamOp | None = None  # a dispatch captured in a CUDA graph: its armed op
 
 
 @dataclass
@@ -248,6 +249,10 @@ class Group:
         # Tokens per rank an earlier worst-case dispatch needed, found after the call returned
         # (its TokenCapacityExceeded raised at the next dispatch): the facade grows first.
         self.capacity_owed = 0
+        # Normal-mode calls captured in CUDA graphs (client/captured_calls.py), and the latest
+        # dispatch sequence whose failure was raised (or is an eager call's own)
+        self._captured: list[StreamOp] = []
+        self._captured_seen = 0
         self._ordered = session.memory.supports_stream_ops
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).
         self._local_layout: LocalLayout | None = None
@@ -388,10 +393,11 @@ class Group:
                                                   num_tokens_per_expert,
                                                   not self._ordered)
         if self._ordered:
-            resp, n, per_expert, rows, outs = stream_calls.dispatch(self, req, rpc_timeout, x,
-                                                                    copy, num_sms)
-            h = Handle(self, resp.handle, int(req.x.shape[0]), n, rows)
-            self._track(h)
+            resp, n, per_expert, rows, outs, op = stream_calls.dispatch(
+                self, req, rpc_timeout, x, copy, num_sms)
+            h = Handle(self, resp.handle, int(req.x.shape[0]), n, rows, op)
+            if op is None:  # (a captured dispatch's handle is its op's, in the engine)
+                self._track(h)
             return DispatchResult(num_recv_tokens_per_expert=per_expert, handle=h,
                                   num_recv_tokens=n, **outs)
         if num_sms:
@@ -725,6 +731,8 @@ class Group:
         expert id here only (this rank's alone: stream_calls.py)."""
         if self._ordered:
             stream_calls._slot(self, explicit=True)
+            if self._captured:
+                captured_calls.check(self)
 
     def settle_dispatches(self) -> None:
         """What a dispatch does first: wait (within its deadline) for the receive count of an

@@ -30,11 +30,12 @@ import numpy as np
 from ..proto import abi, counter_page, cuda_driver, dtypes, spin
 from ..proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
-from . import call_outputs, cuda_ipc, host_cpu
+from . import call_outputs, captured_calls, cuda_ipc, host_cpu
 from .tensors import Array
 
 if TYPE_CHECKING:
     from .group import Group, Handle
+    from .stream_ops import StreamOp
 
 log = logging.getLogger("epd.client")
 RING = abi.READY_RING
@@ -159,20 +160,28 @@ def _slot(group: Group, dispatching: bool = False, explicit: bool = False) -> St
     return group._stream_slot
 
 
-def _stream(group: Group, template: Array, what: str) -> int:
-    """The caller's current stream, which must not be capturing a CUDA graph: the engine
-    launches a normal-mode call's kernels once, when it answers, so a replay of the caller's
-    graph would write READY and wait for DONE with no kernels behind them (and during the
-    capture the engine's stream would wait for a READY that only a replay writes)."""
-    if group._session.memory.is_capturing(template):
-        raise FailedPrecondition(
-            f"group {group.name!r}: normal-mode {what} cannot be captured in a CUDA graph on "
-            f"EPD (the engine runs its kernels once per call, not per replay; DeepEP captures "
-            f"a worst-case dispatch, num_worst_tokens or V2's do_cpu_sync=False, and its "
-            f"combine, EPD does not yet): capture low_latency_dispatch / low_latency_combine, "
-            f"or call {what} outside the graph (vLLM: --enforce-eager for its deepep_v2 "
-            f"backend)")
-    return cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
+def _not_capturable(group: Group, what: str) -> FailedPrecondition:
+    """The engine launches an eager call's kernels once, when it answers, so a replay of the
+    caller's graph would write READY and wait for DONE with no kernels behind them; a
+    worst-case dispatch and its combine are armed instead (client/captured_calls.py)."""
+    return FailedPrecondition(
+        f"group {group.name!r}: normal-mode {what} cannot be captured in a CUDA graph (the "
+        f"engine runs an eager call's kernels once, not per replay): in a graph, EPD runs a "
+        f"worst-case dispatch (num_worst_tokens, as DeepEP captures) and the combine of its "
+        f"handle, and the layout on the caller's stream (EPD_LOCAL_LAYOUT on); call {what} "
+        f"outside the graph otherwise")
+
+
+def _stream(group: Group, template: Array, what: str, timeout: float = 0.0) -> int:
+    """The caller's current stream, not capturing a CUDA graph (the caller checked, or
+    `timeout` is 0: checked here). `timeout` (an eager dispatch's or combine's): first settle
+    the replays of the group's captured calls."""
+    if not timeout and group._session.memory.is_capturing(template):
+        raise _not_capturable(group, what)
+    stream = cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
+    if timeout and group._captured:
+        captured_calls.settle(group, stream, timeout, dispatching=what == "dispatch")
+    return stream
 
 
 def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
@@ -268,13 +277,19 @@ def _settle_unwaited(group: Group, slot: StreamSlot) -> None:
 
 def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, template: Array,
              copy: bool, num_sms: int) -> tuple[epd_pb2.DispatchResponse, int, list[int], int,
-                                                dict[str, Any]]:
-    """(response, num_recv_tokens, per-expert counts, rows, outputs by response field name);
-    the Group makes its DispatchResult and Handle of them. A worst-case dispatch
+                                                dict[str, Any], StreamOp | None]:
+    """(response, num_recv_tokens, per-expert counts, rows, outputs by response field name,
+    the armed op of a dispatch captured in a CUDA graph); the Group makes its DispatchResult
+    and Handle of them. A worst-case dispatch
     (num_worst_tokens) does not wait for its count, as DeepEP's does not: its count is -1
     and its per-expert counts empty, and a failure raises at the membership's next dispatch."""
     s = group._session
-    stream = _stream(group, template, "dispatch")
+    if s.memory.is_capturing(template):
+        if req.cached_handle:
+            raise _not_capturable(group, "cached dispatch")
+        resp, outs, op = captured_calls.dispatch(group, req, template, copy, num_sms)
+        return resp, -1, [], req.num_worst_tokens, outs, op
+    stream = _stream(group, template, "dispatch", max(req.timeout_seconds, 1.0))
     slot = _slot(group, dispatching=True)  # (its notify overwrites an unwaited count)
     req.stream_ordered = True
     req.num_sms = num_sms
@@ -287,6 +302,8 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
         raise
     seq = resp.stream_seq
     slot.begin(stream, seq)
+    # (its count's failure is raised by this call or the next dispatch, not by check())
+    group._captured_seen = max(group._captured_seen, resp.counter_sequence)
     timeout = max(req.timeout_seconds, 1.0)  # the call's deadline, >= 1 s
     if req.num_worst_tokens and not req.cached_handle:  # (a cached count is known at once)
         slot.end(stream, seq)
@@ -314,14 +331,17 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     parts.append((resp.rank_prefix_matrix, None))
     outs: dict[str, Any] = dict.fromkeys(_DISPATCH_ROWS)
     outs.update(zip(names, group._outputs.rows(parts, copy, template, stream), strict=True))
-    return resp, n, per_expert, rows, outs
+    return resp, n, per_expert, rows, outs, None
 
 
 def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
             bias_1: Array, timeout: float, rpc_timeout: float,
             num_sms: int) -> tuple[Array, Array | None]:
     s, spec = group._session, group.spec
-    stream = _stream(group, x, "combine")
+    if handle.op is not None or s.memory.is_capturing(x):
+        return captured_calls.combine(group, x, handle, topk_weights, bias_0, bias_1, timeout,
+                                      num_sms)
+    stream = _stream(group, x, "combine", timeout)
     slot = _slot(group)
     t = handle.num_tokens
     parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]

@@ -77,6 +77,7 @@ class StreamOp:
             self._ring_words = counter_page.slot_words(s._counter_file.mm,
                                                        ring_slot).view(np.uint32)
         self.armed = True
+        self.response: epd_pb2.ArmStreamOpResponse | None = None  # (captured_calls.py keeps it)
         # What a caller computes once per op (the facade's copy-out plans, by receive buffer
         # and format: client/received_rows.CopyPlan); it lives and goes with the op.
         self.plans: dict[Any, Any] = {}

@@ -159,6 +159,10 @@ STREAM_REQUEST, STREAM_DONE = 0, 1
 STREAM_FAIL_TOKEN = 2  # int32 word
 STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
 STREAM_FAIL_DONE = 6  # int32 word: that failed done value again, sticky (no trigger clears it)
+# A captured normal-mode dispatch (server/engine/captured_calls.py) that notify failed on every
+# rank: the member's counter-slot status, ERR_RANK, NUM_RECV and sequence copied here (int64
+# words; the status last) once the engine resolves its count; the client raises and clears them.
+CAPTURED_FAIL_STATUS, CAPTURED_FAIL_RANK, CAPTURED_FAIL_VALUE, CAPTURED_FAIL_SEQ = 4, 5, 6, 7
 # The earlier design's trigger wrote request = REQUEST_BUFFER0 + b (a client still does, facing
 # an engine of that design). b is the low-latency receive buffer (0 or 1; now in the ring entry)
 # the dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).

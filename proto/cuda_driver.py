@@ -47,7 +47,9 @@ _SIGNATURES: dict[str, tuple[Any, ...]] = {
     "cuGraphLaunch": (_ptr, _ptr),
     "cuGraphExecDestroy": (_ptr,),
     "cuGraphDestroy": (_ptr,),
+    "cuStreamQuery": (_ptr,),
 }
+CUDA_ERROR_NOT_READY = 600
 
 
 class DriverError(RuntimeError):
@@ -111,6 +113,16 @@ def stream_wait_nonzero(stream: int, addr: int) -> None:
     """`stream` waits, on the GPU, until the 32-bit word at `addr` is not 0."""
     _check(_fns()["cuStreamWaitValue32"](stream, addr, 0xFFFFFFFF, STREAM_WAIT_VALUE_AND),
            "cuStreamWaitValue32")
+
+
+def stream_idle(stream: int) -> bool:
+    """Whether `stream` has run everything enqueued on it (no wait: the caller polls, with
+    its deadline)."""
+    rc = _fns()["cuStreamQuery"](stream)
+    if rc == CUDA_ERROR_NOT_READY:
+        return False
+    _check(rc, "cuStreamQuery")
+    return True
 
 
 def stream_write(stream: int, addr: int, value: int) -> None:

@@ -182,28 +182,36 @@ def test_registrations_are_dropped_least_recently_used_and_never_in_use(monkeypa
     assert dropped == ["r2", "r3", "r4", "r1"]
 
 
-def test_normal_mode_refuses_a_capturing_stream() -> None:
-    """A stream-ordered normal-mode call made while the caller's stream captures a CUDA graph
-    fails with FAILED_PRECONDITION before it reaches the engine or the counter slot (the engine
-    runs a call's kernels once, so a replay would run none). tests/gpu/test_stream_ordered.py
-    does the same inside torch.cuda.graph."""
+def test_normal_mode_refuses_what_a_graph_cannot_replay() -> None:
+    """Under CUDA-graph capture a normal-mode call the engine would run once (a daemon layout,
+    a dispatch without num_worst_tokens, a cached dispatch, the combine of an eager
+    dispatch's handle) fails with FAILED_PRECONDITION before it reaches the engine or the
+    counter slot; a worst-case dispatch and its combine are armed instead
+    (client/captured_calls.py). tests/gpu/test_captured_normal.py does the same inside
+    torch.cuda.graph."""
     from types import SimpleNamespace
 
     from epd.client import stream_calls
     from epd.proto.errors import FailedPrecondition
+    from epd.proto.v1 import epd_pb2
 
     sent: list[str] = []
     memory = SimpleNamespace(is_capturing=lambda template: True)
     session = SimpleNamespace(memory=memory, device_ordinal=0,
                               _call=lambda method, *a, **k: sent.append(method))
     group = SimpleNamespace(_session=session, name="g", spec=None, _stream_slot=None,
-                            _local_layout=None)
+                            _local_layout=None, _captured=[])
     with pytest.raises(FailedPrecondition, match="get_dispatch_layout cannot be captured"):
         stream_calls.layout(group, object())
-    with pytest.raises(FailedPrecondition, match="normal-mode dispatch cannot be captured"):
-        stream_calls.dispatch(group, None, 1.0, object(), True, 0)
-    with pytest.raises(FailedPrecondition, match="combine cannot be captured"):
-        stream_calls.combine(group, object(), None, None, None, None, 1.0, 1.0, 0)
+    with pytest.raises(FailedPrecondition, match="needs num_worst_tokens"):
+        stream_calls.dispatch(group, epd_pb2.DispatchRequest(), 1.0, object(), True, 0)
+    with pytest.raises(FailedPrecondition, match="cached dispatch cannot be captured"):
+        stream_calls.dispatch(group, epd_pb2.DispatchRequest(cached_handle=3,
+                                                             num_worst_tokens=8),
+                              1.0, object(), True, 0)
+    eager = SimpleNamespace(op=None, num_tokens=4)
+    with pytest.raises(FailedPrecondition, match="ran outside the graph"):
+        stream_calls.combine(group, object(), eager, None, None, None, 1.0, 1.0, 0)
     assert sent == [] and group._stream_slot is None  # nothing sent, no slot touched
 
 

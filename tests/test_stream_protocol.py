@@ -362,7 +362,7 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
     requeued: list[int] = []
     group = types.SimpleNamespace(
         _session=session, name="g", rank=0, _counter=_slot(), _counter_slot=0,
-        _stream_slot=None,
+        _stream_slot=None, _captured=[], _captured_seen=0,
         _local_layout=None, capacity_owed=0, _take_released=lambda: [],
         _requeue=requeued.extend, _ordered=True,
         spec=types.SimpleNamespace(name="g", num_experts=8, num_topk=4, max_tokens_per_rank=16),
@@ -390,7 +390,7 @@ def test_a_worst_case_dispatch_returns_without_its_count(monkeypatch) -> None:
     group, ops, sent, requeued = _fake_group(monkeypatch, [_answer(1, 1), _answer(3, 2)])
     req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=5.0)
     t0 = time.monotonic()
-    _, n, per_expert, rows, outs = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    _, n, per_expert, rows, outs, _ = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
     assert time.monotonic() - t0 < 0.5  # no count came: not waited for
     assert (n, per_expert, rows, outs["recv_x"]) == (-1, [], 32, 32)
     assert ops == [("write", 1), ("wait", 1)]  # READY, then DONE: the stream is ordered
@@ -427,7 +427,7 @@ def test_a_worst_case_dispatch_returns_without_its_count(monkeypatch) -> None:
         counter_page.publish(group._counter, 1, 20, [10, 10])
     th = threading.Thread(target=notify)
     th.start()
-    _, n, _, _, _ = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
+    _, n, _, _, _, _ = stream_calls.dispatch(group, req, 5.0, object(), True, 0)
     th.join()
     assert [published for _, published in sent] == [False, True] and n == -1
 
@@ -834,3 +834,102 @@ def test_alike_failures_map_to_one_error_each() -> None:
             continue
         kind, text = want[code]
         assert isinstance(err, kind) and text in err.message, (code, err)
+
+
+# -- normal-mode calls captured in CUDA graphs (client/captured_calls.py) ----------------------
+def _captured_op(group, num_worst: int = 32) -> types.SimpleNamespace:
+    """An armed captured dispatch as captured_calls sees it: its slot and its member's ring."""
+    op = types.SimpleNamespace(
+        kind="dispatch", _words=np.zeros(abi.SLOT_BYTES // 4, np.int32),
+        _ring_words=np.zeros(abi.SLOT_BYTES // 4, np.uint32),
+        response=epd_pb2.ArmStreamOpResponse(dispatch=epd_pb2.DispatchResponse(
+            recv_x=epd_pb2.TensorDesc(shape=[num_worst, 8]))))
+    group._captured.append(op)
+    return op
+
+
+def test_a_replayed_dispatchs_failure_is_raised_once(monkeypatch) -> None:
+    """A replayed dispatch that notify failed on every rank is raised once, whether the
+    client reads it in the group's counter slot (the latest dispatch) or in its op's slot,
+    where the engine copies it when it resolves the count at a later dispatch; the failure of
+    an eager dispatch, raised by that call's own path, is not raised again."""
+    from epd.client import captured_calls
+    from epd.proto.errors import TokenCapacityExceeded
+    from epd.server.engine import captured_calls as engine_side
+
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(4, 5)])
+    op = _captured_op(group)
+    captured_calls.check(group)  # nothing failed
+    # Replay #1 received more rows than num_worst_tokens on rank 1; the engine resolved it at
+    # replay #2, which went well and is the counter slot's latest.
+    slot = np.zeros_like(group._counter)
+    counter_page.publish(slot, 1, 50, [], status=abi.ERR_WORST_OVERFLOW)
+    slot[abi.SLOT_ERR_RANK] = 1
+    engine_side.record_failure(op._words, slot)
+    counter_page.publish(group._counter, 2, 20, [10, 10])
+    with pytest.raises(InvalidArgument, match=r"dispatch #1 \(replayed from a CUDA graph\): "
+                                              r"rank 1 receives 50 tokens, more than "
+                                              r"num_worst_tokens=32"):
+        captured_calls.check(group)
+    captured_calls.check(group)  # once
+    # Replay #3 failed for capacity: seen in the counter slot first, then in its op's slot
+    # once the engine resolves it: raised once, and the facade's growth is owed.
+    counter_page.publish(group._counter, 3, 40, [], status=abi.ERR_CAPACITY)
+    group._counter[abi.SLOT_ERR_RANK] = 0
+    with pytest.raises(TokenCapacityExceeded) as e:
+        captured_calls.check(group)
+    assert e.value.earlier and group.capacity_owed == 40
+    engine_side.record_failure(op._words, group._counter)
+    captured_calls.check(group)
+    # An eager worst-case dispatch (counter sequence 5) that fails is its own call's to raise
+    # (at the next dispatch, stream_calls), not the replays' check.
+    monkeypatch.setattr(captured_calls.cuda_driver, "stream_idle", lambda stream: True)
+    _worst_dispatch(group, 32)
+    assert group._captured_seen == 5 and len(sent) == 1
+    counter_page.publish(group._counter, 5, 40, [], status=abi.ERR_CAPACITY)
+    captured_calls.check(group)
+
+
+def _worst_dispatch(group, num_worst: int, timeout: float = 5.0):
+    from epd.client import stream_calls
+
+    req = epd_pb2.DispatchRequest(num_worst_tokens=num_worst, timeout_seconds=timeout)
+    return stream_calls.dispatch(group, req, timeout, object(), True, 0)
+
+
+def test_an_eager_call_waits_for_the_replays_ahead_of_it(monkeypatch) -> None:
+    """An eager dispatch of a group holding captured calls is sent only once the caller's
+    stream has run what it holds and the engine has read every trigger of the group's ring:
+    the replays ahead of it are numbered first on every rank. Within its deadline: past it,
+    DEADLINE_EXCEEDED and nothing is sent."""
+    from epd.client import captured_calls
+
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    op = _captured_op(group)
+    op._ring_words[abi.LL_RING_TAIL] = 3  # three triggers the engine has not read yet
+    idle: list[int] = []
+    monkeypatch.setattr(captured_calls.cuda_driver, "stream_idle", lambda stream: bool(idle))
+    heads: list[int] = []
+    call = group._session._call
+    group._session._call = lambda *a: (heads.append(int(op._ring_words[abi.LL_RING_HEAD])),
+                                       call(*a))[1]
+
+    def gpu() -> None:
+        time.sleep(0.05)
+        idle.append(1)  # the stream ran the replays' triggers ...
+        time.sleep(0.05)
+        op._ring_words[abi.LL_RING_HEAD] = 3  # ... and the engine's poller read them
+    th = threading.Thread(target=gpu)
+    th.start()
+    t0 = time.monotonic()
+    _worst_dispatch(group, 32)
+    th.join()
+    assert time.monotonic() - t0 >= 0.09 and heads == [3] and len(sent) == 1
+
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 1)])
+    op = _captured_op(group)
+    op._ring_words[abi.LL_RING_TAIL] = 1  # never read
+    monkeypatch.setattr(captured_calls.cuda_driver, "stream_idle", lambda stream: True)
+    with pytest.raises(DeadlineExceeded, match="replayed from a CUDA graph"):
+        _worst_dispatch(group, 32, timeout=0.2)
+    assert sent == []

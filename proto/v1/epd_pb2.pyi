@@ -571,23 +571,27 @@ class LowLatencyCombineResponse(_message.Message):
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class ArmStreamOpRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch_op", "ring_trigger")
+    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch", "combine", "dispatch_op", "ring_trigger")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_COMBINE_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    COMBINE_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_OP_FIELD_NUMBER: _ClassVar[int]
     RING_TRIGGER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     low_latency_dispatch: LowLatencyDispatchRequest
     low_latency_combine: LowLatencyCombineRequest
+    dispatch: DispatchRequest
+    combine: CombineRequest
     dispatch_op: int
     ring_trigger: bool
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ..., ring_trigger: _Optional[bool] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch: _Optional[_Union[DispatchRequest, _Mapping]] = ..., combine: _Optional[_Union[CombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ..., ring_trigger: _Optional[bool] = ...) -> None: ...
 
 class ArmStreamOpResponse(_message.Message):
-    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry", "ordered")
+    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry", "ordered", "dispatch")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
@@ -597,6 +601,7 @@ class ArmStreamOpResponse(_message.Message):
     CHAIN_SLOT_FIELD_NUMBER: _ClassVar[int]
     CHAIN_ENTRY_FIELD_NUMBER: _ClassVar[int]
     ORDERED_FIELD_NUMBER: _ClassVar[int]
+    DISPATCH_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     counter_slot: int
     low_latency_dispatch: LowLatencyDispatchResponse
@@ -606,7 +611,8 @@ class ArmStreamOpResponse(_message.Message):
     chain_slot: int
     chain_entry: int
     ordered: bool
-    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., chained: _Optional[bool] = ..., chain_slot: _Optional[int] = ..., chain_entry: _Optional[int] = ..., ordered: _Optional[bool] = ...) -> None: ...
+    dispatch: DispatchResponse
+    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., chained: _Optional[bool] = ..., chain_slot: _Optional[int] = ..., chain_entry: _Optional[int] = ..., ordered: _Optional[bool] = ..., dispatch: _Optional[_Union[DispatchResponse, _Mapping]] = ...) -> None: ...
 
 class DisarmStreamOpRequest(_message.Message):
     __slots__ = ("session_id", "op_id")

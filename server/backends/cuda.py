@@ -797,6 +797,12 @@ class CudaRankComm(RankComm):
         done.set(ck.CALL_DONE_SEQ, stream_seq)
         done(self.runner.stream)
 
+    def signal_after(self, ptr: int, value: int) -> None:
+        """Write `value` to the 32-bit word at device address `ptr` once the rank's stream has
+        run what it holds (a captured normal-mode call's done word, engine/captured_calls.py)."""
+        with self.backend.enqueue, cp.cuda.Device(self.backend.device):
+            cuda_driver.stream_write(self.runner.stream.ptr, ptr, value)
+
     def drain_stream(self, timeout: float) -> bool:
         try:
             return spin.wait_until(lambda: self.runner.stream.done, timeout)

@@ -209,6 +209,13 @@ class SessionExecutor:
         of the call with the engine's launches (DESIGN_NOTES "Answering before launching")."""
         self._after.append(fn)
 
+    def take_after(self) -> list[Callable[[], None]]:
+        """The work after_answer() queued, taken off the list, for a caller that holds the
+        operation lock outside `_call` and runs it itself (the poller firing a captured
+        normal-mode call: there is no answer to wait for)."""
+        after, self._after = self._after, []
+        return after
+
     def _call(self, queued: float, fn: Callable[..., T], *args,
               answer: Callable[[T], None] | None = None, deadline: float | None = None,
               gave_up: threading.Event | None = None) -> T:

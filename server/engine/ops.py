@@ -215,6 +215,16 @@ class DataPlane:
 
     def _dispatch(self, session: Session, member: GroupMember, req: epd_pb2.DispatchRequest,
                   path: str) -> epd_pb2.DispatchResponse:
+        args, cached, timeout = self.dispatch_args(session, member, req)
+        if req.stream_ordered:  # (it releases req.release_handles once it checked the call,
+            # and counts it as queued once its arguments are checked)
+            return self.dispatch_stream(session, member, req, args, cached, timeout, path)
+        return self._dispatch_sync(session, member, req, args, cached, timeout, path)
+
+    def dispatch_args(self, session: Session, member: GroupMember, req: epd_pb2.DispatchRequest
+                      ) -> tuple[DispatchArgs, HandleInfo | None, float]:
+        """A dispatch request checked (nothing changes on bad input): its arguments, the handle
+        it reuses (a cached dispatch) and its timeout, seconds."""
         spec = member.spec
         self._check_normal_mode(member, "dispatch")
         self._check_alive(member, req.stream_ordered)
@@ -292,9 +302,14 @@ class DataPlane:
                             req.num_worst_tokens,
                             cached.backend_handle if cached is not None else None,
                             in_rank, per_expert)
-        if req.stream_ordered:  # (it releases req.release_handles once it checked the call,
-            # and counts it as queued once its arguments are checked)
-            return self.dispatch_stream(session, member, req, args, cached, timeout, path)
+        return args, cached, timeout
+
+    def _dispatch_sync(self, session: Session, member: GroupMember,
+                       req: epd_pb2.DispatchRequest, args: DispatchArgs,
+                       cached: HandleInfo | None, timeout: float,
+                       path: str) -> epd_pb2.DispatchResponse:
+        spec = member.spec
+        idx, per_expert, t = args.topk_idx, args.num_tokens_per_expert, int(args.x.shape[0])
         if req.num_sms:
             raise InvalidArgument("num_sms is for stream-ordered calls")
         self.backend.check_event(req.ready_event)

@@ -105,6 +105,9 @@ class HandleInfo:
     # the client does not wait for): their bytes are counted when the count is.
     unresolved_combines: int = 0
     nbytes: int = 0  # engine memory charged to the session's handle bytes (RankComm.handle_bytes)
+    # A captured dispatch's (engine/captured_calls.py): its op's slot (int32 words), where a
+    # failure notify reported for it is copied once its count is resolved
+    on_failed: Any = None
 
 
 @dataclass

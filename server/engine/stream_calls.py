@@ -35,7 +35,7 @@ from ...proto.errors import Aborted, FailedPrecondition, InvalidArgument
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
 from ..backends.base import CombineArgs, DispatchArgs
-from . import tensors
+from . import captured_calls, tensors
 from .ops import dispatch_response
 from .state import GroupMember, HandleInfo, Session
 
@@ -174,6 +174,8 @@ class StreamCalls:
                         "notify writes (%d rows); the call is marked failed",
                         session.describe(), spec.name, got[0])
         if got is None or stale or status or implausible:
+            if status and not stale:
+                captured_calls.resolved(info, slot)
             info.failed = True
             info.num_recv_tokens = 0
             info.rows_out = info.rows_out if info.rows_out >= 0 else 0

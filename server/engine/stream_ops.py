@@ -56,7 +56,7 @@ from ...proto.thread_names import NamedThread
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
 from ..config import chain_limit
-from . import tensors
+from . import captured_calls, tensors
 from .executor import as_epd_error
 from .ops import ll_dispatch_response
 from .stall_probe import StallProbe
@@ -152,6 +152,10 @@ class StreamOp:
     regions: frozenset[str] = frozenset()  # the client regions its launches address
     chained: Any = None  # its descriptor in the member's chain (cuda_chain.ChainOp), or None
     entry: int = 0  # its entry in the member's ring (the trigger adds the buffer)
+    # A captured normal-mode call (engine/captured_calls.py): its request, run per trigger, and
+    # a dispatch's latest trigger's handle (0: not run yet)
+    request: Any = None
+    handle: int = 0
 
 
 @dataclass
@@ -230,15 +234,29 @@ class StreamOps:
         e = self.engine
         which = req.WhichOneof("op")
         if which is None:
-            raise InvalidArgument("ArmStreamOp needs low_latency_dispatch or "
-                                  "low_latency_combine")
+            raise InvalidArgument("ArmStreamOp needs low_latency_dispatch, "
+                                  "low_latency_combine, dispatch or combine")
         if len(session.stream_ops) >= e.config.max_stream_ops_per_session:
             raise ResourceExhausted(f"{session.describe()} has {len(session.stream_ops)} armed "
                                     f"stream ops, the maximum (--max-stream-ops-per-session)")
         if not session.free_slots:
             raise ResourceExhausted(f"{session.describe()} has no free counter slot (at most "
                                     f"{counter_page.NUM_SLOTS} groups and armed ops together)")
-        if which == "low_latency_dispatch":
+        request = None  # a captured normal-mode call's (engine/captured_calls.py)
+        if which == "dispatch":
+            request = inner = req.dispatch
+            inner.group_id = inner.group_id or req.group_id
+            member, args, view = captured_calls.arm_dispatch(e, session, inner)
+            kind, src, resp = captured_calls.KIND_DISPATCH, None, epd_pb2.ArmStreamOpResponse(
+                dispatch=view)
+        elif which == "combine":
+            request = inner = req.combine
+            inner.group_id = inner.group_id or req.group_id
+            src = session.stream_ops.get(req.dispatch_op)
+            member = captured_calls.arm_combine(e, session, inner, src)
+            kind, args, resp = captured_calls.KIND_COMBINE, None, epd_pb2.ArmStreamOpResponse(
+                combined_x=inner.out)
+        elif which == "low_latency_dispatch":
             inner = req.low_latency_dispatch
             inner.group_id = inner.group_id or req.group_id
             member, args, stats = e.ll_dispatch_args(session, inner)
@@ -280,7 +298,9 @@ class StreamOps:
             page = session.counter_page.slot(slot)
             done_ptr = int(page.device_ptr) + 4 * DONE
             timeout = e._timeout(inner.timeout_seconds)
-            if kind == KIND_DISPATCH:
+            if request is not None:
+                prepared = None
+            elif kind == KIND_DISPATCH:
                 prepared = member.comm.prepare_low_latency_dispatch(args, stats, done_ptr,
                                                                     timeout)
             else:
@@ -296,12 +316,15 @@ class StreamOps:
             session.free_slots.insert(0, slot)
             raise
         words = page.view(np.int32)
+        if request is not None:  # (not a failure an earlier op of the slot left)
+            words.view(np.int64)[abi.CAPTURED_FAIL_STATUS] = 0
         words[DONE] = DONE_OK
         op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
+                      request=request,
                       latency=member.service_class == service_classes.LATENCY,
                       regions=tensors.region_ids(inner) | (src.regions if src else frozenset()))
         try:
-            ring = self._ring_for(session, member)
+            ring = self._ring_for(session, member, chain_ok=request is None)
             if ring.chain is not None:
                 op.chained = ring.chain.add(prepared, done_ptr, self._next_gen(),
                                             src.chained if src is not None else None)
@@ -381,6 +404,9 @@ class StreamOps:
             return False
         try:
             last = self._remove_unlocked(op)
+            if op.handle:  # (a captured dispatch's latest trigger's handle)
+                self.engine._release(op.member, [op.handle])
+                op.handle = 0
         finally:
             if not locked:
                 lock.release()
@@ -428,7 +454,7 @@ class StreamOps:
             self.rings.pop(id(member))
         self._close_ring(session, ring)
 
-    def _ring_for(self, session: Session, member: GroupMember) -> Ring:
+    def _ring_for(self, session: Session, member: GroupMember, chain_ok: bool = True) -> Ring:
         """The member's trigger ring, made with its first armed op in a free counter slot (the
         caller checked there is one): run by its GPU chain when the engine allows one more
         (all of a member's armed ops run on the chain or all on the poller, since the two keep
@@ -436,11 +462,17 @@ class StreamOps:
         with self._lock:
             ring = self.rings.get(id(member))
             if ring is not None:
+                if ring.chain is not None and not chain_ok:
+                    raise FailedPrecondition(
+                        f"group {member.spec.name!r}'s armed ops run on a GPU chain, which "
+                        f"runs low-latency calls only: a normal-mode call captured in a CUDA "
+                        f"graph needs the poller (--ll-chain off, or capture it on a group "
+                        f"with no armed low-latency op)")
                 return ring
             cfg = self.engine.config
             # (a chain being opened counts from here: two first arms at once stay within the
             # limit; the reservation ends when its ring is in, or the open failed)
-            chained = chain_wanted(cfg, session, member) and self._opening + sum(
+            chained = chain_ok and chain_wanted(cfg, session, member) and self._opening + sum(
                 r.chain is not None for r in self.rings.values()) < chain_limit(cfg)
             self._opening += chained
         backend_chain, slot = None, None
@@ -655,11 +687,14 @@ class StreamOps:
             with latency:
                 if not op.armed:
                     return
-                op.member.comm.launch_prepared(op.prepared, buffer)
-                if op.kind == KIND_DISPATCH:
-                    op.member.dispatches += 1
+                if op.request is not None:  # (counted as the eager calls it runs as)
+                    captured_calls.fire(self.engine, op)
                 else:
-                    op.member.combines += 1
+                    op.member.comm.launch_prepared(op.prepared, buffer)
+                    if op.kind == KIND_DISPATCH:
+                        op.member.dispatches += 1
+                    else:
+                        op.member.combines += 1
             metrics.observe(metrics.STREAM_OP_LAUNCH_SECONDS, (op.member.spec.label, op.kind),
                             time.perf_counter() - t0)
             metrics.observe(metrics.STREAM_OP_DETECT_SECONDS, (op.member.spec.label, op.kind), gap)

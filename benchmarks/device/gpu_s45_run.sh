@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Forty-fifth session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says):
+#   captured45  # normal-mode dispatch and combine captured in CUDA graphs
+#               # (tests/gpu/test_captured_normal.py), then the paths the change touched: the
+#               # stream-ordered suite, the worst-case dispatch, the low-latency plain and
+#               # graph calls, the facade
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
+case "${1:-}" in
+  captured45)
+    STEP_TEST_SECONDS=150 step captured 190 "tests/gpu/test_captured_normal.py"
+    STEP_TEST_SECONDS=150 step regress 300 "tests/gpu/test_stream_ordered.py \
+        tests/gpu/test_worst_case_no_wait.py tests/gpu/test_ll_plain.py \
+        tests/gpu/test_deep_ep_facade.py"
+    ;;
+  *) echo "usage: $0 captured45"; exit 2 ;;
+esac

@@ -1,0 +1,172 @@
+"""Normal-mode dispatch and combine captured in a CUDA graph, client side (cuda backend).
+
+Under capture, a worst-case dispatch (`num_worst_tokens`, DeepEP's capturable dispatch) and the
+combine of its handle are armed in the engine (server/engine/captured_calls.py) instead of
+answered once: the graph holds the op's trigger and its wait (client/stream_ops.StreamOp), and
+a dispatch's copy-out of the fixed receive-buffer views into tensors allocated at capture. Each
+replay runs the calls again with the member's next sequences. As for DeepEP's captured calls, a
+replay's outputs are the latest replay's.
+
+Contract (DeepEP's for its captured calls): every rank captures and replays the same calls in
+the same order; a captured dispatch's handle is combined in the graph (or a later one), not
+eagerly; an eager dispatch or combine of a group holding captured ops synchronises the caller's
+stream first (`settle`), so that the replays it follows have run and every rank numbers the
+eager call after them (the engine numbers a replayed call when the GPU reaches its trigger, an
+eager one when its request arrives). The ops live as long as the group, at most
+--max-stream-ops-per-session of them (and 256 a group, the ring's entries) per session.
+
+Failures: one found by notify on every rank alike (a bad expert id, capacity, num_worst_tokens
+too small) is raised at the group's next eager dispatch (before it is sent) or by
+`Group.check()`, once; the replay's outputs hold nothing then and its combine gives zeros.
+Others (a deadline, an abort) are the stream failure words' (client/stream_calls.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+
+from ..proto import abi, counter_page, cuda_driver, dtypes, host_order, spin
+from ..proto.errors import DeadlineExceeded, EpdError, FailedPrecondition, TokenCapacityExceeded
+from ..proto.v1 import epd_pb2
+from . import call_outputs, cuda_ipc, host_cpu
+from .stream_ops import StreamOp
+from .tensors import Array
+
+if TYPE_CHECKING:
+    from .group import Group, Handle
+
+_F32 = np.dtype(np.float32)
+_DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
+                  "recv_src_idx")
+
+
+def _ring(resp: epd_pb2.ArmStreamOpResponse, timeout: float) -> tuple[int, int, float]:
+    if not resp.ordered or resp.chained:
+        raise FailedPrecondition("the engine armed a captured normal-mode call without its "
+                                 "poller's ring (an engine of another version?)")
+    return resp.chain_slot, resp.chain_entry, timeout
+
+
+def _arm(group: Group, kind: str, template: Array, timeout: float,
+         results: list[Any], **op: Any) -> StreamOp:
+    s = group._session
+    page = s.memory.counter_page_device_ptr()
+    resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
+        session_id=s.session_id, group_id=group.group_id, ring_trigger=True, **op)))
+    armed = StreamOp(group, resp.op_id, resp.counter_slot, page, kind, results, template,
+                     _ring(resp, timeout))
+    armed.response = resp
+    s._stream_ops[armed.op_id] = armed
+    group._captured.append(armed)
+    return armed
+
+
+def dispatch(group: Group, req: epd_pb2.DispatchRequest, template: Array, copy: bool,
+             num_sms: int) -> tuple[epd_pb2.DispatchResponse, dict[str, Any], StreamOp]:
+    """A dispatch made while the caller's stream captures a CUDA graph: (its fixed output
+    descriptors, its outputs by response field name, the armed op its handle names)."""
+    if not req.num_worst_tokens or req.cached_handle:
+        raise FailedPrecondition(
+            f"group {group.name!r}: a normal-mode dispatch in a CUDA graph needs "
+            f"num_worst_tokens (DeepEP's capturable dispatch: fixed output rows, no receive "
+            f"count on the host) and is not a cached one; call it outside the graph otherwise")
+    stream = cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
+    req.stream_ordered, req.num_sms = True, num_sms
+    op = _arm(group, "dispatch", template, req.timeout_seconds, [None], dispatch=req)
+    op.launch(stream)
+    resp = op.response.dispatch
+    names = [name for name in _DISPATCH_ROWS if getattr(resp, name).region_id]
+    parts: list[tuple[epd_pb2.TensorDesc, int | None]] = [
+        (getattr(resp, name), req.num_worst_tokens) for name in names]
+    names.append("rank_prefix_matrix")
+    parts.append((resp.rank_prefix_matrix, None))
+    outs: dict[str, Any] = dict.fromkeys(_DISPATCH_ROWS)
+    outs.update(zip(names, group._outputs.rows(parts, copy, template, stream), strict=True))
+    return resp, outs, op
+
+
+def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
+            bias_1: Array, timeout: float, num_sms: int) -> tuple[Array, Array | None]:
+    """The combine of a captured dispatch's handle, itself under capture."""
+    s, spec = group._session, group.spec
+    if handle.op is None:
+        raise FailedPrecondition(
+            f"group {group.name!r}: a combine in a CUDA graph brings back a dispatch captured "
+            f"with num_worst_tokens; this handle's dispatch ran outside the graph")
+    if not s.memory.is_capturing(x):
+        raise FailedPrecondition(
+            f"group {group.name!r}: the handle of a dispatch captured in a CUDA graph is "
+            f"combined in a graph (each replay refills it); it has no data outside one")
+    stream = cuda_ipc.stream_handle(None, x, s.device_ordinal)
+    t = handle.num_tokens
+    parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
+    if topk_weights is not None:
+        parts.append(((t, spec.num_topk), _F32))
+    out, *rest = call_outputs.empty(parts, s.device_ordinal, call_outputs.uses_torch(x))
+    out_w = rest[0] if rest else None
+    d = s._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
+                  "out": out, "out_topk_weights": out_w}, event=False)
+    req = epd_pb2.CombineRequest(session_id=s.session_id, group_id=group.group_id,
+                                 timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms,
+                                 **d)
+    op = _arm(group, "combine", x, timeout, [out], combine=req, dispatch_op=handle.op.op_id)
+    op.launch(stream)
+    return out, out_w
+
+
+def settle(group: Group, stream: int, timeout: float, dispatching: bool) -> None:
+    """Before an eager dispatch or combine of a group holding captured ops: wait (within
+    `timeout`) until the caller's stream has run what it holds, replays included, and the
+    engine has read every trigger of the group's ring; then, for a dispatch, raise a failure
+    of a replayed dispatch (every rank does so at the same call)."""
+    ring = group._captured[0]._ring_words
+    assert ring is not None
+    with host_cpu.waiting():
+        ok = spin.wait_until(lambda: cuda_driver.stream_idle(stream) and int(
+            ring[abi.LL_RING_TAIL]) == int(ring[abi.LL_RING_HEAD]), timeout)
+    if not ok:
+        raise DeadlineExceeded(
+            f"group {group.name!r}: the calls replayed from a CUDA graph ahead of this eager "
+            f"call did not run within {timeout:.3g} s (an eager call waits for them, so that "
+            f"every rank numbers it after them)")
+    if dispatching:
+        check(group)
+
+
+def check(group: Group) -> None:
+    """Raise, once, the latest failure notify reported on every rank for a replayed dispatch:
+    those the engine recorded in their ops' slots (each resolved at a later dispatch of the
+    group), and the latest dispatch's in the group's counter slot (once the stream has passed
+    it; an eager dispatch's own failure was raised by its call)."""
+    found: list[tuple[int, np.ndarray, StreamOp | None]] = []
+    for op in group._captured:
+        words = op._words.view(np.int64)
+        if op.kind == "dispatch" and int(words[abi.CAPTURED_FAIL_STATUS]):
+            host_order.consume()  # (the status before the words written ahead of it)
+            failed = np.zeros_like(group._counter)
+            failed[counter_page.STATUS] = words[abi.CAPTURED_FAIL_STATUS]
+            failed[abi.SLOT_ERR_RANK] = words[abi.CAPTURED_FAIL_RANK]
+            failed[counter_page.NUM_RECV] = words[abi.CAPTURED_FAIL_VALUE]
+            found.append((int(words[abi.CAPTURED_FAIL_SEQ]), failed, op))
+            words[abi.CAPTURED_FAIL_STATUS] = 0
+    slot = group._counter
+    if int(slot[counter_page.STATUS]):
+        found.append((int(slot[counter_page.SEQ]), slot.copy(), None))
+    if not found:
+        return
+    sequence, words, op = max(found, key=lambda f: f[0])
+    if sequence <= group._captured_seen:  # (raised already, or an eager dispatch's)
+        return
+    group._captured_seen = sequence
+    num_worst = max((int(o.response.dispatch.recv_x.shape[0]) for o in group._captured
+                     if o.kind == "dispatch" and (op is None or o is op)), default=0)
+    err: EpdError | None = counter_page.alike_failure(
+        words, group.name, f"dispatch #{sequence} (replayed from a CUDA graph)",
+        group.spec.max_tokens_per_rank, num_worst, group.spec.num_experts, earlier=True)
+    if err is None:
+        return
+    if isinstance(err, TokenCapacityExceeded):
+        group.capacity_owed = max(group.capacity_owed, err.tokens_needed)
+    raise err
