@@ -21,6 +21,7 @@ from .workers import (
     ROW_LL_HOOK,
     ROW_LL_PLAIN,
     ROW_WORST,
+    ROW_WORST_GRAPH,
 )
 
 # Issue 10's targets. Ratios are EPD / DeepEP p50 per row; absolute ones are EPD p50 in µs.
@@ -110,7 +111,7 @@ def judge(rows: list[dict]) -> None:
         pipe = res.get(PIPELINE, {}).get("p50_us")
         if row["row"] in LL_ROWS:
             pipe = pipe_full.get("D")
-        elif row["row"] == ROW_WORST:
+        elif row["row"] in (ROW_WORST, ROW_WORST_GRAPH):
             pipe = pipe_full.get(row["shape"])
         row["pipeline_reference_us"] = pipe
         row["ratios"] = {"epd_over_deep_ep": _ratio(epd, dep),
@@ -165,7 +166,7 @@ def table(summary: dict) -> str:
     for row in summary["rows"]:
         res = row["results"]
         pipe = row["pipeline_reference_us"]  # (judge: the row's own, or its reference row's)
-        borrowed = row["row"] in LL_ROWS or row["row"] == ROW_WORST
+        borrowed = row["row"] in LL_ROWS or row["row"] in (ROW_WORST, ROW_WORST_GRAPH)
         pipe_s = _fmt(pipe) + ("*" if borrowed and pipe is not None else "")
         e = res.get(EPD, {})
         lines.append(
@@ -183,8 +184,9 @@ def table(summary: dict) -> str:
                                   for i in (DEEP_EP, EPD, PIPELINE)) + " |")
     if any(row["row"] in LL_ROWS for row in summary["rows"]):
         lines.append(f"\n* low-latency rows: the {pipe_name}'s {ROW_FULL} at D")
-    if any(row["row"] == ROW_WORST for row in summary["rows"]):
-        lines.append(f"\n* {ROW_WORST}: the {pipe_name}'s {ROW_FULL} of the same shape")
+    if any(row["row"] in (ROW_WORST, ROW_WORST_GRAPH) for row in summary["rows"]):
+        lines.append(f"\n* {ROW_WORST} (and its CUDA graph replay): the {pipe_name}'s "
+                     f"{ROW_FULL} of the same shape")
     inter = summary.get("expert_intermediate")
     if inter:
         lines.append(f"\nlayer rows (no target: what a forward pass sees): {ROW_FULL} with "

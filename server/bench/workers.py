@@ -40,6 +40,9 @@ ROW_FULL = "layout + dispatch + combine"
 # The same with DeepEP's num_worst_tokens (ranks x tokens): no CPU sync for the count. The
 # pipeline has no such call: its reference is its own ROW_FULL (report.judge).
 ROW_WORST = "layout + dispatch + combine, num_worst_tokens"
+# The same captured once in a CUDA graph and replayed (cuda; after every shape's other rows:
+# an eager call of a group holding captured calls synchronises its stream first).
+ROW_WORST_GRAPH = "layout + dispatch + combine, num_worst_tokens, CUDA graph replay"
 ROW_CACHED = "cached dispatch"
 ROW_COMBINE = "combine"
 ROW_LAYER = "layer with expert MLPs"
@@ -53,7 +56,8 @@ LL_ROWS = (ROW_LL_PLAIN, ROW_LL_HOOK, ROW_LL_GRAPH)
 # The low-latency check that is not a timed row: each token's rows through bf16 experts.
 LL_ROWS_CHECK = "low latency: each token's rows (bf16, untimed)"
 # API calls per iteration: what client and engine CPU are divided by (hooks not counted).
-CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_WORST: 3, ROW_LAYER: 3,
+CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_WORST: 3, ROW_WORST_GRAPH: 3,
+                  ROW_LAYER: 3,
                   ROW_LAYER_PROJ: 3, ROW_LL_PLAIN: 2, ROW_LL_HOOK: 2, ROW_LL_GRAPH: 2}
 
 EPD, DEEP_EP, PIPELINE = "epd", "deep_ep", "pipeline"
@@ -631,6 +635,8 @@ class RankRun:
                 self.check(shape, "layout + dispatch + combine", EPD, "reference", full[EPD],
                            self._normal_reference(si, tokens), exact=True)
             self._check_layer(shape, layers)
+        if p.graphs:
+            self._worst_graphs()
         _destroy(self.dep_buf)
         self.dep_buf = None
         if p.low_latency:
@@ -639,6 +645,25 @@ class RankRun:
             r.barrier()  # no rank leaves a group while a peer still uses it
             self.epd_buf.destroy()
         return self.result
+
+    def _worst_graphs(self) -> None:
+        """ROW_WORST_GRAPH at every shape, for the facades that capture it (EPD, DeepEP)."""
+        p, r = self.plan, self.r
+        for si, (shape, tokens) in enumerate(p.shapes):
+            x, idx, w = (r.tensor(a) for a in inputs(p.seed, p.rank, si, tokens, p.hidden,
+                                                     p.experts, p.topk, p.num_ranks))
+            for impl, buf in ((EPD, self.epd_buf), (DEEP_EP, self.dep_buf)):
+                if impl not in p.impls or buf is None:
+                    continue
+                calls = FacadeCalls(buf, p.experts, p.fresh_inputs)
+                worst = calls.normal(x, idx, w, None, p.num_ranks * tokens)[ROW_WORST]
+                combined = self._graph_row(
+                    impl, (lambda worst=worst, st=calls.state: (worst(), st[ROW_WORST])[1]),
+                    p.engine_pids if impl == EPD else None, shape, ROW_WORST_GRAPH)
+                self.check(shape, ROW_WORST_GRAPH, impl, "reference",
+                           self._settled(impl, buf, combined),
+                           self._normal_reference(si, tokens), exact=impl == EPD)
+                calls.state.clear()
 
     def _normal_reference(self, shape_index: int, tokens: int) -> Any:
         """This rank's combine of the identity experts by server/reference.py, from every
@@ -759,9 +784,11 @@ class RankRun:
             buf.check()
         return combined.clone()
 
-    def _graph_row(self, impl: str, step: Callable[[], Any], pids: list[int] | None) -> Any:
-        """Capture one hooked dispatch + combine into a CUDA graph (after a warm-up call outside
-        the capture, which arms EPD's stream-ordered calls) and time its replay."""
+    def _graph_row(self, impl: str, step: Callable[[], Any], pids: list[int] | None,
+                   shape: str = "D", row: str = ROW_LL_GRAPH) -> Any:
+        """Capture one step (a hooked low-latency dispatch + combine, or a worst-case normal
+        layer) into a CUDA graph, after a warm-up call outside the capture (which arms EPD's
+        stream-ordered low-latency calls), and time its replay."""
         r = self.r
         torch = r.torch
         step()
@@ -772,7 +799,7 @@ class RankRun:
         with torch.cuda.graph(graph, stream=stream):
             combined = step()
         r.sync()
-        rec, _ = r.timed(impl, "D", ROW_LL_GRAPH, graph.replay, pids)
+        rec, _ = r.timed(impl, shape, row, graph.replay, pids)
         self.result["records"].append(rec)
         return combined
 
