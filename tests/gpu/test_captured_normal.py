@@ -6,7 +6,8 @@ and compared exactly with the NumPy reference; eager calls of the same group bet
 (numbered after the replays on every rank), a second graph of another shape, a replay whose
 num_worst_tokens is too small (raised once, by check(), on every rank; the group goes on), the
 DeepEP facade's layout + dispatch + combine captured together, and what stays refused (a cached
-dispatch, an eager handle's combine in a graph, a captured handle's combine outside one)."""
+dispatch, an eager handle's combine in a graph, a captured handle's combine outside one); and
+DeepEP V2's ElasticBuffer without the CPU sync, plain and expanded, replayed as it runs eagerly."""
 
 from __future__ import annotations
 
@@ -174,6 +175,41 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             torch.cuda.synchronize()
             res["facade"].append([_bits(t) for t in f_out])
         buf.destroy()
+
+        # DeepEP V2's ElasticBuffer without the CPU sync (vLLM's deepep_v2 decode), plain and
+        # expanded: each replay equals the eager call of the same inputs, bit for bit.
+        from epd.client.elastic_buffer import ElasticBuffer
+        ebuf = ElasticBuffer(num_max_tokens_per_rank=MAX_TOKENS, hidden=256, num_topk=4,
+                             explicitly_destroy=True, rank=rank, num_ranks=2, session=s,
+                             group_name="captured-elastic")
+        se = static(_workload(1, TOKENS_A))
+        res["elastic"] = {}
+        for expand in (False, True):
+            def v2_layer(expand=expand):
+                recv_x, _, recv_w, handle, _ = ebuf.dispatch(
+                    se[0], topk_idx=se[1], topk_weights=se[2], num_experts=16,
+                    num_max_tokens_per_rank=MAX_TOKENS, do_cpu_sync=False, do_expand=expand)
+                combined, combined_w, _ = ebuf.combine(recv_x, handle, topk_weights=recv_w)
+                return recv_x, combined, combined_w
+
+            got = []
+            for i in range(2):  # eager, then the same inputs replayed
+                load(se, _workload(900 + i, TOKENS_A))
+                got.append([_bits(t) for t in v2_layer()])
+            torch.cuda.synchronize()
+            graph_e = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph_e):
+                e_out = v2_layer()
+            replayed = []
+            for i in range(2):
+                load(se, _workload(900 + i, TOKENS_A))
+                for t in e_out:
+                    t.fill_(-3)
+                graph_e.replay()
+                torch.cuda.synchronize()
+                replayed.append([_bits(t) for t in e_out])
+            res["elastic"][expand] = (got, replayed)
+        ebuf.destroy()
     q.put(res)
 
 
@@ -225,3 +261,8 @@ def test_captured_worst_case_dispatch_and_combine(daemon) -> None:
             for e in range(2):
                 want_in_rank[:, e] = ((idx >= 0) & (idx // 8 == e)).any(axis=1)
             np.testing.assert_array_equal(in_rank, want_in_rank, tag)
+        for expand, (eager, replayed) in res["elastic"].items():
+            for i in range(2):
+                # (the combined outputs: the received rows past the count are unspecified)
+                for e, g in zip(eager[i][1:], replayed[i][1:], strict=True):
+                    np.testing.assert_array_equal(g, e, f"elastic expand={expand} {i} rank {r}")
