@@ -398,7 +398,8 @@ class Buffer(LowLatencyMixin):
         """Leave the replaced groups of which this rank holds no handle any more: every call on
         them is a combine or cached dispatch of a handle, which this rank would have to make
         too (its peers' such calls would wait for it in vain; they fail at once instead)."""
-        for g in [g for g in self._retired if not g.live_handles]:
+        # (nor one holding calls captured in a CUDA graph: a replay triggers them there)
+        for g in [g for g in self._retired if not g.live_handles and not g._captured]:
             self._retired.remove(g)
             if not g._left:
                 g.leave()

@@ -12,13 +12,20 @@ the same order; a captured dispatch's handle is combined in the graph (or a late
 eagerly; an eager dispatch or combine of a group holding captured ops synchronises the caller's
 stream first (`settle`), so that the replays it follows have run and every rank numbers the
 eager call after them (the engine numbers a replayed call when the GPU reaches its trigger, an
-eager one when its request arrives). The ops live as long as the group, at most
---max-stream-ops-per-session of them (and 256 a group, the ring's entries) per session.
+eager one when its request arrives); so does a layout through the daemon (EPD_LOCAL_LAYOUT=0:
+its engine stream waits for a READY that a replay behind it would never let come). The ops
+live as long as the group; a call captured again with the same tensors reuses its op. Each op
+holds one of the session's 64 counter slots and one of its group's 64 ring entries
+(--max-stream-ops-per-session bounds them too): past those, RESOURCE_EXHAUSTED at capture.
+A grown facade group that holds captured ops is never left (a replay triggers them).
 
 Failures: one found by notify on every rank alike (a bad expert id, capacity, num_worst_tokens
 too small) is raised at the group's next eager dispatch (before it is sent) or by
-`Group.check()`, once; the replay's outputs hold nothing then and its combine gives zeros.
-Others (a deadline, an abort) are the stream failure words' (client/stream_calls.py).
+`Group.check()`, once (the newest since the last raise, where several replays failed); the
+replay's outputs hold nothing then and its combine gives zeros. A trigger the engine could not
+run (refused by its checks, e.g. a handle budget) is raised the same way from its op's done
+word; its peers wait out their deadline. Others (a deadline, an abort) are the stream failure
+words' (client/stream_calls.py).
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
+from google.protobuf.message import Message
 
 from ..proto import abi, counter_page, cuda_driver, dtypes, host_order, spin
-from ..proto.errors import DeadlineExceeded, EpdError, FailedPrecondition, TokenCapacityExceeded
+from ..proto.errors import DeadlineExceeded, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
 from . import call_outputs, cuda_ipc, host_cpu
 from .stream_ops import StreamOp
@@ -51,6 +59,14 @@ def _ring(resp: epd_pb2.ArmStreamOpResponse, timeout: float) -> tuple[int, int, 
 
 def _arm(group: Group, kind: str, template: Array, timeout: float,
          results: list[Any], **op: Any) -> StreamOp:
+    """The armed op of a captured call: the group's op of the same request when one is armed
+    (a model's layers often capture the same tensors: each op holds a counter slot and a ring
+    entry, of which a session and a group have few), else a new one."""
+    key = (kind, *sorted((name, v.SerializeToString(deterministic=True)
+                          if isinstance(v, Message) else v) for name, v in op.items()))
+    known = group._captured_by_key.get(key)
+    if known is not None and known.armed:
+        return known
     s = group._session
     page = s.memory.counter_page_device_ptr()
     resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
@@ -60,6 +76,7 @@ def _arm(group: Group, kind: str, template: Array, timeout: float,
     armed.response = resp
     s._stream_ops[armed.op_id] = armed
     group._captured.append(armed)
+    group._captured_by_key[key] = armed
     return armed
 
 
@@ -136,35 +153,45 @@ def settle(group: Group, stream: int, timeout: float, dispatching: bool) -> None
 
 
 def check(group: Group) -> None:
-    """Raise, once, the latest failure notify reported on every rank for a replayed dispatch:
-    those the engine recorded in their ops' slots (each resolved at a later dispatch of the
-    group), and the latest dispatch's in the group's counter slot (once the stream has passed
-    it; an eager dispatch's own failure was raised by its call)."""
-    found: list[tuple[int, np.ndarray, StreamOp | None]] = []
+    """Raise, once, a failure of the group's replayed calls: a trigger the engine could not run
+    (its done word), else the newest dispatch that notify failed on every rank, from the
+    engine's record in the group's ring slot (written when the engine resolves the count, at
+    the group's next dispatch) or the group's counter slot (the latest dispatch, once the
+    stream has passed it: settle() waits for that). Each dispatch's failure is raised once
+    (Group._captured_seen: the newest counter sequence raised, or an eager dispatch's, which
+    raises its own)."""
     for op in group._captured:
-        words = op._words.view(np.int64)
-        if op.kind == "dispatch" and int(words[abi.CAPTURED_FAIL_STATUS]):
-            host_order.consume()  # (the status before the words written ahead of it)
-            failed = np.zeros_like(group._counter)
-            failed[counter_page.STATUS] = words[abi.CAPTURED_FAIL_STATUS]
-            failed[abi.SLOT_ERR_RANK] = words[abi.CAPTURED_FAIL_RANK]
-            failed[counter_page.NUM_RECV] = words[abi.CAPTURED_FAIL_VALUE]
-            found.append((int(words[abi.CAPTURED_FAIL_SEQ]), failed, op))
-            words[abi.CAPTURED_FAIL_STATUS] = 0
+        err = op.take_verdict()
+        if err is not None:
+            raise err
+    ring = group._captured[0]._ring_words
+    assert ring is not None
+    record = ring.view(np.int64)
+    found: list[tuple[int, np.ndarray, int]] = []
+    sequence = int(record[abi.RING_FAIL_SEQ])
+    if sequence:
+        host_order.consume()  # (the sequence before the words written ahead of it)
+        failed = np.zeros_like(group._counter)
+        failed[counter_page.STATUS] = record[abi.RING_FAIL_STATUS]
+        failed[abi.SLOT_ERR_RANK] = record[abi.RING_FAIL_RANK]
+        failed[counter_page.NUM_RECV] = record[abi.RING_FAIL_VALUE]
+        found.append((sequence, failed, int(record[abi.RING_FAIL_WORST])))
     slot = group._counter
-    if int(slot[counter_page.STATUS]):
-        found.append((int(slot[counter_page.SEQ]), slot.copy(), None))
+    if int(slot[counter_page.STATUS]):  # (the latest dispatch: a captured one's
+        # num_worst_tokens is in the ring slot, written when the engine ran it)
+        latest = int(slot[counter_page.SEQ])
+        found.append((latest, slot.copy(), int(record[abi.RING_FIRED_WORST])
+                      if int(record[abi.RING_FIRED_SEQ]) == latest else 0))
     if not found:
         return
-    sequence, words, op = max(found, key=lambda f: f[0])
+    sequence, words, num_worst = max(found, key=lambda f: f[0])
     if sequence <= group._captured_seen:  # (raised already, or an eager dispatch's)
         return
     group._captured_seen = sequence
-    num_worst = max((int(o.response.dispatch.recv_x.shape[0]) for o in group._captured
-                     if o.kind == "dispatch" and (op is None or o is op)), default=0)
-    err: EpdError | None = counter_page.alike_failure(
-        words, group.name, f"dispatch #{sequence} (replayed from a CUDA graph)",
-        group.spec.max_tokens_per_rank, num_worst, group.spec.num_experts, earlier=True)
+    err = counter_page.alike_failure(
+        words, group.name, f"dispatch #{sequence} (one the host did not wait for: replayed "
+        f"from a CUDA graph, or num_worst_tokens)", group.spec.max_tokens_per_rank,
+        num_worst, group.spec.num_experts, earlier=True)
     if err is None:
         return
     if isinstance(err, TokenCapacityExceeded):

@@ -252,6 +252,7 @@ class Group:
         # Normal-mode calls captured in CUDA graphs (client/captured_calls.py), and the latest
         # dispatch sequence whose failure was raised (or is an eager call's own)
         self._captured: list[StreamOp] = []
+        self._captured_by_key: dict[tuple, StreamOp] = {}
         self._captured_seen = 0
         self._ordered = session.memory.supports_stream_ops
         # cuda: layouts on the caller's stream (client/local_layout.py; EPD_LOCAL_LAYOUT=0: not).

@@ -172,15 +172,12 @@ def _not_capturable(group: Group, what: str) -> FailedPrecondition:
         f"outside the graph otherwise")
 
 
-def _stream(group: Group, template: Array, what: str, timeout: float = 0.0) -> int:
-    """The caller's current stream, not capturing a CUDA graph (the caller checked, or
-    `timeout` is 0: checked here). `timeout` (an eager dispatch's or combine's): first settle
-    the replays of the group's captured calls."""
-    if not timeout and group._session.memory.is_capturing(template):
-        raise _not_capturable(group, what)
+def _eager_stream(group: Group, template: Array, timeout: float, dispatching: bool) -> int:
+    """The caller's current stream (not capturing: the caller checked), once the replays of
+    the group's captured calls ahead of this call have run (client/captured_calls.py)."""
     stream = cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
-    if timeout and group._captured:
-        captured_calls.settle(group, stream, timeout, dispatching=what == "dispatch")
+    if group._captured:
+        captured_calls.settle(group, stream, timeout, dispatching)
     return stream
 
 
@@ -189,7 +186,10 @@ def layout(group: Group, topk_idx: Array) -> tuple[Array, Array, Array]:
         _slot(group)  # (earlier failures surface here, as below)
         return group._local_layout(topk_idx)
     s, spec = group._session, group.spec
-    stream = _stream(group, topk_idx, "get_dispatch_layout")
+    if s.memory.is_capturing(topk_idx):
+        raise _not_capturable(group, "get_dispatch_layout")
+    # (its stream waits for READY: a replay's trigger behind it would never run)
+    stream = _eager_stream(group, topk_idx, group._timeout(None), dispatching=False)
     slot = _slot(group)
     t = int(topk_idx.shape[0])  # a device array (torch or CuPy): _descs checks it below
     outs = tuple(call_outputs.empty(
@@ -267,6 +267,8 @@ def _settle_unwaited(group: Group, slot: StreamSlot) -> None:
     if u is None:
         return
     slot.unwaited = None
+    if group._captured:  # a replay's count may have replaced it in the slot: its failure is
+        return  # captured_calls.check's to raise (the engine's record of it, or the slot's)
     with host_cpu.waiting():
         got = counter_page.wait(group._counter, u.sequence, u.timeout,
                                 stop=lambda: slot.released)
@@ -289,7 +291,7 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
             raise _not_capturable(group, "cached dispatch")
         resp, outs, op = captured_calls.dispatch(group, req, template, copy, num_sms)
         return resp, -1, [], req.num_worst_tokens, outs, op
-    stream = _stream(group, template, "dispatch", max(req.timeout_seconds, 1.0))
+    stream = _eager_stream(group, template, max(req.timeout_seconds, 1.0), dispatching=True)
     slot = _slot(group, dispatching=True)  # (its notify overwrites an unwaited count)
     req.stream_ordered = True
     req.num_sms = num_sms
@@ -302,8 +304,6 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
         raise
     seq = resp.stream_seq
     slot.begin(stream, seq)
-    # (its count's failure is raised by this call or the next dispatch, not by check())
-    group._captured_seen = max(group._captured_seen, resp.counter_sequence)
     timeout = max(req.timeout_seconds, 1.0)  # the call's deadline, >= 1 s
     if req.num_worst_tokens and not req.cached_handle:  # (a cached count is known at once)
         slot.end(stream, seq)
@@ -316,6 +316,8 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
         with host_cpu.waiting():
             got = counter_page.wait(group._counter, resp.counter_sequence, timeout)
         slot.end(stream, seq)  # the stream passes the call either way
+        # (its failure is this call's to raise, not captured_calls.check's)
+        group._captured_seen = max(group._captured_seen, resp.counter_sequence)
         if _failed(group, got):  # (every rank failed it; the engine's handle of it goes back)
             group._requeue([resp.handle])
             raise _count_failure(group, slot, got, resp.counter_sequence, seq, timeout,
@@ -341,7 +343,7 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
     if handle.op is not None or s.memory.is_capturing(x):
         return captured_calls.combine(group, x, handle, topk_weights, bias_0, bias_1, timeout,
                                       num_sms)
-    stream = _stream(group, x, "combine", timeout)
+    stream = _eager_stream(group, x, timeout, dispatching=False)
     slot = _slot(group)
     t = handle.num_tokens
     parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]

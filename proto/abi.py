@@ -159,10 +159,6 @@ STREAM_REQUEST, STREAM_DONE = 0, 1
 STREAM_FAIL_TOKEN = 2  # int32 word
 STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
 STREAM_FAIL_DONE = 6  # int32 word: that failed done value again, sticky (no trigger clears it)
-# A captured normal-mode dispatch (server/engine/captured_calls.py) that notify failed on every
-# rank: the member's counter-slot status, ERR_RANK, NUM_RECV and sequence copied here (int64
-# words; the status last) once the engine resolves its count; the client raises and clears them.
-CAPTURED_FAIL_STATUS, CAPTURED_FAIL_RANK, CAPTURED_FAIL_VALUE, CAPTURED_FAIL_SEQ = 4, 5, 6, 7
 # The earlier design's trigger wrote request = REQUEST_BUFFER0 + b (a client still does, facing
 # an engine of that design). b is the low-latency receive buffer (0 or 1; now in the ring entry)
 # the dispatch fills, or whose dispatch the combine brings back (DeepEP's double buffer).
@@ -202,6 +198,16 @@ LL_RING_RELEASED = 66
 # ring[j] to be nonzero, i.e. published; every entry is nonzero). The host reads which op ran here.
 LL_RING_LOG = 128
 LL_CHAIN_OPS = 64  # armed ops per member; an entry naming an index beyond runs nothing
+# The latest dispatch of a member holding captured normal-mode calls that notify failed on every
+# rank (server/engine/captured_calls.py): its counter-slot status, ERR_RANK, NUM_RECV, its
+# num_worst_tokens and its counter sequence, copied into int64 words of the member's poller ring
+# slot (past the ring's words) when the engine resolves its count, the sequence last; the client
+# raises each sequence once.
+RING_FAIL_STATUS, RING_FAIL_RANK, RING_FAIL_VALUE, RING_FAIL_WORST = 40, 41, 42, 43
+RING_FAIL_SEQ = 44
+# ... and the latest captured dispatch the poller ran: its counter sequence and num_worst_tokens
+# (what the client names when it finds that dispatch failed in the counter slot).
+RING_FIRED_SEQ, RING_FIRED_WORST = 45, 46
 LL_ENTRY_RELEASED = 0xFF  # the entry the engine writes to drain pending instances
 LLX_WORDS = 64  # u64 words of a descriptor (device memory)
 LLX_KIND = 0

@@ -263,7 +263,7 @@ def test_a_region_an_armed_op_reads_is_not_unmapped_under_it() -> None:
         regions={"r1": region}, stream_ops={7: op}, describe=lambda: "session s",
         executor=types.SimpleNamespace(later=lambda fn: fn()))
     engine = types.SimpleNamespace(_refresh_gauges=lambda: None)
-    with pytest.raises(FailedPrecondition, match=r"armed low-latency op\(s\) \[7\]"):
+    with pytest.raises(FailedPrecondition, match=r"armed stream op\(s\) \[7\]"):
         Engine.unregister_region(engine, session, "r1")
     assert "r1" in session.regions and not closed
     op.armed = False
@@ -838,55 +838,93 @@ def test_alike_failures_map_to_one_error_each() -> None:
 
 # -- normal-mode calls captured in CUDA graphs (client/captured_calls.py) ----------------------
 def _captured_op(group, num_worst: int = 32) -> types.SimpleNamespace:
-    """An armed captured dispatch as captured_calls sees it: its slot and its member's ring."""
+    """An armed captured dispatch as captured_calls sees it: its done word's sticky failure and
+    its member's ring slot (shared by the group's captured ops)."""
+    ring = (group._captured[0]._ring_words if group._captured
+            else np.zeros(abi.SLOT_BYTES // 4, np.uint32))
     op = types.SimpleNamespace(
-        kind="dispatch", _words=np.zeros(abi.SLOT_BYTES // 4, np.int32),
-        _ring_words=np.zeros(abi.SLOT_BYTES // 4, np.uint32),
+        kind="dispatch", _ring_words=ring, verdicts=[], armed=True,
         response=epd_pb2.ArmStreamOpResponse(dispatch=epd_pb2.DispatchResponse(
             recv_x=epd_pb2.TensorDesc(shape=[num_worst, 8]))))
+    op.take_verdict = lambda: op.verdicts.pop(0) if op.verdicts else None
     group._captured.append(op)
     return op
 
 
 def test_a_replayed_dispatchs_failure_is_raised_once(monkeypatch) -> None:
     """A replayed dispatch that notify failed on every rank is raised once, whether the
-    client reads it in the group's counter slot (the latest dispatch) or in its op's slot,
-    where the engine copies it when it resolves the count at a later dispatch; the failure of
-    an eager dispatch, raised by that call's own path, is not raised again."""
+    client reads it in the group's counter slot (the latest dispatch, whose num_worst_tokens
+    the engine noted when it ran it) or in the engine's record in the ring slot (written when
+    it resolves the count at a later dispatch); a trigger the engine refused is raised from its
+    op's done word; the failure of an eager dispatch, raised by that call's own path, is not
+    raised again, and one that a replay's count replaced in the counter slot is raised from
+    the engine's record."""
     from epd.client import captured_calls
     from epd.proto.errors import TokenCapacityExceeded
     from epd.server.engine import captured_calls as engine_side
 
-    group, _, sent, _ = _fake_group(monkeypatch, [_answer(4, 5)])
+    group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 5), _answer(2, 7)])
     op = _captured_op(group)
     captured_calls.check(group)  # nothing failed
-    # Replay #1 received more rows than num_worst_tokens on rank 1; the engine resolved it at
-    # replay #2, which went well and is the counter slot's latest.
+    ring = op._ring_words.view(np.int64)
+    # Replay #1 (num_worst_tokens 24) received more rows than that on rank 1; the engine
+    # resolved it at replay #2, which went well and is the counter slot's latest.
     slot = np.zeros_like(group._counter)
     counter_page.publish(slot, 1, 50, [], status=abi.ERR_WORST_OVERFLOW)
     slot[abi.SLOT_ERR_RANK] = 1
-    engine_side.record_failure(op._words, slot)
+    engine_side.record_failure(op._ring_words, slot, 24)
     counter_page.publish(group._counter, 2, 20, [10, 10])
-    with pytest.raises(InvalidArgument, match=r"dispatch #1 \(replayed from a CUDA graph\): "
+    with pytest.raises(InvalidArgument, match=r"dispatch #1 \(one the host did not wait for.*"
                                               r"rank 1 receives 50 tokens, more than "
-                                              r"num_worst_tokens=32"):
+                                              r"num_worst_tokens=24"):
         captured_calls.check(group)
     captured_calls.check(group)  # once
-    # Replay #3 failed for capacity: seen in the counter slot first, then in its op's slot
-    # once the engine resolves it: raised once, and the facade's growth is owed.
-    counter_page.publish(group._counter, 3, 40, [], status=abi.ERR_CAPACITY)
+    # Replay #3 (num_worst_tokens 40, noted when it ran) overflowed: seen in the counter slot
+    # first, then in the engine's record once it resolves it: raised once.
+    ring[abi.RING_FIRED_SEQ], ring[abi.RING_FIRED_WORST] = 3, 40
+    counter_page.publish(group._counter, 3, 41, [], status=abi.ERR_WORST_OVERFLOW)
     group._counter[abi.SLOT_ERR_RANK] = 0
+    with pytest.raises(InvalidArgument, match="rank 0 receives 41 tokens, more than "
+                                              "num_worst_tokens=40"):
+        captured_calls.check(group)
+    engine_side.record_failure(op._ring_words, group._counter, 40)
+    captured_calls.check(group)
+    # Replay #4 failed for capacity: the facade's growth is owed.
+    counter_page.publish(group._counter, 4, 70, [], status=abi.ERR_CAPACITY)
     with pytest.raises(TokenCapacityExceeded) as e:
         captured_calls.check(group)
-    assert e.value.earlier and group.capacity_owed == 40
-    engine_side.record_failure(op._words, group._counter)
+    assert e.value.earlier and group.capacity_owed == 70
+    # A trigger the engine refused: raised from its op's done word, once.
+    op.verdicts.append(EpdError(grpc.StatusCode.ABORTED, "stream op 3 (dispatch) failed"))
+    with pytest.raises(EpdError, match="stream op 3"):
+        captured_calls.check(group)
     captured_calls.check(group)
-    # An eager worst-case dispatch (counter sequence 5) that fails is its own call's to raise
-    # (at the next dispatch, stream_calls), not the replays' check.
+    # An eager dispatch that waits for its count (sequence 5) raises its own failure; the
+    # replays' check does not raise it again.
     monkeypatch.setattr(captured_calls.cuda_driver, "stream_idle", lambda stream: True)
+    call = group._session._call
+
+    def engine(*a):  # (its notify fails it for capacity)
+        answer = call(*a)
+        counter_page.publish(group._counter, 5, 80, [], status=abi.ERR_CAPACITY)
+        return answer
+    group._session._call = engine
+    with pytest.raises(TokenCapacityExceeded):
+        _worst_dispatch(group, 0)
+    group._session._call = call
+    captured_calls.check(group)
+    # An eager worst-case dispatch (sequence 7), which the host does not wait for, that failed:
+    # raised once, before the next dispatch is sent, whether the counter slot still holds it
+    # or a replay's count (#8) replaced it there and the engine's record has it.
     _worst_dispatch(group, 32)
-    assert group._captured_seen == 5 and len(sent) == 1
-    counter_page.publish(group._counter, 5, 40, [], status=abi.ERR_CAPACITY)
+    assert len(sent) == 2
+    counter_page.publish(group._counter, 7, 60, [], status=abi.ERR_CAPACITY)
+    engine_side.record_failure(op._ring_words, group._counter, 32)
+    counter_page.publish(group._counter, 8, 20, [10, 10])
+    with pytest.raises(TokenCapacityExceeded, match="60"):
+        _worst_dispatch(group, 32)
+    assert len(sent) == 2  # (not sent)
+    group.settle_dispatches()
     captured_calls.check(group)
 
 
@@ -933,3 +971,25 @@ def test_an_eager_call_waits_for_the_replays_ahead_of_it(monkeypatch) -> None:
     with pytest.raises(DeadlineExceeded, match="replayed from a CUDA graph"):
         _worst_dispatch(group, 32, timeout=0.2)
     assert sent == []
+
+
+def test_the_poller_runs_a_captured_call_only_when_it_need_not_wait() -> None:
+    """One poller serves every session of an engine: a captured call whose run would wait on
+    the host for a receive count (its member's latest dispatch, or the one a combine brings
+    back, not yet published by notify) is not ready, and stays in its ring until it is."""
+    from epd.server.engine import captured_calls as engine_side
+    from epd.server.engine.state import HandleInfo
+
+    slot = np.zeros(abi.SLOT_BYTES // 8, np.int64)
+    pending = HandleInfo(None, 8, -1, 32, sequence=3)
+    member = types.SimpleNamespace(counter_slot=0, pending=pending, handles={9: pending})
+    session = types.SimpleNamespace(counter_page=types.SimpleNamespace(slot=lambda i: slot))
+    dispatch = types.SimpleNamespace(member=member, session=session, dispatch_op=None,
+                                     handle=9)
+    combine = types.SimpleNamespace(member=member, session=session, dispatch_op=dispatch)
+    assert not engine_side.ready(dispatch) and not engine_side.ready(combine)
+    counter_page.publish(slot, 3, 20, [10, 10])
+    assert engine_side.ready(dispatch) and engine_side.ready(combine)
+    member.pending = None  # (resolved: the combine's handle alone)
+    counter_page.publish(slot, 2, 0, [])  # (an older count: the handle's not there)
+    assert engine_side.ready(dispatch) and not engine_side.ready(combine)

@@ -24,10 +24,12 @@ normal-mode ops (client/captured_calls.py): every earlier trigger has fired by t
 
 A trigger's failure after its launch (a deadline, a peer's bad input in notify, capacity) is
 reported as an eager call's is: the stream failure words or, for notify's verdicts, the
-counter slot, which the engine copies into the op's slot once it resolves the count (the next
-trigger of the op, or any dispatch of the member), raised by the client's next call or check().
-A failure before the launch (a region unregistered since) fails the op's done word; the peers'
-kernels then wait out their deadline.
+counter slot, which the engine copies into the member's ring slot once it resolves the count
+(at the member's next dispatch: `record_failure`), raised by the client's next eager
+dispatch or check(). A trigger the engine refuses (its checks: a handle budget, an aborted
+group) fails the op's done word, kept in its sticky word for the client's check(); the peers'
+kernels then wait out their deadline. The poller never waits for a receive count: a trigger
+whose run would (`ready`) stays in the ring until notify has published it.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ...proto.v1 import epd_pb2
 from ..backends.base import DispatchArgs
 from . import tensors
 from .ops import dispatch_response
-from .state import GroupMember, HandleInfo, Session
+from .state import GroupMember, Session
 
 if TYPE_CHECKING:
     from .core import Engine
@@ -111,52 +113,73 @@ def arm_combine(e: Engine, session: Session, req: epd_pb2.CombineRequest,
     return member
 
 
+def ready(op: StreamOp) -> bool:
+    """Whether a trigger of `op` can run without waiting on the host: the receive count of the
+    member's latest dispatch (which its run reads first), and of the dispatch a combine brings
+    back, published. A trigger that is not ready stays in the ring: one poller serves every
+    session, so it never waits for a count (a client that triggers a dispatch again before
+    its previous trigger's notify ran, or a peer that never comes, only delays its own
+    member's ring; the kernel's deadline publishes a failed count at the latest)."""
+    member = op.member
+    slot = op.session.counter_page.slot(member.counter_slot)
+    waiting = [member.pending]
+    if op.dispatch_op is not None and op.dispatch_op.handle:
+        waiting.append(member.handles.get(op.dispatch_op.handle))
+    return all(info is None or not info.sequence or counter_page.published(slot, info.sequence)
+               for info in waiting)
+
+
 def fire(e: Engine, op: StreamOp) -> None:
     """Run one trigger of an armed normal-mode op as a stream-ordered call (the poller holds
-    the op's session's operation lock). Raises where nothing was launched: the caller fails
-    the op's done word."""
+    the op's session's operation lock and saw it `ready`). Raises where nothing was launched:
+    the caller fails the op's done word."""
     session, member = op.session, op.member
-    if op.kind == KIND_DISPATCH:
-        req = op.request
-        del req.release_handles[:]
-        if op.handle:  # (the previous trigger's, freed once this one is checked)
-            req.release_handles.append(op.handle)
-        resp = e.dispatch_op(session, req, PATH)
-        op.handle = resp.handle
-        info = member.handles.get(resp.handle)
-        if info is not None:
-            info.on_failed = op.words
-        seq = resp.stream_seq
-    else:
-        src = op.dispatch_op
-        assert src is not None
-        if not src.handle:
-            raise FailedPrecondition(f"stream op {op.op_id}: the combine of dispatch op "
-                                     f"{src.op_id}, which has not run yet")
-        op.request.handle = src.handle
-        seq = e.combine_op(session, op.request, PATH).stream_seq
+    try:
+        if op.kind == KIND_DISPATCH:
+            req = op.request
+            prev, op.handle = op.handle, 0
+            del req.release_handles[:]
+            if prev:  # (the previous trigger's, freed once this one is checked)
+                req.release_handles.append(prev)
+            try:
+                resp = e.dispatch_op(session, req, PATH)
+            except BaseException:
+                if prev:  # (refused before its checks freed it: a combine must not read it)
+                    e._release(member, [prev])
+                raise
+            op.handle, seq = resp.handle, resp.stream_seq
+            fired = member.failure_words.view(np.int64)
+            fired[abi.RING_FIRED_WORST] = req.num_worst_tokens
+            fired[abi.RING_FIRED_SEQ] = resp.counter_sequence
+        else:
+            src = op.dispatch_op
+            assert src is not None
+            if not src.handle:
+                raise FailedPrecondition(f"stream op {op.op_id}: the combine of dispatch op "
+                                         f"{src.op_id}, whose latest trigger did not run")
+            op.request.handle = src.handle
+            seq = e.combine_op(session, op.request, PATH).stream_seq
+    except BaseException:
+        session.executor.take_after()  # (as an operation that fails: nothing queued runs)
+        raise
     # The trigger is the client's READY: its stream has produced the inputs.
-    ready = session.counter_page.slot(member.counter_slot).view(np.int32)
-    ready[abi.SLOT32_READY + seq % abi.READY_RING] = np.int32(np.uint32(seq))
+    ready32 = session.counter_page.slot(member.counter_slot).view(np.int32)
+    ready32[abi.SLOT32_READY + seq % abi.READY_RING] = np.int32(np.uint32(seq))
     for later in session.executor.take_after():  # (the launch; it handles its own failure)
         later()
     member.comm.signal_after(int(session.counter_page.slot(op.slot).device_ptr)
                              + 4 * abi.STREAM_DONE, abi.DONE_OK)
 
 
-def record_failure(words: np.ndarray, slot: np.ndarray) -> None:
-    """A triggered dispatch failed alike on every rank (notify's verdict in the member's
-    counter slot `slot`): copy what failed it into its op's slot (`words`, int32), where the
-    client finds it (client/captured_calls.py)."""
+def record_failure(words: np.ndarray, slot: np.ndarray, num_worst: int) -> None:
+    """A dispatch of a member holding captured calls failed alike on every rank (notify's
+    verdict in the member's counter slot `slot`): what failed it, into its ring slot
+    (`words`), where the client finds it (client/captured_calls.py) even after later
+    dispatches overwrote the counter slot."""
     w64 = words.view(np.int64)
-    w64[abi.CAPTURED_FAIL_RANK] = int(slot[abi.SLOT_ERR_RANK])
-    w64[abi.CAPTURED_FAIL_VALUE] = int(slot[counter_page.NUM_RECV])
-    w64[abi.CAPTURED_FAIL_SEQ] = int(slot[counter_page.SEQ])
-    host_order.publish()  # (the words before the status the client reads first)
-    w64[abi.CAPTURED_FAIL_STATUS] = int(slot[counter_page.STATUS])
-
-
-def resolved(info: HandleInfo, slot: np.ndarray) -> None:
-    """(stream_calls._resolve) A captured dispatch's count came back failed."""
-    if info.on_failed is not None and int(slot[counter_page.STATUS]):
-        record_failure(info.on_failed, slot)
+    w64[abi.RING_FAIL_STATUS] = int(slot[counter_page.STATUS])
+    w64[abi.RING_FAIL_RANK] = int(slot[abi.SLOT_ERR_RANK])
+    w64[abi.RING_FAIL_VALUE] = int(slot[counter_page.NUM_RECV])
+    w64[abi.RING_FAIL_WORST] = num_worst
+    host_order.publish()  # (the words before the sequence the client reads first)
+    w64[abi.RING_FAIL_SEQ] = int(slot[counter_page.SEQ])

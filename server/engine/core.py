@@ -970,7 +970,7 @@ class Engine(StreamCalls, DataPlane):
         users = sorted(op.op_id for op in list(session.stream_ops.values())
                        if op.armed and region_id in op.regions)
         if users:
-            raise FailedPrecondition(f"region {region_id!r} is read by armed low-latency "
+            raise FailedPrecondition(f"region {region_id!r} is read by armed stream "
                                      f"op(s) {users}: disarm them first (DisarmStreamOp, or "
                                      f"leave their group)")
         del session.regions[region_id]

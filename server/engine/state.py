@@ -105,9 +105,6 @@ class HandleInfo:
     # the client does not wait for): their bytes are counted when the count is.
     unresolved_combines: int = 0
     nbytes: int = 0  # engine memory charged to the session's handle bytes (RankComm.handle_bytes)
-    # A captured dispatch's (engine/captured_calls.py): its op's slot (int32 words), where a
-    # failure notify reported for it is copied once its count is resolved
-    on_failed: Any = None
 
 
 @dataclass
@@ -133,6 +130,9 @@ class GroupMember:
     queue_wait_seconds: float = 0.0
     # Stream-ordered dispatch responses by their output views (ops.dispatch_response).
     described: dict[tuple, tuple] = field(default_factory=dict)
+    # While it holds captured normal-mode calls: its poller ring slot's words, where a dispatch
+    # that notify failed is recorded (engine/captured_calls.py)
+    failure_words: Any = None
 
     @property
     def service_class(self) -> str:

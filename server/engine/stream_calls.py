@@ -174,8 +174,9 @@ class StreamCalls:
                         "notify writes (%d rows); the call is marked failed",
                         session.describe(), spec.name, got[0])
         if got is None or stale or status or implausible:
-            if status and not stale:
-                captured_calls.resolved(info, slot)
+            if status and not stale and member.failure_words is not None:
+                captured_calls.record_failure(member.failure_words, slot,
+                                              max(info.rows_out, 0))
             info.failed = True
             info.num_recv_tokens = 0
             info.rows_out = info.rows_out if info.rows_out >= 0 else 0

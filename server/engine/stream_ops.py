@@ -335,6 +335,10 @@ class StreamOps:
             session.free_slots.append(slot)
             self._drop_unused_ring(session, member)  # (one made for this op)
             raise
+        if request is not None and member.failure_words is None:
+            record = ring.words.view(np.int64)
+            record[abi.RING_FAIL_STATUS:abi.RING_FIRED_WORST + 1] = 0  # (a slot's earlier use)
+            member.failure_words = ring.words
         resp.chained, resp.ordered = ring.chain is not None, True
         resp.chain_slot, resp.chain_entry = ring.slot, op.entry
         with self._lock:
@@ -372,7 +376,7 @@ class StreamOps:
     def _release(self, session: Session, member: GroupMember | None, locked: bool) -> None:
         ops = sorted((o for o in list(session.stream_ops.values())
                       if member is None or o.member is member),
-                     key=lambda o: o.kind != KIND_COMBINE)
+                     key=lambda o: o.dispatch_op is None)  # (combines first)
         for op in ops:  # every waiting stream let go first, then the ops removed
             op.words[DONE] = DONE_RELEASED
         for op in ops:
@@ -430,6 +434,7 @@ class StreamOps:
                                                 for o in self.ops.values())
             if last:
                 self.rings.pop(id(op.member))
+                op.member.failure_words = None  # (its slot goes back)
         op.session.stream_ops.pop(op.op_id, None)
         op.session.free_slots.append(op.slot)
         return ring if last else None
@@ -624,6 +629,11 @@ class StreamOps:
                 # with the other rings; one session cannot hold every session's launches.
                 if op is not None and not op.session.op_lock.acquire(blocking=False):
                     return ran
+                # A captured normal-mode call whose run would wait for a receive count: the
+                # entry stays, as above (captured_calls.ready).
+                if op is not None and op.request is not None and not captured_calls.ready(op):
+                    op.session.op_lock.release()
+                    return ran
                 ring.head = (ring.head + 1) & MASK32
                 host_order.publish()  # (the entry read before the trigger may reuse it)
                 ring.words[abi.LL_RING_HEAD] = ring.head
@@ -703,7 +713,10 @@ class StreamOps:
             code = err.code.name
             if op.armed:  # (not into a slot a release freed, maybe reused; the chain's code
                 # where it has one for the case: NotFilled)
-                op.words[DONE] = DONE_FAILED | (getattr(e, "done_code", 0xFF) << 8)
+                failed = DONE_FAILED | (getattr(e, "done_code", 0xFF) << 8)
+                if op.request is not None:  # (kept for the client's check(): a replay goes on)
+                    op.words[abi.STREAM_FAIL_DONE] = failed
+                op.words[DONE] = failed
             if isinstance(e, EpdError):
                 log.warning("stream op %d (%s) failed: %s", op.op_id, op.kind, e)
         finally:
