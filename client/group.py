@@ -19,7 +19,7 @@ from google.protobuf.message import Message
 from ..proto import abi, counter_page
 from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgument
 from ..proto.v1 import epd_pb2
-from . import captured_calls, stream_calls
+from . import captured_calls, cuda_ipc, stream_calls
 from . import tensors as T
 from .tensors import Array
 from .transport import PendingCall
@@ -483,6 +483,10 @@ class Group:
             # runs (failures too, with a status): ours is the first sequence after the current
             # once this group's interrupted dispatches have theirs, and an unwaited worst-case
             # dispatch its own (its failure raises here, as at any next dispatch).
+            if self._captured:  # (the engine's worker waits for our ready event holding the
+                # session's lock, which a replay ahead of it needs: client/captured_calls.py)
+                captured_calls.settle(self, cuda_ipc.stream_handle(None, x, s.device_ordinal),
+                                      req.timeout_seconds, dispatching=True)
             self._settle_unanswered(wait=True)
             self.settle_dispatches()
             expected = int(self._counter[counter_page.SEQ]) + 1
