@@ -35,17 +35,16 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 from google.protobuf.message import Message
 
-from ..proto import abi, counter_page, cuda_driver, dtypes, host_order, spin
+from ..proto import abi, counter_page, cuda_driver, host_order, spin
 from ..proto.errors import DeadlineExceeded, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
-from . import call_outputs, cuda_ipc, host_cpu
+from . import cuda_ipc, host_cpu, stream_calls
 from .stream_ops import StreamOp
 from .tensors import Array
 
 if TYPE_CHECKING:
     from .group import Group, Handle
 
-_F32 = np.dtype(np.float32)
 _DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
                   "recv_src_idx")
 
@@ -107,7 +106,7 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, template: Array, copy: 
 def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
             bias_1: Array, timeout: float, num_sms: int) -> tuple[Array, Array | None]:
     """The combine of a captured dispatch's handle, itself under capture."""
-    s, spec = group._session, group.spec
+    s = group._session
     if handle.op is None:
         raise FailedPrecondition(
             f"group {group.name!r}: a combine in a CUDA graph brings back a dispatch captured "
@@ -117,17 +116,9 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
             f"group {group.name!r}: the handle of a dispatch captured in a CUDA graph is "
             f"combined in a graph (each replay refills it); it has no data outside one")
     stream = cuda_ipc.stream_handle(None, x, s.device_ordinal)
-    t = handle.num_tokens
-    parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
-    if topk_weights is not None:
-        parts.append(((t, spec.num_topk), _F32))
-    out, *rest = call_outputs.empty(parts, s.device_ordinal, call_outputs.uses_torch(x))
-    out_w = rest[0] if rest else None
-    d = s._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
-                  "out": out, "out_topk_weights": out_w}, event=False)
-    req = epd_pb2.CombineRequest(session_id=s.session_id, group_id=group.group_id,
-                                 timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms,
-                                 **d)
+    # (its handle, 0, is the engine's: the op brings back its dispatch op's latest trigger)
+    req, out, out_w = stream_calls.combine_request(group, x, handle, topk_weights, bias_0,
+                                                   bias_1, timeout, num_sms)
     op = _arm(group, "combine", x, timeout, [out], combine=req, dispatch_op=handle.op.op_id)
     op.launch(stream)
     return out, out_w

@@ -336,15 +336,11 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     return resp, n, per_expert, rows, outs, None
 
 
-def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
-            bias_1: Array, timeout: float, rpc_timeout: float,
-            num_sms: int) -> tuple[Array, Array | None]:
+def combine_request(group: Group, x: Array, handle: Handle, topk_weights: Array,
+                    bias_0: Array, bias_1: Array, timeout: float,
+                    num_sms: int) -> tuple[epd_pb2.CombineRequest, Array, Array | None]:
+    """A stream-ordered combine's request, naming its new outputs (out, out_topk_weights)."""
     s, spec = group._session, group.spec
-    if handle.op is not None or s.memory.is_capturing(x):
-        return captured_calls.combine(group, x, handle, topk_weights, bias_0, bias_1, timeout,
-                                      num_sms)
-    stream = _eager_stream(group, x, timeout, dispatching=False)
-    slot = _slot(group)
     t = handle.num_tokens
     parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
     if topk_weights is not None:
@@ -356,6 +352,20 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
     req = epd_pb2.CombineRequest(
         session_id=s.session_id, group_id=group.group_id, handle=handle.handle_id,
         timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d)
+    return req, out, out_w
+
+
+def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
+            bias_1: Array, timeout: float, rpc_timeout: float,
+            num_sms: int) -> tuple[Array, Array | None]:
+    s = group._session
+    if handle.op is not None or s.memory.is_capturing(x):
+        return captured_calls.combine(group, x, handle, topk_weights, bias_0, bias_1, timeout,
+                                      num_sms)
+    stream = _eager_stream(group, x, timeout, dispatching=False)
+    slot = _slot(group)
+    req, out, out_w = combine_request(group, x, handle, topk_weights, bias_0, bias_1, timeout,
+                                      num_sms)
     resp = cast(epd_pb2.CombineResponse, s._call("Combine", req, rpc_timeout))
     slot.begin(stream, resp.stream_seq)
     slot.end(stream, resp.stream_seq)
