@@ -316,8 +316,8 @@ class StreamOps:
             session.free_slots.insert(0, slot)
             raise
         words = page.view(np.int32)
-        if request is not None:  # (not a failure an earlier op of the slot left)
-            words.view(np.int64)[abi.CAPTURED_FAIL_STATUS] = 0
+        if request is not None:  # (not a failure an earlier op of the slot left: the
+            words[abi.STREAM_FAIL_DONE] = 0  # client's check() raises what it finds there)
         words[DONE] = DONE_OK
         op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
                       request=request,
