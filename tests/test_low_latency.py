@@ -1422,3 +1422,99 @@ def test_chain_top_ups_count_as_engine_work(monkeypatch) -> None:
     assert {labels for m, labels, _ in seen if m is metrics.REQUEST_CPU_SECONDS} == {
         (S.TOP_UP_METHOD, "chain")}
     assert (member.dispatches, member.combines) == (1, 1)
+
+
+class _Slot(np.ndarray):
+    device_ptr: int = 0
+
+
+def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypatch) -> None:
+    """A worst-case dispatch and its combine captured in a CUDA graph (engine/captured_calls.py)
+    arm on the member's poller ring even where a chain is wanted (its slot's sticky failure
+    cleared, the ring slot's failure record cleared and noted on the member); each trigger runs
+    the stored request as an eager call: the previous trigger's handle released by it, the
+    member's READY written by the host, the launch run, the op's done word signalled after
+    it, the dispatch's sequence and num_worst_tokens noted; a combine brings back its dispatch
+    op's latest handle; a refused trigger fails the done word and its sticky copy, launching
+    nothing; a trigger that would wait for a count is not run; disarming frees the last
+    handle, and the ring's last op takes the member's failure record with it."""
+    from epd.proto import abi
+    from epd.server.engine import captured_calls as C
+    from epd.server.engine.state import HandleInfo
+
+    ops, session, member, mem, _ = _stand_in_arming(monkeypatch, chain="on", on_mps=True)
+    mem[:, :] = 0xABCD
+
+    def slot(i: int) -> np.ndarray:  # (the engine's CounterSlot: int64 words, device pointer)
+        words = mem[i].view(np.int64).view(_Slot)
+        words.device_ptr = 0x10000 + 4096 * i
+        return words
+    session.counter_page = types.SimpleNamespace(slot=slot)
+    mem[0] = 0
+    member.counter_slot, member.pending, member.handles, member.failure_words = 0, None, {}, None
+    signalled: list = []
+    member.comm.signal_after = lambda ptr, value: signalled.append((ptr, value))
+    after: list = []
+    ran: list = []
+    session.executor = types.SimpleNamespace(
+        take_after=lambda: [after.pop() for _ in list(after)][::-1])
+    released: list = []
+    handles = itertools.count(41)
+
+    def dispatch_op(s, req, path):
+        after.append(lambda: ran.append(("dispatch", list(req.release_handles))))
+        h = next(handles)
+        member.handles[h] = HandleInfo(None, 8, -1, 32)
+        return epd_pb2.DispatchResponse(handle=h, stream_seq=7, counter_sequence=3)
+
+    def combine_op(s, req, path):
+        after.append(lambda: ran.append(("combine", req.handle)))
+        return epd_pb2.CombineResponse(stream_seq=8)
+    engine = ops.engine
+    engine.dispatch_op, engine.combine_op = dispatch_op, combine_op
+    engine._release = lambda m, ids: released.extend(ids)
+    monkeypatch.setattr(C, "arm_dispatch", lambda e, s, req: (
+        member, types.SimpleNamespace(num_worst_tokens=32), epd_pb2.DispatchResponse()))
+    monkeypatch.setattr(C, "arm_combine", lambda e, s, req, src: member)
+    try:
+        d = ops.arm(session, epd_pb2.ArmStreamOpRequest(
+            session_id="s", group_id="g", ring_trigger=True,
+            dispatch=epd_pb2.DispatchRequest(num_worst_tokens=32)))
+        c = ops.arm(session, epd_pb2.ArmStreamOpRequest(
+            session_id="s", group_id="g", ring_trigger=True, dispatch_op=d.op_id,
+            combine=epd_pb2.CombineRequest()))
+        assert d.ordered and not d.chained and not c.chained  # (the poller's ring)
+        ring = mem[d.chain_slot].view(np.int64)
+        assert not ring[abi.RING_FAIL_STATUS:abi.RING_FIRED_WORST + 1].any()
+        assert member.failure_words is not None
+        assert mem[d.counter_slot].view(np.int32)[abi.STREAM_FAIL_DONE] == 0
+        dop, cop = ops.ops[d.op_id], ops.ops[c.op_id]
+        for _ in range(2):  # two replays: the second frees the first's handle
+            ops._fire(dop, 0)
+            ops._fire(cop, 0)
+        assert ran == [("dispatch", []), ("combine", 41), ("dispatch", [41]), ("combine", 42)]
+        slot32 = mem[0].view(np.int32)
+        assert slot32[abi.SLOT32_READY + 7 % abi.READY_RING] == 7  # (the trigger's READY)
+        assert slot32[abi.SLOT32_READY + 8 % abi.READY_RING] == 8
+        assert len(signalled) == 4 and all(v == abi.DONE_OK for _, v in signalled)
+        assert (ring[abi.RING_FIRED_SEQ], ring[abi.RING_FIRED_WORST]) == (3, 32)
+        # A trigger that would wait for its member's latest count is not ready.
+        member.pending = HandleInfo(None, 8, -1, 32, sequence=4)
+        assert not C.ready(dop)
+        member.pending = None
+        # A refused trigger: nothing launched, the done word and its sticky copy failed.
+        def refused(s, req, path):
+            after.append(lambda: ran.append("must not run"))
+            raise RuntimeError("refused")
+        engine.dispatch_op = refused
+        ops._fire(dop, 0)
+        words = mem[d.counter_slot].view(np.int32)
+        assert words[abi.STREAM_DONE] & 0xFF == abi.DONE_FAILED
+        assert words[abi.STREAM_FAIL_DONE] == words[abi.STREAM_DONE] and not after
+        assert released == [42] and dop.handle == 0  # (a combine must not read it)
+        assert "must not run" not in ran
+        ops.disarm(session, c.op_id)
+        ops.disarm(session, d.op_id)
+        assert member.failure_words is None and not ops.rings
+    finally:
+        ops.stop()
