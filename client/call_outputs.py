@@ -17,13 +17,18 @@ import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..proto import dtypes
+from ..proto.v1 import epd_pb2
 from . import cuda_ipc
 from .frameworks import torch_if_loaded as _torch
+from .tensors import Array
+
+if TYPE_CHECKING:
+    from .group import Group, Handle
 
 ALIGN = 256  # bytes between parts (and the allocation's own alignment): a kernel's vectors
 MAX_PARTS = 8  # a dispatch copies at most six: recv_x, scales, topk idx / weights, src, prefix
@@ -160,3 +165,22 @@ def copy(pairs: Sequence[tuple[int, Any, int]], stream: int, device: int) -> Non
 def uses_torch(template: Any) -> bool:
     t = _torch()
     return t is not None and isinstance(template, t.Tensor)
+
+
+def combine_request(group: Group, x: Array, handle: Handle, topk_weights: Array,
+                    bias_0: Array, bias_1: Array, timeout: float,
+                    num_sms: int) -> tuple[epd_pb2.CombineRequest, Array, Array | None]:
+    """A stream-ordered combine's request, naming its new outputs (out, out_topk_weights)."""
+    s, spec = group._session, group.spec
+    t = handle.num_tokens
+    parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
+    if topk_weights is not None:
+        parts.append(((t, spec.num_topk), np.dtype(np.float32)))
+    out, *rest = empty(parts, s.device_ordinal, uses_torch(x))
+    out_w = rest[0] if rest else None
+    d = s._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
+                  "out": out, "out_topk_weights": out_w}, event=False)
+    req = epd_pb2.CombineRequest(
+        session_id=s.session_id, group_id=group.group_id, handle=handle.handle_id,
+        timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d)
+    return req, out, out_w

@@ -38,7 +38,7 @@ from google.protobuf.message import Message
 from ..proto import abi, counter_page, cuda_driver, host_order, spin
 from ..proto.errors import DeadlineExceeded, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
-from . import cuda_ipc, host_cpu, stream_calls
+from . import call_outputs, cuda_ipc, host_cpu
 from .stream_ops import StreamOp
 from .tensors import Array
 
@@ -117,7 +117,7 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
             f"combined in a graph (each replay refills it); it has no data outside one")
     stream = cuda_ipc.stream_handle(None, x, s.device_ordinal)
     # (its handle, 0, is the engine's: the op brings back its dispatch op's latest trigger)
-    req, out, out_w = stream_calls.combine_request(group, x, handle, topk_weights, bias_0,
+    req, out, out_w = call_outputs.combine_request(group, x, handle, topk_weights, bias_0,
                                                    bias_1, timeout, num_sms)
     op = _arm(group, "combine", x, timeout, [out], combine=req, dispatch_op=handle.op.op_id)
     op.launch(stream)

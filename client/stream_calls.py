@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver, dtypes, spin
+from ..proto import abi, counter_page, cuda_driver, spin
 from ..proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
 from . import call_outputs, captured_calls, cuda_ipc, host_cpu
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("epd.client")
 RING = abi.READY_RING
-_I32, _F32, _BOOL = np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_)
+_I32, _BOOL = np.dtype(np.int32), np.dtype(np.bool_)
 # A dispatch's outputs with one row per received token (rank_prefix_matrix is whole).
 _DISPATCH_ROWS = ("recv_x", "recv_x_scales", "recv_topk_idx", "recv_topk_weights",
                   "recv_src_idx")
@@ -336,25 +336,6 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     return resp, n, per_expert, rows, outs, None
 
 
-def combine_request(group: Group, x: Array, handle: Handle, topk_weights: Array,
-                    bias_0: Array, bias_1: Array, timeout: float,
-                    num_sms: int) -> tuple[epd_pb2.CombineRequest, Array, Array | None]:
-    """A stream-ordered combine's request, naming its new outputs (out, out_topk_weights)."""
-    s, spec = group._session, group.spec
-    t = handle.num_tokens
-    parts = [((t, spec.hidden), dtypes.to_numpy(spec.x_dtype))]
-    if topk_weights is not None:
-        parts.append(((t, spec.num_topk), _F32))
-    out, *rest = call_outputs.empty(parts, s.device_ordinal, call_outputs.uses_torch(x))
-    out_w = rest[0] if rest else None
-    d = s._descs({"x": x, "topk_weights": topk_weights, "bias_0": bias_0, "bias_1": bias_1,
-                  "out": out, "out_topk_weights": out_w}, event=False)
-    req = epd_pb2.CombineRequest(
-        session_id=s.session_id, group_id=group.group_id, handle=handle.handle_id,
-        timeout_seconds=timeout, stream_ordered=True, num_sms=num_sms, **d)
-    return req, out, out_w
-
-
 def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
             bias_1: Array, timeout: float, rpc_timeout: float,
             num_sms: int) -> tuple[Array, Array | None]:
@@ -364,8 +345,8 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
                                       num_sms)
     stream = _eager_stream(group, x, timeout, dispatching=False)
     slot = _slot(group)
-    req, out, out_w = combine_request(group, x, handle, topk_weights, bias_0, bias_1, timeout,
-                                      num_sms)
+    req, out, out_w = call_outputs.combine_request(group, x, handle, topk_weights, bias_0,
+                                                   bias_1, timeout, num_sms)
     resp = cast(epd_pb2.CombineResponse, s._call("Combine", req, rpc_timeout))
     slot.begin(stream, resp.stream_seq)
     slot.end(stream, resp.stream_seq)
