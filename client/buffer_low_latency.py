@@ -442,7 +442,7 @@ class LowLatencyMixin:
         self._stream_ops.take_verdicts()
         self._stream_ops.check(wait=True)
         self._stream_ops.check_all()
-        for g in self._groups.values():
+        for g in [*self._groups.values(), *self._retired]:  # (a retired group's replays too)
             g.check()
 
     def _trigger(self, op: StreamOp, x: Array, return_recv_hook: bool, async_finish: bool,

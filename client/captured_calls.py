@@ -64,7 +64,9 @@ def _arm(group: Group, kind: str, template: Array, timeout: float,
     key = (kind, *sorted((name, v.SerializeToString(deterministic=True)
                           if isinstance(v, Message) else v) for name, v in op.items()))
     known = group._captured_by_key.get(key)
-    if known is not None and known.armed:
+    # (a dispatch op brings its latest trigger's handle to its combine: one used again before
+    # its combine was captured would give that combine the later dispatch's routing)
+    if known is not None and known.armed and not getattr(known, "awaiting_combine", False):
         return known
     s = group._session
     page = s.memory.counter_page_device_ptr()
@@ -82,15 +84,12 @@ def _arm(group: Group, kind: str, template: Array, timeout: float,
 def dispatch(group: Group, req: epd_pb2.DispatchRequest, template: Array, copy: bool,
              num_sms: int) -> tuple[epd_pb2.DispatchResponse, dict[str, Any], StreamOp]:
     """A dispatch made while the caller's stream captures a CUDA graph: (its fixed output
-    descriptors, its outputs by response field name, the armed op its handle names)."""
-    if not req.num_worst_tokens or req.cached_handle:
-        raise FailedPrecondition(
-            f"group {group.name!r}: a normal-mode dispatch in a CUDA graph needs "
-            f"num_worst_tokens (DeepEP's capturable dispatch: fixed output rows, no receive "
-            f"count on the host) and is not a cached one; call it outside the graph otherwise")
+    descriptors, its outputs by response field name, the armed op its handle names); `req` is
+    a worst-case dispatch, not a cached one (the caller checked: `capturable`)."""
     stream = cuda_ipc.stream_handle(None, template, group._session.device_ordinal)
     req.stream_ordered, req.num_sms = True, num_sms
     op = _arm(group, "dispatch", template, req.timeout_seconds, [None], dispatch=req)
+    op.awaiting_combine = True
     op.launch(stream)
     resp = op.response.dispatch
     names = [name for name in _DISPATCH_ROWS if getattr(resp, name).region_id]
@@ -101,6 +100,15 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, template: Array, copy: 
     outs: dict[str, Any] = dict.fromkeys(_DISPATCH_ROWS)
     outs.update(zip(names, group._outputs.rows(parts, copy, template, stream), strict=True))
     return resp, outs, op
+
+
+def capturable(group: Group, req: epd_pb2.DispatchRequest) -> None:
+    """Refuse a dispatch under capture that a graph cannot replay."""
+    if not req.num_worst_tokens or req.cached_handle:
+        raise FailedPrecondition(
+            f"group {group.name!r}: a normal-mode dispatch in a CUDA graph needs "
+            f"num_worst_tokens (DeepEP's capturable dispatch: fixed output rows, no receive "
+            f"count on the host) and is not a cached one; call it outside the graph otherwise")
 
 
 def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0: Array,
@@ -120,6 +128,7 @@ def combine(group: Group, x: Array, handle: Handle, topk_weights: Array, bias_0:
     req, out, out_w = call_outputs.combine_request(group, x, handle, topk_weights, bias_0,
                                                    bias_1, timeout, num_sms)
     op = _arm(group, "combine", x, timeout, [out], combine=req, dispatch_op=handle.op.op_id)
+    handle.op.awaiting_combine = False
     op.launch(stream)
     return out, out_w
 

@@ -316,6 +316,15 @@ def stream_handle(stream: Any, template: Any, device: int) -> int:
     return int(_cupy().cuda.get_current_stream().ptr)
 
 
+def current_stream(device: int) -> int:
+    """The current stream of the loaded array library (torch's where torch is loaded, the
+    frameworks' case; else CuPy's), for a call that has no array to tell."""
+    t = _torch()
+    if t is not None:
+        return int(t.cuda.current_stream(device).cuda_stream)
+    return int(_cupy().cuda.get_current_stream().ptr)
+
+
 def synchronize(template: Any, device: int) -> None:
     """Wait for the caller's current stream (the template's array type's), where stream-ordered
     calls run: what a caller timing them does before reading the clock."""

@@ -490,6 +490,8 @@ class Group:
             self._settle_unanswered(wait=True)
             self.settle_dispatches()
             expected = int(self._counter[counter_page.SEQ]) + 1
+            # (its failure is its own to raise, from its counts: not captured_calls.check's)
+            self._captured_seen = max(self._captured_seen, expected)
             released = self._take_released()  # (a code that only dispatch_asyncs frees too)
             req.release_handles.extend(released)
             try:
@@ -736,8 +738,10 @@ class Group:
         expert id here only (this rank's alone: stream_calls.py)."""
         if self._ordered:
             stream_calls._slot(self, explicit=True)
-            if self._captured:
-                captured_calls.check(self)
+            if self._captured:  # (after the caller's stream and the replays in it have run:
+                # every rank then finds the same failures, whatever its GPU's pace)
+                captured_calls.settle(self, cuda_ipc.current_stream(self._session.device_ordinal),
+                                      self._timeout(None), dispatching=True)
 
     def settle_dispatches(self) -> None:
         """What a dispatch does first: wait (within its deadline) for the receive count of an

@@ -289,6 +289,10 @@ def dispatch(group: Group, req: epd_pb2.DispatchRequest, rpc_timeout: float, tem
     if s.memory.is_capturing(template):
         if req.cached_handle:
             raise _not_capturable(group, "cached dispatch")
+        captured_calls.capturable(group, req)
+        # (an earlier worst-case dispatch's failure first, as at any dispatch: a replay would
+        # replace its count in the slot; a host wait for the count, no CUDA call)
+        _slot(group, dispatching=True)
         resp, outs, op = captured_calls.dispatch(group, req, template, copy, num_sms)
         return resp, -1, [], req.num_worst_tokens, outs, op
     stream = _eager_stream(group, template, max(req.timeout_seconds, 1.0), dispatching=True)

@@ -205,8 +205,8 @@ LL_CHAIN_OPS = 64  # armed ops per member; an entry naming an index beyond runs 
 # raises each sequence once.
 RING_FAIL_STATUS, RING_FAIL_RANK, RING_FAIL_VALUE, RING_FAIL_WORST = 40, 41, 42, 43
 RING_FAIL_SEQ = 44
-# ... and the latest captured dispatch the poller ran: its counter sequence and num_worst_tokens
-# (what the client names when it finds that dispatch failed in the counter slot).
+# ... and the member's latest worst-case dispatch (replayed or eager): its counter sequence and
+# num_worst_tokens (what the client names when it finds that dispatch failed in the counter slot).
 RING_FIRED_SEQ, RING_FIRED_WORST = 45, 46
 LL_ENTRY_RELEASED = 0xFF  # the entry the engine writes to drain pending instances
 LLX_WORDS = 64  # u64 words of a descriptor (device memory)

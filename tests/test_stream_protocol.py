@@ -362,7 +362,7 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
     requeued: list[int] = []
     group = types.SimpleNamespace(
         _session=session, name="g", rank=0, _counter=_slot(), _counter_slot=0,
-        _stream_slot=None, _captured=[], _captured_seen=0,
+        _stream_slot=None, _captured=[], _captured_seen=0, _timeout=lambda t: 5.0,
         _local_layout=None, capacity_owed=0, _take_released=lambda: [],
         _requeue=requeued.extend, _ordered=True,
         spec=types.SimpleNamespace(name="g", num_experts=8, num_topk=4, max_tokens_per_rank=16),
@@ -859,14 +859,13 @@ def test_a_replayed_dispatchs_failure_is_raised_once(monkeypatch) -> None:
     op's done word; the failure of an eager dispatch, raised by that call's own path, is not
     raised again, and one that a replay's count replaced in the counter slot is raised from
     the engine's record."""
-    from epd.client import captured_calls
+    from epd.client import captured_calls, cuda_ipc
     from epd.proto.errors import TokenCapacityExceeded
     from epd.server.engine import captured_calls as engine_side
 
     group, _, sent, _ = _fake_group(monkeypatch, [_answer(1, 5), _answer(2, 7)])
     op = _captured_op(group)
     captured_calls.check(group)  # nothing failed
-    ring = op._ring_words.view(np.int64)
     # Replay #1 (num_worst_tokens 24) received more rows than that on rank 1; the engine
     # resolved it at replay #2, which went well and is the counter slot's latest.
     slot = np.zeros_like(group._counter)
@@ -881,7 +880,7 @@ def test_a_replayed_dispatchs_failure_is_raised_once(monkeypatch) -> None:
     captured_calls.check(group)  # once
     # Replay #3 (num_worst_tokens 40, noted when it ran) overflowed: seen in the counter slot
     # first, then in the engine's record once it resolves it: raised once.
-    ring[abi.RING_FIRED_SEQ], ring[abi.RING_FIRED_WORST] = 3, 40
+    engine_side.note_worst_case(op._ring_words, 3, 40)
     counter_page.publish(group._counter, 3, 41, [], status=abi.ERR_WORST_OVERFLOW)
     group._counter[abi.SLOT_ERR_RANK] = 0
     with pytest.raises(InvalidArgument, match="rank 0 receives 41 tokens, more than "
@@ -894,14 +893,21 @@ def test_a_replayed_dispatchs_failure_is_raised_once(monkeypatch) -> None:
     with pytest.raises(TokenCapacityExceeded) as e:
         captured_calls.check(group)
     assert e.value.earlier and group.capacity_owed == 70
-    # A trigger the engine refused: raised from its op's done word, once.
+    # A trigger the engine refused: raised from its op's done word, once, by Group.check(),
+    # which first waits for the caller's stream and the ring (every rank then sees the same).
+    monkeypatch.setattr(captured_calls.cuda_driver, "stream_idle", lambda stream: True)
+    monkeypatch.setattr(cuda_ipc, "current_stream", lambda device: 0)
     op.verdicts.append(EpdError(grpc.StatusCode.ABORTED, "stream op 3 (dispatch) failed"))
+    ring32 = op._ring_words
+    ring32[abi.LL_RING_TAIL] = 1  # (a replay's trigger the poller has not read yet)
+    threading.Timer(0.05, lambda: ring32.__setitem__(abi.LL_RING_HEAD, 1)).start()
+    t0 = time.monotonic()
     with pytest.raises(EpdError, match="stream op 3"):
-        captured_calls.check(group)
-    captured_calls.check(group)
+        group.check()
+    assert time.monotonic() - t0 >= 0.04
+    group.check()
     # An eager dispatch that waits for its count (sequence 5) raises its own failure; the
     # replays' check does not raise it again.
-    monkeypatch.setattr(captured_calls.cuda_driver, "stream_idle", lambda stream: True)
     call = group._session._call
 
     def engine(*a):  # (its notify fails it for capacity)

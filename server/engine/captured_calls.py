@@ -60,6 +60,11 @@ def arm_dispatch(e: Engine, session: Session, req: epd_pb2.DispatchRequest
     its fixed output views; takes no sequence."""
     member = e.member(session, req.group_id)
     e._check_ordered(member)
+    if not member.comm.combine_skips_failed_dispatch:
+        raise FailedPrecondition(
+            f"group {member.spec.name!r}: its combine does not skip a dispatch that failed on "
+            f"every rank (a two-stage group), which a replayed pair needs: capture is not "
+            f"built for it; call dispatch and combine outside the graph")
     if req.num_worst_tokens <= 0 or req.cached_handle:
         raise FailedPrecondition(
             f"group {member.spec.name!r}: only a worst-case dispatch (num_worst_tokens > 0, "
@@ -148,9 +153,6 @@ def fire(e: Engine, op: StreamOp) -> None:
                     e._release(member, [prev])
                 raise
             op.handle, seq = resp.handle, resp.stream_seq
-            fired = member.failure_words.view(np.int64)
-            fired[abi.RING_FIRED_WORST] = req.num_worst_tokens
-            fired[abi.RING_FIRED_SEQ] = resp.counter_sequence
         else:
             src = op.dispatch_op
             assert src is not None
@@ -169,6 +171,16 @@ def fire(e: Engine, op: StreamOp) -> None:
         later()
     member.comm.signal_after(int(session.counter_page.slot(op.slot).device_ptr)
                              + 4 * abi.STREAM_DONE, abi.DONE_OK)
+
+
+def note_worst_case(words: np.ndarray, sequence: int, num_worst: int) -> None:
+    """A worst-case dispatch of a member holding captured calls, replayed or eager, taken now:
+    its counter sequence and num_worst_tokens into its ring slot, which the client reads when
+    it finds that dispatch failed in the counter slot (to name its num_worst_tokens)."""
+    w64 = words.view(np.int64)
+    w64[abi.RING_FIRED_WORST] = num_worst
+    host_order.publish()
+    w64[abi.RING_FIRED_SEQ] = sequence
 
 
 def record_failure(words: np.ndarray, slot: np.ndarray, num_worst: int) -> None:

@@ -254,6 +254,8 @@ class StreamCalls:
         # that is no refusal but a broken launch, which aborts the group (cuda.py `_launches`),
         # so no live call of the group reuses a published number.)
         member.dispatch_sequence, member.stream_seq = sequence, seq
+        if member.failure_words is not None and args.num_worst_tokens:
+            captured_calls.note_worst_case(member.failure_words, sequence, args.num_worst_tokens)
         self._launch_after_answer(session, member, slot, seq, "dispatch",
                                   metrics.DISPATCH_SECONDS, path, launch,
                                   dispatch_sequence=sequence if out.num_recv_tokens < 0 else 0)

@@ -45,7 +45,7 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
     from epd.client import EpdError, Session
     from epd.client.buffer import Buffer
     torch.cuda.set_device(device)
-    res: dict = {"rank": rank, "a": [], "b": [], "eager": [], "facade": []}
+    res: dict = {"rank": rank, "a": [], "a2": [], "b": [], "eager": [], "facade": []}
 
     def outcome(call) -> str:
         try:
@@ -84,6 +84,15 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             out_b = g.dispatch(*sb, num_worst_tokens=WORST)
             cx_b, cw_b = g.combine(out_b.recv_x, out_b.handle,
                                    topk_weights=out_b.recv_topk_weights)
+        # The same calls captured again (a model's layers often see the same tensors): the
+        # dispatch's op is reused, the combine's is new (its input is the new graph's rows).
+        ops_before = len(g._captured)
+        graph_a2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_a2):
+            out_a2 = g.dispatch(*sa, num_worst_tokens=WORST)
+            cx_a2, cw_a2 = g.combine(out_a2.recv_x, out_a2.handle,
+                                     topk_weights=out_a2.recv_topk_weights)
+        res["reused"] = (out_a2.handle.op is out_a.handle.op, len(g._captured) - ops_before)
         res["captured_counts"] = (out_a.num_recv_tokens, list(out_a.num_recv_tokens_per_expert))
         for i in range(REPLAYS):
             load(sa, _workload(100 + i, TOKENS_A))
@@ -99,8 +108,10 @@ def _rank(rank: int, socket: str, device: int, q) -> None:
             graph_a.replay()
             graph_b.replay()
             graph_a.replay()  # (again: the same inputs, the same outputs)
+            graph_a2.replay()
             torch.cuda.synchronize()
             res["a"].append(record(out_a, cx_a, cw_a))
+            res["a2"].append(record(out_a2, cx_a2, cw_a2))
             res["b"].append(record(out_b, cx_b, cw_b))
             # An eager dispatch + combine right behind the replays, without synchronising: it
             # is numbered after them on every rank.
@@ -232,8 +243,10 @@ def test_captured_worst_case_dispatch_and_combine(daemon) -> None:
     results = _spawn_ranks(daemon, _rank, 2)
     for r, res in enumerate(results):
         assert res["captured_counts"] == (-1, []), r
+        assert res["reused"] == (True, 1), (r, res["reused"])  # (one new op: the combine)
         for i in range(REPLAYS):
             _check_layer(res["a"][i], _workload(100 + i, TOKENS_A), r, f"a {i} rank {r}")
+            _check_layer(res["a2"][i], _workload(100 + i, TOKENS_A), r, f"a2 {i} rank {r}")
             _check_layer(res["b"][i], _workload(200 + i, TOKENS_B), r, f"b {i} rank {r}")
             _check_layer(res["eager"][i], _workload(400 + i, TOKENS_A), r, f"eager {i} rank {r}")
         assert res["check"] == "OK", (r, res["check"])
