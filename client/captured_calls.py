@@ -66,7 +66,7 @@ def _arm(group: Group, kind: str, template: Array, timeout: float,
     known = group._captured_by_key.get(key)
     # (a dispatch op brings its latest trigger's handle to its combine: one used again before
     # its combine was captured would give that combine the later dispatch's routing)
-    if known is not None and known.armed and not getattr(known, "awaiting_combine", False):
+    if known is not None and known.armed and not known.awaiting_combine:
         return known
     s = group._session
     page = s.memory.counter_page_device_ptr()

@@ -77,7 +77,10 @@ class StreamOp:
             self._ring_words = counter_page.slot_words(s._counter_file.mm,
                                                        ring_slot).view(np.uint32)
         self.armed = True
-        self.response: epd_pb2.ArmStreamOpResponse | None = None  # (captured_calls.py keeps it)
+        # (client/captured_calls.py: the arm's answer, and a captured dispatch whose combine
+        # has not been captured since its last use)
+        self.response: epd_pb2.ArmStreamOpResponse | None = None
+        self.awaiting_combine = False
         # What a caller computes once per op (the facade's copy-out plans, by receive buffer
         # and format: client/received_rows.CopyPlan); it lives and goes with the op.
         self.plans: dict[Any, Any] = {}
