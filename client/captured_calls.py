@@ -12,8 +12,10 @@ the same order; a captured dispatch's handle is combined in the graph (or a late
 eagerly; an eager dispatch or combine of a group holding captured ops synchronises the caller's
 stream first (`settle`), so that the replays it follows have run and every rank numbers the
 eager call after them (the engine numbers a replayed call when the GPU reaches its trigger, an
-eager one when its request arrives); so does a layout through the daemon (EPD_LOCAL_LAYOUT=0:
-its engine stream waits for a READY that a replay behind it would never let come). The ops
+eager one when its request arrives); so do a layout through the daemon (EPD_LOCAL_LAYOUT=0:
+its engine stream waits for a READY that a replay behind it would never let come),
+`dispatch_async` (the engine's worker waits for its ready event holding the lock a replay
+needs) and `Group.check()` (every rank then finds the same failures). The ops
 live as long as the group; a call captured again with the same tensors reuses its op. Each op
 holds one of the session's 64 counter slots and one of its group's 64 ring entries
 (--max-stream-ops-per-session bounds them too): past those, RESOURCE_EXHAUSTED at capture.
