@@ -308,20 +308,23 @@ def stream_handle(stream: Any, template: Any, device: int) -> int:
                 return int(getattr(stream, attr))
         return int(stream)
     t = _torch()
-    if t is not None and isinstance(template, t.Tensor):
-        raw = getattr(t._C, "_cuda_getCurrentRawStream", None)  # (no Stream object made)
-        if raw is not None:
-            return int(raw(device))
-        return int(t.cuda.current_stream(device).cuda_stream)
-    return int(_cupy().cuda.get_current_stream().ptr)
+    return _current_stream(t if t is not None and isinstance(template, t.Tensor) else None,
+                           device)
 
 
 def current_stream(device: int) -> int:
     """The current stream of the loaded array library (torch's where torch is loaded, the
     frameworks' case; else CuPy's), for a call that has no array to tell."""
-    t = _torch()
-    if t is not None:
-        return int(t.cuda.current_stream(device).cuda_stream)
+    return _current_stream(_torch(), device)
+
+
+def _current_stream(torch: Any, device: int) -> int:
+    """torch's current stream (`torch` the module), or CuPy's (`torch` None)."""
+    if torch is not None:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (no Stream object made)
+        if raw is not None:
+            return int(raw(device))
+        return int(torch.cuda.current_stream(device).cuda_stream)
     return int(_cupy().cuda.get_current_stream().ptr)
 
 

@@ -1473,8 +1473,8 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
     engine = ops.engine
     engine.dispatch_op, engine.combine_op = dispatch_op, combine_op
     engine._release = lambda m, ids: released.extend(ids)
-    monkeypatch.setattr(C, "arm_dispatch", lambda e, s, req: (
-        member, types.SimpleNamespace(num_worst_tokens=32), epd_pb2.DispatchResponse()))
+    monkeypatch.setattr(C, "arm_dispatch",
+                        lambda e, s, req: (member, epd_pb2.DispatchResponse()))
     monkeypatch.setattr(C, "arm_combine", lambda e, s, req, src: member)
     try:
         d = ops.arm(session, epd_pb2.ArmStreamOpRequest(

@@ -41,7 +41,6 @@ import numpy as np
 from ...proto import abi, counter_page, host_order
 from ...proto.errors import FailedPrecondition, InvalidArgument, NotFound
 from ...proto.v1 import epd_pb2
-from ..backends.base import DispatchArgs
 from . import tensors
 from .ops import dispatch_response
 from .state import GroupMember, Session
@@ -55,7 +54,7 @@ PATH = "graph"  # the calls' path label in the latency histograms
 
 
 def arm_dispatch(e: Engine, session: Session, req: epd_pb2.DispatchRequest
-                 ) -> tuple[GroupMember, DispatchArgs, epd_pb2.DispatchResponse]:
+                 ) -> tuple[GroupMember, epd_pb2.DispatchResponse]:
     """Check a dispatch to arm (as a call's checks: nothing changes on bad input) and answer
     its fixed output views; takes no sequence."""
     member = e.member(session, req.group_id)
@@ -78,7 +77,7 @@ def arm_dispatch(e: Engine, session: Session, req: epd_pb2.DispatchRequest
     slot = session.counter_page.slot(member.counter_slot)
     # (the views only: sequence 0 publishes nothing and the launch is dropped)
     out, _launch = member.comm.stream_dispatch(args, slot, 0, 0.0, 0, num_sms)
-    return member, args, dispatch_response(member, req, out, 0, 0, 0)
+    return member, dispatch_response(member, req, out, 0, 0, 0)
 
 
 def arm_combine(e: Engine, session: Session, req: epd_pb2.CombineRequest,
@@ -89,29 +88,14 @@ def arm_combine(e: Engine, session: Session, req: epd_pb2.CombineRequest,
     member = e.member(session, req.group_id)
     if member is not src.member:
         raise FailedPrecondition("the combine and its dispatch_op belong to different groups")
-    spec, d = member.spec, src.args
+    spec, d = member.spec, src.request
     rows, t = d.num_worst_tokens, int(d.x.shape[0])
-    regions = session.regions
-    x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=spec.x_dtype)
-    if tuple(x.shape) != (rows, spec.hidden):
-        raise InvalidArgument(f"combine x has shape {list(x.shape)}, expected [{rows}, "
-                              f"{spec.hidden}] (num_worst_tokens rows of its dispatch)")
+    e.combine_inputs(session, member, req, rows, t, "num_worst_tokens rows of its dispatch")
     if tensors.is_set(req.topk_weights):
-        w = tensors.resolve(req.topk_weights, regions, "topk_weights", ndim=2,
-                            dtype=epd_pb2.FLOAT32)
-        if tuple(w.shape) != (rows, spec.num_topk):
-            raise InvalidArgument(f"combine topk_weights has shape {list(w.shape)}, expected "
-                                  f"[{rows}, {spec.num_topk}]")
         e._stream_output(session, req.out_topk_weights, "out_topk_weights",
                          (t, spec.num_topk), epd_pb2.FLOAT32)
     elif tensors.is_set(req.out_topk_weights):
         raise InvalidArgument("out_topk_weights is only for a combine with topk_weights")
-    for name, desc in (("bias_0", req.bias_0), ("bias_1", req.bias_1)):
-        if tensors.is_set(desc):
-            b = tensors.resolve(desc, regions, name, ndim=2, dtype=spec.x_dtype)
-            if tuple(b.shape) != (t, spec.hidden):
-                raise InvalidArgument(f"{name} has shape {list(b.shape)}, expected "
-                                      f"[{t}, {spec.hidden}]")
     e._stream_output(session, req.out, "out", (t, spec.hidden), spec.x_dtype)
     e._num_sms(member, req.num_sms)
     req.stream_ordered = True

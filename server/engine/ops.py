@@ -543,6 +543,35 @@ class DataPlane:
         except EpdError:
             return None
 
+    def combine_inputs(self, session: Session, member: GroupMember,
+                       req: epd_pb2.CombineRequest, rows: int, num_tokens: int,
+                       rows_are: str) -> tuple[Array, Array | None, list[Array | None]]:
+        """A combine's inputs checked against its dispatch's `rows` received and `num_tokens`
+        sent (`rows_are` says what those rows are, for the message): x, topk_weights, and the
+        two biases."""
+        spec, regions = member.spec, session.regions
+        x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=spec.x_dtype)
+        if x.shape != (rows, spec.hidden):
+            raise InvalidArgument(f"combine x has shape {list(x.shape)}, expected "
+                                  f"[{rows}, {spec.hidden}] ({rows_are})")
+        weights = None
+        if tensors.is_set(req.topk_weights):
+            weights = self._routing(req.topk_weights, regions, "topk_weights", epd_pb2.FLOAT32)
+            if weights.shape != (rows, spec.num_topk):
+                raise InvalidArgument(f"combine topk_weights has shape {list(weights.shape)}, "
+                                      f"expected [{rows}, {spec.num_topk}]")
+        biases: list[Array | None] = []
+        for name, desc in (("bias_0", req.bias_0), ("bias_1", req.bias_1)):
+            if not tensors.is_set(desc):
+                biases.append(None)
+                continue
+            b = tensors.resolve(desc, regions, name, ndim=2, dtype=spec.x_dtype)
+            if b.shape != (num_tokens, spec.hidden):
+                raise InvalidArgument(f"{name} has shape {list(b.shape)}, expected "
+                                      f"[{num_tokens}, {spec.hidden}]")
+            biases.append(b)
+        return x, weights, biases
+
     def _combine(self, session: Session, member: GroupMember, req: epd_pb2.CombineRequest,
                  path: str) -> epd_pb2.CombineResponse:
         spec = member.spec
@@ -559,29 +588,9 @@ class DataPlane:
         self._resolve(session, member, info, wait=not skips)
         if info.failed and not skips:
             raise FailedPrecondition(f"handle {req.handle} belongs to a dispatch that failed")
-        regions = session.regions
-        combine_dtype = spec.x_dtype
-        x = tensors.resolve(req.x, regions, "x", ndim=2, dtype=combine_dtype)
-        if x.shape != (info.rows_out, spec.hidden):
-            raise InvalidArgument(f"combine x has shape {list(x.shape)}, expected "
-                                  f"[{info.rows_out}, {spec.hidden}] (rows received by the "
-                                  f"dispatch of handle {req.handle})")
-        weights = None
-        if tensors.is_set(req.topk_weights):
-            weights = self._routing(req.topk_weights, regions, "topk_weights", epd_pb2.FLOAT32)
-            if weights.shape != (info.rows_out, spec.num_topk):
-                raise InvalidArgument(f"combine topk_weights has shape {list(weights.shape)}, "
-                                      f"expected [{info.rows_out}, {spec.num_topk}]")
-        biases = []
-        for name, desc in (("bias_0", req.bias_0), ("bias_1", req.bias_1)):
-            if not tensors.is_set(desc):
-                biases.append(None)
-                continue
-            b = tensors.resolve(desc, regions, name, ndim=2, dtype=combine_dtype)
-            if b.shape != (info.num_tokens, spec.hidden):
-                raise InvalidArgument(f"{name} has shape {list(b.shape)}, expected "
-                                      f"[{info.num_tokens}, {spec.hidden}]")
-            biases.append(b)
+        x, weights, biases = self.combine_inputs(
+            session, member, req, info.rows_out, info.num_tokens,
+            f"rows received by the dispatch of handle {req.handle}")
         timeout = self._timeout(req.timeout_seconds)
         args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
         if req.stream_ordered:  # (it counts the call as queued once its outputs are checked)

@@ -246,9 +246,9 @@ class StreamOps:
         if which == "dispatch":
             request = inner = req.dispatch
             inner.group_id = inner.group_id or req.group_id
-            member, args, view = captured_calls.arm_dispatch(e, session, inner)
-            kind, src, resp = captured_calls.KIND_DISPATCH, None, epd_pb2.ArmStreamOpResponse(
-                dispatch=view)
+            member, view = captured_calls.arm_dispatch(e, session, inner)
+            kind, src, args, resp = captured_calls.KIND_DISPATCH, None, None, \
+                epd_pb2.ArmStreamOpResponse(dispatch=view)
         elif which == "combine":
             request = inner = req.combine
             inner.group_id = inner.group_id or req.group_id
