@@ -17,7 +17,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..proto import dtypes
+from ..proto import abi, dtypes
 from ..proto.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from . import cuda_ipc, received_rows
 from . import deep_ep_compat as C
@@ -43,9 +43,9 @@ def plain_op_limit() -> int:
         n = int(v) if v else DEFAULT_LIMIT
     except ValueError:
         raise InvalidArgument(f"{PLAIN_OPS_ENV}={v!r} is not a number") from None
-    if not 1 <= n <= 48:
-        raise InvalidArgument(f"{PLAIN_OPS_ENV}={n}: between 1 and 48 (a session has 64 "
-                              f"counter slots for its groups and armed calls)")
+    if not 1 <= n <= 128:
+        raise InvalidArgument(f"{PLAIN_OPS_ENV}={n}: between 1 and 128 (a group holds at most "
+                              f"{abi.LL_CHAIN_OPS} armed calls, captured ones included)")
     return n
 
 

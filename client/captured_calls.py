@@ -73,9 +73,10 @@ def _arm(group: Group, kind: str, template: Array, timeout: float,
     s = group._session
     page = s.memory.counter_page_device_ptr()
     resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
-        session_id=s.session_id, group_id=group.group_id, ring_trigger=True, **op)))
+        session_id=s.session_id, group_id=group.group_id, ring_trigger=True, op_records=True,
+        **op)))
     armed = StreamOp(group, resp.op_id, resp.counter_slot, page, kind, results, template,
-                     _ring(resp, timeout))
+                     _ring(resp, timeout), record=resp.counter_record)
     armed.response = resp
     s._stream_ops[armed.op_id] = armed
     group._captured.append(armed)

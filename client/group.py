@@ -649,7 +649,7 @@ class Group:
             use_ue8m0=use_ue8m0, timeout_seconds=self._timeout(timeout), **d)
         resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
             session_id=s.session_id, group_id=self.group_id, low_latency_dispatch=inner,
-            ring_trigger=True)))
+            ring_trigger=True, op_records=True)))
         def result(r: epd_pb2.LowLatencyDispatchResponse) -> LowLatencyDispatchResult:
             return LowLatencyDispatchResult(
                 recv_x=self._view(r.recv_x, False, x),
@@ -663,7 +663,8 @@ class Group:
         if resp.HasField("low_latency_dispatch_buffer1"):  # (an engine of one buffer: no)
             results.append(result(resp.low_latency_dispatch_buffer1))
         op = StreamOp(self, resp.op_id, resp.counter_slot, page, "dispatch", results, x,
-                      _ring(resp, self._timeout(timeout)), chained=resp.chained)
+                      _ring(resp, self._timeout(timeout)), chained=resp.chained,
+                      record=resp.counter_record)
         for r in results:
             r.handle = op
         s._stream_ops[op.op_id] = op
@@ -685,11 +686,11 @@ class Group:
             timeout_seconds=self._timeout(timeout), **d)
         resp = cast(epd_pb2.ArmStreamOpResponse, s._call("ArmStreamOp", epd_pb2.ArmStreamOpRequest(
             session_id=s.session_id, group_id=self.group_id, low_latency_combine=inner,
-            dispatch_op=dispatch_op.op_id, ring_trigger=True)))
+            dispatch_op=dispatch_op.op_id, ring_trigger=True, op_records=True)))
         result = out if out is not None else self._view(resp.combined_x, False, x)
         op = StreamOp(self, resp.op_id, resp.counter_slot, page, "combine",
                       [result] * len(dispatch_op.results), x, _ring(resp, self._timeout(timeout)),
-                      chained=resp.chained)
+                      chained=resp.chained, record=resp.counter_record)
         s._stream_ops[op.op_id] = op
         return op
 

@@ -37,7 +37,7 @@ import grpc
 import numpy as np
 
 from ..proto import abi, counter_page, cuda_driver, host_order
-from ..proto.errors import EpdError, FailedPrecondition
+from ..proto.errors import EpdError, FailedPrecondition, Internal
 from ..proto.v1 import epd_pb2
 from . import cuda_ipc, ll_trigger
 from .frameworks import torch_if_loaded
@@ -53,8 +53,11 @@ DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_REL
 class StreamOp:
     def __init__(self, group: Group, op_id: int, slot: int, page_device_ptr: int, kind: str,
                  results: list[Any], template: Array,
-                 ring: tuple[int, int, float] | None = None, chained: bool = False) -> None:
-        """`page_device_ptr`: the counter page as this process's streams address it (the
+                 ring: tuple[int, int, float] | None = None, chained: bool = False,
+                 record: int = 0) -> None:
+        """`slot`, `record`: where the engine put the op's words in the session's counter page
+        (ArmStreamOpResponse.counter_slot / counter_record; record 0 is the slot's start);
+        `page_device_ptr`: the counter page as this process's streams address it (the
         session's `memory.counter_page_device_ptr()`); `results[b]`: the outputs of a trigger
         with receive buffer b; `ring`: (ring slot, entry, deadline in seconds) when the op
         is triggered through its member's ring (client/ll_trigger.py; None: an engine that
@@ -66,8 +69,14 @@ class StreamOp:
         self._template = template
         self._device = s.device_ordinal
         assert s._counter_file is not None
-        self._words = counter_page.slot_words(s._counter_file.mm, slot).view(np.int32)
-        base = page_device_ptr + slot * counter_page.SLOT_BYTES
+        slots = s._counter_file.size // counter_page.SLOT_BYTES
+        if not (0 <= slot < slots and 0 <= record < abi.OP_RECORDS):
+            raise Internal(f"the engine put stream op {op_id} at counter slot {slot} record "
+                           f"{record}, outside the session's counter page ({slots} slots of "
+                           f"{abi.OP_RECORDS} records)")
+        self.place = (slot, record)  # (for diagnostics)
+        self._words = counter_page.record_words(s._counter_file.mm, slot, record)
+        base = page_device_ptr + counter_page.record_offset(slot, record)
         self._request, self._done = base + 4 * REQUEST, base + 4 * DONE
         self._ring: tuple[int, int, float] | None = None
         self._ring_words: np.ndarray | None = None  # (the ring slot as the host maps it)

@@ -779,7 +779,7 @@ extern "C" __global__ void epd_stream_done(const u64* __restrict__ peers, int ra
 #define LL_RING_TAIL 64        // chain slot int32 word: entries the client published
 #define LL_RING_HEAD 65        // chain slot int32 word: entries the chain finished
 #define LL_RING_LOG 128        // chain slot int32 words: the entry last finished at each position
-#define LL_CHAIN_OPS 64        // descriptors per member; an entry's index beyond: no op
+#define LL_CHAIN_OPS 255       // descriptors per member; an entry's index beyond: no op
 #define LLX_WORDS 64           // u64 words per descriptor
 #define LLX_KIND 0             // 0 free, LLX_DISPATCH, LLX_COMBINE
 #define LLX_DISPATCH 1

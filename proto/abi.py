@@ -149,13 +149,18 @@ SLOT_FAIL_VALUE = 7  # int64 word: the offending value (bad input) or the failed
 READY_RING = 32
 SLOT32_READY = SLOT_BYTES // 4 - READY_RING  # 992
 
-# -- stream-ordered ops: int32 words of the op's counter slot ----------------------------------
+# -- stream-ordered ops: int32 words of the op's record ------------------------------------------
+# An armed op's words are a record of OP_RECORD_BYTES in a counter slot (OP_RECORDS to a slot, so
+# that a session's captured calls are not bounded by its 64 slots; ArmStreamOpResponse names the
+# slot and the record). A client that does not ask for records gets record 0 of a slot of its own.
+OP_RECORD_BYTES = 64
+OP_RECORDS = SLOT_BYTES // OP_RECORD_BYTES
 # (STREAM_REQUEST: the request word of the earlier doorbell design, which the engine no longer
 # reads; the ring below replaced it. STREAM_DONE: the done word the op's last kernel writes.)
 STREAM_REQUEST, STREAM_DONE = 0, 1
 # A low-latency dispatch that a source's bad ids failed on every rank (done = DONE_FAILED | code
 # << DONE_CODE_SHIFT | (source + 1) << DONE_RANK_SHIFT | (sequence & 0x7F) << DONE_SEQ_SHIFT):
-# the id (int64 word) and its token (int32 word) in the op's slot, written before the done word.
+# the id (int64 word) and its token (int32 word) in the op's record, written before the done word.
 STREAM_FAIL_TOKEN = 2  # int32 word
 STREAM_FAIL_VALUE = 2  # int64 word (bytes 16..23)
 STREAM_FAIL_DONE = 6  # int32 word: that failed done value again, sticky (no trigger clears it)
@@ -197,7 +202,9 @@ LL_RING_RELEASED = 66
 # position j (its last kernel then clears ring[j]: an instance launched as a CUDA graph waits for
 # ring[j] to be nonzero, i.e. published; every entry is nonzero). The host reads which op ran here.
 LL_RING_LOG = 128
-LL_CHAIN_OPS = 64  # armed ops per member; an entry naming an index beyond runs nothing
+# Armed ops per member (an entry's 8-bit index; LL_ENTRY_RELEASED's, 0xFF, stays beyond): an
+# entry naming an index beyond runs nothing.
+LL_CHAIN_OPS = 255
 # The latest dispatch of a member holding captured normal-mode calls that notify failed on every
 # rank (server/engine/captured_calls.py): its counter-slot status, ERR_RANK, NUM_RECV, its
 # num_worst_tokens and its counter sequence, copied into int64 words of the member's poller ring

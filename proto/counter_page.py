@@ -58,6 +58,18 @@ def slot_words(buf: memoryview | np.ndarray, slot: int) -> np.ndarray:
     return arr
 
 
+def record_offset(slot: int, record: int) -> int:
+    """Byte offset in the page of an armed op's record (abi.OP_RECORD_BYTES; its words are
+    abi.STREAM_*)."""
+    return slot * SLOT_BYTES + record * abi.OP_RECORD_BYTES
+
+
+def record_words(buf: memoryview | np.ndarray, slot: int, record: int) -> np.ndarray:
+    """An int32 view of an armed op's record in a mapped page (host side)."""
+    return np.frombuffer(buf, dtype=np.int32, count=abi.OP_RECORD_BYTES // 4,
+                         offset=record_offset(slot, record))
+
+
 def publish(words: np.ndarray, sequence: int, num_recv_tokens: int,
             per_expert: list[int] | np.ndarray, status: int = 0) -> None:
     """Host-side writer (the CPU backend, the engines' cached and refused calls): the counts,

@@ -66,8 +66,9 @@ class Config:
                 "outputs take (cpu backend)"})
     max_groups_per_session: int = field(default=64, metadata={
         "help": "group memberships per session (also bounded by the counter page's slots)"})
-    max_stream_ops_per_session: int = field(default=256, metadata={
-        "help": "armed stream-ordered calls per session"})
+    max_stream_ops_per_session: int = field(default=1024, metadata={
+        "help": "armed stream-ordered calls per session (CUDA-graph captured calls among "
+                "them; a group holds at most 255)"})
     max_group_label_values: int = field(default=256, metadata={
         "help": "distinct group labels (a name with its owner: each tenant's copy of a "
                 "name is one) a process labels metrics with; later groups are labelled "

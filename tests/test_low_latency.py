@@ -655,9 +655,16 @@ def _stand_in_op(group: str, launch):
                                    dispatches=0, combines=0)
     session = types.SimpleNamespace(op_lock=threading.Lock(), stream_ops={}, free_slots=[],
                                     describe=lambda: "session")
+    _slots_of(session)
     words = np.zeros(8, np.int32)
-    op = S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared")
+    op = _held(S.StreamOp(1, S.KIND_DISPATCH, session, member, None, 3, words, "prepared"))
     return op, comm, member, session, words
+
+
+def _held(op):
+    """A stand-in op made without an arm, holding its slot whole as an arm's would."""
+    op.session.record_slots[op.slot] = ([], [0])
+    return op
 
 
 def test_stream_op_fire_and_release_bookkeeping() -> None:
@@ -851,7 +858,7 @@ def test_stream_op_poller_launches_in_trigger_order() -> None:
     d0, _, member, session, _ = _stand_in_op("order-g", lambda p, b: launched.append((p, b)))
     session.free_slots = []
     words1 = np.zeros(8, np.int32)
-    d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, words1, "d1")  # (slot 4)
+    d1 = _held(S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, words1, "d1"))  # (slot 4)
     ops = S.StreamOps(types.SimpleNamespace(index=0))
     ring = _ringed(ops, d0)
     _ringed(ops, d1, ring)
@@ -865,7 +872,7 @@ def test_stream_op_poller_launches_in_trigger_order() -> None:
 
     stale = d1.entry
     ops._remove(d1)
-    d2 = S.StreamOp(3, S.KIND_DISPATCH, session, member, None, 5, words1, "d2")
+    d2 = _held(S.StreamOp(3, S.KIND_DISPATCH, session, member, None, 5, words1, "d2"))
     _ringed(ops, d2, ring)
     assert d2.entry & 0xFF == stale & 0xFF and d2.entry != stale  # d1's index, reused
     for value in (stale, abi.LL_ENTRY_RELEASED, d2.entry | 1 << 8):
@@ -891,8 +898,8 @@ def test_stream_op_poller_launches_in_trigger_order() -> None:
     assert not ops._run_ring(ring, 0.0) and ring.words[abi.LL_RING_HEAD] == 1
     # the member's next ring: an entry of the old ring (a graph replayed after its op went)
     # does not name the new ring's op at the same index, since generations go on
-    ring2 = _ringed(ops, S.StreamOp(4, S.KIND_DISPATCH, session, member, None, 6, words1,
-                                    "d3"))
+    ring2 = _ringed(ops, _held(S.StreamOp(4, S.KIND_DISPATCH, session, member, None, 6,
+                                          words1, "d3")))
     _trigger(ring2, d0.entry)
     assert not ops._run_ring(ring2, 0.0) and len(launched) == 6
 
@@ -913,7 +920,8 @@ def test_stream_op_poller_thread_keeps_the_order_of_triggers_seen_together() -> 
         if len(launched) == 2:
             both.set()
     d0, _, member, session, _ = _stand_in_op("order-thread-g", launch)
-    d1 = S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, np.zeros(8, np.int32), "d1")
+    d1 = _held(S.StreamOp(2, S.KIND_DISPATCH, session, member, None, 4, np.zeros(8, np.int32),
+                          "d1"))
     ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=30_000))
     ring = _ringed(ops, d0)
     _ringed(ops, d1, ring)
@@ -1038,7 +1046,6 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
     import types
 
     from epd.server.engine import stream_ops as S
-    from epd.server.engine.state import Session
 
     monkeypatch.setattr(S, "ll_dispatch_response",
                         lambda *a: epd_pb2.LowLatencyDispatchResponse())
@@ -1069,13 +1076,23 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
     session = types.SimpleNamespace(free_slots=[2, 3, 5], counter_page=page, stream_ops={},
                                     op_lock=threading.Lock(), describe=lambda: "session",
                                     on_engine_mps=on_mps)
-    session.take_slot = functools.partial(Session.take_slot, session)
+    _slots_of(session)
     return S.StreamOps(engine), session, member, mem, closed
 
 
-def _arm_request(ring_trigger: bool = True) -> epd_pb2.ArmStreamOpRequest:
+def _slots_of(session) -> None:
+    """A stand-in session's counter slots and op records, as Session keeps them."""
+    from epd.server.engine.state import Session
+
+    session.record_slots = {}
+    for name in ("take_slot", "take_record", "give_record", "free_record"):
+        setattr(session, name, functools.partial(getattr(Session, name), session))
+
+
+def _arm_request(ring_trigger: bool = True, records: bool = False
+                 ) -> epd_pb2.ArmStreamOpRequest:
     return epd_pb2.ArmStreamOpRequest(
-        session_id="s", group_id="g", ring_trigger=ring_trigger,
+        session_id="s", group_id="g", ring_trigger=ring_trigger, op_records=records,
         low_latency_dispatch=epd_pb2.LowLatencyDispatchRequest(
             num_max_dispatch_tokens_per_rank=8))
 
@@ -1111,6 +1128,66 @@ def test_arming_takes_a_ring_slot_with_the_first_op_and_gives_both_back(monkeypa
         assert session.free_slots == [2] and id(member) in ops.rings
         ops.disarm(session, second.op_id)
         assert sorted(session.free_slots) == [2, 3, 5] and not ops.rings
+    finally:
+        ops.stop()
+
+
+def test_armed_ops_share_counter_slots_as_records(monkeypatch) -> None:
+    """A client that reads records (op_records) gets its ops' words as records of shared
+    counter slots, OP_RECORDS to a slot, each record distinct and its done word set; a group
+    holds at most LL_CHAIN_OPS ops (the arm beyond is refused and takes nothing); a disarmed
+    op's record is the next arm's, cleared; a slot goes back once it holds no op; a client
+    that does not ask for records gets a slot of its own, as before. (A model captured at
+    dozens of batch sizes arms hundreds of ops: one slot each ran out at 64.)"""
+    from epd.proto import abi
+    from epd.proto.errors import ResourceExhausted
+    from epd.server.engine import stream_ops as S
+
+    ops, session, _, mem, _ = _stand_in_arming(monkeypatch)
+    ops.engine.config.max_stream_ops_per_session = 1024
+    session.free_slots = [2, 3, 5, 6, 7]
+    words = mem.view(np.int32)
+
+    def done(r) -> int:
+        return int(words[r.counter_slot, r.counter_record * abi.OP_RECORD_BYTES // 4 + S.DONE])
+    try:
+        armed = [ops.arm(session, _arm_request(records=True)) for _ in range(abi.OP_RECORDS + 1)]
+        places = [(r.counter_slot, r.counter_record) for r in armed]
+        assert len(set(places)) == len(places) and armed[0].chain_slot == 3
+        assert {p[0] for p in places} == {2, 5} and session.free_slots == [6, 7]
+        assert all(0 <= p[1] < abi.OP_RECORDS for p in places)
+        assert all(done(r) == S.DONE_OK for r in armed)
+        while len(armed) < abi.LL_CHAIN_OPS:
+            armed.append(ops.arm(session, _arm_request(records=True)))
+        assert session.free_slots == []
+        held = {slot: list(used) for slot, (_, used) in session.record_slots.items()}
+        with pytest.raises(ResourceExhausted, match=f"at most {abi.LL_CHAIN_OPS} armed ops"):
+            ops.arm(session, _arm_request(records=True))
+        assert {slot: used for slot, (_, used) in session.record_slots.items()} == held
+        assert len(ops.ops) == abi.LL_CHAIN_OPS
+
+        gone = armed.pop(7)
+        ops.disarm(session, gone.op_id)
+        words[gone.counter_slot, gone.counter_record * abi.OP_RECORD_BYTES // 4 + 6] = 99
+        again = ops.arm(session, _arm_request(records=True))
+        assert (again.counter_slot, again.counter_record) == (gone.counter_slot,
+                                                              gone.counter_record)
+        start = again.counter_record * abi.OP_RECORD_BYTES // 4
+        assert words[again.counter_slot, start + 6] == 0 and done(again) == S.DONE_OK
+        armed.append(again)
+
+        last_slot = [r for r in armed if r.counter_slot == 7]
+        for r in last_slot:
+            ops.disarm(session, r.op_id)
+            armed.remove(r)
+        assert session.free_slots == [7] and 7 not in session.record_slots
+        whole = ops.arm(session, _arm_request(records=False))
+        assert (whole.counter_slot, whole.counter_record) == (7, 0)
+        assert session.record_slots[7] == ([], [0])  # (no other op's record in its slot)
+        armed.append(whole)
+        for r in armed:
+            ops.disarm(session, r.op_id)
+        assert sorted(session.free_slots) == [2, 3, 5, 6, 7] and not session.record_slots
     finally:
         ops.stop()
 

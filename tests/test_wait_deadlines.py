@@ -58,7 +58,8 @@ def stream_op(monkeypatch):
     s = object.__new__(Session)
     s._closed, s._lost, s.device_ordinal = False, None, 0
     s._pid, s._fork_generation = os.getpid(), fork_guard.generation()
-    s._counter_file = types.SimpleNamespace(mm=bytearray(counter_page.PAGE_BYTES))
+    s._counter_file = types.SimpleNamespace(mm=bytearray(counter_page.PAGE_BYTES),
+                                            size=counter_page.PAGE_BYTES)
     group = types.SimpleNamespace(_session=s)
     op = SO.StreamOp(group, 7, 3, 0x10000, "dispatch", [None, None], None, ring=(5, 2, 1.0))
     enqueued: list[str] = []

@@ -571,7 +571,7 @@ class LowLatencyCombineResponse(_message.Message):
     def __init__(self, combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ...) -> None: ...
 
 class ArmStreamOpRequest(_message.Message):
-    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch", "combine", "dispatch_op", "ring_trigger")
+    __slots__ = ("session_id", "group_id", "low_latency_dispatch", "low_latency_combine", "dispatch", "combine", "dispatch_op", "ring_trigger", "op_records")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +580,7 @@ class ArmStreamOpRequest(_message.Message):
     COMBINE_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_OP_FIELD_NUMBER: _ClassVar[int]
     RING_TRIGGER_FIELD_NUMBER: _ClassVar[int]
+    OP_RECORDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     group_id: str
     low_latency_dispatch: LowLatencyDispatchRequest
@@ -588,10 +589,11 @@ class ArmStreamOpRequest(_message.Message):
     combine: CombineRequest
     dispatch_op: int
     ring_trigger: bool
-    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch: _Optional[_Union[DispatchRequest, _Mapping]] = ..., combine: _Optional[_Union[CombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ..., ring_trigger: _Optional[bool] = ...) -> None: ...
+    op_records: bool
+    def __init__(self, session_id: _Optional[str] = ..., group_id: _Optional[str] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchRequest, _Mapping]] = ..., low_latency_combine: _Optional[_Union[LowLatencyCombineRequest, _Mapping]] = ..., dispatch: _Optional[_Union[DispatchRequest, _Mapping]] = ..., combine: _Optional[_Union[CombineRequest, _Mapping]] = ..., dispatch_op: _Optional[int] = ..., ring_trigger: _Optional[bool] = ..., op_records: _Optional[bool] = ...) -> None: ...
 
 class ArmStreamOpResponse(_message.Message):
-    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry", "ordered", "dispatch")
+    __slots__ = ("op_id", "counter_slot", "low_latency_dispatch", "combined_x", "low_latency_dispatch_buffer1", "chained", "chain_slot", "chain_entry", "ordered", "dispatch", "counter_record")
     OP_ID_FIELD_NUMBER: _ClassVar[int]
     COUNTER_SLOT_FIELD_NUMBER: _ClassVar[int]
     LOW_LATENCY_DISPATCH_FIELD_NUMBER: _ClassVar[int]
@@ -602,6 +604,7 @@ class ArmStreamOpResponse(_message.Message):
     CHAIN_ENTRY_FIELD_NUMBER: _ClassVar[int]
     ORDERED_FIELD_NUMBER: _ClassVar[int]
     DISPATCH_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_RECORD_FIELD_NUMBER: _ClassVar[int]
     op_id: int
     counter_slot: int
     low_latency_dispatch: LowLatencyDispatchResponse
@@ -612,7 +615,8 @@ class ArmStreamOpResponse(_message.Message):
     chain_entry: int
     ordered: bool
     dispatch: DispatchResponse
-    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., chained: _Optional[bool] = ..., chain_slot: _Optional[int] = ..., chain_entry: _Optional[int] = ..., ordered: _Optional[bool] = ..., dispatch: _Optional[_Union[DispatchResponse, _Mapping]] = ...) -> None: ...
+    counter_record: int
+    def __init__(self, op_id: _Optional[int] = ..., counter_slot: _Optional[int] = ..., low_latency_dispatch: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., combined_x: _Optional[_Union[TensorDesc, _Mapping]] = ..., low_latency_dispatch_buffer1: _Optional[_Union[LowLatencyDispatchResponse, _Mapping]] = ..., chained: _Optional[bool] = ..., chain_slot: _Optional[int] = ..., chain_entry: _Optional[int] = ..., ordered: _Optional[bool] = ..., dispatch: _Optional[_Union[DispatchResponse, _Mapping]] = ..., counter_record: _Optional[int] = ...) -> None: ...
 
 class DisarmStreamOpRequest(_message.Message):
     __slots__ = ("session_id", "op_id")

@@ -153,8 +153,7 @@ def fire(e: Engine, op: StreamOp) -> None:
     ready32[abi.SLOT32_READY + seq % abi.READY_RING] = np.int32(np.uint32(seq))
     for later in session.executor.take_after():  # (the launch; it handles its own failure)
         later()
-    member.comm.signal_after(int(session.counter_page.slot(op.slot).device_ptr)
-                             + 4 * abi.STREAM_DONE, abi.DONE_OK)
+    member.comm.signal_after(op.done_ptr, abi.DONE_OK)
 
 
 def note_worst_case(words: np.ndarray, sequence: int, num_worst: int) -> None:

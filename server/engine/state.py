@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...proto import counter_page, dtypes
+from ...proto import abi, counter_page, dtypes
 from ...proto.errors import InvalidArgument, ResourceExhausted
 from ...proto.v1 import epd_pb2
 from .. import service_classes
@@ -190,6 +190,9 @@ class Session:
     # None until then): a GPU chain for its armed ops pays only then (--ll-chain auto), and
     # epd_sessions_without_mps counts the sessions it is False for.
     on_engine_mps: bool | None = None
+    # Armed ops' records (abi.OP_RECORD_BYTES, many to a slot): the slots that hold them, with
+    # each one's free records (none for a slot one op holds whole) and records in use.
+    record_slots: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
     def take_slot(self, why: str) -> int:
         """A free counter slot, now the caller's (joins on the event loop and arms on the
@@ -203,6 +206,42 @@ class Session:
         # new owner counts from 0, so every ">= n" look would pass at once on them.
         self.counter_page.slot(slot).view(np.uint8)[:] = 0
         return slot
+
+    def free_record(self) -> bool:
+        """Whether an armed op's record can be had without taking a slot."""
+        return any(free for free, _ in self.record_slots.values())
+
+    def take_record(self, why: str, whole: bool = False) -> tuple[int, int]:
+        """A zeroed record for an armed op: (slot, record), from a slot that holds records
+        already, else a new one (RESOURCE_EXHAUSTED `why` when none is left). `whole`: a slot
+        of its own, record 0 (a client that does not read records). Arms take records under
+        the session's operation lock, as their release gives them back."""
+        if not whole:
+            for slot, (free, used) in self.record_slots.items():
+                if free:
+                    record = free.pop()
+                    used.append(record)
+                    at = record * abi.OP_RECORD_BYTES
+                    self.counter_page.slot(slot).view(np.uint8)[at:at + abi.OP_RECORD_BYTES] = 0
+                    return slot, record
+        slot = self.take_slot(why)
+        self.record_slots[slot] = ([] if whole else list(range(abi.OP_RECORDS - 1, 0, -1)), [0])
+        return slot, 0
+
+    def give_record(self, slot: int, record: int, refused: bool = False) -> None:
+        """An op's record back; its slot goes back to the groups once it holds no op.
+        `refused`: an arm that failed, which changes nothing (not even which slot or record
+        the next one gets)."""
+        free, used = self.record_slots[slot]
+        used.remove(record)
+        if used:
+            free.append(record)
+        else:
+            del self.record_slots[slot]
+            if refused:
+                self.free_slots.insert(0, slot)
+            else:
+                self.free_slots.append(slot)
 
     @property
     def op_lock(self) -> threading.Lock:

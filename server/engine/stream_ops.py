@@ -2,11 +2,12 @@
 
 A client arms an operation once over gRPC (validated like the call itself, apart from the
 values of topk_idx, which are only ready when the client's stream gets there). Each armed op owns
-a slot of the session's counter page, which the client's CUDA context maps too; int32 word 1 is
-its done word. Each member with armed ops also owns a **trigger ring** in another slot (uint32
-`ring[LL_RING]`, tail, head): a trigger is the client's one-thread kernel (client/ll_trigger.py)
-on the caller's stream, which writes `done = 0`, appends `entry | b << 8` (the op's entry, b the
-receive buffer, 0 or 1) and publishes the new tail; the stream then waits for `done >= 1`. One
+a record (abi.OP_RECORD_BYTES, many to a slot) of the session's counter page, which the client's
+CUDA context maps too; int32 word 1 is its done word. Each member with armed ops also owns a
+**trigger ring** in a slot of its own (uint32 `ring[LL_RING]`, tail, head): a trigger is the
+client's one-thread kernel (client/ll_trigger.py) on the caller's stream, which writes
+`done = 0`, appends `entry | b << 8` (the op's entry, b the receive buffer, 0 or 1) and
+publishes the new tail; the stream then waits for `done >= 1`. One
 poller thread per engine reads every ring from its head to its tail, **in the order the
 member's calls reached the GPU**, advances the head past each entry as it reads it, and
 launches the op's kernels on the rank's stream without any host synchronisation; a last kernel
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     from .core import Engine
 
 log = logging.getLogger("epd.engine")
-REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE  # int32 words of the op's counter slot
+REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE  # int32 words of the op's record
 MASK32 = 0xFFFFFFFF  # ring positions are uint32 and wrap
 DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
 KIND_DISPATCH, KIND_COMBINE = "LowLatencyDispatch", "LowLatencyCombine"
@@ -144,8 +145,10 @@ class StreamOp:
     member: GroupMember
     args: Any  # LowLatencyDispatchArgs / LowLatencyCombineArgs (a combine reads its dispatch's)
     slot: int
-    words: np.ndarray  # int32 view of the slot (host)
+    words: np.ndarray  # int32 view of its record in the slot (host)
     prepared: Any  # the backend's packed launches (prepared at arm time)
+    done_ptr: int = 0  # its done word as the device addresses it
+    record: int = 0  # its record in the slot (abi.OP_RECORD_BYTES each)
     dispatch_op: StreamOp | None = None  # combine: whose result it brings back
     armed: bool = field(default=True)
     latency: bool = False  # of a latency-class group: the pacer holds throughput calls for it
@@ -239,9 +242,12 @@ class StreamOps:
         if len(session.stream_ops) >= e.config.max_stream_ops_per_session:
             raise ResourceExhausted(f"{session.describe()} has {len(session.stream_ops)} armed "
                                     f"stream ops, the maximum (--max-stream-ops-per-session)")
-        if not session.free_slots:
-            raise ResourceExhausted(f"{session.describe()} has no free counter slot (at most "
-                                    f"{counter_page.NUM_SLOTS} groups and armed ops together)")
+        whole = not req.op_records  # (a client that reads its op's words at its slot's start)
+        if not session.free_slots and (whole or not session.free_record()):
+            raise ResourceExhausted(
+                f"{session.describe()} has no free counter slot (at most "
+                f"{counter_page.NUM_SLOTS} groups, rings and slots of armed ops together, "
+                f"{abi.OP_RECORDS} ops to a slot)")
         request = None  # a captured normal-mode call's (engine/captured_calls.py)
         if which == "dispatch":
             request = inner = req.dispatch
@@ -286,17 +292,20 @@ class StreamOps:
                 view = member.comm.low_latency_combine_view(int(d.x.shape[0]))
                 resp.combined_x.CopyFrom(tensors.describe(view, member.comm.output_region,
                                                           member.spec.x_dtype))
-        if id(member) not in self.rings and len(session.free_slots) < 2:
+        needed = (id(member) not in self.rings) + (whole or not session.free_record())
+        if len(session.free_slots) < needed:
             raise ResourceExhausted(
                 f"{session.describe()} has no free counter slot for the trigger ring of group "
-                f"{member.spec.name!r} (its first armed op needs two; at most "
-                f"{counter_page.NUM_SLOTS} groups, rings and armed ops together)")
+                f"{member.spec.name!r} and its first armed op (at most "
+                f"{counter_page.NUM_SLOTS} groups, rings and slots of armed ops together)")
         # Taken now, and given back if the arm fails: a join on the event loop takes slots of
         # the same list while this runs on the session's worker.
-        slot = session.take_slot(f"{session.describe()} has no free counter slot")
+        slot, record = session.take_record(f"{session.describe()} has no free counter slot",
+                                           whole)
         try:
             page = session.counter_page.slot(slot)
-            done_ptr = int(page.device_ptr) + 4 * DONE
+            at = record * abi.OP_RECORD_BYTES
+            done_ptr = int(page.device_ptr) + at + 4 * DONE
             timeout = e._timeout(inner.timeout_seconds)
             if request is not None:
                 prepared = None
@@ -313,13 +322,14 @@ class StreamOps:
                     "longer reads (ArmStreamOpRequest.ring_trigger unset): upgrade epd on the "
                     "client")
         except BaseException:
-            session.free_slots.insert(0, slot)
+            session.give_record(slot, record, refused=True)
             raise
-        words = page.view(np.int32)
+        words = page.view(np.int32)[at // 4:(at + abi.OP_RECORD_BYTES) // 4]
         if request is not None:  # (not a failure an earlier op of the slot left: the
             words[abi.STREAM_FAIL_DONE] = 0  # client's check() raises what it finds there)
         words[DONE] = DONE_OK
-        op = StreamOp(0, kind, session, member, args, slot, words, prepared, dispatch_op=src,
+        op = StreamOp(0, kind, session, member, args, slot, words, prepared,
+                      done_ptr=done_ptr, record=record, dispatch_op=src,
                       request=request,
                       latency=member.service_class == service_classes.LATENCY,
                       regions=tensors.region_ids(inner) | (src.regions if src else frozenset()))
@@ -332,12 +342,12 @@ class StreamOps:
             else:
                 op.entry = self._take(ring, op)
         except BaseException:
-            session.free_slots.append(slot)
+            session.give_record(slot, record, refused=True)
             self._drop_unused_ring(session, member)  # (one made for this op)
             raise
         if request is not None and member.failure_words is None:
-            record = ring.words.view(np.int64)
-            record[abi.RING_FAIL_STATUS:abi.RING_FIRED_WORST + 1] = 0  # (a slot's earlier use)
+            failures = ring.words.view(np.int64)
+            failures[abi.RING_FAIL_STATUS:abi.RING_FIRED_WORST + 1] = 0  # (a slot's earlier use)
             member.failure_words = ring.words
         resp.chained, resp.ordered = ring.chain is not None, True
         resp.chain_slot, resp.chain_entry = ring.slot, op.entry
@@ -347,9 +357,9 @@ class StreamOps:
             self.ops[op.op_id] = op
         session.stream_ops[op.op_id] = op
         self._ensure_thread()
-        resp.op_id, resp.counter_slot = op.op_id, slot
-        log.info("%s armed %s op %d (slot %d, ring slot %d)", session.describe(), kind,
-                 op.op_id, slot, ring.slot)
+        resp.op_id, resp.counter_slot, resp.counter_record = op.op_id, slot, record
+        log.info("%s armed %s op %d (slot %d record %d, ring slot %d)", session.describe(),
+                 kind, op.op_id, slot, record, ring.slot)
         return resp
 
     def disarm(self, session: Session, op_id: int, *, locked: bool = False) -> None:
@@ -436,7 +446,7 @@ class StreamOps:
                 self.rings.pop(id(op.member))
                 op.member.failure_words = None  # (its slot goes back)
         op.session.stream_ops.pop(op.op_id, None)
-        op.session.free_slots.append(op.slot)
+        op.session.give_record(op.slot, op.record)
         return ring if last else None
 
     def _close_ring(self, session: Session, ring: Ring) -> None:

@@ -519,3 +519,79 @@ def test_hook_calls_of_new_batch_sizes_do_not_run_out_of_slots(daemon) -> None:
             np.testing.assert_array_equal(res["steps"][step], _combined(xs, idx, w, r, True))
     for res in results:
         assert res["armed"] <= 4 + 2, res["armed"]
+
+
+# vLLM's decode capture: a graph per batch size, every MoE layer's calls in it, each layer with
+# tensors of its own. 20 sizes x 4 layers x 2 calls = 160 armed ops of one group: one counter
+# slot each, the session had 64 for all of them (op records: abi.OP_RECORD_BYTES).
+CAPTURE_SIZES = list(range(1, 21))
+CAPTURED_LAYERS = 4
+
+
+def _sizes_seed(rnd: int, t: int, layer: int) -> int:
+    return 5000 + 1000 * rnd + 10 * t + layer
+
+
+def _many_sizes_rank(rank: int, socket: str, device: int, q) -> None:
+    """Capture one graph per batch size (CAPTURE_SIZES), each with CAPTURED_LAYERS layers'
+    dispatch (hook) + combine on tensors of their own, then replay every graph twice with
+    fresh inputs, the outputs poisoned before each replay."""
+    import torch
+
+    from epd.client import Session
+    from epd.client.buffer import Buffer
+    torch.cuda.set_device(device)
+    res: dict = {"rank": rank, "cx": {}}
+    with Session(socket, client_name=f"gpu-ll-sizes-{rank}", timeout=60) as s:
+        buf = Buffer(rank=rank, num_ranks=R, session=s, low_latency_mode=True,
+                     group_name="gpu-ll-many-sizes")
+        stream = torch.cuda.Stream(device)
+        graphs = {}
+        for t in CAPTURE_SIZES:
+            layers = [(torch.empty((t, H), dtype=torch.bfloat16, device=device),
+                       torch.zeros((t, K), dtype=torch.int64, device=device),
+                       torch.empty((t, K), dtype=torch.float32, device=device),
+                       torch.empty((t, H), dtype=torch.bfloat16, device=device))
+                      for _ in range(CAPTURED_LAYERS)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for sx, sidx, sw, dest in layers:
+                    recv, _, handle, _, hook = buf.low_latency_dispatch(
+                        sx, sidx, M, E, use_fp8=False, return_recv_hook=True)
+                    hook()
+                    buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
+            graphs[t] = (graph, layers)
+        res["armed"] = len(buf._stream_ops)
+        res["slots"] = len({op.place[0] for op in buf._stream_ops.ops()})
+        for rnd in range(2):
+            for t, (graph, layers) in graphs.items():
+                for layer, (sx, sidx, sw, dest) in enumerate(layers):
+                    x, idx, w = _inputs(_sizes_seed(rnd, t, layer), rank, t)
+                    sx.copy_(_to_torch(x, device))
+                    sidx.copy_(_to_torch(idx, device))
+                    sw.copy_(_to_torch(w, device))
+                    dest.view(torch.int16).fill_(-1)
+                graph.replay()
+                torch.cuda.synchronize()
+                res["cx"][rnd, t] = [_bits(layer[3]) for layer in layers]
+        buf.check()
+        for op in buf._stream_ops.ops():
+            op.check()
+    q.put(res)
+
+
+@pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
+def test_a_model_captured_at_many_batch_sizes(daemon) -> None:
+    results = _spawn_ranks(daemon, _many_sizes_rank, R)
+    for res in results:
+        assert res["armed"] == 2 * len(CAPTURE_SIZES) * CAPTURED_LAYERS, res["armed"]
+        assert res["slots"] < 10, res["slots"]  # (records share slots: 160 ops in ~3)
+    for rnd in range(2):
+        for t in CAPTURE_SIZES:
+            for layer in range(CAPTURED_LAYERS):
+                ins = [_inputs(_sizes_seed(rnd, t, layer), r, t) for r in range(R)]
+                xs, idx, w = ([i[j] for i in ins] for j in range(3))
+                for r, res in enumerate(results):
+                    np.testing.assert_array_equal(
+                        res["cx"][rnd, t][layer], _combined(xs, idx, w, r, True),
+                        err_msg=f"round {rnd} size {t} layer {layer} rank {r}")
