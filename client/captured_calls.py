@@ -17,8 +17,9 @@ its engine stream waits for a READY that a replay behind it would never let come
 `dispatch_async` (the engine's worker waits for its ready event holding the lock a replay
 needs) and `Group.check()` (every rank then finds the same failures). The ops
 live as long as the group; a call captured again with the same tensors reuses its op. Each op
-holds one of the session's 64 counter slots and one of its group's 64 ring entries
-(--max-stream-ops-per-session bounds them too): past those, RESOURCE_EXHAUSTED at capture.
+holds a record of the session's counter page (64 to a slot) and one of its group's 255 ring
+entries (--max-stream-ops-per-session bounds them too): past those, RESOURCE_EXHAUSTED at
+capture.
 A grown facade group that holds captured ops is never left (a replay triggers them).
 
 Failures: one found by notify on every rank alike (a bad expert id, capacity, num_worst_tokens
@@ -61,8 +62,8 @@ def _ring(resp: epd_pb2.ArmStreamOpResponse, timeout: float) -> tuple[int, int, 
 def _arm(group: Group, kind: str, template: Array, timeout: float,
          results: list[Any], **op: Any) -> StreamOp:
     """The armed op of a captured call: the group's op of the same request when one is armed
-    (a model's layers often capture the same tensors: each op holds a counter slot and a ring
-    entry, of which a session and a group have few), else a new one."""
+    (a model's layers often capture the same tensors: each op holds a counter-page record and
+    one of its group's 255 ring entries), else a new one."""
     key = (kind, *sorted((name, v.SerializeToString(deterministic=True)
                           if isinstance(v, Message) else v) for name, v in op.items()))
     known = group._captured_by_key.get(key)

@@ -45,7 +45,7 @@ from .stream_ops import StreamOp, is_verdict
 
 log = logging.getLogger("epd.client")
 
-DEFAULT_LIMIT = 16  # plain ops per Buffer (the session has 64 counter slots for all of it)
+DEFAULT_LIMIT = 16  # plain ops per Buffer (a group holds at most 255 armed ops, pinned included)
 
 
 @dataclass
