@@ -218,14 +218,14 @@ class Session:
         the session's operation lock, as their release gives them back."""
         if not whole:
             for slot, (free, used) in self.record_slots.items():
-                if free:
-                    record = free.pop()
+                if free:  # (the longest free first: a late write of its last owner's
+                    record = free.pop(0)  # kernels would have landed long ago)
                     used.append(record)
                     at = record * abi.OP_RECORD_BYTES
                     self.counter_page.slot(slot).view(np.uint8)[at:at + abi.OP_RECORD_BYTES] = 0
                     return slot, record
         slot = self.take_slot(why)
-        self.record_slots[slot] = ([] if whole else list(range(abi.OP_RECORDS - 1, 0, -1)), [0])
+        self.record_slots[slot] = ([] if whole else list(range(1, abi.OP_RECORDS)), [0])
         return slot, 0
 
     def give_record(self, slot: int, record: int, refused: bool = False) -> None:
@@ -235,7 +235,7 @@ class Session:
         free, used = self.record_slots[slot]
         used.remove(record)
         if used:
-            free.append(record)
+            free.insert(0 if refused else len(free), record)
         else:
             del self.record_slots[slot]
             if refused:
