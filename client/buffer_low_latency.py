@@ -240,8 +240,9 @@ class LowLatencyMixin:
                 source=src)
             if e is None:
                 raise ResourceExhausted(
-                    "no counter slot is left in this session for the combine of a plain "
-                    "low-latency dispatch (64 per session, shared by groups and armed calls)")
+                    "no room is left for the combine of a plain low-latency dispatch (a group "
+                    f"holds at most {abi.LL_CHAIN_OPS} armed calls; --max-stream-ops-per-session "
+                    "bounds a session's)")
             op, buffer = e.op, handle.buffer
             if mode == "plain":
                 result, event = self._plain(e, x, async_finish, lambda _stream: (

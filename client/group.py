@@ -767,5 +767,10 @@ class Group:
     def _release(self) -> None:
         self._left = True
         self._release_stream()
+        s = self._session
+        for op_id, op in list(s._stream_ops.items()):
+            if op.group is self:  # (the engine released them with the membership: their
+                op.armed = False  # records may be another op's by now, so no trigger may
+                del s._stream_ops[op_id]  # clear them)
         self._session._groups.pop(self.group_id, None)
         self._outputs.close()

@@ -6,15 +6,16 @@ to the daemon. Tensors are named by address *and* CUDA buffer id, so an allocati
 replaced at the same address arms a new op instead of reading through a stale mapping.
 
 Two kinds of entries:
-- **pinned**: ops used while a CUDA graph was captured. A graph bakes in the op's counter slot,
+- **pinned**: ops used while a CUDA graph was captured. A graph bakes in the op's counter record,
   so these stay armed for the Buffer's life.
 - **plain**: ops of plain calls and of calls with a receive hook, kept least-recently-used, at
-  most `limit`. Evicting one disarms it (its counter slot goes back to the session); that waits
+  most `limit`. Evicting one disarms it (its counter record goes back to the session); that waits
   until the op's last trigger has passed on the GPU (an event recorded behind it), so no
   trigger is ever dropped. A call with a hook holds its op until the hook ran (the hook
   enqueues the op's receive half; an event is recorded behind it then). A combine is evicted
   with the dispatch it reads. (Hook ops were pinned: a server in eager mode, whose every new
-  batch size is a new call, ran out of the session's counter slots after ~60 steps.)
+  batch size is a new call, ran out of the session's counter slots after ~60 steps; an op now
+  takes a record of a slot, and a group holds at most 255 ops.)
 
 Failures the GPU reports in a plain op's done word raise `EpdError` at the Buffer's next
 low-latency call once that trigger is known to be complete (the plain call's asynchronous error,
@@ -97,9 +98,10 @@ class StreamOpCache:
     def arm(self, key: tuple, arm: Callable[[], StreamOp], *, pin: bool, capturing: bool,
             source: Entry | None = None, hold: bool = False) -> Entry | None:
         """Arm a new op with `arm()`, evicting plain ops first while the cache is full or the
-        session is out of counter slots. Nothing is evicted while a graph is captured (the
-        wait for an op's last trigger is no capturable work). None when a plain call finds no
-        slot (it then takes the synchronous path); RESOURCE_EXHAUSTED for a pinned one."""
+        engine has no room for another (RESOURCE_EXHAUSTED: the group's 255 ops, the session's
+        records or --max-stream-ops-per-session). Nothing is evicted while a graph is captured
+        (the wait for an op's last trigger is no capturable work). None when a plain call finds
+        no room (it then takes the synchronous path); RESOURCE_EXHAUSTED for a pinned one."""
         while (not pin and not capturing and self._plain_count() >= self.limit
                and self._evict_one(keep=source)):
             pass

@@ -71,6 +71,9 @@ class StreamOp:
         assert s._counter_file is not None
         slots = s._counter_file.size // counter_page.SLOT_BYTES
         if not (0 <= slot < slots and 0 <= record < abi.OP_RECORDS):
+            with contextlib.suppress(EpdError):  # (not left armed in the engine)
+                s._call("DisarmStreamOp", epd_pb2.DisarmStreamOpRequest(
+                    session_id=s.session_id, op_id=op_id))
             raise Internal(f"the engine put stream op {op_id} at counter slot {slot} record "
                            f"{record}, outside the session's counter page ({slots} slots of "
                            f"{abi.OP_RECORDS} records)")

@@ -6,6 +6,7 @@ by (source rank, source token); combine results bit-exactly."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import time
@@ -663,7 +664,7 @@ def _stand_in_op(group: str, launch):
 
 def _held(op):
     """A stand-in op made without an arm, holding its slot whole as an arm's would."""
-    op.session.record_slots[op.slot] = ([], [0])
+    op.session.record_slots[op.slot] = {0}
     return op
 
 
@@ -1084,7 +1085,7 @@ def _slots_of(session) -> None:
     """A stand-in session's counter slots and op records, as Session keeps them."""
     from epd.server.engine.state import Session
 
-    session.record_slots = {}
+    session.record_slots, session.free_records = {}, collections.deque()
     for name in ("take_slot", "take_record", "give_record", "free_record"):
         setattr(session, name, functools.partial(getattr(Session, name), session))
 
@@ -1160,15 +1161,22 @@ def test_armed_ops_share_counter_slots_as_records(monkeypatch) -> None:
         while len(armed) < abi.LL_CHAIN_OPS:
             armed.append(ops.arm(session, _arm_request(records=True)))
         assert session.free_slots == []
-        held = {slot: list(used) for slot, (_, used) in session.record_slots.items()}
+        held = ({s: set(u) for s, u in session.record_slots.items()},
+                list(session.free_records))
+        assert held[1] == [(7, abi.OP_RECORDS - 1)]
         with pytest.raises(ResourceExhausted, match=f"at most {abi.LL_CHAIN_OPS} armed ops"):
             ops.arm(session, _arm_request(records=True))
-        assert {slot: used for slot, (_, used) in session.record_slots.items()} == held
+        assert (session.record_slots, list(session.free_records)) == held
         assert len(ops.ops) == abi.LL_CHAIN_OPS
 
+        # records are reused freed-longest-ago first, cleared
         gone = armed.pop(7)
         ops.disarm(session, gone.op_id)
         words[gone.counter_slot, gone.counter_record * abi.OP_RECORD_BYTES // 4 + 6] = 99
+        first = ops.arm(session, _arm_request(records=True))
+        assert (first.counter_slot, first.counter_record) == (7, abi.OP_RECORDS - 1)
+        armed.append(first)
+        ops.disarm(session, armed.pop(9).op_id)
         again = ops.arm(session, _arm_request(records=True))
         assert (again.counter_slot, again.counter_record) == (gone.counter_slot,
                                                               gone.counter_record)
@@ -1181,9 +1189,11 @@ def test_armed_ops_share_counter_slots_as_records(monkeypatch) -> None:
             ops.disarm(session, r.op_id)
             armed.remove(r)
         assert session.free_slots == [7] and 7 not in session.record_slots
+        assert all(p[0] != 7 for p in session.free_records)
         whole = ops.arm(session, _arm_request(records=False))
         assert (whole.counter_slot, whole.counter_record) == (7, 0)
-        assert session.record_slots[7] == ([], [0])  # (no other op's record in its slot)
+        assert session.record_slots[7] == {0}  # (no other op's record in its slot)
+        assert all(p[0] != 7 for p in session.free_records)
         armed.append(whole)
         for r in armed:
             ops.disarm(session, r.op_id)

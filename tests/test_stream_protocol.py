@@ -57,6 +57,22 @@ def test_slot_words_do_not_overlap() -> None:
     assert (ring == 7).all()
 
 
+def test_an_armed_ops_words_fit_its_record() -> None:
+    """An op's int32 and int64 words lie within its record (many records share a slot) and
+    records tile a slot; the record of slot s, record r is where the client looks."""
+    int32_words = [abi.STREAM_REQUEST, abi.STREAM_DONE, abi.STREAM_FAIL_TOKEN,
+                   abi.STREAM_FAIL_DONE]
+    assert 4 * (max(int32_words) + 1) <= abi.OP_RECORD_BYTES
+    assert 8 * (abi.STREAM_FAIL_VALUE + 1) <= abi.OP_RECORD_BYTES
+    assert 4 * abi.STREAM_FAIL_TOKEN + 4 <= 8 * abi.STREAM_FAIL_VALUE  # (disjoint)
+    assert abi.OP_RECORDS * abi.OP_RECORD_BYTES == abi.SLOT_BYTES
+    page = bytearray(counter_page.PAGE_BYTES)
+    counter_page.record_words(page, 3, 5)[abi.STREAM_DONE] = 9
+    at = counter_page.record_offset(3, 5) + 4 * abi.STREAM_DONE
+    assert at == 3 * abi.SLOT_BYTES + 5 * abi.OP_RECORD_BYTES + 4
+    assert np.frombuffer(page, np.int32)[at // 4] == 9 and sum(page) == 9
+
+
 def test_no_failure_on_a_fresh_slot() -> None:
     assert counter_page.stream_failure(_slot()) is None
 

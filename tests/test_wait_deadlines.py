@@ -111,6 +111,28 @@ def test_a_release_marks_the_ring_for_triggers_still_to_run(stream_op) -> None:
     assert ring[abi.LL_RING_RELEASED] == 1 and op.status() == SO.DONE_RELEASED
 
 
+def test_leaving_a_group_disarms_its_ops_in_the_client(stream_op) -> None:
+    """The engine releases a member's ops when it leaves, and their counter records may be
+    another op's at once: the client forgets the group's ops (a trigger now would clear that
+    op's done word), and keeps the other groups'."""
+    from epd.client.group import Group
+
+    op, s, enqueued = stream_op
+    group = object.__new__(Group)
+    group._session, group._stream_slot, group.group_id = s, None, "left"
+    group._outputs = types.SimpleNamespace(close=lambda: None)
+    s._groups, s._stream_ops = {"left": group}, {}
+    op.group = group
+    other = SO.StreamOp(types.SimpleNamespace(_session=s), 8, 3, 0x10000, "dispatch", [None],
+                        None, ring=(5, 3, 1.0), record=1)
+    s._stream_ops.update({7: op, 8: other})
+    group._release()
+    assert not op.armed and s._stream_ops == {8: other} and other.armed
+    with pytest.raises(FailedPrecondition, match="disarmed"):
+        op.launch()
+    assert enqueued == []
+
+
 # -- 2. closing against an engine that does not answer --------------------------------------------
 
 class _SilentLeaves(GrpcTransport):

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -190,9 +190,11 @@ class Session:
     # None until then): a GPU chain for its armed ops pays only then (--ll-chain auto), and
     # epd_sessions_without_mps counts the sessions it is False for.
     on_engine_mps: bool | None = None
-    # Armed ops' records (abi.OP_RECORD_BYTES, many to a slot): the slots that hold them, with
-    # each one's free records (none for a slot one op holds whole) and records in use.
-    record_slots: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # Armed ops' records (abi.OP_RECORD_BYTES, many to a slot): the records in use by slot (a
+    # slot one op holds whole: {0}), and the free records of those slots, freed longest ago
+    # first (a late write of a record's last owner's kernels would have landed long ago).
+    record_slots: dict[int, set[int]] = field(default_factory=dict)
+    free_records: deque[tuple[int, int]] = field(default_factory=deque)
 
     def take_slot(self, why: str) -> int:
         """A free counter slot, now the caller's (joins on the event loop and arms on the
@@ -209,35 +211,39 @@ class Session:
 
     def free_record(self) -> bool:
         """Whether an armed op's record can be had without taking a slot."""
-        return any(free for free, _ in self.record_slots.values())
+        return bool(self.free_records)
 
     def take_record(self, why: str, whole: bool = False) -> tuple[int, int]:
         """A zeroed record for an armed op: (slot, record), from a slot that holds records
         already, else a new one (RESOURCE_EXHAUSTED `why` when none is left). `whole`: a slot
         of its own, record 0 (a client that does not read records). Arms take records under
         the session's operation lock, as their release gives them back."""
-        if not whole:
-            for slot, (free, used) in self.record_slots.items():
-                if free:  # (the longest free first: a late write of its last owner's
-                    record = free.pop(0)  # kernels would have landed long ago)
-                    used.append(record)
-                    at = record * abi.OP_RECORD_BYTES
-                    self.counter_page.slot(slot).view(np.uint8)[at:at + abi.OP_RECORD_BYTES] = 0
-                    return slot, record
+        if not whole and self.free_records:
+            slot, record = self.free_records.popleft()
+            self.record_slots[slot].add(record)
+            at = record * abi.OP_RECORD_BYTES
+            self.counter_page.slot(slot).view(np.uint8)[at:at + abi.OP_RECORD_BYTES] = 0
+            return slot, record
         slot = self.take_slot(why)
-        self.record_slots[slot] = ([] if whole else list(range(1, abi.OP_RECORDS)), [0])
+        self.record_slots[slot] = {0}
+        if not whole:
+            self.free_records.extend((slot, r) for r in range(1, abi.OP_RECORDS))
         return slot, 0
 
     def give_record(self, slot: int, record: int, refused: bool = False) -> None:
         """An op's record back; its slot goes back to the groups once it holds no op.
         `refused`: an arm that failed, which changes nothing (not even which slot or record
         the next one gets)."""
-        free, used = self.record_slots[slot]
+        used = self.record_slots[slot]
         used.remove(record)
         if used:
-            free.insert(0 if refused else len(free), record)
+            if refused:
+                self.free_records.appendleft((slot, record))
+            else:
+                self.free_records.append((slot, record))
         else:
             del self.record_slots[slot]
+            self.free_records = deque(p for p in self.free_records if p[0] != slot)
             if refused:
                 self.free_slots.insert(0, slot)
             else:

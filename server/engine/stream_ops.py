@@ -387,8 +387,11 @@ class StreamOps:
         ops = sorted((o for o in list(session.stream_ops.values())
                       if member is None or o.member is member),
                      key=lambda o: o.dispatch_op is None)  # (combines first)
-        for op in ops:  # every waiting stream let go first, then the ops removed
-            op.words[DONE] = DONE_RELEASED
+        with self._lock:  # every waiting stream let go first, then the ops removed (not
+            # one removed meanwhile: its record may be another op's by now)
+            for op in ops:
+                if self.ops.get(op.op_id) is op:
+                    op.words[DONE] = DONE_RELEASED
         for op in ops:
             if not self._remove(op, locked=locked):
                 return  # (an operation holds the session: the locked pass takes the rest)
