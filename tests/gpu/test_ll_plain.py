@@ -250,6 +250,19 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
         assert 0 < total / count < 1.0, (name, total / count)
 
 
+def _refill(tensors, seed: int, rank: int, device: int) -> None:
+    """A captured layer's inputs (x, topk_idx, topk_weights) refilled from `_inputs(seed)` and
+    its combine's output poisoned, before a replay."""
+    import torch
+
+    sx, sidx, sw, dest = tensors
+    x, idx, w = _inputs(seed, rank, sx.shape[0])
+    sx.copy_(_to_torch(x, device))
+    sidx.copy_(_to_torch(idx, device))
+    sw.copy_(_to_torch(w, device))
+    dest.view(torch.int16).fill_(-1)
+
+
 def _graph_first_rank(rank: int, socket: str, device: int, q) -> None:
     """Capture dispatch (hook) + combine into a CUDA graph with no earlier call on these
     tensors, replay with fresh inputs, check the combine bit-exactly each time."""
@@ -275,11 +288,7 @@ def _graph_first_rank(rank: int, socket: str, device: int, q) -> None:
             hook()
             buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
         for it in range(3):
-            x, idx, w = _inputs(200 + it, rank, t)
-            sx.copy_(_to_torch(x, device))
-            sidx.copy_(_to_torch(idx, device))
-            sw.copy_(_to_torch(w, device))
-            dest.view(torch.int16).fill_(-1)
+            _refill((sx, sidx, sw, dest), 200 + it, rank, device)
             graph.replay()
             torch.cuda.synchronize()
             buf.check()
@@ -565,12 +574,8 @@ def _many_sizes_rank(rank: int, socket: str, device: int, q) -> None:
         res["slots"] = len({op.place[0] for op in buf._stream_ops.ops()})
         for rnd in range(2):
             for t, (graph, layers) in graphs.items():
-                for layer, (sx, sidx, sw, dest) in enumerate(layers):
-                    x, idx, w = _inputs(_sizes_seed(rnd, t, layer), rank, t)
-                    sx.copy_(_to_torch(x, device))
-                    sidx.copy_(_to_torch(idx, device))
-                    sw.copy_(_to_torch(w, device))
-                    dest.view(torch.int16).fill_(-1)
+                for layer, tensors in enumerate(layers):
+                    _refill(tensors, _sizes_seed(rnd, t, layer), rank, device)
                 graph.replay()
                 torch.cuda.synchronize()
                 res["cx"][rnd, t] = [_bits(layer[3]) for layer in layers]
