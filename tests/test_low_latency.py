@@ -1164,7 +1164,8 @@ def test_armed_ops_share_counter_slots_as_records(monkeypatch) -> None:
         held = ({s: set(u) for s, u in session.record_slots.items()},
                 list(session.free_records))
         assert held[1] == [(7, abi.OP_RECORDS - 1)]
-        with pytest.raises(ResourceExhausted, match=f"at most {abi.LL_CHAIN_OPS} armed ops"):
+        with pytest.raises(ResourceExhausted, match=f"'arm-g' holds {abi.LL_CHAIN_OPS} armed "
+                           f"calls, the most a group may"):
             ops.arm(session, _arm_request(records=True))
         assert (session.record_slots, list(session.free_records)) == held
         assert len(ops.ops) == abi.LL_CHAIN_OPS

@@ -292,6 +292,14 @@ class StreamOps:
                 view = member.comm.low_latency_combine_view(int(d.x.shape[0]))
                 resp.combined_x.CopyFrom(tensors.describe(view, member.comm.output_region,
                                                           member.spec.x_dtype))
+        with self._lock:
+            held = sum(o.member is member for o in self.ops.values())
+        if held >= abi.LL_CHAIN_OPS:
+            raise ResourceExhausted(
+                f"group {member.spec.name!r} holds {held} armed calls, the most a group may "
+                f"(each call captured in a CUDA graph with tensors or shapes of its own is one, "
+                f"kept while a graph may replay it): capture fewer batch sizes, or let layers "
+                f"share their tensors")
         needed = (id(member) not in self.rings) + (whole or not session.free_record())
         if len(session.free_slots) < needed:
             raise ResourceExhausted(
