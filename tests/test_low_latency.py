@@ -1434,6 +1434,37 @@ def test_a_poller_of_chains_only_looks_every_nap(chain_poll_us: int) -> None:
         assert len(looks) > 100, len(looks)
 
 
+def test_busy_deep_chains_do_not_keep_the_poller_spinning_for_an_idle_poller_ring() -> None:
+    """A busy deep chain beside a poller ring without triggers (a normal-mode call captured
+    in a graph that is not being replayed, or another tenant's op): the chain's calls do not
+    keep the poller spinning for that ring (they did: ~120 µs of the engine's CPU per chained
+    low-latency call on one H100, BENCHMARKS forty-fifth and forty-sixth sessions); it looks
+    every stream_op_poll_us, as for idle poller rings, and still sees that ring's trigger."""
+    import threading
+
+    from epd.proto import abi
+    from epd.server.engine import stream_ops as S
+
+    looks = []
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="busy-c", label="busy-c"),
+                                   dispatches=0, combines=0)
+    chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0,
+                                  top_up=lambda: looks.append(1) or [abi.LLX_DISPATCH])
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=20_000, chain_poll_us=20_000))
+    ops.rings[1] = types.SimpleNamespace(chain=chain, member=member)
+    launched = threading.Event()
+    op, _, _, _, _ = _stand_in_op("idle-p", lambda p, b: launched.set())
+    ring = _ringed(ops, op)
+    ops._ensure_thread()
+    try:
+        time.sleep(0.3)
+        assert 3 <= len(looks) <= 20, len(looks)  # ~15 looks of 20 ms in 0.3 s
+        _trigger(ring, op.entry)
+        assert launched.wait(5)
+    finally:
+        ops.stop()
+
+
 def test_a_disarm_counts_the_calls_its_chain_ran_since_the_last_look() -> None:
     """The poller counts a chain's calls at its top-ups (up to a nap apart); an op disarmed in
     between has its last calls counted first, while the chain's log can still name them."""
