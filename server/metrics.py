@@ -382,6 +382,9 @@ REGIONS = Gauge("epd_regions", "Registered client regions", ["engine"],
                 multiprocess_mode="livesum")
 REGION_BYTES = Gauge("epd_region_bytes", "Bytes of registered client regions", ["engine"],
                      multiprocess_mode="livesum")
+STREAM_OPS_ARMED = Gauge("epd_stream_ops_armed", "Armed stream-ordered calls (low-latency calls "
+                         "of the facade and calls captured in CUDA graphs; at most 255 a group, "
+                         "GetStats' armed_calls)", ["engine"], multiprocess_mode="livesum")
 ENGINE_RESTARTS = Counter("epd_engine_restarts", "Engine processes restarted by the supervisor",
                           ["engine"])
 ENGINE_START_FAILURES = Gauge(

@@ -1203,6 +1203,28 @@ def test_armed_ops_share_counter_slots_as_records(monkeypatch) -> None:
         ops.stop()
 
 
+def test_stats_count_each_ranks_armed_calls() -> None:
+    """GetStats' armed_calls: a rank's armed ops (how close its group is to the 255 a group
+    may hold), each session's own and by member; the epd_stream_ops_armed gauge sums them."""
+    from epd.server.engine.core import Engine
+
+    def member(name: str):
+        comm = types.SimpleNamespace(abort_reason=lambda: None, stream_priority=0, num_sms=0,
+                                     ll_num_sms=0, held_bytes=0, hierarchical=False,
+                                     two_stage=False)
+        return types.SimpleNamespace(
+            group_id=name, spec=types.SimpleNamespace(name=name, num_ranks=2, service_class=0),
+            rank=0, dispatches=0, combines=0, bytes_sent=0, bytes_received=0, handles={},
+            queued_calls=0, queue_wait_seconds=0.0, comm=comm)
+    a, b, c = member("a"), member("b"), member("c")
+    ops = {i: types.SimpleNamespace(member=m) for i, m in enumerate([a, a, a, b])}
+    session = types.SimpleNamespace(members={"a": a, "b": b, "c": c}, stream_ops=ops,
+                                    regions={})
+    engine = types.SimpleNamespace(index=0, sessions={"s": session})
+    got = {g.name: g.armed_calls for g in Engine.stats(engine, session).groups}
+    assert got == {"a": 3, "b": 1, "c": 0}
+
+
 def test_an_arm_and_a_join_at_once_take_different_slots(monkeypatch) -> None:
     """A join on the event loop takes counter slots while an arm runs on the session's
     worker: the arm keeps the slot it prepared its op with and the join's is never the op's

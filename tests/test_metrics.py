@@ -78,6 +78,7 @@ def test_gauges(daemon, traffic):
     for e in ("0", "1"):
         assert value(ss, "epd_engine_up", engine=e) == 1
         assert value(ss, "epd_sessions", engine=e) == 0  # all sessions closed
+        assert value(ss, "epd_stream_ops_armed", engine=e) == 0  # (the cpu backend arms none)
     assert value(ss, "epd_build_info", backend="cpu") == 1
     assert ss["epd_build_info"][0].labels["version"]
     # (the group is gone: its imbalance reads 0, and its alert stops firing)

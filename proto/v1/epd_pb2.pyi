@@ -721,7 +721,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class GroupStats(_message.Message):
-    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles", "service_class", "stream_priority", "num_sms", "ll_num_sms", "queued_calls", "queue_wait_seconds", "held_bytes", "hierarchical", "two_stage")
+    __slots__ = ("group_id", "name", "rank", "num_ranks", "dispatches", "combines", "bytes_sent", "bytes_received", "aborted", "abort_reason", "handles", "service_class", "stream_priority", "num_sms", "ll_num_sms", "queued_calls", "queue_wait_seconds", "held_bytes", "hierarchical", "two_stage", "armed_calls")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -742,6 +742,7 @@ class GroupStats(_message.Message):
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     HIERARCHICAL_FIELD_NUMBER: _ClassVar[int]
     TWO_STAGE_FIELD_NUMBER: _ClassVar[int]
+    ARMED_CALLS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     name: str
     rank: int
@@ -762,7 +763,8 @@ class GroupStats(_message.Message):
     held_bytes: int
     hierarchical: bool
     two_stage: bool
-    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., stream_priority: _Optional[int] = ..., num_sms: _Optional[int] = ..., ll_num_sms: _Optional[int] = ..., queued_calls: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., held_bytes: _Optional[int] = ..., hierarchical: _Optional[bool] = ..., two_stage: _Optional[bool] = ...) -> None: ...
+    armed_calls: int
+    def __init__(self, group_id: _Optional[str] = ..., name: _Optional[str] = ..., rank: _Optional[int] = ..., num_ranks: _Optional[int] = ..., dispatches: _Optional[int] = ..., combines: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., bytes_received: _Optional[int] = ..., aborted: _Optional[bool] = ..., abort_reason: _Optional[str] = ..., handles: _Optional[int] = ..., service_class: _Optional[_Union[ServiceClass, str]] = ..., stream_priority: _Optional[int] = ..., num_sms: _Optional[int] = ..., ll_num_sms: _Optional[int] = ..., queued_calls: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., held_bytes: _Optional[int] = ..., hierarchical: _Optional[bool] = ..., two_stage: _Optional[bool] = ..., armed_calls: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("engine_index", "sessions", "groups", "regions", "region_bytes")

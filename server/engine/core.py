@@ -449,6 +449,8 @@ class Engine(StreamCalls, DataPlane):
         metrics.GROUPS.labels(self._label).set(len(members))
         metrics.REGIONS.labels(self._label).set(len(regions))
         metrics.REGION_BYTES.labels(self._label).set(sum(r.size for r in regions))
+        metrics.STREAM_OPS_ARMED.labels(self._label).set(sum(len(s.stream_ops)
+                                                             for s in sessions))
         # Ranks held per (group, class); series of groups gone drop to 0 (a multiprocess
         # series cannot be removed, see metrics.py).
         ranks: dict[tuple[str, str], int] = {}
@@ -909,6 +911,9 @@ class Engine(StreamCalls, DataPlane):
         groups = []
         sessions = [session] if session is not None else list(self.sessions.values())
         for s in sessions if session is not None else ():
+            armed: dict[int, int] = {}
+            for op in list(s.stream_ops.values()):
+                armed[id(op.member)] = armed.get(id(op.member), 0) + 1
             for m in list(s.members.values()):  # a snapshot: other threads change it
                 reason = m.comm.abort_reason()
                 groups.append(epd_pb2.GroupStats(
@@ -920,7 +925,8 @@ class Engine(StreamCalls, DataPlane):
                     stream_priority=m.comm.stream_priority, num_sms=m.comm.num_sms,
                     ll_num_sms=m.comm.ll_num_sms, queued_calls=m.queued_calls,
                     queue_wait_seconds=m.queue_wait_seconds, held_bytes=m.comm.held_bytes,
-                    hierarchical=m.comm.hierarchical, two_stage=m.comm.two_stage))
+                    hierarchical=m.comm.hierarchical, two_stage=m.comm.two_stage,
+                    armed_calls=armed.get(id(m), 0)))
         regions = [r for s in sessions for r in list(s.regions.values()) if not r.borrowed]
         return epd_pb2.GetStatsResponse(engine_index=self.index, sessions=len(self.sessions),
                                         groups=groups, regions=len(regions),
