@@ -292,8 +292,9 @@ class StreamOps:
                 view = member.comm.low_latency_combine_view(int(d.x.shape[0]))
                 resp.combined_x.CopyFrom(tensors.describe(view, member.comm.output_region,
                                                           member.spec.x_dtype))
-        with self._lock:
-            held = sum(o.member is member for o in self.ops.values())
+        # (the session's own ops: a member is one session's, and its arms and removals run
+        # under that session's lock, so no engine-wide scan under the poller's lock)
+        held = sum(o.member is member for o in session.stream_ops.values())
         if held >= abi.LL_CHAIN_OPS:
             raise ResourceExhausted(
                 f"group {member.spec.name!r} holds {held} armed calls, the most a group may "
