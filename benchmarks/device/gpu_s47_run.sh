@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Forty-seventh session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says):
+#   poller47   # the poller no longer spinning for an idle poller ring beside busy chains:
+#              # `epd bench` D with the low-latency rows (their engine CPU), then the same under
+#              # py-spy (Python frames, every thread of every process: where the engine's host
+#              # work per call goes, the graph replay's trigger among it), the chain tests
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
+bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
+  local label=$1; shift
+  timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --json "$OUT/bench_$label.json" "$@" \
+      2>&1 | clean | tail -45 | tee "$OUT/bench_$label.txt"
+}
+case "${1:-}" in
+  poller47)
+    bench d --shapes D --iters 30 --low-latency
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/spy \
+        .whl/py_spy*.whl || exit 1
+    timeout 200 /tmp/spy/bin/py-spy record --subprocesses --threads --nonblocking --rate 250 \
+        --format raw -o /tmp/spy.txt -- python3 -P -m epd.server.cli bench --ranks 2 --shapes D \
+        --iters 60 --low-latency --skip pipeline 2>&1 | clean | tail -30 > "$OUT/bench_spy.txt"
+    gzip -c /tmp/spy.txt > "$OUT/spy_raw.txt.gz"
+    python3 benchmarks/spy_summary.py /tmp/spy.txt --top 40 > "$OUT/spy_summary.txt" 2>&1
+    python3 benchmarks/spy_summary.py /tmp/spy.txt --top 60 --match "_fire" \
+        > "$OUT/spy_fire.txt" 2>&1
+    rm -f /tmp/spy.txt
+    STEP_TEST_SECONDS=200 step ll 230 "tests/gpu/test_ll_plain.py"
+    ;;
+  *) echo "usage: $0 poller47"; exit 2 ;;
+esac
