@@ -5,6 +5,9 @@
 #              # `epd bench` D with the low-latency rows (their engine CPU), then the same under
 #              # py-spy (Python frames, every thread of every process: where the engine's host
 #              # work per call goes, the graph replay's trigger among it), the chain tests
+#   prof47     # the poller thread under cProfile (EPD_PROFILE_THREADS=poller) through `epd
+#              # bench` D with the low-latency rows: where a captured call's trigger spends the
+#              # engine's host time, and the poller's looks and naps between calls
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
 bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
@@ -27,5 +30,20 @@ case "${1:-}" in
     rm -f /tmp/spy.txt
     STEP_TEST_SECONDS=200 step ll 230 "tests/gpu/test_ll_plain.py"
     ;;
-  *) echo "usage: $0 poller47"; exit 2 ;;
+  prof47)
+    mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
+    EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 100 \
+        --low-latency --skip pipeline > /dev/null
+    cp /tmp/prof/*.prof "$OUT/" 2>/dev/null
+    python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    s = pstats.Stats(p); print('==', p)
+    s.sort_stats('cumulative').print_stats(70)
+    s.print_callees('fire')
+    s.print_callees('_poll_rounds')
+" > "$OUT/prof_poller.txt" 2>&1
+    rm -rf /tmp/prof
+    ;;
+  *) echo "usage: $0 poller47|prof47"; exit 2 ;;
 esac

@@ -30,6 +30,7 @@ from ...proto.thread_names import NamedThread
 from .. import metrics
 from .decoding import decode
 from .executor import as_epd_error
+from .profiling import run_profiled
 
 if TYPE_CHECKING:
     from .core import Engine, OperationFn
@@ -112,22 +113,7 @@ class FastPathServer:
 
     def _serve_profiled(self) -> None:
         self.engine.backend.thread_init()
-        # EPD_PROFILE_DIR: profile this thread (cProfile is per thread) for host-overhead work.
-        prof_dir = os.environ.get("EPD_PROFILE_DIR")
-        if not prof_dir:
-            return self._loop()
-        import cProfile
-        prof = cProfile.Profile()
-        try:
-            prof.enable()
-        except ValueError:  # Python 3.12+: one profiler per process (another session has it)
-            return self._loop()
-        try:
-            self._loop()
-        finally:
-            prof.disable()
-            prof.dump_stats(os.path.join(prof_dir, f"engine-{os.getpid()}-"
-                                                   f"{self.session.session_id[:8]}.prof"))
+        run_profiled("fast", f"engine-{os.getpid()}-{self.session.session_id[:8]}", self._loop)
 
     def _loop(self) -> None:
         seq, last = 1, None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,7 @@ from ..config import chain_limit
 from . import captured_calls, tensors
 from .executor import as_epd_error
 from .ops import ll_dispatch_response
+from .profiling import run_profiled
 from .stall_probe import StallProbe
 from .state import GroupMember, Session
 
@@ -557,7 +559,7 @@ class StreamOps:
         # Its metric updates go in a batch, applied when idle or every FLUSH_EVERY launches
         # (metrics.Batch: a multiprocess update costs microseconds of an op's path).
         with metrics.batched() as self._batch:
-            self._poll_loop()
+            run_profiled("poller", f"poller-{os.getpid()}-{self.engine.index}", self._poll_loop)
 
     def _poll_loop(self) -> None:
         self.engine.backend.thread_init()
