@@ -1573,7 +1573,8 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
     """A worst-case dispatch and its combine captured in a CUDA graph (engine/captured_calls.py)
     arm on the member's poller ring even where a chain is wanted (its slot's sticky failure
     cleared, the ring slot's failure record cleared and noted on the member); each trigger runs
-    the stored request as an eager call: the previous trigger's handle released by it, the
+    the stored request as an eager call, its arguments checked at the op's first trigger and
+    kept: the previous trigger's handle released by it (and its arrays refilled), the
     member's READY written by the host, the launch run, the op's done word signalled after
     it, the dispatch's sequence and num_worst_tokens noted; a combine brings back its dispatch
     op's latest handle; a refused trigger fails the done word and its sticky copy, launching
@@ -1602,17 +1603,40 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
     released: list = []
     handles = itertools.count(41)
 
-    def dispatch_op(s, req, path):
+    checked: list = []  # the first trigger's checks, kept for the later ones (op.plan)
+    refills: list = []  # the released handle each dispatch may refill
+
+    def dispatch_args(s, m, req):
+        checked.append("dispatch")
+        return types.SimpleNamespace(refill=None), None, 5.0
+
+    def launch_stream_dispatch(s, m, req, args, cached, timeout, path):
+        refills.append(args.refill)
+        released.extend(req.release_handles)
+        for h in req.release_handles:
+            member.handles.pop(h)
         after.append(lambda: ran.append(("dispatch", list(req.release_handles))))
         h = next(handles)
-        member.handles[h] = HandleInfo(None, 8, -1, 32)
-        return epd_pb2.DispatchResponse(handle=h, stream_seq=7, counter_sequence=3)
+        member.handles[h] = HandleInfo(f"backend handle {h}", 8, -1, 32)
+        return None, h, 3, 7
 
-    def combine_op(s, req, path):
-        after.append(lambda: ran.append(("combine", req.handle)))
-        return epd_pb2.CombineResponse(stream_seq=8)
+    def combine_inputs(s, m, req, rows, t, rows_are):
+        checked.append(("combine", rows, t))
+        return "x", None, [None, None]
+
+    def launch_stream_combine(s, m, info, args, out, out_w, timeout, path, num_sms):
+        assert args.handle == info.backend_handle and out == "out"
+        handle = cop.request.handle
+        after.append(lambda: ran.append(("combine", handle)))
+        return 8
     engine = ops.engine
-    engine.dispatch_op, engine.combine_op = dispatch_op, combine_op
+    engine.dispatch_args, engine.launch_stream_dispatch = dispatch_args, launch_stream_dispatch
+    engine._check_alive = lambda m, stream_ordered: None
+    engine.combine_taking_part = lambda m, req, run: run()
+    engine._handle = lambda m, h, kind: member.handles[h]
+    engine._resolve = lambda s, m, info, wait: True
+    engine.combine_inputs, engine.launch_stream_combine = combine_inputs, launch_stream_combine
+    engine.combine_outputs = lambda s, m, req, t, with_weights: ("out", None)
     engine._release = lambda m, ids: released.extend(ids)
     monkeypatch.setattr(C, "arm_dispatch",
                         lambda e, s, req: (member, epd_pb2.DispatchResponse()))
@@ -1634,6 +1658,9 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
             ops._fire(dop, 0)
             ops._fire(cop, 0)
         assert ran == [("dispatch", []), ("combine", 41), ("dispatch", [41]), ("combine", 42)]
+        assert checked == ["dispatch", ("combine", 32, 8)]  # (once per op)
+        assert refills == [None, "backend handle 41"]  # (the second refills the first's)
+        released.clear()
         slot32 = mem[0].view(np.int32)
         assert slot32[abi.SLOT32_READY + 7 % abi.READY_RING] == 7  # (the trigger's READY)
         assert slot32[abi.SLOT32_READY + 8 % abi.READY_RING] == 8
@@ -1643,10 +1670,10 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
         assert not C.ready(dop)
         member.pending = None
         # A refused trigger: nothing launched, the done word and its sticky copy failed.
-        def refused(s, req, path):
+        def refused(s, m, req, args, cached, timeout, path):
             after.append(lambda: ran.append("must not run"))
             raise RuntimeError("refused")
-        engine.dispatch_op = refused
+        engine.launch_stream_dispatch = refused
         ops._fire(dop, 0)
         words = mem[d.counter_slot].view(np.int32)
         assert words[abi.STREAM_DONE] & 0xFF == abi.DONE_FAILED

@@ -681,6 +681,7 @@ def _refusing_engine(member, **attrs):
                                    **attrs)
     engine._refused_takes_part = lambda *a, **k: DataPlane._refused_takes_part(engine, *a, **k)
     engine._known_handle = lambda *a: DataPlane._known_handle(engine, *a)
+    engine.combine_taking_part = lambda *a: DataPlane.combine_taking_part(engine, *a)
     return engine
 
 

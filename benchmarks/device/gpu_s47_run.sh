@@ -8,6 +8,9 @@
 #   prof47     # the poller thread under cProfile (EPD_PROFILE_THREADS=poller) through `epd
 #              # bench` D with the low-latency rows: where a captured call's trigger spends the
 #              # engine's host time, and the poller's looks and naps between calls
+#   fire47     # a captured call's trigger keeping its first run's checked arguments, building
+#              # no response and refilling the previous trigger's handle arrays: the captured
+#              # normal-mode tests, then `epd bench` D and the profile above
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
 bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
@@ -30,6 +33,12 @@ case "${1:-}" in
     rm -f /tmp/spy.txt
     STEP_TEST_SECONDS=200 step ll 230 "tests/gpu/test_ll_plain.py"
     ;;
+  fire47)
+    STEP_TEST_SECONDS=120 step captured 150 "tests/gpu/test_captured_normal.py"
+    STEP_TEST_SECONDS=100 step facade 130 "tests/gpu/test_worst_case_no_wait.py tests/gpu/test_deep_ep_facade.py"
+    bench d --shapes D --iters 30 --low-latency
+    "$0" prof47
+    ;;
   prof47)
     mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
     EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 100 \
@@ -45,5 +54,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
 " > "$OUT/prof_poller.txt" 2>&1
     rm -rf /tmp/prof
     ;;
-  *) echo "usage: $0 poller47|prof47"; exit 2 ;;
+  *) echo "usage: $0 poller47|prof47|fire47"; exit 2 ;;
 esac

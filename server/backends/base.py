@@ -242,6 +242,10 @@ class DispatchArgs:
     # tokens per expert (DeepEP's is_token_in_rank / num_tokens_per_expert).
     is_token_in_rank: Array | None = None
     num_tokens_per_expert: Array | None = None
+    # A released handle of this RankComm whose device state this dispatch (fresh, of as many
+    # tokens) may overwrite instead of allocating its own: an armed dispatch's previous
+    # trigger's, whose last reader (its combine) is queued before it on the rank's stream.
+    refill: Any = None
 
 
 @dataclass

@@ -839,7 +839,9 @@ class CudaRankComm(RankComm):
                 res = self.stages.dispatch_result(t, made, args.num_worst_tokens)
                 out_runner, out_res = self.stages.node, res.node
             else:
-                res = self.runner.dispatch_result(t, made, args.num_worst_tokens)
+                res = self.runner.dispatch_result(
+                    t, made, args.num_worst_tokens,
+                    refill=args.refill.result if args.refill is not None else None)
                 out_runner, out_res = self.runner, res
             prefix = self._prefix_view()
         if cached is not None:  # known: the client reads it from the page as for any dispatch

@@ -209,11 +209,16 @@ class RankRunner:
                                    stream=self.stream)
 
     def dispatch_result(self, num_tokens: int, cached: DispatchResult | None,
-                        num_worst_tokens: int) -> DispatchResult:
+                        num_worst_tokens: int, refill: DispatchResult | None = None
+                        ) -> DispatchResult:
         """What a dispatch will fill, before it is launched: a new handle (the layout notify
-        writes), or a cached dispatch's."""
+        writes), a cached dispatch's, or `refill`'s arrays (a released handle of as many
+        tokens: DispatchArgs.refill), which spares the allocations (~1/10 of an armed
+        dispatch's host time)."""
         if cached is not None:
             return DispatchResult(cached.handle, num_worst_tokens, False)
+        if refill is not None and refill.handle.num_tokens == num_tokens:
+            return DispatchResult(refill.handle, num_worst_tokens, True)
         lay = self.layout
         with cp.cuda.Device(self.device_id), self.stream:
             handle = ck.DispatchHandle.allocate(num_tokens, lay.num_ranks,

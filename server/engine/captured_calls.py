@@ -41,9 +41,10 @@ import numpy as np
 from ...proto import abi, counter_page, host_order
 from ...proto.errors import FailedPrecondition, InvalidArgument, NotFound
 from ...proto.v1 import epd_pb2
+from ..backends.base import CombineArgs
 from . import tensors
 from .ops import dispatch_response
-from .state import GroupMember, Session
+from .state import NORMAL, GroupMember, Session
 
 if TYPE_CHECKING:
     from .core import Engine
@@ -125,26 +126,15 @@ def fire(e: Engine, op: StreamOp) -> None:
     session, member = op.session, op.member
     try:
         if op.kind == KIND_DISPATCH:
-            req = op.request
             prev, op.handle = op.handle, 0
-            del req.release_handles[:]
-            if prev:  # (the previous trigger's, freed once this one is checked)
-                req.release_handles.append(prev)
             try:
-                resp = e.dispatch_op(session, req, PATH)
+                op.handle, seq = _dispatch(e, op, prev)
             except BaseException:
                 if prev:  # (refused before its checks freed it: a combine must not read it)
                     e._release(member, [prev])
                 raise
-            op.handle, seq = resp.handle, resp.stream_seq
         else:
-            src = op.dispatch_op
-            assert src is not None
-            if not src.handle:
-                raise FailedPrecondition(f"stream op {op.op_id}: the combine of dispatch op "
-                                         f"{src.op_id}, whose latest trigger did not run")
-            op.request.handle = src.handle
-            seq = e.combine_op(session, op.request, PATH).stream_seq
+            seq = _combine(e, op)
     except BaseException:
         session.executor.take_after()  # (as an operation that fails: nothing queued runs)
         raise
@@ -154,6 +144,63 @@ def fire(e: Engine, op: StreamOp) -> None:
     for later in session.executor.take_after():  # (the launch; it handles its own failure)
         later()
     member.comm.signal_after(op.done_ptr, abi.DONE_OK)
+
+
+# A trigger runs the checks of its call's first run only where their answer can change: the
+# request is fixed, and the regions its tensors view stay registered while the op is armed
+# (core.unregister_region refuses), so the checked arguments are kept in `op.plan` and each
+# trigger checks the group's state (aborted, failed stream, handle budget) and takes its
+# sequences. No response is built: nobody reads one (~1/4 of a trigger's engine time).
+
+def _dispatch(e: Engine, op: StreamOp, prev: int) -> tuple[int, int]:
+    """One trigger of an armed dispatch (the previous trigger's handle `prev` freed with
+    its checks): its handle id and stream sequence."""
+    session, member, req = op.session, op.member, op.request
+    if op.plan is None:
+        op.plan = e.dispatch_args(session, member, req)
+    else:
+        e._check_alive(member, stream_ordered=True)
+    args, _cached, timeout = op.plan
+    del req.release_handles[:]
+    old = member.handles.get(prev) if prev else None
+    if old is not None:
+        req.release_handles.append(prev)
+    args.refill = old.backend_handle if old is not None else None
+    try:
+        _out, handle, _sequence, seq = e.launch_stream_dispatch(session, member, req, args,
+                                                                None, timeout, PATH)
+    finally:
+        args.refill = None  # (the plan keeps no released handle alive)
+    return handle, seq
+
+
+def _combine(e: Engine, op: StreamOp) -> int:
+    """One trigger of an armed combine, of its dispatch op's latest trigger: its stream
+    sequence. Its dispatch's failure does not stop it (the kernels skip a dispatch that
+    failed on every rank alike, and every rank must make the same calls)."""
+    session, member, req, src = op.session, op.member, op.request, op.dispatch_op
+    assert src is not None
+    if not src.handle:
+        raise FailedPrecondition(f"stream op {op.op_id}: the combine of dispatch op "
+                                 f"{src.op_id}, whose latest trigger did not run")
+    req.handle = src.handle
+
+    def run() -> int:
+        e._check_alive(member, stream_ordered=True)
+        info = e._handle(member, req.handle, NORMAL)
+        e._resolve(session, member, info, wait=False)
+        if op.plan is None:
+            x, weights, biases = e.combine_inputs(
+                session, member, req, info.rows_out, info.num_tokens,
+                f"rows received by the dispatch of handle {req.handle}")
+            out, out_w = e.combine_outputs(session, member, req, info.num_tokens,
+                                           weights is not None)
+            op.plan = (x, weights, biases, out, out_w, e._timeout(req.timeout_seconds))
+        x, weights, biases, out, out_w, timeout = op.plan
+        args = CombineArgs(x, info.backend_handle, weights, biases[0], biases[1])
+        return e.launch_stream_combine(session, member, info, args, out, out_w, timeout, PATH,
+                                       req.num_sms)
+    return e.combine_taking_part(member, req, run)
 
 
 def note_worst_case(words: np.ndarray, sequence: int, num_worst: int) -> None:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -53,6 +53,7 @@ _CALLER_ERRORS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECO
                   grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
                   grpc.StatusCode.OUT_OF_RANGE)
 log = logging.getLogger("epd.engine")
+T = TypeVar("T")
 
 
 class DataPlane:
@@ -523,9 +524,16 @@ class DataPlane:
     def combine_op(self, session: Session, req: epd_pb2.CombineRequest,
                    path: str) -> epd_pb2.CombineResponse:
         member = self.member(session, req.group_id)
+        return self.combine_taking_part(member, req,
+                                        lambda: self._combine(session, member, req, path))
+
+    def combine_taking_part(self, member: GroupMember, req: epd_pb2.CombineRequest,
+                            run: Callable[[], T]) -> T:
+        """Run a combine of `req.handle`; refused by this engine before it took its sequence,
+        it takes part all the same (`_refused_takes_part`)."""
         taken = member.stream_seq
         try:
-            return self._combine(session, member, req, path)
+            return run()
         except EpdError as e:
             self._refused_takes_part(
                 member, req, e, "combine",

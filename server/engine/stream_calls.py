@@ -34,7 +34,7 @@ from ...proto import abi, counter_page
 from ...proto.errors import Aborted, FailedPrecondition, InvalidArgument
 from ...proto.v1 import epd_pb2
 from .. import metrics, service_classes
-from ..backends.base import CombineArgs, DispatchArgs
+from ..backends.base import CombineArgs, DispatchArgs, DispatchOutputs
 from . import captured_calls, tensors
 from .ops import dispatch_response
 from .state import GroupMember, HandleInfo, Session
@@ -234,6 +234,17 @@ class StreamCalls:
     def dispatch_stream(self, session: Session, member: GroupMember,
                         req: epd_pb2.DispatchRequest, args: DispatchArgs, cached: HandleInfo | None,
                         timeout: float, path: str) -> epd_pb2.DispatchResponse:
+        out, handle_id, sequence, seq = self.launch_stream_dispatch(
+            session, member, req, args, cached, timeout, path)
+        return dispatch_response(member, req, out, handle_id, sequence, seq)
+
+    def launch_stream_dispatch(self, session: Session, member: GroupMember,
+                               req: epd_pb2.DispatchRequest, args: DispatchArgs,
+                               cached: HandleInfo | None, timeout: float, path: str
+                               ) -> tuple[DispatchOutputs, int, int, int]:
+        """A checked stream-ordered dispatch taken and its launch queued after the answer:
+        its outputs, handle id, counter sequence and stream sequence (a captured call's
+        trigger needs no response: captured_calls.fire)."""
         # (dispatch_op refused routing without top-k and a failed cached handle already)
         self._check_ordered(member)
         spec = member.spec
@@ -270,24 +281,46 @@ class StreamCalls:
         if pending:
             member.pending = info
         member.dispatches += 1
-        return dispatch_response(member, req, out, handle_id, sequence, seq)
+        return out, handle_id, sequence, seq
 
     def combine_stream(self, session: Session, member: GroupMember,
                        req: epd_pb2.CombineRequest, info: HandleInfo, args: CombineArgs,
                        timeout: float, path: str) -> epd_pb2.CombineResponse:
         self._check_ordered(member)
+        out, out_w = self.combine_outputs(session, member, req, info.num_tokens,
+                                          args.topk_weights is not None)
+        seq = self.launch_stream_combine(session, member, info, args, out, out_w, timeout, path,
+                                         req.num_sms)
+        resp = epd_pb2.CombineResponse(combined_x=req.out, stream_seq=seq)
+        if out_w is not None:
+            resp.combined_topk_weights.CopyFrom(req.out_topk_weights)
+        return resp
+
+    def combine_outputs(self, session: Session, member: GroupMember, req: epd_pb2.CombineRequest,
+                        num_tokens: int, with_weights: bool) -> tuple[Array, Array | None]:
+        """A stream-ordered combine's outputs, the caller's: out, and out_topk_weights for a
+        combine with topk_weights."""
         spec = member.spec
-        t = info.num_tokens
-        out = self._stream_output(session, req.out, "out", (t, spec.hidden), spec.x_dtype)
+        out = self._stream_output(session, req.out, "out", (num_tokens, spec.hidden),
+                                  spec.x_dtype)
         out_w = None
-        if args.topk_weights is not None:
+        if with_weights:
             out_w = self._stream_output(session, req.out_topk_weights, "out_topk_weights",
-                                        (t, spec.num_topk), epd_pb2.FLOAT32)
+                                        (num_tokens, spec.num_topk), epd_pb2.FLOAT32)
         elif tensors.is_set(req.out_topk_weights):
             raise InvalidArgument("out_topk_weights is only for a combine with topk_weights")
+        return out, out_w
+
+    def launch_stream_combine(self, session: Session, member: GroupMember, info: HandleInfo,
+                              args: CombineArgs, out: Array, out_w: Array | None,
+                              timeout: float, path: str, num_sms: int) -> int:
+        """A checked stream-ordered combine taken and its launch queued after the answer: its
+        stream sequence."""
+        self._check_ordered(member)
+        spec = member.spec
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
-        num_sms = self._num_sms(member, req.num_sms)
+        num_sms = self._num_sms(member, num_sms)
         self._queued(session, member)
         seq = self._next_stream_seq(member)
         launch = member.comm.stream_combine(args, out, out_w, slot, time.monotonic() + timeout,
@@ -302,7 +335,4 @@ class StreamCalls:
             member.bytes_sent += nbytes
             metrics.inc(metrics.BYTES_SENT, (spec.label, self.backend.peer_class), nbytes)
         member.combines += 1
-        resp = epd_pb2.CombineResponse(combined_x=req.out, stream_seq=seq)
-        if out_w is not None:
-            resp.combined_topk_weights.CopyFrom(req.out_topk_weights)
-        return resp
+        return seq

@@ -161,6 +161,7 @@ class StreamOp:
     # a dispatch's latest trigger's handle (0: not run yet)
     request: Any = None
     handle: int = 0
+    plan: Any = None  # its checked arguments, kept from its first trigger (captured_calls.py)
 
 
 @dataclass
