@@ -37,7 +37,7 @@ case "${1:-}" in
     STEP_TEST_SECONDS=120 step captured 150 "tests/gpu/test_captured_normal.py"
     STEP_TEST_SECONDS=100 step facade 130 "tests/gpu/test_worst_case_no_wait.py tests/gpu/test_deep_ep_facade.py"
     bench d --shapes D --iters 30 --low-latency
-    "$0" prof47
+    bash "$0" prof47
     ;;
   prof47)
     mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
