@@ -52,6 +52,17 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     s.print_callees('fire')
     s.print_callees('_poll_rounds')
 " > "$OUT/prof_poller.txt" 2>&1
+    rm -rf /tmp/prof; mkdir -p /tmp/prof  # (then one session's fast-path thread: eager calls)
+    EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=fast bench proffast --shapes D --iters 100 \
+        --skip pipeline > /dev/null
+    cp /tmp/prof/*.prof "$OUT/" 2>/dev/null
+    python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    s = pstats.Stats(p); print('==', p)
+    s.sort_stats('cumulative').print_stats(90)
+    s.sort_stats('tottime').print_stats(40)
+" > "$OUT/prof_fast.txt" 2>&1
     rm -rf /tmp/prof
     ;;
   *) echo "usage: $0 poller47|prof47|fire47"; exit 2 ;;
