@@ -39,6 +39,11 @@ case "${1:-}" in
     bench d --shapes D --iters 30 --low-latency
     bash "$0" prof47
     ;;
+  lean47)  # (fire47 within a short device budget: the captured tests, the bench, the poller)
+    STEP_TEST_SECONDS=100 step captured 120 "tests/gpu/test_captured_normal.py"
+    bench d --shapes D --iters 30 --low-latency
+    PROF_FAST=0 bash "$0" prof47
+    ;;
   prof47)
     mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
     EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 100 \
@@ -53,6 +58,7 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     s.print_callees('_poll_rounds')
 " > "$OUT/prof_poller.txt" 2>&1
     rm -rf /tmp/prof; mkdir -p /tmp/prof  # (then one session's fast-path thread: eager calls)
+    [ "${PROF_FAST:-1}" = 0 ] && exit 0
     EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=fast bench proffast --shapes D --iters 100 \
         --skip pipeline > /dev/null
     cp /tmp/prof/*.prof "$OUT/" 2>/dev/null
@@ -65,5 +71,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
 " > "$OUT/prof_fast.txt" 2>&1
     rm -rf /tmp/prof
     ;;
-  *) echo "usage: $0 poller47|prof47|fire47"; exit 2 ;;
+  *) echo "usage: $0 poller47|prof47|fire47|lean47"; exit 2 ;;
 esac
