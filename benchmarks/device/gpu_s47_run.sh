@@ -46,7 +46,7 @@ case "${1:-}" in
     ;;
   prof47)
     mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
-    EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 100 \
+    EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 60 \
         --low-latency --skip pipeline > /dev/null
     cp /tmp/prof/*.prof "$OUT/" 2>/dev/null
     python3 -c "
