@@ -150,7 +150,7 @@ def fire(e: Engine, op: StreamOp) -> None:
 # request is fixed, and the regions its tensors view stay registered while the op is armed
 # (core.unregister_region refuses), so the checked arguments are kept in `op.plan` and each
 # trigger checks the group's state (aborted, failed stream, handle budget) and takes its
-# sequences. No response is built: nobody reads one (~1/4 of a trigger's engine time).
+# sequences. No response is built: nobody reads one.
 
 def _dispatch(e: Engine, op: StreamOp, prev: int) -> tuple[int, int]:
     """One trigger of an armed dispatch (the previous trigger's handle `prev` freed with
