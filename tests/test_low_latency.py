@@ -1569,6 +1569,47 @@ class _Slot(np.ndarray):
     device_ptr: int = 0
 
 
+def test_a_cached_dispatch_of_a_captured_handle_is_refused() -> None:
+    """A captured dispatch's handle has its arrays refilled by the op's next replay
+    (DispatchArgs.refill): a cached dispatch sharing them would read another replay's routing,
+    so the engine refuses it (the client never sends one; the ids are guessable), while the
+    same handle uncaptured is reused."""
+    from epd.proto.errors import FailedPrecondition
+    from epd.server.backends.base import Region
+    from epd.server.engine.ops import DataPlane
+    from epd.server.engine.state import HandleInfo
+
+    class Floats(Region):
+        def __init__(self) -> None:
+            super().__init__("r", 4096)
+            self.buf = np.zeros(1024, np.float32)
+
+        def close(self) -> None:
+            pass
+
+        def view(self, offset, shape, dtype, strides):
+            return self.buf[offset // 4:offset // 4 + int(np.prod(shape))].reshape(shape)
+
+    spec = types.SimpleNamespace(name="g", shrink=False, x_dtype=epd_pb2.FLOAT32, hidden=8,
+                                 max_tokens_per_rank=16, max_recv_tokens=32)
+    member = types.SimpleNamespace(spec=spec, comm=types.SimpleNamespace(
+        known_abort_reason=lambda: None), handles={7: HandleInfo("arrays", 4, 9, 9)})
+    engine = types.SimpleNamespace(_timeout=lambda t: 5.0, backend=types.SimpleNamespace(
+        agrees_on_capacity=True), _resolve=lambda s, m, info: True)
+    for name in ("_check_alive", "_handle"):
+        setattr(engine, name, functools.partial(getattr(DataPlane, name), engine))
+    engine._check_normal_mode, engine._check_kind = (DataPlane._check_normal_mode,
+                                                     DataPlane._check_kind)
+    session = types.SimpleNamespace(regions={"r": Floats()})
+    req = epd_pb2.DispatchRequest(stream_ordered=True, cached_handle=7, x=epd_pb2.TensorDesc(
+        region_id="r", shape=[4, 8], dtype=epd_pb2.FLOAT32))
+    args, cached, _ = DataPlane.dispatch_args(engine, session, member, req)
+    assert args.cached == "arrays" and cached is member.handles[7]
+    member.handles[7].captured = True
+    with pytest.raises(FailedPrecondition, match="captured in a CUDA graph"):
+        DataPlane.dispatch_args(engine, session, member, req)
+
+
 def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypatch) -> None:
     """A worst-case dispatch and its combine captured in a CUDA graph (engine/captured_calls.py)
     arm on the member's poller ring even where a chain is wanted (its slot's sticky failure
@@ -1581,6 +1622,7 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
     nothing; a trigger that would wait for a count is not run; disarming frees the last
     handle, and the ring's last op takes the member's failure record with it."""
     from epd.proto import abi
+    from epd.proto.errors import Aborted
     from epd.server.engine import captured_calls as C
     from epd.server.engine.state import HandleInfo
 
@@ -1631,7 +1673,8 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
         return 8
     engine = ops.engine
     engine.dispatch_args, engine.launch_stream_dispatch = dispatch_args, launch_stream_dispatch
-    engine._check_alive = lambda m, stream_ordered: None
+    alive: list = []  # the group's state asked (dispatch_args asks at a dispatch's first)
+    engine._check_alive = lambda m, stream_ordered: alive.append(stream_ordered)
     engine.combine_taking_part = lambda m, req, run: run()
     engine._handle = lambda m, h, kind: member.handles[h]
     engine._resolve = lambda s, m, info, wait: True
@@ -1660,11 +1703,25 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
         assert ran == [("dispatch", []), ("combine", 41), ("dispatch", [41]), ("combine", 42)]
         assert checked == ["dispatch", ("combine", 32, 8)]  # (once per op)
         assert refills == [None, "backend handle 41"]  # (the second refills the first's)
+        assert member.handles[42].captured and dop.plan[0].refill is None
+        assert alive == [True] * 3  # (both combines, the second dispatch)
         released.clear()
         slot32 = mem[0].view(np.int32)
         assert slot32[abi.SLOT32_READY + 7 % abi.READY_RING] == 7  # (the trigger's READY)
         assert slot32[abi.SLOT32_READY + 8 % abi.READY_RING] == 8
         assert len(signalled) == 4 and all(v == abi.DONE_OK for _, v in signalled)
+        # A later trigger still asks whether the group is alive: aborted, nothing launched.
+        def aborted(m, stream_ordered):
+            raise Aborted("group 'g' is aborted: a peer left")
+        engine._check_alive = aborted
+        ops._fire(dop, 0)
+        assert mem[d.counter_slot].view(np.int32)[abi.STREAM_DONE] & 0xFF == abi.DONE_FAILED
+        assert not after and len(ran) == 4 and released == [42] and dop.handle == 0
+        engine._check_alive = lambda m, stream_ordered: None
+        mem[d.counter_slot].view(np.int32)[abi.STREAM_DONE] = abi.DONE_OK
+        ops._fire(dop, 0)  # (a trigger after a failed one: no handle to free or refill)
+        assert ran[-1] == ("dispatch", []) and refills[-1] is None
+        released.clear()
         # A trigger that would wait for its member's latest count is not ready.
         member.pending = HandleInfo(None, 8, -1, 32, sequence=4)
         assert not C.ready(dop)
@@ -1678,7 +1735,7 @@ def test_captured_normal_calls_arm_on_the_poller_and_run_as_eager_calls(monkeypa
         words = mem[d.counter_slot].view(np.int32)
         assert words[abi.STREAM_DONE] & 0xFF == abi.DONE_FAILED
         assert words[abi.STREAM_FAIL_DONE] == words[abi.STREAM_DONE] and not after
-        assert released == [42] and dop.handle == 0  # (a combine must not read it)
+        assert released == [43] and dop.handle == 0  # (a combine must not read it)
         assert "must not run" not in ran
         ops.disarm(session, c.op_id)
         ops.disarm(session, d.op_id)

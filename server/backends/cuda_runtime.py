@@ -213,7 +213,7 @@ class RankRunner:
                         ) -> DispatchResult:
         """What a dispatch will fill, before it is launched: a new handle (the layout notify
         writes), a cached dispatch's, or `refill`'s arrays (a released handle of as many
-        tokens: DispatchArgs.refill), which spares the five allocations."""
+        tokens: DispatchArgs.refill), which spares its allocations."""
         if cached is not None:
             return DispatchResult(cached.handle, num_worst_tokens, False)
         if refill is not None and refill.handle.num_tokens == num_tokens:

@@ -5,8 +5,9 @@ answers it; a graph replays the caller's stream work without asking the engine a
 call made under capture is armed instead, like a low-latency one (stream_ops.py): the client's
 graph holds a trigger (the op's entry appended to the member's ring) and a wait for the op's
 done word, and each time the poller reads the entry it runs the stored request as a
-stream-ordered call of its own: the same checks, the member's next sequences, a new handle
-(the previous trigger's released), the kernels enqueued at once, then the done word written
+stream-ordered call of its own: the checks of its first run (kept: `_dispatch` below) and
+the group's state each time, the member's next sequences, a new handle (the previous
+trigger's released, its arrays refilled), the kernels enqueued at once, then the done word written
 on the rank's stream after them. The poller reads the ring in the order the triggers reached
 the GPU, so every rank numbers the calls alike.
 
@@ -165,12 +166,14 @@ def _dispatch(e: Engine, op: StreamOp, prev: int) -> tuple[int, int]:
     old = member.handles.get(prev) if prev else None
     if old is not None:
         req.release_handles.append(prev)
-    args.refill = old.backend_handle if old is not None else None
+    # (only a captured handle's arrays: no cached dispatch shares them, ops.dispatch_args)
+    args.refill = old.backend_handle if old is not None and old.captured else None
     try:
         _out, handle, _sequence, seq = e.launch_stream_dispatch(session, member, req, args,
                                                                 None, timeout, PATH)
     finally:
         args.refill = None  # (the plan keeps no released handle alive)
+    member.handles[handle].captured = True
     return handle, seq
 
 

@@ -277,6 +277,10 @@ class DataPlane:
             if cached.failed:
                 raise FailedPrecondition(f"handle {req.cached_handle} belongs to a dispatch "
                                          f"that failed")
+            if cached.captured:  # (its arrays are the op's, rewritten by its next replay)
+                raise FailedPrecondition(f"handle {req.cached_handle} belongs to a dispatch "
+                                         f"captured in a CUDA graph; a cached dispatch takes "
+                                         f"an eager dispatch's handle")
             if cached.num_tokens != t:
                 raise InvalidArgument(f"cached dispatch with {t} tokens, but handle "
                                       f"{req.cached_handle} was made for {cached.num_tokens}")

@@ -105,6 +105,9 @@ class HandleInfo:
     # the client does not wait for): their bytes are counted when the count is.
     unresolved_combines: int = 0
     nbytes: int = 0  # engine memory charged to the session's handle bytes (RankComm.handle_bytes)
+    # A captured dispatch's trigger's (engine/captured_calls.py): its arrays are refilled by
+    # the op's next trigger, so no cached dispatch may share them
+    captured: bool = False
 
 
 @dataclass
