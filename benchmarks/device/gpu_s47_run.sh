@@ -44,6 +44,10 @@ case "${1:-}" in
     bench d --shapes D --iters 30 --low-latency
     PROF_FAST=0 bash "$0" prof47
     ;;
+  tiny47)  # (the last device seconds: the captured tests and the bench's graph row)
+    STEP_TEST_SECONDS=70 step captured 80 "tests/gpu/test_captured_normal.py"
+    bench d --shapes D --iters 20 --low-latency --skip pipeline,deep_ep
+    ;;
   prof47)
     mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
     EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 60 \
@@ -71,5 +75,5 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
 " > "$OUT/prof_fast.txt" 2>&1
     rm -rf /tmp/prof
     ;;
-  *) echo "usage: $0 poller47|prof47|fire47|lean47"; exit 2 ;;
+  *) echo "usage: $0 poller47|prof47|fire47|lean47|tiny47"; exit 2 ;;
 esac
