@@ -1487,6 +1487,51 @@ def test_busy_deep_chains_do_not_keep_the_poller_spinning_for_an_idle_poller_rin
         ops.stop()
 
 
+def test_chains_are_topped_up_at_their_cadence_while_the_poller_looks_at_an_idle_ring() -> None:
+    """Deep chains beside an idle poller ring: the poller looks at the ring every
+    stream_op_poll_us but tops the chains up only every ll_chain_poll_us (each look topped
+    them up, most of a look's host time: the low-latency rows' engine CPU in BENCHMARKS,
+    forty-seventh session); a chain armed during the nap is topped up at once, and the
+    ring's trigger is still seen at its look."""
+    import threading
+
+    from epd.server.engine import stream_ops as S
+
+    def chained(name: str, top_ups: list) -> types.SimpleNamespace:
+        member = types.SimpleNamespace(spec=types.SimpleNamespace(name=name, label=name),
+                                       dispatches=0, combines=0)
+        chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0,
+                                      top_up=lambda: top_ups.append(time.perf_counter()) or [])
+        return types.SimpleNamespace(chain=chain, member=member)
+
+    top_ups: list = []
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=2_000, chain_poll_us=100_000))
+    ops.rings[1] = chained("cadence-c", top_ups)
+    looks: list = []
+    run_ring = ops._run_ring
+    ops._run_ring = lambda ring, gap: looks.append(1) or run_ring(ring, gap)
+    launched = threading.Event()
+    op, _, _, _, _ = _stand_in_op("cadence-p", lambda p, b: launched.set())
+    ring = _ringed(ops, op)
+    ops._ensure_thread()
+    try:
+        time.sleep(0.5)
+        assert len(looks) >= 40, len(looks)  # (a look every 2 ms: ~250, fewer on a busy host)
+        assert 3 <= len(top_ups) <= 8, len(top_ups)  # (every 100 ms: ~5)
+        late: list = []
+        ops.rings[2] = chained("late-c", late)
+        t0 = time.perf_counter()
+        ops._ensure_thread()  # (what an arm does)
+        deadline = time.monotonic() + 5
+        while not late and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert late and late[0] - t0 < 0.05  # (not at the next top-up, up to 100 ms on)
+        _trigger(ring, op.entry)
+        assert launched.wait(5)
+    finally:
+        ops.stop()
+
+
 def test_a_disarm_counts_the_calls_its_chain_ran_since_the_last_look() -> None:
     """The poller counts a chain's calls at its top-ups (up to a nap apart); an op disarmed in
     between has its last calls counted first, while the chain's log can still name them."""

@@ -576,6 +576,10 @@ class StreamOps:
         launched = 0
         period = max(cfg.stream_op_poll_us, 1) * 1e-6
         last = looked = time.perf_counter()
+        # While it naps between looks at idle poller rings, the chains are topped up at their
+        # own cadence (a nap apart), not at every look: their top-ups were most of each look's
+        # host time (an engine holding one captured normal-mode call beside chained ones).
+        chains_due = 0.0
         while not self._stop:
             rings = list(self.rings.values())
             if not rings:  # nothing armed: sleep until an op is armed
@@ -585,8 +589,10 @@ class StreamOps:
                 looked = time.perf_counter()
                 continue
             top = time.perf_counter()
-            with watch("top_up"):
-                chains_ran = self._top_up(rings)
+            chains_ran = False
+            if top >= chains_due:
+                with watch("top_up"):
+                    chains_ran = self._top_up(rings)
             start = time.perf_counter()
             gap, looked = start - looked, start  # a trigger seen now came at most `gap` ago
             ran = False
@@ -615,15 +621,25 @@ class StreamOps:
                 idle = True
             if nap and (idle or len(chained) == len(rings)):
                 # (no call waits for this thread's look but an idle poller ring's, which waits
-                # as long as when idle without chains; an arm, which may add a poller ring, or
-                # a stop ends the nap at once)
-                self._wake.wait(timeout=nap if len(chained) == len(rings) else min(nap, period))
+                # as long as when idle without chains; an arm, which may add a poller ring or
+                # a chain to fill, or a stop ends the nap at once)
+                if len(chained) == len(rings):
+                    wait, chains_due = nap, 0.0
+                else:
+                    wait = min(nap, period)
+                    if chains_due <= top:
+                        chains_due = top + nap
+                if self._wake.wait(timeout=wait):
+                    chains_due = 0.0
                 self._wake.clear()
                 now = time.perf_counter()  # (a nap asked for is no late look)
             elif idle:
+                chains_due = 0.0
                 time.sleep(period)
-            elif not fired:
-                spin.relax()  # without the GIL (the sessions' threads need it), no timer
+            else:
+                chains_due = 0.0  # (a poller ring's trigger: spinning, every look tops up)
+                if not fired:
+                    spin.relax()  # without the GIL (the sessions' threads need it), no timer
             end = time.perf_counter()
             if end - top > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
                 for part, secs in (("top_up", start - top), ("launch", now - start),
