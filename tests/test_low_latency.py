@@ -731,6 +731,15 @@ def _ringed(ops, op, ring=None):
     return ring
 
 
+def _chained_ring(name: str, top_up) -> types.SimpleNamespace:
+    """A stand-in chained ring of the poller: a member named `name` whose chain is deep
+    enough for the poller's nap and whose `top_up()` is given."""
+    member = types.SimpleNamespace(spec=types.SimpleNamespace(name=name, label=name),
+                                   dispatches=0, combines=0)
+    chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0, top_up=top_up)
+    return types.SimpleNamespace(chain=chain, member=member)
+
+
 def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0, chain_poll_us: int = 500):
     """A stand-in engine for StreamOps's poller thread: its spin and poll settings, and the
     engine state whose calls in flight shorten the spin (none here unless `inflight`)."""
@@ -1468,12 +1477,8 @@ def test_busy_deep_chains_do_not_keep_the_poller_spinning_for_an_idle_poller_rin
     from epd.server.engine import stream_ops as S
 
     looks = []
-    member = types.SimpleNamespace(spec=types.SimpleNamespace(name="busy-c", label="busy-c"),
-                                   dispatches=0, combines=0)
-    chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0,
-                                  top_up=lambda: looks.append(1) or [abi.LLX_DISPATCH])
     ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=20_000, chain_poll_us=20_000))
-    ops.rings[1] = types.SimpleNamespace(chain=chain, member=member)
+    ops.rings[1] = _chained_ring("busy-c", lambda: looks.append(1) or [abi.LLX_DISPATCH])
     launched = threading.Event()
     op, _, _, _, _ = _stand_in_op("idle-p", lambda p, b: launched.set())
     ring = _ringed(ops, op)
@@ -1498,11 +1503,7 @@ def test_chains_are_topped_up_at_their_cadence_while_the_poller_looks_at_an_idle
     from epd.server.engine import stream_ops as S
 
     def chained(name: str, top_ups: list) -> types.SimpleNamespace:
-        member = types.SimpleNamespace(spec=types.SimpleNamespace(name=name, label=name),
-                                       dispatches=0, combines=0)
-        chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0,
-                                      top_up=lambda: top_ups.append(time.perf_counter()) or [])
-        return types.SimpleNamespace(chain=chain, member=member)
+        return _chained_ring(name, lambda: top_ups.append(time.perf_counter()) or [])
 
     top_ups: list = []
     ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=2_000, chain_poll_us=100_000))
@@ -1556,11 +1557,8 @@ def test_an_arm_ends_the_pollers_nap_at_once() -> None:
 
     from epd.server.engine import stream_ops as S
 
-    chain_member = types.SimpleNamespace(spec=types.SimpleNamespace(name="nap-c", label="nap-c"),
-                                         dispatches=0, combines=0)
-    chain = types.SimpleNamespace(depth=64, enqueue_seconds=0.0, top_up=lambda: [])
     ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=50, chain_poll_us=2_000_000))
-    ops.rings[1] = types.SimpleNamespace(chain=chain, member=chain_member)
+    ops.rings[1] = _chained_ring("nap-c", lambda: [])
     launched = threading.Event()
     op, _, _, _, _ = _stand_in_op("nap-p", lambda p, b: launched.set())
     ops._ensure_thread()
