@@ -586,11 +586,11 @@ class StreamOps:
                 self._flush_metrics()
                 self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
-                looked = time.perf_counter()
+                looked, chains_due = time.perf_counter(), 0.0
                 continue
             top = time.perf_counter()
-            chains_ran = False
-            if top >= chains_due:
+            chains_ran, topped = False, top >= chains_due
+            if topped:
                 with watch("top_up"):
                     chains_ran = self._top_up(rings)
             start = time.perf_counter()
@@ -600,6 +600,9 @@ class StreamOps:
                 for ring in rings:
                     if ring.chain is None and self._run_ring(ring, gap):
                         ran = True
+            if ran and not topped:  # (a launch may be long: the chains not a nap plus it)
+                with watch("top_up"):
+                    chains_ran, topped = self._top_up(rings), True
             now = time.perf_counter()
             fired = ran or chains_ran
             if fired:
@@ -645,7 +648,7 @@ class StreamOps:
                 for part, secs in (("top_up", start - top), ("launch", now - start),
                                    ("sleep", end - now),
                                    ("enqueue", sum(r.chain.enqueue_seconds for r in rings
-                                                   if r.chain is not None))):
+                                                   if r.chain is not None) if topped else 0.0)):
                     metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
 
     def _flush_metrics(self) -> None:
