@@ -7,8 +7,8 @@ graph holds a trigger (the op's entry appended to the member's ring) and a wait 
 done word, and each time the poller reads the entry it runs the stored request as a
 stream-ordered call of its own: the checks of its first run (kept: `_dispatch` below) and
 the group's state each time, the member's next sequences, a new handle (the previous
-trigger's released, its arrays refilled), the kernels enqueued at once, then the done word written
-on the rank's stream after them. The poller reads the ring in the order the triggers reached
+trigger's released, its arrays refilled), the kernels enqueued at once, then the done word
+written on the rank's stream after them. The poller reads the ring in the order the triggers reached
 the GPU, so every rank numbers the calls alike.
 
 What can be armed: a worst-case dispatch (`num_worst_tokens`, not cached; DeepEP captures
