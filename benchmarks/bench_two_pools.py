@@ -266,7 +266,7 @@ def main() -> int:
         slow_rounds: dict[str, dict] = {}  # the poller's rounds over 1 ms: where it was
 
         def reading():
-            text = engine_host.read_settled(d.metrics_url + "/metrics")
+            text = engine_host.read(d.metrics_url + "/metrics")
             return ((engine_host.totals(text, "decode-pool"), engine_host.gc_totals(text),
                      engine_host.chain_totals(text), engine_host.chain_buckets(text),
                      engine_host.chain_starved(text), engine_host.poller_slow(text))

@@ -199,8 +199,8 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
             torch.cuda.synchronize()
             barrier.wait(BARRIER_SECONDS)
             times, work = [], 0.0
-            m0 = engine_host.read_settled(metrics_url) if rank == 0 else None
             c0, e0 = time.process_time(), _cpu(engine_pid)
+            m0 = engine_host.read(metrics_url) if rank == 0 else None
             for _ in range(ns.iters):
                 barrier.wait(BARRIER_SECONDS)
                 t0 = time.perf_counter()
@@ -210,7 +210,7 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             c1, e1 = time.process_time(), _cpu(engine_pid)
-            m1 = engine_host.read_settled(metrics_url) if rank == 0 else None
+            m1 = engine_host.read(metrics_url) if rank == 0 else None
             n = ns.iters * calls.get(name, 1)
             res[name] = {"p50_us": float(np.percentile(times, 50) * 1e6),
                          "p90_us": float(np.percentile(times, 90) * 1e6),

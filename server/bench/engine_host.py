@@ -9,7 +9,6 @@ means per op (issue 10's rows, issue 14's two pools).
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 HOST_METRICS = ("epd_stream_op_detect_seconds", "epd_stream_op_launch_seconds")
@@ -22,18 +21,6 @@ CHAIN_SEGMENTS = "epd_ll_chain_seconds"  # the chains' GPU time by segment (a di
 CHAIN_STARVED = "epd_ll_chain_starved"  # times a chain ran dry with a call waiting
 POLLER_SLOW = "epd_stream_poller_slow_seconds"  # the poller's slow rounds, by part
 SCRAPE_TIMEOUT = 5.0
-# An idle serving thread of an engine holds its metric updates up to metrics.FLUSH_SECONDS
-# (0.2 s) after its last flush, and notices that between sleeps of fast_path.SLEEP_SLICE
-# (0.1 s): a reading taken this long after the calls stopped holds all of them
-# (tests/test_engine_host_metrics.py checks the sum).
-SETTLE_SECONDS = 0.4
-
-
-def read_settled(metrics_url: str) -> str | None:
-    """`read` once the engines' threads have applied what they hold (SETTLE_SECONDS after
-    the calls before it stopped)."""
-    time.sleep(SETTLE_SECONDS)
-    return read(metrics_url)
 
 
 def totals(metrics_text: str, group: str | None = None) -> Totals:

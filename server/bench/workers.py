@@ -272,11 +272,9 @@ class Rank:
             step()
             self.sync()
         self.barrier()
-        # (the figures before: the warm-up's updates applied, before the engine CPU is read)
-        m0 = (engine_host.read_settled(p.metrics_url) if engine_pids and p.rank == 0
-              and p.metrics_url else None)
         e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
         t0_threads = thread_cpu(engine_pids) if e0 is not None else {}
+        m0 = engine_host.read(p.metrics_url) if e0 is not None and p.metrics_url else None
         times, cpu, work, last = [], 0.0, 0.0, None
         for _ in range(p.iters):
             self.barrier()
@@ -292,7 +290,7 @@ class Rank:
         self.barrier()
         e1 = cpu_seconds(engine_pids) if e0 is not None else None
         t1_threads = thread_cpu(engine_pids) if e1 is not None else {}
-        m1 = engine_host.read_settled(p.metrics_url) if m0 is not None else None
+        m1 = engine_host.read(p.metrics_url) if m0 is not None else None
         h0, h1, w0, w1 = ((engine_host.totals(m0), engine_host.totals(m1),
                            engine_host.work_totals(m0), engine_host.work_totals(m1))
                           if m0 is not None and m1 is not None else (None,) * 4)

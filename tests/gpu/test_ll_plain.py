@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -235,7 +234,6 @@ def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
     # With the poller, the engine timed each armed op's host hop (its detection gap and the
     # launch); on the GPU chain (--ll-chain) the engine's host launched none of them.
     from epd.server.bench import engine_host
-    time.sleep(engine_host.SETTLE_SECONDS)  # (the poller's held metric updates applied)
     host = engine_host.totals(daemon.get("/metrics")[1])
     chained = {r["chained"] for r in results}
     assert len(chained) == 1, "both ranks' ops run on chains, or neither's"
