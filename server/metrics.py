@@ -29,7 +29,6 @@ import math
 import os
 import re
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -212,33 +211,20 @@ class GroupCounter(_GroupLabelled, Counter):
 
 
 # -- updates in batches, for the threads that serve calls -------------------------------------
-FLUSH_SECONDS = 0.2  # the longest an idle serving thread holds its batched updates
-
-
 class Batch:
     """One thread's counter increments and histogram observations, held until `flush()`. In
     multiprocess mode every update is a write into a mapped file (measured here: 2.6 µs per
     increment, 4.7 µs per observation) and a child lookup by labels a few µs more, and a call
     makes five to ten of them: as much as issue 10's host budget for the whole call. Held by
     (metric, labels), a held increment costs one dict update; the fast-path and poller threads
-    apply theirs every few hundred calls and, going idle, once FLUSH_SECONDS have passed since
-    the last flush (`flush_if_due`), so a scrape lags a thread by at most about that. Flushing
-    at every idle gap cost a flush per burst of calls (a layer's three calls between a
-    benchmark's barriers: ~60 µs a call of the engine's CPU on the CPU backend, where the
-    writes are the same)."""
+    apply theirs when they go idle and every few hundred calls, so a scrape lags a busy thread
+    by at most that."""
 
     def __init__(self) -> None:
         self._inc: dict[tuple[Any, tuple], float] = {}
         self._obs: dict[tuple[Any, tuple], list[float]] = {}
-        self._flushed = time.monotonic()
-
-    def flush_if_due(self) -> None:
-        """`flush()` if it holds updates and the last flush is FLUSH_SECONDS old."""
-        if (self._inc or self._obs) and time.monotonic() - self._flushed >= FLUSH_SECONDS:
-            self.flush()
 
     def flush(self) -> None:
-        self._flushed = time.monotonic()
         inc, self._inc = self._inc, {}
         obs, self._obs = self._obs, {}
         for (metric, labels), value in inc.items():

@@ -162,34 +162,6 @@ def test_a_batch_holds_updates_until_it_is_flushed():
     assert get("t_batch_seconds_sum", g="a") == 1.5
 
 
-def test_an_idle_thread_flushes_its_batch_once_it_is_due(monkeypatch):
-    """A serving thread going idle applies its batch only once the last flush is
-    metrics.FLUSH_SECONDS old (`flush_if_due`): a flush at every gap between calls cost the
-    engine a flush per burst of calls; an empty batch is never written."""
-    from prometheus_client import CollectorRegistry, Counter
-
-    from epd.server import metrics
-
-    reg = CollectorRegistry()
-    c = Counter("t_due", "t", ["g"], registry=reg)
-    now = [100.0]
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
-    with metrics.batched() as batch:
-        metrics.inc(c, ("a",), 3)
-        batch.flush_if_due()
-        assert reg.get_sample_value("t_due_total", {"g": "a"}) is None  # (not due yet)
-        now[0] += metrics.FLUSH_SECONDS
-        batch.flush_if_due()
-        assert reg.get_sample_value("t_due_total", {"g": "a"}) == 3
-        flushed = batch._flushed
-        now[0] += 10 * metrics.FLUSH_SECONDS
-        batch.flush_if_due()  # (nothing held: no flush)
-        assert batch._flushed == flushed
-        metrics.inc(c, ("a",), 1)
-        batch.flush_if_due()
-        assert reg.get_sample_value("t_due_total", {"g": "a"}) == 4
-
-
 def test_engine_gc_pauses_are_timed(daemon):
     # The engine times every collection from its start on, the full one before gc.freeze too.
     ss = samples(daemon)

@@ -97,8 +97,7 @@ class FastPathServer:
                 # waiting for it) and without a timed sleep (spin.py: ~60 µs per look).
                 spin.relax()
                 continue
-            if self._batch is not None:  # (its futex sleeps a slice at most: due ones go then)
-                self._batch.flush_if_due()
+            self._flush_metrics()
             bell = int(ring.header[R.DOORBELL])
             ring.header[R.ENGINE_WAITING] = 1
             host_order.full()  # (that store before the state is read: the client's mirror)

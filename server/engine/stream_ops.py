@@ -620,7 +620,7 @@ class StreamOps:
                 last = now
             elif now - last > spin_window(cfg, state.last_call, state.inflight, now):
                 if not fired:
-                    self._flush_metrics(due=True)
+                    self._flush_metrics()
                 idle = True
             if nap and (idle or len(chained) == len(rings)):
                 # (no call waits for this thread's look but an idle poller ring's, which waits
@@ -651,16 +651,11 @@ class StreamOps:
                                                    if r.chain is not None) if topped else 0.0)):
                     metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
 
-    def _flush_metrics(self, due: bool = False) -> None:
-        """Apply the poller's metric updates (launch counts, CPU, times) every FLUSH_EVERY
-        launches and before a long sleep; `due`: an idle look's, only once the last flush is
-        metrics.FLUSH_SECONDS old (a multiprocess update costs several µs: not on a call's
-        path, nor at every gap between calls)."""
+    def _flush_metrics(self) -> None:
+        """Apply the poller's metric updates (launch counts, CPU, times) once idle or every
+        FLUSH_EVERY launches (a multiprocess update costs several µs: not on a call's path)."""
         if self._batch is not None:
-            if due:
-                self._batch.flush_if_due()
-            else:
-                self._batch.flush()
+            self._batch.flush()
 
     def _run_ring(self, ring: Ring, gap: float) -> bool:
         """Launch the calls appended to a poller ring since the last look, in its order; the
