@@ -315,8 +315,8 @@ class StreamCalls:
                               args: CombineArgs, out: Array, out_w: Array | None,
                               timeout: float, path: str, num_sms: int) -> int:
         """A checked stream-ordered combine taken and its launch queued after the answer: its
-        stream sequence."""
-        self._check_ordered(member)
+        stream sequence (its callers checked the member's calls are stream-ordered: the
+        eager combine first of all, an armed one when its dispatch was armed)."""
         spec = member.spec
         slot = session.counter_page.slot(member.counter_slot)
         self._check_stream_alive(member, slot)
