@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Forty-eighth session's GPU runs, from a `git archive` of HEAD carried in .whl (unpacked as
+# gpu_s34_run.sh says):
+#   prof48   # the poller thread under cProfile (EPD_PROFILE_THREADS=poller) through `epd bench`
+#            # D with the low-latency rows: where a captured call's trigger (fire) spends the
+#            # engine's host time now that it keeps its checked arguments. At most 8 files come
+#            # back: the profile's text and one .prof.
+set -u
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
+bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
+  local label=$1; shift
+  timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --json "$OUT/bench_$label.json" "$@" \
+      2>&1 | clean | tail -45 | tee "$OUT/bench_$label.txt"
+}
+case "${1:-}" in
+  prof48)
+    mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
+    EPD_PROFILE_DIR=/tmp/prof EPD_PROFILE_THREADS=poller bench prof --shapes D --iters 60 \
+        --low-latency --skip pipeline > /dev/null
+    cp "$(ls /tmp/prof/*.prof | head -1)" "$OUT/poller.prof" 2>/dev/null
+    python3 -c "
+import pstats, glob
+for p in sorted(glob.glob('/tmp/prof/*.prof')):
+    s = pstats.Stats(p); print('==', p)
+    s.sort_stats('cumulative').print_stats(80)
+    s.sort_stats('tottime').print_stats(40)
+    for f in ('captured_calls.py.*fire', 'captured_calls.py.*_dispatch', 'captured_calls.py.*run',
+              'launch_stream_dispatch', 'launch_stream_combine', '_launch_dispatch',
+              '_launch_combine', '_poll_rounds', '_run_ring'):
+        s.print_callees(f)
+" > "$OUT/prof_poller.txt" 2>&1
+    rm -rf /tmp/prof
+    ;;
+  *) echo "usage: $0 prof48"; exit 2 ;;
+esac
