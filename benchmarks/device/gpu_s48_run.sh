@@ -5,6 +5,11 @@
 #            # D with the low-latency rows: where a captured call's trigger (fire) spends the
 #            # engine's host time now that it keeps its checked arguments. At most 8 files come
 #            # back: the profile's text and one .prof.
+#   sweep48a # the GPU suites not run since the poller's changes of the forty-sixth and
+#            # forty-seventh sessions: the chain and its triggers, masking, class engines and
+#            # tenant pools, the low-latency kernels
+#   sweep48b # the rest not run since the forty-fourth session: the calls' outputs, stream
+#            # order, the daemon, ElasticBuffer, handle bytes, received rows, MPS, bad input
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
 bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
@@ -31,5 +36,16 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
 " > "$OUT/prof_poller.txt" 2>&1
     rm -rf /tmp/prof
     ;;
-  *) echo "usage: $0 prof48"; exit 2 ;;
+  sweep48a)
+    step chain 170 "tests/gpu/test_ll_chain.py tests/gpu/test_ll_chain_plain.py tests/gpu/test_ll_trigger.py tests/gpu/test_graph_reserve.py"
+    step masking 90 "tests/gpu/test_rank_masking_gpu.py"
+    step pools 150 "tests/gpu/test_service_classes_gpu.py tests/gpu/test_tenant_pools_gpu.py tests/gpu/test_security_cuda.py"
+    step llk 100 "tests/gpu/test_low_latency_kernels.py tests/gpu/test_local_layout.py"
+    ;;
+  sweep48b)
+    step calls 230 "tests/gpu/test_call_outputs.py tests/gpu/test_stream_ordered.py tests/gpu/test_daemon.py"
+    step facade 150 "tests/gpu/test_elastic_buffer_gpu.py tests/gpu/test_handle_bytes_gpu.py tests/gpu/test_bad_input_alike.py tests/gpu/test_framework_replays_gpu.py"
+    step rows 150 "tests/gpu/test_received_rows.py tests/gpu/test_mps_gpu.py"
+    ;;
+  *) echo "usage: $0 prof48|sweep48a|sweep48b"; exit 2 ;;
 esac
