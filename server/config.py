@@ -144,6 +144,14 @@ class Config:
                 "loop')"})
     stream_op_poll_us: int = field(default=50, metadata={
         "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
+    stream_op_idle_poll_us: int = field(default=500, metadata={
+        "help": "stream-ordered calls: the longest polling period of rings that stay idle: "
+                "stream_op_poll_us for stream_op_spin_us past the spin, then a sixteenth of "
+                "the time idle beyond that, up to this (a look costs ~20-30 µs of CPU: at "
+                "50 µs one captured normal-mode call kept a quarter of a core busy for as long "
+                "as it was armed). The first trigger after a long idle stretch waits up to "
+                "this longer; an arm restarts the spin. Below stream_op_poll_us: no back-off; at "
+                "most 100000"})
     serial_enqueue: bool = field(default=True, metadata={
         "help": "cuda backend: the sessions' stream-ordered normal-mode calls enqueue their "
                 "GPU work one at a time (a lock around each call's launches; the poller's "
@@ -614,6 +622,8 @@ def _check_limits(cfg: Config) -> None:
     for name in ("fast_path_spin_us", "fast_path_spin_max_us",
                  "stream_op_spin_us", "stream_op_busy_spin_us", "stream_op_poll_us"):
         _check_range(cfg, name, 0)
+    # (the peers' kernels wait for this rank's late look: a tenth of a second at most)
+    _check_range(cfg, "stream_op_idle_poll_us", 0, 100_000)
     # (2^63 µs aborted every engine in CPython's GIL wait: a restart loop, not an error)
     _check_range(cfg, "gil_switch_us", 0, 1_000_000)
     # (a chain holds 64 instances, a pair uses 2: naps much longer would let a busy decode

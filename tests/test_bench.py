@@ -70,6 +70,7 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert "| p50 µs | DeepEP in-process | EPD | gloo pipeline |" in proc.stdout
     assert "EPD host work CPU per call" in proc.stdout
     assert "EPD engine process CPU per call by thread, µs: " in proc.stdout
+    assert "EPD engine process CPU while idle for " in proc.stdout
     assert "EPD's low-latency calls, per rank (armed ops on the GPU chain or the engine's " \
         "poller, or synchronous calls): " in proc.stdout
     if os.path.isdir("/dev/shm"):
@@ -80,6 +81,11 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
 
     rec = json.loads(out.read_text())
     assert rec["backend"] == "cpu" and rec["ranks"] == 2 and rec["device"] == "cpu"
+    # the engines' CPU over a second without calls: some (their threads wake to look), not a
+    # core's worth per engine; no graph row on the cpu backend
+    idle = rec["engine_idle"]
+    assert idle["seconds"] >= 0.9 and idle["armed_graphs"] is False, idle
+    assert 0 <= idle["core_share"] < 0.9 * rec["engines"], idle
     assert rec["versions"]["torch"] and rec["versions"]["epd"]
     assert rec["mps"]["on"] is False and rec["mps"]["daemon_mps_mode"] in ("off", None)
     assert "deep_ep" in rec["skipped"] and "graph" in rec["skipped"]  # each with its reason

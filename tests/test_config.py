@@ -111,6 +111,8 @@ OUT_OF_RANGE = [
     ("max_handles_per_session", "0", "1"),
     ("fast_path_spin_us", "-1", "0"),
     ("stream_op_poll_us", "-1", "0"),
+    ("stream_op_idle_poll_us", "-1", "0"),
+    ("stream_op_idle_poll_us", "100001", "100000"),
     ("ll_chain_poll_us", "-1", "0"),
     ("ll_chain_poll_us", "2001", "2000"),
     # (an adversarial round: beyond these an engine restarted for ever instead of a one-line

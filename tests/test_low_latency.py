@@ -740,15 +740,18 @@ def _chained_ring(name: str, top_up) -> types.SimpleNamespace:
     return types.SimpleNamespace(chain=chain, member=member)
 
 
-def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0, chain_poll_us: int = 500):
-    """A stand-in engine for StreamOps's poller thread: its spin and poll settings, and the
-    engine state whose calls in flight shorten the spin (none here unless `inflight`)."""
+def _poller_engine(*, spin_us: int, poll_us: int, inflight: int = 0, chain_poll_us: int = 500,
+                   idle_poll_us: int = 0):
+    """A stand-in engine for StreamOps's poller thread: its spin and poll settings (no idle
+    back-off unless `idle_poll_us`), and the engine state whose calls in flight shorten the
+    spin (none here unless `inflight`)."""
     import types
 
     return types.SimpleNamespace(
         index=0, backend=types.SimpleNamespace(thread_init=lambda: None),
         config=types.SimpleNamespace(stream_op_spin_us=spin_us, stream_op_busy_spin_us=0,
                                      stream_op_poll_us=poll_us,
+                                     stream_op_idle_poll_us=idle_poll_us,
                                      ll_chain_poll_us=chain_poll_us),
         state=types.SimpleNamespace(last_call=0.0, inflight=inflight))
 
@@ -1079,7 +1082,7 @@ def _stand_in_arming(monkeypatch, *, chain: str = "off", open_chain=None, on_mps
                                      cuda_max_connections=32,
                                      stream_op_spin_us=0, stream_op_busy_spin_us=0,
                                      stream_op_poll_us=1000, max_stream_ops_per_session=64,
-                                     ll_chain_poll_us=500),
+                                     stream_op_idle_poll_us=0, ll_chain_poll_us=500),
         state=types.SimpleNamespace(last_call=0.0, inflight=0),
         ll_dispatch_args=lambda session, inner: (member, args, None),
         _timeout=lambda t: 1.0)
@@ -1531,6 +1534,68 @@ def test_chains_are_topped_up_at_their_cadence_while_the_poller_looks_at_an_idle
         assert launched.wait(5)
     finally:
         ops.stop()
+
+
+def test_idle_period_backs_off_after_the_long_spin() -> None:
+    """The look period of idle rings: stream_op_poll_us for stream_op_spin_us past the spin
+    window, then a sixteenth of the idle time beyond, capped; no back-off with a cap below
+    the base period."""
+    from epd.server.engine.stream_ops import idle_period
+
+    cfg = types.SimpleNamespace(stream_op_poll_us=50, stream_op_spin_us=5000,
+                                stream_op_idle_poll_us=500)
+    assert idle_period(cfg, 0.0) == pytest.approx(50e-6)
+    assert idle_period(cfg, 5e-3) == pytest.approx(50e-6)
+    assert idle_period(cfg, 5e-3 + 3.2e-3) == pytest.approx(200e-6)
+    assert idle_period(cfg, 1.0) == pytest.approx(500e-6)
+    cfg.stream_op_idle_poll_us = 0
+    assert idle_period(cfg, 1.0) == pytest.approx(50e-6)
+
+
+def test_the_poller_looks_at_idle_rings_less_often_as_they_stay_idle() -> None:
+    """An idle poller ring (a captured normal-mode call not being replayed): with the back-off
+    the poller looks a few dozen times in 0.6 s where it looked every 1 ms (each look ~20-30
+    µs of the engine's CPU on a GPU host: a quarter of a core at 50 µs); a trigger after the
+    idle stretch is still seen within the longest period, and an arm brings the fast looks
+    back at once."""
+    import threading
+
+    from epd.server.engine import stream_ops as S
+
+    def looks_in(idle_poll_us: int) -> tuple[int, float, list]:
+        ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=1_000, idle_poll_us=idle_poll_us))
+        looks: list = []
+        run_ring = ops._run_ring
+        ops._run_ring = lambda ring, gap: looks.append(time.perf_counter()) or run_ring(ring,
+                                                                                        gap)
+        launched = threading.Event()
+        op, _, _, _, _ = _stand_in_op(f"idle-{idle_poll_us}", lambda p, b: launched.set())
+        ring = _ringed(ops, op)
+        ops._ensure_thread()
+        try:
+            time.sleep(0.6)
+            n = len(looks)
+            t0 = time.perf_counter()
+            _trigger(ring, op.entry)
+            assert launched.wait(5)
+            seen = time.perf_counter() - t0
+            time.sleep(0.4)  # (idle again: backed off to the longest period)
+            ops._ensure_thread()  # (what an arm does)
+            armed = time.perf_counter()
+            time.sleep(0.05)
+            after_arm = [t for t in looks if t > armed]
+        finally:
+            ops.stop()
+        return n, seen, after_arm
+
+    steady, _, _ = looks_in(0)
+    backed_off, seen, after_arm = looks_in(20_000)
+    assert steady > 150, steady  # (every ~1 ms: ~550, fewer on a busy host)
+    # (1 ms for 0 s, then t/16 up to 20 ms: ~16 + 48 + 14 ≈ 80)
+    assert backed_off < steady / 3 and backed_off < 150, (backed_off, steady)
+    assert seen < 0.5, seen  # (the longest period is 20 ms)
+    # (every ~1 ms again: ~45 in 50 ms; 2-3 at the longest period)
+    assert len(after_arm) >= 10, len(after_arm)
 
 
 def test_a_disarm_counts_the_calls_its_chain_ran_since_the_last_look() -> None:

@@ -8,6 +8,11 @@
 #   sweep48a # the GPU suites not run since the poller's changes of the forty-sixth and
 #            # forty-seventh sessions: the chain and its triggers, masking, class engines and
 #            # tenant pools, the low-latency kernels
+#   idle48   # the idle rings' back-off (--stream-op-idle-poll-us): the captured normal-mode and
+#            # poller-path tests, then `epd bench` D with the low-latency rows alternated without
+#            # the back-off (EPD_STREAM_OP_IDLE_POLL_US=0, the looks every 50 µs as before) and
+#            # with it (the default, 500), two rounds: the engine's CPU while idle with the
+#            # graph row's calls armed, the low-latency rows' engine CPU, every row's latency
 #   sweep48b # the rest not run since the forty-fourth session: the calls' outputs, stream
 #            # order, the daemon, ElasticBuffer, handle bytes, received rows, MPS, bad input
 set -u
@@ -47,5 +52,16 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
     step facade 150 "tests/gpu/test_elastic_buffer_gpu.py tests/gpu/test_handle_bytes_gpu.py tests/gpu/test_bad_input_alike.py tests/gpu/test_framework_replays_gpu.py"
     step rows 150 "tests/gpu/test_received_rows.py tests/gpu/test_mps_gpu.py"
     ;;
-  *) echo "usage: $0 prof48|sweep48a|sweep48b"; exit 2 ;;
+  idle48)
+    STEP_TEST_SECONDS=100 step captured 120 "tests/gpu/test_captured_normal.py"
+    STEP_TEST_SECONDS=100 step poller 130 "tests/gpu/test_ll_chain_plain.py -k poller"
+    for round in 1 2; do
+      for idle in 0 500; do
+        EPD_STREAM_OP_IDLE_POLL_US=$idle timeout 200 python3 -P -m epd.server.cli bench --ranks 2 \
+            --shapes D --iters 20 --low-latency --json "$OUT/bench_idle${idle}_r$round.json" 2>&1 \
+            | clean | grep -E "^\| D|idle for|per call by thread|PASS|FAIL" | cut -c1-400
+      done
+    done
+    ;;
+  *) echo "usage: $0 prof48|sweep48a|sweep48b|idle48"; exit 2 ;;
 esac

@@ -226,6 +226,15 @@ def table(summary: dict) -> str:
                                  + ", ".join(f"{name} {us:.1f}"
                                              for name, us in list(t.items())[:4])
                                  for row, t in threads))
+    idle = summary.get("engine_idle")
+    if idle and idle.get("core_share") is not None:
+        armed = " (the graph rows' captured calls armed)" if idle.get("armed_graphs") else ""
+        lines.append(f"\nEPD engine process CPU while idle for {idle['seconds']:.1f} s{armed}: "
+                     f"{100 * idle['core_share']:.1f}% of a core"
+                     + "".join(f"{', ' if i else ' ('}{name} {100 * share:.1f}%"
+                               for i, (name, share)
+                               in enumerate(list(idle["core_share_by_thread"].items())[:4]))
+                     + (")" if idle["core_share_by_thread"] else ""))
     return "\n".join(lines)
 
 

@@ -62,6 +62,10 @@ CALLS_PER_ITER = {ROW_FULL: 3, ROW_CACHED: 1, ROW_COMBINE: 1, ROW_WORST: 3, ROW_
 
 EPD, DEEP_EP, PIPELINE = "epd", "deep_ep", "pipeline"
 IMPLS = (EPD, DEEP_EP, PIPELINE)
+# The engine's CPU while no call comes, measured over this long after the normal-mode rows (the
+# graph row's captured calls stay armed: their rings idle): what the daemon costs its node
+# between requests.
+IDLE_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1
 
 
@@ -637,6 +641,7 @@ class RankRun:
             self._check_layer(shape, layers)
         if p.graphs:
             self._worst_graphs()
+        self._idle_engine_cpu()
         _destroy(self.dep_buf)
         self.dep_buf = None
         if p.low_latency:
@@ -664,6 +669,26 @@ class RankRun:
                            self._settled(impl, buf, combined),
                            self._normal_reference(si, tokens), exact=impl == EPD)
                 calls.state.clear()
+
+    def _idle_engine_cpu(self) -> None:
+        """Rank 0 reads the engine processes' CPU over IDLE_SECONDS in which no rank calls
+        (`engine_idle`: the share of one core, in all and by thread name)."""
+        p, r = self.plan, self.r
+        if EPD not in p.impls or not p.engine_pids:
+            return
+        r.barrier()
+        if p.rank == 0:
+            c0, t0 = cpu_seconds(p.engine_pids), thread_cpu(p.engine_pids)
+            w0 = time.perf_counter()
+            time.sleep(IDLE_SECONDS)
+            c1, t1 = cpu_seconds(p.engine_pids), thread_cpu(p.engine_pids)
+            wall = time.perf_counter() - w0
+            by_thread = sorted(cpu_by_thread(t0, t1).items(), key=lambda kv: -kv[1])
+            self.result["engine_idle"] = {
+                "seconds": wall, "armed_graphs": p.graphs,
+                "core_share": None if c0 is None or c1 is None else (c1 - c0) / wall,
+                "core_share_by_thread": {n: s / wall for n, s in by_thread if s > 0}}
+        r.barrier()
 
     def _normal_reference(self, shape_index: int, tokens: int) -> Any:
         """This rank's combine of the identity experts by server/reference.py, from every

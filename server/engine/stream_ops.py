@@ -13,7 +13,8 @@ member's calls reached the GPU**, advances the head past each entry as it reads 
 launches the op's kernels on the rank's stream without any host synchronisation; a last kernel
 writes `done` (1 ok, 2 | code << 8 failed). A GPU cannot wake a futex, so the poller spins for
 `stream_op_spin_us` after the last trigger (`stream_op_busy_spin_us` while the engine's sessions
-also serve calls: `spin_window`), then polls every `stream_op_poll_us`.
+also serve calls: `spin_window`), then polls every `stream_op_poll_us`, and less often as its
+rings stay idle, up to `stream_op_idle_poll_us` (`idle_period`).
 
 Why a ring and not a doorbell word per op (the first design): two triggers can land between
 two looks of the poller (D0 D1 of DeepEP's two micro-batches in a replayed CUDA graph are
@@ -99,6 +100,27 @@ def spin_window(config: Any, last_call: float, inflight: int, now: float) -> flo
     if inflight or now - last_call < spin:
         return min(spin, config.stream_op_busy_spin_us * 1e-6)
     return spin
+
+
+# An idle ring's look period grows by a sixteenth of the time it has been idle beyond the long
+# spin: a trigger after an idle stretch waits at most ~6% of that stretch more (capped).
+IDLE_BACKOFF = 16
+
+
+def idle_period(config: Any, idle_for: float) -> float:
+    """Seconds between the poller's looks at rings that saw no trigger for `idle_for` seconds:
+    `stream_op_poll_us` for `stream_op_spin_us` past the spin (a decode loop's steps come
+    milliseconds apart; the busy spin is much shorter), then a sixteenth of the time idle
+    beyond that, at most `stream_op_idle_poll_us` (below `stream_op_poll_us`: no back-off).
+    A look costs the engine ~20-30 µs of CPU (a timed sleep and a round of Python): looked at
+    every 50 µs, one captured normal-mode call armed kept a quarter of a core busy for good,
+    and its idle ring's looks were most of the engine's CPU per low-latency call beside it
+    (docs/DESIGN_NOTES.md, "An idle poller ring beside busy chains")."""
+    period = max(config.stream_op_poll_us, 1) * 1e-6
+    cap = config.stream_op_idle_poll_us * 1e-6
+    if cap <= period:
+        return period
+    return min(cap, max(period, (idle_for - config.stream_op_spin_us * 1e-6) / IDLE_BACKOFF))
 
 
 def count_chain_calls(member: GroupMember, kinds: list[int]) -> None:
@@ -574,7 +596,7 @@ class StreamOps:
     def _poll_rounds(self, watch: Callable[[str], contextlib.AbstractContextManager]) -> None:
         cfg, state = self.engine.config, self.engine.state
         launched = 0
-        period = max(cfg.stream_op_poll_us, 1) * 1e-6
+        period = idle_period(cfg, 0.0)  # (between looks once idle: set as idle goes on)
         last = looked = time.perf_counter()
         # While it naps between looks at idle poller rings, the chains are topped up at their
         # own cadence (a nap apart), not at every look: their top-ups were most of each look's
@@ -586,7 +608,8 @@ class StreamOps:
                 self._flush_metrics()
                 self._wake.wait(timeout=IDLE_WAIT_SECONDS)
                 self._wake.clear()
-                looked, chains_due = time.perf_counter(), 0.0
+                last = looked = time.perf_counter()  # (an arm: as after a trigger, above)
+                chains_due = 0.0
                 continue
             top = time.perf_counter()
             chains_ran, topped = False, top >= chains_due
@@ -618,10 +641,13 @@ class StreamOps:
             idle = False
             if ran or (chains_ran and not nap):
                 last = now
-            elif now - last > spin_window(cfg, state.last_call, state.inflight, now):
-                if not fired:
-                    self._flush_metrics()
-                idle = True
+            else:
+                window = spin_window(cfg, state.last_call, state.inflight, now)
+                if now - last > window:
+                    if not fired:
+                        self._flush_metrics()
+                    idle = True
+                    period = idle_period(cfg, now - last - window)
             if nap and (idle or len(chained) == len(rings)):
                 # (no call waits for this thread's look but an idle poller ring's, which waits
                 # as long as when idle without chains; an arm, which may add a poller ring or
@@ -633,12 +659,16 @@ class StreamOps:
                     if chains_due <= top:
                         chains_due = top + nap
                 if self._wake.wait(timeout=wait):
-                    chains_due = 0.0
+                    chains_due, last = 0.0, time.perf_counter()
                 self._wake.clear()
                 now = time.perf_counter()  # (a nap asked for is no late look)
             elif idle:
                 chains_due = 0.0
-                time.sleep(period)
+                # (an arm ends the wait and counts as a trigger: its op's first trigger, which
+                # comes soon after, is looked for at the spin's pace, not a backed-off one)
+                if self._wake.wait(timeout=period):
+                    last = time.perf_counter()
+                self._wake.clear()
             else:
                 chains_due = 0.0  # (a poller ring's trigger: spinning, every look tops up)
                 if not fired:
