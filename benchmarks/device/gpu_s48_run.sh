@@ -13,6 +13,10 @@
 #            # the back-off (EPD_STREAM_OP_IDLE_POLL_US=0, the looks every 50 µs as before) and
 #            # with it (the default, 500), two rounds: the engine's CPU while idle with the
 #            # graph row's calls armed, the low-latency rows' engine CPU, every row's latency
+#   kernels48 # the suites not run since the forty-second session, whose code changed since
+#            # (the handle refill in cuda_runtime, the cluster's settings checks): the kernel
+#            # tests, NVSHMEM normal mode across logical nodes (flat and two-stage), the
+#            # 16-rank two-stage group through two daemons and the facade
 #   sweep48b # the rest not run since the forty-fourth session: the calls' outputs, stream
 #            # order, the daemon, ElasticBuffer, handle bytes, received rows, MPS, bad input
 set -u
@@ -63,5 +67,11 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
       done
     done
     ;;
-  *) echo "usage: $0 prof48|sweep48a|sweep48b|idle48"; exit 2 ;;
+  kernels48)
+    STEP_TEST_SECONDS=120 step kernels 120 "tests/gpu/test_intranode.py"
+    STEP_TEST_SECONDS=150 step stages 240 "tests/gpu/test_nvshmem.py -k 'normal_mode_across \
+        and (1 or 2 or 8)'"
+    STEP_TEST_SECONDS=200 step cluster16 220 "tests/gpu/test_cuda_cluster.py -k sixteen"
+    ;;
+  *) echo "usage: $0 prof48|sweep48a|sweep48b|idle48|kernels48"; exit 2 ;;
 esac
