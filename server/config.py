@@ -131,7 +131,8 @@ class Config:
     stream_op_spin_us: int = field(default=5000, metadata={
         "help": "stream-ordered calls: microseconds the engine polls armed ops' trigger "
                 "rings without sleeping after the last trigger (a GPU cannot wake a futex; then "
-                "it polls every stream_op_poll_us). Long enough to span the gaps between a "
+                "it polls every stream_op_poll_us, less often as its rings stay idle: "
+                "stream_op_idle_poll_us). Long enough to span the gaps between a "
                 "decode step's low-latency calls and between steps, so a serving loop's "
                 "triggers are seen by a spinning poller (one core while calls come; "
                 "docs/DESIGN_NOTES.md, 'The poller spins through a decode loop')"})
@@ -143,7 +144,8 @@ class Config:
                 "decode 1.3x slower (docs/DESIGN_NOTES.md, 'The poller spins through a decode "
                 "loop')"})
     stream_op_poll_us: int = field(default=50, metadata={
-        "help": "stream-ordered calls: polling period once idle (the added latency bound)"})
+        "help": "stream-ordered calls: polling period once idle (the added latency bound "
+                "for stream_op_spin_us past the spin; then it grows to stream_op_idle_poll_us)"})
     stream_op_idle_poll_us: int = field(default=500, metadata={
         "help": "stream-ordered calls: the longest polling period of rings that stay idle: "
                 "stream_op_poll_us for stream_op_spin_us past the spin, then a sixteenth of "

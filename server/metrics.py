@@ -333,9 +333,10 @@ LL_CHAIN_SECONDS = Histogram(
     buckets=LATENCY_BUCKETS)
 STREAM_POLLER_SLOW_SECONDS = Histogram(
     "epd_stream_poller_slow_seconds", "Stream-ordered calls: the engine poller's rounds longer "
-    "than 1 ms, by part (top_up: the low-latency chains' top-ups, of which enqueue: their "
-    "driver calls; launch: the poller's launches of triggered ops; sleep: its sleep or yield "
-    "and the wait for the interpreter after it); one observation per part per slow round",
+    "than 1 ms beyond the wait they asked for (a nap, an idle look's period), by part (top_up: "
+    "the low-latency chains' top-ups, of which enqueue: their driver calls; launch: the "
+    "poller's launches of triggered ops; sleep: its sleep or yield beyond that wait, and the "
+    "wait for the interpreter after it); one observation per part per slow round",
     ["part"],
     buckets=LATENCY_BUCKETS)
 LL_CHAIN_STARVED = GroupCounter(

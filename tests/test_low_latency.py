@@ -1552,6 +1552,25 @@ def test_idle_period_backs_off_after_the_long_spin() -> None:
     assert idle_period(cfg, 1.0) == pytest.approx(50e-6)
 
 
+def test_a_trigger_held_back_is_retried_at_the_fast_pace() -> None:
+    """A poller ring whose trigger was seen but left in the ring (its session ran another
+    operation) keeps the poller looking at the base period however long the rings were idle;
+    the back-off resumes once it has run."""
+    from epd.server.engine import stream_ops as S
+
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=1_000, idle_poll_us=50_000))
+    op, _, _, _, _ = _stand_in_op("held-p", lambda p, b: None)
+    ring = _ringed(ops, op)
+    assert ops._look_period([ring], 10.0) == pytest.approx(0.05)
+    _trigger(ring, op.entry)  # (pending: not launched yet)
+    assert ops._look_period([ring], 10.0) == pytest.approx(0.001)
+    with op.session.op_lock:  # (its session busy: the poller leaves the entry)
+        assert ops._run_ring(ring, 0.0) is False
+    assert ops._look_period([ring], 10.0) == pytest.approx(0.001)
+    assert ops._run_ring(ring, 0.0) is True
+    assert ops._look_period([ring], 10.0) == pytest.approx(0.05)
+
+
 def test_the_poller_looks_at_idle_rings_less_often_as_they_stay_idle() -> None:
     """An idle poller ring (a captured normal-mode call not being replayed): with the back-off
     the poller looks a few dozen times in 0.6 s where it looked every 1 ms (each look ~20-30

@@ -678,15 +678,14 @@ class RankRun:
             return
         r.barrier()
         if p.rank == 0:
-            c0, t0 = cpu_seconds(p.engine_pids), thread_cpu(p.engine_pids)
-            w0 = time.perf_counter()
+            t0, w0 = thread_cpu(p.engine_pids), time.perf_counter()
             time.sleep(IDLE_SECONDS)
-            c1, t1 = cpu_seconds(p.engine_pids), thread_cpu(p.engine_pids)
-            wall = time.perf_counter() - w0
+            t1, wall = thread_cpu(p.engine_pids), time.perf_counter() - w0
+            # (by thread, summed: a thread that ended in between drops out, not below zero)
             by_thread = sorted(cpu_by_thread(t0, t1).items(), key=lambda kv: -kv[1])
             self.result["engine_idle"] = {
                 "seconds": wall, "armed_graphs": p.graphs,
-                "core_share": None if c0 is None or c1 is None else (c1 - c0) / wall,
+                "core_share": sum(s for _, s in by_thread) / wall if t1 else None,
                 "core_share_by_thread": {n: s / wall for n, s in by_thread if s > 0}}
         r.barrier()
 

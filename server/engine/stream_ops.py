@@ -606,9 +606,8 @@ class StreamOps:
             rings = list(self.rings.values())
             if not rings:  # nothing armed: sleep until an op is armed
                 self._flush_metrics()
-                self._wake.wait(timeout=IDLE_WAIT_SECONDS)
-                self._wake.clear()
-                last = looked = time.perf_counter()  # (an arm: as after a trigger, above)
+                self._woken(IDLE_WAIT_SECONDS)
+                last = looked = time.perf_counter()  # (an arm: as after a trigger, below)
                 chains_due = 0.0
                 continue
             top = time.perf_counter()
@@ -647,39 +646,53 @@ class StreamOps:
                     if not fired:
                         self._flush_metrics()
                     idle = True
-                    period = idle_period(cfg, now - last - window)
+                    period = self._look_period(rings, now - last - window)
+            asked = 0.0  # (a wait asked for: no late look)
             if nap and (idle or len(chained) == len(rings)):
                 # (no call waits for this thread's look but an idle poller ring's, which waits
                 # as long as when idle without chains; an arm, which may add a poller ring or
                 # a chain to fill, or a stop ends the nap at once)
                 if len(chained) == len(rings):
-                    wait, chains_due = nap, 0.0
+                    asked, chains_due = nap, 0.0
                 else:
-                    wait = min(nap, period)
+                    asked = min(nap, period)
                     if chains_due <= top:
                         chains_due = top + nap
-                if self._wake.wait(timeout=wait):
+                if self._woken(asked):
                     chains_due, last = 0.0, time.perf_counter()
-                self._wake.clear()
-                now = time.perf_counter()  # (a nap asked for is no late look)
             elif idle:
                 chains_due = 0.0
                 # (an arm ends the wait and counts as a trigger: its op's first trigger, which
                 # comes soon after, is looked for at the spin's pace, not a backed-off one)
-                if self._wake.wait(timeout=period):
+                asked = period
+                if self._woken(asked):
                     last = time.perf_counter()
-                self._wake.clear()
             else:
                 chains_due = 0.0  # (a poller ring's trigger: spinning, every look tops up)
                 if not fired:
                     spin.relax()  # without the GIL (the sessions' threads need it), no timer
             end = time.perf_counter()
-            if end - top > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
+            if end - top - asked > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
                 for part, secs in (("top_up", start - top), ("launch", now - start),
-                                   ("sleep", end - now),
+                                   ("sleep", end - now - asked),  # (beyond the wait asked)
                                    ("enqueue", sum(r.chain.enqueue_seconds for r in rings
                                                    if r.chain is not None) if topped else 0.0)):
                     metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
+
+    def _look_period(self, rings: list[Ring], idle_for: float) -> float:
+        """The wait before the next look at idle rings: `idle_period`, but the fast pace while
+        a poller ring holds a trigger seen but held back (its session busy, its receive count
+        not out yet): that call waits for its launch already."""
+        held = any(r.chain is None and r.pending() for r in rings)
+        return idle_period(self.engine.config, 0.0 if held else idle_for)
+
+    def _woken(self, seconds: float) -> bool:
+        """Wait up to `seconds` for an arm or a stop; whether one came. The flag is cleared
+        only when seen: an arm between a timed-out wait and a clear would be lost."""
+        if self._wake.wait(timeout=seconds):
+            self._wake.clear()
+            return True
+        return False
 
     def _flush_metrics(self) -> None:
         """Apply the poller's metric updates (launch counts, CPU, times) once idle or every
