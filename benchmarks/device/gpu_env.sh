@@ -120,4 +120,10 @@ merge() {  # merge NAME: every probe's text and JSON into probes_NAME.{txt,json}
   merge_json probe "probes_$1"
   cat "$OUT/probes_$1.txt"
 }
-
+# One `epd bench` run of two ranks (the forty-seventh session on): its table into
+# $OUT/bench_LABEL.txt, its JSON beside it.
+bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
+  local label=$1; shift
+  timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --json "$OUT/bench_$label.json" "$@" \
+      2>&1 | clean | tail -45 | tee "$OUT/bench_$label.txt"
+}

@@ -12,12 +12,7 @@
 #              # no response and refilling the previous trigger's handle arrays: the captured
 #              # normal-mode tests, then `epd bench` D and the profile above
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
-bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
-  local label=$1; shift
-  timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --json "$OUT/bench_$label.json" "$@" \
-      2>&1 | clean | tail -45 | tee "$OUT/bench_$label.txt"
-}
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
 case "${1:-}" in
   poller47)
     bench d --shapes D --iters 30 --low-latency

@@ -17,15 +17,14 @@
 #            # (the handle refill in cuda_runtime, the cluster's settings checks): the kernel
 #            # tests, NVSHMEM normal mode across logical nodes (flat and two-stage), the
 #            # 16-rank two-stage group through two daemons and the facade
+#   final48  # the review's mends of the back-off (a trigger held back keeps the fast looks, an
+#            # arm's wake kept until seen): the captured normal-mode and poller-path tests and
+#            # `epd bench` D with the low-latency rows; then the same bench without MPS
+#            # (EPD_MPS=off: issue 10 asks for every figure without MPS too)
 #   sweep48b # the rest not run since the forty-fourth session: the calls' outputs, stream
 #            # order, the daemon, ElasticBuffer, handle bytes, received rows, MPS, bad input
 set -u
-source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
-bench() {  # bench LABEL ARGS...: one `epd bench` run, its table
-  local label=$1; shift
-  timeout 200 python3 -P -m epd.server.cli bench --ranks 2 --json "$OUT/bench_$label.json" "$@" \
-      2>&1 | clean | tail -45 | tee "$OUT/bench_$label.txt"
-}
+source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
 case "${1:-}" in
   prof48)
     mkdir -p /tmp/prof && rm -f /tmp/prof/*.prof
@@ -73,5 +72,13 @@ for p in sorted(glob.glob('/tmp/prof/*.prof')):
         and (1 or 2 or 8)'"
     STEP_TEST_SECONDS=200 step cluster16 220 "tests/gpu/test_cuda_cluster.py -k sixteen"
     ;;
-  *) echo "usage: $0 prof48|sweep48a|sweep48b|idle48|kernels48"; exit 2 ;;
+  final48)
+    STEP_TEST_SECONDS=60 step captured 70 "tests/gpu/test_captured_normal.py"
+    STEP_TEST_SECONDS=60 step poller 70 "tests/gpu/test_ll_chain_plain.py -k poller"
+    bench mps --shapes D --iters 30 --low-latency | grep -E "^\| D|idle for|PASS|FAIL"
+    EPD_MPS=off timeout 130 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 20 \
+        --low-latency --json "$OUT/bench_nomps.json" 2>&1 | clean | tail -45 \
+        | tee "$OUT/bench_nomps.txt" | grep -E "^\| D|idle for|PASS|FAIL|MPS"
+    ;;
+  *) echo "usage: $0 prof48|sweep48a|sweep48b|idle48|kernels48|final48"; exit 2 ;;
 esac
