@@ -150,7 +150,7 @@ class Config:
         "help": "stream-ordered calls: the longest polling period of rings that stay idle: "
                 "stream_op_poll_us for stream_op_spin_us past the spin, then a sixteenth of "
                 "the time idle beyond that, up to this (a look costs ~20-30 µs of CPU: at "
-                "50 µs one captured normal-mode call kept a quarter of a core busy for as long "
+                "50 µs one captured normal-mode call kept a fifth of a core busy for as long "
                 "as it was armed). The first trigger after a long idle stretch waits up to "
                 "this longer; an arm restarts the spin. Below stream_op_poll_us: no back-off; at "
                 "most 100000"})

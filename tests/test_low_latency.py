@@ -1574,7 +1574,7 @@ def test_a_trigger_held_back_is_retried_at_the_fast_pace() -> None:
 def test_the_poller_looks_at_idle_rings_less_often_as_they_stay_idle() -> None:
     """An idle poller ring (a captured normal-mode call not being replayed): with the back-off
     the poller looks a few dozen times in 0.6 s where it looked every 1 ms (each look ~20-30
-    µs of the engine's CPU on a GPU host: a quarter of a core at 50 µs); a trigger after the
+    µs of the engine's CPU on a GPU host: a fifth of a core at 50 µs); a trigger after the
     idle stretch is still seen within the longest period, and an arm brings the fast looks
     back at once."""
     import threading

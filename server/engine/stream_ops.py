@@ -113,7 +113,7 @@ def idle_period(config: Any, idle_for: float) -> float:
     milliseconds apart; the busy spin is much shorter), then a sixteenth of the time idle
     beyond that, at most `stream_op_idle_poll_us` (below `stream_op_poll_us`: no back-off).
     A look costs the engine ~20-30 µs of CPU (a timed sleep and a round of Python): looked at
-    every 50 µs, one captured normal-mode call armed kept a quarter of a core busy for good,
+    every 50 µs, one captured normal-mode call armed kept a fifth of a core busy for good,
     and its idle ring's looks were most of the engine's CPU per low-latency call beside it
     (docs/DESIGN_NOTES.md, "An idle poller ring beside busy chains")."""
     period = max(config.stream_op_poll_us, 1) * 1e-6
