@@ -1571,6 +1571,19 @@ def test_a_trigger_held_back_is_retried_at_the_fast_pace() -> None:
     assert ops._look_period([ring], 10.0) == pytest.approx(0.05)
 
 
+def test_an_arm_between_a_timed_out_wait_and_the_next_is_not_lost() -> None:
+    """The poller's wake flag (set by an arm or a stop) is cleared only by a wait that saw it:
+    an arm landing after a wait timed out is seen by the next wait, at once."""
+    from epd.server.engine import stream_ops as S
+
+    ops = S.StreamOps(_poller_engine(spin_us=0, poll_us=1_000))
+    assert ops._woken(0.001) is False
+    ops._wake.set()  # (what an arm does, here between two waits)
+    t0 = time.perf_counter()
+    assert ops._woken(5.0) is True and time.perf_counter() - t0 < 1.0
+    assert ops._woken(0.001) is False  # (seen once)
+
+
 def test_the_poller_looks_at_idle_rings_less_often_as_they_stay_idle() -> None:
     """An idle poller ring (a captured normal-mode call not being replayed): with the back-off
     the poller looks a few dozen times in 0.6 s where it looked every 1 ms (each look ~20-30
