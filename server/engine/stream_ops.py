@@ -674,7 +674,8 @@ class StreamOps:
             end = time.perf_counter()
             if end - top - asked > SLOW_POLL_SECONDS:  # (a late look: where the thread was)
                 for part, secs in (("top_up", start - top), ("launch", now - start),
-                                   ("sleep", end - now - asked),  # (beyond the wait asked)
+                                   # (beyond the wait asked; an arm may have cut it short)
+                                   ("sleep", max(0.0, end - now - asked)),
                                    ("enqueue", sum(r.chain.enqueue_seconds for r in rings
                                                    if r.chain is not None) if topped else 0.0)):
                     metrics.observe(metrics.STREAM_POLLER_SLOW_SECONDS, (part,), secs)
