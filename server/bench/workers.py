@@ -66,6 +66,14 @@ IMPLS = (EPD, DEEP_EP, PIPELINE)
 # graph row's captured calls stay armed: their rings idle): what the daemon costs its node
 # between requests.
 IDLE_SECONDS = 1.0
+# Before each reading of the daemon's metrics, rank 0 waits this long: the engine's fast-path
+# and poller threads hold their metric updates while busy (a batch applied once idle or every
+# 256 calls), so a reading right after a row missed that row's last updates and gave them to
+# the next (a row of the poller's low-latency calls read 0 µs of engine work). Its threads
+# go idle within their spin (5 ms at most) and flush. The process CPU is read before the wait.
+# (The first timed call after it may find the poller's looks backed off: one of the row's
+# iterations, up to --stream-op-idle-poll-us later.)
+SETTLE_SECONDS = 0.05
 PR_SET_PDEATHSIG = 1
 
 
@@ -276,9 +284,12 @@ class Rank:
             step()
             self.sync()
         self.barrier()
+        metered = bool(engine_pids) and p.rank == 0 and bool(p.metrics_url)
+        if metered:
+            time.sleep(SETTLE_SECONDS)  # (the warm-up's held updates applied first)
+        m0 = engine_host.read(p.metrics_url) if metered else None
         e0 = cpu_seconds(engine_pids) if engine_pids and p.rank == 0 else None
         t0_threads = thread_cpu(engine_pids) if e0 is not None else {}
-        m0 = engine_host.read(p.metrics_url) if e0 is not None and p.metrics_url else None
         times, cpu, work, last = [], 0.0, 0.0, None
         for _ in range(p.iters):
             self.barrier()
@@ -294,6 +305,8 @@ class Rank:
         self.barrier()
         e1 = cpu_seconds(engine_pids) if e0 is not None else None
         t1_threads = thread_cpu(engine_pids) if e1 is not None else {}
+        if m0 is not None:
+            time.sleep(SETTLE_SECONDS)  # (after the CPU reading: the wait is not the row's)
         m1 = engine_host.read(p.metrics_url) if m0 is not None else None
         h0, h1, w0, w1 = ((engine_host.totals(m0), engine_host.totals(m1),
                            engine_host.work_totals(m0), engine_host.work_totals(m1))
