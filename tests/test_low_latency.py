@@ -1714,21 +1714,11 @@ def test_a_cached_dispatch_of_a_captured_handle_is_refused() -> None:
     (DispatchArgs.refill): a cached dispatch sharing them would read another replay's routing,
     so the engine refuses it (the client never sends one; the ids are guessable), while the
     same handle uncaptured is reused."""
+    from host_region import HostRegion
+
     from epd.proto.errors import FailedPrecondition
-    from epd.server.backends.base import Region
     from epd.server.engine.ops import DataPlane
     from epd.server.engine.state import HandleInfo
-
-    class Floats(Region):
-        def __init__(self) -> None:
-            super().__init__("r", 4096)
-            self.buf = np.zeros(1024, np.float32)
-
-        def close(self) -> None:
-            pass
-
-        def view(self, offset, shape, dtype, strides):
-            return self.buf[offset // 4:offset // 4 + int(np.prod(shape))].reshape(shape)
 
     spec = types.SimpleNamespace(name="g", shrink=False, x_dtype=epd_pb2.FLOAT32, hidden=8,
                                  max_tokens_per_rank=16, max_recv_tokens=32)
@@ -1740,7 +1730,7 @@ def test_a_cached_dispatch_of_a_captured_handle_is_refused() -> None:
         setattr(engine, name, functools.partial(getattr(DataPlane, name), engine))
     engine._check_normal_mode, engine._check_kind = (DataPlane._check_normal_mode,
                                                      DataPlane._check_kind)
-    session = types.SimpleNamespace(regions={"r": Floats()})
+    session = types.SimpleNamespace(regions={"r": HostRegion()})
     req = epd_pb2.DispatchRequest(stream_ordered=True, cached_handle=7, x=epd_pb2.TensorDesc(
         region_id="r", shape=[4, 8], dtype=epd_pb2.FLOAT32))
     args, cached, _ = DataPlane.dispatch_args(engine, session, member, req)

@@ -613,21 +613,9 @@ def test_a_descriptor_whose_elements_share_positions_is_refused() -> None:
     """Interleaved aliasing: no more elements than the span holds (the count check passed it),
     yet two share a position (a review: [2, 2, 2] with strides [3, 4, 1]); the views of dense
     memory callers pass (permuted, sliced, strided) are accepted."""
-    from epd.server.backends.base import Region
+    from host_region import HostRegion as Bytes
+
     from epd.server.engine import tensors
-
-    class Bytes(Region):
-        def __init__(self) -> None:
-            super().__init__("r", 4096)
-            self.buf = np.zeros(4096, np.uint8)
-
-        def close(self) -> None:
-            pass
-
-        def view(self, offset, shape, dtype, strides):
-            item = np.dtype(dtype).itemsize
-            return np.lib.stride_tricks.as_strided(
-                self.buf[offset:].view(dtype), shape, tuple(s * item for s in strides))
 
     def desc(shape, strides):
         return epd_pb2.TensorDesc(region_id="r", shape=shape, strides=strides,

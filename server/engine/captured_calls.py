@@ -8,8 +8,8 @@ done word, and each time the poller reads the entry it runs the stored request a
 stream-ordered call of its own: the checks of its first run (kept: `_dispatch` below) and
 the group's state each time, the member's next sequences, a new handle (the previous
 trigger's released, its arrays refilled), the kernels enqueued at once, then the done word
-written on the rank's stream after them. The poller reads the ring in the order the triggers reached
-the GPU, so every rank numbers the calls alike.
+written on the rank's stream after them. The poller reads the ring in the order the triggers
+reached the GPU, so every rank numbers the calls alike.
 
 What can be armed: a worst-case dispatch (`num_worst_tokens`, not cached; DeepEP captures
 exactly that, its receive count never reaching the host) and the combine of such an armed
