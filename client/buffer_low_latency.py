@@ -82,6 +82,7 @@ class LowLatencyMixin:
     _combine_buffers: dict
     _groups: dict
     _ll_buffer: int  # the receive buffer of the next low-latency dispatch (0 or 1)
+    _ll_host_wait: float  # seconds an eager call's host looks for its op's end (0: never)
     _pending_masks: set[int]  # ranks masked by this Buffer's calls (applied to groups as they form)
 
     if TYPE_CHECKING:  # Buffer's, declared for the type checker
@@ -382,6 +383,11 @@ class LowLatencyMixin:
                 received_rows.load(self.session.device_ordinal)
         return e
 
+    def _host_clears(self, e: Entry) -> bool:
+        """Whether a call on `e` lets its host look for the op's done word (without MPS:
+        stream_ops.host_wait_seconds), which needs the op's last trigger passed."""
+        return self._ll_host_wait > 0 and self._stream_ops.passed(e)
+
     def _next_ll_buffer(self) -> int:
         """The receive buffer of the next low-latency dispatch: they alternate, per Buffer."""
         buffer = self._ll_buffer
@@ -396,8 +402,8 @@ class LowLatencyMixin:
         op = e.op
 
         def run():
-            stream = op.signal(buffer=buffer)
-            op.wait(stream)
+            stream = op.signal(buffer=buffer, clear_on_host=self._host_clears(e))
+            op.wait(stream, self._ll_host_wait)
             got = outputs(stream)
             self._stream_ops.triggered(e, stream)
             return got
@@ -469,7 +475,7 @@ class LowLatencyMixin:
 
         def receive(sent: int) -> None:
             try:
-                op.wait(sent)  # the receive half, on the stream the call was made on
+                op.wait(sent, self._ll_host_wait)  # the receive half, on the call's stream
                 if after is not None:
                     with on_stream(sent, place):
                         after()
@@ -477,8 +483,9 @@ class LowLatencyMixin:
                 if entry is not None:  # (held no more, whatever happened)
                     self._stream_ops.release(entry, sent)
 
+        clear = entry is not None and self._host_clears(entry)
         if return_recv_hook:
-            stream = op.signal(buffer=buffer)
+            stream = op.signal(buffer=buffer, clear_on_host=clear)
             held = [inputs]
 
             def hook() -> None:
@@ -490,7 +497,7 @@ class LowLatencyMixin:
             return hook, EventOverlap()
 
         def both() -> None:
-            receive(op.signal(buffer=buffer))
+            receive(op.signal(buffer=buffer, clear_on_host=clear))
 
         _, event = self._run(x, both, None, async_finish, inputs=inputs)
         return None, event

@@ -30,16 +30,17 @@ next combine.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver, host_order
-from ..proto.errors import EpdError, FailedPrecondition, Internal
+from ..proto import abi, counter_page, cuda_driver, host_order, spin
+from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgument
 from ..proto.v1 import epd_pb2
-from . import cuda_ipc, ll_trigger
+from . import cuda_ipc, host_cpu, ll_trigger
 from .frameworks import torch_if_loaded
 from .tensors import Array
 
@@ -48,6 +49,32 @@ if TYPE_CHECKING:
 
 REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE
 DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
+
+HOST_WAIT_ENV = "EPD_LL_HOST_WAIT_US"  # "auto" (the default) or microseconds, 0 = off
+HOST_WAIT_AUTO_US = 2000
+
+
+def host_wait_seconds(on_engine_mps: bool | None) -> float:
+    """How long an eager low-latency call's host looks for its op's done word before it makes
+    the stream wait for it instead (0: never). `auto`: 2 ms where this process is not on the
+    engine's MPS server, else 0.
+
+    Why: without MPS the client's and the engine's CUDA contexts time-slice the GPU, and a
+    stream waiting on a memory word is work of the client's context, so the engine's kernels
+    wait for a time slice (measured: 507 µs a call on 2x H200, 110 µs with the host waiting
+    instead; docs/DESIGN_NOTES.md "The host waits for an op without MPS"). Under MPS the
+    contexts run side by side and the stream wait costs nothing, so the host goes on."""
+    v = os.environ.get(HOST_WAIT_ENV, "auto").strip().lower()
+    if v in ("", "auto"):
+        return 0.0 if on_engine_mps else HOST_WAIT_AUTO_US * 1e-6
+    try:
+        us = int(v)
+    except ValueError:
+        raise InvalidArgument(f"{HOST_WAIT_ENV}={v!r}: 'auto' or a number of "
+                              f"microseconds") from None
+    if not 0 <= us <= 1_000_000:
+        raise InvalidArgument(f"{HOST_WAIT_ENV}={us}: between 0 (off) and 1000000 µs")
+    return us * 1e-6
 
 
 class StreamOp:
@@ -96,6 +123,13 @@ class StreamOp:
         # What a caller computes once per op (the facade's copy-out plans, by receive buffer
         # and format: client/received_rows.CopyPlan); it lives and goes with the op.
         self.plans: dict[Any, Any] = {}
+        # Host waits (`signal(clear_on_host=True)`, `wait(host_wait=...)`): the triggers
+        # enqueued so far, whether the host saw the latest one's done word, and whether the
+        # latest cleared the word on the host (only then is a non-zero word its own).
+        self.signals = 0
+        self.passed_on_host = False
+        self._cleared = False
+        self.host_waits = 0  # triggers whose end the host saw (no stream wait enqueued)
 
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
         if not self.armed:
@@ -111,13 +145,22 @@ class StreamOp:
         """The outputs of a trigger with receive buffer 0."""
         return self.results[0]
 
-    def signal(self, stream: Any = None, buffer: int = 0) -> int:
+    def signal(self, stream: Any = None, buffer: int = 0, clear_on_host: bool = False) -> int:
         """The send half: ask the engine to run the op once the stream gets here, with receive
-        buffer `buffer`. Returns the stream's handle."""
+        buffer `buffer`. Returns the stream's handle. `clear_on_host`: zero the done word from
+        the host first, so that `wait` may look for this trigger's word on the host; only
+        where the caller knows the op's last trigger has passed (a word cleared under a
+        trigger in flight would hide its completion)."""
         h = self._stream(stream)
         if not 0 <= buffer < len(self.results):
             raise FailedPrecondition(f"receive buffer {buffer}: this op has "
                                      f"{len(self.results)} (an engine of one buffer)")
+        if clear_on_host:
+            self._words[DONE] = 0
+            host_order.full()  # (the zero stored before the trigger's launch is enqueued)
+        self._cleared = clear_on_host
+        self.signals += 1
+        self.passed_on_host = False
         if self._ring is not None:
             ring, entry, timeout = self._ring
             ll_trigger.trigger(h, self._device, self._done, ring, entry | buffer << 8, timeout)
@@ -126,10 +169,22 @@ class StreamOp:
         cuda_driver.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
         return h
 
-    def wait(self, stream: Any = None) -> int:
+    def wait(self, stream: Any = None, host_wait: float = 0.0) -> int:
         """The receive half: later work on the stream waits for the op's outputs. Returns the
-        stream's handle."""
+        stream's handle. `host_wait` (seconds): after a trigger that cleared the done word on
+        the host, look for it there that long first; seen, the outputs are complete and the
+        stream needs no wait (`passed_on_host`); else the stream waits, as without it."""
         h = self._stream(stream)
+        cleared, self._cleared = self._cleared, False
+        if cleared and host_wait > 0:
+            words = self._words
+            with host_cpu.waiting():
+                seen = spin.wait_until(lambda: words[DONE] != 0, host_wait, spin=host_wait)
+            if seen:
+                host_order.consume()  # (the done word before the outputs the caller reads)
+                self.passed_on_host = True
+                self.host_waits += 1
+                return h
         cuda_driver.stream_wait_geq(h, self._done, DONE_OK)
         return h
 

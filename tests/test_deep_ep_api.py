@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -584,12 +585,15 @@ def test_receive_hook_holds_the_inputs_until_it_ran(monkeypatch) -> None:
 
     monkeypatch.setattr(BLL, "on_stream", on_stream)
     op = type("Op", (), {
-        "signal": lambda self, buffer: calls.append(("signal", buffer)) or 0x51,
-        "wait": lambda self, stream=None: calls.append(("wait", stream)) or 0x51})()
+        "signal": lambda self, buffer, clear_on_host=False: calls.append(
+            ("signal", buffer)) or 0x51,
+        "wait": lambda self, stream=None, host_wait=0.0: calls.append(
+            ("wait", stream)) or 0x51})()
     x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int64)
     refs = [weakref.ref(a) for a in (x, idx)]
     after = lambda: calls.append(("after", current[-1]))  # noqa: E731
-    hook, event = B.Buffer._trigger(None, op, x, True, False, after, buffer=1, inputs=(x, idx))
+    buf = types.SimpleNamespace(_ll_host_wait=0.0)  # (under MPS: the stream waits)
+    hook, event = B.Buffer._trigger(buf, op, x, True, False, after, buffer=1, inputs=(x, idx))
     assert calls == [("signal", 1)] and event.event is None
     del x, idx
     gc.collect()
@@ -784,12 +788,14 @@ def test_a_hook_releases_the_op_it_held() -> None:
             self.streams.append(stream)
 
     calls: list = []
-    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)) or 7,
-                         "wait": lambda self, stream: calls.append(("wait", stream)) or 42,
-                         "armed": True, "op_id": 1})()
+    op = type("Op", (), {
+        "signal": lambda self, buffer, clear_on_host=False: calls.append(
+            ("signal", buffer)) or 7,
+        "wait": lambda self, stream, host_wait=0.0: calls.append(("wait", stream)) or 42,
+        "armed": True, "op_id": 1, "signals": 0})()
     cache = StreamOpCache(0, 2, new_event=Event)
     e = cache.arm(("k",), lambda: op, pin=False, capturing=False, hold=True)
-    me = SimpleNamespace(_stream_ops=cache)
+    me = SimpleNamespace(_stream_ops=cache, _ll_host_wait=0.0, _host_clears=lambda e: False)
     hook, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
     assert e.holds == 1 and e.event is None
     hook()

@@ -30,7 +30,7 @@ from epd.client import stream_ops as SO
 from epd.client.buffer import Buffer
 from epd.client.transport import GrpcTransport
 from epd.proto import abi, counter_page, spin
-from epd.proto.errors import EpdError, FailedPrecondition, Unavailable
+from epd.proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable
 
 pytestmark = pytest.mark.timeout(120)
 DAEMON_ENGINES = 1  # (the tests below use engine 0 only)
@@ -131,6 +131,88 @@ def test_leaving_a_group_disarms_its_ops_in_the_client(stream_op) -> None:
     with pytest.raises(FailedPrecondition, match="disarmed"):
         op.launch()
     assert enqueued == []
+
+
+# -- 1b. an eager call's host wait for its op (without MPS) ----------------------------------------
+
+def _engine_finishes(op, value: int, after: float) -> threading.Thread:
+    """What the engine's last kernel does `after` seconds from now: the op's done word."""
+    def finish() -> None:
+        time.sleep(after)
+        op._words[SO.DONE] = value
+    th = threading.Thread(target=finish, daemon=True)
+    th.start()
+    return th
+
+
+def test_a_host_wait_sees_the_ops_end_and_enqueues_no_stream_wait(stream_op) -> None:
+    """A trigger that cleared the done word on the host: the host finds the word the engine
+    writes, and the stream gets no wait (the time-sliced GPU wait it replaces); a failure's
+    word ends the wait too (raised where it always was: at check)."""
+    op, _, enqueued = stream_op
+    for value in (SO.DONE_OK, SO.DONE_FAILED | abi.ERR_DEADLINE << abi.DONE_CODE_SHIFT):
+        op._words[SO.DONE] = SO.DONE_OK  # (the word of the op's last trigger)
+        enqueued.clear()
+        op.signal(clear_on_host=True)
+        assert op._words[SO.DONE] == 0 and not op.passed_on_host
+        th = _engine_finishes(op, value, 0.02)
+        op.wait(host_wait=5.0)
+        th.join()
+        assert enqueued == ["trigger"] and op.passed_on_host
+    assert op.host_waits == 2 and op.signals == 2
+
+
+def test_a_host_wait_that_runs_out_leaves_the_wait_to_the_stream(stream_op) -> None:
+    """No word within the bound (the caller's stream is busy before the trigger, a peer is
+    late): the stream waits, as it would without the host wait, and the host goes on."""
+    op, _, enqueued = stream_op
+    op.signal(clear_on_host=True)
+    t0 = time.perf_counter()
+    op.wait(host_wait=0.03)
+    assert time.perf_counter() - t0 >= 0.03
+    assert enqueued == ["trigger", "wait"] and not op.passed_on_host and op.host_waits == 0
+
+
+def test_a_word_not_cleared_by_the_host_is_never_taken_for_the_triggers_end(stream_op) -> None:
+    """Without `clear_on_host` (the op's last trigger may still be in flight, or a graph
+    replays it) the word the host reads may be an earlier trigger's: the stream waits at once,
+    whatever the host bound."""
+    op, _, enqueued = stream_op
+    op._words[SO.DONE] = SO.DONE_OK
+    op.signal()
+    op._words[SO.DONE] = SO.DONE_OK  # (an earlier trigger's word, seen before this one ran)
+    t0 = time.perf_counter()
+    op.wait(host_wait=5.0)
+    assert time.perf_counter() - t0 < 1.0
+    assert enqueued == ["trigger", "wait"] and not op.passed_on_host
+    # a second wait after a host-cleared trigger looks on the host once only
+    op.signal(clear_on_host=True)
+    op._words[SO.DONE] = SO.DONE_OK
+    op.wait(host_wait=5.0)
+    op.wait(host_wait=5.0)
+    assert enqueued[-2:] == ["trigger", "wait"] and op.host_waits == 1
+
+
+@pytest.mark.parametrize(("value", "on_mps", "seconds"), [
+    (None, False, 0.002), (None, True, 0.0), ("auto", None, 0.002), ("0", False, 0.0),
+    ("500", True, 0.0005), (" 1000000 ", False, 1.0)])
+def test_the_host_wait_bound(monkeypatch, value, on_mps, seconds) -> None:
+    """EPD_LL_HOST_WAIT_US: `auto` (the default) waits on the host only off the engine's MPS
+    server; a number of microseconds applies everywhere, 0 never."""
+    if value is None:
+        monkeypatch.delenv(SO.HOST_WAIT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(SO.HOST_WAIT_ENV, value)
+    assert SO.host_wait_seconds(on_mps) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "1000001", "1.5"])
+def test_a_bad_host_wait_bound_is_refused_before_a_session_opens(monkeypatch, value) -> None:
+    monkeypatch.setenv(SO.HOST_WAIT_ENV, value)
+    with pytest.raises(InvalidArgument, match=SO.HOST_WAIT_ENV):
+        SO.host_wait_seconds(False)
+    with pytest.raises(InvalidArgument, match=SO.HOST_WAIT_ENV):  # (no daemon at this path)
+        Buffer(rank=0, num_ranks=1, endpoint="unix:///nonexistent/epd.sock")
 
 
 # -- 2. closing against an engine that does not answer --------------------------------------------

@@ -4,12 +4,37 @@
 #   first49  # the forty-eighth session's last tree on a GPU (its bench settle, the poller's
 #            # mends after 9e6be47): gpu_s48_run.sh final48, then tests/gpu/test_ll_plain.py
 #            # (not run since the forty-seventh session)
+#   host49   # eager low-latency calls waiting on the host without MPS (EPD_LL_HOST_WAIT_US):
+#            # the captured and poller-path tests, test_ll_plain.py (its plain calls with the
+#            # host wait auto and forced on), `epd bench` D with the low-latency rows under MPS,
+#            # then without MPS (EPD_MPS=off) with the host wait (auto: on there)
+#   ab49     # without MPS, `epd bench` D --low-latency alternated: the stream waits
+#            # (EPD_LL_HOST_WAIT_US=0, as before) and the host waits (auto), LABEL rounds
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
+nomps() {  # nomps LABEL: `epd bench` D --low-latency without MPS (the daemon's and clients')
+  EPD_MPS=off timeout 140 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 20 \
+      --low-latency --json "$OUT/bench_nomps_$1.json" 2>&1 | clean | tail -45 \
+      > "$OUT/bench_nomps_$1.txt"
+  grep -E "^\| D|idle for|PASS|FAIL" "$OUT/bench_nomps_$1.txt"
+}
 case "${1:-}" in
   first49)
     bash benchmarks/device/gpu_s48_run.sh final48
     STEP_TEST_SECONDS=90 step ll_plain 110 "tests/gpu/test_ll_plain.py"
     ;;
-  *) echo "usage: $0 first49"; exit 2 ;;
+  host49)
+    STEP_TEST_SECONDS=60 step captured 70 "tests/gpu/test_captured_normal.py"
+    STEP_TEST_SECONDS=60 step poller 70 "tests/gpu/test_ll_chain_plain.py -k poller"
+    STEP_TEST_SECONDS=90 step ll_plain 200 "tests/gpu/test_ll_plain.py"
+    bench mps --shapes D --iters 30 --low-latency | grep -E "^\| D|idle for|PASS|FAIL"
+    nomps host_auto
+    ;;
+  ab49)
+    for r in ${2:-1}; do
+      EPD_LL_HOST_WAIT_US=0 nomps "stream_r$r"
+      nomps "host_r$r"
+    done
+    ;;
+  *) echo "usage: $0 first49|host49|ab49"; exit 2 ;;
 esac

@@ -64,8 +64,9 @@ def _spoiled(step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     return sent, kept, ex
 
 
-def _plain_rank(rank: int, socket: str, device: int, q) -> None:
+def _plain_rank(rank: int, socket: str, device: int, host_wait: str, q) -> None:
     os.environ["EPD_LL_PLAIN_OPS"] = "3"  # evictions every few layers
+    os.environ["EPD_LL_HOST_WAIT_US"] = host_wait
     import torch
 
     from epd.client import EpdError, Session
@@ -100,6 +101,8 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
         torch.cuda.synchronize()
         buf.check()
         res["armed"] = len(buf._stream_ops)
+        res["on_mps"] = s.on_engine_mps
+        res["host_waits"] = sum(op.host_waits for op in buf._stream_ops.ops())
         # whether the engine ran these ops on a GPU chain (--ll-chain on, or auto under MPS)
         res["chained"] = any(getattr(h.handle, "chained", False) for _, _, h, _ in held)
         for recv, count, handle, cx in held:  # every layer's outputs, read at the end
@@ -177,8 +180,14 @@ def _plain_rank(rank: int, socket: str, device: int, q) -> None:
 
 
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
-def test_plain_low_latency_calls_through_armed_ops(daemon) -> None:
-    results = _spawn_ranks(daemon, _plain_rank, R)
+@pytest.mark.parametrize("host_wait", ["auto", "20000"])
+def test_plain_low_latency_calls_through_armed_ops(daemon, host_wait: str) -> None:
+    """`host_wait`: EPD_LL_HOST_WAIT_US; "auto" waits on the host only off the engine's MPS
+    server, 20000 always (the host looks for each op's end, the stream waits only where
+    20 ms pass first: the outputs must be the same)."""
+    results = _spawn_ranks(daemon, _plain_rank, R, host_wait)
+    for r in results:  # (the ops still armed at the end: the ones the host looked for)
+        assert (r["host_waits"] > 0) == (host_wait != "auto" or not r["on_mps"]), r
     for layer, (t0, t1, fp8) in enumerate(LAYERS):
         inputs = [_inputs(layer, r, (t0, t1)[r]) for r in range(R)]
         xs, idx, w = ([i[j] for i in inputs] for j in range(3))
@@ -515,6 +524,8 @@ def _eager_hooks_rank(rank: int, socket: str, device: int, q) -> None:
             res["steps"].append(_bits(cx))
         buf.check()
         res["armed"] = len(buf._stream_ops)
+        res["on_mps"] = s.on_engine_mps
+        res["host_waits"] = sum(op.host_waits for op in buf._stream_ops.ops())
     q.put(res)
 
 
@@ -571,6 +582,8 @@ def _many_sizes_rank(rank: int, socket: str, device: int, q) -> None:
                     buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
             graphs[t] = (graph, layers)
         res["armed"] = len(buf._stream_ops)
+        res["on_mps"] = s.on_engine_mps
+        res["host_waits"] = sum(op.host_waits for op in buf._stream_ops.ops())
         res["slots"] = len({op.place[0] for op in buf._stream_ops.ops()})
         for rnd in range(2):
             for t, (graph, layers) in graphs.items():
