@@ -64,7 +64,6 @@ from .group import Group, service_class_value
 from .handles import BufferHandle, LowLatencyBufferHandle, repacked
 from .session import UNANSWERED, Session
 from .stream_op_cache import StreamOpCache
-from .stream_ops import host_wait_seconds
 from .tensors import Array
 
 SERVICE_CLASS_ENV = "EPD_SERVICE_CLASS"  # a Buffer's service class when it names none
@@ -277,7 +276,6 @@ class Buffer(LowLatencyMixin):
         self._comm_stream: Any = None
         self._client_name = f"{group_name}-rank{rank}"
         plain_ops = plain_op_limit()  # (InvalidArgument before a session is opened)
-        host_wait_seconds(None)  # (the same for EPD_LL_HOST_WAIT_US)
         if session is None:
             if engine is None:
                 engine = C.default_engine()
@@ -296,7 +294,6 @@ class Buffer(LowLatencyMixin):
         self._combine_buffers: dict[tuple[str, tuple[int, ...], bool], Array] = {}
         # Armed low-latency calls by the tensors they read (cuda backend).
         self._stream_ops = StreamOpCache(session.device_ordinal, plain_ops)
-        self._ll_host_wait = host_wait_seconds(session.on_engine_mps)
         self._ll_buffer = 0  # DeepEP's double buffer: low-latency dispatches alternate
         self._pending_masks: set[int] = set()
         self._buffer_keys = cuda_ipc.BufferKeys(session.device_ordinal)
@@ -482,7 +479,6 @@ class Buffer(LowLatencyMixin):
         self.session = Session(other, client_name=self._client_name, timeout=old.timeout)
         old.close()
         self._stream_ops = StreamOpCache(self.session.device_ordinal, plain_op_limit())
-        self._ll_host_wait = host_wait_seconds(self.session.on_engine_mps)
         self._buffer_keys = cuda_ipc.BufferKeys(self.session.device_ordinal)
         return self.session.join(name, **kw)
 

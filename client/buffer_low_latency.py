@@ -82,7 +82,6 @@ class LowLatencyMixin:
     _combine_buffers: dict
     _groups: dict
     _ll_buffer: int  # the receive buffer of the next low-latency dispatch (0 or 1)
-    _ll_host_wait: float  # seconds an eager call's host looks for its op's end (0: never)
     _pending_masks: set[int]  # ranks masked by this Buffer's calls (applied to groups as they form)
 
     if TYPE_CHECKING:  # Buffer's, declared for the type checker
@@ -385,8 +384,8 @@ class LowLatencyMixin:
 
     def _host_clears(self, e: Entry) -> bool:
         """Whether a call on `e` lets its host look for the op's done word (without MPS:
-        stream_ops.host_wait_seconds), which needs the op's last trigger passed."""
-        return self._ll_host_wait > 0 and self._stream_ops.passed(e)
+        mps.host_wait_seconds), which needs the op's last trigger passed."""
+        return self.session.host_wait > 0 and self._stream_ops.passed(e)
 
     def _next_ll_buffer(self) -> int:
         """The receive buffer of the next low-latency dispatch: they alternate, per Buffer."""
@@ -403,7 +402,7 @@ class LowLatencyMixin:
 
         def run():
             stream = op.signal(buffer=buffer, clear_on_host=self._host_clears(e))
-            op.wait(stream, self._ll_host_wait)
+            op.wait(stream, self.session.host_wait)
             got = outputs(stream)
             self._stream_ops.triggered(e, stream)
             return got
@@ -475,7 +474,7 @@ class LowLatencyMixin:
 
         def receive(sent: int) -> None:
             try:
-                op.wait(sent, self._ll_host_wait)  # the receive half, on the call's stream
+                op.wait(sent, self.session.host_wait)  # the receive half, on the call's stream
                 if after is not None:
                     with on_stream(sent, place):
                         after()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver, spin
+from ..proto import abi, counter_page, cuda_driver, host_order, spin
 from ..proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
 from . import call_outputs, captured_calls, cuda_ipc, host_cpu
@@ -82,7 +82,18 @@ class StreamSlot:
         cuda_driver.stream_write(stream, self.ready_ptr + 4 * (seq % RING), seq)
 
     def end(self, stream: int, seq: int) -> None:
-        """Later work on our stream waits for the call's last kernel."""
+        """Later work on our stream waits for the call's last kernel: the host, where it looks
+        for the call's DONE first (off the engine's MPS server: Session.host_wait) and sees
+        it in time, else the stream."""
+        wait = self.group._session.host_wait
+        if wait > 0:
+            words = self.words
+            with host_cpu.waiting():
+                seen = spin.wait_until(lambda: counter_page.seq_reached(
+                    counter_page.stream_done(words), seq), wait, spin=wait)
+            if seen:
+                host_order.consume()  # (DONE before the outputs the caller reads)
+                return
         cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
 
     def settle(self, seq: int, timeout: float) -> None:

@@ -30,7 +30,6 @@ next combine.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,7 @@ import grpc
 import numpy as np
 
 from ..proto import abi, counter_page, cuda_driver, host_order, spin
-from ..proto.errors import EpdError, FailedPrecondition, Internal, InvalidArgument
+from ..proto.errors import EpdError, FailedPrecondition, Internal
 from ..proto.v1 import epd_pb2
 from . import cuda_ipc, host_cpu, ll_trigger
 from .frameworks import torch_if_loaded
@@ -49,32 +48,6 @@ if TYPE_CHECKING:
 
 REQUEST, DONE = abi.STREAM_REQUEST, abi.STREAM_DONE
 DONE_OK, DONE_FAILED, DONE_RELEASED = abi.DONE_OK, abi.DONE_FAILED, abi.DONE_RELEASED
-
-HOST_WAIT_ENV = "EPD_LL_HOST_WAIT_US"  # "auto" (the default) or microseconds, 0 = off
-HOST_WAIT_AUTO_US = 2000
-
-
-def host_wait_seconds(on_engine_mps: bool | None) -> float:
-    """How long an eager low-latency call's host looks for its op's done word before it makes
-    the stream wait for it instead (0: never). `auto`: 2 ms where this process is not on the
-    engine's MPS server, else 0.
-
-    Why: without MPS the client's and the engine's CUDA contexts time-slice the GPU, and a
-    stream waiting on a memory word is work of the client's context, so the engine's kernels
-    wait for a time slice (measured: 507 µs a call on 2x H200, 110 µs with the host waiting
-    instead; docs/DESIGN_NOTES.md "The host waits for an op without MPS"). Under MPS the
-    contexts run side by side and the stream wait costs nothing, so the host goes on."""
-    v = os.environ.get(HOST_WAIT_ENV, "auto").strip().lower()
-    if v in ("", "auto"):
-        return 0.0 if on_engine_mps else HOST_WAIT_AUTO_US * 1e-6
-    try:
-        us = int(v)
-    except ValueError:
-        raise InvalidArgument(f"{HOST_WAIT_ENV}={v!r}: 'auto' or a number of "
-                              f"microseconds") from None
-    if not 0 <= us <= 1_000_000:
-        raise InvalidArgument(f"{HOST_WAIT_ENV}={us}: between 0 (off) and 1000000 µs")
-    return us * 1e-6
 
 
 class StreamOp:

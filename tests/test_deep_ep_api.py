@@ -592,7 +592,7 @@ def test_receive_hook_holds_the_inputs_until_it_ran(monkeypatch) -> None:
     x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int64)
     refs = [weakref.ref(a) for a in (x, idx)]
     after = lambda: calls.append(("after", current[-1]))  # noqa: E731
-    buf = types.SimpleNamespace(_ll_host_wait=0.0)  # (under MPS: the stream waits)
+    buf = types.SimpleNamespace(session=types.SimpleNamespace(host_wait=0.0))  # (on MPS)
     hook, event = B.Buffer._trigger(buf, op, x, True, False, after, buffer=1, inputs=(x, idx))
     assert calls == [("signal", 1)] and event.event is None
     del x, idx
@@ -795,7 +795,8 @@ def test_a_hook_releases_the_op_it_held() -> None:
         "armed": True, "op_id": 1, "signals": 0})()
     cache = StreamOpCache(0, 2, new_event=Event)
     e = cache.arm(("k",), lambda: op, pin=False, capturing=False, hold=True)
-    me = SimpleNamespace(_stream_ops=cache, _ll_host_wait=0.0, _host_clears=lambda e: False)
+    me = SimpleNamespace(_stream_ops=cache, session=SimpleNamespace(host_wait=0.0),
+                         _host_clears=lambda e: False)
     hook, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
     assert e.holds == 1 and e.event is None
     hook()

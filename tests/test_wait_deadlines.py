@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 import pytest
 
-from epd.client import Session, fork_guard
+from epd.client import Session, fork_guard, mps
 from epd.client import session as S
 from epd.client import stream_ops as SO
 from epd.client.buffer import Buffer
@@ -197,22 +197,22 @@ def test_a_word_not_cleared_by_the_host_is_never_taken_for_the_triggers_end(stre
     (None, False, 0.002), (None, True, 0.0), ("auto", None, 0.002), ("0", False, 0.0),
     ("500", True, 0.0005), (" 1000000 ", False, 1.0)])
 def test_the_host_wait_bound(monkeypatch, value, on_mps, seconds) -> None:
-    """EPD_LL_HOST_WAIT_US: `auto` (the default) waits on the host only off the engine's MPS
+    """EPD_HOST_WAIT_US: `auto` (the default) waits on the host only off the engine's MPS
     server; a number of microseconds applies everywhere, 0 never."""
     if value is None:
-        monkeypatch.delenv(SO.HOST_WAIT_ENV, raising=False)
+        monkeypatch.delenv(mps.HOST_WAIT_ENV, raising=False)
     else:
-        monkeypatch.setenv(SO.HOST_WAIT_ENV, value)
-    assert SO.host_wait_seconds(on_mps) == pytest.approx(seconds)
+        monkeypatch.setenv(mps.HOST_WAIT_ENV, value)
+    assert mps.host_wait_seconds(mps.host_wait_setting(), on_mps) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("value", ["soon", "-1", "1000001", "1.5"])
 def test_a_bad_host_wait_bound_is_refused_before_a_session_opens(monkeypatch, value) -> None:
-    monkeypatch.setenv(SO.HOST_WAIT_ENV, value)
-    with pytest.raises(InvalidArgument, match=SO.HOST_WAIT_ENV):
-        SO.host_wait_seconds(False)
-    with pytest.raises(InvalidArgument, match=SO.HOST_WAIT_ENV):  # (no daemon at this path)
-        Buffer(rank=0, num_ranks=1, endpoint="unix:///nonexistent/epd.sock")
+    monkeypatch.setenv(mps.HOST_WAIT_ENV, value)
+    with pytest.raises(InvalidArgument, match=mps.HOST_WAIT_ENV):
+        mps.host_wait_setting()
+    with pytest.raises(InvalidArgument, match=mps.HOST_WAIT_ENV):  # (no daemon at this path)
+        Session("unix:///nonexistent/epd.sock")
 
 
 # -- 2. closing against an engine that does not answer --------------------------------------------

@@ -4,12 +4,12 @@
 #   first49  # the forty-eighth session's last tree on a GPU (its bench settle, the poller's
 #            # mends after 9e6be47): gpu_s48_run.sh final48, then tests/gpu/test_ll_plain.py
 #            # (not run since the forty-seventh session)
-#   host49   # eager low-latency calls waiting on the host without MPS (EPD_LL_HOST_WAIT_US):
-#            # the captured and poller-path tests, test_ll_plain.py (its plain calls with the
-#            # host wait auto and forced on), `epd bench` D with the low-latency rows under MPS,
-#            # then without MPS (EPD_MPS=off) with the host wait (auto: on there)
-#   ab49     # without MPS, `epd bench` D --low-latency alternated: the stream waits
-#            # (EPD_LL_HOST_WAIT_US=0, as before) and the host waits (auto), LABEL rounds
+#   host49   # eager calls waiting on the host off MPS (EPD_HOST_WAIT_US, new): test_ll_plain.py
+#            # (its plain calls with the host wait auto and forced on), test_stream_ordered.py
+#            # with the host wait forced on (EPD_HOST_WAIT_US=20000), then `epd bench` D
+#            # --low-latency without MPS (EPD_MPS=off), the stream waiting (EPD_HOST_WAIT_US=0,
+#            # as before) and the host (auto: on there)
+#   ab49 N   # the same two benches alternated, rounds 1..N (default 1), then one under MPS
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
 nomps() {  # nomps LABEL: `epd bench` D --low-latency without MPS (the daemon's and clients')
@@ -24,17 +24,18 @@ case "${1:-}" in
     STEP_TEST_SECONDS=90 step ll_plain 110 "tests/gpu/test_ll_plain.py"
     ;;
   host49)
-    STEP_TEST_SECONDS=60 step captured 70 "tests/gpu/test_captured_normal.py"
-    STEP_TEST_SECONDS=60 step poller 70 "tests/gpu/test_ll_chain_plain.py -k poller"
-    STEP_TEST_SECONDS=90 step ll_plain 200 "tests/gpu/test_ll_plain.py"
-    bench mps --shapes D --iters 30 --low-latency | grep -E "^\| D|idle for|PASS|FAIL"
-    nomps host_auto
+    STEP_TEST_SECONDS=90 step ll_plain 170 "tests/gpu/test_ll_plain.py"
+    EPD_HOST_WAIT_US=20000 STEP_TEST_SECONDS=90 step ordered_host 110 \
+        "tests/gpu/test_stream_ordered.py"
+    EPD_HOST_WAIT_US=0 nomps stream
+    nomps host
     ;;
   ab49)
-    for r in ${2:-1}; do
-      EPD_LL_HOST_WAIT_US=0 nomps "stream_r$r"
+    for r in $(seq 1 "${2:-1}"); do
+      EPD_HOST_WAIT_US=0 nomps "stream_r$r"
       nomps "host_r$r"
     done
+    bench mps --shapes D --iters 30 --low-latency | grep -E "^\| D|idle for|PASS|FAIL"
     ;;
   *) echo "usage: $0 first49|host49|ab49"; exit 2 ;;
 esac

@@ -66,7 +66,7 @@ def _spoiled(step: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
 
 def _plain_rank(rank: int, socket: str, device: int, host_wait: str, q) -> None:
     os.environ["EPD_LL_PLAIN_OPS"] = "3"  # evictions every few layers
-    os.environ["EPD_LL_HOST_WAIT_US"] = host_wait
+    os.environ["EPD_HOST_WAIT_US"] = host_wait
     import torch
 
     from epd.client import EpdError, Session
@@ -182,7 +182,7 @@ def _plain_rank(rank: int, socket: str, device: int, host_wait: str, q) -> None:
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
 @pytest.mark.parametrize("host_wait", ["auto", "20000"])
 def test_plain_low_latency_calls_through_armed_ops(daemon, host_wait: str) -> None:
-    """`host_wait`: EPD_LL_HOST_WAIT_US; "auto" waits on the host only off the engine's MPS
+    """`host_wait`: EPD_HOST_WAIT_US; "auto" waits on the host only off the engine's MPS
     server, 20000 always (the host looks for each op's end, the stream waits only where
     20 ms pass first: the outputs must be the same)."""
     results = _spawn_ranks(daemon, _plain_rank, R, host_wait)
