@@ -208,7 +208,6 @@ class Session:
         # Whether this process shares the engine's CUDA MPS server (warned once if not).
         self.mps_pipe_directory = o.mps_pipe_directory
         self.on_engine_mps = o.client_on_engine_mps
-        self.host_wait = mps.host_wait_seconds(self._host_wait_setting, self.on_engine_mps)
         mps.warn_if_off_engine_mps(o)
         # The session's secret: every later call carries it (gRPC metadata, the channel).
         set_token = getattr(self._transport, "set_token", None)
@@ -222,6 +221,8 @@ class Session:
                                      register_fd=self._channel.register,
                                      fetch=self._channel.fetch)
         self.backend = self._memory.backend  # "cpu" or "cuda", for reports
+        if self._memory.supports_stream_ops:  # (the cpu backend's calls have no stream)
+            self.host_wait = mps.host_wait_seconds(self._host_wait_setting, self.on_engine_mps)
         if fast_path is None:
             fast_path = os.environ.get("EPD_FAST_PATH", "1") != "0"
         if fast_path and isinstance(self._transport, GrpcTransport):
