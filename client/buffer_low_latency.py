@@ -472,7 +472,7 @@ class LowLatencyMixin:
         # call without a hook runs that work at once, on the stream current then.
         place = stream_place(x) if after is not None and return_recv_hook else None
 
-        def receive(sent: int) -> None:
+        def receive(sent: int, signals: int) -> None:
             try:
                 op.wait(sent, self.session.host_wait)  # the receive half, on the call's stream
                 if after is not None:
@@ -480,23 +480,25 @@ class LowLatencyMixin:
                         after()
             finally:
                 if entry is not None:  # (held no more, whatever happened)
-                    self._stream_ops.release(entry, sent)
+                    self._stream_ops.release(entry, sent, signals)
 
         clear = entry is not None and self._host_clears(entry)
         if return_recv_hook:
             stream = op.signal(buffer=buffer, clear_on_host=clear)
+            signals = op.signals  # (this trigger's: the op may be triggered again before the hook)
             held = [inputs]
 
             def hook() -> None:
                 if not held:  # (once: a second call would release another call's hold)
                     return
                 held.clear()
-                receive(stream)
+                receive(stream, signals)
 
             return hook, EventOverlap()
 
         def both() -> None:
-            receive(op.signal(buffer=buffer, clear_on_host=clear))
+            sent = op.signal(buffer=buffer, clear_on_host=clear)
+            receive(sent, op.signals)
 
         _, event = self._run(x, both, None, async_finish, inputs=inputs)
         return None, event

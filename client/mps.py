@@ -76,9 +76,10 @@ def host_wait_seconds(setting: float | None, on_engine_mps: bool | None) -> floa
 
     Why: without MPS the client's and the engine's CUDA contexts time-slice the GPU, and a
     stream waiting on a memory word is work of the client's context, so the engine's kernels
-    wait for a time slice (measured: a low-latency call 507 µs on 2x H200, 110 µs with the host
-    waiting instead; docs/DESIGN_NOTES.md "Off MPS the host waits"). Under MPS the contexts
-    run side by side and the stream wait costs nothing, so the host goes on."""
+    wait for a time slice (the project's first runs on 2x H200: a low-latency call 507 µs,
+    110 µs with a prototype's host waiting instead; this code's figures are in
+    docs/BENCHMARKS.md, docs/DESIGN_NOTES.md "Off MPS the host waits" says how). Under MPS the
+    contexts run side by side and the stream wait costs nothing, so the host goes on."""
     if setting is not None:
         return setting
     return 0.0 if on_engine_mps else HOST_WAIT_AUTO_US * 1e-6

@@ -127,14 +127,15 @@ class StreamOpCache:
             e.holds += 1
         return e
 
-    def release(self, e: Entry, stream: int | None) -> None:
+    def release(self, e: Entry, stream: int | None, signals: int | None = None) -> None:
         """A receive hook of a call on `e` ran, enqueuing the op's receive half on `stream`:
         the op may be evicted once that has passed (an event recorded behind it). None: the
-        call failed before anything was enqueued."""
+        call failed before anything was enqueued. `signals`: the op's trigger count right
+        after the hook's own trigger (the event is behind that one, not a later call's)."""
         e.holds = max(e.holds - 1, 0)
         if stream is None:
             return
-        self._record(e, stream)
+        self._record(e, stream, signals)
 
     def ops(self) -> list[StreamOp]:
         """The armed ops, least recently used first."""
@@ -234,11 +235,11 @@ class StreamOpCache:
         self._kept_verdicts.clear()
 
     # -- internals ---------------------------------------------------------------------------
-    def _record(self, e: Entry, stream: int) -> None:
+    def _record(self, e: Entry, stream: int, signals: int | None = None) -> None:
         if e.event is None:
             e.event = self._new_event(self.device)
         e.event.record(stream)
-        e.event_signals = e.op.signals
+        e.event_signals = e.op.signals if signals is None else signals
 
     def _plain_count(self) -> int:
         return sum(1 for e in self._entries.values() if not e.pinned)

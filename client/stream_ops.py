@@ -145,19 +145,26 @@ class StreamOp:
     def wait(self, stream: Any = None, host_wait: float = 0.0) -> int:
         """The receive half: later work on the stream waits for the op's outputs. Returns the
         stream's handle. `host_wait` (seconds): after a trigger that cleared the done word on
-        the host, look for it there that long first; seen, the outputs are complete and the
-        stream needs no wait (`passed_on_host`); else the stream waits, as without it."""
+        the host, look for it there that long first; seen complete (DONE_OK, or a verdict:
+        the op ran), the stream needs no wait (`passed_on_host`); anything else (not seen,
+        a failure another writer may have set before the trigger ran, an interrupt) leaves
+        the wait to the stream, as without the host wait."""
         h = self._stream(stream)
         cleared, self._cleared = self._cleared, False
         if cleared and host_wait > 0:
-            words = self._words
-            with host_cpu.waiting():
-                seen = spin.wait_until(lambda: words[DONE] != 0, host_wait, spin=host_wait)
-            if seen:
-                host_order.consume()  # (the done word before the outputs the caller reads)
-                self.passed_on_host = True
-                self.host_waits += 1
-                return h
+            words, value = self._words, 0
+            try:
+                with host_cpu.waiting():
+                    spin.wait_until(lambda: words[DONE] != 0, host_wait, spin=host_wait)
+                value = int(words[DONE])
+            finally:
+                if value == DONE_OK or is_verdict(value):
+                    host_order.consume()  # (the done word before the outputs read after it)
+                    self.passed_on_host = True
+                    self.host_waits += 1
+                else:
+                    cuda_driver.stream_wait_geq(h, self._done, DONE_OK)
+            return h
         cuda_driver.stream_wait_geq(h, self._done, DONE_OK)
         return h
 

@@ -145,16 +145,33 @@ def _engine_finishes(op, value: int, after: float) -> threading.Thread:
     return th
 
 
-def test_a_host_wait_sees_the_ops_end_and_enqueues_no_stream_wait(stream_op) -> None:
-    """A trigger that cleared the done word on the host: the host finds the word the engine
-    writes, and the stream gets no wait (the time-sliced GPU wait it replaces); a failure's
-    word ends the wait too (raised where it always was: at check)."""
+def _launch_sees_the_word(monkeypatch, op, enqueued: list) -> list[int]:
+    """The trigger's launch records the done word as it is when the launch is enqueued and
+    leaves it (the kernel runs later): a word the host cleared reads 0 there."""
+    seen: list[int] = []
+
+    def trigger(*a) -> None:
+        enqueued.append("trigger")
+        seen.append(int(op._words[SO.DONE]))
+    monkeypatch.setattr(SO.ll_trigger, "trigger", trigger)
+    return seen
+
+
+def test_a_host_wait_sees_the_ops_end_and_enqueues_no_stream_wait(stream_op,
+                                                                  monkeypatch) -> None:
+    """A trigger that cleared the done word on the host (before its launch): the host finds
+    the word the engine writes, and the stream gets no wait (the time-sliced GPU wait it
+    replaces); a verdict (the op ran, a source's ids were bad) ends it too."""
     op, _, enqueued = stream_op
-    for value in (SO.DONE_OK, SO.DONE_FAILED | abi.ERR_DEADLINE << abi.DONE_CODE_SHIFT):
+    at_launch = _launch_sees_the_word(monkeypatch, op, enqueued)
+    verdict = (SO.DONE_FAILED | abi.ERR_BAD_INPUT << abi.DONE_CODE_SHIFT
+               | 1 << abi.DONE_RANK_SHIFT | 1 << abi.DONE_SEQ_SHIFT)
+    assert SO.is_verdict(verdict)
+    for value in (SO.DONE_OK, verdict):
         op._words[SO.DONE] = SO.DONE_OK  # (the word of the op's last trigger)
         enqueued.clear()
         op.signal(clear_on_host=True)
-        assert op._words[SO.DONE] == 0 and not op.passed_on_host
+        assert at_launch[-1] == 0 and not op.passed_on_host
         th = _engine_finishes(op, value, 0.02)
         op.wait(host_wait=5.0)
         th.join()
@@ -162,10 +179,43 @@ def test_a_host_wait_sees_the_ops_end_and_enqueues_no_stream_wait(stream_op) -> 
     assert op.host_waits == 2 and op.signals == 2
 
 
-def test_a_host_wait_that_runs_out_leaves_the_wait_to_the_stream(stream_op) -> None:
+def test_a_failure_word_leaves_the_wait_to_the_stream(stream_op, monkeypatch) -> None:
+    """A failure in the word (the op's kernels failed, or the engine failed every op of a
+    broken ring, maybe before this trigger ran) is not taken for the trigger's end: the stream
+    waits, as without the host wait, and the failure raises at check."""
+    op, _, enqueued = stream_op
+    _launch_sees_the_word(monkeypatch, op, enqueued)
+    op.signal(clear_on_host=True)
+    failed = SO.DONE_FAILED | abi.ERR_DEADLINE << abi.DONE_CODE_SHIFT
+    th = _engine_finishes(op, failed, 0.02)
+    op.wait(host_wait=5.0)
+    th.join()
+    assert enqueued == ["trigger", "wait"] and not op.passed_on_host and op.host_waits == 0
+    op.group.spec = types.SimpleNamespace(num_experts=8)
+    with pytest.raises(EpdError, match="a peer did not arrive before the deadline"):
+        op.check()
+
+
+def test_an_interrupted_host_wait_still_orders_the_stream(stream_op, monkeypatch) -> None:
+    """An exception in the host's look (a KeyboardInterrupt) leaves the stream waiting
+    before it propagates: nothing after the call on the stream runs ahead of the op."""
+    op, _, enqueued = stream_op
+    _launch_sees_the_word(monkeypatch, op, enqueued)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(SO.spin, "wait_until", interrupted)
+    op.signal(clear_on_host=True)
+    with pytest.raises(KeyboardInterrupt):
+        op.wait(host_wait=5.0)
+    assert enqueued == ["trigger", "wait"] and not op.passed_on_host
+
+
+def test_a_host_wait_that_runs_out_leaves_the_wait_to_the_stream(stream_op, monkeypatch) -> None:
     """No word within the bound (the caller's stream is busy before the trigger, a peer is
     late): the stream waits, as it would without the host wait, and the host goes on."""
     op, _, enqueued = stream_op
+    _launch_sees_the_word(monkeypatch, op, enqueued)
     op.signal(clear_on_host=True)
     t0 = time.perf_counter()
     op.wait(host_wait=0.03)

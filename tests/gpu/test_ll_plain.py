@@ -499,8 +499,10 @@ def _eager_hooks_rank(rank: int, socket: str, device: int, q) -> None:
     """A server in eager mode (vLLM's DeepEP low-latency path): every step a dispatch and a
     combine with return_recv_hook=True on fresh tensors of a new batch size. 80 steps, more
     than the session's 64 counter slots: the hook ops are kept LRU once their hooks ran (they
-    were pinned, and the session ran out of slots after ~60 steps). Each step exact."""
+    were pinned, and the session ran out of slots after ~60 steps). Each step exact. The
+    hooks' host looks for each op's end (EPD_HOST_WAIT_US forced on, MPS or not)."""
     os.environ["EPD_LL_PLAIN_OPS"] = "4"
+    os.environ["EPD_HOST_WAIT_US"] = "20000"
     import torch
 
     from epd.client import Session
@@ -524,7 +526,6 @@ def _eager_hooks_rank(rank: int, socket: str, device: int, q) -> None:
             res["steps"].append(_bits(cx))
         buf.check()
         res["armed"] = len(buf._stream_ops)
-        res["on_mps"] = s.on_engine_mps
         res["host_waits"] = sum(op.host_waits for op in buf._stream_ops.ops())
     q.put(res)
 
@@ -539,6 +540,7 @@ def test_hook_calls_of_new_batch_sizes_do_not_run_out_of_slots(daemon) -> None:
             np.testing.assert_array_equal(res["steps"][step], _combined(xs, idx, w, r, True))
     for res in results:
         assert res["armed"] <= 4 + 2, res["armed"]
+        assert res["host_waits"] > 0, res  # (the ops still armed at the end)
 
 
 # vLLM's decode capture: a graph per batch size, every MoE layer's calls in it, each layer with
@@ -555,7 +557,9 @@ def _sizes_seed(rnd: int, t: int, layer: int) -> int:
 def _many_sizes_rank(rank: int, socket: str, device: int, q) -> None:
     """Capture one graph per batch size (CAPTURE_SIZES), each with CAPTURED_LAYERS layers'
     dispatch (hook) + combine on tensors of their own, then replay every graph twice with
-    fresh inputs, the outputs poisoned before each replay."""
+    fresh inputs, the outputs poisoned before each replay. EPD_HOST_WAIT_US is forced on:
+    a captured call never waits on the host (its stream waits; a graph has no host)."""
+    os.environ["EPD_HOST_WAIT_US"] = "20000"
     import torch
 
     from epd.client import Session
@@ -582,7 +586,6 @@ def _many_sizes_rank(rank: int, socket: str, device: int, q) -> None:
                     buf.low_latency_combine(recv, sidx, sw, handle, out=dest)
             graphs[t] = (graph, layers)
         res["armed"] = len(buf._stream_ops)
-        res["on_mps"] = s.on_engine_mps
         res["host_waits"] = sum(op.host_waits for op in buf._stream_ops.ops())
         res["slots"] = len({op.place[0] for op in buf._stream_ops.ops()})
         for rnd in range(2):
@@ -604,6 +607,7 @@ def test_a_model_captured_at_many_batch_sizes(daemon) -> None:
     for res in results:
         assert res["armed"] == 2 * len(CAPTURE_SIZES) * CAPTURED_LAYERS, res["armed"]
         assert res["slots"] == 3, res["slots"]  # (160 ops' records in 3 slots of 64)
+        assert res["host_waits"] == 0, res["host_waits"]
     for rnd in range(2):
         for t in CAPTURE_SIZES:
             for layer in range(CAPTURED_LAYERS):
