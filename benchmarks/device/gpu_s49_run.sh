@@ -4,11 +4,11 @@
 #   first49  # the forty-eighth session's last tree on a GPU (its bench settle, the poller's
 #            # mends after 9e6be47): gpu_s48_run.sh final48, then tests/gpu/test_ll_plain.py
 #            # (not run since the forty-seventh session)
-#   host49   # eager calls waiting on the host off MPS (EPD_HOST_WAIT_US, new): test_ll_plain.py
-#            # (its plain calls with the host wait auto and forced on), test_stream_ordered.py
-#            # with the host wait forced on (EPD_HOST_WAIT_US=20000), then `epd bench` D
-#            # --low-latency without MPS (EPD_MPS=off), the stream waiting (EPD_HOST_WAIT_US=0,
-#            # as before) and the host (auto: on there)
+#   host49   # eager calls waiting on the host off MPS (EPD_HOST_WAIT_US, new): `epd bench` D
+#            # --low-latency without MPS (EPD_MPS=off), the host waiting (auto: on there) and
+#            # the stream (EPD_HOST_WAIT_US=0, as before); then test_ll_plain.py (its plain
+#            # calls with the host wait auto and forced on) and test_stream_ordered.py with the
+#            # host wait forced on (EPD_HOST_WAIT_US=20000)
 #   ab49 N   # the same two benches alternated, rounds 1..N (default 1), then one under MPS
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
@@ -23,12 +23,12 @@ case "${1:-}" in
     bash benchmarks/device/gpu_s48_run.sh final48
     STEP_TEST_SECONDS=90 step ll_plain 110 "tests/gpu/test_ll_plain.py"
     ;;
-  host49)
+  host49)  # (most needed first: the device time may end the call early)
+    nomps host
+    EPD_HOST_WAIT_US=0 nomps stream
     STEP_TEST_SECONDS=90 step ll_plain 170 "tests/gpu/test_ll_plain.py"
     EPD_HOST_WAIT_US=20000 STEP_TEST_SECONDS=90 step ordered_host 110 \
         "tests/gpu/test_stream_ordered.py"
-    EPD_HOST_WAIT_US=0 nomps stream
-    nomps host
     ;;
   ab49)
     for r in $(seq 1 "${2:-1}"); do
