@@ -9,11 +9,13 @@
 #            # the stream (EPD_HOST_WAIT_US=0, as before); then test_ll_plain.py (its plain
 #            # calls with the host wait auto and forced on) and test_stream_ordered.py with the
 #            # host wait forced on (EPD_HOST_WAIT_US=20000)
+#   quick49  # host49's two benches only, 10 iterations each
 #   ab49 N   # the same two benches alternated, rounds 1..N (default 1), then one under MPS
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
 nomps() {  # nomps LABEL: `epd bench` D --low-latency without MPS (the daemon's and clients')
-  EPD_MPS=off timeout 140 python3 -P -m epd.server.cli bench --ranks 2 --shapes D --iters 20 \
+  EPD_MPS=off timeout 140 python3 -P -m epd.server.cli bench --ranks 2 --shapes D \
+      --iters "${NOMPS_ITERS:-20}" \
       --low-latency --json "$OUT/bench_nomps_$1.json" 2>&1 | clean | tail -45 \
       > "$OUT/bench_nomps_$1.txt"
   grep -E "^\| D|idle for|PASS|FAIL" "$OUT/bench_nomps_$1.txt"
@@ -30,6 +32,10 @@ case "${1:-}" in
     EPD_HOST_WAIT_US=20000 STEP_TEST_SECONDS=90 step ordered_host 110 \
         "tests/gpu/test_stream_ordered.py"
     ;;
+  quick49)  # host49's two benches only, 10 iterations each (little device time left)
+    NOMPS_ITERS=10 nomps host
+    NOMPS_ITERS=10 EPD_HOST_WAIT_US=0 nomps stream
+    ;;
   ab49)
     for r in $(seq 1 "${2:-1}"); do
       EPD_HOST_WAIT_US=0 nomps "stream_r$r"
@@ -37,5 +43,5 @@ case "${1:-}" in
     done
     bench mps --shapes D --iters 30 --low-latency | grep -E "^\| D|idle for|PASS|FAIL"
     ;;
-  *) echo "usage: $0 first49|host49|ab49"; exit 2 ;;
+  *) echo "usage: $0 first49|host49|quick49|ab49"; exit 2 ;;
 esac
