@@ -2,8 +2,9 @@
 server and says whether this process shares it (`SessionOpened.client_on_engine_mps`).
 
 A client off the daemon's MPS server still works, but its stream-ordered calls wait for GPU
-time slices (hundreds of µs per call): it is warned once per process, and its host waits for
-each eager call's end where a stream would wait (`host_wait_seconds`).
+time slices (hundreds of µs per call): it is warned once per process, and with
+EPD_HOST_WAIT_US=auto its host waits for each eager call's end where a stream would wait
+(`host_wait_seconds`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # CUDA's default
 CONTROL = "control"  # the MPS control daemon's socket in the pipe folder
 
 
-HOST_WAIT_ENV = "EPD_HOST_WAIT_US"  # "auto" (the default) or microseconds, 0 = off
+HOST_WAIT_ENV = "EPD_HOST_WAIT_US"  # "auto" or microseconds, 0 = off (the default)
+HOST_WAIT_DEFAULT = "0"  # off until measured on a GPU (docs/DESIGN_NOTES.md says why)
 HOST_WAIT_AUTO_US = 2000
 
 
@@ -53,10 +55,11 @@ def warn_if_off_engine_mps(opened: Any) -> None:
 
 
 def host_wait_setting() -> float | None:
-    """EPD_HOST_WAIT_US as seconds, None for `auto` (the default); INVALID_ARGUMENT for
-    anything else than `auto` or 0-1000000 µs (read before a session opens)."""
-    v = os.environ.get(HOST_WAIT_ENV, "auto").strip().lower()
-    if v in ("", "auto"):
+    """EPD_HOST_WAIT_US as seconds (unset or empty: 0, off), None for `auto`;
+    INVALID_ARGUMENT for anything else than `auto` or 0-1000000 µs (read before a session
+    opens)."""
+    v = os.environ.get(HOST_WAIT_ENV, "").strip().lower() or HOST_WAIT_DEFAULT
+    if v == "auto":
         return None
     try:
         us = int(v)
@@ -72,7 +75,8 @@ def host_wait_seconds(setting: float | None, on_engine_mps: bool | None) -> floa
     """How long the host of an eager stream-ordered call looks for the call's end in the
     mapped counter page before it makes the stream wait for it instead (0: never): the
     setting, or for `auto` (None) 2 ms where this process is not on the engine's MPS server
-    and 0 where it is.
+    and 0 where it is. Off by default: built in the forty-ninth session, whose device time
+    ran out before it ran on a GPU (`benchmarks/device/gpu_s49_run.sh host49` measures it).
 
     Why: without MPS the client's and the engine's CUDA contexts time-slice the GPU, and a
     stream waiting on a memory word is work of the client's context, so the engine's kernels

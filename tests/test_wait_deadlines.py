@@ -244,11 +244,11 @@ def test_a_word_not_cleared_by_the_host_is_never_taken_for_the_triggers_end(stre
 
 
 @pytest.mark.parametrize(("value", "on_mps", "seconds"), [
-    (None, False, 0.002), (None, True, 0.0), ("auto", None, 0.002), ("0", False, 0.0),
-    ("500", True, 0.0005), (" 1000000 ", False, 1.0)])
+    (None, False, 0.0), ("", False, 0.0), ("auto", None, 0.002), ("AUTO", False, 0.002),
+    ("auto", True, 0.0), ("0", False, 0.0), ("500", True, 0.0005), (" 1000000 ", False, 1.0)])
 def test_the_host_wait_bound(monkeypatch, value, on_mps, seconds) -> None:
-    """EPD_HOST_WAIT_US: `auto` (the default) waits on the host only off the engine's MPS
-    server; a number of microseconds applies everywhere, 0 never."""
+    """EPD_HOST_WAIT_US: off by default (not yet measured on a GPU); `auto` waits on the host
+    only off the engine's MPS server; a number of microseconds applies everywhere, 0 never."""
     if value is None:
         monkeypatch.delenv(mps.HOST_WAIT_ENV, raising=False)
     else:

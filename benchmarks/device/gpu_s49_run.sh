@@ -5,7 +5,8 @@
 #            # mends after 9e6be47): gpu_s48_run.sh final48, then tests/gpu/test_ll_plain.py
 #            # (not run since the forty-seventh session)
 #   host49   # eager calls waiting on the host off MPS (EPD_HOST_WAIT_US, new): `epd bench` D
-#            # --low-latency without MPS (EPD_MPS=off), the host waiting (auto: on there) and
+#            # --low-latency without MPS (EPD_MPS=off), the host waiting (EPD_HOST_WAIT_US=auto:
+#            # on there; the default is off until this has run) and
 #            # the stream (EPD_HOST_WAIT_US=0, as before); then test_ll_plain.py (its plain
 #            # calls with the host wait auto and forced on) and test_stream_ordered.py with the
 #            # host wait forced on (EPD_HOST_WAIT_US=20000)
@@ -26,20 +27,20 @@ case "${1:-}" in
     STEP_TEST_SECONDS=90 step ll_plain 110 "tests/gpu/test_ll_plain.py"
     ;;
   host49)  # (most needed first: the device time may end the call early)
-    nomps host
+    EPD_HOST_WAIT_US=auto nomps host
     EPD_HOST_WAIT_US=0 nomps stream
     STEP_TEST_SECONDS=90 step ll_plain 170 "tests/gpu/test_ll_plain.py"
     EPD_HOST_WAIT_US=20000 STEP_TEST_SECONDS=90 step ordered_host 110 \
         "tests/gpu/test_stream_ordered.py"
     ;;
   quick49)  # host49's two benches only, 10 iterations each (little device time left)
-    NOMPS_ITERS=10 nomps host
+    NOMPS_ITERS=10 EPD_HOST_WAIT_US=auto nomps host
     NOMPS_ITERS=10 EPD_HOST_WAIT_US=0 nomps stream
     ;;
   ab49)
     for r in $(seq 1 "${2:-1}"); do
       EPD_HOST_WAIT_US=0 nomps "stream_r$r"
-      nomps "host_r$r"
+      EPD_HOST_WAIT_US=auto nomps "host_r$r"
     done
     bench mps --shapes D --iters 30 --low-latency | grep -E "^\| D|idle for|PASS|FAIL"
     ;;

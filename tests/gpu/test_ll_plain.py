@@ -182,8 +182,8 @@ def _plain_rank(rank: int, socket: str, device: int, host_wait: str, q) -> None:
 @pytest.mark.skipif(GPU_COUNT < 1, reason="needs a GPU")
 @pytest.mark.parametrize("host_wait", ["auto", "20000"])
 def test_plain_low_latency_calls_through_armed_ops(daemon, host_wait: str) -> None:
-    """`host_wait`: EPD_HOST_WAIT_US; "auto" waits on the host only off the engine's MPS
-    server, 20000 always (the host looks for each op's end, the stream waits only where
+    """`host_wait`: EPD_HOST_WAIT_US (off by default); "auto" waits on the host only off the
+    engine's MPS server, 20000 always (the host looks for each op's end, the stream waits only where
     20 ms pass first: the outputs must be the same)."""
     results = _spawn_ranks(daemon, _plain_rank, R, host_wait)
     for r in results:  # (the ops still armed at the end: the ones the host looked for)
