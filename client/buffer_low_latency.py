@@ -383,8 +383,8 @@ class LowLatencyMixin:
         return e
 
     def _host_clears(self, e: Entry) -> bool:
-        """Whether a call on `e` lets its host look for the op's done word (without MPS:
-        mps.host_wait_seconds), which needs the op's last trigger passed."""
+        """Whether a call on `e` lets its host look for the op's done word (Session.host_wait
+        > 0: EPD_HOST_WAIT_US, off by default), which needs the op's last trigger passed."""
         return self.session.host_wait > 0 and self._stream_ops.passed(e)
 
     def _next_ll_buffer(self) -> int:

@@ -3,8 +3,8 @@ server and says whether this process shares it (`SessionOpened.client_on_engine_
 
 A client off the daemon's MPS server still works, but its stream-ordered calls wait for GPU
 time slices (hundreds of µs per call): it is warned once per process, and with
-EPD_HOST_WAIT_US=auto its host waits for each eager call's end where a stream would wait
-(`host_wait_seconds`).
+EPD_HOST_WAIT_US=auto its host looks for an eager call's end (up to 2 ms; normal mode and the
+facade's low-latency calls) before a stream would wait (`host_wait_seconds`).
 """
 
 from __future__ import annotations
@@ -81,9 +81,10 @@ def host_wait_seconds(setting: float | None, on_engine_mps: bool | None) -> floa
     Why: without MPS the client's and the engine's CUDA contexts time-slice the GPU, and a
     stream waiting on a memory word is work of the client's context, so the engine's kernels
     wait for a time slice (the project's first runs on 2x H200: a low-latency call 507 µs,
-    110 µs with a prototype's host waiting instead; this code's figures are in
-    docs/BENCHMARKS.md, docs/DESIGN_NOTES.md "Off MPS the host waits" says how). Under MPS the
-    contexts run side by side and the stream wait costs nothing, so the host goes on."""
+    110 µs with a prototype's host waiting instead; this code has no GPU figures yet:
+    docs/BENCHMARKS.md, forty-ninth session; docs/DESIGN_NOTES.md "Off MPS the host waits"
+    says how it works). Under MPS the contexts run side by side and the stream wait costs
+    nothing, so the host goes on."""
     if setting is not None:
         return setting
     return 0.0 if on_engine_mps else HOST_WAIT_AUTO_US * 1e-6

@@ -101,7 +101,8 @@ def _engine_timeout(value: float) -> float:
 
 class Session:
     # Seconds an eager call's host looks for the call's end before its stream waits instead
-    # (mps.host_wait_seconds: off the engine's MPS server only, by default); set at open.
+    # (mps.host_wait_seconds: 0 by default; with EPD_HOST_WAIT_US=auto, off the engine's MPS
+    # server only); set at open.
     host_wait = 0.0
 
     def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,

@@ -83,17 +83,21 @@ class StreamSlot:
 
     def end(self, stream: int, seq: int) -> None:
         """Later work on our stream waits for the call's last kernel: the host, where it looks
-        for the call's DONE first (off the engine's MPS server: Session.host_wait) and sees
-        it in time, else the stream."""
+        for the call's DONE first (Session.host_wait > 0: EPD_HOST_WAIT_US, off by default)
+        and sees it in time, else the stream (also when the look is interrupted)."""
         wait = self.group._session.host_wait
         if wait > 0:
-            words = self.words
-            with host_cpu.waiting():
-                seen = spin.wait_until(lambda: counter_page.seq_reached(
-                    counter_page.stream_done(words), seq), wait, spin=wait)
+            words, seen = self.words, False
+            try:
+                with host_cpu.waiting():
+                    seen = spin.wait_until(lambda: counter_page.seq_reached(
+                        counter_page.stream_done(words), seq), wait, spin=wait)
+            finally:
+                if not seen:
+                    cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
             if seen:
                 host_order.consume()  # (DONE before the outputs the caller reads)
-                return
+            return
         cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
 
     def settle(self, seq: int, timeout: float) -> None:

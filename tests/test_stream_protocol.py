@@ -417,6 +417,16 @@ def test_off_mps_the_host_waits_for_a_calls_end_instead_of_the_stream(monkeypatc
     stream_calls.dispatch(group, req, 5.0, object(), True, 0)  # (DONE stays 1: not call 2's)
     assert time.monotonic() - t0 >= 0.05
     assert ops == [("write", 1), ("write", 2), ("wait", 2)]
+    # an interrupt in the host's look leaves the stream waiting before it propagates
+    counter_page.publish(group._counter, 2, 20, [10, 10])
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(stream_calls.spin, "wait_until", interrupted)
+    slot = stream_calls._slot(group)
+    with pytest.raises(KeyboardInterrupt):
+        slot.end(0, 3)
+    assert ops[-1] == ("wait", 3)
 
 
 def _answer(seq: int, sequence: int) -> epd_pb2.DispatchResponse:
