@@ -21,7 +21,7 @@ CONTROL = "control"  # the MPS control daemon's socket in the pipe folder
 
 
 HOST_WAIT_ENV = "EPD_HOST_WAIT_US"  # "auto" or microseconds, 0 = off (the default)
-HOST_WAIT_DEFAULT = "0"  # off until measured on a GPU (docs/DESIGN_NOTES.md says why)
+HOST_WAIT_DEFAULT = "0"  # off: slower with ranks sharing a GPU (docs/DESIGN_NOTES.md)
 HOST_WAIT_AUTO_US = 2000
 
 
