@@ -194,9 +194,13 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
             prof = cProfile.Profile()
             prof.enable()
         for name, fn in rows.items():
-            for _ in range(ns.warmup):
-                fn()
-            torch.cuda.synchronize()
+            try:
+                for _ in range(ns.warmup):
+                    fn()
+                torch.cuda.synchronize()
+            except Exception as e:  # (a row this setup cannot run: say so, keep the others)
+                res[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
             barrier.wait(BARRIER_SECONDS)
             times, work = [], 0.0
             c0, e0 = time.process_time(), _cpu(engine_pid)
@@ -284,6 +288,9 @@ def main() -> int:
           f"{ns.ranks} ranks, MPS {ns.mps} ({topo.mps_mode})")
     for name, v in r0.items():
         if name == "rank":
+            continue
+        if "error" in v:
+            print(f"  {name:28s} failed in its warm-up: {v['error'][:300]}")
             continue
         if "phases" in name:
             print(f"  {name}: " + ", ".join(f"{k} {x:.1f}" for k, x in v.items()))

@@ -10,7 +10,7 @@ set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
 LLROWS="dispatch,combine,layout + dispatch + combine,ll plain pair,ll hook pair"
 one() {  # one LABEL MPS: probe_calls.py at D, one rank, the rows above
-  timeout 150 python3 -P benchmarks/probe_calls.py --tokens 128 \
+  timeout 110 python3 -P benchmarks/probe_calls.py --tokens 128 \
       --iters "${ONE_ITERS:-100}" --ranks 1 --mps "$2" --low-latency --rows "$LLROWS" \
       --json "$OUT/one_$1.json" 2>&1 | clean | tail -8 | tee "$OUT/one_$1.txt"
 }
