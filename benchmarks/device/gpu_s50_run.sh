@@ -5,7 +5,7 @@
 #              # engine, as on a node of one GPU per rank (host49 ran two ranks on one GPU,
 #              # three contexts time-slicing): benchmarks/probe_calls.py --ranks 1 --mps off,
 #              # the stream wait (0) and the host wait (auto) alternated for N rounds (default
-#              # 2), then the same rows under MPS (the ratio's denominator, same run)
+#              # 2), the same rows under MPS after the first round (the ratio's denominator)
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
 LLROWS="dispatch,combine,layout + dispatch + combine,ll plain pair,ll hook pair"
@@ -19,8 +19,8 @@ case "${1:-}" in
     for r in $(seq 1 "${2:-2}"); do
       EPD_HOST_WAIT_US=0 one "stream_r$r" off
       EPD_HOST_WAIT_US=auto one "host_r$r" off
+      [ "$r" = 1 ] && EPD_HOST_WAIT_US=auto one mps on  # (before the call's time may end)
     done
-    EPD_HOST_WAIT_US=auto one mps on
     ;;
   *) echo "usage: $0 one50 [N]"; exit 2 ;;
 esac
