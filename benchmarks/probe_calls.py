@@ -155,39 +155,6 @@ def _rank(rank: int, ns: argparse.Namespace, socket: str, barrier, engine_pid: i
                           "v2 expanded layer": 2})
         if ns.rows:
             rows = {k: v for k, v in rows.items() if k in ns.rows.split(",")}
-        # Phases of one layout call (where the host time goes), p50 over --iters.
-        from epd.client import call_outputs
-        from epd.client import stream_calls as sc
-        stream = sc._stream(g, tidx, "get_dispatch_layout")
-        slot = sc._slot(g)
-        out_parts = (((ns.ranks,), np.dtype(np.int32)), ((ns.experts,), np.dtype(np.int32)),
-                     ((ns.tokens, ns.ranks), np.dtype(np.bool_)))
-        from epd.proto.v1 import epd_pb2
-        ph: dict[str, list[float]] = {k: [] for k in (
-            "empty", "descs", "call", "stream_ops", "sync", "ping", "total")}
-        for _ in range(ns.iters):
-            t = [time.perf_counter()]
-            outs = call_outputs.empty(out_parts, dev, True)  # as stream_calls.layout does
-            t.append(time.perf_counter())
-            dd = s._descs({"topk_idx": tidx, "num_tokens_per_rank_out": outs[0],
-                           "num_tokens_per_expert_out": outs[1],
-                           "is_token_in_rank_out": outs[2]}, event=False)
-            t.append(time.perf_counter())
-            resp = s._call("GetDispatchLayout", epd_pb2.GetDispatchLayoutRequest(
-                session_id=s.session_id, group_id=g.group_id, stream_ordered=True, **dd))
-            t.append(time.perf_counter())
-            slot.begin(stream, resp.stream_seq)
-            slot.end(stream, resp.stream_seq)
-            t.append(time.perf_counter())
-            torch.cuda.synchronize()
-            t.append(time.perf_counter())
-            s.ping()
-            t.append(time.perf_counter())
-            for i, k in enumerate(("empty", "descs", "call", "stream_ops", "sync", "ping")):
-                ph[k].append(t[i + 1] - t[i])
-            ph["total"].append(t[5] - t[0])
-        res["layout phases p50 us"] = {k: float(np.percentile(v, 50) * 1e6)
-                                       for k, v in ph.items()}
         prof = None
         if rank == 0 and os.environ.get("EPD_PROBE_PROFILE"):  # cProfile of the timed rows
             import cProfile
@@ -291,9 +258,6 @@ def main() -> int:
             continue
         if "error" in v:
             print(f"  {name:28s} failed in its warm-up: {v['error'][:300]}")
-            continue
-        if "phases" in name:
-            print(f"  {name}: " + ", ".join(f"{k} {x:.1f}" for k, x in v.items()))
             continue
         ew = v["engine_work_us_per_call"]
         print(f"  {name:28s} p50 {v['p50_us']:8.1f} us  p90 {v['p90_us']:8.1f} us  "
