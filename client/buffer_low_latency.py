@@ -382,11 +382,6 @@ class LowLatencyMixin:
                 received_rows.load(self.session.device_ordinal)
         return e
 
-    def _host_clears(self, e: Entry) -> bool:
-        """Whether a call on `e` lets its host look for the op's done word (Session.host_wait
-        > 0: EPD_HOST_WAIT_US, off by default), which needs the op's last trigger passed."""
-        return self.session.host_wait > 0 and self._stream_ops.passed(e)
-
     def _next_ll_buffer(self) -> int:
         """The receive buffer of the next low-latency dispatch: they alternate, per Buffer."""
         buffer = self._ll_buffer
@@ -401,8 +396,8 @@ class LowLatencyMixin:
         op = e.op
 
         def run():
-            stream = op.signal(buffer=buffer, clear_on_host=self._host_clears(e))
-            op.wait(stream, self.session.host_wait)
+            stream = op.signal(buffer=buffer)
+            op.wait(stream)
             got = outputs(stream)
             self._stream_ops.triggered(e, stream)
             return got
@@ -472,33 +467,30 @@ class LowLatencyMixin:
         # call without a hook runs that work at once, on the stream current then.
         place = stream_place(x) if after is not None and return_recv_hook else None
 
-        def receive(sent: int, signals: int) -> None:
+        def receive(sent: int) -> None:
             try:
-                op.wait(sent, self.session.host_wait)  # the receive half, on the call's stream
+                op.wait(sent)  # the receive half, on the stream the call was made on
                 if after is not None:
                     with on_stream(sent, place):
                         after()
             finally:
                 if entry is not None:  # (held no more, whatever happened)
-                    self._stream_ops.release(entry, sent, signals)
+                    self._stream_ops.release(entry, sent)
 
-        clear = entry is not None and self._host_clears(entry)
         if return_recv_hook:
-            stream = op.signal(buffer=buffer, clear_on_host=clear)
-            signals = op.signals  # (this trigger's: the op may be triggered again before the hook)
+            stream = op.signal(buffer=buffer)
             held = [inputs]
 
             def hook() -> None:
                 if not held:  # (once: a second call would release another call's hold)
                     return
                 held.clear()
-                receive(stream, signals)
+                receive(stream)
 
             return hook, EventOverlap()
 
         def both() -> None:
-            sent = op.signal(buffer=buffer, clear_on_host=clear)
-            receive(sent, op.signals)
+            receive(op.signal(buffer=buffer))
 
         _, event = self._run(x, both, None, async_finish, inputs=inputs)
         return None, event

@@ -32,7 +32,7 @@ from ..proto import dtypes, engine_sockets
 from ..proto import fd_channel as fdc
 from ..proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable, error
 from ..proto.v1 import epd_pb2
-from . import fork_guard, mps
+from . import fork_guard
 from . import memory as M
 from . import tensors as T
 from .group import RPC_MARGIN, Group, service_class_value
@@ -100,11 +100,6 @@ def _engine_timeout(value: float) -> float:
 
 
 class Session:
-    # Seconds an eager call's host looks for the call's end before its stream waits instead
-    # (mps.host_wait_seconds: 0 by default; with EPD_HOST_WAIT_US=auto, off the engine's MPS
-    # server only); set at open.
-    host_wait = 0.0
-
     def __init__(self, endpoint: str | None = None, *, socket_dir: str | None = None,
                  engine: int = 0, client_name: str = "", timeout: float | None = None,
                  fast_path: bool | None = None, transport: Transport | None = None,
@@ -146,7 +141,6 @@ class Session:
         self.endpoint = endpoint
         self._redirect: str | None = None
         fd_socket = self._fd_socket_path()  # (INVALID_ARGUMENT before anything is opened)
-        self._host_wait_setting = mps.host_wait_setting()  # (the same)
         self.fast_path_error = ""
         # Every attribute exists before the lease thread starts: it, and close() after a failed
         # open, may look at any of them.
@@ -180,6 +174,7 @@ class Session:
             self._redirect = other
 
     def _open(self, client_name: str, fast_path: bool | None, fd_socket: str) -> None:
+        from . import mps  # the client's view of CUDA MPS (sent, and compared by the engine)
         where = f"could not open a session on {self.endpoint}"
         # The descriptor channel first: OpenSession needs the ticket of its hello, through
         # which the engine knows this process's uid (SO_PEERCRED) before the session exists.
@@ -222,8 +217,6 @@ class Session:
                                      register_fd=self._channel.register,
                                      fetch=self._channel.fetch)
         self.backend = self._memory.backend  # "cpu" or "cuda", for reports
-        if self._memory.supports_stream_ops:  # (the cpu backend's calls have no stream)
-            self.host_wait = mps.host_wait_seconds(self._host_wait_setting, self.on_engine_mps)
         if fast_path is None:
             fast_path = os.environ.get("EPD_FAST_PATH", "1") != "0"
         if fast_path and isinstance(self._transport, GrpcTransport):

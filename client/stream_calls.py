@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, cast
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver, host_order, spin
+from ..proto import abi, counter_page, cuda_driver, spin
 from ..proto.errors import EpdError, FailedPrecondition, TokenCapacityExceeded
 from ..proto.v1 import epd_pb2
 from . import call_outputs, captured_calls, cuda_ipc, host_cpu
@@ -82,22 +82,7 @@ class StreamSlot:
         cuda_driver.stream_write(stream, self.ready_ptr + 4 * (seq % RING), seq)
 
     def end(self, stream: int, seq: int) -> None:
-        """Later work on our stream waits for the call's last kernel: the host, where it looks
-        for the call's DONE first (Session.host_wait > 0: EPD_HOST_WAIT_US, off by default)
-        and sees it in time, else the stream (also when the look is interrupted)."""
-        wait = self.group._session.host_wait
-        if wait > 0:
-            words, seen = self.words, False
-            try:
-                with host_cpu.waiting():
-                    seen = spin.wait_until(lambda: counter_page.seq_reached(
-                        counter_page.stream_done(words), seq), wait, spin=wait)
-            finally:
-                if not seen:
-                    cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
-            if seen:
-                host_order.consume()  # (DONE before the outputs the caller reads)
-            return
+        """Later work on our stream waits for the call's last kernel."""
         cuda_driver.stream_wait_geq(stream, self.done_ptr, seq)
 
     def settle(self, seq: int, timeout: float) -> None:

@@ -56,7 +56,6 @@ class Entry:
     pinned: bool
     source: Entry | None = None  # a combine's dispatch entry
     event: Any = None  # cuda_ipc.StreamEvent recorded behind the op's last plain trigger
-    event_signals: int = 0  # the op's trigger count when `event` was recorded
     triggers: int = 0
     reported: int = 0  # the trigger whose failure was raised
     holds: int = 0  # calls with a receive hook that has not run yet (not evicted meanwhile)
@@ -127,15 +126,16 @@ class StreamOpCache:
             e.holds += 1
         return e
 
-    def release(self, e: Entry, stream: int | None, signals: int | None = None) -> None:
+    def release(self, e: Entry, stream: int | None) -> None:
         """A receive hook of a call on `e` ran, enqueuing the op's receive half on `stream`:
         the op may be evicted once that has passed (an event recorded behind it). None: the
-        call failed before anything was enqueued. `signals`: the op's trigger count right
-        after the hook's own trigger (the event is behind that one, not a later call's)."""
+        call failed before anything was enqueued."""
         e.holds = max(e.holds - 1, 0)
         if stream is None:
             return
-        self._record(e, stream, signals)
+        if e.event is None:
+            e.event = self._new_event(self.device)
+        e.event.record(stream)
 
     def ops(self) -> list[StreamOp]:
         """The armed ops, least recently used first."""
@@ -147,22 +147,12 @@ class StreamOpCache:
 
     def triggered(self, e: Entry, stream: int) -> None:
         """A plain trigger of `e` was enqueued on `stream` (with whatever reads its outputs)."""
-        self._record(e, stream)
+        if e.event is None:
+            e.event = self._new_event(self.device)
+        e.event.record(stream)
         e.triggers += 1
         if e not in self._unchecked:
             self._unchecked.append(e)
-
-    def passed(self, e: Entry) -> bool:
-        """Whether `e`'s op has no trigger in flight, so that the next may clear its done word
-        on the host (StreamOp.signal): none made yet, the host saw the latest one's done word,
-        or the event recorded behind it has passed. Never for a pinned op: a graph's replays
-        trigger it where no event follows."""
-        op = e.op
-        if e.pinned:
-            return False
-        if op.signals == 0 or op.passed_on_host:
-            return True
-        return e.event is not None and e.event_signals == op.signals and e.event.done()
 
     def check(self, *, wait: bool = False) -> None:
         """Raise the first failure of a completed plain trigger not raised yet. With `wait`,
@@ -235,12 +225,6 @@ class StreamOpCache:
         self._kept_verdicts.clear()
 
     # -- internals ---------------------------------------------------------------------------
-    def _record(self, e: Entry, stream: int, signals: int | None = None) -> None:
-        if e.event is None:
-            e.event = self._new_event(self.device)
-        e.event.record(stream)
-        e.event_signals = e.op.signals if signals is None else signals
-
     def _plain_count(self) -> int:
         return sum(1 for e in self._entries.values() if not e.pinned)
 

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from ..proto import abi, counter_page, cuda_driver, host_order, spin
+from ..proto import abi, counter_page, cuda_driver, host_order
 from ..proto.errors import EpdError, FailedPrecondition, Internal
 from ..proto.v1 import epd_pb2
-from . import cuda_ipc, host_cpu, ll_trigger
+from . import cuda_ipc, ll_trigger
 from .frameworks import torch_if_loaded
 from .tensors import Array
 
@@ -96,13 +96,6 @@ class StreamOp:
         # What a caller computes once per op (the facade's copy-out plans, by receive buffer
         # and format: client/received_rows.CopyPlan); it lives and goes with the op.
         self.plans: dict[Any, Any] = {}
-        # Host waits (`signal(clear_on_host=True)`, `wait(host_wait=...)`): the triggers
-        # enqueued so far, whether the host saw the latest one's done word, and whether the
-        # latest cleared the word on the host (only then is a non-zero word its own).
-        self.signals = 0
-        self.passed_on_host = False
-        self._cleared = False
-        self.host_waits = 0  # triggers whose end the host saw (no stream wait enqueued)
 
     def _stream(self, stream: Any) -> int:  # a torch/CuPy stream, a raw handle, or None
         if not self.armed:
@@ -118,22 +111,13 @@ class StreamOp:
         """The outputs of a trigger with receive buffer 0."""
         return self.results[0]
 
-    def signal(self, stream: Any = None, buffer: int = 0, clear_on_host: bool = False) -> int:
+    def signal(self, stream: Any = None, buffer: int = 0) -> int:
         """The send half: ask the engine to run the op once the stream gets here, with receive
-        buffer `buffer`. Returns the stream's handle. `clear_on_host`: zero the done word from
-        the host first, so that `wait` may look for this trigger's word on the host; only
-        where the caller knows the op's last trigger has passed (a word cleared under a
-        trigger in flight would hide its completion)."""
+        buffer `buffer`. Returns the stream's handle."""
         h = self._stream(stream)
         if not 0 <= buffer < len(self.results):
             raise FailedPrecondition(f"receive buffer {buffer}: this op has "
                                      f"{len(self.results)} (an engine of one buffer)")
-        if clear_on_host:
-            self._words[DONE] = 0
-            host_order.full()  # (the zero stored before the trigger's launch is enqueued)
-        self._cleared = clear_on_host
-        self.signals += 1
-        self.passed_on_host = False
         if self._ring is not None:
             ring, entry, timeout = self._ring
             ll_trigger.trigger(h, self._device, self._done, ring, entry | buffer << 8, timeout)
@@ -142,29 +126,10 @@ class StreamOp:
         cuda_driver.stream_write(h, self._request, abi.REQUEST_BUFFER0 + buffer)
         return h
 
-    def wait(self, stream: Any = None, host_wait: float = 0.0) -> int:
+    def wait(self, stream: Any = None) -> int:
         """The receive half: later work on the stream waits for the op's outputs. Returns the
-        stream's handle. `host_wait` (seconds): after a trigger that cleared the done word on
-        the host, look for it there that long first; seen complete (DONE_OK, or a verdict:
-        the op ran), the stream needs no wait (`passed_on_host`); anything else (not seen,
-        a failure another writer may have set before the trigger ran, an interrupt) leaves
-        the wait to the stream, as without the host wait."""
+        stream's handle."""
         h = self._stream(stream)
-        cleared, self._cleared = self._cleared, False
-        if cleared and host_wait > 0:
-            words, value = self._words, 0
-            try:
-                with host_cpu.waiting():
-                    spin.wait_until(lambda: words[DONE] != 0, host_wait, spin=host_wait)
-                value = int(words[DONE])
-            finally:
-                if value == DONE_OK or is_verdict(value):
-                    host_order.consume()  # (the done word before the outputs read after it)
-                    self.passed_on_host = True
-                    self.host_waits += 1
-                else:
-                    cuda_driver.stream_wait_geq(h, self._done, DONE_OK)
-            return h
         cuda_driver.stream_wait_geq(h, self._done, DONE_OK)
         return h
 

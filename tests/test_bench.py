@@ -88,7 +88,6 @@ def test_bench_cpu_rows_json_and_cleanup(tmp_path) -> None:
     assert 0 <= idle["core_share"] < 0.9 * rec["engines"], idle
     assert rec["versions"]["torch"] and rec["versions"]["epd"]
     assert rec["mps"]["on"] is False and rec["mps"]["daemon_mps_mode"] in ("off", None)
-    assert rec["mps"]["ranks_host_wait_us"] == [0] * rec["ranks"]  # (cpu: calls have no stream)
     assert "deep_ep" in rec["skipped"] and "graph" in rec["skipped"]  # each with its reason
     assert all(rec["skipped"].values())
     assert "plot" in rec  # a path, or why it was skipped (matplotlib missing)

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import types
 
 import numpy as np
 import pytest
@@ -585,15 +584,12 @@ def test_receive_hook_holds_the_inputs_until_it_ran(monkeypatch) -> None:
 
     monkeypatch.setattr(BLL, "on_stream", on_stream)
     op = type("Op", (), {
-        "signal": lambda self, buffer, clear_on_host=False: calls.append(
-            ("signal", buffer)) or 0x51,
-        "wait": lambda self, stream=None, host_wait=0.0: calls.append(
-            ("wait", stream)) or 0x51, "signals": 0})()
+        "signal": lambda self, buffer: calls.append(("signal", buffer)) or 0x51,
+        "wait": lambda self, stream=None: calls.append(("wait", stream)) or 0x51})()
     x, idx = np.zeros((4, 8), np.float32), np.zeros((4, 2), np.int64)
     refs = [weakref.ref(a) for a in (x, idx)]
     after = lambda: calls.append(("after", current[-1]))  # noqa: E731
-    buf = types.SimpleNamespace(session=types.SimpleNamespace(host_wait=0.0))  # (on MPS)
-    hook, event = B.Buffer._trigger(buf, op, x, True, False, after, buffer=1, inputs=(x, idx))
+    hook, event = B.Buffer._trigger(None, op, x, True, False, after, buffer=1, inputs=(x, idx))
     assert calls == [("signal", 1)] and event.event is None
     del x, idx
     gc.collect()
@@ -788,15 +784,12 @@ def test_a_hook_releases_the_op_it_held() -> None:
             self.streams.append(stream)
 
     calls: list = []
-    op = type("Op", (), {
-        "signal": lambda self, buffer, clear_on_host=False: calls.append(
-            ("signal", buffer)) or 7,
-        "wait": lambda self, stream, host_wait=0.0: calls.append(("wait", stream)) or 42,
-        "armed": True, "op_id": 1, "signals": 0})()
+    op = type("Op", (), {"signal": lambda self, buffer: calls.append(("signal", buffer)) or 7,
+                         "wait": lambda self, stream: calls.append(("wait", stream)) or 42,
+                         "armed": True, "op_id": 1})()
     cache = StreamOpCache(0, 2, new_event=Event)
     e = cache.arm(("k",), lambda: op, pin=False, capturing=False, hold=True)
-    me = SimpleNamespace(_stream_ops=cache, session=SimpleNamespace(host_wait=0.0),
-                         _host_clears=lambda e: False)
+    me = SimpleNamespace(_stream_ops=cache)
     hook, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
     assert e.holds == 1 and e.event is None
     hook()
@@ -810,62 +803,6 @@ def test_a_hook_releases_the_op_it_held() -> None:
     with pytest.raises(RuntimeError), B.Buffer._held_until_hook(me, e, "hook"):
         raise RuntimeError("the trigger failed")
     assert e.holds == 0
-
-
-def test_off_mps_a_hook_call_waits_on_the_host_only_where_its_op_has_passed() -> None:
-    """Off the engine's MPS server (session.host_wait > 0) a hook call's trigger clears its
-    op's done word on the host and its hook looks for the end there, while no other trigger of
-    the op is in flight: a second call on the same op before the first hook ran clears
-    nothing, and the first hook's event names its own trigger, so the op counts as passed only
-    once the second's has (stand-ins for the op and the CUDA event)."""
-    from types import SimpleNamespace
-
-    from epd.client.stream_op_cache import StreamOpCache
-
-    class Event:
-        def __init__(self, device: int) -> None:
-            self.complete = True
-
-        def record(self, stream: int) -> None:
-            pass
-
-        def done(self) -> bool:
-            return self.complete
-
-    class Op:
-        armed, op_id, signals, passed_on_host = True, 1, 0, False
-
-        def __init__(self) -> None:
-            self.calls: list = []
-
-        def signal(self, buffer: int, clear_on_host: bool = False) -> int:
-            self.signals += 1
-            self.passed_on_host = False
-            self.calls.append(("signal", clear_on_host))
-            return 7
-
-        def wait(self, stream: int, host_wait: float = 0.0) -> int:
-            self.calls.append(("wait", host_wait))
-            return 7
-
-    op = Op()
-    cache = StreamOpCache(0, 2, new_event=Event)
-    e = cache.arm(("k",), lambda: op, pin=False, capturing=False, hold=True)
-    me = SimpleNamespace(_stream_ops=cache, session=SimpleNamespace(host_wait=0.002))
-    me._host_clears = lambda entry: B.Buffer._host_clears(me, entry)
-    hook1, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
-    assert cache.get(("k",), pin=False, hold=True) is e  # a second call before hook 1
-    hook2, _ = B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
-    assert op.calls == [("signal", True), ("signal", False)]
-    hook1()
-    assert op.calls[-1] == ("wait", 0.002) and e.event_signals == 1
-    assert not cache.passed(e)  # (hook 1's event is behind trigger 1, not trigger 2)
-    hook2()
-    assert e.event_signals == 2 and cache.passed(e)
-    me.session.host_wait = 0.0  # on MPS: nothing is cleared
-    assert cache.get(("k",), pin=False, hold=True) is e
-    B.Buffer._trigger(me, op, np.zeros(4), True, False, inputs=(), entry=e)
-    assert op.calls[-1] == ("signal", False)
 
 
 def test_shrink_buffers_tag_their_groups_by_job(monkeypatch) -> None:

@@ -22,7 +22,6 @@ class FakeOp:
         self.op_id, FakeOp.next_id = FakeOp.next_id, FakeOp.next_id + 1
         self.kind, self.armed, self.done, self.log = kind, True, abi.DONE_OK, log
         self.words = np.zeros(8, np.int32)  # the op's counter slot (int32 words)
-        self.signals, self.passed_on_host = 0, False  # (StreamOp's host-wait state)
 
     def status(self) -> int:
         return self.done
@@ -485,31 +484,3 @@ def test_a_disagreement_verdict_raises_failed_precondition_at_check() -> None:
     with pytest.raises(EpdError) as ei:
         _buffer_check(c)
     assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION, ei.value
-
-
-def test_an_op_is_cleared_on_the_host_only_once_its_last_trigger_passed() -> None:
-    """`passed` (may the next trigger clear the op's done word on the host, for a host wait):
-    before any trigger, after the host saw the last one end, or once an event recorded behind
-    the last one passed; never while an event names an earlier trigger, never while it is
-    pending, never for a pinned op (a graph's replays trigger it)."""
-    cache = _cache(limit=4)
-    e = cache.arm(("a",), FakeOp, pin=False, capturing=False)
-    assert cache.passed(e)  # (no trigger yet)
-    e.op.signals = 1  # a trigger the host did not see end
-    assert not cache.passed(e)
-    cache.triggered(e, 0)  # an event behind it
-    assert e.event_signals == 1 and cache.passed(e)
-    e.event.complete = False
-    assert not cache.passed(e)
-    e.event.complete = True
-    e.op.signals = 2  # a later trigger: the event names the one before it
-    assert not cache.passed(e)
-    e.op.passed_on_host = True  # the host saw its end
-    assert cache.passed(e)
-    e.op.signals, e.op.passed_on_host = 3, False
-    cache.release(e, 0)  # (a hook's receive half, recorded behind it)
-    assert cache.passed(e)
-    g = cache.arm(("g",), FakeOp, pin=True, capturing=True)
-    assert not cache.passed(g)
-    g.op.passed_on_host = True
-    assert not cache.passed(g)

@@ -355,10 +355,9 @@ def test_counts_read_back_are_bounded() -> None:
 
 
 # -- worst-case dispatches: the host does not wait for the count (as DeepEP's) ----------------
-def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse], host_wait: float = 0.0):
+def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse]):
     """A Group as stream_calls sees it, with the driver calls recorded and the engine's
-    answers taken from `answers`; `host_wait`: its session's (0: on the engine's MPS
-    server)."""
+    answers taken from `answers`."""
     from epd.client import stream_calls
     from epd.client.group import Group
 
@@ -375,8 +374,7 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse], host_wait:
         return answers.pop(0)
     memory = types.SimpleNamespace(is_capturing=lambda t: False, device_ordinal=0,
                                    counter_page_device_ptr=lambda: 0x1000)
-    session = types.SimpleNamespace(memory=memory, device_ordinal=0, _call=call, _groups={},
-                                    host_wait=host_wait)
+    session = types.SimpleNamespace(memory=memory, device_ordinal=0, _call=call, _groups={})
     requeued: list[int] = []
     group = types.SimpleNamespace(
         _session=session, name="g", rank=0, _counter=_slot(), _counter_slot=0,
@@ -389,44 +387,6 @@ def _fake_group(monkeypatch, answers: list[epd_pb2.DispatchResponse], host_wait:
     group.check = lambda: Group.check(group)
     group.settle_dispatches = lambda: Group.settle_dispatches(group)
     return group, ops, sent, requeued
-
-
-def test_off_mps_the_host_waits_for_a_calls_end_instead_of_the_stream(monkeypatch) -> None:
-    """Session.host_wait > 0 (off the engine's MPS server): after READY the host looks for
-    the call's DONE in the counter slot; seen within the bound, the stream gets no wait (the
-    time-sliced GPU wait it replaces); not seen, the stream waits as on MPS. An earlier
-    call's DONE is not this call's."""
-    from epd.client import stream_calls
-
-    group, ops, _, _ = _fake_group(monkeypatch, [_answer(1, 1), _answer(2, 2)], host_wait=5.0)
-    req = epd_pb2.DispatchRequest(num_worst_tokens=32, timeout_seconds=5.0)
-    w32 = group._counter.view(np.int32)
-
-    def engine_done(seq: int) -> threading.Thread:  # (the call's last kernel, 30 ms on)
-        th = threading.Thread(target=lambda: (time.sleep(0.03),
-                                              w32.__setitem__(abi.SLOT32_DONE, seq)))
-        th.start()
-        return th
-    th = engine_done(1)
-    stream_calls.dispatch(group, req, 5.0, object(), True, 0)
-    th.join()
-    assert ops == [("write", 1)]  # READY only: the host saw DONE 1
-    counter_page.publish(group._counter, 1, 20, [10, 10])  # (its count, for the next)
-    group._session.host_wait = 0.05
-    t0 = time.monotonic()
-    stream_calls.dispatch(group, req, 5.0, object(), True, 0)  # (DONE stays 1: not call 2's)
-    assert time.monotonic() - t0 >= 0.05
-    assert ops == [("write", 1), ("write", 2), ("wait", 2)]
-    # an interrupt in the host's look leaves the stream waiting before it propagates
-    counter_page.publish(group._counter, 2, 20, [10, 10])
-
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(stream_calls.spin, "wait_until", interrupted)
-    slot = stream_calls._slot(group)
-    with pytest.raises(KeyboardInterrupt):
-        slot.end(0, 3)
-    assert ops[-1] == ("wait", 3)
 
 
 def _answer(seq: int, sequence: int) -> epd_pb2.DispatchResponse:

@@ -24,13 +24,13 @@ import grpc
 import numpy as np
 import pytest
 
-from epd.client import Session, fork_guard, mps
+from epd.client import Session, fork_guard
 from epd.client import session as S
 from epd.client import stream_ops as SO
 from epd.client.buffer import Buffer
 from epd.client.transport import GrpcTransport
 from epd.proto import abi, counter_page, spin
-from epd.proto.errors import EpdError, FailedPrecondition, InvalidArgument, Unavailable
+from epd.proto.errors import EpdError, FailedPrecondition, Unavailable
 
 pytestmark = pytest.mark.timeout(120)
 DAEMON_ENGINES = 1  # (the tests below use engine 0 only)
@@ -131,138 +131,6 @@ def test_leaving_a_group_disarms_its_ops_in_the_client(stream_op) -> None:
     with pytest.raises(FailedPrecondition, match="disarmed"):
         op.launch()
     assert enqueued == []
-
-
-# -- 1b. an eager call's host wait for its op (without MPS) ----------------------------------------
-
-def _engine_finishes(op, value: int, after: float) -> threading.Thread:
-    """What the engine's last kernel does `after` seconds from now: the op's done word."""
-    def finish() -> None:
-        time.sleep(after)
-        op._words[SO.DONE] = value
-    th = threading.Thread(target=finish, daemon=True)
-    th.start()
-    return th
-
-
-def _launch_sees_the_word(monkeypatch, op, enqueued: list) -> list[int]:
-    """The trigger's launch records the done word as it is when the launch is enqueued and
-    leaves it (the kernel runs later): a word the host cleared reads 0 there."""
-    seen: list[int] = []
-
-    def trigger(*a) -> None:
-        enqueued.append("trigger")
-        seen.append(int(op._words[SO.DONE]))
-    monkeypatch.setattr(SO.ll_trigger, "trigger", trigger)
-    return seen
-
-
-def test_a_host_wait_sees_the_ops_end_and_enqueues_no_stream_wait(stream_op,
-                                                                  monkeypatch) -> None:
-    """A trigger that cleared the done word on the host (before its launch): the host finds
-    the word the engine writes, and the stream gets no wait (the time-sliced GPU wait it
-    replaces); a verdict (the op ran, a source's ids were bad) ends it too."""
-    op, _, enqueued = stream_op
-    at_launch = _launch_sees_the_word(monkeypatch, op, enqueued)
-    verdict = (SO.DONE_FAILED | abi.ERR_BAD_INPUT << abi.DONE_CODE_SHIFT
-               | 1 << abi.DONE_RANK_SHIFT | 1 << abi.DONE_SEQ_SHIFT)
-    assert SO.is_verdict(verdict)
-    for value in (SO.DONE_OK, verdict):
-        op._words[SO.DONE] = SO.DONE_OK  # (the word of the op's last trigger)
-        enqueued.clear()
-        op.signal(clear_on_host=True)
-        assert at_launch[-1] == 0 and not op.passed_on_host
-        th = _engine_finishes(op, value, 0.02)
-        op.wait(host_wait=5.0)
-        th.join()
-        assert enqueued == ["trigger"] and op.passed_on_host
-    assert op.host_waits == 2 and op.signals == 2
-
-
-def test_a_failure_word_leaves_the_wait_to_the_stream(stream_op, monkeypatch) -> None:
-    """A failure in the word (the op's kernels failed, or the engine failed every op of a
-    broken ring, maybe before this trigger ran) is not taken for the trigger's end: the stream
-    waits, as without the host wait, and the failure raises at check."""
-    op, _, enqueued = stream_op
-    _launch_sees_the_word(monkeypatch, op, enqueued)
-    op.signal(clear_on_host=True)
-    failed = SO.DONE_FAILED | abi.ERR_DEADLINE << abi.DONE_CODE_SHIFT
-    th = _engine_finishes(op, failed, 0.02)
-    op.wait(host_wait=5.0)
-    th.join()
-    assert enqueued == ["trigger", "wait"] and not op.passed_on_host and op.host_waits == 0
-    op.group.spec = types.SimpleNamespace(num_experts=8)
-    with pytest.raises(EpdError, match="a peer did not arrive before the deadline"):
-        op.check()
-
-
-def test_an_interrupted_host_wait_still_orders_the_stream(stream_op, monkeypatch) -> None:
-    """An exception in the host's look (a KeyboardInterrupt) leaves the stream waiting
-    before it propagates: nothing after the call on the stream runs ahead of the op."""
-    op, _, enqueued = stream_op
-    _launch_sees_the_word(monkeypatch, op, enqueued)
-
-    def interrupted(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(SO.spin, "wait_until", interrupted)
-    op.signal(clear_on_host=True)
-    with pytest.raises(KeyboardInterrupt):
-        op.wait(host_wait=5.0)
-    assert enqueued == ["trigger", "wait"] and not op.passed_on_host
-
-
-def test_a_host_wait_that_runs_out_leaves_the_wait_to_the_stream(stream_op, monkeypatch) -> None:
-    """No word within the bound (the caller's stream is busy before the trigger, a peer is
-    late): the stream waits, as it would without the host wait, and the host goes on."""
-    op, _, enqueued = stream_op
-    _launch_sees_the_word(monkeypatch, op, enqueued)
-    op.signal(clear_on_host=True)
-    t0 = time.perf_counter()
-    op.wait(host_wait=0.03)
-    assert time.perf_counter() - t0 >= 0.03
-    assert enqueued == ["trigger", "wait"] and not op.passed_on_host and op.host_waits == 0
-
-
-def test_a_word_not_cleared_by_the_host_is_never_taken_for_the_triggers_end(stream_op) -> None:
-    """Without `clear_on_host` (the op's last trigger may still be in flight, or a graph
-    replays it) the word the host reads may be an earlier trigger's: the stream waits at once,
-    whatever the host bound."""
-    op, _, enqueued = stream_op
-    op._words[SO.DONE] = SO.DONE_OK
-    op.signal()
-    op._words[SO.DONE] = SO.DONE_OK  # (an earlier trigger's word, seen before this one ran)
-    t0 = time.perf_counter()
-    op.wait(host_wait=5.0)
-    assert time.perf_counter() - t0 < 1.0
-    assert enqueued == ["trigger", "wait"] and not op.passed_on_host
-    # a second wait after a host-cleared trigger looks on the host once only
-    op.signal(clear_on_host=True)
-    op._words[SO.DONE] = SO.DONE_OK
-    op.wait(host_wait=5.0)
-    op.wait(host_wait=5.0)
-    assert enqueued[-2:] == ["trigger", "wait"] and op.host_waits == 1
-
-
-@pytest.mark.parametrize(("value", "on_mps", "seconds"), [
-    (None, False, 0.0), ("", False, 0.0), ("auto", None, 0.002), ("AUTO", False, 0.002),
-    ("auto", True, 0.0), ("0", False, 0.0), ("500", True, 0.0005), (" 1000000 ", False, 1.0)])
-def test_the_host_wait_bound(monkeypatch, value, on_mps, seconds) -> None:
-    """EPD_HOST_WAIT_US: off by default (not yet measured on a GPU); `auto` waits on the host
-    only off the engine's MPS server; a number of microseconds applies everywhere, 0 never."""
-    if value is None:
-        monkeypatch.delenv(mps.HOST_WAIT_ENV, raising=False)
-    else:
-        monkeypatch.setenv(mps.HOST_WAIT_ENV, value)
-    assert mps.host_wait_seconds(mps.host_wait_setting(), on_mps) == pytest.approx(seconds)
-
-
-@pytest.mark.parametrize("value", ["soon", "-1", "1000001", "1.5"])
-def test_a_bad_host_wait_bound_is_refused_before_a_session_opens(monkeypatch, value) -> None:
-    monkeypatch.setenv(mps.HOST_WAIT_ENV, value)
-    with pytest.raises(InvalidArgument, match=mps.HOST_WAIT_ENV):
-        mps.host_wait_setting()
-    with pytest.raises(InvalidArgument, match=mps.HOST_WAIT_ENV):  # (no daemon at this path)
-        Session("unix:///nonexistent/epd.sock")
 
 
 # -- 2. closing against an engine that does not answer --------------------------------------------

@@ -12,6 +12,8 @@
 #            # host wait forced on (EPD_HOST_WAIT_US=20000)
 #   quick49  # host49's two benches only, 10 iterations each
 #   ab49 N   # the same two benches alternated, rounds 1..N (default 1), then one under MPS
+# EPD_HOST_WAIT_US was removed in the fiftieth session (docs/DESIGN_NOTES.md, "Off MPS the
+# host waited"): these modes measured it on trees up to 66067f2 and do nothing different after.
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, bench, ...)
 nomps() {  # nomps LABEL: `epd bench` D --low-latency without MPS (the daemon's and clients')

@@ -6,6 +6,8 @@
 #              # three contexts time-slicing): benchmarks/probe_calls.py --ranks 1 --mps off,
 #              # the stream wait (0) and the host wait (auto) alternated for N rounds (default
 #              # 2), the same rows under MPS after the first round (the ratio's denominator)
+# EPD_HOST_WAIT_US was removed in the fiftieth session (docs/DESIGN_NOTES.md, "Off MPS the
+# host waited"): these modes measured it on trees up to 66067f2 and do nothing different after.
 set -u
 source benchmarks/device/gpu_env.sh  # (pt, step, clean, ...)
 LLROWS="dispatch,combine,layout + dispatch + combine,ll plain pair,ll hook pair"

@@ -275,19 +275,18 @@ def drop_shared_deep_ep_without_mps(setup: Setup, mps_pipe: str) -> str:
 
 
 def _mps(topo: epd_pb2.GetTopologyResponse, ranks_pipe: str,
-         without: list[int] | None, host_wait_us: list[int | None]) -> dict:
+         without: list[int] | None) -> dict:
     """Whether this run is under MPS: the caller's environment, the daemon's mode (GetTopology),
-    the pipe folder the ranks used, per engine the sessions whose client is not on the
-    daemon's MPS server (read while the ranks were connected), and each rank's host wait for
-    its calls' end (EPD_HOST_WAIT_US, resolved). `on`: engines and ranks shared one MPS
-    server."""
+    the pipe folder the ranks used, and per engine the sessions whose client is not on the
+    daemon's MPS server (read while the ranks were connected). `on`: engines and ranks shared
+    one MPS server."""
     caller = os.environ.get("CUDA_MPS_PIPE_DIRECTORY")
     return {"on": bool(ranks_pipe) and not any(without or []),
             "caller_CUDA_MPS_PIPE_DIRECTORY": caller,
             "daemon_mps_mode": topo.mps_mode or None,
             "daemon_mps_pipe_directory": topo.mps_pipe_directory or None,
             "ranks_CUDA_MPS_PIPE_DIRECTORY": ranks_pipe or caller,
-            "sessions_without_mps": without, "ranks_host_wait_us": host_wait_us}
+            "sessions_without_mps": without}
 
 
 class _Workers:
@@ -467,8 +466,7 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
         "model": {"hidden": ns.hidden, "experts": ns.experts, "topk": ns.topk,
                   "dtype": "bfloat16"},
         "issue_shapes": report.issue_shapes(args, setup.shapes),
-        "mps": _mps(topo, mps_pipe, results[0].get("sessions_without_mps"),
-                    [r.get("host_wait_us") for r in results]),
+        "mps": _mps(topo, mps_pipe, results[0].get("sessions_without_mps")),
         "engine_idle": results[0].get("engine_idle"),
         "skipped": setup.skipped,
         "deep_ep_shared_gpu": setup.shared_gpu_note,
@@ -492,7 +490,7 @@ def _report(ns: Any, setup: Setup, backend: str, daemon_note: str,
     print(f"MPS: {'on' if mps['on'] else 'off'} (daemon mode "
           f"{mps['daemon_mps_mode'] or 'not reported'}, ranks' CUDA_MPS_PIPE_DIRECTORY "
           f"{mps['ranks_CUDA_MPS_PIPE_DIRECTORY'] or 'unset'}, sessions without MPS per engine "
-          f"{mps['sessions_without_mps']}, ranks' host wait {mps['ranks_host_wait_us']} µs)")
+          f"{mps['sessions_without_mps']})")
     if ns.plot:
         summary["plot"] = report.plot(ns.plot, summary)
         print(f"plot: {summary['plot']}")

@@ -605,8 +605,6 @@ class RankRun:
             self.deep_ep = deep_ep
         if EPD in p.impls:
             self.epd_buf = self._epd_buffer(False)
-            # how long its calls' host looks for their end before the stream waits (client/mps)
-            self.result["host_wait_us"] = round(self.epd_buf.session.host_wait * 1e6)
         if DEEP_EP in p.impls:
             self.dep_buf = self._deep_ep_buffer(False)
         pipe_group = r.nccl_group if r.on_gpu else r.host_group
