@@ -46,9 +46,9 @@ def _names(tree: ast.AST) -> tuple[list[tuple[str, str, int]], dict[str, str]]:
     return imported, aliases
 
 
-@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
-def test_the_epd_names_a_device_script_uses_exist(path: Path) -> None:
-    tree = ast.parse(path.read_text(), filename=str(path))
+def _missing(source: str) -> list[str]:
+    """What a script's text names of EPD that does not exist, a line each."""
+    tree = ast.parse(source)
     imported, aliases = _names(tree)
     missing = []
     for mod, name, line in imported:
@@ -71,15 +71,23 @@ def test_the_epd_names_a_device_script_uses_exist(path: Path) -> None:
             if m is not None and not hasattr(m, node.attr):
                 missing.append(f"line {node.lineno}: {node.value.id}.{node.attr} "
                                f"({full} has no {node.attr!r})")
+    return missing
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_epd_names_a_device_script_uses_exist(path: Path) -> None:
+    missing = _missing(path.read_text())
     assert not missing, f"{path.relative_to(ROOT)} names what EPD no longer has:\n" + \
         "\n".join(missing)
 
 
 def test_the_check_finds_a_name_that_is_gone() -> None:
-    """The check above can fail: a script naming a helper that does not exist is reported."""
-    tree = ast.parse("from epd.client import stream_calls as sc\nsc._no_such_helper(1)\n")
-    _, aliases = _names(tree)
-    assert aliases == {"sc": "epd.client.stream_calls"}
-    m = _module(aliases["sc"])
-    assert m is not None and not hasattr(m, "_no_such_helper")
-    assert hasattr(m, "StreamSlot")
+    """The check above can fail: the fiftieth session's stale probe, a helper imported by name
+    that is gone, and names that exist."""
+    assert _missing("from epd.client import stream_calls as sc\n"
+                    "sc._stream(1)\nsc.StreamSlot\n") == [
+        "line 2: sc._stream (epd.client.stream_calls has no '_stream')"]
+    assert _missing("from epd.client.stream_calls import no_such_helper\n") == [
+        "line 1: from epd.client.stream_calls import no_such_helper"]
+    assert _missing("from epd.client import Session, stream_calls\n"
+                    "stream_calls.StreamSlot\n") == []
